@@ -1,0 +1,319 @@
+//! Attribute value types of ops and their text forms. Every attribute type prints to a
+//! string the parser reads back exactly (`f64` uses Rust's shortest round-trip form).
+
+use crate::dim::Dim;
+use crate::types::{DType, TensorType};
+use std::fmt;
+
+/// An `f64` attribute compared and hashed by its bits, so ops can derive `Eq`/`Hash`.
+#[derive(Clone, Copy, Debug)]
+pub struct Float(pub f64);
+
+impl PartialEq for Float {
+    fn eq(&self, o: &Float) -> bool {
+        self.0.to_bits() == o.0.to_bits()
+    }
+}
+impl Eq for Float {}
+impl std::hash::Hash for Float {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.0.to_bits().hash(h)
+    }
+}
+impl fmt::Display for Float {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+impl From<f64> for Float {
+    fn from(v: f64) -> Float {
+        Float(v)
+    }
+}
+
+/// What an input tensor of the model is; passes find inputs by role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    InputIds,
+    Labels,
+    PositionIds,
+    AttentionMask,
+    Other,
+}
+
+/// How `cross_entropy` reduces the per-token losses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reduction {
+    None,
+    Sum,
+    Mean,
+}
+
+/// The reduction a collective applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Avg,
+    Max,
+    Min,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+/// Frequency scaling of rotary embeddings (HF `rope_scaling` / `rope_parameters`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeScaling {
+    None,
+    /// Position interpolation: positions divided by `factor`.
+    Linear { factor: Float },
+    /// Llama 3.1's wavelength-dependent scaling.
+    Llama3 { factor: Float, low_freq_factor: Float, high_freq_factor: Float, original_max_position_embeddings: i64 },
+}
+
+macro_rules! keyword_enum {
+    ($t:ident { $($v:ident = $s:literal),* $(,)? }) => {
+        impl $t {
+            pub fn keyword(self) -> &'static str { match self { $($t::$v => $s),* } }
+            pub fn from_keyword(s: &str) -> Option<$t> { match s { $($s => Some($t::$v),)* _ => None } }
+            pub const KEYWORDS: &'static [&'static str] = &[$($s),*];
+        }
+        impl AttrValue for $t {
+            fn fmt_attr(&self) -> Option<String> { Some(self.keyword().to_string()) }
+            fn parse_attr(s: &str) -> Result<Self, String> {
+                $t::from_keyword(s).ok_or_else(|| format!("expected one of {}, found `{s}`", $t::KEYWORDS.join(", ")))
+            }
+        }
+    };
+}
+
+keyword_enum!(Role { InputIds = "input_ids", Labels = "labels", PositionIds = "position_ids", AttentionMask = "attention_mask", Other = "other" });
+keyword_enum!(Reduction { None = "none", Sum = "sum", Mean = "mean" });
+keyword_enum!(ReduceOp { Sum = "sum", Avg = "avg", Max = "max", Min = "min" });
+keyword_enum!(CmpOp { Eq = "eq", Ne = "ne", Lt = "lt", Le = "le", Gt = "gt", Ge = "ge" });
+
+/// A value that can appear as `key=value` in an op's attribute list.
+pub trait AttrValue: Sized {
+    /// The text form, or `None` to omit the attribute (absent optional values).
+    fn fmt_attr(&self) -> Option<String>;
+    fn parse_attr(s: &str) -> Result<Self, String>;
+    /// The value of an attribute missing from the text, if it may be missing.
+    fn absent() -> Option<Self> {
+        None
+    }
+}
+
+impl AttrValue for i64 {
+    fn fmt_attr(&self) -> Option<String> {
+        Some(self.to_string())
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        s.parse().map_err(|_| format!("expected an integer, found `{s}`"))
+    }
+}
+
+impl AttrValue for Float {
+    fn fmt_attr(&self) -> Option<String> {
+        Some(self.to_string())
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        s.parse::<f64>().map(Float).map_err(|_| format!("expected a number, found `{s}`"))
+    }
+}
+
+impl AttrValue for bool {
+    fn fmt_attr(&self) -> Option<String> {
+        Some(self.to_string())
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        match s {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(format!("expected true or false, found `{s}`")),
+        }
+    }
+}
+
+impl AttrValue for String {
+    fn fmt_attr(&self) -> Option<String> {
+        Some(quote(self))
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        unquote(s)
+    }
+}
+
+impl AttrValue for DType {
+    fn fmt_attr(&self) -> Option<String> {
+        Some(self.name().to_string())
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        DType::from_name(s).ok_or_else(|| format!("unknown dtype `{s}` (expected f64, f32, bf16, f16, i64, i32, bool)"))
+    }
+}
+
+impl AttrValue for Dim {
+    fn fmt_attr(&self) -> Option<String> {
+        Some(self.to_string())
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        crate::parse::parse_dim(s).map_err(|e| e.to_string())
+    }
+}
+
+/// The result type of source ops; never printed (the line's result type carries it).
+impl AttrValue for TensorType {
+    fn fmt_attr(&self) -> Option<String> {
+        None
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        crate::parse::parse_type(s).map_err(|e| e.to_string())
+    }
+}
+
+impl<T: AttrValue> AttrValue for Option<T> {
+    fn fmt_attr(&self) -> Option<String> {
+        self.as_ref().and_then(|v| v.fmt_attr())
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        T::parse_attr(s).map(Some)
+    }
+    fn absent() -> Option<Self> {
+        Some(None)
+    }
+}
+
+impl<T: AttrValue> AttrValue for Vec<T> {
+    fn fmt_attr(&self) -> Option<String> {
+        let items: Vec<String> = self.iter().map(|v| v.fmt_attr().unwrap_or_default()).collect();
+        Some(format!("[{}]", items.join(", ")))
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        let inner = s
+            .strip_prefix('[')
+            .and_then(|r| r.strip_suffix(']'))
+            .ok_or_else(|| format!("expected a list in brackets, found `{s}`"))?;
+        split_top_level(inner, ',')?.into_iter().filter(|p| !p.is_empty()).map(|p| T::parse_attr(p)).collect()
+    }
+}
+
+impl AttrValue for RopeScaling {
+    fn fmt_attr(&self) -> Option<String> {
+        Some(match self {
+            RopeScaling::None => "none".to_string(),
+            RopeScaling::Linear { factor } => format!("linear({factor})"),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                format!("llama3({factor}, {low_freq_factor}, {high_freq_factor}, {original_max_position_embeddings})")
+            }
+        })
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        if s == "none" {
+            return Ok(RopeScaling::None);
+        }
+        let (head, args) = s
+            .split_once('(')
+            .and_then(|(h, r)| r.strip_suffix(')').map(|a| (h, a)))
+            .ok_or_else(|| format!("expected none, linear(f) or llama3(f, lo, hi, orig), found `{s}`"))?;
+        let parts = split_top_level(args, ',')?;
+        let num = |i: usize| -> Result<Float, String> {
+            parts.get(i).ok_or_else(|| format!("missing argument {i} in `{s}`")).and_then(|p| Float::parse_attr(p))
+        };
+        match (head, parts.len()) {
+            ("linear", 1) => Ok(RopeScaling::Linear { factor: num(0)? }),
+            ("llama3", 4) => Ok(RopeScaling::Llama3 {
+                factor: num(0)?,
+                low_freq_factor: num(1)?,
+                high_freq_factor: num(2)?,
+                original_max_position_embeddings: i64::parse_attr(parts[3])?,
+            }),
+            _ => Err(format!("unknown rope scaling `{s}` (expected none, linear(f) or llama3(f, lo, hi, orig))")),
+        }
+    }
+}
+
+pub fn quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+pub fn unquote(s: &str) -> Result<String, String> {
+    let inner = s
+        .strip_prefix('"')
+        .and_then(|r| r.strip_suffix('"'))
+        .ok_or_else(|| format!("expected a quoted string, found `{s}`"))?;
+    let mut out = String::new();
+    let mut chars = inner.chars();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            match chars.next() {
+                Some('n') => out.push('\n'),
+                Some(c) => out.push(c),
+                None => return Err("dangling escape at end of string".into()),
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    Ok(out)
+}
+
+/// Splits at `sep` outside brackets, parentheses and quotes; trims the parts.
+pub fn split_top_level(s: &str, sep: char) -> Result<Vec<&str>, String> {
+    let mut parts = Vec::new();
+    let (mut depth, mut in_str, mut escaped, mut start) = (0i32, false, false, 0usize);
+    for (i, c) in s.char_indices() {
+        if in_str {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => in_str = true,
+            '[' | '(' | '{' => depth += 1,
+            ']' | ')' | '}' => {
+                depth -= 1;
+                if depth < 0 {
+                    return Err(format!("unbalanced `{c}` in `{s}`"));
+                }
+            }
+            c if c == sep && depth == 0 => {
+                parts.push(s[start..i].trim());
+                start = i + c.len_utf8();
+            }
+            _ => {}
+        }
+    }
+    if in_str {
+        return Err(format!("unterminated string in `{s}`"));
+    }
+    if depth != 0 {
+        return Err(format!("unbalanced brackets in `{s}`"));
+    }
+    let last = s[start..].trim();
+    if !last.is_empty() || !parts.is_empty() {
+        parts.push(last);
+    }
+    Ok(parts)
+}

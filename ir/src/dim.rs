@@ -1,0 +1,619 @@
+//! Symbolic dimensions: constants and expressions over named symbols (`B`, `S`, mesh
+//! axis sizes such as `sp`, and rank coordinates such as `@sp`), kept in one canonical
+//! form so that equal sizes print and compare equal (`S/2/2` is `S/4`).
+//!
+//! A `Dim` is a sum of terms; each term is a rational coefficient times a monomial, a
+//! product of atoms raised to integer powers (negative powers are exact division by a
+//! symbol). Atoms are symbols, rank coordinates, floor divisions (kept opaque), and
+//! per-rank size tables (uneven shards: each rank on an axis has its own size).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// Values bound to symbols and rank coordinates when a dim is evaluated.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Bindings {
+    pub symbols: BTreeMap<String, i64>,
+    /// Rank coordinate on each mesh axis (`@sp`).
+    pub coords: BTreeMap<String, i64>,
+}
+
+impl Bindings {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn with(mut self, name: &str, value: i64) -> Self {
+        self.symbols.insert(name.to_string(), value);
+        self
+    }
+    pub fn with_coord(mut self, axis: &str, value: i64) -> Self {
+        self.coords.insert(axis.to_string(), value);
+        self
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Atom {
+    /// The calling rank's coordinate on a mesh axis: `@sp`.
+    Coord(String),
+    /// A size symbol: `B`, `S`, `sp`.
+    Sym(String),
+    /// `floor(num / den)`, kept opaque.
+    FloorDiv(Box<Dim>, Box<Dim>),
+    /// A size that differs per rank on `axis`: `sizes[coord(axis)]`.
+    PerRank { axis: String, sizes: Vec<i64> },
+}
+
+/// A product of atoms with integer exponents, sorted by atom.
+type Monomial = Vec<(Atom, i32)>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Ratio {
+    num: i64,
+    den: i64,
+}
+
+fn gcd(a: i64, b: i64) -> i64 {
+    let (mut a, mut b) = (a.unsigned_abs(), b.unsigned_abs());
+    while b != 0 {
+        let t = a % b;
+        a = b;
+        b = t;
+    }
+    a as i64
+}
+
+impl Ratio {
+    fn new(num: i64, den: i64) -> Ratio {
+        assert!(den != 0, "zero denominator");
+        let g = gcd(num, den).max(1);
+        let s = if den < 0 { -1 } else { 1 };
+        Ratio { num: s * num / g, den: s * den / g }
+    }
+    fn int(n: i64) -> Ratio {
+        Ratio { num: n, den: 1 }
+    }
+    fn add(self, o: Ratio) -> Ratio {
+        Ratio::new(self.num * o.den + o.num * self.den, self.den * o.den)
+    }
+    fn mul(self, o: Ratio) -> Ratio {
+        Ratio::new(self.num * o.num, self.den * o.den)
+    }
+}
+
+/// A symbolic size in canonical form. Construct with `Dim::from(n)`, `Dim::sym("S")`
+/// and the arithmetic operators; compare with `==`.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Dim {
+    /// Sorted by monomial, no zero coefficients, no duplicate monomials.
+    terms: Vec<(Monomial, (i64, i64))>,
+}
+
+/// A dim that cannot be evaluated or divided.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DimError {
+    #[error("symbol `{0}` is not bound")]
+    Unbound(String),
+    #[error("rank coordinate `@{0}` is not bound")]
+    UnboundCoord(String),
+    #[error("`{dim}` is not an integer (it is {num}/{den})")]
+    NotInteger { dim: String, num: i64, den: i64 },
+    #[error("division by zero in `{0}`")]
+    DivByZero(String),
+    #[error("rank {coord} is out of range for the per-rank sizes of axis `{axis}` ({len} ranks)")]
+    CoordOutOfRange { axis: String, coord: i64, len: usize },
+}
+
+impl Dim {
+    pub fn zero() -> Dim {
+        Dim { terms: vec![] }
+    }
+    pub fn constant(n: i64) -> Dim {
+        Dim::from_terms(vec![(vec![], Ratio::int(n))])
+    }
+    pub fn sym(name: &str) -> Dim {
+        Dim::atom(Atom::Sym(name.to_string()))
+    }
+    /// The calling rank's coordinate on `axis`.
+    pub fn coord(axis: &str) -> Dim {
+        Dim::atom(Atom::Coord(axis.to_string()))
+    }
+    pub fn per_rank(axis: &str, sizes: Vec<i64>) -> Dim {
+        if !sizes.is_empty() && sizes.iter().all(|&s| s == sizes[0]) {
+            return Dim::constant(sizes[0]);
+        }
+        Dim::atom(Atom::PerRank { axis: axis.to_string(), sizes })
+    }
+    pub fn atom(a: Atom) -> Dim {
+        Dim::from_terms(vec![(vec![(a, 1)], Ratio::int(1))])
+    }
+
+    fn from_terms(terms: Vec<(Monomial, Ratio)>) -> Dim {
+        let mut acc: BTreeMap<Monomial, Ratio> = BTreeMap::new();
+        for (m, c) in terms {
+            let e = acc.entry(m).or_insert(Ratio::int(0));
+            *e = e.add(c);
+        }
+        Dim {
+            terms: acc
+                .into_iter()
+                .filter(|(_, c)| c.num != 0)
+                .map(|(m, c)| (m, (c.num, c.den)))
+                .collect(),
+        }
+    }
+
+    fn ratio_terms(&self) -> impl Iterator<Item = (&Monomial, Ratio)> {
+        self.terms.iter().map(|(m, (n, d))| (m, Ratio { num: *n, den: *d }))
+    }
+
+    /// The value if this dim is a constant integer.
+    pub fn as_const(&self) -> Option<i64> {
+        match self.terms.as_slice() {
+            [] => Some(0),
+            [(m, (n, 1))] if m.is_empty() => Some(*n),
+            _ => None,
+        }
+    }
+
+    pub fn is_const(&self) -> bool {
+        self.as_const().is_some()
+    }
+
+    /// True when the dim is a constant that is not an integer (e.g. `7/2`).
+    pub fn is_fractional_const(&self) -> bool {
+        matches!(self.terms.as_slice(), [(m, (_, d))] if m.is_empty() && *d != 1)
+    }
+
+    /// Every size symbol this dim mentions (not rank coordinates).
+    pub fn symbols(&self) -> Vec<String> {
+        let mut out = std::collections::BTreeSet::new();
+        self.collect_symbols(&mut out);
+        out.into_iter().collect()
+    }
+
+    fn collect_symbols(&self, out: &mut std::collections::BTreeSet<String>) {
+        for (m, _) in &self.terms {
+            for (a, _) in m {
+                match a {
+                    Atom::Sym(s) => {
+                        out.insert(s.clone());
+                    }
+                    Atom::FloorDiv(n, d) => {
+                        n.collect_symbols(out);
+                        d.collect_symbols(out);
+                    }
+                    Atom::Coord(_) | Atom::PerRank { .. } => {}
+                }
+            }
+        }
+    }
+
+    /// True if the dim mentions symbol `name` anywhere.
+    pub fn mentions(&self, name: &str) -> bool {
+        self.symbols().iter().any(|s| s == name)
+    }
+
+    /// Mesh axes whose rank coordinate or per-rank table this dim depends on.
+    pub fn rank_axes(&self) -> Vec<String> {
+        let mut out = std::collections::BTreeSet::new();
+        for (m, _) in &self.terms {
+            for (a, _) in m {
+                match a {
+                    Atom::Coord(x) | Atom::PerRank { axis: x, .. } => {
+                        out.insert(x.clone());
+                    }
+                    Atom::FloorDiv(n, d) => {
+                        out.extend(n.rank_axes());
+                        out.extend(d.rank_axes());
+                    }
+                    Atom::Sym(_) => {}
+                }
+            }
+        }
+        out.into_iter().collect()
+    }
+
+    /// Every per-rank size table in this dim, as `(axis, number of ranks listed)`.
+    pub fn per_rank_tables(&self) -> Vec<(String, usize)> {
+        let mut out = Vec::new();
+        for (m, _) in &self.terms {
+            for (a, _) in m {
+                match a {
+                    Atom::PerRank { axis, sizes } => out.push((axis.clone(), sizes.len())),
+                    Atom::FloorDiv(n, d) => {
+                        out.extend(n.per_rank_tables());
+                        out.extend(d.per_rank_tables());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        out
+    }
+
+    /// Replaces every occurrence of symbol `name` by `by`, re-canonicalizing.
+    pub fn substitute(&self, name: &str, by: &Dim) -> Dim {
+        let mut out = Dim::zero();
+        for (m, c) in self.ratio_terms() {
+            let mut t = Dim::from_terms(vec![(vec![], c)]);
+            for (a, e) in m {
+                let base = match a {
+                    Atom::Sym(s) if s == name => by.clone(),
+                    Atom::FloorDiv(n, d) => n.substitute(name, by).floor_div(&d.substitute(name, by)),
+                    other => Dim::atom(other.clone()),
+                };
+                t = t * base.pow(*e);
+            }
+            out = out + t;
+        }
+        out
+    }
+
+    fn pow(&self, e: i32) -> Dim {
+        if e >= 0 {
+            let mut r = Dim::constant(1);
+            for _ in 0..e {
+                r = r * self.clone();
+            }
+            r
+        } else {
+            let inv = self.recip();
+            let mut r = Dim::constant(1);
+            for _ in 0..(-e) {
+                r = r * inv.clone();
+            }
+            r
+        }
+    }
+
+    /// `1/self`. A single term inverts exactly; a sum becomes an opaque atom
+    /// `(sum)//1` (equal to the sum for integers) raised to the power -1.
+    fn recip(&self) -> Dim {
+        match self.terms.as_slice() {
+            [(m, (n, d))] => {
+                let mono: Monomial = m.iter().map(|(a, e)| (a.clone(), -e)).collect();
+                Dim::from_terms(vec![(mono, Ratio::new(*d, *n))])
+            }
+            _ => {
+                let a = Atom::FloorDiv(Box::new(self.clone()), Box::new(Dim::constant(1)));
+                Dim::from_terms(vec![(vec![(a, -1)], Ratio::int(1))])
+            }
+        }
+    }
+
+    /// Exact division (`S/sp`): the result must be an integer at evaluation time.
+    pub fn exact_div(&self, by: &Dim) -> Dim {
+        self.clone() * by.recip()
+    }
+
+    /// Floor division (`S//3`), folded when both sides are constants or when the
+    /// division is exact term by term with integer coefficients.
+    pub fn floor_div(&self, by: &Dim) -> Dim {
+        if let (Some(a), Some(b)) = (self.as_const(), by.as_const()) {
+            if b != 0 {
+                return Dim::constant(a.div_euclid(b));
+            }
+        }
+        if let Some(b) = by.as_const() {
+            if b != 0 && self.terms.iter().all(|(_, (n, d))| *d == 1 && n % b == 0) {
+                return self.exact_div(by);
+            }
+        }
+        Dim::atom(Atom::FloorDiv(Box::new(self.clone()), Box::new(by.clone())))
+    }
+
+    /// Evaluates to an integer with the given bindings.
+    pub fn eval(&self, b: &Bindings) -> Result<i64, DimError> {
+        // Accumulate exactly as rationals, then require an integer.
+        let mut total = Ratio::int(0);
+        for (m, c) in self.ratio_terms() {
+            let mut t = c;
+            for (a, e) in m {
+                let v = eval_atom(a, b)?;
+                for _ in 0..e.unsigned_abs() {
+                    if *e > 0 {
+                        t = t.mul(Ratio::int(v));
+                    } else {
+                        if v == 0 {
+                            return Err(DimError::DivByZero(self.to_string()));
+                        }
+                        t = t.mul(Ratio::new(1, v));
+                    }
+                }
+            }
+            total = total.add(t);
+        }
+        if total.den != 1 {
+            return Err(DimError::NotInteger { dim: self.to_string(), num: total.num, den: total.den });
+        }
+        Ok(total.num)
+    }
+
+    /// Evaluates what can be evaluated: binds the given symbols and coordinates and
+    /// leaves the rest symbolic.
+    pub fn bind(&self, b: &Bindings) -> Dim {
+        let mut out = Dim::zero();
+        for (m, c) in self.ratio_terms() {
+            let mut t = Dim::from_terms(vec![(vec![], c)]);
+            for (a, e) in m {
+                let base = match eval_atom(a, b) {
+                    Ok(v) => Dim::constant(v),
+                    Err(_) => match a {
+                        Atom::FloorDiv(n, d) => n.bind(b).floor_div(&d.bind(b)),
+                        other => Dim::atom(other.clone()),
+                    },
+                };
+                t = t * base.pow(*e);
+            }
+            out = out + t;
+        }
+        out
+    }
+}
+
+fn eval_atom(a: &Atom, b: &Bindings) -> Result<i64, DimError> {
+    match a {
+        Atom::Sym(s) => b.symbols.get(s).copied().ok_or_else(|| DimError::Unbound(s.clone())),
+        Atom::Coord(x) => b.coords.get(x).copied().ok_or_else(|| DimError::UnboundCoord(x.clone())),
+        Atom::FloorDiv(n, d) => {
+            let (n, dv) = (n.eval(b)?, d.eval(b)?);
+            if dv == 0 {
+                return Err(DimError::DivByZero(format!("{n}//0")));
+            }
+            Ok(n.div_euclid(dv))
+        }
+        Atom::PerRank { axis, sizes } => {
+            let c = b.coords.get(axis).copied().ok_or_else(|| DimError::UnboundCoord(axis.clone()))?;
+            sizes.get(c as usize).copied().ok_or(DimError::CoordOutOfRange {
+                axis: axis.clone(),
+                coord: c,
+                len: sizes.len(),
+            })
+        }
+    }
+}
+
+impl From<i64> for Dim {
+    fn from(n: i64) -> Dim {
+        Dim::constant(n)
+    }
+}
+impl From<usize> for Dim {
+    fn from(n: usize) -> Dim {
+        Dim::constant(n as i64)
+    }
+}
+impl From<i32> for Dim {
+    fn from(n: i32) -> Dim {
+        Dim::constant(n as i64)
+    }
+}
+
+impl std::ops::Add for Dim {
+    type Output = Dim;
+    fn add(self, o: Dim) -> Dim {
+        let mut t: Vec<(Monomial, Ratio)> = self.ratio_terms().map(|(m, c)| (m.clone(), c)).collect();
+        t.extend(o.ratio_terms().map(|(m, c)| (m.clone(), c)));
+        Dim::from_terms(t)
+    }
+}
+impl std::ops::Sub for Dim {
+    type Output = Dim;
+    fn sub(self, o: Dim) -> Dim {
+        self + o * Dim::constant(-1)
+    }
+}
+impl std::ops::Mul for Dim {
+    type Output = Dim;
+    fn mul(self, o: Dim) -> Dim {
+        let mut out = Vec::new();
+        for (m1, c1) in self.ratio_terms() {
+            for (m2, c2) in o.ratio_terms() {
+                let mut acc: BTreeMap<Atom, i32> = BTreeMap::new();
+                for (a, e) in m1.iter().chain(m2.iter()) {
+                    *acc.entry(a.clone()).or_insert(0) += e;
+                }
+                let mono: Monomial = acc.into_iter().filter(|(_, e)| *e != 0).collect();
+                out.push((mono, c1.mul(c2)));
+            }
+        }
+        Dim::from_terms(out)
+    }
+}
+impl std::ops::Add<i64> for Dim {
+    type Output = Dim;
+    fn add(self, o: i64) -> Dim {
+        self + Dim::constant(o)
+    }
+}
+impl std::ops::Mul<i64> for Dim {
+    type Output = Dim;
+    fn mul(self, o: i64) -> Dim {
+        self * Dim::constant(o)
+    }
+}
+impl std::ops::Div<i64> for Dim {
+    type Output = Dim;
+    /// Exact division by a constant.
+    fn div(self, o: i64) -> Dim {
+        self.exact_div(&Dim::constant(o))
+    }
+}
+impl std::ops::Div for Dim {
+    type Output = Dim;
+    fn div(self, o: Dim) -> Dim {
+        self.exact_div(&o)
+    }
+}
+
+fn fmt_atom(a: &Atom, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    match a {
+        Atom::Sym(s) => write!(f, "{s}"),
+        Atom::Coord(x) => write!(f, "@{x}"),
+        Atom::FloorDiv(n, d) => {
+            if n.terms.len() > 1 || n.has_division() {
+                write!(f, "({n})")?;
+            } else {
+                write!(f, "{n}")?;
+            }
+            if d.terms.len() > 1 || !d.is_simple_product() {
+                write!(f, "//({d})")
+            } else {
+                write!(f, "//{d}")
+            }
+        }
+        Atom::PerRank { axis, sizes } => {
+            write!(f, "{axis}?[")?;
+            for (i, s) in sizes.iter().enumerate() {
+                if i > 0 {
+                    write!(f, " ")?;
+                }
+                write!(f, "{s}")?;
+            }
+            write!(f, "]")
+        }
+    }
+}
+
+impl Dim {
+    fn has_division(&self) -> bool {
+        self.terms.iter().any(|(m, (_, d))| *d != 1 || m.iter().any(|(_, e)| *e < 0))
+    }
+    fn is_simple_product(&self) -> bool {
+        self.terms.len() <= 1 && !self.has_division()
+    }
+}
+
+/// Writes one term with a positive coefficient magnitude.
+fn fmt_term(m: &Monomial, num: i64, den: i64, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    let pos: Vec<&(Atom, i32)> = m.iter().filter(|(_, e)| *e > 0).collect();
+    let neg: Vec<&(Atom, i32)> = m.iter().filter(|(_, e)| *e < 0).collect();
+    let mut first = true;
+    if num != 1 || pos.is_empty() {
+        write!(f, "{num}")?;
+        first = false;
+    }
+    for (a, e) in pos {
+        for _ in 0..*e {
+            if !first {
+                write!(f, "*")?;
+            }
+            fmt_atom(a, f)?;
+            first = false;
+        }
+    }
+    if den != 1 {
+        write!(f, "/{den}")?;
+    }
+    for (a, e) in neg {
+        for _ in 0..(-e) {
+            write!(f, "/")?;
+            fmt_atom(a, f)?;
+        }
+    }
+    Ok(())
+}
+
+impl fmt::Display for Dim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.terms.is_empty() {
+            return write!(f, "0");
+        }
+        // Constant term last, as people write `S + 1`.
+        let mut order: Vec<&(Monomial, (i64, i64))> = self.terms.iter().filter(|(m, _)| !m.is_empty()).collect();
+        order.extend(self.terms.iter().filter(|(m, _)| m.is_empty()));
+        for (i, (m, (n, d))) in order.into_iter().enumerate() {
+            if i == 0 {
+                if *n < 0 {
+                    write!(f, "-")?;
+                }
+            } else if *n < 0 {
+                write!(f, " - ")?;
+            } else {
+                write!(f, " + ")?;
+            }
+            fmt_term(m, n.abs(), *d, f)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Dim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Dim({self})")
+    }
+}
+
+impl serde::Serialize for Dim {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Dim {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Dim, D::Error> {
+        let s = String::deserialize(d)?;
+        crate::parse::parse_dim(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s() -> Dim {
+        Dim::sym("S")
+    }
+
+    #[test]
+    fn canonical_division() {
+        assert_eq!((s() / 2) / 2, s() / 4);
+        assert_eq!(((s() / 2) / 2).to_string(), "S/4");
+        let sp = Dim::sym("sp");
+        assert_eq!((s() / sp.clone()).to_string(), "S/sp");
+        assert_eq!((s() / sp.clone() * sp.clone()), s());
+        assert_eq!((s() / 4 / sp.clone()).to_string(), "S/4/sp");
+    }
+
+    #[test]
+    fn sums_and_products() {
+        let b = Dim::sym("B");
+        let d = b.clone() * s() + s() * b.clone();
+        assert_eq!(d.to_string(), "2*B*S");
+        assert_eq!((s() + 1 - s()).as_const(), Some(1));
+        assert_eq!((s() - Dim::from(1)).to_string(), "S - 1");
+        assert_eq!((Dim::from(0) - s()).to_string(), "-S");
+    }
+
+    #[test]
+    fn eval_checks_exactness() {
+        let b = Bindings::new().with("S", 10).with("sp", 4);
+        let d = s() / Dim::sym("sp");
+        assert!(matches!(d.eval(&b), Err(DimError::NotInteger { .. })));
+        let b = b.with("S", 12);
+        assert_eq!(d.eval(&b), Ok(3));
+        assert_eq!(s().floor_div(&Dim::from(5)).eval(&b), Ok(2));
+        assert!(matches!(s().eval(&Bindings::new()), Err(DimError::Unbound(_))));
+    }
+
+    #[test]
+    fn coords_and_tables() {
+        let start = Dim::coord("sp") * (s() / Dim::sym("sp"));
+        assert_eq!(start.to_string(), "@sp*S/sp");
+        let b = Bindings::new().with("S", 16).with("sp", 4).with_coord("sp", 2);
+        assert_eq!(start.eval(&b), Ok(8));
+        let t = Dim::per_rank("tp", vec![51, 50]);
+        assert_eq!(t.to_string(), "tp?[51 50]");
+        assert_eq!(t.eval(&Bindings::new().with_coord("tp", 1)), Ok(50));
+        assert_eq!(Dim::per_rank("tp", vec![4, 4]), Dim::from(4));
+    }
+
+    #[test]
+    fn substitute_symbol() {
+        let d = Dim::sym("B") * s() * 32;
+        let r = d.substitute("S", &(s() / Dim::sym("sp")));
+        assert_eq!(r.to_string(), "32*B*S/sp");
+        assert_eq!(s().floor_div(&Dim::from(2)).substitute("S", &Dim::from(9)), Dim::from(4));
+    }
+}

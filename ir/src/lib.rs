@@ -1,0 +1,31 @@
+//! weft-ir: the typed dataflow IR every other crate speaks.
+//!
+//! - [`dim`]: symbolic sizes in canonical form; [`types`]: dtypes and tensor types.
+//! - [`ops`]: the op table (one declarative list), [`shape`]: the shape rules.
+//! - [`graph`]: SSA graph with never-reused ids; [`verify`]: located errors.
+//! - [`print`] / [`parse`]: the stable text form, `parse(print(g)) == g`.
+//! - [`mesh`]: device meshes and the process groups their axes induce.
+//! - [`tensor`]: host tensors exchanged between crates.
+
+pub mod attrs;
+pub mod dim;
+pub mod graph;
+pub mod mesh;
+pub mod ops;
+pub mod parse;
+pub mod print;
+pub mod shape;
+pub mod tensor;
+pub mod types;
+pub mod verify;
+
+pub use attrs::{CmpOp, Float, ReduceOp, Reduction, Role, RopeScaling};
+pub use dim::{Bindings, Dim, DimError};
+pub use graph::{At, BuildError, Graph, Node, NodeData, NodeMeta, Provenance, Value};
+pub use mesh::Mesh;
+pub use ops::{Op, OpInfo, OP_TABLE};
+pub use parse::{parse, parse_dim, parse_type, ParseError};
+pub use print::print;
+pub use tensor::{HostData, HostTensor};
+pub use types::{DType, TensorType};
+pub use verify::{verify, VerifyError, VerifyReport};

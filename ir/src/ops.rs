@@ -1,0 +1,291 @@
+//! The closed set of ops, generated from one declarative table: for each op its text
+//! name, operand names (`?` marks optional, `..` variadic), attributes, shape rule and
+//! one-line doc. The text printer, parser, verifier and `weft ops` all read this table.
+
+use crate::attrs::*;
+use crate::dim::Dim;
+use crate::shape as rule;
+use crate::types::{DType, TensorType};
+
+
+/// Static description of one op, for documentation and arity checks.
+#[derive(Clone, Copy, Debug)]
+pub struct OpInfo {
+    pub name: &'static str,
+    /// Operand names, e.g. `"x, w, bias?"`; `..` marks a variadic last operand.
+    pub operands: &'static str,
+    pub attrs: &'static [&'static str],
+    pub doc: &'static str,
+    pub min_operands: usize,
+    pub max_operands: usize,
+    /// Communicates across ranks (has an `axis` attribute).
+    pub collective: bool,
+}
+
+macro_rules! define_ops {
+    ($(
+        $(#[doc = $doc:literal])+
+        $variant:ident = $name:literal ($($operands:literal)?) [$min:expr, $max:expr] $({$($field:ident : $fty:ty),* $(,)?})? => $infer:ident $(, $coll:ident)? ;
+    )*) => {
+        /// An operation with its attributes. Operands live in the node.
+        #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+        pub enum Op {
+            $( $(#[doc = $doc])+ $variant { $($($field: $fty),*)? } ),*
+        }
+
+        pub const OP_TABLE: &[OpInfo] = &[
+            $( OpInfo {
+                name: $name,
+                operands: concat!("" $(, $operands)?),
+                attrs: &[$($(stringify!($field)),*)?],
+                doc: concat!($($doc),+),
+                min_operands: $min,
+                max_operands: $max,
+                collective: define_ops!(@coll $($coll)?),
+            } ),*
+        ];
+
+        impl Op {
+            pub fn name(&self) -> &'static str {
+                match self { $( Op::$variant { .. } => $name ),* }
+            }
+
+            pub fn info(&self) -> &'static OpInfo {
+                let name = self.name();
+                OP_TABLE.iter().find(|i| i.name == name).expect("every op is in OP_TABLE")
+            }
+
+            /// Output types from operand types, or why the operands do not fit.
+            pub fn infer(&self, ins: &[&TensorType]) -> Result<Vec<TensorType>, String> {
+                let (lo, hi) = (self.info().min_operands, self.info().max_operands);
+                if ins.len() < lo || ins.len() > hi {
+                    return Err(arity_message(self.info(), ins.len()));
+                }
+                match self {
+                    $( Op::$variant { .. } => rule::$infer(self, ins) ),*
+                }
+            }
+
+            /// `(key, text)` for every attribute that is printed.
+            pub fn attrs_text(&self) -> Vec<(&'static str, String)> {
+                #[allow(unused_mut)]
+                let mut out = Vec::new();
+                match self {
+                    $( Op::$variant { $($($field),*)? } => {
+                        $($( if let Some(t) = AttrValue::fmt_attr($field) { out.push((stringify!($field), t)); } )*)?
+                    } ),*
+                }
+                out
+            }
+
+            /// Builds an op from its name and raw attribute texts.
+            pub fn from_text(name: &str, attrs: &[(String, String)]) -> Result<Op, String> {
+                #[allow(unused)]
+                fn get<T: AttrValue>(attrs: &[(String, String)], key: &str, op: &str) -> Result<T, String> {
+                    match attrs.iter().find(|(k, _)| k == key) {
+                        Some((_, v)) => T::parse_attr(v).map_err(|e| format!("attribute `{key}` of `{op}`: {e}")),
+                        None => T::absent().ok_or_else(|| format!("`{op}` needs attribute `{key}`")),
+                    }
+                }
+                match name {
+                    $( $name => {
+                        let known: &[&str] = &[$($(stringify!($field)),*)?];
+                        if let Some((k, _)) = attrs.iter().find(|(k, _)| !known.contains(&k.as_str())) {
+                            return Err(format!("`{}` has no attribute `{k}` (it has: {})", $name,
+                                if known.is_empty() { "none".to_string() } else { known.join(", ") }));
+                        }
+                        Ok(Op::$variant { $($($field: get(attrs, stringify!($field), $name)?),*)? })
+                    } ),*
+                    _ => Err(format!("unknown op `{name}`")),
+                }
+            }
+        }
+    };
+    (@coll collective) => { true };
+    (@coll) => { false };
+}
+
+fn arity_message(info: &OpInfo, got: usize) -> String {
+    let want = if info.min_operands == info.max_operands {
+        format!("{}", info.min_operands)
+    } else if info.max_operands == usize::MAX {
+        format!("at least {}", info.min_operands)
+    } else {
+        format!("{} to {}", info.min_operands, info.max_operands)
+    };
+    format!("`{}` takes {want} operand(s) ({}), got {got}", info.name, info.operands)
+}
+
+const MANY: usize = usize::MAX;
+
+define_ops! {
+    // ---- sources ----
+    /// A trainable parameter, named as in the HF checkpoint.
+    Param = "param" () [0, 0] { name: String, ty: TensorType } => source_type;
+    /// A model input; `role` tells passes what it is (input_ids, labels, position_ids, attention_mask, other).
+    Input = "input" () [0, 0] { name: String, role: Role, ty: TensorType } => source_type;
+    /// A tensor filled with one value.
+    Full = "full" () [0, 0] { value: Float, ty: TensorType } => source_type;
+    /// `start, start+1, ...` along the single dim of `ty`.
+    Arange = "arange" () [0, 0] { start: Dim, ty: TensorType } => arange;
+
+    // ---- elementwise ----
+    /// `-x`.
+    Neg = "neg" ("x") [1, 1] => same;
+    /// `e^x`.
+    Exp = "exp" ("x") [1, 1] => same;
+    /// Natural logarithm.
+    Log = "log" ("x") [1, 1] => same;
+    /// Square root.
+    Sqrt = "sqrt" ("x") [1, 1] => same;
+    /// `1/sqrt(x)`.
+    Rsqrt = "rsqrt" ("x") [1, 1] => same;
+    /// Hyperbolic tangent.
+    Tanh = "tanh" ("x") [1, 1] => same;
+    /// `1/(1+e^-x)`.
+    Sigmoid = "sigmoid" ("x") [1, 1] => same;
+    /// `x*sigmoid(x)`.
+    Silu = "silu" ("x") [1, 1] => same;
+    /// GELU, exact (erf) or with the tanh approximation.
+    Gelu = "gelu" ("x") [1, 1] { tanh_approx: bool } => same;
+    /// `max(x, 0)`.
+    Relu = "relu" ("x") [1, 1] => same;
+    /// `x * factor`.
+    Scale = "scale" ("x") [1, 1] { factor: Float } => same;
+    /// `x + value`.
+    AddScalar = "add_scalar" ("x") [1, 1] { value: Float } => same;
+    /// `x ^ exponent`.
+    PowScalar = "pow_scalar" ("x") [1, 1] { exponent: Float } => same;
+    /// `a + b`, broadcasting.
+    Add = "add" ("a, b") [2, 2] => broadcast;
+    /// `a - b`, broadcasting.
+    Sub = "sub" ("a, b") [2, 2] => broadcast;
+    /// `a * b`, broadcasting.
+    Mul = "mul" ("a, b") [2, 2] => broadcast;
+    /// `a / b`, broadcasting.
+    Div = "div" ("a, b") [2, 2] => broadcast;
+    /// `a ^ b`, broadcasting.
+    Pow = "pow" ("a, b") [2, 2] => broadcast;
+    /// Elementwise maximum, broadcasting.
+    Maximum = "maximum" ("a, b") [2, 2] => broadcast;
+    /// Elementwise minimum, broadcasting.
+    Minimum = "minimum" ("a, b") [2, 2] => broadcast;
+    /// Elementwise comparison to bool, broadcasting.
+    Compare = "compare" ("a, b") [2, 2] { op: CmpOp } => compare;
+    /// `cond ? a : b`, broadcasting.
+    Where = "where" ("cond, a, b") [3, 3] => select;
+    /// Converts the element type.
+    Cast = "cast" ("x") [1, 1] { dtype: DType } => cast;
+
+    // ---- reductions ----
+    /// Sum over `dims`.
+    Sum = "sum" ("x") [1, 1] { dims: Vec<i64>, keepdim: bool } => reduce;
+    /// Mean over `dims`.
+    Mean = "mean" ("x") [1, 1] { dims: Vec<i64>, keepdim: bool } => reduce;
+    /// Maximum over `dims`.
+    Max = "max" ("x") [1, 1] { dims: Vec<i64>, keepdim: bool } => reduce;
+    /// Softmax along `dim`, computed in f32.
+    Softmax = "softmax" ("x") [1, 1] { dim: i64 } => same_dim;
+    /// Log-softmax along `dim`, computed in f32.
+    LogSoftmax = "log_softmax" ("x") [1, 1] { dim: i64 } => same_dim;
+
+    // ---- transformer blocks ----
+    /// Token embedding lookup: `weight[ids]`.
+    Embedding = "embedding" ("ids, weight") [2, 2] => embedding;
+    /// `x @ w^T + bias` with `w` of shape [out, in].
+    Linear = "linear" ("x, w, bias?") [2, 3] => linear;
+    /// Batched matmul with broadcast batch dims and optional transposes of the last two dims.
+    Matmul = "matmul" ("a, b") [2, 2] { transpose_a: bool, transpose_b: bool } => matmul;
+    /// `w * x / sqrt(mean(x^2, last) + eps)`, computed in f32, result in x's dtype.
+    RmsNorm = "rms_norm" ("x, w") [2, 2] { eps: Float } => rms_norm;
+    /// RoPE cos/sin tables [B, S, dim] (f32) from position ids [B, S].
+    RopeTable = "rope_table" ("position_ids") [1, 1] { theta: Float, dim: i64, scaling: RopeScaling } => rope_table;
+    /// Rotary embedding `x*cos + rotate_half(x)*sin` on x [B, N, S, D]; rotates the first `cos.dim` features.
+    Rope = "rope" ("x, cos, sin") [3, 3] => rope;
+    /// Scaled dot-product attention on q [B, Nq, S, D], k/v [B, Nkv, S, D] (GQA: Nkv divides Nq); mask is bool keep-mask.
+    Attention = "attention" ("q, k, v, mask?") [3, 4] { causal: bool, scale: Float } => attention;
+    /// HF causal-LM labels: `labels[:, 1:]` padded with `ignore_index` at the end (the shift of ForCausalLMLoss).
+    ShiftLabels = "shift_labels" ("labels") [1, 1] { ignore_index: i64 } => same;
+    /// Number of labels not equal to `ignore_index`, as f32.
+    CountValid = "count_valid" ("labels") [1, 1] { ignore_index: i64 } => count_valid;
+    /// Token cross-entropy of logits [.., V] against labels [..] (f32); ignored labels contribute 0.
+    CrossEntropy = "cross_entropy" ("logits, labels") [2, 2] { ignore_index: i64, reduction: Reduction } => cross_entropy;
+
+    // ---- layout ----
+    /// Same elements, new shape (element counts must match).
+    Reshape = "reshape" ("x") [1, 1] { shape: Vec<Dim> } => reshape;
+    /// Reorders dims: output dim i is input dim `perm[i]`.
+    Permute = "permute" ("x") [1, 1] { perm: Vec<i64> } => permute;
+    /// Swaps two dims.
+    Transpose = "transpose" ("x") [1, 1] { dim0: i64, dim1: i64 } => transpose;
+    /// `len` elements of `dim` from `start` (narrow).
+    Slice = "slice" ("x") [1, 1] { dim: i64, start: Dim, len: Dim } => slice;
+    /// Joins tensors along `dim`.
+    Concat = "concat" ("xs..") [1, MANY] { dim: i64 } => concat;
+    /// Splits along `dim` into parts of `sizes`; one result per part.
+    Split = "split" ("x") [1, 1] { dim: i64, sizes: Vec<Dim> } => split;
+    /// Broadcasts size-1 (or missing leading) dims to `shape`.
+    Expand = "expand" ("x") [1, 1] { shape: Vec<Dim> } => expand;
+    /// `out[i][j] = x[i][idx[i][j]]` along `dim` (torch.gather).
+    Gather = "gather" ("x, index") [2, 2] { dim: i64 } => gather;
+    /// Selects entries of `dim` by a 1-D index.
+    IndexSelect = "index_select" ("x, index") [2, 2] { dim: i64 } => index_select;
+    /// Largest `k` along `dim`, sorted: values and i64 indices.
+    Topk = "topk" ("x") [1, 1] { k: i64, dim: i64 } => topk;
+    /// One-hot encoding of integer indices.
+    OneHot = "one_hot" ("index") [1, 1] { num_classes: i64, dtype: DType } => one_hot;
+    /// `dst` with `src` added at `index` along `dim` (torch.scatter_add).
+    ScatterAdd = "scatter_add" ("dst, index, src") [3, 3] { dim: i64 } => scatter_add;
+
+    // ---- mixture of experts ----
+    /// Replicates token rows per selected expert and sorts them by expert: rows [T*k, H], counts i64 [E], order i64 [T*k] (flat t*k+slot of each row).
+    MoeDispatch = "moe_dispatch" ("x, expert_index") [2, 2] { num_experts: i64 } => moe_dispatch;
+    /// Row groups times per-expert weights: rows of group e (by `counts`) times `w[e]^T`, w [E, N, K].
+    GroupedMatmul = "grouped_matmul" ("x, w, counts") [3, 3] => grouped_matmul;
+    /// Undoes `moe_dispatch`: `out[t] = sum_slot weights[t, slot] * rows[row of (t, slot)]`.
+    MoeCombine = "moe_combine" ("rows, order, weights") [3, 3] => moe_combine;
+
+    // ---- collectives (SPMD: every rank of the axis group runs them) ----
+    /// Splits `scatter_dim` into one chunk per rank of `axis`, exchanges, concatenates along `gather_dim`.
+    AllToAll = "all_to_all" ("x") [1, 1] { axis: String, scatter_dim: i64, gather_dim: i64 } => all_to_all, collective;
+    /// Reduces over the ranks of `axis`; every rank gets the result.
+    AllReduce = "all_reduce" ("x") [1, 1] { axis: String, op: ReduceOp } => same, collective;
+    /// Concatenates every rank's tensor along `dim`.
+    AllGather = "all_gather" ("x") [1, 1] { axis: String, dim: i64 } => all_gather, collective;
+    /// Reduces over `axis` and keeps this rank's chunk of `dim`.
+    ReduceScatter = "reduce_scatter" ("x") [1, 1] { axis: String, dim: i64, op: ReduceOp } => reduce_scatter, collective;
+    /// Every rank of `axis` gets rank `root`'s tensor.
+    Broadcast = "broadcast" ("x") [1, 1] { axis: String, root: i64 } => same, collective;
+}
+
+impl Op {
+    pub fn is_collective(&self) -> bool {
+        self.info().collective
+    }
+
+    /// The mesh axis a collective runs over.
+    pub fn axis(&self) -> Option<&str> {
+        match self {
+            Op::AllToAll { axis, .. }
+            | Op::AllReduce { axis, .. }
+            | Op::AllGather { axis, .. }
+            | Op::ReduceScatter { axis, .. }
+            | Op::Broadcast { axis, .. } => Some(axis),
+            _ => None,
+        }
+    }
+
+    /// Source ops take their result type from an attribute.
+    pub fn is_source(&self) -> bool {
+        matches!(self, Op::Param { .. } | Op::Input { .. } | Op::Full { .. } | Op::Arange { .. })
+    }
+
+    pub fn info_by_name(name: &str) -> Option<&'static OpInfo> {
+        OP_TABLE.iter().find(|i| i.name == name)
+    }
+}
+
+/// Every op name, in table order.
+pub fn op_names() -> Vec<&'static str> {
+    OP_TABLE.iter().map(|i| i.name).collect()
+}

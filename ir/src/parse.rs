@@ -1,0 +1,463 @@
+//! The text reader: parses what `print` writes back into an equal graph, keeping value
+//! ids. Errors carry line and column. Types are trusted here; run the verifier to check
+//! them against the shape rules.
+
+use crate::attrs::{split_top_level, unquote};
+use crate::dim::Dim;
+use crate::graph::{At, Graph, NodeMeta, Provenance, Value};
+use crate::mesh::Mesh;
+use crate::ops::Op;
+use crate::types::{DType, TensorType};
+use std::fmt;
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct ParseError {
+    pub line: usize,
+    pub col: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "line {}, column {}: {}", self.line, self.col, self.message)
+        }
+    }
+}
+
+fn err(col: usize, message: impl Into<String>) -> ParseError {
+    ParseError { line: 0, col, message: message.into() }
+}
+
+// ---- dims ----
+
+#[derive(Clone, Debug, PartialEq)]
+enum Tok {
+    Int(i64),
+    Ident(String),
+    Coord(String),
+    Table(String, Vec<i64>),
+    Plus,
+    Minus,
+    Star,
+    Slash,
+    SlashSlash,
+    LParen,
+    RParen,
+}
+
+fn lex_dim(s: &str) -> Result<Vec<(usize, Tok)>, ParseError> {
+    let b = s.as_bytes();
+    let mut i = 0;
+    let mut out = Vec::new();
+    let ident = |i: &mut usize| -> String {
+        let st = *i;
+        while *i < b.len() && (b[*i].is_ascii_alphanumeric() || b[*i] == b'_') {
+            *i += 1;
+        }
+        s[st..*i].to_string()
+    };
+    while i < b.len() {
+        let c = b[i];
+        let at = i;
+        match c {
+            b' ' | b'\t' => i += 1,
+            b'0'..=b'9' => {
+                while i < b.len() && b[i].is_ascii_digit() {
+                    i += 1;
+                }
+                let n = s[at..i].parse().map_err(|_| err(at, format!("integer `{}` is too large", &s[at..i])))?;
+                out.push((at, Tok::Int(n)));
+            }
+            b'a'..=b'z' | b'A'..=b'Z' | b'_' => {
+                let name = ident(&mut i);
+                if s[i..].starts_with("?[") {
+                    let close = s[i..].find(']').ok_or_else(|| err(i, "unterminated per-rank size table"))? + i;
+                    let sizes: Result<Vec<i64>, _> = s[i + 2..close].split_whitespace().map(|x| x.parse::<i64>()).collect();
+                    let sizes = sizes.map_err(|_| err(i, "per-rank sizes must be integers separated by spaces"))?;
+                    out.push((at, Tok::Table(name, sizes)));
+                    i = close + 1;
+                } else {
+                    out.push((at, Tok::Ident(name)));
+                }
+            }
+            b'@' => {
+                i += 1;
+                let name = ident(&mut i);
+                if name.is_empty() {
+                    return Err(err(at, "`@` must be followed by a mesh axis name"));
+                }
+                out.push((at, Tok::Coord(name)));
+            }
+            b'+' => {
+                out.push((at, Tok::Plus));
+                i += 1
+            }
+            b'-' => {
+                out.push((at, Tok::Minus));
+                i += 1
+            }
+            b'*' => {
+                out.push((at, Tok::Star));
+                i += 1
+            }
+            b'/' if b.get(i + 1) == Some(&b'/') => {
+                out.push((at, Tok::SlashSlash));
+                i += 2
+            }
+            b'/' => {
+                out.push((at, Tok::Slash));
+                i += 1
+            }
+            b'(' => {
+                out.push((at, Tok::LParen));
+                i += 1
+            }
+            b')' => {
+                out.push((at, Tok::RParen));
+                i += 1
+            }
+            _ => return Err(err(at, format!("unexpected `{}` in dim `{s}`", &s[at..].chars().next().unwrap()))),
+        }
+    }
+    Ok(out)
+}
+
+struct DimParser<'a> {
+    toks: Vec<(usize, Tok)>,
+    pos: usize,
+    text: &'a str,
+}
+
+impl DimParser<'_> {
+    fn peek(&self) -> Option<&Tok> {
+        self.toks.get(self.pos).map(|(_, t)| t)
+    }
+    fn col(&self) -> usize {
+        self.toks.get(self.pos).map(|(c, _)| *c).unwrap_or(self.text.len())
+    }
+    fn expr(&mut self) -> Result<Dim, ParseError> {
+        let mut d = self.term()?;
+        loop {
+            match self.peek() {
+                Some(Tok::Plus) => {
+                    self.pos += 1;
+                    d = d + self.term()?;
+                }
+                Some(Tok::Minus) => {
+                    self.pos += 1;
+                    d = d - self.term()?;
+                }
+                _ => return Ok(d),
+            }
+        }
+    }
+    fn term(&mut self) -> Result<Dim, ParseError> {
+        let mut d = self.factor()?;
+        loop {
+            match self.peek() {
+                Some(Tok::Star) => {
+                    self.pos += 1;
+                    d = d * self.factor()?;
+                }
+                Some(Tok::Slash) => {
+                    self.pos += 1;
+                    let c = self.col();
+                    let f = self.factor()?;
+                    if f.as_const() == Some(0) {
+                        return Err(err(c, "division by zero"));
+                    }
+                    d = d.exact_div(&f);
+                }
+                Some(Tok::SlashSlash) => {
+                    self.pos += 1;
+                    let c = self.col();
+                    let f = self.factor()?;
+                    if f.as_const() == Some(0) {
+                        return Err(err(c, "division by zero"));
+                    }
+                    d = d.floor_div(&f);
+                }
+                _ => return Ok(d),
+            }
+        }
+    }
+    fn factor(&mut self) -> Result<Dim, ParseError> {
+        let c = self.col();
+        let t = self.toks.get(self.pos).map(|(_, t)| t.clone());
+        self.pos += 1;
+        match t {
+            Some(Tok::Int(n)) => Ok(Dim::from(n)),
+            Some(Tok::Ident(s)) => Ok(Dim::sym(&s)),
+            Some(Tok::Coord(s)) => Ok(Dim::coord(&s)),
+            Some(Tok::Table(a, sizes)) => Ok(Dim::per_rank(&a, sizes)),
+            Some(Tok::Minus) => Ok(Dim::from(0) - self.factor()?),
+            Some(Tok::LParen) => {
+                let d = self.expr()?;
+                if self.peek() != Some(&Tok::RParen) {
+                    return Err(err(self.col(), "expected `)`"));
+                }
+                self.pos += 1;
+                Ok(d)
+            }
+            Some(t) => Err(err(c, format!("expected a size, found {t:?}"))),
+            None => Err(err(c, "expected a size, found the end")),
+        }
+    }
+}
+
+/// Parses a dim expression such as `S/sp`, `@sp*S/4 + 1`, `(S + 1)//2`, `tp?[51 50]`.
+pub fn parse_dim(s: &str) -> Result<Dim, ParseError> {
+    let mut p = DimParser { toks: lex_dim(s)?, pos: 0, text: s };
+    if p.toks.is_empty() {
+        return Err(err(0, "empty dim"));
+    }
+    let d = p.expr()?;
+    if p.pos < p.toks.len() {
+        return Err(err(p.col(), format!("unexpected text after dim in `{s}`")));
+    }
+    Ok(d)
+}
+
+/// Parses a tensor type such as `bf16[B, S/4, 4096]`.
+pub fn parse_type(s: &str) -> Result<TensorType, ParseError> {
+    let s_trim = s.trim_end();
+    let open = s_trim.find('[').ok_or_else(|| err(0, format!("expected a type like `f32[B, S]`, found `{s}`")))?;
+    let dt = s_trim[..open].trim();
+    let dtype = DType::from_name(dt).ok_or_else(|| err(0, format!("unknown dtype `{dt}` (expected f64, f32, bf16, f16, i64, i32, bool)")))?;
+    let inner = s_trim[open + 1..]
+        .strip_suffix(']')
+        .ok_or_else(|| err(open, format!("type `{s}` must end with `]`")))?;
+    let parts = split_top_level(inner, ',').map_err(|m| err(open + 1, m))?;
+    let mut shape = Vec::new();
+    let mut off = open + 1;
+    for p in parts {
+        let rel = inner[off - open - 1..].find(p).unwrap_or(0);
+        let col = off + rel;
+        shape.push(parse_dim(p).map_err(|e| err(col + e.col, e.message))?);
+        off = col + p.len();
+    }
+    Ok(TensorType::new(dtype, shape))
+}
+
+// ---- graph ----
+
+/// Finds `#` that starts a comment (outside quotes).
+fn comment_start(line: &str) -> Option<usize> {
+    let mut in_str = false;
+    let mut esc = false;
+    for (i, c) in line.char_indices() {
+        if in_str {
+            match (esc, c) {
+                (true, _) => esc = false,
+                (false, '\\') => esc = true,
+                (false, '"') => in_str = false,
+                _ => {}
+            }
+        } else if c == '"' {
+            in_str = true;
+        } else if c == '#' {
+            return Some(i);
+        }
+    }
+    None
+}
+
+fn parse_value(s: &str, col: usize) -> Result<Value, ParseError> {
+    s.strip_prefix('%')
+        .and_then(|n| n.parse::<u32>().ok())
+        .map(Value)
+        .ok_or_else(|| err(col, format!("expected a value like `%12`, found `{s}`")))
+}
+
+/// Parses a whole graph. Errors carry line and column (1-based).
+pub fn parse(text: &str) -> Result<Graph, ParseError> {
+    let mut g = Graph::new("");
+    let mut seen_header = false;
+    let mut returned = false;
+    for (ln, raw) in text.lines().enumerate() {
+        let line_no = ln + 1;
+        let locate = |e: ParseError| ParseError { line: line_no, col: e.col + 1, message: e.message };
+        let trimmed = raw.trim();
+        if trimmed.is_empty() || trimmed.starts_with("//") {
+            continue;
+        }
+        let indent = raw.len() - raw.trim_start().len();
+        if returned {
+            return Err(locate(err(indent, "text after `return`")));
+        }
+        if let Some(rest) = trimmed.strip_prefix("graph ") {
+            g.name = unquote(rest.trim()).map_err(|m| locate(err(indent + 6, m)))?;
+            seen_header = true;
+            continue;
+        }
+        if !seen_header {
+            return Err(locate(err(indent, "expected `graph \"name\"` first")));
+        }
+        if let Some(rest) = trimmed.strip_prefix("mesh ") {
+            g.mesh = Mesh::parse(rest.trim()).map_err(|e| locate(err(indent + 5, e.to_string())))?;
+            continue;
+        }
+        if let Some(rest) = trimmed.strip_prefix("split ") {
+            let mut words = rest.split_whitespace();
+            let name = words.next().ok_or_else(|| locate(err(indent, "expected `split <output> <dim>:<axis> ...`")))?;
+            for w in words {
+                let col = raw.find(w).unwrap_or(indent);
+                let (d, a) = w
+                    .split_once(':')
+                    .and_then(|(d, a)| d.parse::<usize>().ok().map(|d| (d, a)))
+                    .ok_or_else(|| locate(err(col, format!("expected `<dim>:<axis>`, found `{w}`"))))?;
+                g.add_output_split(name, d, a);
+            }
+            continue;
+        }
+        if let Some(rest) = trimmed.strip_prefix("return") {
+            for part in split_top_level(rest.trim(), ',').map_err(|m| locate(err(indent, m)))? {
+                if part.is_empty() {
+                    continue;
+                }
+                let col = raw.find(part).unwrap_or(indent);
+                let (name, v) = part.split_once('=').ok_or_else(|| locate(err(col, format!("expected `name=%v`, found `{part}`"))))?;
+                let v = parse_value(v.trim(), col).map_err(locate)?;
+                if g.try_value(v).is_none() {
+                    return Err(locate(err(col, format!("output `{}` uses undefined value {v}", name.trim()))));
+                }
+                g.set_output(name.trim(), v);
+            }
+            returned = true;
+            continue;
+        }
+        parse_node_line(&mut g, raw).map_err(locate)?;
+    }
+    if !seen_header {
+        return Err(ParseError { line: 1, col: 1, message: "expected `graph \"name\"` first".into() });
+    }
+    if !returned {
+        let n = text.lines().count();
+        return Err(ParseError { line: n.max(1), col: 1, message: "missing `return` line".into() });
+    }
+    Ok(g)
+}
+
+fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
+    let (body, comment) = match comment_start(raw) {
+        Some(i) => (&raw[..i], Some((i, &raw[i + 1..]))),
+        None => (raw, None),
+    };
+    let eq = body.find('=').ok_or_else(|| err(0, "expected `%v: type = op ...`"))?;
+    let lhs = &body[..eq];
+    let rhs = &body[eq + 1..];
+    // results
+    let mut results = Vec::new();
+    let mut tys = Vec::new();
+    let mut off = 0;
+    for part in split_top_level(lhs, ',').map_err(|m| err(0, m))? {
+        let col = lhs[off..].find(part).map(|r| r + off).unwrap_or(0);
+        off = col + part.len();
+        let (v, t) = part.split_once(':').ok_or_else(|| err(col, format!("expected `%v: type`, found `{part}`")))?;
+        let v = parse_value(v.trim(), col)?;
+        if g.try_value(v).is_some() {
+            return Err(err(col, format!("value {v} is defined twice")));
+        }
+        let tcol = col + part.find(':').unwrap() + 1 + (t.len() - t.trim_start().len());
+        let ty = parse_type(t.trim()).map_err(|e| err(tcol + e.col, e.message))?;
+        results.push(v);
+        tys.push(ty);
+    }
+    // op name
+    let rhs_start = eq + 1 + (rhs.len() - rhs.trim_start().len());
+    let rhs_t = rhs.trim();
+    let name_end = rhs_t.find(|c: char| c == ' ' || c == '{').unwrap_or(rhs_t.len());
+    let opname = &rhs_t[..name_end];
+    if Op::info_by_name(opname).is_none() {
+        return Err(err(rhs_start, format!("unknown op `{opname}`")));
+    }
+    let rest = &rhs_t[name_end..];
+    let (ops_text, attrs_text) = match rest.find('{') {
+        Some(i) => (&rest[..i], Some(&rest[i..])),
+        None => (rest, None),
+    };
+    let ops_col = rhs_start + name_end;
+    let mut operands = Vec::new();
+    for part in ops_text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let col = ops_col + ops_text.find(part).unwrap_or(0);
+        let v = parse_value(part, col)?;
+        if g.try_value(v).is_none() {
+            return Err(err(col, format!("{v} is used before it is defined")));
+        }
+        operands.push(v);
+    }
+    let mut attrs: Vec<(String, String)> = Vec::new();
+    if let Some(a) = attrs_text {
+        let acol = ops_col + ops_text.len();
+        let inner = a
+            .trim_end()
+            .strip_prefix('{')
+            .and_then(|x| x.strip_suffix('}'))
+            .ok_or_else(|| err(acol, "attributes must be `{key=value, ...}`"))?;
+        for kv in split_top_level(inner, ',').map_err(|m| err(acol, m))? {
+            if kv.is_empty() {
+                continue;
+            }
+            let (k, v) = kv.split_once('=').ok_or_else(|| err(acol, format!("expected `key=value`, found `{kv}`")))?;
+            attrs.push((k.trim().to_string(), v.trim().to_string()));
+        }
+    }
+    let info = Op::info_by_name(opname).unwrap();
+    if info.attrs.contains(&"ty") {
+        if tys.len() != 1 {
+            return Err(err(0, format!("`{opname}` has exactly one result")));
+        }
+        attrs.push(("ty".into(), tys[0].to_string()));
+    }
+    let op = Op::from_text(opname, &attrs).map_err(|m| err(rhs_start, m))?;
+    let mut meta = NodeMeta::default();
+    if let Some((_, c)) = comment {
+        let c = c.trim();
+        let (src, prov) = match c.find("<- ") {
+            Some(i) => (c[..i].trim(), Some(c[i + 3..].trim())),
+            None => (c, None),
+        };
+        if !src.is_empty() {
+            meta.source = Some(src.to_string());
+        }
+        if let Some(p) = prov {
+            let (pass, reason) = p.split_once(':').unwrap_or((p, ""));
+            meta.provenance = Some(Provenance { pass: pass.trim().to_string(), reason: reason.trim().to_string() });
+        }
+    }
+    g.insert_typed_with_ids(At::End, op, &operands, tys, &results, meta);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dims_round_trip() {
+        for s in ["S/4", "@sp*S/sp", "2*B*S + 1", "S - 1", "(S + 1)//2", "tp?[51 50]", "-S", "S/4/sp"] {
+            let d = parse_dim(s).unwrap();
+            assert_eq!(d.to_string(), s, "{s}");
+            assert_eq!(parse_dim(&d.to_string()).unwrap(), d);
+        }
+        assert_eq!(parse_dim("S/2/2").unwrap().to_string(), "S/4");
+    }
+
+    #[test]
+    fn dim_errors_have_columns() {
+        let e = parse_dim("S + $").unwrap_err();
+        assert_eq!(e.col, 4);
+        assert!(parse_dim("S/0").unwrap_err().message.contains("division by zero"));
+    }
+
+    #[test]
+    fn type_round_trip() {
+        let t = parse_type("bf16[B, S/4, 4096]").unwrap();
+        assert_eq!(t.to_string(), "bf16[B, S/4, 4096]");
+        assert_eq!(parse_type("f32[]").unwrap().rank(), 0);
+        assert!(parse_type("f33[1]").unwrap_err().message.contains("unknown dtype"));
+    }
+}

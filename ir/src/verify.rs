@@ -1,0 +1,203 @@
+//! The verifier: re-checks every node against the op table and shape rules, and the
+//! graph's structure. It collects all errors, each located at its node, and renders the
+//! graph with every error printed under the line it concerns.
+
+use crate::dim::{Bindings, Dim};
+use crate::graph::{Graph, Node};
+use crate::ops::Op;
+use crate::print::node_line;
+use crate::types::TensorType;
+use std::collections::BTreeMap;
+use std::fmt;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyError {
+    /// The node at fault, or `None` for graph-level errors (outputs).
+    pub node: Option<Node>,
+    /// `node %12 (model.layers.3.mlp)`.
+    pub location: String,
+    pub message: String,
+}
+
+/// All errors of one verification, with the text to show them in context.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyReport {
+    pub errors: Vec<VerifyError>,
+    /// The graph text with each error under its line.
+    pub annotated: String,
+}
+
+impl fmt::Display for VerifyReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{} verifier error(s):", self.errors.len())?;
+        for e in &self.errors {
+            writeln!(f, "error: {} in {}", e.message, e.location)?;
+        }
+        write!(f, "\n{}", self.annotated)
+    }
+}
+
+impl std::error::Error for VerifyReport {}
+
+/// Checks the graph; `Ok(())` or every error found.
+pub fn verify(g: &Graph) -> Result<(), VerifyReport> {
+    let errors = collect_errors(g);
+    if errors.is_empty() {
+        return Ok(());
+    }
+    Err(VerifyReport { annotated: annotate(g, &errors), errors })
+}
+
+fn collect_errors(g: &Graph) -> Vec<VerifyError> {
+    let mut errors = Vec::new();
+    let mut defined = vec![false; g.value_capacity()];
+    let mesh_sizes: Bindings = {
+        let mut b = Bindings::new();
+        for (a, n) in &g.mesh.axes {
+            b = b.with(a, *n as i64);
+        }
+        b
+    };
+    let mut param_names: BTreeMap<String, Node> = BTreeMap::new();
+    for &n in g.nodes() {
+        let d = g.node(n);
+        let mut push = |msg: String| errors.push(VerifyError { node: Some(n), location: g.describe(n), message: msg });
+        // operands exist and come earlier
+        let mut operand_types: Vec<&TensorType> = Vec::new();
+        let mut operands_ok = true;
+        for (i, v) in d.operands.iter().enumerate() {
+            match g.try_value(*v) {
+                None => {
+                    push(format!("operand {i} ({v}) is not defined (dangling use)"));
+                    operands_ok = false;
+                }
+                Some(_) if !defined.get(v.0 as usize).copied().unwrap_or(false) => {
+                    push(format!("operand {i} ({v}) is used before its definition (cycle or misordered node)"));
+                    operands_ok = false;
+                }
+                Some(vd) => operand_types.push(&vd.ty),
+            }
+        }
+        if operands_ok {
+            match d.op.infer(&operand_types) {
+                Err(m) => push(m),
+                Ok(tys) => {
+                    if tys.len() != d.results.len() {
+                        push(format!("`{}` makes {} result(s), the node has {}", d.op.name(), tys.len(), d.results.len()));
+                    } else {
+                        for (k, (v, t)) in d.results.iter().zip(&tys).enumerate() {
+                            let have = g.ty(*v);
+                            if have != t {
+                                push(format!("result {k} ({v}) has type {have} but `{}` makes {t}", d.op.name()));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(axis) = d.op.axis() {
+            if !g.mesh.has(axis) {
+                let known = if g.mesh.axes.is_empty() { "the graph has no mesh".to_string() } else { format!("mesh is {}", g.mesh) };
+                push(format!("collective on unknown mesh axis `{axis}` ({known})"));
+            }
+        }
+        if let Op::Param { name, .. } = &d.op {
+            if let Some(prev) = param_names.insert(name.clone(), n) {
+                push(format!("parameter `{name}` is already defined by {}", g.describe(prev)));
+            }
+        }
+        for v in &d.results {
+            for (i, dim) in g.ty(*v).shape.iter().enumerate() {
+                check_dim(dim, &mesh_sizes, g, &mut |m| push(format!("dim {i} of {v}: {m}")));
+            }
+            if let Some(slot) = defined.get_mut(v.0 as usize) {
+                *slot = true;
+            }
+        }
+        for dim in op_dims(&d.op) {
+            check_dim(dim, &mesh_sizes, g, &mut |m| push(format!("attribute: {m}")));
+        }
+    }
+    for (name, splits) in g.output_splits() {
+        let location = format!("output `{name}`");
+        let Some(v) = g.output(name) else {
+            errors.push(VerifyError { node: None, location, message: "split recorded for an output that does not exist".into() });
+            continue;
+        };
+        let rank = g.try_ty(v).map(|t| t.rank()).unwrap_or(0);
+        for (d, a) in splits {
+            if *d >= rank {
+                errors.push(VerifyError { node: None, location: location.clone(), message: format!("split dim {d} is out of range for rank {rank}") });
+            }
+            if !g.mesh.has(a) {
+                errors.push(VerifyError { node: None, location: location.clone(), message: format!("split over unknown mesh axis `{a}`") });
+            }
+        }
+    }
+    for (name, v) in g.outputs() {
+        if g.try_value(*v).is_none() {
+            errors.push(VerifyError { node: None, location: format!("output `{name}`"), message: format!("{v} is not defined") });
+        }
+    }
+    errors
+}
+
+/// Dims appearing in attributes (reshape targets, slice bounds).
+fn op_dims(op: &Op) -> Vec<&Dim> {
+    match op {
+        Op::Reshape { shape } | Op::Expand { shape } => shape.iter().collect(),
+        Op::Slice { start, len, .. } => vec![start, len],
+        Op::Split { sizes, .. } => sizes.iter().collect(),
+        Op::Arange { start, .. } => vec![start],
+        _ => vec![],
+    }
+}
+
+fn check_dim(dim: &Dim, mesh: &Bindings, g: &Graph, push: &mut dyn FnMut(String)) {
+    let bound = dim.bind(mesh);
+    if bound.is_fractional_const() {
+        push(format!("`{dim}` does not divide evenly ({bound} with mesh {})", g.mesh));
+    }
+    if let Some(c) = bound.as_const() {
+        if c < 0 {
+            push(format!("`{dim}` is negative"));
+        }
+    }
+    for axis in dim.rank_axes() {
+        if !g.mesh.has(&axis) {
+            push(format!("`{dim}` depends on the rank along unknown mesh axis `{axis}`"));
+        }
+    }
+    check_tables(dim, g, push);
+}
+
+fn check_tables(dim: &Dim, g: &Graph, push: &mut dyn FnMut(String)) {
+    for (axis, count) in dim.per_rank_tables() {
+        if let Some(n) = g.mesh.size(&axis) {
+            if count != n as usize {
+                push(format!("per-rank sizes in `{dim}` list {count} ranks but axis `{axis}` has {n}"));
+            }
+        }
+    }
+}
+
+fn annotate(g: &Graph, errors: &[VerifyError]) -> String {
+    let mut out = String::new();
+    out.push_str(&format!("graph {}\n", crate::attrs::quote(&g.name)));
+    if !g.mesh.axes.is_empty() {
+        out.push_str(&format!("mesh {}\n", g.mesh));
+    }
+    for &n in g.nodes() {
+        out.push_str(&node_line(g, n));
+        out.push('\n');
+        for e in errors.iter().filter(|e| e.node == Some(n)) {
+            out.push_str(&format!("    ^ error: {}\n", e.message));
+        }
+    }
+    let outs: Vec<String> = g.outputs().iter().map(|(k, v)| format!("{k}={v}")).collect();
+    out.push_str(&format!("return {}\n", outs.join(", ")));
+    for e in errors.iter().filter(|e| e.node.is_none()) {
+        out.push_str(&format!("    ^ error: {} in {}\n", e.message, e.location));
+    }
+    out
+}
