@@ -390,6 +390,7 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
         operands.push(v);
     }
     let mut attrs: Vec<(String, String)> = Vec::new();
+    let mut attr_cols: Vec<usize> = Vec::new();
     if let Some(a) = attrs_text {
         let acol = ops_col + ops_text.len();
         let inner = a
@@ -401,8 +402,10 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
             if kv.is_empty() {
                 continue;
             }
-            let (k, v) = kv.split_once('=').ok_or_else(|| err(acol, format!("expected `key=value`, found `{kv}`")))?;
+            let kcol = acol + a.find(kv).unwrap_or(0);
+            let (k, v) = kv.split_once('=').ok_or_else(|| err(kcol, format!("expected `key=value`, found `{kv}`")))?;
             attrs.push((k.trim().to_string(), v.trim().to_string()));
+            attr_cols.push(kcol);
         }
     }
     let info = Op::info_by_name(opname).unwrap();
@@ -412,7 +415,16 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
         }
         attrs.push(("ty".into(), tys[0].to_string()));
     }
-    let op = Op::from_text(opname, &attrs).map_err(|m| err(rhs_start, m))?;
+    let op = Op::from_text(opname, &attrs).map_err(|m| {
+        // Point at the attribute the message names, if any.
+        let col = attrs
+            .iter()
+            .zip(&attr_cols)
+            .find(|((k, _), _)| m.contains(&format!("`{k}`")))
+            .map(|(_, c)| *c)
+            .unwrap_or(rhs_start);
+        err(col, m)
+    })?;
     let mut meta = NodeMeta::default();
     if let Some((_, c)) = comment {
         let c = c.trim();

@@ -31,7 +31,7 @@ impl fmt::Display for VerifyReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{} verifier error(s):", self.errors.len())?;
         for e in &self.errors {
-            writeln!(f, "error: {} in {}", e.message, e.location)?;
+            writeln!(f, "error: invalid IR in {}: {}", e.location, e.message)?;
         }
         write!(f, "\n{}", self.annotated)
     }
