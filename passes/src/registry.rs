@@ -1,0 +1,135 @@
+//! The registry of every pass, and pipelines: lists of pass names, each with the
+//! reason it sits where it does.
+
+use crate::canonicalize::Canonicalize;
+use crate::pass::{Pass, PassError, DP, SP};
+use crate::shard_inputs::ShardInputs;
+use crate::shard_seq::ShardSeq;
+use crate::sp_loss::SpLoss;
+use crate::ulysses::UlyssesAttention;
+use std::fmt;
+use weft_ir::Mesh;
+
+/// Every pass, in the order a full pipeline would run them.
+pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &Canonicalize];
+
+/// Every registered pass.
+pub fn passes() -> &'static [&'static dyn Pass] {
+    PASSES
+}
+
+/// The names of every registered pass, in registry order.
+pub fn pass_names() -> Vec<&'static str> {
+    PASSES.iter().map(|p| p.name()).collect()
+}
+
+/// The pass called `name`, or an error listing the valid names.
+pub fn lookup(name: &str) -> Result<&'static dyn Pass, PassError> {
+    PASSES.iter().copied().find(|p| p.name() == name).ok_or_else(|| PassError::UnknownPass {
+        name: name.to_string(),
+        valid: pass_names().into_iter().map(String::from).collect(),
+    })
+}
+
+/// One pipeline entry: the pass and why it runs at this point.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Step {
+    pub pass: String,
+    pub why: String,
+}
+
+/// A pipeline as data: printable (`weft passes --pipeline`) and checkable.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Pipeline {
+    pub steps: Vec<Step>,
+}
+
+impl Pipeline {
+    fn push(&mut self, pass: &str, why: &str) {
+        self.steps.push(Step { pass: pass.to_string(), why: why.to_string() });
+    }
+
+    pub fn names(&self) -> Vec<&str> {
+        self.steps.iter().map(|s| s.pass.as_str()).collect()
+    }
+
+    /// Parses a textual pipeline, `shard-inputs,shard-seq,...` (commas or spaces),
+    /// checking every name and every ordering constraint.
+    pub fn parse(text: &str) -> Result<Pipeline, PassError> {
+        let mut p = Pipeline::default();
+        for name in text.split([',', ' ']).map(str::trim).filter(|s| !s.is_empty()) {
+            p.push(name, "given on the command line");
+        }
+        check_pipeline(&p.names())?;
+        Ok(p)
+    }
+}
+
+impl fmt::Display for Pipeline {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let w = self.steps.iter().map(|s| s.pass.len()).max().unwrap_or(0);
+        for (i, s) in self.steps.iter().enumerate() {
+            writeln!(f, "{:>2}. {:<w$}  {}", i + 1, s.pass, s.why)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks that every name is a pass and that every pass's prerequisites come earlier.
+pub fn check_pipeline(names: &[&str]) -> Result<(), PassError> {
+    for (i, name) in names.iter().enumerate() {
+        let pass = lookup(name)?;
+        for req in pass.requires() {
+            if !names[..i].contains(req) {
+                return Err(PassError::Prerequisite {
+                    pass: name.to_string(),
+                    required: req.to_string(),
+                    pipeline: names.iter().map(|s| s.to_string()).collect(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The passes a mesh needs, in order (see [`default_pipeline_explained`] for why).
+pub fn default_pipeline(mesh: &Mesh) -> Vec<&'static str> {
+    let p = default_pipeline_explained(mesh);
+    p.names().into_iter().map(|n| lookup(n).expect("default pipelines use registered passes").name()).collect()
+}
+
+/// The default pipeline of a mesh with the reason for each position:
+/// - `sp`: shard-inputs, shard-seq, ulysses-attention, sp-loss, canonicalize;
+/// - `dp` alone: shard-inputs, shard-seq, sp-loss, canonicalize (batch sharding and the
+///   loss reduction over dp);
+/// - one rank: canonicalize.
+pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
+    let mut p = Pipeline::default();
+    let (sp, dp) = (mesh.has(SP), mesh.has(DP));
+    if mesh.world_size() > 1 && (sp || dp) {
+        let what = match (sp, dp) {
+            (true, true) => "batch block by @dp and sequence block by @sp",
+            (true, false) => "sequence block by @sp",
+            _ => "batch block by @dp",
+        };
+        p.push(
+            "shard-inputs",
+            &format!("first: every later pass starts from each rank's {what}; labels are sliced after shift_labels"),
+        );
+        p.push("shard-seq", "after shard-inputs: propagates the per-rank sizes its slices introduce to every consumer");
+        if sp {
+            p.push(
+                "ulysses-attention",
+                "after shard-seq: trades heads for sequence on q/k/v of per-rank sequence S/sp, so attention sees whole sequences",
+            );
+        }
+        p.push(
+            "sp-loss",
+            "after shard-seq: all-reduces the per-rank cross-entropy sum and valid count, and records output splits from per-rank types",
+        );
+        p.push("canonicalize", "last: folds and removes what the rewrites leave behind (identity ops, duplicates, dead nodes)");
+    } else {
+        p.push("canonicalize", "a one-rank mesh needs no sharding; only fold identities, merge duplicates and drop dead nodes");
+    }
+    p
+}

@@ -1,0 +1,140 @@
+//! Helpers shared by the passes: node creation with provenance, and the sharding
+//! layout (which symbols are the batch and sequence sizes, which axes split them).
+
+use crate::pass::{PassContext, PassError, DP, SP};
+use weft_ir::{At, BuildError, Dim, Graph, Node, NodeMeta, Op, Provenance, Role, Value};
+
+/// Metadata for a node a pass inserts on behalf of `anchor`: the anchor's model scope
+/// and the pass's provenance.
+pub(crate) fn meta_for(g: &Graph, anchor: Node, pass: &str, reason: impl Into<String>) -> NodeMeta {
+    NodeMeta {
+        source: g.node(anchor).meta.source.clone(),
+        provenance: Some(Provenance { pass: pass.to_string(), reason: reason.into() }),
+    }
+}
+
+/// Inserts a single-result node, turning a shape error into a located pass error.
+pub(crate) fn insert1(g: &mut Graph, pass: &str, at: At, op: Op, operands: &[Value], meta: NodeMeta) -> Result<Value, PassError> {
+    g.insert_with(at, op, operands, meta).map(|r| r[0]).map_err(|e| build_error(pass, e))
+}
+
+pub(crate) fn build_error(pass: &str, e: BuildError) -> PassError {
+    PassError::rewrite(pass, format!("`{pass}` could not build `{}`", e.op), e.location, e.message)
+}
+
+/// True when the node was inserted by `pass`.
+pub(crate) fn made_by(g: &Graph, n: Node, pass: &str) -> bool {
+    g.node(n).meta.provenance.as_ref().is_some_and(|p| p.pass == pass)
+}
+
+/// The symbol a dim is, if it is exactly one symbol (`S`, not `2*S` or `16`).
+pub(crate) fn as_symbol(d: &Dim) -> Option<String> {
+    let syms = d.symbols();
+    match syms.as_slice() {
+        [s] if Dim::sym(s) == *d => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// One sharded size: the symbol of the global size, the mesh axis, and its size.
+#[derive(Clone, Debug)]
+pub(crate) struct Split {
+    pub symbol: String,
+    pub axis: &'static str,
+}
+
+impl Split {
+    /// The per-rank size `S/sp`.
+    pub fn local(&self) -> Dim {
+        Dim::sym(&self.symbol) / Dim::sym(self.axis)
+    }
+    /// The first global index this rank holds: `@sp*S/sp`.
+    pub fn start(&self) -> Dim {
+        Dim::coord(self.axis) * self.local()
+    }
+}
+
+/// How the token dims are sharded on this mesh: sequence over `sp`, batch over `dp`.
+#[derive(Clone, Debug)]
+pub(crate) struct Layout {
+    pub seq: Option<Split>,
+    pub batch: Option<Split>,
+}
+
+impl Layout {
+    /// Reads the batch and sequence symbols off the `input_ids` input (or `labels`),
+    /// and which of `sp` / `dp` the mesh has.
+    pub fn of(g: &Graph, cx: &PassContext, pass: &str) -> Result<Layout, PassError> {
+        let inputs = g.inputs();
+        let tokens = inputs
+            .iter()
+            .find(|(_, r, _)| *r == Role::InputIds)
+            .or_else(|| inputs.iter().find(|(_, r, _)| *r == Role::Labels))
+            .ok_or_else(|| {
+                PassError::rewrite(pass, format!("`{pass}` cannot find the token dims"), format!("graph `{}`", g.name), "it has no input with role input_ids or labels")
+                    .with_help("mark the token ids input with `role=input_ids`")
+            })?;
+        let (name, _, v) = tokens;
+        let ty = g.ty(*v);
+        let loc = g.describe(g.def(*v));
+        if ty.rank() != 2 {
+            return Err(PassError::rewrite(pass, format!("`{pass}` cannot find the token dims"), loc, format!("input `{name}` has type {ty}; expected [batch, sequence]")));
+        }
+        let symbolic = |i: usize, what: &str, axis: &'static str| -> Result<Option<Split>, PassError> {
+            if !cx.mesh.has(axis) {
+                return Ok(None);
+            }
+            match as_symbol(&ty.shape[i]) {
+                Some(symbol) => Ok(Some(Split { symbol, axis })),
+                None => Err(PassError::rewrite(
+                    pass,
+                    format!("`{pass}` cannot split the {what} over `{axis}`"),
+                    loc.clone(),
+                    format!("input `{name}` has type {ty}: its {what} dim `{}` is not a symbol", ty.shape[i]),
+                )
+                .with_help(format!("build the model with a symbolic {what} (e.g. `{}`) and bind it when making the plan", if i == 0 { "B" } else { "S" }))),
+            }
+        };
+        Ok(Layout { batch: symbolic(0, "batch", DP)?, seq: symbolic(1, "sequence", SP)? })
+    }
+
+    /// The splits in mesh-independent order: batch (dim 0) first, then sequence (dim 1).
+    pub fn splits(&self) -> Vec<(usize, &Split)> {
+        let mut out = Vec::new();
+        if let Some(b) = &self.batch {
+            out.push((0, b));
+        }
+        if let Some(s) = &self.seq {
+            out.push((1, s));
+        }
+        out
+    }
+
+    /// Rewrites a global size to the per-rank size (`S` -> `S/sp`, `B` -> `B/dp`).
+    pub fn localize(&self, d: &Dim) -> Dim {
+        let mut out = d.clone();
+        for (_, s) in self.splits() {
+            out = out.substitute(&s.symbol, &s.local());
+        }
+        out
+    }
+
+    /// True when `d` is (a multiple of) a per-rank size made by this layout, i.e. it
+    /// mentions a sharded axis' size symbol.
+    pub fn is_sharded(&self, d: &Dim) -> bool {
+        self.splits().iter().any(|(_, s)| d.mentions(s.axis))
+    }
+}
+
+/// Divisors of `n` greater than 1, ascending.
+pub(crate) fn divisors(n: i64) -> Vec<i64> {
+    (2..=n.max(1)).filter(|d| n % d == 0).collect()
+}
+
+pub(crate) fn gcd(a: i64, b: i64) -> i64 {
+    if b == 0 {
+        a.abs()
+    } else {
+        gcd(b, a % b)
+    }
+}
