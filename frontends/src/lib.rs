@@ -1,1 +1,26 @@
-//! placeholder
+//! weft-frontends: everything that turns a model on disk (or a preset name) into a
+//! weft graph and its weights.
+//!
+//! - [`config`]: HF `config.json` → [`ModelConfig`] (both transformers 4 and 5 forms).
+//! - [`build`]: config → forward + loss [`weft_ir::Graph`] with HF's parameter names.
+//! - [`presets`]: built-in published configs (`llama3-8b`, `mixtral-8x7b`, tiny ones, ...).
+//! - [`model`]: [`Model`] and [`load`] (preset, config.json, model directory, `.weft`).
+//! - [`weights`]: safetensors checkpoints in and out, checked against the graph.
+//! - [`init`]: seeded random weights at HF's init scale.
+
+pub mod build;
+pub mod config;
+pub mod error;
+mod fields;
+pub mod init;
+pub mod model;
+pub mod presets;
+pub mod weights;
+
+pub use build::{build_graph, param_count};
+pub use config::{Family, ModelConfig, MoeConfig, RopeConfig};
+pub use error::{FrontendError, WeightProblem};
+pub use init::random_weights;
+pub use model::{load, load_file, Model, Origin};
+pub use presets::{presets, Preset, PresetInfo};
+pub use weights::{check_weights, load_weights, read_checkpoint, read_safetensors, save_safetensors, Checkpoint};

@@ -1,0 +1,51 @@
+//! Self-attention as HF writes it: q/k/v projections (phi3: one `qkv_proj`, split q, k,
+//! v), view as [B, S, heads, D], qwen3's q/k RMSNorm over D, transpose to
+//! [B, heads, S, D], rope on q and k, causal attention with scale `head_dim^-0.5`
+//! (GQA inside the op: kv heads are not repeated), back to [B, S, heads*D], `o_proj`.
+
+use super::Builder;
+use crate::error::FrontendError;
+use weft_ir::{Dim, Float, Op, Value};
+
+impl Builder<'_> {
+    pub(super) fn attention(&mut self, layer: usize, h: Value, cos: Value, sin: Value) -> Result<Value, FrontendError> {
+        let c = self.cfg;
+        let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let a = format!("model.layers.{layer}.self_attn");
+        let (b, s) = (Dim::sym("B"), Dim::sym("S"));
+        let heads = |n: usize| vec![b.clone(), s.clone(), Dim::from(n), Dim::from(d)];
+
+        let (q, k, v) = if c.fused_projections {
+            let qkv = self.linear(&format!("{a}.qkv_proj"), h)?;
+            self.scope(&a);
+            let sizes = vec![Dim::from(nq * d), Dim::from(nkv * d), Dim::from(nkv * d)];
+            let parts = self.ops(Op::Split { dim: -1, sizes }, &[qkv])?;
+            (parts[0], parts[1], parts[2])
+        } else {
+            let q = self.linear(&format!("{a}.q_proj"), h)?;
+            let k = self.linear(&format!("{a}.k_proj"), h)?;
+            let v = self.linear(&format!("{a}.v_proj"), h)?;
+            (q, k, v)
+        };
+
+        self.scope(&a);
+        let mut q = self.reshape(q, heads(nq))?;
+        let mut k = self.reshape(k, heads(nkv))?;
+        let v = self.reshape(v, heads(nkv))?;
+        if c.qk_norm {
+            q = self.rms_norm(&format!("{a}.q_norm"), q)?;
+            k = self.rms_norm(&format!("{a}.k_norm"), k)?;
+            self.scope(&a);
+        }
+        let q = self.transpose(q, 1, 2)?;
+        let k = self.transpose(k, 1, 2)?;
+        let v = self.transpose(v, 1, 2)?;
+        let q = self.op(Op::Rope {}, &[q, cos, sin])?;
+        let k = self.op(Op::Rope {}, &[k, cos, sin])?;
+        let scale = Float((d as f64).powf(-0.5));
+        let o = self.op(Op::Attention { causal: true, scale }, &[q, k, v])?;
+        let o = self.transpose(o, 1, 2)?;
+        let o = self.reshape(o, vec![b, s, Dim::from(nq * d)])?;
+        self.linear(&format!("{a}.o_proj"), o)
+    }
+}

@@ -1,0 +1,154 @@
+//! Config → forward + loss graph. The graph follows HF's modeling code op for op, with
+//! HF's parameter names, and these conventions shared with the passes and runtime:
+//!
+//! - inputs `input_ids` and `labels`, i64[B, S] (B, S symbolic; causal, no mask input);
+//! - every parameter first, in HF `named_parameters()` order, scoped to its module;
+//! - positions `arange` → [1, S] → `rope_table` (in `model.rotary_emb`);
+//! - per layer: pre-norm attention and MLP with residual adds (see [`attention`], [`mlp`]);
+//! - `model.norm`, `lm_head` (the embedding parameter when tied) → output `logits`;
+//! - loss: `shift_labels` → `cross_entropy` (sum) / `count_valid` → output `loss`.
+//!
+//! Every node carries its HF module path as source (`g.set_scope`).
+
+mod attention;
+mod mlp;
+pub mod params;
+
+use crate::config::ModelConfig;
+use crate::error::FrontendError;
+use std::collections::BTreeMap;
+use weft_ir::{Dim, Float, Graph, Op, Reduction, Role, TensorType, Value, DType};
+
+/// Labels equal to this take no part in the loss (HF's `ignore_index`).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// Builds the forward + loss graph of `cfg`, named `name`.
+pub fn build_graph(name: &str, cfg: &ModelConfig) -> Result<Graph, FrontendError> {
+    let mut b = Builder { g: Graph::new(name), cfg, params: BTreeMap::new(), model: name.to_string() };
+    b.model_body()?;
+    Ok(b.g)
+}
+
+/// Total parameter count of `cfg` (tied weights counted once).
+pub fn param_count(cfg: &ModelConfig) -> u64 {
+    params::param_specs(cfg).iter().map(|(_, s)| s.iter().map(|&d| d as u64).product::<u64>()).sum()
+}
+
+/// Graph under construction, with the parameters made so far by name.
+pub(crate) struct Builder<'c> {
+    pub g: Graph,
+    pub cfg: &'c ModelConfig,
+    params: BTreeMap<String, Value>,
+    model: String,
+}
+
+impl<'c> Builder<'c> {
+    pub fn scope(&mut self, s: &str) {
+        self.g.set_scope(Some(s));
+    }
+
+    pub fn op(&mut self, op: Op, args: &[Value]) -> Result<Value, FrontendError> {
+        self.g.add(op, args).map_err(|source| FrontendError::Build { model: self.model.clone(), source })
+    }
+
+    pub fn ops(&mut self, op: Op, args: &[Value]) -> Result<Vec<Value>, FrontendError> {
+        self.g.add_multi(op, args).map_err(|source| FrontendError::Build { model: self.model.clone(), source })
+    }
+
+    /// A parameter made by `declare_params`.
+    pub fn param(&self, name: &str) -> Value {
+        *self.params.get(name).unwrap_or_else(|| panic!("param_specs has no `{name}` (builder bug)"))
+    }
+
+    /// `param(name)` if the config has it (optional biases).
+    pub fn opt_param(&self, name: &str) -> Option<Value> {
+        self.params.get(name).copied()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.cfg.dtype
+    }
+
+    /// `linear` in scope `module` with `module.weight` and, if present, `module.bias`.
+    pub fn linear(&mut self, module: &str, x: Value) -> Result<Value, FrontendError> {
+        let w = self.param(&format!("{module}.weight"));
+        let mut args = vec![x, w];
+        args.extend(self.opt_param(&format!("{module}.bias")));
+        self.scope(module);
+        self.op(Op::Linear {}, &args)
+    }
+
+    /// `rms_norm` in scope `module` with `module.weight`.
+    pub fn rms_norm(&mut self, module: &str, x: Value) -> Result<Value, FrontendError> {
+        let w = self.param(&format!("{module}.weight"));
+        self.scope(module);
+        self.op(Op::RmsNorm { eps: Float(self.cfg.rms_norm_eps) }, &[x, w])
+    }
+
+    pub fn reshape(&mut self, x: Value, shape: Vec<Dim>) -> Result<Value, FrontendError> {
+        self.op(Op::Reshape { shape }, &[x])
+    }
+
+    pub fn transpose(&mut self, x: Value, dim0: i64, dim1: i64) -> Result<Value, FrontendError> {
+        self.op(Op::Transpose { dim0, dim1 }, &[x])
+    }
+
+    fn declare_params(&mut self) -> Result<(), FrontendError> {
+        for (name, shape) in params::param_specs(self.cfg) {
+            self.scope(params::module_of(&name));
+            let ty = TensorType::new(self.dtype(), shape.into_iter().map(Dim::from).collect());
+            let v = self.op(Op::Param { name: name.clone(), ty }, &[])?;
+            self.params.insert(name, v);
+        }
+        Ok(())
+    }
+
+    fn model_body(&mut self) -> Result<(), FrontendError> {
+        let (b, s) = (Dim::sym("B"), Dim::sym("S"));
+        let ids_ty = TensorType::new(DType::I64, vec![b.clone(), s.clone()]);
+        self.scope("model");
+        let ids = self.op(Op::Input { name: "input_ids".into(), role: Role::InputIds, ty: ids_ty.clone() }, &[])?;
+        self.scope("loss");
+        let labels = self.op(Op::Input { name: "labels".into(), role: Role::Labels, ty: ids_ty }, &[])?;
+        self.declare_params()?;
+
+        self.scope("model.embed_tokens");
+        let embed = self.param(params::EMBED);
+        let mut x = self.op(Op::Embedding {}, &[ids, embed])?;
+
+        self.scope("model.rotary_emb");
+        let pos = self.op(Op::Arange { start: Dim::from(0), ty: TensorType::new(DType::I64, vec![s.clone()]) }, &[])?;
+        let pos = self.reshape(pos, vec![Dim::from(1), s.clone()])?;
+        let rope = &self.cfg.rope;
+        let table = Op::RopeTable { theta: Float(rope.theta), dim: rope.rotary_dim as i64, scaling: rope.scaling };
+        let cs = self.ops(table, &[pos])?;
+        let (cos, sin) = (cs[0], cs[1]);
+
+        for i in 0..self.cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let h = self.rms_norm(&format!("{p}.input_layernorm"), x)?;
+            let a = self.attention(i, h, cos, sin)?;
+            self.scope(&p);
+            x = self.op(Op::Add {}, &[x, a])?;
+            let h = self.rms_norm(&format!("{p}.post_attention_layernorm"), x)?;
+            let m = self.mlp(i, h)?;
+            self.scope(&p);
+            x = self.op(Op::Add {}, &[x, m])?;
+        }
+
+        let x = self.rms_norm("model.norm", x)?;
+        let head = self.opt_param(params::LM_HEAD).unwrap_or(embed);
+        self.scope("lm_head");
+        let logits = self.op(Op::Linear {}, &[x, head])?;
+
+        self.scope("loss");
+        let shifted = self.op(Op::ShiftLabels { ignore_index: IGNORE_INDEX }, &[labels])?;
+        let total = self.op(Op::CrossEntropy { ignore_index: IGNORE_INDEX, reduction: Reduction::Sum }, &[logits, shifted])?;
+        let count = self.op(Op::CountValid { ignore_index: IGNORE_INDEX }, &[shifted])?;
+        let loss = self.op(Op::Div {}, &[total, count])?;
+        self.g.set_scope(None);
+        self.g.set_output("loss", loss);
+        self.g.set_output("logits", logits);
+        Ok(())
+    }
+}

@@ -1,0 +1,88 @@
+//! The parameters of a config, named and ordered exactly as HF's `named_parameters()`
+//! (transformers 5 names: fused `mlp.experts.gate_up_proj` [E, 2I, H] and
+//! `mlp.experts.down_proj` [E, H, I], router `mlp.gate.weight`). A tied model has no
+//! `lm_head.weight`: the head uses `model.embed_tokens.weight`.
+
+use crate::config::{Family, ModelConfig};
+
+/// The name of the parameter the output head reads when embeddings are tied.
+pub const EMBED: &str = "model.embed_tokens.weight";
+/// The name tied models omit.
+pub const LM_HEAD: &str = "lm_head.weight";
+
+/// Every parameter as `(name, shape)`, in HF order.
+pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, nq, nkv, d) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let mut out: Vec<(String, Vec<usize>)> = Vec::new();
+    let mut push = |name: String, shape: Vec<usize>| out.push((name, shape));
+    push(EMBED.into(), vec![c.vocab_size, h]);
+    for i in 0..c.num_hidden_layers {
+        let a = format!("model.layers.{i}.self_attn");
+        if c.fused_projections {
+            push(format!("{a}.o_proj.weight"), vec![h, nq * d]);
+            push(format!("{a}.qkv_proj.weight"), vec![(nq + 2 * nkv) * d, h]);
+        } else {
+            for (p, out_features) in [("q_proj", nq * d), ("k_proj", nkv * d), ("v_proj", nkv * d)] {
+                push(format!("{a}.{p}.weight"), vec![out_features, h]);
+                if c.qkv_bias {
+                    push(format!("{a}.{p}.bias"), vec![out_features]);
+                }
+            }
+            push(format!("{a}.o_proj.weight"), vec![h, nq * d]);
+            if c.o_bias {
+                push(format!("{a}.o_proj.bias"), vec![h]);
+            }
+        }
+        if c.qk_norm {
+            push(format!("{a}.q_norm.weight"), vec![d]);
+            push(format!("{a}.k_norm.weight"), vec![d]);
+        }
+        let m = format!("model.layers.{i}.mlp");
+        match &c.moe {
+            Some(moe) if c.is_sparse_layer(i) => {
+                let (e, inter) = (moe.num_experts, moe.expert_intermediate_size);
+                let router = (format!("{m}.gate.weight"), vec![e, h]);
+                let experts = [
+                    (format!("{m}.experts.gate_up_proj"), vec![e, 2 * inter, h]),
+                    (format!("{m}.experts.down_proj"), vec![e, h, inter]),
+                ];
+                // Module order: mixtral defines the router first, qwen3_moe the experts.
+                if c.family == Family::Mixtral {
+                    push(router.0, router.1);
+                    experts.into_iter().for_each(|(n, s)| push(n, s));
+                } else {
+                    experts.into_iter().for_each(|(n, s)| push(n, s));
+                    push(router.0, router.1);
+                }
+            }
+            _ => {
+                let inter = c.intermediate_size;
+                if c.fused_projections {
+                    push(format!("{m}.gate_up_proj.weight"), vec![2 * inter, h]);
+                    push(format!("{m}.down_proj.weight"), vec![h, inter]);
+                } else {
+                    for (p, shape) in [("gate_proj", vec![inter, h]), ("up_proj", vec![inter, h]), ("down_proj", vec![h, inter])] {
+                        let out_features = shape[0];
+                        push(format!("{m}.{p}.weight"), shape);
+                        if c.mlp_bias {
+                            push(format!("{m}.{p}.bias"), vec![out_features]);
+                        }
+                    }
+                }
+            }
+        }
+        push(format!("model.layers.{i}.input_layernorm.weight"), vec![h]);
+        push(format!("model.layers.{i}.post_attention_layernorm.weight"), vec![h]);
+    }
+    push("model.norm.weight".into(), vec![h]);
+    if !c.tie_word_embeddings {
+        push(LM_HEAD.into(), vec![c.vocab_size, h]);
+    }
+    out
+}
+
+/// The module a parameter belongs to: its name without the last component
+/// (`model.layers.0.mlp.experts.gate_up_proj` → `model.layers.0.mlp.experts`).
+pub fn module_of(param: &str) -> &str {
+    param.rsplit_once('.').map(|(m, _)| m).unwrap_or(param)
+}

@@ -1,0 +1,391 @@
+//! HF `config.json` → [`ModelConfig`]: the fields the builders need, with HF's defaults
+//! and checks. Accepts both the transformers-4 form (`rope_theta` + `rope_scaling`) and
+//! the transformers-5 form (`rope_parameters`), `head_dim` absent or null, and the dtype
+//! from `dtype` or `torch_dtype` (absent: f32). Errors name the field and the file.
+
+use crate::error::FrontendError;
+use crate::fields::Fields;
+use weft_ir::{DType, Float, RopeScaling};
+
+/// The architecture family, from `model_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    Phi3,
+    Mixtral,
+    Qwen3Moe,
+    /// A graph read from weft text IR (no config).
+    WeftIr,
+}
+
+impl Family {
+    /// The `model_type` values the builders accept.
+    pub const MODEL_TYPES: &'static [&'static str] = &["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"];
+
+    /// The name used in reports: the HF `model_type`, or `weft-ir`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Phi3 => "phi3",
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::WeftIr => "weft-ir",
+        }
+    }
+
+    pub fn from_model_type(s: &str) -> Option<Family> {
+        Some(match s {
+            "llama" => Family::Llama,
+            "mistral" => Family::Mistral,
+            "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
+            "phi3" => Family::Phi3,
+            "mixtral" => Family::Mixtral,
+            "qwen3_moe" => Family::Qwen3Moe,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Rotary embedding parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+    /// Rotated features per head: `head_dim * partial_rotary_factor`.
+    pub rotary_dim: usize,
+}
+
+/// Mixture-of-experts parameters (mixtral, qwen3_moe).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Each expert's intermediate size (mixtral: `intermediate_size`, qwen3_moe: `moe_intermediate_size`).
+    pub expert_intermediate_size: usize,
+    /// Renormalise the top-k routing weights to sum to 1 (mixtral: always).
+    pub norm_topk_prob: bool,
+    /// Per layer: true when the layer's MLP is sparse (qwen3_moe `mlp_only_layers`, `decoder_sparse_step`).
+    pub sparse_layers: Vec<bool>,
+}
+
+/// The parsed config: everything the graph builders read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub model_type: String,
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    /// The dense MLP's intermediate size (0 when every layer is sparse and the config has none).
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope: RopeConfig,
+    pub max_position_embeddings: Option<usize>,
+    pub tie_word_embeddings: bool,
+    pub initializer_range: f64,
+    /// The parameter dtype (`dtype` / `torch_dtype`, default f32).
+    pub dtype: DType,
+    /// Biases on q/k/v projections.
+    pub qkv_bias: bool,
+    /// Bias on o_proj.
+    pub o_bias: bool,
+    /// Biases on the dense MLP's projections (llama `mlp_bias`).
+    pub mlp_bias: bool,
+    /// RMSNorm of q and k over head_dim (qwen3).
+    pub qk_norm: bool,
+    /// One `qkv_proj` and one `gate_up_proj` (phi3).
+    pub fused_projections: bool,
+    pub moe: Option<MoeConfig>,
+    /// The attention window HF applies, if any. The graph's attention is fully causal,
+    /// so it equals HF only for sequences no longer than this.
+    pub sliding_window: Option<usize>,
+}
+
+impl ModelConfig {
+    /// Parses config.json text; `file` names it in errors (a path or `preset <name>`).
+    pub fn from_json_str(text: &str, file: &str) -> Result<ModelConfig, FrontendError> {
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| FrontendError::Json { file: file.to_string(), message: e.to_string() })?;
+        ModelConfig::from_json(&v, file)
+    }
+
+    pub fn from_json(v: &serde_json::Value, file: &str) -> Result<ModelConfig, FrontendError> {
+        let obj = v.as_object().ok_or_else(|| FrontendError::Json {
+            file: file.to_string(),
+            message: "expected a JSON object at the top level".into(),
+        })?;
+        parse(&Fields::new(obj, file))
+    }
+
+    /// True when layer `i` has a sparse (mixture-of-experts) MLP.
+    pub fn is_sparse_layer(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.sparse_layers.get(i).copied().unwrap_or(false))
+    }
+}
+
+fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
+    let model_type = f.opt_str("model_type")?.ok_or_else(|| f.err("model_type", "is missing"))?;
+    let family = Family::from_model_type(model_type).ok_or_else(|| FrontendError::UnknownModelType {
+        file: f.file.to_string(),
+        model_type: model_type.to_string(),
+    })?;
+
+    let vocab_size = f.positive("vocab_size")?;
+    let hidden_size = f.positive("hidden_size")?;
+    let num_hidden_layers = f.positive("num_hidden_layers")?;
+    let num_attention_heads = f.positive("num_attention_heads")?;
+    let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+    if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+        return Err(f.err(
+            "num_key_value_heads",
+            format!("must divide num_attention_heads ({num_attention_heads}), got {num_key_value_heads}"),
+        ));
+    }
+    let head_dim = match f.opt_usize("head_dim")? {
+        Some(0) => return Err(f.err("head_dim", "must be positive, got 0")),
+        Some(d) => d,
+        None => {
+            if hidden_size % num_attention_heads != 0 {
+                return Err(f.err(
+                    "head_dim",
+                    format!("is absent and hidden_size ({hidden_size}) is not a multiple of num_attention_heads ({num_attention_heads})"),
+                ));
+            }
+            hidden_size / num_attention_heads
+        }
+    };
+    let rms_norm_eps = f.positive_f64("rms_norm_eps")?;
+    let rope = parse_rope(f, head_dim)?;
+    if let Some(act) = f.opt_str("hidden_act")? {
+        if act != "silu" {
+            return Err(f.err("hidden_act", format!("is `{act}`, but only `silu` is supported")));
+        }
+    }
+    let initializer_range = match f.opt_f64("initializer_range")? {
+        None => 0.02,
+        Some(x) if x.is_finite() && x >= 0.0 => x,
+        Some(x) => return Err(f.err("initializer_range", format!("must be a non-negative number, got {x}"))),
+    };
+    let dtype = parse_dtype(f)?;
+    let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
+    let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+
+    let (qkv_bias, o_bias) = match family {
+        Family::Llama | Family::Qwen3 | Family::Qwen3Moe => (attention_bias, attention_bias),
+        Family::Qwen2 => (true, false),
+        _ => (false, false),
+    };
+    let mlp_bias = family == Family::Llama && f.opt_bool("mlp_bias")?.unwrap_or(false);
+    let moe = parse_moe(f, family, num_hidden_layers)?;
+    let needs_dense = moe.as_ref().map_or(true, |m| m.sparse_layers.iter().any(|s| !s));
+    let intermediate_size = match (family, needs_dense) {
+        // mixtral's experts use intermediate_size.
+        (Family::Mixtral, _) | (_, true) => f.positive("intermediate_size")?,
+        (_, false) => f.opt_usize("intermediate_size")?.unwrap_or(0),
+    };
+    let moe = moe.map(|mut m| {
+        if family == Family::Mixtral {
+            m.expert_intermediate_size = intermediate_size;
+        }
+        m
+    });
+    let sliding_window = match family {
+        Family::Mistral | Family::Mixtral | Family::Phi3 => f.opt_usize("sliding_window")?,
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
+            if f.opt_bool("use_sliding_window")?.unwrap_or(false) {
+                f.opt_usize("sliding_window")?
+            } else {
+                None
+            }
+        }
+        _ => None,
+    };
+
+    Ok(ModelConfig {
+        model_type: model_type.to_string(),
+        family,
+        vocab_size,
+        hidden_size,
+        intermediate_size,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        rms_norm_eps,
+        rope,
+        max_position_embeddings: f.opt_usize("max_position_embeddings")?,
+        tie_word_embeddings,
+        initializer_range,
+        dtype,
+        qkv_bias,
+        o_bias,
+        mlp_bias,
+        qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
+        fused_projections: family == Family::Phi3,
+        moe,
+        sliding_window,
+    })
+}
+
+fn parse_dtype(f: &Fields) -> Result<DType, FrontendError> {
+    let key = if f.has("dtype") { "dtype" } else { "torch_dtype" };
+    let Some(s) = f.opt_str(key)? else { return Ok(DType::F32) };
+    let name = s.strip_prefix("torch.").unwrap_or(s);
+    Ok(match name {
+        "float32" | "float" => DType::F32,
+        "bfloat16" => DType::BF16,
+        "float16" | "half" => DType::F16,
+        "float64" | "double" => DType::F64,
+        _ => return Err(f.err(key, format!("is `{s}`; expected float32, bfloat16, float16 or float64"))),
+    })
+}
+
+/// Rope from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4).
+fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> {
+    let (params, theta) = match f.opt_object("rope_parameters")? {
+        Some(rp) => {
+            let p = f.nested("rope_parameters", rp);
+            let theta = match p.opt_f64("rope_theta")? {
+                Some(t) => t,
+                None => f.opt_f64("rope_theta")?.ok_or_else(|| p.err("rope_theta", "is missing"))?,
+            };
+            (Some(p), theta)
+        }
+        None => {
+            let theta = f.f64("rope_theta")?;
+            let scaling = f.opt_object("rope_scaling")?.map(|rs| f.nested("rope_scaling", rs));
+            (scaling, theta)
+        }
+    };
+    if !(theta.is_finite() && theta > 0.0) {
+        let field = if f.has("rope_theta") { "rope_theta".to_string() } else { "rope_parameters.rope_theta".to_string() };
+        return Err(FrontendError::config(f.file, &field, format!("must be a positive number, got {theta}")));
+    }
+
+    // partial_rotary_factor: in rope_parameters (5) or at the top level (4).
+    let prf_field;
+    let prf = match params.as_ref().map(|p| p.opt_f64("partial_rotary_factor")).transpose()?.flatten() {
+        Some(x) => {
+            prf_field = "rope_parameters.partial_rotary_factor".to_string();
+            x
+        }
+        None => {
+            prf_field = "partial_rotary_factor".to_string();
+            f.opt_f64("partial_rotary_factor")?.unwrap_or(1.0)
+        }
+    };
+    if !(prf > 0.0 && prf <= 1.0) {
+        return Err(FrontendError::config(f.file, &prf_field, format!("must be in (0, 1], got {prf}")));
+    }
+    let rotary_dim = (head_dim as f64 * prf) as usize;
+    if rotary_dim == 0 || rotary_dim % 2 != 0 {
+        return Err(FrontendError::config(
+            f.file,
+            &prf_field,
+            format!("gives a rotary dim of {rotary_dim} (head_dim {head_dim} x {prf}); it must be positive and even"),
+        ));
+    }
+
+    let scaling = match &params {
+        None => RopeScaling::None,
+        Some(p) => {
+            let (type_key, rope_type) = match p.opt_str("rope_type")? {
+                Some(t) => ("rope_type", t),
+                None => ("type", p.opt_str("type")?.unwrap_or("default")),
+            };
+            match rope_type {
+                "default" => RopeScaling::None,
+                "linear" => RopeScaling::Linear { factor: Float(p.positive_f64("factor")?) },
+                "llama3" => {
+                    let orig = match p.opt_usize("original_max_position_embeddings")? {
+                        Some(n) => n,
+                        None => f.opt_usize("max_position_embeddings")?.ok_or_else(|| p.err("original_max_position_embeddings", "is missing"))?,
+                    };
+                    let (lo, hi) = (p.positive_f64("low_freq_factor")?, p.positive_f64("high_freq_factor")?);
+                    if hi <= lo {
+                        return Err(p.err("high_freq_factor", format!("must exceed low_freq_factor ({lo}), got {hi}")));
+                    }
+                    RopeScaling::Llama3 {
+                        factor: Float(p.positive_f64("factor")?),
+                        low_freq_factor: Float(lo),
+                        high_freq_factor: Float(hi),
+                        original_max_position_embeddings: orig as i64,
+                    }
+                }
+                other => {
+                    return Err(FrontendError::UnsupportedRope {
+                        file: f.file.to_string(),
+                        field: p.name(type_key),
+                        rope_type: other.to_string(),
+                    })
+                }
+            }
+        }
+    };
+    Ok(RopeConfig { theta, scaling, rotary_dim })
+}
+
+fn parse_moe(f: &Fields, family: Family, layers: usize) -> Result<Option<MoeConfig>, FrontendError> {
+    let experts_key = |f: &Fields| if f.has("num_experts") { "num_experts" } else { "num_local_experts" };
+    let check_k = |e: usize, k: usize| {
+        if k > e {
+            Err(f.err("num_experts_per_tok", format!("is {k}, more than the {e} experts")))
+        } else {
+            Ok(())
+        }
+    };
+    match family {
+        Family::Mixtral => {
+            let e = f.positive("num_local_experts")?;
+            let k = f.positive("num_experts_per_tok")?;
+            check_k(e, k)?;
+            Ok(Some(MoeConfig {
+                num_experts: e,
+                top_k: k,
+                expert_intermediate_size: 0, // set from intermediate_size by the caller
+                norm_topk_prob: true,
+                sparse_layers: vec![true; layers],
+            }))
+        }
+        Family::Qwen3Moe => {
+            let e = f.usize(experts_key(f))?;
+            let only_dense = f.usize_list("mlp_only_layers")?;
+            let step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+            if step == 0 {
+                return Err(f.err("decoder_sparse_step", "must be positive, got 0"));
+            }
+            let sparse_layers: Vec<bool> =
+                (0..layers).map(|i| !only_dense.contains(&i) && e > 0 && (i + 1) % step == 0).collect();
+            if !sparse_layers.iter().any(|s| *s) {
+                return Ok(None);
+            }
+            let k = f.positive("num_experts_per_tok")?;
+            check_k(e, k)?;
+            Ok(Some(MoeConfig {
+                num_experts: e,
+                top_k: k,
+                expert_intermediate_size: f.positive("moe_intermediate_size")?,
+                norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
+                sparse_layers,
+            }))
+        }
+        _ => Ok(None),
+    }
+}

@@ -1,0 +1,200 @@
+//! [`Model`] and [`load`]: a MODEL argument (preset name, config.json, model directory
+//! or `.weft` text IR) to a verified graph. The kind of file is detected by its content,
+//! not its extension: text whose first line is `graph "..."` is text IR, a JSON object
+//! with `model_type` is an HF config.
+
+use crate::build::{build_graph, params};
+use crate::config::{Family, ModelConfig};
+use crate::error::FrontendError;
+use crate::presets::{find_preset, preset_names};
+use std::path::{Path, PathBuf};
+use weft_ir::{DType, Graph, Op, TensorType};
+
+/// Where a model came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Preset(String),
+    /// An HF config.json (the file itself, not its directory).
+    Config(PathBuf),
+    TextIr(PathBuf),
+}
+
+/// A model: its forward + loss graph and what it was built from.
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub name: String,
+    pub family: Family,
+    /// The parsed config (`None` for text IR).
+    pub config: Option<ModelConfig>,
+    pub graph: Graph,
+    /// The dtype of the (floating-point) parameters.
+    pub param_dtype: DType,
+    /// Checkpoint names that are another parameter under a second name, as
+    /// `(alias, param)`: `("lm_head.weight", "model.embed_tokens.weight")` when tied.
+    pub tied: Vec<(String, String)>,
+    pub origin: Origin,
+}
+
+impl Model {
+    /// Builds the graph of a parsed config; the graph is named `name`.
+    pub fn from_config(name: &str, config: ModelConfig, origin: Origin) -> Result<Model, FrontendError> {
+        let graph = build_graph(name, &config)?;
+        let tied = if config.tie_word_embeddings {
+            vec![(params::LM_HEAD.to_string(), params::EMBED.to_string())]
+        } else {
+            vec![]
+        };
+        Ok(Model { name: name.to_string(), family: config.family, param_dtype: config.dtype, config: Some(config), graph, tied, origin })
+    }
+
+    /// Wraps a verified text-IR graph. Every parameter must have a constant shape.
+    pub fn from_graph(graph: Graph, origin: Origin) -> Result<Model, FrontendError> {
+        let file = match &origin {
+            Origin::TextIr(p) | Origin::Config(p) => p.display().to_string(),
+            Origin::Preset(n) => n.clone(),
+        };
+        weft_ir::verify(&graph).map_err(|r| FrontendError::TextIr { file: file.clone(), message: r.to_string() })?;
+        let mut param_dtype = None;
+        for (name, ty) in graph_params(&graph) {
+            if ty.shape.iter().any(|d| d.as_const().is_none()) {
+                return Err(FrontendError::TextIr { file, message: format!("parameter `{name}` has a symbolic shape {ty}; parameters need constant shapes") });
+            }
+            if param_dtype.is_none() && ty.dtype.is_float() {
+                param_dtype = Some(ty.dtype);
+            }
+        }
+        let names: Vec<String> = graph.params().into_iter().map(|(n, _)| n).collect();
+        let tied = if names.iter().any(|n| n == params::EMBED) && !names.iter().any(|n| n == params::LM_HEAD) {
+            vec![(params::LM_HEAD.to_string(), params::EMBED.to_string())]
+        } else {
+            vec![]
+        };
+        Ok(Model { name: graph.name.clone(), family: Family::WeftIr, config: None, param_dtype: param_dtype.unwrap_or(DType::F32), graph, tied, origin })
+    }
+
+    /// Parameters as `(name, type)` in graph order.
+    pub fn params(&self) -> Vec<(String, TensorType)> {
+        graph_params(&self.graph)
+    }
+
+    /// Total number of parameter elements (a tied weight counts once).
+    pub fn param_count(&self) -> u64 {
+        self.params().iter().map(|(_, t)| t.shape.iter().map(|d| d.as_const().unwrap_or(0) as u64).product::<u64>()).sum()
+    }
+
+    /// The std of HF's normal init (`initializer_range`, 0.02 without a config).
+    pub fn initializer_range(&self) -> f64 {
+        self.config.as_ref().map_or(0.02, |c| c.initializer_range)
+    }
+
+    /// The directory a config or text IR was read from (where weights usually sit).
+    pub fn dir(&self) -> Option<&Path> {
+        match &self.origin {
+            Origin::Config(p) | Origin::TextIr(p) => p.parent(),
+            Origin::Preset(_) => None,
+        }
+    }
+}
+
+fn graph_params(g: &Graph) -> Vec<(String, TensorType)> {
+    g.nodes()
+        .iter()
+        .filter_map(|&n| match &g.node(n).op {
+            Op::Param { name, ty } => Some((name.clone(), ty.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Loads a preset name, a config.json, a model directory (with config.json) or a
+/// weft text-IR file.
+pub fn load(spec: &str) -> Result<Model, FrontendError> {
+    if let Some(p) = find_preset(spec) {
+        return Model::from_config(p.name, p.config()?, Origin::Preset(p.name.to_string()));
+    }
+    let path = Path::new(spec);
+    if path.is_dir() {
+        let config = path.join("config.json");
+        if !config.is_file() {
+            return Err(FrontendError::UnknownSpec { spec: spec.into(), why: "the directory has no config.json".into() });
+        }
+        return load_file(&config, spec);
+    }
+    if path.is_file() {
+        return load_file(path, spec);
+    }
+    let mut why = "it is not a preset, and no file or directory has this path".to_string();
+    let close = similar_presets(spec);
+    if !close.is_empty() {
+        why.push_str(&format!(" (did you mean {}?)", close.join(" or ")));
+    }
+    Err(FrontendError::UnknownSpec { spec: spec.into(), why })
+}
+
+/// Loads a file, detecting its kind by content.
+pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
+    let bytes = std::fs::read(path).map_err(|e| FrontendError::io(path, e))?;
+    if bytes.starts_with(b"PK\x03\x04") {
+        return Err(FrontendError::UnknownSpec {
+            spec: spec.into(),
+            why: "it is a zip archive (a .pt2?); the torch.export importer is not available".into(),
+        });
+    }
+    let Ok(text) = std::str::from_utf8(&bytes) else {
+        return Err(FrontendError::UnknownSpec { spec: spec.into(), why: "it is a binary file, not a config.json or weft text IR".into() });
+    };
+    let text = text.trim_start_matches('\u{feff}');
+    let first = text.lines().map(str::trim).find(|l| !l.is_empty() && !l.starts_with("//")).unwrap_or("");
+    let file = path.display().to_string();
+    if first.starts_with("graph ") {
+        let graph = weft_ir::parse(text).map_err(|e| FrontendError::TextIr { file: file.clone(), message: e.to_string() })?;
+        return Model::from_graph(graph, Origin::TextIr(path.to_path_buf()));
+    }
+    if first.starts_with('{') {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| FrontendError::Json { file: file.clone(), message: e.to_string() })?;
+        if v.get("model_type").is_none() {
+            return Err(FrontendError::UnknownSpec {
+                spec: spec.into(),
+                why: "it is JSON without `model_type`, so not an HF config.json".into(),
+            });
+        }
+        let config = ModelConfig::from_json(&v, &file)?;
+        return Model::from_config(&model_name(path), config, Origin::Config(path.to_path_buf()));
+    }
+    Err(FrontendError::UnknownSpec { spec: spec.into(), why: "it is neither an HF config.json nor weft text IR (`graph \"...\"`)".into() })
+}
+
+/// A config's model name: its directory's name for `.../<name>/config.json`, else the file stem.
+fn model_name(path: &Path) -> String {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
+    if path.file_name().and_then(|s| s.to_str()) != Some("config.json") {
+        return stem.to_string();
+    }
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::env::current_dir().unwrap_or_default(),
+    };
+    let dir = dir.canonicalize().unwrap_or(dir);
+    dir.file_name().and_then(|s| s.to_str()).unwrap_or("model").to_string()
+}
+
+/// Presets whose names contain `spec` or are within two edits of it.
+fn similar_presets(spec: &str) -> Vec<&'static str> {
+    let s = spec.to_ascii_lowercase();
+    preset_names().into_iter().filter(|n| (s.len() >= 3 && n.contains(s.as_str())) || edit_distance(n, &s) <= 2).collect()
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for j in 0..b.len() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != b[j])).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}

@@ -1,0 +1,229 @@
+//! Safetensors checkpoints: reading (one file, or shards listed by
+//! `model.safetensors.index.json`) into host tensors, converting Hub MoE checkpoints'
+//! per-expert tensors to the fused transformers-5 layout the graph uses, checking every
+//! tensor's name, dtype and shape against the graph's parameters (one error listing
+//! every problem), and writing tensors back out.
+
+mod experts;
+pub mod floats;
+
+use crate::error::{FrontendError, WeightProblem};
+use crate::model::Model;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use weft_ir::{DType, HostData, HostTensor, TensorType};
+
+/// Tensors read from a checkpoint, with the file each came from.
+#[derive(Clone, Debug, Default)]
+pub struct Checkpoint {
+    /// The path given (file or directory), for messages.
+    pub source: PathBuf,
+    pub tensors: BTreeMap<String, HostTensor>,
+    /// Tensor name → the file name it was read from.
+    pub files: BTreeMap<String, String>,
+}
+
+const INDEX: &str = "model.safetensors.index.json";
+const SINGLE: &str = "model.safetensors";
+
+/// Reads a checkpoint: a `.safetensors` file, an index json, or a directory holding
+/// `model.safetensors.index.json` or `model.safetensors`.
+pub fn read_checkpoint(path: &Path) -> Result<Checkpoint, FrontendError> {
+    let mut ck = Checkpoint { source: path.to_path_buf(), ..Default::default() };
+    let (dir, files) = if path.is_dir() {
+        if path.join(INDEX).is_file() {
+            (path.to_path_buf(), shard_files(&path.join(INDEX))?)
+        } else if path.join(SINGLE).is_file() {
+            (path.to_path_buf(), vec![SINGLE.to_string()])
+        } else {
+            return Err(FrontendError::Safetensors {
+                file: path.display().to_string(),
+                message: format!("the directory has neither {INDEX} nor {SINGLE}"),
+            });
+        }
+    } else {
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        if name.ends_with(".json") {
+            (dir, shard_files(path)?)
+        } else {
+            (dir, vec![name])
+        }
+    };
+    for f in files {
+        for (name, t) in read_safetensors(&dir.join(&f))? {
+            if let Some(prev) = ck.files.get(&name) {
+                return Err(FrontendError::Safetensors { file: dir.join(&f).display().to_string(), message: format!("tensor `{name}` is also in {prev}") });
+            }
+            ck.files.insert(name.clone(), f.clone());
+            ck.tensors.insert(name, t);
+        }
+    }
+    Ok(ck)
+}
+
+/// The shard files an index lists, sorted and without repeats.
+fn shard_files(index: &Path) -> Result<Vec<String>, FrontendError> {
+    let file = index.display().to_string();
+    let text = std::fs::read_to_string(index).map_err(|e| FrontendError::io(index, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| FrontendError::Json { file: file.clone(), message: e.to_string() })?;
+    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| FrontendError::Json {
+        file: file.clone(),
+        message: "expected an object `weight_map` (tensor name → shard file)".into(),
+    })?;
+    let mut files = Vec::new();
+    for (name, f) in map {
+        let f = f.as_str().ok_or_else(|| FrontendError::Json { file: file.clone(), message: format!("weight_map entry `{name}` is not a file name") })?;
+        files.push(f.to_string());
+    }
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+/// Reads one safetensors file. Floats (f64/f32/bf16/f16) become f64 data, integers and
+/// bools i64 data; each tensor keeps its file dtype.
+pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>, FrontendError> {
+    let bytes = std::fs::read(path).map_err(|e| FrontendError::io(path, e))?;
+    let file = path.display().to_string();
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| FrontendError::Safetensors { file: file.clone(), message: e.to_string() })?;
+    let mut out = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        let t = to_host(&view).map_err(|message| FrontendError::Safetensors { file: file.clone(), message: format!("tensor `{name}`: {message}") })?;
+        out.insert(name, t);
+    }
+    Ok(out)
+}
+
+fn to_host(v: &TensorView) -> Result<HostTensor, String> {
+    let (shape, d) = (v.shape().to_vec(), v.data());
+    let le2 = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
+    Ok(match v.dtype() {
+        Dtype::F64 => HostTensor::floats(DType::F64, shape, d.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()),
+        Dtype::F32 => HostTensor::floats(DType::F32, shape, d.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect()),
+        Dtype::BF16 => HostTensor::floats(DType::BF16, shape, d.chunks_exact(2).map(|c| floats::bf16_to_f32(le2(c)) as f64).collect()),
+        Dtype::F16 => HostTensor::floats(DType::F16, shape, d.chunks_exact(2).map(|c| floats::f16_to_f32(le2(c)) as f64).collect()),
+        Dtype::I64 => HostTensor::ints(DType::I64, shape, d.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
+        Dtype::I32 => HostTensor::ints(DType::I32, shape, d.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64).collect()),
+        Dtype::BOOL => HostTensor::ints(DType::Bool, shape, d.iter().map(|&b| (b != 0) as i64).collect()),
+        other => return Err(format!("dtype {other:?} is not supported (use f32, bf16, f16, f64, i64, i32 or bool)")),
+    })
+}
+
+/// Reads the checkpoint at `path` for `model`: converts per-expert MoE tensors to the
+/// fused layout, drops tied aliases (`lm_head.weight` of a tied model), and checks that
+/// the tensors are exactly the model's parameters with the same dtypes and shapes.
+pub fn load_weights(model: &Model, path: &Path) -> Result<BTreeMap<String, HostTensor>, FrontendError> {
+    let mut ck = read_checkpoint(path)?;
+    let params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
+    let mut problems = Vec::new();
+    let accounted = experts::fuse_experts(&mut ck, &params, &mut problems);
+    for (alias, _) in &model.tied {
+        if !params.contains_key(alias) {
+            ck.tensors.remove(alias);
+            ck.files.remove(alias);
+        }
+    }
+    problems.extend(compare(&params, &ck.tensors, &ck.files, &accounted));
+    if !problems.is_empty() {
+        return Err(FrontendError::WeightMismatch { checkpoint: path.display().to_string(), problems });
+    }
+    Ok(ck.tensors)
+}
+
+/// Checks in-memory tensors against the model's parameters (as `load_weights` does).
+pub fn check_weights(model: &Model, weights: &BTreeMap<String, HostTensor>) -> Result<(), FrontendError> {
+    let params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
+    let problems = compare(&params, weights, &BTreeMap::new(), &Default::default());
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(FrontendError::WeightMismatch { checkpoint: "the given tensors".into(), problems })
+    }
+}
+
+/// Missing, extra and misshaped tensors, in name order (missing first).
+fn compare(
+    params: &BTreeMap<String, TensorType>,
+    tensors: &BTreeMap<String, HostTensor>,
+    files: &BTreeMap<String, String>,
+    accounted: &std::collections::BTreeSet<String>,
+) -> Vec<WeightProblem> {
+    let file_of = |n: &str| files.get(n).cloned().unwrap_or_else(|| "memory".into());
+    let mut problems = Vec::new();
+    for (name, ty) in params {
+        if !tensors.contains_key(name) && !accounted.contains(name) {
+            problems.push(WeightProblem::Missing { name: name.clone(), want: ty.to_string() });
+        }
+    }
+    for (name, t) in tensors {
+        match params.get(name) {
+            None => problems.push(WeightProblem::Extra { name: name.clone(), file: file_of(name) }),
+            Some(ty) => {
+                let want: Vec<Option<i64>> = ty.shape.iter().map(|d| d.as_const()).collect();
+                let got: Vec<Option<i64>> = t.shape.iter().map(|&d| Some(d as i64)).collect();
+                if t.dtype != ty.dtype || want != got {
+                    problems.push(WeightProblem::Misshaped { name: name.clone(), file: file_of(name), got: host_type(t), want: ty.to_string() });
+                }
+            }
+        }
+    }
+    problems
+}
+
+/// `bf16[4, 32]`: a host tensor's type as the IR prints types.
+pub fn host_type(t: &HostTensor) -> String {
+    let dims: Vec<String> = t.shape.iter().map(|d| d.to_string()).collect();
+    format!("{}[{}]", t.dtype, dims.join(", "))
+}
+
+struct Owned {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl safetensors::View for &Owned {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Writes tensors as safetensors: floats as f32, integers as i64, bools as bool.
+pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, HostTensor>) -> Result<(), FrontendError> {
+    let mut owned = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        if t.numel() != data_len(&t.data) {
+            return Err(FrontendError::Write {
+                path: path.to_path_buf(),
+                message: format!("tensor `{name}` has shape {:?} but {} values", t.shape, data_len(&t.data)),
+            });
+        }
+        let o = match (&t.data, t.dtype) {
+            (HostData::I64(v), DType::Bool) => Owned { dtype: Dtype::BOOL, shape: t.shape.clone(), bytes: v.iter().map(|&x| (x != 0) as u8).collect() },
+            (HostData::I64(v), _) => Owned { dtype: Dtype::I64, shape: t.shape.clone(), bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect() },
+            (HostData::F64(v), _) => Owned { dtype: Dtype::F32, shape: t.shape.clone(), bytes: v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect() },
+        };
+        owned.push((name.clone(), o));
+    }
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    safetensors::serialize_to_file(owned.iter().map(|(n, o)| (n.as_str(), o)), Some(meta), path)
+        .map_err(|e| FrontendError::Write { path: path.to_path_buf(), message: e.to_string() })
+}
+
+fn data_len(d: &HostData) -> usize {
+    match d {
+        HostData::F64(v) => v.len(),
+        HostData::I64(v) => v.len(),
+    }
+}

@@ -1,0 +1,37 @@
+//! The printed IR of 1-layer tiny models, pinned. Review changes with `cargo insta review`.
+
+mod common;
+
+fn snapshot(preset: &str) -> String {
+    let m = common::preset_layers(preset, 1);
+    weft_ir::verify(&m.graph).unwrap();
+    weft_ir::print(&m.graph)
+}
+
+macro_rules! ir_snapshot {
+    ($name:literal, $preset:literal) => {
+        insta::with_settings!({ snapshot_path => "../../tests/snapshots", prepend_module_to_snapshot => false, omit_expression => true }, {
+            insta::assert_snapshot!($name, snapshot($preset));
+        });
+    };
+}
+
+#[test]
+fn llama_tiny_1_layer() {
+    ir_snapshot!("frontend-llama-tiny-1l", "llama-tiny");
+}
+
+#[test]
+fn qwen3_tiny_1_layer() {
+    ir_snapshot!("frontend-qwen3-tiny-1l", "qwen3-tiny");
+}
+
+#[test]
+fn mixtral_tiny_1_layer() {
+    ir_snapshot!("frontend-mixtral-tiny-1l", "mixtral-tiny");
+}
+
+#[test]
+fn phi3_tiny_1_layer() {
+    ir_snapshot!("frontend-phi3-tiny-1l", "phi3-tiny");
+}
