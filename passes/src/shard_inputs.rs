@@ -5,6 +5,11 @@
 //! `slice {dim=0, start=@dp*B/dp, len=B/dp}`. The start is the rank coordinate times
 //! the block size, a symbol: one program serves every rank.
 //!
+//! Every pass preserves meaning, so the slices are followed by `all_gather`s that make
+//! the whole tensor again: the program still computes exactly what the unsharded one
+//! does (and verifies, and can be run). `shard-seq` then removes these gathers and
+//! pushes the per-rank sizes down to the ops that combine tokens.
+//!
 //! Labels are sliced *after* `shift_labels`: the shift moves the first label of block
 //! `r+1` into the last position of block `r`, so no target is lost at a shard boundary
 //! (DeepSpeed AutoSP shifts per shard and loses it). An `attention_mask` input keeps its
@@ -12,7 +17,7 @@
 //! its batch dim is split over `dp`.
 
 use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, DP, SP};
-use crate::util::{made_by, meta_for, insert1, Layout, Split};
+use crate::util::{gather_dims, insert1, made_by, meta_for, Layout, Split};
 use weft_ir::{At, Graph, Node, Op, Role, Value};
 
 pub struct ShardInputs;
@@ -32,7 +37,7 @@ impl Pass for ShardInputs {
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let layout = Layout::of(g, cx, NAME)?;
         let mut res = PassResult::unchanged();
-        res.count("inputs_sliced", 0).count("slices", 0);
+        res.count("inputs_sliced", 0).count("slices", 0).count("gathers", 0);
         for (name, role, v) in g.inputs() {
             let uses = uses_of(g, v);
             if uses.iter().any(|&(n, _)| made_by(g, n, NAME) && matches!(g.node(n).op, Op::Slice { .. })) {
@@ -92,6 +97,7 @@ fn shard_value(
     let ty = g.ty(v).clone();
     let mut cur = v;
     let mut anchor = g.def(v);
+    let mut sliced = Vec::new();
     for (dim, split) in layout.splits() {
         if batch_only && dim != 0 {
             continue;
@@ -104,12 +110,17 @@ fn shard_value(
         let meta = meta_for(g, anchor, NAME, reason);
         cur = insert1(g, NAME, At::After(anchor), op, &[cur], meta)?;
         anchor = g.def(cur);
+        sliced.push(dim);
         res.count("slices", 1);
     }
-    if cur != v {
-        for &(n, i) in uses {
-            g.node_mut(n).operands[i] = cur;
-        }
+    if cur == v {
+        return Ok(());
+    }
+    let reason = format!("{what}: restores the unsharded value until shard-seq propagates the split");
+    let whole = gather_dims(g, NAME, layout, cur, &sliced, anchor, &reason)?;
+    res.count("gathers", sliced.len() as u64);
+    for &(n, i) in uses {
+        g.node_mut(n).operands[i] = whole;
     }
     Ok(())
 }

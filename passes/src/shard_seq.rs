@@ -1,22 +1,31 @@
 //! `shard-seq`: propagates the per-rank token dims from the sliced inputs through the
-//! graph.
+//! graph, keeping the program equal to the unsharded one.
 //!
-//! Every transitive consumer of a sharded value is re-typed by the op's shape rule
-//! (`Graph::reinfer`), and attributes that spell a global size are rewritten to the
-//! per-rank size (`S` -> `S/sp`, `B` -> `B/dp`) where the old attribute no longer fits
-//! the new operand: `reshape` and `expand` targets. The position `arange` that feeds
-//! RoPE becomes `arange {start=@sp*S/sp}` of length `S/sp`, so every rank rotates its
-//! tokens by their global positions.
+//! It removes the `all_gather`s `shard-inputs` left after each input slice and walks the
+//! graph in program order. Each node that reads a per-rank value is
 //!
-//! Ops that would mix tokens across ranks (a reduction, softmax, concat, slice, gather or
-//! matmul contraction over a sharded dim) are errors, not silent partial results. The
-//! exceptions are `attention` (rewritten by `ulysses-attention`) and `cross_entropy` /
-//! `count_valid` (all-reduced by `sp-loss`).
+//! - **token-local** (embedding, linear, norms, elementwise ops, reshapes, rope, MoE
+//!   routing...): it is re-typed by its shape rule (`Graph::reinfer`); `reshape` and
+//!   `expand` targets spelled with the global sizes are rewritten to the per-rank ones
+//!   (`S` -> `S/sp`, `B` -> `B/dp`) where they no longer fit their operand;
+//! - **token-mixing** along a per-rank dim (attention over the sequence, the loss over
+//!   every token, a reduction, softmax, concat or contraction over that dim): the per-rank
+//!   operand dims it mixes are `all_gather`ed back to the whole, so it computes what it
+//!   did before. After `attention` the output is sliced back to this rank's block so the
+//!   rest of the layer stays per-rank; `ulysses-attention` then trades the gather/slice
+//!   pair for all_to_alls, and `sp-loss` the loss gathers for all_reduces;
+//! - anything that does not fit per-rank operands (a node mixing a per-rank value with
+//!   a whole one) falls back to gathering its operands (counted as `fallback_gathers`).
+//!
+//! The position `arange` that feeds RoPE becomes `arange {start=@sp*S/sp}` of length
+//! `S/sp`, so each rank rotates its tokens by their global positions. Outputs that end
+//! per-rank are gathered; `sp-loss` records their split instead.
 
 use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, DP, SP};
-use crate::util::Layout;
+use crate::util::{gather_dims, insert1, made_by, meta_for, Layout};
+use std::collections::HashMap;
 use weft_ir::shape::norm_dim;
-use weft_ir::{Dim, Graph, Node, Op, Provenance, TensorType, Value};
+use weft_ir::{At, Dim, Graph, Node, Op, Provenance, Reduction, TensorType, Value};
 
 pub struct ShardSeq;
 
@@ -27,7 +36,7 @@ impl Pass for ShardSeq {
         NAME
     }
     fn summary(&self) -> &'static str {
-        "re-type every consumer of the sliced inputs to per-rank sizes (S -> S/sp, B -> B/dp); RoPE positions start at @sp*S/sp"
+        "propagate per-rank token sizes (S -> S/sp, B -> B/dp) from the sliced inputs; gather only where ops mix tokens; RoPE positions start at @sp*S/sp"
     }
     fn requires(&self) -> &'static [&'static str] {
         &[crate::shard_inputs::NAME]
@@ -38,60 +47,223 @@ impl Pass for ShardSeq {
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let layout = Layout::of(g, cx, NAME)?;
         let mut res = PassResult::unchanged();
-        res.count("nodes_retyped", 0).count("attrs_localized", 0).count("positions_rewritten", 0);
-
-        let positions = match &layout.seq {
-            Some(s) => position_aranges(g, &Dim::sym(&s.symbol)),
-            None => vec![],
-        };
-        let mut sharded = vec![false; g.value_capacity()];
-        let order: Vec<Node> = g.nodes().to_vec();
-        // Seeds: values already per-rank (the slices of shard-inputs).
-        for &n in &order {
-            for &v in &g.node(n).results {
-                if g.ty(v).shape.iter().any(|d| layout.is_sharded(d)) {
-                    sharded[v.0 as usize] = true;
-                }
-            }
+        for k in ["input_gathers_removed", "nodes_retyped", "attrs_localized", "positions_rewritten", "gathers", "fallback_gathers", "outputs_gathered"] {
+            res.count(k, 0);
         }
-        for &n in &order {
-            if positions.contains(&n) {
-                if rewrite_arange(g, n, &layout) {
+        // 1. Drop the gathers shard-inputs put after the slices.
+        let restoring: Vec<Node> = g
+            .nodes()
+            .iter()
+            .copied()
+            .filter(|&n| matches!(g.node(n).op, Op::AllGather { .. }) && made_by(g, n, crate::shard_inputs::NAME))
+            .collect();
+        for n in restoring {
+            let (x, r) = (g.node(n).operands[0], g.node(n).results[0]);
+            g.replace_all_uses(r, x);
+            g.remove_node(n);
+            res.count("input_gathers_removed", 1);
+            res.changed = true;
+        }
+        let mut p = Propagation { layout, gathered: HashMap::new() };
+        // 2. Positions.
+        if let Some(s) = &p.layout.seq {
+            for n in position_aranges(g, &Dim::sym(&s.symbol)) {
+                if p.rewrite_arange(g, n) {
                     res.count("positions_rewritten", 1);
                     res.changed = true;
                 }
-                for &v in &g.node(n).results {
-                    sharded[v.0 as usize] = true;
-                }
+            }
+        }
+        // 3. Every consumer of a per-rank value, in program order.
+        let order: Vec<Node> = g.nodes().to_vec();
+        for n in order {
+            if g.try_node(n).is_none() || !g.node(n).operands.iter().any(|&v| p.per_rank(g, v)) {
                 continue;
             }
-            let d = g.node(n);
-            if !d.operands.iter().any(|v| sharded[v.0 as usize]) {
-                continue;
+            if made_by(g, n, NAME) {
+                continue; // a gather or slice this pass made
             }
-            check_no_mixing(g, n, &layout)?;
-            if localize_attrs(g, n, &layout) {
-                res.count("attrs_localized", 1);
-                res.changed = true;
-            }
-            let before: Vec<TensorType> = g.node(n).results.iter().map(|v| g.ty(*v).clone()).collect();
-            g.reinfer(n).map_err(|e| {
-                PassError::rewrite(NAME, format!("`{NAME}` cannot give `{}` per-rank sizes", e.op), e.location, e.message).with_help(
-                    "an attribute or another operand still has the global size; build it from the sharded values or mark the input with its role",
-                )
-            })?;
-            let results = g.node(n).results.clone();
-            let mut retyped = false;
-            for (v, old) in results.iter().zip(&before) {
-                sharded[v.0 as usize] = true;
-                retyped |= g.ty(*v) != old;
-            }
-            if retyped {
-                res.count("nodes_retyped", 1);
+            p.visit(g, n, &mut res)?;
+        }
+        // 4. Outputs stay whole.
+        let outputs: Vec<(String, Value)> = g.outputs().to_vec();
+        for (name, v) in outputs {
+            if p.per_rank(g, v) {
+                let dims = p.sharded_dims(g, v);
+                let anchor = g.def(v);
+                let whole = p.gather(g, v, &dims, anchor, &format!("output `{name}`"))?;
+                g.set_output(&name, whole);
+                res.count("outputs_gathered", 1);
                 res.changed = true;
             }
         }
+        res.count("gathers", p.gathered.len() as u64);
         Ok(res)
+    }
+}
+
+struct Propagation {
+    layout: Layout,
+    /// Gathers made so far, by (value, dims): one gather serves every consumer.
+    gathered: HashMap<(Value, Vec<usize>), Value>,
+}
+
+impl Propagation {
+    fn per_rank(&self, g: &Graph, v: Value) -> bool {
+        g.ty(v).shape.iter().any(|d| self.layout.is_sharded(d))
+    }
+
+    fn sharded_dims(&self, g: &Graph, v: Value) -> Vec<usize> {
+        g.ty(v).shape.iter().enumerate().filter(|(_, d)| self.layout.is_sharded(d)).map(|(k, _)| k).collect()
+    }
+
+    fn gather(&mut self, g: &mut Graph, v: Value, dims: &[usize], user: Node, reason: &str) -> Result<Value, PassError> {
+        let key = (v, dims.to_vec());
+        if let Some(&w) = self.gathered.get(&key) {
+            return Ok(w);
+        }
+        let w = gather_dims(g, NAME, &self.layout, v, dims, user, reason)?;
+        self.gathered.insert(key, w);
+        Ok(w)
+    }
+
+    fn rewrite_arange(&self, g: &mut Graph, n: Node) -> bool {
+        let split = self.layout.seq.as_ref().expect("positions are rewritten only when the sequence is split");
+        let Op::Arange { start, ty } = &g.node(n).op else { return false };
+        if ty.shape[0] != Dim::sym(&split.symbol) {
+            return false; // already per-rank
+        }
+        let new_start = start.clone() + split.start();
+        let new_ty = ty.with_shape(vec![split.local()]);
+        let reason = format!("positions of this rank's block [{}, +{}) so RoPE uses global positions", new_start, split.local());
+        let d = g.node_mut(n);
+        d.op = Op::Arange { start: new_start, ty: new_ty };
+        d.meta.provenance = Some(Provenance { pass: NAME.to_string(), reason });
+        g.reinfer(n).is_ok()
+    }
+
+    fn visit(&mut self, g: &mut Graph, n: Node, res: &mut PassResult) -> Result<(), PassError> {
+        let before: Vec<TensorType> = g.node(n).results.iter().map(|v| g.ty(*v).clone()).collect();
+        let mixed = self.mixed_dims(g, n);
+        if !mixed.is_empty() {
+            self.gather_operands(g, n, &mixed, &format!("`{}` combines tokens", g.node(n).op.name()))?;
+            self.reinfer(g, n)?;
+            if matches!(g.node(n).op, Op::Attention { .. }) {
+                self.reslice_attention(g, n)?;
+            }
+        } else {
+            let original = g.node(n).op.clone();
+            if localize_attrs(g, n, &self.layout) {
+                res.count("attrs_localized", 1);
+            }
+            if g.reinfer(n).is_err() {
+                // Does not fit per-rank operands: compute it whole.
+                g.node_mut(n).op = original;
+                let all: Vec<(usize, Vec<usize>)> =
+                    (0..g.node(n).operands.len()).map(|i| (i, self.sharded_dims(g, g.node(n).operands[i]))).collect();
+                self.gather_operands(g, n, &all, "operands of different sizes per rank")?;
+                self.reinfer(g, n)?;
+                res.count("fallback_gathers", 1);
+            }
+        }
+        let retyped = g.node(n).results.iter().zip(&before).any(|(v, t)| g.ty(*v) != t);
+        if retyped {
+            res.count("nodes_retyped", 1);
+        }
+        res.changed = true;
+        Ok(())
+    }
+
+    fn reinfer(&self, g: &mut Graph, n: Node) -> Result<(), PassError> {
+        g.reinfer(n).map_err(|e| {
+            PassError::rewrite(NAME, format!("`{NAME}` cannot give `{}` per-rank sizes", e.op), e.location, e.message)
+                .with_help("an attribute or operand still has a global size that shard-seq cannot tell apart; please report the model")
+        })
+    }
+
+    /// Gathers the listed per-rank dims of each operand, for node `n` only.
+    fn gather_operands(&mut self, g: &mut Graph, n: Node, dims: &[(usize, Vec<usize>)], reason: &str) -> Result<(), PassError> {
+        for (i, ds) in dims {
+            if ds.is_empty() {
+                continue;
+            }
+            let v = g.node(n).operands[*i];
+            let w = self.gather(g, v, ds, n, reason)?;
+            g.node_mut(n).operands[*i] = w;
+        }
+        Ok(())
+    }
+
+    /// Attention computed whole: keep this rank's sequence block of the output.
+    fn reslice_attention(&mut self, g: &mut Graph, n: Node) -> Result<(), PassError> {
+        let Some(split) = self.layout.seq.clone() else { return Ok(()) };
+        let out = g.node(n).results[0];
+        if g.ty(out).shape[2] != Dim::sym(&split.symbol) {
+            return Ok(());
+        }
+        let op = Op::Slice { dim: 2, start: split.start(), len: split.local() };
+        let meta = meta_for(g, n, NAME, "attention output: back to this rank's sequence block (ulysses-attention replaces the gathers and this slice with all_to_alls)");
+        let local = insert1(g, NAME, At::After(n), op, &[out], meta)?;
+        g.replace_uses_except(out, local, g.def(local));
+        Ok(())
+    }
+
+    /// The per-rank dims, per operand, that node `n` combines tokens along.
+    fn mixed_dims(&self, g: &Graph, n: Node) -> Vec<(usize, Vec<usize>)> {
+        let d = g.node(n);
+        let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (i, dim) in mixing_dims(g, n) {
+            let t = g.ty(d.operands[i]);
+            let Ok(k) = norm_dim(dim, t.rank()) else { continue };
+            if self.layout.is_sharded(&t.shape[k]) {
+                match out.iter_mut().find(|(j, _)| *j == i) {
+                    Some((_, ks)) if !ks.contains(&k) => ks.push(k),
+                    Some(_) => {}
+                    None => out.push((i, vec![k])),
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `(operand, dim)` pairs node `n` combines values along (dims may be negative).
+fn mixing_dims(g: &Graph, n: Node) -> Vec<(usize, i64)> {
+    let d = g.node(n);
+    let rank = |i: usize| g.ty(d.operands[i]).rank() as i64;
+    let all = |i: usize| (0..rank(i)).map(move |k| (i, k));
+    match &d.op {
+        Op::Attention { .. } => {
+            // Attention mixes the sequence of q, k, v (and both sequence dims of a mask).
+            let mut v = vec![(0, 2), (1, 2), (2, 2)];
+            if d.operands.len() > 3 {
+                v.extend([(3, 2), (3, 3)]);
+            }
+            v
+        }
+        Op::CrossEntropy { reduction: Reduction::None, .. } => vec![(0, -1)],
+        Op::CrossEntropy { .. } => all(0).chain(all(1)).collect(),
+        Op::CountValid { .. } => all(0).collect(),
+        Op::Sum { dims, .. } | Op::Mean { dims, .. } | Op::Max { dims, .. } => dims.iter().map(|&k| (0, k)).collect(),
+        Op::Softmax { dim } | Op::LogSoftmax { dim } | Op::Topk { dim, .. } => vec![(0, *dim)],
+        Op::Concat { dim } => (0..d.operands.len()).map(|i| (i, *dim)).collect(),
+        Op::Gather { dim } | Op::IndexSelect { dim } => vec![(0, *dim)],
+        Op::ScatterAdd { dim } => vec![(0, *dim), (1, *dim), (2, *dim)],
+        Op::Linear {} | Op::RmsNorm { .. } | Op::ShiftLabels { .. } => vec![(0, -1)],
+        Op::Matmul { transpose_a, transpose_b } => {
+            vec![(0, if *transpose_a { -2 } else { -1 }), (1, if *transpose_b { -1 } else { -2 })]
+        }
+        Op::Slice { dim, start, len } => {
+            let t = g.ty(d.operands[0]);
+            match norm_dim(*dim, t.rank()) {
+                Ok(k) if !(start.as_const() == Some(0) && *len == t.shape[k]) => vec![(0, *dim)],
+                _ => vec![],
+            }
+        }
+        Op::Split { dim, sizes } if sizes.len() > 1 => vec![(0, *dim)],
+        // Collectives already written into the model exchange whole tensors.
+        op if op.is_collective() => all(0).collect(),
+        _ => vec![],
     }
 }
 
@@ -120,29 +292,14 @@ fn position_aranges(g: &Graph, seq: &Dim) -> Vec<Node> {
         }
     }
     out.sort();
+    out.dedup();
     out
 }
 
-fn rewrite_arange(g: &mut Graph, n: Node, layout: &Layout) -> bool {
-    let split = layout.seq.as_ref().expect("positions are only rewritten when the sequence is split");
-    let Op::Arange { start, ty } = &g.node(n).op else { return false };
-    if ty.shape[0] != Dim::sym(&split.symbol) {
-        return false; // already per-rank
-    }
-    let new_start = start.clone() + split.start();
-    let new_ty = ty.with_shape(vec![split.local()]);
-    let reason = format!("positions of this rank's block [{}, +{}) so RoPE uses global positions", new_start, split.local());
-    let d = g.node_mut(n);
-    d.op = Op::Arange { start: new_start, ty: new_ty };
-    d.meta.provenance = Some(Provenance { pass: NAME.to_string(), reason });
-    let _ = g.reinfer(n);
-    true
-}
-
-/// Rewrites `reshape`/`expand`/`slice` attributes that no longer fit their (now
-/// per-rank) operand. A reshape target takes the fewest localized symbols that make its
-/// element count match (a batch-split mask keeps its global sequence dims); an expand
-/// copies the operand's per-rank dims and localizes only the dims it broadcasts.
+/// Rewrites `reshape`/`expand` targets that no longer fit their (now per-rank)
+/// operand. A reshape target takes the fewest localized symbols that make its element
+/// count match (a batch-split mask keeps its global sequence dims); an expand copies
+/// the operand's per-rank dims and localizes only the dims it broadcasts.
 fn localize_attrs(g: &mut Graph, n: Node, layout: &Layout) -> bool {
     let operand_ty = g.ty(g.node(n).operands[0]).clone();
     let new_op = match &g.node(n).op {
@@ -157,20 +314,16 @@ fn localize_attrs(g: &mut Graph, n: Node, layout: &Layout) -> bool {
                 2 => vec![vec![0], vec![1], vec![0, 1]],
                 _ => vec![],
             };
-            let mut found = None;
-            for subset in subsets {
+            let found = subsets.into_iter().find_map(|subset| {
                 let cand: Vec<Dim> = shape
                     .iter()
                     .map(|d| subset.iter().fold(d.clone(), |acc, &i| acc.substitute(&splits[i].1.symbol, &splits[i].1.local())))
                     .collect();
-                if numel(&cand) == operand_ty.numel() {
-                    found = Some(cand);
-                    break;
-                }
-            }
+                (numel(&cand) == operand_ty.numel()).then_some(cand)
+            });
             match found {
                 Some(shape) => Op::Reshape { shape },
-                None => return false, // reinfer reports the mismatch
+                None => return false,
             }
         }
         Op::Expand { shape } => {
@@ -189,14 +342,6 @@ fn localize_attrs(g: &mut Graph, n: Node, layout: &Layout) -> bool {
                 .collect();
             Op::Expand { shape }
         }
-        Op::Slice { dim, start, len } => {
-            // A full-range slice written with the global size stays full-range.
-            let Ok(k) = norm_dim(*dim, operand_ty.rank()) else { return false };
-            if start.as_const() != Some(0) || *len == operand_ty.shape[k] || layout.localize(len) != operand_ty.shape[k] {
-                return false;
-            }
-            Op::Slice { dim: *dim, start: start.clone(), len: operand_ty.shape[k].clone() }
-        }
         _ => return false,
     };
     if new_op == g.node(n).op {
@@ -204,59 +349,4 @@ fn localize_attrs(g: &mut Graph, n: Node, layout: &Layout) -> bool {
     }
     g.node_mut(n).op = new_op;
     true
-}
-
-/// Errors when `n` would combine values across the ranks' token blocks.
-fn check_no_mixing(g: &Graph, n: Node, layout: &Layout) -> Result<(), PassError> {
-    let d = g.node(n);
-    let ty = |i: usize| g.ty(d.operands[i]);
-    // (operand, dim, what the op does along it)
-    let mut along: Vec<(usize, i64, &str)> = Vec::new();
-    match &d.op {
-        Op::Sum { dims, .. } | Op::Mean { dims, .. } | Op::Max { dims, .. } => {
-            along.extend(dims.iter().map(|&x| (0, x, "reduces over")));
-        }
-        Op::Softmax { dim } | Op::LogSoftmax { dim } => along.push((0, *dim, "normalizes over")),
-        Op::Topk { dim, .. } => along.push((0, *dim, "selects along")),
-        Op::Concat { dim } => along.extend((0..d.operands.len()).map(|i| (i, *dim, "concatenates along"))),
-        Op::Gather { dim } | Op::IndexSelect { dim } => along.push((0, *dim, "indexes along")),
-        Op::ScatterAdd { dim } => along.push((0, *dim, "scatters along")),
-        Op::Linear {} => along.push((0, -1, "contracts")),
-        Op::RmsNorm { .. } => along.push((0, -1, "normalizes over")),
-        Op::Matmul { transpose_a, transpose_b } => {
-            along.push((0, if *transpose_a { -2 } else { -1 }, "contracts"));
-            along.push((1, if *transpose_b { -1 } else { -2 }, "contracts"));
-        }
-        Op::Slice { dim, start, len } => {
-            let t = ty(0);
-            if let Ok(k) = norm_dim(*dim, t.rank()) {
-                let full = start.as_const() == Some(0) && (*len == t.shape[k] || layout.localize(len) == t.shape[k]);
-                if !full {
-                    along.push((0, *dim, "slices"));
-                }
-            }
-        }
-        Op::Split { dim, sizes } if sizes.len() > 1 => along.push((0, *dim, "splits")),
-        Op::ShiftLabels { .. } => along.push((0, -1, "shifts along")),
-        _ => {}
-    }
-    for (i, dim, what) in along {
-        let t = ty(i);
-        let Ok(k) = norm_dim(dim, t.rank()) else { continue };
-        let size = &t.shape[k];
-        if layout.is_sharded(size) {
-            let axis = layout.splits().iter().find(|(_, s)| size.mentions(s.axis)).map(|(_, s)| s.axis).unwrap_or(SP);
-            return Err(PassError::rewrite(
-                NAME,
-                format!("`{NAME}` cannot shard `{}`", d.op.name()),
-                g.describe(n),
-                format!(
-                    "it {what} dim {k} of {} ({t}), which is split over `{axis}`; each rank would compute a partial result",
-                    d.operands[i]
-                ),
-            )
-            .with_help("only `attention` (ulysses-attention) and `cross_entropy`/`count_valid` (sp-loss) may combine tokens across ranks"));
-        }
-    }
-    Ok(())
 }

@@ -1,17 +1,19 @@
-//! `sp-loss`: the loss stays the global mean over valid tokens.
+//! `sp-loss`: the loss stays the global mean over valid tokens, computed per rank.
 //!
-//! Each rank's `cross_entropy {reduction=sum}` and `count_valid` cover only its tokens.
-//! Both are `all_reduce`d (sum) over `sp` (and `dp`) before the loss divides them, so
-//! the result equals the unsharded loss exactly, whatever number of ignored labels each
-//! rank holds (averaging per-shard means, as DeepSpeed AutoSP does, is wrong whenever
-//! ranks hold different numbers of valid labels). A `reduction=mean` cross-entropy is
-//! rewritten to that sum / count form.
+//! After `shard-seq` the loss ops read all_gathered (whole) logits and labels. This pass
+//! lets each rank compute `cross_entropy {reduction=sum}` and `count_valid` over its own
+//! tokens and `all_reduce`s (sum) both over `sp` (and `dp`) before the loss divides
+//! them, so the result equals the unsharded loss exactly, whatever number of ignored
+//! labels each rank holds (averaging per-shard means, as DeepSpeed AutoSP does, is wrong
+//! whenever ranks hold different numbers of valid labels). A `reduction=mean`
+//! cross-entropy becomes that sum / count form.
 //!
-//! It also records how each per-rank output is split (`logits`: dim 1 over `sp`, dim 0
-//! over `dp`), so runtimes and plans can reassemble it.
+//! Outputs that shard-seq gathered (`logits`) are returned per rank instead, with their
+//! split recorded (`logits`: dim 0 over `dp`, dim 1 over `sp`), so runtimes and plans
+//! reassemble them without an all_gather.
 
 use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, DP, SP};
-use crate::util::{insert1, made_by, meta_for, Layout};
+use crate::util::{insert1, meta_for, remove_unused, strip_gathers};
 use weft_ir::{At, Graph, Node, Op, ReduceOp, Reduction, Value};
 
 pub struct SpLoss;
@@ -23,7 +25,7 @@ impl Pass for SpLoss {
         NAME
     }
     fn summary(&self) -> &'static str {
-        "all_reduce the cross-entropy sum and the valid-label count over sp/dp before the loss divides them; record output splits"
+        "compute the cross-entropy sum and valid-label count per rank and all_reduce them over sp/dp before the loss divides; return per-rank outputs with their split"
     }
     fn requires(&self) -> &'static [&'static str] {
         &[crate::shard_seq::NAME]
@@ -31,33 +33,43 @@ impl Pass for SpLoss {
     fn mesh_axes(&self) -> MeshAxes {
         MeshAxes::AnyOf(&[SP, DP])
     }
-    fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
-        let layout = Layout::of(g, cx, NAME)?;
-        let axes: Vec<&'static str> = layout.splits().iter().map(|(_, s)| s.axis).collect();
+    fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
         res.count("all_reduce", 0).count("mean_rewritten", 0).count("outputs_split", 0);
+        let mut stripped: Vec<Node> = Vec::new();
         let order: Vec<Node> = g.nodes().to_vec();
         for n in order {
             let d = g.node(n);
-            let sharded = d.operands.iter().any(|v| g.ty(*v).shape.iter().any(|x| layout.is_sharded(x)));
-            if !sharded || already_reduced(g, d.results[0]) {
+            let (is_ce, is_count) = (matches!(d.op, Op::CrossEntropy { .. }), matches!(d.op, Op::CountValid { .. }));
+            if !(is_ce || is_count) || matches!(d.op, Op::CrossEntropy { reduction: Reduction::None, .. }) {
                 continue;
             }
-            match d.op.clone() {
-                Op::CrossEntropy { reduction: Reduction::Sum, .. } => {
-                    let out = d.results[0];
-                    let reason = "cross_entropy sum: add every rank's token losses (global sum over valid tokens)";
-                    all_reduce_after(g, n, out, &axes, reason, &mut res)?;
-                }
-                Op::CountValid { .. } => {
-                    let out = d.results[0];
-                    let reason = "count_valid: the global number of valid labels, so the loss is not a mean of per-shard means";
-                    all_reduce_after(g, n, out, &axes, reason, &mut res)?;
-                }
+            // Every operand must be gathered the same way (logits [B, S, V] and labels [B, S]).
+            let parts: Vec<(Value, Vec<(usize, String)>, Vec<Node>)> =
+                d.operands.iter().map(|&v| strip_gathers(g, v, crate::shard_seq::NAME)).collect();
+            let dims = &parts[0].1;
+            if dims.is_empty() || parts.iter().any(|p| p.1 != *dims) {
+                continue;
+            }
+            let axes: Vec<String> = [SP, DP].iter().filter(|a| dims.iter().any(|(_, x)| x == *a)).map(|a| a.to_string()).collect();
+            g.node_mut(n).operands = parts.iter().map(|p| p.0).collect();
+            stripped.extend(parts.into_iter().flat_map(|p| p.2));
+            match g.node(n).op.clone() {
                 Op::CrossEntropy { reduction: Reduction::Mean, ignore_index } => {
                     rewrite_mean(g, n, ignore_index, &axes, &mut res)?;
                 }
-                _ => continue,
+                Op::CrossEntropy { .. } => {
+                    g.reinfer(n).map_err(|e| crate::util::build_error(NAME, e))?;
+                    let out = g.node(n).results[0];
+                    let reason = "cross_entropy sum: add every rank's token losses (global sum over valid tokens)";
+                    all_reduce_after(g, n, out, &axes, reason, &mut res)?;
+                }
+                _ => {
+                    g.reinfer(n).map_err(|e| crate::util::build_error(NAME, e))?;
+                    let out = g.node(n).results[0];
+                    let reason = "count_valid: the global number of valid labels, so the loss is not a mean of per-shard means";
+                    all_reduce_after(g, n, out, &axes, reason, &mut res)?;
+                }
             }
             res.changed = true;
         }
@@ -66,35 +78,26 @@ impl Pass for SpLoss {
             if !g.output_split(&name).is_empty() {
                 continue;
             }
-            let shape = g.ty(v).shape.clone();
-            let mut any = false;
-            for (i, dim) in shape.iter().enumerate() {
-                for (_, s) in layout.splits() {
-                    if dim.mentions(s.axis) {
-                        g.add_output_split(&name, i, s.axis);
-                        any = true;
-                    }
-                }
+            let (local, dims, nodes) = strip_gathers(g, v, crate::shard_seq::NAME);
+            if dims.is_empty() {
+                continue;
             }
-            if any {
-                res.count("outputs_split", 1);
-                res.changed = true;
+            g.set_output(&name, local);
+            for (dim, axis) in &dims {
+                g.add_output_split(&name, *dim, axis);
             }
+            stripped.extend(nodes);
+            res.count("outputs_split", 1);
+            res.changed = true;
         }
+        remove_unused(g, &stripped);
         Ok(res)
     }
 }
 
-/// True when `v` feeds an all_reduce this pass made (applying twice must not reduce twice).
-fn already_reduced(g: &Graph, v: Value) -> bool {
-    g.uses()
-        .get(v.0 as usize)
-        .is_some_and(|u| u.iter().any(|&(m, _)| made_by(g, m, NAME) && matches!(g.node(m).op, Op::AllReduce { .. })))
-}
-
 /// Inserts `all_reduce sum` over each axis after `v` and makes every other use of `v`
 /// read the reduced value.
-fn all_reduce_after(g: &mut Graph, anchor: Node, v: Value, axes: &[&str], reason: &str, res: &mut PassResult) -> Result<Value, PassError> {
+fn all_reduce_after(g: &mut Graph, anchor: Node, v: Value, axes: &[String], reason: &str, res: &mut PassResult) -> Result<Value, PassError> {
     let (first, last) = all_reduce_chain(g, anchor, v, axes, reason, res)?;
     g.replace_uses_except(v, last, first);
     Ok(last)
@@ -102,13 +105,13 @@ fn all_reduce_after(g: &mut Graph, anchor: Node, v: Value, axes: &[&str], reason
 
 /// `all_reduce sum` of `v` over each axis in turn, right after `v`'s definition:
 /// the first node of the chain and the reduced value. Uses of `v` are left alone.
-fn all_reduce_chain(g: &mut Graph, anchor: Node, v: Value, axes: &[&str], reason: &str, res: &mut PassResult) -> Result<(Node, Value), PassError> {
+fn all_reduce_chain(g: &mut Graph, anchor: Node, v: Value, axes: &[String], reason: &str, res: &mut PassResult) -> Result<(Node, Value), PassError> {
     let mut cur = v;
     let mut at = g.def(v);
     let mut first = None;
     for axis in axes {
         let meta = meta_for(g, anchor, NAME, format!("{reason}, over {axis}"));
-        cur = insert1(g, NAME, At::After(at), Op::AllReduce { axis: axis.to_string(), op: ReduceOp::Sum }, &[cur], meta)?;
+        cur = insert1(g, NAME, At::After(at), Op::AllReduce { axis: axis.clone(), op: ReduceOp::Sum }, &[cur], meta)?;
         at = g.def(cur);
         first.get_or_insert(at);
         res.count("all_reduce", 1);
@@ -117,10 +120,11 @@ fn all_reduce_chain(g: &mut Graph, anchor: Node, v: Value, axes: &[&str], reason
 }
 
 /// `cross_entropy {mean}` -> `div(all_reduce(cross_entropy {sum}), all_reduce(count_valid))`.
-fn rewrite_mean(g: &mut Graph, n: Node, ignore_index: i64, axes: &[&str], res: &mut PassResult) -> Result<(), PassError> {
+fn rewrite_mean(g: &mut Graph, n: Node, ignore_index: i64, axes: &[String], res: &mut PassResult) -> Result<(), PassError> {
     let labels = g.node(n).operands[1];
     let out = g.node(n).results[0];
     g.node_mut(n).op = Op::CrossEntropy { ignore_index, reduction: Reduction::Sum };
+    g.reinfer(n).map_err(|e| crate::util::build_error(NAME, e))?;
     let (first, sum_r) = all_reduce_chain(g, n, out, axes, "cross_entropy sum (was mean)", res)?;
     let meta = meta_for(g, n, NAME, "valid labels of this rank: a mean of per-shard means would weight ranks unequally");
     let count = insert1(g, NAME, At::After(g.def(sum_r)), Op::CountValid { ignore_index }, &[labels], meta)?;

@@ -1,10 +1,12 @@
 //! `ulysses-attention`: DeepSpeed-Ulysses sequence parallelism around every attention.
 //!
-//! After `shard-seq` each rank holds q/k/v for its block of the sequence:
-//! `[B, N, S/sp, D]`. An `all_to_all {scatter_dim=1, gather_dim=2}` on each trades
-//! heads for sequence, `[B, N/sp, S, D]`: every rank now holds whole sequences for
-//! `N/sp` heads, so attention (causal masks included) is exact. A second all_to_all
-//! on the output (`scatter_dim=2, gather_dim=1`) trades back.
+//! After `shard-seq` each rank holds q/k/v for its block of the sequence,
+//! `[B, N, S/sp, D]`, all_gathers them whole for the attention and slices its output
+//! back. This pass replaces that: an `all_to_all {scatter_dim=1, gather_dim=2}` on each
+//! of q, k, v trades heads for sequence, `[B, N/sp, S, D]`: every rank holds whole
+//! sequences for `N/sp` heads, so attention (causal masks included) is exact. A second
+//! all_to_all on the output (`scatter_dim=2, gather_dim=1`) trades back, in place of
+//! the slice.
 //!
 //! GQA: rank `r` receives q heads `[r*Nq/sp, (r+1)*Nq/sp)`. When the kv heads do not
 //! split over `sp`, each kv head is repeated `rep = sp / gcd(Nkv, sp)` times first
@@ -14,7 +16,7 @@
 //! naming the layer and the degrees that work.
 
 use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, SP};
-use crate::util::{divisors, gcd, insert1, made_by, meta_for};
+use crate::util::{divisors, gcd, insert1, meta_for, remove_unused, strip_gathers};
 use weft_ir::{At, Dim, Graph, Node, Op, TensorType, Value};
 
 pub struct UlyssesAttention;
@@ -38,18 +40,54 @@ impl Pass for UlyssesAttention {
         let sp = cx.axis_size(NAME, SP)? as i64;
         let mut res = PassResult::unchanged();
         res.count("attention_layers", 0).count("all_to_all", 0).count("kv_heads_repeated", 0);
+        res.count("attention_kept_whole", 0);
         let attns: Vec<Node> = g.nodes().iter().copied().filter(|&n| matches!(g.node(n).op, Op::Attention { .. })).collect();
         for n in attns {
-            let q = g.node(n).operands[0];
-            if made_by(g, g.def(q), NAME) {
-                continue; // already rewritten
+            match sequence_parallel_attention(g, n) {
+                Some(m) => {
+                    rewrite_attention(g, n, m, sp, cx.options.replicate_kv_heads, &mut res)?;
+                    res.count("attention_layers", 1);
+                    res.changed = true;
+                }
+                None => {
+                    // Not split along the sequence by shard-seq (already rewritten, or
+                    // left whole): nothing to trade.
+                    res.count("attention_kept_whole", 1);
+                }
             }
-            rewrite_attention(g, n, sp, cx.options.replicate_kv_heads, &mut res)?;
-            res.count("attention_layers", 1);
-            res.changed = true;
         }
         Ok(res)
     }
+}
+
+/// What shard-seq made around an attention: the per-rank q, k, v, the gathers, and
+/// the slice of the output.
+struct Matched {
+    local: [Value; 3],
+    gathers: Vec<Node>,
+    slice: Node,
+}
+
+/// Matches `attention(all_gather_sp(q), all_gather_sp(k), all_gather_sp(v))` whose only
+/// use is `slice {dim=2}` back to this rank's block, all made by shard-seq.
+fn sequence_parallel_attention(g: &Graph, n: Node) -> Option<Matched> {
+    let ops = &g.node(n).operands;
+    let mut local = [ops[0]; 3];
+    let mut gathers = Vec::new();
+    for i in 0..3 {
+        let (x, dims, nodes) = strip_gathers(g, ops[i], crate::shard_seq::NAME);
+        if dims != [(2, SP.to_string())] {
+            return None;
+        }
+        local[i] = x;
+        gathers.extend(nodes);
+    }
+    let out = g.node(n).results[0];
+    let uses = g.uses().get(out.0 as usize).cloned().unwrap_or_default();
+    let [(slice, 0)] = uses.as_slice() else { return None };
+    let is_slice = matches!(g.node(*slice).op, Op::Slice { dim: 2, .. }) && crate::util::made_by(g, *slice, crate::shard_seq::NAME);
+    let is_output = g.outputs().iter().any(|(_, v)| *v == out);
+    (is_slice && !is_output).then_some(Matched { local, gathers, slice: *slice })
 }
 
 fn bytes(t: &TensorType) -> Dim {
@@ -66,24 +104,14 @@ fn heads_error(g: &Graph, n: Node, what: String, why: String, valid: &[i64]) -> 
     PassError::rewrite(NAME, what, g.describe(n), why).with_help(help)
 }
 
-fn rewrite_attention(g: &mut Graph, n: Node, sp: i64, replicate: bool, res: &mut PassResult) -> Result<(), PassError> {
-    let ops = g.node(n).operands.clone();
-    let (q, k, v) = (ops[0], ops[1], ops[2]);
-    let mask = ops.get(3).copied();
+fn rewrite_attention(g: &mut Graph, n: Node, m: Matched, sp: i64, replicate: bool, res: &mut PassResult) -> Result<(), PassError> {
+    let [q, k, v] = m.local;
+    let mask = g.node(n).operands.get(3).copied();
     let (qt, kt) = (g.ty(q).clone(), g.ty(k).clone());
     let what = format!("`{NAME}` cannot split the attention heads over sp={sp}");
     let (Some(nq), Some(nkv)) = (qt.shape[1].as_const(), kt.shape[1].as_const()) else {
         return Err(PassError::rewrite(NAME, what, g.describe(n), format!("head counts must be constants, got q {qt} and k {kt}")));
     };
-    if !qt.shape[2].mentions(SP) {
-        return Err(PassError::rewrite(
-            NAME,
-            format!("`{NAME}` found an attention whose sequence is not split"),
-            g.describe(n),
-            format!("q has type {qt}; its sequence dim should be per-rank (S/sp)"),
-        )
-        .with_help("run `shard-inputs` and `shard-seq` before `ulysses-attention`"));
-    }
     if nq % sp != 0 {
         let valid: Vec<i64> = divisors(nq);
         return Err(heads_error(g, n, what, format!("its {nq} q heads ({nkv} kv heads) do not divide by sp={sp}"), &valid));
@@ -114,8 +142,8 @@ fn rewrite_attention(g: &mut Graph, n: Node, sp: i64, replicate: bool, res: &mut
         new_ops.push(insert1(g, NAME, At::Before(n), a2a_in.clone(), &[x], meta)?);
         res.count("all_to_all", 1);
     }
-    if let Some(m) = mask {
-        new_ops.push(full_sequence_mask(g, n, m, nq, &qt)?);
+    if let Some(mk) = mask {
+        new_ops.push(heads_of_mask(g, n, mk, nq, &qt)?);
     }
     g.node_mut(n).operands = new_ops;
     g.reinfer(n).map_err(|e| crate::util::build_error(NAME, e))?;
@@ -123,8 +151,11 @@ fn rewrite_attention(g: &mut Graph, n: Node, sp: i64, replicate: bool, res: &mut
     let reason = format!("attention output: sequence -> heads, {} bytes per rank", bytes(g.ty(out)));
     let meta = meta_for(g, n, NAME, reason);
     let back = insert1(g, NAME, At::After(n), Op::AllToAll { axis: SP.into(), scatter_dim: 2, gather_dim: 1 }, &[out], meta)?;
-    g.replace_uses_except(out, back, g.def(back));
     res.count("all_to_all", 1);
+    let sliced = g.node(m.slice).results[0];
+    g.replace_all_uses(sliced, back);
+    g.remove_node(m.slice);
+    remove_unused(g, &m.gathers);
     Ok(())
 }
 
@@ -146,21 +177,13 @@ fn repeat_heads(g: &mut Graph, n: Node, x: Value, name: &str, nkv: i64, rep: i64
     Ok(cur)
 }
 
-/// After the all_to_all each rank attends over the whole sequence, so a mask must be
-/// `[.., S, S]`; a per-head mask keeps this rank's heads.
-fn full_sequence_mask(g: &mut Graph, n: Node, m: Value, nq: i64, qt: &TensorType) -> Result<Value, PassError> {
-    let mt = g.ty(m).clone();
-    if mt.shape[2..].iter().any(|d| d.mentions(SP)) {
-        return Err(PassError::rewrite(
-            NAME,
-            format!("`{NAME}` needs the whole attention mask"),
-            g.describe(n),
-            format!("the mask {m} has type {mt}, split along the sequence; Ulysses attends over the whole sequence"),
-        )
-        .with_help("build the mask from the attention_mask input, which shard-inputs keeps whole along the sequence"));
-    }
+/// After the all_to_all each rank attends over the whole sequence for its heads: the
+/// mask is already whole along both sequence dims (shard-seq gathers a per-rank one),
+/// and a per-head mask keeps this rank's heads.
+fn heads_of_mask(g: &mut Graph, n: Node, mk: Value, nq: i64, qt: &TensorType) -> Result<Value, PassError> {
+    let mt = g.ty(mk).clone();
     if mt.shape[1] == Dim::from(1) {
-        return Ok(m);
+        return Ok(mk);
     }
     if mt.shape[1] != qt.shape[1] {
         return Err(PassError::rewrite(NAME, format!("`{NAME}` cannot split the mask heads"), g.describe(n), format!("mask {mt} has neither 1 nor {nq} heads")));
@@ -168,7 +191,7 @@ fn full_sequence_mask(g: &mut Graph, n: Node, m: Value, nq: i64, qt: &TensorType
     let local = Dim::from(nq) / Dim::sym(SP);
     let op = Op::Slice { dim: 1, start: Dim::coord(SP) * local.clone(), len: local };
     let meta = meta_for(g, n, NAME, "mask: this rank's heads after heads -> sequence");
-    insert1(g, NAME, At::Before(n), op, &[m], meta)
+    insert1(g, NAME, At::Before(n), op, &[mk], meta)
 }
 
 /// Checks that on every rank each local q head attends to the kv head it attends to in

@@ -138,3 +138,78 @@ pub(crate) fn gcd(a: i64, b: i64) -> i64 {
         gcd(b, a % b)
     }
 }
+
+/// Gathers the per-rank dims `dims` of `v` back to their global size with
+/// `all_gather`s right after `v`'s definition (sequence before batch, i.e. inner mesh
+/// axis first). Every dim must be exactly a layout's per-rank size (`S/sp`, `B/dp`):
+/// a flattened per-rank dim (`B*S/dp/sp`) has no contiguous global order to gather.
+pub(crate) fn gather_dims(
+    g: &mut Graph,
+    pass: &str,
+    layout: &Layout,
+    v: Value,
+    dims: &[usize],
+    user: Node,
+    reason: &str,
+) -> Result<Value, PassError> {
+    let ty = g.ty(v).clone();
+    let mut plan: Vec<(usize, &'static str)> = Vec::new();
+    for &k in dims {
+        let d = &ty.shape[k];
+        match layout.splits().into_iter().find(|(_, s)| *d == s.local()) {
+            Some((_, s)) => plan.push((k, s.axis)),
+            None => {
+                return Err(PassError::rewrite(
+                    pass,
+                    format!("`{pass}` cannot gather the whole tokens for `{}`", g.node(user).op.name()),
+                    g.describe(user),
+                    format!("dim {k} of {v} ({ty}) is `{d}`, a per-rank size mixed with other dims; it has no contiguous global order"),
+                )
+                .with_help("keep batch and sequence in separate dims before ops that combine tokens"));
+            }
+        }
+    }
+    // Inner axis (sp) first, so the dp gather is outermost.
+    plan.sort_by_key(|&(k, a)| (a != SP, k));
+    let mut cur = v;
+    for (k, axis) in plan {
+        let what = if axis == SP { "sequence" } else { "batch" };
+        let meta = meta_for(g, user, pass, format!("{reason}: whole {what} (dim {k}) over {axis}"));
+        cur = insert1(g, pass, At::After(g.def(cur)), Op::AllGather { axis: axis.to_string(), dim: k as i64 }, &[cur], meta)?;
+    }
+    Ok(cur)
+}
+
+/// Follows a chain of `all_gather`s made by `pass` back from `v`: the per-rank value,
+/// the gathered `(dim, axis)` outermost first, and the gather nodes.
+pub(crate) fn strip_gathers(g: &Graph, v: Value, pass: &str) -> (Value, Vec<(usize, String)>, Vec<Node>) {
+    let mut cur = v;
+    let mut dims = Vec::new();
+    let mut nodes = Vec::new();
+    loop {
+        let n = g.def(cur);
+        match &g.node(n).op {
+            Op::AllGather { axis, dim } if made_by(g, n, pass) => {
+                dims.push((*dim as usize, axis.clone()));
+                nodes.push(n);
+                cur = g.node(n).operands[0];
+            }
+            _ => return (cur, dims, nodes),
+        }
+    }
+}
+
+/// Removes those of `nodes` (in order) whose results no longer have any use.
+pub(crate) fn remove_unused(g: &mut Graph, nodes: &[Node]) {
+    for &n in nodes {
+        if g.try_node(n).is_none() {
+            continue;
+        }
+        let uses = g.uses();
+        let outputs: Vec<Value> = g.outputs().iter().map(|(_, v)| *v).collect();
+        let used = g.node(n).results.iter().any(|v| !uses[v.0 as usize].is_empty() || outputs.contains(v));
+        if !used {
+            g.remove_node(n);
+        }
+    }
+}
