@@ -59,7 +59,7 @@ pub(super) fn fuse_experts(ck: &mut Checkpoint, params: &BTreeMap<String, Tensor
         let new = old.replace(".block_sparse_moe.", ".mlp.");
         let t = ck.tensors.remove(&old).unwrap();
         let f = ck.files.remove(&old).unwrap_or_default();
-        ck.files.insert(new.clone(), format!("{f} (as {old})"));
+        ck.files.insert(new.clone(), f);
         ck.tensors.insert(new.clone(), t);
         original.insert(new, old);
     }
@@ -141,6 +141,12 @@ pub(super) fn fuse_experts(ck: &mut Checkpoint, params: &BTreeMap<String, Tensor
         ck.tensors.insert(dn_name.clone(), HostTensor::floats(dtype, vec![experts, hidden, inter], down));
         ck.files.insert(gu_name, files.clone());
         ck.files.insert(dn_name, files);
+    }
+    // Renamed tensors that remain (routers) say what the file calls them.
+    for (new, old) in &original {
+        if let Some(f) = ck.files.get_mut(new) {
+            *f = format!("{f} (as {old})");
+        }
     }
     accounted
 }

@@ -126,6 +126,7 @@ pub fn load_weights(model: &Model, path: &Path) -> Result<BTreeMap<String, HostT
         }
     }
     problems.extend(compare(&params, &ck.tensors, &ck.files, &accounted));
+    sort_problems(&mut problems);
     if !problems.is_empty() {
         return Err(FrontendError::WeightMismatch { checkpoint: path.display().to_string(), problems });
     }
@@ -135,7 +136,8 @@ pub fn load_weights(model: &Model, path: &Path) -> Result<BTreeMap<String, HostT
 /// Checks in-memory tensors against the model's parameters (as `load_weights` does).
 pub fn check_weights(model: &Model, weights: &BTreeMap<String, HostTensor>) -> Result<(), FrontendError> {
     let params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
-    let problems = compare(&params, weights, &BTreeMap::new(), &Default::default());
+    let mut problems = compare(&params, weights, &BTreeMap::new(), &Default::default());
+    sort_problems(&mut problems);
     if problems.is_empty() {
         Ok(())
     } else {
@@ -170,6 +172,18 @@ fn compare(
         }
     }
     problems
+}
+
+/// Missing, then extra, then misshaped; each by name.
+fn sort_problems(p: &mut [WeightProblem]) {
+    p.sort_by(|a, b| {
+        let key = |w: &WeightProblem| match w {
+            WeightProblem::Missing { name, .. } => (0, name.clone()),
+            WeightProblem::Extra { name, .. } => (1, name.clone()),
+            WeightProblem::Misshaped { name, .. } => (2, name.clone()),
+        };
+        key(a).cmp(&key(b))
+    });
 }
 
 /// `bf16[4, 32]`: a host tensor's type as the IR prints types.

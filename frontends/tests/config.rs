@@ -1,0 +1,228 @@
+//! Config parsing: both transformers forms, defaults, and errors that name the field.
+
+mod common;
+
+use common::preset_with;
+use weft_frontends::{load, FrontendError, ModelConfig};
+use weft_ir::{DType, Float, RopeScaling};
+
+fn parse(json: &str) -> Result<ModelConfig, FrontendError> {
+    ModelConfig::from_json_str(json, "test/config.json")
+}
+
+const BASE: &str = r#"{"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}"#;
+
+fn base_with(edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> Result<ModelConfig, FrontendError> {
+    let mut v: serde_json::Value = serde_json::from_str(BASE).unwrap();
+    edit(v.as_object_mut().unwrap());
+    ModelConfig::from_json(&v, "test/config.json")
+}
+
+#[test]
+fn defaults_of_a_minimal_config() {
+    let c = parse(BASE).unwrap();
+    assert_eq!(c.head_dim, 8);
+    assert_eq!(c.dtype, DType::F32);
+    assert!(!c.tie_word_embeddings);
+    assert_eq!(c.initializer_range, 0.02);
+    assert_eq!(c.rope.scaling, RopeScaling::None);
+    assert_eq!(c.rope.rotary_dim, 8);
+}
+
+#[test]
+fn head_dim_null_is_hidden_over_heads() {
+    let c = base_with(|o| {
+        o.insert("head_dim".into(), serde_json::Value::Null);
+    })
+    .unwrap();
+    assert_eq!(c.head_dim, 8);
+    let c = base_with(|o| {
+        o.insert("head_dim".into(), 16.into());
+    })
+    .unwrap();
+    assert_eq!(c.head_dim, 16);
+}
+
+#[test]
+fn dtype_from_dtype_or_torch_dtype() {
+    let c = base_with(|o| {
+        o.insert("torch_dtype".into(), "bfloat16".into());
+    })
+    .unwrap();
+    assert_eq!(c.dtype, DType::BF16);
+    let c = base_with(|o| {
+        o.insert("dtype".into(), "float16".into());
+    })
+    .unwrap();
+    assert_eq!(c.dtype, DType::F16);
+    let e = base_with(|o| {
+        o.insert("dtype".into(), "int8".into());
+    })
+    .unwrap_err();
+    assert_eq!(e.to_string(), "invalid config in test/config.json: field `dtype` is `int8`; expected float32, bfloat16, float16 or float64");
+}
+
+#[test]
+fn transformers_4_and_5_rope_forms_agree() {
+    let v4 = r#"{"rope_theta": 500000.0, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3"}}"#;
+    let v5 = r#"{"rope_parameters": {"rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3"}}"#;
+    let with = |extra: &str| {
+        base_with(|o| {
+            o.remove("rope_theta");
+            let e: serde_json::Value = serde_json::from_str(extra).unwrap();
+            o.extend(e.as_object().unwrap().clone());
+        })
+        .unwrap()
+    };
+    let (a, b) = (with(v4), with(v5));
+    assert_eq!(a, b);
+    assert_eq!(a.rope.theta, 500000.0);
+    assert_eq!(
+        a.rope.scaling,
+        RopeScaling::Llama3 { factor: Float(8.0), low_freq_factor: Float(1.0), high_freq_factor: Float(4.0), original_max_position_embeddings: 8192 }
+    );
+    // Old configs say `type` instead of `rope_type`.
+    let lin = with(r#"{"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}"#);
+    assert_eq!(lin.rope.scaling, RopeScaling::Linear { factor: Float(2.0) });
+    let default = with(r#"{"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}"#);
+    assert_eq!(default.rope.scaling, RopeScaling::None);
+}
+
+#[test]
+fn other_rope_types_are_a_clear_error() {
+    let e = base_with(|o| {
+        o.insert("rope_scaling".into(), serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+    })
+    .unwrap_err();
+    assert!(matches!(&e, FrontendError::UnsupportedRope { field, rope_type, .. } if field == "rope_scaling.rope_type" && rope_type == "yarn"));
+    assert_eq!(e.to_string(), "unsupported rope type `yarn` in test/config.json: field `rope_scaling.rope_type`");
+    assert_eq!(e.help().unwrap(), "supported rope types: default, linear, llama3");
+    let e = base_with(|o| {
+        o.remove("rope_theta");
+        o.insert("rope_parameters".into(), serde_json::json!({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}));
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("`rope_parameters.rope_type`"), "{e}");
+}
+
+#[test]
+fn unknown_model_type_names_it_and_the_file() {
+    let e = base_with(|o| {
+        o.insert("model_type".into(), "gpt2".into());
+    })
+    .unwrap_err();
+    assert_eq!(e.to_string(), "unknown model_type `gpt2` in test/config.json");
+    assert!(e.help().unwrap().contains("llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe"));
+}
+
+#[test]
+fn missing_and_invalid_fields_are_named() {
+    for field in ["model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps", "intermediate_size", "rope_theta"] {
+        let e = base_with(|o| {
+            o.remove(field);
+        })
+        .unwrap_err();
+        assert_eq!(e.to_string(), format!("invalid config in test/config.json: field `{field}` is missing"), "{field}");
+    }
+    let e = base_with(|o| {
+        o.insert("hidden_size".into(), "big".into());
+    })
+    .unwrap_err();
+    assert_eq!(e.to_string(), "invalid config in test/config.json: field `hidden_size` must be a non-negative integer, got \"big\"");
+    let e = base_with(|o| {
+        o.insert("num_key_value_heads".into(), 3.into());
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("field `num_key_value_heads` must divide num_attention_heads (4), got 3"), "{e}");
+    let e = base_with(|o| {
+        o.insert("hidden_act".into(), "gelu".into());
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("field `hidden_act` is `gelu`"), "{e}");
+    let e = base_with(|o| {
+        o.insert("rope_scaling".into(), serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}));
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("field `rope_scaling.high_freq_factor` is missing"), "{e}");
+    assert!(matches!(parse("[1, 2]"), Err(FrontendError::Json { .. })));
+    assert!(matches!(parse("{"), Err(FrontendError::Json { .. })));
+}
+
+#[test]
+fn moe_fields() {
+    let e = preset_with("mixtral-tiny", |_| {});
+    let moe = e.moe.unwrap();
+    assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.norm_topk_prob), (4, 2, 64, true));
+    // qwen3_moe accepts num_experts (Hub) or num_local_experts (transformers 5 save).
+    let q = load("qwen3-30b-a3b").unwrap().config.unwrap();
+    assert_eq!(q.moe.as_ref().unwrap().num_experts, 128);
+    let q = preset_with("qwen3-moe-tiny", |o| {
+        let n = o.remove("num_local_experts").unwrap();
+        o.insert("num_experts".into(), n);
+    });
+    assert_eq!(q.moe.as_ref().unwrap().num_experts, 4);
+    let e = ModelConfig::from_json_str(&load_preset_json("qwen3-moe-tiny").replace("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 5"), "x.json").unwrap_err();
+    assert!(e.to_string().contains("field `num_experts_per_tok` is 5, more than the 4 experts"), "{e}");
+}
+
+fn load_preset_json(name: &str) -> String {
+    weft_frontends::presets::find_preset(name).unwrap().config_json.to_string()
+}
+
+#[test]
+fn qwen3_moe_dense_layers_use_the_dense_mlp() {
+    let c = preset_with("qwen3-moe-tiny", |o| {
+        o.insert("mlp_only_layers".into(), serde_json::json!([1]));
+    });
+    assert!(c.is_sparse_layer(0) && !c.is_sparse_layer(1));
+    let m = weft_frontends::Model::from_config("q", c, weft_frontends::Origin::Preset("q".into())).unwrap();
+    let names: Vec<String> = m.graph.params().into_iter().map(|(n, _)| n).collect();
+    assert!(names.contains(&"model.layers.0.mlp.experts.gate_up_proj".to_string()));
+    assert!(names.contains(&"model.layers.1.mlp.gate_proj.weight".to_string()));
+    assert!(!names.contains(&"model.layers.1.mlp.gate.weight".to_string()));
+    weft_ir::verify(&m.graph).unwrap();
+    let c = preset_with("qwen3-moe-tiny", |o| {
+        o.insert("decoder_sparse_step".into(), 2.into());
+    });
+    assert!(!c.is_sparse_layer(0) && c.is_sparse_layer(1));
+}
+
+#[test]
+fn attention_and_mlp_biases_follow_hf() {
+    let q2 = load("qwen2-tiny").unwrap();
+    let names: Vec<String> = q2.graph.params().into_iter().map(|(n, _)| n).collect();
+    assert!(names.contains(&"model.layers.0.self_attn.q_proj.bias".to_string()));
+    assert!(!names.contains(&"model.layers.0.self_attn.o_proj.bias".to_string()));
+    let c = preset_with("llama-tiny", |o| {
+        o.insert("attention_bias".into(), true.into());
+        o.insert("mlp_bias".into(), true.into());
+    });
+    assert!(c.qkv_bias && c.o_bias && c.mlp_bias);
+    let m = weft_frontends::Model::from_config("b", c, weft_frontends::Origin::Preset("b".into())).unwrap();
+    weft_ir::verify(&m.graph).unwrap();
+    let names: Vec<String> = m.graph.params().into_iter().map(|(n, _)| n).collect();
+    for n in ["self_attn.o_proj.bias", "mlp.down_proj.bias", "self_attn.k_proj.bias"] {
+        assert!(names.contains(&format!("model.layers.0.{n}")), "{n}");
+    }
+}
+
+#[test]
+fn partial_rotary_factor_sets_the_rotary_dim() {
+    let c = preset_with("phi3-tiny", |o| {
+        o["rope_parameters"]["partial_rotary_factor"] = 0.5.into();
+    });
+    assert_eq!(c.rope.rotary_dim, 4);
+    let m = weft_frontends::Model::from_config("p", c, weft_frontends::Origin::Preset("p".into())).unwrap();
+    weft_ir::verify(&m.graph).unwrap();
+    assert!(weft_ir::print(&m.graph).contains("{theta=10000.0, dim=4, scaling=none}"));
+}
+
+#[test]
+fn sliding_window_is_recorded() {
+    assert_eq!(load("mistral-7b").unwrap().config.unwrap().sliding_window, Some(4096));
+    assert_eq!(load("qwen2.5-7b").unwrap().config.unwrap().sliding_window, None); // use_sliding_window false
+    assert_eq!(load("llama3-8b").unwrap().config.unwrap().sliding_window, None);
+}
