@@ -117,6 +117,7 @@ pub fn check_bindings(g: &Graph, b: &Bindings) -> Result<(), BindingError> {
             .dim
             .symbols()
             .iter()
+            .filter(|s| !g.mesh.has(s))
             .filter_map(|s| full.symbols.get(s).map(|v| format!("{s}={v}")))
             .chain(at.coords.iter().map(|(a, v)| format!("@{a}={v}")))
             .collect();

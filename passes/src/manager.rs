@@ -6,8 +6,8 @@
 //! stderr, tests a `Vec<u8>`. Dumps are prefixed by `//` header lines, which the text
 //! reader skips, so a dump parses back.
 
-use crate::pass::{PassContext, PassError};
-use crate::registry::{check_pipeline, lookup};
+use crate::pass::{Pass, PassContext, PassError};
+use crate::registry::lookup;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::time::Instant;
@@ -201,14 +201,26 @@ impl PassManager {
     /// Runs `pipeline` (pass names) on `g` for the mesh of `cx`. A graph without a mesh
     /// takes the context's; a different non-empty mesh is an error.
     pub fn run(&self, g: &mut Graph, cx: &PassContext, pipeline: &[&str], sink: &mut dyn Write) -> Result<RunReport, PassError> {
-        let ins = &self.instrumentation;
-        let names: Vec<String> = pipeline.iter().map(|s| s.to_string()).collect();
         let passes = pipeline.iter().map(|n| lookup(n)).collect::<Result<Vec<_>, _>>()?;
+        self.run_passes(g, cx, &passes, sink)
+    }
+
+    /// Like [`run`](Self::run), with pass objects (passes outside the registry too).
+    pub fn run_passes(&self, g: &mut Graph, cx: &PassContext, passes: &[&dyn Pass], sink: &mut dyn Write) -> Result<RunReport, PassError> {
+        let ins = &self.instrumentation;
+        let pipeline: Vec<&str> = passes.iter().map(|p| p.name()).collect();
+        let names: Vec<String> = pipeline.iter().map(|s| s.to_string()).collect();
         if ins.check_requires {
-            check_pipeline(pipeline)?;
+            for (i, p) in passes.iter().enumerate() {
+                if let Some(req) = p.requires().iter().find(|r| !pipeline[..i].contains(r)) {
+                    return Err(PassError::Prerequisite { pass: p.name().to_string(), required: req.to_string(), pipeline: names });
+                }
+            }
         }
         for n in ins.print_before.names().iter().chain(ins.print_after.names()) {
-            lookup(n)?;
+            if !pipeline.contains(&n.as_str()) {
+                lookup(n)?;
+            }
         }
         if let Some(stop) = &ins.stop_after {
             if !pipeline.contains(&stop.as_str()) {

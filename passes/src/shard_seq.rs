@@ -57,6 +57,11 @@ impl Pass for ShardSeq {
             .copied()
             .filter(|&n| matches!(g.node(n).op, Op::AllGather { .. }) && made_by(g, n, crate::shard_inputs::NAME))
             .collect();
+        if restoring.is_empty() {
+            // Nothing sliced since the last run (or shard-inputs found nothing to slice):
+            // propagating again would undo what later passes made of the gathers.
+            return Ok(res);
+        }
         for n in restoring {
             let (x, r) = (g.node(n).operands[0], g.node(n).results[0]);
             g.replace_all_uses(r, x);
