@@ -164,9 +164,9 @@ impl RunReport {
         out
     }
 
-    /// The report as JSON (snake_case keys, stable order).
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::to_value(self).expect("a run report serializes")
+    /// The report as pretty JSON: snake_case keys in declaration order, counters sorted.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a run report serializes")
     }
 
     /// Sets every wall time to 0, for deterministic snapshots.

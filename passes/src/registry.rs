@@ -129,7 +129,12 @@ pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
         );
         p.push("canonicalize", "last: folds and removes what the rewrites leave behind (identity ops, duplicates, dead nodes)");
     } else {
-        p.push("canonicalize", "a one-rank mesh needs no sharding; only fold identities, merge duplicates and drop dead nodes");
+        let why = if mesh.world_size() > 1 {
+            "no sp or dp axis, so no sequence or batch sharding; only fold identities, merge duplicates and drop dead nodes"
+        } else {
+            "a one-rank mesh needs no sharding; only fold identities, merge duplicates and drop dead nodes"
+        };
+        p.push("canonicalize", why);
     }
     p
 }
