@@ -91,3 +91,25 @@ fn fixture_rope_configs() {
     let c = load(common::fixtures().join("llama_kv1").to_str().unwrap()).unwrap().config.unwrap();
     assert_eq!((c.num_key_value_heads, c.rope.scaling), (1, RopeScaling::None));
 }
+
+/// Writes each fixture's graph (`<name>.weft`) and fused weights (`<name>.safetensors`)
+/// to `$WEFT_DUMP_DIR`, for `frontends/scripts/eval_ir.py`, an independent torch
+/// interpreter of the text IR that compares loss and logits with the HF references:
+///
+/// ```text
+/// WEFT_DUMP_DIR=/tmp/irdump cargo test -p weft-frontends --test fixtures -- --ignored dump
+/// /tmp/tv/bin/python frontends/scripts/eval_ir.py /tmp/irdump tests/fixtures
+/// ```
+#[test]
+#[ignore]
+fn dump_fixture_graphs_and_weights() {
+    let Ok(out) = std::env::var("WEFT_DUMP_DIR") else { return };
+    let out = std::path::PathBuf::from(out);
+    std::fs::create_dir_all(&out).unwrap();
+    for dir in fixture_dirs() {
+        let m = load(dir.to_str().unwrap()).unwrap();
+        std::fs::write(out.join(format!("{}.weft", m.name)), weft_ir::print(&m.graph)).unwrap();
+        let w = load_weights(&m, &dir).unwrap();
+        weft_frontends::save_safetensors(&out.join(format!("{}.safetensors", m.name)), &w).unwrap();
+    }
+}

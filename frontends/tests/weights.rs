@@ -125,6 +125,10 @@ fn tied_models_may_include_or_omit_lm_head() {
     save_in(&dir, "model.safetensors", &w);
     let got = load_weights(&m, &dir).unwrap();
     assert!(!got.contains_key("lm_head.weight"));
+    // Only the head present: it is the embedding.
+    let embed = w.remove("model.embed_tokens.weight").unwrap();
+    save_in(&dir, "model.safetensors", &w);
+    assert_eq!(load_weights(&m, &dir).unwrap()["model.embed_tokens.weight"], embed);
     // An untied model needs its lm_head.
     let m = load("llama-tiny").unwrap();
     let mut w = random_weights(&m, 1);
@@ -171,6 +175,9 @@ fn per_expert_checkpoints_are_fused_on_load() {
         let probe = if mixtral { "model.layers.0.block_sparse_moe.experts.3.w3.weight" } else { "model.layers.0.mlp.experts.3.up_proj.weight" };
         assert!(hub.contains_key(probe), "{preset}");
         let dir = temp_dir(&format!("experts-{preset}"));
+        // The fused transformers-5 layout loads as is.
+        save_in(&dir, "model.safetensors", &w);
+        assert_eq!(load_weights(&m, &dir).unwrap(), w, "{preset}");
         save_in(&dir, "model.safetensors", &hub);
         assert_eq!(load_weights(&m, &dir).unwrap(), w, "{preset}");
 

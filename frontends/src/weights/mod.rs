@@ -112,17 +112,25 @@ fn to_host(v: &TensorView) -> Result<HostTensor, String> {
 }
 
 /// Reads the checkpoint at `path` for `model`: converts per-expert MoE tensors to the
-/// fused layout, drops tied aliases (`lm_head.weight` of a tied model), and checks that
+/// fused layout, resolves tied aliases (a tied model's `lm_head.weight` is dropped, or
+/// stands for `model.embed_tokens.weight` when only it is present), and checks that
 /// the tensors are exactly the model's parameters with the same dtypes and shapes.
 pub fn load_weights(model: &Model, path: &Path) -> Result<BTreeMap<String, HostTensor>, FrontendError> {
     let mut ck = read_checkpoint(path)?;
     let params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
     let mut problems = Vec::new();
     let accounted = experts::fuse_experts(&mut ck, &params, &mut problems);
-    for (alias, _) in &model.tied {
-        if !params.contains_key(alias) {
-            ck.tensors.remove(alias);
-            ck.files.remove(alias);
+    for (alias, target) in &model.tied {
+        if params.contains_key(alias) {
+            continue;
+        }
+        // The alias is the target under a second name: use it only if the target is absent.
+        if let Some(t) = ck.tensors.remove(alias) {
+            let f = ck.files.remove(alias).unwrap_or_default();
+            if !ck.tensors.contains_key(target) {
+                ck.tensors.insert(target.clone(), t);
+                ck.files.insert(target.clone(), format!("{f} (as {alias})"));
+            }
         }
     }
     problems.extend(compare(&params, &ck.tensors, &ck.files, &accounted));
