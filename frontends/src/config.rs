@@ -194,7 +194,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     };
     let mlp_bias = family == Family::Llama && f.opt_bool("mlp_bias")?.unwrap_or(false);
     let moe = parse_moe(f, family, num_hidden_layers)?;
-    let needs_dense = moe.as_ref().map_or(true, |m| m.sparse_layers.iter().any(|s| !s));
+    let needs_dense = moe.as_ref().is_none_or(|m| m.sparse_layers.iter().any(|s| !s));
     let intermediate_size = match (family, needs_dense) {
         // mixtral's experts use intermediate_size.
         (Family::Mixtral, _) | (_, true) => f.positive("intermediate_size")?,
@@ -295,7 +295,7 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> 
         return Err(FrontendError::config(f.file, &prf_field, format!("must be in (0, 1], got {prf}")));
     }
     let rotary_dim = (head_dim as f64 * prf) as usize;
-    if rotary_dim == 0 || rotary_dim % 2 != 0 {
+    if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
         return Err(FrontendError::config(
             f.file,
             &prf_field,
