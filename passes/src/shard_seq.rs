@@ -217,7 +217,7 @@ impl Propagation {
     fn mixed_dims(&self, g: &Graph, n: Node) -> Vec<(usize, Vec<usize>)> {
         let d = g.node(n);
         let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
-        for (i, dim) in mixing_dims(g, n) {
+        for (i, dim) in mixing_dims(g, n, &self.layout) {
             let t = g.ty(d.operands[i]);
             let Ok(k) = norm_dim(dim, t.rank()) else { continue };
             if self.layout.is_sharded(&t.shape[k]) {
@@ -233,7 +233,7 @@ impl Propagation {
 }
 
 /// `(operand, dim)` pairs node `n` combines values along (dims may be negative).
-fn mixing_dims(g: &Graph, n: Node) -> Vec<(usize, i64)> {
+fn mixing_dims(g: &Graph, n: Node, layout: &Layout) -> Vec<(usize, i64)> {
     let d = g.node(n);
     let rank = |i: usize| g.ty(d.operands[i]).rank() as i64;
     let all = |i: usize| (0..rank(i)).map(move |k| (i, k));
@@ -260,8 +260,9 @@ fn mixing_dims(g: &Graph, n: Node) -> Vec<(usize, i64)> {
         }
         Op::Slice { dim, start, len } => {
             let t = g.ty(d.operands[0]);
+            // A slice of the whole dim (written with the global size or not) is local.
             match norm_dim(*dim, t.rank()) {
-                Ok(k) if !(start.as_const() == Some(0) && *len == t.shape[k]) => vec![(0, *dim)],
+                Ok(k) if !(start.as_const() == Some(0) && (*len == t.shape[k] || layout.localize(len) == t.shape[k])) => vec![(0, *dim)],
                 _ => vec![],
             }
         }
@@ -301,8 +302,8 @@ fn position_aranges(g: &Graph, seq: &Dim) -> Vec<Node> {
     out
 }
 
-/// Rewrites `reshape`/`expand` targets that no longer fit their (now per-rank)
-/// operand. A reshape target takes the fewest localized symbols that make its element
+/// Rewrites `reshape`/`expand` targets and whole-dim `slice` lengths that no longer
+/// fit their (now per-rank) operand. A reshape target takes the fewest localized symbols that make its element
 /// count match (a batch-split mask keeps its global sequence dims); an expand copies
 /// the operand's per-rank dims and localizes only the dims it broadcasts.
 fn localize_attrs(g: &mut Graph, n: Node, layout: &Layout) -> bool {
@@ -346,6 +347,13 @@ fn localize_attrs(g: &mut Graph, n: Node, layout: &Layout) -> bool {
                 })
                 .collect();
             Op::Expand { shape }
+        }
+        Op::Slice { dim, start, len } => {
+            let Ok(k) = norm_dim(*dim, operand_ty.rank()) else { return false };
+            if start.as_const() != Some(0) || *len == operand_ty.shape[k] || layout.localize(len) != operand_ty.shape[k] {
+                return false;
+            }
+            Op::Slice { dim: *dim, start: start.clone(), len: operand_ty.shape[k].clone() }
         }
         _ => return false,
     };

@@ -44,7 +44,7 @@ fn folds_chains_and_identities() {
     let cop = g.op_of(g.output("c").unwrap());
     // perm [1,2,0] then swap(0,1): out[i] = in[[1,2,0][[1,0,2][i]]] = in[[2,1,0][i]]
     assert_eq!(*cop, Op::Transpose { dim0: 0, dim1: 2 });
-    insta::assert_snapshot!("canonicalize__fold", diff);
+    insta::assert_snapshot!("fold", diff);
     // Fixpoint: a second run changes nothing.
     assert!(!run(&mut g).0.changed);
 }
@@ -70,5 +70,5 @@ fn cse_merges_equal_nodes_and_dce_keeps_the_interface() {
     assert_eq!(g.inputs().len(), 2, "inputs stay");
     let sum = g.node(g.def(g.output("s").unwrap()));
     assert_eq!(sum.operands[0], sum.operands[1]);
-    insta::assert_snapshot!("canonicalize__cse_dce", diff);
+    insta::assert_snapshot!("cse_dce", diff);
 }
