@@ -1,1 +1,80 @@
-fn main() {}
+//! `weft`: compile transformer models into parallel training programs, and check them.
+//! Each subcommand lives in its own module under `cmd/`; this file is the argument
+//! grammar and the error/exit-code convention (0 ok, 1 check failed, 2 bad input).
+
+mod cmd;
+mod error;
+
+use clap::{Parser, Subcommand};
+use error::CliError;
+
+#[derive(Parser)]
+#[command(name = "weft", version, about = "Compile transformer models into parallel training plans, and prove the rewrites right")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List the built-in model presets with their parameter counts.
+    ///
+    /// Example: weft models --json
+    Models(cmd::models::Args),
+    /// Print (or write) a model's IR as text.
+    ///
+    /// Example: weft import llama3-8b -o llama3-8b.weft
+    Import(cmd::import::Args),
+    /// Parameter count, nodes by op, FLOPs per token and parameter bytes.
+    ///
+    /// Example: weft stats mixtral-8x7b --seq 4096 --json
+    Stats(cmd::stats::Args),
+    /// List every pass with its summary, and the default pipeline for a mesh.
+    ///
+    /// Example: weft passes --mesh dp=2,sp=4
+    Passes(cmd::passes::Args),
+    /// Show a mesh's ranks, coordinates and process groups.
+    ///
+    /// Example: weft mesh dp=2,sp=4
+    Mesh(cmd::mesh::Args),
+    /// List the IR's ops with their operands, attributes and docs.
+    ///
+    /// Example: weft ops
+    Ops(cmd::ops::Args),
+    /// Run the pass pipeline a mesh needs and write the parallel program.
+    ///
+    /// Example: weft compile llama3-8b --mesh sp=8 --seq 131072 --stats
+    Compile(cmd::compile::Args),
+    /// Run a model (after the passes its mesh implies) on the CPU reference runtime.
+    ///
+    /// Example: weft eval tests/fixtures/llama --inputs tests/fixtures/llama/inputs.safetensors --mesh sp=2 --grads -o out.safetensors
+    Eval(cmd::eval::Args),
+    /// Compare the parallel program with the unsharded model on the same inputs.
+    ///
+    /// Example: weft check tests/fixtures/qwen3 --mesh dp=2,sp=2 --train --json
+    Check(cmd::check::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Models(a) => cmd::models::run(a),
+        Command::Import(a) => cmd::import::run(a),
+        Command::Stats(a) => cmd::stats::run(a),
+        Command::Passes(a) => cmd::passes::run(a),
+        Command::Mesh(a) => cmd::mesh::run(a),
+        Command::Ops(a) => cmd::ops::run(a),
+        Command::Compile(a) => cmd::compile::run(a),
+        Command::Eval(a) => cmd::eval::run(a),
+        Command::Check(a) => cmd::check::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("{e}");
+        std::process::exit(e.code);
+    }
+}
+
+/// Used by commands to print errors of the libraries in the CLI's format.
+pub fn fail(e: impl std::fmt::Display) -> CliError {
+    CliError::input(e.to_string())
+}

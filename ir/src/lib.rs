@@ -9,6 +9,7 @@
 
 pub mod attrs;
 pub mod dim;
+pub mod flops;
 pub mod graph;
 pub mod mesh;
 pub mod ops;

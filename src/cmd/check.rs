@@ -1,0 +1,111 @@
+//! `weft check`: run the unsharded model and the parallel program on the same weights
+//! and inputs, and compare logits, loss and (with `--train`) every parameter gradient.
+//! Relative error of a tensor is max|a - b| / max|reference|. Exit code 1 when a
+//! tolerance is exceeded.
+
+use super::session::{RunArgs, Session};
+use crate::error::{CliError, CliResult};
+use weft_ir::HostTensor;
+use weft_runtime::cpu::Precision;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Also compare the gradients of every parameter.
+    #[arg(long)]
+    train: bool,
+    /// Print one JSON object: {mesh, loss_ref, loss, max_rel_err_logits, max_rel_err_grads, worst_param, ok}.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(serde::Serialize)]
+struct Report {
+    mesh: String,
+    loss_ref: f64,
+    loss: f64,
+    max_rel_err_loss: f64,
+    max_rel_err_logits: f64,
+    max_rel_err_grads: f64,
+    worst_param: String,
+    tolerance_outputs: f64,
+    tolerance_grads: f64,
+    ok: bool,
+}
+
+/// max|a-b| / max|b|, with 0/0 = 0.
+pub fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
+    let (x, y) = (a.to_f64(), b.to_f64());
+    if a.shape != b.shape {
+        return f64::INFINITY;
+    }
+    let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
+    if diff == 0.0 {
+        0.0
+    } else if scale == 0.0 {
+        f64::INFINITY
+    } else {
+        diff / scale
+    }
+}
+
+pub fn run(a: Args) -> CliResult {
+    let s = Session::new(&a.run)?;
+    let (tol_out, tol_grad) = match s.precision {
+        Precision::F64 => (1e-9, 1e-8),
+        Precision::F32 => (1e-5, 1e-4),
+    };
+    let reference = s.run(&s.model.graph, a.train)?;
+    let program = s.compile(a.run.passes.as_deref())?;
+    let got = s.run(&program, a.train)?;
+    let out = |r: &weft_runtime::cpu::RunResult, name: &str| -> CliResult<HostTensor> {
+        r.outputs.get(name).cloned().ok_or_else(|| CliError::input(format!("the program has no `{name}` output")))
+    };
+    let (loss_ref, loss) = (out(&reference, "loss")?, out(&got, "loss")?);
+    let err_loss = rel_err(&loss, &loss_ref);
+    let err_logits = rel_err(&out(&got, "logits")?, &out(&reference, "logits")?);
+    let (mut err_grads, mut worst) = (0.0f64, String::new());
+    if a.train {
+        for (name, want) in &reference.grads {
+            let e = match got.grads.get(name) {
+                Some(have) => rel_err(have, want),
+                None => f64::INFINITY,
+            };
+            if e > err_grads || worst.is_empty() {
+                err_grads = err_grads.max(e);
+                worst = name.clone();
+            }
+        }
+    }
+    let ok = err_loss <= tol_out && err_logits <= tol_out && err_grads <= tol_grad;
+    let r = Report {
+        mesh: s.mesh.to_string(),
+        loss_ref: loss_ref.to_f64()[0],
+        loss: loss.to_f64()[0],
+        max_rel_err_loss: err_loss,
+        max_rel_err_logits: err_logits,
+        max_rel_err_grads: err_grads,
+        worst_param: worst,
+        tolerance_outputs: tol_out,
+        tolerance_grads: tol_grad,
+        ok,
+    };
+    if a.json {
+        print!("{}", super::json(&r));
+    } else {
+        println!("check {} on mesh {} ({} ranks, weights {}):", s.model.name, r.mesh, s.mesh.world_size(), s.weights_from);
+        println!("  loss      reference {:.9}  parallel {:.9}  rel err {:.2e}", r.loss_ref, r.loss, r.max_rel_err_loss);
+        println!("  logits    max rel err {:.2e}", r.max_rel_err_logits);
+        if a.train {
+            println!("  gradients max rel err {:.2e} (worst: {})", r.max_rel_err_grads, r.worst_param);
+        }
+        println!("  {} (tolerance {:.0e} outputs, {:.0e} gradients)", if ok { "ok" } else { "FAILED" }, tol_out, tol_grad);
+    }
+    if ok {
+        Ok(())
+    } else {
+        Err(CliError::failed(format!("the program for mesh {} does not match the unsharded model", r.mesh)))
+    }
+}

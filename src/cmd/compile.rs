@@ -1,0 +1,128 @@
+//! `weft compile`: run the pipeline a mesh needs (or `--passes`) on a model, with the
+//! pass manager's instrumentation, check that `--seq`/`--batch` fit the program, and
+//! write the parallel program's text.
+
+use crate::error::{CliError, CliResult};
+use std::path::PathBuf;
+use weft_ir::Bindings;
+use weft_passes::{Instrumentation, PassContext, PassFilter, PassManager};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Preset name, config.json, model directory or .weft file.
+    pub model: String,
+    /// Mesh axes outermost first, e.g. `dp=2,sp=4` (empty: one rank).
+    #[arg(long, default_value = "")]
+    pub mesh: String,
+    /// Sequence length to bind `S` to (checked against the mesh: `sp` must divide it).
+    #[arg(long)]
+    pub seq: Option<i64>,
+    /// Global batch size to bind `B` to (`dp` must divide it).
+    #[arg(long)]
+    pub batch: Option<i64>,
+    /// Comma-separated pass names instead of the mesh's default pipeline.
+    #[arg(long)]
+    pub passes: Option<String>,
+    /// Print the IR before these passes (`all` or comma-separated names).
+    #[arg(long, value_name = "PASS")]
+    pub print_before: Option<String>,
+    /// Print the IR after these passes (`all` or comma-separated names).
+    #[arg(long, value_name = "PASS")]
+    pub print_after: Option<String>,
+    /// Print a unified diff of the IR for every pass that changed it.
+    #[arg(long)]
+    pub print_changes: bool,
+    /// Print per-pass statistics (time, nodes added/removed, collectives inserted).
+    #[arg(long)]
+    pub stats: bool,
+    /// Stop after this pass.
+    #[arg(long, value_name = "PASS")]
+    pub stop_after: Option<String>,
+    /// Verify the IR after every pass (default: on).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub verify_each: bool,
+    /// Write the program's text here (default: stdout, unless --json).
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// Print the pass statistics as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses `--passes` or picks the mesh's default pipeline.
+pub fn pipeline(passes: Option<&str>, mesh: &weft_ir::Mesh) -> CliResult<Vec<String>> {
+    match passes {
+        Some(p) => {
+            let names: Vec<String> = p.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+            for n in &names {
+                weft_passes::lookup(n).map_err(crate::fail)?;
+            }
+            Ok(names)
+        }
+        None => Ok(weft_passes::default_pipeline(mesh).into_iter().map(String::from).collect()),
+    }
+}
+
+/// Binds `B` and `S` (and the mesh's axis sizes) and checks every size of the program.
+pub fn check_sizes(g: &weft_ir::Graph, batch: Option<i64>, seq: Option<i64>) -> CliResult<Bindings> {
+    let mut b = Bindings::new();
+    for (flag, sym, v) in [("--batch", "B", batch), ("--seq", "S", seq)] {
+        if let Some(v) = v {
+            if v <= 0 {
+                return Err(CliError::input(format!("invalid {flag} {v}: must be positive")));
+            }
+            b = b.with(sym, v);
+        }
+    }
+    if batch.is_some() || seq.is_some() {
+        weft_passes::check_bindings(g, &b).map_err(crate::fail)?;
+    }
+    Ok(b)
+}
+
+pub fn run(a: Args) -> CliResult {
+    let mesh = super::parse_mesh(&a.mesh)?;
+    let model = super::load_model(&a.model)?;
+    let mut g = model.graph;
+    let names = pipeline(a.passes.as_deref(), &mesh)?;
+    let filter = |t: &Option<String>| -> CliResult<PassFilter> {
+        t.as_deref().map(PassFilter::parse).transpose().map(|f| f.unwrap_or_default()).map_err(crate::fail)
+    };
+    let ins = Instrumentation {
+        verify_each: a.verify_each,
+        print_before: filter(&a.print_before)?,
+        print_after: filter(&a.print_after)?,
+        print_changes: a.print_changes,
+        stats: a.stats && !a.json,
+        stop_after: a.stop_after.clone(),
+        ..Instrumentation::default()
+    };
+    let cx = PassContext::new(mesh.clone());
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let start = std::time::Instant::now();
+    let report = PassManager::new(ins).run(&mut g, &cx, &refs, &mut std::io::stderr()).map_err(crate::fail)?;
+    let elapsed = start.elapsed();
+    check_sizes(&g, a.batch, a.seq)?;
+    let text = weft_ir::print(&g);
+    if let Some(p) = &a.output {
+        super::write_out(Some(p), &text)?;
+    } else if !a.json {
+        print!("{text}");
+    }
+    if a.json {
+        print!("{}", report.to_json());
+        println!();
+    }
+    let collectives = g.nodes().iter().filter(|&&n| g.node(n).op.is_collective()).count();
+    eprintln!(
+        "compiled {} for mesh {} ({} ranks): {} nodes, {} collectives, pipeline [{}] in {:.1} ms",
+        g.name,
+        if mesh.axes.is_empty() { "(one rank)".to_string() } else { mesh.to_string() },
+        mesh.world_size(),
+        g.node_count(),
+        collectives,
+        names.join(", "),
+        elapsed.as_secs_f64() * 1e3
+    );
+    Ok(())
+}

@@ -1,0 +1,161 @@
+//! What `eval` and `check` share: weights (given, found beside the config, or drawn
+//! from a seed), inputs (given or drawn), compiling the parallel program for a mesh,
+//! and running a graph on the CPU reference runtime.
+
+use crate::error::{CliError, CliResult};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use weft_frontends::Model;
+use weft_ir::{DType, Graph, HostTensor, Mesh, Op};
+use weft_runtime::cpu::{self, Precision, RunOptions, RunResult};
+
+/// Options every command that runs a model takes.
+#[derive(clap::Args, Clone)]
+pub struct RunArgs {
+    /// Preset name, config.json, model directory or .weft file.
+    pub model: String,
+    /// Weights (safetensors, or an index json / directory of shards). Default: the
+    /// model directory's model.safetensors if there is one, else seeded random weights.
+    #[arg(long)]
+    pub weights: Option<PathBuf>,
+    /// Inputs: safetensors with `input_ids` and `labels` (i64 [B, S]). Default: drawn
+    /// from --seed with --batch and --seq.
+    #[arg(long)]
+    pub inputs: Option<PathBuf>,
+    /// Mesh axes outermost first, e.g. `dp=2,sp=4` (empty: one rank).
+    #[arg(long, default_value = "")]
+    pub mesh: String,
+    /// Batch size of drawn inputs (default: 2 per data-parallel rank).
+    #[arg(long)]
+    pub batch: Option<i64>,
+    /// Sequence length of drawn inputs (default: 8 per sequence-parallel rank).
+    #[arg(long)]
+    pub seq: Option<i64>,
+    /// Seed for random weights and inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Comma-separated pass names instead of the mesh's default pipeline.
+    #[arg(long)]
+    pub passes: Option<String>,
+    /// Float precision of the reference runtime: f32 or f64.
+    #[arg(long, default_value = "f64")]
+    pub precision: String,
+}
+
+pub struct Session {
+    pub model: Model,
+    pub mesh: Mesh,
+    pub weights: BTreeMap<String, HostTensor>,
+    pub inputs: BTreeMap<String, HostTensor>,
+    pub precision: Precision,
+    /// Where the weights came from, for reports.
+    pub weights_from: String,
+}
+
+impl Session {
+    pub fn new(a: &RunArgs) -> CliResult<Session> {
+        let mesh = super::parse_mesh(&a.mesh)?;
+        let model = super::load_model(&a.model)?;
+        let precision = match a.precision.as_str() {
+            "f32" => Precision::F32,
+            "f64" => Precision::F64,
+            p => return Err(CliError::input(format!("invalid --precision `{p}`")).with_help("use f32 or f64")),
+        };
+        let checkpoint = a.weights.clone().or_else(|| model.dir().and_then(find_checkpoint));
+        let (weights, weights_from) = match checkpoint {
+            Some(w) => (weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?, w.display().to_string()),
+            None => (weft_frontends::random_weights(&model, a.seed), format!("random (seed {})", a.seed)),
+        };
+        let inputs = match &a.inputs {
+            Some(p) => read_inputs(p)?,
+            None => {
+                let batch = a.batch.unwrap_or(2 * mesh.size_or_one("dp") as i64);
+                let seq = a.seq.unwrap_or(8 * mesh.size_or_one("sp") as i64);
+                if batch <= 0 || seq <= 0 {
+                    return Err(CliError::input(format!("invalid --batch {batch} / --seq {seq}: must be positive")));
+                }
+                draw_inputs(vocab_size(&model.graph)?, batch as usize, seq as usize, a.seed)
+            }
+        };
+        Ok(Session { model, mesh, weights, inputs, precision, weights_from })
+    }
+
+    /// The parallel program for the session's mesh (the model itself on one rank).
+    pub fn compile(&self, passes: Option<&str>) -> CliResult<Graph> {
+        let mut g = self.model.graph.clone();
+        let names = super::compile::pipeline(passes, &self.mesh)?;
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let cx = weft_passes::PassContext::new(self.mesh.clone());
+        weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+        let (b, s) = self.input_sizes()?;
+        super::compile::check_sizes(&g, Some(b), Some(s))?;
+        Ok(g)
+    }
+
+    /// `(B, S)` of the inputs.
+    pub fn input_sizes(&self) -> CliResult<(i64, i64)> {
+        let ids = self.inputs.get("input_ids").ok_or_else(|| CliError::input("the inputs have no `input_ids`"))?;
+        match ids.shape.as_slice() {
+            [b, s] => Ok((*b as i64, *s as i64)),
+            other => Err(CliError::input(format!("`input_ids` must be [batch, seq], got {other:?}"))),
+        }
+    }
+
+    /// Runs `g` on the CPU reference runtime.
+    pub fn run(&self, g: &Graph, grads: bool) -> CliResult<RunResult> {
+        let (b, s) = self.input_sizes()?;
+        let opts = RunOptions::new(self.precision).with_grads(grads).bind("B", b).bind("S", s);
+        cpu::run(g, &self.weights, &self.inputs, &opts).map_err(|e| CliError::input(format!("running {} on the CPU reference: {e}", g.name)))
+    }
+}
+
+fn find_checkpoint(dir: &Path) -> Option<PathBuf> {
+    ["model.safetensors", "model.safetensors.index.json"].iter().map(|f| dir.join(f)).find(|p| p.exists())
+}
+
+fn read_inputs(p: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
+    let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
+    for name in ["input_ids", "labels"] {
+        let x = t.get(name).ok_or_else(|| {
+            CliError::input(format!("missing tensor `{name}` in {}", p.display())).with_help("inputs need `input_ids` and `labels`, both i64 [batch, seq]")
+        })?;
+        if !x.dtype.is_int() || x.shape.len() != 2 {
+            return Err(CliError::input(format!("`{name}` in {} must be an integer [batch, seq] tensor, got {:?} {:?}", p.display(), x.dtype, x.shape)));
+        }
+    }
+    if t["input_ids"].shape != t["labels"].shape {
+        return Err(CliError::input(format!("`input_ids` {:?} and `labels` {:?} differ in shape in {}", t["input_ids"].shape, t["labels"].shape, p.display())));
+    }
+    Ok(t)
+}
+
+/// The vocabulary size: rows of the token embedding table.
+fn vocab_size(g: &Graph) -> CliResult<i64> {
+    g.nodes()
+        .iter()
+        .find_map(|&n| match g.node(n).op {
+            Op::Embedding {} => g.ty(g.node(n).operands[1]).shape[0].as_const(),
+            _ => None,
+        })
+        .ok_or_else(|| CliError::input(format!("{} has no embedding with a constant vocabulary; pass --inputs", g.name)))
+}
+
+/// Random tokens and labels (labels are the tokens with about one in eight ignored).
+pub fn draw_inputs(vocab: i64, batch: usize, seq: usize, seed: u64) -> BTreeMap<String, HostTensor> {
+    let mut state = seed ^ 0x5eed_1e55_u64;
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let n = batch * seq;
+    let ids: Vec<i64> = (0..n).map(|_| (next() % vocab as u64) as i64).collect();
+    let labels: Vec<i64> = ids.iter().map(|&t| if next() % 8 == 0 { -100 } else { t }).collect();
+    let mut m = BTreeMap::new();
+    m.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![batch, seq], ids));
+    m.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![batch, seq], labels));
+    m
+}
+
