@@ -64,8 +64,17 @@ pub fn pipeline(passes: Option<&str>, mesh: &weft_ir::Mesh) -> CliResult<Vec<Str
 }
 
 /// Binds `B` and `S` (and the mesh's axis sizes) and checks every size of the program.
+/// When only one of the two is given, the other takes the smallest size the mesh
+/// allows (one sequence per data-parallel rank, one token per sequence-parallel rank).
 pub fn check_sizes(g: &weft_ir::Graph, batch: Option<i64>, seq: Option<i64>) -> CliResult<Bindings> {
     let mut b = Bindings::new();
+    let (batch, seq) = match (batch, seq) {
+        (None, None) => (None, None),
+        (b, s) => (
+            Some(b.unwrap_or(g.mesh.size_or_one("dp") as i64)),
+            Some(s.unwrap_or(g.mesh.size_or_one("sp") as i64)),
+        ),
+    };
     for (flag, sym, v) in [("--batch", "B", batch), ("--seq", "S", seq)] {
         if let Some(v) = v {
             if v <= 0 {

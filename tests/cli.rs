@@ -1,0 +1,109 @@
+//! End-to-end tests of the `weft` binary: reports, JSON shapes, errors and exit codes.
+
+use std::process::Command;
+
+fn weft(args: &[&str]) -> (i32, String, String) {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = Command::new(env!("CARGO_BIN_EXE_weft")).args(args).current_dir(root).output().expect("weft runs");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}"))
+}
+
+#[test]
+fn stats_json_has_exact_param_counts() {
+    for (preset, params) in [("llama3-8b", 8_030_261_248u64), ("mixtral-8x7b", 46_702_792_704), ("qwen2.5-0.5b", 494_032_768)] {
+        let (code, out, err) = weft(&["stats", preset, "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let v = json(&out);
+        assert_eq!(v["params"].as_u64(), Some(params), "{preset}");
+        let flops = v["forward_flops_per_token"].as_f64().unwrap();
+        if preset == "mixtral-8x7b" {
+            // Two of eight experts per token: about 12.9B active parameters.
+            assert!(flops > 2.0 * 12.5e9 && flops < 2.0 * 14.5e9, "{preset}: {flops}");
+        } else {
+            assert!(flops > 2.0 * params as f64 * 0.8 && flops < 2.0 * params as f64 * 1.5, "{preset}: {flops}");
+        }
+    }
+}
+
+#[test]
+fn models_lists_presets() {
+    let (code, out, _) = weft(&["models", "--json"]);
+    assert_eq!(code, 0);
+    let v = json(&out);
+    let names: Vec<&str> = v.as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).collect();
+    for p in ["llama3-8b", "llama3-70b", "llama3.1-405b", "mistral-7b", "qwen2.5-7b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b", "phi3-mini"] {
+        assert!(names.contains(&p), "{p} missing from {names:?}");
+    }
+}
+
+#[test]
+fn import_writes_text_that_imports_back() {
+    let dir = std::env::temp_dir().join(format!("weft-cli-import-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("qwen3.weft");
+    let (code, _, err) = weft(&["import", "qwen3-tiny", "-o", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = weft(&["import", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, std::fs::read_to_string(&file).unwrap());
+}
+
+#[test]
+fn check_json_on_fixture_with_sp_and_dp() {
+    let (code, out, err) = weft(&["check", "tests/fixtures/qwen3", "--mesh", "dp=2,sp=2", "--train", "--json"]);
+    assert_eq!(code, 0, "{err}\n{out}");
+    let v = json(&out);
+    for key in ["mesh", "loss_ref", "loss", "max_rel_err_logits", "max_rel_err_grads", "worst_param", "ok"] {
+        assert!(v.get(key).is_some(), "missing {key}");
+    }
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["mesh"], "dp=2,sp=2");
+}
+
+#[test]
+fn eval_writes_full_outputs_and_grads() {
+    let dir = std::env::temp_dir().join(format!("weft-cli-eval-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("out.safetensors");
+    let (code, _, err) = weft(&[
+        "eval", "tests/fixtures/llama", "--inputs", "tests/fixtures/llama/inputs.safetensors", "--mesh", "sp=2", "--grads", "-o", out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let t = weft_frontends::read_safetensors(&out).unwrap();
+    assert_eq!(t["logits"].shape, vec![2, 16, 128]);
+    assert!(t.contains_key("grad.model.embed_tokens.weight"));
+    let reference = weft_frontends::read_safetensors(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama/reference.safetensors"))).unwrap();
+    let (a, b) = (t["loss"].to_f64()[0], reference["loss"].to_f64()[0]);
+    assert!((a - b).abs() < 1e-5 * b.abs(), "loss {a} vs {b}");
+}
+
+#[test]
+fn bad_input_exits_2_with_located_errors() {
+    let (code, _, err) = weft(&["compile", "llama-tiny", "--mesh", "sp=3"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("error:") && err.contains("model.layers.0.self_attn") && err.contains("heads"), "{err}");
+
+    let (code, _, err) = weft(&["compile", "llama-tiny", "--mesh", "sp=2", "--seq", "15"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("error:") && err.contains("14") && err.contains("16"), "nearest lengths in: {err}");
+
+    let (code, _, err) = weft(&["compile", "llama-tiny", "--mesh", "sp2"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("`sp2` is not `axis=size`"), "{err}");
+
+    let (code, _, err) = weft(&["compile", "llama-tiny", "--passes", "shard-everything"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown pass `shard-everything`") && err.contains("ulysses-attention"), "{err}");
+
+    let (code, _, err) = weft(&["stats", "no-such-model"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown model `no-such-model`") && err.contains("help:"), "{err}");
+
+    let (code, _, err) = weft(&["check", "tests/fixtures/llama", "--inputs", "tests/fixtures/llama/config.json"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("config.json"), "{err}");
+}
