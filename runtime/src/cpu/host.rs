@@ -83,28 +83,30 @@ pub(crate) fn to_candle(t: &HostTensor, want: DType, p: Precision) -> Result<Ten
 /// A candle tensor back as a host tensor that says it is of graph dtype `dtype`.
 pub(crate) fn to_host(t: &Tensor, dtype: DType) -> Result<HostTensor, String> {
     let shape = t.dims().to_vec();
-    let flat = t.flatten_all().map_err(|e| e.to_string())?;
-    let err = |e: candle_core::Error| e.to_string();
     Ok(match kind_of(t.dtype()) {
-        Kind::Float => HostTensor::floats(dtype, shape, flat.to_dtype(C::F64).map_err(err)?.to_vec1::<f64>().map_err(err)?),
-        Kind::Int | Kind::Bool => {
-            HostTensor::ints(dtype, shape, flat.to_dtype(C::I64).map_err(err)?.to_vec1::<i64>().map_err(err)?)
-        }
+        Kind::Float => HostTensor::floats(dtype, shape, values_f64(t)?),
+        Kind::Int | Kind::Bool => HostTensor::ints(dtype, shape, values_i64(t)?),
     })
 }
 
 /// The values of a tensor as f64, row-major (for comparisons and host-side work).
 pub(crate) fn values_f64(t: &Tensor) -> Result<Vec<f64>, String> {
-    t.flatten_all()
-        .and_then(|f| f.to_dtype(C::F64))
-        .and_then(|f| f.to_vec1::<f64>())
-        .map_err(|e| e.to_string())
+    let err = |e: candle_core::Error| e.to_string();
+    let flat = t.flatten_all().map_err(err)?;
+    Ok(match flat.dtype() {
+        C::F64 => flat.to_vec1::<f64>().map_err(err)?,
+        C::F32 => flat.to_vec1::<f32>().map_err(err)?.into_iter().map(f64::from).collect(),
+        _ => flat.to_dtype(C::F64).and_then(|f| f.to_vec1::<f64>()).map_err(err)?,
+    })
 }
 
-/// The values of an integer tensor, row-major.
+/// The values of an integer (or bool) tensor, row-major.
 pub(crate) fn values_i64(t: &Tensor) -> Result<Vec<i64>, String> {
-    t.flatten_all()
-        .and_then(|f| f.to_dtype(C::I64))
-        .and_then(|f| f.to_vec1::<i64>())
-        .map_err(|e| e.to_string())
+    let err = |e: candle_core::Error| e.to_string();
+    let flat = t.flatten_all().map_err(err)?;
+    Ok(match flat.dtype() {
+        C::I64 => flat.to_vec1::<i64>().map_err(err)?,
+        C::U8 => flat.to_vec1::<u8>().map_err(err)?.into_iter().map(i64::from).collect(),
+        _ => flat.to_dtype(C::I64).and_then(|f| f.to_vec1::<i64>()).map_err(err)?,
+    })
 }

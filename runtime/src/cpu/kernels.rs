@@ -6,6 +6,7 @@
 //! Every function returns its results in the storage dtypes of `host.rs`: floats in
 //! the compute dtype, integers as i64, bools as u8.
 
+use super::fused;
 use super::host::{kind, kind_of, values_f64, values_i64, Kind};
 use candle_core::{DType as C, Device, Tensor, D};
 use weft_ir::attrs::{CmpOp, Reduction, RopeScaling};
@@ -136,20 +137,23 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> KResult<Tensor> {
     Ok(a2.matmul(&b2)?)
 }
 
-/// Softmax along `dim` (the max is subtracted first; it does not change the value or
-/// the gradient, so it is taken untracked).
+/// Applies a last-dim row op along `dim` (moved last and back when it is not last).
+fn along(x: &Tensor, dim: usize, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> KResult<Tensor> {
+    let last = x.rank() - 1;
+    if dim == last {
+        return Ok(f(&x.contiguous()?)?);
+    }
+    let t = x.transpose(dim, last)?.contiguous()?;
+    Ok(f(&t)?.transpose(dim, last)?)
+}
+
+/// Softmax along `dim` (fused, with its own backward).
 pub(crate) fn softmax(x: &Tensor, dim: usize) -> KResult<Tensor> {
-    let m = x.max_keepdim(dim)?.detach();
-    let e = x.broadcast_sub(&m)?.exp()?;
-    let s = e.sum_keepdim(dim)?;
-    Ok(e.broadcast_div(&s)?)
+    along(x, dim, |t| t.apply_op1(fused::Softmax))
 }
 
 pub(crate) fn log_softmax(x: &Tensor, dim: usize) -> KResult<Tensor> {
-    let m = x.max_keepdim(dim)?.detach();
-    let sh = x.broadcast_sub(&m)?;
-    let lse = sh.exp()?.sum_keepdim(dim)?.log()?;
-    Ok(sh.broadcast_sub(&lse)?)
+    along(x, dim, |t| t.apply_op1(fused::LogSoftmax))
 }
 
 /// `cond ? a : b` with numpy broadcasting of all three.
@@ -553,25 +557,21 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: 
 /// label is `ignore_index`; `mean` divides by the number of valid labels (NaN if none,
 /// as torch).
 fn cross_entropy(logits: &Tensor, labels: &Tensor, ignore: i64, reduction: Reduction, float: C) -> KResult<Tensor> {
-    let v = *logits.dims().last().unwrap_or(&0);
-    let n = labels.elem_count();
-    if logits.elem_count() != n * v {
+    if logits.rank() != labels.rank() + 1 || logits.dims()[..labels.rank()] != *labels.dims() {
         bail!("logits {:?} must be labels {:?} plus a class dim", logits.dims(), labels.dims());
     }
+    let v = *logits.dims().last().unwrap_or(&0);
     let lab = labels.flatten_all()?;
     let lv = values_i64(&lab)?;
     if let Some((i, bad)) = lv.iter().enumerate().find(|(_, &l)| l != ignore && (l < 0 || l >= v as i64)) {
         bail!("label {bad} (at flat position {i}) is out of range for {v} classes and is not ignore_index {ignore}");
     }
-    let lsm = log_softmax(&logits.reshape((n, v))?, 1)?;
-    let valid = lab.broadcast_ne(&scalar(ignore as f64, C::I64)?)?;
-    let safe = valid.where_cond(&lab, &lab.zeros_like()?)?;
-    let picked = lsm.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?;
-    let loss = valid.where_cond(&picked.neg()?, &picked.zeros_like()?.detach())?;
+    let loss = logits.contiguous()?.apply_op2(&labels.contiguous()?, fused::CrossEntropyRows { ignore })?;
     Ok(match reduction {
-        Reduction::None => loss.reshape(labels.dims())?,
+        Reduction::None => loss,
         Reduction::Sum => loss.sum_all()?,
         Reduction::Mean => {
+            let valid = lab.broadcast_ne(&scalar(ignore as f64, C::I64)?)?;
             let count = valid.to_dtype(float)?.sum_all()?;
             loss.sum_all()?.div(&count)?
         }

@@ -42,6 +42,7 @@
 
 mod comm;
 mod error;
+mod fused;
 mod host;
 mod kernels;
 mod rank;
@@ -132,6 +133,37 @@ pub struct RunResult {
     pub rank_grads: Vec<BTreeMap<String, HostTensor>>,
     /// The bindings used (without rank coordinates), inferred symbols included.
     pub bindings: Bindings,
+    /// Where the time went.
+    pub profile: Profile,
+}
+
+/// Wall-clock times of a run, for finding slow ops (not for snapshots: they vary).
+#[derive(Clone, Debug, Default)]
+pub struct Profile {
+    /// Preparing weights and inputs, running every rank's forward (until the last ends).
+    pub forward_s: f64,
+    /// Assembling outputs and converting them to host tensors.
+    pub outputs_s: f64,
+    /// candle's backward and the assembly of the parameter gradients.
+    pub backward_s: f64,
+    /// Per op name: (nodes run, seconds), summed over ranks.
+    pub ops: BTreeMap<&'static str, (usize, f64)>,
+}
+
+impl Profile {
+    /// A table of the slowest ops, for humans.
+    pub fn table(&self) -> String {
+        let mut rows: Vec<_> = self.ops.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let mut s = format!(
+            "forward {:.3}s, outputs {:.3}s, backward {:.3}s\n",
+            self.forward_s, self.outputs_s, self.backward_s
+        );
+        for (name, (n, t)) in rows {
+            s.push_str(&format!("  {name:<16} {n:>6} {t:>9.4}s\n"));
+        }
+        s
+    }
 }
 
 /// Runs `graph` on the CPU over every rank of `graph.mesh`.
@@ -232,6 +264,7 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 
 fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError> {
     let world = sh.mesh.world_size().max(1);
+    let t0 = std::time::Instant::now();
     let results: Vec<RankResult> = if world == 1 {
         vec![rank::run_rank(sh, 0)]
     } else {
@@ -281,6 +314,15 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
 
     let g = sh.graph;
     let mut res = RunResult::default();
+    res.profile.forward_s = t0.elapsed().as_secs_f64();
+    for r in &ranks {
+        for (op, (n, t)) in &r.op_seconds {
+            let e = res.profile.ops.entry(op).or_insert((0, 0.0));
+            e.0 += n;
+            e.1 += t;
+        }
+    }
+    let t1 = std::time::Instant::now();
     let mut loss_tensor = None;
     for (name, v) in g.outputs() {
         let full = assemble(sh, opts, name, &ranks)?;
@@ -313,7 +355,12 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
                 g.outputs().iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
             ),
         })?;
+        res.profile.outputs_s = t1.elapsed().as_secs_f64();
+        let t2 = std::time::Instant::now();
         gradients(sh, opts, &loss, &ranks, &mut res)?;
+        res.profile.backward_s = t2.elapsed().as_secs_f64();
+    } else {
+        res.profile.outputs_s = t1.elapsed().as_secs_f64();
     }
     Ok(res)
 }
@@ -521,7 +568,7 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
         let full = &sh.params[&name];
         let shape = full.dims().to_vec();
         let splits = opts.param_splits.get(&name).map(|s| s.as_slice()).unwrap_or(&[]);
-        let mut acc = vec![0.0f64; full.elem_count()];
+        let mut acc = Vec::new();
         for (r, ro) in ranks.iter().enumerate() {
             let Some(var) = ro.vars.get(&name) else { continue };
             let grad = match store.get(var) {
@@ -529,6 +576,13 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
                 None => var.zeros_like().map_err(|e| bwd(e.to_string()))?,
             };
             let gv = host::values_f64(&grad).map_err(&bwd)?;
+            if acc.is_empty() && grad.dims() == shape.as_slice() && !opts.keep_rank_outputs {
+                acc = gv;
+                continue;
+            }
+            if acc.is_empty() {
+                acc = vec![0.0f64; full.elem_count()];
+            }
             let offsets = split_offsets(&shape, splits, sh.mesh, r as u32);
             add_block(&mut acc, &shape, &gv, grad.dims(), &offsets);
             if opts.keep_rank_outputs {
@@ -537,6 +591,9 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
                 }
                 res.rank_grads[r].insert(name.clone(), HostTensor::floats(dtype, grad.dims().to_vec(), gv));
             }
+        }
+        if acc.is_empty() {
+            acc = vec![0.0f64; full.elem_count()];
         }
         res.grads.insert(name.clone(), HostTensor::floats(dtype, shape, acc));
     }

@@ -37,6 +37,8 @@ pub(crate) struct RankOut {
     pub outputs: BTreeMap<String, Tensor>,
     /// The rank's param replicas (candle variables) when gradients are on.
     pub vars: BTreeMap<String, Tensor>,
+    /// Seconds spent per op name (collectives include the wait for the group).
+    pub op_seconds: BTreeMap<&'static str, (usize, f64)>,
 }
 
 /// `None`: the rank stopped because another failed.
@@ -92,7 +94,9 @@ fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
     let float = sh.precision.float_dtype();
     let mut vals: Vec<Option<Tensor>> = vec![None; g.value_capacity()];
     let mut vars: BTreeMap<String, Tensor> = BTreeMap::new();
+    let mut op_seconds: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
     for (pos, &n) in g.nodes().iter().enumerate() {
+        let started = std::time::Instant::now();
         if sh.comm.is_aborted() {
             return Err(None);
         }
@@ -163,6 +167,9 @@ fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
         for (v, t) in node.results.iter().zip(outs) {
             vals[v.0 as usize] = Some(t);
         }
+        let e = op_seconds.entry(node.op.name()).or_insert((0, 0.0));
+        e.0 += 1;
+        e.1 += started.elapsed().as_secs_f64();
         for v in &node.operands {
             if sh.last_use.get(v.0 as usize) == Some(&pos) {
                 vals[v.0 as usize] = None;
@@ -176,7 +183,7 @@ fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
         })?;
         outputs.insert(name.clone(), t);
     }
-    Ok(RankOut { outputs, vars })
+    Ok(RankOut { outputs, vars, op_seconds })
 }
 
 /// A computed tensor must have the node's evaluated shape and the storage dtype of its kind.

@@ -366,5 +366,6 @@ fn speed_llama_512() {
         let t = std::time::Instant::now();
         let r = run(&g, &w, &i, &opts).unwrap();
         eprintln!("run {it}: forward+backward {:.3}s, loss {}", t.elapsed().as_secs_f64(), r.outputs["loss"].to_f64()[0]);
+        eprintln!("{}", r.profile.table());
     }
 }
