@@ -15,6 +15,7 @@ mod fields;
 pub mod init;
 pub mod model;
 pub mod presets;
+pub mod pt2;
 pub mod weights;
 
 pub use build::{build_graph, param_count};

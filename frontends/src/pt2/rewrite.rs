@@ -1,0 +1,434 @@
+//! Rewrites on the lowered Weft graph that turn the decompositions HF and
+//! `run_decompositions()` leave behind into the high-level ops the passes shard:
+//!
+//! - `linear`: `matmul(x, permute(W))` (+ bias add, inside `reshape`s) with `W` a
+//!   parameter — the core-ATen form of `F.linear` (`view → mm/addmm → view`);
+//! - `rms_norm`: `W * cast(cast(x) * rsqrt(mean(cast(x)^2, -1) + eps))`;
+//! - `rope`: `x * cos + cat(-x2, x1) * sin` with cos/sin from `rope_table`;
+//! - `attention`: `softmax(Q K^T * c + causal bias) V` with the batch-folding reshapes of
+//!   decomposed `bmm`, the fully-masked-row fix-up `where`, and `repeat_kv` on K and V.
+//!
+//! Plain pattern matching over def-use chains, run to a fixed point in program order:
+//! each pattern has one root op and a fixed shape, so an e-graph would add no
+//! alternatives worth exploring here (unlike `simplify`). Replaced nodes are left for
+//! [`dce`]. Every match is recorded in the [`ImportReport`].
+
+use super::attention::strip_repeat_kv;
+use super::report::ImportReport;
+use std::collections::{BTreeMap, BTreeSet};
+use weft_ir::{At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Value};
+
+fn def(g: &Graph, v: Value) -> (&Op, &[Value]) {
+    let n = g.node(g.def(v));
+    (&n.op, &n.operands)
+}
+
+fn is_param(g: &Graph, v: Value) -> bool {
+    matches!(def(g, v).0, Op::Param { .. })
+}
+
+fn through_casts(g: &Graph, mut v: Value) -> Value {
+    while let (Op::Cast { .. }, [x]) = def(g, v) {
+        v = *x;
+    }
+    v
+}
+
+fn peel_reshapes(g: &Graph, mut v: Value) -> Value {
+    while let (Op::Reshape { .. }, [x]) = def(g, v) {
+        v = *x;
+    }
+    v
+}
+
+fn is_zero_full(g: &Graph, v: Value) -> bool {
+    match def(g, v) {
+        (Op::Full { value, .. }, _) => value.0 == 0.0,
+        (Op::Expand { .. } | Op::Reshape { .. } | Op::Cast { .. }, [x]) => is_zero_full(g, *x),
+        _ => false,
+    }
+}
+
+/// Replaces `root` by a new node computing `op(operands)` (placed just before it).
+fn replace(g: &mut Graph, root: Value, op: Op, operands: &[Value]) -> Option<Value> {
+    let n = g.def(root);
+    let meta = NodeMeta { source: g.node(n).meta.source.clone(), provenance: None };
+    let new = g.insert_with(At::Before(n), op, operands, meta).ok()?[0];
+    let new = if g.ty(new).dtype != g.ty(root).dtype {
+        let meta = NodeMeta { source: g.node(n).meta.source.clone(), provenance: None };
+        g.insert_with(At::Before(n), Op::Cast { dtype: g.ty(root).dtype }, &[new], meta).ok()?[0]
+    } else {
+        new
+    };
+    if g.ty(new) != g.ty(root) {
+        return None;
+    }
+    g.replace_all_uses(root, new);
+    Some(new)
+}
+
+fn scope_of(g: &Graph, v: Value) -> Option<String> {
+    g.node(g.def(v)).meta.source.clone()
+}
+
+pub struct Rewriter<'a> {
+    pub report: &'a mut ImportReport,
+    /// Values known to be causal additive (`true`) or bool (`false`) masks.
+    pub causal: &'a BTreeMap<Value, bool>,
+}
+
+impl Rewriter<'_> {
+    pub fn run(&mut self, g: &mut Graph) {
+        for _ in 0..4 {
+            let mut changed = false;
+            let order: Vec<Node> = g.nodes().to_vec();
+            for n in order {
+                if g.try_node(n).is_none() {
+                    continue;
+                }
+                let Some(&root) = g.node(n).results.first() else { continue };
+                changed |= self.linear(g, root) || self.rms_norm(g, root) || self.rope(g, root) || self.attention(g, root);
+            }
+            dce(g);
+            if !changed {
+                break;
+            }
+        }
+    }
+
+    /// `matmul(x, permute(W, [1, 0]))` → `linear(x, W)`; `linear + b` → `linear(x, W, b)`;
+    /// `reshape(linear(reshape(x)))` → `linear(x)`.
+    fn linear(&mut self, g: &mut Graph, root: Value) -> bool {
+        match def(g, root) {
+            (Op::Matmul { transpose_a: false, transpose_b }, [x, t]) => {
+                let (x, t, tb) = (*x, *t, *transpose_b);
+                let w = if tb {
+                    Some(t).filter(|&w| is_param(g, w))
+                } else {
+                    match def(g, t) {
+                        (Op::Permute { perm }, [w]) if perm == &[1, 0] && is_param(g, *w) => Some(*w),
+                        (Op::Transpose { .. }, [w]) if g.ty(*w).rank() == 2 && is_param(g, *w) => Some(*w),
+                        _ => None,
+                    }
+                };
+                let Some(w) = w else { return false };
+                if g.ty(x).rank() < 2 || g.ty(w).rank() != 2 {
+                    return false;
+                }
+                let scope = scope_of(g, root);
+                if replace(g, root, Op::Linear {}, &[x, w]).is_some() {
+                    self.report.recognise("linear", scope.as_deref(), "mm with a transposed parameter");
+                    return true;
+                }
+                false
+            }
+            (Op::Add {}, [a, b]) => {
+                let (a, b) = (*a, *b);
+                for (l, bias) in [(a, b), (b, a)] {
+                    if let (Op::Linear {}, [x, w]) = def(g, l) {
+                        let (x, w) = (*x, *w);
+                        let bt = g.ty(bias);
+                        if is_param(g, bias) && bt.rank() == 1 && bt.shape[0] == g.ty(w).shape[0] && g.ty(root) == g.ty(l) {
+                            return replace(g, root, Op::Linear {}, &[x, w, bias]).is_some();
+                        }
+                    }
+                }
+                false
+            }
+            (Op::Reshape { shape }, [l]) => {
+                let (shape, l) = (shape.clone(), *l);
+                let (Op::Linear {}, ops) = def(g, l) else { return false };
+                let ops = ops.to_vec();
+                let (Op::Reshape { .. }, [x]) = def(g, ops[0]) else { return false };
+                let x = *x;
+                let xt = g.ty(x).clone();
+                let mut want = xt.shape[..xt.rank().saturating_sub(1)].to_vec();
+                want.push(g.ty(ops[1]).shape[0].clone());
+                if want != shape || xt.shape.last() != g.ty(ops[0]).shape.last() {
+                    return false;
+                }
+                let mut args = vec![x];
+                args.extend_from_slice(&ops[1..]);
+                replace(g, root, Op::Linear {}, &args).is_some()
+            }
+            _ => false,
+        }
+    }
+
+    /// `W * cast(cast(x) * rsqrt(mean(cast(x)^2, [-1], keepdim) + eps))` → `rms_norm(x, W, eps)`.
+    fn rms_norm(&mut self, g: &mut Graph, root: Value) -> bool {
+        let (Op::Mul {}, [a, b]) = def(g, root) else { return false };
+        let (a, b) = (*a, *b);
+        for (w, y) in [(a, b), (b, a)] {
+            if !is_param(g, w) || g.ty(w).rank() != 1 {
+                continue;
+            }
+            let y = through_casts(g, y);
+            let (Op::Mul {}, [p, q]) = def(g, y) else { continue };
+            let (p, q) = (*p, *q);
+            for (xf, r) in [(p, q), (q, p)] {
+                let (Op::Rsqrt {}, [s]) = def(g, r) else { continue };
+                let (Op::AddScalar { value: eps }, [m]) = def(g, *s) else { continue };
+                let eps = *eps;
+                let (Op::Mean { dims, keepdim: true }, [sq]) = def(g, *m) else { continue };
+                let rank = g.ty(xf).rank() as i64;
+                if dims.len() != 1 || (dims[0] != -1 && dims[0] != rank - 1) {
+                    continue;
+                }
+                let (Op::PowScalar { exponent }, [x2]) = def(g, *sq) else { continue };
+                if exponent.0 != 2.0 || *x2 != xf {
+                    continue;
+                }
+                let x = through_casts(g, xf);
+                if g.ty(x).shape.last() != Some(&g.ty(w).shape[0]) || !g.ty(x).dtype.is_float() {
+                    continue;
+                }
+                let scope = scope_of(g, root);
+                if replace(g, root, Op::RmsNorm { eps }, &[x, w]).is_some() {
+                    self.report.recognise("rms_norm", scope.as_deref(), format!("eps {}", eps.0));
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// `x * cos + cat(-x[.., D/2:], x[.., :D/2]) * sin` → `rope(x, cos, sin)`.
+    fn rope(&mut self, g: &mut Graph, root: Value) -> bool {
+        let (Op::Add {}, [a, b]) = def(g, root) else { return false };
+        let (a, b) = (*a, *b);
+        for (m1, m2) in [(a, b), (b, a)] {
+            let Some((x, cos)) = mul_pair(g, m1, |g, v| table_of(g, v, 0).is_some()) else { continue };
+            let Some((cat, sin)) = mul_pair(g, m2, |g, v| table_of(g, v, 1).is_some()) else { continue };
+            let (tc, ts) = (table_of(g, cos, 0).unwrap(), table_of(g, sin, 1).unwrap());
+            if g.def(tc) != g.def(ts) || !is_rotate_half(g, cat, x) {
+                continue;
+            }
+            if g.ty(x).rank() != 4 || g.ty(tc).shape[2] != g.ty(x).shape[3] {
+                continue;
+            }
+            let scope = scope_of(g, root);
+            if replace(g, root, Op::Rope {}, &[x, tc, ts]).is_some() {
+                self.report.recognise("rope", scope.as_deref(), "x*cos + rotate_half(x)*sin");
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Decomposed attention: `reshape(matmul(reshape(P), reshape(V)))` with
+    /// `P = softmax(reshape(matmul(reshape(Q*c1), reshape(permute(K)*c2))) + causal)`.
+    fn attention(&mut self, g: &mut Graph, root: Value) -> bool {
+        let rt = g.ty(root).clone();
+        if rt.rank() != 4 {
+            return false;
+        }
+        let mm = match def(g, root) {
+            (Op::Reshape { .. }, [m]) => *m,
+            (Op::Matmul { .. }, _) => root,
+            _ => return false,
+        };
+        let (Op::Matmul { transpose_a: false, transpose_b: false }, [p3, v3]) = def(g, mm) else { return false };
+        let (p3, v3) = (*p3, *v3);
+        let p4 = peel_to_rank4(g, p3);
+        let v4 = peel_to_rank4(g, v3);
+        let (Some(p4), Some(v4)) = (p4, v4) else { return false };
+        // Fix-up `where(all_masked, 0, P)` around the softmax.
+        let mut psm = p4;
+        if let (Op::Where {}, [c, z, p]) = def(g, p4) {
+            let (c, z, p) = (*c, *z, *p);
+            if let (Op::Softmax { .. }, [x]) = def(g, p) {
+                if is_zero_full(g, z) && cone_only(g, c, *x) {
+                    psm = p;
+                }
+            }
+        }
+        let (Op::Softmax { dim }, [x]) = def(g, psm) else { return false };
+        if *dim != -1 && *dim != 3 {
+            return false;
+        }
+        let x = *x;
+        let (scores, causal) = match def(g, x) {
+            (Op::Add {}, [s, m]) if self.causal.get(m) == Some(&true) => (*s, true),
+            (Op::Add {}, [m, s]) if self.causal.get(m) == Some(&true) => (*s, true),
+            (Op::Add {}, _) => return false,
+            _ => (x, false),
+        };
+        let qk = match def(g, scores) {
+            (Op::Reshape { .. }, [m]) => *m,
+            (Op::Matmul { .. }, _) => scores,
+            _ => return false,
+        };
+        let (Op::Matmul { transpose_a: false, transpose_b: false }, [q3, k3]) = def(g, qk) else { return false };
+        let (q3, k3) = (*q3, *k3);
+        let (Some(qs), Some(kt)) = (peel_to_rank4(g, q3), peel_to_rank4(g, k3)) else { return false };
+        let (q, c1) = unscale(g, qs);
+        let (kt, c2) = unscale(g, kt);
+        let k = match def(g, kt) {
+            (Op::Permute { perm }, [k]) if perm == &[0, 1, 3, 2] => *k,
+            (Op::Transpose { dim0, dim1 }, [k]) if matches!((dim0, dim1), (2, 3) | (3, 2) | (-1, -2) | (-2, -1)) => *k,
+            _ => return false,
+        };
+        let (k, c3) = unscale(g, k);
+        let (q, v) = (q, v4);
+        let scale = c1 * c2 * c3;
+        let (k, v, gqa) = match (strip_repeat_kv(g, k), strip_repeat_kv(g, v)) {
+            (Some((k0, r1)), Some((v0, r2))) if r1 == r2 => (k0, v0, true),
+            _ => (k, v, false),
+        };
+        let (qt, kt_, vt) = (g.ty(q).clone(), g.ty(k).clone(), g.ty(v).clone());
+        if qt.rank() != 4 || kt_.rank() != 4 || vt.rank() != 4 || qt != rt {
+            return false;
+        }
+        let scope = scope_of(g, root);
+        if replace(g, root, Op::Attention { causal, scale: Float(scale) }, &[q, k, v]).is_some() {
+            self.report.recognise(
+                "attention",
+                scope.as_deref(),
+                format!("decomposed softmax(QK^T)V{}{}", if causal { ", causal bias" } else { ", no mask" }, if gqa { ", repeat_kv undone (GQA)" } else { "" }),
+            );
+            return true;
+        }
+        false
+    }
+}
+
+/// `(x, t)` if `v = mul(x, t)` (either order) with `pred(t)`.
+fn mul_pair(g: &Graph, v: Value, pred: impl Fn(&Graph, Value) -> bool) -> Option<(Value, Value)> {
+    let (Op::Mul {}, [a, b]) = def(g, v) else { return None };
+    if pred(g, *b) {
+        Some((*a, *b))
+    } else if pred(g, *a) {
+        Some((*b, *a))
+    } else {
+        None
+    }
+}
+
+/// The `rope_table` result `which` (0 cos, 1 sin) that `v` reshapes/expands/casts.
+fn table_of(g: &Graph, mut v: Value, which: u32) -> Option<Value> {
+    for _ in 0..6 {
+        let d = g.value(v);
+        let n = g.node(d.def);
+        match &n.op {
+            Op::RopeTable { .. } => return (d.index == which).then_some(v),
+            Op::Reshape { .. } | Op::Expand { .. } | Op::Cast { .. } => v = n.operands[0],
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// `cat(-x[.., h:], x[.., :h])` on the last dim.
+fn is_rotate_half(g: &Graph, cat: Value, x: Value) -> bool {
+    let (Op::Concat { dim }, [a, b]) = def(g, cat) else { return false };
+    let r = g.ty(x).rank() as i64;
+    let last = r - 1;
+    if *dim != -1 && *dim != last {
+        return false;
+    }
+    let d = match g.ty(x).shape.last().and_then(Dim::as_const) {
+        Some(d) if d % 2 == 0 => d,
+        _ => return false,
+    };
+    let h = Dim::from(d / 2);
+    let (Op::Neg {}, [s2]) = def(g, *a) else { return false };
+    let is_slice = |v: Value, start: &Dim| match def(g, v) {
+        (Op::Slice { dim, start: s, len }, [src]) => (*dim == last || *dim == -1) && s == start && *len == h && *src == x,
+        _ => false,
+    };
+    is_slice(*s2, &h) && is_slice(*b, &Dim::from(0))
+}
+
+/// The rank-4 value a batch-folded operand reshapes (through expands and reshapes).
+fn peel_to_rank4(g: &Graph, v: Value) -> Option<Value> {
+    let mut cur = v;
+    for _ in 0..6 {
+        if g.ty(cur).rank() == 4 && !matches!(def(g, cur).0, Op::Expand { .. }) {
+            return Some(cur);
+        }
+        match def(g, cur) {
+            (Op::Reshape { .. } | Op::Expand { .. }, [x]) => cur = *x,
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// `(x, c)` for `scale(x, c)`, else `(v, 1)`.
+fn unscale(g: &Graph, v: Value) -> (Value, f64) {
+    match def(g, v) {
+        (Op::Scale { factor }, [x]) => (*x, factor.0),
+        _ => (v, 1.0),
+    }
+}
+
+/// True if every source of `c`'s cone is `x` or a `full`.
+fn cone_only(g: &Graph, c: Value, x: Value) -> bool {
+    let mut stack = vec![c];
+    let mut seen = BTreeSet::new();
+    while let Some(v) = stack.pop() {
+        if v == x || !seen.insert(v) {
+            continue;
+        }
+        let (op, ops) = def(g, v);
+        match op {
+            Op::Full { .. } => {}
+            Op::Param { .. } | Op::Input { .. } | Op::Arange { .. } => return false,
+            _ => stack.extend_from_slice(ops),
+        }
+        if seen.len() > 64 {
+            return false;
+        }
+    }
+    true
+}
+
+/// Removes nodes no output needs (sources — params and inputs — stay).
+pub fn dce(g: &mut Graph) {
+    let mut live = BTreeSet::new();
+    let mut stack: Vec<Value> = g.outputs().iter().map(|(_, v)| *v).collect();
+    while let Some(v) = stack.pop() {
+        if !live.insert(v) {
+            continue;
+        }
+        if let Some(d) = g.try_value(v) {
+            stack.extend_from_slice(&g.node(d.def).operands);
+        }
+    }
+    let dead: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| {
+            let d = g.node(n);
+            !matches!(d.op, Op::Param { .. } | Op::Input { .. }) && !d.results.iter().any(|r| live.contains(r))
+        })
+        .collect();
+    g.remove_nodes(&dead);
+}
+
+/// Notes patterns left in the graph that the passes cannot shard as high-level ops.
+pub fn leftovers(g: &Graph, report: &mut ImportReport) {
+    for &n in g.nodes() {
+        let d = g.node(n);
+        let scope = d.meta.source.as_deref();
+        match &d.op {
+            Op::Softmax { .. } if g.ty(d.results[0]).rank() == 4 => {
+                report.miss("attention", scope, "softmax over [B, heads, S, S] left as generic ops (mask not causal or shape not matched)")
+            }
+            Op::Rsqrt {} => report.miss("rms_norm", scope, "rsqrt left as generic ops"),
+            Op::Concat { .. } if d.operands.iter().any(|&o| matches!(def(g, o).0, Op::Neg {})) => {
+                report.miss("rope", scope, "rotate_half left as generic ops")
+            }
+            Op::IndexSelect { .. } if d.operands.first().is_some_and(|&w| is_param(g, w) && g.ty(w).rank() == 3) => {
+                report.miss("moe", scope, "experts gathered per token (batched_mm form not matched): runs, but expert weights stay replicated")
+            }
+            Op::Matmul { .. } if d.operands.iter().any(|&o| is_param(g, o) || matches!(def(g, o), (Op::Permute { .. } | Op::Transpose { .. }, [w]) if is_param(g, *w))) => {
+                report.miss("linear", scope, "matmul with a parameter left as matmul")
+            }
+            _ => {}
+        }
+    }
+    let _ = DType::F32;
+}
