@@ -80,7 +80,9 @@ impl Lower<'_> {
         }
         let mut lead = vec![Dim::from(1); r - 2];
         lead.extend([sq.clone(), sk]);
+        self.causal.insert(m, additive);
         let m = self.reshape(n, m, lead)?;
+        self.causal.insert(m, additive);
         let m = if self.g.ty(m).shape != ty.shape { self.emit(n, Op::Expand { shape: ty.shape.clone() }, &[m])? } else { m };
         self.causal.insert(m, additive);
         Ok(m)

@@ -258,7 +258,8 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     let mut param_names: Vec<String> = Vec::new();
     let mut alias_of: BTreeMap<String, String> = BTreeMap::new();
     for (ph, target) in &params {
-        if let Some(p) = wcfg.get(target) {
+        let stored = |p: &schema::PayloadMeta| ar.get(&format!("data/weights/{}", p.path_name)).is_some_and(|b| !b.is_empty());
+        if let Some(p) = wcfg.get(target).filter(|p| stored(p)) {
             let key = format!("{}|{:?}", p.path_name, p.meta);
             if let Some(first) = by_storage.get(&key) {
                 alias_of.insert(target.clone(), first.clone());

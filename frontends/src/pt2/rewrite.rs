@@ -249,8 +249,8 @@ impl Rewriter<'_> {
         }
         let x = *x;
         let (scores, causal) = match def(g, x) {
-            (Op::Add {}, [s, m]) if self.causal.get(m) == Some(&true) => (*s, true),
-            (Op::Add {}, [m, s]) if self.causal.get(m) == Some(&true) => (*s, true),
+            (Op::Add {}, [s, m]) if self.is_causal_bias(g, *m) => (*s, true),
+            (Op::Add {}, [m, s]) if self.is_causal_bias(g, *m) => (*s, true),
             (Op::Add {}, _) => return false,
             _ => (x, false),
         };
@@ -291,6 +291,33 @@ impl Rewriter<'_> {
         }
         false
     }
+}
+
+impl Rewriter<'_> {
+    /// A causal additive bias: remembered as one, or `where(causal keep-mask, 0, -inf)`.
+    fn is_causal_bias(&self, g: &Graph, v: Value) -> bool {
+        let v = peel_layout(g, v);
+        if self.causal.get(&v) == Some(&true) {
+            return true;
+        }
+        let (Op::Where {}, [c, z, ninf]) = def(g, v) else { return false };
+        let is_ninf = match def(g, peel_layout(g, *ninf)) {
+            (Op::Full { value, .. }, _) => value.0 == f64::NEG_INFINITY || value.0 <= -1e30,
+            _ => false,
+        };
+        is_ninf && is_zero_full(g, *z) && (self.causal.get(&peel_layout(g, *c)) == Some(&false) || self.causal.get(c) == Some(&false))
+    }
+}
+
+/// Through reshapes and expands.
+fn peel_layout(g: &Graph, mut v: Value) -> Value {
+    for _ in 0..8 {
+        match def(g, v) {
+            (Op::Reshape { .. } | Op::Expand { .. }, [x]) => v = *x,
+            _ => break,
+        }
+    }
+    v
 }
 
 /// `(x, t)` if `v = mul(x, t)` (either order) with `pred(t)`.
