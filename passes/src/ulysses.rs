@@ -41,10 +41,22 @@ impl Pass for UlyssesAttention {
         let mut res = PassResult::unchanged();
         res.count("attention_layers", 0).count("all_to_all", 0).count("kv_heads_repeated", 0);
         res.count("attention_kept_whole", 0);
-        let attns: Vec<Node> = g.nodes().iter().copied().filter(|&n| matches!(g.node(n).op, Op::Attention { .. })).collect();
-        for n in attns {
-            match sequence_parallel_attention(g, n) {
+        // Match every attention first (one use list for all), then rewrite each.
+        let uses = g.uses();
+        let attns: Vec<(Node, Option<Matched>)> = g
+            .nodes()
+            .iter()
+            .copied()
+            .filter(|&n| matches!(g.node(n).op, Op::Attention { .. }))
+            .map(|n| (n, sequence_parallel_attention(g, n, &uses)))
+            .collect();
+        drop(uses);
+        let mut dead = Vec::new();
+        for (n, m) in attns {
+            match m {
                 Some(m) => {
+                    dead.push(m.slice);
+                    dead.extend(m.gathers.iter().copied());
                     rewrite_attention(g, n, m, sp, cx.options.replicate_kv_heads, &mut res)?;
                     res.count("attention_layers", 1);
                     res.changed = true;
@@ -56,6 +68,7 @@ impl Pass for UlyssesAttention {
                 }
             }
         }
+        remove_unused(g, &dead);
         Ok(res)
     }
 }
@@ -70,7 +83,7 @@ struct Matched {
 
 /// Matches `attention(all_gather_sp(q), all_gather_sp(k), all_gather_sp(v))` whose only
 /// use is `slice {dim=2}` back to this rank's block, all made by shard-seq.
-fn sequence_parallel_attention(g: &Graph, n: Node) -> Option<Matched> {
+fn sequence_parallel_attention(g: &Graph, n: Node, uses: &[Vec<(Node, usize)>]) -> Option<Matched> {
     let ops = &g.node(n).operands;
     let mut local = [ops[0]; 3];
     let mut gathers = Vec::new();
@@ -83,8 +96,7 @@ fn sequence_parallel_attention(g: &Graph, n: Node) -> Option<Matched> {
         gathers.extend(nodes);
     }
     let out = g.node(n).results[0];
-    let uses = g.uses().get(out.0 as usize).cloned().unwrap_or_default();
-    let [(slice, 0)] = uses.as_slice() else { return None };
+    let [(slice, 0)] = uses.get(out.0 as usize)?.as_slice() else { return None };
     let is_slice = matches!(g.node(*slice).op, Op::Slice { dim: 2, .. }) && crate::util::made_by(g, *slice, crate::shard_seq::NAME);
     let is_output = g.outputs().iter().any(|(_, v)| *v == out);
     (is_slice && !is_output).then_some(Matched { local, gathers, slice: *slice })
@@ -154,8 +166,6 @@ fn rewrite_attention(g: &mut Graph, n: Node, m: Matched, sp: i64, replicate: boo
     res.count("all_to_all", 1);
     let sliced = g.node(m.slice).results[0];
     g.replace_all_uses(sliced, back);
-    g.remove_node(m.slice);
-    remove_unused(g, &m.gathers);
     Ok(())
 }
 

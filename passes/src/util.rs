@@ -199,17 +199,24 @@ pub(crate) fn strip_gathers(g: &Graph, v: Value, pass: &str) -> (Value, Vec<(usi
     }
 }
 
-/// Removes those of `nodes` (in order) whose results no longer have any use.
+/// Removes those of `nodes` whose results no longer have any use, counting uses by
+/// nodes removed here as gone (so a chain listed outermost first goes entirely).
+/// One pass over the graph, whatever the number of nodes.
 pub(crate) fn remove_unused(g: &mut Graph, nodes: &[Node]) {
+    let uses = g.uses();
+    let outputs: Vec<Value> = g.outputs().iter().map(|(_, v)| *v).collect();
+    let mut removed: std::collections::HashSet<Node> = std::collections::HashSet::new();
+    let mut order = Vec::new();
     for &n in nodes {
-        if g.try_node(n).is_none() {
+        let Some(d) = g.try_node(n) else { continue };
+        if removed.contains(&n) {
             continue;
         }
-        let uses = g.uses();
-        let outputs: Vec<Value> = g.outputs().iter().map(|(_, v)| *v).collect();
-        let used = g.node(n).results.iter().any(|v| !uses[v.0 as usize].is_empty() || outputs.contains(v));
+        let used = d.results.iter().any(|v| outputs.contains(v) || uses[v.0 as usize].iter().any(|(m, _)| !removed.contains(m)));
         if !used {
-            g.remove_node(n);
+            removed.insert(n);
+            order.push(n);
         }
     }
+    g.remove_nodes(&order);
 }
