@@ -13,6 +13,9 @@ use weft_ir::{Graph, HostTensor, Mesh};
 use weft_passes::{default_pipeline, lookup, PassContext};
 use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
+#[path = "../passes/tests/common/mod.rs"]
+mod common;
+
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
@@ -45,6 +48,44 @@ fn case(name: &str) -> Case {
     Case { graph: model.graph, weights, inputs }
 }
 
+/// A hand-built variant (mask input, position_ids input, mean loss) with random
+/// weights: 0.2 * normal, so the attention is far from uniform.
+fn variant(cfg: common::Config) -> Case {
+    let graph = common::build(&cfg);
+    let model = weft_frontends::Model::from_graph(graph, weft_frontends::Origin::Preset(cfg.name.clone())).unwrap();
+    let mut weights = weft_frontends::random_weights(&model, 7);
+    for w in weights.values_mut() {
+        if let weft_ir::HostData::F64(v) = &mut w.data {
+            v.iter_mut().for_each(|x| *x *= 10.0);
+        }
+    }
+    let (b, s) = (2usize, 16usize);
+    let mut rng = 12345u64;
+    let mut next = move || {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (rng >> 33) as i64
+    };
+    let ids: Vec<i64> = (0..b * s).map(|_| next() % 127).collect();
+    let mut labels = ids.clone();
+    for i in [0, 5, 6, 7, 20, 29, 30, 31] {
+        labels[i] = -100;
+    }
+    let mut inputs = BTreeMap::new();
+    inputs.insert("input_ids".to_string(), HostTensor::ints(weft_ir::DType::I64, vec![b, s], ids));
+    inputs.insert("labels".to_string(), HostTensor::ints(weft_ir::DType::I64, vec![b, s], labels));
+    if cfg.mask {
+        // Keep-mask [B, 1, S, S]: the diagonal always, other keys at random.
+        let m: Vec<i64> = (0..b * s * s).map(|k| if (k / s) % s == k % s { 1 } else { (next() % 3 != 0) as i64 }).collect();
+        inputs.insert("attention_mask".to_string(), HostTensor::ints(weft_ir::DType::Bool, vec![b, 1, s, s], m));
+    }
+    if cfg.position_ids {
+        // Row 0 starts at 3, row 1 at 0 (left padding / packed sequences).
+        let p: Vec<i64> = (0..b * s).map(|k| (k % s) as i64 + if k < s { 3 } else { 0 }).collect();
+        inputs.insert("position_ids".to_string(), HostTensor::ints(weft_ir::DType::I64, vec![b, s], p));
+    }
+    Case { graph: model.graph, weights, inputs }
+}
+
 fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
     let opts = RunOptions::new(Precision::F64).with_grads(grads);
     run(g, &c.weights, &c.inputs, &opts).unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
@@ -70,7 +111,10 @@ fn compare(what: &str, want: &RunResult, got: &RunResult) {
 /// Compiles `c` for `mesh` pass by pass, running the graph after each pass (and its
 /// gradients after the last) against the unsharded reference.
 fn check(name: &str, mesh: &str, every_pass: bool) {
-    let c = case(name);
+    check_case(name, case(name), mesh, every_pass)
+}
+
+fn check_case(name: &str, c: Case, mesh: &str, every_pass: bool) {
     let reference = execute(&c.graph, &c, true);
     let cx = PassContext::new(Mesh::parse(mesh).unwrap());
     let mut g = c.graph.clone();
@@ -157,4 +201,28 @@ fn mixtral_moe() {
 #[test]
 fn qwen3_moe() {
     check("qwen3_moe", "sp=4", false);
+}
+
+#[test]
+fn attention_mask_input() {
+    for mesh in ["sp=2", "sp=4", "dp=2,sp=2"] {
+        let cfg = common::Config { mask: true, ..common::Config::llama_tiny() };
+        check_case("llama+mask", variant(cfg), mesh, mesh == "sp=4");
+    }
+}
+
+#[test]
+fn position_ids_input() {
+    for mesh in ["sp=4", "dp=2,sp=2"] {
+        let cfg = common::Config { position_ids: true, ..common::Config::llama_tiny() };
+        check_case("llama+position_ids", variant(cfg), mesh, true);
+    }
+}
+
+#[test]
+fn mean_reduced_cross_entropy() {
+    for mesh in ["sp=4", "dp=2,sp=2"] {
+        let cfg = common::Config { mean_loss: true, ..common::Config::llama_tiny() };
+        check_case("llama+mean", variant(cfg), mesh, true);
+    }
 }

@@ -199,3 +199,19 @@ fn check_bindings_accepts_every_rank() {
     compile(&mut g, "dp=2,sp=4");
     assert_eq!(check_bindings(&g, &Bindings::new().with("B", 4).with("S", 32)), Ok(()));
 }
+
+#[test]
+fn position_ids_inputs_are_sliced_like_input_ids() {
+    let mut g = common::build(&Config { position_ids: true, ..Config::llama_tiny() });
+    let r = compile(&mut g, "dp=2,sp=2");
+    assert_eq!(r.counter("positions_rewritten"), 0);
+    assert_eq!(r.counter("inputs_sliced"), 3);
+    let pos = g.inputs().into_iter().find(|(_, r, _)| *r == Role::PositionIds).unwrap().2;
+    let uses = g.uses()[pos.0 as usize].clone();
+    let [(slice, 0)] = uses.as_slice() else { panic!() };
+    let rope_in = g.uses()[g.node(*slice).results[0].0 as usize][0].0;
+    assert_eq!(g.ty(g.node(rope_in).results[0]).to_string(), "i64[B/dp, S/sp]");
+    let table = g.nodes().iter().copied().find(|&n| matches!(g.node(n).op, Op::RopeTable { .. })).unwrap();
+    assert_eq!(g.ty(g.node(table).results[0]).to_string(), "f32[B/dp, S/sp, 8]");
+    assert_eq!(a2a(&g), 8);
+}

@@ -20,6 +20,8 @@ pub struct Config {
     pub mask: bool,
     /// `cross_entropy {reduction=mean}` instead of sum / count_valid.
     pub mean_loss: bool,
+    /// Positions from a `position_ids` input (i64[B, S]) instead of an `arange`.
+    pub position_ids: bool,
     pub dtype: DType,
 }
 
@@ -38,6 +40,7 @@ impl Config {
             qk_norm: false,
             mask: false,
             mean_loss: false,
+            position_ids: false,
             dtype: DType::F32,
         }
     }
@@ -56,6 +59,7 @@ impl Config {
             qk_norm: false,
             mask: false,
             mean_loss: false,
+            position_ids: false,
             dtype: DType::BF16,
         }
     }
@@ -84,8 +88,13 @@ pub fn build(c: &Config) -> Graph {
     let embed = param(&mut g, "model.embed_tokens.weight", vec![d(c.vocab), d(c.hidden)]);
     let mut x = g.add(Op::Embedding {}, &[ids, embed]).unwrap();
     g.set_scope(Some("model.rotary_emb"));
-    let pos = g.add(Op::Arange { start: Dim::from(0), ty: t(DType::I64, vec![s.clone()]) }, &[]).unwrap();
-    let pos = g.add(Op::Reshape { shape: vec![d(1), s.clone()] }, &[pos]).unwrap();
+    let pos = if c.position_ids {
+        let ty = t(DType::I64, vec![b.clone(), s.clone()]);
+        g.add(Op::Input { name: "position_ids".into(), role: Role::PositionIds, ty }, &[]).unwrap()
+    } else {
+        let pos = g.add(Op::Arange { start: Dim::from(0), ty: t(DType::I64, vec![s.clone()]) }, &[]).unwrap();
+        g.add(Op::Reshape { shape: vec![d(1), s.clone()] }, &[pos]).unwrap()
+    };
     let cs = g
         .add_multi(Op::RopeTable { theta: Float(10000.0), dim: c.head_dim, scaling: RopeScaling::None }, &[pos])
         .unwrap();
