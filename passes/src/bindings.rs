@@ -107,6 +107,7 @@ fn describe_symbol(g: &Graph, s: &str) -> String {
 
 /// Checks that every size of `g` works with `b` (mesh axis sizes are taken from the
 /// graph's mesh when `b` does not bind them), on every rank.
+#[allow(clippy::result_large_err)] // a cold error path; the fields are what callers print
 pub fn check_bindings(g: &Graph, b: &Bindings) -> Result<(), BindingError> {
     let full = with_mesh(g, b);
     let checks = collect(g);

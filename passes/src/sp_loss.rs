@@ -18,6 +18,10 @@ use weft_ir::{At, Graph, Node, Op, ReduceOp, Reduction, Value};
 
 pub struct SpLoss;
 
+/// An operand with shard-seq's gathers stripped: the per-rank value, the gathered
+/// `(dim, axis)` and the gather nodes.
+type Stripped = (Value, Vec<(usize, String)>, Vec<Node>);
+
 pub const NAME: &str = "sp-loss";
 
 impl Pass for SpLoss {
@@ -45,8 +49,7 @@ impl Pass for SpLoss {
                 continue;
             }
             // Every operand must be gathered the same way (logits [B, S, V] and labels [B, S]).
-            let parts: Vec<(Value, Vec<(usize, String)>, Vec<Node>)> =
-                d.operands.iter().map(|&v| strip_gathers(g, v, crate::shard_seq::NAME)).collect();
+            let parts: Vec<Stripped> = d.operands.iter().map(|&v| strip_gathers(g, v, crate::shard_seq::NAME)).collect();
             let dims = &parts[0].1;
             if dims.is_empty() || parts.iter().any(|p| p.1 != *dims) {
                 continue;
