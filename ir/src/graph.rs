@@ -76,6 +76,9 @@ pub struct Graph {
     /// How outputs are split across ranks: `(output, [(dim, axis), ...])`. An output
     /// not listed is replicated (every rank holds all of it).
     output_splits: Vec<(String, Vec<(usize, String)>)>,
+    /// How sharded parameters are cut from their full tensors, nested outermost first.
+    /// A parameter not listed is replicated on every rank.
+    param_partitions: Vec<(String, Vec<crate::partition::Partition>)>,
     /// Source name given to nodes created while it is set (builders set it per layer).
     scope: Option<String>,
     /// Provenance given to nodes created while it is set (passes set it).
@@ -223,6 +226,27 @@ impl Graph {
 
     pub fn output_splits(&self) -> &[(String, Vec<(usize, String)>)] {
         &self.output_splits
+    }
+
+    /// Records that parameter `name` is split by `p` (after any earlier partitions of it).
+    pub fn add_param_partition(&mut self, name: &str, p: crate::partition::Partition) {
+        match self.param_partitions.iter_mut().find(|(n, _)| n == name) {
+            Some((_, v)) => v.push(p),
+            None => self.param_partitions.push((name.to_string(), vec![p])),
+        }
+    }
+
+    /// How parameter `name` is split (empty: replicated).
+    pub fn param_partition(&self, name: &str) -> &[crate::partition::Partition] {
+        self.param_partitions.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice()).unwrap_or(&[])
+    }
+
+    pub fn param_partitions(&self) -> &[(String, Vec<crate::partition::Partition>)] {
+        &self.param_partitions
+    }
+
+    pub fn clear_param_partitions(&mut self, name: &str) {
+        self.param_partitions.retain(|(n, _)| n != name);
     }
 
     // ---- queries ----
@@ -443,7 +467,7 @@ impl Graph {
 /// Internal node ids (never printed) do not matter.
 impl PartialEq for Graph {
     fn eq(&self, o: &Graph) -> bool {
-        if self.name != o.name || self.mesh != o.mesh || self.outputs != o.outputs || self.output_splits != o.output_splits || self.order.len() != o.order.len() {
+        if self.name != o.name || self.mesh != o.mesh || self.outputs != o.outputs || self.output_splits != o.output_splits || self.param_partitions != o.param_partitions || self.order.len() != o.order.len() {
             return false;
         }
         self.order.iter().zip(&o.order).all(|(&a, &b)| {

@@ -5,6 +5,7 @@
 //! - [`graph`]: SSA graph with never-reused ids; [`verify`]: located errors.
 //! - [`print`] / [`parse`]: the stable text form, `parse(print(g)) == g`.
 //! - [`mesh`]: device meshes and the process groups their axes induce.
+//! - [`partition`]: how sharded parameters map to their full tensors.
 //! - [`tensor`]: host tensors exchanged between crates.
 
 pub mod attrs;
@@ -14,6 +15,7 @@ pub mod graph;
 pub mod mesh;
 pub mod ops;
 pub mod parse;
+pub mod partition;
 pub mod print;
 pub mod shape;
 pub mod tensor;
@@ -26,6 +28,7 @@ pub use graph::{At, BuildError, Graph, Node, NodeData, NodeMeta, Provenance, Val
 pub use mesh::Mesh;
 pub use ops::{Op, OpInfo, OP_TABLE};
 pub use parse::{parse, parse_dim, parse_type, ParseError};
+pub use partition::Partition;
 pub use print::print;
 pub use tensor::{HostData, HostTensor};
 pub use types::{DType, TensorType};

@@ -300,6 +300,15 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
             g.mesh = Mesh::parse(rest.trim()).map_err(|e| locate(err(indent + 5, e.to_string())))?;
             continue;
         }
+        if let Some(rest) = trimmed.strip_prefix("partition ") {
+            let rest = rest.trim();
+            let close = rest[1..].find('"').map(|i| i + 2).filter(|_| rest.starts_with('"'));
+            let close = close.ok_or_else(|| locate(err(indent + 10, "expected `partition \"<param>\" <kind> <axis> dim=<d> [sizes] ...`")))?;
+            let name = unquote(&rest[..close]).map_err(|m| locate(err(indent + 10, m)))?;
+            let p: crate::partition::Partition = rest[close..].trim().parse().map_err(|m: String| locate(err(indent + 10 + close, m)))?;
+            g.add_param_partition(&name, p);
+            continue;
+        }
         if let Some(rest) = trimmed.strip_prefix("split ") {
             let mut words = rest.split_whitespace();
             let name = words.next().ok_or_else(|| locate(err(indent, "expected `split <output> <dim>:<axis> ...`")))?;

@@ -7,6 +7,7 @@
 //! %0: i64[B, S] = input {name="input_ids", role=input_ids}
 //! %7: f32[B, S, 64] = linear %5, %6  # model.layers.0.mlp.up_proj
 //! %9: f32[B, 2, S, 8] = all_to_all %8 {axis="sp", scatter_dim=1, gather_dim=2}  # model.layers.0.self_attn <- ulysses-attention: heads to sequence
+//! partition "model.layers.0.mlp.up_proj.weight" column tp dim=0 [32 32]
 //! split logits 1:sp
 //! return loss=%20, logits=%19
 //! ```
@@ -59,6 +60,11 @@ pub fn print(g: &Graph) -> String {
         s.push('\n');
     }
     let outs: Vec<String> = g.outputs().iter().map(|(k, v)| format!("{k}={v}")).collect();
+    for (name, parts) in g.param_partitions() {
+        for p in parts {
+            let _ = writeln!(s, "partition {} {p}", crate::attrs::quote(name));
+        }
+    }
     for (name, splits) in g.output_splits() {
         let parts: Vec<String> = splits.iter().map(|(d, a)| format!("{d}:{a}")).collect();
         let _ = writeln!(s, "split {name} {}", parts.join(" "));

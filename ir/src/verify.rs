@@ -118,6 +118,7 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
             check_dim(dim, &mesh_sizes, g, &mut |m| push(format!("attribute: {m}")));
         }
     }
+    check_partitions(g, &mut errors);
     for (name, splits) in g.output_splits() {
         let location = format!("output `{name}`");
         let Some(v) = g.output(name) else {
@@ -140,6 +141,51 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
         }
     }
     errors
+}
+
+/// Each partition names a parameter of the graph, an axis of the mesh with one size
+/// per rank, and agrees with the parameter's per-rank type along its dim.
+fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
+    let params: BTreeMap<String, crate::graph::Value> = g.params().into_iter().collect();
+    for (name, parts) in g.param_partitions() {
+        let location = format!("partition of `{name}`");
+        let mut push = |m: String| errors.push(VerifyError { node: None, location: location.clone(), message: m });
+        let Some(&v) = params.get(name) else {
+            push("names no parameter of the graph".into());
+            continue;
+        };
+        let ty = g.ty(v);
+        for p in parts {
+            let Some(n) = g.mesh.size(&p.axis) else {
+                push(format!("splits over unknown mesh axis `{}`", p.axis));
+                continue;
+            };
+            if p.ranks() != n as usize {
+                push(format!("lists {} ranks but axis `{}` has {n}", p.ranks(), p.axis));
+                continue;
+            }
+            if p.dim >= ty.rank() {
+                push(format!("dim {} is out of range for {ty}", p.dim));
+                continue;
+            }
+            if p.pieces.iter().flatten().any(|&x| x < 0) {
+                push("has a negative size".into());
+            }
+            let d = &ty.shape[p.dim];
+            for coord in 0..n {
+                let b = Bindings::new().with_coord(&p.axis, coord as i64);
+                match d.bind(&b).as_const() {
+                    Some(have) if have != p.shard_size(coord as usize) => push(format!(
+                        "rank {coord} of `{}` holds {} along dim {} but the parameter's type {ty} says {have}",
+                        p.axis,
+                        p.shard_size(coord as usize),
+                        p.dim
+                    )),
+                    _ => {}
+                }
+            }
+        }
+    }
 }
 
 /// Dims appearing in attributes (reshape targets, slice bounds).

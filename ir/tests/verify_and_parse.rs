@@ -140,3 +140,27 @@ fn parse_errors_have_line_and_column() {
     let dup = good.replace("%5: f32", "%4: f32");
     assert_eq!(parse_err(&dup), "line 7, column 1: value %4 is defined twice");
 }
+
+#[test]
+fn param_partitions_round_trip_and_verify() {
+    let mut g = Graph::new("tp");
+    g.mesh = Mesh::parse("tp=2").unwrap();
+    let w = g
+        .add(Op::Param { name: "w".into(), ty: TensorType::new(DType::F32, vec![Dim::per_rank("tp", vec![3, 2]), 4.into()]) }, &[])
+        .unwrap();
+    g.set_output("w", w);
+    g.add_param_partition("w", Partition::simple("column", "tp", 0, vec![3, 2]));
+    let text = print(&g);
+    assert!(text.contains("partition \"w\" column tp dim=0 [3 2]"), "{text}");
+    let back = parse(&text).unwrap();
+    assert_eq!(back, g);
+    verify(&back).unwrap();
+    let wrong = parse(&text.replace("dim=0 [3 2]", "dim=0 [2 3]")).unwrap();
+    assert_eq!(
+        errors_of(&wrong),
+        vec![
+            "partition of `w`: rank 0 of `tp` holds 2 along dim 0 but the parameter's type f32[tp?[3 2], 4] says 3",
+            "partition of `w`: rank 1 of `tp` holds 3 along dim 0 but the parameter's type f32[tp?[3 2], 4] says 2"
+        ]
+    );
+}
