@@ -25,6 +25,7 @@ fn archive(name: &str) -> PathBuf {
 const ARCHIVES: &[(&str, &str)] = &[
     ("llama", "llama"),
     ("llama_decomposed", "llama"),
+    ("llama_static", "llama"),
     ("qwen2", "qwen2"),
     ("qwen2_decomposed", "qwen2"),
     ("qwen3", "qwen3"),
@@ -146,17 +147,23 @@ fn import_matches_config_build() {
 #[test]
 fn passes_run_on_imported_graphs() {
     use weft_passes::{default_pipeline, run_pipeline, PassContext};
-    for (name, family) in [("llama_decomposed", "llama"), ("mixtral", "mixtral")] {
+    for (name, family) in [("llama_decomposed", "llama"), ("llama_static", "llama"), ("mixtral", "mixtral"), ("qwen3_moe_batched_decomposed", "qwen3_moe")] {
         let im = imp(name, family);
         let ins = inputs(family);
         let reference = run64(&im.graph, &im.weights, &ins);
-        let mesh = Mesh::parse("dp=2").unwrap();
-        let mut g = im.graph.clone();
-        run_pipeline(&mut g, &PassContext::new(mesh.clone()), &default_pipeline(&mesh)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let got = run64(&g, &im.weights, &ins);
-        for out in ["loss", "logits"] {
-            let e = rel_err(&got.outputs[out], &reference.outputs[out]);
-            assert!(e < 1e-10, "{name}: {out} rel err {e}");
+        for mesh in ["dp=2", "sp=2", "dp=2,sp=2"] {
+            let mesh = Mesh::parse(mesh).unwrap();
+            let mut g = im.graph.clone();
+            run_pipeline(&mut g, &PassContext::new(mesh.clone()), &default_pipeline(&mesh)).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+            let got = run64(&g, &im.weights, &ins);
+            for out in ["loss", "logits"] {
+                let e = rel_err(&got.outputs[out], &reference.outputs[out]);
+                assert!(e < 1e-10, "{name} {mesh}: {out} rel err {e}");
+            }
+            for (p, want) in &reference.grads {
+                let e = rel_err(&got.grads[p], want);
+                assert!(e < 1e-9, "{name} {mesh}: grad {p} rel err {e}");
+            }
         }
     }
 }

@@ -41,11 +41,13 @@ impl Lower<'_> {
 
     /// `Some(additive)` if the size-only value `name` is a causal mask at every probe.
     pub fn causal_kind(&self, name: &str) -> Option<bool> {
-        if !self.static_vals.contains(name) || self.seq_sym.is_none() {
+        if !self.static_vals.contains(name) {
             return None;
         }
+        // A static export can only be evaluated at its own length.
+        let probes: &[i64] = if self.seq_sym.is_some() { &PROBES } else { std::slice::from_ref(&self.s0) };
         let mut kind = None;
-        for s in PROBES {
+        for &s in probes {
             let t = self.probe(name, s).ok()?;
             let k = classify_causal(&t, s as usize)?;
             if kind.is_some_and(|k0| k0 != k) {
@@ -62,7 +64,7 @@ impl Lower<'_> {
         if r < 2 {
             return Err(self.bad(n, "mask of rank < 2"));
         }
-        let (sq, sk) = (ty.shape[r - 2].clone(), ty.shape[r - 1].clone());
+        let (sq, sk) = (self.seq_dim(&ty.shape[r - 2]), self.seq_dim(&ty.shape[r - 1]));
         if sq != sk {
             return Err(self.unsupported(n, format!("a mask of {sq} queries by {sk} keys")));
         }
@@ -83,8 +85,7 @@ impl Lower<'_> {
         self.causal.insert(m, additive);
         let m = self.reshape(n, m, lead)?;
         self.causal.insert(m, additive);
-        let m = if self.g.ty(m).shape != ty.shape { self.emit(n, Op::Expand { shape: ty.shape.clone() }, &[m])? } else { m };
-        self.causal.insert(m, additive);
+        // Leading dims stay 1: the mask broadcasts over batch and heads.
         Ok(m)
     }
 
@@ -186,8 +187,8 @@ impl Lower<'_> {
         if r < 2 || dim % 2 != 0 {
             return Err(self.unsupported(n, format!("a rotary table of type {ty}")));
         }
-        let seq = ty.shape[r - 2].clone();
-        let probe = PROBES[1];
+        let seq = self.seq_dim(&ty.shape[r - 2]);
+        let probe = if self.seq_sym.is_some() { PROBES[1] } else { self.s0 };
         let t = self.probe(&out, probe).map_err(|e| self.unsupported(n, format!("cannot evaluate the rotary table: {e}")))?;
         let rows = table_rows(&t, probe as usize, dim as usize).ok_or_else(|| self.unsupported(n, "the rotary table is not [.., S, dim]"))?;
         let f = |x: f64| if is_cos { x.cos() } else { x.sin() };
@@ -249,8 +250,9 @@ impl Lower<'_> {
         if vt.dtype != ty.dtype {
             v = self.cast(n, v, ty.dtype)?;
         }
-        if vt.shape != ty.shape {
-            v = self.emit(n, Op::Expand { shape: ty.shape.clone() }, &[v])?;
+        let want = self.gen_expand(&vt.shape, &ty.shape);
+        if vt.shape != want {
+            v = self.emit(n, Op::Expand { shape: want }, &[v])?;
         }
         Ok(vec![LV::T(v)])
     }

@@ -80,8 +80,13 @@ pub(crate) struct Lower<'a> {
     /// The export symbol of the sequence length, for evaluation at probe sizes.
     pub seq_sym: Option<String>,
     pub batch_sym: Option<String>,
-    /// Names of SDPA/attention nodes lowered so far (for the report).
+    /// Index of the node being lowered.
     pub current: Option<usize>,
+    /// The example batch and sequence sizes of the export (hints or constants).
+    pub b0: i64,
+    pub s0: i64,
+    /// The export fixed the sequence length: recorded sizes equal to it become `S`.
+    pub generalize_seq: bool,
 }
 
 pub(crate) fn dup(e: &Pt2Error) -> Pt2Error {
@@ -127,6 +132,35 @@ fn rank_of(d: DType) -> u8 {
 }
 
 impl<'a> Lower<'a> {
+    pub fn new(fx: &'a FxGraph, name: &str) -> Lower<'a> {
+        Lower {
+            fx,
+            g: Graph::new(name),
+            env: BTreeMap::new(),
+            symmap: BTreeMap::new(),
+            consts: BTreeMap::new(),
+            static_vals: BTreeSet::new(),
+            report: ImportReport::default(),
+            causal: BTreeMap::new(),
+            rope_tables: Vec::new(),
+            positions: None,
+            rope_cfg: None,
+            moe: MoePlan::default(),
+            moe_state: Vec::new(),
+            seq_sym: None,
+            batch_sym: None,
+            current: None,
+            b0: 1,
+            s0: 1,
+            generalize_seq: false,
+        }
+    }
+
+    #[cfg(test)]
+    pub fn for_tests(fx: &'a FxGraph, b0: i64, s0: i64, generalize_seq: bool) -> Lower<'a> {
+        Lower { b0, s0, generalize_seq, ..Lower::new(fx, "t") }
+    }
+
     // ---------------------------------------------------------------- errors
 
     pub fn unsupported(&self, n: &FxNode, msg: impl Into<String>) -> LErr {
@@ -325,7 +359,7 @@ impl<'a> Lower<'a> {
             .zip(n.outputs.iter().chain(std::iter::repeat(&None)))
             .map(|(lv, name)| match (&lv, name) {
                 (LV::T(v), Some(name)) => match self.meta_ty(name) {
-                    Ok(want) if want != *self.g.ty(*v) => LV::Err(self.bad(
+                    Ok(want) if !self.fits(&want, self.g.ty(*v), *v) => LV::Err(self.bad(
                         n,
                         format!("importer produced {} for `{name}`, the export recorded {want}", self.g.ty(*v)),
                     )),
@@ -334,6 +368,30 @@ impl<'a> Lower<'a> {
                 _ => lv,
             })
             .collect()
+    }
+
+    /// The value of a scalar operand or of a `full` tensor.
+    pub fn const_of(&self, o: &Operand) -> Option<f64> {
+        match o {
+            Operand::Num(x, _) => Some(*x),
+            Operand::T(v) => match &self.g.node(self.g.def(*v)).op {
+                Op::Full { value, .. } => Some(value.0),
+                _ => None,
+            },
+        }
+    }
+
+    /// The lowered type is the recorded one at the export's example sizes (a causal
+    /// mask may broadcast where the recorded one was expanded).
+    fn fits(&self, want: &TensorType, got: &TensorType, v: Value) -> bool {
+        if want == got {
+            return true;
+        }
+        if want.dtype != got.dtype || want.rank() != got.rank() {
+            return false;
+        }
+        let bcast = self.causal.contains_key(&v);
+        want.shape.iter().zip(&got.shape).all(|(w, g)| self.same_size(w, g) || bcast && *g == Dim::from(1))
     }
 
     fn lower_node(&mut self, n: &FxNode) -> LR<Vec<LV>> {
@@ -515,8 +573,14 @@ impl<'a> Lower<'a> {
                 let c = self.tensor(n, n.arg_at(0))?;
                 let ty = self.out_ty(n)?;
                 let (a, b) = (self.operand(n, n.arg_at(1))?, self.operand(n, n.arg_at(2))?);
+                let additive = self.causal.get(&c) == Some(&false)
+                    && matches!((self.const_of(&a), self.const_of(&b)), (Some(z), Some(m)) if z == 0.0 && m <= -1e30);
                 let (a, b) = (self.as_tensor(n, a, ty.dtype)?, self.as_tensor(n, b, ty.dtype)?);
-                one(self.emit(n, Op::Where {}, &[c, a, b])?)
+                let w = self.emit(n, Op::Where {}, &[c, a, b])?;
+                if additive {
+                    self.causal.insert(w, true);
+                }
+                one(w)
             }
             "aten.masked_fill.Scalar" | "aten.masked_fill.Tensor" => {
                 if let LV::False = self.arg_lv(n.arg_at(1)) {
@@ -590,7 +654,11 @@ impl<'a> Lower<'a> {
             "aten.full.default" | "aten.zeros.default" | "aten.ones.default" | "aten.new_ones.default" | "aten.new_zeros.default"
             | "aten.full_like.default" | "aten.zeros_like.default" | "aten.ones_like.default" | "aten.empty_like.default"
             | "aten.empty.memory_format" | "aten.empty_permuted.default" | "aten.scalar_tensor.default" => {
-                let ty = self.out_ty(n)?;
+                let mut ty = self.out_ty(n)?;
+                ty.shape = match (n.base().ends_with("_like"), self.arg_lv(n.arg_at(0))) {
+                    (true, LV::T(x)) => self.gen_like(&self.ty(x).shape, &ty.shape),
+                    _ => self.gen_free(&ty.shape),
+                };
                 let v = match n.base() {
                     "full" | "full_like" => self.float_arg(n, n.arg_at(1))?,
                     "scalar_tensor" => self.float_arg(n, n.arg_at(0))?,
@@ -600,7 +668,8 @@ impl<'a> Lower<'a> {
                 one(self.full(n, v, ty)?)
             }
             "aten.arange.default" | "aten.arange.start" | "aten.arange.start_step" => {
-                let ty = self.out_ty(n)?;
+                let mut ty = self.out_ty(n)?;
+                ty.shape = self.gen_free(&ty.shape);
                 let start = match n.op.as_str() {
                     "aten.arange.default" => Dim::from(0),
                     _ => self.dim_arg(n, n.arg_at(0))?,
@@ -614,15 +683,21 @@ impl<'a> Lower<'a> {
             | "aten.squeeze.dim" | "aten.squeeze.dims" | "aten.squeeze.default" | "aten.flatten.using_ints" => {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let ty = self.out_ty(n)?;
-                one(self.reshape(n, x, ty.shape)?)
+                let shape = self.gen_reshape(&self.ty(x).shape, &ty.shape);
+                one(self.reshape(n, x, shape)?)
             }
             "aten.expand.default" | "aten.expand_as.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
-                let ty = self.out_ty(n)?;
-                if self.g.ty(x).shape == ty.shape {
+                if self.causal.contains_key(&x) {
+                    // A causal mask broadcasts; expanding it over batch and heads adds nothing.
                     return one(x);
                 }
-                one(self.emit(n, Op::Expand { shape: ty.shape }, &[x])?)
+                let ty = self.out_ty(n)?;
+                let shape = self.gen_expand(&self.ty(x).shape, &ty.shape);
+                if self.g.ty(x).shape == shape {
+                    return one(x);
+                }
+                one(self.emit(n, Op::Expand { shape }, &[x])?)
             }
             "aten.permute.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
@@ -664,7 +739,8 @@ impl<'a> Lower<'a> {
                 if n.base() == "select" {
                     let i = norm(self.dim_arg(n, n.arg_at(2))?);
                     let s = self.emit(n, Op::Slice { dim: d, start: i, len: Dim::from(1) }, &[x])?;
-                    return one(self.reshape(n, s, ty.shape)?);
+                    let shape = self.gen_reshape(&self.ty(s).shape, &ty.shape);
+                    return one(self.reshape(n, s, shape)?);
                 }
                 if self.int_arg(n, n.arg_at(4))? != 1 {
                     return Err(self.unsupported(n, "slice with a step other than 1"));
@@ -673,7 +749,12 @@ impl<'a> Lower<'a> {
                     Arg::None => Dim::from(0),
                     a => norm(self.dim_arg(n, a)?),
                 };
-                let len = ty.shape[d as usize].clone();
+                let mut len = ty.shape[d as usize].clone();
+                if self.same_size(&len, &size) {
+                    len = size.clone();
+                } else {
+                    len = self.seq_dim(&len);
+                }
                 if start == Dim::from(0) && len == size {
                     return one(x);
                 }
@@ -770,7 +851,8 @@ impl<'a> Lower<'a> {
                 let u = self.reshape(n, x, s1.clone())?;
                 s1[d + 1] = Dim::from(r);
                 let e = self.emit(n, Op::Expand { shape: s1 }, &[u])?;
-                one(self.reshape(n, e, ty.shape)?)
+                let shape = self.gen_reshape(&self.ty(e).shape, &ty.shape);
+                one(self.reshape(n, e, shape)?)
             }
             "_operator.getitem.default" => Err(self.unsupported(n, "getitem on a value the importer does not split")),
             _ => Err(self.unsupported(n, "this op has no Weft lowering")),
@@ -791,7 +873,8 @@ impl<'a> Lower<'a> {
                         Some(o) => self.meta_ty(o)?,
                         None => continue,
                     };
-                    out.push(self.reshape(n, p, ty.shape)?);
+                    let shape = self.gen_reshape(&self.ty(p).shape, &ty.shape);
+                    out.push(self.reshape(n, p, shape)?);
                 }
                 return Ok(out);
             }

@@ -30,6 +30,7 @@ mod opschema;
 mod report;
 mod rewrite;
 mod schema;
+mod shapes;
 mod sympy;
 
 pub use archive::Archive;
@@ -192,30 +193,32 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         }
     }
     if seq_sym.is_none() {
-        report.notes.push("static export: the sequence length is a constant (export with dynamic_shapes to get S)".into());
+        report.notes.push(format!("static export: sequence length {} recognised as S wherever a shape follows from input_ids", ids_meta.sizes[1].clone().hint_or()));
+    }
+    if batch_sym.is_none() {
+        report.notes.push(format!("the export fixed the batch at {}: the graph's batch is the symbol B, shapes re-derived from input_ids", ids_meta.sizes[0].clone().hint_or()));
     }
 
     // ---- graph sources
     let gname = opts.name.clone().unwrap_or_else(|| model.clone());
     let mut g = Graph::new(&gname);
     let mut env: BTreeMap<String, LV> = BTreeMap::new();
+    let example = |s: &SymInt| match s {
+        SymInt::Int(i) => *i,
+        SymInt::Expr { hint, .. } => hint.unwrap_or(2),
+    };
+    let generalize_seq = seq_sym.is_none();
     let mut lw = Lower {
-        fx: &fx,
-        g: Graph::new(&gname),
-        env: BTreeMap::new(),
         symmap,
         consts,
-        static_vals: BTreeSet::new(),
         report,
-        causal: BTreeMap::new(),
-        rope_tables: Vec::new(),
-        positions: None,
-        rope_cfg: None,
         moe: moe::plan(&fx),
-        moe_state: Vec::new(),
         seq_sym,
         batch_sym,
-        current: None,
+        b0: example(&ids_meta.sizes[0]),
+        s0: example(&ids_meta.sizes[1]),
+        generalize_seq,
+        ..Lower::new(&fx, &gname)
     };
     if let Some(c) = &opts.config {
         let text = std::fs::read_to_string(c).map_err(|source| Pt2Error::Io { path: c.clone(), source })?;
@@ -225,6 +228,7 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     }
     lw.moe_state = vec![Default::default(); lw.moe.moes.len()];
     let ids_ty = lw.meta_ty(&ids_name).map_err(lower::unwrap_err)?;
+    let ids_ty = TensorType::new(ids_ty.dtype, vec![Dim::sym("B"), Dim::sym("S")]);
     if ids_ty.dtype != DType::I64 {
         return Err(Pt2Error::Signature { message: format!("input `{ids_name}` is {ids_ty}, expected int64 token ids") });
     }
@@ -242,7 +246,10 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         if *u == ids_name {
             continue;
         }
-        let ty = lw.meta_ty(u).map_err(lower::unwrap_err)?;
+        let mut ty = lw.meta_ty(u).map_err(lower::unwrap_err)?;
+        if ty.rank() == 2 && lw.same_size(&ty.shape[0], &ids_ty.shape[0]) && lw.same_size(&ty.shape[1], &ids_ty.shape[1]) {
+            ty.shape = ids_ty.shape.clone();
+        }
         let role = match u.as_str() {
             "attention_mask" => Role::AttentionMask,
             "position_ids" => Role::PositionIds,
@@ -394,5 +401,11 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     Ok(Pt2Import { graph: g, weights, report })
 }
 
-#[allow(dead_code)]
-fn _unused(_: TensorType) {}
+impl SymInt {
+    fn hint_or(self) -> i64 {
+        match self {
+            SymInt::Int(i) => i,
+            SymInt::Expr { hint, .. } => hint.unwrap_or(0),
+        }
+    }
+}

@@ -102,6 +102,11 @@ impl Rewriter<'_> {
         match def(g, root) {
             (Op::Matmul { transpose_a: false, transpose_b }, [x, t]) => {
                 let (x, t, tb) = (*x, *t, *transpose_b);
+                // `bmm` of a 3-D input broadcasts the weight over the batch first.
+                let t = match def(g, t) {
+                    (Op::Expand { .. }, [u]) if g.ty(*u).rank() == 2 => *u,
+                    _ => t,
+                };
                 let w = if tb {
                     Some(t).filter(|&w| is_param(g, w))
                 } else {

@@ -20,6 +20,7 @@ trait Fl: Copy + Send + Sync + PartialOrd + 'static {
     fn mul(self, o: Self) -> Self;
     fn div(self, o: Self) -> Self;
     fn zero() -> Self;
+    fn one() -> Self;
     fn neg_inf() -> Self;
     fn is_nan(self) -> bool;
 }
@@ -47,6 +48,9 @@ macro_rules! fl {
             }
             fn zero() -> Self {
                 0.0
+            }
+            fn one() -> Self {
+                1.0
             }
             fn neg_inf() -> Self {
                 <$t>::NEG_INFINITY
@@ -358,5 +362,155 @@ impl CustomOp3 for CrossEntropyBwd {
             _ => candle_core::bail!("cross-entropy-bwd: dtypes differ or are not float"),
         };
         Ok((out, l1.shape().clone()))
+    }
+}
+
+// ---- linear ----
+
+/// `dst[m, n] = a[m, k] @ b[k, n]` for row-major `dst`, with `a` and `b` given by
+/// their element strides (row, column), through the gemm crate candle also uses.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into<T: Fl>(
+    dst: &mut [T],
+    (m, n, k): (usize, usize, usize),
+    a: &[T],
+    (a_rs, a_cs): (usize, usize),
+    b: &[T],
+    (b_rs, b_cs): (usize, usize),
+    parallel: bool,
+) {
+    assert!(dst.len() >= m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        dst[..m * n].iter_mut().for_each(|v| *v = T::zero());
+        return;
+    }
+    assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs && b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
+    let par = if parallel { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+    // SAFETY: the bounds of every operand were checked above; dst is not aliased.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            T::zero(),
+            T::one(),
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+fn linear_fwd<T: Fl>(x: &[T], w: &[T], b: Option<&[T]>, n: usize, k: usize) -> Vec<T> {
+    let m = if k == 0 { 0 } else { x.len() / k };
+    let mut out = vec![T::zero(); m * n];
+    // w^T: element (p, j) is w[j, p]
+    gemm_into(&mut out, (m, n, k), x, (k, 1), w, (1, k), true);
+    if let Some(b) = b {
+        let add = |row: &mut [T]| row.iter_mut().zip(b).for_each(|(o, &bv)| *o = o.add(bv));
+        if out.len() >= PAR_MIN && n > 0 {
+            out.par_chunks_mut(n).for_each(add);
+        } else if n > 0 {
+            out.chunks_mut(n).for_each(add);
+        }
+    }
+    out
+}
+
+fn linear_shape(lx: &Layout, lw: &Layout) -> Result<(Shape, usize, usize)> {
+    let (n, k) = lw.shape().dims2()?;
+    let xd = lx.dims();
+    if xd.last() != Some(&k) {
+        candle_core::bail!("linear: x {xd:?} does not have the {k} input features of w {:?}", lw.dims());
+    }
+    let mut od = xd.to_vec();
+    *od.last_mut().expect("x has a dim") = n;
+    Ok((Shape::from(od), n, k))
+}
+
+/// `x @ w^T (+ b)` with `x [.., K]`, `w [N, K]`, `b [N]`: one autograd node where the
+/// composed form takes a reshape, a transpose, a matmul and a reshape (each costing a
+/// gradient-sized zero-fill and add in candle's backward).
+pub(crate) struct Linear;
+
+fn linear_cpu(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, b: Option<(&CpuStorage, &Layout)>) -> Result<(CpuStorage, Shape)> {
+    let (shape, n, k) = linear_shape(l1, l2)?;
+    let out = match (s1, s2, b) {
+        (CpuStorage::F32(x), CpuStorage::F32(w), None) => CpuStorage::F32(linear_fwd(contiguous(x, l1, "linear")?, contiguous(w, l2, "linear")?, None, n, k)),
+        (CpuStorage::F64(x), CpuStorage::F64(w), None) => CpuStorage::F64(linear_fwd(contiguous(x, l1, "linear")?, contiguous(w, l2, "linear")?, None, n, k)),
+        (CpuStorage::F32(x), CpuStorage::F32(w), Some((CpuStorage::F32(bv), lb))) => CpuStorage::F32(linear_fwd(
+            contiguous(x, l1, "linear")?,
+            contiguous(w, l2, "linear")?,
+            Some(contiguous(bv, lb, "linear")?),
+            n,
+            k,
+        )),
+        (CpuStorage::F64(x), CpuStorage::F64(w), Some((CpuStorage::F64(bv), lb))) => CpuStorage::F64(linear_fwd(
+            contiguous(x, l1, "linear")?,
+            contiguous(w, l2, "linear")?,
+            Some(contiguous(bv, lb, "linear")?),
+            n,
+            k,
+        )),
+        _ => candle_core::bail!("linear: operands must share one float dtype"),
+    };
+    Ok((out, shape))
+}
+
+/// `(dx, dw, db)` of `y = x @ w^T + b` for the output gradient `g`.
+fn linear_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let (n, k) = w.dims2()?;
+    let m = x.elem_count() / k.max(1);
+    let g2 = g.reshape((m, n))?;
+    let x2 = x.reshape((m, k))?;
+    let dx = g2.matmul(w)?.reshape(x.dims())?;
+    let dw = g2.t()?.matmul(&x2)?;
+    let db = g2.sum(0)?;
+    Ok((dx, dw, db))
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "weft-linear"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        linear_cpu(s1, l1, s2, l2, None)
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = linear_bwd(x, w, g)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// [`Linear`] with a bias.
+pub(crate) struct LinearBias;
+
+impl CustomOp3 for LinearBias {
+    fn name(&self) -> &'static str {
+        "weft-linear-bias"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        if l3.dims() != [l2.dims()[0]] {
+            candle_core::bail!("linear: bias {:?} does not fit w {:?}", l3.dims(), l2.dims());
+        }
+        linear_cpu(s1, l1, s2, l2, Some((s3, l3)))
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = linear_bwd(x, w, g)?;
+        Ok((Some(dx), Some(dw), Some(db)))
     }
 }

@@ -2,7 +2,8 @@
 //! the executor's storage dtypes: floats in the compute dtype, integers as i64, bools as u8.
 
 use super::Precision;
-use candle_core::{DType as C, Device, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType as C, Device, Storage, Tensor};
 use weft_ir::{DType, HostData, HostTensor};
 
 /// What a value is at run time, whatever its width in the graph.
@@ -56,25 +57,29 @@ pub(crate) fn to_candle(t: &HostTensor, want: DType, p: Precision) -> Result<Ten
     let wk = kind(want);
     let dev = &Device::Cpu;
     let shape = t.shape.as_slice();
-    match wk {
-        Kind::Float => {
-            if have != Kind::Float {
-                return Err(format!("is {} but the graph wants {want}", t.dtype));
-            }
-            let data = t.to_f64();
-            let x = Tensor::from_vec(data, shape, dev).map_err(|e| e.to_string())?;
-            x.to_dtype(p.float_dtype()).map_err(|e| e.to_string())
+    let err = |e: candle_core::Error| e.to_string();
+    if (wk == Kind::Float) != (have == Kind::Float) {
+        return Err(format!("is {} but the graph wants {want}", t.dtype));
+    }
+    match (&t.data, wk, p) {
+        (HostData::F64(v), Kind::Float, Precision::F64) => Tensor::from_slice(v, shape, dev).map_err(err),
+        (HostData::F64(v), Kind::Float, Precision::F32) => Tensor::from_vec(convert(v, |x| x as f32), shape, dev).map_err(err),
+        (HostData::I64(v), Kind::Int, _) => Tensor::from_slice(v, shape, dev).map_err(err),
+        (HostData::I64(v), Kind::Bool, _) => {
+            Tensor::from_vec(v.iter().map(|&x| (x != 0) as u8).collect::<Vec<u8>>(), shape, dev).map_err(err)
         }
-        Kind::Int | Kind::Bool => {
-            if have == Kind::Float {
-                return Err(format!("is {} but the graph wants {want}", t.dtype));
-            }
-            let data = t.to_i64();
+        (HostData::I64(v), Kind::Float, _) => {
+            Tensor::from_vec(v.iter().map(|&x| x as f64).collect::<Vec<f64>>(), shape, dev)
+                .and_then(|x| x.to_dtype(p.float_dtype()))
+                .map_err(err)
+        }
+        (HostData::F64(v), _, _) => {
+            let ints: Vec<i64> = v.iter().map(|&x| x as i64).collect();
+            let x = Tensor::from_vec(ints, shape, dev).map_err(err)?;
             if wk == Kind::Bool {
-                let b: Vec<u8> = data.iter().map(|&v| (v != 0) as u8).collect();
-                Tensor::from_vec(b, shape, dev).map_err(|e| e.to_string())
+                x.ne(0i64).map_err(err)
             } else {
-                Tensor::from_vec(data, shape, dev).map_err(|e| e.to_string())
+                Ok(x)
             }
         }
     }
@@ -89,24 +94,46 @@ pub(crate) fn to_host(t: &Tensor, dtype: DType) -> Result<HostTensor, String> {
     })
 }
 
+/// `src` mapped elementwise, in parallel when large (the fresh output's page faults
+/// dominate the cost of converting big tensors).
+fn convert<A: Copy + Sync, B: Send>(src: &[A], f: impl Fn(A) -> B + Sync + Send) -> Vec<B> {
+    use rayon::prelude::*;
+    if src.len() >= 1 << 16 {
+        src.par_iter().map(|&x| f(x)).collect()
+    } else {
+        src.iter().map(|&x| f(x)).collect()
+    }
+}
+
+/// The row-major values of a (CPU) tensor, converted by `f` from its storage slice.
+fn with_slice<R>(t: &Tensor, f: impl FnOnce(&CpuStorage, usize, usize) -> R) -> Result<R, String> {
+    let t = t.contiguous().map_err(|e| e.to_string())?;
+    let (st, layout) = t.storage_and_layout();
+    let (a, b) = layout.contiguous_offsets().ok_or("internal: not contiguous after contiguous()")?;
+    match &*st {
+        Storage::Cpu(cs) => Ok(f(cs, a, b)),
+        _ => Err("internal: not a CPU tensor".into()),
+    }
+}
+
 /// The values of a tensor as f64, row-major (for comparisons and host-side work).
 pub(crate) fn values_f64(t: &Tensor) -> Result<Vec<f64>, String> {
-    let err = |e: candle_core::Error| e.to_string();
-    let flat = t.flatten_all().map_err(err)?;
-    Ok(match flat.dtype() {
-        C::F64 => flat.to_vec1::<f64>().map_err(err)?,
-        C::F32 => flat.to_vec1::<f32>().map_err(err)?.into_iter().map(f64::from).collect(),
-        _ => flat.to_dtype(C::F64).and_then(|f| f.to_vec1::<f64>()).map_err(err)?,
-    })
+    with_slice(t, |cs, a, b| match cs {
+        CpuStorage::F64(v) => Ok(v[a..b].to_vec()),
+        CpuStorage::F32(v) => Ok(convert(&v[a..b], |x| x as f64)),
+        CpuStorage::I64(v) => Ok(v[a..b].iter().map(|&x| x as f64).collect()),
+        CpuStorage::U8(v) => Ok(v[a..b].iter().map(|&x| x as f64).collect()),
+        other => Err(format!("internal: unexpected storage {:?}", other.dtype())),
+    })?
 }
 
 /// The values of an integer (or bool) tensor, row-major.
 pub(crate) fn values_i64(t: &Tensor) -> Result<Vec<i64>, String> {
-    let err = |e: candle_core::Error| e.to_string();
-    let flat = t.flatten_all().map_err(err)?;
-    Ok(match flat.dtype() {
-        C::I64 => flat.to_vec1::<i64>().map_err(err)?,
-        C::U8 => flat.to_vec1::<u8>().map_err(err)?.into_iter().map(i64::from).collect(),
-        _ => flat.to_dtype(C::I64).and_then(|f| f.to_vec1::<i64>()).map_err(err)?,
-    })
+    with_slice(t, |cs, a, b| match cs {
+        CpuStorage::I64(v) => Ok(v[a..b].to_vec()),
+        CpuStorage::U8(v) => Ok(v[a..b].iter().map(|&x| x as i64).collect()),
+        CpuStorage::F32(v) => Ok(v[a..b].iter().map(|&x| x as i64).collect()),
+        CpuStorage::F64(v) => Ok(v[a..b].iter().map(|&x| x as i64).collect()),
+        other => Err(format!("internal: unexpected storage {:?}", other.dtype())),
+    })?
 }

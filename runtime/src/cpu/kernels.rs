@@ -325,15 +325,11 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             one(w.index_select(&flat, 0)?.reshape(cx.out_shape(0))?)
         }
         Op::Linear {} => {
-            let (x, w) = (&ins[0], &ins[1]);
-            let k = *x.dims().last().unwrap_or(&0);
-            let rows = x.elem_count() / k.max(1);
-            let y = x.reshape((rows, k))?.matmul(&w.t()?)?;
-            let y = match ins.get(2) {
-                Some(b) => y.broadcast_add(b)?,
-                None => y,
-            };
-            one(y.reshape(cx.out_shape(0))?)
+            let (x, w) = (ins[0].contiguous()?, ins[1].contiguous()?);
+            one(match ins.get(2) {
+                Some(b) => x.apply_op3(&w, &b.contiguous()?, fused::LinearBias)?,
+                None => x.apply_op2(&w, fused::Linear)?,
+            })
         }
         Op::Matmul { transpose_a, transpose_b } => {
             let (mut a, mut b) = (ins[0].clone(), ins[1].clone());

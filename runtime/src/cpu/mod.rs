@@ -359,6 +359,7 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
         let t2 = std::time::Instant::now();
         gradients(sh, opts, &loss, &ranks, &mut res)?;
         res.profile.backward_s = t2.elapsed().as_secs_f64();
+        if std::env::var("WEFT_DEBUG_TIMES").is_ok() { eprintln!("gradients() total {:.3}s", res.profile.backward_s); }
     } else {
         res.profile.outputs_s = t1.elapsed().as_secs_f64();
     }
@@ -558,7 +559,9 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
         return Err(bwd(format!("the loss is a {:?} tensor, not a float", loss.dtype())));
     }
     let root = if loss.rank() == 0 { loss.clone() } else { loss.sum_all().map_err(|e| bwd(e.to_string()))? };
+    let tb = std::time::Instant::now();
     let store = root.backward().map_err(|e| bwd(e.to_string()))?;
+    if std::env::var("WEFT_DEBUG_TIMES").is_ok() { eprintln!("candle backward {:.3}s", tb.elapsed().as_secs_f64()); }
     let g = sh.graph;
     for (name, v) in g.params() {
         if res.grads.contains_key(&name) {
