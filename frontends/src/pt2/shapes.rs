@@ -120,8 +120,12 @@ impl Lower<'_> {
                 }
             }
             let sym = input[i0..i].iter().fold(Dim::from(1), |a, d| a * d.clone());
-            let rec = meta[j0..j].iter().fold(Dim::from(1), |a, d| a * d.clone());
             let mut group = meta[j0..j].to_vec();
+            if sym.mentions("S") && group.len() > 1 {
+                // A static export's sequence length, split off a symbolic group.
+                group = group.iter().map(|d| if d.as_const() == Some(self.s0) { self.seq_dim(d) } else { d.clone() }).collect();
+            }
+            let rec = group.iter().fold(Dim::from(1), |a, d| a * d.clone());
             if sym != rec {
                 group[0] = group[0].clone() * sym.exact_div(&rec);
             }
