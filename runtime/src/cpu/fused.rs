@@ -23,6 +23,7 @@ trait Fl: Copy + Send + Sync + PartialOrd + 'static {
     fn one() -> Self;
     fn neg_inf() -> Self;
     fn is_nan(self) -> bool;
+    fn of(v: f64) -> Self;
 }
 
 macro_rules! fl {
@@ -57,6 +58,9 @@ macro_rules! fl {
             }
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
+            }
+            fn of(v: f64) -> Self {
+                v as $t
             }
         }
     };
@@ -512,5 +516,358 @@ impl CustomOp3 for LinearBias {
     fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = linear_bwd(x, w, g)?;
         Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+// ---- attention ----
+
+/// A strided 4-d view `[B, H, S, D]` of a storage slice.
+struct View4<'a, T> {
+    data: &'a [T],
+    start: usize,
+    st: [usize; 4],
+}
+
+impl<'a, T: Copy> View4<'a, T> {
+    fn new(data: &'a [T], l: &Layout, what: &str) -> Result<Self> {
+        let (d, s) = (l.dims(), l.stride());
+        if d.len() != 4 {
+            candle_core::bail!("attention: {what} must be 4-d, got {d:?}");
+        }
+        Ok(View4 { data, start: l.start_offset(), st: [s[0], s[1], s[2], s[3]] })
+    }
+    /// The `[S, D]` matrix of batch `b`, head `h`, from row `i0`: (slice, row stride, col stride).
+    fn mat(&self, b: usize, h: usize, i0: usize) -> (&'a [T], usize, usize) {
+        let off = self.start + b * self.st[0] + h * self.st[1] + i0 * self.st[2];
+        (&self.data[off..], self.st[2], self.st[3])
+    }
+}
+
+/// `dst[m, n] (+)= a @ b` like [`gemm_into`], optionally accumulating into `dst`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_acc<T: Fl>(
+    dst: &mut [T],
+    dst_rs: usize,
+    (m, n, k): (usize, usize, usize),
+    a: &[T],
+    (a_rs, a_cs): (usize, usize),
+    b: &[T],
+    (b_rs, b_cs): (usize, usize),
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 || k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                dst[r * dst_rs..r * dst_rs + n].iter_mut().for_each(|v| *v = T::zero());
+            }
+        }
+        return;
+    }
+    assert!(dst.len() >= (m - 1) * dst_rs + n);
+    assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs && b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
+    // SAFETY: bounds checked above; dst is not aliased by a or b.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// Scaled dot-product attention of `q [B, Nq, Sq, D]`, `k`/`v [B, Nkv, Sk, D]` (any
+/// strides), as HF's eager path: `q k^T * scale + bias`, softmax, `@ v`, where the bias is
+/// the dtype's most negative value at masked positions (causal: query `i` keeps keys
+/// `j <= i + Sk - Sq`; `bias`: an additive `[B|1, Nq|1, Sq, Sk]` tensor). Query head `h`
+/// reads kv head `h / (Nq / Nkv)`. The backward recomputes the probabilities per block
+/// of query rows (as flash attention does) instead of keeping them.
+pub(crate) struct Attention {
+    pub causal: bool,
+    pub scale: f64,
+    /// Additive mask, contiguous, in the compute dtype.
+    pub bias: Option<Tensor>,
+}
+
+/// Query rows per block: bounds the probability scratch to `ROWS x Sk`.
+const ROWS: usize = 64;
+
+struct AttnGeom {
+    b: usize,
+    nq: usize,
+    nkv: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+}
+
+fn attn_geom(q: &Layout, k: &Layout, v: &Layout) -> Result<AttnGeom> {
+    let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
+    if qd.len() != 4 || kd.len() != 4 || kd != vd || qd[0] != kd[0] || qd[3] != kd[3] || kd[1] == 0 || qd[1] % kd[1] != 0 {
+        candle_core::bail!("attention: q {qd:?}, k {kd:?}, v {vd:?} do not fit together");
+    }
+    Ok(AttnGeom { b: qd[0], nq: qd[1], nkv: kd[1], sq: qd[2], sk: kd[2], d: qd[3] })
+}
+
+/// The bias slice and its dims, when there is one.
+fn bias_of<T: candle_core::WithDType>(bias: &Option<Tensor>, g: &AttnGeom) -> Result<Option<(Vec<T>, [usize; 2])>> {
+    let Some(t) = bias else { return Ok(None) };
+    let d = t.dims();
+    if d.len() != 4 || d[2] != g.sq || d[3] != g.sk || !(d[0] == 1 || d[0] == g.b) || !(d[1] == 1 || d[1] == g.nq) {
+        candle_core::bail!("attention: mask {d:?} must be [B|1, heads|1, {}, {}]", g.sq, g.sk);
+    }
+    let v = t.flatten_all()?.to_vec1::<T>()?;
+    Ok(Some((v, [d[0], d[1]])))
+}
+
+/// Scores of rows `i0..i0+rows` of head `h`, masked and softmaxed, into `p` (row stride `jn`).
+#[allow(clippy::too_many_arguments)]
+fn attn_probs<T: Fl>(
+    p: &mut [T],
+    q: &View4<T>,
+    k: &View4<T>,
+    g: &AttnGeom,
+    bias: Option<&(Vec<T>, [usize; 2])>,
+    causal: bool,
+    scale: T,
+    min: T,
+    (b, h, i0, rows, jn): (usize, usize, usize, usize, usize),
+) {
+    let kh = h / (g.nq / g.nkv);
+    let (qa, qrs, qcs) = q.mat(b, h, i0);
+    let (ka, krs, kcs) = k.mat(b, kh, 0);
+    // k^T: element (d, j) is k[j, d]
+    gemm_acc(p, jn, (rows, jn, g.d), qa, (qrs, qcs), ka, (kcs, krs), false);
+    let off = g.sk as isize - g.sq as isize;
+    for r in 0..rows {
+        let i = i0 + r;
+        let row = &mut p[r * jn..r * jn + jn];
+        let brow = bias.map(|(bv, [bb, bh])| {
+            let base = (((if *bb == 1 { 0 } else { b }) * bh + if *bh == 1 { 0 } else { h }) * g.sq + i) * g.sk;
+            &bv[base..base + g.sk]
+        });
+        for (j, s) in row.iter_mut().enumerate() {
+            let mut x = s.mul(scale);
+            if let Some(br) = brow {
+                x = x.add(br[j]);
+            }
+            if causal && (j as isize) > i as isize + off {
+                x = x.add(min);
+            }
+            *s = x;
+        }
+        let m = row_max(row);
+        let mut z = T::zero();
+        for s in row.iter_mut() {
+            *s = s.sub(m).exp();
+            z = z.add(*s);
+        }
+        for s in row.iter_mut() {
+            *s = s.div(z);
+        }
+    }
+}
+
+/// How many keys rows `i0..i0+rows` can see: all, except for a plain causal mask whose
+/// rows all keep at least one key (then the masked tail has probability exactly 0).
+fn keys_seen(g: &AttnGeom, causal: bool, has_bias: bool, i0: usize, rows: usize) -> usize {
+    let off = g.sk as isize - g.sq as isize;
+    if causal && !has_bias && off >= 0 {
+        ((i0 + rows) as isize + off).clamp(0, g.sk as isize) as usize
+    } else {
+        g.sk
+    }
+}
+
+fn attn_fwd<T: Fl>(
+    op: &Attention,
+    (q, k, v): (&View4<T>, &View4<T>, &View4<T>),
+    g: &AttnGeom,
+    min: T,
+    bias: Option<(Vec<T>, [usize; 2])>,
+) -> Result<Vec<T>> {
+    let scale = T::of(op.scale);
+    let mut out = vec![T::zero(); g.b * g.nq * g.sq * g.d];
+    if out.is_empty() {
+        return Ok(out);
+    }
+    let head = g.sq * g.d;
+    out.par_chunks_mut(head).enumerate().for_each(|(bh, oh)| {
+        let (b, h) = (bh / g.nq, bh % g.nq);
+        let kh = h / (g.nq / g.nkv);
+        oh.par_chunks_mut(ROWS * g.d).enumerate().for_each(|(blk, ob)| {
+            let i0 = blk * ROWS;
+            let rows = ob.len() / g.d;
+            let jn = keys_seen(g, op.causal, bias.is_some(), i0, rows);
+            let mut p = vec![T::zero(); rows * jn.max(1)];
+            attn_probs(&mut p, q, k, g, bias.as_ref(), op.causal, scale, min, (b, h, i0, rows, jn));
+            let (va, vrs, vcs) = v.mat(b, kh, 0);
+            gemm_acc(ob, g.d, (rows, g.d, jn), &p, (jn, 1), va, (vrs, vcs), false);
+        });
+    });
+    Ok(out)
+}
+
+/// `[dq | dk | dv]` flattened, for output gradient `go` (contiguous `[B, Nq, Sq, D]`).
+fn attn_bwd<T: Fl>(
+    op: &Attention,
+    (q, k, v): (&View4<T>, &View4<T>, &View4<T>),
+    go: &[T],
+    g: &AttnGeom,
+    min: T,
+    bias: Option<(Vec<T>, [usize; 2])>,
+) -> Result<Vec<T>> {
+    let scale = T::of(op.scale);
+    let (nq_el, nk_el) = (g.b * g.nq * g.sq * g.d, g.b * g.nkv * g.sk * g.d);
+    let mut all = vec![T::zero(); nq_el + 2 * nk_el];
+    // Per query head, its contribution to its kv head's dk and dv (summed below, in
+    // head order, so the result does not depend on scheduling).
+    let kv_el = g.sk * g.d;
+    let mut dkp = vec![T::zero(); g.b * g.nq * kv_el];
+    let mut dvp = vec![T::zero(); g.b * g.nq * kv_el];
+    let (dq, rest) = all.split_at_mut(nq_el);
+    let head = g.sq * g.d;
+    if nq_el > 0 && kv_el > 0 {
+        dq.par_chunks_mut(head)
+            .zip(dkp.par_chunks_mut(kv_el))
+            .zip(dvp.par_chunks_mut(kv_el))
+            .enumerate()
+            .for_each(|(bh, ((dqh, dkh), dvh))| {
+                let (b, h) = (bh / g.nq, bh % g.nq);
+                let kh = h / (g.nq / g.nkv);
+                let (ka, krs, kcs) = k.mat(b, kh, 0);
+                let (va, vrs, vcs) = v.mat(b, kh, 0);
+                for (blk, dqb) in dqh.chunks_mut(ROWS * g.d).enumerate() {
+                    let i0 = blk * ROWS;
+                    let rows = dqb.len() / g.d;
+                    let jn = keys_seen(g, op.causal, bias.is_some(), i0, rows);
+                    if jn == 0 {
+                        continue;
+                    }
+                    let mut p = vec![T::zero(); rows * jn];
+                    attn_probs(&mut p, q, k, g, bias.as_ref(), op.causal, scale, min, (b, h, i0, rows, jn));
+                    let gob = &go[bh * head + i0 * g.d..bh * head + (i0 + rows) * g.d];
+                    // dP = dO @ v^T
+                    let mut dp = vec![T::zero(); rows * jn];
+                    gemm_acc(&mut dp, jn, (rows, jn, g.d), gob, (g.d, 1), va, (vcs, vrs), false);
+                    // dS = P * (dP - rowsum(P * dP)) * scale
+                    for r in 0..rows {
+                        let (pr, dr) = (&p[r * jn..(r + 1) * jn], &mut dp[r * jn..(r + 1) * jn]);
+                        let dot = pr.iter().zip(dr.iter()).fold(T::zero(), |s, (&a, &b)| s.add(a.mul(b)));
+                        for (d, &pv) in dr.iter_mut().zip(pr) {
+                            *d = pv.mul(d.sub(dot)).mul(scale);
+                        }
+                    }
+                    // dq = dS @ k
+                    gemm_acc(dqb, g.d, (rows, g.d, jn), &dp, (jn, 1), ka, (krs, kcs), false);
+                    // dk += dS^T @ q_rows, dv += P^T @ dO
+                    let (qa, qrs, qcs) = q.mat(b, h, i0);
+                    // (the partial buffers start at zero, so every block accumulates)
+                    gemm_acc(dkh, g.d, (jn, g.d, rows), &dp, (1, jn), qa, (qrs, qcs), true);
+                    gemm_acc(dvh, g.d, (jn, g.d, rows), &p, (1, jn), gob, (g.d, 1), true);
+                }
+            });
+        let (dk, dv) = rest.split_at_mut(nk_el);
+        let rep = g.nq / g.nkv;
+        for (dst, part) in [(dk, &dkp), (dv, &dvp)] {
+            dst.par_chunks_mut(kv_el).enumerate().for_each(|(bg, out)| {
+                let (b, gk) = (bg / g.nkv, bg % g.nkv);
+                for r in 0..rep {
+                    let h = gk * rep + r;
+                    let src = &part[(b * g.nq + h) * kv_el..(b * g.nq + h + 1) * kv_el];
+                    for (o, &s) in out.iter_mut().zip(src) {
+                        *o = o.add(s);
+                    }
+                }
+            });
+        }
+    }
+    Ok(all)
+}
+
+fn views<'a, T: Copy>(
+    q: &'a [T],
+    lq: &Layout,
+    k: &'a [T],
+    lk: &Layout,
+    v: &'a [T],
+    lv: &Layout,
+) -> Result<(View4<'a, T>, View4<'a, T>, View4<'a, T>)> {
+    Ok((View4::new(q, lq, "q")?, View4::new(k, lk, "k")?, View4::new(v, lv, "v")?))
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "weft-attention"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = attn_geom(l1, l2, l3)?;
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                let (q, k, v) = views(q, l1, k, l2, v, l3)?;
+                CpuStorage::F32(attn_fwd(self, (&q, &k, &v), &g, f32::MIN, bias_of::<f32>(&self.bias, &g)?)?)
+            }
+            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => {
+                let (q, k, v) = views(q, l1, k, l2, v, l3)?;
+                CpuStorage::F64(attn_fwd(self, (&q, &k, &v), &g, f64::MIN, bias_of::<f64>(&self.bias, &g)?)?)
+            }
+            _ => candle_core::bail!("attention: q, k, v must share one float dtype"),
+        };
+        Ok((out, Shape::from(vec![g.b, g.nq, g.sq, g.d])))
+    }
+    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let bwd = AttentionBwd { op: Attention { causal: self.causal, scale: self.scale, bias: self.bias.clone() }, go: grad.contiguous()? };
+        let all = q.apply_op3_no_bwd(k, v, &bwd)?;
+        let (nq, nk) = (q.elem_count(), k.elem_count());
+        let dq = all.narrow(0, 0, nq)?.reshape(q.dims())?;
+        let dk = all.narrow(0, nq, nk)?.reshape(k.dims())?;
+        let dv = all.narrow(0, nq + nk, nk)?.reshape(v.dims())?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+struct AttentionBwd {
+    op: Attention,
+    go: Tensor,
+}
+
+impl CustomOp3 for AttentionBwd {
+    fn name(&self) -> &'static str {
+        "weft-attention-bwd"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = attn_geom(l1, l2, l3)?;
+        let (gs, gl) = self.go.storage_and_layout();
+        let candle_core::Storage::Cpu(gs) = &*gs else { candle_core::bail!("attention-bwd: not a CPU tensor") };
+        let out = match (s1, s2, s3, gs) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v), CpuStorage::F32(go)) => {
+                let (q, k, v) = views(q, l1, k, l2, v, l3)?;
+                let bias = bias_of::<f32>(&self.op.bias, &g)?;
+                CpuStorage::F32(attn_bwd(&self.op, (&q, &k, &v), contiguous(go, gl, "attention-bwd")?, &g, f32::MIN, bias)?)
+            }
+            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v), CpuStorage::F64(go)) => {
+                let (q, k, v) = views(q, l1, k, l2, v, l3)?;
+                let bias = bias_of::<f64>(&self.op.bias, &g)?;
+                CpuStorage::F64(attn_bwd(&self.op, (&q, &k, &v), contiguous(go, gl, "attention-bwd")?, &g, f64::MIN, bias)?)
+            }
+            _ => candle_core::bail!("attention-bwd: operands must share one float dtype"),
+        };
+        let n = g.b * g.nq * g.sq * g.d + 2 * g.b * g.nkv * g.sk * g.d;
+        Ok((out, Shape::from(n)))
     }
 }

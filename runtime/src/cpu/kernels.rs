@@ -498,12 +498,11 @@ fn check_range(t: &Tensor, lo: i64, hi: i64, what: &str, of: &str) -> KResult<()
     Ok(())
 }
 
-/// Scaled dot-product attention as HF's eager path computes it: `q k^T * scale`, a
-/// keep-mask applied by adding the dtype's most negative value (so fully masked rows
-/// come out uniform rather than NaN), softmax, times v. GQA: query head `h` reads kv head
-/// `h / (Nq/Nkv)`, done by folding the query heads of one kv head into its rows.
-/// Causal with `Sq != Sk` aligns the queries with the last `Sq` keys (query `i` sees
-/// keys `j <= i + Sk - Sq`), as flash-attention and HF's KV cache do.
+/// Scaled dot-product attention as HF's eager path computes it (see [`fused::Attention`]):
+/// a keep-mask and the causal mask become one additive bias of the dtype's most negative
+/// value, so fully masked rows come out uniform rather than NaN. Causal with `Sq != Sk`
+/// aligns the queries with the last `Sq` keys (query `i` sees keys `j <= i + Sk - Sq`),
+/// as flash-attention and HF's KV cache do.
 fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool, scale: f64, float: C) -> KResult<Tensor> {
     let (b, nq, sq, hd) = q.dims4()?;
     let (bk, nkv, sk, hdk) = k.dims4()?;
@@ -513,40 +512,27 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: 
     if nkv == 0 || nq % nkv != 0 {
         bail!("q heads ({nq}) must be a multiple of kv heads ({nkv})");
     }
-    let rep = nq / nkv;
-    let qg = q.reshape((b, nkv, rep * sq, hd))?;
-    let kt = mm_ready(k.transpose(2, 3)?)?;
-    let scores = qg.matmul(&kt)?.affine(scale, 0.0)?.reshape((b, nq, sq, sk))?;
-    let mut keep: Option<Tensor> = None;
-    if causal {
-        let off = sk as i64 - sq as i64;
-        let rows = (Tensor::arange(0i64, sq as i64, DEV)? + off as f64)?.reshape((sq, 1))?;
-        let cols = Tensor::arange(0i64, sk as i64, DEV)?.reshape((1, sk))?;
-        keep = Some(cols.broadcast_le(&rows)?.reshape((1, 1, sq, sk))?);
-    }
-    if let Some(m) = mask {
-        let md = m.dims();
-        if md.len() != 4 || md[2] != sq || md[3] != sk || !(md[0] == 1 || md[0] == b) || !(md[1] == 1 || md[1] == nq) {
-            bail!("mask {md:?} must be [B|1, heads|1, {sq}, {sk}]");
-        }
-        let m = m.to_dtype(C::U8)?;
-        keep = Some(match keep {
-            Some(c) => m.broadcast_mul(&c)?,
-            None => m,
-        });
-    }
-    let scores = match keep {
-        Some(keep) => {
+    let bias = match mask {
+        None => None,
+        Some(m) => {
+            let md = m.dims();
+            if md.len() != 4 || md[2] != sq || md[3] != sk || !(md[0] == 1 || md[0] == b) || !(md[1] == 1 || md[1] == nq) {
+                bail!("mask {md:?} must be [B|1, heads|1, {sq}, {sk}]");
+            }
+            let mut keep = m.to_dtype(C::U8)?;
+            if causal {
+                let off = sk as i64 - sq as i64;
+                let rows = (Tensor::arange(0i64, sq as i64, DEV)? + off as f64)?.reshape((sq, 1))?;
+                let cols = Tensor::arange(0i64, sk as i64, DEV)?.reshape((1, sk))?;
+                keep = keep.broadcast_mul(&cols.broadcast_le(&rows)?.reshape((1, 1, sq, sk))?)?;
+            }
             let min = if float == C::F64 { f64::MIN } else { f32::MIN as f64 };
             // keep = 1 -> 0, keep = 0 -> min
-            let bias = keep.to_dtype(float)?.affine(-min, min)?;
-            scores.broadcast_add(&bias)?
+            Some(keep.to_dtype(float)?.affine(-min, min)?.contiguous()?.detach())
         }
-        None => scores,
     };
-    let probs = softmax(&scores, 3)?.reshape((b, nkv, rep * sq, sk))?;
-    let out = probs.matmul(&mm_ready(v.clone())?)?;
-    Ok(out.reshape((b, nq, sq, hd))?)
+    let op = fused::Attention { causal: causal && bias.is_none(), scale, bias };
+    Ok(q.apply_op3(k, v, op)?)
 }
 
 /// Token cross-entropy in the compute dtype: `-log_softmax(logits)[label]`, 0 where the

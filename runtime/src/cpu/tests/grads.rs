@@ -214,3 +214,48 @@ fn cross_entropy_gradient_by_hand() {
     let want = vec![p0 / 2.0, (p1 - 1.0) / 2.0, 0.0, 0.0, (0.5 - 1.0) / 2.0, 0.5 / 2.0];
     assert_close(&r.grads["logits"].to_f64(), &want, 1e-12);
 }
+
+/// `loss = sum(attention(q, k, v) * r)` with `q` a transposed (strided) view, over
+/// several 64-row blocks, GQA, causal with `Sq != Sk`, and a keep-mask. (Rows that see no
+/// key are left out: their probabilities are uniform only through rounding `s + min` to
+/// `min`, so finite differences see no dependence on `s` while autograd, like HF's,
+/// differentiates through the add.)
+fn attention_loss_graph(sq: i64, sk: i64, causal: bool, with_mask: bool) -> Graph {
+    let (nq, nkv, d) = (4i64, 2i64, 3i64);
+    let mut g = Graph::new("attn");
+    let q = param(&mut g, "q", fty(&[1, sq, nq, d]));
+    let q = g.add(Op::Transpose { dim0: 1, dim1: 2 }, &[q]).unwrap();
+    let k = param(&mut g, "k", fty(&[1, nkv, sk, d]));
+    let v = param(&mut g, "v", fty(&[1, nkv, sk, d]));
+    let mut ins = vec![q, k, v];
+    if with_mask {
+        ins.push(input(&mut g, "mask", TensorType::new(DType::Bool, dims(&[1, 1, sq, sk]))));
+    }
+    let o = g.add(Op::Attention { causal, scale: Float(0.7) }, &ins).unwrap();
+    let r = input(&mut g, "r", fty(&[1, nq, sq, d]));
+    let p = g.add(Op::Mul {}, &[o, r]).unwrap();
+    let loss = g.add(Op::Sum { dims: vec![0, 1, 2, 3], keepdim: false }, &[p]).unwrap();
+    g.set_output("loss", loss);
+    g
+}
+
+#[test]
+fn attention_grads_over_many_row_blocks() {
+    for (sq, sk, causal, with_mask) in [(150, 150, true, false), (70, 150, true, false), (130, 150, true, true), (90, 90, false, true)] {
+        let g = attention_loss_graph(sq, sk, causal, with_mask);
+        let mut rng = Rng::new(sq as u64 * 7 + sk as u64);
+        let (sq, sk) = (sq as usize, sk as usize);
+        let w = map(vec![
+            ("q", hf(&[1, sq, 4, 3], rng.vec(sq * 12, 1.0))),
+            ("k", hf(&[1, 2, sk, 3], rng.vec(sk * 6, 1.0))),
+            ("v", hf(&[1, 2, sk, 3], rng.vec(sk * 6, 1.0))),
+        ]);
+        let mut i = map(vec![("r", hf(&[1, 4, sq, 3], rng.vec(sq * 12, 1.0)))]);
+        if with_mask {
+            // random holes; key 0 always kept so that every row sees a key
+            let m: Vec<i64> = (0..sq * sk).map(|x| if x % sk == 0 { 1 } else { (rng.below(5) != 0) as i64 }).collect();
+            i.insert("mask".into(), HostTensor::ints(DType::Bool, vec![1, 1, sq, sk], m));
+        }
+        check_fd(&g, &w, &i, 8, 1e-6);
+    }
+}

@@ -281,6 +281,21 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
     let want = naive_attention(&q, &k, &v, (b, nq, nkv, s, s, d), true, Some(&m), scale);
     assert_close(&y, &want, 1e-12);
     assert!(y.iter().all(|x| x.is_finite()), "fully masked rows must not give NaN");
+
+    // several blocks of query rows, causal with fewer queries than keys
+    let (b, nq, nkv, sq, sk, d) = (1usize, 2usize, 1usize, 100usize, 160usize, 4usize);
+    let q = rng.vec(b * nq * sq * d, 1.0);
+    let k = rng.vec(b * nkv * sk * d, 1.0);
+    let v = rng.vec(b * nkv * sk * d, 1.0);
+    let y = one_op(
+        Op::Attention { causal: true, scale: Float(0.5) },
+        vec![
+            (fty(&[1, 2, 100, 4]), hf(&[1, 2, 100, 4], q.clone())),
+            (fty(&[1, 1, 160, 4]), hf(&[1, 1, 160, 4], k.clone())),
+            (fty(&[1, 1, 160, 4]), hf(&[1, 1, 160, 4], v.clone())),
+        ],
+    );
+    assert_close(&y, &naive_attention(&q, &k, &v, (b, nq, nkv, sq, sk, d), true, None, 0.5), 1e-12);
 }
 
 #[test]
