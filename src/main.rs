@@ -45,6 +45,10 @@ enum Command {
     ///
     /// Example: weft compile llama3-8b --mesh sp=8 --seq 131072 --stats
     Compile(cmd::compile::Args),
+    /// Summarize a plan: peak memory, predicted step time, communication; --explain, --trace, --memory.
+    ///
+    /// Example: weft inspect plan.json --explain --trace trace.json
+    Inspect(cmd::inspect::Args),
     /// Run a model (after the passes its mesh implies) on the CPU reference runtime.
     ///
     /// Example: weft eval tests/fixtures/llama --inputs tests/fixtures/llama/inputs.safetensors --mesh sp=2 --grads -o out.safetensors
@@ -65,6 +69,7 @@ fn main() {
         Command::Mesh(a) => cmd::mesh::run(a),
         Command::Ops(a) => cmd::ops::run(a),
         Command::Compile(a) => cmd::compile::run(a),
+        Command::Inspect(a) => cmd::inspect::run(a),
         Command::Eval(a) => cmd::eval::run(a),
         Command::Check(a) => cmd::check::run(a),
     };

@@ -5,6 +5,7 @@
 //! - [`graph`]: SSA graph with never-reused ids; [`verify`]: located errors.
 //! - [`print`] / [`parse`]: the stable text form, `parse(print(g)) == g`.
 //! - [`mesh`]: device meshes and the process groups their axes induce.
+//! - [`plan`]: the ExecutionPlan runtimes execute (streams, events, arena buffers).
 //! - [`partition`]: how sharded parameters map to their full tensors.
 //! - [`tensor`]: host tensors exchanged between crates.
 
@@ -16,6 +17,7 @@ pub mod mesh;
 pub mod ops;
 pub mod parse;
 pub mod partition;
+pub mod plan;
 pub mod print;
 pub mod shape;
 pub mod tensor;
@@ -29,6 +31,7 @@ pub use mesh::Mesh;
 pub use ops::{Op, OpInfo, OP_TABLE};
 pub use parse::{parse, parse_dim, parse_type, ParseError};
 pub use partition::Partition;
+pub use plan::{ExecutionPlan, PLAN_VERSION};
 pub use print::print;
 pub use tensor::{HostData, HostTensor};
 pub use types::{DType, TensorType};

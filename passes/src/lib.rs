@@ -16,6 +16,7 @@ pub mod bindings;
 pub mod canonicalize;
 pub mod manager;
 pub mod pass;
+pub mod plan;
 pub mod registry;
 pub mod shard_inputs;
 pub mod shard_seq;

@@ -41,9 +41,16 @@ pub struct Args {
     /// Verify the IR after every pass (default: on).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub verify_each: bool,
-    /// Write the program's text here (default: stdout, unless --json).
+    /// Write the program here: an ExecutionPlan when the name ends in `.json` (needs
+    /// --seq), else the program's text IR (default: text on stdout, unless --json).
     #[arg(short, long)]
     pub output: Option<PathBuf>,
+    /// Device profile the plan is scheduled and costed for: h200, h100, a100 or a JSON file.
+    #[arg(long, default_value = "h200")]
+    pub device: String,
+    /// Per-rank device memory the plan must fit, in GiB.
+    #[arg(long, default_value_t = 80.0)]
+    pub device_memory: f64,
     /// Print the pass statistics as JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -110,11 +117,36 @@ pub fn run(a: Args) -> CliResult {
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();
     let report = PassManager::new(ins).run(&mut g, &cx, &refs, &mut std::io::stderr()).map_err(crate::fail)?;
+    let bindings = check_sizes(&g, a.batch, a.seq)?;
+    let wants_plan = a.output.as_ref().is_some_and(|p| p.extension().is_some_and(|e| e == "json"));
+    let mut plan_note = String::new();
+    if wants_plan {
+        if a.seq.is_none() {
+            return Err(CliError::input("a plan needs concrete sizes").with_help("pass --seq (and --batch) to bind S and B"));
+        }
+        let device = weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?;
+        if !(a.device_memory > 0.0) {
+            return Err(CliError::input(format!("invalid --device-memory {}: must be positive GiB", a.device_memory)));
+        }
+        let opts = weft_passes::plan::PlanOptions {
+            device,
+            device_memory: (a.device_memory * (1u64 << 30) as f64) as u64,
+            bindings,
+        };
+        let plan = weft_passes::plan::lower(&g, &opts).map_err(crate::fail)?;
+        plan_note = format!(
+            "; plan: peak {} per rank, step {:.3} ms predicted",
+            weft_passes::plan::gib(plan.memory.peak_bytes),
+            plan.cost.step_time_s * 1e3
+        );
+        super::write_out(a.output.as_deref(), &plan.to_json())?;
+    }
     let elapsed = start.elapsed();
-    check_sizes(&g, a.batch, a.seq)?;
     let text = weft_ir::print(&g);
     if let Some(p) = &a.output {
-        super::write_out(Some(p), &text)?;
+        if !wants_plan {
+            super::write_out(Some(p), &text)?;
+        }
     } else if !a.json {
         print!("{text}");
     }
@@ -124,14 +156,15 @@ pub fn run(a: Args) -> CliResult {
     }
     let collectives = g.nodes().iter().filter(|&&n| g.node(n).op.is_collective()).count();
     eprintln!(
-        "compiled {} for mesh {} ({} ranks): {} nodes, {} collectives, pipeline [{}] in {:.1} ms",
+        "compiled {} for mesh {} ({} ranks): {} nodes, {} collectives, pipeline [{}] in {:.1} ms{}",
         g.name,
         if mesh.axes.is_empty() { "(one rank)".to_string() } else { mesh.to_string() },
         mesh.world_size(),
         g.node_count(),
         collectives,
         names.join(", "),
-        elapsed.as_secs_f64() * 1e3
+        elapsed.as_secs_f64() * 1e3,
+        plan_note
     );
     Ok(())
 }

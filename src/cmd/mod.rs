@@ -4,6 +4,7 @@ pub mod check;
 pub mod compile;
 pub mod eval;
 pub mod import;
+pub mod inspect;
 pub mod mesh;
 pub mod models;
 pub mod ops;

@@ -1,0 +1,295 @@
+//! The ExecutionPlan: what a runtime executes. One plan serves every rank (SPMD): an
+//! ordered list of instructions, each on a stream (compute, communication, host copy),
+//! with events for cross-stream dependencies; buffers with sizes and offsets in one
+//! device arena; resident placements for parameters, gradients and optimizer state;
+//! the mesh and its process groups; per-parameter partition metadata; and the concrete
+//! sizes bound for `B` and `S`. Where ranks differ (uneven shards) a buffer carries a
+//! per-rank size table and the arena is laid out for the largest.
+//!
+//! The program itself travels as Weft text IR (`program`), so a runtime rebuilds every
+//! op with its attributes from the same parser the compiler uses.
+
+use crate::mesh::Mesh;
+use crate::partition::Partition;
+use std::collections::BTreeMap;
+
+/// The plan format version; loading a plan of another version is an error.
+pub const PLAN_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ExecutionPlan {
+    pub version: u32,
+    pub model: String,
+    pub mesh: Mesh,
+    /// Process groups of every mesh axis: `groups[axis]` lists rank groups.
+    pub groups: BTreeMap<String, Vec<Vec<u32>>>,
+    /// Concrete values of the program's size symbols (`B`, `S`, axis sizes).
+    pub bindings: BTreeMap<String, i64>,
+    /// The device profile the schedule and costs were computed for.
+    pub device: DeviceProfile,
+    pub streams: Vec<Stream>,
+    pub buffers: Vec<Buffer>,
+    pub instructions: Vec<Instruction>,
+    /// Number of events (ids are `0..events`).
+    pub events: u32,
+    pub params: Vec<ParamPlacement>,
+    pub memory: MemoryReport,
+    pub cost: CostSummary,
+    /// The program as Weft text IR; instruction `node` ids are its value ids.
+    pub program: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamKind {
+    Compute,
+    Comm,
+    /// Host <-> device copies (offload, prefetch).
+    Copy,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Stream {
+    pub id: u32,
+    pub kind: StreamKind,
+    pub name: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Category {
+    Param,
+    Grad,
+    OptimizerState,
+    Activation,
+    Workspace,
+    Comm,
+    /// Lives in pinned host memory (offloaded activations).
+    Host,
+}
+
+impl Category {
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Param => "params",
+            Category::Grad => "grads",
+            Category::OptimizerState => "optimizer_state",
+            Category::Activation => "activations",
+            Category::Workspace => "workspace",
+            Category::Comm => "comm_buffers",
+            Category::Host => "host",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Buffer {
+    pub id: u32,
+    /// The value (`%N` of `program`) held in this buffer.
+    pub value: u32,
+    pub dtype: crate::types::DType,
+    /// Bytes on the largest rank.
+    pub bytes: u64,
+    /// Bytes per rank when ranks differ (uneven shards); absent when all are equal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_rank_bytes: Option<Vec<u64>>,
+    pub category: Category,
+    /// Offset in the device arena, or in the resident region for params, grads and
+    /// optimizer state (see `resident`).
+    pub offset: u64,
+    /// Params, grads and optimizer state live for the whole step in their own region.
+    pub resident: bool,
+    /// First and last instruction (indices into `instructions`) that touch the buffer.
+    pub live: (u32, u32),
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Instruction {
+    pub id: u32,
+    pub stream: u32,
+    /// The node's first result (`%N` in `program`).
+    pub node: u32,
+    pub op: String,
+    pub inputs: Vec<u32>,
+    pub outputs: Vec<u32>,
+    /// Events this instruction waits for before it starts.
+    pub wait: Vec<u32>,
+    /// Event recorded when it finishes (consumed on another stream).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<u32>,
+    pub flops: f64,
+    /// Bytes read and written (device memory), or moved per rank for collectives.
+    pub bytes: f64,
+    /// Predicted start and duration in seconds.
+    pub start_s: f64,
+    pub time_s: f64,
+    /// The mesh axis of a collective.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub axis: Option<String>,
+    /// Which pass inserted the node and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provenance: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ParamPlacement {
+    pub name: String,
+    pub buffer: u32,
+    /// Logical (full) shape.
+    pub shape: Vec<i64>,
+    pub dtype: crate::types::DType,
+    /// How the full tensor is split across ranks (empty: replicated).
+    pub partitions: Vec<Partition>,
+    /// The buffer of its gradient output, if the program computes one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_buffer: Option<u32>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryReport {
+    /// Peak device bytes on the largest rank.
+    pub peak_bytes: u64,
+    /// Bytes by category at the peak (resident categories in full).
+    pub breakdown: BTreeMap<String, u64>,
+    /// Size of the reused activation arena.
+    pub arena_bytes: u64,
+    /// Size of the resident region (params, grads, optimizer state).
+    pub resident_bytes: u64,
+    /// Pinned host bytes (offloaded activations).
+    pub host_bytes: u64,
+    /// The instruction at which the peak occurs.
+    pub peak_at: u32,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CostSummary {
+    pub step_time_s: f64,
+    /// Busy time of the compute stream.
+    pub compute_s: f64,
+    /// Communication time not hidden under compute.
+    pub exposed_comm_s: f64,
+    pub comm_s: f64,
+    pub copy_s: f64,
+    pub flops: f64,
+    /// Model FLOPs utilisation: flops / (step time * peak matmul rate).
+    pub mfu: f64,
+    pub comm_bytes: BTreeMap<String, f64>,
+    pub collectives: BTreeMap<String, u64>,
+}
+
+/// Rates a cost model needs, per device and interconnect. Presets for A100, H100 and
+/// H200; a JSON file overrides them.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DeviceProfile {
+    pub name: String,
+    /// Dense bf16 matmul rate reached in practice (not the datasheet peak).
+    pub matmul_tflops: f64,
+    /// Causal attention (flash-style fused kernel) forward+backward rate.
+    pub attention_tflops: f64,
+    /// Rate of non-matmul float work.
+    pub vector_tflops: f64,
+    pub hbm_gbps: f64,
+    pub kernel_overhead_us: f64,
+    pub memory_gib: f64,
+    pub gpus_per_node: u32,
+    /// Per-GPU bandwidth and latency inside a node (NVLink).
+    pub intra_node_gbps: f64,
+    pub intra_node_latency_us: f64,
+    /// Per-GPU bandwidth and latency across nodes (network).
+    pub inter_node_gbps: f64,
+    pub inter_node_latency_us: f64,
+    /// Host link (PCIe) for offload copies.
+    pub host_gbps: f64,
+}
+
+/// Why a plan cannot be loaded.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("invalid plan JSON in {file}: {message}")]
+    Json { file: String, message: String },
+    #[error("plan {file} has format version {found}, this weft reads version {expected}\nhelp: recompile the plan with this weft (`weft compile ... -o plan.json`)")]
+    Version { file: String, found: u32, expected: u32 },
+    #[error("inconsistent plan {file}: {message}")]
+    Inconsistent { file: String, message: String },
+}
+
+impl ExecutionPlan {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("plans serialize") + "\n"
+    }
+
+    /// Parses a plan and checks its version and internal consistency.
+    pub fn from_json(text: &str, file: &str) -> Result<ExecutionPlan, PlanError> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| PlanError::Json { file: file.into(), message: e.to_string() })?;
+        let found = v.get("version").and_then(|x| x.as_u64()).unwrap_or(0) as u32;
+        if found != PLAN_VERSION {
+            return Err(PlanError::Version { file: file.into(), found, expected: PLAN_VERSION });
+        }
+        let plan: ExecutionPlan = serde_json::from_value(v).map_err(|e| PlanError::Json { file: file.into(), message: e.to_string() })?;
+        plan.check().map_err(|message| PlanError::Inconsistent { file: file.into(), message })?;
+        Ok(plan)
+    }
+
+    /// Checks ids, stream references, event pairing, buffer liveness and that no two
+    /// arena buffers that are live at once overlap.
+    pub fn check(&self) -> Result<(), String> {
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.id as usize != i {
+                return Err(format!("stream {i} has id {}", s.id));
+            }
+        }
+        for (i, b) in self.buffers.iter().enumerate() {
+            if b.id as usize != i {
+                return Err(format!("buffer {i} has id {}", b.id));
+            }
+            if b.live.0 > b.live.1 || b.live.1 as usize >= self.instructions.len().max(1) {
+                return Err(format!("buffer {i} has live range {:?} outside the {} instructions", b.live, self.instructions.len()));
+            }
+        }
+        let mut signalled = vec![None; self.events as usize];
+        for (i, ins) in self.instructions.iter().enumerate() {
+            if ins.id as usize != i {
+                return Err(format!("instruction {i} has id {}", ins.id));
+            }
+            if ins.stream as usize >= self.streams.len() {
+                return Err(format!("instruction {i} is on unknown stream {}", ins.stream));
+            }
+            for b in ins.inputs.iter().chain(&ins.outputs) {
+                if *b as usize >= self.buffers.len() {
+                    return Err(format!("instruction {i} uses unknown buffer {b}"));
+                }
+            }
+            for e in &ins.wait {
+                match signalled.get(*e as usize) {
+                    Some(Some(_)) => {}
+                    Some(None) => return Err(format!("instruction {i} waits for event {e} before any instruction records it")),
+                    None => return Err(format!("instruction {i} waits for unknown event {e}")),
+                }
+            }
+            if let Some(e) = ins.signal {
+                match signalled.get_mut(e as usize) {
+                    Some(slot @ None) => *slot = Some(i),
+                    Some(Some(j)) => return Err(format!("event {e} is recorded twice (instructions {j} and {i})")),
+                    None => return Err(format!("instruction {i} records unknown event {e}")),
+                }
+            }
+        }
+        // Arena buffers live at the same time must not overlap.
+        let mut arena: Vec<&Buffer> = self.buffers.iter().filter(|b| !b.resident && b.category != Category::Host).collect();
+        arena.sort_by_key(|b| (b.offset, b.id));
+        for (k, a) in arena.iter().enumerate() {
+            for b in &arena[k + 1..] {
+                if b.offset >= a.offset + a.bytes {
+                    break;
+                }
+                let overlap_time = a.live.0 <= b.live.1 && b.live.0 <= a.live.1;
+                if overlap_time && a.bytes > 0 && b.bytes > 0 {
+                    return Err(format!("buffers {} and {} overlap in the arena while both are live", a.id, b.id));
+                }
+            }
+        }
+        Ok(())
+    }
+}

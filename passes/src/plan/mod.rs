@@ -1,0 +1,467 @@
+//! Lowering a program to an [`ExecutionPlan`]: schedule, memory plan and costs.
+//!
+//! - Streams: collectives run on a communication stream, host copies on a copy stream,
+//!   everything else on the compute stream. Each stream keeps program order (a
+//!   topological order the passes keep memory-friendly); a collective starts as soon as
+//!   its operands exist, so it overlaps the compute that does not need it. A consumer
+//!   on another stream waits for its producer's event.
+//! - Memory: one buffer per value; params, gradients and optimizer state are resident;
+//!   everything else lives in one arena, placed first-fit, where a buffer may reuse the
+//!   bytes of another only once that one's last use is ordered before it on the new
+//!   buffer's stream (same stream, or an event the stream waits for).
+//! - Costs: [`cost`]'s roofline and alpha-beta models give each instruction a duration;
+//!   simulating the streams gives start times, step time and exposed communication.
+
+pub mod cost;
+pub mod profile;
+
+use crate::bindings::{check_bindings, BindingError};
+use std::collections::BTreeMap;
+use weft_ir::plan::*;
+use weft_ir::{Bindings, Graph, Node, Op, TensorType, Value};
+
+/// What to lower for.
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    pub device: DeviceProfile,
+    /// Refuse plans whose peak exceeds this many bytes per rank.
+    pub device_memory: u64,
+    /// Values of `B` and `S` (mesh axis sizes are added from the graph's mesh).
+    pub bindings: Bindings,
+}
+
+impl PlanOptions {
+    pub fn new(batch: i64, seq: i64) -> PlanOptions {
+        PlanOptions {
+            device: profile::preset("h200").expect("built-in profile"),
+            device_memory: 80 << 30,
+            bindings: Bindings::new().with("B", batch).with("S", seq),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum LowerError {
+    #[error("{0}")]
+    Bindings(#[from] BindingError),
+    #[error("the plan needs {} per rank but the device has {} (--device-memory)\n{}help: {help}", gib(*.peak), gib(*.limit), breakdown_text(.breakdown))]
+    OutOfMemory { peak: u64, limit: u64, breakdown: BTreeMap<String, u64>, help: String },
+    #[error("cannot size {what} in {location}: {why}")]
+    Size { what: String, location: String, why: String },
+}
+
+pub fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+fn breakdown_text(b: &BTreeMap<String, u64>) -> String {
+    b.iter().map(|(k, v)| format!("  {k:<16} {}\n", gib(*v))).collect()
+}
+
+const ALIGN: u64 = 256;
+
+fn align(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+/// Bytes of a value on every rank: the largest, and the table when ranks differ.
+fn sizes(ty: &TensorType, b: &Bindings, mesh: &weft_ir::Mesh) -> Result<(u64, Option<Vec<u64>>), weft_ir::DimError> {
+    let axes: Vec<String> = {
+        let mut a: Vec<String> = ty.shape.iter().flat_map(|d| d.rank_axes()).collect();
+        a.sort();
+        a.dedup();
+        a
+    };
+    if axes.is_empty() {
+        return Ok((ty.size_bytes(b)?, None));
+    }
+    let mut per_rank = Vec::with_capacity(mesh.world_size() as usize);
+    for r in 0..mesh.world_size() {
+        let mut rb = b.clone();
+        for (i, (axis, _)) in mesh.axes.iter().enumerate() {
+            rb = rb.with_coord(axis, mesh.coords(r)[i] as i64);
+        }
+        per_rank.push(ty.size_bytes(&rb)?);
+    }
+    let max = per_rank.iter().copied().max().unwrap_or(0);
+    let uniform = per_rank.iter().all(|&x| x == max);
+    Ok((max, if uniform { None } else { Some(per_rank) }))
+}
+
+/// Category of a value: resident params/grads/optimizer state, or arena memory.
+fn category(g: &Graph, v: Value, output_names: &BTreeMap<Value, Vec<String>>) -> Category {
+    let op = g.op_of(v);
+    if let Op::Param { name, .. } = op {
+        return if name.starts_with("optim.") || name.starts_with("state.") { Category::OptimizerState } else { Category::Param };
+    }
+    if let Some(names) = output_names.get(&v) {
+        if names.iter().any(|n| n.starts_with("grad.")) {
+            return Category::Grad;
+        }
+        if names.iter().any(|n| n.starts_with("optim.") || n.starts_with("state.")) {
+            return Category::OptimizerState;
+        }
+        if names.iter().any(|n| n.starts_with("param.")) {
+            return Category::Param;
+        }
+    }
+    if op.is_collective() {
+        Category::Comm
+    } else {
+        Category::Activation
+    }
+}
+
+fn stream_of(op: &Op) -> u32 {
+    if op.is_collective() {
+        1
+    } else if matches!(op.name(), "offload" | "reload") {
+        2
+    } else {
+        0
+    }
+}
+
+/// Lowers `g` (a verified program) to a plan.
+pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError> {
+    let mut b = opts.bindings.clone();
+    for (a, n) in &g.mesh.axes {
+        b = b.with(a, *n as i64);
+    }
+    check_bindings(g, &b)?;
+    let d = &opts.device;
+
+    let mut output_names: BTreeMap<Value, Vec<String>> = BTreeMap::new();
+    for (name, v) in g.outputs() {
+        output_names.entry(*v).or_default().push(name.clone());
+    }
+
+    // Buffers: one per value, in program order.
+    let mut buffers: Vec<Buffer> = Vec::new();
+    let mut buf_of: BTreeMap<Value, u32> = BTreeMap::new();
+    for &n in g.nodes() {
+        for &v in &g.node(n).results {
+            let ty = g.ty(v);
+            let (bytes, per_rank) = sizes(ty, &b, &g.mesh).map_err(|e| LowerError::Size {
+                what: format!("{v}: {ty}"),
+                location: g.describe(n),
+                why: e.to_string(),
+            })?;
+            let category = category(g, v, &output_names);
+            let resident = matches!(category, Category::Param | Category::Grad | Category::OptimizerState);
+            buf_of.insert(v, buffers.len() as u32);
+            buffers.push(Buffer {
+                id: buffers.len() as u32,
+                value: v.0,
+                dtype: ty.dtype,
+                bytes,
+                per_rank_bytes: per_rank,
+                category,
+                offset: 0,
+                resident,
+                live: (0, 0),
+            });
+        }
+    }
+
+    // Instructions in program order, each on its stream; simulate the streams.
+    let compute_nodes: Vec<Node> = g.nodes().iter().copied().filter(|&n| !matches!(g.node(n).op, Op::Param { .. } | Op::Input { .. })).collect();
+    let mut instructions: Vec<Instruction> = Vec::with_capacity(compute_nodes.len());
+    let mut finish_of: BTreeMap<u32, f64> = BTreeMap::new(); // buffer -> time it is ready
+    let mut producer_instr: BTreeMap<u32, u32> = BTreeMap::new(); // buffer -> instruction
+    let mut stream_free = [0.0f64; 3];
+    let mut events = 0u32;
+    let mut collectives: BTreeMap<String, u64> = BTreeMap::new();
+    let mut comm_bytes: BTreeMap<String, f64> = BTreeMap::new();
+    let (mut compute_s, mut comm_s, mut copy_s, mut flops_total) = (0.0, 0.0, 0.0, 0.0);
+    for &n in &compute_nodes {
+        let nd = g.node(n);
+        let id = instructions.len() as u32;
+        let stream = stream_of(&nd.op);
+        let inputs: Vec<u32> = nd.operands.iter().map(|v| buf_of[v]).collect();
+        let outputs: Vec<u32> = nd.results.iter().map(|v| buf_of[v]).collect();
+        let in_bytes: f64 = inputs.iter().map(|&i| buffers[i as usize].bytes as f64).sum();
+        let out_bytes: f64 = outputs.iter().map(|&i| buffers[i as usize].bytes as f64).sum();
+        let flops = {
+            let f = weft_ir::flops::node_flops(g, n);
+            max_over_ranks(&f, &b, &g.mesh).map_err(|e| LowerError::Size { what: format!("the FLOPs `{f}`"), location: g.describe(n), why: e.to_string() })?
+        };
+        let (bytes, time) = match stream {
+            1 => {
+                let axis = nd.op.axis().unwrap_or_default();
+                let p = g.mesh.size_or_one(axis);
+                let inter = cost::crosses_nodes(&g.mesh, axis, d.gpus_per_node);
+                let (moved, t) = cost::collective_cost(&nd.op, in_bytes, out_bytes, p, inter, d);
+                *collectives.entry(nd.op.name().to_string()).or_default() += 1;
+                *comm_bytes.entry(format!("{}/{axis}", nd.op.name())).or_default() += moved;
+                comm_s += t;
+                (moved, t)
+            }
+            2 => {
+                let t = cost::copy_time(in_bytes, d);
+                copy_s += t;
+                (in_bytes, t)
+            }
+            _ => {
+                let t = cost::compute_time(&nd.op, flops, in_bytes + out_bytes, d);
+                compute_s += t;
+                (in_bytes + out_bytes, t)
+            }
+        };
+        flops_total += flops;
+        // Waits: operands produced on another stream.
+        let mut wait = Vec::new();
+        let mut ready = stream_free[stream as usize];
+        for &i in &inputs {
+            ready = ready.max(finish_of.get(&i).copied().unwrap_or(0.0));
+            if let Some(&p) = producer_instr.get(&i) {
+                if instructions[p as usize].stream != stream {
+                    let e = match instructions[p as usize].signal {
+                        Some(e) => e,
+                        None => {
+                            instructions[p as usize].signal = Some(events);
+                            events += 1;
+                            events - 1
+                        }
+                    };
+                    if !wait.contains(&e) {
+                        wait.push(e);
+                    }
+                }
+            }
+        }
+        let start = ready;
+        stream_free[stream as usize] = start + time;
+        for &o in &outputs {
+            finish_of.insert(o, start + time);
+            producer_instr.insert(o, id);
+        }
+        instructions.push(Instruction {
+            id,
+            stream,
+            node: nd.results.first().map(|v| v.0).unwrap_or(0),
+            op: nd.op.name().to_string(),
+            inputs,
+            outputs,
+            wait,
+            signal: None,
+            flops,
+            bytes,
+            start_s: start,
+            time_s: time,
+            axis: nd.op.axis().map(str::to_string),
+            provenance: nd.meta.provenance.as_ref().map(|p| format!("{}: {}", p.pass, p.reason)),
+            source: nd.meta.source.clone(),
+        });
+    }
+    let last = instructions.len().saturating_sub(1) as u32;
+
+    // Liveness: first and last instruction touching each buffer.
+    let mut uses: Vec<Vec<u32>> = vec![Vec::new(); buffers.len()];
+    for ins in &instructions {
+        for &i in &ins.inputs {
+            uses[i as usize].push(ins.id);
+        }
+        for &o in &ins.outputs {
+            buffers[o as usize].live.0 = ins.id;
+        }
+    }
+    for (bi, buf) in buffers.iter_mut().enumerate() {
+        let end = uses[bi].iter().copied().max().unwrap_or(buf.live.0);
+        buf.live.1 = end.max(buf.live.0);
+        if output_names.contains_key(&Value(buf.value)) || buf.resident {
+            buf.live = (if buf.resident { 0 } else { buf.live.0 }, last);
+        }
+    }
+    // Inputs are filled before the first instruction.
+    for (name, _, v) in g.inputs() {
+        let _ = name;
+        buffers[buf_of[&v] as usize].live.0 = 0;
+    }
+
+    // Vector clocks: clock[j][t] is the last instruction of stream t known to have
+    // finished when instruction j starts (in-order streams plus the events it waits for,
+    // transitively). -1: none.
+    let mut clock: Vec<[i64; 3]> = Vec::with_capacity(instructions.len());
+    let mut event_source: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut prev_on: [i64; 3] = [-1; 3];
+    for ins in &instructions {
+        let s = ins.stream as usize;
+        let mut c = [-1i64; 3];
+        if prev_on[s] >= 0 {
+            let p = prev_on[s] as usize;
+            c = max3(c, clock[p]);
+            c[s] = c[s].max(p as i64);
+        }
+        for e in &ins.wait {
+            let p = event_source[e] as usize;
+            c = max3(c, clock[p]);
+            let t = instructions[p].stream as usize;
+            c[t] = c[t].max(p as i64);
+        }
+        clock.push(c);
+        if let Some(e) = ins.signal {
+            event_source.insert(e, ins.id);
+        }
+        prev_on[s] = ins.id as i64;
+    }
+    // Last touch of each buffer on each stream (producer included).
+    let mut last_touch: Vec<[i64; 3]> = vec![[-1; 3]; buffers.len()];
+    for ins in &instructions {
+        for &bi in ins.inputs.iter().chain(&ins.outputs) {
+            let t = &mut last_touch[bi as usize][ins.stream as usize];
+            *t = (*t).max(ins.id as i64);
+        }
+    }
+    let pinned = |bi: usize, buffers: &[Buffer]| output_names.contains_key(&Value(buffers[bi].value));
+    let free_under = |bi: usize, c: &[i64; 3]| (0..3).all(|t| last_touch[bi][t] <= c[t]);
+
+    // First-fit arena placement in allocation order.
+    let mut order: Vec<usize> = (0..buffers.len()).filter(|&i| !buffers[i].resident).collect();
+    order.sort_by_key(|&i| (buffers[i].live.0, i));
+    let mut placed: Vec<usize> = Vec::new();
+    let mut arena_bytes = 0u64;
+    let mut latest: [[i64; 3]; 3] = [[-1; 3]; 3];
+    for &c in &order {
+        let size = align(buffers[c].bytes);
+        let (clk, s) = match producer_instr.get(&(c as u32)) {
+            Some(&p) => (clock[p as usize], instructions[p as usize].stream as usize),
+            None => ([-1; 3], 0),
+        };
+        latest[s] = max3(latest[s], clk);
+        placed.retain(|&b| pinned(b, &buffers) || !(0..3).all(|t| free_under(b, &latest[t])));
+        let mut conflicts: Vec<(u64, u64)> = placed
+            .iter()
+            .filter(|&&b| pinned(b, &buffers) || !free_under(b, &clk))
+            .map(|&b| (buffers[b].offset, align(buffers[b].bytes)))
+            .filter(|(_, sz)| *sz > 0)
+            .collect();
+        conflicts.sort();
+        let mut off = 0u64;
+        for (o, sz) in conflicts {
+            if off + size <= o {
+                break;
+            }
+            off = off.max(o + sz);
+        }
+        buffers[c].offset = off;
+        arena_bytes = arena_bytes.max(off + size);
+        placed.push(c);
+    }
+    // Resident region.
+    let mut resident_bytes = 0u64;
+    for buf in buffers.iter_mut().filter(|b| b.resident) {
+        buf.offset = resident_bytes;
+        resident_bytes += align(buf.bytes);
+    }
+
+    // Live bytes over time, for the peak and its breakdown.
+    let mut live_at = vec![BTreeMap::<Category, u64>::new(); instructions.len().max(1)];
+    for buf in buffers.iter().filter(|b| !b.resident) {
+        for t in buf.live.0..=buf.live.1 {
+            *live_at[t as usize].entry(buf.category).or_default() += buf.bytes;
+        }
+    }
+    let (peak_at, peak_live) = live_at
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (i, m.values().sum::<u64>()))
+        .max_by_key(|(i, s)| (*s, std::cmp::Reverse(*i)))
+        .unwrap_or((0, 0));
+    let mut breakdown: BTreeMap<String, u64> = BTreeMap::new();
+    for c in [Category::Param, Category::Grad, Category::OptimizerState, Category::Activation, Category::Comm, Category::Workspace] {
+        breakdown.insert(c.name().to_string(), 0);
+    }
+    for buf in buffers.iter().filter(|b| b.resident) {
+        *breakdown.get_mut(buf.category.name()).unwrap() += buf.bytes;
+    }
+    for (c, v) in &live_at[peak_at] {
+        *breakdown.entry(c.name().to_string()).or_default() += v;
+    }
+    // Arena bytes not live at the peak instant: fragmentation held as workspace.
+    *breakdown.get_mut("workspace").unwrap() += arena_bytes.saturating_sub(peak_live);
+    let peak_bytes = resident_bytes + arena_bytes;
+    if peak_bytes > opts.device_memory {
+        return Err(LowerError::OutOfMemory { peak: peak_bytes, limit: opts.device_memory, help: memory_help(&breakdown, &g.mesh), breakdown });
+    }
+
+    let step_time_s = instructions.iter().map(|i| i.start_s + i.time_s).fold(0.0, f64::max);
+    let exposed = (step_time_s - compute_s).max(0.0);
+    let mfu = if step_time_s > 0.0 { flops_total / (step_time_s * d.matmul_tflops * 1e12) } else { 0.0 };
+    let params = g
+        .params()
+        .into_iter()
+        .map(|(name, v)| {
+            let ty = g.ty(v);
+            let parts = g.param_partition(&name).to_vec();
+            let mut shape: Vec<i64> = ty.shape.iter().map(|d| d.bind(&b).as_const().unwrap_or(-1)).collect();
+            for p in &parts {
+                if p.dim < shape.len() {
+                    shape[p.dim] = p.full_size();
+                }
+            }
+            let grad_buffer = g.output(&format!("grad.{name}")).map(|gv| buf_of[&gv]);
+            ParamPlacement { name, buffer: buf_of[&v], shape, dtype: ty.dtype, partitions: parts, grad_buffer }
+        })
+        .collect();
+    let mut groups = BTreeMap::new();
+    for (a, _) in &g.mesh.axes {
+        groups.insert(a.clone(), g.mesh.groups(a).unwrap_or_default());
+    }
+    Ok(ExecutionPlan {
+        version: PLAN_VERSION,
+        model: g.name.clone(),
+        mesh: g.mesh.clone(),
+        groups,
+        bindings: b.symbols.clone(),
+        device: d.clone(),
+        streams: vec![
+            Stream { id: 0, kind: StreamKind::Compute, name: "compute".into() },
+            Stream { id: 1, kind: StreamKind::Comm, name: "comm".into() },
+            Stream { id: 2, kind: StreamKind::Copy, name: "copy".into() },
+        ],
+        buffers,
+        instructions,
+        events,
+        params,
+        memory: MemoryReport { peak_bytes, breakdown, arena_bytes, resident_bytes, host_bytes: 0, peak_at: peak_at as u32 },
+        cost: CostSummary { step_time_s, compute_s, exposed_comm_s: exposed, comm_s, copy_s, flops: flops_total, mfu, comm_bytes, collectives },
+        program: weft_ir::print(g),
+    })
+}
+
+fn max3(a: [i64; 3], b: [i64; 3]) -> [i64; 3] {
+    [a[0].max(b[0]), a[1].max(b[1]), a[2].max(b[2])]
+}
+
+fn max_over_ranks(d: &weft_ir::Dim, b: &Bindings, mesh: &weft_ir::Mesh) -> Result<f64, weft_ir::DimError> {
+    if d.rank_axes().is_empty() {
+        return Ok(d.eval(b)? as f64);
+    }
+    let mut best = 0i64;
+    for r in 0..mesh.world_size() {
+        let mut rb = b.clone();
+        for (i, (axis, _)) in mesh.axes.iter().enumerate() {
+            rb = rb.with_coord(axis, mesh.coords(r)[i] as i64);
+        }
+        best = best.max(d.eval(&rb)?);
+    }
+    Ok(best as f64)
+}
+
+/// Which option would bring the plan under the limit, from what dominates the peak.
+fn memory_help(breakdown: &BTreeMap<String, u64>, mesh: &weft_ir::Mesh) -> String {
+    let get = |k: &str| breakdown.get(k).copied().unwrap_or(0);
+    let states = get("params") + get("grads") + get("optimizer_state");
+    let acts = get("activations") + get("comm_buffers") + get("workspace");
+    if acts >= states {
+        let sp = mesh.size_or_one("sp");
+        format!(
+            "activations dominate: raise sequence parallelism (e.g. --mesh sp={}), use --checkpoint selective or full, or --offload",
+            (sp * 2).max(2)
+        )
+    } else {
+        let tp = mesh.size_or_one("tp");
+        format!("parameters, gradients and optimizer state dominate: raise tensor parallelism (e.g. tp={}) or shard optimizer state over dp (ZeRO)", (tp * 2).max(2))
+    }
+}

@@ -1,0 +1,44 @@
+//! Device profiles: the rates the cost model uses. Presets for A100, H100 and H200
+//! (figures measured on the device machine where we have them; see ../shared/GPU.md),
+//! overridable by a JSON file with the same fields.
+
+use weft_ir::plan::DeviceProfile;
+
+/// Built-in profile names.
+pub const PROFILES: &[&str] = &["h200", "h100", "a100"];
+
+pub fn preset(name: &str) -> Option<DeviceProfile> {
+    let p = |name: &str, matmul, attention, vector, hbm, mem, nvlink, net, host| DeviceProfile {
+        name: name.to_string(),
+        matmul_tflops: matmul,
+        attention_tflops: attention,
+        vector_tflops: vector,
+        hbm_gbps: hbm,
+        kernel_overhead_us: 4.0,
+        memory_gib: mem,
+        gpus_per_node: 8,
+        intra_node_gbps: nvlink,
+        intra_node_latency_us: 8.0,
+        inter_node_gbps: net,
+        inter_node_latency_us: 25.0,
+        host_gbps: host,
+    };
+    match name.to_ascii_lowercase().as_str() {
+        // H200: cuBLASLt bf16 8192^3 reached ~790 TFLOP/s there, cuDNN's fused causal
+        // attention ~530 TFLOP/s (fwd+bwd, head dim 128); device copies ~4.3 TB/s.
+        "h200" => Some(p("h200", 790.0, 530.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 25.0)),
+        "h100" => Some(p("h100", 700.0, 450.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 25.0)),
+        "a100" => Some(p("a100", 280.0, 190.0, 19.5, 1700.0, 80.0, 240.0, 22.0, 20.0)),
+        _ => None,
+    }
+}
+
+/// A preset name or a JSON file of a [`DeviceProfile`].
+pub fn load(spec: &str) -> Result<DeviceProfile, String> {
+    if let Some(p) = preset(spec) {
+        return Ok(p);
+    }
+    let text = std::fs::read_to_string(spec)
+        .map_err(|e| format!("`{spec}` is neither a device profile ({}) nor a readable file: {e}", PROFILES.join(", ")))?;
+    serde_json::from_str(&text).map_err(|e| format!("invalid device profile in {spec}: {e}"))
+}
