@@ -223,7 +223,7 @@ impl<'a> Eval<'a> {
             return Ok(v.clone());
         }
         self.depth += 1;
-        if self.depth > 4000 {
+        if self.depth > 400 {
             return Err("graph too deep".into());
         }
         let r = self.compute(name);
@@ -524,12 +524,25 @@ impl<'a> Eval<'a> {
             "aten.expand.default" => {
                 let x = t(self, 0)?;
                 let want = self.ints_arg(&a(1))?;
-                let off = want.len() - x.shape.len().min(want.len());
-                let shape: Vec<usize> = want
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &d)| if d < 0 { x.shape[i - off] } else { d as usize })
-                    .collect();
+                if want.len() < x.shape.len() {
+                    return Err("expand to fewer dims".into());
+                }
+                let off = want.len() - x.shape.len();
+                let mut shape = Vec::with_capacity(want.len());
+                for (i, &d) in want.iter().enumerate() {
+                    let src = if i >= off { Some(x.shape[i - off]) } else { None };
+                    let v = match (d < 0, src) {
+                        (true, Some(s)) => s,
+                        (true, None) => return Err("expand with -1 in a new dim".into()),
+                        (false, _) => d as usize,
+                    };
+                    if let Some(s) = src {
+                        if s != 1 && s != v {
+                            return Err(format!("cannot expand {s} to {v}"));
+                        }
+                    }
+                    shape.push(v);
+                }
                 let mut data = Vec::new();
                 if numel(&shape) > MAX_ELEMS {
                     return Err("too large".into());
@@ -565,6 +578,9 @@ impl<'a> Eval<'a> {
                 if i < 0 {
                     i += x.shape[d] as i64;
                 }
+                if i < 0 || i as usize >= x.shape[d] {
+                    return Err("select index out of range".into());
+                }
                 let mut r = take(&x, d, &[i.max(0) as usize]);
                 r.shape.remove(d);
                 one(r)
@@ -596,6 +612,7 @@ impl<'a> Eval<'a> {
                 let parts: Vec<CT> = parts.into_iter().filter(|p| !(p.shape.len() == 1 && p.shape[0] == 0)).collect();
                 let first = parts.first().ok_or("empty cat")?.clone();
                 let d = norm(self.int_arg(&a(1))?, first.shape.len())?;
+                check_cat(&parts, d)?;
                 let mut shape = first.shape.clone();
                 shape[d] = parts.iter().map(|p| p.shape[d]).sum();
                 let mut data = Vec::new();
@@ -643,10 +660,14 @@ impl<'a> Eval<'a> {
                     ref o => Some(self.tensor_arg(o)?),
                 };
                 if let Some(p) = pre {
-                    x = concat(&[p, x], d)?;
+                    let parts = [p, x];
+                    check_cat(&parts, d)?;
+                    x = concat(&parts, d)?;
                 }
                 if let Some(p) = app {
-                    x = concat(&[x, p], d)?;
+                    let parts = [x, p];
+                    check_cat(&parts, d)?;
+                    x = concat(&parts, d)?;
                 }
                 let mut shape = x.shape.clone();
                 shape[d] = shape[d].saturating_sub(1);
@@ -762,6 +783,16 @@ impl<'a> Eval<'a> {
         }
         Ok(vec![CV::T(CT { shape, data, kind: x.kind })])
     }
+}
+
+fn check_cat(parts: &[CT], d: usize) -> R<()> {
+    let r = parts[0].shape.len();
+    for p in parts {
+        if p.shape.len() != r || (0..r).any(|k| k != d && p.shape[k] != parts[0].shape[k]) {
+            return Err("cat of mismatched shapes".into());
+        }
+    }
+    Ok(())
 }
 
 fn take(x: &CT, d: usize, picks: &[usize]) -> CT {

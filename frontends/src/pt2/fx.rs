@@ -22,8 +22,6 @@ pub struct FxNode {
     pub outputs: Vec<Option<String>>,
     /// HF module path (`model.layers.0.self_attn`), from `nn_module_stack`.
     pub scope: Option<String>,
-    /// True for ops that were in-place in the export.
-    pub was_inplace: bool,
 }
 
 impl FxNode {
@@ -59,28 +57,11 @@ impl FxNode {
         out
     }
 
-    /// Names of every symbolic int argument.
-    pub fn sym_args(&self) -> Vec<&str> {
-        let mut out = Vec::new();
-        for (_, a) in &self.args {
-            match a {
-                Arg::SymInt(super::schema::SymArg::Name(n)) => out.push(n.as_str()),
-                Arg::SymInts(v) => out.extend(v.iter().filter_map(|s| match s {
-                    super::schema::SymArg::Name(n) => Some(n.as_str()),
-                    _ => None,
-                })),
-                _ => {}
-            }
-        }
-        out
-    }
 }
 
 #[derive(Clone, Debug, Default)]
 pub struct FxGraph {
     pub nodes: Vec<FxNode>,
-    /// Placeholder names, in order.
-    pub inputs: Vec<Arg>,
     pub outputs: Vec<Arg>,
     pub tensor_meta: BTreeMap<String, TensorMeta>,
     pub sym_values: BTreeMap<String, SymInt>,
@@ -135,7 +116,7 @@ const SKIPPED: &[&str] = &[
 ];
 
 pub fn build(entry: &str, g: &Graph) -> Result<FxGraph, Pt2Error> {
-    let mut fx = FxGraph { inputs: g.inputs.clone(), outputs: g.outputs.clone(), ..Default::default() };
+    let mut fx = FxGraph { outputs: g.outputs.clone(), ..Default::default() };
     fx.tensor_meta = g.tensor_values.clone();
     fx.sym_values = g.sym_int_values.clone();
     let mut renames: BTreeMap<String, String> = BTreeMap::new();
@@ -214,7 +195,7 @@ fn add_nodes(
             }
             fx.functionalized.push(name.clone());
         }
-        fx.nodes.push(FxNode { op: key, name, args, outputs, scope, was_inplace });
+        fx.nodes.push(FxNode { op: key, name, args, outputs, scope });
     }
     Ok(())
 }

@@ -15,7 +15,7 @@ use super::schema::{Arg, ScalarType, SymArg, SymInt};
 use super::sympy;
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
-use weft_ir::{CmpOp, DType, Dim, Float, Graph, HostTensor, NodeMeta, Op, TensorType, Value};
+use weft_ir::{CmpOp, DType, Dim, Float, Graph, HostTensor, Op, TensorType, Value};
 
 pub(crate) type LErr = Rc<Pt2Error>;
 pub(crate) type LR<T> = Result<T, LErr>;
@@ -46,9 +46,9 @@ pub(crate) enum LV {
     PairW { m: usize, w: Value },
     SortedIds(usize),
     Perm(usize),
-    PermTok(usize),
-    Counts(usize),
-    Offs(usize),
+    PermTok,
+    Counts,
+    Offs,
     InvPerm(usize),
     /// A bool tensor known to be all false (the EP sentinel mask of transformers' MoE).
     False,
@@ -108,16 +108,6 @@ pub(crate) fn unwrap_err(e: LErr) -> Pt2Error {
 
 fn dtype_of_code(code: i64) -> Option<DType> {
     ScalarType::dtype(code)
-}
-
-fn kind_of(d: DType) -> Kind {
-    if d.is_float() {
-        Kind::Float
-    } else if d == DType::Bool {
-        Kind::Bool
-    } else {
-        Kind::Int
-    }
 }
 
 fn rank_of(d: DType) -> u8 {
@@ -368,6 +358,15 @@ impl<'a> Lower<'a> {
                 _ => lv,
             })
             .collect()
+    }
+
+    pub fn norm_dim(&self, n: &FxNode, d: i64, rank: usize) -> LR<usize> {
+        let r = rank as i64;
+        let v = if d < 0 { d + r } else { d };
+        if v < 0 || v >= r {
+            return Err(self.bad(n, format!("dim {d} is out of range for rank {rank}")));
+        }
+        Ok(v as usize)
     }
 
     /// The value of a scalar operand or of a `full` tensor.
@@ -845,7 +844,10 @@ impl<'a> Lower<'a> {
                     Arg::None => return Err(self.unsupported(n, "repeat_interleave without dim")),
                     a => self.int_arg(n, a)?,
                 };
-                let d = if d < 0 { d + xt.rank() as i64 } else { d } as usize;
+                let d = self.norm_dim(n, d, xt.rank())?;
+                if r <= 0 {
+                    return Err(self.bad(n, "repeat count must be positive"));
+                }
                 let mut s1 = xt.shape.clone();
                 s1.insert(d + 1, Dim::from(1));
                 let u = self.reshape(n, x, s1.clone())?;
@@ -864,8 +866,11 @@ impl<'a> Lower<'a> {
         let (d, sizes): (i64, Vec<Dim>) = match n.base() {
             "unbind" => {
                 let d = self.int_arg(n, n.arg_at(1))?;
-                let du = if d < 0 { d + xt.rank() as i64 } else { d } as usize;
+                let du = self.norm_dim(n, d, xt.rank())?;
                 let k = xt.shape[du].as_const().ok_or_else(|| self.unsupported(n, "unbind of a symbolic dim"))?;
+                if !(0..=1 << 16).contains(&k) {
+                    return Err(self.bad(n, "unbind of a huge dim"));
+                }
                 let parts = self.emit_multi(n, Op::Split { dim: d, sizes: vec![Dim::from(1); k as usize] }, &[x])?;
                 let mut out = Vec::new();
                 for (p, o) in parts.into_iter().zip(&n.outputs) {
@@ -889,10 +894,13 @@ impl<'a> Lower<'a> {
             }
             _ => {
                 let d = self.int_arg(n, n.arg_at(2))?;
-                let du = if d < 0 { d + xt.rank() as i64 } else { d } as usize;
+                let du = self.norm_dim(n, d, xt.rank())?;
                 let total = xt.shape[du].clone();
                 let sizes = if n.base() == "chunk" {
                     let c = self.int_arg(n, n.arg_at(1))?;
+                    if c <= 0 || c > 1 << 16 {
+                        return Err(self.bad(n, format!("chunk into {c} parts")));
+                    }
                     match total.as_const() {
                         Some(t) => {
                             let each = (t + c - 1) / c;
@@ -909,6 +917,9 @@ impl<'a> Lower<'a> {
                 } else {
                     let s = self.int_arg(n, n.arg_at(1))?;
                     let t = total.as_const().ok_or_else(|| self.unsupported(n, "split of a symbolic dim"))?;
+                    if s <= 0 || t / s > 1 << 16 {
+                        return Err(self.bad(n, format!("split into pieces of {s}")));
+                    }
                     let mut v = Vec::new();
                     let mut left = t;
                     while left > 0 {
@@ -1033,11 +1044,3 @@ impl Bin {
     }
 }
 
-/// Metadata for nodes the importer adds (positions, loss) with a scope.
-pub(crate) fn meta(scope: &str) -> NodeMeta {
-    NodeMeta { source: Some(scope.to_string()), provenance: None }
-}
-
-pub(crate) fn kind_of_dtype(d: DType) -> Kind {
-    kind_of(d)
-}

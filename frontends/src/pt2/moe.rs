@@ -388,12 +388,12 @@ impl Lower<'_> {
                     Err(self.unsupported(n, "an expert-id test that can be true"))
                 }
             }
-            (LV::SortedIds(m), "histc") => Ok(vec![LV::Counts(*m)]),
-            (LV::Counts(m), "cumsum" | "to" | "_to_copy") => Ok(vec![LV::Offs(*m)]),
+            (LV::SortedIds(_), "histc") => Ok(vec![LV::Counts]),
+            (LV::Counts, "cumsum" | "to" | "_to_copy") => Ok(vec![LV::Offs]),
             (LV::Perm(m), "floor_divide" | "div") => {
                 let k = info_k(*m);
                 match args.get(1) {
-                    Some(LV::Num(v, _)) if *v as i64 == k => Ok(vec![LV::PermTok(*m)]),
+                    Some(LV::Num(v, _)) if *v as i64 == k => Ok(vec![LV::PermTok]),
                     _ => Err(self.unsupported(n, "a division of the expert permutation other than by top-k")),
                 }
             }
@@ -453,17 +453,29 @@ impl Lower<'_> {
                     return Err(self.rows_err(n, "a split across rows"));
                 }
                 let v = self.apply_scale(n, r)?;
+                if self.ty(v).rank() != 2 {
+                    return Err(self.rows_err(n, "a split of rows that are not [pairs, features]"));
+                }
                 let mut outs = Vec::new();
                 let parts = {
                     let total = self.ty(v).shape[1].clone();
                     let sizes: Vec<Dim> = match base.as_str() {
                         "chunk" => {
                             let c = self.int_arg(n, n.arg_at(1))?;
+                            if c <= 0 || c > 1 << 16 {
+                                return Err(self.bad(n, format!("chunk into {c} parts")));
+                            }
                             vec![total / Dim::from(c); c as usize]
                         }
                         "split" => {
                             let s = self.int_arg(n, n.arg_at(1))?;
+                            if s <= 0 {
+                                return Err(self.bad(n, format!("split into pieces of {s}")));
+                            }
                             let t = total.as_const().ok_or_else(|| self.rows_err(n, "a symbolic split"))?;
+                            if t / s > 1 << 16 {
+                                return Err(self.bad(n, "split into too many pieces"));
+                            }
                             (0..(t + s - 1) / s).map(|i| Dim::from(s.min(t - i * s))).collect()
                         }
                         _ => self.ints_arg(n, n.arg_at(1))?.into_iter().map(Dim::from).collect(),

@@ -183,6 +183,7 @@ fn table() -> &'static Vec<(String, Vec<Param>)> {
 }
 
 /// Every op key in the table (for docs and tests).
+#[cfg(test)]
 pub fn supported() -> Vec<&'static str> {
     table().iter().map(|(k, _)| k.as_str()).collect()
 }

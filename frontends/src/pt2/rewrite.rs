@@ -52,10 +52,10 @@ fn is_zero_full(g: &Graph, v: Value) -> bool {
 /// Replaces `root` by a new node computing `op(operands)` (placed just before it).
 fn replace(g: &mut Graph, root: Value, op: Op, operands: &[Value]) -> Option<Value> {
     let n = g.def(root);
-    let meta = NodeMeta { source: g.node(n).meta.source.clone(), provenance: None };
+    let meta = NodeMeta { source: g.node(n).meta.source.clone(), provenance: None, ..Default::default() };
     let new = g.insert_with(At::Before(n), op, operands, meta).ok()?[0];
     let new = if g.ty(new).dtype != g.ty(root).dtype {
-        let meta = NodeMeta { source: g.node(n).meta.source.clone(), provenance: None };
+        let meta = NodeMeta { source: g.node(n).meta.source.clone(), provenance: None, ..Default::default() };
         g.insert_with(At::Before(n), Op::Cast { dtype: g.ty(root).dtype }, &[new], meta).ok()?[0]
     } else {
         new

@@ -186,21 +186,6 @@ pub fn parse_json(entry: &str, text: &str) -> Result<J, Pt2Error> {
     })
 }
 
-/// A cursor into the JSON with its path, for located errors.
-#[derive(Clone, Copy)]
-struct At<'a> {
-    entry: &'a str,
-    v: &'a J,
-}
-
-struct Path(String);
-
-impl<'a> At<'a> {
-    fn err(&self, path: &Path, msg: impl Into<String>) -> Pt2Error {
-        Pt2Error::schema(self.entry, if path.0.is_empty() { "the top level".to_string() } else { path.0.clone() }, msg)
-    }
-}
-
 fn kind_of(v: &J) -> &'static str {
     match v {
         J::Null => "null",
@@ -218,7 +203,7 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn err(&self, path: &str, msg: impl Into<String>) -> Pt2Error {
-        At { entry: self.entry, v: &J::Null }.err(&Path(path.to_string()), msg)
+        Pt2Error::schema(self.entry, if path.is_empty() { "the top level" } else { path }, msg)
     }
 
     fn obj<'j>(&self, v: &'j J, path: &str) -> Result<&'j serde_json::Map<String, J>, Pt2Error> {

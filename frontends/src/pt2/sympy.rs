@@ -21,7 +21,7 @@ pub enum Expr {
 
 pub fn parse(text: &str) -> Result<Expr, String> {
     let toks = lex(text)?;
-    let mut p = P { t: toks, i: 0 };
+    let mut p = P { t: toks, i: 0, depth: 0 };
     let e = p.sum()?;
     if p.i != p.t.len() {
         return Err(format!("unexpected `{}` after the expression", p.t[p.i]));
@@ -106,6 +106,7 @@ fn lex(s: &str) -> Result<Vec<Tok>, String> {
 struct P {
     t: Vec<Tok>,
     i: usize,
+    depth: usize,
 }
 
 impl P {
@@ -182,6 +183,16 @@ impl P {
     }
 
     fn atom(&mut self) -> Result<Expr, String> {
+        self.depth += 1;
+        if self.depth > 64 {
+            return Err("expression nested too deeply".into());
+        }
+        let r = self.atom_inner();
+        self.depth -= 1;
+        r
+    }
+
+    fn atom_inner(&mut self) -> Result<Expr, String> {
         match self.peek().cloned() {
             Some(Tok::Num(n)) => {
                 self.i += 1;
@@ -274,8 +285,12 @@ fn call(name: &str, mut args: Vec<Expr>, strs: Vec<String>) -> Result<Expr, Stri
     }
 }
 
+/// Largest constant accepted in a size (keeps Dim arithmetic far from overflow).
+const LIMIT: u64 = 1 << 40;
+
 impl Expr {
     /// Every symbol name the expression mentions.
+    #[allow(dead_code)]
     pub fn symbols(&self, out: &mut Vec<String>) {
         match self {
             Expr::Sym(s) => {
@@ -295,7 +310,9 @@ impl Expr {
     /// The Weft dim, with export symbols replaced as `map` says.
     pub fn to_dim(&self, map: &BTreeMap<String, Dim>) -> Result<Dim, String> {
         Ok(match self {
+            Expr::Int(n) if n.unsigned_abs() > LIMIT => return Err(format!("{n} is out of range")),
             Expr::Int(n) => Dim::from(*n),
+            Expr::Rational(p, q) if p.unsigned_abs() > LIMIT || q.unsigned_abs() > LIMIT => return Err("a rational out of range".into()),
             Expr::Rational(p, q) => Dim::from(*p) / Dim::from(*q),
             Expr::Sym(s) => map.get(s).cloned().ok_or_else(|| format!("symbol `{s}` is not the batch or sequence size of an input"))?,
             Expr::Add(v) => v.iter().try_fold(Dim::zero(), |a, e| Ok::<_, String>(a + e.to_dim(map)?))?,
@@ -304,11 +321,18 @@ impl Expr {
                 let base = a.to_dim(map)?;
                 match **b {
                     Expr::Int(n) if (0..=8).contains(&n) => (0..n).fold(Dim::from(1), |acc, _| acc * base.clone()),
+                    Expr::Int(-1) if base.as_const() == Some(0) => return Err("division by zero".into()),
                     Expr::Int(-1) => Dim::from(1) / base,
                     _ => return Err("only small integer powers are supported".into()),
                 }
             }
-            Expr::FloorDiv(a, b) => a.to_dim(map)?.floor_div(&b.to_dim(map)?),
+            Expr::FloorDiv(a, b) => {
+                let d = b.to_dim(map)?;
+                if d.as_const() == Some(0) {
+                    return Err("division by zero".into());
+                }
+                a.to_dim(map)?.floor_div(&d)
+            }
             Expr::Call(f, _) => return Err(format!("`{f}` has no Weft dim form")),
         })
     }
