@@ -3,7 +3,7 @@
 
 use super::Precision;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType as C, Device, Storage, Tensor};
+use candle_core::{CpuStorage, DType as C, Device, Storage, Tensor, Var};
 use weft_ir::{DType, HostData, HostTensor};
 
 /// What a value is at run time, whatever its width in the graph.
@@ -44,7 +44,8 @@ impl Precision {
 
 /// A host tensor as a candle tensor of graph dtype `want`; checks the dtype kind
 /// (integers and bools convert into each other, floats do not) and nothing else.
-pub(crate) fn to_candle(t: &HostTensor, want: DType, p: Precision) -> Result<Tensor, String> {
+/// With `var`, the float tensor is made a candle variable (without another copy).
+pub(crate) fn to_candle(t: &HostTensor, want: DType, p: Precision, var: bool) -> Result<Tensor, String> {
     let n: usize = t.shape.iter().product();
     let len = match &t.data {
         HostData::F64(v) => v.len(),
@@ -62,6 +63,12 @@ pub(crate) fn to_candle(t: &HostTensor, want: DType, p: Precision) -> Result<Ten
         return Err(format!("is {} but the graph wants {want}", t.dtype));
     }
     match (&t.data, wk, p) {
+        (HostData::F64(v), Kind::Float, Precision::F64) if var => {
+            Var::from_slice(v, shape, dev).map(|v| v.as_tensor().clone()).map_err(err)
+        }
+        (HostData::F64(v), Kind::Float, Precision::F32) if var => {
+            Var::from_vec(convert(v, |x| x as f32), shape, dev).map(|v| v.as_tensor().clone()).map_err(err)
+        }
         (HostData::F64(v), Kind::Float, Precision::F64) => Tensor::from_slice(v, shape, dev).map_err(err),
         (HostData::F64(v), Kind::Float, Precision::F32) => Tensor::from_vec(convert(v, |x| x as f32), shape, dev).map_err(err),
         (HostData::I64(v), Kind::Int, _) => Tensor::from_slice(v, shape, dev).map_err(err),
@@ -69,9 +76,14 @@ pub(crate) fn to_candle(t: &HostTensor, want: DType, p: Precision) -> Result<Ten
             Tensor::from_vec(v.iter().map(|&x| (x != 0) as u8).collect::<Vec<u8>>(), shape, dev).map_err(err)
         }
         (HostData::I64(v), Kind::Float, _) => {
-            Tensor::from_vec(v.iter().map(|&x| x as f64).collect::<Vec<f64>>(), shape, dev)
+            let x = Tensor::from_vec(v.iter().map(|&x| x as f64).collect::<Vec<f64>>(), shape, dev)
                 .and_then(|x| x.to_dtype(p.float_dtype()))
-                .map_err(err)
+                .map_err(err)?;
+            if var {
+                Var::from_tensor(&x).map(|v| v.as_tensor().clone()).map_err(err)
+            } else {
+                Ok(x)
+            }
         }
         (HostData::F64(v), _, _) => {
             let ints: Vec<i64> = v.iter().map(|&x| x as i64).collect();

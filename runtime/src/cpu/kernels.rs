@@ -224,7 +224,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
     let x = || ins[0].clone();
     match op {
         Op::Param { .. } | Op::Input { .. } => bail!("internal: sources are bound by the rank"),
-        Op::AllToAll { .. } | Op::AllReduce { .. } | Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::Broadcast { .. } => {
+        Op::AllToAll { .. } | Op::AllToAllV { .. } | Op::AllReduce { .. } | Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::Broadcast { .. } => {
             bail!("internal: collectives run in the rank")
         }
         Op::Full { value, .. } => one(full(value.0, cx.out_shape(0), cx.out_storage(0))?),
@@ -686,9 +686,10 @@ fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &Tensor) -> KResult<Tensor> {
     if kx != kw {
         bail!("x {:?} and w {:?} differ in the contracted dim", x.dims(), w.dims());
     }
+    // counts [E], or [G, E]: G*E groups in row-major order, group (g, e) uses w[e].
     let c = values_i64(counts)?;
-    if c.len() != e || c.iter().any(|&v| v < 0) || c.iter().sum::<i64>() != m as i64 {
-        bail!("counts {c:?} must be {e} non-negative group sizes summing to the {m} rows");
+    if c.len() % e.max(1) != 0 || counts.dims().last() != Some(&e) || c.iter().any(|&v| v < 0) || c.iter().sum::<i64>() != m as i64 {
+        bail!("counts {c:?} must be {e} (or G x {e}) non-negative group sizes summing to the {m} rows");
     }
     let mut parts = Vec::new();
     let mut at = 0usize;
@@ -697,7 +698,7 @@ fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &Tensor) -> KResult<Tensor> {
             continue;
         }
         let xs = x.narrow(0, at, cnt as usize)?;
-        parts.push(xs.matmul(&w.get(g)?.t()?)?);
+        parts.push(xs.matmul(&w.get(g % e)?.t()?)?);
         at += cnt as usize;
     }
     Ok(match parts.len() {

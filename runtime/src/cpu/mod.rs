@@ -25,9 +25,9 @@
 //!
 //! # Gradients
 //! There is no autodiff pass yet, so gradients come from candle's autograd over the
-//! executed forward. Each rank holds its own replica of every parameter (a candle
-//! `Var`). Collectives pass candle tensors between the threads and build their results
-//! with `cat`/`narrow`/`add`, so the ranks' forwards form one autograd graph.
+//! executed forward. Params are candle variables. Collectives pass candle tensors
+//! between the threads and build their results with `cat`/`narrow`/`add`, so the ranks'
+//! forwards form one autograd graph.
 //!
 //! The convention: **backward runs once, from the assembled loss output** (the sum of
 //! its elements; for the usual replicated scalar loss that is rank 0's loss), and a
@@ -38,7 +38,12 @@
 //! `dL/dθ = Σ_r dL/dθ_r`. Summing the P ranks' losses and dividing by P would give the
 //! same numbers at P times the backward cost. A split parameter's gradient is its ranks'
 //! pieces put back in place (and summed over the axes it is replicated on).
-//! `tests::grads` checks this against finite differences and against the one-rank graph.
+//!
+//! By default the ranks literally share one variable per param (split params take views
+//! of it), so candle's accumulation does the sum and the placement. With
+//! [`RunOptions::keep_rank_outputs`] every rank gets its own copy instead, and
+//! [`RunResult::rank_grads`] reports each replica's gradient (their sum is the same).
+//! `tests::grads` checks both against finite differences and the one-rank graph.
 
 mod comm;
 mod error;
@@ -192,7 +197,8 @@ pub fn run(
         if !opts.param_splits.contains_key(&name) {
             check_host_shape(w, ty, &bindings).map_err(bad)?;
         }
-        params.insert(name.clone(), host::to_candle(w, ty.dtype, p).map_err(bad)?);
+        let shared_var = opts.grads && !opts.keep_rank_outputs;
+        params.insert(name.clone(), host::to_candle(w, ty.dtype, p, shared_var).map_err(bad)?);
     }
     let mut ins = BTreeMap::new();
     for (name, _, v) in graph.inputs() {
@@ -203,7 +209,7 @@ pub fn run(
         let ty = graph.ty(v);
         let bad = |message: String| RuntimeError::BadTensor { kind: "input", name: name.clone(), message };
         check_host_shape(t, ty, &bindings).map_err(bad)?;
-        ins.insert(name.clone(), host::to_candle(t, ty.dtype, p).map_err(bad)?);
+        ins.insert(name.clone(), host::to_candle(t, ty.dtype, p, false).map_err(bad)?);
     }
     for name in opts.param_splits.keys() {
         if !params.contains_key(name) {
@@ -226,7 +232,7 @@ pub fn run(
         mesh: &graph.mesh,
         bindings: &bindings,
         precision: p,
-        grads: opts.grads,
+        per_rank_vars: opts.grads && opts.keep_rank_outputs,
         params: &params,
         inputs: &ins,
         param_splits: &opts.param_splits,
@@ -572,28 +578,31 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
         let shape = full.dims().to_vec();
         let splits = opts.param_splits.get(&name).map(|s| s.as_slice()).unwrap_or(&[]);
         let mut acc = Vec::new();
+        if !sh.per_rank_vars {
+            // One variable shared by every rank: its gradient is already the sum.
+            if let Some(gr) = store.get(full) {
+                acc = host::values_f64(gr).map_err(&bwd)?;
+            }
+        }
         for (r, ro) in ranks.iter().enumerate() {
+            if !sh.per_rank_vars {
+                break;
+            }
             let Some(var) = ro.vars.get(&name) else { continue };
             let grad = match store.get(var) {
                 Some(gr) => gr.clone(),
                 None => var.zeros_like().map_err(|e| bwd(e.to_string()))?,
             };
             let gv = host::values_f64(&grad).map_err(&bwd)?;
-            if acc.is_empty() && grad.dims() == shape.as_slice() && !opts.keep_rank_outputs {
-                acc = gv;
-                continue;
-            }
             if acc.is_empty() {
                 acc = vec![0.0f64; full.elem_count()];
             }
             let offsets = split_offsets(&shape, splits, sh.mesh, r as u32);
             add_block(&mut acc, &shape, &gv, grad.dims(), &offsets);
-            if opts.keep_rank_outputs {
-                if res.rank_grads.len() < ranks.len() {
-                    res.rank_grads.resize(ranks.len(), BTreeMap::new());
-                }
-                res.rank_grads[r].insert(name.clone(), HostTensor::floats(dtype, grad.dims().to_vec(), gv));
+            if res.rank_grads.len() < ranks.len() {
+                res.rank_grads.resize(ranks.len(), BTreeMap::new());
             }
+            res.rank_grads[r].insert(name.clone(), HostTensor::floats(dtype, grad.dims().to_vec(), gv));
         }
         if acc.is_empty() {
             acc = vec![0.0f64; full.elem_count()];

@@ -3,7 +3,7 @@
 //! ranks in collectives.
 
 use super::comm::{Comm, CommError};
-use super::host::{kind, kind_of};
+use super::host::{kind, kind_of, values_i64};
 use super::kernels::{self, Cx, KernelError};
 use super::{Precision, RuntimeError};
 use candle_core::{Tensor, Var};
@@ -19,7 +19,11 @@ pub(crate) struct Shared<'a> {
     /// `B`, `S`, other user symbols and every mesh axis size; no coordinates.
     pub bindings: &'a Bindings,
     pub precision: Precision,
-    pub grads: bool,
+    /// Gradients on, with a separate param replica (candle variable) per rank, so that
+    /// each rank's gradient can be reported. Otherwise the ranks share one variable per
+    /// param (its full tensor; split params are views of it), and candle's accumulation
+    /// sums the replicas' gradients and puts split pieces in place.
+    pub per_rank_vars: bool,
     /// Full (unsharded) params and inputs as candle tensors.
     pub params: &'a BTreeMap<String, Tensor>,
     pub inputs: &'a BTreeMap<String, Tensor>,
@@ -90,7 +94,7 @@ pub(crate) fn run_rank(sh: &Shared, rank: u32) -> RankResult {
 
 fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
     let g = sh.graph;
-    let b = rank_bindings(sh, rank);
+    let mut b = rank_bindings(sh, rank);
     let float = sh.precision.float_dtype();
     let mut vals: Vec<Option<Tensor>> = vec![None; g.value_capacity()];
     let mut vars: BTreeMap<String, Tensor> = BTreeMap::new();
@@ -102,18 +106,14 @@ fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
         }
         let node = g.node(n);
         let fail = |message: String| Some(RuntimeError::Node { rank, node: g.describe(n), op: node.op.name(), message });
+        // A data-dependent size (the rows an `all_to_all_v` receives) is bound on this
+        // rank from the tensor the node produces; its result type is checked after.
+        let binds = node.op.defined_symbol().filter(|s| !b.symbols.contains_key(s));
         let mut out_types = Vec::with_capacity(node.results.len());
-        for v in &node.results {
-            let ty = g.ty(*v);
-            let mut shape = Vec::with_capacity(ty.rank());
-            for d in &ty.shape {
-                let x = d.eval(&b).map_err(|e| fail(format!("cannot evaluate the size `{d}` of its type {ty}: {e}")))?;
-                if x < 0 {
-                    return Err(fail(format!("the size `{d}` of its type {ty} is negative ({x})")));
-                }
-                shape.push(x as usize);
+        if binds.is_none() {
+            for v in &node.results {
+                out_types.push((g.ty(*v).dtype, eval_shape(g.ty(*v), &b).map_err(fail)?));
             }
-            out_types.push((ty.dtype, shape));
         }
         let mut ins = Vec::with_capacity(node.operands.len());
         for v in &node.operands {
@@ -130,8 +130,8 @@ fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
                     let full = sh.params.get(name).ok_or_else(|| fail(format!("no weight for param `{name}`")))?;
                     let splits = sh.param_splits.get(name).map(|s| s.as_slice()).unwrap_or(&[]);
                     let local = local_param(full, splits, sh.mesh, rank).map_err(|m| fail(format!("param `{name}`: {m}")))?;
-                    let local = if sh.grads {
-                        let var = Var::from_tensor(&local).map_err(|e| fail(e.to_string()))?;
+                    let local = if sh.per_rank_vars {
+                        let var = Var::from_tensor(&local.detach()).map_err(|e| fail(e.to_string()))?;
                         let t = var.as_tensor().clone();
                         vars.insert(name.clone(), t.clone());
                         t
@@ -145,7 +145,7 @@ fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
                 vec![sh.inputs.get(name).ok_or_else(|| fail(format!("no tensor for input `{name}`")))?.clone()]
             }
             op if op.is_collective() => {
-                vec![collective(sh, rank, n, op, ins.swap_remove(0), &out_types).map_err(|e| match e {
+                vec![collective(sh, rank, n, op, ins, &out_types).map_err(|e| match e {
                     CommError::Aborted => None,
                     CommError::Failed(m) => fail(m),
                 })?]
@@ -157,6 +157,12 @@ fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
         };
         if outs.len() != node.results.len() {
             return Err(fail(format!("internal: {} results for {} values", outs.len(), node.results.len())));
+        }
+        if let Some(s) = binds {
+            b.symbols.insert(s, outs[0].dims().first().copied().unwrap_or(0) as i64);
+            for v in &node.results {
+                out_types.push((g.ty(*v).dtype, eval_shape(g.ty(*v), &b).map_err(fail)?));
+            }
         }
         for (i, (t, (dtype, shape))) in outs.iter().zip(&out_types).enumerate() {
             check_result(t, *dtype, shape).map_err(|m| {
@@ -197,7 +203,25 @@ fn check_result(t: &Tensor, dtype: DType, shape: &[usize]) -> Result<(), String>
     Ok(())
 }
 
-fn collective(sh: &Shared, rank: u32, n: Node, op: &Op, x: Tensor, out_types: &[(DType, Vec<usize>)]) -> Result<Tensor, CommError> {
+/// The concrete shape of `ty` on this rank.
+fn eval_shape(ty: &weft_ir::TensorType, b: &Bindings) -> Result<Vec<usize>, String> {
+    let mut shape = Vec::with_capacity(ty.rank());
+    for d in &ty.shape {
+        let x = d.eval(b).map_err(|e| format!("cannot evaluate the size `{d}` of its type {ty}: {e}"))?;
+        if x < 0 {
+            return Err(format!("the size `{d}` of its type {ty} is negative ({x})"));
+        }
+        shape.push(x as usize);
+    }
+    Ok(shape)
+}
+
+/// Tags the rendezvous key of a collective's second exchange (`all_to_all_v` trades
+/// its send counts first, then the rows); node ids stay below it.
+const SECOND_EXCHANGE: u32 = 1 << 31;
+
+fn collective(sh: &Shared, rank: u32, n: Node, op: &Op, mut ins: Vec<Tensor>, out_types: &[(DType, Vec<usize>)]) -> Result<Tensor, CommError> {
+    let x = ins.remove(0);
     let axis = op.axis().expect("collectives have an axis");
     let groups = sh
         .groups
@@ -273,6 +297,51 @@ fn collective(sh: &Shared, rank: u32, n: Node, op: &Op, x: Tensor, out_types: &[
                             Ok(mine[0].clone())
                         } else {
                             Tensor::cat(&mine, gd).map_err(err)
+                        }
+                    })
+                    .collect()
+            })
+        }
+        Op::AllToAllV { .. } => {
+            let counts = ins.pop().ok_or_else(|| CommError::Failed("internal: all_to_all_v without send_counts".into()))?;
+            let sends = values_i64(&counts).map_err(CommError::Failed)?;
+            let rows = x.dims()[0];
+            if sends.len() != size || sends.iter().any(|&c| c < 0) || sends.iter().sum::<i64>() != rows as i64 {
+                return Err(CommError::Failed(format!(
+                    "send_counts {sends:?} must be {size} non-negative row counts (one per rank of `{axis}`) summing to the {rows} rows of x"
+                )));
+            }
+            // Every member's send counts first, so the member that joins the rows knows them all.
+            let all = sh.comm.exchange((n.0 | SECOND_EXCHANGE, gi), member, size, counts, |xs| {
+                let t = Tensor::stack(&xs, 0).map_err(err)?;
+                Ok(vec![t; xs.len()])
+            })?;
+            let all = values_i64(&all).map_err(CommError::Failed)?;
+            sh.comm.exchange(key, member, size, x, move |xs| {
+                let p = xs.len();
+                // chunks[i][j]: member i's rows for member j (none when it sends none).
+                let mut chunks: Vec<Vec<Option<Tensor>>> = Vec::with_capacity(p);
+                for (i, t) in xs.iter().enumerate() {
+                    let mut at = 0usize;
+                    let mut row = Vec::with_capacity(p);
+                    for j in 0..p {
+                        let c = all[i * p + j] as usize;
+                        row.push(if c == 0 { None } else { Some(t.narrow(0, at, c).map_err(err)?) });
+                        at += c;
+                    }
+                    chunks.push(row);
+                }
+                (0..p)
+                    .map(|j| {
+                        let mine: Vec<&Tensor> = (0..p).filter_map(|i| chunks[i][j].as_ref()).collect();
+                        match mine.as_slice() {
+                            [] => {
+                                let mut shape = xs[0].dims().to_vec();
+                                shape[0] = 0;
+                                Tensor::zeros(shape, xs[0].dtype(), xs[0].device()).map_err(err)
+                            }
+                            [one] => Ok((*one).clone()),
+                            _ => Tensor::cat(&mine, 0).map_err(err),
                         }
                     })
                     .collect()

@@ -175,7 +175,7 @@ fn a_failure_on_one_rank_stops_every_rank() {
     let (mut g, b, data) = blocked();
     g.set_scope(Some("model.layers.0.mlp"));
     let wrong_on_sp1 = TensorType::new(DType::F32, vec![Dim::from(2), Dim::per_rank("sp", vec![4, 3])]);
-    let n = g.insert_typed(At::End, Op::Neg {}, &[b], vec![wrong_on_sp1], NodeMeta { source: Some("model.layers.0.mlp".into()), provenance: None })[0];
+    let n = g.insert_typed(At::End, Op::Neg {}, &[b], vec![wrong_on_sp1], NodeMeta { source: Some("model.layers.0.mlp".into()), ..Default::default() })[0];
     let s = g.insert_typed(At::End, Op::Sum { dims: vec![0, 1], keepdim: false }, &[n], vec![fty(&[])], NodeMeta::default())[0];
     let y = g.add(Op::AllReduce { axis: "dp".into(), op: ReduceOp::Sum }, &[s]).unwrap();
     let z = g.add(Op::AllReduce { axis: "sp".into(), op: ReduceOp::Sum }, &[y]).unwrap();
