@@ -349,6 +349,24 @@ impl Graph {
             .collect()
     }
 
+    /// Data-dependent sizes: symbols a node defines (the `rows` of an `all_to_all_v`,
+    /// see [`Op::defined_symbol`]) that no input type and no mesh axis defines, with the
+    /// node, in program order. Plan-time checks skip sizes that mention them, and the
+    /// runtime binds each on every rank from the tensor its node produced there. The
+    /// verifier checks that each is defined once and used only after its node.
+    pub fn runtime_symbols(&self) -> Vec<(String, Node)> {
+        let mut defined_elsewhere: std::collections::BTreeSet<String> = self.mesh.axes.iter().map(|(a, _)| a.clone()).collect();
+        for (_, _, v) in self.inputs() {
+            for d in &self.ty(v).shape {
+                defined_elsewhere.extend(d.symbols());
+            }
+        }
+        self.order
+            .iter()
+            .filter_map(|&n| self.node(n).op.defined_symbol().filter(|s| !defined_elsewhere.contains(s)).map(|s| (s, n)))
+            .collect()
+    }
+
     /// The text location of a node for messages: `node %12 (model.layers.3.mlp)`.
     pub fn describe(&self, n: Node) -> String {
         let d = self.node(n);

@@ -1,12 +1,33 @@
 //! Device mesh: named axes with sizes (`dp=2,sp=4`), outermost first. A rank's
 //! coordinates are its row-major digits, so the innermost (last) axis groups contiguous
 //! ranks and outer axes group strided ones.
+//!
+//! Expert parallelism folds over these ranks instead of adding its own (DeepSpeed's
+//! expert groups): `ep=K` groups K consecutive ranks of the world, whatever axes they
+//! span, and `edp` (expert data parallel) groups the ranks at the same place of every
+//! ep group. Both are *derived* axes: they are listed after the others (`edp` always
+//! follows `ep`), have coordinates (`@ep` = rank mod K, `@edp` = rank div K) and
+//! groups, but do not multiply the world size. `dp=4,tp=2,ep=4` is 8 ranks: tp
+//! (0,1)(2,3)(4,5)(6,7), dense dp (0,2,4,6)(1,3,5,7), ep (0-3)(4-7), edp (0,4)(1,5)(2,6)(3,7).
+//! Expert parameters are split over `ep` and replicated over `edp`; dense parameters
+//! are replicated over `dp`. Without other axes, `ep=K` is short for `dp=K,ep=K` and
+//! `edp=M,ep=K` for `dp=M*K,ep=K`.
 
 use std::fmt;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Mesh {
     pub axes: Vec<(String, u32)>,
+}
+
+/// The expert-parallel axis, derived: K consecutive ranks of the world per group.
+pub const EP: &str = "ep";
+/// The expert-data-parallel axis, derived: the ranks at the same place of every ep group.
+pub const EDP: &str = "edp";
+
+/// True for the axes that regroup the ranks of the others (`ep`, `edp`).
+pub fn is_derived(axis: &str) -> bool {
+    axis == EP || axis == EDP
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -19,11 +40,20 @@ pub enum MeshError {
     Duplicate { text: String, axis: String },
     #[error("mesh `{text}`: axis name `{axis}` must be letters, digits or `_`, starting with a letter")]
     Name { text: String, axis: String },
+    #[error("mesh `{text}`: {why}\nhelp: {help}")]
+    Expert { text: String, why: String, help: String },
 }
 
 impl Mesh {
+    /// A mesh from literal axes; `ep`/`edp` are folded as [`Mesh::parse`] does (and a
+    /// bad fold panics: use `parse` for meshes that come from users).
     pub fn new(axes: &[(&str, u32)]) -> Mesh {
-        Mesh { axes: axes.iter().map(|(a, n)| (a.to_string(), *n)).collect() }
+        let axes: Vec<(String, u32)> = axes.iter().map(|(a, n)| (a.to_string(), *n)).collect();
+        if !axes.iter().any(|(a, _)| is_derived(a)) {
+            return Mesh { axes };
+        }
+        let text = Mesh { axes: axes.clone() }.to_string();
+        fold_expert_axes(&text, axes).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Parses `dp=2,sp=4`; the empty string is the one-rank mesh.
@@ -49,11 +79,12 @@ impl Mesh {
             }
             axes.push((a.to_string(), size));
         }
-        Ok(Mesh { axes })
+        fold_expert_axes(text, axes)
     }
 
+    /// Number of ranks: the product of the axes that are not derived.
     pub fn world_size(&self) -> u32 {
-        self.axes.iter().map(|(_, n)| *n).product()
+        self.axes.iter().filter(|(a, _)| !is_derived(a)).map(|(_, n)| *n).product()
     }
 
     pub fn size(&self, axis: &str) -> Option<u32> {
@@ -69,13 +100,24 @@ impl Mesh {
         self.size(axis).is_some()
     }
 
-    /// Coordinates of `rank` on every axis, outermost first.
+    /// Coordinates of `rank` on every axis (derived ones included), in axis order.
     pub fn coords(&self, rank: u32) -> Vec<u32> {
         let mut out = vec![0; self.axes.len()];
         let mut r = rank;
-        for (i, (_, n)) in self.axes.iter().enumerate().rev() {
+        for (i, (a, n)) in self.axes.iter().enumerate().rev() {
+            if is_derived(a) {
+                continue;
+            }
             out[i] = r % n;
             r /= n;
+        }
+        let ep = self.size(EP).unwrap_or(1);
+        for (i, (a, _)) in self.axes.iter().enumerate() {
+            match a.as_str() {
+                EP => out[i] = rank % ep,
+                EDP => out[i] = rank / ep,
+                _ => {}
+            }
         }
         out
     }
@@ -85,14 +127,24 @@ impl Mesh {
         Some(self.coords(rank)[i])
     }
 
+    /// The rank with these coordinates (those of derived axes are ignored).
     pub fn rank_of(&self, coords: &[u32]) -> u32 {
-        self.axes.iter().zip(coords).fold(0, |r, ((_, n), c)| r * n + c)
+        self.axes.iter().zip(coords).filter(|((a, _), _)| !is_derived(a)).fold(0, |r, ((_, n), c)| r * n + c)
     }
 
     /// The process groups `axis` induces: ranks that differ only in their `axis`
     /// coordinate, each group ordered by that coordinate. Groups are sorted by first rank.
+    /// `ep`: K consecutive ranks; `edp`: every K-th rank.
     pub fn groups(&self, axis: &str) -> Option<Vec<Vec<u32>>> {
         let i = self.axes.iter().position(|(a, _)| a == axis)?;
+        if is_derived(axis) {
+            let (world, ep) = (self.world_size(), self.size(EP).unwrap_or(1).max(1));
+            return Some(if axis == EP {
+                (0..world / ep).map(|g| (g * ep..(g + 1) * ep).collect()).collect()
+            } else {
+                (0..ep).map(|j| (j..world).step_by(ep as usize).collect()).collect()
+            });
+        }
         let mut groups: Vec<Vec<u32>> = Vec::new();
         for rank in 0..self.world_size() {
             let c = self.coords(rank);
@@ -139,8 +191,50 @@ impl Mesh {
                 .collect();
             out.push_str(&format!("{a} groups: {}\n", text.join(" ")));
         }
+        if let Some(k) = self.size(EP) {
+            out.push_str(&format!(
+                "ep and edp are derived: ep groups {k} consecutive ranks, edp the ranks at the same place of each; expert params are split over ep and replicated over edp\n"
+            ));
+        }
         out
     }
+}
+
+/// Checks and normalizes the expert axes: `ep` divides the world of the other axes and
+/// `edp` is what is left; both go last. Without other axes `ep` (and `edp`) make a `dp`.
+fn fold_expert_axes(text: &str, axes: Vec<(String, u32)>) -> Result<Mesh, MeshError> {
+    let get = |name: &str| axes.iter().find(|(a, _)| a == name).map(|(_, n)| *n);
+    let (ep, edp) = (get(EP), get(EDP));
+    let err = |why: String, help: String| MeshError::Expert { text: text.into(), why, help };
+    let Some(k) = ep else {
+        if edp.is_some() {
+            return Err(err("`edp` (expert data parallel) needs an `ep` axis".into(), "give the expert-parallel degree, e.g. `dp=4,ep=2`".into()));
+        }
+        return Ok(Mesh { axes });
+    };
+    let mut out: Vec<(String, u32)> = axes.into_iter().filter(|(a, _)| !is_derived(a)).collect();
+    if out.is_empty() {
+        out.push(("dp".into(), k * edp.unwrap_or(1)));
+    }
+    let world: u32 = out.iter().map(|(_, n)| *n).product();
+    if world % k != 0 {
+        let others = out.iter().map(|(a, n)| format!("{a}={n}")).collect::<Vec<_>>().join(",");
+        return Err(err(
+            format!("ep={k} must divide the {world} ranks of `{others}` (expert groups are carved out of the ranks, not added to them)"),
+            format!("use an ep that divides {world}, or more data-parallel ranks (e.g. `dp={k},ep={k}`)"),
+        ));
+    }
+    if let Some(m) = edp {
+        if m * k != world {
+            return Err(err(
+                format!("edp={m} times ep={k} must be the {world} ranks of the other axes"),
+                format!("drop `edp` (it is implied: {})", world / k),
+            ));
+        }
+    }
+    out.push((EP.into(), k));
+    out.push((EDP.into(), world / k));
+    Ok(Mesh { axes: out })
 }
 
 impl fmt::Display for Mesh {
@@ -163,6 +257,39 @@ mod tests {
         assert_eq!(m.coord(6, "sp"), Some(2));
         assert_eq!(m.coord(6, "dp"), Some(1));
         insta::assert_snapshot!(m.rank_table());
+    }
+
+    #[test]
+    fn expert_axes_fold_like_deepspeed() {
+        // world 8, tp 2, ep 4 (DeepSpeed's `_create_expert_and_data_parallel`).
+        let m = Mesh::parse("dp=4,tp=2,ep=4").unwrap();
+        assert_eq!(m.world_size(), 8);
+        assert_eq!(m.to_string(), "dp=4,tp=2,ep=4,edp=2");
+        assert_eq!(m.groups("tp").unwrap(), vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
+        assert_eq!(m.groups("dp").unwrap(), vec![vec![0, 2, 4, 6], vec![1, 3, 5, 7]]);
+        assert_eq!(m.groups("ep").unwrap(), vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+        assert_eq!(m.groups("edp").unwrap(), vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
+        assert_eq!((m.coord(6, "ep"), m.coord(6, "edp"), m.coord(6, "dp"), m.coord(6, "tp")), (Some(2), Some(1), Some(3), Some(0)));
+        for r in 0..8 {
+            assert_eq!(m.rank_of(&m.coords(r)), r);
+        }
+        assert_eq!(Mesh::parse(&m.to_string()).unwrap(), m);
+        insta::assert_snapshot!(m.rank_table());
+        // Shorthands and equivalent spellings.
+        assert_eq!(Mesh::parse("ep=4").unwrap().to_string(), "dp=4,ep=4,edp=1");
+        assert_eq!(Mesh::parse("edp=2,ep=4").unwrap().to_string(), "dp=8,ep=4,edp=2");
+        assert_eq!(Mesh::parse("ep=2,dp=2,sp=2").unwrap().to_string(), "dp=2,sp=2,ep=2,edp=2");
+        assert_eq!(Mesh::new(&[("dp", 4), ("ep", 2)]), Mesh::parse("dp=4,ep=2").unwrap());
+    }
+
+    #[test]
+    fn expert_axes_errors() {
+        let e = Mesh::parse("dp=2,ep=4").unwrap_err().to_string();
+        assert!(e.contains("ep=4 must divide the 2 ranks of `dp=2`"), "{e}");
+        let e = Mesh::parse("dp=4,ep=2,edp=3").unwrap_err().to_string();
+        assert!(e.contains("edp=3 times ep=2 must be the 4 ranks"), "{e}");
+        let e = Mesh::parse("dp=4,edp=2").unwrap_err().to_string();
+        assert!(e.contains("needs an `ep` axis"), "{e}");
     }
 
     #[test]

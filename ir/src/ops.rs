@@ -240,7 +240,7 @@ define_ops! {
     // ---- mixture of experts ----
     /// Replicates token rows per selected expert and sorts them by expert: rows [T*k, H], counts i64 [E], order i64 [T*k] (flat t*k+slot of each row).
     MoeDispatch = "moe_dispatch" ("x, expert_index") [2, 2] { num_experts: i64 } => moe_dispatch;
-    /// Row groups times per-expert weights: rows of group e (by `counts`) times `w[e]^T`, w [E, N, K].
+    /// Row groups times per-expert weights: rows of group e (by `counts` [E]) times `w[e]^T`, w [E, N, K]. With counts [G, E] the rows come in G*E groups in row-major order and group (g, e) uses `w[e]` (rows received from G ranks, each sorted by expert).
     GroupedMatmul = "grouped_matmul" ("x, w, counts") [3, 3] => grouped_matmul;
     /// Undoes `moe_dispatch`: `out[t] = sum_slot weights[t, slot] * rows[row of (t, slot)]`.
     MoeCombine = "moe_combine" ("rows, order, weights") [3, 3] => moe_combine;
@@ -248,6 +248,8 @@ define_ops! {
     // ---- collectives (SPMD: every rank of the axis group runs them) ----
     /// Splits `scatter_dim` into one chunk per rank of `axis`, exchanges, concatenates along `gather_dim`.
     AllToAll = "all_to_all" ("x") [1, 1] { axis: String, scatter_dim: i64, gather_dim: i64 } => all_to_all, collective;
+    /// Sends `send_counts[j]` consecutive rows (dim 0) of `x` to rank j of `axis` and joins the rows each rank sends here, in rank order: `rows` rows. A `rows` that is a symbol nothing else defines (`R57`, after the node) is data-dependent: the runtime binds it on each rank from the rows received (see `Graph::runtime_symbols`).
+    AllToAllV = "all_to_all_v" ("x, send_counts") [2, 2] { axis: String, rows: Dim } => all_to_all_v, collective;
     /// Reduces over the ranks of `axis`; every rank gets the result.
     AllReduce = "all_reduce" ("x") [1, 1] { axis: String, op: ReduceOp } => same, collective;
     /// Concatenates every rank's tensor along `dim`.
@@ -267,10 +269,27 @@ impl Op {
     pub fn axis(&self) -> Option<&str> {
         match self {
             Op::AllToAll { axis, .. }
+            | Op::AllToAllV { axis, .. }
             | Op::AllReduce { axis, .. }
             | Op::AllGather { axis, .. }
             | Op::ReduceScatter { axis, .. }
             | Op::Broadcast { axis, .. } => Some(axis),
+            _ => None,
+        }
+    }
+
+    /// The data-dependent size this node may define: the `rows` of an `all_to_all_v`
+    /// when it is a single symbol. It is runtime-bound unless the graph's inputs or mesh
+    /// already define that symbol ([`crate::Graph::runtime_symbols`] decides).
+    pub fn defined_symbol(&self) -> Option<String> {
+        match self {
+            Op::AllToAllV { rows, .. } => {
+                let syms = rows.symbols();
+                match syms.as_slice() {
+                    [s] if Dim::sym(s) == *rows => Some(s.clone()),
+                    _ => None,
+                }
+            }
             _ => None,
         }
     }

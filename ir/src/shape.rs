@@ -484,8 +484,9 @@ pub fn grouped_matmul(_: &Op, ins: &[&TensorType]) -> Out {
     let (x, w, counts) = (ins[0], ins[1], ins[2]);
     want_int(counts, "counts")?;
     same_dtype(x, w, "x and w")?;
-    if x.rank() != 2 || w.rank() != 3 || counts.shape != [w.shape[0].clone()] || x.shape[1] != w.shape[2] {
-        return Err(format!("grouped_matmul needs x [M, K], w [E, N, K], counts [E], got {x}, {w}, {counts}"));
+    let counts_ok = matches!(counts.rank(), 1 | 2) && counts.shape.last() == Some(&w.shape[0]);
+    if x.rank() != 2 || w.rank() != 3 || !counts_ok || x.shape[1] != w.shape[2] {
+        return Err(format!("grouped_matmul needs x [M, K], w [E, N, K], counts [E] or [G, E], got {x}, {w}, {counts}"));
     }
     one(x.with_shape(vec![x.shape[0].clone(), w.shape[1].clone()]))
 }
@@ -513,6 +514,21 @@ pub fn all_to_all(op: &Op, ins: &[&TensorType]) -> Out {
     let mut shape = x.shape.clone();
     shape[s] = shape[s].clone() / axis_size(axis);
     shape[g] = shape[g].clone() * axis_size(axis);
+    one(x.with_shape(shape))
+}
+
+pub fn all_to_all_v(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::AllToAllV { axis, rows } = op else { unreachable!() };
+    let (x, counts) = (ins[0], ins[1]);
+    want_int(counts, "send_counts")?;
+    if x.rank() == 0 {
+        return Err(format!("all_to_all_v sends rows of x, which must have rank >= 1, got {x}"));
+    }
+    if counts.shape != [axis_size(axis)] {
+        return Err(format!("send_counts must be [{axis}] (rows for each rank of `{axis}`), got {counts}"));
+    }
+    let mut shape = x.shape.clone();
+    shape[0] = rows.clone();
     one(x.with_shape(shape))
 }
 
