@@ -34,11 +34,50 @@ pub struct Provenance {
     pub reason: String,
 }
 
+/// How a node made by a training transform relates to the forward node it comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DerivedKind {
+    /// Part of the gradient computation of the forward node (autodiff).
+    Backward,
+    /// A copy of the forward node recomputed for the backward (activation checkpointing).
+    Recompute,
+}
+
+impl DerivedKind {
+    pub fn keyword(self) -> &'static str {
+        match self {
+            DerivedKind::Backward => "backward",
+            DerivedKind::Recompute => "recompute",
+        }
+    }
+    pub fn from_keyword(s: &str) -> Option<DerivedKind> {
+        match s {
+            "backward" => Some(DerivedKind::Backward),
+            "recompute" => Some(DerivedKind::Recompute),
+            _ => None,
+        }
+    }
+}
+
+/// `backward of %12`: what a node is and the forward node (named by its first result) it
+/// was made from. Printed in the node's comment, `[backward of %12]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Derived {
+    pub kind: DerivedKind,
+    pub of: Value,
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct NodeMeta {
     /// The model scope the node computes, e.g. `model.layers.3.mlp`.
     pub source: Option<String>,
     pub provenance: Option<Provenance>,
+    /// Set on backward nodes (autodiff) and recomputed copies (checkpoint): the forward
+    /// node they come from. Printed `[backward of %12]`.
+    pub derived: Option<Derived>,
+    /// The micro-batch the node computes when a step accumulates gradients over several.
+    /// Printed `[micro-batch 2]`.
+    pub micro_batch: Option<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -127,7 +166,7 @@ impl Graph {
 
     /// Creates a node at `at`, inferring its result types.
     pub fn insert(&mut self, at: At, op: Op, operands: &[Value]) -> Result<Vec<Value>, BuildError> {
-        let meta = NodeMeta { source: self.scope.clone(), provenance: self.provenance.clone() };
+        let meta = NodeMeta { source: self.scope.clone(), provenance: self.provenance.clone(), ..Default::default() };
         self.insert_with(at, op, operands, meta)
     }
 

@@ -437,10 +437,28 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
     let mut meta = NodeMeta::default();
     if let Some((_, c)) = comment {
         let c = c.trim();
-        let (src, prov) = match c.find("<- ") {
+        let (mut src, prov) = match c.find("<- ") {
             Some(i) => (c[..i].trim(), Some(c[i + 3..].trim())),
             None => (c, None),
         };
+        // Trailing `[backward of %12]` / `[micro-batch 2]` tags (anything else in
+        // brackets stays part of the source).
+        while let Some(open) = src.strip_suffix(']').and_then(|s| s.rfind('[')) {
+            let tag = &src[open + 1..src.len() - 1];
+            if let Some(n) = tag.strip_prefix("micro-batch ").and_then(|n| n.trim().parse::<u32>().ok()) {
+                meta.micro_batch = Some(n);
+            } else if let Some((kind, of)) = tag.split_once(" of ") {
+                let kind = crate::graph::DerivedKind::from_keyword(kind.trim());
+                let of = of.trim().strip_prefix('%').and_then(|v| v.parse::<u32>().ok());
+                match (kind, of) {
+                    (Some(kind), Some(of)) => meta.derived = Some(crate::graph::Derived { kind, of: Value(of) }),
+                    _ => break,
+                }
+            } else {
+                break;
+            }
+            src = src[..open].trim_end();
+        }
         if !src.is_empty() {
             meta.source = Some(src.to_string());
         }

@@ -7,6 +7,7 @@
 //! %0: i64[B, S] = input {name="input_ids", role=input_ids}
 //! %7: f32[B, S, 64] = linear %5, %6  # model.layers.0.mlp.up_proj
 //! %9: f32[B, 2, S, 8] = all_to_all %8 {axis="sp", scatter_dim=1, gather_dim=2}  # model.layers.0.self_attn <- ulysses-attention: heads to sequence
+//! %31: f32[B, S, 64] = silu_grad %46, %30  # model.layers.0.mlp [backward of %48] <- autodiff: silu
 //! partition "model.layers.0.mlp.up_proj.weight" column tp dim=0 [32 32]
 //! split logits 1:sp
 //! return loss=%20, logits=%19
@@ -36,10 +37,16 @@ pub fn node_line(g: &Graph, n: Node) -> String {
         let _ = write!(s, " {{{}}}", parts.join(", "));
     }
     let m = &d.meta;
-    if m.source.is_some() || m.provenance.is_some() {
+    if m.source.is_some() || m.provenance.is_some() || m.derived.is_some() || m.micro_batch.is_some() {
         s.push_str("  #");
         if let Some(src) = &m.source {
             let _ = write!(s, " {src}");
+        }
+        if let Some(d) = &m.derived {
+            let _ = write!(s, " [{} of {}]", d.kind.keyword(), d.of);
+        }
+        if let Some(mb) = m.micro_batch {
+            let _ = write!(s, " [micro-batch {mb}]");
         }
         if let Some(p) = &m.provenance {
             let _ = write!(s, " <- {}: {}", p.pass, p.reason.replace('\n', " "));

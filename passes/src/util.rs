@@ -10,6 +10,7 @@ pub(crate) fn meta_for(g: &Graph, anchor: Node, pass: &str, reason: impl Into<St
     NodeMeta {
         source: g.node(anchor).meta.source.clone(),
         provenance: Some(Provenance { pass: pass.to_string(), reason: reason.into() }),
+        ..Default::default()
     }
 }
 
