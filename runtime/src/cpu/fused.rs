@@ -24,6 +24,7 @@ trait Fl: Copy + Send + Sync + PartialOrd + 'static {
     fn neg_inf() -> Self;
     fn is_nan(self) -> bool;
     fn of(v: f64) -> Self;
+    fn sqrt(self) -> Self;
 }
 
 macro_rules! fl {
@@ -61,6 +62,9 @@ macro_rules! fl {
             }
             fn of(v: f64) -> Self {
                 v as $t
+            }
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
             }
         }
     };
@@ -869,5 +873,195 @@ impl CustomOp3 for AttentionBwd {
         };
         let n = g.b * g.nq * g.sq * g.d + 2 * g.b * g.nkv * g.sk * g.d;
         Ok((out, Shape::from(n)))
+    }
+}
+
+// ---- rms_norm ----
+
+/// `w * (x / sqrt(mean(x^2, last) + eps))` over the last dim, one row at a time.
+pub(crate) struct RmsNorm {
+    pub eps: f64,
+}
+
+fn rms_fwd<T: Fl>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
+    let h = w.len();
+    let (inv_h, eps) = (T::of(1.0 / h as f64), T::of(eps));
+    rows(x, h, |_, r, o| {
+        let ms = r.iter().fold(T::zero(), |s, &v| s.add(v.mul(v))).mul(inv_h);
+        let inv = T::one().div(ms.add(eps).sqrt());
+        for ((o, &v), &wv) in o.iter_mut().zip(r).zip(w) {
+            *o = wv.mul(v.mul(inv));
+        }
+    })
+}
+
+/// `[dx | dw]` of `rms_norm` for the output gradient `g`.
+fn rms_bwd<T: Fl>(x: &[T], w: &[T], g: &[T], eps: f64) -> Vec<T> {
+    let h = w.len();
+    let (inv_h, eps) = (T::of(1.0 / h as f64), T::of(eps));
+    let mut out = vec![T::zero(); x.len() + h];
+    let (dx, dw) = out.split_at_mut(x.len());
+    // Fixed chunks of rows (not per thread), so dw's summation order is deterministic.
+    const CH: usize = 64;
+    let partial: Vec<Vec<T>> = dx
+        .par_chunks_mut((CH * h).max(1))
+        .enumerate()
+        .map(|(c, dxc)| {
+            let mut dwp = vec![T::zero(); h];
+            for (rr, dxr) in dxc.chunks_mut(h.max(1)).enumerate() {
+                let row = c * CH + rr;
+                let (xr, gr) = (&x[row * h..(row + 1) * h], &g[row * h..(row + 1) * h]);
+                let ms = xr.iter().fold(T::zero(), |s, &v| s.add(v.mul(v))).mul(inv_h);
+                let inv = T::one().div(ms.add(eps).sqrt());
+                let dot = xr.iter().zip(gr).zip(w).fold(T::zero(), |s, ((&xv, &gv), &wv)| s.add(gv.mul(wv).mul(xv)));
+                let k = inv.mul(inv).mul(inv).mul(dot).mul(inv_h);
+                for j in 0..h {
+                    dxr[j] = inv.mul(gr[j].mul(w[j])).sub(xr[j].mul(k));
+                    dwp[j] = dwp[j].add(gr[j].mul(xr[j]).mul(inv));
+                }
+            }
+            dwp
+        })
+        .collect();
+    for p in partial {
+        for (d, v) in dw.iter_mut().zip(p) {
+            *d = d.add(v);
+        }
+    }
+    out
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "weft-rms-norm"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        if l2.dims() != [last_dim(l1)] {
+            candle_core::bail!("rms_norm: weight {:?} does not fit x {:?}", l2.dims(), l1.dims());
+        }
+        let out = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(rms_fwd(contiguous(x, l1, "rms_norm")?, contiguous(w, l2, "rms_norm")?, self.eps)),
+            (CpuStorage::F64(x), CpuStorage::F64(w)) => CpuStorage::F64(rms_fwd(contiguous(x, l1, "rms_norm")?, contiguous(w, l2, "rms_norm")?, self.eps)),
+            _ => candle_core::bail!("rms_norm: x and w must share one float dtype"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let all = x.contiguous()?.apply_op3_no_bwd(&w.contiguous()?, &g.contiguous()?, &RmsNormBwd { eps: self.eps })?;
+        let n = x.elem_count();
+        Ok((Some(all.narrow(0, 0, n)?.reshape(x.dims())?), Some(all.narrow(0, n, w.elem_count())?)))
+    }
+}
+
+struct RmsNormBwd {
+    eps: f64,
+}
+
+impl CustomOp3 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "weft-rms-norm-bwd"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let n = l1.shape().elem_count() + l2.shape().elem_count();
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(g)) => CpuStorage::F32(rms_bwd(
+                contiguous(x, l1, "rms_norm-bwd")?,
+                contiguous(w, l2, "rms_norm-bwd")?,
+                contiguous(g, l3, "rms_norm-bwd")?,
+                self.eps,
+            )),
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(g)) => CpuStorage::F64(rms_bwd(
+                contiguous(x, l1, "rms_norm-bwd")?,
+                contiguous(w, l2, "rms_norm-bwd")?,
+                contiguous(g, l3, "rms_norm-bwd")?,
+                self.eps,
+            )),
+            _ => candle_core::bail!("rms_norm-bwd: operands must share one float dtype"),
+        };
+        Ok((out, Shape::from(n)))
+    }
+}
+
+// ---- rope ----
+
+/// `x*cos + rotate_half(x)*sin` on the first `r` features of `x [B, N, S, D]` (any
+/// strides), `cos`/`sin [B|1, S, r]` contiguous; the other features pass through. Only
+/// `x` is differentiated (the tables come from integer positions).
+pub(crate) struct Rope {
+    /// The backward: `dx = g*cos + rotate_half^T(g*sin)`.
+    pub transpose: bool,
+}
+
+fn rope_rows<T: Fl>(x: &View4<T>, dims: [usize; 4], cos: &[T], sin: &[T], bc: usize, r: usize, transpose: bool) -> Vec<T> {
+    let [b, n, s, d] = dims;
+    let h = r / 2;
+    let mut out = vec![T::zero(); b * n * s * d];
+    if out.is_empty() {
+        return out;
+    }
+    let f = |row: usize, o: &mut [T]| {
+        let (bi, ni, si) = (row / (n * s), (row / s) % n, row % s);
+        let (xa, _, cs) = x.mat(bi, ni, si);
+        let xv = |j: usize| xa[j * cs];
+        let t = ((if bc == 1 { 0 } else { bi }) * s + si) * r;
+        let (c, sn) = (&cos[t..t + r], &sin[t..t + r]);
+        for j in 0..d {
+            o[j] = if j >= r {
+                xv(j)
+            } else if !transpose {
+                let rot = if j < h { T::zero().sub(xv(j + h)) } else { xv(j - h) };
+                xv(j).mul(c[j]).add(rot.mul(sn[j]))
+            } else if j < h {
+                xv(j).mul(c[j]).add(xv(j + h).mul(sn[j + h]))
+            } else {
+                xv(j).mul(c[j]).sub(xv(j - h).mul(sn[j - h]))
+            };
+        }
+    };
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(d).enumerate().for_each(|(i, o)| f(i, o));
+    } else {
+        out.chunks_mut(d).enumerate().for_each(|(i, o)| f(i, o));
+    }
+    out
+}
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "weft-rope"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+        let xd = l1.dims();
+        let cd = l2.dims();
+        if xd.len() != 4 || cd.len() != 3 || l3.dims() != cd || cd[1] != xd[2] || cd[2] > xd[3] || cd[2] % 2 != 0 || !(cd[0] == 1 || cd[0] == xd[0]) {
+            candle_core::bail!("rope: x {xd:?} and cos/sin {cd:?} do not fit");
+        }
+        let dims = [xd[0], xd[1], xd[2], xd[3]];
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => CpuStorage::F32(rope_rows(
+                &View4::new(x, l1, "x")?,
+                dims,
+                contiguous(c, l2, "rope")?,
+                contiguous(s, l3, "rope")?,
+                cd[0],
+                cd[2],
+                self.transpose,
+            )),
+            (CpuStorage::F64(x), CpuStorage::F64(c), CpuStorage::F64(s)) => CpuStorage::F64(rope_rows(
+                &View4::new(x, l1, "x")?,
+                dims,
+                contiguous(c, l2, "rope")?,
+                contiguous(s, l3, "rope")?,
+                cd[0],
+                cd[2],
+                self.transpose,
+            )),
+            _ => candle_core::bail!("rope: operands must share one float dtype"),
+        };
+        Ok((out, Shape::from(xd.to_vec())))
+    }
+    fn bwd(&self, _x: &Tensor, cos: &Tensor, sin: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dx = g.apply_op3_no_bwd(cos, sin, &Rope { transpose: !self.transpose })?;
+        Ok((Some(dx), None, None))
     }
 }

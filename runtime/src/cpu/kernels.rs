@@ -342,10 +342,8 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             one(matmul(&a, &b)?)
         }
         Op::RmsNorm { eps } => {
-            let (x, w) = (&ins[0], &ins[1]);
-            let var = x.sqr()?.mean_keepdim(D::Minus1)?;
-            let inv = (var + eps.0)?.sqrt()?.recip()?;
-            one(w.broadcast_mul(&x.broadcast_mul(&inv)?)?)
+            let (x, w) = (ins[0].contiguous()?, ins[1].contiguous()?);
+            one(x.apply_op2(&w, fused::RmsNorm { eps: eps.0 })?)
         }
         Op::RopeTable { theta, dim, scaling } => {
             let d = *dim as usize;
@@ -362,6 +360,10 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             if r > hd || r % 2 != 0 {
                 bail!("rotary dim {r} must be even and at most the head dim {hd}");
             }
+            if !cos.track_op() && !sin.track_op() {
+                return one(x.apply_op3(&cos.contiguous()?, &sin.contiguous()?, fused::Rope { transpose: false })?);
+            }
+            // Tables that need gradients: the composed form.
             let (c, s) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
             let xr = if r < hd { x.narrow(3, 0, r)? } else { x.clone() };
             let x1 = xr.narrow(3, 0, r / 2)?;
@@ -483,6 +485,19 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         Op::MoeDispatch { num_experts } => moe_dispatch(&ins[0], &ins[1], *num_experts),
         Op::GroupedMatmul {} => one(grouped_matmul(&ins[0], &ins[1], &ins[2])?),
         Op::MoeCombine {} => one(moe_combine(&ins[0], &ins[1], &ins[2], cx.out_shape(0))?),
+        Op::AttentionGrad { .. }
+        | Op::RmsNormGrad { .. }
+        | Op::CrossEntropyGrad { .. }
+        | Op::EmbeddingGrad { .. }
+        | Op::SiluGrad {}
+        | Op::GeluGrad { .. }
+        | Op::SoftmaxGrad { .. }
+        | Op::GroupedMatmulGrad {}
+        | Op::MoeCombineGrad {}
+        | Op::AdamW { .. }
+        | Op::Sgd { .. }
+        | Op::Offload { .. }
+        | Op::Reload { .. } => super::backward_kernels::eval(op, ins, cx),
     }
 }
 

@@ -45,11 +45,13 @@
 //! [`RunResult::rank_grads`] reports each replica's gradient (their sum is the same).
 //! `tests::grads` checks both against finite differences and the one-rank graph.
 
+mod backward_kernels;
 mod comm;
 mod error;
 mod fused;
 mod host;
 mod kernels;
+mod partition;
 mod rank;
 
 #[cfg(test)]
@@ -194,7 +196,7 @@ pub fn run(
         let w = weights.get(&name).ok_or_else(|| RuntimeError::MissingWeight { name: name.clone() })?;
         let ty = graph.ty(v);
         let bad = |message: String| RuntimeError::BadTensor { kind: "param", name: name.clone(), message };
-        if !opts.param_splits.contains_key(&name) {
+        if !opts.param_splits.contains_key(&name) && graph.param_partition(&name).is_empty() {
             check_host_shape(w, ty, &bindings).map_err(bad)?;
         }
         let shared_var = opts.grads && !opts.keep_rank_outputs;
@@ -597,8 +599,13 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
             if acc.is_empty() {
                 acc = vec![0.0f64; full.elem_count()];
             }
-            let offsets = split_offsets(&shape, splits, sh.mesh, r as u32);
-            add_block(&mut acc, &shape, &gv, grad.dims(), &offsets);
+            let parts = g.param_partition(&name);
+            if parts.is_empty() {
+                let offsets = split_offsets(&shape, splits, sh.mesh, r as u32);
+                add_block(&mut acc, &shape, &gv, grad.dims(), &offsets);
+            } else {
+                partition::add_shard(&mut acc, &shape, &gv, grad.dims(), parts, sh.mesh, r as u32).map_err(|m| bwd(format!("param `{name}`: {m}")))?;
+            }
             if res.rank_grads.len() < ranks.len() {
                 res.rank_grads.resize(ranks.len(), BTreeMap::new());
             }

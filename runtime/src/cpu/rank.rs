@@ -129,7 +129,9 @@ fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
                 } else {
                     let full = sh.params.get(name).ok_or_else(|| fail(format!("no weight for param `{name}`")))?;
                     let splits = sh.param_splits.get(name).map(|s| s.as_slice()).unwrap_or(&[]);
-                    let local = local_param(full, splits, sh.mesh, rank).map_err(|m| fail(format!("param `{name}`: {m}")))?;
+                    let parts = g.param_partition(name);
+                    let local = if parts.is_empty() { local_param(full, splits, sh.mesh, rank) } else { super::partition::local_param(full, parts, sh.mesh, rank) };
+                    let local = local.map_err(|m| fail(format!("param `{name}`: {m}")))?;
                     let local = if sh.per_rank_vars {
                         let var = Var::from_tensor(&local.detach()).map_err(|e| fail(e.to_string()))?;
                         let t = var.as_tensor().clone();

@@ -259,3 +259,29 @@ fn attention_grads_over_many_row_blocks() {
         check_fd(&g, &w, &i, 8, 1e-6);
     }
 }
+
+#[test]
+fn partial_rope_and_rms_norm_grads_match_finite_differences() {
+    // x [B, S, N, D] = [2, 2, 3, 6] viewed as [B, N, S, D] through a transpose; rotary
+    // dim 4 of 6; per-batch tables; then rms_norm over the head dim with a weight.
+    let mut g = Graph::new("rope");
+    let x = param(&mut g, "x", fty(&[2, 2, 3, 6]));
+    let xt = g.add(Op::Transpose { dim0: 1, dim1: 2 }, &[x]).unwrap();
+    let cos = input(&mut g, "cos", fty(&[2, 2, 4]));
+    let sin = input(&mut g, "sin", fty(&[2, 2, 4]));
+    let y = g.add(Op::Rope {}, &[xt, cos, sin]).unwrap();
+    let w = param(&mut g, "w", fty(&[6]));
+    let y = g.add(Op::RmsNorm { eps: Float(1e-5) }, &[y, w]).unwrap();
+    let r = input(&mut g, "r", fty(&[2, 3, 2, 6]));
+    let p = g.add(Op::Mul {}, &[y, r]).unwrap();
+    let loss = g.add(Op::Sum { dims: vec![0, 1, 2, 3], keepdim: false }, &[p]).unwrap();
+    g.set_output("loss", loss);
+    let mut rng = Rng::new(31);
+    let w = map(vec![("x", hf(&[2, 2, 3, 6], rng.vec(72, 1.0))), ("w", hf(&[6], rng.vec(6, 1.0)))]);
+    let i = map(vec![
+        ("cos", hf(&[2, 2, 4], rng.vec(16, 1.0))),
+        ("sin", hf(&[2, 2, 4], rng.vec(16, 1.0))),
+        ("r", hf(&[2, 3, 2, 6], rng.vec(72, 1.0))),
+    ]);
+    check_fd(&g, &w, &i, 100, 1e-6);
+}

@@ -1,0 +1,203 @@
+//! GEMMs through cuBLASLt, with the matmul descriptor, the four layouts and the chosen
+//! algorithm cached per shape (cuBLASLt's heuristic query costs tens of microseconds,
+//! more than a small GEMM). bf16/f16 operands accumulate in f32; f32 operands run in
+//! full f32 (not TF32) unless TF32 is allowed.
+//!
+//! Everything here is row-major, as the IR is: `C[b] = op(A[b]) @ op(B[b])` with
+//! `A` stored `[m, k]` (or `[k, m]` when `ta`) and `B` stored `[k, n]` (or `[n, k]`
+//! when `tb`). cuBLAS is column-major, so it computes `C^T = op(B)^T op(A)^T`.
+
+use super::error::{CudaError, CudaResult, DriverCheck};
+use cudarc::cublaslt::{result as lt, sys};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use weft_ir::DType;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmShape {
+    pub dtype: DType,
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub ta: bool,
+    pub tb: bool,
+    pub batch: u64,
+    /// Batch strides in elements (0: the operand is shared by every batch entry).
+    pub sa: i64,
+    pub sb: i64,
+    pub sc: i64,
+    /// Adds a bias vector of length n (epilogue).
+    pub bias: bool,
+    /// Accumulates into C (beta = 1).
+    pub accumulate: bool,
+}
+
+struct Cached {
+    desc: sys::cublasLtMatmulDesc_t,
+    la: sys::cublasLtMatrixLayout_t,
+    lb: sys::cublasLtMatrixLayout_t,
+    lc: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+pub struct Gemm {
+    handle: sys::cublasLtHandle_t,
+    pub workspace: super::device::DevBuf,
+    cache: HashMap<GemmShape, Cached>,
+    pub allow_tf32: bool,
+    pub plans_made: u64,
+}
+
+// SAFETY: used from one thread at a time (the executor's).
+unsafe impl Send for Gemm {}
+
+fn dt(d: DType) -> CudaResult<sys::cudaDataType> {
+    Ok(match d {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        DType::F64 => sys::cudaDataType::CUDA_R_64F,
+        other => return Err(CudaError::unsupported(format!("a {other} matmul"), "cuBLASLt", "matmuls take float operands")),
+    })
+}
+
+impl Gemm {
+    pub fn new(gpu: &super::device::Gpu, workspace_bytes: usize) -> CudaResult<Gemm> {
+        let handle = lt::create_handle().ck("cublasLtCreate")?;
+        let workspace = gpu.alloc(workspace_bytes, "the cuBLASLt workspace")?;
+        Ok(Gemm { handle, workspace, cache: HashMap::new(), allow_tf32: false, plans_made: 0 })
+    }
+
+    fn plan(&mut self, s: &GemmShape) -> CudaResult<&Cached> {
+        if !self.cache.contains_key(s) {
+            let c = self.make(s)?;
+            self.plans_made += 1;
+            self.cache.insert(*s, c);
+        }
+        Ok(&self.cache[s])
+    }
+
+    fn make(&self, s: &GemmShape) -> CudaResult<Cached> {
+        let t = dt(s.dtype)?;
+        let compute = match s.dtype {
+            DType::F64 => sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+            DType::F32 if self.allow_tf32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        let scale = if s.dtype == DType::F64 { sys::cudaDataType::CUDA_R_64F } else { sys::cudaDataType::CUDA_R_32F };
+        let desc = lt::create_matmul_desc(compute, scale).ck("cublasLtMatmulDescCreate")?;
+        // Column-major: D (n x m) = X (n x k) * Y (k x m), X from B's storage, Y from A's.
+        let opx = if s.tb { sys::cublasOperation_t::CUBLAS_OP_T } else { sys::cublasOperation_t::CUBLAS_OP_N };
+        let opy = if s.ta { sys::cublasOperation_t::CUBLAS_OP_T } else { sys::cublasOperation_t::CUBLAS_OP_N };
+        let set = |attr: sys::cublasLtMatmulDescAttributes_t, p: *const c_void, size: usize| {
+            // SAFETY: desc is live; p points at a value of `size` bytes.
+            unsafe { lt::set_matmul_desc_attribute(desc, attr, p, size) }.ck("cublasLtMatmulDescSetAttribute")
+        };
+        set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &opx as *const _ as *const c_void, std::mem::size_of_val(&opx))?;
+        set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &opy as *const _ as *const c_void, std::mem::size_of_val(&opy))?;
+        if s.bias {
+            let epi = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+            set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi as *const _ as *const c_void, std::mem::size_of_val(&epi))?;
+            set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &t as *const _ as *const c_void, std::mem::size_of_val(&t))?;
+        }
+        // Stored shapes (rows x cols, column-major, ld = rows).
+        let (xr, xc) = if s.tb { (s.k, s.n) } else { (s.n, s.k) };
+        let (yr, yc) = if s.ta { (s.m, s.k) } else { (s.k, s.m) };
+        let layout = |r: u64, c: u64, stride: i64| -> CudaResult<sys::cublasLtMatrixLayout_t> {
+            let l = lt::create_matrix_layout(t, r, c, r as i64).ck("cublasLtMatrixLayoutCreate")?;
+            if s.batch > 1 {
+                let b = s.batch as i32;
+                // SAFETY: l is live; values are i32/i64 as the attributes require.
+                unsafe {
+                    lt::set_matrix_layout_attribute(l, sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &b as *const _ as *const c_void, 4)
+                        .ck("cublasLtMatrixLayoutSetAttribute(batch)")?;
+                    lt::set_matrix_layout_attribute(l, sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride as *const _ as *const c_void, 8)
+                        .ck("cublasLtMatrixLayoutSetAttribute(stride)")?;
+                }
+            }
+            Ok(l)
+        };
+        let la = layout(xr, xc, s.sb)?;
+        let lb = layout(yr, yc, s.sa)?;
+        let lc = layout(s.n, s.m, s.sc)?;
+        let pref = lt::create_matmul_pref().ck("cublasLtMatmulPreferenceCreate")?;
+        let ws = self.workspace.bytes as u64;
+        // SAFETY: pref is live.
+        unsafe {
+            lt::set_matmul_pref_attribute(pref, sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const _ as *const c_void, 8)
+                .ck("cublasLtMatmulPreferenceSetAttribute")?;
+        }
+        // SAFETY: every descriptor is live.
+        let h = unsafe { lt::get_matmul_algo_heuristic(self.handle, desc, la, lb, lc, lc, pref) };
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        let h = h.map_err(|e| CudaError::Cublas { call: format!("cublasLtMatmulAlgoGetHeuristic for {s:?}"), code: format!("{:?}", e.0) })?;
+        Ok(Cached { desc, la, lb, lc, algo: h.algo })
+    }
+
+    /// Enqueues `C = op(A) op(B) (+ bias)` (or `C +=` when `accumulate`) on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(&mut self, s: &GemmShape, a: u64, b: u64, c: u64, bias: u64, stream: cudarc::driver::sys::CUstream) -> CudaResult<()> {
+        if s.m == 0 || s.n == 0 || s.batch == 0 {
+            return Ok(());
+        }
+        let (ws, wsb, handle) = (self.workspace.ptr, self.workspace.bytes, self.handle);
+        let p = self.plan(s)?;
+        if s.bias {
+            // SAFETY: desc is live; the pointer attribute is a device address.
+            unsafe {
+                lt::set_matmul_desc_attribute(p.desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias as *const u64 as *const c_void, 8)
+                    .ck("cublasLtMatmulDescSetAttribute(bias)")?;
+            }
+        }
+        let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
+        let beta32 = if s.accumulate { one32 } else { zero32 };
+        let beta64 = if s.accumulate { one64 } else { zero64 };
+        let (alpha, beta): (*const c_void, *const c_void) = if s.dtype == DType::F64 {
+            (&one64 as *const f64 as _, &beta64 as *const f64 as _)
+        } else {
+            (&one32 as *const f32 as _, &beta32 as *const f32 as _)
+        };
+        // SAFETY: all pointers are device buffers sized by the caller for this shape.
+        unsafe {
+            lt::matmul(
+                handle,
+                p.desc,
+                alpha,
+                beta,
+                b as *const c_void,
+                p.la,
+                a as *const c_void,
+                p.lb,
+                c as *const c_void,
+                p.lc,
+                c as *mut c_void,
+                p.lc,
+                &p.algo,
+                ws as *mut c_void,
+                wsb,
+                stream as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| CudaError::Cublas { call: format!("cublasLtMatmul {s:?}"), code: format!("{:?}", e.0) })
+    }
+
+    pub fn cached_shapes(&self) -> usize {
+        self.cache.len()
+    }
+}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        for (_, c) in self.cache.drain() {
+            // SAFETY: created in `make`, destroyed once.
+            unsafe {
+                let _ = lt::destroy_matrix_layout(c.la);
+                let _ = lt::destroy_matrix_layout(c.lb);
+                let _ = lt::destroy_matrix_layout(c.lc);
+                let _ = lt::destroy_matmul_desc(c.desc);
+            }
+        }
+        // SAFETY: created in `new`.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
