@@ -245,6 +245,38 @@ define_ops! {
     /// Undoes `moe_dispatch`: `out[t] = sum_slot weights[t, slot] * rows[row of (t, slot)]`.
     MoeCombine = "moe_combine" ("rows, order, weights") [3, 3] => moe_combine;
 
+    // ---- backward (made by `autodiff`; the other gradients are written with the ops above) ----
+    /// Gradients of `attention` from its operands, output and output gradient: dq, dk, dv (GQA: dk, dv summed over the q heads of each kv head).
+    AttentionGrad = "attention_grad" ("q, k, v, out, dout, mask?") [5, 6] { causal: bool, scale: Float } => attention_grad;
+    /// Gradients of `rms_norm`: dx, and dw summed over every row.
+    RmsNormGrad = "rms_norm_grad" ("x, w, dy") [3, 3] { eps: Float } => rms_norm_grad;
+    /// Gradient of `cross_entropy` wrt the logits for loss gradient `dloss` (a scalar for sum/mean, per token for none); 0 for ignored labels.
+    CrossEntropyGrad = "cross_entropy_grad" ("logits, labels, dloss") [3, 3] { ignore_index: i64, reduction: Reduction } => cross_entropy_grad;
+    /// Gradient of `embedding` wrt its table [num_embeddings, H]: row `ids[i]` gets `dy[i]` added.
+    EmbeddingGrad = "embedding_grad" ("ids, dy") [2, 2] { num_embeddings: Dim } => embedding_grad;
+    /// `dy * silu'(x)`.
+    SiluGrad = "silu_grad" ("x, dy") [2, 2] => elementwise_grad;
+    /// `dy * gelu'(x)`, exact or with the tanh approximation.
+    GeluGrad = "gelu_grad" ("x, dy") [2, 2] { tanh_approx: bool } => elementwise_grad;
+    /// Gradient of `softmax` from its output: `y * (dy - sum(dy * y, dim))`.
+    SoftmaxGrad = "softmax_grad" ("y, dy") [2, 2] { dim: i64 } => softmax_grad;
+    /// Gradients of `grouped_matmul`: dx, and dw per expert (zero for an expert without rows).
+    GroupedMatmulGrad = "grouped_matmul_grad" ("x, w, counts, dy") [4, 4] => grouped_matmul_grad;
+    /// Gradients of `moe_combine`: drows, dweights.
+    MoeCombineGrad = "moe_combine_grad" ("rows, order, weights, dy") [4, 4] => moe_combine_grad;
+
+    // ---- optimizer (made by `optimizer`) ----
+    /// One AdamW step (torch.optim.AdamW) of `param` with gradient `grad`, moments `m`, `v` and the 1-based step number `step` (float scalar): new param, m, v.
+    AdamW = "adamw" ("param, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float } => adamw;
+    /// One SGD step (torch.optim.SGD): new param and, given a momentum buffer, the new buffer.
+    Sgd = "sgd" ("param, grad, buf?") [2, 3] { lr: Float, momentum: Float, weight_decay: Float } => sgd;
+
+    // ---- host offload (made by `offload`) ----
+    /// Asynchronous device-to-host copy of a saved activation on copy stream `stream`; operands after `x` only order it.
+    Offload = "offload" ("x, after..") [1, MANY] { stream: String } => offload;
+    /// Host-to-device copy (prefetch) of an offloaded value on copy stream `stream`, issued once the `after` operands are computed.
+    Reload = "reload" ("x, after..") [1, MANY] { stream: String } => offload;
+
     // ---- collectives (SPMD: every rank of the axis group runs them) ----
     /// Splits `scatter_dim` into one chunk per rank of `axis`, exchanges, concatenates along `gather_dim`.
     AllToAll = "all_to_all" ("x") [1, 1] { axis: String, scatter_dim: i64, gather_dim: i64 } => all_to_all, collective;

@@ -1,0 +1,162 @@
+//! Shape rules of the training ops: the backward ops `autodiff` makes, the optimizer
+//! updates and the host offload copies. Re-exported by [`crate::shape`], which the op
+//! table reads.
+
+use crate::attrs::Reduction;
+use crate::dim::Dim;
+use crate::ops::Op;
+use crate::shape::norm_dim;
+use crate::types::{DType, TensorType};
+
+type Out = Result<Vec<TensorType>, String>;
+
+fn want_float(t: &TensorType, what: &str) -> Result<(), String> {
+    if !t.dtype.is_float() {
+        return Err(format!("{what} must be a float tensor, got {t}"));
+    }
+    Ok(())
+}
+
+fn want_int(t: &TensorType, what: &str) -> Result<(), String> {
+    if !t.dtype.is_int() {
+        return Err(format!("{what} must be an integer tensor, got {t}"));
+    }
+    Ok(())
+}
+
+fn same_type(a: &TensorType, b: &TensorType, what: &str) -> Result<(), String> {
+    if a != b {
+        return Err(format!("{what} must have the same type, got {a} and {b}"));
+    }
+    Ok(())
+}
+
+/// `attention_grad(q, k, v, out, dout, mask?)`: dq, dk, dv shaped like q, k, v.
+pub fn attention_grad(_: &Op, ins: &[&TensorType]) -> Out {
+    let (q, k, v, out, dout) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
+    crate::shape::attention(&Op::Attention { causal: false, scale: 1.0.into() }, &[q, k, v])?;
+    same_type(q, out, "q and out")?;
+    same_type(out, dout, "out and dout")?;
+    if let Some(m) = ins.get(5) {
+        if m.rank() != 4 || m.dtype != DType::Bool {
+            return Err(format!("mask must be a bool [B|1, heads|1, Sq, Sk], got {m}"));
+        }
+    }
+    Ok(vec![q.clone(), k.clone(), v.clone()])
+}
+
+/// `rms_norm_grad(x, w, dy)`: dx like x, dw like w.
+pub fn rms_norm_grad(_: &Op, ins: &[&TensorType]) -> Out {
+    let (x, w, dy) = (ins[0], ins[1], ins[2]);
+    want_float(x, "x")?;
+    if x.rank() == 0 || w.shape != [x.shape.last().unwrap().clone()] {
+        return Err(format!("rms_norm_grad weight must match the last dim of x: x {x}, w {w}"));
+    }
+    same_type(x, dy, "x and dy")?;
+    Ok(vec![x.clone(), w.clone()])
+}
+
+/// `cross_entropy_grad(logits, labels, dloss)`: dlogits like logits.
+pub fn cross_entropy_grad(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::CrossEntropyGrad { reduction, .. } = op else { unreachable!() };
+    let (logits, labels, dloss) = (ins[0], ins[1], ins[2]);
+    want_float(logits, "logits")?;
+    want_int(labels, "labels")?;
+    want_float(dloss, "dloss")?;
+    if logits.rank() != labels.rank() + 1 || logits.shape[..labels.rank()] != labels.shape[..] {
+        return Err(format!("logits {logits} must be labels {labels} plus a class dim"));
+    }
+    let want: &[Dim] = match reduction {
+        Reduction::None => &labels.shape,
+        _ => &[],
+    };
+    if dloss.shape != want {
+        return Err(format!("dloss must have the shape of the loss ({} for reduction={}), got {dloss}", TensorType::new(dloss.dtype, want.to_vec()), reduction.keyword()));
+    }
+    Ok(vec![logits.clone()])
+}
+
+/// `embedding_grad(ids, dy) {num_embeddings}`: the table gradient [num_embeddings, H].
+pub fn embedding_grad(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::EmbeddingGrad { num_embeddings } = op else { unreachable!() };
+    let (ids, dy) = (ins[0], ins[1]);
+    want_int(ids, "ids")?;
+    want_float(dy, "dy")?;
+    if dy.rank() != ids.rank() + 1 || dy.shape[..ids.rank()] != ids.shape[..] {
+        return Err(format!("dy {dy} must be ids {ids} plus a hidden dim"));
+    }
+    Ok(vec![dy.with_shape(vec![num_embeddings.clone(), dy.shape.last().unwrap().clone()])])
+}
+
+/// `silu_grad` / `gelu_grad (x, dy)`: dx like x.
+pub fn elementwise_grad(_: &Op, ins: &[&TensorType]) -> Out {
+    want_float(ins[0], "x")?;
+    same_type(ins[0], ins[1], "x and dy")?;
+    Ok(vec![ins[0].clone()])
+}
+
+/// `softmax_grad(y, dy) {dim}`: dx like y.
+pub fn softmax_grad(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::SoftmaxGrad { dim } = op else { unreachable!() };
+    want_float(ins[0], "y")?;
+    norm_dim(*dim, ins[0].rank())?;
+    same_type(ins[0], ins[1], "y and dy")?;
+    Ok(vec![ins[0].clone()])
+}
+
+/// `grouped_matmul_grad(x, w, counts, dy)`: dx like x, dw like w.
+pub fn grouped_matmul_grad(_: &Op, ins: &[&TensorType]) -> Out {
+    let (x, w, counts, dy) = (ins[0], ins[1], ins[2], ins[3]);
+    let y = crate::shape::grouped_matmul(&Op::GroupedMatmul {}, &[x, w, counts])?;
+    same_type(&y[0], dy, "the grouped_matmul output and dy")?;
+    Ok(vec![x.clone(), w.clone()])
+}
+
+/// `moe_combine_grad(rows, order, weights, dy)`: drows like rows, dweights like weights.
+pub fn moe_combine_grad(_: &Op, ins: &[&TensorType]) -> Out {
+    let (rows, order, w, dy) = (ins[0], ins[1], ins[2], ins[3]);
+    let y = crate::shape::moe_combine(&Op::MoeCombine {}, &[rows, order, w])?;
+    same_type(&y[0], dy, "the moe_combine output and dy")?;
+    if w.dtype != rows.dtype {
+        return Err(format!("weights {w} and rows {rows} differ in dtype"));
+    }
+    Ok(vec![rows.clone(), w.clone()])
+}
+
+/// `adamw(param, grad, m, v, step)`: new param, m, v.
+pub fn adamw(_: &Op, ins: &[&TensorType]) -> Out {
+    let (p, g, m, v, step) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
+    want_float(p, "param")?;
+    for (t, what) in [(g, "grad"), (m, "m"), (v, "v")] {
+        if t.shape != p.shape {
+            return Err(format!("{what} {t} must have the shape of param {p}"));
+        }
+        want_float(t, what)?;
+    }
+    if step.rank() != 0 || !step.dtype.is_float() {
+        return Err(format!("step must be a float scalar, got {step}"));
+    }
+    Ok(vec![p.clone(), m.clone(), v.clone()])
+}
+
+/// `sgd(param, grad, buf?)`: new param (and new momentum buffer).
+pub fn sgd(_: &Op, ins: &[&TensorType]) -> Out {
+    let (p, g) = (ins[0], ins[1]);
+    want_float(p, "param")?;
+    if g.shape != p.shape {
+        return Err(format!("grad {g} must have the shape of param {p}"));
+    }
+    let mut out = vec![p.clone()];
+    if let Some(b) = ins.get(2) {
+        if b.shape != p.shape {
+            return Err(format!("momentum buffer {b} must have the shape of param {p}"));
+        }
+        out.push((*b).clone());
+    }
+    Ok(out)
+}
+
+/// `offload` / `reload (x, after..)`: a copy of `x`; the other operands only order it.
+pub fn offload(_: &Op, ins: &[&TensorType]) -> Out {
+    Ok(vec![ins[0].clone()])
+}
