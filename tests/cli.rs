@@ -107,3 +107,49 @@ fn bad_input_exits_2_with_located_errors() {
     assert_eq!(code, 2);
     assert!(err.contains("config.json"), "{err}");
 }
+
+#[test]
+fn plans_are_written_inspected_and_run() {
+    let dir = std::env::temp_dir().join(format!("weft-cli-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.json");
+    let p = plan.to_str().unwrap();
+    let (code, _, err) = weft(&["compile", "tests/fixtures/llama", "--mesh", "sp=2", "--seq", "16", "--batch", "2", "-o", p]);
+    assert_eq!(code, 0, "{err}");
+    let first = std::fs::read(&plan).unwrap();
+    let (code, _, _) = weft(&["compile", "tests/fixtures/llama", "--mesh", "sp=2", "--seq", "16", "--batch", "2", "-o", p]);
+    assert_eq!(code, 0);
+    assert_eq!(first, std::fs::read(&plan).unwrap(), "the same command writes a byte-identical plan");
+
+    let trace = dir.join("trace.json");
+    let svg = dir.join("memory.svg");
+    let (code, out, err) = weft(&["inspect", p, "--json", "--trace", trace.to_str().unwrap(), "--memory", svg.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let v = json(&out);
+    for key in ["peak_memory_bytes", "step_time_s", "comm_bytes", "collectives"] {
+        assert!(v.get(key).is_some(), "inspect --json lacks {key}");
+    }
+    assert_eq!(v["collectives"]["all_to_all"], 8);
+    assert!(json(&std::fs::read_to_string(&trace).unwrap())["traceEvents"].as_array().unwrap().len() > 10);
+    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    let (code, out, _) = weft(&["inspect", p, "--explain"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("ulysses-attention: q: heads -> sequence"), "{out}");
+
+    // The plan runs like the model it came from.
+    let inputs = "tests/fixtures/llama/inputs.safetensors";
+    let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+    assert_eq!(weft(&["eval", p, "--inputs", inputs, "-o", a.to_str().unwrap()]).0, 0);
+    assert_eq!(weft(&["eval", "tests/fixtures/llama", "--mesh", "sp=2", "--inputs", inputs, "-o", b.to_str().unwrap()]).0, 0);
+    let (ta, tb) = (weft_frontends::read_safetensors(&a).unwrap(), weft_frontends::read_safetensors(&b).unwrap());
+    assert_eq!(ta["loss"], tb["loss"]);
+    assert_eq!(ta["logits"], tb["logits"]);
+    let (code, out, err) = weft(&["check", p, "--inputs", inputs, "--train", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&out)["ok"], true);
+
+    // A plan that does not fit is refused with the breakdown and what would fit.
+    let (code, _, err) = weft(&["compile", "llama3-8b", "--seq", "131072", "--device-memory", "20", "-o", p]);
+    assert_eq!(code, 2);
+    assert!(err.contains("per rank but the device has 20.00 GiB") && err.contains("help:"), "{err}");
+}

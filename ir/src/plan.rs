@@ -20,6 +20,10 @@ pub const PLAN_VERSION: u32 = 1;
 pub struct ExecutionPlan {
     pub version: u32,
     pub model: String,
+    /// The MODEL argument the plan was compiled from (a preset name or a path), so
+    /// `weft check PLAN` can rebuild the unsharded reference.
+    #[serde(default)]
+    pub source: String,
     pub mesh: Mesh,
     /// Process groups of every mesh axis: `groups[axis]` lists rank groups.
     pub groups: BTreeMap<String, Vec<Vec<u32>>>,
@@ -216,6 +220,78 @@ pub enum PlanError {
 }
 
 impl ExecutionPlan {
+    /// Every arena buffer that reuses bytes of an earlier one is written only after
+    /// every instruction that touches the earlier one has finished, in every order the
+    /// streams may run in: in-order streams plus the events instructions wait for
+    /// (vector clocks recomputed here, independently of the planner).
+    pub fn check_reuse_is_ordered(&self) -> Result<(), String> {
+        let ns = self.streams.len().max(1);
+        let n = self.instructions.len();
+        let mut clock: Vec<Vec<i64>> = Vec::with_capacity(n);
+        let mut prev_on = vec![-1i64; ns];
+        let mut source = vec![usize::MAX; self.events as usize];
+        for ins in &self.instructions {
+            let s = ins.stream as usize;
+            let mut c = vec![-1i64; ns];
+            let mut join = |c: &mut Vec<i64>, p: usize, clock: &Vec<Vec<i64>>| {
+                for t in 0..ns {
+                    c[t] = c[t].max(clock[p][t]);
+                }
+                let ps = self.instructions[p].stream as usize;
+                c[ps] = c[ps].max(p as i64);
+            };
+            if prev_on[s] >= 0 {
+                join(&mut c, prev_on[s] as usize, &clock);
+            }
+            for e in &ins.wait {
+                let p = source[*e as usize];
+                if p == usize::MAX {
+                    return Err(format!("instruction {} waits for event {e} that no earlier instruction records", ins.id));
+                }
+                join(&mut c, p, &clock);
+            }
+            clock.push(c);
+            if let Some(e) = ins.signal {
+                source[e as usize] = ins.id as usize;
+            }
+            prev_on[s] = ins.id as i64;
+        }
+        let mut touch: Vec<Vec<i64>> = vec![vec![-1; ns]; self.buffers.len()];
+        let mut producer: Vec<Option<usize>> = vec![None; self.buffers.len()];
+        for ins in &self.instructions {
+            for &b in ins.inputs.iter().chain(&ins.outputs) {
+                let t = &mut touch[b as usize][ins.stream as usize];
+                *t = (*t).max(ins.id as i64);
+            }
+            for &b in &ins.outputs {
+                producer[b as usize].get_or_insert(ins.id as usize);
+            }
+        }
+        let mut arena: Vec<&Buffer> = self.buffers.iter().filter(|b| !b.resident && b.category != Category::Host && b.bytes > 0).collect();
+        arena.sort_by_key(|b| (b.offset, b.id));
+        for (k, a) in arena.iter().enumerate() {
+            for b in &arena[k + 1..] {
+                if b.offset >= a.offset + a.bytes {
+                    break;
+                }
+                // The later-written buffer must be ordered after every touch of the other.
+                let (first, later, second) = match (producer[a.id as usize], producer[b.id as usize]) {
+                    (Some(pa), Some(pb)) if pa < pb => (a, b, pb),
+                    (Some(pa), Some(_)) => (b, a, pa),
+                    _ => continue, // inputs are written before the step; covered by live ranges
+                };
+                let c = &clock[second];
+                if (0..ns).any(|t| touch[first.id as usize][t] > c[t]) {
+                    return Err(format!(
+                        "buffer {} reuses bytes of buffer {} but its producer (instruction {second}) may run before the last use of buffer {}",
+                        later.id, first.id, first.id
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("plans serialize") + "\n"
     }
@@ -276,6 +352,7 @@ impl ExecutionPlan {
                 }
             }
         }
+        self.check_reuse_is_ordered()?;
         // Arena buffers live at the same time must not overlap.
         let mut arena: Vec<&Buffer> = self.buffers.iter().filter(|b| !b.resident && b.category != Category::Host).collect();
         arena.sort_by_key(|b| (b.offset, b.id));

@@ -78,3 +78,16 @@ fn sequence_that_does_not_divide_is_refused_at_plan_time() {
     let e = lower(&g, &PlanOptions::new(1, 30)).unwrap_err().to_string();
     assert!(e.contains("S=28 or S=32"), "{e}");
 }
+
+#[test]
+fn a_plan_whose_buffers_collide_is_refused() {
+    let g = compiled("llama-tiny", "sp=2");
+    let mut plan = lower(&g, &PlanOptions::new(2, 32)).unwrap();
+    for b in plan.buffers.iter_mut().filter(|b| !b.resident) {
+        b.offset = 0;
+    }
+    let e = plan.check().unwrap_err();
+    assert!(e.contains("reuses bytes of buffer") || e.contains("overlap"), "{e}");
+    let e = ExecutionPlan::from_json(&plan.to_json(), "bad.json").unwrap_err().to_string();
+    assert!(e.starts_with("inconsistent plan bad.json"), "{e}");
+}

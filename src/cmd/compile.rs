@@ -132,6 +132,7 @@ pub fn run(a: Args) -> CliResult {
             device,
             device_memory: (a.device_memory * (1u64 << 30) as f64) as u64,
             bindings,
+            source: a.model.clone(),
         };
         let plan = weft_passes::plan::lower(&g, &opts).map_err(crate::fail)?;
         plan_note = format!(

@@ -43,7 +43,10 @@ pub struct RunArgs {
 }
 
 pub struct Session {
+    /// The unsharded model (for a plan: rebuilt from the MODEL it was compiled from).
     pub model: Model,
+    /// The program of a plan given as MODEL; `None` compiles the model for `mesh`.
+    pub precompiled: Option<Graph>,
     pub mesh: Mesh,
     pub weights: BTreeMap<String, HostTensor>,
     pub inputs: BTreeMap<String, HostTensor>,
@@ -54,8 +57,21 @@ pub struct Session {
 
 impl Session {
     pub fn new(a: &RunArgs) -> CliResult<Session> {
-        let mesh = super::parse_mesh(&a.mesh)?;
-        let model = super::load_model(&a.model)?;
+        let mut mesh = super::parse_mesh(&a.mesh)?;
+        let (model, precompiled) = match read_plan(&a.model)? {
+            Some(plan) => {
+                let program = weft_ir::parse(&plan.program).map_err(|e| CliError::input(format!("the program of plan {}: {e}", a.model)))?;
+                if !a.mesh.is_empty() && mesh != plan.mesh {
+                    return Err(CliError::input(format!("--mesh {mesh} differs from the mesh {} plan {} was compiled for", plan.mesh, a.model)));
+                }
+                mesh = plan.mesh.clone();
+                if plan.source.is_empty() {
+                    return Err(CliError::input(format!("plan {} does not record the model it was compiled from", a.model)));
+                }
+                (super::load_model(&plan.source)?, Some(program))
+            }
+            None => (super::load_model(&a.model)?, None),
+        };
         let precision = match a.precision.as_str() {
             "f32" => Precision::F32,
             "f64" => Precision::F64,
@@ -77,11 +93,16 @@ impl Session {
                 draw_inputs(vocab_size(&model.graph)?, batch as usize, seq as usize, a.seed)
             }
         };
-        Ok(Session { model, mesh, weights, inputs, precision, weights_from })
+        Ok(Session { model, precompiled, mesh, weights, inputs, precision, weights_from })
     }
 
     /// The parallel program for the session's mesh (the model itself on one rank).
     pub fn compile(&self, passes: Option<&str>) -> CliResult<Graph> {
+        if let Some(p) = &self.precompiled {
+            let (b, s) = self.input_sizes()?;
+            super::compile::check_sizes(p, Some(b), Some(s))?;
+            return Ok(p.clone());
+        }
         let mut g = self.model.graph.clone();
         let names = super::compile::pipeline(passes, &self.mesh)?;
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -107,6 +128,19 @@ impl Session {
         let opts = RunOptions::new(self.precision).with_grads(grads).bind("B", b).bind("S", s);
         cpu::run(g, &self.weights, &self.inputs, &opts).map_err(|e| CliError::input(format!("running {} on the CPU reference: {e}", g.name)))
     }
+}
+
+/// A plan JSON given as MODEL (`None` for anything else).
+fn read_plan(spec: &str) -> CliResult<Option<weft_ir::ExecutionPlan>> {
+    let path = Path::new(spec);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(None) };
+    if !(text.trim_start().starts_with('{') && text.contains("\"program\"")) {
+        return Ok(None);
+    }
+    weft_ir::ExecutionPlan::from_json(&text, spec).map(Some).map_err(crate::fail)
 }
 
 fn find_checkpoint(dir: &Path) -> Option<PathBuf> {

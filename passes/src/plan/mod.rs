@@ -28,6 +28,8 @@ pub struct PlanOptions {
     pub device_memory: u64,
     /// Values of `B` and `S` (mesh axis sizes are added from the graph's mesh).
     pub bindings: Bindings,
+    /// The MODEL argument the program was compiled from, recorded in the plan.
+    pub source: String,
 }
 
 impl PlanOptions {
@@ -36,6 +38,7 @@ impl PlanOptions {
             device: profile::preset("h200").expect("built-in profile"),
             device_memory: 80 << 30,
             bindings: Bindings::new().with("B", batch).with("S", seq),
+            source: String::new(),
         }
     }
 }
@@ -411,6 +414,7 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
     Ok(ExecutionPlan {
         version: PLAN_VERSION,
         model: g.name.clone(),
+        source: opts.source.clone(),
         mesh: g.mesh.clone(),
         groups,
         bindings: b.symbols.clone(),
