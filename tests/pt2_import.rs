@@ -28,6 +28,7 @@ const ARCHIVES: &[(&str, &str)] = &[
     ("llama_static", "llama"),
     ("qwen2", "qwen2"),
     ("qwen2_decomposed", "qwen2"),
+    ("qwen2_eager_dynbatch", "qwen2"),
     ("qwen3", "qwen3"),
     ("phi3", "phi3"),
     ("mixtral", "mixtral"),
@@ -147,7 +148,7 @@ fn import_matches_config_build() {
 #[test]
 fn passes_run_on_imported_graphs() {
     use weft_passes::{default_pipeline, run_pipeline, PassContext};
-    for (name, family) in [("llama_decomposed", "llama"), ("llama_static", "llama"), ("mixtral", "mixtral"), ("qwen3_moe_batched_decomposed", "qwen3_moe")] {
+    for (name, family) in [("llama_decomposed", "llama"), ("llama_static", "llama"), ("qwen2_eager_dynbatch", "qwen2"), ("mixtral", "mixtral"), ("qwen3_moe_batched_decomposed", "qwen3_moe")] {
         let im = imp(name, family);
         let ins = inputs(family);
         let reference = run64(&im.graph, &im.weights, &ins);

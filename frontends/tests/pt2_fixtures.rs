@@ -178,3 +178,14 @@ fn invalid_json_has_a_position() {
     let e = err(replace_in("qwen2", "models/model.json", "{\"as_int\": 1}", "{\"as_int\": 1, \"as_bool\": true}"));
     assert!(matches!(e, Pt2Error::Schema { .. }) && e.to_string().contains("graph_module.graph.nodes["), "{e}");
 }
+
+/// Imports an archive named by `PT2_ADHOC` (a developer aid; skipped when unset).
+#[test]
+fn adhoc_archive_from_env() {
+    let Ok(p) = std::env::var("PT2_ADHOC") else { return };
+    let opts = Pt2Options { config: std::env::var("PT2_CONFIG").ok().map(PathBuf::from), ..Default::default() };
+    match import(std::path::Path::new(&p), &opts) {
+        Ok(im) => println!("{}\n{}", im.report, weft_ir::print(&im.graph)),
+        Err(e) => panic!("{e}"),
+    }
+}

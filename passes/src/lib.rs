@@ -10,6 +10,8 @@
 //! - Sequence parallelism (mesh axis `sp`, DeepSpeed Ulysses/AutoSP in SPMD form):
 //!   [`shard_inputs`], [`shard_seq`], [`ulysses`], [`sp_loss`]; data parallelism over
 //!   `dp` is handled by the same passes (batch dim). [`canonicalize`]: fold, CSE, DCE.
+//! - Tensor parallelism (mesh axis `tp`): [`tp`] (`tensor-parallel`, layer specs,
+//!   per-rank sizes, reshardable parameter layouts).
 //! - [`check_bindings`]: plan-time check that concrete sizes divide.
 
 pub mod bindings;
@@ -21,10 +23,11 @@ pub mod registry;
 pub mod shard_inputs;
 pub mod shard_seq;
 pub mod sp_loss;
+pub mod tp;
 pub mod ulysses;
 mod util;
 
 pub use bindings::{check_bindings, BindingError};
 pub use manager::{run_pipeline, Instrumentation, PassFilter, PassManager, PassStats, RunReport};
-pub use pass::{MeshAxes, Pass, PassContext, PassError, PassOptions, PassResult, DP, SP};
+pub use pass::{MeshAxes, Pass, PassContext, PassError, PassOptions, PassResult, DP, SP, TP};
 pub use registry::{check_pipeline, default_pipeline, default_pipeline_explained, lookup, pass_names, passes, Pipeline, Step};

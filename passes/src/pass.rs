@@ -11,6 +11,8 @@ use weft_ir::{Graph, Mesh, VerifyReport};
 pub const SP: &str = "sp";
 /// The mesh axis data parallelism runs over.
 pub const DP: &str = "dp";
+/// The mesh axis tensor parallelism runs over.
+pub const TP: &str = crate::tp::TP;
 
 /// A named, ordered rewrite of the graph.
 pub trait Pass: Sync {
@@ -84,11 +86,13 @@ pub struct PassOptions {
     pub replicate_kv_heads: bool,
     /// `canonicalize`: the most fold/CSE/DCE rounds before giving up on a fixpoint.
     pub canonicalize_max_rounds: usize,
+    /// `tensor-parallel`: layer specs, HF plan and grain.
+    pub tp: crate::tp::TpOptions,
 }
 
 impl Default for PassOptions {
     fn default() -> Self {
-        PassOptions { replicate_kv_heads: true, canonicalize_max_rounds: 16 }
+        PassOptions { replicate_kv_heads: true, canonicalize_max_rounds: 16, tp: Default::default() }
     }
 }
 

@@ -2,16 +2,17 @@
 //! reason it sits where it does.
 
 use crate::canonicalize::Canonicalize;
-use crate::pass::{Pass, PassError, DP, SP};
+use crate::pass::{Pass, PassError, DP, SP, TP};
 use crate::shard_inputs::ShardInputs;
 use crate::shard_seq::ShardSeq;
 use crate::sp_loss::SpLoss;
+use crate::tp::TensorParallel;
 use crate::ulysses::UlyssesAttention;
 use std::fmt;
 use weft_ir::Mesh;
 
 /// Every pass, in the order a full pipeline would run them.
-pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &Canonicalize];
+pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &TensorParallel, &Canonicalize];
 
 /// Every registered pass.
 pub fn passes() -> &'static [&'static dyn Pass] {
@@ -98,14 +99,18 @@ pub fn default_pipeline(mesh: &Mesh) -> Vec<&'static str> {
     p.names().into_iter().map(|n| lookup(n).expect("default pipelines use registered passes").name()).collect()
 }
 
+const TP_AFTER_SP: &str = "after sp-loss: the loss is already per-rank sums, which the vocab-parallel cross-entropy keeps; before ulysses-attention: heads are split by tp first";
+
 /// The default pipeline of a mesh with the reason for each position:
 /// - `sp`: shard-inputs, shard-seq, ulysses-attention, sp-loss, canonicalize;
 /// - `dp` alone: shard-inputs, shard-seq, sp-loss, canonicalize (batch sharding and the
 ///   loss reduction over dp);
+/// - `tp`: tensor-parallel (after sp-loss and before ulysses-attention when the mesh
+///   also has sp/dp), canonicalize;
 /// - one rank: canonicalize.
 pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
     let mut p = Pipeline::default();
-    let (sp, dp) = (mesh.has(SP), mesh.has(DP));
+    let (sp, dp, tp) = (mesh.has(SP), mesh.has(DP), mesh.has(TP) && mesh.size_or_one(TP) > 1);
     if mesh.world_size() > 1 && (sp || dp) {
         let what = match (sp, dp) {
             (true, true) => "batch block by @dp and sequence block by @sp",
@@ -117,16 +122,23 @@ pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
             &format!("first: every later pass starts from each rank's {what}; labels are sliced after shift_labels"),
         );
         p.push("shard-seq", "after shard-inputs: propagates the per-rank sizes its slices introduce to every consumer");
-        if sp {
-            p.push(
-                "ulysses-attention",
-                "after shard-seq: trades heads for sequence on q/k/v of per-rank sequence S/sp, so attention sees whole sequences",
-            );
+        let ulysses = "after shard-seq: trades heads for sequence on q/k/v of per-rank sequence S/sp, so attention sees whole sequences";
+        if sp && !tp {
+            p.push("ulysses-attention", ulysses);
         }
         p.push(
             "sp-loss",
             "after shard-seq: all-reduces the per-rank cross-entropy sum and valid count, and records output splits from per-rank types",
         );
+        if tp {
+            p.push("tensor-parallel", TP_AFTER_SP);
+            if sp {
+                p.push("ulysses-attention", "after tensor-parallel: trades this tp rank's heads (not the model's) for sequence, so kv-head repeats are decided on the local heads");
+            }
+        }
+        p.push("canonicalize", "last: folds and removes what the rewrites leave behind (identity ops, duplicates, dead nodes)");
+    } else if tp {
+        p.push("tensor-parallel", "splits linears, heads and the vocabulary over tp; the loss becomes vocab-parallel");
         p.push("canonicalize", "last: folds and removes what the rewrites leave behind (identity ops, duplicates, dead nodes)");
     } else {
         let why = if mesh.world_size() > 1 {

@@ -239,7 +239,7 @@ impl Rewriter<'_> {
         let v4 = peel_to_rank4(g, v3);
         let (Some(p4), Some(v4)) = (p4, v4) else { return false };
         // Fix-up `where(all_masked, 0, P)` around the softmax.
-        let mut psm = p4;
+        let mut psm = through_casts(g, p4);
         if let (Op::Where {}, [c, z, p]) = def(g, p4) {
             let (c, z, p) = (*c, *z, *p);
             if let (Op::Softmax { .. }, [x]) = def(g, p) {
@@ -252,13 +252,15 @@ impl Rewriter<'_> {
         if *dim != -1 && *dim != 3 {
             return false;
         }
-        let x = *x;
+        let x = through_casts(g, *x);
         let (scores, causal) = match def(g, x) {
             (Op::Add {}, [s, m]) if self.is_causal_bias(g, *m) => (*s, true),
             (Op::Add {}, [m, s]) if self.is_causal_bias(g, *m) => (*s, true),
             (Op::Add {}, _) => return false,
             _ => (x, false),
         };
+        // Eager attention scales the scores rather than q and k.
+        let (scores, c0) = unscale(g, scores);
         let qk = match def(g, scores) {
             (Op::Reshape { .. }, [m]) => *m,
             (Op::Matmul { .. }, _) => scores,
@@ -276,7 +278,7 @@ impl Rewriter<'_> {
         };
         let (k, c3) = unscale(g, k);
         let (q, v) = (q, v4);
-        let scale = c1 * c2 * c3;
+        let scale = c0 * c1 * c2 * c3;
         let (k, v, gqa) = match (strip_repeat_kv(g, k), strip_repeat_kv(g, v)) {
             (Some((k0, r1)), Some((v0, r2))) if r1 == r2 => (k0, v0, true),
             _ => (k, v, false),
@@ -290,7 +292,7 @@ impl Rewriter<'_> {
             self.report.recognise(
                 "attention",
                 scope.as_deref(),
-                format!("decomposed softmax(QK^T)V{}{}", if causal { ", causal bias" } else { ", no mask" }, if gqa { ", repeat_kv undone (GQA)" } else { "" }),
+                format!("{} softmax(QK^T)V{}{}", if c0 != 1.0 { "eager" } else { "decomposed" }, if causal { ", causal bias" } else { ", no mask" }, if gqa { ", repeat_kv undone (GQA)" } else { "" }),
             );
             return true;
         }
