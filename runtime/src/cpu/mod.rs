@@ -460,6 +460,30 @@ fn last_uses(g: &Graph) -> Vec<usize> {
     last
 }
 
+/// Makes glibc's `malloc` keep freed memory for reuse instead of returning it to the
+/// system (no `mmap` for large blocks, no trimming). A run allocates and frees many
+/// tensors of tens of megabytes (logits, embedding gradients); by default each comes
+/// from a fresh `mmap` whose pages fault and get zeroed on first touch, which costs a
+/// third of a forward+backward at 32k vocabularies. This is process-wide and keeps the
+/// peak memory mapped, so it is opt-in: a program (the CLI, a benchmark) calls it once
+/// at start. Returns whether it took effect (only on Linux with glibc).
+pub fn tune_allocator() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn mallopt(param: i32, value: i32) -> i32;
+        }
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_MAX: i32 = -4;
+        // SAFETY: mallopt only changes allocator parameters; both values are valid.
+        unsafe { mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, i32::MAX) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
+
 /// Which rank holds each block of a split: for split axes' coordinates `cs`, the rank
 /// with those coordinates and 0 on every other axis.
 fn rank_with(mesh: &weft_ir::Mesh, fixed: &[(String, u32)]) -> u32 {

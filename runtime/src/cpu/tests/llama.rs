@@ -358,6 +358,9 @@ fn speed_llama_512() {
         dp: 1,
         sp: 1,
     };
+    if std::env::var("WEFT_TUNE_ALLOCATOR").is_ok() {
+        eprintln!("tune_allocator: {}", crate::cpu::tune_allocator());
+    }
     let g = build(&cfg);
     let w = cfg.random_weights(7);
     let i = random_inputs(&cfg, 1, 512, 8);
@@ -367,5 +370,24 @@ fn speed_llama_512() {
         let r = run(&g, &w, &i, &opts).unwrap();
         eprintln!("run {it}: forward+backward {:.3}s, loss {}", t.elapsed().as_secs_f64(), r.outputs["loss"].to_f64()[0]);
         eprintln!("{}", r.profile.table());
+    }
+}
+
+/// Matmul throughput of the gemm crate (through candle) at the speed check's shapes.
+#[test]
+#[ignore]
+fn speed_gemm() {
+    use candle_core::{Device, Tensor};
+    for (m, k, n) in [(512usize, 512usize, 512usize), (512, 512, 1376), (512, 512, 32000)] {
+        let a = Tensor::ones((m, k), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let b = Tensor::ones((k, n), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let _ = a.matmul(&b).unwrap();
+        let t = std::time::Instant::now();
+        let reps = 5;
+        for _ in 0..reps {
+            let _ = a.matmul(&b).unwrap();
+        }
+        let s = t.elapsed().as_secs_f64() / reps as f64;
+        eprintln!("gemm {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s", s, 2.0 * (m * k * n) as f64 / s / 1e9);
     }
 }

@@ -1,0 +1,559 @@
+// Causal / masked scaled dot-product attention, forward and backward, flash style: no
+// S x S matrix, online softmax, GQA (kv head = q head / (Nq / Nkv)), causal alignment to
+// the last Sq keys (query i sees keys j <= i + Sk - Sq).
+//
+// - attn_fwd_generic_*: one warp per query row, any head dim up to 256, f32/bf16/f16,
+//   optional bool keep-mask [Bm, Hm, Sq, Sk] (masked scores get -FLT_MAX added, as the CPU
+//   reference does, so fully masked rows come out uniform).
+// - fa_fwd_d64 / fa_fwd_d128: bf16, tensor cores (mma.sync m16n8k16, ldmatrix, cp.async
+//   double buffering), 64 queries x 64 keys per tile, 4 warps.
+// - attn_bwd_*: FlashAttention-2 backward from the forward's log-sum-exp: dK/dV per key
+//   tile in registers, dQ accumulated in f32 with atomics.
+
+// ---------------------------------------------------------------- generic forward
+
+#define DEF_ATTN_GENERIC(S_, T)                                                                           \
+    extern "C" __global__ void attn_fwd_generic_##S_(T* out, float* lse, const T* q, const T* k, const T* v, \
+            const u8* mask, int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal) { \
+        int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
+        i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
+        if (i >= Sq) return;                                                                              \
+        int h = blockIdx.y, b = blockIdx.z, hk = h / (Nq / Nkv);                                          \
+        const T* qr = q + (((i64)b * Nq + h) * Sq + i) * D;                                               \
+        const T* kb = k + ((i64)b * Nkv + hk) * Sk * D;                                                   \
+        const T* vb = v + ((i64)b * Nkv + hk) * Sk * D;                                                   \
+        float qv[8], acc[8];                                                                              \
+        _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
+            int d = lane + 32 * t;                                                                        \
+            qv[t] = d < D ? tof(qr[d]) : 0.f;                                                             \
+            acc[t] = 0.f;                                                                                 \
+        }                                                                                                 \
+        float m = -INFINITY, l = 0.f;                                                                     \
+        i64 off = Sk - Sq;                                                                                \
+        i64 jend = (causal && !mask) ? (i + off + 1 < Sk ? i + off + 1 : Sk) : Sk;                        \
+        const u8* mrow = mask ? mask + (((i64)(mb > 1 ? b : 0) * mh + (mh > 1 ? h : 0)) * Sq + i) * Sk : 0; \
+        for (i64 j = 0; j < jend; ++j) {                                                                  \
+            const T* kr = kb + j * D;                                                                     \
+            float dot = 0.f;                                                                              \
+            _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
+                int d = lane + 32 * t;                                                                    \
+                if (d < D) dot += qv[t] * tof(kr[d]);                                                     \
+            }                                                                                             \
+            float s = warp_sum(dot) * scale;                                                              \
+            if (mask) {                                                                                   \
+                bool keep = mrow[j] != 0 && (!causal || j <= i + off);                                    \
+                if (!keep) s += NEG_BIG;                                                                  \
+            }                                                                                             \
+            float mn = fmaxf(m, s);                                                                       \
+            float corr = __expf(m - mn);                                                                  \
+            float p = __expf(s - mn);                                                                     \
+            l = l * corr + p;                                                                             \
+            const T* vr = vb + j * D;                                                                     \
+            _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
+                int d = lane + 32 * t;                                                                    \
+                if (d < D) acc[t] = acc[t] * corr + p * tof(vr[d]);                                       \
+            }                                                                                             \
+            m = mn;                                                                                       \
+        }                                                                                                 \
+        T* orow = out + (((i64)b * Nq + h) * Sq + i) * D;                                                 \
+        float inv = l > 0.f ? 1.f / l : 0.f;                                                              \
+        _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
+            int d = lane + 32 * t;                                                                        \
+            if (d < D) orow[d] = fromf<T>(acc[t] * inv);                                                  \
+        }                                                                                                 \
+        if (lse && lane == 0) lse[((i64)b * Nq + h) * Sq + i] = l > 0.f ? m + __logf(l) : -INFINITY;      \
+    }
+FOR_FLOATS(DEF_ATTN_GENERIC)
+
+// ---------------------------------------------------------------- generic backward
+// delta[row] = sum_d dO[row, d] * O[row, d] (f32), one warp per row.
+#define DEF_ATTN_DELTA(S_, T)                                                                             \
+    extern "C" __global__ void attn_delta_##S_(float* delta, const T* o, const T* dout, i64 rows, int D) {  \
+        i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;                                        \
+        int lane = threadIdx.x & 31;                                                                      \
+        if (r >= rows) return;                                                                            \
+        float acc = 0.f;                                                                                  \
+        for (int d = lane; d < D; d += 32) acc += tof(o[r * D + d]) * tof(dout[r * D + d]);               \
+        acc = warp_sum(acc);                                                                              \
+        if (lane == 0) delta[r] = acc;                                                                    \
+    }
+FOR_FLOATS(DEF_ATTN_DELTA)
+
+// One warp per query row: dq directly; dk, dv accumulated into f32 buffers with atomics.
+#define DEF_ATTN_BWD_GENERIC(S_, T)                                                                       \
+    extern "C" __global__ void attn_bwd_generic_##S_(T* dq, float* dk_acc, float* dv_acc, const T* q,      \
+            const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* mask,   \
+            int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal) {            \
+        int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
+        i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
+        if (i >= Sq) return;                                                                              \
+        int h = blockIdx.y, b = blockIdx.z, hk = h / (Nq / Nkv);                                          \
+        i64 qrow = ((i64)b * Nq + h) * Sq + i;                                                            \
+        const T* qr = q + qrow * D;                                                                       \
+        const T* dor = dout + qrow * D;                                                                   \
+        i64 kvbase = ((i64)b * Nkv + hk) * Sk;                                                            \
+        float qv[8], dov[8], dqa[8];                                                                      \
+        _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
+            int d = lane + 32 * t;                                                                        \
+            qv[t] = d < D ? tof(qr[d]) : 0.f;                                                             \
+            dov[t] = d < D ? tof(dor[d]) : 0.f;                                                           \
+            dqa[t] = 0.f;                                                                                 \
+        }                                                                                                 \
+        float L = lse[qrow], dl = delta[qrow];                                                            \
+        i64 off = Sk - Sq;                                                                                \
+        i64 jend = (causal && !mask) ? (i + off + 1 < Sk ? i + off + 1 : Sk) : Sk;                        \
+        const u8* mrow = mask ? mask + (((i64)(mb > 1 ? b : 0) * mh + (mh > 1 ? h : 0)) * Sq + i) * Sk : 0; \
+        for (i64 j = 0; j < jend; ++j) {                                                                  \
+            const T* kr = k + (kvbase + j) * D;                                                           \
+            const T* vr = v + (kvbase + j) * D;                                                           \
+            float dot = 0.f, dpv = 0.f;                                                                   \
+            _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
+                int d = lane + 32 * t;                                                                    \
+                if (d < D) { dot += qv[t] * tof(kr[d]); dpv += dov[t] * tof(vr[d]); }                     \
+            }                                                                                             \
+            float s = warp_sum(dot) * scale;                                                              \
+            float dp = warp_sum(dpv);                                                                     \
+            if (mask) {                                                                                   \
+                bool keep = mrow[j] != 0 && (!causal || j <= i + off);                                    \
+                if (!keep) s += NEG_BIG;                                                                  \
+            }                                                                                             \
+            float p = __expf(s - L);                                                                      \
+            float ds = p * (dp - dl);                                                                     \
+            _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
+                int d = lane + 32 * t;                                                                    \
+                if (d < D) {                                                                              \
+                    dqa[t] += ds * tof(kr[d]);                                                            \
+                    atomicAdd(dk_acc + (kvbase + j) * D + d, ds * qv[t] * scale);                         \
+                    atomicAdd(dv_acc + (kvbase + j) * D + d, p * dov[t]);                                 \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
+            int d = lane + 32 * t;                                                                        \
+            if (d < D) dq[qrow * D + d] = fromf<T>(dqa[t] * scale);                                       \
+        }                                                                                                 \
+    }
+FOR_FLOATS(DEF_ATTN_BWD_GENERIC)
+
+// f32 accumulators to storage dtype (optionally scaled).
+#define DEF_F32_TO(S_, T)                                                                                 \
+    extern "C" __global__ void f32_to_##S_(T* out, const float* in, i64 n, float scale) {                  \
+        GRID_STRIDE(i, n) out[i] = fromf<T>(in[i] * scale);                                               \
+    }
+FOR_FLOATS(DEF_F32_TO)
+
+// ---------------------------------------------------------------- tensor-core helpers
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+    u32 d = smem_u32(smem);
+    int sz = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(sz));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(u32*)&v;
+}
+
+// Loads `rows` x D bf16 rows starting at global row `row0` (of `total` rows, each D wide)
+// into shared memory with row stride LD; rows past the end are zero-filled.
+template <int D, int LD, int ROWS>
+__device__ __forceinline__ void load_rows(__nv_bfloat16* sm, const __nv_bfloat16* g, i64 row0, i64 total) {
+    constexpr int CH = D / 8;
+    for (int c = threadIdx.x; c < ROWS * CH; c += blockDim.x) {
+        int r = c / CH, cc = c % CH;
+        i64 gr = row0 + r;
+        bool ok = gr < total;
+        cp_async16(sm + r * LD + cc * 8, g + (ok ? gr : 0) * D + cc * 8, ok);
+    }
+}
+
+// ---------------------------------------------------------------- tensor-core forward
+
+template <int D>
+__device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                       const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) {
+    constexpr int LD = D + 8;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    __nv_bfloat16* sQ = (__nv_bfloat16*)fa_smem;
+    __nv_bfloat16* sK = sQ + 64 * LD;
+    __nv_bfloat16* sV = sK + 2 * 64 * LD;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int qb = causal ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Nq / Nkv);
+    const i64 q0 = (i64)qb * 64;
+    const i64 off = Sk - Sq;
+    const __nv_bfloat16* qg = q + ((i64)b * Nq + h) * Sq * D;
+    const __nv_bfloat16* kg = k + ((i64)b * Nkv + hk) * Sk * D;
+    const __nv_bfloat16* vg = v + ((i64)b * Nkv + hk) * Sk * D;
+    i64 nkt = (Sk + 63) / 64;
+    if (causal) {
+        i64 last = q0 + 63 + off; // last visible key of the block's last row
+        i64 lim = last < 0 ? 0 : last / 64 + 1;
+        if (lim < nkt) nkt = lim;
+    }
+    load_rows<D, LD, 64>(sQ, qg, q0, Sq);
+    if (nkt > 0) {
+        load_rows<D, LD, 64>(sK, kg, 0, Sk);
+        load_rows<D, LD, 64>(sV, vg, 0, Sk);
+    }
+    cp_async_commit();
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+    u32 qf[D / 16][4];
+
+    for (i64 kt = 0; kt < nkt; ++kt) {
+        if (kt + 1 < nkt) {
+            int nb = (int)((kt + 1) & 1);
+            load_rows<D, LD, 64>(sK + nb * 64 * LD, kg, (kt + 1) * 64, Sk);
+            load_rows<D, LD, 64>(sV + nb * 64 * LD, vg, (kt + 1) * 64, Sk);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (kt == 0) {
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks)
+                ldsm_x4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], sQ + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+        }
+        const __nv_bfloat16* Kb = sK + (kt & 1) * 64 * LD;
+        const __nv_bfloat16* Vb = sV + (kt & 1) * 64 * LD;
+        float s[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, Kb + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
+                mma_bf16(s[2 * np], qf[ks], b0, b1);
+                mma_bf16(s[2 * np + 1], qf[ks], b2, b3);
+            }
+        }
+        // scale, mask
+        const i64 k0 = kt * 64;
+        const bool need_mask = (k0 + 64 > Sk) || (causal && k0 + 63 > q0 + off);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[nt][e] * scale_log2;
+                if (need_mask) {
+                    i64 col = k0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+                    i64 qi = q0 + warp * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
+                    if (col >= Sk || (causal && col > qi + off)) x = -INFINITY;
+                }
+                s[nt][e] = x;
+            }
+        }
+        // online softmax for the thread's two rows
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            float mnew = fmaxf(mrow[r], mx);
+            float msub = mnew == -INFINITY ? 0.f : mnew;
+            float corr = exp2f(mrow[r] - msub);
+            mrow[r] = mnew;
+            float rs = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                float p0 = exp2f(s[nt][2 * r] - msub), p1 = exp2f(s[nt][2 * r + 1] - msub);
+                s[nt][2 * r] = p0;
+                s[nt][2 * r + 1] = p1;
+                rs += p0 + p1;
+            }
+            lrow[r] = lrow[r] * corr + rs;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[dt][2 * r] *= corr;
+                o[dt][2 * r + 1] *= corr;
+            }
+        }
+        // O += P V
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            u32 a[4];
+            a[0] = pack_bf16(s[2 * ks][0], s[2 * ks][1]);
+            a[1] = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
+            a[2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            a[3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, Vb + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
+                mma_bf16(o[2 * dp], a, b0, b1);
+                mma_bf16(o[2 * dp + 1], a, b2, b3);
+            }
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+    __nv_bfloat16* og = out + ((i64)b * Nq + h) * Sq * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = lrow[r];
+        l += __shfl_xor_sync(FULL_MASK, l, 1);
+        l += __shfl_xor_sync(FULL_MASK, l, 2);
+        float inv = l > 0.f ? 1.f / l : 0.f;
+        i64 row = q0 + warp * 16 + (lane >> 2) + r * 8;
+        if (row < Sq) {
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                int col = dt * 8 + (lane & 3) * 2;
+                *(u32*)(og + row * D + col) = pack_bf16(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+            }
+            if (lse && (lane & 3) == 0)
+                lse[((i64)b * Nq + h) * Sq + row] = l > 0.f ? (mrow[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) fa_fwd_d64(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                                             const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) {
+    fa_fwd<64>(out, lse, q, k, v, Nq, Nkv, Sq, Sk, scale_log2, causal);
+}
+extern "C" __global__ void __launch_bounds__(128) fa_fwd_d128(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                                              const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) {
+    fa_fwd<128>(out, lse, q, k, v, Nq, Nkv, Sq, Sk, scale_log2, causal);
+}
+
+// ---------------------------------------------------------------- tensor-core backward
+// Grid (key tiles, Nkv, B); 4 warps, warp w owns keys [k0 + 16w, k0 + 16w + 16). Loops over
+// the q heads of its kv group and over the query tiles that see its keys.
+// dq_acc: f32 [B, Nq, Sq, D], zeroed before; dk, dv written in storage dtype.
+template <int D>
+__device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
+                                       const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout,
+                                       const float* lse, const float* delta, int Nq, int Nkv, i64 Sq, i64 Sk, float scale,
+                                       int causal) {
+    constexpr int LD = D + 8;
+    constexpr int LDS = 64 + 8;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    __nv_bfloat16* sK = (__nv_bfloat16*)fa_smem;
+    __nv_bfloat16* sV = sK + 64 * LD;
+    __nv_bfloat16* sQ = sV + 64 * LD;
+    __nv_bfloat16* sO = sQ + 64 * LD; // dO
+    __nv_bfloat16* sS = sO + 64 * LD; // dS^T [key][query]
+    float* sL = (float*)(sS + 64 * LDS); // lse * log2e
+    float* sD = sL + 64;                 // delta
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kvb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const i64 k0 = (i64)kvb * 64;
+    const i64 off = Sk - Sq;
+    const float LOG2E = 1.4426950408889634f;
+    const float scale_log2 = scale * LOG2E;
+    const __nv_bfloat16* kg = k + ((i64)b * Nkv + hk) * Sk * D;
+    const __nv_bfloat16* vg = v + ((i64)b * Nkv + hk) * Sk * D;
+    load_rows<D, LD, 64>(sK, kg, k0, Sk);
+    load_rows<D, LD, 64>(sV, vg, k0, Sk);
+    cp_async_commit();
+
+    float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        dka[i][0] = dka[i][1] = dka[i][2] = dka[i][3] = 0.f;
+        dva[i][0] = dva[i][1] = dva[i][2] = dva[i][3] = 0.f;
+    }
+    const int group = Nq / Nkv;
+    i64 qt0 = 0;
+    if (causal) {
+        i64 first = k0 - off; // first query row that sees key k0
+        qt0 = first <= 0 ? 0 : first / 64;
+    }
+    const i64 nqt = (Sq + 63) / 64;
+    for (int hh = 0; hh < group; ++hh) {
+        const int h = hk * group + hh;
+        const __nv_bfloat16* qg = q + ((i64)b * Nq + h) * Sq * D;
+        const __nv_bfloat16* og = dout + ((i64)b * Nq + h) * Sq * D;
+        const float* lg = lse + ((i64)b * Nq + h) * Sq;
+        const float* dg = delta + ((i64)b * Nq + h) * Sq;
+        float* dqg = dq_acc + ((i64)b * Nq + h) * Sq * D;
+        for (i64 qt = qt0; qt < nqt; ++qt) {
+            const i64 q0 = qt * 64;
+            __syncthreads(); // previous tile fully consumed
+            load_rows<D, LD, 64>(sQ, qg, q0, Sq);
+            load_rows<D, LD, 64>(sO, og, q0, Sq);
+            cp_async_commit();
+            if (threadIdx.x < 64) {
+                i64 r = q0 + threadIdx.x;
+                sL[threadIdx.x] = r < Sq ? lg[r] * LOG2E : INFINITY;
+                sD[threadIdx.x] = r < Sq ? dg[r] : 0.f;
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+            // S^T = K Q^T for the warp's 16 keys x 64 queries
+            float st[8][4];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) st[i][0] = st[i][1] = st[i][2] = st[i][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                u32 a[4];
+                ldsm_x4(a[0], a[1], a[2], a[3], sK + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(b0, b1, b2, b3, sQ + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
+                    mma_bf16(st[2 * np], a, b0, b1);
+                    mma_bf16(st[2 * np + 1], a, b2, b3);
+                }
+            }
+            // P^T
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int col = nt * 8 + (lane & 3) * 2 + (e & 1);
+                    i64 qi = q0 + col;
+                    i64 kj = k0 + warp * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
+                    bool ok = qi < Sq && kj < Sk && (!causal || kj <= qi + off);
+                    st[nt][e] = ok ? exp2f(st[nt][e] * scale_log2 - sL[col]) : 0.f;
+                }
+            }
+            // dV += P^T dO
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                u32 a[4];
+                a[0] = pack_bf16(st[2 * ks][0], st[2 * ks][1]);
+                a[1] = pack_bf16(st[2 * ks][2], st[2 * ks][3]);
+                a[2] = pack_bf16(st[2 * ks + 1][0], st[2 * ks + 1][1]);
+                a[3] = pack_bf16(st[2 * ks + 1][2], st[2 * ks + 1][3]);
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(b0, b1, b2, b3, sO + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
+                    mma_bf16(dva[2 * dp], a, b0, b1);
+                    mma_bf16(dva[2 * dp + 1], a, b2, b3);
+                }
+            }
+            // dP^T = V dO^T
+            float dpt[8][4];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                u32 a[4];
+                ldsm_x4(a[0], a[1], a[2], a[3], sV + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(b0, b1, b2, b3, sO + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
+                    mma_bf16(dpt[2 * np], a, b0, b1);
+                    mma_bf16(dpt[2 * np + 1], a, b2, b3);
+                }
+            }
+            // dS^T = P^T * (dP^T - delta); keep in st, stage bf16 in smem for dQ
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int col = nt * 8 + (lane & 3) * 2 + (e & 1);
+                    st[nt][e] = st[nt][e] * (dpt[nt][e] - sD[col]);
+                }
+                int kr = warp * 16 + (lane >> 2);
+                int col = nt * 8 + (lane & 3) * 2;
+                *(u32*)(sS + kr * LDS + col) = pack_bf16(st[nt][0], st[nt][1]);
+                *(u32*)(sS + (kr + 8) * LDS + col) = pack_bf16(st[nt][2], st[nt][3]);
+            }
+            // dK += dS^T Q
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                u32 a[4];
+                a[0] = pack_bf16(st[2 * ks][0], st[2 * ks][1]);
+                a[1] = pack_bf16(st[2 * ks][2], st[2 * ks][3]);
+                a[2] = pack_bf16(st[2 * ks + 1][0], st[2 * ks + 1][1]);
+                a[3] = pack_bf16(st[2 * ks + 1][2], st[2 * ks + 1][3]);
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(b0, b1, b2, b3, sQ + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
+                    mma_bf16(dka[2 * dp], a, b0, b1);
+                    mma_bf16(dka[2 * dp + 1], a, b2, b3);
+                }
+            }
+            __syncthreads(); // dS^T complete
+            // dQ[q0 + 16w .. +16] += dS K  (A = dS from dS^T via ldmatrix.trans, B = K [key][d] trans)
+            float dqp[D / 8][4];
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) dqp[i][0] = dqp[i][1] = dqp[i][2] = dqp[i][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) { // 16 keys per step
+                u32 a[4];
+                ldsm_x4_t(a[0], a[1], a[2], a[3], sS + (ks * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + warp * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(b0, b1, b2, b3, sK + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
+                    mma_bf16(dqp[2 * dp], a, b0, b1);
+                    mma_bf16(dqp[2 * dp + 1], a, b2, b3);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                i64 row = q0 + warp * 16 + (lane >> 2) + r * 8;
+                if (row < Sq) {
+#pragma unroll
+                    for (int dt = 0; dt < D / 8; ++dt) {
+                        int col = dt * 8 + (lane & 3) * 2;
+                        atomicAdd(dqg + row * D + col, dqp[dt][2 * r] * scale);
+                        atomicAdd(dqg + row * D + col + 1, dqp[dt][2 * r + 1] * scale);
+                    }
+                }
+            }
+        }
+    }
+    // write dK (scaled), dV for the warp's 16 keys
+    __nv_bfloat16* dkg = dk + ((i64)b * Nkv + hk) * Sk * D;
+    __nv_bfloat16* dvg = dv + ((i64)b * Nkv + hk) * Sk * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        i64 kj = k0 + warp * 16 + (lane >> 2) + r * 8;
+        if (kj < Sk) {
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                int col = dt * 8 + (lane & 3) * 2;
+                *(u32*)(dkg + kj * D + col) = pack_bf16(dka[dt][2 * r] * scale, dka[dt][2 * r + 1] * scale);
+                *(u32*)(dvg + kj * D + col) = pack_bf16(dva[dt][2 * r], dva[dt][2 * r + 1]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) fa_bwd_d64(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
+        const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse, const float* delta,
+        int Nq, int Nkv, i64 Sq, i64 Sk, float scale, int causal) {
+    fa_bwd<64>(dq_acc, dk, dv, q, k, v, dout, lse, delta, Nq, Nkv, Sq, Sk, scale, causal);
+}
+extern "C" __global__ void __launch_bounds__(128) fa_bwd_d128(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
+        const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse, const float* delta,
+        int Nq, int Nkv, i64 Sq, i64 Sk, float scale, int causal) {
+    fa_bwd<128>(dq_acc, dk, dv, q, k, v, dout, lse, delta, Nq, Nkv, Sq, Sk, scale, causal);
+}

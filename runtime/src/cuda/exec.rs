@@ -1,0 +1,1511 @@
+//! The plan executor. At load it allocates the plan's resident region and its arena as
+//! one device allocation each (buffers at their planned offsets; no allocation per
+//! tensor), the pinned host pool for offloaded values, one CUDA stream per plan stream
+//! and one event per plan event, and lowers every instruction to a list of launches
+//! (kernels, cuBLASLt GEMMs, copies, NCCL calls, event waits and records) with every
+//! pointer resolved. A step replays that list; only data-dependent ops (grouped GEMMs,
+//! whose row counts live on the device) read back a few integers in the middle.
+
+use super::comm::{self, Comms, LaunchEnv};
+use super::device::{err_flag_text, Arg, DevBuf, Event, Gpu, GpuOptions, Launch, Pinned, Stream};
+use super::error::{CudaError, CudaResult};
+use super::gemm::{Gemm, GemmShape};
+use super::layout::{self, code, fsuffix};
+use cudarc::driver::{result as dr, sys};
+use std::collections::{BTreeMap, HashMap};
+use weft_ir::attrs::{CmpOp, ReduceOp, Reduction, RopeScaling};
+use weft_ir::plan::{Category, ExecutionPlan};
+use weft_ir::{Bindings, DType, Graph, HostTensor, Node, Op};
+
+/// How to run.
+#[derive(Clone, Debug)]
+pub struct ExecOptions {
+    pub gpu: GpuOptions,
+    /// Tensor-core flash attention for bf16 head dims 64 and 128 (else the generic kernel).
+    pub fast_attention: bool,
+    /// f32 GEMMs may use TF32.
+    pub allow_tf32: bool,
+    /// Create NCCL communicators even for one rank (checks NCCL works).
+    pub nccl: bool,
+    pub gemm_workspace: usize,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions {
+            gpu: GpuOptions::default(),
+            fast_attention: std::env::var("WEFT_ATTENTION").map(|v| v != "generic").unwrap_or(true),
+            allow_tf32: false,
+            nccl: true,
+            gemm_workspace: 64 << 20,
+        }
+    }
+}
+
+/// A device tensor: a pointer into one of the executor's allocations.
+#[derive(Clone, Debug)]
+pub struct DevT {
+    pub ptr: u64,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl DevT {
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().map(|&x| x as u64).product()
+    }
+    pub fn bytes(&self) -> u64 {
+        self.numel() * self.dtype.size_bytes()
+    }
+    fn rank(&self) -> usize {
+        self.shape.len()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum CopyKind {
+    D2D,
+    D2H,
+    H2D,
+}
+
+#[derive(Clone, Debug)]
+enum Coll {
+    AllReduce { op: ReduceOp },
+    AllGather,
+    ReduceScatter { op: ReduceOp },
+    Broadcast { root: i32 },
+}
+
+#[derive(Clone, Debug)]
+enum StepKind {
+    Launch(Launch),
+    Gemm { shape: GemmShape, a: u64, b: u64, c: u64, bias: u64 },
+    Copy { dst: u64, src: u64, bytes: u64, kind: CopyKind },
+    Memset { dst: u64, bytes: u64 },
+    Wait(u32),
+    Record(u32),
+    Grouped(Box<Grouped>),
+    Collective { coll: Coll, axis: String, send: u64, recv: u64, count: u64, dtype: DType },
+}
+
+#[derive(Clone, Debug)]
+struct Grouped {
+    dtype: DType,
+    counts: u64,
+    ncounts: usize,
+    experts: usize,
+    x: u64,
+    w: u64,
+    /// Output rows (forward) or dx (backward).
+    out: u64,
+    rows: u64,
+    n: u64,
+    k: u64,
+    /// Backward: (dy, dw).
+    grad: Option<(u64, u64)>,
+}
+
+#[derive(Clone, Debug)]
+struct Step {
+    stream: usize,
+    ins: u32,
+    kind: StepKind,
+}
+
+/// Where the time of a step went.
+#[derive(Clone, Debug, Default)]
+pub struct StepTiming {
+    /// Device time from the first launch to the end of every stream, seconds.
+    pub device_s: f64,
+    /// Host wall time of the step.
+    pub wall_s: f64,
+    /// Host time spent enqueueing.
+    pub enqueue_s: f64,
+}
+
+/// Memory the executor holds, against the plan's prediction.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct MemoryUse {
+    pub planned_peak_bytes: u64,
+    pub planned_arena_bytes: u64,
+    pub planned_resident_bytes: u64,
+    /// The plan's breakdown at its peak.
+    pub planned_breakdown: BTreeMap<String, u64>,
+    /// Allocated for the arena and the resident region (must equal the plan's).
+    pub allocated_plan_bytes: u64,
+    /// Runtime extras outside the plan: kernel scratch, saved attention statistics,
+    /// constants, the cuBLASLt workspace.
+    pub runtime_extra_bytes: u64,
+    pub pinned_host_bytes: u64,
+    /// Device bytes in use (free memory at start minus the lowest free seen), which
+    /// includes allocator rounding and library allocations.
+    pub measured_peak_bytes: u64,
+}
+
+/// Launch-time numbers worth reporting.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct LoadReport {
+    pub kernel_compile_s: f64,
+    pub kernel_cache_hit: bool,
+    pub lower_s: f64,
+    pub launches_per_step: usize,
+    pub gemm_shapes: usize,
+    pub nccl: String,
+    pub fast_attention: bool,
+    pub device: String,
+}
+
+pub struct Executor {
+    pub gpu: Gpu,
+    gemm: Gemm,
+    pub plan: ExecutionPlan,
+    pub graph: Graph,
+    pub env: LaunchEnv,
+    streams: Vec<Stream>,
+    events: Vec<Event>,
+    t_start: Event,
+    t_ends: Vec<Event>,
+    _resident: DevBuf,
+    _arena: DevBuf,
+    _extra: DevBuf,
+    host: Option<Pinned>,
+    bufs: Vec<DevT>,
+    steps: Vec<Step>,
+    comms: Option<Comms>,
+    /// (from, to) buffers copied after each step: updated params and optimizer state.
+    updates: Vec<(u32, u32)>,
+    pub load: LoadReport,
+    min_free: u64,
+    planned_extra: u64,
+}
+
+// ---------------------------------------------------------------- kernel names
+
+fn kname(base: &str, d: DType) -> CudaResult<&'static str> {
+    let s = fsuffix(d).ok_or_else(|| CudaError::unsupported(format!("`{base}` on {d}"), "kernel selection", "float dtypes only"))?;
+    Ok(intern(&format!("{base}_{s}")))
+}
+
+fn intern(s: &str) -> &'static str {
+    use std::sync::{Mutex, OnceLock};
+    static NAMES: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
+    let m = NAMES.get_or_init(Default::default);
+    let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(v) = g.get(s) {
+        return v;
+    }
+    let v: &'static str = Box::leak(s.to_string().into_boxed_str());
+    g.insert(s.to_string(), v);
+    v
+}
+
+/// HF `rope_init_fn` inverse frequencies (f32 steps), as the CPU reference computes them
+/// (`cpu::kernels::rope_inv_freq`, kept private there).
+fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling) -> Vec<f32> {
+    let r = |v: f64| v as f32 as f64;
+    let mut inv: Vec<f64> = (0..dim)
+        .step_by(2)
+        .map(|i| {
+            let e = i as f32 / dim as f32;
+            (1.0f32 / (theta as f32).powf(e)) as f64
+        })
+        .collect();
+    match scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            for v in &mut inv {
+                *v = r(*v / factor.0);
+            }
+        }
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            let (factor, lo, hi) = (factor.0, low_freq_factor.0, high_freq_factor.0);
+            let old = *original_max_position_embeddings as f64;
+            let low_freq_wavelen = old / lo;
+            let high_freq_wavelen = old / hi;
+            for v in &mut inv {
+                let f = *v;
+                let wavelen = r(2.0 * std::f64::consts::PI / f);
+                let llama = if wavelen > low_freq_wavelen { r(f / factor) } else { f };
+                let smooth = r((r(old / wavelen) - lo) / (hi - lo));
+                let smoothed = r(r(r((1.0 - smooth) * llama) / factor) + r(smooth * llama));
+                let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                *v = if medium { smoothed } else { llama };
+            }
+        }
+    }
+    inv.into_iter().map(|x| x as f32).collect()
+}
+
+// ---------------------------------------------------------------- lowering
+
+/// Extra memory regions the lowering asks for; two passes: the first (with zero bases)
+/// sizes them, the second fills in real pointers.
+struct Extra {
+    scratch_base: Vec<u64>,
+    scratch_need: Vec<u64>,
+    cur: u64,
+    side_base: u64,
+    side_used: u64,
+    consts_base: u64,
+    consts: Vec<u8>,
+}
+
+fn align256(x: u64) -> u64 {
+    x.div_ceil(256) * 256
+}
+
+impl Extra {
+    fn scratch(&mut self, stream: usize, bytes: u64) -> u64 {
+        let p = self.scratch_base[stream] + self.cur;
+        self.cur += align256(bytes.max(1));
+        self.scratch_need[stream] = self.scratch_need[stream].max(self.cur);
+        p
+    }
+    fn side(&mut self, bytes: u64) -> u64 {
+        let p = self.side_base + self.side_used;
+        self.side_used += align256(bytes.max(1));
+        p
+    }
+    fn constant(&mut self, bytes: &[u8]) -> u64 {
+        let off = align256(self.consts.len() as u64);
+        self.consts.resize(off as usize, 0);
+        self.consts.extend_from_slice(bytes);
+        self.consts_base + off
+    }
+}
+
+struct Lower<'a> {
+    gpu: &'a Gpu,
+    ex: Extra,
+    steps: Vec<Step>,
+    stream: usize,
+    ins: u32,
+    fast_attention: bool,
+    /// Saved log-sum-exp of attention forwards: (q, k, v, out) -> lse pointer.
+    attn_lse: HashMap<(u64, u64, u64, u64), u64>,
+    location: String,
+}
+
+impl Lower<'_> {
+    fn push(&mut self, kind: StepKind) {
+        self.steps.push(Step { stream: self.stream, ins: self.ins, kind });
+    }
+    fn launch(&mut self, l: Launch) {
+        self.push(StepKind::Launch(l));
+    }
+    fn n(&mut self, name: &'static str, n: u64, args: Vec<Arg>) -> CudaResult<()> {
+        let l = self.gpu.launch_n(name, n, args)?;
+        self.launch(l);
+        Ok(())
+    }
+    fn rows(&mut self, name: &'static str, rows: u64, block: u32, smem: u32, args: Vec<Arg>) -> CudaResult<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        if rows > u32::MAX as u64 {
+            return Err(self.unsup(name, "more rows than one grid dimension holds"));
+        }
+        let l = self.gpu.launch(name, (rows as u32, 1, 1), (block, 1, 1), smem, args)?;
+        self.launch(l);
+        Ok(())
+    }
+    fn warps(&mut self, name: &'static str, items: u64, args: Vec<Arg>) -> CudaResult<()> {
+        let blocks = items.div_ceil(8);
+        if blocks == 0 {
+            return Ok(());
+        }
+        let l = self.gpu.launch(name, (blocks as u32, 1, 1), (256, 1, 1), 0, args)?;
+        self.launch(l);
+        Ok(())
+    }
+    fn unsup(&self, what: &str, why: &str) -> CudaError {
+        CudaError::unsupported(what.to_string(), self.location.clone(), why.to_string())
+    }
+    fn copy(&mut self, dst: u64, src: u64, bytes: u64) {
+        if bytes > 0 && dst != src {
+            self.push(StepKind::Copy { dst, src, bytes, kind: CopyKind::D2D });
+        }
+    }
+    fn memset(&mut self, dst: u64, bytes: u64) {
+        if bytes > 0 {
+            self.push(StepKind::Memset { dst, bytes });
+        }
+    }
+    fn fill(&mut self, t: &DevT, value: f64) -> CudaResult<()> {
+        let pat = layout::fill_pattern(value, t.dtype);
+        let name = match t.dtype.size_bytes() {
+            1 => "fill_b1",
+            2 => "fill_b2",
+            4 => "fill_b4",
+            _ => "fill_b8",
+        };
+        self.n(name, t.numel(), vec![Arg::P(t.ptr), Arg::I64(t.numel() as i64), Arg::U64(pat)])
+    }
+    /// `dst[ds . i] = src[ss . i]` over `shape` (element offsets applied to the pointers).
+    fn strided(&mut self, dst: u64, src: u64, esz: usize, shape: &[usize], ss: &[i64], ds: &[i64]) -> CudaResult<()> {
+        let n: usize = shape.iter().product();
+        if n == 0 {
+            return Ok(());
+        }
+        let (st, w, count) = layout::strided_copy(shape, ss, ds, esz, src, dst).map_err(|m| self.unsup("a layout copy", &m))?;
+        // A plain contiguous run is a memcpy.
+        if st.rank == 1 && st.ss[0] == 1 && st.ds[0] == 1 {
+            self.copy(dst, src, count * w as u64);
+            return Ok(());
+        }
+        let name = match w {
+            1 => "copy_strided_b1",
+            2 => "copy_strided_b2",
+            4 => "copy_strided_b4",
+            8 => "copy_strided_b8",
+            _ => "copy_strided_b16",
+        };
+        self.n(name, count, vec![Arg::P(dst), Arg::P(src), Arg::I64(count as i64), Arg::blob(&st)])
+    }
+    fn gemm(&mut self, shape: GemmShape, a: u64, b: u64, c: u64, bias: u64) {
+        self.push(StepKind::Gemm { shape, a, b, c, bias });
+    }
+}
+
+fn esz(d: DType) -> usize {
+    d.size_bytes() as usize
+}
+
+fn norm(d: i64, rank: usize) -> CudaResult<usize> {
+    weft_ir::shape::norm_dim(d, rank).map_err(|m| CudaError::Plan(m))
+}
+
+fn ptr_or_null(t: Option<&DevT>) -> u64 {
+    t.map(|t| t.ptr).unwrap_or(0)
+}
+
+/// Lowers one node to steps.
+fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bindings) -> CudaResult<()> {
+    let err = lw.gpu.err_flag.ptr;
+    let o = &outs[0];
+    let same = |a: &DevT, b: &DevT| a.shape == b.shape;
+    let unary = |lw: &mut Lower, code_: i32, p: f32| -> CudaResult<()> {
+        let name = kname("unary", o.dtype)?;
+        lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::I64(o.numel() as i64), Arg::I32(code_), Arg::F32(p)])
+    };
+    let binary = |lw: &mut Lower, code_: i32| -> CudaResult<()> {
+        let (a, b) = (&ins[0], &ins[1]);
+        if a.dtype != b.dtype {
+            return Err(lw.unsup("a binary op on mixed dtypes", &format!("{} and {}", a.dtype, b.dtype)));
+        }
+        if a.dtype.is_int() && o.dtype == DType::I64 && a.dtype == DType::I64 {
+            let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape]).map_err(|m| lw.unsup("broadcast", &m))?;
+            return lw.n("binary_i64", o.numel(), vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I64(o.numel() as i64), Arg::I32(code_), Arg::blob(&bc)]);
+        }
+        if same(a, o) && same(b, o) {
+            let name = kname("binary_c", o.dtype)?;
+            return lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I64(o.numel() as i64), Arg::I32(code_)]);
+        }
+        let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape]).map_err(|m| lw.unsup("broadcast", &m))?;
+        let name = kname("binary", o.dtype)?;
+        lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I64(o.numel() as i64), Arg::I32(code_), Arg::blob(&bc)])
+    };
+    match op {
+        Op::Param { .. } | Op::Input { .. } => Ok(()),
+        Op::Full { value, .. } => lw.fill(o, value.0),
+        Op::Arange { start, .. } => {
+            let s = start.eval(bindings).map_err(|e| CudaError::Plan(e.to_string()))?;
+            lw.n("arange_any", o.numel(), vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::I64(o.numel() as i64), Arg::I64(s)])
+        }
+        Op::Neg {} => unary(lw, 0, 0.0),
+        Op::Exp {} => unary(lw, 1, 0.0),
+        Op::Log {} => unary(lw, 2, 0.0),
+        Op::Sqrt {} => unary(lw, 3, 0.0),
+        Op::Rsqrt {} => unary(lw, 4, 0.0),
+        Op::Tanh {} => unary(lw, 5, 0.0),
+        Op::Sigmoid {} => unary(lw, 6, 0.0),
+        Op::Silu {} => unary(lw, 7, 0.0),
+        Op::Gelu { tanh_approx } => unary(lw, if *tanh_approx { 9 } else { 8 }, 0.0),
+        Op::Relu {} => unary(lw, 10, 0.0),
+        Op::Scale { factor } => unary(lw, 11, factor.0 as f32),
+        Op::AddScalar { value } => unary(lw, 12, value.0 as f32),
+        Op::PowScalar { exponent } => unary(lw, 13, exponent.0 as f32),
+        Op::Add {} => binary(lw, 0),
+        Op::Sub {} => binary(lw, 1),
+        Op::Mul {} => binary(lw, 2),
+        Op::Div {} => binary(lw, 3),
+        Op::Pow {} => binary(lw, 4),
+        Op::Maximum {} => binary(lw, 5),
+        Op::Minimum {} => binary(lw, 6),
+        Op::Compare { op } => {
+            let (a, b) = (&ins[0], &ins[1]);
+            let c = match op {
+                CmpOp::Eq => 0,
+                CmpOp::Ne => 1,
+                CmpOp::Lt => 2,
+                CmpOp::Le => 3,
+                CmpOp::Gt => 4,
+                CmpOp::Ge => 5,
+            };
+            let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape]).map_err(|m| lw.unsup("broadcast", &m))?;
+            lw.n("compare_any", o.numel(), vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I32(code(a.dtype)), Arg::I64(o.numel() as i64), Arg::I32(c), Arg::blob(&bc)])
+        }
+        Op::Where {} => {
+            let bc = layout::bcast(&o.shape, &[&ins[0].shape, &ins[1].shape, &ins[2].shape]).map_err(|m| lw.unsup("broadcast", &m))?;
+            lw.n("where_any", o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::P(ins[1].ptr), Arg::P(ins[2].ptr), Arg::I32(esz(o.dtype) as i32), Arg::I64(o.numel() as i64), Arg::blob(&bc)])
+        }
+        Op::Cast { .. } => {
+            if ins[0].dtype == o.dtype {
+                lw.copy(o.ptr, ins[0].ptr, o.bytes());
+                return Ok(());
+            }
+            lw.n("cast_any", o.numel(), vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(ins[0].ptr), Arg::I32(code(ins[0].dtype)), Arg::I64(o.numel() as i64)])
+        }
+        Op::Sum { dims, .. } | Op::Mean { dims, .. } | Op::Max { dims, .. } => {
+            let x = &ins[0];
+            let ds: Vec<usize> = dims.iter().map(|&d| norm(d, x.rank())).collect::<CudaResult<_>>()?;
+            if ds.is_empty() {
+                lw.copy(o.ptr, x.ptr, o.bytes());
+                return Ok(());
+            }
+            let c = match op {
+                Op::Sum { .. } => 0,
+                Op::Mean { .. } => 1,
+                _ => 2,
+            };
+            let (rd, nout, nred) = layout::red(&x.shape, &ds).map_err(|m| lw.unsup("a reduction", &m))?;
+            let name = if x.dtype == DType::I64 { "reduce_i64" } else { kname("reduce", x.dtype)? };
+            if x.dtype != o.dtype {
+                return Err(lw.unsup("a reduction changing dtype", "output dtype differs from input"));
+            }
+            lw.warps(name, nout, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::I64(nout as i64), Arg::I64(nred as i64), Arg::I32(c), Arg::blob(&rd)])
+        }
+        Op::Softmax { dim } | Op::LogSoftmax { dim } => {
+            let x = &ins[0];
+            let d = norm(*dim, x.rank())?;
+            if d != x.rank() - 1 {
+                return Err(lw.unsup("softmax along a dim other than the last", "transpose first"));
+            }
+            let n = *x.shape.last().unwrap() as u64;
+            let rows = if n == 0 { 0 } else { x.numel() / n };
+            let name = kname("softmax", x.dtype)?;
+            let logsm = matches!(op, Op::LogSoftmax { .. }) as i32;
+            lw.rows(name, rows, 256, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::I64(rows as i64), Arg::I64(n as i64), Arg::I32(logsm)])
+        }
+        Op::Embedding {} => {
+            let (ids, w) = (&ins[0], &ins[1]);
+            if ids.dtype != DType::I64 {
+                return Err(lw.unsup("embedding with non-i64 ids", "cast the ids to i64"));
+            }
+            let h = w.shape[1] as u64;
+            let name = kname("embedding", w.dtype)?;
+            lw.rows(name, ids.numel(), 128, 0, vec![Arg::P(o.ptr), Arg::P(ids.ptr), Arg::P(w.ptr), Arg::I64(ids.numel() as i64), Arg::I64(h as i64), Arg::I64(w.shape[0] as i64), Arg::P(err)])
+        }
+        Op::Linear {} => {
+            let (x, w) = (&ins[0], &ins[1]);
+            if x.dtype != w.dtype || o.dtype != x.dtype {
+                return Err(lw.unsup("linear on mixed dtypes", &format!("x {}, w {}", x.dtype, w.dtype)));
+            }
+            let k = *x.shape.last().unwrap() as u64;
+            let n = w.shape[0] as u64;
+            let m = if k == 0 { 0 } else { x.numel() / k };
+            let bias = ins.get(2);
+            let shape = GemmShape { dtype: x.dtype, m, n, k, ta: false, tb: true, batch: 1, sa: 0, sb: 0, sc: 0, bias: bias.is_some(), accumulate: false };
+            if k == 0 {
+                return match bias {
+                    Some(b) => {
+                        let bc = layout::bcast(&o.shape, &[&b.shape, &b.shape]).map_err(|m| lw.unsup("broadcast", &m))?;
+                        lw.strided(o.ptr, b.ptr, esz(o.dtype), &o.shape, &bc.sa[..o.rank()], &layout::strides(&o.shape))
+                    }
+                    None => lw.fill(o, 0.0),
+                };
+            }
+            lw.gemm(shape, x.ptr, w.ptr, o.ptr, ptr_or_null(bias));
+            Ok(())
+        }
+        Op::Matmul { transpose_a, transpose_b } => lower_matmul(lw, &ins[0], &ins[1], o, *transpose_a, *transpose_b),
+        Op::RmsNorm { eps } => {
+            let (x, w) = (&ins[0], &ins[1]);
+            let h = *x.shape.last().unwrap() as u64;
+            let rows = if h == 0 { 0 } else { x.numel() / h };
+            let name = kname("rms_norm", x.dtype)?;
+            lw.rows(name, rows, 256, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::I64(rows as i64), Arg::I64(h as i64), Arg::F32(eps.0 as f32), Arg::P(0)])
+        }
+        Op::RopeTable { theta, dim, scaling } => {
+            let inv = rope_inv_freq(theta.0, *dim as usize, scaling);
+            let bytes: Vec<u8> = inv.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let invp = lw.ex.constant(&bytes);
+            let pos = &ins[0];
+            let half = (*dim / 2) as i32;
+            lw.n("rope_table", o.numel(), vec![Arg::P(outs[0].ptr), Arg::P(outs[1].ptr), Arg::I32(code(o.dtype)), Arg::P(pos.ptr), Arg::I32(code(pos.dtype)), Arg::I64(pos.numel() as i64), Arg::I32(half), Arg::P(invp)])
+        }
+        Op::Rope {} => {
+            let (x, c, s) = (&ins[0], &ins[1], &ins[2]);
+            if x.rank() != 4 || c.rank() != 3 || c.dtype != s.dtype {
+                return Err(lw.unsup("rope", "x must be [B, N, S, D] and cos/sin [B|1, S, r] of one dtype"));
+            }
+            let (b, nh, sq, d) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+            let r = c.shape[2];
+            let cbs = if c.shape[0] == 1 { 0 } else { (c.shape[1] * r) as i64 };
+            let name = kname("rope", x.dtype)?;
+            lw.n(name, x.numel(), vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(c.ptr), Arg::P(s.ptr), Arg::I32(code(c.dtype)), Arg::I64(b as i64), Arg::I64(nh as i64), Arg::I64(sq as i64), Arg::I64(d as i64), Arg::I64(r as i64), Arg::I64(cbs)])
+        }
+        Op::Attention { causal, scale } => {
+            let lse = lw.ex.side(4 * ins[0].shape[0] as u64 * ins[0].shape[1] as u64 * ins[0].shape[2] as u64);
+            lw.attn_lse.insert((ins[0].ptr, ins[1].ptr, ins[2].ptr, o.ptr), lse);
+            attention_fwd(lw, &ins[0], &ins[1], &ins[2], ins.get(3), o, lse, *causal, scale.0 as f32)
+        }
+        Op::AttentionGrad { causal, scale } => attention_bwd(lw, ins, outs, *causal, scale.0 as f32),
+        Op::ShiftLabels { ignore_index } => {
+            let l = &ins[0];
+            let n = *l.shape.last().unwrap_or(&1) as i64;
+            let rows = if n == 0 { 0 } else { l.numel() as i64 / n };
+            lw.n("shift_labels", l.numel(), vec![Arg::P(o.ptr), Arg::P(l.ptr), Arg::I64(rows), Arg::I64(n), Arg::I64(*ignore_index)])
+        }
+        Op::CountValid { ignore_index } => {
+            let l = &ins[0];
+            let lp = lw.gpu.launch("count_valid", (1, 1, 1), (1024, 1, 1), 0, vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(l.ptr), Arg::I64(l.numel() as i64), Arg::I64(*ignore_index)])?;
+            lw.launch(lp);
+            Ok(())
+        }
+        Op::CrossEntropy { ignore_index, reduction } => {
+            let (x, l) = (&ins[0], &ins[1]);
+            let v = *x.shape.last().unwrap() as u64;
+            let rows = l.numel();
+            let per_row = match reduction {
+                Reduction::None if o.dtype == DType::F32 => o.ptr,
+                _ => lw.ex.scratch(lw.stream, rows * 4),
+            };
+            let name = kname("ce_rows", x.dtype)?;
+            lw.rows(name, rows, 512, 0, vec![Arg::P(per_row), Arg::P(0), Arg::P(x.ptr), Arg::P(l.ptr), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index), Arg::P(err)])?;
+            match reduction {
+                Reduction::None => {
+                    if per_row != o.ptr {
+                        lw.n("f32_to_any", rows, vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(per_row), Arg::I64(rows as i64)])?;
+                    }
+                    Ok(())
+                }
+                Reduction::Sum | Reduction::Mean => {
+                    let labels = if *reduction == Reduction::Mean { l.ptr } else { 0 };
+                    let lp = lw.gpu.launch("sum_f32", (1, 1, 1), (1024, 1, 1), 0, vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(per_row), Arg::I64(rows as i64), Arg::F32(1.0), Arg::P(labels), Arg::I64(rows as i64), Arg::I64(*ignore_index)])?;
+                    lw.launch(lp);
+                    Ok(())
+                }
+            }
+        }
+        Op::CrossEntropyGrad { ignore_index, reduction } => {
+            let (x, l, dl) = (&ins[0], &ins[1], &ins[2]);
+            let v = *x.shape.last().unwrap() as u64;
+            let rows = l.numel();
+            let mode = match reduction {
+                Reduction::None => 0,
+                Reduction::Sum => 1,
+                Reduction::Mean => 2,
+            };
+            let count = if mode == 2 {
+                let c = lw.ex.scratch(lw.stream, 4);
+                let lp = lw.gpu.launch("count_valid", (1, 1, 1), (1024, 1, 1), 0, vec![Arg::P(c), Arg::I32(0), Arg::P(l.ptr), Arg::I64(rows as i64), Arg::I64(*ignore_index)])?;
+                lw.launch(lp);
+                c
+            } else {
+                0
+            };
+            let name = kname("ce_bwd", x.dtype)?;
+            lw.rows(name, rows, 512, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(l.ptr), Arg::P(dl.ptr), Arg::I32(code(dl.dtype)), Arg::I32(mode), Arg::P(count), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index)])
+        }
+        Op::Reshape { .. } => {
+            lw.copy(o.ptr, ins[0].ptr, o.bytes());
+            Ok(())
+        }
+        Op::Permute { perm } => {
+            let x = &ins[0];
+            let p: Vec<usize> = perm.iter().map(|&d| norm(d, x.rank())).collect::<CudaResult<_>>()?;
+            let xs = layout::strides(&x.shape);
+            let ss: Vec<i64> = p.iter().map(|&i| xs[i]).collect();
+            lw.strided(o.ptr, x.ptr, esz(o.dtype), &o.shape, &ss, &layout::strides(&o.shape))
+        }
+        Op::Transpose { dim0, dim1 } => {
+            let x = &ins[0];
+            let (a, b) = (norm(*dim0, x.rank())?, norm(*dim1, x.rank())?);
+            let mut ss = layout::strides(&x.shape);
+            ss.swap(a, b);
+            lw.strided(o.ptr, x.ptr, esz(o.dtype), &o.shape, &ss, &layout::strides(&o.shape))
+        }
+        Op::Slice { dim, start, .. } => {
+            let x = &ins[0];
+            let d = norm(*dim, x.rank())?;
+            let s = start.eval(bindings).map_err(|e| CudaError::Plan(e.to_string()))?;
+            let xs = layout::strides(&x.shape);
+            let src = x.ptr + (s * xs[d]) as u64 * x.dtype.size_bytes();
+            lw.strided(o.ptr, src, esz(o.dtype), &o.shape, &xs, &layout::strides(&o.shape))
+        }
+        Op::Split { dim, .. } => {
+            let x = &ins[0];
+            let d = norm(*dim, x.rank())?;
+            let xs = layout::strides(&x.shape);
+            let mut at = 0usize;
+            for out in outs {
+                let src = x.ptr + (at as i64 * xs[d]) as u64 * x.dtype.size_bytes();
+                lw.strided(out.ptr, src, esz(out.dtype), &out.shape, &xs, &layout::strides(&out.shape))?;
+                at += out.shape[d];
+            }
+            Ok(())
+        }
+        Op::Concat { dim } => {
+            let d = norm(*dim, o.rank())?;
+            let os = layout::strides(&o.shape);
+            let mut at = 0usize;
+            for x in ins {
+                let dst = o.ptr + (at as i64 * os[d]) as u64 * o.dtype.size_bytes();
+                lw.strided(dst, x.ptr, esz(o.dtype), &x.shape, &layout::strides(&x.shape), &os)?;
+                at += x.shape[d];
+            }
+            Ok(())
+        }
+        Op::Expand { .. } => {
+            let x = &ins[0];
+            let ss = layout::broadcast_strides(&x.shape, &o.shape).map_err(|m| lw.unsup("expand", &m))?;
+            lw.strided(o.ptr, x.ptr, esz(o.dtype), &o.shape, &ss, &layout::strides(&o.shape))
+        }
+        Op::Gather { dim } => {
+            let (x, idx) = (&ins[0], &ins[1]);
+            let d = norm(*dim, x.rank())?;
+            if idx.dtype != DType::I64 {
+                return Err(lw.unsup("gather with non-i64 indices", "cast to i64"));
+            }
+            let xs = layout::strides(&x.shape);
+            let mut st = layout::Strided { rank: idx.rank() as i32, shape: [1; 8], ss: [0; 8], ds: [0; 8] };
+            for i in 0..idx.rank() {
+                st.shape[i] = idx.shape[i] as i64;
+                st.ss[i] = xs[i];
+            }
+            lw.n("gather_any", o.numel(), vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(idx.ptr), Arg::I32(esz(o.dtype) as i32), Arg::I64(o.numel() as i64), Arg::blob(&st), Arg::I32(d as i32), Arg::I64(x.shape[d] as i64), Arg::P(err)])
+        }
+        Op::IndexSelect { dim } => {
+            let (x, idx) = (&ins[0], &ins[1]);
+            let d = norm(*dim, x.rank())?;
+            let outer: usize = x.shape[..d].iter().product();
+            let inner: usize = x.shape[d + 1..].iter().product();
+            lw.n(
+                "index_select_any",
+                o.numel(),
+                vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(idx.ptr), Arg::I32(code(idx.dtype)), Arg::I32(esz(o.dtype) as i32), Arg::I64(outer as i64), Arg::I64(x.shape[d] as i64), Arg::I64(idx.numel() as i64), Arg::I64(inner as i64), Arg::P(err)],
+            )
+        }
+        Op::ScatterAdd { dim } => {
+            let (dst, idx, src) = (&ins[0], &ins[1], &ins[2]);
+            let d = norm(*dim, dst.rank())?;
+            lw.copy(o.ptr, dst.ptr, o.bytes());
+            let os = layout::strides(&o.shape);
+            let mut st = layout::Strided { rank: src.rank() as i32, shape: [1; 8], ss: [0; 8], ds: [0; 8] };
+            for i in 0..src.rank() {
+                st.shape[i] = src.shape[i] as i64;
+                st.ds[i] = os[i];
+            }
+            let name = kname("scatter_add", o.dtype)?;
+            lw.n(name, src.numel(), vec![Arg::P(o.ptr), Arg::P(idx.ptr), Arg::P(src.ptr), Arg::I64(src.numel() as i64), Arg::blob(&st), Arg::I32(d as i32), Arg::I64(o.shape[d] as i64), Arg::P(err)])
+        }
+        Op::Topk { k, dim } => {
+            let x = &ins[0];
+            let d = norm(*dim, x.rank())?;
+            if d != x.rank() - 1 {
+                return Err(lw.unsup("topk along a dim other than the last", "transpose first"));
+            }
+            let n = x.shape[d] as u64;
+            let rows = if n == 0 { 0 } else { x.numel() / n };
+            lw.n("topk_any", rows, vec![Arg::P(outs[0].ptr), Arg::I32(code(outs[0].dtype)), Arg::P(outs[1].ptr), Arg::P(x.ptr), Arg::I32(code(x.dtype)), Arg::I64(rows as i64), Arg::I64(n as i64), Arg::I32(*k as i32)])
+        }
+        Op::OneHot { num_classes, .. } => {
+            let idx = &ins[0];
+            lw.n("one_hot", o.numel(), vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(idx.ptr), Arg::I64(idx.numel() as i64), Arg::I64(*num_classes), Arg::P(err)])
+        }
+        Op::MoeDispatch { num_experts } => {
+            let (x, e) = (&ins[0], &ins[1]);
+            let (rows, counts, order) = (&outs[0], &outs[1], &outs[2]);
+            let tk = e.numel();
+            let k = if e.rank() == 2 { e.shape[1] } else { 1 };
+            let ne = *num_experts as u32;
+            let lp = lw.gpu.launch("moe_route", (1, 1, 1), (ne.clamp(32, 1024), 1, 1), ne * 8, vec![Arg::P(counts.ptr), Arg::P(order.ptr), Arg::P(e.ptr), Arg::I64(tk as i64), Arg::I32(ne as i32), Arg::P(err)])?;
+            lw.launch(lp);
+            let h = x.shape[1] as i64;
+            let name = kname("moe_gather", x.dtype)?;
+            lw.n(name, rows.numel(), vec![Arg::P(rows.ptr), Arg::P(x.ptr), Arg::P(order.ptr), Arg::I64(tk as i64), Arg::I32(k as i32), Arg::I64(h)])
+        }
+        Op::GroupedMatmul {} => {
+            let (x, w, c) = (&ins[0], &ins[1], &ins[2]);
+            lw.push(StepKind::Grouped(Box::new(Grouped {
+                dtype: x.dtype,
+                counts: c.ptr,
+                ncounts: c.numel() as usize,
+                experts: w.shape[0],
+                x: x.ptr,
+                w: w.ptr,
+                out: o.ptr,
+                rows: x.shape[0] as u64,
+                n: w.shape[1] as u64,
+                k: w.shape[2] as u64,
+                grad: None,
+            })));
+            Ok(())
+        }
+        Op::GroupedMatmulGrad {} => {
+            let (x, w, c, dy) = (&ins[0], &ins[1], &ins[2], &ins[3]);
+            lw.push(StepKind::Grouped(Box::new(Grouped {
+                dtype: x.dtype,
+                counts: c.ptr,
+                ncounts: c.numel() as usize,
+                experts: w.shape[0],
+                x: x.ptr,
+                w: w.ptr,
+                out: outs[0].ptr,
+                rows: x.shape[0] as u64,
+                n: w.shape[1] as u64,
+                k: w.shape[2] as u64,
+                grad: Some((dy.ptr, outs[1].ptr)),
+            })));
+            Ok(())
+        }
+        Op::MoeCombine {} => {
+            let (rows, order, w) = (&ins[0], &ins[1], &ins[2]);
+            let (t, k) = (w.shape[0], w.shape[1]);
+            let tk = (t * k) as u64;
+            let inv = lw.ex.scratch(lw.stream, tk * 4);
+            lw.n("fill_i32", tk, vec![Arg::P(inv), Arg::I64(tk as i64), Arg::I32(-1)])?;
+            lw.n("moe_inverse", rows.shape[0] as u64, vec![Arg::P(inv), Arg::P(order.ptr), Arg::I64(rows.shape[0] as i64), Arg::I64(tk as i64), Arg::P(err)])?;
+            let name = kname("moe_combine", o.dtype)?;
+            lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(rows.ptr), Arg::P(inv), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::I64(t as i64), Arg::I32(k as i32), Arg::I64(rows.shape[1] as i64)])
+        }
+        Op::MoeCombineGrad {} => {
+            let (rows, order, w, dy) = (&ins[0], &ins[1], &ins[2], &ins[3]);
+            let k = w.shape[1];
+            lw.memset(outs[1].ptr, outs[1].bytes());
+            let name = kname("moe_combine_bwd", rows.dtype)?;
+            lw.warps(name, rows.shape[0] as u64, vec![Arg::P(outs[0].ptr), Arg::P(outs[1].ptr), Arg::P(rows.ptr), Arg::P(order.ptr), Arg::P(w.ptr), Arg::P(dy.ptr), Arg::I64(rows.shape[0] as i64), Arg::I32(k as i32), Arg::I64(rows.shape[1] as i64)])
+        }
+        Op::RmsNormGrad { eps } => {
+            let (x, w, dy) = (&ins[0], &ins[1], &ins[2]);
+            let (dx, dw) = (&outs[0], &outs[1]);
+            let h = *x.shape.last().unwrap() as u64;
+            let rows = if h == 0 { 0 } else { x.numel() / h };
+            let rstd = lw.ex.scratch(lw.stream, rows * 4);
+            let acc = lw.ex.scratch(lw.stream, h * 4);
+            let name = kname("rms_norm_bwd", x.dtype)?;
+            lw.rows(name, rows, 256, 0, vec![Arg::P(dx.ptr), Arg::P(rstd), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::P(dy.ptr), Arg::I64(rows as i64), Arg::I64(h as i64), Arg::F32(eps.0 as f32)])?;
+            lw.memset(acc, h * 4);
+            let chunk = 256u64;
+            let gy = rows.div_ceil(chunk).max(1);
+            let name = kname("rms_dw_partial", x.dtype)?;
+            let lp = lw.gpu.launch(name, (h.div_ceil(32) as u32, gy as u32, 1), (32, 8, 1), 0, vec![Arg::P(acc), Arg::P(x.ptr), Arg::P(dy.ptr), Arg::P(rstd), Arg::I64(rows as i64), Arg::I64(h as i64), Arg::I64(chunk as i64)])?;
+            lw.launch(lp);
+            lw.n("f32_to_any", h, vec![Arg::P(dw.ptr), Arg::I32(code(dw.dtype)), Arg::P(acc), Arg::I64(h as i64)])
+        }
+        Op::EmbeddingGrad { .. } => {
+            let (ids, dy) = (&ins[0], &ins[1]);
+            let h = *dy.shape.last().unwrap() as i64;
+            lw.memset(o.ptr, o.bytes());
+            let name = kname("embedding_bwd", o.dtype)?;
+            lw.rows(name, ids.numel(), 256, 0, vec![Arg::P(o.ptr), Arg::P(ids.ptr), Arg::P(dy.ptr), Arg::I64(ids.numel() as i64), Arg::I64(h), Arg::I64(o.shape[0] as i64), Arg::P(err)])
+        }
+        Op::SiluGrad {} => {
+            let name = kname("silu_bwd", o.dtype)?;
+            lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::P(ins[1].ptr), Arg::I64(o.numel() as i64)])
+        }
+        Op::GeluGrad { tanh_approx } => {
+            let name = kname("gelu_bwd", o.dtype)?;
+            lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::P(ins[1].ptr), Arg::I64(o.numel() as i64), Arg::I32(*tanh_approx as i32)])
+        }
+        Op::SoftmaxGrad { dim } => {
+            let y = &ins[0];
+            if norm(*dim, y.rank())? != y.rank() - 1 {
+                return Err(lw.unsup("softmax_grad along a dim other than the last", "transpose first"));
+            }
+            let n = *y.shape.last().unwrap() as u64;
+            let rows = if n == 0 { 0 } else { y.numel() / n };
+            let name = kname("softmax_bwd", y.dtype)?;
+            lw.rows(name, rows, 256, 0, vec![Arg::P(o.ptr), Arg::P(y.ptr), Arg::P(ins[1].ptr), Arg::I64(rows as i64), Arg::I64(n as i64)])
+        }
+        Op::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+            let (p, g, m, v, step) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
+            if g.dtype != p.dtype || m.dtype != v.dtype {
+                return Err(lw.unsup("adamw", "grad must have the param's dtype and m, v one dtype"));
+            }
+            let name = intern(&format!("adamw_{}_{}", fsuffix(p.dtype).unwrap_or("?"), fsuffix(m.dtype).unwrap_or("?")));
+            lw.n(
+                name,
+                p.numel(),
+                vec![
+                    Arg::P(outs[0].ptr),
+                    Arg::P(outs[1].ptr),
+                    Arg::P(outs[2].ptr),
+                    Arg::P(p.ptr),
+                    Arg::P(g.ptr),
+                    Arg::P(m.ptr),
+                    Arg::P(v.ptr),
+                    Arg::P(step.ptr),
+                    Arg::I32(code(step.dtype)),
+                    Arg::I64(p.numel() as i64),
+                    Arg::F32(lr.0 as f32),
+                    Arg::F32(beta1.0 as f32),
+                    Arg::F32(beta2.0 as f32),
+                    Arg::F32(eps.0 as f32),
+                    Arg::F32(weight_decay.0 as f32),
+                ],
+            )
+        }
+        Op::Sgd { lr, momentum, weight_decay } => {
+            let (p, g) = (&ins[0], &ins[1]);
+            let name = kname("sgd", p.dtype)?;
+            let (buf, bo) = match ins.get(2) {
+                Some(b) => (b.ptr, outs[1].ptr),
+                None => (0, 0),
+            };
+            lw.n(name, p.numel(), vec![Arg::P(outs[0].ptr), Arg::P(bo), Arg::P(p.ptr), Arg::P(g.ptr), Arg::P(buf), Arg::I64(p.numel() as i64), Arg::F32(lr.0 as f32), Arg::F32(momentum.0 as f32), Arg::F32(weight_decay.0 as f32)])
+        }
+        other if other.is_collective() => Err(lw.unsup(other.name(), "internal: collectives are lowered by the executor")),
+        other => Err(lw.unsup(&format!("op `{}`", other.name()), "no CUDA kernel for it yet")),
+    }
+}
+
+fn lower_matmul(lw: &mut Lower, a: &DevT, b: &DevT, o: &DevT, ta: bool, tb: bool) -> CudaResult<()> {
+    if a.dtype != b.dtype || a.dtype != o.dtype {
+        return Err(lw.unsup("matmul on mixed dtypes", "operands and result must share a dtype"));
+    }
+    let (ra, rb) = (a.rank(), b.rank());
+    if ra < 2 || rb < 2 {
+        return Err(lw.unsup("matmul of vectors", "operands need two dims"));
+    }
+    let (m, k) = if ta { (a.shape[ra - 1], a.shape[ra - 2]) } else { (a.shape[ra - 2], a.shape[ra - 1]) };
+    let n = if tb { b.shape[rb - 2] } else { b.shape[rb - 1] };
+    let ba: usize = a.shape[..ra - 2].iter().product();
+    let bb: usize = b.shape[..rb - 2].iter().product();
+    let bo: usize = o.shape[..o.rank() - 2].iter().product();
+    // b shared by every batch entry of a (and a not transposed): one big GEMM.
+    if bb == 1 && !ta {
+        let shape = GemmShape { dtype: a.dtype, m: (ba * m) as u64, n: n as u64, k: k as u64, ta, tb, batch: 1, sa: 0, sb: 0, sc: 0, bias: false, accumulate: false };
+        lw.gemm(shape, a.ptr, b.ptr, o.ptr, 0);
+        return Ok(());
+    }
+    let ok = |x: usize| x == bo || x == 1;
+    if !ok(ba) || !ok(bb) {
+        return Err(lw.unsup("matmul with partially broadcast batch dims", "expand the operand first"));
+    }
+    let shape = GemmShape {
+        dtype: a.dtype,
+        m: m as u64,
+        n: n as u64,
+        k: k as u64,
+        ta,
+        tb,
+        batch: bo as u64,
+        sa: if ba == 1 { 0 } else { (m * k) as i64 },
+        sb: if bb == 1 { 0 } else { (k * n) as i64 },
+        sc: (m * n) as i64,
+        bias: false,
+        accumulate: false,
+    };
+    lw.gemm(shape, a.ptr, b.ptr, o.ptr, 0);
+    Ok(())
+}
+
+fn mask_dims(mask: Option<&DevT>) -> (u64, i32, i32) {
+    match mask {
+        Some(m) => (m.ptr, m.shape[0] as i32, m.shape[1] as i32),
+        None => (0, 1, 1),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_fwd(lw: &mut Lower, q: &DevT, k: &DevT, v: &DevT, mask: Option<&DevT>, o: &DevT, lse: u64, causal: bool, scale: f32) -> CudaResult<()> {
+    let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+    let (nkv, sk) = (k.shape[1], k.shape[2]);
+    if nkv == 0 || nq % nkv != 0 || d > 256 {
+        return Err(lw.unsup("attention", "q heads must be a multiple of kv heads, head dim at most 256"));
+    }
+    if mask.is_some_and(|m| m.dtype != DType::Bool) {
+        return Err(lw.unsup("attention with a non-bool mask", "the mask is a bool keep-mask"));
+    }
+    let fast = lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
+    if fast {
+        let name = if d == 64 { "fa_fwd_d64" } else { "fa_fwd_d128" };
+        let smem = (64 + 4 * 64) * (d + 8) * 2;
+        let grid = (sq.div_ceil(64) as u32, nq as u32, b as u32);
+        let l = lw.gpu.launch(
+            name,
+            grid,
+            (128, 1, 1),
+            smem as u32,
+            vec![Arg::P(o.ptr), Arg::P(lse), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::F32(scale * std::f32::consts::LOG2_E), Arg::I32(causal as i32)],
+        )?;
+        lw.launch(l);
+        return Ok(());
+    }
+    let (mp, mb, mh) = mask_dims(mask);
+    let name = kname("attn_fwd_generic", q.dtype)?;
+    let grid = (sq.div_ceil(4) as u32, nq as u32, b as u32);
+    let l = lw.gpu.launch(
+        name,
+        grid,
+        (128, 1, 1),
+        0,
+        vec![Arg::P(o.ptr), Arg::P(lse), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::P(mp), Arg::I32(mb), Arg::I32(mh), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::I32(d as i32), Arg::F32(scale), Arg::I32(causal as i32)],
+    )?;
+    lw.launch(l);
+    Ok(())
+}
+
+fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scale: f32) -> CudaResult<()> {
+    let (q, k, v, out, dout) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
+    let mask = ins.get(5);
+    let (dq, dk, dv) = (&outs[0], &outs[1], &outs[2]);
+    let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+    let (nkv, sk) = (k.shape[1], k.shape[2]);
+    let rows = (b * nq * sq) as u64;
+    // The forward's log-sum-exp, or recompute it (the output goes to scratch).
+    let lse = match lw.attn_lse.get(&(q.ptr, k.ptr, v.ptr, out.ptr)) {
+        Some(&p) => p,
+        None => {
+            let p = lw.ex.scratch(lw.stream, rows * 4);
+            let tmp = DevT { ptr: lw.ex.scratch(lw.stream, out.bytes()), dtype: out.dtype, shape: out.shape.clone() };
+            attention_fwd(lw, q, k, v, mask, &tmp, p, causal, scale)?;
+            p
+        }
+    };
+    let delta = lw.ex.scratch(lw.stream, rows * 4);
+    let name = kname("attn_delta", q.dtype)?;
+    lw.warps(name, rows, vec![Arg::P(delta), Arg::P(out.ptr), Arg::P(dout.ptr), Arg::I64(rows as i64), Arg::I32(d as i32)])?;
+    let fast = lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
+    if fast {
+        let dq_acc = lw.ex.scratch(lw.stream, rows * d as u64 * 4);
+        lw.memset(dq_acc, rows * d as u64 * 4);
+        let name = if d == 64 { "fa_bwd_d64" } else { "fa_bwd_d128" };
+        let smem = (4 * 64 * (d + 8) + 64 * 72) * 2 + 512;
+        let l = lw.gpu.launch(
+            name,
+            (sk.div_ceil(64) as u32, nkv as u32, b as u32),
+            (128, 1, 1),
+            smem as u32,
+            vec![Arg::P(dq_acc), Arg::P(dk.ptr), Arg::P(dv.ptr), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::P(dout.ptr), Arg::P(lse), Arg::P(delta), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::F32(scale), Arg::I32(causal as i32)],
+        )?;
+        lw.launch(l);
+        let name = kname("f32_to", dq.dtype)?;
+        return lw.n(name, dq.numel(), vec![Arg::P(dq.ptr), Arg::P(dq_acc), Arg::I64(dq.numel() as i64), Arg::F32(1.0)]);
+    }
+    let kv = k.numel();
+    let dk_acc = lw.ex.scratch(lw.stream, kv * 4);
+    let dv_acc = lw.ex.scratch(lw.stream, kv * 4);
+    lw.memset(dk_acc, kv * 4);
+    lw.memset(dv_acc, kv * 4);
+    let (mp, mb, mh) = mask_dims(mask);
+    let name = kname("attn_bwd_generic", q.dtype)?;
+    let l = lw.gpu.launch(
+        name,
+        (sq.div_ceil(4) as u32, nq as u32, b as u32),
+        (128, 1, 1),
+        0,
+        vec![
+            Arg::P(dq.ptr),
+            Arg::P(dk_acc),
+            Arg::P(dv_acc),
+            Arg::P(q.ptr),
+            Arg::P(k.ptr),
+            Arg::P(v.ptr),
+            Arg::P(dout.ptr),
+            Arg::P(lse),
+            Arg::P(delta),
+            Arg::P(mp),
+            Arg::I32(mb),
+            Arg::I32(mh),
+            Arg::I32(nq as i32),
+            Arg::I32(nkv as i32),
+            Arg::I64(sq as i64),
+            Arg::I64(sk as i64),
+            Arg::I32(d as i32),
+            Arg::F32(scale),
+            Arg::I32(causal as i32),
+        ],
+    )?;
+    lw.launch(l);
+    let name = kname("f32_to", dk.dtype)?;
+    lw.n(name, kv, vec![Arg::P(dk.ptr), Arg::P(dk_acc), Arg::I64(kv as i64), Arg::F32(1.0)])?;
+    lw.n(name, kv, vec![Arg::P(dv.ptr), Arg::P(dv_acc), Arg::I64(kv as i64), Arg::F32(1.0)])
+}
+
+// ---------------------------------------------------------------- the executor
+
+impl Executor {
+    /// Loads `plan` for this process's rank (from the launcher environment).
+    pub fn new(plan: &ExecutionPlan, opts: &ExecOptions) -> CudaResult<Executor> {
+        let env = LaunchEnv::from_env()?;
+        let world = plan.mesh.world_size().max(1);
+        if env.world != world {
+            if env.world == 1 && world > 1 {
+                return Err(CudaError::Launcher(format!(
+                    "the plan is for {world} ranks (mesh {}) but this process was launched alone\nhelp: launch {world} processes, e.g. `torchrun --nproc-per-node {world} weft run ...`",
+                    plan.mesh
+                )));
+            }
+            return Err(CudaError::Launcher(format!("the plan is for {world} ranks but WORLD_SIZE is {}", env.world)));
+        }
+        let mut gopts = opts.gpu.clone();
+        if env.world > 1 {
+            gopts.ordinal = env.local_rank as usize;
+        }
+        let gpu = Gpu::new(&gopts)?;
+        Self::with_gpu(gpu, plan, opts, env)
+    }
+
+    pub fn with_gpu(gpu: Gpu, plan: &ExecutionPlan, opts: &ExecOptions, env: LaunchEnv) -> CudaResult<Executor> {
+        let t0 = std::time::Instant::now();
+        let graph = weft_ir::parse(&plan.program).map_err(|e| CudaError::Plan(format!("the plan's program does not parse: {e}")))?;
+        if !graph.runtime_symbols().is_empty() {
+            return Err(CudaError::unsupported("data-dependent sizes (all_to_all_v)", plan.model.clone(), "the CUDA executor binds sizes once per plan"));
+        }
+        let mut bindings = Bindings::new();
+        for (k, v) in &plan.bindings {
+            bindings = bindings.with(k, *v);
+        }
+        for (i, (axis, _)) in plan.mesh.axes.iter().enumerate() {
+            bindings = bindings.with_coord(axis, plan.mesh.coords(env.rank)[i] as i64);
+        }
+        let mut gemm = Gemm::new(&gpu, opts.gemm_workspace)?;
+        gemm.allow_tf32 = opts.allow_tf32;
+
+        // Allocations: the resident region and the arena, as planned.
+        let oom = |e: CudaError, what: &str| match e {
+            CudaError::OutOfMemory { bytes, free, total, .. } => CudaError::OutOfMemory {
+                what: what.to_string(),
+                bytes,
+                free,
+                total,
+                breakdown: plan.memory.breakdown.clone(),
+                help: "the plan's memory (above) does not fit: raise sequence or tensor parallelism, or use --checkpoint / --offload".into(),
+            },
+            e => e,
+        };
+        let resident = gpu.alloc(plan.memory.resident_bytes.max(256) as usize, "the resident region (params, grads, optimizer state)").map_err(|e| oom(e, "the resident region"))?;
+        let arena = gpu.alloc(plan.memory.arena_bytes.max(256) as usize, "the activation arena").map_err(|e| oom(e, "the activation arena"))?;
+        let host_need = plan.buffers.iter().filter(|b| b.category == Category::Host).map(|b| b.offset + b.bytes).max().unwrap_or(0).max(plan.memory.host_bytes);
+        let host = if host_need > 0 { Some(gpu.alloc_pinned(host_need as usize)?) } else { None };
+
+        // Buffers: pointers and evaluated shapes.
+        let value_node: HashMap<u32, Node> = graph.nodes().iter().flat_map(|&n| graph.node(n).results.iter().map(move |v| (v.0, n))).collect();
+        let mut bufs = Vec::with_capacity(plan.buffers.len());
+        for b in &plan.buffers {
+            let v = weft_ir::Value(b.value);
+            let ty = graph.try_ty(v).ok_or_else(|| CudaError::Plan(format!("buffer {} holds %{} which the program lacks", b.id, b.value)))?;
+            let shape: Vec<usize> = ty
+                .shape
+                .iter()
+                .map(|d| d.eval(&bindings).map(|x| x.max(0) as usize))
+                .collect::<Result<_, _>>()
+                .map_err(|e| CudaError::Plan(format!("cannot size %{}: {e}", b.value)))?;
+            let t = DevT { ptr: 0, dtype: ty.dtype, shape };
+            if t.bytes() > b.bytes {
+                return Err(CudaError::Plan(format!("buffer {} (%{}) needs {} bytes but the plan gives {}", b.id, b.value, t.bytes(), b.bytes)));
+            }
+            let ptr = match b.category {
+                Category::Host => host.as_ref().map(|h| h.ptr as u64 + b.offset).unwrap_or(0),
+                _ if b.resident => resident.ptr + b.offset,
+                _ => arena.ptr + b.offset,
+            };
+            if !b.resident && b.category != Category::Host && b.offset + b.bytes > plan.memory.arena_bytes.max(256) {
+                return Err(CudaError::Plan(format!("buffer {} ends past the arena", b.id)));
+            }
+            bufs.push(DevT { ptr, ..t });
+        }
+
+        let streams: Vec<Stream> = plan.streams.iter().map(|_| gpu.stream()).collect::<CudaResult<_>>()?;
+        let events: Vec<Event> = (0..plan.events).map(|_| gpu.event(false)).collect::<CudaResult<_>>()?;
+
+        // NCCL: per-axis communicators (also for one rank, as a check that NCCL runs).
+        let has_coll = plan.instructions.iter().any(|i| i.axis.is_some());
+        let (comms, nccl) = if env.world > 1 || (opts.nccl && super::probe::nccl_present()) {
+            match Comms::new(&env, &plan.groups) {
+                Ok(c) => {
+                    let s = format!("{} rank(s), {} axis communicator(s)", c.ranks, c.axes.len());
+                    (Some(c), s)
+                }
+                Err(e) if env.world == 1 && !has_coll => (None, format!("unavailable ({e}); not needed for one rank")),
+                Err(e) => return Err(e),
+            }
+        } else {
+            (None, "not loaded (one rank)".to_string())
+        };
+
+        // Lowering, twice: sizes first, then pointers.
+        let ns = plan.streams.len().max(1);
+        let lower_all = |ex: Extra| -> CudaResult<(Vec<Step>, Extra)> {
+            let mut lw = Lower { gpu: &gpu, ex, steps: Vec::new(), stream: 0, ins: 0, fast_attention: opts.fast_attention, attn_lse: HashMap::new(), location: String::new() };
+            for ins in &plan.instructions {
+                lw.stream = ins.stream as usize;
+                lw.ins = ins.id;
+                lw.ex.cur = 0;
+                let node = *value_node.get(&ins.node).ok_or_else(|| CudaError::Plan(format!("instruction {} runs %{} which the program lacks", ins.id, ins.node)))?;
+                let nd = graph.node(node);
+                lw.location = format!("instruction {} ({})", ins.id, graph.describe(node));
+                for e in &ins.wait {
+                    lw.push(StepKind::Wait(*e));
+                }
+                let ti: Vec<DevT> = ins.inputs.iter().map(|&b| bufs[b as usize].clone()).collect();
+                let to: Vec<DevT> = ins.outputs.iter().map(|&b| bufs[b as usize].clone()).collect();
+                if nd.op.is_collective() {
+                    lower_collective(&mut lw, &nd.op, &ti, &to, env.world)?;
+                } else if matches!(nd.op.name(), "offload" | "reload") {
+                    let kind = if nd.op.name() == "offload" { CopyKind::D2H } else { CopyKind::H2D };
+                    lw.push(StepKind::Copy { dst: to[0].ptr, src: ti[0].ptr, bytes: to[0].bytes(), kind });
+                } else {
+                    lower_op(&mut lw, &nd.op, &ti, &to, &bindings)?;
+                }
+                if let Some(e) = ins.signal {
+                    lw.push(StepKind::Record(e));
+                }
+            }
+            Ok((lw.steps, lw.ex))
+        };
+        let zero = Extra { scratch_base: vec![0; ns], scratch_need: vec![0; ns], cur: 0, side_base: 0, side_used: 0, consts_base: 0, consts: Vec::new() };
+        let (_, sized) = lower_all(zero)?;
+        let mut extra_bytes = 0u64;
+        let mut scratch_off = Vec::with_capacity(ns);
+        for &n in &sized.scratch_need {
+            scratch_off.push(extra_bytes);
+            extra_bytes += align256(n);
+        }
+        let side_off = extra_bytes;
+        extra_bytes += align256(sized.side_used);
+        let consts_off = extra_bytes;
+        extra_bytes += align256(sized.consts.len() as u64);
+        let extra = gpu.alloc(extra_bytes.max(256) as usize, "kernel scratch").map_err(|e| oom(e, "kernel scratch"))?;
+        let real = Extra {
+            scratch_base: scratch_off.iter().map(|o| extra.ptr + o).collect(),
+            scratch_need: vec![0; ns],
+            cur: 0,
+            side_base: extra.ptr + side_off,
+            side_used: 0,
+            consts_base: extra.ptr + consts_off,
+            consts: Vec::new(),
+        };
+        let (steps, filled) = lower_all(real)?;
+        gpu.htod(extra.ptr + consts_off, &filled.consts)?;
+
+        // Updated params / optimizer state go back into their inputs after each step.
+        let mut updates = Vec::new();
+        let buf_of_value: HashMap<u32, u32> = plan.buffers.iter().map(|b| (b.value, b.id)).collect();
+        let params: HashMap<String, u32> = graph.params().into_iter().filter_map(|(n, v)| buf_of_value.get(&v.0).map(|&b| (n, b))).collect();
+        for (name, v) in graph.outputs() {
+            let target = if let Some(rest) = name.strip_prefix("param.") {
+                params.get(rest).or_else(|| params.get(name.as_str()))
+            } else if name.starts_with("optim.") || name.starts_with("state.") {
+                params.get(name.as_str())
+            } else {
+                None
+            };
+            if let (Some(&to), Some(&from)) = (target, buf_of_value.get(&v.0)) {
+                if to != from {
+                    updates.push((from, to));
+                }
+            }
+        }
+
+        let t_start = gpu.event(true)?;
+        let t_ends = (0..streams.len()).map(|_| gpu.event(true)).collect::<CudaResult<Vec<_>>>()?;
+        let (free, _) = gpu.mem_info()?;
+        let load = LoadReport {
+            kernel_compile_s: gpu.compile.seconds,
+            kernel_cache_hit: gpu.compile.cache_hit,
+            lower_s: t0.elapsed().as_secs_f64(),
+            launches_per_step: steps.iter().filter(|s| matches!(s.kind, StepKind::Launch(_) | StepKind::Gemm { .. })).count(),
+            gemm_shapes: 0,
+            nccl,
+            fast_attention: opts.fast_attention,
+            device: format!("{} (sm_{}{}, {} SMs, {:.0} GiB)", gpu.info.name, gpu.info.compute_capability.0, gpu.info.compute_capability.1, gpu.info.multiprocessors, gpu.info.total_memory as f64 / (1u64 << 30) as f64),
+        };
+        Ok(Executor {
+            gemm,
+            plan: plan.clone(),
+            graph,
+            env,
+            streams,
+            events,
+            t_start,
+            t_ends,
+            _resident: resident,
+            _arena: arena,
+            planned_extra: extra_bytes,
+            _extra: extra,
+            host,
+            bufs,
+            steps,
+            comms,
+            updates,
+            load,
+            min_free: free,
+            gpu,
+        })
+    }
+
+    /// The device tensor holding program value `%v`.
+    pub fn value(&self, v: u32) -> Option<&DevT> {
+        self.plan.buffers.iter().find(|b| b.value == v).map(|b| &self.bufs[b.id as usize])
+    }
+
+    /// Copies weights into the resident params (optimizer state not in `weights` is zeroed).
+    pub fn load_params(&mut self, weights: &BTreeMap<String, HostTensor>) -> CudaResult<()> {
+        self.gpu.bind()?;
+        for (name, v) in self.graph.params() {
+            let t = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
+            match weights.get(&name) {
+                Some(w) => {
+                    if w.shape != t.shape {
+                        if !self.graph.param_partition(&name).is_empty() {
+                            return Err(CudaError::unsupported(format!("sharded param `{name}`"), "load_params", "loading a rank's piece of a split param is not written yet"));
+                        }
+                        return Err(CudaError::Plan(format!("weight `{name}` has shape {:?} but the program wants {:?}", w.shape, t.shape)));
+                    }
+                    self.gpu.htod(t.ptr, &layout::to_device_bytes(w, t.dtype))?;
+                }
+                None if name.starts_with("optim.") || name.starts_with("state.") || name.contains(".exp_avg") => self.gpu.memset(t.ptr, 0, t.bytes() as usize)?,
+                None => return Err(CudaError::Plan(format!("no weight for param `{name}`\nhelp: pass --weights, or let the CLI initialise random weights"))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the program's inputs (by input name) to the device.
+    pub fn set_inputs(&mut self, inputs: &BTreeMap<String, HostTensor>) -> CudaResult<()> {
+        self.gpu.bind()?;
+        for (name, _, v) in self.graph.inputs() {
+            let t = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("input `{name}` has no buffer")))?;
+            let h = inputs.get(&name).ok_or_else(|| CudaError::Plan(format!("no tensor for input `{name}`")))?;
+            if h.shape != t.shape {
+                return Err(CudaError::Plan(format!("input `{name}` has shape {:?} but the plan is for {:?} (compile with matching --seq/--batch)", h.shape, t.shape)));
+            }
+            self.gpu.htod(t.ptr, &layout::to_device_bytes(h, t.dtype))?;
+        }
+        Ok(())
+    }
+
+    /// Writes a param (or optimizer state) by name.
+    pub fn set_param(&mut self, name: &str, t: &HostTensor) -> CudaResult<()> {
+        let v = self.graph.params().into_iter().find(|(n, _)| n == name).map(|(_, v)| v).ok_or_else(|| CudaError::Plan(format!("no param `{name}`")))?;
+        let d = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
+        self.gpu.htod(d.ptr, &layout::to_device_bytes(t, d.dtype))
+    }
+
+    /// Runs the program once (every instruction on its stream), then copies updated
+    /// params and optimizer state back into place. Blocks until the device is done.
+    pub fn run_step(&mut self) -> CudaResult<StepTiming> {
+        self.gpu.bind()?;
+        let wall = std::time::Instant::now();
+        let s0 = self.streams[0].0;
+        // SAFETY: live event and stream.
+        unsafe { dr::event::record(self.t_start.0, s0) }.map_err(|e| CudaError::driver("cuEventRecord", e))?;
+        for s in 1..self.streams.len() {
+            unsafe { dr::stream::wait_event(self.streams[s].0, self.t_start.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
+        }
+        for i in 0..self.steps.len() {
+            self.exec(i)?;
+        }
+        // Join every stream into stream 0, then the updates.
+        for s in 1..self.streams.len() {
+            unsafe {
+                dr::event::record(self.t_ends[s].0, self.streams[s].0).map_err(|e| CudaError::driver("cuEventRecord", e))?;
+                dr::stream::wait_event(s0, self.t_ends[s].0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
+            }
+        }
+        for &(from, to) in &self.updates {
+            let (f, t) = (&self.bufs[from as usize], &self.bufs[to as usize]);
+            self.gpu.dtod_async(t.ptr, f.ptr, f.bytes() as usize, s0)?;
+        }
+        unsafe { dr::event::record(self.t_ends[0].0, s0) }.map_err(|e| CudaError::driver("cuEventRecord", e))?;
+        let enqueue_s = wall.elapsed().as_secs_f64();
+        unsafe { dr::event::synchronize(self.t_ends[0].0) }.map_err(|e| CudaError::driver("cuEventSynchronize (the step)", e))?;
+        let ms = unsafe { dr::event::elapsed(self.t_start.0, self.t_ends[0].0) }.map_err(|e| CudaError::driver("cuEventElapsedTime", e))?;
+        let flag = self.gpu.take_err_flag()?;
+        if flag != 0 {
+            return Err(CudaError::BadData { after: "the step".into(), message: err_flag_text(flag).into() });
+        }
+        if let Ok((free, _)) = self.gpu.mem_info() {
+            self.min_free = self.min_free.min(free);
+        }
+        self.load.gemm_shapes = self.gemm.cached_shapes();
+        Ok(StepTiming { device_s: ms as f64 / 1e3, wall_s: wall.elapsed().as_secs_f64(), enqueue_s })
+    }
+
+    fn exec(&mut self, i: usize) -> CudaResult<()> {
+        let st = &self.steps[i];
+        let s = self.streams[st.stream].0;
+        let at = |e: CudaError| -> CudaError {
+            match e {
+                CudaError::Driver { call, code } => CudaError::Driver { call: format!("{call} at instruction {}", st.ins), code },
+                e => e,
+            }
+        };
+        match &st.kind {
+            StepKind::Launch(l) => l.enqueue(s).map_err(at),
+            StepKind::Gemm { shape, a, b, c, bias } => self.gemm.run(shape, *a, *b, *c, *bias, s),
+            StepKind::Copy { dst, src, bytes, kind } => {
+                let r = unsafe {
+                    match kind {
+                        CopyKind::D2D => dr::memcpy_dtod_async(*dst, *src, *bytes as usize, s),
+                        CopyKind::D2H => sys::cuMemcpyDtoHAsync_v2(*dst as *mut std::ffi::c_void, *src, *bytes as usize, s).result(),
+                        CopyKind::H2D => sys::cuMemcpyHtoDAsync_v2(*dst, *src as *const std::ffi::c_void, *bytes as usize, s).result(),
+                    }
+                };
+                r.map_err(|e| at(CudaError::driver("cuMemcpyAsync", e)))
+            }
+            StepKind::Memset { dst, bytes } => unsafe { dr::memset_d8_async(*dst, 0, *bytes as usize, s) }.map_err(|e| at(CudaError::driver("cuMemsetD8Async", e))),
+            StepKind::Wait(e) => unsafe { dr::stream::wait_event(s, self.events[*e as usize].0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.map_err(|e| at(CudaError::driver("cuStreamWaitEvent", e))),
+            StepKind::Record(e) => unsafe { dr::event::record(self.events[*e as usize].0, s) }.map_err(|e| at(CudaError::driver("cuEventRecord", e))),
+            StepKind::Grouped(g) => {
+                let g = g.clone();
+                self.grouped(&g, s)
+            }
+            StepKind::Collective { coll, axis, send, recv, count, dtype } => {
+                let comm = match &self.comms {
+                    Some(c) => c.axis(axis)?,
+                    None => {
+                        // One rank and no NCCL: every collective is a copy.
+                        let bytes = count * dtype.size_bytes();
+                        return if send != recv { unsafe { dr::memcpy_dtod_async(*recv, *send, bytes as usize, s) }.map_err(|e| CudaError::driver("cuMemcpyDtoDAsync", e)) } else { Ok(()) };
+                    }
+                };
+                let ty = comm::nccl_type(*dtype)?;
+                let red = |op: &ReduceOp| match op {
+                    ReduceOp::Sum => cudarc::nccl::sys::ncclRedOp_t::ncclSum,
+                    ReduceOp::Avg => cudarc::nccl::sys::ncclRedOp_t::ncclAvg,
+                    ReduceOp::Max => cudarc::nccl::sys::ncclRedOp_t::ncclMax,
+                    ReduceOp::Min => cudarc::nccl::sys::ncclRedOp_t::ncclMin,
+                };
+                let cs = s as cudarc::nccl::sys::cudaStream_t;
+                let (sp, rp) = (*send as *const std::ffi::c_void, *recv as *mut std::ffi::c_void);
+                let n = *count as usize;
+                // SAFETY: buffers sized by the plan; comm live.
+                let r = unsafe {
+                    match coll {
+                        Coll::AllReduce { op } => cudarc::nccl::sys::ncclAllReduce(sp, rp, n, ty, red(op), comm, cs),
+                        Coll::AllGather => cudarc::nccl::sys::ncclAllGather(sp, rp, n, ty, comm, cs),
+                        Coll::ReduceScatter { op } => cudarc::nccl::sys::ncclReduceScatter(sp, rp, n, ty, red(op), comm, cs),
+                        Coll::Broadcast { root } => cudarc::nccl::sys::ncclBroadcast(sp, rp, n, ty, *root, comm, cs),
+                    }
+                };
+                r.result().map(|_| ()).map_err(|e| CudaError::nccl(&format!("{coll:?} over `{axis}` at instruction {}", st.ins), e))
+            }
+        }
+    }
+
+    /// Grouped GEMMs: reads the row counts (a sync of this stream), then one GEMM per group.
+    fn grouped(&mut self, g: &Grouped, s: sys::CUstream) -> CudaResult<()> {
+        unsafe { dr::stream::synchronize(s) }.map_err(|e| CudaError::driver("cuStreamSynchronize (expert counts)", e))?;
+        let mut raw = vec![0u8; g.ncounts * 8];
+        self.gpu.dtoh(&mut raw, g.counts)?;
+        let counts: Vec<i64> = raw.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+        let total: i64 = counts.iter().sum();
+        if counts.iter().any(|&c| c < 0) || total as u64 != g.rows {
+            return Err(CudaError::BadData { after: "moe_dispatch".into(), message: format!("expert counts {counts:?} do not sum to the {} rows", g.rows) });
+        }
+        let es = g.dtype.size_bytes();
+        if let Some((_, dw)) = g.grad {
+            unsafe { dr::memset_d8_async(dw, 0, (g.experts as u64 * g.n * g.k * es) as usize, s) }.map_err(|e| CudaError::driver("cuMemsetD8Async", e))?;
+        }
+        let mut at = 0u64;
+        for (gi, &c) in counts.iter().enumerate() {
+            if c == 0 {
+                continue;
+            }
+            let c = c as u64;
+            let e = (gi % g.experts) as u64;
+            let w = g.w + e * g.n * g.k * es;
+            let x = g.x + at * g.k * es;
+            match g.grad {
+                None => {
+                    let out = g.out + at * g.n * es;
+                    let shape = GemmShape { dtype: g.dtype, m: c, n: g.n, k: g.k, ta: false, tb: true, batch: 1, sa: 0, sb: 0, sc: 0, bias: false, accumulate: false };
+                    self.gemm.run(&shape, x, w, out, 0, s)?;
+                }
+                Some((dy, dw)) => {
+                    let dyp = dy + at * g.n * es;
+                    let dx = g.out + at * g.k * es;
+                    // dx_g = dy_g [c, n] @ w[e] [n, k]
+                    let shape = GemmShape { dtype: g.dtype, m: c, n: g.k, k: g.n, ta: false, tb: false, batch: 1, sa: 0, sb: 0, sc: 0, bias: false, accumulate: false };
+                    self.gemm.run(&shape, dyp, w, dx, 0, s)?;
+                    // dw[e] += dy_g^T [n, c] @ x_g [c, k]
+                    let dwp = dw + e * g.n * g.k * es;
+                    let shape = GemmShape { dtype: g.dtype, m: g.n, n: g.k, k: c, ta: true, tb: false, batch: 1, sa: 0, sb: 0, sc: 0, bias: false, accumulate: true };
+                    self.gemm.run(&shape, dyp, x, dwp, 0, s)?;
+                }
+            }
+            at += c;
+        }
+        Ok(())
+    }
+
+    /// Reads a program value back as a host tensor.
+    pub fn read(&self, t: &DevT) -> CudaResult<HostTensor> {
+        self.gpu.bind()?;
+        let mut b = vec![0u8; t.bytes() as usize];
+        self.gpu.dtoh(&mut b, t.ptr)?;
+        Ok(layout::from_device_bytes(&b, t.dtype, t.shape.clone()))
+    }
+
+    /// An output of the program by name.
+    pub fn output(&self, name: &str) -> CudaResult<HostTensor> {
+        let v = self.graph.output(name).ok_or_else(|| CudaError::Plan(format!("the program has no output `{name}`")))?;
+        let t = self.value(v.0).ok_or_else(|| CudaError::Plan(format!("output `{name}` has no buffer")))?;
+        self.read(t)
+    }
+
+    /// A param's current value by name.
+    pub fn param(&self, name: &str) -> CudaResult<HostTensor> {
+        let v = self.graph.params().into_iter().find(|(n, _)| n == name).map(|(_, v)| v).ok_or_else(|| CudaError::Plan(format!("no param `{name}`")))?;
+        let t = self.value(v.0).ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
+        self.read(t)
+    }
+
+    pub fn output_names(&self) -> Vec<String> {
+        self.graph.outputs().iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    pub fn memory(&self) -> MemoryUse {
+        MemoryUse {
+            planned_peak_bytes: self.plan.memory.peak_bytes,
+            planned_arena_bytes: self.plan.memory.arena_bytes,
+            planned_resident_bytes: self.plan.memory.resident_bytes,
+            planned_breakdown: self.plan.memory.breakdown.clone(),
+            allocated_plan_bytes: self._resident.bytes as u64 + self._arena.bytes as u64,
+            runtime_extra_bytes: self.planned_extra + self.gemm.workspace.bytes as u64 + self.gpu.err_flag.bytes as u64,
+            pinned_host_bytes: self.host.as_ref().map(|h| h.bytes as u64).unwrap_or(0),
+            measured_peak_bytes: self.gpu.free_at_start.saturating_sub(self.min_free),
+        }
+    }
+}
+
+fn lower_collective(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], world: u32) -> CudaResult<()> {
+    let axis = op.axis().unwrap_or_default().to_string();
+    let (x, o) = (&ins[0], &outs[0]);
+    let dtype = x.dtype;
+    let coll = match op {
+        Op::AllReduce { op, .. } => Coll::AllReduce { op: *op },
+        Op::AllGather { dim, .. } => {
+            if norm(*dim, x.rank())? != 0 && x.shape[..norm(*dim, x.rank())?].iter().any(|&d| d != 1) {
+                return Err(lw.unsup("all_gather along an inner dim", "NCCL gathers along dim 0; not written yet"));
+            }
+            Coll::AllGather
+        }
+        Op::ReduceScatter { op, dim, .. } => {
+            if norm(*dim, x.rank())? != 0 && x.shape[..norm(*dim, x.rank())?].iter().any(|&d| d != 1) {
+                return Err(lw.unsup("reduce_scatter along an inner dim", "NCCL scatters along dim 0; not written yet"));
+            }
+            Coll::ReduceScatter { op: *op }
+        }
+        Op::Broadcast { root, .. } => Coll::Broadcast { root: *root as i32 },
+        other => {
+            if world == 1 && x.bytes() == o.bytes() {
+                lw.copy(o.ptr, x.ptr, o.bytes());
+                return Ok(());
+            }
+            return Err(lw.unsup(other.name(), "not written for several ranks yet"));
+        }
+    };
+    let count = match coll {
+        Coll::ReduceScatter { .. } => o.numel(),
+        _ => x.numel(),
+    };
+    lw.push(StepKind::Collective { coll, axis, send: x.ptr, recv: o.ptr, count, dtype });
+    Ok(())
+}

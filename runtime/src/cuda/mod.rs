@@ -1,0 +1,47 @@
+//! The CUDA executor (cargo feature `cuda`): runs an [`ExecutionPlan`] on an NVIDIA GPU.
+//!
+//! - [`probe`]: is there a GPU and are libcuda, NVRTC and cuBLASLt loadable? Absence
+//!   is a [`CudaError`], never a panic (cudarc loads libraries dynamically and would
+//!   panic at the first call into a missing one).
+//! - [`device`]: context, the kernel module (CUDA C in `kernels.cu`, `attention.cu`,
+//!   `backward.cu`, compiled once by NVRTC to a cubin and cached on disk), raw
+//!   allocations, streams, events, pinned memory, launches.
+//! - [`gemm`]: cuBLASLt GEMMs with descriptors and algorithms cached per shape.
+//! - [`comm`]: launcher variables (torchrun, Slurm) and NCCL communicators per mesh axis.
+//! - [`exec`]: the plan executor: the plan's arena and resident region as one
+//!   allocation each, its streams and events, every instruction lowered to launches once,
+//!   a step replays them.
+//! - [`layout`]: host-side layout logic, unit-tested without a GPU.
+//!
+//! Typical use:
+//! ```no_run
+//! # fn f(plan: &weft_ir::ExecutionPlan, w: &std::collections::BTreeMap<String, weft_ir::HostTensor>,
+//! #      x: &std::collections::BTreeMap<String, weft_ir::HostTensor>) -> Result<(), weft_runtime::cuda::CudaError> {
+//! use weft_runtime::cuda::{Executor, ExecOptions};
+//! let mut ex = Executor::new(plan, &ExecOptions::default())?;
+//! ex.load_params(w)?;
+//! ex.set_inputs(x)?;
+//! let t = ex.run_step()?;
+//! let loss = ex.output("loss")?;
+//! # Ok(()) }
+//! ```
+
+pub mod comm;
+pub mod device;
+pub mod error;
+pub mod exec;
+pub mod gemm;
+pub mod layout;
+pub mod nvrtc;
+pub mod probe;
+
+pub use comm::LaunchEnv;
+pub use device::{Gpu, GpuOptions};
+pub use error::{CudaError, CudaResult};
+pub use exec::{DevT, ExecOptions, Executor, LoadReport, MemoryUse, StepTiming};
+pub use probe::{probe, DeviceInfo};
+
+/// A one-line answer to "can the CUDA backend run here?", without panicking.
+pub fn availability() -> Result<DeviceInfo, CudaError> {
+    probe(0)
+}
