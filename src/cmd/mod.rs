@@ -9,7 +9,9 @@ pub mod mesh;
 pub mod models;
 pub mod ops;
 pub mod passes;
+pub mod run;
 pub mod session;
+pub mod shard;
 pub mod stats;
 
 use crate::error::{CliError, CliResult};

@@ -21,7 +21,7 @@ pub enum CudaError {
     #[error("NCCL call `{call}` failed: {code}")]
     Nccl { call: String, code: String },
     /// A device allocation did not fit; `breakdown` is the program's memory by category.
-    #[error("out of device memory allocating {what} ({}): {free} free of {total}\n{}help: {help}",
+    #[error("out of device memory allocating {what} ({}): {} free of {}\n{}help: {help}",
         gib(*.bytes), gib(*.free), gib(*.total), breakdown_text(.breakdown))]
     OutOfMemory { what: String, bytes: u64, free: u64, total: u64, breakdown: BTreeMap<String, u64>, help: String },
     /// An op, dtype or shape this backend does not run yet.

@@ -1509,3 +1509,32 @@ fn lower_collective(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], world:
     lw.push(StepKind::Collective { coll, axis, send: x.ptr, recv: o.ptr, count, dtype });
     Ok(())
 }
+
+impl Executor {
+    /// Initialises every param on the device (no host copy of the weights): normal(0, std)
+    /// for matrices and embeddings, ones for norm weights, zeros for biases and optimizer state.
+    pub fn init_params_random(&mut self, seed: u64, std: f32) -> CudaResult<()> {
+        self.gpu.bind()?;
+        for (i, (name, v)) in self.graph.params().into_iter().enumerate() {
+            let t = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
+            let lower = name.to_ascii_lowercase();
+            if name.starts_with("optim.") || name.starts_with("state.") || lower.ends_with("bias") || !t.dtype.is_float() {
+                self.gpu.memset(t.ptr, 0, t.bytes() as usize)?;
+                continue;
+            }
+            let (s, mean) = if lower.contains("norm") { (0.0, 1.0) } else { (std, 0.0) };
+            let l = self.gpu.launch_n(
+                "init_normal_any",
+                t.numel(),
+                vec![Arg::P(t.ptr), Arg::I32(code(t.dtype)), Arg::I64(t.numel() as i64), Arg::U64(seed.wrapping_mul(1_000_003).wrapping_add(i as u64)), Arg::F32(s), Arg::F32(mean)],
+            )?;
+            l.enqueue(self.streams[0].0)?;
+        }
+        self.gpu.sync()
+    }
+
+    /// Names of the program's params.
+    pub fn param_names(&self) -> Vec<String> {
+        self.graph.params().into_iter().map(|(n, _)| n).collect()
+    }
+}

@@ -87,8 +87,8 @@ impl Gemm {
         let scale = if s.dtype == DType::F64 { sys::cudaDataType::CUDA_R_64F } else { sys::cudaDataType::CUDA_R_32F };
         let desc = lt::create_matmul_desc(compute, scale).ck("cublasLtMatmulDescCreate")?;
         // Column-major: D (n x m) = X (n x k) * Y (k x m), X from B's storage, Y from A's.
-        let opx = if s.tb { sys::cublasOperation_t::CUBLAS_OP_T } else { sys::cublasOperation_t::CUBLAS_OP_N };
-        let opy = if s.ta { sys::cublasOperation_t::CUBLAS_OP_T } else { sys::cublasOperation_t::CUBLAS_OP_N };
+        let opx: i32 = if s.tb { 1 } else { 0 }; // CUBLAS_OP_T / CUBLAS_OP_N
+        let opy: i32 = if s.ta { 1 } else { 0 };
         let set = |attr: sys::cublasLtMatmulDescAttributes_t, p: *const c_void, size: usize| {
             // SAFETY: desc is live; p points at a value of `size` bytes.
             unsafe { lt::set_matmul_desc_attribute(desc, attr, p, size) }.ck("cublasLtMatmulDescSetAttribute")

@@ -731,3 +731,22 @@ extern "C" __global__ void moe_inverse(int* inv, const i64* order, i64 R, i64 tk
 }
 
 extern "C" __global__ void fill_i32(int* out, i64 n, int v) { GRID_STRIDE(i, n) out[i] = v; }
+
+// Seeded normal(mean, std) values (counter-based: splitmix64 of (seed, i), Box-Muller), for
+// initialising large models on the device.
+__device__ __forceinline__ u64 splitmix(u64 z) {
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+extern "C" __global__ void init_normal_any(void* out, int code, i64 n, u64 seed, float stdv, float mean) {
+    GRID_STRIDE(i, n) {
+        u64 a = splitmix(seed ^ (u64)i * 0x2545F4914F6CDD1DULL);
+        u64 b = splitmix(a);
+        float u1 = ((a >> 40) + 1) * (1.0f / 16777217.0f);
+        float u2 = (b >> 40) * (1.0f / 16777216.0f);
+        float z = sqrtf(-2.f * __logf(u1)) * __cosf(6.283185307179586f * u2);
+        st_any(out, code, i, mean + stdv * z);
+    }
+}

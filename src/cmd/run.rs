@@ -1,0 +1,479 @@
+//! `weft run`: train (or, for a program without an optimizer, evaluate) a model or plan
+//! for `--steps` steps on a backend, printing per-step loss, step time, tokens/s, MFU
+//! and peak memory. `--backend cuda` runs the plan on the GPU (needs a build with
+//! `--features cuda`); `--backend cpu` runs the same program on the CPU reference.
+//! `--check` compares the first steps' losses and gradients with the CPU reference.
+
+use super::session::draw_inputs;
+use crate::error::{CliError, CliResult};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use weft_ir::{DType, ExecutionPlan, Graph, HostTensor, Op};
+
+#[derive(clap::Args, Clone)]
+pub struct Args {
+    /// Preset name, config.json, model directory, .weft file or a plan .json.
+    pub model: String,
+    /// cpu or cuda.
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    #[arg(long, default_value_t = 1)]
+    pub steps: usize,
+    /// Mesh axes outermost first (empty: one rank).
+    #[arg(long, default_value = "")]
+    pub mesh: String,
+    /// Weights (safetensors). Default: the model directory's, else seeded random weights
+    /// (drawn on the device for the cuda backend).
+    #[arg(long)]
+    pub weights: Option<PathBuf>,
+    /// Inputs: safetensors with `input_ids` and `labels` (i64 [B, S]), used every step.
+    #[arg(long)]
+    pub inputs: Option<PathBuf>,
+    /// Token file (flat little-endian uint16, nanoGPT style): each step reads the next B*S tokens.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Float dtype of params and activations: keep (the model's), bf16 or f32.
+    #[arg(long, default_value = "keep")]
+    pub dtype: String,
+    #[arg(long)]
+    pub seq: Option<i64>,
+    #[arg(long)]
+    pub batch: Option<i64>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Forward only (no autodiff/optimizer passes), even where the build has them.
+    #[arg(long)]
+    pub forward_only: bool,
+    /// Passes appended for training (when registered in this build).
+    #[arg(long, default_value = "autodiff,optimizer")]
+    pub train_passes: String,
+    /// Compare each step's loss (and the first step's gradients) with the CPU reference
+    /// (f32) for this many steps (0: off). `--check` alone checks the first step.
+    #[arg(long, num_args = 0..=1, default_missing_value = "1", default_value_t = 0)]
+    pub check: usize,
+    /// Relative tolerance of --check (default: 3e-2 for bf16 programs, 1e-3 for f32).
+    #[arg(long)]
+    pub tolerance: Option<f64>,
+    /// Peak dense matmul rate for MFU, TFLOP/s (default: 989, H100/H200 bf16 dense).
+    #[arg(long, default_value_t = 989.0)]
+    pub peak_tflops: f64,
+    /// Generic attention kernels instead of the tensor-core ones.
+    #[arg(long)]
+    pub generic_attention: bool,
+    /// Write the plan that was run here.
+    #[arg(long)]
+    pub plan_out: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The program and plan to run, with the weights and inputs.
+pub struct Prepared {
+    pub program: Graph,
+    pub plan: ExecutionPlan,
+    pub training: bool,
+    pub host_weights: Option<BTreeMap<String, HostTensor>>,
+    pub batch: i64,
+    pub seq: i64,
+    pub vocab: i64,
+    pub compile_s: f64,
+    pub notes: Vec<String>,
+}
+
+/// Every float param, input and fill of `g` becomes `dtype` (ops whose rules fix f32,
+/// such as rope tables and losses, keep it); types are re-inferred in program order.
+pub fn convert_dtype(g: &mut Graph, dtype: DType) -> CliResult {
+    let nodes: Vec<_> = g.nodes().to_vec();
+    for n in nodes {
+        let op = g.node(n).op.clone();
+        let new = match op {
+            Op::Param { name, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Param { name, ty: ty.with_dtype(dtype) }),
+            Op::Input { name, role, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Input { name, role, ty: ty.with_dtype(dtype) }),
+            Op::Full { value, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Full { value, ty: ty.with_dtype(dtype) }),
+            _ => None,
+        };
+        if let Some(op) = new {
+            g.node_mut(n).op = op;
+        }
+        g.reinfer(n).map_err(|e| CliError::input(format!("converting to {dtype}: {e}")))?;
+    }
+    Ok(())
+}
+
+fn vocab_of(g: &Graph) -> Option<i64> {
+    g.nodes().iter().find_map(|&n| match g.node(n).op {
+        Op::Embedding {} => g.ty(g.node(n).operands[1]).shape[0].as_const(),
+        _ => None,
+    })
+}
+
+pub fn prepare(a: &Args) -> CliResult<Prepared> {
+    let t0 = std::time::Instant::now();
+    let mut notes = Vec::new();
+    // A plan given as MODEL runs as is.
+    if let Some(plan) = read_plan(&a.model)? {
+        let program = weft_ir::parse(&plan.program).map_err(|e| CliError::input(format!("the program of plan {}: {e}", a.model)))?;
+        let training = program.outputs().iter().any(|(n, _)| n.starts_with("param.") || n.starts_with("grad."));
+        let (b, s) = (plan.bindings.get("B").copied().unwrap_or(1), plan.bindings.get("S").copied().unwrap_or(1));
+        let vocab = vocab_of(&program).unwrap_or(2);
+        let host_weights = match &a.weights {
+            Some(w) if !plan.source.is_empty() => {
+                let model = super::load_model(&plan.source)?;
+                Some(weft_frontends::load_weights(&model, w).map_err(super::frontend_err)?)
+            }
+            _ => None,
+        };
+        return Ok(Prepared { program, plan, training, host_weights, batch: b, seq: s, vocab, compile_s: t0.elapsed().as_secs_f64(), notes });
+    }
+    let mesh = super::parse_mesh(&a.mesh)?;
+    let model = super::load_model(&a.model)?;
+    let mut g = model.graph.clone();
+    let mut names = super::compile::pipeline(None, &mesh)?;
+    let mut training = false;
+    if !a.forward_only {
+        let want: Vec<String> = a.train_passes.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+        let missing: Vec<&String> = want.iter().filter(|p| weft_passes::lookup(p).is_err()).collect();
+        if missing.is_empty() && !want.is_empty() {
+            names.extend(want.iter().cloned());
+            training = true;
+        } else {
+            notes.push(format!(
+                "training passes {} are not in this build: running the forward program (loss only)",
+                missing.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ")
+            ));
+        }
+    }
+    match a.dtype.as_str() {
+        "keep" => {}
+        "bf16" => convert_dtype(&mut g, DType::BF16)?,
+        "f32" => convert_dtype(&mut g, DType::F32)?,
+        d => return Err(CliError::input(format!("invalid --dtype `{d}`")).with_help("use keep, bf16 or f32")),
+    }
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let cx = weft_passes::PassContext::new(mesh.clone());
+    weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+    let batch = a.batch.unwrap_or(mesh.size_or_one("dp") as i64);
+    let seq = a.seq.unwrap_or(64 * mesh.size_or_one("sp") as i64);
+    let bindings = super::compile::check_sizes(&g, Some(batch), Some(seq))?;
+    let mut opts = weft_passes::plan::PlanOptions::new(batch, seq);
+    opts.bindings = bindings;
+    opts.device_memory = 139 << 30;
+    opts.source = a.model.clone();
+    let plan = weft_passes::plan::lower(&g, &opts).map_err(crate::fail)?;
+    let checkpoint = a.weights.clone().or_else(|| model.dir().map(|d| d.join("model.safetensors")).filter(|p| p.exists()));
+    let host_weights = match checkpoint {
+        Some(w) => Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?),
+        None if a.backend == "cpu" || a.check > 0 => Some(weft_frontends::random_weights(&model, a.seed)),
+        None => None,
+    };
+    let vocab = vocab_of(&g).unwrap_or(2);
+    Ok(Prepared { program: g, plan, training, host_weights, batch, seq, vocab, compile_s: t0.elapsed().as_secs_f64(), notes })
+}
+
+fn read_plan(spec: &str) -> CliResult<Option<ExecutionPlan>> {
+    let path = std::path::Path::new(spec);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(None) };
+    if !(text.trim_start().starts_with('{') && text.contains("\"program\"")) {
+        return Ok(None);
+    }
+    ExecutionPlan::from_json(&text, spec).map(Some).map_err(crate::fail)
+}
+
+/// The inputs of step `step`: `--inputs`, the next tokens of `--data`, or drawn.
+pub struct Feeder {
+    fixed: Option<BTreeMap<String, HostTensor>>,
+    data: Option<Vec<u16>>,
+    at: usize,
+    batch: usize,
+    seq: usize,
+    vocab: i64,
+    seed: u64,
+}
+
+impl Feeder {
+    pub fn new(a: &Args, batch: i64, seq: i64, vocab: i64) -> CliResult<Feeder> {
+        let fixed = match &a.inputs {
+            Some(p) => Some(weft_frontends::read_safetensors(p).map_err(super::frontend_err)?),
+            None => None,
+        };
+        let data = match &a.data {
+            Some(p) => {
+                let b = std::fs::read(p).map_err(|e| CliError::input(format!("cannot read --data {}: {e}", p.display())))?;
+                let toks: Vec<u16> = b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+                if toks.len() < (batch * seq) as usize {
+                    return Err(CliError::input(format!("--data {} holds {} tokens, fewer than one batch ({})", p.display(), toks.len(), batch * seq)));
+                }
+                Some(toks)
+            }
+            None => None,
+        };
+        Ok(Feeder { fixed, data, at: 0, batch: batch as usize, seq: seq as usize, vocab, seed: a.seed })
+    }
+
+    pub fn next(&mut self, step: usize) -> BTreeMap<String, HostTensor> {
+        let mut m = if let Some(f) = &self.fixed {
+            f.clone()
+        } else if let Some(d) = &self.data {
+            let n = self.batch * self.seq;
+            if self.at + n > d.len() {
+                self.at = 0;
+            }
+            let ids: Vec<i64> = d[self.at..self.at + n].iter().map(|&t| t as i64).collect();
+            self.at += n;
+            let mut m = BTreeMap::new();
+            m.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![self.batch, self.seq], ids.clone()));
+            m.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![self.batch, self.seq], ids));
+            m
+        } else {
+            draw_inputs(self.vocab, self.batch, self.seq, self.seed.wrapping_add(step as u64))
+        };
+        // The optimizer's 1-based step counter, where the program takes it as an input.
+        m.insert("optim.step".into(), HostTensor::floats(DType::F32, vec![], vec![(step + 1) as f64]));
+        m.insert("step".into(), HostTensor::floats(DType::F32, vec![], vec![(step + 1) as f64]));
+        m
+    }
+}
+
+/// Only the inputs the program has.
+pub fn inputs_for(g: &Graph, all: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
+    g.inputs().into_iter().filter_map(|(n, _, _)| all.get(&n).map(|t| (n, t.clone()))).collect()
+}
+
+#[derive(serde::Serialize, Clone, Debug)]
+pub struct StepReport {
+    pub step: usize,
+    pub loss: f64,
+    pub step_s: f64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference_loss: Option<f64>,
+}
+
+/// The CPU reference run of `g`: per step, outputs with params updated from `param.*`.
+pub fn cpu_steps(g: &Graph, weights: &BTreeMap<String, HostTensor>, feeder: &mut Feeder, steps: usize, b: i64, s: i64, precision: weft_runtime::cpu::Precision) -> CliResult<Vec<weft_runtime::cpu::RunResult>> {
+    Ok(cpu_steps_timed(g, weights, feeder, steps, b, s, precision)?.into_iter().map(|(r, _)| r).collect())
+}
+
+/// Like [`cpu_steps`], with each step's wall time.
+pub fn cpu_steps_timed(g: &Graph, weights: &BTreeMap<String, HostTensor>, feeder: &mut Feeder, steps: usize, b: i64, s: i64, precision: weft_runtime::cpu::Precision) -> CliResult<Vec<(weft_runtime::cpu::RunResult, f64)>> {
+    let mut w = weights.clone();
+    let mut out = Vec::new();
+    // Optimizer state starts at zero.
+    for (name, v) in g.params() {
+        if !w.contains_key(&name) {
+            let ty = g.ty(v);
+            let shape: Vec<usize> = ty.shape.iter().map(|d| d.as_const().unwrap_or(0) as usize).collect();
+            let n = shape.iter().product();
+            w.insert(name, HostTensor::floats(ty.dtype, shape, vec![0.0; n]));
+        }
+    }
+    for step in 0..steps {
+        let t = std::time::Instant::now();
+        let inputs = inputs_for(g, &feeder.next(step));
+        let opts = weft_runtime::cpu::RunOptions::new(precision).bind("B", b).bind("S", s);
+        let r = weft_runtime::cpu::run(g, &w, &inputs, &opts).map_err(|e| CliError::input(format!("CPU reference, step {step}: {e}")))?;
+        for (name, t) in &r.outputs {
+            let target = name.strip_prefix("param.").map(str::to_string).or_else(|| (name.starts_with("optim.") || name.starts_with("state.")).then(|| name.clone()));
+            if let Some(t_name) = target {
+                if w.contains_key(&t_name) {
+                    w.insert(t_name, t.clone());
+                }
+            }
+        }
+        out.push((r, t.elapsed().as_secs_f64()));
+    }
+    Ok(out)
+}
+
+pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+    let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30);
+    if a.iter().any(|x| x.is_nan()) {
+        return f64::INFINITY;
+    }
+    num / den
+}
+
+pub fn run(a: Args) -> CliResult {
+    match a.backend.as_str() {
+        "cpu" => run_cpu(&a),
+        "cuda" => run_cuda(&a),
+        b => Err(CliError::input(format!("unknown --backend `{b}`")).with_help("use cpu or cuda")),
+    }
+}
+
+fn print_step(a: &Args, r: &StepReport) {
+    if !a.json {
+        let refl = r.reference_loss.map(|l| format!("  (cpu {l:.6})")).unwrap_or_default();
+        println!(
+            "step {:>4}  loss {:>10.6}{refl}  {:>9.2} ms  {:>10.0} tok/s  MFU {:>5.1}%",
+            r.step + 1,
+            r.loss,
+            r.step_s * 1e3,
+            r.tokens_per_s,
+            r.mfu * 100.0
+        );
+    }
+}
+
+fn run_cpu(a: &Args) -> CliResult {
+    let p = prepare(a)?;
+    for n in &p.notes {
+        eprintln!("note: {n}");
+    }
+    let weights = p.host_weights.clone().ok_or_else(|| CliError::input("the cpu backend needs host weights"))?;
+    let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
+    let tokens = (p.batch * p.seq) as f64;
+    let mut reports = Vec::new();
+    let runs = cpu_steps_timed(&p.program, &weights, &mut feeder, a.steps, p.batch, p.seq, weft_runtime::cpu::Precision::F32)?;
+    for (step, (r, dt)) in runs.iter().enumerate() {
+        let dt = *dt;
+        let loss = r.outputs.get("loss").map(|t| t.to_f64()[0]).unwrap_or(f64::NAN);
+        let rep = StepReport { step, loss, step_s: dt, tokens_per_s: tokens / dt, mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12), reference_loss: None };
+        print_step(a, &rep);
+        reports.push(rep);
+    }
+    if a.json {
+        print!("{}", super::json(&serde_json::json!({ "backend": "cpu", "model": p.plan.model, "steps": reports })));
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &Args) -> CliResult {
+    Err(CliError::input("this weft was built without the CUDA backend").with_help("rebuild with `cargo build --release --features cuda`"))
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(a: &Args) -> CliResult {
+    use weft_runtime::cuda::{ExecOptions, Executor};
+    let cuda_err = |e: weft_runtime::cuda::CudaError| CliError::input(format!("CUDA backend: {e}"));
+    // Fail fast, before compiling, when there is no GPU or no CUDA library.
+    weft_runtime::cuda::probe(0).map_err(cuda_err)?;
+    let p = prepare(a)?;
+    for n in &p.notes {
+        eprintln!("note: {n}");
+    }
+    if let Some(path) = &a.plan_out {
+        std::fs::write(path, p.plan.to_json()).map_err(|e| CliError::input(format!("cannot write {}: {e}", path.display())))?;
+    }
+    let mut opts = ExecOptions::default();
+    if a.generic_attention {
+        opts.fast_attention = false;
+    }
+    let t_load = std::time::Instant::now();
+    let mut ex = Executor::new(&p.plan, &opts).map_err(cuda_err)?;
+    match &p.host_weights {
+        Some(w) => ex.load_params(w).map_err(cuda_err)?,
+        None => ex.init_params_random(a.seed, 0.02).map_err(cuda_err)?,
+    }
+    let load_s = t_load.elapsed().as_secs_f64();
+    let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
+    let reference = if a.check > 0 {
+        let w = p.host_weights.as_ref().ok_or_else(|| CliError::input("--check needs host weights"))?;
+        let mut f2 = Feeder::new(a, p.batch, p.seq, p.vocab)?;
+        Some(cpu_steps(&p.program, w, &mut f2, a.check.min(a.steps.max(1)), p.batch, p.seq, weft_runtime::cpu::Precision::F32)?)
+    } else {
+        None
+    };
+    let tokens = (p.batch * p.seq) as f64;
+    let mut reports = Vec::new();
+    let mut failures = Vec::new();
+    let tol = a.tolerance.unwrap_or(if p.program.params().iter().any(|(_, v)| p.program.ty(*v).dtype == DType::BF16) { 3e-2 } else { 1e-3 });
+    for step in 0..a.steps {
+        let inputs = inputs_for(&p.program, &feeder.next(step));
+        ex.set_inputs(&inputs).map_err(cuda_err)?;
+        let t = ex.run_step().map_err(cuda_err)?;
+        let loss = ex.output("loss").map(|t| t.to_f64()[0]).unwrap_or(f64::NAN);
+        let dt = t.device_s;
+        let reference_loss = reference.as_ref().and_then(|r| r.get(step)).and_then(|r| r.outputs.get("loss")).map(|t| t.to_f64()[0]);
+        if let Some(rl) = reference_loss {
+            let e = (loss - rl).abs() / rl.abs().max(1e-6);
+            if !(e <= tol) {
+                failures.push(format!("step {}: loss {loss} vs cpu {rl} (rel {e:.2e} > {tol:.0e})", step + 1));
+            }
+        }
+        if step == 0 {
+            if let Some(r) = reference.as_ref().and_then(|r| r.first()) {
+                for (name, want) in &r.outputs {
+                    if !name.starts_with("grad.") {
+                        continue;
+                    }
+                    let got = ex.output(name).map_err(cuda_err)?;
+                    let e = rel_err(&got.to_f64(), &want.to_f64());
+                    if !(e <= tol) {
+                        failures.push(format!("step 1: {name} differs from the cpu reference (rel {e:.2e} > {tol:.0e})"));
+                    }
+                }
+            }
+        }
+        let rep = StepReport { step, loss, step_s: dt, tokens_per_s: tokens / dt, mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12), reference_loss };
+        print_step(a, &rep);
+        reports.push(rep);
+    }
+    let mem = ex.memory();
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let steady: Vec<&StepReport> = reports.iter().skip(if reports.len() > 2 { 1 } else { 0 }).collect();
+    let mean_s = steady.iter().map(|r| r.step_s).sum::<f64>() / steady.len().max(1) as f64;
+    if a.json {
+        print!(
+            "{}",
+            super::json(&serde_json::json!({
+                "backend": "cuda",
+                "model": p.plan.model,
+                "training": p.training,
+                "batch": p.batch,
+                "seq": p.seq,
+                "device": ex.load.device,
+                "load": ex.load,
+                "load_s": load_s,
+                "compile_s": p.compile_s,
+                "memory": mem,
+                "mean_step_s": mean_s,
+                "tokens_per_s": tokens / mean_s,
+                "steps": reports,
+                "check_failures": failures,
+                "notes": p.notes,
+            }))
+        );
+    } else {
+        println!(
+            "{} on {}: {} program, B={} S={}, {} launches/step; compile {:.2}s, kernels {:.2}s ({}), load {:.2}s",
+            p.plan.model,
+            ex.load.device,
+            if p.training { "training" } else { "forward" },
+            p.batch,
+            p.seq,
+            ex.load.launches_per_step,
+            p.compile_s,
+            ex.load.kernel_compile_s,
+            if ex.load.kernel_cache_hit { "cached" } else { "compiled" },
+            load_s
+        );
+        println!(
+            "mean step {:.2} ms, {:.0} tok/s; memory: planned peak {:.2} GiB (arena {:.2} + resident {:.2}), measured {:.2} GiB (runtime extra {:.2} GiB); nccl: {}",
+            mean_s * 1e3,
+            tokens / mean_s,
+            gib(mem.planned_peak_bytes),
+            gib(mem.planned_arena_bytes),
+            gib(mem.planned_resident_bytes),
+            gib(mem.measured_peak_bytes),
+            gib(mem.runtime_extra_bytes),
+            ex.load.nccl
+        );
+    }
+    if !failures.is_empty() {
+        for f in &failures {
+            eprintln!("check failed: {f}");
+        }
+        return Err(CliError::failed(format!("{} check(s) against the CPU reference failed", failures.len())));
+    }
+    if reference.is_some() && !a.json {
+        println!("check: losses{} match the CPU reference within {tol:.0e}", if p.training { " and first-step gradients" } else { "" });
+    }
+    Ok(())
+}
