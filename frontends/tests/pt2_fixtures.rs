@@ -56,7 +56,7 @@ fn err(bytes: Vec<u8>) -> Pt2Error {
 
 #[test]
 fn every_fixture_imports_with_its_report() {
-    for (name, family) in [("qwen2", "qwen2"), ("llama_static", "llama"), ("mixtral", "mixtral"), ("mixtral_batched_decomposed", "mixtral")] {
+    for (name, family) in [("qwen2", "qwen2"), ("llama_static", "llama"), ("llama_decomposed", "llama"), ("mixtral", "mixtral"), ("mixtral_batched_decomposed", "mixtral")] {
         let im = import(&fixture(name), &Pt2Options { config: Some(config(family)), ..Default::default() }).unwrap();
         let r = &im.report;
         assert_eq!(r.count("attention"), 2, "{name}\n{r}");
@@ -67,6 +67,9 @@ fn every_fixture_imports_with_its_report() {
         let ids = im.graph.inputs().into_iter().find(|(n, _, _)| n == "input_ids").unwrap();
         assert_eq!(im.graph.ty(ids.2).to_string(), "i64[B, S]", "{name}");
         assert_eq!(im.graph.params().len(), im.weights.len());
+        // The stable text form round-trips.
+        let text = weft_ir::print(&im.graph);
+        assert_eq!(weft_ir::parse(&text).unwrap(), im.graph, "{name}");
         // Every node carries its HF module.
         for &n in im.graph.nodes() {
             let d = im.graph.node(n);
