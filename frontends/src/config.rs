@@ -116,6 +116,9 @@ pub struct ModelConfig {
     /// The attention window HF applies, if any. The graph's attention is fully causal,
     /// so it equals HF only for sequences no longer than this.
     pub sliding_window: Option<usize>,
+    /// HF `base_model_tp_plan` (module pattern, style), as written; read by the
+    /// `tensor-parallel` pass (styles are checked there).
+    pub tp_plan: Vec<(String, String)>,
 }
 
 impl ModelConfig {
@@ -241,7 +244,21 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         fused_projections: family == Family::Phi3,
         moe,
         sliding_window,
+        tp_plan: parse_tp_plan(f)?,
     })
+}
+
+fn parse_tp_plan(f: &Fields) -> Result<Vec<(String, String)>, FrontendError> {
+    if f.get("base_model_tp_plan").is_some_and(|v| v.is_null()) {
+        return Ok(vec![]);
+    }
+    let Some(plan) = f.opt_object("base_model_tp_plan")? else { return Ok(vec![]) };
+    plan.iter()
+        .map(|(k, v)| match v.as_str() {
+            Some(style) => Ok((k.clone(), style.to_string())),
+            None => Err(f.err("base_model_tp_plan", format!("entry `{k}` must be a style string, got {v}"))),
+        })
+        .collect()
 }
 
 fn parse_dtype(f: &Fields) -> Result<DType, FrontendError> {

@@ -5,7 +5,7 @@
 use crate::error::{CliError, CliResult};
 use std::path::PathBuf;
 use weft_ir::Bindings;
-use weft_passes::{Instrumentation, PassContext, PassFilter, PassManager};
+use weft_passes::{Instrumentation, PassFilter, PassManager};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -54,6 +54,9 @@ pub struct Args {
     /// Print the pass statistics as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// DeepSpeed `tensor_parallel.partition_config` JSON: layer specs for tp meshes.
+    #[arg(long, value_name = "FILE")]
+    pub tp_spec: Option<PathBuf>,
 }
 
 /// Parses `--passes` or picks the mesh's default pipeline.
@@ -99,6 +102,7 @@ pub fn check_sizes(g: &weft_ir::Graph, batch: Option<i64>, seq: Option<i64>) -> 
 pub fn run(a: Args) -> CliResult {
     let mesh = super::parse_mesh(&a.mesh)?;
     let model = super::load_model(&a.model)?;
+    let cx = super::shard::pass_context(&mesh, &model, a.tp_spec.as_deref())?;
     let mut g = model.graph;
     let names = pipeline(a.passes.as_deref(), &mesh)?;
     let filter = |t: &Option<String>| -> CliResult<PassFilter> {
@@ -113,7 +117,6 @@ pub fn run(a: Args) -> CliResult {
         stop_after: a.stop_after.clone(),
         ..Instrumentation::default()
     };
-    let cx = PassContext::new(mesh.clone());
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();
     let report = PassManager::new(ins).run(&mut g, &cx, &refs, &mut std::io::stderr()).map_err(crate::fail)?;

@@ -12,6 +12,7 @@ pub mod passes;
 pub mod run;
 pub mod session;
 pub mod shard;
+pub mod shard;
 pub mod stats;
 
 use crate::error::{CliError, CliResult};

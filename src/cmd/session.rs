@@ -40,6 +40,9 @@ pub struct RunArgs {
     /// Float precision of the reference runtime: f32 or f64.
     #[arg(long, default_value = "f64")]
     pub precision: String,
+    /// DeepSpeed `tensor_parallel.partition_config` JSON: layer specs for tp meshes.
+    #[arg(long, value_name = "FILE")]
+    pub tp_spec: Option<PathBuf>,
 }
 
 pub struct Session {
@@ -53,6 +56,8 @@ pub struct Session {
     pub precision: Precision,
     /// Where the weights came from, for reports.
     pub weights_from: String,
+    /// `--tp-spec`.
+    pub tp_spec: Option<PathBuf>,
 }
 
 impl Session {
@@ -93,7 +98,7 @@ impl Session {
                 draw_inputs(vocab_size(&model.graph)?, batch as usize, seq as usize, a.seed)
             }
         };
-        Ok(Session { model, precompiled, mesh, weights, inputs, precision, weights_from })
+        Ok(Session { model, precompiled, mesh, weights, inputs, precision, weights_from, tp_spec: a.tp_spec.clone() })
     }
 
     /// The parallel program for the session's mesh (the model itself on one rank).
@@ -106,7 +111,7 @@ impl Session {
         let mut g = self.model.graph.clone();
         let names = super::compile::pipeline(passes, &self.mesh)?;
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let cx = weft_passes::PassContext::new(self.mesh.clone());
+        let cx = super::shard::pass_context(&self.mesh, &self.model, self.tp_spec.as_deref())?;
         weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
         let (b, s) = self.input_sizes()?;
         super::compile::check_sizes(&g, Some(b), Some(s))?;

@@ -93,7 +93,10 @@ fn param_error(name: &str, why: impl Into<String>) -> PassError {
 /// What happens to one parameter.
 #[derive(Clone, Debug)]
 enum ParamPlan {
-    Whole { why: String },
+    Whole {
+        #[allow(dead_code)]
+        why: String,
+    },
     /// Split along `dim`: each sub-parameter's per-rank sizes, and the new dim.
     Split { kind: &'static str, dim: usize, pieces: Vec<Vec<i64>>, local: Dim, why: String, gather: bool },
     /// Kept whole; each rank slices `[start, start+len)` of `dim` where it is read

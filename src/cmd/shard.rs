@@ -1,0 +1,130 @@
+//! `weft shard`: cut a full safetensors checkpoint into per-rank shards for a mesh
+//! (`rank-tp0.safetensors`, ... plus `layout.json`, the reshardable metadata of every
+//! parameter), or with `--unshard` put a shard directory back into one checkpoint.
+//! Resharding tp=a to tp=b is `--unshard` then `shard`; values only move, so a round
+//! trip is byte-identical. Also: the pass options every command that compiles shares
+//! (`--tp-spec`, the config's `base_model_tp_plan`).
+
+use crate::error::{CliError, CliResult};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use weft_frontends::Model;
+use weft_ir::{HostTensor, Mesh};
+use weft_passes::tp::{self, ParamLayout, TpOptions, TpSpec};
+use weft_passes::PassContext;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Preset name, config.json or model directory (for `--unshard`: optional, the
+    /// shard directory's layout.json says everything).
+    pub model: String,
+    /// The full checkpoint to cut (default: the model directory's model.safetensors);
+    /// with `--unshard`, the shard directory to read.
+    #[arg(long)]
+    pub weights: Option<PathBuf>,
+    /// Mesh axes, e.g. `tp=4` or `dp=2,tp=2` (parameters split over tp get one shard
+    /// per tp rank; other axes replicate).
+    #[arg(long, default_value = "")]
+    pub mesh: String,
+    /// DeepSpeed `tensor_parallel.partition_config` JSON (layer specs).
+    #[arg(long, value_name = "FILE")]
+    pub tp_spec: Option<PathBuf>,
+    /// Put the shards in `--weights DIR` back into the full checkpoint `-o FILE`.
+    #[arg(long)]
+    pub unshard: bool,
+    /// Output directory (shards) or file (`--unshard`).
+    #[arg(short, long)]
+    pub output: PathBuf,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct LayoutFile {
+    model: String,
+    mesh: String,
+    /// Axes the shards are cut over, outermost first, with their sizes.
+    axes: Vec<(String, u32)>,
+    /// One file per coordinate combination, in row-major order.
+    files: Vec<String>,
+    params: Vec<ParamLayout>,
+}
+
+/// The pass context for `mesh`: the explicit `--tp-spec`, the config's HF tp plan and
+/// the model type for the `tensor-parallel` pass.
+pub fn pass_context(mesh: &Mesh, model: &Model, tp_spec: Option<&Path>) -> CliResult<PassContext> {
+    let mut cx = PassContext::new(mesh.clone());
+    let mut o = TpOptions::default();
+    if let Some(p) = tp_spec {
+        let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("cannot read --tp-spec {}: {e}", p.display())))?;
+        let spec = TpSpec::from_deepspeed_json(&text, &p.display().to_string()).map_err(crate::fail)?;
+        o.spec = Some(spec);
+    }
+    if let Some(c) = &model.config {
+        o.hf_plan = c.tp_plan.clone();
+        o.model_type = Some(c.model_type.clone());
+        let file = match &model.origin {
+            weft_frontends::Origin::Config(p) => p.display().to_string(),
+            _ => "config.json".to_string(),
+        };
+        o.hf_plan_source = file;
+    }
+    cx.options.tp = o;
+    Ok(cx)
+}
+
+fn shard_name(axes: &[(String, u32)], coords: &[u32]) -> String {
+    if axes.is_empty() {
+        return "rank.safetensors".to_string();
+    }
+    let parts: Vec<String> = axes.iter().zip(coords).map(|((a, _), c)| format!("{a}{c}")).collect();
+    format!("rank-{}.safetensors", parts.join("-"))
+}
+
+pub fn run(a: Args) -> CliResult {
+    if a.unshard {
+        return unshard(&a);
+    }
+    let mesh = super::parse_mesh(&a.mesh)?;
+    let model = super::load_model(&a.model)?;
+    let mut g = model.graph.clone();
+    g.mesh = mesh.clone();
+    let cx = pass_context(&mesh, &model, a.tp_spec.as_deref())?;
+    let names = super::compile::pipeline(None, &mesh)?;
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+    let layouts = tp::param_layouts(&g, &model.tied).map_err(CliError::input)?;
+    let checkpoint = a
+        .weights
+        .clone()
+        .or_else(|| model.dir().map(|d| d.join("model.safetensors")).filter(|p| p.exists()))
+        .ok_or_else(|| CliError::input("no checkpoint to shard").with_help("give --weights FILE"))?;
+    let full = weft_frontends::read_safetensors(&checkpoint).map_err(super::frontend_err)?;
+    let axes = tp::layout::shard_axes(&layouts, &mesh);
+    let shards = tp::shard_checkpoint(&layouts, &full, &axes).map_err(|e| CliError::input(format!("sharding {}: {e}", checkpoint.display())))?;
+    std::fs::create_dir_all(&a.output).map_err(|e| CliError::input(format!("cannot create {}: {e}", a.output.display())))?;
+    let coords = tp::layout::shard_coords(&axes);
+    let mut files = Vec::new();
+    for (cs, shard) in coords.iter().zip(&shards) {
+        let name = shard_name(&axes, cs);
+        weft_frontends::save_safetensors(&a.output.join(&name), shard).map_err(super::frontend_err)?;
+        files.push(name);
+    }
+    let lf = LayoutFile { model: a.model.clone(), mesh: mesh.to_string(), axes: axes.clone(), files, params: layouts };
+    super::write_out(Some(&a.output.join("layout.json")), &super::json(&lf))?;
+    let split = lf.params.iter().filter(|l| !l.replicated).count();
+    eprintln!("sharded {} for mesh {mesh}: {} files, {split} of {} parameters split -> {}", checkpoint.display(), shards.len(), lf.params.len(), a.output.display());
+    Ok(())
+}
+
+fn unshard(a: &Args) -> CliResult {
+    let dir = a.weights.clone().ok_or_else(|| CliError::input("--unshard needs --weights DIR (a directory `weft shard` wrote)"))?;
+    let text = std::fs::read_to_string(dir.join("layout.json")).map_err(|e| CliError::input(format!("cannot read {}: {e}", dir.join("layout.json").display())))?;
+    let lf: LayoutFile = serde_json::from_str(&text).map_err(|e| CliError::input(format!("{}: {e}", dir.join("layout.json").display())))?;
+    let mut shards: Vec<BTreeMap<String, HostTensor>> = Vec::new();
+    for f in &lf.files {
+        shards.push(weft_frontends::read_safetensors(&dir.join(f)).map_err(super::frontend_err)?);
+    }
+    let full = tp::unshard_checkpoint(&lf.params, &shards, &lf.axes).map_err(|e| CliError::input(format!("unsharding {}: {e}", dir.display())))?;
+    weft_frontends::save_safetensors(&a.output, &full).map_err(super::frontend_err)?;
+    eprintln!("unsharded {} ({} files, mesh {}) -> {}", dir.display(), lf.files.len(), lf.mesh, a.output.display());
+    Ok(())
+}
