@@ -479,15 +479,15 @@ fn linear_cpu(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, b: Opt
     Ok((out, shape))
 }
 
-/// `(dx, dw, db)` of `y = x @ w^T + b` for the output gradient `g`.
-fn linear_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+/// `(dx, dw, db)` of `y = x @ w^T + b` for the output gradient `g` (`db` when asked).
+fn linear_bwd(x: &Tensor, w: &Tensor, g: &Tensor, bias: bool) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let (n, k) = w.dims2()?;
     let m = x.elem_count() / k.max(1);
     let g2 = g.reshape((m, n))?;
     let x2 = x.reshape((m, k))?;
     let dx = g2.matmul(w)?.reshape(x.dims())?;
     let dw = g2.t()?.matmul(&x2)?;
-    let db = g2.sum(0)?;
+    let db = if bias { Some(g2.sum(0)?) } else { None };
     Ok((dx, dw, db))
 }
 
@@ -499,7 +499,7 @@ impl CustomOp2 for Linear {
         linear_cpu(s1, l1, s2, l2, None)
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = linear_bwd(x, w, g)?;
+        let (dx, dw, _) = linear_bwd(x, w, g, false)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -518,8 +518,8 @@ impl CustomOp3 for LinearBias {
         linear_cpu(s1, l1, s2, l2, Some((s3, l3)))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = linear_bwd(x, w, g)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let (dx, dw, db) = linear_bwd(x, w, g, true)?;
+        Ok((Some(dx), Some(dw), db))
     }
 }
 

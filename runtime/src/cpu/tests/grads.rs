@@ -285,3 +285,22 @@ fn partial_rope_and_rms_norm_grads_match_finite_differences() {
     ]);
     check_fd(&g, &w, &i, 100, 1e-6);
 }
+
+#[test]
+fn linear_with_bias_grads_match_finite_differences() {
+    let mut g = Graph::new("lin");
+    let x = param(&mut g, "x", fty(&[2, 3, 4]));
+    let w = param(&mut g, "w", fty(&[5, 4]));
+    let b = param(&mut g, "b", fty(&[5]));
+    let y = g.add(Op::Linear {}, &[x, w, b]).unwrap();
+    let y = g.add(Op::Tanh {}, &[y]).unwrap();
+    let loss = g.add(Op::Sum { dims: vec![0, 1, 2], keepdim: false }, &[y]).unwrap();
+    g.set_output("loss", loss);
+    let mut rng = Rng::new(41);
+    let wv = map(vec![
+        ("x", hf(&[2, 3, 4], rng.vec(24, 1.0))),
+        ("w", hf(&[5, 4], rng.vec(20, 1.0))),
+        ("b", hf(&[5], rng.vec(5, 1.0))),
+    ]);
+    check_fd(&g, &wv, &BTreeMap::new(), 100, 1e-6);
+}
