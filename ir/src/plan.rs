@@ -233,7 +233,7 @@ impl ExecutionPlan {
         for ins in &self.instructions {
             let s = ins.stream as usize;
             let mut c = vec![-1i64; ns];
-            let mut join = |c: &mut Vec<i64>, p: usize, clock: &Vec<Vec<i64>>| {
+            let join = |c: &mut Vec<i64>, p: usize, clock: &Vec<Vec<i64>>| {
                 for t in 0..ns {
                     c[t] = c[t].max(clock[p][t]);
                 }

@@ -164,7 +164,7 @@ fn cse(g: &mut Graph) -> usize {
 }
 
 /// Removes nodes no output needs (params and inputs stay); returns how many.
-fn dce(g: &mut Graph) -> usize {
+pub(crate) fn dce(g: &mut Graph) -> usize {
     let mut needed = vec![false; g.value_capacity()];
     for (_, v) in g.outputs() {
         needed[v.0 as usize] = true;

@@ -22,6 +22,7 @@ pub mod plan;
 pub mod registry;
 pub mod shard_inputs;
 pub mod shard_seq;
+pub mod simplify;
 pub mod sp_loss;
 pub mod tp;
 pub mod ulysses;

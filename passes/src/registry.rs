@@ -5,6 +5,7 @@ use crate::canonicalize::Canonicalize;
 use crate::pass::{Pass, PassError, DP, SP, TP};
 use crate::shard_inputs::ShardInputs;
 use crate::shard_seq::ShardSeq;
+use crate::simplify::Simplify;
 use crate::sp_loss::SpLoss;
 use crate::tp::TensorParallel;
 use crate::ulysses::UlyssesAttention;
@@ -12,7 +13,7 @@ use std::fmt;
 use weft_ir::Mesh;
 
 /// Every pass, in the order a full pipeline would run them.
-pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &TensorParallel, &Canonicalize];
+pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &TensorParallel, &Simplify, &Canonicalize];
 
 /// Every registered pass.
 pub fn passes() -> &'static [&'static dyn Pass] {
