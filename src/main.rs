@@ -61,10 +61,6 @@ enum Command {
     ///
     /// Example: weft shard tests/fixtures/llama --mesh tp=4 -o shards/
     Shard(cmd::shard::Args),
-    /// Cut a full checkpoint into per-rank shards for a mesh (and back with --unshard).
-    ///
-    /// Example: weft shard tests/fixtures/llama --mesh tp=4 -o shards/
-    Shard(cmd::shard::Args),
     /// Train (or evaluate) a model or plan for --steps steps on a backend (cpu, cuda).
     ///
     /// Example: weft run llama3.2-1b --backend cuda --steps 10 --seq 4096 --batch 1
@@ -84,7 +80,6 @@ fn main() {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Eval(a) => cmd::eval::run(a),
         Command::Check(a) => cmd::check::run(a),
-        Command::Shard(a) => cmd::shard::run(a),
         Command::Shard(a) => cmd::shard::run(a),
         Command::Run(a) => cmd::run::run(a),
     };

@@ -12,7 +12,6 @@ pub mod passes;
 pub mod run;
 pub mod session;
 pub mod shard;
-pub mod shard;
 pub mod stats;
 
 use crate::error::{CliError, CliResult};
