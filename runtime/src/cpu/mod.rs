@@ -436,7 +436,8 @@ fn check_host_shape(t: &HostTensor, ty: &weft_ir::TensorType, b: &Bindings) -> R
     Ok(())
 }
 
-/// The program position of each value's last use; outputs are never freed.
+/// The program position of each value's last use (its definition when unused);
+/// outputs are never freed.
 fn last_uses(g: &Graph) -> Vec<usize> {
     let mut last = vec![usize::MAX; g.value_capacity()];
     let mut is_output = vec![false; g.value_capacity()];
@@ -446,7 +447,7 @@ fn last_uses(g: &Graph) -> Vec<usize> {
         }
     }
     for (pos, &n) in g.nodes().iter().enumerate() {
-        for v in &g.node(n).operands {
+        for v in g.node(n).results.iter().chain(&g.node(n).operands) {
             if let Some(l) = last.get_mut(v.0 as usize) {
                 *l = pos;
             }

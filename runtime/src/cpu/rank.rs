@@ -3,7 +3,7 @@
 //! ranks in collectives.
 
 use super::comm::{Comm, CommError};
-use super::host::{kind, kind_of, values_i64};
+use super::host::{kind, kind_of, values_i64, Kind};
 use super::kernels::{self, Cx, KernelError};
 use super::{Precision, RuntimeError};
 use candle_core::{Tensor, Var};
@@ -173,7 +173,10 @@ fn run_rank_inner(sh: &Shared, rank: u32) -> RankResult {
             })?;
         }
         for (v, t) in node.results.iter().zip(outs) {
-            vals[v.0 as usize] = Some(t);
+            // a result nobody uses (and that is no output) is dropped at once
+            if sh.last_use.get(v.0 as usize) != Some(&pos) {
+                vals[v.0 as usize] = Some(t);
+            }
         }
         let e = op_seconds.entry(node.op.name()).or_insert((0, 0.0));
         e.0 += 1;
@@ -360,6 +363,9 @@ fn reduce(xs: &[Tensor], op: ReduceOp) -> Result<Tensor, String> {
         if t.dims() != xs[0].dims() {
             return Err(format!("member {i} has shape {:?} but member 0 has {:?}", t.dims(), xs[0].dims()));
         }
+    }
+    if op == ReduceOp::Avg && kind_of(xs[0].dtype()) != Kind::Float {
+        return Err("`avg` needs a float tensor (an integer average is not defined)".into());
     }
     let mut acc = xs[0].clone();
     for t in &xs[1..] {

@@ -304,3 +304,21 @@ fn linear_with_bias_grads_match_finite_differences() {
     ]);
     check_fd(&g, &wv, &BTreeMap::new(), 100, 1e-6);
 }
+
+#[test]
+fn softmax_along_a_leading_dim_grads_match_finite_differences() {
+    let mut g = Graph::new("sm");
+    let x = param(&mut g, "x", fty(&[3, 2, 4]));
+    let y = g.add(Op::Softmax { dim: 0 }, &[x]).unwrap();
+    let z = g.add(Op::LogSoftmax { dim: 1 }, &[x]).unwrap();
+    let r = input(&mut g, "r", fty(&[3, 2, 4]));
+    let a = g.add(Op::Mul {}, &[y, r]).unwrap();
+    let b = g.add(Op::Mul {}, &[z, r]).unwrap();
+    let c = g.add(Op::Add {}, &[a, b]).unwrap();
+    let loss = g.add(Op::Sum { dims: vec![0, 1, 2], keepdim: false }, &[c]).unwrap();
+    g.set_output("loss", loss);
+    let mut rng = Rng::new(51);
+    let w = map(vec![("x", hf(&[3, 2, 4], rng.vec(24, 2.0)))]);
+    let i = map(vec![("r", hf(&[3, 2, 4], rng.vec(24, 1.0)))]);
+    check_fd(&g, &w, &i, 100, 1e-6);
+}
