@@ -153,3 +153,18 @@ fn plans_are_written_inspected_and_run() {
     assert_eq!(code, 2);
     assert!(err.contains("per rank but the device has 20.00 GiB") && err.contains("help:"), "{err}");
 }
+
+#[test]
+fn pt2_archives_import_and_check() {
+    let (code, out, err) = weft(&["import", "tests/fixtures/pt2/qwen2.pt2", "--report"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("graph ") && err.contains("recognised attention"), "{err}");
+    let (code, _, err) = weft(&["import", "tests/fixtures/pt2/llama.pt2"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--config"), "{err}");
+    let (code, out, err) = weft(&[
+        "check", "tests/fixtures/pt2/llama.pt2", "--config", "tests/fixtures/llama/config.json", "--mesh", "dp=2,sp=2", "--train", "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&out)["ok"], true);
+}

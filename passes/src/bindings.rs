@@ -1,7 +1,9 @@
 //! Plan-time check of concrete sizes: every dim of every value and attribute must
 //! evaluate to a non-negative integer on every rank, and every slice must stay inside
 //! its operand. A sequence length that `sp` does not divide is an error naming the dim
-//! and the nearest lengths that work, never silently dropped tokens.
+//! and the nearest lengths that work, never silently dropped tokens. Sizes that mention
+//! a data-dependent symbol ([`Graph::runtime_symbols`], e.g. the rows an expert-parallel
+//! `all_to_all_v` receives) have no value before the run and are not checked.
 
 use std::collections::BTreeSet;
 use weft_ir::shape::norm_dim;
@@ -29,6 +31,13 @@ struct Check {
 }
 
 fn collect(g: &Graph) -> Vec<Check> {
+    let runtime: BTreeSet<String> = g.runtime_symbols().into_iter().map(|(s, _)| s).collect();
+    let mut out = collect_all(g);
+    out.retain(|c| !c.dim.symbols().iter().any(|s| runtime.contains(s)));
+    out
+}
+
+fn collect_all(g: &Graph) -> Vec<Check> {
     let mut out = Vec::new();
     for &n in g.nodes() {
         let d = g.node(n);

@@ -12,10 +12,13 @@
 //!   `dp` is handled by the same passes (batch dim). [`canonicalize`]: fold, CSE, DCE.
 //! - Tensor parallelism (mesh axis `tp`): [`tp`] (`tensor-parallel`, layer specs,
 //!   per-rank sizes, reshardable parameter layouts).
+//! - Expert parallelism (mesh axis `ep`, derived from the ranks like DeepSpeed's expert
+//!   groups): [`ep`] (`expert-parallel`).
 //! - [`check_bindings`]: plan-time check that concrete sizes divide.
 
 pub mod bindings;
 pub mod canonicalize;
+pub mod ep;
 pub mod manager;
 pub mod pass;
 pub mod plan;

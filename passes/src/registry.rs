@@ -2,6 +2,7 @@
 //! reason it sits where it does.
 
 use crate::canonicalize::Canonicalize;
+use crate::ep::ExpertParallel;
 use crate::pass::{Pass, PassError, DP, SP, TP};
 use crate::shard_inputs::ShardInputs;
 use crate::shard_seq::ShardSeq;
@@ -13,7 +14,7 @@ use std::fmt;
 use weft_ir::Mesh;
 
 /// Every pass, in the order a full pipeline would run them.
-pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &TensorParallel, &Simplify, &Canonicalize];
+pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &ExpertParallel, &TensorParallel, &Simplify, &Canonicalize];
 
 /// Every registered pass.
 pub fn passes() -> &'static [&'static dyn Pass] {
@@ -148,6 +149,13 @@ pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
             "a one-rank mesh needs no sharding; only fold identities, merge duplicates and drop dead nodes"
         };
         p.push("canonicalize", why);
+    }
+    if mesh.has(crate::ep::EP) {
+        // Before tensor-parallel (experts stay whole on tp: the ep groups span tp ranks)
+        // and canonicalize; after shard-seq, so each rank dispatches only its tokens.
+        let at = p.steps.iter().position(|s| s.pass == "tensor-parallel" || s.pass == "canonicalize").unwrap_or(p.steps.len());
+        let why = "after shard-seq: each rank routes its own tokens; splits the experts over ep and trades rows with all_to_all_v (before tensor-parallel, which leaves experts whole)";
+        p.steps.insert(at, Step { pass: crate::ep::NAME.to_string(), why: why.to_string() });
     }
     p
 }

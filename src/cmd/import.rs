@@ -11,9 +11,23 @@ pub struct Args {
     /// Write the text here instead of stdout.
     #[arg(short, long)]
     output: Option<PathBuf>,
+    /// For a .pt2 archive: print what the importer recognised (attention, rope, norms,
+    /// MoE) and what stays replicated, on stderr.
+    #[arg(long)]
+    report: bool,
+    /// For a .pt2 archive: the model's HF config.json, for what the export cannot tell
+    /// (Llama 3 rope scaling).
+    #[arg(long)]
+    config: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> CliResult {
-    let m = super::load_model(&a.model)?;
+    let (m, imported) = super::load_model_and_weights(&a.model, a.config.as_deref())?;
+    if a.report {
+        match &imported {
+            Some(i) => eprint!("{}", i.report),
+            None => eprintln!("{}: built from its config (nothing to recognise: every op is Weft's own)", m.name),
+        }
+    }
     super::write_out(a.output.as_deref(), &weft_ir::print(&m.graph))
 }

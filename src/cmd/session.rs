@@ -37,6 +37,9 @@ pub struct RunArgs {
     /// Comma-separated pass names instead of the mesh's default pipeline.
     #[arg(long)]
     pub passes: Option<String>,
+    /// For a .pt2 MODEL: the HF config.json, for what the export cannot tell (Llama 3 rope scaling).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
     /// Float precision of the reference runtime: f32 or f64.
     #[arg(long, default_value = "f64")]
     pub precision: String,
@@ -63,6 +66,7 @@ pub struct Session {
 impl Session {
     pub fn new(a: &RunArgs) -> CliResult<Session> {
         let mut mesh = super::parse_mesh(&a.mesh)?;
+        let mut archive_weights = None;
         let (model, precompiled) = match read_plan(&a.model)? {
             Some(plan) => {
                 let program = weft_ir::parse(&plan.program).map_err(|e| CliError::input(format!("the program of plan {}: {e}", a.model)))?;
@@ -75,15 +79,20 @@ impl Session {
                 }
                 (super::load_model(&plan.source)?, Some(program))
             }
-            None => (super::load_model(&a.model)?, None),
+            None => {
+                let (m, imported) = super::load_model_and_weights(&a.model, a.config.as_deref())?;
+                archive_weights = imported.map(|i| i.weights);
+                (m, None)
+            }
         };
         let precision = match a.precision.as_str() {
             "f32" => Precision::F32,
             "f64" => Precision::F64,
             p => return Err(CliError::input(format!("invalid --precision `{p}`")).with_help("use f32 or f64")),
         };
-        let checkpoint = a.weights.clone().or_else(|| model.dir().and_then(find_checkpoint));
+        let checkpoint = a.weights.clone().or_else(|| if archive_weights.is_some() { None } else { model.dir().and_then(find_checkpoint) });
         let (weights, weights_from) = match checkpoint {
+            None if archive_weights.is_some() => (archive_weights.take().unwrap_or_default(), format!("from the archive {}", a.model)),
             Some(w) => (weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?, w.display().to_string()),
             None => (weft_frontends::random_weights(&model, a.seed), format!("random (seed {})", a.seed)),
         };
