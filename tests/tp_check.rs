@@ -99,3 +99,164 @@ fn llama_tp4_kv_heads_replicated() {
     check("llama", "tp=4");
     check("llama_kv1", "tp=2");
 }
+
+#[test]
+fn qwen3_qk_norm_grad_allreduce() {
+    let g = check("qwen3", "tp=2");
+    let n = g.def(g.params().into_iter().find(|(n, _)| n == "model.layers.0.self_attn.q_norm.weight").unwrap().1);
+    let why = &g.node(n).meta.provenance.as_ref().unwrap().reason;
+    assert!(why.contains("grad_allreduce"), "{why}");
+    check("qwen3", "tp=3");
+}
+
+#[test]
+fn qwen2_tied_embeddings_stay_tied() {
+    // One parameter (embedding and head), one gradient, split over the vocabulary.
+    let g = check("qwen2", "tp=2");
+    assert!(g.params().iter().all(|(n, _)| n != "lm_head.weight"));
+    assert_eq!(g.param_partition("model.embed_tokens.weight")[0].kind, "vocab");
+    check("qwen2", "tp=3");
+}
+
+#[test]
+fn phi3_fused_projections() {
+    let g = check("phi3", "tp=2");
+    // qkv: q [16 16], k [8 8], v [8 8]; gate_up: [32 32] [32 32].
+    assert_eq!(g.param_partition("model.layers.0.self_attn.qkv_proj.weight")[0].pieces, vec![vec![16, 16], vec![8, 8], vec![8, 8]]);
+    assert_eq!(g.param_partition("model.layers.0.mlp.gate_up_proj.weight")[0].pieces, vec![vec![32, 32], vec![32, 32]]);
+    check("phi3", "tp=3");
+    check("phi3", "tp=4");
+}
+
+#[test]
+fn moe_experts_split_on_their_intermediate_dim() {
+    let g = check("mixtral", "tp=2");
+    assert_eq!(g.param_partition("model.layers.0.mlp.experts.down_proj")[0].dim, 2);
+    check("qwen3_moe", "tp=3");
+}
+
+#[test]
+fn mistral_tp4() {
+    check("mistral", "tp=4");
+}
+
+#[test]
+fn tp_with_sp_and_dp() {
+    check("llama", "sp=2,tp=2");
+    check("llama", "dp=2,tp=2");
+    check("qwen3", "dp=2,sp=2,tp=2");
+    check("llama", "tp=2,sp=2");
+}
+
+fn cx_with(mesh: &str, f: impl FnOnce(&mut weft_passes::tp::TpOptions)) -> PassContext {
+    let mut cx = PassContext::new(Mesh::parse(mesh).unwrap());
+    f(&mut cx.options.tp);
+    cx
+}
+
+#[test]
+fn deepspeed_spec_with_gather_output_and_grain() {
+    // Only the MLP split (attention whole), the head column-parallel with its output
+    // gathered (pad, gather, trim: 128 over 3 ranks with grain 8 is [48, 40, 40]).
+    let spec = r#"{"tensor_parallel": {"tp_grain_size": 8, "partition_config": {"use_default_specs": false, "layer_specs": [
+        {"patterns": [".*\\.mlp\\.down_proj\\.weight$"], "partition_type": "row"},
+        {"patterns": [".*\\.mlp\\.(gate|up)_proj\\.weight$"], "partition_type": "column"},
+        {"patterns": ["lm_head\\.weight$"], "partition_type": "column", "gather_output": true}
+    ]}}}"#;
+    let s = weft_passes::tp::TpSpec::from_deepspeed_json(spec, "spec.json").unwrap();
+    let cx = cx_with("tp=3", |o| o.spec = Some(s));
+    let g = check_with("llama", case("llama"), "tp=3", cx);
+    assert_eq!(g.param_partition("lm_head.weight")[0].pieces, vec![vec![48, 40, 40]]);
+    assert_eq!(g.param_partition("model.layers.0.mlp.gate_proj.weight")[0].pieces, vec![vec![24, 24, 16]]);
+    assert!(g.param_partition("model.layers.0.self_attn.q_proj.weight").is_empty());
+    assert!(g.output_split("logits").is_empty(), "gathered logits are whole");
+}
+
+#[test]
+fn hf_tp_plan_from_config() {
+    let plan = [
+        ("layers.*.self_attn.q_proj", "colwise"),
+        ("layers.*.self_attn.k_proj", "colwise"),
+        ("layers.*.self_attn.v_proj", "colwise"),
+        ("layers.*.self_attn.o_proj", "rowwise"),
+        ("layers.*.self_attn.q_norm", "replicated_with_grad_allreduce"),
+        ("layers.*.self_attn.k_norm", "replicated_with_grad_allreduce"),
+        ("layers.*.mlp.gate_proj", "colwise"),
+        ("layers.*.mlp.up_proj", "colwise"),
+        ("layers.*.mlp.down_proj", "rowwise"),
+    ];
+    let cx = cx_with("tp=2", |o| o.hf_plan = plan.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect());
+    check_with("qwen3", case("qwen3"), "tp=2", cx);
+}
+
+fn compile_err(name: &str, mesh: &str, cx: PassContext) -> String {
+    let c = case(name);
+    let mut g = c.graph.clone();
+    g.mesh = cx.mesh.clone();
+    for pass in default_pipeline(&cx.mesh) {
+        if let Err(e) = lookup(pass).unwrap().run(&mut g, &cx) {
+            return e.to_string();
+        }
+    }
+    panic!("{name} {mesh}: compiled without an error")
+}
+
+#[test]
+fn bad_specs_give_clear_errors() {
+    let spec = |text: &str| weft_passes::tp::TpSpec::from_deepspeed_json(text, "spec.json");
+    // A regex that does not compile.
+    let e = spec(r#"{"layer_specs": [{"patterns": ["*.q_proj"], "partition_type": "column"}]}"#).unwrap_err().to_string();
+    assert!(e.contains("pattern `*.q_proj` does not compile") && e.contains("spec.json: layer_specs[0]"), "{e}");
+    // A 1-D bias partitioned as row.
+    let s = spec(r#"{"layer_specs": [{"patterns": [".*\\.q_proj\\.bias$"], "partition_type": "row"}]}"#).unwrap();
+    let e = compile_err("qwen2", "tp=2", cx_with("tp=2", |o| o.spec = Some(s)));
+    assert!(e.contains("param `model.layers.0.self_attn.q_proj.bias`") && e.contains("1-D bias"), "{e}");
+    // An unknown HF style.
+    let e = compile_err("llama", "tp=2", cx_with("tp=2", |o| o.hf_plan = vec![("layers.*.mlp.down_proj".into(), "rowwise_packed".into())]));
+    assert!(e.contains("unsupported tensor-parallel style `rowwise_packed`") && e.contains("base_model_tp_plan"), "{e}");
+    // Strict: an unmatched linear is an error.
+    let s = spec(r#"{"use_default_specs": false, "strict_mode": true, "layer_specs": [{"patterns": [".*\\.mlp\\..*"], "partition_type": "skip"}]}"#).unwrap();
+    let e = compile_err("llama", "tp=2", cx_with("tp=2", |o| o.spec = Some(s)));
+    assert!(e.contains("no layer spec matches") && e.contains("strict"), "{e}");
+    // Inconsistent attention: q split, o whole.
+    let s = spec(r#"{"layer_specs": [{"patterns": [".*o_proj.*"], "partition_type": "skip"}]}"#).unwrap();
+    let e = compile_err("llama", "tp=2", cx_with("tp=2", |o| o.spec = Some(s)));
+    assert!(e.contains("split inconsistently"), "{e}");
+    // Wrong sub-parameter sizes for a fused layer.
+    let s = spec(r#"{"layer_specs": [{"patterns": [".*qkv_proj.*"], "partition_type": "column", "shape": [3, -1]}]}"#).unwrap();
+    let e = compile_err("phi3", "tp=2", cx_with("tp=2", |o| o.spec = Some(s)));
+    assert!(e.contains("sub-parameters") && e.contains("[32, 16, 16]"), "{e}");
+}
+
+#[test]
+fn checkpoint_shards_round_trip_and_reshard() {
+    use weft_passes::tp::{layout, param_layouts, shard_checkpoint, unshard_checkpoint};
+    let c = case("phi3");
+    let layouts = |mesh: &str| {
+        let cx = PassContext::new(Mesh::parse(mesh).unwrap());
+        let mut g = c.graph.clone();
+        g.mesh = cx.mesh.clone();
+        weft_passes::run_pipeline(&mut g, &cx, &default_pipeline(&cx.mesh)).unwrap();
+        let l = param_layouts(&g, &[]).unwrap();
+        (layout::shard_axes(&l, &cx.mesh), l)
+    };
+    let (a2, l2) = layouts("tp=2");
+    let (a3, l3) = layouts("tp=3");
+    let shards2 = shard_checkpoint(&l2, &c.weights, &a2).unwrap();
+    assert_eq!(shards2.len(), 2);
+    let full = unshard_checkpoint(&l2, &shards2, &a2).unwrap();
+    // tp=2 -> full -> tp=3 -> full: every tensor bit for bit.
+    let shards3 = shard_checkpoint(&l3, &full, &a3).unwrap();
+    let back = unshard_checkpoint(&l3, &shards3, &a3).unwrap();
+    for (k, t) in &c.weights {
+        let b = &back[k];
+        assert_eq!(t.shape, b.shape, "{k}");
+        assert!(t.to_f64().iter().zip(b.to_f64()).all(|(x, y)| x.to_bits() == y.to_bits()), "{k}");
+    }
+    let q = l3.iter().find(|l| l.name == "model.layers.0.self_attn.qkv_proj.weight").unwrap();
+    assert!(q.replicated, "phi3 at tp=3 has 2 kv heads: the fused qkv stays whole, sliced per rank");
+    let gu = l3.iter().find(|l| l.name == "model.layers.0.mlp.gate_up_proj.weight").unwrap();
+    assert_eq!(gu.partitions[0].sub_params, vec![64, 64]);
+    assert_eq!(gu.partitions[0].rank_sizes, vec![44, 42, 42]);
+    assert_eq!(gu.partitions[0].sub_shard_widths, vec![vec![22, 21, 21], vec![22, 21, 21]]);
+}

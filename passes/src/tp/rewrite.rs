@@ -101,7 +101,7 @@ enum ParamPlan {
     Split { kind: &'static str, dim: usize, pieces: Vec<Vec<i64>>, local: Dim, why: String, gather: bool },
     /// Kept whole; each rank slices `[start, start+len)` of `dim` where it is read
     /// (replicated kv heads).
-    Slice { dim: usize, start: Dim, len: Dim, why: String },
+    Slice { dim: usize, segs: Vec<(Dim, Dim)>, why: String },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -304,7 +304,7 @@ impl Tp {
                     local: local.clone(),
                     why: format!("bias of column-parallel `{wname}`"),
                 },
-                Some(ParamPlan::Slice { start, len, .. }) => ParamPlan::Slice { dim: 0, start: start.clone(), len: len.clone(), why: format!("bias of `{wname}` (replicated kv heads)") },
+                Some(ParamPlan::Slice { segs, .. }) => ParamPlan::Slice { dim: 0, segs: segs.clone(), why: format!("bias of `{wname}` (replicated kv heads)") },
                 Some(ParamPlan::Split { .. }) => ParamPlan::Whole { why: format!("bias of row-parallel `{wname}`: added once after the all_reduce") },
                 _ => ParamPlan::Whole { why: format!("bias of whole `{wname}`") },
             };
@@ -437,16 +437,21 @@ impl Tp {
                     check_subs(name, s, dim, &[a.nkv * a.d])?;
                     if let Some(which) = &h.kv_replicated {
                         let start = per_rank(&which.iter().map(|w| w * a.d).collect::<Vec<_>>());
-                        return Ok(ParamPlan::Slice { dim, start, len: Dim::from(a.d), why: format!("kv heads replicated: {} kv heads for tp={}, each rank slices the one its q heads use ({})", a.nkv, self.p, s.origin) });
+                        return Ok(ParamPlan::Slice { dim, segs: vec![(start, Dim::from(a.d))], why: format!("kv heads replicated: {} kv heads for tp={}, each rank slices the one its q heads use ({})", a.nkv, self.p, s.origin) });
                     }
                     return Ok(ParamPlan::Split { kind: "column", dim, pieces: vec![kv], local: kvl, why, gather: s.gather_output });
                 }
                 ("qkv", PartitionType::Column) => {
                     let want = [a.nq * a.d, a.nkv * a.d, a.nkv * a.d];
                     check_subs(name, s, dim, &want)?;
-                    if h.kv_replicated.is_some() {
-                        return Err(param_error(name, format!("the fused qkv projection has {} kv heads, fewer than tp={}; replicated kv heads need separate k/v weights", a.nkv, self.p))
-                            .with_help(format!("use a tp degree that divides into the {} kv heads, or at most {}", a.nkv, a.nkv)));
+                    if let Some(which) = &h.kv_replicated {
+                        // The fused weight stays whole: each rank slices its q rows and
+                        // the rows of the one kv head its q heads use, from k and v.
+                        let q_start = per_rank(&offsets(&q));
+                        let kv_at = |base: i64| per_rank(&which.iter().map(|w| base + w * a.d).collect::<Vec<_>>());
+                        let segs = vec![(q_start, ql.clone()), (kv_at(want[0]), Dim::from(a.d)), (kv_at(want[0] + want[1]), Dim::from(a.d))];
+                        self.subs_for_linear(n, vec![(want[0], ql), (want[1], Dim::from(a.d)), (want[2], Dim::from(a.d))]);
+                        return Ok(ParamPlan::Slice { dim, segs, why: format!("kv heads replicated: {} kv heads for tp={}, each rank slices its q rows and the kv head they use ({})", a.nkv, self.p, s.origin) });
                     }
                     let local = ql.clone() + kvl.clone() + kvl.clone();
                     self.subs_for_linear(n, vec![(want[0], ql), (want[1], kvl.clone()), (want[2], kvl)]);
@@ -456,7 +461,7 @@ impl Tp {
             }
         }
         // Sub-parameters: from the spec's shape, else from the split that follows.
-        let following = following_split(g, n, if experts { 1 } else { ty.rank() - 1 });
+        let following = following_split(g, n, if experts { 1 } else { g.ty(g.node(n).results[0]).rank() - 1 });
         let subs: Vec<i64> = match s.sub_params(dim) {
             Some(Ok(k)) => {
                 if total % k != 0 {
@@ -514,10 +519,10 @@ impl Tp {
                     out_dim: if u == Use::ExpertsW { 1 } else { out_rank - 1 },
                 })
             }
-            (_, ParamPlan::Slice { len, .. }) => Some(LinearPlan {
+            (_, ParamPlan::Slice { .. }) => Some(LinearPlan {
                 kind: LinearKind::Column { gather: false },
                 subs,
-                sizes: vec![const_of(len).unwrap_or(0); self.p as usize],
+                sizes: vec![],
                 out_dim: out_rank - 1,
             }),
             (_, ParamPlan::Whole { .. }) => Some(LinearPlan { kind: LinearKind::Whole, subs: vec![], sizes: vec![], out_dim: out_rank - 1 }),
@@ -562,10 +567,19 @@ impl Tp {
                     self.changed.insert(v);
                     res.count("params_split", 1);
                 }
-                Some(ParamPlan::Slice { dim, start, len, why }) => {
+                Some(ParamPlan::Slice { dim, segs, why }) => {
                     for &(user, i) in &uses[v.0 as usize] {
-                        let meta = meta_for(g, user, NAME, format!("`{name}` rows [{start}, +{len}) of this rank: {why}"));
-                        let s = insert1(g, NAME, At::Before(user), Op::Slice { dim: dim as i64, start: start.clone(), len: len.clone() }, &[v], meta)?;
+                        let mut parts = Vec::new();
+                        for (start, len) in &segs {
+                            let meta = meta_for(g, user, NAME, format!("`{name}` rows [{start}, +{len}) of this rank: {why}"));
+                            parts.push(insert1(g, NAME, At::Before(user), Op::Slice { dim: dim as i64, start: start.clone(), len: len.clone() }, &[v], meta)?);
+                        }
+                        let s = if parts.len() == 1 {
+                            parts[0]
+                        } else {
+                            let meta = meta_for(g, user, NAME, format!("`{name}`: this rank's rows of each sub-parameter, in order"));
+                            insert1(g, NAME, At::Before(user), Op::Concat { dim: dim as i64 }, &parts, meta)?
+                        };
                         g.node_mut(user).operands[i] = s;
                         self.changed.insert(s);
                     }
@@ -706,7 +720,7 @@ impl Tp {
                                 NAME,
                                 format!("`{NAME}` cannot split the sub-parameters of a fused output"),
                                 g.describe(n),
-                                format!("its sizes {sizes:?} are not the sub-parameters the layer was split by"),
+                                format!("its sizes [{}] are not the sub-parameters the layer was split by", sizes.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
                             )
                             .with_help("give the fused layer's spec a `shape` with these sub-parameter sizes"))
                         }
@@ -762,8 +776,15 @@ impl Tp {
                     self.pieces.insert(out, lp.sizes.clone());
                 }
                 if gather {
+                    let users = g.uses()[out.0 as usize].clone();
                     let whole = gather_uneven(g, n, out, lp.out_dim, &lp.sizes, "gather_output: every rank gets the whole output")?;
-                    g.replace_uses_except(out, whole, g.def(whole));
+                    for (u, i) in users {
+                        g.node_mut(u).operands[i] = whole;
+                    }
+                    let outs: Vec<(String, Value)> = g.outputs().iter().filter(|(_, v)| *v == out).cloned().collect();
+                    for (name, _) in outs {
+                        g.set_output(&name, whole);
+                    }
                     res.count("all_gather", 1);
                 }
                 Ok(())
