@@ -147,12 +147,14 @@ pub struct RunResult {
 /// Wall-clock times of a run, for finding slow ops (not for snapshots: they vary).
 #[derive(Clone, Debug, Default)]
 pub struct Profile {
-    /// Preparing weights and inputs, running every rank's forward (until the last ends).
+    /// Every rank's forward (until the last one ends).
     pub forward_s: f64,
     /// Assembling outputs and converting them to host tensors.
     pub outputs_s: f64,
-    /// candle's backward and the assembly of the parameter gradients.
+    /// candle's backward.
     pub backward_s: f64,
+    /// Assembling the parameter gradients and converting them to host tensors.
+    pub grads_s: f64,
     /// Per op name: (nodes run, seconds), summed over ranks.
     pub ops: BTreeMap<&'static str, (usize, f64)>,
 }
@@ -163,8 +165,8 @@ impl Profile {
         let mut rows: Vec<_> = self.ops.iter().collect();
         rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
         let mut s = format!(
-            "forward {:.3}s, outputs {:.3}s, backward {:.3}s\n",
-            self.forward_s, self.outputs_s, self.backward_s
+            "forward {:.3}s, outputs {:.3}s, backward {:.3}s, gradients to host {:.3}s\n",
+            self.forward_s, self.outputs_s, self.backward_s, self.grads_s
         );
         for (name, (n, t)) in rows {
             s.push_str(&format!("  {name:<16} {n:>6} {t:>9.4}s\n"));
@@ -366,8 +368,7 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
         res.profile.outputs_s = t1.elapsed().as_secs_f64();
         let t2 = std::time::Instant::now();
         gradients(sh, opts, &loss, &ranks, &mut res)?;
-        res.profile.backward_s = t2.elapsed().as_secs_f64();
-        if std::env::var("WEFT_DEBUG_TIMES").is_ok() { eprintln!("gradients() total {:.3}s", res.profile.backward_s); }
+        res.profile.grads_s = t2.elapsed().as_secs_f64() - res.profile.backward_s;
     } else {
         res.profile.outputs_s = t1.elapsed().as_secs_f64();
     }
@@ -594,7 +595,7 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
     let root = if loss.rank() == 0 { loss.clone() } else { loss.sum_all().map_err(|e| bwd(e.to_string()))? };
     let tb = std::time::Instant::now();
     let store = root.backward().map_err(|e| bwd(e.to_string()))?;
-    if std::env::var("WEFT_DEBUG_TIMES").is_ok() { eprintln!("candle backward {:.3}s", tb.elapsed().as_secs_f64()); }
+    res.profile.backward_s = tb.elapsed().as_secs_f64();
     let g = sh.graph;
     for (name, v) in g.params() {
         if res.grads.contains_key(&name) {

@@ -339,8 +339,12 @@ fn hf_llama_on_dp2_sp2_matches_the_reference() {
     check_fixture("llama", Some((2, 2)));
 }
 
-/// The speed check of the brief: 2 layers, hidden 512, seq 512, forward + backward.
-/// `cargo test -p weft-runtime --release -- --ignored --nocapture speed`
+/// The speed check: a 2-layer, 512-hidden Llama (8 heads, vocab 32000, intermediate
+/// 1376) at batch 1, sequence 512, forward + backward in f32, weights and gradients
+/// converted to and from host tensors included. Run with
+/// `cargo test -p weft-runtime -- --ignored --nocapture speed_llama` (the dev profile
+/// builds dependencies with opt-level 3); `runtime/bench/torch_llama_512.py THREADS`
+/// times the same model in PyTorch. `WEFT_TUNE_ALLOCATOR=1` calls [`crate::cpu::tune_allocator`].
 #[test]
 #[ignore]
 fn speed_llama_512() {
