@@ -1,3 +1,8 @@
+"""PyTorch side of the CPU executor's speed check (runtime/src/cpu/tests/llama.rs,
+`speed_llama`): the same 2-layer, 512-hidden Llama at batch 1, sequence 512, forward +
+backward in f32, plus the matmul throughput of `speed_gemm`. Usage: python3
+torch_llama_512.py THREADS (pin cores with taskset for a fair comparison and give the
+Rust side RAYON_NUM_THREADS=THREADS)."""
 import sys, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 threads = int(sys.argv[1])
@@ -17,3 +22,9 @@ for impl in ["sdpa", "eager"]:
         out.loss.backward()
         times.append(time.perf_counter() - t)
     print(f"torch {torch.__version__} threads={threads} attn={impl}: fwd+bwd min {min(times):.3f}s all {[round(x,3) for x in times]}", flush=True)
+for (m, k, n) in [(512, 512, 512), (512, 512, 1376), (512, 512, 32000)]:
+    a = torch.ones(m, k); b = torch.ones(k, n); a @ b
+    t = time.perf_counter()
+    for _ in range(5): a @ b
+    s = (time.perf_counter() - t) / 5
+    print(f"torch gemm {m}x{k}x{n}: {s:.4f}s {2*m*k*n/s/1e9:.1f} GFLOP/s")
