@@ -100,6 +100,27 @@ pub fn convert_dtype(g: &mut Graph, dtype: DType) -> CliResult {
     Ok(())
 }
 
+/// One AdamW update per parameter with a `grad.<name>` output (torch.optim.AdamW
+/// semantics, f32 moments): params `optim.m.<name>`, `optim.v.<name>`, the input
+/// `optim.step` (1-based, f32), outputs `param.<name>`, `optim.m.<name>`, `optim.v.<name>`.
+pub fn append_adamw(g: &mut Graph, lr: f64, b1: f64, b2: f64, eps: f64, wd: f64) -> CliResult {
+    use weft_ir::{Role, TensorType};
+    let err = |e: weft_ir::BuildError| CliError::input(format!("appending AdamW: {e:?}"));
+    let step = g.add(Op::Input { name: "optim.step".into(), role: Role::Other, ty: TensorType::scalar(DType::F32) }, &[]).map_err(err)?;
+    for (name, pv) in g.params() {
+        let Some(gv) = g.output(&format!("grad.{name}")) else { continue };
+        let sty = g.ty(pv).with_dtype(DType::F32);
+        let m = g.add(Op::Param { name: format!("optim.m.{name}"), ty: sty.clone() }, &[]).map_err(err)?;
+        let v = g.add(Op::Param { name: format!("optim.v.{name}"), ty: sty }, &[]).map_err(err)?;
+        let op = Op::AdamW { lr: lr.into(), beta1: b1.into(), beta2: b2.into(), eps: eps.into(), weight_decay: wd.into() };
+        let outs = g.add_multi(op, &[pv, gv, m, v, step]).map_err(err)?;
+        g.set_output(&format!("param.{name}"), outs[0]);
+        g.set_output(&format!("optim.m.{name}"), outs[1]);
+        g.set_output(&format!("optim.v.{name}"), outs[2]);
+    }
+    Ok(())
+}
+
 fn vocab_of(g: &Graph) -> Option<i64> {
     g.nodes().iter().find_map(|&n| match g.node(n).op {
         Op::Embedding {} => g.ty(g.node(n).operands[1]).shape[0].as_const(),
@@ -136,6 +157,11 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         if missing.is_empty() && !want.is_empty() {
             names.extend(want.iter().cloned());
             training = true;
+        } else if weft_passes::lookup("autodiff").is_ok() && missing.iter().all(|m| m.as_str() == "optimizer") {
+            // No optimizer pass in this build: autodiff here, AdamW appended below.
+            names.push("autodiff".to_string());
+            training = true;
+            notes.push("no `optimizer` pass in this build: AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1) appended by `weft run`".into());
         } else {
             notes.push(format!(
                 "training passes {} are not in this build: running the forward program (loss only)",
@@ -152,6 +178,9 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let cx = weft_passes::PassContext::new(mesh.clone());
     weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+    if training && !names.iter().any(|n| n == "optimizer") {
+        append_adamw(&mut g, 1e-4, 0.9, 0.95, 1e-8, 0.1)?;
+    }
     let batch = a.batch.unwrap_or(mesh.size_or_one("dp") as i64);
     let seq = a.seq.unwrap_or(64 * mesh.size_or_one("sp") as i64);
     let bindings = super::compile::check_sizes(&g, Some(batch), Some(seq))?;

@@ -157,7 +157,6 @@ pub struct LoadReport {
 }
 
 pub struct Executor {
-    pub gpu: Gpu,
     gemm: Gemm,
     pub plan: ExecutionPlan,
     pub graph: Graph,
@@ -178,6 +177,8 @@ pub struct Executor {
     pub load: LoadReport,
     min_free: u64,
     planned_extra: u64,
+    /// Last: dropped after every allocation, handle and communicator above.
+    pub gpu: Gpu,
 }
 
 // ---------------------------------------------------------------- kernel names
@@ -1128,6 +1129,52 @@ impl Executor {
             (None, "not loaded (one rank)".to_string())
         };
 
+        // Updated params / optimizer state go back into their inputs after each step.
+        let mut updates = Vec::new();
+        let buf_of_value: HashMap<u32, u32> = plan.buffers.iter().map(|b| (b.value, b.id)).collect();
+        let params: HashMap<String, u32> = graph.params().into_iter().filter_map(|(n, v)| buf_of_value.get(&v.0).map(|&b| (n, b))).collect();
+        for (name, v) in graph.outputs() {
+            let target = if let Some(rest) = name.strip_prefix("param.") {
+                params.get(rest).or_else(|| params.get(name.as_str()))
+            } else if name.starts_with("optim.") || name.starts_with("state.") {
+                params.get(name.as_str())
+            } else {
+                None
+            };
+            if let (Some(&to), Some(&from)) = (target, buf_of_value.get(&v.0)) {
+                if to != from {
+                    updates.push((from, to));
+                }
+            }
+        }
+
+        // Optimizer updates write in place (the kernels are elementwise) when nothing
+        // after the update reads the old value: no copy back, and `param.*` outputs alias
+        // the params.
+        let mut last_read = vec![0u32; plan.buffers.len()];
+        for ins in &plan.instructions {
+            for &b in &ins.inputs {
+                last_read[b as usize] = last_read[b as usize].max(ins.id);
+            }
+        }
+        let update_of: HashMap<u32, u32> = updates.iter().copied().collect();
+        let mut aliased: Vec<u32> = Vec::new();
+        for ins in &plan.instructions {
+            let pairs: &[(usize, usize)] = match ins.op.as_str() {
+                "adamw" => &[(0, 0), (2, 1), (3, 2)],
+                "sgd" => &[(0, 0), (2, 1)],
+                _ => &[],
+            };
+            for &(i, o) in pairs {
+                let (Some(&ib), Some(&ob)) = (ins.inputs.get(i), ins.outputs.get(o)) else { continue };
+                if update_of.get(&ob) == Some(&ib) && last_read[ib as usize] <= ins.id && bufs[ob as usize].bytes() == bufs[ib as usize].bytes() {
+                    bufs[ob as usize].ptr = bufs[ib as usize].ptr;
+                    aliased.push(ob);
+                }
+            }
+        }
+        updates.retain(|(from, _)| !aliased.contains(from));
+
         // Lowering, twice: sizes first, then pointers.
         let ns = plan.streams.len().max(1);
         let lower_all = |ex: Extra| -> CudaResult<(Vec<Step>, Extra)> {
@@ -1182,25 +1229,6 @@ impl Executor {
         };
         let (steps, filled) = lower_all(real)?;
         gpu.htod(extra.ptr + consts_off, &filled.consts)?;
-
-        // Updated params / optimizer state go back into their inputs after each step.
-        let mut updates = Vec::new();
-        let buf_of_value: HashMap<u32, u32> = plan.buffers.iter().map(|b| (b.value, b.id)).collect();
-        let params: HashMap<String, u32> = graph.params().into_iter().filter_map(|(n, v)| buf_of_value.get(&v.0).map(|&b| (n, b))).collect();
-        for (name, v) in graph.outputs() {
-            let target = if let Some(rest) = name.strip_prefix("param.") {
-                params.get(rest).or_else(|| params.get(name.as_str()))
-            } else if name.starts_with("optim.") || name.starts_with("state.") {
-                params.get(name.as_str())
-            } else {
-                None
-            };
-            if let (Some(&to), Some(&from)) = (target, buf_of_value.get(&v.0)) {
-                if to != from {
-                    updates.push((from, to));
-                }
-            }
-        }
 
         let t_start = gpu.event(true)?;
         let t_ends = (0..streams.len()).map(|_| gpu.event(true)).collect::<CudaResult<Vec<_>>>()?;
@@ -1536,5 +1564,14 @@ impl Executor {
     /// Names of the program's params.
     pub fn param_names(&self) -> Vec<String> {
         self.graph.params().into_iter().map(|(n, _)| n).collect()
+    }
+}
+
+impl Executor {
+    /// Fills the arena with 0xFF bytes (NaN in every float dtype), so a value no kernel
+    /// wrote shows up in checks. Call before `set_inputs`.
+    pub fn poison_arena(&mut self) -> CudaResult<()> {
+        self.gpu.bind()?;
+        self.gpu.memset(self._arena.ptr, 0xff, self._arena.bytes)
     }
 }

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU session in one command (run on the device machine from the repo root, after
+# `../shared/gpu-pack` put the binaries in .gpu/): kernel checks, 20-step tiny-model
+# training checks against the CPU reference, then the 1.24B training step, Weft and
+# PyTorch side by side. Results under $OUT (default ./gpu-out); a short table last.
+#   PHASES="checks train bench torch" bench/gpu_bench.sh
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+PHASES=${PHASES:-"checks train bench torch"}
+SEQ=${SEQ:-4096}; STEPS=${STEPS:-8}
+PY=${PY:-/opt/torch/.venv/bin/python3}
+export WEFT_CACHE_DIR=${WEFT_CACHE_DIR:-/tmp/weft-kernels}
+W=./.gpu/weft
+summary=()
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+if has checks; then
+  WEFT_GPU_BENCH=1 timeout 300 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests.txt" 2>&1
+  summary+=("kernel checks: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests.txt" || echo 'did not finish') (rc $?)")
+  grep -E "FAIL|error" "$OUT/gpu_tests.txt" | head -20
+  grep -A8 "^benchmarks" "$OUT/gpu_tests.txt"
+fi
+if has train; then
+  for m in llama-tiny mixtral-tiny; do
+    timeout 120 $W run $m --backend cuda --steps 20 --check 20 --seq 32 --batch 2 > "$OUT/train_$m.txt" 2>&1
+    rc=$?
+    summary+=("20-step $m vs CPU: rc $rc, $(grep -E '^check' "$OUT/train_$m.txt" | head -1)$(grep -c 'check failed' "$OUT/train_$m.txt") failures")
+    tail -4 "$OUT/train_$m.txt"
+  done
+fi
+if has bench; then
+  timeout 300 $W run llama3.2-1b --backend cuda --steps $STEPS --seq $SEQ --batch 1 --json > "$OUT/weft_1b.json" 2> "$OUT/weft_1b.err"
+  rc=$?
+  tail -3 "$OUT/weft_1b.err"
+  wtok=$($PY -c "import json;d=json.load(open('$OUT/weft_1b.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['mean_step_s']*1e3,1),'ms, mem planned', round(d['memory']['planned_peak_bytes']/2**30,2),'GiB measured', round(d['memory']['measured_peak_bytes']/2**30,2),'GiB, kernels', round(d['load']['kernel_compile_s'],1),'s, load', round(d['load_s'],1),'s')" 2>/dev/null || echo "failed rc $rc")
+  summary+=("weft 1.24B seq $SEQ: $wtok")
+fi
+if has torch; then
+  timeout 240 $PY bench/torch_llama_step.py --seq $SEQ --steps $STEPS --json "$OUT/torch_eager.json" > "$OUT/torch_eager.txt" 2>&1
+  ttok=$($PY -c "import json;d=json.load(open('$OUT/torch_eager.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['median_step_s']*1e3,1), 'ms, peak', round(d['peak_gib'],2), 'GiB')" 2>/dev/null || echo "failed: $(tail -2 $OUT/torch_eager.txt)")
+  summary+=("torch eager 1.24B seq $SEQ: $ttok")
+fi
+echo; echo "==== summary ===="; printf '%s\n' "${summary[@]}"

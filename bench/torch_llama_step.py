@@ -1,0 +1,59 @@
+"""PyTorch baseline for `weft run llama3.2-1b --backend cuda`: one training step (forward,
+backward, AdamW) of the 1.24B Llama-3-style model (hidden 2048, 16 layers, 32 heads, 8 kv
+heads, intermediate 8192, vocab 128256, tied embeddings, rope theta 500000), bf16, batch 1.
+
+Usage: python bench/torch_llama_step.py --seq 4096 --steps 8 [--compile] [--json out.json]
+Prints tokens/s (median step after warm-up) and peak memory.
+"""
+import argparse, json, time, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+p = argparse.ArgumentParser()
+p.add_argument("--seq", type=int, default=4096)
+p.add_argument("--batch", type=int, default=1)
+p.add_argument("--steps", type=int, default=8)
+p.add_argument("--compile", action="store_true")
+p.add_argument("--attn", default="sdpa")
+p.add_argument("--json", default=None)
+a = p.parse_args()
+
+cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                  rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                  rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                  use_cache=False, attn_implementation=a.attn)
+torch.manual_seed(0)
+model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+step_fn = model
+if a.compile:
+    step_fn = torch.compile(model)
+ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device="cuda")
+
+def step():
+    out = step_fn(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return out.loss
+
+t0 = time.perf_counter()
+step(); torch.cuda.synchronize()
+first = time.perf_counter() - t0
+times = []
+torch.cuda.reset_peak_memory_stats()
+for i in range(a.steps):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); loss = step(); e.record(); torch.cuda.synchronize()
+    times.append(s.elapsed_time(e) / 1e3)
+times.sort()
+med = times[len(times) // 2]
+tok = a.batch * a.seq / med
+peak = torch.cuda.max_memory_allocated() / 2**30
+res = {"impl": "torch.compile" if a.compile else "torch eager", "seq": a.seq, "batch": a.batch, "median_step_s": med,
+       "tokens_per_s": tok, "first_step_s": first, "peak_gib": peak, "loss": float(loss), "torch": torch.__version__}
+print(json.dumps(res))
+if a.json:
+    json.dump(res, open(a.json, "w"))

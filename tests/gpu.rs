@@ -1,0 +1,503 @@
+//! GPU checks of the CUDA backend (feature `cuda`): every kernel against the CPU reference
+//! runtime on random inputs (odd sizes, f32 and bf16), tiny llama / qwen3 / mixtral
+//! forwards, and (with autodiff) a joint forward+backward program; prints one table.
+//! Each case is a small program in the text IR, lowered to an ExecutionPlan and run by
+//! the CUDA executor (arena poisoned with NaN first, so an unwritten output fails) and
+//! by the CPU reference in f64.
+//!
+//! Without a GPU (CI) every case still parses, lowers to a plan and runs on the CPU
+//! reference; the GPU half reports "skipped". `WEFT_GPU_BENCH=1` adds timings (GEMM,
+//! attention forward/backward). Run with `--nocapture` to see the table.
+
+use std::collections::BTreeMap;
+use weft_ir::{DType, Graph, HostTensor};
+use weft_runtime::cpu::{self, Precision, RunOptions};
+
+struct Case {
+    name: String,
+    text: String,
+    tol: f64,
+    positive: bool,
+    /// Integer inputs: name -> (lo, hi) values drawn uniformly in [lo, hi); `ignore`
+    /// replaces about one in five by -100.
+    ints: BTreeMap<String, (i64, i64, bool)>,
+    /// Float params drawn as one-hot-ish probabilities etc. are not needed; scale of floats.
+    scale: f64,
+}
+
+impl Case {
+    fn new(name: impl Into<String>, text: impl Into<String>) -> Case {
+        Case { name: name.into(), text: text.into(), tol: 1e-4, positive: false, ints: BTreeMap::new(), scale: 1.0 }
+    }
+    fn tol(mut self, t: f64) -> Case {
+        self.tol = t;
+        self
+    }
+    fn positive(mut self) -> Case {
+        self.positive = true;
+        self
+    }
+    fn ints(mut self, name: &str, lo: i64, hi: i64) -> Case {
+        self.ints.insert(name.into(), (lo, hi, false));
+        self
+    }
+    fn labels(mut self, name: &str, lo: i64, hi: i64) -> Case {
+        self.ints.insert(name.into(), (lo, hi, true));
+        self
+    }
+    #[allow(dead_code)]
+    fn scale(mut self, s: f64) -> Case {
+        self.scale = s;
+        self
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Rounds to the nearest bf16 (ties to even), through f32.
+fn bf16(x: f64) -> f64 {
+    let b = (x as f32).to_bits();
+    if (x as f32).is_nan() {
+        return x;
+    }
+    let r = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+    f32::from_bits(r) as f64
+}
+
+fn round(d: DType, x: f64) -> f64 {
+    match d {
+        DType::BF16 => bf16(x),
+        DType::F32 | DType::F16 => x as f32 as f64,
+        _ => x,
+    }
+}
+
+fn draw(c: &Case, g: &Graph, rng: &mut Rng) -> (BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>) {
+    let mut w = BTreeMap::new();
+    let mut x = BTreeMap::new();
+    let shape_of = |v: weft_ir::Value| -> Vec<usize> { g.ty(v).shape.iter().map(|d| d.as_const().unwrap_or(1) as usize).collect() };
+    let make = |name: &str, v: weft_ir::Value, rng: &mut Rng| -> HostTensor {
+        let ty = g.ty(v);
+        let shape = shape_of(v);
+        let n: usize = shape.iter().product();
+        if let Some(&(lo, hi, ignore)) = c.ints.get(name) {
+            let vals: Vec<i64> = (0..n).map(|_| if ignore && rng.next() % 5 == 0 { -100 } else { lo + (rng.next() % (hi - lo) as u64) as i64 }).collect();
+            return HostTensor::ints(ty.dtype, shape, vals);
+        }
+        if ty.dtype == DType::Bool {
+            return HostTensor::ints(DType::Bool, shape, (0..n).map(|_| (rng.next() % 4 != 0) as i64).collect());
+        }
+        if !ty.dtype.is_float() {
+            return HostTensor::ints(ty.dtype, shape, (0..n).map(|_| (rng.next() % 7) as i64).collect());
+        }
+        let vals: Vec<f64> = (0..n)
+            .map(|_| {
+                let u = rng.unit();
+                let v = if c.positive { 0.2 + 1.8 * u } else { 4.0 * u - 2.0 };
+                round(ty.dtype, v * c.scale)
+            })
+            .collect();
+        HostTensor::floats(ty.dtype, shape, vals)
+    };
+    for (name, v) in g.params() {
+        let t = make(&name, v, rng);
+        w.insert(name, t);
+    }
+    for (name, _, v) in g.inputs() {
+        let t = make(&name, v, rng);
+        x.insert(name, t);
+    }
+    (w, x)
+}
+
+fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
+    let (x, y) = (a.to_f64(), b.to_f64());
+    if x.len() != y.len() {
+        return f64::INFINITY;
+    }
+    if x.iter().any(|v| v.is_nan()) && !y.iter().any(|v| v.is_nan()) {
+        return f64::INFINITY;
+    }
+    let num: f64 = x.iter().zip(&y).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
+    let den: f64 = y.iter().map(|q| q * q).sum::<f64>().sqrt();
+    if num == 0.0 {
+        0.0
+    } else {
+        num / den.max(1e-30)
+    }
+}
+
+fn plan_of(g: &Graph, b: i64, s: i64) -> Result<weft_ir::ExecutionPlan, String> {
+    let mut opts = weft_passes::plan::PlanOptions::new(b, s);
+    opts.device_memory = 139 << 30;
+    weft_passes::plan::lower(g, &opts).map_err(|e| e.to_string())
+}
+
+fn cpu_ref(g: &Graph, w: &BTreeMap<String, HostTensor>, x: &BTreeMap<String, HostTensor>, b: i64, s: i64) -> Result<BTreeMap<String, HostTensor>, String> {
+    let opts = RunOptions::new(Precision::F64).bind("B", b).bind("S", s);
+    cpu::run(g, w, x, &opts).map(|r| r.outputs).map_err(|e| e.to_string())
+}
+
+// ---------------------------------------------------------------- cases
+
+fn op_cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    for (dt, tol) in [("f32", 1e-5), ("bf16", 1.5e-2)] {
+        for (op, pos) in [("neg", false), ("exp", false), ("log", true), ("sqrt", true), ("rsqrt", true), ("tanh", false), ("sigmoid", false), ("silu", false), ("relu", false)] {
+            let mut c = Case::new(format!("{op} {dt}[37, 129]"), format!("graph \"t\"\n%0: {dt}[37, 129] = param {{name=\"x\"}}\n%1: {dt}[37, 129] = {op} %0\nreturn out=%1\n")).tol(tol);
+            if pos {
+                c = c.positive();
+            }
+            v.push(c);
+        }
+        v.push(Case::new(format!("gelu {dt}"), format!("graph \"t\"\n%0: {dt}[7, 33] = param {{name=\"x\"}}\n%1: {dt}[7, 33] = gelu %0 {{tanh_approx=false}}\n%2: {dt}[7, 33] = gelu %0 {{tanh_approx=true}}\nreturn a=%1, b=%2\n")).tol(tol));
+        v.push(Case::new(format!("scale/add_scalar/pow_scalar {dt}"), format!("graph \"t\"\n%0: {dt}[5, 17] = param {{name=\"x\"}}\n%1: {dt}[5, 17] = scale %0 {{factor=0.37}}\n%2: {dt}[5, 17] = add_scalar %1 {{value=1.5}}\n%3: {dt}[5, 17] = pow_scalar %0 {{exponent=2.0}}\nreturn a=%2, b=%3\n")).tol(tol));
+        for op in ["add", "sub", "mul", "div", "maximum", "minimum"] {
+            v.push(
+                Case::new(
+                    format!("{op} {dt} (same, row and column broadcast)"),
+                    format!(
+                        "graph \"t\"\n%0: {dt}[3, 5, 7] = param {{name=\"a\"}}\n%1: {dt}[3, 5, 7] = param {{name=\"b\"}}\n%2: {dt}[7] = param {{name=\"r\"}}\n%3: {dt}[3, 5, 1] = param {{name=\"c\"}}\n%4: {dt}[3, 5, 7] = {op} %0, %1\n%5: {dt}[3, 5, 7] = {op} %0, %2\n%6: {dt}[3, 5, 7] = {op} %3, %1\nreturn x=%4, y=%5, z=%6\n"
+                    ),
+                )
+                .positive()
+                .tol(tol),
+            );
+        }
+        v.push(Case::new(format!("sum/mean/max {dt}"), format!("graph \"t\"\n%0: {dt}[6, 5, 33] = param {{name=\"x\"}}\n%1: {dt}[6, 5, 1] = sum %0 {{dims=[-1], keepdim=true}}\n%2: {dt}[5] = mean %0 {{dims=[0, 2], keepdim=false}}\n%3: {dt}[6, 33] = max %0 {{dims=[1], keepdim=false}}\nreturn a=%1, b=%2, c=%3\n")).tol(tol));
+        v.push(Case::new(format!("softmax/log_softmax {dt}"), format!("graph \"t\"\n%0: {dt}[9, 1001] = param {{name=\"x\"}}\n%1: {dt}[9, 1001] = softmax %0 {{dim=-1}}\n%2: {dt}[9, 1001] = log_softmax %0 {{dim=-1}}\nreturn a=%1, b=%2\n")).tol(tol));
+        v.push(Case::new(format!("embedding {dt}"), format!("graph \"t\"\n%0: i64[3, 7] = input {{name=\"ids\", role=other}}\n%1: {dt}[11, 40] = param {{name=\"w\"}}\n%2: {dt}[3, 7, 40] = embedding %0, %1\nreturn a=%2\n")).ints("ids", 0, 11).tol(tol));
+        v.push(Case::new(format!("linear {dt} (+bias)"), format!("graph \"t\"\n%0: {dt}[3, 13, 72] = param {{name=\"x\"}}\n%1: {dt}[40, 72] = param {{name=\"w\"}}\n%2: {dt}[40] = param {{name=\"b\"}}\n%3: {dt}[3, 13, 40] = linear %0, %1\n%4: {dt}[3, 13, 40] = linear %0, %1, %2\nreturn a=%3, b=%4\n")).tol(tol * 2.0));
+        v.push(Case::new(format!("matmul {dt} (batched, transposes, shared b)"), format!("graph \"t\"\n%0: {dt}[4, 9, 24] = param {{name=\"a\"}}\n%1: {dt}[4, 24, 10] = param {{name=\"b\"}}\n%2: {dt}[4, 10, 24] = param {{name=\"bt\"}}\n%3: {dt}[24, 10] = param {{name=\"s\"}}\n%4: {dt}[4, 9, 10] = matmul %0, %1 {{transpose_a=false, transpose_b=false}}\n%5: {dt}[4, 9, 10] = matmul %0, %2 {{transpose_a=false, transpose_b=true}}\n%6: {dt}[4, 9, 10] = matmul %0, %3 {{transpose_a=false, transpose_b=false}}\n%7: {dt}[4, 24, 24] = matmul %0, %0 {{transpose_a=true, transpose_b=false}}\nreturn a=%4, b=%5, c=%6, d=%7\n")).tol(tol * 2.0));
+        v.push(Case::new(format!("rms_norm {dt}"), format!("graph \"t\"\n%0: {dt}[5, 3, 257] = param {{name=\"x\"}}\n%1: {dt}[257] = param {{name=\"w\"}}\n%2: {dt}[5, 3, 257] = rms_norm %0, %1 {{eps=1e-5}}\nreturn a=%2\n")).tol(tol));
+        v.push(Case::new(format!("rope_table + rope {dt} (partial rotary, llama3 scaling)"), format!("graph \"t\"\n%0: i64[2, 11] = input {{name=\"pos\", role=other}}\n%1: f32[2, 11, 12], %2: f32[2, 11, 12] = rope_table %0 {{theta=10000.0, dim=12, scaling=llama3(8.0, 1.0, 4.0, 16)}}\n%3: {dt}[2, 3, 11, 16] = param {{name=\"x\"}}\n%4: {dt}[2, 3, 11, 16] = rope %3, %1, %2\nreturn a=%4, c=%1, s=%2\n")).ints("pos", 0, 50).tol(tol));
+        v.push(Case::new(format!("cross_entropy {dt} none/sum/mean + shift_labels + count_valid"), format!("graph \"t\"\n%0: {dt}[2, 9, 517] = param {{name=\"x\"}}\n%1: i64[2, 9] = input {{name=\"l\", role=labels}}\n%2: i64[2, 9] = shift_labels %1 {{ignore_index=-100}}\n%3: f32[2, 9] = cross_entropy %0, %2 {{ignore_index=-100, reduction=none}}\n%4: f32[] = cross_entropy %0, %2 {{ignore_index=-100, reduction=sum}}\n%5: f32[] = cross_entropy %0, %2 {{ignore_index=-100, reduction=mean}}\n%6: f32[] = count_valid %2 {{ignore_index=-100}}\nreturn a=%3, b=%4, c=%5, d=%6, e=%2\n")).labels("l", 0, 517).tol(tol));
+        v.push(Case::new(format!("layout {dt}: transpose, permute, slice, concat, split, expand, reshape"), format!("graph \"t\"\n%0: {dt}[2, 5, 3, 8] = param {{name=\"x\"}}\n%1: {dt}[2, 3, 5, 8] = transpose %0 {{dim0=1, dim1=2}}\n%2: {dt}[8, 2, 3, 5] = permute %0 {{perm=[3, 0, 2, 1]}}\n%3: {dt}[2, 2, 3, 8] = slice %0 {{dim=1, start=2, len=2}}\n%4: {dt}[2, 7, 3, 8] = concat %0, %3 {{dim=1}}\n%5: {dt}[2, 5, 3, 3], %6: {dt}[2, 5, 3, 5] = split %0 {{dim=3, sizes=[3, 5]}}\n%7: {dt}[1, 5, 1] = param {{name=\"e\"}}\n%8: {dt}[4, 5, 6] = expand %7 {{shape=[4, 5, 6]}}\n%9: {dt}[10, 24] = reshape %0 {{shape=[10, 24]}}\nreturn a=%1, b=%2, c=%3, d=%4, e=%5, f=%6, g=%8, h=%9\n")).tol(0.0));
+        v.push(Case::new(format!("compare/where/cast {dt}"), format!("graph \"t\"\n%0: {dt}[4, 33] = param {{name=\"a\"}}\n%1: {dt}[4, 33] = param {{name=\"b\"}}\n%2: bool[4, 33] = compare %0, %1 {{op=lt}}\n%3: {dt}[4, 33] = where %2, %0, %1\n%4: f32[4, 33] = cast %0 {{dtype=f32}}\n%5: i64[4, 33] = cast %2 {{dtype=i64}}\nreturn a=%3, b=%4, c=%5, d=%2\n")).tol(tol));
+        v.push(Case::new(format!("topk/gather/index_select/one_hot/scatter_add {dt}"), format!("graph \"t\"\n%0: {dt}[13, 8] = param {{name=\"x\"}}\n%1: {dt}[13, 3], %2: i64[13, 3] = topk %0 {{k=3, dim=-1}}\n%3: {dt}[13, 3] = gather %0, %2 {{dim=1}}\n%4: i64[5] = input {{name=\"i\", role=other}}\n%5: {dt}[5, 8] = index_select %0, %4 {{dim=0}}\n%6: f32[13, 3, 8] = one_hot %2 {{num_classes=8, dtype=f32}}\n%7: {dt}[13, 8] = scatter_add %0, %2, %1 {{dim=1}}\nreturn a=%1, b=%2, c=%3, d=%5, e=%6, f=%7\n")).ints("i", 0, 13).tol(tol));
+        v.push(Case::new(format!("moe dispatch/grouped_matmul/combine {dt}"), format!("graph \"t\"\n%0: {dt}[19, 24] = param {{name=\"x\"}}\n%1: i64[19, 2] = input {{name=\"e\", role=other}}\n%2: {dt}[19, 2] = param {{name=\"wt\"}}\n%3: {dt}[5, 40, 24] = param {{name=\"w\"}}\n%4: {dt}[38, 24], %5: i64[5], %6: i64[38] = moe_dispatch %0, %1 {{num_experts=5}}\n%7: {dt}[38, 40] = grouped_matmul %4, %3, %5\n%8: {dt}[38, 24] = slice %7 {{dim=1, start=0, len=24}}\n%9: {dt}[19, 24] = moe_combine %8, %6, %2\nreturn a=%4, b=%5, c=%6, d=%7, f=%9\n")).ints("e", 0, 5).tol(tol * 2.0));
+        // backward ops
+        v.push(Case::new(format!("rms_norm_grad {dt}"), format!("graph \"t\"\n%0: {dt}[5, 3, 257] = param {{name=\"x\"}}\n%1: {dt}[257] = param {{name=\"w\"}}\n%2: {dt}[5, 3, 257] = param {{name=\"dy\"}}\n%3: {dt}[5, 3, 257], %4: {dt}[257] = rms_norm_grad %0, %1, %2 {{eps=1e-5}}\nreturn dx=%3, dw=%4\n")).tol(tol * 2.0));
+        v.push(Case::new(format!("cross_entropy_grad {dt} none/sum/mean"), format!("graph \"t\"\n%0: {dt}[2, 9, 517] = param {{name=\"x\"}}\n%1: i64[2, 9] = input {{name=\"l\", role=labels}}\n%2: f32[2, 9] = param {{name=\"dn\"}}\n%3: f32[] = param {{name=\"ds\"}}\n%4: {dt}[2, 9, 517] = cross_entropy_grad %0, %1, %2 {{ignore_index=-100, reduction=none}}\n%5: {dt}[2, 9, 517] = cross_entropy_grad %0, %1, %3 {{ignore_index=-100, reduction=sum}}\n%6: {dt}[2, 9, 517] = cross_entropy_grad %0, %1, %3 {{ignore_index=-100, reduction=mean}}\nreturn a=%4, b=%5, c=%6\n")).labels("l", 0, 517).tol(tol));
+        v.push(Case::new(format!("embedding_grad {dt} (repeated ids)"), format!("graph \"t\"\n%0: i64[3, 7] = input {{name=\"ids\", role=other}}\n%1: {dt}[3, 7, 40] = param {{name=\"dy\"}}\n%2: {dt}[11, 40] = embedding_grad %0, %1 {{num_embeddings=11}}\nreturn a=%2\n")).ints("ids", 0, 11).tol(tol));
+        v.push(Case::new(format!("silu_grad/gelu_grad/softmax_grad {dt}"), format!("graph \"t\"\n%0: {dt}[7, 65] = param {{name=\"x\"}}\n%1: {dt}[7, 65] = param {{name=\"dy\"}}\n%2: {dt}[7, 65] = silu_grad %0, %1\n%3: {dt}[7, 65] = gelu_grad %0, %1 {{tanh_approx=false}}\n%4: {dt}[7, 65] = gelu_grad %0, %1 {{tanh_approx=true}}\n%5: {dt}[7, 65] = softmax %0 {{dim=-1}}\n%6: {dt}[7, 65] = softmax_grad %5, %1 {{dim=-1}}\nreturn a=%2, b=%3, c=%4, d=%6\n")).tol(tol * 2.0));
+        v.push(Case::new(format!("grouped_matmul_grad/moe_combine_grad {dt}"), format!("graph \"t\"\n%0: {dt}[19, 24] = param {{name=\"x\"}}\n%1: i64[19, 2] = input {{name=\"e\", role=other}}\n%2: {dt}[19, 2] = param {{name=\"wt\"}}\n%3: {dt}[5, 40, 24] = param {{name=\"w\"}}\n%4: {dt}[38, 24], %5: i64[5], %6: i64[38] = moe_dispatch %0, %1 {{num_experts=5}}\n%7: {dt}[38, 40] = param {{name=\"dy\"}}\n%8: {dt}[38, 24], %9: {dt}[5, 40, 24] = grouped_matmul_grad %4, %3, %5, %7\n%10: {dt}[19, 24] = param {{name=\"dc\"}}\n%11: {dt}[38, 24], %12: {dt}[19, 2] = moe_combine_grad %4, %6, %2, %10\nreturn a=%8, b=%9, c=%11, d=%12\n")).ints("e", 0, 5).tol(tol * 2.0));
+        v.push(Case::new(format!("adamw/sgd {dt} params, f32 state"), format!("graph \"t\"\n%0: {dt}[33, 7] = param {{name=\"p\"}}\n%1: {dt}[33, 7] = param {{name=\"g\"}}\n%2: f32[33, 7] = param {{name=\"m\"}}\n%3: f32[33, 7] = param {{name=\"v\"}}\n%4: f32[] = full {{value=3.0}}\n%5: {dt}[33, 7], %6: f32[33, 7], %7: f32[33, 7] = adamw %0, %1, %2, %3, %4 {{lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1}}\n%8: {dt}[33, 7] = param {{name=\"b\"}}\n%9: {dt}[33, 7], %10: {dt}[33, 7] = sgd %0, %1, %8 {{lr=0.1, momentum=0.9, weight_decay=0.01}}\nreturn p=%5, m=%6, v=%7, q=%9, r=%10\n")).positive().tol(tol));
+    }
+    // attention: generic (f32, masks, GQA, Sq != Sk) and tensor-core (bf16, d 64/128)
+    for (dt, d, nq, nkv, sq, sk, causal, tol) in [
+        ("f32", 8, 4, 2, 13, 13, true, 1e-5),
+        ("f32", 40, 3, 1, 9, 21, true, 1e-5),
+        ("f32", 16, 2, 2, 17, 17, false, 1e-5),
+        ("bf16", 64, 4, 2, 100, 100, true, 2e-2),
+        ("bf16", 64, 2, 1, 70, 130, true, 2e-2),
+        ("bf16", 64, 2, 2, 129, 129, false, 2e-2),
+        ("bf16", 128, 4, 1, 77, 77, true, 2e-2),
+        ("bf16", 24, 2, 1, 33, 33, true, 2e-2),
+    ] {
+        let text = format!(
+            "graph \"t\"\n%0: {dt}[2, {nq}, {sq}, {d}] = param {{name=\"q\"}}\n%1: {dt}[2, {nkv}, {sk}, {d}] = param {{name=\"k\"}}\n%2: {dt}[2, {nkv}, {sk}, {d}] = param {{name=\"v\"}}\n%3: {dt}[2, {nq}, {sq}, {d}] = attention %0, %1, %2 {{causal={causal}, scale={}}}\n%4: {dt}[2, {nq}, {sq}, {d}] = param {{name=\"do\"}}\n%5: {dt}[2, {nq}, {sq}, {d}], %6: {dt}[2, {nkv}, {sk}, {d}], %7: {dt}[2, {nkv}, {sk}, {d}] = attention_grad %0, %1, %2, %3, %4 {{causal={causal}, scale={}}}\nreturn o=%3, dq=%5, dk=%6, dv=%7\n",
+            1.0 / (d as f64).sqrt(),
+            1.0 / (d as f64).sqrt()
+        );
+        v.push(Case::new(format!("attention fwd+bwd {dt} d{d} q{nq}/kv{nkv} S{sq}x{sk} causal={causal}"), text).tol(tol));
+    }
+    v.push(Case::new("attention with bool mask (f32, causal)", "graph \"t\"\n%0: f32[2, 2, 9, 8] = param {name=\"q\"}\n%1: f32[2, 1, 9, 8] = param {name=\"k\"}\n%2: f32[2, 1, 9, 8] = param {name=\"v\"}\n%3: bool[2, 1, 9, 9] = input {name=\"m\", role=other}\n%4: f32[2, 2, 9, 8] = attention %0, %1, %2, %3 {causal=true, scale=0.35}\n%5: f32[2, 2, 9, 8] = param {name=\"do\"}\n%6: f32[2, 2, 9, 8], %7: f32[2, 1, 9, 8], %8: f32[2, 1, 9, 8] = attention_grad %0, %1, %2, %4, %5, %3 {causal=true, scale=0.35}\nreturn o=%4, dq=%6, dk=%7, dv=%8\n").tol(1e-5));
+    v
+}
+
+// ---------------------------------------------------------------- running
+
+struct Row {
+    name: String,
+    cpu: String,
+    gpu: String,
+    err: f64,
+    tol: f64,
+    ok: bool,
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_available() -> Result<(), String> {
+    weft_runtime::cuda::probe(0).map(|_| ()).map_err(|e| e.to_string())
+}
+#[cfg(not(feature = "cuda"))]
+fn gpu_available() -> Result<(), String> {
+    Err("built without the `cuda` feature".into())
+}
+
+#[cfg(feature = "cuda")]
+fn run_gpu(g: &Graph, plan: &weft_ir::ExecutionPlan, w: &BTreeMap<String, HostTensor>, x: &BTreeMap<String, HostTensor>, fast: bool) -> Result<(BTreeMap<String, HostTensor>, f64), String> {
+    use weft_runtime::cuda::{ExecOptions, Executor};
+    let mut o = ExecOptions::default();
+    o.fast_attention = fast;
+    o.nccl = false;
+    let mut ex = Executor::new(plan, &o).map_err(|e| e.to_string())?;
+    ex.poison_arena().map_err(|e| e.to_string())?;
+    ex.load_params(w).map_err(|e| e.to_string())?;
+    ex.set_inputs(x).map_err(|e| e.to_string())?;
+    let t = ex.run_step().map_err(|e| e.to_string())?;
+    let mut out = BTreeMap::new();
+    for (name, _) in g.outputs() {
+        out.insert(name.clone(), ex.output(name).map_err(|e| e.to_string())?);
+    }
+    Ok((out, t.device_s))
+}
+#[cfg(not(feature = "cuda"))]
+fn run_gpu(_: &Graph, _: &weft_ir::ExecutionPlan, _: &BTreeMap<String, HostTensor>, _: &BTreeMap<String, HostTensor>, _: bool) -> Result<(BTreeMap<String, HostTensor>, f64), String> {
+    Err("no cuda".into())
+}
+
+fn compare(name: &str, want: &BTreeMap<String, HostTensor>, got: &BTreeMap<String, HostTensor>, tol: f64) -> (f64, String) {
+    let mut worst = 0.0f64;
+    let mut what = String::new();
+    for (k, w) in want {
+        let Some(gt) = got.get(k) else {
+            return (f64::INFINITY, format!("{name}: no output {k}"));
+        };
+        let e = if w.dtype.is_float() { rel_err(gt, w) } else if gt.to_i64() == w.to_i64() { 0.0 } else { f64::INFINITY };
+        if e > worst || e.is_nan() {
+            worst = if e.is_nan() { f64::INFINITY } else { e };
+            what = k.clone();
+        }
+    }
+    let _ = tol;
+    (worst, what)
+}
+
+fn run_case(c: &Case, gpu: bool, seed: u64, rows: &mut Vec<Row>) {
+    let g = match weft_ir::parse(&c.text) {
+        Ok(g) => g,
+        Err(e) => {
+            rows.push(Row { name: c.name.clone(), cpu: format!("parse: {e}"), gpu: "-".into(), err: f64::INFINITY, tol: c.tol, ok: false });
+            return;
+        }
+    };
+    if let Err(e) = weft_ir::verify(&g) {
+        rows.push(Row { name: c.name.clone(), cpu: format!("verify: {e:?}"), gpu: "-".into(), err: f64::INFINITY, tol: c.tol, ok: false });
+        return;
+    }
+    let mut rng = Rng(seed);
+    let (w, x) = draw(c, &g, &mut rng);
+    let plan = match plan_of(&g, 1, 1) {
+        Ok(p) => p,
+        Err(e) => {
+            rows.push(Row { name: c.name.clone(), cpu: format!("plan: {e}"), gpu: "-".into(), err: f64::INFINITY, tol: c.tol, ok: false });
+            return;
+        }
+    };
+    let want = match cpu_ref(&g, &w, &x, 1, 1) {
+        Ok(o) => o,
+        Err(e) => {
+            rows.push(Row { name: c.name.clone(), cpu: format!("cpu: {e}"), gpu: "-".into(), err: f64::INFINITY, tol: c.tol, ok: false });
+            return;
+        }
+    };
+    if !gpu {
+        rows.push(Row { name: c.name.clone(), cpu: "ok".into(), gpu: "skipped".into(), err: 0.0, tol: c.tol, ok: true });
+        return;
+    }
+    let paths: &[bool] = if c.name.starts_with("attention") && c.name.contains("bf16") { &[true, false] } else { &[true] };
+    for &fast in paths {
+        let label = if paths.len() > 1 { format!("{} [{}]", c.name, if fast { "tensor-core" } else { "generic" }) } else { c.name.clone() };
+        match run_gpu(&g, &plan, &w, &x, fast) {
+            Ok((got, t)) => {
+                let (e, what) = compare(&c.name, &want, &got, c.tol);
+                let ok = e <= c.tol.max(1e-6) || (c.tol == 0.0 && e == 0.0);
+                rows.push(Row { name: label, cpu: "ok".into(), gpu: format!("{:.3} ms worst={what}", t * 1e3), err: e, tol: c.tol, ok });
+            }
+            Err(e) => rows.push(Row { name: label, cpu: "ok".into(), gpu: format!("error: {e}"), err: f64::INFINITY, tol: c.tol, ok: false }),
+        }
+    }
+}
+
+/// Tiny HF fixtures: the forward program (one rank), f32 and bf16, and with autodiff the
+/// joint program's gradients.
+fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
+    for (preset, dtype, tol) in [("llama-tiny", None, 2e-4), ("qwen3-tiny", None, 2e-4), ("mixtral-tiny", None, 2e-4), ("qwen3-moe-tiny", None, 2e-4), ("llama-tiny", Some(DType::BF16), 3e-2)] {
+        let name = format!("model {preset}{} forward{}", dtype.map(|d| format!(" {d}")).unwrap_or_default(), if weft_passes::lookup("autodiff").is_ok() { "+backward" } else { "" });
+        let model = match weft_frontends::load(preset) {
+            Ok(m) => m,
+            Err(e) => {
+                rows.push(Row { name, cpu: format!("load: {e}"), gpu: "-".into(), err: f64::INFINITY, tol, ok: false });
+                continue;
+            }
+        };
+        let mut g = model.graph.clone();
+        if let Some(d) = dtype {
+            convert(&mut g, d);
+        }
+        let mut passes = vec!["canonicalize"];
+        if weft_passes::lookup("autodiff").is_ok() {
+            passes.push("autodiff");
+        }
+        let cx = weft_passes::PassContext::new(weft_ir::Mesh::default());
+        if let Err(e) = weft_passes::PassManager::default().run(&mut g, &cx, &passes, &mut std::io::sink()) {
+            rows.push(Row { name, cpu: format!("passes: {e}"), gpu: "-".into(), err: f64::INFINITY, tol, ok: false });
+            continue;
+        }
+        let weights = match model.dir().map(|d| d.join("model.safetensors")).filter(|p| p.exists()) {
+            Some(p) => weft_frontends::load_weights(&model, &p).unwrap_or_else(|_| weft_frontends::random_weights(&model, 1)),
+            None => weft_frontends::random_weights(&model, 1),
+        };
+        let weights: BTreeMap<String, HostTensor> = weights
+            .into_iter()
+            .map(|(k, t)| {
+                let d = dtype.unwrap_or(t.dtype);
+                let v = t.to_f64().into_iter().map(|x| round(d, x)).collect();
+                (k, HostTensor::floats(d, t.shape.clone(), v))
+            })
+            .collect();
+        let (b, s) = (2i64, 13i64);
+        let mut rng = Rng(7);
+        let vocab = model.graph.nodes().iter().find_map(|&n| match model.graph.node(n).op {
+            weft_ir::Op::Embedding {} => model.graph.ty(model.graph.node(n).operands[1]).shape[0].as_const(),
+            _ => None,
+        });
+        let vocab = vocab.unwrap_or(2);
+        let ids: Vec<i64> = (0..b * s).map(|_| (rng.next() % vocab as u64) as i64).collect();
+        let labels: Vec<i64> = ids.iter().map(|&t| if rng.next() % 6 == 0 { -100 } else { t }).collect();
+        let mut x = BTreeMap::new();
+        x.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![b as usize, s as usize], ids));
+        x.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![b as usize, s as usize], labels));
+        let plan = match plan_of(&g, b, s) {
+            Ok(p) => p,
+            Err(e) => {
+                rows.push(Row { name, cpu: format!("plan: {e}"), gpu: "-".into(), err: f64::INFINITY, tol, ok: false });
+                continue;
+            }
+        };
+        let want = match cpu_ref(&g, &weights, &x, b, s) {
+            Ok(o) => o,
+            Err(e) => {
+                rows.push(Row { name, cpu: format!("cpu: {e}"), gpu: "-".into(), err: f64::INFINITY, tol, ok: false });
+                continue;
+            }
+        };
+        if !gpu {
+            rows.push(Row { name, cpu: "ok".into(), gpu: "skipped".into(), err: 0.0, tol, ok: true });
+            continue;
+        }
+        match run_gpu(&g, &plan, &weights, &x, true) {
+            Ok((got, t)) => {
+                let (e, what) = compare(&name, &want, &got, tol);
+                rows.push(Row { name, cpu: "ok".into(), gpu: format!("{:.3} ms worst={what}", t * 1e3), err: e, tol, ok: e <= tol });
+            }
+            Err(e) => rows.push(Row { name, cpu: "ok".into(), gpu: format!("error: {e}"), err: f64::INFINITY, tol, ok: false }),
+        }
+    }
+}
+
+fn convert(g: &mut Graph, d: DType) {
+    use weft_ir::Op;
+    for n in g.nodes().to_vec() {
+        let op = g.node(n).op.clone();
+        let new = match op {
+            Op::Param { name, ty } if ty.dtype.is_float() => Some(Op::Param { name, ty: ty.with_dtype(d) }),
+            Op::Full { value, ty } if ty.dtype.is_float() => Some(Op::Full { value, ty: ty.with_dtype(d) }),
+            _ => None,
+        };
+        if let Some(op) = new {
+            g.node_mut(n).op = op;
+        }
+        g.reinfer(n).expect("dtype conversion re-infers");
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn bench(rows: &mut Vec<String>) {
+    use weft_runtime::cuda::{ExecOptions, Executor};
+    let time = |text: &str, iters: usize| -> Result<f64, String> {
+        let g = weft_ir::parse(text).map_err(|e| e.to_string())?;
+        let plan = plan_of(&g, 1, 1)?;
+        let o = ExecOptions { nccl: false, ..ExecOptions::default() };
+        let mut ex = Executor::new(&plan, &o).map_err(|e| e.to_string())?;
+        ex.init_params_random(1, 0.5).map_err(|e| e.to_string())?;
+        ex.run_step().map_err(|e| e.to_string())?;
+        let mut ts = Vec::new();
+        for _ in 0..iters {
+            ts.push(ex.run_step().map_err(|e| e.to_string())?.device_s);
+        }
+        ts.sort_by(|a, b| a.total_cmp(b));
+        Ok(ts[ts.len() / 2])
+    };
+    let n = 8192;
+    let t = time(&format!("graph \"g\"\n%0: bf16[{n}, {n}] = param {{name=\"x\"}}\n%1: bf16[{n}, {n}] = param {{name=\"w\"}}\n%2: bf16[{n}, {n}] = linear %0, %1\nreturn y=%2\n"), 10);
+    rows.push(match t {
+        Ok(t) => format!("gemm bf16 {n}^3 (cuBLASLt)          {:>8.3} ms  {:>6.0} TFLOP/s", t * 1e3, 2.0 * (n as f64).powi(3) / t / 1e12),
+        Err(e) => format!("gemm bf16: error {e}"),
+    });
+    for (d, nkv, s) in [(64usize, 8usize, 4096usize), (128, 8, 4096), (64, 8, 16384)] {
+        let nq = 32;
+        let sc = 1.0 / (d as f64).sqrt();
+        let fwd = format!("graph \"a\"\n%0: bf16[1, {nq}, {s}, {d}] = param {{name=\"q\"}}\n%1: bf16[1, {nkv}, {s}, {d}] = param {{name=\"k\"}}\n%2: bf16[1, {nkv}, {s}, {d}] = param {{name=\"v\"}}\n%3: bf16[1, {nq}, {s}, {d}] = attention %0, %1, %2 {{causal=true, scale={sc}}}\nreturn o=%3\n");
+        let both = format!("graph \"a\"\n%0: bf16[1, {nq}, {s}, {d}] = param {{name=\"q\"}}\n%1: bf16[1, {nkv}, {s}, {d}] = param {{name=\"k\"}}\n%2: bf16[1, {nkv}, {s}, {d}] = param {{name=\"v\"}}\n%3: bf16[1, {nq}, {s}, {d}] = attention %0, %1, %2 {{causal=true, scale={sc}}}\n%4: bf16[1, {nq}, {s}, {d}] = param {{name=\"do\"}}\n%5: bf16[1, {nq}, {s}, {d}], %6: bf16[1, {nkv}, {s}, {d}], %7: bf16[1, {nkv}, {s}, {d}] = attention_grad %0, %1, %2, %3, %4 {{causal=true, scale={sc}}}\nreturn dq=%5, dk=%6, dv=%7\n");
+        let f = 4.0 * nq as f64 * (s as f64).powi(2) * d as f64 / 2.0; // causal forward FLOPs
+        match (time(&fwd, 10), time(&both, 10)) {
+            (Ok(tf), Ok(tb)) => rows.push(format!(
+                "attention causal bf16 S={s} d={d} 32q/{nkv}kv: fwd {:>7.3} ms {:>5.0} TFLOP/s; fwd+bwd {:>7.3} ms {:>5.0} TFLOP/s",
+                tf * 1e3,
+                f / tf / 1e12,
+                tb * 1e3,
+                3.5 * f / tb / 1e12
+            )),
+            (a, b) => rows.push(format!("attention S={s} d={d}: error {:?} {:?}", a.err(), b.err())),
+        }
+    }
+}
+#[cfg(not(feature = "cuda"))]
+fn bench(_: &mut Vec<String>) {}
+
+#[test]
+fn gpu_suite() {
+    // Tests find fixtures relative to the repository root (CARGO_MANIFEST_DIR at build
+    // time; the current directory when the binary runs elsewhere).
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    if manifest.join("tests/fixtures").exists() {
+        let _ = std::env::set_current_dir(manifest);
+    }
+    let gpu = gpu_available();
+    let has_gpu = gpu.is_ok();
+    let mut rows = Vec::new();
+    let only = std::env::var("WEFT_GPU_ONLY").ok();
+    for (i, c) in op_cases().iter().enumerate() {
+        if only.as_deref().is_some_and(|o| !c.name.contains(o)) {
+            continue;
+        }
+        run_case(c, has_gpu, 1000 + i as u64, &mut rows);
+    }
+    if only.is_none() {
+        model_cases(has_gpu, &mut rows);
+    }
+    let w = rows.iter().map(|r| r.name.len()).max().unwrap_or(10).min(80);
+    eprintln!("\n{:<w$}  {:>9}  {:>8}  {:<6} {}", "case", "rel err", "tol", "status", "gpu");
+    for r in &rows {
+        eprintln!("{:<w$}  {:>9.2e}  {:>8.0e}  {:<6} {}{}", r.name, r.err, r.tol, if r.ok { "ok" } else { "FAIL" }, r.gpu, if r.cpu != "ok" { format!(" ({})", r.cpu) } else { String::new() });
+    }
+    let failed: Vec<&Row> = rows.iter().filter(|r| !r.ok).collect();
+    eprintln!("{} cases, {} failed{}", rows.len(), failed.len(), match &gpu {
+        Ok(()) => String::new(),
+        Err(e) => format!(" (GPU half skipped: {})", e.lines().next().unwrap_or("")),
+    });
+    if has_gpu && std::env::var("WEFT_GPU_BENCH").is_ok() {
+        let mut b = Vec::new();
+        bench(&mut b);
+        eprintln!("\nbenchmarks (median of 10, device time):");
+        for l in b {
+            eprintln!("  {l}");
+        }
+    }
+    assert!(failed.is_empty(), "{} GPU check(s) failed: {}", failed.len(), failed.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join("; "));
+}
