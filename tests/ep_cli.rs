@@ -57,3 +57,18 @@ fn bad_ep_is_a_clear_error() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("ep=4 must divide the 2 ranks of `dp=2`"), "{err}");
 }
+
+#[test]
+fn plans_size_received_rows_at_their_bound() {
+    let dir = std::env::temp_dir().join(format!("weft-ep-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.json");
+    let (code, out, err) = weft(&["compile", "mixtral-tiny", "--mesh", "ep=2", "--batch", "4", "--seq", "16", "-o", plan.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    let v = json(&std::fs::read_to_string(&plan).unwrap());
+    // The data-dependent row counts stay unbound in the plan (the runtime binds them).
+    let bound: Vec<&String> = v["bindings"].as_object().unwrap().keys().collect();
+    assert!(bound.iter().all(|k| !k.starts_with('R')), "{bound:?}");
+    assert!(v["program"].as_str().unwrap().contains("all_to_all_v"));
+    std::fs::remove_dir_all(&dir).ok();
+}

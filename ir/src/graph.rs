@@ -406,6 +406,17 @@ impl Graph {
             .collect()
     }
 
+    /// An upper bound of the data-dependent size node `n` defines, for sizing buffers
+    /// before the run: an `all_to_all_v` receives at most every rank's rows, `rows(x) *
+    /// axis` when the ranks of its axis send equally many (as the SPMD programs
+    /// `expert-parallel` makes do: each rank's tokens times top-k).
+    pub fn runtime_symbol_bound(&self, n: Node) -> Option<crate::dim::Dim> {
+        match &self.node(n).op {
+            Op::AllToAllV { axis, .. } => Some(self.ty(self.node(n).operands[0]).shape[0].clone() * crate::dim::Dim::sym(axis)),
+            _ => None,
+        }
+    }
+
     /// The text location of a node for messages: `node %12 (model.layers.3.mlp)`.
     pub fn describe(&self, n: Node) -> String {
         let d = self.node(n);

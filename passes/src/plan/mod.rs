@@ -132,6 +132,14 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
         b = b.with(a, *n as i64);
     }
     check_bindings(g, &b)?;
+    // Data-dependent sizes (the rows an expert-parallel all_to_all_v receives) are
+    // sized at their bound; the plan's bindings and shapes leave them unbound.
+    let exact = b.clone();
+    for (s, n) in g.runtime_symbols() {
+        if let Some(v) = g.runtime_symbol_bound(n).and_then(|d| d.eval(&exact).ok()) {
+            b = b.with(&s, v);
+        }
+    }
     let d = &opts.device;
 
     let mut output_names: BTreeMap<Value, Vec<String>> = BTreeMap::new();
@@ -397,7 +405,7 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
         .map(|(name, v)| {
             let ty = g.ty(v);
             let parts = g.param_partition(&name).to_vec();
-            let mut shape: Vec<i64> = ty.shape.iter().map(|d| d.bind(&b).as_const().unwrap_or(-1)).collect();
+            let mut shape: Vec<i64> = ty.shape.iter().map(|d| d.bind(&exact).as_const().unwrap_or(-1)).collect();
             for p in &parts {
                 if p.dim < shape.len() {
                     shape[p.dim] = p.full_size();
@@ -417,7 +425,7 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
         source: opts.source.clone(),
         mesh: g.mesh.clone(),
         groups,
-        bindings: b.symbols.clone(),
+        bindings: exact.symbols.clone(),
         device: d.clone(),
         streams: vec![
             Stream { id: 0, kind: StreamKind::Compute, name: "compute".into() },
