@@ -424,7 +424,7 @@ fn gemm_into<T: Fl>(
 }
 
 fn linear_fwd<T: Fl>(x: &[T], w: &[T], b: Option<&[T]>, n: usize, k: usize) -> Vec<T> {
-    let m = if k == 0 { 0 } else { x.len() / k };
+    let m = x.len().checked_div(k).unwrap_or(0);
     let mut out = vec![T::zero(); m * n];
     // w^T: element (p, j) is w[j, p]
     gemm_into(&mut out, (m, n, k), x, (k, 1), w, (1, k), true);
@@ -1033,7 +1033,7 @@ impl CustomOp3 for Rope {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
         let xd = l1.dims();
         let cd = l2.dims();
-        if xd.len() != 4 || cd.len() != 3 || l3.dims() != cd || cd[1] != xd[2] || cd[2] > xd[3] || cd[2] % 2 != 0 || !(cd[0] == 1 || cd[0] == xd[0]) {
+        if xd.len() != 4 || cd.len() != 3 || l3.dims() != cd || cd[1] != xd[2] || cd[2] > xd[3] || !cd[2].is_multiple_of(2) || !(cd[0] == 1 || cd[0] == xd[0]) {
             candle_core::bail!("rope: x {xd:?} and cos/sin {cd:?} do not fit");
         }
         let dims = [xd[0], xd[1], xd[2], xd[3]];

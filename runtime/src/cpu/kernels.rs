@@ -210,6 +210,8 @@ pub(crate) fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling, f32_s
                 let llama = if wavelen > low_freq_wavelen { r(f / factor) } else { f };
                 let smooth = r((r(old / wavelen) - lo) / (hi - lo));
                 let smoothed = r(r(r((1.0 - smooth) * llama) / factor) + r(smooth * llama));
+                // HF's `~(wavelen < high) * ~(wavelen > low)`, NaN included
+                #[allow(clippy::neg_cmp_op_on_partial_ord)]
                 let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
                 *v = if medium { smoothed } else { llama };
             }
@@ -586,7 +588,7 @@ fn topk(x: &Tensor, k: usize, d: usize) -> KResult<(Tensor, Tensor)> {
     }
     let xt = x.detach().transpose(d, last)?.contiguous()?;
     let vals = values_f64(&xt)?;
-    let rows = if n == 0 { 0 } else { vals.len() / n };
+    let rows = vals.len().checked_div(n).unwrap_or(0);
     let mut idx: Vec<i64> = Vec::with_capacity(rows * k);
     let mut order: Vec<usize> = (0..n).collect();
     for r in 0..rows {

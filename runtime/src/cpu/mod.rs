@@ -564,8 +564,8 @@ fn assemble(sh: &Shared, opts: &RunOptions, name: &str, ranks: &[RankOut]) -> Re
             if a.id() == b.id() {
                 continue;
             }
-            if !cache.contains_key(&rep) {
-                cache.insert(rep, host::values_f64(a).map_err(&out_err)?);
+            if let std::collections::btree_map::Entry::Vacant(e) = cache.entry(rep) {
+                e.insert(host::values_f64(a).map_err(&out_err)?);
             }
             let av = &cache[&rep];
             let bv = host::values_f64(b).map_err(&out_err)?;
