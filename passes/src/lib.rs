@@ -16,8 +16,10 @@
 //!   groups): [`ep`] (`expert-parallel`).
 //! - [`check_bindings`]: plan-time check that concrete sizes divide.
 
+pub mod autodiff;
 pub mod bindings;
 pub mod canonicalize;
+pub mod grad_sync;
 pub mod ep;
 pub mod manager;
 pub mod pass;
@@ -27,6 +29,7 @@ pub mod shard_inputs;
 pub mod shard_seq;
 pub mod simplify;
 pub mod sp_loss;
+pub mod training;
 pub mod tp;
 pub mod ulysses;
 mod util;

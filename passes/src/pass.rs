@@ -88,11 +88,13 @@ pub struct PassOptions {
     pub canonicalize_max_rounds: usize,
     /// `tensor-parallel`: layer specs, HF plan and grain.
     pub tp: crate::tp::TpOptions,
+    /// The training passes: micro-batches, checkpoint, offload, grad-sync, optimizer.
+    pub train: crate::training::TrainOptions,
 }
 
 impl Default for PassOptions {
     fn default() -> Self {
-        PassOptions { replicate_kv_heads: true, canonicalize_max_rounds: 16, tp: Default::default() }
+        PassOptions { replicate_kv_heads: true, canonicalize_max_rounds: 16, tp: Default::default(), train: Default::default() }
     }
 }
 

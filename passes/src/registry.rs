@@ -1,7 +1,9 @@
 //! The registry of every pass, and pipelines: lists of pass names, each with the
 //! reason it sits where it does.
 
+use crate::autodiff::Autodiff;
 use crate::canonicalize::Canonicalize;
+use crate::grad_sync::GradSync;
 use crate::ep::ExpertParallel;
 use crate::pass::{Pass, PassError, DP, SP, TP};
 use crate::shard_inputs::ShardInputs;
@@ -14,7 +16,7 @@ use std::fmt;
 use weft_ir::Mesh;
 
 /// Every pass, in the order a full pipeline would run them.
-pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &ExpertParallel, &TensorParallel, &Simplify, &Canonicalize];
+pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &ExpertParallel, &TensorParallel, &Simplify, &Canonicalize, &Autodiff, &GradSync];
 
 /// Every registered pass.
 pub fn passes() -> &'static [&'static dyn Pass] {

@@ -49,6 +49,7 @@ mod backward_kernels;
 mod comm;
 mod error;
 mod fused;
+mod grad_outputs;
 mod host;
 mod kernels;
 mod partition;
@@ -503,6 +504,9 @@ fn assemble(sh: &Shared, opts: &RunOptions, name: &str, ranks: &[RankOut]) -> Re
     let mesh = sh.mesh;
     let splits = sh.graph.output_split(name);
     let out_err = |message: String| RuntimeError::Output { name: name.to_string(), message };
+    if let Some(full) = grad_outputs::assemble_param_grad(sh, opts, name, ranks) {
+        return full.map_err(out_err);
+    }
     for (_, axis) in splits {
         if !mesh.has(axis) {
             return Err(out_err(format!("is split over axis `{axis}`, which the mesh `{mesh}` lacks")));

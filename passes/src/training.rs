@@ -1,0 +1,179 @@
+//! Options of the training passes (`micro-batches`, `autodiff`, `checkpoint`,
+//! `offload`, `grad-sync`, `optimizer`) and the training pipeline: the forward pipeline
+//! a mesh needs, then the passes that turn it into a whole training step.
+
+use crate::registry::{default_pipeline_explained, Pipeline, Step};
+use weft_ir::{Float, Mesh};
+
+/// Which activations the backward recomputes instead of keeping from the forward.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum CheckpointPolicy {
+    /// Keep every activation the backward reads.
+    #[default]
+    None,
+    /// Per layer: keep only what enters each layer (and what is outside the layers);
+    /// recompute the rest of the layer before its backward.
+    Full,
+    /// AutoSP's selective policy: keep attention outputs and collective results (no
+    /// recomputed communication), recompute matmuls and cheap elementwise ops.
+    Selective,
+    /// Keep at most this many bytes of activations per rank, choosing what to
+    /// recompute for the least extra compute (a min-cut over the joint graph).
+    Budget(u64),
+}
+
+impl CheckpointPolicy {
+    /// Parses `none`, `full`, `selective` or `budget=<bytes>` (suffixes k, M, G, Ki, Mi, Gi).
+    pub fn parse(text: &str) -> Result<CheckpointPolicy, String> {
+        let t = text.trim();
+        match t {
+            "none" => Ok(CheckpointPolicy::None),
+            "full" => Ok(CheckpointPolicy::Full),
+            "selective" => Ok(CheckpointPolicy::Selective),
+            _ => match t.strip_prefix("budget=") {
+                Some(b) => parse_bytes(b).map(CheckpointPolicy::Budget),
+                None => Err(format!("unknown checkpoint policy `{t}` (expected none, full, selective or budget=<bytes>)")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for CheckpointPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckpointPolicy::None => write!(f, "none"),
+            CheckpointPolicy::Full => write!(f, "full"),
+            CheckpointPolicy::Selective => write!(f, "selective"),
+            CheckpointPolicy::Budget(b) => write!(f, "budget={b}"),
+        }
+    }
+}
+
+/// Parses a byte count: `1000`, `64M`, `1.5G`, `512Mi`, `2GiB`.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim().trim_end_matches(['B', 'b']);
+    let (num, mult) = [("Ki", 1u64 << 10), ("Mi", 1 << 20), ("Gi", 1 << 30), ("Ti", 1 << 40), ("k", 1_000), ("K", 1_000), ("M", 1_000_000), ("G", 1_000_000_000), ("T", 1_000_000_000_000)]
+        .iter()
+        .find_map(|(s, m)| t.strip_suffix(s).map(|n| (n, *m)))
+        .unwrap_or((t, 1));
+    let v: f64 = num.trim().parse().map_err(|_| format!("`{text}` is not a byte count (e.g. 4G, 512Mi, 1000000)"))?;
+    if v < 0.0 || !v.is_finite() {
+        return Err(format!("`{text}` is not a byte count"));
+    }
+    Ok((v * mult as f64).round() as u64)
+}
+
+/// The optimizer the `optimizer` pass writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Optimizer {
+    AdamW { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float },
+    Sgd { lr: Float, momentum: Float, weight_decay: Float },
+}
+
+impl Optimizer {
+    /// torch.optim.AdamW's defaults (weight decay 0.01) at learning rate `lr`.
+    pub fn adamw(lr: f64) -> Optimizer {
+        Optimizer::AdamW { lr: Float(lr), beta1: Float(0.9), beta2: Float(0.999), eps: Float(1e-8), weight_decay: Float(0.01) }
+    }
+    pub fn sgd(lr: f64) -> Optimizer {
+        Optimizer::Sgd { lr: Float(lr), momentum: Float(0.0), weight_decay: Float(0.0) }
+    }
+    pub fn lr(&self) -> f64 {
+        match self {
+            Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. } => lr.0,
+        }
+    }
+    pub fn with_lr(self, v: f64) -> Optimizer {
+        match self {
+            Optimizer::AdamW { beta1, beta2, eps, weight_decay, .. } => Optimizer::AdamW { lr: Float(v), beta1, beta2, eps, weight_decay },
+            Optimizer::Sgd { momentum, weight_decay, .. } => Optimizer::Sgd { lr: Float(v), momentum, weight_decay },
+        }
+    }
+}
+
+/// Host offload of saved activations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffloadOptions {
+    /// Keep the saved activations of the last `keep_last` layers on the device (their
+    /// backward comes first, with no time to prefetch them).
+    pub keep_last: usize,
+    /// Offload only tensors of at least this many bytes per rank.
+    pub min_bytes: u64,
+    /// Planner mode: offload (largest first, earliest layers first) only until the
+    /// saved activations on the device fit this many bytes per rank, and only what the
+    /// link can move in the compute time between the forward use and the backward use.
+    pub budget: Option<u64>,
+    /// Host link bandwidth, bytes per second (default 25 GB/s).
+    pub link_bytes_per_s: u64,
+}
+
+impl Default for OffloadOptions {
+    fn default() -> Self {
+        OffloadOptions { keep_last: 1, min_bytes: 1 << 20, budget: None, link_bytes_per_s: 25_000_000_000 }
+    }
+}
+
+/// The options of the training passes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TrainOptions {
+    /// `micro-batches`: gradient accumulation over this many micro-batches (1: none).
+    pub micro_batches: u32,
+    /// `checkpoint`: which activations to recompute.
+    pub checkpoint: CheckpointPolicy,
+    /// `offload`: host offload of saved activations (`None`: off).
+    pub offload: Option<OffloadOptions>,
+    /// `grad-sync`: bucket size in bytes (DeepSpeed's reduce_bucket_size, 500 MB).
+    pub bucket_bytes: u64,
+    /// `grad-sync`: ZeRO-style `reduce_scatter` over `dp` instead of `all_reduce`.
+    pub reduce_scatter: bool,
+    /// `optimizer`: the update, or `None` for a step that stops at the gradients.
+    pub optimizer: Option<Optimizer>,
+    /// `optimizer`: shard the optimizer states (and master weights) over `dp` (ZeRO-1).
+    pub zero1: bool,
+    /// Sizes the memory-aware passes (checkpoint budget, offload planner) evaluate
+    /// per-rank bytes at: `B` and `S` (default: 1 sequence of 4096 tokens per dp rank).
+    pub batch: Option<i64>,
+    pub seq: Option<i64>,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            micro_batches: 1,
+            checkpoint: CheckpointPolicy::None,
+            offload: None,
+            bucket_bytes: 500_000_000,
+            reduce_scatter: false,
+            optimizer: None,
+            zero1: false,
+            batch: None,
+            seq: None,
+        }
+    }
+}
+
+/// The pipeline of a whole training step on `mesh`: the forward pipeline, then the
+/// training passes `opts` asks for, each with the reason for its position.
+pub fn training_pipeline(mesh: &Mesh, opts: &TrainOptions) -> Pipeline {
+    let mut p = default_pipeline_explained(mesh);
+    let push = |p: &mut Pipeline, pass: &str, why: &str| p.steps.push(Step { pass: pass.to_string(), why: why.to_string() });
+    if opts.micro_batches > 1 {
+        push(
+            &mut p,
+            "micro-batches",
+            "after the forward passes (it splits each rank's batch, whatever the sharding) and before autodiff, so the backward of each micro-batch accumulates into one gradient",
+        );
+    }
+    push(&mut p, "autodiff", "after every forward rewrite: differentiates the parallel program itself, collectives included");
+    if opts.checkpoint != CheckpointPolicy::None {
+        push(&mut p, "checkpoint", "after autodiff: it chooses among the forward values the backward reads");
+    }
+    if opts.offload.is_some() {
+        push(&mut p, "offload", "after checkpoint: only what is still saved for the backward is worth moving to the host");
+    }
+    push(&mut p, "grad-sync", "after the backward is complete: buckets the parameter gradients' reductions in the order backward produces them");
+    if opts.optimizer.is_some() {
+        push(&mut p, "optimizer", "after grad-sync: updates each parameter from its reduced gradient");
+    }
+    p
+}
