@@ -260,3 +260,17 @@ fn checkpoint_shards_round_trip_and_reshard() {
     assert_eq!(gu.partitions[0].rank_sizes, vec![44, 42, 42]);
     assert_eq!(gu.partitions[0].sub_shard_widths, vec![vec![22, 21, 21], vec![22, 21, 21]]);
 }
+
+#[test]
+fn megatron_sequence_parallel_inside_tp() {
+    let sp = |mesh: &str| cx_with(mesh, |o| o.sequence_parallel = true);
+    let g = check_with("llama", case("llama"), "tp=2", sp("tp=2"));
+    let count = |name: &str| g.nodes().iter().filter(|&&n| g.node(n).op.name() == name).count();
+    // Embedding + 2 layers x (attention, MLP): 5 reduce_scatters; the 3 all_reduces left are the loss's.
+    assert_eq!(count("reduce_scatter"), 5);
+    assert_eq!(count("all_reduce"), 3);
+    check_with("qwen3", case("qwen3"), "tp=4", sp("tp=4"));
+    check_with("llama", case("llama"), "dp=2,sp=2,tp=2", sp("dp=2,sp=2,tp=2"));
+    check_with("mixtral", case("mixtral"), "tp=2", sp("tp=2"));
+    check_with("qwen2", case("qwen2"), "tp=2", sp("tp=2"));
+}

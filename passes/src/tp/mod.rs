@@ -35,4 +35,7 @@ pub struct TpOptions {
     pub grain: Option<i64>,
     /// Grain of vocabulary dims (default: `grain`).
     pub vocab_grain: Option<i64>,
+    /// Megatron-style sequence parallelism inside tp: norms and residuals on `S/tp`
+    /// tokens, all_gather before column-parallel layers, reduce_scatter after row ones.
+    pub sequence_parallel: bool,
 }

@@ -67,7 +67,7 @@ impl Pass for TensorParallel {
         let rules = Rules::new(o.spec.as_ref(), &hf).map_err(spec_error)?;
         let grain = o.grain.or(o.spec.as_ref().and_then(|s| s.grain)).unwrap_or(1);
         let vocab_grain = o.vocab_grain.unwrap_or(grain);
-        let mut tp = Tp { p, grain, vocab_grain, orig: Vec::new(), plans: BTreeMap::new(), linears: HashMap::new(), subs: HashMap::new(), pieces: HashMap::new(), changed: HashSet::new(), grad_allreduce: BTreeMap::new() };
+        let mut tp = Tp { p, grain, vocab_grain, orig: Vec::new(), plans: BTreeMap::new(), linears: HashMap::new(), subs: HashMap::new(), pieces: HashMap::new(), changed: HashSet::new(), grad_allreduce: BTreeMap::new(), seq_reduces: Vec::new() };
         tp.orig = (0..g.value_capacity()).map(|i| g.try_ty(Value(i as u32)).cloned()).collect();
         tp.decide(g, &rules, o.model_type.as_deref(), &mut res)?;
         if tp.plans.values().all(|pl| matches!(pl, ParamPlan::Whole { .. })) {
@@ -76,6 +76,9 @@ impl Pass for TensorParallel {
         tp.apply_params(g, &mut res)?;
         tp.propagate(g, &mut res)?;
         tp.outputs(g, &mut res)?;
+        if o.sequence_parallel || o.spec.as_ref().is_some_and(|s| s.sequence_parallel) {
+            tp.sequence_parallel(g, &mut res)?;
+        }
         tp.mark_grad_allreduce(g, &mut res);
         res.changed = true;
         Ok(res)
@@ -139,6 +142,9 @@ struct Tp {
     changed: HashSet<Value>,
     /// Whole parameters read together with split values: why their gradients differ per rank.
     grad_allreduce: BTreeMap<String, String>,
+    /// The all_reduces that end a row-parallel layer or the vocab-parallel embedding
+    /// (sequence parallelism turns them into reduce_scatters).
+    seq_reduces: Vec<Node>,
 }
 
 /// How a weight is used.
@@ -800,6 +806,9 @@ impl Tp {
                 let reason = format!("row-parallel: sum the partial products of every rank, {} bytes", t.numel() * t.dtype.size_bytes() as i64);
                 let meta = meta_for(g, n, NAME, reason);
                 let reduced = insert1(g, NAME, At::After(n), Op::AllReduce { axis: TP.into(), op: ReduceOp::Sum }, &[out], meta)?;
+                if !experts {
+                    self.seq_reduces.push(g.def(reduced));
+                }
                 res.count("all_reduce", 1);
                 let mut last = reduced;
                 if let Some(b) = bias {
@@ -853,6 +862,7 @@ impl Tp {
         let reason = format!("sum every rank's rows (each token's row lives on one rank), {} bytes", t.numel() * t.dtype.size_bytes() as i64);
         let r = insert1(g, NAME, At::After(g.def(y)), Op::AllReduce { axis: TP.into(), op: ReduceOp::Sum }, &[y], m(g, &reason))?;
         g.replace_uses_except(out, r, g.def(y));
+        self.seq_reduces.push(g.def(r));
         res.count("all_reduce", 1);
         res.count("vocab_parallel", 1);
         Ok(())
@@ -940,6 +950,111 @@ impl Tp {
                 _ => {
                     return Err(PassError::rewrite(NAME, format!("`{NAME}` cannot return output `{name}`"), g.describe(g.def(v)), format!("its type {} is split over tp in a way the pass cannot gather", g.ty(v))));
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Megatron-style sequence parallelism inside tp: the all_reduce after each
+    /// row-parallel layer (and the vocab-parallel embedding) becomes a reduce_scatter
+    /// over the sequence (dim 1), so norms, residual adds and other per-token ops run
+    /// on `S/tp` tokens; the inputs of column-parallel layers (and of any op that is not
+    /// per-token) are all_gathered back to the whole sequence first.
+    fn sequence_parallel(&mut self, g: &mut Graph, res: &mut PassResult) -> Result<(), PassError> {
+        res.count("reduce_scatter", 0).count("seq_all_gather", 0).count("seq_slices", 0);
+        let mut split: HashSet<Value> = HashSet::new();
+        let reduces = std::mem::take(&mut self.seq_reduces);
+        let mut seq_of: HashMap<Value, Dim> = HashMap::new();
+        for &n in &reduces {
+            let x = g.node(n).operands[0];
+            let t = g.ty(x).clone();
+            if t.rank() != 3 {
+                continue;
+            }
+            let why = g.node(n).meta.provenance.as_ref().map(|p| p.reason.clone()).unwrap_or_default();
+            let d = g.node_mut(n);
+            d.op = Op::ReduceScatter { axis: TP.into(), dim: 1, op: ReduceOp::Sum };
+            d.meta.provenance = Some(Provenance { pass: NAME.into(), reason: format!("sequence parallel: {why}; each rank keeps its S/tp tokens") });
+            self.reinfer(g, n)?;
+            let r = g.node(n).results[0];
+            split.insert(r);
+            seq_of.insert(r, t.shape[1].clone());
+            if let Some(c) = res.counters.get_mut("all_reduce") {
+                *c = c.saturating_sub(1);
+            }
+            res.count("reduce_scatter", 1);
+        }
+        let per_token = |op: &Op| {
+            matches!(
+                op,
+                Op::RmsNorm { .. } | Op::Add {} | Op::Sub {} | Op::Mul {} | Op::Div {} | Op::Cast { .. } | Op::Silu {} | Op::Gelu { .. } | Op::Relu {} | Op::Scale { .. } | Op::AddScalar { .. } | Op::Neg {} | Op::Sigmoid {} | Op::Tanh {} | Op::Maximum {} | Op::Minimum {}
+            )
+        };
+        let mut gathered: HashMap<Value, Value> = HashMap::new();
+        let mut sliced: HashMap<Value, Value> = HashMap::new();
+        let order: Vec<Node> = g.nodes().to_vec();
+        for n in order {
+            let d = g.node(n);
+            if !d.operands.iter().any(|v| split.contains(v)) {
+                continue;
+            }
+            let ops = d.operands.clone();
+            let seq = ops.iter().find_map(|v| seq_of.get(v)).cloned().expect("a split operand has a sequence dim");
+            if per_token(&d.op) {
+                for (i, v) in ops.iter().enumerate() {
+                    let t = g.ty(*v);
+                    if split.contains(v) || t.rank() != 3 || t.shape[1] != seq {
+                        continue;
+                    }
+                    let local = seq.clone() / Dim::sym(TP);
+                    let w = match sliced.get(v) {
+                        Some(w) => *w,
+                        None => {
+                            let meta = meta_for(g, n, NAME, "sequence parallel: this rank's S/tp tokens of a whole value");
+                            let op = Op::Slice { dim: 1, start: Dim::coord(TP) * local.clone(), len: local };
+                            let w = insert1(g, NAME, At::After(g.def(*v)), op, &[*v], meta)?;
+                            res.count("seq_slices", 1);
+                            sliced.insert(*v, w);
+                            w
+                        }
+                    };
+                    g.node_mut(n).operands[i] = w;
+                }
+                self.reinfer(g, n)?;
+                for r in g.node(n).results.clone() {
+                    if g.ty(r).rank() == 3 {
+                        split.insert(r);
+                        seq_of.insert(r, seq.clone());
+                    }
+                }
+            } else {
+                for (i, v) in ops.iter().enumerate() {
+                    if !split.contains(v) {
+                        continue;
+                    }
+                    let w = match gathered.get(v) {
+                        Some(w) => *w,
+                        None => {
+                            let t = g.ty(*v).clone();
+                            let reason = format!("sequence parallel: the whole sequence for `{}`, {} bytes per rank", g.node(n).op.name(), t.numel() * t.dtype.size_bytes() as i64);
+                            let meta = meta_for(g, n, NAME, reason);
+                            let w = insert1(g, NAME, At::After(g.def(*v)), Op::AllGather { axis: TP.into(), dim: 1 }, &[*v], meta)?;
+                            res.count("seq_all_gather", 1);
+                            gathered.insert(*v, w);
+                            w
+                        }
+                    };
+                    g.node_mut(n).operands[i] = w;
+                }
+                self.reinfer(g, n)?;
+            }
+        }
+        let outs: Vec<(String, Value)> = g.outputs().to_vec();
+        for (name, v) in outs {
+            if split.contains(&v) {
+                let meta = meta_for(g, g.def(v), NAME, format!("sequence parallel: output `{name}` whole"));
+                let w = insert1(g, NAME, At::After(g.def(v)), Op::AllGather { axis: TP.into(), dim: 1 }, &[v], meta)?;
+                g.set_output(&name, w);
             }
         }
         Ok(())

@@ -103,6 +103,9 @@ pub struct TpSpec {
     pub strict: bool,
     /// DeepSpeed `tp_grain_size`, when the file gives it.
     pub grain: Option<i64>,
+    /// Megatron-style sequence parallelism inside tp (weft's `sequence_parallel` key
+    /// beside `tp_grain_size`).
+    pub sequence_parallel: bool,
     /// The file, for messages.
     pub source: String,
 }
@@ -133,6 +136,7 @@ impl TpSpec {
     pub fn from_deepspeed_json(text: &str, source: &str) -> Result<TpSpec, SpecError> {
         let v: serde_json::Value = serde_json::from_str(text).map_err(|e| err(source, format!("not JSON: {e}")))?;
         let mut grain = None;
+        let mut sequence_parallel = false;
         let mut pc = &v;
         let mut at = String::new();
         if let Some(tp) = v.get("tensor_parallel") {
@@ -142,6 +146,9 @@ impl TpSpec {
         }
         if let Some(g) = pc.get("tp_grain_size").and_then(|g| g.as_i64()) {
             grain = Some(g);
+        }
+        if let Some(b) = pc.get("sequence_parallel") {
+            sequence_parallel = b.as_bool().ok_or_else(|| err(format!("{source}: sequence_parallel"), format!("must be true or false, got {b}")))?;
         }
         if let Some(p) = pc.get("partition_config") {
             at.push_str("partition_config.");
@@ -172,7 +179,7 @@ impl TpSpec {
             let origin = format!("{source}: {at}layer_specs[{i}]");
             layer_specs.push(parse_layer_spec(s, &origin)?);
         }
-        Ok(TpSpec { layer_specs, use_default_specs, strict, grain, source: source.to_string() })
+        Ok(TpSpec { layer_specs, use_default_specs, strict, grain, sequence_parallel, source: source.to_string() })
     }
 }
 
