@@ -217,7 +217,7 @@ fn fold_expert_axes(text: &str, axes: Vec<(String, u32)>) -> Result<Mesh, MeshEr
         out.push(("dp".into(), k * edp.unwrap_or(1)));
     }
     let world: u32 = out.iter().map(|(_, n)| *n).product();
-    if world % k != 0 {
+    if !world.is_multiple_of(k) {
         let others = out.iter().map(|(a, n)| format!("{a}={n}")).collect::<Vec<_>>().join(",");
         return Err(err(
             format!("ep={k} must divide the {world} ranks of `{others}` (expert groups are carved out of the ranks, not added to them)"),
