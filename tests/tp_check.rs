@@ -274,3 +274,27 @@ fn megatron_sequence_parallel_inside_tp() {
     check_with("mixtral", case("mixtral"), "tp=2", sp("tp=2"));
     check_with("qwen2", case("qwen2"), "tp=2", sp("tp=2"));
 }
+
+#[test]
+fn uneven_heads_split_on_kv_head_boundaries() {
+    // 12 q heads, 6 kv heads of dim 8 over tp=4: kv heads [2, 2, 1, 1] (DeepSpeed's
+    // rule), q heads [4, 4, 2, 2]; random weights (0.2 * normal) and the llama inputs.
+    let config = r#"{"model_type": "llama", "vocab_size": 128, "hidden_size": 48, "intermediate_size": 72,
+        "num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 8,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0}"#;
+    let cfg = weft_frontends::ModelConfig::from_json_str(config, "uneven.json").unwrap();
+    let model = weft_frontends::Model::from_config("uneven", cfg, weft_frontends::Origin::Preset("uneven".into())).unwrap();
+    let mut weights = weft_frontends::random_weights(&model, 3);
+    for w in weights.values_mut() {
+        if let weft_ir::HostData::F64(v) = &mut w.data {
+            v.iter_mut().for_each(|x| *x *= 10.0);
+        }
+    }
+    let inputs = case("llama").inputs;
+    let c = Case { graph: model.graph.clone(), weights, inputs };
+    let g = check_with("uneven", c, "tp=4", PassContext::new(Mesh::parse("tp=4").unwrap()));
+    assert_eq!(g.param_partition("model.layers.0.self_attn.q_proj.weight")[0].pieces, vec![vec![32, 32, 16, 16]]);
+    assert_eq!(g.param_partition("model.layers.0.self_attn.k_proj.weight")[0].pieces, vec![vec![16, 16, 8, 8]]);
+    assert_eq!(g.param_partition("model.layers.0.self_attn.o_proj.weight")[0].pieces, vec![vec![32, 32, 16, 16]]);
+    assert_eq!(g.param_partition("model.layers.0.mlp.down_proj.weight")[0].pieces, vec![vec![18, 18, 18, 18]]);
+}
