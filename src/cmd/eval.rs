@@ -21,8 +21,19 @@ pub struct Args {
 
 pub fn run(a: Args) -> CliResult {
     let s = Session::new(&a.run)?;
-    let g = s.compile(a.run.passes.as_deref())?;
-    let r = s.run(&g, a.grads)?;
+    // Gradients come from the step's backward graph (`grad.*` outputs of autodiff).
+    let training = a.grads || a.run.train.any();
+    let g = if training {
+        s.compile_training(a.run.passes.as_deref(), &a.run.train.options("none")?)?
+    } else {
+        s.compile(a.run.passes.as_deref())?
+    };
+    let mut r = s.run(&g, false)?;
+    if training {
+        let grads = super::train::graph_grads(&r.outputs);
+        r.outputs.retain(|k, _| !k.starts_with(weft_passes::autodiff::GRAD_PREFIX));
+        r.grads = grads;
+    }
     let mut out = BTreeMap::new();
     for (name, t) in r.outputs {
         out.insert(name, t);

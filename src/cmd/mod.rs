@@ -13,6 +13,7 @@ pub mod run;
 pub mod session;
 pub mod shard;
 pub mod stats;
+pub mod train;
 
 use crate::error::{CliError, CliResult};
 use weft_frontends::{FrontendError, Model};

@@ -46,6 +46,8 @@ pub struct RunArgs {
     /// DeepSpeed `tensor_parallel.partition_config` JSON: layer specs for tp meshes.
     #[arg(long, value_name = "FILE")]
     pub tp_spec: Option<PathBuf>,
+    #[command(flatten)]
+    pub train: super::train::TrainArgs,
 }
 
 pub struct Session {
@@ -123,6 +125,23 @@ impl Session {
         let cx = super::shard::pass_context(&self.mesh, &self.model, self.tp_spec.as_deref())?;
         weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
         let (b, s) = self.input_sizes()?;
+        super::compile::check_sizes(&g, Some(b), Some(s))?;
+        Ok(g)
+    }
+
+    /// A whole training step for the session's mesh: the forward pipeline (or
+    /// `passes`), then autodiff, grad-sync and the training passes `train` asks for.
+    pub fn compile_training(&self, passes: Option<&str>, train: &weft_passes::training::TrainOptions) -> CliResult<Graph> {
+        let mut g = self.compile(passes)?;
+        let (b, s) = self.input_sizes()?;
+        let mut cx = super::shard::pass_context(&self.mesh, &self.model, self.tp_spec.as_deref())?;
+        cx.options.train = train.clone();
+        cx.options.train.batch.get_or_insert(b);
+        cx.options.train.seq.get_or_insert(s);
+        let names = super::train::training_passes(&self.mesh, &cx.options.train);
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let ins = weft_passes::Instrumentation { check_requires: false, ..Default::default() };
+        weft_passes::PassManager::new(ins).run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
         super::compile::check_sizes(&g, Some(b), Some(s))?;
         Ok(g)
     }

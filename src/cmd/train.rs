@@ -1,0 +1,102 @@
+//! What `compile`, `eval`, `check` and `run` share to build a training step: the flags
+//! of the training passes (checkpointing, offload, micro-batches, gradient buckets,
+//! ZeRO, optimizer) and the gradients read back from a step's `grad.*` outputs.
+
+use crate::error::{CliError, CliResult};
+use std::collections::BTreeMap;
+use weft_ir::HostTensor;
+use weft_passes::training::{parse_bytes, CheckpointPolicy, OffloadOptions, Optimizer, TrainOptions};
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct TrainArgs {
+    /// Activation checkpointing: `none`, `full` (per layer), `selective` (keep attention
+    /// outputs, recompute matmuls and elementwise ops) or `budget=<bytes>` (min-cut).
+    #[arg(long, default_value = "none", value_name = "POLICY")]
+    pub checkpoint: String,
+    /// Offload saved activations to host memory (async copies on a copy stream,
+    /// prefetched before their backward use; the last layer's stay on the device).
+    #[arg(long)]
+    pub offload: bool,
+    /// Offload planner: offload only until the saved activations fit this many bytes per
+    /// rank, within what the host link can hide under compute (implies --offload).
+    #[arg(long, value_name = "BYTES")]
+    pub offload_budget: Option<String>,
+    /// Gradient accumulation: run the step as N micro-batches (one gradient reduction).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub micro_batches: u32,
+    /// Gradient reduction bucket size in MB (DeepSpeed's reduce_bucket_size: 500).
+    #[arg(long, default_value_t = 500.0, value_name = "MB")]
+    pub bucket_mb: f64,
+    /// ZeRO stage: 0 (all_reduce gradients), 1 (shard optimizer states over dp), 2 (also
+    /// reduce_scatter gradients over dp).
+    #[arg(long, default_value_t = 0, value_name = "STAGE")]
+    pub zero: u8,
+    /// Optimizer update in the step: adamw, sgd or none.
+    #[arg(long, value_name = "NAME")]
+    pub optimizer: Option<String>,
+    /// Learning rate of the optimizer.
+    #[arg(long, default_value_t = 1e-3, value_name = "X")]
+    pub lr: f64,
+}
+
+impl TrainArgs {
+    /// The training passes' options; `default_optimizer` when `--optimizer` is absent.
+    pub fn options(&self, default_optimizer: &str) -> CliResult<TrainOptions> {
+        let checkpoint = CheckpointPolicy::parse(&self.checkpoint)
+            .map_err(|m| CliError::input(format!("invalid --checkpoint: {m}")).with_help("use none, full, selective or budget=<bytes> (e.g. budget=2G)"))?;
+        let offload = match (&self.offload_budget, self.offload) {
+            (Some(b), _) => {
+                let budget = parse_bytes(b).map_err(|m| CliError::input(format!("invalid --offload-budget: {m}")))?;
+                Some(OffloadOptions { budget: Some(budget), ..Default::default() })
+            }
+            (None, true) => Some(OffloadOptions::default()),
+            (None, false) => None,
+        };
+        if self.micro_batches == 0 {
+            return Err(CliError::input("invalid --micro-batches 0: must be at least 1"));
+        }
+        if !(self.bucket_mb > 0.0) {
+            return Err(CliError::input(format!("invalid --bucket-mb {}: must be positive", self.bucket_mb)));
+        }
+        if self.zero > 2 {
+            return Err(CliError::input(format!("invalid --zero {}: stages 0, 1 and 2 are supported", self.zero)));
+        }
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return Err(CliError::input(format!("invalid --lr {}: must be a non-negative number", self.lr)));
+        }
+        let optimizer = match self.optimizer.as_deref().unwrap_or(default_optimizer) {
+            "adamw" => Some(Optimizer::adamw(self.lr)),
+            "sgd" => Some(Optimizer::sgd(self.lr)),
+            "none" => None,
+            o => return Err(CliError::input(format!("invalid --optimizer `{o}`")).with_help("use adamw, sgd or none")),
+        };
+        Ok(TrainOptions {
+            micro_batches: self.micro_batches,
+            checkpoint,
+            offload,
+            bucket_bytes: (self.bucket_mb * 1e6) as u64,
+            reduce_scatter: self.zero >= 2,
+            optimizer,
+            zero1: self.zero >= 1,
+            batch: None,
+            seq: None,
+        })
+    }
+
+    /// True when any training flag differs from its default (so `compile` builds a
+    /// training step without `--train`).
+    pub fn any(&self) -> bool {
+        self.checkpoint != "none" || self.offload || self.offload_budget.is_some() || self.micro_batches != 1 || self.zero != 0 || self.optimizer.is_some()
+    }
+}
+
+/// The training passes after the forward pipeline, for `opts`.
+pub fn training_passes(mesh: &weft_ir::Mesh, opts: &TrainOptions) -> Vec<String> {
+    let forward = weft_passes::default_pipeline(mesh).len();
+    weft_passes::training::training_pipeline(mesh, opts).names().into_iter().skip(forward).map(String::from).collect()
+}
+
+/// The gradients a training step returned as `grad.<param>` outputs, by param name.
+pub fn graph_grads(outputs: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
+    outputs.iter().filter_map(|(k, v)| k.strip_prefix(weft_passes::autodiff::GRAD_PREFIX).map(|p| (p.to_string(), v.clone()))).collect()
+}
