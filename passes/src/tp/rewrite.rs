@@ -67,7 +67,7 @@ impl Pass for TensorParallel {
         let rules = Rules::new(o.spec.as_ref(), &hf).map_err(spec_error)?;
         let grain = o.grain.or(o.spec.as_ref().and_then(|s| s.grain)).unwrap_or(1);
         let vocab_grain = o.vocab_grain.unwrap_or(grain);
-        let mut tp = Tp { p, grain, vocab_grain, orig: Vec::new(), plans: BTreeMap::new(), linears: HashMap::new(), subs: HashMap::new(), pieces: HashMap::new(), changed: HashSet::new(), grad_allreduce: BTreeMap::new(), seq_reduces: Vec::new() };
+        let mut tp = Tp { p, grain, vocab_grain, orig: Vec::new(), plans: BTreeMap::new(), linears: HashMap::new(), subs: HashMap::new(), pieces: HashMap::new(), changed: HashSet::new(), grad_allreduce: BTreeMap::new(), sp: cx.mesh.size(crate::pass::SP).map(i64::from), seq_reduces: Vec::new() };
         tp.orig = (0..g.value_capacity()).map(|i| g.try_ty(Value(i as u32)).cloned()).collect();
         tp.decide(g, &rules, o.model_type.as_deref(), &mut res)?;
         if tp.plans.values().all(|pl| matches!(pl, ParamPlan::Whole { .. })) {
@@ -142,6 +142,8 @@ struct Tp {
     changed: HashSet<Value>,
     /// Whole parameters read together with split values: why their gradients differ per rank.
     grad_allreduce: BTreeMap<String, String>,
+    /// The size of `sp` (ulysses-attention follows and needs even local heads).
+    sp: Option<i64>,
     /// The all_reduces that end a row-parallel layer or the vocab-parallel embedding
     /// (sequence parallelism turns them into reduce_scatters).
     seq_reduces: Vec<Node>,
@@ -344,6 +346,19 @@ impl Tp {
             if let Err(why) = &head_splits[i] {
                 return Err(PassError::rewrite(NAME, format!("`{NAME}` cannot split the attention heads over tp={}", self.p), g.describe(a.node), why.clone())
                     .with_help("use a tp degree no larger than the number of q heads"));
+            }
+            if let (Ok(h), Some(sp)) = (&head_splits[i], self.sp.filter(|&sp| sp > 1)) {
+                let uneven = h.q.iter().any(|&x| x != h.q[0]) || h.kv.iter().any(|&x| x != h.kv[0]);
+                if uneven || h.q[0] % sp != 0 {
+                    let good: Vec<String> = (1..=a.nq).filter(|t| a.nq % (t * sp) == 0 && (a.nkv % t == 0 || t % a.nkv == 0)).map(|t| t.to_string()).collect();
+                    return Err(PassError::rewrite(
+                        NAME,
+                        format!("`{NAME}` cannot split the attention heads over tp={} with sp={sp}", self.p),
+                        g.describe(a.node),
+                        format!("each tp rank would hold {:?} q heads, and ulysses-attention over sp needs the same number on every rank, divisible by sp", h.q),
+                    )
+                    .with_help(format!("use a tp degree that works with sp={sp} for {} q / {} kv heads: {}", a.nq, a.nkv, good.join(", "))));
+                }
             }
             res.count("attention_layers", 1);
             if head_splits[i].as_ref().is_ok_and(|h| h.kv_replicated.is_some()) {
