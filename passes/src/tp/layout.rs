@@ -7,7 +7,7 @@
 
 use super::rewrite::GRAD_ALLREDUCE;
 use std::collections::BTreeMap;
-use weft_ir::{Bindings, Graph, HostData, HostTensor, Mesh, Op, Partition};
+use weft_ir::{Bindings, Graph, HostData, HostTensor, Mesh, Partition};
 
 /// One split of a parameter, as recorded by the pass that made it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -89,7 +89,6 @@ pub fn param_layouts(g: &Graph, tied: &[(String, String)]) -> Result<Vec<ParamLa
             grad_allreduce,
             tied_aliases: tied.iter().filter(|(_, p)| *p == name).map(|(a, _)| a.clone()).collect(),
         });
-        let _ = Op::Param { name: String::new(), ty: ty.clone() };
     }
     Ok(out)
 }
@@ -263,7 +262,7 @@ mod tests {
         let l = layout(vec![vec![2, 2], vec![1, 1], vec![1, 1]], vec![8, 3], 0);
         let full: BTreeMap<String, HostTensor> = [("w".to_string(), HostTensor::floats(weft_ir::DType::F32, vec![8, 3], (0..24).map(|x| x as f64).collect()))].into();
         let axes = vec![("tp".to_string(), 2)];
-        let shards = shard_checkpoint(&[l.clone()], &full, &axes).unwrap();
+        let shards = shard_checkpoint(std::slice::from_ref(&l), &full, &axes).unwrap();
         assert_eq!(shards[1]["w"].to_f64(), vec![6., 7., 8., 9., 10., 11., 15., 16., 17., 21., 22., 23.]);
         assert_eq!(unshard_checkpoint(&[l], &shards, &axes).unwrap(), full);
     }

@@ -36,7 +36,7 @@ use super::TP;
 use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult};
 use crate::util::{insert1, made_by, meta_for};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use weft_ir::{At, Bindings, CmpOp, DType, Dim, Float, Graph, Node, NodeMeta, Op, Partition, Provenance, ReduceOp, Reduction, TensorType, Value};
+use weft_ir::{At, Bindings, CmpOp, DType, Dim, Float, Graph, Node, Op, Partition, Provenance, ReduceOp, Reduction, TensorType, Value};
 
 pub struct TensorParallel;
 
@@ -328,7 +328,7 @@ impl Tp {
                 continue;
             }
             if !(q && k && v && o) {
-                let name = |n: Node| format!("{}", g.describe(n));
+                let name = |n: Node| g.describe(n);
                 return Err(PassError::rewrite(
                     NAME,
                     format!("`{NAME}` cannot split the attention heads"),
@@ -384,7 +384,7 @@ impl Tp {
         }
         let v = const_of(&ty.shape[0]).ok_or_else(|| param_error(name, format!("its vocabulary size in {ty} is not a constant")))?;
         let sizes = sizes::grain_sizes(v, self.p, self.vocab_grain);
-        if sizes.iter().any(|&s| s == 0) {
+        if sizes.contains(&0) {
             return Err(param_error(name, format!("{v} vocabulary rows over tp={} leave a rank with none", self.p)));
         }
         Ok(ParamPlan::Split { kind: "vocab", dim: 0, local: per_rank(&sizes), pieces: vec![sizes], why: format!("vocab-parallel embedding ({})", s.origin), gather: false })
@@ -507,7 +507,7 @@ impl Tp {
         let is_vocab = !experts && g.node(n).meta.source.as_deref().is_some_and(|src| src.ends_with("lm_head")) || name.ends_with("lm_head.weight");
         let grain = if is_vocab && s.partition_type == PartitionType::Column { self.vocab_grain } else { self.grain };
         let pieces: Vec<Vec<i64>> = subs.iter().map(|&t| sizes::grain_sizes(t, self.p, grain)).collect();
-        if pieces.iter().any(|pc| pc.iter().any(|&x| x == 0)) {
+        if pieces.iter().any(|pc| pc.contains(&0)) {
             return Err(param_error(name, format!("splitting dim {dim} ({total}) over tp={} leaves a rank with nothing", self.p)));
         }
         let locals: Vec<Dim> = pieces.iter().map(|pc| per_rank(pc)).collect();
@@ -1240,9 +1240,4 @@ fn gather_uneven(g: &mut Graph, anchor: Node, x: Value, dim: usize, sizes: &[i64
         cur = p;
     }
     insert1(g, NAME, at(g, cur), Op::Concat { dim: dim as i64 }, &parts, m(g, "trimmed parts in rank order".into()))
-}
-
-#[allow(dead_code)]
-fn meta_plain(source: Option<String>) -> NodeMeta {
-    NodeMeta { source, provenance: None, ..Default::default() }
 }
