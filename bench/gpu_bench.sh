@@ -5,7 +5,7 @@
 # PyTorch side by side. Results under $OUT (default ./gpu-out); a short table last.
 #   PHASES="checks train bench torch" bench/gpu_bench.sh
 set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+FINAL=${OUT:-gpu-out}; OUT=$(mktemp -d /tmp/weft-gpu.XXXX); mkdir -p "$FINAL"
 PHASES=${PHASES:-"checks train bench torch"}
 SEQ=${SEQ:-4096}; STEPS=${STEPS:-8}
 PY=${PY:-/opt/torch/.venv/bin/python3}
@@ -15,9 +15,15 @@ summary=()
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 if has checks; then
-  WEFT_GPU_BENCH=1 timeout 300 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests.txt" 2>&1
-  summary+=("kernel checks: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests.txt" || echo 'did not finish') (rc $?)")
-  grep -E "FAIL|error" "$OUT/gpu_tests.txt" | head -20
+  # Three processes, so that a fault in one family (a sticky CUDA error) cannot hide the others.
+  WEFT_GPU_SKIP=attention,model timeout 200 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests_ops.txt" 2>&1
+  summary+=("op checks: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests_ops.txt" || echo 'did not finish')")
+  WEFT_GPU_ONLY=attention timeout 200 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests_attn.txt" 2>&1
+  summary+=("attention checks: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests_attn.txt" || echo 'did not finish')")
+  WEFT_GPU_BENCH=1 WEFT_GPU_ONLY=model timeout 200 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests_models.txt" 2>&1
+  summary+=("model checks: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests_models.txt" || echo 'did not finish')")
+  cat "$OUT"/gpu_tests_*.txt > "$OUT/gpu_tests.txt"
+  grep -E "FAIL|error|panicked" "$OUT/gpu_tests.txt" | cut -c1-300 | head -40
   grep -A8 "^benchmarks" "$OUT/gpu_tests.txt"
 fi
 if has train; then
@@ -40,4 +46,6 @@ if has torch; then
   ttok=$($PY -c "import json;d=json.load(open('$OUT/torch_eager.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['median_step_s']*1e3,1), 'ms, peak', round(d['peak_gib'],2), 'GiB')" 2>/dev/null || echo "failed: $(tail -2 $OUT/torch_eager.txt)")
   summary+=("torch eager 1.24B seq $SEQ: $ttok")
 fi
-echo; echo "==== summary ===="; printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" > "$OUT/summary.txt"
+tar czf "$FINAL/results.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$FINAL/summary.txt"
+echo; echo "==== summary ===="; cat "$OUT/summary.txt"

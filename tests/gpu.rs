@@ -471,14 +471,17 @@ fn gpu_suite() {
     let gpu = gpu_available();
     let has_gpu = gpu.is_ok();
     let mut rows = Vec::new();
-    let only = std::env::var("WEFT_GPU_ONLY").ok();
+    // WEFT_GPU_ONLY / WEFT_GPU_SKIP: comma-separated substrings of case names (models
+    // are the cases named "model ..."), so a crash in one family cannot hide the others.
+    let list = |k: &str| std::env::var(k).ok().map(|v| v.split(',').map(str::to_string).filter(|x| !x.is_empty()).collect::<Vec<_>>());
+    let (only, skip) = (list("WEFT_GPU_ONLY"), list("WEFT_GPU_SKIP"));
+    let selected = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|x| name.contains(x.as_str()))) && !skip.as_ref().is_some_and(|s| s.iter().any(|x| name.contains(x.as_str())));
     for (i, c) in op_cases().iter().enumerate() {
-        if only.as_deref().is_some_and(|o| !c.name.contains(o)) {
-            continue;
+        if selected(&c.name) {
+            run_case(c, has_gpu, 1000 + i as u64, &mut rows);
         }
-        run_case(c, has_gpu, 1000 + i as u64, &mut rows);
     }
-    if only.is_none() {
+    if selected("model") {
         model_cases(has_gpu, &mut rows);
     }
     let w = rows.iter().map(|r| r.name.len()).max().unwrap_or(10).min(80);

@@ -88,18 +88,29 @@ FOR_FLOATS(DEF_CE_BWD)
 #define DEF_EMB_BWD(S_, T)                                                                                \
     extern "C" __global__ void embedding_bwd_##S_(T* dw, const i64* ids, const T* dy, i64 ntok, i64 H,      \
                                                     i64 vocab, int* err) {                                 \
-        __shared__ int first;                                                                             \
+        __shared__ int first, ndup;                                                                       \
+        __shared__ int dups[1024];                                                                        \
         i64 t = blockIdx.x;                                                                               \
         i64 id = ids[t];                                                                                  \
         if (id < 0 || id >= vocab) { if (threadIdx.x == 0) atomicExch(err, 9); return; }                  \
-        if (threadIdx.x == 0) first = 1;                                                                  \
+        if (threadIdx.x == 0) { first = 1; ndup = 0; }                                                    \
         __syncthreads();                                                                                  \
-        for (i64 u = threadIdx.x; u < t; u += blockDim.x) if (ids[u] == id) first = 0;                    \
+        for (i64 u = threadIdx.x; u < ntok; u += blockDim.x) {                                            \
+            if (ids[u] != id || u == t) continue;                                                         \
+            if (u < t) first = 0;                                                                         \
+            else { int k = atomicAdd(&ndup, 1); if (k < 1024) dups[k] = (int)u; }                         \
+        }                                                                                                 \
         __syncthreads();                                                                                  \
         if (!first) return;                                                                               \
+        int nd = ndup;                                                                                    \
+        if (threadIdx.x == 0 && nd > 1 && nd <= 1024) { /* sum in token order: deterministic */          \
+            for (int a = 1; a < nd; ++a) { int v = dups[a], b = a - 1; while (b >= 0 && dups[b] > v) { dups[b + 1] = dups[b]; --b; } dups[b + 1] = v; } \
+        }                                                                                                 \
+        __syncthreads();                                                                                  \
         for (i64 j = threadIdx.x; j < H; j += blockDim.x) {                                               \
             float acc = tof(dy[t * H + j]);                                                               \
-            for (i64 u = t + 1; u < ntok; ++u) if (ids[u] == id) acc += tof(dy[u * H + j]);               \
+            if (nd <= 1024) { for (int k = 0; k < nd; ++k) acc += tof(dy[(i64)dups[k] * H + j]); }        \
+            else { for (i64 u = t + 1; u < ntok; ++u) if (ids[u] == id) acc += tof(dy[u * H + j]); }      \
             dw[id * H + j] = fromf<T>(acc);                                                               \
         }                                                                                                 \
     }

@@ -386,7 +386,11 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
     let err = lw.gpu.err_flag.ptr;
     let o = &outs[0];
     let same = |a: &DevT, b: &DevT| a.shape == b.shape;
+    let vec8 = |ts: &[&DevT]| o.dtype == DType::BF16 && o.numel() % 8 == 0 && ts.iter().all(|t| t.ptr % 16 == 0 && t.dtype == DType::BF16 && t.numel() == o.numel());
     let unary = |lw: &mut Lower, code_: i32, p: f32| -> CudaResult<()> {
+        if vec8(&[o, &ins[0]]) {
+            return lw.n("unary8_bf16", o.numel() / 8, vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::I64(o.numel() as i64 / 8), Arg::I32(code_), Arg::F32(p)]);
+        }
         let name = kname("unary", o.dtype)?;
         lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::I64(o.numel() as i64), Arg::I32(code_), Arg::F32(p)])
     };
@@ -398,6 +402,9 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
         if a.dtype.is_int() && o.dtype == DType::I64 && a.dtype == DType::I64 {
             let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape]).map_err(|m| lw.unsup("broadcast", &m))?;
             return lw.n("binary_i64", o.numel(), vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I64(o.numel() as i64), Arg::I32(code_), Arg::blob(&bc)]);
+        }
+        if same(a, o) && same(b, o) && vec8(&[o, a, b]) {
+            return lw.n("binary8_bf16", o.numel() / 8, vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I64(o.numel() as i64 / 8), Arg::I32(code_)]);
         }
         if same(a, o) && same(b, o) {
             let name = kname("binary_c", o.dtype)?;
@@ -804,6 +811,9 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             lw.rows(name, ids.numel(), 256, 0, vec![Arg::P(o.ptr), Arg::P(ids.ptr), Arg::P(dy.ptr), Arg::I64(ids.numel() as i64), Arg::I64(h), Arg::I64(o.shape[0] as i64), Arg::P(err)])
         }
         Op::SiluGrad {} => {
+            if vec8(&[o, &ins[0], &ins[1]]) {
+                return lw.n("silu_bwd8_bf16", o.numel() / 8, vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::P(ins[1].ptr), Arg::I64(o.numel() as i64 / 8)]);
+            }
             let name = kname("silu_bwd", o.dtype)?;
             lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::P(ins[1].ptr), Arg::I64(o.numel() as i64)])
         }
@@ -1151,10 +1161,49 @@ impl Executor {
         // Optimizer updates write in place (the kernels are elementwise) when nothing
         // after the update reads the old value: no copy back, and `param.*` outputs alias
         // the params.
-        let mut last_read = vec![0u32; plan.buffers.len()];
+        // Reshapes are views: the output aliases the input's bytes when they stay put
+        // (on the compute stream) past every use of the output; no copy is made.
+        let nb = plan.buffers.len();
+        let mut root_of: Vec<u32> = (0..nb as u32).collect();
+        let mut last_s0 = vec![-1i64; nb];
+        let mut last_any = vec![-1i64; nb];
+        let mut readers_off_s0 = vec![false; nb];
+        for ins in &plan.instructions {
+            for &b in ins.inputs.iter().chain(&ins.outputs) {
+                last_any[b as usize] = last_any[b as usize].max(ins.id as i64);
+                if ins.stream == 0 {
+                    last_s0[b as usize] = last_s0[b as usize].max(ins.id as i64);
+                }
+            }
+            if ins.stream != 0 {
+                for &b in &ins.inputs {
+                    readers_off_s0[b as usize] = true;
+                }
+            }
+        }
+        let mut elided: std::collections::HashSet<u32> = std::collections::HashSet::new();
+        if std::env::var("WEFT_NO_VIEWS").is_err() {
+            for ins in &plan.instructions {
+                if ins.op != "reshape" || ins.stream != 0 {
+                    continue;
+                }
+                let (ib, ob) = (ins.inputs[0] as usize, ins.outputs[0] as usize);
+                let r = root_of[ib] as usize;
+                let (br, bo) = (&plan.buffers[r], &plan.buffers[ob]);
+                let host = br.category == Category::Host || bo.category == Category::Host;
+                let stays = br.resident || last_s0[r] >= last_any[ob];
+                if !host && !bo.resident && stays && !readers_off_s0[ob] && bufs[ob].bytes() == bufs[ib].bytes() {
+                    bufs[ob].ptr = bufs[ib].ptr;
+                    root_of[ob] = r as u32;
+                    elided.insert(ins.id);
+                }
+            }
+        }
+        let mut last_read = vec![0u32; nb];
         for ins in &plan.instructions {
             for &b in &ins.inputs {
-                last_read[b as usize] = last_read[b as usize].max(ins.id);
+                let r = root_of[b as usize] as usize;
+                last_read[r] = last_read[r].max(ins.id);
             }
         }
         let update_of: HashMap<u32, u32> = updates.iter().copied().collect();
@@ -1191,7 +1240,9 @@ impl Executor {
                 }
                 let ti: Vec<DevT> = ins.inputs.iter().map(|&b| bufs[b as usize].clone()).collect();
                 let to: Vec<DevT> = ins.outputs.iter().map(|&b| bufs[b as usize].clone()).collect();
-                if nd.op.is_collective() {
+                if elided.contains(&ins.id) {
+                    // a view: nothing to run
+                } else if nd.op.is_collective() {
                     lower_collective(&mut lw, &nd.op, &ti, &to, env.world)?;
                 } else if matches!(nd.op.name(), "offload" | "reload") {
                     let kind = if nd.op.name() == "offload" { CopyKind::D2H } else { CopyKind::H2D };

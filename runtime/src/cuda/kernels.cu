@@ -22,6 +22,9 @@ typedef unsigned short u16;
 #define MAXR 8
 #define FULL_MASK 0xffffffffu
 #define NEG_BIG (-3.402823466e38f)
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 
 // ---------------------------------------------------------------- helpers
 
@@ -312,6 +315,52 @@ __device__ __forceinline__ void bc_offsets(const Bcast& bc, i64 i, i64& oa, i64&
         }                                                                                                \
     }
 FOR_FLOATS(DEF_ELEMWISE)
+
+// 8-wide bf16 versions (16-byte loads) of the hot contiguous elementwise kernels; n8 = n / 8.
+__device__ __forceinline__ void unpack8(uint4 u, float* f) {
+    const __nv_bfloat16* e = (const __nv_bfloat16*)&u;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = __bfloat162float(e[k]);
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    uint4 u;
+    __nv_bfloat16* e = (__nv_bfloat16*)&u;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] = __float2bfloat16(f[k]);
+    return u;
+}
+extern "C" __global__ void unary8_bf16(uint4* out, const uint4* in, i64 n8, int code, float p) {
+    GRID_STRIDE(i, n8) {
+        float x[8];
+        unpack8(in[i], x);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) x[k] = unary_op(x[k], code, p);
+        out[i] = pack8(x);
+    }
+}
+extern "C" __global__ void binary8_bf16(uint4* out, const uint4* a, const uint4* b, i64 n8, int code) {
+    GRID_STRIDE(i, n8) {
+        float x[8], y[8];
+        unpack8(a[i], x);
+        unpack8(b[i], y);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) x[k] = binary_op(x[k], y[k], code);
+        out[i] = pack8(x);
+    }
+}
+extern "C" __global__ void silu_bwd8_bf16(uint4* dx, const uint4* xs, const uint4* dy, i64 n8) {
+    GRID_STRIDE(i, n8) {
+        float x[8], g[8];
+        unpack8(xs[i], x);
+        unpack8(dy[i], g);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            float s = 1.f / (1.f + __expf(-x[k]));
+            x[k] = g[k] * s * (1.f + x[k] * (1.f - s));
+        }
+        dx[i] = pack8(x);
+    }
+}
 
 extern "C" __global__ void binary_i64(i64* out, const i64* a, const i64* b, i64 n, int code, Bcast bc) {
     GRID_STRIDE(i, n) {
