@@ -388,22 +388,29 @@ impl Graph {
             .collect()
     }
 
-    /// Data-dependent sizes: symbols a node defines (the `rows` of an `all_to_all_v`,
-    /// see [`Op::defined_symbol`]) that no input type and no mesh axis defines, with the
-    /// node, in program order. Plan-time checks skip sizes that mention them, and the
-    /// runtime binds each on every rank from the tensor its node produced there. The
-    /// verifier checks that each is defined once and used only after its node.
+    /// Data-dependent sizes: symbols that the `rows` of an `all_to_all_v` names (see
+    /// [`Op::defined_symbol`]) and no input type and no mesh axis defines, each with the
+    /// first such node in program order, which defines it. Later ones naming it (the
+    /// transpose of the return exchange receives the dispatched rows again) use it, and
+    /// the runtime checks their count. Plan-time checks skip sizes that mention these
+    /// symbols, and the runtime binds each on every rank from the tensor its defining
+    /// node produced there. The verifier checks that none is used before it is defined.
     pub fn runtime_symbols(&self) -> Vec<(String, Node)> {
-        let mut defined_elsewhere: std::collections::BTreeSet<String> = self.mesh.axes.iter().map(|(a, _)| a.clone()).collect();
+        let mut taken: std::collections::BTreeSet<String> = self.mesh.axes.iter().map(|(a, _)| a.clone()).collect();
         for (_, _, v) in self.inputs() {
             for d in &self.ty(v).shape {
-                defined_elsewhere.extend(d.symbols());
+                taken.extend(d.symbols());
             }
         }
-        self.order
-            .iter()
-            .filter_map(|&n| self.node(n).op.defined_symbol().filter(|s| !defined_elsewhere.contains(s)).map(|s| (s, n)))
-            .collect()
+        let mut out = Vec::new();
+        for &n in &self.order {
+            if let Some(s) = self.node(n).op.defined_symbol() {
+                if taken.insert(s.clone()) {
+                    out.push((s, n));
+                }
+            }
+        }
+        out
     }
 
     /// An upper bound of the data-dependent size node `n` defines, for sizing buffers

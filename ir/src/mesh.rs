@@ -127,6 +127,22 @@ impl Mesh {
         Some(self.coords(rank)[i])
     }
 
+    /// How `ep` lies over the other axes: `(i, d)` when one ep group holds `d` of the
+    /// `axes[i]` coordinates (a divisor of its size) and every coordinate of the axes
+    /// after it; the axes before it, and the rest of `axes[i]`, lie across ep groups
+    /// (they make `edp`). `None` without `ep`.
+    pub fn expert_cut(&self) -> Option<(usize, u32)> {
+        let k = self.size(EP)?;
+        let product: Vec<(String, u32)> = self.axes.iter().filter(|(a, _)| !is_derived(a)).cloned().collect();
+        expert_cut(&product, k)
+    }
+
+    /// The lowest rank with the given coordinates (derived axes included), e.g. the
+    /// rank holding the same shard as another one: `rank_with(&[("ep", 1)])`.
+    pub fn rank_with(&self, fixed: &[(&str, u32)]) -> Option<u32> {
+        (0..self.world_size()).find(|&r| fixed.iter().all(|(a, c)| self.coord(r, a) == Some(*c)))
+    }
+
     /// The rank with these coordinates (those of derived axes are ignored).
     pub fn rank_of(&self, coords: &[u32]) -> u32 {
         self.axes.iter().zip(coords).filter(|((a, _), _)| !is_derived(a)).fold(0, |r, ((_, n), c)| r * n + c)
@@ -232,9 +248,32 @@ fn fold_expert_axes(text: &str, axes: Vec<(String, u32)>) -> Result<Mesh, MeshEr
             ));
         }
     }
+    if expert_cut(&out, k).is_none() {
+        let others = out.iter().map(|(a, n)| format!("{a}={n}")).collect::<Vec<_>>().join(",");
+        return Err(err(
+            format!("ep={k} groups {k} consecutive ranks, which cut the axes of `{others}` unevenly (an ep group must hold whole inner axes times a divisor of the next)"),
+            "choose ep as a product of the innermost axis sizes times a divisor of the next axis".into(),
+        ));
+    }
     out.push((EP.into(), k));
     out.push((EDP.into(), world / k));
     Ok(Mesh { axes: out })
+}
+
+/// Where groups of `k` consecutive ranks cut the product axes `axes` (outermost
+/// first): the index of the axis they cut and how much of it one group holds (a
+/// divisor of its size); the axes after it lie wholly inside a group, those before it
+/// across groups. `None` when the groups do not align with the axes.
+fn expert_cut(axes: &[(String, u32)], k: u32) -> Option<(usize, u32)> {
+    let mut inner = 1u32;
+    for (i, (_, n)) in axes.iter().enumerate().rev() {
+        if k <= inner * n {
+            let d = k / inner;
+            return (k % inner == 0 && n % d == 0).then_some((i, d));
+        }
+        inner *= n;
+    }
+    None
 }
 
 impl fmt::Display for Mesh {
@@ -274,6 +313,8 @@ mod tests {
             assert_eq!(m.rank_of(&m.coords(r)), r);
         }
         assert_eq!(Mesh::parse(&m.to_string()).unwrap(), m);
+        assert_eq!(m.rank_with(&[("ep", 3)]), Some(3));
+        assert_eq!(m.rank_with(&[("edp", 1), ("tp", 1)]), Some(5));
         insta::assert_snapshot!(m.rank_table());
         // Shorthands and equivalent spellings.
         assert_eq!(Mesh::parse("ep=4").unwrap().to_string(), "dp=4,ep=4,edp=1");
@@ -290,6 +331,12 @@ mod tests {
         assert!(e.contains("edp=3 times ep=2 must be the 4 ranks"), "{e}");
         let e = Mesh::parse("dp=4,edp=2").unwrap_err().to_string();
         assert!(e.contains("needs an `ep` axis"), "{e}");
+        // 2 consecutive ranks of dp=2,tp=3 straddle tp groups.
+        let e = Mesh::parse("dp=2,tp=3,ep=2").unwrap_err().to_string();
+        assert!(e.contains("cut the axes of `dp=2,tp=3` unevenly"), "{e}");
+        assert_eq!(Mesh::parse("dp=4,tp=2,ep=4").unwrap().expert_cut(), Some((0, 2)));
+        assert_eq!(Mesh::parse("dp=2,sp=2,ep=2").unwrap().expert_cut(), Some((1, 2)));
+        assert_eq!(Mesh::parse("dp=2,tp=3,ep=3").unwrap().expert_cut(), Some((1, 3)));
     }
 
     #[test]

@@ -280,7 +280,7 @@ define_ops! {
     // ---- collectives (SPMD: every rank of the axis group runs them) ----
     /// Splits `scatter_dim` into one chunk per rank of `axis`, exchanges, concatenates along `gather_dim`.
     AllToAll = "all_to_all" ("x") [1, 1] { axis: String, scatter_dim: i64, gather_dim: i64 } => all_to_all, collective;
-    /// Sends `send_counts[j]` consecutive rows (dim 0) of `x` to rank j of `axis` and joins the rows each rank sends here, in rank order: `rows` rows. A `rows` that is a symbol nothing else defines (`R57`, after the node) is data-dependent: the runtime binds it on each rank from the rows received (see `Graph::runtime_symbols`). Its transpose is `all_to_all_v(dy, all_to_all(send_counts {scatter_dim=0, gather_dim=0})) {rows = x's rows}`.
+    /// Sends `send_counts[j]` consecutive rows (dim 0) of `x` to rank j of `axis` and joins the rows each rank sends here, in rank order: `rows` rows. A `rows` that is a symbol no input or mesh axis defines (`R57`, after the node) is data-dependent: the first such node binds it on each rank from the rows received, later ones are checked against it (see `Graph::runtime_symbols`). Its transpose is `all_to_all_v(dy, all_to_all(send_counts {scatter_dim=0, gather_dim=0})) {rows = x's rows}`.
     AllToAllV = "all_to_all_v" ("x, send_counts") [2, 2] { axis: String, rows: Dim } => all_to_all_v, collective;
     /// Reduces over the ranks of `axis`; every rank gets the result.
     AllReduce = "all_reduce" ("x") [1, 1] { axis: String, op: ReduceOp } => same, collective;

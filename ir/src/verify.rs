@@ -144,49 +144,31 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
     errors
 }
 
-/// A data-dependent size (see [`Graph::runtime_symbols`]) is defined by one node and
-/// appears in no type or attribute before it: it has no value until that node runs.
+/// A data-dependent size (see [`Graph::runtime_symbols`]) appears in no type or
+/// attribute before the node that defines it: it has no value until that node runs.
 fn check_runtime_symbols(g: &Graph, errors: &mut Vec<VerifyError>) {
     let runtime = g.runtime_symbols();
     if runtime.is_empty() {
         return;
     }
-    let mut def: BTreeMap<&str, Node> = BTreeMap::new();
-    for (s, n) in &runtime {
-        match def.get(s.as_str()) {
-            Some(&prev) => errors.push(VerifyError {
-                node: Some(*n),
-                location: g.describe(*n),
-                message: format!("data-dependent size `{s}` is already defined by {}", g.describe(prev)),
-            }),
-            None => {
-                def.insert(s, *n);
-            }
-        }
-    }
-    let mut seen: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
+    let mut pending: BTreeMap<&str, Node> = runtime.iter().map(|(s, n)| (s.as_str(), *n)).collect();
     for &n in g.nodes() {
+        pending.retain(|_, dn| *dn != n);
+        if pending.is_empty() {
+            break;
+        }
         let d = g.node(n);
         let mut dims: Vec<&Dim> = op_dims(&d.op);
         for v in &d.results {
             dims.extend(g.ty(*v).shape.iter());
         }
-        let defines = d.op.defined_symbol();
-        for (s, dn) in &def {
-            if seen.contains(s) || *dn == n {
-                continue;
-            }
+        for (s, dn) in &pending {
             if dims.iter().any(|x| x.mentions(s)) {
                 errors.push(VerifyError {
                     node: Some(n),
                     location: g.describe(n),
                     message: format!("uses data-dependent size `{s}` before {} defines it", g.describe(*dn)),
                 });
-            }
-        }
-        if let Some(s) = defines {
-            if let Some((k, _)) = def.get_key_value(s.as_str()) {
-                seen.insert(k);
             }
         }
     }

@@ -26,7 +26,9 @@
 //! - `all_gather` over `a`: this rank's chunk (`slice` at `@a`) of a complete
 //!   gradient, `reduce_scatter` of a partial one;
 //! - `reduce_scatter` over `a`: `all_gather`; `all_to_all` over `a`: the inverse
-//!   `all_to_all` (scatter and gather dims swapped); `broadcast`: the root keeps it.
+//!   `all_to_all` (scatter and gather dims swapped); `broadcast`: the root keeps it;
+//!   `all_to_all_v` (expert-parallel dispatch): the inverse exchange, sending back
+//!   what each rank received (its send counts `all_to_all`'d).
 //!
 //! Partial gradients of activations are summed where they meet complete ones (an
 //! `all_reduce` made here); those of parameters are summed over their replicas by an
@@ -401,6 +403,18 @@ impl Ad<'_> {
                 self.set_meta(n, &format!("all_to_all transposed: the inverse all_to_all over {axis}"));
                 self.collectives += 1;
                 self.op(Op::AllToAll { axis: axis.clone(), scatter_dim: *gather_dim, gather_dim: *scatter_dim }, &[dy.v])?
+            }
+            Op::AllToAllV { .. } => {
+                // Each row's gradient goes back to the rank that sent the row: the inverse
+                // exchange, whose send counts are what this rank received (the counts
+                // all_to_all'd). Over the atoms of `a` where the rows were replicated
+                // (tp peers dispatching the same tokens) the gradient is partial.
+                self.set_meta(n, &format!("all_to_all_v transposed: row gradients back to the ranks that sent the rows over {axis}"));
+                let recv = self.op(Op::AllToAll { axis: axis.clone(), scatter_dim: 0, gather_dim: 0 }, &[d.operands[1]])?;
+                let back = self.op(Op::AllToAllV { axis: axis.clone(), rows: xt.shape[0].clone() }, &[dy.v, recv])?;
+                self.collectives += 2;
+                let partial = rest | (a & !replication::of(&self.varying, x));
+                return Ok(vec![(0, Contrib { v: back, partial })]);
             }
             Op::Broadcast { root, .. } => {
                 let g = if dy.partial & a != 0 {

@@ -1,4 +1,4 @@
-//! Gradient outputs of partitioned parameters. `autodiff` returns `grad.<param>` for
+//! Gradient (and update and optimizer state) outputs of partitioned parameters. `autodiff` returns `grad.<param>` for
 //! a parameter split by the graph's partition metadata as that parameter's shard on
 //! every rank (no gather: real training never needs the whole gradient in one place);
 //! the full gradient is assembled here the way the full weight is cut, fused
@@ -14,13 +14,19 @@ use candle_core::{Device, Tensor};
 /// The prefix of the gradient outputs `autodiff` makes.
 pub(crate) const GRAD_PREFIX: &str = "grad.";
 
-/// `Some(full gradient)` when output `name` is the gradient of a partitioned parameter.
+/// The prefixes of outputs shaped and split like the parameter they name: its gradient
+/// and (from a training step) its updated value. An output named like a partitioned
+/// parameter itself (an optimizer state) is assembled by that parameter's partition too.
+pub(crate) const PARAM_LIKE_PREFIXES: &[&str] = &[GRAD_PREFIX, "param."];
+
+/// `Some(full tensor)` when output `name` is a partitioned parameter's gradient, update
+/// or state (see [`PARAM_LIKE_PREFIXES`]) returned as each rank's shard.
 pub(crate) fn assemble_param_grad(sh: &Shared, opts: &RunOptions, name: &str, ranks: &[RankOut]) -> Option<Result<Tensor, String>> {
-    let param = name.strip_prefix(GRAD_PREFIX)?;
-    let parts = sh.graph.param_partition(param);
-    if parts.is_empty() || !sh.graph.output_split(name).is_empty() {
+    if !sh.graph.output_split(name).is_empty() {
         return None;
     }
+    let candidates = std::iter::once(name).chain(PARAM_LIKE_PREFIXES.iter().filter_map(|p| name.strip_prefix(p)));
+    let param = candidates.into_iter().find(|p| !sh.graph.param_partition(p).is_empty() && sh.params.contains_key(*p))?;
     Some(assemble(sh, opts, name, param, ranks))
 }
 
@@ -38,13 +44,10 @@ fn assemble(sh: &Shared, opts: &RunOptions, name: &str, param: &str, ranks: &[Ra
     for (r, ro) in ranks.iter().enumerate() {
         let r = r as u32;
         let t = ro.outputs.get(name).ok_or_else(|| format!("rank {r} has no value for it"))?;
-        // The representative of this shard: the same coordinates on the split axes, 0 elsewhere.
-        let coords: Vec<u32> = mesh
-            .axes
-            .iter()
-            .map(|(a, _)| if split_axes.contains(&a.as_str()) { mesh.coord(r, a).unwrap_or(0) } else { 0 })
-            .collect();
-        let rep = mesh.rank_of(&coords);
+        // The representative of this shard: the first rank with the same coordinates on
+        // the split axes (derived ones such as `ep` included).
+        let fixed: Vec<(&str, u32)> = split_axes.iter().map(|a| (*a, mesh.coord(r, a).unwrap_or(0))).collect();
+        let rep = mesh.rank_with(&fixed).unwrap_or(r);
         if rep == r {
             let v = values_f64(t)?;
             add_shard(&mut acc, &shape, &v, t.dims(), parts, mesh, r)?;
