@@ -312,6 +312,9 @@ fn rewrite_block(g: &mut Graph, b: &Block, ep: i64, split: &mut BTreeSet<String>
     // Local expert weights.
     for &w in &b.weights {
         let Op::Param { name, ty } = g.node(w).op.clone() else { unreachable!() };
+        if split.contains(&name) {
+            continue; // shared with a block rewritten before
+        }
         let mut shape = ty.shape.clone();
         shape[0] = local.clone();
         g.node_mut(w).op = Op::Param { name: name.clone(), ty: ty.with_shape(shape) };
