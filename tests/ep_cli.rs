@@ -48,6 +48,16 @@ fn check_train_passes_on_moe_fixtures() {
 }
 
 #[test]
+fn check_train_passes_on_imported_moe() {
+    // torch.export archives: the importer's MoE blocks are split the same way.
+    for model in ["tests/fixtures/pt2/mixtral_decomposed.pt2", "tests/fixtures/pt2/qwen3_moe_batched.pt2"] {
+        let (code, out, err) = weft(&["check", model, "--mesh", "dp=2,ep=2", "--train", "--json"]);
+        assert_eq!(code, 0, "{model}: {out}{err}");
+        assert_eq!(json(&out)["ok"], true, "{model}: {out}");
+    }
+}
+
+#[test]
 fn bad_ep_is_a_clear_error() {
     let (code, _, err) = weft(&["check", "tests/fixtures/mixtral", "--mesh", "dp=3,ep=3"]);
     assert_eq!(code, 2, "{err}");
