@@ -22,6 +22,7 @@ pub mod canonicalize;
 pub mod grad_sync;
 pub mod ep;
 pub mod manager;
+pub mod optimizer;
 pub mod pass;
 pub mod plan;
 pub mod registry;

@@ -4,6 +4,7 @@
 use crate::autodiff::Autodiff;
 use crate::canonicalize::Canonicalize;
 use crate::grad_sync::GradSync;
+use crate::optimizer::OptimizerPass;
 use crate::ep::ExpertParallel;
 use crate::pass::{Pass, PassError, DP, SP, TP};
 use crate::shard_inputs::ShardInputs;
@@ -16,7 +17,7 @@ use std::fmt;
 use weft_ir::Mesh;
 
 /// Every pass, in the order a full pipeline would run them.
-pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &ExpertParallel, &TensorParallel, &Simplify, &Canonicalize, &Autodiff, &GradSync];
+pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &ExpertParallel, &TensorParallel, &Simplify, &Canonicalize, &Autodiff, &GradSync, &OptimizerPass];
 
 /// Every registered pass.
 pub fn passes() -> &'static [&'static dyn Pass] {

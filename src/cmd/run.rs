@@ -65,6 +65,8 @@ pub struct Args {
     pub plan_out: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub train: super::train::TrainArgs,
 }
 
 /// The program and plan to run, with the weights and inputs.
@@ -151,11 +153,18 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let mut g = model.graph.clone();
     let mut names = super::compile::pipeline(None, &mesh)?;
     let mut training = false;
+    let train_opts = a.train.options("adamw")?;
     if !a.forward_only {
         let want: Vec<String> = a.train_passes.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
         let missing: Vec<&String> = want.iter().filter(|p| weft_passes::lookup(p).is_err()).collect();
         if missing.is_empty() && !want.is_empty() {
-            names.extend(want.iter().cloned());
+            if a.train_passes == "autodiff,optimizer" {
+                // The training step the flags describe: micro-batches, autodiff,
+                // checkpoint, offload, grad-sync, optimizer.
+                names.extend(super::train::training_passes(&mesh, &train_opts));
+            } else {
+                names.extend(want.iter().cloned());
+            }
             training = true;
         } else if weft_passes::lookup("autodiff").is_ok() && missing.iter().all(|m| m.as_str() == "optimizer") {
             // No optimizer pass in this build: autodiff here, AdamW appended below.
@@ -176,13 +185,25 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         d => return Err(CliError::input(format!("invalid --dtype `{d}`")).with_help("use keep, bf16 or f32")),
     }
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    let cx = weft_passes::PassContext::new(mesh.clone());
+    let mut cx = weft_passes::PassContext::new(mesh.clone());
+    cx.options.train = train_opts.clone();
     weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
     if training && !names.iter().any(|n| n == "optimizer") {
         append_adamw(&mut g, 1e-4, 0.9, 0.95, 1e-8, 0.1)?;
     }
-    let batch = a.batch.unwrap_or(mesh.size_or_one("dp") as i64);
-    let seq = a.seq.unwrap_or(64 * mesh.size_or_one("sp") as i64);
+    // --inputs fixes the batch and sequence length.
+    let given: Option<(i64, i64)> = match &a.inputs {
+        Some(p) => {
+            let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
+            match t.get("input_ids").map(|x| x.shape.as_slice()) {
+                Some([b, s]) => Some((*b as i64, *s as i64)),
+                _ => return Err(CliError::input(format!("--inputs {}: needs `input_ids` as i64 [batch, seq]", p.display()))),
+            }
+        }
+        None => None,
+    };
+    let batch = a.batch.or(given.map(|x| x.0)).unwrap_or(mesh.size_or_one("dp") as i64);
+    let seq = a.seq.or(given.map(|x| x.1)).unwrap_or(64 * mesh.size_or_one("sp") as i64);
     let bindings = super::compile::check_sizes(&g, Some(batch), Some(seq))?;
     let mut opts = weft_passes::plan::PlanOptions::new(batch, seq);
     opts.bindings = bindings;
@@ -291,7 +312,9 @@ pub fn cpu_steps(g: &Graph, weights: &BTreeMap<String, HostTensor>, feeder: &mut
 pub fn cpu_steps_timed(g: &Graph, weights: &BTreeMap<String, HostTensor>, feeder: &mut Feeder, steps: usize, b: i64, s: i64, precision: weft_runtime::cpu::Precision) -> CliResult<Vec<(weft_runtime::cpu::RunResult, f64)>> {
     let mut w = weights.clone();
     let mut out = Vec::new();
-    // Optimizer state starts at zero.
+    // Optimizer state: zero moments, master weights copied from the params (full
+    // tensors, also for states sharded over dp); anything else missing starts at zero.
+    w.extend(weft_passes::optimizer::initial_state(g, &w).map_err(|m| CliError::input(format!("optimizer state: {m}")))?);
     for (name, v) in g.params() {
         if !w.contains_key(&name) {
             let ty = g.ty(v);

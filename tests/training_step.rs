@@ -1,0 +1,172 @@
+//! A whole training step (forward, autodiff, grad-sync, optimizer) on the CPU runtime:
+//! the update equals AdamW/SGD applied to the reference gradients, every mesh and ZeRO
+//! stage gives the one-rank update, mixed precision keeps f32 master weights, and
+//! repeated steps on a fixed batch lower the loss.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use weft_ir::{DType, Graph, HostTensor, Mesh};
+use weft_passes::training::{training_pipeline, Optimizer, TrainOptions};
+use weft_passes::{PassContext, PassManager};
+use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
+
+#[path = "../passes/tests/common/mod.rs"]
+mod common;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+struct Case {
+    graph: Graph,
+    weights: BTreeMap<String, HostTensor>,
+    inputs: BTreeMap<String, HostTensor>,
+}
+
+fn case(name: &str) -> Case {
+    let dir = fixture(name);
+    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
+    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
+    let inputs = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
+    Case { graph: model.graph, weights, inputs }
+}
+
+fn compile(c: &Case, mesh: &str, opts: &TrainOptions) -> Graph {
+    let mesh = Mesh::parse(mesh).unwrap();
+    let mut cx = PassContext::new(mesh.clone());
+    cx.options.train = opts.clone();
+    let names = training_pipeline(&mesh, opts).names().into_iter().map(String::from).collect::<Vec<_>>();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let mut g = c.graph.clone();
+    PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap_or_else(|e| panic!("{mesh}: {e}"));
+    g
+}
+
+/// Runs one step from `weights` (plus the state it needs), with step number `step`.
+fn step(g: &Graph, weights: &BTreeMap<String, HostTensor>, inputs: &BTreeMap<String, HostTensor>, step: usize) -> RunResult {
+    let mut w = weights.clone();
+    w.extend(weft_passes::optimizer::initial_state(g, weights).unwrap());
+    let mut i = inputs.clone();
+    i.insert("optim.step".into(), HostTensor::floats(DType::F32, vec![], vec![step as f64]));
+    run(g, &w, &i, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{} on {}: {e}", g.name, g.mesh))
+}
+
+fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
+    assert_eq!(a.shape, b.shape);
+    let (x, y) = (a.to_f64(), b.to_f64());
+    let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    let s = y.iter().map(|q| q.abs()).fold(1e-300, f64::max);
+    d / s
+}
+
+fn adamw_opts(zero: u8) -> TrainOptions {
+    TrainOptions { optimizer: Some(Optimizer::adamw(1e-2)), zero1: zero >= 1, reduce_scatter: zero >= 2, bucket_bytes: 4096, ..Default::default() }
+}
+
+#[test]
+fn adamw_step_applies_the_reference_gradients() {
+    let c = case("llama");
+    let reference = run(&c.graph, &c.weights, &c.inputs, &RunOptions::new(Precision::F64).with_grads(true)).unwrap();
+    let g = compile(&c, "", &adamw_opts(0));
+    let r = step(&g, &c.weights, &c.inputs, 1);
+    let (lr, b1, b2, eps, wd) = (1e-2, 0.9, 0.999, 1e-8, 0.01);
+    for (name, w) in &c.weights {
+        let gr = reference.grads[name].to_f64();
+        let want: Vec<f64> = w
+            .to_f64()
+            .iter()
+            .zip(&gr)
+            .map(|(&p, &gv)| {
+                let p = p * (1.0 - lr * wd);
+                let (m, v) = ((1.0 - b1) * gv, (1.0 - b2) * gv * gv);
+                p - lr * (m / (1.0 - b1)) / ((v / (1.0 - b2)).sqrt() + eps)
+            })
+            .collect();
+        let got = &r.outputs[&format!("param.{name}")];
+        let e = max_rel(got, &HostTensor::floats(w.dtype, w.shape.clone(), want));
+        assert!(e < 1e-9, "param.{name}: rel err {e:e}");
+        let m = &r.outputs[&format!("optim.m.{name}")];
+        let want_m: Vec<f64> = gr.iter().map(|g| (1.0 - b1) * g).collect();
+        assert!(max_rel(m, &HostTensor::floats(DType::F32, w.shape.clone(), want_m)) < 1e-9, "optim.m.{name}");
+    }
+}
+
+#[test]
+fn every_mesh_and_zero_stage_gives_the_one_rank_update() {
+    let c = case("llama");
+    let one = step(&compile(&c, "", &adamw_opts(0)), &c.weights, &c.inputs, 1);
+    for (mesh, zero) in [("dp=2", 0), ("dp=2", 1), ("dp=2", 2), ("sp=2", 0), ("dp=2,sp=2", 1), ("dp=2,sp=2", 2), ("tp=2", 0), ("dp=2,tp=2", 1)] {
+        let g = compile(&c, mesh, &adamw_opts(zero));
+        weft_ir::verify(&g).unwrap();
+        let r = step(&g, &c.weights, &c.inputs, 1);
+        for (k, want) in one.outputs.iter().filter(|(k, _)| k.starts_with("param.") || k == &"loss") {
+            let e = max_rel(&r.outputs[k], want);
+            assert!(e < 1e-9, "{mesh} zero={zero}: {k} rel err {e:e}");
+        }
+        for (k, want) in one.outputs.iter().filter(|(k, _)| k.starts_with("optim.")) {
+            // ZeRO-1 keeps states flat (and padded to a multiple of dp).
+            let mut have = r.outputs[k].to_f64();
+            have.truncate(want.numel());
+            let e = max_rel(&HostTensor::floats(want.dtype, want.shape.clone(), have), want);
+            assert!(e < 1e-9, "{mesh} zero={zero}: {k} rel err {e:e}");
+        }
+    }
+}
+
+#[test]
+fn bf16_params_keep_f32_master_weights() {
+    let cfg = common::Config { dtype: DType::BF16, ..common::Config::llama_tiny() };
+    let graph = common::build(&cfg);
+    let model = weft_frontends::Model::from_graph(graph, weft_frontends::Origin::Preset(cfg.name.clone())).unwrap();
+    let weights = weft_frontends::random_weights(&model, 3);
+    let (b, s) = (2usize, 8usize);
+    let ids: Vec<i64> = (0..b * s).map(|i| ((i * 31 + 7) % 128) as i64).collect();
+    let mut inputs = BTreeMap::new();
+    inputs.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![b, s], ids.clone()));
+    inputs.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![b, s], ids));
+    let c = Case { graph: model.graph, weights, inputs };
+    for (mesh, zero) in [("", 0u8), ("dp=2", 1)] {
+        let g = compile(&c, mesh, &adamw_opts(zero));
+        let masters: Vec<String> = g.params().into_iter().map(|(n, _)| n).filter(|n| n.starts_with("optim.master.")).collect();
+        assert_eq!(masters.len(), c.weights.len(), "{mesh}: one master weight per bf16 param");
+        let r = step(&g, &c.weights, &c.inputs, 1);
+        for name in c.weights.keys() {
+            assert_eq!(r.outputs[&format!("param.{name}")].dtype, DType::BF16);
+            assert_eq!(r.outputs[&format!("optim.master.{name}")].dtype, DType::F32);
+        }
+    }
+}
+
+/// Steps `n` times on one batch, feeding each step's updated params and state back.
+fn train(c: &Case, mesh: &str, opts: &TrainOptions, n: usize) -> Vec<f64> {
+    let g = compile(c, mesh, opts);
+    let mut w = c.weights.clone();
+    w.extend(weft_passes::optimizer::initial_state(&g, &c.weights).unwrap());
+    let mut losses = Vec::new();
+    for k in 1..=n {
+        let r = step(&g, &w, &c.inputs, k);
+        losses.push(r.outputs["loss"].to_f64()[0]);
+        for (name, t) in &r.outputs {
+            if let Some(p) = name.strip_prefix("param.") {
+                w.insert(p.to_string(), t.clone());
+            } else if name.starts_with("optim.") {
+                w.insert(name.clone(), t.clone());
+            }
+        }
+    }
+    losses
+}
+
+#[test]
+fn the_loss_falls_on_a_fixed_batch() {
+    let c = case("llama");
+    for (mesh, opts) in [
+        ("", TrainOptions { optimizer: Some(Optimizer::adamw(1e-2)), ..Default::default() }),
+        ("dp=2,sp=2", TrainOptions { optimizer: Some(Optimizer::adamw(1e-2)), zero1: true, ..Default::default() }),
+        ("", TrainOptions { optimizer: Some(Optimizer::sgd(0.5)), ..Default::default() }),
+    ] {
+        let l = train(&c, mesh, &opts, 6);
+        assert!(l.windows(2).all(|w| w[1] < w[0]), "{mesh}: losses {l:?}");
+        assert!(l[5] < l[0] - 0.1, "{mesh}: losses {l:?}");
+    }
+}
