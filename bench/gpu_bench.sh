@@ -27,19 +27,23 @@ if has checks; then
   grep -A8 "^benchmarks" "$OUT/gpu_tests.txt"
 fi
 if has train; then
-  for m in llama-tiny mixtral-tiny; do
-    timeout 120 $W run $m --backend cuda --steps 20 --check 20 --seq 32 --batch 2 > "$OUT/train_$m.txt" 2>&1
+  for m in llama-tiny mixtral-tiny "llama-tiny --dtype bf16" "llama-tiny --dtype bf16 --torch-adamw"; do
+    f="$OUT/train_$(echo $m | tr ' ' '_' | tr -d '-').txt"
+    timeout 120 $W run $m --backend cuda --steps 20 --check 20 --seq 32 --batch 2 > "$f" 2>&1
     rc=$?
-    summary+=("20-step $m vs CPU: rc $rc, $(grep -E '^check' "$OUT/train_$m.txt" | head -1)$(grep -c 'check failed' "$OUT/train_$m.txt") failures")
-    tail -4 "$OUT/train_$m.txt"
+    summary+=("20-step $m vs CPU: rc $rc, $(grep -E '^check' "$f" | head -1) $(grep -c 'check failed' "$f") failures")
+    tail -3 "$f"
   done
 fi
 if has bench; then
-  timeout 300 $W run llama3.2-1b --backend cuda --steps $STEPS --seq $SEQ --batch 1 --json > "$OUT/weft_1b.json" 2> "$OUT/weft_1b.err"
-  rc=$?
-  tail -3 "$OUT/weft_1b.err"
-  wtok=$($PY -c "import json;d=json.load(open('$OUT/weft_1b.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['mean_step_s']*1e3,1),'ms, mem planned', round(d['memory']['planned_peak_bytes']/2**30,2),'GiB measured', round(d['memory']['measured_peak_bytes']/2**30,2),'GiB, kernels', round(d['load']['kernel_compile_s'],1),'s, load', round(d['load_s'],1),'s')" 2>/dev/null || echo "failed rc $rc")
-  summary+=("weft 1.24B seq $SEQ: $wtok")
+  for variant in "" "--torch-adamw"; do
+    tag=$(echo "x$variant" | tr -d ' -')
+    WEFT_PROFILE=1 timeout 200 $W run llama3.2-1b --backend cuda --steps $STEPS --seq $SEQ --batch 1 --json $variant > "$OUT/weft_1b_$tag.json" 2> "$OUT/weft_1b_$tag.err"
+    rc=$?
+    head -30 "$OUT/weft_1b_$tag.err"
+    wtok=$($PY -c "import json;d=json.load(open('$OUT/weft_1b_$tag.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['mean_step_s']*1e3,1),'ms, mem planned', round(d['memory']['planned_peak_bytes']/2**30,2),'GiB measured', round(d['memory']['measured_peak_bytes']/2**30,2),'GiB, kernels', round(d['load']['kernel_compile_s'],1),'s, load', round(d['load_s'],1),'s, compile', round(d['compile_s'],1), 's')" 2>/dev/null || echo "failed rc $rc")
+    summary+=("weft 1.24B seq $SEQ ${variant:-(optimizer pass: f32 master + moments)}: $wtok")
+  done
 fi
 if has torch; then
   timeout 240 $PY bench/torch_llama_step.py --seq $SEQ --steps $STEPS --json "$OUT/torch_eager.json" > "$OUT/torch_eager.txt" 2>&1

@@ -65,6 +65,10 @@ pub struct Args {
     pub plan_out: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
+    /// The update as torch.optim.AdamW does it on a bf16 model: on the params themselves,
+    /// moments in the param dtype, no f32 master weights (instead of the `optimizer` pass).
+    #[arg(long)]
+    pub torch_adamw: bool,
     #[command(flatten)]
     pub train: super::train::TrainArgs,
 }
@@ -103,15 +107,15 @@ pub fn convert_dtype(g: &mut Graph, dtype: DType) -> CliResult {
 }
 
 /// One AdamW update per parameter with a `grad.<name>` output (torch.optim.AdamW
-/// semantics, f32 moments): params `optim.m.<name>`, `optim.v.<name>`, the input
+/// semantics; moments in `state`, default the param's dtype): params `optim.m.<name>`, `optim.v.<name>`, the input
 /// `optim.step` (1-based, f32), outputs `param.<name>`, `optim.m.<name>`, `optim.v.<name>`.
-pub fn append_adamw(g: &mut Graph, lr: f64, b1: f64, b2: f64, eps: f64, wd: f64) -> CliResult {
+pub fn append_adamw(g: &mut Graph, lr: f64, b1: f64, b2: f64, eps: f64, wd: f64, state: Option<DType>) -> CliResult {
     use weft_ir::{Role, TensorType};
     let err = |e: weft_ir::BuildError| CliError::input(format!("appending AdamW: {e:?}"));
     let step = g.add(Op::Input { name: "optim.step".into(), role: Role::Other, ty: TensorType::scalar(DType::F32) }, &[]).map_err(err)?;
     for (name, pv) in g.params() {
         let Some(gv) = g.output(&format!("grad.{name}")) else { continue };
-        let sty = g.ty(pv).with_dtype(DType::F32);
+        let sty = g.ty(pv).with_dtype(state.unwrap_or(g.ty(pv).dtype));
         let m = g.add(Op::Param { name: format!("optim.m.{name}"), ty: sty.clone() }, &[]).map_err(err)?;
         let v = g.add(Op::Param { name: format!("optim.v.{name}"), ty: sty }, &[]).map_err(err)?;
         let op = Op::AdamW { lr: lr.into(), beta1: b1.into(), beta2: b2.into(), eps: eps.into(), weight_decay: wd.into() };
@@ -153,7 +157,10 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let mut g = model.graph.clone();
     let mut names = super::compile::pipeline(None, &mesh)?;
     let mut training = false;
-    let train_opts = a.train.options("adamw")?;
+    let mut train_opts = a.train.options("adamw")?;
+    if a.torch_adamw {
+        train_opts.optimizer = None;
+    }
     if !a.forward_only {
         let want: Vec<String> = a.train_passes.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
         let missing: Vec<&String> = want.iter().filter(|p| weft_passes::lookup(p).is_err()).collect();
@@ -188,8 +195,8 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let mut cx = weft_passes::PassContext::new(mesh.clone());
     cx.options.train = train_opts.clone();
     weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
-    if training && !names.iter().any(|n| n == "optimizer") {
-        append_adamw(&mut g, 1e-4, 0.9, 0.95, 1e-8, 0.1)?;
+    if training && a.torch_adamw {
+        append_adamw(&mut g, a.train.lr, 0.9, 0.95, 1e-8, 0.1, None)?;
     }
     // --inputs fixes the batch and sequence length.
     let given: Option<(i64, i64)> = match &a.inputs {
@@ -466,6 +473,15 @@ fn run_cuda(a: &Args) -> CliResult {
         let rep = StepReport { step, loss, step_s: dt, tokens_per_s: tokens / dt, mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12), reference_loss };
         print_step(a, &rep);
         reports.push(rep);
+    }
+    if let Some(prof) = &ex.profile {
+        let mut rows: Vec<_> = prof.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+        eprintln!("profile of the last step (device ms by op, {total:.2} ms in all):");
+        for (k, (n, ms)) in rows.iter().take(40) {
+            eprintln!("  {ms:>9.3} ms {:>5.1}%  {n:>5}x  {k}", 100.0 * ms / total.max(1e-9));
+        }
     }
     let mem = ex.memory();
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;

@@ -14,7 +14,8 @@
 
 #define DEF_ATTN_GENERIC(S_, T)                                                                           \
     extern "C" __global__ void attn_fwd_generic_##S_(T* out, float* lse, const T* q, const T* k, const T* v, \
-            const u8* mask, int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal) { \
+            const u8* mask, int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal, \
+            i64 lstride) {                                                                                \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
         i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
         if (i >= Sq) return;                                                                              \
@@ -61,7 +62,8 @@
             int d = lane + 32 * t;                                                                        \
             if (d < D) orow[d] = fromf<T>(acc[t] * inv);                                                  \
         }                                                                                                 \
-        if (lse && lane == 0) lse[((i64)b * Nq + h) * Sq + i] = l > 0.f ? m + __logf(l) : -INFINITY;      \
+        /* the row max and the sum separately: m + log(l) loses log(l) when m is -FLT_MAX (masked rows) */ \
+        if (lse && lane == 0) { lse[((i64)b * Nq + h) * Sq + i] = m; lse[lstride + ((i64)b * Nq + h) * Sq + i] = l; } \
     }
 FOR_FLOATS(DEF_ATTN_GENERIC)
 
@@ -83,7 +85,7 @@ FOR_FLOATS(DEF_ATTN_DELTA)
 #define DEF_ATTN_BWD_GENERIC(S_, T)                                                                       \
     extern "C" __global__ void attn_bwd_generic_##S_(T* dq, float* dk_acc, float* dv_acc, const T* q,      \
             const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* mask,   \
-            int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal) {            \
+            int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal, i64 lstride) { \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
         i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
         if (i >= Sq) return;                                                                              \
@@ -99,7 +101,7 @@ FOR_FLOATS(DEF_ATTN_DELTA)
             dov[t] = d < D ? tof(dor[d]) : 0.f;                                                           \
             dqa[t] = 0.f;                                                                                 \
         }                                                                                                 \
-        float L = lse[qrow], dl = delta[qrow];                                                            \
+        float M = lse[qrow], Linv = 1.f / lse[lstride + qrow], dl = delta[qrow];                          \
         i64 off = Sk - Sq;                                                                                \
         i64 jend = (causal && !mask) ? (i + off + 1 < Sk ? i + off + 1 : Sk) : Sk;                        \
         const u8* mrow = mask ? mask + (((i64)(mb > 1 ? b : 0) * mh + (mh > 1 ? h : 0)) * Sq + i) * Sk : 0; \
@@ -117,7 +119,7 @@ FOR_FLOATS(DEF_ATTN_DELTA)
                 bool keep = mrow[j] != 0 && (!causal || j <= i + off);                                    \
                 if (!keep) s += NEG_BIG;                                                                  \
             }                                                                                             \
-            float p = __expf(s - L);                                                                      \
+            float p = __expf(s - M) * Linv;                                                               \
             float ds = p * (dp - dl);                                                                     \
             _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
                 int d = lane + 32 * t;                                                                    \
@@ -360,11 +362,11 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
     extern __shared__ __align__(16) unsigned char fa_smem[];
     __nv_bfloat16* sK = (__nv_bfloat16*)fa_smem;
     __nv_bfloat16* sV = sK + 64 * LD;
-    __nv_bfloat16* sQ = sV + 64 * LD;
-    __nv_bfloat16* sO = sQ + 64 * LD; // dO
-    __nv_bfloat16* sS = sO + 64 * LD; // dS^T [key][query]
-    float* sL = (float*)(sS + 64 * LDS); // lse * log2e
-    float* sD = sL + 64;                 // delta
+    __nv_bfloat16* sQ2 = sV + 64 * LD;     // two Q tiles (double buffered)
+    __nv_bfloat16* sO2 = sQ2 + 2 * 64 * LD; // two dO tiles
+    __nv_bfloat16* sS = sO2 + 2 * 64 * LD; // dS^T [key][query]
+    float* sL = (float*)(sS + 64 * LDS);   // lse * log2e
+    float* sD = sL + 64;                   // delta
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kvb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const i64 k0 = (i64)kvb * 64;
@@ -373,8 +375,32 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
     const float scale_log2 = scale * LOG2E;
     const __nv_bfloat16* kg = k + ((i64)b * Nkv + hk) * Sk * D;
     const __nv_bfloat16* vg = v + ((i64)b * Nkv + hk) * Sk * D;
+    const int group = Nq / Nkv;
+    i64 qt0 = 0;
+    if (causal) {
+        i64 first = k0 - off; // first query row that sees key k0
+        qt0 = first <= 0 ? 0 : first / 64;
+    }
+    const i64 nqt = (Sq + 63) / 64;
+    const i64 per_head = nqt > qt0 ? nqt - qt0 : 0;
+    const i64 niter = per_head * group;
+    auto tile_src = [&](i64 it, const __nv_bfloat16*& qg, const __nv_bfloat16*& og, i64& q0) {
+        int hh = (int)(it / per_head);
+        i64 qt = qt0 + it % per_head;
+        int h = hk * group + hh;
+        qg = q + ((i64)b * Nq + h) * Sq * D;
+        og = dout + ((i64)b * Nq + h) * Sq * D;
+        q0 = qt * 64;
+    };
     load_rows<D, LD, 64>(sK, kg, k0, Sk);
     load_rows<D, LD, 64>(sV, vg, k0, Sk);
+    if (niter > 0) {
+        const __nv_bfloat16 *qg, *og;
+        i64 q0;
+        tile_src(0, qg, og, q0);
+        load_rows<D, LD, 64>(sQ2, qg, q0, Sq);
+        load_rows<D, LD, 64>(sO2, og, q0, Sq);
+    }
     cp_async_commit();
 
     float dka[D / 8][4], dva[D / 8][4];
@@ -383,153 +409,149 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
         dka[i][0] = dka[i][1] = dka[i][2] = dka[i][3] = 0.f;
         dva[i][0] = dva[i][1] = dva[i][2] = dva[i][3] = 0.f;
     }
-    const int group = Nq / Nkv;
-    i64 qt0 = 0;
-    if (causal) {
-        i64 first = k0 - off; // first query row that sees key k0
-        qt0 = first <= 0 ? 0 : first / 64;
-    }
-    const i64 nqt = (Sq + 63) / 64;
-    for (int hh = 0; hh < group; ++hh) {
-        const int h = hk * group + hh;
-        const __nv_bfloat16* qg = q + ((i64)b * Nq + h) * Sq * D;
-        const __nv_bfloat16* og = dout + ((i64)b * Nq + h) * Sq * D;
-        const float* lg = lse + ((i64)b * Nq + h) * Sq;
-        const float* dg = delta + ((i64)b * Nq + h) * Sq;
-        float* dqg = dq_acc + ((i64)b * Nq + h) * Sq * D;
-        for (i64 qt = qt0; qt < nqt; ++qt) {
-            const i64 q0 = qt * 64;
-            __syncthreads(); // previous tile fully consumed
-            load_rows<D, LD, 64>(sQ, qg, q0, Sq);
-            load_rows<D, LD, 64>(sO, og, q0, Sq);
+    for (i64 it = 0; it < niter; ++it) {
+        const int buf = (int)(it & 1);
+        const __nv_bfloat16* sQ = sQ2 + buf * 64 * LD;
+        const __nv_bfloat16* sO = sO2 + buf * 64 * LD;
+        const __nv_bfloat16 *qg, *og;
+        i64 q0;
+        tile_src(it, qg, og, q0);
+        const int h = (int)(hk * group + it / per_head);
+        if (it + 1 < niter) {
+            const __nv_bfloat16 *qn, *on;
+            i64 qn0;
+            tile_src(it + 1, qn, on, qn0);
+            load_rows<D, LD, 64>(sQ2 + (buf ^ 1) * 64 * LD, qn, qn0, Sq);
+            load_rows<D, LD, 64>(sO2 + (buf ^ 1) * 64 * LD, on, qn0, Sq);
             cp_async_commit();
-            if (threadIdx.x < 64) {
-                i64 r = q0 + threadIdx.x;
-                sL[threadIdx.x] = r < Sq ? lg[r] * LOG2E : INFINITY;
-                sD[threadIdx.x] = r < Sq ? dg[r] : 0.f;
+        }
+        if (threadIdx.x < 64) {
+            i64 r = q0 + threadIdx.x;
+            sL[threadIdx.x] = r < Sq ? lse[((i64)b * Nq + h) * Sq + r] * LOG2E : INFINITY;
+            sD[threadIdx.x] = r < Sq ? delta[((i64)b * Nq + h) * Sq + r] : 0.f;
+        }
+        if (it + 1 < niter) cp_async_wait<1>(); else cp_async_wait<0>();
+        __syncthreads();
+        float* dqg = dq_acc + ((i64)b * Nq + h) * Sq * D;
+        // S^T = K Q^T for the warp's 16 keys x 64 queries
+        float st[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) st[i][0] = st[i][1] = st[i][2] = st[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            u32 a[4];
+            ldsm_x4(a[0], a[1], a[2], a[3], sK + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, sQ + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
+                mma_bf16(st[2 * np], a, b0, b1);
+                mma_bf16(st[2 * np + 1], a, b2, b3);
             }
-            cp_async_wait<0>();
-            __syncthreads();
-            // S^T = K Q^T for the warp's 16 keys x 64 queries
-            float st[8][4];
+        }
+        // P^T
 #pragma unroll
-            for (int i = 0; i < 8; ++i) st[i][0] = st[i][1] = st[i][2] = st[i][3] = 0.f;
+        for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                u32 a[4];
-                ldsm_x4(a[0], a[1], a[2], a[3], sK + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
-#pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    u32 b0, b1, b2, b3;
-                    ldsm_x4(b0, b1, b2, b3, sQ + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
-                    mma_bf16(st[2 * np], a, b0, b1);
-                    mma_bf16(st[2 * np + 1], a, b2, b3);
-                }
+            for (int e = 0; e < 4; ++e) {
+                int col = nt * 8 + (lane & 3) * 2 + (e & 1);
+                i64 qi = q0 + col;
+                i64 kj = k0 + warp * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
+                bool ok = qi < Sq && kj < Sk && (!causal || kj <= qi + off);
+                st[nt][e] = ok ? exp2f(st[nt][e] * scale_log2 - sL[col]) : 0.f;
             }
-            // P^T
+        }
+        // dV += P^T dO
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt) {
+        for (int ks = 0; ks < 4; ++ks) {
+            u32 a[4];
+            a[0] = pack_bf16(st[2 * ks][0], st[2 * ks][1]);
+            a[1] = pack_bf16(st[2 * ks][2], st[2 * ks][3]);
+            a[2] = pack_bf16(st[2 * ks + 1][0], st[2 * ks + 1][1]);
+            a[3] = pack_bf16(st[2 * ks + 1][2], st[2 * ks + 1][3]);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int col = nt * 8 + (lane & 3) * 2 + (e & 1);
-                    i64 qi = q0 + col;
-                    i64 kj = k0 + warp * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
-                    bool ok = qi < Sq && kj < Sk && (!causal || kj <= qi + off);
-                    st[nt][e] = ok ? exp2f(st[nt][e] * scale_log2 - sL[col]) : 0.f;
-                }
+            for (int dp = 0; dp < D / 16; ++dp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, sO + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
+                mma_bf16(dva[2 * dp], a, b0, b1);
+                mma_bf16(dva[2 * dp + 1], a, b2, b3);
             }
-            // dV += P^T dO
+        }
+        // dP^T = V dO^T, then dS^T = P^T (dP^T - delta), kept in st and staged in smem
 #pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                u32 a[4];
-                a[0] = pack_bf16(st[2 * ks][0], st[2 * ks][1]);
-                a[1] = pack_bf16(st[2 * ks][2], st[2 * ks][3]);
-                a[2] = pack_bf16(st[2 * ks + 1][0], st[2 * ks + 1][1]);
-                a[3] = pack_bf16(st[2 * ks + 1][2], st[2 * ks + 1][3]);
+        for (int np = 0; np < 4; ++np) {
+            float dpt[2][4];
 #pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
-                    u32 b0, b1, b2, b3;
-                    ldsm_x4_t(b0, b1, b2, b3, sO + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
-                    mma_bf16(dva[2 * dp], a, b0, b1);
-                    mma_bf16(dva[2 * dp + 1], a, b2, b3);
-                }
-            }
-            // dP^T = V dO^T
-            float dpt[8][4];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.f;
+            for (int i = 0; i < 2; ++i) dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) {
                 u32 a[4];
                 ldsm_x4(a[0], a[1], a[2], a[3], sV + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
-#pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    u32 b0, b1, b2, b3;
-                    ldsm_x4(b0, b1, b2, b3, sO + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
-                    mma_bf16(dpt[2 * np], a, b0, b1);
-                    mma_bf16(dpt[2 * np + 1], a, b2, b3);
-                }
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, sO + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
+                mma_bf16(dpt[0], a, b0, b1);
+                mma_bf16(dpt[1], a, b2, b3);
             }
-            // dS^T = P^T * (dP^T - delta); keep in st, stage bf16 in smem for dQ
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt) {
+            for (int j = 0; j < 2; ++j) {
+                int nt = 2 * np + j;
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     int col = nt * 8 + (lane & 3) * 2 + (e & 1);
-                    st[nt][e] = st[nt][e] * (dpt[nt][e] - sD[col]);
+                    st[nt][e] = st[nt][e] * (dpt[j][e] - sD[col]);
                 }
                 int kr = warp * 16 + (lane >> 2);
                 int col = nt * 8 + (lane & 3) * 2;
                 *(u32*)(sS + kr * LDS + col) = pack_bf16(st[nt][0], st[nt][1]);
                 *(u32*)(sS + (kr + 8) * LDS + col) = pack_bf16(st[nt][2], st[nt][3]);
             }
-            // dK += dS^T Q
+        }
+        // dK += dS^T Q
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            u32 a[4];
+            a[0] = pack_bf16(st[2 * ks][0], st[2 * ks][1]);
+            a[1] = pack_bf16(st[2 * ks][2], st[2 * ks][3]);
+            a[2] = pack_bf16(st[2 * ks + 1][0], st[2 * ks + 1][1]);
+            a[3] = pack_bf16(st[2 * ks + 1][2], st[2 * ks + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, sQ + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
+                mma_bf16(dka[2 * dp], a, b0, b1);
+                mma_bf16(dka[2 * dp + 1], a, b2, b3);
+            }
+        }
+        __syncthreads(); // dS^T complete; every warp is done with this Q/dO buffer
+        // dQ[q0 + 16w .. +16] += dS K, 16 output columns at a time (fewer live registers)
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            float dqp[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) dqp[i][0] = dqp[i][1] = dqp[i][2] = dqp[i][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) {
                 u32 a[4];
-                a[0] = pack_bf16(st[2 * ks][0], st[2 * ks][1]);
-                a[1] = pack_bf16(st[2 * ks][2], st[2 * ks][3]);
-                a[2] = pack_bf16(st[2 * ks + 1][0], st[2 * ks + 1][1]);
-                a[3] = pack_bf16(st[2 * ks + 1][2], st[2 * ks + 1][3]);
-#pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
-                    u32 b0, b1, b2, b3;
-                    ldsm_x4_t(b0, b1, b2, b3, sQ + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
-                    mma_bf16(dka[2 * dp], a, b0, b1);
-                    mma_bf16(dka[2 * dp + 1], a, b2, b3);
-                }
-            }
-            __syncthreads(); // dS^T complete
-            // dQ[q0 + 16w .. +16] += dS K  (A = dS from dS^T via ldmatrix.trans, B = K [key][d] trans)
-            float dqp[D / 8][4];
-#pragma unroll
-            for (int i = 0; i < D / 8; ++i) dqp[i][0] = dqp[i][1] = dqp[i][2] = dqp[i][3] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) { // 16 keys per step
-                u32 a[4];
                 ldsm_x4_t(a[0], a[1], a[2], a[3], sS + (ks * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + warp * 16 + ((lane >> 3) & 1) * 8);
-#pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
-                    u32 b0, b1, b2, b3;
-                    ldsm_x4_t(b0, b1, b2, b3, sK + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
-                    mma_bf16(dqp[2 * dp], a, b0, b1);
-                    mma_bf16(dqp[2 * dp + 1], a, b2, b3);
-                }
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, sK + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
+                mma_bf16(dqp[0], a, b0, b1);
+                mma_bf16(dqp[1], a, b2, b3);
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 i64 row = q0 + warp * 16 + (lane >> 2) + r * 8;
                 if (row < Sq) {
 #pragma unroll
-                    for (int dt = 0; dt < D / 8; ++dt) {
-                        int col = dt * 8 + (lane & 3) * 2;
-                        atomicAdd(dqg + row * D + col, dqp[dt][2 * r] * scale);
-                        atomicAdd(dqg + row * D + col + 1, dqp[dt][2 * r + 1] * scale);
+                    for (int j = 0; j < 2; ++j) {
+                        int col = (2 * dp + j) * 8 + (lane & 3) * 2;
+                        atomicAdd((float2*)(dqg + row * D + col), make_float2(dqp[j][2 * r] * scale, dqp[j][2 * r + 1] * scale));
                     }
                 }
             }
         }
     }
+    cp_async_wait<0>();
     // write dK (scaled), dV for the warp's 16 keys
     __nv_bfloat16* dkg = dk + ((i64)b * Nkv + hk) * Sk * D;
     __nv_bfloat16* dvg = dv + ((i64)b * Nkv + hk) * Sk * D;

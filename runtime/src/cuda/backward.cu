@@ -208,3 +208,28 @@ DEF_ADAMW(f16, __half, f16, __half)
         }                                                                                                 \
     }
 FOR_FLOATS(DEF_SGD)
+
+// AdamW on f32 master weights with a low-precision gradient and parameter, fused:
+// cast(grad) -> adamw(master, m, v) -> cast(new master) in one pass (28 bytes per
+// parameter instead of 40).
+#define DEF_ADAMW_MASTER(S_, T)                                                                           \
+    extern "C" __global__ void adamw_master_##S_(T* pout, float* mo, float* mo1, float* vo, const float* w,  \
+            const T* g, const float* m, const float* v, const void* step, int scode, i64 n, float lr,      \
+            float b1, float b2, float eps, float wd) {                                                    \
+        float t = (float)ld_any(step, scode, 0);                                                          \
+        float c1 = 1.f - powf(b1, t), c2 = 1.f - powf(b2, t);                                             \
+        float step_size = lr / c1, rc2 = rsqrtf(c2);                                                      \
+        GRID_STRIDE(i, n) {                                                                               \
+            float gv = tof(g[i]);                                                                         \
+            float mv = b1 * m[i] + (1.f - b1) * gv;                                                       \
+            float vv = b2 * v[i] + (1.f - b2) * gv * gv;                                                  \
+            float pv = w[i] * (1.f - lr * wd);                                                            \
+            pv -= step_size * mv / (sqrtf(vv) * rc2 + eps);                                              \
+            mo[i] = pv;                                                                                   \
+            mo1[i] = mv;                                                                                  \
+            vo[i] = vv;                                                                                   \
+            pout[i] = fromf<T>(pv);                                                                       \
+        }                                                                                                 \
+    }
+DEF_ADAMW_MASTER(bf16, __nv_bfloat16)
+DEF_ADAMW_MASTER(f16, __half)

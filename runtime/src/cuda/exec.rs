@@ -177,6 +177,9 @@ pub struct Executor {
     pub load: LoadReport,
     min_free: u64,
     planned_extra: u64,
+    /// Per op (and GEMM shape): launches and device milliseconds of the last step run
+    /// with `WEFT_PROFILE` set.
+    pub profile: Option<BTreeMap<String, (usize, f64)>>,
     /// Last: dropped after every allocation, handle and communicator above.
     pub gpu: Gpu,
 }
@@ -286,6 +289,8 @@ struct Lower<'a> {
     /// Saved log-sum-exp of attention forwards: (q, k, v, out) -> lse pointer.
     attn_lse: HashMap<(u64, u64, u64, u64), u64>,
     location: String,
+    /// Fused mixed-precision AdamW: (low-precision grad, low-precision param out) pointers.
+    fused_adamw: Option<(u64, u64, DType)>,
 }
 
 impl Lower<'_> {
@@ -555,7 +560,8 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             lw.n(name, x.numel(), vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(c.ptr), Arg::P(s.ptr), Arg::I32(code(c.dtype)), Arg::I64(b as i64), Arg::I64(nh as i64), Arg::I64(sq as i64), Arg::I64(d as i64), Arg::I64(r as i64), Arg::I64(cbs)])
         }
         Op::Attention { causal, scale } => {
-            let lse = lw.ex.side(4 * ins[0].shape[0] as u64 * ins[0].shape[1] as u64 * ins[0].shape[2] as u64);
+            // Per query row: the log-sum-exp (tensor-core path) or the max and the sum (generic).
+            let lse = lw.ex.side(8 * ins[0].shape[0] as u64 * ins[0].shape[1] as u64 * ins[0].shape[2] as u64);
             lw.attn_lse.insert((ins[0].ptr, ins[1].ptr, ins[2].ptr, o.ptr), lse);
             attention_fwd(lw, &ins[0], &ins[1], &ins[2], ins.get(3), o, lse, *causal, scale.0 as f32)
         }
@@ -833,6 +839,31 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
         }
         Op::AdamW { lr, beta1, beta2, eps, weight_decay } => {
             let (p, g, m, v, step) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
+            if let Some((glow, pout, low)) = lw.fused_adamw {
+                let name = kname("adamw_master", low)?;
+                return lw.n(
+                    name,
+                    p.numel(),
+                    vec![
+                        Arg::P(pout),
+                        Arg::P(outs[0].ptr),
+                        Arg::P(outs[1].ptr),
+                        Arg::P(outs[2].ptr),
+                        Arg::P(p.ptr),
+                        Arg::P(glow),
+                        Arg::P(m.ptr),
+                        Arg::P(v.ptr),
+                        Arg::P(step.ptr),
+                        Arg::I32(code(step.dtype)),
+                        Arg::I64(p.numel() as i64),
+                        Arg::F32(lr.0 as f32),
+                        Arg::F32(beta1.0 as f32),
+                        Arg::F32(beta2.0 as f32),
+                        Arg::F32(eps.0 as f32),
+                        Arg::F32(weight_decay.0 as f32),
+                    ],
+                );
+            }
             if g.dtype != p.dtype || m.dtype != v.dtype {
                 return Err(lw.unsup("adamw", "grad must have the param's dtype and m, v one dtype"));
             }
@@ -954,7 +985,7 @@ fn attention_fwd(lw: &mut Lower, q: &DevT, k: &DevT, v: &DevT, mask: Option<&Dev
         grid,
         (128, 1, 1),
         0,
-        vec![Arg::P(o.ptr), Arg::P(lse), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::P(mp), Arg::I32(mb), Arg::I32(mh), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::I32(d as i32), Arg::F32(scale), Arg::I32(causal as i32)],
+        vec![Arg::P(o.ptr), Arg::P(lse), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::P(mp), Arg::I32(mb), Arg::I32(mh), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::I32(d as i32), Arg::F32(scale), Arg::I32(causal as i32), Arg::I64((b * nq * sq) as i64)],
     )?;
     lw.launch(l);
     Ok(())
@@ -971,7 +1002,7 @@ fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scal
     let lse = match lw.attn_lse.get(&(q.ptr, k.ptr, v.ptr, out.ptr)) {
         Some(&p) => p,
         None => {
-            let p = lw.ex.scratch(lw.stream, rows * 4);
+            let p = lw.ex.scratch(lw.stream, rows * 8);
             let tmp = DevT { ptr: lw.ex.scratch(lw.stream, out.bytes()), dtype: out.dtype, shape: out.shape.clone() };
             attention_fwd(lw, q, k, v, mask, &tmp, p, causal, scale)?;
             p
@@ -985,7 +1016,7 @@ fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scal
         let dq_acc = lw.ex.scratch(lw.stream, rows * d as u64 * 4);
         lw.memset(dq_acc, rows * d as u64 * 4);
         let name = if d == 64 { "fa_bwd_d64" } else { "fa_bwd_d128" };
-        let smem = (4 * 64 * (d + 8) + 64 * 72) * 2 + 512;
+        let smem = (6 * 64 * (d + 8) + 64 * 72) * 2 + 512;
         let l = lw.gpu.launch(
             name,
             (sk.div_ceil(64) as u32, nkv as u32, b as u32),
@@ -1029,6 +1060,7 @@ fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scal
             Arg::I32(d as i32),
             Arg::F32(scale),
             Arg::I32(causal as i32),
+            Arg::I64(rows as i64),
         ],
     )?;
     lw.launch(l);
@@ -1206,20 +1238,71 @@ impl Executor {
                 last_read[r] = last_read[r].max(ins.id);
             }
         }
-        let update_of: HashMap<u32, u32> = updates.iter().copied().collect();
-        let mut aliased: Vec<u32> = Vec::new();
+        // Mixed-precision AdamW as the `optimizer` pass writes it, cast(grad) -> adamw on
+        // the f32 master -> cast back, runs as one kernel: the casts are elided.
+        let mut readers: Vec<Vec<u32>> = vec![Vec::new(); nb];
+        let mut producer: Vec<Option<u32>> = vec![None; nb];
         for ins in &plan.instructions {
-            let pairs: &[(usize, usize)] = match ins.op.as_str() {
-                "adamw" => &[(0, 0), (2, 1), (3, 2)],
-                "sgd" => &[(0, 0), (2, 1)],
-                _ => &[],
+            for &b in &ins.inputs {
+                readers[b as usize].push(ins.id);
+            }
+            for &b in &ins.outputs {
+                producer[b as usize].get_or_insert(ins.id);
+            }
+        }
+        let outputs: std::collections::HashSet<u32> = graph.outputs().iter().filter_map(|(_, v)| plan.buffers.iter().find(|b| b.value == v.0).map(|b| b.id)).collect();
+        let mut fused: HashMap<u32, (u32, u32)> = HashMap::new(); // adamw -> (low grad, low param out)
+        let mut writer: Vec<Option<u32>> = producer.clone();
+        for a_ins in plan.instructions.iter().filter(|i| i.op == "adamw" && i.inputs.len() == 5) {
+            let gb = a_ins.inputs[1] as usize;
+            let Some(c1) = producer[gb] else { continue };
+            let c1i = &plan.instructions[c1 as usize];
+            let p32 = a_ins.outputs[0] as usize;
+            let low = |d: DType| d == DType::BF16 || d == DType::F16;
+            if c1i.op != "cast" || readers[gb] != [a_ins.id] || outputs.contains(&(gb as u32)) || !low(bufs[c1i.inputs[0] as usize].dtype) || bufs[gb].dtype != DType::F32 {
+                continue;
+            }
+            if [a_ins.inputs[0], a_ins.inputs[2], a_ins.inputs[3]].iter().any(|&b| bufs[b as usize].dtype != DType::F32) {
+                continue;
+            }
+            let [c2] = readers[p32].as_slice() else { continue };
+            let c2i = &plan.instructions[*c2 as usize];
+            if c2i.op != "cast" || bufs[c2i.outputs[0] as usize].dtype != bufs[c1i.inputs[0] as usize].dtype || c2i.stream != a_ins.stream || c1i.stream != a_ins.stream {
+                continue;
+            }
+            fused.insert(a_ins.id, (c1i.inputs[0], c2i.outputs[0]));
+            elided.insert(c1);
+            elided.insert(*c2);
+            writer[c2i.outputs[0] as usize] = Some(a_ins.id);
+        }
+        // Updates write in place when nothing after the write reads the old value (an
+        // elementwise optimizer kernel may read it itself): no copy back, and the
+        // `param.*` / `optim.*` outputs alias what they update.
+        let mut aliased: Vec<u32> = Vec::new();
+        for &(ob, to) in &updates {
+            let Some(w) = writer[ob as usize] else { continue };
+            let wi = &plan.instructions[w as usize];
+            let tr = root_of[to as usize] as usize;
+            if bufs[ob as usize].bytes() != bufs[to as usize].bytes() || bufs[ob as usize].dtype != bufs[to as usize].dtype {
+                continue;
+            }
+            let reads_it = wi.inputs.iter().any(|&b| root_of[b as usize] as usize == tr);
+            let ok = if reads_it {
+                // elementwise in place: the optimizer reading the value it replaces
+                let pairs: &[(usize, usize)] = match wi.op.as_str() {
+                    "adamw" => &[(0, 0), (2, 1), (3, 2)],
+                    "sgd" => &[(0, 0), (2, 1)],
+                    _ => &[],
+                };
+                let pos_out = wi.outputs.iter().position(|&b| b == ob);
+                let pos_in = wi.inputs.iter().position(|&b| root_of[b as usize] as usize == tr);
+                pairs.iter().any(|&(i, o)| Some(i) == pos_in && Some(o) == pos_out) && last_read[tr] <= w
+            } else {
+                last_read[tr] < w
             };
-            for &(i, o) in pairs {
-                let (Some(&ib), Some(&ob)) = (ins.inputs.get(i), ins.outputs.get(o)) else { continue };
-                if update_of.get(&ob) == Some(&ib) && last_read[ib as usize] <= ins.id && bufs[ob as usize].bytes() == bufs[ib as usize].bytes() {
-                    bufs[ob as usize].ptr = bufs[ib as usize].ptr;
-                    aliased.push(ob);
-                }
+            if ok {
+                bufs[ob as usize].ptr = bufs[to as usize].ptr;
+                aliased.push(ob);
             }
         }
         updates.retain(|(from, _)| !aliased.contains(from));
@@ -1227,7 +1310,7 @@ impl Executor {
         // Lowering, twice: sizes first, then pointers.
         let ns = plan.streams.len().max(1);
         let lower_all = |ex: Extra| -> CudaResult<(Vec<Step>, Extra)> {
-            let mut lw = Lower { gpu: &gpu, ex, steps: Vec::new(), stream: 0, ins: 0, fast_attention: opts.fast_attention, attn_lse: HashMap::new(), location: String::new() };
+            let mut lw = Lower { gpu: &gpu, ex, steps: Vec::new(), stream: 0, ins: 0, fast_attention: opts.fast_attention, attn_lse: HashMap::new(), location: String::new(), fused_adamw: None };
             for ins in &plan.instructions {
                 lw.stream = ins.stream as usize;
                 lw.ins = ins.id;
@@ -1240,6 +1323,7 @@ impl Executor {
                 }
                 let ti: Vec<DevT> = ins.inputs.iter().map(|&b| bufs[b as usize].clone()).collect();
                 let to: Vec<DevT> = ins.outputs.iter().map(|&b| bufs[b as usize].clone()).collect();
+                lw.fused_adamw = fused.get(&ins.id).map(|&(g, p)| (bufs[g as usize].ptr, bufs[p as usize].ptr, bufs[g as usize].dtype));
                 if elided.contains(&ins.id) {
                     // a view: nothing to run
                 } else if nd.op.is_collective() {
@@ -1314,6 +1398,7 @@ impl Executor {
             updates,
             load,
             min_free: free,
+            profile: None,
             gpu,
         })
     }
@@ -1326,6 +1411,7 @@ impl Executor {
     /// Copies weights into the resident params (optimizer state not in `weights` is zeroed).
     pub fn load_params(&mut self, weights: &BTreeMap<String, HostTensor>) -> CudaResult<()> {
         self.gpu.bind()?;
+        let mut masters = Vec::new();
         for (name, v) in self.graph.params() {
             let t = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
             match weights.get(&name) {
@@ -1338,11 +1424,30 @@ impl Executor {
                     }
                     self.gpu.htod(t.ptr, &layout::to_device_bytes(w, t.dtype))?;
                 }
+                None if name.starts_with("optim.master.") => masters.push(name.clone()),
                 None if name.starts_with("optim.") || name.starts_with("state.") || name.contains(".exp_avg") => self.gpu.memset(t.ptr, 0, t.bytes() as usize)?,
                 None => return Err(CudaError::Plan(format!("no weight for param `{name}`\nhelp: pass --weights, or let the CLI initialise random weights"))),
             }
         }
-        Ok(())
+        self.init_masters(&masters)
+    }
+
+    /// Master weights (`optim.master.<p>`) start as the params they shadow (cast on the device).
+    fn init_masters(&mut self, masters: &[String]) -> CudaResult<()> {
+        let params: BTreeMap<String, weft_ir::Value> = self.graph.params().into_iter().collect();
+        for m in masters {
+            let Some(src) = m.strip_prefix("optim.master.") else { continue };
+            let (Some(sv), Some(mv)) = (params.get(src), params.get(m)) else {
+                return Err(CudaError::Plan(format!("master weight `{m}` has no param `{src}` to start from")));
+            };
+            let (s, d) = (self.value(sv.0).cloned().unwrap(), self.value(mv.0).cloned().unwrap());
+            if s.numel() != d.numel() {
+                return Err(CudaError::unsupported(format!("master weight `{m}`"), "load_params", "a sharded master copy (ZeRO) is not initialised on the device yet"));
+            }
+            let l = self.gpu.launch_n("cast_any", d.numel(), vec![Arg::P(d.ptr), Arg::I32(code(d.dtype)), Arg::P(s.ptr), Arg::I32(code(s.dtype)), Arg::I64(d.numel() as i64)])?;
+            l.enqueue(self.streams[0].0)?;
+        }
+        self.gpu.sync()
     }
 
     /// Copies the program's inputs (by input name) to the device.
@@ -1377,9 +1482,26 @@ impl Executor {
         for s in 1..self.streams.len() {
             unsafe { dr::stream::wait_event(self.streams[s].0, self.t_start.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
         }
+        // Profiling (WEFT_PROFILE): an event before each instruction's work on stream 0.
+        let profiling = std::env::var("WEFT_PROFILE").is_ok();
+        let mut marks: Vec<(u32, Event)> = Vec::new();
+        let mut last_ins = u32::MAX;
         for i in 0..self.steps.len() {
+            if profiling && self.steps[i].stream == 0 && self.steps[i].ins != last_ins {
+                last_ins = self.steps[i].ins;
+                let e = self.gpu.event(true)?;
+                unsafe { dr::event::record(e.0, s0) }.map_err(|e| CudaError::driver("cuEventRecord", e))?;
+                marks.push((last_ins, e));
+            }
             self.exec(i)?;
         }
+        let upd_mark = if profiling {
+            let e = self.gpu.event(true)?;
+            unsafe { dr::event::record(e.0, s0) }.map_err(|e| CudaError::driver("cuEventRecord", e))?;
+            Some(e)
+        } else {
+            None
+        };
         // Join every stream into stream 0, then the updates.
         for s in 1..self.streams.len() {
             unsafe {
@@ -1398,6 +1520,21 @@ impl Executor {
         let flag = self.gpu.take_err_flag()?;
         if flag != 0 {
             return Err(CudaError::BadData { after: "the step".into(), message: err_flag_text(flag).into() });
+        }
+        if let Some(end) = upd_mark {
+            let mut by_op: BTreeMap<String, (usize, f64)> = BTreeMap::new();
+            for k in 0..marks.len() {
+                let next = if k + 1 < marks.len() { &marks[k + 1].1 } else { &end };
+                let ms = unsafe { dr::event::elapsed(marks[k].1 .0, next.0) }.unwrap_or(0.0) as f64;
+                let ins = &self.plan.instructions[marks[k].0 as usize];
+                let key = format!("{}{}", ins.op, if ins.op == "matmul" || ins.op == "linear" { format!(" {:?}", self.bufs[ins.outputs[0] as usize].shape) } else { String::new() });
+                let e = by_op.entry(key).or_insert((0, 0.0));
+                e.0 += 1;
+                e.1 += ms;
+            }
+            let upd = unsafe { dr::event::elapsed(end.0, self.t_ends[0].0) }.unwrap_or(0.0) as f64;
+            by_op.insert("(update copies)".into(), (self.updates.len(), upd));
+            self.profile = Some(by_op);
         }
         if let Ok((free, _)) = self.gpu.mem_info() {
             self.min_free = self.min_free.min(free);
@@ -1594,9 +1731,14 @@ impl Executor {
     /// for matrices and embeddings, ones for norm weights, zeros for biases and optimizer state.
     pub fn init_params_random(&mut self, seed: u64, std: f32) -> CudaResult<()> {
         self.gpu.bind()?;
+        let mut masters = Vec::new();
         for (i, (name, v)) in self.graph.params().into_iter().enumerate() {
             let t = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
             let lower = name.to_ascii_lowercase();
+            if name.starts_with("optim.master.") {
+                masters.push(name.clone());
+                continue;
+            }
             if name.starts_with("optim.") || name.starts_with("state.") || lower.ends_with("bias") || !t.dtype.is_float() {
                 self.gpu.memset(t.ptr, 0, t.bytes() as usize)?;
                 continue;
@@ -1609,7 +1751,8 @@ impl Executor {
             )?;
             l.enqueue(self.streams[0].0)?;
         }
-        self.gpu.sync()
+        self.gpu.sync()?;
+        self.init_masters(&masters)
     }
 
     /// Names of the program's params.
