@@ -19,9 +19,11 @@
 pub mod autodiff;
 pub mod bindings;
 pub mod canonicalize;
+pub mod checkpoint;
 pub mod grad_sync;
 pub mod ep;
 pub mod manager;
+pub mod memory;
 pub mod optimizer;
 pub mod pass;
 pub mod plan;

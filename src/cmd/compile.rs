@@ -57,6 +57,13 @@ pub struct Args {
     /// DeepSpeed `tensor_parallel.partition_config` JSON: layer specs for tp meshes.
     #[arg(long, value_name = "FILE")]
     pub tp_spec: Option<PathBuf>,
+    /// Compile a whole training step: forward, autodiff, grad-sync, optimizer (implied
+    /// by any training flag). With --stats, also the memory per rank of each
+    /// checkpoint policy.
+    #[arg(long)]
+    pub train: bool,
+    #[command(flatten)]
+    pub train_args: super::train::TrainArgs,
 }
 
 /// Parses `--passes` or picks the mesh's default pipeline.
@@ -102,9 +109,18 @@ pub fn check_sizes(g: &weft_ir::Graph, batch: Option<i64>, seq: Option<i64>) -> 
 pub fn run(a: Args) -> CliResult {
     let mesh = super::parse_mesh(&a.mesh)?;
     let model = super::load_model(&a.model)?;
-    let cx = super::shard::pass_context(&mesh, &model, a.tp_spec.as_deref())?;
+    let mut cx = super::shard::pass_context(&mesh, &model, a.tp_spec.as_deref())?;
     let mut g = model.graph;
-    let names = pipeline(a.passes.as_deref(), &mesh)?;
+    let mut names = pipeline(a.passes.as_deref(), &mesh)?;
+    let training = a.train || a.train_args.any();
+    let forward = names.clone();
+    let model_graph = if training && a.stats { Some(g.clone()) } else { None };
+    if training {
+        cx.options.train = a.train_args.options("adamw")?;
+        cx.options.train.batch = a.batch;
+        cx.options.train.seq = a.seq;
+        names.extend(super::train::training_passes(&mesh, &cx.options.train));
+    }
     let filter = |t: &Option<String>| -> CliResult<PassFilter> {
         t.as_deref().map(PassFilter::parse).transpose().map(|f| f.unwrap_or_default()).map_err(crate::fail)
     };
@@ -121,6 +137,9 @@ pub fn run(a: Args) -> CliResult {
     let start = std::time::Instant::now();
     let report = PassManager::new(ins).run(&mut g, &cx, &refs, &mut std::io::stderr()).map_err(crate::fail)?;
     let bindings = check_sizes(&g, a.batch, a.seq)?;
+    if let Some(m) = &model_graph {
+        eprint!("{}", super::train::memory_table(m, &cx, &forward)?);
+    }
     let wants_plan = a.output.as_ref().is_some_and(|p| p.extension().is_some_and(|e| e == "json"));
     let mut plan_note = String::new();
     if wants_plan {

@@ -100,3 +100,38 @@ pub fn training_passes(mesh: &weft_ir::Mesh, opts: &TrainOptions) -> Vec<String>
 pub fn graph_grads(outputs: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
     outputs.iter().filter_map(|(k, v)| k.strip_prefix(weft_passes::autodiff::GRAD_PREFIX).map(|p| (p.to_string(), v.clone()))).collect()
 }
+
+/// The per-rank memory of the training step under each checkpoint policy (none,
+/// selective, full, and the one given), compiled from `model` with `forward` then the
+/// training passes: a table for `weft compile --stats`.
+pub fn memory_table(model: &weft_ir::Graph, cx: &weft_passes::PassContext, forward: &[String]) -> CliResult<String> {
+    use weft_passes::memory::{bindings, estimate};
+    let mut policies = vec![CheckpointPolicy::None, CheckpointPolicy::Selective, CheckpointPolicy::Full];
+    if !policies.contains(&cx.options.train.checkpoint) {
+        policies.push(cx.options.train.checkpoint.clone());
+    }
+    let gib = |b: u64| format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64);
+    let mut rows = vec![["checkpoint", "saved activations", "offloaded", "params", "grads", "optimizer", "peak live", "total"].map(String::from).to_vec()];
+    let mut at = String::new();
+    for p in policies {
+        let mut c = cx.clone();
+        c.options.train.checkpoint = p.clone();
+        let mut names: Vec<String> = forward.to_vec();
+        names.extend(training_passes(&c.mesh, &c.options.train));
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut g = model.clone();
+        let ins = weft_passes::Instrumentation { check_requires: false, verify_each: false, ..Default::default() };
+        weft_passes::PassManager::new(ins).run(&mut g, &c, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+        let b = bindings(&g, &c.options.train);
+        at = format!("B={}, S={}", b.symbols["B"], b.symbols["S"]);
+        let e = estimate(&g, &b);
+        rows.push(vec![p.to_string(), gib(e.saved_activations), gib(e.offloaded), gib(e.params), gib(e.grads), gib(e.optimizer), gib(e.peak_live), gib(e.total)]);
+    }
+    let w: Vec<usize> = (0..rows[0].len()).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
+    let mut out = format!("memory per rank of the training step ({at}):\n");
+    for r in rows {
+        let cells: Vec<String> = r.iter().enumerate().map(|(i, s)| if i == 0 { format!("{s:<w$}", w = w[i]) } else { format!("{s:>w$}", w = w[i]) }).collect();
+        out.push_str(&format!("  {}\n", cells.join("  ")));
+    }
+    Ok(out)
+}

@@ -1,0 +1,345 @@
+//! `checkpoint`: selective activation checkpointing on the joint graph.
+//!
+//! The backward reads forward values (the saved activations). A policy chooses which
+//! to keep; every other one the backward reads is recomputed from kept values,
+//! parameters and inputs by copies of its forward nodes, each marked
+//! `[recompute of %v]` with provenance, placed just before the first backward node
+//! that needs it (so a recomputed value lives only as long as its backward use).
+//!
+//! - `full` (per layer): keep what enters each layer (the residual stream between
+//!   layers) and what lies outside the layers (embedding, final norm, head, loss);
+//!   recompute everything inside a layer, collectives included.
+//! - `selective` (AutoSP's): like `full`, but also keep attention outputs (quadratic
+//!   in the sequence to recompute) and collective results (recomputing them would
+//!   communicate again); matmuls, norms and elementwise ops are recomputed.
+//! - `budget=<bytes>`: keep at most that many bytes per rank at the least recompute,
+//!   by a min-cut over the forward part of the joint graph as in PyTorch's
+//!   partitioner: cutting `n_in -> n_out` saves `n` (its bytes), cutting
+//!   `source -> n_in` recomputes `n` (λ × its FLOPs from the cost model), every value
+//!   the backward reads drains to the sink, forward edges are uncuttable. λ (bytes per
+//!   FLOP) is searched for the largest one whose cut fits the budget. Collectives are
+//!   never recomputed. Sizes are evaluated at the options' `B` and `S`.
+
+use crate::memory::{bytes, flops, is_resident, layer_of, Joint};
+use crate::pass::{Pass, PassContext, PassError, PassResult};
+use crate::training::CheckpointPolicy;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use weft_ir::{At, Derived, DerivedKind, Graph, Node, Op, Provenance, Value};
+
+pub struct Checkpoint;
+
+pub const NAME: &str = "checkpoint";
+
+impl Pass for Checkpoint {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+    fn summary(&self) -> &'static str {
+        "activation checkpointing: keep what the policy says (full per layer, selective, or a byte budget by min-cut) and recompute the rest before its backward use"
+    }
+    fn requires(&self) -> &'static [&'static str] {
+        &[crate::autodiff::NAME]
+    }
+    fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
+        let mut res = PassResult::unchanged();
+        for k in ["saved_before", "saved_after", "recomputed_nodes", "saved_bytes_before", "saved_bytes_after", "recompute_flops"] {
+            res.count(k, 0);
+        }
+        let policy = cx.options.train.checkpoint.clone();
+        if policy == CheckpointPolicy::None || g.nodes().iter().any(|&n| crate::memory::is_recompute(g, n)) {
+            return Ok(res);
+        }
+        let b = crate::memory::bindings(g, &cx.options.train);
+        let joint = Joint::of(g);
+        res.count("saved_before", joint.saved.len() as u64);
+        res.count("saved_bytes_before", joint.saved.iter().map(|v| bytes(g, *v, &b)).sum());
+        let (keep, why) = match policy {
+            CheckpointPolicy::None => unreachable!(),
+            CheckpointPolicy::Full => (layer_keep(g, &joint, false), "full: recomputed in its layer's backward".to_string()),
+            CheckpointPolicy::Selective => (layer_keep(g, &joint, true), "selective: recomputed (matmuls and elementwise ops; attention outputs and collectives are kept)".to_string()),
+            CheckpointPolicy::Budget(bytes_max) => {
+                let (keep, met) = min_cut_keep(g, &joint, &b, bytes_max);
+                if !met {
+                    res.count("budget_not_met", 1);
+                }
+                (keep, format!("budget={bytes_max}: recomputed (min-cut of saved bytes and recompute FLOPs)"))
+            }
+        };
+        let recompute: Vec<Value> = joint.saved.iter().copied().filter(|v| !keep.contains(v)).collect();
+        if recompute.is_empty() {
+            return Ok(res);
+        }
+        let (cloned, fl) = rematerialize(g, &joint, &keep, &recompute, &why, &b)?;
+        res.count("recomputed_nodes", cloned as u64);
+        res.count("recompute_flops", fl as u64);
+        let after = Joint::of(g);
+        res.count("saved_after", after.saved.len() as u64);
+        res.count("saved_bytes_after", after.saved.iter().map(|v| bytes(g, *v, &b)).sum());
+        res.changed = true;
+        Ok(res)
+    }
+}
+
+/// The values `full` (and `selective`, with `also_attention`) keep: those defined
+/// outside the layers, those a later scope reads (a layer's outputs), and for
+/// `selective` attention outputs and collective results.
+fn layer_keep(g: &Graph, joint: &Joint, also_attention: bool) -> HashSet<Value> {
+    let layer_of_node = |n: Node| layer_of(g.node(n).meta.source.as_deref());
+    // Forward values read by a forward node of another layer (or outside the layers).
+    let mut crossing: HashSet<Value> = HashSet::new();
+    for &n in g.nodes() {
+        if !joint.forward.contains(&n) {
+            continue;
+        }
+        let here = layer_of_node(n);
+        for v in &g.node(n).operands {
+            let d = g.def(*v);
+            if layer_of_node(d).is_some() && layer_of_node(d) != here {
+                crossing.insert(*v);
+            }
+        }
+    }
+    joint
+        .saved
+        .iter()
+        .copied()
+        .filter(|v| {
+            let d = g.def(*v);
+            let op = &g.node(d).op;
+            layer_of_node(d).is_none() || crossing.contains(v) || (also_attention && (matches!(op, Op::Attention { .. }) || op.is_collective()))
+        })
+        .collect()
+}
+
+/// Clones the forward nodes that compute `values` from kept values, params and inputs,
+/// each just before the first node after the forward that reads it; rewires those
+/// reads. Returns the number of clones and their FLOPs.
+fn rematerialize(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, values: &[Value], why: &str, b: &weft_ir::Bindings) -> Result<(usize, f64), PassError> {
+    // The forward nodes to clone: the closure of `values` back to kept values.
+    let mut need: HashSet<Node> = HashSet::new();
+    let mut stack: Vec<Value> = values.to_vec();
+    while let Some(v) = stack.pop() {
+        let d = g.def(v);
+        if need.contains(&d) || is_resident(&g.node(d).op) || !joint.forward.contains(&d) {
+            continue;
+        }
+        need.insert(d);
+        for x in &g.node(d).operands {
+            if !keep.contains(x) {
+                stack.push(*x);
+            }
+        }
+    }
+    let mut nodes: Vec<Node> = need.into_iter().collect();
+    nodes.sort_by_key(|n| joint.pos[n]);
+    // Where each clone must exist: before its first backward reader, and before the
+    // clones that read it (processed consumers first).
+    let mut anchor: HashMap<Node, usize> = HashMap::new();
+    let inf = usize::MAX;
+    for &n in nodes.iter().rev() {
+        let mut at = inf;
+        for r in &g.node(n).results {
+            if let Some(us) = joint.backward_uses.get(r) {
+                at = at.min(us.iter().copied().min().unwrap_or(inf));
+            }
+        }
+        anchor.insert(n, at);
+    }
+    for &n in nodes.iter().rev() {
+        let a = anchor[&n];
+        for x in g.node(n).operands.clone() {
+            let d = g.def(x);
+            if let Some(ax) = anchor.get_mut(&d) {
+                *ax = (*ax).min(a);
+            }
+        }
+    }
+    let order: Vec<Node> = g.nodes().to_vec();
+    let mut plan: Vec<(usize, usize, Node)> = nodes.iter().map(|n| (anchor[n], joint.pos[n], *n)).filter(|(a, _, _)| *a != inf).collect();
+    plan.sort();
+    let mut map: HashMap<Value, Value> = HashMap::new();
+    let mut fl = 0.0;
+    for &(a, _, n) in &plan {
+        let d = g.node(n).clone();
+        let operands: Vec<Value> = d.operands.iter().map(|x| *map.get(x).unwrap_or(x)).collect();
+        let tys: Vec<_> = d.results.iter().map(|v| g.ty(*v).clone()).collect();
+        let mut meta = d.meta.clone();
+        let layer = layer_of(d.meta.source.as_deref()).unwrap_or_else(|| "the model".into());
+        meta.provenance = Some(Provenance { pass: NAME.into(), reason: format!("{why}, for the backward of {layer}") });
+        meta.derived = Some(Derived { kind: DerivedKind::Recompute, of: d.results[0] });
+        let new = g.insert_typed(At::Before(order[a]), d.op.clone(), &operands, tys, meta);
+        for (old, nv) in d.results.iter().zip(new) {
+            map.insert(*old, nv);
+        }
+        fl += flops(g, n, b);
+    }
+    // Backward readers use the recomputed values.
+    for &n in &order {
+        if joint.forward.contains(&n) || matches!(g.node(n).op, Op::Offload { .. }) {
+            continue;
+        }
+        let ops: Vec<Value> = g.node(n).operands.iter().map(|x| *map.get(x).unwrap_or(x)).collect();
+        g.node_mut(n).operands = ops;
+    }
+    Ok((plan.len(), fl))
+}
+
+// ---- budget: min-cut ----
+
+/// Dinic max-flow on f64 capacities.
+struct Flow {
+    adj: Vec<Vec<usize>>,
+    to: Vec<usize>,
+    cap: Vec<f64>,
+}
+
+impl Flow {
+    fn new(n: usize) -> Flow {
+        Flow { adj: vec![Vec::new(); n], to: Vec::new(), cap: Vec::new() }
+    }
+    fn edge(&mut self, a: usize, b: usize, c: f64) {
+        self.adj[a].push(self.to.len());
+        self.to.push(b);
+        self.cap.push(c);
+        self.adj[b].push(self.to.len());
+        self.to.push(a);
+        self.cap.push(0.0);
+    }
+    fn levels(&self, s: usize) -> Vec<i64> {
+        let mut level = vec![-1i64; self.adj.len()];
+        level[s] = 0;
+        let mut q = std::collections::VecDeque::from([s]);
+        while let Some(u) = q.pop_front() {
+            for &e in &self.adj[u] {
+                let v = self.to[e];
+                if self.cap[e] > 1e-9 && level[v] < 0 {
+                    level[v] = level[u] + 1;
+                    q.push_back(v);
+                }
+            }
+        }
+        level
+    }
+    fn push(&mut self, u: usize, t: usize, f: f64, level: &[i64], it: &mut [usize]) -> f64 {
+        if u == t {
+            return f;
+        }
+        while it[u] < self.adj[u].len() {
+            let e = self.adj[u][it[u]];
+            let v = self.to[e];
+            if self.cap[e] > 1e-9 && level[v] == level[u] + 1 {
+                let d = self.push(v, t, f.min(self.cap[e]), level, it);
+                if d > 0.0 {
+                    self.cap[e] -= d;
+                    self.cap[e ^ 1] += d;
+                    return d;
+                }
+            }
+            it[u] += 1;
+        }
+        0.0
+    }
+    /// Runs the max flow; returns the nodes reachable from `s` in the residual graph.
+    fn min_cut(&mut self, s: usize, t: usize) -> Vec<bool> {
+        loop {
+            let level = self.levels(s);
+            if level[t] < 0 {
+                return level.iter().map(|l| *l >= 0).collect();
+            }
+            let mut it = vec![0usize; self.adj.len()];
+            loop {
+                let f = self.push(s, t, f64::INFINITY, &level, &mut it);
+                if f <= 0.0 {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// The values to keep for a byte budget, and whether the budget is met.
+fn min_cut_keep(g: &Graph, joint: &Joint, b: &weft_ir::Bindings, budget: u64) -> (HashSet<Value>, bool) {
+    // Forward nodes that matter: those the saved values depend on.
+    let mut nodes: Vec<Node> = Vec::new();
+    let mut seen: HashSet<Node> = HashSet::new();
+    let mut stack: Vec<Node> = joint.saved.iter().map(|v| g.def(*v)).collect();
+    while let Some(n) = stack.pop() {
+        if !seen.insert(n) || is_resident(&g.node(n).op) || !joint.forward.contains(&n) {
+            continue;
+        }
+        nodes.push(n);
+        for x in &g.node(n).operands {
+            stack.push(g.def(*x));
+        }
+    }
+    nodes.sort_by_key(|n| joint.pos[n]);
+    let index: BTreeMap<Node, usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let saved_set: HashSet<Value> = joint.saved.iter().copied().collect();
+    let size = |n: Node| -> f64 { g.node(n).results.iter().map(|v| bytes(g, *v, b) as f64).sum() };
+    // Identical layers would all switch at the same λ; a slightly higher price for
+    // recomputing later layers orders them (earlier layers' activations live longest).
+    let cost: Vec<f64> = nodes
+        .iter()
+        .map(|&n| {
+            let layer = layer_of(g.node(n).meta.source.as_deref()).and_then(|l| crate::memory::layer_index(&l)).unwrap_or(0);
+            flops(g, n, b) * (1.0 + 1e-3 * layer as f64)
+        })
+        .collect();
+    let sizes: Vec<f64> = nodes.iter().map(|&n| size(n)).collect();
+    let solve = |lambda: f64| -> (HashSet<Value>, f64) {
+        let (s, t) = (2 * nodes.len(), 2 * nodes.len() + 1);
+        let mut f = Flow::new(2 * nodes.len() + 2);
+        for (i, &n) in nodes.iter().enumerate() {
+            let (nin, nout) = (2 * i, 2 * i + 1);
+            f.edge(nin, nout, sizes[i]);
+            let banned = g.node(n).op.is_collective();
+            // A tiny recompute cost so that free ops are recomputed only when it helps.
+            f.edge(s, nin, if banned { f64::INFINITY } else { lambda * cost[i] + 1e-6 });
+            for x in &g.node(n).operands {
+                if let Some(&j) = index.get(&g.def(*x)) {
+                    f.edge(2 * j + 1, nin, f64::INFINITY);
+                }
+            }
+            if g.node(n).results.iter().any(|v| saved_set.contains(v)) {
+                f.edge(nout, t, f64::INFINITY);
+            }
+        }
+        let reach = f.min_cut(s, t);
+        let mut keep = HashSet::new();
+        let mut total = 0.0;
+        for (i, &n) in nodes.iter().enumerate() {
+            if reach[2 * i] && !reach[2 * i + 1] {
+                for v in &g.node(n).results {
+                    if saved_set.contains(v) {
+                        keep.insert(*v);
+                        total += bytes(g, *v, b) as f64;
+                    }
+                }
+            }
+        }
+        (keep, total)
+    };
+    // λ: bytes per FLOP. Large λ: recomputing is dear, keep everything.
+    let (mut lo, mut hi) = (1e-15f64, 1e6f64);
+    let (best_keep, best_bytes) = solve(lo);
+    if best_bytes > budget as f64 {
+        return (best_keep, false);
+    }
+    let (all_keep, all_bytes) = solve(hi);
+    if all_bytes <= budget as f64 {
+        return (all_keep, true);
+    }
+    let mut best = best_keep;
+    for _ in 0..48 {
+        let mid = (lo.ln() + hi.ln()) / 2.0;
+        let mid = mid.exp();
+        let (keep, total) = solve(mid);
+        if total <= budget as f64 {
+            lo = mid;
+            best = keep;
+        } else {
+            hi = mid;
+        }
+    }
+    (best, true)
+}

@@ -1,0 +1,97 @@
+//! Activation checkpointing preserves the gradients: the step's `grad.*` outputs are the
+//! same with and without recompute (every policy, sp/dp/tp meshes), equal autograd of
+//! the unsharded model, and the saved activations shrink as the policy tightens.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use weft_ir::{Graph, HostTensor, Mesh};
+use weft_passes::training::{training_pipeline, CheckpointPolicy, TrainOptions};
+use weft_passes::{PassContext, PassManager};
+use weft_runtime::cpu::{run, Precision, RunOptions};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn load(name: &str) -> (Graph, BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>) {
+    let dir = fixture(name);
+    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
+    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
+    let inputs = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
+    (model.graph, weights, inputs)
+}
+
+pub fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> Graph {
+    let mesh = Mesh::parse(mesh).unwrap();
+    let mut cx = PassContext::new(mesh.clone());
+    cx.options.train = opts.clone();
+    let names: Vec<String> = training_pipeline(&mesh, opts).names().into_iter().map(String::from).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let mut g = g.clone();
+    PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap_or_else(|e| panic!("{mesh} {}: {e}", opts.checkpoint));
+    g
+}
+
+fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
+    let (x, y) = (a.to_f64(), b.to_f64());
+    let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    d / y.iter().map(|q| q.abs()).fold(1e-300, f64::max)
+}
+
+fn policies() -> Vec<CheckpointPolicy> {
+    vec![CheckpointPolicy::None, CheckpointPolicy::Selective, CheckpointPolicy::Full, CheckpointPolicy::Budget(6000), CheckpointPolicy::Budget(0)]
+}
+
+#[test]
+fn gradients_are_equal_with_and_without_recompute() {
+    for (fam, meshes) in [("llama", &["", "sp=2", "dp=2,sp=2", "tp=2"][..]), ("mixtral", &["", "sp=2"][..]), ("qwen3", &["sp=2"][..])] {
+        let (graph, weights, inputs) = load(fam);
+        let reference = run(&graph, &weights, &inputs, &RunOptions::new(Precision::F64).with_grads(true)).unwrap();
+        for mesh in meshes {
+            let mut base: Option<BTreeMap<String, HostTensor>> = None;
+            for policy in policies() {
+                let opts = TrainOptions { checkpoint: policy.clone(), batch: Some(2), seq: Some(16), ..Default::default() };
+                let g = compile(&graph, mesh, &opts);
+                let recomputed = g.nodes().iter().filter(|&&n| weft_passes::memory::is_recompute(&g, n)).count();
+                if policy != CheckpointPolicy::None {
+                    assert!(recomputed > 0, "{fam} {mesh} {policy}: nothing recomputed");
+                }
+                let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{fam} {mesh} {policy}: {e}"));
+                for (p, want) in &reference.grads {
+                    let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
+                    assert!(e < 1e-9, "{fam} {mesh} {policy}: grad {p} rel err {e:e}");
+                }
+                let grads: BTreeMap<String, HostTensor> = r.outputs.into_iter().filter(|(k, _)| k.starts_with("grad.")).collect();
+                match &base {
+                    None => base = Some(grads),
+                    Some(b) => {
+                        for (k, v) in b {
+                            assert_eq!(grads[k].to_f64(), v.to_f64(), "{fam} {mesh} {policy}: {k} differs from no recompute");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn saved_activations_fall_as_the_policy_tightens() {
+    let (graph, _, _) = load("llama");
+    let mut rows = Vec::new();
+    let mut saved = Vec::new();
+    for policy in [CheckpointPolicy::None, CheckpointPolicy::Selective, CheckpointPolicy::Full] {
+        let opts = TrainOptions { checkpoint: policy.clone(), batch: Some(2), seq: Some(16), ..Default::default() };
+        let g = compile(&graph, "sp=2", &opts);
+        let e = weft_passes::memory::estimate(&g, &weft_passes::memory::bindings(&g, &opts));
+        saved.push(e.saved_activations);
+        rows.push(format!("{policy}: {e:?}"));
+    }
+    assert!(saved[0] > saved[1] && saved[1] > saved[2], "{rows:#?}");
+    // A budget between full and none is met.
+    let budget = (saved[0] + saved[2]) / 2;
+    let opts = TrainOptions { checkpoint: CheckpointPolicy::Budget(budget), batch: Some(2), seq: Some(16), ..Default::default() };
+    let g = compile(&graph, "sp=2", &opts);
+    let e = weft_passes::memory::estimate(&g, &weft_passes::memory::bindings(&g, &opts));
+    assert!(e.saved_activations <= budget && e.saved_activations >= saved[2], "budget {budget}: {e:?}");
+}
