@@ -21,6 +21,9 @@ pub struct TrainArgs {
     /// rank, within what the host link can hide under compute (implies --offload).
     #[arg(long, value_name = "BYTES")]
     pub offload_budget: Option<String>,
+    /// Offload only saved activations of at least this many bytes per rank.
+    #[arg(long, default_value = "1Mi", value_name = "BYTES")]
+    pub offload_min_bytes: String,
     /// Gradient accumulation: run the step as N micro-batches (one gradient reduction).
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub micro_batches: u32,
@@ -44,12 +47,13 @@ impl TrainArgs {
     pub fn options(&self, default_optimizer: &str) -> CliResult<TrainOptions> {
         let checkpoint = CheckpointPolicy::parse(&self.checkpoint)
             .map_err(|m| CliError::input(format!("invalid --checkpoint: {m}")).with_help("use none, full, selective or budget=<bytes> (e.g. budget=2G)"))?;
+        let min_bytes = parse_bytes(&self.offload_min_bytes).map_err(|m| CliError::input(format!("invalid --offload-min-bytes: {m}")))?;
         let offload = match (&self.offload_budget, self.offload) {
             (Some(b), _) => {
                 let budget = parse_bytes(b).map_err(|m| CliError::input(format!("invalid --offload-budget: {m}")))?;
-                Some(OffloadOptions { budget: Some(budget), ..Default::default() })
+                Some(OffloadOptions { budget: Some(budget), min_bytes, ..Default::default() })
             }
-            (None, true) => Some(OffloadOptions::default()),
+            (None, true) => Some(OffloadOptions { min_bytes, ..Default::default() }),
             (None, false) => None,
         };
         if self.micro_batches == 0 {
