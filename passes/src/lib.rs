@@ -24,6 +24,7 @@ pub mod grad_sync;
 pub mod ep;
 pub mod manager;
 pub mod memory;
+pub mod micro_batches;
 pub mod offload;
 pub mod optimizer;
 pub mod pass;

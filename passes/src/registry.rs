@@ -5,6 +5,7 @@ use crate::autodiff::Autodiff;
 use crate::canonicalize::Canonicalize;
 use crate::checkpoint::Checkpoint;
 use crate::grad_sync::GradSync;
+use crate::micro_batches::MicroBatches;
 use crate::offload::Offload;
 use crate::optimizer::OptimizerPass;
 use crate::ep::ExpertParallel;
@@ -19,7 +20,7 @@ use std::fmt;
 use weft_ir::Mesh;
 
 /// Every pass, in the order a full pipeline would run them.
-pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &ExpertParallel, &TensorParallel, &Simplify, &Canonicalize, &Autodiff, &Checkpoint, &Offload, &GradSync, &OptimizerPass];
+pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &ExpertParallel, &TensorParallel, &Simplify, &Canonicalize, &MicroBatches, &Autodiff, &Checkpoint, &Offload, &GradSync, &OptimizerPass];
 
 /// Every registered pass.
 pub fn passes() -> &'static [&'static dyn Pass] {

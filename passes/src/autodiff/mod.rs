@@ -69,6 +69,8 @@ impl Pass for Autodiff {
         }
         let before = g.node_count();
         differentiate(g, &mut res)?;
+        // With micro-batches, each one's backward right after its forward.
+        crate::micro_batches::interleave(g);
         res.count("backward_nodes", (g.node_count() - before) as u64);
         res.changed = true;
         Ok(res)

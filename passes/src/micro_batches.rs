@@ -1,0 +1,275 @@
+//! `micro-batches`: gradient accumulation over `N` micro-batches in one step.
+//!
+//! Runs on the forward program (after the sharding passes, before `autodiff`). Every
+//! node that depends on the token inputs is cloned `N` times; clone `i` reads rows
+//! `[i*B/N, (i+1)*B/N)` of each token input (`slice` of dim 0) and has `B` replaced by
+//! `B/N` in its types and attributes, so whatever the passes did per rank (a `dp`
+//! block, an `sp` block, collectives) is done on the micro-batch. Clones carry
+//! `[micro-batch i]`.
+//!
+//! The loss stays the global mean over the valid tokens of the *whole* batch (not a
+//! mean of per-micro-batch means): with the loss `div(all_reduce*(sum), all_reduce*(count))`
+//! each micro-batch computes its token-loss sum, the sums are added locally, and the
+//! count is computed once on the whole batch, so one `all_reduce` per axis serves the
+//! step as before. Outputs with a batch dim (`logits`) are the micro-batches' pieces
+//! concatenated. `autodiff` then accumulates each parameter's gradient over the
+//! micro-batches before `grad-sync`'s single reduction (DeepSpeed's
+//! `coalesce_grad_reduction`), and orders each micro-batch's backward right after its
+//! forward.
+
+use crate::pass::{Pass, PassContext, PassError, PassResult};
+use crate::util::{as_symbol, build_error};
+use std::collections::{HashMap, HashSet};
+use weft_ir::{At, Dim, Graph, Node, NodeMeta, Op, Provenance, ReduceOp, Role, Value};
+
+pub struct MicroBatches;
+
+pub const NAME: &str = "micro-batches";
+
+impl Pass for MicroBatches {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+    fn summary(&self) -> &'static str {
+        "gradient accumulation: clone the token-dependent forward per micro-batch (B -> B/N), add the loss sums, count valid tokens once for the whole batch"
+    }
+    fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
+        let n = cx.options.train.micro_batches;
+        let mut res = PassResult::unchanged();
+        res.count("micro_batches", n as u64).count("cloned_nodes", 0).count("removed_nodes", 0);
+        if n <= 1 || g.nodes().iter().any(|&x| g.node(x).meta.micro_batch.is_some()) {
+            return Ok(res);
+        }
+        split(g, n, &mut res)?;
+        res.changed = true;
+        Ok(res)
+    }
+}
+
+fn err(g: &Graph, what: &str, why: impl Into<String>) -> PassError {
+    PassError::rewrite(NAME, format!("`{NAME}` cannot split the step: {what}"), format!("graph `{}`", g.name), why)
+}
+
+/// `op` with every dim of its attributes mapped by `f`.
+fn map_dims(op: &Op, f: &dyn Fn(&Dim) -> Dim) -> Op {
+    let ty = |t: &weft_ir::TensorType| t.with_shape(t.shape.iter().map(f).collect());
+    match op {
+        Op::Full { value, ty: t } => Op::Full { value: *value, ty: ty(t) },
+        Op::Arange { start, ty: t } => Op::Arange { start: f(start), ty: ty(t) },
+        Op::Reshape { shape } => Op::Reshape { shape: shape.iter().map(f).collect() },
+        Op::Expand { shape } => Op::Expand { shape: shape.iter().map(f).collect() },
+        Op::Slice { dim, start, len } => Op::Slice { dim: *dim, start: f(start), len: f(len) },
+        Op::Split { dim, sizes } => Op::Split { dim: *dim, sizes: sizes.iter().map(f).collect() },
+        Op::AllToAllV { axis, rows } => Op::AllToAllV { axis: axis.clone(), rows: f(rows) },
+        other => other.clone(),
+    }
+}
+
+fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
+    let inputs = g.inputs();
+    let ids = inputs.iter().find(|(_, r, _)| *r == Role::InputIds).or_else(|| inputs.iter().find(|(_, r, _)| *r == Role::Labels));
+    let Some((_, _, ids)) = ids else { return Err(err(g, "no token input", "it has no input with role input_ids or labels")) };
+    let batch = g.ty(*ids).shape.first().and_then(as_symbol).ok_or_else(|| err(g, "no batch symbol", format!("input_ids is {}, whose batch dim is not a symbol", g.ty(*ids))))?;
+    let bsym = Dim::sym(&batch);
+    let micro = bsym.clone() / Dim::from(n as i64);
+    // Token inputs: those whose dim 0 is the batch. Where `shard-inputs` cut a rank's
+    // batch block (a dim-0 slice), the micro-batches split that block, so each rank's
+    // pieces stay in its block's row order; elsewhere they split the input itself.
+    let token_inputs: Vec<Value> = inputs.iter().filter(|(_, _, v)| g.ty(*v).shape.first() == Some(&bsym)).map(|(_, _, v)| *v).collect();
+    let uses = g.uses();
+    let mut roots: Vec<Value> = Vec::new();
+    for &t in &token_inputs {
+        let mut stack = vec![t];
+        let mut found = false;
+        while let Some(v) = stack.pop() {
+            for &(u, _) in &uses[v.0 as usize] {
+                let d = g.node(u);
+                match &d.op {
+                    Op::Slice { dim: 0, .. } if crate::util::made_by(g, u, crate::shard_inputs::NAME) => {
+                        roots.push(d.results[0]);
+                        found = true;
+                    }
+                    Op::ShiftLabels { .. } => stack.push(d.results[0]),
+                    _ => {}
+                }
+            }
+        }
+        if !found {
+            roots.push(t);
+        }
+    }
+    roots.sort();
+    roots.dedup();
+    // The loss: div(all_reduce*(sum), all_reduce*(count)).
+    let loss = g.output("loss").ok_or_else(|| err(g, "no loss", "it has no output named `loss`"))?;
+    let ld = g.def(loss);
+    let (num, den) = match (&g.node(ld).op, g.node(ld).operands.as_slice()) {
+        (Op::Div {}, [a, b]) => (*a, *b),
+        (op, _) => {
+            return Err(err(g, "the loss is not a sum over tokens divided by a count", format!("`loss` is made by `{}`", op.name()))
+                .with_help("build the loss as cross_entropy {reduction=sum} / count_valid (sp-loss does for reduction=mean)"))
+        }
+    };
+    let strip = |mut v: Value| {
+        let mut chain = Vec::new();
+        while let Op::AllReduce { op: ReduceOp::Sum, .. } = &g.node(g.def(v)).op {
+            chain.push(g.def(v));
+            v = g.node(g.def(v)).operands[0];
+        }
+        chain.reverse();
+        (v, chain)
+    };
+    let (num0, num_chain) = strip(num);
+    let additive = match &g.node(g.def(num0)).op {
+        Op::CrossEntropy { reduction: weft_ir::Reduction::Sum, .. } => true,
+        Op::Sum { dims, .. } => dims.iter().any(|&d| d == 0) || g.ty(g.node(g.def(num0)).operands[0]).rank() == dims.len(),
+        _ => false,
+    };
+    if !additive || g.ty(num0).rank() != 0 {
+        return Err(err(g, "the loss numerator is not a sum over tokens", format!("it is made by `{}`", g.node(g.def(num0)).op.name())));
+    }
+    // The nodes that depend on the token inputs, in program order.
+    let order: Vec<Node> = g.nodes().to_vec();
+    let mut dep: HashSet<Value> = roots.iter().copied().collect();
+    let mut nodes: Vec<Node> = Vec::new();
+    let root_nodes: HashSet<Node> = roots.iter().map(|v| g.def(*v)).collect();
+    for &x in &order {
+        let d = g.node(x);
+        if matches!(d.op, Op::Input { .. }) || root_nodes.contains(&x) {
+            continue;
+        }
+        if d.operands.iter().any(|v| dep.contains(v)) {
+            nodes.push(x);
+            dep.extend(d.results.iter().copied());
+        }
+    }
+    if !dep.contains(&num0) {
+        return Err(err(g, "the loss does not depend on the tokens", "nothing to split"));
+    }
+    // Clone per micro-batch.
+    let sub = |d: &Dim| d.substitute(&batch, &micro);
+    let mut clones: Vec<HashMap<Value, Value>> = Vec::new();
+    for i in 0..n {
+        let mut map: HashMap<Value, Value> = HashMap::new();
+        for &r in &roots {
+            let meta = NodeMeta {
+                source: g.node(g.def(r)).meta.source.clone(),
+                provenance: Some(Provenance { pass: NAME.into(), reason: format!("rows of micro-batch {i} of {n}") }),
+                derived: None,
+                micro_batch: Some(i),
+            };
+            let rows = g.ty(r).shape[0].clone() / Dim::from(n as i64);
+            let op = Op::Slice { dim: 0, start: rows.clone() * Dim::from(i as i64), len: rows };
+            let v = g.insert_with(At::End, op, &[r], meta).map_err(|e| build_error(NAME, e))?[0];
+            map.insert(r, v);
+        }
+        for &x in &nodes {
+            let d = g.node(x).clone();
+            let op = map_dims(&d.op, &sub);
+            let operands: Vec<Value> = d.operands.iter().map(|v| *map.get(v).unwrap_or(v)).collect();
+            let mut meta = d.meta.clone();
+            meta.micro_batch = Some(i);
+            let rs = g.insert_with(At::End, op, &operands, meta).map_err(|e| build_error(NAME, e))?;
+            for (a, b) in d.results.iter().zip(rs) {
+                let want: Vec<Dim> = g.ty(*a).shape.iter().map(&sub).collect();
+                if g.ty(b).shape != want {
+                    return Err(err(g, "a node does not follow the micro-batch size", format!("{} gives {} for micro-batch {i}, expected {:?}", g.describe(x), g.ty(b), want)));
+                }
+                map.insert(*a, b);
+            }
+            res.count("cloned_nodes", 1);
+        }
+        clones.push(map);
+    }
+    let meta = |reason: &str| NodeMeta { source: Some("loss".into()), provenance: Some(Provenance { pass: NAME.into(), reason: reason.into() }), ..Default::default() };
+    // The loss: the micro-batches' sums added, reduced as before, over the whole count.
+    let mut total = clones[0][&num0];
+    for m in &clones[1..] {
+        total = g.insert_with(At::End, Op::Add {}, &[total, m[&num0]], meta("token-loss sums of the micro-batches")).map_err(|e| build_error(NAME, e))?[0];
+    }
+    for &c in &num_chain {
+        let d = g.node(c).clone();
+        let mut m = d.meta.clone();
+        m.micro_batch = None;
+        total = g.insert_with(At::End, d.op.clone(), &[total], m).map_err(|e| build_error(NAME, e))?[0];
+    }
+    let new_loss = g.insert_with(At::End, Op::Div {}, &[total, den], meta("global mean over the valid tokens of the whole batch")).map_err(|e| build_error(NAME, e))?[0];
+    g.set_output("loss", new_loss);
+    // Batch outputs: the micro-batches' pieces along dim 0.
+    let outs: Vec<(String, Value)> = g.outputs().to_vec();
+    for (name, v) in outs {
+        if name == "loss" || !dep.contains(&v) {
+            continue;
+        }
+        if !g.ty(v).shape.first().is_some_and(|d| d.mentions(&batch)) {
+            return Err(err(g, &format!("output `{name}` has no batch dim"), format!("it is {}", g.ty(v))));
+        }
+        let parts: Vec<Value> = clones.iter().map(|m| m[&v]).collect();
+        let cat = g.insert_with(At::End, Op::Concat { dim: 0 }, &parts, meta("the micro-batches' pieces")).map_err(|e| build_error(NAME, e))?[0];
+        g.set_output(&name, cat);
+    }
+    // The originals no one reads any more.
+    let before = g.node_count();
+    loop {
+        let uses = g.uses();
+        let outputs: HashSet<Value> = g.outputs().iter().map(|(_, v)| *v).collect();
+        let dead: Vec<Node> = g
+            .nodes()
+            .iter()
+            .copied()
+            .filter(|&x| {
+                let d = g.node(x);
+                !matches!(d.op, Op::Input { .. } | Op::Param { .. }) && d.results.iter().all(|r| uses[r.0 as usize].is_empty() && !outputs.contains(r))
+            })
+            .collect();
+        if dead.is_empty() {
+            break;
+        }
+        g.remove_nodes(&dead);
+    }
+    res.count("removed_nodes", (before - g.node_count()) as u64);
+    Ok(())
+}
+
+/// Reorders a joint graph so each micro-batch's backward follows its forward: a
+/// topological order that always runs the ready node of the lowest micro-batch
+/// (untagged nodes take the highest micro-batch they read), ties in program order.
+pub fn interleave(g: &mut Graph) {
+    if !g.nodes().iter().any(|&x| g.node(x).meta.micro_batch.is_some()) {
+        return;
+    }
+    let order: Vec<Node> = g.nodes().to_vec();
+    let pos: HashMap<Node, usize> = order.iter().enumerate().map(|(i, x)| (*x, i)).collect();
+    let mut key: HashMap<Node, u32> = HashMap::new();
+    for &x in &order {
+        let d = g.node(x);
+        let k = d.meta.micro_batch.unwrap_or_else(|| d.operands.iter().map(|v| key[&g.def(*v)]).max().unwrap_or(0));
+        key.insert(x, k);
+    }
+    let mut indeg: HashMap<Node, usize> = HashMap::new();
+    let mut users: HashMap<Node, Vec<Node>> = HashMap::new();
+    for &x in &order {
+        let mut preds: Vec<Node> = g.node(x).operands.iter().map(|v| g.def(*v)).collect();
+        preds.sort();
+        preds.dedup();
+        indeg.insert(x, preds.len());
+        for p in preds {
+            users.entry(p).or_default().push(x);
+        }
+    }
+    let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<(u32, usize)>> =
+        order.iter().filter(|x| indeg[x] == 0).map(|x| std::cmp::Reverse((key[x], pos[x]))).collect();
+    let mut out = Vec::with_capacity(order.len());
+    while let Some(std::cmp::Reverse((_, p))) = ready.pop() {
+        let x = order[p];
+        out.push(x);
+        for u in users.get(&x).cloned().unwrap_or_default() {
+            let e = indeg.get_mut(&u).expect("every node has an in-degree");
+            *e -= 1;
+            if *e == 0 {
+                ready.push(std::cmp::Reverse((key[&u], pos[&u])));
+            }
+        }
+    }
+    g.set_order(out);
+}
