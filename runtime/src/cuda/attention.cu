@@ -191,29 +191,30 @@ __device__ __forceinline__ void load_rows(__nv_bfloat16* sm, const __nv_bfloat16
 
 // ---------------------------------------------------------------- tensor-core forward
 
-template <int D>
+template <int D, int NW>
 __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                        const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) {
     constexpr int LD = D + 8;
+    constexpr int BR = 16 * NW; // query rows per block: 16 per warp
     extern __shared__ __align__(16) unsigned char fa_smem[];
     __nv_bfloat16* sQ = (__nv_bfloat16*)fa_smem;
-    __nv_bfloat16* sK = sQ + 64 * LD;
+    __nv_bfloat16* sK = sQ + BR * LD;
     __nv_bfloat16* sV = sK + 2 * 64 * LD;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int qb = causal ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hk = h / (Nq / Nkv);
-    const i64 q0 = (i64)qb * 64;
+    const i64 q0 = (i64)qb * BR;
     const i64 off = Sk - Sq;
     const __nv_bfloat16* qg = q + ((i64)b * Nq + h) * Sq * D;
     const __nv_bfloat16* kg = k + ((i64)b * Nkv + hk) * Sk * D;
     const __nv_bfloat16* vg = v + ((i64)b * Nkv + hk) * Sk * D;
     i64 nkt = (Sk + 63) / 64;
     if (causal) {
-        i64 last = q0 + 63 + off; // last visible key of the block's last row
+        i64 last = q0 + BR - 1 + off; // last visible key of the block's last row
         i64 lim = last < 0 ? 0 : last / 64 + 1;
         if (lim < nkt) nkt = lim;
     }
-    load_rows<D, LD, 64>(sQ, qg, q0, Sq);
+    load_rows<D, LD, BR>(sQ, qg, q0, Sq);
     if (nkt > 0) {
         load_rows<D, LD, 64>(sK, kg, 0, Sk);
         load_rows<D, LD, 64>(sV, vg, 0, Sk);
@@ -339,14 +340,15 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) fa_fwd_d64(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                                             const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) {
-    fa_fwd<64>(out, lse, q, k, v, Nq, Nkv, Sq, Sk, scale_log2, causal);
-}
-extern "C" __global__ void __launch_bounds__(128) fa_fwd_d128(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                                              const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) {
-    fa_fwd<128>(out, lse, q, k, v, Nq, Nkv, Sq, Sk, scale_log2, causal);
-}
+#define DEF_FA_FWD(NAME, D, NW)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW) NAME(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, \
+            const __nv_bfloat16* k, const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) { \
+        fa_fwd<D, NW>(out, lse, q, k, v, Nq, Nkv, Sq, Sk, scale_log2, causal);                             \
+    }
+DEF_FA_FWD(fa_fwd_d64, 64, 4)
+DEF_FA_FWD(fa_fwd_d128, 128, 4)
+DEF_FA_FWD(fa_fwd_d64_w8, 64, 8)
+DEF_FA_FWD(fa_fwd_d128_w8, 128, 8)
 
 // ---------------------------------------------------------------- tensor-core backward
 // Grid (key tiles, Nkv, B); 4 warps, warp w owns keys [k0 + 16w, k0 + 16w + 16). Loops over

@@ -964,13 +964,21 @@ fn attention_fwd(lw: &mut Lower, q: &DevT, k: &DevT, v: &DevT, mask: Option<&Dev
     }
     let fast = lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
     if fast {
-        let name = if d == 64 { "fa_fwd_d64" } else { "fa_fwd_d128" };
-        let smem = (64 + 4 * 64) * (d + 8) * 2;
-        let grid = (sq.div_ceil(64) as u32, nq as u32, b as u32);
+        // WEFT_FA_WARPS=8: 128 query rows per block (8 warps) instead of 64.
+        let nw: usize = if std::env::var("WEFT_FA_WARPS").as_deref() == Ok("8") { 8 } else { 4 };
+        let name = match (d, nw) {
+            (64, 4) => "fa_fwd_d64",
+            (64, _) => "fa_fwd_d64_w8",
+            (_, 4) => "fa_fwd_d128",
+            _ => "fa_fwd_d128_w8",
+        };
+        let br = 16 * nw;
+        let smem = (br + 4 * 64) * (d + 8) * 2;
+        let grid = (sq.div_ceil(br) as u32, nq as u32, b as u32);
         let l = lw.gpu.launch(
             name,
             grid,
-            (128, 1, 1),
+            (32 * nw as u32, 1, 1),
             smem as u32,
             vec![Arg::P(o.ptr), Arg::P(lse), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::F32(scale * std::f32::consts::LOG2_E), Arg::I32(causal as i32)],
         )?;

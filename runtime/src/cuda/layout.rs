@@ -140,6 +140,11 @@ pub fn strided_copy(shape: &[usize], ss: &[i64], ds: &[i64], esz: usize, src_ali
             s[k] /= f;
             d[k] /= f;
         }
+        // The widened inner dim may now be 1 (or merge with its neighbour).
+        let (sh2, st2) = collapse(&sh, &[s.clone(), d.clone()]);
+        sh = sh2;
+        s = st2[0].clone();
+        d = st2[1].clone();
     }
     let n: u64 = sh.iter().map(|&x| x as u64).product();
     Ok((Strided { rank: sh.len() as i32, shape: fill8(&sh.iter().map(|&x| x as i64).collect::<Vec<_>>()), ss: fill8(&s), ds: fill8(&d) }, w, n))
