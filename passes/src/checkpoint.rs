@@ -53,7 +53,7 @@ impl Pass for Checkpoint {
         let joint = Joint::of(g);
         res.count("saved_before", joint.saved.len() as u64);
         res.count("saved_bytes_before", joint.saved.iter().map(|v| bytes(g, *v, &b)).sum());
-        let (keep, why) = match policy {
+        let (keep, why) = match policy.clone() {
             CheckpointPolicy::None => unreachable!(),
             CheckpointPolicy::Full => (layer_keep(g, &joint, false), "full: recomputed in its layer's backward".to_string()),
             CheckpointPolicy::Selective => (layer_keep(g, &joint, true), "selective: recomputed (matmuls and elementwise ops; attention outputs and collectives are kept)".to_string()),
@@ -69,7 +69,10 @@ impl Pass for Checkpoint {
         if recompute.is_empty() {
             return Ok(res);
         }
-        let (cloned, fl) = rematerialize(g, &joint, &keep, &recompute, &why, &b)?;
+        // Only `full` re-runs a layer's collectives; the others keep their results.
+        let recompute_collectives = policy == CheckpointPolicy::Full;
+        let recompute: Vec<Value> = recompute.into_iter().filter(|v| recompute_collectives || !g.node(g.def(*v)).op.is_collective()).collect();
+        let (cloned, fl) = rematerialize(g, &joint, &keep, &recompute, &why, &b, recompute_collectives)?;
         res.count("recomputed_nodes", cloned as u64);
         res.count("recompute_flops", fl as u64);
         let after = Joint::of(g);
@@ -114,13 +117,19 @@ fn layer_keep(g: &Graph, joint: &Joint, also_attention: bool) -> HashSet<Value> 
 /// Clones the forward nodes that compute `values` from kept values, params and inputs,
 /// each just before the first node after the forward that reads it; rewires those
 /// reads. Returns the number of clones and their FLOPs.
-fn rematerialize(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, values: &[Value], why: &str, b: &weft_ir::Bindings) -> Result<(usize, f64), PassError> {
-    // The forward nodes to clone: the closure of `values` back to kept values.
+fn rematerialize(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, values: &[Value], why: &str, b: &weft_ir::Bindings, recompute_collectives: bool) -> Result<(usize, f64), PassError> {
+    // The forward nodes to clone: the closure of `values` back to kept values (and,
+    // unless collectives are recomputed, back to collective results, then kept too).
+    let mut keep = keep.clone();
     let mut need: HashSet<Node> = HashSet::new();
     let mut stack: Vec<Value> = values.to_vec();
     while let Some(v) = stack.pop() {
         let d = g.def(v);
-        if need.contains(&d) || is_resident(&g.node(d).op) || !joint.forward.contains(&d) {
+        if need.contains(&d) || is_resident(&g.node(d).op) || !joint.forward.contains(&d) || keep.contains(&v) {
+            continue;
+        }
+        if !recompute_collectives && g.node(d).op.is_collective() {
+            keep.insert(v);
             continue;
         }
         need.insert(d);

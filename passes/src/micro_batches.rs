@@ -233,7 +233,8 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
 
 /// Reorders a joint graph so each micro-batch's backward follows its forward: a
 /// topological order that always runs the ready node of the lowest micro-batch
-/// (untagged nodes take the highest micro-batch they read), ties in program order.
+/// (forward nodes by their tag, other nodes take the highest micro-batch they read),
+/// ties in program order.
 pub fn interleave(g: &mut Graph) {
     if !g.nodes().iter().any(|&x| g.node(x).meta.micro_batch.is_some()) {
         return;
@@ -243,7 +244,13 @@ pub fn interleave(g: &mut Graph) {
     let mut key: HashMap<Node, u32> = HashMap::new();
     for &x in &order {
         let d = g.node(x);
-        let k = d.meta.micro_batch.unwrap_or_else(|| d.operands.iter().map(|v| key[&g.def(*v)]).max().unwrap_or(0));
+        // Forward nodes by their tag; the rest by what they read (a backward node shared
+        // by the micro-batches, such as -sin for rope, belongs to none of them).
+        let from_operands = || d.operands.iter().map(|v| key[&g.def(*v)]).max().unwrap_or(0);
+        let k = match (d.meta.micro_batch, d.meta.derived) {
+            (Some(m), None) => m,
+            _ => from_operands(),
+        };
         key.insert(x, k);
     }
     let mut indeg: HashMap<Node, usize> = HashMap::new();

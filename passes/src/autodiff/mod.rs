@@ -91,6 +91,8 @@ pub(crate) struct Ad<'g> {
     pub varying: Vec<Axes>,
     pub meta: NodeMeta,
     pub collectives: u64,
+    /// Nodes made so far, by op and operands.
+    pub memo: std::collections::HashMap<(Op, Vec<Value>), Vec<Value>>,
 }
 
 fn err(what: impl Into<String>, location: impl Into<String>, why: impl Into<String>) -> PassError {
@@ -139,7 +141,7 @@ fn differentiate(g: &mut Graph, res: &mut PassResult) -> Result<(), PassError> {
     let varying = replication::varying(g);
     let mesh = g.mesh.clone();
     let order: Vec<Node> = g.nodes().to_vec();
-    let mut ad = Ad { g, varying, meta: NodeMeta::default(), collectives: 0 };
+    let mut ad = Ad { g, varying, meta: NodeMeta::default(), collectives: 0, memo: Default::default() };
     let mut grads: BTreeMap<Value, Vec<Contrib>> = BTreeMap::new();
     let mut param_grads: BTreeMap<String, Vec<Contrib>> = BTreeMap::new();
 
@@ -275,8 +277,16 @@ impl Ad<'_> {
         Ok(self.ops(op, xs)?[0])
     }
 
+    /// Makes (or reuses: the IR is pure, so equal op and operands give equal values)
+    /// a node; e.g. the reshape of a linear's input serves q, k and v's weight grads.
     pub(crate) fn ops(&mut self, op: Op, xs: &[Value]) -> Result<Vec<Value>, PassError> {
-        self.g.insert_with(At::End, op, xs, self.meta.clone()).map_err(|e| build_error(NAME, e))
+        let key = (op, xs.to_vec());
+        if let Some(r) = self.memo.get(&key) {
+            return Ok(r.clone());
+        }
+        let r = self.g.insert_with(At::End, key.0.clone(), xs, self.meta.clone()).map_err(|e| build_error(NAME, e))?;
+        self.memo.insert(key, r.clone());
+        Ok(r)
     }
 
     pub(crate) fn ty(&self, v: Value) -> TensorType {

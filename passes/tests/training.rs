@@ -1,0 +1,156 @@
+//! Snapshots of the training passes on a 1-layer tiny llama: the whole joint graph
+//! (one rank and sp=2), each training pass's diff (`<pass>__<model>__<mesh>`), the
+//! collectives of N-micro-batch steps, and the memory estimate per checkpoint policy.
+
+use weft_ir::*;
+use weft_passes::training::{training_pipeline, CheckpointPolicy, OffloadOptions, Optimizer, TrainOptions};
+use weft_passes::*;
+
+fn model_1l(preset: &str) -> Graph {
+    let p = weft_frontends::presets::find_preset(preset).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
+    v.as_object_mut().unwrap().insert("num_hidden_layers".into(), 1.into());
+    let cfg = weft_frontends::ModelConfig::from_json(&v, &p.label()).unwrap();
+    weft_frontends::Model::from_config(&format!("{preset}-1l"), cfg, weft_frontends::Origin::Preset(preset.into())).unwrap().graph
+}
+
+fn snapshot(name: &str, text: &str) {
+    insta::with_settings!({ prepend_module_to_snapshot => false, omit_expression => true }, {
+        insta::assert_snapshot!(name, text);
+    });
+}
+
+fn cx(mesh: &str, opts: &TrainOptions) -> PassContext {
+    let mut cx = PassContext::new(Mesh::parse(mesh).unwrap());
+    cx.options.train = opts.clone();
+    cx
+}
+
+fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> Graph {
+    let cx = cx(mesh, opts);
+    let names = training_pipeline(&cx.mesh, opts).names().into_iter().map(String::from).collect::<Vec<_>>();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let mut g = g.clone();
+    PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap();
+    g
+}
+
+/// The diff and counters of `pass` in the training pipeline of `opts`.
+fn pass_diff(g: &Graph, mesh: &str, opts: &TrainOptions, pass: &str) -> String {
+    let cx = cx(mesh, opts);
+    let names = training_pipeline(&cx.mesh, opts).names().into_iter().map(String::from).collect::<Vec<_>>();
+    let at = names.iter().position(|p| p == pass).unwrap();
+    let mut g = g.clone();
+    let refs: Vec<&str> = names[..at].iter().map(String::as_str).collect();
+    PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap();
+    let ins = Instrumentation { print_changes: true, check_requires: false, ..Default::default() };
+    let mut sink = Vec::new();
+    let r = PassManager::new(ins).run(&mut g, &cx, &[pass], &mut sink).unwrap();
+    let mut text = String::from_utf8(sink).unwrap();
+    let p = &r.passes[0];
+    text.push_str(&format!(
+        "// changed={} nodes {} -> {} (+{} -{}), collectives +{}\n// {}\n",
+        p.changed,
+        p.nodes_before,
+        p.nodes_after,
+        p.nodes_added,
+        p.nodes_removed,
+        p.collectives_added,
+        p.counters.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+    ));
+    text
+}
+
+#[test]
+fn joint_graph_of_a_one_layer_llama() {
+    let g = model_1l("llama-tiny");
+    for (tag, mesh) in [("one-rank", ""), ("sp2", "sp=2")] {
+        let j = compile(&g, mesh, &TrainOptions::default());
+        verify(&j).unwrap();
+        assert_eq!(parse(&print(&j)).unwrap(), j);
+        snapshot(&format!("joint__llama-tiny-1l__{tag}"), &print(&j));
+    }
+}
+
+#[test]
+fn training_pass_diffs() {
+    let g = model_1l("llama-tiny");
+    let small = TrainOptions { bucket_bytes: 20_000, batch: Some(2), seq: Some(16), ..Default::default() };
+    let cases: Vec<(&str, &str, &str, TrainOptions)> = vec![
+        ("autodiff", "dp2-sp2", "dp=2,sp=2", small.clone()),
+        ("grad-sync", "dp2-sp2", "dp=2,sp=2", small.clone()),
+        ("grad-sync", "dp2-sp2-zero2", "dp=2,sp=2", TrainOptions { reduce_scatter: true, ..small.clone() }),
+        ("checkpoint", "sp2-selective", "sp=2", TrainOptions { checkpoint: CheckpointPolicy::Selective, ..small.clone() }),
+        ("checkpoint", "sp2-full", "sp=2", TrainOptions { checkpoint: CheckpointPolicy::Full, ..small.clone() }),
+        ("offload", "sp2", "sp=2", TrainOptions { offload: Some(OffloadOptions { min_bytes: 0, keep_last: 0, ..Default::default() }), ..small.clone() }),
+        ("optimizer", "dp2-zero1", "dp=2", TrainOptions { optimizer: Some(Optimizer::adamw(1e-3)), zero1: true, ..small.clone() }),
+        ("micro-batches", "dp2", "dp=2", TrainOptions { micro_batches: 2, ..small.clone() }),
+    ];
+    for (pass, tag, mesh, opts) in cases {
+        snapshot(&format!("{pass}__llama-tiny-1l__{tag}"), &pass_diff(&g, mesh, &opts, pass));
+    }
+}
+
+/// Collectives by op of a step, the gradient reductions (grad-sync's) apart.
+fn collectives(g: &Graph) -> String {
+    let mut by: std::collections::BTreeMap<String, usize> = Default::default();
+    let mut grad = 0;
+    for &n in g.nodes() {
+        let d = g.node(n);
+        if d.op.is_collective() {
+            *by.entry(d.op.name().to_string()).or_default() += 1;
+            if d.meta.provenance.as_ref().is_some_and(|p| p.pass == "grad-sync") {
+                grad += 1;
+            }
+        }
+    }
+    let parts: Vec<String> = by.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!("gradient reductions {grad}; all collectives: {}", parts.join(" "))
+}
+
+#[test]
+fn micro_batch_collectives() {
+    let g = model_1l("llama-tiny");
+    let mut text = String::new();
+    for mesh in ["dp=2", "sp=2", "dp=2,sp=2", "tp=2"] {
+        let mut grad = None;
+        for n in [1u32, 2, 4] {
+            let opts = TrainOptions { micro_batches: n, bucket_bytes: 20_000, ..Default::default() };
+            let j = compile(&g, mesh, &opts);
+            let line = collectives(&j);
+            let reductions = j.nodes().iter().filter(|&&x| j.node(x).meta.provenance.as_ref().is_some_and(|p| p.pass == "grad-sync") && j.node(x).op.is_collective()).count();
+            assert_eq!(*grad.get_or_insert(reductions), reductions, "{mesh}: N={n} issues other gradient reductions than N=1");
+            text.push_str(&format!("{mesh:<10} N={n}: {line}\n"));
+        }
+    }
+    snapshot("micro-batches__collectives__llama-tiny-1l", &text);
+}
+
+#[test]
+fn memory_falls_as_the_policy_tightens() {
+    // Llama 3 8B on dp=2,sp=4 at S=32768, B=2, AdamW with ZeRO-1.
+    let g = weft_frontends::load("llama3-8b").unwrap().graph;
+    let base = TrainOptions { optimizer: Some(Optimizer::adamw(1e-4)), zero1: true, batch: Some(2), seq: Some(32768), ..Default::default() };
+    let mut text = String::from("llama3-8b, dp=2,sp=4, B=2, S=32768, AdamW + ZeRO-1; bytes per rank\n");
+    let mut last: Option<(u64, u64)> = None;
+    for policy in [CheckpointPolicy::None, CheckpointPolicy::Selective, CheckpointPolicy::Full] {
+        let opts = TrainOptions { checkpoint: policy.clone(), ..base.clone() };
+        let j = compile(&g, "dp=2,sp=4", &opts);
+        let e = memory::estimate(&j, &memory::bindings(&j, &opts));
+        if let Some((saved, total)) = last {
+            assert!(e.saved_activations < saved && e.total <= total, "{policy}: {e:?}");
+        }
+        last = Some((e.saved_activations, e.total));
+        text.push_str(&format!(
+            "{:<10} saved {:>12}  params {:>12}  grads {:>12}  optimizer {:>12}  peak live {:>12}  total {:>12}\n",
+            policy.to_string(),
+            e.saved_activations,
+            e.params,
+            e.grads,
+            e.optimizer,
+            e.peak_live,
+            e.total
+        ));
+    }
+    snapshot("memory__llama3-8b__dp2-sp4", &text);
+}
