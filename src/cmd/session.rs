@@ -159,6 +159,15 @@ impl Session {
     pub fn run(&self, g: &Graph, grads: bool) -> CliResult<RunResult> {
         let (b, s) = self.input_sizes()?;
         let opts = RunOptions::new(self.precision).with_grads(grads).bind("B", b).bind("S", s);
+        // A training step with an optimizer: its first step, from fresh optimizer state.
+        let state = weft_passes::optimizer::initial_state(g, &self.weights).map_err(|m| CliError::input(format!("optimizer state: {m}")))?;
+        if !state.is_empty() || g.inputs().iter().any(|(n, _, _)| n == weft_passes::optimizer::STEP_INPUT) {
+            let mut weights = self.weights.clone();
+            weights.extend(state);
+            let mut inputs = self.inputs.clone();
+            inputs.insert(weft_passes::optimizer::STEP_INPUT.into(), HostTensor::floats(DType::F32, vec![], vec![1.0]));
+            return cpu::run(g, &weights, &inputs, &opts).map_err(|e| CliError::input(format!("running {} on the CPU reference: {e}", g.name)));
+        }
         cpu::run(g, &self.weights, &self.inputs, &opts).map_err(|e| CliError::input(format!("running {} on the CPU reference: {e}", g.name)))
     }
 }
