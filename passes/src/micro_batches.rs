@@ -122,7 +122,7 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
     let (num0, num_chain) = strip(num);
     let additive = match &g.node(g.def(num0)).op {
         Op::CrossEntropy { reduction: weft_ir::Reduction::Sum, .. } => true,
-        Op::Sum { dims, .. } => dims.iter().any(|&d| d == 0) || g.ty(g.node(g.def(num0)).operands[0]).rank() == dims.len(),
+        Op::Sum { dims, .. } => dims.contains(&0) || g.ty(g.node(g.def(num0)).operands[0]).rank() == dims.len(),
         _ => false,
     };
     if !additive || g.ty(num0).rank() != 0 {
