@@ -14,9 +14,10 @@
 //! the global mean over the valid tokens of the whole batch (and of the mean over ranks
 //! where the loss differs per rank), so the replicas' partial gradients add up to it.
 //!
-//! With `reduce_scatter` (ZeRO-2 style) a bucket is padded to a multiple of the `dp`
-//! size and `reduce_scatter`ed over `dp`, so each rank keeps the reduced shard the
-//! sharded optimizer updates; the `grad.*` outputs then `all_gather` it back.
+//! With `reduce_scatter` (ZeRO-2 style) a bucket is laid out rank-major and
+//! `reduce_scatter`ed over `dp`, so each rank keeps the reduced chunks of every member
+//! that the sharded optimizer updates (returned as `grad_shard.<param>` when a ZeRO
+//! optimizer follows); the `grad.*` outputs `all_gather` them back.
 
 use crate::autodiff::{GRAD_PREFIX, NAME as AUTODIFF};
 use crate::pass::{Pass, PassContext, PassError, PassResult, DP};
@@ -55,7 +56,8 @@ impl Pass for GradSync {
             res.count("bucket_bytes_max", 0);
             let m = res.counters.get_mut("bucket_bytes_max").unwrap();
             *m = (*m).max(b.bytes);
-            let n = emit_bucket(g, i, b, opts.reduce_scatter, &cx.mesh)?;
+            let shards_out = opts.reduce_scatter && opts.zero1 && opts.optimizer.is_some();
+            let n = emit_bucket(g, i, b, opts.reduce_scatter, shards_out, &cx.mesh)?;
             res.count("collectives", n);
             for s in &b.members {
                 dead.extend(s.chain.iter().copied());
@@ -160,73 +162,108 @@ fn numel(t: &TensorType) -> Dim {
     t.numel()
 }
 
+/// The prefix of the per-rank gradient shards a ZeRO step returns for the sharded
+/// optimizer (`optimizer` reads and removes them): `grad_shard.<param>`, this rank's
+/// `ceil(n/dp)` elements of the flattened, zero-padded gradient, split over `dp`.
+pub const SHARD_PREFIX: &str = "grad_shard.";
+
 /// Writes bucket `i` after its last gradient; returns the number of collectives.
-fn emit_bucket(g: &mut Graph, i: usize, b: &Bucket, reduce_scatter: bool, mesh: &weft_ir::Mesh) -> Result<u64, PassError> {
+///
+/// All-reduce buckets are the members' gradients flattened and concatenated. A ZeRO
+/// bucket is laid out rank-major: each member flattened, padded to `dp * chunk`
+/// (`chunk = ceil(n/dp)`), viewed `[dp, chunk]` and concatenated along the chunks, so
+/// that the `reduce_scatter` over dp leaves each rank exactly the chunks of every
+/// member that the sharded optimizer updates (its `1/dp` of each parameter).
+fn emit_bucket(g: &mut Graph, i: usize, b: &Bucket, reduce_scatter: bool, shards_out: bool, mesh: &weft_ir::Mesh) -> Result<u64, PassError> {
     let pos: std::collections::HashMap<Node, usize> = g.nodes().iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let last = b.members.iter().map(|s| g.def(s.local)).max_by_key(|n| pos[n]).expect("buckets are not empty");
     let names: Vec<&str> = b.members.iter().map(|s| &s.output[GRAD_PREFIX.len()..]).collect();
     let what = format!("bucket {i} ({} params, {} bytes per rank: {})", b.members.len(), b.bytes, summarize(&names));
     let at = std::cell::Cell::new(last);
-    let add = |g: &mut Graph, op: Op, xs: &[Value], reason: String| -> Result<Value, PassError> {
+    let add = |g: &mut Graph, op: Op, xs: &[Value], reason: String| -> Result<Vec<Value>, PassError> {
         let meta = NodeMeta { source: None, provenance: Some(Provenance { pass: NAME.into(), reason }), ..Default::default() };
-        let v = g.insert_with(At::After(at.get()), op, xs, meta).map_err(|e| build_error(NAME, e))?[0];
-        at.set(g.def(v));
+        let v = g.insert_with(At::After(at.get()), op, xs, meta).map_err(|e| build_error(NAME, e))?;
+        at.set(g.def(v[0]));
         Ok(v)
     };
-    // Flatten and concatenate.
+    let add1 = |g: &mut Graph, op: Op, xs: &[Value], reason: String| -> Result<Value, PassError> { Ok(add(g, op, xs, reason)?[0]) };
     let sizes: Vec<Dim> = b.members.iter().map(|s| numel(g.ty(s.local))).collect();
-    let total = sizes.iter().fold(Dim::zero(), |a, d| a + d.clone());
-    let mut flats = Vec::new();
-    for (s, n) in b.members.iter().zip(&sizes) {
-        let t = g.ty(s.local).clone();
-        flats.push(if t.shape.len() == 1 { s.local } else { add(g, Op::Reshape { shape: vec![n.clone()] }, &[s.local], format!("{what}: flatten"))? });
-    }
-    let mut flat = if flats.len() == 1 { flats[0] } else { add(g, Op::Concat { dim: 0 }, &flats, format!("{what}: coalesce"))? };
-    let mut collectives = 0;
     let dp_size = mesh.size(DP).unwrap_or(1) as i64;
-    let scatter = reduce_scatter && b.axes.iter().any(|a| a == DP) && dp_size > 1;
-    let mut padded = total.clone();
-    if scatter {
-        // Pad to a multiple of dp, then each rank keeps its reduced shard.
-        if let Some(t) = total.as_const() {
-            let pad = (dp_size - t % dp_size) % dp_size;
-            if pad > 0 {
-                let z = add(g, Op::Full { value: Float(0.0), ty: TensorType::new(b.dtype, vec![Dim::from(pad)]) }, &[], format!("{what}: padding to a multiple of dp={dp_size}"))?;
-                flat = add(g, Op::Concat { dim: 0 }, &[flat, z], format!("{what}: pad"))?;
-                padded = Dim::from(t + pad);
-            }
-        } else {
-            return Err(PassError::rewrite(NAME, "`grad-sync` cannot shard a bucket", what, format!("its size `{total}` is not a constant")));
+    let scatter = reduce_scatter && b.axes.iter().any(|a| a == DP) && dp_size > 1 && sizes.iter().all(|d| d.is_const());
+    let mut collectives = 0;
+    let reduce_others = |g: &mut Graph, mut flat: Value, collectives: &mut u64| -> Result<Value, PassError> {
+        // Axes other than a scattered dp: all_reduce (sum), innermost axis first.
+        let mut axes: Vec<&String> = b.axes.iter().filter(|a| !(scatter && a.as_str() == DP)).collect();
+        axes.sort_by_key(|a| std::cmp::Reverse(mesh.axes.iter().position(|(x, _)| x == *a)));
+        for axis in axes {
+            let reason = format!("{what}: all_reduce over {axis}, sum (the loss is the global mean over valid tokens), {} bytes", b.bytes);
+            flat = add1(g, Op::AllReduce { axis: axis.clone(), op: ReduceOp::Sum }, &[flat], reason)?;
+            *collectives += 1;
         }
-        let reason = format!("{what}: ZeRO reduce_scatter over dp, sum (the loss is the global mean over valid tokens), {} bytes", b.bytes);
-        flat = add(g, Op::ReduceScatter { axis: DP.into(), dim: 0, op: ReduceOp::Sum }, &[flat], reason)?;
-        collectives += 1;
-    }
-    // Other axes: all_reduce (sum), innermost axis first.
-    let mut axes: Vec<&String> = b.axes.iter().filter(|a| !(scatter && a.as_str() == DP)).collect();
-    axes.sort_by_key(|a| std::cmp::Reverse(mesh.axes.iter().position(|(x, _)| x == *a)));
-    for axis in axes {
-        let reason = format!("{what}: all_reduce over {axis}, sum (the loss is the global mean over valid tokens), {} bytes", b.bytes);
-        flat = add(g, Op::AllReduce { axis: axis.clone(), op: ReduceOp::Sum }, &[flat], reason)?;
-        collectives += 1;
-    }
-    if scatter {
-        flat = add(g, Op::AllGather { axis: DP.into(), dim: 0 }, &[flat], format!("{what}: the whole gradient for the grad outputs (a sharded optimizer reads the shard)"))?;
-        if padded != total {
-            flat = add(g, Op::Slice { dim: 0, start: Dim::zero(), len: total.clone() }, &[flat], format!("{what}: drop the padding"))?;
-        }
-    }
-    let parts = if b.members.len() == 1 {
-        vec![flat]
-    } else {
-        let meta = NodeMeta { source: None, provenance: Some(Provenance { pass: NAME.into(), reason: format!("{what}: back to parameters") }), ..Default::default() };
-        let r = g.insert_with(At::After(at.get()), Op::Split { dim: 0, sizes }, &[flat], meta).map_err(|e| build_error(NAME, e))?;
-        at.set(g.def(r[0]));
-        r
+        Ok(flat)
     };
-    for (s, p) in b.members.iter().zip(parts) {
+    if !scatter {
+        let mut flats = Vec::new();
+        for (s, n) in b.members.iter().zip(&sizes) {
+            let t = g.ty(s.local).clone();
+            flats.push(if t.shape.len() == 1 { s.local } else { add1(g, Op::Reshape { shape: vec![n.clone()] }, &[s.local], format!("{what}: flatten"))? });
+        }
+        let flat = if flats.len() == 1 { flats[0] } else { add1(g, Op::Concat { dim: 0 }, &flats, format!("{what}: coalesce"))? };
+        let flat = reduce_others(g, flat, &mut collectives)?;
+        let parts = if b.members.len() == 1 { vec![flat] } else { add(g, Op::Split { dim: 0, sizes }, &[flat], format!("{what}: back to parameters"))? };
+        for (s, p) in b.members.iter().zip(parts) {
+            let t = g.ty(s.local).clone();
+            let v = if g.ty(p).shape == t.shape { p } else { add1(g, Op::Reshape { shape: t.shape.clone() }, &[p], format!("{what}: {}", &s.output[GRAD_PREFIX.len()..]))? };
+            g.set_output(&s.output, v);
+        }
+        return Ok(collectives);
+    }
+    // ZeRO: rank-major [dp, sum of chunks], reduce_scatter over dp.
+    let dpd = Dim::from(dp_size);
+    let mut chunks = Vec::new();
+    let mut rows = Vec::new();
+    for (s, n) in b.members.iter().zip(&sizes) {
+        let n = n.as_const().expect("checked constant");
+        let chunk = (n + dp_size - 1) / dp_size;
+        chunks.push(Dim::from(chunk));
+        let mut v = s.local;
+        if g.ty(v).rank() != 1 {
+            v = add1(g, Op::Reshape { shape: vec![Dim::from(n)] }, &[v], format!("{what}: flatten"))?;
+        }
+        if chunk * dp_size != n {
+            let z = add1(g, Op::Full { value: Float(0.0), ty: TensorType::new(b.dtype, vec![Dim::from(chunk * dp_size - n)]) }, &[], format!("{what}: padding to a multiple of dp={dp_size}"))?;
+            v = add1(g, Op::Concat { dim: 0 }, &[v, z], format!("{what}: pad"))?;
+        }
+        rows.push(add1(g, Op::Reshape { shape: vec![dpd.clone(), Dim::from(chunk)] }, &[v], format!("{what}: one chunk per dp rank"))?);
+    }
+    let total: i64 = chunks.iter().map(|c| c.as_const().unwrap()).sum();
+    let mut flat = if rows.len() == 1 { rows[0] } else { add1(g, Op::Concat { dim: 1 }, &rows, format!("{what}: coalesce, rank-major"))? };
+    let reason = format!("{what}: ZeRO reduce_scatter over dp, sum (the loss is the global mean over valid tokens), {} bytes", b.bytes);
+    flat = add1(g, Op::ReduceScatter { axis: DP.into(), dim: 0, op: ReduceOp::Sum }, &[flat], reason)?;
+    collectives += 1;
+    // [dp_size/dp, total]: the one row this rank keeps (the slice gives its size as a constant).
+    flat = add1(g, Op::Slice { dim: 0, start: Dim::zero(), len: Dim::from(1) }, &[flat], format!("{what}: this rank's row"))?;
+    let mut shard = add1(g, Op::Reshape { shape: vec![Dim::from(total)] }, &[flat], format!("{what}: this rank's shard"))?;
+    shard = reduce_others(g, shard, &mut collectives)?;
+    if shards_out {
+        let parts = if b.members.len() == 1 { vec![shard] } else { add(g, Op::Split { dim: 0, sizes: chunks.clone() }, &[shard], format!("{what}: each parameter's chunk"))? };
+        for (s, p) in b.members.iter().zip(parts) {
+            let out = format!("{SHARD_PREFIX}{}", &s.output[GRAD_PREFIX.len()..]);
+            g.set_output(&out, p);
+            g.add_output_split(&out, 0, DP);
+        }
+    }
+    // The whole gradients for the grad outputs.
+    let whole = add1(g, Op::Reshape { shape: vec![Dim::from(1), Dim::from(total)] }, &[shard], format!("{what}: gather the shards"))?;
+    let whole = add1(g, Op::AllGather { axis: DP.into(), dim: 0 }, &[whole], format!("{what}: the whole gradient for the grad outputs (the sharded optimizer reads the shard)"))?;
+    let parts = if b.members.len() == 1 { vec![whole] } else { add(g, Op::Split { dim: 1, sizes: chunks.clone() }, &[whole], format!("{what}: back to parameters"))? };
+    for ((s, p), c) in b.members.iter().zip(parts).zip(&chunks) {
         let t = g.ty(s.local).clone();
-        let v = if g.ty(p).shape == t.shape { p } else { add(g, Op::Reshape { shape: t.shape.clone() }, &[p], format!("{what}: {}", &s.output[GRAD_PREFIX.len()..]))? };
+        let n = numel(&t);
+        let name = &s.output[GRAD_PREFIX.len()..];
+        let flat = add1(g, Op::Reshape { shape: vec![Dim::sym(DP) * c.clone()] }, &[p], format!("{what}: {name}"))?;
+        let flat = add1(g, Op::Slice { dim: 0, start: Dim::zero(), len: n }, &[flat], format!("{what}: {name} without padding"))?;
+        let v = if t.rank() == 1 { flat } else { add1(g, Op::Reshape { shape: t.shape.clone() }, &[flat], format!("{what}: {name}"))? };
         g.set_output(&s.output, v);
     }
     Ok(collectives)

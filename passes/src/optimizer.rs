@@ -13,7 +13,8 @@
 //! `dp`. Each rank flattens the parameter and its gradient, pads them to a multiple of
 //! `dp`, updates its `1/dp` chunk (`slice` at `@dp`) and the chunks are `all_gather`ed
 //! back into the parameter; the state is partitioned (`zero dp dim=0`) and returned per
-//! rank, split over `dp`.
+//! rank, split over `dp`. After `grad-sync`'s ZeRO-2 `reduce_scatter` the chunk of the
+//! gradient is the `grad_shard.<name>` it returns (no gather, no slice).
 
 use crate::autodiff::GRAD_PREFIX;
 use crate::pass::{Pass, PassContext, PassError, PassResult, DP};
@@ -160,13 +161,20 @@ impl Writer<'_> {
             Some(m) => m,
             None => chunk_of(self, p, "weights")?,
         };
+        // Under ZeRO-2, grad-sync left this rank's chunk of the reduced gradient.
+        let shard_out = format!("{}{name}", crate::grad_sync::SHARD_PREFIX);
+        let (grad, chunked) = match (shard_len, self.g.output(&shard_out)) {
+            (Some((_, chunk)), Some(v)) if self.g.ty(v).shape == [Dim::from(chunk)] => (v, true),
+            _ => (grad, false),
+        };
+        self.g.remove_output(&shard_out);
         let g = if self.g.ty(grad).dtype == fdt {
             grad
         } else {
             self.why(format!("the gradient of `{name}` in {fdt}"));
             self.op(Op::Cast { dtype: fdt }, &[grad])?
         };
-        let g = chunk_of(self, g, "gradient")?;
+        let g = if chunked { g } else { chunk_of(self, g, "gradient")? };
         let new32 = match *opt {
             Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
                 self.why(format!("first moment of `{name}`"));
