@@ -196,7 +196,7 @@ fn emit_bucket(g: &mut Graph, i: usize, b: &Bucket, reduce_scatter: bool, shards
         let mut axes: Vec<&String> = b.axes.iter().filter(|a| !(scatter && a.as_str() == DP)).collect();
         axes.sort_by_key(|a| std::cmp::Reverse(mesh.axes.iter().position(|(x, _)| x == *a)));
         for axis in axes {
-            let reason = format!("{what}: all_reduce over {axis}, sum (the loss is the global mean over valid tokens), {} bytes", b.bytes);
+            let reason = format!("{what}: all_reduce over {axis}, sum (the loss is the global mean over valid tokens), {} bytes", value_bytes(g, flat));
             flat = add1(g, Op::AllReduce { axis: axis.clone(), op: ReduceOp::Sum }, &[flat], reason)?;
             *collectives += 1;
         }
