@@ -62,8 +62,8 @@ fn run_lowers_the_loss_on_a_fixed_batch() {
             "run", "tests/fixtures/llama", "--inputs", "tests/fixtures/llama/inputs.safetensors", "--mesh", mesh, "--backend", "cpu", "--steps", "5", "--lr", "0.01", "--json",
         ]);
         assert_eq!(code, 0, "{mesh}: {err}");
-        let v = json(&out);
-        let losses: Vec<f64> = v["steps"].as_array().unwrap().iter().map(|s| s["loss"].as_f64().unwrap()).collect();
+        // One JSON object per step.
+        let losses: Vec<f64> = out.lines().map(|l| json(l)["loss"].as_f64().unwrap()).collect();
         assert_eq!(losses.len(), 5);
         assert!(losses.windows(2).all(|w| w[1] < w[0]), "{mesh}: {losses:?}");
     }

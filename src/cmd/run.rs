@@ -394,10 +394,11 @@ fn run_cpu(a: &Args) -> CliResult {
         let loss = r.outputs.get("loss").map(|t| t.to_f64()[0]).unwrap_or(f64::NAN);
         let rep = StepReport { step, loss, step_s: dt, tokens_per_s: tokens / dt, mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12), reference_loss: None };
         print_step(a, &rep);
+        if a.json {
+            // One JSON object per step (JSON lines), each with its `loss`.
+            println!("{}", serde_json::to_string(&rep).expect("step reports serialize"));
+        }
         reports.push(rep);
-    }
-    if a.json {
-        print!("{}", super::json(&serde_json::json!({ "backend": "cpu", "model": p.plan.model, "steps": reports })));
     }
     Ok(())
 }
