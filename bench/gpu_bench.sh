@@ -22,7 +22,7 @@ if has checks; then
   summary+=("attention checks: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests_attn.txt" || echo 'did not finish')")
   WEFT_GPU_BENCH=1 WEFT_GPU_ONLY=model timeout 200 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests_models.txt" 2>&1
   summary+=("model checks: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests_models.txt" || echo 'did not finish')")
-  WEFT_FA_WARPS=8 WEFT_GPU_BENCH=1 WEFT_GPU_ONLY=attention timeout 200 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests_attn_w8.txt" 2>&1
+  [ -n "${SKIP_W8:-}" ] || WEFT_FA_WARPS=8 WEFT_GPU_BENCH=1 WEFT_GPU_ONLY=attention timeout 200 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests_attn_w8.txt" 2>&1
   summary+=("attention checks, 8-warp forward: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests_attn_w8.txt" || echo 'did not finish')")
   cat "$OUT"/gpu_tests_*.txt > "$OUT/gpu_tests.txt"
   grep -E "FAIL|error|panicked" "$OUT/gpu_tests.txt" | cut -c1-300 | head -40
@@ -38,13 +38,14 @@ if has train; then
   done
 fi
 if has bench; then
-  for variant in "" "--torch-adamw"; do
-    tag=$(echo "x$variant" | tr -d ' -')
-    WEFT_PROFILE=1 timeout 200 $W run llama3.2-1b --backend cuda --steps $STEPS --seq $SEQ --batch 1 --json $variant > "$OUT/weft_1b_$tag.json" 2> "$OUT/weft_1b_$tag.err"
+  for variant in ${VARIANTS:-pass torch fa8}; do
+    tag=$variant; args=""; envs="WEFT_PROFILE=1"
+    case $variant in torch) args="--torch-adamw";; fa8) envs="WEFT_FA_WARPS=8";; esac
+    env $envs timeout 200 $W run llama3.2-1b --backend cuda --steps $STEPS --seq $SEQ --batch 1 --json $args > "$OUT/weft_1b_$tag.json" 2> "$OUT/weft_1b_$tag.err"
     rc=$?
-    head -30 "$OUT/weft_1b_$tag.err"
-    wtok=$($PY -c "import json;d=json.load(open('$OUT/weft_1b_$tag.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['mean_step_s']*1e3,1),'ms, mem planned', round(d['memory']['planned_peak_bytes']/2**30,2),'GiB measured', round(d['memory']['measured_peak_bytes']/2**30,2),'GiB, kernels', round(d['load']['kernel_compile_s'],1),'s, load', round(d['load_s'],1),'s, compile', round(d['compile_s'],1), 's')" 2>/dev/null || echo "failed rc $rc")
-    summary+=("weft 1.24B seq $SEQ ${variant:-(optimizer pass: f32 master + moments)}: $wtok")
+    [ "$variant" = pass ] && head -32 "$OUT/weft_1b_$tag.err"
+    wtok=$($PY -c "import json;d=json.load(open('$OUT/weft_1b_$tag.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['mean_step_s']*1e3,1),'ms, mem planned', round(d['memory']['planned_peak_bytes']/2**30,2),'GiB measured', round(d['memory']['measured_peak_bytes']/2**30,2),'GiB, kernels', round(d['load']['kernel_compile_s'],1),'s, load', round(d['load_s'],1),'s, compile', round(d['compile_s'],1), 's')" 2>/dev/null || echo "failed rc $rc: $(tail -2 $OUT/weft_1b_$tag.err)")
+    summary+=("weft 1.24B seq $SEQ [$variant]: $wtok")
   done
 fi
 if has torch; then
