@@ -54,6 +54,7 @@ mod host;
 mod kernels;
 mod partition;
 mod rank;
+mod sgemm;
 
 #[cfg(test)]
 mod tests;

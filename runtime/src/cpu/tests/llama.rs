@@ -377,21 +377,33 @@ fn speed_llama_512() {
     }
 }
 
-/// Matmul throughput of the gemm crate (through candle) at the speed check's shapes.
+/// Matmul throughput at the speed check's shapes: the gemm crate (through candle) and
+/// [`crate::cpu::sgemm`], the latter also with `b` transposed (as the linear forward reads
+/// `w [N, K]`) and on one thread.
 #[test]
 #[ignore]
 fn speed_gemm() {
     use candle_core::{Device, Tensor};
-    for (m, k, n) in [(512usize, 512usize, 512usize), (512, 512, 1376), (512, 512, 32000)] {
-        let a = Tensor::ones((m, k), candle_core::DType::F32, &Device::Cpu).unwrap();
-        let b = Tensor::ones((k, n), candle_core::DType::F32, &Device::Cpu).unwrap();
-        let _ = a.matmul(&b).unwrap();
+    let time = |f: &mut dyn FnMut()| {
+        f();
         let t = std::time::Instant::now();
         let reps = 5;
         for _ in 0..reps {
-            let _ = a.matmul(&b).unwrap();
+            f();
         }
-        let s = t.elapsed().as_secs_f64() / reps as f64;
-        eprintln!("gemm {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s", s, 2.0 * (m * k * n) as f64 / s / 1e9);
+        t.elapsed().as_secs_f64() / reps as f64
+    };
+    for (m, k, n) in [(512usize, 512usize, 512usize), (512, 512, 1376), (512, 512, 32000)] {
+        let gf = |s: f64| 2.0 * (m * k * n) as f64 / s / 1e9;
+        let a = Tensor::ones((m, k), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let b = Tensor::ones((k, n), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let s = time(&mut || drop(a.matmul(&b).unwrap()));
+        eprintln!("gemm crate {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s", s, gf(s));
+        let (av, bv) = (vec![1f32; m * k], vec![1f32; k * n]);
+        let mut c = vec![0f32; m * n];
+        for (what, bs, par) in [("", (n, 1), true), (" b^T", (1, k), true), (" 1 thread", (n, 1), false)] {
+            let s = time(&mut || crate::cpu::sgemm::sgemm((m, n, k), 1.0, &av, (k, 1), &bv, bs, 0.0, &mut c, (n, 1), par));
+            eprintln!("sgemm{what} {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s (avx512: {})", s, gf(s), crate::cpu::sgemm::avx512());
+        }
     }
 }
