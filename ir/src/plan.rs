@@ -14,7 +14,8 @@ use crate::partition::Partition;
 use std::collections::BTreeMap;
 
 /// The plan format version; loading a plan of another version is an error.
-pub const PLAN_VERSION: u32 = 1;
+/// 2: buffers may be views of another buffer's bytes (`Buffer::alias_of`).
+pub const PLAN_VERSION: u32 = 2;
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ExecutionPlan {
@@ -99,12 +100,20 @@ pub struct Buffer {
     pub per_rank_bytes: Option<Vec<u64>>,
     pub category: Category,
     /// Offset in the device arena, or in the resident region for params, grads and
-    /// optimizer state (see `resident`).
+    /// optimizer state (see `resident`). A view has its root's offset.
     pub offset: u64,
     /// Params, grads and optimizer state live for the whole step in their own region.
+    /// A view has its root's flag (a view of a param lives in the resident region).
     pub resident: bool,
     /// First and last instruction (indices into `instructions`) that touch the buffer.
+    /// A root's range covers those of its views (its bytes are held while any is live).
     pub live: (u32, u32),
+    /// A view of that buffer's bytes; no storage of its own. Set for the output of a
+    /// `reshape` (every value is contiguous, so a reshape moves no bytes): the buffer
+    /// named is the root of the group (it has storage), the view has the same size,
+    /// offset and `resident` flag, and the reshape instruction runs nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alias_of: Option<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -225,6 +234,7 @@ impl ExecutionPlan {
     /// streams may run in: in-order streams plus the events instructions wait for
     /// (vector clocks recomputed here, independently of the planner).
     pub fn check_reuse_is_ordered(&self) -> Result<(), String> {
+        let root = self.storage_roots()?;
         let ns = self.streams.len().max(1);
         let n = self.instructions.len();
         let mut clock: Vec<Vec<i64>> = Vec::with_capacity(n);
@@ -258,16 +268,17 @@ impl ExecutionPlan {
         }
         let mut touch: Vec<Vec<i64>> = vec![vec![-1; ns]; self.buffers.len()];
         let mut producer: Vec<Option<usize>> = vec![None; self.buffers.len()];
+        // A view's touches and producer are its root's: they share bytes.
         for ins in &self.instructions {
             for &b in ins.inputs.iter().chain(&ins.outputs) {
-                let t = &mut touch[b as usize][ins.stream as usize];
+                let t = &mut touch[root[b as usize] as usize][ins.stream as usize];
                 *t = (*t).max(ins.id as i64);
             }
             for &b in &ins.outputs {
-                producer[b as usize].get_or_insert(ins.id as usize);
+                producer[root[b as usize] as usize].get_or_insert(ins.id as usize);
             }
         }
-        let mut arena: Vec<&Buffer> = self.buffers.iter().filter(|b| !b.resident && b.category != Category::Host && b.bytes > 0).collect();
+        let mut arena: Vec<&Buffer> = self.buffers.iter().filter(|b| b.alias_of.is_none() && !b.resident && b.category != Category::Host && b.bytes > 0).collect();
         arena.sort_by_key(|b| (b.offset, b.id));
         for (k, a) in arena.iter().enumerate() {
             for b in &arena[k + 1..] {
@@ -308,8 +319,57 @@ impl ExecutionPlan {
         Ok(plan)
     }
 
-    /// Checks ids, stream references, event pairing, buffer liveness and that no two
-    /// arena buffers that are live at once overlap.
+    /// The buffer holding each buffer's bytes: itself, or for a view (`alias_of`) the
+    /// end of its alias chain. Refuses views of missing buffers, chains that never end
+    /// at a buffer with storage, and views whose size, offset, region or memory kind
+    /// differ from their root's.
+    pub fn storage_roots(&self) -> Result<Vec<u32>, String> {
+        let n = self.buffers.len();
+        let mut root = Vec::with_capacity(n);
+        for (i, b) in self.buffers.iter().enumerate() {
+            let mut r = i;
+            let mut chain = vec![i];
+            while let Some(a) = self.buffers[r].alias_of {
+                if a as usize >= n {
+                    return Err(format!("buffer {r} is a view of buffer {a}, which the plan lacks (it has {n} buffers)"));
+                }
+                r = a as usize;
+                chain.push(r);
+                if chain.len() > n {
+                    let shown: Vec<String> = chain.iter().take(8).map(|c| format!("b{c}")).collect();
+                    return Err(format!(
+                        "buffer {i} is a view whose alias chain ({}{}) never reaches a buffer with storage of its own",
+                        shown.join(" -> "),
+                        if chain.len() > 8 { " -> ..." } else { "" }
+                    ));
+                }
+            }
+            if r != i {
+                let rb = &self.buffers[r];
+                if b.bytes != rb.bytes || b.per_rank_bytes != rb.per_rank_bytes {
+                    return Err(format!("buffer {i} is a view of buffer {r} but has {} bytes where its root has {} (a view has its root's size on every rank)", b.bytes, rb.bytes));
+                }
+                if b.category == Category::Host || rb.category == Category::Host {
+                    return Err(format!("buffer {i} is a view of buffer {r} in host memory: only device buffers have views"));
+                }
+                if b.offset != rb.offset || b.resident != rb.resident {
+                    return Err(format!(
+                        "buffer {i} is a view of buffer {r} but is placed at offset {} ({}) where its root is at {} ({})",
+                        b.offset,
+                        if b.resident { "resident" } else { "arena" },
+                        rb.offset,
+                        if rb.resident { "resident" } else { "arena" }
+                    ));
+                }
+            }
+            root.push(r as u32);
+        }
+        Ok(root)
+    }
+
+    /// Checks ids, stream references, event pairing, buffer liveness, views, and that no
+    /// two arena buffers that are live at once overlap (a root and its views share
+    /// bytes, and hold them over the union of their live ranges).
     pub fn check(&self) -> Result<(), String> {
         for (i, s) in self.streams.iter().enumerate() {
             if s.id as usize != i {
@@ -352,16 +412,38 @@ impl ExecutionPlan {
                 }
             }
         }
+        let root = self.storage_roots()?;
+        // Views are made by a reshape of the same bytes and written by nothing else.
+        for ins in &self.instructions {
+            for &o in &ins.outputs {
+                let r = root[o as usize];
+                if r != o && !(ins.op == "reshape" && ins.inputs.len() == 1 && root[ins.inputs[0] as usize] == r) {
+                    return Err(format!(
+                        "buffer {o} is a view of buffer {r} but instruction {} ({}) writes it: only a reshape of the same bytes may produce a view",
+                        ins.id, ins.op
+                    ));
+                }
+            }
+        }
         self.check_reuse_is_ordered()?;
+        // A root holds its bytes while it or any of its views is live.
+        let mut held: Vec<(u32, u32)> = self.buffers.iter().map(|b| b.live).collect();
+        for (i, b) in self.buffers.iter().enumerate() {
+            let r = root[i] as usize;
+            if r != i {
+                held[r] = (held[r].0.min(b.live.0), held[r].1.max(b.live.1));
+            }
+        }
         // Arena buffers live at the same time must not overlap.
-        let mut arena: Vec<&Buffer> = self.buffers.iter().filter(|b| !b.resident && b.category != Category::Host).collect();
+        let mut arena: Vec<&Buffer> = self.buffers.iter().filter(|b| b.alias_of.is_none() && !b.resident && b.category != Category::Host).collect();
         arena.sort_by_key(|b| (b.offset, b.id));
         for (k, a) in arena.iter().enumerate() {
             for b in &arena[k + 1..] {
                 if b.offset >= a.offset + a.bytes {
                     break;
                 }
-                let overlap_time = a.live.0 <= b.live.1 && b.live.0 <= a.live.1;
+                let (la, lb) = (held[a.id as usize], held[b.id as usize]);
+                let overlap_time = la.0 <= lb.1 && lb.0 <= la.1;
                 if overlap_time && a.bytes > 0 && b.bytes > 0 {
                     return Err(format!("buffers {} and {} overlap in the arena while both are live", a.id, b.id));
                 }

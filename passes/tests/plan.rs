@@ -3,7 +3,7 @@
 
 use weft_ir::plan::ExecutionPlan;
 use weft_ir::Mesh;
-use weft_passes::plan::{lower, LowerError, PlanOptions};
+use weft_passes::plan::{lower, lower_with_views, LowerError, PlanOptions};
 use weft_passes::{default_pipeline, run_pipeline, PassContext};
 
 fn compiled(preset: &str, mesh: &str) -> weft_ir::Graph {
@@ -67,7 +67,7 @@ fn plan_refuses_what_does_not_fit_and_says_what_would() {
 #[test]
 fn plans_of_other_versions_are_refused() {
     let g = compiled("llama-tiny", "sp=2");
-    let text = lower(&g, &PlanOptions::new(2, 32)).unwrap().to_json().replacen("\"version\": 1", "\"version\": 99", 1);
+    let text = lower(&g, &PlanOptions::new(2, 32)).unwrap().to_json().replacen(&format!("\"version\": {}", weft_ir::PLAN_VERSION), "\"version\": 99", 1);
     let e = ExecutionPlan::from_json(&text, "old.json").unwrap_err().to_string();
     assert!(e.contains("version 99") && e.contains("recompile"), "{e}");
 }
@@ -90,4 +90,84 @@ fn a_plan_whose_buffers_collide_is_refused() {
     assert!(e.contains("reuses bytes of buffer") || e.contains("overlap"), "{e}");
     let e = ExecutionPlan::from_json(&plan.to_json(), "bad.json").unwrap_err().to_string();
     assert!(e.starts_with("inconsistent plan bad.json"), "{e}");
+}
+
+#[test]
+fn reshapes_are_views_of_their_input_bytes() {
+    let g = compiled("llama-tiny", "dp=2,sp=2");
+    let opts = PlanOptions::new(4, 64);
+    let plan = lower(&g, &opts).unwrap();
+    let copies = lower_with_views(&g, &opts, false).unwrap();
+    plan.check().unwrap();
+    copies.check().unwrap();
+    assert!(copies.buffers.iter().all(|b| b.alias_of.is_none()));
+    let views: Vec<&weft_ir::plan::Buffer> = plan.buffers.iter().filter(|b| b.alias_of.is_some()).collect();
+    assert!(!views.is_empty(), "llama-tiny has reshapes that move no bytes");
+    for v in &views {
+        let r = &plan.buffers[v.alias_of.unwrap() as usize];
+        assert!(r.alias_of.is_none(), "views name their root");
+        assert_eq!((v.offset, v.resident, v.bytes), (r.offset, r.resident, r.bytes));
+        assert!(r.live.0 <= v.live.0 && v.live.1 <= r.live.1, "the root holds its bytes while buffer {} is live", v.id);
+        let made_by: Vec<&str> = plan.instructions.iter().filter(|i| i.outputs.contains(&v.id)).map(|i| i.op.as_str()).collect();
+        assert_eq!(made_by, ["reshape"]);
+    }
+    assert!(plan.memory.arena_bytes < copies.memory.arena_bytes, "{} vs {}", plan.memory.arena_bytes, copies.memory.arena_bytes);
+    assert!(plan.memory.peak_bytes < copies.memory.peak_bytes);
+    // A group's bytes are counted once: the breakdown at the peak fits in the arena.
+    let live: u64 = ["activations", "comm_buffers"].iter().map(|k| plan.memory.breakdown[*k]).sum();
+    assert!(live <= plan.memory.arena_bytes, "{:?}", plan.memory);
+    assert!(ExecutionPlan::from_json(&plan.to_json(), "plan.json").unwrap() == plan);
+}
+
+#[test]
+fn malformed_views_are_refused() {
+    let g = compiled("llama-tiny", "dp=2,sp=2");
+    let plan = lower(&g, &PlanOptions::new(4, 64)).unwrap();
+    let v = plan.buffers.iter().find(|b| b.alias_of.is_some() && !b.resident).unwrap().id as usize;
+    let r = plan.buffers[v].alias_of.unwrap() as usize;
+    let refused = |edit: &dyn Fn(&mut ExecutionPlan), want: &str| {
+        let mut p = plan.clone();
+        edit(&mut p);
+        let e = p.check().unwrap_err();
+        assert!(e.contains(want), "wanted `{want}` in: {e}");
+        let e = ExecutionPlan::from_json(&p.to_json(), "bad.json").unwrap_err().to_string();
+        assert!(e.starts_with("inconsistent plan bad.json") && e.contains(want), "{e}");
+    };
+    refused(&|p| p.buffers[v].alias_of = Some(1 << 20), "which the plan lacks");
+    refused(&|p| p.buffers[r].alias_of = Some(v as u32), "never reaches a buffer with storage");
+    refused(&|p| p.buffers[v].bytes += 256, "bytes where its root has");
+    refused(&|p| p.buffers[v].offset += 256, "placed at offset");
+    // Only a reshape of the same bytes may produce a view.
+    let other = plan
+        .instructions
+        .iter()
+        .find(|i| i.op != "reshape" && i.stream == 0 && i.outputs.len() == 1 && !plan.buffers[i.outputs[0] as usize].resident && i.outputs[0] as usize != r)
+        .unwrap()
+        .outputs[0] as usize;
+    refused(
+        &|p| {
+            let root = p.buffers[r].clone();
+            let b = &mut p.buffers[other];
+            (b.alias_of, b.offset, b.resident, b.bytes, b.per_rank_bytes) = (Some(r as u32), root.offset, root.resident, root.bytes, root.per_rank_bytes);
+        },
+        "only a reshape of the same bytes may produce a view",
+    );
+    // A root holds its bytes over the union of its group's live ranges: a buffer put on
+    // them after the root's own last use but while a view of it is live collides.
+    let own_last = |b: usize| plan.instructions.iter().filter(|i| i.inputs.contains(&(b as u32)) || i.outputs.contains(&(b as u32))).map(|i| i.id).max().unwrap();
+    let (root, clash) = plan
+        .buffers
+        .iter()
+        .filter(|v| v.alias_of.is_some() && !v.resident)
+        .find_map(|v| {
+            let r = v.alias_of.unwrap() as usize;
+            let c = plan.buffers.iter().find(|c| c.alias_of.is_none() && !c.resident && c.bytes > 0 && c.id as usize != r && c.live.0 > own_last(r) && c.live.0 <= v.live.1)?;
+            Some((r, c.id as usize))
+        })
+        .expect("a view outlives its root's own uses");
+    let mut p = plan.clone();
+    p.buffers[clash].offset = p.buffers[root].offset;
+    p.buffers[root].live.1 = own_last(root); // the checker works out the union itself
+    let e = p.check().unwrap_err();
+    assert!(e.contains(&format!("buffer {root}")) && (e.contains("reuses bytes of buffer") || e.contains("overlap")), "{e}");
 }

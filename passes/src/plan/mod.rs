@@ -9,6 +9,11 @@
 //!   everything else lives in one arena, placed first-fit, where a buffer may reuse the
 //!   bytes of another only once that one's last use is ordered before it on the new
 //!   buffer's stream (same stream, or an event the stream waits for).
+//! - Views: every value is contiguous, so a `reshape` moves no bytes. Its output is a
+//!   view of its input's root buffer (`Buffer::alias_of`, as XLA's buffer assignment
+//!   shares a bitcast's buffer): no storage of its own, the root's offset, and the
+//!   root holds its bytes over the union of the group's live ranges. Only roots are
+//!   placed and counted.
 //! - Costs: [`cost`]'s roofline and alpha-beta models give each instruction a duration;
 //!   simulating the streams gives start times, step time and exposed communication.
 
@@ -127,6 +132,12 @@ fn stream_of(op: &Op) -> u32 {
 
 /// Lowers `g` (a verified program) to a plan.
 pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError> {
+    lower_with_views(g, opts, true)
+}
+
+/// [`lower`], choosing whether reshapes become views of their input's bytes; without
+/// views every value has bytes of its own (for comparison and debugging).
+pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<ExecutionPlan, LowerError> {
     let mut b = opts.bindings.clone();
     for (a, n) in &g.mesh.axes {
         b = b.with(a, *n as i64);
@@ -171,6 +182,7 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
                 offset: 0,
                 resident,
                 live: (0, 0),
+                alias_of: None,
             });
         }
     }
@@ -267,6 +279,24 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
     }
     let last = instructions.len().saturating_sub(1) as u32;
 
+    // Views: a reshape on the compute stream whose output has its input's bytes on
+    // every rank, both on the device, and whose output is not itself resident (a
+    // resident output keeps its own bytes in the resident region) shares its input's
+    // root buffer. `root[b]` is the buffer holding b's bytes.
+    let mut root: Vec<usize> = (0..buffers.len()).collect();
+    for ins in &instructions {
+        if !views || ins.op != "reshape" || ins.stream != 0 || ins.inputs.len() != 1 || ins.outputs.len() != 1 {
+            continue;
+        }
+        let (r, o) = (root[ins.inputs[0] as usize], ins.outputs[0] as usize);
+        let (rb, ob) = (&buffers[r], &buffers[o]);
+        if r == o || ob.resident || rb.category == Category::Host || ob.category == Category::Host || rb.bytes != ob.bytes || rb.per_rank_bytes != ob.per_rank_bytes {
+            continue;
+        }
+        root[o] = r;
+        buffers[o].alias_of = Some(r as u32);
+    }
+
     // Liveness: first and last instruction touching each buffer.
     let mut uses: Vec<Vec<u32>> = vec![Vec::new(); buffers.len()];
     for ins in &instructions {
@@ -288,6 +318,15 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
     for (name, _, v) in g.inputs() {
         let _ = name;
         buffers[buf_of[&v] as usize].live.0 = 0;
+    }
+    // A root holds its bytes while it or any of its views is live (outputs pinned to
+    // the end included).
+    for bi in 0..buffers.len() {
+        let r = root[bi];
+        if r != bi {
+            let l = buffers[bi].live;
+            buffers[r].live = (buffers[r].live.0.min(l.0), buffers[r].live.1.max(l.1));
+        }
     }
 
     // Vector clocks: clock[j][t] is the last instruction of stream t known to have
@@ -316,19 +355,26 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
         }
         prev_on[s] = ins.id as i64;
     }
-    // Last touch of each buffer on each stream (producer included).
+    // Last touch of each root on each stream (producer and views included), and the
+    // roots whose bytes a graph output holds to the end.
     let mut last_touch: Vec<[i64; 3]> = vec![[-1; 3]; buffers.len()];
     for ins in &instructions {
         for &bi in ins.inputs.iter().chain(&ins.outputs) {
-            let t = &mut last_touch[bi as usize][ins.stream as usize];
+            let t = &mut last_touch[root[bi as usize]][ins.stream as usize];
             *t = (*t).max(ins.id as i64);
         }
     }
-    let pinned = |bi: usize, buffers: &[Buffer]| output_names.contains_key(&Value(buffers[bi].value));
+    let mut pinned_root = vec![false; buffers.len()];
+    for (bi, buf) in buffers.iter().enumerate() {
+        if output_names.contains_key(&Value(buf.value)) {
+            pinned_root[root[bi]] = true;
+        }
+    }
+    let pinned = |bi: usize, _: &[Buffer]| pinned_root[bi];
     let free_under = |bi: usize, c: &[i64; 3]| (0..3).all(|t| last_touch[bi][t] <= c[t]);
 
-    // First-fit arena placement in allocation order.
-    let mut order: Vec<usize> = (0..buffers.len()).filter(|&i| !buffers[i].resident).collect();
+    // First-fit arena placement of the roots in allocation order.
+    let mut order: Vec<usize> = (0..buffers.len()).filter(|&i| !buffers[i].resident && root[i] == i).collect();
     order.sort_by_key(|&i| (buffers[i].live.0, i));
     let mut placed: Vec<usize> = Vec::new();
     let mut arena_bytes = 0u64;
@@ -361,14 +407,23 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
     }
     // Resident region.
     let mut resident_bytes = 0u64;
-    for buf in buffers.iter_mut().filter(|b| b.resident) {
+    for buf in buffers.iter_mut().filter(|b| b.resident && b.alias_of.is_none()) {
         buf.offset = resident_bytes;
         resident_bytes += align(buf.bytes);
     }
+    // Views sit on their root's bytes (a view of a param in the resident region).
+    for bi in 0..buffers.len() {
+        let r = root[bi];
+        if r != bi {
+            buffers[bi].offset = buffers[r].offset;
+            buffers[bi].resident = buffers[r].resident;
+        }
+    }
 
-    // Live bytes over time, for the peak and its breakdown.
+    // Live bytes over time, for the peak and its breakdown: a group's bytes once, under
+    // its root's category and over the root's (union) range.
     let mut live_at = vec![BTreeMap::<Category, u64>::new(); instructions.len().max(1)];
-    for buf in buffers.iter().filter(|b| !b.resident) {
+    for buf in buffers.iter().filter(|b| !b.resident && b.alias_of.is_none()) {
         for t in buf.live.0..=buf.live.1 {
             *live_at[t as usize].entry(buf.category).or_default() += buf.bytes;
         }
@@ -383,7 +438,7 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
     for c in [Category::Param, Category::Grad, Category::OptimizerState, Category::Activation, Category::Comm, Category::Workspace] {
         breakdown.insert(c.name().to_string(), 0);
     }
-    for buf in buffers.iter().filter(|b| b.resident) {
+    for buf in buffers.iter().filter(|b| b.resident && b.alias_of.is_none()) {
         *breakdown.get_mut(buf.category.name()).unwrap() += buf.bytes;
     }
     for (c, v) in &live_at[peak_at] {
