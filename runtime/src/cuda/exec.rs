@@ -1201,42 +1201,32 @@ impl Executor {
         // Optimizer updates write in place (the kernels are elementwise) when nothing
         // after the update reads the old value: no copy back, and `param.*` outputs alias
         // the params.
-        // Reshapes are views: the output aliases the input's bytes when they stay put
-        // (on the compute stream) past every use of the output; no copy is made.
+        // Reshapes are views: the plan makes a reshape's output a view of its input's
+        // root buffer (`alias_of`, same bytes, held over the group's live ranges), so the
+        // view takes the root's pointer and the reshape runs nothing. `root_of` maps
+        // every buffer to the buffer holding its bytes.
         let nb = plan.buffers.len();
         let mut root_of: Vec<u32> = (0..nb as u32).collect();
-        let mut last_s0 = vec![-1i64; nb];
-        let mut last_any = vec![-1i64; nb];
-        let mut readers_off_s0 = vec![false; nb];
-        for ins in &plan.instructions {
-            for &b in ins.inputs.iter().chain(&ins.outputs) {
-                last_any[b as usize] = last_any[b as usize].max(ins.id as i64);
-                if ins.stream == 0 {
-                    last_s0[b as usize] = last_s0[b as usize].max(ins.id as i64);
+        for b in &plan.buffers {
+            let mut r = b.id;
+            for _ in 0..=nb {
+                match plan.buffers.get(r as usize).map(|x| x.alias_of) {
+                    Some(Some(a)) => r = a,
+                    Some(None) => break,
+                    None => return Err(CudaError::Plan(format!("buffer {} is a view of buffer {r}, which the plan lacks", b.id))),
                 }
             }
-            if ins.stream != 0 {
-                for &b in &ins.inputs {
-                    readers_off_s0[b as usize] = true;
-                }
+            if plan.buffers[r as usize].alias_of.is_some() || bufs[b.id as usize].bytes() > bufs[r as usize].bytes() {
+                return Err(CudaError::Plan(format!("buffer {} is a view but its alias chain ends at no buffer of its size with storage", b.id)));
             }
+            root_of[b.id as usize] = r;
+            bufs[b.id as usize].ptr = bufs[r as usize].ptr;
         }
         let mut elided: std::collections::HashSet<u32> = std::collections::HashSet::new();
-        if std::env::var("WEFT_NO_VIEWS").is_err() {
-            for ins in &plan.instructions {
-                if ins.op != "reshape" || ins.stream != 0 {
-                    continue;
-                }
-                let (ib, ob) = (ins.inputs[0] as usize, ins.outputs[0] as usize);
-                let r = root_of[ib] as usize;
-                let (br, bo) = (&plan.buffers[r], &plan.buffers[ob]);
-                let host = br.category == Category::Host || bo.category == Category::Host;
-                let stays = br.resident || last_s0[r] >= last_any[ob];
-                if !host && !bo.resident && stays && !readers_off_s0[ob] && bufs[ob].bytes() == bufs[ib].bytes() {
-                    bufs[ob].ptr = bufs[ib].ptr;
-                    root_of[ob] = r as u32;
-                    elided.insert(ins.id);
-                }
+        for ins in plan.instructions.iter().filter(|i| i.op == "reshape" && i.inputs.len() == 1 && i.outputs.len() == 1) {
+            let (ib, ob) = (ins.inputs[0] as usize, ins.outputs[0] as usize);
+            if root_of[ob] as usize != ob && root_of[ob] == root_of[ib] {
+                elided.insert(ins.id);
             }
         }
         let mut last_read = vec![0u32; nb];
@@ -1289,6 +1279,11 @@ impl Executor {
         let mut aliased: Vec<u32> = Vec::new();
         for &(ob, to) in &updates {
             let Some(w) = writer[ob as usize] else { continue };
+            // A view is written by its root's producer: leave it (and its root) to the
+            // copy back.
+            if root_of[ob as usize] != ob {
+                continue;
+            }
             let wi = &plan.instructions[w as usize];
             let tr = root_of[to as usize] as usize;
             if bufs[ob as usize].bytes() != bufs[to as usize].bytes() || bufs[ob as usize].dtype != bufs[to as usize].dtype {
@@ -1309,7 +1304,11 @@ impl Executor {
                 last_read[tr] < w
             };
             if ok {
-                bufs[ob as usize].ptr = bufs[to as usize].ptr;
+                // the update's views move with it
+                let ptr = bufs[to as usize].ptr;
+                for b in (0..nb).filter(|&b| root_of[b] == ob) {
+                    bufs[b].ptr = ptr;
+                }
                 aliased.push(ob);
             }
         }
