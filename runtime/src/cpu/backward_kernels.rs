@@ -237,10 +237,10 @@ pub(crate) fn grouped_matmul_grad(x: &Tensor, w: &Tensor, counts: &Tensor, dy: &
         }
         let ex = g % e;
         let xs = x.narrow(0, at, cnt as usize)?;
-        let gs = dy.narrow(0, at, cnt as usize)?.contiguous()?;
+        let gs = dy.narrow(0, at, cnt as usize)?;
         let we = w.get(ex)?;
-        dx_parts.push(gs.matmul(&we.contiguous()?)?);
-        let part = gs.t()?.matmul(&xs.contiguous()?)?;
+        dx_parts.push(super::sgemm::matmul(&gs, &we)?);
+        let part = super::sgemm::matmul(&gs.t()?, &xs)?;
         dw[ex] = Some(match dw[ex].take() {
             Some(acc) => (acc + part)?,
             None => part,

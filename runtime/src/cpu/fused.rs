@@ -11,8 +11,10 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, S
 use candle_core::backend::BackendStorage;
 use rayon::prelude::*;
 
+use super::sgemm::{self, sgemm};
+
 /// The float types rows are computed in.
-trait Fl: Copy + Send + Sync + PartialOrd + 'static {
+trait Fl: Copy + Send + Sync + PartialOrd + Gemm + 'static {
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn add(self, o: Self) -> Self;
@@ -376,7 +378,7 @@ impl CustomOp3 for CrossEntropyBwd {
 // ---- linear ----
 
 /// `dst[m, n] = a[m, k] @ b[k, n]` for row-major `dst`, with `a` and `b` given by
-/// their element strides (row, column), through the gemm crate candle also uses.
+/// their element strides (row, column): f32 through [`sgemm`], f64 through the gemm crate.
 #[allow(clippy::too_many_arguments)]
 fn gemm_into<T: Fl>(
     dst: &mut [T],
@@ -387,39 +389,76 @@ fn gemm_into<T: Fl>(
     (b_rs, b_cs): (usize, usize),
     parallel: bool,
 ) {
-    assert!(dst.len() >= m * n);
-    if m == 0 || n == 0 {
+    gemm_strided(dst, n, (m, n, k), a, (a_rs, a_cs), b, (b_rs, b_cs), false, parallel)
+}
+
+/// `dst[m, n] (+)= a @ b` for `dst` of row stride `dst_rs`; zero sizes handled here.
+#[allow(clippy::too_many_arguments)]
+fn gemm_strided<T: Fl>(
+    dst: &mut [T],
+    dst_rs: usize,
+    (m, n, k): (usize, usize, usize),
+    a: &[T],
+    astr: (usize, usize),
+    b: &[T],
+    bstr: (usize, usize),
+    accumulate: bool,
+    parallel: bool,
+) {
+    if m == 0 || n == 0 || k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                dst[r * dst_rs..r * dst_rs + n].iter_mut().for_each(|v| *v = T::zero());
+            }
+        }
         return;
     }
-    if k == 0 {
-        dst[..m * n].iter_mut().for_each(|v| *v = T::zero());
-        return;
+    assert!(dst.len() >= (m - 1) * dst_rs + n);
+    T::gemm(dst, dst_rs, (m, n, k), a, astr, b, bstr, accumulate, parallel)
+}
+
+/// The matrix product per float type.
+trait Gemm: Sized {
+    /// `dst (+)= a @ b` as [`gemm_strided`], for nonzero sizes and checked `dst`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(dst: &mut [Self], dst_rs: usize, mnk: (usize, usize, usize), a: &[Self], astr: (usize, usize), b: &[Self], bstr: (usize, usize), accumulate: bool, parallel: bool);
+}
+
+impl Gemm for f32 {
+    fn gemm(dst: &mut [f32], dst_rs: usize, mnk: (usize, usize, usize), a: &[f32], astr: (usize, usize), b: &[f32], bstr: (usize, usize), accumulate: bool, parallel: bool) {
+        sgemm(mnk, 1.0, a, astr, b, bstr, if accumulate { 1.0 } else { 0.0 }, dst, (dst_rs, 1), parallel)
     }
-    assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs && b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
-    let par = if parallel { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
-    // SAFETY: the bounds of every operand were checked above; dst is not aliased.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.as_ptr(),
-            a_cs as isize,
-            a_rs as isize,
-            b.as_ptr(),
-            b_cs as isize,
-            b_rs as isize,
-            T::zero(),
-            T::one(),
-            false,
-            false,
-            false,
-            par,
-        )
+}
+
+impl Gemm for f64 {
+    fn gemm(dst: &mut [f64], dst_rs: usize, (m, n, k): (usize, usize, usize), a: &[f64], (a_rs, a_cs): (usize, usize), b: &[f64], (b_rs, b_cs): (usize, usize), accumulate: bool, parallel: bool) {
+        assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs && b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
+        let par = if parallel { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+        // SAFETY: the bounds of every operand were checked (dst by the caller); dst is
+        // not aliased by a or b.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                dst_rs as isize,
+                accumulate,
+                a.as_ptr(),
+                a_cs as isize,
+                a_rs as isize,
+                b.as_ptr(),
+                b_cs as isize,
+                b_rs as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                par,
+            )
+        }
     }
 }
 
@@ -485,8 +524,8 @@ fn linear_bwd(x: &Tensor, w: &Tensor, g: &Tensor, bias: bool) -> Result<(Tensor,
     let m = x.elem_count() / k.max(1);
     let g2 = g.reshape((m, n))?;
     let x2 = x.reshape((m, k))?;
-    let dx = g2.matmul(w)?.reshape(x.dims())?;
-    let dw = g2.t()?.matmul(&x2)?;
+    let dx = sgemm::matmul(&g2, w)?.reshape(x.dims())?;
+    let dw = sgemm::matmul(&g2.t()?, &x2)?;
     let db = if bias { Some(g2.sum(0)?) } else { None };
     Ok((dx, dw, db))
 }
@@ -547,52 +586,20 @@ impl<'a, T: Copy> View4<'a, T> {
     }
 }
 
-/// `dst[m, n] (+)= a @ b` like [`gemm_into`], optionally accumulating into `dst`.
+/// `dst[m, n] (+)= a @ b` like [`gemm_into`], optionally accumulating into `dst`, on the
+/// calling thread.
 #[allow(clippy::too_many_arguments)]
 fn gemm_acc<T: Fl>(
     dst: &mut [T],
     dst_rs: usize,
-    (m, n, k): (usize, usize, usize),
+    mnk: (usize, usize, usize),
     a: &[T],
-    (a_rs, a_cs): (usize, usize),
+    astr: (usize, usize),
     b: &[T],
-    (b_rs, b_cs): (usize, usize),
+    bstr: (usize, usize),
     accumulate: bool,
 ) {
-    if m == 0 || n == 0 || k == 0 {
-        if !accumulate {
-            for r in 0..m {
-                dst[r * dst_rs..r * dst_rs + n].iter_mut().for_each(|v| *v = T::zero());
-            }
-        }
-        return;
-    }
-    assert!(dst.len() >= (m - 1) * dst_rs + n);
-    assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs && b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
-    // SAFETY: bounds checked above; dst is not aliased by a or b.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            a.as_ptr(),
-            a_cs as isize,
-            a_rs as isize,
-            b.as_ptr(),
-            b_cs as isize,
-            b_rs as isize,
-            T::one(),
-            T::one(),
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
+    gemm_strided(dst, dst_rs, mnk, a, astr, b, bstr, accumulate, false)
 }
 
 /// Scaled dot-product attention of `q [B, Nq, Sq, D]`, `k`/`v [B, Nkv, Sk, D]` (any

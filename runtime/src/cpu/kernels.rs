@@ -102,6 +102,10 @@ fn mm_ready(t: Tensor) -> KResult<Tensor> {
 /// Matmul of `a [.., m, k]` and `b [.., k, n]` with numpy broadcasting of the batch dims.
 pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> KResult<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
+    if a.dtype() == C::F32 && b.dtype() == C::F32 && ra >= 2 && rb >= 2 {
+        // any strides and broadcast batch dims, no copies
+        return Ok(super::sgemm::matmul(a, b)?);
+    }
     let (m, k) = (a.dims()[ra - 2], a.dims()[ra - 1]);
     let n = b.dims()[rb - 1];
     if b.dims()[rb - 2] != k {
@@ -715,7 +719,7 @@ fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &Tensor) -> KResult<Tensor> {
             continue;
         }
         let xs = x.narrow(0, at, cnt as usize)?;
-        parts.push(xs.matmul(&w.get(g % e)?.t()?)?);
+        parts.push(super::sgemm::matmul(&xs, &w.get(g % e)?.t()?)?);
         at += cnt as usize;
     }
     Ok(match parts.len() {
