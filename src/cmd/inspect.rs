@@ -3,7 +3,8 @@
 //! bytes and counts by collective and axis, MFU; `--explain` lists every inserted
 //! collective, recompute and offload with the pass that put it there and why;
 //! `--trace` writes a Chrome/Perfetto trace of the predicted timeline; `--memory`
-//! draws device memory over the step as an SVG.
+//! draws device memory over the step as an SVG; `--buffers` lists every buffer with
+//! its placement and live range (a view shows the buffer whose bytes it shares).
 
 use crate::error::{CliError, CliResult};
 use std::path::PathBuf;
@@ -25,6 +26,10 @@ pub struct Args {
     /// Write an SVG of device memory over the step, stacked by category, here.
     #[arg(long)]
     memory: Option<PathBuf>,
+    /// List every buffer: value, dtype, size, category, placement, live range; a view
+    /// (a reshape sharing its input's bytes) reads `= view of bN`.
+    #[arg(long)]
+    buffers: bool,
 }
 
 #[derive(serde::Serialize)]
@@ -43,6 +48,8 @@ struct Summary<'a> {
     collectives: &'a std::collections::BTreeMap<String, u64>,
     mfu: f64,
     instructions: usize,
+    /// Buffers that are views of another's bytes (reshapes that copy nothing).
+    views: usize,
 }
 
 pub fn load_plan(path: &std::path::Path) -> CliResult<ExecutionPlan> {
@@ -67,6 +74,7 @@ pub fn run(a: Args) -> CliResult {
         collectives: &p.cost.collectives,
         mfu: p.cost.mfu,
         instructions: p.instructions.len(),
+        views: p.buffers.iter().filter(|b| b.alias_of.is_some()).count(),
     };
     if let Some(t) = &a.trace {
         std::fs::write(t, trace(&p)).map_err(|e| CliError::input(format!("cannot write {}: {e}", t.display())))?;
@@ -84,6 +92,10 @@ pub fn run(a: Args) -> CliResult {
     for (k, v) in &p.memory.breakdown {
         println!("        {k:<16} {}", gib(*v));
     }
+    if s.views > 0 {
+        let bytes: u64 = p.buffers.iter().filter(|b| b.alias_of.is_some()).map(|b| b.bytes).sum();
+        println!("views   {} reshapes share their input's bytes ({:.1} MiB not copied)", s.views, bytes as f64 / (1u64 << 20) as f64);
+    }
     println!(
         "time    step {:.3} ms: compute {:.3} ms, exposed communication {:.3} ms (of {:.3} ms), host copies {:.3} ms; MFU {:.1}%",
         p.cost.step_time_s * 1e3,
@@ -96,6 +108,28 @@ pub fn run(a: Args) -> CliResult {
     for (k, v) in &p.cost.collectives {
         let bytes: f64 = p.cost.comm_bytes.iter().filter(|(kk, _)| kk.starts_with(&format!("{k}/"))).map(|(_, b)| b).sum();
         println!("comm    {k:<15} x{v:<5} {:.3} MiB sent per rank", bytes / (1u64 << 20) as f64);
+    }
+    if a.buffers {
+        println!("\nbuffers:");
+        for b in &p.buffers {
+            let place = match b.alias_of {
+                Some(r) => format!("= view of b{r}"),
+                None if b.category == Category::Host => format!("host @{}", b.offset),
+                None if b.resident => format!("resident @{}", b.offset),
+                None => format!("arena @{}", b.offset),
+            };
+            println!(
+                "  b{:<6} %{:<6} {:<5} {:>12.3} KiB  {:<16} {:<24} live {}..{}",
+                b.id,
+                b.value,
+                b.dtype.to_string(),
+                b.bytes as f64 / 1024.0,
+                b.category.name(),
+                place,
+                b.live.0,
+                b.live.1
+            );
+        }
     }
     if a.explain {
         println!("\ninserted by passes:");
@@ -137,7 +171,7 @@ fn memory_svg(p: &ExecutionPlan) -> String {
     let cats = [Category::Param, Category::Grad, Category::OptimizerState, Category::Activation, Category::Comm];
     let colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f"];
     let mut live = vec![[0u64; 5]; n];
-    for b in &p.buffers {
+    for b in p.buffers.iter().filter(|b| b.alias_of.is_none()) {
         let Some(k) = cats.iter().position(|c| *c == b.category) else { continue };
         let (lo, hi) = if b.resident { (0, n - 1) } else { (b.live.0 as usize, b.live.1 as usize) };
         for row in live.iter_mut().take(hi.min(n - 1) + 1).skip(lo) {
