@@ -12,9 +12,10 @@ use candle_core::backend::BackendStorage;
 use rayon::prelude::*;
 
 use super::sgemm::{self, sgemm};
+use super::vexp;
 
 /// The float types rows are computed in.
-trait Fl: Copy + Send + Sync + PartialOrd + Gemm + 'static {
+trait Fl: Copy + Send + Sync + PartialOrd + Gemm + RowExp + 'static {
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn add(self, o: Self) -> Self;
@@ -23,8 +24,6 @@ trait Fl: Copy + Send + Sync + PartialOrd + Gemm + 'static {
     fn div(self, o: Self) -> Self;
     fn zero() -> Self;
     fn one() -> Self;
-    fn neg_inf() -> Self;
-    fn is_nan(self) -> bool;
     fn of(v: f64) -> Self;
     fn sqrt(self) -> Self;
 }
@@ -56,12 +55,6 @@ macro_rules! fl {
             fn one() -> Self {
                 1.0
             }
-            fn neg_inf() -> Self {
-                <$t>::NEG_INFINITY
-            }
-            fn is_nan(self) -> bool {
-                <$t>::is_nan(self)
-            }
             fn of(v: f64) -> Self {
                 v as $t
             }
@@ -78,14 +71,44 @@ fl!(f64);
 const PAR_MIN: usize = 1 << 15;
 
 fn row_max<T: Fl>(r: &[T]) -> T {
-    r.iter().fold(T::neg_inf(), |m, &x| if x > m || x.is_nan() { x } else { m })
+    T::row_max(r)
 }
 
 /// `log(sum(exp(r)))`, with its max subtracted first.
 fn row_lse<T: Fl>(r: &[T]) -> T {
     let m = row_max(r);
-    let s = r.iter().fold(T::zero(), |s, &x| s.add(x.sub(m).exp()));
-    m.add(s.ln())
+    m.add(T::exp_sum(r, m, None).ln())
+}
+
+/// The row max (NaN when the row has one) and `sum(exp(r - m))` (also written to `out`
+/// when given), per float type: f32 vectorized in [`vexp`].
+trait RowExp: Sized {
+    fn row_max(r: &[Self]) -> Self;
+    fn exp_sum(r: &[Self], m: Self, out: Option<&mut [Self]>) -> Self;
+}
+
+impl RowExp for f32 {
+    fn row_max(r: &[f32]) -> f32 {
+        vexp::max(r)
+    }
+    fn exp_sum(r: &[f32], m: f32, out: Option<&mut [f32]>) -> f32 {
+        vexp::exp_sum(r, m, out)
+    }
+}
+
+impl RowExp for f64 {
+    fn row_max(r: &[f64]) -> f64 {
+        r.iter().fold(f64::NEG_INFINITY, |m, &x| if x > m || x.is_nan() { x } else { m })
+    }
+    fn exp_sum(r: &[f64], m: f64, out: Option<&mut [f64]>) -> f64 {
+        match out {
+            Some(o) => o.iter_mut().zip(r).fold(0.0, |s, (o, &x)| {
+                *o = (x - m).exp();
+                s + *o
+            }),
+            None => r.iter().fold(0.0, |s, &x| s + (x - m).exp()),
+        }
+    }
 }
 
 /// Applies `f(in_row, out_row)` to every row of `n` elements, in parallel when large.
@@ -135,11 +158,7 @@ macro_rules! on_floats {
 fn softmax_rows<T: Fl>(x: &[T], n: usize) -> Vec<T> {
     rows(x, n, |_, r, o| {
         let m = row_max(r);
-        let mut s = T::zero();
-        for (o, &v) in o.iter_mut().zip(r) {
-            *o = v.sub(m).exp();
-            s = s.add(*o);
-        }
+        let s = T::exp_sum(r, m, Some(o));
         for o in o.iter_mut() {
             *o = o.div(s);
         }
@@ -298,11 +317,7 @@ fn ce_bwd_rows<T: Fl>(x: &[T], labels: &[i64], g: &[T], v: usize, ignore: i64) -
             return;
         }
         let m = row_max(r);
-        let mut s = T::zero();
-        for (o, &xv) in o.iter_mut().zip(r) {
-            *o = xv.sub(m).exp();
-            s = s.add(*o);
-        }
+        let s = T::exp_sum(r, m, Some(o));
         let gi = g[i];
         let scale = gi.div(s);
         for o in o.iter_mut() {

@@ -55,6 +55,7 @@ mod kernels;
 mod partition;
 mod rank;
 mod sgemm;
+mod vexp;
 
 #[cfg(test)]
 mod tests;
