@@ -3,7 +3,7 @@
 # `../shared/gpu-pack` put the binaries in .gpu/): kernel checks, 20-step tiny-model
 # training checks against the CPU reference, then the 1.24B training step, Weft and
 # PyTorch side by side. Results under $OUT (default ./gpu-out); a short table last.
-#   PHASES="checks train bench torch" bench/gpu_bench.sh
+#   PHASES="checks train bench torch compile" bench/gpu_bench.sh
 set -uo pipefail
 FINAL=${OUT:-gpu-out}; OUT=$(mktemp -d /tmp/weft-gpu.XXXX); mkdir -p "$FINAL"
 PHASES=${PHASES:-"checks train bench torch"}
@@ -22,7 +22,7 @@ if has checks; then
   summary+=("attention checks: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests_attn.txt" || echo 'did not finish')")
   WEFT_GPU_BENCH=1 WEFT_GPU_ONLY=model timeout 200 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests_models.txt" 2>&1
   summary+=("model checks: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests_models.txt" || echo 'did not finish')")
-  [ -n "${SKIP_W8:-}" ] || WEFT_FA_WARPS=8 WEFT_GPU_BENCH=1 WEFT_GPU_ONLY=attention timeout 200 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests_attn_w8.txt" 2>&1
+  [ -n "${SKIP_W8:-}" ] || env ${W8_ENV:-WEFT_FA_WARPS=8} WEFT_GPU_BENCH=1 WEFT_GPU_ONLY=attention timeout 200 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_tests_attn_w8.txt" 2>&1
   summary+=("attention checks, 8-warp forward: $(grep -E '^[0-9]+ cases' "$OUT/gpu_tests_attn_w8.txt" || echo 'did not finish')")
   cat "$OUT"/gpu_tests_*.txt > "$OUT/gpu_tests.txt"
   grep -E "FAIL|error|panicked" "$OUT/gpu_tests.txt" | cut -c1-300 | head -40
@@ -40,10 +40,11 @@ fi
 if has bench; then
   for variant in ${VARIANTS:-pass torch fa8}; do
     tag=$variant; args=""; envs="WEFT_PROFILE=1"
-    case $variant in torch) args="--torch-adamw";; fa8) envs="WEFT_FA_WARPS=8";; esac
+    case $variant in torch) args="--torch-adamw";; sel) args="--checkpoint selective";; full) args="--checkpoint full";;
+      seloff) args="--checkpoint selective --offload";; torchsel) args="--torch-adamw --checkpoint selective";; fa8) envs="WEFT_PROFILE=1 WEFT_FA_WARPS=8";; bwd4) envs="WEFT_PROFILE=1 WEFT_FA_BWD_WARPS=4";; esac
     env $envs timeout 200 $W run llama3.2-1b --backend cuda --steps $STEPS --seq $SEQ --batch 1 --json $args > "$OUT/weft_1b_$tag.json" 2> "$OUT/weft_1b_$tag.err"
     rc=$?
-    [ "$variant" = pass ] && head -32 "$OUT/weft_1b_$tag.err"
+    echo "== $variant"; head -${PROFILE_LINES:-24} "$OUT/weft_1b_$tag.err"
     wtok=$($PY -c "import json;d=json.load(open('$OUT/weft_1b_$tag.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['mean_step_s']*1e3,1),'ms, mem planned', round(d['memory']['planned_peak_bytes']/2**30,2),'GiB measured', round(d['memory']['measured_peak_bytes']/2**30,2),'GiB, kernels', round(d['load']['kernel_compile_s'],1),'s, load', round(d['load_s'],1),'s, compile', round(d['compile_s'],1), 's')" 2>/dev/null || echo "failed rc $rc: $(tail -2 $OUT/weft_1b_$tag.err)")
     summary+=("weft 1.24B seq $SEQ [$variant]: $wtok")
   done
@@ -52,6 +53,16 @@ if has torch; then
   timeout 240 $PY bench/torch_llama_step.py --seq $SEQ --steps $STEPS --json "$OUT/torch_eager.json" > "$OUT/torch_eager.txt" 2>&1
   ttok=$($PY -c "import json;d=json.load(open('$OUT/torch_eager.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['median_step_s']*1e3,1), 'ms, peak', round(d['peak_gib'],2), 'GiB')" 2>/dev/null || echo "failed: $(tail -2 $OUT/torch_eager.txt)")
   summary+=("torch eager 1.24B seq $SEQ: $ttok")
+fi
+if has torchckpt; then
+  timeout 240 $PY bench/torch_llama_step.py --seq $SEQ --steps $STEPS --ckpt --json "$OUT/torch_ckpt.json" > "$OUT/torch_ckpt.txt" 2>&1
+  ttok=$($PY -c "import json;d=json.load(open('$OUT/torch_ckpt.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['median_step_s']*1e3,1), 'ms, peak', round(d['peak_gib'],2), 'GiB')" 2>/dev/null || echo "failed: $(tail -2 $OUT/torch_ckpt.txt)")
+  summary+=("torch eager + per-layer checkpointing 1.24B seq $SEQ: $ttok")
+fi
+if has compile; then
+  timeout 300 $PY bench/torch_llama_step.py --seq $SEQ --steps $STEPS --compile --json "$OUT/torch_compile.json" > "$OUT/torch_compile.txt" 2>&1
+  ttok=$($PY -c "import json;d=json.load(open('$OUT/torch_compile.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['median_step_s']*1e3,1), 'ms, peak', round(d['peak_gib'],2), 'GiB, first step', round(d.get('first_step_s',0),1), 's')" 2>/dev/null || echo "failed: $(tail -2 $OUT/torch_compile.txt)")
+  summary+=("torch.compile 1.24B seq $SEQ: $ttok")
 fi
 printf '%s\n' "${summary[@]}" > "$OUT/summary.txt"
 tar czf "$FINAL/results.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$FINAL/summary.txt"

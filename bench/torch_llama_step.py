@@ -14,6 +14,7 @@ p.add_argument("--seq", type=int, default=4096)
 p.add_argument("--batch", type=int, default=1)
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--compile", action="store_true")
+p.add_argument("--ckpt", action="store_true", help="per-layer activation checkpointing (HF gradient_checkpointing)")
 p.add_argument("--attn", default="sdpa")
 p.add_argument("--json", default=None)
 a = p.parse_args()
@@ -27,6 +28,8 @@ cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, n
 torch.manual_seed(0)
 model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+if a.ckpt:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 step_fn = model
 if a.compile:
     step_fn = torch.compile(model)
@@ -52,7 +55,7 @@ times.sort()
 med = times[len(times) // 2]
 tok = a.batch * a.seq / med
 peak = torch.cuda.max_memory_allocated() / 2**30
-res = {"impl": "torch.compile" if a.compile else "torch eager", "seq": a.seq, "batch": a.batch, "median_step_s": med,
+res = {"impl": ("torch.compile" if a.compile else "torch eager") + (" + checkpointing" if a.ckpt else ""), "seq": a.seq, "batch": a.batch, "median_step_s": med,
        "tokens_per_s": tok, "first_step_s": first, "peak_gib": peak, "loss": float(loss), "torch": torch.__version__}
 print(json.dumps(res))
 if a.json:

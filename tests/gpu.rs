@@ -196,6 +196,12 @@ fn op_cases() -> Vec<Case> {
         v.push(Case::new(format!("grouped_matmul_grad/moe_combine_grad {dt}"), format!("graph \"t\"\n%0: {dt}[19, 24] = param {{name=\"x\"}}\n%1: i64[19, 2] = input {{name=\"e\", role=other}}\n%2: {dt}[19, 2] = param {{name=\"wt\"}}\n%3: {dt}[5, 40, 24] = param {{name=\"w\"}}\n%4: {dt}[38, 24], %5: i64[5], %6: i64[38] = moe_dispatch %0, %1 {{num_experts=5}}\n%7: {dt}[38, 40] = param {{name=\"dy\"}}\n%8: {dt}[38, 24], %9: {dt}[5, 40, 24] = grouped_matmul_grad %4, %3, %5, %7\n%10: {dt}[19, 24] = param {{name=\"dc\"}}\n%11: {dt}[38, 24], %12: {dt}[19, 2] = moe_combine_grad %4, %6, %2, %10\nreturn a=%8, b=%9, c=%11, d=%12\n")).ints("e", 0, 5).tol(tol * 2.0));
         v.push(Case::new(format!("adamw/sgd {dt} params, f32 state"), format!("graph \"t\"\n%0: {dt}[33, 7] = param {{name=\"p\"}}\n%1: {dt}[33, 7] = param {{name=\"g\"}}\n%2: f32[33, 7] = param {{name=\"m\"}}\n%3: f32[33, 7] = param {{name=\"v\"}}\n%4: f32[] = full {{value=3.0}}\n%5: {dt}[33, 7], %6: f32[33, 7], %7: f32[33, 7] = adamw %0, %1, %2, %3, %4 {{lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1}}\n%8: {dt}[33, 7] = param {{name=\"b\"}}\n%9: {dt}[33, 7], %10: {dt}[33, 7] = sgd %0, %1, %8 {{lr=0.1, momentum=0.9, weight_decay=0.01}}\nreturn p=%5, m=%6, v=%7, q=%9, r=%10\n")).positive().tol(tol));
     }
+    // bf16 fast paths: 16-byte rows for rms_norm (1, 3 and 4 chunks per thread, f32 and bf16
+    // weights), cross-entropy backward from the forward's saved log-sum-exp (V a multiple of 8)
+    for (rows, h, wdt) in [(7usize, 2048usize, "bf16"), (3, 4104, "f32"), (2, 8192, "bf16"), (5, 24, "f32")] {
+        v.push(Case::new(format!("rms_norm + rms_norm_grad bf16 [{rows}, {h}], {wdt} weight"), format!("graph \"t\"\n%0: bf16[{rows}, {h}] = param {{name=\"x\"}}\n%1: {wdt}[{h}] = param {{name=\"w\"}}\n%2: bf16[{rows}, {h}] = rms_norm %0, %1 {{eps=1e-5}}\n%3: bf16[{rows}, {h}] = param {{name=\"dy\"}}\n%4: bf16[{rows}, {h}], %5: {wdt}[{h}] = rms_norm_grad %0, %1, %3 {{eps=1e-5}}\nreturn y=%2, dx=%4, dw=%5\n")).tol(4e-2));
+    }
+    v.push(Case::new("cross_entropy + cross_entropy_grad bf16, V=520 (one-pass backward)", "graph \"t\"\n%0: bf16[2, 9, 520] = param {name=\"x\"}\n%1: i64[2, 9] = input {name=\"l\", role=labels}\n%2: i64[2, 9] = shift_labels %1 {ignore_index=-100}\n%3: f32[] = cross_entropy %0, %2 {ignore_index=-100, reduction=mean}\n%4: f32[] = param {name=\"ds\"}\n%5: bf16[2, 9, 520] = cross_entropy_grad %0, %2, %4 {ignore_index=-100, reduction=mean}\nreturn a=%3, b=%5\n").labels("l", 0, 520).tol(2e-2));
     // attention: generic (f32, masks, GQA, Sq != Sk) and tensor-core (bf16, d 64/128)
     for (dt, d, nq, nkv, sq, sk, causal, tol) in [
         ("f32", 8, 4, 2, 13, 13, true, 1e-5),
@@ -206,6 +212,10 @@ fn op_cases() -> Vec<Case> {
         ("bf16", 64, 2, 2, 129, 129, false, 2e-2),
         ("bf16", 128, 4, 1, 77, 77, true, 2e-2),
         ("bf16", 24, 2, 1, 33, 33, true, 2e-2),
+        // edges of the 128-key backward tiles
+        ("bf16", 64, 4, 1, 257, 257, true, 2e-2),
+        ("bf16", 64, 2, 1, 200, 300, true, 2e-2),
+        ("bf16", 128, 2, 2, 190, 190, true, 2e-2),
     ] {
         let text = format!(
             "graph \"t\"\n%0: {dt}[2, {nq}, {sq}, {d}] = param {{name=\"q\"}}\n%1: {dt}[2, {nkv}, {sk}, {d}] = param {{name=\"k\"}}\n%2: {dt}[2, {nkv}, {sk}, {d}] = param {{name=\"v\"}}\n%3: {dt}[2, {nq}, {sq}, {d}] = attention %0, %1, %2 {{causal={causal}, scale={}}}\n%4: {dt}[2, {nq}, {sq}, {d}] = param {{name=\"do\"}}\n%5: {dt}[2, {nq}, {sq}, {d}], %6: {dt}[2, {nkv}, {sk}, {d}], %7: {dt}[2, {nkv}, {sk}, {d}] = attention_grad %0, %1, %2, %3, %4 {{causal={causal}, scale={}}}\nreturn o=%3, dq=%5, dk=%6, dv=%7\n",

@@ -351,27 +351,33 @@ DEF_FA_FWD(fa_fwd_d64_w8, 64, 8)
 DEF_FA_FWD(fa_fwd_d128_w8, 128, 8)
 
 // ---------------------------------------------------------------- tensor-core backward
-// Grid (key tiles, Nkv, B); 4 warps, warp w owns keys [k0 + 16w, k0 + 16w + 16). Loops over
-// the q heads of its kv group and over the query tiles that see its keys.
+// Grid (Nkv * B, key tiles): blocks are issued x-fastest, so every head's first (for causal,
+// heaviest) key tile goes out first and the light tiles fill the tail. NW warps, BK = 16 NW
+// keys per block; warp w owns keys [k0 + 16w, k0 + 16w + 16). Loops over the q heads of its kv
+// group and over the 64-row query tiles that see its keys. With NW = 8 the dQ atomics and the
+// Q/dO tile loads per FLOP halve (each query tile meets 128 keys at once).
 // dq_acc: f32 [B, Nq, Sq, D], zeroed before; dk, dv written in storage dtype.
-template <int D>
+template <int D, int NW>
 __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
                                        const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout,
                                        const float* lse, const float* delta, int Nq, int Nkv, i64 Sq, i64 Sk, float scale,
                                        int causal) {
+    constexpr int BK = 16 * NW;         // keys per block
     constexpr int LD = D + 8;
     constexpr int LDS = 64 + 8;
+    constexpr int QG = NW / 4;          // warps sharing one 16-row slice of dQ (split over D)
+    constexpr int DPW = D / 16 / QG;    // 16-column dQ slices per warp
     extern __shared__ __align__(16) unsigned char fa_smem[];
     __nv_bfloat16* sK = (__nv_bfloat16*)fa_smem;
-    __nv_bfloat16* sV = sK + 64 * LD;
-    __nv_bfloat16* sQ2 = sV + 64 * LD;     // two Q tiles (double buffered)
+    __nv_bfloat16* sV = sK + BK * LD;
+    __nv_bfloat16* sQ2 = sV + BK * LD;     // two Q tiles (double buffered)
     __nv_bfloat16* sO2 = sQ2 + 2 * 64 * LD; // two dO tiles
     __nv_bfloat16* sS = sO2 + 2 * 64 * LD; // dS^T [key][query]
-    float* sL = (float*)(sS + 64 * LDS);   // lse * log2e
+    float* sL = (float*)(sS + BK * LDS);   // lse * log2e
     float* sD = sL + 64;                   // delta
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int kvb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const i64 k0 = (i64)kvb * 64;
+    const int hk = (int)(blockIdx.x % (unsigned)Nkv), b = (int)(blockIdx.x / (unsigned)Nkv), kvb = blockIdx.y;
+    const i64 k0 = (i64)kvb * BK;
     const i64 off = Sk - Sq;
     const float LOG2E = 1.4426950408889634f;
     const float scale_log2 = scale * LOG2E;
@@ -386,6 +392,10 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
     const i64 nqt = (Sq + 63) / 64;
     const i64 per_head = nqt > qt0 ? nqt - qt0 : 0;
     const i64 niter = per_head * group;
+    // The warp's keys are all visible to every row of a query tile from this one on
+    // (and inside Sk): no per-element mask there.
+    const i64 wk_last = k0 + warp * 16 + 15;
+    const bool warp_in_bounds = wk_last < Sk;
     auto tile_src = [&](i64 it, const __nv_bfloat16*& qg, const __nv_bfloat16*& og, i64& q0) {
         int hh = (int)(it / per_head);
         i64 qt = qt0 + it % per_head;
@@ -394,8 +404,8 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
         og = dout + ((i64)b * Nq + h) * Sq * D;
         q0 = qt * 64;
     };
-    load_rows<D, LD, 64>(sK, kg, k0, Sk);
-    load_rows<D, LD, 64>(sV, vg, k0, Sk);
+    load_rows<D, LD, BK>(sK, kg, k0, Sk);
+    load_rows<D, LD, BK>(sV, vg, k0, Sk);
     if (niter > 0) {
         const __nv_bfloat16 *qg, *og;
         i64 q0;
@@ -451,16 +461,28 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
                 mma_bf16(st[2 * np + 1], a, b2, b3);
             }
         }
-        // P^T
+        // P^T (masked only where the tile is cut by the diagonal or an edge)
+        const bool masked = !warp_in_bounds || q0 + 64 > Sq || (causal && wk_last > q0 + off);
+        if (masked) {
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+            for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int col = nt * 8 + (lane & 3) * 2 + (e & 1);
-                i64 qi = q0 + col;
-                i64 kj = k0 + warp * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
-                bool ok = qi < Sq && kj < Sk && (!causal || kj <= qi + off);
-                st[nt][e] = ok ? exp2f(st[nt][e] * scale_log2 - sL[col]) : 0.f;
+                for (int e = 0; e < 4; ++e) {
+                    int col = nt * 8 + (lane & 3) * 2 + (e & 1);
+                    i64 qi = q0 + col;
+                    i64 kj = k0 + warp * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
+                    bool ok = qi < Sq && kj < Sk && (!causal || kj <= qi + off);
+                    st[nt][e] = ok ? exp2f(st[nt][e] * scale_log2 - sL[col]) : 0.f;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int col = nt * 8 + (lane & 3) * 2 + (e & 1);
+                    st[nt][e] = exp2f(st[nt][e] * scale_log2 - sL[col]);
+                }
             }
         }
         // dV += P^T dO
@@ -525,16 +547,19 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
             }
         }
         __syncthreads(); // dS^T complete; every warp is done with this Q/dO buffer
-        // dQ[q0 + 16w .. +16] += dS K, 16 output columns at a time (fewer live registers)
+        // dQ[q0 + 16 qw .. +16, the warp's columns] += dS K over the block's BK keys,
+        // 16 output columns at a time (fewer live registers)
+        const int qw = warp & 3, dp0 = (warp >> 2) * DPW;
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
+        for (int dj = 0; dj < DPW; ++dj) {
+            const int dp = dp0 + dj;
             float dqp[2][4];
 #pragma unroll
             for (int i = 0; i < 2; ++i) dqp[i][0] = dqp[i][1] = dqp[i][2] = dqp[i][3] = 0.f;
 #pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
+            for (int ks = 0; ks < BK / 16; ++ks) {
                 u32 a[4];
-                ldsm_x4_t(a[0], a[1], a[2], a[3], sS + (ks * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + warp * 16 + ((lane >> 3) & 1) * 8);
+                ldsm_x4_t(a[0], a[1], a[2], a[3], sS + (ks * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + qw * 16 + ((lane >> 3) & 1) * 8);
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(b0, b1, b2, b3, sK + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
                 mma_bf16(dqp[0], a, b0, b1);
@@ -542,7 +567,7 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                i64 row = q0 + warp * 16 + (lane >> 2) + r * 8;
+                i64 row = q0 + qw * 16 + (lane >> 2) + r * 8;
                 if (row < Sq) {
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
@@ -571,13 +596,13 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) fa_bwd_d64(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
-        const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse, const float* delta,
-        int Nq, int Nkv, i64 Sq, i64 Sk, float scale, int causal) {
-    fa_bwd<64>(dq_acc, dk, dv, q, k, v, dout, lse, delta, Nq, Nkv, Sq, Sk, scale, causal);
-}
-extern "C" __global__ void __launch_bounds__(128) fa_bwd_d128(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
-        const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse, const float* delta,
-        int Nq, int Nkv, i64 Sq, i64 Sk, float scale, int causal) {
-    fa_bwd<128>(dq_acc, dk, dv, q, k, v, dout, lse, delta, Nq, Nkv, Sq, Sk, scale, causal);
-}
+#define DEF_FA_BWD(NAME, D, NW)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW) NAME(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, \
+            const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout,   \
+            const float* lse, const float* delta, int Nq, int Nkv, i64 Sq, i64 Sk, float scale, int causal) {      \
+        fa_bwd<D, NW>(dq_acc, dk, dv, q, k, v, dout, lse, delta, Nq, Nkv, Sq, Sk, scale, causal);            \
+    }
+DEF_FA_BWD(fa_bwd_d64, 64, 4)
+DEF_FA_BWD(fa_bwd_d128, 128, 4)
+DEF_FA_BWD(fa_bwd_d64_w8, 64, 8)
+DEF_FA_BWD(fa_bwd_d128_w8, 128, 8)

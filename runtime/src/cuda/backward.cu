@@ -233,3 +233,264 @@ FOR_FLOATS(DEF_SGD)
     }
 DEF_ADAMW_MASTER(bf16, __nv_bfloat16)
 DEF_ADAMW_MASTER(f16, __half)
+
+// ---------------------------------------------------------------- bf16 row kernels, 16-byte vectors
+// For bf16 rows whose width H is a multiple of 8 and at most 8 * 4 * blockDim (the common
+// transformer case): each thread keeps its (up to 4) 8-wide chunks of a row in registers, so
+// x and dy are read once. Block 256 threads; w is f32 (wcode 0) or bf16 (wcode 1).
+
+__device__ __forceinline__ void ld8f(const float* p, float* f) {
+    float4 a = ((const float4*)p)[0], b = ((const float4*)p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void st8f(float* p, const float* f) {
+    ((float4*)p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    ((float4*)p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+__device__ __forceinline__ void load_w8(float* wv, const void* w, int wcode, int c) {
+    if (wcode == 0) {
+        const float4* p = (const float4*)((const float*)w + c * 8);
+        float4 a = p[0], b = p[1];
+        wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w; wv[4] = b.x; wv[5] = b.y; wv[6] = b.z; wv[7] = b.w;
+    } else {
+        unpack8(((const uint4*)w)[c], wv);
+    }
+}
+
+// y = w * x * rsqrt(mean(x^2) + eps), one block per row; rstd (may be null) keeps 1/rms.
+template <int RV_MAX>
+__device__ __forceinline__ void rms_fwd8(uint4* out, const uint4* x, const void* w, int wcode, i64 rows, int H, float eps,
+                                         float* rstd) {
+    __shared__ float sh[64];
+    const int chunks = H >> 3;
+    const i64 row = blockIdx.x;
+    const uint4* xr = x + row * chunks;
+    float xv[RV_MAX][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < RV_MAX; ++k) {
+        int c = threadIdx.x + k * blockDim.x;
+        if (c < chunks) {
+            unpack8(xr[c], xv[k]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss += xv[k][e] * xv[k][e];
+        }
+    }
+    ss = block_sum(ss, sh);
+    float r = rsqrtf(ss / (float)H + eps);
+    if (rstd && threadIdx.x == 0) rstd[row] = r;
+#pragma unroll
+    for (int k = 0; k < RV_MAX; ++k) {
+        int c = threadIdx.x + k * blockDim.x;
+        if (c < chunks) {
+            float wv[8], y[8];
+            load_w8(wv, w, wcode, c);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) y[e] = wv[e] * (xv[k][e] * r);
+            out[row * chunks + c] = pack8(y);
+        }
+    }
+}
+
+// rms_norm backward fused with the dw column sums: a block takes `rpb` consecutive rows,
+// writes dx = r (g w - x r mean(g w x r)) for each and accumulates dy x r per column in
+// registers, stored as row blockIdx.x of the f32 partials dw_acc [gridDim.x, H] (summed by
+// colsum_f32_to: deterministic, no atomics).
+template <int RV_MAX>
+__device__ __forceinline__ void rms_bwd8(uint4* dx, float* dw_acc, const uint4* x, const void* w, int wcode,
+                                         const uint4* dy, i64 rows, int H, float eps, int rpb) {
+    __shared__ float sh[64];
+    const int chunks = H >> 3;
+    float wv[RV_MAX][8], acc[RV_MAX][8];
+#pragma unroll
+    for (int k = 0; k < RV_MAX; ++k) {
+        int c = threadIdx.x + k * blockDim.x;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[k][e] = 0.f;
+        if (c < chunks) load_w8(wv[k], w, wcode, c);
+    }
+    const i64 r0 = (i64)blockIdx.x * rpb;
+    const i64 r1 = r0 + rpb < rows ? r0 + rpb : rows;
+    for (i64 row = r0; row < r1; ++row) {
+        float xv[RV_MAX][8], gv[RV_MAX][8];
+        float ss = 0.f, gx = 0.f;
+#pragma unroll
+        for (int k = 0; k < RV_MAX; ++k) {
+            int c = threadIdx.x + k * blockDim.x;
+            if (c < chunks) {
+                unpack8(x[row * chunks + c], xv[k]);
+                unpack8(dy[row * chunks + c], gv[k]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    ss += xv[k][e] * xv[k][e];
+                    gx += gv[k][e] * wv[k][e] * xv[k][e];
+                }
+            }
+        }
+        ss = block_sum(ss, sh);
+        gx = block_sum(gx, sh);
+        float r = rsqrtf(ss / (float)H + eps);
+        float mean = gx * r / (float)H;
+#pragma unroll
+        for (int k = 0; k < RV_MAX; ++k) {
+            int c = threadIdx.x + k * blockDim.x;
+            if (c < chunks) {
+                float d[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    float xh = xv[k][e] * r;
+                    d[e] = r * (gv[k][e] * wv[k][e] - xh * mean);
+                    acc[k][e] += gv[k][e] * xh;
+                }
+                dx[row * chunks + c] = pack8(d);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < RV_MAX; ++k) {
+        int c = threadIdx.x + k * blockDim.x;
+        if (c < chunks) st8f(dw_acc + (i64)blockIdx.x * H + c * 8, acc[k]);
+    }
+}
+
+// RV = chunks per thread (1, 2 or 4: H up to 2048, 4096, 8192 with 256 threads).
+#define DEF_RMS8(RV)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) rms_fwd8_bf16_r##RV(uint4* out, const uint4* x,       \
+            const void* w, int wcode, i64 rows, int H, float eps, float* rstd) {                            \
+        rms_fwd8<RV>(out, x, w, wcode, rows, H, eps, rstd);                                                 \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) rms_bwd8_bf16_r##RV(uint4* dx, float* dw_acc,         \
+            const uint4* x, const void* w, int wcode, const uint4* dy, i64 rows, int H, float eps, int rpb) { \
+        rms_bwd8<RV>(dx, dw_acc, x, w, wcode, dy, rows, H, eps, rpb);                                       \
+    }
+DEF_RMS8(1)
+DEF_RMS8(2)
+DEF_RMS8(4)
+
+// cross_entropy_grad from the forward's per-row log-sum-exp: one pass over the logits,
+// dx = g (exp(x - lse) - onehot(label)); V a multiple of 8. Same g as ce_bwd.
+extern "C" __global__ void ce_bwd_lse8_bf16(uint4* dx, const uint4* logits, const i64* labels, const float* lse,
+                                            const void* dloss, int dcode, int mode, const float* count, i64 rows,
+                                            i64 V8, i64 ignore) {
+    const i64 row = blockIdx.x;
+    const i64 V = V8 * 8;
+    const i64 lab = labels[row];
+    float g = mode == 0 ? (float)ld_any(dloss, dcode, row) : (float)ld_any(dloss, dcode, 0);
+    if (mode == 2) g /= *count;
+    if (lab == ignore || lab < 0 || lab >= V) g = 0.f;
+    const uint4* x = logits + row * V8;
+    uint4* d = dx + row * V8;
+    if (g == 0.f) {
+        for (i64 j = threadIdx.x; j < V8; j += blockDim.x) d[j] = make_uint4(0, 0, 0, 0);
+        return;
+    }
+    const float l = lse[row];
+    for (i64 j = threadIdx.x; j < V8; j += blockDim.x) {
+        float v[8];
+        unpack8(x[j], v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = g * (__expf(v[e] - l) - (j * 8 + e == lab ? 1.f : 0.f));
+        d[j] = pack8(v);
+    }
+}
+
+// Rotary embedding without per-element index arithmetic: grid (ceil(S / blockDim.y), N, B),
+// thread x = j < D / 2. j < r/2 rotates the pair (j, j + r/2); the rest copy two of the D - r
+// unrotated features each. cos/sin are f32 or bf16 [Bc, S, r] (cbs = 0 when Bc = 1).
+#define DEF_ROPE2(S_, T)                                                                                   \
+    extern "C" __global__ void rope2_##S_(T* out, const T* x, const void* cosv, const void* sinv, int ccode,  \
+                                            int N, int S, int D, int r, i64 cbs) {                            \
+        const int j = threadIdx.x;                                                                           \
+        const int s = blockIdx.x * blockDim.y + threadIdx.y;                                                 \
+        if (s >= S || j >= D / 2) return;                                                                    \
+        const int n = blockIdx.y, b = blockIdx.z;                                                            \
+        const i64 base = (((i64)b * N + n) * S + s) * D;                                                     \
+        const int h = r / 2;                                                                                 \
+        if (j < h) {                                                                                         \
+            const i64 ci = (i64)b * cbs + (i64)s * r + j;                                                    \
+            float c0, s0, c1, s1;                                                                            \
+            if (ccode == 0) {                                                                                \
+                c0 = ((const float*)cosv)[ci]; c1 = ((const float*)cosv)[ci + h];                            \
+                s0 = ((const float*)sinv)[ci]; s1 = ((const float*)sinv)[ci + h];                            \
+            } else {                                                                                         \
+                c0 = (float)ld_any(cosv, ccode, ci); c1 = (float)ld_any(cosv, ccode, ci + h);                \
+                s0 = (float)ld_any(sinv, ccode, ci); s1 = (float)ld_any(sinv, ccode, ci + h);                \
+            }                                                                                                \
+            float a = tof(x[base + j]), bb = tof(x[base + j + h]);                                           \
+            out[base + j] = fromf<T>(a * c0 - bb * s0);                                                      \
+            out[base + j + h] = fromf<T>(bb * c1 + a * s1);                                                  \
+        } else {                                                                                             \
+            const int d0 = r + 2 * (j - h);                                                                  \
+            out[base + d0] = x[base + d0];                                                                   \
+            if (d0 + 1 < D) out[base + d0 + 1] = x[base + d0 + 1];                                           \
+        }                                                                                                    \
+    }
+FOR_FLOATS(DEF_ROPE2)
+
+// ---------------------------------------------------------------- optimizers, 8 elements per thread
+// The same updates as adamw_* / adamw_master_* with 16-byte loads and stores (n a multiple
+// of 8, pointers 16-byte aligned): bandwidth-bound kernels, so access width is what counts.
+__device__ __forceinline__ void adam8(float* p, float* m, float* v, const float* g, float lr, float b1, float b2,
+                                      float eps, float wd, float step_size, float rc2) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        m[e] = b1 * m[e] + (1.f - b1) * g[e];
+        v[e] = b2 * v[e] + (1.f - b2) * g[e] * g[e];
+        p[e] = p[e] * (1.f - lr * wd) - step_size * m[e] / (sqrtf(v[e]) * rc2 + eps);
+    }
+}
+// bf16 params, grads and moments (torch.optim.AdamW on a bf16 model).
+extern "C" __global__ void adamw8_bf16_bf16(uint4* po, uint4* mo, uint4* vo, const uint4* p, const uint4* g,
+                                            const uint4* m, const uint4* v, const void* step, int scode, i64 n8,
+                                            float lr, float b1, float b2, float eps, float wd) {
+    float t = (float)ld_any(step, scode, 0);
+    float step_size = lr / (1.f - powf(b1, t)), rc2 = rsqrtf(1.f - powf(b2, t));
+    GRID_STRIDE(i, n8) {
+        float pv[8], gv[8], mv[8], vv[8];
+        unpack8(p[i], pv);
+        unpack8(g[i], gv);
+        unpack8(m[i], mv);
+        unpack8(v[i], vv);
+        adam8(pv, mv, vv, gv, lr, b1, b2, eps, wd, step_size, rc2);
+        po[i] = pack8(pv);
+        mo[i] = pack8(mv);
+        vo[i] = pack8(vv);
+    }
+}
+// f32 master weights and moments, bf16 grad in and bf16 param out (adamw_master_bf16).
+extern "C" __global__ void adamw_master8_bf16(uint4* pout, float* wo, float* mo, float* vo, const float* w,
+                                              const uint4* g, const float* m, const float* v, const void* step,
+                                              int scode, i64 n8, float lr, float b1, float b2, float eps, float wd) {
+    float t = (float)ld_any(step, scode, 0);
+    float step_size = lr / (1.f - powf(b1, t)), rc2 = rsqrtf(1.f - powf(b2, t));
+    GRID_STRIDE(i, n8) {
+        float pv[8], gv[8], mv[8], vv[8];
+        ld8f(w + i * 8, pv);
+        unpack8(g[i], gv);
+        ld8f(m + i * 8, mv);
+        ld8f(v + i * 8, vv);
+        adam8(pv, mv, vv, gv, lr, b1, b2, eps, wd, step_size, rc2);
+        st8f(wo + i * 8, pv);
+        st8f(mo + i * 8, mv);
+        st8f(vo + i * 8, vv);
+        pout[i] = pack8(pv);
+    }
+}
+
+// Column sums of f32 partials [nrows, H] to `out` (dtype code): the deterministic second
+// half of rms_bwd8's dw. Block (32, 8): 32 columns, 8 row phases summed in a fixed order.
+extern "C" __global__ void colsum_f32_to(void* out, int ocode, const float* part, i64 nrows, i64 H) {
+    __shared__ float sh[8][33];
+    const i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
+    float s = 0.f;
+    if (j < H)
+        for (i64 r = threadIdx.y; r < nrows; r += 8) s += part[r * H + j];
+    sh[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < H) {
+        float t = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) t += sh[k][threadIdx.x];
+        st_any(out, ocode, j, t);
+    }
+}

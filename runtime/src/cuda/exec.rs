@@ -288,6 +288,8 @@ struct Lower<'a> {
     fast_attention: bool,
     /// Saved log-sum-exp of attention forwards: (q, k, v, out) -> lse pointer.
     attn_lse: HashMap<(u64, u64, u64, u64), u64>,
+    /// Saved per-row log-sum-exp of cross-entropy forwards: (logits, labels) -> lse pointer.
+    ce_lse: HashMap<(u64, u64), u64>,
     location: String,
     /// Fused mixed-precision AdamW: (low-precision grad, low-precision param out) pointers.
     fused_adamw: Option<(u64, u64, DType)>,
@@ -537,6 +539,9 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let (x, w) = (&ins[0], &ins[1]);
             let h = *x.shape.last().unwrap() as u64;
             let rows = if h == 0 { 0 } else { x.numel() / h };
+            if let Some(name) = rms8_kernel(x, w, h, "rms_fwd8_bf16") {
+                return lw.rows(name, rows, 256, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::I64(rows as i64), Arg::I32(h as i32), Arg::F32(eps.0 as f32), Arg::P(0)]);
+            }
             let name = kname("rms_norm", x.dtype)?;
             lw.rows(name, rows, 256, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::I64(rows as i64), Arg::I64(h as i64), Arg::F32(eps.0 as f32), Arg::P(0)])
         }
@@ -556,6 +561,21 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let (b, nh, sq, d) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
             let r = c.shape[2];
             let cbs = if c.shape[0] == 1 { 0 } else { (c.shape[1] * r) as i64 };
+            let fits = d / 2 <= 512 && d % 2 == 0 && r % 2 == 0 && r <= d && sq <= i32::MAX as usize && nh <= 65535 && b <= 65535;
+            if fits && d >= 2 {
+                let tx = (d / 2) as u32;
+                let ty = (256 / tx).max(1);
+                let name = kname("rope2", x.dtype)?;
+                let l = lw.gpu.launch(
+                    name,
+                    (sq.div_ceil(ty as usize) as u32, nh as u32, b as u32),
+                    (tx, ty, 1),
+                    0,
+                    vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(c.ptr), Arg::P(s.ptr), Arg::I32(code(c.dtype)), Arg::I32(nh as i32), Arg::I32(sq as i32), Arg::I32(d as i32), Arg::I32(r as i32), Arg::I64(cbs)],
+                )?;
+                lw.launch(l);
+                return Ok(());
+            }
             let name = kname("rope", x.dtype)?;
             lw.n(name, x.numel(), vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(c.ptr), Arg::P(s.ptr), Arg::I32(code(c.dtype)), Arg::I64(b as i64), Arg::I64(nh as i64), Arg::I64(sq as i64), Arg::I64(d as i64), Arg::I64(r as i64), Arg::I64(cbs)])
         }
@@ -586,8 +606,11 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
                 Reduction::None if o.dtype == DType::F32 => o.ptr,
                 _ => lw.ex.scratch(lw.stream, rows * 4),
             };
+            // Keep the per-row log-sum-exp for a one-pass backward.
+            let lse = lw.ex.side(rows * 4);
+            lw.ce_lse.insert((x.ptr, l.ptr), lse);
             let name = kname("ce_rows", x.dtype)?;
-            lw.rows(name, rows, 512, 0, vec![Arg::P(per_row), Arg::P(0), Arg::P(x.ptr), Arg::P(l.ptr), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index), Arg::P(err)])?;
+            lw.rows(name, rows, 512, 0, vec![Arg::P(per_row), Arg::P(lse), Arg::P(x.ptr), Arg::P(l.ptr), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index), Arg::P(err)])?;
             match reduction {
                 Reduction::None => {
                     if per_row != o.ptr {
@@ -620,6 +643,9 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             } else {
                 0
             };
+            if let (Some(&lse), true) = (lw.ce_lse.get(&(x.ptr, l.ptr)), vec8(&[o, x]) && v % 8 == 0) {
+                return lw.rows("ce_bwd_lse8_bf16", rows, 512, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(l.ptr), Arg::P(lse), Arg::P(dl.ptr), Arg::I32(code(dl.dtype)), Arg::I32(mode), Arg::P(count), Arg::I64(rows as i64), Arg::I64(v as i64 / 8), Arg::I64(*ignore_index)]);
+            }
             let name = kname("ce_bwd", x.dtype)?;
             lw.rows(name, rows, 512, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(l.ptr), Arg::P(dl.ptr), Arg::I32(code(dl.dtype)), Arg::I32(mode), Arg::P(count), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index)])
         }
@@ -797,8 +823,19 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let (dx, dw) = (&outs[0], &outs[1]);
             let h = *x.shape.last().unwrap() as u64;
             let rows = if h == 0 { 0 } else { x.numel() / h };
-            let rstd = lw.ex.scratch(lw.stream, rows * 4);
+            if let Some(name) = rms8_kernel(x, w, h, "rms_bwd8_bf16") {
+                // About 512 blocks (4 rows each at 2048 rows): enough warps in flight to hide
+                // the per-row reductions; dw from per-block partials, summed in a fixed order.
+                let rpb = rows.div_ceil(512).max(1);
+                let nblocks = rows.div_ceil(rpb);
+                let part = lw.ex.scratch(lw.stream, nblocks.max(1) * h * 4);
+                lw.rows(name, nblocks, 256, 0, vec![Arg::P(dx.ptr), Arg::P(part), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::P(dy.ptr), Arg::I64(rows as i64), Arg::I32(h as i32), Arg::F32(eps.0 as f32), Arg::I32(rpb as i32)])?;
+                let l = lw.gpu.launch("colsum_f32_to", (h.div_ceil(32) as u32, 1, 1), (32, 8, 1), 0, vec![Arg::P(dw.ptr), Arg::I32(code(dw.dtype)), Arg::P(part), Arg::I64(nblocks as i64), Arg::I64(h as i64)])?;
+                lw.launch(l);
+                return Ok(());
+            }
             let acc = lw.ex.scratch(lw.stream, h * 4);
+            let rstd = lw.ex.scratch(lw.stream, rows * 4);
             let name = kname("rms_norm_bwd", x.dtype)?;
             lw.rows(name, rows, 256, 0, vec![Arg::P(dx.ptr), Arg::P(rstd), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::P(dy.ptr), Arg::I64(rows as i64), Arg::I64(h as i64), Arg::F32(eps.0 as f32)])?;
             lw.memset(acc, h * 4);
@@ -839,7 +876,33 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
         }
         Op::AdamW { lr, beta1, beta2, eps, weight_decay } => {
             let (p, g, m, v, step) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
+            let n = p.numel();
+            let aligned = |ps: &[u64]| n % 8 == 0 && ps.iter().all(|x| x % 16 == 0);
             if let Some((glow, pout, low)) = lw.fused_adamw {
+                if low == DType::BF16 && aligned(&[pout, outs[0].ptr, outs[1].ptr, outs[2].ptr, p.ptr, glow, m.ptr, v.ptr]) {
+                    return lw.n(
+                        "adamw_master8_bf16",
+                        n / 8,
+                        vec![
+                            Arg::P(pout),
+                            Arg::P(outs[0].ptr),
+                            Arg::P(outs[1].ptr),
+                            Arg::P(outs[2].ptr),
+                            Arg::P(p.ptr),
+                            Arg::P(glow),
+                            Arg::P(m.ptr),
+                            Arg::P(v.ptr),
+                            Arg::P(step.ptr),
+                            Arg::I32(code(step.dtype)),
+                            Arg::I64(n as i64 / 8),
+                            Arg::F32(lr.0 as f32),
+                            Arg::F32(beta1.0 as f32),
+                            Arg::F32(beta2.0 as f32),
+                            Arg::F32(eps.0 as f32),
+                            Arg::F32(weight_decay.0 as f32),
+                        ],
+                    );
+                }
                 let name = kname("adamw_master", low)?;
                 return lw.n(
                     name,
@@ -867,10 +930,15 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             if g.dtype != p.dtype || m.dtype != v.dtype {
                 return Err(lw.unsup("adamw", "grad must have the param's dtype and m, v one dtype"));
             }
-            let name = intern(&format!("adamw_{}_{}", fsuffix(p.dtype).unwrap_or("?"), fsuffix(m.dtype).unwrap_or("?")));
+            let vector = p.dtype == DType::BF16 && m.dtype == DType::BF16 && aligned(&[outs[0].ptr, outs[1].ptr, outs[2].ptr, p.ptr, g.ptr, m.ptr, v.ptr]);
+            let (name, items, count) = if vector {
+                ("adamw8_bf16_bf16", n / 8, n as i64 / 8)
+            } else {
+                (intern(&format!("adamw_{}_{}", fsuffix(p.dtype).unwrap_or("?"), fsuffix(m.dtype).unwrap_or("?"))), n, n as i64)
+            };
             lw.n(
                 name,
-                p.numel(),
+                items,
                 vec![
                     Arg::P(outs[0].ptr),
                     Arg::P(outs[1].ptr),
@@ -881,7 +949,7 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
                     Arg::P(v.ptr),
                     Arg::P(step.ptr),
                     Arg::I32(code(step.dtype)),
-                    Arg::I64(p.numel() as i64),
+                    Arg::I64(count),
                     Arg::F32(lr.0 as f32),
                     Arg::F32(beta1.0 as f32),
                     Arg::F32(beta2.0 as f32),
@@ -943,6 +1011,24 @@ fn lower_matmul(lw: &mut Lower, a: &DevT, b: &DevT, o: &DevT, ta: bool, tb: bool
     };
     lw.gemm(shape, a.ptr, b.ptr, o.ptr, 0);
     Ok(())
+}
+
+/// The 16-byte-vector bf16 rms_norm kernel for rows of `h` (a multiple of 8, at most 8192)
+/// with a f32 or bf16 weight, by chunks per thread; None where the generic kernel must run.
+fn rms8_kernel(x: &DevT, w: &DevT, h: u64, base: &str) -> Option<&'static str> {
+    if x.dtype != DType::BF16 || !matches!(w.dtype, DType::BF16 | DType::F32) || h % 8 != 0 || x.ptr % 16 != 0 || w.ptr % 16 != 0 {
+        return None;
+    }
+    let per_thread = (h / 8).div_ceil(256);
+    Some(match (base, per_thread) {
+        ("rms_fwd8_bf16", 0..=1) => "rms_fwd8_bf16_r1",
+        ("rms_fwd8_bf16", 2) => "rms_fwd8_bf16_r2",
+        ("rms_fwd8_bf16", 3..=4) => "rms_fwd8_bf16_r4",
+        ("rms_bwd8_bf16", 0..=1) => "rms_bwd8_bf16_r1",
+        ("rms_bwd8_bf16", 2) => "rms_bwd8_bf16_r2",
+        ("rms_bwd8_bf16", 3..=4) => "rms_bwd8_bf16_r4",
+        _ => return None,
+    })
 }
 
 fn mask_dims(mask: Option<&DevT>) -> (u64, i32, i32) {
@@ -1023,12 +1109,27 @@ fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scal
     if fast {
         let dq_acc = lw.ex.scratch(lw.stream, rows * d as u64 * 4);
         lw.memset(dq_acc, rows * d as u64 * 4);
-        let name = if d == 64 { "fa_bwd_d64" } else { "fa_bwd_d128" };
-        let smem = (6 * 64 * (d + 8) + 64 * 72) * 2 + 512;
+        // Keys per block: 64 (4 warps) for head dim 64, 128 (8 warps: half the dQ atomics
+        // and Q/dO loads per FLOP) for 128, as measured on an H200; WEFT_FA_BWD_WARPS=4|8
+        // overrides.
+        let nw: usize = match std::env::var("WEFT_FA_BWD_WARPS").as_deref() {
+            Ok("4") => 4,
+            Ok("8") => 8,
+            _ if d == 64 => 4,
+            _ => 8,
+        };
+        let name = match (d, nw) {
+            (64, 4) => "fa_bwd_d64",
+            (64, _) => "fa_bwd_d64_w8",
+            (_, 4) => "fa_bwd_d128",
+            _ => "fa_bwd_d128_w8",
+        };
+        let bk = 16 * nw;
+        let smem = (2 * bk * (d + 8) + 4 * 64 * (d + 8) + bk * 72) * 2 + 512;
         let l = lw.gpu.launch(
             name,
-            (sk.div_ceil(64) as u32, nkv as u32, b as u32),
-            (128, 1, 1),
+            ((nkv * b) as u32, sk.div_ceil(bk) as u32, 1),
+            (32 * nw as u32, 1, 1),
             smem as u32,
             vec![Arg::P(dq_acc), Arg::P(dk.ptr), Arg::P(dv.ptr), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::P(dout.ptr), Arg::P(lse), Arg::P(delta), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::F32(scale), Arg::I32(causal as i32)],
         )?;
@@ -1317,7 +1418,7 @@ impl Executor {
         // Lowering, twice: sizes first, then pointers.
         let ns = plan.streams.len().max(1);
         let lower_all = |ex: Extra| -> CudaResult<(Vec<Step>, Extra)> {
-            let mut lw = Lower { gpu: &gpu, ex, steps: Vec::new(), stream: 0, ins: 0, fast_attention: opts.fast_attention, attn_lse: HashMap::new(), location: String::new(), fused_adamw: None };
+            let mut lw = Lower { gpu: &gpu, ex, steps: Vec::new(), stream: 0, ins: 0, fast_attention: opts.fast_attention, attn_lse: HashMap::new(), ce_lse: HashMap::new(), location: String::new(), fused_adamw: None };
             for ins in &plan.instructions {
                 lw.stream = ins.stream as usize;
                 lw.ins = ins.id;
