@@ -19,7 +19,7 @@ fn check_train_with_every_training_flag() {
     for extra in [
         &["--checkpoint", "selective"][..],
         &["--checkpoint", "full", "--offload", "--offload-min-bytes", "0"][..],
-        &["--checkpoint", "budget=20k"][..],
+        &["--checkpoint", "budget=300k"][..],
         &["--micro-batches", "2", "--bucket-mb", "0.01"][..],
         &["--zero", "2", "--optimizer", "adamw"][..],
     ] {
@@ -32,6 +32,11 @@ fn check_train_with_every_training_flag() {
         assert_eq!(v["grads_from"], "backward graph");
         assert!(v["max_rel_err_grads"].as_f64().unwrap() < 1e-8, "{extra:?}: {out}");
     }
+    // A budget below the step's least peak (here its parameter gradients alone) says
+    // what would fit.
+    let (code, _, err) = weft(&["check", "tests/fixtures/qwen3", "--mesh", "dp=2,sp=2", "--train", "--checkpoint", "budget=20k"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("`--checkpoint budget=20000` cannot be met") && err.contains("help: raise the budget to at least"), "{err}");
     let (code, _, err) = weft(&["check", "tests/fixtures/llama", "--train", "--checkpoint", "sometimes"]);
     assert_eq!(code, 2);
     assert!(err.contains("invalid --checkpoint") && err.contains("help:"), "{err}");

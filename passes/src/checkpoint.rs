@@ -12,13 +12,20 @@
 //! - `selective` (AutoSP's): like `full`, but also keep attention outputs (quadratic
 //!   in the sequence to recompute) and collective results (recomputing them would
 //!   communicate again); matmuls, norms and elementwise ops are recomputed.
-//! - `budget=<bytes>`: keep at most that many bytes per rank at the least recompute,
-//!   by a min-cut over the forward part of the joint graph as in PyTorch's
-//!   partitioner: cutting `n_in -> n_out` saves `n` (its bytes), cutting
-//!   `source -> n_in` recomputes `n` (λ × its FLOPs from the cost model), every value
-//!   the backward reads drains to the sink, forward edges are uncuttable. λ (bytes per
-//!   FLOP) is searched for the largest one whose cut fits the budget. Collectives are
-//!   never recomputed. Sizes are evaluated at the options' `B` and `S`.
+//! - `budget=<bytes>`: keep the step's peak of live values per rank (the memory
+//!   estimate's `peak live`: saved and recomputed activations, backward transients,
+//!   gradients in flight; parameters and optimizer state aside) within the budget at
+//!   the least recompute. A min-cut over the forward part of the joint graph as in
+//!   PyTorch's partitioner chooses what to save for a saved-bytes target: cutting
+//!   `n_in -> n_out` saves `n` (its bytes), cutting `source -> n_in` recomputes `n`
+//!   (λ × its FLOPs from the cost model), every value the backward reads drains to the
+//!   sink, forward edges are uncuttable; λ (bytes per FLOP) is searched for the largest
+//!   one whose cut fits the target. A recomputed value lives from its recompute to its
+//!   last backward use, so each cut is checked by the liveness estimate of the whole
+//!   step (after `grad-sync` and `optimizer`) and the target lowered by the overshoot
+//!   until the peak fits; a budget that even the cut saving least cannot meet is an
+//!   error. Collectives are never recomputed. Sizes are evaluated at the options' `B`
+//!   and `S`.
 
 use crate::memory::{bytes, flops, is_resident, layer_of, Joint};
 use crate::pass::{Pass, PassContext, PassError, PassResult};
@@ -53,26 +60,27 @@ impl Pass for Checkpoint {
         let joint = Joint::of(g);
         res.count("saved_before", joint.saved.len() as u64);
         res.count("saved_bytes_before", joint.saved.iter().map(|v| bytes(g, *v, &b)).sum());
-        let (keep, why) = match policy.clone() {
+        let why = match &policy {
             CheckpointPolicy::None => unreachable!(),
-            CheckpointPolicy::Full => (layer_keep(g, &joint, false), "full: recomputed in its layer's backward".to_string()),
-            CheckpointPolicy::Selective => (layer_keep(g, &joint, true), "selective: recomputed (matmuls and elementwise ops; attention outputs and collectives are kept)".to_string()),
-            CheckpointPolicy::Budget(bytes_max) => {
-                let (keep, met) = min_cut_keep(g, &joint, &b, bytes_max);
-                if !met {
-                    res.count("budget_not_met", 1);
-                }
-                (keep, format!("budget={bytes_max}: recomputed (min-cut of saved bytes and recompute FLOPs)"))
+            CheckpointPolicy::Full => "full: recomputed in its layer's backward".to_string(),
+            CheckpointPolicy::Selective => "selective: recomputed (matmuls and elementwise ops; attention outputs and collectives are kept)".to_string(),
+            CheckpointPolicy::Budget(bytes_max) => format!("budget={bytes_max}: recomputed (min-cut of saved bytes and recompute FLOPs)"),
+        };
+        let keep = match policy.clone() {
+            CheckpointPolicy::None => unreachable!(),
+            CheckpointPolicy::Full => layer_keep(g, &joint, false),
+            CheckpointPolicy::Selective => layer_keep(g, &joint, true),
+            CheckpointPolicy::Budget(budget) => {
+                let (keep, peak, tries) = budget_keep(g, &joint, &b, budget, &why, cx)?;
+                res.count("budget_tries", tries);
+                res.count("peak_bytes", peak);
+                keep
             }
         };
-        let recompute: Vec<Value> = joint.saved.iter().copied().filter(|v| !keep.contains(v)).collect();
-        if recompute.is_empty() {
+        let (cloned, fl) = apply(g, &joint, &keep, &policy, &why, &b)?;
+        if cloned == 0 {
             return Ok(res);
         }
-        // Only `full` re-runs a layer's collectives; the others keep their results.
-        let recompute_collectives = policy == CheckpointPolicy::Full;
-        let recompute: Vec<Value> = recompute.into_iter().filter(|v| recompute_collectives || !g.node(g.def(*v)).op.is_collective()).collect();
-        let (cloned, fl) = rematerialize(g, &joint, &keep, &recompute, &why, &b, recompute_collectives)?;
         res.count("recomputed_nodes", cloned as u64);
         res.count("recompute_flops", fl as u64);
         let after = Joint::of(g);
@@ -83,12 +91,111 @@ impl Pass for Checkpoint {
     }
 }
 
+/// Recomputes every saved value of `joint` not in `keep` (only `full` re-runs a
+/// layer's collectives; the others keep their results). Returns the number of clones
+/// and their FLOPs.
+fn apply(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, policy: &CheckpointPolicy, why: &str, b: &weft_ir::Bindings) -> Result<(usize, f64), PassError> {
+    let recompute_collectives = *policy == CheckpointPolicy::Full;
+    let recompute: Vec<Value> = joint.saved.iter().copied().filter(|v| !keep.contains(v) && (recompute_collectives || !g.node(g.def(*v)).op.is_collective())).collect();
+    if recompute.is_empty() {
+        return Ok((0, 0.0));
+    }
+    rematerialize(g, joint, keep, &recompute, why, b, recompute_collectives)
+}
+
+/// The peak of live values per rank (the estimate's `peak_live`) of the step `g`
+/// becomes once `keep` is applied and the rest of the training pipeline (`grad-sync`,
+/// then `optimizer` when the options have one, which frees each gradient as its
+/// bucket is updated) has run. `offload`, which only lowers it, is left out.
+fn step_peak(g: &Graph, joint: &Joint, keep: &HashSet<Value>, policy: &CheckpointPolicy, why: &str, b: &weft_ir::Bindings, cx: &PassContext) -> Result<u64, PassError> {
+    use crate::pass::Pass;
+    let mut t = g.clone();
+    apply(&mut t, joint, keep, policy, why, b)?;
+    crate::grad_sync::GradSync.run(&mut t, cx)?;
+    if cx.options.train.optimizer.is_some() {
+        crate::optimizer::OptimizerPass.run(&mut t, cx)?;
+    }
+    Ok(crate::memory::estimate(&t, b).peak_live)
+}
+
+/// The values to keep so that the step's peak of live values fits `budget`, the peak
+/// that keeping them gives, and how many cuts were tried. The min-cut bounds the saved
+/// bytes; recomputed values live from their recompute to their last backward use and
+/// the backward has its own transients, so each cut is checked by the liveness
+/// estimate of the whole step, and the saved-bytes target lowered by the overshoot
+/// until it fits. Errors when even the cut that keeps the least does not fit.
+fn budget_keep(g: &Graph, joint: &Joint, b: &weft_ir::Bindings, budget: u64, why: &str, cx: &PassContext) -> Result<(HashSet<Value>, u64, u64), PassError> {
+    let policy = CheckpointPolicy::Budget(budget);
+    let saved_of = |keep: &HashSet<Value>| -> u64 { keep.iter().map(|v| bytes(g, *v, b)).sum() };
+    let mut target = budget;
+    let mut tries = 0;
+    for _ in 0..MAX_BUDGET_TRIES {
+        let (keep, met) = min_cut_keep(g, joint, b, target);
+        if !met {
+            break;
+        }
+        tries += 1;
+        let peak = step_peak(g, joint, &keep, &policy, why, b, cx)?;
+        if peak <= budget {
+            return Ok((keep, peak, tries));
+        }
+        let next = target.min(saved_of(&keep)).saturating_sub(peak - budget);
+        if next == 0 || next >= target {
+            break;
+        }
+        target = next;
+    }
+    // The cut that keeps the least.
+    let (least, _) = min_cut_keep(g, joint, b, 0);
+    tries += 1;
+    let peak = step_peak(g, joint, &least, &policy, why, b, cx)?;
+    if peak <= budget {
+        return Ok((least, peak, tries));
+    }
+    let gib = |x: u64| match x {
+        x if x >= 1 << 30 => format!("{:.3} GiB", x as f64 / (1u64 << 30) as f64),
+        x if x >= 1 << 20 => format!("{:.3} MiB", x as f64 / (1u64 << 20) as f64),
+        x => format!("{:.3} KiB", x as f64 / 1024.0),
+    };
+    Err(PassError::rewrite(
+        NAME,
+        format!("`--checkpoint budget={budget}` cannot be met"),
+        format!("graph `{}`", g.name),
+        format!(
+            "recomputing all it can, the step still peaks at {peak} bytes ({}) of live values per rank (saving {} bytes), over the budget of {budget} bytes ({})",
+            gib(peak),
+            saved_of(&least),
+            gib(budget)
+        ),
+    )
+    .with_help(format!("raise the budget to at least {peak}, use `--checkpoint full` (which also recomputes collectives), or lower the per-rank activations (more `sp` or `tp`, a smaller batch, --micro-batches, --offload)")))
+}
+
+/// How many cuts `budget=` checks by liveness before taking the one that keeps least.
+const MAX_BUDGET_TRIES: usize = 12;
+
 /// The values `full` (and `selective`, with `also_attention`) keep: those defined
 /// outside the layers, those a later scope reads (a layer's outputs), and for
 /// `selective` attention outputs and collective results.
 fn layer_keep(g: &Graph, joint: &Joint, also_attention: bool) -> HashSet<Value> {
     let layer_of_node = |n: Node| layer_of(g.node(n).meta.source.as_deref());
-    // Forward values read by a forward node of another layer (or outside the layers).
+    let crossing = crossing_values(g, joint);
+    joint
+        .saved
+        .iter()
+        .copied()
+        .filter(|v| {
+            let d = g.def(*v);
+            let op = &g.node(d).op;
+            layer_of_node(d).is_none() || crossing.contains(v) || (also_attention && (matches!(op, Op::Attention { .. }) || op.is_collective()))
+        })
+        .collect()
+}
+
+/// Forward values read by a forward node of another layer (or outside the layers):
+/// each layer's outputs, the residual stream between layers.
+fn crossing_values(g: &Graph, joint: &Joint) -> HashSet<Value> {
+    let layer_of_node = |n: Node| layer_of(g.node(n).meta.source.as_deref());
     let mut crossing: HashSet<Value> = HashSet::new();
     for &n in g.nodes() {
         if !joint.forward.contains(&n) {
@@ -102,16 +209,7 @@ fn layer_keep(g: &Graph, joint: &Joint, also_attention: bool) -> HashSet<Value> 
             }
         }
     }
-    joint
-        .saved
-        .iter()
-        .copied()
-        .filter(|v| {
-            let d = g.def(*v);
-            let op = &g.node(d).op;
-            layer_of_node(d).is_none() || crossing.contains(v) || (also_attention && (matches!(op, Op::Attention { .. }) || op.is_collective()))
-        })
-        .collect()
+    crossing
 }
 
 /// Clones the forward nodes that compute `values` from kept values, params and inputs,
@@ -284,6 +382,7 @@ fn min_cut_keep(g: &Graph, joint: &Joint, b: &weft_ir::Bindings, budget: u64) ->
     nodes.sort_by_key(|n| joint.pos[n]);
     let index: BTreeMap<Node, usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let saved_set: HashSet<Value> = joint.saved.iter().copied().collect();
+    let crossing = crossing_values(g, joint);
     let size = |n: Node| -> f64 { g.node(n).results.iter().map(|v| bytes(g, *v, b) as f64).sum() };
     // Identical layers would all switch at the same λ; a slightly higher price for
     // recomputing later layers orders them (earlier layers' activations live longest).
@@ -301,7 +400,11 @@ fn min_cut_keep(g: &Graph, joint: &Joint, b: &weft_ir::Bindings, budget: u64) ->
         for (i, &n) in nodes.iter().enumerate() {
             let (nin, nout) = (2 * i, 2 * i + 1);
             f.edge(nin, nout, sizes[i]);
-            let banned = g.node(n).op.is_collective();
+            // Collectives are not recomputed (they would communicate again), nor what
+            // lies outside the layers or crosses between them: a recompute stays in
+            // its layer, so a recomputed value lives only through its layer's backward
+            // instead of from the first backward use of a chain through every layer.
+            let banned = g.node(n).op.is_collective() || layer_of(g.node(n).meta.source.as_deref()).is_none() || g.node(n).results.iter().any(|v| crossing.contains(v));
             // A tiny recompute cost so that free ops are recomputed only when it helps.
             f.edge(s, nin, if banned { f64::INFINITY } else { lambda * cost[i] + 1e-6 });
             for x in &g.node(n).operands {
@@ -317,12 +420,12 @@ fn min_cut_keep(g: &Graph, joint: &Joint, b: &weft_ir::Bindings, budget: u64) ->
         let mut keep = HashSet::new();
         let mut total = 0.0;
         for (i, &n) in nodes.iter().enumerate() {
+            // A cut node's results are kept (the recompute of a saved value that the
+            // cut passes through starts from them, whether the backward reads them or not).
             if reach[2 * i] && !reach[2 * i + 1] {
                 for v in &g.node(n).results {
-                    if saved_set.contains(v) {
-                        keep.insert(*v);
-                        total += bytes(g, *v, b) as f64;
-                    }
+                    keep.insert(*v);
+                    total += bytes(g, *v, b) as f64;
                 }
             }
         }

@@ -96,7 +96,9 @@ pub fn layer_index(layer: &str) -> Option<usize> {
 pub struct MemoryEstimate {
     /// Parameters (this rank's shards), not counting optimizer state.
     pub params: u64,
-    /// Parameter gradients (`grad.*` outputs), as held on this rank.
+    /// Parameter gradients, as held on this rank (each parameter the step returns a
+    /// `grad.*` or a `param.*` update of, at its per-rank size). How many are live at
+    /// once is in `peak_live`.
     pub grads: u64,
     /// Optimizer state: moments, buffers and f32 master weights (`optim.*`).
     pub optimizer: u64,
@@ -104,9 +106,11 @@ pub struct MemoryEstimate {
     pub saved_activations: u64,
     /// Activations moved to host memory by `offload`.
     pub offloaded: u64,
-    /// The most bytes of values live at once in program order (activations, their
-    /// gradients, saved activations, recomputed values, parameter gradients until the
-    /// end of the step), without params and optimizer state (updated in place).
+    /// The most bytes of values live at once in program order, the order the plan
+    /// schedules and allocates in (activations, their gradients, saved activations,
+    /// recomputed values, parameter gradients until their update reads them, or to the
+    /// end of the step when it returns them), without params and optimizer state
+    /// (updated in place).
     pub peak_live: u64,
     /// params + optimizer + peak_live.
     pub total: u64,
@@ -127,9 +131,19 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
             e.params += by;
         }
     }
-    for (name, v) in g.outputs() {
-        if name.starts_with(crate::autodiff::GRAD_PREFIX) {
-            e.grads += bytes(g, *v, b);
+    // A gradient has its parameter's per-rank type: count each parameter the step
+    // returns a gradient or an update of (a step that updates the parameters need not
+    // return the gradients).
+    let outs: HashSet<&str> = g.outputs().iter().map(|(n, _)| n.as_str()).collect();
+    let mut seen = HashSet::new();
+    for (name, v) in g.params() {
+        if name.starts_with(crate::optimizer::STATE_PREFIX) || !seen.insert(name.clone()) {
+            continue;
+        }
+        let grad = format!("{}{name}", crate::autodiff::GRAD_PREFIX);
+        let update = format!("{}{name}", crate::optimizer::PARAM_PREFIX);
+        if outs.contains(grad.as_str()) || outs.contains(update.as_str()) {
+            e.grads += bytes(g, v, b);
         }
     }
     let joint = Joint::of(g);

@@ -13,8 +13,11 @@
 //! Planner mode (`budget`): offload, earliest layers first and largest tensors first,
 //! only until the saved activations left on the device fit the budget, and only what
 //! the host link (`link_bytes_per_s`, default 25 GB/s) moves in the compute time of the
-//! window it hides under (the next layer's forward for the copy out, its backward for
-//! the copy in; compute time = FLOPs / 400 TFLOP/s, forward FLOPs x2 for a backward).
+//! window it hides under (the next layer's forward for the copy out, its backward —
+//! recompute included — for the copy in). Compute time is the plan's cost model
+//! ([`crate::plan::cost::compute_time`]: roofline of FLOPs and bytes plus the kernel
+//! overhead) on the options' device profile (`h200` unless `--device` says otherwise);
+//! collectives run on their own stream and are not counted.
 
 use crate::memory::{bytes, flops, layer_index, layer_of, Joint};
 use crate::pass::{Pass, PassContext, PassError, PassResult};
@@ -26,8 +29,29 @@ pub struct Offload;
 
 pub const NAME: &str = "offload";
 
-/// The device's compute rate the planner assumes when hiding copies, FLOP/s.
-pub const DEVICE_FLOPS: f64 = 400e12;
+/// Predicted seconds of node `n` on the compute stream (0 for collectives and host
+/// copies, which run on their own streams). The fused backward ops with matmuls inside
+/// (`attention_grad`, `grouped_matmul_grad`), which the FLOP count prices as
+/// elementwise, are priced at 2.5x and 2x their forward op, as the plan's kernels do.
+pub fn compute_seconds(g: &Graph, n: Node, b: &weft_ir::Bindings, d: &weft_ir::plan::DeviceProfile) -> f64 {
+    let nd = g.node(n);
+    if nd.op.is_collective() || matches!(nd.op, Op::Offload { .. } | Op::Reload { .. }) {
+        return 0.0;
+    }
+    let mut fl = flops(g, n, b);
+    let factor = match nd.op {
+        Op::AttentionGrad { .. } => 2.5,
+        Op::GroupedMatmulGrad {} => 2.0,
+        _ => 0.0,
+    };
+    if factor > 0.0 {
+        if let Some(fwd) = nd.meta.derived.and_then(|x| g.try_value(x.of)).map(|x| x.def) {
+            fl = fl.max(factor * flops(g, fwd, b));
+        }
+    }
+    let by: u64 = nd.operands.iter().chain(&nd.results).map(|v| bytes(g, *v, b)).sum();
+    crate::plan::cost::compute_time(&nd.op, fl, by as f64, d)
+}
 
 impl Pass for Offload {
     fn name(&self) -> &'static str {
@@ -54,16 +78,20 @@ impl Pass for Offload {
         let layer_at = |n: Node| layer_of(g.node(n).meta.source.as_deref()).and_then(|l| layer_index(&l));
         let last_layer = order.iter().filter_map(|&n| layer_at(n)).max();
         let Some(last_layer) = last_layer else { return Ok(res) };
-        // The first node after the forward of each layer's backward, and each layer's
-        // forward and backward FLOPs.
+        // The first node after the forward of each layer's backward, and the predicted
+        // compute time of each layer's forward and backward.
         let mut bwd_start: BTreeMap<usize, usize> = BTreeMap::new();
-        let mut fwd_flops: BTreeMap<usize, f64> = BTreeMap::new();
+        let mut fwd_s: BTreeMap<usize, f64> = BTreeMap::new();
+        let mut bwd_s: BTreeMap<usize, f64> = BTreeMap::new();
+        let timed = o.budget.is_some();
         for (i, &n) in order.iter().enumerate() {
             let Some(l) = layer_at(n) else { continue };
+            let t = if timed { compute_seconds(g, n, &b, &o.device.0) } else { 0.0 };
             if joint.forward.contains(&n) {
-                *fwd_flops.entry(l).or_default() += flops(g, n, &b);
+                *fwd_s.entry(l).or_default() += t;
             } else {
                 bwd_start.entry(l).or_insert(i);
+                *bwd_s.entry(l).or_default() += t;
             }
         }
         // Candidates: saved values of the layers before the last `keep_last`.
@@ -109,7 +137,7 @@ impl Pass for Offload {
             cands.sort_by_key(|c| (c.layer, std::cmp::Reverse(c.bytes), c.v.0));
             let mut on_device = total_saved;
             // Bytes each window can move: copies out during the next layer's forward,
-            // copies in during its backward (twice the forward FLOPs).
+            // copies in during its backward.
             let mut out_room: HashMap<usize, f64> = HashMap::new();
             let mut in_room: HashMap<usize, f64> = HashMap::new();
             for c in &cands {
@@ -117,9 +145,9 @@ impl Pass for Offload {
                     break;
                 }
                 let next = c.layer + 1;
-                let t_fwd = fwd_flops.get(&next).copied().unwrap_or(0.0) / DEVICE_FLOPS;
-                let out = out_room.entry(next).or_insert(t_fwd * o.link_bytes_per_s as f64);
-                let inr = in_room.entry(next).or_insert(2.0 * t_fwd * o.link_bytes_per_s as f64);
+                let link = o.link_bytes_per_s as f64;
+                let out = out_room.entry(next).or_insert(fwd_s.get(&next).copied().unwrap_or(0.0) * link);
+                let inr = in_room.entry(next).or_insert(bwd_s.get(&next).copied().unwrap_or(0.0) * link);
                 if (c.bytes as f64) > *out || (c.bytes as f64) > *inr {
                     res.count("skipped_bandwidth", 1);
                     continue;

@@ -20,7 +20,7 @@ use crate::autodiff::GRAD_PREFIX;
 use crate::pass::{Pass, PassContext, PassError, PassResult, DP};
 use crate::training::Optimizer;
 use crate::util::build_error;
-use weft_ir::{At, DType, Dim, Float, Graph, NodeMeta, Op, Partition, Provenance, Role, TensorType, Value};
+use weft_ir::{At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Partition, Provenance, Role, TensorType, Value};
 
 pub struct OptimizerPass;
 
@@ -44,7 +44,7 @@ impl Pass for OptimizerPass {
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
-        for k in ["params", "master_weights", "state_tensors", "sharded"] {
+        for k in ["params", "master_weights", "state_tensors", "sharded", "dead_nodes"] {
             res.count(k, 0);
         }
         let Some(opt) = cx.options.train.optimizer else { return Ok(res) };
@@ -53,10 +53,13 @@ impl Pass for OptimizerPass {
         }
         let dp = cx.mesh.size(DP).unwrap_or(1) as i64;
         let zero = cx.options.train.zero1 && dp > 1;
-        let mut w = Writer { g, meta: NodeMeta::default() };
+        let mut w = Writer { g: &mut *g, meta: NodeMeta::default() };
         w.meta.provenance = Some(Provenance { pass: NAME.into(), reason: "the step number (1-based)".into() });
         let step = w.op(Op::Input { name: STEP_INPUT.into(), role: Role::Other, ty: TensorType::scalar(DType::F32) }, &[])?;
+        let step_node = w.g.def(step);
         let mut done = std::collections::BTreeSet::new();
+        let mut groups: Vec<(Value, Vec<Node>)> = Vec::new();
+        let mut updated = Vec::new();
         for (name, pv) in w.g.params() {
             if !done.insert(name.clone()) {
                 continue;
@@ -70,13 +73,101 @@ impl Pass for OptimizerPass {
             // parallel) keeps its state partitioned like itself.
             let shard = zero && w.g.param_partition(&name).is_empty();
             w.meta.source = w.g.node(w.g.def(pv)).meta.source.clone();
+            let first = w.g.nodes().len();
             let new = w.update(&name, pv, gv, step, &opt, shard, dp, &mut res)?;
+            groups.push((pv, w.g.nodes()[first..].to_vec()));
             w.g.set_output(&format!("{PARAM_PREFIX}{name}"), new);
+            updated.push(name);
             res.count("params", 1);
         }
+        if !cx.options.train.grad_outputs {
+            for name in &updated {
+                g.remove_output(&format!("{GRAD_PREFIX}{name}"));
+            }
+            // What only fed those outputs (grad-sync's gather of ZeRO shards).
+            res.count("dead_nodes", remove_dead(g, crate::grad_sync::NAME) as u64);
+        }
+        place_in_backward(g, step_node, &groups);
         res.changed = true;
         Ok(res)
     }
+}
+
+/// Moves each parameter's update (its `groups` entry, appended at the end) to right
+/// after the last node it waits for: its reduced gradient (the end of its grad-sync
+/// bucket, or the backward node that finishes it) and the last read of the old
+/// parameter (so a runtime may update in place). Updates then run inside the backward
+/// as their buckets complete, as DeepSpeed's overlapped reduction and PyTorch's
+/// optimizer-in-backward do, and a gradient the step does not return dies there. With
+/// micro-batches the gradients are complete only in the last micro-batch's backward,
+/// which is where their reductions and so the updates are. The step number input
+/// moves to the start. Values are unchanged: only the program order moves.
+fn place_in_backward(g: &mut Graph, step: Node, groups: &[(Value, Vec<Node>)]) {
+    let order = g.nodes().to_vec();
+    let pos: std::collections::HashMap<Node, usize> = order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let mut group_of: std::collections::HashMap<Node, usize> = std::collections::HashMap::new();
+    for (i, (_, ns)) in groups.iter().enumerate() {
+        for n in ns {
+            group_of.insert(*n, i);
+        }
+    }
+    // The last reader of each old parameter outside the updates.
+    let mut last_read: std::collections::HashMap<Value, usize> = std::collections::HashMap::new();
+    for (i, &n) in order.iter().enumerate() {
+        if group_of.contains_key(&n) {
+            continue;
+        }
+        for v in &g.node(n).operands {
+            last_read.insert(*v, i);
+        }
+    }
+    let mut after: std::collections::BTreeMap<usize, Vec<usize>> = std::collections::BTreeMap::new();
+    for (i, (pv, ns)) in groups.iter().enumerate() {
+        let mut at = last_read.get(pv).copied().unwrap_or(0);
+        for &n in ns {
+            for v in &g.node(n).operands {
+                let d = g.def(*v);
+                if d != step && group_of.get(&d) != Some(&i) {
+                    at = at.max(pos[&d]);
+                }
+            }
+        }
+        after.entry(at).or_default().push(i);
+    }
+    let mut new = Vec::with_capacity(order.len());
+    new.push(step);
+    for (i, &n) in order.iter().enumerate() {
+        if n == step || group_of.contains_key(&n) {
+            continue;
+        }
+        new.push(n);
+        for &gi in after.get(&i).map(Vec::as_slice).unwrap_or(&[]) {
+            new.extend_from_slice(&groups[gi].1);
+        }
+    }
+    debug_assert_eq!(new.len(), order.len());
+    g.set_order(new);
+}
+
+/// Removes the nodes made by `pass` whose results nothing reads and no output names.
+fn remove_dead(g: &mut Graph, pass: &str) -> usize {
+    let mut needed = vec![false; g.value_capacity()];
+    for (_, v) in g.outputs() {
+        needed[v.0 as usize] = true;
+    }
+    let mut dead = Vec::new();
+    for &n in g.nodes().iter().rev() {
+        let d = g.node(n);
+        if crate::util::made_by(g, n, pass) && !d.results.iter().any(|v| needed[v.0 as usize]) {
+            dead.push(n);
+        } else {
+            for v in &d.operands {
+                needed[v.0 as usize] = true;
+            }
+        }
+    }
+    g.remove_nodes(&dead);
+    dead.len()
 }
 
 struct Writer<'g> {

@@ -17,8 +17,11 @@ pub enum CheckpointPolicy {
     /// AutoSP's selective policy: keep attention outputs and collective results (no
     /// recomputed communication), recompute matmuls and cheap elementwise ops.
     Selective,
-    /// Keep at most this many bytes of activations per rank, choosing what to
-    /// recompute for the least extra compute (a min-cut over the joint graph).
+    /// Keep the step's peak of live values per rank (the memory estimate's `peak
+    /// live`: saved and recomputed activations, transients and gradients in flight;
+    /// parameters and optimizer state aside) within this many bytes, choosing what to
+    /// recompute for the least extra compute (a min-cut over the joint graph, checked
+    /// by the liveness estimate).
     Budget(u64),
 }
 
@@ -105,11 +108,27 @@ pub struct OffloadOptions {
     pub budget: Option<u64>,
     /// Host link bandwidth, bytes per second (default 25 GB/s).
     pub link_bytes_per_s: u64,
+    /// The device whose compute the copies hide under, timed by the plan's cost model
+    /// (default the `h200` profile; `weft compile --device` sets it).
+    pub device: Device,
+}
+
+/// A device profile as a pass option (options compare equal; a profile's rates are
+/// finite numbers, so equality is an equivalence).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Device(pub weft_ir::plan::DeviceProfile);
+
+impl Eq for Device {}
+
+impl Default for Device {
+    fn default() -> Self {
+        Device(crate::plan::profile::preset("h200").expect("built-in profile"))
+    }
 }
 
 impl Default for OffloadOptions {
     fn default() -> Self {
-        OffloadOptions { keep_last: 1, min_bytes: 1 << 20, budget: None, link_bytes_per_s: 25_000_000_000 }
+        OffloadOptions { keep_last: 1, min_bytes: 1 << 20, budget: None, link_bytes_per_s: 25_000_000_000, device: Device::default() }
     }
 }
 
@@ -130,6 +149,11 @@ pub struct TrainOptions {
     pub optimizer: Option<Optimizer>,
     /// `optimizer`: shard the optimizer states (and master weights) over `dp` (ZeRO-1).
     pub zero1: bool,
+    /// `optimizer`: keep returning the parameter gradients (`grad.*`) from a step that
+    /// updates the parameters (what `weft check --train` and `eval --grads` compare).
+    /// Off, the step returns only the updates and states, so each gradient is freed
+    /// as soon as its bucket's update has read it (as a real trainer does).
+    pub grad_outputs: bool,
     /// Sizes the memory-aware passes (checkpoint budget, offload planner) evaluate
     /// per-rank bytes at: `B` and `S` (default: 1 sequence of 4096 tokens per dp rank).
     pub batch: Option<i64>,
@@ -146,6 +170,7 @@ impl Default for TrainOptions {
             reduce_scatter: false,
             optimizer: None,
             zero1: false,
+            grad_outputs: true,
             batch: None,
             seq: None,
         }

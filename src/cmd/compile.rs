@@ -62,6 +62,11 @@ pub struct Args {
     /// checkpoint policy.
     #[arg(long)]
     pub train: bool,
+    /// Keep the parameter gradients as outputs (`grad.*`) of a training step that
+    /// updates the parameters. Off by default: a plan for training frees each gradient
+    /// once its bucket's update has read it.
+    #[arg(long)]
+    pub keep_grads: bool,
     #[command(flatten)]
     pub train_args: super::train::TrainArgs,
 }
@@ -119,6 +124,11 @@ pub fn run(a: Args) -> CliResult {
         cx.options.train = a.train_args.options("adamw")?;
         cx.options.train.batch = a.batch;
         cx.options.train.seq = a.seq;
+        cx.options.train.grad_outputs = a.keep_grads;
+        // The offload planner hides copies under compute timed on this device.
+        if let Some(o) = &mut cx.options.train.offload {
+            o.device = weft_passes::training::Device(weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?);
+        }
         names.extend(super::train::training_passes(&mesh, &cx.options.train));
     }
     let filter = |t: &Option<String>| -> CliResult<PassFilter> {

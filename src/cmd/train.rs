@@ -10,7 +10,9 @@ use weft_passes::training::{parse_bytes, CheckpointPolicy, OffloadOptions, Optim
 #[derive(clap::Args, Clone, Debug)]
 pub struct TrainArgs {
     /// Activation checkpointing: `none`, `full` (per layer), `selective` (keep attention
-    /// outputs, recompute matmuls and elementwise ops) or `budget=<bytes>` (min-cut).
+    /// outputs, recompute matmuls and elementwise ops) or `budget=<bytes>` (keep the
+    /// step's peak of live values per rank within the budget: a min-cut, checked by
+    /// the liveness estimate).
     #[arg(long, default_value = "none", value_name = "POLICY")]
     pub checkpoint: String,
     /// Offload saved activations to host memory (async copies on a copy stream,
@@ -82,6 +84,8 @@ impl TrainArgs {
             reduce_scatter: self.zero >= 2,
             optimizer,
             zero1: self.zero >= 1,
+            // check and eval compare the gradients; `compile` drops them from a plan.
+            grad_outputs: true,
             batch: None,
             seq: None,
         })
