@@ -26,9 +26,9 @@ const MR: usize = 12;
 /// Columns of the micro-kernel's tile: two zmm registers.
 const NR: usize = 32;
 /// Depth of a packed block.
-const KC: usize = 256;
+const KC: usize = 512;
 /// Columns of B packed at once (a multiple of `NR`).
-const NC: usize = 4096;
+const NC: usize = 2048;
 /// Rows of A packed at once (a multiple of `MR`).
 const MB: usize = 1536;
 /// Rows of one parallel task (a multiple of `MR`).

@@ -384,14 +384,16 @@ fn speed_llama_512() {
 #[ignore]
 fn speed_gemm() {
     use candle_core::{Device, Tensor};
+    // the best of 10 (the machine is shared)
     let time = |f: &mut dyn FnMut()| {
         f();
-        let t = std::time::Instant::now();
-        let reps = 5;
-        for _ in 0..reps {
-            f();
-        }
-        t.elapsed().as_secs_f64() / reps as f64
+        (0..10)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min)
     };
     for (m, k, n) in [(512usize, 512usize, 512usize), (512, 512, 1376), (512, 512, 32000)] {
         let gf = |s: f64| 2.0 * (m * k * n) as f64 / s / 1e9;
@@ -405,5 +407,12 @@ fn speed_gemm() {
             let s = time(&mut || crate::cpu::sgemm::sgemm((m, n, k), 1.0, &av, (k, 1), &bv, bs, 0.0, &mut c, (n, 1), par));
             eprintln!("sgemm{what} {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s (avx512: {})", s, gf(s), crate::cpu::sgemm::avx512());
         }
+    }
+    // the lm_head's backward: dx = g @ w (k = vocab) and dw = g^T @ x (m = vocab, a^T)
+    for (what, (m, k, n), a_s) in [("dx", (512usize, 32000usize, 512usize), (32000usize, 1usize)), ("dw", (32000, 512, 512), (1, 32000))] {
+        let (av, bv) = (vec![1f32; m * k], vec![1f32; k * n]);
+        let mut c = vec![0f32; m * n];
+        let s = time(&mut || crate::cpu::sgemm::sgemm((m, n, k), 1.0, &av, a_s, &bv, (n, 1), 0.0, &mut c, (n, 1), true));
+        eprintln!("sgemm lm_head {what} {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s", s, 2.0 * (m * k * n) as f64 / s / 1e9);
     }
 }
