@@ -116,3 +116,58 @@ fn moe_with_expert_parallelism() {
     check("mixtral", meshes);
     check("qwen3_moe", meshes);
 }
+
+/// A training step with its optimizer updates inside the backward and no gradient
+/// outputs (what `weft compile --train` plans) runs on the CPU reference and updates
+/// the parameters and states exactly as the step that returns its gradients does.
+#[test]
+fn updates_in_the_backward_without_gradient_outputs() {
+    use weft_passes::training::Optimizer;
+    let cases: &[(&str, &str, u8, u32, CheckpointPolicy)] = &[
+        ("llama", "", 0, 1, CheckpointPolicy::None),
+        ("llama", "dp=2,sp=2", 1, 1, CheckpointPolicy::Selective),
+        ("llama", "dp=2", 2, 2, CheckpointPolicy::Full),
+        ("llama", "tp=2", 0, 2, CheckpointPolicy::None),
+        ("mixtral", "dp=2,sp=2", 1, 1, CheckpointPolicy::Selective),
+    ];
+    for (fam, mesh, zero, micro, policy) in cases {
+        let (graph, weights, inputs) = load(fam);
+        let m = Mesh::parse(mesh).unwrap();
+        let mut outs = Vec::new();
+        for grad_outputs in [true, false] {
+            let opts = TrainOptions {
+                optimizer: Some(Optimizer::adamw(1e-2)),
+                zero1: *zero >= 1,
+                reduce_scatter: *zero >= 2,
+                micro_batches: *micro,
+                checkpoint: policy.clone(),
+                grad_outputs,
+                bucket_bytes: 4096,
+                batch: Some(4),
+                seq: Some(16),
+                ..Default::default()
+            };
+            let mut cx = PassContext::new(m.clone());
+            cx.options.train = opts.clone();
+            let names: Vec<String> = training_pipeline(&m, &opts).names().into_iter().map(String::from).collect();
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            let mut g = graph.clone();
+            PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+            // The last update comes before the end of the backward (the embedding's
+            // gradient, the last one finished, is updated last).
+            let order = g.nodes();
+            let first_update = order.iter().position(|&n| matches!(g.node(n).op, weft_ir::Op::AdamW { .. })).unwrap();
+            let last_backward = order.iter().rposition(|&n| g.node(n).meta.provenance.as_ref().is_some_and(|p| p.pass == "autodiff")).unwrap();
+            assert!(first_update < last_backward, "{fam} {mesh}: the first update waits for the whole backward");
+            assert_eq!(g.outputs().iter().any(|(n, _)| n.starts_with("grad.")), grad_outputs, "{fam} {mesh}");
+            let mut w = weights.clone();
+            w.extend(weft_passes::optimizer::initial_state(&g, &weights).unwrap());
+            let mut i = inputs.clone();
+            i.insert("optim.step".into(), HostTensor::floats(DType::F32, vec![], vec![1.0]));
+            let r = run(&g, &w, &i, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{fam} {mesh} grad_outputs={grad_outputs}: {e}"));
+            outs.push(r.outputs.into_iter().filter(|(k, _)| !k.starts_with("grad.")).map(|(k, v)| (k, v.to_f64())).collect::<BTreeMap<_, _>>());
+        }
+        assert!(outs[0].keys().any(|k| k.starts_with("param.")), "{fam} {mesh}: no updates");
+        assert_eq!(outs[0], outs[1], "{fam} {mesh}: the updates differ without gradient outputs");
+    }
+}

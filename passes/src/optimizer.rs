@@ -15,6 +15,13 @@
 //! back into the parameter; the state is partitioned (`zero dp dim=0`) and returned per
 //! rank, split over `dp`. After `grad-sync`'s ZeRO-2 `reduce_scatter` the chunk of the
 //! gradient is the `grad_shard.<name>` it returns (no gather, no slice).
+//!
+//! Placement: each parameter's update runs inside the backward, right after its
+//! gradient is final (its grad-sync bucket reduced) and the old weight's last read, as
+//! DeepSpeed's overlapped reduction and PyTorch's optimizer-in-backward do; AdamW and
+//! SGD are per parameter (there is no global gradient-norm clipping to wait for). A
+//! step compiled with `grad_outputs` off no longer returns `grad.*`, so each gradient
+//! is freed once its update has read it instead of living to the end of the step.
 
 use crate::autodiff::GRAD_PREFIX;
 use crate::pass::{Pass, PassContext, PassError, PassResult, DP};
