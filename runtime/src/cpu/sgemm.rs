@@ -5,11 +5,16 @@
 //!
 //! Every operand is given by element strides (row, column), so a transposed operand costs
 //! nothing beyond the packing every block does anyway. The blocking is the usual one
-//! (Goto/BLIS): a `KC x NC` panel of B is packed into `NR`-column micro-panels (kept in
-//! L3, one micro-panel in L1 while the kernel runs), an `MB x KC` block of A into
-//! `MR`-row micro-panels (L2), and the `MR x NR` kernel keeps its tile of C in 24 zmm
-//! accumulators, broadcasting A and FMA-ing rows of B. The tiles of C within a packed
-//! block are split into `MC x NT` tasks that rayon runs in parallel (when asked).
+//! (Goto/BLIS): a `KC x NC` panel of B is packed into `NR`-column micro-panels (L3), an
+//! `MB x KC` block of A into `MR`-row micro-panels, and the `MR x NR` kernel keeps its
+//! tile of C in 24 zmm accumulators, broadcasting A and FMA-ing rows of B. The tiles of C
+//! within a packed block are split into `MC x NT` tasks that rayon runs in parallel (when
+//! asked); a task's A rows (`MC x KC`) stay in L2 while it sweeps its B micro-panels.
+//! `KC` is 512 so that at the hidden sizes of interest C is written once, not
+//! read-modified-written per depth block (measured: 380-410 GFLOP/s on 2 Zen 5 cores at
+//! the llama shapes, against 300-330 with `KC` 256).
+//!
+//! The packing buffers are kept per calling thread between calls (11 MiB at most).
 //!
 //! Without AVX-512F (checked at run time) the call goes to the gemm crate, which is also
 //! what f64 uses (f64 only serves tight reference checks).
@@ -170,10 +175,22 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let (oa, ob) = (off(sa, al.start_offset(), i), off(sb, bl.start_offset(), i));
         sgemm((m, n, k), 1.0, &av[oa..], (sa[r], sa[r + 1]), &bv[ob..], (sb[r], sb[r + 1]), 0.0, dst, (n, 1), par);
     };
+    // `b` the same for every batch entry and `a`'s batch dims folding into its rows (each
+    // batch stride is the extent of the dims after it): one GEMM of nb * m rows
+    let b_shared = sb[..r].iter().zip(&batch).all(|(&st, &d)| st == 0 || d == 1);
+    let a_folds = {
+        let (mut ok, mut extent) = (true, m * sa[r]);
+        for d in (0..r).rev().filter(|&d| batch[d] != 1) {
+            ok &= sa[d] == extent;
+            extent = batch[d] * sa[d];
+        }
+        ok
+    };
     let mut out = vec![0f32; nb * m * n];
     if m * n == 0 {
-    } else if nb == 1 {
-        one(0, &mut out, true);
+    } else if nb == 1 || (b_shared && a_folds) {
+        let (oa, ob) = (al.start_offset(), bl.start_offset());
+        sgemm((nb * m, n, k), 1.0, &av[oa..], (sa[r], sa[r + 1]), &bv[ob..], (sb[r], sb[r + 1]), 0.0, &mut out, (n, 1), true);
     } else if nb >= rayon::current_num_threads() && m * n * k >= 1 << 14 {
         out.par_chunks_mut(m * n).enumerate().for_each(|(i, d)| one(i, d, false));
     } else {
@@ -565,6 +582,11 @@ mod tests {
             (t(&[2, 1, 5, 7], 7), t(&[1, 4, 7, 6], 8), vec![2, 4]),
             (t(&[4, 6, 5], 9).transpose(1, 2).unwrap(), t(&[4, 9, 6], 10).transpose(1, 2).unwrap(), vec![4]),
             (t(&[3, 8, 2, 40], 11).transpose(1, 2).unwrap(), t(&[3, 2, 40, 33], 12), vec![3, 2]),
+            // b shared by the batch: folded into one GEMM when a's rows allow it
+            (t(&[3, 1, 5, 7], 13), t(&[7, 4], 14), vec![3, 1]),
+            (t(&[4, 6, 5], 15).transpose(1, 2).unwrap(), t(&[6, 3], 16), vec![4]),
+            (t(&[5, 2, 7], 17).transpose(0, 1).unwrap(), t(&[1, 7, 3], 18), vec![2]),
+            (t(&[2, 5, 7], 19).narrow(1, 1, 3).unwrap(), t(&[7, 3], 20), vec![2]),
         ];
         for (a, b, batch) in cases {
             let full = |x: &Tensor| {

@@ -11,6 +11,7 @@
 //! Safety: the intrinsics run only after the feature check; tails use masked loads and
 //! stores, which touch no lane outside the slice.
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
 use super::sgemm::avx512;
 
 /// The row max; NaN when the row has one; -inf for an empty row.
