@@ -259,6 +259,12 @@ fn pack_a(dst: &mut [f32], a: &[f32], (rs, cs): (usize, usize), i0: usize, mr: u
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if cs == 1 && avx512() {
+        // SAFETY: AVX-512F detected.
+        unsafe { transpose_into(dst, MR, 0, a, i0 * rs + p0, rs, mr, kc) };
+        return;
+    }
     for i in 0..MR {
         if i < mr {
             let s = (i0 + i) * rs + p0 * cs;
@@ -286,6 +292,14 @@ fn pack_b(dst: &mut [f32], b: &[f32], (rs, cs): (usize, usize), j0: usize, nr: u
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if rs == 1 && avx512() {
+        for h in [0, 16] {
+            // SAFETY: AVX-512F detected.
+            unsafe { transpose_into(dst, NR, h, b, (j0 + h) * cs + p0, cs, nr.saturating_sub(h).min(16), kc) };
+        }
+        return;
+    }
     for j in 0..NR {
         if j < nr {
             let s = (j0 + j) * cs + p0 * rs;
@@ -298,6 +312,67 @@ fn pack_b(dst: &mut [f32], b: &[f32], (rs, cs): (usize, usize), j0: usize, nr: u
         } else {
             dst.chunks_exact_mut(NR).for_each(|d| d[j] = 0.0);
         }
+    }
+}
+
+/// `dst[p * w + off + l] = src[base + l * ls + p]` for `p < kc` and `l < lines`, zero for
+/// `lines <= l < min(16, w - off)`: `lines` source lines, contiguous along `p`, written
+/// across a packed panel of row width `w`, 16 x 16 blocks at a time through registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+fn transpose_into(dst: &mut [f32], w: usize, off: usize, src: &[f32], base: usize, ls: usize, lines: usize, kc: usize) {
+    use std::arch::x86_64::*;
+    let lanes = 16.min(w - off);
+    let mask = ((1u32 << lanes) - 1) as __mmask16;
+    let mut p = 0;
+    while p + 16 <= kc {
+        let mut r = [_mm512_setzero_ps(); 16];
+        for (l, r) in r.iter_mut().enumerate().take(lines) {
+            let s = &src[base + l * ls + p..][..16];
+            // SAFETY: s holds 16 floats.
+            *r = unsafe { _mm512_loadu_ps(s.as_ptr()) };
+        }
+        transpose16(&mut r);
+        for (t, r) in r.iter().enumerate() {
+            let d = &mut dst[(p + t) * w + off..][..lanes];
+            // SAFETY: the mask keeps to d's `lanes` floats.
+            unsafe { _mm512_mask_storeu_ps(d.as_mut_ptr(), mask, *r) };
+        }
+        p += 16;
+    }
+    for p in p..kc {
+        for (l, d) in dst[p * w + off..][..lanes].iter_mut().enumerate() {
+            *d = if l < lines { src[base + l * ls + p] } else { 0.0 };
+        }
+    }
+}
+
+/// Transposes a 16 x 16 block held as 16 rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: &mut [std::arch::x86_64::__m512; 16]) {
+    use std::arch::x86_64::*;
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for g in (0..16).step_by(4) {
+        r[g] = _mm512_shuffle_ps::<0x44>(t[g], t[g + 2]);
+        r[g + 1] = _mm512_shuffle_ps::<0xEE>(t[g], t[g + 2]);
+        r[g + 2] = _mm512_shuffle_ps::<0x44>(t[g + 1], t[g + 3]);
+        r[g + 3] = _mm512_shuffle_ps::<0xEE>(t[g + 1], t[g + 3]);
+    }
+    for b in [0, 8] {
+        for i in 0..4 {
+            t[b + i] = _mm512_shuffle_f32x4::<0x88>(r[b + i], r[b + 4 + i]);
+            t[b + 4 + i] = _mm512_shuffle_f32x4::<0xDD>(r[b + i], r[b + 4 + i]);
+        }
+    }
+    for i in 0..8 {
+        r[i] = _mm512_shuffle_f32x4::<0x88>(t[i], t[8 + i]);
+        r[8 + i] = _mm512_shuffle_f32x4::<0xDD>(t[i], t[8 + i]);
     }
 }
 
@@ -555,6 +630,33 @@ mod tests {
         // past KC in depth, several tasks and micro-panels, odd tails everywhere
         for (i, &(m, n, k)) in [(97, 131, 300), (25, 290, 513), (200, 65, 257), (130, 300, 64), (1, 300, 600), (300, 1, 40)].iter().enumerate() {
             check(m, n, k, 100 + i as u64);
+        }
+    }
+
+    #[test]
+    fn packing_transposes() {
+        // A row-major and B column-major go through the register transpose; every line
+        // count and a depth tail
+        let src = rand(40 * 40, 7);
+        for lines in 0..=MR {
+            let mut d = vec![f32::NAN; 37 * MR];
+            pack_a(&mut d, &src, (40, 1), 1, lines, 2, 37);
+            for p in 0..37 {
+                for i in 0..MR {
+                    let want = if i < lines { src[(1 + i) * 40 + 2 + p] } else { 0.0 };
+                    assert_eq!(d[p * MR + i], want, "a lines {lines} p {p} i {i}");
+                }
+            }
+        }
+        for nr in [1, 5, 16, 17, 31, 32] {
+            let mut d = vec![f32::NAN; 37 * NR];
+            pack_b(&mut d, &src, (1, 40), 3, nr, 2, 37);
+            for p in 0..37 {
+                for j in 0..NR {
+                    let want = if j < nr { src[(3 + j) * 40 + 2 + p] } else { 0.0 };
+                    assert_eq!(d[p * NR + j], want, "b nr {nr} p {p} j {j}");
+                }
+            }
         }
     }
 
