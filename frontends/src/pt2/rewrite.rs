@@ -34,13 +34,6 @@ fn through_casts(g: &Graph, mut v: Value) -> Value {
     v
 }
 
-fn peel_reshapes(g: &Graph, mut v: Value) -> Value {
-    while let (Op::Reshape { .. }, [x]) = def(g, v) {
-        v = *x;
-    }
-    v
-}
-
 fn is_zero_full(g: &Graph, v: Value) -> bool {
     match def(g, v) {
         (Op::Full { value, .. }, _) => value.0 == 0.0,
