@@ -451,20 +451,31 @@ impl Problem<'_> {
 /// Runs the kernel for an `mr`-row tile (`1 <= mr <= MR`).
 ///
 /// # Safety
-/// As [`kernel`].
+/// As the kernels: AVX-512F available; `a` holds `kc * MR` floats, `b` `kc * NR`; `c`
+/// reaches `i * c_rs + j * c_cs` for `i < mr`, `j < nr <= NR`, and no one else accesses
+/// those elements during the call.
 #[allow(clippy::too_many_arguments)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn tile(mr: usize, kc: usize, a: *const f32, b: *const f32, c: *mut f32, c_rs: usize, c_cs: usize, nr: usize, alpha: f32, beta: f32) {
-    macro_rules! go {
-        ($($r:literal)*) => {
-            match mr {
-                $($r => unsafe { kernel::<$r>(kc, a, b, c, c_rs, c_cs, nr, alpha, beta) },)*
-                _ => unreachable!("tile rows {mr}"),
-            }
-        };
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match mr {
+            12 => k12(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            11 => k11(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            10 => k10(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            9 => k9(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            8 => k8(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            7 => k7(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            6 => k6(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            5 => k5(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            4 => k4(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            3 => k3(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            2 => k2(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            1 => k1(kc, a, b, c, c_rs, c_cs, nr, alpha, beta),
+            _ => unreachable!("tile rows {mr}"),
+        }
     }
-    go!(1 2 3 4 5 6 7 8 9 10 11 12)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -473,65 +484,85 @@ unsafe fn tile(_: usize, _: usize, _: *const f32, _: *const f32, _: *mut f32, _:
     unreachable!("the AVX-512 kernel only runs on x86_64")
 }
 
-/// `C[R x nr] = alpha * A_panel @ B_panel + beta * C` for packed panels of depth `kc`
-/// (`a[p * MR + i]`, `b[p * NR + j]`).
-///
-/// # Safety
-/// AVX-512F available; `a` holds `kc * MR` floats, `b` `kc * NR` floats (64-byte aligned
-/// not required); `c` reaches `i * c_rs + j * c_cs` for `i < R`, `j < nr <= NR`, and no
-/// one else accesses those elements during the call.
-#[allow(clippy::too_many_arguments)]
+/// Writes row `i` of the tile, `alpha * (acc0, acc1) + beta * C`, under the column masks
+/// (or element by element when C's columns are strided).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn kernel<const R: usize>(kc: usize, a: *const f32, b: *const f32, c: *mut f32, c_rs: usize, c_cs: usize, nr: usize, alpha: f32, beta: f32) {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    for p in 0..kc {
-        // SAFETY (this block): p < kc, so both panels are read in bounds.
-        unsafe {
-            let b0 = _mm512_loadu_ps(b.add(p * NR));
-            let b1 = _mm512_loadu_ps(b.add(p * NR + 16));
-            let ap = a.add(p * MR);
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let ai = _mm512_set1_ps(*ap.add(i));
-                acc[0] = _mm512_fmadd_ps(ai, b0, acc[0]);
-                acc[1] = _mm512_fmadd_ps(ai, b1, acc[1]);
+macro_rules! store_row {
+    ($c:ident, $c_rs:ident, $c_cs:ident, $nr:ident, $m0:ident, $m1:ident, $va:ident, $vb:ident, $alpha:ident, $beta:ident, $i:expr, $acc0:expr, $acc1:expr) => {{
+        let row = $c.add($i * $c_rs);
+        let (mut r0, mut r1) = (_mm512_mul_ps($acc0, $va), _mm512_mul_ps($acc1, $va));
+        if $c_cs == 1 {
+            if $beta != 0.0 {
+                r0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps($m0, row), $vb, r0);
+                r1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps($m1, row.add(16)), $vb, r1);
+            }
+            _mm512_mask_storeu_ps(row, $m0, r0);
+            _mm512_mask_storeu_ps(row.add(16), $m1, r1);
+        } else {
+            let mut t = [0f32; NR];
+            _mm512_storeu_ps(t.as_mut_ptr(), r0);
+            _mm512_storeu_ps(t.as_mut_ptr().add(16), r1);
+            for (j, &v) in t.iter().enumerate().take($nr) {
+                let e = row.add(j * $c_cs);
+                *e = if $beta == 0.0 { v } else { v + $beta * *e };
             }
         }
-    }
-    let va = _mm512_set1_ps(alpha);
-    let vb = _mm512_set1_ps(beta);
-    if c_cs == 1 {
-        let m0: __mmask16 = if nr >= 16 { 0xffff } else { ((1u32 << nr) - 1) as u16 };
-        let m1: __mmask16 = if nr >= 32 { 0xffff } else if nr > 16 { ((1u32 << (nr - 16)) - 1) as u16 } else { 0 };
-        for (i, acc) in acc.iter().enumerate() {
-            // SAFETY: row i < R of the tile; the masks keep to its nr columns (masked-off
-            // lanes are neither read nor written, and do not fault).
+    }};
+}
+
+/// The micro-kernels, one per tile height: `C[R x nr] = alpha * A_panel @ B_panel +
+/// beta * C` for packed panels of depth `kc` (`a[p * MR + i]`, `b[p * NR + j]`). The rows
+/// are spelled out (not a loop over an array) so that the accumulators live in
+/// registers even where this crate is built at opt-level 1 (the dev profile).
+#[cfg(target_arch = "x86_64")]
+macro_rules! kernels {
+    ($($name:ident [$($i:literal)*];)*) => {$(
+        /// # Safety
+        /// As [`tile`].
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn $name(kc: usize, a: *const f32, b: *const f32, c: *mut f32, c_rs: usize, c_cs: usize, nr: usize, alpha: f32, beta: f32) {
+            use std::arch::x86_64::*;
+            let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+            let (mut ap, mut bp) = (a, b);
+            // SAFETY (this block): p < kc, so both panels are read in bounds; the
+            // stores keep to the tile (rows i < R, masks or nr for the columns).
             unsafe {
-                let row = c.add(i * c_rs);
-                let (mut r0, mut r1) = (_mm512_mul_ps(acc[0], va), _mm512_mul_ps(acc[1], va));
-                if beta != 0.0 {
-                    r0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, row), vb, r0);
-                    r1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, row.add(16)), vb, r1);
+                for _ in 0..kc {
+                    let b0 = _mm512_loadu_ps(bp);
+                    let b1 = _mm512_loadu_ps(bp.add(16));
+                    $(
+                        let ai = _mm512_set1_ps(*ap.add($i));
+                        acc[$i][0] = _mm512_fmadd_ps(ai, b0, acc[$i][0]);
+                        acc[$i][1] = _mm512_fmadd_ps(ai, b1, acc[$i][1]);
+                    )*
+                    ap = ap.add(MR);
+                    bp = bp.add(NR);
                 }
-                _mm512_mask_storeu_ps(row, m0, r0);
-                _mm512_mask_storeu_ps(row.add(16), m1, r1);
+                let va = _mm512_set1_ps(alpha);
+                let vb = _mm512_set1_ps(beta);
+                let m0: __mmask16 = if nr >= 16 { 0xffff } else { ((1u32 << nr) - 1) as u16 };
+                let m1: __mmask16 = if nr >= 32 { 0xffff } else if nr > 16 { ((1u32 << (nr - 16)) - 1) as u16 } else { 0 };
+                $( store_row!(c, c_rs, c_cs, nr, m0, m1, va, vb, alpha, beta, $i, acc[$i][0], acc[$i][1]); )*
             }
         }
-    } else {
-        let mut t = [0f32; NR];
-        for (i, acc) in acc.iter().enumerate() {
-            // SAFETY: t holds NR floats; element (i, j) of the tile is in C for j < nr.
-            unsafe {
-                _mm512_storeu_ps(t.as_mut_ptr(), acc[0]);
-                _mm512_storeu_ps(t.as_mut_ptr().add(16), acc[1]);
-                for (j, &v) in t.iter().enumerate().take(nr) {
-                    let e = c.add(i * c_rs + j * c_cs);
-                    *e = if beta == 0.0 { alpha * v } else { alpha * v + beta * *e };
-                }
-            }
-        }
-    }
+    )*};
+}
+
+#[cfg(target_arch = "x86_64")]
+kernels! {
+    k1 [0];
+    k2 [0 1];
+    k3 [0 1 2];
+    k4 [0 1 2 3];
+    k5 [0 1 2 3 4];
+    k6 [0 1 2 3 4 5];
+    k7 [0 1 2 3 4 5 6];
+    k8 [0 1 2 3 4 5 6 7];
+    k9 [0 1 2 3 4 5 6 7 8];
+    k10 [0 1 2 3 4 5 6 7 8 9];
+    k11 [0 1 2 3 4 5 6 7 8 9 10];
+    k12 [0 1 2 3 4 5 6 7 8 9 10 11];
 }
 
 #[cfg(test)]
