@@ -158,6 +158,9 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let mut names = super::compile::pipeline(None, &mesh)?;
     let mut training = false;
     let mut train_opts = a.train.options("adamw")?;
+    // Only --check compares gradients; a training run lets each gradient die once its
+    // bucket has updated the weights.
+    train_opts.grad_outputs = a.check > 0;
     if a.torch_adamw {
         train_opts.optimizer = None;
     }

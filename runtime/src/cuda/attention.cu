@@ -191,11 +191,13 @@ __device__ __forceinline__ void load_rows(__nv_bfloat16* sm, const __nv_bfloat16
 
 // ---------------------------------------------------------------- tensor-core forward
 
-template <int D, int NW>
+// MT = 16-row m-tiles per warp: with 2, every K and V fragment loaded from shared memory
+// feeds two MMAs (shared-memory bandwidth, not the tensor cores, bounds the loop at MT = 1).
+template <int D, int NW, int MT>
 __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                        const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) {
     constexpr int LD = D + 8;
-    constexpr int BR = 16 * NW; // query rows per block: 16 per warp
+    constexpr int BR = 16 * NW * MT; // query rows per block
     extern __shared__ __align__(16) unsigned char fa_smem[];
     __nv_bfloat16* sQ = (__nv_bfloat16*)fa_smem;
     __nv_bfloat16* sK = sQ + BR * LD;
@@ -221,11 +223,16 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
     }
     cp_async_commit();
 
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
-    u32 qf[D / 16][4];
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) o[t][i][0] = o[t][i][1] = o[t][i][2] = o[t][i][3] = 0.f;
+    float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) mrow[t][0] = mrow[t][1] = -INFINITY, lrow[t][0] = lrow[t][1] = 0.f;
+    u32 qf[MT][D / 16][4];
+    // row of this thread's first value in m-tile t: q0 + (warp * MT + t) * 16 + lane / 4
 
     for (i64 kt = 0; kt < nkt; ++kt) {
         if (kt + 1 < nkt) {
@@ -240,81 +247,98 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
         __syncthreads();
         if (kt == 0) {
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks)
-                ldsm_x4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], sQ + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+            for (int t = 0; t < MT; ++t)
+#pragma unroll
+                for (int ks = 0; ks < D / 16; ++ks)
+                    ldsm_x4(qf[t][ks][0], qf[t][ks][1], qf[t][ks][2], qf[t][ks][3], sQ + ((warp * MT + t) * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
         }
         const __nv_bfloat16* Kb = sK + (kt & 1) * 64 * LD;
         const __nv_bfloat16* Vb = sV + (kt & 1) * 64 * LD;
-        float s[8][4];
+        float s[MT][8][4];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[t][i][0] = s[t][i][1] = s[t][i][2] = s[t][i][3] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4(b0, b1, b2, b3, Kb + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
-                mma_bf16(s[2 * np], qf[ks], b0, b1);
-                mma_bf16(s[2 * np + 1], qf[ks], b2, b3);
+#pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    mma_bf16(s[t][2 * np], qf[t][ks], b0, b1);
+                    mma_bf16(s[t][2 * np + 1], qf[t][ks], b2, b3);
+                }
             }
         }
         // scale, mask
         const i64 k0 = kt * 64;
         const bool need_mask = (k0 + 64 > Sk) || (causal && k0 + 63 > q0 + off);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[nt][e] * scale_log2;
-                if (need_mask) {
-                    i64 col = k0 + nt * 8 + (lane & 3) * 2 + (e & 1);
-                    i64 qi = q0 + warp * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
-                    if (col >= Sk || (causal && col > qi + off)) x = -INFINITY;
-                }
-                s[nt][e] = x;
-            }
-        }
-        // online softmax for the thread's two rows
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-            float mnew = fmaxf(mrow[r], mx);
-            float msub = mnew == -INFINITY ? 0.f : mnew;
-            float corr = exp2f(mrow[r] - msub);
-            mrow[r] = mnew;
-            float rs = 0.f;
+        for (int t = 0; t < MT; ++t)
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
-                float p0 = exp2f(s[nt][2 * r] - msub), p1 = exp2f(s[nt][2 * r + 1] - msub);
-                s[nt][2 * r] = p0;
-                s[nt][2 * r + 1] = p1;
-                rs += p0 + p1;
-            }
-            lrow[r] = lrow[r] * corr + rs;
 #pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                o[dt][2 * r] *= corr;
-                o[dt][2 * r + 1] *= corr;
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[t][nt][e] * scale_log2;
+                    if (need_mask) {
+                        i64 col = k0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+                        i64 qi = q0 + (warp * MT + t) * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
+                        if (col >= Sk || (causal && col > qi + off)) x = -INFINITY;
+                    }
+                    s[t][nt][e] = x;
+                }
             }
-        }
+        // online softmax for the thread's rows
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[t][nt][2 * r], s[t][nt][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+                float mnew = fmaxf(mrow[t][r], mx);
+                float msub = mnew == -INFINITY ? 0.f : mnew;
+                float corr = exp2f(mrow[t][r] - msub);
+                mrow[t][r] = mnew;
+                float rs = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt) {
+                    float p0 = exp2f(s[t][nt][2 * r] - msub), p1 = exp2f(s[t][nt][2 * r + 1] - msub);
+                    s[t][nt][2 * r] = p0;
+                    s[t][nt][2 * r + 1] = p1;
+                    rs += p0 + p1;
+                }
+                lrow[t][r] = lrow[t][r] * corr + rs;
+#pragma unroll
+                for (int dt = 0; dt < D / 8; ++dt) {
+                    o[t][dt][2 * r] *= corr;
+                    o[t][dt][2 * r + 1] *= corr;
+                }
+            }
         // O += P V
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
-            u32 a[4];
-            a[0] = pack_bf16(s[2 * ks][0], s[2 * ks][1]);
-            a[1] = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
-            a[2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-            a[3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            u32 a[MT][4];
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                a[t][0] = pack_bf16(s[t][2 * ks][0], s[t][2 * ks][1]);
+                a[t][1] = pack_bf16(s[t][2 * ks][2], s[t][2 * ks][3]);
+                a[t][2] = pack_bf16(s[t][2 * ks + 1][0], s[t][2 * ks + 1][1]);
+                a[t][3] = pack_bf16(s[t][2 * ks + 1][2], s[t][2 * ks + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(b0, b1, b2, b3, Vb + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
-                mma_bf16(o[2 * dp], a, b0, b1);
-                mma_bf16(o[2 * dp + 1], a, b2, b3);
+#pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    mma_bf16(o[t][2 * dp], a[t], b0, b1);
+                    mma_bf16(o[t][2 * dp + 1], a[t], b2, b3);
+                }
             }
         }
         __syncthreads();
@@ -322,33 +346,36 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
     cp_async_wait<0>();
     __nv_bfloat16* og = out + ((i64)b * Nq + h) * Sq * D;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = lrow[r];
-        l += __shfl_xor_sync(FULL_MASK, l, 1);
-        l += __shfl_xor_sync(FULL_MASK, l, 2);
-        float inv = l > 0.f ? 1.f / l : 0.f;
-        i64 row = q0 + warp * 16 + (lane >> 2) + r * 8;
-        if (row < Sq) {
+    for (int t = 0; t < MT; ++t)
 #pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                int col = dt * 8 + (lane & 3) * 2;
-                *(u32*)(og + row * D + col) = pack_bf16(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+        for (int r = 0; r < 2; ++r) {
+            float l = lrow[t][r];
+            l += __shfl_xor_sync(FULL_MASK, l, 1);
+            l += __shfl_xor_sync(FULL_MASK, l, 2);
+            float inv = l > 0.f ? 1.f / l : 0.f;
+            i64 row = q0 + (warp * MT + t) * 16 + (lane >> 2) + r * 8;
+            if (row < Sq) {
+#pragma unroll
+                for (int dt = 0; dt < D / 8; ++dt) {
+                    int col = dt * 8 + (lane & 3) * 2;
+                    *(u32*)(og + row * D + col) = pack_bf16(o[t][dt][2 * r] * inv, o[t][dt][2 * r + 1] * inv);
+                }
+                if (lse && (lane & 3) == 0)
+                    lse[((i64)b * Nq + h) * Sq + row] = l > 0.f ? (mrow[t][r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
             }
-            if (lse && (lane & 3) == 0)
-                lse[((i64)b * Nq + h) * Sq + row] = l > 0.f ? (mrow[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
         }
-    }
 }
 
-#define DEF_FA_FWD(NAME, D, NW)                                                                           \
+#define DEF_FA_FWD(NAME, D, NW, MT)                                                                       \
     extern "C" __global__ void __launch_bounds__(32 * NW) NAME(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, \
             const __nv_bfloat16* k, const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) { \
-        fa_fwd<D, NW>(out, lse, q, k, v, Nq, Nkv, Sq, Sk, scale_log2, causal);                             \
+        fa_fwd<D, NW, MT>(out, lse, q, k, v, Nq, Nkv, Sq, Sk, scale_log2, causal);                         \
     }
-DEF_FA_FWD(fa_fwd_d64, 64, 4)
-DEF_FA_FWD(fa_fwd_d128, 128, 4)
-DEF_FA_FWD(fa_fwd_d64_w8, 64, 8)
-DEF_FA_FWD(fa_fwd_d128_w8, 128, 8)
+DEF_FA_FWD(fa_fwd_d64, 64, 4, 1)
+DEF_FA_FWD(fa_fwd_d128, 128, 4, 1)
+DEF_FA_FWD(fa_fwd_d64_w8, 64, 8, 1)
+DEF_FA_FWD(fa_fwd_d128_w8, 128, 8, 1)
+DEF_FA_FWD(fa_fwd_d64_m2, 64, 4, 2)
 
 // ---------------------------------------------------------------- tensor-core backward
 // Grid (Nkv * B, key tiles): blocks are issued x-fastest, so every head's first (for causal,
@@ -367,6 +394,11 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
     constexpr int LDS = 64 + 8;
     constexpr int QG = NW / 4;          // warps sharing one 16-row slice of dQ (split over D)
     constexpr int DPW = D / 16 / QG;    // 16-column dQ slices per warp
+    // Head dim 64: the warp's K and V rows (the A operands of S^T and dP^T, the same on
+    // every iteration) stay in registers and dS's fragments are loaded once per dQ, not
+    // once per column slice: shared-memory loads, not MMAs, bound this loop.
+    constexpr bool HOIST = D <= 64;
+    constexpr int KF = HOIST ? D / 16 : 1;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     __nv_bfloat16* sK = (__nv_bfloat16*)fa_smem;
     __nv_bfloat16* sV = sK + BK * LD;
@@ -421,6 +453,7 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
         dka[i][0] = dka[i][1] = dka[i][2] = dka[i][3] = 0.f;
         dva[i][0] = dva[i][1] = dva[i][2] = dva[i][3] = 0.f;
     }
+    u32 kf[KF][4], vf[KF][4];
     for (i64 it = 0; it < niter; ++it) {
         const int buf = (int)(it & 1);
         const __nv_bfloat16* sQ = sQ2 + buf * 64 * LD;
@@ -444,6 +477,13 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
         }
         if (it + 1 < niter) cp_async_wait<1>(); else cp_async_wait<0>();
         __syncthreads();
+        if (HOIST && it == 0) {
+#pragma unroll
+            for (int ks = 0; ks < KF; ++ks) {
+                ldsm_x4(kf[ks][0], kf[ks][1], kf[ks][2], kf[ks][3], sK + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+                ldsm_x4(vf[ks][0], vf[ks][1], vf[ks][2], vf[ks][3], sV + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+            }
+        }
         float* dqg = dq_acc + ((i64)b * Nq + h) * Sq * D;
         // S^T = K Q^T for the warp's 16 keys x 64 queries
         float st[8][4];
@@ -452,7 +492,11 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             u32 a[4];
-            ldsm_x4(a[0], a[1], a[2], a[3], sK + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+            if (HOIST) {
+                a[0] = kf[ks % KF][0]; a[1] = kf[ks % KF][1]; a[2] = kf[ks % KF][2]; a[3] = kf[ks % KF][3];
+            } else {
+                ldsm_x4(a[0], a[1], a[2], a[3], sK + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+            }
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 u32 b0, b1, b2, b3;
@@ -510,7 +554,11 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) {
                 u32 a[4];
-                ldsm_x4(a[0], a[1], a[2], a[3], sV + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+                if (HOIST) {
+                    a[0] = vf[ks % KF][0]; a[1] = vf[ks % KF][1]; a[2] = vf[ks % KF][2]; a[3] = vf[ks % KF][3];
+                } else {
+                    ldsm_x4(a[0], a[1], a[2], a[3], sV + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
+                }
                 u32 b0, b1, b2, b3;
                 ldsm_x4(b0, b1, b2, b3, sO + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
                 mma_bf16(dpt[0], a, b0, b1);
@@ -550,6 +598,13 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
         // dQ[q0 + 16 qw .. +16, the warp's columns] += dS K over the block's BK keys,
         // 16 output columns at a time (fewer live registers)
         const int qw = warp & 3, dp0 = (warp >> 2) * DPW;
+        constexpr int SF = HOIST ? BK / 16 : 1;
+        u32 sf[SF][4];
+        if (HOIST) {
+#pragma unroll
+            for (int ks = 0; ks < SF; ++ks)
+                ldsm_x4_t(sf[ks][0], sf[ks][1], sf[ks][2], sf[ks][3], sS + (ks * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + qw * 16 + ((lane >> 3) & 1) * 8);
+        }
 #pragma unroll
         for (int dj = 0; dj < DPW; ++dj) {
             const int dp = dp0 + dj;
@@ -559,7 +614,11 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
 #pragma unroll
             for (int ks = 0; ks < BK / 16; ++ks) {
                 u32 a[4];
-                ldsm_x4_t(a[0], a[1], a[2], a[3], sS + (ks * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + qw * 16 + ((lane >> 3) & 1) * 8);
+                if (HOIST) {
+                    a[0] = sf[ks % SF][0]; a[1] = sf[ks % SF][1]; a[2] = sf[ks % SF][2]; a[3] = sf[ks % SF][3];
+                } else {
+                    ldsm_x4_t(a[0], a[1], a[2], a[3], sS + (ks * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + qw * 16 + ((lane >> 3) & 1) * 8);
+                }
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(b0, b1, b2, b3, sK + (ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
                 mma_bf16(dqp[0], a, b0, b1);

@@ -286,8 +286,9 @@ struct Lower<'a> {
     stream: usize,
     ins: u32,
     fast_attention: bool,
-    /// Saved log-sum-exp of attention forwards: (q, k, v, out) -> lse pointer.
-    attn_lse: HashMap<(u64, u64, u64, u64), u64>,
+    /// Saved log-sum-exp of attention forwards by output pointer: the output a backward
+    /// reads is the one its forward wrote (q, k, v may be recomputed copies elsewhere).
+    attn_lse: HashMap<u64, u64>,
     /// Saved per-row log-sum-exp of cross-entropy forwards: (logits, labels) -> lse pointer.
     ce_lse: HashMap<(u64, u64), u64>,
     location: String,
@@ -582,7 +583,7 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
         Op::Attention { causal, scale } => {
             // Per query row: the log-sum-exp (tensor-core path) or the max and the sum (generic).
             let lse = lw.ex.side(8 * ins[0].shape[0] as u64 * ins[0].shape[1] as u64 * ins[0].shape[2] as u64);
-            lw.attn_lse.insert((ins[0].ptr, ins[1].ptr, ins[2].ptr, o.ptr), lse);
+            lw.attn_lse.insert(o.ptr, lse);
             attention_fwd(lw, &ins[0], &ins[1], &ins[2], ins.get(3), o, lse, *causal, scale.0 as f32)
         }
         Op::AttentionGrad { causal, scale } => attention_bwd(lw, ins, outs, *causal, scale.0 as f32),
@@ -1051,14 +1052,17 @@ fn attention_fwd(lw: &mut Lower, q: &DevT, k: &DevT, v: &DevT, mask: Option<&Dev
     let fast = lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
     if fast {
         // WEFT_FA_WARPS=8: 128 query rows per block (8 warps) instead of 64.
+        // Head dim 64: two 16-row m-tiles per warp (128 rows per block) unless WEFT_FA_FWD=m1.
         let nw: usize = if std::env::var("WEFT_FA_WARPS").as_deref() == Ok("8") { 8 } else { 4 };
-        let name = match (d, nw) {
-            (64, 4) => "fa_fwd_d64",
-            (64, _) => "fa_fwd_d64_w8",
-            (_, 4) => "fa_fwd_d128",
+        let mt: usize = if d == 64 && nw == 4 && std::env::var("WEFT_FA_FWD").as_deref() != Ok("m1") { 2 } else { 1 };
+        let name = match (d, nw, mt) {
+            (64, 4, 2) => "fa_fwd_d64_m2",
+            (64, 4, _) => "fa_fwd_d64",
+            (64, _, _) => "fa_fwd_d64_w8",
+            (_, 4, _) => "fa_fwd_d128",
             _ => "fa_fwd_d128_w8",
         };
-        let br = 16 * nw;
+        let br = 16 * nw * mt;
         let smem = (br + 4 * 64) * (d + 8) * 2;
         let grid = (sq.div_ceil(br) as u32, nq as u32, b as u32);
         let l = lw.gpu.launch(
@@ -1093,7 +1097,7 @@ fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scal
     let (nkv, sk) = (k.shape[1], k.shape[2]);
     let rows = (b * nq * sq) as u64;
     // The forward's log-sum-exp, or recompute it (the output goes to scratch).
-    let lse = match lw.attn_lse.get(&(q.ptr, k.ptr, v.ptr, out.ptr)) {
+    let lse = match lw.attn_lse.get(&out.ptr) {
         Some(&p) => p,
         None => {
             let p = lw.ex.scratch(lw.stream, rows * 8);
