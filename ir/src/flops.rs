@@ -1,7 +1,8 @@
-//! Forward FLOP counts per node, as symbolic dims (so `B` and `S` stay free until a
-//! caller binds them). Matmul-like ops count 2 FLOPs per multiply-add; elementwise ops
-//! one per output element; causal attention counts the half of the score matrix a
-//! causal kernel computes.
+//! FLOP counts per node, as symbolic dims (so `B` and `S` stay free until a caller binds
+//! them). Matmul-like ops count 2 FLOPs per multiply-add; elementwise ops one per output
+//! element; causal attention counts the half of the score matrix a causal kernel computes.
+//! The fused backward ops with matmuls inside (`attention_grad`, `grouped_matmul_grad`)
+//! count their matmuls, so plan costs and MFU see the backward's real work.
 
 use crate::dim::Dim;
 use crate::graph::{Graph, Node};
@@ -34,6 +35,19 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             let sk = ins[1].shape[2].clone();
             let full = q.numel() * sk.clone() * 4 + q.numel() / last(q) * sk * 5;
             if *causal { full / 2 } else { full }
+        }
+        Op::AttentionGrad { causal, .. } => {
+            // dV = P^T dO, dP = dO V^T, dS, dQ = dS K, dK = dS^T Q plus recomputing S = Q K^T:
+            // 5 matmuls of B*Nq*Sq*Sk*D (2.5x the forward's two), and the elementwise dS.
+            let q = ins[0];
+            let sk = ins[1].shape[2].clone();
+            let full = q.numel() * sk.clone() * 10 + q.numel() / last(q) * sk * 6;
+            if *causal { full / 2 } else { full }
+        }
+        Op::GroupedMatmulGrad {} => {
+            // dx = dy w and dw = dy^T x: twice the forward's matmul.
+            let k = last(ins[0]);
+            ins[3].numel() * k * 4
         }
         Op::RmsNorm { .. } => out_numel * 4,
         Op::Softmax { .. } | Op::LogSoftmax { .. } => out_numel * 5,
