@@ -33,7 +33,7 @@ const NR: usize = 32;
 /// Depth of a packed block.
 const KC: usize = 512;
 /// Columns of B packed at once (a multiple of `NR`).
-const NC: usize = 2048;
+const NC: usize = 4096;
 /// Rows of A packed at once (a multiple of `MR`).
 const MB: usize = 1536;
 /// Rows of one parallel task (a multiple of `MR`).
