@@ -14,8 +14,32 @@ use crate::partition::Partition;
 use std::collections::BTreeMap;
 
 /// The plan format version; loading a plan of another version is an error.
-/// 2: buffers may be views of another buffer's bytes (`Buffer::alias_of`).
+/// 2: buffers may share another buffer's bytes (`Buffer::alias_of`): views of a
+/// reshape, and outputs written in place (older plans without in-place outputs stay
+/// valid, so the version did not change for them).
 pub const PLAN_VERSION: u32 = 2;
+
+/// The (operand, result) index pairs at which an op may write its result over the
+/// operand's bytes: each result element is computed from the operand's element at the
+/// same index by the thread that writes it (or after the whole operand row is read),
+/// so the kernels of every runtime are safe with the result aliasing that operand.
+///
+/// - `adamw(w, g, m, v, step) -> (w', m', v')`: (0, 0), (2, 1), (3, 2).
+/// - `sgd(w, g[, buf]) -> (w'[, buf'])`: (0, 0), (2, 1).
+/// - `cross_entropy_grad(logits, labels, dloss) -> dlogits`: (0, 0). The CUDA kernels
+///   (`ce_bwd_*`, `ce_bwd_lse8_bf16`) run one block per row and read the row's logits
+///   before (the max/sum reduction, synchronised) or at the same index as (the
+///   gradient loop) each element they write.
+///
+/// Anything else writes in place only when it does not read the value it replaces.
+pub fn in_place_pairs(op: &str) -> &'static [(usize, usize)] {
+    match op {
+        "adamw" => &[(0, 0), (2, 1), (3, 2)],
+        "sgd" => &[(0, 0), (2, 1)],
+        "cross_entropy_grad" => &[(0, 0)],
+        _ => &[],
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ExecutionPlan {
@@ -108,10 +132,32 @@ pub struct Buffer {
     /// First and last instruction (indices into `instructions`) that touch the buffer.
     /// A root's range covers those of its views (its bytes are held while any is live).
     pub live: (u32, u32),
-    /// A view of that buffer's bytes; no storage of its own. Set for the output of a
-    /// `reshape` (every value is contiguous, so a reshape moves no bytes): the buffer
-    /// named is the root of the group (it has storage), the view has the same size,
-    /// offset and `resident` flag, and the reshape instruction runs nothing.
+    /// This buffer shares that buffer's bytes; no storage of its own. The buffer named
+    /// is the root of the group (it has storage); the alias has the same size, offset
+    /// and `resident` flag, and the group is placed and counted once, held over the
+    /// union of its members' live ranges. Two kinds (see [`ExecutionPlan::check`]):
+    ///
+    /// - A view: the output of a `reshape` of a buffer of the same group (every value
+    ///   is contiguous, so a reshape moves no bytes); the reshape runs nothing. It is
+    ///   the same value as its input.
+    /// - In place: the output is written over the group's bytes, a new value replacing
+    ///   the one held there, which must be dead by then: every read of the old value
+    ///   (its buffer and its views) is by an instruction ordered before the writer
+    ///   (same stream, or through events), no buffer of the old value is live after
+    ///   the writer (a graph output is live to the end), and the writer itself reads
+    ///   the old value at most once, at an operand it computes the output from
+    ///   elementwise ([`in_place_pairs`]). Two uses:
+    ///   - updates: the output updating a value the step starts with (`param.<name>`
+    ///     and `optim.*`/`state.*` outputs fed back into the inputs of those names,
+    ///     same bytes and dtype) takes the input's resident bytes, so an updated
+    ///     parameter or optimizer state is held once and nothing is copied back after
+    ///     the step. `adamw` writes (master', m', v') over (master, m, v) and `sgd`
+    ///     (w', buf') over (w, buf) at the positional pairs; the `cast` writing the
+    ///     updated bf16 parameter from the f32 master reads nothing of the old
+    ///     parameter, so it may write once the old parameter's last read is before it.
+    ///   - elementwise ops whose operand dies at the op, in arena memory: the op must
+    ///     be one whose kernels are safe in place (listed by [`in_place_pairs`]), e.g.
+    ///     `cross_entropy_grad`'s logits gradient over the logits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub alias_of: Option<u32>,
 }
@@ -229,12 +275,10 @@ pub enum PlanError {
 }
 
 impl ExecutionPlan {
-    /// Every arena buffer that reuses bytes of an earlier one is written only after
-    /// every instruction that touches the earlier one has finished, in every order the
-    /// streams may run in: in-order streams plus the events instructions wait for
-    /// (vector clocks recomputed here, independently of the planner).
-    pub fn check_reuse_is_ordered(&self) -> Result<(), String> {
-        let root = self.storage_roots()?;
+    /// Vector clocks: `clock[j][t]` is the last instruction of stream `t` known to have
+    /// finished when instruction `j` starts (in-order streams plus the events it waits
+    /// for, transitively); -1: none.
+    pub fn clocks(&self) -> Result<Vec<Vec<i64>>, String> {
         let ns = self.streams.len().max(1);
         let n = self.instructions.len();
         let mut clock: Vec<Vec<i64>> = Vec::with_capacity(n);
@@ -254,7 +298,7 @@ impl ExecutionPlan {
                 join(&mut c, prev_on[s] as usize, &clock);
             }
             for e in &ins.wait {
-                let p = source[*e as usize];
+                let p = source.get(*e as usize).copied().unwrap_or(usize::MAX);
                 if p == usize::MAX {
                     return Err(format!("instruction {} waits for event {e} that no earlier instruction records", ins.id));
                 }
@@ -262,10 +306,23 @@ impl ExecutionPlan {
             }
             clock.push(c);
             if let Some(e) = ins.signal {
-                source[e as usize] = ins.id as usize;
+                if let Some(slot) = source.get_mut(e as usize) {
+                    *slot = ins.id as usize;
+                }
             }
             prev_on[s] = ins.id as i64;
         }
+        Ok(clock)
+    }
+
+    /// Every arena buffer that reuses bytes of an earlier one is written only after
+    /// every instruction that touches the earlier one has finished, in every order the
+    /// streams may run in: in-order streams plus the events instructions wait for
+    /// (vector clocks recomputed here, independently of the planner).
+    pub fn check_reuse_is_ordered(&self) -> Result<(), String> {
+        let root = self.storage_roots()?;
+        let ns = self.streams.len().max(1);
+        let clock = self.clocks()?;
         let mut touch: Vec<Vec<i64>> = vec![vec![-1; ns]; self.buffers.len()];
         let mut producer: Vec<Option<usize>> = vec![None; self.buffers.len()];
         // A view's touches and producer are its root's: they share bytes.
@@ -367,6 +424,109 @@ impl ExecutionPlan {
         Ok(root)
     }
 
+    /// Every buffer sharing another's bytes (`Buffer::alias_of`) is a view made by a
+    /// reshape of the same bytes, or a result written in place over a value that is
+    /// dead by then (the rule is under `Buffer::alias_of`); anything else is refused.
+    ///
+    /// A group's bytes hold a sequence of values (versions): the root's, then each
+    /// in-place result's, in the order their writers run; a view belongs to the
+    /// version of its reshape's operand. An in-place write ends the version before it.
+    fn check_aliases(&self, root: &[u32]) -> Result<(), String> {
+        let nb = self.buffers.len();
+        if (0..nb).all(|b| root[b] as usize == b) {
+            return Ok(());
+        }
+        let clock = self.clocks()?;
+        let mut writers: Vec<Vec<u32>> = vec![Vec::new(); nb];
+        let mut readers: Vec<Vec<u32>> = vec![Vec::new(); nb];
+        let mut group: Vec<Vec<u32>> = vec![Vec::new(); nb];
+        for ins in &self.instructions {
+            for &b in &ins.inputs {
+                readers[b as usize].push(ins.id);
+            }
+            for &b in &ins.outputs {
+                writers[b as usize].push(ins.id);
+            }
+        }
+        for b in 0..nb {
+            group[root[b] as usize].push(b as u32);
+        }
+        for (b, w) in writers.iter().enumerate() {
+            let r = root[b];
+            if r as usize != b && w.len() != 1 {
+                return Err(format!("buffer {b} shares the bytes of buffer {r} but {} instructions write it (an alias is written by exactly one)", w.len()));
+            }
+        }
+        // version[b]: the buffer heading the value b holds (the root, or an in-place
+        // result); heads[r]: the versions of root r's bytes as (writer, head), in order.
+        let mut version: Vec<u32> = (0..nb as u32).collect();
+        let mut heads: Vec<Vec<(i64, u32)>> = (0..nb).map(|r| vec![(writers[r].first().map_or(-1, |&w| w as i64), r as u32)]).collect();
+        for ins in &self.instructions {
+            for (pos, &o) in ins.outputs.iter().enumerate() {
+                let (o, r) = (o as usize, root[o as usize] as usize);
+                if r == o {
+                    continue;
+                }
+                if ins.op == "reshape" && ins.inputs.len() == 1 && root[ins.inputs[0] as usize] as usize == r {
+                    version[o] = version[ins.inputs[0] as usize];
+                    continue;
+                }
+                // In place: over the version current when the writer runs.
+                let w = ins.id;
+                let what = format!("buffer {o} is written in place over buffer {r}'s bytes by instruction {w} ({})", ins.op);
+                let &(first, _) = &heads[r][0];
+                if first >= w as i64 {
+                    return Err(format!("{what} before buffer {r} itself is written (instruction {first})"));
+                }
+                let old = heads[r].iter().rev().find(|(at, _)| *at < w as i64).map(|&(_, h)| h).unwrap_or(r as u32);
+                let (ob, rb) = (&self.buffers[o], &self.buffers[r]);
+                if ob.dtype != rb.dtype {
+                    return Err(format!("{what} but holds {} where the bytes hold {} (in place keeps the dtype)", ob.dtype, rb.dtype));
+                }
+                let members: Vec<u32> = group[r].iter().copied().filter(|&b| b as usize != o && version[b as usize] == old && root[b as usize] as usize == r).collect();
+                let reads_old: Vec<usize> = ins.inputs.iter().enumerate().filter(|(_, &b)| members.contains(&b)).map(|(k, _)| k).collect();
+                let pairs = in_place_pairs(&ins.op);
+                let at_pair = |k: usize| pairs.contains(&(k, pos));
+                if rb.resident {
+                    // An update of a value the step starts with.
+                    if !writers[r].is_empty() || old as usize != r {
+                        return Err(format!(
+                            "{what}: in the resident region only an update of a value the step starts with (a parameter or optimizer state no instruction writes) is written in place, once"
+                        ));
+                    }
+                    if !(reads_old.is_empty() || (reads_old.len() == 1 && at_pair(reads_old[0]))) {
+                        return Err(format!(
+                            "{what} but reads the value it replaces at operand(s) {reads_old:?}: only the elementwise pairs {pairs:?} (operand, result) of `{}` may",
+                            ins.op
+                        ));
+                    }
+                } else if !(reads_old.len() == 1 && at_pair(reads_old[0])) {
+                    return Err(format!(
+                        "{what}: in the arena only an op computing its result elementwise from the operand it replaces (and reading it there only) writes in place; `{}` reads it at operand(s) {reads_old:?}, its in-place pairs are {pairs:?}",
+                        ins.op
+                    ));
+                }
+                // The old value is dead: read only before the writer (ordered), live no
+                // longer (the root's own range is its group's union, so its reads say).
+                for &b in &members {
+                    let bb = &self.buffers[b as usize];
+                    if b as usize != r && bb.live.1 > w {
+                        return Err(format!("{what} but buffer {b}, the value it replaces, is live until instruction {}", bb.live.1));
+                    }
+                    for &i in &readers[b as usize] {
+                        let s = self.instructions[i as usize].stream as usize;
+                        if i != w && i as i64 > clock[w as usize][s] {
+                            return Err(format!("{what} but instruction {i} reads the value it replaces (buffer {b}) and may run after the write"));
+                        }
+                    }
+                }
+                version[o] = o as u32;
+                heads[r].push((w as i64, o as u32));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks ids, stream references, event pairing, buffer liveness, views, and that no
     /// two arena buffers that are live at once overlap (a root and its views share
     /// bytes, and hold them over the union of their live ranges).
@@ -413,18 +573,7 @@ impl ExecutionPlan {
             }
         }
         let root = self.storage_roots()?;
-        // Views are made by a reshape of the same bytes and written by nothing else.
-        for ins in &self.instructions {
-            for &o in &ins.outputs {
-                let r = root[o as usize];
-                if r != o && !(ins.op == "reshape" && ins.inputs.len() == 1 && root[ins.inputs[0] as usize] == r) {
-                    return Err(format!(
-                        "buffer {o} is a view of buffer {r} but instruction {} ({}) writes it: only a reshape of the same bytes may produce a view",
-                        ins.id, ins.op
-                    ));
-                }
-            }
-        }
+        self.check_aliases(&root)?;
         self.check_reuse_is_ordered()?;
         // A root holds its bytes while it or any of its views is live.
         let mut held: Vec<(u32, u32)> = self.buffers.iter().map(|b| b.live).collect();

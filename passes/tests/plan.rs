@@ -150,7 +150,7 @@ fn malformed_views_are_refused() {
             let b = &mut p.buffers[other];
             (b.alias_of, b.offset, b.resident, b.bytes, b.per_rank_bytes) = (Some(r as u32), root.offset, root.resident, root.bytes, root.per_rank_bytes);
         },
-        "only a reshape of the same bytes may produce a view",
+        "is written in place over buffer",
     );
     // A root holds its bytes over the union of its group's live ranges: a buffer put on
     // them after the root's own last use but while a view of it is live collides.
@@ -170,4 +170,154 @@ fn malformed_views_are_refused() {
     p.buffers[root].live.1 = own_last(root); // the checker works out the union itself
     let e = p.check().unwrap_err();
     assert!(e.contains(&format!("buffer {root}")) && (e.contains("reuses bytes of buffer") || e.contains("overlap")), "{e}");
+}
+
+/// A training step (AdamW, the updates inside the backward, no gradient outputs) of a
+/// 1-layer `preset`.
+fn train_step(preset: &str, mesh: &str, sgd: bool, zero1: bool) -> weft_ir::Graph {
+    use weft_passes::training::{training_pipeline, Optimizer, TrainOptions};
+    let p = weft_frontends::presets::find_preset(preset).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
+    v.as_object_mut().unwrap().insert("num_hidden_layers".into(), 1.into());
+    let cfg = weft_frontends::ModelConfig::from_json(&v, &p.label()).unwrap();
+    let mut g = weft_frontends::Model::from_config(&format!("{preset}-1l"), cfg, weft_frontends::Origin::Preset(preset.into())).unwrap().graph;
+    let opt = if sgd { Optimizer::Sgd { lr: weft_ir::Float(1e-2), momentum: weft_ir::Float(0.9), weight_decay: weft_ir::Float(0.0) } } else { Optimizer::adamw(1e-4) };
+    let opts = TrainOptions { optimizer: Some(opt), zero1, grad_outputs: false, batch: Some(2), seq: Some(64), ..Default::default() };
+    let mut cx = PassContext::new(Mesh::parse(mesh).unwrap());
+    cx.options.train = opts.clone();
+    let pipeline = training_pipeline(&cx.mesh, &opts);
+    weft_passes::PassManager::default().run(&mut g, &cx, &pipeline.names(), &mut std::io::sink()).unwrap();
+    g
+}
+
+/// (update output, the input it replaces) buffers, as a driver pairs them.
+fn update_pairs(g: &weft_ir::Graph, plan: &ExecutionPlan) -> Vec<(usize, usize)> {
+    let buf = |v: weft_ir::Value| plan.buffers.iter().find(|b| b.value == v.0).unwrap().id as usize;
+    let params: std::collections::BTreeMap<String, weft_ir::Value> = g.params().into_iter().collect();
+    g.outputs()
+        .iter()
+        .filter_map(|(name, v)| {
+            let t = match name.strip_prefix("param.") {
+                Some(rest) => params.get(rest),
+                None if name.starts_with("optim.") => params.get(name.as_str()),
+                None => None,
+            }?;
+            Some((buf(*v), buf(*t)))
+        })
+        .collect()
+}
+
+fn root_of(plan: &ExecutionPlan, b: usize) -> usize {
+    plan.storage_roots().unwrap()[b] as usize
+}
+
+#[test]
+fn updates_are_written_in_place() {
+    // bf16 params with f32 masters (AdamW: cast -> adamw -> cast), f32 params (AdamW and
+    // SGD with momentum in place over the param), ZeRO-1 (the update gathered back).
+    for (preset, mesh, sgd, zero1) in [("llama3.2-1b", "", false, false), ("llama-tiny", "", false, false), ("llama-tiny", "", true, false), ("llama-tiny", "dp=2", false, true)] {
+        let what = format!("{preset} {mesh} sgd={sgd} zero1={zero1}");
+        let g = train_step(preset, mesh, sgd, zero1);
+        let opts = PlanOptions::new(2, 64);
+        let plan = lower(&g, &opts).unwrap();
+        let copies = lower_with_views(&g, &opts, false).unwrap();
+        plan.check().unwrap_or_else(|e| panic!("{what}: {e}"));
+        copies.check().unwrap();
+        let pairs = update_pairs(&g, &plan);
+        assert!(!pairs.is_empty(), "{what}");
+        let mut saved = 0;
+        for &(o, t) in &pairs {
+            assert_eq!(root_of(&plan, o), root_of(&plan, t), "{what}: buffer {o} updates buffer {t} in place");
+            let (ob, tb) = (&plan.buffers[o], &plan.buffers[t]);
+            assert!(ob.resident && tb.resident && ob.offset == tb.offset && ob.alias_of == Some(t as u32), "{what}: {ob:?}");
+            // The old value's last read is at or before the write.
+            let w = plan.instructions.iter().find(|i| i.outputs.contains(&(o as u32))).unwrap().id;
+            assert!(plan.instructions.iter().filter(|i| i.inputs.contains(&(t as u32))).all(|i| i.id <= w), "{what}: buffer {t} is read after {w}");
+            assert!(ob.live.0 == w && tb.live.0 == 0 && tb.live.1 == (plan.instructions.len() - 1) as u32, "{what}: the root holds the bytes for the whole step");
+            saved += ob.bytes.div_ceil(256) * 256;
+        }
+        assert_eq!(plan.memory.resident_bytes + saved, copies.memory.resident_bytes, "{what}: each update is held once");
+        let states: u64 = ["params", "optimizer_state"].iter().map(|k| plan.memory.breakdown[*k]).sum();
+        let inputs: u64 = pairs.iter().map(|&(_, t)| plan.buffers[t].bytes).sum();
+        assert_eq!(states, inputs, "{what}: {:?}", plan.memory.breakdown);
+        assert!(ExecutionPlan::from_json(&plan.to_json(), "plan.json").unwrap() == plan);
+    }
+}
+
+#[test]
+fn cross_entropy_grad_takes_the_logits_bytes_when_they_die() {
+    let mut g = train_step("llama-tiny", "", false, false);
+    let opts = PlanOptions::new(2, 64);
+    let ce = |plan: &ExecutionPlan| plan.instructions.iter().find(|i| i.op == "cross_entropy_grad").unwrap().clone();
+    // The step returns the logits: their bytes are held to the end, the gradient has its own.
+    let kept = lower(&g, &opts).unwrap();
+    let i = ce(&kept);
+    assert_ne!(root_of(&kept, i.outputs[0] as usize), root_of(&kept, i.inputs[0] as usize));
+    g.remove_output("logits");
+    let plan = lower(&g, &opts).unwrap();
+    plan.check().unwrap();
+    let i = ce(&plan);
+    let (o, x) = (i.outputs[0] as usize, i.inputs[0] as usize);
+    let r = root_of(&plan, x);
+    assert_eq!(root_of(&plan, o), r, "the logits gradient is written over the logits");
+    assert!(!plan.buffers[o].resident && plan.buffers[o].offset == plan.buffers[r].offset);
+    // One root, held over the union: from the logits' producer to the gradient's last use.
+    assert!(plan.buffers[r].live.0 <= plan.buffers[x].live.0 && plan.buffers[o].live.1 <= plan.buffers[r].live.1);
+    assert!(plan.memory.arena_bytes < kept.memory.arena_bytes, "{} vs {}", plan.memory.arena_bytes, kept.memory.arena_bytes);
+}
+
+#[test]
+fn in_place_writes_over_live_values_are_refused() {
+    let g = train_step("llama3.2-1b", "", false, false);
+    let plan = lower(&g, &PlanOptions::new(2, 64)).unwrap();
+    plan.check().unwrap();
+    let refused = |p: &ExecutionPlan, want: &str| {
+        let e = p.check().unwrap_err();
+        assert!(e.contains(want), "wanted `{want}` in: {e}");
+        let e = ExecutionPlan::from_json(&p.to_json(), "bad.json").unwrap_err().to_string();
+        assert!(e.starts_with("inconsistent plan bad.json") && e.contains(want), "{e}");
+    };
+    let writer = |p: &ExecutionPlan, b: usize| p.instructions.iter().find(|i| i.outputs.contains(&(b as u32))).unwrap().id as usize;
+    // The bf16 param written by the trailing cast, and the AdamW state written by adamw.
+    let pairs = update_pairs(&g, &plan);
+    let (o, t) = *pairs.iter().filter(|&&(o, _)| plan.instructions[writer(&plan, o)].op == "cast").min_by_key(|&&(o, _)| writer(&plan, o)).unwrap();
+    let w = writer(&plan, o);
+    // Something reads the old param after the in-place write.
+    let mut p = plan.clone();
+    let later = p.instructions.iter().position(|i| i.id as usize > w && i.stream == 0 && !i.inputs.is_empty()).unwrap();
+    p.instructions[later].inputs.push(t as u32);
+    refused(&p, "reads the value it replaces");
+    // The writer reads the old value at an operand it does not compute elementwise.
+    let mut p = plan.clone();
+    p.instructions[w].inputs.push(t as u32);
+    refused(&p, "reads the value it replaces at operand");
+    // A second in-place write into a resident value.
+    let (m, mt) = *pairs.iter().find(|&&(o, _)| plan.instructions[writer(&plan, o)].op == "adamw").unwrap();
+    let aw = writer(&plan, m);
+    let mut p = plan.clone();
+    let other = p.instructions[aw].outputs.iter().copied().find(|&b| b as usize != m).unwrap() as usize;
+    let root = p.buffers[mt].clone();
+    p.buffers[other].alias_of = Some(mt as u32);
+    (p.buffers[other].offset, p.buffers[other].resident) = (root.offset, root.resident);
+    refused(&p, "in place");
+    // An arena result written over an operand by an op not known to be safe in place.
+    let mut p = plan.clone();
+    let (ins, x) = p
+        .instructions
+        .iter()
+        .filter(|i| !["reshape", "cross_entropy_grad", "adamw", "sgd"].contains(&i.op.as_str()) && i.outputs.len() == 1)
+        .find_map(|i| {
+            let o = &p.buffers[i.outputs[0] as usize];
+            let x = i.inputs.iter().find(|&&x| {
+                let xb = &p.buffers[x as usize];
+                xb.alias_of.is_none() && !xb.resident && xb.bytes == o.bytes && xb.dtype == o.dtype && xb.live.1 == i.id
+            })?;
+            (!o.resident && o.alias_of.is_none()).then_some((i.id as usize, *x as usize))
+        })
+        .expect("an op whose operand dies there");
+    let o = p.instructions[ins].outputs[0] as usize;
+    let xb = p.buffers[x].clone();
+    p.buffers[o].alias_of = Some(x as u32);
+    p.buffers[o].offset = xb.offset;
+    refused(&p, "only an op computing its result elementwise");
 }

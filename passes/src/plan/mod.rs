@@ -14,6 +14,13 @@
 //!   shares a bitcast's buffer): no storage of its own, the root's offset, and the
 //!   root holds its bytes over the union of the group's live ranges. Only roots are
 //!   placed and counted.
+//! - In place: a training step's updated parameters and optimizer state (`param.*`,
+//!   `optim.*`, `state.*` outputs fed back into the inputs of those names) are written
+//!   over the inputs they replace once the old values are dead, and the ops of
+//!   [`ELEMENTWISE_IN_PLACE`] over an operand that dies at the op (XLA's
+//!   `CanShareOperandBufferWithUser`, input/output aliasing of donated buffers): the
+//!   result joins its operand's group (`Buffer::alias_of`), so an updated weight is held
+//!   once and nothing is copied back after the step.
 //! - Costs: [`cost`]'s roofline and alpha-beta models give each instruction a duration;
 //!   simulating the streams gives start times, step time and exposed communication.
 
@@ -119,6 +126,14 @@ fn category(g: &Graph, v: Value, output_names: &BTreeMap<Value, Vec<String>>) ->
         Category::Activation
     }
 }
+
+/// Ops whose result the planner writes over an operand that dies at the op (the pairs
+/// are [`in_place_pairs`]). Only ops whose kernels are verified safe in place on every
+/// runtime: `cross_entropy_grad` (the CPU reference runs on values, not buffers; the
+/// CUDA `ce_bwd_*` and `ce_bwd_lse8_bf16` kernels read each logit of a row before, or
+/// at the index of, the gradient element they write). Its logits gradient takes the
+/// logits' bytes when the logits die there (not when the step returns them).
+pub const ELEMENTWISE_IN_PLACE: &[&str] = &["cross_entropy_grad"];
 
 fn stream_of(op: &Op) -> u32 {
     if op.is_collective() {
@@ -297,38 +312,6 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
         buffers[o].alias_of = Some(r as u32);
     }
 
-    // Liveness: first and last instruction touching each buffer.
-    let mut uses: Vec<Vec<u32>> = vec![Vec::new(); buffers.len()];
-    for ins in &instructions {
-        for &i in &ins.inputs {
-            uses[i as usize].push(ins.id);
-        }
-        for &o in &ins.outputs {
-            buffers[o as usize].live.0 = ins.id;
-        }
-    }
-    for (bi, buf) in buffers.iter_mut().enumerate() {
-        let end = uses[bi].iter().copied().max().unwrap_or(buf.live.0);
-        buf.live.1 = end.max(buf.live.0);
-        if output_names.contains_key(&Value(buf.value)) || buf.resident {
-            buf.live = (if buf.resident { 0 } else { buf.live.0 }, last);
-        }
-    }
-    // Inputs are filled before the first instruction.
-    for (name, _, v) in g.inputs() {
-        let _ = name;
-        buffers[buf_of[&v] as usize].live.0 = 0;
-    }
-    // A root holds its bytes while it or any of its views is live (outputs pinned to
-    // the end included).
-    for bi in 0..buffers.len() {
-        let r = root[bi];
-        if r != bi {
-            let l = buffers[bi].live;
-            buffers[r].live = (buffers[r].live.0.min(l.0), buffers[r].live.1.max(l.1));
-        }
-    }
-
     // Vector clocks: clock[j][t] is the last instruction of stream t known to have
     // finished when instruction j starts (in-order streams plus the events it waits for,
     // transitively). -1: none.
@@ -355,6 +338,126 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
         }
         prev_on[s] = ins.id as i64;
     }
+    // In place: a result takes over the bytes of a value that is dead when it is
+    // written (the rule and what the checker accepts are under `Buffer::alias_of`):
+    // - updates: `param.<name>` / `optim.*` / `state.*` outputs (fed back into the
+    //   inputs of those names) over the input they replace, same bytes and dtype, once
+    //   every other read of the old value is ordered before the writer; the writer may
+    //   read it only at an elementwise pair (`adamw`, `sgd`) or not at all (the `cast`
+    //   back to bf16 after the f32 master's update);
+    // - the ops of `ELEMENTWISE_IN_PLACE` over the operand of their pair, in the
+    //   arena, when that operand (and its views) die at the op and is not returned.
+    // The result and its views join the group: one root, the union live range.
+    let mut shared_root = vec![false; buffers.len()]; // roots holding several values
+    if views {
+        let nb = buffers.len();
+        let mut readers: Vec<Vec<u32>> = vec![Vec::new(); nb];
+        for ins in &instructions {
+            for &i in &ins.inputs {
+                readers[i as usize].push(ins.id);
+            }
+        }
+        let params: BTreeMap<String, Value> = g.params().into_iter().collect();
+        let mut cands: Vec<(u32, usize, usize)> = Vec::new(); // (writer, result, operand replaced)
+        for (name, v) in g.outputs() {
+            let target = if let Some(rest) = name.strip_prefix("param.") {
+                params.get(rest).or_else(|| params.get(name.as_str()))
+            } else if name.starts_with("optim.") || name.starts_with("state.") {
+                params.get(name.as_str())
+            } else {
+                None
+            };
+            let o = buf_of[v];
+            if let (Some(t), Some(&w)) = (target, producer_instr.get(&o)) {
+                cands.push((w, o as usize, buf_of[t] as usize));
+            }
+        }
+        for ins in instructions.iter().filter(|i| ELEMENTWISE_IN_PLACE.contains(&i.op.as_str())) {
+            for &(i, o) in in_place_pairs(&ins.op) {
+                if let (Some(&x), Some(&y)) = (ins.inputs.get(i), ins.outputs.get(o)) {
+                    if !buffers[x as usize].resident {
+                        cands.push((ins.id, y as usize, x as usize));
+                    }
+                }
+            }
+        }
+        cands.sort();
+        cands.dedup();
+        for (w, o, x) in cands {
+            let r = root[x];
+            if root[o] != o || r == o || shared_root[r] {
+                continue;
+            }
+            let (ob, rb) = (&buffers[o], &buffers[r]);
+            if ob.bytes != rb.bytes || ob.per_rank_bytes != rb.per_rank_bytes || ob.dtype != rb.dtype || ob.resident != rb.resident || ob.category == Category::Host || rb.category == Category::Host {
+                continue;
+            }
+            // Updates replace values the step starts with (nothing writes them).
+            if rb.resident && producer_instr.contains_key(&(r as u32)) {
+                continue;
+            }
+            let members: Vec<usize> = (0..nb).filter(|&b| root[b] == r).collect();
+            if members.iter().any(|&b| output_names.contains_key(&Value(buffers[b].value))) {
+                continue; // the old value is returned
+            }
+            let ins = &instructions[w as usize];
+            let pos = ins.outputs.iter().position(|&b| b as usize == o).unwrap_or(usize::MAX);
+            let reads: Vec<usize> = ins.inputs.iter().enumerate().filter(|(_, &b)| root[b as usize] == r).map(|(k, _)| k).collect();
+            let reads_ok = match reads.as_slice() {
+                [] => rb.resident,
+                [k] => in_place_pairs(&ins.op).contains(&(*k, pos)),
+                _ => false,
+            };
+            let c = &clock[w as usize];
+            let dead = members.iter().all(|&b| readers[b].iter().all(|&i| i == w || i as i64 <= c[instructions[i as usize].stream as usize]));
+            if !reads_ok || !dead {
+                continue;
+            }
+            for b in 0..nb {
+                if root[b] == o {
+                    root[b] = r;
+                    buffers[b].alias_of = Some(r as u32);
+                }
+            }
+            shared_root[r] = true;
+        }
+    }
+
+    // Liveness: first and last instruction touching each buffer.
+    let mut uses: Vec<Vec<u32>> = vec![Vec::new(); buffers.len()];
+    for ins in &instructions {
+        for &i in &ins.inputs {
+            uses[i as usize].push(ins.id);
+        }
+        for &o in &ins.outputs {
+            buffers[o as usize].live.0 = ins.id;
+        }
+    }
+    for (bi, buf) in buffers.iter_mut().enumerate() {
+        let end = uses[bi].iter().copied().max().unwrap_or(buf.live.0);
+        buf.live.1 = end.max(buf.live.0);
+        // Resident values are held for the whole step, unless their bytes hold several
+        // (an in-place update): then each value over its own range, the root over all.
+        let whole_step = buf.resident && !shared_root[root[bi]];
+        if output_names.contains_key(&Value(buf.value)) || whole_step {
+            buf.live = (if whole_step { 0 } else { buf.live.0 }, last);
+        }
+    }
+    // Inputs are filled before the first instruction.
+    for (name, _, v) in g.inputs() {
+        let _ = name;
+        buffers[buf_of[&v] as usize].live.0 = 0;
+    }
+    // A root holds its bytes while it or any of its views is live (outputs pinned to
+    // the end included).
+    for bi in 0..buffers.len() {
+        let r = root[bi];
+        if r != bi {
+            let l = buffers[bi].live;
+            buffers[r].live = (buffers[r].live.0.min(l.0), buffers[r].live.1.max(l.1));
+        }
+    }
+
     // Last touch of each root on each stream (producer and views included), and the
     // roots whose bytes a graph output holds to the end.
     let mut last_touch: Vec<[i64; 3]> = vec![[-1; 3]; buffers.len()];
@@ -386,10 +489,12 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
             None => ([-1; 3], 0),
         };
         latest[s] = max3(latest[s], clk);
-        placed.retain(|&b| pinned(b, &buffers) || !(0..3).all(|t| free_under(b, &latest[t])));
+        placed.retain(|&b| pinned(b, &buffers) || !(0..3).all(|t| free_under(b, &latest[t])) || buffers[b].live.1 >= buffers[c].live.0);
         let mut conflicts: Vec<(u64, u64)> = placed
             .iter()
-            .filter(|&&b| pinned(b, &buffers) || !free_under(b, &clk))
+            // (an input nothing reads is free under any clock, but holds its bytes from
+            // before the first instruction: only a buffer written later may take them)
+            .filter(|&&b| pinned(b, &buffers) || !free_under(b, &clk) || buffers[b].live.1 >= buffers[c].live.0)
             .map(|&b| (buffers[b].offset, align(buffers[b].bytes)))
             .filter(|(_, sz)| *sz > 0)
             .collect();
