@@ -1263,6 +1263,9 @@ impl Executor {
             if !b.resident && b.category != Category::Host && b.offset + b.bytes > plan.memory.arena_bytes.max(256) {
                 return Err(CudaError::Plan(format!("buffer {} ends past the arena", b.id)));
             }
+            if b.resident && b.category != Category::Host && b.offset + b.bytes > plan.memory.resident_bytes.max(256) {
+                return Err(CudaError::Plan(format!("buffer {} ends past the resident region", b.id)));
+            }
             bufs.push(DevT { ptr, ..t });
         }
 
@@ -1303,13 +1306,13 @@ impl Executor {
             }
         }
 
-        // Optimizer updates write in place (the kernels are elementwise) when nothing
-        // after the update reads the old value: no copy back, and `param.*` outputs alias
-        // the params.
-        // Reshapes are views: the plan makes a reshape's output a view of its input's
-        // root buffer (`alias_of`, same bytes, held over the group's live ranges), so the
-        // view takes the root's pointer and the reshape runs nothing. `root_of` maps
-        // every buffer to the buffer holding its bytes.
+        // Aliases (`alias_of`) take their root's pointer; `root_of` maps every buffer to
+        // the buffer holding its bytes. Reshapes are views: the plan makes a reshape's
+        // output a view of its input's root buffer (same bytes, held over the group's
+        // live ranges), and the reshape runs nothing. Updates are in place: the plan
+        // writes an updated param / optimizer state over the input it replaces once the
+        // old value is dead (and `cross_entropy_grad` over logits that die there), so
+        // such an update shares its target's bytes and has nothing to copy back.
         let nb = plan.buffers.len();
         let mut root_of: Vec<u32> = (0..nb as u32).collect();
         for b in &plan.buffers {
@@ -1327,6 +1330,7 @@ impl Executor {
             root_of[b.id as usize] = r;
             bufs[b.id as usize].ptr = bufs[r as usize].ptr;
         }
+        updates.retain(|&(from, to)| root_of[from as usize] != root_of[to as usize]);
         let mut elided: std::collections::HashSet<u32> = std::collections::HashSet::new();
         for ins in plan.instructions.iter().filter(|i| i.op == "reshape" && i.inputs.len() == 1 && i.outputs.len() == 1) {
             let (ib, ob) = (ins.inputs[0] as usize, ins.outputs[0] as usize);
@@ -1373,14 +1377,31 @@ impl Executor {
             if c2i.op != "cast" || bufs[c2i.outputs[0] as usize].dtype != bufs[c1i.inputs[0] as usize].dtype || c2i.stream != a_ins.stream || c1i.stream != a_ins.stream {
                 continue;
             }
+            // Fused, the low param is written at the adamw, not at the cast. When the plan
+            // writes it in place over the old param, the old value must be dead there too:
+            // nothing reads those bytes from the adamw to the cast, and nothing on the
+            // stream waits for an event in between (so every read ordered before the cast
+            // is ordered before the adamw).
+            let lo = c2i.outputs[0] as usize;
+            if root_of[lo] as usize != lo {
+                let r = root_of[lo];
+                let between = |i: &&weft_ir::plan::Instruction| i.id >= a_ins.id && i.id < *c2;
+                let read = plan.instructions.iter().filter(between).any(|i| i.inputs.iter().any(|&b| root_of[b as usize] == r));
+                let waits = plan.instructions.iter().filter(between).any(|i| i.stream == a_ins.stream && i.id > a_ins.id && !i.wait.is_empty()) || !c2i.wait.is_empty();
+                if read || waits {
+                    continue;
+                }
+            }
             fused.insert(a_ins.id, (c1i.inputs[0], c2i.outputs[0]));
             elided.insert(c1);
             elided.insert(*c2);
             writer[c2i.outputs[0] as usize] = Some(a_ins.id);
         }
-        // Updates write in place when nothing after the write reads the old value (an
+        // Updates the plan did not write in place (older plans, or where it could not)
+        // write in place here when nothing after the write reads the old value (an
         // elementwise optimizer kernel may read it itself): no copy back, and the
-        // `param.*` / `optim.*` outputs alias what they update.
+        // `param.*` / `optim.*` outputs alias what they update. Updates the plan wrote
+        // in place were dropped above; the groups left here hold one value each.
         let mut aliased: Vec<u32> = Vec::new();
         for &(ob, to) in &updates {
             let Some(w) = writer[ob as usize] else { continue };
