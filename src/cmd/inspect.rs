@@ -4,7 +4,8 @@
 //! collective, recompute and offload with the pass that put it there and why;
 //! `--trace` writes a Chrome/Perfetto trace of the predicted timeline; `--memory`
 //! draws device memory over the step as an SVG; `--buffers` lists every buffer with
-//! its placement and live range (a view shows the buffer whose bytes it shares).
+//! its placement and live range (a view or an in-place result shows the buffer whose
+//! bytes it shares).
 
 use crate::error::{CliError, CliResult};
 use std::path::PathBuf;
@@ -27,7 +28,8 @@ pub struct Args {
     #[arg(long)]
     memory: Option<PathBuf>,
     /// List every buffer: value, dtype, size, category, placement, live range; a view
-    /// (a reshape sharing its input's bytes) reads `= view of bN`.
+    /// (a reshape sharing its input's bytes) reads `= view of bN`, a result written
+    /// over a dead value's bytes (an update, an elementwise op) `= in place of bN`.
     #[arg(long)]
     buffers: bool,
 }
@@ -50,6 +52,23 @@ struct Summary<'a> {
     instructions: usize,
     /// Buffers that are views of another's bytes (reshapes that copy nothing).
     views: usize,
+    /// Buffers written in place over a dead value's bytes (updates, elementwise ops).
+    in_place: usize,
+}
+
+/// For each buffer: whether it is written in place over another value's bytes (an
+/// alias not made by a reshape of the same bytes).
+fn in_place(p: &ExecutionPlan) -> Vec<bool> {
+    let root = p.storage_roots().unwrap_or_else(|_| (0..p.buffers.len() as u32).collect());
+    let mut out = vec![false; p.buffers.len()];
+    for ins in &p.instructions {
+        for &o in &ins.outputs {
+            let r = root[o as usize];
+            let view = ins.op == "reshape" && ins.inputs.len() == 1 && root[ins.inputs[0] as usize] == r;
+            out[o as usize] = r != o && !view;
+        }
+    }
+    out
 }
 
 pub fn load_plan(path: &std::path::Path) -> CliResult<ExecutionPlan> {
@@ -59,6 +78,7 @@ pub fn load_plan(path: &std::path::Path) -> CliResult<ExecutionPlan> {
 
 pub fn run(a: Args) -> CliResult {
     let p = load_plan(&a.plan)?;
+    let placed = in_place(&p);
     let s = Summary {
         model: &p.model,
         mesh: p.mesh.to_string(),
@@ -74,7 +94,8 @@ pub fn run(a: Args) -> CliResult {
         collectives: &p.cost.collectives,
         mfu: p.cost.mfu,
         instructions: p.instructions.len(),
-        views: p.buffers.iter().filter(|b| b.alias_of.is_some()).count(),
+        views: p.buffers.iter().filter(|b| b.alias_of.is_some()).count() - placed.iter().filter(|&&x| x).count(),
+        in_place: placed.iter().filter(|&&x| x).count(),
     };
     if let Some(t) = &a.trace {
         std::fs::write(t, trace(&p)).map_err(|e| CliError::input(format!("cannot write {}: {e}", t.display())))?;
@@ -93,8 +114,12 @@ pub fn run(a: Args) -> CliResult {
         println!("        {k:<16} {}", gib(*v));
     }
     if s.views > 0 {
-        let bytes: u64 = p.buffers.iter().filter(|b| b.alias_of.is_some()).map(|b| b.bytes).sum();
+        let bytes: u64 = p.buffers.iter().filter(|b| b.alias_of.is_some() && !placed[b.id as usize]).map(|b| b.bytes).sum();
         println!("views   {} reshapes share their input's bytes ({:.1} MiB not copied)", s.views, bytes as f64 / (1u64 << 20) as f64);
+    }
+    if s.in_place > 0 {
+        let bytes: u64 = p.buffers.iter().filter(|b| placed[b.id as usize]).map(|b| b.bytes).sum();
+        println!("inplace {} results written over dead values' bytes ({:.1} MiB not held twice)", s.in_place, bytes as f64 / (1u64 << 20) as f64);
     }
     println!(
         "time    step {:.3} ms: compute {:.3} ms, exposed communication {:.3} ms (of {:.3} ms), host copies {:.3} ms; MFU {:.1}%",
@@ -113,6 +138,7 @@ pub fn run(a: Args) -> CliResult {
         println!("\nbuffers:");
         for b in &p.buffers {
             let place = match b.alias_of {
+                Some(r) if placed[b.id as usize] => format!("= in place of b{r}"),
                 Some(r) => format!("= view of b{r}"),
                 None if b.category == Category::Host => format!("host @{}", b.offset),
                 None if b.resident => format!("resident @{}", b.offset),
