@@ -155,6 +155,12 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let mesh = super::parse_mesh(&a.mesh)?;
     let model = super::load_model(&a.model)?;
     let mut g = model.graph.clone();
+    if !a.forward_only && a.check == 0 {
+        // A training run reports the loss; returning the logits would keep the largest
+        // activation of the step (S x vocab) alive to the end and stop its gradient from
+        // taking its bytes.
+        g.remove_output("logits");
+    }
     let mut names = super::compile::pipeline(None, &mesh)?;
     let mut training = false;
     let mut train_opts = a.train.options("adamw")?;
