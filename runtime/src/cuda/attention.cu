@@ -384,7 +384,7 @@ DEF_FA_FWD(fa_fwd_d64_m2, 64, 4, 2)
 // group and over the 64-row query tiles that see its keys. With NW = 8 the dQ atomics and the
 // Q/dO tile loads per FLOP halve (each query tile meets 128 keys at once).
 // dq_acc: f32 [B, Nq, Sq, D], zeroed before; dk, dv written in storage dtype.
-template <int D, int NW>
+template <int D, int NW, bool HOIST_>
 __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
                                        const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout,
                                        const float* lse, const float* delta, int Nq, int Nkv, i64 Sq, i64 Sk, float scale,
@@ -397,7 +397,7 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
     // Head dim 64: the warp's K and V rows (the A operands of S^T and dP^T, the same on
     // every iteration) stay in registers and dS's fragments are loaded once per dQ, not
     // once per column slice: shared-memory loads, not MMAs, bound this loop.
-    constexpr bool HOIST = D <= 64;
+    constexpr bool HOIST = HOIST_ && D <= 64;
     constexpr int KF = HOIST ? D / 16 : 1;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     __nv_bfloat16* sK = (__nv_bfloat16*)fa_smem;
@@ -655,13 +655,14 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
     }
 }
 
-#define DEF_FA_BWD(NAME, D, NW)                                                                           \
+#define DEF_FA_BWD(NAME, D, NW, H)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW) NAME(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, \
             const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout,   \
             const float* lse, const float* delta, int Nq, int Nkv, i64 Sq, i64 Sk, float scale, int causal) {      \
-        fa_bwd<D, NW>(dq_acc, dk, dv, q, k, v, dout, lse, delta, Nq, Nkv, Sq, Sk, scale, causal);            \
+        fa_bwd<D, NW, H>(dq_acc, dk, dv, q, k, v, dout, lse, delta, Nq, Nkv, Sq, Sk, scale, causal);            \
     }
-DEF_FA_BWD(fa_bwd_d64, 64, 4)
-DEF_FA_BWD(fa_bwd_d128, 128, 4)
-DEF_FA_BWD(fa_bwd_d64_w8, 64, 8)
-DEF_FA_BWD(fa_bwd_d128_w8, 128, 8)
+DEF_FA_BWD(fa_bwd_d64, 64, 4, false)
+DEF_FA_BWD(fa_bwd_d128, 128, 4, false)
+DEF_FA_BWD(fa_bwd_d64_w8, 64, 8, false)
+DEF_FA_BWD(fa_bwd_d128_w8, 128, 8, false)
+DEF_FA_BWD(fa_bwd_d64_h, 64, 4, true)

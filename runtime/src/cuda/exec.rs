@@ -1122,7 +1122,10 @@ fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scal
             _ if d == 64 => 4,
             _ => 8,
         };
+        // Head dim 64, 4 warps: K/V/dS fragments held in registers unless WEFT_FA_BWD=plain.
+        let hoist = std::env::var("WEFT_FA_BWD").as_deref() != Ok("plain");
         let name = match (d, nw) {
+            (64, 4) if hoist => "fa_bwd_d64_h",
             (64, 4) => "fa_bwd_d64",
             (64, _) => "fa_bwd_d64_w8",
             (_, 4) => "fa_bwd_d128",
