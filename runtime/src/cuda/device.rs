@@ -110,7 +110,7 @@ unsafe impl Send for Launch {}
 
 impl Launch {
     /// Enqueues the launch on `stream`.
-    pub fn enqueue(&self, stream: sys::CUstream) -> CudaResult<()> {
+    pub(crate) fn enqueue(&self, stream: sys::CUstream) -> CudaResult<()> {
         if self.grid.0 == 0 || self.grid.1 == 0 || self.grid.2 == 0 {
             return Ok(());
         }
@@ -288,7 +288,7 @@ impl Gpu {
         unsafe { dr::memcpy_dtoh_sync(dst, src) }.ck(&format!("cuMemcpyDtoH({} bytes)", dst.len()))
     }
 
-    pub fn dtod_async(&self, dst: u64, src: u64, bytes: usize, stream: sys::CUstream) -> CudaResult<()> {
+    pub(crate) fn dtod_async(&self, dst: u64, src: u64, bytes: usize, stream: sys::CUstream) -> CudaResult<()> {
         if bytes == 0 || dst == src {
             return Ok(());
         }
