@@ -382,7 +382,7 @@ fn esz(d: DType) -> usize {
 }
 
 fn norm(d: i64, rank: usize) -> CudaResult<usize> {
-    weft_ir::shape::norm_dim(d, rank).map_err(|m| CudaError::Plan(m))
+    weft_ir::shape::norm_dim(d, rank).map_err(CudaError::Plan)
 }
 
 fn ptr_or_null(t: Option<&DevT>) -> u64 {
@@ -394,7 +394,7 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
     let err = lw.gpu.err_flag.ptr;
     let o = &outs[0];
     let same = |a: &DevT, b: &DevT| a.shape == b.shape;
-    let vec8 = |ts: &[&DevT]| o.dtype == DType::BF16 && o.numel() % 8 == 0 && ts.iter().all(|t| t.ptr % 16 == 0 && t.dtype == DType::BF16 && t.numel() == o.numel());
+    let vec8 = |ts: &[&DevT]| o.dtype == DType::BF16 && o.numel().is_multiple_of(8) && ts.iter().all(|t| t.ptr % 16 == 0 && t.dtype == DType::BF16 && t.numel() == o.numel());
     let unary = |lw: &mut Lower, code_: i32, p: f32| -> CudaResult<()> {
         if vec8(&[o, &ins[0]]) {
             return lw.n("unary8_bf16", o.numel() / 8, vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::I64(o.numel() as i64 / 8), Arg::I32(code_), Arg::F32(p)]);
@@ -644,7 +644,7 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             } else {
                 0
             };
-            if let (Some(&lse), true) = (lw.ce_lse.get(&(x.ptr, l.ptr)), vec8(&[o, x]) && v % 8 == 0) {
+            if let (Some(&lse), true) = (lw.ce_lse.get(&(x.ptr, l.ptr)), vec8(&[o, x]) && v.is_multiple_of(8)) {
                 return lw.rows("ce_bwd_lse8_bf16", rows, 512, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(l.ptr), Arg::P(lse), Arg::P(dl.ptr), Arg::I32(code(dl.dtype)), Arg::I32(mode), Arg::P(count), Arg::I64(rows as i64), Arg::I64(v as i64 / 8), Arg::I64(*ignore_index)]);
             }
             let name = kname("ce_bwd", x.dtype)?;
@@ -1017,7 +1017,7 @@ fn lower_matmul(lw: &mut Lower, a: &DevT, b: &DevT, o: &DevT, ta: bool, tb: bool
 /// The 16-byte-vector bf16 rms_norm kernel for rows of `h` (a multiple of 8, at most 8192)
 /// with a f32 or bf16 weight, by chunks per thread; None where the generic kernel must run.
 fn rms8_kernel(x: &DevT, w: &DevT, h: u64, base: &str) -> Option<&'static str> {
-    if x.dtype != DType::BF16 || !matches!(w.dtype, DType::BF16 | DType::F32) || h % 8 != 0 || x.ptr % 16 != 0 || w.ptr % 16 != 0 {
+    if x.dtype != DType::BF16 || !matches!(w.dtype, DType::BF16 | DType::F32) || !h.is_multiple_of(8) || !x.ptr.is_multiple_of(16) || !w.ptr.is_multiple_of(16) {
         return None;
     }
     let per_thread = (h / 8).div_ceil(256);

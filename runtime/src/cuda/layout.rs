@@ -126,8 +126,8 @@ pub fn strided_copy(shape: &[usize], ss: &[i64], ds: &[i64], esz: usize, src_ali
                 break;
             }
             let bytes = sh[last] * esz;
-            let other_ok = (0..last).all(|k| (s[k] as usize * esz) % cand == 0 && (d[k] as usize * esz) % cand == 0);
-            if bytes % cand == 0 && other_ok && src_align % cand as u64 == 0 && dst_align % cand as u64 == 0 {
+            let other_ok = (0..last).all(|k| (s[k] as usize * esz).is_multiple_of(cand) && (d[k] as usize * esz).is_multiple_of(cand));
+            if bytes.is_multiple_of(cand) && other_ok && src_align.is_multiple_of(cand as u64) && dst_align.is_multiple_of(cand as u64) {
                 w = cand;
                 break;
             }
