@@ -24,10 +24,14 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         host_gbps: host,
     };
     match name.to_ascii_lowercase().as_str() {
-        // H200: cuBLASLt bf16 8192^3 reached ~790 TFLOP/s there, cuDNN's fused causal
-        // attention ~530 TFLOP/s (fwd+bwd, head dim 128); device copies ~4.3 TB/s.
-        "h200" => Some(p("h200", 790.0, 530.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 25.0)),
-        "h100" => Some(p("h100", 700.0, 450.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 25.0)),
+        // H200: cuBLASLt bf16 8192^3 reached ~790 TFLOP/s there; device copies ~4.3 TB/s.
+        // Attention is priced at what Weft's own flash kernels reach there (causal fwd+bwd,
+        // head dim 64: 172 TFLOP/s at S=4096, 195 at 16384; bench/GPU_NOTES.md run D), not
+        // cuDNN's fused SDPA (~530), which the runtime does not call: with 530 the plan
+        // predicted 317 ms for a 1.24B step at S=16384 that measured 533 ms; with 190, 525.
+        // H100: the same SMs and clocks, so the same kernel rate.
+        "h200" => Some(p("h200", 790.0, 190.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 25.0)),
+        "h100" => Some(p("h100", 700.0, 190.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 25.0)),
         "a100" => Some(p("a100", 280.0, 190.0, 19.5, 1700.0, 80.0, 240.0, 22.0, 20.0)),
         _ => None,
     }
