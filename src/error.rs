@@ -14,11 +14,19 @@ pub struct CliError {
 impl CliError {
     /// Bad input (exit code 2).
     pub fn input(message: impl Into<String>) -> CliError {
-        CliError { message: message.into(), help: None, code: 2 }
+        CliError {
+            message: message.into(),
+            help: None,
+            code: 2,
+        }
     }
     /// A check that ran and failed (exit code 1).
     pub fn failed(message: impl Into<String>) -> CliError {
-        CliError { message: message.into(), help: None, code: 1 }
+        CliError {
+            message: message.into(),
+            help: None,
+            code: 1,
+        }
     }
     pub fn with_help(mut self, help: impl Into<String>) -> CliError {
         self.help = Some(help.into());

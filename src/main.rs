@@ -9,7 +9,11 @@ use clap::{Parser, Subcommand};
 use error::CliError;
 
 #[derive(Parser)]
-#[command(name = "weft", version, about = "Compile transformer models into parallel training plans, and prove the rewrites right")]
+#[command(
+    name = "weft",
+    version,
+    about = "Compile transformer models into parallel training plans, and prove the rewrites right"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -12,10 +12,22 @@ use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 #[path = "../passes/tests/common/mod.rs"]
 mod common;
 
-const FAMILIES: &[&str] = &["llama", "llama_rope3", "llama_kv1", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"];
+const FAMILIES: &[&str] = &[
+    "llama",
+    "llama_rope3",
+    "llama_kv1",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+];
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 struct Case {
@@ -26,7 +38,8 @@ struct Case {
 
 fn case(name: &str, uneven_labels: bool) -> Case {
     let dir = fixture(name);
-    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model =
+        weft_frontends::load(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{name}: {e}"));
     let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
     let mut inputs = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
     if uneven_labels {
@@ -39,20 +52,32 @@ fn case(name: &str, uneven_labels: bool) -> Case {
         for i in [2, 13, 14, 15] {
             labels[s + i] = -100;
         }
-        inputs.insert("labels".into(), HostTensor::ints(DType::I64, vec![b, s], labels));
+        inputs.insert(
+            "labels".into(),
+            HostTensor::ints(DType::I64, vec![b, s], labels),
+        );
     }
-    Case { graph: model.graph, weights, inputs }
+    Case {
+        graph: model.graph,
+        weights,
+        inputs,
+    }
 }
 
 fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
     let opts = RunOptions::new(Precision::F64).with_grads(grads);
-    run(g, &c.weights, &c.inputs, &opts).unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
+    run(g, &c.weights, &c.inputs, &opts)
+        .unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
 }
 
 fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
     assert_eq!(a.shape, b.shape);
     let (x, y) = (a.to_f64(), b.to_f64());
-    let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    let diff = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0, f64::max);
     let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
     if diff == 0.0 {
         0.0
@@ -63,12 +88,18 @@ fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
 
 /// The joint graph's gradient outputs, keyed by param name.
 fn graph_grads(r: &RunResult) -> BTreeMap<String, HostTensor> {
-    r.outputs.iter().filter_map(|(k, v)| k.strip_prefix("grad.").map(|p| (p.to_string(), v.clone()))).collect()
+    r.outputs
+        .iter()
+        .filter_map(|(k, v)| k.strip_prefix("grad.").map(|p| (p.to_string(), v.clone())))
+        .collect()
 }
 
 fn differentiate(g: &mut Graph, mesh: &Mesh) {
     let cx = PassContext::new(mesh.clone());
-    lookup("autodiff").unwrap().run(g, &cx).unwrap_or_else(|e| panic!("autodiff on {}: {e}", g.name));
+    lookup("autodiff")
+        .unwrap()
+        .run(g, &cx)
+        .unwrap_or_else(|e| panic!("autodiff on {}: {e}", g.name));
     weft_ir::verify(g).unwrap_or_else(|r| panic!("{} after autodiff: {r}", g.name));
     let text = weft_ir::print(g);
     assert_eq!(weft_ir::parse(&text).unwrap(), *g, "joint graph round trip");
@@ -81,7 +112,12 @@ fn check(name: &str, c: &Case, mesh: &str) {
     let reference = execute(&c.graph, c, true);
     let mesh = Mesh::parse(mesh).unwrap();
     let mut g = c.graph.clone();
-    run_pipeline(&mut g, &PassContext::new(mesh.clone()), &default_pipeline(&mesh)).unwrap();
+    run_pipeline(
+        &mut g,
+        &PassContext::new(mesh.clone()),
+        &default_pipeline(&mesh),
+    )
+    .unwrap();
     differentiate(&mut g, &mesh);
     let mut variants = vec![("autodiff".to_string(), g.clone())];
     for (bucket, zero) in [(4096u64, false), (1 << 30, false), (4096, true)] {
@@ -89,14 +125,21 @@ fn check(name: &str, c: &Case, mesh: &str) {
         cx.options.train.bucket_bytes = bucket;
         cx.options.train.reduce_scatter = zero;
         let mut h = g.clone();
-        lookup("grad-sync").unwrap().run(&mut h, &cx).unwrap_or_else(|e| panic!("grad-sync on {name}: {e}"));
+        lookup("grad-sync")
+            .unwrap()
+            .run(&mut h, &cx)
+            .unwrap_or_else(|e| panic!("grad-sync on {name}: {e}"));
         weft_ir::verify(&h).unwrap_or_else(|r| panic!("{name} after grad-sync: {r}"));
         variants.push((format!("grad-sync bucket={bucket} zero={zero}"), h));
     }
     for (what, g) in &variants {
         let got = execute(g, c, false);
         let grads = graph_grads(&got);
-        assert_eq!(grads.len(), reference.grads.len(), "{name} {mesh} {what}: one gradient per param");
+        assert_eq!(
+            grads.len(),
+            reference.grads.len(),
+            "{name} {mesh} {what}: one gradient per param"
+        );
         for out in ["loss", "logits"] {
             let e = rel_err(&got.outputs[out], &reference.outputs[out]);
             assert!(e < 1e-10, "{name} {mesh} {what}: {out} rel err {e}");
@@ -114,17 +157,24 @@ fn every_family_matches_pytorch_gradients_on_one_rank() {
     for fam in FAMILIES {
         let c = case(fam, false);
         let dir = fixture(fam);
-        let reference = weft_frontends::read_safetensors(&dir.join("reference.safetensors")).unwrap();
+        let reference =
+            weft_frontends::read_safetensors(&dir.join("reference.safetensors")).unwrap();
         let mut g = c.graph.clone();
         differentiate(&mut g, &Mesh::default());
         let r = execute(&g, &c, false);
         let grads = graph_grads(&r);
         let mut worst: f64 = 0.0;
         for (k, want) in reference.iter().filter(|(k, _)| k.starts_with("grad.")) {
-            let have = grads.get(&k["grad.".len()..]).unwrap_or_else(|| panic!("{fam}: no gradient output {k}"));
+            let have = grads
+                .get(&k["grad.".len()..])
+                .unwrap_or_else(|| panic!("{fam}: no gradient output {k}"));
             worst = worst.max(rel_err(have, want));
         }
-        assert_eq!(grads.len(), reference.keys().filter(|k| k.starts_with("grad.")).count(), "{fam}: gradient count");
+        assert_eq!(
+            grads.len(),
+            reference.keys().filter(|k| k.starts_with("grad.")).count(),
+            "{fam}: gradient count"
+        );
         report.push(format!("{fam}: grads {worst:.1e}"));
         assert!(worst < 1e-4, "{fam}: grads {worst}");
         // And candle's autograd on the same graph, tightly.
@@ -173,29 +223,81 @@ fn data_parallel_every_family() {
 #[test]
 fn variants_mask_position_ids_mean_loss() {
     for cfg in [
-        common::Config { mask: true, ..common::Config::llama_tiny() },
-        common::Config { position_ids: true, ..common::Config::llama_tiny() },
-        common::Config { mean_loss: true, ..common::Config::llama_tiny() },
-        common::Config { qk_norm: true, ..common::Config::llama_tiny() },
+        common::Config {
+            mask: true,
+            ..common::Config::llama_tiny()
+        },
+        common::Config {
+            position_ids: true,
+            ..common::Config::llama_tiny()
+        },
+        common::Config {
+            mean_loss: true,
+            ..common::Config::llama_tiny()
+        },
+        common::Config {
+            qk_norm: true,
+            ..common::Config::llama_tiny()
+        },
     ] {
         let graph = common::build(&cfg);
-        let model = weft_frontends::Model::from_graph(graph, weft_frontends::Origin::Preset(cfg.name.clone())).unwrap();
+        let model = weft_frontends::Model::from_graph(
+            graph,
+            weft_frontends::Origin::Preset(cfg.name.clone()),
+        )
+        .unwrap();
         let weights = weft_frontends::random_weights(&model, 7);
         let (b, s) = (2usize, 16usize);
         let ids: Vec<i64> = (0..b * s).map(|i| ((i * 37 + 5) % 127) as i64).collect();
-        let labels: Vec<i64> = ids.iter().enumerate().map(|(i, &t)| if [0, 5, 6, 7, 20, 29].contains(&i) { -100 } else { t }).collect();
+        let labels: Vec<i64> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                if [0, 5, 6, 7, 20, 29].contains(&i) {
+                    -100
+                } else {
+                    t
+                }
+            })
+            .collect();
         let mut inputs = BTreeMap::new();
-        inputs.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![b, s], ids));
-        inputs.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![b, s], labels));
+        inputs.insert(
+            "input_ids".to_string(),
+            HostTensor::ints(DType::I64, vec![b, s], ids),
+        );
+        inputs.insert(
+            "labels".to_string(),
+            HostTensor::ints(DType::I64, vec![b, s], labels),
+        );
         if cfg.mask {
-            let m: Vec<i64> = (0..b * s * s).map(|k| if (k / s) % s == k % s { 1 } else { (k % 3 != 0) as i64 }).collect();
-            inputs.insert("attention_mask".to_string(), HostTensor::ints(DType::Bool, vec![b, 1, s, s], m));
+            let m: Vec<i64> = (0..b * s * s)
+                .map(|k| {
+                    if (k / s) % s == k % s {
+                        1
+                    } else {
+                        (k % 3 != 0) as i64
+                    }
+                })
+                .collect();
+            inputs.insert(
+                "attention_mask".to_string(),
+                HostTensor::ints(DType::Bool, vec![b, 1, s, s], m),
+            );
         }
         if cfg.position_ids {
-            let p: Vec<i64> = (0..b * s).map(|k| (k % s) as i64 + if k < s { 3 } else { 0 }).collect();
-            inputs.insert("position_ids".to_string(), HostTensor::ints(DType::I64, vec![b, s], p));
+            let p: Vec<i64> = (0..b * s)
+                .map(|k| (k % s) as i64 + if k < s { 3 } else { 0 })
+                .collect();
+            inputs.insert(
+                "position_ids".to_string(),
+                HostTensor::ints(DType::I64, vec![b, s], p),
+            );
         }
-        let c = Case { graph: model.graph, weights, inputs };
+        let c = Case {
+            graph: model.graph,
+            weights,
+            inputs,
+        };
         for mesh in ["", "sp=4", "dp=2,sp=2"] {
             check(&cfg.name, &c, mesh);
         }
@@ -205,7 +307,10 @@ fn variants_mask_position_ids_mean_loss() {
 #[test]
 fn tensor_parallel() {
     for (fam, meshes) in [
-        ("llama", &["tp=2", "tp=3", "tp=4", "dp=2,tp=2", "sp=2,tp=2"][..]),
+        (
+            "llama",
+            &["tp=2", "tp=3", "tp=4", "dp=2,tp=2", "sp=2,tp=2"][..],
+        ),
         ("llama_kv1", &["tp=2"][..]),
         ("qwen3", &["tp=2"][..]),
         ("qwen2", &["tp=2"][..]),

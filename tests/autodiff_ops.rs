@@ -21,12 +21,20 @@ fn dims(s: &[i64]) -> Vec<Dim> {
 
 impl T {
     fn new() -> T {
-        T { g: Graph::new("op"), weights: BTreeMap::new(), inputs: BTreeMap::new(), seed: 17 }
+        T {
+            g: Graph::new("op"),
+            weights: BTreeMap::new(),
+            inputs: BTreeMap::new(),
+            seed: 17,
+        }
     }
     fn rand(&mut self, n: usize) -> Vec<f64> {
         (0..n)
             .map(|_| {
-                self.seed = self.seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                self.seed = self
+                    .seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((self.seed >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
             })
             .collect()
@@ -34,8 +42,19 @@ impl T {
     fn param(&mut self, name: &str, shape: &[i64]) -> Value {
         let n = shape.iter().product::<i64>() as usize;
         let v = self.rand(n);
-        self.weights.insert(name.into(), HostTensor::floats(DType::F32, shape.iter().map(|&d| d as usize).collect(), v));
-        self.g.add(Op::Param { name: name.into(), ty: TensorType::new(DType::F32, dims(shape)) }, &[]).unwrap()
+        self.weights.insert(
+            name.into(),
+            HostTensor::floats(DType::F32, shape.iter().map(|&d| d as usize).collect(), v),
+        );
+        self.g
+            .add(
+                Op::Param {
+                    name: name.into(),
+                    ty: TensorType::new(DType::F32, dims(shape)),
+                },
+                &[],
+            )
+            .unwrap()
     }
     /// A positive param (for log, sqrt, pow bases).
     fn pos_param(&mut self, name: &str, shape: &[i64]) -> Value {
@@ -46,8 +65,20 @@ impl T {
         v
     }
     fn ints(&mut self, name: &str, shape: &[i64], data: Vec<i64>, dtype: DType) -> Value {
-        self.inputs.insert(name.into(), HostTensor::ints(dtype, shape.iter().map(|&d| d as usize).collect(), data));
-        self.g.add(Op::Input { name: name.into(), role: Role::Other, ty: TensorType::new(dtype, dims(shape)) }, &[]).unwrap()
+        self.inputs.insert(
+            name.into(),
+            HostTensor::ints(dtype, shape.iter().map(|&d| d as usize).collect(), data),
+        );
+        self.g
+            .add(
+                Op::Input {
+                    name: name.into(),
+                    role: Role::Other,
+                    ty: TensorType::new(dtype, dims(shape)),
+                },
+                &[],
+            )
+            .unwrap()
     }
     fn op(&mut self, op: Op, xs: &[Value]) -> Value {
         self.g.add(op, xs).unwrap_or_else(|e| panic!("{e}"))
@@ -64,7 +95,11 @@ impl T {
         let mut loss: Option<Value> = None;
         for (i, &y) in ys.iter().enumerate() {
             let ty = self.g.ty(y).with_dtype(DType::F32);
-            let y = if self.g.ty(y).dtype != DType::F32 { self.op(Op::Cast { dtype: DType::F32 }, &[y]) } else { y };
+            let y = if self.g.ty(y).dtype != DType::F32 {
+                self.op(Op::Cast { dtype: DType::F32 }, &[y])
+            } else {
+                y
+            };
             let mut b = Bindings::new();
             for (a, n) in &self.g.mesh.axes {
                 b = b.with(a, *n as i64);
@@ -73,14 +108,39 @@ impl T {
             let n = shape.iter().product::<i64>() as usize;
             let r = self.rand(n);
             let name = format!("r{i}");
-            self.inputs.insert(name.clone(), HostTensor::floats(DType::F32, shape.iter().map(|&d| d as usize).collect(), r));
-            let rv = self.g.add(Op::Input { name, role: Role::Other, ty }, &[]).unwrap();
+            self.inputs.insert(
+                name.clone(),
+                HostTensor::floats(DType::F32, shape.iter().map(|&d| d as usize).collect(), r),
+            );
+            let rv = self
+                .g
+                .add(
+                    Op::Input {
+                        name,
+                        role: Role::Other,
+                        ty,
+                    },
+                    &[],
+                )
+                .unwrap();
             let p = self.op(Op::Mul {}, &[y, rv]);
             let all: Vec<i64> = (0..shape.len() as i64).collect();
-            let mut s = self.op(Op::Sum { dims: all, keepdim: false }, &[p]);
+            let mut s = self.op(
+                Op::Sum {
+                    dims: all,
+                    keepdim: false,
+                },
+                &[p],
+            );
             // On a mesh: the same loss on every rank (each rank's sum, added).
             for (a, _) in self.g.mesh.axes.clone() {
-                s = self.op(Op::AllReduce { axis: a, op: ReduceOp::Sum }, &[s]);
+                s = self.op(
+                    Op::AllReduce {
+                        axis: a,
+                        op: ReduceOp::Sum,
+                    },
+                    &[s],
+                );
             }
             loss = Some(match loss {
                 Some(l) => self.op(Op::Add {}, &[l, s]),
@@ -88,14 +148,34 @@ impl T {
             });
         }
         self.g.set_output("loss", loss.unwrap());
-        let reference = run(&self.g, &self.weights, &self.inputs, &RunOptions::new(Precision::F64).with_grads(true)).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let reference = run(
+            &self.g,
+            &self.weights,
+            &self.inputs,
+            &RunOptions::new(Precision::F64).with_grads(true),
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
         let mut j = self.g.clone();
-        lookup("autodiff").unwrap().run(&mut j, &PassContext::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        lookup("autodiff")
+            .unwrap()
+            .run(&mut j, &PassContext::default())
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
         verify(&j).unwrap_or_else(|r| panic!("{what}: {r}"));
-        let got = run(&j, &self.weights, &self.inputs, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{what}: {e}\n{}", print(&j)));
+        let got = run(
+            &j,
+            &self.weights,
+            &self.inputs,
+            &RunOptions::new(Precision::F64),
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}\n{}", print(&j)));
         if tol > 1e-9 {
             // The reference is loose here: central differences decide, tightly.
-            let loss = |w: &BTreeMap<String, HostTensor>| run(&self.g, w, &self.inputs, &RunOptions::new(Precision::F64)).unwrap().outputs["loss"].to_f64()[0];
+            let loss = |w: &BTreeMap<String, HostTensor>| {
+                run(&self.g, w, &self.inputs, &RunOptions::new(Precision::F64))
+                    .unwrap()
+                    .outputs["loss"]
+                    .to_f64()[0]
+            };
             for (p, t) in &self.weights {
                 let have = got.outputs[&format!("grad.{p}")].to_f64();
                 for k in 0..t.numel().min(6) {
@@ -109,7 +189,11 @@ impl T {
                     bump(&mut wp, eps);
                     bump(&mut wm, -eps);
                     let fd = (loss(&wp) - loss(&wm)) / (2.0 * eps);
-                    assert!((fd - have[k]).abs() <= 1e-8 * (1.0 + fd.abs()), "{what}: d loss / d {p}[{k}]: autodiff {}, finite differences {fd}", have[k]);
+                    assert!(
+                        (fd - have[k]).abs() <= 1e-8 * (1.0 + fd.abs()),
+                        "{what}: d loss / d {p}[{k}]: autodiff {}, finite differences {fd}",
+                        have[k]
+                    );
                 }
             }
         }
@@ -117,7 +201,10 @@ impl T {
             let have = &got.outputs[&format!("grad.{p}")];
             let (a, b) = (have.to_f64(), want.to_f64());
             let scale = b.iter().fold(1e-12f64, |m, x| m.max(x.abs()));
-            let err = a.iter().zip(&b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+            let err = a
+                .iter()
+                .zip(&b)
+                .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
             assert!(err <= tol * scale, "{what}: grad {p} max abs err {err:e} (scale {scale:e})\nautodiff {a:?}\nautograd {b:?}");
         }
     }
@@ -137,26 +224,77 @@ fn elementwise_unary() {
         ("gelu", Op::Gelu { tanh_approx: false }, false),
         ("gelu_tanh", Op::Gelu { tanh_approx: true }, false),
         ("relu", Op::Relu {}, false),
-        ("scale", Op::Scale { factor: Float(-1.5) }, false),
+        (
+            "scale",
+            Op::Scale {
+                factor: Float(-1.5),
+            },
+            false,
+        ),
         ("add_scalar", Op::AddScalar { value: Float(2.0) }, false),
-        ("pow2", Op::PowScalar { exponent: Float(2.0) }, false),
-        ("pow_half", Op::PowScalar { exponent: Float(0.5) }, true),
-        ("pow3", Op::PowScalar { exponent: Float(3.0) }, false),
-        ("pow_inv", Op::PowScalar { exponent: Float(-1.0) }, true),
+        (
+            "pow2",
+            Op::PowScalar {
+                exponent: Float(2.0),
+            },
+            false,
+        ),
+        (
+            "pow_half",
+            Op::PowScalar {
+                exponent: Float(0.5),
+            },
+            true,
+        ),
+        (
+            "pow3",
+            Op::PowScalar {
+                exponent: Float(3.0),
+            },
+            false,
+        ),
+        (
+            "pow_inv",
+            Op::PowScalar {
+                exponent: Float(-1.0),
+            },
+            true,
+        ),
     ];
     for (what, op, positive) in cases {
         let mut t = T::new();
-        let x = if positive { t.pos_param("x", &[3, 5]) } else { t.param("x", &[3, 5]) };
+        let x = if positive {
+            t.pos_param("x", &[3, 5])
+        } else {
+            t.param("x", &[3, 5])
+        };
         let y = t.op(op, &[x]);
         // candle's autograd of gelu uses 7-digit constants (0.398942, 0.0535161, ...).
-        t.check_tol(what, &[y], if what.starts_with("gelu") { 1e-6 } else { 1e-9 });
+        t.check_tol(
+            what,
+            &[y],
+            if what.starts_with("gelu") { 1e-6 } else { 1e-9 },
+        );
     }
 }
 
 #[test]
 fn elementwise_binary_with_broadcasting() {
-    for (what, op) in [("add", Op::Add {}), ("sub", Op::Sub {}), ("mul", Op::Mul {}), ("div", Op::Div {}), ("pow", Op::Pow {}), ("maximum", Op::Maximum {}), ("minimum", Op::Minimum {})] {
-        for (sa, sb) in [(&[2, 3, 4][..], &[2, 3, 4][..]), (&[2, 3, 4], &[4]), (&[2, 1, 4], &[3, 1]), (&[1], &[2, 3])] {
+    for (what, op) in [
+        ("add", Op::Add {}),
+        ("sub", Op::Sub {}),
+        ("mul", Op::Mul {}),
+        ("div", Op::Div {}),
+        ("pow", Op::Pow {}),
+        ("maximum", Op::Maximum {}),
+        ("minimum", Op::Minimum {}),
+    ] {
+        for (sa, sb) in [
+            (&[2, 3, 4][..], &[2, 3, 4][..]),
+            (&[2, 3, 4], &[4]),
+            (&[2, 1, 4], &[3, 1]),
+            (&[1], &[2, 3]),
+        ] {
             let mut t = T::new();
             let a = t.pos_param("a", sa);
             let b = t.pos_param("b", sb);
@@ -185,23 +323,48 @@ fn where_compare_cast() {
 #[test]
 fn reductions() {
     for (what, mk) in [
-        ("sum", &(|d: Vec<i64>, k: bool| Op::Sum { dims: d, keepdim: k }) as &dyn Fn(Vec<i64>, bool) -> Op),
-        ("mean", &|d, k| Op::Mean { dims: d, keepdim: k }),
-        ("max", &|d, k| Op::Max { dims: d, keepdim: k }),
+        (
+            "sum",
+            &(|d: Vec<i64>, k: bool| Op::Sum {
+                dims: d,
+                keepdim: k,
+            }) as &dyn Fn(Vec<i64>, bool) -> Op,
+        ),
+        ("mean", &|d, k| Op::Mean {
+            dims: d,
+            keepdim: k,
+        }),
+        ("max", &|d, k| Op::Max {
+            dims: d,
+            keepdim: k,
+        }),
     ] {
-        for (ds, keep) in [(vec![1], false), (vec![0, 2], true), (vec![-1], true), (vec![0, 1, 2], false)] {
+        for (ds, keep) in [
+            (vec![1], false),
+            (vec![0, 2], true),
+            (vec![-1], true),
+            (vec![0, 1, 2], false),
+        ] {
             let mut t = T::new();
             let x = t.param("x", &[2, 3, 4]);
             let y = t.op(mk(ds.clone(), keep), &[x]);
             t.check(&format!("{what} {ds:?} keepdim={keep}"), &[y]);
         }
     }
-    for (what, op) in [("softmax", Op::Softmax { dim: 1 }), ("log_softmax", Op::LogSoftmax { dim: -1 }), ("softmax0", Op::Softmax { dim: 0 })] {
+    for (what, op) in [
+        ("softmax", Op::Softmax { dim: 1 }),
+        ("log_softmax", Op::LogSoftmax { dim: -1 }),
+        ("softmax0", Op::Softmax { dim: 0 }),
+    ] {
         let mut t = T::new();
         let x = t.param("x", &[3, 5]);
         let y = t.op(op, &[x]);
         // candle's autograd of gelu uses 7-digit constants (0.398942, 0.0535161, ...).
-        t.check_tol(what, &[y], if what.starts_with("gelu") { 1e-6 } else { 1e-9 });
+        t.check_tol(
+            what,
+            &[y],
+            if what.starts_with("gelu") { 1e-6 } else { 1e-9 },
+        );
     }
 }
 
@@ -220,7 +383,11 @@ fn linear_and_matmul() {
     }
     for ta in [false, true] {
         for tb in [false, true] {
-            for (sa, sb) in [(vec![3, 4], vec![4, 5]), (vec![2, 3, 4], vec![4, 5]), (vec![2, 1, 3, 4], vec![3, 4, 5])] {
+            for (sa, sb) in [
+                (vec![3, 4], vec![4, 5]),
+                (vec![2, 3, 4], vec![4, 5]),
+                (vec![2, 1, 3, 4], vec![3, 4, 5]),
+            ] {
                 let mut t = T::new();
                 let mut sa = sa.clone();
                 let mut sb = sb.clone();
@@ -233,7 +400,13 @@ fn linear_and_matmul() {
                 }
                 let a = t.param("a", &sa);
                 let b = t.param("b", &sb);
-                let y = t.op(Op::Matmul { transpose_a: ta, transpose_b: tb }, &[a, b]);
+                let y = t.op(
+                    Op::Matmul {
+                        transpose_a: ta,
+                        transpose_b: tb,
+                    },
+                    &[a, b],
+                );
                 t.check(&format!("matmul {sa:?} {sb:?} ta={ta} tb={tb}"), &[y]);
             }
         }
@@ -252,8 +425,20 @@ fn transformer_blocks() {
     for rot in [8i64, 4] {
         let mut t = T::new();
         let x = t.param("x", &[2, 3, 5, 8]);
-        let pos = t.ints("pos", &[2, 5], (0..10).map(|i| (i * 3 % 7) as i64).collect(), DType::I64);
-        let cs = t.ops(Op::RopeTable { theta: Float(100.0), dim: rot, scaling: RopeScaling::None }, &[pos]);
+        let pos = t.ints(
+            "pos",
+            &[2, 5],
+            (0..10).map(|i| (i * 3 % 7) as i64).collect(),
+            DType::I64,
+        );
+        let cs = t.ops(
+            Op::RopeTable {
+                theta: Float(100.0),
+                dim: rot,
+                scaling: RopeScaling::None,
+            },
+            &[pos],
+        );
         let y = t.op(Op::Rope {}, &[x, cs[0], cs[1]]);
         t.check(&format!("rope dim {rot}"), &[y]);
     }
@@ -265,10 +450,18 @@ fn transformer_blocks() {
         let v = t.param("v", &[2, 2, 5, 3]);
         let mut ops = vec![q, k, v];
         if mask {
-            let m: Vec<i64> = (0..2 * 25).map(|i| ((i % 5 == i / 5 % 5) || i % 3 != 0) as i64).collect();
+            let m: Vec<i64> = (0..2 * 25)
+                .map(|i| ((i % 5 == i / 5 % 5) || i % 3 != 0) as i64)
+                .collect();
             ops.push(t.ints("mask", &[2, 1, 5, 5], m, DType::Bool));
         }
-        let y = t.op(Op::Attention { causal, scale: Float(0.6) }, &ops);
+        let y = t.op(
+            Op::Attention {
+                causal,
+                scale: Float(0.6),
+            },
+            &ops,
+        );
         t.check(&format!("attention causal={causal} mask={mask}"), &[y]);
     }
     // embedding, cross-entropy (none, sum, mean)
@@ -281,7 +474,13 @@ fn transformer_blocks() {
         let mut t = T::new();
         let x = t.param("x", &[2, 3, 6]);
         let lab = t.ints("labels", &[2, 3], vec![1, -100, 5, 0, 0, -100], DType::I64);
-        let y = t.op(Op::CrossEntropy { ignore_index: -100, reduction: red }, &[x, lab]);
+        let y = t.op(
+            Op::CrossEntropy {
+                ignore_index: -100,
+                reduction: red,
+            },
+            &[x, lab],
+        );
         t.check(&format!("cross_entropy {}", red.keyword()), &[y]);
     }
 }
@@ -290,16 +489,54 @@ fn transformer_blocks() {
 fn layout_and_indexing() {
     let mut t = T::new();
     let x = t.param("x", &[2, 3, 4]);
-    let a = t.op(Op::Reshape { shape: dims(&[6, 4]) }, &[x]);
-    let b = t.op(Op::Permute { perm: vec![2, 0, 1] }, &[x]);
+    let a = t.op(
+        Op::Reshape {
+            shape: dims(&[6, 4]),
+        },
+        &[x],
+    );
+    let b = t.op(
+        Op::Permute {
+            perm: vec![2, 0, 1],
+        },
+        &[x],
+    );
     let c = t.op(Op::Transpose { dim0: 0, dim1: 2 }, &[x]);
-    let d = t.op(Op::Slice { dim: 2, start: Dim::from(1), len: Dim::from(2) }, &[x]);
-    let e = t.op(Op::Slice { dim: 0, start: Dim::from(0), len: Dim::from(1) }, &[x]);
-    let s = t.ops(Op::Split { dim: 1, sizes: dims(&[1, 2]) }, &[x]);
+    let d = t.op(
+        Op::Slice {
+            dim: 2,
+            start: Dim::from(1),
+            len: Dim::from(2),
+        },
+        &[x],
+    );
+    let e = t.op(
+        Op::Slice {
+            dim: 0,
+            start: Dim::from(0),
+            len: Dim::from(1),
+        },
+        &[x],
+    );
+    let s = t.ops(
+        Op::Split {
+            dim: 1,
+            sizes: dims(&[1, 2]),
+        },
+        &[x],
+    );
     let f = t.op(Op::Concat { dim: 2 }, &[x, d]);
     let one = t.param("one", &[1, 4]);
-    let h = t.op(Op::Expand { shape: dims(&[2, 3, 4]) }, &[one]);
-    t.check("reshape, permute, transpose, slice, split (one part used), concat, expand", &[a, b, c, d, e, s[1], f, h]);
+    let h = t.op(
+        Op::Expand {
+            shape: dims(&[2, 3, 4]),
+        },
+        &[one],
+    );
+    t.check(
+        "reshape, permute, transpose, slice, split (one part used), concat, expand",
+        &[a, b, c, d, e, s[1], f, h],
+    );
 
     let mut t = T::new();
     let x = t.param("x", &[3, 5]);
@@ -311,7 +548,10 @@ fn layout_and_indexing() {
     let dst = t.param("dst", &[3, 5]);
     let src = t.param("src", &[3, 2]);
     let sa = t.op(Op::ScatterAdd { dim: 1 }, &[dst, idx, src]);
-    t.check("gather, index_select, topk, scatter_add", &[g1, g2, tk[0], sa]);
+    t.check(
+        "gather, index_select, topk, scatter_add",
+        &[g1, g2, tk[0], sa],
+    );
 }
 
 #[test]
@@ -344,19 +584,77 @@ fn collectives_transpose_under_replication() {
     let x = t.param("x", &[4, 6]);
     let w = t.param("w", &[4, 6]);
     let start = Dim::coord("sp") * Dim::from(2);
-    let a = t.op(Op::Slice { dim: 0, start, len: Dim::from(2) }, &[x]); // varies over sp
+    let a = t.op(
+        Op::Slice {
+            dim: 0,
+            start,
+            len: Dim::from(2),
+        },
+        &[x],
+    ); // varies over sp
     let a2 = t.op(Op::Mul {}, &[a, a]);
-    let b = t.op(Op::AllGather { axis: sp("sp"), dim: 0 }, &[a2]); // replicated, [2*sp, 6]
-    let b = t.op(Op::Slice { dim: 0, start: Dim::zero(), len: Dim::from(4) }, &[b]);
+    let b = t.op(
+        Op::AllGather {
+            axis: sp("sp"),
+            dim: 0,
+        },
+        &[a2],
+    ); // replicated, [2*sp, 6]
+    let b = t.op(
+        Op::Slice {
+            dim: 0,
+            start: Dim::zero(),
+            len: Dim::from(4),
+        },
+        &[b],
+    );
     let bw = t.op(Op::Mul {}, &[b, w]);
-    let c = t.op(Op::ReduceScatter { axis: sp("sp"), dim: 1, op: ReduceOp::Sum }, &[bw]); // varies
+    let c = t.op(
+        Op::ReduceScatter {
+            axis: sp("sp"),
+            dim: 1,
+            op: ReduceOp::Sum,
+        },
+        &[bw],
+    ); // varies
     let c = t.op(Op::Tanh {}, &[c]);
-    let d = t.op(Op::AllToAll { axis: sp("sp"), scatter_dim: 0, gather_dim: 1 }, &[c]); // varies
-    let e = t.op(Op::AllReduce { axis: sp("sp"), op: ReduceOp::Avg }, &[d]); // replicated
-    let m = t.op(Op::AllReduce { axis: sp("sp"), op: ReduceOp::Max }, &[d]);
-    let f = t.op(Op::AllGather { axis: sp("sp"), dim: 1 }, &[c]);
+    let d = t.op(
+        Op::AllToAll {
+            axis: sp("sp"),
+            scatter_dim: 0,
+            gather_dim: 1,
+        },
+        &[c],
+    ); // varies
+    let e = t.op(
+        Op::AllReduce {
+            axis: sp("sp"),
+            op: ReduceOp::Avg,
+        },
+        &[d],
+    ); // replicated
+    let m = t.op(
+        Op::AllReduce {
+            axis: sp("sp"),
+            op: ReduceOp::Max,
+        },
+        &[d],
+    );
+    let f = t.op(
+        Op::AllGather {
+            axis: sp("sp"),
+            dim: 1,
+        },
+        &[c],
+    );
     let fx = t.op(Op::Mul {}, &[f, x]);
-    let g = t.op(Op::Broadcast { axis: sp("sp"), root: 1 }, &[fx]);
+    let g = t.op(
+        Op::Broadcast {
+            axis: sp("sp"),
+            root: 1,
+        },
+        &[fx],
+    );
     let s = t.op(Op::Add {}, &[e, m]);
     t.check("collectives on sp=2", &[s, g]);
 }

@@ -10,10 +10,18 @@ use weft_passes::{PassContext, PassManager};
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
-fn load(name: &str) -> (Graph, BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>) {
+fn load(
+    name: &str,
+) -> (
+    Graph,
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+) {
     let dir = fixture(name);
     let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
     let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
@@ -29,10 +37,16 @@ fn try_compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> Result<Graph, Stri
     let mesh = Mesh::parse(mesh).unwrap();
     let mut cx = PassContext::new(mesh.clone());
     cx.options.train = opts.clone();
-    let names: Vec<String> = training_pipeline(&mesh, opts).names().into_iter().map(String::from).collect();
+    let names: Vec<String> = training_pipeline(&mesh, opts)
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let mut g = g.clone();
-    PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(|e| e.to_string())?;
+    PassManager::default()
+        .run(&mut g, &cx, &refs, &mut std::io::sink())
+        .map_err(|e| e.to_string())?;
     Ok(g)
 }
 
@@ -48,54 +62,114 @@ fn peak(g: &Graph, opts: &TrainOptions) -> u64 {
 /// The budgets to check on `mesh`: the least peak a budget reaches (what the error for
 /// an impossible budget advises) and halfway between it and no recompute's peak.
 fn budgets(graph: &Graph, mesh: &str) -> Vec<CheckpointPolicy> {
-    let opts = |policy| TrainOptions { checkpoint: policy, batch: Some(2), seq: Some(SEQ), ..Default::default() };
-    let none = peak(&compile(graph, mesh, &opts(CheckpointPolicy::None)), &opts(CheckpointPolicy::None));
-    let err = try_compile(graph, mesh, &opts(CheckpointPolicy::Budget(0))).expect_err("a budget of 0 bytes is impossible");
-    let least: u64 = err.split("raise the budget to at least ").nth(1).and_then(|t| t.split(',').next()).and_then(|t| t.parse().ok()).unwrap_or_else(|| panic!("{mesh}: {err}"));
-    assert!(least < none, "{mesh}: the least peak {least} is below no recompute's {none}");
-    vec![CheckpointPolicy::Budget((none + least) / 2), CheckpointPolicy::Budget(least)]
+    let opts = |policy| TrainOptions {
+        checkpoint: policy,
+        batch: Some(2),
+        seq: Some(SEQ),
+        ..Default::default()
+    };
+    let none = peak(
+        &compile(graph, mesh, &opts(CheckpointPolicy::None)),
+        &opts(CheckpointPolicy::None),
+    );
+    let err = try_compile(graph, mesh, &opts(CheckpointPolicy::Budget(0)))
+        .expect_err("a budget of 0 bytes is impossible");
+    let least: u64 = err
+        .split("raise the budget to at least ")
+        .nth(1)
+        .and_then(|t| t.split(',').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("{mesh}: {err}"));
+    assert!(
+        least < none,
+        "{mesh}: the least peak {least} is below no recompute's {none}"
+    );
+    vec![
+        CheckpointPolicy::Budget((none + least) / 2),
+        CheckpointPolicy::Budget(least),
+    ]
 }
 
 fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
     let (x, y) = (a.to_f64(), b.to_f64());
-    let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    let d = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0, f64::max);
     d / y.iter().map(|q| q.abs()).fold(1e-300, f64::max)
 }
 
 fn policies(graph: &Graph, mesh: &str) -> Vec<CheckpointPolicy> {
-    let mut p = vec![CheckpointPolicy::None, CheckpointPolicy::Selective, CheckpointPolicy::Full];
+    let mut p = vec![
+        CheckpointPolicy::None,
+        CheckpointPolicy::Selective,
+        CheckpointPolicy::Full,
+    ];
     p.extend(budgets(graph, mesh));
     p
 }
 
 #[test]
 fn gradients_are_equal_with_and_without_recompute() {
-    for (fam, meshes) in [("llama", &["", "sp=2", "dp=2,sp=2", "tp=2"][..]), ("mixtral", &["", "sp=2"][..]), ("qwen3", &["sp=2"][..])] {
+    for (fam, meshes) in [
+        ("llama", &["", "sp=2", "dp=2,sp=2", "tp=2"][..]),
+        ("mixtral", &["", "sp=2"][..]),
+        ("qwen3", &["sp=2"][..]),
+    ] {
         let (graph, weights, inputs) = load(fam);
-        let reference = run(&graph, &weights, &inputs, &RunOptions::new(Precision::F64).with_grads(true)).unwrap();
+        let reference = run(
+            &graph,
+            &weights,
+            &inputs,
+            &RunOptions::new(Precision::F64).with_grads(true),
+        )
+        .unwrap();
         for mesh in meshes {
             let mut base: Option<BTreeMap<String, HostTensor>> = None;
             for policy in policies(&graph, mesh) {
-                let opts = TrainOptions { checkpoint: policy.clone(), batch: Some(2), seq: Some(SEQ), ..Default::default() };
+                let opts = TrainOptions {
+                    checkpoint: policy.clone(),
+                    batch: Some(2),
+                    seq: Some(SEQ),
+                    ..Default::default()
+                };
                 let g = compile(&graph, mesh, &opts);
                 if let CheckpointPolicy::Budget(budget) = policy {
-                    assert!(peak(&g, &opts) <= budget, "{fam} {mesh} {policy}: peak {} over the budget", peak(&g, &opts));
+                    assert!(
+                        peak(&g, &opts) <= budget,
+                        "{fam} {mesh} {policy}: peak {} over the budget",
+                        peak(&g, &opts)
+                    );
                 }
-                let recomputed = g.nodes().iter().filter(|&&n| weft_passes::memory::is_recompute(&g, n)).count();
+                let recomputed = g
+                    .nodes()
+                    .iter()
+                    .filter(|&&n| weft_passes::memory::is_recompute(&g, n))
+                    .count();
                 if policy != CheckpointPolicy::None {
                     assert!(recomputed > 0, "{fam} {mesh} {policy}: nothing recomputed");
                 }
-                let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{fam} {mesh} {policy}: {e}"));
+                let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
+                    .unwrap_or_else(|e| panic!("{fam} {mesh} {policy}: {e}"));
                 for (p, want) in &reference.grads {
                     let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
                     assert!(e < 1e-9, "{fam} {mesh} {policy}: grad {p} rel err {e:e}");
                 }
-                let grads: BTreeMap<String, HostTensor> = r.outputs.into_iter().filter(|(k, _)| k.starts_with("grad.")).collect();
+                let grads: BTreeMap<String, HostTensor> = r
+                    .outputs
+                    .into_iter()
+                    .filter(|(k, _)| k.starts_with("grad."))
+                    .collect();
                 match &base {
                     None => base = Some(grads),
                     Some(b) => {
                         for (k, v) in b {
-                            assert_eq!(grads[k].to_f64(), v.to_f64(), "{fam} {mesh} {policy}: {k} differs from no recompute");
+                            assert_eq!(
+                                grads[k].to_f64(),
+                                v.to_f64(),
+                                "{fam} {mesh} {policy}: {k} differs from no recompute"
+                            );
                         }
                     }
                 }
@@ -110,8 +184,17 @@ fn saved_activations_fall_as_the_policy_tightens() {
     let mut rows = Vec::new();
     let mut saved = Vec::new();
     let mut peaks = Vec::new();
-    for policy in [CheckpointPolicy::None, CheckpointPolicy::Selective, CheckpointPolicy::Full] {
-        let opts = TrainOptions { checkpoint: policy.clone(), batch: Some(2), seq: Some(SEQ), ..Default::default() };
+    for policy in [
+        CheckpointPolicy::None,
+        CheckpointPolicy::Selective,
+        CheckpointPolicy::Full,
+    ] {
+        let opts = TrainOptions {
+            checkpoint: policy.clone(),
+            batch: Some(2),
+            seq: Some(SEQ),
+            ..Default::default()
+        };
         let g = compile(&graph, "sp=2", &opts);
         let e = weft_passes::memory::estimate(&g, &weft_passes::memory::bindings(&g, &opts));
         saved.push(e.saved_activations);
@@ -122,29 +205,74 @@ fn saved_activations_fall_as_the_policy_tightens() {
     // A budget on the step's peak between selective's and none's is met, saving less.
     let (none, selective) = (peaks[0], peaks[1]);
     let budget = (none + selective) / 2;
-    let opts = TrainOptions { checkpoint: CheckpointPolicy::Budget(budget), batch: Some(2), seq: Some(SEQ), ..Default::default() };
+    let opts = TrainOptions {
+        checkpoint: CheckpointPolicy::Budget(budget),
+        batch: Some(2),
+        seq: Some(SEQ),
+        ..Default::default()
+    };
     let g = compile(&graph, "sp=2", &opts);
     let e = weft_passes::memory::estimate(&g, &weft_passes::memory::bindings(&g, &opts));
-    assert!(e.peak_live <= budget && e.saved_activations < saved[0], "budget {budget}: {e:?}");
+    assert!(
+        e.peak_live <= budget && e.saved_activations < saved[0],
+        "budget {budget}: {e:?}"
+    );
 }
 
 #[test]
 fn offload_runs_and_keeps_the_gradients() {
     use weft_passes::training::OffloadOptions;
-    for (fam, mesh) in [("llama", ""), ("llama", "dp=2,sp=2"), ("mixtral", "sp=2"), ("llama", "tp=2")] {
+    for (fam, mesh) in [
+        ("llama", ""),
+        ("llama", "dp=2,sp=2"),
+        ("mixtral", "sp=2"),
+        ("llama", "tp=2"),
+    ] {
         let (graph, weights, inputs) = load(fam);
-        let reference = run(&graph, &weights, &inputs, &RunOptions::new(Precision::F64).with_grads(true)).unwrap();
+        let reference = run(
+            &graph,
+            &weights,
+            &inputs,
+            &RunOptions::new(Precision::F64).with_grads(true),
+        )
+        .unwrap();
         for policy in [CheckpointPolicy::None, CheckpointPolicy::Selective] {
-            let offload = Some(OffloadOptions { min_bytes: 0, ..Default::default() });
-            let opts = TrainOptions { checkpoint: policy.clone(), offload, batch: Some(2), seq: Some(SEQ), ..Default::default() };
+            let offload = Some(OffloadOptions {
+                min_bytes: 0,
+                ..Default::default()
+            });
+            let opts = TrainOptions {
+                checkpoint: policy.clone(),
+                offload,
+                batch: Some(2),
+                seq: Some(SEQ),
+                ..Default::default()
+            };
             let g = compile(&graph, mesh, &opts);
-            let count = |name: &str| g.nodes().iter().filter(|&&n| g.node(n).op.name() == name).count();
-            assert!(count("offload") > 0 && count("offload") == count("reload"), "{fam} {mesh} {policy}: {} offloads, {} reloads", count("offload"), count("reload"));
-            let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
-            assert!(r.profile.ops.get("reload").is_some_and(|(n, _)| *n > 0), "{fam} {mesh}: reloads ran");
+            let count = |name: &str| {
+                g.nodes()
+                    .iter()
+                    .filter(|&&n| g.node(n).op.name() == name)
+                    .count()
+            };
+            assert!(
+                count("offload") > 0 && count("offload") == count("reload"),
+                "{fam} {mesh} {policy}: {} offloads, {} reloads",
+                count("offload"),
+                count("reload")
+            );
+            let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
+                .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+            assert!(
+                r.profile.ops.get("reload").is_some_and(|(n, _)| *n > 0),
+                "{fam} {mesh}: reloads ran"
+            );
             for (p, want) in &reference.grads {
                 let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
-                assert!(e < 1e-9, "{fam} {mesh} {policy} offload: grad {p} rel err {e:e}");
+                assert!(
+                    e < 1e-9,
+                    "{fam} {mesh} {policy} offload: grad {p} rel err {e:e}"
+                );
             }
             // Nothing of the last layer is offloaded; the device keeps less.
             let b = weft_passes::memory::bindings(&g, &opts);
@@ -158,22 +286,46 @@ fn offload_runs_and_keeps_the_gradients() {
 fn offload_planner_meets_a_budget_within_the_link_bandwidth() {
     use weft_passes::training::OffloadOptions;
     let model = weft_frontends::load("llama3.2-1b").unwrap();
-    let base = TrainOptions { batch: Some(1), seq: Some(8192), ..Default::default() };
+    let base = TrainOptions {
+        batch: Some(1),
+        seq: Some(8192),
+        ..Default::default()
+    };
     let g0 = compile(&model.graph, "", &base);
     let b = weft_passes::memory::bindings(&g0, &base);
     let none = weft_passes::memory::estimate(&g0, &b);
     let budget = none.saved_activations / 2;
     // At 25 GB/s a layer's backward (a few ms) hides far less than its activations:
     // the planner offloads what fits and says the budget is not met.
-    let opts = TrainOptions { offload: Some(OffloadOptions { budget: Some(budget), ..Default::default() }), ..base.clone() };
+    let opts = TrainOptions {
+        offload: Some(OffloadOptions {
+            budget: Some(budget),
+            ..Default::default()
+        }),
+        ..base.clone()
+    };
     let g = compile(&model.graph, "", &opts);
     let e = weft_passes::memory::estimate(&g, &b);
     assert!(e.offloaded > 0 && e.saved_activations > budget, "{e:?}");
     assert_eq!(e.saved_activations + e.offloaded, none.saved_activations);
     // With a fast enough link it stops as soon as the budget is met.
-    let fast = OffloadOptions { budget: Some(budget), link_bytes_per_s: 10_000_000_000_000, ..Default::default() };
-    let g = compile(&model.graph, "", &TrainOptions { offload: Some(fast), ..base });
+    let fast = OffloadOptions {
+        budget: Some(budget),
+        link_bytes_per_s: 10_000_000_000_000,
+        ..Default::default()
+    };
+    let g = compile(
+        &model.graph,
+        "",
+        &TrainOptions {
+            offload: Some(fast),
+            ..base
+        },
+    );
     let e = weft_passes::memory::estimate(&g, &b);
-    assert!(e.saved_activations <= budget && e.saved_activations > budget / 2, "budget {budget}: {e:?}");
+    assert!(
+        e.saved_activations <= budget && e.saved_activations > budget / 2,
+        "budget {budget}: {e:?}"
+    );
     assert_eq!(e.saved_activations + e.offloaded, none.saved_activations);
 }

@@ -4,8 +4,16 @@ use std::process::Command;
 
 fn weft(args: &[&str]) -> (i32, String, String) {
     let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new(env!("CARGO_BIN_EXE_weft")).args(args).current_dir(root).output().expect("weft runs");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(args)
+        .current_dir(root)
+        .output()
+        .expect("weft runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn json(text: &str) -> serde_json::Value {
@@ -14,7 +22,11 @@ fn json(text: &str) -> serde_json::Value {
 
 #[test]
 fn stats_json_has_exact_param_counts() {
-    for (preset, params) in [("llama3-8b", 8_030_261_248u64), ("mixtral-8x7b", 46_702_792_704), ("qwen2.5-0.5b", 494_032_768)] {
+    for (preset, params) in [
+        ("llama3-8b", 8_030_261_248u64),
+        ("mixtral-8x7b", 46_702_792_704),
+        ("qwen2.5-0.5b", 494_032_768),
+    ] {
         let (code, out, err) = weft(&["stats", preset, "--json"]);
         assert_eq!(code, 0, "{err}");
         let v = json(&out);
@@ -22,9 +34,15 @@ fn stats_json_has_exact_param_counts() {
         let flops = v["forward_flops_per_token"].as_f64().unwrap();
         if preset == "mixtral-8x7b" {
             // Two of eight experts per token: about 12.9B active parameters.
-            assert!(flops > 2.0 * 12.5e9 && flops < 2.0 * 14.5e9, "{preset}: {flops}");
+            assert!(
+                flops > 2.0 * 12.5e9 && flops < 2.0 * 14.5e9,
+                "{preset}: {flops}"
+            );
         } else {
-            assert!(flops > 2.0 * params as f64 * 0.8 && flops < 2.0 * params as f64 * 1.5, "{preset}: {flops}");
+            assert!(
+                flops > 2.0 * params as f64 * 0.8 && flops < 2.0 * params as f64 * 1.5,
+                "{preset}: {flops}"
+            );
         }
     }
 }
@@ -34,8 +52,23 @@ fn models_lists_presets() {
     let (code, out, _) = weft(&["models", "--json"]);
     assert_eq!(code, 0);
     let v = json(&out);
-    let names: Vec<&str> = v.as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).collect();
-    for p in ["llama3-8b", "llama3-70b", "llama3.1-405b", "mistral-7b", "qwen2.5-7b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b", "phi3-mini"] {
+    let names: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    for p in [
+        "llama3-8b",
+        "llama3-70b",
+        "llama3.1-405b",
+        "mistral-7b",
+        "qwen2.5-7b",
+        "qwen3-8b",
+        "mixtral-8x7b",
+        "qwen3-30b-a3b",
+        "phi3-mini",
+    ] {
         assert!(names.contains(&p), "{p} missing from {names:?}");
     }
 }
@@ -54,10 +87,25 @@ fn import_writes_text_that_imports_back() {
 
 #[test]
 fn check_json_on_fixture_with_sp_and_dp() {
-    let (code, out, err) = weft(&["check", "tests/fixtures/qwen3", "--mesh", "dp=2,sp=2", "--train", "--json"]);
+    let (code, out, err) = weft(&[
+        "check",
+        "tests/fixtures/qwen3",
+        "--mesh",
+        "dp=2,sp=2",
+        "--train",
+        "--json",
+    ]);
     assert_eq!(code, 0, "{err}\n{out}");
     let v = json(&out);
-    for key in ["mesh", "loss_ref", "loss", "max_rel_err_logits", "max_rel_err_grads", "worst_param", "ok"] {
+    for key in [
+        "mesh",
+        "loss_ref",
+        "loss",
+        "max_rel_err_logits",
+        "max_rel_err_grads",
+        "worst_param",
+        "ok",
+    ] {
         assert!(v.get(key).is_some(), "missing {key}");
     }
     assert_eq!(v["ok"], true);
@@ -70,13 +118,25 @@ fn eval_writes_full_outputs_and_grads() {
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("out.safetensors");
     let (code, _, err) = weft(&[
-        "eval", "tests/fixtures/llama", "--inputs", "tests/fixtures/llama/inputs.safetensors", "--mesh", "sp=2", "--grads", "-o", out.to_str().unwrap(),
+        "eval",
+        "tests/fixtures/llama",
+        "--inputs",
+        "tests/fixtures/llama/inputs.safetensors",
+        "--mesh",
+        "sp=2",
+        "--grads",
+        "-o",
+        out.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     let t = weft_frontends::read_safetensors(&out).unwrap();
     assert_eq!(t["logits"].shape, vec![2, 16, 128]);
     assert!(t.contains_key("grad.model.embed_tokens.weight"));
-    let reference = weft_frontends::read_safetensors(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama/reference.safetensors"))).unwrap();
+    let reference = weft_frontends::read_safetensors(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/llama/reference.safetensors"
+    )))
+    .unwrap();
     let (a, b) = (t["loss"].to_f64()[0], reference["loss"].to_f64()[0]);
     assert!((a - b).abs() < 1e-5 * b.abs(), "loss {a} vs {b}");
 }
@@ -85,11 +145,17 @@ fn eval_writes_full_outputs_and_grads() {
 fn bad_input_exits_2_with_located_errors() {
     let (code, _, err) = weft(&["compile", "llama-tiny", "--mesh", "sp=3"]);
     assert_eq!(code, 2);
-    assert!(err.contains("error:") && err.contains("model.layers.0.self_attn") && err.contains("heads"), "{err}");
+    assert!(
+        err.contains("error:") && err.contains("model.layers.0.self_attn") && err.contains("heads"),
+        "{err}"
+    );
 
     let (code, _, err) = weft(&["compile", "llama-tiny", "--mesh", "sp=2", "--seq", "15"]);
     assert_eq!(code, 2);
-    assert!(err.contains("error:") && err.contains("14") && err.contains("16"), "nearest lengths in: {err}");
+    assert!(
+        err.contains("error:") && err.contains("14") && err.contains("16"),
+        "nearest lengths in: {err}"
+    );
 
     let (code, _, err) = weft(&["compile", "llama-tiny", "--mesh", "sp2"]);
     assert_eq!(code, 2);
@@ -97,13 +163,24 @@ fn bad_input_exits_2_with_located_errors() {
 
     let (code, _, err) = weft(&["compile", "llama-tiny", "--passes", "shard-everything"]);
     assert_eq!(code, 2);
-    assert!(err.contains("unknown pass `shard-everything`") && err.contains("ulysses-attention"), "{err}");
+    assert!(
+        err.contains("unknown pass `shard-everything`") && err.contains("ulysses-attention"),
+        "{err}"
+    );
 
     let (code, _, err) = weft(&["stats", "no-such-model"]);
     assert_eq!(code, 2);
-    assert!(err.contains("unknown model `no-such-model`") && err.contains("help:"), "{err}");
+    assert!(
+        err.contains("unknown model `no-such-model`") && err.contains("help:"),
+        "{err}"
+    );
 
-    let (code, _, err) = weft(&["check", "tests/fixtures/llama", "--inputs", "tests/fixtures/llama/config.json"]);
+    let (code, _, err) = weft(&[
+        "check",
+        "tests/fixtures/llama",
+        "--inputs",
+        "tests/fixtures/llama/config.json",
+    ]);
     assert_eq!(code, 2);
     assert!(err.contains("config.json"), "{err}");
 }
@@ -114,34 +191,101 @@ fn plans_are_written_inspected_and_run() {
     std::fs::create_dir_all(&dir).unwrap();
     let plan = dir.join("plan.json");
     let p = plan.to_str().unwrap();
-    let (code, _, err) = weft(&["compile", "tests/fixtures/llama", "--mesh", "sp=2", "--seq", "16", "--batch", "2", "-o", p]);
+    let (code, _, err) = weft(&[
+        "compile",
+        "tests/fixtures/llama",
+        "--mesh",
+        "sp=2",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "-o",
+        p,
+    ]);
     assert_eq!(code, 0, "{err}");
     let first = std::fs::read(&plan).unwrap();
-    let (code, _, _) = weft(&["compile", "tests/fixtures/llama", "--mesh", "sp=2", "--seq", "16", "--batch", "2", "-o", p]);
+    let (code, _, _) = weft(&[
+        "compile",
+        "tests/fixtures/llama",
+        "--mesh",
+        "sp=2",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "-o",
+        p,
+    ]);
     assert_eq!(code, 0);
-    assert_eq!(first, std::fs::read(&plan).unwrap(), "the same command writes a byte-identical plan");
+    assert_eq!(
+        first,
+        std::fs::read(&plan).unwrap(),
+        "the same command writes a byte-identical plan"
+    );
 
     let trace = dir.join("trace.json");
     let svg = dir.join("memory.svg");
-    let (code, out, err) = weft(&["inspect", p, "--json", "--trace", trace.to_str().unwrap(), "--memory", svg.to_str().unwrap()]);
+    let (code, out, err) = weft(&[
+        "inspect",
+        p,
+        "--json",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--memory",
+        svg.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{err}");
     let v = json(&out);
-    for key in ["peak_memory_bytes", "step_time_s", "comm_bytes", "collectives"] {
+    for key in [
+        "peak_memory_bytes",
+        "step_time_s",
+        "comm_bytes",
+        "collectives",
+    ] {
         assert!(v.get(key).is_some(), "inspect --json lacks {key}");
     }
     assert_eq!(v["collectives"]["all_to_all"], 8);
-    assert!(json(&std::fs::read_to_string(&trace).unwrap())["traceEvents"].as_array().unwrap().len() > 10);
+    assert!(
+        json(&std::fs::read_to_string(&trace).unwrap())["traceEvents"]
+            .as_array()
+            .unwrap()
+            .len()
+            > 10
+    );
     assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
     let (code, out, _) = weft(&["inspect", p, "--explain"]);
     assert_eq!(code, 0);
-    assert!(out.contains("ulysses-attention: q: heads -> sequence"), "{out}");
+    assert!(
+        out.contains("ulysses-attention: q: heads -> sequence"),
+        "{out}"
+    );
 
     // The plan runs like the model it came from.
     let inputs = "tests/fixtures/llama/inputs.safetensors";
     let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
-    assert_eq!(weft(&["eval", p, "--inputs", inputs, "-o", a.to_str().unwrap()]).0, 0);
-    assert_eq!(weft(&["eval", "tests/fixtures/llama", "--mesh", "sp=2", "--inputs", inputs, "-o", b.to_str().unwrap()]).0, 0);
-    let (ta, tb) = (weft_frontends::read_safetensors(&a).unwrap(), weft_frontends::read_safetensors(&b).unwrap());
+    assert_eq!(
+        weft(&["eval", p, "--inputs", inputs, "-o", a.to_str().unwrap()]).0,
+        0
+    );
+    assert_eq!(
+        weft(&[
+            "eval",
+            "tests/fixtures/llama",
+            "--mesh",
+            "sp=2",
+            "--inputs",
+            inputs,
+            "-o",
+            b.to_str().unwrap()
+        ])
+        .0,
+        0
+    );
+    let (ta, tb) = (
+        weft_frontends::read_safetensors(&a).unwrap(),
+        weft_frontends::read_safetensors(&b).unwrap(),
+    );
     assert_eq!(ta["loss"], tb["loss"]);
     assert_eq!(ta["logits"], tb["logits"]);
     let (code, out, err) = weft(&["check", p, "--inputs", inputs, "--train", "--json"]);
@@ -149,21 +293,43 @@ fn plans_are_written_inspected_and_run() {
     assert_eq!(json(&out)["ok"], true);
 
     // A plan that does not fit is refused with the breakdown and what would fit.
-    let (code, _, err) = weft(&["compile", "llama3-8b", "--seq", "131072", "--device-memory", "20", "-o", p]);
+    let (code, _, err) = weft(&[
+        "compile",
+        "llama3-8b",
+        "--seq",
+        "131072",
+        "--device-memory",
+        "20",
+        "-o",
+        p,
+    ]);
     assert_eq!(code, 2);
-    assert!(err.contains("per rank but the device has 20.00 GiB") && err.contains("help:"), "{err}");
+    assert!(
+        err.contains("per rank but the device has 20.00 GiB") && err.contains("help:"),
+        "{err}"
+    );
 }
 
 #[test]
 fn pt2_archives_import_and_check() {
     let (code, out, err) = weft(&["import", "tests/fixtures/pt2/qwen2.pt2", "--report"]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.starts_with("graph ") && err.contains("recognised attention"), "{err}");
+    assert!(
+        out.starts_with("graph ") && err.contains("recognised attention"),
+        "{err}"
+    );
     let (code, _, err) = weft(&["import", "tests/fixtures/pt2/llama.pt2"]);
     assert_eq!(code, 2);
     assert!(err.contains("--config"), "{err}");
     let (code, out, err) = weft(&[
-        "check", "tests/fixtures/pt2/llama.pt2", "--config", "tests/fixtures/llama/config.json", "--mesh", "dp=2,sp=2", "--train", "--json",
+        "check",
+        "tests/fixtures/pt2/llama.pt2",
+        "--config",
+        "tests/fixtures/llama/config.json",
+        "--mesh",
+        "dp=2,sp=2",
+        "--train",
+        "--json",
     ]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(json(&out)["ok"], true);

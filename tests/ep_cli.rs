@@ -6,8 +6,16 @@ use std::process::Command;
 
 fn weft(args: &[&str]) -> (i32, String, String) {
     let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new(env!("CARGO_BIN_EXE_weft")).args(args).current_dir(root).output().expect("weft runs");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(args)
+        .current_dir(root)
+        .output()
+        .expect("weft runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn json(text: &str) -> serde_json::Value {
@@ -21,7 +29,12 @@ fn mesh_prints_deepspeed_expert_groups() {
     let v = json(&out);
     assert_eq!(v["world_size"], 8);
     let groups = |axis: &str| -> String {
-        let g = v["groups"].as_array().unwrap().iter().find(|x| x[0] == axis).unwrap_or_else(|| panic!("no {axis} groups in {v}"));
+        let g = v["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x[0] == axis)
+            .unwrap_or_else(|| panic!("no {axis} groups in {v}"));
         g[1].to_string()
     };
     assert_eq!(groups("tp"), "[[0,1],[2,3],[4,5],[6,7]]");
@@ -31,7 +44,10 @@ fn mesh_prints_deepspeed_expert_groups() {
     let (code, out, _) = weft(&["mesh", "edp=2,ep=4"]);
     assert_eq!(code, 0);
     assert!(out.starts_with("mesh dp=8,ep=4,edp=2 (8 ranks)"), "{out}");
-    assert!(out.contains("ep groups: (0,1,2,3) (4,5,6,7)\nedp groups: (0,4) (1,5) (2,6) (3,7)\n"), "{out}");
+    assert!(
+        out.contains("ep groups: (0,1,2,3) (4,5,6,7)\nedp groups: (0,4) (1,5) (2,6) (3,7)\n"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -42,7 +58,10 @@ fn check_train_passes_on_moe_fixtures() {
             assert_eq!(code, 0, "{model} {mesh}: {out}{err}");
             let v = json(&out);
             assert_eq!(v["ok"], true, "{model} {mesh}: {v}");
-            assert!(v["max_rel_err_grads"].as_f64().unwrap() < 1e-12, "{model} {mesh}: {v}");
+            assert!(
+                v["max_rel_err_grads"].as_f64().unwrap() < 1e-12,
+                "{model} {mesh}: {v}"
+            );
         }
     }
 }
@@ -50,7 +69,10 @@ fn check_train_passes_on_moe_fixtures() {
 #[test]
 fn check_train_passes_on_imported_moe() {
     // torch.export archives: the importer's MoE blocks are split the same way.
-    for model in ["tests/fixtures/pt2/mixtral_decomposed.pt2", "tests/fixtures/pt2/qwen3_moe_batched.pt2"] {
+    for model in [
+        "tests/fixtures/pt2/mixtral_decomposed.pt2",
+        "tests/fixtures/pt2/qwen3_moe_batched.pt2",
+    ] {
         let (code, out, err) = weft(&["check", model, "--mesh", "dp=2,ep=2", "--train", "--json"]);
         assert_eq!(code, 0, "{model}: {out}{err}");
         assert_eq!(json(&out)["ok"], true, "{model}: {out}");
@@ -61,11 +83,20 @@ fn check_train_passes_on_imported_moe() {
 fn bad_ep_is_a_clear_error() {
     let (code, _, err) = weft(&["check", "tests/fixtures/mixtral", "--mesh", "dp=3,ep=3"]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("error: `expert-parallel` cannot split 4 experts over ep=3 in node %"), "{err}");
-    assert!(err.contains("help: use an ep that divides the 4 experts: 2, 4"), "{err}");
+    assert!(
+        err.contains("error: `expert-parallel` cannot split 4 experts over ep=3 in node %"),
+        "{err}"
+    );
+    assert!(
+        err.contains("help: use an ep that divides the 4 experts: 2, 4"),
+        "{err}"
+    );
     let (code, _, err) = weft(&["compile", "mixtral-tiny", "--mesh", "dp=2,ep=4"]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("ep=4 must divide the 2 ranks of `dp=2`"), "{err}");
+    assert!(
+        err.contains("ep=4 must divide the 2 ranks of `dp=2`"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -73,7 +104,18 @@ fn plans_size_received_rows_at_their_bound() {
     let dir = std::env::temp_dir().join(format!("weft-ep-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let plan = dir.join("plan.json");
-    let (code, out, err) = weft(&["compile", "mixtral-tiny", "--mesh", "ep=2", "--batch", "4", "--seq", "16", "-o", plan.to_str().unwrap()]);
+    let (code, out, err) = weft(&[
+        "compile",
+        "mixtral-tiny",
+        "--mesh",
+        "ep=2",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{out}{err}");
     let v = json(&std::fs::read_to_string(&plan).unwrap());
     // The data-dependent row counts stay unbound in the plan (the runtime binds them).

@@ -27,7 +27,14 @@ struct Case {
 
 impl Case {
     fn new(name: impl Into<String>, text: impl Into<String>) -> Case {
-        Case { name: name.into(), text: text.into(), tol: 1e-4, positive: false, ints: BTreeMap::new(), scale: 1.0 }
+        Case {
+            name: name.into(),
+            text: text.into(),
+            tol: 1e-4,
+            positive: false,
+            ints: BTreeMap::new(),
+            scale: 1.0,
+        }
     }
     fn tol(mut self, t: f64) -> Case {
         self.tol = t;
@@ -84,28 +91,58 @@ fn round(d: DType, x: f64) -> f64 {
     }
 }
 
-fn draw(c: &Case, g: &Graph, rng: &mut Rng) -> (BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>) {
+fn draw(
+    c: &Case,
+    g: &Graph,
+    rng: &mut Rng,
+) -> (BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>) {
     let mut w = BTreeMap::new();
     let mut x = BTreeMap::new();
-    let shape_of = |v: weft_ir::Value| -> Vec<usize> { g.ty(v).shape.iter().map(|d| d.as_const().unwrap_or(1) as usize).collect() };
+    let shape_of = |v: weft_ir::Value| -> Vec<usize> {
+        g.ty(v)
+            .shape
+            .iter()
+            .map(|d| d.as_const().unwrap_or(1) as usize)
+            .collect()
+    };
     let make = |name: &str, v: weft_ir::Value, rng: &mut Rng| -> HostTensor {
         let ty = g.ty(v);
         let shape = shape_of(v);
         let n: usize = shape.iter().product();
         if let Some(&(lo, hi, ignore)) = c.ints.get(name) {
-            let vals: Vec<i64> = (0..n).map(|_| if ignore && rng.next() % 5 == 0 { -100 } else { lo + (rng.next() % (hi - lo) as u64) as i64 }).collect();
+            let vals: Vec<i64> = (0..n)
+                .map(|_| {
+                    if ignore && rng.next() % 5 == 0 {
+                        -100
+                    } else {
+                        lo + (rng.next() % (hi - lo) as u64) as i64
+                    }
+                })
+                .collect();
             return HostTensor::ints(ty.dtype, shape, vals);
         }
         if ty.dtype == DType::Bool {
-            return HostTensor::ints(DType::Bool, shape, (0..n).map(|_| (rng.next() % 4 != 0) as i64).collect());
+            return HostTensor::ints(
+                DType::Bool,
+                shape,
+                (0..n).map(|_| (rng.next() % 4 != 0) as i64).collect(),
+            );
         }
         if !ty.dtype.is_float() {
-            return HostTensor::ints(ty.dtype, shape, (0..n).map(|_| (rng.next() % 7) as i64).collect());
+            return HostTensor::ints(
+                ty.dtype,
+                shape,
+                (0..n).map(|_| (rng.next() % 7) as i64).collect(),
+            );
         }
         let vals: Vec<f64> = (0..n)
             .map(|_| {
                 let u = rng.unit();
-                let v = if c.positive { 0.2 + 1.8 * u } else { 4.0 * u - 2.0 };
+                let v = if c.positive {
+                    0.2 + 1.8 * u
+                } else {
+                    4.0 * u - 2.0
+                };
                 round(ty.dtype, v * c.scale)
             })
             .collect();
@@ -130,7 +167,12 @@ fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
     if x.iter().any(|v| v.is_nan()) && !y.iter().any(|v| v.is_nan()) {
         return f64::INFINITY;
     }
-    let num: f64 = x.iter().zip(&y).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
+    let num: f64 = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q) * (p - q))
+        .sum::<f64>()
+        .sqrt();
     let den: f64 = y.iter().map(|q| q * q).sum::<f64>().sqrt();
     if num == 0.0 {
         0.0
@@ -145,9 +187,17 @@ fn plan_of(g: &Graph, b: i64, s: i64) -> Result<weft_ir::ExecutionPlan, String> 
     weft_passes::plan::lower(g, &opts).map_err(|e| e.to_string())
 }
 
-fn cpu_ref(g: &Graph, w: &BTreeMap<String, HostTensor>, x: &BTreeMap<String, HostTensor>, b: i64, s: i64) -> Result<BTreeMap<String, HostTensor>, String> {
+fn cpu_ref(
+    g: &Graph,
+    w: &BTreeMap<String, HostTensor>,
+    x: &BTreeMap<String, HostTensor>,
+    b: i64,
+    s: i64,
+) -> Result<BTreeMap<String, HostTensor>, String> {
     let opts = RunOptions::new(Precision::F64).bind("B", b).bind("S", s);
-    cpu::run(g, w, x, &opts).map(|r| r.outputs).map_err(|e| e.to_string())
+    cpu::run(g, w, x, &opts)
+        .map(|r| r.outputs)
+        .map_err(|e| e.to_string())
 }
 
 // ---------------------------------------------------------------- cases
@@ -155,7 +205,17 @@ fn cpu_ref(g: &Graph, w: &BTreeMap<String, HostTensor>, x: &BTreeMap<String, Hos
 fn op_cases() -> Vec<Case> {
     let mut v = Vec::new();
     for (dt, tol) in [("f32", 1e-5), ("bf16", 1.5e-2)] {
-        for (op, pos) in [("neg", false), ("exp", false), ("log", true), ("sqrt", true), ("rsqrt", true), ("tanh", false), ("sigmoid", false), ("silu", false), ("relu", false)] {
+        for (op, pos) in [
+            ("neg", false),
+            ("exp", false),
+            ("log", true),
+            ("sqrt", true),
+            ("rsqrt", true),
+            ("tanh", false),
+            ("sigmoid", false),
+            ("silu", false),
+            ("relu", false),
+        ] {
             let mut c = Case::new(format!("{op} {dt}[37, 129]"), format!("graph \"t\"\n%0: {dt}[37, 129] = param {{name=\"x\"}}\n%1: {dt}[37, 129] = {op} %0\nreturn out=%1\n")).tol(tol);
             if pos {
                 c = c.positive();
@@ -198,7 +258,12 @@ fn op_cases() -> Vec<Case> {
     }
     // bf16 fast paths: 16-byte rows for rms_norm (1, 3 and 4 chunks per thread, f32 and bf16
     // weights), cross-entropy backward from the forward's saved log-sum-exp (V a multiple of 8)
-    for (rows, h, wdt) in [(7usize, 2048usize, "bf16"), (3, 4104, "f32"), (2, 8192, "bf16"), (5, 24, "f32")] {
+    for (rows, h, wdt) in [
+        (7usize, 2048usize, "bf16"),
+        (3, 4104, "f32"),
+        (2, 8192, "bf16"),
+        (5, 24, "f32"),
+    ] {
         v.push(Case::new(format!("rms_norm + rms_norm_grad bf16 [{rows}, {h}], {wdt} weight"), format!("graph \"t\"\n%0: bf16[{rows}, {h}] = param {{name=\"x\"}}\n%1: {wdt}[{h}] = param {{name=\"w\"}}\n%2: bf16[{rows}, {h}] = rms_norm %0, %1 {{eps=1e-5}}\n%3: bf16[{rows}, {h}] = param {{name=\"dy\"}}\n%4: bf16[{rows}, {h}], %5: {wdt}[{h}] = rms_norm_grad %0, %1, %3 {{eps=1e-5}}\nreturn y=%2, dx=%4, dw=%5\n")).tol(4e-2));
     }
     v.push(Case::new("cross_entropy + cross_entropy_grad bf16, V=520 (one-pass backward)", "graph \"t\"\n%0: bf16[2, 9, 520] = param {name=\"x\"}\n%1: i64[2, 9] = input {name=\"l\", role=labels}\n%2: i64[2, 9] = shift_labels %1 {ignore_index=-100}\n%3: f32[] = cross_entropy %0, %2 {ignore_index=-100, reduction=mean}\n%4: f32[] = param {name=\"ds\"}\n%5: bf16[2, 9, 520] = cross_entropy_grad %0, %2, %4 {ignore_index=-100, reduction=mean}\nreturn a=%3, b=%5\n").labels("l", 0, 520).tol(2e-2));
@@ -222,7 +287,13 @@ fn op_cases() -> Vec<Case> {
             1.0 / (d as f64).sqrt(),
             1.0 / (d as f64).sqrt()
         );
-        v.push(Case::new(format!("attention fwd+bwd {dt} d{d} q{nq}/kv{nkv} S{sq}x{sk} causal={causal}"), text).tol(tol));
+        v.push(
+            Case::new(
+                format!("attention fwd+bwd {dt} d{d} q{nq}/kv{nkv} S{sq}x{sk} causal={causal}"),
+                text,
+            )
+            .tol(tol),
+        );
     }
     v.push(Case::new("attention with bool mask (f32, causal)", "graph \"t\"\n%0: f32[2, 2, 9, 8] = param {name=\"q\"}\n%1: f32[2, 1, 9, 8] = param {name=\"k\"}\n%2: f32[2, 1, 9, 8] = param {name=\"v\"}\n%3: bool[2, 1, 9, 9] = input {name=\"m\", role=other}\n%4: f32[2, 2, 9, 8] = attention %0, %1, %2, %3 {causal=true, scale=0.35}\n%5: f32[2, 2, 9, 8] = param {name=\"do\"}\n%6: f32[2, 2, 9, 8], %7: f32[2, 1, 9, 8], %8: f32[2, 1, 9, 8] = attention_grad %0, %1, %2, %4, %5, %3 {causal=true, scale=0.35}\nreturn o=%4, dq=%6, dk=%7, dv=%8\n").tol(1e-5));
     v
@@ -241,7 +312,9 @@ struct Row {
 
 #[cfg(feature = "cuda")]
 fn gpu_available() -> Result<(), String> {
-    weft_runtime::cuda::probe(0).map(|_| ()).map_err(|e| e.to_string())
+    weft_runtime::cuda::probe(0)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 #[cfg(not(feature = "cuda"))]
 fn gpu_available() -> Result<(), String> {
@@ -249,7 +322,13 @@ fn gpu_available() -> Result<(), String> {
 }
 
 #[cfg(feature = "cuda")]
-fn run_gpu(g: &Graph, plan: &weft_ir::ExecutionPlan, w: &BTreeMap<String, HostTensor>, x: &BTreeMap<String, HostTensor>, fast: bool) -> Result<(BTreeMap<String, HostTensor>, f64), String> {
+fn run_gpu(
+    g: &Graph,
+    plan: &weft_ir::ExecutionPlan,
+    w: &BTreeMap<String, HostTensor>,
+    x: &BTreeMap<String, HostTensor>,
+    fast: bool,
+) -> Result<(BTreeMap<String, HostTensor>, f64), String> {
     use weft_runtime::cuda::{ExecOptions, Executor};
     let mut o = ExecOptions::default();
     o.fast_attention = fast;
@@ -266,18 +345,35 @@ fn run_gpu(g: &Graph, plan: &weft_ir::ExecutionPlan, w: &BTreeMap<String, HostTe
     Ok((out, t.device_s))
 }
 #[cfg(not(feature = "cuda"))]
-fn run_gpu(_: &Graph, _: &weft_ir::ExecutionPlan, _: &BTreeMap<String, HostTensor>, _: &BTreeMap<String, HostTensor>, _: bool) -> Result<(BTreeMap<String, HostTensor>, f64), String> {
+fn run_gpu(
+    _: &Graph,
+    _: &weft_ir::ExecutionPlan,
+    _: &BTreeMap<String, HostTensor>,
+    _: &BTreeMap<String, HostTensor>,
+    _: bool,
+) -> Result<(BTreeMap<String, HostTensor>, f64), String> {
     Err("no cuda".into())
 }
 
-fn compare(name: &str, want: &BTreeMap<String, HostTensor>, got: &BTreeMap<String, HostTensor>, tol: f64) -> (f64, String) {
+fn compare(
+    name: &str,
+    want: &BTreeMap<String, HostTensor>,
+    got: &BTreeMap<String, HostTensor>,
+    tol: f64,
+) -> (f64, String) {
     let mut worst = 0.0f64;
     let mut what = String::new();
     for (k, w) in want {
         let Some(gt) = got.get(k) else {
             return (f64::INFINITY, format!("{name}: no output {k}"));
         };
-        let e = if w.dtype.is_float() { rel_err(gt, w) } else if gt.to_i64() == w.to_i64() { 0.0 } else { f64::INFINITY };
+        let e = if w.dtype.is_float() {
+            rel_err(gt, w)
+        } else if gt.to_i64() == w.to_i64() {
+            0.0
+        } else {
+            f64::INFINITY
+        };
         if e > worst || e.is_nan() {
             worst = if e.is_nan() { f64::INFINITY } else { e };
             what = k.clone();
@@ -291,12 +387,26 @@ fn run_case(c: &Case, gpu: bool, seed: u64, rows: &mut Vec<Row>) {
     let g = match weft_ir::parse(&c.text) {
         Ok(g) => g,
         Err(e) => {
-            rows.push(Row { name: c.name.clone(), cpu: format!("parse: {e}"), gpu: "-".into(), err: f64::INFINITY, tol: c.tol, ok: false });
+            rows.push(Row {
+                name: c.name.clone(),
+                cpu: format!("parse: {e}"),
+                gpu: "-".into(),
+                err: f64::INFINITY,
+                tol: c.tol,
+                ok: false,
+            });
             return;
         }
     };
     if let Err(e) = weft_ir::verify(&g) {
-        rows.push(Row { name: c.name.clone(), cpu: format!("verify: {e:?}"), gpu: "-".into(), err: f64::INFINITY, tol: c.tol, ok: false });
+        rows.push(Row {
+            name: c.name.clone(),
+            cpu: format!("verify: {e:?}"),
+            gpu: "-".into(),
+            err: f64::INFINITY,
+            tol: c.tol,
+            ok: false,
+        });
         return;
     }
     let mut rng = Rng(seed);
@@ -304,31 +414,78 @@ fn run_case(c: &Case, gpu: bool, seed: u64, rows: &mut Vec<Row>) {
     let plan = match plan_of(&g, 1, 1) {
         Ok(p) => p,
         Err(e) => {
-            rows.push(Row { name: c.name.clone(), cpu: format!("plan: {e}"), gpu: "-".into(), err: f64::INFINITY, tol: c.tol, ok: false });
+            rows.push(Row {
+                name: c.name.clone(),
+                cpu: format!("plan: {e}"),
+                gpu: "-".into(),
+                err: f64::INFINITY,
+                tol: c.tol,
+                ok: false,
+            });
             return;
         }
     };
     let want = match cpu_ref(&g, &w, &x, 1, 1) {
         Ok(o) => o,
         Err(e) => {
-            rows.push(Row { name: c.name.clone(), cpu: format!("cpu: {e}"), gpu: "-".into(), err: f64::INFINITY, tol: c.tol, ok: false });
+            rows.push(Row {
+                name: c.name.clone(),
+                cpu: format!("cpu: {e}"),
+                gpu: "-".into(),
+                err: f64::INFINITY,
+                tol: c.tol,
+                ok: false,
+            });
             return;
         }
     };
     if !gpu {
-        rows.push(Row { name: c.name.clone(), cpu: "ok".into(), gpu: "skipped".into(), err: 0.0, tol: c.tol, ok: true });
+        rows.push(Row {
+            name: c.name.clone(),
+            cpu: "ok".into(),
+            gpu: "skipped".into(),
+            err: 0.0,
+            tol: c.tol,
+            ok: true,
+        });
         return;
     }
-    let paths: &[bool] = if c.name.starts_with("attention") && c.name.contains("bf16") { &[true, false] } else { &[true] };
+    let paths: &[bool] = if c.name.starts_with("attention") && c.name.contains("bf16") {
+        &[true, false]
+    } else {
+        &[true]
+    };
     for &fast in paths {
-        let label = if paths.len() > 1 { format!("{} [{}]", c.name, if fast { "tensor-core" } else { "generic" }) } else { c.name.clone() };
+        let label = if paths.len() > 1 {
+            format!(
+                "{} [{}]",
+                c.name,
+                if fast { "tensor-core" } else { "generic" }
+            )
+        } else {
+            c.name.clone()
+        };
         match run_gpu(&g, &plan, &w, &x, fast) {
             Ok((got, t)) => {
                 let (e, what) = compare(&c.name, &want, &got, c.tol);
                 let ok = e <= c.tol.max(1e-6) || (c.tol == 0.0 && e == 0.0);
-                rows.push(Row { name: label, cpu: "ok".into(), gpu: format!("{:.3} ms worst={what}", t * 1e3), err: e, tol: c.tol, ok });
+                rows.push(Row {
+                    name: label,
+                    cpu: "ok".into(),
+                    gpu: format!("{:.3} ms worst={what}", t * 1e3),
+                    err: e,
+                    tol: c.tol,
+                    ok,
+                });
             }
-            Err(e) => rows.push(Row { name: label, cpu: "ok".into(), gpu: format!("error: {e}"), err: f64::INFINITY, tol: c.tol, ok: false }),
+            Err(e) => rows.push(Row {
+                name: label,
+                cpu: "ok".into(),
+                gpu: format!("error: {e}"),
+                err: f64::INFINITY,
+                tol: c.tol,
+                ok: false,
+            }),
         }
     }
 }
@@ -336,12 +493,33 @@ fn run_case(c: &Case, gpu: bool, seed: u64, rows: &mut Vec<Row>) {
 /// Tiny HF fixtures: the forward program (one rank), f32 and bf16, and with autodiff the
 /// joint program's gradients.
 fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
-    for (preset, dtype, tol) in [("llama-tiny", None, 2e-4), ("qwen3-tiny", None, 2e-4), ("mixtral-tiny", None, 2e-4), ("qwen3-moe-tiny", None, 2e-4), ("llama-tiny", Some(DType::BF16), 3e-2)] {
-        let name = format!("model {preset}{} forward{}", dtype.map(|d| format!(" {d}")).unwrap_or_default(), if weft_passes::lookup("autodiff").is_ok() { "+backward" } else { "" });
+    for (preset, dtype, tol) in [
+        ("llama-tiny", None, 2e-4),
+        ("qwen3-tiny", None, 2e-4),
+        ("mixtral-tiny", None, 2e-4),
+        ("qwen3-moe-tiny", None, 2e-4),
+        ("llama-tiny", Some(DType::BF16), 3e-2),
+    ] {
+        let name = format!(
+            "model {preset}{} forward{}",
+            dtype.map(|d| format!(" {d}")).unwrap_or_default(),
+            if weft_passes::lookup("autodiff").is_ok() {
+                "+backward"
+            } else {
+                ""
+            }
+        );
         let model = match weft_frontends::load(preset) {
             Ok(m) => m,
             Err(e) => {
-                rows.push(Row { name, cpu: format!("load: {e}"), gpu: "-".into(), err: f64::INFINITY, tol, ok: false });
+                rows.push(Row {
+                    name,
+                    cpu: format!("load: {e}"),
+                    gpu: "-".into(),
+                    err: f64::INFINITY,
+                    tol,
+                    ok: false,
+                });
                 continue;
             }
         };
@@ -354,12 +532,26 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
             passes.push("autodiff");
         }
         let cx = weft_passes::PassContext::new(weft_ir::Mesh::default());
-        if let Err(e) = weft_passes::PassManager::default().run(&mut g, &cx, &passes, &mut std::io::sink()) {
-            rows.push(Row { name, cpu: format!("passes: {e}"), gpu: "-".into(), err: f64::INFINITY, tol, ok: false });
+        if let Err(e) =
+            weft_passes::PassManager::default().run(&mut g, &cx, &passes, &mut std::io::sink())
+        {
+            rows.push(Row {
+                name,
+                cpu: format!("passes: {e}"),
+                gpu: "-".into(),
+                err: f64::INFINITY,
+                tol,
+                ok: false,
+            });
             continue;
         }
-        let weights = match model.dir().map(|d| d.join("model.safetensors")).filter(|p| p.exists()) {
-            Some(p) => weft_frontends::load_weights(&model, &p).unwrap_or_else(|_| weft_frontends::random_weights(&model, 1)),
+        let weights = match model
+            .dir()
+            .map(|d| d.join("model.safetensors"))
+            .filter(|p| p.exists())
+        {
+            Some(p) => weft_frontends::load_weights(&model, &p)
+                .unwrap_or_else(|_| weft_frontends::random_weights(&model, 1)),
             None => weft_frontends::random_weights(&model, 1),
         };
         let weights: BTreeMap<String, HostTensor> = weights
@@ -372,40 +564,92 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
             .collect();
         let (b, s) = (2i64, 13i64);
         let mut rng = Rng(7);
-        let vocab = model.graph.nodes().iter().find_map(|&n| match model.graph.node(n).op {
-            weft_ir::Op::Embedding {} => model.graph.ty(model.graph.node(n).operands[1]).shape[0].as_const(),
-            _ => None,
-        });
+        let vocab = model
+            .graph
+            .nodes()
+            .iter()
+            .find_map(|&n| match model.graph.node(n).op {
+                weft_ir::Op::Embedding {} => {
+                    model.graph.ty(model.graph.node(n).operands[1]).shape[0].as_const()
+                }
+                _ => None,
+            });
         let vocab = vocab.unwrap_or(2);
-        let ids: Vec<i64> = (0..b * s).map(|_| (rng.next() % vocab as u64) as i64).collect();
-        let labels: Vec<i64> = ids.iter().map(|&t| if rng.next() % 6 == 0 { -100 } else { t }).collect();
+        let ids: Vec<i64> = (0..b * s)
+            .map(|_| (rng.next() % vocab as u64) as i64)
+            .collect();
+        let labels: Vec<i64> = ids
+            .iter()
+            .map(|&t| if rng.next() % 6 == 0 { -100 } else { t })
+            .collect();
         let mut x = BTreeMap::new();
-        x.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![b as usize, s as usize], ids));
-        x.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![b as usize, s as usize], labels));
+        x.insert(
+            "input_ids".to_string(),
+            HostTensor::ints(DType::I64, vec![b as usize, s as usize], ids),
+        );
+        x.insert(
+            "labels".to_string(),
+            HostTensor::ints(DType::I64, vec![b as usize, s as usize], labels),
+        );
         let plan = match plan_of(&g, b, s) {
             Ok(p) => p,
             Err(e) => {
-                rows.push(Row { name, cpu: format!("plan: {e}"), gpu: "-".into(), err: f64::INFINITY, tol, ok: false });
+                rows.push(Row {
+                    name,
+                    cpu: format!("plan: {e}"),
+                    gpu: "-".into(),
+                    err: f64::INFINITY,
+                    tol,
+                    ok: false,
+                });
                 continue;
             }
         };
         let want = match cpu_ref(&g, &weights, &x, b, s) {
             Ok(o) => o,
             Err(e) => {
-                rows.push(Row { name, cpu: format!("cpu: {e}"), gpu: "-".into(), err: f64::INFINITY, tol, ok: false });
+                rows.push(Row {
+                    name,
+                    cpu: format!("cpu: {e}"),
+                    gpu: "-".into(),
+                    err: f64::INFINITY,
+                    tol,
+                    ok: false,
+                });
                 continue;
             }
         };
         if !gpu {
-            rows.push(Row { name, cpu: "ok".into(), gpu: "skipped".into(), err: 0.0, tol, ok: true });
+            rows.push(Row {
+                name,
+                cpu: "ok".into(),
+                gpu: "skipped".into(),
+                err: 0.0,
+                tol,
+                ok: true,
+            });
             continue;
         }
         match run_gpu(&g, &plan, &weights, &x, true) {
             Ok((got, t)) => {
                 let (e, what) = compare(&name, &want, &got, tol);
-                rows.push(Row { name, cpu: "ok".into(), gpu: format!("{:.3} ms worst={what}", t * 1e3), err: e, tol, ok: e <= tol });
+                rows.push(Row {
+                    name,
+                    cpu: "ok".into(),
+                    gpu: format!("{:.3} ms worst={what}", t * 1e3),
+                    err: e,
+                    tol,
+                    ok: e <= tol,
+                });
             }
-            Err(e) => rows.push(Row { name, cpu: "ok".into(), gpu: format!("error: {e}"), err: f64::INFINITY, tol, ok: false }),
+            Err(e) => rows.push(Row {
+                name,
+                cpu: "ok".into(),
+                gpu: format!("error: {e}"),
+                err: f64::INFINITY,
+                tol,
+                ok: false,
+            }),
         }
     }
 }
@@ -415,8 +659,14 @@ fn convert(g: &mut Graph, d: DType) {
     for n in g.nodes().to_vec() {
         let op = g.node(n).op.clone();
         let new = match op {
-            Op::Param { name, ty } if ty.dtype.is_float() => Some(Op::Param { name, ty: ty.with_dtype(d) }),
-            Op::Full { value, ty } if ty.dtype.is_float() => Some(Op::Full { value, ty: ty.with_dtype(d) }),
+            Op::Param { name, ty } if ty.dtype.is_float() => Some(Op::Param {
+                name,
+                ty: ty.with_dtype(d),
+            }),
+            Op::Full { value, ty } if ty.dtype.is_float() => Some(Op::Full {
+                value,
+                ty: ty.with_dtype(d),
+            }),
             _ => None,
         };
         if let Some(op) = new {
@@ -432,7 +682,10 @@ fn bench(rows: &mut Vec<String>) {
     let time = |text: &str, iters: usize| -> Result<f64, String> {
         let g = weft_ir::parse(text).map_err(|e| e.to_string())?;
         let plan = plan_of(&g, 1, 1)?;
-        let o = ExecOptions { nccl: false, ..ExecOptions::default() };
+        let o = ExecOptions {
+            nccl: false,
+            ..ExecOptions::default()
+        };
         let mut ex = Executor::new(&plan, &o).map_err(|e| e.to_string())?;
         ex.init_params_random(1, 0.5).map_err(|e| e.to_string())?;
         ex.run_step().map_err(|e| e.to_string())?;
@@ -446,7 +699,11 @@ fn bench(rows: &mut Vec<String>) {
     let n = 8192;
     let t = time(&format!("graph \"g\"\n%0: bf16[{n}, {n}] = param {{name=\"x\"}}\n%1: bf16[{n}, {n}] = param {{name=\"w\"}}\n%2: bf16[{n}, {n}] = linear %0, %1\nreturn y=%2\n"), 10);
     rows.push(match t {
-        Ok(t) => format!("gemm bf16 {n}^3 (cuBLASLt)          {:>8.3} ms  {:>6.0} TFLOP/s", t * 1e3, 2.0 * (n as f64).powi(3) / t / 1e12),
+        Ok(t) => format!(
+            "gemm bf16 {n}^3 (cuBLASLt)          {:>8.3} ms  {:>6.0} TFLOP/s",
+            t * 1e3,
+            2.0 * (n as f64).powi(3) / t / 1e12
+        ),
         Err(e) => format!("gemm bf16: error {e}"),
     });
     for (d, nkv, s) in [(64usize, 8usize, 4096usize), (128, 8, 4096), (64, 8, 16384)] {
@@ -483,9 +740,22 @@ fn gpu_suite() {
     let mut rows = Vec::new();
     // WEFT_GPU_ONLY / WEFT_GPU_SKIP: comma-separated substrings of case names (models
     // are the cases named "model ..."), so a crash in one family cannot hide the others.
-    let list = |k: &str| std::env::var(k).ok().map(|v| v.split(',').map(str::to_string).filter(|x| !x.is_empty()).collect::<Vec<_>>());
+    let list = |k: &str| {
+        std::env::var(k).ok().map(|v| {
+            v.split(',')
+                .map(str::to_string)
+                .filter(|x| !x.is_empty())
+                .collect::<Vec<_>>()
+        })
+    };
     let (only, skip) = (list("WEFT_GPU_ONLY"), list("WEFT_GPU_SKIP"));
-    let selected = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|x| name.contains(x.as_str()))) && !skip.as_ref().is_some_and(|s| s.iter().any(|x| name.contains(x.as_str())));
+    let selected = |name: &str| {
+        only.as_ref()
+            .is_none_or(|o| o.iter().any(|x| name.contains(x.as_str())))
+            && !skip
+                .as_ref()
+                .is_some_and(|s| s.iter().any(|x| name.contains(x.as_str())))
+    };
     for (i, c) in op_cases().iter().enumerate() {
         if selected(&c.name) {
             run_case(c, has_gpu, 1000 + i as u64, &mut rows);
@@ -494,16 +764,41 @@ fn gpu_suite() {
     if selected("model") {
         model_cases(has_gpu, &mut rows);
     }
-    let w = rows.iter().map(|r| r.name.len()).max().unwrap_or(10).min(80);
-    eprintln!("\n{:<w$}  {:>9}  {:>8}  {:<6} {}", "case", "rel err", "tol", "status", "gpu");
+    let w = rows
+        .iter()
+        .map(|r| r.name.len())
+        .max()
+        .unwrap_or(10)
+        .min(80);
+    eprintln!(
+        "\n{:<w$}  {:>9}  {:>8}  {:<6} {}",
+        "case", "rel err", "tol", "status", "gpu"
+    );
     for r in &rows {
-        eprintln!("{:<w$}  {:>9.2e}  {:>8.0e}  {:<6} {}{}", r.name, r.err, r.tol, if r.ok { "ok" } else { "FAIL" }, r.gpu, if r.cpu != "ok" { format!(" ({})", r.cpu) } else { String::new() });
+        eprintln!(
+            "{:<w$}  {:>9.2e}  {:>8.0e}  {:<6} {}{}",
+            r.name,
+            r.err,
+            r.tol,
+            if r.ok { "ok" } else { "FAIL" },
+            r.gpu,
+            if r.cpu != "ok" {
+                format!(" ({})", r.cpu)
+            } else {
+                String::new()
+            }
+        );
     }
     let failed: Vec<&Row> = rows.iter().filter(|r| !r.ok).collect();
-    eprintln!("{} cases, {} failed{}", rows.len(), failed.len(), match &gpu {
-        Ok(()) => String::new(),
-        Err(e) => format!(" (GPU half skipped: {})", e.lines().next().unwrap_or("")),
-    });
+    eprintln!(
+        "{} cases, {} failed{}",
+        rows.len(),
+        failed.len(),
+        match &gpu {
+            Ok(()) => String::new(),
+            Err(e) => format!(" (GPU half skipped: {})", e.lines().next().unwrap_or("")),
+        }
+    );
     if has_gpu && std::env::var("WEFT_GPU_BENCH").is_ok() {
         let mut b = Vec::new();
         bench(&mut b);
@@ -512,5 +807,14 @@ fn gpu_suite() {
             eprintln!("  {l}");
         }
     }
-    assert!(failed.is_empty(), "{} GPU check(s) failed: {}", failed.len(), failed.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join("; "));
+    assert!(
+        failed.is_empty(),
+        "{} GPU check(s) failed: {}",
+        failed.len(),
+        failed
+            .iter()
+            .map(|r| r.name.as_str())
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
 }

@@ -10,12 +10,20 @@ use weft_passes::{PassContext, PassManager, RunReport};
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 /// The fixture with a batch of 4 (its two rows twice, labels unevenly ignored, so the
 /// micro-batches hold different numbers of valid tokens).
-fn load(name: &str) -> (Graph, BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>) {
+fn load(
+    name: &str,
+) -> (
+    Graph,
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+) {
     let dir = fixture(name);
     let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
     let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
@@ -23,10 +31,26 @@ fn load(name: &str) -> (Graph, BTreeMap<String, HostTensor>, BTreeMap<String, Ho
     let ids = given["input_ids"].to_i64();
     let s = given["input_ids"].shape[1];
     let ids4: Vec<i64> = ids.iter().chain(ids.iter().rev()).copied().collect();
-    let labels: Vec<i64> = ids4.iter().enumerate().map(|(i, &t)| if i < s / 2 || i % 7 == 3 || (2 * s..3 * s).contains(&i) && i % 2 == 0 { -100 } else { t }).collect();
+    let labels: Vec<i64> = ids4
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            if i < s / 2 || i % 7 == 3 || (2 * s..3 * s).contains(&i) && i % 2 == 0 {
+                -100
+            } else {
+                t
+            }
+        })
+        .collect();
     let mut inputs = BTreeMap::new();
-    inputs.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![4, s], ids4));
-    inputs.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![4, s], labels));
+    inputs.insert(
+        "input_ids".to_string(),
+        HostTensor::ints(DType::I64, vec![4, s], ids4),
+    );
+    inputs.insert(
+        "labels".to_string(),
+        HostTensor::ints(DType::I64, vec![4, s], labels),
+    );
     (model.graph, weights, inputs)
 }
 
@@ -34,29 +58,55 @@ fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> (Graph, RunReport) {
     let mesh = Mesh::parse(mesh).unwrap();
     let mut cx = PassContext::new(mesh.clone());
     cx.options.train = opts.clone();
-    let names: Vec<String> = training_pipeline(&mesh, opts).names().into_iter().map(String::from).collect();
+    let names: Vec<String> = training_pipeline(&mesh, opts)
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let mut g = g.clone();
-    let r = PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap_or_else(|e| panic!("{mesh} N={}: {e}", opts.micro_batches));
+    let r = PassManager::default()
+        .run(&mut g, &cx, &refs, &mut std::io::sink())
+        .unwrap_or_else(|e| panic!("{mesh} N={}: {e}", opts.micro_batches));
     (g, r)
 }
 
 fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
     assert_eq!(a.shape, b.shape);
     let (x, y) = (a.to_f64(), b.to_f64());
-    let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    let d = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0, f64::max);
     d / y.iter().map(|q| q.abs()).fold(1e-300, f64::max)
 }
 
 fn opts(n: u32) -> TrainOptions {
-    TrainOptions { micro_batches: n, bucket_bytes: 8192, batch: Some(4), seq: Some(16), ..Default::default() }
+    TrainOptions {
+        micro_batches: n,
+        bucket_bytes: 8192,
+        batch: Some(4),
+        seq: Some(16),
+        ..Default::default()
+    }
 }
 
 #[test]
 fn accumulated_gradients_equal_the_full_batch() {
-    for (fam, meshes) in [("llama", &["", "dp=2", "sp=2", "dp=2,sp=2", "tp=2"][..]), ("mixtral", &["", "dp=2,sp=2"][..]), ("qwen2", &["sp=2"][..])] {
+    for (fam, meshes) in [
+        ("llama", &["", "dp=2", "sp=2", "dp=2,sp=2", "tp=2"][..]),
+        ("mixtral", &["", "dp=2,sp=2"][..]),
+        ("qwen2", &["sp=2"][..]),
+    ] {
         let (graph, weights, inputs) = load(fam);
-        let reference = run(&graph, &weights, &inputs, &RunOptions::new(Precision::F64).with_grads(true)).unwrap();
+        let reference = run(
+            &graph,
+            &weights,
+            &inputs,
+            &RunOptions::new(Precision::F64).with_grads(true),
+        )
+        .unwrap();
         for mesh in meshes {
             for n in [2u32, 4] {
                 if mesh.contains("dp=2") && n == 4 {
@@ -65,7 +115,8 @@ fn accumulated_gradients_equal_the_full_batch() {
                 let (g, _) = compile(&graph, mesh, &opts(n));
                 weft_ir::verify(&g).unwrap_or_else(|r| panic!("{fam} {mesh} N={n}: {r}"));
                 assert_eq!(weft_ir::parse(&weft_ir::print(&g)).unwrap(), g);
-                let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{fam} {mesh} N={n}: {e}"));
+                let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
+                    .unwrap_or_else(|e| panic!("{fam} {mesh} N={n}: {e}"));
                 for out in ["loss", "logits"] {
                     let e = max_rel(&r.outputs[out], &reference.outputs[out]);
                     assert!(e < 1e-10, "{fam} {mesh} N={n}: {out} rel err {e:e}");
@@ -102,19 +153,40 @@ fn micro_batches_keep_fewer_activations_alive() {
     let (graph, _, _) = load("llama");
     let peak = |n: u32, ck: CheckpointPolicy| {
         // At S = 2048 the activations, not the tiny parameters, dominate.
-        let o = TrainOptions { checkpoint: ck, seq: Some(2048), ..opts(n) };
+        let o = TrainOptions {
+            checkpoint: ck,
+            seq: Some(2048),
+            ..opts(n)
+        };
         let (g, _) = compile(&graph, "sp=2", &o);
         weft_passes::memory::estimate(&g, &weft_passes::memory::bindings(&g, &o))
     };
-    let (one, four) = (peak(1, CheckpointPolicy::None), peak(4, CheckpointPolicy::None));
-    assert!(four.saved_activations == one.saved_activations, "saved over the step: {one:?} {four:?}");
-    assert!(four.peak_live * 2 < one.peak_live, "peak: {one:?} vs {four:?}");
+    let (one, four) = (
+        peak(1, CheckpointPolicy::None),
+        peak(4, CheckpointPolicy::None),
+    );
+    assert!(
+        four.saved_activations == one.saved_activations,
+        "saved over the step: {one:?} {four:?}"
+    );
+    assert!(
+        four.peak_live * 2 < one.peak_live,
+        "peak: {one:?} vs {four:?}"
+    );
     // Each micro-batch's backward follows its forward: micro-batch 1's forward starts
     // after micro-batch 0's backward has begun.
     let o = opts(2);
     let (g, _) = compile(&graph, "sp=2", &o);
-    let pos = |pred: &dyn Fn(&weft_ir::NodeMeta) -> bool| g.nodes().iter().position(|&n| pred(&g.node(n).meta)).unwrap();
+    let pos = |pred: &dyn Fn(&weft_ir::NodeMeta) -> bool| {
+        g.nodes()
+            .iter()
+            .position(|&n| pred(&g.node(n).meta))
+            .unwrap()
+    };
     let bwd0 = pos(&|m| m.micro_batch == Some(0) && m.derived.is_some());
     let fwd1 = pos(&|m| m.micro_batch == Some(1) && m.derived.is_none());
-    assert!(bwd0 < fwd1, "backward of micro-batch 0 at {bwd0}, forward of 1 at {fwd1}");
+    assert!(
+        bwd0 < fwd1,
+        "backward of micro-batch 0 at {bwd0}, forward of 1 at {fwd1}"
+    );
 }

@@ -10,7 +10,9 @@ use weft_ir::{HostTensor, Mesh, Op};
 use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
 fn root() -> PathBuf {
-    option_env!("CARGO_MANIFEST_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."))
+    option_env!("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."))
 }
 
 fn fixture_dir(family: &str) -> PathBuf {
@@ -18,7 +20,9 @@ fn fixture_dir(family: &str) -> PathBuf {
 }
 
 fn archive(name: &str) -> PathBuf {
-    root().join("tests/fixtures/pt2").join(format!("{name}.pt2"))
+    root()
+        .join("tests/fixtures/pt2")
+        .join(format!("{name}.pt2"))
 }
 
 /// `(archive, fixture family)`; every archive of make_pt2.py except the broken-on-purpose ones.
@@ -40,7 +44,10 @@ const ARCHIVES: &[(&str, &str)] = &[
 ];
 
 fn imp(name: &str, family: &str) -> Pt2Import {
-    let opts = Pt2Options { config: Some(fixture_dir(family).join("config.json")), ..Default::default() };
+    let opts = Pt2Options {
+        config: Some(fixture_dir(family).join("config.json")),
+        ..Default::default()
+    };
     import(&archive(name), &opts).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
@@ -48,16 +55,27 @@ fn inputs(family: &str) -> BTreeMap<String, HostTensor> {
     weft_frontends::read_safetensors(&fixture_dir(family).join("inputs.safetensors")).unwrap()
 }
 
-fn run64(g: &weft_ir::Graph, w: &BTreeMap<String, HostTensor>, inputs: &BTreeMap<String, HostTensor>) -> RunResult {
+fn run64(
+    g: &weft_ir::Graph,
+    w: &BTreeMap<String, HostTensor>,
+    inputs: &BTreeMap<String, HostTensor>,
+) -> RunResult {
     let s = &inputs["input_ids"].shape;
-    let o = RunOptions::new(Precision::F64).with_grads(true).bind("B", s[0] as i64).bind("S", s[1] as i64);
+    let o = RunOptions::new(Precision::F64)
+        .with_grads(true)
+        .bind("B", s[0] as i64)
+        .bind("S", s[1] as i64);
     run(g, w, inputs, &o).unwrap()
 }
 
 fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
     assert_eq!(a.shape, b.shape);
     let (x, y) = (a.to_f64(), b.to_f64());
-    let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    let diff = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0, f64::max);
     let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
     if diff == 0.0 {
         0.0
@@ -72,18 +90,35 @@ fn imported_archives_reproduce_pytorch() {
     for (name, family) in ARCHIVES {
         let im = imp(name, family);
         let ins = inputs(family);
-        let reference = weft_frontends::read_safetensors(&fixture_dir(family).join("reference.safetensors")).unwrap();
+        let reference =
+            weft_frontends::read_safetensors(&fixture_dir(family).join("reference.safetensors"))
+                .unwrap();
         let r = run64(&im.graph, &im.weights, &ins);
-        assert_eq!(im.graph.outputs().iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["loss", "logits"]);
+        assert_eq!(
+            im.graph
+                .outputs()
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>(),
+            ["loss", "logits"]
+        );
         let el = rel_err(&r.outputs["logits"], &reference["logits"]);
         let es = rel_err(&r.outputs["loss"], &reference["loss"]);
         let mut eg: f64 = 0.0;
         for (p, g) in &r.grads {
-            let want = reference.get(&format!("grad.{p}")).unwrap_or_else(|| panic!("{name}: no reference gradient for {p}"));
+            let want = reference
+                .get(&format!("grad.{p}"))
+                .unwrap_or_else(|| panic!("{name}: no reference gradient for {p}"));
             eg = eg.max(rel_err(g, want));
         }
-        assert_eq!(r.grads.len(), reference.keys().filter(|k| k.starts_with("grad.")).count(), "{name}: gradient count");
-        lines.push(format!("{name:30} logits {el:.1e} loss {es:.1e} grads {eg:.1e}"));
+        assert_eq!(
+            r.grads.len(),
+            reference.keys().filter(|k| k.starts_with("grad.")).count(),
+            "{name}: gradient count"
+        );
+        lines.push(format!(
+            "{name:30} logits {el:.1e} loss {es:.1e} grads {eg:.1e}"
+        ));
         assert!(el < 1e-5 && es < 1e-5, "{name}: logits {el} loss {es}");
         assert!(eg < 1e-4, "{name}: grads {eg}");
     }
@@ -95,14 +130,47 @@ fn imported_archives_reproduce_pytorch() {
 fn imports_recognise_every_block() {
     for (name, family) in ARCHIVES {
         let im = imp(name, family);
-        let count = |f: &dyn Fn(&Op) -> bool| im.graph.nodes().iter().filter(|&&n| f(&im.graph.node(n).op)).count();
+        let count = |f: &dyn Fn(&Op) -> bool| {
+            im.graph
+                .nodes()
+                .iter()
+                .filter(|&&n| f(&im.graph.node(n).op))
+                .count()
+        };
         let moe = family.contains("mixtral") || family.contains("moe");
-        assert_eq!(count(&|o| matches!(o, Op::Attention { causal: true, .. })), 2, "{name}: attention\n{}", im.report);
-        assert_eq!(count(&|o| matches!(o, Op::Rope {})), 4, "{name}: rope\n{}", im.report);
-        assert_eq!(count(&|o| matches!(o, Op::RopeTable { .. })), 1, "{name}: rope_table");
-        assert_eq!(count(&|o| matches!(o, Op::MoeDispatch { .. })), if moe { 2 } else { 0 }, "{name}: moe\n{}", im.report);
-        assert_eq!(count(&|o| matches!(o, Op::Softmax { .. })) > 0, moe, "{name}: only routers keep a softmax");
-        assert!(im.report.unrecognised.is_empty(), "{name}: {:?}", im.report.unrecognised);
+        assert_eq!(
+            count(&|o| matches!(o, Op::Attention { causal: true, .. })),
+            2,
+            "{name}: attention\n{}",
+            im.report
+        );
+        assert_eq!(
+            count(&|o| matches!(o, Op::Rope {})),
+            4,
+            "{name}: rope\n{}",
+            im.report
+        );
+        assert_eq!(
+            count(&|o| matches!(o, Op::RopeTable { .. })),
+            1,
+            "{name}: rope_table"
+        );
+        assert_eq!(
+            count(&|o| matches!(o, Op::MoeDispatch { .. })),
+            if moe { 2 } else { 0 },
+            "{name}: moe\n{}",
+            im.report
+        );
+        assert_eq!(
+            count(&|o| matches!(o, Op::Softmax { .. })) > 0,
+            moe,
+            "{name}: only routers keep a softmax"
+        );
+        assert!(
+            im.report.unrecognised.is_empty(),
+            "{name}: {:?}",
+            im.report.unrecognised
+        );
         // GQA stays inside the op: k and v keep 2 heads.
         for &n in im.graph.nodes() {
             if let Op::Attention { .. } = im.graph.node(n).op {
@@ -117,13 +185,29 @@ fn imports_recognise_every_block() {
 /// same outputs and gradients in f64).
 #[test]
 fn import_matches_config_build() {
-    for (name, family) in [("llama", "llama"), ("qwen2_decomposed", "qwen2"), ("mixtral", "mixtral"), ("qwen3_moe_batched", "qwen3_moe"), ("phi3", "phi3")] {
+    for (name, family) in [
+        ("llama", "llama"),
+        ("qwen2_decomposed", "qwen2"),
+        ("mixtral", "mixtral"),
+        ("qwen3_moe_batched", "qwen3_moe"),
+        ("phi3", "phi3"),
+    ] {
         let im = imp(name, family);
         let dir = fixture_dir(family);
         let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
         let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
-        let a: Vec<(String, String)> = im.graph.params().iter().map(|(n, v)| (n.clone(), im.graph.ty(*v).to_string())).collect();
-        let b: Vec<(String, String)> = model.graph.params().iter().map(|(n, v)| (n.clone(), model.graph.ty(*v).to_string())).collect();
+        let a: Vec<(String, String)> = im
+            .graph
+            .params()
+            .iter()
+            .map(|(n, v)| (n.clone(), im.graph.ty(*v).to_string()))
+            .collect();
+        let b: Vec<(String, String)> = model
+            .graph
+            .params()
+            .iter()
+            .map(|(n, v)| (n.clone(), model.graph.ty(*v).to_string()))
+            .collect();
         let (mut sa, mut sb) = (a.clone(), b.clone());
         sa.sort();
         sb.sort();
@@ -132,10 +216,16 @@ fn import_matches_config_build() {
             assert_eq!(rel_err(&im.weights[p], w), 0.0, "{name}: weight {p}");
         }
         let ins = inputs(family);
-        let (ri, rb) = (run64(&im.graph, &im.weights, &ins), run64(&model.graph, &weights, &ins));
+        let (ri, rb) = (
+            run64(&im.graph, &im.weights, &ins),
+            run64(&model.graph, &weights, &ins),
+        );
         for out in ["loss", "logits"] {
             let e = rel_err(&ri.outputs[out], &rb.outputs[out]);
-            assert!(e < 1e-9, "{name}: {out} differs from the config build by {e}");
+            assert!(
+                e < 1e-9,
+                "{name}: {out} differs from the config build by {e}"
+            );
         }
         for (p, g) in &rb.grads {
             let e = rel_err(&ri.grads[p], g);
@@ -148,14 +238,25 @@ fn import_matches_config_build() {
 #[test]
 fn passes_run_on_imported_graphs() {
     use weft_passes::{default_pipeline, run_pipeline, PassContext};
-    for (name, family) in [("llama_decomposed", "llama"), ("llama_static", "llama"), ("qwen2_eager_dynbatch", "qwen2"), ("mixtral", "mixtral"), ("qwen3_moe_batched_decomposed", "qwen3_moe")] {
+    for (name, family) in [
+        ("llama_decomposed", "llama"),
+        ("llama_static", "llama"),
+        ("qwen2_eager_dynbatch", "qwen2"),
+        ("mixtral", "mixtral"),
+        ("qwen3_moe_batched_decomposed", "qwen3_moe"),
+    ] {
         let im = imp(name, family);
         let ins = inputs(family);
         let reference = run64(&im.graph, &im.weights, &ins);
         for mesh in ["dp=2", "sp=2", "dp=2,sp=2"] {
             let mesh = Mesh::parse(mesh).unwrap();
             let mut g = im.graph.clone();
-            run_pipeline(&mut g, &PassContext::new(mesh.clone()), &default_pipeline(&mesh)).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+            run_pipeline(
+                &mut g,
+                &PassContext::new(mesh.clone()),
+                &default_pipeline(&mesh),
+            )
+            .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
             let got = run64(&g, &im.weights, &ins);
             for out in ["loss", "logits"] {
                 let e = rel_err(&got.outputs[out], &reference.outputs[out]);
@@ -172,7 +273,14 @@ fn passes_run_on_imported_graphs() {
 #[test]
 fn archive_without_weights_takes_them_from_safetensors() {
     let p = archive("llama_noweights");
-    let e = import(&p, &Pt2Options { config: Some(fixture_dir("llama").join("config.json")), ..Default::default() }).unwrap_err();
+    let e = import(
+        &p,
+        &Pt2Options {
+            config: Some(fixture_dir("llama").join("config.json")),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
     assert!(matches!(e, Pt2Error::Weights { .. }), "{e}");
     assert!(e.to_string().contains("saved without weights"), "{e}");
     assert!(e.help().unwrap().contains("--weights"));
@@ -184,7 +292,10 @@ fn archive_without_weights_takes_them_from_safetensors() {
     let im = import(&p, &opts).unwrap();
     let with = imp("llama", "llama");
     let ins = inputs("llama");
-    let (a, b) = (run64(&im.graph, &im.weights, &ins), run64(&with.graph, &with.weights, &ins));
+    let (a, b) = (
+        run64(&im.graph, &im.weights, &ins),
+        run64(&with.graph, &with.weights, &ins),
+    );
     assert_eq!(rel_err(&a.outputs["loss"], &b.outputs["loss"]), 0.0);
 }
 
@@ -192,8 +303,14 @@ fn archive_without_weights_takes_them_from_safetensors() {
 fn llama3_rope_needs_the_config() {
     let e = import(&archive("llama"), &Pt2Options::default()).unwrap_err();
     let s = e.to_string();
-    assert!(s.contains("rotary frequencies not recognised") && s.contains("--config"), "{s}");
-    assert!(s.contains("aten.cos.default") || s.contains("aten.sin.default"), "{s}");
+    assert!(
+        s.contains("rotary frequencies not recognised") && s.contains("--config"),
+        "{s}"
+    );
+    assert!(
+        s.contains("aten.cos.default") || s.contains("aten.sin.default"),
+        "{s}"
+    );
     // Default rope is fitted from the table alone.
     import(&archive("qwen2"), &Pt2Options::default()).unwrap();
 }

@@ -17,7 +17,9 @@ use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 mod common;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 struct Case {
@@ -29,8 +31,10 @@ struct Case {
 /// The fixture's model and weights, with its input ids and our uneven labels.
 fn case(name: &str) -> Case {
     let dir = fixture(name);
-    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model =
+        weft_frontends::load(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors"))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut inputs = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
     let ids = inputs["input_ids"].to_i64();
     let (b, s) = (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1]);
@@ -44,15 +48,24 @@ fn case(name: &str) -> Case {
     for i in [2, 13, 14, 15] {
         labels[s + i] = -100;
     }
-    inputs.insert("labels".into(), HostTensor::ints(weft_ir::DType::I64, vec![b, s], labels));
-    Case { graph: model.graph, weights, inputs }
+    inputs.insert(
+        "labels".into(),
+        HostTensor::ints(weft_ir::DType::I64, vec![b, s], labels),
+    );
+    Case {
+        graph: model.graph,
+        weights,
+        inputs,
+    }
 }
 
 /// A hand-built variant (mask input, position_ids input, mean loss) with random
 /// weights: 0.2 * normal, so the attention is far from uniform.
 fn variant(cfg: common::Config) -> Case {
     let graph = common::build(&cfg);
-    let model = weft_frontends::Model::from_graph(graph, weft_frontends::Origin::Preset(cfg.name.clone())).unwrap();
+    let model =
+        weft_frontends::Model::from_graph(graph, weft_frontends::Origin::Preset(cfg.name.clone()))
+            .unwrap();
     let mut weights = weft_frontends::random_weights(&model, 7);
     for w in weights.values_mut() {
         if let weft_ir::HostData::F64(v) = &mut w.data {
@@ -62,7 +75,9 @@ fn variant(cfg: common::Config) -> Case {
     let (b, s) = (2usize, 16usize);
     let mut rng = 12345u64;
     let mut next = move || {
-        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (rng >> 33) as i64
     };
     let ids: Vec<i64> = (0..b * s).map(|_| next() % 127).collect();
@@ -71,37 +86,74 @@ fn variant(cfg: common::Config) -> Case {
         labels[i] = -100;
     }
     let mut inputs = BTreeMap::new();
-    inputs.insert("input_ids".to_string(), HostTensor::ints(weft_ir::DType::I64, vec![b, s], ids));
-    inputs.insert("labels".to_string(), HostTensor::ints(weft_ir::DType::I64, vec![b, s], labels));
+    inputs.insert(
+        "input_ids".to_string(),
+        HostTensor::ints(weft_ir::DType::I64, vec![b, s], ids),
+    );
+    inputs.insert(
+        "labels".to_string(),
+        HostTensor::ints(weft_ir::DType::I64, vec![b, s], labels),
+    );
     if cfg.mask {
         // Keep-mask [B, 1, S, S]: the diagonal always, other keys at random.
-        let m: Vec<i64> = (0..b * s * s).map(|k| if (k / s) % s == k % s { 1 } else { (next() % 3 != 0) as i64 }).collect();
-        inputs.insert("attention_mask".to_string(), HostTensor::ints(weft_ir::DType::Bool, vec![b, 1, s, s], m));
+        let m: Vec<i64> = (0..b * s * s)
+            .map(|k| {
+                if (k / s) % s == k % s {
+                    1
+                } else {
+                    (next() % 3 != 0) as i64
+                }
+            })
+            .collect();
+        inputs.insert(
+            "attention_mask".to_string(),
+            HostTensor::ints(weft_ir::DType::Bool, vec![b, 1, s, s], m),
+        );
     }
     if cfg.position_ids {
         // Row 0 starts at 3, row 1 at 0 (left padding / packed sequences).
-        let p: Vec<i64> = (0..b * s).map(|k| (k % s) as i64 + if k < s { 3 } else { 0 }).collect();
-        inputs.insert("position_ids".to_string(), HostTensor::ints(weft_ir::DType::I64, vec![b, s], p));
+        let p: Vec<i64> = (0..b * s)
+            .map(|k| (k % s) as i64 + if k < s { 3 } else { 0 })
+            .collect();
+        inputs.insert(
+            "position_ids".to_string(),
+            HostTensor::ints(weft_ir::DType::I64, vec![b, s], p),
+        );
     }
-    Case { graph: model.graph, weights, inputs }
+    Case {
+        graph: model.graph,
+        weights,
+        inputs,
+    }
 }
 
 fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
     let opts = RunOptions::new(Precision::F64).with_grads(grads);
-    run(g, &c.weights, &c.inputs, &opts).unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
+    run(g, &c.weights, &c.inputs, &opts)
+        .unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
 }
 
 fn assert_close(what: &str, want: &HostTensor, got: &HostTensor) {
     assert_eq!(want.shape, got.shape, "{what}: shapes");
     let (a, b) = (want.to_f64(), got.to_f64());
     let scale = a.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
-    let err = a.iter().zip(&b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-    assert!(err <= 1e-10 * scale, "{what}: max abs error {err:e} (scale {scale:e})");
+    let err = a
+        .iter()
+        .zip(&b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        err <= 1e-10 * scale,
+        "{what}: max abs error {err:e} (scale {scale:e})"
+    );
 }
 
 fn compare(what: &str, want: &RunResult, got: &RunResult) {
     for name in ["loss", "logits"] {
-        assert_close(&format!("{what}: {name}"), &want.outputs[name], &got.outputs[name]);
+        assert_close(
+            &format!("{what}: {name}"),
+            &want.outputs[name],
+            &got.outputs[name],
+        );
     }
     for (p, g) in &want.grads {
         assert_close(&format!("{what}: grad {p}"), g, &got.grads[p]);
@@ -121,7 +173,10 @@ fn check_case(name: &str, c: Case, mesh: &str, every_pass: bool) {
     g.mesh = cx.mesh.clone();
     let pipeline = default_pipeline(&cx.mesh);
     for (i, pass) in pipeline.iter().enumerate() {
-        lookup(pass).unwrap().run(&mut g, &cx).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        lookup(pass)
+            .unwrap()
+            .run(&mut g, &cx)
+            .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
         weft_ir::verify(&g).unwrap_or_else(|r| panic!("{name} {mesh} after {pass}: {r}"));
         let last = i + 1 == pipeline.len();
         if every_pass || last {
@@ -140,8 +195,20 @@ fn labels_are_uneven_across_ranks() {
     // Valid (shifted) labels per rank at sp=4 differ, one rank has none in row 1.
     let c = case("llama");
     let l = c.inputs["labels"].to_i64();
-    let shifted = |row: usize, i: usize| if i + 1 < 16 { l[row * 16 + i + 1] } else { -100 };
-    let counts: Vec<usize> = (0..4).map(|r| (r * 4..r * 4 + 4).filter(|&i| shifted(1, i) != -100).count()).collect();
+    let shifted = |row: usize, i: usize| {
+        if i + 1 < 16 {
+            l[row * 16 + i + 1]
+        } else {
+            -100
+        }
+    };
+    let counts: Vec<usize> = (0..4)
+        .map(|r| {
+            (r * 4..r * 4 + 4)
+                .filter(|&i| shifted(1, i) != -100)
+                .count()
+        })
+        .collect();
     assert_eq!(counts, [3, 4, 4, 0]);
 }
 
@@ -206,7 +273,10 @@ fn qwen3_moe() {
 #[test]
 fn attention_mask_input() {
     for mesh in ["sp=2", "sp=4", "dp=2,sp=2"] {
-        let cfg = common::Config { mask: true, ..common::Config::llama_tiny() };
+        let cfg = common::Config {
+            mask: true,
+            ..common::Config::llama_tiny()
+        };
         check_case("llama+mask", variant(cfg), mesh, mesh == "sp=4");
     }
 }
@@ -214,7 +284,10 @@ fn attention_mask_input() {
 #[test]
 fn position_ids_input() {
     for mesh in ["sp=4", "dp=2,sp=2"] {
-        let cfg = common::Config { position_ids: true, ..common::Config::llama_tiny() };
+        let cfg = common::Config {
+            position_ids: true,
+            ..common::Config::llama_tiny()
+        };
         check_case("llama+position_ids", variant(cfg), mesh, true);
     }
 }
@@ -222,7 +295,10 @@ fn position_ids_input() {
 #[test]
 fn mean_reduced_cross_entropy() {
     for mesh in ["sp=4", "dp=2,sp=2"] {
-        let cfg = common::Config { mean_loss: true, ..common::Config::llama_tiny() };
+        let cfg = common::Config {
+            mean_loss: true,
+            ..common::Config::llama_tiny()
+        };
         check_case("llama+mean", variant(cfg), mesh, true);
     }
 }

@@ -12,7 +12,9 @@ use weft_passes::{default_pipeline, lookup, PassContext};
 use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 struct Case {
@@ -23,8 +25,10 @@ struct Case {
 
 fn case(name: &str) -> Case {
     let dir = fixture(name);
-    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model =
+        weft_frontends::load(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors"))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut inputs = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
     let ids = inputs["input_ids"].to_i64();
     let (b, s) = (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1]);
@@ -35,26 +39,44 @@ fn case(name: &str) -> Case {
     for i in [2, 13, 14, 15] {
         labels[s + i] = -100;
     }
-    inputs.insert("labels".into(), HostTensor::ints(weft_ir::DType::I64, vec![b, s], labels));
-    Case { graph: model.graph, weights, inputs }
+    inputs.insert(
+        "labels".into(),
+        HostTensor::ints(weft_ir::DType::I64, vec![b, s], labels),
+    );
+    Case {
+        graph: model.graph,
+        weights,
+        inputs,
+    }
 }
 
 fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
     let opts = RunOptions::new(Precision::F64).with_grads(grads);
-    run(g, &c.weights, &c.inputs, &opts).unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
+    run(g, &c.weights, &c.inputs, &opts)
+        .unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
 }
 
 fn assert_close(what: &str, want: &HostTensor, got: &HostTensor) {
     assert_eq!(want.shape, got.shape, "{what}: shapes");
     let (a, b) = (want.to_f64(), got.to_f64());
     let scale = a.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
-    let err = a.iter().zip(&b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-    assert!(err <= 1e-10 * scale, "{what}: max abs error {err:e} (scale {scale:e})");
+    let err = a
+        .iter()
+        .zip(&b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        err <= 1e-10 * scale,
+        "{what}: max abs error {err:e} (scale {scale:e})"
+    );
 }
 
 fn compare(what: &str, want: &RunResult, got: &RunResult) {
     for name in ["loss", "logits"] {
-        assert_close(&format!("{what}: {name}"), &want.outputs[name], &got.outputs[name]);
+        assert_close(
+            &format!("{what}: {name}"),
+            &want.outputs[name],
+            &got.outputs[name],
+        );
     }
     for (p, g) in &want.grads {
         assert_close(&format!("{what}: grad {p}"), g, &got.grads[p]);
@@ -66,24 +88,38 @@ fn check_with(name: &str, c: Case, mesh: &str, cx: PassContext) -> Graph {
     let mut g = c.graph.clone();
     g.mesh = cx.mesh.clone();
     for pass in default_pipeline(&cx.mesh) {
-        lookup(pass).unwrap().run(&mut g, &cx).unwrap_or_else(|e| panic!("{name} {mesh}: {pass}: {e}"));
+        lookup(pass)
+            .unwrap()
+            .run(&mut g, &cx)
+            .unwrap_or_else(|e| panic!("{name} {mesh}: {pass}: {e}"));
         weft_ir::verify(&g).unwrap_or_else(|r| panic!("{name} {mesh} after {pass}: {r}"));
     }
     let text = weft_ir::print(&g);
-    assert_eq!(weft_ir::parse(&text).unwrap(), g, "{name} {mesh}: text round trip");
+    assert_eq!(
+        weft_ir::parse(&text).unwrap(),
+        g,
+        "{name} {mesh}: text round trip"
+    );
     let got = execute(&g, &c, true);
     compare(&format!("{name} on {mesh}"), &reference, &got);
     g
 }
 
 fn check(name: &str, mesh: &str) -> Graph {
-    check_with(name, case(name), mesh, PassContext::new(Mesh::parse(mesh).unwrap()))
+    check_with(
+        name,
+        case(name),
+        mesh,
+        PassContext::new(Mesh::parse(mesh).unwrap()),
+    )
 }
 
 #[test]
 fn llama_tp2() {
     let g = check("llama", "tp=2");
-    assert!(!g.param_partition("model.layers.0.self_attn.q_proj.weight").is_empty());
+    assert!(!g
+        .param_partition("model.layers.0.self_attn.q_proj.weight")
+        .is_empty());
 }
 
 #[test]
@@ -91,7 +127,10 @@ fn llama_tp3_uneven() {
     let g = check("llama", "tp=3");
     let p = &g.param_partition("model.layers.0.mlp.gate_proj.weight")[0];
     assert_eq!(p.pieces, vec![vec![22, 21, 21]]);
-    assert_eq!(g.param_partition("model.embed_tokens.weight")[0].pieces, vec![vec![43, 43, 42]]);
+    assert_eq!(
+        g.param_partition("model.embed_tokens.weight")[0].pieces,
+        vec![vec![43, 43, 42]]
+    );
 }
 
 #[test]
@@ -103,7 +142,13 @@ fn llama_tp4_kv_heads_replicated() {
 #[test]
 fn qwen3_qk_norm_grad_allreduce() {
     let g = check("qwen3", "tp=2");
-    let n = g.def(g.params().into_iter().find(|(n, _)| n == "model.layers.0.self_attn.q_norm.weight").unwrap().1);
+    let n = g.def(
+        g.params()
+            .into_iter()
+            .find(|(n, _)| n == "model.layers.0.self_attn.q_norm.weight")
+            .unwrap()
+            .1,
+    );
     let why = &g.node(n).meta.provenance.as_ref().unwrap().reason;
     assert!(why.contains("grad_allreduce"), "{why}");
     check("qwen3", "tp=3");
@@ -114,7 +159,10 @@ fn qwen2_tied_embeddings_stay_tied() {
     // One parameter (embedding and head), one gradient, split over the vocabulary.
     let g = check("qwen2", "tp=2");
     assert!(g.params().iter().all(|(n, _)| n != "lm_head.weight"));
-    assert_eq!(g.param_partition("model.embed_tokens.weight")[0].kind, "vocab");
+    assert_eq!(
+        g.param_partition("model.embed_tokens.weight")[0].kind,
+        "vocab"
+    );
     check("qwen2", "tp=3");
 }
 
@@ -122,8 +170,14 @@ fn qwen2_tied_embeddings_stay_tied() {
 fn phi3_fused_projections() {
     let g = check("phi3", "tp=2");
     // qkv: q [16 16], k [8 8], v [8 8]; gate_up: [32 32] [32 32].
-    assert_eq!(g.param_partition("model.layers.0.self_attn.qkv_proj.weight")[0].pieces, vec![vec![16, 16], vec![8, 8], vec![8, 8]]);
-    assert_eq!(g.param_partition("model.layers.0.mlp.gate_up_proj.weight")[0].pieces, vec![vec![32, 32], vec![32, 32]]);
+    assert_eq!(
+        g.param_partition("model.layers.0.self_attn.qkv_proj.weight")[0].pieces,
+        vec![vec![16, 16], vec![8, 8], vec![8, 8]]
+    );
+    assert_eq!(
+        g.param_partition("model.layers.0.mlp.gate_up_proj.weight")[0].pieces,
+        vec![vec![32, 32], vec![32, 32]]
+    );
     check("phi3", "tp=3");
     check("phi3", "tp=4");
 }
@@ -131,7 +185,10 @@ fn phi3_fused_projections() {
 #[test]
 fn moe_experts_split_on_their_intermediate_dim() {
     let g = check("mixtral", "tp=2");
-    assert_eq!(g.param_partition("model.layers.0.mlp.experts.down_proj")[0].dim, 2);
+    assert_eq!(
+        g.param_partition("model.layers.0.mlp.experts.down_proj")[0].dim,
+        2
+    );
     check("qwen3_moe", "tp=3");
 }
 
@@ -166,10 +223,21 @@ fn deepspeed_spec_with_gather_output_and_grain() {
     let s = weft_passes::tp::TpSpec::from_deepspeed_json(spec, "spec.json").unwrap();
     let cx = cx_with("tp=3", |o| o.spec = Some(s));
     let g = check_with("llama", case("llama"), "tp=3", cx);
-    assert_eq!(g.param_partition("lm_head.weight")[0].pieces, vec![vec![48, 40, 40]]);
-    assert_eq!(g.param_partition("model.layers.0.mlp.gate_proj.weight")[0].pieces, vec![vec![24, 24, 16]]);
-    assert!(g.param_partition("model.layers.0.self_attn.q_proj.weight").is_empty());
-    assert!(g.output_split("logits").is_empty(), "gathered logits are whole");
+    assert_eq!(
+        g.param_partition("lm_head.weight")[0].pieces,
+        vec![vec![48, 40, 40]]
+    );
+    assert_eq!(
+        g.param_partition("model.layers.0.mlp.gate_proj.weight")[0].pieces,
+        vec![vec![24, 24, 16]]
+    );
+    assert!(g
+        .param_partition("model.layers.0.self_attn.q_proj.weight")
+        .is_empty());
+    assert!(
+        g.output_split("logits").is_empty(),
+        "gathered logits are whole"
+    );
 }
 
 #[test]
@@ -179,13 +247,24 @@ fn hf_tp_plan_from_config() {
         ("layers.*.self_attn.k_proj", "colwise"),
         ("layers.*.self_attn.v_proj", "colwise"),
         ("layers.*.self_attn.o_proj", "rowwise"),
-        ("layers.*.self_attn.q_norm", "replicated_with_grad_allreduce"),
-        ("layers.*.self_attn.k_norm", "replicated_with_grad_allreduce"),
+        (
+            "layers.*.self_attn.q_norm",
+            "replicated_with_grad_allreduce",
+        ),
+        (
+            "layers.*.self_attn.k_norm",
+            "replicated_with_grad_allreduce",
+        ),
         ("layers.*.mlp.gate_proj", "colwise"),
         ("layers.*.mlp.up_proj", "colwise"),
         ("layers.*.mlp.down_proj", "rowwise"),
     ];
-    let cx = cx_with("tp=2", |o| o.hf_plan = plan.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect());
+    let cx = cx_with("tp=2", |o| {
+        o.hf_plan = plan
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
+    });
     check_with("qwen3", case("qwen3"), "tp=2", cx);
 }
 
@@ -205,27 +284,56 @@ fn compile_err(name: &str, mesh: &str, cx: PassContext) -> String {
 fn bad_specs_give_clear_errors() {
     let spec = |text: &str| weft_passes::tp::TpSpec::from_deepspeed_json(text, "spec.json");
     // A regex that does not compile.
-    let e = spec(r#"{"layer_specs": [{"patterns": ["*.q_proj"], "partition_type": "column"}]}"#).unwrap_err().to_string();
-    assert!(e.contains("pattern `*.q_proj` does not compile") && e.contains("spec.json: layer_specs[0]"), "{e}");
+    let e = spec(r#"{"layer_specs": [{"patterns": ["*.q_proj"], "partition_type": "column"}]}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("pattern `*.q_proj` does not compile")
+            && e.contains("spec.json: layer_specs[0]"),
+        "{e}"
+    );
     // A 1-D bias partitioned as row.
-    let s = spec(r#"{"layer_specs": [{"patterns": [".*\\.q_proj\\.bias$"], "partition_type": "row"}]}"#).unwrap();
+    let s = spec(
+        r#"{"layer_specs": [{"patterns": [".*\\.q_proj\\.bias$"], "partition_type": "row"}]}"#,
+    )
+    .unwrap();
     let e = compile_err("qwen2", "tp=2", cx_with("tp=2", |o| o.spec = Some(s)));
-    assert!(e.contains("param `model.layers.0.self_attn.q_proj.bias`") && e.contains("1-D bias"), "{e}");
+    assert!(
+        e.contains("param `model.layers.0.self_attn.q_proj.bias`") && e.contains("1-D bias"),
+        "{e}"
+    );
     // An unknown HF style.
-    let e = compile_err("llama", "tp=2", cx_with("tp=2", |o| o.hf_plan = vec![("layers.*.mlp.down_proj".into(), "rowwise_packed".into())]));
-    assert!(e.contains("unsupported tensor-parallel style `rowwise_packed`") && e.contains("base_model_tp_plan"), "{e}");
+    let e = compile_err(
+        "llama",
+        "tp=2",
+        cx_with("tp=2", |o| {
+            o.hf_plan = vec![("layers.*.mlp.down_proj".into(), "rowwise_packed".into())]
+        }),
+    );
+    assert!(
+        e.contains("unsupported tensor-parallel style `rowwise_packed`")
+            && e.contains("base_model_tp_plan"),
+        "{e}"
+    );
     // Strict: an unmatched linear is an error.
     let s = spec(r#"{"use_default_specs": false, "strict_mode": true, "layer_specs": [{"patterns": [".*\\.mlp\\..*"], "partition_type": "skip"}]}"#).unwrap();
     let e = compile_err("llama", "tp=2", cx_with("tp=2", |o| o.spec = Some(s)));
-    assert!(e.contains("no layer spec matches") && e.contains("strict"), "{e}");
+    assert!(
+        e.contains("no layer spec matches") && e.contains("strict"),
+        "{e}"
+    );
     // Inconsistent attention: q split, o whole.
-    let s = spec(r#"{"layer_specs": [{"patterns": [".*o_proj.*"], "partition_type": "skip"}]}"#).unwrap();
+    let s = spec(r#"{"layer_specs": [{"patterns": [".*o_proj.*"], "partition_type": "skip"}]}"#)
+        .unwrap();
     let e = compile_err("llama", "tp=2", cx_with("tp=2", |o| o.spec = Some(s)));
     assert!(e.contains("split inconsistently"), "{e}");
     // Wrong sub-parameter sizes for a fused layer.
     let s = spec(r#"{"layer_specs": [{"patterns": [".*qkv_proj.*"], "partition_type": "column", "shape": [3, -1]}]}"#).unwrap();
     let e = compile_err("phi3", "tp=2", cx_with("tp=2", |o| o.spec = Some(s)));
-    assert!(e.contains("sub-parameters") && e.contains("[32, 16, 16]"), "{e}");
+    assert!(
+        e.contains("sub-parameters") && e.contains("[32, 16, 16]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -251,26 +359,54 @@ fn checkpoint_shards_round_trip_and_reshard() {
     for (k, t) in &c.weights {
         let b = &back[k];
         assert_eq!(t.shape, b.shape, "{k}");
-        assert!(t.to_f64().iter().zip(b.to_f64()).all(|(x, y)| x.to_bits() == y.to_bits()), "{k}");
+        assert!(
+            t.to_f64()
+                .iter()
+                .zip(b.to_f64())
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{k}"
+        );
     }
-    let q = l3.iter().find(|l| l.name == "model.layers.0.self_attn.qkv_proj.weight").unwrap();
-    assert!(q.replicated, "phi3 at tp=3 has 2 kv heads: the fused qkv stays whole, sliced per rank");
-    let gu = l3.iter().find(|l| l.name == "model.layers.0.mlp.gate_up_proj.weight").unwrap();
+    let q = l3
+        .iter()
+        .find(|l| l.name == "model.layers.0.self_attn.qkv_proj.weight")
+        .unwrap();
+    assert!(
+        q.replicated,
+        "phi3 at tp=3 has 2 kv heads: the fused qkv stays whole, sliced per rank"
+    );
+    let gu = l3
+        .iter()
+        .find(|l| l.name == "model.layers.0.mlp.gate_up_proj.weight")
+        .unwrap();
     assert_eq!(gu.partitions[0].sub_params, vec![64, 64]);
     assert_eq!(gu.partitions[0].rank_sizes, vec![44, 42, 42]);
-    assert_eq!(gu.partitions[0].sub_shard_widths, vec![vec![22, 21, 21], vec![22, 21, 21]]);
+    assert_eq!(
+        gu.partitions[0].sub_shard_widths,
+        vec![vec![22, 21, 21], vec![22, 21, 21]]
+    );
 }
 
 #[test]
 fn megatron_sequence_parallel_inside_tp() {
     let sp = |mesh: &str| cx_with(mesh, |o| o.sequence_parallel = true);
     let g = check_with("llama", case("llama"), "tp=2", sp("tp=2"));
-    let count = |name: &str| g.nodes().iter().filter(|&&n| g.node(n).op.name() == name).count();
+    let count = |name: &str| {
+        g.nodes()
+            .iter()
+            .filter(|&&n| g.node(n).op.name() == name)
+            .count()
+    };
     // Embedding + 2 layers x (attention, MLP): 5 reduce_scatters; the 3 all_reduces left are the loss's.
     assert_eq!(count("reduce_scatter"), 5);
     assert_eq!(count("all_reduce"), 3);
     check_with("qwen3", case("qwen3"), "tp=4", sp("tp=4"));
-    check_with("llama", case("llama"), "dp=2,sp=2,tp=2", sp("dp=2,sp=2,tp=2"));
+    check_with(
+        "llama",
+        case("llama"),
+        "dp=2,sp=2,tp=2",
+        sp("dp=2,sp=2,tp=2"),
+    );
     check_with("mixtral", case("mixtral"), "tp=2", sp("tp=2"));
     check_with("qwen2", case("qwen2"), "tp=2", sp("tp=2"));
 }
@@ -283,7 +419,12 @@ fn uneven_heads_split_on_kv_head_boundaries() {
         "num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 8,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0}"#;
     let cfg = weft_frontends::ModelConfig::from_json_str(config, "uneven.json").unwrap();
-    let model = weft_frontends::Model::from_config("uneven", cfg, weft_frontends::Origin::Preset("uneven".into())).unwrap();
+    let model = weft_frontends::Model::from_config(
+        "uneven",
+        cfg,
+        weft_frontends::Origin::Preset("uneven".into()),
+    )
+    .unwrap();
     let mut weights = weft_frontends::random_weights(&model, 3);
     for w in weights.values_mut() {
         if let weft_ir::HostData::F64(v) = &mut w.data {
@@ -291,10 +432,31 @@ fn uneven_heads_split_on_kv_head_boundaries() {
         }
     }
     let inputs = case("llama").inputs;
-    let c = Case { graph: model.graph.clone(), weights, inputs };
-    let g = check_with("uneven", c, "tp=4", PassContext::new(Mesh::parse("tp=4").unwrap()));
-    assert_eq!(g.param_partition("model.layers.0.self_attn.q_proj.weight")[0].pieces, vec![vec![32, 32, 16, 16]]);
-    assert_eq!(g.param_partition("model.layers.0.self_attn.k_proj.weight")[0].pieces, vec![vec![16, 16, 8, 8]]);
-    assert_eq!(g.param_partition("model.layers.0.self_attn.o_proj.weight")[0].pieces, vec![vec![32, 32, 16, 16]]);
-    assert_eq!(g.param_partition("model.layers.0.mlp.down_proj.weight")[0].pieces, vec![vec![18, 18, 18, 18]]);
+    let c = Case {
+        graph: model.graph.clone(),
+        weights,
+        inputs,
+    };
+    let g = check_with(
+        "uneven",
+        c,
+        "tp=4",
+        PassContext::new(Mesh::parse("tp=4").unwrap()),
+    );
+    assert_eq!(
+        g.param_partition("model.layers.0.self_attn.q_proj.weight")[0].pieces,
+        vec![vec![32, 32, 16, 16]]
+    );
+    assert_eq!(
+        g.param_partition("model.layers.0.self_attn.k_proj.weight")[0].pieces,
+        vec![vec![16, 16, 8, 8]]
+    );
+    assert_eq!(
+        g.param_partition("model.layers.0.self_attn.o_proj.weight")[0].pieces,
+        vec![vec![32, 32, 16, 16]]
+    );
+    assert_eq!(
+        g.param_partition("model.layers.0.mlp.down_proj.weight")[0].pieces,
+        vec![vec![18, 18, 18, 18]]
+    );
 }

@@ -6,8 +6,16 @@ use std::process::Command;
 
 fn weft(args: &[&str]) -> (i32, String, String) {
     let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new(env!("CARGO_BIN_EXE_weft")).args(args).current_dir(root).output().expect("weft runs");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(args)
+        .current_dir(root)
+        .output()
+        .expect("weft runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn check_ok(model: &str, mesh: &str, extra: &[&str]) {
@@ -48,11 +56,31 @@ fn tp_spec_file_and_its_errors() {
         ]}}}"#,
     )
     .unwrap();
-    check_ok("tests/fixtures/phi3", "tp=2", &["--tp-spec", spec.to_str().unwrap()]);
-    std::fs::write(&spec, r#"{"layer_specs": [{"patterns": ["[q"], "partition_type": "column"}]}"#).unwrap();
-    let (code, _, err) = weft(&["check", "tests/fixtures/llama", "--mesh", "tp=2", "--tp-spec", spec.to_str().unwrap()]);
+    check_ok(
+        "tests/fixtures/phi3",
+        "tp=2",
+        &["--tp-spec", spec.to_str().unwrap()],
+    );
+    std::fs::write(
+        &spec,
+        r#"{"layer_specs": [{"patterns": ["[q"], "partition_type": "column"}]}"#,
+    )
+    .unwrap();
+    let (code, _, err) = weft(&[
+        "check",
+        "tests/fixtures/llama",
+        "--mesh",
+        "tp=2",
+        "--tp-spec",
+        spec.to_str().unwrap(),
+    ]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("error: invalid tensor-parallel spec") && err.contains("layer_specs[0]") && err.contains("does not compile"), "{err}");
+    assert!(
+        err.contains("error: invalid tensor-parallel spec")
+            && err.contains("layer_specs[0]")
+            && err.contains("does not compile"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -64,20 +92,73 @@ fn shard_round_trip_is_byte_identical_and_reshards() {
         let (code, out, err) = weft(args);
         assert_eq!(code, 0, "{args:?}: {out}{err}");
     };
-    run(&["shard", "tests/fixtures/qwen3", "--mesh", "tp=2", "-o", s2.to_str().unwrap()]);
+    run(&[
+        "shard",
+        "tests/fixtures/qwen3",
+        "--mesh",
+        "tp=2",
+        "-o",
+        s2.to_str().unwrap(),
+    ]);
     assert!(s2.join("rank-tp0.safetensors").exists() && s2.join("rank-tp1.safetensors").exists());
-    let layout: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(s2.join("layout.json")).unwrap()).unwrap();
-    let q = layout["params"].as_array().unwrap().iter().find(|p| p["name"] == "model.layers.0.self_attn.q_proj.weight").unwrap();
-    assert_eq!(q["partitions"][0]["rank_sizes"], serde_json::json!([16, 16]));
-    let qn = layout["params"].as_array().unwrap().iter().find(|p| p["name"] == "model.layers.0.self_attn.q_norm.weight").unwrap();
+    let layout: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(s2.join("layout.json")).unwrap()).unwrap();
+    let q = layout["params"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "model.layers.0.self_attn.q_proj.weight")
+        .unwrap();
+    assert_eq!(
+        q["partitions"][0]["rank_sizes"],
+        serde_json::json!([16, 16])
+    );
+    let qn = layout["params"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "model.layers.0.self_attn.q_norm.weight")
+        .unwrap();
     assert_eq!(qn["grad_allreduce"], true);
-    run(&["shard", "x", "--unshard", "--weights", s2.to_str().unwrap(), "-o", full_a.to_str().unwrap()]);
+    run(&[
+        "shard",
+        "x",
+        "--unshard",
+        "--weights",
+        s2.to_str().unwrap(),
+        "-o",
+        full_a.to_str().unwrap(),
+    ]);
     // Reshard: tp=2 -> full -> tp=3 -> full.
-    run(&["shard", "tests/fixtures/qwen3", "--mesh", "tp=3", "--weights", full_a.to_str().unwrap(), "-o", s3.to_str().unwrap()]);
-    run(&["shard", "x", "--unshard", "--weights", s3.to_str().unwrap(), "-o", full_b.to_str().unwrap()]);
-    assert_eq!(std::fs::read(&full_a).unwrap(), std::fs::read(&full_b).unwrap(), "byte-identical round trip");
+    run(&[
+        "shard",
+        "tests/fixtures/qwen3",
+        "--mesh",
+        "tp=3",
+        "--weights",
+        full_a.to_str().unwrap(),
+        "-o",
+        s3.to_str().unwrap(),
+    ]);
+    run(&[
+        "shard",
+        "x",
+        "--unshard",
+        "--weights",
+        s3.to_str().unwrap(),
+        "-o",
+        full_b.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        std::fs::read(&full_a).unwrap(),
+        std::fs::read(&full_b).unwrap(),
+        "byte-identical round trip"
+    );
     // And equal, tensor by tensor, to the original checkpoint.
-    let orig = weft_frontends::read_safetensors(std::path::Path::new("tests/fixtures/qwen3/model.safetensors")).unwrap();
+    let orig = weft_frontends::read_safetensors(std::path::Path::new(
+        "tests/fixtures/qwen3/model.safetensors",
+    ))
+    .unwrap();
     let back = weft_frontends::read_safetensors(&full_b).unwrap();
     for (k, t) in &orig {
         assert_eq!(t, &back[k], "{k}");

@@ -6,8 +6,16 @@ use std::process::Command;
 
 fn weft(args: &[&str]) -> (i32, String, String) {
     let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new(env!("CARGO_BIN_EXE_weft")).args(args).current_dir(root).output().expect("weft runs");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(args)
+        .current_dir(root)
+        .output()
+        .expect("weft runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn json(text: &str) -> serde_json::Value {
@@ -18,28 +26,65 @@ fn json(text: &str) -> serde_json::Value {
 fn check_train_with_every_training_flag() {
     for extra in [
         &["--checkpoint", "selective"][..],
-        &["--checkpoint", "full", "--offload", "--offload-min-bytes", "0"][..],
+        &[
+            "--checkpoint",
+            "full",
+            "--offload",
+            "--offload-min-bytes",
+            "0",
+        ][..],
         &["--checkpoint", "budget=300k"][..],
         &["--micro-batches", "2", "--bucket-mb", "0.01"][..],
         &["--zero", "2", "--optimizer", "adamw"][..],
     ] {
-        let mut args = vec!["check", "tests/fixtures/qwen3", "--mesh", "dp=2,sp=2", "--train", "--json"];
+        let mut args = vec![
+            "check",
+            "tests/fixtures/qwen3",
+            "--mesh",
+            "dp=2,sp=2",
+            "--train",
+            "--json",
+        ];
         args.extend_from_slice(extra);
         let (code, out, err) = weft(&args);
         assert_eq!(code, 0, "{extra:?}: {err}");
         let v = json(&out);
         assert_eq!(v["ok"], true, "{extra:?}: {out}");
         assert_eq!(v["grads_from"], "backward graph");
-        assert!(v["max_rel_err_grads"].as_f64().unwrap() < 1e-8, "{extra:?}: {out}");
+        assert!(
+            v["max_rel_err_grads"].as_f64().unwrap() < 1e-8,
+            "{extra:?}: {out}"
+        );
     }
     // A budget below the step's least peak (here its parameter gradients alone) says
     // what would fit.
-    let (code, _, err) = weft(&["check", "tests/fixtures/qwen3", "--mesh", "dp=2,sp=2", "--train", "--checkpoint", "budget=20k"]);
+    let (code, _, err) = weft(&[
+        "check",
+        "tests/fixtures/qwen3",
+        "--mesh",
+        "dp=2,sp=2",
+        "--train",
+        "--checkpoint",
+        "budget=20k",
+    ]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("`--checkpoint budget=20000` cannot be met") && err.contains("help: raise the budget to at least"), "{err}");
-    let (code, _, err) = weft(&["check", "tests/fixtures/llama", "--train", "--checkpoint", "sometimes"]);
+    assert!(
+        err.contains("`--checkpoint budget=20000` cannot be met")
+            && err.contains("help: raise the budget to at least"),
+        "{err}"
+    );
+    let (code, _, err) = weft(&[
+        "check",
+        "tests/fixtures/llama",
+        "--train",
+        "--checkpoint",
+        "sometimes",
+    ]);
     assert_eq!(code, 2);
-    assert!(err.contains("invalid --checkpoint") && err.contains("help:"), "{err}");
+    assert!(
+        err.contains("invalid --checkpoint") && err.contains("help:"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -48,14 +93,30 @@ fn eval_grads_come_from_the_backward_graph() {
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("eval.safetensors");
     let inputs = "tests/fixtures/llama/inputs.safetensors";
-    let (code, _, err) = weft(&["eval", "tests/fixtures/llama", "--mesh", "sp=2", "--inputs", inputs, "--grads", "-o", out.to_str().unwrap()]);
+    let (code, _, err) = weft(&[
+        "eval",
+        "tests/fixtures/llama",
+        "--mesh",
+        "sp=2",
+        "--inputs",
+        inputs,
+        "--grads",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{err}");
     let got = weft_frontends::read_safetensors(&out).unwrap();
-    let want = weft_frontends::read_safetensors(std::path::Path::new("tests/fixtures/llama/reference.safetensors")).unwrap();
+    let want = weft_frontends::read_safetensors(std::path::Path::new(
+        "tests/fixtures/llama/reference.safetensors",
+    ))
+    .unwrap();
     for (k, w) in want.iter().filter(|(k, _)| k.starts_with("grad.")) {
         let (a, b) = (got[k].to_f64(), w.to_f64());
         let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
-        let diff = a.iter().zip(&b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
         assert!(diff <= 1e-4 * scale, "{k}: {diff} vs scale {scale}");
     }
 }
@@ -64,11 +125,26 @@ fn eval_grads_come_from_the_backward_graph() {
 fn run_lowers_the_loss_on_a_fixed_batch() {
     for mesh in ["", "dp=2,sp=2"] {
         let (code, out, err) = weft(&[
-            "run", "tests/fixtures/llama", "--inputs", "tests/fixtures/llama/inputs.safetensors", "--mesh", mesh, "--backend", "cpu", "--steps", "5", "--lr", "0.01", "--json",
+            "run",
+            "tests/fixtures/llama",
+            "--inputs",
+            "tests/fixtures/llama/inputs.safetensors",
+            "--mesh",
+            mesh,
+            "--backend",
+            "cpu",
+            "--steps",
+            "5",
+            "--lr",
+            "0.01",
+            "--json",
         ]);
         assert_eq!(code, 0, "{mesh}: {err}");
         // One JSON object per step.
-        let losses: Vec<f64> = out.lines().map(|l| json(l)["loss"].as_f64().unwrap()).collect();
+        let losses: Vec<f64> = out
+            .lines()
+            .map(|l| json(l)["loss"].as_f64().unwrap())
+            .collect();
         assert_eq!(losses.len(), 5);
         assert!(losses.windows(2).all(|w| w[1] < w[0]), "{mesh}: {losses:?}");
     }
@@ -76,15 +152,41 @@ fn run_lowers_the_loss_on_a_fixed_batch() {
 
 #[test]
 fn compile_stats_prints_memory_per_policy() {
-    let (code, _, err) = weft(&["compile", "llama-tiny", "--mesh", "sp=2", "--train", "--stats", "--seq", "1024", "--batch", "2", "-o", "/dev/null"]);
+    let (code, _, err) = weft(&[
+        "compile",
+        "llama-tiny",
+        "--mesh",
+        "sp=2",
+        "--train",
+        "--stats",
+        "--seq",
+        "1024",
+        "--batch",
+        "2",
+        "-o",
+        "/dev/null",
+    ]);
     assert_eq!(code, 0, "{err}");
-    assert!(err.contains("memory per rank of the training step (B=2, S=1024)"), "{err}");
+    assert!(
+        err.contains("memory per rank of the training step (B=2, S=1024)"),
+        "{err}"
+    );
     let saved: Vec<f64> = ["none", "selective", "full"]
         .iter()
         .map(|p| {
-            let line = err.lines().find(|l| l.trim_start().starts_with(&format!("{p} "))).unwrap_or_else(|| panic!("no {p} row:\n{err}"));
-            line.split_whitespace().nth(1).unwrap().parse::<f64>().unwrap()
+            let line = err
+                .lines()
+                .find(|l| l.trim_start().starts_with(&format!("{p} ")))
+                .unwrap_or_else(|| panic!("no {p} row:\n{err}"));
+            line.split_whitespace()
+                .nth(1)
+                .unwrap()
+                .parse::<f64>()
+                .unwrap()
         })
         .collect();
-    assert!(saved[0] > saved[1] && saved[1] > saved[2], "{saved:?}\n{err}");
+    assert!(
+        saved[0] > saved[1] && saved[1] > saved[2],
+        "{saved:?}\n{err}"
+    );
 }

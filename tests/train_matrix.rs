@@ -13,11 +13,19 @@ use weft_passes::{PassContext, PassManager};
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 /// The fixture with batch 4 (for dp=4 meshes) and unevenly ignored labels.
-fn load(name: &str) -> (Graph, BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>) {
+fn load(
+    name: &str,
+) -> (
+    Graph,
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+) {
     let dir = fixture(name);
     let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
     let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
@@ -25,57 +33,141 @@ fn load(name: &str) -> (Graph, BTreeMap<String, HostTensor>, BTreeMap<String, Ho
     let ids = given["input_ids"].to_i64();
     let s = given["input_ids"].shape[1];
     let ids4: Vec<i64> = ids.iter().chain(ids.iter().rev()).copied().collect();
-    let labels: Vec<i64> = ids4.iter().enumerate().map(|(i, &t)| if [1, 2, 3, 6, 9].contains(&i) || (s + 12..2 * s).contains(&i) || i % 11 == 4 { -100 } else { t }).collect();
+    let labels: Vec<i64> = ids4
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            if [1, 2, 3, 6, 9].contains(&i) || (s + 12..2 * s).contains(&i) || i % 11 == 4 {
+                -100
+            } else {
+                t
+            }
+        })
+        .collect();
     let mut inputs = BTreeMap::new();
-    inputs.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![4, s], ids4));
-    inputs.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![4, s], labels));
+    inputs.insert(
+        "input_ids".to_string(),
+        HostTensor::ints(DType::I64, vec![4, s], ids4),
+    );
+    inputs.insert(
+        "labels".to_string(),
+        HostTensor::ints(DType::I64, vec![4, s], labels),
+    );
     (model.graph, weights, inputs)
 }
 
 fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
     assert_eq!(a.shape, b.shape);
     let (x, y) = (a.to_f64(), b.to_f64());
-    let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    let d = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0, f64::max);
     d / y.iter().map(|q| q.abs()).fold(1e-300, f64::max)
 }
 
 fn configs() -> Vec<(&'static str, TrainOptions)> {
-    let base = TrainOptions { bucket_bytes: 16_384, batch: Some(4), seq: Some(16), ..Default::default() };
-    let off = Some(OffloadOptions { min_bytes: 0, ..Default::default() });
+    let base = TrainOptions {
+        bucket_bytes: 16_384,
+        batch: Some(4),
+        seq: Some(16),
+        ..Default::default()
+    };
+    let off = Some(OffloadOptions {
+        min_bytes: 0,
+        ..Default::default()
+    });
     vec![
         ("none", base.clone()),
-        ("selective", TrainOptions { checkpoint: CheckpointPolicy::Selective, ..base.clone() }),
-        ("full", TrainOptions { checkpoint: CheckpointPolicy::Full, ..base.clone() }),
-        ("offload", TrainOptions { offload: off.clone(), ..base.clone() }),
-        ("full+offload", TrainOptions { checkpoint: CheckpointPolicy::Full, offload: off, ..base }),
+        (
+            "selective",
+            TrainOptions {
+                checkpoint: CheckpointPolicy::Selective,
+                ..base.clone()
+            },
+        ),
+        (
+            "full",
+            TrainOptions {
+                checkpoint: CheckpointPolicy::Full,
+                ..base.clone()
+            },
+        ),
+        (
+            "offload",
+            TrainOptions {
+                offload: off.clone(),
+                ..base.clone()
+            },
+        ),
+        (
+            "full+offload",
+            TrainOptions {
+                checkpoint: CheckpointPolicy::Full,
+                offload: off,
+                ..base
+            },
+        ),
     ]
 }
 
 fn check(fam: &str, meshes: &[&str]) {
     let (graph, weights, inputs) = load(fam);
-    let reference = run(&graph, &weights, &inputs, &RunOptions::new(Precision::F64).with_grads(true)).unwrap();
+    let reference = run(
+        &graph,
+        &weights,
+        &inputs,
+        &RunOptions::new(Precision::F64).with_grads(true),
+    )
+    .unwrap();
     for mesh in meshes {
         let m = Mesh::parse(mesh).unwrap();
         let mut first: Option<BTreeMap<String, Vec<f64>>> = None;
         for (what, opts) in configs() {
             let mut cx = PassContext::new(m.clone());
             cx.options.train = opts.clone();
-            let names: Vec<String> = training_pipeline(&m, &opts).names().into_iter().map(String::from).collect();
+            let names: Vec<String> = training_pipeline(&m, &opts)
+                .names()
+                .into_iter()
+                .map(String::from)
+                .collect();
             let refs: Vec<&str> = names.iter().map(String::as_str).collect();
             let mut g = graph.clone();
-            PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap_or_else(|e| panic!("{fam} {mesh} {what}: {e}"));
-            let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{fam} {mesh} {what}: {e}"));
+            PassManager::default()
+                .run(&mut g, &cx, &refs, &mut std::io::sink())
+                .unwrap_or_else(|e| panic!("{fam} {mesh} {what}: {e}"));
+            let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
+                .unwrap_or_else(|e| panic!("{fam} {mesh} {what}: {e}"));
             if what.contains("offload") {
                 let reloads = r.profile.ops.get("reload").map(|x| x.0).unwrap_or(0);
-                let layers = g.nodes().iter().filter_map(|&n| weft_passes::memory::layer_of(g.node(n).meta.source.as_deref())).collect::<std::collections::BTreeSet<_>>().len();
-                assert!(layers < 2 || reloads > 0, "{fam} {mesh} {what}: no reload ran");
+                let layers = g
+                    .nodes()
+                    .iter()
+                    .filter_map(|&n| {
+                        weft_passes::memory::layer_of(g.node(n).meta.source.as_deref())
+                    })
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .len();
+                assert!(
+                    layers < 2 || reloads > 0,
+                    "{fam} {mesh} {what}: no reload ran"
+                );
             }
             for out in ["loss", "logits"] {
                 let e = max_rel(&r.outputs[out], &reference.outputs[out]);
                 assert!(e < 1e-10, "{fam} {mesh} {what}: {out} rel err {e:e}");
             }
-            let grads: BTreeMap<String, Vec<f64>> = r.outputs.iter().filter_map(|(k, v)| k.strip_prefix("grad.").map(|p| (p.to_string(), v.to_f64()))).collect();
-            assert_eq!(grads.len(), reference.grads.len(), "{fam} {mesh} {what}: gradient count");
+            let grads: BTreeMap<String, Vec<f64>> = r
+                .outputs
+                .iter()
+                .filter_map(|(k, v)| k.strip_prefix("grad.").map(|p| (p.to_string(), v.to_f64())))
+                .collect();
+            assert_eq!(
+                grads.len(),
+                reference.grads.len(),
+                "{fam} {mesh} {what}: gradient count"
+            );
             for (p, want) in &reference.grads {
                 let have = HostTensor::floats(want.dtype, want.shape.clone(), grads[p].clone());
                 let e = max_rel(&have, want);
@@ -89,7 +181,16 @@ fn check(fam: &str, meshes: &[&str]) {
     }
 }
 
-const DENSE_MESHES: &[&str] = &["sp=2", "sp=4", "dp=2", "dp=4", "dp=2,sp=2", "tp=2", "dp=2,tp=2", "sp=2,tp=2"];
+const DENSE_MESHES: &[&str] = &[
+    "sp=2",
+    "sp=4",
+    "dp=2",
+    "dp=4",
+    "dp=2,sp=2",
+    "tp=2",
+    "dp=2,tp=2",
+    "sp=2,tp=2",
+];
 
 #[test]
 fn llama() {
@@ -112,7 +213,17 @@ fn mistral_qwen2_qwen3_phi3() {
 
 #[test]
 fn moe_with_expert_parallelism() {
-    let meshes = &["sp=2", "dp=2,sp=2", "tp=2", "ep=2", "ep=4", "dp=4,ep=2", "sp=2,ep=2", "dp=2,sp=2,ep=4", "tp=2,ep=2"];
+    let meshes = &[
+        "sp=2",
+        "dp=2,sp=2",
+        "tp=2",
+        "ep=2",
+        "ep=4",
+        "dp=4,ep=2",
+        "sp=2,ep=2",
+        "dp=2,sp=2,ep=4",
+        "tp=2,ep=2",
+    ];
     check("mixtral", meshes);
     check("qwen3_moe", meshes);
 }
@@ -149,25 +260,66 @@ fn updates_in_the_backward_without_gradient_outputs() {
             };
             let mut cx = PassContext::new(m.clone());
             cx.options.train = opts.clone();
-            let names: Vec<String> = training_pipeline(&m, &opts).names().into_iter().map(String::from).collect();
+            let names: Vec<String> = training_pipeline(&m, &opts)
+                .names()
+                .into_iter()
+                .map(String::from)
+                .collect();
             let refs: Vec<&str> = names.iter().map(String::as_str).collect();
             let mut g = graph.clone();
-            PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+            PassManager::default()
+                .run(&mut g, &cx, &refs, &mut std::io::sink())
+                .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
             // The last update comes before the end of the backward (the embedding's
             // gradient, the last one finished, is updated last).
             let order = g.nodes();
-            let first_update = order.iter().position(|&n| matches!(g.node(n).op, weft_ir::Op::AdamW { .. })).unwrap();
-            let last_backward = order.iter().rposition(|&n| g.node(n).meta.provenance.as_ref().is_some_and(|p| p.pass == "autodiff")).unwrap();
-            assert!(first_update < last_backward, "{fam} {mesh}: the first update waits for the whole backward");
-            assert_eq!(g.outputs().iter().any(|(n, _)| n.starts_with("grad.")), grad_outputs, "{fam} {mesh}");
+            let first_update = order
+                .iter()
+                .position(|&n| matches!(g.node(n).op, weft_ir::Op::AdamW { .. }))
+                .unwrap();
+            let last_backward = order
+                .iter()
+                .rposition(|&n| {
+                    g.node(n)
+                        .meta
+                        .provenance
+                        .as_ref()
+                        .is_some_and(|p| p.pass == "autodiff")
+                })
+                .unwrap();
+            assert!(
+                first_update < last_backward,
+                "{fam} {mesh}: the first update waits for the whole backward"
+            );
+            assert_eq!(
+                g.outputs().iter().any(|(n, _)| n.starts_with("grad.")),
+                grad_outputs,
+                "{fam} {mesh}"
+            );
             let mut w = weights.clone();
             w.extend(weft_passes::optimizer::initial_state(&g, &weights).unwrap());
             let mut i = inputs.clone();
-            i.insert("optim.step".into(), HostTensor::floats(DType::F32, vec![], vec![1.0]));
-            let r = run(&g, &w, &i, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{fam} {mesh} grad_outputs={grad_outputs}: {e}"));
-            outs.push(r.outputs.into_iter().filter(|(k, _)| !k.starts_with("grad.")).map(|(k, v)| (k, v.to_f64())).collect::<BTreeMap<_, _>>());
+            i.insert(
+                "optim.step".into(),
+                HostTensor::floats(DType::F32, vec![], vec![1.0]),
+            );
+            let r = run(&g, &w, &i, &RunOptions::new(Precision::F64))
+                .unwrap_or_else(|e| panic!("{fam} {mesh} grad_outputs={grad_outputs}: {e}"));
+            outs.push(
+                r.outputs
+                    .into_iter()
+                    .filter(|(k, _)| !k.starts_with("grad."))
+                    .map(|(k, v)| (k, v.to_f64()))
+                    .collect::<BTreeMap<_, _>>(),
+            );
         }
-        assert!(outs[0].keys().any(|k| k.starts_with("param.")), "{fam} {mesh}: no updates");
-        assert_eq!(outs[0], outs[1], "{fam} {mesh}: the updates differ without gradient outputs");
+        assert!(
+            outs[0].keys().any(|k| k.starts_with("param.")),
+            "{fam} {mesh}: no updates"
+        );
+        assert_eq!(
+            outs[0], outs[1],
+            "{fam} {mesh}: the updates differ without gradient outputs"
+        );
     }
 }

@@ -14,7 +14,9 @@ use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 mod common;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 struct Case {
@@ -28,45 +30,80 @@ fn case(name: &str) -> Case {
     let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
     let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
     let inputs = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
-    Case { graph: model.graph, weights, inputs }
+    Case {
+        graph: model.graph,
+        weights,
+        inputs,
+    }
 }
 
 fn compile(c: &Case, mesh: &str, opts: &TrainOptions) -> Graph {
     let mesh = Mesh::parse(mesh).unwrap();
     let mut cx = PassContext::new(mesh.clone());
     cx.options.train = opts.clone();
-    let names = training_pipeline(&mesh, opts).names().into_iter().map(String::from).collect::<Vec<_>>();
+    let names = training_pipeline(&mesh, opts)
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let mut g = c.graph.clone();
-    PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap_or_else(|e| panic!("{mesh}: {e}"));
+    PassManager::default()
+        .run(&mut g, &cx, &refs, &mut std::io::sink())
+        .unwrap_or_else(|e| panic!("{mesh}: {e}"));
     g
 }
 
 /// Runs one step from `weights` (plus the state it needs), with step number `step`.
-fn step(g: &Graph, weights: &BTreeMap<String, HostTensor>, inputs: &BTreeMap<String, HostTensor>, step: usize) -> RunResult {
+fn step(
+    g: &Graph,
+    weights: &BTreeMap<String, HostTensor>,
+    inputs: &BTreeMap<String, HostTensor>,
+    step: usize,
+) -> RunResult {
     let mut w = weights.clone();
     w.extend(weft_passes::optimizer::initial_state(g, weights).unwrap());
     let mut i = inputs.clone();
-    i.insert("optim.step".into(), HostTensor::floats(DType::F32, vec![], vec![step as f64]));
-    run(g, &w, &i, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("{} on {}: {e}", g.name, g.mesh))
+    i.insert(
+        "optim.step".into(),
+        HostTensor::floats(DType::F32, vec![], vec![step as f64]),
+    );
+    run(g, &w, &i, &RunOptions::new(Precision::F64))
+        .unwrap_or_else(|e| panic!("{} on {}: {e}", g.name, g.mesh))
 }
 
 fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
     assert_eq!(a.shape, b.shape);
     let (x, y) = (a.to_f64(), b.to_f64());
-    let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    let d = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0, f64::max);
     let s = y.iter().map(|q| q.abs()).fold(1e-300, f64::max);
     d / s
 }
 
 fn adamw_opts(zero: u8) -> TrainOptions {
-    TrainOptions { optimizer: Some(Optimizer::adamw(1e-2)), zero1: zero >= 1, reduce_scatter: zero >= 2, bucket_bytes: 4096, ..Default::default() }
+    TrainOptions {
+        optimizer: Some(Optimizer::adamw(1e-2)),
+        zero1: zero >= 1,
+        reduce_scatter: zero >= 2,
+        bucket_bytes: 4096,
+        ..Default::default()
+    }
 }
 
 #[test]
 fn adamw_step_applies_the_reference_gradients() {
     let c = case("llama");
-    let reference = run(&c.graph, &c.weights, &c.inputs, &RunOptions::new(Precision::F64).with_grads(true)).unwrap();
+    let reference = run(
+        &c.graph,
+        &c.weights,
+        &c.inputs,
+        &RunOptions::new(Precision::F64).with_grads(true),
+    )
+    .unwrap();
     let g = compile(&c, "", &adamw_opts(0));
     let r = step(&g, &c.weights, &c.inputs, 1);
     let (lr, b1, b2, eps, wd) = (1e-2, 0.9, 0.999, 1e-8, 0.01);
@@ -87,7 +124,10 @@ fn adamw_step_applies_the_reference_gradients() {
         assert!(e < 1e-9, "param.{name}: rel err {e:e}");
         let m = &r.outputs[&format!("optim.m.{name}")];
         let want_m: Vec<f64> = gr.iter().map(|g| (1.0 - b1) * g).collect();
-        assert!(max_rel(m, &HostTensor::floats(DType::F32, w.shape.clone(), want_m)) < 1e-9, "optim.m.{name}");
+        assert!(
+            max_rel(m, &HostTensor::floats(DType::F32, w.shape.clone(), want_m)) < 1e-9,
+            "optim.m.{name}"
+        );
     }
 }
 
@@ -95,11 +135,24 @@ fn adamw_step_applies_the_reference_gradients() {
 fn every_mesh_and_zero_stage_gives_the_one_rank_update() {
     let c = case("llama");
     let one = step(&compile(&c, "", &adamw_opts(0)), &c.weights, &c.inputs, 1);
-    for (mesh, zero) in [("dp=2", 0), ("dp=2", 1), ("dp=2", 2), ("sp=2", 0), ("dp=2,sp=2", 1), ("dp=2,sp=2", 2), ("tp=2", 0), ("dp=2,tp=2", 1)] {
+    for (mesh, zero) in [
+        ("dp=2", 0),
+        ("dp=2", 1),
+        ("dp=2", 2),
+        ("sp=2", 0),
+        ("dp=2,sp=2", 1),
+        ("dp=2,sp=2", 2),
+        ("tp=2", 0),
+        ("dp=2,tp=2", 1),
+    ] {
         let g = compile(&c, mesh, &adamw_opts(zero));
         weft_ir::verify(&g).unwrap();
         let r = step(&g, &c.weights, &c.inputs, 1);
-        for (k, want) in one.outputs.iter().filter(|(k, _)| k.starts_with("param.") || k == &"loss") {
+        for (k, want) in one
+            .outputs
+            .iter()
+            .filter(|(k, _)| k.starts_with("param.") || k == &"loss")
+        {
             let e = max_rel(&r.outputs[k], want);
             assert!(e < 1e-9, "{mesh} zero={zero}: {k} rel err {e:e}");
         }
@@ -107,7 +160,10 @@ fn every_mesh_and_zero_stage_gives_the_one_rank_update() {
             // ZeRO-1 keeps states flat (and padded to a multiple of dp).
             let mut have = r.outputs[k].to_f64();
             have.truncate(want.numel());
-            let e = max_rel(&HostTensor::floats(want.dtype, want.shape.clone(), have), want);
+            let e = max_rel(
+                &HostTensor::floats(want.dtype, want.shape.clone(), have),
+                want,
+            );
             assert!(e < 1e-9, "{mesh} zero={zero}: {k} rel err {e:e}");
         }
     }
@@ -115,20 +171,44 @@ fn every_mesh_and_zero_stage_gives_the_one_rank_update() {
 
 #[test]
 fn bf16_params_keep_f32_master_weights() {
-    let cfg = common::Config { dtype: DType::BF16, ..common::Config::llama_tiny() };
+    let cfg = common::Config {
+        dtype: DType::BF16,
+        ..common::Config::llama_tiny()
+    };
     let graph = common::build(&cfg);
-    let model = weft_frontends::Model::from_graph(graph, weft_frontends::Origin::Preset(cfg.name.clone())).unwrap();
+    let model =
+        weft_frontends::Model::from_graph(graph, weft_frontends::Origin::Preset(cfg.name.clone()))
+            .unwrap();
     let weights = weft_frontends::random_weights(&model, 3);
     let (b, s) = (2usize, 8usize);
     let ids: Vec<i64> = (0..b * s).map(|i| ((i * 31 + 7) % 128) as i64).collect();
     let mut inputs = BTreeMap::new();
-    inputs.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![b, s], ids.clone()));
-    inputs.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![b, s], ids));
-    let c = Case { graph: model.graph, weights, inputs };
+    inputs.insert(
+        "input_ids".to_string(),
+        HostTensor::ints(DType::I64, vec![b, s], ids.clone()),
+    );
+    inputs.insert(
+        "labels".to_string(),
+        HostTensor::ints(DType::I64, vec![b, s], ids),
+    );
+    let c = Case {
+        graph: model.graph,
+        weights,
+        inputs,
+    };
     for (mesh, zero) in [("", 0u8), ("dp=2", 1)] {
         let g = compile(&c, mesh, &adamw_opts(zero));
-        let masters: Vec<String> = g.params().into_iter().map(|(n, _)| n).filter(|n| n.starts_with("optim.master.")).collect();
-        assert_eq!(masters.len(), c.weights.len(), "{mesh}: one master weight per bf16 param");
+        let masters: Vec<String> = g
+            .params()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| n.starts_with("optim.master."))
+            .collect();
+        assert_eq!(
+            masters.len(),
+            c.weights.len(),
+            "{mesh}: one master weight per bf16 param"
+        );
         let r = step(&g, &c.weights, &c.inputs, 1);
         for name in c.weights.keys() {
             assert_eq!(r.outputs[&format!("param.{name}")].dtype, DType::BF16);
@@ -161,9 +241,28 @@ fn train(c: &Case, mesh: &str, opts: &TrainOptions, n: usize) -> Vec<f64> {
 fn the_loss_falls_on_a_fixed_batch() {
     let c = case("llama");
     for (mesh, opts) in [
-        ("", TrainOptions { optimizer: Some(Optimizer::adamw(1e-2)), ..Default::default() }),
-        ("dp=2,sp=2", TrainOptions { optimizer: Some(Optimizer::adamw(1e-2)), zero1: true, ..Default::default() }),
-        ("", TrainOptions { optimizer: Some(Optimizer::sgd(0.5)), ..Default::default() }),
+        (
+            "",
+            TrainOptions {
+                optimizer: Some(Optimizer::adamw(1e-2)),
+                ..Default::default()
+            },
+        ),
+        (
+            "dp=2,sp=2",
+            TrainOptions {
+                optimizer: Some(Optimizer::adamw(1e-2)),
+                zero1: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "",
+            TrainOptions {
+                optimizer: Some(Optimizer::sgd(0.5)),
+                ..Default::default()
+            },
+        ),
     ] {
         let l = train(&c, mesh, &opts, 6);
         assert!(l.windows(2).all(|w| w[1] < w[0]), "{mesh}: losses {l:?}");

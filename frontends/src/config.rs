@@ -23,7 +23,15 @@ pub enum Family {
 
 impl Family {
     /// The `model_type` values the builders accept.
-    pub const MODEL_TYPES: &'static [&'static str] = &["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"];
+    pub const MODEL_TYPES: &'static [&'static str] = &[
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "mixtral",
+        "qwen3_moe",
+    ];
 
     /// The name used in reports: the HF `model_type`, or `weft-ir`.
     pub fn as_str(self) -> &'static str {
@@ -124,8 +132,10 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Parses config.json text; `file` names it in errors (a path or `preset <name>`).
     pub fn from_json_str(text: &str, file: &str) -> Result<ModelConfig, FrontendError> {
-        let v: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| FrontendError::Json { file: file.to_string(), message: e.to_string() })?;
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| FrontendError::Json {
+            file: file.to_string(),
+            message: e.to_string(),
+        })?;
         ModelConfig::from_json(&v, file)
     }
 
@@ -139,22 +149,29 @@ impl ModelConfig {
 
     /// True when layer `i` has a sparse (mixture-of-experts) MLP.
     pub fn is_sparse_layer(&self, i: usize) -> bool {
-        self.moe.as_ref().is_some_and(|m| m.sparse_layers.get(i).copied().unwrap_or(false))
+        self.moe
+            .as_ref()
+            .is_some_and(|m| m.sparse_layers.get(i).copied().unwrap_or(false))
     }
 }
 
 fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
-    let model_type = f.opt_str("model_type")?.ok_or_else(|| f.err("model_type", "is missing"))?;
-    let family = Family::from_model_type(model_type).ok_or_else(|| FrontendError::UnknownModelType {
-        file: f.file.to_string(),
-        model_type: model_type.to_string(),
-    })?;
+    let model_type = f
+        .opt_str("model_type")?
+        .ok_or_else(|| f.err("model_type", "is missing"))?;
+    let family =
+        Family::from_model_type(model_type).ok_or_else(|| FrontendError::UnknownModelType {
+            file: f.file.to_string(),
+            model_type: model_type.to_string(),
+        })?;
 
     let vocab_size = f.positive("vocab_size")?;
     let hidden_size = f.positive("hidden_size")?;
     let num_hidden_layers = f.positive("num_hidden_layers")?;
     let num_attention_heads = f.positive("num_attention_heads")?;
-    let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+    let num_key_value_heads = f
+        .opt_usize("num_key_value_heads")?
+        .unwrap_or(num_attention_heads);
     if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
         return Err(f.err(
             "num_key_value_heads",
@@ -178,13 +195,21 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     let rope = parse_rope(f, head_dim)?;
     if let Some(act) = f.opt_str("hidden_act")? {
         if act != "silu" {
-            return Err(f.err("hidden_act", format!("is `{act}`, but only `silu` is supported")));
+            return Err(f.err(
+                "hidden_act",
+                format!("is `{act}`, but only `silu` is supported"),
+            ));
         }
     }
     let initializer_range = match f.opt_f64("initializer_range")? {
         None => 0.02,
         Some(x) if x.is_finite() && x >= 0.0 => x,
-        Some(x) => return Err(f.err("initializer_range", format!("must be a non-negative number, got {x}"))),
+        Some(x) => {
+            return Err(f.err(
+                "initializer_range",
+                format!("must be a non-negative number, got {x}"),
+            ))
+        }
     };
     let dtype = parse_dtype(f)?;
     let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
@@ -197,7 +222,9 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     };
     let mlp_bias = family == Family::Llama && f.opt_bool("mlp_bias")?.unwrap_or(false);
     let moe = parse_moe(f, family, num_hidden_layers)?;
-    let needs_dense = moe.as_ref().is_none_or(|m| m.sparse_layers.iter().any(|s| !s));
+    let needs_dense = moe
+        .as_ref()
+        .is_none_or(|m| m.sparse_layers.iter().any(|s| !s));
     let intermediate_size = match (family, needs_dense) {
         // mixtral's experts use intermediate_size.
         (Family::Mixtral, _) | (_, true) => f.positive("intermediate_size")?,
@@ -252,25 +279,41 @@ fn parse_tp_plan(f: &Fields) -> Result<Vec<(String, String)>, FrontendError> {
     if f.get("base_model_tp_plan").is_some_and(|v| v.is_null()) {
         return Ok(vec![]);
     }
-    let Some(plan) = f.opt_object("base_model_tp_plan")? else { return Ok(vec![]) };
+    let Some(plan) = f.opt_object("base_model_tp_plan")? else {
+        return Ok(vec![]);
+    };
     plan.iter()
         .map(|(k, v)| match v.as_str() {
             Some(style) => Ok((k.clone(), style.to_string())),
-            None => Err(f.err("base_model_tp_plan", format!("entry `{k}` must be a style string, got {v}"))),
+            None => Err(f.err(
+                "base_model_tp_plan",
+                format!("entry `{k}` must be a style string, got {v}"),
+            )),
         })
         .collect()
 }
 
 fn parse_dtype(f: &Fields) -> Result<DType, FrontendError> {
-    let key = if f.has("dtype") { "dtype" } else { "torch_dtype" };
-    let Some(s) = f.opt_str(key)? else { return Ok(DType::F32) };
+    let key = if f.has("dtype") {
+        "dtype"
+    } else {
+        "torch_dtype"
+    };
+    let Some(s) = f.opt_str(key)? else {
+        return Ok(DType::F32);
+    };
     let name = s.strip_prefix("torch.").unwrap_or(s);
     Ok(match name {
         "float32" | "float" => DType::F32,
         "bfloat16" => DType::BF16,
         "float16" | "half" => DType::F16,
         "float64" | "double" => DType::F64,
-        _ => return Err(f.err(key, format!("is `{s}`; expected float32, bfloat16, float16 or float64"))),
+        _ => {
+            return Err(f.err(
+                key,
+                format!("is `{s}`; expected float32, bfloat16, float16 or float64"),
+            ))
+        }
     })
 }
 
@@ -281,24 +324,41 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> 
             let p = f.nested("rope_parameters", rp);
             let theta = match p.opt_f64("rope_theta")? {
                 Some(t) => t,
-                None => f.opt_f64("rope_theta")?.ok_or_else(|| p.err("rope_theta", "is missing"))?,
+                None => f
+                    .opt_f64("rope_theta")?
+                    .ok_or_else(|| p.err("rope_theta", "is missing"))?,
             };
             (Some(p), theta)
         }
         None => {
             let theta = f.f64("rope_theta")?;
-            let scaling = f.opt_object("rope_scaling")?.map(|rs| f.nested("rope_scaling", rs));
+            let scaling = f
+                .opt_object("rope_scaling")?
+                .map(|rs| f.nested("rope_scaling", rs));
             (scaling, theta)
         }
     };
     if !(theta.is_finite() && theta > 0.0) {
-        let field = if f.has("rope_theta") { "rope_theta".to_string() } else { "rope_parameters.rope_theta".to_string() };
-        return Err(FrontendError::config(f.file, &field, format!("must be a positive number, got {theta}")));
+        let field = if f.has("rope_theta") {
+            "rope_theta".to_string()
+        } else {
+            "rope_parameters.rope_theta".to_string()
+        };
+        return Err(FrontendError::config(
+            f.file,
+            &field,
+            format!("must be a positive number, got {theta}"),
+        ));
     }
 
     // partial_rotary_factor: in rope_parameters (5) or at the top level (4).
     let prf_field;
-    let prf = match params.as_ref().map(|p| p.opt_f64("partial_rotary_factor")).transpose()?.flatten() {
+    let prf = match params
+        .as_ref()
+        .map(|p| p.opt_f64("partial_rotary_factor"))
+        .transpose()?
+        .flatten()
+    {
         Some(x) => {
             prf_field = "rope_parameters.partial_rotary_factor".to_string();
             x
@@ -309,7 +369,11 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> 
         }
     };
     if !(prf > 0.0 && prf <= 1.0) {
-        return Err(FrontendError::config(f.file, &prf_field, format!("must be in (0, 1], got {prf}")));
+        return Err(FrontendError::config(
+            f.file,
+            &prf_field,
+            format!("must be in (0, 1], got {prf}"),
+        ));
     }
     let rotary_dim = (head_dim as f64 * prf) as usize;
     if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
@@ -329,15 +393,25 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> 
             };
             match rope_type {
                 "default" => RopeScaling::None,
-                "linear" => RopeScaling::Linear { factor: Float(p.positive_f64("factor")?) },
+                "linear" => RopeScaling::Linear {
+                    factor: Float(p.positive_f64("factor")?),
+                },
                 "llama3" => {
                     let orig = match p.opt_usize("original_max_position_embeddings")? {
                         Some(n) => n,
-                        None => f.opt_usize("max_position_embeddings")?.ok_or_else(|| p.err("original_max_position_embeddings", "is missing"))?,
+                        None => f.opt_usize("max_position_embeddings")?.ok_or_else(|| {
+                            p.err("original_max_position_embeddings", "is missing")
+                        })?,
                     };
-                    let (lo, hi) = (p.positive_f64("low_freq_factor")?, p.positive_f64("high_freq_factor")?);
+                    let (lo, hi) = (
+                        p.positive_f64("low_freq_factor")?,
+                        p.positive_f64("high_freq_factor")?,
+                    );
                     if hi <= lo {
-                        return Err(p.err("high_freq_factor", format!("must exceed low_freq_factor ({lo}), got {hi}")));
+                        return Err(p.err(
+                            "high_freq_factor",
+                            format!("must exceed low_freq_factor ({lo}), got {hi}"),
+                        ));
                     }
                     RopeScaling::Llama3 {
                         factor: Float(p.positive_f64("factor")?),
@@ -356,14 +430,31 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> 
             }
         }
     };
-    Ok(RopeConfig { theta, scaling, rotary_dim })
+    Ok(RopeConfig {
+        theta,
+        scaling,
+        rotary_dim,
+    })
 }
 
-fn parse_moe(f: &Fields, family: Family, layers: usize) -> Result<Option<MoeConfig>, FrontendError> {
-    let experts_key = |f: &Fields| if f.has("num_experts") { "num_experts" } else { "num_local_experts" };
+fn parse_moe(
+    f: &Fields,
+    family: Family,
+    layers: usize,
+) -> Result<Option<MoeConfig>, FrontendError> {
+    let experts_key = |f: &Fields| {
+        if f.has("num_experts") {
+            "num_experts"
+        } else {
+            "num_local_experts"
+        }
+    };
     let check_k = |e: usize, k: usize| {
         if k > e {
-            Err(f.err("num_experts_per_tok", format!("is {k}, more than the {e} experts")))
+            Err(f.err(
+                "num_experts_per_tok",
+                format!("is {k}, more than the {e} experts"),
+            ))
         } else {
             Ok(())
         }
@@ -388,8 +479,9 @@ fn parse_moe(f: &Fields, family: Family, layers: usize) -> Result<Option<MoeConf
             if step == 0 {
                 return Err(f.err("decoder_sparse_step", "must be positive, got 0"));
             }
-            let sparse_layers: Vec<bool> =
-                (0..layers).map(|i| !only_dense.contains(&i) && e > 0 && (i + 1) % step == 0).collect();
+            let sparse_layers: Vec<bool> = (0..layers)
+                .map(|i| !only_dense.contains(&i) && e > 0 && (i + 1) % step == 0)
+                .collect();
             if !sparse_layers.iter().any(|s| *s) {
                 return Ok(None);
             }

@@ -13,7 +13,12 @@ pub enum WeightProblem {
     /// A file provides a tensor the model has no parameter for.
     Extra { name: String, file: String },
     /// The tensor exists but its dtype or shape differs from the parameter.
-    Misshaped { name: String, file: String, got: String, want: String },
+    Misshaped {
+        name: String,
+        file: String,
+        got: String,
+        want: String,
+    },
 }
 
 impl fmt::Display for WeightProblem {
@@ -21,8 +26,16 @@ impl fmt::Display for WeightProblem {
         match self {
             WeightProblem::Missing { name, want } => write!(f, "missing: {name} ({want})"),
             WeightProblem::Extra { name, file } => write!(f, "extra: {name} in {file}"),
-            WeightProblem::Misshaped { name, file, got, want } => {
-                write!(f, "misshaped: {name} in {file}: the file has {got}, the model wants {want}")
+            WeightProblem::Misshaped {
+                name,
+                file,
+                got,
+                want,
+            } => {
+                write!(
+                    f,
+                    "misshaped: {name} in {file}: the file has {got}, the model wants {want}"
+                )
             }
         }
     }
@@ -32,13 +45,21 @@ impl fmt::Display for WeightProblem {
 pub enum FrontendError {
     /// A config field is missing or has a bad value. `file` is a path or `preset <name>`.
     #[error("invalid config in {file}: field `{field}` {message}")]
-    Config { file: String, field: String, message: String },
+    Config {
+        file: String,
+        field: String,
+        message: String,
+    },
 
     #[error("unknown model_type `{model_type}` in {file}")]
     UnknownModelType { file: String, model_type: String },
 
     #[error("unsupported rope type `{rope_type}` in {file}: field `{field}`")]
-    UnsupportedRope { file: String, field: String, rope_type: String },
+    UnsupportedRope {
+        file: String,
+        field: String,
+        rope_type: String,
+    },
 
     #[error("cannot read {path}: {source}")]
     Io {
@@ -73,7 +94,10 @@ pub enum FrontendError {
 
     /// Every tensor that does not fit, in one error.
     #[error("{}", mismatch_text(.checkpoint, .problems))]
-    WeightMismatch { checkpoint: String, problems: Vec<WeightProblem> },
+    WeightMismatch {
+        checkpoint: String,
+        problems: Vec<WeightProblem>,
+    },
 }
 
 fn mismatch_text(checkpoint: &str, problems: &[WeightProblem]) -> String {
@@ -83,7 +107,9 @@ fn mismatch_text(checkpoint: &str, problems: &[WeightProblem]) -> String {
         count(|p| matches!(p, WeightProblem::Extra { .. })),
         count(|p| matches!(p, WeightProblem::Misshaped { .. })),
     );
-    let mut out = format!("weights do not match the model in {checkpoint}: {m} missing, {e} extra, {s} misshaped");
+    let mut out = format!(
+        "weights do not match the model in {checkpoint}: {m} missing, {e} extra, {s} misshaped"
+    );
     for p in problems {
         out.push_str(&format!("\n  {p}"));
     }
@@ -106,7 +132,8 @@ impl FrontendError {
                 crate::presets::preset_names().join(", ")
             )),
             FrontendError::WeightMismatch { .. } => Some(
-                "check that the checkpoint belongs to this config (model_type, sizes, dtype)".to_string(),
+                "check that the checkpoint belongs to this config (model_type, sizes, dtype)"
+                    .to_string(),
             ),
             FrontendError::Config { field, .. } if field == "hidden_act" => {
                 Some("only silu MLPs are supported".to_string())
@@ -116,10 +143,17 @@ impl FrontendError {
     }
 
     pub(crate) fn config(file: &str, field: &str, message: impl Into<String>) -> FrontendError {
-        FrontendError::Config { file: file.to_string(), field: field.to_string(), message: message.into() }
+        FrontendError::Config {
+            file: file.to_string(),
+            field: field.to_string(),
+            message: message.into(),
+        }
     }
 
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> FrontendError {
-        FrontendError::Io { path: path.into(), source }
+        FrontendError::Io {
+            path: path.into(),
+            source,
+        }
     }
 }

@@ -13,12 +13,20 @@ pub(crate) struct Fields<'a> {
 
 impl<'a> Fields<'a> {
     pub fn new(obj: &'a Map<String, Value>, file: &'a str) -> Fields<'a> {
-        Fields { obj, file, prefix: String::new() }
+        Fields {
+            obj,
+            file,
+            prefix: String::new(),
+        }
     }
 
     /// The fields of a nested object, with messages naming `key.field`.
     pub fn nested(&self, key: &str, obj: &'a Map<String, Value>) -> Fields<'a> {
-        Fields { obj, file: self.file, prefix: format!("{}{key}.", self.prefix) }
+        Fields {
+            obj,
+            file: self.file,
+            prefix: format!("{}{key}.", self.prefix),
+        }
     }
 
     pub fn name(&self, key: &str) -> String {
@@ -53,7 +61,8 @@ impl<'a> Fields<'a> {
     }
 
     pub fn usize(&self, key: &str) -> Result<usize, FrontendError> {
-        self.opt_usize(key)?.ok_or_else(|| self.err(key, "is missing"))
+        self.opt_usize(key)?
+            .ok_or_else(|| self.err(key, "is missing"))
     }
 
     /// A required integer that must be at least 1.
@@ -68,12 +77,16 @@ impl<'a> Fields<'a> {
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>, FrontendError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.err(key, format!("must be a number, got {v}"))),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(key, format!("must be a number, got {v}"))),
         }
     }
 
     pub fn f64(&self, key: &str) -> Result<f64, FrontendError> {
-        self.opt_f64(key)?.ok_or_else(|| self.err(key, "is missing"))
+        self.opt_f64(key)?
+            .ok_or_else(|| self.err(key, "is missing"))
     }
 
     /// A required number that must be finite and greater than zero.
@@ -88,21 +101,30 @@ impl<'a> Fields<'a> {
     pub fn opt_bool(&self, key: &str) -> Result<Option<bool>, FrontendError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.err(key, format!("must be true or false, got {v}"))),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(key, format!("must be true or false, got {v}"))),
         }
     }
 
     pub fn opt_str(&self, key: &str) -> Result<Option<&'a str>, FrontendError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_str().map(Some).ok_or_else(|| self.err(key, format!("must be a string, got {v}"))),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.err(key, format!("must be a string, got {v}"))),
         }
     }
 
     pub fn opt_object(&self, key: &str) -> Result<Option<&'a Map<String, Value>>, FrontendError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_object().map(Some).ok_or_else(|| self.err(key, format!("must be an object, got {v}"))),
+            Some(v) => v
+                .as_object()
+                .map(Some)
+                .ok_or_else(|| self.err(key, format!("must be an object, got {v}"))),
         }
     }
 
@@ -112,7 +134,11 @@ impl<'a> Fields<'a> {
             None => Ok(vec![]),
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|v| v.as_u64().map(|n| n as usize).ok_or_else(|| self.err(key, format!("must list integers, found {v}"))))
+                .map(|v| {
+                    v.as_u64()
+                        .map(|n| n as usize)
+                        .ok_or_else(|| self.err(key, format!("must list integers, found {v}")))
+                })
                 .collect(),
             Some(v) => Err(self.err(key, format!("must be a list of integers, got {v}"))),
         }

@@ -16,7 +16,11 @@ pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> 
     let mut out = BTreeMap::new();
     for (name, ty) in model.params() {
         // `Model` guarantees constant parameter shapes.
-        let shape: Vec<usize> = ty.shape.iter().map(|d| d.as_const().unwrap_or(0).max(0) as usize).collect();
+        let shape: Vec<usize> = ty
+            .shape
+            .iter()
+            .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
+            .collect();
         let n: usize = shape.iter().product();
         if !ty.dtype.is_float() {
             out.insert(name, HostTensor::ints(ty.dtype, shape, vec![0; n]));
@@ -27,7 +31,9 @@ pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> 
             Kind::Ones => vec![1.0; n],
             Kind::Normal => {
                 let mut rng = Normal::new(seed ^ fnv1a(&name));
-                (0..n).map(|_| round_to(ty.dtype, std * rng.next())).collect()
+                (0..n)
+                    .map(|_| round_to(ty.dtype, std * rng.next()))
+                    .collect()
             }
         };
         out.insert(name, HostTensor::floats(ty.dtype, shape, data));
@@ -56,7 +62,9 @@ fn init_kind(name: &str) -> Kind {
 }
 
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// Standard normal deviates from splitmix64 by the polar method.
@@ -67,7 +75,10 @@ struct Normal {
 
 impl Normal {
     fn new(seed: u64) -> Normal {
-        Normal { state: seed, spare: None }
+        Normal {
+            state: seed,
+            spare: None,
+        }
     }
 
     fn next_u64(&mut self) -> u64 {
@@ -128,7 +139,10 @@ mod tests {
     fn series_log_matches_std() {
         for x in [1e-12, 0.001, 0.3, 0.5, 0.7, 0.9, 0.999999, 1.0] {
             let (a, b) = (ln(x), x.ln());
-            assert!((a - b).abs() <= 4.0 * f64::EPSILON * b.abs().max(1.0), "ln({x}): {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 4.0 * f64::EPSILON * b.abs().max(1.0),
+                "ln({x}): {a} vs {b}"
+            );
         }
     }
 
@@ -143,6 +157,9 @@ mod tests {
         // Pinned: the stream must not change across platforms or versions.
         let mut r = Normal::new(7);
         let first: Vec<String> = (0..3).map(|_| format!("{:.12}", r.next())).collect();
-        assert_eq!(first.join(" "), "-0.041741523381 -0.183080209109 0.876481469099");
+        assert_eq!(
+            first.join(" "),
+            "-0.041741523381 -0.183080209109 0.876481469099"
+        );
     }
 }

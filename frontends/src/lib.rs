@@ -24,4 +24,6 @@ pub use error::{FrontendError, WeightProblem};
 pub use init::random_weights;
 pub use model::{load, load_file, Model, Origin};
 pub use presets::{presets, Preset, PresetInfo};
-pub use weights::{check_weights, load_weights, read_checkpoint, read_safetensors, save_safetensors, Checkpoint};
+pub use weights::{
+    check_weights, load_weights, read_checkpoint, read_safetensors, save_safetensors, Checkpoint,
+};

@@ -37,14 +37,26 @@ pub struct Model {
 
 impl Model {
     /// Builds the graph of a parsed config; the graph is named `name`.
-    pub fn from_config(name: &str, config: ModelConfig, origin: Origin) -> Result<Model, FrontendError> {
+    pub fn from_config(
+        name: &str,
+        config: ModelConfig,
+        origin: Origin,
+    ) -> Result<Model, FrontendError> {
         let graph = build_graph(name, &config)?;
         let tied = if config.tie_word_embeddings {
             vec![(params::LM_HEAD.to_string(), params::EMBED.to_string())]
         } else {
             vec![]
         };
-        Ok(Model { name: name.to_string(), family: config.family, param_dtype: config.dtype, config: Some(config), graph, tied, origin })
+        Ok(Model {
+            name: name.to_string(),
+            family: config.family,
+            param_dtype: config.dtype,
+            config: Some(config),
+            graph,
+            tied,
+            origin,
+        })
     }
 
     /// Wraps a verified text-IR graph. Every parameter must have a constant shape.
@@ -53,7 +65,10 @@ impl Model {
             Origin::TextIr(p) | Origin::Config(p) => p.display().to_string(),
             Origin::Preset(n) => n.clone(),
         };
-        weft_ir::verify(&graph).map_err(|r| FrontendError::TextIr { file: file.clone(), message: r.to_string() })?;
+        weft_ir::verify(&graph).map_err(|r| FrontendError::TextIr {
+            file: file.clone(),
+            message: r.to_string(),
+        })?;
         let mut param_dtype = None;
         for (name, ty) in graph_params(&graph) {
             if ty.shape.iter().any(|d| d.as_const().is_none()) {
@@ -64,12 +79,22 @@ impl Model {
             }
         }
         let names: Vec<String> = graph.params().into_iter().map(|(n, _)| n).collect();
-        let tied = if names.iter().any(|n| n == params::EMBED) && !names.iter().any(|n| n == params::LM_HEAD) {
+        let tied = if names.iter().any(|n| n == params::EMBED)
+            && !names.iter().any(|n| n == params::LM_HEAD)
+        {
             vec![(params::LM_HEAD.to_string(), params::EMBED.to_string())]
         } else {
             vec![]
         };
-        Ok(Model { name: graph.name.clone(), family: Family::WeftIr, config: None, param_dtype: param_dtype.unwrap_or(DType::F32), graph, tied, origin })
+        Ok(Model {
+            name: graph.name.clone(),
+            family: Family::WeftIr,
+            config: None,
+            param_dtype: param_dtype.unwrap_or(DType::F32),
+            graph,
+            tied,
+            origin,
+        })
     }
 
     /// Parameters as `(name, type)` in graph order.
@@ -79,7 +104,15 @@ impl Model {
 
     /// Total number of parameter elements (a tied weight counts once).
     pub fn param_count(&self) -> u64 {
-        self.params().iter().map(|(_, t)| t.shape.iter().map(|d| d.as_const().unwrap_or(0) as u64).product::<u64>()).sum()
+        self.params()
+            .iter()
+            .map(|(_, t)| {
+                t.shape
+                    .iter()
+                    .map(|d| d.as_const().unwrap_or(0) as u64)
+                    .product::<u64>()
+            })
+            .sum()
     }
 
     /// The std of HF's normal init (`initializer_range`, 0.02 without a config).
@@ -116,7 +149,10 @@ pub fn load(spec: &str) -> Result<Model, FrontendError> {
     if path.is_dir() {
         let config = path.join("config.json");
         if !config.is_file() {
-            return Err(FrontendError::UnknownSpec { spec: spec.into(), why: "the directory has no config.json".into() });
+            return Err(FrontendError::UnknownSpec {
+                spec: spec.into(),
+                why: "the directory has no config.json".into(),
+            });
         }
         return load_file(&config, spec);
     }
@@ -128,7 +164,10 @@ pub fn load(spec: &str) -> Result<Model, FrontendError> {
     if !close.is_empty() {
         why.push_str(&format!(" (did you mean {}?)", close.join(" or ")));
     }
-    Err(FrontendError::UnknownSpec { spec: spec.into(), why })
+    Err(FrontendError::UnknownSpec {
+        spec: spec.into(),
+        why,
+    })
 }
 
 /// Loads a file, detecting its kind by content.
@@ -141,17 +180,30 @@ pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
         });
     }
     let Ok(text) = std::str::from_utf8(&bytes) else {
-        return Err(FrontendError::UnknownSpec { spec: spec.into(), why: "it is a binary file, not a config.json or weft text IR".into() });
+        return Err(FrontendError::UnknownSpec {
+            spec: spec.into(),
+            why: "it is a binary file, not a config.json or weft text IR".into(),
+        });
     };
     let text = text.trim_start_matches('\u{feff}');
-    let first = text.lines().map(str::trim).find(|l| !l.is_empty() && !l.starts_with("//")).unwrap_or("");
+    let first = text
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with("//"))
+        .unwrap_or("");
     let file = path.display().to_string();
     if first.starts_with("graph ") {
-        let graph = weft_ir::parse(text).map_err(|e| FrontendError::TextIr { file: file.clone(), message: e.to_string() })?;
+        let graph = weft_ir::parse(text).map_err(|e| FrontendError::TextIr {
+            file: file.clone(),
+            message: e.to_string(),
+        })?;
         return Model::from_graph(graph, Origin::TextIr(path.to_path_buf()));
     }
     if first.starts_with('{') {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| FrontendError::Json { file: file.clone(), message: e.to_string() })?;
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| FrontendError::Json {
+            file: file.clone(),
+            message: e.to_string(),
+        })?;
         if v.get("model_type").is_none() {
             return Err(FrontendError::UnknownSpec {
                 spec: spec.into(),
@@ -159,9 +211,16 @@ pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
             });
         }
         let config = ModelConfig::from_json(&v, &file)?;
-        return Model::from_config(&model_name(path), config, Origin::Config(path.to_path_buf()));
+        return Model::from_config(
+            &model_name(path),
+            config,
+            Origin::Config(path.to_path_buf()),
+        );
     }
-    Err(FrontendError::UnknownSpec { spec: spec.into(), why: "it is neither an HF config.json nor weft text IR (`graph \"...\"`)".into() })
+    Err(FrontendError::UnknownSpec {
+        spec: spec.into(),
+        why: "it is neither an HF config.json nor weft text IR (`graph \"...\"`)".into(),
+    })
 }
 
 /// A config's model name: its directory's name for `.../<name>/config.json`, else the file stem.
@@ -175,13 +234,19 @@ fn model_name(path: &Path) -> String {
         _ => std::env::current_dir().unwrap_or_default(),
     };
     let dir = dir.canonicalize().unwrap_or(dir);
-    dir.file_name().and_then(|s| s.to_str()).unwrap_or("model").to_string()
+    dir.file_name()
+        .and_then(|s| s.to_str())
+        .unwrap_or("model")
+        .to_string()
 }
 
 /// Presets whose names contain `spec` or are within two edits of it.
 fn similar_presets(spec: &str) -> Vec<&'static str> {
     let s = spec.to_ascii_lowercase();
-    preset_names().into_iter().filter(|n| (s.len() >= 3 && n.contains(s.as_str())) || edit_distance(n, &s) <= 2).collect()
+    preset_names()
+        .into_iter()
+        .filter(|n| (s.len() >= 3 && n.contains(s.as_str())) || edit_distance(n, &s) <= 2)
+        .collect()
 }
 
 fn edit_distance(a: &str, b: &str) -> usize {
@@ -192,7 +257,9 @@ fn edit_distance(a: &str, b: &str) -> usize {
         row[0] = i + 1;
         for j in 0..b.len() {
             let cur = row[j + 1];
-            row[j + 1] = (prev + usize::from(ca != b[j])).min(row[j] + 1).min(cur + 1);
+            row[j + 1] = (prev + usize::from(ca != b[j]))
+                .min(row[j] + 1)
+                .min(cur + 1);
             prev = cur;
         }
     }

@@ -84,8 +84,15 @@ pub fn presets() -> Vec<PresetInfo> {
         .iter()
         .map(|p| {
             // Every built-in config parses; `tests::every_preset_builds_verifies_and_round_trips` pins it.
-            let cfg = p.config().unwrap_or_else(|e| panic!("built-in {}: {e}", p.label()));
-            PresetInfo { name: p.name, family: cfg.family, source: p.source, params: crate::build::param_count(&cfg) }
+            let cfg = p
+                .config()
+                .unwrap_or_else(|e| panic!("built-in {}: {e}", p.label()));
+            PresetInfo {
+                name: p.name,
+                family: cfg.family,
+                source: p.source,
+                params: crate::build::param_count(&cfg),
+            }
         })
         .collect()
 }

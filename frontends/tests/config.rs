@@ -13,7 +13,9 @@ fn parse(json: &str) -> Result<ModelConfig, FrontendError> {
 const BASE: &str = r#"{"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}"#;
 
-fn base_with(edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> Result<ModelConfig, FrontendError> {
+fn base_with(
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> Result<ModelConfig, FrontendError> {
     let mut v: serde_json::Value = serde_json::from_str(BASE).unwrap();
     edit(v.as_object_mut().unwrap());
     ModelConfig::from_json(&v, "test/config.json")
@@ -82,7 +84,12 @@ fn transformers_4_and_5_rope_forms_agree() {
     assert_eq!(a.rope.theta, 500000.0);
     assert_eq!(
         a.rope.scaling,
-        RopeScaling::Llama3 { factor: Float(8.0), low_freq_factor: Float(1.0), high_freq_factor: Float(4.0), original_max_position_embeddings: 8192 }
+        RopeScaling::Llama3 {
+            factor: Float(8.0),
+            low_freq_factor: Float(1.0),
+            high_freq_factor: Float(4.0),
+            original_max_position_embeddings: 8192
+        }
     );
     // Old configs say `type` instead of `rope_type`.
     let lin = with(r#"{"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}"#);
@@ -94,15 +101,29 @@ fn transformers_4_and_5_rope_forms_agree() {
 #[test]
 fn other_rope_types_are_a_clear_error() {
     let e = base_with(|o| {
-        o.insert("rope_scaling".into(), serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+        o.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+        );
     })
     .unwrap_err();
-    assert!(matches!(&e, FrontendError::UnsupportedRope { field, rope_type, .. } if field == "rope_scaling.rope_type" && rope_type == "yarn"));
-    assert_eq!(e.to_string(), "unsupported rope type `yarn` in test/config.json: field `rope_scaling.rope_type`");
-    assert_eq!(e.help().unwrap(), "supported rope types: default, linear, llama3");
+    assert!(
+        matches!(&e, FrontendError::UnsupportedRope { field, rope_type, .. } if field == "rope_scaling.rope_type" && rope_type == "yarn")
+    );
+    assert_eq!(
+        e.to_string(),
+        "unsupported rope type `yarn` in test/config.json: field `rope_scaling.rope_type`"
+    );
+    assert_eq!(
+        e.help().unwrap(),
+        "supported rope types: default, linear, llama3"
+    );
     let e = base_with(|o| {
         o.remove("rope_theta");
-        o.insert("rope_parameters".into(), serde_json::json!({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}));
+        o.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+        );
     })
     .unwrap_err();
     assert!(e.to_string().contains("`rope_parameters.rope_type`"), "{e}");
@@ -114,18 +135,37 @@ fn unknown_model_type_names_it_and_the_file() {
         o.insert("model_type".into(), "gpt2".into());
     })
     .unwrap_err();
-    assert_eq!(e.to_string(), "unknown model_type `gpt2` in test/config.json");
-    assert!(e.help().unwrap().contains("llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe"));
+    assert_eq!(
+        e.to_string(),
+        "unknown model_type `gpt2` in test/config.json"
+    );
+    assert!(e
+        .help()
+        .unwrap()
+        .contains("llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe"));
 }
 
 #[test]
 fn missing_and_invalid_fields_are_named() {
-    for field in ["model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps", "intermediate_size", "rope_theta"] {
+    for field in [
+        "model_type",
+        "hidden_size",
+        "vocab_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "rms_norm_eps",
+        "intermediate_size",
+        "rope_theta",
+    ] {
         let e = base_with(|o| {
             o.remove(field);
         })
         .unwrap_err();
-        assert_eq!(e.to_string(), format!("invalid config in test/config.json: field `{field}` is missing"), "{field}");
+        assert_eq!(
+            e.to_string(),
+            format!("invalid config in test/config.json: field `{field}` is missing"),
+            "{field}"
+        );
     }
     let e = base_with(|o| {
         o.insert("hidden_size".into(), "big".into());
@@ -136,17 +176,28 @@ fn missing_and_invalid_fields_are_named() {
         o.insert("num_key_value_heads".into(), 3.into());
     })
     .unwrap_err();
-    assert!(e.to_string().contains("field `num_key_value_heads` must divide num_attention_heads (4), got 3"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("field `num_key_value_heads` must divide num_attention_heads (4), got 3"),
+        "{e}"
+    );
     let e = base_with(|o| {
         o.insert("hidden_act".into(), "gelu".into());
     })
     .unwrap_err();
-    assert!(e.to_string().contains("field `hidden_act` is `gelu`"), "{e}");
+    assert!(
+        e.to_string().contains("field `hidden_act` is `gelu`"),
+        "{e}"
+    );
     let e = base_with(|o| {
         o.insert("rope_scaling".into(), serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}));
     })
     .unwrap_err();
-    assert!(e.to_string().contains("field `rope_scaling.high_freq_factor` is missing"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("field `rope_scaling.high_freq_factor` is missing"),
+        "{e}"
+    );
     assert!(matches!(parse("[1, 2]"), Err(FrontendError::Json { .. })));
     assert!(matches!(parse("{"), Err(FrontendError::Json { .. })));
 }
@@ -155,7 +206,15 @@ fn missing_and_invalid_fields_are_named() {
 fn moe_fields() {
     let e = preset_with("mixtral-tiny", |_| {});
     let moe = e.moe.unwrap();
-    assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.norm_topk_prob), (4, 2, 64, true));
+    assert_eq!(
+        (
+            moe.num_experts,
+            moe.top_k,
+            moe.expert_intermediate_size,
+            moe.norm_topk_prob
+        ),
+        (4, 2, 64, true)
+    );
     // qwen3_moe accepts num_experts (Hub) or num_local_experts (transformers 5 save).
     let q = load("qwen3-30b-a3b").unwrap().config.unwrap();
     assert_eq!(q.moe.as_ref().unwrap().num_experts, 128);
@@ -164,12 +223,24 @@ fn moe_fields() {
         o.insert("num_experts".into(), n);
     });
     assert_eq!(q.moe.as_ref().unwrap().num_experts, 4);
-    let e = ModelConfig::from_json_str(&load_preset_json("qwen3-moe-tiny").replace("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 5"), "x.json").unwrap_err();
-    assert!(e.to_string().contains("field `num_experts_per_tok` is 5, more than the 4 experts"), "{e}");
+    let e = ModelConfig::from_json_str(
+        &load_preset_json("qwen3-moe-tiny")
+            .replace("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 5"),
+        "x.json",
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("field `num_experts_per_tok` is 5, more than the 4 experts"),
+        "{e}"
+    );
 }
 
 fn load_preset_json(name: &str) -> String {
-    weft_frontends::presets::find_preset(name).unwrap().config_json.to_string()
+    weft_frontends::presets::find_preset(name)
+        .unwrap()
+        .config_json
+        .to_string()
 }
 
 #[test]
@@ -178,7 +249,8 @@ fn qwen3_moe_dense_layers_use_the_dense_mlp() {
         o.insert("mlp_only_layers".into(), serde_json::json!([1]));
     });
     assert!(c.is_sparse_layer(0) && !c.is_sparse_layer(1));
-    let m = weft_frontends::Model::from_config("q", c, weft_frontends::Origin::Preset("q".into())).unwrap();
+    let m = weft_frontends::Model::from_config("q", c, weft_frontends::Origin::Preset("q".into()))
+        .unwrap();
     let names: Vec<String> = m.graph.params().into_iter().map(|(n, _)| n).collect();
     assert!(names.contains(&"model.layers.0.mlp.experts.gate_up_proj".to_string()));
     assert!(names.contains(&"model.layers.1.mlp.gate_proj.weight".to_string()));
@@ -201,10 +273,15 @@ fn attention_and_mlp_biases_follow_hf() {
         o.insert("mlp_bias".into(), true.into());
     });
     assert!(c.qkv_bias && c.o_bias && c.mlp_bias);
-    let m = weft_frontends::Model::from_config("b", c, weft_frontends::Origin::Preset("b".into())).unwrap();
+    let m = weft_frontends::Model::from_config("b", c, weft_frontends::Origin::Preset("b".into()))
+        .unwrap();
     weft_ir::verify(&m.graph).unwrap();
     let names: Vec<String> = m.graph.params().into_iter().map(|(n, _)| n).collect();
-    for n in ["self_attn.o_proj.bias", "mlp.down_proj.bias", "self_attn.k_proj.bias"] {
+    for n in [
+        "self_attn.o_proj.bias",
+        "mlp.down_proj.bias",
+        "self_attn.k_proj.bias",
+    ] {
         assert!(names.contains(&format!("model.layers.0.{n}")), "{n}");
     }
 }
@@ -215,14 +292,24 @@ fn partial_rotary_factor_sets_the_rotary_dim() {
         o["rope_parameters"]["partial_rotary_factor"] = 0.5.into();
     });
     assert_eq!(c.rope.rotary_dim, 4);
-    let m = weft_frontends::Model::from_config("p", c, weft_frontends::Origin::Preset("p".into())).unwrap();
+    let m = weft_frontends::Model::from_config("p", c, weft_frontends::Origin::Preset("p".into()))
+        .unwrap();
     weft_ir::verify(&m.graph).unwrap();
     assert!(weft_ir::print(&m.graph).contains("{theta=10000.0, dim=4, scaling=none}"));
 }
 
 #[test]
 fn sliding_window_is_recorded() {
-    assert_eq!(load("mistral-7b").unwrap().config.unwrap().sliding_window, Some(4096));
-    assert_eq!(load("qwen2.5-7b").unwrap().config.unwrap().sliding_window, None); // use_sliding_window false
-    assert_eq!(load("llama3-8b").unwrap().config.unwrap().sliding_window, None);
+    assert_eq!(
+        load("mistral-7b").unwrap().config.unwrap().sliding_window,
+        Some(4096)
+    );
+    assert_eq!(
+        load("qwen2.5-7b").unwrap().config.unwrap().sliding_window,
+        None
+    ); // use_sliding_window false
+    assert_eq!(
+        load("llama3-8b").unwrap().config.unwrap().sliding_window,
+        None
+    );
 }

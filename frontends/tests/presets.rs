@@ -42,7 +42,10 @@ const PUBLISHED: &[(&str, u64)] = &[
 fn published_parameter_counts() {
     let infos = presets();
     for (name, want) in PUBLISHED {
-        let info = infos.iter().find(|i| i.name == *name).unwrap_or_else(|| panic!("no preset {name}"));
+        let info = infos
+            .iter()
+            .find(|i| i.name == *name)
+            .unwrap_or_else(|| panic!("no preset {name}"));
         assert_eq!(info.params, *want, "{name} (presets())");
         assert_eq!(load(name).unwrap().param_count(), *want, "{name} (graph)");
     }
@@ -61,14 +64,26 @@ fn preset_list_counts_match_graphs_and_fixture_counts() {
         ("qwen3-moe-tiny", "qwen3_moe"),
     ];
     for info in presets() {
-        assert_eq!(load(info.name).unwrap().param_count(), info.params, "{}", info.name);
+        assert_eq!(
+            load(info.name).unwrap().param_count(),
+            info.params,
+            "{}",
+            info.name
+        );
     }
     for (preset, fixture) in fixture_counts {
         let path = common::fixtures().join(fixture).join("params.json");
-        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         let want = v["total_params"].as_u64().unwrap();
-        assert_eq!(load(preset).unwrap().param_count(), want, "{preset} vs {}", path.display());
+        assert_eq!(
+            load(preset).unwrap().param_count(),
+            want,
+            "{preset} vs {}",
+            path.display()
+        );
     }
 }
 
@@ -85,9 +100,17 @@ fn preset_families_and_dtypes() {
     assert_eq!(family("qwen3-30b-a3b"), Family::Qwen3Moe);
     for i in &infos {
         let m = load(i.name).unwrap();
-        let want = if i.name.ends_with("-tiny") { DType::F32 } else { DType::BF16 };
+        let want = if i.name.ends_with("-tiny") {
+            DType::F32
+        } else {
+            DType::BF16
+        };
         assert_eq!(m.param_dtype, want, "{}", i.name);
-        assert!(m.params().iter().all(|(_, t)| t.dtype == want), "{}", i.name);
+        assert!(
+            m.params().iter().all(|(_, t)| t.dtype == want),
+            "{}",
+            i.name
+        );
     }
 }
 
@@ -95,12 +118,24 @@ fn preset_families_and_dtypes() {
 fn tied_presets_use_one_embedding_param_twice() {
     for name in ["qwen2-tiny", "llama3.2-1b", "qwen2.5-0.5b"] {
         let m = load(name).unwrap();
-        assert_eq!(m.tied, vec![("lm_head.weight".to_string(), "model.embed_tokens.weight".to_string())]);
+        assert_eq!(
+            m.tied,
+            vec![(
+                "lm_head.weight".to_string(),
+                "model.embed_tokens.weight".to_string()
+            )]
+        );
         let params = m.graph.params();
         assert!(params.iter().all(|(n, _)| n != "lm_head.weight"), "{name}");
-        let (_, embed) = params.iter().find(|(n, _)| n == "model.embed_tokens.weight").unwrap();
+        let (_, embed) = params
+            .iter()
+            .find(|(n, _)| n == "model.embed_tokens.weight")
+            .unwrap();
         let uses = m.graph.uses();
-        let users: Vec<&str> = uses[embed.0 as usize].iter().map(|(n, _)| m.graph.node(*n).op.name()).collect();
+        let users: Vec<&str> = uses[embed.0 as usize]
+            .iter()
+            .map(|(n, _)| m.graph.node(*n).op.name())
+            .collect();
         assert_eq!(users, ["embedding", "linear"], "{name}");
     }
     assert!(load("llama3-8b").unwrap().tied.is_empty());

@@ -8,11 +8,16 @@ use weft_frontends::pt2::{import, import_bytes, Pt2Error, Pt2Options};
 use weft_ir::Op;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/pt2").join(format!("{name}.pt2"))
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/pt2")
+        .join(format!("{name}.pt2"))
 }
 
 fn config(family: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(family).join("config.json")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(family)
+        .join("config.json")
 }
 
 /// Rewrites a fixture's entries: `edit(name, bytes)` returns the new bytes or `None` to drop it.
@@ -20,7 +25,8 @@ fn rebuild(name: &str, mut edit: impl FnMut(&str, Vec<u8>) -> Option<Vec<u8>>) -
     let bytes = std::fs::read(fixture(name)).unwrap();
     let mut z = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
     let mut out = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
-    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
     for i in 0..z.len() {
         let mut f = z.by_index(i).unwrap();
         let n = f.name().to_string();
@@ -47,7 +53,10 @@ fn replace_in(name: &str, entry_suffix: &str, from: &str, to: &str) -> Vec<u8> {
 }
 
 fn err(bytes: Vec<u8>) -> Pt2Error {
-    let opts = Pt2Options { config: Some(config("qwen2")), ..Default::default() };
+    let opts = Pt2Options {
+        config: Some(config("qwen2")),
+        ..Default::default()
+    };
     match import_bytes("broken.pt2", bytes, &opts) {
         Ok(_) => panic!("a broken archive imported"),
         Err(e) => e,
@@ -56,15 +65,33 @@ fn err(bytes: Vec<u8>) -> Pt2Error {
 
 #[test]
 fn every_fixture_imports_with_its_report() {
-    for (name, family) in [("qwen2", "qwen2"), ("llama_static", "llama"), ("llama_decomposed", "llama"), ("mixtral", "mixtral"), ("mixtral_batched_decomposed", "mixtral")] {
-        let im = import(&fixture(name), &Pt2Options { config: Some(config(family)), ..Default::default() }).unwrap();
+    for (name, family) in [
+        ("qwen2", "qwen2"),
+        ("llama_static", "llama"),
+        ("llama_decomposed", "llama"),
+        ("mixtral", "mixtral"),
+        ("mixtral_batched_decomposed", "mixtral"),
+    ] {
+        let im = import(
+            &fixture(name),
+            &Pt2Options {
+                config: Some(config(family)),
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let r = &im.report;
         assert_eq!(r.count("attention"), 2, "{name}\n{r}");
         assert_eq!(r.count("rope"), 4, "{name}\n{r}");
         assert!(r.unrecognised.is_empty(), "{name}\n{r}");
         let text = r.to_string();
         assert!(text.contains("recognised attention x2"), "{text}");
-        let ids = im.graph.inputs().into_iter().find(|(n, _, _)| n == "input_ids").unwrap();
+        let ids = im
+            .graph
+            .inputs()
+            .into_iter()
+            .find(|(n, _, _)| n == "input_ids")
+            .unwrap();
         assert_eq!(im.graph.ty(ids.2).to_string(), "i64[B, S]", "{name}");
         assert_eq!(im.graph.params().len(), im.weights.len());
         // The stable text form round-trips.
@@ -74,12 +101,19 @@ fn every_fixture_imports_with_its_report() {
         for &n in im.graph.nodes() {
             let d = im.graph.node(n);
             if matches!(d.op, Op::Attention { .. }) {
-                assert!(d.meta.source.as_deref().unwrap().ends_with("self_attn"), "{:?}", d.meta.source);
+                assert!(
+                    d.meta.source.as_deref().unwrap().ends_with("self_attn"),
+                    "{:?}",
+                    d.meta.source
+                );
             }
         }
     }
     let im = import(&fixture("qwen2"), &Pt2Options::default()).unwrap();
-    assert_eq!(im.report.tied, ["lm_head.weight -> model.embed_tokens.weight"]);
+    assert_eq!(
+        im.report.tied,
+        ["lm_head.weight -> model.embed_tokens.weight"]
+    );
     assert!(!im.weights.contains_key("lm_head.weight"));
 }
 
@@ -88,28 +122,50 @@ fn truncated_zip() {
     let bytes = std::fs::read(fixture("qwen2")).unwrap();
     let e = err(bytes[..bytes.len() / 2].to_vec());
     assert!(matches!(e, Pt2Error::Zip { .. }), "{e}");
-    assert!(e.to_string().contains("broken.pt2 is not a readable .pt2 archive"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("broken.pt2 is not a readable .pt2 archive"),
+        "{e}"
+    );
     let e = err(b"not a zip at all".to_vec());
     assert!(matches!(e, Pt2Error::Zip { .. }), "{e}");
 }
 
 #[test]
 fn missing_model_json() {
-    let e = err(rebuild("qwen2", |n, d| (!n.ends_with("models/model.json")).then_some(d)));
+    let e = err(rebuild("qwen2", |n, d| {
+        (!n.ends_with("models/model.json")).then_some(d)
+    }));
     assert!(matches!(e, Pt2Error::MissingEntry { .. }), "{e}");
-    assert_eq!(e.to_string(), "broken.pt2 has no entry `qwen2/models/model.json`");
+    assert_eq!(
+        e.to_string(),
+        "broken.pt2 has no entry `qwen2/models/model.json`"
+    );
     assert!(e.help().is_some());
 }
 
 #[test]
 fn wrong_dtype_code() {
-    let e = err(replace_in("qwen2", "model_weights_config.json", "\"dtype\": 7", "\"dtype\": 99"));
+    let e = err(replace_in(
+        "qwen2",
+        "model_weights_config.json",
+        "\"dtype\": 7",
+        "\"dtype\": 99",
+    ));
     assert!(matches!(e, Pt2Error::DType { code: 99, .. }), "{e}");
     let s = e.to_string();
-    assert!(s.contains("model_weights_config.json") || s.contains("data/weights/weight_"), "{s}");
+    assert!(
+        s.contains("model_weights_config.json") || s.contains("data/weights/weight_"),
+        "{s}"
+    );
     assert!(s.contains("unknown code"), "{s}");
     // A known torch dtype Weft cannot hold names it.
-    let e = err(replace_in("qwen2", "model_weights_config.json", "\"dtype\": 7", "\"dtype\": 29"));
+    let e = err(replace_in(
+        "qwen2",
+        "model_weights_config.json",
+        "\"dtype\": 7",
+        "\"dtype\": 29",
+    ));
     assert!(e.to_string().contains("float8_e4m3fn"), "{e}");
 }
 
@@ -123,21 +179,36 @@ fn shape_and_bytes_mismatch() {
     }));
     assert!(matches!(e, Pt2Error::TensorData { .. }), "{e}");
     let s = e.to_string();
-    assert!(s.contains("qwen2/data/weights/weight_1") && s.contains("storage holds"), "{s}");
+    assert!(
+        s.contains("qwen2/data/weights/weight_1") && s.contains("storage holds"),
+        "{s}"
+    );
 }
 
 #[test]
 fn unknown_op_names_node_and_layer() {
-    let e = err(replace_in("qwen2", "models/model.json", "torch.ops.aten.silu.default", "torch.ops.aten.mish.default"));
+    let e = err(replace_in(
+        "qwen2",
+        "models/model.json",
+        "torch.ops.aten.silu.default",
+        "torch.ops.aten.mish.default",
+    ));
     match &e {
-        Pt2Error::UnsupportedOp { op, node, layer, .. } => {
+        Pt2Error::UnsupportedOp {
+            op, node, layer, ..
+        } => {
             assert_eq!(op, "aten.mish.default");
             assert_eq!(node, "silu");
             assert_eq!(layer.as_deref(), Some("model.layers.0.mlp.act_fn"));
         }
         _ => panic!("{e}"),
     }
-    assert!(e.to_string().starts_with("unsupported op `aten.mish.default` in node `silu` (model.layers.0.mlp.act_fn)"), "{e}");
+    assert!(
+        e.to_string().starts_with(
+            "unsupported op `aten.mish.default` in node `silu` (model.layers.0.mlp.act_fn)"
+        ),
+        "{e}"
+    );
 }
 
 #[test]
@@ -145,48 +216,95 @@ fn unused_unsupported_ops_do_not_matter() {
     // The mask builder's `cumsum` and `index` have no Weft op; the causal mask is
     // recognised instead, so the import succeeds (the other tests import these files).
     let im = import(&fixture("qwen2"), &Pt2Options::default()).unwrap();
-    assert!(im.report.notes.iter().any(|n| n.contains("rebuilt as a causal")), "{}", im.report);
+    assert!(
+        im.report
+            .notes
+            .iter()
+            .any(|n| n.contains("rebuilt as a causal")),
+        "{}",
+        im.report
+    );
 }
 
 #[test]
 fn schema_versions_and_old_archives() {
-    let e = err(replace_in("qwen2", "models/model.json", "\"major\": 8", "\"major\": 9"));
+    let e = err(replace_in(
+        "qwen2",
+        "models/model.json",
+        "\"major\": 8",
+        "\"major\": 9",
+    ));
     assert!(matches!(e, Pt2Error::SchemaVersion { major: 9, .. }), "{e}");
     assert!(e.to_string().contains("written by torch 2.15.0"), "{e}");
     assert!(e.help().unwrap().contains("re-export"));
     // torch 2.6-2.8: a pickled state dict beside serialized_exported_program.json.
     let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
     let o = zip::write::SimpleFileOptions::default();
-    for (n, d) in [("m/serialized_exported_program.json", &b"{}"[..]), ("m/serialized_state_dict.pt", b"\x80\x02"), ("m/version", b"7")] {
+    for (n, d) in [
+        ("m/serialized_exported_program.json", &b"{}"[..]),
+        ("m/serialized_state_dict.pt", b"\x80\x02"),
+        ("m/version", b"7"),
+    ] {
         w.start_file(n, o).unwrap();
         w.write_all(d).unwrap();
     }
     let e = err(w.finish().unwrap().into_inner());
     assert!(matches!(e, Pt2Error::OldArchive { .. }), "{e}");
-    assert!(e.to_string().contains("torch 2.6-2.8") && e.to_string().contains("pickled"), "{e}");
-    let e = err(replace_in("qwen2", "model_weights_config.json", "\"use_pickle\": false", "\"use_pickle\": true"));
+    assert!(
+        e.to_string().contains("torch 2.6-2.8") && e.to_string().contains("pickled"),
+        "{e}"
+    );
+    let e = err(replace_in(
+        "qwen2",
+        "model_weights_config.json",
+        "\"use_pickle\": false",
+        "\"use_pickle\": true",
+    ));
     assert!(matches!(e, Pt2Error::OldArchive { .. }), "{e}");
 }
 
 #[test]
 fn invalid_json_has_a_position() {
-    let e = err(replace_in("qwen2", "models/model.json", "{\"graph_module\"", "{\"graph_module\" ]"));
+    let e = err(replace_in(
+        "qwen2",
+        "models/model.json",
+        "{\"graph_module\"",
+        "{\"graph_module\" ]",
+    ));
     match &e {
-        Pt2Error::Json { entry, line, column, .. } => {
+        Pt2Error::Json {
+            entry,
+            line,
+            column,
+            ..
+        } => {
             assert_eq!(entry, "qwen2/models/model.json");
             assert!(*line >= 1 && *column > 0);
         }
         _ => panic!("{e}"),
     }
-    let e = err(replace_in("qwen2", "models/model.json", "{\"as_int\": 1}", "{\"as_int\": 1, \"as_bool\": true}"));
-    assert!(matches!(e, Pt2Error::Schema { .. }) && e.to_string().contains("graph_module.graph.nodes["), "{e}");
+    let e = err(replace_in(
+        "qwen2",
+        "models/model.json",
+        "{\"as_int\": 1}",
+        "{\"as_int\": 1, \"as_bool\": true}",
+    ));
+    assert!(
+        matches!(e, Pt2Error::Schema { .. }) && e.to_string().contains("graph_module.graph.nodes["),
+        "{e}"
+    );
 }
 
 /// Imports an archive named by `PT2_ADHOC` (a developer aid; skipped when unset).
 #[test]
 fn adhoc_archive_from_env() {
-    let Ok(p) = std::env::var("PT2_ADHOC") else { return };
-    let opts = Pt2Options { config: std::env::var("PT2_CONFIG").ok().map(PathBuf::from), ..Default::default() };
+    let Ok(p) = std::env::var("PT2_ADHOC") else {
+        return;
+    };
+    let opts = Pt2Options {
+        config: std::env::var("PT2_CONFIG").ok().map(PathBuf::from),
+        ..Default::default()
+    };
     match import(std::path::Path::new(&p), &opts) {
         Ok(im) => println!("{}\n{}", im.report, weft_ir::print(&im.graph)),
         Err(e) => panic!("{e}"),

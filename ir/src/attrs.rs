@@ -73,9 +73,16 @@ pub enum CmpOp {
 pub enum RopeScaling {
     None,
     /// Position interpolation: positions divided by `factor`.
-    Linear { factor: Float },
+    Linear {
+        factor: Float,
+    },
     /// Llama 3.1's wavelength-dependent scaling.
-    Llama3 { factor: Float, low_freq_factor: Float, high_freq_factor: Float, original_max_position_embeddings: i64 },
+    Llama3 {
+        factor: Float,
+        low_freq_factor: Float,
+        high_freq_factor: Float,
+        original_max_position_embeddings: i64,
+    },
 }
 
 macro_rules! keyword_enum {
@@ -115,7 +122,8 @@ impl AttrValue for i64 {
         Some(self.to_string())
     }
     fn parse_attr(s: &str) -> Result<Self, String> {
-        s.parse().map_err(|_| format!("expected an integer, found `{s}`"))
+        s.parse()
+            .map_err(|_| format!("expected an integer, found `{s}`"))
     }
 }
 
@@ -124,7 +132,9 @@ impl AttrValue for Float {
         Some(self.to_string())
     }
     fn parse_attr(s: &str) -> Result<Self, String> {
-        s.parse::<f64>().map(Float).map_err(|_| format!("expected a number, found `{s}`"))
+        s.parse::<f64>()
+            .map(Float)
+            .map_err(|_| format!("expected a number, found `{s}`"))
     }
 }
 
@@ -155,7 +165,9 @@ impl AttrValue for DType {
         Some(self.name().to_string())
     }
     fn parse_attr(s: &str) -> Result<Self, String> {
-        DType::from_name(s).ok_or_else(|| format!("unknown dtype `{s}` (expected f64, f32, bf16, f16, i64, i32, bool)"))
+        DType::from_name(s).ok_or_else(|| {
+            format!("unknown dtype `{s}` (expected f64, f32, bf16, f16, i64, i32, bool)")
+        })
     }
 }
 
@@ -192,7 +204,10 @@ impl<T: AttrValue> AttrValue for Option<T> {
 
 impl<T: AttrValue> AttrValue for Vec<T> {
     fn fmt_attr(&self) -> Option<String> {
-        let items: Vec<String> = self.iter().map(|v| v.fmt_attr().unwrap_or_default()).collect();
+        let items: Vec<String> = self
+            .iter()
+            .map(|v| v.fmt_attr().unwrap_or_default())
+            .collect();
         Some(format!("[{}]", items.join(", ")))
     }
     fn parse_attr(s: &str) -> Result<Self, String> {
@@ -200,7 +215,11 @@ impl<T: AttrValue> AttrValue for Vec<T> {
             .strip_prefix('[')
             .and_then(|r| r.strip_suffix(']'))
             .ok_or_else(|| format!("expected a list in brackets, found `{s}`"))?;
-        split_top_level(inner, ',')?.into_iter().filter(|p| !p.is_empty()).map(|p| T::parse_attr(p)).collect()
+        split_top_level(inner, ',')?
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .map(|p| T::parse_attr(p))
+            .collect()
     }
 }
 
@@ -209,7 +228,12 @@ impl AttrValue for RopeScaling {
         Some(match self {
             RopeScaling::None => "none".to_string(),
             RopeScaling::Linear { factor } => format!("linear({factor})"),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
                 format!("llama3({factor}, {low_freq_factor}, {high_freq_factor}, {original_max_position_embeddings})")
             }
         })
@@ -221,10 +245,15 @@ impl AttrValue for RopeScaling {
         let (head, args) = s
             .split_once('(')
             .and_then(|(h, r)| r.strip_suffix(')').map(|a| (h, a)))
-            .ok_or_else(|| format!("expected none, linear(f) or llama3(f, lo, hi, orig), found `{s}`"))?;
+            .ok_or_else(|| {
+                format!("expected none, linear(f) or llama3(f, lo, hi, orig), found `{s}`")
+            })?;
         let parts = split_top_level(args, ',')?;
         let num = |i: usize| -> Result<Float, String> {
-            parts.get(i).ok_or_else(|| format!("missing argument {i} in `{s}`")).and_then(|p| Float::parse_attr(p))
+            parts
+                .get(i)
+                .ok_or_else(|| format!("missing argument {i} in `{s}`"))
+                .and_then(|p| Float::parse_attr(p))
         };
         match (head, parts.len()) {
             ("linear", 1) => Ok(RopeScaling::Linear { factor: num(0)? }),
@@ -234,7 +263,9 @@ impl AttrValue for RopeScaling {
                 high_freq_factor: num(2)?,
                 original_max_position_embeddings: i64::parse_attr(parts[3])?,
             }),
-            _ => Err(format!("unknown rope scaling `{s}` (expected none, linear(f) or llama3(f, lo, hi, orig))")),
+            _ => Err(format!(
+                "unknown rope scaling `{s}` (expected none, linear(f) or llama3(f, lo, hi, orig))"
+            )),
         }
     }
 }

@@ -68,7 +68,10 @@ impl Ratio {
         assert!(den != 0, "zero denominator");
         let g = gcd(num, den).max(1);
         let s = if den < 0 { -1 } else { 1 };
-        Ratio { num: s * num / g, den: s * den / g }
+        Ratio {
+            num: s * num / g,
+            den: s * den / g,
+        }
     }
     fn int(n: i64) -> Ratio {
         Ratio { num: n, den: 1 }
@@ -101,7 +104,11 @@ pub enum DimError {
     #[error("division by zero in `{0}`")]
     DivByZero(String),
     #[error("rank {coord} is out of range for the per-rank sizes of axis `{axis}` ({len} ranks)")]
-    CoordOutOfRange { axis: String, coord: i64, len: usize },
+    CoordOutOfRange {
+        axis: String,
+        coord: i64,
+        len: usize,
+    },
 }
 
 impl Dim {
@@ -122,7 +129,10 @@ impl Dim {
         if !sizes.is_empty() && sizes.iter().all(|&s| s == sizes[0]) {
             return Dim::constant(sizes[0]);
         }
-        Dim::atom(Atom::PerRank { axis: axis.to_string(), sizes })
+        Dim::atom(Atom::PerRank {
+            axis: axis.to_string(),
+            sizes,
+        })
     }
     pub fn atom(a: Atom) -> Dim {
         Dim::from_terms(vec![(vec![(a, 1)], Ratio::int(1))])
@@ -144,7 +154,9 @@ impl Dim {
     }
 
     fn ratio_terms(&self) -> impl Iterator<Item = (&Monomial, Ratio)> {
-        self.terms.iter().map(|(m, (n, d))| (m, Ratio { num: *n, den: *d }))
+        self.terms
+            .iter()
+            .map(|(m, (n, d))| (m, Ratio { num: *n, den: *d }))
     }
 
     /// The value if this dim is a constant integer.
@@ -240,7 +252,9 @@ impl Dim {
             for (a, e) in m {
                 let base = match a {
                     Atom::Sym(s) if s == name => by.clone(),
-                    Atom::FloorDiv(n, d) => n.substitute(name, by).floor_div(&d.substitute(name, by)),
+                    Atom::FloorDiv(n, d) => {
+                        n.substitute(name, by).floor_div(&d.substitute(name, by))
+                    }
                     other => Dim::atom(other.clone()),
                 };
                 t = t * base.pow(*e);
@@ -325,7 +339,11 @@ impl Dim {
             total = total.add(t);
         }
         if total.den != 1 {
-            return Err(DimError::NotInteger { dim: self.to_string(), num: total.num, den: total.den });
+            return Err(DimError::NotInteger {
+                dim: self.to_string(),
+                num: total.num,
+                den: total.den,
+            });
         }
         Ok(total.num)
     }
@@ -354,8 +372,16 @@ impl Dim {
 
 fn eval_atom(a: &Atom, b: &Bindings) -> Result<i64, DimError> {
     match a {
-        Atom::Sym(s) => b.symbols.get(s).copied().ok_or_else(|| DimError::Unbound(s.clone())),
-        Atom::Coord(x) => b.coords.get(x).copied().ok_or_else(|| DimError::UnboundCoord(x.clone())),
+        Atom::Sym(s) => b
+            .symbols
+            .get(s)
+            .copied()
+            .ok_or_else(|| DimError::Unbound(s.clone())),
+        Atom::Coord(x) => b
+            .coords
+            .get(x)
+            .copied()
+            .ok_or_else(|| DimError::UnboundCoord(x.clone())),
         Atom::FloorDiv(n, d) => {
             let (n, dv) = (n.eval(b)?, d.eval(b)?);
             if dv == 0 {
@@ -364,12 +390,19 @@ fn eval_atom(a: &Atom, b: &Bindings) -> Result<i64, DimError> {
             Ok(n.div_euclid(dv))
         }
         Atom::PerRank { axis, sizes } => {
-            let c = b.coords.get(axis).copied().ok_or_else(|| DimError::UnboundCoord(axis.clone()))?;
-            sizes.get(c as usize).copied().ok_or(DimError::CoordOutOfRange {
-                axis: axis.clone(),
-                coord: c,
-                len: sizes.len(),
-            })
+            let c = b
+                .coords
+                .get(axis)
+                .copied()
+                .ok_or_else(|| DimError::UnboundCoord(axis.clone()))?;
+            sizes
+                .get(c as usize)
+                .copied()
+                .ok_or(DimError::CoordOutOfRange {
+                    axis: axis.clone(),
+                    coord: c,
+                    len: sizes.len(),
+                })
         }
     }
 }
@@ -393,7 +426,8 @@ impl From<i32> for Dim {
 impl std::ops::Add for Dim {
     type Output = Dim;
     fn add(self, o: Dim) -> Dim {
-        let mut t: Vec<(Monomial, Ratio)> = self.ratio_terms().map(|(m, c)| (m.clone(), c)).collect();
+        let mut t: Vec<(Monomial, Ratio)> =
+            self.ratio_terms().map(|(m, c)| (m.clone(), c)).collect();
         t.extend(o.ratio_terms().map(|(m, c)| (m.clone(), c)));
         Dim::from_terms(t)
     }
@@ -478,7 +512,9 @@ fn fmt_atom(a: &Atom, f: &mut fmt::Formatter<'_>) -> fmt::Result {
 
 impl Dim {
     fn has_division(&self) -> bool {
-        self.terms.iter().any(|(m, (_, d))| *d != 1 || m.iter().any(|(_, e)| *e < 0))
+        self.terms
+            .iter()
+            .any(|(m, (_, d))| *d != 1 || m.iter().any(|(_, e)| *e < 0))
     }
     fn is_simple_product(&self) -> bool {
         self.terms.len() <= 1 && !self.has_division()
@@ -521,7 +557,8 @@ impl fmt::Display for Dim {
             return write!(f, "0");
         }
         // Constant term last, as people write `S + 1`.
-        let mut order: Vec<&(Monomial, (i64, i64))> = self.terms.iter().filter(|(m, _)| !m.is_empty()).collect();
+        let mut order: Vec<&(Monomial, (i64, i64))> =
+            self.terms.iter().filter(|(m, _)| !m.is_empty()).collect();
         order.extend(self.terms.iter().filter(|(m, _)| m.is_empty()));
         for (i, (m, (n, d))) in order.into_iter().enumerate() {
             if i == 0 {
@@ -594,14 +631,20 @@ mod tests {
         let b = b.with("S", 12);
         assert_eq!(d.eval(&b), Ok(3));
         assert_eq!(s().floor_div(&Dim::from(5)).eval(&b), Ok(2));
-        assert!(matches!(s().eval(&Bindings::new()), Err(DimError::Unbound(_))));
+        assert!(matches!(
+            s().eval(&Bindings::new()),
+            Err(DimError::Unbound(_))
+        ));
     }
 
     #[test]
     fn coords_and_tables() {
         let start = Dim::coord("sp") * (s() / Dim::sym("sp"));
         assert_eq!(start.to_string(), "@sp*S/sp");
-        let b = Bindings::new().with("S", 16).with("sp", 4).with_coord("sp", 2);
+        let b = Bindings::new()
+            .with("S", 16)
+            .with("sp", 4)
+            .with_coord("sp", 2);
         assert_eq!(start.eval(&b), Ok(8));
         let t = Dim::per_rank("tp", vec![51, 50]);
         assert_eq!(t.to_string(), "tp?[51 50]");
@@ -614,6 +657,9 @@ mod tests {
         let d = Dim::sym("B") * s() * 32;
         let r = d.substitute("S", &(s() / Dim::sym("sp")));
         assert_eq!(r.to_string(), "32*B*S/sp");
-        assert_eq!(s().floor_div(&Dim::from(2)).substitute("S", &Dim::from(9)), Dim::from(4));
+        assert_eq!(
+            s().floor_div(&Dim::from(2)).substitute("S", &Dim::from(9)),
+            Dim::from(4)
+        );
     }
 }

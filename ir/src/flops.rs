@@ -12,20 +12,41 @@ use crate::ops::Op;
 pub fn node_flops(g: &Graph, n: Node) -> Dim {
     let d = g.node(n);
     let ins: Vec<&crate::types::TensorType> = d.operands.iter().map(|v| g.ty(*v)).collect();
-    let out_numel = d.results.first().map(|v| g.ty(*v).numel()).unwrap_or_else(Dim::zero);
+    let out_numel = d
+        .results
+        .first()
+        .map(|v| g.ty(*v).numel())
+        .unwrap_or_else(Dim::zero);
     let last = |t: &crate::types::TensorType| t.shape.last().cloned().unwrap_or(Dim::from(1));
     match &d.op {
         Op::Param { .. } | Op::Input { .. } | Op::Full { .. } | Op::Arange { .. } => Dim::zero(),
-        Op::Reshape { .. } | Op::Permute { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Concat { .. } => Dim::zero(),
-        Op::Split { .. } | Op::Expand { .. } | Op::Cast { .. } | Op::Embedding {} | Op::IndexSelect { .. } => Dim::zero(),
+        Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Transpose { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. } => Dim::zero(),
+        Op::Split { .. }
+        | Op::Expand { .. }
+        | Op::Cast { .. }
+        | Op::Embedding {}
+        | Op::IndexSelect { .. } => Dim::zero(),
         Op::Gather { .. } | Op::ShiftLabels { .. } | Op::MoeDispatch { .. } => Dim::zero(),
         Op::Linear {} => {
             let k = last(ins[0]);
-            out_numel * k * 2 + if ins.len() > 2 { g.ty(d.results[0]).numel() } else { Dim::zero() }
+            out_numel * k * 2
+                + if ins.len() > 2 {
+                    g.ty(d.results[0]).numel()
+                } else {
+                    Dim::zero()
+                }
         }
         Op::Matmul { transpose_a, .. } => {
             let a = ins[0];
-            let k = if *transpose_a { a.shape[a.rank() - 2].clone() } else { last(a) };
+            let k = if *transpose_a {
+                a.shape[a.rank() - 2].clone()
+            } else {
+                last(a)
+            };
             out_numel * k * 2
         }
         Op::GroupedMatmul {} => out_numel * last(ins[0]) * 2,
@@ -34,7 +55,11 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             let q = ins[0];
             let sk = ins[1].shape[2].clone();
             let full = q.numel() * sk.clone() * 4 + q.numel() / last(q) * sk * 5;
-            if *causal { full / 2 } else { full }
+            if *causal {
+                full / 2
+            } else {
+                full
+            }
         }
         Op::AttentionGrad { causal, .. } => {
             // dV = P^T dO, dP = dO V^T, dS, dQ = dS K, dK = dS^T Q plus recomputing S = Q K^T:
@@ -42,7 +67,11 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             let q = ins[0];
             let sk = ins[1].shape[2].clone();
             let full = q.numel() * sk.clone() * 10 + q.numel() / last(q) * sk * 6;
-            if *causal { full / 2 } else { full }
+            if *causal {
+                full / 2
+            } else {
+                full
+            }
         }
         Op::GroupedMatmulGrad {} => {
             // dx = dy w and dw = dy^T x: twice the forward's matmul.
@@ -61,5 +90,7 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
 
 /// Total forward FLOPs of the graph.
 pub fn graph_flops(g: &Graph) -> Dim {
-    g.nodes().iter().fold(Dim::zero(), |acc, &n| acc + node_flops(g, n))
+    g.nodes()
+        .iter()
+        .fold(Dim::zero(), |acc, &n| acc + node_flops(g, n))
 }

@@ -9,11 +9,15 @@ use crate::types::TensorType;
 use std::fmt;
 
 /// An SSA value; prints as `%12`.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct Value(pub u32);
 
 /// A node (one op application). Prints as `node%12`, after its first result.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, serde::Serialize, serde::Deserialize,
+)]
 pub struct Node(pub u32);
 
 impl fmt::Display for Value {
@@ -134,7 +138,10 @@ pub enum At {
 
 impl Graph {
     pub fn new(name: &str) -> Graph {
-        Graph { name: name.to_string(), ..Default::default() }
+        Graph {
+            name: name.to_string(),
+            ..Default::default()
+        }
     }
 
     // ---- building ----
@@ -166,12 +173,22 @@ impl Graph {
 
     /// Creates a node at `at`, inferring its result types.
     pub fn insert(&mut self, at: At, op: Op, operands: &[Value]) -> Result<Vec<Value>, BuildError> {
-        let meta = NodeMeta { source: self.scope.clone(), provenance: self.provenance.clone(), ..Default::default() };
+        let meta = NodeMeta {
+            source: self.scope.clone(),
+            provenance: self.provenance.clone(),
+            ..Default::default()
+        };
         self.insert_with(at, op, operands, meta)
     }
 
     /// Creates a node with explicit metadata.
-    pub fn insert_with(&mut self, at: At, op: Op, operands: &[Value], meta: NodeMeta) -> Result<Vec<Value>, BuildError> {
+    pub fn insert_with(
+        &mut self,
+        at: At,
+        op: Op,
+        operands: &[Value],
+        meta: NodeMeta,
+    ) -> Result<Vec<Value>, BuildError> {
         let tys = {
             let mut ins = Vec::with_capacity(operands.len());
             for v in operands {
@@ -198,23 +215,47 @@ impl Graph {
     /// Creates a node with given result types, without checking them (the parser and
     /// rewrites that must build invalid intermediate states use this; the verifier
     /// re-infers every type).
-    pub fn insert_typed(&mut self, at: At, op: Op, operands: &[Value], tys: Vec<TensorType>, meta: NodeMeta) -> Vec<Value> {
+    pub fn insert_typed(
+        &mut self,
+        at: At,
+        op: Op,
+        operands: &[Value],
+        tys: Vec<TensorType>,
+        meta: NodeMeta,
+    ) -> Vec<Value> {
         let results: Vec<Value> = tys.iter().map(|_| self.fresh_value_id()).collect();
         self.insert_typed_with_ids(at, op, operands, tys, &results, meta);
         results
     }
 
     /// Like `insert_typed`, with caller-chosen result ids (the parser keeps ids).
-    pub fn insert_typed_with_ids(&mut self, at: At, op: Op, operands: &[Value], tys: Vec<TensorType>, results: &[Value], meta: NodeMeta) -> Node {
+    pub fn insert_typed_with_ids(
+        &mut self,
+        at: At,
+        op: Op,
+        operands: &[Value],
+        tys: Vec<TensorType>,
+        results: &[Value],
+        meta: NodeMeta,
+    ) -> Node {
         let node = Node(self.nodes.len() as u32);
         for (i, (v, ty)) in results.iter().zip(tys).enumerate() {
             let idx = v.0 as usize;
             if self.values.len() <= idx {
                 self.values.resize(idx + 1, None);
             }
-            self.values[idx] = Some(ValueData { ty, def: node, index: i as u32 });
+            self.values[idx] = Some(ValueData {
+                ty,
+                def: node,
+                index: i as u32,
+            });
         }
-        self.nodes.push(Some(NodeData { op, operands: operands.to_vec(), results: results.to_vec(), meta }));
+        self.nodes.push(Some(NodeData {
+            op,
+            operands: operands.to_vec(),
+            results: results.to_vec(),
+            meta,
+        }));
         match at {
             At::End => self.order.push(node),
             At::Before(n) => {
@@ -254,13 +295,19 @@ impl Graph {
     pub fn add_output_split(&mut self, name: &str, dim: usize, axis: &str) {
         match self.output_splits.iter_mut().find(|(n, _)| n == name) {
             Some((_, s)) => s.push((dim, axis.to_string())),
-            None => self.output_splits.push((name.to_string(), vec![(dim, axis.to_string())])),
+            None => self
+                .output_splits
+                .push((name.to_string(), vec![(dim, axis.to_string())])),
         }
     }
 
     /// How output `name` is split across ranks (empty: replicated).
     pub fn output_split(&self, name: &str) -> &[(usize, String)] {
-        self.output_splits.iter().find(|(n, _)| n == name).map(|(_, s)| s.as_slice()).unwrap_or(&[])
+        self.output_splits
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, s)| s.as_slice())
+            .unwrap_or(&[])
     }
 
     pub fn output_splits(&self) -> &[(String, Vec<(usize, String)>)] {
@@ -277,7 +324,11 @@ impl Graph {
 
     /// How parameter `name` is split (empty: replicated).
     pub fn param_partition(&self, name: &str) -> &[crate::partition::Partition] {
-        self.param_partitions.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice()).unwrap_or(&[])
+        self.param_partitions
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+            .unwrap_or(&[])
     }
 
     pub fn param_partitions(&self) -> &[(String, Vec<crate::partition::Partition>)] {
@@ -295,7 +346,10 @@ impl Graph {
     }
 
     pub fn output(&self, name: &str) -> Option<Value> {
-        self.outputs.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+        self.outputs
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| *v)
     }
 
     /// Live nodes in program order.
@@ -320,7 +374,9 @@ impl Graph {
     }
 
     pub fn value(&self, v: Value) -> &ValueData {
-        self.values[v.0 as usize].as_ref().expect("value was removed")
+        self.values[v.0 as usize]
+            .as_ref()
+            .expect("value was removed")
     }
 
     pub fn try_value(&self, v: Value) -> Option<&ValueData> {
@@ -382,7 +438,9 @@ impl Graph {
         self.order
             .iter()
             .filter_map(|&n| match &self.node(n).op {
-                Op::Input { name, role, .. } => Some((name.clone(), *role, self.node(n).results[0])),
+                Op::Input { name, role, .. } => {
+                    Some((name.clone(), *role, self.node(n).results[0]))
+                }
                 _ => None,
             })
             .collect()
@@ -396,7 +454,8 @@ impl Graph {
     /// symbols, and the runtime binds each on every rank from the tensor its defining
     /// node produced there. The verifier checks that none is used before it is defined.
     pub fn runtime_symbols(&self) -> Vec<(String, Node)> {
-        let mut taken: std::collections::BTreeSet<String> = self.mesh.axes.iter().map(|(a, _)| a.clone()).collect();
+        let mut taken: std::collections::BTreeSet<String> =
+            self.mesh.axes.iter().map(|(a, _)| a.clone()).collect();
         for (_, _, v) in self.inputs() {
             for d in &self.ty(v).shape {
                 taken.extend(d.symbols());
@@ -419,7 +478,9 @@ impl Graph {
     /// `expert-parallel` makes do: each rank's tokens times top-k).
     pub fn runtime_symbol_bound(&self, n: Node) -> Option<crate::dim::Dim> {
         match &self.node(n).op {
-            Op::AllToAllV { axis, .. } => Some(self.ty(self.node(n).operands[0]).shape[0].clone() * crate::dim::Dim::sym(axis)),
+            Op::AllToAllV { axis, .. } => Some(
+                self.ty(self.node(n).operands[0]).shape[0].clone() * crate::dim::Dim::sym(axis),
+            ),
             _ => None,
         }
     }
@@ -427,7 +488,11 @@ impl Graph {
     /// The text location of a node for messages: `node %12 (model.layers.3.mlp)`.
     pub fn describe(&self, n: Node) -> String {
         let d = self.node(n);
-        let id = d.results.first().map(|v| v.to_string()).unwrap_or_else(|| format!("#{}", n.0));
+        let id = d
+            .results
+            .first()
+            .map(|v| v.to_string())
+            .unwrap_or_else(|| format!("#{}", n.0));
         match &d.meta.source {
             Some(s) => format!("node {id} ({s})"),
             None => format!("node {id}"),
@@ -439,7 +504,12 @@ impl Graph {
     /// Makes every use of `old` (including outputs) use `new` instead.
     pub fn replace_all_uses(&mut self, old: Value, new: Value) {
         for &n in &self.order {
-            for v in self.nodes[n.0 as usize].as_mut().unwrap().operands.iter_mut() {
+            for v in self.nodes[n.0 as usize]
+                .as_mut()
+                .unwrap()
+                .operands
+                .iter_mut()
+            {
                 if *v == old {
                     *v = new;
                 }
@@ -458,7 +528,12 @@ impl Graph {
             if n == except {
                 continue;
             }
-            for v in self.nodes[n.0 as usize].as_mut().unwrap().operands.iter_mut() {
+            for v in self.nodes[n.0 as usize]
+                .as_mut()
+                .unwrap()
+                .operands
+                .iter_mut()
+            {
                 if *v == old {
                     *v = new;
                 }
@@ -518,7 +593,12 @@ impl Graph {
     }
 
     /// The graph as a petgraph `DiGraph` (edges def -> use), for algorithms.
-    pub fn to_petgraph(&self) -> (petgraph::graph::DiGraph<Node, Value>, Vec<Option<petgraph::graph::NodeIndex>>) {
+    pub fn to_petgraph(
+        &self,
+    ) -> (
+        petgraph::graph::DiGraph<Node, Value>,
+        Vec<Option<petgraph::graph::NodeIndex>>,
+    ) {
         let mut pg = petgraph::graph::DiGraph::new();
         let mut index = vec![None; self.nodes.len()];
         for &n in &self.order {
@@ -542,7 +622,13 @@ impl Graph {
 /// Internal node ids (never printed) do not matter.
 impl PartialEq for Graph {
     fn eq(&self, o: &Graph) -> bool {
-        if self.name != o.name || self.mesh != o.mesh || self.outputs != o.outputs || self.output_splits != o.output_splits || self.param_partitions != o.param_partitions || self.order.len() != o.order.len() {
+        if self.name != o.name
+            || self.mesh != o.mesh
+            || self.outputs != o.outputs
+            || self.output_splits != o.output_splits
+            || self.param_partitions != o.param_partitions
+            || self.order.len() != o.order.len()
+        {
             return false;
         }
         self.order.iter().zip(&o.order).all(|(&a, &b)| {

@@ -26,7 +26,9 @@ pub mod verify;
 
 pub use attrs::{CmpOp, Float, ReduceOp, Reduction, Role, RopeScaling};
 pub use dim::{Bindings, Dim, DimError};
-pub use graph::{At, BuildError, Derived, DerivedKind, Graph, Node, NodeData, NodeMeta, Provenance, Value};
+pub use graph::{
+    At, BuildError, Derived, DerivedKind, Graph, Node, NodeData, NodeMeta, Provenance, Value,
+};
 pub use mesh::Mesh;
 pub use ops::{Op, OpInfo, OP_TABLE};
 pub use parse::{parse, parse_dim, parse_type, ParseError};

@@ -35,13 +35,23 @@ pub enum MeshError {
     #[error("mesh `{text}`: `{part}` is not `axis=size` (e.g. `dp=2,sp=4`)")]
     Syntax { text: String, part: String },
     #[error("mesh `{text}`: size of axis `{axis}` must be a positive integer, got `{size}`")]
-    Size { text: String, axis: String, size: String },
+    Size {
+        text: String,
+        axis: String,
+        size: String,
+    },
     #[error("mesh `{text}`: axis `{axis}` appears twice")]
     Duplicate { text: String, axis: String },
-    #[error("mesh `{text}`: axis name `{axis}` must be letters, digits or `_`, starting with a letter")]
+    #[error(
+        "mesh `{text}`: axis name `{axis}` must be letters, digits or `_`, starting with a letter"
+    )]
     Name { text: String, axis: String },
     #[error("mesh `{text}`: {why}\nhelp: {help}")]
-    Expert { text: String, why: String, help: String },
+    Expert {
+        text: String,
+        why: String,
+        help: String,
+    },
 }
 
 impl Mesh {
@@ -60,22 +70,33 @@ impl Mesh {
     pub fn parse(text: &str) -> Result<Mesh, MeshError> {
         let mut axes: Vec<(String, u32)> = Vec::new();
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (a, n) = part
-                .split_once('=')
-                .ok_or_else(|| MeshError::Syntax { text: text.into(), part: part.into() })?;
+            let (a, n) = part.split_once('=').ok_or_else(|| MeshError::Syntax {
+                text: text.into(),
+                part: part.into(),
+            })?;
             let (a, n) = (a.trim(), n.trim());
             let ok_name = a.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
                 && a.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
             if !ok_name {
-                return Err(MeshError::Name { text: text.into(), axis: a.into() });
+                return Err(MeshError::Name {
+                    text: text.into(),
+                    axis: a.into(),
+                });
             }
             let size: u32 = n
                 .parse()
                 .ok()
                 .filter(|&s| s > 0)
-                .ok_or_else(|| MeshError::Size { text: text.into(), axis: a.into(), size: n.into() })?;
+                .ok_or_else(|| MeshError::Size {
+                    text: text.into(),
+                    axis: a.into(),
+                    size: n.into(),
+                })?;
             if axes.iter().any(|(x, _)| x == a) {
-                return Err(MeshError::Duplicate { text: text.into(), axis: a.into() });
+                return Err(MeshError::Duplicate {
+                    text: text.into(),
+                    axis: a.into(),
+                });
             }
             axes.push((a.to_string(), size));
         }
@@ -84,7 +105,11 @@ impl Mesh {
 
     /// Number of ranks: the product of the axes that are not derived.
     pub fn world_size(&self) -> u32 {
-        self.axes.iter().filter(|(a, _)| !is_derived(a)).map(|(_, n)| *n).product()
+        self.axes
+            .iter()
+            .filter(|(a, _)| !is_derived(a))
+            .map(|(_, n)| *n)
+            .product()
     }
 
     pub fn size(&self, axis: &str) -> Option<u32> {
@@ -133,7 +158,12 @@ impl Mesh {
     /// (they make `edp`). `None` without `ep`.
     pub fn expert_cut(&self) -> Option<(usize, u32)> {
         let k = self.size(EP)?;
-        let product: Vec<(String, u32)> = self.axes.iter().filter(|(a, _)| !is_derived(a)).cloned().collect();
+        let product: Vec<(String, u32)> = self
+            .axes
+            .iter()
+            .filter(|(a, _)| !is_derived(a))
+            .cloned()
+            .collect();
         expert_cut(&product, k)
     }
 
@@ -145,7 +175,11 @@ impl Mesh {
 
     /// The rank with these coordinates (those of derived axes are ignored).
     pub fn rank_of(&self, coords: &[u32]) -> u32 {
-        self.axes.iter().zip(coords).filter(|((a, _), _)| !is_derived(a)).fold(0, |r, ((_, n), c)| r * n + c)
+        self.axes
+            .iter()
+            .zip(coords)
+            .filter(|((a, _), _)| !is_derived(a))
+            .fold(0, |r, ((_, n), c)| r * n + c)
     }
 
     /// The process groups `axis` induces: ranks that differ only in their `axis`
@@ -156,9 +190,13 @@ impl Mesh {
         if is_derived(axis) {
             let (world, ep) = (self.world_size(), self.size(EP).unwrap_or(1).max(1));
             return Some(if axis == EP {
-                (0..world / ep).map(|g| (g * ep..(g + 1) * ep).collect()).collect()
+                (0..world / ep)
+                    .map(|g| (g * ep..(g + 1) * ep).collect())
+                    .collect()
             } else {
-                (0..ep).map(|j| (j..world).step_by(ep as usize).collect()).collect()
+                (0..ep)
+                    .map(|j| (j..world).step_by(ep as usize).collect())
+                    .collect()
             });
         }
         let mut groups: Vec<Vec<u32>> = Vec::new();
@@ -203,7 +241,15 @@ impl Mesh {
             let groups = self.groups(a).unwrap_or_default();
             let text: Vec<String> = groups
                 .iter()
-                .map(|g| format!("({})", g.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")))
+                .map(|g| {
+                    format!(
+                        "({})",
+                        g.iter()
+                            .map(|r| r.to_string())
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    )
+                })
                 .collect();
             out.push_str(&format!("{a} groups: {}\n", text.join(" ")));
         }
@@ -221,10 +267,17 @@ impl Mesh {
 fn fold_expert_axes(text: &str, axes: Vec<(String, u32)>) -> Result<Mesh, MeshError> {
     let get = |name: &str| axes.iter().find(|(a, _)| a == name).map(|(_, n)| *n);
     let (ep, edp) = (get(EP), get(EDP));
-    let err = |why: String, help: String| MeshError::Expert { text: text.into(), why, help };
+    let err = |why: String, help: String| MeshError::Expert {
+        text: text.into(),
+        why,
+        help,
+    };
     let Some(k) = ep else {
         if edp.is_some() {
-            return Err(err("`edp` (expert data parallel) needs an `ep` axis".into(), "give the expert-parallel degree, e.g. `dp=4,ep=2`".into()));
+            return Err(err(
+                "`edp` (expert data parallel) needs an `ep` axis".into(),
+                "give the expert-parallel degree, e.g. `dp=4,ep=2`".into(),
+            ));
         }
         return Ok(Mesh { axes });
     };
@@ -234,7 +287,11 @@ fn fold_expert_axes(text: &str, axes: Vec<(String, u32)>) -> Result<Mesh, MeshEr
     }
     let world: u32 = out.iter().map(|(_, n)| *n).product();
     if !world.is_multiple_of(k) {
-        let others = out.iter().map(|(a, n)| format!("{a}={n}")).collect::<Vec<_>>().join(",");
+        let others = out
+            .iter()
+            .map(|(a, n)| format!("{a}={n}"))
+            .collect::<Vec<_>>()
+            .join(",");
         return Err(err(
             format!("ep={k} must divide the {world} ranks of `{others}` (expert groups are carved out of the ranks, not added to them)"),
             format!("use an ep that divides {world}, or more data-parallel ranks (e.g. `dp={k},ep={k}`)"),
@@ -249,7 +306,11 @@ fn fold_expert_axes(text: &str, axes: Vec<(String, u32)>) -> Result<Mesh, MeshEr
         }
     }
     if expert_cut(&out, k).is_none() {
-        let others = out.iter().map(|(a, n)| format!("{a}={n}")).collect::<Vec<_>>().join(",");
+        let others = out
+            .iter()
+            .map(|(a, n)| format!("{a}={n}"))
+            .collect::<Vec<_>>()
+            .join(",");
         return Err(err(
             format!("ep={k} groups {k} consecutive ranks, which cut the axes of `{others}` unevenly (an ep group must hold whole inner axes times a divisor of the next)"),
             "choose ep as a product of the innermost axis sizes times a divisor of the next axis".into(),
@@ -291,8 +352,14 @@ mod tests {
     fn groups_contiguous_inner_strided_outer() {
         let m = Mesh::parse("dp=2,sp=4").unwrap();
         assert_eq!(m.world_size(), 8);
-        assert_eq!(m.groups("sp").unwrap(), vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
-        assert_eq!(m.groups("dp").unwrap(), vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
+        assert_eq!(
+            m.groups("sp").unwrap(),
+            vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]
+        );
+        assert_eq!(
+            m.groups("dp").unwrap(),
+            vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+        );
         assert_eq!(m.coord(6, "sp"), Some(2));
         assert_eq!(m.coord(6, "dp"), Some(1));
         insta::assert_snapshot!(m.rank_table());
@@ -304,11 +371,31 @@ mod tests {
         let m = Mesh::parse("dp=4,tp=2,ep=4").unwrap();
         assert_eq!(m.world_size(), 8);
         assert_eq!(m.to_string(), "dp=4,tp=2,ep=4,edp=2");
-        assert_eq!(m.groups("tp").unwrap(), vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
-        assert_eq!(m.groups("dp").unwrap(), vec![vec![0, 2, 4, 6], vec![1, 3, 5, 7]]);
-        assert_eq!(m.groups("ep").unwrap(), vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
-        assert_eq!(m.groups("edp").unwrap(), vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
-        assert_eq!((m.coord(6, "ep"), m.coord(6, "edp"), m.coord(6, "dp"), m.coord(6, "tp")), (Some(2), Some(1), Some(3), Some(0)));
+        assert_eq!(
+            m.groups("tp").unwrap(),
+            vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]
+        );
+        assert_eq!(
+            m.groups("dp").unwrap(),
+            vec![vec![0, 2, 4, 6], vec![1, 3, 5, 7]]
+        );
+        assert_eq!(
+            m.groups("ep").unwrap(),
+            vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]
+        );
+        assert_eq!(
+            m.groups("edp").unwrap(),
+            vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+        );
+        assert_eq!(
+            (
+                m.coord(6, "ep"),
+                m.coord(6, "edp"),
+                m.coord(6, "dp"),
+                m.coord(6, "tp")
+            ),
+            (Some(2), Some(1), Some(3), Some(0))
+        );
         for r in 0..8 {
             assert_eq!(m.rank_of(&m.coords(r)), r);
         }
@@ -318,9 +405,18 @@ mod tests {
         insta::assert_snapshot!(m.rank_table());
         // Shorthands and equivalent spellings.
         assert_eq!(Mesh::parse("ep=4").unwrap().to_string(), "dp=4,ep=4,edp=1");
-        assert_eq!(Mesh::parse("edp=2,ep=4").unwrap().to_string(), "dp=8,ep=4,edp=2");
-        assert_eq!(Mesh::parse("ep=2,dp=2,sp=2").unwrap().to_string(), "dp=2,sp=2,ep=2,edp=2");
-        assert_eq!(Mesh::new(&[("dp", 4), ("ep", 2)]), Mesh::parse("dp=4,ep=2").unwrap());
+        assert_eq!(
+            Mesh::parse("edp=2,ep=4").unwrap().to_string(),
+            "dp=8,ep=4,edp=2"
+        );
+        assert_eq!(
+            Mesh::parse("ep=2,dp=2,sp=2").unwrap().to_string(),
+            "dp=2,sp=2,ep=2,edp=2"
+        );
+        assert_eq!(
+            Mesh::new(&[("dp", 4), ("ep", 2)]),
+            Mesh::parse("dp=4,ep=2").unwrap()
+        );
     }
 
     #[test]
@@ -334,16 +430,34 @@ mod tests {
         // 2 consecutive ranks of dp=2,tp=3 straddle tp groups.
         let e = Mesh::parse("dp=2,tp=3,ep=2").unwrap_err().to_string();
         assert!(e.contains("cut the axes of `dp=2,tp=3` unevenly"), "{e}");
-        assert_eq!(Mesh::parse("dp=4,tp=2,ep=4").unwrap().expert_cut(), Some((0, 2)));
-        assert_eq!(Mesh::parse("dp=2,sp=2,ep=2").unwrap().expert_cut(), Some((1, 2)));
-        assert_eq!(Mesh::parse("dp=2,tp=3,ep=3").unwrap().expert_cut(), Some((1, 3)));
+        assert_eq!(
+            Mesh::parse("dp=4,tp=2,ep=4").unwrap().expert_cut(),
+            Some((0, 2))
+        );
+        assert_eq!(
+            Mesh::parse("dp=2,sp=2,ep=2").unwrap().expert_cut(),
+            Some((1, 2))
+        );
+        assert_eq!(
+            Mesh::parse("dp=2,tp=3,ep=3").unwrap().expert_cut(),
+            Some((1, 3))
+        );
     }
 
     #[test]
     fn parse_errors_name_the_part() {
-        assert!(Mesh::parse("sp").unwrap_err().to_string().contains("`sp` is not `axis=size`"));
-        assert!(Mesh::parse("sp=0").unwrap_err().to_string().contains("positive integer"));
-        assert!(Mesh::parse("sp=2,sp=2").unwrap_err().to_string().contains("appears twice"));
+        assert!(Mesh::parse("sp")
+            .unwrap_err()
+            .to_string()
+            .contains("`sp` is not `axis=size`"));
+        assert!(Mesh::parse("sp=0")
+            .unwrap_err()
+            .to_string()
+            .contains("positive integer"));
+        assert!(Mesh::parse("sp=2,sp=2")
+            .unwrap_err()
+            .to_string()
+            .contains("appears twice"));
         assert_eq!(Mesh::parse("").unwrap().world_size(), 1);
     }
 }

@@ -7,7 +7,6 @@ use crate::dim::Dim;
 use crate::shape as rule;
 use crate::types::{DType, TensorType};
 
-
 /// Static description of one op, for documentation and arity checks.
 #[derive(Clone, Copy, Debug)]
 pub struct OpInfo {
@@ -113,7 +112,10 @@ fn arity_message(info: &OpInfo, got: usize) -> String {
     } else {
         format!("{} to {}", info.min_operands, info.max_operands)
     };
-    format!("`{}` takes {want} operand(s) ({}), got {got}", info.name, info.operands)
+    format!(
+        "`{}` takes {want} operand(s) ({}), got {got}",
+        info.name, info.operands
+    )
 }
 
 const MANY: usize = usize::MAX;
@@ -328,7 +330,10 @@ impl Op {
 
     /// Source ops take their result type from an attribute.
     pub fn is_source(&self) -> bool {
-        matches!(self, Op::Param { .. } | Op::Input { .. } | Op::Full { .. } | Op::Arange { .. })
+        matches!(
+            self,
+            Op::Param { .. } | Op::Input { .. } | Op::Full { .. } | Op::Arange { .. }
+        )
     }
 
     pub fn info_by_name(name: &str) -> Option<&'static OpInfo> {

@@ -22,13 +22,21 @@ impl fmt::Display for ParseError {
         if self.line == 0 {
             write!(f, "{}", self.message)
         } else {
-            write!(f, "line {}, column {}: {}", self.line, self.col, self.message)
+            write!(
+                f,
+                "line {}, column {}: {}",
+                self.line, self.col, self.message
+            )
         }
     }
 }
 
 fn err(col: usize, message: impl Into<String>) -> ParseError {
-    ParseError { line: 0, col, message: message.into() }
+    ParseError {
+        line: 0,
+        col,
+        message: message.into(),
+    }
 }
 
 // ---- dims ----
@@ -68,15 +76,25 @@ fn lex_dim(s: &str) -> Result<Vec<(usize, Tok)>, ParseError> {
                 while i < b.len() && b[i].is_ascii_digit() {
                     i += 1;
                 }
-                let n = s[at..i].parse().map_err(|_| err(at, format!("integer `{}` is too large", &s[at..i])))?;
+                let n = s[at..i]
+                    .parse()
+                    .map_err(|_| err(at, format!("integer `{}` is too large", &s[at..i])))?;
                 out.push((at, Tok::Int(n)));
             }
             b'a'..=b'z' | b'A'..=b'Z' | b'_' => {
                 let name = ident(&mut i);
                 if s[i..].starts_with("?[") {
-                    let close = s[i..].find(']').ok_or_else(|| err(i, "unterminated per-rank size table"))? + i;
-                    let sizes: Result<Vec<i64>, _> = s[i + 2..close].split_whitespace().map(|x| x.parse::<i64>()).collect();
-                    let sizes = sizes.map_err(|_| err(i, "per-rank sizes must be integers separated by spaces"))?;
+                    let close = s[i..]
+                        .find(']')
+                        .ok_or_else(|| err(i, "unterminated per-rank size table"))?
+                        + i;
+                    let sizes: Result<Vec<i64>, _> = s[i + 2..close]
+                        .split_whitespace()
+                        .map(|x| x.parse::<i64>())
+                        .collect();
+                    let sizes = sizes.map_err(|_| {
+                        err(i, "per-rank sizes must be integers separated by spaces")
+                    })?;
                     out.push((at, Tok::Table(name, sizes)));
                     i = close + 1;
                 } else {
@@ -119,7 +137,15 @@ fn lex_dim(s: &str) -> Result<Vec<(usize, Tok)>, ParseError> {
                 out.push((at, Tok::RParen));
                 i += 1
             }
-            _ => return Err(err(at, format!("unexpected `{}` in dim `{s}`", &s[at..].chars().next().unwrap()))),
+            _ => {
+                return Err(err(
+                    at,
+                    format!(
+                        "unexpected `{}` in dim `{s}`",
+                        &s[at..].chars().next().unwrap()
+                    ),
+                ))
+            }
         }
     }
     Ok(out)
@@ -136,7 +162,10 @@ impl DimParser<'_> {
         self.toks.get(self.pos).map(|(_, t)| t)
     }
     fn col(&self) -> usize {
-        self.toks.get(self.pos).map(|(c, _)| *c).unwrap_or(self.text.len())
+        self.toks
+            .get(self.pos)
+            .map(|(c, _)| *c)
+            .unwrap_or(self.text.len())
     }
     fn expr(&mut self) -> Result<Dim, ParseError> {
         let mut d = self.term()?;
@@ -210,7 +239,11 @@ impl DimParser<'_> {
 
 /// Parses a dim expression such as `S/sp`, `@sp*S/4 + 1`, `(S + 1)//2`, `tp?[51 50]`.
 pub fn parse_dim(s: &str) -> Result<Dim, ParseError> {
-    let mut p = DimParser { toks: lex_dim(s)?, pos: 0, text: s };
+    let mut p = DimParser {
+        toks: lex_dim(s)?,
+        pos: 0,
+        text: s,
+    };
     if p.toks.is_empty() {
         return Err(err(0, "empty dim"));
     }
@@ -224,9 +257,16 @@ pub fn parse_dim(s: &str) -> Result<Dim, ParseError> {
 /// Parses a tensor type such as `bf16[B, S/4, 4096]`.
 pub fn parse_type(s: &str) -> Result<TensorType, ParseError> {
     let s_trim = s.trim_end();
-    let open = s_trim.find('[').ok_or_else(|| err(0, format!("expected a type like `f32[B, S]`, found `{s}`")))?;
+    let open = s_trim
+        .find('[')
+        .ok_or_else(|| err(0, format!("expected a type like `f32[B, S]`, found `{s}`")))?;
     let dt = s_trim[..open].trim();
-    let dtype = DType::from_name(dt).ok_or_else(|| err(0, format!("unknown dtype `{dt}` (expected f64, f32, bf16, f16, i64, i32, bool)")))?;
+    let dtype = DType::from_name(dt).ok_or_else(|| {
+        err(
+            0,
+            format!("unknown dtype `{dt}` (expected f64, f32, bf16, f16, i64, i32, bool)"),
+        )
+    })?;
     let inner = s_trim[open + 1..]
         .strip_suffix(']')
         .ok_or_else(|| err(open, format!("type `{s}` must end with `]`")))?;
@@ -279,7 +319,11 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
     let mut returned = false;
     for (ln, raw) in text.lines().enumerate() {
         let line_no = ln + 1;
-        let locate = |e: ParseError| ParseError { line: line_no, col: e.col + 1, message: e.message };
+        let locate = |e: ParseError| ParseError {
+            line: line_no,
+            col: e.col + 1,
+            message: e.message,
+        };
         let trimmed = raw.trim();
         if trimmed.is_empty() || trimmed.starts_with("//") {
             continue;
@@ -297,27 +341,43 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
             return Err(locate(err(indent, "expected `graph \"name\"` first")));
         }
         if let Some(rest) = trimmed.strip_prefix("mesh ") {
-            g.mesh = Mesh::parse(rest.trim()).map_err(|e| locate(err(indent + 5, e.to_string())))?;
+            g.mesh =
+                Mesh::parse(rest.trim()).map_err(|e| locate(err(indent + 5, e.to_string())))?;
             continue;
         }
         if let Some(rest) = trimmed.strip_prefix("partition ") {
             let rest = rest.trim();
-            let close = rest[1..].find('"').map(|i| i + 2).filter(|_| rest.starts_with('"'));
-            let close = close.ok_or_else(|| locate(err(indent + 10, "expected `partition \"<param>\" <kind> <axis> dim=<d> [sizes] ...`")))?;
+            let close = rest[1..]
+                .find('"')
+                .map(|i| i + 2)
+                .filter(|_| rest.starts_with('"'));
+            let close = close.ok_or_else(|| {
+                locate(err(
+                    indent + 10,
+                    "expected `partition \"<param>\" <kind> <axis> dim=<d> [sizes] ...`",
+                ))
+            })?;
             let name = unquote(&rest[..close]).map_err(|m| locate(err(indent + 10, m)))?;
-            let p: crate::partition::Partition = rest[close..].trim().parse().map_err(|m: String| locate(err(indent + 10 + close, m)))?;
+            let p: crate::partition::Partition = rest[close..]
+                .trim()
+                .parse()
+                .map_err(|m: String| locate(err(indent + 10 + close, m)))?;
             g.add_param_partition(&name, p);
             continue;
         }
         if let Some(rest) = trimmed.strip_prefix("split ") {
             let mut words = rest.split_whitespace();
-            let name = words.next().ok_or_else(|| locate(err(indent, "expected `split <output> <dim>:<axis> ...`")))?;
+            let name = words
+                .next()
+                .ok_or_else(|| locate(err(indent, "expected `split <output> <dim>:<axis> ...`")))?;
             for w in words {
                 let col = raw.find(w).unwrap_or(indent);
                 let (d, a) = w
                     .split_once(':')
                     .and_then(|(d, a)| d.parse::<usize>().ok().map(|d| (d, a)))
-                    .ok_or_else(|| locate(err(col, format!("expected `<dim>:<axis>`, found `{w}`"))))?;
+                    .ok_or_else(|| {
+                        locate(err(col, format!("expected `<dim>:<axis>`, found `{w}`")))
+                    })?;
                 g.add_output_split(name, d, a);
             }
             continue;
@@ -328,10 +388,15 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
                     continue;
                 }
                 let col = raw.find(part).unwrap_or(indent);
-                let (name, v) = part.split_once('=').ok_or_else(|| locate(err(col, format!("expected `name=%v`, found `{part}`"))))?;
+                let (name, v) = part.split_once('=').ok_or_else(|| {
+                    locate(err(col, format!("expected `name=%v`, found `{part}`")))
+                })?;
                 let v = parse_value(v.trim(), col).map_err(locate)?;
                 if g.try_value(v).is_none() {
-                    return Err(locate(err(col, format!("output `{}` uses undefined value {v}", name.trim()))));
+                    return Err(locate(err(
+                        col,
+                        format!("output `{}` uses undefined value {v}", name.trim()),
+                    )));
                 }
                 g.set_output(name.trim(), v);
             }
@@ -341,11 +406,19 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
         parse_node_line(&mut g, raw).map_err(locate)?;
     }
     if !seen_header {
-        return Err(ParseError { line: 1, col: 1, message: "expected `graph \"name\"` first".into() });
+        return Err(ParseError {
+            line: 1,
+            col: 1,
+            message: "expected `graph \"name\"` first".into(),
+        });
     }
     if !returned {
         let n = text.lines().count();
-        return Err(ParseError { line: n.max(1), col: 1, message: "missing `return` line".into() });
+        return Err(ParseError {
+            line: n.max(1),
+            col: 1,
+            message: "missing `return` line".into(),
+        });
     }
     Ok(g)
 }
@@ -355,7 +428,9 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
         Some(i) => (&raw[..i], Some((i, &raw[i + 1..]))),
         None => (raw, None),
     };
-    let eq = body.find('=').ok_or_else(|| err(0, "expected `%v: type = op ...`"))?;
+    let eq = body
+        .find('=')
+        .ok_or_else(|| err(0, "expected `%v: type = op ...`"))?;
     let lhs = &body[..eq];
     let rhs = &body[eq + 1..];
     // results
@@ -365,7 +440,9 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
     for part in split_top_level(lhs, ',').map_err(|m| err(0, m))? {
         let col = lhs[off..].find(part).map(|r| r + off).unwrap_or(0);
         off = col + part.len();
-        let (v, t) = part.split_once(':').ok_or_else(|| err(col, format!("expected `%v: type`, found `{part}`")))?;
+        let (v, t) = part
+            .split_once(':')
+            .ok_or_else(|| err(col, format!("expected `%v: type`, found `{part}`")))?;
         let v = parse_value(v.trim(), col)?;
         if g.try_value(v).is_some() {
             return Err(err(col, format!("value {v} is defined twice")));
@@ -378,7 +455,9 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
     // op name
     let rhs_start = eq + 1 + (rhs.len() - rhs.trim_start().len());
     let rhs_t = rhs.trim();
-    let name_end = rhs_t.find(|c: char| c == ' ' || c == '{').unwrap_or(rhs_t.len());
+    let name_end = rhs_t
+        .find(|c: char| c == ' ' || c == '{')
+        .unwrap_or(rhs_t.len());
     let opname = &rhs_t[..name_end];
     if Op::info_by_name(opname).is_none() {
         return Err(err(rhs_start, format!("unknown op `{opname}`")));
@@ -412,7 +491,9 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
                 continue;
             }
             let kcol = acol + a.find(kv).unwrap_or(0);
-            let (k, v) = kv.split_once('=').ok_or_else(|| err(kcol, format!("expected `key=value`, found `{kv}`")))?;
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| err(kcol, format!("expected `key=value`, found `{kv}`")))?;
             attrs.push((k.trim().to_string(), v.trim().to_string()));
             attr_cols.push(kcol);
         }
@@ -445,13 +526,24 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
         // brackets stays part of the source).
         while let Some(open) = src.strip_suffix(']').and_then(|s| s.rfind('[')) {
             let tag = &src[open + 1..src.len() - 1];
-            if let Some(n) = tag.strip_prefix("micro-batch ").and_then(|n| n.trim().parse::<u32>().ok()) {
+            if let Some(n) = tag
+                .strip_prefix("micro-batch ")
+                .and_then(|n| n.trim().parse::<u32>().ok())
+            {
                 meta.micro_batch = Some(n);
             } else if let Some((kind, of)) = tag.split_once(" of ") {
                 let kind = crate::graph::DerivedKind::from_keyword(kind.trim());
-                let of = of.trim().strip_prefix('%').and_then(|v| v.parse::<u32>().ok());
+                let of = of
+                    .trim()
+                    .strip_prefix('%')
+                    .and_then(|v| v.parse::<u32>().ok());
                 match (kind, of) {
-                    (Some(kind), Some(of)) => meta.derived = Some(crate::graph::Derived { kind, of: Value(of) }),
+                    (Some(kind), Some(of)) => {
+                        meta.derived = Some(crate::graph::Derived {
+                            kind,
+                            of: Value(of),
+                        })
+                    }
                     _ => break,
                 }
             } else {
@@ -464,7 +556,10 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
         }
         if let Some(p) = prov {
             let (pass, reason) = p.split_once(':').unwrap_or((p, ""));
-            meta.provenance = Some(Provenance { pass: pass.trim().to_string(), reason: reason.trim().to_string() });
+            meta.provenance = Some(Provenance {
+                pass: pass.trim().to_string(),
+                reason: reason.trim().to_string(),
+            });
         }
     }
     g.insert_typed_with_ids(At::End, op, &operands, tys, &results, meta);
@@ -477,7 +572,16 @@ mod tests {
 
     #[test]
     fn dims_round_trip() {
-        for s in ["S/4", "@sp*S/sp", "2*B*S + 1", "S - 1", "(S + 1)//2", "tp?[51 50]", "-S", "S/4/sp"] {
+        for s in [
+            "S/4",
+            "@sp*S/sp",
+            "2*B*S + 1",
+            "S - 1",
+            "(S + 1)//2",
+            "tp?[51 50]",
+            "-S",
+            "S/4/sp",
+        ] {
             let d = parse_dim(s).unwrap();
             assert_eq!(d.to_string(), s, "{s}");
             assert_eq!(parse_dim(&d.to_string()).unwrap(), d);
@@ -489,7 +593,10 @@ mod tests {
     fn dim_errors_have_columns() {
         let e = parse_dim("S + $").unwrap_err();
         assert_eq!(e.col, 4);
-        assert!(parse_dim("S/0").unwrap_err().message.contains("division by zero"));
+        assert!(parse_dim("S/0")
+            .unwrap_err()
+            .message
+            .contains("division by zero"));
     }
 
     #[test]
@@ -497,6 +604,9 @@ mod tests {
         let t = parse_type("bf16[B, S/4, 4096]").unwrap();
         assert_eq!(t.to_string(), "bf16[B, S/4, 4096]");
         assert_eq!(parse_type("f32[]").unwrap().rank(), 0);
-        assert!(parse_type("f33[1]").unwrap_err().message.contains("unknown dtype"));
+        assert!(parse_type("f33[1]")
+            .unwrap_err()
+            .message
+            .contains("unknown dtype"));
     }
 }

@@ -24,7 +24,12 @@ pub struct Partition {
 impl Partition {
     /// An even or near-even split of one sub-parameter.
     pub fn simple(kind: &str, axis: &str, dim: usize, sizes: Vec<i64>) -> Partition {
-        Partition { kind: kind.into(), axis: axis.into(), dim, pieces: vec![sizes] }
+        Partition {
+            kind: kind.into(),
+            axis: axis.into(),
+            dim,
+            pieces: vec![sizes],
+        }
     }
 
     pub fn ranks(&self) -> usize {
@@ -76,20 +81,39 @@ impl std::str::FromStr for Partition {
     /// Parses `column tp dim=0 [64 64] [32 32]`.
     fn from_str(s: &str) -> Result<Partition, String> {
         let usage = || format!("expected `<kind> <axis> dim=<d> [sizes] ...`, found `{s}`");
-        let (head, rest) = s.split_once('[').map(|(h, r)| (h, format!("[{r}"))).ok_or_else(usage)?;
+        let (head, rest) = s
+            .split_once('[')
+            .map(|(h, r)| (h, format!("[{r}")))
+            .ok_or_else(usage)?;
         let words: Vec<&str> = head.split_whitespace().collect();
-        let [kind, axis, dim] = words.as_slice() else { return Err(usage()) };
-        let dim = dim.strip_prefix("dim=").and_then(|d| d.parse().ok()).ok_or_else(usage)?;
+        let [kind, axis, dim] = words.as_slice() else {
+            return Err(usage());
+        };
+        let dim = dim
+            .strip_prefix("dim=")
+            .and_then(|d| d.parse().ok())
+            .ok_or_else(usage)?;
         let mut pieces = Vec::new();
         for group in rest.split(']').map(str::trim).filter(|g| !g.is_empty()) {
             let inner = group.strip_prefix('[').ok_or_else(usage)?;
             let sizes: Result<Vec<i64>, _> = inner.split_whitespace().map(str::parse).collect();
             pieces.push(sizes.map_err(|_| usage())?);
         }
-        if pieces.is_empty() || pieces.iter().any(|p| p.len() != pieces[0].len() || p.is_empty()) {
-            return Err(format!("partition `{s}`: every sub-parameter needs one size per rank"));
+        if pieces.is_empty()
+            || pieces
+                .iter()
+                .any(|p| p.len() != pieces[0].len() || p.is_empty())
+        {
+            return Err(format!(
+                "partition `{s}`: every sub-parameter needs one size per rank"
+            ));
         }
-        Ok(Partition { kind: kind.to_string(), axis: axis.to_string(), dim, pieces })
+        Ok(Partition {
+            kind: kind.to_string(),
+            axis: axis.to_string(),
+            dim,
+            pieces,
+        })
     }
 }
 
@@ -100,7 +124,12 @@ mod tests {
     #[test]
     fn fused_ranges_and_round_trip() {
         // q 4 rows, k 2, v 2 over 2 ranks.
-        let p = Partition { kind: "column".into(), axis: "tp".into(), dim: 0, pieces: vec![vec![2, 2], vec![1, 1], vec![1, 1]] };
+        let p = Partition {
+            kind: "column".into(),
+            axis: "tp".into(),
+            dim: 0,
+            pieces: vec![vec![2, 2], vec![1, 1], vec![1, 1]],
+        };
         assert_eq!(p.ranges(0), vec![(0, 2), (4, 5), (6, 7)]);
         assert_eq!(p.ranges(1), vec![(2, 4), (5, 6), (7, 8)]);
         assert_eq!(p.full_size(), 8);

@@ -68,7 +68,9 @@ pub struct ExecutionPlan {
     pub program: String,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum StreamKind {
     Compute,
@@ -84,7 +86,9 @@ pub struct Stream {
     pub name: String,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Category {
     Param,
@@ -269,7 +273,11 @@ pub enum PlanError {
     #[error("invalid plan JSON in {file}: {message}")]
     Json { file: String, message: String },
     #[error("plan {file} has format version {found}, this weft reads version {expected}\nhelp: recompile the plan with this weft (`weft compile ... -o plan.json`)")]
-    Version { file: String, found: u32, expected: u32 },
+    Version {
+        file: String,
+        found: u32,
+        expected: u32,
+    },
     #[error("inconsistent plan {file}: {message}")]
     Inconsistent { file: String, message: String },
 }
@@ -300,7 +308,10 @@ impl ExecutionPlan {
             for e in &ins.wait {
                 let p = source.get(*e as usize).copied().unwrap_or(usize::MAX);
                 if p == usize::MAX {
-                    return Err(format!("instruction {} waits for event {e} that no earlier instruction records", ins.id));
+                    return Err(format!(
+                        "instruction {} waits for event {e} that no earlier instruction records",
+                        ins.id
+                    ));
                 }
                 join(&mut c, p, &clock);
             }
@@ -335,7 +346,13 @@ impl ExecutionPlan {
                 producer[root[b as usize] as usize].get_or_insert(ins.id as usize);
             }
         }
-        let mut arena: Vec<&Buffer> = self.buffers.iter().filter(|b| b.alias_of.is_none() && !b.resident && b.category != Category::Host && b.bytes > 0).collect();
+        let mut arena: Vec<&Buffer> = self
+            .buffers
+            .iter()
+            .filter(|b| {
+                b.alias_of.is_none() && !b.resident && b.category != Category::Host && b.bytes > 0
+            })
+            .collect();
         arena.sort_by_key(|b| (b.offset, b.id));
         for (k, a) in arena.iter().enumerate() {
             for b in &arena[k + 1..] {
@@ -343,11 +360,12 @@ impl ExecutionPlan {
                     break;
                 }
                 // The later-written buffer must be ordered after every touch of the other.
-                let (first, later, second) = match (producer[a.id as usize], producer[b.id as usize]) {
-                    (Some(pa), Some(pb)) if pa < pb => (a, b, pb),
-                    (Some(pa), Some(_)) => (b, a, pa),
-                    _ => continue, // inputs are written before the step; covered by live ranges
-                };
+                let (first, later, second) =
+                    match (producer[a.id as usize], producer[b.id as usize]) {
+                        (Some(pa), Some(pb)) if pa < pb => (a, b, pb),
+                        (Some(pa), Some(_)) => (b, a, pa),
+                        _ => continue, // inputs are written before the step; covered by live ranges
+                    };
                 let c = &clock[second];
                 if (0..ns).any(|t| touch[first.id as usize][t] > c[t]) {
                     return Err(format!(
@@ -366,13 +384,26 @@ impl ExecutionPlan {
 
     /// Parses a plan and checks its version and internal consistency.
     pub fn from_json(text: &str, file: &str) -> Result<ExecutionPlan, PlanError> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| PlanError::Json { file: file.into(), message: e.to_string() })?;
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| PlanError::Json {
+            file: file.into(),
+            message: e.to_string(),
+        })?;
         let found = v.get("version").and_then(|x| x.as_u64()).unwrap_or(0) as u32;
         if found != PLAN_VERSION {
-            return Err(PlanError::Version { file: file.into(), found, expected: PLAN_VERSION });
+            return Err(PlanError::Version {
+                file: file.into(),
+                found,
+                expected: PLAN_VERSION,
+            });
         }
-        let plan: ExecutionPlan = serde_json::from_value(v).map_err(|e| PlanError::Json { file: file.into(), message: e.to_string() })?;
-        plan.check().map_err(|message| PlanError::Inconsistent { file: file.into(), message })?;
+        let plan: ExecutionPlan = serde_json::from_value(v).map_err(|e| PlanError::Json {
+            file: file.into(),
+            message: e.to_string(),
+        })?;
+        plan.check().map_err(|message| PlanError::Inconsistent {
+            file: file.into(),
+            message,
+        })?;
         Ok(plan)
     }
 
@@ -393,7 +424,8 @@ impl ExecutionPlan {
                 r = a as usize;
                 chain.push(r);
                 if chain.len() > n {
-                    let shown: Vec<String> = chain.iter().take(8).map(|c| format!("b{c}")).collect();
+                    let shown: Vec<String> =
+                        chain.iter().take(8).map(|c| format!("b{c}")).collect();
                     return Err(format!(
                         "buffer {i} is a view whose alias chain ({}{}) never reaches a buffer with storage of its own",
                         shown.join(" -> "),
@@ -460,14 +492,19 @@ impl ExecutionPlan {
         // version[b]: the buffer heading the value b holds (the root, or an in-place
         // result); heads[r]: the versions of root r's bytes as (writer, head), in order.
         let mut version: Vec<u32> = (0..nb as u32).collect();
-        let mut heads: Vec<Vec<(i64, u32)>> = (0..nb).map(|r| vec![(writers[r].first().map_or(-1, |&w| w as i64), r as u32)]).collect();
+        let mut heads: Vec<Vec<(i64, u32)>> = (0..nb)
+            .map(|r| vec![(writers[r].first().map_or(-1, |&w| w as i64), r as u32)])
+            .collect();
         for ins in &self.instructions {
             for (pos, &o) in ins.outputs.iter().enumerate() {
                 let (o, r) = (o as usize, root[o as usize] as usize);
                 if r == o {
                     continue;
                 }
-                if ins.op == "reshape" && ins.inputs.len() == 1 && root[ins.inputs[0] as usize] as usize == r {
+                if ins.op == "reshape"
+                    && ins.inputs.len() == 1
+                    && root[ins.inputs[0] as usize] as usize == r
+                {
                     version[o] = version[ins.inputs[0] as usize];
                     continue;
                 }
@@ -476,15 +513,39 @@ impl ExecutionPlan {
                 let what = format!("buffer {o} is written in place over buffer {r}'s bytes by instruction {w} ({})", ins.op);
                 let &(first, _) = &heads[r][0];
                 if first >= w as i64 {
-                    return Err(format!("{what} before buffer {r} itself is written (instruction {first})"));
+                    return Err(format!(
+                        "{what} before buffer {r} itself is written (instruction {first})"
+                    ));
                 }
-                let old = heads[r].iter().rev().find(|(at, _)| *at < w as i64).map(|&(_, h)| h).unwrap_or(r as u32);
+                let old = heads[r]
+                    .iter()
+                    .rev()
+                    .find(|(at, _)| *at < w as i64)
+                    .map(|&(_, h)| h)
+                    .unwrap_or(r as u32);
                 let (ob, rb) = (&self.buffers[o], &self.buffers[r]);
                 if ob.dtype != rb.dtype {
-                    return Err(format!("{what} but holds {} where the bytes hold {} (in place keeps the dtype)", ob.dtype, rb.dtype));
+                    return Err(format!(
+                        "{what} but holds {} where the bytes hold {} (in place keeps the dtype)",
+                        ob.dtype, rb.dtype
+                    ));
                 }
-                let members: Vec<u32> = group[r].iter().copied().filter(|&b| b as usize != o && version[b as usize] == old && root[b as usize] as usize == r).collect();
-                let reads_old: Vec<usize> = ins.inputs.iter().enumerate().filter(|(_, &b)| members.contains(&b)).map(|(k, _)| k).collect();
+                let members: Vec<u32> = group[r]
+                    .iter()
+                    .copied()
+                    .filter(|&b| {
+                        b as usize != o
+                            && version[b as usize] == old
+                            && root[b as usize] as usize == r
+                    })
+                    .collect();
+                let reads_old: Vec<usize> = ins
+                    .inputs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &b)| members.contains(&b))
+                    .map(|(k, _)| k)
+                    .collect();
                 let pairs = in_place_pairs(&ins.op);
                 let at_pair = |k: usize| pairs.contains(&(k, pos));
                 if rb.resident {
@@ -541,7 +602,11 @@ impl ExecutionPlan {
                 return Err(format!("buffer {i} has id {}", b.id));
             }
             if b.live.0 > b.live.1 || b.live.1 as usize >= self.instructions.len().max(1) {
-                return Err(format!("buffer {i} has live range {:?} outside the {} instructions", b.live, self.instructions.len()));
+                return Err(format!(
+                    "buffer {i} has live range {:?} outside the {} instructions",
+                    b.live,
+                    self.instructions.len()
+                ));
             }
         }
         let mut signalled = vec![None; self.events as usize];
@@ -550,7 +615,10 @@ impl ExecutionPlan {
                 return Err(format!("instruction {i} has id {}", ins.id));
             }
             if ins.stream as usize >= self.streams.len() {
-                return Err(format!("instruction {i} is on unknown stream {}", ins.stream));
+                return Err(format!(
+                    "instruction {i} is on unknown stream {}",
+                    ins.stream
+                ));
             }
             for b in ins.inputs.iter().chain(&ins.outputs) {
                 if *b as usize >= self.buffers.len() {
@@ -560,14 +628,22 @@ impl ExecutionPlan {
             for e in &ins.wait {
                 match signalled.get(*e as usize) {
                     Some(Some(_)) => {}
-                    Some(None) => return Err(format!("instruction {i} waits for event {e} before any instruction records it")),
+                    Some(None) => {
+                        return Err(format!(
+                            "instruction {i} waits for event {e} before any instruction records it"
+                        ))
+                    }
                     None => return Err(format!("instruction {i} waits for unknown event {e}")),
                 }
             }
             if let Some(e) = ins.signal {
                 match signalled.get_mut(e as usize) {
                     Some(slot @ None) => *slot = Some(i),
-                    Some(Some(j)) => return Err(format!("event {e} is recorded twice (instructions {j} and {i})")),
+                    Some(Some(j)) => {
+                        return Err(format!(
+                            "event {e} is recorded twice (instructions {j} and {i})"
+                        ))
+                    }
                     None => return Err(format!("instruction {i} records unknown event {e}")),
                 }
             }
@@ -584,7 +660,11 @@ impl ExecutionPlan {
             }
         }
         // Arena buffers live at the same time must not overlap.
-        let mut arena: Vec<&Buffer> = self.buffers.iter().filter(|b| b.alias_of.is_none() && !b.resident && b.category != Category::Host).collect();
+        let mut arena: Vec<&Buffer> = self
+            .buffers
+            .iter()
+            .filter(|b| b.alias_of.is_none() && !b.resident && b.category != Category::Host)
+            .collect();
         arena.sort_by_key(|b| (b.offset, b.id));
         for (k, a) in arena.iter().enumerate() {
             for b in &arena[k + 1..] {
@@ -594,7 +674,10 @@ impl ExecutionPlan {
                 let (la, lb) = (held[a.id as usize], held[b.id as usize]);
                 let overlap_time = la.0 <= lb.1 && lb.0 <= la.1;
                 if overlap_time && a.bytes > 0 && b.bytes > 0 {
-                    return Err(format!("buffers {} and {} overlap in the arena while both are live", a.id, b.id));
+                    return Err(format!(
+                        "buffers {} and {} overlap in the arena while both are live",
+                        a.id, b.id
+                    ));
                 }
             }
         }

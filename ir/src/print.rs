@@ -37,7 +37,11 @@ pub fn node_line(g: &Graph, n: Node) -> String {
         let _ = write!(s, " {{{}}}", parts.join(", "));
     }
     let m = &d.meta;
-    if m.source.is_some() || m.provenance.is_some() || m.derived.is_some() || m.micro_batch.is_some() {
+    if m.source.is_some()
+        || m.provenance.is_some()
+        || m.derived.is_some()
+        || m.micro_batch.is_some()
+    {
         s.push_str("  #");
         if let Some(src) = &m.source {
             let _ = write!(s, " {src}");
@@ -66,7 +70,11 @@ pub fn print(g: &Graph) -> String {
         s.push_str(&node_line(g, n));
         s.push('\n');
     }
-    let outs: Vec<String> = g.outputs().iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let outs: Vec<String> = g
+        .outputs()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
     for (name, parts) in g.param_partitions() {
         for p in parts {
             let _ = writeln!(s, "partition {} {p}", crate::attrs::quote(name));

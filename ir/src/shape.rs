@@ -29,7 +29,10 @@ pub fn norm_dim(dim: i64, rank: usize) -> Result<usize, String> {
 
 fn same_dtype(a: &TensorType, b: &TensorType, what: &str) -> Result<(), String> {
     if a.dtype != b.dtype {
-        return Err(format!("{what}: dtypes differ ({} vs {})", a.dtype, b.dtype));
+        return Err(format!(
+            "{what}: dtypes differ ({} vs {})",
+            a.dtype, b.dtype
+        ));
     }
     Ok(())
 }
@@ -54,15 +57,25 @@ pub fn broadcast_shapes(a: &[Dim], b: &[Dim]) -> Result<Vec<Dim>, String> {
     let one = Dim::from(1);
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
-        let da = if i + a.len() >= n { Some(&a[i + a.len() - n]) } else { None };
-        let db = if i + b.len() >= n { Some(&b[i + b.len() - n]) } else { None };
+        let da = if i + a.len() >= n {
+            Some(&a[i + a.len() - n])
+        } else {
+            None
+        };
+        let db = if i + b.len() >= n {
+            Some(&b[i + b.len() - n])
+        } else {
+            None
+        };
         out.push(match (da, db) {
             (Some(x), None) | (None, Some(x)) => x.clone(),
             (Some(x), Some(y)) if x == y => x.clone(),
             (Some(x), Some(y)) if *x == one => y.clone(),
             (Some(x), Some(y)) if *y == one => x.clone(),
             (Some(x), Some(y)) => {
-                return Err(format!("shapes do not broadcast: dim {i} is {x} in one and {y} in the other"))
+                return Err(format!(
+                    "shapes do not broadcast: dim {i} is {x} in one and {y} in the other"
+                ))
             }
             (None, None) => unreachable!(),
         });
@@ -83,7 +96,9 @@ pub fn source_type(op: &Op, _: &[&TensorType]) -> Out {
 }
 
 pub fn arange(op: &Op, _: &[&TensorType]) -> Out {
-    let Op::Arange { ty, .. } = op else { unreachable!() };
+    let Op::Arange { ty, .. } = op else {
+        unreachable!()
+    };
     if ty.rank() != 1 {
         return Err(format!("arange makes a 1-D tensor, but its type is {ty}"));
     }
@@ -98,7 +113,9 @@ pub fn same(_: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn same_dim(op: &Op, ins: &[&TensorType]) -> Out {
-    let (Op::Softmax { dim } | Op::LogSoftmax { dim }) = op else { unreachable!() };
+    let (Op::Softmax { dim } | Op::LogSoftmax { dim }) = op else {
+        unreachable!()
+    };
     norm_dim(*dim, ins[0].rank())?;
     want_float(ins[0], "input")?;
     one(ins[0].clone())
@@ -106,12 +123,18 @@ pub fn same_dim(op: &Op, ins: &[&TensorType]) -> Out {
 
 pub fn broadcast(_: &Op, ins: &[&TensorType]) -> Out {
     same_dtype(ins[0], ins[1], "operands")?;
-    one(TensorType::new(ins[0].dtype, broadcast_shapes(&ins[0].shape, &ins[1].shape)?))
+    one(TensorType::new(
+        ins[0].dtype,
+        broadcast_shapes(&ins[0].shape, &ins[1].shape)?,
+    ))
 }
 
 pub fn compare(_: &Op, ins: &[&TensorType]) -> Out {
     same_dtype(ins[0], ins[1], "operands")?;
-    one(TensorType::new(DType::Bool, broadcast_shapes(&ins[0].shape, &ins[1].shape)?))
+    one(TensorType::new(
+        DType::Bool,
+        broadcast_shapes(&ins[0].shape, &ins[1].shape)?,
+    ))
 }
 
 pub fn select(_: &Op, ins: &[&TensorType]) -> Out {
@@ -120,16 +143,22 @@ pub fn select(_: &Op, ins: &[&TensorType]) -> Out {
     }
     same_dtype(ins[1], ins[2], "branches")?;
     let s = broadcast_shapes(&ins[0].shape, &ins[1].shape)?;
-    one(TensorType::new(ins[1].dtype, broadcast_shapes(&s, &ins[2].shape)?))
+    one(TensorType::new(
+        ins[1].dtype,
+        broadcast_shapes(&s, &ins[2].shape)?,
+    ))
 }
 
 pub fn cast(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Cast { dtype } = op else { unreachable!() };
+    let Op::Cast { dtype } = op else {
+        unreachable!()
+    };
     one(ins[0].with_dtype(*dtype))
 }
 
 pub fn reduce(op: &Op, ins: &[&TensorType]) -> Out {
-    let (Op::Sum { dims, keepdim } | Op::Mean { dims, keepdim } | Op::Max { dims, keepdim }) = op else {
+    let (Op::Sum { dims, keepdim } | Op::Mean { dims, keepdim } | Op::Max { dims, keepdim }) = op
+    else {
         unreachable!()
     };
     let x = ins[0];
@@ -169,12 +198,17 @@ pub fn embedding(_: &Op, ins: &[&TensorType]) -> Out {
 pub fn linear(_: &Op, ins: &[&TensorType]) -> Out {
     let (x, w) = (ins[0], ins[1]);
     if w.rank() != 2 || x.rank() == 0 {
-        return Err(format!("linear needs x [.., in] and w [out, in], got {x} and {w}"));
+        return Err(format!(
+            "linear needs x [.., in] and w [out, in], got {x} and {w}"
+        ));
     }
     same_dtype(x, w, "x and w")?;
     let k = x.shape.last().unwrap();
     if *k != w.shape[1] {
-        return Err(format!("x has {k} input features but w {w} expects {}", w.shape[1]));
+        return Err(format!(
+            "x has {k} input features but w {w} expects {}",
+            w.shape[1]
+        ));
     }
     if let Some(b) = ins.get(2) {
         if b.shape != [w.shape[0].clone()] {
@@ -188,15 +222,31 @@ pub fn linear(_: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn matmul(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Matmul { transpose_a, transpose_b } = op else { unreachable!() };
+    let Op::Matmul {
+        transpose_a,
+        transpose_b,
+    } = op
+    else {
+        unreachable!()
+    };
     let (a, b) = (ins[0], ins[1]);
     if a.rank() < 2 || b.rank() < 2 {
-        return Err(format!("matmul needs operands of rank >= 2, got {a} and {b}"));
+        return Err(format!(
+            "matmul needs operands of rank >= 2, got {a} and {b}"
+        ));
     }
     same_dtype(a, b, "operands")?;
     let (ar, br) = (a.rank(), b.rank());
-    let (m, ka) = if *transpose_a { (&a.shape[ar - 1], &a.shape[ar - 2]) } else { (&a.shape[ar - 2], &a.shape[ar - 1]) };
-    let (kb, n) = if *transpose_b { (&b.shape[br - 1], &b.shape[br - 2]) } else { (&b.shape[br - 2], &b.shape[br - 1]) };
+    let (m, ka) = if *transpose_a {
+        (&a.shape[ar - 1], &a.shape[ar - 2])
+    } else {
+        (&a.shape[ar - 2], &a.shape[ar - 1])
+    };
+    let (kb, n) = if *transpose_b {
+        (&b.shape[br - 1], &b.shape[br - 2])
+    } else {
+        (&b.shape[br - 2], &b.shape[br - 1])
+    };
     if ka != kb {
         return Err(format!("contracted dims differ: {ka} vs {kb} ({a} @ {b})"));
     }
@@ -210,13 +260,17 @@ pub fn rms_norm(_: &Op, ins: &[&TensorType]) -> Out {
     let (x, w) = (ins[0], ins[1]);
     want_float(x, "x")?;
     if x.rank() == 0 || w.shape != [x.shape.last().unwrap().clone()] {
-        return Err(format!("rms_norm weight must match the last dim of x: x {x}, w {w}"));
+        return Err(format!(
+            "rms_norm weight must match the last dim of x: x {x}, w {w}"
+        ));
     }
     one(x.clone())
 }
 
 pub fn rope_table(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::RopeTable { dim, .. } = op else { unreachable!() };
+    let Op::RopeTable { dim, .. } = op else {
+        unreachable!()
+    };
     let p = ins[0];
     want_int(p, "position_ids")?;
     if *dim <= 0 || dim % 2 != 0 {
@@ -232,13 +286,20 @@ pub fn rope(_: &Op, ins: &[&TensorType]) -> Out {
     let (x, cos, sin) = (ins[0], ins[1], ins[2]);
     want_float(x, "x")?;
     if x.rank() != 4 {
-        return Err(format!("rope expects x as [B, heads, S, head_dim], got {x}"));
+        return Err(format!(
+            "rope expects x as [B, heads, S, head_dim], got {x}"
+        ));
     }
     if cos != sin || cos.rank() != 3 {
-        return Err(format!("cos and sin must be equal-typed [B, S, dim], got {cos} and {sin}"));
+        return Err(format!(
+            "cos and sin must be equal-typed [B, S, dim], got {cos} and {sin}"
+        ));
     }
     if cos.shape[1] != x.shape[2] {
-        return Err(format!("sequence dims differ: x has {}, cos has {}", x.shape[2], cos.shape[1]));
+        return Err(format!(
+            "sequence dims differ: x has {}, cos has {}",
+            x.shape[2], cos.shape[1]
+        ));
     }
     broadcast_shapes(&[x.shape[0].clone()], &[cos.shape[0].clone()])?;
     if let (Some(r), Some(d)) = (cos.shape[2].as_const(), x.shape[3].as_const()) {
@@ -266,7 +327,9 @@ pub fn attention(_: &Op, ins: &[&TensorType]) -> Out {
     }
     if let (Some(nq), Some(nkv)) = (q.shape[1].as_const(), k.shape[1].as_const()) {
         if nkv == 0 || nq % nkv != 0 {
-            return Err(format!("q heads ({nq}) must be a multiple of kv heads ({nkv})"));
+            return Err(format!(
+                "q heads ({nq}) must be a multiple of kv heads ({nkv})"
+            ));
         }
     }
     if let Some(m) = ins.get(3) {
@@ -286,12 +349,16 @@ pub fn count_valid(_: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn cross_entropy(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::CrossEntropy { reduction, .. } = op else { unreachable!() };
+    let Op::CrossEntropy { reduction, .. } = op else {
+        unreachable!()
+    };
     let (logits, labels) = (ins[0], ins[1]);
     want_float(logits, "logits")?;
     want_int(labels, "labels")?;
     if logits.rank() != labels.rank() + 1 || logits.shape[..labels.rank()] != labels.shape[..] {
-        return Err(format!("logits {logits} must be labels {labels} plus a class dim"));
+        return Err(format!(
+            "logits {logits} must be labels {labels} plus a class dim"
+        ));
     }
     one(match reduction {
         Reduction::None => TensorType::new(DType::F32, labels.shape.clone()),
@@ -300,7 +367,9 @@ pub fn cross_entropy(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn reshape(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Reshape { shape } = op else { unreachable!() };
+    let Op::Reshape { shape } = op else {
+        unreachable!()
+    };
     let t = TensorType::new(ins[0].dtype, shape.clone());
     if t.numel() != ins[0].numel() {
         return Err(format!(
@@ -315,10 +384,16 @@ pub fn reshape(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn permute(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Permute { perm } = op else { unreachable!() };
+    let Op::Permute { perm } = op else {
+        unreachable!()
+    };
     let x = ins[0];
     if perm.len() != x.rank() {
-        return Err(format!("permutation {perm:?} has {} entries for rank {}", perm.len(), x.rank()));
+        return Err(format!(
+            "permutation {perm:?} has {} entries for rank {}",
+            perm.len(),
+            x.rank()
+        ));
     }
     let mut seen = vec![false; x.rank()];
     let mut shape = Vec::new();
@@ -334,7 +409,9 @@ pub fn permute(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn transpose(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Transpose { dim0, dim1 } = op else { unreachable!() };
+    let Op::Transpose { dim0, dim1 } = op else {
+        unreachable!()
+    };
     let x = ins[0];
     let (a, b) = (norm_dim(*dim0, x.rank())?, norm_dim(*dim1, x.rank())?);
     let mut shape = x.shape.clone();
@@ -343,12 +420,17 @@ pub fn transpose(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn slice(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Slice { dim, start, len } = op else { unreachable!() };
+    let Op::Slice { dim, start, len } = op else {
+        unreachable!()
+    };
     let x = ins[0];
     let d = norm_dim(*dim, x.rank())?;
     if let (Some(s), Some(l), Some(n)) = (start.as_const(), len.as_const(), x.shape[d].as_const()) {
         if s < 0 || l < 0 || s + l > n {
-            return Err(format!("slice [{s}, {}) is out of bounds for dim {d} of size {n}", s + l));
+            return Err(format!(
+                "slice [{s}, {}) is out of bounds for dim {d} of size {n}",
+                s + l
+            ));
         }
     }
     let mut shape = x.shape.clone();
@@ -357,18 +439,27 @@ pub fn slice(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn concat(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Concat { dim } = op else { unreachable!() };
+    let Op::Concat { dim } = op else {
+        unreachable!()
+    };
     let first = ins[0];
     let d = norm_dim(*dim, first.rank())?;
     let mut total = Dim::zero();
     for (i, t) in ins.iter().enumerate() {
         same_dtype(first, t, "concat operands")?;
         if t.rank() != first.rank() {
-            return Err(format!("operand {i} has rank {}, operand 0 has {}", t.rank(), first.rank()));
+            return Err(format!(
+                "operand {i} has rank {}, operand 0 has {}",
+                t.rank(),
+                first.rank()
+            ));
         }
         for j in 0..t.rank() {
             if j != d && t.shape[j] != first.shape[j] {
-                return Err(format!("operand {i} differs from operand 0 in dim {j}: {} vs {}", t.shape[j], first.shape[j]));
+                return Err(format!(
+                    "operand {i} differs from operand 0 in dim {j}: {} vs {}",
+                    t.shape[j], first.shape[j]
+                ));
             }
         }
         total = total + t.shape[d].clone();
@@ -379,12 +470,17 @@ pub fn concat(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn split(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Split { dim, sizes } = op else { unreachable!() };
+    let Op::Split { dim, sizes } = op else {
+        unreachable!()
+    };
     let x = ins[0];
     let d = norm_dim(*dim, x.rank())?;
     let total = sizes.iter().fold(Dim::zero(), |a, s| a + s.clone());
     if total != x.shape[d] {
-        return Err(format!("split sizes sum to {total} but dim {d} has {}", x.shape[d]));
+        return Err(format!(
+            "split sizes sum to {total} but dim {d} has {}",
+            x.shape[d]
+        ));
     }
     Ok(sizes
         .iter()
@@ -397,22 +493,32 @@ pub fn split(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn expand(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Expand { shape } = op else { unreachable!() };
+    let Op::Expand { shape } = op else {
+        unreachable!()
+    };
     let x = ins[0];
     if shape.len() < x.rank() {
-        return Err(format!("cannot expand {x} to fewer dims {}", fmt_shape(shape)));
+        return Err(format!(
+            "cannot expand {x} to fewer dims {}",
+            fmt_shape(shape)
+        ));
     }
     let off = shape.len() - x.rank();
     for (i, d) in x.shape.iter().enumerate() {
         if *d != shape[off + i] && *d != Dim::from(1) {
-            return Err(format!("cannot expand dim {i} of size {d} to {}", shape[off + i]));
+            return Err(format!(
+                "cannot expand dim {i} of size {d} to {}",
+                shape[off + i]
+            ));
         }
     }
     one(x.with_shape(shape.clone()))
 }
 
 pub fn gather(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Gather { dim } = op else { unreachable!() };
+    let Op::Gather { dim } = op else {
+        unreachable!()
+    };
     let (x, idx) = (ins[0], ins[1]);
     want_int(idx, "index")?;
     norm_dim(*dim, x.rank())?;
@@ -423,7 +529,9 @@ pub fn gather(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn index_select(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::IndexSelect { dim } = op else { unreachable!() };
+    let Op::IndexSelect { dim } = op else {
+        unreachable!()
+    };
     let (x, idx) = (ins[0], ins[1]);
     want_int(idx, "index")?;
     if idx.rank() != 1 {
@@ -436,7 +544,9 @@ pub fn index_select(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn topk(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Topk { k, dim } = op else { unreachable!() };
+    let Op::Topk { k, dim } = op else {
+        unreachable!()
+    };
     let x = ins[0];
     let d = norm_dim(*dim, x.rank())?;
     if let Some(n) = x.shape[d].as_const() {
@@ -446,11 +556,16 @@ pub fn topk(op: &Op, ins: &[&TensorType]) -> Out {
     }
     let mut shape = x.shape.clone();
     shape[d] = Dim::from(*k);
-    Ok(vec![x.with_shape(shape.clone()), TensorType::new(DType::I64, shape)])
+    Ok(vec![
+        x.with_shape(shape.clone()),
+        TensorType::new(DType::I64, shape),
+    ])
 }
 
 pub fn one_hot(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::OneHot { num_classes, dtype } = op else { unreachable!() };
+    let Op::OneHot { num_classes, dtype } = op else {
+        unreachable!()
+    };
     want_int(ins[0], "index")?;
     let mut shape = ins[0].shape.clone();
     shape.push(Dim::from(*num_classes));
@@ -458,23 +573,31 @@ pub fn one_hot(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn scatter_add(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::ScatterAdd { dim } = op else { unreachable!() };
+    let Op::ScatterAdd { dim } = op else {
+        unreachable!()
+    };
     let (dst, idx, src) = (ins[0], ins[1], ins[2]);
     want_int(idx, "index")?;
     same_dtype(dst, src, "dst and src")?;
     norm_dim(*dim, dst.rank())?;
     if idx.shape != src.shape || idx.rank() != dst.rank() {
-        return Err(format!("index {idx} and src {src} must match in shape and have the rank of dst {dst}"));
+        return Err(format!(
+            "index {idx} and src {src} must match in shape and have the rank of dst {dst}"
+        ));
     }
     one(dst.clone())
 }
 
 pub fn moe_dispatch(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::MoeDispatch { num_experts } = op else { unreachable!() };
+    let Op::MoeDispatch { num_experts } = op else {
+        unreachable!()
+    };
     let (x, idx) = (ins[0], ins[1]);
     want_int(idx, "expert_index")?;
     if x.rank() != 2 || idx.rank() != 2 || x.shape[0] != idx.shape[0] {
-        return Err(format!("moe_dispatch needs x [T, H] and expert_index [T, k], got {x} and {idx}"));
+        return Err(format!(
+            "moe_dispatch needs x [T, H] and expert_index [T, k], got {x} and {idx}"
+        ));
     }
     let rows = x.shape[0].clone() * idx.shape[1].clone();
     Ok(vec![
@@ -502,7 +625,10 @@ pub fn moe_combine(_: &Op, ins: &[&TensorType]) -> Out {
         return Err(format!("moe_combine needs rows [T*k, H], order [T*k], weights [T, k], got {rows}, {order}, {w}"));
     }
     if w.shape[0].clone() * w.shape[1].clone() != rows.shape[0] {
-        return Err(format!("weights {w} do not cover the {} rows", rows.shape[0]));
+        return Err(format!(
+            "weights {w} do not cover the {} rows",
+            rows.shape[0]
+        ));
     }
     one(rows.with_shape(vec![w.shape[0].clone(), rows.shape[1].clone()]))
 }
@@ -512,9 +638,19 @@ fn axis_size(axis: &str) -> Dim {
 }
 
 pub fn all_to_all(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::AllToAll { axis, scatter_dim, gather_dim } = op else { unreachable!() };
+    let Op::AllToAll {
+        axis,
+        scatter_dim,
+        gather_dim,
+    } = op
+    else {
+        unreachable!()
+    };
     let x = ins[0];
-    let (s, g) = (norm_dim(*scatter_dim, x.rank())?, norm_dim(*gather_dim, x.rank())?);
+    let (s, g) = (
+        norm_dim(*scatter_dim, x.rank())?,
+        norm_dim(*gather_dim, x.rank())?,
+    );
     let mut shape = x.shape.clone();
     shape[s] = shape[s].clone() / axis_size(axis);
     shape[g] = shape[g].clone() * axis_size(axis);
@@ -522,14 +658,20 @@ pub fn all_to_all(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn all_to_all_v(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::AllToAllV { axis, rows } = op else { unreachable!() };
+    let Op::AllToAllV { axis, rows } = op else {
+        unreachable!()
+    };
     let (x, counts) = (ins[0], ins[1]);
     want_int(counts, "send_counts")?;
     if x.rank() == 0 {
-        return Err(format!("all_to_all_v sends rows of x, which must have rank >= 1, got {x}"));
+        return Err(format!(
+            "all_to_all_v sends rows of x, which must have rank >= 1, got {x}"
+        ));
     }
     if counts.shape != [axis_size(axis)] {
-        return Err(format!("send_counts must be [{axis}] (rows for each rank of `{axis}`), got {counts}"));
+        return Err(format!(
+            "send_counts must be [{axis}] (rows for each rank of `{axis}`), got {counts}"
+        ));
     }
     let mut shape = x.shape.clone();
     shape[0] = rows.clone();
@@ -537,7 +679,9 @@ pub fn all_to_all_v(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn all_gather(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::AllGather { axis, dim } = op else { unreachable!() };
+    let Op::AllGather { axis, dim } = op else {
+        unreachable!()
+    };
     let x = ins[0];
     let d = norm_dim(*dim, x.rank())?;
     let mut shape = x.shape.clone();
@@ -546,7 +690,9 @@ pub fn all_gather(op: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn reduce_scatter(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::ReduceScatter { axis, dim, .. } = op else { unreachable!() };
+    let Op::ReduceScatter { axis, dim, .. } = op else {
+        unreachable!()
+    };
     let x = ins[0];
     let d = norm_dim(*dim, x.rank())?;
     let mut shape = x.shape.clone();

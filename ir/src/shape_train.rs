@@ -34,12 +34,20 @@ fn same_type(a: &TensorType, b: &TensorType, what: &str) -> Result<(), String> {
 /// `attention_grad(q, k, v, out, dout, mask?)`: dq, dk, dv shaped like q, k, v.
 pub fn attention_grad(_: &Op, ins: &[&TensorType]) -> Out {
     let (q, k, v, out, dout) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
-    crate::shape::attention(&Op::Attention { causal: false, scale: 1.0.into() }, &[q, k, v])?;
+    crate::shape::attention(
+        &Op::Attention {
+            causal: false,
+            scale: 1.0.into(),
+        },
+        &[q, k, v],
+    )?;
     same_type(q, out, "q and out")?;
     same_type(out, dout, "out and dout")?;
     if let Some(m) = ins.get(5) {
         if m.rank() != 4 || m.dtype != DType::Bool {
-            return Err(format!("mask must be a bool [B|1, heads|1, Sq, Sk], got {m}"));
+            return Err(format!(
+                "mask must be a bool [B|1, heads|1, Sq, Sk], got {m}"
+            ));
         }
     }
     Ok(vec![q.clone(), k.clone(), v.clone()])
@@ -50,7 +58,9 @@ pub fn rms_norm_grad(_: &Op, ins: &[&TensorType]) -> Out {
     let (x, w, dy) = (ins[0], ins[1], ins[2]);
     want_float(x, "x")?;
     if x.rank() == 0 || w.shape != [x.shape.last().unwrap().clone()] {
-        return Err(format!("rms_norm_grad weight must match the last dim of x: x {x}, w {w}"));
+        return Err(format!(
+            "rms_norm_grad weight must match the last dim of x: x {x}, w {w}"
+        ));
     }
     same_type(x, dy, "x and dy")?;
     Ok(vec![x.clone(), w.clone()])
@@ -58,34 +68,47 @@ pub fn rms_norm_grad(_: &Op, ins: &[&TensorType]) -> Out {
 
 /// `cross_entropy_grad(logits, labels, dloss)`: dlogits like logits.
 pub fn cross_entropy_grad(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::CrossEntropyGrad { reduction, .. } = op else { unreachable!() };
+    let Op::CrossEntropyGrad { reduction, .. } = op else {
+        unreachable!()
+    };
     let (logits, labels, dloss) = (ins[0], ins[1], ins[2]);
     want_float(logits, "logits")?;
     want_int(labels, "labels")?;
     want_float(dloss, "dloss")?;
     if logits.rank() != labels.rank() + 1 || logits.shape[..labels.rank()] != labels.shape[..] {
-        return Err(format!("logits {logits} must be labels {labels} plus a class dim"));
+        return Err(format!(
+            "logits {logits} must be labels {labels} plus a class dim"
+        ));
     }
     let want: &[Dim] = match reduction {
         Reduction::None => &labels.shape,
         _ => &[],
     };
     if dloss.shape != want {
-        return Err(format!("dloss must have the shape of the loss ({} for reduction={}), got {dloss}", TensorType::new(dloss.dtype, want.to_vec()), reduction.keyword()));
+        return Err(format!(
+            "dloss must have the shape of the loss ({} for reduction={}), got {dloss}",
+            TensorType::new(dloss.dtype, want.to_vec()),
+            reduction.keyword()
+        ));
     }
     Ok(vec![logits.clone()])
 }
 
 /// `embedding_grad(ids, dy) {num_embeddings}`: the table gradient [num_embeddings, H].
 pub fn embedding_grad(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::EmbeddingGrad { num_embeddings } = op else { unreachable!() };
+    let Op::EmbeddingGrad { num_embeddings } = op else {
+        unreachable!()
+    };
     let (ids, dy) = (ins[0], ins[1]);
     want_int(ids, "ids")?;
     want_float(dy, "dy")?;
     if dy.rank() != ids.rank() + 1 || dy.shape[..ids.rank()] != ids.shape[..] {
         return Err(format!("dy {dy} must be ids {ids} plus a hidden dim"));
     }
-    Ok(vec![dy.with_shape(vec![num_embeddings.clone(), dy.shape.last().unwrap().clone()])])
+    Ok(vec![dy.with_shape(vec![
+        num_embeddings.clone(),
+        dy.shape.last().unwrap().clone(),
+    ])])
 }
 
 /// `silu_grad` / `gelu_grad (x, dy)`: dx like x.
@@ -97,7 +120,9 @@ pub fn elementwise_grad(_: &Op, ins: &[&TensorType]) -> Out {
 
 /// `softmax_grad(y, dy) {dim}`: dx like y.
 pub fn softmax_grad(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::SoftmaxGrad { dim } = op else { unreachable!() };
+    let Op::SoftmaxGrad { dim } = op else {
+        unreachable!()
+    };
     want_float(ins[0], "y")?;
     norm_dim(*dim, ins[0].rank())?;
     same_type(ins[0], ins[1], "y and dy")?;
@@ -149,7 +174,9 @@ pub fn sgd(_: &Op, ins: &[&TensorType]) -> Out {
     let mut out = vec![p.clone()];
     if let Some(b) = ins.get(2) {
         if b.shape != p.shape {
-            return Err(format!("momentum buffer {b} must have the shape of param {p}"));
+            return Err(format!(
+                "momentum buffer {b} must have the shape of param {p}"
+            ));
         }
         out.push((*b).clone());
     }

@@ -21,12 +21,20 @@ pub struct HostTensor {
 impl HostTensor {
     pub fn floats(dtype: DType, shape: Vec<usize>, data: Vec<f64>) -> HostTensor {
         debug_assert_eq!(shape.iter().product::<usize>(), data.len());
-        HostTensor { dtype, shape, data: HostData::F64(data) }
+        HostTensor {
+            dtype,
+            shape,
+            data: HostData::F64(data),
+        }
     }
 
     pub fn ints(dtype: DType, shape: Vec<usize>, data: Vec<i64>) -> HostTensor {
         debug_assert_eq!(shape.iter().product::<usize>(), data.len());
-        HostTensor { dtype, shape, data: HostData::I64(data) }
+        HostTensor {
+            dtype,
+            shape,
+            data: HostData::I64(data),
+        }
     }
 
     pub fn numel(&self) -> usize {

@@ -3,7 +3,9 @@
 use crate::dim::{Bindings, Dim, DimError};
 use std::fmt;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F64,
@@ -16,7 +18,15 @@ pub enum DType {
 }
 
 impl DType {
-    pub const ALL: [DType; 7] = [DType::F64, DType::F32, DType::BF16, DType::F16, DType::I64, DType::I32, DType::Bool];
+    pub const ALL: [DType; 7] = [
+        DType::F64,
+        DType::F32,
+        DType::BF16,
+        DType::F16,
+        DType::I64,
+        DType::I32,
+        DType::Bool,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -70,7 +80,10 @@ impl TensorType {
     }
 
     pub fn scalar(dtype: DType) -> Self {
-        TensorType { dtype, shape: vec![] }
+        TensorType {
+            dtype,
+            shape: vec![],
+        }
     }
 
     pub fn rank(&self) -> usize {
@@ -78,11 +91,17 @@ impl TensorType {
     }
 
     pub fn with_dtype(&self, dtype: DType) -> Self {
-        TensorType { dtype, shape: self.shape.clone() }
+        TensorType {
+            dtype,
+            shape: self.shape.clone(),
+        }
     }
 
     pub fn with_shape(&self, shape: Vec<Dim>) -> Self {
-        TensorType { dtype: self.dtype, shape }
+        TensorType {
+            dtype: self.dtype,
+            shape,
+        }
     }
 
     /// Number of elements, symbolically.
@@ -92,7 +111,10 @@ impl TensorType {
 
     /// Concrete shape under the given bindings.
     pub fn concrete_shape(&self, b: &Bindings) -> Result<Vec<usize>, DimError> {
-        self.shape.iter().map(|d| d.eval(b).map(|v| v.max(0) as usize)).collect()
+        self.shape
+            .iter()
+            .map(|d| d.eval(b).map(|v| v.max(0) as usize))
+            .collect()
     }
 
     pub fn size_bytes(&self, b: &Bindings) -> Result<u64, DimError> {

@@ -45,7 +45,10 @@ pub fn verify(g: &Graph) -> Result<(), VerifyReport> {
     if errors.is_empty() {
         return Ok(());
     }
-    Err(VerifyReport { annotated: annotate(g, &errors), errors })
+    Err(VerifyReport {
+        annotated: annotate(g, &errors),
+        errors,
+    })
 }
 
 fn collect_errors(g: &Graph) -> Vec<VerifyError> {
@@ -61,7 +64,13 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
     let mut param_names: BTreeMap<String, Node> = BTreeMap::new();
     for &n in g.nodes() {
         let d = g.node(n);
-        let mut push = |msg: String| errors.push(VerifyError { node: Some(n), location: g.describe(n), message: msg });
+        let mut push = |msg: String| {
+            errors.push(VerifyError {
+                node: Some(n),
+                location: g.describe(n),
+                message: msg,
+            })
+        };
         // operands exist and come earlier
         let mut operand_types: Vec<&TensorType> = Vec::new();
         let mut operands_ok = true;
@@ -83,12 +92,20 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
                 Err(m) => push(m),
                 Ok(tys) => {
                     if tys.len() != d.results.len() {
-                        push(format!("`{}` makes {} result(s), the node has {}", d.op.name(), tys.len(), d.results.len()));
+                        push(format!(
+                            "`{}` makes {} result(s), the node has {}",
+                            d.op.name(),
+                            tys.len(),
+                            d.results.len()
+                        ));
                     } else {
                         for (k, (v, t)) in d.results.iter().zip(&tys).enumerate() {
                             let have = g.ty(*v);
                             if have != t {
-                                push(format!("result {k} ({v}) has type {have} but `{}` makes {t}", d.op.name()));
+                                push(format!(
+                                    "result {k} ({v}) has type {have} but `{}` makes {t}",
+                                    d.op.name()
+                                ));
                             }
                         }
                     }
@@ -97,25 +114,38 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
         }
         if let Some(axis) = d.op.axis() {
             if !g.mesh.has(axis) {
-                let known = if g.mesh.axes.is_empty() { "the graph has no mesh".to_string() } else { format!("mesh is {}", g.mesh) };
-                push(format!("collective on unknown mesh axis `{axis}` ({known})"));
+                let known = if g.mesh.axes.is_empty() {
+                    "the graph has no mesh".to_string()
+                } else {
+                    format!("mesh is {}", g.mesh)
+                };
+                push(format!(
+                    "collective on unknown mesh axis `{axis}` ({known})"
+                ));
             }
         }
         if let Op::Param { name, .. } = &d.op {
             if let Some(prev) = param_names.insert(name.clone(), n) {
-                push(format!("parameter `{name}` is already defined by {}", g.describe(prev)));
+                push(format!(
+                    "parameter `{name}` is already defined by {}",
+                    g.describe(prev)
+                ));
             }
         }
         for v in &d.results {
             for (i, dim) in g.ty(*v).shape.iter().enumerate() {
-                check_dim(dim, &mesh_sizes, g, &mut |m| push(format!("dim {i} of {v}: {m}")));
+                check_dim(dim, &mesh_sizes, g, &mut |m| {
+                    push(format!("dim {i} of {v}: {m}"))
+                });
             }
             if let Some(slot) = defined.get_mut(v.0 as usize) {
                 *slot = true;
             }
         }
         for dim in op_dims(&d.op) {
-            check_dim(dim, &mesh_sizes, g, &mut |m| push(format!("attribute: {m}")));
+            check_dim(dim, &mesh_sizes, g, &mut |m| {
+                push(format!("attribute: {m}"))
+            });
         }
     }
     check_runtime_symbols(g, &mut errors);
@@ -123,22 +153,38 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
     for (name, splits) in g.output_splits() {
         let location = format!("output `{name}`");
         let Some(v) = g.output(name) else {
-            errors.push(VerifyError { node: None, location, message: "split recorded for an output that does not exist".into() });
+            errors.push(VerifyError {
+                node: None,
+                location,
+                message: "split recorded for an output that does not exist".into(),
+            });
             continue;
         };
         let rank = g.try_ty(v).map(|t| t.rank()).unwrap_or(0);
         for (d, a) in splits {
             if *d >= rank {
-                errors.push(VerifyError { node: None, location: location.clone(), message: format!("split dim {d} is out of range for rank {rank}") });
+                errors.push(VerifyError {
+                    node: None,
+                    location: location.clone(),
+                    message: format!("split dim {d} is out of range for rank {rank}"),
+                });
             }
             if !g.mesh.has(a) {
-                errors.push(VerifyError { node: None, location: location.clone(), message: format!("split over unknown mesh axis `{a}`") });
+                errors.push(VerifyError {
+                    node: None,
+                    location: location.clone(),
+                    message: format!("split over unknown mesh axis `{a}`"),
+                });
             }
         }
     }
     for (name, v) in g.outputs() {
         if g.try_value(*v).is_none() {
-            errors.push(VerifyError { node: None, location: format!("output `{name}`"), message: format!("{v} is not defined") });
+            errors.push(VerifyError {
+                node: None,
+                location: format!("output `{name}`"),
+                message: format!("{v} is not defined"),
+            });
         }
     }
     errors
@@ -167,7 +213,10 @@ fn check_runtime_symbols(g: &Graph, errors: &mut Vec<VerifyError>) {
                 errors.push(VerifyError {
                     node: Some(n),
                     location: g.describe(n),
-                    message: format!("uses data-dependent size `{s}` before {} defines it", g.describe(*dn)),
+                    message: format!(
+                        "uses data-dependent size `{s}` before {} defines it",
+                        g.describe(*dn)
+                    ),
                 });
             }
         }
@@ -180,7 +229,13 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
     let params: BTreeMap<String, crate::graph::Value> = g.params().into_iter().collect();
     for (name, parts) in g.param_partitions() {
         let location = format!("partition of `{name}`");
-        let mut push = |m: String| errors.push(VerifyError { node: None, location: location.clone(), message: m });
+        let mut push = |m: String| {
+            errors.push(VerifyError {
+                node: None,
+                location: location.clone(),
+                message: m,
+            })
+        };
         let Some(&v) = params.get(name) else {
             push("names no parameter of the graph".into());
             continue;
@@ -192,7 +247,11 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
                 continue;
             };
             if p.ranks() != n as usize {
-                push(format!("lists {} ranks but axis `{}` has {n}", p.ranks(), p.axis));
+                push(format!(
+                    "lists {} ranks but axis `{}` has {n}",
+                    p.ranks(),
+                    p.axis
+                ));
                 continue;
             }
             if p.dim >= ty.rank() {
@@ -234,7 +293,10 @@ fn op_dims(op: &Op) -> Vec<&Dim> {
 fn check_dim(dim: &Dim, mesh: &Bindings, g: &Graph, push: &mut dyn FnMut(String)) {
     let bound = dim.bind(mesh);
     if bound.is_fractional_const() {
-        push(format!("`{dim}` does not divide evenly ({bound} with mesh {})", g.mesh));
+        push(format!(
+            "`{dim}` does not divide evenly ({bound} with mesh {})",
+            g.mesh
+        ));
     }
     if let Some(c) = bound.as_const() {
         if c < 0 {
@@ -243,7 +305,9 @@ fn check_dim(dim: &Dim, mesh: &Bindings, g: &Graph, push: &mut dyn FnMut(String)
     }
     for axis in dim.rank_axes() {
         if !g.mesh.has(&axis) {
-            push(format!("`{dim}` depends on the rank along unknown mesh axis `{axis}`"));
+            push(format!(
+                "`{dim}` depends on the rank along unknown mesh axis `{axis}`"
+            ));
         }
     }
     check_tables(dim, g, push);
@@ -253,7 +317,9 @@ fn check_tables(dim: &Dim, g: &Graph, push: &mut dyn FnMut(String)) {
     for (axis, count) in dim.per_rank_tables() {
         if let Some(n) = g.mesh.size(&axis) {
             if count != n as usize {
-                push(format!("per-rank sizes in `{dim}` list {count} ranks but axis `{axis}` has {n}"));
+                push(format!(
+                    "per-rank sizes in `{dim}` list {count} ranks but axis `{axis}` has {n}"
+                ));
             }
         }
     }
@@ -272,7 +338,11 @@ fn annotate(g: &Graph, errors: &[VerifyError]) -> String {
             out.push_str(&format!("    ^ error: {}\n", e.message));
         }
     }
-    let outs: Vec<String> = g.outputs().iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let outs: Vec<String> = g
+        .outputs()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
     out.push_str(&format!("return {}\n", outs.join(", ")));
     for e in errors.iter().filter(|e| e.node.is_none()) {
         out.push_str(&format!("    ^ error: {} in {}\n", e.message, e.location));

@@ -43,12 +43,24 @@ fn collect_all(g: &Graph) -> Vec<Check> {
         let d = g.node(n);
         for v in &d.results {
             for (i, dim) in g.ty(*v).shape.iter().enumerate() {
-                out.push(Check { node: n, label: format!("dim {i} of {v}"), dim: dim.clone() });
+                out.push(Check {
+                    node: n,
+                    label: format!("dim {i} of {v}"),
+                    dim: dim.clone(),
+                });
             }
         }
-        let mut attr = |name: &str, dim: &Dim| out.push(Check { node: n, label: format!("attribute `{name}`"), dim: dim.clone() });
+        let mut attr = |name: &str, dim: &Dim| {
+            out.push(Check {
+                node: n,
+                label: format!("attribute `{name}`"),
+                dim: dim.clone(),
+            })
+        };
         match &d.op {
-            Op::Reshape { shape } | Op::Expand { shape } => shape.iter().for_each(|x| attr("shape", x)),
+            Op::Reshape { shape } | Op::Expand { shape } => {
+                shape.iter().for_each(|x| attr("shape", x))
+            }
             Op::Split { sizes, .. } => sizes.iter().for_each(|x| attr("sizes", x)),
             Op::Arange { start, .. } => attr("start", start),
             Op::Slice { dim, start, len } => {
@@ -57,7 +69,15 @@ fn collect_all(g: &Graph) -> Vec<Check> {
                 let t = g.ty(d.operands[0]);
                 if let Ok(k) = norm_dim(*dim, t.rank()) {
                     let room = t.shape[k].clone() - start.clone() - len.clone();
-                    out.push(Check { node: n, label: format!("the slice end {} (size {})", start.clone() + len.clone(), t.shape[k]), dim: room });
+                    out.push(Check {
+                        node: n,
+                        label: format!(
+                            "the slice end {} (size {})",
+                            start.clone() + len.clone(),
+                            t.shape[k]
+                        ),
+                        dim: room,
+                    });
                 }
             }
             _ => {}
@@ -71,7 +91,14 @@ fn rank_bindings(g: &Graph, d: &Dim, base: &Bindings) -> Vec<Bindings> {
     let mut out = vec![base.clone()];
     for axis in d.rank_axes() {
         let n = g.mesh.size(&axis).unwrap_or(1) as i64;
-        out = out.into_iter().flat_map(|b| (0..n).map(|c| b.clone().with_coord(&axis, c)).collect::<Vec<_>>()).collect();
+        out = out
+            .into_iter()
+            .flat_map(|b| {
+                (0..n)
+                    .map(|c| b.clone().with_coord(&axis, c))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
     }
     out
 }
@@ -81,7 +108,14 @@ fn eval_everywhere(g: &Graph, d: &Dim, base: &Bindings) -> Result<(), (DimError,
     for b in rank_bindings(g, d, base) {
         match d.eval(&b) {
             Ok(v) if v < 0 => {
-                return Err((DimError::NotInteger { dim: d.to_string(), num: v, den: 1 }, b));
+                return Err((
+                    DimError::NotInteger {
+                        dim: d.to_string(),
+                        num: v,
+                        den: 1,
+                    },
+                    b,
+                ));
             }
             Ok(_) => {}
             Err(e) => return Err((e, b)),
@@ -121,7 +155,9 @@ pub fn check_bindings(g: &Graph, b: &Bindings) -> Result<(), BindingError> {
     let full = with_mesh(g, b);
     let checks = collect(g);
     for c in &checks {
-        let Err((e, at)) = eval_everywhere(g, &c.dim, &full) else { continue };
+        let Err((e, at)) = eval_everywhere(g, &c.dim, &full) else {
+            continue;
+        };
         let location = g.describe(c.node);
         let bound: Vec<String> = c
             .dim
@@ -131,7 +167,11 @@ pub fn check_bindings(g: &Graph, b: &Bindings) -> Result<(), BindingError> {
             .filter_map(|s| full.symbols.get(s).map(|v| format!("{s}={v}")))
             .chain(at.coords.iter().map(|(a, v)| format!("@{a}={v}")))
             .collect();
-        let with = if bound.is_empty() { String::new() } else { format!(" with {}", bound.join(", ")) };
+        let with = if bound.is_empty() {
+            String::new()
+        } else {
+            format!(" with {}", bound.join(", "))
+        };
         match e {
             DimError::Unbound(s) | DimError::UnboundCoord(s) => {
                 return Err(BindingError {
@@ -145,12 +185,20 @@ pub fn check_bindings(g: &Graph, b: &Bindings) -> Result<(), BindingError> {
             }
             DimError::NotInteger { num, den, .. } => {
                 // The user-bound symbols of the failing dim, and values that would work.
-                let culprit = c.dim.symbols().into_iter().find(|s| b.symbols.contains_key(s) && !g.mesh.has(s));
+                let culprit = c
+                    .dim
+                    .symbols()
+                    .into_iter()
+                    .find(|s| b.symbols.contains_key(s) && !g.mesh.has(s));
                 let (what, suggestions, help) = match &culprit {
                     Some(s) => {
                         let v = full.symbols[s];
                         let sugg = nearest_valid(g, &checks, &full, s, v);
-                        let verb = if den == 1 { "is too small" } else { "does not divide evenly" };
+                        let verb = if den == 1 {
+                            "is too small"
+                        } else {
+                            "does not divide evenly"
+                        };
                         let help = match sugg.as_slice() {
                             [] => None,
                             [one] => Some(format!("use {s}={one}, the nearest value every size works with")),
@@ -159,10 +207,22 @@ pub fn check_bindings(g: &Graph, b: &Bindings) -> Result<(), BindingError> {
                         };
                         (format!("{}={v} {verb}", describe_symbol(g, s)), sugg, help)
                     }
-                    None => ("a size does not work with the mesh".to_string(), vec![], None),
+                    None => (
+                        "a size does not work with the mesh".to_string(),
+                        vec![],
+                        None,
+                    ),
                 };
-                let value = if den == 1 { format!("{num}") } else { format!("{num}/{den}") };
-                let mesh = if g.mesh.axes.is_empty() { String::new() } else { format!(" on mesh {}", g.mesh) };
+                let value = if den == 1 {
+                    format!("{num}")
+                } else {
+                    format!("{num}/{den}")
+                };
+                let mesh = if g.mesh.axes.is_empty() {
+                    String::new()
+                } else {
+                    format!(" on mesh {}", g.mesh)
+                };
                 return Err(BindingError {
                     what,
                     location,
@@ -189,7 +249,11 @@ pub fn check_bindings(g: &Graph, b: &Bindings) -> Result<(), BindingError> {
 
 /// The nearest values below and above `v` for symbol `s` with which every check passes.
 fn nearest_valid(g: &Graph, checks: &[Check], full: &Bindings, s: &str, v: i64) -> Vec<i64> {
-    let dims: BTreeSet<&Dim> = checks.iter().map(|c| &c.dim).filter(|d| d.mentions(s)).collect();
+    let dims: BTreeSet<&Dim> = checks
+        .iter()
+        .map(|c| &c.dim)
+        .filter(|d| d.mentions(s))
+        .collect();
     let ok = |x: i64| {
         let mut b = full.clone();
         b.symbols.insert(s.to_string(), x);

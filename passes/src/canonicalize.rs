@@ -29,12 +29,16 @@ impl Pass for Canonicalize {
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
-        res.count("folded", 0).count("identities_removed", 0).count("cse_merged", 0).count("dce_removed", 0);
+        res.count("folded", 0)
+            .count("identities_removed", 0)
+            .count("cse_merged", 0)
+            .count("dce_removed", 0);
         for round in 0..cx.options.canonicalize_max_rounds.max(1) {
             let f = fold(g, &mut res);
             let c = cse(g);
             let d = dce(g);
-            res.count("cse_merged", c as u64).count("dce_removed", d as u64);
+            res.count("cse_merged", c as u64)
+                .count("dce_removed", d as u64);
             if !f && c == 0 && d == 0 {
                 res.count("rounds", round as u64 + 1);
                 return Ok(res);
@@ -64,22 +68,30 @@ fn op_for_perm(p: &[usize]) -> Option<Op> {
     let moved: Vec<usize> = (0..p.len()).filter(|&i| p[i] != i).collect();
     match moved.as_slice() {
         [] => None,
-        [a, b] if p[*a] == *b && p[*b] == *a => Some(Op::Transpose { dim0: *a as i64, dim1: *b as i64 }),
-        _ => Some(Op::Permute { perm: p.iter().map(|&x| x as i64).collect() }),
+        [a, b] if p[*a] == *b && p[*b] == *a => Some(Op::Transpose {
+            dim0: *a as i64,
+            dim1: *b as i64,
+        }),
+        _ => Some(Op::Permute {
+            perm: p.iter().map(|&x| x as i64).collect(),
+        }),
     }
 }
 
 /// True when `n` returns its operand unchanged.
 fn is_identity(g: &Graph, n: Node) -> bool {
     let d = g.node(n);
-    let Some(&x) = d.operands.first() else { return false };
+    let Some(&x) = d.operands.first() else {
+        return false;
+    };
     let t = g.ty(x);
     match &d.op {
         Op::Reshape { shape } | Op::Expand { shape } => *shape == t.shape,
-        Op::Transpose { .. } | Op::Permute { .. } => perm_of(&d.op, t.rank()).is_some_and(|p| op_for_perm(&p).is_none()),
-        Op::Slice { dim, start, len } => {
-            norm_dim(*dim, t.rank()).is_ok_and(|k| start.as_const() == Some(0) && *len == t.shape[k])
+        Op::Transpose { .. } | Op::Permute { .. } => {
+            perm_of(&d.op, t.rank()).is_some_and(|p| op_for_perm(&p).is_none())
         }
+        Op::Slice { dim, start, len } => norm_dim(*dim, t.rank())
+            .is_ok_and(|k| start.as_const() == Some(0) && *len == t.shape[k]),
         Op::Scale { factor } => factor.0 == 1.0,
         Op::AddScalar { value } => value.0 == 0.0,
         Op::Cast { dtype } => *dtype == t.dtype,
@@ -104,7 +116,9 @@ fn fold(g: &mut Graph, res: &mut PassResult) -> bool {
             }
         }
         let d = g.node(n);
-        let Some(&x) = d.operands.first() else { continue };
+        let Some(&x) = d.operands.first() else {
+            continue;
+        };
         let inner = g.def(x);
         let inner_op = g.node(inner).op.clone();
         let rank = g.ty(x).rank();
@@ -113,9 +127,16 @@ fn fold(g: &mut Graph, res: &mut PassResult) -> bool {
                 let src = g.node(inner).operands[0];
                 g.node_mut(n).operands[0] = src;
             }
-            (Op::Transpose { .. } | Op::Permute { .. }, Op::Transpose { .. } | Op::Permute { .. }) => {
+            (
+                Op::Transpose { .. } | Op::Permute { .. },
+                Op::Transpose { .. } | Op::Permute { .. },
+            ) => {
                 let src = g.node(inner).operands[0];
-                let (Some(outer_p), Some(inner_p)) = (perm_of(&d.op, rank), perm_of(&inner_op, rank)) else { continue };
+                let (Some(outer_p), Some(inner_p)) =
+                    (perm_of(&d.op, rank), perm_of(&inner_op, rank))
+                else {
+                    continue;
+                };
                 let composed: Vec<usize> = outer_p.iter().map(|&i| inner_p[i]).collect();
                 match op_for_perm(&composed) {
                     None => {
@@ -148,7 +169,12 @@ fn cse(g: &mut Graph) -> usize {
         let key = (d.op.clone(), d.operands.clone());
         match seen.get(&key) {
             Some(first) => {
-                let pairs: Vec<(Value, Value)> = d.results.iter().copied().zip(first.iter().copied()).collect();
+                let pairs: Vec<(Value, Value)> = d
+                    .results
+                    .iter()
+                    .copied()
+                    .zip(first.iter().copied())
+                    .collect();
                 for (old, new) in pairs {
                     g.replace_all_uses(old, new);
                 }

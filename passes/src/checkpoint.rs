@@ -49,17 +49,29 @@ impl Pass for Checkpoint {
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
-        for k in ["saved_before", "saved_after", "recomputed_nodes", "saved_bytes_before", "saved_bytes_after", "recompute_flops"] {
+        for k in [
+            "saved_before",
+            "saved_after",
+            "recomputed_nodes",
+            "saved_bytes_before",
+            "saved_bytes_after",
+            "recompute_flops",
+        ] {
             res.count(k, 0);
         }
         let policy = cx.options.train.checkpoint.clone();
-        if policy == CheckpointPolicy::None || g.nodes().iter().any(|&n| crate::memory::is_recompute(g, n)) {
+        if policy == CheckpointPolicy::None
+            || g.nodes().iter().any(|&n| crate::memory::is_recompute(g, n))
+        {
             return Ok(res);
         }
         let b = crate::memory::bindings(g, &cx.options.train);
         let joint = Joint::of(g);
         res.count("saved_before", joint.saved.len() as u64);
-        res.count("saved_bytes_before", joint.saved.iter().map(|v| bytes(g, *v, &b)).sum());
+        res.count(
+            "saved_bytes_before",
+            joint.saved.iter().map(|v| bytes(g, *v, &b)).sum(),
+        );
         let why = match &policy {
             CheckpointPolicy::None => unreachable!(),
             CheckpointPolicy::Full => "full: recomputed in its layer's backward".to_string(),
@@ -85,7 +97,10 @@ impl Pass for Checkpoint {
         res.count("recompute_flops", fl as u64);
         let after = Joint::of(g);
         res.count("saved_after", after.saved.len() as u64);
-        res.count("saved_bytes_after", after.saved.iter().map(|v| bytes(g, *v, &b)).sum());
+        res.count(
+            "saved_bytes_after",
+            after.saved.iter().map(|v| bytes(g, *v, &b)).sum(),
+        );
         res.changed = true;
         Ok(res)
     }
@@ -94,9 +109,23 @@ impl Pass for Checkpoint {
 /// Recomputes every saved value of `joint` not in `keep` (only `full` re-runs a
 /// layer's collectives; the others keep their results). Returns the number of clones
 /// and their FLOPs.
-fn apply(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, policy: &CheckpointPolicy, why: &str, b: &weft_ir::Bindings) -> Result<(usize, f64), PassError> {
+fn apply(
+    g: &mut Graph,
+    joint: &Joint,
+    keep: &HashSet<Value>,
+    policy: &CheckpointPolicy,
+    why: &str,
+    b: &weft_ir::Bindings,
+) -> Result<(usize, f64), PassError> {
     let recompute_collectives = *policy == CheckpointPolicy::Full;
-    let recompute: Vec<Value> = joint.saved.iter().copied().filter(|v| !keep.contains(v) && (recompute_collectives || !g.node(g.def(*v)).op.is_collective())).collect();
+    let recompute: Vec<Value> = joint
+        .saved
+        .iter()
+        .copied()
+        .filter(|v| {
+            !keep.contains(v) && (recompute_collectives || !g.node(g.def(*v)).op.is_collective())
+        })
+        .collect();
     if recompute.is_empty() {
         return Ok((0, 0.0));
     }
@@ -107,7 +136,15 @@ fn apply(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, policy: &Checkpoin
 /// becomes once `keep` is applied and the rest of the training pipeline (`grad-sync`,
 /// then `optimizer` when the options have one, which frees each gradient as its
 /// bucket is updated) has run. `offload`, which only lowers it, is left out.
-fn step_peak(g: &Graph, joint: &Joint, keep: &HashSet<Value>, policy: &CheckpointPolicy, why: &str, b: &weft_ir::Bindings, cx: &PassContext) -> Result<u64, PassError> {
+fn step_peak(
+    g: &Graph,
+    joint: &Joint,
+    keep: &HashSet<Value>,
+    policy: &CheckpointPolicy,
+    why: &str,
+    b: &weft_ir::Bindings,
+    cx: &PassContext,
+) -> Result<u64, PassError> {
     use crate::pass::Pass;
     let mut t = g.clone();
     apply(&mut t, joint, keep, policy, why, b)?;
@@ -124,7 +161,14 @@ fn step_peak(g: &Graph, joint: &Joint, keep: &HashSet<Value>, policy: &Checkpoin
 /// the backward has its own transients, so each cut is checked by the liveness
 /// estimate of the whole step, and the saved-bytes target lowered by the overshoot
 /// until it fits. Errors when even the cut that keeps the least does not fit.
-fn budget_keep(g: &Graph, joint: &Joint, b: &weft_ir::Bindings, budget: u64, why: &str, cx: &PassContext) -> Result<(HashSet<Value>, u64, u64), PassError> {
+fn budget_keep(
+    g: &Graph,
+    joint: &Joint,
+    b: &weft_ir::Bindings,
+    budget: u64,
+    why: &str,
+    cx: &PassContext,
+) -> Result<(HashSet<Value>, u64, u64), PassError> {
     let policy = CheckpointPolicy::Budget(budget);
     let saved_of = |keep: &HashSet<Value>| -> u64 { keep.iter().map(|v| bytes(g, *v, b)).sum() };
     let mut target = budget;
@@ -187,7 +231,9 @@ fn layer_keep(g: &Graph, joint: &Joint, also_attention: bool) -> HashSet<Value> 
         .filter(|v| {
             let d = g.def(*v);
             let op = &g.node(d).op;
-            layer_of_node(d).is_none() || crossing.contains(v) || (also_attention && (matches!(op, Op::Attention { .. }) || op.is_collective()))
+            layer_of_node(d).is_none()
+                || crossing.contains(v)
+                || (also_attention && (matches!(op, Op::Attention { .. }) || op.is_collective()))
         })
         .collect()
 }
@@ -215,7 +261,15 @@ fn crossing_values(g: &Graph, joint: &Joint) -> HashSet<Value> {
 /// Clones the forward nodes that compute `values` from kept values, params and inputs,
 /// each just before the first node after the forward that reads it; rewires those
 /// reads. Returns the number of clones and their FLOPs.
-fn rematerialize(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, values: &[Value], why: &str, b: &weft_ir::Bindings, recompute_collectives: bool) -> Result<(usize, f64), PassError> {
+fn rematerialize(
+    g: &mut Graph,
+    joint: &Joint,
+    keep: &HashSet<Value>,
+    values: &[Value],
+    why: &str,
+    b: &weft_ir::Bindings,
+    recompute_collectives: bool,
+) -> Result<(usize, f64), PassError> {
     // The forward nodes to clone: the closure of `values` back to kept values (and,
     // unless collectives are recomputed, back to collective results, then kept too).
     let mut keep = keep.clone();
@@ -223,7 +277,11 @@ fn rematerialize(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, values: &[
     let mut stack: Vec<Value> = values.to_vec();
     while let Some(v) = stack.pop() {
         let d = g.def(v);
-        if need.contains(&d) || is_resident(&g.node(d).op) || !joint.forward.contains(&d) || keep.contains(&v) {
+        if need.contains(&d)
+            || is_resident(&g.node(d).op)
+            || !joint.forward.contains(&d)
+            || keep.contains(&v)
+        {
             continue;
         }
         if !recompute_collectives && g.node(d).op.is_collective() {
@@ -262,18 +320,32 @@ fn rematerialize(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, values: &[
         }
     }
     let order: Vec<Node> = g.nodes().to_vec();
-    let mut plan: Vec<(usize, usize, Node)> = nodes.iter().map(|n| (anchor[n], joint.pos[n], *n)).filter(|(a, _, _)| *a != inf).collect();
+    let mut plan: Vec<(usize, usize, Node)> = nodes
+        .iter()
+        .map(|n| (anchor[n], joint.pos[n], *n))
+        .filter(|(a, _, _)| *a != inf)
+        .collect();
     plan.sort();
     let mut map: HashMap<Value, Value> = HashMap::new();
     let mut fl = 0.0;
     for &(a, _, n) in &plan {
         let d = g.node(n).clone();
-        let operands: Vec<Value> = d.operands.iter().map(|x| *map.get(x).unwrap_or(x)).collect();
+        let operands: Vec<Value> = d
+            .operands
+            .iter()
+            .map(|x| *map.get(x).unwrap_or(x))
+            .collect();
         let tys: Vec<_> = d.results.iter().map(|v| g.ty(*v).clone()).collect();
         let mut meta = d.meta.clone();
         let layer = layer_of(d.meta.source.as_deref()).unwrap_or_else(|| "the model".into());
-        meta.provenance = Some(Provenance { pass: NAME.into(), reason: format!("{why}, for the backward of {layer}") });
-        meta.derived = Some(Derived { kind: DerivedKind::Recompute, of: d.results[0] });
+        meta.provenance = Some(Provenance {
+            pass: NAME.into(),
+            reason: format!("{why}, for the backward of {layer}"),
+        });
+        meta.derived = Some(Derived {
+            kind: DerivedKind::Recompute,
+            of: d.results[0],
+        });
         let new = g.insert_typed(At::Before(order[a]), d.op.clone(), &operands, tys, meta);
         for (old, nv) in d.results.iter().zip(new) {
             map.insert(*old, nv);
@@ -285,7 +357,12 @@ fn rematerialize(g: &mut Graph, joint: &Joint, keep: &HashSet<Value>, values: &[
         if joint.forward.contains(&n) || matches!(g.node(n).op, Op::Offload { .. }) {
             continue;
         }
-        let ops: Vec<Value> = g.node(n).operands.iter().map(|x| *map.get(x).unwrap_or(x)).collect();
+        let ops: Vec<Value> = g
+            .node(n)
+            .operands
+            .iter()
+            .map(|x| *map.get(x).unwrap_or(x))
+            .collect();
         g.node_mut(n).operands = ops;
     }
     Ok((plan.len(), fl))
@@ -302,7 +379,11 @@ struct Flow {
 
 impl Flow {
     fn new(n: usize) -> Flow {
-        Flow { adj: vec![Vec::new(); n], to: Vec::new(), cap: Vec::new() }
+        Flow {
+            adj: vec![Vec::new(); n],
+            to: Vec::new(),
+            cap: Vec::new(),
+        }
     }
     fn edge(&mut self, a: usize, b: usize, c: f64) {
         self.adj[a].push(self.to.len());
@@ -365,7 +446,12 @@ impl Flow {
 }
 
 /// The values to keep for a byte budget, and whether the budget is met.
-fn min_cut_keep(g: &Graph, joint: &Joint, b: &weft_ir::Bindings, budget: u64) -> (HashSet<Value>, bool) {
+fn min_cut_keep(
+    g: &Graph,
+    joint: &Joint,
+    b: &weft_ir::Bindings,
+    budget: u64,
+) -> (HashSet<Value>, bool) {
     // Forward nodes that matter: those the saved values depend on.
     let mut nodes: Vec<Node> = Vec::new();
     let mut seen: HashSet<Node> = HashSet::new();
@@ -383,13 +469,21 @@ fn min_cut_keep(g: &Graph, joint: &Joint, b: &weft_ir::Bindings, budget: u64) ->
     let index: BTreeMap<Node, usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let saved_set: HashSet<Value> = joint.saved.iter().copied().collect();
     let crossing = crossing_values(g, joint);
-    let size = |n: Node| -> f64 { g.node(n).results.iter().map(|v| bytes(g, *v, b) as f64).sum() };
+    let size = |n: Node| -> f64 {
+        g.node(n)
+            .results
+            .iter()
+            .map(|v| bytes(g, *v, b) as f64)
+            .sum()
+    };
     // Identical layers would all switch at the same λ; a slightly higher price for
     // recomputing later layers orders them (earlier layers' activations live longest).
     let cost: Vec<f64> = nodes
         .iter()
         .map(|&n| {
-            let layer = layer_of(g.node(n).meta.source.as_deref()).and_then(|l| crate::memory::layer_index(&l)).unwrap_or(0);
+            let layer = layer_of(g.node(n).meta.source.as_deref())
+                .and_then(|l| crate::memory::layer_index(&l))
+                .unwrap_or(0);
             flops(g, n, b) * (1.0 + 1e-3 * layer as f64)
         })
         .collect();
@@ -404,9 +498,19 @@ fn min_cut_keep(g: &Graph, joint: &Joint, b: &weft_ir::Bindings, budget: u64) ->
             // lies outside the layers or crosses between them: a recompute stays in
             // its layer, so a recomputed value lives only through its layer's backward
             // instead of from the first backward use of a chain through every layer.
-            let banned = g.node(n).op.is_collective() || layer_of(g.node(n).meta.source.as_deref()).is_none() || g.node(n).results.iter().any(|v| crossing.contains(v));
+            let banned = g.node(n).op.is_collective()
+                || layer_of(g.node(n).meta.source.as_deref()).is_none()
+                || g.node(n).results.iter().any(|v| crossing.contains(v));
             // A tiny recompute cost so that free ops are recomputed only when it helps.
-            f.edge(s, nin, if banned { f64::INFINITY } else { lambda * cost[i] + 1e-6 });
+            f.edge(
+                s,
+                nin,
+                if banned {
+                    f64::INFINITY
+                } else {
+                    lambda * cost[i] + 1e-6
+                },
+            );
             for x in &g.node(n).operands {
                 if let Some(&j) = index.get(&g.def(*x)) {
                     f.edge(2 * j + 1, nin, f64::INFINITY);

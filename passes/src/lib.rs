@@ -20,8 +20,8 @@ pub mod autodiff;
 pub mod bindings;
 pub mod canonicalize;
 pub mod checkpoint;
-pub mod grad_sync;
 pub mod ep;
+pub mod grad_sync;
 pub mod manager;
 pub mod memory;
 pub mod micro_batches;
@@ -34,12 +34,15 @@ pub mod shard_inputs;
 pub mod shard_seq;
 pub mod simplify;
 pub mod sp_loss;
-pub mod training;
 pub mod tp;
+pub mod training;
 pub mod ulysses;
 mod util;
 
 pub use bindings::{check_bindings, BindingError};
 pub use manager::{run_pipeline, Instrumentation, PassFilter, PassManager, PassStats, RunReport};
 pub use pass::{MeshAxes, Pass, PassContext, PassError, PassOptions, PassResult, DP, SP, TP};
-pub use registry::{check_pipeline, default_pipeline, default_pipeline_explained, lookup, pass_names, passes, Pipeline, Step};
+pub use registry::{
+    check_pipeline, default_pipeline, default_pipeline_explained, lookup, pass_names, passes,
+    Pipeline, Step,
+};

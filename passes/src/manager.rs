@@ -29,11 +29,20 @@ impl PassFilter {
         if t == "all" {
             return Ok(PassFilter::All);
         }
-        let names: Vec<String> = t.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+        let names: Vec<String> = t
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect();
         for n in &names {
             lookup(n)?;
         }
-        Ok(if names.is_empty() { PassFilter::None } else { PassFilter::Only(names) })
+        Ok(if names.is_empty() {
+            PassFilter::None
+        } else {
+            PassFilter::Only(names)
+        })
     }
 
     pub fn matches(&self, pass: &str) -> bool {
@@ -121,7 +130,14 @@ pub struct RunReport {
 impl RunReport {
     /// The statistics as an aligned table; `with_time: false` for snapshots.
     pub fn table(&self, with_time: bool) -> String {
-        let mut head = vec!["pass", "changed", "nodes", "added", "removed", "collectives"];
+        let mut head = vec![
+            "pass",
+            "changed",
+            "nodes",
+            "added",
+            "removed",
+            "collectives",
+        ];
         if with_time {
             head.push("time");
         }
@@ -139,11 +155,19 @@ impl RunReport {
             if with_time {
                 r.push(format!("{:.3} ms", p.wall_time_us as f64 / 1000.0));
             }
-            r.push(p.counters.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
+            r.push(
+                p.counters
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
             rows.push(r);
         }
         let ncol = rows[0].len();
-        let widths: Vec<usize> = (0..ncol).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
+        let widths: Vec<usize> = (0..ncol)
+            .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+            .collect();
         let mut out = String::new();
         for r in &rows {
             let mut line = String::new();
@@ -153,7 +177,10 @@ impl RunReport {
                 }
                 // Names and counters left-aligned, numbers right-aligned.
                 if c == 0 || c == 1 || c == ncol - 1 {
-                    line.push_str(&format!("{cell:<w$}", w = if c == ncol - 1 { 0 } else { widths[c] }));
+                    line.push_str(&format!(
+                        "{cell:<w$}",
+                        w = if c == ncol - 1 { 0 } else { widths[c] }
+                    ));
                 } else {
                     line.push_str(&format!("{cell:>w$}", w = widths[c]));
                 }
@@ -200,24 +227,48 @@ impl PassManager {
 
     /// Runs `pipeline` (pass names) on `g` for the mesh of `cx`. A graph without a mesh
     /// takes the context's; a different non-empty mesh is an error.
-    pub fn run(&self, g: &mut Graph, cx: &PassContext, pipeline: &[&str], sink: &mut dyn Write) -> Result<RunReport, PassError> {
-        let passes = pipeline.iter().map(|n| lookup(n)).collect::<Result<Vec<_>, _>>()?;
+    pub fn run(
+        &self,
+        g: &mut Graph,
+        cx: &PassContext,
+        pipeline: &[&str],
+        sink: &mut dyn Write,
+    ) -> Result<RunReport, PassError> {
+        let passes = pipeline
+            .iter()
+            .map(|n| lookup(n))
+            .collect::<Result<Vec<_>, _>>()?;
         self.run_passes(g, cx, &passes, sink)
     }
 
     /// Like [`run`](Self::run), with pass objects (passes outside the registry too).
-    pub fn run_passes(&self, g: &mut Graph, cx: &PassContext, passes: &[&dyn Pass], sink: &mut dyn Write) -> Result<RunReport, PassError> {
+    pub fn run_passes(
+        &self,
+        g: &mut Graph,
+        cx: &PassContext,
+        passes: &[&dyn Pass],
+        sink: &mut dyn Write,
+    ) -> Result<RunReport, PassError> {
         let ins = &self.instrumentation;
         let pipeline: Vec<&str> = passes.iter().map(|p| p.name()).collect();
         let names: Vec<String> = pipeline.iter().map(|s| s.to_string()).collect();
         if ins.check_requires {
             for (i, p) in passes.iter().enumerate() {
                 if let Some(req) = p.requires().iter().find(|r| !pipeline[..i].contains(r)) {
-                    return Err(PassError::Prerequisite { pass: p.name().to_string(), required: req.to_string(), pipeline: names });
+                    return Err(PassError::Prerequisite {
+                        pass: p.name().to_string(),
+                        required: req.to_string(),
+                        pipeline: names,
+                    });
                 }
             }
         }
-        for n in ins.print_before.names().iter().chain(ins.print_after.names()) {
+        for n in ins
+            .print_before
+            .names()
+            .iter()
+            .chain(ins.print_after.names())
+        {
             if !pipeline.contains(&n.as_str()) {
                 lookup(n)?;
             }
@@ -225,43 +276,68 @@ impl PassManager {
         if let Some(stop) = &ins.stop_after {
             if !pipeline.contains(&stop.as_str()) {
                 lookup(stop)?;
-                return Err(PassError::NotInPipeline { option: "--stop-after".into(), pass: stop.clone(), pipeline: names });
+                return Err(PassError::NotInPipeline {
+                    option: "--stop-after".into(),
+                    pass: stop.clone(),
+                    pipeline: names,
+                });
             }
         }
         if g.mesh.axes.is_empty() {
             g.mesh = cx.mesh.clone();
         } else if g.mesh != cx.mesh {
-            return Err(PassError::MeshMismatch { graph: g.mesh.clone(), context: cx.mesh.clone() });
+            return Err(PassError::MeshMismatch {
+                graph: g.mesh.clone(),
+                context: cx.mesh.clone(),
+            });
         }
         if ins.verify_each {
-            verify(g).map_err(|report| PassError::Verify { pass: String::new(), report: Box::new(report) })?;
+            verify(g).map_err(|report| PassError::Verify {
+                pass: String::new(),
+                report: Box::new(report),
+            })?;
         }
-        let mut report = RunReport { mesh: cx.mesh.to_string(), ..Default::default() };
+        let mut report = RunReport {
+            mesh: cx.mesh.to_string(),
+            ..Default::default()
+        };
         for (i, pass) in passes.iter().enumerate() {
             let name = pass.name();
             if ins.bisect_limit.is_some_and(|lim| i >= lim) {
                 report.stopped_after = i.checked_sub(1).map(|j| passes[j].name().to_string());
                 break;
             }
-            pass.mesh_axes().check(&cx.mesh).map_err(|axes| PassError::MissingAxis {
-                pass: name.to_string(),
-                axes,
-                mesh: cx.mesh.clone(),
-            })?;
+            pass.mesh_axes()
+                .check(&cx.mesh)
+                .map_err(|axes| PassError::MissingAxis {
+                    pass: name.to_string(),
+                    axes,
+                    mesh: cx.mesh.clone(),
+                })?;
             if ins.print_before.matches(name) {
                 header(sink, &format!("IR before {name}"));
                 let _ = sink.write_all(print(g).as_bytes());
             }
-            let before_text = if ins.print_changes { Some(print(g)) } else { None };
+            let before_text = if ins.print_changes {
+                Some(print(g))
+            } else {
+                None
+            };
             let before: BTreeSet<Node> = g.nodes().iter().copied().collect();
             let t0 = Instant::now();
             let result = pass.run(g, cx)?;
             let wall = t0.elapsed();
             let after: BTreeSet<Node> = g.nodes().iter().copied().collect();
             let added: Vec<Node> = after.difference(&before).copied().collect();
-            let collectives = added.iter().filter(|&&n| g.node(n).op.is_collective()).count();
+            let collectives = added
+                .iter()
+                .filter(|&&n| g.node(n).op.is_collective())
+                .count();
             if ins.verify_each {
-                verify(g).map_err(|report| PassError::Verify { pass: name.to_string(), report: Box::new(report) })?;
+                verify(g).map_err(|report| PassError::Verify {
+                    pass: name.to_string(),
+                    report: Box::new(report),
+                })?;
             }
             if let Some(before_text) = before_text {
                 let after_text = print(g);
@@ -296,7 +372,17 @@ impl PassManager {
             }
         }
         if ins.stats {
-            header(sink, &format!("pass statistics (mesh {})", if report.mesh.is_empty() { "one rank" } else { &report.mesh }));
+            header(
+                sink,
+                &format!(
+                    "pass statistics (mesh {})",
+                    if report.mesh.is_empty() {
+                        "one rank"
+                    } else {
+                        &report.mesh
+                    }
+                ),
+            );
             let _ = sink.write_all(report.table(ins.stats_times).as_bytes());
         }
         Ok(report)
@@ -304,6 +390,10 @@ impl PassManager {
 }
 
 /// Runs `pipeline` with default instrumentation, discarding printed output.
-pub fn run_pipeline(g: &mut Graph, cx: &PassContext, pipeline: &[&str]) -> Result<RunReport, PassError> {
+pub fn run_pipeline(
+    g: &mut Graph,
+    cx: &PassContext,
+    pipeline: &[&str],
+) -> Result<RunReport, PassError> {
     PassManager::default().run(g, cx, pipeline, &mut std::io::sink())
 }

@@ -9,12 +9,22 @@ use std::collections::{HashMap, HashSet};
 use weft_ir::{Bindings, DerivedKind, Graph, Node, Op, Value};
 
 /// Passes whose nodes belong to the step after the forward.
-const AFTER_FORWARD: &[&str] = &["autodiff", "grad-sync", "optimizer", "checkpoint", "offload"];
+const AFTER_FORWARD: &[&str] = &[
+    "autodiff",
+    "grad-sync",
+    "optimizer",
+    "checkpoint",
+    "offload",
+];
 
 /// True for a node of the forward (not made by autodiff or a later training pass).
 pub fn is_forward(g: &Graph, n: Node) -> bool {
     let m = &g.node(n).meta;
-    m.derived.is_none() && !m.provenance.as_ref().is_some_and(|p| AFTER_FORWARD.contains(&p.pass.as_str()))
+    m.derived.is_none()
+        && !m
+            .provenance
+            .as_ref()
+            .is_some_and(|p| AFTER_FORWARD.contains(&p.pass.as_str()))
 }
 
 /// True for the sources every rank holds whatever the policy (params, inputs).
@@ -38,7 +48,11 @@ impl Joint {
     pub fn of(g: &Graph) -> Joint {
         let order = g.nodes();
         let pos: HashMap<Node, usize> = order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
-        let forward: HashSet<Node> = order.iter().copied().filter(|&n| is_forward(g, n)).collect();
+        let forward: HashSet<Node> = order
+            .iter()
+            .copied()
+            .filter(|&n| is_forward(g, n))
+            .collect();
         let mut backward_uses: HashMap<Value, Vec<usize>> = HashMap::new();
         for (i, &n) in order.iter().enumerate() {
             if forward.contains(&n) || matches!(g.node(n).op, Op::Offload { .. }) {
@@ -53,7 +67,12 @@ impl Joint {
         }
         let mut saved: Vec<Value> = backward_uses.keys().copied().collect();
         saved.sort_by_key(|v| (pos[&g.def(*v)], v.0));
-        Joint { pos, forward, saved, backward_uses }
+        Joint {
+            pos,
+            forward,
+            saved,
+            backward_uses,
+        }
     }
 }
 
@@ -65,7 +84,8 @@ pub fn bindings(g: &Graph, opts: &TrainOptions) -> Bindings {
         b = b.with(a, *n as i64).with_coord(a, 0);
     }
     let dp = g.mesh.size_or_one("dp") as i64;
-    b.with("B", opts.batch.unwrap_or(dp)).with("S", opts.seq.unwrap_or(4096))
+    b.with("B", opts.batch.unwrap_or(dp))
+        .with("S", opts.seq.unwrap_or(4096))
 }
 
 /// Per-rank bytes of a value (0 when a size cannot be evaluated).
@@ -75,7 +95,10 @@ pub fn bytes(g: &Graph, v: Value, b: &Bindings) -> u64 {
 
 /// FLOPs of a node at the bindings (forward count; 0 when unknown).
 pub fn flops(g: &Graph, n: Node, b: &Bindings) -> f64 {
-    weft_ir::flops::node_flops(g, n).eval(b).map(|x| x as f64).unwrap_or(0.0)
+    weft_ir::flops::node_flops(g, n)
+        .eval(b)
+        .map(|x| x as f64)
+        .unwrap_or(0.0)
 }
 
 /// The model layer a scope belongs to: `model.layers.3` for `model.layers.3.mlp`.
@@ -165,7 +188,9 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
     }
     let mut in_place = vec![false; g.value_capacity()];
     for (name, v) in g.outputs() {
-        if name.starts_with(crate::optimizer::PARAM_PREFIX) || name.starts_with(crate::optimizer::STATE_PREFIX) {
+        if name.starts_with(crate::optimizer::PARAM_PREFIX)
+            || name.starts_with(crate::optimizer::STATE_PREFIX)
+        {
             in_place[v.0 as usize] = true;
         } else {
             last[v.0 as usize] = usize::MAX;
@@ -185,7 +210,11 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
             let by = bytes(g, *v, b);
             live += by;
             let l = last[v.0 as usize];
-            let at = if l == usize::MAX { order.len() } else { l.max(i) };
+            let at = if l == usize::MAX {
+                order.len()
+            } else {
+                l.max(i)
+            };
             frees[at].push(by);
         }
         peak = peak.max(live);
@@ -200,5 +229,8 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
 
 /// True when the node was recomputed by `checkpoint`.
 pub fn is_recompute(g: &Graph, n: Node) -> bool {
-    g.node(n).meta.derived.is_some_and(|d| d.kind == DerivedKind::Recompute)
+    g.node(n)
+        .meta
+        .derived
+        .is_some_and(|d| d.kind == DerivedKind::Recompute)
 }

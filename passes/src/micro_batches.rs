@@ -36,8 +36,14 @@ impl Pass for MicroBatches {
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let n = cx.options.train.micro_batches;
         let mut res = PassResult::unchanged();
-        res.count("micro_batches", n as u64).count("cloned_nodes", 0).count("removed_nodes", 0);
-        if n <= 1 || g.nodes().iter().any(|&x| g.node(x).meta.micro_batch.is_some()) {
+        res.count("micro_batches", n as u64)
+            .count("cloned_nodes", 0)
+            .count("removed_nodes", 0);
+        if n <= 1
+            || g.nodes()
+                .iter()
+                .any(|&x| g.node(x).meta.micro_batch.is_some())
+        {
             return Ok(res);
         }
         split(g, n, &mut res)?;
@@ -47,35 +53,87 @@ impl Pass for MicroBatches {
 }
 
 fn err(g: &Graph, what: &str, why: impl Into<String>) -> PassError {
-    PassError::rewrite(NAME, format!("`{NAME}` cannot split the step: {what}"), format!("graph `{}`", g.name), why)
+    PassError::rewrite(
+        NAME,
+        format!("`{NAME}` cannot split the step: {what}"),
+        format!("graph `{}`", g.name),
+        why,
+    )
 }
 
 /// `op` with every dim of its attributes mapped by `f`.
 fn map_dims(op: &Op, f: &dyn Fn(&Dim) -> Dim) -> Op {
     let ty = |t: &weft_ir::TensorType| t.with_shape(t.shape.iter().map(f).collect());
     match op {
-        Op::Full { value, ty: t } => Op::Full { value: *value, ty: ty(t) },
-        Op::Arange { start, ty: t } => Op::Arange { start: f(start), ty: ty(t) },
-        Op::Reshape { shape } => Op::Reshape { shape: shape.iter().map(f).collect() },
-        Op::Expand { shape } => Op::Expand { shape: shape.iter().map(f).collect() },
-        Op::Slice { dim, start, len } => Op::Slice { dim: *dim, start: f(start), len: f(len) },
-        Op::Split { dim, sizes } => Op::Split { dim: *dim, sizes: sizes.iter().map(f).collect() },
-        Op::AllToAllV { axis, rows } => Op::AllToAllV { axis: axis.clone(), rows: f(rows) },
+        Op::Full { value, ty: t } => Op::Full {
+            value: *value,
+            ty: ty(t),
+        },
+        Op::Arange { start, ty: t } => Op::Arange {
+            start: f(start),
+            ty: ty(t),
+        },
+        Op::Reshape { shape } => Op::Reshape {
+            shape: shape.iter().map(f).collect(),
+        },
+        Op::Expand { shape } => Op::Expand {
+            shape: shape.iter().map(f).collect(),
+        },
+        Op::Slice { dim, start, len } => Op::Slice {
+            dim: *dim,
+            start: f(start),
+            len: f(len),
+        },
+        Op::Split { dim, sizes } => Op::Split {
+            dim: *dim,
+            sizes: sizes.iter().map(f).collect(),
+        },
+        Op::AllToAllV { axis, rows } => Op::AllToAllV {
+            axis: axis.clone(),
+            rows: f(rows),
+        },
         other => other.clone(),
     }
 }
 
 fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
     let inputs = g.inputs();
-    let ids = inputs.iter().find(|(_, r, _)| *r == Role::InputIds).or_else(|| inputs.iter().find(|(_, r, _)| *r == Role::Labels));
-    let Some((_, _, ids)) = ids else { return Err(err(g, "no token input", "it has no input with role input_ids or labels")) };
-    let batch = g.ty(*ids).shape.first().and_then(as_symbol).ok_or_else(|| err(g, "no batch symbol", format!("input_ids is {}, whose batch dim is not a symbol", g.ty(*ids))))?;
+    let ids = inputs
+        .iter()
+        .find(|(_, r, _)| *r == Role::InputIds)
+        .or_else(|| inputs.iter().find(|(_, r, _)| *r == Role::Labels));
+    let Some((_, _, ids)) = ids else {
+        return Err(err(
+            g,
+            "no token input",
+            "it has no input with role input_ids or labels",
+        ));
+    };
+    let batch = g
+        .ty(*ids)
+        .shape
+        .first()
+        .and_then(as_symbol)
+        .ok_or_else(|| {
+            err(
+                g,
+                "no batch symbol",
+                format!(
+                    "input_ids is {}, whose batch dim is not a symbol",
+                    g.ty(*ids)
+                ),
+            )
+        })?;
     let bsym = Dim::sym(&batch);
     let micro = bsym.clone() / Dim::from(n as i64);
     // Token inputs: those whose dim 0 is the batch. Where `shard-inputs` cut a rank's
     // batch block (a dim-0 slice), the micro-batches split that block, so each rank's
     // pieces stay in its block's row order; elsewhere they split the input itself.
-    let token_inputs: Vec<Value> = inputs.iter().filter(|(_, _, v)| g.ty(*v).shape.first() == Some(&bsym)).map(|(_, _, v)| *v).collect();
+    let token_inputs: Vec<Value> = inputs
+        .iter()
+        .filter(|(_, _, v)| g.ty(*v).shape.first() == Some(&bsym))
+        .map(|(_, _, v)| *v)
+        .collect();
     let uses = g.uses();
     let mut roots: Vec<Value> = Vec::new();
     for &t in &token_inputs {
@@ -85,7 +143,9 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
             for &(u, _) in &uses[v.0 as usize] {
                 let d = g.node(u);
                 match &d.op {
-                    Op::Slice { dim: 0, .. } if crate::util::made_by(g, u, crate::shard_inputs::NAME) => {
+                    Op::Slice { dim: 0, .. }
+                        if crate::util::made_by(g, u, crate::shard_inputs::NAME) =>
+                    {
                         roots.push(d.results[0]);
                         found = true;
                     }
@@ -101,7 +161,9 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
     roots.sort();
     roots.dedup();
     // The loss: div(all_reduce*(sum), all_reduce*(count)).
-    let loss = g.output("loss").ok_or_else(|| err(g, "no loss", "it has no output named `loss`"))?;
+    let loss = g
+        .output("loss")
+        .ok_or_else(|| err(g, "no loss", "it has no output named `loss`"))?;
     let ld = g.def(loss);
     let (num, den) = match (&g.node(ld).op, g.node(ld).operands.as_slice()) {
         (Op::Div {}, [a, b]) => (*a, *b),
@@ -112,7 +174,10 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
     };
     let strip = |mut v: Value| {
         let mut chain = Vec::new();
-        while let Op::AllReduce { op: ReduceOp::Sum, .. } = &g.node(g.def(v)).op {
+        while let Op::AllReduce {
+            op: ReduceOp::Sum, ..
+        } = &g.node(g.def(v)).op
+        {
             chain.push(g.def(v));
             v = g.node(g.def(v)).operands[0];
         }
@@ -121,12 +186,21 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
     };
     let (num0, num_chain) = strip(num);
     let additive = match &g.node(g.def(num0)).op {
-        Op::CrossEntropy { reduction: weft_ir::Reduction::Sum, .. } => true,
-        Op::Sum { dims, .. } => dims.contains(&0) || g.ty(g.node(g.def(num0)).operands[0]).rank() == dims.len(),
+        Op::CrossEntropy {
+            reduction: weft_ir::Reduction::Sum,
+            ..
+        } => true,
+        Op::Sum { dims, .. } => {
+            dims.contains(&0) || g.ty(g.node(g.def(num0)).operands[0]).rank() == dims.len()
+        }
         _ => false,
     };
     if !additive || g.ty(num0).rank() != 0 {
-        return Err(err(g, "the loss numerator is not a sum over tokens", format!("it is made by `{}`", g.node(g.def(num0)).op.name())));
+        return Err(err(
+            g,
+            "the loss numerator is not a sum over tokens",
+            format!("it is made by `{}`", g.node(g.def(num0)).op.name()),
+        ));
     }
     // The nodes that depend on the token inputs, in program order.
     let order: Vec<Node> = g.nodes().to_vec();
@@ -144,7 +218,11 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
         }
     }
     if !dep.contains(&num0) {
-        return Err(err(g, "the loss does not depend on the tokens", "nothing to split"));
+        return Err(err(
+            g,
+            "the loss does not depend on the tokens",
+            "nothing to split",
+        ));
     }
     // Clone per micro-batch.
     let sub = |d: &Dim| d.substitute(&batch, &micro);
@@ -154,26 +232,50 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
         for &r in &roots {
             let meta = NodeMeta {
                 source: g.node(g.def(r)).meta.source.clone(),
-                provenance: Some(Provenance { pass: NAME.into(), reason: format!("rows of micro-batch {i} of {n}") }),
+                provenance: Some(Provenance {
+                    pass: NAME.into(),
+                    reason: format!("rows of micro-batch {i} of {n}"),
+                }),
                 derived: None,
                 micro_batch: Some(i),
             };
             let rows = g.ty(r).shape[0].clone() / Dim::from(n as i64);
-            let op = Op::Slice { dim: 0, start: rows.clone() * Dim::from(i as i64), len: rows };
-            let v = g.insert_with(At::End, op, &[r], meta).map_err(|e| build_error(NAME, e))?[0];
+            let op = Op::Slice {
+                dim: 0,
+                start: rows.clone() * Dim::from(i as i64),
+                len: rows,
+            };
+            let v = g
+                .insert_with(At::End, op, &[r], meta)
+                .map_err(|e| build_error(NAME, e))?[0];
             map.insert(r, v);
         }
         for &x in &nodes {
             let d = g.node(x).clone();
             let op = map_dims(&d.op, &sub);
-            let operands: Vec<Value> = d.operands.iter().map(|v| *map.get(v).unwrap_or(v)).collect();
+            let operands: Vec<Value> = d
+                .operands
+                .iter()
+                .map(|v| *map.get(v).unwrap_or(v))
+                .collect();
             let mut meta = d.meta.clone();
             meta.micro_batch = Some(i);
-            let rs = g.insert_with(At::End, op, &operands, meta).map_err(|e| build_error(NAME, e))?;
+            let rs = g
+                .insert_with(At::End, op, &operands, meta)
+                .map_err(|e| build_error(NAME, e))?;
             for (a, b) in d.results.iter().zip(rs) {
                 let want: Vec<Dim> = g.ty(*a).shape.iter().map(&sub).collect();
                 if g.ty(b).shape != want {
-                    return Err(err(g, "a node does not follow the micro-batch size", format!("{} gives {} for micro-batch {i}, expected {:?}", g.describe(x), g.ty(b), want)));
+                    return Err(err(
+                        g,
+                        "a node does not follow the micro-batch size",
+                        format!(
+                            "{} gives {} for micro-batch {i}, expected {:?}",
+                            g.describe(x),
+                            g.ty(b),
+                            want
+                        ),
+                    ));
                 }
                 map.insert(*a, b);
             }
@@ -181,19 +283,42 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
         }
         clones.push(map);
     }
-    let meta = |reason: &str| NodeMeta { source: Some("loss".into()), provenance: Some(Provenance { pass: NAME.into(), reason: reason.into() }), ..Default::default() };
+    let meta = |reason: &str| NodeMeta {
+        source: Some("loss".into()),
+        provenance: Some(Provenance {
+            pass: NAME.into(),
+            reason: reason.into(),
+        }),
+        ..Default::default()
+    };
     // The loss: the micro-batches' sums added, reduced as before, over the whole count.
     let mut total = clones[0][&num0];
     for m in &clones[1..] {
-        total = g.insert_with(At::End, Op::Add {}, &[total, m[&num0]], meta("token-loss sums of the micro-batches")).map_err(|e| build_error(NAME, e))?[0];
+        total = g
+            .insert_with(
+                At::End,
+                Op::Add {},
+                &[total, m[&num0]],
+                meta("token-loss sums of the micro-batches"),
+            )
+            .map_err(|e| build_error(NAME, e))?[0];
     }
     for &c in &num_chain {
         let d = g.node(c).clone();
         let mut m = d.meta.clone();
         m.micro_batch = None;
-        total = g.insert_with(At::End, d.op.clone(), &[total], m).map_err(|e| build_error(NAME, e))?[0];
+        total = g
+            .insert_with(At::End, d.op.clone(), &[total], m)
+            .map_err(|e| build_error(NAME, e))?[0];
     }
-    let new_loss = g.insert_with(At::End, Op::Div {}, &[total, den], meta("global mean over the valid tokens of the whole batch")).map_err(|e| build_error(NAME, e))?[0];
+    let new_loss = g
+        .insert_with(
+            At::End,
+            Op::Div {},
+            &[total, den],
+            meta("global mean over the valid tokens of the whole batch"),
+        )
+        .map_err(|e| build_error(NAME, e))?[0];
     g.set_output("loss", new_loss);
     // Batch outputs: the micro-batches' pieces along dim 0.
     let outs: Vec<(String, Value)> = g.outputs().to_vec();
@@ -202,10 +327,21 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
             continue;
         }
         if !g.ty(v).shape.first().is_some_and(|d| d.mentions(&batch)) {
-            return Err(err(g, &format!("output `{name}` has no batch dim"), format!("it is {}", g.ty(v))));
+            return Err(err(
+                g,
+                &format!("output `{name}` has no batch dim"),
+                format!("it is {}", g.ty(v)),
+            ));
         }
         let parts: Vec<Value> = clones.iter().map(|m| m[&v]).collect();
-        let cat = g.insert_with(At::End, Op::Concat { dim: 0 }, &parts, meta("the micro-batches' pieces")).map_err(|e| build_error(NAME, e))?[0];
+        let cat = g
+            .insert_with(
+                At::End,
+                Op::Concat { dim: 0 },
+                &parts,
+                meta("the micro-batches' pieces"),
+            )
+            .map_err(|e| build_error(NAME, e))?[0];
         g.set_output(&name, cat);
     }
     // The originals no one reads any more.
@@ -219,7 +355,10 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
             .copied()
             .filter(|&x| {
                 let d = g.node(x);
-                !matches!(d.op, Op::Input { .. } | Op::Param { .. }) && d.results.iter().all(|r| uses[r.0 as usize].is_empty() && !outputs.contains(r))
+                !matches!(d.op, Op::Input { .. } | Op::Param { .. })
+                    && d.results
+                        .iter()
+                        .all(|r| uses[r.0 as usize].is_empty() && !outputs.contains(r))
             })
             .collect();
         if dead.is_empty() {
@@ -236,7 +375,11 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
 /// (forward nodes by their tag, other nodes take the highest micro-batch they read),
 /// ties in program order.
 pub fn interleave(g: &mut Graph) {
-    if !g.nodes().iter().any(|&x| g.node(x).meta.micro_batch.is_some()) {
+    if !g
+        .nodes()
+        .iter()
+        .any(|&x| g.node(x).meta.micro_batch.is_some())
+    {
         return;
     }
     let order: Vec<Node> = g.nodes().to_vec();
@@ -246,7 +389,13 @@ pub fn interleave(g: &mut Graph) {
         let d = g.node(x);
         // Forward nodes by their tag; the rest by what they read (a backward node shared
         // by the micro-batches, such as -sin for rope, belongs to none of them).
-        let from_operands = || d.operands.iter().map(|v| key[&g.def(*v)]).max().unwrap_or(0);
+        let from_operands = || {
+            d.operands
+                .iter()
+                .map(|v| key[&g.def(*v)])
+                .max()
+                .unwrap_or(0)
+        };
         let k = match (d.meta.micro_batch, d.meta.derived) {
             (Some(m), None) => m,
             _ => from_operands(),
@@ -264,8 +413,11 @@ pub fn interleave(g: &mut Graph) {
             users.entry(p).or_default().push(x);
         }
     }
-    let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<(u32, usize)>> =
-        order.iter().filter(|x| indeg[x] == 0).map(|x| std::cmp::Reverse((key[x], pos[x]))).collect();
+    let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<(u32, usize)>> = order
+        .iter()
+        .filter(|x| indeg[x] == 0)
+        .map(|x| std::cmp::Reverse((key[x], pos[x])))
+        .collect();
     let mut out = Vec::with_capacity(order.len());
     while let Some(std::cmp::Reverse((_, p))) = ready.pop() {
         let x = order[p];

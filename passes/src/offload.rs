@@ -33,7 +33,12 @@ pub const NAME: &str = "offload";
 /// copies, which run on their own streams). The fused backward ops with matmuls inside
 /// (`attention_grad`, `grouped_matmul_grad`), which the FLOP count prices as
 /// elementwise, are priced at 2.5x and 2x their forward op, as the plan's kernels do.
-pub fn compute_seconds(g: &Graph, n: Node, b: &weft_ir::Bindings, d: &weft_ir::plan::DeviceProfile) -> f64 {
+pub fn compute_seconds(
+    g: &Graph,
+    n: Node,
+    b: &weft_ir::Bindings,
+    d: &weft_ir::plan::DeviceProfile,
+) -> f64 {
     let nd = g.node(n);
     if nd.op.is_collective() || matches!(nd.op, Op::Offload { .. } | Op::Reload { .. }) {
         return 0.0;
@@ -45,11 +50,21 @@ pub fn compute_seconds(g: &Graph, n: Node, b: &weft_ir::Bindings, d: &weft_ir::p
         _ => 0.0,
     };
     if factor > 0.0 {
-        if let Some(fwd) = nd.meta.derived.and_then(|x| g.try_value(x.of)).map(|x| x.def) {
+        if let Some(fwd) = nd
+            .meta
+            .derived
+            .and_then(|x| g.try_value(x.of))
+            .map(|x| x.def)
+        {
             fl = fl.max(factor * flops(g, fwd, b));
         }
     }
-    let by: u64 = nd.operands.iter().chain(&nd.results).map(|v| bytes(g, *v, b)).sum();
+    let by: u64 = nd
+        .operands
+        .iter()
+        .chain(&nd.results)
+        .map(|v| bytes(g, *v, b))
+        .sum();
     crate::plan::cost::compute_time(&nd.op, fl, by as f64, d)
 }
 
@@ -65,19 +80,33 @@ impl Pass for Offload {
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
-        for k in ["offloaded", "offloaded_bytes", "device_saved_bytes", "candidates", "skipped_bandwidth"] {
+        for k in [
+            "offloaded",
+            "offloaded_bytes",
+            "device_saved_bytes",
+            "candidates",
+            "skipped_bandwidth",
+        ] {
             res.count(k, 0);
         }
-        let Some(o) = cx.options.train.offload.clone() else { return Ok(res) };
-        if g.nodes().iter().any(|&n| matches!(g.node(n).op, Op::Offload { .. })) {
+        let Some(o) = cx.options.train.offload.clone() else {
+            return Ok(res);
+        };
+        if g.nodes()
+            .iter()
+            .any(|&n| matches!(g.node(n).op, Op::Offload { .. }))
+        {
             return Ok(res);
         }
         let b = crate::memory::bindings(g, &cx.options.train);
         let joint = Joint::of(g);
         let order: Vec<Node> = g.nodes().to_vec();
-        let layer_at = |n: Node| layer_of(g.node(n).meta.source.as_deref()).and_then(|l| layer_index(&l));
+        let layer_at =
+            |n: Node| layer_of(g.node(n).meta.source.as_deref()).and_then(|l| layer_index(&l));
         let last_layer = order.iter().filter_map(|&n| layer_at(n)).max();
-        let Some(last_layer) = last_layer else { return Ok(res) };
+        let Some(last_layer) = last_layer else {
+            return Ok(res);
+        };
         // The first node after the forward of each layer's backward, and the predicted
         // compute time of each layer's forward and backward.
         let mut bwd_start: BTreeMap<usize, usize> = BTreeMap::new();
@@ -86,7 +115,11 @@ impl Pass for Offload {
         let timed = o.budget.is_some();
         for (i, &n) in order.iter().enumerate() {
             let Some(l) = layer_at(n) else { continue };
-            let t = if timed { compute_seconds(g, n, &b, &o.device.0) } else { 0.0 };
+            let t = if timed {
+                compute_seconds(g, n, &b, &o.device.0)
+            } else {
+                0.0
+            };
             if joint.forward.contains(&n) {
                 *fwd_s.entry(l).or_default() += t;
             } else {
@@ -124,11 +157,21 @@ impl Pass for Offload {
                 .max()
                 .unwrap_or(joint.pos[&d]);
             // Prefetch when the backward of the next layer starts (never after the use).
-            let prefetch = bwd_start.get(&(layer + 1)).copied().unwrap_or(first_bwd).min(first_bwd.saturating_sub(1));
+            let prefetch = bwd_start
+                .get(&(layer + 1))
+                .copied()
+                .unwrap_or(first_bwd)
+                .min(first_bwd.saturating_sub(1));
             if prefetch <= fwd_last {
                 continue;
             }
-            cands.push(Cand { v, layer, bytes: by, after_fwd: fwd_last, prefetch });
+            cands.push(Cand {
+                v,
+                layer,
+                bytes: by,
+                after_fwd: fwd_last,
+                prefetch,
+            });
         }
         res.count("candidates", cands.len() as u64);
         // Which to offload.
@@ -146,8 +189,12 @@ impl Pass for Offload {
                 }
                 let next = c.layer + 1;
                 let link = o.link_bytes_per_s as f64;
-                let out = out_room.entry(next).or_insert(fwd_s.get(&next).copied().unwrap_or(0.0) * link);
-                let inr = in_room.entry(next).or_insert(bwd_s.get(&next).copied().unwrap_or(0.0) * link);
+                let out = out_room
+                    .entry(next)
+                    .or_insert(fwd_s.get(&next).copied().unwrap_or(0.0) * link);
+                let inr = in_room
+                    .entry(next)
+                    .or_insert(bwd_s.get(&next).copied().unwrap_or(0.0) * link);
                 if (c.bytes as f64) > *out || (c.bytes as f64) > *inr {
                     res.count("skipped_bandwidth", 1);
                     continue;
@@ -170,7 +217,14 @@ impl Pass for Offload {
         for c in &chosen {
             let d = g.def(c.v);
             let src = g.node(d).meta.source.clone();
-            let meta = |reason: String| NodeMeta { source: src.clone(), provenance: Some(Provenance { pass: NAME.into(), reason }), ..Default::default() };
+            let meta = |reason: String| NodeMeta {
+                source: src.clone(),
+                provenance: Some(Provenance {
+                    pass: NAME.into(),
+                    reason,
+                }),
+                ..Default::default()
+            };
             let user = order[c.after_fwd];
             let mut ops = vec![c.v];
             if user != d {
@@ -198,10 +252,15 @@ impl Pass for Offload {
             if joint.forward.contains(&n) {
                 continue;
             }
-            let ops: Vec<Value> = g.node(n).operands.iter().map(|x| match redirect.get(x) {
-                Some((r, p)) if i > *p => *r,
-                _ => *x,
-            }).collect();
+            let ops: Vec<Value> = g
+                .node(n)
+                .operands
+                .iter()
+                .map(|x| match redirect.get(x) {
+                    Some((r, p)) if i > *p => *r,
+                    _ => *x,
+                })
+                .collect();
             g.node_mut(n).operands = ops;
         }
         res.count("offloaded", chosen.len() as u64);

@@ -27,7 +27,10 @@ use crate::autodiff::GRAD_PREFIX;
 use crate::pass::{Pass, PassContext, PassError, PassResult, DP};
 use crate::training::Optimizer;
 use crate::util::build_error;
-use weft_ir::{At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Partition, Provenance, Role, TensorType, Value};
+use weft_ir::{
+    At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Partition, Provenance, Role, TensorType,
+    Value,
+};
 
 pub struct OptimizerPass;
 
@@ -51,18 +54,39 @@ impl Pass for OptimizerPass {
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
-        for k in ["params", "master_weights", "state_tensors", "sharded", "dead_nodes"] {
+        for k in [
+            "params",
+            "master_weights",
+            "state_tensors",
+            "sharded",
+            "dead_nodes",
+        ] {
             res.count(k, 0);
         }
-        let Some(opt) = cx.options.train.optimizer else { return Ok(res) };
+        let Some(opt) = cx.options.train.optimizer else {
+            return Ok(res);
+        };
         if g.outputs().iter().any(|(n, _)| n.starts_with(PARAM_PREFIX)) {
             return Ok(res); // already has an update
         }
         let dp = cx.mesh.size(DP).unwrap_or(1) as i64;
         let zero = cx.options.train.zero1 && dp > 1;
-        let mut w = Writer { g: &mut *g, meta: NodeMeta::default() };
-        w.meta.provenance = Some(Provenance { pass: NAME.into(), reason: "the step number (1-based)".into() });
-        let step = w.op(Op::Input { name: STEP_INPUT.into(), role: Role::Other, ty: TensorType::scalar(DType::F32) }, &[])?;
+        let mut w = Writer {
+            g: &mut *g,
+            meta: NodeMeta::default(),
+        };
+        w.meta.provenance = Some(Provenance {
+            pass: NAME.into(),
+            reason: "the step number (1-based)".into(),
+        });
+        let step = w.op(
+            Op::Input {
+                name: STEP_INPUT.into(),
+                role: Role::Other,
+                ty: TensorType::scalar(DType::F32),
+            },
+            &[],
+        )?;
         let step_node = w.g.def(step);
         let mut done = std::collections::BTreeSet::new();
         let mut groups: Vec<(Value, Vec<Node>)> = Vec::new();
@@ -71,7 +95,9 @@ impl Pass for OptimizerPass {
             if !done.insert(name.clone()) {
                 continue;
             }
-            let Some(gv) = w.g.output(&format!("{GRAD_PREFIX}{name}")) else { continue };
+            let Some(gv) = w.g.output(&format!("{GRAD_PREFIX}{name}")) else {
+                continue;
+            };
             let pty = w.g.ty(pv).clone();
             if !pty.dtype.is_float() {
                 continue;
@@ -111,7 +137,8 @@ impl Pass for OptimizerPass {
 /// moves to the start. Values are unchanged: only the program order moves.
 fn place_in_backward(g: &mut Graph, step: Node, groups: &[(Value, Vec<Node>)]) {
     let order = g.nodes().to_vec();
-    let pos: std::collections::HashMap<Node, usize> = order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let pos: std::collections::HashMap<Node, usize> =
+        order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let mut group_of: std::collections::HashMap<Node, usize> = std::collections::HashMap::new();
     for (i, (_, ns)) in groups.iter().enumerate() {
         for n in ns {
@@ -128,7 +155,8 @@ fn place_in_backward(g: &mut Graph, step: Node, groups: &[(Value, Vec<Node>)]) {
             last_read.insert(*v, i);
         }
     }
-    let mut after: std::collections::BTreeMap<usize, Vec<usize>> = std::collections::BTreeMap::new();
+    let mut after: std::collections::BTreeMap<usize, Vec<usize>> =
+        std::collections::BTreeMap::new();
     for (i, (pv, ns)) in groups.iter().enumerate() {
         let mut at = last_read.get(pv).copied().unwrap_or(0);
         for &n in ns {
@@ -187,19 +215,40 @@ impl Writer<'_> {
         Ok(self.ops(op, xs)?[0])
     }
     fn ops(&mut self, op: Op, xs: &[Value]) -> Result<Vec<Value>, PassError> {
-        self.g.insert_with(At::End, op, xs, self.meta.clone()).map_err(|e| build_error(NAME, e))
+        self.g
+            .insert_with(At::End, op, xs, self.meta.clone())
+            .map_err(|e| build_error(NAME, e))
     }
     fn why(&mut self, reason: String) {
-        self.meta.provenance = Some(Provenance { pass: NAME.into(), reason });
+        self.meta.provenance = Some(Provenance {
+            pass: NAME.into(),
+            reason,
+        });
     }
 
     /// A state parameter `optim.<kind>.<name>` of type `ty` (sharded over dp when `shard`).
-    fn state(&mut self, kind: &str, name: &str, ty: &TensorType, shard: Option<i64>, res: &mut PassResult) -> Result<Value, PassError> {
+    fn state(
+        &mut self,
+        kind: &str,
+        name: &str,
+        ty: &TensorType,
+        shard: Option<i64>,
+        res: &mut PassResult,
+    ) -> Result<Value, PassError> {
         let sname = format!("{STATE_PREFIX}{kind}.{name}");
-        let v = self.op(Op::Param { name: sname.clone(), ty: ty.clone() }, &[])?;
+        let v = self.op(
+            Op::Param {
+                name: sname.clone(),
+                ty: ty.clone(),
+            },
+            &[],
+        )?;
         if let Some(dp) = shard {
             let local = ty.shape[0].as_const().unwrap_or(0);
-            self.g.add_param_partition(&sname, Partition::simple("zero", DP, 0, vec![local; dp as usize]));
+            self.g.add_param_partition(
+                &sname,
+                Partition::simple("zero", DP, 0, vec![local; dp as usize]),
+            );
         } else {
             for p in self.g.param_partition(name).to_vec() {
                 self.g.add_param_partition(&sname, p);
@@ -218,39 +267,88 @@ impl Writer<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn update(&mut self, name: &str, p: Value, grad: Value, step: Value, opt: &Optimizer, shard: bool, dp: i64, res: &mut PassResult) -> Result<Value, PassError> {
+    fn update(
+        &mut self,
+        name: &str,
+        p: Value,
+        grad: Value,
+        step: Value,
+        opt: &Optimizer,
+        shard: bool,
+        dp: i64,
+        res: &mut PassResult,
+    ) -> Result<Value, PassError> {
         let pty = self.g.ty(p).clone();
         let low = pty.dtype != DType::F32 && pty.dtype != DType::F64;
-        let fdt = if pty.dtype == DType::F64 { DType::F64 } else { DType::F32 };
+        let fdt = if pty.dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
         // What the update works on: the whole tensor, or this rank's chunk of it flattened.
         let n = pty.numel();
         let (work_ty, shard_len) = if shard {
             let Some(total) = n.as_const() else {
-                return Err(PassError::rewrite(NAME, format!("`{NAME}` cannot shard `{name}` over dp"), format!("param `{name}`"), format!("its size `{n}` is not a constant")));
+                return Err(PassError::rewrite(
+                    NAME,
+                    format!("`{NAME}` cannot shard `{name}` over dp"),
+                    format!("param `{name}`"),
+                    format!("its size `{n}` is not a constant"),
+                ));
             };
             let chunk = (total + dp - 1) / dp;
-            (TensorType::new(fdt, vec![Dim::from(chunk)]), Some((total, chunk)))
+            (
+                TensorType::new(fdt, vec![Dim::from(chunk)]),
+                Some((total, chunk)),
+            )
         } else {
             (pty.with_dtype(fdt), None)
         };
         let chunk_of = |w: &mut Self, v: Value, what: &str| -> Result<Value, PassError> {
-            let Some((total, chunk)) = shard_len else { return Ok(v) };
+            let Some((total, chunk)) = shard_len else {
+                return Ok(v);
+            };
             w.why(format!("ZeRO-1: this rank's 1/{dp} of `{name}`'s {what}"));
-            let flat = if w.g.ty(v).rank() == 1 { v } else { w.op(Op::Reshape { shape: vec![Dim::from(total)] }, &[v])? };
+            let flat = if w.g.ty(v).rank() == 1 {
+                v
+            } else {
+                w.op(
+                    Op::Reshape {
+                        shape: vec![Dim::from(total)],
+                    },
+                    &[v],
+                )?
+            };
             let pad = chunk * dp - total;
             let flat = if pad > 0 {
-                let z = w.op(Op::Full { value: Float(0.0), ty: TensorType::new(w.g.ty(v).dtype, vec![Dim::from(pad)]) }, &[])?;
+                let z = w.op(
+                    Op::Full {
+                        value: Float(0.0),
+                        ty: TensorType::new(w.g.ty(v).dtype, vec![Dim::from(pad)]),
+                    },
+                    &[],
+                )?;
                 w.op(Op::Concat { dim: 0 }, &[flat, z])?
             } else {
                 flat
             };
-            w.op(Op::Slice { dim: 0, start: Dim::coord(DP) * Dim::from(chunk), len: Dim::from(chunk) }, &[flat])
+            w.op(
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::coord(DP) * Dim::from(chunk),
+                    len: Dim::from(chunk),
+                },
+                &[flat],
+            )
         };
         let sh = shard_len.map(|_| dp);
         // The f32 weights the update reads: the param, or its master copy.
         let master = if low {
             res.count("master_weights", 1);
-            self.why(format!("f32 master weight of the {} param `{name}`", pty.dtype));
+            self.why(format!(
+                "f32 master weight of the {} param `{name}`",
+                pty.dtype
+            ));
             Some(self.state("master", name, &work_ty, sh, res)?)
         } else {
             None
@@ -272,28 +370,71 @@ impl Writer<'_> {
             self.why(format!("the gradient of `{name}` in {fdt}"));
             self.op(Op::Cast { dtype: fdt }, &[grad])?
         };
-        let g = if chunked { g } else { chunk_of(self, g, "gradient")? };
+        let g = if chunked {
+            g
+        } else {
+            chunk_of(self, g, "gradient")?
+        };
         let new32 = match *opt {
-            Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+            Optimizer::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
                 self.why(format!("first moment of `{name}`"));
                 let m = self.state("m", name, &work_ty, sh, res)?;
                 self.why(format!("second moment of `{name}`"));
                 let v = self.state("v", name, &work_ty, sh, res)?;
-                self.why(format!("AdamW step of `{name}` (lr {}, betas {}/{}, eps {}, weight decay {})", lr.0, beta1.0, beta2.0, eps.0, weight_decay.0));
-                let r = self.ops(Op::AdamW { lr, beta1, beta2, eps, weight_decay }, &[w32, g, m, v, step])?;
+                self.why(format!(
+                    "AdamW step of `{name}` (lr {}, betas {}/{}, eps {}, weight decay {})",
+                    lr.0, beta1.0, beta2.0, eps.0, weight_decay.0
+                ));
+                let r = self.ops(
+                    Op::AdamW {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                    },
+                    &[w32, g, m, v, step],
+                )?;
                 self.state_out("m", name, r[1], sh.is_some());
                 self.state_out("v", name, r[2], sh.is_some());
                 r[0]
             }
-            Optimizer::Sgd { lr, momentum, weight_decay } => {
-                self.why(format!("SGD step of `{name}` (lr {}, momentum {}, weight decay {})", lr.0, momentum.0, weight_decay.0));
+            Optimizer::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+            } => {
+                self.why(format!(
+                    "SGD step of `{name}` (lr {}, momentum {}, weight decay {})",
+                    lr.0, momentum.0, weight_decay.0
+                ));
                 if momentum.0 != 0.0 {
                     let b = self.state("buf", name, &work_ty, sh, res)?;
-                    let r = self.ops(Op::Sgd { lr, momentum, weight_decay }, &[w32, g, b])?;
+                    let r = self.ops(
+                        Op::Sgd {
+                            lr,
+                            momentum,
+                            weight_decay,
+                        },
+                        &[w32, g, b],
+                    )?;
                     self.state_out("buf", name, r[1], sh.is_some());
                     r[0]
                 } else {
-                    self.op(Op::Sgd { lr, momentum, weight_decay }, &[w32, g])?
+                    self.op(
+                        Op::Sgd {
+                            lr,
+                            momentum,
+                            weight_decay,
+                        },
+                        &[w32, g],
+                    )?
                 }
             }
         };
@@ -304,12 +445,33 @@ impl Writer<'_> {
         let mut whole = new32;
         if let Some((total, chunk)) = shard_len {
             res.count("sharded", 1);
-            self.why(format!("ZeRO-1: every rank's updated chunk of `{name}`, {} bytes", chunk * dp * fdt.size_bytes() as i64));
-            whole = self.op(Op::AllGather { axis: DP.into(), dim: 0 }, &[whole])?;
+            self.why(format!(
+                "ZeRO-1: every rank's updated chunk of `{name}`, {} bytes",
+                chunk * dp * fdt.size_bytes() as i64
+            ));
+            whole = self.op(
+                Op::AllGather {
+                    axis: DP.into(),
+                    dim: 0,
+                },
+                &[whole],
+            )?;
             // `chunk*dp` elements, less the padding (also gives the size as a constant).
-            whole = self.op(Op::Slice { dim: 0, start: Dim::zero(), len: Dim::from(total) }, &[whole])?;
+            whole = self.op(
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::zero(),
+                    len: Dim::from(total),
+                },
+                &[whole],
+            )?;
             if pty.rank() != 1 {
-                whole = self.op(Op::Reshape { shape: pty.shape.clone() }, &[whole])?;
+                whole = self.op(
+                    Op::Reshape {
+                        shape: pty.shape.clone(),
+                    },
+                    &[whole],
+                )?;
             }
         }
         if pty.dtype != fdt {
@@ -324,18 +486,28 @@ impl Writer<'_> {
 /// weights copied from the (low-precision) parameters, each as the full tensor the
 /// runtime expects (a state sharded over dp: the flattened, zero-padded whole).
 /// Entries already in `weights` are kept.
-pub fn initial_state(g: &Graph, weights: &std::collections::BTreeMap<String, weft_ir::HostTensor>) -> Result<std::collections::BTreeMap<String, weft_ir::HostTensor>, String> {
+pub fn initial_state(
+    g: &Graph,
+    weights: &std::collections::BTreeMap<String, weft_ir::HostTensor>,
+) -> Result<std::collections::BTreeMap<String, weft_ir::HostTensor>, String> {
     use weft_ir::HostTensor;
     let mut out = std::collections::BTreeMap::new();
     for (sname, v) in g.params() {
-        let Some(rest) = sname.strip_prefix(STATE_PREFIX) else { continue };
+        let Some(rest) = sname.strip_prefix(STATE_PREFIX) else {
+            continue;
+        };
         if weights.contains_key(&sname) || out.contains_key(&sname) {
             continue;
         }
         let ty = g.ty(v);
         let mut shape = Vec::new();
         for (i, d) in ty.shape.iter().enumerate() {
-            let full = g.param_partition(&sname).iter().filter(|p| p.dim == i).map(|p| p.full_size()).next();
+            let full = g
+                .param_partition(&sname)
+                .iter()
+                .filter(|p| p.dim == i)
+                .map(|p| p.full_size())
+                .next();
             match full.or_else(|| d.as_const()) {
                 Some(x) => shape.push(x as usize),
                 None => return Err(format!("state `{sname}` has a symbolic size `{d}`")),
@@ -344,10 +516,15 @@ pub fn initial_state(g: &Graph, weights: &std::collections::BTreeMap<String, wef
         let n: usize = shape.iter().product();
         let data = match rest.strip_prefix("master.") {
             Some(param) => {
-                let w = weights.get(param).ok_or_else(|| format!("no weight for `{param}`, whose master copy `{sname}` starts from it"))?;
+                let w = weights.get(param).ok_or_else(|| {
+                    format!("no weight for `{param}`, whose master copy `{sname}` starts from it")
+                })?;
                 let mut d = w.to_f64();
                 if d.len() > n {
-                    return Err(format!("`{param}` has {} elements but its master copy {n}", d.len()));
+                    return Err(format!(
+                        "`{param}` has {} elements but its master copy {n}",
+                        d.len()
+                    ));
                 }
                 d.resize(n, 0.0);
                 d

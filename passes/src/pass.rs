@@ -50,7 +50,11 @@ impl MeshAxes {
         match self {
             MeshAxes::None => Ok(()),
             MeshAxes::All(axes) => {
-                let missing: Vec<String> = axes.iter().filter(|a| !mesh.has(a)).map(|a| a.to_string()).collect();
+                let missing: Vec<String> = axes
+                    .iter()
+                    .filter(|a| !mesh.has(a))
+                    .map(|a| a.to_string())
+                    .collect();
                 if missing.is_empty() {
                     Ok(())
                 } else {
@@ -94,7 +98,12 @@ pub struct PassOptions {
 
 impl Default for PassOptions {
     fn default() -> Self {
-        PassOptions { replicate_kv_heads: true, canonicalize_max_rounds: 16, tp: Default::default(), train: Default::default() }
+        PassOptions {
+            replicate_kv_heads: true,
+            canonicalize_max_rounds: 16,
+            tp: Default::default(),
+            train: Default::default(),
+        }
     }
 }
 
@@ -107,7 +116,10 @@ pub struct PassContext {
 
 impl PassContext {
     pub fn new(mesh: Mesh) -> Self {
-        PassContext { mesh, options: PassOptions::default() }
+        PassContext {
+            mesh,
+            options: PassOptions::default(),
+        }
     }
 
     /// The size of `axis`, or a [`PassError::MissingAxis`] naming `pass`.
@@ -134,7 +146,10 @@ impl PassResult {
     }
 
     pub fn changed(changed: bool) -> Self {
-        PassResult { changed, counters: BTreeMap::new() }
+        PassResult {
+            changed,
+            counters: BTreeMap::new(),
+        }
     }
 
     /// Adds `n` to counter `key` (creating it, even at 0, so tables are stable).
@@ -165,7 +180,11 @@ fn mesh_text(m: &Mesh) -> String {
 }
 
 fn quoted_list(items: &[String]) -> String {
-    items.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ")
+    items
+        .iter()
+        .map(|s| format!("`{s}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Everything that can go wrong running passes. `Display` is the message after
@@ -177,23 +196,44 @@ pub enum PassError {
 
     #[error("pass `{pass}` needs mesh axis {} but the mesh is {}\nhelp: add {} to the mesh (e.g. `--mesh {}`)",
         quoted_list(.axes), mesh_text(.mesh), .axes.join(" or "), example_mesh(.mesh, .axes))]
-    MissingAxis { pass: String, axes: Vec<String>, mesh: Mesh },
+    MissingAxis {
+        pass: String,
+        axes: Vec<String>,
+        mesh: Mesh,
+    },
 
     #[error("pass `{pass}` must run after `{required}`, which does not come earlier in the pipeline [{}]\nhelp: put `{required}` before `{pass}`", .pipeline.join(", "))]
-    Prerequisite { pass: String, required: String, pipeline: Vec<String> },
+    Prerequisite {
+        pass: String,
+        required: String,
+        pipeline: Vec<String>,
+    },
 
     #[error("`{option} {pass}` names a pass that is not in the pipeline [{}]", .pipeline.join(", "))]
-    NotInPipeline { option: String, pass: String, pipeline: Vec<String> },
+    NotInPipeline {
+        option: String,
+        pass: String,
+        pipeline: Vec<String>,
+    },
 
     #[error("the graph's mesh `{graph}` differs from the mesh being compiled for `{context}`")]
     MeshMismatch { graph: Mesh, context: Mesh },
 
     #[error("the graph is invalid {}: {report}", if .pass.is_empty() { "before the first pass".to_string() } else { format!("after pass `{}`", .pass) })]
-    Verify { pass: String, report: Box<VerifyReport> },
+    Verify {
+        pass: String,
+        report: Box<VerifyReport>,
+    },
 
     /// A pass cannot rewrite part of the graph: `what failed in location: why`.
     #[error("{what} in {location}: {why}{}", help_suffix(.help))]
-    Rewrite { pass: String, what: String, location: String, why: String, help: Option<String> },
+    Rewrite {
+        pass: String,
+        what: String,
+        location: String,
+        why: String,
+        help: Option<String>,
+    },
 }
 
 fn example_mesh(mesh: &Mesh, axes: &[String]) -> String {
@@ -206,8 +246,19 @@ fn example_mesh(mesh: &Mesh, axes: &[String]) -> String {
 
 impl PassError {
     /// A located rewrite error.
-    pub fn rewrite(pass: &str, what: impl Into<String>, location: impl Into<String>, why: impl Into<String>) -> PassError {
-        PassError::Rewrite { pass: pass.into(), what: what.into(), location: location.into(), why: why.into(), help: None }
+    pub fn rewrite(
+        pass: &str,
+        what: impl Into<String>,
+        location: impl Into<String>,
+        why: impl Into<String>,
+    ) -> PassError {
+        PassError::Rewrite {
+            pass: pass.into(),
+            what: what.into(),
+            location: location.into(),
+            why: why.into(),
+            help: None,
+        }
     }
 
     pub fn with_help(mut self, text: impl Into<String>) -> PassError {

@@ -4,11 +4,11 @@
 use crate::autodiff::Autodiff;
 use crate::canonicalize::Canonicalize;
 use crate::checkpoint::Checkpoint;
+use crate::ep::ExpertParallel;
 use crate::grad_sync::GradSync;
 use crate::micro_batches::MicroBatches;
 use crate::offload::Offload;
 use crate::optimizer::OptimizerPass;
-use crate::ep::ExpertParallel;
 use crate::pass::{Pass, PassError, DP, SP, TP};
 use crate::shard_inputs::ShardInputs;
 use crate::shard_seq::ShardSeq;
@@ -20,7 +20,22 @@ use std::fmt;
 use weft_ir::Mesh;
 
 /// Every pass, in the order a full pipeline would run them.
-pub static PASSES: &[&dyn Pass] = &[&ShardInputs, &ShardSeq, &UlyssesAttention, &SpLoss, &ExpertParallel, &TensorParallel, &Simplify, &Canonicalize, &MicroBatches, &Autodiff, &Checkpoint, &Offload, &GradSync, &OptimizerPass];
+pub static PASSES: &[&dyn Pass] = &[
+    &ShardInputs,
+    &ShardSeq,
+    &UlyssesAttention,
+    &SpLoss,
+    &ExpertParallel,
+    &TensorParallel,
+    &Simplify,
+    &Canonicalize,
+    &MicroBatches,
+    &Autodiff,
+    &Checkpoint,
+    &Offload,
+    &GradSync,
+    &OptimizerPass,
+];
 
 /// Every registered pass.
 pub fn passes() -> &'static [&'static dyn Pass] {
@@ -34,10 +49,14 @@ pub fn pass_names() -> Vec<&'static str> {
 
 /// The pass called `name`, or an error listing the valid names.
 pub fn lookup(name: &str) -> Result<&'static dyn Pass, PassError> {
-    PASSES.iter().copied().find(|p| p.name() == name).ok_or_else(|| PassError::UnknownPass {
-        name: name.to_string(),
-        valid: pass_names().into_iter().map(String::from).collect(),
-    })
+    PASSES
+        .iter()
+        .copied()
+        .find(|p| p.name() == name)
+        .ok_or_else(|| PassError::UnknownPass {
+            name: name.to_string(),
+            valid: pass_names().into_iter().map(String::from).collect(),
+        })
 }
 
 /// One pipeline entry: the pass and why it runs at this point.
@@ -55,7 +74,10 @@ pub struct Pipeline {
 
 impl Pipeline {
     fn push(&mut self, pass: &str, why: &str) {
-        self.steps.push(Step { pass: pass.to_string(), why: why.to_string() });
+        self.steps.push(Step {
+            pass: pass.to_string(),
+            why: why.to_string(),
+        });
     }
 
     pub fn names(&self) -> Vec<&str> {
@@ -66,7 +88,11 @@ impl Pipeline {
     /// checking every name and every ordering constraint.
     pub fn parse(text: &str) -> Result<Pipeline, PassError> {
         let mut p = Pipeline::default();
-        for name in text.split([',', ' ']).map(str::trim).filter(|s| !s.is_empty()) {
+        for name in text
+            .split([',', ' '])
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
             p.push(name, "given on the command line");
         }
         check_pipeline(&p.names())?;
@@ -104,7 +130,14 @@ pub fn check_pipeline(names: &[&str]) -> Result<(), PassError> {
 /// The passes a mesh needs, in order (see [`default_pipeline_explained`] for why).
 pub fn default_pipeline(mesh: &Mesh) -> Vec<&'static str> {
     let p = default_pipeline_explained(mesh);
-    p.names().into_iter().map(|n| lookup(n).expect("default pipelines use registered passes").name()).collect()
+    p.names()
+        .into_iter()
+        .map(|n| {
+            lookup(n)
+                .expect("default pipelines use registered passes")
+                .name()
+        })
+        .collect()
 }
 
 const TP_AFTER_SP: &str = "after sp-loss: the loss is already per-rank sums, which the vocab-parallel cross-entropy keeps; before ulysses-attention: heads are split by tp first";
@@ -118,7 +151,11 @@ const TP_AFTER_SP: &str = "after sp-loss: the loss is already per-rank sums, whi
 /// - one rank: canonicalize.
 pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
     let mut p = Pipeline::default();
-    let (sp, dp, tp) = (mesh.has(SP), mesh.has(DP), mesh.has(TP) && mesh.size_or_one(TP) > 1);
+    let (sp, dp, tp) = (
+        mesh.has(SP),
+        mesh.has(DP),
+        mesh.has(TP) && mesh.size_or_one(TP) > 1,
+    );
     if mesh.world_size() > 1 && (sp || dp) {
         let what = match (sp, dp) {
             (true, true) => "batch block by @dp and sequence block by @sp",
@@ -146,7 +183,10 @@ pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
         }
         p.push("canonicalize", "last: folds and removes what the rewrites leave behind (identity ops, duplicates, dead nodes)");
     } else if tp {
-        p.push("tensor-parallel", "splits linears, heads and the vocabulary over tp; the loss becomes vocab-parallel");
+        p.push(
+            "tensor-parallel",
+            "splits linears, heads and the vocabulary over tp; the loss becomes vocab-parallel",
+        );
         p.push("canonicalize", "last: folds and removes what the rewrites leave behind (identity ops, duplicates, dead nodes)");
     } else {
         let why = if mesh.world_size() > 1 {
@@ -159,9 +199,19 @@ pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
     if mesh.has(crate::ep::EP) {
         // Before tensor-parallel (experts stay whole on tp: the ep groups span tp ranks)
         // and canonicalize; after shard-seq, so each rank dispatches only its tokens.
-        let at = p.steps.iter().position(|s| s.pass == "tensor-parallel" || s.pass == "canonicalize").unwrap_or(p.steps.len());
+        let at = p
+            .steps
+            .iter()
+            .position(|s| s.pass == "tensor-parallel" || s.pass == "canonicalize")
+            .unwrap_or(p.steps.len());
         let why = "after shard-seq: each rank routes its own tokens; splits the experts over ep and trades rows with all_to_all_v (before tensor-parallel, which leaves experts whole)";
-        p.steps.insert(at, Step { pass: crate::ep::NAME.to_string(), why: why.to_string() });
+        p.steps.insert(
+            at,
+            Step {
+                pass: crate::ep::NAME.to_string(),
+                why: why.to_string(),
+            },
+        );
     }
     p
 }

@@ -37,10 +37,15 @@ impl Pass for ShardInputs {
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let layout = Layout::of(g, cx, NAME)?;
         let mut res = PassResult::unchanged();
-        res.count("inputs_sliced", 0).count("slices", 0).count("gathers", 0);
+        res.count("inputs_sliced", 0)
+            .count("slices", 0)
+            .count("gathers", 0);
         for (name, role, v) in g.inputs() {
             let uses = uses_of(g, v);
-            if uses.iter().any(|&(n, _)| made_by(g, n, NAME) && matches!(g.node(n).op, Op::Slice { .. })) {
+            if uses
+                .iter()
+                .any(|&(n, _)| made_by(g, n, NAME) && matches!(g.node(n).op, Op::Slice { .. }))
+            {
                 continue; // already sharded: applying twice must not slice twice
             }
             let before = res.counters["slices"];
@@ -49,15 +54,24 @@ impl Pass for ShardInputs {
                     shard_value(g, v, &layout, false, &name, &uses, &mut res)?;
                 }
                 Role::Labels => {
-                    let (shifts, direct): (Vec<_>, Vec<_>) =
-                        uses.iter().partition(|&&(n, _)| matches!(g.node(n).op, Op::ShiftLabels { .. }));
+                    let (shifts, direct): (Vec<_>, Vec<_>) = uses
+                        .iter()
+                        .partition(|&&(n, _)| matches!(g.node(n).op, Op::ShiftLabels { .. }));
                     for (n, _) in shifts {
                         let shifted = g.node(n).results[0];
                         let su = uses_of(g, shifted);
                         if su.iter().any(|&(m, _)| made_by(g, m, NAME)) {
                             continue;
                         }
-                        shard_value(g, shifted, &layout, false, &format!("{name} (shifted)"), &su, &mut res)?;
+                        shard_value(
+                            g,
+                            shifted,
+                            &layout,
+                            false,
+                            &format!("{name} (shifted)"),
+                            &su,
+                            &mut res,
+                        )?;
                     }
                     if !direct.is_empty() {
                         shard_value(g, v, &layout, false, &name, &direct, &mut res)?;
@@ -106,7 +120,11 @@ fn shard_value(
             continue;
         }
         let reason = reason(what, dim, split);
-        let op = Op::Slice { dim: dim as i64, start: split.start(), len: split.local() };
+        let op = Op::Slice {
+            dim: dim as i64,
+            start: split.start(),
+            len: split.local(),
+        };
         let meta = meta_for(g, anchor, NAME, reason);
         cur = insert1(g, NAME, At::After(anchor), op, &[cur], meta)?;
         anchor = g.def(cur);
@@ -116,7 +134,8 @@ fn shard_value(
     if cur == v {
         return Ok(());
     }
-    let reason = format!("{what}: restores the unsharded value until shard-seq propagates the split");
+    let reason =
+        format!("{what}: restores the unsharded value until shard-seq propagates the split");
     let whole = gather_dims(g, NAME, layout, cur, &sliced, anchor, &reason)?;
     res.count("gathers", sliced.len() as u64);
     for &(n, i) in uses {
@@ -127,7 +146,11 @@ fn shard_value(
 
 fn reason(what: &str, dim: usize, s: &Split) -> String {
     let kind = if dim == 0 { "batch" } else { "sequence" };
-    let mut r = format!("{what}: this rank's {kind} block [{}, +{})", s.start(), s.local());
+    let mut r = format!(
+        "{what}: this rank's {kind} block [{}, +{})",
+        s.start(),
+        s.local()
+    );
     if what.ends_with("(shifted)") {
         r.push_str(", after shift_labels so the target crossing each shard boundary is kept");
     }

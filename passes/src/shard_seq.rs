@@ -47,7 +47,15 @@ impl Pass for ShardSeq {
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let layout = Layout::of(g, cx, NAME)?;
         let mut res = PassResult::unchanged();
-        for k in ["input_gathers_removed", "nodes_retyped", "attrs_localized", "positions_rewritten", "gathers", "fallback_gathers", "outputs_gathered"] {
+        for k in [
+            "input_gathers_removed",
+            "nodes_retyped",
+            "attrs_localized",
+            "positions_rewritten",
+            "gathers",
+            "fallback_gathers",
+            "outputs_gathered",
+        ] {
             res.count(k, 0);
         }
         // 1. Drop the gathers shard-inputs put after the slices.
@@ -55,7 +63,10 @@ impl Pass for ShardSeq {
             .nodes()
             .iter()
             .copied()
-            .filter(|&n| matches!(g.node(n).op, Op::AllGather { .. }) && made_by(g, n, crate::shard_inputs::NAME))
+            .filter(|&n| {
+                matches!(g.node(n).op, Op::AllGather { .. })
+                    && made_by(g, n, crate::shard_inputs::NAME)
+            })
             .collect();
         if restoring.is_empty() {
             // Nothing sliced since the last run (or shard-inputs found nothing to slice):
@@ -69,7 +80,10 @@ impl Pass for ShardSeq {
             res.count("input_gathers_removed", 1);
             res.changed = true;
         }
-        let mut p = Propagation { layout, gathered: HashMap::new() };
+        let mut p = Propagation {
+            layout,
+            gathered: HashMap::new(),
+        };
         // 2. Positions.
         if let Some(s) = &p.layout.seq {
             for n in position_aranges(g, &Dim::sym(&s.symbol)) {
@@ -119,10 +133,23 @@ impl Propagation {
     }
 
     fn sharded_dims(&self, g: &Graph, v: Value) -> Vec<usize> {
-        g.ty(v).shape.iter().enumerate().filter(|(_, d)| self.layout.is_sharded(d)).map(|(k, _)| k).collect()
+        g.ty(v)
+            .shape
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| self.layout.is_sharded(d))
+            .map(|(k, _)| k)
+            .collect()
     }
 
-    fn gather(&mut self, g: &mut Graph, v: Value, dims: &[usize], user: Node, reason: &str) -> Result<Value, PassError> {
+    fn gather(
+        &mut self,
+        g: &mut Graph,
+        v: Value,
+        dims: &[usize],
+        user: Node,
+        reason: &str,
+    ) -> Result<Value, PassError> {
         let key = (v, dims.to_vec());
         if let Some(&w) = self.gathered.get(&key) {
             return Ok(w);
@@ -133,17 +160,33 @@ impl Propagation {
     }
 
     fn rewrite_arange(&self, g: &mut Graph, n: Node) -> bool {
-        let split = self.layout.seq.as_ref().expect("positions are rewritten only when the sequence is split");
-        let Op::Arange { start, ty } = &g.node(n).op else { return false };
+        let split = self
+            .layout
+            .seq
+            .as_ref()
+            .expect("positions are rewritten only when the sequence is split");
+        let Op::Arange { start, ty } = &g.node(n).op else {
+            return false;
+        };
         if ty.shape[0] != Dim::sym(&split.symbol) {
             return false; // already per-rank
         }
         let new_start = start.clone() + split.start();
         let new_ty = ty.with_shape(vec![split.local()]);
-        let reason = format!("positions of this rank's block [{}, +{}) so RoPE uses global positions", new_start, split.local());
+        let reason = format!(
+            "positions of this rank's block [{}, +{}) so RoPE uses global positions",
+            new_start,
+            split.local()
+        );
         let d = g.node_mut(n);
-        d.op = Op::Arange { start: new_start, ty: new_ty };
-        d.meta.provenance = Some(Provenance { pass: NAME.to_string(), reason });
+        d.op = Op::Arange {
+            start: new_start,
+            ty: new_ty,
+        };
+        d.meta.provenance = Some(Provenance {
+            pass: NAME.to_string(),
+            reason,
+        });
         g.reinfer(n).is_ok()
     }
 
@@ -151,7 +194,12 @@ impl Propagation {
         let before: Vec<TensorType> = g.node(n).results.iter().map(|v| g.ty(*v).clone()).collect();
         let mixed = self.mixed_dims(g, n);
         if !mixed.is_empty() {
-            self.gather_operands(g, n, &mixed, &format!("`{}` combines tokens", g.node(n).op.name()))?;
+            self.gather_operands(
+                g,
+                n,
+                &mixed,
+                &format!("`{}` combines tokens", g.node(n).op.name()),
+            )?;
             self.reinfer(g, n)?;
             if matches!(g.node(n).op, Op::Attention { .. }) {
                 self.reslice_attention(g, n)?;
@@ -164,14 +212,20 @@ impl Propagation {
             if g.reinfer(n).is_err() {
                 // Does not fit per-rank operands: compute it whole.
                 g.node_mut(n).op = original;
-                let all: Vec<(usize, Vec<usize>)> =
-                    (0..g.node(n).operands.len()).map(|i| (i, self.sharded_dims(g, g.node(n).operands[i]))).collect();
+                let all: Vec<(usize, Vec<usize>)> = (0..g.node(n).operands.len())
+                    .map(|i| (i, self.sharded_dims(g, g.node(n).operands[i])))
+                    .collect();
                 self.gather_operands(g, n, &all, "operands of different sizes per rank")?;
                 self.reinfer(g, n)?;
                 res.count("fallback_gathers", 1);
             }
         }
-        let retyped = g.node(n).results.iter().zip(&before).any(|(v, t)| g.ty(*v) != t);
+        let retyped = g
+            .node(n)
+            .results
+            .iter()
+            .zip(&before)
+            .any(|(v, t)| g.ty(*v) != t);
         if retyped {
             res.count("nodes_retyped", 1);
         }
@@ -187,7 +241,13 @@ impl Propagation {
     }
 
     /// Gathers the listed per-rank dims of each operand, for node `n` only.
-    fn gather_operands(&mut self, g: &mut Graph, n: Node, dims: &[(usize, Vec<usize>)], reason: &str) -> Result<(), PassError> {
+    fn gather_operands(
+        &mut self,
+        g: &mut Graph,
+        n: Node,
+        dims: &[(usize, Vec<usize>)],
+        reason: &str,
+    ) -> Result<(), PassError> {
         for (i, ds) in dims {
             if ds.is_empty() {
                 continue;
@@ -201,12 +261,18 @@ impl Propagation {
 
     /// Attention computed whole: keep this rank's sequence block of the output.
     fn reslice_attention(&mut self, g: &mut Graph, n: Node) -> Result<(), PassError> {
-        let Some(split) = self.layout.seq.clone() else { return Ok(()) };
+        let Some(split) = self.layout.seq.clone() else {
+            return Ok(());
+        };
         let out = g.node(n).results[0];
         if g.ty(out).shape[2] != Dim::sym(&split.symbol) {
             return Ok(());
         }
-        let op = Op::Slice { dim: 2, start: split.start(), len: split.local() };
+        let op = Op::Slice {
+            dim: 2,
+            start: split.start(),
+            len: split.local(),
+        };
         let meta = meta_for(g, n, NAME, "attention output: back to this rank's sequence block (ulysses-attention replaces the gathers and this slice with all_to_alls)");
         let local = insert1(g, NAME, At::After(n), op, &[out], meta)?;
         g.replace_uses_except(out, local, g.def(local));
@@ -219,7 +285,9 @@ impl Propagation {
         let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
         for (i, dim) in mixing_dims(g, n, &self.layout) {
             let t = g.ty(d.operands[i]);
-            let Ok(k) = norm_dim(dim, t.rank()) else { continue };
+            let Ok(k) = norm_dim(dim, t.rank()) else {
+                continue;
+            };
             if self.layout.is_sharded(&t.shape[k]) {
                 match out.iter_mut().find(|(j, _)| *j == i) {
                     Some((_, ks)) if !ks.contains(&k) => ks.push(k),
@@ -246,23 +314,39 @@ fn mixing_dims(g: &Graph, n: Node, layout: &Layout) -> Vec<(usize, i64)> {
             }
             v
         }
-        Op::CrossEntropy { reduction: Reduction::None, .. } => vec![(0, -1)],
+        Op::CrossEntropy {
+            reduction: Reduction::None,
+            ..
+        } => vec![(0, -1)],
         Op::CrossEntropy { .. } => all(0).chain(all(1)).collect(),
         Op::CountValid { .. } => all(0).collect(),
-        Op::Sum { dims, .. } | Op::Mean { dims, .. } | Op::Max { dims, .. } => dims.iter().map(|&k| (0, k)).collect(),
+        Op::Sum { dims, .. } | Op::Mean { dims, .. } | Op::Max { dims, .. } => {
+            dims.iter().map(|&k| (0, k)).collect()
+        }
         Op::Softmax { dim } | Op::LogSoftmax { dim } | Op::Topk { dim, .. } => vec![(0, *dim)],
         Op::Concat { dim } => (0..d.operands.len()).map(|i| (i, *dim)).collect(),
         Op::Gather { dim } | Op::IndexSelect { dim } => vec![(0, *dim)],
         Op::ScatterAdd { dim } => vec![(0, *dim), (1, *dim), (2, *dim)],
         Op::Linear {} | Op::RmsNorm { .. } | Op::ShiftLabels { .. } => vec![(0, -1)],
-        Op::Matmul { transpose_a, transpose_b } => {
-            vec![(0, if *transpose_a { -2 } else { -1 }), (1, if *transpose_b { -1 } else { -2 })]
+        Op::Matmul {
+            transpose_a,
+            transpose_b,
+        } => {
+            vec![
+                (0, if *transpose_a { -2 } else { -1 }),
+                (1, if *transpose_b { -1 } else { -2 }),
+            ]
         }
         Op::Slice { dim, start, len } => {
             let t = g.ty(d.operands[0]);
             // A slice of the whole dim (written with the global size or not) is local.
             match norm_dim(*dim, t.rank()) {
-                Ok(k) if !(start.as_const() == Some(0) && (*len == t.shape[k] || layout.localize(len) == t.shape[k])) => vec![(0, *dim)],
+                Ok(k)
+                    if !(start.as_const() == Some(0)
+                        && (*len == t.shape[k] || layout.localize(len) == t.shape[k])) =>
+                {
+                    vec![(0, *dim)]
+                }
                 _ => vec![],
             }
         }
@@ -291,7 +375,13 @@ fn position_aranges(g: &Graph, seq: &Dim) -> Vec<Node> {
         let n = g.def(v);
         match &g.node(n).op {
             Op::Arange { ty, .. } if ty.shape[0] == *seq => out.push(n),
-            Op::Reshape { .. } | Op::Expand { .. } | Op::Cast { .. } | Op::Add {} | Op::Sub {} | Op::AddScalar { .. } | Op::Scale { .. } => {
+            Op::Reshape { .. }
+            | Op::Expand { .. }
+            | Op::Cast { .. }
+            | Op::Add {}
+            | Op::Sub {}
+            | Op::AddScalar { .. }
+            | Op::Scale { .. } => {
                 stack.extend(g.node(n).operands.iter().copied());
             }
             _ => {}
@@ -323,7 +413,11 @@ fn localize_attrs(g: &mut Graph, n: Node, layout: &Layout) -> bool {
             let found = subsets.into_iter().find_map(|subset| {
                 let cand: Vec<Dim> = shape
                     .iter()
-                    .map(|d| subset.iter().fold(d.clone(), |acc, &i| acc.substitute(&splits[i].1.symbol, &splits[i].1.local())))
+                    .map(|d| {
+                        subset.iter().fold(d.clone(), |acc, &i| {
+                            acc.substitute(&splits[i].1.symbol, &splits[i].1.local())
+                        })
+                    })
                     .collect();
                 (numel(&cand) == operand_ty.numel()).then_some(cand)
             });
@@ -341,19 +435,30 @@ fn localize_attrs(g: &mut Graph, n: Node, layout: &Layout) -> bool {
             let shape = shape
                 .iter()
                 .enumerate()
-                .map(|(i, d)| match i.checked_sub(off).map(|j| &operand_ty.shape[j]) {
-                    Some(od) if *od != one => od.clone(),
-                    _ => layout.localize(d),
-                })
+                .map(
+                    |(i, d)| match i.checked_sub(off).map(|j| &operand_ty.shape[j]) {
+                        Some(od) if *od != one => od.clone(),
+                        _ => layout.localize(d),
+                    },
+                )
                 .collect();
             Op::Expand { shape }
         }
         Op::Slice { dim, start, len } => {
-            let Ok(k) = norm_dim(*dim, operand_ty.rank()) else { return false };
-            if start.as_const() != Some(0) || *len == operand_ty.shape[k] || layout.localize(len) != operand_ty.shape[k] {
+            let Ok(k) = norm_dim(*dim, operand_ty.rank()) else {
+                return false;
+            };
+            if start.as_const() != Some(0)
+                || *len == operand_ty.shape[k]
+                || layout.localize(len) != operand_ty.shape[k]
+            {
                 return false;
             }
-            Op::Slice { dim: *dim, start: start.clone(), len: operand_ty.shape[k].clone() }
+            Op::Slice {
+                dim: *dim,
+                start: start.clone(),
+                len: operand_ty.shape[k].clone(),
+            }
         }
         _ => return false,
     };

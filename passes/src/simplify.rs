@@ -20,7 +20,10 @@
 //! unchanged node (and its id); new nodes carry `simplify` provenance.
 
 use crate::pass::{Pass, PassContext, PassError, PassResult};
-use egg::{define_language, Analysis, CostFunction, DidMerge, EGraph, Extractor, Id, Language, Pattern, RecExpr, Rewrite, Runner, Symbol};
+use egg::{
+    define_language, Analysis, CostFunction, DidMerge, EGraph, Extractor, Id, Language, Pattern,
+    RecExpr, Rewrite, Runner, Symbol,
+};
 use std::collections::{BTreeMap, HashMap};
 use weft_ir::{At, Bindings, Dim, Graph, NodeMeta, Op, Provenance, TensorType, Value};
 
@@ -63,9 +66,14 @@ impl Analysis<Term> for Table {
     type Data = Option<TensorType>;
     fn make(eg: &mut EGraph<Term, Self>, n: &Term) -> Self::Data {
         match n {
-            Term::Leaf(s) => eg.analysis.leaf_types.get(&s.as_str()[1..].parse::<u32>().ok()?).cloned(),
+            Term::Leaf(s) => eg
+                .analysis
+                .leaf_types
+                .get(&s.as_str()[1..].parse::<u32>().ok()?)
+                .cloned(),
             Term::Apply(s, kids) => {
-                let tys: Option<Vec<TensorType>> = kids.iter().map(|k| eg[*k].data.clone()).collect();
+                let tys: Option<Vec<TensorType>> =
+                    kids.iter().map(|k| eg[*k].data.clone()).collect();
                 let tys = tys?;
                 let refs: Vec<&TensorType> = tys.iter().collect();
                 eg.analysis.op(*s).infer(&refs).ok()?.into_iter().next()
@@ -85,7 +93,10 @@ impl Analysis<Term> for Table {
 type EG = EGraph<Term, Table>;
 
 fn numel(t: &TensorType, b: &Bindings) -> f64 {
-    t.shape.iter().map(|d| d.bind(b).as_const().map(|v| v as f64).unwrap_or(4096.0)).product()
+    t.shape
+        .iter()
+        .map(|d| d.bind(b).as_const().map(|v| v as f64).unwrap_or(4096.0))
+        .product()
 }
 
 /// Estimated nanoseconds of an e-node: collectives by bytes moved over NVLink (about
@@ -101,8 +112,14 @@ impl CostFunction<Term> for Price<'_> {
         let kids: f64 = n.children().iter().map(|&k| costs(k)).sum();
         let Term::Apply(s, ch) = n else { return 0.0 };
         let op = self.eg.analysis.op(*s);
-        let ins: Vec<&TensorType> = ch.iter().filter_map(|k| self.eg[*k].data.as_ref()).collect();
-        let in_bytes: f64 = ins.iter().map(|t| numel(t, &self.bindings) * t.dtype.size_bytes() as f64).sum();
+        let ins: Vec<&TensorType> = ch
+            .iter()
+            .filter_map(|k| self.eg[*k].data.as_ref())
+            .collect();
+        let in_bytes: f64 = ins
+            .iter()
+            .map(|t| numel(t, &self.bindings) * t.dtype.size_bytes() as f64)
+            .sum();
         let own = match op {
             Op::Reshape { .. } => 0.0,
             _ if op.is_collective() => 1.0e3 + in_bytes / 370.0,
@@ -123,7 +140,18 @@ fn is_movement(op: &Op) -> bool {
 }
 
 fn is_unary_elementwise(op: &Op) -> bool {
-    matches!(op, Op::Neg {} | Op::Exp {} | Op::Tanh {} | Op::Sigmoid {} | Op::Silu {} | Op::Gelu { .. } | Op::Relu {} | Op::Scale { .. } | Op::Cast { .. })
+    matches!(
+        op,
+        Op::Neg {}
+            | Op::Exp {}
+            | Op::Tanh {}
+            | Op::Sigmoid {}
+            | Op::Silu {}
+            | Op::Gelu { .. }
+            | Op::Relu {}
+            | Op::Scale { .. }
+            | Op::Cast { .. }
+    )
 }
 
 /// Rules for the ops present (rule names are stable; one name may cover many rules).
@@ -138,26 +166,52 @@ fn rules(t: &mut Table) -> Vec<Rewrite<Term, Table>> {
     };
     for a in &ops {
         match a {
-            Op::AllToAll { axis, scatter_dim, gather_dim } => {
-                let inv = Op::AllToAll { axis: axis.clone(), scatter_dim: *gather_dim, gather_dim: *scatter_dim };
+            Op::AllToAll {
+                axis,
+                scatter_dim,
+                gather_dim,
+            } => {
+                let inv = Op::AllToAll {
+                    axis: axis.clone(),
+                    scatter_dim: *gather_dim,
+                    gather_dim: *scatter_dim,
+                };
                 if ops.contains(&inv) {
                     let (sa, si) = (sym(t, a), sym(t, &inv));
-                    out.push(rule(&name("cancel-all-to-all"), &format!("({si} ({sa} ?x))"), "?x"));
+                    out.push(rule(
+                        &name("cancel-all-to-all"),
+                        &format!("({si} ({sa} ?x))"),
+                        "?x",
+                    ));
                 }
             }
             Op::Transpose { .. } => {
                 let s = sym(t, a);
-                out.push(rule(&name("transpose-involution"), &format!("({s} ({s} ?x))"), "?x"));
+                out.push(rule(
+                    &name("transpose-involution"),
+                    &format!("({s} ({s} ?x))"),
+                    "?x",
+                ));
             }
             Op::Permute { perm: p1 } => {
                 for b in &ops {
                     if let Op::Permute { perm: p2 } = b {
-                        if p1.len() == p2.len() && p1.iter().all(|&d| d >= 0 && (d as usize) < p1.len()) {
+                        if p1.len() == p2.len()
+                            && p1.iter().all(|&d| d >= 0 && (d as usize) < p1.len())
+                        {
                             let composed: Vec<i64> = p2.iter().map(|&i| p1[i as usize]).collect();
                             let (s1, s2) = (sym(t, a), sym(t, b));
                             let identity = composed.iter().enumerate().all(|(i, &d)| d == i as i64);
-                            let rhs = if identity { "?x".to_string() } else { format!("({} ?x)", sym(t, &Op::Permute { perm: composed })) };
-                            out.push(rule(&name("permute-compose"), &format!("({s2} ({s1} ?x))"), &rhs));
+                            let rhs = if identity {
+                                "?x".to_string()
+                            } else {
+                                format!("({} ?x)", sym(t, &Op::Permute { perm: composed }))
+                            };
+                            out.push(rule(
+                                &name("permute-compose"),
+                                &format!("({s2} ({s1} ?x))"),
+                                &rhs,
+                            ));
                         }
                     }
                 }
@@ -166,20 +220,43 @@ fn rules(t: &mut Table) -> Vec<Rewrite<Term, Table>> {
                 for b in &ops {
                     if matches!(b, Op::Reshape { .. }) {
                         let (s1, s2) = (sym(t, a), sym(t, b));
-                        out.push(rule(&name("reshape-chain"), &format!("({s2} ({s1} ?x))"), &format!("({s2} ?x)")));
+                        out.push(rule(
+                            &name("reshape-chain"),
+                            &format!("({s2} ({s1} ?x))"),
+                            &format!("({s2} ?x)"),
+                        ));
                     }
                 }
-                let Op::Reshape { shape } = a.clone() else { unreachable!() };
+                let Op::Reshape { shape } = a.clone() else {
+                    unreachable!()
+                };
                 let s = sym(t, a);
                 let lhs: Pattern<Term> = format!("({s} ?x)").parse().expect("pattern");
                 let rhs: Pattern<Term> = "?x".parse().expect("pattern");
                 let x: egg::Var = "?x".parse().expect("var");
-                let cond = move |eg: &mut EG, _: Id, subst: &egg::Subst| eg[subst[x]].data.as_ref().is_some_and(|ty| ty.shape == shape);
-                out.push(Rewrite::new(name("reshape-identity"), lhs, egg::ConditionalApplier { condition: cond, applier: rhs }).expect("rule"));
+                let cond = move |eg: &mut EG, _: Id, subst: &egg::Subst| {
+                    eg[subst[x]]
+                        .data
+                        .as_ref()
+                        .is_some_and(|ty| ty.shape == shape)
+                };
+                out.push(
+                    Rewrite::new(
+                        name("reshape-identity"),
+                        lhs,
+                        egg::ConditionalApplier {
+                            condition: cond,
+                            applier: rhs,
+                        },
+                    )
+                    .expect("rule"),
+                );
             }
             Op::Slice { dim, start, len } => {
                 for g in &ops {
-                    let Op::AllGather { axis, dim: gd } = g else { continue };
+                    let Op::AllGather { axis, dim: gd } = g else {
+                        continue;
+                    };
                     if gd != dim || *start != Dim::coord(axis) * len.clone() {
                         continue;
                     }
@@ -190,10 +267,22 @@ fn rules(t: &mut Table) -> Vec<Rewrite<Term, Table>> {
                     let (d, len) = (*dim, len.clone());
                     let cond = move |eg: &mut EG, _: Id, subst: &egg::Subst| {
                         eg[subst[x]].data.as_ref().is_some_and(|ty| {
-                            weft_ir::shape::norm_dim(d, ty.rank()).ok().is_some_and(|k| ty.shape[k] == len)
+                            weft_ir::shape::norm_dim(d, ty.rank())
+                                .ok()
+                                .is_some_and(|k| ty.shape[k] == len)
                         })
                     };
-                    out.push(Rewrite::new(name("gather-then-local-slice"), lhs, egg::ConditionalApplier { condition: cond, applier: rhs }).expect("rule"));
+                    out.push(
+                        Rewrite::new(
+                            name("gather-then-local-slice"),
+                            lhs,
+                            egg::ConditionalApplier {
+                                condition: cond,
+                                applier: rhs,
+                            },
+                        )
+                        .expect("rule"),
+                    );
                 }
             }
             _ => {}
@@ -201,9 +290,21 @@ fn rules(t: &mut Table) -> Vec<Rewrite<Term, Table>> {
         if is_unary_elementwise(a) {
             for g in ops.iter().filter(|g| is_movement(g)) {
                 let (su, sg) = (sym(t, a), sym(t, g));
-                let base = if matches!(a, Op::Cast { .. }) { "cast-across-collective" } else { "unary-across-collective" };
-                out.push(rule(&name(base), &format!("({su} ({sg} ?x))"), &format!("({sg} ({su} ?x))")));
-                out.push(rule(&name(base), &format!("({sg} ({su} ?x))"), &format!("({su} ({sg} ?x))")));
+                let base = if matches!(a, Op::Cast { .. }) {
+                    "cast-across-collective"
+                } else {
+                    "unary-across-collective"
+                };
+                out.push(rule(
+                    &name(base),
+                    &format!("({su} ({sg} ?x))"),
+                    &format!("({sg} ({su} ?x))"),
+                ));
+                out.push(rule(
+                    &name(base),
+                    &format!("({sg} ({su} ?x))"),
+                    &format!("({su} ({sg} ?x))"),
+                ));
             }
         }
     }
@@ -226,13 +327,21 @@ impl Pass for Simplify {
     fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
         let mut table = Table::default();
         // Which nodes enter the e-graph: single-result ops that are not sources.
-        let inside = |op: &Op, results: usize| results == 1 && !op.is_source() && !matches!(op, Op::MoeDispatch { .. } | Op::Topk { .. });
+        let inside = |op: &Op, results: usize| {
+            results == 1
+                && !op.is_source()
+                && !matches!(op, Op::MoeDispatch { .. } | Op::Topk { .. })
+        };
         let mut expr: RecExpr<Term> = RecExpr::default();
         let mut id_of: HashMap<Value, Id> = HashMap::new();
         for &n in g.nodes() {
             let d = g.node(n);
             if inside(&d.op, d.results.len()) {
-                let kids: Vec<Id> = d.operands.iter().map(|v| leaf_or_id(*v, g, &mut table, &mut expr, &mut id_of)).collect();
+                let kids: Vec<Id> = d
+                    .operands
+                    .iter()
+                    .map(|v| leaf_or_id(*v, g, &mut table, &mut expr, &mut id_of))
+                    .collect();
                 let s = table.intern(&d.op);
                 let id = expr.add(Term::Apply(s, kids));
                 id_of.insert(d.results[0], id);
@@ -246,7 +355,12 @@ impl Pass for Simplify {
                 roots.extend(d.operands.iter().filter(|v| id_of.contains_key(v)));
             }
         }
-        roots.extend(g.outputs().iter().map(|(_, v)| *v).filter(|v| id_of.contains_key(v)));
+        roots.extend(
+            g.outputs()
+                .iter()
+                .map(|(_, v)| *v)
+                .filter(|v| id_of.contains_key(v)),
+        );
         roots.sort();
         roots.dedup();
         if roots.is_empty() {
@@ -256,27 +370,48 @@ impl Pass for Simplify {
         let mut eg = EG::new(table);
         let root_ids: Vec<(Value, Id)> = {
             let ids: Vec<Id> = add_all(&mut eg, &expr);
-            roots.iter().map(|v| (*v, ids[usize::from(id_of[v])])).collect()
+            roots
+                .iter()
+                .map(|v| (*v, ids[usize::from(id_of[v])]))
+                .collect()
         };
         eg.rebuild();
-        let runner = Runner::default().with_egraph(eg).with_iter_limit(ITER_LIMIT).with_node_limit(NODE_LIMIT).run(&rules);
+        let runner = Runner::default()
+            .with_egraph(eg)
+            .with_iter_limit(ITER_LIMIT)
+            .with_node_limit(NODE_LIMIT)
+            .run(&rules);
         let mut hits: BTreeMap<String, u64> = BTreeMap::new();
         for it in &runner.iterations {
             for (r, k) in &it.applied {
-                let base = r.as_str().split('#').next().unwrap_or(r.as_str()).to_string();
+                let base = r
+                    .as_str()
+                    .split('#')
+                    .next()
+                    .unwrap_or(r.as_str())
+                    .to_string();
                 *hits.entry(base).or_default() += *k as u64;
             }
         }
         let eg = &runner.egraph;
         let bindings = default_bindings(g);
-        let extractor = Extractor::new(eg, Price { eg, bindings: bindings.clone() });
+        let extractor = Extractor::new(
+            eg,
+            Price {
+                eg,
+                bindings: bindings.clone(),
+            },
+        );
         let mut price_before = 0.0;
         let mut price_after = 0.0;
         let mut best: Vec<(Value, RecExpr<Term>)> = Vec::new();
         for (v, id) in &root_ids {
             let (c, e) = extractor.find_best(*id);
             price_after += c;
-            let mut p = Price { eg, bindings: bindings.clone() };
+            let mut p = Price {
+                eg,
+                bindings: bindings.clone(),
+            };
             let original = original_expr(g, *v, &id_of, &expr);
             price_before += p.cost_rec(&original);
             best.push((*v, e));
@@ -308,7 +443,8 @@ impl Pass for Simplify {
                     Term::Leaf(s) => Value(s.as_str()[1..].parse().expect("leaf symbol")),
                     Term::Apply(s, kids) => {
                         let op = table.op(*s).clone();
-                        let operands: Vec<Value> = kids.iter().map(|k| vals[usize::from(*k)]).collect();
+                        let operands: Vec<Value> =
+                            kids.iter().map(|k| vals[usize::from(*k)]).collect();
                         match originals.get(&(op.clone(), operands.clone())) {
                             Some(&v) => v,
                             None => {
@@ -319,7 +455,14 @@ impl Pass for Simplify {
                                 };
                                 let v = g
                                     .insert_with(At::Before(anchor), op.clone(), &operands, meta)
-                                    .map_err(|e| PassError::rewrite("simplify", "rebuilding the extracted program", e.location.clone(), e.message))?[0];
+                                    .map_err(|e| {
+                                        PassError::rewrite(
+                                            "simplify",
+                                            "rebuilding the extracted program",
+                                            e.location.clone(),
+                                            e.message,
+                                        )
+                                    })?[0];
                                 originals.insert((op, operands), v);
                                 v
                             }
@@ -344,7 +487,13 @@ impl Pass for Simplify {
     }
 }
 
-fn leaf_or_id(v: Value, g: &Graph, t: &mut Table, expr: &mut RecExpr<Term>, id_of: &mut HashMap<Value, Id>) -> Id {
+fn leaf_or_id(
+    v: Value,
+    g: &Graph,
+    t: &mut Table,
+    expr: &mut RecExpr<Term>,
+    id_of: &mut HashMap<Value, Id>,
+) -> Id {
     if let Some(&id) = id_of.get(&v) {
         return id;
     }
@@ -364,7 +513,12 @@ fn add_all(eg: &mut EG, expr: &RecExpr<Term>) -> Vec<Id> {
 }
 
 /// The original term of a root, for pricing the unsimplified program the same way.
-fn original_expr(g: &Graph, v: Value, id_of: &HashMap<Value, Id>, expr: &RecExpr<Term>) -> RecExpr<Term> {
+fn original_expr(
+    g: &Graph,
+    v: Value,
+    id_of: &HashMap<Value, Id>,
+    expr: &RecExpr<Term>,
+) -> RecExpr<Term> {
     let _ = g;
     let mut out = RecExpr::default();
     let mut memo: HashMap<Id, Id> = HashMap::new();

@@ -55,11 +55,24 @@ impl std::fmt::Display for CheckpointPolicy {
 /// Parses a byte count: `1000`, `64M`, `1.5G`, `512Mi`, `2GiB`.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let t = text.trim().trim_end_matches(['B', 'b']);
-    let (num, mult) = [("Ki", 1u64 << 10), ("Mi", 1 << 20), ("Gi", 1 << 30), ("Ti", 1 << 40), ("k", 1_000), ("K", 1_000), ("M", 1_000_000), ("G", 1_000_000_000), ("T", 1_000_000_000_000)]
-        .iter()
-        .find_map(|(s, m)| t.strip_suffix(s).map(|n| (n, *m)))
-        .unwrap_or((t, 1));
-    let v: f64 = num.trim().parse().map_err(|_| format!("`{text}` is not a byte count (e.g. 4G, 512Mi, 1000000)"))?;
+    let (num, mult) = [
+        ("Ki", 1u64 << 10),
+        ("Mi", 1 << 20),
+        ("Gi", 1 << 30),
+        ("Ti", 1 << 40),
+        ("k", 1_000),
+        ("K", 1_000),
+        ("M", 1_000_000),
+        ("G", 1_000_000_000),
+        ("T", 1_000_000_000_000),
+    ]
+    .iter()
+    .find_map(|(s, m)| t.strip_suffix(s).map(|n| (n, *m)))
+    .unwrap_or((t, 1));
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a byte count (e.g. 4G, 512Mi, 1000000)"))?;
     if v < 0.0 || !v.is_finite() {
         return Err(format!("`{text}` is not a byte count"));
     }
@@ -69,17 +82,37 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
 /// The optimizer the `optimizer` pass writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Optimizer {
-    AdamW { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float },
-    Sgd { lr: Float, momentum: Float, weight_decay: Float },
+    AdamW {
+        lr: Float,
+        beta1: Float,
+        beta2: Float,
+        eps: Float,
+        weight_decay: Float,
+    },
+    Sgd {
+        lr: Float,
+        momentum: Float,
+        weight_decay: Float,
+    },
 }
 
 impl Optimizer {
     /// torch.optim.AdamW's defaults (weight decay 0.01) at learning rate `lr`.
     pub fn adamw(lr: f64) -> Optimizer {
-        Optimizer::AdamW { lr: Float(lr), beta1: Float(0.9), beta2: Float(0.999), eps: Float(1e-8), weight_decay: Float(0.01) }
+        Optimizer::AdamW {
+            lr: Float(lr),
+            beta1: Float(0.9),
+            beta2: Float(0.999),
+            eps: Float(1e-8),
+            weight_decay: Float(0.01),
+        }
     }
     pub fn sgd(lr: f64) -> Optimizer {
-        Optimizer::Sgd { lr: Float(lr), momentum: Float(0.0), weight_decay: Float(0.0) }
+        Optimizer::Sgd {
+            lr: Float(lr),
+            momentum: Float(0.0),
+            weight_decay: Float(0.0),
+        }
     }
     pub fn lr(&self) -> f64 {
         match self {
@@ -88,8 +121,28 @@ impl Optimizer {
     }
     pub fn with_lr(self, v: f64) -> Optimizer {
         match self {
-            Optimizer::AdamW { beta1, beta2, eps, weight_decay, .. } => Optimizer::AdamW { lr: Float(v), beta1, beta2, eps, weight_decay },
-            Optimizer::Sgd { momentum, weight_decay, .. } => Optimizer::Sgd { lr: Float(v), momentum, weight_decay },
+            Optimizer::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } => Optimizer::AdamW {
+                lr: Float(v),
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            },
+            Optimizer::Sgd {
+                momentum,
+                weight_decay,
+                ..
+            } => Optimizer::Sgd {
+                lr: Float(v),
+                momentum,
+                weight_decay,
+            },
         }
     }
 }
@@ -128,7 +181,13 @@ impl Default for Device {
 
 impl Default for OffloadOptions {
     fn default() -> Self {
-        OffloadOptions { keep_last: 1, min_bytes: 1 << 20, budget: None, link_bytes_per_s: 25_000_000_000, device: Device::default() }
+        OffloadOptions {
+            keep_last: 1,
+            min_bytes: 1 << 20,
+            budget: None,
+            link_bytes_per_s: 25_000_000_000,
+            device: Device::default(),
+        }
     }
 }
 
@@ -181,7 +240,12 @@ impl Default for TrainOptions {
 /// training passes `opts` asks for, each with the reason for its position.
 pub fn training_pipeline(mesh: &Mesh, opts: &TrainOptions) -> Pipeline {
     let mut p = default_pipeline_explained(mesh);
-    let push = |p: &mut Pipeline, pass: &str, why: &str| p.steps.push(Step { pass: pass.to_string(), why: why.to_string() });
+    let push = |p: &mut Pipeline, pass: &str, why: &str| {
+        p.steps.push(Step {
+            pass: pass.to_string(),
+            why: why.to_string(),
+        })
+    };
     if opts.micro_batches > 1 {
         push(
             &mut p,
@@ -191,14 +255,22 @@ pub fn training_pipeline(mesh: &Mesh, opts: &TrainOptions) -> Pipeline {
     }
     push(&mut p, "autodiff", "after every forward rewrite: differentiates the parallel program itself, collectives included");
     if opts.checkpoint != CheckpointPolicy::None {
-        push(&mut p, "checkpoint", "after autodiff: it chooses among the forward values the backward reads");
+        push(
+            &mut p,
+            "checkpoint",
+            "after autodiff: it chooses among the forward values the backward reads",
+        );
     }
     if opts.offload.is_some() {
         push(&mut p, "offload", "after checkpoint: only what is still saved for the backward is worth moving to the host");
     }
     push(&mut p, "grad-sync", "after the backward is complete: buckets the parameter gradients' reductions in the order backward produces them");
     if opts.optimizer.is_some() {
-        push(&mut p, "optimizer", "after grad-sync: updates each parameter from its reduced gradient");
+        push(
+            &mut p,
+            "optimizer",
+            "after grad-sync: updates each parameter from its reduced gradient",
+        );
     }
     p
 }

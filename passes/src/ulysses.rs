@@ -39,7 +39,9 @@ impl Pass for UlyssesAttention {
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let sp = cx.axis_size(NAME, SP)? as i64;
         let mut res = PassResult::unchanged();
-        res.count("attention_layers", 0).count("all_to_all", 0).count("kv_heads_repeated", 0);
+        res.count("attention_layers", 0)
+            .count("all_to_all", 0)
+            .count("kv_heads_repeated", 0);
         res.count("attention_kept_whole", 0);
         // Match every attention first (one use list for all), then rewrite each.
         let uses = g.uses();
@@ -96,10 +98,17 @@ fn sequence_parallel_attention(g: &Graph, n: Node, uses: &[Vec<(Node, usize)>]) 
         gathers.extend(nodes);
     }
     let out = g.node(n).results[0];
-    let [(slice, 0)] = uses.get(out.0 as usize)?.as_slice() else { return None };
-    let is_slice = matches!(g.node(*slice).op, Op::Slice { dim: 2, .. }) && crate::util::made_by(g, *slice, crate::shard_seq::NAME);
+    let [(slice, 0)] = uses.get(out.0 as usize)?.as_slice() else {
+        return None;
+    };
+    let is_slice = matches!(g.node(*slice).op, Op::Slice { dim: 2, .. })
+        && crate::util::made_by(g, *slice, crate::shard_seq::NAME);
     let is_output = g.outputs().iter().any(|(_, v)| *v == out);
-    (is_slice && !is_output).then_some(Matched { local, gathers, slice: *slice })
+    (is_slice && !is_output).then_some(Matched {
+        local,
+        gathers,
+        slice: *slice,
+    })
 }
 
 fn bytes(t: &TensorType) -> Dim {
@@ -109,24 +118,46 @@ fn bytes(t: &TensorType) -> Dim {
 fn heads_error(g: &Graph, n: Node, what: String, why: String, valid: &[i64]) -> PassError {
     let list: Vec<String> = valid.iter().map(|d| d.to_string()).collect();
     let help = if list.is_empty() {
-        "this layer cannot use sequence parallelism over its heads; drop `sp` from the mesh".to_string()
+        "this layer cannot use sequence parallelism over its heads; drop `sp` from the mesh"
+            .to_string()
     } else {
-        format!("use an sp degree that works for this layer: {}", list.join(", "))
+        format!(
+            "use an sp degree that works for this layer: {}",
+            list.join(", ")
+        )
     };
     PassError::rewrite(NAME, what, g.describe(n), why).with_help(help)
 }
 
-fn rewrite_attention(g: &mut Graph, n: Node, m: Matched, sp: i64, replicate: bool, res: &mut PassResult) -> Result<(), PassError> {
+fn rewrite_attention(
+    g: &mut Graph,
+    n: Node,
+    m: Matched,
+    sp: i64,
+    replicate: bool,
+    res: &mut PassResult,
+) -> Result<(), PassError> {
     let [q, k, v] = m.local;
     let mask = g.node(n).operands.get(3).copied();
     let (qt, kt) = (g.ty(q).clone(), g.ty(k).clone());
     let what = format!("`{NAME}` cannot split the attention heads over sp={sp}");
     let (Some(nq), Some(nkv)) = (qt.shape[1].as_const(), kt.shape[1].as_const()) else {
-        return Err(PassError::rewrite(NAME, what, g.describe(n), format!("head counts must be constants, got q {qt} and k {kt}")));
+        return Err(PassError::rewrite(
+            NAME,
+            what,
+            g.describe(n),
+            format!("head counts must be constants, got q {qt} and k {kt}"),
+        ));
     };
     if nq % sp != 0 {
         let valid: Vec<i64> = divisors(nq);
-        return Err(heads_error(g, n, what, format!("its {nq} q heads ({nkv} kv heads) do not divide by sp={sp}"), &valid));
+        return Err(heads_error(
+            g,
+            n,
+            what,
+            format!("its {nq} q heads ({nkv} kv heads) do not divide by sp={sp}"),
+            &valid,
+        ));
     }
     let rep = if nkv % sp == 0 { 1 } else { sp / gcd(nkv, sp) };
     if rep > 1 && !replicate {
@@ -139,9 +170,14 @@ fn rewrite_attention(g: &mut Graph, n: Node, m: Matched, sp: i64, replicate: boo
             &valid,
         ));
     }
-    check_head_map(nq, nkv, rep, sp).map_err(|why| PassError::rewrite(NAME, what.clone(), g.describe(n), why))?;
+    check_head_map(nq, nkv, rep, sp)
+        .map_err(|why| PassError::rewrite(NAME, what.clone(), g.describe(n), why))?;
 
-    let a2a_in = Op::AllToAll { axis: SP.into(), scatter_dim: 1, gather_dim: 2 };
+    let a2a_in = Op::AllToAll {
+        axis: SP.into(),
+        scatter_dim: 1,
+        gather_dim: 2,
+    };
     let mut new_ops = Vec::new();
     for (name, x) in [("q", q), ("k", k), ("v", v)] {
         let mut x = x;
@@ -149,7 +185,10 @@ fn rewrite_attention(g: &mut Graph, n: Node, m: Matched, sp: i64, replicate: boo
             x = repeat_heads(g, n, x, name, nkv, rep, sp)?;
             res.count("kv_heads_repeated", 1);
         }
-        let reason = format!("{name}: heads -> sequence, {} bytes per rank", bytes(g.ty(x)));
+        let reason = format!(
+            "{name}: heads -> sequence, {} bytes per rank",
+            bytes(g.ty(x))
+        );
         let meta = meta_for(g, n, NAME, reason);
         new_ops.push(insert1(g, NAME, At::Before(n), a2a_in.clone(), &[x], meta)?);
         res.count("all_to_all", 1);
@@ -158,11 +197,26 @@ fn rewrite_attention(g: &mut Graph, n: Node, m: Matched, sp: i64, replicate: boo
         new_ops.push(heads_of_mask(g, n, mk, nq, &qt)?);
     }
     g.node_mut(n).operands = new_ops;
-    g.reinfer(n).map_err(|e| crate::util::build_error(NAME, e))?;
+    g.reinfer(n)
+        .map_err(|e| crate::util::build_error(NAME, e))?;
     let out = g.node(n).results[0];
-    let reason = format!("attention output: sequence -> heads, {} bytes per rank", bytes(g.ty(out)));
+    let reason = format!(
+        "attention output: sequence -> heads, {} bytes per rank",
+        bytes(g.ty(out))
+    );
     let meta = meta_for(g, n, NAME, reason);
-    let back = insert1(g, NAME, At::After(n), Op::AllToAll { axis: SP.into(), scatter_dim: 2, gather_dim: 1 }, &[out], meta)?;
+    let back = insert1(
+        g,
+        NAME,
+        At::After(n),
+        Op::AllToAll {
+            axis: SP.into(),
+            scatter_dim: 2,
+            gather_dim: 1,
+        },
+        &[out],
+        meta,
+    )?;
     res.count("all_to_all", 1);
     let sliced = g.node(m.slice).results[0];
     g.replace_all_uses(sliced, back);
@@ -170,15 +224,29 @@ fn rewrite_attention(g: &mut Graph, n: Node, m: Matched, sp: i64, replicate: boo
 }
 
 /// `[B, Nkv, s, D]` -> `[B, Nkv*rep, s, D]`, each head repeated `rep` times in place.
-fn repeat_heads(g: &mut Graph, n: Node, x: Value, name: &str, nkv: i64, rep: i64, sp: i64) -> Result<Value, PassError> {
+fn repeat_heads(
+    g: &mut Graph,
+    n: Node,
+    x: Value,
+    name: &str,
+    nkv: i64,
+    rep: i64,
+    sp: i64,
+) -> Result<Value, PassError> {
     let t = g.ty(x).clone();
     let (b, s, d) = (t.shape[0].clone(), t.shape[2].clone(), t.shape[3].clone());
     let reason = format!("{name}: repeat each of {nkv} kv heads {rep}x so each of the sp={sp} ranks receives the kv heads of its q heads");
     let mut cur = x;
     let steps = [
-        Op::Reshape { shape: vec![b.clone(), nkv.into(), 1.into(), s.clone(), d.clone()] },
-        Op::Expand { shape: vec![b.clone(), nkv.into(), rep.into(), s.clone(), d.clone()] },
-        Op::Reshape { shape: vec![b, (nkv * rep).into(), s, d] },
+        Op::Reshape {
+            shape: vec![b.clone(), nkv.into(), 1.into(), s.clone(), d.clone()],
+        },
+        Op::Expand {
+            shape: vec![b.clone(), nkv.into(), rep.into(), s.clone(), d.clone()],
+        },
+        Op::Reshape {
+            shape: vec![b, (nkv * rep).into(), s, d],
+        },
     ];
     for op in steps {
         let meta = meta_for(g, n, NAME, reason.clone());
@@ -190,17 +258,37 @@ fn repeat_heads(g: &mut Graph, n: Node, x: Value, name: &str, nkv: i64, rep: i64
 /// After the all_to_all each rank attends over the whole sequence for its heads: the
 /// mask is already whole along both sequence dims (shard-seq gathers a per-rank one),
 /// and a per-head mask keeps this rank's heads.
-fn heads_of_mask(g: &mut Graph, n: Node, mk: Value, nq: i64, qt: &TensorType) -> Result<Value, PassError> {
+fn heads_of_mask(
+    g: &mut Graph,
+    n: Node,
+    mk: Value,
+    nq: i64,
+    qt: &TensorType,
+) -> Result<Value, PassError> {
     let mt = g.ty(mk).clone();
     if mt.shape[1] == Dim::from(1) {
         return Ok(mk);
     }
     if mt.shape[1] != qt.shape[1] {
-        return Err(PassError::rewrite(NAME, format!("`{NAME}` cannot split the mask heads"), g.describe(n), format!("mask {mt} has neither 1 nor {nq} heads")));
+        return Err(PassError::rewrite(
+            NAME,
+            format!("`{NAME}` cannot split the mask heads"),
+            g.describe(n),
+            format!("mask {mt} has neither 1 nor {nq} heads"),
+        ));
     }
     let local = Dim::from(nq) / Dim::sym(SP);
-    let op = Op::Slice { dim: 1, start: Dim::coord(SP) * local.clone(), len: local };
-    let meta = meta_for(g, n, NAME, "mask: this rank's heads after heads -> sequence");
+    let op = Op::Slice {
+        dim: 1,
+        start: Dim::coord(SP) * local.clone(),
+        len: local,
+    };
+    let meta = meta_for(
+        g,
+        n,
+        NAME,
+        "mask: this rank's heads after heads -> sequence",
+    );
     insert1(g, NAME, At::Before(n), op, &[mk], meta)
 }
 
@@ -209,11 +297,15 @@ fn heads_of_mask(g: &mut Graph, n: Node, mk: Value, nq: i64, qt: &TensorType) ->
 pub(crate) fn check_head_map(nq: i64, nkv: i64, rep: i64, sp: i64) -> Result<(), String> {
     let nkv_rep = nkv * rep;
     if nq % sp != 0 || nkv_rep % sp != 0 || nq % nkv != 0 {
-        return Err(format!("{nq} q heads and {nkv} kv heads (x{rep}) do not split over sp={sp}"));
+        return Err(format!(
+            "{nq} q heads and {nkv} kv heads (x{rep}) do not split over sp={sp}"
+        ));
     }
     let (q_local, kv_local) = (nq / sp, nkv_rep / sp);
     if q_local % kv_local != 0 {
-        return Err(format!("each rank would get {q_local} q heads and {kv_local} kv heads, which GQA cannot pair"));
+        return Err(format!(
+            "each rank would get {q_local} q heads and {kv_local} kv heads, which GQA cannot pair"
+        ));
     }
     for r in 0..sp {
         for i in 0..q_local {
@@ -222,7 +314,9 @@ pub(crate) fn check_head_map(nq: i64, nkv: i64, rep: i64, sp: i64) -> Result<(),
             let received = r * kv_local + i / (q_local / kv_local);
             let got = received / rep;
             if got != want {
-                return Err(format!("rank {r}'s q head {h} would attend to kv head {got} instead of {want}"));
+                return Err(format!(
+                    "rank {r}'s q head {h} would attend to kv head {got} instead of {want}"
+                ));
             }
         }
     }
@@ -238,8 +332,16 @@ mod tests {
         for nq in 1..=64 {
             for nkv in (1..=nq).filter(|k| nq % k == 0) {
                 for sp in (1..=nq).filter(|s| nq % s == 0) {
-                    let rep = if nkv % sp == 0 { 1 } else { sp / super::gcd(nkv, sp) };
-                    assert_eq!(check_head_map(nq, nkv, rep, sp), Ok(()), "nq={nq} nkv={nkv} sp={sp} rep={rep}");
+                    let rep = if nkv % sp == 0 {
+                        1
+                    } else {
+                        sp / super::gcd(nkv, sp)
+                    };
+                    assert_eq!(
+                        check_head_map(nq, nkv, rep, sp),
+                        Ok(()),
+                        "nq={nq} nkv={nkv} sp={sp} rep={rep}"
+                    );
                 }
             }
         }

@@ -9,23 +9,44 @@ use weft_ir::{At, BuildError, Dim, Graph, Node, NodeMeta, Op, Provenance, Role, 
 pub(crate) fn meta_for(g: &Graph, anchor: Node, pass: &str, reason: impl Into<String>) -> NodeMeta {
     NodeMeta {
         source: g.node(anchor).meta.source.clone(),
-        provenance: Some(Provenance { pass: pass.to_string(), reason: reason.into() }),
+        provenance: Some(Provenance {
+            pass: pass.to_string(),
+            reason: reason.into(),
+        }),
         ..Default::default()
     }
 }
 
 /// Inserts a single-result node, turning a shape error into a located pass error.
-pub(crate) fn insert1(g: &mut Graph, pass: &str, at: At, op: Op, operands: &[Value], meta: NodeMeta) -> Result<Value, PassError> {
-    g.insert_with(at, op, operands, meta).map(|r| r[0]).map_err(|e| build_error(pass, e))
+pub(crate) fn insert1(
+    g: &mut Graph,
+    pass: &str,
+    at: At,
+    op: Op,
+    operands: &[Value],
+    meta: NodeMeta,
+) -> Result<Value, PassError> {
+    g.insert_with(at, op, operands, meta)
+        .map(|r| r[0])
+        .map_err(|e| build_error(pass, e))
 }
 
 pub(crate) fn build_error(pass: &str, e: BuildError) -> PassError {
-    PassError::rewrite(pass, format!("`{pass}` could not build `{}`", e.op), e.location, e.message)
+    PassError::rewrite(
+        pass,
+        format!("`{pass}` could not build `{}`", e.op),
+        e.location,
+        e.message,
+    )
 }
 
 /// True when the node was inserted by `pass`.
 pub(crate) fn made_by(g: &Graph, n: Node, pass: &str) -> bool {
-    g.node(n).meta.provenance.as_ref().is_some_and(|p| p.pass == pass)
+    g.node(n)
+        .meta
+        .provenance
+        .as_ref()
+        .is_some_and(|p| p.pass == pass)
 }
 
 /// The symbol a dim is, if it is exactly one symbol (`S`, not `2*S` or `16`).
@@ -72,16 +93,29 @@ impl Layout {
             .find(|(_, r, _)| *r == Role::InputIds)
             .or_else(|| inputs.iter().find(|(_, r, _)| *r == Role::Labels))
             .ok_or_else(|| {
-                PassError::rewrite(pass, format!("`{pass}` cannot find the token dims"), format!("graph `{}`", g.name), "it has no input with role input_ids or labels")
-                    .with_help("mark the token ids input with `role=input_ids`")
+                PassError::rewrite(
+                    pass,
+                    format!("`{pass}` cannot find the token dims"),
+                    format!("graph `{}`", g.name),
+                    "it has no input with role input_ids or labels",
+                )
+                .with_help("mark the token ids input with `role=input_ids`")
             })?;
         let (name, _, v) = tokens;
         let ty = g.ty(*v);
         let loc = g.describe(g.def(*v));
         if ty.rank() != 2 {
-            return Err(PassError::rewrite(pass, format!("`{pass}` cannot find the token dims"), loc, format!("input `{name}` has type {ty}; expected [batch, sequence]")));
+            return Err(PassError::rewrite(
+                pass,
+                format!("`{pass}` cannot find the token dims"),
+                loc,
+                format!("input `{name}` has type {ty}; expected [batch, sequence]"),
+            ));
         }
-        let symbolic = |i: usize, what: &str, axis: &'static str| -> Result<Option<Split>, PassError> {
+        let symbolic = |i: usize,
+                        what: &str,
+                        axis: &'static str|
+         -> Result<Option<Split>, PassError> {
             if !cx.mesh.has(axis) {
                 return Ok(None);
             }
@@ -96,7 +130,10 @@ impl Layout {
                 .with_help(format!("build the model with a symbolic {what} (e.g. `{}`) and bind it when making the plan", if i == 0 { "B" } else { "S" }))),
             }
         };
-        Ok(Layout { batch: symbolic(0, "batch", DP)?, seq: symbolic(1, "sequence", SP)? })
+        Ok(Layout {
+            batch: symbolic(0, "batch", DP)?,
+            seq: symbolic(1, "sequence", SP)?,
+        })
     }
 
     /// The splits in mesh-independent order: batch (dim 0) first, then sequence (dim 1).
@@ -175,15 +212,34 @@ pub(crate) fn gather_dims(
     let mut cur = v;
     for (k, axis) in plan {
         let what = if axis == SP { "sequence" } else { "batch" };
-        let meta = meta_for(g, user, pass, format!("{reason}: whole {what} (dim {k}) over {axis}"));
-        cur = insert1(g, pass, At::After(g.def(cur)), Op::AllGather { axis: axis.to_string(), dim: k as i64 }, &[cur], meta)?;
+        let meta = meta_for(
+            g,
+            user,
+            pass,
+            format!("{reason}: whole {what} (dim {k}) over {axis}"),
+        );
+        cur = insert1(
+            g,
+            pass,
+            At::After(g.def(cur)),
+            Op::AllGather {
+                axis: axis.to_string(),
+                dim: k as i64,
+            },
+            &[cur],
+            meta,
+        )?;
     }
     Ok(cur)
 }
 
 /// Follows a chain of `all_gather`s made by `pass` back from `v`: the per-rank value,
 /// the gathered `(dim, axis)` outermost first, and the gather nodes.
-pub(crate) fn strip_gathers(g: &Graph, v: Value, pass: &str) -> (Value, Vec<(usize, String)>, Vec<Node>) {
+pub(crate) fn strip_gathers(
+    g: &Graph,
+    v: Value,
+    pass: &str,
+) -> (Value, Vec<(usize, String)>, Vec<Node>) {
     let mut cur = v;
     let mut dims = Vec::new();
     let mut nodes = Vec::new();
@@ -213,7 +269,9 @@ pub(crate) fn remove_unused(g: &mut Graph, nodes: &[Node]) {
         if removed.contains(&n) {
             continue;
         }
-        let used = d.results.iter().any(|v| outputs.contains(v) || uses[v.0 as usize].iter().any(|(m, _)| !removed.contains(m)));
+        let used = d.results.iter().any(|v| {
+            outputs.contains(v) || uses[v.0 as usize].iter().any(|(m, _)| !removed.contains(m))
+        });
         if !used {
             removed.insert(n);
             order.push(n);

@@ -5,10 +5,17 @@
 use weft_ir::*;
 use weft_passes::*;
 
-const MESHES: &[(&str, &str)] = &[("ep2", "ep=2"), ("ep4", "ep=4"), ("dp4-ep2", "dp=4,ep=2"), ("dp2-sp2-ep4", "dp=2,sp=2,ep=4")];
+const MESHES: &[(&str, &str)] = &[
+    ("ep2", "ep=2"),
+    ("ep4", "ep=4"),
+    ("dp4-ep2", "dp=4,ep=2"),
+    ("dp2-sp2-ep4", "dp=2,sp=2,ep=4"),
+];
 
 fn model(name: &str) -> Graph {
-    weft_frontends::load(name).unwrap_or_else(|e| panic!("{name}: {e}")).graph
+    weft_frontends::load(name)
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .graph
 }
 
 fn snapshot(name: &str, text: &str) {
@@ -26,16 +33,25 @@ fn before_ep(model_name: &str, mesh: &str) -> (Graph, PassContext) {
     let mut g = model(model_name);
     let cx = cx(mesh);
     let pipeline = default_pipeline(&cx.mesh);
-    let at = pipeline.iter().position(|p| *p == "expert-parallel").expect("ep meshes run expert-parallel");
+    let at = pipeline
+        .iter()
+        .position(|p| *p == "expert-parallel")
+        .expect("ep meshes run expert-parallel");
     run_pipeline(&mut g, &cx, &pipeline[..at]).unwrap();
     (g, cx)
 }
 
 fn pass_diff(model_name: &str, mesh: &str) -> String {
     let (mut g, cx) = before_ep(model_name, mesh);
-    let ins = Instrumentation { print_changes: true, check_requires: false, ..Default::default() };
+    let ins = Instrumentation {
+        print_changes: true,
+        check_requires: false,
+        ..Default::default()
+    };
     let mut sink = Vec::new();
-    let r = PassManager::new(ins).run(&mut g, &cx, &["expert-parallel"], &mut sink).unwrap();
+    let r = PassManager::new(ins)
+        .run(&mut g, &cx, &["expert-parallel"], &mut sink)
+        .unwrap();
     let mut text = String::from_utf8(sink).unwrap();
     let p = &r.passes[0];
     text.push_str(&format!(
@@ -46,7 +62,11 @@ fn pass_diff(model_name: &str, mesh: &str) -> String {
         p.nodes_added,
         p.nodes_removed,
         p.collectives_added,
-        p.counters.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+        p.counters
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     ));
     text
 }
@@ -74,13 +94,22 @@ fn whole_program() {
 
 #[test]
 fn pipelines_with_ep() {
-    let text: Vec<String> = ["ep=2", "dp=4,ep=2", "dp=2,sp=2,ep=4", "dp=4,tp=2,ep=4", "tp=2,ep=2"]
-        .iter()
-        .map(|m| {
-            let mesh = Mesh::parse(m).unwrap();
-            format!("--mesh {m} ({mesh}):\n{}", default_pipeline_explained(&mesh))
-        })
-        .collect();
+    let text: Vec<String> = [
+        "ep=2",
+        "dp=4,ep=2",
+        "dp=2,sp=2,ep=4",
+        "dp=4,tp=2,ep=4",
+        "tp=2,ep=2",
+    ]
+    .iter()
+    .map(|m| {
+        let mesh = Mesh::parse(m).unwrap();
+        format!(
+            "--mesh {m} ({mesh}):\n{}",
+            default_pipeline_explained(&mesh)
+        )
+    })
+    .collect();
     snapshot("pipeline__expert-parallel", &text.join("\n"));
 }
 
@@ -116,37 +145,93 @@ fn data_dependent_rows_are_runtime_symbols() {
     // A use before the definition is a verifier error.
     let (s, n) = syms[0].clone();
     let first = g.nodes()[0];
-    let bad = Op::Full { value: Float(0.0), ty: TensorType::new(DType::F32, vec![Dim::sym(&s)]) };
+    let bad = Op::Full {
+        value: Float(0.0),
+        ty: TensorType::new(DType::F32, vec![Dim::sym(&s)]),
+    };
     g.insert(At::Before(first), bad, &[]).unwrap();
     let report = verify(&g).unwrap_err().to_string();
-    assert!(report.contains(&format!("uses data-dependent size `{s}` before {} defines it", g.describe(n))), "{report}");
+    assert!(
+        report.contains(&format!(
+            "uses data-dependent size `{s}` before {} defines it",
+            g.describe(n)
+        )),
+        "{report}"
+    );
 }
 
 #[test]
 fn errors() {
     // ep not dividing the experts names both.
     let (mut g, cx) = before_ep("mixtral-tiny", "dp=3,ep=3");
-    let e = lookup("expert-parallel").unwrap().run(&mut g, &cx).unwrap_err().to_string();
-    assert!(e.starts_with("`expert-parallel` cannot split 4 experts over ep=3 in node %"), "{e}");
-    assert!(e.contains("(model.layers.0.mlp.experts): ep=3 does not divide the expert count 4"), "{e}");
-    assert!(e.ends_with("help: use an ep that divides the 4 experts: 2, 4"), "{e}");
+    let e = lookup("expert-parallel")
+        .unwrap()
+        .run(&mut g, &cx)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("`expert-parallel` cannot split 4 experts over ep=3 in node %"),
+        "{e}"
+    );
+    assert!(
+        e.contains("(model.layers.0.mlp.experts): ep=3 does not divide the expert count 4"),
+        "{e}"
+    );
+    assert!(
+        e.ends_with("help: use an ep that divides the 4 experts: 2, 4"),
+        "{e}"
+    );
     // A mesh without ep.
     let mut g = model("mixtral-tiny");
-    let e = run_pipeline(&mut g, &cx_plain("dp=2"), &["expert-parallel"]).unwrap_err().to_string();
+    let e = run_pipeline(&mut g, &cx_plain("dp=2"), &["expert-parallel"])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("needs mesh axis `ep`"), "{e}");
     // An expert weight read outside the block.
     let (mut g, cx) = before_ep("mixtral-tiny", "ep=2");
-    let w = g.params().into_iter().find(|(n, _)| n.ends_with("0.mlp.experts.down_proj")).unwrap().1;
-    g.add(Op::Sum { dims: vec![0, 1, 2], keepdim: false }, &[w]).unwrap();
-    let e = lookup("expert-parallel").unwrap().run(&mut g, &cx).unwrap_err().to_string();
-    assert!(e.contains("it reads expert weight `model.layers.0.mlp.experts.down_proj`, which is split over ep"), "{e}");
+    let w = g
+        .params()
+        .into_iter()
+        .find(|(n, _)| n.ends_with("0.mlp.experts.down_proj"))
+        .unwrap()
+        .1;
+    g.add(
+        Op::Sum {
+            dims: vec![0, 1, 2],
+            keepdim: false,
+        },
+        &[w],
+    )
+    .unwrap();
+    let e = lookup("expert-parallel")
+        .unwrap()
+        .run(&mut g, &cx)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(
+            "it reads expert weight `model.layers.0.mlp.experts.down_proj`, which is split over ep"
+        ),
+        "{e}"
+    );
     // A node that mixes expert rows.
     let (mut g, cx) = before_ep("mixtral-tiny", "ep=2");
-    let act = g.nodes().iter().copied().find(|&n| matches!(g.node(n).op, Op::Silu {})).unwrap();
+    let act = g
+        .nodes()
+        .iter()
+        .copied()
+        .find(|&n| matches!(g.node(n).op, Op::Silu {}))
+        .unwrap();
     let a = g.node(act).results[0];
-    let sm = g.insert(At::After(act), Op::Softmax { dim: 0 }, &[a]).unwrap()[0];
+    let sm = g
+        .insert(At::After(act), Op::Softmax { dim: 0 }, &[a])
+        .unwrap()[0];
     g.replace_uses_except(a, sm, g.def(sm));
-    let e = lookup("expert-parallel").unwrap().run(&mut g, &cx).unwrap_err().to_string();
+    let e = lookup("expert-parallel")
+        .unwrap()
+        .run(&mut g, &cx)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("`softmax` reads expert rows"), "{e}");
     assert!(e.contains("not row-local"), "{e}");
 }

@@ -9,7 +9,12 @@ use weft_passes::{default_pipeline, run_pipeline, PassContext};
 fn compiled(preset: &str, mesh: &str) -> weft_ir::Graph {
     let mut g = weft_frontends::load(preset).unwrap().graph;
     let mesh = Mesh::parse(mesh).unwrap();
-    run_pipeline(&mut g, &PassContext::new(mesh.clone()), &default_pipeline(&mesh)).unwrap();
+    run_pipeline(
+        &mut g,
+        &PassContext::new(mesh.clone()),
+        &default_pipeline(&mesh),
+    )
+    .unwrap();
     g
 }
 
@@ -24,15 +29,24 @@ fn plan_is_consistent_deterministic_and_round_trips() {
     assert!(back == a, "the plan differs after a JSON round trip");
     assert_eq!(weft_ir::parse(&a.program).unwrap(), g);
     // Every cross-stream dependency has an event: collectives wait for their producers.
-    let by_node: std::collections::BTreeMap<u32, &weft_ir::plan::Instruction> = a.instructions.iter().map(|i| (i.node, i)).collect();
+    let by_node: std::collections::BTreeMap<u32, &weft_ir::plan::Instruction> =
+        a.instructions.iter().map(|i| (i.node, i)).collect();
     for ins in a.instructions.iter().filter(|i| i.op == "all_to_all") {
-        assert!(!ins.wait.is_empty(), "all_to_all %{} waits for its operand", ins.node);
+        assert!(
+            !ins.wait.is_empty(),
+            "all_to_all %{} waits for its operand",
+            ins.node
+        );
         assert_eq!(ins.stream, 1);
         assert!(by_node.contains_key(&ins.node));
     }
     insta::assert_snapshot!(
         "plan_summary__llama-tiny__dp2-sp2",
-        format!("{}\n{}", serde_json::to_string_pretty(&a.memory).unwrap(), serde_json::to_string_pretty(&a.cost.collectives).unwrap())
+        format!(
+            "{}\n{}",
+            serde_json::to_string_pretty(&a.memory).unwrap(),
+            serde_json::to_string_pretty(&a.cost.collectives).unwrap()
+        )
     );
 }
 
@@ -44,7 +58,12 @@ fn ulysses_moves_the_analytic_bytes() {
     let plan = lower(&g, &PlanOptions::new(1, 131072)).unwrap();
     let (p, s, d) = (8.0, 131072.0, 128.0);
     let per_layer = (p - 1.0) / p * (s / p) * d * 2.0 * (32.0 + 8.0 + 8.0 + 32.0);
-    let a2a: Vec<f64> = plan.instructions.iter().filter(|i| i.op == "all_to_all").map(|i| i.bytes).collect();
+    let a2a: Vec<f64> = plan
+        .instructions
+        .iter()
+        .filter(|i| i.op == "all_to_all")
+        .map(|i| i.bytes)
+        .collect();
     assert_eq!(a2a.len(), 4 * 32);
     let total: f64 = a2a.iter().sum();
     assert_eq!(total, per_layer * 32.0);
@@ -57,18 +76,38 @@ fn plan_refuses_what_does_not_fit_and_says_what_would() {
     let mut opts = PlanOptions::new(1, 131072);
     opts.device_memory = 20 << 30;
     let e = lower(&g, &opts).unwrap_err();
-    let LowerError::OutOfMemory { peak, breakdown, help, .. } = &e else { panic!("{e}") };
+    let LowerError::OutOfMemory {
+        peak,
+        breakdown,
+        help,
+        ..
+    } = &e
+    else {
+        panic!("{e}")
+    };
     assert!(*peak > 20 << 30);
     assert!(breakdown["params"] > 14 << 30, "{breakdown:?}");
-    assert!(help.contains("sp=2") && help.contains("--checkpoint"), "{help}");
+    assert!(
+        help.contains("sp=2") && help.contains("--checkpoint"),
+        "{help}"
+    );
     assert!(e.to_string().contains("help:"), "{e}");
 }
 
 #[test]
 fn plans_of_other_versions_are_refused() {
     let g = compiled("llama-tiny", "sp=2");
-    let text = lower(&g, &PlanOptions::new(2, 32)).unwrap().to_json().replacen(&format!("\"version\": {}", weft_ir::PLAN_VERSION), "\"version\": 99", 1);
-    let e = ExecutionPlan::from_json(&text, "old.json").unwrap_err().to_string();
+    let text = lower(&g, &PlanOptions::new(2, 32))
+        .unwrap()
+        .to_json()
+        .replacen(
+            &format!("\"version\": {}", weft_ir::PLAN_VERSION),
+            "\"version\": 99",
+            1,
+        );
+    let e = ExecutionPlan::from_json(&text, "old.json")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("version 99") && e.contains("recompile"), "{e}");
 }
 
@@ -87,8 +126,13 @@ fn a_plan_whose_buffers_collide_is_refused() {
         b.offset = 0;
     }
     let e = plan.check().unwrap_err();
-    assert!(e.contains("reuses bytes of buffer") || e.contains("overlap"), "{e}");
-    let e = ExecutionPlan::from_json(&plan.to_json(), "bad.json").unwrap_err().to_string();
+    assert!(
+        e.contains("reuses bytes of buffer") || e.contains("overlap"),
+        "{e}"
+    );
+    let e = ExecutionPlan::from_json(&plan.to_json(), "bad.json")
+        .unwrap_err()
+        .to_string();
     assert!(e.starts_with("inconsistent plan bad.json"), "{e}");
 }
 
@@ -101,20 +145,47 @@ fn reshapes_are_views_of_their_input_bytes() {
     plan.check().unwrap();
     copies.check().unwrap();
     assert!(copies.buffers.iter().all(|b| b.alias_of.is_none()));
-    let views: Vec<&weft_ir::plan::Buffer> = plan.buffers.iter().filter(|b| b.alias_of.is_some()).collect();
-    assert!(!views.is_empty(), "llama-tiny has reshapes that move no bytes");
+    let views: Vec<&weft_ir::plan::Buffer> = plan
+        .buffers
+        .iter()
+        .filter(|b| b.alias_of.is_some())
+        .collect();
+    assert!(
+        !views.is_empty(),
+        "llama-tiny has reshapes that move no bytes"
+    );
     for v in &views {
         let r = &plan.buffers[v.alias_of.unwrap() as usize];
         assert!(r.alias_of.is_none(), "views name their root");
-        assert_eq!((v.offset, v.resident, v.bytes), (r.offset, r.resident, r.bytes));
-        assert!(r.live.0 <= v.live.0 && v.live.1 <= r.live.1, "the root holds its bytes while buffer {} is live", v.id);
-        let made_by: Vec<&str> = plan.instructions.iter().filter(|i| i.outputs.contains(&v.id)).map(|i| i.op.as_str()).collect();
+        assert_eq!(
+            (v.offset, v.resident, v.bytes),
+            (r.offset, r.resident, r.bytes)
+        );
+        assert!(
+            r.live.0 <= v.live.0 && v.live.1 <= r.live.1,
+            "the root holds its bytes while buffer {} is live",
+            v.id
+        );
+        let made_by: Vec<&str> = plan
+            .instructions
+            .iter()
+            .filter(|i| i.outputs.contains(&v.id))
+            .map(|i| i.op.as_str())
+            .collect();
         assert_eq!(made_by, ["reshape"]);
     }
-    assert!(plan.memory.arena_bytes < copies.memory.arena_bytes, "{} vs {}", plan.memory.arena_bytes, copies.memory.arena_bytes);
+    assert!(
+        plan.memory.arena_bytes < copies.memory.arena_bytes,
+        "{} vs {}",
+        plan.memory.arena_bytes,
+        copies.memory.arena_bytes
+    );
     assert!(plan.memory.peak_bytes < copies.memory.peak_bytes);
     // A group's bytes are counted once: the breakdown at the peak fits in the arena.
-    let live: u64 = ["activations", "comm_buffers"].iter().map(|k| plan.memory.breakdown[*k]).sum();
+    let live: u64 = ["activations", "comm_buffers"]
+        .iter()
+        .map(|k| plan.memory.breakdown[*k])
+        .sum();
     assert!(live <= plan.memory.arena_bytes, "{:?}", plan.memory);
     assert!(ExecutionPlan::from_json(&plan.to_json(), "plan.json").unwrap() == plan);
 }
@@ -123,45 +194,87 @@ fn reshapes_are_views_of_their_input_bytes() {
 fn malformed_views_are_refused() {
     let g = compiled("llama-tiny", "dp=2,sp=2");
     let plan = lower(&g, &PlanOptions::new(4, 64)).unwrap();
-    let v = plan.buffers.iter().find(|b| b.alias_of.is_some() && !b.resident).unwrap().id as usize;
+    let v = plan
+        .buffers
+        .iter()
+        .find(|b| b.alias_of.is_some() && !b.resident)
+        .unwrap()
+        .id as usize;
     let r = plan.buffers[v].alias_of.unwrap() as usize;
     let refused = |edit: &dyn Fn(&mut ExecutionPlan), want: &str| {
         let mut p = plan.clone();
         edit(&mut p);
         let e = p.check().unwrap_err();
         assert!(e.contains(want), "wanted `{want}` in: {e}");
-        let e = ExecutionPlan::from_json(&p.to_json(), "bad.json").unwrap_err().to_string();
-        assert!(e.starts_with("inconsistent plan bad.json") && e.contains(want), "{e}");
+        let e = ExecutionPlan::from_json(&p.to_json(), "bad.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("inconsistent plan bad.json") && e.contains(want),
+            "{e}"
+        );
     };
-    refused(&|p| p.buffers[v].alias_of = Some(1 << 20), "which the plan lacks");
-    refused(&|p| p.buffers[r].alias_of = Some(v as u32), "never reaches a buffer with storage");
+    refused(
+        &|p| p.buffers[v].alias_of = Some(1 << 20),
+        "which the plan lacks",
+    );
+    refused(
+        &|p| p.buffers[r].alias_of = Some(v as u32),
+        "never reaches a buffer with storage",
+    );
     refused(&|p| p.buffers[v].bytes += 256, "bytes where its root has");
     refused(&|p| p.buffers[v].offset += 256, "placed at offset");
     // Only a reshape of the same bytes may produce a view.
     let other = plan
         .instructions
         .iter()
-        .find(|i| i.op != "reshape" && i.stream == 0 && i.outputs.len() == 1 && !plan.buffers[i.outputs[0] as usize].resident && i.outputs[0] as usize != r)
+        .find(|i| {
+            i.op != "reshape"
+                && i.stream == 0
+                && i.outputs.len() == 1
+                && !plan.buffers[i.outputs[0] as usize].resident
+                && i.outputs[0] as usize != r
+        })
         .unwrap()
         .outputs[0] as usize;
     refused(
         &|p| {
             let root = p.buffers[r].clone();
             let b = &mut p.buffers[other];
-            (b.alias_of, b.offset, b.resident, b.bytes, b.per_rank_bytes) = (Some(r as u32), root.offset, root.resident, root.bytes, root.per_rank_bytes);
+            (b.alias_of, b.offset, b.resident, b.bytes, b.per_rank_bytes) = (
+                Some(r as u32),
+                root.offset,
+                root.resident,
+                root.bytes,
+                root.per_rank_bytes,
+            );
         },
         "is written in place over buffer",
     );
     // A root holds its bytes over the union of its group's live ranges: a buffer put on
     // them after the root's own last use but while a view of it is live collides.
-    let own_last = |b: usize| plan.instructions.iter().filter(|i| i.inputs.contains(&(b as u32)) || i.outputs.contains(&(b as u32))).map(|i| i.id).max().unwrap();
+    let own_last = |b: usize| {
+        plan.instructions
+            .iter()
+            .filter(|i| i.inputs.contains(&(b as u32)) || i.outputs.contains(&(b as u32)))
+            .map(|i| i.id)
+            .max()
+            .unwrap()
+    };
     let (root, clash) = plan
         .buffers
         .iter()
         .filter(|v| v.alias_of.is_some() && !v.resident)
         .find_map(|v| {
             let r = v.alias_of.unwrap() as usize;
-            let c = plan.buffers.iter().find(|c| c.alias_of.is_none() && !c.resident && c.bytes > 0 && c.id as usize != r && c.live.0 > own_last(r) && c.live.0 <= v.live.1)?;
+            let c = plan.buffers.iter().find(|c| {
+                c.alias_of.is_none()
+                    && !c.resident
+                    && c.bytes > 0
+                    && c.id as usize != r
+                    && c.live.0 > own_last(r)
+                    && c.live.0 <= v.live.1
+            })?;
             Some((r, c.id as usize))
         })
         .expect("a view outlives its root's own uses");
@@ -169,7 +282,11 @@ fn malformed_views_are_refused() {
     p.buffers[clash].offset = p.buffers[root].offset;
     p.buffers[root].live.1 = own_last(root); // the checker works out the union itself
     let e = p.check().unwrap_err();
-    assert!(e.contains(&format!("buffer {root}")) && (e.contains("reuses bytes of buffer") || e.contains("overlap")), "{e}");
+    assert!(
+        e.contains(&format!("buffer {root}"))
+            && (e.contains("reuses bytes of buffer") || e.contains("overlap")),
+        "{e}"
+    );
 }
 
 /// A training step (AdamW, the updates inside the backward, no gradient outputs) of a
@@ -178,22 +295,48 @@ fn train_step(preset: &str, mesh: &str, sgd: bool, zero1: bool) -> weft_ir::Grap
     use weft_passes::training::{training_pipeline, Optimizer, TrainOptions};
     let p = weft_frontends::presets::find_preset(preset).unwrap();
     let mut v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
-    v.as_object_mut().unwrap().insert("num_hidden_layers".into(), 1.into());
+    v.as_object_mut()
+        .unwrap()
+        .insert("num_hidden_layers".into(), 1.into());
     let cfg = weft_frontends::ModelConfig::from_json(&v, &p.label()).unwrap();
-    let mut g = weft_frontends::Model::from_config(&format!("{preset}-1l"), cfg, weft_frontends::Origin::Preset(preset.into())).unwrap().graph;
-    let opt = if sgd { Optimizer::Sgd { lr: weft_ir::Float(1e-2), momentum: weft_ir::Float(0.9), weight_decay: weft_ir::Float(0.0) } } else { Optimizer::adamw(1e-4) };
-    let opts = TrainOptions { optimizer: Some(opt), zero1, grad_outputs: false, batch: Some(2), seq: Some(64), ..Default::default() };
+    let mut g = weft_frontends::Model::from_config(
+        &format!("{preset}-1l"),
+        cfg,
+        weft_frontends::Origin::Preset(preset.into()),
+    )
+    .unwrap()
+    .graph;
+    let opt = if sgd {
+        Optimizer::Sgd {
+            lr: weft_ir::Float(1e-2),
+            momentum: weft_ir::Float(0.9),
+            weight_decay: weft_ir::Float(0.0),
+        }
+    } else {
+        Optimizer::adamw(1e-4)
+    };
+    let opts = TrainOptions {
+        optimizer: Some(opt),
+        zero1,
+        grad_outputs: false,
+        batch: Some(2),
+        seq: Some(64),
+        ..Default::default()
+    };
     let mut cx = PassContext::new(Mesh::parse(mesh).unwrap());
     cx.options.train = opts.clone();
     let pipeline = training_pipeline(&cx.mesh, &opts);
-    weft_passes::PassManager::default().run(&mut g, &cx, &pipeline.names(), &mut std::io::sink()).unwrap();
+    weft_passes::PassManager::default()
+        .run(&mut g, &cx, &pipeline.names(), &mut std::io::sink())
+        .unwrap();
     g
 }
 
 /// (update output, the input it replaces) buffers, as a driver pairs them.
 fn update_pairs(g: &weft_ir::Graph, plan: &ExecutionPlan) -> Vec<(usize, usize)> {
     let buf = |v: weft_ir::Value| plan.buffers.iter().find(|b| b.value == v.0).unwrap().id as usize;
-    let params: std::collections::BTreeMap<String, weft_ir::Value> = g.params().into_iter().collect();
+    let params: std::collections::BTreeMap<String, weft_ir::Value> =
+        g.params().into_iter().collect();
     g.outputs()
         .iter()
         .filter_map(|(name, v)| {
@@ -215,7 +358,12 @@ fn root_of(plan: &ExecutionPlan, b: usize) -> usize {
 fn updates_are_written_in_place() {
     // bf16 params with f32 masters (AdamW: cast -> adamw -> cast), f32 params (AdamW and
     // SGD with momentum in place over the param), ZeRO-1 (the update gathered back).
-    for (preset, mesh, sgd, zero1) in [("llama3.2-1b", "", false, false), ("llama-tiny", "", false, false), ("llama-tiny", "", true, false), ("llama-tiny", "dp=2", false, true)] {
+    for (preset, mesh, sgd, zero1) in [
+        ("llama3.2-1b", "", false, false),
+        ("llama-tiny", "", false, false),
+        ("llama-tiny", "", true, false),
+        ("llama-tiny", "dp=2", false, true),
+    ] {
         let what = format!("{preset} {mesh} sgd={sgd} zero1={zero1}");
         let g = train_step(preset, mesh, sgd, zero1);
         let opts = PlanOptions::new(2, 64);
@@ -227,17 +375,50 @@ fn updates_are_written_in_place() {
         assert!(!pairs.is_empty(), "{what}");
         let mut saved = 0;
         for &(o, t) in &pairs {
-            assert_eq!(root_of(&plan, o), root_of(&plan, t), "{what}: buffer {o} updates buffer {t} in place");
+            assert_eq!(
+                root_of(&plan, o),
+                root_of(&plan, t),
+                "{what}: buffer {o} updates buffer {t} in place"
+            );
             let (ob, tb) = (&plan.buffers[o], &plan.buffers[t]);
-            assert!(ob.resident && tb.resident && ob.offset == tb.offset && ob.alias_of == Some(t as u32), "{what}: {ob:?}");
+            assert!(
+                ob.resident
+                    && tb.resident
+                    && ob.offset == tb.offset
+                    && ob.alias_of == Some(t as u32),
+                "{what}: {ob:?}"
+            );
             // The old value's last read is at or before the write.
-            let w = plan.instructions.iter().find(|i| i.outputs.contains(&(o as u32))).unwrap().id;
-            assert!(plan.instructions.iter().filter(|i| i.inputs.contains(&(t as u32))).all(|i| i.id <= w), "{what}: buffer {t} is read after {w}");
-            assert!(ob.live.0 == w && tb.live.0 == 0 && tb.live.1 == (plan.instructions.len() - 1) as u32, "{what}: the root holds the bytes for the whole step");
+            let w = plan
+                .instructions
+                .iter()
+                .find(|i| i.outputs.contains(&(o as u32)))
+                .unwrap()
+                .id;
+            assert!(
+                plan.instructions
+                    .iter()
+                    .filter(|i| i.inputs.contains(&(t as u32)))
+                    .all(|i| i.id <= w),
+                "{what}: buffer {t} is read after {w}"
+            );
+            assert!(
+                ob.live.0 == w
+                    && tb.live.0 == 0
+                    && tb.live.1 == (plan.instructions.len() - 1) as u32,
+                "{what}: the root holds the bytes for the whole step"
+            );
             saved += ob.bytes.div_ceil(256) * 256;
         }
-        assert_eq!(plan.memory.resident_bytes + saved, copies.memory.resident_bytes, "{what}: each update is held once");
-        let states: u64 = ["params", "optimizer_state"].iter().map(|k| plan.memory.breakdown[*k]).sum();
+        assert_eq!(
+            plan.memory.resident_bytes + saved,
+            copies.memory.resident_bytes,
+            "{what}: each update is held once"
+        );
+        let states: u64 = ["params", "optimizer_state"]
+            .iter()
+            .map(|k| plan.memory.breakdown[*k])
+            .sum();
         let inputs: u64 = pairs.iter().map(|&(_, t)| plan.buffers[t].bytes).sum();
         assert_eq!(states, inputs, "{what}: {:?}", plan.memory.breakdown);
         assert!(ExecutionPlan::from_json(&plan.to_json(), "plan.json").unwrap() == plan);
@@ -248,22 +429,43 @@ fn updates_are_written_in_place() {
 fn cross_entropy_grad_takes_the_logits_bytes_when_they_die() {
     let mut g = train_step("llama-tiny", "", false, false);
     let opts = PlanOptions::new(2, 64);
-    let ce = |plan: &ExecutionPlan| plan.instructions.iter().find(|i| i.op == "cross_entropy_grad").unwrap().clone();
+    let ce = |plan: &ExecutionPlan| {
+        plan.instructions
+            .iter()
+            .find(|i| i.op == "cross_entropy_grad")
+            .unwrap()
+            .clone()
+    };
     // The step returns the logits: their bytes are held to the end, the gradient has its own.
     let kept = lower(&g, &opts).unwrap();
     let i = ce(&kept);
-    assert_ne!(root_of(&kept, i.outputs[0] as usize), root_of(&kept, i.inputs[0] as usize));
+    assert_ne!(
+        root_of(&kept, i.outputs[0] as usize),
+        root_of(&kept, i.inputs[0] as usize)
+    );
     g.remove_output("logits");
     let plan = lower(&g, &opts).unwrap();
     plan.check().unwrap();
     let i = ce(&plan);
     let (o, x) = (i.outputs[0] as usize, i.inputs[0] as usize);
     let r = root_of(&plan, x);
-    assert_eq!(root_of(&plan, o), r, "the logits gradient is written over the logits");
+    assert_eq!(
+        root_of(&plan, o),
+        r,
+        "the logits gradient is written over the logits"
+    );
     assert!(!plan.buffers[o].resident && plan.buffers[o].offset == plan.buffers[r].offset);
     // One root, held over the union: from the logits' producer to the gradient's last use.
-    assert!(plan.buffers[r].live.0 <= plan.buffers[x].live.0 && plan.buffers[o].live.1 <= plan.buffers[r].live.1);
-    assert!(plan.memory.arena_bytes < kept.memory.arena_bytes, "{} vs {}", plan.memory.arena_bytes, kept.memory.arena_bytes);
+    assert!(
+        plan.buffers[r].live.0 <= plan.buffers[x].live.0
+            && plan.buffers[o].live.1 <= plan.buffers[r].live.1
+    );
+    assert!(
+        plan.memory.arena_bytes < kept.memory.arena_bytes,
+        "{} vs {}",
+        plan.memory.arena_bytes,
+        kept.memory.arena_bytes
+    );
 }
 
 #[test]
@@ -274,17 +476,36 @@ fn in_place_writes_over_live_values_are_refused() {
     let refused = |p: &ExecutionPlan, want: &str| {
         let e = p.check().unwrap_err();
         assert!(e.contains(want), "wanted `{want}` in: {e}");
-        let e = ExecutionPlan::from_json(&p.to_json(), "bad.json").unwrap_err().to_string();
-        assert!(e.starts_with("inconsistent plan bad.json") && e.contains(want), "{e}");
+        let e = ExecutionPlan::from_json(&p.to_json(), "bad.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("inconsistent plan bad.json") && e.contains(want),
+            "{e}"
+        );
     };
-    let writer = |p: &ExecutionPlan, b: usize| p.instructions.iter().find(|i| i.outputs.contains(&(b as u32))).unwrap().id as usize;
+    let writer = |p: &ExecutionPlan, b: usize| {
+        p.instructions
+            .iter()
+            .find(|i| i.outputs.contains(&(b as u32)))
+            .unwrap()
+            .id as usize
+    };
     // The bf16 param written by the trailing cast, and the AdamW state written by adamw.
     let pairs = update_pairs(&g, &plan);
-    let (o, t) = *pairs.iter().filter(|&&(o, _)| plan.instructions[writer(&plan, o)].op == "cast").min_by_key(|&&(o, _)| writer(&plan, o)).unwrap();
+    let (o, t) = *pairs
+        .iter()
+        .filter(|&&(o, _)| plan.instructions[writer(&plan, o)].op == "cast")
+        .min_by_key(|&&(o, _)| writer(&plan, o))
+        .unwrap();
     let w = writer(&plan, o);
     // Something reads the old param after the in-place write.
     let mut p = plan.clone();
-    let later = p.instructions.iter().position(|i| i.id as usize > w && i.stream == 0 && !i.inputs.is_empty()).unwrap();
+    let later = p
+        .instructions
+        .iter()
+        .position(|i| i.id as usize > w && i.stream == 0 && !i.inputs.is_empty())
+        .unwrap();
     p.instructions[later].inputs.push(t as u32);
     refused(&p, "reads the value it replaces");
     // The writer reads the old value at an operand it does not compute elementwise.
@@ -292,10 +513,18 @@ fn in_place_writes_over_live_values_are_refused() {
     p.instructions[w].inputs.push(t as u32);
     refused(&p, "reads the value it replaces at operand");
     // A second in-place write into a resident value.
-    let (m, mt) = *pairs.iter().find(|&&(o, _)| plan.instructions[writer(&plan, o)].op == "adamw").unwrap();
+    let (m, mt) = *pairs
+        .iter()
+        .find(|&&(o, _)| plan.instructions[writer(&plan, o)].op == "adamw")
+        .unwrap();
     let aw = writer(&plan, m);
     let mut p = plan.clone();
-    let other = p.instructions[aw].outputs.iter().copied().find(|&b| b as usize != m).unwrap() as usize;
+    let other = p.instructions[aw]
+        .outputs
+        .iter()
+        .copied()
+        .find(|&b| b as usize != m)
+        .unwrap() as usize;
     let root = p.buffers[mt].clone();
     p.buffers[other].alias_of = Some(mt as u32);
     (p.buffers[other].offset, p.buffers[other].resident) = (root.offset, root.resident);
@@ -305,12 +534,19 @@ fn in_place_writes_over_live_values_are_refused() {
     let (ins, x) = p
         .instructions
         .iter()
-        .filter(|i| !["reshape", "cross_entropy_grad", "adamw", "sgd"].contains(&i.op.as_str()) && i.outputs.len() == 1)
+        .filter(|i| {
+            !["reshape", "cross_entropy_grad", "adamw", "sgd"].contains(&i.op.as_str())
+                && i.outputs.len() == 1
+        })
         .find_map(|i| {
             let o = &p.buffers[i.outputs[0] as usize];
             let x = i.inputs.iter().find(|&&x| {
                 let xb = &p.buffers[x as usize];
-                xb.alias_of.is_none() && !xb.resident && xb.bytes == o.bytes && xb.dtype == o.dtype && xb.live.1 == i.id
+                xb.alias_of.is_none()
+                    && !xb.resident
+                    && xb.bytes == o.bytes
+                    && xb.dtype == o.dtype
+                    && xb.live.1 == i.id
             })?;
             (!o.resident && o.alias_of.is_none()).then_some((i.id as usize, *x as usize))
         })

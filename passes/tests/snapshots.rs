@@ -12,7 +12,9 @@ const MODELS: &[&str] = &["llama-tiny", "qwen3-tiny", "mixtral-tiny"];
 const MESHES: &[(&str, &str)] = &[("sp2", "sp=2"), ("sp4", "sp=4"), ("dp2-sp2", "dp=2,sp=2")];
 
 fn model(name: &str) -> Graph {
-    weft_frontends::load(name).unwrap_or_else(|e| panic!("{name}: {e}")).graph
+    weft_frontends::load(name)
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .graph
 }
 
 fn snapshot(name: &str, text: &str) {
@@ -28,9 +30,15 @@ fn pass_diff(model_name: &str, mesh: &str, pass: &str) -> Option<String> {
     let pipeline = default_pipeline(&cx.mesh);
     let at = pipeline.iter().position(|p| *p == pass)?;
     run_pipeline(&mut g, &cx, &pipeline[..at]).unwrap();
-    let ins = Instrumentation { print_changes: true, check_requires: false, ..Default::default() };
+    let ins = Instrumentation {
+        print_changes: true,
+        check_requires: false,
+        ..Default::default()
+    };
     let mut sink = Vec::new();
-    let r = PassManager::new(ins).run(&mut g, &cx, &[pass], &mut sink).unwrap();
+    let r = PassManager::new(ins)
+        .run(&mut g, &cx, &[pass], &mut sink)
+        .unwrap();
     let mut text = String::from_utf8(sink).unwrap();
     let p = &r.passes[0];
     text.push_str(&format!(
@@ -41,7 +49,11 @@ fn pass_diff(model_name: &str, mesh: &str, pass: &str) -> Option<String> {
         p.nodes_added,
         p.nodes_removed,
         p.collectives_added,
-        p.counters.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+        p.counters
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     ));
     Some(text)
 }

@@ -7,17 +7,27 @@ use weft_ir::*;
 use weft_passes::*;
 
 const MODELS: &[&str] = &["llama-tiny", "qwen3-tiny", "mixtral-tiny"];
-const MESHES: &[(&str, &str)] = &[("tp2", "tp=2"), ("tp3", "tp=3"), ("dp2-tp2", "dp=2,tp=2"), ("sp2-tp2", "sp=2,tp=2")];
+const MESHES: &[(&str, &str)] = &[
+    ("tp2", "tp=2"),
+    ("tp3", "tp=3"),
+    ("dp2-tp2", "dp=2,tp=2"),
+    ("sp2-tp2", "sp=2,tp=2"),
+];
 
 fn model(name: &str) -> Graph {
-    weft_frontends::load(name).unwrap_or_else(|e| panic!("{name}: {e}")).graph
+    weft_frontends::load(name)
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .graph
 }
 
 fn compiled_until(model_name: &str, mesh: &str) -> (Graph, PassContext) {
     let mut g = model(model_name);
     let cx = PassContext::new(Mesh::parse(mesh).unwrap());
     let pipeline = default_pipeline(&cx.mesh);
-    let at = pipeline.iter().position(|p| *p == "tensor-parallel").unwrap();
+    let at = pipeline
+        .iter()
+        .position(|p| *p == "tensor-parallel")
+        .unwrap();
     run_pipeline(&mut g, &cx, &pipeline[..at]).unwrap();
     (g, cx)
 }
@@ -27,9 +37,15 @@ fn snapshots() {
     for m in MODELS {
         for (tag, mesh) in MESHES {
             let (mut g, cx) = compiled_until(m, mesh);
-            let ins = Instrumentation { print_changes: true, check_requires: false, ..Default::default() };
+            let ins = Instrumentation {
+                print_changes: true,
+                check_requires: false,
+                ..Default::default()
+            };
             let mut sink = Vec::new();
-            let r = PassManager::new(ins).run(&mut g, &cx, &["tensor-parallel"], &mut sink).unwrap();
+            let r = PassManager::new(ins)
+                .run(&mut g, &cx, &["tensor-parallel"], &mut sink)
+                .unwrap();
             let mut text = String::from_utf8(sink).unwrap();
             let p = &r.passes[0];
             text.push_str(&format!(
@@ -40,7 +56,11 @@ fn snapshots() {
                 p.nodes_added,
                 p.nodes_removed,
                 p.collectives_added,
-                p.counters.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+                p.counters
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
             ));
             insta::with_settings!({ prepend_module_to_snapshot => false, omit_expression => true }, {
                 insta::assert_snapshot!(format!("tensor-parallel__{m}__{tag}"), text);
@@ -55,7 +75,10 @@ fn idempotent_and_round_trips() {
     let pass = lookup("tensor-parallel").unwrap();
     assert!(pass.run(&mut g, &cx).unwrap().changed);
     let once = g.clone();
-    assert!(!pass.run(&mut g, &cx).unwrap().changed, "a second run changes nothing");
+    assert!(
+        !pass.run(&mut g, &cx).unwrap().changed,
+        "a second run changes nothing"
+    );
     assert_eq!(g, once);
     verify(&g).unwrap();
     assert_eq!(parse(&print(&g)).unwrap(), g);
@@ -65,7 +88,10 @@ fn idempotent_and_round_trips() {
 fn pipeline_order_with_sp_and_dp() {
     let names = |m: &str| default_pipeline(&Mesh::parse(m).unwrap()).join(",");
     assert_eq!(names("tp=2"), "tensor-parallel,canonicalize");
-    assert_eq!(names("dp=2,tp=2"), "shard-inputs,shard-seq,sp-loss,tensor-parallel,canonicalize");
+    assert_eq!(
+        names("dp=2,tp=2"),
+        "shard-inputs,shard-seq,sp-loss,tensor-parallel,canonicalize"
+    );
     assert!(names("sp=2,tp=2").contains("sp-loss,tensor-parallel,ulysses-attention"));
 }
 
@@ -73,7 +99,11 @@ fn pipeline_order_with_sp_and_dp() {
 fn layouts_record_everything_to_reshard() {
     let (mut g, cx) = compiled_until("qwen3-tiny", "tp=3");
     lookup("tensor-parallel").unwrap().run(&mut g, &cx).unwrap();
-    let layouts = tp::param_layouts(&g, &[("lm_head.weight".into(), "model.embed_tokens.weight".into())]).unwrap();
+    let layouts = tp::param_layouts(
+        &g,
+        &[("lm_head.weight".into(), "model.embed_tokens.weight".into())],
+    )
+    .unwrap();
     let text = serde_json::to_string_pretty(&layouts).unwrap();
     insta::with_settings!({ prepend_module_to_snapshot => false, omit_expression => true }, {
         insta::assert_snapshot!("tensor-parallel__qwen3-tiny__tp3__layouts", text);

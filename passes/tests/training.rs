@@ -3,15 +3,25 @@
 //! collectives of N-micro-batch steps, and the memory estimate per checkpoint policy.
 
 use weft_ir::*;
-use weft_passes::training::{training_pipeline, CheckpointPolicy, OffloadOptions, Optimizer, TrainOptions};
+use weft_passes::training::{
+    training_pipeline, CheckpointPolicy, OffloadOptions, Optimizer, TrainOptions,
+};
 use weft_passes::*;
 
 fn model_1l(preset: &str) -> Graph {
     let p = weft_frontends::presets::find_preset(preset).unwrap();
     let mut v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
-    v.as_object_mut().unwrap().insert("num_hidden_layers".into(), 1.into());
+    v.as_object_mut()
+        .unwrap()
+        .insert("num_hidden_layers".into(), 1.into());
     let cfg = weft_frontends::ModelConfig::from_json(&v, &p.label()).unwrap();
-    weft_frontends::Model::from_config(&format!("{preset}-1l"), cfg, weft_frontends::Origin::Preset(preset.into())).unwrap().graph
+    weft_frontends::Model::from_config(
+        &format!("{preset}-1l"),
+        cfg,
+        weft_frontends::Origin::Preset(preset.into()),
+    )
+    .unwrap()
+    .graph
 }
 
 fn snapshot(name: &str, text: &str) {
@@ -28,24 +38,42 @@ fn cx(mesh: &str, opts: &TrainOptions) -> PassContext {
 
 fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> Graph {
     let cx = cx(mesh, opts);
-    let names = training_pipeline(&cx.mesh, opts).names().into_iter().map(String::from).collect::<Vec<_>>();
+    let names = training_pipeline(&cx.mesh, opts)
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let mut g = g.clone();
-    PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap();
+    PassManager::default()
+        .run(&mut g, &cx, &refs, &mut std::io::sink())
+        .unwrap();
     g
 }
 
 /// The diff and counters of `pass` in the training pipeline of `opts`.
 fn pass_diff(g: &Graph, mesh: &str, opts: &TrainOptions, pass: &str) -> String {
     let cx = cx(mesh, opts);
-    let names = training_pipeline(&cx.mesh, opts).names().into_iter().map(String::from).collect::<Vec<_>>();
+    let names = training_pipeline(&cx.mesh, opts)
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
     let at = names.iter().position(|p| p == pass).unwrap();
     let mut g = g.clone();
     let refs: Vec<&str> = names[..at].iter().map(String::as_str).collect();
-    PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).unwrap();
-    let ins = Instrumentation { print_changes: true, check_requires: false, ..Default::default() };
+    PassManager::default()
+        .run(&mut g, &cx, &refs, &mut std::io::sink())
+        .unwrap();
+    let ins = Instrumentation {
+        print_changes: true,
+        check_requires: false,
+        ..Default::default()
+    };
     let mut sink = Vec::new();
-    let r = PassManager::new(ins).run(&mut g, &cx, &[pass], &mut sink).unwrap();
+    let r = PassManager::new(ins)
+        .run(&mut g, &cx, &[pass], &mut sink)
+        .unwrap();
     let mut text = String::from_utf8(sink).unwrap();
     let p = &r.passes[0];
     text.push_str(&format!(
@@ -56,7 +84,11 @@ fn pass_diff(g: &Graph, mesh: &str, opts: &TrainOptions, pass: &str) -> String {
         p.nodes_added,
         p.nodes_removed,
         p.collectives_added,
-        p.counters.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+        p.counters
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     ));
     text
 }
@@ -75,19 +107,80 @@ fn joint_graph_of_a_one_layer_llama() {
 #[test]
 fn training_pass_diffs() {
     let g = model_1l("llama-tiny");
-    let small = TrainOptions { bucket_bytes: 20_000, batch: Some(2), seq: Some(16), ..Default::default() };
+    let small = TrainOptions {
+        bucket_bytes: 20_000,
+        batch: Some(2),
+        seq: Some(16),
+        ..Default::default()
+    };
     let cases: Vec<(&str, &str, &str, TrainOptions)> = vec![
         ("autodiff", "dp2-sp2", "dp=2,sp=2", small.clone()),
         ("grad-sync", "dp2-sp2", "dp=2,sp=2", small.clone()),
-        ("grad-sync", "dp2-sp2-zero2", "dp=2,sp=2", TrainOptions { reduce_scatter: true, ..small.clone() }),
-        ("checkpoint", "sp2-selective", "sp=2", TrainOptions { checkpoint: CheckpointPolicy::Selective, ..small.clone() }),
-        ("checkpoint", "sp2-full", "sp=2", TrainOptions { checkpoint: CheckpointPolicy::Full, ..small.clone() }),
-        ("offload", "sp2", "sp=2", TrainOptions { offload: Some(OffloadOptions { min_bytes: 0, keep_last: 0, ..Default::default() }), ..small.clone() }),
-        ("optimizer", "dp2-zero1", "dp=2", TrainOptions { optimizer: Some(Optimizer::adamw(1e-3)), zero1: true, ..small.clone() }),
-        ("micro-batches", "dp2", "dp=2", TrainOptions { micro_batches: 2, ..small.clone() }),
+        (
+            "grad-sync",
+            "dp2-sp2-zero2",
+            "dp=2,sp=2",
+            TrainOptions {
+                reduce_scatter: true,
+                ..small.clone()
+            },
+        ),
+        (
+            "checkpoint",
+            "sp2-selective",
+            "sp=2",
+            TrainOptions {
+                checkpoint: CheckpointPolicy::Selective,
+                ..small.clone()
+            },
+        ),
+        (
+            "checkpoint",
+            "sp2-full",
+            "sp=2",
+            TrainOptions {
+                checkpoint: CheckpointPolicy::Full,
+                ..small.clone()
+            },
+        ),
+        (
+            "offload",
+            "sp2",
+            "sp=2",
+            TrainOptions {
+                offload: Some(OffloadOptions {
+                    min_bytes: 0,
+                    keep_last: 0,
+                    ..Default::default()
+                }),
+                ..small.clone()
+            },
+        ),
+        (
+            "optimizer",
+            "dp2-zero1",
+            "dp=2",
+            TrainOptions {
+                optimizer: Some(Optimizer::adamw(1e-3)),
+                zero1: true,
+                ..small.clone()
+            },
+        ),
+        (
+            "micro-batches",
+            "dp2",
+            "dp=2",
+            TrainOptions {
+                micro_batches: 2,
+                ..small.clone()
+            },
+        ),
     ];
     for (pass, tag, mesh, opts) in cases {
-        snapshot(&format!("{pass}__llama-tiny-1l__{tag}"), &pass_diff(&g, mesh, &opts, pass));
+        snapshot(
+            &format!("{pass}__llama-tiny-1l__{tag}"),
+            &pass_diff(&g, mesh, &opts, pass),
+        );
     }
 }
 
@@ -99,13 +192,20 @@ fn collectives(g: &Graph) -> String {
         let d = g.node(n);
         if d.op.is_collective() {
             *by.entry(d.op.name().to_string()).or_default() += 1;
-            if d.meta.provenance.as_ref().is_some_and(|p| p.pass == "grad-sync") {
+            if d.meta
+                .provenance
+                .as_ref()
+                .is_some_and(|p| p.pass == "grad-sync")
+            {
                 grad += 1;
             }
         }
     }
     let parts: Vec<String> = by.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    format!("gradient reductions {grad}; all collectives: {}", parts.join(" "))
+    format!(
+        "gradient reductions {grad}; all collectives: {}",
+        parts.join(" ")
+    )
 }
 
 #[test]
@@ -115,11 +215,30 @@ fn micro_batch_collectives() {
     for mesh in ["dp=2", "sp=2", "dp=2,sp=2", "tp=2"] {
         let mut grad = None;
         for n in [1u32, 2, 4] {
-            let opts = TrainOptions { micro_batches: n, bucket_bytes: 20_000, ..Default::default() };
+            let opts = TrainOptions {
+                micro_batches: n,
+                bucket_bytes: 20_000,
+                ..Default::default()
+            };
             let j = compile(&g, mesh, &opts);
             let line = collectives(&j);
-            let reductions = j.nodes().iter().filter(|&&x| j.node(x).meta.provenance.as_ref().is_some_and(|p| p.pass == "grad-sync") && j.node(x).op.is_collective()).count();
-            assert_eq!(*grad.get_or_insert(reductions), reductions, "{mesh}: N={n} issues other gradient reductions than N=1");
+            let reductions = j
+                .nodes()
+                .iter()
+                .filter(|&&x| {
+                    j.node(x)
+                        .meta
+                        .provenance
+                        .as_ref()
+                        .is_some_and(|p| p.pass == "grad-sync")
+                        && j.node(x).op.is_collective()
+                })
+                .count();
+            assert_eq!(
+                *grad.get_or_insert(reductions),
+                reductions,
+                "{mesh}: N={n} issues other gradient reductions than N=1"
+            );
             text.push_str(&format!("{mesh:<10} N={n}: {line}\n"));
         }
     }
@@ -133,14 +252,30 @@ fn memory_rows(preset: &str, mesh: &str, base: &TrainOptions) -> String {
     let g = weft_frontends::load(preset).unwrap().graph;
     let mut text = String::new();
     let mut last: Option<memory::MemoryEstimate> = None;
-    for policy in [CheckpointPolicy::None, CheckpointPolicy::Selective, CheckpointPolicy::Full] {
-        let opts = TrainOptions { checkpoint: policy.clone(), ..base.clone() };
+    for policy in [
+        CheckpointPolicy::None,
+        CheckpointPolicy::Selective,
+        CheckpointPolicy::Full,
+    ] {
+        let opts = TrainOptions {
+            checkpoint: policy.clone(),
+            ..base.clone()
+        };
         let j = compile(&g, mesh, &opts);
-        assert!(j.outputs().iter().all(|(n, _)| !n.starts_with("grad.")), "{preset} {mesh}: a training step returns no gradients");
+        assert!(
+            j.outputs().iter().all(|(n, _)| !n.starts_with("grad.")),
+            "{preset} {mesh}: a training step returns no gradients"
+        );
         let e = memory::estimate(&j, &memory::bindings(&j, &opts));
         if let Some(l) = &last {
-            assert!(e.saved_activations < l.saved_activations, "{preset} {mesh} {policy}: saved {e:?} vs {l:?}");
-            assert!(e.peak_live < l.peak_live && e.total < l.total, "{preset} {mesh} {policy}: peak {e:?} vs {l:?}");
+            assert!(
+                e.saved_activations < l.saved_activations,
+                "{preset} {mesh} {policy}: saved {e:?} vs {l:?}"
+            );
+            assert!(
+                e.peak_live < l.peak_live && e.total < l.total,
+                "{preset} {mesh} {policy}: peak {e:?} vs {l:?}"
+            );
         }
         text.push_str(&format!(
             "{:<10} saved {:>12}  params {:>12}  grads {:>12}  optimizer {:>12}  peak live {:>12}  total {:>12}\n",
@@ -159,20 +294,41 @@ fn memory_rows(preset: &str, mesh: &str, base: &TrainOptions) -> String {
 
 #[test]
 fn memory_falls_as_the_policy_tightens() {
-    let adamw = TrainOptions { optimizer: Some(Optimizer::adamw(1e-4)), grad_outputs: false, ..Default::default() };
+    let adamw = TrainOptions {
+        optimizer: Some(Optimizer::adamw(1e-4)),
+        grad_outputs: false,
+        ..Default::default()
+    };
     // Llama 3 8B on dp=2,sp=4 at S=32768, B=2, AdamW with ZeRO-1.
-    let base = TrainOptions { zero1: true, batch: Some(2), seq: Some(32768), ..adamw.clone() };
-    let mut text = String::from("llama3-8b, dp=2,sp=4, B=2, S=32768, AdamW + ZeRO-1; bytes per rank\n");
+    let base = TrainOptions {
+        zero1: true,
+        batch: Some(2),
+        seq: Some(32768),
+        ..adamw.clone()
+    };
+    let mut text =
+        String::from("llama3-8b, dp=2,sp=4, B=2, S=32768, AdamW + ZeRO-1; bytes per rank\n");
     text.push_str(&memory_rows("llama3-8b", "dp=2,sp=4", &base));
     snapshot("memory__llama3-8b__dp2-sp4", &text);
     // Tensor parallel: Llama 3 8B on tp=4,sp=2 at S=16384, B=1.
-    let base = TrainOptions { batch: Some(1), seq: Some(16384), ..adamw.clone() };
+    let base = TrainOptions {
+        batch: Some(1),
+        seq: Some(16384),
+        ..adamw.clone()
+    };
     let mut text = String::from("llama3-8b, tp=4,sp=2, B=1, S=16384, AdamW; bytes per rank\n");
     text.push_str(&memory_rows("llama3-8b", "tp=4,sp=2", &base));
     snapshot("memory__llama3-8b__tp4-sp2", &text);
     // MoE: Mixtral 8x7B, experts over ep=4 (folding dp=2,sp=2), S=16384, B=2.
-    let base = TrainOptions { zero1: true, batch: Some(2), seq: Some(16384), ..adamw };
-    let mut text = String::from("mixtral-8x7b, dp=2,sp=2,ep=4, B=2, S=16384, AdamW + ZeRO-1; bytes per rank\n");
+    let base = TrainOptions {
+        zero1: true,
+        batch: Some(2),
+        seq: Some(16384),
+        ..adamw
+    };
+    let mut text = String::from(
+        "mixtral-8x7b, dp=2,sp=2,ep=4, B=2, S=16384, AdamW + ZeRO-1; bytes per rank\n",
+    );
     text.push_str(&memory_rows("mixtral-8x7b", "dp=2,sp=2,ep=4", &base));
     snapshot("memory__mixtral-8x7b__dp2-sp2-ep4", &text);
 }
@@ -185,26 +341,58 @@ fn checkpoint_budget_bounds_the_peak() {
     // kept); a budget below what recomputing all it can reaches is an error that says
     // what would fit.
     let g = weft_frontends::load("llama3-8b").unwrap().graph;
-    let base = TrainOptions { optimizer: Some(Optimizer::adamw(1e-4)), zero1: true, grad_outputs: false, batch: Some(2), seq: Some(32768), ..Default::default() };
+    let base = TrainOptions {
+        optimizer: Some(Optimizer::adamw(1e-4)),
+        zero1: true,
+        grad_outputs: false,
+        batch: Some(2),
+        seq: Some(32768),
+        ..Default::default()
+    };
     let peak = |policy: CheckpointPolicy| {
-        let opts = TrainOptions { checkpoint: policy, ..base.clone() };
+        let opts = TrainOptions {
+            checkpoint: policy,
+            ..base.clone()
+        };
         let j = compile(&g, "dp=2,sp=4", &opts);
         memory::estimate(&j, &memory::bindings(&j, &opts))
     };
-    let (none, selective) = (peak(CheckpointPolicy::None), peak(CheckpointPolicy::Selective));
+    let (none, selective) = (
+        peak(CheckpointPolicy::None),
+        peak(CheckpointPolicy::Selective),
+    );
     let mut last = none.peak_live;
-    for budget in [(none.peak_live + selective.peak_live) / 2, (none.peak_live + 3 * selective.peak_live) / 4, selective.peak_live, 14 << 30] {
+    for budget in [
+        (none.peak_live + selective.peak_live) / 2,
+        (none.peak_live + 3 * selective.peak_live) / 4,
+        selective.peak_live,
+        14 << 30,
+    ] {
         let e = peak(CheckpointPolicy::Budget(budget));
         assert!(e.peak_live <= budget, "budget {budget}: {e:?}");
-        assert!(e.peak_live < last, "budget {budget}: the peak falls with the budget ({e:?})");
+        assert!(
+            e.peak_live < last,
+            "budget {budget}: the peak falls with the budget ({e:?})"
+        );
         last = e.peak_live;
     }
-    let opts = TrainOptions { checkpoint: CheckpointPolicy::Budget(1 << 30), ..base.clone() };
+    let opts = TrainOptions {
+        checkpoint: CheckpointPolicy::Budget(1 << 30),
+        ..base.clone()
+    };
     let cx = cx("dp=2,sp=4", &opts);
     let pipeline = training_pipeline(&cx.mesh, &opts);
     let names = pipeline.names();
-    let err = PassManager::default().run(&mut g.clone(), &cx, &names, &mut std::io::sink()).unwrap_err().to_string();
-    assert!(err.contains("budget=1073741824") && err.contains("cannot be met") && err.contains("help: raise the budget to at least"), "{err}");
+    let err = PassManager::default()
+        .run(&mut g.clone(), &cx, &names, &mut std::io::sink())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("budget=1073741824")
+            && err.contains("cannot be met")
+            && err.contains("help: raise the budget to at least"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -214,23 +402,51 @@ fn offload_planner_times_compute_on_the_device_profile() {
     // model times it on the device: a slower device (A100) hides more bytes than the
     // default H200. The plan is deterministic.
     let g = weft_frontends::load("llama3.2-1b").unwrap().graph;
-    let base = TrainOptions { batch: Some(1), seq: Some(8192), ..Default::default() };
+    let base = TrainOptions {
+        batch: Some(1),
+        seq: Some(8192),
+        ..Default::default()
+    };
     let j = compile(&g, "", &base);
     let saved = memory::estimate(&j, &memory::bindings(&j, &base)).saved_activations;
     let mut text = format!("llama3.2-1b, one rank, B=1, S=8192, offload budget {} of {saved} saved bytes, link 25 GB/s\n", saved / 2);
     let mut offloaded = Vec::new();
     for device in ["h200", "h100", "a100"] {
-        let o = OffloadOptions { budget: Some(saved / 2), device: weft_passes::training::Device(weft_passes::plan::profile::preset(device).unwrap()), ..Default::default() };
-        let opts = TrainOptions { offload: Some(o), ..base.clone() };
+        let o = OffloadOptions {
+            budget: Some(saved / 2),
+            device: weft_passes::training::Device(
+                weft_passes::plan::profile::preset(device).unwrap(),
+            ),
+            ..Default::default()
+        };
+        let opts = TrainOptions {
+            offload: Some(o),
+            ..base.clone()
+        };
         let diff = pass_diff(&g, "", &opts, "offload");
         let counters = diff.lines().last().unwrap().to_string();
-        assert_eq!(pass_diff(&g, "", &opts, "offload"), diff, "{device}: the planner is deterministic");
+        assert_eq!(
+            pass_diff(&g, "", &opts, "offload"),
+            diff,
+            "{device}: the planner is deterministic"
+        );
         let j = compile(&g, "", &opts);
         let e = memory::estimate(&j, &memory::bindings(&j, &opts));
-        assert!(e.offloaded > 0 && e.saved_activations > saved / 2, "{device}: {e:?}");
+        assert!(
+            e.offloaded > 0 && e.saved_activations > saved / 2,
+            "{device}: {e:?}"
+        );
         offloaded.push(e.offloaded);
-        text.push_str(&format!("{device:<5} offloaded {:>11}  on device {:>11}  {}\n", e.offloaded, e.saved_activations, counters.trim_start_matches("// ")));
+        text.push_str(&format!(
+            "{device:<5} offloaded {:>11}  on device {:>11}  {}\n",
+            e.offloaded,
+            e.saved_activations,
+            counters.trim_start_matches("// ")
+        ));
     }
-    assert!(offloaded[0] <= offloaded[1] && offloaded[1] < offloaded[2], "{offloaded:?}");
+    assert!(
+        offloaded[0] <= offloaded[1] && offloaded[1] < offloaded[2],
+        "{offloaded:?}"
+    );
     snapshot("offload__planner__llama3.2-1b", &text);
 }

@@ -42,7 +42,11 @@ pub fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
     if a.shape != b.shape {
         return f64::INFINITY;
     }
-    let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+    let diff = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0, f64::max);
     let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
     if diff == 0.0 {
         0.0
@@ -75,7 +79,10 @@ pub fn run(a: Args) -> CliResult {
         got.grads = super::train::graph_grads(&got.outputs);
     }
     let out = |r: &weft_runtime::cpu::RunResult, name: &str| -> CliResult<HostTensor> {
-        r.outputs.get(name).cloned().ok_or_else(|| CliError::input(format!("the program has no `{name}` output")))
+        r.outputs
+            .get(name)
+            .cloned()
+            .ok_or_else(|| CliError::input(format!("the program has no `{name}` output")))
     };
     let (loss_ref, loss) = (out(&reference, "loss")?, out(&got, "loss")?);
     let err_loss = rel_err(&loss, &loss_ref);
@@ -110,17 +117,34 @@ pub fn run(a: Args) -> CliResult {
     if a.json {
         print!("{}", super::json(&r));
     } else {
-        println!("check {} on mesh {} ({} ranks, weights {}):", s.model.name, r.mesh, s.mesh.world_size(), s.weights_from);
-        println!("  loss      reference {:.9}  parallel {:.9}  rel err {:.2e}", r.loss_ref, r.loss, r.max_rel_err_loss);
+        println!(
+            "check {} on mesh {} ({} ranks, weights {}):",
+            s.model.name,
+            r.mesh,
+            s.mesh.world_size(),
+            s.weights_from
+        );
+        println!(
+            "  loss      reference {:.9}  parallel {:.9}  rel err {:.2e}",
+            r.loss_ref, r.loss, r.max_rel_err_loss
+        );
         println!("  logits    max rel err {:.2e}", r.max_rel_err_logits);
         if a.train {
             println!("  gradients max rel err {:.2e} (worst: {}; from the backward graph, reference: autograd of the unsharded model)", r.max_rel_err_grads, r.worst_param);
         }
-        println!("  {} (tolerance {:.0e} outputs, {:.0e} gradients)", if ok { "ok" } else { "FAILED" }, tol_out, tol_grad);
+        println!(
+            "  {} (tolerance {:.0e} outputs, {:.0e} gradients)",
+            if ok { "ok" } else { "FAILED" },
+            tol_out,
+            tol_grad
+        );
     }
     if ok {
         Ok(())
     } else {
-        Err(CliError::failed(format!("the program for mesh {} does not match the unsharded model", r.mesh)))
+        Err(CliError::failed(format!(
+            "the program for mesh {} does not match the unsharded model",
+            r.mesh
+        )))
     }
 }

@@ -75,20 +75,32 @@ pub struct Args {
 pub fn pipeline(passes: Option<&str>, mesh: &weft_ir::Mesh) -> CliResult<Vec<String>> {
     match passes {
         Some(p) => {
-            let names: Vec<String> = p.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+            let names: Vec<String> = p
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect();
             for n in &names {
                 weft_passes::lookup(n).map_err(crate::fail)?;
             }
             Ok(names)
         }
-        None => Ok(weft_passes::default_pipeline(mesh).into_iter().map(String::from).collect()),
+        None => Ok(weft_passes::default_pipeline(mesh)
+            .into_iter()
+            .map(String::from)
+            .collect()),
     }
 }
 
 /// Binds `B` and `S` (and the mesh's axis sizes) and checks every size of the program.
 /// When only one of the two is given, the other takes the smallest size the mesh
 /// allows (one sequence per data-parallel rank, one token per sequence-parallel rank).
-pub fn check_sizes(g: &weft_ir::Graph, batch: Option<i64>, seq: Option<i64>) -> CliResult<Bindings> {
+pub fn check_sizes(
+    g: &weft_ir::Graph,
+    batch: Option<i64>,
+    seq: Option<i64>,
+) -> CliResult<Bindings> {
     let mut b = Bindings::new();
     let (batch, seq) = match (batch, seq) {
         (None, None) => (None, None),
@@ -100,7 +112,9 @@ pub fn check_sizes(g: &weft_ir::Graph, batch: Option<i64>, seq: Option<i64>) -> 
     for (flag, sym, v) in [("--batch", "B", batch), ("--seq", "S", seq)] {
         if let Some(v) = v {
             if v <= 0 {
-                return Err(CliError::input(format!("invalid {flag} {v}: must be positive")));
+                return Err(CliError::input(format!(
+                    "invalid {flag} {v}: must be positive"
+                )));
             }
             b = b.with(sym, v);
         }
@@ -119,7 +133,11 @@ pub fn run(a: Args) -> CliResult {
     let mut names = pipeline(a.passes.as_deref(), &mesh)?;
     let training = a.train || a.train_args.any();
     let forward = names.clone();
-    let model_graph = if training && a.stats { Some(g.clone()) } else { None };
+    let model_graph = if training && a.stats {
+        Some(g.clone())
+    } else {
+        None
+    };
     if training {
         cx.options.train = a.train_args.options("adamw")?;
         cx.options.train.batch = a.batch;
@@ -127,12 +145,18 @@ pub fn run(a: Args) -> CliResult {
         cx.options.train.grad_outputs = a.keep_grads;
         // The offload planner hides copies under compute timed on this device.
         if let Some(o) = &mut cx.options.train.offload {
-            o.device = weft_passes::training::Device(weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?);
+            o.device = weft_passes::training::Device(
+                weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?,
+            );
         }
         names.extend(super::train::training_passes(&mesh, &cx.options.train));
     }
     let filter = |t: &Option<String>| -> CliResult<PassFilter> {
-        t.as_deref().map(PassFilter::parse).transpose().map(|f| f.unwrap_or_default()).map_err(crate::fail)
+        t.as_deref()
+            .map(PassFilter::parse)
+            .transpose()
+            .map(|f| f.unwrap_or_default())
+            .map_err(crate::fail)
     };
     let ins = Instrumentation {
         verify_each: a.verify_each,
@@ -145,20 +169,29 @@ pub fn run(a: Args) -> CliResult {
     };
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();
-    let report = PassManager::new(ins).run(&mut g, &cx, &refs, &mut std::io::stderr()).map_err(crate::fail)?;
+    let report = PassManager::new(ins)
+        .run(&mut g, &cx, &refs, &mut std::io::stderr())
+        .map_err(crate::fail)?;
     let bindings = check_sizes(&g, a.batch, a.seq)?;
     if let Some(m) = &model_graph {
         eprint!("{}", super::train::memory_table(m, &cx, &forward)?);
     }
-    let wants_plan = a.output.as_ref().is_some_and(|p| p.extension().is_some_and(|e| e == "json"));
+    let wants_plan = a
+        .output
+        .as_ref()
+        .is_some_and(|p| p.extension().is_some_and(|e| e == "json"));
     let mut plan_note = String::new();
     if wants_plan {
         if a.seq.is_none() {
-            return Err(CliError::input("a plan needs concrete sizes").with_help("pass --seq (and --batch) to bind S and B"));
+            return Err(CliError::input("a plan needs concrete sizes")
+                .with_help("pass --seq (and --batch) to bind S and B"));
         }
         let device = weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?;
         if !(a.device_memory > 0.0) {
-            return Err(CliError::input(format!("invalid --device-memory {}: must be positive GiB", a.device_memory)));
+            return Err(CliError::input(format!(
+                "invalid --device-memory {}: must be positive GiB",
+                a.device_memory
+            )));
         }
         let opts = weft_passes::plan::PlanOptions {
             device,
@@ -187,11 +220,19 @@ pub fn run(a: Args) -> CliResult {
         print!("{}", report.to_json());
         println!();
     }
-    let collectives = g.nodes().iter().filter(|&&n| g.node(n).op.is_collective()).count();
+    let collectives = g
+        .nodes()
+        .iter()
+        .filter(|&&n| g.node(n).op.is_collective())
+        .count();
     eprintln!(
         "compiled {} for mesh {} ({} ranks): {} nodes, {} collectives, pipeline [{}] in {:.1} ms{}",
         g.name,
-        if mesh.axes.is_empty() { "(one rank)".to_string() } else { mesh.to_string() },
+        if mesh.axes.is_empty() {
+            "(one rank)".to_string()
+        } else {
+            mesh.to_string()
+        },
         mesh.world_size(),
         g.node_count(),
         collectives,

@@ -31,7 +31,8 @@ pub fn run(a: Args) -> CliResult {
     let mut r = s.run(&g, false)?;
     if training {
         let grads = super::train::graph_grads(&r.outputs);
-        r.outputs.retain(|k, _| !k.starts_with(weft_passes::autodiff::GRAD_PREFIX));
+        r.outputs
+            .retain(|k, _| !k.starts_with(weft_passes::autodiff::GRAD_PREFIX));
         r.grads = grads;
     }
     let mut out = BTreeMap::new();
@@ -46,9 +47,14 @@ pub fn run(a: Args) -> CliResult {
     eprintln!(
         "evaluated {} on mesh {} ({} weights): loss {} -> {}",
         s.model.name,
-        if s.mesh.axes.is_empty() { "(one rank)".to_string() } else { s.mesh.to_string() },
+        if s.mesh.axes.is_empty() {
+            "(one rank)".to_string()
+        } else {
+            s.mesh.to_string()
+        },
         s.weights_from,
-        loss.map(|l| format!("{l:.6}")).unwrap_or_else(|| "(none)".into()),
+        loss.map(|l| format!("{l:.6}"))
+            .unwrap_or_else(|| "(none)".into()),
         a.output.display()
     );
     Ok(())

@@ -26,7 +26,10 @@ pub fn run(a: Args) -> CliResult {
     if a.report {
         match &imported {
             Some(i) => eprint!("{}", i.report),
-            None => eprintln!("{}: built from its config (nothing to recognise: every op is Weft's own)", m.name),
+            None => eprintln!(
+                "{}: built from its config (nothing to recognise: every op is Weft's own)",
+                m.name
+            ),
         }
     }
     super::write_out(a.output.as_deref(), &weft_ir::print(&m.graph))

@@ -59,12 +59,15 @@ struct Summary<'a> {
 /// For each buffer: whether it is written in place over another value's bytes (an
 /// alias not made by a reshape of the same bytes).
 fn in_place(p: &ExecutionPlan) -> Vec<bool> {
-    let root = p.storage_roots().unwrap_or_else(|_| (0..p.buffers.len() as u32).collect());
+    let root = p
+        .storage_roots()
+        .unwrap_or_else(|_| (0..p.buffers.len() as u32).collect());
     let mut out = vec![false; p.buffers.len()];
     for ins in &p.instructions {
         for &o in &ins.outputs {
             let r = root[o as usize];
-            let view = ins.op == "reshape" && ins.inputs.len() == 1 && root[ins.inputs[0] as usize] == r;
+            let view =
+                ins.op == "reshape" && ins.inputs.len() == 1 && root[ins.inputs[0] as usize] == r;
             out[o as usize] = r != o && !view;
         }
     }
@@ -72,7 +75,8 @@ fn in_place(p: &ExecutionPlan) -> Vec<bool> {
 }
 
 pub fn load_plan(path: &std::path::Path) -> CliResult<ExecutionPlan> {
-    let text = std::fs::read_to_string(path).map_err(|e| CliError::input(format!("cannot read {}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| CliError::input(format!("cannot read {}: {e}", path.display())))?;
     ExecutionPlan::from_json(&text, &path.display().to_string()).map_err(crate::fail)
 }
 
@@ -94,32 +98,69 @@ pub fn run(a: Args) -> CliResult {
         collectives: &p.cost.collectives,
         mfu: p.cost.mfu,
         instructions: p.instructions.len(),
-        views: p.buffers.iter().filter(|b| b.alias_of.is_some()).count() - placed.iter().filter(|&&x| x).count(),
+        views: p.buffers.iter().filter(|b| b.alias_of.is_some()).count()
+            - placed.iter().filter(|&&x| x).count(),
         in_place: placed.iter().filter(|&&x| x).count(),
     };
     if let Some(t) = &a.trace {
-        std::fs::write(t, trace(&p)).map_err(|e| CliError::input(format!("cannot write {}: {e}", t.display())))?;
+        std::fs::write(t, trace(&p))
+            .map_err(|e| CliError::input(format!("cannot write {}: {e}", t.display())))?;
     }
     if let Some(m) = &a.memory {
-        std::fs::write(m, memory_svg(&p)).map_err(|e| CliError::input(format!("cannot write {}: {e}", m.display())))?;
+        std::fs::write(m, memory_svg(&p))
+            .map_err(|e| CliError::input(format!("cannot write {}: {e}", m.display())))?;
     }
     if a.json {
         print!("{}", super::json(&s));
         return Ok(());
     }
     let gib = weft_passes::plan::gib;
-    println!("plan {} on mesh {} ({} ranks, {}), sizes {:?}", p.model, if s.mesh.is_empty() { "(one rank)" } else { &s.mesh }, p.mesh.world_size(), p.device.name, p.bindings);
-    println!("memory  peak {} per rank (arena {}, resident {})", gib(p.memory.peak_bytes), gib(p.memory.arena_bytes), gib(p.memory.resident_bytes));
+    println!(
+        "plan {} on mesh {} ({} ranks, {}), sizes {:?}",
+        p.model,
+        if s.mesh.is_empty() {
+            "(one rank)"
+        } else {
+            &s.mesh
+        },
+        p.mesh.world_size(),
+        p.device.name,
+        p.bindings
+    );
+    println!(
+        "memory  peak {} per rank (arena {}, resident {})",
+        gib(p.memory.peak_bytes),
+        gib(p.memory.arena_bytes),
+        gib(p.memory.resident_bytes)
+    );
     for (k, v) in &p.memory.breakdown {
         println!("        {k:<16} {}", gib(*v));
     }
     if s.views > 0 {
-        let bytes: u64 = p.buffers.iter().filter(|b| b.alias_of.is_some() && !placed[b.id as usize]).map(|b| b.bytes).sum();
-        println!("views   {} reshapes share their input's bytes ({:.1} MiB not copied)", s.views, bytes as f64 / (1u64 << 20) as f64);
+        let bytes: u64 = p
+            .buffers
+            .iter()
+            .filter(|b| b.alias_of.is_some() && !placed[b.id as usize])
+            .map(|b| b.bytes)
+            .sum();
+        println!(
+            "views   {} reshapes share their input's bytes ({:.1} MiB not copied)",
+            s.views,
+            bytes as f64 / (1u64 << 20) as f64
+        );
     }
     if s.in_place > 0 {
-        let bytes: u64 = p.buffers.iter().filter(|b| placed[b.id as usize]).map(|b| b.bytes).sum();
-        println!("inplace {} results written over dead values' bytes ({:.1} MiB not held twice)", s.in_place, bytes as f64 / (1u64 << 20) as f64);
+        let bytes: u64 = p
+            .buffers
+            .iter()
+            .filter(|b| placed[b.id as usize])
+            .map(|b| b.bytes)
+            .sum();
+        println!(
+            "inplace {} results written over dead values' bytes ({:.1} MiB not held twice)",
+            s.in_place,
+            bytes as f64 / (1u64 << 20) as f64
+        );
     }
     println!(
         "time    step {:.3} ms: compute {:.3} ms, exposed communication {:.3} ms (of {:.3} ms), host copies {:.3} ms; MFU {:.1}%",
@@ -131,8 +172,17 @@ pub fn run(a: Args) -> CliResult {
         p.cost.mfu * 100.0
     );
     for (k, v) in &p.cost.collectives {
-        let bytes: f64 = p.cost.comm_bytes.iter().filter(|(kk, _)| kk.starts_with(&format!("{k}/"))).map(|(_, b)| b).sum();
-        println!("comm    {k:<15} x{v:<5} {:.3} MiB sent per rank", bytes / (1u64 << 20) as f64);
+        let bytes: f64 = p
+            .cost
+            .comm_bytes
+            .iter()
+            .filter(|(kk, _)| kk.starts_with(&format!("{k}/")))
+            .map(|(_, b)| b)
+            .sum();
+        println!(
+            "comm    {k:<15} x{v:<5} {:.3} MiB sent per rank",
+            bytes / (1u64 << 20) as f64
+        );
     }
     if a.buffers {
         println!("\nbuffers:");
@@ -188,25 +238,47 @@ fn trace(p: &ExecutionPlan) -> String {
             "args": {"node": format!("%{}", i.node), "source": i.source, "bytes": i.bytes, "flops": i.flops, "provenance": i.provenance}
         }));
     }
-    serde_json::to_string(&serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"})).expect("trace serializes") + "\n"
+    serde_json::to_string(&serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"}))
+        .expect("trace serializes")
+        + "\n"
 }
 
 /// Stacked areas of live bytes per category over instruction index (resident at the bottom).
 fn memory_svg(p: &ExecutionPlan) -> String {
     let n = p.instructions.len().max(1);
-    let cats = [Category::Param, Category::Grad, Category::OptimizerState, Category::Activation, Category::Comm];
+    let cats = [
+        Category::Param,
+        Category::Grad,
+        Category::OptimizerState,
+        Category::Activation,
+        Category::Comm,
+    ];
     let colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f"];
     let mut live = vec![[0u64; 5]; n];
     for b in p.buffers.iter().filter(|b| b.alias_of.is_none()) {
-        let Some(k) = cats.iter().position(|c| *c == b.category) else { continue };
-        let (lo, hi) = if b.resident { (0, n - 1) } else { (b.live.0 as usize, b.live.1 as usize) };
+        let Some(k) = cats.iter().position(|c| *c == b.category) else {
+            continue;
+        };
+        let (lo, hi) = if b.resident {
+            (0, n - 1)
+        } else {
+            (b.live.0 as usize, b.live.1 as usize)
+        };
         for row in live.iter_mut().take(hi.min(n - 1) + 1).skip(lo) {
             row[k] += b.bytes;
         }
     }
-    let top = live.iter().map(|r| r.iter().sum::<u64>()).max().unwrap_or(1).max(1) as f64;
+    let top = live
+        .iter()
+        .map(|r| r.iter().sum::<u64>())
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
     let (w, h) = (900.0, 360.0);
-    let mut out = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{}\">\n", h + 40.0);
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{}\">\n",
+        h + 40.0
+    );
     let x = |i: usize| i as f64 / (n.max(2) - 1) as f64 * w;
     let y = |v: f64| h - v / top * h;
     for k in (0..5).rev() {
@@ -216,7 +288,10 @@ fn memory_svg(p: &ExecutionPlan) -> String {
             pts.push_str(&format!("{:.1},{:.1} ", x(i), y(v as f64)));
         }
         pts.push_str(&format!("{:.1},{h} 0,{h}", x(n - 1)));
-        out.push_str(&format!("<polygon points=\"{pts}\" fill=\"{}\"/>\n", colors[k]));
+        out.push_str(&format!(
+            "<polygon points=\"{pts}\" fill=\"{}\"/>\n",
+            colors[k]
+        ));
     }
     for (k, c) in cats.iter().enumerate() {
         out.push_str(&format!("<rect x=\"{}\" y=\"{}\" width=\"10\" height=\"10\" fill=\"{}\"/><text x=\"{}\" y=\"{}\" font-size=\"11\">{}</text>\n", 10 + k * 150, h + 15.0, colors[k], 24 + k * 150, h + 25.0, c.name()));

@@ -27,7 +27,11 @@ pub fn run(a: Args) -> CliResult {
             world_size: m.world_size(),
             axes: m.axes.clone(),
             coords: (0..m.world_size()).map(|r| m.coords(r)).collect(),
-            groups: m.axes.iter().map(|(x, _)| (x.clone(), m.groups(x).unwrap_or_default())).collect(),
+            groups: m
+                .axes
+                .iter()
+                .map(|(x, _)| (x.clone(), m.groups(x).unwrap_or_default()))
+                .collect(),
         };
         print!("{}", super::json(&r));
     } else {

@@ -40,25 +40,47 @@ pub struct Imported {
 /// Loads MODEL; a torch.export `.pt2` archive (detected by content) is imported with
 /// its weights (`config`: the HF config.json for what the archive cannot tell, such as
 /// Llama 3 rope scaling).
-pub fn load_model_and_weights(spec: &str, config: Option<&std::path::Path>) -> CliResult<(Model, Option<Imported>)> {
+pub fn load_model_and_weights(
+    spec: &str,
+    config: Option<&std::path::Path>,
+) -> CliResult<(Model, Option<Imported>)> {
     let path = std::path::Path::new(spec);
     if path.is_file() {
         let mut head = [0u8; 4];
-        let is_zip = std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head)).is_ok() && &head == b"PK\x03\x04";
+        let is_zip = std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+            .is_ok()
+            && &head == b"PK\x03\x04";
         if is_zip {
-            let bytes = std::fs::read(path).map_err(|e| CliError::input(format!("cannot read {spec}: {e}")))?;
+            let bytes = std::fs::read(path)
+                .map_err(|e| CliError::input(format!("cannot read {spec}: {e}")))?;
             if !weft_frontends::pt2::looks_like_pt2(&bytes) {
-                return Err(CliError::input(format!("unknown model `{spec}`: a zip archive that is not a torch.export .pt2")));
+                return Err(CliError::input(format!(
+                    "unknown model `{spec}`: a zip archive that is not a torch.export .pt2"
+                )));
             }
-            let opts = weft_frontends::pt2::Pt2Options { config: config.map(|c| c.to_path_buf()), ..Default::default() };
+            let opts = weft_frontends::pt2::Pt2Options {
+                config: config.map(|c| c.to_path_buf()),
+                ..Default::default()
+            };
             let imp = weft_frontends::pt2::import_bytes(spec, bytes, &opts).map_err(|e| {
                 let help = e.help();
                 let mut c = CliError::input(e.to_string());
                 c.help = help;
                 c
             })?;
-            let model = Model::from_graph(imp.graph, weft_frontends::Origin::TextIr(path.to_path_buf())).map_err(frontend_err)?;
-            return Ok((model, Some(Imported { weights: imp.weights, report: imp.report.to_string() })));
+            let model = Model::from_graph(
+                imp.graph,
+                weft_frontends::Origin::TextIr(path.to_path_buf()),
+            )
+            .map_err(frontend_err)?;
+            return Ok((
+                model,
+                Some(Imported {
+                    weights: imp.weights,
+                    report: imp.report.to_string(),
+                }),
+            ));
         }
     }
     Ok((weft_frontends::load(spec).map_err(frontend_err)?, None))
@@ -71,7 +93,8 @@ pub fn parse_mesh(text: &str) -> CliResult<Mesh> {
 /// Writes `text` to `path`, or stdout when no path is given.
 pub fn write_out(path: Option<&std::path::Path>, text: &str) -> CliResult {
     match path {
-        Some(p) => std::fs::write(p, text).map_err(|e| CliError::input(format!("cannot write {}: {e}", p.display()))),
+        Some(p) => std::fs::write(p, text)
+            .map_err(|e| CliError::input(format!("cannot write {}: {e}", p.display()))),
         None => {
             print!("{text}");
             Ok(())

@@ -20,15 +20,29 @@ struct Row {
 pub fn run(a: Args) -> CliResult {
     let rows: Vec<Row> = weft_frontends::presets()
         .into_iter()
-        .map(|p| Row { name: p.name, family: p.family.as_str().to_string(), params: p.params, source: p.source })
+        .map(|p| Row {
+            name: p.name,
+            family: p.family.as_str().to_string(),
+            params: p.params,
+            source: p.source,
+        })
         .collect();
     if a.json {
         print!("{}", super::json(&rows));
         return Ok(());
     }
-    println!("{:<18} {:<10} {:>18}  source", "preset", "family", "parameters");
+    println!(
+        "{:<18} {:<10} {:>18}  source",
+        "preset", "family", "parameters"
+    );
     for r in rows {
-        println!("{:<18} {:<10} {:>18}  {}", r.name, r.family, group_digits(r.params), r.source);
+        println!(
+            "{:<18} {:<10} {:>18}  {}",
+            r.name,
+            r.family,
+            group_digits(r.params),
+            r.source
+        );
     }
     Ok(())
 }

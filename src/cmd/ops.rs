@@ -34,8 +34,15 @@ pub fn run(a: Args) -> CliResult {
         return Ok(());
     }
     for r in rows {
-        let attrs = if r.attrs.is_empty() { String::new() } else { format!(" {{{}}}", r.attrs.join(", ")) };
-        println!("{:<15} {}{}\n                {}", r.name, r.operands, attrs, r.doc);
+        let attrs = if r.attrs.is_empty() {
+            String::new()
+        } else {
+            format!(" {{{}}}", r.attrs.join(", "))
+        };
+        println!(
+            "{:<15} {}{}\n                {}",
+            r.name, r.operands, attrs, r.doc
+        );
     }
     Ok(())
 }

@@ -38,15 +38,30 @@ pub fn run(a: Args) -> CliResult {
     let mesh = super::parse_mesh(&a.mesh)?;
     let passes: Vec<PassRow> = weft_passes::passes()
         .iter()
-        .map(|p| PassRow { name: p.name(), summary: p.summary(), requires: p.requires().to_vec(), mesh_axes: p.mesh_axes().to_string() })
+        .map(|p| PassRow {
+            name: p.name(),
+            summary: p.summary(),
+            requires: p.requires().to_vec(),
+            mesh_axes: p.mesh_axes().to_string(),
+        })
         .collect();
     let pipeline: Vec<Step> = weft_passes::default_pipeline_explained(&mesh)
         .steps
         .iter()
-        .map(|s| Step { pass: s.pass.to_string(), reason: s.why.to_string() })
+        .map(|s| Step {
+            pass: s.pass.to_string(),
+            reason: s.why.to_string(),
+        })
         .collect();
     if a.json {
-        print!("{}", super::json(&Report { passes, mesh: mesh.to_string(), pipeline }));
+        print!(
+            "{}",
+            super::json(&Report {
+                passes,
+                mesh: mesh.to_string(),
+                pipeline
+            })
+        );
         return Ok(());
     }
     println!("passes:");

@@ -93,15 +93,28 @@ pub fn convert_dtype(g: &mut Graph, dtype: DType) -> CliResult {
     for n in nodes {
         let op = g.node(n).op.clone();
         let new = match op {
-            Op::Param { name, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Param { name, ty: ty.with_dtype(dtype) }),
-            Op::Input { name, role, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Input { name, role, ty: ty.with_dtype(dtype) }),
-            Op::Full { value, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Full { value, ty: ty.with_dtype(dtype) }),
+            Op::Param { name, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Param {
+                name,
+                ty: ty.with_dtype(dtype),
+            }),
+            Op::Input { name, role, ty } if ty.dtype.is_float() && ty.dtype != dtype => {
+                Some(Op::Input {
+                    name,
+                    role,
+                    ty: ty.with_dtype(dtype),
+                })
+            }
+            Op::Full { value, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Full {
+                value,
+                ty: ty.with_dtype(dtype),
+            }),
             _ => None,
         };
         if let Some(op) = new {
             g.node_mut(n).op = op;
         }
-        g.reinfer(n).map_err(|e| CliError::input(format!("converting to {dtype}: {e}")))?;
+        g.reinfer(n)
+            .map_err(|e| CliError::input(format!("converting to {dtype}: {e}")))?;
     }
     Ok(())
 }
@@ -109,16 +122,57 @@ pub fn convert_dtype(g: &mut Graph, dtype: DType) -> CliResult {
 /// One AdamW update per parameter with a `grad.<name>` output (torch.optim.AdamW
 /// semantics; moments in `state`, default the param's dtype): params `optim.m.<name>`, `optim.v.<name>`, the input
 /// `optim.step` (1-based, f32), outputs `param.<name>`, `optim.m.<name>`, `optim.v.<name>`.
-pub fn append_adamw(g: &mut Graph, lr: f64, b1: f64, b2: f64, eps: f64, wd: f64, state: Option<DType>) -> CliResult {
+pub fn append_adamw(
+    g: &mut Graph,
+    lr: f64,
+    b1: f64,
+    b2: f64,
+    eps: f64,
+    wd: f64,
+    state: Option<DType>,
+) -> CliResult {
     use weft_ir::{Role, TensorType};
     let err = |e: weft_ir::BuildError| CliError::input(format!("appending AdamW: {e:?}"));
-    let step = g.add(Op::Input { name: "optim.step".into(), role: Role::Other, ty: TensorType::scalar(DType::F32) }, &[]).map_err(err)?;
+    let step = g
+        .add(
+            Op::Input {
+                name: "optim.step".into(),
+                role: Role::Other,
+                ty: TensorType::scalar(DType::F32),
+            },
+            &[],
+        )
+        .map_err(err)?;
     for (name, pv) in g.params() {
-        let Some(gv) = g.output(&format!("grad.{name}")) else { continue };
+        let Some(gv) = g.output(&format!("grad.{name}")) else {
+            continue;
+        };
         let sty = g.ty(pv).with_dtype(state.unwrap_or(g.ty(pv).dtype));
-        let m = g.add(Op::Param { name: format!("optim.m.{name}"), ty: sty.clone() }, &[]).map_err(err)?;
-        let v = g.add(Op::Param { name: format!("optim.v.{name}"), ty: sty }, &[]).map_err(err)?;
-        let op = Op::AdamW { lr: lr.into(), beta1: b1.into(), beta2: b2.into(), eps: eps.into(), weight_decay: wd.into() };
+        let m = g
+            .add(
+                Op::Param {
+                    name: format!("optim.m.{name}"),
+                    ty: sty.clone(),
+                },
+                &[],
+            )
+            .map_err(err)?;
+        let v = g
+            .add(
+                Op::Param {
+                    name: format!("optim.v.{name}"),
+                    ty: sty,
+                },
+                &[],
+            )
+            .map_err(err)?;
+        let op = Op::AdamW {
+            lr: lr.into(),
+            beta1: b1.into(),
+            beta2: b2.into(),
+            eps: eps.into(),
+            weight_decay: wd.into(),
+        };
         let outs = g.add_multi(op, &[pv, gv, m, v, step]).map_err(err)?;
         g.set_output(&format!("param.{name}"), outs[0]);
         g.set_output(&format!("optim.m.{name}"), outs[1]);
@@ -139,9 +193,16 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let mut notes = Vec::new();
     // A plan given as MODEL runs as is.
     if let Some(plan) = read_plan(&a.model)? {
-        let program = weft_ir::parse(&plan.program).map_err(|e| CliError::input(format!("the program of plan {}: {e}", a.model)))?;
-        let training = program.outputs().iter().any(|(n, _)| n.starts_with("param.") || n.starts_with("grad."));
-        let (b, s) = (plan.bindings.get("B").copied().unwrap_or(1), plan.bindings.get("S").copied().unwrap_or(1));
+        let program = weft_ir::parse(&plan.program)
+            .map_err(|e| CliError::input(format!("the program of plan {}: {e}", a.model)))?;
+        let training = program
+            .outputs()
+            .iter()
+            .any(|(n, _)| n.starts_with("param.") || n.starts_with("grad."));
+        let (b, s) = (
+            plan.bindings.get("B").copied().unwrap_or(1),
+            plan.bindings.get("S").copied().unwrap_or(1),
+        );
         let vocab = vocab_of(&program).unwrap_or(2);
         let host_weights = match &a.weights {
             Some(w) if !plan.source.is_empty() => {
@@ -150,7 +211,17 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             }
             _ => None,
         };
-        return Ok(Prepared { program, plan, training, host_weights, batch: b, seq: s, vocab, compile_s: t0.elapsed().as_secs_f64(), notes });
+        return Ok(Prepared {
+            program,
+            plan,
+            training,
+            host_weights,
+            batch: b,
+            seq: s,
+            vocab,
+            compile_s: t0.elapsed().as_secs_f64(),
+            notes,
+        });
     }
     let mesh = super::parse_mesh(&a.mesh)?;
     let model = super::load_model(&a.model)?;
@@ -171,8 +242,17 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         train_opts.optimizer = None;
     }
     if !a.forward_only {
-        let want: Vec<String> = a.train_passes.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
-        let missing: Vec<&String> = want.iter().filter(|p| weft_passes::lookup(p).is_err()).collect();
+        let want: Vec<String> = a
+            .train_passes
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect();
+        let missing: Vec<&String> = want
+            .iter()
+            .filter(|p| weft_passes::lookup(p).is_err())
+            .collect();
         if missing.is_empty() && !want.is_empty() {
             if a.train_passes == "autodiff,optimizer" {
                 // The training step the flags describe: micro-batches, autodiff,
@@ -182,7 +262,9 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
                 names.extend(want.iter().cloned());
             }
             training = true;
-        } else if weft_passes::lookup("autodiff").is_ok() && missing.iter().all(|m| m.as_str() == "optimizer") {
+        } else if weft_passes::lookup("autodiff").is_ok()
+            && missing.iter().all(|m| m.as_str() == "optimizer")
+        {
             // No optimizer pass in this build: autodiff here, AdamW appended below.
             names.push("autodiff".to_string());
             training = true;
@@ -190,7 +272,11 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         } else {
             notes.push(format!(
                 "training passes {} are not in this build: running the forward program (loss only)",
-                missing.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ")
+                missing
+                    .iter()
+                    .map(|s| format!("`{s}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ));
         }
     }
@@ -198,12 +284,17 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         "keep" => {}
         "bf16" => convert_dtype(&mut g, DType::BF16)?,
         "f32" => convert_dtype(&mut g, DType::F32)?,
-        d => return Err(CliError::input(format!("invalid --dtype `{d}`")).with_help("use keep, bf16 or f32")),
+        d => {
+            return Err(CliError::input(format!("invalid --dtype `{d}`"))
+                .with_help("use keep, bf16 or f32"))
+        }
     }
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let mut cx = weft_passes::PassContext::new(mesh.clone());
     cx.options.train = train_opts.clone();
-    weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+    weft_passes::PassManager::default()
+        .run(&mut g, &cx, &refs, &mut std::io::sink())
+        .map_err(crate::fail)?;
     if training && a.torch_adamw {
         append_adamw(&mut g, a.train.lr, 0.9, 0.95, 1e-8, 0.1, None)?;
     }
@@ -213,27 +304,55 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
             match t.get("input_ids").map(|x| x.shape.as_slice()) {
                 Some([b, s]) => Some((*b as i64, *s as i64)),
-                _ => return Err(CliError::input(format!("--inputs {}: needs `input_ids` as i64 [batch, seq]", p.display()))),
+                _ => {
+                    return Err(CliError::input(format!(
+                        "--inputs {}: needs `input_ids` as i64 [batch, seq]",
+                        p.display()
+                    )))
+                }
             }
         }
         None => None,
     };
-    let batch = a.batch.or(given.map(|x| x.0)).unwrap_or(mesh.size_or_one("dp") as i64);
-    let seq = a.seq.or(given.map(|x| x.1)).unwrap_or(64 * mesh.size_or_one("sp") as i64);
+    let batch = a
+        .batch
+        .or(given.map(|x| x.0))
+        .unwrap_or(mesh.size_or_one("dp") as i64);
+    let seq = a
+        .seq
+        .or(given.map(|x| x.1))
+        .unwrap_or(64 * mesh.size_or_one("sp") as i64);
     let bindings = super::compile::check_sizes(&g, Some(batch), Some(seq))?;
     let mut opts = weft_passes::plan::PlanOptions::new(batch, seq);
     opts.bindings = bindings;
     opts.device_memory = 139 << 30;
     opts.source = a.model.clone();
     let plan = weft_passes::plan::lower(&g, &opts).map_err(crate::fail)?;
-    let checkpoint = a.weights.clone().or_else(|| model.dir().map(|d| d.join("model.safetensors")).filter(|p| p.exists()));
+    let checkpoint = a.weights.clone().or_else(|| {
+        model
+            .dir()
+            .map(|d| d.join("model.safetensors"))
+            .filter(|p| p.exists())
+    });
     let host_weights = match checkpoint {
         Some(w) => Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?),
-        None if a.backend == "cpu" || a.check > 0 => Some(weft_frontends::random_weights(&model, a.seed)),
+        None if a.backend == "cpu" || a.check > 0 => {
+            Some(weft_frontends::random_weights(&model, a.seed))
+        }
         None => None,
     };
     let vocab = vocab_of(&g).unwrap_or(2);
-    Ok(Prepared { program: g, plan, training, host_weights, batch, seq, vocab, compile_s: t0.elapsed().as_secs_f64(), notes })
+    Ok(Prepared {
+        program: g,
+        plan,
+        training,
+        host_weights,
+        batch,
+        seq,
+        vocab,
+        compile_s: t0.elapsed().as_secs_f64(),
+        notes,
+    })
 }
 
 fn read_plan(spec: &str) -> CliResult<Option<ExecutionPlan>> {
@@ -241,11 +360,15 @@ fn read_plan(spec: &str) -> CliResult<Option<ExecutionPlan>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(None) };
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(None);
+    };
     if !(text.trim_start().starts_with('{') && text.contains("\"program\"")) {
         return Ok(None);
     }
-    ExecutionPlan::from_json(&text, spec).map(Some).map_err(crate::fail)
+    ExecutionPlan::from_json(&text, spec)
+        .map(Some)
+        .map_err(crate::fail)
 }
 
 /// The inputs of step `step`: `--inputs`, the next tokens of `--data`, or drawn.
@@ -267,16 +390,34 @@ impl Feeder {
         };
         let data = match &a.data {
             Some(p) => {
-                let b = std::fs::read(p).map_err(|e| CliError::input(format!("cannot read --data {}: {e}", p.display())))?;
-                let toks: Vec<u16> = b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+                let b = std::fs::read(p).map_err(|e| {
+                    CliError::input(format!("cannot read --data {}: {e}", p.display()))
+                })?;
+                let toks: Vec<u16> = b
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect();
                 if toks.len() < (batch * seq) as usize {
-                    return Err(CliError::input(format!("--data {} holds {} tokens, fewer than one batch ({})", p.display(), toks.len(), batch * seq)));
+                    return Err(CliError::input(format!(
+                        "--data {} holds {} tokens, fewer than one batch ({})",
+                        p.display(),
+                        toks.len(),
+                        batch * seq
+                    )));
                 }
                 Some(toks)
             }
             None => None,
         };
-        Ok(Feeder { fixed, data, at: 0, batch: batch as usize, seq: seq as usize, vocab, seed: a.seed })
+        Ok(Feeder {
+            fixed,
+            data,
+            at: 0,
+            batch: batch as usize,
+            seq: seq as usize,
+            vocab,
+            seed: a.seed,
+        })
     }
 
     pub fn next(&mut self, step: usize) -> BTreeMap<String, HostTensor> {
@@ -290,22 +431,42 @@ impl Feeder {
             let ids: Vec<i64> = d[self.at..self.at + n].iter().map(|&t| t as i64).collect();
             self.at += n;
             let mut m = BTreeMap::new();
-            m.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![self.batch, self.seq], ids.clone()));
-            m.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![self.batch, self.seq], ids));
+            m.insert(
+                "input_ids".to_string(),
+                HostTensor::ints(DType::I64, vec![self.batch, self.seq], ids.clone()),
+            );
+            m.insert(
+                "labels".to_string(),
+                HostTensor::ints(DType::I64, vec![self.batch, self.seq], ids),
+            );
             m
         } else {
-            draw_inputs(self.vocab, self.batch, self.seq, self.seed.wrapping_add(step as u64))
+            draw_inputs(
+                self.vocab,
+                self.batch,
+                self.seq,
+                self.seed.wrapping_add(step as u64),
+            )
         };
         // The optimizer's 1-based step counter, where the program takes it as an input.
-        m.insert("optim.step".into(), HostTensor::floats(DType::F32, vec![], vec![(step + 1) as f64]));
-        m.insert("step".into(), HostTensor::floats(DType::F32, vec![], vec![(step + 1) as f64]));
+        m.insert(
+            "optim.step".into(),
+            HostTensor::floats(DType::F32, vec![], vec![(step + 1) as f64]),
+        );
+        m.insert(
+            "step".into(),
+            HostTensor::floats(DType::F32, vec![], vec![(step + 1) as f64]),
+        );
         m
     }
 }
 
 /// Only the inputs the program has.
 pub fn inputs_for(g: &Graph, all: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
-    g.inputs().into_iter().filter_map(|(n, _, _)| all.get(&n).map(|t| (n, t.clone()))).collect()
+    g.inputs()
+        .into_iter()
+        .filter_map(|(n, _, _)| all.get(&n).map(|t| (n, t.clone())))
+        .collect()
 }
 
 #[derive(serde::Serialize, Clone, Debug)]
@@ -320,21 +481,47 @@ pub struct StepReport {
 }
 
 /// The CPU reference run of `g`: per step, outputs with params updated from `param.*`.
-pub fn cpu_steps(g: &Graph, weights: &BTreeMap<String, HostTensor>, feeder: &mut Feeder, steps: usize, b: i64, s: i64, precision: weft_runtime::cpu::Precision) -> CliResult<Vec<weft_runtime::cpu::RunResult>> {
-    Ok(cpu_steps_timed(g, weights, feeder, steps, b, s, precision)?.into_iter().map(|(r, _)| r).collect())
+pub fn cpu_steps(
+    g: &Graph,
+    weights: &BTreeMap<String, HostTensor>,
+    feeder: &mut Feeder,
+    steps: usize,
+    b: i64,
+    s: i64,
+    precision: weft_runtime::cpu::Precision,
+) -> CliResult<Vec<weft_runtime::cpu::RunResult>> {
+    Ok(cpu_steps_timed(g, weights, feeder, steps, b, s, precision)?
+        .into_iter()
+        .map(|(r, _)| r)
+        .collect())
 }
 
 /// Like [`cpu_steps`], with each step's wall time.
-pub fn cpu_steps_timed(g: &Graph, weights: &BTreeMap<String, HostTensor>, feeder: &mut Feeder, steps: usize, b: i64, s: i64, precision: weft_runtime::cpu::Precision) -> CliResult<Vec<(weft_runtime::cpu::RunResult, f64)>> {
+pub fn cpu_steps_timed(
+    g: &Graph,
+    weights: &BTreeMap<String, HostTensor>,
+    feeder: &mut Feeder,
+    steps: usize,
+    b: i64,
+    s: i64,
+    precision: weft_runtime::cpu::Precision,
+) -> CliResult<Vec<(weft_runtime::cpu::RunResult, f64)>> {
     let mut w = weights.clone();
     let mut out = Vec::new();
     // Optimizer state: zero moments, master weights copied from the params (full
     // tensors, also for states sharded over dp); anything else missing starts at zero.
-    w.extend(weft_passes::optimizer::initial_state(g, &w).map_err(|m| CliError::input(format!("optimizer state: {m}")))?);
+    w.extend(
+        weft_passes::optimizer::initial_state(g, &w)
+            .map_err(|m| CliError::input(format!("optimizer state: {m}")))?,
+    );
     for (name, v) in g.params() {
         if !w.contains_key(&name) {
             let ty = g.ty(v);
-            let shape: Vec<usize> = ty.shape.iter().map(|d| d.as_const().unwrap_or(0) as usize).collect();
+            let shape: Vec<usize> = ty
+                .shape
+                .iter()
+                .map(|d| d.as_const().unwrap_or(0) as usize)
+                .collect();
             let n = shape.iter().product();
             w.insert(name, HostTensor::floats(ty.dtype, shape, vec![0.0; n]));
         }
@@ -342,10 +529,15 @@ pub fn cpu_steps_timed(g: &Graph, weights: &BTreeMap<String, HostTensor>, feeder
     for step in 0..steps {
         let t = std::time::Instant::now();
         let inputs = inputs_for(g, &feeder.next(step));
-        let opts = weft_runtime::cpu::RunOptions::new(precision).bind("B", b).bind("S", s);
-        let r = weft_runtime::cpu::run(g, &w, &inputs, &opts).map_err(|e| CliError::input(format!("CPU reference, step {step}: {e}")))?;
+        let opts = weft_runtime::cpu::RunOptions::new(precision)
+            .bind("B", b)
+            .bind("S", s);
+        let r = weft_runtime::cpu::run(g, &w, &inputs, &opts)
+            .map_err(|e| CliError::input(format!("CPU reference, step {step}: {e}")))?;
         for (name, t) in &r.outputs {
-            let target = name.strip_prefix("param.").map(str::to_string).or_else(|| (name.starts_with("optim.") || name.starts_with("state.")).then(|| name.clone()));
+            let target = name.strip_prefix("param.").map(str::to_string).or_else(|| {
+                (name.starts_with("optim.") || name.starts_with("state.")).then(|| name.clone())
+            });
             if let Some(t_name) = target {
                 if w.contains_key(&t_name) {
                     w.insert(t_name, t.clone());
@@ -358,7 +550,12 @@ pub fn cpu_steps_timed(g: &Graph, weights: &BTreeMap<String, HostTensor>, feeder
 }
 
 pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt();
     let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30);
     if a.iter().any(|x| x.is_nan()) {
         return f64::INFINITY;
@@ -376,7 +573,10 @@ pub fn run(a: Args) -> CliResult {
 
 fn print_step(a: &Args, r: &StepReport) {
     if !a.json {
-        let refl = r.reference_loss.map(|l| format!("  (cpu {l:.6})")).unwrap_or_default();
+        let refl = r
+            .reference_loss
+            .map(|l| format!("  (cpu {l:.6})"))
+            .unwrap_or_default();
         println!(
             "step {:>4}  loss {:>10.6}{refl}  {:>9.2} ms  {:>10.0} tok/s  MFU {:>5.1}%",
             r.step + 1,
@@ -393,19 +593,44 @@ fn run_cpu(a: &Args) -> CliResult {
     for n in &p.notes {
         eprintln!("note: {n}");
     }
-    let weights = p.host_weights.clone().ok_or_else(|| CliError::input("the cpu backend needs host weights"))?;
+    let weights = p
+        .host_weights
+        .clone()
+        .ok_or_else(|| CliError::input("the cpu backend needs host weights"))?;
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let tokens = (p.batch * p.seq) as f64;
     let mut reports = Vec::new();
-    let runs = cpu_steps_timed(&p.program, &weights, &mut feeder, a.steps, p.batch, p.seq, weft_runtime::cpu::Precision::F32)?;
+    let runs = cpu_steps_timed(
+        &p.program,
+        &weights,
+        &mut feeder,
+        a.steps,
+        p.batch,
+        p.seq,
+        weft_runtime::cpu::Precision::F32,
+    )?;
     for (step, (r, dt)) in runs.iter().enumerate() {
         let dt = *dt;
-        let loss = r.outputs.get("loss").map(|t| t.to_f64()[0]).unwrap_or(f64::NAN);
-        let rep = StepReport { step, loss, step_s: dt, tokens_per_s: tokens / dt, mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12), reference_loss: None };
+        let loss = r
+            .outputs
+            .get("loss")
+            .map(|t| t.to_f64()[0])
+            .unwrap_or(f64::NAN);
+        let rep = StepReport {
+            step,
+            loss,
+            step_s: dt,
+            tokens_per_s: tokens / dt,
+            mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12),
+            reference_loss: None,
+        };
         print_step(a, &rep);
         if a.json {
             // One JSON object per step (JSON lines), each with its `loss`.
-            println!("{}", serde_json::to_string(&rep).expect("step reports serialize"));
+            println!(
+                "{}",
+                serde_json::to_string(&rep).expect("step reports serialize")
+            );
         }
         reports.push(rep);
     }
@@ -414,7 +639,10 @@ fn run_cpu(a: &Args) -> CliResult {
 
 #[cfg(not(feature = "cuda"))]
 fn run_cuda(_: &Args) -> CliResult {
-    Err(CliError::input("this weft was built without the CUDA backend").with_help("rebuild with `cargo build --release --features cuda`"))
+    Err(
+        CliError::input("this weft was built without the CUDA backend")
+            .with_help("rebuild with `cargo build --release --features cuda`"),
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -428,7 +656,8 @@ fn run_cuda(a: &Args) -> CliResult {
         eprintln!("note: {n}");
     }
     if let Some(path) = &a.plan_out {
-        std::fs::write(path, p.plan.to_json()).map_err(|e| CliError::input(format!("cannot write {}: {e}", path.display())))?;
+        std::fs::write(path, p.plan.to_json())
+            .map_err(|e| CliError::input(format!("cannot write {}: {e}", path.display())))?;
     }
     let mut opts = ExecOptions::default();
     if a.generic_attention {
@@ -443,27 +672,55 @@ fn run_cuda(a: &Args) -> CliResult {
     let load_s = t_load.elapsed().as_secs_f64();
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let reference = if a.check > 0 {
-        let w = p.host_weights.as_ref().ok_or_else(|| CliError::input("--check needs host weights"))?;
+        let w = p
+            .host_weights
+            .as_ref()
+            .ok_or_else(|| CliError::input("--check needs host weights"))?;
         let mut f2 = Feeder::new(a, p.batch, p.seq, p.vocab)?;
-        Some(cpu_steps(&p.program, w, &mut f2, a.check.min(a.steps.max(1)), p.batch, p.seq, weft_runtime::cpu::Precision::F32)?)
+        Some(cpu_steps(
+            &p.program,
+            w,
+            &mut f2,
+            a.check.min(a.steps.max(1)),
+            p.batch,
+            p.seq,
+            weft_runtime::cpu::Precision::F32,
+        )?)
     } else {
         None
     };
     let tokens = (p.batch * p.seq) as f64;
     let mut reports = Vec::new();
     let mut failures = Vec::new();
-    let tol = a.tolerance.unwrap_or(if p.program.params().iter().any(|(_, v)| p.program.ty(*v).dtype == DType::BF16) { 3e-2 } else { 1e-3 });
+    let tol = a.tolerance.unwrap_or(
+        if p.program
+            .params()
+            .iter()
+            .any(|(_, v)| p.program.ty(*v).dtype == DType::BF16)
+        {
+            3e-2
+        } else {
+            1e-3
+        },
+    );
     for step in 0..a.steps {
         let inputs = inputs_for(&p.program, &feeder.next(step));
         ex.set_inputs(&inputs).map_err(cuda_err)?;
         let t = ex.run_step().map_err(cuda_err)?;
         let loss = ex.output("loss").map(|t| t.to_f64()[0]).unwrap_or(f64::NAN);
         let dt = t.device_s;
-        let reference_loss = reference.as_ref().and_then(|r| r.get(step)).and_then(|r| r.outputs.get("loss")).map(|t| t.to_f64()[0]);
+        let reference_loss = reference
+            .as_ref()
+            .and_then(|r| r.get(step))
+            .and_then(|r| r.outputs.get("loss"))
+            .map(|t| t.to_f64()[0]);
         if let Some(rl) = reference_loss {
             let e = (loss - rl).abs() / rl.abs().max(1e-6);
             if !(e <= tol) {
-                failures.push(format!("step {}: loss {loss} vs cpu {rl} (rel {e:.2e} > {tol:.0e})", step + 1));
+                failures.push(format!(
+                    "step {}: loss {loss} vs cpu {rl} (rel {e:.2e} > {tol:.0e})",
+                    step + 1
+                ));
             }
         }
         if step == 0 {
@@ -480,7 +737,14 @@ fn run_cuda(a: &Args) -> CliResult {
                 }
             }
         }
-        let rep = StepReport { step, loss, step_s: dt, tokens_per_s: tokens / dt, mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12), reference_loss };
+        let rep = StepReport {
+            step,
+            loss,
+            step_s: dt,
+            tokens_per_s: tokens / dt,
+            mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12),
+            reference_loss,
+        };
         print_step(a, &rep);
         reports.push(rep);
     }
@@ -490,12 +754,18 @@ fn run_cuda(a: &Args) -> CliResult {
         let total: f64 = rows.iter().map(|r| r.1 .1).sum();
         eprintln!("profile of the last step (device ms by op, {total:.2} ms in all):");
         for (k, (n, ms)) in rows.iter().take(40) {
-            eprintln!("  {ms:>9.3} ms {:>5.1}%  {n:>5}x  {k}", 100.0 * ms / total.max(1e-9));
+            eprintln!(
+                "  {ms:>9.3} ms {:>5.1}%  {n:>5}x  {k}",
+                100.0 * ms / total.max(1e-9)
+            );
         }
     }
     let mem = ex.memory();
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let steady: Vec<&StepReport> = reports.iter().skip(if reports.len() > 2 { 1 } else { 0 }).collect();
+    let steady: Vec<&StepReport> = reports
+        .iter()
+        .skip(if reports.len() > 2 { 1 } else { 0 })
+        .collect();
     let mean_s = steady.iter().map(|r| r.step_s).sum::<f64>() / steady.len().max(1) as f64;
     if a.json {
         print!(
@@ -548,10 +818,20 @@ fn run_cuda(a: &Args) -> CliResult {
         for f in &failures {
             eprintln!("check failed: {f}");
         }
-        return Err(CliError::failed(format!("{} check(s) against the CPU reference failed", failures.len())));
+        return Err(CliError::failed(format!(
+            "{} check(s) against the CPU reference failed",
+            failures.len()
+        )));
     }
     if reference.is_some() && !a.json {
-        println!("check: losses{} match the CPU reference within {tol:.0e}", if p.training { " and first-step gradients" } else { "" });
+        println!(
+            "check: losses{} match the CPU reference within {tol:.0e}",
+            if p.training {
+                " and first-step gradients"
+            } else {
+                ""
+            }
+        );
     }
     Ok(())
 }

@@ -71,13 +71,21 @@ impl Session {
         let mut archive_weights = None;
         let (model, precompiled) = match read_plan(&a.model)? {
             Some(plan) => {
-                let program = weft_ir::parse(&plan.program).map_err(|e| CliError::input(format!("the program of plan {}: {e}", a.model)))?;
+                let program = weft_ir::parse(&plan.program).map_err(|e| {
+                    CliError::input(format!("the program of plan {}: {e}", a.model))
+                })?;
                 if !a.mesh.is_empty() && mesh != plan.mesh {
-                    return Err(CliError::input(format!("--mesh {mesh} differs from the mesh {} plan {} was compiled for", plan.mesh, a.model)));
+                    return Err(CliError::input(format!(
+                        "--mesh {mesh} differs from the mesh {} plan {} was compiled for",
+                        plan.mesh, a.model
+                    )));
                 }
                 mesh = plan.mesh.clone();
                 if plan.source.is_empty() {
-                    return Err(CliError::input(format!("plan {} does not record the model it was compiled from", a.model)));
+                    return Err(CliError::input(format!(
+                        "plan {} does not record the model it was compiled from",
+                        a.model
+                    )));
                 }
                 (super::load_model(&plan.source)?, Some(program))
             }
@@ -90,13 +98,31 @@ impl Session {
         let precision = match a.precision.as_str() {
             "f32" => Precision::F32,
             "f64" => Precision::F64,
-            p => return Err(CliError::input(format!("invalid --precision `{p}`")).with_help("use f32 or f64")),
+            p => {
+                return Err(CliError::input(format!("invalid --precision `{p}`"))
+                    .with_help("use f32 or f64"))
+            }
         };
-        let checkpoint = a.weights.clone().or_else(|| if archive_weights.is_some() { None } else { model.dir().and_then(find_checkpoint) });
+        let checkpoint = a.weights.clone().or_else(|| {
+            if archive_weights.is_some() {
+                None
+            } else {
+                model.dir().and_then(find_checkpoint)
+            }
+        });
         let (weights, weights_from) = match checkpoint {
-            None if archive_weights.is_some() => (archive_weights.take().unwrap_or_default(), format!("from the archive {}", a.model)),
-            Some(w) => (weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?, w.display().to_string()),
-            None => (weft_frontends::random_weights(&model, a.seed), format!("random (seed {})", a.seed)),
+            None if archive_weights.is_some() => (
+                archive_weights.take().unwrap_or_default(),
+                format!("from the archive {}", a.model),
+            ),
+            Some(w) => (
+                weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?,
+                w.display().to_string(),
+            ),
+            None => (
+                weft_frontends::random_weights(&model, a.seed),
+                format!("random (seed {})", a.seed),
+            ),
         };
         let inputs = match &a.inputs {
             Some(p) => read_inputs(p)?,
@@ -104,12 +130,28 @@ impl Session {
                 let batch = a.batch.unwrap_or(2 * mesh.size_or_one("dp") as i64);
                 let seq = a.seq.unwrap_or(8 * mesh.size_or_one("sp") as i64);
                 if batch <= 0 || seq <= 0 {
-                    return Err(CliError::input(format!("invalid --batch {batch} / --seq {seq}: must be positive")));
+                    return Err(CliError::input(format!(
+                        "invalid --batch {batch} / --seq {seq}: must be positive"
+                    )));
                 }
-                draw_inputs(vocab_size(&model.graph)?, batch as usize, seq as usize, a.seed)
+                draw_inputs(
+                    vocab_size(&model.graph)?,
+                    batch as usize,
+                    seq as usize,
+                    a.seed,
+                )
             }
         };
-        Ok(Session { model, precompiled, mesh, weights, inputs, precision, weights_from, tp_spec: a.tp_spec.clone() })
+        Ok(Session {
+            model,
+            precompiled,
+            mesh,
+            weights,
+            inputs,
+            precision,
+            weights_from,
+            tp_spec: a.tp_spec.clone(),
+        })
     }
 
     /// The parallel program for the session's mesh (the model itself on one rank).
@@ -123,7 +165,9 @@ impl Session {
         let names = super::compile::pipeline(passes, &self.mesh)?;
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let cx = super::shard::pass_context(&self.mesh, &self.model, self.tp_spec.as_deref())?;
-        weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+        weft_passes::PassManager::default()
+            .run(&mut g, &cx, &refs, &mut std::io::sink())
+            .map_err(crate::fail)?;
         let (b, s) = self.input_sizes()?;
         super::compile::check_sizes(&g, Some(b), Some(s))?;
         Ok(g)
@@ -131,7 +175,11 @@ impl Session {
 
     /// A whole training step for the session's mesh: the forward pipeline (or
     /// `passes`), then autodiff, grad-sync and the training passes `train` asks for.
-    pub fn compile_training(&self, passes: Option<&str>, train: &weft_passes::training::TrainOptions) -> CliResult<Graph> {
+    pub fn compile_training(
+        &self,
+        passes: Option<&str>,
+        train: &weft_passes::training::TrainOptions,
+    ) -> CliResult<Graph> {
         let mut g = self.compile(passes)?;
         let (b, s) = self.input_sizes()?;
         let mut cx = super::shard::pass_context(&self.mesh, &self.model, self.tp_spec.as_deref())?;
@@ -140,35 +188,59 @@ impl Session {
         cx.options.train.seq.get_or_insert(s);
         let names = super::train::training_passes(&self.mesh, &cx.options.train);
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let ins = weft_passes::Instrumentation { check_requires: false, ..Default::default() };
-        weft_passes::PassManager::new(ins).run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+        let ins = weft_passes::Instrumentation {
+            check_requires: false,
+            ..Default::default()
+        };
+        weft_passes::PassManager::new(ins)
+            .run(&mut g, &cx, &refs, &mut std::io::sink())
+            .map_err(crate::fail)?;
         super::compile::check_sizes(&g, Some(b), Some(s))?;
         Ok(g)
     }
 
     /// `(B, S)` of the inputs.
     pub fn input_sizes(&self) -> CliResult<(i64, i64)> {
-        let ids = self.inputs.get("input_ids").ok_or_else(|| CliError::input("the inputs have no `input_ids`"))?;
+        let ids = self
+            .inputs
+            .get("input_ids")
+            .ok_or_else(|| CliError::input("the inputs have no `input_ids`"))?;
         match ids.shape.as_slice() {
             [b, s] => Ok((*b as i64, *s as i64)),
-            other => Err(CliError::input(format!("`input_ids` must be [batch, seq], got {other:?}"))),
+            other => Err(CliError::input(format!(
+                "`input_ids` must be [batch, seq], got {other:?}"
+            ))),
         }
     }
 
     /// Runs `g` on the CPU reference runtime.
     pub fn run(&self, g: &Graph, grads: bool) -> CliResult<RunResult> {
         let (b, s) = self.input_sizes()?;
-        let opts = RunOptions::new(self.precision).with_grads(grads).bind("B", b).bind("S", s);
+        let opts = RunOptions::new(self.precision)
+            .with_grads(grads)
+            .bind("B", b)
+            .bind("S", s);
         // A training step with an optimizer: its first step, from fresh optimizer state.
-        let state = weft_passes::optimizer::initial_state(g, &self.weights).map_err(|m| CliError::input(format!("optimizer state: {m}")))?;
-        if !state.is_empty() || g.inputs().iter().any(|(n, _, _)| n == weft_passes::optimizer::STEP_INPUT) {
+        let state = weft_passes::optimizer::initial_state(g, &self.weights)
+            .map_err(|m| CliError::input(format!("optimizer state: {m}")))?;
+        if !state.is_empty()
+            || g.inputs()
+                .iter()
+                .any(|(n, _, _)| n == weft_passes::optimizer::STEP_INPUT)
+        {
             let mut weights = self.weights.clone();
             weights.extend(state);
             let mut inputs = self.inputs.clone();
-            inputs.insert(weft_passes::optimizer::STEP_INPUT.into(), HostTensor::floats(DType::F32, vec![], vec![1.0]));
-            return cpu::run(g, &weights, &inputs, &opts).map_err(|e| CliError::input(format!("running {} on the CPU reference: {e}", g.name)));
+            inputs.insert(
+                weft_passes::optimizer::STEP_INPUT.into(),
+                HostTensor::floats(DType::F32, vec![], vec![1.0]),
+            );
+            return cpu::run(g, &weights, &inputs, &opts).map_err(|e| {
+                CliError::input(format!("running {} on the CPU reference: {e}", g.name))
+            });
         }
-        cpu::run(g, &self.weights, &self.inputs, &opts).map_err(|e| CliError::input(format!("running {} on the CPU reference: {e}", g.name)))
+        cpu::run(g, &self.weights, &self.inputs, &opts)
+            .map_err(|e| CliError::input(format!("running {} on the CPU reference: {e}", g.name)))
     }
 }
 
@@ -178,29 +250,47 @@ fn read_plan(spec: &str) -> CliResult<Option<weft_ir::ExecutionPlan>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(None) };
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(None);
+    };
     if !(text.trim_start().starts_with('{') && text.contains("\"program\"")) {
         return Ok(None);
     }
-    weft_ir::ExecutionPlan::from_json(&text, spec).map(Some).map_err(crate::fail)
+    weft_ir::ExecutionPlan::from_json(&text, spec)
+        .map(Some)
+        .map_err(crate::fail)
 }
 
 fn find_checkpoint(dir: &Path) -> Option<PathBuf> {
-    ["model.safetensors", "model.safetensors.index.json"].iter().map(|f| dir.join(f)).find(|p| p.exists())
+    ["model.safetensors", "model.safetensors.index.json"]
+        .iter()
+        .map(|f| dir.join(f))
+        .find(|p| p.exists())
 }
 
 fn read_inputs(p: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
     let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
     for name in ["input_ids", "labels"] {
         let x = t.get(name).ok_or_else(|| {
-            CliError::input(format!("missing tensor `{name}` in {}", p.display())).with_help("inputs need `input_ids` and `labels`, both i64 [batch, seq]")
+            CliError::input(format!("missing tensor `{name}` in {}", p.display()))
+                .with_help("inputs need `input_ids` and `labels`, both i64 [batch, seq]")
         })?;
         if !x.dtype.is_int() || x.shape.len() != 2 {
-            return Err(CliError::input(format!("`{name}` in {} must be an integer [batch, seq] tensor, got {:?} {:?}", p.display(), x.dtype, x.shape)));
+            return Err(CliError::input(format!(
+                "`{name}` in {} must be an integer [batch, seq] tensor, got {:?} {:?}",
+                p.display(),
+                x.dtype,
+                x.shape
+            )));
         }
     }
     if t["input_ids"].shape != t["labels"].shape {
-        return Err(CliError::input(format!("`input_ids` {:?} and `labels` {:?} differ in shape in {}", t["input_ids"].shape, t["labels"].shape, p.display())));
+        return Err(CliError::input(format!(
+            "`input_ids` {:?} and `labels` {:?} differ in shape in {}",
+            t["input_ids"].shape,
+            t["labels"].shape,
+            p.display()
+        )));
     }
     Ok(t)
 }
@@ -213,11 +303,21 @@ fn vocab_size(g: &Graph) -> CliResult<i64> {
             Op::Embedding {} => g.ty(g.node(n).operands[1]).shape[0].as_const(),
             _ => None,
         })
-        .ok_or_else(|| CliError::input(format!("{} has no embedding with a constant vocabulary; pass --inputs", g.name)))
+        .ok_or_else(|| {
+            CliError::input(format!(
+                "{} has no embedding with a constant vocabulary; pass --inputs",
+                g.name
+            ))
+        })
 }
 
 /// Random tokens and labels (labels are the tokens with about one in eight ignored).
-pub fn draw_inputs(vocab: i64, batch: usize, seq: usize, seed: u64) -> BTreeMap<String, HostTensor> {
+pub fn draw_inputs(
+    vocab: i64,
+    batch: usize,
+    seq: usize,
+    seed: u64,
+) -> BTreeMap<String, HostTensor> {
     let mut state = seed ^ 0x5eed_1e55_u64;
     let mut next = || {
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -228,10 +328,18 @@ pub fn draw_inputs(vocab: i64, batch: usize, seq: usize, seed: u64) -> BTreeMap<
     };
     let n = batch * seq;
     let ids: Vec<i64> = (0..n).map(|_| (next() % vocab as u64) as i64).collect();
-    let labels: Vec<i64> = ids.iter().map(|&t| if next() % 8 == 0 { -100 } else { t }).collect();
+    let labels: Vec<i64> = ids
+        .iter()
+        .map(|&t| if next() % 8 == 0 { -100 } else { t })
+        .collect();
     let mut m = BTreeMap::new();
-    m.insert("input_ids".to_string(), HostTensor::ints(DType::I64, vec![batch, seq], ids));
-    m.insert("labels".to_string(), HostTensor::ints(DType::I64, vec![batch, seq], labels));
+    m.insert(
+        "input_ids".to_string(),
+        HostTensor::ints(DType::I64, vec![batch, seq], ids),
+    );
+    m.insert(
+        "labels".to_string(),
+        HostTensor::ints(DType::I64, vec![batch, seq], labels),
+    );
     m
 }
-

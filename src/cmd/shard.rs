@@ -54,8 +54,10 @@ pub fn pass_context(mesh: &Mesh, model: &Model, tp_spec: Option<&Path>) -> CliRe
     let mut cx = PassContext::new(mesh.clone());
     let mut o = TpOptions::default();
     if let Some(p) = tp_spec {
-        let text = std::fs::read_to_string(p).map_err(|e| CliError::input(format!("cannot read --tp-spec {}: {e}", p.display())))?;
-        let spec = TpSpec::from_deepspeed_json(&text, &p.display().to_string()).map_err(crate::fail)?;
+        let text = std::fs::read_to_string(p)
+            .map_err(|e| CliError::input(format!("cannot read --tp-spec {}: {e}", p.display())))?;
+        let spec =
+            TpSpec::from_deepspeed_json(&text, &p.display().to_string()).map_err(crate::fail)?;
         o.spec = Some(spec);
     }
     if let Some(c) = &model.config {
@@ -75,7 +77,11 @@ fn shard_name(axes: &[(String, u32)], coords: &[u32]) -> String {
     if axes.is_empty() {
         return "rank.safetensors".to_string();
     }
-    let parts: Vec<String> = axes.iter().zip(coords).map(|((a, _), c)| format!("{a}{c}")).collect();
+    let parts: Vec<String> = axes
+        .iter()
+        .zip(coords)
+        .map(|((a, _), c)| format!("{a}{c}"))
+        .collect();
     format!("rank-{}.safetensors", parts.join("-"))
 }
 
@@ -90,41 +96,80 @@ pub fn run(a: Args) -> CliResult {
     let cx = pass_context(&mesh, &model, a.tp_spec.as_deref())?;
     let names = super::compile::pipeline(None, &mesh)?;
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    weft_passes::PassManager::default().run(&mut g, &cx, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+    weft_passes::PassManager::default()
+        .run(&mut g, &cx, &refs, &mut std::io::sink())
+        .map_err(crate::fail)?;
     let layouts = tp::param_layouts(&g, &model.tied).map_err(CliError::input)?;
     let checkpoint = a
         .weights
         .clone()
-        .or_else(|| model.dir().map(|d| d.join("model.safetensors")).filter(|p| p.exists()))
-        .ok_or_else(|| CliError::input("no checkpoint to shard").with_help("give --weights FILE"))?;
+        .or_else(|| {
+            model
+                .dir()
+                .map(|d| d.join("model.safetensors"))
+                .filter(|p| p.exists())
+        })
+        .ok_or_else(|| {
+            CliError::input("no checkpoint to shard").with_help("give --weights FILE")
+        })?;
     let full = weft_frontends::read_safetensors(&checkpoint).map_err(super::frontend_err)?;
     let axes = tp::layout::shard_axes(&layouts, &mesh);
-    let shards = tp::shard_checkpoint(&layouts, &full, &axes).map_err(|e| CliError::input(format!("sharding {}: {e}", checkpoint.display())))?;
-    std::fs::create_dir_all(&a.output).map_err(|e| CliError::input(format!("cannot create {}: {e}", a.output.display())))?;
+    let shards = tp::shard_checkpoint(&layouts, &full, &axes)
+        .map_err(|e| CliError::input(format!("sharding {}: {e}", checkpoint.display())))?;
+    std::fs::create_dir_all(&a.output)
+        .map_err(|e| CliError::input(format!("cannot create {}: {e}", a.output.display())))?;
     let coords = tp::layout::shard_coords(&axes);
     let mut files = Vec::new();
     for (cs, shard) in coords.iter().zip(&shards) {
         let name = shard_name(&axes, cs);
-        weft_frontends::save_safetensors(&a.output.join(&name), shard).map_err(super::frontend_err)?;
+        weft_frontends::save_safetensors(&a.output.join(&name), shard)
+            .map_err(super::frontend_err)?;
         files.push(name);
     }
-    let lf = LayoutFile { model: a.model.clone(), mesh: mesh.to_string(), axes: axes.clone(), files, params: layouts };
+    let lf = LayoutFile {
+        model: a.model.clone(),
+        mesh: mesh.to_string(),
+        axes: axes.clone(),
+        files,
+        params: layouts,
+    };
     super::write_out(Some(&a.output.join("layout.json")), &super::json(&lf))?;
     let split = lf.params.iter().filter(|l| !l.replicated).count();
-    eprintln!("sharded {} for mesh {mesh}: {} files, {split} of {} parameters split -> {}", checkpoint.display(), shards.len(), lf.params.len(), a.output.display());
+    eprintln!(
+        "sharded {} for mesh {mesh}: {} files, {split} of {} parameters split -> {}",
+        checkpoint.display(),
+        shards.len(),
+        lf.params.len(),
+        a.output.display()
+    );
     Ok(())
 }
 
 fn unshard(a: &Args) -> CliResult {
-    let dir = a.weights.clone().ok_or_else(|| CliError::input("--unshard needs --weights DIR (a directory `weft shard` wrote)"))?;
-    let text = std::fs::read_to_string(dir.join("layout.json")).map_err(|e| CliError::input(format!("cannot read {}: {e}", dir.join("layout.json").display())))?;
-    let lf: LayoutFile = serde_json::from_str(&text).map_err(|e| CliError::input(format!("{}: {e}", dir.join("layout.json").display())))?;
+    let dir = a.weights.clone().ok_or_else(|| {
+        CliError::input("--unshard needs --weights DIR (a directory `weft shard` wrote)")
+    })?;
+    let text = std::fs::read_to_string(dir.join("layout.json")).map_err(|e| {
+        CliError::input(format!(
+            "cannot read {}: {e}",
+            dir.join("layout.json").display()
+        ))
+    })?;
+    let lf: LayoutFile = serde_json::from_str(&text)
+        .map_err(|e| CliError::input(format!("{}: {e}", dir.join("layout.json").display())))?;
     let mut shards: Vec<BTreeMap<String, HostTensor>> = Vec::new();
     for f in &lf.files {
         shards.push(weft_frontends::read_safetensors(&dir.join(f)).map_err(super::frontend_err)?);
     }
-    let full = tp::unshard_checkpoint(&lf.params, &shards, &lf.axes).map_err(|e| CliError::input(format!("unsharding {}: {e}", dir.display())))?;
+    let full = tp::unshard_checkpoint(&lf.params, &shards, &lf.axes)
+        .map_err(|e| CliError::input(format!("unsharding {}: {e}", dir.display())))?;
     weft_frontends::save_safetensors(&a.output, &full).map_err(super::frontend_err)?;
-    eprintln!("unsharded {} ({} files, mesh {}) -> {}", dir.display(), lf.files.len(), lf.mesh, a.output.display());
+    eprintln!(
+        "unsharded {} ({} files, mesh {}) -> {}",
+        dir.display(),
+        lf.files.len(),
+        lf.mesh,
+        a.output.display()
+    );
     Ok(())
 }

@@ -34,7 +34,10 @@ struct Report {
 
 pub fn run(a: Args) -> CliResult {
     if a.seq <= 0 {
-        return Err(CliError::input(format!("invalid --seq {}: must be positive", a.seq)));
+        return Err(CliError::input(format!(
+            "invalid --seq {}: must be positive",
+            a.seq
+        )));
     }
     let m = super::load_model(&a.model)?;
     let g = &m.graph;
@@ -44,14 +47,19 @@ pub fn run(a: Args) -> CliResult {
         let d = g.node(n);
         *by_op.entry(d.op.name().to_string()).or_default() += 1;
         if let Op::Param { ty, .. } = &d.op {
-            let b = ty.size_bytes(&Bindings::new()).map_err(|e| CliError::input(format!("parameter shape in {}: {e}", g.describe(n))))?;
+            let b = ty.size_bytes(&Bindings::new()).map_err(|e| {
+                CliError::input(format!("parameter shape in {}: {e}", g.describe(n)))
+            })?;
             *bytes.entry(ty.dtype.to_string()).or_default() += b;
         }
     }
     let b = Bindings::new().with("B", 1).with("S", a.seq);
-    let flops = weft_ir::flops::graph_flops(g)
-        .eval(&b)
-        .map_err(|e| CliError::input(format!("cannot count FLOPs of {} at seq {}: {e}", m.name, a.seq)))?;
+    let flops = weft_ir::flops::graph_flops(g).eval(&b).map_err(|e| {
+        CliError::input(format!(
+            "cannot count FLOPs of {} at seq {}: {e}",
+            m.name, a.seq
+        ))
+    })?;
     let per_token = flops as f64 / a.seq as f64;
     let r = Report {
         model: m.name.clone(),
@@ -73,7 +81,12 @@ pub fn run(a: Args) -> CliResult {
     for (dt, by) in &r.param_bytes_by_dtype {
         println!("  {dt:<9} {:.2} GiB", *by as f64 / (1u64 << 30) as f64);
     }
-    println!("FLOPs/token {:.3} GFLOP forward, {:.3} GFLOP train (seq {}, batch 1)", r.forward_flops_per_token / 1e9, r.train_flops_per_token / 1e9, r.seq);
+    println!(
+        "FLOPs/token {:.3} GFLOP forward, {:.3} GFLOP train (seq {}, batch 1)",
+        r.forward_flops_per_token / 1e9,
+        r.train_flops_per_token / 1e9,
+        r.seq
+    );
     println!("nodes       {}", r.nodes);
     for (op, c) in &r.nodes_by_op {
         println!("  {op:<15} {c}");

@@ -5,7 +5,9 @@
 use crate::error::{CliError, CliResult};
 use std::collections::BTreeMap;
 use weft_ir::HostTensor;
-use weft_passes::training::{parse_bytes, CheckpointPolicy, OffloadOptions, Optimizer, TrainOptions};
+use weft_passes::training::{
+    parse_bytes, CheckpointPolicy, OffloadOptions, Optimizer, TrainOptions,
+};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct TrainArgs {
@@ -47,34 +49,59 @@ pub struct TrainArgs {
 impl TrainArgs {
     /// The training passes' options; `default_optimizer` when `--optimizer` is absent.
     pub fn options(&self, default_optimizer: &str) -> CliResult<TrainOptions> {
-        let checkpoint = CheckpointPolicy::parse(&self.checkpoint)
-            .map_err(|m| CliError::input(format!("invalid --checkpoint: {m}")).with_help("use none, full, selective or budget=<bytes> (e.g. budget=2G)"))?;
-        let min_bytes = parse_bytes(&self.offload_min_bytes).map_err(|m| CliError::input(format!("invalid --offload-min-bytes: {m}")))?;
+        let checkpoint = CheckpointPolicy::parse(&self.checkpoint).map_err(|m| {
+            CliError::input(format!("invalid --checkpoint: {m}"))
+                .with_help("use none, full, selective or budget=<bytes> (e.g. budget=2G)")
+        })?;
+        let min_bytes = parse_bytes(&self.offload_min_bytes)
+            .map_err(|m| CliError::input(format!("invalid --offload-min-bytes: {m}")))?;
         let offload = match (&self.offload_budget, self.offload) {
             (Some(b), _) => {
-                let budget = parse_bytes(b).map_err(|m| CliError::input(format!("invalid --offload-budget: {m}")))?;
-                Some(OffloadOptions { budget: Some(budget), min_bytes, ..Default::default() })
+                let budget = parse_bytes(b)
+                    .map_err(|m| CliError::input(format!("invalid --offload-budget: {m}")))?;
+                Some(OffloadOptions {
+                    budget: Some(budget),
+                    min_bytes,
+                    ..Default::default()
+                })
             }
-            (None, true) => Some(OffloadOptions { min_bytes, ..Default::default() }),
+            (None, true) => Some(OffloadOptions {
+                min_bytes,
+                ..Default::default()
+            }),
             (None, false) => None,
         };
         if self.micro_batches == 0 {
-            return Err(CliError::input("invalid --micro-batches 0: must be at least 1"));
+            return Err(CliError::input(
+                "invalid --micro-batches 0: must be at least 1",
+            ));
         }
         if !(self.bucket_mb > 0.0) {
-            return Err(CliError::input(format!("invalid --bucket-mb {}: must be positive", self.bucket_mb)));
+            return Err(CliError::input(format!(
+                "invalid --bucket-mb {}: must be positive",
+                self.bucket_mb
+            )));
         }
         if self.zero > 2 {
-            return Err(CliError::input(format!("invalid --zero {}: stages 0, 1 and 2 are supported", self.zero)));
+            return Err(CliError::input(format!(
+                "invalid --zero {}: stages 0, 1 and 2 are supported",
+                self.zero
+            )));
         }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return Err(CliError::input(format!("invalid --lr {}: must be a non-negative number", self.lr)));
+            return Err(CliError::input(format!(
+                "invalid --lr {}: must be a non-negative number",
+                self.lr
+            )));
         }
         let optimizer = match self.optimizer.as_deref().unwrap_or(default_optimizer) {
             "adamw" => Some(Optimizer::adamw(self.lr)),
             "sgd" => Some(Optimizer::sgd(self.lr)),
             "none" => None,
-            o => return Err(CliError::input(format!("invalid --optimizer `{o}`")).with_help("use adamw, sgd or none")),
+            o => {
+                return Err(CliError::input(format!("invalid --optimizer `{o}`"))
+                    .with_help("use adamw, sgd or none"))
+            }
         };
         Ok(TrainOptions {
             micro_batches: self.micro_batches,
@@ -94,32 +121,67 @@ impl TrainArgs {
     /// True when any training flag differs from its default (so `compile` builds a
     /// training step without `--train`).
     pub fn any(&self) -> bool {
-        self.checkpoint != "none" || self.offload || self.offload_budget.is_some() || self.micro_batches != 1 || self.zero != 0 || self.optimizer.is_some()
+        self.checkpoint != "none"
+            || self.offload
+            || self.offload_budget.is_some()
+            || self.micro_batches != 1
+            || self.zero != 0
+            || self.optimizer.is_some()
     }
 }
 
 /// The training passes after the forward pipeline, for `opts`.
 pub fn training_passes(mesh: &weft_ir::Mesh, opts: &TrainOptions) -> Vec<String> {
     let forward = weft_passes::default_pipeline(mesh).len();
-    weft_passes::training::training_pipeline(mesh, opts).names().into_iter().skip(forward).map(String::from).collect()
+    weft_passes::training::training_pipeline(mesh, opts)
+        .names()
+        .into_iter()
+        .skip(forward)
+        .map(String::from)
+        .collect()
 }
 
 /// The gradients a training step returned as `grad.<param>` outputs, by param name.
 pub fn graph_grads(outputs: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
-    outputs.iter().filter_map(|(k, v)| k.strip_prefix(weft_passes::autodiff::GRAD_PREFIX).map(|p| (p.to_string(), v.clone()))).collect()
+    outputs
+        .iter()
+        .filter_map(|(k, v)| {
+            k.strip_prefix(weft_passes::autodiff::GRAD_PREFIX)
+                .map(|p| (p.to_string(), v.clone()))
+        })
+        .collect()
 }
 
 /// The per-rank memory of the training step under each checkpoint policy (none,
 /// selective, full, and the one given), compiled from `model` with `forward` then the
 /// training passes: a table for `weft compile --stats`.
-pub fn memory_table(model: &weft_ir::Graph, cx: &weft_passes::PassContext, forward: &[String]) -> CliResult<String> {
+pub fn memory_table(
+    model: &weft_ir::Graph,
+    cx: &weft_passes::PassContext,
+    forward: &[String],
+) -> CliResult<String> {
     use weft_passes::memory::{bindings, estimate};
-    let mut policies = vec![CheckpointPolicy::None, CheckpointPolicy::Selective, CheckpointPolicy::Full];
+    let mut policies = vec![
+        CheckpointPolicy::None,
+        CheckpointPolicy::Selective,
+        CheckpointPolicy::Full,
+    ];
     if !policies.contains(&cx.options.train.checkpoint) {
         policies.push(cx.options.train.checkpoint.clone());
     }
     let gib = |b: u64| format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64);
-    let mut rows = vec![["checkpoint", "saved activations", "offloaded", "params", "grads", "optimizer", "peak live", "total"].map(String::from).to_vec()];
+    let mut rows = vec![[
+        "checkpoint",
+        "saved activations",
+        "offloaded",
+        "params",
+        "grads",
+        "optimizer",
+        "peak live",
+        "total",
+    ]
+    .map(String::from)
+    .to_vec()];
     let mut at = String::new();
     for p in policies {
         let mut c = cx.clone();
@@ -128,17 +190,44 @@ pub fn memory_table(model: &weft_ir::Graph, cx: &weft_passes::PassContext, forwa
         names.extend(training_passes(&c.mesh, &c.options.train));
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let mut g = model.clone();
-        let ins = weft_passes::Instrumentation { check_requires: false, verify_each: false, ..Default::default() };
-        weft_passes::PassManager::new(ins).run(&mut g, &c, &refs, &mut std::io::sink()).map_err(crate::fail)?;
+        let ins = weft_passes::Instrumentation {
+            check_requires: false,
+            verify_each: false,
+            ..Default::default()
+        };
+        weft_passes::PassManager::new(ins)
+            .run(&mut g, &c, &refs, &mut std::io::sink())
+            .map_err(crate::fail)?;
         let b = bindings(&g, &c.options.train);
         at = format!("B={}, S={}", b.symbols["B"], b.symbols["S"]);
         let e = estimate(&g, &b);
-        rows.push(vec![p.to_string(), gib(e.saved_activations), gib(e.offloaded), gib(e.params), gib(e.grads), gib(e.optimizer), gib(e.peak_live), gib(e.total)]);
+        rows.push(vec![
+            p.to_string(),
+            gib(e.saved_activations),
+            gib(e.offloaded),
+            gib(e.params),
+            gib(e.grads),
+            gib(e.optimizer),
+            gib(e.peak_live),
+            gib(e.total),
+        ]);
     }
-    let w: Vec<usize> = (0..rows[0].len()).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
+    let w: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
     let mut out = format!("memory per rank of the training step ({at}):\n");
     for r in rows {
-        let cells: Vec<String> = r.iter().enumerate().map(|(i, s)| if i == 0 { format!("{s:<w$}", w = w[i]) } else { format!("{s:>w$}", w = w[i]) }).collect();
+        let cells: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                if i == 0 {
+                    format!("{s:<w$}", w = w[i])
+                } else {
+                    format!("{s:>w$}", w = w[i])
+                }
+            })
+            .collect();
         out.push_str(&format!("  {}\n", cells.join("  ")));
     }
     Ok(out)

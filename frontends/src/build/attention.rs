@@ -8,7 +8,13 @@ use crate::error::FrontendError;
 use weft_ir::{Dim, Float, Op, Value};
 
 impl Builder<'_> {
-    pub(super) fn attention(&mut self, layer: usize, h: Value, cos: Value, sin: Value) -> Result<Value, FrontendError> {
+    pub(super) fn attention(
+        &mut self,
+        layer: usize,
+        h: Value,
+        cos: Value,
+        sin: Value,
+    ) -> Result<Value, FrontendError> {
         let c = self.cfg;
         let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let a = format!("model.layers.{layer}.self_attn");
@@ -43,7 +49,13 @@ impl Builder<'_> {
         let q = self.op(Op::Rope {}, &[q, cos, sin])?;
         let k = self.op(Op::Rope {}, &[k, cos, sin])?;
         let scale = Float((d as f64).powf(-0.5));
-        let o = self.op(Op::Attention { causal: true, scale }, &[q, k, v])?;
+        let o = self.op(
+            Op::Attention {
+                causal: true,
+                scale,
+            },
+            &[q, k, v],
+        )?;
         let o = self.transpose(o, 1, 2)?;
         let o = self.reshape(o, vec![b, s, Dim::from(nq * d)])?;
         self.linear(&format!("{a}.o_proj"), o)

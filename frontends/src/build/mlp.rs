@@ -22,7 +22,13 @@ impl Builder<'_> {
         let (gate, up) = if self.cfg.fused_projections {
             let gu = self.linear(&format!("{m}.gate_up_proj"), h)?;
             self.scope(&m);
-            let parts = self.ops(Op::Split { dim: -1, sizes: vec![inter.clone(), inter] }, &[gu])?;
+            let parts = self.ops(
+                Op::Split {
+                    dim: -1,
+                    sizes: vec![inter.clone(), inter],
+                },
+                &[gu],
+            )?;
             (parts[0], parts[1])
         } else {
             let gate = self.linear(&format!("{m}.gate_proj"), h)?;
@@ -37,7 +43,11 @@ impl Builder<'_> {
 
     fn moe(&mut self, m: &str, h: Value, moe: &MoeConfig) -> Result<Value, FrontendError> {
         let dtype = self.dtype();
-        let (b, s, hidden) = (Dim::sym("B"), Dim::sym("S"), Dim::from(self.cfg.hidden_size));
+        let (b, s, hidden) = (
+            Dim::sym("B"),
+            Dim::sym("S"),
+            Dim::from(self.cfg.hidden_size),
+        );
         let inter = Dim::from(moe.expert_intermediate_size);
 
         self.scope(m);
@@ -49,10 +59,22 @@ impl Builder<'_> {
             logits = self.op(Op::Cast { dtype: DType::F32 }, &[logits])?;
         }
         let probs = self.op(Op::Softmax { dim: -1 }, &[logits])?;
-        let top = self.ops(Op::Topk { k: moe.top_k as i64, dim: -1 }, &[probs])?;
+        let top = self.ops(
+            Op::Topk {
+                k: moe.top_k as i64,
+                dim: -1,
+            },
+            &[probs],
+        )?;
         let (mut weights, index) = (top[0], top[1]);
         if moe.norm_topk_prob {
-            let total = self.op(Op::Sum { dims: vec![-1], keepdim: true }, &[weights])?;
+            let total = self.op(
+                Op::Sum {
+                    dims: vec![-1],
+                    keepdim: true,
+                },
+                &[weights],
+            )?;
             weights = self.op(Op::Div {}, &[weights, total])?;
         }
         if dtype != DType::F32 {
@@ -63,10 +85,21 @@ impl Builder<'_> {
         let gate_up = self.param(&format!("{experts}.gate_up_proj"));
         let down = self.param(&format!("{experts}.down_proj"));
         self.scope(&experts);
-        let d = self.ops(Op::MoeDispatch { num_experts: moe.num_experts as i64 }, &[x, index])?;
+        let d = self.ops(
+            Op::MoeDispatch {
+                num_experts: moe.num_experts as i64,
+            },
+            &[x, index],
+        )?;
         let (rows, counts, order) = (d[0], d[1], d[2]);
         let gu = self.op(Op::GroupedMatmul {}, &[rows, gate_up, counts])?;
-        let parts = self.ops(Op::Split { dim: 1, sizes: vec![inter.clone(), inter] }, &[gu])?;
+        let parts = self.ops(
+            Op::Split {
+                dim: 1,
+                sizes: vec![inter.clone(), inter],
+            },
+            &[gu],
+        )?;
         let act = self.op(Op::Silu {}, &[parts[0]])?;
         let y = self.op(Op::Mul {}, &[act, parts[1]])?;
         let y = self.op(Op::GroupedMatmul {}, &[y, down, counts])?;

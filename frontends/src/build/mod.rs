@@ -17,21 +17,29 @@ pub mod params;
 use crate::config::ModelConfig;
 use crate::error::FrontendError;
 use std::collections::BTreeMap;
-use weft_ir::{Dim, Float, Graph, Op, Reduction, Role, TensorType, Value, DType};
+use weft_ir::{DType, Dim, Float, Graph, Op, Reduction, Role, TensorType, Value};
 
 /// Labels equal to this take no part in the loss (HF's `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
 
 /// Builds the forward + loss graph of `cfg`, named `name`.
 pub fn build_graph(name: &str, cfg: &ModelConfig) -> Result<Graph, FrontendError> {
-    let mut b = Builder { g: Graph::new(name), cfg, params: BTreeMap::new(), model: name.to_string() };
+    let mut b = Builder {
+        g: Graph::new(name),
+        cfg,
+        params: BTreeMap::new(),
+        model: name.to_string(),
+    };
     b.model_body()?;
     Ok(b.g)
 }
 
 /// Total parameter count of `cfg` (tied weights counted once).
 pub fn param_count(cfg: &ModelConfig) -> u64 {
-    params::param_specs(cfg).iter().map(|(_, s)| s.iter().map(|&d| d as u64).product::<u64>()).sum()
+    params::param_specs(cfg)
+        .iter()
+        .map(|(_, s)| s.iter().map(|&d| d as u64).product::<u64>())
+        .sum()
 }
 
 /// Graph under construction, with the parameters made so far by name.
@@ -48,16 +56,27 @@ impl<'c> Builder<'c> {
     }
 
     pub fn op(&mut self, op: Op, args: &[Value]) -> Result<Value, FrontendError> {
-        self.g.add(op, args).map_err(|source| FrontendError::Build { model: self.model.clone(), source })
+        self.g.add(op, args).map_err(|source| FrontendError::Build {
+            model: self.model.clone(),
+            source,
+        })
     }
 
     pub fn ops(&mut self, op: Op, args: &[Value]) -> Result<Vec<Value>, FrontendError> {
-        self.g.add_multi(op, args).map_err(|source| FrontendError::Build { model: self.model.clone(), source })
+        self.g
+            .add_multi(op, args)
+            .map_err(|source| FrontendError::Build {
+                model: self.model.clone(),
+                source,
+            })
     }
 
     /// A parameter made by `declare_params`.
     pub fn param(&self, name: &str) -> Value {
-        *self.params.get(name).unwrap_or_else(|| panic!("param_specs has no `{name}` (builder bug)"))
+        *self
+            .params
+            .get(name)
+            .unwrap_or_else(|| panic!("param_specs has no `{name}` (builder bug)"))
     }
 
     /// `param(name)` if the config has it (optional biases).
@@ -82,7 +101,12 @@ impl<'c> Builder<'c> {
     pub fn rms_norm(&mut self, module: &str, x: Value) -> Result<Value, FrontendError> {
         let w = self.param(&format!("{module}.weight"));
         self.scope(module);
-        self.op(Op::RmsNorm { eps: Float(self.cfg.rms_norm_eps) }, &[x, w])
+        self.op(
+            Op::RmsNorm {
+                eps: Float(self.cfg.rms_norm_eps),
+            },
+            &[x, w],
+        )
     }
 
     pub fn reshape(&mut self, x: Value, shape: Vec<Dim>) -> Result<Value, FrontendError> {
@@ -97,7 +121,13 @@ impl<'c> Builder<'c> {
         for (name, shape) in params::param_specs(self.cfg) {
             self.scope(params::module_of(&name));
             let ty = TensorType::new(self.dtype(), shape.into_iter().map(Dim::from).collect());
-            let v = self.op(Op::Param { name: name.clone(), ty }, &[])?;
+            let v = self.op(
+                Op::Param {
+                    name: name.clone(),
+                    ty,
+                },
+                &[],
+            )?;
             self.params.insert(name, v);
         }
         Ok(())
@@ -107,9 +137,23 @@ impl<'c> Builder<'c> {
         let (b, s) = (Dim::sym("B"), Dim::sym("S"));
         let ids_ty = TensorType::new(DType::I64, vec![b.clone(), s.clone()]);
         self.scope("model");
-        let ids = self.op(Op::Input { name: "input_ids".into(), role: Role::InputIds, ty: ids_ty.clone() }, &[])?;
+        let ids = self.op(
+            Op::Input {
+                name: "input_ids".into(),
+                role: Role::InputIds,
+                ty: ids_ty.clone(),
+            },
+            &[],
+        )?;
         self.scope("loss");
-        let labels = self.op(Op::Input { name: "labels".into(), role: Role::Labels, ty: ids_ty }, &[])?;
+        let labels = self.op(
+            Op::Input {
+                name: "labels".into(),
+                role: Role::Labels,
+                ty: ids_ty,
+            },
+            &[],
+        )?;
         self.declare_params()?;
 
         self.scope("model.embed_tokens");
@@ -117,10 +161,20 @@ impl<'c> Builder<'c> {
         let mut x = self.op(Op::Embedding {}, &[ids, embed])?;
 
         self.scope("model.rotary_emb");
-        let pos = self.op(Op::Arange { start: Dim::from(0), ty: TensorType::new(DType::I64, vec![s.clone()]) }, &[])?;
+        let pos = self.op(
+            Op::Arange {
+                start: Dim::from(0),
+                ty: TensorType::new(DType::I64, vec![s.clone()]),
+            },
+            &[],
+        )?;
         let pos = self.reshape(pos, vec![Dim::from(1), s.clone()])?;
         let rope = &self.cfg.rope;
-        let table = Op::RopeTable { theta: Float(rope.theta), dim: rope.rotary_dim as i64, scaling: rope.scaling };
+        let table = Op::RopeTable {
+            theta: Float(rope.theta),
+            dim: rope.rotary_dim as i64,
+            scaling: rope.scaling,
+        };
         let cs = self.ops(table, &[pos])?;
         let (cos, sin) = (cs[0], cs[1]);
 
@@ -142,9 +196,25 @@ impl<'c> Builder<'c> {
         let logits = self.op(Op::Linear {}, &[x, head])?;
 
         self.scope("loss");
-        let shifted = self.op(Op::ShiftLabels { ignore_index: IGNORE_INDEX }, &[labels])?;
-        let total = self.op(Op::CrossEntropy { ignore_index: IGNORE_INDEX, reduction: Reduction::Sum }, &[logits, shifted])?;
-        let count = self.op(Op::CountValid { ignore_index: IGNORE_INDEX }, &[shifted])?;
+        let shifted = self.op(
+            Op::ShiftLabels {
+                ignore_index: IGNORE_INDEX,
+            },
+            &[labels],
+        )?;
+        let total = self.op(
+            Op::CrossEntropy {
+                ignore_index: IGNORE_INDEX,
+                reduction: Reduction::Sum,
+            },
+            &[logits, shifted],
+        )?;
+        let count = self.op(
+            Op::CountValid {
+                ignore_index: IGNORE_INDEX,
+            },
+            &[shifted],
+        )?;
         let loss = self.op(Op::Div {}, &[total, count])?;
         self.g.set_scope(None);
         self.g.set_output("loss", loss);

@@ -12,7 +12,12 @@ pub const LM_HEAD: &str = "lm_head.weight";
 
 /// Every parameter as `(name, shape)`, in HF order.
 pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, nq, nkv, d) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let (h, nq, nkv, d) = (
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    );
     let mut out: Vec<(String, Vec<usize>)> = Vec::new();
     let mut push = |name: String, shape: Vec<usize>| out.push((name, shape));
     push(EMBED.into(), vec![c.vocab_size, h]);
@@ -22,7 +27,8 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             push(format!("{a}.o_proj.weight"), vec![h, nq * d]);
             push(format!("{a}.qkv_proj.weight"), vec![(nq + 2 * nkv) * d, h]);
         } else {
-            for (p, out_features) in [("q_proj", nq * d), ("k_proj", nkv * d), ("v_proj", nkv * d)] {
+            for (p, out_features) in [("q_proj", nq * d), ("k_proj", nkv * d), ("v_proj", nkv * d)]
+            {
                 push(format!("{a}.{p}.weight"), vec![out_features, h]);
                 if c.qkv_bias {
                     push(format!("{a}.{p}.bias"), vec![out_features]);
@@ -61,7 +67,11 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                     push(format!("{m}.gate_up_proj.weight"), vec![2 * inter, h]);
                     push(format!("{m}.down_proj.weight"), vec![h, inter]);
                 } else {
-                    for (p, shape) in [("gate_proj", vec![inter, h]), ("up_proj", vec![inter, h]), ("down_proj", vec![h, inter])] {
+                    for (p, shape) in [
+                        ("gate_proj", vec![inter, h]),
+                        ("up_proj", vec![inter, h]),
+                        ("down_proj", vec![h, inter]),
+                    ] {
                         let out_features = shape[0];
                         push(format!("{m}.{p}.weight"), shape);
                         if c.mlp_bias {
@@ -72,7 +82,10 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             }
         }
         push(format!("model.layers.{i}.input_layernorm.weight"), vec![h]);
-        push(format!("model.layers.{i}.post_attention_layernorm.weight"), vec![h]);
+        push(
+            format!("model.layers.{i}.post_attention_layernorm.weight"),
+            vec![h],
+        );
     }
     push("model.norm.weight".into(), vec![h]);
     if !c.tie_word_embeddings {

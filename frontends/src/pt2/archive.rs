@@ -31,11 +31,17 @@ const MAX_ENTRIES: usize = 1 << 20;
 impl Archive {
     /// Reads every entry of a zip held in memory.
     pub fn from_bytes(name: &str, bytes: Vec<u8>) -> Result<Archive, Pt2Error> {
-        let zerr = |e: zip::result::ZipError| Pt2Error::Zip { archive: name.to_string(), message: e.to_string() };
+        let zerr = |e: zip::result::ZipError| Pt2Error::Zip {
+            archive: name.to_string(),
+            message: e.to_string(),
+        };
         let total = bytes.len() as u64;
         let mut z = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zerr)?;
         if z.len() > MAX_ENTRIES {
-            return Err(Pt2Error::Zip { archive: name.to_string(), message: format!("{} entries is too many", z.len()) });
+            return Err(Pt2Error::Zip {
+                archive: name.to_string(),
+                message: format!("{} entries is too many", z.len()),
+            });
         }
         let mut entries = BTreeMap::new();
         let mut root: Option<String> = None;
@@ -51,12 +57,12 @@ impl Archive {
             };
             match &root {
                 None => root = Some(r.clone()),
-                Some(r0) if *r0 != r => {
-                    return Err(Pt2Error::Zip {
-                        archive: name.to_string(),
-                        message: format!("entries lie in two root folders, `{r0}` and `{r}`; a .pt2 archive has one"),
-                    })
-                }
+                Some(r0) if *r0 != r => return Err(Pt2Error::Zip {
+                    archive: name.to_string(),
+                    message: format!(
+                        "entries lie in two root folders, `{r0}` and `{r}`; a .pt2 archive has one"
+                    ),
+                }),
                 _ => {}
             }
             // A declared size larger than the whole file is a corrupt or hostile header.
@@ -64,7 +70,10 @@ impl Archive {
                 return Err(Pt2Error::Entry {
                     archive: name.to_string(),
                     entry: full,
-                    message: format!("declared size {} exceeds what the archive can hold", f.size()),
+                    message: format!(
+                        "declared size {} exceeds what the archive can hold",
+                        f.size()
+                    ),
                 });
             }
             let mut buf = Vec::with_capacity(f.size().min(total) as usize);
@@ -75,7 +84,11 @@ impl Archive {
             })?;
             entries.insert(rest, buf);
         }
-        Ok(Archive { name: name.to_string(), root: root.unwrap_or_default(), entries })
+        Ok(Archive {
+            name: name.to_string(),
+            root: root.unwrap_or_default(),
+            entries,
+        })
     }
 
     /// Full entry name for messages (`llama/models/model.json`).
@@ -92,7 +105,10 @@ impl Archive {
     }
 
     pub fn require(&self, rel: &str) -> Result<&[u8], Pt2Error> {
-        self.get(rel).ok_or_else(|| Pt2Error::MissingEntry { archive: self.name.clone(), entry: self.entry_name(rel) })
+        self.get(rel).ok_or_else(|| Pt2Error::MissingEntry {
+            archive: self.name.clone(),
+            entry: self.entry_name(rel),
+        })
     }
 
     pub fn text(&self, rel: &str) -> Result<&str, Pt2Error> {
@@ -114,22 +130,40 @@ impl Archive {
             writer: writer.to_string(),
             message: message.to_string(),
         };
-        if self.get("serialized_exported_program.json").is_some() || self.get("serialized_state_dict.pt").is_some() {
-            let v = self.get("version").map(|b| String::from_utf8_lossy(b).trim().to_string());
+        if self.get("serialized_exported_program.json").is_some()
+            || self.get("serialized_state_dict.pt").is_some()
+        {
+            let v = self
+                .get("version")
+                .map(|b| String::from_utf8_lossy(b).trim().to_string());
             return Err(old(
-                &format!("torch 2.6-2.8{}", v.map(|v| format!(" (export archive version {v})")).unwrap_or_default()),
+                &format!(
+                    "torch 2.6-2.8{}",
+                    v.map(|v| format!(" (export archive version {v})"))
+                        .unwrap_or_default()
+                ),
                 "its weights are a pickled state_dict, which Weft does not unpickle",
             ));
         }
-        if self.entry_names().any(|n| n.starts_with("data/aotinductor/")) && !self.entry_names().any(|n| n.starts_with("models/")) {
-            return Err(old("torch AOTInductor (aoti_compile_and_package)", "it holds compiled kernels, not an ExportedProgram"));
+        if self
+            .entry_names()
+            .any(|n| n.starts_with("data/aotinductor/"))
+            && !self.entry_names().any(|n| n.starts_with("models/"))
+        {
+            return Err(old(
+                "torch AOTInductor (aoti_compile_and_package)",
+                "it holds compiled kernels, not an ExportedProgram",
+            ));
         }
         if let Some(f) = self.get("archive_format") {
             let f = String::from_utf8_lossy(f).trim().to_string();
             if f != "pt2" {
                 return Err(Pt2Error::Zip {
                     archive: self.name.clone(),
-                    message: format!("`{}` says `{f}`, expected `pt2`", self.entry_name("archive_format")),
+                    message: format!(
+                        "`{}` says `{f}`, expected `pt2`",
+                        self.entry_name("archive_format")
+                    ),
                 });
             }
         }
@@ -144,16 +178,25 @@ impl Archive {
         }
         let models: Vec<&str> = self
             .entry_names()
-            .filter_map(|n| n.strip_prefix("models/").and_then(|m| m.strip_suffix(".json")))
+            .filter_map(|n| {
+                n.strip_prefix("models/")
+                    .and_then(|m| m.strip_suffix(".json"))
+            })
             .filter(|m| !m.contains('/'))
             .collect();
         match models.as_slice() {
-            [] => Err(Pt2Error::MissingEntry { archive: self.name.clone(), entry: self.entry_name("models/model.json") }),
+            [] => Err(Pt2Error::MissingEntry {
+                archive: self.name.clone(),
+                entry: self.entry_name("models/model.json"),
+            }),
             [one] => Ok(one.to_string()),
             many if many.contains(&"model") => Ok("model".to_string()),
             many => Err(Pt2Error::Zip {
                 archive: self.name.clone(),
-                message: format!("it holds several programs ({}); save one with torch.export.save", many.join(", ")),
+                message: format!(
+                    "it holds several programs ({}); save one with torch.export.save",
+                    many.join(", ")
+                ),
             }),
         }
     }
@@ -170,7 +213,11 @@ impl Archive {
 
     /// Decodes every tensor of a payload folder (`data/weights`, `data/constants`).
     /// Returns `None` for tensors whose storage is empty (saved without weights).
-    pub fn tensors(&self, folder: &str, config: &BTreeMap<String, PayloadMeta>) -> Result<BTreeMap<String, Option<HostTensor>>, Pt2Error> {
+    pub fn tensors(
+        &self,
+        folder: &str,
+        config: &BTreeMap<String, PayloadMeta>,
+    ) -> Result<BTreeMap<String, Option<HostTensor>>, Pt2Error> {
         let mut out = BTreeMap::new();
         for (name, p) in config {
             let rel = format!("{folder}/{}", p.path_name);
@@ -206,8 +253,17 @@ fn int_of(entry: &str, tensor: &str, what: &str, s: &SymInt) -> Result<i64, Pt2E
 }
 
 /// Decodes one strided view of `bytes` into a contiguous host tensor.
-pub fn decode_tensor(entry: &str, name: &str, meta: &TensorMeta, bytes: &[u8]) -> Result<Option<HostTensor>, Pt2Error> {
-    let terr = |message: String| Pt2Error::TensorData { entry: entry.into(), tensor: name.into(), message };
+pub fn decode_tensor(
+    entry: &str,
+    name: &str,
+    meta: &TensorMeta,
+    bytes: &[u8],
+) -> Result<Option<HostTensor>, Pt2Error> {
+    let terr = |message: String| Pt2Error::TensorData {
+        entry: entry.into(),
+        tensor: name.into(),
+        message,
+    };
     let dtype = ScalarType::dtype(meta.dtype).ok_or_else(|| Pt2Error::DType {
         entry: entry.into(),
         tensor: name.into(),
@@ -215,8 +271,16 @@ pub fn decode_tensor(entry: &str, name: &str, meta: &TensorMeta, bytes: &[u8]) -
         name: ScalarType::name(meta.dtype).into(),
     })?;
     let elem = ScalarType::size_bytes(meta.dtype).unwrap_or(1);
-    let sizes: Vec<i64> = meta.sizes.iter().map(|s| int_of(entry, name, "a size", s)).collect::<Result<_, _>>()?;
-    let mut strides: Vec<i64> = meta.strides.iter().map(|s| int_of(entry, name, "a stride", s)).collect::<Result<_, _>>()?;
+    let sizes: Vec<i64> = meta
+        .sizes
+        .iter()
+        .map(|s| int_of(entry, name, "a size", s))
+        .collect::<Result<_, _>>()?;
+    let mut strides: Vec<i64> = meta
+        .strides
+        .iter()
+        .map(|s| int_of(entry, name, "a stride", s))
+        .collect::<Result<_, _>>()?;
     let offset = int_of(entry, name, "the storage offset", &meta.storage_offset)?;
     if strides.is_empty() && !sizes.is_empty() {
         // Contiguous strides when the writer left them out.
@@ -228,15 +292,24 @@ pub fn decode_tensor(entry: &str, name: &str, meta: &TensorMeta, bytes: &[u8]) -
         }
     }
     if strides.len() != sizes.len() {
-        return Err(terr(format!("{} sizes but {} strides", sizes.len(), strides.len())));
+        return Err(terr(format!(
+            "{} sizes but {} strides",
+            sizes.len(),
+            strides.len()
+        )));
     }
     if let Some(s) = sizes.iter().find(|&&s| s < 0) {
         return Err(terr(format!("negative size {s} in {sizes:?}")));
     }
     if strides.iter().any(|&s| s < 0) || offset < 0 {
-        return Err(terr(format!("negative stride or offset (strides {strides:?}, offset {offset})")));
+        return Err(terr(format!(
+            "negative stride or offset (strides {strides:?}, offset {offset})"
+        )));
     }
-    let numel = sizes.iter().try_fold(1u64, |a, &s| a.checked_mul(s as u64)).ok_or_else(|| terr(format!("sizes {sizes:?} overflow")))?;
+    let numel = sizes
+        .iter()
+        .try_fold(1u64, |a, &s| a.checked_mul(s as u64))
+        .ok_or_else(|| terr(format!("sizes {sizes:?} overflow")))?;
     let shape: Vec<usize> = sizes.iter().map(|&s| s as usize).collect();
     if numel == 0 {
         return Ok(Some(empty(dtype, shape)));
@@ -245,13 +318,20 @@ pub fn decode_tensor(entry: &str, name: &str, meta: &TensorMeta, bytes: &[u8]) -
         return Ok(None);
     }
     if bytes.len() % elem != 0 {
-        return Err(terr(format!("storage has {} bytes, not a multiple of the {elem}-byte {}", bytes.len(), ScalarType::name(meta.dtype))));
+        return Err(terr(format!(
+            "storage has {} bytes, not a multiple of the {elem}-byte {}",
+            bytes.len(),
+            ScalarType::name(meta.dtype)
+        )));
     }
     let storage_len = (bytes.len() / elem) as u64;
     // Largest element index the view touches.
     let mut last = offset as u64;
     for (&s, &st) in sizes.iter().zip(&strides) {
-        last = (s as u64 - 1).checked_mul(st as u64).and_then(|x| x.checked_add(last)).ok_or_else(|| terr("strides overflow".into()))?;
+        last = (s as u64 - 1)
+            .checked_mul(st as u64)
+            .and_then(|x| x.checked_add(last))
+            .ok_or_else(|| terr("strides overflow".into()))?;
     }
     if last >= storage_len {
         return Err(terr(format!(
@@ -290,7 +370,11 @@ pub fn decode_tensor(entry: &str, name: &str, meta: &TensorMeta, bytes: &[u8]) -
             idx[d] = 0;
         }
     }
-    Ok(Some(if dtype.is_float() { HostTensor::floats(dtype, shape, floats) } else { HostTensor::ints(dtype, shape, ints) }))
+    Ok(Some(if dtype.is_float() {
+        HostTensor::floats(dtype, shape, floats)
+    } else {
+        HostTensor::ints(dtype, shape, ints)
+    }))
 }
 
 fn empty(dtype: DType, shape: Vec<usize>) -> HostTensor {
@@ -323,28 +407,50 @@ mod tests {
     fn strided_views_of_one_storage() {
         let bytes = f32_bytes(&[0., 1., 2., 3., 4., 5.]);
         // The transpose of a [2, 3] tensor, offset into the storage.
-        let t = decode_tensor("e", "w", &meta(7, &[3, 2], &[1, 3], 0), &bytes).unwrap().unwrap();
+        let t = decode_tensor("e", "w", &meta(7, &[3, 2], &[1, 3], 0), &bytes)
+            .unwrap()
+            .unwrap();
         assert_eq!(t.to_f64(), vec![0., 3., 1., 4., 2., 5.]);
-        let t = decode_tensor("e", "w", &meta(7, &[2], &[1], 4), &bytes).unwrap().unwrap();
+        let t = decode_tensor("e", "w", &meta(7, &[2], &[1], 4), &bytes)
+            .unwrap()
+            .unwrap();
         assert_eq!(t.to_f64(), vec![4., 5.]);
     }
 
     #[test]
     fn shape_bytes_mismatch_is_an_error() {
         let bytes = f32_bytes(&[0., 1., 2.]);
-        let e = decode_tensor("m/data/weights/weight_0", "w", &meta(7, &[2, 2], &[2, 1], 0), &bytes).unwrap_err();
+        let e = decode_tensor(
+            "m/data/weights/weight_0",
+            "w",
+            &meta(7, &[2, 2], &[2, 1], 0),
+            &bytes,
+        )
+        .unwrap_err();
         let s = e.to_string();
-        assert!(s.contains("weight_0") && s.contains("reads element 3") && s.contains("3 float32 elements"), "{s}");
+        assert!(
+            s.contains("weight_0")
+                && s.contains("reads element 3")
+                && s.contains("3 float32 elements"),
+            "{s}"
+        );
         let e = decode_tensor("e", "w", &meta(99, &[1], &[1], 0), &bytes).unwrap_err();
         assert!(matches!(e, Pt2Error::DType { code: 99, .. }), "{e}");
         // An empty storage: saved without weights.
-        assert!(decode_tensor("e", "w", &meta(7, &[2], &[1], 0), &[]).unwrap().is_none());
+        assert!(decode_tensor("e", "w", &meta(7, &[2], &[1], 0), &[])
+            .unwrap()
+            .is_none());
     }
 
     #[test]
     fn half_types_widen() {
-        let b: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
-        let t = decode_tensor("e", "w", &meta(13, &[2], &[1], 0), &b).unwrap().unwrap();
+        let b: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect();
+        let t = decode_tensor("e", "w", &meta(13, &[2], &[1], 0), &b)
+            .unwrap()
+            .unwrap();
         assert_eq!((t.dtype, t.to_f64()), (DType::BF16, vec![1.5, -2.0]));
     }
 }

@@ -12,9 +12,9 @@
 //!   linear scaling).
 
 use super::consteval::{Eval, Kind, CT, CV};
+use super::fx::FxNode;
 use super::lower::{LErr, Lower, LR, LV};
 use super::schema::Arg;
-use super::fx::FxNode;
 use std::collections::BTreeMap;
 use weft_ir::{CmpOp, DType, Dim, Float, Graph, Op, RopeScaling, TensorType, Value};
 
@@ -34,7 +34,11 @@ impl Lower<'_> {
         let mut ev = Eval::new(self.fx, syms, &self.consts);
         match ev.value(name)? {
             CV::T(t) => Ok(t),
-            CV::Num(v, k) => Ok(CT { shape: vec![], data: vec![v], kind: k }),
+            CV::Num(v, k) => Ok(CT {
+                shape: vec![],
+                data: vec![v],
+                kind: k,
+            }),
             CV::None => Err("None".into()),
         }
     }
@@ -45,7 +49,11 @@ impl Lower<'_> {
             return None;
         }
         // A static export can only be evaluated at its own length.
-        let probes: &[i64] = if self.seq_sym.is_some() { &PROBES } else { std::slice::from_ref(&self.s0) };
+        let probes: &[i64] = if self.seq_sym.is_some() {
+            &PROBES
+        } else {
+            std::slice::from_ref(&self.s0)
+        };
         let mut kind = None;
         for &s in probes {
             let t = self.probe(name, s).ok()?;
@@ -64,11 +72,21 @@ impl Lower<'_> {
         if r < 2 {
             return Err(self.bad(n, "mask of rank < 2"));
         }
-        let (sq, sk) = (self.seq_dim(&ty.shape[r - 2]), self.seq_dim(&ty.shape[r - 1]));
+        let (sq, sk) = (
+            self.seq_dim(&ty.shape[r - 2]),
+            self.seq_dim(&ty.shape[r - 1]),
+        );
         if sq != sk {
             return Err(self.unsupported(n, format!("a mask of {sq} queries by {sk} keys")));
         }
-        let ar = self.emit(n, Op::Arange { start: Dim::from(0), ty: TensorType::new(DType::I64, vec![sq.clone()]) }, &[])?;
+        let ar = self.emit(
+            n,
+            Op::Arange {
+                start: Dim::from(0),
+                ty: TensorType::new(DType::I64, vec![sq.clone()]),
+            },
+            &[],
+        )?;
         let rows = self.reshape(n, ar, vec![sq.clone(), Dim::from(1)])?;
         let cols = self.reshape(n, ar, vec![Dim::from(1), sq.clone()])?;
         let keep = self.emit(n, Op::Compare { op: CmpOp::Le }, &[cols, rows])?;
@@ -92,7 +110,9 @@ impl Lower<'_> {
     /// A size-only node whose own lowering failed: if it is a causal mask, rebuild it.
     pub fn rescue_static(&mut self, n: &FxNode, err: LErr) -> LR<Vec<LV>> {
         let Some(out) = n.out() else { return Err(err) };
-        let Some(additive) = self.causal_kind(out) else { return Err(err) };
+        let Some(additive) = self.causal_kind(out) else {
+            return Err(err);
+        };
         let ty = self.meta_ty(out)?;
         let m = self.materialize_causal(n, additive, &ty)?;
         self.report.notes.push(format!(
@@ -113,7 +133,13 @@ impl Lower<'_> {
             return Err(self.unsupported(n, "attention dropout (export in eval mode)"));
         }
         let is_causal = matches!(n.arg("is_causal"), Arg::Bool(true));
-        let d = self.g.ty(q).shape.last().and_then(Dim::as_const).ok_or_else(|| self.unsupported(n, "symbolic head_dim"))?;
+        let d = self
+            .g
+            .ty(q)
+            .shape
+            .last()
+            .and_then(Dim::as_const)
+            .ok_or_else(|| self.unsupported(n, "symbolic head_dim"))?;
         let scale = match n.arg("scale") {
             Arg::None => 1.0 / (d as f64).sqrt(),
             a => self.float_arg(n, a)?,
@@ -146,7 +172,9 @@ impl Lower<'_> {
         let (mut k, mut v) = (k, v);
         if matches!(n.arg("enable_gqa"), Arg::Bool(true)) {
             detail.push("enable_gqa");
-        } else if let (Some((k0, rk)), Some((v0, rv))) = (strip_repeat_kv(&self.g, k), strip_repeat_kv(&self.g, v)) {
+        } else if let (Some((k0, rk)), Some((v0, rv))) =
+            (strip_repeat_kv(&self.g, k), strip_repeat_kv(&self.g, v))
+        {
             if rk == rv {
                 k = k0;
                 v = v0;
@@ -155,8 +183,19 @@ impl Lower<'_> {
         }
         let mut args = vec![q, k, v];
         args.extend(mask);
-        let out = self.emit(n, Op::Attention { causal, scale: Float(scale) }, &args)?;
-        self.report.recognise("attention", n.scope.as_deref(), format!("sdpa: {}", detail.join(", ")));
+        let out = self.emit(
+            n,
+            Op::Attention {
+                causal,
+                scale: Float(scale),
+            },
+            &args,
+        )?;
+        self.report.recognise(
+            "attention",
+            n.scope.as_deref(),
+            format!("sdpa: {}", detail.join(", ")),
+        );
         Ok(vec![LV::T(out)])
     }
 
@@ -166,7 +205,14 @@ impl Lower<'_> {
         }
         let saved = self.g.scope().map(str::to_string);
         self.g.set_scope(Some("model.rotary_emb"));
-        let ar = self.emit(n, Op::Arange { start: Dim::from(0), ty: TensorType::new(DType::I64, vec![s.clone()]) }, &[]);
+        let ar = self.emit(
+            n,
+            Op::Arange {
+                start: Dim::from(0),
+                ty: TensorType::new(DType::I64, vec![s.clone()]),
+            },
+            &[],
+        );
         let p = ar.and_then(|ar| self.reshape(n, ar, vec![Dim::from(1), s.clone()]));
         self.g.set_scope(saved.as_deref());
         let p = p?;
@@ -183,18 +229,31 @@ impl Lower<'_> {
         let is_cos = n.base() == "cos";
         let ty = self.out_ty(n)?;
         let r = ty.rank();
-        let dim = ty.shape.last().and_then(Dim::as_const).ok_or_else(|| self.unsupported(n, "a rotary table of symbolic width"))?;
+        let dim = ty
+            .shape
+            .last()
+            .and_then(Dim::as_const)
+            .ok_or_else(|| self.unsupported(n, "a rotary table of symbolic width"))?;
         if r < 2 || dim % 2 != 0 {
             return Err(self.unsupported(n, format!("a rotary table of type {ty}")));
         }
         let seq = self.seq_dim(&ty.shape[r - 2]);
-        let probe = if self.seq_sym.is_some() { PROBES[1] } else { self.s0 };
-        let t = self.probe(&out, probe).map_err(|e| self.unsupported(n, format!("cannot evaluate the rotary table: {e}")))?;
-        let rows = table_rows(&t, probe as usize, dim as usize).ok_or_else(|| self.unsupported(n, "the rotary table is not [.., S, dim]"))?;
+        let probe = if self.seq_sym.is_some() {
+            PROBES[1]
+        } else {
+            self.s0
+        };
+        let t = self
+            .probe(&out, probe)
+            .map_err(|e| self.unsupported(n, format!("cannot evaluate the rotary table: {e}")))?;
+        let rows = table_rows(&t, probe as usize, dim as usize)
+            .ok_or_else(|| self.unsupported(n, "the rotary table is not [.., S, dim]"))?;
         let f = |x: f64| if is_cos { x.cos() } else { x.sin() };
         let fits = |freqs: &[f64]| -> bool {
             rows.iter().enumerate().all(|(p, row)| {
-                row.iter().enumerate().all(|(i, &val)| (val - f(p as f64 * freqs[i % freqs.len()])).abs() < 2e-4)
+                row.iter()
+                    .enumerate()
+                    .all(|(i, &val)| (val - f(p as f64 * freqs[i % freqs.len()])).abs() < 2e-4)
             })
         };
         // Candidates: the config's rope, then fits of default and linear scaling.
@@ -203,14 +262,35 @@ impl Lower<'_> {
             cands.push((c.theta, c.rotary_dim as i64, c.scaling, "from --config"));
         }
         // f_i from position 1: cos(f) or sin(f), with f_0 <= 1 < pi/2.
-        let f1: Vec<f64> = rows.get(1).map(|row| row[..dim as usize / 2].iter().map(|&x| if is_cos { x.clamp(-1.0, 1.0).acos() } else { x.clamp(-1.0, 1.0).asin() }).collect()).unwrap_or_default();
+        let f1: Vec<f64> = rows
+            .get(1)
+            .map(|row| {
+                row[..dim as usize / 2]
+                    .iter()
+                    .map(|&x| {
+                        if is_cos {
+                            x.clamp(-1.0, 1.0).acos()
+                        } else {
+                            x.clamp(-1.0, 1.0).asin()
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         if f1.len() >= 2 && f1[1] > 0.0 {
             let half = (dim / 2) as f64;
             let theta = (f1[1] / f1[0]).powf(-half);
             if f1[0] > 0.0 && (f1[0] - 1.0).abs() < 1e-4 {
                 cands.push((round_theta(theta), dim, RopeScaling::None, "fitted"));
             } else if f1[0] > 0.0 {
-                cands.push((round_theta(theta), dim, RopeScaling::Linear { factor: Float(round_sig(1.0 / f1[0])) }, "fitted"));
+                cands.push((
+                    round_theta(theta),
+                    dim,
+                    RopeScaling::Linear {
+                        factor: Float(round_sig(1.0 / f1[0])),
+                    },
+                    "fitted",
+                ));
             }
         }
         let mut chosen = None;
@@ -237,10 +317,22 @@ impl Lower<'_> {
                 let pos = self.positions(n, &seq)?;
                 let saved = self.g.scope().map(str::to_string);
                 self.g.set_scope(Some("model.rotary_emb"));
-                let r = self.emit_multi(n, Op::RopeTable { theta: Float(theta), dim, scaling }, &[pos]);
+                let r = self.emit_multi(
+                    n,
+                    Op::RopeTable {
+                        theta: Float(theta),
+                        dim,
+                        scaling,
+                    },
+                    &[pos],
+                );
                 self.g.set_scope(saved.as_deref());
                 let r = r?;
-                self.report.recognise("rope_table", Some("model.rotary_emb"), format!("theta {theta}, dim {dim}, scaling {scaling:?} ({how})"));
+                self.report.recognise(
+                    "rope_table",
+                    Some("model.rotary_emb"),
+                    format!("theta {theta}, dim {dim}, scaling {scaling:?} ({how})"),
+                );
                 self.rope_tables.push((key, [r[0], r[1]]));
                 [r[0], r[1]]
             }
@@ -282,7 +374,11 @@ fn table_rows(t: &CT, s: usize, dim: usize) -> Option<Vec<Vec<f64>>> {
     if r < 2 || t.shape[r - 1] != dim || t.shape[r - 2] != s || t.kind != Kind::Float {
         return None;
     }
-    Some((0..s).map(|p| t.data[p * dim..(p + 1) * dim].to_vec()).collect())
+    Some(
+        (0..s)
+            .map(|p| t.data[p * dim..(p + 1) * dim].to_vec())
+            .collect(),
+    )
 }
 
 /// `Some(additive)` if `t` ([.., s, s]) keeps exactly `j <= i` in every leading entry.
@@ -299,7 +395,15 @@ fn classify_causal(t: &CT, s: usize) -> Option<bool> {
     for (idx, &v) in t.data.iter().enumerate() {
         let (i, j) = ((idx / s) % s, idx % s);
         let keep = j <= i;
-        let ok = if additive { if keep { v == 0.0 } else { v <= -1e30 } } else { (v != 0.0) == keep };
+        let ok = if additive {
+            if keep {
+                v == 0.0
+            } else {
+                v <= -1e30
+            }
+        } else {
+            (v != 0.0) == keep
+        };
         if !ok {
             return None;
         }
@@ -309,12 +413,24 @@ fn classify_causal(t: &CT, s: usize) -> Option<bool> {
 
 /// HF's inverse frequencies for `rope_table` (default, linear, llama3).
 pub fn rope_freqs(theta: f64, dim: i64, scaling: &RopeScaling) -> Vec<f64> {
-    let base: Vec<f64> = (0..dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f64 / dim as f64)).collect();
+    let base: Vec<f64> = (0..dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / dim as f64))
+        .collect();
     match scaling {
         RopeScaling::None => base,
         RopeScaling::Linear { factor } => base.iter().map(|f| f / factor.0).collect(),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-            let (factor, lo, hi, orig) = (factor.0, low_freq_factor.0, high_freq_factor.0, *original_max_position_embeddings as f64);
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let (factor, lo, hi, orig) = (
+                factor.0,
+                low_freq_factor.0,
+                high_freq_factor.0,
+                *original_max_position_embeddings as f64,
+            );
             let low_wl = orig / lo;
             let high_wl = orig / hi;
             base.iter()
@@ -338,24 +454,33 @@ pub fn rope_freqs(theta: f64, dim: i64, scaling: &RopeScaling) -> Vec<f64> {
 /// [B, N, rep, S, D] of k0 [B, N, S, D] reshaped to [B, N, 1, S, D].
 pub fn strip_repeat_kv(g: &Graph, k: Value) -> Option<(Value, i64)> {
     let r = g.node(g.def(k));
-    let Op::Reshape { shape } = &r.op else { return None };
+    let Op::Reshape { shape } = &r.op else {
+        return None;
+    };
     if shape.len() != 4 {
         return None;
     }
     let e = g.node(g.def(r.operands[0]));
-    let Op::Expand { shape: es } = &e.op else { return None };
+    let Op::Expand { shape: es } = &e.op else {
+        return None;
+    };
     if es.len() != 5 {
         return None;
     }
     let u = g.node(g.def(e.operands[0]));
-    let Op::Reshape { shape: us } = &u.op else { return None };
+    let Op::Reshape { shape: us } = &u.op else {
+        return None;
+    };
     let k0 = u.operands[0];
     let t0 = g.ty(k0);
     if t0.rank() != 4 || us.len() != 5 || us[2] != Dim::from(1) {
         return None;
     }
     let rep = es[2].as_const()?;
-    let ok = us[0] == t0.shape[0] && us[1] == t0.shape[1] && us[3] == t0.shape[2] && us[4] == t0.shape[3]
+    let ok = us[0] == t0.shape[0]
+        && us[1] == t0.shape[1]
+        && us[3] == t0.shape[2]
+        && us[4] == t0.shape[3]
         && shape[1] == t0.shape[1].clone() * rep
         && shape[2] == t0.shape[2]
         && shape[3] == t0.shape[3];
@@ -370,18 +495,50 @@ mod tests {
     fn causal_classification() {
         let s = 3;
         let keep: Vec<f64> = (0..9).map(|i| ((i % 3) <= (i / 3)) as i64 as f64).collect();
-        let t = CT { shape: vec![2, 1, 3, 3], data: [keep.clone(), keep.clone()].concat(), kind: Kind::Bool };
+        let t = CT {
+            shape: vec![2, 1, 3, 3],
+            data: [keep.clone(), keep.clone()].concat(),
+            kind: Kind::Bool,
+        };
         assert_eq!(classify_causal(&t, s), Some(false));
-        let add: Vec<f64> = keep.iter().map(|&k| if k == 1.0 { 0.0 } else { f64::NEG_INFINITY }).collect();
-        assert_eq!(classify_causal(&CT { shape: vec![3, 3], data: add, kind: Kind::Float }, s), Some(true));
+        let add: Vec<f64> = keep
+            .iter()
+            .map(|&k| if k == 1.0 { 0.0 } else { f64::NEG_INFINITY })
+            .collect();
+        assert_eq!(
+            classify_causal(
+                &CT {
+                    shape: vec![3, 3],
+                    data: add,
+                    kind: Kind::Float
+                },
+                s
+            ),
+            Some(true)
+        );
         let mut bad = keep.clone();
         bad[1] = 1.0;
-        assert_eq!(classify_causal(&CT { shape: vec![3, 3], data: bad, kind: Kind::Bool }, s), None);
+        assert_eq!(
+            classify_causal(
+                &CT {
+                    shape: vec![3, 3],
+                    data: bad,
+                    kind: Kind::Bool
+                },
+                s
+            ),
+            None
+        );
     }
 
     #[test]
     fn llama3_frequencies_hit_three_bands() {
-        let s = RopeScaling::Llama3 { factor: Float(8.0), low_freq_factor: Float(0.25), high_freq_factor: Float(4.0), original_max_position_embeddings: 32 };
+        let s = RopeScaling::Llama3 {
+            factor: Float(8.0),
+            low_freq_factor: Float(0.25),
+            high_freq_factor: Float(4.0),
+            original_max_position_embeddings: 32,
+        };
         let f = rope_freqs(10000.0, 8, &s);
         let base = rope_freqs(10000.0, 8, &RopeScaling::None);
         assert_eq!(f[0], base[0]);

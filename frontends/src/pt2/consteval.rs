@@ -77,7 +77,11 @@ fn promote(a: Kind, b: Kind) -> Kind {
 
 impl CT {
     fn scalar(v: f64, kind: Kind) -> CT {
-        CT { shape: vec![], data: vec![v], kind }
+        CT {
+            shape: vec![],
+            data: vec![v],
+            kind,
+        }
     }
 
     fn get(&self, idx: &[usize]) -> f64 {
@@ -93,7 +97,11 @@ impl CT {
     }
 
     fn map(&self, k: Kind, f: impl Fn(f64) -> f64) -> CT {
-        CT { shape: self.shape.clone(), data: self.data.iter().map(|&x| cast(f(x), k)).collect(), kind: k }
+        CT {
+            shape: self.shape.clone(),
+            data: self.data.iter().map(|&x| cast(f(x), k)).collect(),
+            kind: k,
+        }
     }
 }
 
@@ -101,8 +109,16 @@ fn bshape(a: &[usize], b: &[usize]) -> R<Vec<usize>> {
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
-        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        let da = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
         out[i] = if da == db || db == 1 {
             da
         } else if da == 1 {
@@ -136,7 +152,11 @@ fn binary(a: &CT, b: &CT, k: Kind, f: impl Fn(f64, f64) -> f64) -> R<CT> {
     }
     let mut data = Vec::with_capacity(numel(&shape));
     for_each_index(&shape, |i| data.push(cast(f(a.get(i), b.get(i)), k)));
-    Ok(CT { shape, data, kind: k })
+    Ok(CT {
+        shape,
+        data,
+        kind: k,
+    })
 }
 
 fn norm(d: i64, r: usize) -> R<usize> {
@@ -158,14 +178,30 @@ pub struct Eval<'a> {
 }
 
 impl<'a> Eval<'a> {
-    pub fn new(fx: &'a FxGraph, syms: BTreeMap<String, i64>, consts: &'a BTreeMap<String, HostTensor>) -> Self {
-        Eval { fx, syms, consts, memo: BTreeMap::new(), depth: 0 }
+    pub fn new(
+        fx: &'a FxGraph,
+        syms: BTreeMap<String, i64>,
+        consts: &'a BTreeMap<String, HostTensor>,
+    ) -> Self {
+        Eval {
+            fx,
+            syms,
+            consts,
+            memo: BTreeMap::new(),
+            depth: 0,
+        }
     }
 
     fn sym_expr(&self, e: &str) -> R<i64> {
         let ex = sympy::parse(e)?;
-        let map: BTreeMap<String, weft_ir::Dim> = self.syms.iter().map(|(k, v)| (k.clone(), weft_ir::Dim::from(*v))).collect();
-        ex.to_dim(&map)?.as_const().ok_or_else(|| format!("`{e}` did not evaluate"))
+        let map: BTreeMap<String, weft_ir::Dim> = self
+            .syms
+            .iter()
+            .map(|(k, v)| (k.clone(), weft_ir::Dim::from(*v)))
+            .collect();
+        ex.to_dim(&map)?
+            .as_const()
+            .ok_or_else(|| format!("`{e}` did not evaluate"))
     }
 
     fn int_arg(&mut self, a: &Arg) -> R<i64> {
@@ -242,7 +278,11 @@ impl<'a> Eval<'a> {
             } else {
                 Kind::Int
             };
-            return Ok(CV::T(CT { shape: t.shape.clone(), data: t.to_f64(), kind }));
+            return Ok(CV::T(CT {
+                shape: t.shape.clone(),
+                data: t.to_f64(),
+                kind,
+            }));
         }
         let Some(&ni) = self.fx.producer.get(name) else {
             if let Some(SymInt::Expr { expr, .. }) = self.fx.sym_values.get(name) {
@@ -252,13 +292,19 @@ impl<'a> Eval<'a> {
         };
         let n = &self.fx.nodes[ni];
         let outs = self.node(ni)?;
-        let pos = n.outputs.iter().position(|o| o.as_deref() == Some(name)).unwrap_or(0);
+        let pos = n
+            .outputs
+            .iter()
+            .position(|o| o.as_deref() == Some(name))
+            .unwrap_or(0);
         for (o, v) in n.outputs.iter().zip(outs.iter()) {
             if let Some(o) = o {
                 self.memo.insert(o.clone(), v.clone());
             }
         }
-        outs.into_iter().nth(pos).ok_or_else(|| format!("`{name}` has no value"))
+        outs.into_iter()
+            .nth(pos)
+            .ok_or_else(|| format!("`{name}` has no value"))
     }
 
     fn node(&mut self, ni: usize) -> R<Vec<CV>> {
@@ -287,7 +333,9 @@ impl<'a> Eval<'a> {
         let _ = dtype_kind;
         match n.op.as_str() {
             "aten.sym_size.int" => {
-                let Arg::Tensor(x) = a(0) else { return Err("sym_size of a non-tensor".into()) };
+                let Arg::Tensor(x) = a(0) else {
+                    return Err("sym_size of a non-tensor".into());
+                };
                 let d = self.int_arg(&a(1))?;
                 let meta = self.fx.tensor_meta.get(&x).ok_or("no meta")?.clone();
                 let d = norm(d, meta.sizes.len())?;
@@ -297,7 +345,10 @@ impl<'a> Eval<'a> {
                 };
                 Ok(vec![CV::Num(v as f64, Kind::Int)])
             }
-            "_operator.add.default" | "_operator.sub.default" | "_operator.mul.default" | "_operator.floordiv.default" => {
+            "_operator.add.default"
+            | "_operator.sub.default"
+            | "_operator.mul.default"
+            | "_operator.floordiv.default" => {
                 let (x, y) = (self.int_arg(&a(0))?, self.int_arg(&a(1))?);
                 let v = match n.base() {
                     "add" => x + y,
@@ -311,16 +362,32 @@ impl<'a> Eval<'a> {
             "_operator.neg.default" => Ok(vec![CV::Num(-(self.int_arg(&a(0))? as f64), Kind::Int)]),
             "aten.arange.default" | "aten.arange.start" | "aten.arange.start_step" => {
                 let (s, e, st) = match n.op.as_str() {
-                    "aten.arange.default" => (CV::Num(0.0, Kind::Int), self.scalar_arg(&a(0))?, CV::Num(1.0, Kind::Int)),
-                    "aten.arange.start" => (self.scalar_arg(&a(0))?, self.scalar_arg(&a(1))?, CV::Num(1.0, Kind::Int)),
-                    _ => (self.scalar_arg(&a(0))?, self.scalar_arg(&a(1))?, self.scalar_arg(&a(2))?),
+                    "aten.arange.default" => (
+                        CV::Num(0.0, Kind::Int),
+                        self.scalar_arg(&a(0))?,
+                        CV::Num(1.0, Kind::Int),
+                    ),
+                    "aten.arange.start" => (
+                        self.scalar_arg(&a(0))?,
+                        self.scalar_arg(&a(1))?,
+                        CV::Num(1.0, Kind::Int),
+                    ),
+                    _ => (
+                        self.scalar_arg(&a(0))?,
+                        self.scalar_arg(&a(1))?,
+                        self.scalar_arg(&a(2))?,
+                    ),
                 };
                 let num = |c: CV| match c {
                     CV::Num(v, k) => Ok((v, k)),
                     _ => Err("arange bound is not a number".to_string()),
                 };
                 let ((s, k1), (e, k2), (st, k3)) = (num(s)?, num(e)?, num(st)?);
-                let dflt = if [k1, k2, k3].contains(&Kind::Float) { Kind::Float } else { Kind::Int };
+                let dflt = if [k1, k2, k3].contains(&Kind::Float) {
+                    Kind::Float
+                } else {
+                    Kind::Int
+                };
                 let k = named_dtype(dflt)?;
                 if st == 0.0 {
                     return Err("arange step 0".into());
@@ -329,9 +396,14 @@ impl<'a> Eval<'a> {
                 if cnt > MAX_ELEMS {
                     return Err("too large".into());
                 }
-                one(CT { shape: vec![cnt], data: (0..cnt).map(|i| cast(s + st * i as f64, k)).collect(), kind: k })
+                one(CT {
+                    shape: vec![cnt],
+                    data: (0..cnt).map(|i| cast(s + st * i as f64, k)).collect(),
+                    kind: k,
+                })
             }
-            "aten.add.Tensor" | "aten.add.Scalar" | "aten.sub.Tensor" | "aten.sub.Scalar" | "aten.rsub.Scalar" => {
+            "aten.add.Tensor" | "aten.add.Scalar" | "aten.sub.Tensor" | "aten.sub.Scalar"
+            | "aten.rsub.Scalar" => {
                 let (x, y) = (t(self, 0)?, t(self, 1)?);
                 let alpha = match a(2) {
                     Arg::Int(i) => i as f64,
@@ -362,7 +434,8 @@ impl<'a> Eval<'a> {
                 let x = t(self, 0)?;
                 one(x.map(x.kind, |v| -v))
             }
-            "aten.cos.default" | "aten.sin.default" | "aten.exp.default" | "aten.rsqrt.default" | "aten.sqrt.default" => {
+            "aten.cos.default" | "aten.sin.default" | "aten.exp.default" | "aten.rsqrt.default"
+            | "aten.sqrt.default" => {
                 let x = t(self, 0)?;
                 // f32 arithmetic, as torch computes these tables.
                 let f: fn(f64) -> f64 = match n.base() {
@@ -374,8 +447,9 @@ impl<'a> Eval<'a> {
                 };
                 one(x.map(Kind::Float, f))
             }
-            "aten.eq.Tensor" | "aten.eq.Scalar" | "aten.ne.Tensor" | "aten.ne.Scalar" | "aten.lt.Tensor" | "aten.lt.Scalar"
-            | "aten.le.Tensor" | "aten.le.Scalar" | "aten.gt.Tensor" | "aten.gt.Scalar" | "aten.ge.Tensor" | "aten.ge.Scalar" => {
+            "aten.eq.Tensor" | "aten.eq.Scalar" | "aten.ne.Tensor" | "aten.ne.Scalar"
+            | "aten.lt.Tensor" | "aten.lt.Scalar" | "aten.le.Tensor" | "aten.le.Scalar"
+            | "aten.gt.Tensor" | "aten.gt.Scalar" | "aten.ge.Tensor" | "aten.ge.Scalar" => {
                 let (x, y) = (t(self, 0)?, t(self, 1)?);
                 let f: fn(f64, f64) -> bool = match n.base() {
                     "eq" => |p, q| p == q,
@@ -389,11 +463,15 @@ impl<'a> Eval<'a> {
             }
             "aten.__and__.Tensor" | "aten.bitwise_and.Tensor" | "aten.logical_and.default" => {
                 let (x, y) = (t(self, 0)?, t(self, 1)?);
-                one(binary(&x, &y, Kind::Bool, |p, q| ((p != 0.0) && (q != 0.0)) as i64 as f64)?)
+                one(binary(&x, &y, Kind::Bool, |p, q| {
+                    ((p != 0.0) && (q != 0.0)) as i64 as f64
+                })?)
             }
             "aten.__or__.Tensor" | "aten.bitwise_or.Tensor" | "aten.logical_or.default" => {
                 let (x, y) = (t(self, 0)?, t(self, 1)?);
-                one(binary(&x, &y, Kind::Bool, |p, q| ((p != 0.0) || (q != 0.0)) as i64 as f64)?)
+                one(binary(&x, &y, Kind::Bool, |p, q| {
+                    ((p != 0.0) || (q != 0.0)) as i64 as f64
+                })?)
             }
             "aten.logical_not.default" | "aten.bitwise_not.default" => {
                 let x = t(self, 0)?;
@@ -404,18 +482,38 @@ impl<'a> Eval<'a> {
                 let k = promote(x.kind, y.kind);
                 let s = bshape(&bshape(&c.shape, &x.shape)?, &y.shape)?;
                 let mut data = Vec::new();
-                for_each_index(&s, |i| data.push(cast(if c.get(i) != 0.0 { x.get(i) } else { y.get(i) }, k)));
-                one(CT { shape: s, data, kind: k })
+                for_each_index(&s, |i| {
+                    data.push(cast(if c.get(i) != 0.0 { x.get(i) } else { y.get(i) }, k))
+                });
+                one(CT {
+                    shape: s,
+                    data,
+                    kind: k,
+                })
             }
             "aten.masked_fill.Scalar" | "aten.masked_fill.Tensor" => {
                 let (x, m, v) = (t(self, 0)?, t(self, 1)?, t(self, 2)?);
                 let s = bshape(&x.shape, &m.shape)?;
                 let mut data = Vec::new();
-                for_each_index(&s, |i| data.push(cast(if m.get(i) != 0.0 { v.get(i) } else { x.get(i) }, x.kind)));
-                one(CT { shape: s, data, kind: x.kind })
+                for_each_index(&s, |i| {
+                    data.push(cast(
+                        if m.get(i) != 0.0 { v.get(i) } else { x.get(i) },
+                        x.kind,
+                    ))
+                });
+                one(CT {
+                    shape: s,
+                    data,
+                    kind: x.kind,
+                })
             }
-            "aten.full.default" | "aten.zeros.default" | "aten.ones.default" | "aten.new_ones.default" | "aten.new_zeros.default"
-            | "aten.empty.memory_format" | "aten.empty_permuted.default" => {
+            "aten.full.default"
+            | "aten.zeros.default"
+            | "aten.ones.default"
+            | "aten.new_ones.default"
+            | "aten.new_zeros.default"
+            | "aten.empty.memory_format"
+            | "aten.empty_permuted.default" => {
                 let (size_i, fill) = match n.base() {
                     "full" => (0, self.scalar_arg(&a(1))?),
                     "zeros" | "empty" | "empty_permuted" => (0, CV::Num(0.0, Kind::Float)),
@@ -423,7 +521,11 @@ impl<'a> Eval<'a> {
                     "new_ones" => (1, CV::Num(1.0, Kind::Float)),
                     _ => (1, CV::Num(0.0, Kind::Float)),
                 };
-                let shape: Vec<usize> = self.ints_arg(&a(size_i))?.into_iter().map(|x| x.max(0) as usize).collect();
+                let shape: Vec<usize> = self
+                    .ints_arg(&a(size_i))?
+                    .into_iter()
+                    .map(|x| x.max(0) as usize)
+                    .collect();
                 let (v, fk) = match fill {
                     CV::Num(v, k) => (v, k),
                     _ => return Err("fill value is not a number".into()),
@@ -439,9 +541,16 @@ impl<'a> Eval<'a> {
                 if numel(&shape) > MAX_ELEMS {
                     return Err("too large".into());
                 }
-                one(CT { data: vec![cast(v, k); numel(&shape)], shape, kind: k })
+                one(CT {
+                    data: vec![cast(v, k); numel(&shape)],
+                    shape,
+                    kind: k,
+                })
             }
-            "aten.full_like.default" | "aten.zeros_like.default" | "aten.ones_like.default" | "aten.empty_like.default" => {
+            "aten.full_like.default"
+            | "aten.zeros_like.default"
+            | "aten.ones_like.default"
+            | "aten.empty_like.default" => {
                 let x = t(self, 0)?;
                 let v = match n.base() {
                     "full_like" => match self.scalar_arg(&a(1))? {
@@ -452,17 +561,29 @@ impl<'a> Eval<'a> {
                     _ => 0.0,
                 };
                 let k = named_dtype(x.kind)?;
-                one(CT { data: vec![cast(v, k); numel(&x.shape)], shape: x.shape, kind: k })
+                one(CT {
+                    data: vec![cast(v, k); numel(&x.shape)],
+                    shape: x.shape,
+                    kind: k,
+                })
             }
             "aten.scalar_tensor.default" => {
                 let (v, fk) = match self.scalar_arg(&a(0))? {
                     CV::Num(v, k) => (v, k),
                     _ => return Err("scalar".into()),
                 };
-                let k = named_dtype(if fk == Kind::Bool { Kind::Bool } else { Kind::Float })?;
+                let k = named_dtype(if fk == Kind::Bool {
+                    Kind::Bool
+                } else {
+                    Kind::Float
+                })?;
                 one(CT::scalar(cast(v, k), k))
             }
-            "aten.to.dtype" | "aten.to.dtype_layout" | "aten.to.device" | "aten._to_copy.default" | "aten.type_as.default" => {
+            "aten.to.dtype"
+            | "aten.to.dtype_layout"
+            | "aten.to.device"
+            | "aten._to_copy.default"
+            | "aten.type_as.default" => {
                 let x = t(self, 0)?;
                 let k = match n.op.as_str() {
                     "aten.to.dtype" => match a(1) {
@@ -479,8 +600,12 @@ impl<'a> Eval<'a> {
                 let f32 = k == Kind::Float;
                 one(x.map(k, |v| if f32 { v as f32 as f64 } else { v }))
             }
-            "aten.clone.default" | "aten.alias.default" | "aten.contiguous.default" | "aten.detach.default"
-            | "aten.lift_fresh_copy.default" | "aten.copy.default" => {
+            "aten.clone.default"
+            | "aten.alias.default"
+            | "aten.contiguous.default"
+            | "aten.detach.default"
+            | "aten.lift_fresh_copy.default"
+            | "aten.copy.default" => {
                 let i = if n.base() == "copy" { 1 } else { 0 };
                 one(t(self, i)?)
             }
@@ -491,7 +616,13 @@ impl<'a> Eval<'a> {
                 let total = numel(&x.shape) as i64;
                 let shape: Vec<usize> = want
                     .iter()
-                    .map(|&d| if d < 0 { (if known == 0 { 0 } else { total / known }) as usize } else { d as usize })
+                    .map(|&d| {
+                        if d < 0 {
+                            (if known == 0 { 0 } else { total / known }) as usize
+                        } else {
+                            d as usize
+                        }
+                    })
                     .collect();
                 if numel(&shape) != numel(&x.shape) {
                     return Err(format!("view {:?} -> {shape:?}", x.shape));
@@ -510,7 +641,11 @@ impl<'a> Eval<'a> {
                 let r = x.shape.len();
                 let dims: Vec<usize> = match n.op.as_str() {
                     "aten.squeeze.default" => (0..r).collect(),
-                    _ => self.ints_arg(&a(1))?.into_iter().map(|d| norm(d, r)).collect::<R<_>>()?,
+                    _ => self
+                        .ints_arg(&a(1))?
+                        .into_iter()
+                        .map(|d| norm(d, r))
+                        .collect::<R<_>>()?,
                 };
                 let mut keep = Vec::new();
                 for (i, &s) in x.shape.iter().enumerate() {
@@ -530,7 +665,11 @@ impl<'a> Eval<'a> {
                 let off = want.len() - x.shape.len();
                 let mut shape = Vec::with_capacity(want.len());
                 for (i, &d) in want.iter().enumerate() {
-                    let src = if i >= off { Some(x.shape[i - off]) } else { None };
+                    let src = if i >= off {
+                        Some(x.shape[i - off])
+                    } else {
+                        None
+                    };
                     let v = match (d < 0, src) {
                         (true, Some(s)) => s,
                         (true, None) => return Err("expand with -1 in a new dim".into()),
@@ -548,7 +687,11 @@ impl<'a> Eval<'a> {
                     return Err("too large".into());
                 }
                 for_each_index(&shape, |i| data.push(x.get(i)));
-                one(CT { shape, data, kind: x.kind })
+                one(CT {
+                    shape,
+                    data,
+                    kind: x.kind,
+                })
             }
             "aten.slice.Tensor" => {
                 let x = t(self, 0)?;
@@ -568,7 +711,10 @@ impl<'a> Eval<'a> {
                     ref o => fix(self.int_arg(o)?),
                 };
                 let step = self.int_arg(&a(4))?.max(1);
-                let picks: Vec<usize> = (s..e.max(s)).step_by(step as usize).map(|v| v as usize).collect();
+                let picks: Vec<usize> = (s..e.max(s))
+                    .step_by(step as usize)
+                    .map(|v| v as usize)
+                    .collect();
                 one(take(&x, d, &picks))
             }
             "aten.select.int" => {
@@ -589,9 +735,20 @@ impl<'a> Eval<'a> {
                 let x = t(self, 0)?;
                 let r = x.shape.len();
                 let perm: Vec<usize> = match n.base() {
-                    "permute" => self.ints_arg(&a(1))?.into_iter().map(|d| norm(d, r)).collect::<R<_>>()?,
+                    "permute" => self
+                        .ints_arg(&a(1))?
+                        .into_iter()
+                        .map(|d| norm(d, r))
+                        .collect::<R<_>>()?,
                     _ => {
-                        let (d0, d1) = if n.base() == "t" { (0, 1) } else { (norm(self.int_arg(&a(1))?, r)?, norm(self.int_arg(&a(2))?, r)?) };
+                        let (d0, d1) = if n.base() == "t" {
+                            (0, 1)
+                        } else {
+                            (
+                                norm(self.int_arg(&a(1))?, r)?,
+                                norm(self.int_arg(&a(2))?, r)?,
+                            )
+                        };
                         let mut p: Vec<usize> = (0..r).collect();
                         p.swap(d0, d1);
                         p
@@ -604,12 +761,24 @@ impl<'a> Eval<'a> {
                     let off: usize = i.iter().zip(&perm).map(|(&k, &p)| k * st[p]).sum();
                     data.push(x.data[off]);
                 });
-                one(CT { shape, data, kind: x.kind })
+                one(CT {
+                    shape,
+                    data,
+                    kind: x.kind,
+                })
             }
             "aten.cat.default" => {
-                let Arg::Tensors(names) = a(0) else { return Err("cat of a non-list".into()) };
-                let parts: Vec<CT> = names.iter().map(|nm| self.tensor_arg(&Arg::Tensor(nm.clone()))).collect::<R<_>>()?;
-                let parts: Vec<CT> = parts.into_iter().filter(|p| !(p.shape.len() == 1 && p.shape[0] == 0)).collect();
+                let Arg::Tensors(names) = a(0) else {
+                    return Err("cat of a non-list".into());
+                };
+                let parts: Vec<CT> = names
+                    .iter()
+                    .map(|nm| self.tensor_arg(&Arg::Tensor(nm.clone())))
+                    .collect::<R<_>>()?;
+                let parts: Vec<CT> = parts
+                    .into_iter()
+                    .filter(|p| !(p.shape.len() == 1 && p.shape[0] == 0))
+                    .collect();
                 let first = parts.first().ok_or("empty cat")?.clone();
                 let d = norm(self.int_arg(&a(1))?, first.shape.len())?;
                 check_cat(&parts, d)?;
@@ -634,7 +803,11 @@ impl<'a> Eval<'a> {
             "aten.cumsum.default" => {
                 let x = t(self, 0)?;
                 let d = norm(self.int_arg(&a(1))?, x.shape.len())?;
-                let k = named_dtype(if x.kind == Kind::Float { Kind::Float } else { Kind::Int })?;
+                let k = named_dtype(if x.kind == Kind::Float {
+                    Kind::Float
+                } else {
+                    Kind::Int
+                })?;
                 let st = strides(&x.shape);
                 let mut data = x.data.clone();
                 for_each_index(&x.shape, |i| {
@@ -643,7 +816,11 @@ impl<'a> Eval<'a> {
                         data[off] += data[off - st[d]];
                     }
                 });
-                one(CT { shape: x.shape.clone(), data: data.into_iter().map(|v| cast(v, k)).collect(), kind: k })
+                one(CT {
+                    shape: x.shape.clone(),
+                    data: data.into_iter().map(|v| cast(v, k)).collect(),
+                    kind: k,
+                })
             }
             "aten.diff.default" => {
                 let mut x = t(self, 0)?;
@@ -672,13 +849,21 @@ impl<'a> Eval<'a> {
                 let mut shape = x.shape.clone();
                 shape[d] = shape[d].saturating_sub(1);
                 let mut data = Vec::new();
-                let k = if x.kind == Kind::Bool { Kind::Bool } else { x.kind };
+                let k = if x.kind == Kind::Bool {
+                    Kind::Bool
+                } else {
+                    x.kind
+                };
                 for_each_index(&shape, |i| {
                     let mut j = i.to_vec();
                     j[d] += 1;
                     data.push(cast(x.get(&j) - x.get(i), k));
                 });
-                one(CT { shape, data, kind: k })
+                one(CT {
+                    shape,
+                    data,
+                    kind: k,
+                })
             }
             "aten.index.Tensor" => {
                 let x = t(self, 0)?;
@@ -710,7 +895,11 @@ impl<'a> Eval<'a> {
                 if !keep {
                     shape.remove(d);
                 }
-                one(CT { shape, data, kind: Kind::Bool })
+                one(CT {
+                    shape,
+                    data,
+                    kind: Kind::Bool,
+                })
             }
             "aten.matmul.default" | "aten.bmm.default" | "aten.mm.default" => {
                 let (x, y) = (t(self, 0)?, t(self, 1)?);
@@ -738,7 +927,11 @@ impl<'a> Eval<'a> {
                     }
                     data.push(acc as f64);
                 });
-                one(CT { shape, data, kind: promote(x.kind, y.kind) })
+                one(CT {
+                    shape,
+                    data,
+                    kind: promote(x.kind, y.kind),
+                })
             }
             "_operator.getitem.default" => Err("getitem".into()),
             op => Err(format!("`{op}` is not evaluated")),
@@ -749,7 +942,10 @@ impl<'a> Eval<'a> {
         if idx.iter().any(Option::is_none) || idx.len() > x.shape.len() {
             return Err("index with None entries".into());
         }
-        let its: Vec<CT> = idx.iter().map(|n| self.tensor_arg(&Arg::Tensor(n.clone().unwrap()))).collect::<R<_>>()?;
+        let its: Vec<CT> = idx
+            .iter()
+            .map(|n| self.tensor_arg(&Arg::Tensor(n.clone().unwrap())))
+            .collect::<R<_>>()?;
         let mut b: Vec<usize> = vec![];
         for i in &its {
             b = bshape(&b, &i.shape)?;
@@ -781,7 +977,11 @@ impl<'a> Eval<'a> {
         if let Some(e) = err {
             return Err(e);
         }
-        Ok(vec![CV::T(CT { shape, data, kind: x.kind })])
+        Ok(vec![CV::T(CT {
+            shape,
+            data,
+            kind: x.kind,
+        })])
     }
 }
 
@@ -804,7 +1004,11 @@ fn take(x: &CT, d: usize, picks: &[usize]) -> CT {
         j[d] = picks[i[d]];
         data.push(x.get(&j));
     });
-    CT { shape, data, kind: x.kind }
+    CT {
+        shape,
+        data,
+        kind: x.kind,
+    }
 }
 
 fn concat(parts: &[CT], d: usize) -> R<CT> {
@@ -823,7 +1027,11 @@ fn concat(parts: &[CT], d: usize) -> R<CT> {
             k -= p.shape[d];
         }
     });
-    Ok(CT { shape, data, kind: parts.iter().fold(Kind::Bool, |k, p| promote(k, p.kind)) })
+    Ok(CT {
+        shape,
+        data,
+        kind: parts.iter().fold(Kind::Bool, |k, p| promote(k, p.kind)),
+    })
 }
 
 #[cfg(test)]
@@ -832,11 +1040,29 @@ mod tests {
 
     #[test]
     fn broadcast_get_and_binary() {
-        let a = CT { shape: vec![2, 1], data: vec![1., 2.], kind: Kind::Int };
-        let b = CT { shape: vec![3], data: vec![10., 20., 30.], kind: Kind::Int };
+        let a = CT {
+            shape: vec![2, 1],
+            data: vec![1., 2.],
+            kind: Kind::Int,
+        };
+        let b = CT {
+            shape: vec![3],
+            data: vec![10., 20., 30.],
+            kind: Kind::Int,
+        };
         let c = binary(&a, &b, Kind::Int, |p, q| p + q).unwrap();
         assert_eq!(c.shape, vec![2, 3]);
         assert_eq!(c.data, vec![11., 21., 31., 12., 22., 32.]);
-        assert!(binary(&CT { shape: vec![2], data: vec![0.; 2], kind: Kind::Int }, &b, Kind::Int, |p, _| p).is_err());
+        assert!(binary(
+            &CT {
+                shape: vec![2],
+                data: vec![0.; 2],
+                kind: Kind::Int
+            },
+            &b,
+            Kind::Int,
+            |p, _| p
+        )
+        .is_err());
     }
 }

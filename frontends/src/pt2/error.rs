@@ -23,31 +23,64 @@ pub enum Pt2Error {
 
     /// An entry exists but could not be read (bad compression, CRC, not UTF-8).
     #[error("cannot read entry `{entry}` of {archive}: {message}")]
-    Entry { archive: String, entry: String, message: String },
+    Entry {
+        archive: String,
+        entry: String,
+        message: String,
+    },
 
     /// An archive layout of torch 2.6-2.8 (pickled weights) or another program kind.
     #[error("{archive} was written by {writer}, whose .pt2 layout is not supported: {message}")]
-    OldArchive { archive: String, writer: String, message: String },
+    OldArchive {
+        archive: String,
+        writer: String,
+        message: String,
+    },
 
     /// The serialized ExportedProgram has a schema major this importer does not read.
     #[error("`{entry}` has export schema {major}.{minor} (written by torch {torch}); this importer reads schema 8")]
-    SchemaVersion { entry: String, major: i64, minor: i64, torch: String },
+    SchemaVersion {
+        entry: String,
+        major: i64,
+        minor: i64,
+        torch: String,
+    },
 
     /// Text that is not JSON.
     #[error("invalid JSON in `{entry}` at line {line}, column {column}: {message}")]
-    Json { entry: String, line: usize, column: usize, message: String },
+    Json {
+        entry: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
 
     /// JSON that does not follow the export schema.
     #[error("unexpected content in `{entry}` at {path}: {message}")]
-    Schema { entry: String, path: String, message: String },
+    Schema {
+        entry: String,
+        path: String,
+        message: String,
+    },
 
     /// A tensor's dtype code is not one the importer reads.
-    #[error("tensor `{tensor}` in `{entry}` has dtype code {code} ({name}), which Weft cannot hold")]
-    DType { entry: String, tensor: String, code: i64, name: String },
+    #[error(
+        "tensor `{tensor}` in `{entry}` has dtype code {code} ({name}), which Weft cannot hold"
+    )]
+    DType {
+        entry: String,
+        tensor: String,
+        code: i64,
+        name: String,
+    },
 
     /// A tensor's sizes, strides and offset do not fit its bytes.
     #[error("tensor `{tensor}` in `{entry}`: {message}")]
-    TensorData { entry: String, tensor: String, message: String },
+    TensorData {
+        entry: String,
+        tensor: String,
+        message: String,
+    },
 
     /// Weights are missing (the program was exported without them) or do not fit.
     #[error("weights of {archive}: {message}")]
@@ -55,15 +88,29 @@ pub enum Pt2Error {
 
     /// An exported op the importer cannot translate.
     #[error("unsupported op `{op}` in node `{node}`{}: {message}", layer_text(.layer))]
-    UnsupportedOp { op: String, node: String, layer: Option<String>, message: String },
+    UnsupportedOp {
+        op: String,
+        node: String,
+        layer: Option<String>,
+        message: String,
+    },
 
     /// A node whose arguments or types do not make sense.
     #[error("cannot import node `{node}` (`{op}`){}: {message}", layer_text(.layer))]
-    Node { op: String, node: String, layer: Option<String>, message: String },
+    Node {
+        op: String,
+        node: String,
+        layer: Option<String>,
+        message: String,
+    },
 
     /// A symbolic size the importer cannot express as a Weft dim.
     #[error("symbolic size `{expr}` in {place}: {message}")]
-    SymExpr { expr: String, place: String, message: String },
+    SymExpr {
+        expr: String,
+        place: String,
+        message: String,
+    },
 
     /// The program's signature is not a causal LM's forward.
     #[error("unsupported program signature: {message}")]
@@ -108,7 +155,15 @@ impl Pt2Error {
         }
     }
 
-    pub(crate) fn schema(entry: &str, path: impl Into<String>, message: impl Into<String>) -> Pt2Error {
-        Pt2Error::Schema { entry: entry.to_string(), path: path.into(), message: message.into() }
+    pub(crate) fn schema(
+        entry: &str,
+        path: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Pt2Error {
+        Pt2Error::Schema {
+            entry: entry.to_string(),
+            path: path.into(),
+            message: message.into(),
+        }
     }
 }

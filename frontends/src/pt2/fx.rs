@@ -26,7 +26,11 @@ pub struct FxNode {
 
 impl FxNode {
     pub fn arg(&self, name: &str) -> &Arg {
-        self.args.iter().find(|(n, _)| n == name).map(|(_, a)| a).unwrap_or(&Arg::None)
+        self.args
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, a)| a)
+            .unwrap_or(&Arg::None)
     }
 
     pub fn arg_at(&self, i: usize) -> &Arg {
@@ -56,7 +60,6 @@ impl FxNode {
         }
         out
     }
-
 }
 
 #[derive(Clone, Debug, Default)]
@@ -116,7 +119,10 @@ const SKIPPED: &[&str] = &[
 ];
 
 pub fn build(entry: &str, g: &Graph) -> Result<FxGraph, Pt2Error> {
-    let mut fx = FxGraph { outputs: g.outputs.clone(), ..Default::default() };
+    let mut fx = FxGraph {
+        outputs: g.outputs.clone(),
+        ..Default::default()
+    };
     fx.tensor_meta = g.tensor_values.clone();
     fx.sym_values = g.sym_int_values.clone();
     let mut renames: BTreeMap<String, String> = BTreeMap::new();
@@ -170,8 +176,16 @@ fn add_nodes(
     for (ni, n) in g.nodes.iter().enumerate() {
         let npath = format!("{path}.nodes[{ni}]");
         let key = op_key(&n.target);
-        let scope = n.metadata.get("nn_module_stack").and_then(|s| module_path(s)).or(outer_scope.map(str::to_string));
-        let name = n.name.clone().or_else(|| first_output_name(n)).unwrap_or_else(|| format!("node{ni}"));
+        let scope = n
+            .metadata
+            .get("nn_module_stack")
+            .and_then(|s| module_path(s))
+            .or(outer_scope.map(str::to_string));
+        let name = n
+            .name
+            .clone()
+            .or_else(|| first_output_name(n))
+            .unwrap_or_else(|| format!("node{ni}"));
         if SKIPPED.contains(&key.as_str()) {
             fx.dropped += 1;
             continue;
@@ -188,14 +202,22 @@ fn add_nodes(
         }
         let outputs = flatten_outputs(n);
         if was_inplace {
-            if let (Some((_, Arg::Tensor(target))), Some(Some(out))) = (args.first(), outputs.first()) {
+            if let (Some((_, Arg::Tensor(target))), Some(Some(out))) =
+                (args.first(), outputs.first())
+            {
                 if target != out {
                     renames.insert(target.clone(), out.clone());
                 }
             }
             fx.functionalized.push(name.clone());
         }
-        fx.nodes.push(FxNode { op: key, name, args, outputs, scope });
+        fx.nodes.push(FxNode {
+            op: key,
+            name,
+            args,
+            outputs,
+            scope,
+        });
     }
     Ok(())
 }
@@ -222,18 +244,42 @@ fn flatten_outputs(n: &Node) -> Vec<Option<String>> {
 
 fn functional_key(key: &str) -> (String, bool) {
     let parts: Vec<&str> = key.split('.').collect();
-    if parts.len() == 3 && parts[1].ends_with('_') && !parts[1].starts_with('_') && !parts[1].ends_with("__") {
-        return (format!("{}.{}.{}", parts[0], parts[1].trim_end_matches('_'), parts[2]), true);
+    if parts.len() == 3
+        && parts[1].ends_with('_')
+        && !parts[1].starts_with('_')
+        && !parts[1].ends_with("__")
+    {
+        return (
+            format!(
+                "{}.{}.{}",
+                parts[0],
+                parts[1].trim_end_matches('_'),
+                parts[2]
+            ),
+            true,
+        );
     }
     (key.to_string(), false)
 }
 
-fn normalize(entry: &str, n: &Node, key: &str, name: &str, path: &str, scope: Option<&str>) -> Result<Vec<(String, Arg)>, Pt2Error> {
+fn normalize(
+    entry: &str,
+    n: &Node,
+    key: &str,
+    name: &str,
+    path: &str,
+    scope: Option<&str>,
+) -> Result<Vec<(String, Arg)>, Pt2Error> {
     let Some(params) = opschema::lookup(key) else {
         // Unknown ops keep their arguments as given; lowering reports them if needed.
-        return Ok(n.inputs.iter().map(|a| (a.name.clone(), a.arg.clone())).collect());
+        return Ok(n
+            .inputs
+            .iter()
+            .map(|a| (a.name.clone(), a.arg.clone()))
+            .collect());
     };
-    let mut out: Vec<(String, Option<Arg>)> = params.iter().map(|p| (p.name.clone(), None)).collect();
+    let mut out: Vec<(String, Option<Arg>)> =
+        params.iter().map(|p| (p.name.clone(), None)).collect();
     let mut next_positional = 0usize;
     for a in &n.inputs {
         let slot = if !a.name.is_empty() {
@@ -249,7 +295,11 @@ fn normalize(entry: &str, n: &Node, key: &str, name: &str, path: &str, scope: Op
                 message: format!(
                     "argument `{}` is not in the op's schema ({}) [{entry} {path}]",
                     a.name,
-                    params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
+                    params
+                        .iter()
+                        .map(|p| p.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             });
         };
@@ -265,7 +315,10 @@ fn normalize(entry: &str, n: &Node, key: &str, name: &str, path: &str, scope: Op
                 op: key.to_string(),
                 node: name.to_string(),
                 layer: scope.map(str::to_string),
-                message: format!("required argument `{}` ({}) is missing [{entry} {path}]", p.name, p.ty),
+                message: format!(
+                    "required argument `{}` ({}) is missing [{entry} {path}]",
+                    p.name, p.ty
+                ),
             }),
         })
         .collect()
@@ -290,22 +343,40 @@ fn inline_hop(
         layer: scope.map(str::to_string),
         message: msg.to_string(),
     };
-    let hop = key.trim_start_matches("higher_order.").trim_end_matches(".default");
-    let gi = n.inputs.iter().position(|a| matches!(a.arg, Arg::Graph(..))).ok_or_else(|| unsupported("no subgraph argument"))?;
+    let hop = key
+        .trim_start_matches("higher_order.")
+        .trim_end_matches(".default");
+    let gi = n
+        .inputs
+        .iter()
+        .position(|a| matches!(a.arg, Arg::Graph(..)))
+        .ok_or_else(|| unsupported("no subgraph argument"))?;
     match hop {
         "wrap_with_set_grad_enabled" => {}
         "wrap_with_autocast" => {
             // (device_type, dtype, enabled, cache_enabled, graph, *args): only a disabled autocast is a no-op.
             if !matches!(n.inputs.get(2).map(|a| &a.arg), Some(Arg::Bool(false))) {
-                return Err(unsupported("autocast regions change dtypes; export without torch.autocast"));
+                return Err(unsupported(
+                    "autocast regions change dtypes; export without torch.autocast",
+                ));
             }
         }
-        _ => return Err(unsupported("only wrap_with_set_grad_enabled and disabled autocast regions are inlined")),
+        _ => {
+            return Err(unsupported(
+                "only wrap_with_set_grad_enabled and disabled autocast regions are inlined",
+            ))
+        }
     }
-    let Arg::Graph(sub_name, sub) = &n.inputs[gi].arg else { unreachable!() };
+    let Arg::Graph(sub_name, sub) = &n.inputs[gi].arg else {
+        unreachable!()
+    };
     let actual: Vec<&Arg> = n.inputs[gi + 1..].iter().map(|a| &a.arg).collect();
     if actual.len() != sub.inputs.len() {
-        return Err(unsupported(&format!("subgraph `{sub_name}` takes {} inputs, got {}", sub.inputs.len(), actual.len())));
+        return Err(unsupported(&format!(
+            "subgraph `{sub_name}` takes {} inputs, got {}",
+            sub.inputs.len(),
+            actual.len()
+        )));
     }
     // Subgraph placeholders alias the actual arguments.
     for (formal, act) in sub.inputs.iter().zip(actual) {
@@ -325,7 +396,14 @@ fn inline_hop(
     for (k, v) in &sub.sym_int_values {
         fx.sym_values.entry(k.clone()).or_insert_with(|| v.clone());
     }
-    add_nodes(entry, sub, fx, renames, &format!("{path}.{sub_name}"), scope)?;
+    add_nodes(
+        entry,
+        sub,
+        fx,
+        renames,
+        &format!("{path}.{sub_name}"),
+        scope,
+    )?;
     // The wrapper's outputs alias the subgraph's outputs.
     let outs = flatten_outputs(n);
     for (o, so) in outs.iter().zip(&sub.outputs) {
@@ -359,8 +437,17 @@ mod tests {
         assert_eq!(op_key("torch.ops.aten.add.Tensor"), "aten.add.Tensor");
         assert_eq!(op_key("torch.ops.aten.embedding"), "aten.embedding.default");
         assert_eq!(op_key("_operator.mul"), "_operator.mul.default");
-        assert_eq!(functional_key("aten.div_.Tensor"), ("aten.div.Tensor".to_string(), true));
-        assert_eq!(functional_key("aten.__and__.Tensor"), ("aten.__and__.Tensor".to_string(), false));
-        assert_eq!(functional_key("aten._softmax.default"), ("aten._softmax.default".to_string(), false));
+        assert_eq!(
+            functional_key("aten.div_.Tensor"),
+            ("aten.div.Tensor".to_string(), true)
+        );
+        assert_eq!(
+            functional_key("aten.__and__.Tensor"),
+            ("aten.__and__.Tensor".to_string(), false)
+        );
+        assert_eq!(
+            functional_key("aten._softmax.default"),
+            ("aten._softmax.default".to_string(), false)
+        );
     }
 }

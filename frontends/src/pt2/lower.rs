@@ -43,7 +43,10 @@ pub(crate) enum LV {
     /// `view(rows, [T, k, H])` of HF-ordered rows, waiting for its `sum(dim=1)`.
     Grouped(Rows),
     /// Routing weights in sorted order (`weights.flatten()[perm]`), as the `[T, k]` tensor.
-    PairW { m: usize, w: Value },
+    PairW {
+        m: usize,
+        w: Value,
+    },
     SortedIds(usize),
     Perm(usize),
     PermTok,
@@ -91,14 +94,40 @@ pub(crate) struct Lower<'a> {
 
 pub(crate) fn dup(e: &Pt2Error) -> Pt2Error {
     match e {
-        Pt2Error::UnsupportedOp { op, node, layer, message } => {
-            Pt2Error::UnsupportedOp { op: op.clone(), node: node.clone(), layer: layer.clone(), message: message.clone() }
-        }
-        Pt2Error::Node { op, node, layer, message } => {
-            Pt2Error::Node { op: op.clone(), node: node.clone(), layer: layer.clone(), message: message.clone() }
-        }
-        Pt2Error::SymExpr { expr, place, message } => Pt2Error::SymExpr { expr: expr.clone(), place: place.clone(), message: message.clone() },
-        other => Pt2Error::Signature { message: other.to_string() },
+        Pt2Error::UnsupportedOp {
+            op,
+            node,
+            layer,
+            message,
+        } => Pt2Error::UnsupportedOp {
+            op: op.clone(),
+            node: node.clone(),
+            layer: layer.clone(),
+            message: message.clone(),
+        },
+        Pt2Error::Node {
+            op,
+            node,
+            layer,
+            message,
+        } => Pt2Error::Node {
+            op: op.clone(),
+            node: node.clone(),
+            layer: layer.clone(),
+            message: message.clone(),
+        },
+        Pt2Error::SymExpr {
+            expr,
+            place,
+            message,
+        } => Pt2Error::SymExpr {
+            expr: expr.clone(),
+            place: place.clone(),
+            message: message.clone(),
+        },
+        other => Pt2Error::Signature {
+            message: other.to_string(),
+        },
     }
 }
 
@@ -148,17 +177,32 @@ impl<'a> Lower<'a> {
 
     #[cfg(test)]
     pub fn for_tests(fx: &'a FxGraph, b0: i64, s0: i64, generalize_seq: bool) -> Lower<'a> {
-        Lower { b0, s0, generalize_seq, ..Lower::new(fx, "t") }
+        Lower {
+            b0,
+            s0,
+            generalize_seq,
+            ..Lower::new(fx, "t")
+        }
     }
 
     // ---------------------------------------------------------------- errors
 
     pub fn unsupported(&self, n: &FxNode, msg: impl Into<String>) -> LErr {
-        Rc::new(Pt2Error::UnsupportedOp { op: n.op.clone(), node: n.name.clone(), layer: n.scope.clone(), message: msg.into() })
+        Rc::new(Pt2Error::UnsupportedOp {
+            op: n.op.clone(),
+            node: n.name.clone(),
+            layer: n.scope.clone(),
+            message: msg.into(),
+        })
     }
 
     pub fn bad(&self, n: &FxNode, msg: impl Into<String>) -> LErr {
-        Rc::new(Pt2Error::Node { op: n.op.clone(), node: n.name.clone(), layer: n.scope.clone(), message: msg.into() })
+        Rc::new(Pt2Error::Node {
+            op: n.op.clone(),
+            node: n.name.clone(),
+            layer: n.scope.clone(),
+            message: msg.into(),
+        })
     }
 
     // ---------------------------------------------------------------- values
@@ -191,7 +235,10 @@ impl<'a> Lower<'a> {
         match self.arg_lv(a) {
             LV::T(v) => Ok(v),
             LV::Err(e) => Err(e),
-            LV::Rows(_) | LV::Grouped(_) => Err(self.unsupported(n, "uses the rows of a MoE block in a way the importer does not follow")),
+            LV::Rows(_) | LV::Grouped(_) => Err(self.unsupported(
+                n,
+                "uses the rows of a MoE block in a way the importer does not follow",
+            )),
             other => Err(self.bad(n, format!("expected a tensor argument, found {other:?}"))),
         }
     }
@@ -222,10 +269,13 @@ impl<'a> Lower<'a> {
         match a {
             Arg::Int(i) => Ok(*i),
             Arg::SymInt(SymArg::Int(i)) => Ok(*i),
-            _ => match self.dim_arg(n, a)?.as_const() {
-                Some(c) => Ok(c),
-                None => Err(self.unsupported(n, "needs a constant where the export has a symbolic size")),
-            },
+            _ => {
+                match self.dim_arg(n, a)?.as_const() {
+                    Some(c) => Ok(c),
+                    None => Err(self
+                        .unsupported(n, "needs a constant where the export has a symbolic size")),
+                }
+            }
         }
     }
 
@@ -233,7 +283,10 @@ impl<'a> Lower<'a> {
         match a {
             Arg::Ints(v) => Ok(v.clone()),
             Arg::Int(i) => Ok(vec![*i]),
-            Arg::SymInts(v) => v.iter().map(|s| self.int_arg(n, &Arg::SymInt(s.clone()))).collect(),
+            Arg::SymInts(v) => v
+                .iter()
+                .map(|s| self.int_arg(n, &Arg::SymInt(s.clone())))
+                .collect(),
             _ => Err(self.bad(n, format!("expected a list of ints, found {a:?}"))),
         }
     }
@@ -247,8 +300,20 @@ impl<'a> Lower<'a> {
     }
 
     pub fn sym_to_dim(&self, expr: &str, place: &str) -> LR<Dim> {
-        let e = sympy::parse(expr).map_err(|m| Rc::new(Pt2Error::SymExpr { expr: expr.into(), place: place.into(), message: m }))?;
-        e.to_dim(&self.symmap).map_err(|m| Rc::new(Pt2Error::SymExpr { expr: expr.into(), place: place.into(), message: m }))
+        let e = sympy::parse(expr).map_err(|m| {
+            Rc::new(Pt2Error::SymExpr {
+                expr: expr.into(),
+                place: place.into(),
+                message: m,
+            })
+        })?;
+        e.to_dim(&self.symmap).map_err(|m| {
+            Rc::new(Pt2Error::SymExpr {
+                expr: expr.into(),
+                place: place.into(),
+                message: m,
+            })
+        })
     }
 
     pub fn symint_dim(&self, s: &SymInt, place: &str) -> LR<Dim> {
@@ -261,12 +326,26 @@ impl<'a> Lower<'a> {
     /// The type the export recorded for a value.
     pub fn meta_ty(&self, name: &str) -> LR<TensorType> {
         let m = self.fx.tensor_meta.get(name).ok_or_else(|| {
-            Rc::new(Pt2Error::Node { op: "?".into(), node: name.into(), layer: None, message: "no recorded tensor type".into() })
+            Rc::new(Pt2Error::Node {
+                op: "?".into(),
+                node: name.into(),
+                layer: None,
+                message: "no recorded tensor type".into(),
+            })
         })?;
         let dtype = dtype_of_code(m.dtype).ok_or_else(|| {
-            Rc::new(Pt2Error::DType { entry: "models/model.json".into(), tensor: name.into(), code: m.dtype, name: ScalarType::name(m.dtype).into() })
+            Rc::new(Pt2Error::DType {
+                entry: "models/model.json".into(),
+                tensor: name.into(),
+                code: m.dtype,
+                name: ScalarType::name(m.dtype).into(),
+            })
         })?;
-        let shape = m.sizes.iter().map(|s| self.symint_dim(s, &format!("the type of `{name}`"))).collect::<LR<Vec<_>>>()?;
+        let shape = m
+            .sizes
+            .iter()
+            .map(|s| self.symint_dim(s, &format!("the type of `{name}`")))
+            .collect::<LR<Vec<_>>>()?;
         Ok(TensorType::new(dtype, shape))
     }
 
@@ -282,7 +361,9 @@ impl<'a> Lower<'a> {
     }
 
     pub fn emit_multi(&mut self, n: &FxNode, op: Op, args: &[Value]) -> LR<Vec<Value>> {
-        self.g.add_multi(op, args).map_err(|e| self.bad(n, e.message))
+        self.g
+            .add_multi(op, args)
+            .map_err(|e| self.bad(n, e.message))
     }
 
     pub fn ty(&self, v: Value) -> TensorType {
@@ -290,7 +371,14 @@ impl<'a> Lower<'a> {
     }
 
     pub fn full(&mut self, n: &FxNode, value: f64, ty: TensorType) -> LR<Value> {
-        self.emit(n, Op::Full { value: Float(value), ty }, &[])
+        self.emit(
+            n,
+            Op::Full {
+                value: Float(value),
+                ty,
+            },
+            &[],
+        )
     }
 
     pub fn cast(&mut self, n: &FxNode, v: Value, dtype: DType) -> LR<Value> {
@@ -351,7 +439,10 @@ impl<'a> Lower<'a> {
                 (LV::T(v), Some(name)) => match self.meta_ty(name) {
                     Ok(want) if !self.fits(&want, self.g.ty(*v), *v) => LV::Err(self.bad(
                         n,
-                        format!("importer produced {} for `{name}`, the export recorded {want}", self.g.ty(*v)),
+                        format!(
+                            "importer produced {} for `{name}`, the export recorded {want}",
+                            self.g.ty(*v)
+                        ),
                     )),
                     _ => lv,
                 },
@@ -390,7 +481,10 @@ impl<'a> Lower<'a> {
             return false;
         }
         let bcast = self.causal.contains_key(&v);
-        want.shape.iter().zip(&got.shape).all(|(w, g)| self.same_size(w, g) || bcast && *g == Dim::from(1))
+        want.shape
+            .iter()
+            .zip(&got.shape)
+            .all(|(w, g)| self.same_size(w, g) || bcast && *g == Dim::from(1))
     }
 
     fn lower_node(&mut self, n: &FxNode) -> LR<Vec<LV>> {
@@ -401,19 +495,36 @@ impl<'a> Lower<'a> {
         let op = n.op.as_str();
         match op {
             "aten.sym_size.int" => {
-                let Arg::Tensor(x) = n.arg_at(0) else { return Err(self.bad(n, "sym_size of a non-tensor")) };
+                let Arg::Tensor(x) = n.arg_at(0) else {
+                    return Err(self.bad(n, "sym_size of a non-tensor"));
+                };
                 let d = self.int_arg(n, n.arg_at(1))?;
-                let m = self.fx.tensor_meta.get(x).ok_or_else(|| self.bad(n, "input has no recorded type"))?;
+                let m = self
+                    .fx
+                    .tensor_meta
+                    .get(x)
+                    .ok_or_else(|| self.bad(n, "input has no recorded type"))?;
                 let r = m.sizes.len() as i64;
                 let d = if d < 0 { d + r } else { d };
-                let s = m.sizes.get(d as usize).ok_or_else(|| self.bad(n, "dim out of range"))?.clone();
-                Ok(vec![LV::Sym(self.symint_dim(&s, &format!("node `{}`", n.name))?)])
+                let s = m
+                    .sizes
+                    .get(d as usize)
+                    .ok_or_else(|| self.bad(n, "dim out of range"))?
+                    .clone();
+                Ok(vec![LV::Sym(
+                    self.symint_dim(&s, &format!("node `{}`", n.name))?,
+                )])
             }
             "aten.sym_numel.default" => {
-                let Arg::Tensor(x) = n.arg_at(0) else { return Err(self.bad(n, "sym_numel of a non-tensor")) };
+                let Arg::Tensor(x) = n.arg_at(0) else {
+                    return Err(self.bad(n, "sym_numel of a non-tensor"));
+                };
                 Ok(vec![LV::Sym(self.meta_ty(x)?.numel())])
             }
-            "_operator.add.default" | "_operator.sub.default" | "_operator.mul.default" | "_operator.floordiv.default" => {
+            "_operator.add.default"
+            | "_operator.sub.default"
+            | "_operator.mul.default"
+            | "_operator.floordiv.default" => {
                 let (a, b) = (self.arg_lv(n.arg_at(0)), self.arg_lv(n.arg_at(1)));
                 let as_dim = |lv: &LV| -> LR<Dim> {
                     match lv {
@@ -432,7 +543,9 @@ impl<'a> Lower<'a> {
                 };
                 Ok(vec![LV::Sym(r)])
             }
-            "_operator.neg.default" => Ok(vec![LV::Sym(Dim::from(0) - self.dim_arg(n, n.arg_at(0))?)]),
+            "_operator.neg.default" => {
+                Ok(vec![LV::Sym(Dim::from(0) - self.dim_arg(n, n.arg_at(0))?)])
+            }
             "aten.embedding.default" => {
                 let (w, ids) = (self.tensor(n, n.arg_at(0))?, self.tensor(n, n.arg_at(1))?);
                 one(self.emit(n, Op::Embedding {}, &[ids, w])?)
@@ -450,19 +563,40 @@ impl<'a> Lower<'a> {
                 if self.g.ty(a).rank() < 2 || self.g.ty(b).rank() < 2 {
                     return Err(self.unsupported(n, "matmul with a 1-D operand"));
                 }
-                one(self.emit(n, Op::Matmul { transpose_a: false, transpose_b: false }, &[a, b])?)
+                one(self.emit(
+                    n,
+                    Op::Matmul {
+                        transpose_a: false,
+                        transpose_b: false,
+                    },
+                    &[a, b],
+                )?)
             }
             "aten.addmm.default" => {
-                let (bias, a, b) = (self.tensor(n, n.arg_at(0))?, self.tensor(n, n.arg_at(1))?, self.tensor(n, n.arg_at(2))?);
-                if self.float_arg(n, n.arg("beta"))? != 1.0 || self.float_arg(n, n.arg("alpha"))? != 1.0 {
+                let (bias, a, b) = (
+                    self.tensor(n, n.arg_at(0))?,
+                    self.tensor(n, n.arg_at(1))?,
+                    self.tensor(n, n.arg_at(2))?,
+                );
+                if self.float_arg(n, n.arg("beta"))? != 1.0
+                    || self.float_arg(n, n.arg("alpha"))? != 1.0
+                {
                     return Err(self.unsupported(n, "addmm with beta or alpha other than 1"));
                 }
-                let mm = self.emit(n, Op::Matmul { transpose_a: false, transpose_b: false }, &[a, b])?;
+                let mm = self.emit(
+                    n,
+                    Op::Matmul {
+                        transpose_a: false,
+                        transpose_b: false,
+                    },
+                    &[a, b],
+                )?;
                 one(self.emit(n, Op::Add {}, &[mm, bias])?)
             }
             "aten.scaled_dot_product_attention.default" => self.lower_sdpa(n),
             "aten.cos.default" | "aten.sin.default" => self.lower_rope_table(n),
-            "aten.add.Tensor" | "aten.add.Scalar" | "aten.sub.Tensor" | "aten.sub.Scalar" | "aten.rsub.Scalar" => {
+            "aten.add.Tensor" | "aten.add.Scalar" | "aten.sub.Tensor" | "aten.sub.Scalar"
+            | "aten.rsub.Scalar" => {
                 let alpha = self.float_arg(n, n.arg("alpha"))?;
                 let (mut a, mut b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
                 if n.base() == "rsub" {
@@ -471,7 +605,13 @@ impl<'a> Lower<'a> {
                 if alpha != 1.0 {
                     b = match b {
                         Operand::Num(x, k) => Operand::Num(x * alpha, k),
-                        Operand::T(v) => Operand::T(self.emit(n, Op::Scale { factor: Float(alpha) }, &[v])?),
+                        Operand::T(v) => Operand::T(self.emit(
+                            n,
+                            Op::Scale {
+                                factor: Float(alpha),
+                            },
+                            &[v],
+                        )?),
                     };
                 }
                 let sub = n.base() != "add";
@@ -494,7 +634,16 @@ impl<'a> Lower<'a> {
             }
             "aten.maximum.default" | "aten.minimum.default" => {
                 let (a, b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
-                self.arith(n, if n.base() == "maximum" { Bin::Max } else { Bin::Min }, a, b)
+                self.arith(
+                    n,
+                    if n.base() == "maximum" {
+                        Bin::Max
+                    } else {
+                        Bin::Min
+                    },
+                    a,
+                    b,
+                )
             }
             "aten.clamp.default" | "aten.clamp_min.default" | "aten.clamp_max.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
@@ -514,8 +663,16 @@ impl<'a> Lower<'a> {
                 }
                 one(v)
             }
-            "aten.neg.default" | "aten.exp.default" | "aten.log.default" | "aten.sqrt.default" | "aten.rsqrt.default"
-            | "aten.tanh.default" | "aten.sigmoid.default" | "aten.silu.default" | "aten.relu.default" | "aten.gelu.default" => {
+            "aten.neg.default"
+            | "aten.exp.default"
+            | "aten.log.default"
+            | "aten.sqrt.default"
+            | "aten.rsqrt.default"
+            | "aten.tanh.default"
+            | "aten.sigmoid.default"
+            | "aten.silu.default"
+            | "aten.relu.default"
+            | "aten.gelu.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let ty = self.out_ty(n)?;
                 let x = self.cast(n, x, ty.dtype)?;
@@ -529,12 +686,15 @@ impl<'a> Lower<'a> {
                     "sigmoid" => Op::Sigmoid {},
                     "silu" => Op::Silu {},
                     "relu" => Op::Relu {},
-                    _ => Op::Gelu { tanh_approx: matches!(n.arg("approximate"), Arg::Str(s) if s == "tanh") },
+                    _ => Op::Gelu {
+                        tanh_approx: matches!(n.arg("approximate"), Arg::Str(s) if s == "tanh"),
+                    },
                 };
                 one(self.emit(n, op, &[x])?)
             }
-            "aten.eq.Tensor" | "aten.eq.Scalar" | "aten.ne.Tensor" | "aten.ne.Scalar" | "aten.lt.Tensor" | "aten.lt.Scalar"
-            | "aten.le.Tensor" | "aten.le.Scalar" | "aten.gt.Tensor" | "aten.gt.Scalar" | "aten.ge.Tensor" | "aten.ge.Scalar" => {
+            "aten.eq.Tensor" | "aten.eq.Scalar" | "aten.ne.Tensor" | "aten.ne.Scalar"
+            | "aten.lt.Tensor" | "aten.lt.Scalar" | "aten.le.Tensor" | "aten.le.Scalar"
+            | "aten.gt.Tensor" | "aten.gt.Scalar" | "aten.ge.Tensor" | "aten.ge.Scalar" => {
                 let cmp = match n.base() {
                     "eq" => CmpOp::Eq,
                     "ne" => CmpOp::Ne,
@@ -548,13 +708,28 @@ impl<'a> Lower<'a> {
                 let (a, b) = (self.as_tensor(n, a, dt)?, self.as_tensor(n, b, dt)?);
                 one(self.emit(n, Op::Compare { op: cmp }, &[a, b])?)
             }
-            "aten.__and__.Tensor" | "aten.bitwise_and.Tensor" | "aten.logical_and.default" | "aten.__or__.Tensor"
-            | "aten.bitwise_or.Tensor" | "aten.logical_or.default" => {
+            "aten.__and__.Tensor"
+            | "aten.bitwise_and.Tensor"
+            | "aten.logical_and.default"
+            | "aten.__or__.Tensor"
+            | "aten.bitwise_or.Tensor"
+            | "aten.logical_or.default" => {
                 let (a, b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
-                let (a, b) = (self.as_tensor(n, a, DType::Bool)?, self.as_tensor(n, b, DType::Bool)?);
+                let (a, b) = (
+                    self.as_tensor(n, a, DType::Bool)?,
+                    self.as_tensor(n, b, DType::Bool)?,
+                );
                 let is_and = n.base().contains("and");
-                let c = self.full(n, if is_and { 0.0 } else { 1.0 }, TensorType::scalar(DType::Bool))?;
-                let r = if is_and { self.emit(n, Op::Where {}, &[a, b, c])? } else { self.emit(n, Op::Where {}, &[a, c, b])? };
+                let c = self.full(
+                    n,
+                    if is_and { 0.0 } else { 1.0 },
+                    TensorType::scalar(DType::Bool),
+                )?;
+                let r = if is_and {
+                    self.emit(n, Op::Where {}, &[a, b, c])?
+                } else {
+                    self.emit(n, Op::Where {}, &[a, c, b])?
+                };
                 one(r)
             }
             "aten.logical_not.default" | "aten.bitwise_not.default" => {
@@ -574,7 +749,10 @@ impl<'a> Lower<'a> {
                 let (a, b) = (self.operand(n, n.arg_at(1))?, self.operand(n, n.arg_at(2))?);
                 let additive = self.causal.get(&c) == Some(&false)
                     && matches!((self.const_of(&a), self.const_of(&b)), (Some(z), Some(m)) if z == 0.0 && m <= -1e30);
-                let (a, b) = (self.as_tensor(n, a, ty.dtype)?, self.as_tensor(n, b, ty.dtype)?);
+                let (a, b) = (
+                    self.as_tensor(n, a, ty.dtype)?,
+                    self.as_tensor(n, b, ty.dtype)?,
+                );
                 let w = self.emit(n, Op::Where {}, &[c, a, b])?;
                 if additive {
                     self.causal.insert(w, true);
@@ -592,20 +770,31 @@ impl<'a> Lower<'a> {
                 let v = self.as_tensor(n, v, dt)?;
                 one(self.emit(n, Op::Where {}, &[m, v, x])?)
             }
-            "aten.to.dtype" | "aten.to.dtype_layout" | "aten.to.device" | "aten._to_copy.default" | "aten.type_as.default" => {
+            "aten.to.dtype"
+            | "aten.to.dtype_layout"
+            | "aten.to.device"
+            | "aten._to_copy.default"
+            | "aten.type_as.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let ty = self.out_ty(n)?;
                 one(self.cast(n, x, ty.dtype)?)
             }
-            "aten.clone.default" | "aten.alias.default" | "aten.contiguous.default" | "aten.detach.default" | "aten.lift_fresh_copy.default" => {
-                Ok(vec![self.arg_lv(n.arg_at(0))])
-            }
+            "aten.clone.default"
+            | "aten.alias.default"
+            | "aten.contiguous.default"
+            | "aten.detach.default"
+            | "aten.lift_fresh_copy.default" => Ok(vec![self.arg_lv(n.arg_at(0))]),
             "aten.copy.default" => Ok(vec![self.arg_lv(n.arg_at(1))]),
             "aten.dropout.default" => {
                 let p = self.float_arg(n, n.arg_at(1))?;
                 let train = matches!(n.arg_at(2), Arg::Bool(true));
                 if p != 0.0 && train {
-                    return Err(self.unsupported(n, format!("dropout with p = {p} in training mode (export the model in eval mode)")));
+                    return Err(self.unsupported(
+                        n,
+                        format!(
+                            "dropout with p = {p} in training mode (export the model in eval mode)"
+                        ),
+                    ));
                 }
                 Ok(vec![self.arg_lv(n.arg_at(0))])
             }
@@ -625,7 +814,11 @@ impl<'a> Lower<'a> {
                     }
                 };
                 let keepdim = matches!(n.arg_at(2), Arg::Bool(true));
-                let x = if n.base() == "amax" { x } else { self.cast(n, x, ty.dtype)? };
+                let x = if n.base() == "amax" {
+                    x
+                } else {
+                    self.cast(n, x, ty.dtype)?
+                };
                 let op = match n.base() {
                     "mean" => Op::Mean { dims, keepdim },
                     "sum" => Op::Sum { dims, keepdim },
@@ -638,21 +831,44 @@ impl<'a> Lower<'a> {
                 let d = self.int_arg(n, n.arg_at(1))?;
                 let keepdim = matches!(n.arg_at(2), Arg::Bool(true));
                 let f = self.cast(n, x, DType::F32)?;
-                let m = self.emit(n, Op::Max { dims: vec![d], keepdim }, &[f])?;
+                let m = self.emit(
+                    n,
+                    Op::Max {
+                        dims: vec![d],
+                        keepdim,
+                    },
+                    &[f],
+                )?;
                 let z = self.full(n, 0.0, TensorType::scalar(DType::F32))?;
                 one(self.emit(n, Op::Compare { op: CmpOp::Gt }, &[m, z])?)
             }
-            "aten.softmax.int" | "aten._softmax.default" | "aten.log_softmax.int" | "aten._log_softmax.default" => {
+            "aten.softmax.int"
+            | "aten._softmax.default"
+            | "aten.log_softmax.int"
+            | "aten._log_softmax.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let ty = self.out_ty(n)?;
                 let d = self.int_arg(n, n.arg_at(1))?;
                 let x = self.cast(n, x, ty.dtype)?;
-                let op = if n.base().contains("log") { Op::LogSoftmax { dim: d } } else { Op::Softmax { dim: d } };
+                let op = if n.base().contains("log") {
+                    Op::LogSoftmax { dim: d }
+                } else {
+                    Op::Softmax { dim: d }
+                };
                 one(self.emit(n, op, &[x])?)
             }
-            "aten.full.default" | "aten.zeros.default" | "aten.ones.default" | "aten.new_ones.default" | "aten.new_zeros.default"
-            | "aten.full_like.default" | "aten.zeros_like.default" | "aten.ones_like.default" | "aten.empty_like.default"
-            | "aten.empty.memory_format" | "aten.empty_permuted.default" | "aten.scalar_tensor.default" => {
+            "aten.full.default"
+            | "aten.zeros.default"
+            | "aten.ones.default"
+            | "aten.new_ones.default"
+            | "aten.new_zeros.default"
+            | "aten.full_like.default"
+            | "aten.zeros_like.default"
+            | "aten.ones_like.default"
+            | "aten.empty_like.default"
+            | "aten.empty.memory_format"
+            | "aten.empty_permuted.default"
+            | "aten.scalar_tensor.default" => {
                 let mut ty = self.out_ty(n)?;
                 ty.shape = match (n.base().ends_with("_like"), self.arg_lv(n.arg_at(0))) {
                     (true, LV::T(x)) => self.gen_like(&self.ty(x).shape, &ty.shape),
@@ -678,8 +894,14 @@ impl<'a> Lower<'a> {
                 }
                 one(self.emit(n, Op::Arange { start, ty }, &[])?)
             }
-            "aten.view.default" | "aten.reshape.default" | "aten._unsafe_view.default" | "aten.unsqueeze.default"
-            | "aten.squeeze.dim" | "aten.squeeze.dims" | "aten.squeeze.default" | "aten.flatten.using_ints" => {
+            "aten.view.default"
+            | "aten.reshape.default"
+            | "aten._unsafe_view.default"
+            | "aten.unsqueeze.default"
+            | "aten.squeeze.dim"
+            | "aten.squeeze.dims"
+            | "aten.squeeze.default"
+            | "aten.flatten.using_ints" => {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let ty = self.out_ty(n)?;
                 let shape = self.gen_reshape(&self.ty(x).shape, &ty.shape);
@@ -702,7 +924,10 @@ impl<'a> Lower<'a> {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let perm = self.ints_arg(n, n.arg_at(1))?;
                 let r = perm.len() as i64;
-                let perm: Vec<i64> = perm.into_iter().map(|p| if p < 0 { p + r } else { p }).collect();
+                let perm: Vec<i64> = perm
+                    .into_iter()
+                    .map(|p| if p < 0 { p + r } else { p })
+                    .collect();
                 if perm.iter().enumerate().all(|(i, &p)| i as i64 == p) {
                     return one(x);
                 }
@@ -711,7 +936,11 @@ impl<'a> Lower<'a> {
             "aten.transpose.int" | "aten.t.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let r = self.g.ty(x).rank() as i64;
-                let (a, b) = if n.base() == "t" { (0, 1) } else { (self.int_arg(n, n.arg_at(1))?, self.int_arg(n, n.arg_at(2))?) };
+                let (a, b) = if n.base() == "t" {
+                    (0, 1)
+                } else {
+                    (self.int_arg(n, n.arg_at(1))?, self.int_arg(n, n.arg_at(2))?)
+                };
                 let (a, b) = (if a < 0 { a + r } else { a }, if b < 0 { b + r } else { b });
                 if a == b {
                     return one(x);
@@ -737,7 +966,15 @@ impl<'a> Lower<'a> {
                 };
                 if n.base() == "select" {
                     let i = norm(self.dim_arg(n, n.arg_at(2))?);
-                    let s = self.emit(n, Op::Slice { dim: d, start: i, len: Dim::from(1) }, &[x])?;
+                    let s = self.emit(
+                        n,
+                        Op::Slice {
+                            dim: d,
+                            start: i,
+                            len: Dim::from(1),
+                        },
+                        &[x],
+                    )?;
                     let shape = self.gen_reshape(&self.ty(s).shape, &ty.shape);
                     return one(self.reshape(n, s, shape)?);
                 }
@@ -760,7 +997,9 @@ impl<'a> Lower<'a> {
                 one(self.emit(n, Op::Slice { dim: d, start, len }, &[x])?)
             }
             "aten.cat.default" => {
-                let Arg::Tensors(names) = n.arg_at(0) else { return Err(self.bad(n, "cat of a non-list")) };
+                let Arg::Tensors(names) = n.arg_at(0) else {
+                    return Err(self.bad(n, "cat of a non-list"));
+                };
                 let ty = self.out_ty(n)?;
                 let mut vs = Vec::new();
                 for nm in names {
@@ -777,7 +1016,10 @@ impl<'a> Lower<'a> {
                 let d = self.int_arg(n, n.arg_at(1))?;
                 one(self.emit(n, Op::Concat { dim: d }, &vs)?)
             }
-            "aten.split_with_sizes.default" | "aten.split.Tensor" | "aten.chunk.default" | "aten.unbind.int" => {
+            "aten.split_with_sizes.default"
+            | "aten.split.Tensor"
+            | "aten.chunk.default"
+            | "aten.unbind.int" => {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let vs = self.split(n, x)?;
                 Ok(vs.into_iter().map(LV::T).collect())
@@ -793,7 +1035,10 @@ impl<'a> Lower<'a> {
                     [Some(i)] => {
                         let i = self.tensor(n, &Arg::Tensor(i.clone()))?;
                         if self.g.ty(i).rank() != 1 {
-                            return Err(self.unsupported(n, "advanced indexing with a multi-dimensional index"));
+                            return Err(self.unsupported(
+                                n,
+                                "advanced indexing with a multi-dimensional index",
+                            ));
                         }
                         one(self.emit(n, Op::IndexSelect { dim: 0 }, &[x, i])?)
                     }
@@ -822,8 +1067,18 @@ impl<'a> Lower<'a> {
             "aten.one_hot.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let ty = self.out_ty(n)?;
-                let k = ty.shape.last().and_then(Dim::as_const).ok_or_else(|| self.unsupported(n, "one_hot with a symbolic class count"))?;
-                one(self.emit(n, Op::OneHot { num_classes: k, dtype: ty.dtype }, &[x])?)
+                let k =
+                    ty.shape.last().and_then(Dim::as_const).ok_or_else(|| {
+                        self.unsupported(n, "one_hot with a symbolic class count")
+                    })?;
+                one(self.emit(
+                    n,
+                    Op::OneHot {
+                        num_classes: k,
+                        dtype: ty.dtype,
+                    },
+                    &[x],
+                )?)
             }
             "aten.topk.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
@@ -856,7 +1111,9 @@ impl<'a> Lower<'a> {
                 let shape = self.gen_reshape(&self.ty(e).shape, &ty.shape);
                 one(self.reshape(n, e, shape)?)
             }
-            "_operator.getitem.default" => Err(self.unsupported(n, "getitem on a value the importer does not split")),
+            "_operator.getitem.default" => {
+                Err(self.unsupported(n, "getitem on a value the importer does not split"))
+            }
             _ => Err(self.unsupported(n, "this op has no Weft lowering")),
         }
     }
@@ -867,11 +1124,20 @@ impl<'a> Lower<'a> {
             "unbind" => {
                 let d = self.int_arg(n, n.arg_at(1))?;
                 let du = self.norm_dim(n, d, xt.rank())?;
-                let k = xt.shape[du].as_const().ok_or_else(|| self.unsupported(n, "unbind of a symbolic dim"))?;
+                let k = xt.shape[du]
+                    .as_const()
+                    .ok_or_else(|| self.unsupported(n, "unbind of a symbolic dim"))?;
                 if !(0..=1 << 16).contains(&k) {
                     return Err(self.bad(n, "unbind of a huge dim"));
                 }
-                let parts = self.emit_multi(n, Op::Split { dim: d, sizes: vec![Dim::from(1); k as usize] }, &[x])?;
+                let parts = self.emit_multi(
+                    n,
+                    Op::Split {
+                        dim: d,
+                        sizes: vec![Dim::from(1); k as usize],
+                    },
+                    &[x],
+                )?;
                 let mut out = Vec::new();
                 for (p, o) in parts.into_iter().zip(&n.outputs) {
                     let ty = match o {
@@ -884,10 +1150,15 @@ impl<'a> Lower<'a> {
                 return Ok(out);
             }
             "split_with_sizes" => {
-                let (Arg::SymInts(_) | Arg::Ints(_)) = n.arg_at(1) else { return Err(self.bad(n, "split sizes")) };
+                let (Arg::SymInts(_) | Arg::Ints(_)) = n.arg_at(1) else {
+                    return Err(self.bad(n, "split sizes"));
+                };
                 let sizes = match n.arg_at(1) {
                     Arg::Ints(v) => v.iter().map(|&i| Dim::from(i)).collect(),
-                    Arg::SymInts(v) => v.iter().map(|s| self.dim_arg(n, &Arg::SymInt(s.clone()))).collect::<LR<Vec<_>>>()?,
+                    Arg::SymInts(v) => v
+                        .iter()
+                        .map(|s| self.dim_arg(n, &Arg::SymInt(s.clone())))
+                        .collect::<LR<Vec<_>>>()?,
                     _ => unreachable!(),
                 };
                 (self.int_arg(n, n.arg_at(2))?, sizes)
@@ -916,7 +1187,9 @@ impl<'a> Lower<'a> {
                     }
                 } else {
                     let s = self.int_arg(n, n.arg_at(1))?;
-                    let t = total.as_const().ok_or_else(|| self.unsupported(n, "split of a symbolic dim"))?;
+                    let t = total
+                        .as_const()
+                        .ok_or_else(|| self.unsupported(n, "split of a symbolic dim"))?;
                     if s <= 0 || t / s > 1 << 16 {
                         return Err(self.bad(n, format!("split into pieces of {s}")));
                     }
@@ -967,7 +1240,11 @@ impl<'a> Lower<'a> {
 
     fn arith(&mut self, n: &FxNode, op: Bin, a: Operand, b: Operand) -> LR<Vec<LV>> {
         if let (Operand::Num(x, k1), Operand::Num(y, k2)) = (&a, &b) {
-            let k = if *k1 == Kind::Float || *k2 == Kind::Float { Kind::Float } else { Kind::Int };
+            let k = if *k1 == Kind::Float || *k2 == Kind::Float {
+                Kind::Float
+            } else {
+                Kind::Int
+            };
             return Ok(vec![LV::Num(op.apply(*x, *y), k)]);
         }
         Ok(vec![LV::T(self.arith_v(n, op, a, b)?)])
@@ -981,23 +1258,39 @@ impl<'a> Lower<'a> {
         };
         // Identities with scalars need no node.
         match (&a, &b, op) {
-            (Operand::T(x), Operand::Num(s, _), Bin::Mul | Bin::Div) if *s == 1.0 => return self.cast(n, *x, want),
-            (Operand::T(x), Operand::Num(s, _), Bin::Add | Bin::Sub) if *s == 0.0 => return self.cast(n, *x, want),
-            (Operand::Num(s, _), Operand::T(x), Bin::Mul) if *s == 1.0 => return self.cast(n, *x, want),
-            (Operand::Num(s, _), Operand::T(x), Bin::Add) if *s == 0.0 => return self.cast(n, *x, want),
+            (Operand::T(x), Operand::Num(s, _), Bin::Mul | Bin::Div) if *s == 1.0 => {
+                return self.cast(n, *x, want)
+            }
+            (Operand::T(x), Operand::Num(s, _), Bin::Add | Bin::Sub) if *s == 0.0 => {
+                return self.cast(n, *x, want)
+            }
+            (Operand::Num(s, _), Operand::T(x), Bin::Mul) if *s == 1.0 => {
+                return self.cast(n, *x, want)
+            }
+            (Operand::Num(s, _), Operand::T(x), Bin::Add) if *s == 0.0 => {
+                return self.cast(n, *x, want)
+            }
             _ => {}
         }
         if want.is_float() {
             match (&a, &b, op) {
-                (Operand::T(x), Operand::Num(s, _), Bin::Mul) | (Operand::Num(s, _), Operand::T(x), Bin::Mul) => {
+                (Operand::T(x), Operand::Num(s, _), Bin::Mul)
+                | (Operand::Num(s, _), Operand::T(x), Bin::Mul) => {
                     let x = self.cast(n, *x, want)?;
                     return self.emit(n, Op::Scale { factor: Float(*s) }, &[x]);
                 }
                 (Operand::T(x), Operand::Num(s, _), Bin::Div) => {
                     let x = self.cast(n, *x, want)?;
-                    return self.emit(n, Op::Scale { factor: Float(1.0 / *s) }, &[x]);
+                    return self.emit(
+                        n,
+                        Op::Scale {
+                            factor: Float(1.0 / *s),
+                        },
+                        &[x],
+                    );
                 }
-                (Operand::T(x), Operand::Num(s, _), Bin::Add) | (Operand::Num(s, _), Operand::T(x), Bin::Add) => {
+                (Operand::T(x), Operand::Num(s, _), Bin::Add)
+                | (Operand::Num(s, _), Operand::T(x), Bin::Add) => {
                     let x = self.cast(n, *x, want)?;
                     return self.emit(n, Op::AddScalar { value: Float(*s) }, &[x]);
                 }
@@ -1043,4 +1336,3 @@ impl Bin {
         }
     }
 }
-

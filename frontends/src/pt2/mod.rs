@@ -60,7 +60,12 @@ pub struct Pt2Options {
 
 impl Default for Pt2Options {
     fn default() -> Self {
-        Pt2Options { weights: None, config: None, add_loss: true, name: None }
+        Pt2Options {
+            weights: None,
+            config: None,
+            add_loss: true,
+            name: None,
+        }
     }
 }
 
@@ -83,7 +88,10 @@ pub fn looks_like_pt2(bytes: &[u8]) -> bool {
 
 /// Imports the archive at `path`.
 pub fn import(path: &Path, opts: &Pt2Options) -> Result<Pt2Import, Pt2Error> {
-    let bytes = std::fs::read(path).map_err(|source| Pt2Error::Io { path: path.to_path_buf(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| Pt2Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let mut opts = opts.clone();
     if opts.name.is_none() {
         opts.name = path.file_stem().map(|s| s.to_string_lossy().to_string());
@@ -93,7 +101,10 @@ pub fn import(path: &Path, opts: &Pt2Options) -> Result<Pt2Import, Pt2Error> {
 
 /// Reads and checks an archive and its program, without lowering (the fuzz target's
 /// entry point, and what `weft inspect` needs to name the writer).
-pub fn read_archive(name: &str, bytes: Vec<u8>) -> Result<(Archive, String, schema::Program), Pt2Error> {
+pub fn read_archive(
+    name: &str,
+    bytes: Vec<u8>,
+) -> Result<(Archive, String, schema::Program), Pt2Error> {
     let ar = Archive::from_bytes(name, bytes)?;
     let model = ar.check_layout()?;
     let rel = format!("models/{model}.json");
@@ -101,7 +112,12 @@ pub fn read_archive(name: &str, bytes: Vec<u8>) -> Result<(Archive, String, sche
     let v = schema::parse_json(&entry, ar.text(&rel)?)?;
     let (major, minor, torch) = schema::schema_version(&entry, &v)?;
     if major != 8 {
-        return Err(Pt2Error::SchemaVersion { entry, major, minor, torch });
+        return Err(Pt2Error::SchemaVersion {
+            entry,
+            major,
+            minor,
+            torch,
+        });
     }
     let prog = schema::read_program(&entry, &v)?;
     Ok((ar, model, prog))
@@ -120,7 +136,12 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     let mut report = ImportReport {
         torch_version: prog.torch_version.clone(),
         schema: format!("{}.{}", prog.schema.0, prog.schema.1),
-        dialect: if fx.nodes.iter().any(|n| matches!(n.base(), "linear" | "scaled_dot_product_attention" | "softmax" | "to")) {
+        dialect: if fx.nodes.iter().any(|n| {
+            matches!(
+                n.base(),
+                "linear" | "scaled_dot_product_attention" | "softmax" | "to"
+            )
+        }) {
             "training".into()
         } else {
             "core-aten".into()
@@ -129,10 +150,15 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         ..Default::default()
     };
     if fx.dropped > 0 {
-        report.notes.push(format!("{} assert/metadata nodes dropped", fx.dropped));
+        report
+            .notes
+            .push(format!("{} assert/metadata nodes dropped", fx.dropped));
     }
     if !fx.functionalized.is_empty() {
-        report.notes.push(format!("in-place ops made functional: {}", fx.functionalized.join(", ")));
+        report.notes.push(format!(
+            "in-place ops made functional: {}",
+            fx.functionalized.join(", ")
+        ));
     }
 
     // ---- signature
@@ -142,7 +168,9 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     let mut missing_consts = Vec::new();
     for spec in &prog.inputs {
         match spec {
-            InputSpec::User { arg: Arg::Tensor(n) } => user_inputs.push(n.clone()),
+            InputSpec::User {
+                arg: Arg::Tensor(n),
+            } => user_inputs.push(n.clone()),
             InputSpec::User { .. } | InputSpec::ConstantInput { .. } => {}
             InputSpec::Parameter { name, target } => params.push((name.clone(), target.clone())),
             InputSpec::Buffer { name, target } | InputSpec::Constant { name, target } => {
@@ -154,7 +182,11 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
                 }
             }
             InputSpec::Other { kind } => {
-                return Err(Pt2Error::Signature { message: format!("input kind `{kind}` (custom objects, tokens) is not supported") })
+                return Err(Pt2Error::Signature {
+                    message: format!(
+                        "input kind `{kind}` (custom objects, tokens) is not supported"
+                    ),
+                })
             }
         }
     }
@@ -163,18 +195,31 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         .find(|n| n.as_str() == "input_ids")
         .or_else(|| user_inputs.first())
         .cloned()
-        .ok_or_else(|| Pt2Error::Signature { message: "the program has no tensor input (export with kwargs={\"input_ids\": ids})".into() })?;
+        .ok_or_else(|| Pt2Error::Signature {
+            message: "the program has no tensor input (export with kwargs={\"input_ids\": ids})"
+                .into(),
+        })?;
     let ids_meta = fx
         .tensor_meta
         .get(&ids_name)
-        .ok_or_else(|| Pt2Error::Signature { message: format!("input `{ids_name}` has no recorded type") })?
+        .ok_or_else(|| Pt2Error::Signature {
+            message: format!("input `{ids_name}` has no recorded type"),
+        })?
         .clone();
     if ids_meta.sizes.len() != 2 {
-        return Err(Pt2Error::Signature { message: format!("input `{ids_name}` has rank {}, expected [batch, sequence]", ids_meta.sizes.len()) });
+        return Err(Pt2Error::Signature {
+            message: format!(
+                "input `{ids_name}` has rank {}, expected [batch, sequence]",
+                ids_meta.sizes.len()
+            ),
+        });
     }
     let mut symmap = BTreeMap::new();
     let (mut seq_sym, mut batch_sym) = (None, None);
-    for (i, (weft, slot)) in [("B", &mut batch_sym), ("S", &mut seq_sym)].into_iter().enumerate() {
+    for (i, (weft, slot)) in [("B", &mut batch_sym), ("S", &mut seq_sym)]
+        .into_iter()
+        .enumerate()
+    {
         if let SymInt::Expr { expr, .. } = &ids_meta.sizes[i] {
             match sympy::parse(expr) {
                 Ok(sympy::Expr::Sym(s)) => {
@@ -221,24 +266,50 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         ..Lower::new(&fx, &gname)
     };
     if let Some(c) = &opts.config {
-        let text = std::fs::read_to_string(c).map_err(|source| Pt2Error::Io { path: c.clone(), source })?;
+        let text = std::fs::read_to_string(c).map_err(|source| Pt2Error::Io {
+            path: c.clone(),
+            source,
+        })?;
         let cfg = crate::config::ModelConfig::from_json_str(&text, &c.display().to_string())
-            .map_err(|e| Pt2Error::Signature { message: format!("--config: {e}") })?;
+            .map_err(|e| Pt2Error::Signature {
+                message: format!("--config: {e}"),
+            })?;
         lw.rope_cfg = Some(cfg.rope);
     }
     lw.moe_state = vec![Default::default(); lw.moe.moes.len()];
     let ids_ty = lw.meta_ty(&ids_name).map_err(lower::unwrap_err)?;
     let ids_ty = TensorType::new(ids_ty.dtype, vec![Dim::sym("B"), Dim::sym("S")]);
     if ids_ty.dtype != DType::I64 {
-        return Err(Pt2Error::Signature { message: format!("input `{ids_name}` is {ids_ty}, expected int64 token ids") });
+        return Err(Pt2Error::Signature {
+            message: format!("input `{ids_name}` is {ids_ty}, expected int64 token ids"),
+        });
     }
     std::mem::swap(&mut g, &mut lw.g);
     g.set_scope(Some("model"));
-    let ids = g.add(Op::Input { name: "input_ids".into(), role: Role::InputIds, ty: ids_ty.clone() }, &[]).unwrap();
+    let ids = g
+        .add(
+            Op::Input {
+                name: "input_ids".into(),
+                role: Role::InputIds,
+                ty: ids_ty.clone(),
+            },
+            &[],
+        )
+        .unwrap();
     env.insert(ids_name.clone(), LV::T(ids));
     let labels = if opts.add_loss {
         g.set_scope(Some("loss"));
-        Some(g.add(Op::Input { name: "labels".into(), role: Role::Labels, ty: ids_ty.clone() }, &[]).unwrap())
+        Some(
+            g.add(
+                Op::Input {
+                    name: "labels".into(),
+                    role: Role::Labels,
+                    ty: ids_ty.clone(),
+                },
+                &[],
+            )
+            .unwrap(),
+        )
     } else {
         None
     };
@@ -247,7 +318,10 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
             continue;
         }
         let mut ty = lw.meta_ty(u).map_err(lower::unwrap_err)?;
-        if ty.rank() == 2 && lw.same_size(&ty.shape[0], &ids_ty.shape[0]) && lw.same_size(&ty.shape[1], &ids_ty.shape[1]) {
+        if ty.rank() == 2
+            && lw.same_size(&ty.shape[0], &ids_ty.shape[0])
+            && lw.same_size(&ty.shape[1], &ids_ty.shape[1])
+        {
             ty.shape = ids_ty.shape.clone();
         }
         let role = match u.as_str() {
@@ -257,7 +331,18 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
             _ => Role::Other,
         };
         g.set_scope(Some("model"));
-        let v = g.add(Op::Input { name: u.clone(), role, ty }, &[]).map_err(|e| Pt2Error::Signature { message: e.to_string() })?;
+        let v = g
+            .add(
+                Op::Input {
+                    name: u.clone(),
+                    role,
+                    ty,
+                },
+                &[],
+            )
+            .map_err(|e| Pt2Error::Signature {
+                message: e.to_string(),
+            })?;
         env.insert(u.clone(), LV::T(v));
     }
     // Parameters, tied ones (same storage record and view) merged into the first name.
@@ -265,21 +350,39 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     let mut param_names: Vec<String> = Vec::new();
     let mut alias_of: BTreeMap<String, String> = BTreeMap::new();
     for (ph, target) in &params {
-        let stored = |p: &schema::PayloadMeta| ar.get(&format!("data/weights/{}", p.path_name)).is_some_and(|b| !b.is_empty());
+        let stored = |p: &schema::PayloadMeta| {
+            ar.get(&format!("data/weights/{}", p.path_name))
+                .is_some_and(|b| !b.is_empty())
+        };
         if let Some(p) = wcfg.get(target).filter(|p| stored(p)) {
             let key = format!("{}|{:?}", p.path_name, p.meta);
             if let Some(first) = by_storage.get(&key) {
                 alias_of.insert(target.clone(), first.clone());
                 lw.report.tied.push(format!("{target} -> {first}"));
-                let v = env.get(&params.iter().find(|(_, t)| t == first).unwrap().0).cloned().unwrap();
+                let v = env
+                    .get(&params.iter().find(|(_, t)| t == first).unwrap().0)
+                    .cloned()
+                    .unwrap();
                 env.insert(ph.clone(), v);
                 continue;
             }
             by_storage.insert(key, target.clone());
         }
         let ty = lw.meta_ty(ph).map_err(lower::unwrap_err)?;
-        g.set_scope(Some(target.rsplit_once('.').map(|(m, _)| m).unwrap_or(target)));
-        let v = g.add(Op::Param { name: target.clone(), ty }, &[]).map_err(|e| Pt2Error::Signature { message: e.to_string() })?;
+        g.set_scope(Some(
+            target.rsplit_once('.').map(|(m, _)| m).unwrap_or(target),
+        ));
+        let v = g
+            .add(
+                Op::Param {
+                    name: target.clone(),
+                    ty,
+                },
+                &[],
+            )
+            .map_err(|e| Pt2Error::Signature {
+                message: e.to_string(),
+            })?;
         env.insert(ph.clone(), LV::T(v));
         param_names.push(target.clone());
     }
@@ -295,7 +398,9 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         );
     }
     for c in &missing_consts {
-        lw.report.notes.push(format!("constant `{c}` has no stored value"));
+        lw.report
+            .notes
+            .push(format!("constant `{c}` has no stored value"));
     }
     std::mem::swap(&mut g, &mut lw.g);
     lw.env = env;
@@ -317,11 +422,15 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         .outputs
         .iter()
         .filter_map(|o| match o {
-            OutputSpec::User { arg: Arg::Tensor(n) } => Some(n.clone()),
+            OutputSpec::User {
+                arg: Arg::Tensor(n),
+            } => Some(n.clone()),
             _ => None,
         })
         .next()
-        .ok_or_else(|| Pt2Error::Signature { message: "the program has no tensor output".into() })?;
+        .ok_or_else(|| Pt2Error::Signature {
+            message: "the program has no tensor output".into(),
+        })?;
     for o in &prog.outputs {
         if let OutputSpec::Other { kind, name } = o {
             return Err(Pt2Error::Signature { message: format!("output `{name}` is a {kind}; export the forward only (no buffer mutation or gradients)") });
@@ -329,27 +438,53 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     }
     let extra = prog.outputs.len() - 1;
     if extra > 0 {
-        lw.report.notes.push(format!("{extra} output(s) after the logits ignored (use_cache=False drops past_key_values)"));
+        lw.report.notes.push(format!(
+            "{extra} output(s) after the logits ignored (use_cache=False drops past_key_values)"
+        ));
     }
     let logits = match lw.lv(&logits_name) {
         LV::T(v) => v,
         LV::Err(e) => return Err(lower::unwrap_err(e)),
-        other => return Err(Pt2Error::Signature { message: format!("the first output is not a tensor ({other:?})") }),
+        other => {
+            return Err(Pt2Error::Signature {
+                message: format!("the first output is not a tensor ({other:?})"),
+            })
+        }
     };
     let lt = lw.g.ty(logits).clone();
     if lt.rank() != 3 || !lt.dtype.is_float() {
-        return Err(Pt2Error::Signature { message: format!("the first output is {lt}; expected logits [batch, sequence, vocab]") });
+        return Err(Pt2Error::Signature {
+            message: format!("the first output is {lt}; expected logits [batch, sequence, vocab]"),
+        });
     }
     let mut g = std::mem::take(&mut lw.g);
     if let Some(labels) = labels {
         g.set_scope(Some("loss"));
         let build = |g: &mut Graph| -> Result<weft_ir::Value, weft_ir::BuildError> {
-            let shifted = g.add(Op::ShiftLabels { ignore_index: IGNORE_INDEX }, &[labels])?;
-            let total = g.add(Op::CrossEntropy { ignore_index: IGNORE_INDEX, reduction: Reduction::Sum }, &[logits, shifted])?;
-            let count = g.add(Op::CountValid { ignore_index: IGNORE_INDEX }, &[shifted])?;
+            let shifted = g.add(
+                Op::ShiftLabels {
+                    ignore_index: IGNORE_INDEX,
+                },
+                &[labels],
+            )?;
+            let total = g.add(
+                Op::CrossEntropy {
+                    ignore_index: IGNORE_INDEX,
+                    reduction: Reduction::Sum,
+                },
+                &[logits, shifted],
+            )?;
+            let count = g.add(
+                Op::CountValid {
+                    ignore_index: IGNORE_INDEX,
+                },
+                &[shifted],
+            )?;
             g.add(Op::Div {}, &[total, count])
         };
-        let loss = build(&mut g).map_err(|e| Pt2Error::Signature { message: format!("adding the loss: {e}") })?;
+        let loss = build(&mut g).map_err(|e| Pt2Error::Signature {
+            message: format!("adding the loss: {e}"),
+        })?;
         g.set_output("loss", loss);
         lw.report.notes.push("HF causal-LM loss added (shift_labels, cross_entropy sum / count_valid, ignore_index -100)".into());
     }
@@ -360,17 +495,30 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     let causal = std::mem::take(&mut lw.causal);
     let mut report = std::mem::take(&mut lw.report);
     rewrite::dce(&mut g);
-    rewrite::Rewriter { report: &mut report, causal: &causal }.run(&mut g);
+    rewrite::Rewriter {
+        report: &mut report,
+        causal: &causal,
+    }
+    .run(&mut g);
     rewrite::leftovers(&g, &mut report);
     report.weft_nodes = g.node_count();
-    weft_ir::verify(&g).map_err(|r| Pt2Error::Verify { report: r.to_string() })?;
+    weft_ir::verify(&g).map_err(|r| Pt2Error::Verify {
+        report: r.to_string(),
+    })?;
 
     // ---- weights
     let weights = match &opts.weights {
         Some(p) => {
-            let m = crate::model::Model::from_graph(g.clone(), crate::model::Origin::TextIr(p.clone()))
-                .map_err(|e| Pt2Error::Weights { archive: name.into(), message: e.to_string() })?;
-            crate::weights::load_weights(&m, p).map_err(|e| Pt2Error::Weights { archive: name.into(), message: e.to_string() })?
+            let m =
+                crate::model::Model::from_graph(g.clone(), crate::model::Origin::TextIr(p.clone()))
+                    .map_err(|e| Pt2Error::Weights {
+                        archive: name.into(),
+                        message: e.to_string(),
+                    })?;
+            crate::weights::load_weights(&m, p).map_err(|e| Pt2Error::Weights {
+                archive: name.into(),
+                message: e.to_string(),
+            })?
         }
         None => {
             let mut out = BTreeMap::new();
@@ -398,7 +546,11 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         }
     };
     let _ = alias_of;
-    Ok(Pt2Import { graph: g, weights, report })
+    Ok(Pt2Import {
+        graph: g,
+        weights,
+        report,
+    })
 }
 
 impl SymInt {

@@ -130,11 +130,18 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
         let Some(out) = n.out() else { continue };
         match n.op.as_str() {
             "aten.squeeze.dim" | "aten.squeeze.dims" => {
-                let Some(b) = targ(n, 0).and_then(|t| prod(fx, t)) else { continue };
+                let Some(b) = targ(n, 0).and_then(|t| prod(fx, t)) else {
+                    continue;
+                };
                 if b.op != "aten.bmm.default" {
                     continue;
                 }
-                let (Some(a), Some(u)) = (targ(b, 0).and_then(|t| prod(fx, t)), targ(b, 1).and_then(|t| prod(fx, t))) else { continue };
+                let (Some(a), Some(u)) = (
+                    targ(b, 0).and_then(|t| prod(fx, t)),
+                    targ(b, 1).and_then(|t| prod(fx, t)),
+                ) else {
+                    continue;
+                };
                 if a.op != "aten.index.Tensor" || u.op != "aten.unsqueeze.default" {
                     continue;
                 }
@@ -143,42 +150,81 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
                     Arg::Tensors(v) if v.len() == 1 => Some(v[0].clone()),
                     _ => None,
                 };
-                let (Some(ids), Some(w), Some(x)) = (ids, targ(a, 0), targ(u, 0)) else { continue };
+                let (Some(ids), Some(w), Some(x)) = (ids, targ(a, 0), targ(u, 0)) else {
+                    continue;
+                };
                 if rank(fx, w) != 3 {
                     continue;
                 }
                 if let Some(idx) = flat_idx(fx, &ids) {
-                    found.push((out.to_string(), idx, x.to_string(), w.to_string(), true, false, None));
+                    found.push((
+                        out.to_string(),
+                        idx,
+                        x.to_string(),
+                        w.to_string(),
+                        true,
+                        false,
+                        None,
+                    ));
                 }
             }
             "transformers.grouped_mm_fallback.default" => {
-                let (Some(x), Some(wt), Some(offs)) = (targ(n, 0), targ(n, 1), targ(n, 2)) else { continue };
+                let (Some(x), Some(wt), Some(offs)) = (targ(n, 0), targ(n, 1), targ(n, 2)) else {
+                    continue;
+                };
                 // offs = cumsum(histc(sorted_ids))
-                let Some(c) = prod(fx, skip_noops(fx, offs)) else { continue };
+                let Some(c) = prod(fx, skip_noops(fx, offs)) else {
+                    continue;
+                };
                 if c.base() != "cumsum" {
                     continue;
                 }
-                let Some(h) = targ(c, 0).and_then(|t| prod(fx, skip_noops(fx, t))) else { continue };
+                let Some(h) = targ(c, 0).and_then(|t| prod(fx, skip_noops(fx, t))) else {
+                    continue;
+                };
                 if h.base() != "histc" {
                     continue;
                 }
-                let Some(sorted) = targ(h, 0).map(|t| skip_noops(fx, t)) else { continue };
+                let Some(sorted) = targ(h, 0).map(|t| skip_noops(fx, t)) else {
+                    continue;
+                };
                 let Some(s) = prod(fx, sorted) else { continue };
-                if s.base() != "sort" || s.outputs.first().and_then(|o| o.as_deref()) != Some(sorted) {
+                if s.base() != "sort"
+                    || s.outputs.first().and_then(|o| o.as_deref()) != Some(sorted)
+                {
                     continue;
                 }
                 let Some(flat) = targ(s, 0) else { continue };
-                let Some(idx) = flat_idx(fx, flat) else { continue };
+                let Some(idx) = flat_idx(fx, flat) else {
+                    continue;
+                };
                 let (w, enk) = match prod(fx, wt) {
-                    Some(t) if t.base() == "transpose" && matches!((int_of(t.arg_at(1)), int_of(t.arg_at(2))), (Some(-2 | 1), Some(-1 | 2)) | (Some(-1 | 2), Some(-2 | 1))) => {
+                    Some(t)
+                        if t.base() == "transpose"
+                            && matches!(
+                                (int_of(t.arg_at(1)), int_of(t.arg_at(2))),
+                                (Some(-2 | 1), Some(-1 | 2)) | (Some(-1 | 2), Some(-2 | 1))
+                            ) =>
+                    {
                         (targ(t, 0).unwrap_or(wt).to_string(), true)
                     }
-                    Some(t) if t.base() == "permute" && matches!(t.arg_at(1), Arg::Ints(v) if v == &[0, 2, 1]) => {
+                    Some(t)
+                        if t.base() == "permute"
+                            && matches!(t.arg_at(1), Arg::Ints(v) if v == &[0, 2, 1]) =>
+                    {
                         (targ(t, 0).unwrap_or(wt).to_string(), true)
                     }
                     _ => (wt.to_string(), false),
                 };
-                found.push((out.to_string(), idx, x.to_string(), w, enk, true, Some(s.name.clone())));
+                found.push((
+                    out.to_string(),
+                    idx,
+                    x.to_string(),
+                    w,
+                    enk,
+                    true,
+                    Some(s.name.clone()),
+                ));
             }
             _ => {}
         }
@@ -187,9 +233,20 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
         let m = match p.moes.iter().position(|b| b.idx == idx) {
             Some(m) => m,
             None => {
-                let Some(k) = const_size(fx, &idx, 1) else { continue };
-                let Some(e) = const_size(fx, &w, 0) else { continue };
-                p.moes.push(MoeInfo { x: String::new(), idx: idx.clone(), k, experts: e, grouped, matmuls: 0 });
+                let Some(k) = const_size(fx, &idx, 1) else {
+                    continue;
+                };
+                let Some(e) = const_size(fx, &w, 0) else {
+                    continue;
+                };
+                p.moes.push(MoeInfo {
+                    x: String::new(),
+                    idx: idx.clone(),
+                    k,
+                    experts: e,
+                    grouped,
+                    matmuls: 0,
+                });
                 p.moes.len() - 1
             }
         };
@@ -213,14 +270,22 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
         p.entries.insert(e, m);
     }
     // Blocks without an entry are left to the generic lowering.
-    let bad: BTreeSet<usize> = (0..p.moes.len()).filter(|&m| p.moes[m].x.is_empty()).collect();
+    let bad: BTreeSet<usize> = (0..p.moes.len())
+        .filter(|&m| p.moes[m].x.is_empty())
+        .collect();
     p.anchors.retain(|_, a| !bad.contains(&a.m));
     p.sorts.retain(|_, m| !bad.contains(m));
     p
 }
 
 /// The entry node (rows of the token tensor replicated per slot) feeding `name`.
-fn find_entry(fx: &FxGraph, name: &str, info: &MoeInfo, anchors: &BTreeSet<String>, depth: usize) -> Option<(String, String)> {
+fn find_entry(
+    fx: &FxGraph,
+    name: &str,
+    info: &MoeInfo,
+    anchors: &BTreeSet<String>,
+    depth: usize,
+) -> Option<(String, String)> {
     if depth > 40 || anchors.contains(name) {
         return None;
     }
@@ -230,7 +295,9 @@ fn find_entry(fx: &FxGraph, name: &str, info: &MoeInfo, anchors: &BTreeSet<Strin
     }
     for t in n.tensor_args() {
         // Only follow row tensors (same leading size), not masks or weights.
-        if fx.tensor_meta.get(t).map(|m| m.sizes.first()) == fx.tensor_meta.get(name).map(|m| m.sizes.first()) {
+        if fx.tensor_meta.get(t).map(|m| m.sizes.first())
+            == fx.tensor_meta.get(name).map(|m| m.sizes.first())
+        {
             if let Some(r) = find_entry(fx, t, info, anchors, depth + 1) {
                 return Some(r);
             }
@@ -242,17 +309,23 @@ fn find_entry(fx: &FxGraph, name: &str, info: &MoeInfo, anchors: &BTreeSet<Strin
 fn entry_x(fx: &FxGraph, n: &FxNode, info: &MoeInfo) -> Option<String> {
     let k = info.k;
     match n.base() {
-        "repeat_interleave" if !info.grouped => {
-            (int_of(n.arg_at(1)) == Some(k) && int_of(n.arg_at(2)) == Some(0)).then(|| targ(n, 0).map(str::to_string)).flatten()
-        }
+        "repeat_interleave" if !info.grouped => (int_of(n.arg_at(1)) == Some(k)
+            && int_of(n.arg_at(2)) == Some(0))
+        .then(|| targ(n, 0).map(str::to_string))
+        .flatten(),
         "view" | "reshape" | "_unsafe_view" if !info.grouped => {
             // view(clone(expand(unsqueeze(x, 1), [T, k, H])), [T*k, H])
             let e = prod(fx, skip_noops(fx, targ(n, 0)?))?;
-            if e.base() != "expand" || rank(fx, e.out()?) != 3 || const_size(fx, e.out()?, 1) != Some(k) {
+            if e.base() != "expand"
+                || rank(fx, e.out()?) != 3
+                || const_size(fx, e.out()?, 1) != Some(k)
+            {
                 return None;
             }
             let u = prod(fx, targ(e, 0)?)?;
-            (u.base() == "unsqueeze" && int_of(u.arg_at(1)) == Some(1)).then(|| targ(u, 0).map(str::to_string)).flatten()
+            (u.base() == "unsqueeze" && int_of(u.arg_at(1)) == Some(1))
+                .then(|| targ(u, 0).map(str::to_string))
+                .flatten()
         }
         "index" if info.grouped => {
             let i = match n.arg_at(1) {
@@ -261,13 +334,17 @@ fn entry_x(fx: &FxGraph, n: &FxNode, info: &MoeInfo) -> Option<String> {
                 _ => return None,
             };
             let d = prod(fx, &i)?;
-            let floor = d.base() == "floor_divide" || (d.op == "aten.div.Tensor_mode" && matches!(d.arg("rounding_mode"), Arg::Str(s) if s == "floor"));
+            let floor = d.base() == "floor_divide"
+                || (d.op == "aten.div.Tensor_mode"
+                    && matches!(d.arg("rounding_mode"), Arg::Str(s) if s == "floor"));
             if !floor || int_of(d.arg_at(1)) != Some(k) {
                 return None;
             }
             let perm = targ(d, 0)?;
             let s = prod(fx, perm)?;
-            (s.base() == "sort" && s.outputs.get(1).and_then(|o| o.as_deref()) == Some(perm)).then(|| targ(n, 0).map(str::to_string)).flatten()
+            (s.base() == "sort" && s.outputs.get(1).and_then(|o| o.as_deref()) == Some(perm))
+                .then(|| targ(n, 0).map(str::to_string))
+                .flatten()
         }
         _ => None,
     }
@@ -281,7 +358,13 @@ impl Lower<'_> {
         let info = self.moe.moes[m].clone();
         let x = self.tensor(n, &Arg::Tensor(info.x.clone()))?;
         let idx = self.tensor(n, &Arg::Tensor(info.idx.clone()))?;
-        let r = self.emit_multi(n, Op::MoeDispatch { num_experts: info.experts }, &[x, idx])?;
+        let r = self.emit_multi(
+            n,
+            Op::MoeDispatch {
+                num_experts: info.experts,
+            },
+            &[x, idx],
+        )?;
         let d = (r[0], r[1], r[2]);
         self.moe_state[m].dispatch = Some(d);
         Ok(d)
@@ -327,7 +410,14 @@ impl Lower<'_> {
         }
         let out = n.out().unwrap_or("").to_string();
         if let Some(&m) = self.moe.entries.get(&out) {
-            return Some(self.dispatch(n, m).map(|(rows, _, _)| vec![LV::Rows(Rows { m, v: rows, hf: !self.moe.moes[m].grouped, scale: None })]));
+            return Some(self.dispatch(n, m).map(|(rows, _, _)| {
+                vec![LV::Rows(Rows {
+                    m,
+                    v: rows,
+                    hf: !self.moe.moes[m].grouped,
+                    scale: None,
+                })]
+            }));
         }
         if let Some(a) = self.moe.anchors.get(&out).cloned() {
             return Some(self.lower_anchor(n, &a));
@@ -337,11 +427,19 @@ impl Lower<'_> {
         }
         let args: Vec<LV> = n.args.iter().map(|(_, a)| self.arg_lv(a)).collect();
         let index_args: Vec<LV> = match n.arg("indices") {
-            Arg::OptionalTensors(v) => v.iter().map(|t| t.as_ref().map(|t| self.lv(t)).unwrap_or(LV::None)).collect(),
+            Arg::OptionalTensors(v) => v
+                .iter()
+                .map(|t| t.as_ref().map(|t| self.lv(t)).unwrap_or(LV::None))
+                .collect(),
             Arg::Tensors(v) => v.iter().map(|t| self.lv(t)).collect(),
             _ => vec![],
         };
-        let tagged = |lv: &LV| !matches!(lv, LV::T(_) | LV::Sym(_) | LV::Num(..) | LV::None | LV::Err(_));
+        let tagged = |lv: &LV| {
+            !matches!(
+                lv,
+                LV::T(_) | LV::Sym(_) | LV::Num(..) | LV::None | LV::Err(_)
+            )
+        };
         if !args.iter().chain(index_args.iter()).any(tagged) {
             return None;
         }
@@ -352,16 +450,30 @@ impl Lower<'_> {
         let x = match self.lv(&a.x) {
             LV::Rows(r) if r.m == a.m => r,
             LV::Err(e) => return Err(e),
-            other => return Err(self.bad(n, format!("the expert matmul's input is not the block's rows ({other:?})"))),
+            other => {
+                return Err(self.bad(
+                    n,
+                    format!("the expert matmul's input is not the block's rows ({other:?})"),
+                ))
+            }
         };
         let xv = self.apply_scale(n, x)?;
         let w = self.tensor(n, &Arg::Tensor(a.w.clone()))?;
-        let w = if a.enk { w } else { self.emit(n, Op::Transpose { dim0: 1, dim1: 2 }, &[w])? };
+        let w = if a.enk {
+            w
+        } else {
+            self.emit(n, Op::Transpose { dim0: 1, dim1: 2 }, &[w])?
+        };
         let (_, counts, _) = self.dispatch(n, a.m)?;
         let dt = self.ty(w).dtype;
         let xv = self.cast(n, xv, dt)?;
         let y = self.emit(n, Op::GroupedMatmul {}, &[xv, w, counts])?;
-        Ok(vec![LV::Rows(Rows { m: a.m, v: y, hf: x.hf, scale: None })])
+        Ok(vec![LV::Rows(Rows {
+            m: a.m,
+            v: y,
+            hf: x.hf,
+            scale: None,
+        })])
     }
 
     fn lower_tagged(&mut self, n: &FxNode, args: Vec<LV>, index_args: Vec<LV>) -> LR<Vec<LV>> {
@@ -376,11 +488,18 @@ impl Lower<'_> {
         let info_k = |m: usize| self.moe.moes[m].k;
         match (&a0, base.as_str()) {
             // ---- routing bookkeeping
-            (LV::SortedIds(m), "to" | "_to_copy" | "clamp" | "clamp_min" | "clamp_max" | "clone") => Ok(vec![LV::SortedIds(*m)]),
+            (
+                LV::SortedIds(m),
+                "to" | "_to_copy" | "clamp" | "clamp_min" | "clamp_max" | "clone",
+            ) => Ok(vec![LV::SortedIds(*m)]),
             (LV::SortedIds(m), "ge") => {
                 let e = match args.get(1) {
                     Some(LV::Num(v, _)) => *v as i64,
-                    _ => return Err(self.unsupported(n, "comparison of sorted expert ids with a tensor")),
+                    _ => {
+                        return Err(
+                            self.unsupported(n, "comparison of sorted expert ids with a tensor")
+                        )
+                    }
                 };
                 if e >= self.moe.moes[*m].experts {
                     Ok(vec![LV::False])
@@ -394,17 +513,28 @@ impl Lower<'_> {
                 let k = info_k(*m);
                 match args.get(1) {
                     Some(LV::Num(v, _)) if *v as i64 == k => Ok(vec![LV::PermTok]),
-                    _ => Err(self.unsupported(n, "a division of the expert permutation other than by top-k")),
+                    _ => Err(self.unsupported(
+                        n,
+                        "a division of the expert permutation other than by top-k",
+                    )),
                 }
             }
             (LV::Perm(_), "empty_like") => Ok(vec![LV::None]),
             (_, "index_put") => match index_args.as_slice() {
                 [LV::Perm(m)] => Ok(vec![LV::InvPerm(*m)]),
-                _ => Err(self.unsupported(n, "index_put other than the inverse of the expert permutation")),
+                _ => Err(self.unsupported(
+                    n,
+                    "index_put other than the inverse of the expert permutation",
+                )),
             },
-            (LV::False, "unsqueeze" | "expand" | "to" | "_to_copy" | "view" | "reshape" | "clone") => Ok(vec![LV::False]),
+            (
+                LV::False,
+                "unsqueeze" | "expand" | "to" | "_to_copy" | "view" | "reshape" | "clone",
+            ) => Ok(vec![LV::False]),
             (_, "masked_fill") if matches!(args.get(1), Some(LV::False)) => Ok(vec![a0.clone()]),
-            (_, "where") if matches!(a0, LV::False) => Ok(vec![args.get(2).cloned().unwrap_or(LV::None)]),
+            (_, "where") if matches!(a0, LV::False) => {
+                Ok(vec![args.get(2).cloned().unwrap_or(LV::None)])
+            }
             (LV::T(x), "index") => match index_args.as_slice() {
                 [LV::Perm(m)] => {
                     let m = *m;
@@ -416,15 +546,27 @@ impl Lower<'_> {
                 }
                 _ => Err(self.unsupported(n, "indexing by an expert permutation")),
             },
-            (LV::PairW { m, w }, "unsqueeze" | "view" | "reshape" | "to" | "_to_copy" | "clone") => Ok(vec![LV::PairW { m: *m, w: *w }]),
+            (
+                LV::PairW { m, w },
+                "unsqueeze" | "view" | "reshape" | "to" | "_to_copy" | "clone",
+            ) => Ok(vec![LV::PairW { m: *m, w: *w }]),
             (LV::Rows(r), "index") => match index_args.as_slice() {
-                [LV::InvPerm(m)] if *m == r.m && !r.hf => Ok(vec![LV::Rows(Rows { hf: true, ..*r })]),
+                [LV::InvPerm(m)] if *m == r.m && !r.hf => {
+                    Ok(vec![LV::Rows(Rows { hf: true, ..*r })])
+                }
                 _ => Err(self.rows_err(n, "an index")),
             },
             // ---- row-wise compute
-            (LV::Rows(r), "neg" | "exp" | "sigmoid" | "silu" | "relu" | "gelu" | "tanh" | "to" | "_to_copy" | "clone" | "alias" | "contiguous") => {
+            (
+                LV::Rows(r),
+                "neg" | "exp" | "sigmoid" | "silu" | "relu" | "gelu" | "tanh" | "to" | "_to_copy"
+                | "clone" | "alias" | "contiguous",
+            ) => {
                 let r = *r;
-                if matches!(base.as_str(), "to" | "_to_copy" | "clone" | "alias" | "contiguous") {
+                if matches!(
+                    base.as_str(),
+                    "to" | "_to_copy" | "clone" | "alias" | "contiguous"
+                ) {
                     let ty = self.out_ty(n)?;
                     let v = self.cast(n, r.v, ty.dtype)?;
                     return Ok(vec![LV::Rows(Rows { v, ..r })]);
@@ -437,10 +579,16 @@ impl Lower<'_> {
                     "silu" => Op::Silu {},
                     "relu" => Op::Relu {},
                     "tanh" => Op::Tanh {},
-                    _ => Op::Gelu { tanh_approx: matches!(n.arg("approximate"), Arg::Str(s) if s == "tanh") },
+                    _ => Op::Gelu {
+                        tanh_approx: matches!(n.arg("approximate"), Arg::Str(s) if s == "tanh"),
+                    },
                 };
                 let v = self.emit(n, op, &[v])?;
-                Ok(vec![LV::Rows(Rows { v, scale: None, ..r })])
+                Ok(vec![LV::Rows(Rows {
+                    v,
+                    scale: None,
+                    ..r
+                })])
             }
             (LV::Rows(r), "chunk" | "split_with_sizes" | "split") => {
                 let r = *r;
@@ -472,18 +620,30 @@ impl Lower<'_> {
                             if s <= 0 {
                                 return Err(self.bad(n, format!("split into pieces of {s}")));
                             }
-                            let t = total.as_const().ok_or_else(|| self.rows_err(n, "a symbolic split"))?;
+                            let t = total
+                                .as_const()
+                                .ok_or_else(|| self.rows_err(n, "a symbolic split"))?;
                             if t / s > 1 << 16 {
                                 return Err(self.bad(n, "split into too many pieces"));
                             }
-                            (0..(t + s - 1) / s).map(|i| Dim::from(s.min(t - i * s))).collect()
+                            (0..(t + s - 1) / s)
+                                .map(|i| Dim::from(s.min(t - i * s)))
+                                .collect()
                         }
-                        _ => self.ints_arg(n, n.arg_at(1))?.into_iter().map(Dim::from).collect(),
+                        _ => self
+                            .ints_arg(n, n.arg_at(1))?
+                            .into_iter()
+                            .map(Dim::from)
+                            .collect(),
                     };
                     self.emit_multi(n, Op::Split { dim: 1, sizes }, &[v])?
                 };
                 for p in parts {
-                    outs.push(LV::Rows(Rows { v: p, scale: None, ..r }));
+                    outs.push(LV::Rows(Rows {
+                        v: p,
+                        scale: None,
+                        ..r
+                    }));
                 }
                 Ok(outs)
             }
@@ -524,7 +684,11 @@ impl Lower<'_> {
                         "{} experts top-{} ({} form): moe_dispatch, {} grouped_matmul, moe_combine",
                         info.experts,
                         info.k,
-                        if info.grouped { "grouped_mm_fallback" } else { "batched_mm" },
+                        if info.grouped {
+                            "grouped_mm_fallback"
+                        } else {
+                            "batched_mm"
+                        },
                         info.matmuls
                     ),
                 );
@@ -550,7 +714,10 @@ impl Lower<'_> {
                 _ => None,
             };
             if let Some(w) = w {
-                return Ok(vec![LV::Rows(Rows { scale: Some(w), ..r })]);
+                return Ok(vec![LV::Rows(Rows {
+                    scale: Some(w),
+                    ..r
+                })]);
             }
         }
         let x = self.apply_scale(n, r)?;
@@ -583,9 +750,17 @@ impl Lower<'_> {
                 return Err(self.rows_err(n, "add/sub with alpha"));
             }
         }
-        let (p, q) = if swapped { (y, Operand::T(x)) } else { (Operand::T(x), y) };
+        let (p, q) = if swapped {
+            (y, Operand::T(x))
+        } else {
+            (Operand::T(x), y)
+        };
         let v = self.arith_v(n, bin, p, q)?;
         let _ = DType::F32;
-        Ok(vec![LV::Rows(Rows { v, scale: None, ..r })])
+        Ok(vec![LV::Rows(Rows {
+            v,
+            scale: None,
+            ..r
+        })])
     }
 }

@@ -203,7 +203,11 @@ fn parse_schema(s: &str) -> (String, Vec<Param>) {
             None => (part, None),
         };
         let (ty, name) = decl.rsplit_once(' ').expect("param has a type and a name");
-        params.push(Param { name: name.to_string(), ty: ty.to_string(), default });
+        params.push(Param {
+            name: name.to_string(),
+            ty: ty.to_string(),
+            default,
+        });
     }
     (key, params)
 }
@@ -233,7 +237,13 @@ fn parse_default(v: &str) -> Arg {
         "contiguous_format" => Arg::MemoryFormat(1),
         _ if v.starts_with('[') => {
             let inner = &v[1..v.len() - 1];
-            Arg::Ints(inner.split(',').filter(|x| !x.trim().is_empty()).map(|x| x.trim().parse().unwrap()).collect())
+            Arg::Ints(
+                inner
+                    .split(',')
+                    .filter(|x| !x.trim().is_empty())
+                    .map(|x| x.trim().parse().unwrap())
+                    .collect(),
+            )
         }
         _ if v.starts_with('\'') => Arg::Str(v.trim_matches('\'').to_string()),
         _ => match v.parse::<i64>() {

@@ -37,25 +37,57 @@ pub struct ImportReport {
 }
 
 impl ImportReport {
-    pub(crate) fn recognise(&mut self, pattern: &str, layer: Option<&str>, detail: impl Into<String>) {
-        self.recognised.push(Recognised { pattern: pattern.into(), layer: layer.unwrap_or("").into(), detail: detail.into() });
+    pub(crate) fn recognise(
+        &mut self,
+        pattern: &str,
+        layer: Option<&str>,
+        detail: impl Into<String>,
+    ) {
+        self.recognised.push(Recognised {
+            pattern: pattern.into(),
+            layer: layer.unwrap_or("").into(),
+            detail: detail.into(),
+        });
     }
 
     pub(crate) fn miss(&mut self, pattern: &str, layer: Option<&str>, detail: impl Into<String>) {
-        self.unrecognised.push(Recognised { pattern: pattern.into(), layer: layer.unwrap_or("").into(), detail: detail.into() });
+        self.unrecognised.push(Recognised {
+            pattern: pattern.into(),
+            layer: layer.unwrap_or("").into(),
+            detail: detail.into(),
+        });
     }
 
     /// Count of recognised patterns of one kind.
     pub fn count(&self, pattern: &str) -> usize {
-        self.recognised.iter().filter(|r| r.pattern == pattern).count()
+        self.recognised
+            .iter()
+            .filter(|r| r.pattern == pattern)
+            .count()
     }
 }
 
 impl fmt::Display for ImportReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "pt2 import: torch {} (schema {}), {} IR", self.torch_version, self.schema, self.dialect)?;
-        writeln!(f, "  symbols: {}", if self.symbols.is_empty() { "none (static shapes)".into() } else { self.symbols.join(", ") })?;
-        writeln!(f, "  nodes: {} exported -> {} weft", self.exported_nodes, self.weft_nodes)?;
+        writeln!(
+            f,
+            "pt2 import: torch {} (schema {}), {} IR",
+            self.torch_version, self.schema, self.dialect
+        )?;
+        writeln!(
+            f,
+            "  symbols: {}",
+            if self.symbols.is_empty() {
+                "none (static shapes)".into()
+            } else {
+                self.symbols.join(", ")
+            }
+        )?;
+        writeln!(
+            f,
+            "  nodes: {} exported -> {} weft",
+            self.exported_nodes, self.weft_nodes
+        )?;
         let mut kinds: Vec<&str> = self.recognised.iter().map(|r| r.pattern.as_str()).collect();
         kinds.dedup();
         let mut seen = Vec::new();
@@ -65,15 +97,31 @@ impl fmt::Display for ImportReport {
             }
             seen.push(k);
             let details: Vec<&str> = {
-                let mut d: Vec<&str> = self.recognised.iter().filter(|r| r.pattern == k).map(|r| r.detail.as_str()).collect();
+                let mut d: Vec<&str> = self
+                    .recognised
+                    .iter()
+                    .filter(|r| r.pattern == k)
+                    .map(|r| r.detail.as_str())
+                    .collect();
                 d.sort();
                 d.dedup();
                 d
             };
-            writeln!(f, "  recognised {k} x{} ({})", self.count(k), details.join("; "))?;
+            writeln!(
+                f,
+                "  recognised {k} x{} ({})",
+                self.count(k),
+                details.join("; ")
+            )?;
         }
         for u in &self.unrecognised {
-            writeln!(f, "  NOT recognised {} in {}: {}", u.pattern, if u.layer.is_empty() { "-" } else { &u.layer }, u.detail)?;
+            writeln!(
+                f,
+                "  NOT recognised {} in {}: {}",
+                u.pattern,
+                if u.layer.is_empty() { "-" } else { &u.layer },
+                u.detail
+            )?;
         }
         for t in &self.tied {
             writeln!(f, "  tied: {t}")?;

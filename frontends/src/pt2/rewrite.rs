@@ -45,11 +45,27 @@ fn is_zero_full(g: &Graph, v: Value) -> bool {
 /// Replaces `root` by a new node computing `op(operands)` (placed just before it).
 fn replace(g: &mut Graph, root: Value, op: Op, operands: &[Value]) -> Option<Value> {
     let n = g.def(root);
-    let meta = NodeMeta { source: g.node(n).meta.source.clone(), provenance: None, ..Default::default() };
+    let meta = NodeMeta {
+        source: g.node(n).meta.source.clone(),
+        provenance: None,
+        ..Default::default()
+    };
     let new = g.insert_with(At::Before(n), op, operands, meta).ok()?[0];
     let new = if g.ty(new).dtype != g.ty(root).dtype {
-        let meta = NodeMeta { source: g.node(n).meta.source.clone(), provenance: None, ..Default::default() };
-        g.insert_with(At::Before(n), Op::Cast { dtype: g.ty(root).dtype }, &[new], meta).ok()?[0]
+        let meta = NodeMeta {
+            source: g.node(n).meta.source.clone(),
+            provenance: None,
+            ..Default::default()
+        };
+        g.insert_with(
+            At::Before(n),
+            Op::Cast {
+                dtype: g.ty(root).dtype,
+            },
+            &[new],
+            meta,
+        )
+        .ok()?[0]
     } else {
         new
     };
@@ -79,8 +95,13 @@ impl Rewriter<'_> {
                 if g.try_node(n).is_none() {
                     continue;
                 }
-                let Some(&root) = g.node(n).results.first() else { continue };
-                changed |= self.linear(g, root) || self.rms_norm(g, root) || self.rope(g, root) || self.attention(g, root);
+                let Some(&root) = g.node(n).results.first() else {
+                    continue;
+                };
+                changed |= self.linear(g, root)
+                    || self.rms_norm(g, root)
+                    || self.rope(g, root)
+                    || self.attention(g, root);
             }
             dce(g);
             if !changed {
@@ -93,7 +114,13 @@ impl Rewriter<'_> {
     /// `reshape(linear(reshape(x)))` → `linear(x)`.
     fn linear(&mut self, g: &mut Graph, root: Value) -> bool {
         match def(g, root) {
-            (Op::Matmul { transpose_a: false, transpose_b }, [x, t]) => {
+            (
+                Op::Matmul {
+                    transpose_a: false,
+                    transpose_b,
+                },
+                [x, t],
+            ) => {
                 let (x, t, tb) = (*x, *t, *transpose_b);
                 // `bmm` of a 3-D input broadcasts the weight over the batch first.
                 let t = match def(g, t) {
@@ -104,8 +131,12 @@ impl Rewriter<'_> {
                     Some(t).filter(|&w| is_param(g, w))
                 } else {
                     match def(g, t) {
-                        (Op::Permute { perm }, [w]) if perm == &[1, 0] && is_param(g, *w) => Some(*w),
-                        (Op::Transpose { .. }, [w]) if g.ty(*w).rank() == 2 && is_param(g, *w) => Some(*w),
+                        (Op::Permute { perm }, [w]) if perm == &[1, 0] && is_param(g, *w) => {
+                            Some(*w)
+                        }
+                        (Op::Transpose { .. }, [w]) if g.ty(*w).rank() == 2 && is_param(g, *w) => {
+                            Some(*w)
+                        }
                         _ => None,
                     }
                 };
@@ -115,7 +146,11 @@ impl Rewriter<'_> {
                 }
                 let scope = scope_of(g, root);
                 if replace(g, root, Op::Linear {}, &[x, w]).is_some() {
-                    self.report.recognise("linear", scope.as_deref(), "mm with a transposed parameter");
+                    self.report.recognise(
+                        "linear",
+                        scope.as_deref(),
+                        "mm with a transposed parameter",
+                    );
                     return true;
                 }
                 false
@@ -126,7 +161,11 @@ impl Rewriter<'_> {
                     if let (Op::Linear {}, [x, w]) = def(g, l) {
                         let (x, w) = (*x, *w);
                         let bt = g.ty(bias);
-                        if is_param(g, bias) && bt.rank() == 1 && bt.shape[0] == g.ty(w).shape[0] && g.ty(root) == g.ty(l) {
+                        if is_param(g, bias)
+                            && bt.rank() == 1
+                            && bt.shape[0] == g.ty(w).shape[0]
+                            && g.ty(root) == g.ty(l)
+                        {
                             return replace(g, root, Op::Linear {}, &[x, w, bias]).is_some();
                         }
                     }
@@ -135,9 +174,13 @@ impl Rewriter<'_> {
             }
             (Op::Reshape { shape }, [l]) => {
                 let (shape, l) = (shape.clone(), *l);
-                let (Op::Linear {}, ops) = def(g, l) else { return false };
+                let (Op::Linear {}, ops) = def(g, l) else {
+                    return false;
+                };
                 let ops = ops.to_vec();
-                let (Op::Reshape { .. }, [x]) = def(g, ops[0]) else { return false };
+                let (Op::Reshape { .. }, [x]) = def(g, ops[0]) else {
+                    return false;
+                };
                 let x = *x;
                 let xt = g.ty(x).clone();
                 let mut want = xt.shape[..xt.rank().saturating_sub(1)].to_vec();
@@ -155,25 +198,44 @@ impl Rewriter<'_> {
 
     /// `W * cast(cast(x) * rsqrt(mean(cast(x)^2, [-1], keepdim) + eps))` → `rms_norm(x, W, eps)`.
     fn rms_norm(&mut self, g: &mut Graph, root: Value) -> bool {
-        let (Op::Mul {}, [a, b]) = def(g, root) else { return false };
+        let (Op::Mul {}, [a, b]) = def(g, root) else {
+            return false;
+        };
         let (a, b) = (*a, *b);
         for (w, y) in [(a, b), (b, a)] {
             if !is_param(g, w) || g.ty(w).rank() != 1 {
                 continue;
             }
             let y = through_casts(g, y);
-            let (Op::Mul {}, [p, q]) = def(g, y) else { continue };
+            let (Op::Mul {}, [p, q]) = def(g, y) else {
+                continue;
+            };
             let (p, q) = (*p, *q);
             for (xf, r) in [(p, q), (q, p)] {
-                let (Op::Rsqrt {}, [s]) = def(g, r) else { continue };
-                let (Op::AddScalar { value: eps }, [m]) = def(g, *s) else { continue };
+                let (Op::Rsqrt {}, [s]) = def(g, r) else {
+                    continue;
+                };
+                let (Op::AddScalar { value: eps }, [m]) = def(g, *s) else {
+                    continue;
+                };
                 let eps = *eps;
-                let (Op::Mean { dims, keepdim: true }, [sq]) = def(g, *m) else { continue };
+                let (
+                    Op::Mean {
+                        dims,
+                        keepdim: true,
+                    },
+                    [sq],
+                ) = def(g, *m)
+                else {
+                    continue;
+                };
                 let rank = g.ty(xf).rank() as i64;
                 if dims.len() != 1 || (dims[0] != -1 && dims[0] != rank - 1) {
                     continue;
                 }
-                let (Op::PowScalar { exponent }, [x2]) = def(g, *sq) else { continue };
+                let (Op::PowScalar { exponent }, [x2]) = def(g, *sq) else {
+                    continue;
+                };
                 if exponent.0 != 2.0 || *x2 != xf {
                     continue;
                 }
@@ -183,7 +245,8 @@ impl Rewriter<'_> {
                 }
                 let scope = scope_of(g, root);
                 if replace(g, root, Op::RmsNorm { eps }, &[x, w]).is_some() {
-                    self.report.recognise("rms_norm", scope.as_deref(), format!("eps {}", eps.0));
+                    self.report
+                        .recognise("rms_norm", scope.as_deref(), format!("eps {}", eps.0));
                     return true;
                 }
             }
@@ -193,11 +256,17 @@ impl Rewriter<'_> {
 
     /// `x * cos + cat(-x[.., D/2:], x[.., :D/2]) * sin` → `rope(x, cos, sin)`.
     fn rope(&mut self, g: &mut Graph, root: Value) -> bool {
-        let (Op::Add {}, [a, b]) = def(g, root) else { return false };
+        let (Op::Add {}, [a, b]) = def(g, root) else {
+            return false;
+        };
         let (a, b) = (*a, *b);
         for (m1, m2) in [(a, b), (b, a)] {
-            let Some((x, cos)) = mul_pair(g, m1, |g, v| table_of(g, v, 0).is_some()) else { continue };
-            let Some((cat, sin)) = mul_pair(g, m2, |g, v| table_of(g, v, 1).is_some()) else { continue };
+            let Some((x, cos)) = mul_pair(g, m1, |g, v| table_of(g, v, 0).is_some()) else {
+                continue;
+            };
+            let Some((cat, sin)) = mul_pair(g, m2, |g, v| table_of(g, v, 1).is_some()) else {
+                continue;
+            };
             let (tc, ts) = (table_of(g, cos, 0).unwrap(), table_of(g, sin, 1).unwrap());
             if g.def(tc) != g.def(ts) || !is_rotate_half(g, cat, x) {
                 continue;
@@ -207,7 +276,8 @@ impl Rewriter<'_> {
             }
             let scope = scope_of(g, root);
             if replace(g, root, Op::Rope {}, &[x, tc, ts]).is_some() {
-                self.report.recognise("rope", scope.as_deref(), "x*cos + rotate_half(x)*sin");
+                self.report
+                    .recognise("rope", scope.as_deref(), "x*cos + rotate_half(x)*sin");
                 return true;
             }
         }
@@ -226,11 +296,22 @@ impl Rewriter<'_> {
             (Op::Matmul { .. }, _) => root,
             _ => return false,
         };
-        let (Op::Matmul { transpose_a: false, transpose_b: false }, [p3, v3]) = def(g, mm) else { return false };
+        let (
+            Op::Matmul {
+                transpose_a: false,
+                transpose_b: false,
+            },
+            [p3, v3],
+        ) = def(g, mm)
+        else {
+            return false;
+        };
         let (p3, v3) = (*p3, *v3);
         let p4 = peel_to_rank4(g, p3);
         let v4 = peel_to_rank4(g, v3);
-        let (Some(p4), Some(v4)) = (p4, v4) else { return false };
+        let (Some(p4), Some(v4)) = (p4, v4) else {
+            return false;
+        };
         // Fix-up `where(all_masked, 0, P)` around the softmax.
         let mut psm = through_casts(g, p4);
         if let (Op::Where {}, [c, z, p]) = def(g, p4) {
@@ -241,7 +322,9 @@ impl Rewriter<'_> {
                 }
             }
         }
-        let (Op::Softmax { dim }, [x]) = def(g, psm) else { return false };
+        let (Op::Softmax { dim }, [x]) = def(g, psm) else {
+            return false;
+        };
         if *dim != -1 && *dim != 3 {
             return false;
         }
@@ -259,14 +342,29 @@ impl Rewriter<'_> {
             (Op::Matmul { .. }, _) => scores,
             _ => return false,
         };
-        let (Op::Matmul { transpose_a: false, transpose_b: false }, [q3, k3]) = def(g, qk) else { return false };
+        let (
+            Op::Matmul {
+                transpose_a: false,
+                transpose_b: false,
+            },
+            [q3, k3],
+        ) = def(g, qk)
+        else {
+            return false;
+        };
         let (q3, k3) = (*q3, *k3);
-        let (Some(qs), Some(kt)) = (peel_to_rank4(g, q3), peel_to_rank4(g, k3)) else { return false };
+        let (Some(qs), Some(kt)) = (peel_to_rank4(g, q3), peel_to_rank4(g, k3)) else {
+            return false;
+        };
         let (q, c1) = unscale(g, qs);
         let (kt, c2) = unscale(g, kt);
         let k = match def(g, kt) {
             (Op::Permute { perm }, [k]) if perm == &[0, 1, 3, 2] => *k,
-            (Op::Transpose { dim0, dim1 }, [k]) if matches!((dim0, dim1), (2, 3) | (3, 2) | (-1, -2) | (-2, -1)) => *k,
+            (Op::Transpose { dim0, dim1 }, [k])
+                if matches!((dim0, dim1), (2, 3) | (3, 2) | (-1, -2) | (-2, -1)) =>
+            {
+                *k
+            }
             _ => return false,
         };
         let (k, c3) = unscale(g, k);
@@ -281,11 +379,26 @@ impl Rewriter<'_> {
             return false;
         }
         let scope = scope_of(g, root);
-        if replace(g, root, Op::Attention { causal, scale: Float(scale) }, &[q, k, v]).is_some() {
+        if replace(
+            g,
+            root,
+            Op::Attention {
+                causal,
+                scale: Float(scale),
+            },
+            &[q, k, v],
+        )
+        .is_some()
+        {
             self.report.recognise(
                 "attention",
                 scope.as_deref(),
-                format!("{} softmax(QK^T)V{}{}", if c0 != 1.0 { "eager" } else { "decomposed" }, if causal { ", causal bias" } else { ", no mask" }, if gqa { ", repeat_kv undone (GQA)" } else { "" }),
+                format!(
+                    "{} softmax(QK^T)V{}{}",
+                    if c0 != 1.0 { "eager" } else { "decomposed" },
+                    if causal { ", causal bias" } else { ", no mask" },
+                    if gqa { ", repeat_kv undone (GQA)" } else { "" }
+                ),
             );
             return true;
         }
@@ -300,12 +413,17 @@ impl Rewriter<'_> {
         if self.causal.get(&v) == Some(&true) {
             return true;
         }
-        let (Op::Where {}, [c, z, ninf]) = def(g, v) else { return false };
+        let (Op::Where {}, [c, z, ninf]) = def(g, v) else {
+            return false;
+        };
         let is_ninf = match def(g, peel_layout(g, *ninf)) {
             (Op::Full { value, .. }, _) => value.0 == f64::NEG_INFINITY || value.0 <= -1e30,
             _ => false,
         };
-        is_ninf && is_zero_full(g, *z) && (self.causal.get(&peel_layout(g, *c)) == Some(&false) || self.causal.get(c) == Some(&false))
+        is_ninf
+            && is_zero_full(g, *z)
+            && (self.causal.get(&peel_layout(g, *c)) == Some(&false)
+                || self.causal.get(c) == Some(&false))
     }
 }
 
@@ -322,7 +440,9 @@ fn peel_layout(g: &Graph, mut v: Value) -> Value {
 
 /// `(x, t)` if `v = mul(x, t)` (either order) with `pred(t)`.
 fn mul_pair(g: &Graph, v: Value, pred: impl Fn(&Graph, Value) -> bool) -> Option<(Value, Value)> {
-    let (Op::Mul {}, [a, b]) = def(g, v) else { return None };
+    let (Op::Mul {}, [a, b]) = def(g, v) else {
+        return None;
+    };
     if pred(g, *b) {
         Some((*a, *b))
     } else if pred(g, *a) {
@@ -348,7 +468,9 @@ fn table_of(g: &Graph, mut v: Value, which: u32) -> Option<Value> {
 
 /// `cat(-x[.., h:], x[.., :h])` on the last dim.
 fn is_rotate_half(g: &Graph, cat: Value, x: Value) -> bool {
-    let (Op::Concat { dim }, [a, b]) = def(g, cat) else { return false };
+    let (Op::Concat { dim }, [a, b]) = def(g, cat) else {
+        return false;
+    };
     let r = g.ty(x).rank() as i64;
     let last = r - 1;
     if *dim != -1 && *dim != last {
@@ -359,9 +481,13 @@ fn is_rotate_half(g: &Graph, cat: Value, x: Value) -> bool {
         _ => return false,
     };
     let h = Dim::from(d / 2);
-    let (Op::Neg {}, [s2]) = def(g, *a) else { return false };
+    let (Op::Neg {}, [s2]) = def(g, *a) else {
+        return false;
+    };
     let is_slice = |v: Value, start: &Dim| match def(g, v) {
-        (Op::Slice { dim, start: s, len }, [src]) => (*dim == last || *dim == -1) && s == start && *len == h && *src == x,
+        (Op::Slice { dim, start: s, len }, [src]) => {
+            (*dim == last || *dim == -1) && s == start && *len == h && *src == x
+        }
         _ => false,
     };
     is_slice(*s2, &h) && is_slice(*b, &Dim::from(0))
@@ -429,7 +555,8 @@ pub fn dce(g: &mut Graph) {
         .copied()
         .filter(|&n| {
             let d = g.node(n);
-            !matches!(d.op, Op::Param { .. } | Op::Input { .. }) && !d.results.iter().any(|r| live.contains(r))
+            !matches!(d.op, Op::Param { .. } | Op::Input { .. })
+                && !d.results.iter().any(|r| live.contains(r))
         })
         .collect();
     g.remove_nodes(&dead);

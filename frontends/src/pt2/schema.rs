@@ -164,7 +164,11 @@ impl ScalarType {
 
     /// The torch name of a code (`"unknown code"` if there is none).
     pub fn name(code: i64) -> &'static str {
-        Self::TABLE.iter().find(|t| t.0 == code).map(|t| t.1).unwrap_or("unknown code")
+        Self::TABLE
+            .iter()
+            .find(|t| t.0 == code)
+            .map(|t| t.1)
+            .unwrap_or("unknown code")
     }
 
     pub fn dtype(code: i64) -> Option<weft_ir::DType> {
@@ -172,7 +176,11 @@ impl ScalarType {
     }
 
     pub fn size_bytes(code: i64) -> Option<usize> {
-        Self::TABLE.iter().find(|t| t.0 == code).map(|t| t.3).filter(|&b| b > 0)
+        Self::TABLE
+            .iter()
+            .find(|t| t.0 == code)
+            .map(|t| t.3)
+            .filter(|&b| b > 0)
     }
 }
 
@@ -203,15 +211,26 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn err(&self, path: &str, msg: impl Into<String>) -> Pt2Error {
-        Pt2Error::schema(self.entry, if path.is_empty() { "the top level" } else { path }, msg)
+        Pt2Error::schema(
+            self.entry,
+            if path.is_empty() {
+                "the top level"
+            } else {
+                path
+            },
+            msg,
+        )
     }
 
     fn obj<'j>(&self, v: &'j J, path: &str) -> Result<&'j serde_json::Map<String, J>, Pt2Error> {
-        v.as_object().ok_or_else(|| self.err(path, format!("expected an object, found {}", kind_of(v))))
+        v.as_object()
+            .ok_or_else(|| self.err(path, format!("expected an object, found {}", kind_of(v))))
     }
 
     fn field<'j>(&self, v: &'j J, key: &str, path: &str) -> Result<&'j J, Pt2Error> {
-        self.obj(v, path)?.get(key).ok_or_else(|| self.err(path, format!("missing field `{key}`")))
+        self.obj(v, path)?
+            .get(key)
+            .ok_or_else(|| self.err(path, format!("missing field `{key}`")))
     }
 
     fn opt_field<'j>(&self, v: &'j J, key: &str, path: &str) -> Result<Option<&'j J>, Pt2Error> {
@@ -219,7 +238,8 @@ impl<'a> Reader<'a> {
     }
 
     fn list<'j>(&self, v: &'j J, path: &str) -> Result<&'j Vec<J>, Pt2Error> {
-        v.as_array().ok_or_else(|| self.err(path, format!("expected a list, found {}", kind_of(v))))
+        v.as_array()
+            .ok_or_else(|| self.err(path, format!("expected a list, found {}", kind_of(v))))
     }
 
     fn int(&self, v: &J, path: &str) -> Result<i64, Pt2Error> {
@@ -235,7 +255,9 @@ impl<'a> Reader<'a> {
 
     fn float(&self, v: &J, path: &str) -> Result<f64, Pt2Error> {
         match v {
-            J::Number(n) => n.as_f64().ok_or_else(|| self.err(path, "number out of range")),
+            J::Number(n) => n
+                .as_f64()
+                .ok_or_else(|| self.err(path, "number out of range")),
             J::String(s) => match s.as_str() {
                 "Infinity" | "inf" => Ok(f64::INFINITY),
                 "-Infinity" | "-inf" => Ok(f64::NEG_INFINITY),
@@ -247,11 +269,14 @@ impl<'a> Reader<'a> {
     }
 
     fn string(&self, v: &J, path: &str) -> Result<String, Pt2Error> {
-        v.as_str().map(str::to_string).ok_or_else(|| self.err(path, format!("expected a string, found {}", kind_of(v))))
+        v.as_str()
+            .map(str::to_string)
+            .ok_or_else(|| self.err(path, format!("expected a string, found {}", kind_of(v))))
     }
 
     fn boolean(&self, v: &J, path: &str) -> Result<bool, Pt2Error> {
-        v.as_bool().ok_or_else(|| self.err(path, format!("expected a boolean, found {}", kind_of(v))))
+        v.as_bool()
+            .ok_or_else(|| self.err(path, format!("expected a boolean, found {}", kind_of(v))))
     }
 
     /// A union: exactly one key.
@@ -260,8 +285,17 @@ impl<'a> Reader<'a> {
         let mut it = o.iter().filter(|(_, x)| !x.is_null() || o.len() == 1);
         match (it.next(), it.next()) {
             (Some((k, x)), None) => Ok((k.as_str(), x)),
-            (None, _) => Err(self.err(path, "expected a union object with one key, found an empty object")),
-            _ => Err(self.err(path, format!("expected a union object with one key, found keys {:?}", o.keys().collect::<Vec<_>>()))),
+            (None, _) => Err(self.err(
+                path,
+                "expected a union object with one key, found an empty object",
+            )),
+            _ => Err(self.err(
+                path,
+                format!(
+                    "expected a union object with one key, found keys {:?}",
+                    o.keys().collect::<Vec<_>>()
+                ),
+            )),
         }
     }
 
@@ -312,7 +346,13 @@ impl<'a> Reader<'a> {
             Some(x) => self.boolean(x, &format!("{path}.requires_grad"))?,
             None => false,
         };
-        Ok(TensorMeta { dtype, sizes, strides, storage_offset, requires_grad })
+        Ok(TensorMeta {
+            dtype,
+            sizes,
+            strides,
+            storage_offset,
+            requires_grad,
+        })
     }
 
     fn tensor_name(&self, v: &J, path: &str) -> Result<String, Pt2Error> {
@@ -419,7 +459,9 @@ impl<'a> Reader<'a> {
             "as_scalar_type" => Arg::ScalarType(self.int(x, &p)?),
             "as_memory_format" => Arg::MemoryFormat(self.int(x, &p)?),
             "as_layout" => Arg::Layout(self.int(x, &p)?),
-            "as_device" => Arg::Device(self.string(self.field(x, "type", &p)?, &format!("{p}.type"))?),
+            "as_device" => {
+                Arg::Device(self.string(self.field(x, "type", &p)?, &format!("{p}.type"))?)
+            }
             "as_graph" => {
                 let name = self.string(self.field(x, "name", &p)?, &format!("{p}.name"))?;
                 let g = self.graph(self.field(x, "graph", &p)?, &format!("{p}.graph"))?;
@@ -442,7 +484,11 @@ impl<'a> Reader<'a> {
         let target = self.string(self.field(v, "target", path)?, &format!("{path}.target"))?;
         let mut inputs = Vec::new();
         let ip = format!("{path}.inputs");
-        for (i, a) in self.list(self.field(v, "inputs", path)?, &ip)?.iter().enumerate() {
+        for (i, a) in self
+            .list(self.field(v, "inputs", path)?, &ip)?
+            .iter()
+            .enumerate()
+        {
             let p = format!("{ip}[{i}]");
             let name = match self.opt_field(a, "name", &p)? {
                 Some(n) => self.string(n, &format!("{p}.name"))?,
@@ -457,7 +503,11 @@ impl<'a> Reader<'a> {
         }
         let op = format!("{path}.outputs");
         let mut outputs = Vec::new();
-        for (i, a) in self.list(self.field(v, "outputs", path)?, &op)?.iter().enumerate() {
+        for (i, a) in self
+            .list(self.field(v, "outputs", path)?, &op)?
+            .iter()
+            .enumerate()
+        {
             outputs.push(self.arg(a, &format!("{op}[{i}]"))?);
         }
         let mut metadata = BTreeMap::new();
@@ -472,33 +522,53 @@ impl<'a> Reader<'a> {
             Some(n) => Some(self.string(n, &format!("{path}.name"))?),
             None => None,
         };
-        Ok(Node { target, inputs, outputs, metadata, name })
+        Ok(Node {
+            target,
+            inputs,
+            outputs,
+            metadata,
+            name,
+        })
     }
 
     fn graph(&self, v: &J, path: &str) -> Result<Graph, Pt2Error> {
         let mut g = Graph::default();
         let p = format!("{path}.inputs");
-        for (i, a) in self.list(self.field(v, "inputs", path)?, &p)?.iter().enumerate() {
+        for (i, a) in self
+            .list(self.field(v, "inputs", path)?, &p)?
+            .iter()
+            .enumerate()
+        {
             g.inputs.push(self.arg(a, &format!("{p}[{i}]"))?);
         }
         let p = format!("{path}.outputs");
-        for (i, a) in self.list(self.field(v, "outputs", path)?, &p)?.iter().enumerate() {
+        for (i, a) in self
+            .list(self.field(v, "outputs", path)?, &p)?
+            .iter()
+            .enumerate()
+        {
             g.outputs.push(self.arg(a, &format!("{p}[{i}]"))?);
         }
         let p = format!("{path}.nodes");
-        for (i, n) in self.list(self.field(v, "nodes", path)?, &p)?.iter().enumerate() {
+        for (i, n) in self
+            .list(self.field(v, "nodes", path)?, &p)?
+            .iter()
+            .enumerate()
+        {
             g.nodes.push(self.node(n, &format!("{p}[{i}]"))?);
         }
         if let Some(tv) = self.opt_field(v, "tensor_values", path)? {
             let p = format!("{path}.tensor_values");
             for (k, m) in self.obj(tv, &p)? {
-                g.tensor_values.insert(k.clone(), self.tensor_meta(m, &format!("{p}.{k}"))?);
+                g.tensor_values
+                    .insert(k.clone(), self.tensor_meta(m, &format!("{p}.{k}"))?);
             }
         }
         if let Some(sv) = self.opt_field(v, "sym_int_values", path)? {
             let p = format!("{path}.sym_int_values");
             for (k, m) in self.obj(sv, &p)? {
-                g.sym_int_values.insert(k.clone(), self.sym_int(m, &format!("{p}.{k}"))?);
+                g.sym_int_values
+                    .insert(k.clone(), self.sym_int(m, &format!("{p}.{k}"))?);
             }
         }
         Ok(g)
@@ -512,20 +582,27 @@ impl<'a> Reader<'a> {
             self.tensor_name(a, &format!("{p}.arg"))
         };
         Ok(match k {
-            "user_input" => InputSpec::User { arg: self.arg(self.field(x, "arg", &p)?, &format!("{p}.arg"))? },
+            "user_input" => InputSpec::User {
+                arg: self.arg(self.field(x, "arg", &p)?, &format!("{p}.arg"))?,
+            },
             "parameter" => InputSpec::Parameter {
                 name: arg_name(x)?,
                 target: self.string(self.field(x, "parameter_name", &p)?, &p)?,
             },
-            "buffer" => InputSpec::Buffer { name: arg_name(x)?, target: self.string(self.field(x, "buffer_name", &p)?, &p)? },
+            "buffer" => InputSpec::Buffer {
+                name: arg_name(x)?,
+                target: self.string(self.field(x, "buffer_name", &p)?, &p)?,
+            },
             "tensor_constant" => InputSpec::Constant {
                 name: arg_name(x)?,
                 target: self.string(self.field(x, "tensor_constant_name", &p)?, &p)?,
             },
-            "constant_input" => {
-                InputSpec::ConstantInput { name: self.string(self.field(x, "name", &p)?, &format!("{p}.name"))? }
-            }
-            other => InputSpec::Other { kind: other.to_string() },
+            "constant_input" => InputSpec::ConstantInput {
+                name: self.string(self.field(x, "name", &p)?, &format!("{p}.name"))?,
+            },
+            other => InputSpec::Other {
+                kind: other.to_string(),
+            },
         })
     }
 
@@ -551,7 +628,10 @@ impl<'a> Reader<'a> {
 pub fn schema_version(entry: &str, v: &J) -> Result<(i64, i64, String), Pt2Error> {
     let r = Reader { entry };
     let sv = r.field(v, "schema_version", "")?;
-    let major = r.int(r.field(sv, "major", "schema_version")?, "schema_version.major")?;
+    let major = r.int(
+        r.field(sv, "major", "schema_version")?,
+        "schema_version.major",
+    )?;
     let minor = match r.opt_field(sv, "minor", "schema_version")? {
         Some(m) => r.int(m, "schema_version.minor")?,
         None => 0,
@@ -572,19 +652,37 @@ pub fn read_program(entry: &str, v: &J) -> Result<Program, Pt2Error> {
     let sig = r.field(gm, "signature", "graph_module")?;
     let mut inputs = Vec::new();
     let p = "graph_module.signature.input_specs";
-    for (i, s) in r.list(r.field(sig, "input_specs", "graph_module.signature")?, p)?.iter().enumerate() {
+    for (i, s) in r
+        .list(r.field(sig, "input_specs", "graph_module.signature")?, p)?
+        .iter()
+        .enumerate()
+    {
         inputs.push(r.input_spec(s, &format!("{p}[{i}]"))?);
     }
     let mut outputs = Vec::new();
     let p = "graph_module.signature.output_specs";
-    for (i, s) in r.list(r.field(sig, "output_specs", "graph_module.signature")?, p)?.iter().enumerate() {
+    for (i, s) in r
+        .list(r.field(sig, "output_specs", "graph_module.signature")?, p)?
+        .iter()
+        .enumerate()
+    {
         outputs.push(r.output_spec(s, &format!("{p}[{i}]"))?);
     }
     let mut forward_arg_names = Vec::new();
     if let Some(mcg) = r.opt_field(gm, "module_call_graph", "graph_module")? {
-        if let Some(root) = mcg.as_array().and_then(|l| l.iter().find(|e| e.get("fqn").and_then(J::as_str) == Some(""))) {
-            if let Some(names) = root.get("signature").and_then(|s| s.get("forward_arg_names")).and_then(J::as_array) {
-                forward_arg_names = names.iter().filter_map(|n| n.as_str().map(str::to_string)).collect();
+        if let Some(root) = mcg.as_array().and_then(|l| {
+            l.iter()
+                .find(|e| e.get("fqn").and_then(J::as_str) == Some(""))
+        }) {
+            if let Some(names) = root
+                .get("signature")
+                .and_then(|s| s.get("forward_arg_names"))
+                .and_then(J::as_array)
+            {
+                forward_arg_names = names
+                    .iter()
+                    .filter_map(|n| n.as_str().map(str::to_string))
+                    .collect();
             }
         }
     }
@@ -601,7 +699,15 @@ pub fn read_program(entry: &str, v: &J) -> Result<Program, Pt2Error> {
             range_constraints.insert(k.clone(), (get("min_val")?, get("max_val")?));
         }
     }
-    Ok(Program { graph, inputs, outputs, schema: (major, minor), torch_version, forward_arg_names, range_constraints })
+    Ok(Program {
+        graph,
+        inputs,
+        outputs,
+        schema: (major, minor),
+        torch_version,
+        forward_arg_names,
+        range_constraints,
+    })
 }
 
 /// Reads `model_weights_config.json` or `model_constants_config.json`.
@@ -624,7 +730,15 @@ pub fn read_payload_config(entry: &str, v: &J) -> Result<BTreeMap<String, Payloa
             Some(x) => Some(r.tensor_meta(x, &format!("{p}.tensor_meta"))?),
             None => None,
         };
-        out.insert(name.clone(), PayloadMeta { path_name, is_param, use_pickle, meta });
+        out.insert(
+            name.clone(),
+            PayloadMeta {
+                path_name,
+                is_param,
+                use_pickle,
+                meta,
+            },
+        );
     }
     Ok(out)
 }
@@ -638,13 +752,23 @@ mod tests {
         let r = Reader { entry: "m.json" };
         let j: J = serde_json::from_str(r#"{"as_float": "-Infinity"}"#).unwrap();
         assert_eq!(r.arg(&j, "x").unwrap(), Arg::Float(f64::NEG_INFINITY));
-        let j: J = serde_json::from_str(r#"{"as_sym_ints": [{"as_name": "s0"}, {"as_int": 8}]}"#).unwrap();
-        assert_eq!(r.arg(&j, "x").unwrap(), Arg::SymInts(vec![SymArg::Name("s0".into()), SymArg::Int(8)]));
+        let j: J =
+            serde_json::from_str(r#"{"as_sym_ints": [{"as_name": "s0"}, {"as_int": 8}]}"#).unwrap();
+        assert_eq!(
+            r.arg(&j, "x").unwrap(),
+            Arg::SymInts(vec![SymArg::Name("s0".into()), SymArg::Int(8)])
+        );
         let j: J = serde_json::from_str(r#"{"as_int": 9223372036854775807}"#).unwrap();
         assert_eq!(r.arg(&j, "x").unwrap(), Arg::Int(i64::MAX));
         let j: J = serde_json::from_str(r#"{"as_int": 1, "as_bool": true}"#).unwrap();
-        let e = r.arg(&j, "graph.nodes[3].inputs[1].arg").unwrap_err().to_string();
-        assert!(e.contains("graph.nodes[3].inputs[1].arg") && e.contains("one key"), "{e}");
+        let e = r
+            .arg(&j, "graph.nodes[3].inputs[1].arg")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("graph.nodes[3].inputs[1].arg") && e.contains("one key"),
+            "{e}"
+        );
     }
 
     #[test]

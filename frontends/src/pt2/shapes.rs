@@ -49,7 +49,15 @@ impl Lower<'_> {
     /// A recorded shape with no input to follow (`arange`, `full`): the sequence length
     /// of a static export becomes `S`; everything else stays as recorded.
     pub fn gen_free(&self, meta: &[Dim]) -> Vec<Dim> {
-        meta.iter().map(|d| if d.as_const() == Some(self.s0) { self.seq_dim(d) } else { d.clone() }).collect()
+        meta.iter()
+            .map(|d| {
+                if d.as_const() == Some(self.s0) {
+                    self.seq_dim(d)
+                } else {
+                    d.clone()
+                }
+            })
+            .collect()
     }
 
     pub fn gen_like(&self, input: &[Dim], meta: &[Dim]) -> Vec<Dim> {
@@ -68,7 +76,9 @@ impl Lower<'_> {
                 Some(i) if self.same_size(i, m) => i.clone(),
                 // A new leading dim of the batch's size (a weight broadcast over the
                 // batch for `bmm`) is the batch.
-                None if k == 0 && self.batch_sym.is_none() && m.as_const() == Some(self.b0) => Dim::sym("B"),
+                None if k == 0 && self.batch_sym.is_none() && m.as_const() == Some(self.b0) => {
+                    Dim::sym("B")
+                }
                 _ => m.clone(),
             })
             .collect()
@@ -76,8 +86,13 @@ impl Lower<'_> {
 
     pub fn gen_reshape(&self, input: &[Dim], meta: &[Dim]) -> Vec<Dim> {
         let (Some(iv), Some(ov)) = (
-            input.iter().map(|d| self.eval(d)).collect::<Option<Vec<i64>>>(),
-            meta.iter().map(|d| self.eval(d)).collect::<Option<Vec<i64>>>(),
+            input
+                .iter()
+                .map(|d| self.eval(d))
+                .collect::<Option<Vec<i64>>>(),
+            meta.iter()
+                .map(|d| self.eval(d))
+                .collect::<Option<Vec<i64>>>(),
         ) else {
             return meta.to_vec();
         };
@@ -123,7 +138,16 @@ impl Lower<'_> {
             let mut group = meta[j0..j].to_vec();
             if sym.mentions("S") && group.len() > 1 {
                 // A static export's sequence length, split off a symbolic group.
-                group = group.iter().map(|d| if d.as_const() == Some(self.s0) { self.seq_dim(d) } else { d.clone() }).collect();
+                group = group
+                    .iter()
+                    .map(|d| {
+                        if d.as_const() == Some(self.s0) {
+                            self.seq_dim(d)
+                        } else {
+                            d.clone()
+                        }
+                    })
+                    .collect();
             }
             let rec = group.iter().fold(Dim::from(1), |a, d| a * d.clone());
             if sym != rec {
@@ -156,16 +180,37 @@ mod tests {
         with(|l| {
             let c = |n: i64| Dim::from(n);
             // [B*S, 32] -> recorded [2, 16, 32]
-            assert_eq!(l.gen_reshape(&[b() * s(), c(32)], &[c(2), c(16), c(32)]), vec![b(), s(), c(32)]);
+            assert_eq!(
+                l.gen_reshape(&[b() * s(), c(32)], &[c(2), c(16), c(32)]),
+                vec![b(), s(), c(32)]
+            );
             // [2*B*S, 32] -> recorded [32, 2, 32]: top-k, not batch
-            assert_eq!(l.gen_reshape(&[b() * s() * 2, c(32)], &[c(32), c(2), c(32)]), vec![b() * s(), c(2), c(32)]);
+            assert_eq!(
+                l.gen_reshape(&[b() * s() * 2, c(32)], &[c(32), c(2), c(32)]),
+                vec![b() * s(), c(2), c(32)]
+            );
             // unsqueeze [B, S] -> [2, 1, 16]
-            assert_eq!(l.gen_reshape(&[b(), s()], &[c(2), c(1), c(16)]), vec![b(), c(1), s()]);
+            assert_eq!(
+                l.gen_reshape(&[b(), s()], &[c(2), c(1), c(16)]),
+                vec![b(), c(1), s()]
+            );
             // split heads [B, S, 32] -> [2, 16, 4, 8]
-            assert_eq!(l.gen_reshape(&[b(), s(), c(32)], &[c(2), c(16), c(4), c(8)]), vec![b(), s(), c(4), c(8)]);
+            assert_eq!(
+                l.gen_reshape(&[b(), s(), c(32)], &[c(2), c(16), c(4), c(8)]),
+                vec![b(), s(), c(4), c(8)]
+            );
             // fold batch and heads [B, 4, S, 8] -> [8, 16, 8]
-            assert_eq!(l.gen_reshape(&[b(), c(4), s(), c(8)], &[c(8), c(16), c(8)]), vec![b() * 4, s(), c(8)]);
-            assert_eq!(l.gen_expand(&[b(), c(2), c(1), s(), c(8)], &[c(2), c(2), c(2), c(16), c(8)]), vec![b(), c(2), c(2), s(), c(8)]);
+            assert_eq!(
+                l.gen_reshape(&[b(), c(4), s(), c(8)], &[c(8), c(16), c(8)]),
+                vec![b() * 4, s(), c(8)]
+            );
+            assert_eq!(
+                l.gen_expand(
+                    &[b(), c(2), c(1), s(), c(8)],
+                    &[c(2), c(2), c(2), c(16), c(8)]
+                ),
+                vec![b(), c(2), c(2), s(), c(8)]
+            );
         });
     }
 }

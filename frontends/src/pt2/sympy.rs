@@ -21,7 +21,11 @@ pub enum Expr {
 
 pub fn parse(text: &str) -> Result<Expr, String> {
     let toks = lex(text)?;
-    let mut p = P { t: toks, i: 0, depth: 0 };
+    let mut p = P {
+        t: toks,
+        i: 0,
+        depth: 0,
+    };
     let e = p.sum()?;
     if p.i != p.t.len() {
         return Err(format!("unexpected `{}` after the expression", p.t[p.i]));
@@ -62,7 +66,10 @@ fn lex(s: &str) -> Result<Vec<Tok>, String> {
                 i += 1;
             }
             let t: String = c[st..i].iter().collect();
-            out.push(Tok::Num(t.parse().map_err(|_| format!("integer `{t}` is out of range"))?));
+            out.push(Tok::Num(
+                t.parse()
+                    .map_err(|_| format!("integer `{t}` is out of range"))?,
+            ));
         } else if ch.is_alphabetic() || ch == '_' {
             let st = i;
             while i < c.len() && (c[i].is_alphanumeric() || c[i] == '_') {
@@ -125,7 +132,12 @@ impl P {
         if self.eat(op) {
             Ok(())
         } else {
-            Err(format!("expected `{op}`, found {}", self.peek().map(|t| format!("`{t}`")).unwrap_or("the end".into())))
+            Err(format!(
+                "expected `{op}`, found {}",
+                self.peek()
+                    .map(|t| format!("`{t}`"))
+                    .unwrap_or("the end".into())
+            ))
         }
     }
 
@@ -141,7 +153,11 @@ impl P {
                 break;
             }
         }
-        Ok(if terms.len() == 1 { terms.pop().unwrap() } else { Expr::Add(terms) })
+        Ok(if terms.len() == 1 {
+            terms.pop().unwrap()
+        } else {
+            Expr::Add(terms)
+        })
     }
 
     fn product(&mut self) -> Result<Expr, String> {
@@ -214,7 +230,9 @@ impl P {
                 let mut strs = Vec::new();
                 if !self.eat(")") {
                     loop {
-                        if let (Some(Tok::Ident(_)), Some(Tok::Op("="))) = (self.t.get(self.i), self.t.get(self.i + 1)) {
+                        if let (Some(Tok::Ident(_)), Some(Tok::Op("="))) =
+                            (self.t.get(self.i), self.t.get(self.i + 1))
+                        {
                             self.i += 2;
                             self.sum_or_str()?;
                         } else if let Some(Tok::Str(s)) = self.peek().cloned() {
@@ -255,7 +273,11 @@ fn call(name: &str, mut args: Vec<Expr>, strs: Vec<String>) -> Result<Expr, Stri
         Ok((args.pop().unwrap(), b))
     };
     match name {
-        "Symbol" => strs.into_iter().next().map(Expr::Sym).ok_or_else(|| "Symbol without a name".to_string()),
+        "Symbol" => strs
+            .into_iter()
+            .next()
+            .map(Expr::Sym)
+            .ok_or_else(|| "Symbol without a name".to_string()),
         "Integer" => match args.as_slice() {
             [Expr::Int(n)] => Ok(Expr::Int(*n)),
             [Expr::Mul(v)] if matches!(v.as_slice(), [Expr::Int(-1), Expr::Int(_)]) => match v[1] {
@@ -312,16 +334,28 @@ impl Expr {
         Ok(match self {
             Expr::Int(n) if n.unsigned_abs() > LIMIT => return Err(format!("{n} is out of range")),
             Expr::Int(n) => Dim::from(*n),
-            Expr::Rational(p, q) if p.unsigned_abs() > LIMIT || q.unsigned_abs() > LIMIT => return Err("a rational out of range".into()),
+            Expr::Rational(p, q) if p.unsigned_abs() > LIMIT || q.unsigned_abs() > LIMIT => {
+                return Err("a rational out of range".into())
+            }
             Expr::Rational(p, q) => Dim::from(*p) / Dim::from(*q),
-            Expr::Sym(s) => map.get(s).cloned().ok_or_else(|| format!("symbol `{s}` is not the batch or sequence size of an input"))?,
-            Expr::Add(v) => v.iter().try_fold(Dim::zero(), |a, e| Ok::<_, String>(a + e.to_dim(map)?))?,
-            Expr::Mul(v) => v.iter().try_fold(Dim::from(1), |a, e| Ok::<_, String>(a * e.to_dim(map)?))?,
+            Expr::Sym(s) => map.get(s).cloned().ok_or_else(|| {
+                format!("symbol `{s}` is not the batch or sequence size of an input")
+            })?,
+            Expr::Add(v) => v
+                .iter()
+                .try_fold(Dim::zero(), |a, e| Ok::<_, String>(a + e.to_dim(map)?))?,
+            Expr::Mul(v) => v
+                .iter()
+                .try_fold(Dim::from(1), |a, e| Ok::<_, String>(a * e.to_dim(map)?))?,
             Expr::Pow(a, b) => {
                 let base = a.to_dim(map)?;
                 match **b {
-                    Expr::Int(n) if (0..=8).contains(&n) => (0..n).fold(Dim::from(1), |acc, _| acc * base.clone()),
-                    Expr::Int(-1) if base.as_const() == Some(0) => return Err("division by zero".into()),
+                    Expr::Int(n) if (0..=8).contains(&n) => {
+                        (0..n).fold(Dim::from(1), |acc, _| acc * base.clone())
+                    }
+                    Expr::Int(-1) if base.as_const() == Some(0) => {
+                        return Err("division by zero".into())
+                    }
                     Expr::Int(-1) => Dim::from(1) / base,
                     _ => return Err("only small integer powers are supported".into()),
                 }
@@ -364,7 +398,14 @@ mod tests {
     fn plain_forms() {
         let e = parse("4*s70 - 1").unwrap();
         assert_eq!(e.to_dim(&s_map()).unwrap(), Dim::sym("S") * 4 + (-1));
-        assert_eq!(parse("(s70 + 2)//2").unwrap().to_dim(&s_map()).unwrap().to_string(), "(S + 2)//2");
+        assert_eq!(
+            parse("(s70 + 2)//2")
+                .unwrap()
+                .to_dim(&s_map())
+                .unwrap()
+                .to_string(),
+            "(S + 2)//2"
+        );
         assert!(parse("s70 +").is_err());
         assert!(parse("Symbol('s70'").is_err());
     }

@@ -51,9 +51,18 @@ fn part_name(p: Part, mixtral_style: bool) -> &'static str {
 /// Converts per-expert tensors in `ck` to the fused layout. Problems found on the way
 /// are pushed; the returned names are fused parameters whose problems are already
 /// reported (so they are not reported missing again).
-pub(super) fn fuse_experts(ck: &mut Checkpoint, params: &BTreeMap<String, TensorType>, problems: &mut Vec<WeightProblem>) -> BTreeSet<String> {
+pub(super) fn fuse_experts(
+    ck: &mut Checkpoint,
+    params: &BTreeMap<String, TensorType>,
+    problems: &mut Vec<WeightProblem>,
+) -> BTreeSet<String> {
     // Mixtral's module name in Hub checkpoints; remember the file's own name for messages.
-    let renames: Vec<String> = ck.tensors.keys().filter(|k| k.contains(".block_sparse_moe.")).cloned().collect();
+    let renames: Vec<String> = ck
+        .tensors
+        .keys()
+        .filter(|k| k.contains(".block_sparse_moe."))
+        .cloned()
+        .collect();
     let mut original: BTreeMap<String, String> = BTreeMap::new();
     for old in renames {
         let new = old.replace(".block_sparse_moe.", ".mlp.");
@@ -67,7 +76,10 @@ pub(super) fn fuse_experts(ck: &mut Checkpoint, params: &BTreeMap<String, Tensor
     let mut groups: BTreeMap<String, BTreeMap<(usize, Part), String>> = BTreeMap::new();
     for k in ck.tensors.keys() {
         if let Some((module, e, part)) = parse_key(k) {
-            groups.entry(module.to_string()).or_default().insert((e, part), k.clone());
+            groups
+                .entry(module.to_string())
+                .or_default()
+                .insert((e, part), k.clone());
         }
     }
 
@@ -80,44 +92,69 @@ pub(super) fn fuse_experts(ck: &mut Checkpoint, params: &BTreeMap<String, Tensor
             let shown = original.get(&k).cloned().unwrap_or(k);
             parts.insert((e, p), (shown, t, f));
         }
-        let mixtral_style = parts.values().any(|(n, _, _)| n.ends_with(".w1.weight") || n.ends_with(".w2.weight") || n.ends_with(".w3.weight"));
+        let mixtral_style = parts.values().any(|(n, _, _)| {
+            n.ends_with(".w1.weight") || n.ends_with(".w2.weight") || n.ends_with(".w3.weight")
+        });
         let shown_module = {
             let (n, _, _) = parts.values().next().unwrap();
-            n.rsplitn(3, '.').nth(2).and_then(|s| s.rsplit_once('.')).map(|(m, _)| m.to_string()).unwrap_or_else(|| module.clone())
+            n.rsplitn(3, '.')
+                .nth(2)
+                .and_then(|s| s.rsplit_once('.'))
+                .map(|(m, _)| m.to_string())
+                .unwrap_or_else(|| module.clone())
         };
-        let (gu_name, dn_name) = (format!("{module}.gate_up_proj"), format!("{module}.down_proj"));
+        let (gu_name, dn_name) = (
+            format!("{module}.gate_up_proj"),
+            format!("{module}.down_proj"),
+        );
         let Some(want) = params.get(&gu_name).and_then(fused_dims) else {
             // The model has no fused experts here: every per-expert tensor is extra.
             for (shown, _, f) in parts.into_values() {
-                problems.push(WeightProblem::Extra { name: shown, file: f });
+                problems.push(WeightProblem::Extra {
+                    name: shown,
+                    file: f,
+                });
             }
             continue;
         };
         let (experts, inter, hidden) = want;
-        let dtype = parts.values().next().map(|(_, t, _)| t.dtype).unwrap_or(DType::F32);
+        let dtype = parts
+            .values()
+            .next()
+            .map(|(_, t, _)| t.dtype)
+            .unwrap_or(DType::F32);
         let before = problems.len();
         for e in 0..experts {
             for p in PARTS {
-                let shape = if p == Part::Down { vec![hidden, inter] } else { vec![inter, hidden] };
+                let shape = if p == Part::Down {
+                    vec![hidden, inter]
+                } else {
+                    vec![inter, hidden]
+                };
                 let want_ty = format!("{dtype}[{}, {}]", shape[0], shape[1]);
                 match parts.get(&(e, p)) {
                     None => problems.push(WeightProblem::Missing {
                         name: format!("{shown_module}.{e}.{}.weight", part_name(p, mixtral_style)),
                         want: want_ty,
                     }),
-                    Some((shown, t, f)) if t.shape != shape || t.dtype != dtype => problems.push(WeightProblem::Misshaped {
-                        name: shown.clone(),
-                        file: f.clone(),
-                        got: super::host_type(t),
-                        want: want_ty,
-                    }),
+                    Some((shown, t, f)) if t.shape != shape || t.dtype != dtype => {
+                        problems.push(WeightProblem::Misshaped {
+                            name: shown.clone(),
+                            file: f.clone(),
+                            got: super::host_type(t),
+                            want: want_ty,
+                        })
+                    }
                     Some(_) => {}
                 }
             }
         }
         for ((e, _), (shown, _, f)) in &parts {
             if *e >= experts {
-                problems.push(WeightProblem::Extra { name: shown.clone(), file: f.clone() });
+                problems.push(WeightProblem::Extra {
+                    name: shown.clone(),
+                    file: f.clone(),
+                });
             }
         }
         if problems.len() > before {
@@ -137,8 +174,14 @@ pub(super) fn fuse_experts(ck: &mut Checkpoint, params: &BTreeMap<String, Tensor
             gate_up.extend(parts[&(e, Part::Up)].1.to_f64());
             down.extend(parts[&(e, Part::Down)].1.to_f64());
         }
-        ck.tensors.insert(gu_name.clone(), HostTensor::floats(dtype, vec![experts, 2 * inter, hidden], gate_up));
-        ck.tensors.insert(dn_name.clone(), HostTensor::floats(dtype, vec![experts, hidden, inter], down));
+        ck.tensors.insert(
+            gu_name.clone(),
+            HostTensor::floats(dtype, vec![experts, 2 * inter, hidden], gate_up),
+        );
+        ck.tensors.insert(
+            dn_name.clone(),
+            HostTensor::floats(dtype, vec![experts, hidden, inter], down),
+        );
         ck.files.insert(gu_name, files.clone());
         ck.files.insert(dn_name, files);
     }
@@ -153,7 +196,13 @@ pub(super) fn fuse_experts(ck: &mut Checkpoint, params: &BTreeMap<String, Tensor
 
 /// `(E, I, H)` of a fused `gate_up_proj` [E, 2I, H] parameter.
 fn fused_dims(t: &TensorType) -> Option<(usize, usize, usize)> {
-    match t.shape.iter().map(|d| d.as_const()).collect::<Option<Vec<i64>>>()?.as_slice() {
+    match t
+        .shape
+        .iter()
+        .map(|d| d.as_const())
+        .collect::<Option<Vec<i64>>>()?
+        .as_slice()
+    {
         [e, i2, h] if i2 % 2 == 0 => Some((*e as usize, (*i2 / 2) as usize, *h as usize)),
         _ => None,
     }

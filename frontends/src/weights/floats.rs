@@ -44,12 +44,20 @@ pub fn f32_to_f16(x: f32) -> u16 {
         let m = man | 0x80_0000;
         let shift = (14 - e) as u32;
         let (h, rem, half) = (m >> shift, m & ((1 << shift) - 1), 1u32 << (shift - 1));
-        let h = if rem > half || (rem == half && h & 1 == 1) { h + 1 } else { h };
+        let h = if rem > half || (rem == half && h & 1 == 1) {
+            h + 1
+        } else {
+            h
+        };
         return sign | h as u16;
     }
     let h = ((e as u32) << 10) | (man >> 13);
     let rem = man & 0x1fff;
-    let h = if rem > 0x1000 || (rem == 0x1000 && h & 1 == 1) { h + 1 } else { h };
+    let h = if rem > 0x1000 || (rem == 0x1000 && h & 1 == 1) {
+        h + 1
+    } else {
+        h
+    };
     sign | h as u16
 }
 
@@ -79,7 +87,9 @@ mod tests {
 
     #[test]
     fn f16_round_trips_and_rounds() {
-        for h in [0u16, 0x3c00, 0xbc00, 0x0001, 0x03ff, 0x0400, 0x7bff, 0x7c00, 0x5640] {
+        for h in [
+            0u16, 0x3c00, 0xbc00, 0x0001, 0x03ff, 0x0400, 0x7bff, 0x7c00, 0x5640,
+        ] {
             assert_eq!(f32_to_f16(f16_to_f32(h)), h, "{h:#x}");
         }
         assert_eq!(f16_to_f32(0x3c00), 1.0);

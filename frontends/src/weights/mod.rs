@@ -30,7 +30,10 @@ const SINGLE: &str = "model.safetensors";
 /// Reads a checkpoint: a `.safetensors` file, an index json, or a directory holding
 /// `model.safetensors.index.json` or `model.safetensors`.
 pub fn read_checkpoint(path: &Path) -> Result<Checkpoint, FrontendError> {
-    let mut ck = Checkpoint { source: path.to_path_buf(), ..Default::default() };
+    let mut ck = Checkpoint {
+        source: path.to_path_buf(),
+        ..Default::default()
+    };
     let (dir, files) = if path.is_dir() {
         if path.join(INDEX).is_file() {
             (path.to_path_buf(), shard_files(&path.join(INDEX))?)
@@ -44,7 +47,11 @@ pub fn read_checkpoint(path: &Path) -> Result<Checkpoint, FrontendError> {
         }
     } else {
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
         if name.ends_with(".json") {
             (dir, shard_files(path)?)
         } else {
@@ -54,7 +61,10 @@ pub fn read_checkpoint(path: &Path) -> Result<Checkpoint, FrontendError> {
     for f in files {
         for (name, t) in read_safetensors(&dir.join(&f))? {
             if let Some(prev) = ck.files.get(&name) {
-                return Err(FrontendError::Safetensors { file: dir.join(&f).display().to_string(), message: format!("tensor `{name}` is also in {prev}") });
+                return Err(FrontendError::Safetensors {
+                    file: dir.join(&f).display().to_string(),
+                    message: format!("tensor `{name}` is also in {prev}"),
+                });
             }
             ck.files.insert(name.clone(), f.clone());
             ck.tensors.insert(name, t);
@@ -67,14 +77,23 @@ pub fn read_checkpoint(path: &Path) -> Result<Checkpoint, FrontendError> {
 fn shard_files(index: &Path) -> Result<Vec<String>, FrontendError> {
     let file = index.display().to_string();
     let text = std::fs::read_to_string(index).map_err(|e| FrontendError::io(index, e))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| FrontendError::Json { file: file.clone(), message: e.to_string() })?;
-    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| FrontendError::Json {
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| FrontendError::Json {
         file: file.clone(),
-        message: "expected an object `weight_map` (tensor name → shard file)".into(),
+        message: e.to_string(),
     })?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| FrontendError::Json {
+            file: file.clone(),
+            message: "expected an object `weight_map` (tensor name → shard file)".into(),
+        })?;
     let mut files = Vec::new();
     for (name, f) in map {
-        let f = f.as_str().ok_or_else(|| FrontendError::Json { file: file.clone(), message: format!("weight_map entry `{name}` is not a file name") })?;
+        let f = f.as_str().ok_or_else(|| FrontendError::Json {
+            file: file.clone(),
+            message: format!("weight_map entry `{name}` is not a file name"),
+        })?;
         files.push(f.to_string());
     }
     files.sort();
@@ -87,10 +106,16 @@ fn shard_files(index: &Path) -> Result<Vec<String>, FrontendError> {
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>, FrontendError> {
     let bytes = std::fs::read(path).map_err(|e| FrontendError::io(path, e))?;
     let file = path.display().to_string();
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| FrontendError::Safetensors { file: file.clone(), message: e.to_string() })?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| FrontendError::Safetensors {
+        file: file.clone(),
+        message: e.to_string(),
+    })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
-        let t = to_host(&view).map_err(|message| FrontendError::Safetensors { file: file.clone(), message: format!("tensor `{name}`: {message}") })?;
+        let t = to_host(&view).map_err(|message| FrontendError::Safetensors {
+            file: file.clone(),
+            message: format!("tensor `{name}`: {message}"),
+        })?;
         out.insert(name, t);
     }
     Ok(out)
@@ -100,14 +125,58 @@ fn to_host(v: &TensorView) -> Result<HostTensor, String> {
     let (shape, d) = (v.shape().to_vec(), v.data());
     let le2 = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
     Ok(match v.dtype() {
-        Dtype::F64 => HostTensor::floats(DType::F64, shape, d.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()),
-        Dtype::F32 => HostTensor::floats(DType::F32, shape, d.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect()),
-        Dtype::BF16 => HostTensor::floats(DType::BF16, shape, d.chunks_exact(2).map(|c| floats::bf16_to_f32(le2(c)) as f64).collect()),
-        Dtype::F16 => HostTensor::floats(DType::F16, shape, d.chunks_exact(2).map(|c| floats::f16_to_f32(le2(c)) as f64).collect()),
-        Dtype::I64 => HostTensor::ints(DType::I64, shape, d.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
-        Dtype::I32 => HostTensor::ints(DType::I32, shape, d.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64).collect()),
-        Dtype::BOOL => HostTensor::ints(DType::Bool, shape, d.iter().map(|&b| (b != 0) as i64).collect()),
-        other => return Err(format!("dtype {other:?} is not supported (use f32, bf16, f16, f64, i64, i32 or bool)")),
+        Dtype::F64 => HostTensor::floats(
+            DType::F64,
+            shape,
+            d.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        ),
+        Dtype::F32 => HostTensor::floats(
+            DType::F32,
+            shape,
+            d.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+                .collect(),
+        ),
+        Dtype::BF16 => HostTensor::floats(
+            DType::BF16,
+            shape,
+            d.chunks_exact(2)
+                .map(|c| floats::bf16_to_f32(le2(c)) as f64)
+                .collect(),
+        ),
+        Dtype::F16 => HostTensor::floats(
+            DType::F16,
+            shape,
+            d.chunks_exact(2)
+                .map(|c| floats::f16_to_f32(le2(c)) as f64)
+                .collect(),
+        ),
+        Dtype::I64 => HostTensor::ints(
+            DType::I64,
+            shape,
+            d.chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        ),
+        Dtype::I32 => HostTensor::ints(
+            DType::I32,
+            shape,
+            d.chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
+                .collect(),
+        ),
+        Dtype::BOOL => HostTensor::ints(
+            DType::Bool,
+            shape,
+            d.iter().map(|&b| (b != 0) as i64).collect(),
+        ),
+        other => {
+            return Err(format!(
+                "dtype {other:?} is not supported (use f32, bf16, f16, f64, i64, i32 or bool)"
+            ))
+        }
     })
 }
 
@@ -115,7 +184,10 @@ fn to_host(v: &TensorView) -> Result<HostTensor, String> {
 /// fused layout, resolves tied aliases (a tied model's `lm_head.weight` is dropped, or
 /// stands for `model.embed_tokens.weight` when only it is present), and checks that
 /// the tensors are exactly the model's parameters with the same dtypes and shapes.
-pub fn load_weights(model: &Model, path: &Path) -> Result<BTreeMap<String, HostTensor>, FrontendError> {
+pub fn load_weights(
+    model: &Model,
+    path: &Path,
+) -> Result<BTreeMap<String, HostTensor>, FrontendError> {
     let mut ck = read_checkpoint(path)?;
     let params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
     let mut problems = Vec::new();
@@ -136,20 +208,29 @@ pub fn load_weights(model: &Model, path: &Path) -> Result<BTreeMap<String, HostT
     problems.extend(compare(&params, &ck.tensors, &ck.files, &accounted));
     sort_problems(&mut problems);
     if !problems.is_empty() {
-        return Err(FrontendError::WeightMismatch { checkpoint: path.display().to_string(), problems });
+        return Err(FrontendError::WeightMismatch {
+            checkpoint: path.display().to_string(),
+            problems,
+        });
     }
     Ok(ck.tensors)
 }
 
 /// Checks in-memory tensors against the model's parameters (as `load_weights` does).
-pub fn check_weights(model: &Model, weights: &BTreeMap<String, HostTensor>) -> Result<(), FrontendError> {
+pub fn check_weights(
+    model: &Model,
+    weights: &BTreeMap<String, HostTensor>,
+) -> Result<(), FrontendError> {
     let params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
     let mut problems = compare(&params, weights, &BTreeMap::new(), &Default::default());
     sort_problems(&mut problems);
     if problems.is_empty() {
         Ok(())
     } else {
-        Err(FrontendError::WeightMismatch { checkpoint: "the given tensors".into(), problems })
+        Err(FrontendError::WeightMismatch {
+            checkpoint: "the given tensors".into(),
+            problems,
+        })
     }
 }
 
@@ -164,17 +245,28 @@ fn compare(
     let mut problems = Vec::new();
     for (name, ty) in params {
         if !tensors.contains_key(name) && !accounted.contains(name) {
-            problems.push(WeightProblem::Missing { name: name.clone(), want: ty.to_string() });
+            problems.push(WeightProblem::Missing {
+                name: name.clone(),
+                want: ty.to_string(),
+            });
         }
     }
     for (name, t) in tensors {
         match params.get(name) {
-            None => problems.push(WeightProblem::Extra { name: name.clone(), file: file_of(name) }),
+            None => problems.push(WeightProblem::Extra {
+                name: name.clone(),
+                file: file_of(name),
+            }),
             Some(ty) => {
                 let want: Vec<Option<i64>> = ty.shape.iter().map(|d| d.as_const()).collect();
                 let got: Vec<Option<i64>> = t.shape.iter().map(|&d| Some(d as i64)).collect();
                 if t.dtype != ty.dtype || want != got {
-                    problems.push(WeightProblem::Misshaped { name: name.clone(), file: file_of(name), got: host_type(t), want: ty.to_string() });
+                    problems.push(WeightProblem::Misshaped {
+                        name: name.clone(),
+                        file: file_of(name),
+                        got: host_type(t),
+                        want: ty.to_string(),
+                    });
                 }
             }
         }
@@ -222,25 +314,47 @@ impl safetensors::View for &Owned {
 }
 
 /// Writes tensors as safetensors: floats as f32, integers as i64, bools as bool.
-pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, HostTensor>) -> Result<(), FrontendError> {
+pub fn save_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, HostTensor>,
+) -> Result<(), FrontendError> {
     let mut owned = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         if t.numel() != data_len(&t.data) {
             return Err(FrontendError::Write {
                 path: path.to_path_buf(),
-                message: format!("tensor `{name}` has shape {:?} but {} values", t.shape, data_len(&t.data)),
+                message: format!(
+                    "tensor `{name}` has shape {:?} but {} values",
+                    t.shape,
+                    data_len(&t.data)
+                ),
             });
         }
         let o = match (&t.data, t.dtype) {
-            (HostData::I64(v), DType::Bool) => Owned { dtype: Dtype::BOOL, shape: t.shape.clone(), bytes: v.iter().map(|&x| (x != 0) as u8).collect() },
-            (HostData::I64(v), _) => Owned { dtype: Dtype::I64, shape: t.shape.clone(), bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect() },
-            (HostData::F64(v), _) => Owned { dtype: Dtype::F32, shape: t.shape.clone(), bytes: v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect() },
+            (HostData::I64(v), DType::Bool) => Owned {
+                dtype: Dtype::BOOL,
+                shape: t.shape.clone(),
+                bytes: v.iter().map(|&x| (x != 0) as u8).collect(),
+            },
+            (HostData::I64(v), _) => Owned {
+                dtype: Dtype::I64,
+                shape: t.shape.clone(),
+                bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            },
+            (HostData::F64(v), _) => Owned {
+                dtype: Dtype::F32,
+                shape: t.shape.clone(),
+                bytes: v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+            },
         };
         owned.push((name.clone(), o));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
     safetensors::serialize_to_file(owned.iter().map(|(n, o)| (n.as_str(), o)), Some(meta), path)
-        .map_err(|e| FrontendError::Write { path: path.to_path_buf(), message: e.to_string() })
+        .map_err(|e| FrontendError::Write {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
 }
 
 fn data_len(d: &HostData) -> usize {

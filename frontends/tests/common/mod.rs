@@ -6,7 +6,10 @@ use weft_frontends::{presets, Model, ModelConfig, Origin};
 
 /// The workspace root (fixtures live in `tests/fixtures`).
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 pub fn fixtures() -> PathBuf {
@@ -22,7 +25,10 @@ pub fn temp_dir(name: &str) -> PathBuf {
 }
 
 /// A preset's config with `edit` applied to its JSON.
-pub fn preset_with(name: &str, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> ModelConfig {
+pub fn preset_with(
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> ModelConfig {
     let p = presets::find_preset(name).unwrap();
     let mut v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
     edit(v.as_object_mut().unwrap());
@@ -34,5 +40,10 @@ pub fn preset_layers(name: &str, layers: usize) -> Model {
     let cfg = preset_with(name, |o| {
         o.insert("num_hidden_layers".into(), layers.into());
     });
-    Model::from_config(&format!("{name}-{layers}l"), cfg, Origin::Preset(name.into())).unwrap()
+    Model::from_config(
+        &format!("{name}-{layers}l"),
+        cfg,
+        Origin::Preset(name.into()),
+    )
+    .unwrap()
 }

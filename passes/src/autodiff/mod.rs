@@ -43,7 +43,10 @@ use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::util::build_error;
 use replication::{bit, names, Axes};
 use std::collections::BTreeMap;
-use weft_ir::{At, Derived, DerivedKind, Dim, Float, Graph, Node, NodeMeta, Op, Provenance, ReduceOp, TensorType, Value};
+use weft_ir::{
+    At, Derived, DerivedKind, Dim, Float, Graph, Node, NodeMeta, Op, Provenance, ReduceOp,
+    TensorType, Value,
+};
 
 pub struct Autodiff;
 
@@ -61,7 +64,13 @@ impl Pass for Autodiff {
     }
     fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
-        for k in ["backward_nodes", "grads", "grads_unused", "collectives", "partial_param_grads"] {
+        for k in [
+            "backward_nodes",
+            "grads",
+            "grads_unused",
+            "collectives",
+            "partial_param_grads",
+        ] {
             res.count(k, 0);
         }
         if g.outputs().iter().any(|(n, _)| n.starts_with(GRAD_PREFIX)) {
@@ -106,7 +115,8 @@ fn needs_grad(g: &Graph, loss: Value) -> Vec<bool> {
     let mut from_param = vec![false; cap];
     for &n in g.nodes() {
         let d = g.node(n);
-        let dep = matches!(d.op, Op::Param { .. }) || d.operands.iter().any(|v| from_param[v.0 as usize]);
+        let dep =
+            matches!(d.op, Op::Param { .. }) || d.operands.iter().any(|v| from_param[v.0 as usize]);
         for v in &d.results {
             from_param[v.0 as usize] = dep && g.ty(*v).dtype.is_float();
         }
@@ -129,19 +139,36 @@ fn differentiate(g: &mut Graph, res: &mut PassResult) -> Result<(), PassError> {
         err(
             "`autodiff` has no loss to differentiate",
             format!("graph `{}`", g.name),
-            format!("it has no output named `loss` (outputs: {})", g.outputs().iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")),
+            format!(
+                "it has no output named `loss` (outputs: {})",
+                g.outputs()
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         )
         .with_help("name the scalar training loss `loss`")
     })?;
     let loss_ty = g.ty(loss).clone();
     if !loss_ty.dtype.is_float() {
-        return Err(err("`autodiff` cannot differentiate the loss", g.describe(g.def(loss)), format!("it is {loss_ty}, not a float")));
+        return Err(err(
+            "`autodiff` cannot differentiate the loss",
+            g.describe(g.def(loss)),
+            format!("it is {loss_ty}, not a float"),
+        ));
     }
     let needs = needs_grad(g, loss);
     let varying = replication::varying(g);
     let mesh = g.mesh.clone();
     let order: Vec<Node> = g.nodes().to_vec();
-    let mut ad = Ad { g, varying, meta: NodeMeta::default(), collectives: 0, memo: Default::default() };
+    let mut ad = Ad {
+        g,
+        varying,
+        meta: NodeMeta::default(),
+        collectives: 0,
+        memo: Default::default(),
+    };
     let mut grads: BTreeMap<Value, Vec<Contrib>> = BTreeMap::new();
     let mut param_grads: BTreeMap<String, Vec<Contrib>> = BTreeMap::new();
 
@@ -151,8 +178,20 @@ fn differentiate(g: &mut Graph, res: &mut PassResult) -> Result<(), PassError> {
     ad.set_meta(loss_node, "seed: d loss / d loss");
     let loss_var = replication::of(&ad.varying, loss);
     let n = replication::size(&mesh, loss_var) as f64;
-    let seed = ad.op(Op::Full { value: Float(1.0 / n), ty: loss_ty }, &[])?;
-    grads.insert(loss, vec![Contrib { v: seed, partial: 0 }]);
+    let seed = ad.op(
+        Op::Full {
+            value: Float(1.0 / n),
+            ty: loss_ty,
+        },
+        &[],
+    )?;
+    grads.insert(
+        loss,
+        vec![Contrib {
+            v: seed,
+            partial: 0,
+        }],
+    );
 
     for &n in order.iter().rev() {
         let d = ad.g.node(n).clone();
@@ -181,15 +220,25 @@ fn differentiate(g: &mut Graph, res: &mut PassResult) -> Result<(), PassError> {
             ad.collective_vjp(n, &d, &dys, &want)?
         } else {
             // One partial set for every result, then the op's rule.
-            let common = dys.iter().flatten().fold(replication::all(&mesh), |m, c| m & c.partial);
+            let common = dys
+                .iter()
+                .flatten()
+                .fold(replication::all(&mesh), |m, c| m & c.partial);
             let mut dy: Vec<Option<Value>> = Vec::with_capacity(dys.len());
             for c in &dys {
                 dy.push(match c {
-                    Some(c) => Some(ad.reduce(c.v, c.partial & !common, "gradient of a replicated value meets a complete one")?),
+                    Some(c) => Some(ad.reduce(
+                        c.v,
+                        c.partial & !common,
+                        "gradient of a replicated value meets a complete one",
+                    )?),
                     None => None,
                 });
             }
-            let out_var = d.results.iter().fold(0, |m, v| m | replication::of(&ad.varying, *v));
+            let out_var = d
+                .results
+                .iter()
+                .fold(0, |m, v| m | replication::of(&ad.varying, *v));
             let gs = ad.vjp(n, &d, &dy, &want)?;
             gs.into_iter()
                 .enumerate()
@@ -208,9 +257,17 @@ fn differentiate(g: &mut Graph, res: &mut PassResult) -> Result<(), PassError> {
             }
             if ad.g.ty(c.v) != ad.g.ty(x) {
                 return Err(err(
-                    format!("`autodiff` made a gradient of the wrong type for `{}`", d.op.name()),
+                    format!(
+                        "`autodiff` made a gradient of the wrong type for `{}`",
+                        d.op.name()
+                    ),
                     ad.g.describe(n),
-                    format!("operand {i} is {} but its gradient {} is {}", ad.g.ty(x), c.v, ad.g.ty(c.v)),
+                    format!(
+                        "operand {i} is {} but its gradient {} is {}",
+                        ad.g.ty(x),
+                        c.v,
+                        ad.g.ty(c.v)
+                    ),
                 )
                 .with_help("this is a bug in the op's backward rule; please report the model"));
             }
@@ -240,17 +297,32 @@ fn differentiate(g: &mut Graph, res: &mut PassResult) -> Result<(), PassError> {
                         pnode,
                         &format!("gradient of `{name}`, replicated over {axis}: sum of the ranks' partial gradients, {bytes} bytes (grad-sync buckets these)"),
                     );
-                    cur = ad.op(Op::AllReduce { axis: axis.clone(), op: ReduceOp::Sum }, &[cur])?;
+                    cur = ad.op(
+                        Op::AllReduce {
+                            axis: axis.clone(),
+                            op: ReduceOp::Sum,
+                        },
+                        &[cur],
+                    )?;
                     ad.collectives += 1;
                 }
                 res.count("grads", 1);
                 cur
             }
             None => {
-                ad.set_meta(pnode, "the loss does not depend on this param: zero gradient");
+                ad.set_meta(
+                    pnode,
+                    "the loss does not depend on this param: zero gradient",
+                );
                 res.count("grads_unused", 1);
                 let ty = ad.g.ty(v).clone();
-                ad.op(Op::Full { value: Float(0.0), ty }, &[])?
+                ad.op(
+                    Op::Full {
+                        value: Float(0.0),
+                        ty,
+                    },
+                    &[],
+                )?
             }
         };
         // A partitioned param's gradient stays this rank's shard; runtimes and plans
@@ -267,8 +339,14 @@ impl Ad<'_> {
         let d = self.g.node(n);
         self.meta = NodeMeta {
             source: d.meta.source.clone(),
-            provenance: Some(Provenance { pass: NAME.into(), reason: reason.into() }),
-            derived: Some(Derived { kind: DerivedKind::Backward, of: d.results[0] }),
+            provenance: Some(Provenance {
+                pass: NAME.into(),
+                reason: reason.into(),
+            }),
+            derived: Some(Derived {
+                kind: DerivedKind::Backward,
+                of: d.results[0],
+            }),
             micro_batch: d.meta.micro_batch,
         };
     }
@@ -284,7 +362,10 @@ impl Ad<'_> {
         if let Some(r) = self.memo.get(&key) {
             return Ok(r.clone());
         }
-        let r = self.g.insert_with(At::End, key.0.clone(), xs, self.meta.clone()).map_err(|e| build_error(NAME, e))?;
+        let r = self
+            .g
+            .insert_with(At::End, key.0.clone(), xs, self.meta.clone())
+            .map_err(|e| build_error(NAME, e))?;
         self.memo.insert(key, r.clone());
         Ok(r)
     }
@@ -305,9 +386,21 @@ impl Ad<'_> {
         let mesh = self.g.mesh.clone();
         let saved = self.meta.clone();
         for axis in names(&mesh, axes) {
-            let reason = format!("{why}: sum the partial gradient over {axis}, {} bytes", self.bytes(cur));
-            self.meta.provenance = Some(Provenance { pass: NAME.into(), reason });
-            cur = self.op(Op::AllReduce { axis, op: ReduceOp::Sum }, &[cur])?;
+            let reason = format!(
+                "{why}: sum the partial gradient over {axis}, {} bytes",
+                self.bytes(cur)
+            );
+            self.meta.provenance = Some(Provenance {
+                pass: NAME.into(),
+                reason,
+            });
+            cur = self.op(
+                Op::AllReduce {
+                    axis,
+                    op: ReduceOp::Sum,
+                },
+                &[cur],
+            )?;
             self.collectives += 1;
         }
         self.meta = saved;
@@ -341,11 +434,20 @@ impl Ad<'_> {
         for &v in &parts[1..] {
             acc = self.op(Op::Add {}, &[acc, v])?;
         }
-        Ok(Contrib { v: acc, partial: common })
+        Ok(Contrib {
+            v: acc,
+            partial: common,
+        })
     }
 
     /// Gradients of a collective's operand: `(operand, contribution)`.
-    fn collective_vjp(&mut self, n: Node, d: &weft_ir::NodeData, dys: &[Option<Contrib>], want: &[bool]) -> Result<Vec<(usize, Contrib)>, PassError> {
+    fn collective_vjp(
+        &mut self,
+        n: Node,
+        d: &weft_ir::NodeData,
+        dys: &[Option<Contrib>],
+        want: &[bool],
+    ) -> Result<Vec<(usize, Contrib)>, PassError> {
         let Some(dy) = dys[0] else { return Ok(vec![]) };
         if !want[0] {
             return Ok(vec![]);
@@ -365,7 +467,13 @@ impl Ad<'_> {
                 let mut g = if dy.partial & a != 0 {
                     self.set_meta(n, &format!("all_reduce transposed: the output gradient is partial over {axis}, so it is summed"));
                     self.collectives += 1;
-                    self.op(Op::AllReduce { axis: axis.clone(), op: ReduceOp::Sum }, &[dy.v])?
+                    self.op(
+                        Op::AllReduce {
+                            axis: axis.clone(),
+                            op: ReduceOp::Sum,
+                        },
+                        &[dy.v],
+                    )?
                 } else {
                     dy.v
                 };
@@ -373,17 +481,33 @@ impl Ad<'_> {
                     ReduceOp::Sum => {}
                     ReduceOp::Avg => {
                         let k = mesh.size(&axis).unwrap_or(1) as f64;
-                        g = self.op(Op::Scale { factor: Float(1.0 / k) }, &[g])?;
+                        g = self.op(
+                            Op::Scale {
+                                factor: Float(1.0 / k),
+                            },
+                            &[g],
+                        )?;
                     }
                     ReduceOp::Max | ReduceOp::Min => {
                         // The ranks holding the extremum share the gradient (torch's
                         // amax rule): mask / (number of such ranks).
                         let which = other_name(*op);
                         self.set_meta(n, &format!("all_reduce {which} transposed: the gradient goes to the ranks holding the {which} over {axis}"));
-                        let hit = self.op(Op::Compare { op: weft_ir::CmpOp::Eq }, &[x, d.results[0]])?;
+                        let hit = self.op(
+                            Op::Compare {
+                                op: weft_ir::CmpOp::Eq,
+                            },
+                            &[x, d.results[0]],
+                        )?;
                         let mask = self.op(Op::Cast { dtype: xt.dtype }, &[hit])?;
                         self.collectives += 1;
-                        let count = self.op(Op::AllReduce { axis: axis.clone(), op: ReduceOp::Sum }, &[mask])?;
+                        let count = self.op(
+                            Op::AllReduce {
+                                axis: axis.clone(),
+                                op: ReduceOp::Sum,
+                            },
+                            &[mask],
+                        )?;
                         let share = self.op(Op::Div {}, &[g, count])?;
                         g = self.op(Op::Mul {}, &[mask, share])?;
                     }
@@ -391,30 +515,77 @@ impl Ad<'_> {
                 g
             }
             Op::AllGather { dim, .. } => {
-                let k = weft_ir::shape::norm_dim(*dim, xt.rank()).map_err(|m| err("`autodiff`: bad all_gather", self.g.describe(n), m))?;
+                let k = weft_ir::shape::norm_dim(*dim, xt.rank())
+                    .map_err(|m| err("`autodiff`: bad all_gather", self.g.describe(n), m))?;
                 if dy.partial & a != 0 {
                     self.set_meta(n, &format!("all_gather transposed: reduce_scatter of a gradient partial over {axis}"));
                     self.collectives += 1;
-                    self.op(Op::ReduceScatter { axis: axis.clone(), dim: *dim, op: ReduceOp::Sum }, &[dy.v])?
+                    self.op(
+                        Op::ReduceScatter {
+                            axis: axis.clone(),
+                            dim: *dim,
+                            op: ReduceOp::Sum,
+                        },
+                        &[dy.v],
+                    )?
                 } else {
                     let len = xt.shape[k].clone();
                     let start = chunk_start(&axis, &len);
-                    self.set_meta(n, &format!("all_gather transposed: this rank's chunk of the gradient along {axis}"));
-                    self.op(Op::Slice { dim: *dim, start, len }, &[dy.v])?
+                    self.set_meta(
+                        n,
+                        &format!(
+                            "all_gather transposed: this rank's chunk of the gradient along {axis}"
+                        ),
+                    );
+                    self.op(
+                        Op::Slice {
+                            dim: *dim,
+                            start,
+                            len,
+                        },
+                        &[dy.v],
+                    )?
                 }
             }
             Op::ReduceScatter { dim, op, .. } => {
                 if *op != ReduceOp::Sum {
-                    return Err(err("`autodiff` cannot differentiate this `reduce_scatter`", self.g.describe(n), "only sum has a gradient here"));
+                    return Err(err(
+                        "`autodiff` cannot differentiate this `reduce_scatter`",
+                        self.g.describe(n),
+                        "only sum has a gradient here",
+                    ));
                 }
-                self.set_meta(n, &format!("reduce_scatter transposed: all_gather over {axis}"));
+                self.set_meta(
+                    n,
+                    &format!("reduce_scatter transposed: all_gather over {axis}"),
+                );
                 self.collectives += 1;
-                self.op(Op::AllGather { axis: axis.clone(), dim: *dim }, &[dy.v])?
+                self.op(
+                    Op::AllGather {
+                        axis: axis.clone(),
+                        dim: *dim,
+                    },
+                    &[dy.v],
+                )?
             }
-            Op::AllToAll { scatter_dim, gather_dim, .. } => {
-                self.set_meta(n, &format!("all_to_all transposed: the inverse all_to_all over {axis}"));
+            Op::AllToAll {
+                scatter_dim,
+                gather_dim,
+                ..
+            } => {
+                self.set_meta(
+                    n,
+                    &format!("all_to_all transposed: the inverse all_to_all over {axis}"),
+                );
                 self.collectives += 1;
-                self.op(Op::AllToAll { axis: axis.clone(), scatter_dim: *gather_dim, gather_dim: *scatter_dim }, &[dy.v])?
+                self.op(
+                    Op::AllToAll {
+                        axis: axis.clone(),
+                        scatter_dim: *gather_dim,
+                        gather_dim: *scatter_dim,
+                    },
+                    &[dy.v],
+                )?
             }
             Op::AllToAllV { .. } => {
                 // Each row's gradient goes back to the rank that sent the row: the inverse
@@ -422,8 +593,21 @@ impl Ad<'_> {
                 // all_to_all'd). Over the atoms of `a` where the rows were replicated
                 // (tp peers dispatching the same tokens) the gradient is partial.
                 self.set_meta(n, &format!("all_to_all_v transposed: row gradients back to the ranks that sent the rows over {axis}"));
-                let recv = self.op(Op::AllToAll { axis: axis.clone(), scatter_dim: 0, gather_dim: 0 }, &[d.operands[1]])?;
-                let back = self.op(Op::AllToAllV { axis: axis.clone(), rows: xt.shape[0].clone() }, &[dy.v, recv])?;
+                let recv = self.op(
+                    Op::AllToAll {
+                        axis: axis.clone(),
+                        scatter_dim: 0,
+                        gather_dim: 0,
+                    },
+                    &[d.operands[1]],
+                )?;
+                let back = self.op(
+                    Op::AllToAllV {
+                        axis: axis.clone(),
+                        rows: xt.shape[0].clone(),
+                    },
+                    &[dy.v, recv],
+                )?;
                 self.collectives += 2;
                 let partial = rest | (a & !replication::of(&self.varying, x));
                 return Ok(vec![(0, Contrib { v: back, partial })]);
@@ -431,17 +615,46 @@ impl Ad<'_> {
             Op::Broadcast { root, .. } => {
                 let g = if dy.partial & a != 0 {
                     self.collectives += 1;
-                    self.op(Op::AllReduce { axis: axis.clone(), op: ReduceOp::Sum }, &[dy.v])?
+                    self.op(
+                        Op::AllReduce {
+                            axis: axis.clone(),
+                            op: ReduceOp::Sum,
+                        },
+                        &[dy.v],
+                    )?
                 } else {
                     dy.v
                 };
                 // Only the root's operand reaches the output.
                 self.set_meta(n, &format!("broadcast transposed: the gradient goes to the root (rank {root} of {axis})"));
-                let coord = self.op(Op::Arange { start: Dim::coord(&axis), ty: TensorType::new(weft_ir::DType::I64, vec![Dim::from(1)]) }, &[])?;
-                let root_t = self.op(Op::Full { value: Float(*root as f64), ty: TensorType::new(weft_ir::DType::I64, vec![Dim::from(1)]) }, &[])?;
-                let is_root = self.op(Op::Compare { op: weft_ir::CmpOp::Eq }, &[coord, root_t])?;
+                let coord = self.op(
+                    Op::Arange {
+                        start: Dim::coord(&axis),
+                        ty: TensorType::new(weft_ir::DType::I64, vec![Dim::from(1)]),
+                    },
+                    &[],
+                )?;
+                let root_t = self.op(
+                    Op::Full {
+                        value: Float(*root as f64),
+                        ty: TensorType::new(weft_ir::DType::I64, vec![Dim::from(1)]),
+                    },
+                    &[],
+                )?;
+                let is_root = self.op(
+                    Op::Compare {
+                        op: weft_ir::CmpOp::Eq,
+                    },
+                    &[coord, root_t],
+                )?;
                 let is_root = self.op(Op::Reshape { shape: vec![] }, &[is_root])?;
-                let zero = self.op(Op::Full { value: Float(0.0), ty: TensorType::scalar(xt.dtype) }, &[])?;
+                let zero = self.op(
+                    Op::Full {
+                        value: Float(0.0),
+                        ty: TensorType::scalar(xt.dtype),
+                    },
+                    &[],
+                )?;
                 self.op(Op::Where {}, &[is_root, g, zero])?
             }
             other => {
@@ -453,7 +666,13 @@ impl Ad<'_> {
                 .with_help("keep this collective out of the differentiated part of the graph"))
             }
         };
-        Ok(vec![(0, Contrib { v, partial: rest | partial_a })])
+        Ok(vec![(
+            0,
+            Contrib {
+                v,
+                partial: rest | partial_a,
+            },
+        )])
     }
 }
 

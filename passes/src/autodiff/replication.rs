@@ -26,9 +26,20 @@ pub type Axes = u64;
 fn atoms(mesh: &Mesh) -> (Vec<u64>, Vec<(String, Axes)>) {
     let Some((cut, inside)) = mesh.expert_cut() else {
         let sizes = mesh.axes.iter().map(|(_, n)| *n as u64).collect();
-        return (sizes, mesh.axes.iter().enumerate().map(|(i, (a, _))| (a.clone(), 1 << i)).collect());
+        return (
+            sizes,
+            mesh.axes
+                .iter()
+                .enumerate()
+                .map(|(i, (a, _))| (a.clone(), 1 << i))
+                .collect(),
+        );
     };
-    let product: Vec<&(String, u32)> = mesh.axes.iter().filter(|(a, _)| !weft_ir::mesh::is_derived(a)).collect();
+    let product: Vec<&(String, u32)> = mesh
+        .axes
+        .iter()
+        .filter(|(a, _)| !weft_ir::mesh::is_derived(a))
+        .collect();
     let (mut sizes, mut axes, mut ep, mut edp) = (Vec::new(), Vec::new(), 0 as Axes, 0 as Axes);
     for (i, (a, n)) in product.iter().enumerate() {
         let mut mask = 0;
@@ -66,9 +77,19 @@ fn atoms(mesh: &Mesh) -> (Vec<u64>, Vec<(String, Axes)>) {
 /// The atoms of `axis`, or 0 when the mesh lacks it.
 pub fn bit(mesh: &Mesh, axis: &str) -> Axes {
     if mesh.size(weft_ir::mesh::EP).is_none() {
-        return mesh.axes.iter().position(|(a, _)| a == axis).map(|i| 1u64 << i).unwrap_or(0);
+        return mesh
+            .axes
+            .iter()
+            .position(|(a, _)| a == axis)
+            .map(|i| 1u64 << i)
+            .unwrap_or(0);
     }
-    atoms(mesh).1.into_iter().find(|(a, _)| a == axis).map(|(_, m)| m).unwrap_or(0)
+    atoms(mesh)
+        .1
+        .into_iter()
+        .find(|(a, _)| a == axis)
+        .map(|(_, m)| m)
+        .unwrap_or(0)
 }
 
 /// Disjoint mesh axes that make up a set of atoms, in mesh order: the fewest, and
@@ -76,8 +97,18 @@ pub fn bit(mesh: &Mesh, axis: &str) -> Axes {
 /// set covers exactly are left out (no program the passes make needs one).
 pub fn names(mesh: &Mesh, axes: Axes) -> Vec<String> {
     let (_, of) = atoms(mesh);
-    let cands: Vec<(usize, Axes)> = of.iter().enumerate().filter(|(_, (_, m))| *m != 0 && m & !axes == 0).map(|(i, (_, m))| (i, *m)).collect();
-    fn best(cands: &[(usize, Axes)], left: Axes, pick: &mut Vec<usize>, out: &mut Option<Vec<usize>>) {
+    let cands: Vec<(usize, Axes)> = of
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, m))| *m != 0 && m & !axes == 0)
+        .map(|(i, (_, m))| (i, *m))
+        .collect();
+    fn best(
+        cands: &[(usize, Axes)],
+        left: Axes,
+        pick: &mut Vec<usize>,
+        out: &mut Option<Vec<usize>>,
+    ) {
         if left == 0 {
             if out.as_ref().is_none_or(|o| pick.len() < o.len()) {
                 *out = Some(pick.clone());
@@ -114,7 +145,12 @@ pub fn names(mesh: &Mesh, axes: Axes) -> Vec<String> {
 /// The number of ranks a set of atoms spans.
 pub fn size(mesh: &Mesh, axes: Axes) -> u64 {
     let (sizes, _) = atoms(mesh);
-    sizes.iter().enumerate().filter(|(i, _)| axes & (1 << i) != 0).map(|(_, n)| *n).product()
+    sizes
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| axes & (1 << i) != 0)
+        .map(|(_, n)| *n)
+        .product()
 }
 
 /// Every atom of the mesh.
@@ -125,7 +161,9 @@ pub fn all(mesh: &Mesh) -> Axes {
 /// The dims an op's attributes hold (shapes, starts, lengths, sizes).
 pub fn attr_dims(op: &Op) -> Vec<&Dim> {
     match op {
-        Op::Param { ty, .. } | Op::Input { ty, .. } | Op::Full { ty, .. } => ty.shape.iter().collect(),
+        Op::Param { ty, .. } | Op::Input { ty, .. } | Op::Full { ty, .. } => {
+            ty.shape.iter().collect()
+        }
         Op::Arange { start, ty } => std::iter::once(start).chain(ty.shape.iter()).collect(),
         Op::Reshape { shape } | Op::Expand { shape } => shape.iter().collect(),
         Op::Slice { start, len, .. } => vec![start, len],
@@ -146,12 +184,22 @@ pub fn varying(g: &Graph) -> Vec<Axes> {
     let mut out = vec![0 as Axes; g.value_capacity()];
     for &n in g.nodes() {
         let d = g.node(n);
-        let ins: Axes = d.operands.iter().fold(0, |m, v| m | out.get(v.0 as usize).copied().unwrap_or(0));
+        let ins: Axes = d
+            .operands
+            .iter()
+            .fold(0, |m, v| m | out.get(v.0 as usize).copied().unwrap_or(0));
         let mut mask = match &d.op {
-            Op::Param { name, .. } => g.param_partition(name).iter().fold(0, |m, p| m | bit(mesh, &p.axis)),
+            Op::Param { name, .. } => g
+                .param_partition(name)
+                .iter()
+                .fold(0, |m, p| m | bit(mesh, &p.axis)),
             Op::Input { .. } => 0,
-            Op::AllReduce { axis, .. } | Op::AllGather { axis, .. } | Op::Broadcast { axis, .. } => ins & !bit(mesh, axis),
-            Op::ReduceScatter { axis, .. } | Op::AllToAll { axis, .. } | Op::AllToAllV { axis, .. } => ins | bit(mesh, axis),
+            Op::AllReduce { axis, .. }
+            | Op::AllGather { axis, .. }
+            | Op::Broadcast { axis, .. } => ins & !bit(mesh, axis),
+            Op::ReduceScatter { axis, .. }
+            | Op::AllToAll { axis, .. }
+            | Op::AllToAllV { axis, .. } => ins | bit(mesh, axis),
             _ => ins,
         };
         if !d.op.is_collective() {

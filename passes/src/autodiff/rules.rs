@@ -11,11 +11,23 @@ use weft_ir::{CmpOp, DType, Dim, Float, Node, NodeData, Op, TensorType, Value};
 
 impl Ad<'_> {
     fn zeros(&mut self, ty: &TensorType) -> Result<Value, PassError> {
-        self.op(Op::Full { value: Float(0.0), ty: ty.clone() }, &[])
+        self.op(
+            Op::Full {
+                value: Float(0.0),
+                ty: ty.clone(),
+            },
+            &[],
+        )
     }
 
     fn scalar(&mut self, value: f64, dtype: DType) -> Result<Value, PassError> {
-        self.op(Op::Full { value: Float(value), ty: TensorType::scalar(dtype) }, &[])
+        self.op(
+            Op::Full {
+                value: Float(value),
+                ty: TensorType::scalar(dtype),
+            },
+            &[],
+        )
     }
 
     fn mul(&mut self, a: Value, b: Value) -> Result<Value, PassError> {
@@ -26,7 +38,12 @@ impl Ad<'_> {
         if self.g.ty(x).shape == shape {
             return Ok(x);
         }
-        self.op(Op::Reshape { shape: shape.to_vec() }, &[x])
+        self.op(
+            Op::Reshape {
+                shape: shape.to_vec(),
+            },
+            &[x],
+        )
     }
 
     fn mask_of(&mut self, cond: Value, dtype: DType) -> Result<Value, PassError> {
@@ -35,38 +52,94 @@ impl Ad<'_> {
 
     /// Sums `g` (the gradient of a broadcast result) down to `target`'s shape: over the
     /// leading dims `target` lacks and the dims where `target` has size 1.
-    pub(crate) fn unbroadcast(&mut self, g: Value, target: &TensorType) -> Result<Value, PassError> {
+    pub(crate) fn unbroadcast(
+        &mut self,
+        g: Value,
+        target: &TensorType,
+    ) -> Result<Value, PassError> {
         let gt = self.ty(g);
         if gt.shape == target.shape {
             return Ok(g);
         }
         let (n, m) = (gt.rank(), target.rank());
         if m > n {
-            return Err(err("`autodiff` cannot undo a broadcast", self.g.describe(self.g.def(g)), format!("{gt} is not a broadcast of {target}")));
+            return Err(err(
+                "`autodiff` cannot undo a broadcast",
+                self.g.describe(self.g.def(g)),
+                format!("{gt} is not a broadcast of {target}"),
+            ));
         }
         let lead = n - m;
         let one = Dim::from(1);
-        let dims: Vec<i64> = (0..n).filter(|&i| i < lead || (target.shape[i - lead] == one && gt.shape[i] != one)).map(|i| i as i64).collect();
-        let s = if dims.is_empty() { g } else { self.op(Op::Sum { dims, keepdim: false }, &[g])? };
+        let dims: Vec<i64> = (0..n)
+            .filter(|&i| i < lead || (target.shape[i - lead] == one && gt.shape[i] != one))
+            .map(|i| i as i64)
+            .collect();
+        let s = if dims.is_empty() {
+            g
+        } else {
+            self.op(
+                Op::Sum {
+                    dims,
+                    keepdim: false,
+                },
+                &[g],
+            )?
+        };
         self.reshape(s, &target.shape)
     }
 
     /// `reshape(dy)` to `x_ty` with the reduced dims kept as size 1, then expanded.
-    fn expand_back(&mut self, dy: Value, x_ty: &TensorType, dims: &[usize], keepdim: bool) -> Result<Value, PassError> {
-        let kept: Vec<Dim> = x_ty.shape.iter().enumerate().map(|(i, d)| if dims.contains(&i) { Dim::from(1) } else { d.clone() }).collect();
-        let dk = if keepdim { dy } else { self.reshape(dy, &kept)? };
-        self.op(Op::Expand { shape: x_ty.shape.clone() }, &[dk])
+    fn expand_back(
+        &mut self,
+        dy: Value,
+        x_ty: &TensorType,
+        dims: &[usize],
+        keepdim: bool,
+    ) -> Result<Value, PassError> {
+        let kept: Vec<Dim> = x_ty
+            .shape
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                if dims.contains(&i) {
+                    Dim::from(1)
+                } else {
+                    d.clone()
+                }
+            })
+            .collect();
+        let dk = if keepdim {
+            dy
+        } else {
+            self.reshape(dy, &kept)?
+        };
+        self.op(
+            Op::Expand {
+                shape: x_ty.shape.clone(),
+            },
+            &[dk],
+        )
     }
 
     fn norm_dims(&self, n: Node, dims: &[i64], rank: usize) -> Result<Vec<usize>, PassError> {
         dims.iter()
-            .map(|&d| weft_ir::shape::norm_dim(d, rank).map_err(|m| err("`autodiff`: bad dim", self.g.describe(n), m)))
+            .map(|&d| {
+                weft_ir::shape::norm_dim(d, rank)
+                    .map_err(|m| err("`autodiff`: bad dim", self.g.describe(n), m))
+            })
             .collect()
     }
 
     /// The gradient of each operand (`None`: not wanted or zero) of non-collective node
     /// `n` from its results' gradients `dy` (`None`: zero).
-    pub(crate) fn vjp(&mut self, n: Node, d: &NodeData, dy: &[Option<Value>], want: &[bool]) -> Result<Vec<Option<Value>>, PassError> {
+    pub(crate) fn vjp(
+        &mut self,
+        n: Node,
+        d: &NodeData,
+        dy: &[Option<Value>],
+        want: &[bool],
+    ) -> Result<Vec<Option<Value>>, PassError> {
         let ops = &d.operands;
         let ty = |s: &Self, i: usize| s.ty(ops[i]);
         let y = d.results[0];
@@ -84,7 +157,11 @@ impl Ad<'_> {
                         }
                     });
                 }
-                out[0] = Some(if parts.len() == 1 { parts[0] } else { self.op(Op::Concat { dim: *dim }, &parts)? });
+                out[0] = Some(if parts.len() == 1 {
+                    parts[0]
+                } else {
+                    self.op(Op::Concat { dim: *dim }, &parts)?
+                });
                 return Ok(out);
             }
             Op::Topk { dim, .. } => {
@@ -96,7 +173,13 @@ impl Ad<'_> {
             Op::MoeDispatch { .. } => {
                 let Some(drows) = dy[0] else { return Ok(out) };
                 let (x, ei) = (ty(self, 0), ty(self, 1));
-                let ones = self.op(Op::Full { value: Float(1.0), ty: TensorType::new(x.dtype, ei.shape.clone()) }, &[])?;
+                let ones = self.op(
+                    Op::Full {
+                        value: Float(1.0),
+                        ty: TensorType::new(x.dtype, ei.shape.clone()),
+                    },
+                    &[],
+                )?;
                 out[0] = Some(self.op(Op::MoeCombine {}, &[drows, d.results[2], ones])?);
                 return Ok(out);
             }
@@ -104,7 +187,11 @@ impl Ad<'_> {
             _ => {}
         }
         if d.results.len() != 1 {
-            return Err(err(format!("`autodiff` has no backward rule for `{}`", d.op.name()), self.g.describe(n), "it has several results"));
+            return Err(err(
+                format!("`autodiff` has no backward rule for `{}`", d.op.name()),
+                self.g.describe(n),
+                "it has several results",
+            ));
         }
         let Some(g) = dy[0] else { return Ok(out) };
         let gt = self.ty(g);
@@ -122,9 +209,19 @@ impl Ad<'_> {
             }
             Op::Rsqrt {} => {
                 // d x^-1/2 = -1/2 x^-3/2 = -1/2 y^3
-                let y3 = self.op(Op::PowScalar { exponent: Float(3.0) }, &[y])?;
+                let y3 = self.op(
+                    Op::PowScalar {
+                        exponent: Float(3.0),
+                    },
+                    &[y],
+                )?;
                 let t = self.mul(g, y3)?;
-                out[0] = Some(self.op(Op::Scale { factor: Float(-0.5) }, &[t])?);
+                out[0] = Some(self.op(
+                    Op::Scale {
+                        factor: Float(-0.5),
+                    },
+                    &[t],
+                )?);
             }
             Op::Tanh {} => {
                 let y2 = self.mul(y, y)?;
@@ -139,7 +236,14 @@ impl Ad<'_> {
                 out[0] = Some(self.mul(g, dsig)?);
             }
             Op::Silu {} => out[0] = Some(self.op(Op::SiluGrad {}, &[ops[0], g])?),
-            Op::Gelu { tanh_approx } => out[0] = Some(self.op(Op::GeluGrad { tanh_approx: *tanh_approx }, &[ops[0], g])?),
+            Op::Gelu { tanh_approx } => {
+                out[0] = Some(self.op(
+                    Op::GeluGrad {
+                        tanh_approx: *tanh_approx,
+                    },
+                    &[ops[0], g],
+                )?)
+            }
             Op::Relu {} => {
                 let x = ty(self, 0);
                 let z = self.scalar(0.0, x.dtype)?;
@@ -157,7 +261,12 @@ impl Ad<'_> {
                     let t = self.mul(g, ops[0])?;
                     self.op(Op::Scale { factor: Float(2.0) }, &[t])?
                 } else {
-                    let p = self.op(Op::PowScalar { exponent: Float(e - 1.0) }, &[ops[0]])?;
+                    let p = self.op(
+                        Op::PowScalar {
+                            exponent: Float(e - 1.0),
+                        },
+                        &[ops[0]],
+                    )?;
                     let p = self.op(Op::Scale { factor: Float(e) }, &[p])?;
                     self.mul(g, p)?
                 });
@@ -165,7 +274,11 @@ impl Ad<'_> {
             Op::Cast { .. } => {
                 let x = ty(self, 0);
                 if x.dtype.is_float() {
-                    out[0] = Some(if x.dtype == gt.dtype { g } else { self.op(Op::Cast { dtype: x.dtype }, &[g])? });
+                    out[0] = Some(if x.dtype == gt.dtype {
+                        g
+                    } else {
+                        self.op(Op::Cast { dtype: x.dtype }, &[g])?
+                    });
                 }
             }
             Op::Add {} | Op::Sub {} => {
@@ -175,7 +288,11 @@ impl Ad<'_> {
                 }
                 if w(1) {
                     let t = ty(self, 1);
-                    let gb = if matches!(d.op, Op::Sub {}) { self.op(Op::Neg {}, &[g])? } else { g };
+                    let gb = if matches!(d.op, Op::Sub {}) {
+                        self.op(Op::Neg {}, &[g])?
+                    } else {
+                        g
+                    };
                     out[1] = Some(self.unbroadcast(gb, &t)?);
                 }
             }
@@ -223,7 +340,11 @@ impl Ad<'_> {
             Op::Maximum {} | Op::Minimum {} => {
                 // torch: the winner takes the gradient, ties split it evenly.
                 let dt = gt.dtype;
-                let cmp = if matches!(d.op, Op::Maximum {}) { CmpOp::Gt } else { CmpOp::Lt };
+                let cmp = if matches!(d.op, Op::Maximum {}) {
+                    CmpOp::Gt
+                } else {
+                    CmpOp::Lt
+                };
                 let win = self.op(Op::Compare { op: cmp }, &[ops[0], ops[1]])?;
                 let tie = self.op(Op::Compare { op: CmpOp::Eq }, &[ops[0], ops[1]])?;
                 let win = self.mask_of(win, dt)?;
@@ -256,13 +377,20 @@ impl Ad<'_> {
                     out[2] = Some(self.unbroadcast(p, &t)?);
                 }
             }
-            Op::Compare { .. } | Op::ShiftLabels { .. } | Op::CountValid { .. } | Op::OneHot { .. } => {}
+            Op::Compare { .. }
+            | Op::ShiftLabels { .. }
+            | Op::CountValid { .. }
+            | Op::OneHot { .. } => {}
 
             // ---- reductions ----
             Op::Sum { dims, keepdim } => {
                 let x = ty(self, 0);
                 let ds = self.norm_dims(n, dims, x.rank())?;
-                out[0] = Some(if ds.is_empty() { g } else { self.expand_back(g, &x, &ds, *keepdim)? });
+                out[0] = Some(if ds.is_empty() {
+                    g
+                } else {
+                    self.expand_back(g, &x, &ds, *keepdim)?
+                });
             }
             Op::Mean { dims, keepdim } => {
                 let x = ty(self, 0);
@@ -273,10 +401,30 @@ impl Ad<'_> {
                     let count = ds.iter().fold(Dim::from(1), |a, &i| a * x.shape[i].clone());
                     let e = self.expand_back(g, &x, &ds, *keepdim)?;
                     out[0] = Some(match count.as_const() {
-                        Some(c) => self.op(Op::Scale { factor: Float(1.0 / c as f64) }, &[e])?,
+                        Some(c) => self.op(
+                            Op::Scale {
+                                factor: Float(1.0 / c as f64),
+                            },
+                            &[e],
+                        )?,
                         None => {
-                            let ones = self.op(Op::Full { value: Float(1.0), ty: TensorType::new(x.dtype, ds.iter().map(|&i| x.shape[i].clone()).collect()) }, &[])?;
-                            let cnt = self.op(Op::Sum { dims: (0..ds.len() as i64).collect(), keepdim: false }, &[ones])?;
+                            let ones = self.op(
+                                Op::Full {
+                                    value: Float(1.0),
+                                    ty: TensorType::new(
+                                        x.dtype,
+                                        ds.iter().map(|&i| x.shape[i].clone()).collect(),
+                                    ),
+                                },
+                                &[],
+                            )?;
+                            let cnt = self.op(
+                                Op::Sum {
+                                    dims: (0..ds.len() as i64).collect(),
+                                    keepdim: false,
+                                },
+                                &[ones],
+                            )?;
                             self.op(Op::Div {}, &[e, cnt])?
                         }
                     });
@@ -289,19 +437,42 @@ impl Ad<'_> {
                 if ds.is_empty() {
                     out[0] = Some(g);
                 } else {
-                    let kept: Vec<Dim> = x.shape.iter().enumerate().map(|(i, d)| if ds.contains(&i) { Dim::from(1) } else { d.clone() }).collect();
+                    let kept: Vec<Dim> = x
+                        .shape
+                        .iter()
+                        .enumerate()
+                        .map(|(i, d)| {
+                            if ds.contains(&i) {
+                                Dim::from(1)
+                            } else {
+                                d.clone()
+                            }
+                        })
+                        .collect();
                     let yk = if *keepdim { y } else { self.reshape(y, &kept)? };
                     let gk = if *keepdim { g } else { self.reshape(g, &kept)? };
                     let hit = self.op(Op::Compare { op: CmpOp::Eq }, &[ops[0], yk])?;
                     let m = self.mask_of(hit, x.dtype)?;
-                    let cnt = self.op(Op::Sum { dims: ds.iter().map(|&i| i as i64).collect(), keepdim: true }, &[m])?;
+                    let cnt = self.op(
+                        Op::Sum {
+                            dims: ds.iter().map(|&i| i as i64).collect(),
+                            keepdim: true,
+                        },
+                        &[m],
+                    )?;
                     let share = self.op(Op::Div {}, &[gk, cnt])?;
                     out[0] = Some(self.mul(m, share)?);
                 }
             }
             Op::Softmax { dim } => out[0] = Some(self.op(Op::SoftmaxGrad { dim: *dim }, &[y, g])?),
             Op::LogSoftmax { dim } => {
-                let s = self.op(Op::Sum { dims: vec![*dim], keepdim: true }, &[g])?;
+                let s = self.op(
+                    Op::Sum {
+                        dims: vec![*dim],
+                        keepdim: true,
+                    },
+                    &[g],
+                )?;
                 let p = self.op(Op::Exp {}, &[y])?;
                 let ps = self.mul(p, s)?;
                 out[0] = Some(self.op(Op::Sub {}, &[g, ps])?);
@@ -310,7 +481,12 @@ impl Ad<'_> {
             // ---- transformer blocks ----
             Op::Embedding {} => {
                 let wt = ty(self, 1);
-                out[1] = Some(self.op(Op::EmbeddingGrad { num_embeddings: wt.shape[0].clone() }, &[ops[0], g])?);
+                out[1] = Some(self.op(
+                    Op::EmbeddingGrad {
+                        num_embeddings: wt.shape[0].clone(),
+                    },
+                    &[ops[0], g],
+                )?);
             }
             Op::Linear {} => {
                 let (xt, wt) = (ty(self, 0), ty(self, 1));
@@ -318,37 +494,90 @@ impl Ad<'_> {
                 let lead: Vec<Dim> = xt.shape[..xt.rank() - 1].to_vec();
                 let m = lead.iter().fold(Dim::from(1), |a, d| a * d.clone());
                 if w(0) {
-                    let g2 = if gt.rank() >= 2 { g } else { self.reshape(g, &[Dim::from(1), nout.clone()])? };
-                    let dx = self.op(Op::Matmul { transpose_a: false, transpose_b: false }, &[g2, ops[1]])?;
+                    let g2 = if gt.rank() >= 2 {
+                        g
+                    } else {
+                        self.reshape(g, &[Dim::from(1), nout.clone()])?
+                    };
+                    let dx = self.op(
+                        Op::Matmul {
+                            transpose_a: false,
+                            transpose_b: false,
+                        },
+                        &[g2, ops[1]],
+                    )?;
                     out[0] = Some(self.reshape(dx, &xt.shape)?);
                 }
                 if w(1) {
                     let g2 = self.reshape(g, &[m.clone(), nout.clone()])?;
                     let x2 = self.reshape(ops[0], &[m.clone(), kin.clone()])?;
-                    out[1] = Some(self.op(Op::Matmul { transpose_a: true, transpose_b: false }, &[g2, x2])?);
+                    out[1] = Some(self.op(
+                        Op::Matmul {
+                            transpose_a: true,
+                            transpose_b: false,
+                        },
+                        &[g2, x2],
+                    )?);
                 }
                 if ops.len() > 2 && w(2) {
                     let lead_dims: Vec<i64> = (0..gt.rank() as i64 - 1).collect();
-                    out[2] = Some(if lead_dims.is_empty() { g } else { self.op(Op::Sum { dims: lead_dims, keepdim: false }, &[g])? });
+                    out[2] = Some(if lead_dims.is_empty() {
+                        g
+                    } else {
+                        self.op(
+                            Op::Sum {
+                                dims: lead_dims,
+                                keepdim: false,
+                            },
+                            &[g],
+                        )?
+                    });
                 }
             }
-            Op::Matmul { transpose_a: ta, transpose_b: tb } => {
+            Op::Matmul {
+                transpose_a: ta,
+                transpose_b: tb,
+            } => {
                 let (ta, tb) = (*ta, *tb);
                 if w(0) {
                     let t = ty(self, 0);
                     let da = if !ta {
-                        self.op(Op::Matmul { transpose_a: false, transpose_b: !tb }, &[g, ops[1]])?
+                        self.op(
+                            Op::Matmul {
+                                transpose_a: false,
+                                transpose_b: !tb,
+                            },
+                            &[g, ops[1]],
+                        )?
                     } else {
-                        self.op(Op::Matmul { transpose_a: tb, transpose_b: true }, &[ops[1], g])?
+                        self.op(
+                            Op::Matmul {
+                                transpose_a: tb,
+                                transpose_b: true,
+                            },
+                            &[ops[1], g],
+                        )?
                     };
                     out[0] = Some(self.unbroadcast(da, &t)?);
                 }
                 if w(1) {
                     let t = ty(self, 1);
                     let db = if !tb {
-                        self.op(Op::Matmul { transpose_a: !ta, transpose_b: false }, &[ops[0], g])?
+                        self.op(
+                            Op::Matmul {
+                                transpose_a: !ta,
+                                transpose_b: false,
+                            },
+                            &[ops[0], g],
+                        )?
                     } else {
-                        self.op(Op::Matmul { transpose_a: true, transpose_b: ta }, &[g, ops[0]])?
+                        self.op(
+                            Op::Matmul {
+                                transpose_a: true,
+                                transpose_b: ta,
+                            },
+                            &[g, ops[0]],
+                        )?
                     };
                     out[1] = Some(self.unbroadcast(db, &t)?);
                 }
@@ -360,7 +589,11 @@ impl Ad<'_> {
             }
             Op::Rope {} => {
                 if w(1) || w(2) {
-                    return Err(err("`autodiff` cannot differentiate `rope` wrt its tables", self.g.describe(n), "cos and sin depend on a parameter"));
+                    return Err(err(
+                        "`autodiff` cannot differentiate `rope` wrt its tables",
+                        self.g.describe(n),
+                        "cos and sin depend on a parameter",
+                    ));
                 }
                 let ns = self.op(Op::Neg {}, &[ops[2]])?;
                 out[0] = Some(self.op(Op::Rope {}, &[g, ops[1], ns])?);
@@ -370,13 +603,28 @@ impl Ad<'_> {
                 if ops.len() > 3 {
                     operands.push(ops[3]);
                 }
-                let r = self.ops(Op::AttentionGrad { causal: *causal, scale: *scale }, &operands)?;
+                let r = self.ops(
+                    Op::AttentionGrad {
+                        causal: *causal,
+                        scale: *scale,
+                    },
+                    &operands,
+                )?;
                 for i in 0..3 {
                     out[i] = w(i).then_some(r[i]);
                 }
             }
-            Op::CrossEntropy { ignore_index, reduction } => {
-                out[0] = Some(self.op(Op::CrossEntropyGrad { ignore_index: *ignore_index, reduction: *reduction }, &[ops[0], ops[1], g])?);
+            Op::CrossEntropy {
+                ignore_index,
+                reduction,
+            } => {
+                out[0] = Some(self.op(
+                    Op::CrossEntropyGrad {
+                        ignore_index: *ignore_index,
+                        reduction: *reduction,
+                    },
+                    &[ops[0], ops[1], g],
+                )?);
             }
 
             // ---- layout ----
@@ -388,16 +636,26 @@ impl Ad<'_> {
                 let r = perm.len();
                 let mut inv = vec![0i64; r];
                 for (i, &p) in perm.iter().enumerate() {
-                    let p = weft_ir::shape::norm_dim(p, r).map_err(|m| err("`autodiff`: bad permutation", self.g.describe(n), m))?;
+                    let p = weft_ir::shape::norm_dim(p, r)
+                        .map_err(|m| err("`autodiff`: bad permutation", self.g.describe(n), m))?;
                     inv[p] = i as i64;
                 }
                 out[0] = Some(self.op(Op::Permute { perm: inv }, &[g])?);
             }
-            Op::Transpose { dim0, dim1 } => out[0] = Some(self.op(Op::Transpose { dim0: *dim0, dim1: *dim1 }, &[g])?),
+            Op::Transpose { dim0, dim1 } => {
+                out[0] = Some(self.op(
+                    Op::Transpose {
+                        dim0: *dim0,
+                        dim1: *dim1,
+                    },
+                    &[g],
+                )?)
+            }
             Op::Slice { dim, start, len } => {
                 // Zeros before and after this slice's gradient.
                 let x = ty(self, 0);
-                let k = weft_ir::shape::norm_dim(*dim, x.rank()).map_err(|m| err("`autodiff`: bad slice", self.g.describe(n), m))?;
+                let k = weft_ir::shape::norm_dim(*dim, x.rank())
+                    .map_err(|m| err("`autodiff`: bad slice", self.g.describe(n), m))?;
                 let after = x.shape[k].clone() - start.clone() - len.clone();
                 let mut parts = Vec::new();
                 for (size, is_g) in [(start.clone(), false), (len.clone(), true), (after, false)] {
@@ -409,7 +667,11 @@ impl Ad<'_> {
                         parts.push(self.zeros(&x.with_shape(shape))?);
                     }
                 }
-                out[0] = Some(if parts.len() == 1 { g } else { self.op(Op::Concat { dim: *dim }, &parts)? });
+                out[0] = Some(if parts.len() == 1 {
+                    g
+                } else {
+                    self.op(Op::Concat { dim: *dim }, &parts)?
+                });
             }
             Op::Concat { dim } => {
                 let sizes: Vec<Dim> = ops
@@ -420,7 +682,11 @@ impl Ad<'_> {
                     })
                     .collect::<Result<_, _>>()
                     .map_err(|m| err("`autodiff`: bad concat", self.g.describe(n), m))?;
-                let parts = if ops.len() == 1 { vec![g] } else { self.ops(Op::Split { dim: *dim, sizes }, &[g])? };
+                let parts = if ops.len() == 1 {
+                    vec![g]
+                } else {
+                    self.ops(Op::Split { dim: *dim, sizes }, &[g])?
+                };
                 for (i, p) in parts.into_iter().enumerate() {
                     out[i] = w(i).then_some(p);
                 }
@@ -436,11 +702,25 @@ impl Ad<'_> {
             }
             Op::IndexSelect { dim } => {
                 let t = ty(self, 0);
-                let k = weft_ir::shape::norm_dim(*dim, t.rank()).map_err(|m| err("`autodiff`: bad index_select", self.g.describe(n), m))?;
+                let k = weft_ir::shape::norm_dim(*dim, t.rank())
+                    .map_err(|m| err("`autodiff`: bad index_select", self.g.describe(n), m))?;
                 let idx_len = self.g.ty(ops[1]).shape[0].clone();
-                let col: Vec<Dim> = (0..gt.rank()).map(|i| if i == k { idx_len.clone() } else { Dim::from(1) }).collect();
+                let col: Vec<Dim> = (0..gt.rank())
+                    .map(|i| {
+                        if i == k {
+                            idx_len.clone()
+                        } else {
+                            Dim::from(1)
+                        }
+                    })
+                    .collect();
                 let idx = self.reshape(ops[1], &col)?;
-                let idx = self.op(Op::Expand { shape: gt.shape.clone() }, &[idx])?;
+                let idx = self.op(
+                    Op::Expand {
+                        shape: gt.shape.clone(),
+                    },
+                    &[idx],
+                )?;
                 let z = self.zeros(&t)?;
                 out[0] = Some(self.op(Op::ScatterAdd { dim: *dim }, &[z, idx, g])?);
             }
@@ -467,7 +747,9 @@ impl Ad<'_> {
                     self.g.describe(n),
                     "it is a backward or optimizer op, or new",
                 )
-                .with_help("run autodiff on the forward graph, before grad-sync and the optimizer"))
+                .with_help(
+                    "run autodiff on the forward graph, before grad-sync and the optimizer",
+                ))
             }
         }
         Ok(out)

@@ -66,10 +66,21 @@ impl Pass for ExpertParallel {
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let ep = cx.axis_size(NAME, EP)? as i64;
         let mut res = PassResult::unchanged();
-        for k in ["moe_blocks", "already_parallel", "all_to_all", "all_to_all_v", "expert_params_split"] {
+        for k in [
+            "moe_blocks",
+            "already_parallel",
+            "all_to_all",
+            "all_to_all_v",
+            "expert_params_split",
+        ] {
             res.count(k, 0);
         }
-        let dispatches: Vec<Node> = g.nodes().iter().copied().filter(|&n| matches!(g.node(n).op, Op::MoeDispatch { .. })).collect();
+        let dispatches: Vec<Node> = g
+            .nodes()
+            .iter()
+            .copied()
+            .filter(|&n| matches!(g.node(n).op, Op::MoeDispatch { .. }))
+            .collect();
         let uses = g.uses();
         let mut blocks = Vec::new();
         for d in dispatches {
@@ -109,7 +120,12 @@ struct Block {
 }
 
 fn error(g: &Graph, n: Node, why: impl Into<String>) -> PassError {
-    PassError::rewrite(NAME, format!("`{NAME}` cannot split the experts of this MoE block"), g.describe(n), why)
+    PassError::rewrite(
+        NAME,
+        format!("`{NAME}` cannot split the experts of this MoE block"),
+        g.describe(n),
+        why,
+    )
 }
 
 fn is_unary_rowwise(op: &Op) -> bool {
@@ -133,23 +149,48 @@ fn is_unary_rowwise(op: &Op) -> bool {
 }
 
 fn is_binary_rowwise(op: &Op) -> bool {
-    matches!(op, Op::Add {} | Op::Sub {} | Op::Mul {} | Op::Div {} | Op::Pow {} | Op::Maximum {} | Op::Minimum {} | Op::Where {})
+    matches!(
+        op,
+        Op::Add {}
+            | Op::Sub {}
+            | Op::Mul {}
+            | Op::Div {}
+            | Op::Pow {}
+            | Op::Maximum {}
+            | Op::Minimum {}
+            | Op::Where {}
+    )
 }
 
 /// Matches the block of dispatch `d`; `None` when it was already made expert-parallel.
-fn match_block(g: &Graph, d: Node, uses: &[Vec<(Node, usize)>], ep: i64) -> Result<Option<Block>, PassError> {
-    let Op::MoeDispatch { num_experts } = g.node(d).op else { unreachable!() };
-    let [rows, counts, order] = g.node(d).results[..] else { unreachable!() };
+fn match_block(
+    g: &Graph,
+    d: Node,
+    uses: &[Vec<(Node, usize)>],
+    ep: i64,
+) -> Result<Option<Block>, PassError> {
+    let Op::MoeDispatch { num_experts } = g.node(d).op else {
+        unreachable!()
+    };
+    let [rows, counts, order] = g.node(d).results[..] else {
+        unreachable!()
+    };
     let counts_uses = &uses[counts.0 as usize];
     if counts_uses.iter().any(|&(n, _)| made_by(g, n, NAME)) {
         return Ok(None);
     }
     if num_experts % ep != 0 {
-        let valid: Vec<String> = divisors(num_experts).iter().map(|x| x.to_string()).collect();
+        let valid: Vec<String> = divisors(num_experts)
+            .iter()
+            .map(|x| x.to_string())
+            .collect();
         let help = if valid.is_empty() {
             format!("a block with {num_experts} expert cannot be split; drop `ep` from the mesh")
         } else {
-            format!("use an ep that divides the {num_experts} experts: {}", valid.join(", "))
+            format!(
+                "use an ep that divides the {num_experts} experts: {}",
+                valid.join(", ")
+            )
         };
         return Err(PassError::rewrite(
             NAME,
@@ -169,7 +210,13 @@ fn match_block(g: &Graph, d: Node, uses: &[Vec<(Node, usize)>], ep: i64) -> Resu
     let pos = |n: Node| g.position(n).unwrap_or(usize::MAX);
     while let Some(v) = stack.pop() {
         if outputs.contains(&v) {
-            return Err(error(g, g.def(v), format!("{v} holds expert rows and is a graph output; only moe_combine may read them")));
+            return Err(error(
+                g,
+                g.def(v),
+                format!(
+                    "{v} holds expert rows and is a graph output; only moe_combine may read them"
+                ),
+            ));
         }
         for &(n, i) in &uses[v.0 as usize] {
             if matches!(g.node(n).op, Op::MoeCombine {}) && i == 0 {
@@ -193,13 +240,26 @@ fn match_block(g: &Graph, d: Node, uses: &[Vec<(Node, usize)>], ep: i64) -> Resu
         match &nd.op {
             Op::GroupedMatmul {} if reads(0) && !reads(1) && !reads(2) => {
                 if nd.operands[2] != counts {
-                    return Err(error(g, n, format!("its counts are not those of {}", g.describe(d))));
+                    return Err(error(
+                        g,
+                        n,
+                        format!("its counts are not those of {}", g.describe(d)),
+                    ));
                 }
                 let w = g.def(nd.operands[1]);
                 let ok = matches!(&g.node(w).op, Op::Param { ty, .. } if ty.rank() == 3 && ty.shape[0] == Dim::from(num_experts));
                 if !ok {
-                    return Err(error(g, n, format!("its weight {} is not an expert parameter [{num_experts}, N, K]", nd.operands[1]))
-                        .with_help("expert weights must be parameters read directly by the grouped matmul"));
+                    return Err(error(
+                        g,
+                        n,
+                        format!(
+                            "its weight {} is not an expert parameter [{num_experts}, N, K]",
+                            nd.operands[1]
+                        ),
+                    )
+                    .with_help(
+                        "expert weights must be parameters read directly by the grouped matmul",
+                    ));
                 }
                 if !weights.contains(&w) {
                     weights.push(w);
@@ -212,7 +272,10 @@ fn match_block(g: &Graph, d: Node, uses: &[Vec<(Node, usize)>], ep: i64) -> Resu
                 for &o in &nd.operands {
                     // An operand from outside must not carry the row dim (a broadcast is fine).
                     let t = g.ty(o);
-                    if !in_region.contains(&o) && t.rank() == out.rank() && t.shape[0] != Dim::from(1) {
+                    if !in_region.contains(&o)
+                        && t.rank() == out.rank()
+                        && t.shape[0] != Dim::from(1)
+                    {
                         return Err(error(
                             g,
                             n,
@@ -221,9 +284,18 @@ fn match_block(g: &Graph, d: Node, uses: &[Vec<(Node, usize)>], ep: i64) -> Resu
                     }
                 }
             }
-            Op::Split { dim, .. } | Op::Slice { dim, .. } | Op::Concat { dim } if norm_dim(*dim, g.ty(nd.operands[0]).rank()) != Ok(0) => {
+            Op::Split { dim, .. } | Op::Slice { dim, .. } | Op::Concat { dim }
+                if norm_dim(*dim, g.ty(nd.operands[0]).rank()) != Ok(0) =>
+            {
                 if let Some(o) = nd.operands.iter().find(|o| !in_region.contains(o)) {
-                    return Err(error(g, n, format!("`{}` joins expert rows with {o}, which is not an expert-row value", nd.op.name())));
+                    return Err(error(
+                        g,
+                        n,
+                        format!(
+                            "`{}` joins expert rows with {o}, which is not an expert-row value",
+                            nd.op.name()
+                        ),
+                    ));
                 }
             }
             op => {
@@ -240,36 +312,84 @@ fn match_block(g: &Graph, d: Node, uses: &[Vec<(Node, usize)>], ep: i64) -> Resu
     }
     for &c in &combines {
         if g.node(c).operands[1] != order {
-            return Err(error(g, c, format!("it combines rows of {} with the order of another dispatch", g.describe(d))));
+            return Err(error(
+                g,
+                c,
+                format!(
+                    "it combines rows of {} with the order of another dispatch",
+                    g.describe(d)
+                ),
+            ));
         }
     }
     // Counts feed only the grouped matmuls; the order only the combines.
     for &(n, i) in counts_uses {
         if !(matches!(g.node(n).op, Op::GroupedMatmul {}) && i == 2 && matmuls.contains(&n)) {
-            return Err(error(g, n, format!("it reads the expert counts of {} (only the block's grouped matmuls may)", g.describe(d))));
+            return Err(error(
+                g,
+                n,
+                format!(
+                    "it reads the expert counts of {} (only the block's grouped matmuls may)",
+                    g.describe(d)
+                ),
+            ));
         }
     }
     for &(n, _) in &uses[order.0 as usize] {
         if !combines.contains(&n) {
-            return Err(error(g, n, format!("it reads the row order of {} (only moe_combine may)", g.describe(d))));
+            return Err(error(
+                g,
+                n,
+                format!(
+                    "it reads the row order of {} (only moe_combine may)",
+                    g.describe(d)
+                ),
+            ));
         }
     }
     if combines.is_empty() {
         return Err(error(g, d, "its rows never reach a moe_combine"));
     }
-    Ok(Some(Block { dispatch: d, experts: num_experts, region: region.into_iter().map(|(_, n)| n).collect(), readers, matmuls, combines, weights }))
+    Ok(Some(Block {
+        dispatch: d,
+        experts: num_experts,
+        region: region.into_iter().map(|(_, n)| n).collect(),
+        readers,
+        matmuls,
+        combines,
+        weights,
+    }))
 }
 
 /// An expert weight split here must not be read anywhere else (it would get the local
 /// experts where it expects all of them).
-fn check_params_only_in_blocks(g: &Graph, blocks: &[Block], uses: &[Vec<(Node, usize)>]) -> Result<(), PassError> {
-    let matmuls: HashSet<Node> = blocks.iter().flat_map(|b| b.matmuls.iter().copied()).collect();
+fn check_params_only_in_blocks(
+    g: &Graph,
+    blocks: &[Block],
+    uses: &[Vec<(Node, usize)>],
+) -> Result<(), PassError> {
+    let matmuls: HashSet<Node> = blocks
+        .iter()
+        .flat_map(|b| b.matmuls.iter().copied())
+        .collect();
     for b in blocks {
         for &w in &b.weights {
             let v = g.node(w).results[0];
-            if let Some(&(n, _)) = uses[v.0 as usize].iter().find(|(n, i)| !(matmuls.contains(n) && *i == 1)) {
-                let Op::Param { name, .. } = &g.node(w).op else { unreachable!() };
-                return Err(error(g, n, format!("it reads expert weight `{name}`, which is split over ep for {}", g.describe(b.dispatch))));
+            if let Some(&(n, _)) = uses[v.0 as usize]
+                .iter()
+                .find(|(n, i)| !(matmuls.contains(n) && *i == 1))
+            {
+                let Op::Param { name, .. } = &g.node(w).op else {
+                    unreachable!()
+                };
+                return Err(error(
+                    g,
+                    n,
+                    format!(
+                        "it reads expert weight `{name}`, which is split over ep for {}",
+                        g.describe(b.dispatch)
+                    ),
+                ));
             }
         }
     }
@@ -280,46 +400,113 @@ fn bytes(t: &TensorType) -> Dim {
     t.numel() * t.dtype.size_bytes() as i64
 }
 
-fn rewrite_block(g: &mut Graph, b: &Block, ep: i64, split: &mut BTreeSet<String>, res: &mut PassResult) -> Result<(), PassError> {
+fn rewrite_block(
+    g: &mut Graph,
+    b: &Block,
+    ep: i64,
+    split: &mut BTreeSet<String>,
+    res: &mut PassResult,
+) -> Result<(), PassError> {
     let d = b.dispatch;
-    let [rows, counts, _] = g.node(d).results[..] else { unreachable!() };
+    let [rows, counts, _] = g.node(d).results[..] else {
+        unreachable!()
+    };
     let (e, local) = (b.experts, Dim::from(b.experts) / Dim::sym(EP));
     let grid_shape = vec![Dim::sym(EP), local.clone()];
     let rows_ty = g.ty(rows).clone();
     let mut at = d;
-    let mut add = |g: &mut Graph, op: Op, operands: &[Value], reason: String| -> Result<Value, PassError> {
-        let meta = meta_for(g, d, NAME, reason);
-        let v = g.insert_with(At::After(at), op, operands, meta).map_err(|e| build_error(NAME, e))?[0];
-        at = g.def(v);
-        Ok(v)
+    let mut add =
+        |g: &mut Graph, op: Op, operands: &[Value], reason: String| -> Result<Value, PassError> {
+            let meta = meta_for(g, d, NAME, reason);
+            let v = g
+                .insert_with(At::After(at), op, operands, meta)
+                .map_err(|e| build_error(NAME, e))?[0];
+            at = g.def(v);
+            Ok(v)
+        };
+    let a2a = Op::AllToAll {
+        axis: EP.into(),
+        scatter_dim: 0,
+        gather_dim: 0,
     };
-    let a2a = Op::AllToAll { axis: EP.into(), scatter_dim: 0, gather_dim: 0 };
-    let recv_counts = add(g, a2a, &[counts], format!("expert counts: rank i learns how many rows each rank sends to its {local} experts"))?;
-    let grid_send = add(g, Op::Reshape { shape: grid_shape.clone() }, &[counts], "this rank's rows per (ep rank, local expert)".into())?;
-    let send = add(g, Op::Sum { dims: vec![1], keepdim: false }, &[grid_send], "rows to each rank of ep".into())?;
-    let grid = add(g, Op::Reshape { shape: grid_shape }, &[recv_counts], "rows received per (source rank, local expert)".into())?;
-    let recv = add(g, Op::Sum { dims: vec![1], keepdim: false }, &[grid], "rows from each rank of ep, sent back by the return exchange".into())?;
+    let recv_counts = add(
+        g,
+        a2a,
+        &[counts],
+        format!(
+            "expert counts: rank i learns how many rows each rank sends to its {local} experts"
+        ),
+    )?;
+    let grid_send = add(
+        g,
+        Op::Reshape {
+            shape: grid_shape.clone(),
+        },
+        &[counts],
+        "this rank's rows per (ep rank, local expert)".into(),
+    )?;
+    let send = add(
+        g,
+        Op::Sum {
+            dims: vec![1],
+            keepdim: false,
+        },
+        &[grid_send],
+        "rows to each rank of ep".into(),
+    )?;
+    let grid = add(
+        g,
+        Op::Reshape { shape: grid_shape },
+        &[recv_counts],
+        "rows received per (source rank, local expert)".into(),
+    )?;
+    let recv = add(
+        g,
+        Op::Sum {
+            dims: vec![1],
+            keepdim: false,
+        },
+        &[grid],
+        "rows from each rank of ep, sent back by the return exchange".into(),
+    )?;
     res.count("all_to_all", 1);
     // The data-dependent row count gets its name from the value once it exists.
-    let a2av = Op::AllToAllV { axis: EP.into(), rows: Dim::sym("R") };
-    let reason = format!("dispatch: rows to the ranks of their experts ({} bytes sent per rank), dropless", bytes(&rows_ty));
+    let a2av = Op::AllToAllV {
+        axis: EP.into(),
+        rows: Dim::sym("R"),
+    };
+    let reason = format!(
+        "dispatch: rows to the ranks of their experts ({} bytes sent per rank), dropless",
+        bytes(&rows_ty)
+    );
     let x = add(g, a2av, &[rows, send], reason)?;
     let sym = fresh_symbol(g, x);
-    g.node_mut(g.def(x)).op = Op::AllToAllV { axis: EP.into(), rows: Dim::sym(&sym) };
+    g.node_mut(g.def(x)).op = Op::AllToAllV {
+        axis: EP.into(),
+        rows: Dim::sym(&sym),
+    };
     g.reinfer(g.def(x)).map_err(|e| build_error(NAME, e))?;
     res.count("all_to_all_v", 1);
 
     // Local expert weights.
     for &w in &b.weights {
-        let Op::Param { name, ty } = g.node(w).op.clone() else { unreachable!() };
+        let Op::Param { name, ty } = g.node(w).op.clone() else {
+            unreachable!()
+        };
         if split.contains(&name) {
             continue; // shared with a block rewritten before
         }
         let mut shape = ty.shape.clone();
         shape[0] = local.clone();
-        g.node_mut(w).op = Op::Param { name: name.clone(), ty: ty.with_shape(shape) };
+        g.node_mut(w).op = Op::Param {
+            name: name.clone(),
+            ty: ty.with_shape(shape),
+        };
         g.reinfer(w).map_err(|e| build_error(NAME, e))?;
-        g.add_param_partition(&name, Partition::simple("expert", EP, 0, vec![e / ep; ep as usize]));
+        g.add_param_partition(
+            &name,
+            Partition::simple("expert", EP, 0, vec![e / ep; ep as usize]),
+        );
         split.insert(name);
     }
     // The rows and counts the region reads, then every region node re-typed in order.
@@ -335,10 +522,18 @@ fn rewrite_block(g: &mut Graph, b: &Block, ep: i64, split: &mut BTreeSet<String>
     // The inverse exchange before every combine.
     for &c in &b.combines {
         let y = g.node(c).operands[0];
-        let reason = format!("combine: expert outputs back to their tokens' ranks ({} bytes received per rank)", bytes(&rows_ty.with_dtype(g.ty(y).dtype)));
+        let reason = format!(
+            "combine: expert outputs back to their tokens' ranks ({} bytes received per rank)",
+            bytes(&rows_ty.with_dtype(g.ty(y).dtype))
+        );
         let meta = meta_for(g, c, NAME, reason);
-        let op = Op::AllToAllV { axis: EP.into(), rows: rows_ty.shape[0].clone() };
-        let back = g.insert_with(At::Before(c), op, &[y, recv], meta).map_err(|e| build_error(NAME, e))?[0];
+        let op = Op::AllToAllV {
+            axis: EP.into(),
+            rows: rows_ty.shape[0].clone(),
+        };
+        let back = g
+            .insert_with(At::Before(c), op, &[y, recv], meta)
+            .map_err(|e| build_error(NAME, e))?[0];
         g.node_mut(c).operands[0] = back;
         g.reinfer(c).map_err(|e| build_error(NAME, e))?;
         res.count("all_to_all_v", 1);
@@ -348,7 +543,8 @@ fn rewrite_block(g: &mut Graph, b: &Block, ep: i64, split: &mut BTreeSet<String>
 
 /// `R<id>` after the value, unless an input or the mesh already uses that name.
 fn fresh_symbol(g: &Graph, v: Value) -> String {
-    let mut taken: BTreeMap<String, ()> = g.mesh.axes.iter().map(|(a, _)| (a.clone(), ())).collect();
+    let mut taken: BTreeMap<String, ()> =
+        g.mesh.axes.iter().map(|(a, _)| (a.clone(), ())).collect();
     for (_, _, i) in g.inputs() {
         for s in g.ty(i).shape.iter().flat_map(|d| d.symbols()) {
             taken.insert(s, ());

@@ -8,8 +8,10 @@ use weft_ir::{Mesh, Op};
 
 /// Ops whose FLOPs run on tensor cores.
 pub fn is_matmul_class(op: &Op) -> bool {
-    matches!(op, Op::Linear {} | Op::Matmul { .. } | Op::GroupedMatmul {} | Op::Attention { .. })
-        || op.name().ends_with("matmul_grad")
+    matches!(
+        op,
+        Op::Linear {} | Op::Matmul { .. } | Op::GroupedMatmul {} | Op::Attention { .. }
+    ) || op.name().ends_with("matmul_grad")
         || op.name() == "attention_grad"
 }
 
@@ -37,12 +39,21 @@ pub fn compute_time(op: &Op, flops: f64, bytes: f64, d: &DeviceProfile) -> f64 {
 /// Whether the ranks of `axis`'s groups span more than one node.
 pub fn crosses_nodes(mesh: &Mesh, axis: &str, gpus_per_node: u32) -> bool {
     let per = gpus_per_node.max(1);
-    mesh.groups(axis).map(|gs| gs.iter().any(|g| g.iter().any(|r| r / per != g[0] / per))).unwrap_or(false)
+    mesh.groups(axis)
+        .map(|gs| gs.iter().any(|g| g.iter().any(|r| r / per != g[0] / per)))
+        .unwrap_or(false)
 }
 
 /// Bytes a rank sends for a collective and the predicted seconds.
 /// `in_bytes`/`out_bytes` are the rank's operand and result sizes.
-pub fn collective_cost(op: &Op, in_bytes: f64, out_bytes: f64, group: u32, inter_node: bool, d: &DeviceProfile) -> (f64, f64) {
+pub fn collective_cost(
+    op: &Op,
+    in_bytes: f64,
+    out_bytes: f64,
+    group: u32,
+    inter_node: bool,
+    d: &DeviceProfile,
+) -> (f64, f64) {
     if group <= 1 {
         return (0.0, 0.0);
     }

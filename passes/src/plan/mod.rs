@@ -60,9 +60,18 @@ pub enum LowerError {
     #[error("{0}")]
     Bindings(#[from] BindingError),
     #[error("the plan needs {} per rank but the device has {} (--device-memory)\n{}help: {help}", gib(*.peak), gib(*.limit), breakdown_text(.breakdown))]
-    OutOfMemory { peak: u64, limit: u64, breakdown: BTreeMap<String, u64>, help: String },
+    OutOfMemory {
+        peak: u64,
+        limit: u64,
+        breakdown: BTreeMap<String, u64>,
+        help: String,
+    },
     #[error("cannot size {what} in {location}: {why}")]
-    Size { what: String, location: String, why: String },
+    Size {
+        what: String,
+        location: String,
+        why: String,
+    },
 }
 
 pub fn gib(b: u64) -> String {
@@ -70,7 +79,9 @@ pub fn gib(b: u64) -> String {
 }
 
 fn breakdown_text(b: &BTreeMap<String, u64>) -> String {
-    b.iter().map(|(k, v)| format!("  {k:<16} {}\n", gib(*v))).collect()
+    b.iter()
+        .map(|(k, v)| format!("  {k:<16} {}\n", gib(*v)))
+        .collect()
 }
 
 const ALIGN: u64 = 256;
@@ -80,7 +91,11 @@ fn align(x: u64) -> u64 {
 }
 
 /// Bytes of a value on every rank: the largest, and the table when ranks differ.
-fn sizes(ty: &TensorType, b: &Bindings, mesh: &weft_ir::Mesh) -> Result<(u64, Option<Vec<u64>>), weft_ir::DimError> {
+fn sizes(
+    ty: &TensorType,
+    b: &Bindings,
+    mesh: &weft_ir::Mesh,
+) -> Result<(u64, Option<Vec<u64>>), weft_ir::DimError> {
     let axes: Vec<String> = {
         let mut a: Vec<String> = ty.shape.iter().flat_map(|d| d.rank_axes()).collect();
         a.sort();
@@ -107,13 +122,20 @@ fn sizes(ty: &TensorType, b: &Bindings, mesh: &weft_ir::Mesh) -> Result<(u64, Op
 fn category(g: &Graph, v: Value, output_names: &BTreeMap<Value, Vec<String>>) -> Category {
     let op = g.op_of(v);
     if let Op::Param { name, .. } = op {
-        return if name.starts_with("optim.") || name.starts_with("state.") { Category::OptimizerState } else { Category::Param };
+        return if name.starts_with("optim.") || name.starts_with("state.") {
+            Category::OptimizerState
+        } else {
+            Category::Param
+        };
     }
     if let Some(names) = output_names.get(&v) {
         if names.iter().any(|n| n.starts_with("grad.")) {
             return Category::Grad;
         }
-        if names.iter().any(|n| n.starts_with("optim.") || n.starts_with("state.")) {
+        if names
+            .iter()
+            .any(|n| n.starts_with("optim.") || n.starts_with("state."))
+        {
             return Category::OptimizerState;
         }
         if names.iter().any(|n| n.starts_with("param.")) {
@@ -152,7 +174,11 @@ pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError>
 
 /// [`lower`], choosing whether reshapes become views of their input's bytes; without
 /// views every value has bytes of its own (for comparison and debugging).
-pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<ExecutionPlan, LowerError> {
+pub fn lower_with_views(
+    g: &Graph,
+    opts: &PlanOptions,
+    views: bool,
+) -> Result<ExecutionPlan, LowerError> {
     let mut b = opts.bindings.clone();
     for (a, n) in &g.mesh.axes {
         b = b.with(a, *n as i64);
@@ -185,7 +211,10 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
                 why: e.to_string(),
             })?;
             let category = category(g, v, &output_names);
-            let resident = matches!(category, Category::Param | Category::Grad | Category::OptimizerState);
+            let resident = matches!(
+                category,
+                Category::Param | Category::Grad | Category::OptimizerState
+            );
             buf_of.insert(v, buffers.len() as u32);
             buffers.push(Buffer {
                 id: buffers.len() as u32,
@@ -203,7 +232,12 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
     }
 
     // Instructions in program order, each on its stream; simulate the streams.
-    let compute_nodes: Vec<Node> = g.nodes().iter().copied().filter(|&n| !matches!(g.node(n).op, Op::Param { .. } | Op::Input { .. })).collect();
+    let compute_nodes: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| !matches!(g.node(n).op, Op::Param { .. } | Op::Input { .. }))
+        .collect();
     let mut instructions: Vec<Instruction> = Vec::with_capacity(compute_nodes.len());
     let mut finish_of: BTreeMap<u32, f64> = BTreeMap::new(); // buffer -> time it is ready
     let mut producer_instr: BTreeMap<u32, u32> = BTreeMap::new(); // buffer -> instruction
@@ -218,11 +252,21 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
         let stream = stream_of(&nd.op);
         let inputs: Vec<u32> = nd.operands.iter().map(|v| buf_of[v]).collect();
         let outputs: Vec<u32> = nd.results.iter().map(|v| buf_of[v]).collect();
-        let in_bytes: f64 = inputs.iter().map(|&i| buffers[i as usize].bytes as f64).sum();
-        let out_bytes: f64 = outputs.iter().map(|&i| buffers[i as usize].bytes as f64).sum();
+        let in_bytes: f64 = inputs
+            .iter()
+            .map(|&i| buffers[i as usize].bytes as f64)
+            .sum();
+        let out_bytes: f64 = outputs
+            .iter()
+            .map(|&i| buffers[i as usize].bytes as f64)
+            .sum();
         let flops = {
             let f = weft_ir::flops::node_flops(g, n);
-            max_over_ranks(&f, &b, &g.mesh).map_err(|e| LowerError::Size { what: format!("the FLOPs `{f}`"), location: g.describe(n), why: e.to_string() })?
+            max_over_ranks(&f, &b, &g.mesh).map_err(|e| LowerError::Size {
+                what: format!("the FLOPs `{f}`"),
+                location: g.describe(n),
+                why: e.to_string(),
+            })?
         };
         let (bytes, time) = match stream {
             1 => {
@@ -231,7 +275,9 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
                 let inter = cost::crosses_nodes(&g.mesh, axis, d.gpus_per_node);
                 let (moved, t) = cost::collective_cost(&nd.op, in_bytes, out_bytes, p, inter, d);
                 *collectives.entry(nd.op.name().to_string()).or_default() += 1;
-                *comm_bytes.entry(format!("{}/{axis}", nd.op.name())).or_default() += moved;
+                *comm_bytes
+                    .entry(format!("{}/{axis}", nd.op.name()))
+                    .or_default() += moved;
                 comm_s += t;
                 (moved, t)
             }
@@ -288,7 +334,11 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
             start_s: start,
             time_s: time,
             axis: nd.op.axis().map(str::to_string),
-            provenance: nd.meta.provenance.as_ref().map(|p| format!("{}: {}", p.pass, p.reason)),
+            provenance: nd
+                .meta
+                .provenance
+                .as_ref()
+                .map(|p| format!("{}: {}", p.pass, p.reason)),
             source: nd.meta.source.clone(),
         });
     }
@@ -300,12 +350,23 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
     // root buffer. `root[b]` is the buffer holding b's bytes.
     let mut root: Vec<usize> = (0..buffers.len()).collect();
     for ins in &instructions {
-        if !views || ins.op != "reshape" || ins.stream != 0 || ins.inputs.len() != 1 || ins.outputs.len() != 1 {
+        if !views
+            || ins.op != "reshape"
+            || ins.stream != 0
+            || ins.inputs.len() != 1
+            || ins.outputs.len() != 1
+        {
             continue;
         }
         let (r, o) = (root[ins.inputs[0] as usize], ins.outputs[0] as usize);
         let (rb, ob) = (&buffers[r], &buffers[o]);
-        if r == o || ob.resident || rb.category == Category::Host || ob.category == Category::Host || rb.bytes != ob.bytes || rb.per_rank_bytes != ob.per_rank_bytes {
+        if r == o
+            || ob.resident
+            || rb.category == Category::Host
+            || ob.category == Category::Host
+            || rb.bytes != ob.bytes
+            || rb.per_rank_bytes != ob.per_rank_bytes
+        {
             continue;
         }
         root[o] = r;
@@ -372,7 +433,10 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
                 cands.push((w, o as usize, buf_of[t] as usize));
             }
         }
-        for ins in instructions.iter().filter(|i| ELEMENTWISE_IN_PLACE.contains(&i.op.as_str())) {
+        for ins in instructions
+            .iter()
+            .filter(|i| ELEMENTWISE_IN_PLACE.contains(&i.op.as_str()))
+        {
             for &(i, o) in in_place_pairs(&ins.op) {
                 if let (Some(&x), Some(&y)) = (ins.inputs.get(i), ins.outputs.get(o)) {
                     if !buffers[x as usize].resident {
@@ -389,7 +453,13 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
                 continue;
             }
             let (ob, rb) = (&buffers[o], &buffers[r]);
-            if ob.bytes != rb.bytes || ob.per_rank_bytes != rb.per_rank_bytes || ob.dtype != rb.dtype || ob.resident != rb.resident || ob.category == Category::Host || rb.category == Category::Host {
+            if ob.bytes != rb.bytes
+                || ob.per_rank_bytes != rb.per_rank_bytes
+                || ob.dtype != rb.dtype
+                || ob.resident != rb.resident
+                || ob.category == Category::Host
+                || rb.category == Category::Host
+            {
                 continue;
             }
             // Updates replace values the step starts with (nothing writes them).
@@ -397,19 +467,36 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
                 continue;
             }
             let members: Vec<usize> = (0..nb).filter(|&b| root[b] == r).collect();
-            if members.iter().any(|&b| output_names.contains_key(&Value(buffers[b].value))) {
+            if members
+                .iter()
+                .any(|&b| output_names.contains_key(&Value(buffers[b].value)))
+            {
                 continue; // the old value is returned
             }
             let ins = &instructions[w as usize];
-            let pos = ins.outputs.iter().position(|&b| b as usize == o).unwrap_or(usize::MAX);
-            let reads: Vec<usize> = ins.inputs.iter().enumerate().filter(|(_, &b)| root[b as usize] == r).map(|(k, _)| k).collect();
+            let pos = ins
+                .outputs
+                .iter()
+                .position(|&b| b as usize == o)
+                .unwrap_or(usize::MAX);
+            let reads: Vec<usize> = ins
+                .inputs
+                .iter()
+                .enumerate()
+                .filter(|(_, &b)| root[b as usize] == r)
+                .map(|(k, _)| k)
+                .collect();
             let reads_ok = match reads.as_slice() {
                 [] => rb.resident,
                 [k] => in_place_pairs(&ins.op).contains(&(*k, pos)),
                 _ => false,
             };
             let c = &clock[w as usize];
-            let dead = members.iter().all(|&b| readers[b].iter().all(|&i| i == w || i as i64 <= c[instructions[i as usize].stream as usize]));
+            let dead = members.iter().all(|&b| {
+                readers[b]
+                    .iter()
+                    .all(|&i| i == w || i as i64 <= c[instructions[i as usize].stream as usize])
+            });
             if !reads_ok || !dead {
                 continue;
             }
@@ -477,7 +564,9 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
     let free_under = |bi: usize, c: &[i64; 3]| (0..3).all(|t| last_touch[bi][t] <= c[t]);
 
     // First-fit arena placement of the roots in allocation order.
-    let mut order: Vec<usize> = (0..buffers.len()).filter(|&i| !buffers[i].resident && root[i] == i).collect();
+    let mut order: Vec<usize> = (0..buffers.len())
+        .filter(|&i| !buffers[i].resident && root[i] == i)
+        .collect();
     order.sort_by_key(|&i| (buffers[i].live.0, i));
     let mut placed: Vec<usize> = Vec::new();
     let mut arena_bytes = 0u64;
@@ -489,12 +578,20 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
             None => ([-1; 3], 0),
         };
         latest[s] = max3(latest[s], clk);
-        placed.retain(|&b| pinned(b, &buffers) || !(0..3).all(|t| free_under(b, &latest[t])) || buffers[b].live.1 >= buffers[c].live.0);
+        placed.retain(|&b| {
+            pinned(b, &buffers)
+                || !(0..3).all(|t| free_under(b, &latest[t]))
+                || buffers[b].live.1 >= buffers[c].live.0
+        });
         let mut conflicts: Vec<(u64, u64)> = placed
             .iter()
             // (an input nothing reads is free under any clock, but holds its bytes from
             // before the first instruction: only a buffer written later may take them)
-            .filter(|&&b| pinned(b, &buffers) || !free_under(b, &clk) || buffers[b].live.1 >= buffers[c].live.0)
+            .filter(|&&b| {
+                pinned(b, &buffers)
+                    || !free_under(b, &clk)
+                    || buffers[b].live.1 >= buffers[c].live.0
+            })
             .map(|&b| (buffers[b].offset, align(buffers[b].bytes)))
             .filter(|(_, sz)| *sz > 0)
             .collect();
@@ -512,7 +609,10 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
     }
     // Resident region.
     let mut resident_bytes = 0u64;
-    for buf in buffers.iter_mut().filter(|b| b.resident && b.alias_of.is_none()) {
+    for buf in buffers
+        .iter_mut()
+        .filter(|b| b.resident && b.alias_of.is_none())
+    {
         buf.offset = resident_bytes;
         resident_bytes += align(buf.bytes);
     }
@@ -528,7 +628,10 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
     // Live bytes over time, for the peak and its breakdown: a group's bytes once, under
     // its root's category and over the root's (union) range.
     let mut live_at = vec![BTreeMap::<Category, u64>::new(); instructions.len().max(1)];
-    for buf in buffers.iter().filter(|b| !b.resident && b.alias_of.is_none()) {
+    for buf in buffers
+        .iter()
+        .filter(|b| !b.resident && b.alias_of.is_none())
+    {
         for t in buf.live.0..=buf.live.1 {
             *live_at[t as usize].entry(buf.category).or_default() += buf.bytes;
         }
@@ -540,10 +643,20 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
         .max_by_key(|(i, s)| (*s, std::cmp::Reverse(*i)))
         .unwrap_or((0, 0));
     let mut breakdown: BTreeMap<String, u64> = BTreeMap::new();
-    for c in [Category::Param, Category::Grad, Category::OptimizerState, Category::Activation, Category::Comm, Category::Workspace] {
+    for c in [
+        Category::Param,
+        Category::Grad,
+        Category::OptimizerState,
+        Category::Activation,
+        Category::Comm,
+        Category::Workspace,
+    ] {
         breakdown.insert(c.name().to_string(), 0);
     }
-    for buf in buffers.iter().filter(|b| b.resident && b.alias_of.is_none()) {
+    for buf in buffers
+        .iter()
+        .filter(|b| b.resident && b.alias_of.is_none())
+    {
         *breakdown.get_mut(buf.category.name()).unwrap() += buf.bytes;
     }
     for (c, v) in &live_at[peak_at] {
@@ -553,26 +666,49 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
     *breakdown.get_mut("workspace").unwrap() += arena_bytes.saturating_sub(peak_live);
     let peak_bytes = resident_bytes + arena_bytes;
     if peak_bytes > opts.device_memory {
-        return Err(LowerError::OutOfMemory { peak: peak_bytes, limit: opts.device_memory, help: memory_help(&breakdown, &g.mesh), breakdown });
+        return Err(LowerError::OutOfMemory {
+            peak: peak_bytes,
+            limit: opts.device_memory,
+            help: memory_help(&breakdown, &g.mesh),
+            breakdown,
+        });
     }
 
-    let step_time_s = instructions.iter().map(|i| i.start_s + i.time_s).fold(0.0, f64::max);
+    let step_time_s = instructions
+        .iter()
+        .map(|i| i.start_s + i.time_s)
+        .fold(0.0, f64::max);
     let exposed = (step_time_s - compute_s).max(0.0);
-    let mfu = if step_time_s > 0.0 { flops_total / (step_time_s * d.matmul_tflops * 1e12) } else { 0.0 };
+    let mfu = if step_time_s > 0.0 {
+        flops_total / (step_time_s * d.matmul_tflops * 1e12)
+    } else {
+        0.0
+    };
     let params = g
         .params()
         .into_iter()
         .map(|(name, v)| {
             let ty = g.ty(v);
             let parts = g.param_partition(&name).to_vec();
-            let mut shape: Vec<i64> = ty.shape.iter().map(|d| d.bind(&exact).as_const().unwrap_or(-1)).collect();
+            let mut shape: Vec<i64> = ty
+                .shape
+                .iter()
+                .map(|d| d.bind(&exact).as_const().unwrap_or(-1))
+                .collect();
             for p in &parts {
                 if p.dim < shape.len() {
                     shape[p.dim] = p.full_size();
                 }
             }
             let grad_buffer = g.output(&format!("grad.{name}")).map(|gv| buf_of[&gv]);
-            ParamPlacement { name, buffer: buf_of[&v], shape, dtype: ty.dtype, partitions: parts, grad_buffer }
+            ParamPlacement {
+                name,
+                buffer: buf_of[&v],
+                shape,
+                dtype: ty.dtype,
+                partitions: parts,
+                grad_buffer,
+            }
         })
         .collect();
     let mut groups = BTreeMap::new();
@@ -588,16 +724,45 @@ pub fn lower_with_views(g: &Graph, opts: &PlanOptions, views: bool) -> Result<Ex
         bindings: exact.symbols.clone(),
         device: d.clone(),
         streams: vec![
-            Stream { id: 0, kind: StreamKind::Compute, name: "compute".into() },
-            Stream { id: 1, kind: StreamKind::Comm, name: "comm".into() },
-            Stream { id: 2, kind: StreamKind::Copy, name: "copy".into() },
+            Stream {
+                id: 0,
+                kind: StreamKind::Compute,
+                name: "compute".into(),
+            },
+            Stream {
+                id: 1,
+                kind: StreamKind::Comm,
+                name: "comm".into(),
+            },
+            Stream {
+                id: 2,
+                kind: StreamKind::Copy,
+                name: "copy".into(),
+            },
         ],
         buffers,
         instructions,
         events,
         params,
-        memory: MemoryReport { peak_bytes, breakdown, arena_bytes, resident_bytes, host_bytes: 0, peak_at: peak_at as u32 },
-        cost: CostSummary { step_time_s, compute_s, exposed_comm_s: exposed, comm_s, copy_s, flops: flops_total, mfu, comm_bytes, collectives },
+        memory: MemoryReport {
+            peak_bytes,
+            breakdown,
+            arena_bytes,
+            resident_bytes,
+            host_bytes: 0,
+            peak_at: peak_at as u32,
+        },
+        cost: CostSummary {
+            step_time_s,
+            compute_s,
+            exposed_comm_s: exposed,
+            comm_s,
+            copy_s,
+            flops: flops_total,
+            mfu,
+            comm_bytes,
+            collectives,
+        },
         program: weft_ir::print(g),
     })
 }
@@ -606,7 +771,11 @@ fn max3(a: [i64; 3], b: [i64; 3]) -> [i64; 3] {
     [a[0].max(b[0]), a[1].max(b[1]), a[2].max(b[2])]
 }
 
-fn max_over_ranks(d: &weft_ir::Dim, b: &Bindings, mesh: &weft_ir::Mesh) -> Result<f64, weft_ir::DimError> {
+fn max_over_ranks(
+    d: &weft_ir::Dim,
+    b: &Bindings,
+    mesh: &weft_ir::Mesh,
+) -> Result<f64, weft_ir::DimError> {
     if d.rank_axes().is_empty() {
         return Ok(d.eval(b)? as f64);
     }

@@ -30,9 +30,15 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         // cuDNN's fused SDPA (~530), which the runtime does not call: with 530 the plan
         // predicted 317 ms for a 1.24B step at S=16384 that measured 533 ms; with 190, 525.
         // H100: the same SMs and clocks, so the same kernel rate.
-        "h200" => Some(p("h200", 790.0, 190.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 25.0)),
-        "h100" => Some(p("h100", 700.0, 190.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 25.0)),
-        "a100" => Some(p("a100", 280.0, 190.0, 19.5, 1700.0, 80.0, 240.0, 22.0, 20.0)),
+        "h200" => Some(p(
+            "h200", 790.0, 190.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 25.0,
+        )),
+        "h100" => Some(p(
+            "h100", 700.0, 190.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 25.0,
+        )),
+        "a100" => Some(p(
+            "a100", 280.0, 190.0, 19.5, 1700.0, 80.0, 240.0, 22.0, 20.0,
+        )),
         _ => None,
     }
 }
@@ -42,7 +48,11 @@ pub fn load(spec: &str) -> Result<DeviceProfile, String> {
     if let Some(p) = preset(spec) {
         return Ok(p);
     }
-    let text = std::fs::read_to_string(spec)
-        .map_err(|e| format!("`{spec}` is neither a device profile ({}) nor a readable file: {e}", PROFILES.join(", ")))?;
+    let text = std::fs::read_to_string(spec).map_err(|e| {
+        format!(
+            "`{spec}` is neither a device profile ({}) nor a readable file: {e}",
+            PROFILES.join(", ")
+        )
+    })?;
     serde_json::from_str(&text).map_err(|e| format!("invalid device profile in {spec}: {e}"))
 }

@@ -45,7 +45,12 @@ pub struct ParamLayout {
 impl ParamLayout {
     fn partition(&self, i: usize) -> Partition {
         let p = &self.partitions[i];
-        Partition { kind: p.kind.clone(), axis: p.axis.clone(), dim: p.dim, pieces: p.sub_shard_widths.clone() }
+        Partition {
+            kind: p.kind.clone(),
+            axis: p.axis.clone(),
+            dim: p.dim,
+            pieces: p.sub_shard_widths.clone(),
+        }
     }
 }
 
@@ -65,7 +70,9 @@ pub fn param_layouts(g: &Graph, tied: &[(String, String)]) -> Result<Vec<ParamLa
             let split: Vec<&Partition> = parts.iter().filter(|p| p.dim == i).collect();
             let n = match split.first() {
                 Some(p) => p.full_size(),
-                None => d.eval(&b).map_err(|e| format!("param `{name}`: dim {i} of {ty}: {e}"))?,
+                None => d
+                    .eval(&b)
+                    .map_err(|e| format!("param `{name}`: dim {i} of {ty}: {e}"))?,
             };
             shape.push(n as usize);
         }
@@ -87,7 +94,11 @@ pub fn param_layouts(g: &Graph, tied: &[(String, String)]) -> Result<Vec<ParamLa
                 })
                 .collect(),
             grad_allreduce,
-            tied_aliases: tied.iter().filter(|(_, p)| *p == name).map(|(a, _)| a.clone()).collect(),
+            tied_aliases: tied
+                .iter()
+                .filter(|(_, p)| *p == name)
+                .map(|(a, _)| a.clone())
+                .collect(),
         });
     }
     Ok(out)
@@ -95,14 +106,25 @@ pub fn param_layouts(g: &Graph, tied: &[(String, String)]) -> Result<Vec<ParamLa
 
 /// The axes any parameter is split over, in mesh order, with their sizes.
 pub fn shard_axes(layouts: &[ParamLayout], mesh: &Mesh) -> Vec<(String, u32)> {
-    mesh.axes.iter().filter(|(a, _)| layouts.iter().any(|l| l.partitions.iter().any(|p| &p.axis == a))).cloned().collect()
+    mesh.axes
+        .iter()
+        .filter(|(a, _)| {
+            layouts
+                .iter()
+                .any(|l| l.partitions.iter().any(|p| &p.axis == a))
+        })
+        .cloned()
+        .collect()
 }
 
 /// Every combination of coordinates of `axes`, row-major (the last axis fastest).
 pub fn shard_coords(axes: &[(String, u32)]) -> Vec<Vec<u32>> {
     let mut out = vec![vec![]];
     for (_, n) in axes {
-        out = out.into_iter().flat_map(|c| (0..*n).map(move |i| [c.clone(), vec![i]].concat())).collect();
+        out = out
+            .into_iter()
+            .flat_map(|c| (0..*n).map(move |i| [c.clone(), vec![i]].concat()))
+            .collect();
     }
     out
 }
@@ -121,13 +143,29 @@ fn index_maps(l: &ParamLayout, coords: &BTreeMap<String, u32>) -> Result<Vec<Vec
     let mut maps: Vec<Vec<usize>> = l.logical_shape.iter().map(|&n| (0..n).collect()).collect();
     for i in 0..l.partitions.len() {
         let p = l.partition(i);
-        let c = *coords.get(&p.axis).ok_or_else(|| format!("param `{}` is split over `{}`, which has no coordinate here", l.name, p.axis))? as usize;
+        let c = *coords.get(&p.axis).ok_or_else(|| {
+            format!(
+                "param `{}` is split over `{}`, which has no coordinate here",
+                l.name, p.axis
+            )
+        })? as usize;
         if c >= p.ranks() {
-            return Err(format!("param `{}`: coordinate {c} out of range for {} ranks of `{}`", l.name, p.ranks(), p.axis));
+            return Err(format!(
+                "param `{}`: coordinate {c} out of range for {} ranks of `{}`",
+                l.name,
+                p.ranks(),
+                p.axis
+            ));
         }
         let cur = &maps[p.dim];
         if p.full_size() as usize != cur.len() {
-            return Err(format!("param `{}`: partition of dim {} covers {} entries, the tensor has {}", l.name, p.dim, p.full_size(), cur.len()));
+            return Err(format!(
+                "param `{}`: partition of dim {} covers {} entries, the tensor has {}",
+                l.name,
+                p.dim,
+                p.full_size(),
+                cur.len()
+            ));
         }
         let mut next = Vec::new();
         for (s, e) in p.ranges(c) {
@@ -145,7 +183,12 @@ fn gather_elems(t: &HostTensor, maps: &[Vec<usize>]) -> HostTensor {
     let mut idx = Vec::with_capacity(n);
     let mut cur = vec![0usize; shape.len()];
     for _ in 0..n {
-        idx.push(cur.iter().enumerate().map(|(d, &i)| maps[d][i] * st[d]).sum::<usize>());
+        idx.push(
+            cur.iter()
+                .enumerate()
+                .map(|(d, &i)| maps[d][i] * st[d])
+                .sum::<usize>(),
+        );
         for d in (0..shape.len()).rev() {
             cur[d] += 1;
             if cur[d] < shape[d] {
@@ -158,18 +201,33 @@ fn gather_elems(t: &HostTensor, maps: &[Vec<usize>]) -> HostTensor {
         HostData::F64(v) => HostData::F64(idx.iter().map(|&i| v[i]).collect()),
         HostData::I64(v) => HostData::I64(idx.iter().map(|&i| v[i]).collect()),
     };
-    HostTensor { dtype: t.dtype, shape, data }
+    HostTensor {
+        dtype: t.dtype,
+        shape,
+        data,
+    }
 }
 
-fn scatter_elems(full: &mut HostTensor, shard: &HostTensor, maps: &[Vec<usize>]) -> Result<(), String> {
+fn scatter_elems(
+    full: &mut HostTensor,
+    shard: &HostTensor,
+    maps: &[Vec<usize>],
+) -> Result<(), String> {
     let shape: Vec<usize> = maps.iter().map(|m| m.len()).collect();
     if shard.shape != shape {
-        return Err(format!("shard has shape {:?}, the layout says {:?}", shard.shape, shape));
+        return Err(format!(
+            "shard has shape {:?}, the layout says {:?}",
+            shard.shape, shape
+        ));
     }
     let st = strides(&full.shape);
     let mut cur = vec![0usize; shape.len()];
     for k in 0..shard.numel() {
-        let i: usize = cur.iter().enumerate().map(|(d, &c)| maps[d][c] * st[d]).sum();
+        let i: usize = cur
+            .iter()
+            .enumerate()
+            .map(|(d, &c)| maps[d][c] * st[d])
+            .sum();
         match (&mut full.data, &shard.data) {
             (HostData::F64(f), HostData::F64(s)) => f[i] = s[k],
             (HostData::I64(f), HostData::I64(s)) => f[i] = s[k],
@@ -188,7 +246,11 @@ fn scatter_elems(full: &mut HostTensor, shard: &HostTensor, maps: &[Vec<usize>])
 
 /// Cuts a full checkpoint into one shard per coordinate combination of `axes` (see
 /// [`shard_axes`], [`shard_coords`]). Tied aliases are not written (their parameter is).
-pub fn shard_checkpoint(layouts: &[ParamLayout], full: &BTreeMap<String, HostTensor>, axes: &[(String, u32)]) -> Result<Vec<BTreeMap<String, HostTensor>>, String> {
+pub fn shard_checkpoint(
+    layouts: &[ParamLayout],
+    full: &BTreeMap<String, HostTensor>,
+    axes: &[(String, u32)],
+) -> Result<Vec<BTreeMap<String, HostTensor>>, String> {
     let mut out = Vec::new();
     for cs in shard_coords(axes) {
         let coords: BTreeMap<String, u32> = axes.iter().map(|(a, _)| a.clone()).zip(cs).collect();
@@ -199,10 +261,20 @@ pub fn shard_checkpoint(layouts: &[ParamLayout], full: &BTreeMap<String, HostTen
                 .or_else(|| l.tied_aliases.iter().find_map(|a| full.get(a)))
                 .ok_or_else(|| format!("the checkpoint has no `{}`", l.name))?;
             if t.shape != l.logical_shape {
-                return Err(format!("`{}` has shape {:?} in the checkpoint, the program's layout says {:?}", l.name, t.shape, l.logical_shape));
+                return Err(format!(
+                    "`{}` has shape {:?} in the checkpoint, the program's layout says {:?}",
+                    l.name, t.shape, l.logical_shape
+                ));
             }
             let maps = index_maps(l, &coords)?;
-            shard.insert(l.name.clone(), if l.replicated { t.clone() } else { gather_elems(t, &maps) });
+            shard.insert(
+                l.name.clone(),
+                if l.replicated {
+                    t.clone()
+                } else {
+                    gather_elems(t, &maps)
+                },
+            );
         }
         out.push(shard);
     }
@@ -211,14 +283,24 @@ pub fn shard_checkpoint(layouts: &[ParamLayout], full: &BTreeMap<String, HostTen
 
 /// Puts shards (in [`shard_coords`] order) back into the full checkpoint. Replicated
 /// parameters come from the first shard.
-pub fn unshard_checkpoint(layouts: &[ParamLayout], shards: &[BTreeMap<String, HostTensor>], axes: &[(String, u32)]) -> Result<BTreeMap<String, HostTensor>, String> {
+pub fn unshard_checkpoint(
+    layouts: &[ParamLayout],
+    shards: &[BTreeMap<String, HostTensor>],
+    axes: &[(String, u32)],
+) -> Result<BTreeMap<String, HostTensor>, String> {
     let all = shard_coords(axes);
     if all.len() != shards.len() {
-        return Err(format!("{} shards for {} coordinate combinations", shards.len(), all.len()));
+        return Err(format!(
+            "{} shards for {} coordinate combinations",
+            shards.len(),
+            all.len()
+        ));
     }
     let mut out = BTreeMap::new();
     for l in layouts {
-        let first = shards[0].get(&l.name).ok_or_else(|| format!("shard 0 has no `{}`", l.name))?;
+        let first = shards[0]
+            .get(&l.name)
+            .ok_or_else(|| format!("shard 0 has no `{}`", l.name))?;
         if l.replicated {
             out.insert(l.name.clone(), first.clone());
             continue;
@@ -228,11 +310,21 @@ pub fn unshard_checkpoint(layouts: &[ParamLayout], shards: &[BTreeMap<String, Ho
             HostData::F64(_) => HostData::F64(vec![0.0; n]),
             HostData::I64(_) => HostData::I64(vec![0; n]),
         };
-        let mut full = HostTensor { dtype: first.dtype, shape: l.logical_shape.clone(), data };
+        let mut full = HostTensor {
+            dtype: first.dtype,
+            shape: l.logical_shape.clone(),
+            data,
+        };
         for (cs, shard) in all.iter().zip(shards) {
-            let coords: BTreeMap<String, u32> = axes.iter().map(|(a, _)| a.clone()).zip(cs.iter().copied()).collect();
+            let coords: BTreeMap<String, u32> = axes
+                .iter()
+                .map(|(a, _)| a.clone())
+                .zip(cs.iter().copied())
+                .collect();
             let maps = index_maps(l, &coords)?;
-            let t = shard.get(&l.name).ok_or_else(|| format!("a shard has no `{}`", l.name))?;
+            let t = shard
+                .get(&l.name)
+                .ok_or_else(|| format!("a shard has no `{}`", l.name))?;
             scatter_elems(&mut full, t, &maps).map_err(|e| format!("`{}`: {e}", l.name))?;
         }
         out.insert(l.name.clone(), full);
@@ -250,7 +342,14 @@ mod tests {
             dtype: "f32".into(),
             logical_shape: shape,
             replicated: false,
-            partitions: vec![PartitionLayout { kind: "column".into(), axis: "tp".into(), dim, sub_params: pieces.iter().map(|p| p.iter().sum()).collect(), rank_sizes: vec![], sub_shard_widths: pieces }],
+            partitions: vec![PartitionLayout {
+                kind: "column".into(),
+                axis: "tp".into(),
+                dim,
+                sub_params: pieces.iter().map(|p| p.iter().sum()).collect(),
+                rank_sizes: vec![],
+                sub_shard_widths: pieces,
+            }],
             grad_allreduce: false,
             tied_aliases: vec![],
         }
@@ -260,10 +359,21 @@ mod tests {
     fn fused_shards_round_trip() {
         // q 4 rows, k 2, v 2 over 2 ranks, 3 columns.
         let l = layout(vec![vec![2, 2], vec![1, 1], vec![1, 1]], vec![8, 3], 0);
-        let full: BTreeMap<String, HostTensor> = [("w".to_string(), HostTensor::floats(weft_ir::DType::F32, vec![8, 3], (0..24).map(|x| x as f64).collect()))].into();
+        let full: BTreeMap<String, HostTensor> = [(
+            "w".to_string(),
+            HostTensor::floats(
+                weft_ir::DType::F32,
+                vec![8, 3],
+                (0..24).map(|x| x as f64).collect(),
+            ),
+        )]
+        .into();
         let axes = vec![("tp".to_string(), 2)];
         let shards = shard_checkpoint(std::slice::from_ref(&l), &full, &axes).unwrap();
-        assert_eq!(shards[1]["w"].to_f64(), vec![6., 7., 8., 9., 10., 11., 15., 16., 17., 21., 22., 23.]);
+        assert_eq!(
+            shards[1]["w"].to_f64(),
+            vec![6., 7., 8., 9., 10., 11., 15., 16., 17., 21., 22., 23.]
+        );
         assert_eq!(unshard_checkpoint(&[l], &shards, &axes).unwrap(), full);
     }
 }

@@ -36,7 +36,10 @@ use super::TP;
 use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult};
 use crate::util::{insert1, made_by, meta_for};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use weft_ir::{At, Bindings, CmpOp, DType, Dim, Float, Graph, Node, Op, Partition, Provenance, ReduceOp, Reduction, TensorType, Value};
+use weft_ir::{
+    At, Bindings, CmpOp, DType, Dim, Float, Graph, Node, Op, Partition, Provenance, ReduceOp,
+    Reduction, TensorType, Value,
+};
 
 pub struct TensorParallel;
 
@@ -55,22 +58,65 @@ impl Pass for TensorParallel {
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let p = cx.axis_size(NAME, TP)? as i64;
         let mut res = PassResult::unchanged();
-        for k in ["params_split", "params_sliced", "all_reduce", "all_gather", "attention_layers", "kv_heads_replicated", "vocab_parallel", "grad_allreduce_params"] {
+        for k in [
+            "params_split",
+            "params_sliced",
+            "all_reduce",
+            "all_gather",
+            "attention_layers",
+            "kv_heads_replicated",
+            "vocab_parallel",
+            "grad_allreduce_params",
+        ] {
             res.count(k, 0);
         }
         // Applying twice must not split twice.
-        if g.param_partitions().iter().any(|(_, ps)| ps.iter().any(|x| x.axis == TP)) || g.nodes().iter().any(|&n| made_by(g, n, NAME)) {
+        if g.param_partitions()
+            .iter()
+            .any(|(_, ps)| ps.iter().any(|x| x.axis == TP))
+            || g.nodes().iter().any(|&n| made_by(g, n, NAME))
+        {
             return Ok(res);
         }
         let o = &cx.options.tp;
-        let hf = spec::from_hf_plan(&o.hf_plan, if o.hf_plan_source.is_empty() { "config.json" } else { &o.hf_plan_source }).map_err(spec_error)?;
+        let hf = spec::from_hf_plan(
+            &o.hf_plan,
+            if o.hf_plan_source.is_empty() {
+                "config.json"
+            } else {
+                &o.hf_plan_source
+            },
+        )
+        .map_err(spec_error)?;
         let rules = Rules::new(o.spec.as_ref(), &hf).map_err(spec_error)?;
-        let grain = o.grain.or(o.spec.as_ref().and_then(|s| s.grain)).unwrap_or(1);
+        let grain = o
+            .grain
+            .or(o.spec.as_ref().and_then(|s| s.grain))
+            .unwrap_or(1);
         let vocab_grain = o.vocab_grain.unwrap_or(grain);
-        let mut tp = Tp { p, grain, vocab_grain, orig: Vec::new(), plans: BTreeMap::new(), linears: HashMap::new(), subs: HashMap::new(), pieces: HashMap::new(), changed: HashSet::new(), grad_allreduce: BTreeMap::new(), sp: cx.mesh.size(crate::pass::SP).map(i64::from), seq_reduces: Vec::new() };
-        tp.orig = (0..g.value_capacity()).map(|i| g.try_ty(Value(i as u32)).cloned()).collect();
+        let mut tp = Tp {
+            p,
+            grain,
+            vocab_grain,
+            orig: Vec::new(),
+            plans: BTreeMap::new(),
+            linears: HashMap::new(),
+            subs: HashMap::new(),
+            pieces: HashMap::new(),
+            changed: HashSet::new(),
+            grad_allreduce: BTreeMap::new(),
+            sp: cx.mesh.size(crate::pass::SP).map(i64::from),
+            seq_reduces: Vec::new(),
+        };
+        tp.orig = (0..g.value_capacity())
+            .map(|i| g.try_ty(Value(i as u32)).cloned())
+            .collect();
         tp.decide(g, &rules, o.model_type.as_deref(), &mut res)?;
-        if tp.plans.values().all(|pl| matches!(pl, ParamPlan::Whole { .. })) {
+        if tp
+            .plans
+            .values()
+            .all(|pl| matches!(pl, ParamPlan::Whole { .. }))
+        {
             return Ok(res);
         }
         tp.apply_params(g, &mut res)?;
@@ -86,11 +132,22 @@ impl Pass for TensorParallel {
 }
 
 fn spec_error(e: SpecError) -> PassError {
-    PassError::Rewrite { pass: NAME.into(), what: "invalid tensor-parallel spec".into(), location: e.location, why: e.why, help: e.help }
+    PassError::Rewrite {
+        pass: NAME.into(),
+        what: "invalid tensor-parallel spec".into(),
+        location: e.location,
+        why: e.why,
+        help: e.help,
+    }
 }
 
 fn param_error(name: &str, why: impl Into<String>) -> PassError {
-    PassError::rewrite(NAME, format!("`{NAME}` cannot split a parameter"), format!("param `{name}`"), why)
+    PassError::rewrite(
+        NAME,
+        format!("`{NAME}` cannot split a parameter"),
+        format!("param `{name}`"),
+        why,
+    )
 }
 
 /// What happens to one parameter.
@@ -101,10 +158,21 @@ enum ParamPlan {
         why: String,
     },
     /// Split along `dim`: each sub-parameter's per-rank sizes, and the new dim.
-    Split { kind: &'static str, dim: usize, pieces: Vec<Vec<i64>>, local: Dim, why: String, gather: bool },
+    Split {
+        kind: &'static str,
+        dim: usize,
+        pieces: Vec<Vec<i64>>,
+        local: Dim,
+        why: String,
+        gather: bool,
+    },
     /// Kept whole; each rank slices `[start, start+len)` of `dim` where it is read
     /// (replicated kv heads).
-    Slice { dim: usize, segs: Vec<(Dim, Dim)>, why: String },
+    Slice {
+        dim: usize,
+        segs: Vec<(Dim, Dim)>,
+        why: String,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -208,9 +276,16 @@ impl Tp {
 
     // ---------------------------------------------------------------- decide
 
-    fn decide(&mut self, g: &Graph, rules: &Rules, model_type: Option<&str>, res: &mut PassResult) -> Result<(), PassError> {
+    fn decide(
+        &mut self,
+        g: &Graph,
+        rules: &Rules,
+        model_type: Option<&str>,
+        res: &mut PassResult,
+    ) -> Result<(), PassError> {
         let params: Vec<(String, Value)> = g.params();
-        let by_value: HashMap<Value, String> = params.iter().map(|(n, v)| (*v, n.clone())).collect();
+        let by_value: HashMap<Value, String> =
+            params.iter().map(|(n, v)| (*v, n.clone())).collect();
         let uses = g.uses();
         // Uses of every parameter.
         let mut param_uses: BTreeMap<String, Vec<(Node, Use)>> = BTreeMap::new();
@@ -245,7 +320,10 @@ impl Tp {
                 attn_role.insert(o, (i, "o"));
             }
         }
-        let head_splits: Vec<Result<HeadSplit, String>> = attns.iter().map(|a| sizes::attention_heads(a.nq, a.nkv, self.p)).collect();
+        let head_splits: Vec<Result<HeadSplit, String>> = attns
+            .iter()
+            .map(|a| sizes::attention_heads(a.nq, a.nkv, self.p))
+            .collect();
 
         // Weights first (biases follow them).
         for (name, v) in &params {
@@ -254,7 +332,12 @@ impl Tp {
             let found = rules.find_how(name, model_type);
             if !g.param_partition(name).is_empty() {
                 // Split by an earlier pass (expert-parallel): left as it is.
-                self.plans.insert(name.clone(), ParamPlan::Whole { why: "already partitioned".into() });
+                self.plans.insert(
+                    name.clone(),
+                    ParamPlan::Whole {
+                        why: "already partitioned".into(),
+                    },
+                );
                 continue;
             }
             let is_bias = !us.is_empty() && us.iter().all(|(_, u)| *u == Use::LinearBias);
@@ -269,8 +352,22 @@ impl Tp {
             }
             let plan = if us.iter().any(|(_, u)| *u == Use::Embedding) {
                 self.decide_embedding(name, &ty, found.map(|f| f.0))?
-            } else if let Some(&(n, u)) = us.iter().find(|(_, u)| matches!(u, Use::LinearW | Use::ExpertsW)) {
-                self.decide_linear(g, name, &ty, n, u, found.map(|f| f.0), rules.strict, &attns, &attn_role, &head_splits)?
+            } else if let Some(&(n, u)) = us
+                .iter()
+                .find(|(_, u)| matches!(u, Use::LinearW | Use::ExpertsW))
+            {
+                self.decide_linear(
+                    g,
+                    name,
+                    &ty,
+                    n,
+                    u,
+                    found.map(|f| f.0),
+                    rules.strict,
+                    &attns,
+                    &attn_role,
+                    &head_splits,
+                )?
             } else {
                 match found {
                     Some((s, true)) if s.partition_type != PartitionType::Skip => {
@@ -278,16 +375,22 @@ impl Tp {
                             .with_help("only `skip` applies to norms and other parameters"));
                     }
                     Some((s, _)) if s.grad_allreduce => {
-                        self.grad_allreduce.insert(name.clone(), format!("{}: grad_allreduce", s.origin));
-                        ParamPlan::Whole { why: s.origin.clone() }
+                        self.grad_allreduce
+                            .insert(name.clone(), format!("{}: grad_allreduce", s.origin));
+                        ParamPlan::Whole {
+                            why: s.origin.clone(),
+                        }
                     }
-                    _ => ParamPlan::Whole { why: "not a linear or embedding weight".into() },
+                    _ => ParamPlan::Whole {
+                        why: "not a linear or embedding weight".into(),
+                    },
                 }
             };
             // Every linear reading this weight is planned like its first one.
             for &(n, u) in &us {
                 if matches!(u, Use::LinearW | Use::ExpertsW | Use::Embedding) {
-                    if let Some(lp) = self.linear_plan_of(g, n, u, &plan, name, &attns, &attn_role) {
+                    if let Some(lp) = self.linear_plan_of(g, n, u, &plan, name, &attns, &attn_role)
+                    {
                         self.linears.insert(n, lp);
                     }
                 }
@@ -296,7 +399,9 @@ impl Tp {
         }
         // Biases follow their linear.
         for (name, _) in &params {
-            let Some(us) = param_uses.get(name) else { continue };
+            let Some(us) = param_uses.get(name) else {
+                continue;
+            };
             if !us.iter().all(|(_, u)| *u == Use::LinearBias) {
                 continue;
             }
@@ -304,24 +409,45 @@ impl Tp {
             let w = g.node(n).operands[1];
             let wname = by_value.get(&w).cloned().unwrap_or_default();
             let plan = match self.plans.get(&wname) {
-                Some(ParamPlan::Split { dim, pieces, local, .. }) if self.linears.get(&n).map(|l| l.kind) != Some(LinearKind::Row) && *dim == 0 => ParamPlan::Split {
-                    gather: false,
-                    kind: "column",
+                Some(ParamPlan::Split {
+                    dim, pieces, local, ..
+                }) if self.linears.get(&n).map(|l| l.kind) != Some(LinearKind::Row)
+                    && *dim == 0 =>
+                {
+                    ParamPlan::Split {
+                        gather: false,
+                        kind: "column",
+                        dim: 0,
+                        pieces: pieces.clone(),
+                        local: local.clone(),
+                        why: format!("bias of column-parallel `{wname}`"),
+                    }
+                }
+                Some(ParamPlan::Slice { segs, .. }) => ParamPlan::Slice {
                     dim: 0,
-                    pieces: pieces.clone(),
-                    local: local.clone(),
-                    why: format!("bias of column-parallel `{wname}`"),
+                    segs: segs.clone(),
+                    why: format!("bias of `{wname}` (replicated kv heads)"),
                 },
-                Some(ParamPlan::Slice { segs, .. }) => ParamPlan::Slice { dim: 0, segs: segs.clone(), why: format!("bias of `{wname}` (replicated kv heads)") },
-                Some(ParamPlan::Split { .. }) => ParamPlan::Whole { why: format!("bias of row-parallel `{wname}`: added once after the all_reduce") },
-                _ => ParamPlan::Whole { why: format!("bias of whole `{wname}`") },
+                Some(ParamPlan::Split { .. }) => ParamPlan::Whole {
+                    why: format!("bias of row-parallel `{wname}`: added once after the all_reduce"),
+                },
+                _ => ParamPlan::Whole {
+                    why: format!("bias of whole `{wname}`"),
+                },
             };
             self.plans.insert(name.clone(), plan);
         }
         // An attention is split whole or not at all.
         for (i, a) in attns.iter().enumerate() {
-            let kind = |n: Node| self.linears.get(&n).map(|l| l.kind).unwrap_or(LinearKind::Whole);
-            let split = |n: Node| matches!(kind(n), LinearKind::Column { gather: false }) || self.slices_weight(g, n);
+            let kind = |n: Node| {
+                self.linears
+                    .get(&n)
+                    .map(|l| l.kind)
+                    .unwrap_or(LinearKind::Whole)
+            };
+            let split = |n: Node| {
+                matches!(kind(n), LinearKind::Column { gather: false }) || self.slices_weight(g, n)
+            };
             let (q, k, v) = (split(a.q.0), split(a.k.0), split(a.v.0));
             let o = a.o.map(|o| kind(o) == LinearKind::Row).unwrap_or(false);
             if !(q || k || v || o) {
@@ -344,13 +470,24 @@ impl Tp {
                 .with_help("split q, k and v column-parallel and o row-parallel, or skip all four"));
             }
             if let Err(why) = &head_splits[i] {
-                return Err(PassError::rewrite(NAME, format!("`{NAME}` cannot split the attention heads over tp={}", self.p), g.describe(a.node), why.clone())
-                    .with_help("use a tp degree no larger than the number of q heads"));
+                return Err(PassError::rewrite(
+                    NAME,
+                    format!(
+                        "`{NAME}` cannot split the attention heads over tp={}",
+                        self.p
+                    ),
+                    g.describe(a.node),
+                    why.clone(),
+                )
+                .with_help("use a tp degree no larger than the number of q heads"));
             }
             if let (Ok(h), Some(sp)) = (&head_splits[i], self.sp.filter(|&sp| sp > 1)) {
                 let uneven = h.q.iter().any(|&x| x != h.q[0]) || h.kv.iter().any(|&x| x != h.kv[0]);
                 if uneven || h.q[0] % sp != 0 {
-                    let good: Vec<String> = (1..=a.nq).filter(|t| a.nq % (t * sp) == 0 && (a.nkv % t == 0 || t % a.nkv == 0)).map(|t| t.to_string()).collect();
+                    let good: Vec<String> = (1..=a.nq)
+                        .filter(|t| a.nq % (t * sp) == 0 && (a.nkv % t == 0 || t % a.nkv == 0))
+                        .map(|t| t.to_string())
+                        .collect();
                     return Err(PassError::rewrite(
                         NAME,
                         format!("`{NAME}` cannot split the attention heads over tp={} with sp={sp}", self.p),
@@ -361,7 +498,10 @@ impl Tp {
                 }
             }
             res.count("attention_layers", 1);
-            if head_splits[i].as_ref().is_ok_and(|h| h.kv_replicated.is_some()) {
+            if head_splits[i]
+                .as_ref()
+                .is_ok_and(|h| h.kv_replicated.is_some())
+            {
                 res.count("kv_heads_replicated", 1);
             }
         }
@@ -370,24 +510,55 @@ impl Tp {
 
     fn slices_weight(&self, g: &Graph, n: Node) -> bool {
         let w = g.node(n).operands[1];
-        g.params().iter().any(|(name, v)| *v == w && matches!(self.plans.get(name), Some(ParamPlan::Slice { .. })))
+        g.params().iter().any(|(name, v)| {
+            *v == w && matches!(self.plans.get(name), Some(ParamPlan::Slice { .. }))
+        })
     }
 
-    fn decide_embedding(&self, name: &str, ty: &TensorType, s: Option<&LayerSpec>) -> Result<ParamPlan, PassError> {
-        let Some(s) = s else { return Ok(ParamPlan::Whole { why: "no layer spec matches".into() }) };
+    fn decide_embedding(
+        &self,
+        name: &str,
+        ty: &TensorType,
+        s: Option<&LayerSpec>,
+    ) -> Result<ParamPlan, PassError> {
+        let Some(s) = s else {
+            return Ok(ParamPlan::Whole {
+                why: "no layer spec matches".into(),
+            });
+        };
         if s.partition_type == PartitionType::Skip {
-            return Ok(ParamPlan::Whole { why: s.origin.clone() });
+            return Ok(ParamPlan::Whole {
+                why: s.origin.clone(),
+            });
         }
         if s.partition_dim.is_some_and(|d| d != 0) {
             return Err(param_error(name, format!("{} splits the embedding {ty} on dim {}; only the vocabulary (dim 0) can be split", s.origin, s.partition_dim.unwrap_or(0)))
                 .with_help("give the embedding `partition_dim: 0` or `skip`"));
         }
-        let v = const_of(&ty.shape[0]).ok_or_else(|| param_error(name, format!("its vocabulary size in {ty} is not a constant")))?;
+        let v = const_of(&ty.shape[0]).ok_or_else(|| {
+            param_error(
+                name,
+                format!("its vocabulary size in {ty} is not a constant"),
+            )
+        })?;
         let sizes = sizes::grain_sizes(v, self.p, self.vocab_grain);
         if sizes.contains(&0) {
-            return Err(param_error(name, format!("{v} vocabulary rows over tp={} leave a rank with none", self.p)));
+            return Err(param_error(
+                name,
+                format!(
+                    "{v} vocabulary rows over tp={} leave a rank with none",
+                    self.p
+                ),
+            ));
         }
-        Ok(ParamPlan::Split { kind: "vocab", dim: 0, local: per_rank(&sizes), pieces: vec![sizes], why: format!("vocab-parallel embedding ({})", s.origin), gather: false })
+        Ok(ParamPlan::Split {
+            kind: "vocab",
+            dim: 0,
+            local: per_rank(&sizes),
+            pieces: vec![sizes],
+            why: format!("vocab-parallel embedding ({})", s.origin),
+            gather: false,
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -406,19 +577,29 @@ impl Tp {
     ) -> Result<ParamPlan, PassError> {
         let Some(s) = s else {
             if strict {
-                return Err(param_error(name, format!("no layer spec matches this linear weight {ty} and the spec is strict"))
-                    .with_help("add a layer spec for it (`\"partition_type\": \"skip\"` keeps it whole)"));
+                return Err(param_error(
+                    name,
+                    format!("no layer spec matches this linear weight {ty} and the spec is strict"),
+                )
+                .with_help(
+                    "add a layer spec for it (`\"partition_type\": \"skip\"` keeps it whole)",
+                ));
             }
-            return Ok(ParamPlan::Whole { why: "no layer spec matches".into() });
+            return Ok(ParamPlan::Whole {
+                why: "no layer spec matches".into(),
+            });
         };
         let experts = u == Use::ExpertsW;
         let (col_dim, row_dim) = if experts { (1, 2) } else { (0, 1) };
         let dim = match s.partition_type {
             PartitionType::Skip => {
                 if s.grad_allreduce {
-                    self.grad_allreduce.insert(name.to_string(), format!("{}: grad_allreduce", s.origin));
+                    self.grad_allreduce
+                        .insert(name.to_string(), format!("{}: grad_allreduce", s.origin));
                 }
-                return Ok(ParamPlan::Whole { why: s.origin.clone() });
+                return Ok(ParamPlan::Whole {
+                    why: s.origin.clone(),
+                });
             }
             PartitionType::Column => col_dim,
             PartitionType::Row => row_dim,
@@ -437,8 +618,13 @@ impl Tp {
                 return Err(param_error(name, format!("{} gives a shape of {} dims for the {}-dim {ty}; views of other ranks are not supported", s.origin, shape.len(), ty.rank())));
             }
         }
-        let total = const_of(&ty.shape[dim]).ok_or_else(|| param_error(name, format!("dim {dim} of {ty} is not a constant")))?;
-        let kind = if s.partition_type == PartitionType::Column { "column" } else { "row" };
+        let total = const_of(&ty.shape[dim])
+            .ok_or_else(|| param_error(name, format!("dim {dim} of {ty} is not a constant")))?;
+        let kind = if s.partition_type == PartitionType::Column {
+            "column"
+        } else {
+            "row"
+        };
         let why = format!("{kind}-parallel ({})", s.origin);
         // Attention projections split on head boundaries.
         if let Some(&(i, role)) = attn_role.get(&n) {
@@ -447,12 +633,22 @@ impl Tp {
                 Ok(h) => h.clone(),
                 Err(e) => return Err(param_error(name, e.clone())),
             };
-            let (q, kv) = (h.q.iter().map(|x| x * a.d).collect::<Vec<_>>(), h.kv.iter().map(|x| x * a.d).collect::<Vec<_>>());
+            let (q, kv) = (
+                h.q.iter().map(|x| x * a.d).collect::<Vec<_>>(),
+                h.kv.iter().map(|x| x * a.d).collect::<Vec<_>>(),
+            );
             let (ql, kvl) = (per_rank_scaled(&q, a.d), per_rank_scaled(&kv, a.d));
             match (role, s.partition_type) {
                 ("q", PartitionType::Column) | ("o", PartitionType::Row) => {
                     check_subs(name, s, dim, &[a.nq * a.d])?;
-                    return Ok(ParamPlan::Split { kind: if role == "o" { "row" } else { "column" }, dim, pieces: vec![q], local: ql, why, gather: s.gather_output });
+                    return Ok(ParamPlan::Split {
+                        kind: if role == "o" { "row" } else { "column" },
+                        dim,
+                        pieces: vec![q],
+                        local: ql,
+                        why,
+                        gather: s.gather_output,
+                    });
                 }
                 ("k" | "v", PartitionType::Column) => {
                     check_subs(name, s, dim, &[a.nkv * a.d])?;
@@ -460,7 +656,14 @@ impl Tp {
                         let start = per_rank(&which.iter().map(|w| w * a.d).collect::<Vec<_>>());
                         return Ok(ParamPlan::Slice { dim, segs: vec![(start, Dim::from(a.d))], why: format!("kv heads replicated: {} kv heads for tp={}, each rank slices the one its q heads use ({})", a.nkv, self.p, s.origin) });
                     }
-                    return Ok(ParamPlan::Split { kind: "column", dim, pieces: vec![kv], local: kvl, why, gather: s.gather_output });
+                    return Ok(ParamPlan::Split {
+                        kind: "column",
+                        dim,
+                        pieces: vec![kv],
+                        local: kvl,
+                        why,
+                        gather: s.gather_output,
+                    });
                 }
                 ("qkv", PartitionType::Column) => {
                     let want = [a.nq * a.d, a.nkv * a.d, a.nkv * a.d];
@@ -469,20 +672,51 @@ impl Tp {
                         // The fused weight stays whole: each rank slices its q rows and
                         // the rows of the one kv head its q heads use, from k and v.
                         let q_start = per_rank(&offsets(&q));
-                        let kv_at = |base: i64| per_rank(&which.iter().map(|w| base + w * a.d).collect::<Vec<_>>());
-                        let segs = vec![(q_start, ql.clone()), (kv_at(want[0]), Dim::from(a.d)), (kv_at(want[0] + want[1]), Dim::from(a.d))];
-                        self.subs_for_linear(n, vec![(want[0], ql), (want[1], Dim::from(a.d)), (want[2], Dim::from(a.d))]);
+                        let kv_at = |base: i64| {
+                            per_rank(&which.iter().map(|w| base + w * a.d).collect::<Vec<_>>())
+                        };
+                        let segs = vec![
+                            (q_start, ql.clone()),
+                            (kv_at(want[0]), Dim::from(a.d)),
+                            (kv_at(want[0] + want[1]), Dim::from(a.d)),
+                        ];
+                        self.subs_for_linear(
+                            n,
+                            vec![
+                                (want[0], ql),
+                                (want[1], Dim::from(a.d)),
+                                (want[2], Dim::from(a.d)),
+                            ],
+                        );
                         return Ok(ParamPlan::Slice { dim, segs, why: format!("kv heads replicated: {} kv heads for tp={}, each rank slices its q rows and the kv head they use ({})", a.nkv, self.p, s.origin) });
                     }
                     let local = ql.clone() + kvl.clone() + kvl.clone();
-                    self.subs_for_linear(n, vec![(want[0], ql), (want[1], kvl.clone()), (want[2], kvl)]);
-                    return Ok(ParamPlan::Split { kind: "column", dim, pieces: vec![q, kv.clone(), kv], local, why, gather: s.gather_output });
+                    self.subs_for_linear(
+                        n,
+                        vec![(want[0], ql), (want[1], kvl.clone()), (want[2], kvl)],
+                    );
+                    return Ok(ParamPlan::Split {
+                        kind: "column",
+                        dim,
+                        pieces: vec![q, kv.clone(), kv],
+                        local,
+                        why,
+                        gather: s.gather_output,
+                    });
                 }
                 _ => {}
             }
         }
         // Sub-parameters: from the spec's shape, else from the split that follows.
-        let following = following_split(g, n, if experts { 1 } else { g.ty(g.node(n).results[0]).rank() - 1 });
+        let following = following_split(
+            g,
+            n,
+            if experts {
+                1
+            } else {
+                g.ty(g.node(n).results[0]).rank() - 1
+            },
+        );
         let subs: Vec<i64> = match s.sub_params(dim) {
             Some(Ok(k)) => {
                 if total % k != 0 {
@@ -491,11 +725,20 @@ impl Tp {
                 vec![total / k; k as usize]
             }
             Some(Err(v)) => v,
-            None if s.partition_type == PartitionType::Column => following.clone().unwrap_or_else(|| vec![total]),
+            None if s.partition_type == PartitionType::Column => {
+                following.clone().unwrap_or_else(|| vec![total])
+            }
             None => vec![total],
         };
         if subs.iter().sum::<i64>() != total {
-            return Err(param_error(name, format!("{}: sub-parameter sizes {subs:?} sum to {}, but dim {dim} of {ty} is {total}", s.origin, subs.iter().sum::<i64>())));
+            return Err(param_error(
+                name,
+                format!(
+                    "{}: sub-parameter sizes {subs:?} sum to {}, but dim {dim} of {ty} is {total}",
+                    s.origin,
+                    subs.iter().sum::<i64>()
+                ),
+            ));
         }
         if s.partition_type == PartitionType::Column {
             if let Some(f) = &following {
@@ -504,37 +747,99 @@ impl Tp {
                 }
             }
         }
-        let is_vocab = !experts && g.node(n).meta.source.as_deref().is_some_and(|src| src.ends_with("lm_head")) || name.ends_with("lm_head.weight");
-        let grain = if is_vocab && s.partition_type == PartitionType::Column { self.vocab_grain } else { self.grain };
-        let pieces: Vec<Vec<i64>> = subs.iter().map(|&t| sizes::grain_sizes(t, self.p, grain)).collect();
+        let is_vocab = !experts
+            && g.node(n)
+                .meta
+                .source
+                .as_deref()
+                .is_some_and(|src| src.ends_with("lm_head"))
+            || name.ends_with("lm_head.weight");
+        let grain = if is_vocab && s.partition_type == PartitionType::Column {
+            self.vocab_grain
+        } else {
+            self.grain
+        };
+        let pieces: Vec<Vec<i64>> = subs
+            .iter()
+            .map(|&t| sizes::grain_sizes(t, self.p, grain))
+            .collect();
         if pieces.iter().any(|pc| pc.contains(&0)) {
-            return Err(param_error(name, format!("splitting dim {dim} ({total}) over tp={} leaves a rank with nothing", self.p)));
+            return Err(param_error(
+                name,
+                format!(
+                    "splitting dim {dim} ({total}) over tp={} leaves a rank with nothing",
+                    self.p
+                ),
+            ));
         }
         let locals: Vec<Dim> = pieces.iter().map(|pc| per_rank(pc)).collect();
         let local = locals.iter().fold(Dim::zero(), |a, b| a + b.clone());
         if s.partition_type == PartitionType::Column && subs.len() > 1 {
             self.subs_for_linear(n, subs.iter().copied().zip(locals).collect());
         }
-        Ok(ParamPlan::Split { kind, dim, pieces, local, why, gather: s.gather_output })
+        Ok(ParamPlan::Split {
+            kind,
+            dim,
+            pieces,
+            local,
+            why,
+            gather: s.gather_output,
+        })
     }
 
     fn subs_for_linear(&mut self, n: Node, subs: Vec<(i64, Dim)>) {
-        self.linears.entry(n).or_insert(LinearPlan { kind: LinearKind::Whole, subs: vec![], sizes: vec![], out_dim: 0 }).subs = subs;
+        self.linears
+            .entry(n)
+            .or_insert(LinearPlan {
+                kind: LinearKind::Whole,
+                subs: vec![],
+                sizes: vec![],
+                out_dim: 0,
+            })
+            .subs = subs;
     }
 
     /// The plan of a linear / grouped matmul / embedding reading a weight planned `plan`.
     #[allow(clippy::too_many_arguments)]
-    fn linear_plan_of(&self, g: &Graph, n: Node, u: Use, plan: &ParamPlan, _name: &str, _attns: &[Attn], _roles: &HashMap<Node, (usize, &'static str)>) -> Option<LinearPlan> {
-        let subs = self.linears.get(&n).map(|l| l.subs.clone()).unwrap_or_default();
+    fn linear_plan_of(
+        &self,
+        g: &Graph,
+        n: Node,
+        u: Use,
+        plan: &ParamPlan,
+        _name: &str,
+        _attns: &[Attn],
+        _roles: &HashMap<Node, (usize, &'static str)>,
+    ) -> Option<LinearPlan> {
+        let subs = self
+            .linears
+            .get(&n)
+            .map(|l| l.subs.clone())
+            .unwrap_or_default();
         let out_rank = g.ty(g.node(n).results[0]).rank();
         match (u, plan) {
             (Use::Embedding, _) => None,
-            (_, ParamPlan::Split { kind, dim, pieces, gather, .. }) => {
-                let sizes: Vec<i64> = (0..self.p as usize).map(|r| pieces.iter().map(|pc| pc[r]).sum()).collect();
+            (
+                _,
+                ParamPlan::Split {
+                    kind,
+                    dim,
+                    pieces,
+                    gather,
+                    ..
+                },
+            ) => {
+                let sizes: Vec<i64> = (0..self.p as usize)
+                    .map(|r| pieces.iter().map(|pc| pc[r]).sum())
+                    .collect();
                 let col = (u == Use::LinearW && *dim == 0) || (u == Use::ExpertsW && *dim == 1);
                 let gather = *kind != "vocab" && *gather;
                 Some(LinearPlan {
-                    kind: if col { LinearKind::Column { gather } } else { LinearKind::Row },
+                    kind: if col {
+                        LinearKind::Column { gather }
+                    } else {
+                        LinearKind::Row
+                    },
                     subs,
                     sizes,
                     out_dim: if u == Use::ExpertsW { 1 } else { out_rank - 1 },
@@ -546,7 +851,12 @@ impl Tp {
                 sizes: vec![],
                 out_dim: out_rank - 1,
             }),
-            (_, ParamPlan::Whole { .. }) => Some(LinearPlan { kind: LinearKind::Whole, subs: vec![], sizes: vec![], out_dim: out_rank - 1 }),
+            (_, ParamPlan::Whole { .. }) => Some(LinearPlan {
+                kind: LinearKind::Whole,
+                subs: vec![],
+                sizes: vec![],
+                out_dim: out_rank - 1,
+            }),
         }
     }
 
@@ -558,11 +868,32 @@ impl Tp {
                 continue;
             }
             let ops = &g.node(n).operands;
-            let (Some(q), Some(k), Some(v)) = (trace_back(g, ops[0]), trace_back(g, ops[1]), trace_back(g, ops[2])) else { continue };
+            let (Some(q), Some(k), Some(v)) = (
+                trace_back(g, ops[0]),
+                trace_back(g, ops[1]),
+                trace_back(g, ops[2]),
+            ) else {
+                continue;
+            };
             let (qt, kt) = (g.ty(ops[0]), g.ty(ops[1]));
-            let (Some(nq), Some(nkv), Some(d)) = (const_of(&qt.shape[1]), const_of(&kt.shape[1]), const_of(&qt.shape[3])) else { continue };
+            let (Some(nq), Some(nkv), Some(d)) = (
+                const_of(&qt.shape[1]),
+                const_of(&kt.shape[1]),
+                const_of(&qt.shape[3]),
+            ) else {
+                continue;
+            };
             let o = trace_forward(g, g.node(n).results[0], uses);
-            out.push(Attn { node: n, q, k, v, o, nq, nkv, d });
+            out.push(Attn {
+                node: n,
+                q,
+                k,
+                v,
+                o,
+                nq,
+                nkv,
+                d,
+            });
         }
         out
     }
@@ -575,16 +906,48 @@ impl Tp {
         for (name, v) in params {
             let n = g.def(v);
             match self.plans.get(&name).cloned() {
-                Some(ParamPlan::Split { kind, dim, pieces, local, why, .. }) => {
-                    let Op::Param { ty, .. } = &g.node(n).op else { continue };
+                Some(ParamPlan::Split {
+                    kind,
+                    dim,
+                    pieces,
+                    local,
+                    why,
+                    ..
+                }) => {
+                    let Op::Param { ty, .. } = &g.node(n).op else {
+                        continue;
+                    };
                     let mut ty = ty.clone();
                     ty.shape[dim] = local;
-                    let reason = format!("{why}: dim {dim} per rank {}", Partition { kind: kind.into(), axis: TP.into(), dim, pieces: pieces.clone() });
+                    let reason = format!(
+                        "{why}: dim {dim} per rank {}",
+                        Partition {
+                            kind: kind.into(),
+                            axis: TP.into(),
+                            dim,
+                            pieces: pieces.clone()
+                        }
+                    );
                     let d = g.node_mut(n);
-                    d.op = Op::Param { name: name.clone(), ty };
-                    d.meta.provenance = Some(Provenance { pass: NAME.into(), reason });
-                    g.reinfer(n).map_err(|e| crate::util::build_error(NAME, e))?;
-                    g.add_param_partition(&name, Partition { kind: kind.into(), axis: TP.into(), dim, pieces });
+                    d.op = Op::Param {
+                        name: name.clone(),
+                        ty,
+                    };
+                    d.meta.provenance = Some(Provenance {
+                        pass: NAME.into(),
+                        reason,
+                    });
+                    g.reinfer(n)
+                        .map_err(|e| crate::util::build_error(NAME, e))?;
+                    g.add_param_partition(
+                        &name,
+                        Partition {
+                            kind: kind.into(),
+                            axis: TP.into(),
+                            dim,
+                            pieces,
+                        },
+                    );
                     self.changed.insert(v);
                     res.count("params_split", 1);
                 }
@@ -592,19 +955,52 @@ impl Tp {
                     for &(user, i) in &uses[v.0 as usize] {
                         let mut parts = Vec::new();
                         for (start, len) in &segs {
-                            let meta = meta_for(g, user, NAME, format!("`{name}` rows [{start}, +{len}) of this rank: {why}"));
-                            parts.push(insert1(g, NAME, At::Before(user), Op::Slice { dim: dim as i64, start: start.clone(), len: len.clone() }, &[v], meta)?);
+                            let meta = meta_for(
+                                g,
+                                user,
+                                NAME,
+                                format!("`{name}` rows [{start}, +{len}) of this rank: {why}"),
+                            );
+                            parts.push(insert1(
+                                g,
+                                NAME,
+                                At::Before(user),
+                                Op::Slice {
+                                    dim: dim as i64,
+                                    start: start.clone(),
+                                    len: len.clone(),
+                                },
+                                &[v],
+                                meta,
+                            )?);
                         }
                         let s = if parts.len() == 1 {
                             parts[0]
                         } else {
-                            let meta = meta_for(g, user, NAME, format!("`{name}`: this rank's rows of each sub-parameter, in order"));
-                            insert1(g, NAME, At::Before(user), Op::Concat { dim: dim as i64 }, &parts, meta)?
+                            let meta = meta_for(
+                                g,
+                                user,
+                                NAME,
+                                format!(
+                                    "`{name}`: this rank's rows of each sub-parameter, in order"
+                                ),
+                            );
+                            insert1(
+                                g,
+                                NAME,
+                                At::Before(user),
+                                Op::Concat { dim: dim as i64 },
+                                &parts,
+                                meta,
+                            )?
                         };
                         g.node_mut(user).operands[i] = s;
                         self.changed.insert(s);
                     }
-                    self.grad_allreduce.insert(name.clone(), "kv heads replicated: each rank reads the kv head its q heads use".into());
+                    self.grad_allreduce.insert(
+                        name.clone(),
+                        "kv heads replicated: each rank reads the kv head its q heads use".into(),
+                    );
                     res.count("params_sliced", 1);
                 }
                 _ => {}
@@ -626,7 +1022,10 @@ impl Tp {
                 continue;
             }
             let touched = d.operands.iter().any(|v| self.changed.contains(v));
-            let planned = self.linears.get(&n).is_some_and(|l| l.kind != LinearKind::Whole);
+            let planned = self
+                .linears
+                .get(&n)
+                .is_some_and(|l| l.kind != LinearKind::Whole);
             if !touched && !planned {
                 continue;
             }
@@ -651,8 +1050,13 @@ impl Tp {
         }
         for v in &d.operands {
             if let Op::Param { name, .. } = g.op_of(*v) {
-                if matches!(self.plans.get(name), Some(ParamPlan::Whole { .. })) && !self.grad_allreduce.contains_key(name) {
-                    self.grad_allreduce.insert(name.clone(), format!("read by `{}` on split values", d.op.name()));
+                if matches!(self.plans.get(name), Some(ParamPlan::Whole { .. }))
+                    && !self.grad_allreduce.contains_key(name)
+                {
+                    self.grad_allreduce.insert(
+                        name.clone(),
+                        format!("read by `{}` on split values", d.op.name()),
+                    );
                 }
             }
         }
@@ -667,7 +1071,9 @@ impl Tp {
 
     fn split_dims(&self, g: &Graph, v: Value) -> Vec<usize> {
         match self.orig_ty(v) {
-            Some(o) if o.rank() == g.ty(v).rank() => (0..o.rank()).filter(|&i| o.shape[i] != g.ty(v).shape[i]).collect(),
+            Some(o) if o.rank() == g.ty(v).rank() => (0..o.rank())
+                .filter(|&i| o.shape[i] != g.ty(v).shape[i])
+                .collect(),
             _ => vec![],
         }
     }
@@ -678,7 +1084,10 @@ impl Tp {
             NAME,
             format!("`{NAME}` cannot split `{}` over tp", g.node(n).op.name()),
             g.describe(n),
-            format!("it combines values along dim {dim} of {v} ({}), which is split over tp", g.ty(v)),
+            format!(
+                "it combines values along dim {dim} of {v} ({}), which is split over tp",
+                g.ty(v)
+            ),
         )
         .with_help("skip (or gather_output) the layer that produces this value in the layer specs")
     }
@@ -691,10 +1100,18 @@ impl Tp {
         let mixes: Vec<(usize, i64)> = match &op {
             Op::RmsNorm { .. } => vec![(0, -1)],
             Op::Softmax { dim } | Op::LogSoftmax { dim } | Op::Topk { dim, .. } => vec![(0, *dim)],
-            Op::Sum { dims, .. } | Op::Mean { dims, .. } | Op::Max { dims, .. } => dims.iter().map(|&k| (0, k)).collect(),
+            Op::Sum { dims, .. } | Op::Mean { dims, .. } | Op::Max { dims, .. } => {
+                dims.iter().map(|&k| (0, k)).collect()
+            }
             Op::Attention { .. } => vec![(0, 3), (1, 3), (2, 3), (0, 2), (1, 2)],
             Op::Rope {} => vec![(0, 3)],
-            Op::Matmul { transpose_a, transpose_b } => vec![(0, if *transpose_a { -2 } else { -1 }), (1, if *transpose_b { -1 } else { -2 })],
+            Op::Matmul {
+                transpose_a,
+                transpose_b,
+            } => vec![
+                (0, if *transpose_a { -2 } else { -1 }),
+                (1, if *transpose_b { -1 } else { -2 }),
+            ],
             Op::Gather { dim } | Op::IndexSelect { dim } => vec![(0, *dim)],
             Op::AllGather { dim, .. } => vec![(0, *dim)],
             Op::MoeDispatch { .. } | Op::MoeCombine {} => vec![(0, -1)],
@@ -703,7 +1120,9 @@ impl Tp {
         for (i, k) in mixes {
             let Some(&v) = operands.get(i) else { continue };
             let r = g.ty(v).rank();
-            let Ok(k) = weft_ir::shape::norm_dim(k, r) else { continue };
+            let Ok(k) = weft_ir::shape::norm_dim(k, r) else {
+                continue;
+            };
             if dims_of(i).contains(&k) {
                 return Err(self.mixing_error(g, n, i, k));
             }
@@ -711,15 +1130,24 @@ impl Tp {
         match op {
             Op::Linear {} | Op::GroupedMatmul {} => self.visit_linear(g, n, res),
             Op::Embedding {} => self.vocab_embedding(g, n, res),
-            Op::CrossEntropy { ignore_index, reduction } => self.vocab_cross_entropy(g, n, ignore_index, reduction, res),
+            Op::CrossEntropy {
+                ignore_index,
+                reduction,
+            } => self.vocab_cross_entropy(g, n, ignore_index, reduction, res),
             Op::CountValid { .. } | Op::ShiftLabels { .. } => self.reinfer(g, n),
             Op::Reshape { shape } => {
                 let x = operands[0];
                 let old_in = self.orig_ty(x).cloned().unwrap_or_else(|| g.ty(x).clone());
                 let new_in = g.ty(x).clone();
-                let target = reshape_target(&old_in.shape, &new_in.shape, &shape, g).ok_or_else(|| {
-                    PassError::rewrite(NAME, format!("`{NAME}` cannot follow the split through `reshape`"), g.describe(n), format!("cannot match {old_in} -> {shape:?} dim groups"))
-                })?;
+                let target =
+                    reshape_target(&old_in.shape, &new_in.shape, &shape, g).ok_or_else(|| {
+                        PassError::rewrite(
+                            NAME,
+                            format!("`{NAME}` cannot follow the split through `reshape`"),
+                            g.describe(n),
+                            format!("cannot match {old_in} -> {shape:?} dim groups"),
+                        )
+                    })?;
                 g.node_mut(n).op = Op::Reshape { shape: target };
                 self.reinfer(g, n)?;
                 if let Some(ps) = self.pieces.get(&x).cloned() {
@@ -732,21 +1160,41 @@ impl Tp {
             }
             Op::Split { dim, sizes } => {
                 let x = operands[0];
-                let k = weft_ir::shape::norm_dim(dim, g.ty(x).rank()).map_err(|m| PassError::rewrite(NAME, "bad split", g.describe(n), m))?;
+                let k = weft_ir::shape::norm_dim(dim, g.ty(x).rank())
+                    .map_err(|m| PassError::rewrite(NAME, "bad split", g.describe(n), m))?;
                 if dims_of(0).contains(&k) {
                     let new_sizes = match self.subs.get(&x) {
-                        Some((sd, subs)) if *sd == k && subs.len() == sizes.len() && subs.iter().zip(&sizes).all(|((o, _), s)| Dim::from(*o) == *s) => subs.iter().map(|(_, d)| d.clone()).collect(),
-                        _ => {
-                            return Err(PassError::rewrite(
-                                NAME,
-                                format!("`{NAME}` cannot split the sub-parameters of a fused output"),
-                                g.describe(n),
-                                format!("its sizes [{}] are not the sub-parameters the layer was split by", sizes.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
-                            )
-                            .with_help("give the fused layer's spec a `shape` with these sub-parameter sizes"))
+                        Some((sd, subs))
+                            if *sd == k
+                                && subs.len() == sizes.len()
+                                && subs
+                                    .iter()
+                                    .zip(&sizes)
+                                    .all(|((o, _), s)| Dim::from(*o) == *s) =>
+                        {
+                            subs.iter().map(|(_, d)| d.clone()).collect()
                         }
+                        _ => return Err(PassError::rewrite(
+                            NAME,
+                            format!("`{NAME}` cannot split the sub-parameters of a fused output"),
+                            g.describe(n),
+                            format!(
+                                "its sizes [{}] are not the sub-parameters the layer was split by",
+                                sizes
+                                    .iter()
+                                    .map(|d| d.to_string())
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ),
+                        )
+                        .with_help(
+                            "give the fused layer's spec a `shape` with these sub-parameter sizes",
+                        )),
                     };
-                    g.node_mut(n).op = Op::Split { dim, sizes: new_sizes };
+                    g.node_mut(n).op = Op::Split {
+                        dim,
+                        sizes: new_sizes,
+                    };
                 }
                 self.reinfer(g, n)
             }
@@ -754,19 +1202,34 @@ impl Tp {
                 let xt = g.ty(operands[0]).clone();
                 let off = shape.len() - xt.rank();
                 let one = Dim::from(1);
-                let shape = shape.iter().enumerate().map(|(i, d)| if i >= off && xt.shape[i - off] != one { xt.shape[i - off].clone() } else { d.clone() }).collect();
+                let shape = shape
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| {
+                        if i >= off && xt.shape[i - off] != one {
+                            xt.shape[i - off].clone()
+                        } else {
+                            d.clone()
+                        }
+                    })
+                    .collect();
                 g.node_mut(n).op = Op::Expand { shape };
                 self.reinfer(g, n)
             }
             Op::Slice { dim, start, len } => {
                 let x = operands[0];
-                let k = weft_ir::shape::norm_dim(dim, g.ty(x).rank()).map_err(|m| PassError::rewrite(NAME, "bad slice", g.describe(n), m))?;
+                let k = weft_ir::shape::norm_dim(dim, g.ty(x).rank())
+                    .map_err(|m| PassError::rewrite(NAME, "bad slice", g.describe(n), m))?;
                 if dims_of(0).contains(&k) {
                     let old = self.orig_ty(x).map(|t| t.shape[k].clone());
                     if start.as_const() != Some(0) || old.as_ref() != Some(&len) {
                         return Err(self.mixing_error(g, n, 0, k));
                     }
-                    g.node_mut(n).op = Op::Slice { dim, start, len: g.ty(x).shape[k].clone() };
+                    g.node_mut(n).op = Op::Slice {
+                        dim,
+                        start,
+                        len: g.ty(x).shape[k].clone(),
+                    };
                 }
                 self.reinfer(g, n)
             }
@@ -782,8 +1245,15 @@ impl Tp {
         }
     }
 
-    fn visit_linear(&mut self, g: &mut Graph, n: Node, res: &mut PassResult) -> Result<(), PassError> {
-        let Some(lp) = self.linears.get(&n).cloned() else { return self.reinfer(g, n) };
+    fn visit_linear(
+        &mut self,
+        g: &mut Graph,
+        n: Node,
+        res: &mut PassResult,
+    ) -> Result<(), PassError> {
+        let Some(lp) = self.linears.get(&n).cloned() else {
+            return self.reinfer(g, n);
+        };
         let experts = matches!(g.node(n).op, Op::GroupedMatmul {});
         match lp.kind {
             LinearKind::Whole => self.reinfer(g, n),
@@ -798,11 +1268,23 @@ impl Tp {
                 }
                 if gather {
                     let users = g.uses()[out.0 as usize].clone();
-                    let whole = gather_uneven(g, n, out, lp.out_dim, &lp.sizes, "gather_output: every rank gets the whole output")?;
+                    let whole = gather_uneven(
+                        g,
+                        n,
+                        out,
+                        lp.out_dim,
+                        &lp.sizes,
+                        "gather_output: every rank gets the whole output",
+                    )?;
                     for (u, i) in users {
                         g.node_mut(u).operands[i] = whole;
                     }
-                    let outs: Vec<(String, Value)> = g.outputs().iter().filter(|(_, v)| *v == out).cloned().collect();
+                    let outs: Vec<(String, Value)> = g
+                        .outputs()
+                        .iter()
+                        .filter(|(_, v)| *v == out)
+                        .cloned()
+                        .collect();
                     for (name, _) in outs {
                         g.set_output(&name, whole);
                     }
@@ -811,24 +1293,53 @@ impl Tp {
                 Ok(())
             }
             LinearKind::Row => {
-                let bias = if experts { None } else { g.node(n).operands.get(2).copied() };
+                let bias = if experts {
+                    None
+                } else {
+                    g.node(n).operands.get(2).copied()
+                };
                 if bias.is_some() {
                     g.node_mut(n).operands.truncate(2);
                 }
                 self.reinfer(g, n)?;
                 let out = g.node(n).results[0];
                 let t = g.ty(out).clone();
-                let reason = format!("row-parallel: sum the partial products of every rank, {} bytes", t.numel() * t.dtype.size_bytes() as i64);
+                let reason = format!(
+                    "row-parallel: sum the partial products of every rank, {} bytes",
+                    t.numel() * t.dtype.size_bytes() as i64
+                );
                 let meta = meta_for(g, n, NAME, reason);
-                let reduced = insert1(g, NAME, At::After(n), Op::AllReduce { axis: TP.into(), op: ReduceOp::Sum }, &[out], meta)?;
+                let reduced = insert1(
+                    g,
+                    NAME,
+                    At::After(n),
+                    Op::AllReduce {
+                        axis: TP.into(),
+                        op: ReduceOp::Sum,
+                    },
+                    &[out],
+                    meta,
+                )?;
                 if !experts {
                     self.seq_reduces.push(g.def(reduced));
                 }
                 res.count("all_reduce", 1);
                 let mut last = reduced;
                 if let Some(b) = bias {
-                    let meta = meta_for(g, n, NAME, "row-parallel bias: added once, after the all_reduce");
-                    last = insert1(g, NAME, At::After(g.def(reduced)), Op::Add {}, &[reduced, b], meta)?;
+                    let meta = meta_for(
+                        g,
+                        n,
+                        NAME,
+                        "row-parallel bias: added once, after the all_reduce",
+                    );
+                    last = insert1(
+                        g,
+                        NAME,
+                        At::After(g.def(reduced)),
+                        Op::Add {},
+                        &[reduced, b],
+                        meta,
+                    )?;
                 }
                 g.replace_uses_except(out, last, g.def(reduced));
                 Ok(())
@@ -837,30 +1348,118 @@ impl Tp {
     }
 
     /// Per-rank constant tensor `[value of this rank]` (i64[1]).
-    fn rank_values(g: &mut Graph, at: At, anchor: Node, values: &[i64], why: &str) -> Result<Value, PassError> {
+    fn rank_values(
+        g: &mut Graph,
+        at: At,
+        anchor: Node,
+        values: &[i64],
+        why: &str,
+    ) -> Result<Value, PassError> {
         let meta = meta_for(g, anchor, NAME, why.to_string());
-        insert1(g, NAME, at, Op::Arange { start: per_rank(values), ty: TensorType::new(DType::I64, vec![Dim::from(1)]) }, &[], meta)
+        insert1(
+            g,
+            NAME,
+            at,
+            Op::Arange {
+                start: per_rank(values),
+                ty: TensorType::new(DType::I64, vec![Dim::from(1)]),
+            },
+            &[],
+            meta,
+        )
     }
 
     /// `(ids - offset, in_range)` for ids against this rank's `[offset, offset+size)`.
-    fn local_index(g: &mut Graph, anchor: Node, ids: Value, sizes: &[i64], what: &str) -> Result<(Value, Value, Value), PassError> {
+    fn local_index(
+        g: &mut Graph,
+        anchor: Node,
+        ids: Value,
+        sizes: &[i64],
+        what: &str,
+    ) -> Result<(Value, Value, Value), PassError> {
         let at = At::Before(anchor);
-        let off = Self::rank_values(g, at, anchor, &offsets(sizes), &format!("{what}: first vocabulary row of this rank"))?;
-        let len = Self::rank_values(g, at, anchor, sizes, &format!("{what}: vocabulary rows of this rank"))?;
+        let off = Self::rank_values(
+            g,
+            at,
+            anchor,
+            &offsets(sizes),
+            &format!("{what}: first vocabulary row of this rank"),
+        )?;
+        let len = Self::rank_values(
+            g,
+            at,
+            anchor,
+            sizes,
+            &format!("{what}: vocabulary rows of this rank"),
+        )?;
         let m = |g: &Graph, r: &str| meta_for(g, anchor, NAME, format!("{what}: {r}"));
-        let zero = insert1(g, NAME, at, Op::Full { value: Float(0.0), ty: TensorType::scalar(DType::I64) }, &[], m(g, "zero"))?;
-        let local = insert1(g, NAME, at, Op::Sub {}, &[ids, off], m(g, "index within this rank's rows"))?;
-        let ge = insert1(g, NAME, at, Op::Compare { op: CmpOp::Ge }, &[local, zero], m(g, "row >= first"))?;
-        let lt = insert1(g, NAME, at, Op::Compare { op: CmpOp::Lt }, &[local, len], m(g, "row < first + rows"))?;
-        let inr = insert1(g, NAME, at, Op::Where {}, &[ge, lt, ge], m(g, "row held by this rank"))?;
-        let safe = insert1(g, NAME, at, Op::Where {}, &[inr, local, zero], m(g, "rows of other ranks read row 0 (zeroed after)"))?;
+        let zero = insert1(
+            g,
+            NAME,
+            at,
+            Op::Full {
+                value: Float(0.0),
+                ty: TensorType::scalar(DType::I64),
+            },
+            &[],
+            m(g, "zero"),
+        )?;
+        let local = insert1(
+            g,
+            NAME,
+            at,
+            Op::Sub {},
+            &[ids, off],
+            m(g, "index within this rank's rows"),
+        )?;
+        let ge = insert1(
+            g,
+            NAME,
+            at,
+            Op::Compare { op: CmpOp::Ge },
+            &[local, zero],
+            m(g, "row >= first"),
+        )?;
+        let lt = insert1(
+            g,
+            NAME,
+            at,
+            Op::Compare { op: CmpOp::Lt },
+            &[local, len],
+            m(g, "row < first + rows"),
+        )?;
+        let inr = insert1(
+            g,
+            NAME,
+            at,
+            Op::Where {},
+            &[ge, lt, ge],
+            m(g, "row held by this rank"),
+        )?;
+        let safe = insert1(
+            g,
+            NAME,
+            at,
+            Op::Where {},
+            &[inr, local, zero],
+            m(g, "rows of other ranks read row 0 (zeroed after)"),
+        )?;
         Ok((safe, inr, zero))
     }
 
-    fn vocab_embedding(&mut self, g: &mut Graph, n: Node, res: &mut PassResult) -> Result<(), PassError> {
+    fn vocab_embedding(
+        &mut self,
+        g: &mut Graph,
+        n: Node,
+        res: &mut PassResult,
+    ) -> Result<(), PassError> {
         let w = g.node(n).operands[1];
-        let Op::Param { name, .. } = g.op_of(w).clone() else { return self.reinfer(g, n) };
-        let Some(ParamPlan::Split { pieces, .. }) = self.plans.get(&name).cloned() else { return self.reinfer(g, n) };
+        let Op::Param { name, .. } = g.op_of(w).clone() else {
+            return self.reinfer(g, n);
+        };
+        let Some(ParamPlan::Split { pieces, .. }) = self.plans.get(&name).cloned() else {
+            return self.reinfer(g, n);
+        };
         let sizes = &pieces[0];
         let ids = g.node(n).operands[0];
         let (safe, inr, _) = Self::local_index(g, n, ids, sizes, "vocab-parallel embedding")?;
@@ -871,11 +1470,45 @@ impl Tp {
         let mut mask_shape = g.ty(ids).shape.clone();
         mask_shape.push(Dim::from(1));
         let m = |g: &Graph, r: &str| meta_for(g, n, NAME, format!("vocab-parallel embedding: {r}"));
-        let mf = insert1(g, NAME, At::After(n), Op::Cast { dtype: t.dtype }, &[inr], m(g, "1 where this rank holds the token's row"))?;
-        let mf = insert1(g, NAME, At::After(g.def(mf)), Op::Reshape { shape: mask_shape }, &[mf], m(g, "mask per token"))?;
-        let y = insert1(g, NAME, At::After(g.def(mf)), Op::Mul {}, &[out, mf], m(g, "rows of other ranks are zero here"))?;
-        let reason = format!("sum every rank's rows (each token's row lives on one rank), {} bytes", t.numel() * t.dtype.size_bytes() as i64);
-        let r = insert1(g, NAME, At::After(g.def(y)), Op::AllReduce { axis: TP.into(), op: ReduceOp::Sum }, &[y], m(g, &reason))?;
+        let mf = insert1(
+            g,
+            NAME,
+            At::After(n),
+            Op::Cast { dtype: t.dtype },
+            &[inr],
+            m(g, "1 where this rank holds the token's row"),
+        )?;
+        let mf = insert1(
+            g,
+            NAME,
+            At::After(g.def(mf)),
+            Op::Reshape { shape: mask_shape },
+            &[mf],
+            m(g, "mask per token"),
+        )?;
+        let y = insert1(
+            g,
+            NAME,
+            At::After(g.def(mf)),
+            Op::Mul {},
+            &[out, mf],
+            m(g, "rows of other ranks are zero here"),
+        )?;
+        let reason = format!(
+            "sum every rank's rows (each token's row lives on one rank), {} bytes",
+            t.numel() * t.dtype.size_bytes() as i64
+        );
+        let r = insert1(
+            g,
+            NAME,
+            At::After(g.def(y)),
+            Op::AllReduce {
+                axis: TP.into(),
+                op: ReduceOp::Sum,
+            },
+            &[y],
+            m(g, &reason),
+        )?;
         g.replace_uses_except(out, r, g.def(y));
         self.seq_reduces.push(g.def(r));
         res.count("all_reduce", 1);
@@ -883,7 +1516,14 @@ impl Tp {
         Ok(())
     }
 
-    fn vocab_cross_entropy(&mut self, g: &mut Graph, n: Node, ignore_index: i64, reduction: Reduction, res: &mut PassResult) -> Result<(), PassError> {
+    fn vocab_cross_entropy(
+        &mut self,
+        g: &mut Graph,
+        n: Node,
+        ignore_index: i64,
+        reduction: Reduction,
+        res: &mut PassResult,
+    ) -> Result<(), PassError> {
         let (logits, labels) = (g.node(n).operands[0], g.node(n).operands[1]);
         let Some(sizes) = self.pieces.get(&logits).cloned() else {
             if self.changed.contains(&logits) {
@@ -893,45 +1533,198 @@ impl Tp {
         };
         let lt = g.ty(logits).clone();
         let at = At::Before(n);
-        let m = |g: &Graph, r: &str| meta_for(g, n, NAME, format!("vocab-parallel cross-entropy: {r}"));
+        let m =
+            |g: &Graph, r: &str| meta_for(g, n, NAME, format!("vocab-parallel cross-entropy: {r}"));
         let mut lf = logits;
         if lt.dtype != DType::F32 {
-            lf = insert1(g, NAME, at, Op::Cast { dtype: DType::F32 }, &[lf], m(g, "logits in f32"))?;
+            lf = insert1(
+                g,
+                NAME,
+                at,
+                Op::Cast { dtype: DType::F32 },
+                &[lf],
+                m(g, "logits in f32"),
+            )?;
         }
-        let keep = |d: &[i64]| Op::Max { dims: d.to_vec(), keepdim: true };
-        let mx = insert1(g, NAME, at, keep(&[-1]), &[lf], m(g, "max of this rank's logits"))?;
-        let mx = insert1(g, NAME, at, Op::AllReduce { axis: TP.into(), op: ReduceOp::Max }, &[mx], m(g, "max over the whole vocabulary"))?;
+        let keep = |d: &[i64]| Op::Max {
+            dims: d.to_vec(),
+            keepdim: true,
+        };
+        let mx = insert1(
+            g,
+            NAME,
+            at,
+            keep(&[-1]),
+            &[lf],
+            m(g, "max of this rank's logits"),
+        )?;
+        let mx = insert1(
+            g,
+            NAME,
+            at,
+            Op::AllReduce {
+                axis: TP.into(),
+                op: ReduceOp::Max,
+            },
+            &[mx],
+            m(g, "max over the whole vocabulary"),
+        )?;
         let z = insert1(g, NAME, at, Op::Sub {}, &[lf, mx], m(g, "shifted logits"))?;
         let e = insert1(g, NAME, at, Op::Exp {}, &[z], m(g, "exp"))?;
-        let s = insert1(g, NAME, at, Op::Sum { dims: vec![-1], keepdim: true }, &[e], m(g, "sum over this rank's vocabulary"))?;
-        let s = insert1(g, NAME, at, Op::AllReduce { axis: TP.into(), op: ReduceOp::Sum }, &[s], m(g, "sum over the whole vocabulary"))?;
+        let s = insert1(
+            g,
+            NAME,
+            at,
+            Op::Sum {
+                dims: vec![-1],
+                keepdim: true,
+            },
+            &[e],
+            m(g, "sum over this rank's vocabulary"),
+        )?;
+        let s = insert1(
+            g,
+            NAME,
+            at,
+            Op::AllReduce {
+                axis: TP.into(),
+                op: ReduceOp::Sum,
+            },
+            &[s],
+            m(g, "sum over the whole vocabulary"),
+        )?;
         let ls = insert1(g, NAME, at, Op::Log {}, &[s], m(g, "log-sum-exp"))?;
         let lse = insert1(g, NAME, at, Op::Add {}, &[ls, mx], m(g, "log-sum-exp"))?;
-        let (safe, inr, _) = Self::local_index(g, n, labels, &sizes, "vocab-parallel cross-entropy")?;
+        let (safe, inr, _) =
+            Self::local_index(g, n, labels, &sizes, "vocab-parallel cross-entropy")?;
         let mut idx_shape = g.ty(labels).shape.clone();
         idx_shape.push(Dim::from(1));
-        let idx = insert1(g, NAME, at, Op::Reshape { shape: idx_shape.clone() }, &[safe], m(g, "label index"))?;
-        let t = insert1(g, NAME, at, Op::Gather { dim: -1 }, &[lf, idx], m(g, "target logit if this rank holds it"))?;
-        let inf = insert1(g, NAME, at, Op::Cast { dtype: DType::F32 }, &[inr], m(g, "1 where this rank holds the label"))?;
-        let inf = insert1(g, NAME, at, Op::Reshape { shape: idx_shape }, &[inf], m(g, "per token"))?;
+        let idx = insert1(
+            g,
+            NAME,
+            at,
+            Op::Reshape {
+                shape: idx_shape.clone(),
+            },
+            &[safe],
+            m(g, "label index"),
+        )?;
+        let t = insert1(
+            g,
+            NAME,
+            at,
+            Op::Gather { dim: -1 },
+            &[lf, idx],
+            m(g, "target logit if this rank holds it"),
+        )?;
+        let inf = insert1(
+            g,
+            NAME,
+            at,
+            Op::Cast { dtype: DType::F32 },
+            &[inr],
+            m(g, "1 where this rank holds the label"),
+        )?;
+        let inf = insert1(
+            g,
+            NAME,
+            at,
+            Op::Reshape { shape: idx_shape },
+            &[inf],
+            m(g, "per token"),
+        )?;
         let t = insert1(g, NAME, at, Op::Mul {}, &[t, inf], m(g, "zero elsewhere"))?;
-        let t = insert1(g, NAME, at, Op::AllReduce { axis: TP.into(), op: ReduceOp::Sum }, &[t], m(g, "the target logit, from the rank that holds it"))?;
+        let t = insert1(
+            g,
+            NAME,
+            at,
+            Op::AllReduce {
+                axis: TP.into(),
+                op: ReduceOp::Sum,
+            },
+            &[t],
+            m(g, "the target logit, from the rank that holds it"),
+        )?;
         let tok = insert1(g, NAME, at, Op::Sub {}, &[lse, t], m(g, "token loss"))?;
-        let tok = insert1(g, NAME, at, Op::Reshape { shape: g.ty(labels).shape.clone() }, &[tok], m(g, "token loss"))?;
-        let ig = insert1(g, NAME, at, Op::Full { value: Float(ignore_index as f64), ty: TensorType::scalar(DType::I64) }, &[], m(g, "ignore_index"))?;
-        let valid = insert1(g, NAME, at, Op::Compare { op: CmpOp::Ne }, &[labels, ig], m(g, "labels that count"))?;
-        let valid = insert1(g, NAME, at, Op::Cast { dtype: DType::F32 }, &[valid], m(g, "labels that count"))?;
-        let tok = insert1(g, NAME, at, Op::Mul {}, &[tok, valid], m(g, "ignored labels contribute 0"))?;
+        let tok = insert1(
+            g,
+            NAME,
+            at,
+            Op::Reshape {
+                shape: g.ty(labels).shape.clone(),
+            },
+            &[tok],
+            m(g, "token loss"),
+        )?;
+        let ig = insert1(
+            g,
+            NAME,
+            at,
+            Op::Full {
+                value: Float(ignore_index as f64),
+                ty: TensorType::scalar(DType::I64),
+            },
+            &[],
+            m(g, "ignore_index"),
+        )?;
+        let valid = insert1(
+            g,
+            NAME,
+            at,
+            Op::Compare { op: CmpOp::Ne },
+            &[labels, ig],
+            m(g, "labels that count"),
+        )?;
+        let valid = insert1(
+            g,
+            NAME,
+            at,
+            Op::Cast { dtype: DType::F32 },
+            &[valid],
+            m(g, "labels that count"),
+        )?;
+        let tok = insert1(
+            g,
+            NAME,
+            at,
+            Op::Mul {},
+            &[tok, valid],
+            m(g, "ignored labels contribute 0"),
+        )?;
         let rank = g.ty(labels).rank() as i64;
         let out = match reduction {
             Reduction::None => tok,
             Reduction::Sum | Reduction::Mean => {
-                let sum = insert1(g, NAME, at, Op::Sum { dims: (0..rank).collect(), keepdim: false }, &[tok], m(g, "sum over tokens"))?;
+                let sum = insert1(
+                    g,
+                    NAME,
+                    at,
+                    Op::Sum {
+                        dims: (0..rank).collect(),
+                        keepdim: false,
+                    },
+                    &[tok],
+                    m(g, "sum over tokens"),
+                )?;
                 if reduction == Reduction::Sum {
                     sum
                 } else {
-                    let c = insert1(g, NAME, at, Op::CountValid { ignore_index }, &[labels], m(g, "valid labels"))?;
-                    insert1(g, NAME, at, Op::Div {}, &[sum, c], m(g, "mean over valid labels"))?
+                    let c = insert1(
+                        g,
+                        NAME,
+                        at,
+                        Op::CountValid { ignore_index },
+                        &[labels],
+                        m(g, "valid labels"),
+                    )?;
+                    insert1(
+                        g,
+                        NAME,
+                        at,
+                        Op::Div {},
+                        &[sum, c],
+                        m(g, "mean over valid labels"),
+                    )?
                 }
             }
         };
@@ -958,12 +1751,27 @@ impl Tp {
                 }
                 Some(sizes) if dims.len() == 1 => {
                     let sizes = sizes.clone();
-                    let whole = gather_uneven(g, g.def(v), v, dims[0], &sizes, &format!("output `{name}` whole"))?;
+                    let whole = gather_uneven(
+                        g,
+                        g.def(v),
+                        v,
+                        dims[0],
+                        &sizes,
+                        &format!("output `{name}` whole"),
+                    )?;
                     g.set_output(&name, whole);
                     res.count("all_gather", 1);
                 }
                 _ => {
-                    return Err(PassError::rewrite(NAME, format!("`{NAME}` cannot return output `{name}`"), g.describe(g.def(v)), format!("its type {} is split over tp in a way the pass cannot gather", g.ty(v))));
+                    return Err(PassError::rewrite(
+                        NAME,
+                        format!("`{NAME}` cannot return output `{name}`"),
+                        g.describe(g.def(v)),
+                        format!(
+                            "its type {} is split over tp in a way the pass cannot gather",
+                            g.ty(v)
+                        ),
+                    ));
                 }
             }
         }
@@ -976,7 +1784,9 @@ impl Tp {
     /// on `S/tp` tokens; the inputs of column-parallel layers (and of any op that is not
     /// per-token) are all_gathered back to the whole sequence first.
     fn sequence_parallel(&mut self, g: &mut Graph, res: &mut PassResult) -> Result<(), PassError> {
-        res.count("reduce_scatter", 0).count("seq_all_gather", 0).count("seq_slices", 0);
+        res.count("reduce_scatter", 0)
+            .count("seq_all_gather", 0)
+            .count("seq_slices", 0);
         let mut split: HashSet<Value> = HashSet::new();
         let reduces = std::mem::take(&mut self.seq_reduces);
         let mut seq_of: HashMap<Value, Dim> = HashMap::new();
@@ -986,10 +1796,23 @@ impl Tp {
             if t.rank() != 3 {
                 continue;
             }
-            let why = g.node(n).meta.provenance.as_ref().map(|p| p.reason.clone()).unwrap_or_default();
+            let why = g
+                .node(n)
+                .meta
+                .provenance
+                .as_ref()
+                .map(|p| p.reason.clone())
+                .unwrap_or_default();
             let d = g.node_mut(n);
-            d.op = Op::ReduceScatter { axis: TP.into(), dim: 1, op: ReduceOp::Sum };
-            d.meta.provenance = Some(Provenance { pass: NAME.into(), reason: format!("sequence parallel: {why}; each rank keeps its S/tp tokens") });
+            d.op = Op::ReduceScatter {
+                axis: TP.into(),
+                dim: 1,
+                op: ReduceOp::Sum,
+            };
+            d.meta.provenance = Some(Provenance {
+                pass: NAME.into(),
+                reason: format!("sequence parallel: {why}; each rank keeps its S/tp tokens"),
+            });
             self.reinfer(g, n)?;
             let r = g.node(n).results[0];
             split.insert(r);
@@ -1002,7 +1825,22 @@ impl Tp {
         let per_token = |op: &Op| {
             matches!(
                 op,
-                Op::RmsNorm { .. } | Op::Add {} | Op::Sub {} | Op::Mul {} | Op::Div {} | Op::Cast { .. } | Op::Silu {} | Op::Gelu { .. } | Op::Relu {} | Op::Scale { .. } | Op::AddScalar { .. } | Op::Neg {} | Op::Sigmoid {} | Op::Tanh {} | Op::Maximum {} | Op::Minimum {}
+                Op::RmsNorm { .. }
+                    | Op::Add {}
+                    | Op::Sub {}
+                    | Op::Mul {}
+                    | Op::Div {}
+                    | Op::Cast { .. }
+                    | Op::Silu {}
+                    | Op::Gelu { .. }
+                    | Op::Relu {}
+                    | Op::Scale { .. }
+                    | Op::AddScalar { .. }
+                    | Op::Neg {}
+                    | Op::Sigmoid {}
+                    | Op::Tanh {}
+                    | Op::Maximum {}
+                    | Op::Minimum {}
             )
         };
         let mut gathered: HashMap<Value, Value> = HashMap::new();
@@ -1014,7 +1852,11 @@ impl Tp {
                 continue;
             }
             let ops = d.operands.clone();
-            let seq = ops.iter().find_map(|v| seq_of.get(v)).cloned().expect("a split operand has a sequence dim");
+            let seq = ops
+                .iter()
+                .find_map(|v| seq_of.get(v))
+                .cloned()
+                .expect("a split operand has a sequence dim");
             if per_token(&d.op) {
                 for (i, v) in ops.iter().enumerate() {
                     let t = g.ty(*v);
@@ -1025,8 +1867,17 @@ impl Tp {
                     let w = match sliced.get(v) {
                         Some(w) => *w,
                         None => {
-                            let meta = meta_for(g, n, NAME, "sequence parallel: this rank's S/tp tokens of a whole value");
-                            let op = Op::Slice { dim: 1, start: Dim::coord(TP) * local.clone(), len: local };
+                            let meta = meta_for(
+                                g,
+                                n,
+                                NAME,
+                                "sequence parallel: this rank's S/tp tokens of a whole value",
+                            );
+                            let op = Op::Slice {
+                                dim: 1,
+                                start: Dim::coord(TP) * local.clone(),
+                                len: local,
+                            };
                             let w = insert1(g, NAME, At::After(g.def(*v)), op, &[*v], meta)?;
                             res.count("seq_slices", 1);
                             sliced.insert(*v, w);
@@ -1051,9 +1902,23 @@ impl Tp {
                         Some(w) => *w,
                         None => {
                             let t = g.ty(*v).clone();
-                            let reason = format!("sequence parallel: the whole sequence for `{}`, {} bytes per rank", g.node(n).op.name(), t.numel() * t.dtype.size_bytes() as i64);
+                            let reason = format!(
+                                "sequence parallel: the whole sequence for `{}`, {} bytes per rank",
+                                g.node(n).op.name(),
+                                t.numel() * t.dtype.size_bytes() as i64
+                            );
                             let meta = meta_for(g, n, NAME, reason);
-                            let w = insert1(g, NAME, At::After(g.def(*v)), Op::AllGather { axis: TP.into(), dim: 1 }, &[*v], meta)?;
+                            let w = insert1(
+                                g,
+                                NAME,
+                                At::After(g.def(*v)),
+                                Op::AllGather {
+                                    axis: TP.into(),
+                                    dim: 1,
+                                },
+                                &[*v],
+                                meta,
+                            )?;
                             res.count("seq_all_gather", 1);
                             gathered.insert(*v, w);
                             w
@@ -1067,8 +1932,23 @@ impl Tp {
         let outs: Vec<(String, Value)> = g.outputs().to_vec();
         for (name, v) in outs {
             if split.contains(&v) {
-                let meta = meta_for(g, g.def(v), NAME, format!("sequence parallel: output `{name}` whole"));
-                let w = insert1(g, NAME, At::After(g.def(v)), Op::AllGather { axis: TP.into(), dim: 1 }, &[v], meta)?;
+                let meta = meta_for(
+                    g,
+                    g.def(v),
+                    NAME,
+                    format!("sequence parallel: output `{name}` whole"),
+                );
+                let w = insert1(
+                    g,
+                    NAME,
+                    At::After(g.def(v)),
+                    Op::AllGather {
+                        axis: TP.into(),
+                        dim: 1,
+                    },
+                    &[v],
+                    meta,
+                )?;
                 g.set_output(&name, w);
             }
         }
@@ -1077,11 +1957,16 @@ impl Tp {
 
     fn mark_grad_allreduce(&self, g: &mut Graph, res: &mut PassResult) {
         for (name, v) in g.params() {
-            let Some(why) = self.grad_allreduce.get(&name) else { continue };
+            let Some(why) = self.grad_allreduce.get(&name) else {
+                continue;
+            };
             let n = g.def(v);
             let d = g.node_mut(n);
             if d.meta.provenance.is_none() {
-                d.meta.provenance = Some(Provenance { pass: NAME.into(), reason: format!("{GRAD_ALLREDUCE} ({why})") });
+                d.meta.provenance = Some(Provenance {
+                    pass: NAME.into(),
+                    reason: format!("{GRAD_ALLREDUCE} ({why})"),
+                });
             }
             res.count("grad_allreduce_params", 1);
         }
@@ -1101,8 +1986,14 @@ fn check_subs(name: &str, s: &LayerSpec, dim: usize, want: &[i64]) -> Result<(),
     };
     match got {
         Some(v) if v == want => Ok(()),
-        Some(v) => Err(param_error(name, format!("{} gives sub-parameters {v:?} but the attention's q, k, v sizes are {want:?}", s.origin))
-            .with_help(format!("use \"shape\": [{want:?}, -1]"))),
+        Some(v) => Err(param_error(
+            name,
+            format!(
+                "{} gives sub-parameters {v:?} but the attention's q, k, v sizes are {want:?}",
+                s.origin
+            ),
+        )
+        .with_help(format!("use \"shape\": [{want:?}, -1]"))),
         None => Ok(()),
     }
 }
@@ -1122,7 +2013,15 @@ fn trace_back(g: &Graph, v: Value) -> Option<(Node, Option<(Node, usize)>)> {
                 split = Some((n, i));
                 cur = d.operands[0];
             }
-            Op::Rope {} | Op::Transpose { .. } | Op::Permute { .. } | Op::RmsNorm { .. } | Op::Reshape { .. } | Op::Cast { .. } | Op::AllGather { .. } | Op::Slice { .. } | Op::Expand { .. } => cur = d.operands[0],
+            Op::Rope {}
+            | Op::Transpose { .. }
+            | Op::Permute { .. }
+            | Op::RmsNorm { .. }
+            | Op::Reshape { .. }
+            | Op::Cast { .. }
+            | Op::AllGather { .. }
+            | Op::Slice { .. }
+            | Op::Expand { .. } => cur = d.operands[0],
             _ => return None,
         }
     }
@@ -1137,7 +2036,13 @@ fn trace_forward(g: &Graph, v: Value, uses: &[Vec<(Node, usize)>]) -> Option<Nod
         let &(n, i) = us.first()?;
         match &g.node(n).op {
             Op::Linear {} if i == 0 => return Some(n),
-            Op::Transpose { .. } | Op::Permute { .. } | Op::Reshape { .. } | Op::Cast { .. } | Op::Slice { .. } | Op::AllGather { .. } | Op::AllToAll { .. } => cur = g.node(n).results[0],
+            Op::Transpose { .. }
+            | Op::Permute { .. }
+            | Op::Reshape { .. }
+            | Op::Cast { .. }
+            | Op::Slice { .. }
+            | Op::AllGather { .. }
+            | Op::AllToAll { .. } => cur = g.node(n).results[0],
             _ => return None,
         }
     }
@@ -1152,7 +2057,12 @@ fn following_split(g: &Graph, n: Node, dim: usize) -> Option<Vec<i64>> {
     let us = uses.get(out.0 as usize)?;
     let [(u, 0)] = us.as_slice() else { return None };
     match &g.node(*u).op {
-        Op::Split { dim: d, sizes } if sizes.len() > 1 && weft_ir::shape::norm_dim(*d, g.ty(out).rank()).ok() == Some(dim) => sizes.iter().map(const_of).collect(),
+        Op::Split { dim: d, sizes }
+            if sizes.len() > 1
+                && weft_ir::shape::norm_dim(*d, g.ty(out).rank()).ok() == Some(dim) =>
+        {
+            sizes.iter().map(const_of).collect()
+        }
         _ => None,
     }
 }
@@ -1218,26 +2128,100 @@ fn reshape_target(old_in: &[Dim], new_in: &[Dim], target: &[Dim], g: &Graph) -> 
 
 /// `x` gathered whole along `dim` over tp. Even sizes: one `all_gather`. Uneven: pad to
 /// the largest size, `all_gather`, and keep each rank's part (pad, gather, trim).
-fn gather_uneven(g: &mut Graph, anchor: Node, x: Value, dim: usize, sizes: &[i64], why: &str) -> Result<Value, PassError> {
+fn gather_uneven(
+    g: &mut Graph,
+    anchor: Node,
+    x: Value,
+    dim: usize,
+    sizes: &[i64],
+    why: &str,
+) -> Result<Value, PassError> {
     let at = |g: &Graph, v: Value| At::After(g.def(v));
     let m = |g: &Graph, r: String| meta_for(g, anchor, NAME, format!("{why}: {r}"));
     let t = g.ty(x).clone();
     let max = sizes.iter().copied().max().unwrap_or(0);
     if sizes.iter().all(|&s| s == max) {
-        let meta = m(g, format!("all_gather dim {dim} over tp, {} bytes per rank", t.numel() * t.dtype.size_bytes() as i64));
-        return insert1(g, NAME, at(g, x), Op::AllGather { axis: TP.into(), dim: dim as i64 }, &[x], meta);
+        let meta = m(
+            g,
+            format!(
+                "all_gather dim {dim} over tp, {} bytes per rank",
+                t.numel() * t.dtype.size_bytes() as i64
+            ),
+        );
+        return insert1(
+            g,
+            NAME,
+            at(g, x),
+            Op::AllGather {
+                axis: TP.into(),
+                dim: dim as i64,
+            },
+            &[x],
+            meta,
+        );
     }
     let mut pad_ty = t.clone();
     pad_ty.shape[dim] = per_rank(&sizes.iter().map(|s| max - s).collect::<Vec<_>>());
-    let pad = insert1(g, NAME, at(g, x), Op::Full { value: Float(0.0), ty: pad_ty }, &[], m(g, format!("pad this rank's part to {max}")))?;
-    let padded = insert1(g, NAME, at(g, pad), Op::Concat { dim: dim as i64 }, &[x, pad], m(g, format!("pad to {max}")))?;
-    let all = insert1(g, NAME, at(g, padded), Op::AllGather { axis: TP.into(), dim: dim as i64 }, &[padded], m(g, format!("all_gather the padded parts, {} bytes per rank", t.numel() * t.dtype.size_bytes() as i64)))?;
+    let pad = insert1(
+        g,
+        NAME,
+        at(g, x),
+        Op::Full {
+            value: Float(0.0),
+            ty: pad_ty,
+        },
+        &[],
+        m(g, format!("pad this rank's part to {max}")),
+    )?;
+    let padded = insert1(
+        g,
+        NAME,
+        at(g, pad),
+        Op::Concat { dim: dim as i64 },
+        &[x, pad],
+        m(g, format!("pad to {max}")),
+    )?;
+    let all = insert1(
+        g,
+        NAME,
+        at(g, padded),
+        Op::AllGather {
+            axis: TP.into(),
+            dim: dim as i64,
+        },
+        &[padded],
+        m(
+            g,
+            format!(
+                "all_gather the padded parts, {} bytes per rank",
+                t.numel() * t.dtype.size_bytes() as i64
+            ),
+        ),
+    )?;
     let mut parts = Vec::new();
     let mut cur = all;
     for (r, &s) in sizes.iter().enumerate() {
-        let p = insert1(g, NAME, at(g, cur), Op::Slice { dim: dim as i64, start: Dim::from(r as i64 * max), len: Dim::from(s) }, &[all], m(g, format!("rank {r}'s {s} without padding")))?;
+        let p = insert1(
+            g,
+            NAME,
+            at(g, cur),
+            Op::Slice {
+                dim: dim as i64,
+                start: Dim::from(r as i64 * max),
+                len: Dim::from(s),
+            },
+            &[all],
+            m(g, format!("rank {r}'s {s} without padding")),
+        )?;
         parts.push(p);
         cur = p;
     }
-    insert1(g, NAME, at(g, cur), Op::Concat { dim: dim as i64 }, &parts, m(g, "trimmed parts in rank order".into()))
+    insert1(
+        g,
+        NAME,
+        at(g, cur),
+        Op::Concat { dim: dim as i64 },
+        &parts,
+        m(g, "trimmed parts in rank order".into()),
+    )
 }

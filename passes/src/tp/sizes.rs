@@ -17,7 +17,9 @@
 
 /// Near-even split: the first `total % ranks` ranks take one more.
 pub fn near_even(total: i64, ranks: i64) -> Vec<i64> {
-    (0..ranks).map(|r| total / ranks + i64::from(r < total % ranks)).collect()
+    (0..ranks)
+        .map(|r| total / ranks + i64::from(r < total % ranks))
+        .collect()
 }
 
 /// DeepSpeed's grain rule, with the last rank taking the sub-grain remainder.
@@ -27,7 +29,10 @@ pub fn grain_sizes(total: i64, ranks: i64, grain: i64) -> Vec<i64> {
         return near_even(total, ranks);
     }
     let (units, rem) = (total / grain, total % grain);
-    let mut v: Vec<i64> = near_even(units, ranks).into_iter().map(|u| u * grain).collect();
+    let mut v: Vec<i64> = near_even(units, ranks)
+        .into_iter()
+        .map(|u| u * grain)
+        .collect();
     if let Some(last) = v.last_mut() {
         *last += rem;
     }
@@ -40,7 +45,12 @@ pub fn kv_head_sizes(total: i64, ranks: i64, nkv: i64) -> Option<Vec<i64>> {
     if nkv <= 0 || total % nkv != 0 {
         return None;
     }
-    Some(near_even(nkv, ranks).into_iter().map(|s| total * s / nkv).collect())
+    Some(
+        near_even(nkv, ranks)
+            .into_iter()
+            .map(|s| total * s / nkv)
+            .collect(),
+    )
 }
 
 /// How an attention's heads are dealt to the ranks of `tp`.
@@ -65,10 +75,16 @@ pub fn attention_heads(nq: i64, nkv: i64, ranks: i64) -> Result<HeadSplit, Strin
     if nkv >= ranks {
         let kv = near_even(nkv, ranks);
         let q = kv.iter().map(|k| k * group).collect();
-        return Ok(HeadSplit { q, kv, kv_replicated: None });
+        return Ok(HeadSplit {
+            q,
+            kv,
+            kv_replicated: None,
+        });
     }
     if ranks > nq {
-        return Err(format!("{ranks} ranks but only {nq} q heads: some rank would hold no head"));
+        return Err(format!(
+            "{ranks} ranks but only {nq} q heads: some rank would hold no head"
+        ));
     }
     // Deal the ranks out to the kv groups, then each group's q heads to its ranks.
     let per_group = near_even(ranks, nkv);
@@ -82,7 +98,11 @@ pub fn attention_heads(nq: i64, nkv: i64, ranks: i64) -> Result<HeadSplit, Strin
             which.push(g as i64);
         }
     }
-    Ok(HeadSplit { q, kv: vec![1; ranks as usize], kv_replicated: Some(which) })
+    Ok(HeadSplit {
+        q,
+        kv: vec![1; ranks as usize],
+        kv_replicated: Some(which),
+    })
 }
 
 #[cfg(test)]
@@ -104,8 +124,14 @@ mod tests {
         assert_eq!(kv_head_sizes(4096, 3, 8), Some(vec![1536, 1536, 1024]));
         assert_eq!(kv_head_sizes(1024, 3, 8), Some(vec![384, 384, 256]));
         let h = attention_heads(32, 8, 3).unwrap();
-        assert_eq!(h.q.iter().map(|x| x * 128).collect::<Vec<_>>(), vec![1536, 1536, 1024]);
-        assert_eq!(h.kv.iter().map(|x| x * 128).collect::<Vec<_>>(), vec![384, 384, 256]);
+        assert_eq!(
+            h.q.iter().map(|x| x * 128).collect::<Vec<_>>(),
+            vec![1536, 1536, 1024]
+        );
+        assert_eq!(
+            h.kv.iter().map(|x| x * 128).collect::<Vec<_>>(),
+            vec![384, 384, 256]
+        );
     }
 
     #[test]

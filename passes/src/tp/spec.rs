@@ -120,7 +120,11 @@ pub struct SpecError {
 }
 
 fn err(location: impl Into<String>, why: impl Into<String>) -> SpecError {
-    SpecError { location: location.into(), why: why.into(), help: None }
+    SpecError {
+        location: location.into(),
+        why: why.into(),
+        help: None,
+    }
 }
 
 impl SpecError {
@@ -134,7 +138,8 @@ impl TpSpec {
     /// Parses DeepSpeed JSON: a whole config (`tensor_parallel.partition_config`), a
     /// `tensor_parallel` object, or the `partition_config` object itself.
     pub fn from_deepspeed_json(text: &str, source: &str) -> Result<TpSpec, SpecError> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| err(source, format!("not JSON: {e}")))?;
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| err(source, format!("not JSON: {e}")))?;
         let mut grain = None;
         let mut sequence_parallel = false;
         let mut pc = &v;
@@ -148,45 +153,80 @@ impl TpSpec {
             grain = Some(g);
         }
         if let Some(b) = pc.get("sequence_parallel") {
-            sequence_parallel = b.as_bool().ok_or_else(|| err(format!("{source}: sequence_parallel"), format!("must be true or false, got {b}")))?;
+            sequence_parallel = b.as_bool().ok_or_else(|| {
+                err(
+                    format!("{source}: sequence_parallel"),
+                    format!("must be true or false, got {b}"),
+                )
+            })?;
         }
         if let Some(p) = pc.get("partition_config") {
             at.push_str("partition_config.");
             pc = p;
         }
-        let obj = pc.as_object().ok_or_else(|| err(source, format!("`{at}` is not an object")))?;
+        let obj = pc
+            .as_object()
+            .ok_or_else(|| err(source, format!("`{at}` is not an object")))?;
         if !obj.contains_key("layer_specs") {
-            return Err(err(source, format!("no `{at}layer_specs`"))
-                .help("give DeepSpeed's `tensor_parallel.partition_config` with a `layer_specs` list"));
+            return Err(err(source, format!("no `{at}layer_specs`")).help(
+                "give DeepSpeed's `tensor_parallel.partition_config` with a `layer_specs` list",
+            ));
         }
         if let Some(g) = grain {
             if g < 1 {
-                return Err(err(format!("{source}: tp_grain_size"), format!("must be a positive integer, got {g}")));
+                return Err(err(
+                    format!("{source}: tp_grain_size"),
+                    format!("must be a positive integer, got {g}"),
+                ));
             }
         }
         let boolean = |key: &str, default: bool| -> Result<bool, SpecError> {
             match obj.get(key) {
                 None | Some(serde_json::Value::Null) => Ok(default),
                 Some(serde_json::Value::Bool(b)) => Ok(*b),
-                Some(other) => Err(err(format!("{source}: {at}{key}"), format!("must be true or false, got {other}"))),
+                Some(other) => Err(err(
+                    format!("{source}: {at}{key}"),
+                    format!("must be true or false, got {other}"),
+                )),
             }
         };
         let use_default_specs = boolean("use_default_specs", true)?;
         let strict = boolean("strict_mode", false)? || boolean("strict", false)?;
-        let list = obj["layer_specs"].as_array().ok_or_else(|| err(format!("{source}: {at}layer_specs"), "must be a list"))?;
+        let list = obj["layer_specs"]
+            .as_array()
+            .ok_or_else(|| err(format!("{source}: {at}layer_specs"), "must be a list"))?;
         let mut layer_specs = Vec::new();
         for (i, s) in list.iter().enumerate() {
             let origin = format!("{source}: {at}layer_specs[{i}]");
             layer_specs.push(parse_layer_spec(s, &origin)?);
         }
-        Ok(TpSpec { layer_specs, use_default_specs, strict, grain, sequence_parallel, source: source.to_string() })
+        Ok(TpSpec {
+            layer_specs,
+            use_default_specs,
+            strict,
+            grain,
+            sequence_parallel,
+            source: source.to_string(),
+        })
     }
 }
 
 fn parse_layer_spec(s: &serde_json::Value, origin: &str) -> Result<LayerSpec, SpecError> {
-    let o = s.as_object().ok_or_else(|| err(origin, "must be an object"))?;
+    let o = s
+        .as_object()
+        .ok_or_else(|| err(origin, "must be an object"))?;
     for k in o.keys() {
-        if !["patterns", "partition_type", "gather_output", "shape", "partition_dim", "grad_allreduce", "model_types"].contains(&k.as_str()) {
+        if ![
+            "patterns",
+            "partition_type",
+            "gather_output",
+            "shape",
+            "partition_dim",
+            "grad_allreduce",
+            "model_types",
+        ]
+        .contains(&k.as_str())
+        {
             return Err(err(origin, format!("unknown key `{k}`"))
                 .help("keys are patterns, partition_type, shape, partition_dim, gather_output, grad_allreduce, model_types"));
         }
@@ -194,10 +234,19 @@ fn parse_layer_spec(s: &serde_json::Value, origin: &str) -> Result<LayerSpec, Sp
     let patterns: Vec<String> = match o.get("patterns") {
         Some(serde_json::Value::Array(a)) => a
             .iter()
-            .map(|p| p.as_str().map(str::to_string).ok_or_else(|| err(origin, format!("pattern {p} is not a string"))))
+            .map(|p| {
+                p.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| err(origin, format!("pattern {p} is not a string")))
+            })
             .collect::<Result<_, _>>()?,
         Some(serde_json::Value::String(p)) => vec![p.clone()],
-        _ => return Err(err(origin, "needs `patterns`, a list of regular expressions")),
+        _ => {
+            return Err(err(
+                origin,
+                "needs `patterns`, a list of regular expressions",
+            ))
+        }
     };
     for p in &patterns {
         compile(p).map_err(|e| err(origin, format!("pattern `{p}` does not compile: {e}")))?;
@@ -208,7 +257,10 @@ fn parse_layer_spec(s: &serde_json::Value, origin: &str) -> Result<LayerSpec, Sp
             "column" => PartitionType::Column,
             "row" => PartitionType::Row,
             "skip" => PartitionType::Skip,
-            _ => return Err(err(origin, format!("unknown partition_type `{t}`")).help("use column, row or skip")),
+            _ => {
+                return Err(err(origin, format!("unknown partition_type `{t}`"))
+                    .help("use column, row or skip"))
+            }
         },
         Some(None) => return Err(err(origin, "partition_type must be a string")),
     };
@@ -221,7 +273,12 @@ fn parse_layer_spec(s: &serde_json::Value, origin: &str) -> Result<LayerSpec, Sp
     };
     let partition_dim = match o.get("partition_dim") {
         None | Some(serde_json::Value::Null) => None,
-        Some(v) => Some(v.as_u64().ok_or_else(|| err(origin, format!("partition_dim must be a non-negative integer, got {v}")))? as usize),
+        Some(v) => Some(v.as_u64().ok_or_else(|| {
+            err(
+                origin,
+                format!("partition_dim must be a non-negative integer, got {v}"),
+            )
+        })? as usize),
     };
     let shape = match o.get("shape") {
         None | Some(serde_json::Value::Null) => None,
@@ -229,27 +286,63 @@ fn parse_layer_spec(s: &serde_json::Value, origin: &str) -> Result<LayerSpec, Sp
     };
     let model_types = match o.get("model_types") {
         None | Some(serde_json::Value::Null) => None,
-        Some(serde_json::Value::Array(a)) => Some(a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect()),
-        Some(v) => return Err(err(origin, format!("model_types must be a list of strings, got {v}"))),
+        Some(serde_json::Value::Array(a)) => Some(
+            a.iter()
+                .filter_map(|x| x.as_str().map(str::to_string))
+                .collect(),
+        ),
+        Some(v) => {
+            return Err(err(
+                origin,
+                format!("model_types must be a list of strings, got {v}"),
+            ))
+        }
     };
-    let spec = LayerSpec { patterns, partition_type, gather_output: flag("gather_output")?, shape, partition_dim, grad_allreduce: flag("grad_allreduce")?, model_types, origin: origin.to_string() };
+    let spec = LayerSpec {
+        patterns,
+        partition_type,
+        gather_output: flag("gather_output")?,
+        shape,
+        partition_dim,
+        grad_allreduce: flag("grad_allreduce")?,
+        model_types,
+        origin: origin.to_string(),
+    };
     if spec.gather_output && spec.partition_type != PartitionType::Column {
-        return Err(err(origin, "gather_output applies to column-parallel layers only"));
+        return Err(err(
+            origin,
+            "gather_output applies to column-parallel layers only",
+        ));
     }
     if spec.grad_allreduce && spec.partition_type != PartitionType::Skip {
-        return Err(err(origin, "grad_allreduce applies to skip (replicated) layers only"));
+        return Err(err(
+            origin,
+            "grad_allreduce applies to skip (replicated) layers only",
+        ));
     }
     Ok(spec)
 }
 
-fn parse_shape(v: &serde_json::Value, origin: &str, pdim: Option<usize>, pt: PartitionType) -> Result<Vec<ShapeEntry>, SpecError> {
-    let a = v.as_array().ok_or_else(|| err(origin, format!("shape must be a list, got {v}")))?;
+fn parse_shape(
+    v: &serde_json::Value,
+    origin: &str,
+    pdim: Option<usize>,
+    pt: PartitionType,
+) -> Result<Vec<ShapeEntry>, SpecError> {
+    let a = v
+        .as_array()
+        .ok_or_else(|| err(origin, format!("shape must be a list, got {v}")))?;
     let pdim = pdim.unwrap_or(if pt == PartitionType::Row { 1 } else { 0 });
     let mut out = Vec::new();
     for (i, x) in a.iter().enumerate() {
         match x {
             serde_json::Value::Number(n) => {
-                let n = n.as_i64().filter(|&n| n == -1 || n > 0).ok_or_else(|| err(origin, format!("shape[{i}] must be a positive integer or -1, got {x}")))?;
+                let n = n.as_i64().filter(|&n| n == -1 || n > 0).ok_or_else(|| {
+                    err(
+                        origin,
+                        format!("shape[{i}] must be a positive integer or -1, got {x}"),
+                    )
+                })?;
                 out.push(ShapeEntry::Size(n));
             }
             serde_json::Value::Array(sub) => {
@@ -261,15 +354,29 @@ fn parse_shape(v: &serde_json::Value, origin: &str, pdim: Option<usize>, pt: Par
                     .map(|s| s.as_i64().filter(|&s| s > 0).ok_or_else(|| err(origin, format!("sub-parameter size {s} in shape[{i}] must be a positive integer"))))
                     .collect::<Result<_, _>>()?;
                 if sizes.is_empty() {
-                    return Err(err(origin, format!("shape[{i}] lists no sub-parameter sizes")));
+                    return Err(err(
+                        origin,
+                        format!("shape[{i}] lists no sub-parameter sizes"),
+                    ));
                 }
                 out.push(ShapeEntry::Sub(sizes));
             }
-            _ => return Err(err(origin, format!("shape[{i}] must be an integer or a list of integers, got {x}"))),
+            _ => {
+                return Err(err(
+                    origin,
+                    format!("shape[{i}] must be an integer or a list of integers, got {x}"),
+                ))
+            }
         }
     }
     if pdim >= out.len() {
-        return Err(err(origin, format!("partition_dim {pdim} is out of range for shape of {} dims", out.len())));
+        return Err(err(
+            origin,
+            format!(
+                "partition_dim {pdim} is out of range for shape of {} dims",
+                out.len()
+            ),
+        ));
     }
     Ok(out)
 }
@@ -362,7 +469,11 @@ impl Rules {
         for s in all {
             let mut rs = Vec::new();
             for p in &s.patterns {
-                rs.push(compile(p).map_err(|e| err(&s.origin, format!("pattern `{p}` does not compile: {e}")))?);
+                rs.push(
+                    compile(p).map_err(|e| {
+                        err(&s.origin, format!("pattern `{p}` does not compile: {e}"))
+                    })?,
+                );
             }
             rules.push((s, rs));
         }
@@ -378,7 +489,9 @@ impl Rules {
     /// Like [`Rules::find`], and whether a pattern matched the full parameter name
     /// (`true`) or only its module (`false`).
     pub fn find_how(&self, name: &str, model_type: Option<&str>) -> Option<(&LayerSpec, bool)> {
-        let module = name.strip_suffix(".weight").or_else(|| name.strip_suffix(".bias"));
+        let module = name
+            .strip_suffix(".weight")
+            .or_else(|| name.strip_suffix(".bias"));
         self.rules.iter().find_map(|(s, rs)| {
             let type_ok = match (&s.model_types, model_type) {
                 (None, _) => true,
@@ -401,7 +514,12 @@ impl Rules {
 
 impl fmt::Display for LayerSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {}", self.partition_type.as_str(), self.patterns.join(" | "))
+        write!(
+            f,
+            "{} {}",
+            self.partition_type.as_str(),
+            self.patterns.join(" | ")
+        )
     }
 }
 
@@ -423,45 +541,114 @@ mod tests {
         assert_eq!(s.grain, Some(64));
         assert!(!s.use_default_specs);
         assert_eq!(s.layer_specs.len(), 4);
-        assert_eq!(s.layer_specs[1].sub_params(0), Some(Err(vec![4096, 1024, 1024])));
+        assert_eq!(
+            s.layer_specs[1].sub_params(0),
+            Some(Err(vec![4096, 1024, 1024]))
+        );
         assert_eq!(s.layer_specs[2].sub_params(0), Some(Ok(2)));
         let r = Rules::new(Some(&s), &[]).unwrap();
-        assert_eq!(r.find("model.layers.3.self_attn.o_proj.weight", None).unwrap().partition_type, PartitionType::Row);
-        assert!(r.find("model.layers.3.self_attn.q_proj.weight", None).is_none());
-        assert!(r.find("model.layers.3.self_attn.q_norm.weight", None).unwrap().grad_allreduce);
+        assert_eq!(
+            r.find("model.layers.3.self_attn.o_proj.weight", None)
+                .unwrap()
+                .partition_type,
+            PartitionType::Row
+        );
+        assert!(r
+            .find("model.layers.3.self_attn.q_proj.weight", None)
+            .is_none());
+        assert!(
+            r.find("model.layers.3.self_attn.q_norm.weight", None)
+                .unwrap()
+                .grad_allreduce
+        );
     }
 
     #[test]
     fn bad_specs_say_what_is_wrong() {
-        let e = TpSpec::from_deepspeed_json(r#"{"layer_specs": [{"patterns": ["(.*"], "partition_type": "row"}]}"#, "s.json").unwrap_err();
-        assert!(e.to_string().contains("pattern `(.*` does not compile"), "{e}");
+        let e = TpSpec::from_deepspeed_json(
+            r#"{"layer_specs": [{"patterns": ["(.*"], "partition_type": "row"}]}"#,
+            "s.json",
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("pattern `(.*` does not compile"),
+            "{e}"
+        );
         assert!(e.to_string().contains("s.json: layer_specs[0]"), "{e}");
-        let e = TpSpec::from_deepspeed_json(r#"{"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}"#, "s.json").unwrap_err();
-        assert!(e.to_string().contains("unknown partition_type `diagonal`"), "{e}");
-        let e = TpSpec::from_deepspeed_json(r#"{"layer_specs": [{"patterns": ["x"], "shape": [-1, [1, 2]]}]}"#, "s.json").unwrap_err();
-        assert!(e.to_string().contains("only allowed at the partition dim"), "{e}");
-        let e = from_hf_plan(&[("layers.*.mlp.experts".into(), "local_packed_rowwise".into())], "config.json").unwrap_err();
-        assert!(e.to_string().contains("unsupported tensor-parallel style `local_packed_rowwise`"), "{e}");
+        let e = TpSpec::from_deepspeed_json(
+            r#"{"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}"#,
+            "s.json",
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("unknown partition_type `diagonal`"),
+            "{e}"
+        );
+        let e = TpSpec::from_deepspeed_json(
+            r#"{"layer_specs": [{"patterns": ["x"], "shape": [-1, [1, 2]]}]}"#,
+            "s.json",
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("only allowed at the partition dim"),
+            "{e}"
+        );
+        let e = from_hf_plan(
+            &[("layers.*.mlp.experts".into(), "local_packed_rowwise".into())],
+            "config.json",
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("unsupported tensor-parallel style `local_packed_rowwise`"),
+            "{e}"
+        );
     }
 
     #[test]
     fn hf_plan_and_priority() {
         let plan = vec![
-            ("layers.*.self_attn.q_proj".to_string(), "colwise".to_string()),
-            ("layers.*.self_attn.q_norm".to_string(), "replicated_with_grad_allreduce".to_string()),
+            (
+                "layers.*.self_attn.q_proj".to_string(),
+                "colwise".to_string(),
+            ),
+            (
+                "layers.*.self_attn.q_norm".to_string(),
+                "replicated_with_grad_allreduce".to_string(),
+            ),
             ("lm_head".to_string(), "colwise_rep".to_string()),
         ];
         let hf = from_hf_plan(&plan, "config.json").unwrap();
         let r = Rules::new(None, &hf).unwrap();
-        let q = r.find("model.layers.12.self_attn.q_proj.weight", None).unwrap();
+        let q = r
+            .find("model.layers.12.self_attn.q_proj.weight", None)
+            .unwrap();
         assert!(q.origin.contains("base_model_tp_plan"));
-        assert!(r.find("model.layers.1.self_attn.q_norm.weight", None).unwrap().grad_allreduce);
+        assert!(
+            r.find("model.layers.1.self_attn.q_norm.weight", None)
+                .unwrap()
+                .grad_allreduce
+        );
         assert!(r.find("lm_head.weight", None).unwrap().gather_output);
         // Not in the plan: the preset.
-        assert_eq!(r.find("model.layers.1.mlp.down_proj.weight", None).unwrap().origin, "built-in preset");
+        assert_eq!(
+            r.find("model.layers.1.mlp.down_proj.weight", None)
+                .unwrap()
+                .origin,
+            "built-in preset"
+        );
         // An explicit spec comes first.
-        let s = TpSpec::from_deepspeed_json(r#"{"layer_specs": [{"patterns": [".*q_proj.*"], "partition_type": "skip"}]}"#, "s.json").unwrap();
+        let s = TpSpec::from_deepspeed_json(
+            r#"{"layer_specs": [{"patterns": [".*q_proj.*"], "partition_type": "skip"}]}"#,
+            "s.json",
+        )
+        .unwrap();
         let r = Rules::new(Some(&s), &hf).unwrap();
-        assert_eq!(r.find("model.layers.12.self_attn.q_proj.weight", None).unwrap().partition_type, PartitionType::Skip);
+        assert_eq!(
+            r.find("model.layers.12.self_attn.q_proj.weight", None)
+                .unwrap()
+                .partition_type,
+            PartitionType::Skip
+        );
     }
 }

@@ -25,14 +25,34 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
     let one = |t: Tensor| Ok(vec![t]);
     match op {
         Op::AttentionGrad { causal, scale } => {
-            let (dq, dk, dv) = attention_grad(&ins[0], &ins[1], &ins[2], &ins[3], &ins[4], ins.get(5), *causal, scale.0, cx.float)?;
+            let (dq, dk, dv) = attention_grad(
+                &ins[0],
+                &ins[1],
+                &ins[2],
+                &ins[3],
+                &ins[4],
+                ins.get(5),
+                *causal,
+                scale.0,
+                cx.float,
+            )?;
             Ok(vec![dq, dk, dv])
         }
         Op::RmsNormGrad { eps } => {
             let (dx, dw) = rms_norm_grad(&ins[0], &ins[1], &ins[2], eps.0)?;
             Ok(vec![dx, dw])
         }
-        Op::CrossEntropyGrad { ignore_index, reduction } => one(cross_entropy_grad(&ins[0], &ins[1], &ins[2], *ignore_index, *reduction, cx.float)?),
+        Op::CrossEntropyGrad {
+            ignore_index,
+            reduction,
+        } => one(cross_entropy_grad(
+            &ins[0],
+            &ins[1],
+            &ins[2],
+            *ignore_index,
+            *reduction,
+            cx.float,
+        )?),
         Op::EmbeddingGrad { .. } => one(embedding_grad(&ins[0], &ins[1], cx.out[0].1[0])?),
         Op::SiluGrad {} => one(silu_grad(&ins[0], &ins[1])?),
         Op::GeluGrad { tanh_approx } => one(gelu_grad(&ins[0], &ins[1], *tanh_approx)?),
@@ -50,11 +70,39 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             let (drows, dw) = moe_combine_grad(&ins[0], &ins[1], &ins[2], &ins[3])?;
             Ok(vec![drows, dw])
         }
-        Op::AdamW { lr, beta1, beta2, eps, weight_decay } => {
-            let (p, m, v) = adamw(&ins[0], &ins[1], &ins[2], &ins[3], &ins[4], lr.0, beta1.0, beta2.0, eps.0, weight_decay.0)?;
+        Op::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
+            let (p, m, v) = adamw(
+                &ins[0],
+                &ins[1],
+                &ins[2],
+                &ins[3],
+                &ins[4],
+                lr.0,
+                beta1.0,
+                beta2.0,
+                eps.0,
+                weight_decay.0,
+            )?;
             Ok(vec![p, m, v])
         }
-        Op::Sgd { lr, momentum, weight_decay } => sgd(&ins[0], &ins[1], ins.get(2), lr.0, momentum.0, weight_decay.0),
+        Op::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        } => sgd(
+            &ins[0],
+            &ins[1],
+            ins.get(2),
+            lr.0,
+            momentum.0,
+            weight_decay.0,
+        ),
         // The CPU has one memory: the copy is the value itself (its operands after the
         // first only order it).
         Op::Offload { .. } | Op::Reload { .. } => one(ins[0].clone()),
@@ -64,7 +112,15 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
 
 /// The scores' additive mask of `attention` (0 where kept, the dtype's most negative
 /// value elsewhere), exactly as the forward kernel builds it.
-fn attention_bias(mask: Option<&Tensor>, causal: bool, b: usize, nq: usize, sq: usize, sk: usize, float: C) -> KResult<Option<Tensor>> {
+fn attention_bias(
+    mask: Option<&Tensor>,
+    causal: bool,
+    b: usize,
+    nq: usize,
+    sq: usize,
+    sk: usize,
+    float: C,
+) -> KResult<Option<Tensor>> {
     let mut keep: Option<Tensor> = None;
     if causal {
         let off = sk as i64 - sq as i64;
@@ -74,7 +130,12 @@ fn attention_bias(mask: Option<&Tensor>, causal: bool, b: usize, nq: usize, sq: 
     }
     if let Some(m) = mask {
         let md = m.dims();
-        if md.len() != 4 || md[2] != sq || md[3] != sk || !(md[0] == 1 || md[0] == b) || !(md[1] == 1 || md[1] == nq) {
+        if md.len() != 4
+            || md[2] != sq
+            || md[3] != sk
+            || !(md[0] == 1 || md[0] == b)
+            || !(md[1] == 1 || md[1] == nq)
+        {
             bail!("mask {md:?} must be [B|1, heads|1, {sq}, {sk}]");
         }
         let m = m.to_dtype(C::U8)?;
@@ -85,7 +146,11 @@ fn attention_bias(mask: Option<&Tensor>, causal: bool, b: usize, nq: usize, sq: 
     }
     Ok(match keep {
         Some(keep) => {
-            let min = if float == C::F64 { f64::MIN } else { f32::MIN as f64 };
+            let min = if float == C::F64 {
+                f64::MIN
+            } else {
+                f32::MIN as f64
+            };
             Some(keep.to_dtype(float)?.affine(-min, min)?)
         }
         None => None,
@@ -109,17 +174,32 @@ pub(crate) fn attention_grad(
 ) -> KResult<(Tensor, Tensor, Tensor)> {
     let (b, nq, sq, hd) = q.dims4()?;
     let (bk, nkv, sk, hdk) = k.dims4()?;
-    if v.dims() != k.dims() || bk != b || hdk != hd || out.dims() != q.dims() || dout.dims() != q.dims() {
-        bail!("q {:?}, k {:?}, v {:?}, out {:?}, dout {:?} do not fit together", q.dims(), k.dims(), v.dims(), out.dims(), dout.dims());
+    if v.dims() != k.dims()
+        || bk != b
+        || hdk != hd
+        || out.dims() != q.dims()
+        || dout.dims() != q.dims()
+    {
+        bail!(
+            "q {:?}, k {:?}, v {:?}, out {:?}, dout {:?} do not fit together",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            out.dims(),
+            dout.dims()
+        );
     }
     if nkv == 0 || nq % nkv != 0 {
         bail!("q heads ({nq}) must be a multiple of kv heads ({nkv})");
     }
     let rep = nq / nkv;
-    let fold = |t: &Tensor| -> KResult<Tensor> { Ok(t.contiguous()?.reshape((b, nkv, rep * sq, hd))?) };
+    let fold =
+        |t: &Tensor| -> KResult<Tensor> { Ok(t.contiguous()?.reshape((b, nkv, rep * sq, hd))?) };
     let (qg, og, dog) = (fold(q)?, fold(out)?, fold(dout)?);
     let kt = k.transpose(2, 3)?;
-    let scores = kernels::matmul(&qg, &kt)?.affine(scale, 0.0)?.reshape((b, nq, sq, sk))?;
+    let scores = kernels::matmul(&qg, &kt)?
+        .affine(scale, 0.0)?
+        .reshape((b, nq, sq, sk))?;
     let scores = match attention_bias(mask, causal, b, nq, sq, sk, float)? {
         Some(bias) => scores.broadcast_add(&bias)?,
         None => scores,
@@ -129,17 +209,29 @@ pub(crate) fn attention_grad(
     let dp = kernels::matmul(&dog, &v.transpose(2, 3)?)?;
     let dsum = (&dog * &og)?.sum_keepdim(3)?;
     let ds = p.mul(&dp.broadcast_sub(&dsum)?)?;
-    let dq = kernels::matmul(&ds, &k.contiguous()?)?.affine(scale, 0.0)?.reshape((b, nq, sq, hd))?;
+    let dq = kernels::matmul(&ds, &k.contiguous()?)?
+        .affine(scale, 0.0)?
+        .reshape((b, nq, sq, hd))?;
     let dk = kernels::matmul(&ds.transpose(2, 3)?, &qg)?.affine(scale, 0.0)?;
     Ok((dq, dk, dv))
 }
 
 /// dx, dw of `rms_norm`: with `r = 1/sqrt(mean(x^2) + eps)` and `xh = x r`,
 /// `dw = sum_rows(dy xh)` and `dx = r (g - xh mean(g xh))` where `g = dy w`.
-pub(crate) fn rms_norm_grad(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> KResult<(Tensor, Tensor)> {
+pub(crate) fn rms_norm_grad(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    eps: f64,
+) -> KResult<(Tensor, Tensor)> {
     let h = *x.dims().last().unwrap_or(&0);
     if w.dims() != [h] || dy.dims() != x.dims() {
-        bail!("x {:?}, w {:?}, dy {:?} do not fit together", x.dims(), w.dims(), dy.dims());
+        bail!(
+            "x {:?}, w {:?}, dy {:?} do not fit together",
+            x.dims(),
+            w.dims(),
+            dy.dims()
+        );
     }
     let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
     let xh = x.broadcast_mul(&r)?;
@@ -153,18 +245,36 @@ pub(crate) fn rms_norm_grad(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> KR
 
 /// dlogits of `cross_entropy`: `g_i (softmax(x_i) - onehot(label_i))`, 0 for ignored
 /// tokens, where `g_i` is `dloss_i` (none), `dloss` (sum) or `dloss / count` (mean).
-pub(crate) fn cross_entropy_grad(logits: &Tensor, labels: &Tensor, dloss: &Tensor, ignore: i64, reduction: Reduction, float: C) -> KResult<Tensor> {
+pub(crate) fn cross_entropy_grad(
+    logits: &Tensor,
+    labels: &Tensor,
+    dloss: &Tensor,
+    ignore: i64,
+    reduction: Reduction,
+    float: C,
+) -> KResult<Tensor> {
     let v = *logits.dims().last().unwrap_or(&0);
     if logits.rank() != labels.rank() + 1 || logits.dims()[..labels.rank()] != *labels.dims() {
-        bail!("logits {:?} must be labels {:?} plus a class dim", logits.dims(), labels.dims());
+        bail!(
+            "logits {:?} must be labels {:?} plus a class dim",
+            logits.dims(),
+            labels.dims()
+        );
     }
     let lv = values_i64(labels)?;
-    if let Some((i, bad)) = lv.iter().enumerate().find(|(_, &l)| l != ignore && (l < 0 || l >= v as i64)) {
+    if let Some((i, bad)) = lv
+        .iter()
+        .enumerate()
+        .find(|(_, &l)| l != ignore && (l < 0 || l >= v as i64))
+    {
         bail!("label {bad} (at flat position {i}) is out of range for {v} classes and is not ignore_index {ignore}");
     }
     let p = kernels::softmax(logits, logits.rank() - 1)?;
     let classes = Tensor::arange(0i64, v as i64, DEV)?;
-    let onehot = labels.unsqueeze(D::Minus1)?.broadcast_eq(&classes)?.to_dtype(float)?;
+    let onehot = labels
+        .unsqueeze(D::Minus1)?
+        .broadcast_eq(&classes)?
+        .to_dtype(float)?;
     let valid = labels.ne(ignore)?.to_dtype(float)?;
     let g = match reduction {
         Reduction::None => valid.mul(dloss)?,
@@ -182,8 +292,14 @@ pub(crate) fn embedding_grad(ids: &Tensor, dy: &Tensor, rows: usize) -> KResult<
     let h = *dy.dims().last().unwrap_or(&0);
     let flat = ids.flatten_all()?;
     let iv = values_i64(&flat)?;
-    if let Some((i, bad)) = iv.iter().enumerate().find(|(_, &t)| t < 0 || t >= rows as i64) {
-        bail!("token id {bad} (at flat position {i}) is out of range for the embedding's {rows} rows");
+    if let Some((i, bad)) = iv
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t < 0 || t >= rows as i64)
+    {
+        bail!(
+            "token id {bad} (at flat position {i}) is out of range for the embedding's {rows} rows"
+        );
     }
     let n = flat.elem_count();
     let zeros = Tensor::zeros((rows, h), dy.dtype(), DEV)?;
@@ -206,11 +322,20 @@ pub(crate) fn gelu_grad(x: &Tensor, dy: &Tensor, tanh_approx: bool) -> KResult<T
         let u = (x * (x2.affine(a, 1.0)?))?.affine(c, 0.0)?;
         let t = u.tanh()?;
         let left = t.affine(0.5, 0.5)?;
-        let right = (x * t.sqr()?.affine(-1.0, 1.0)?)?.mul(&x2.affine(3.0 * a * c, c)?)?.affine(0.5, 0.0)?;
+        let right = (x * t.sqr()?.affine(-1.0, 1.0)?)?
+            .mul(&x2.affine(3.0 * a * c, c)?)?
+            .affine(0.5, 0.0)?;
         (left + right)?
     } else {
-        let cdf = x.affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?.erf()?.affine(0.5, 0.5)?;
-        let pdf = x.sqr()?.affine(-0.5, 0.0)?.exp()?.affine(1.0 / (2.0 * std::f64::consts::PI).sqrt(), 0.0)?;
+        let cdf = x
+            .affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?
+            .erf()?
+            .affine(0.5, 0.5)?;
+        let pdf = x
+            .sqr()?
+            .affine(-0.5, 0.0)?
+            .exp()?
+            .affine(1.0 / (2.0 * std::f64::consts::PI).sqrt(), 0.0)?;
         (cdf + x.mul(&pdf)?)?
     };
     Ok(dy.mul(&d)?)
@@ -218,14 +343,28 @@ pub(crate) fn gelu_grad(x: &Tensor, dy: &Tensor, tanh_approx: bool) -> KResult<T
 
 /// dx, dw of `grouped_matmul`: per group `dx_g = dy_g w[e]`, `dw[e] += dy_g^T x_g`
 /// (counts [E], or [G, E] with group (g, e) using `w[e]`).
-pub(crate) fn grouped_matmul_grad(x: &Tensor, w: &Tensor, counts: &Tensor, dy: &Tensor) -> KResult<(Tensor, Tensor)> {
+pub(crate) fn grouped_matmul_grad(
+    x: &Tensor,
+    w: &Tensor,
+    counts: &Tensor,
+    dy: &Tensor,
+) -> KResult<(Tensor, Tensor)> {
     let (m, kx) = x.dims2()?;
     let (e, n, kw) = w.dims3()?;
     if kx != kw || dy.dims() != [m, n] {
-        bail!("x {:?}, w {:?}, dy {:?} do not fit together", x.dims(), w.dims(), dy.dims());
+        bail!(
+            "x {:?}, w {:?}, dy {:?} do not fit together",
+            x.dims(),
+            w.dims(),
+            dy.dims()
+        );
     }
     let c = values_i64(counts)?;
-    if c.len() % e.max(1) != 0 || counts.dims().last() != Some(&e) || c.iter().any(|&v| v < 0) || c.iter().sum::<i64>() != m as i64 {
+    if c.len() % e.max(1) != 0
+        || counts.dims().last() != Some(&e)
+        || c.iter().any(|&v| v < 0)
+        || c.iter().sum::<i64>() != m as i64
+    {
         bail!("counts {c:?} must be {e} (or G x {e}) non-negative group sizes summing to the {m} rows");
     }
     let mut dx_parts = Vec::new();
@@ -253,20 +392,38 @@ pub(crate) fn grouped_matmul_grad(x: &Tensor, w: &Tensor, counts: &Tensor, dy: &
         _ => Tensor::cat(&dx_parts, 0)?,
     };
     let zero = Tensor::zeros((n, kw), w.dtype(), DEV)?;
-    let dw: Vec<Tensor> = dw.into_iter().map(|t| t.unwrap_or_else(|| zero.clone())).collect();
+    let dw: Vec<Tensor> = dw
+        .into_iter()
+        .map(|t| t.unwrap_or_else(|| zero.clone()))
+        .collect();
     Ok((dx, Tensor::stack(&dw, 0)?))
 }
 
 /// drows, dweights of `moe_combine`: row `r` (token `t`, slot `s` by `order[r]`) gets
 /// `weights[t, s] dy[t]`; `dweights[t, s] = rows[r] . dy[t]`.
-pub(crate) fn moe_combine_grad(rows: &Tensor, order: &Tensor, weights: &Tensor, dy: &Tensor) -> KResult<(Tensor, Tensor)> {
+pub(crate) fn moe_combine_grad(
+    rows: &Tensor,
+    order: &Tensor,
+    weights: &Tensor,
+    dy: &Tensor,
+) -> KResult<(Tensor, Tensor)> {
     let (t, k) = weights.dims2()?;
     let (r, h) = rows.dims2()?;
     if order.dims() != [r] || dy.dims() != [t, h] {
-        bail!("rows {:?}, order {:?}, weights {:?}, dy {:?} do not fit together", rows.dims(), order.dims(), weights.dims(), dy.dims());
+        bail!(
+            "rows {:?}, order {:?}, weights {:?}, dy {:?} do not fit together",
+            rows.dims(),
+            order.dims(),
+            weights.dims(),
+            dy.dims()
+        );
     }
     let o = values_i64(order)?;
-    if let Some((i, bad)) = o.iter().enumerate().find(|(_, &v)| v < 0 || v >= (t * k) as i64) {
+    if let Some((i, bad)) = o
+        .iter()
+        .enumerate()
+        .find(|(_, &v)| v < 0 || v >= (t * k) as i64)
+    {
         bail!("order entry {bad} (row {i}) is out of range for {t} tokens x {k} slots");
     }
     let tok: Vec<i64> = o.iter().map(|&f| f / k.max(1) as i64).collect();
@@ -274,7 +431,9 @@ pub(crate) fn moe_combine_grad(rows: &Tensor, order: &Tensor, weights: &Tensor, 
     let wsel = weights.flatten_all()?.index_select(order, 0)?;
     let drows = dy_rows.broadcast_mul(&wsel.unsqueeze(1)?)?;
     let dots = (rows * &dy_rows)?.sum(1)?;
-    let dw = Tensor::zeros(t * k, weights.dtype(), DEV)?.index_add(order, &dots, 0)?.reshape((t, k))?;
+    let dw = Tensor::zeros(t * k, weights.dtype(), DEV)?
+        .index_add(order, &dots, 0)?
+        .reshape((t, k))?;
     Ok((drows, dw))
 }
 
@@ -282,7 +441,18 @@ pub(crate) fn moe_combine_grad(rows: &Tensor, order: &Tensor, weights: &Tensor, 
 /// `p -= lr wd p; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 /// p -= lr (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn adamw(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: &Tensor, lr: f64, b1: f64, b2: f64, eps: f64, wd: f64) -> KResult<(Tensor, Tensor, Tensor)> {
+pub(crate) fn adamw(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    step: &Tensor,
+    lr: f64,
+    b1: f64,
+    b2: f64,
+    eps: f64,
+    wd: f64,
+) -> KResult<(Tensor, Tensor, Tensor)> {
     let t = step.to_dtype(C::F64)?.to_scalar::<f64>()?;
     if t < 1.0 {
         bail!("step must be at least 1 (it counts the updates, the first is 1), got {t}");
@@ -298,8 +468,19 @@ pub(crate) fn adamw(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: &Tenso
 
 /// One SGD step (torch.optim.SGD): `g += wd p`; with momentum `buf = mu buf + g` and
 /// the step uses `buf`.
-pub(crate) fn sgd(p: &Tensor, g: &Tensor, buf: Option<&Tensor>, lr: f64, momentum: f64, wd: f64) -> KResult<Vec<Tensor>> {
-    let g = if wd != 0.0 { (g + p.affine(wd, 0.0)?)? } else { g.clone() };
+pub(crate) fn sgd(
+    p: &Tensor,
+    g: &Tensor,
+    buf: Option<&Tensor>,
+    lr: f64,
+    momentum: f64,
+    wd: f64,
+) -> KResult<Vec<Tensor>> {
+    let g = if wd != 0.0 {
+        (g + p.affine(wd, 0.0)?)?
+    } else {
+        g.clone()
+    };
     match buf {
         Some(b) => {
             let nb = (b.affine(momentum, 0.0)? + &g)?;

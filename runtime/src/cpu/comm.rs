@@ -72,9 +72,12 @@ impl Comm {
         if self.is_aborted() {
             return Err(CommError::Aborted);
         }
-        let slot = slots
-            .entry(key)
-            .or_insert_with(|| Slot { inputs: vec![None; size], arrived: 0, result: None, taken: 0 });
+        let slot = slots.entry(key).or_insert_with(|| Slot {
+            inputs: vec![None; size],
+            arrived: 0,
+            result: None,
+            taken: 0,
+        });
         if slot.inputs.len() != size || slot.inputs[member].is_some() {
             drop(slots);
             self.abort();
@@ -85,13 +88,20 @@ impl Comm {
         slot.inputs[member] = Some(x);
         slot.arrived += 1;
         if slot.arrived == size {
-            let inputs: Vec<Tensor> = slot.inputs.iter_mut().map(|t| t.take().expect("all arrived")).collect();
+            let inputs: Vec<Tensor> = slot
+                .inputs
+                .iter_mut()
+                .map(|t| t.take().expect("all arrived"))
+                .collect();
             drop(slots);
             let result = match combine(inputs) {
                 Ok(r) if r.len() == size => r,
                 Ok(r) => {
                     self.abort();
-                    return Err(CommError::Failed(format!("internal: {} results for a group of {size}", r.len())));
+                    return Err(CommError::Failed(format!(
+                        "internal: {} results for a group of {size}",
+                        r.len()
+                    )));
                 }
                 Err(m) => {
                     self.abort();

@@ -20,7 +20,11 @@ pub enum RuntimeError {
     MissingInput { name: String },
     /// A weight or input tensor that does not fit its node (shape or dtype kind).
     #[error("{kind} `{name}`: {message}")]
-    BadTensor { kind: &'static str, name: String, message: String },
+    BadTensor {
+        kind: &'static str,
+        name: String,
+        message: String,
+    },
     /// The symbol bindings are inconsistent (e.g. `S` bound twice to different values).
     #[error("bindings: {0}")]
     Bindings(String),

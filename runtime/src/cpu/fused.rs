@@ -7,8 +7,8 @@
 //! Each op works on contiguous f32 or f64 rows and accumulates in that type, as torch
 //! does on the CPU.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::sgemm::{self, sgemm};
@@ -98,7 +98,10 @@ impl RowExp for f32 {
 
 impl RowExp for f64 {
     fn row_max(r: &[f64]) -> f64 {
-        r.iter().fold(f64::NEG_INFINITY, |m, &x| if x > m || x.is_nan() { x } else { m })
+        r.iter().fold(
+            f64::NEG_INFINITY,
+            |m, &x| if x > m || x.is_nan() { x } else { m },
+        )
     }
     fn exp_sum(r: &[f64], m: f64, out: Option<&mut [f64]>) -> f64 {
         match out {
@@ -118,9 +121,15 @@ fn rows<T: Fl>(x: &[T], n: usize, f: impl Fn(usize, &[T], &mut [T]) + Sync) -> V
         return out;
     }
     if x.len() >= PAR_MIN {
-        out.par_chunks_mut(n).zip(x.par_chunks(n)).enumerate().for_each(|(i, (o, r))| f(i, r, o));
+        out.par_chunks_mut(n)
+            .zip(x.par_chunks(n))
+            .enumerate()
+            .for_each(|(i, (o, r))| f(i, r, o));
     } else {
-        out.chunks_mut(n).zip(x.chunks(n)).enumerate().for_each(|(i, (o, r))| f(i, r, o));
+        out.chunks_mut(n)
+            .zip(x.chunks(n))
+            .enumerate()
+            .for_each(|(i, (o, r))| f(i, r, o));
     }
     out
 }
@@ -169,7 +178,10 @@ fn softmax_rows<T: Fl>(x: &[T], n: usize) -> Vec<T> {
 fn softmax_bwd_rows<T: Fl>(y: &[T], g: &[T], n: usize) -> Vec<T> {
     rows(y, n, |i, yr, o| {
         let gr = &g[i * n..(i + 1) * n];
-        let dot = yr.iter().zip(gr).fold(T::zero(), |s, (&a, &b)| s.add(a.mul(b)));
+        let dot = yr
+            .iter()
+            .zip(gr)
+            .fold(T::zero(), |s, (&a, &b)| s.add(a.mul(b)));
         for ((o, &yv), &gv) in o.iter_mut().zip(yr).zip(gr) {
             *o = yv.mul(gv.sub(dot));
         }
@@ -185,10 +197,16 @@ impl CustomOp1 for Softmax {
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let n = last_dim(l);
-        Ok((on_floats!(s, l, "softmax", |x| softmax_rows(x, n)), l.shape().clone()))
+        Ok((
+            on_floats!(s, l, "softmax", |x| softmax_rows(x, n)),
+            l.shape().clone(),
+        ))
     }
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(res.contiguous()?.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxBwd)?))
+        Ok(Some(
+            res.contiguous()?
+                .apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxBwd)?,
+        ))
     }
 }
 
@@ -198,15 +216,25 @@ impl CustomOp2 for SoftmaxBwd {
     fn name(&self) -> &'static str {
         "weft-softmax-bwd"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let n = last_dim(l1);
         let out = match (s1, s2) {
-            (CpuStorage::F32(y), CpuStorage::F32(g)) => {
-                CpuStorage::F32(softmax_bwd_rows(contiguous(y, l1, "softmax-bwd")?, contiguous(g, l2, "softmax-bwd")?, n))
-            }
-            (CpuStorage::F64(y), CpuStorage::F64(g)) => {
-                CpuStorage::F64(softmax_bwd_rows(contiguous(y, l1, "softmax-bwd")?, contiguous(g, l2, "softmax-bwd")?, n))
-            }
+            (CpuStorage::F32(y), CpuStorage::F32(g)) => CpuStorage::F32(softmax_bwd_rows(
+                contiguous(y, l1, "softmax-bwd")?,
+                contiguous(g, l2, "softmax-bwd")?,
+                n,
+            )),
+            (CpuStorage::F64(y), CpuStorage::F64(g)) => CpuStorage::F64(softmax_bwd_rows(
+                contiguous(y, l1, "softmax-bwd")?,
+                contiguous(g, l2, "softmax-bwd")?,
+                n,
+            )),
             _ => candle_core::bail!("softmax-bwd: dtypes differ or are not float"),
         };
         Ok((out, l1.shape().clone()))
@@ -244,10 +272,16 @@ impl CustomOp1 for LogSoftmax {
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let n = last_dim(l);
-        Ok((on_floats!(s, l, "log-softmax", |x| log_softmax_rows(x, n)), l.shape().clone()))
+        Ok((
+            on_floats!(s, l, "log-softmax", |x| log_softmax_rows(x, n)),
+            l.shape().clone(),
+        ))
     }
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(res.contiguous()?.apply_op2_no_bwd(&grad.contiguous()?, &LogSoftmaxBwd)?))
+        Ok(Some(
+            res.contiguous()?
+                .apply_op2_no_bwd(&grad.contiguous()?, &LogSoftmaxBwd)?,
+        ))
     }
 }
 
@@ -257,7 +291,13 @@ impl CustomOp2 for LogSoftmaxBwd {
     fn name(&self) -> &'static str {
         "weft-log-softmax-bwd"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let n = last_dim(l1);
         let out = match (s1, s2) {
             (CpuStorage::F32(y), CpuStorage::F32(g)) => CpuStorage::F32(log_softmax_bwd_rows(
@@ -295,7 +335,9 @@ fn labels_of<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [i64]> {
 fn ce_rows<T: Fl>(x: &[T], labels: &[i64], v: usize, ignore: i64) -> Vec<T> {
     let f = |(i, o): (usize, &mut T)| {
         let l = labels[i];
-        *o = if l == ignore { T::zero() } else {
+        *o = if l == ignore {
+            T::zero()
+        } else {
             let r = &x[i * v..(i + 1) * v];
             row_lse(r).sub(r[l as usize])
         };
@@ -331,20 +373,45 @@ impl CustomOp2 for CrossEntropyRows {
     fn name(&self) -> &'static str {
         "weft-cross-entropy"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let v = last_dim(l1);
         let labels = labels_of(s2, l2)?;
-        if labels.len() * v != l1.shape().elem_count() || l1.dims()[..l1.dims().len() - 1] != *l2.dims() {
-            candle_core::bail!("cross-entropy: labels {:?} do not fit logits {:?}", l2.dims(), l1.dims());
+        if labels.len() * v != l1.shape().elem_count()
+            || l1.dims()[..l1.dims().len() - 1] != *l2.dims()
+        {
+            candle_core::bail!(
+                "cross-entropy: labels {:?} do not fit logits {:?}",
+                l2.dims(),
+                l1.dims()
+            );
         }
-        let out = on_floats!(s1, l1, "cross-entropy", |x| ce_rows(x, labels, v, self.ignore));
+        let out = on_floats!(s1, l1, "cross-entropy", |x| ce_rows(
+            x,
+            labels,
+            v,
+            self.ignore
+        ));
         Ok((out, l2.shape().clone()))
     }
-    fn bwd(&self, logits: &Tensor, labels: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let d = logits.contiguous()?.apply_op3_no_bwd(
             &labels.contiguous()?,
             &grad.contiguous()?,
-            &CrossEntropyBwd { ignore: self.ignore },
+            &CrossEntropyBwd {
+                ignore: self.ignore,
+            },
         )?;
         Ok((Some(d), None))
     }
@@ -404,7 +471,17 @@ fn gemm_into<T: Fl>(
     (b_rs, b_cs): (usize, usize),
     parallel: bool,
 ) {
-    gemm_strided(dst, n, (m, n, k), a, (a_rs, a_cs), b, (b_rs, b_cs), false, parallel)
+    gemm_strided(
+        dst,
+        n,
+        (m, n, k),
+        a,
+        (a_rs, a_cs),
+        b,
+        (b_rs, b_cs),
+        false,
+        parallel,
+    )
 }
 
 /// `dst[m, n] (+)= a @ b` for `dst` of row stride `dst_rs`; zero sizes handled here.
@@ -423,32 +500,91 @@ fn gemm_strided<T: Fl>(
     if m == 0 || n == 0 || k == 0 {
         if !accumulate {
             for r in 0..m {
-                dst[r * dst_rs..r * dst_rs + n].iter_mut().for_each(|v| *v = T::zero());
+                dst[r * dst_rs..r * dst_rs + n]
+                    .iter_mut()
+                    .for_each(|v| *v = T::zero());
             }
         }
         return;
     }
     assert!(dst.len() >= (m - 1) * dst_rs + n);
-    T::gemm(dst, dst_rs, (m, n, k), a, astr, b, bstr, accumulate, parallel)
+    T::gemm(
+        dst,
+        dst_rs,
+        (m, n, k),
+        a,
+        astr,
+        b,
+        bstr,
+        accumulate,
+        parallel,
+    )
 }
 
 /// The matrix product per float type.
 trait Gemm: Sized {
     /// `dst (+)= a @ b` as [`gemm_strided`], for nonzero sizes and checked `dst`.
     #[allow(clippy::too_many_arguments)]
-    fn gemm(dst: &mut [Self], dst_rs: usize, mnk: (usize, usize, usize), a: &[Self], astr: (usize, usize), b: &[Self], bstr: (usize, usize), accumulate: bool, parallel: bool);
+    fn gemm(
+        dst: &mut [Self],
+        dst_rs: usize,
+        mnk: (usize, usize, usize),
+        a: &[Self],
+        astr: (usize, usize),
+        b: &[Self],
+        bstr: (usize, usize),
+        accumulate: bool,
+        parallel: bool,
+    );
 }
 
 impl Gemm for f32 {
-    fn gemm(dst: &mut [f32], dst_rs: usize, mnk: (usize, usize, usize), a: &[f32], astr: (usize, usize), b: &[f32], bstr: (usize, usize), accumulate: bool, parallel: bool) {
-        sgemm(mnk, 1.0, a, astr, b, bstr, if accumulate { 1.0 } else { 0.0 }, dst, (dst_rs, 1), parallel)
+    fn gemm(
+        dst: &mut [f32],
+        dst_rs: usize,
+        mnk: (usize, usize, usize),
+        a: &[f32],
+        astr: (usize, usize),
+        b: &[f32],
+        bstr: (usize, usize),
+        accumulate: bool,
+        parallel: bool,
+    ) {
+        sgemm(
+            mnk,
+            1.0,
+            a,
+            astr,
+            b,
+            bstr,
+            if accumulate { 1.0 } else { 0.0 },
+            dst,
+            (dst_rs, 1),
+            parallel,
+        )
     }
 }
 
 impl Gemm for f64 {
-    fn gemm(dst: &mut [f64], dst_rs: usize, (m, n, k): (usize, usize, usize), a: &[f64], (a_rs, a_cs): (usize, usize), b: &[f64], (b_rs, b_cs): (usize, usize), accumulate: bool, parallel: bool) {
-        assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs && b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
-        let par = if parallel { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+    fn gemm(
+        dst: &mut [f64],
+        dst_rs: usize,
+        (m, n, k): (usize, usize, usize),
+        a: &[f64],
+        (a_rs, a_cs): (usize, usize),
+        b: &[f64],
+        (b_rs, b_cs): (usize, usize),
+        accumulate: bool,
+        parallel: bool,
+    ) {
+        assert!(
+            a.len() > (m - 1) * a_rs + (k - 1) * a_cs && b.len() > (k - 1) * b_rs + (n - 1) * b_cs
+        );
+        let par = if parallel {
+            gemm::Parallelism::Rayon(0)
+        } else {
+            gemm::Parallelism::None
+        };
         // SAFETY: the bounds of every operand were checked (dst by the caller); dst is
         // not aliased by a or b.
         unsafe {
@@ -497,7 +633,10 @@ fn linear_shape(lx: &Layout, lw: &Layout) -> Result<(Shape, usize, usize)> {
     let (n, k) = lw.shape().dims2()?;
     let xd = lx.dims();
     if xd.last() != Some(&k) {
-        candle_core::bail!("linear: x {xd:?} does not have the {k} input features of w {:?}", lw.dims());
+        candle_core::bail!(
+            "linear: x {xd:?} does not have the {k} input features of w {:?}",
+            lw.dims()
+        );
     }
     let mut od = xd.to_vec();
     *od.last_mut().expect("x has a dim") = n;
@@ -509,32 +648,59 @@ fn linear_shape(lx: &Layout, lw: &Layout) -> Result<(Shape, usize, usize)> {
 /// gradient-sized zero-fill and add in candle's backward).
 pub(crate) struct Linear;
 
-fn linear_cpu(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, b: Option<(&CpuStorage, &Layout)>) -> Result<(CpuStorage, Shape)> {
+fn linear_cpu(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    b: Option<(&CpuStorage, &Layout)>,
+) -> Result<(CpuStorage, Shape)> {
     let (shape, n, k) = linear_shape(l1, l2)?;
     let out = match (s1, s2, b) {
-        (CpuStorage::F32(x), CpuStorage::F32(w), None) => CpuStorage::F32(linear_fwd(contiguous(x, l1, "linear")?, contiguous(w, l2, "linear")?, None, n, k)),
-        (CpuStorage::F64(x), CpuStorage::F64(w), None) => CpuStorage::F64(linear_fwd(contiguous(x, l1, "linear")?, contiguous(w, l2, "linear")?, None, n, k)),
-        (CpuStorage::F32(x), CpuStorage::F32(w), Some((CpuStorage::F32(bv), lb))) => CpuStorage::F32(linear_fwd(
+        (CpuStorage::F32(x), CpuStorage::F32(w), None) => CpuStorage::F32(linear_fwd(
             contiguous(x, l1, "linear")?,
             contiguous(w, l2, "linear")?,
-            Some(contiguous(bv, lb, "linear")?),
+            None,
             n,
             k,
         )),
-        (CpuStorage::F64(x), CpuStorage::F64(w), Some((CpuStorage::F64(bv), lb))) => CpuStorage::F64(linear_fwd(
+        (CpuStorage::F64(x), CpuStorage::F64(w), None) => CpuStorage::F64(linear_fwd(
             contiguous(x, l1, "linear")?,
             contiguous(w, l2, "linear")?,
-            Some(contiguous(bv, lb, "linear")?),
+            None,
             n,
             k,
         )),
+        (CpuStorage::F32(x), CpuStorage::F32(w), Some((CpuStorage::F32(bv), lb))) => {
+            CpuStorage::F32(linear_fwd(
+                contiguous(x, l1, "linear")?,
+                contiguous(w, l2, "linear")?,
+                Some(contiguous(bv, lb, "linear")?),
+                n,
+                k,
+            ))
+        }
+        (CpuStorage::F64(x), CpuStorage::F64(w), Some((CpuStorage::F64(bv), lb))) => {
+            CpuStorage::F64(linear_fwd(
+                contiguous(x, l1, "linear")?,
+                contiguous(w, l2, "linear")?,
+                Some(contiguous(bv, lb, "linear")?),
+                n,
+                k,
+            ))
+        }
         _ => candle_core::bail!("linear: operands must share one float dtype"),
     };
     Ok((out, shape))
 }
 
 /// `(dx, dw, db)` of `y = x @ w^T + b` for the output gradient `g` (`db` when asked).
-fn linear_bwd(x: &Tensor, w: &Tensor, g: &Tensor, bias: bool) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+fn linear_bwd(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    bias: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let (n, k) = w.dims2()?;
     let m = x.elem_count() / k.max(1);
     let g2 = g.reshape((m, n))?;
@@ -549,10 +715,22 @@ impl CustomOp2 for Linear {
     fn name(&self) -> &'static str {
         "weft-linear"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         linear_cpu(s1, l1, s2, l2, None)
     }
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = linear_bwd(x, w, g, false)?;
         Ok((Some(dx), Some(dw)))
     }
@@ -565,13 +743,32 @@ impl CustomOp3 for LinearBias {
     fn name(&self) -> &'static str {
         "weft-linear-bias"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         if l3.dims() != [l2.dims()[0]] {
-            candle_core::bail!("linear: bias {:?} does not fit w {:?}", l3.dims(), l2.dims());
+            candle_core::bail!(
+                "linear: bias {:?} does not fit w {:?}",
+                l3.dims(),
+                l2.dims()
+            );
         }
         linear_cpu(s1, l1, s2, l2, Some((s3, l3)))
     }
-    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = linear_bwd(x, w, g, true)?;
         Ok((Some(dx), Some(dw), db))
     }
@@ -592,7 +789,11 @@ impl<'a, T: Copy> View4<'a, T> {
         if d.len() != 4 {
             candle_core::bail!("attention: {what} must be 4-d, got {d:?}");
         }
-        Ok(View4 { data, start: l.start_offset(), st: [s[0], s[1], s[2], s[3]] })
+        Ok(View4 {
+            data,
+            start: l.start_offset(),
+            st: [s[0], s[1], s[2], s[3]],
+        })
     }
     /// The `[S, D]` matrix of batch `b`, head `h`, from row `i0`: (slice, row stride, col stride).
     fn mat(&self, b: usize, h: usize, i0: usize) -> (&'a [T], usize, usize) {
@@ -644,18 +845,44 @@ struct AttnGeom {
 
 fn attn_geom(q: &Layout, k: &Layout, v: &Layout) -> Result<AttnGeom> {
     let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
-    if qd.len() != 4 || kd.len() != 4 || kd != vd || qd[0] != kd[0] || qd[3] != kd[3] || kd[1] == 0 || qd[1] % kd[1] != 0 {
+    if qd.len() != 4
+        || kd.len() != 4
+        || kd != vd
+        || qd[0] != kd[0]
+        || qd[3] != kd[3]
+        || kd[1] == 0
+        || qd[1] % kd[1] != 0
+    {
         candle_core::bail!("attention: q {qd:?}, k {kd:?}, v {vd:?} do not fit together");
     }
-    Ok(AttnGeom { b: qd[0], nq: qd[1], nkv: kd[1], sq: qd[2], sk: kd[2], d: qd[3] })
+    Ok(AttnGeom {
+        b: qd[0],
+        nq: qd[1],
+        nkv: kd[1],
+        sq: qd[2],
+        sk: kd[2],
+        d: qd[3],
+    })
 }
 
 /// The bias slice and its dims, when there is one.
-fn bias_of<T: candle_core::WithDType>(bias: &Option<Tensor>, g: &AttnGeom) -> Result<Option<(Vec<T>, [usize; 2])>> {
+fn bias_of<T: candle_core::WithDType>(
+    bias: &Option<Tensor>,
+    g: &AttnGeom,
+) -> Result<Option<(Vec<T>, [usize; 2])>> {
     let Some(t) = bias else { return Ok(None) };
     let d = t.dims();
-    if d.len() != 4 || d[2] != g.sq || d[3] != g.sk || !(d[0] == 1 || d[0] == g.b) || !(d[1] == 1 || d[1] == g.nq) {
-        candle_core::bail!("attention: mask {d:?} must be [B|1, heads|1, {}, {}]", g.sq, g.sk);
+    if d.len() != 4
+        || d[2] != g.sq
+        || d[3] != g.sk
+        || !(d[0] == 1 || d[0] == g.b)
+        || !(d[1] == 1 || d[1] == g.nq)
+    {
+        candle_core::bail!(
+            "attention: mask {d:?} must be [B|1, heads|1, {}, {}]",
+            g.sq,
+            g.sk
+        );
     }
     let v = t.flatten_all()?.to_vec1::<T>()?;
     Ok(Some((v, [d[0], d[1]])))
@@ -678,13 +905,24 @@ fn attn_probs<T: Fl>(
     let (qa, qrs, qcs) = q.mat(b, h, i0);
     let (ka, krs, kcs) = k.mat(b, kh, 0);
     // k^T: element (d, j) is k[j, d]
-    gemm_acc(p, jn, (rows, jn, g.d), qa, (qrs, qcs), ka, (kcs, krs), false);
+    gemm_acc(
+        p,
+        jn,
+        (rows, jn, g.d),
+        qa,
+        (qrs, qcs),
+        ka,
+        (kcs, krs),
+        false,
+    );
     let off = g.sk as isize - g.sq as isize;
     for r in 0..rows {
         let i = i0 + r;
         let row = &mut p[r * jn..r * jn + jn];
         let brow = bias.map(|(bv, [bb, bh])| {
-            let base = (((if *bb == 1 { 0 } else { b }) * bh + if *bh == 1 { 0 } else { h }) * g.sq + i) * g.sk;
+            let base =
+                (((if *bb == 1 { 0 } else { b }) * bh + if *bh == 1 { 0 } else { h }) * g.sq + i)
+                    * g.sk;
             &bv[base..base + g.sk]
         });
         for (j, s) in row.iter_mut().enumerate() {
@@ -736,15 +974,27 @@ fn attn_fwd<T: Fl>(
     out.par_chunks_mut(head).enumerate().for_each(|(bh, oh)| {
         let (b, h) = (bh / g.nq, bh % g.nq);
         let kh = h / (g.nq / g.nkv);
-        oh.par_chunks_mut(ROWS * g.d).enumerate().for_each(|(blk, ob)| {
-            let i0 = blk * ROWS;
-            let rows = ob.len() / g.d;
-            let jn = keys_seen(g, op.causal, bias.is_some(), i0, rows);
-            let mut p = vec![T::zero(); rows * jn.max(1)];
-            attn_probs(&mut p, q, k, g, bias.as_ref(), op.causal, scale, min, (b, h, i0, rows, jn));
-            let (va, vrs, vcs) = v.mat(b, kh, 0);
-            gemm_acc(ob, g.d, (rows, g.d, jn), &p, (jn, 1), va, (vrs, vcs), false);
-        });
+        oh.par_chunks_mut(ROWS * g.d)
+            .enumerate()
+            .for_each(|(blk, ob)| {
+                let i0 = blk * ROWS;
+                let rows = ob.len() / g.d;
+                let jn = keys_seen(g, op.causal, bias.is_some(), i0, rows);
+                let mut p = vec![T::zero(); rows * jn.max(1)];
+                attn_probs(
+                    &mut p,
+                    q,
+                    k,
+                    g,
+                    bias.as_ref(),
+                    op.causal,
+                    scale,
+                    min,
+                    (b, h, i0, rows, jn),
+                );
+                let (va, vrs, vcs) = v.mat(b, kh, 0);
+                gemm_acc(ob, g.d, (rows, g.d, jn), &p, (jn, 1), va, (vrs, vcs), false);
+            });
     });
     Ok(out)
 }
@@ -786,25 +1036,65 @@ fn attn_bwd<T: Fl>(
                         continue;
                     }
                     let mut p = vec![T::zero(); rows * jn];
-                    attn_probs(&mut p, q, k, g, bias.as_ref(), op.causal, scale, min, (b, h, i0, rows, jn));
+                    attn_probs(
+                        &mut p,
+                        q,
+                        k,
+                        g,
+                        bias.as_ref(),
+                        op.causal,
+                        scale,
+                        min,
+                        (b, h, i0, rows, jn),
+                    );
                     let gob = &go[bh * head + i0 * g.d..bh * head + (i0 + rows) * g.d];
                     // dP = dO @ v^T
                     let mut dp = vec![T::zero(); rows * jn];
-                    gemm_acc(&mut dp, jn, (rows, jn, g.d), gob, (g.d, 1), va, (vcs, vrs), false);
+                    gemm_acc(
+                        &mut dp,
+                        jn,
+                        (rows, jn, g.d),
+                        gob,
+                        (g.d, 1),
+                        va,
+                        (vcs, vrs),
+                        false,
+                    );
                     // dS = P * (dP - rowsum(P * dP)) * scale
                     for r in 0..rows {
                         let (pr, dr) = (&p[r * jn..(r + 1) * jn], &mut dp[r * jn..(r + 1) * jn]);
-                        let dot = pr.iter().zip(dr.iter()).fold(T::zero(), |s, (&a, &b)| s.add(a.mul(b)));
+                        let dot = pr
+                            .iter()
+                            .zip(dr.iter())
+                            .fold(T::zero(), |s, (&a, &b)| s.add(a.mul(b)));
                         for (d, &pv) in dr.iter_mut().zip(pr) {
                             *d = pv.mul(d.sub(dot)).mul(scale);
                         }
                     }
                     // dq = dS @ k
-                    gemm_acc(dqb, g.d, (rows, g.d, jn), &dp, (jn, 1), ka, (krs, kcs), false);
+                    gemm_acc(
+                        dqb,
+                        g.d,
+                        (rows, g.d, jn),
+                        &dp,
+                        (jn, 1),
+                        ka,
+                        (krs, kcs),
+                        false,
+                    );
                     // dk += dS^T @ q_rows, dv += P^T @ dO
                     let (qa, qrs, qcs) = q.mat(b, h, i0);
                     // (the partial buffers start at zero, so every block accumulates)
-                    gemm_acc(dkh, g.d, (jn, g.d, rows), &dp, (1, jn), qa, (qrs, qcs), true);
+                    gemm_acc(
+                        dkh,
+                        g.d,
+                        (jn, g.d, rows),
+                        &dp,
+                        (1, jn),
+                        qa,
+                        (qrs, qcs),
+                        true,
+                    );
                     gemm_acc(dvh, g.d, (jn, g.d, rows), &p, (1, jn), gob, (g.d, 1), true);
                 }
             });
@@ -834,30 +1124,68 @@ fn views<'a, T: Copy>(
     v: &'a [T],
     lv: &Layout,
 ) -> Result<(View4<'a, T>, View4<'a, T>, View4<'a, T>)> {
-    Ok((View4::new(q, lq, "q")?, View4::new(k, lk, "k")?, View4::new(v, lv, "v")?))
+    Ok((
+        View4::new(q, lq, "q")?,
+        View4::new(k, lk, "k")?,
+        View4::new(v, lv, "v")?,
+    ))
 }
 
 impl CustomOp3 for Attention {
     fn name(&self) -> &'static str {
         "weft-attention"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let g = attn_geom(l1, l2, l3)?;
         let out = match (s1, s2, s3) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 let (q, k, v) = views(q, l1, k, l2, v, l3)?;
-                CpuStorage::F32(attn_fwd(self, (&q, &k, &v), &g, f32::MIN, bias_of::<f32>(&self.bias, &g)?)?)
+                CpuStorage::F32(attn_fwd(
+                    self,
+                    (&q, &k, &v),
+                    &g,
+                    f32::MIN,
+                    bias_of::<f32>(&self.bias, &g)?,
+                )?)
             }
             (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => {
                 let (q, k, v) = views(q, l1, k, l2, v, l3)?;
-                CpuStorage::F64(attn_fwd(self, (&q, &k, &v), &g, f64::MIN, bias_of::<f64>(&self.bias, &g)?)?)
+                CpuStorage::F64(attn_fwd(
+                    self,
+                    (&q, &k, &v),
+                    &g,
+                    f64::MIN,
+                    bias_of::<f64>(&self.bias, &g)?,
+                )?)
             }
             _ => candle_core::bail!("attention: q, k, v must share one float dtype"),
         };
         Ok((out, Shape::from(vec![g.b, g.nq, g.sq, g.d])))
     }
-    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let bwd = AttentionBwd { op: Attention { causal: self.causal, scale: self.scale, bias: self.bias.clone() }, go: grad.contiguous()? };
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let bwd = AttentionBwd {
+            op: Attention {
+                causal: self.causal,
+                scale: self.scale,
+                bias: self.bias.clone(),
+            },
+            go: grad.contiguous()?,
+        };
         let all = q.apply_op3_no_bwd(k, v, &bwd)?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
         let dq = all.narrow(0, 0, nq)?.reshape(q.dims())?;
@@ -876,20 +1204,44 @@ impl CustomOp3 for AttentionBwd {
     fn name(&self) -> &'static str {
         "weft-attention-bwd"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let g = attn_geom(l1, l2, l3)?;
         let (gs, gl) = self.go.storage_and_layout();
-        let candle_core::Storage::Cpu(gs) = &*gs else { candle_core::bail!("attention-bwd: not a CPU tensor") };
+        let candle_core::Storage::Cpu(gs) = &*gs else {
+            candle_core::bail!("attention-bwd: not a CPU tensor")
+        };
         let out = match (s1, s2, s3, gs) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v), CpuStorage::F32(go)) => {
                 let (q, k, v) = views(q, l1, k, l2, v, l3)?;
                 let bias = bias_of::<f32>(&self.op.bias, &g)?;
-                CpuStorage::F32(attn_bwd(&self.op, (&q, &k, &v), contiguous(go, gl, "attention-bwd")?, &g, f32::MIN, bias)?)
+                CpuStorage::F32(attn_bwd(
+                    &self.op,
+                    (&q, &k, &v),
+                    contiguous(go, gl, "attention-bwd")?,
+                    &g,
+                    f32::MIN,
+                    bias,
+                )?)
             }
             (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v), CpuStorage::F64(go)) => {
                 let (q, k, v) = views(q, l1, k, l2, v, l3)?;
                 let bias = bias_of::<f64>(&self.op.bias, &g)?;
-                CpuStorage::F64(attn_bwd(&self.op, (&q, &k, &v), contiguous(go, gl, "attention-bwd")?, &g, f64::MIN, bias)?)
+                CpuStorage::F64(attn_bwd(
+                    &self.op,
+                    (&q, &k, &v),
+                    contiguous(go, gl, "attention-bwd")?,
+                    &g,
+                    f64::MIN,
+                    bias,
+                )?)
             }
             _ => candle_core::bail!("attention-bwd: operands must share one float dtype"),
         };
@@ -933,9 +1285,16 @@ fn rms_bwd<T: Fl>(x: &[T], w: &[T], g: &[T], eps: f64) -> Vec<T> {
             for (rr, dxr) in dxc.chunks_mut(h.max(1)).enumerate() {
                 let row = c * CH + rr;
                 let (xr, gr) = (&x[row * h..(row + 1) * h], &g[row * h..(row + 1) * h]);
-                let ms = xr.iter().fold(T::zero(), |s, &v| s.add(v.mul(v))).mul(inv_h);
+                let ms = xr
+                    .iter()
+                    .fold(T::zero(), |s, &v| s.add(v.mul(v)))
+                    .mul(inv_h);
                 let inv = T::one().div(ms.add(eps).sqrt());
-                let dot = xr.iter().zip(gr).zip(w).fold(T::zero(), |s, ((&xv, &gv), &wv)| s.add(gv.mul(wv).mul(xv)));
+                let dot = xr
+                    .iter()
+                    .zip(gr)
+                    .zip(w)
+                    .fold(T::zero(), |s, ((&xv, &gv), &wv)| s.add(gv.mul(wv).mul(xv)));
                 let k = inv.mul(inv).mul(inv).mul(dot).mul(inv_h);
                 for j in 0..h {
                     dxr[j] = inv.mul(gr[j].mul(w[j])).sub(xr[j].mul(k));
@@ -957,21 +1316,52 @@ impl CustomOp2 for RmsNorm {
     fn name(&self) -> &'static str {
         "weft-rms-norm"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         if l2.dims() != [last_dim(l1)] {
-            candle_core::bail!("rms_norm: weight {:?} does not fit x {:?}", l2.dims(), l1.dims());
+            candle_core::bail!(
+                "rms_norm: weight {:?} does not fit x {:?}",
+                l2.dims(),
+                l1.dims()
+            );
         }
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(rms_fwd(contiguous(x, l1, "rms_norm")?, contiguous(w, l2, "rms_norm")?, self.eps)),
-            (CpuStorage::F64(x), CpuStorage::F64(w)) => CpuStorage::F64(rms_fwd(contiguous(x, l1, "rms_norm")?, contiguous(w, l2, "rms_norm")?, self.eps)),
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(rms_fwd(
+                contiguous(x, l1, "rms_norm")?,
+                contiguous(w, l2, "rms_norm")?,
+                self.eps,
+            )),
+            (CpuStorage::F64(x), CpuStorage::F64(w)) => CpuStorage::F64(rms_fwd(
+                contiguous(x, l1, "rms_norm")?,
+                contiguous(w, l2, "rms_norm")?,
+                self.eps,
+            )),
             _ => candle_core::bail!("rms_norm: x and w must share one float dtype"),
         };
         Ok((out, l1.shape().clone()))
     }
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let all = x.contiguous()?.apply_op3_no_bwd(&w.contiguous()?, &g.contiguous()?, &RmsNormBwd { eps: self.eps })?;
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let all = x.contiguous()?.apply_op3_no_bwd(
+            &w.contiguous()?,
+            &g.contiguous()?,
+            &RmsNormBwd { eps: self.eps },
+        )?;
         let n = x.elem_count();
-        Ok((Some(all.narrow(0, 0, n)?.reshape(x.dims())?), Some(all.narrow(0, n, w.elem_count())?)))
+        Ok((
+            Some(all.narrow(0, 0, n)?.reshape(x.dims())?),
+            Some(all.narrow(0, n, w.elem_count())?),
+        ))
     }
 }
 
@@ -983,21 +1373,33 @@ impl CustomOp3 for RmsNormBwd {
     fn name(&self) -> &'static str {
         "weft-rms-norm-bwd"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let n = l1.shape().elem_count() + l2.shape().elem_count();
         let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(g)) => CpuStorage::F32(rms_bwd(
-                contiguous(x, l1, "rms_norm-bwd")?,
-                contiguous(w, l2, "rms_norm-bwd")?,
-                contiguous(g, l3, "rms_norm-bwd")?,
-                self.eps,
-            )),
-            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(g)) => CpuStorage::F64(rms_bwd(
-                contiguous(x, l1, "rms_norm-bwd")?,
-                contiguous(w, l2, "rms_norm-bwd")?,
-                contiguous(g, l3, "rms_norm-bwd")?,
-                self.eps,
-            )),
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(g)) => {
+                CpuStorage::F32(rms_bwd(
+                    contiguous(x, l1, "rms_norm-bwd")?,
+                    contiguous(w, l2, "rms_norm-bwd")?,
+                    contiguous(g, l3, "rms_norm-bwd")?,
+                    self.eps,
+                ))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(g)) => {
+                CpuStorage::F64(rms_bwd(
+                    contiguous(x, l1, "rms_norm-bwd")?,
+                    contiguous(w, l2, "rms_norm-bwd")?,
+                    contiguous(g, l3, "rms_norm-bwd")?,
+                    self.eps,
+                ))
+            }
             _ => candle_core::bail!("rms_norm-bwd: operands must share one float dtype"),
         };
         Ok((out, Shape::from(n)))
@@ -1014,7 +1416,15 @@ pub(crate) struct Rope {
     pub transpose: bool,
 }
 
-fn rope_rows<T: Fl>(x: &View4<T>, dims: [usize; 4], cos: &[T], sin: &[T], bc: usize, r: usize, transpose: bool) -> Vec<T> {
+fn rope_rows<T: Fl>(
+    x: &View4<T>,
+    dims: [usize; 4],
+    cos: &[T],
+    sin: &[T],
+    bc: usize,
+    r: usize,
+    transpose: bool,
+) -> Vec<T> {
     let [b, n, s, d] = dims;
     let h = r / 2;
     let mut out = vec![T::zero(); b * n * s * d];
@@ -1031,7 +1441,11 @@ fn rope_rows<T: Fl>(x: &View4<T>, dims: [usize; 4], cos: &[T], sin: &[T], bc: us
             o[j] = if j >= r {
                 xv(j)
             } else if !transpose {
-                let rot = if j < h { T::zero().sub(xv(j + h)) } else { xv(j - h) };
+                let rot = if j < h {
+                    T::zero().sub(xv(j + h))
+                } else {
+                    xv(j - h)
+                };
                 xv(j).mul(c[j]).add(rot.mul(sn[j]))
             } else if j < h {
                 xv(j).mul(c[j]).add(xv(j + h).mul(sn[j + h]))
@@ -1052,38 +1466,70 @@ impl CustomOp3 for Rope {
     fn name(&self) -> &'static str {
         "weft-rope"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let xd = l1.dims();
         let cd = l2.dims();
-        if xd.len() != 4 || cd.len() != 3 || l3.dims() != cd || cd[1] != xd[2] || cd[2] > xd[3] || !cd[2].is_multiple_of(2) || !(cd[0] == 1 || cd[0] == xd[0]) {
+        if xd.len() != 4
+            || cd.len() != 3
+            || l3.dims() != cd
+            || cd[1] != xd[2]
+            || cd[2] > xd[3]
+            || !cd[2].is_multiple_of(2)
+            || !(cd[0] == 1 || cd[0] == xd[0])
+        {
             candle_core::bail!("rope: x {xd:?} and cos/sin {cd:?} do not fit");
         }
         let dims = [xd[0], xd[1], xd[2], xd[3]];
         let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => CpuStorage::F32(rope_rows(
-                &View4::new(x, l1, "x")?,
-                dims,
-                contiguous(c, l2, "rope")?,
-                contiguous(s, l3, "rope")?,
-                cd[0],
-                cd[2],
-                self.transpose,
-            )),
-            (CpuStorage::F64(x), CpuStorage::F64(c), CpuStorage::F64(s)) => CpuStorage::F64(rope_rows(
-                &View4::new(x, l1, "x")?,
-                dims,
-                contiguous(c, l2, "rope")?,
-                contiguous(s, l3, "rope")?,
-                cd[0],
-                cd[2],
-                self.transpose,
-            )),
+            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => {
+                CpuStorage::F32(rope_rows(
+                    &View4::new(x, l1, "x")?,
+                    dims,
+                    contiguous(c, l2, "rope")?,
+                    contiguous(s, l3, "rope")?,
+                    cd[0],
+                    cd[2],
+                    self.transpose,
+                ))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(c), CpuStorage::F64(s)) => {
+                CpuStorage::F64(rope_rows(
+                    &View4::new(x, l1, "x")?,
+                    dims,
+                    contiguous(c, l2, "rope")?,
+                    contiguous(s, l3, "rope")?,
+                    cd[0],
+                    cd[2],
+                    self.transpose,
+                ))
+            }
             _ => candle_core::bail!("rope: operands must share one float dtype"),
         };
         Ok((out, Shape::from(xd.to_vec())))
     }
-    fn bwd(&self, _x: &Tensor, cos: &Tensor, sin: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = g.apply_op3_no_bwd(cos, sin, &Rope { transpose: !self.transpose })?;
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dx = g.apply_op3_no_bwd(
+            cos,
+            sin,
+            &Rope {
+                transpose: !self.transpose,
+            },
+        )?;
         Ok((Some(dx), None, None))
     }
 }

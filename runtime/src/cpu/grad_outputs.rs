@@ -21,17 +21,37 @@ pub(crate) const PARAM_LIKE_PREFIXES: &[&str] = &[GRAD_PREFIX, "param."];
 
 /// `Some(full tensor)` when output `name` is a partitioned parameter's gradient, update
 /// or state (see [`PARAM_LIKE_PREFIXES`]) returned as each rank's shard.
-pub(crate) fn assemble_param_grad(sh: &Shared, opts: &RunOptions, name: &str, ranks: &[RankOut]) -> Option<Result<Tensor, String>> {
+pub(crate) fn assemble_param_grad(
+    sh: &Shared,
+    opts: &RunOptions,
+    name: &str,
+    ranks: &[RankOut],
+) -> Option<Result<Tensor, String>> {
     if !sh.graph.output_split(name).is_empty() {
         return None;
     }
-    let candidates = std::iter::once(name).chain(PARAM_LIKE_PREFIXES.iter().filter_map(|p| name.strip_prefix(p)));
-    let param = candidates.into_iter().find(|p| !sh.graph.param_partition(p).is_empty() && sh.params.contains_key(*p))?;
+    let candidates = std::iter::once(name).chain(
+        PARAM_LIKE_PREFIXES
+            .iter()
+            .filter_map(|p| name.strip_prefix(p)),
+    );
+    let param = candidates
+        .into_iter()
+        .find(|p| !sh.graph.param_partition(p).is_empty() && sh.params.contains_key(*p))?;
     Some(assemble(sh, opts, name, param, ranks))
 }
 
-fn assemble(sh: &Shared, opts: &RunOptions, name: &str, param: &str, ranks: &[RankOut]) -> Result<Tensor, String> {
-    let full = sh.params.get(param).ok_or_else(|| format!("is the gradient of param `{param}`, which has no weight"))?;
+fn assemble(
+    sh: &Shared,
+    opts: &RunOptions,
+    name: &str,
+    param: &str,
+    ranks: &[RankOut],
+) -> Result<Tensor, String> {
+    let full = sh
+        .params
+        .get(param)
+        .ok_or_else(|| format!("is the gradient of param `{param}`, which has no weight"))?;
     let shape = full.dims().to_vec();
     let parts = sh.graph.param_partition(param);
     let mesh = sh.mesh;
@@ -43,16 +63,25 @@ fn assemble(sh: &Shared, opts: &RunOptions, name: &str, param: &str, ranks: &[Ra
     };
     for (r, ro) in ranks.iter().enumerate() {
         let r = r as u32;
-        let t = ro.outputs.get(name).ok_or_else(|| format!("rank {r} has no value for it"))?;
+        let t = ro
+            .outputs
+            .get(name)
+            .ok_or_else(|| format!("rank {r} has no value for it"))?;
         // The representative of this shard: the first rank with the same coordinates on
         // the split axes (derived ones such as `ep` included).
-        let fixed: Vec<(&str, u32)> = split_axes.iter().map(|a| (*a, mesh.coord(r, a).unwrap_or(0))).collect();
+        let fixed: Vec<(&str, u32)> = split_axes
+            .iter()
+            .map(|a| (*a, mesh.coord(r, a).unwrap_or(0)))
+            .collect();
         let rep = mesh.rank_with(&fixed).unwrap_or(r);
         if rep == r {
             let v = values_f64(t)?;
             add_shard(&mut acc, &shape, &v, t.dims(), parts, mesh, r)?;
         } else if opts.check_replicas {
-            let (a, b) = (values_f64(&ranks[rep as usize].outputs[name])?, values_f64(t)?);
+            let (a, b) = (
+                values_f64(&ranks[rep as usize].outputs[name])?,
+                values_f64(t)?,
+            );
             let scale = a.iter().fold(1.0f64, |m, x| m.max(x.abs()));
             if a.len() != b.len() || a.iter().zip(&b).any(|(x, y)| (x - y).abs() > tol * scale) {
                 return Err(format!(

@@ -45,14 +45,22 @@ impl Precision {
 /// A host tensor as a candle tensor of graph dtype `want`; checks the dtype kind
 /// (integers and bools convert into each other, floats do not) and nothing else.
 /// With `var`, the float tensor is made a candle variable (without another copy).
-pub(crate) fn to_candle(t: &HostTensor, want: DType, p: Precision, var: bool) -> Result<Tensor, String> {
+pub(crate) fn to_candle(
+    t: &HostTensor,
+    want: DType,
+    p: Precision,
+    var: bool,
+) -> Result<Tensor, String> {
     let n: usize = t.shape.iter().product();
     let len = match &t.data {
         HostData::F64(v) => v.len(),
         HostData::I64(v) => v.len(),
     };
     if len != n {
-        return Err(format!("has {len} elements but its shape {:?} needs {n}", t.shape));
+        return Err(format!(
+            "has {len} elements but its shape {:?} needs {n}",
+            t.shape
+        ));
     }
     let have = kind(t.dtype);
     let wk = kind(want);
@@ -63,24 +71,39 @@ pub(crate) fn to_candle(t: &HostTensor, want: DType, p: Precision, var: bool) ->
         return Err(format!("is {} but the graph wants {want}", t.dtype));
     }
     match (&t.data, wk, p) {
-        (HostData::F64(v), Kind::Float, Precision::F64) if var => {
-            Var::from_slice(v, shape, dev).map(|v| v.as_tensor().clone()).map_err(err)
-        }
+        (HostData::F64(v), Kind::Float, Precision::F64) if var => Var::from_slice(v, shape, dev)
+            .map(|v| v.as_tensor().clone())
+            .map_err(err),
         (HostData::F64(v), Kind::Float, Precision::F32) if var => {
-            Var::from_vec(convert(v, |x| x as f32), shape, dev).map(|v| v.as_tensor().clone()).map_err(err)
+            Var::from_vec(convert(v, |x| x as f32), shape, dev)
+                .map(|v| v.as_tensor().clone())
+                .map_err(err)
         }
-        (HostData::F64(v), Kind::Float, Precision::F64) => Tensor::from_slice(v, shape, dev).map_err(err),
-        (HostData::F64(v), Kind::Float, Precision::F32) => Tensor::from_vec(convert(v, |x| x as f32), shape, dev).map_err(err),
+        (HostData::F64(v), Kind::Float, Precision::F64) => {
+            Tensor::from_slice(v, shape, dev).map_err(err)
+        }
+        (HostData::F64(v), Kind::Float, Precision::F32) => {
+            Tensor::from_vec(convert(v, |x| x as f32), shape, dev).map_err(err)
+        }
         (HostData::I64(v), Kind::Int, _) => Tensor::from_slice(v, shape, dev).map_err(err),
-        (HostData::I64(v), Kind::Bool, _) => {
-            Tensor::from_vec(v.iter().map(|&x| (x != 0) as u8).collect::<Vec<u8>>(), shape, dev).map_err(err)
-        }
+        (HostData::I64(v), Kind::Bool, _) => Tensor::from_vec(
+            v.iter().map(|&x| (x != 0) as u8).collect::<Vec<u8>>(),
+            shape,
+            dev,
+        )
+        .map_err(err),
         (HostData::I64(v), Kind::Float, _) => {
-            let x = Tensor::from_vec(v.iter().map(|&x| x as f64).collect::<Vec<f64>>(), shape, dev)
-                .and_then(|x| x.to_dtype(p.float_dtype()))
-                .map_err(err)?;
+            let x = Tensor::from_vec(
+                v.iter().map(|&x| x as f64).collect::<Vec<f64>>(),
+                shape,
+                dev,
+            )
+            .and_then(|x| x.to_dtype(p.float_dtype()))
+            .map_err(err)?;
             if var {
-                Var::from_tensor(&x).map(|v| v.as_tensor().clone()).map_err(err)
+                Var::from_tensor(&x)
+                    .map(|v| v.as_tensor().clone())
+                    .map_err(err)
             } else {
                 Ok(x)
             }
@@ -121,7 +144,9 @@ fn convert<A: Copy + Sync, B: Send>(src: &[A], f: impl Fn(A) -> B + Sync + Send)
 fn with_slice<R>(t: &Tensor, f: impl FnOnce(&CpuStorage, usize, usize) -> R) -> Result<R, String> {
     let t = t.contiguous().map_err(|e| e.to_string())?;
     let (st, layout) = t.storage_and_layout();
-    let (a, b) = layout.contiguous_offsets().ok_or("internal: not contiguous after contiguous()")?;
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or("internal: not contiguous after contiguous()")?;
     match &*st {
         Storage::Cpu(cs) => Ok(f(cs, a, b)),
         _ => Err("internal: not a CPU tensor".into()),

@@ -45,7 +45,8 @@ pub(crate) struct Cx<'a> {
 
 impl Cx<'_> {
     fn eval(&self, d: &Dim, what: &str) -> KResult<i64> {
-        d.eval(self.bindings).map_err(|e| KernelError(format!("cannot evaluate {what} `{d}`: {e}")))
+        d.eval(self.bindings)
+            .map_err(|e| KernelError(format!("cannot evaluate {what} `{d}`: {e}")))
     }
     fn out_shape(&self, i: usize) -> &[usize] {
         &self.out[i].1
@@ -126,7 +127,10 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> KResult<Tensor> {
         &bb.iter().map(|&d| Dim::from(d)).collect::<Vec<_>>(),
     )
     .map_err(KernelError)?;
-    let batch: Vec<usize> = batch.iter().map(|d| d.as_const().unwrap_or(0) as usize).collect();
+    let batch: Vec<usize> = batch
+        .iter()
+        .map(|d| d.as_const().unwrap_or(0) as usize)
+        .collect();
     let fit = |t: &Tensor, rows: usize, cols: usize| -> KResult<Tensor> {
         let mut s = batch.clone();
         s.extend([rows, cols]);
@@ -142,7 +146,11 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> KResult<Tensor> {
 }
 
 /// Applies a last-dim row op along `dim` (moved last and back when it is not last).
-fn along(x: &Tensor, dim: usize, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> KResult<Tensor> {
+fn along(
+    x: &Tensor,
+    dim: usize,
+    f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> KResult<Tensor> {
     let last = x.rank() - 1;
     if dim == last {
         return Ok(f(&x.contiguous()?)?);
@@ -181,7 +189,12 @@ fn cast(x: &Tensor, to: DType, float: C) -> KResult<Tensor> {
 
 /// HF `rope_init_fn` results: the inverse frequencies of a rotary table, in f64 (in
 /// f32 precision they are rounded to f32 at each step where HF computes in f32).
-pub(crate) fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling, f32_steps: bool) -> Vec<f64> {
+pub(crate) fn rope_inv_freq(
+    theta: f64,
+    dim: usize,
+    scaling: &RopeScaling,
+    f32_steps: bool,
+) -> Vec<f64> {
     let r = |v: f64| if f32_steps { v as f32 as f64 } else { v };
     // inv_freq = 1 / base ** (arange(0, dim, 2).float() / dim)
     let mut inv: Vec<f64> = (0..dim)
@@ -202,7 +215,12 @@ pub(crate) fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling, f32_s
                 *v = r(*v / factor.0);
             }
         }
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
             // transformers `_compute_llama3_parameters`.
             let (factor, lo, hi) = (factor.0, low_freq_factor.0, high_freq_factor.0);
             let old = *original_max_position_embeddings as f64;
@@ -211,7 +229,11 @@ pub(crate) fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling, f32_s
             for v in &mut inv {
                 let f = *v;
                 let wavelen = r(2.0 * std::f64::consts::PI / f);
-                let llama = if wavelen > low_freq_wavelen { r(f / factor) } else { f };
+                let llama = if wavelen > low_freq_wavelen {
+                    r(f / factor)
+                } else {
+                    f
+                };
                 let smooth = r((r(old / wavelen) - lo) / (hi - lo));
                 let smoothed = r(r(r((1.0 - smooth) * llama) / factor) + r(smooth * llama));
                 // HF's `~(wavelen < high) * ~(wavelen > low)`, NaN included
@@ -230,7 +252,12 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
     let x = || ins[0].clone();
     match op {
         Op::Param { .. } | Op::Input { .. } => bail!("internal: sources are bound by the rank"),
-        Op::AllToAll { .. } | Op::AllToAllV { .. } | Op::AllReduce { .. } | Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::Broadcast { .. } => {
+        Op::AllToAll { .. }
+        | Op::AllToAllV { .. }
+        | Op::AllReduce { .. }
+        | Op::AllGather { .. }
+        | Op::ReduceScatter { .. }
+        | Op::Broadcast { .. } => {
             bail!("internal: collectives run in the rank")
         }
         Op::Full { value, .. } => one(full(value.0, cx.out_shape(0), cx.out_storage(0))?),
@@ -251,7 +278,11 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         Op::Tanh {} => one(x().tanh()?),
         Op::Sigmoid {} => one((x().neg()?.exp()? + 1.0)?.recip()?),
         Op::Silu {} => one(x().silu()?),
-        Op::Gelu { tanh_approx } => one(if *tanh_approx { x().gelu()? } else { x().gelu_erf()? }),
+        Op::Gelu { tanh_approx } => one(if *tanh_approx {
+            x().gelu()?
+        } else {
+            x().gelu_erf()?
+        }),
         Op::Relu {} => one(x().relu()?),
         Op::Scale { factor } => one(x().affine(factor.0, 0.0)?),
         Op::AddScalar { value } => one(x().affine(1.0, value.0)?),
@@ -290,9 +321,14 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         Op::Where {} => one(select(&ins[0], &ins[1], &ins[2], cx.out_shape(0))?),
         Op::Cast { dtype } => one(cast(&ins[0], *dtype, cx.float)?),
 
-        Op::Sum { dims, keepdim: _ } | Op::Mean { dims, keepdim: _ } | Op::Max { dims, keepdim: _ } => {
+        Op::Sum { dims, keepdim: _ }
+        | Op::Mean { dims, keepdim: _ }
+        | Op::Max { dims, keepdim: _ } => {
             let x = x();
-            let mut ds: Vec<usize> = dims.iter().map(|&d| nd(d, x.rank())).collect::<KResult<_>>()?;
+            let mut ds: Vec<usize> = dims
+                .iter()
+                .map(|&d| nd(d, x.rank()))
+                .collect::<KResult<_>>()?;
             if ds.is_empty() {
                 return one(x);
             }
@@ -337,7 +373,10 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 None => x.apply_op2(&w, fused::Linear)?,
             })
         }
-        Op::Matmul { transpose_a, transpose_b } => {
+        Op::Matmul {
+            transpose_a,
+            transpose_b,
+        } => {
             let (mut a, mut b) = (ins[0].clone(), ins[1].clone());
             if *transpose_a {
                 a = a.transpose(a.rank() - 2, a.rank() - 1)?;
@@ -351,7 +390,11 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             let (x, w) = (ins[0].contiguous()?, ins[1].contiguous()?);
             one(x.apply_op2(&w, fused::RmsNorm { eps: eps.0 })?)
         }
-        Op::RopeTable { theta, dim, scaling } => {
+        Op::RopeTable {
+            theta,
+            dim,
+            scaling,
+        } => {
             let d = *dim as usize;
             let inv = rope_inv_freq(theta.0, d, scaling, cx.float == C::F32);
             let inv = Tensor::from_vec(inv, d / 2, DEV)?.to_dtype(cx.float)?;
@@ -367,21 +410,44 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 bail!("rotary dim {r} must be even and at most the head dim {hd}");
             }
             if !cos.track_op() && !sin.track_op() {
-                return one(x.apply_op3(&cos.contiguous()?, &sin.contiguous()?, fused::Rope { transpose: false })?);
+                return one(x.apply_op3(
+                    &cos.contiguous()?,
+                    &sin.contiguous()?,
+                    fused::Rope { transpose: false },
+                )?);
             }
             // Tables that need gradients: the composed form.
             let (c, s) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
-            let xr = if r < hd { x.narrow(3, 0, r)? } else { x.clone() };
+            let xr = if r < hd {
+                x.narrow(3, 0, r)?
+            } else {
+                x.clone()
+            };
             let x1 = xr.narrow(3, 0, r / 2)?;
             let x2 = xr.narrow(3, r / 2, r / 2)?;
             let rot = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
             let y = (xr.broadcast_mul(&c)? + rot.broadcast_mul(&s)?)?;
-            one(if r < hd { Tensor::cat(&[&y, &x.narrow(3, r, hd - r)?], 3)? } else { y })
+            one(if r < hd {
+                Tensor::cat(&[&y, &x.narrow(3, r, hd - r)?], 3)?
+            } else {
+                y
+            })
         }
-        Op::Attention { causal, scale } => one(attention(&ins[0], &ins[1], &ins[2], ins.get(3), *causal, scale.0, cx.float)?),
+        Op::Attention { causal, scale } => one(attention(
+            &ins[0],
+            &ins[1],
+            &ins[2],
+            ins.get(3),
+            *causal,
+            scale.0,
+            cx.float,
+        )?),
         Op::ShiftLabels { ignore_index } => {
             let l = &ins[0];
-            let last = l.rank().checked_sub(1).ok_or_else(|| KernelError("labels must have a dim".into()))?;
+            let last = l
+                .rank()
+                .checked_sub(1)
+                .ok_or_else(|| KernelError("labels must have a dim".into()))?;
             let n = l.dims()[last];
             if n == 0 {
                 return one(l.clone());
@@ -395,14 +461,24 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             let valid = ins[0].broadcast_ne(&scalar(*ignore_index as f64, C::I64)?)?;
             one(valid.to_dtype(cx.float)?.sum_all()?)
         }
-        Op::CrossEntropy { ignore_index, reduction } => {
-            one(cross_entropy(&ins[0], &ins[1], *ignore_index, *reduction, cx.float)?)
-        }
+        Op::CrossEntropy {
+            ignore_index,
+            reduction,
+        } => one(cross_entropy(
+            &ins[0],
+            &ins[1],
+            *ignore_index,
+            *reduction,
+            cx.float,
+        )?),
 
         Op::Reshape { .. } => one(x().reshape(cx.out_shape(0))?),
         Op::Permute { perm } => {
             let x = x();
-            let p: Vec<usize> = perm.iter().map(|&d| nd(d, x.rank())).collect::<KResult<_>>()?;
+            let p: Vec<usize> = perm
+                .iter()
+                .map(|&d| nd(d, x.rank()))
+                .collect::<KResult<_>>()?;
             one(x.permute(p)?)
         }
         Op::Transpose { dim0, dim1 } => {
@@ -437,7 +513,10 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             for s in sizes {
                 let l = cx.eval(s, "split size")?;
                 if l < 0 || at + l as usize > x.dims()[d] {
-                    bail!("split sizes {sizes:?} exceed dim {d} of size {}", x.dims()[d]);
+                    bail!(
+                        "split sizes {sizes:?} exceed dim {d} of size {}",
+                        x.dims()[d]
+                    );
                 }
                 out.push(x.narrow(d, at, l as usize)?);
                 at += l as usize;
@@ -462,7 +541,13 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                     xs = xs.narrow(i, 0, id)?;
                 }
             }
-            check_range(idx, 0, x.dims()[d] as i64, "gather index", &format!("dim {d}"))?;
+            check_range(
+                idx,
+                0,
+                x.dims()[d] as i64,
+                "gather index",
+                &format!("dim {d}"),
+            )?;
             one(xs.gather(&idx.contiguous()?, d)?)
         }
         Op::IndexSelect { dim } => {
@@ -487,7 +572,12 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 dt => hot.to_dtype(dt)?,
             })
         }
-        Op::ScatterAdd { dim } => one(scatter_add(&ins[0], &ins[1], &ins[2], nd(*dim, ins[0].rank())?)?),
+        Op::ScatterAdd { dim } => one(scatter_add(
+            &ins[0],
+            &ins[1],
+            &ins[2],
+            nd(*dim, ins[0].rank())?,
+        )?),
         Op::MoeDispatch { num_experts } => moe_dispatch(&ins[0], &ins[1], *num_experts),
         Op::GroupedMatmul {} => one(grouped_matmul(&ins[0], &ins[1], &ins[2])?),
         Op::MoeCombine {} => one(moe_combine(&ins[0], &ins[1], &ins[2], cx.out_shape(0))?),
@@ -524,11 +614,24 @@ fn check_range(t: &Tensor, lo: i64, hi: i64, what: &str, of: &str) -> KResult<()
 /// value, so fully masked rows come out uniform rather than NaN. Causal with `Sq != Sk`
 /// aligns the queries with the last `Sq` keys (query `i` sees keys `j <= i + Sk - Sq`),
 /// as flash-attention and HF's KV cache do.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool, scale: f64, float: C) -> KResult<Tensor> {
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+    float: C,
+) -> KResult<Tensor> {
     let (b, nq, sq, hd) = q.dims4()?;
     let (bk, nkv, sk, hdk) = k.dims4()?;
     if v.dims() != k.dims() || bk != b || hdk != hd {
-        bail!("q {:?}, k {:?}, v {:?} do not fit together", q.dims(), k.dims(), v.dims());
+        bail!(
+            "q {:?}, k {:?}, v {:?} do not fit together",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
     }
     if nkv == 0 || nq % nkv != 0 {
         bail!("q heads ({nq}) must be a multiple of kv heads ({nkv})");
@@ -537,39 +640,74 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: 
         None => None,
         Some(m) => {
             let md = m.dims();
-            if md.len() != 4 || md[2] != sq || md[3] != sk || !(md[0] == 1 || md[0] == b) || !(md[1] == 1 || md[1] == nq) {
+            if md.len() != 4
+                || md[2] != sq
+                || md[3] != sk
+                || !(md[0] == 1 || md[0] == b)
+                || !(md[1] == 1 || md[1] == nq)
+            {
                 bail!("mask {md:?} must be [B|1, heads|1, {sq}, {sk}]");
             }
             let mut keep = m.to_dtype(C::U8)?;
             if causal {
                 let off = sk as i64 - sq as i64;
-                let rows = (Tensor::arange(0i64, sq as i64, DEV)? + off as f64)?.reshape((sq, 1))?;
+                let rows =
+                    (Tensor::arange(0i64, sq as i64, DEV)? + off as f64)?.reshape((sq, 1))?;
                 let cols = Tensor::arange(0i64, sk as i64, DEV)?.reshape((1, sk))?;
                 keep = keep.broadcast_mul(&cols.broadcast_le(&rows)?.reshape((1, 1, sq, sk))?)?;
             }
-            let min = if float == C::F64 { f64::MIN } else { f32::MIN as f64 };
+            let min = if float == C::F64 {
+                f64::MIN
+            } else {
+                f32::MIN as f64
+            };
             // keep = 1 -> 0, keep = 0 -> min
-            Some(keep.to_dtype(float)?.affine(-min, min)?.contiguous()?.detach())
+            Some(
+                keep.to_dtype(float)?
+                    .affine(-min, min)?
+                    .contiguous()?
+                    .detach(),
+            )
         }
     };
-    let op = fused::Attention { causal: causal && bias.is_none(), scale, bias };
+    let op = fused::Attention {
+        causal: causal && bias.is_none(),
+        scale,
+        bias,
+    };
     Ok(q.apply_op3(k, v, op)?)
 }
 
 /// Token cross-entropy in the compute dtype: `-log_softmax(logits)[label]`, 0 where the
 /// label is `ignore_index`; `mean` divides by the number of valid labels (NaN if none,
 /// as torch).
-fn cross_entropy(logits: &Tensor, labels: &Tensor, ignore: i64, reduction: Reduction, float: C) -> KResult<Tensor> {
+fn cross_entropy(
+    logits: &Tensor,
+    labels: &Tensor,
+    ignore: i64,
+    reduction: Reduction,
+    float: C,
+) -> KResult<Tensor> {
     if logits.rank() != labels.rank() + 1 || logits.dims()[..labels.rank()] != *labels.dims() {
-        bail!("logits {:?} must be labels {:?} plus a class dim", logits.dims(), labels.dims());
+        bail!(
+            "logits {:?} must be labels {:?} plus a class dim",
+            logits.dims(),
+            labels.dims()
+        );
     }
     let v = *logits.dims().last().unwrap_or(&0);
     let lab = labels.flatten_all()?;
     let lv = values_i64(&lab)?;
-    if let Some((i, bad)) = lv.iter().enumerate().find(|(_, &l)| l != ignore && (l < 0 || l >= v as i64)) {
+    if let Some((i, bad)) = lv
+        .iter()
+        .enumerate()
+        .find(|(_, &l)| l != ignore && (l < 0 || l >= v as i64))
+    {
         bail!("label {bad} (at flat position {i}) is out of range for {v} classes and is not ignore_index {ignore}");
     }
-    let loss = logits.contiguous()?.apply_op2(&labels.contiguous()?, fused::CrossEntropyRows { ignore })?;
+    let loss = logits
+        .contiguous()?
+        .apply_op2(&labels.contiguous()?, fused::CrossEntropyRows { ignore })?;
     Ok(match reduction {
         Reduction::None => loss,
         Reduction::Sum => loss.sum_all()?,
@@ -613,7 +751,9 @@ fn topk(x: &Tensor, k: usize, d: usize) -> KResult<(Tensor, Tensor)> {
     }
     let mut tshape = xt.dims().to_vec();
     tshape[last] = k;
-    let idx = Tensor::from_vec(idx, tshape, DEV)?.transpose(d, last)?.contiguous()?;
+    let idx = Tensor::from_vec(idx, tshape, DEV)?
+        .transpose(d, last)?
+        .contiguous()?;
     let values = x.gather(&idx, d)?;
     Ok((values, idx))
 }
@@ -625,14 +765,29 @@ fn topk(x: &Tensor, k: usize, d: usize) -> KResult<(Tensor, Tensor)> {
 /// for `src`).
 fn scatter_add(dst: &Tensor, index: &Tensor, src: &Tensor, d: usize) -> KResult<Tensor> {
     if index.dims() != src.dims() || index.rank() != dst.rank() {
-        bail!("index {:?} and src {:?} must match and have the rank of dst {:?}", index.dims(), src.dims(), dst.dims());
+        bail!(
+            "index {:?} and src {:?} must match and have the rank of dst {:?}",
+            index.dims(),
+            src.dims(),
+            dst.dims()
+        );
     }
     for (i, (&s, &t)) in src.dims().iter().zip(dst.dims()).enumerate() {
         if i != d && s > t {
-            bail!("src {:?} exceeds dst {:?} in dim {i}", src.dims(), dst.dims());
+            bail!(
+                "src {:?} exceeds dst {:?} in dim {i}",
+                src.dims(),
+                dst.dims()
+            );
         }
     }
-    check_range(index, 0, dst.dims()[d] as i64, "scatter index", &format!("dim {d} of dst"))?;
+    check_range(
+        index,
+        0,
+        dst.dims()[d] as i64,
+        "scatter index",
+        &format!("dim {d} of dst"),
+    )?;
     let idx = values_i64(index)?;
     let (sd, dd) = (src.dims(), dst.dims());
     let rank = sd.len();
@@ -659,7 +814,9 @@ fn scatter_add(dst: &Tensor, index: &Tensor, src: &Tensor, d: usize) -> KResult<
         }
     }
     let n = pos.len();
-    let out = dst.flatten_all()?.index_add(&Tensor::from_vec(pos, n, DEV)?, &src.flatten_all()?, 0)?;
+    let out =
+        dst.flatten_all()?
+            .index_add(&Tensor::from_vec(pos, n, DEV)?, &src.flatten_all()?, 0)?;
     Ok(out.reshape(dd)?)
 }
 
@@ -667,11 +824,21 @@ fn scatter_add(dst: &Tensor, index: &Tensor, src: &Tensor, d: usize) -> KResult<
 fn moe_dispatch(x: &Tensor, expert_index: &Tensor, num_experts: i64) -> KResult<Vec<Tensor>> {
     let (t, k) = expert_index.dims2()?;
     if x.dims()[0] != t {
-        bail!("x {:?} and expert_index {:?} differ in tokens", x.dims(), expert_index.dims());
+        bail!(
+            "x {:?} and expert_index {:?} differ in tokens",
+            x.dims(),
+            expert_index.dims()
+        );
     }
     let e = values_i64(expert_index)?;
-    if let Some((i, bad)) = e.iter().enumerate().find(|(_, &v)| v < 0 || v >= num_experts) {
-        bail!("expert index {bad} (at flat position {i}) is out of range for {num_experts} experts");
+    if let Some((i, bad)) = e
+        .iter()
+        .enumerate()
+        .find(|(_, &v)| v < 0 || v >= num_experts)
+    {
+        bail!(
+            "expert index {bad} (at flat position {i}) is out of range for {num_experts} experts"
+        );
     }
     let mut counts = vec![0i64; num_experts as usize];
     for &v in &e {
@@ -705,11 +872,19 @@ fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &Tensor) -> KResult<Tensor> {
     let (m, kx) = x.dims2()?;
     let (e, n, kw) = w.dims3()?;
     if kx != kw {
-        bail!("x {:?} and w {:?} differ in the contracted dim", x.dims(), w.dims());
+        bail!(
+            "x {:?} and w {:?} differ in the contracted dim",
+            x.dims(),
+            w.dims()
+        );
     }
     // counts [E], or [G, E]: G*E groups in row-major order, group (g, e) uses w[e].
     let c = values_i64(counts)?;
-    if c.len() % e.max(1) != 0 || counts.dims().last() != Some(&e) || c.iter().any(|&v| v < 0) || c.iter().sum::<i64>() != m as i64 {
+    if c.len() % e.max(1) != 0
+        || counts.dims().last() != Some(&e)
+        || c.iter().any(|&v| v < 0)
+        || c.iter().sum::<i64>() != m as i64
+    {
         bail!("counts {c:?} must be {e} (or G x {e}) non-negative group sizes summing to the {m} rows");
     }
     let mut parts = Vec::new();
@@ -731,14 +906,23 @@ fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &Tensor) -> KResult<Tensor> {
 
 /// `moe_combine`: `out[t] = sum over rows r with order[r] = t*k + slot of
 /// weights[t, slot] * rows[r]` (rows missing from `order` contribute nothing).
-fn moe_combine(rows: &Tensor, order: &Tensor, weights: &Tensor, out_shape: &[usize]) -> KResult<Tensor> {
+fn moe_combine(
+    rows: &Tensor,
+    order: &Tensor,
+    weights: &Tensor,
+    out_shape: &[usize],
+) -> KResult<Tensor> {
     let (t, k) = weights.dims2()?;
     let (r, h) = rows.dims2()?;
     if order.dims() != [r] {
         bail!("order {:?} must list the {r} rows", order.dims());
     }
     let o = values_i64(order)?;
-    if let Some((i, bad)) = o.iter().enumerate().find(|(_, &v)| v < 0 || v >= (t * k) as i64) {
+    if let Some((i, bad)) = o
+        .iter()
+        .enumerate()
+        .find(|(_, &v)| v < 0 || v >= (t * k) as i64)
+    {
         bail!("order entry {bad} (row {i}) is out of range for {t} tokens x {k} slots");
     }
     let tok: Vec<i64> = o.iter().map(|&f| f / k.max(1) as i64).collect();
@@ -747,7 +931,10 @@ fn moe_combine(rows: &Tensor, order: &Tensor, weights: &Tensor, out_shape: &[usi
     let zeros = Tensor::zeros((t, h), rows.dtype(), DEV)?;
     let out = zeros.index_add(&Tensor::from_vec(tok, r, DEV)?, &scaled, 0)?;
     if out.dims() != out_shape {
-        bail!("internal: combined {:?}, expected {out_shape:?}", out.dims());
+        bail!(
+            "internal: combined {:?}, expected {out_shape:?}",
+            out.dims()
+        );
     }
     Ok(out)
 }

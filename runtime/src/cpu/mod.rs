@@ -116,7 +116,10 @@ impl Default for RunOptions {
 
 impl RunOptions {
     pub fn new(precision: Precision) -> Self {
-        RunOptions { precision, ..Default::default() }
+        RunOptions {
+            precision,
+            ..Default::default()
+        }
     }
     pub fn with_grads(mut self, grads: bool) -> Self {
         self.grads = grads;
@@ -198,25 +201,43 @@ pub fn run(
         if params.contains_key(&name) {
             continue;
         }
-        let w = weights.get(&name).ok_or_else(|| RuntimeError::MissingWeight { name: name.clone() })?;
+        let w = weights
+            .get(&name)
+            .ok_or_else(|| RuntimeError::MissingWeight { name: name.clone() })?;
         let ty = graph.ty(v);
-        let bad = |message: String| RuntimeError::BadTensor { kind: "param", name: name.clone(), message };
+        let bad = |message: String| RuntimeError::BadTensor {
+            kind: "param",
+            name: name.clone(),
+            message,
+        };
         if !opts.param_splits.contains_key(&name) && graph.param_partition(&name).is_empty() {
             check_host_shape(w, ty, &bindings).map_err(bad)?;
         }
         let shared_var = opts.grads && !opts.keep_rank_outputs;
-        params.insert(name.clone(), host::to_candle(w, ty.dtype, p, shared_var).map_err(bad)?);
+        params.insert(
+            name.clone(),
+            host::to_candle(w, ty.dtype, p, shared_var).map_err(bad)?,
+        );
     }
     let mut ins = BTreeMap::new();
     for (name, _, v) in graph.inputs() {
         if ins.contains_key(&name) {
             continue;
         }
-        let t = inputs.get(&name).ok_or_else(|| RuntimeError::MissingInput { name: name.clone() })?;
+        let t = inputs
+            .get(&name)
+            .ok_or_else(|| RuntimeError::MissingInput { name: name.clone() })?;
         let ty = graph.ty(v);
-        let bad = |message: String| RuntimeError::BadTensor { kind: "input", name: name.clone(), message };
+        let bad = |message: String| RuntimeError::BadTensor {
+            kind: "input",
+            name: name.clone(),
+            message,
+        };
         check_host_shape(t, ty, &bindings).map_err(bad)?;
-        ins.insert(name.clone(), host::to_candle(t, ty.dtype, p, false).map_err(bad)?);
+        ins.insert(
+            name.clone(),
+            host::to_candle(t, ty.dtype, p, false).map_err(bad)?,
+        );
     }
     for name in opts.param_splits.keys() {
         if !params.contains_key(name) {
@@ -255,9 +276,17 @@ pub fn run(
             .name("weft-cpu".into())
             .stack_size(COORDINATOR_STACK)
             .spawn_scoped(s, || coordinate(&shared, opts))
-            .map_err(|e| RuntimeError::Panic { rank: 0, message: format!("cannot start the coordinator thread: {e}") })?
+            .map_err(|e| RuntimeError::Panic {
+                rank: 0,
+                message: format!("cannot start the coordinator thread: {e}"),
+            })?
             .join()
-            .unwrap_or_else(|p| Err(RuntimeError::Panic { rank: 0, message: panic_text(&p) }))
+            .unwrap_or_else(|p| {
+                Err(RuntimeError::Panic {
+                    rank: 0,
+                    message: panic_text(&p),
+                })
+            })
     })
     .map(|mut r| {
         r.bindings = bindings.clone();
@@ -296,11 +325,17 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
                 .map(|(r, h)| match h {
                     Ok(h) => h.join().unwrap_or_else(|p| {
                         sh.comm.abort();
-                        Err(Some(RuntimeError::Panic { rank: r as u32, message: panic_text(&p) }))
+                        Err(Some(RuntimeError::Panic {
+                            rank: r as u32,
+                            message: panic_text(&p),
+                        }))
                     }),
                     Err(e) => {
                         sh.comm.abort();
-                        Err(Some(RuntimeError::Panic { rank: r as u32, message: format!("cannot start its thread: {e}") }))
+                        Err(Some(RuntimeError::Panic {
+                            rank: r as u32,
+                            message: format!("cannot start its thread: {e}"),
+                        }))
                     }
                 })
                 .collect()
@@ -322,7 +357,10 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
         return Err(e);
     }
     if aborted {
-        return Err(RuntimeError::Panic { rank: 0, message: "internal: ranks stopped without an error".into() });
+        return Err(RuntimeError::Panic {
+            rank: 0,
+            message: "internal: ranks stopped without an error".into(),
+        });
     }
 
     let g = sh.graph;
@@ -342,7 +380,10 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
         let dtype = g.ty(*v).dtype;
         res.outputs.insert(
             name.clone(),
-            host::to_host(&full, dtype).map_err(|m| RuntimeError::Output { name: name.clone(), message: m })?,
+            host::to_host(&full, dtype).map_err(|m| RuntimeError::Output {
+                name: name.clone(),
+                message: m,
+            })?,
         );
         if opts.grads && *name == opts.loss {
             loss_tensor = Some(full);
@@ -352,8 +393,12 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
         for r in &ranks {
             let mut m = BTreeMap::new();
             for (name, v) in g.outputs() {
-                let t = host::to_host(&r.outputs[name], g.ty(*v).dtype)
-                    .map_err(|m| RuntimeError::Output { name: name.clone(), message: m })?;
+                let t = host::to_host(&r.outputs[name], g.ty(*v).dtype).map_err(|m| {
+                    RuntimeError::Output {
+                        name: name.clone(),
+                        message: m,
+                    }
+                })?;
                 m.insert(name.clone(), t);
             }
             res.rank_outputs.push(m);
@@ -365,7 +410,11 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
             message: format!(
                 "the graph has no output named `{}` (outputs: {})",
                 opts.loss,
-                g.outputs().iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+                g.outputs()
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         })?;
         res.profile.outputs_s = t1.elapsed().as_secs_f64();
@@ -379,7 +428,11 @@ fn coordinate(sh: &Shared, opts: &RunOptions) -> Result<RunResult, RuntimeError>
 }
 
 /// Binds the caller's symbols, the mesh axis sizes, and plain symbols of input types.
-fn bind(graph: &Graph, inputs: &BTreeMap<String, HostTensor>, opts: &RunOptions) -> Result<Bindings, RuntimeError> {
+fn bind(
+    graph: &Graph,
+    inputs: &BTreeMap<String, HostTensor>,
+    opts: &RunOptions,
+) -> Result<Bindings, RuntimeError> {
     let mut b = opts.bindings.clone();
     b.coords.clear();
     for (axis, size) in &graph.mesh.axes {
@@ -429,13 +482,17 @@ fn check_host_shape(t: &HostTensor, ty: &weft_ir::TensorType, b: &Bindings) -> R
     for d in &ty.shape {
         match d.eval(b) {
             Ok(v) => want.push(v),
-            Err(weft_ir::DimError::UnboundCoord(_)) | Err(weft_ir::DimError::CoordOutOfRange { .. }) => return Ok(()),
+            Err(weft_ir::DimError::UnboundCoord(_))
+            | Err(weft_ir::DimError::CoordOutOfRange { .. }) => return Ok(()),
             Err(e) => return Err(format!("cannot evaluate its type {ty}: {e}")),
         }
     }
     let have: Vec<i64> = t.shape.iter().map(|&x| x as i64).collect();
     if have != want || t.shape.len() != ty.rank() {
-        return Err(format!("has shape {:?} but its node's type {ty} is {:?}", t.shape, want));
+        return Err(format!(
+            "has shape {:?} but its node's type {ty} is {:?}",
+            t.shape, want
+        ));
     }
     Ok(())
 }
@@ -495,23 +552,39 @@ fn rank_with(mesh: &weft_ir::Mesh, fixed: &[(String, u32)]) -> u32 {
     let coords: Vec<u32> = mesh
         .axes
         .iter()
-        .map(|(a, _)| fixed.iter().find(|(x, _)| x == a).map(|(_, c)| *c).unwrap_or(0))
+        .map(|(a, _)| {
+            fixed
+                .iter()
+                .find(|(x, _)| x == a)
+                .map(|(_, c)| *c)
+                .unwrap_or(0)
+        })
         .collect();
     mesh.rank_of(&coords)
 }
 
 /// The full value of output `name` from the ranks' pieces (a candle tensor, still
 /// connected to the autograd graph).
-fn assemble(sh: &Shared, opts: &RunOptions, name: &str, ranks: &[RankOut]) -> Result<Tensor, RuntimeError> {
+fn assemble(
+    sh: &Shared,
+    opts: &RunOptions,
+    name: &str,
+    ranks: &[RankOut],
+) -> Result<Tensor, RuntimeError> {
     let mesh = sh.mesh;
     let splits = sh.graph.output_split(name);
-    let out_err = |message: String| RuntimeError::Output { name: name.to_string(), message };
+    let out_err = |message: String| RuntimeError::Output {
+        name: name.to_string(),
+        message,
+    };
     if let Some(full) = grad_outputs::assemble_param_grad(sh, opts, name, ranks) {
         return full.map_err(out_err);
     }
     for (_, axis) in splits {
         if !mesh.has(axis) {
-            return Err(out_err(format!("is split over axis `{axis}`, which the mesh `{mesh}` lacks")));
+            return Err(out_err(format!(
+                "is split over axis `{axis}`, which the mesh `{mesh}` lacks"
+            )));
         }
     }
     fn build(
@@ -535,9 +608,13 @@ fn assemble(sh: &Shared, opts: &RunOptions, name: &str, ranks: &[RankOut]) -> Re
             return Ok(parts.pop().expect("one part"));
         }
         if let Some(p) = parts.iter().find(|p| *dim >= p.rank()) {
-            return Err(format!("split dim {dim} is out of range for a piece of shape {:?}", p.dims()));
+            return Err(format!(
+                "split dim {dim} is out of range for a piece of shape {:?}",
+                p.dims()
+            ));
         }
-        Tensor::cat(&parts, *dim).map_err(|e| format!("cannot join the pieces split over `{axis}`: {e}"))
+        Tensor::cat(&parts, *dim)
+            .map_err(|e| format!("cannot join the pieces split over `{axis}`: {e}"))
     }
     let full = build(mesh, splits, &mut Vec::new(), ranks, name).map_err(out_err)?;
 
@@ -558,7 +635,10 @@ fn assemble(sh: &Shared, opts: &RunOptions, name: &str, ranks: &[RankOut]) -> Re
             if rep == r {
                 continue;
             }
-            let (a, b) = (&ranks[rep as usize].outputs[name], &ranks[r as usize].outputs[name]);
+            let (a, b) = (
+                &ranks[rep as usize].outputs[name],
+                &ranks[r as usize].outputs[name],
+            );
             if a.dims() != b.dims() {
                 return Err(out_err(format!(
                     "rank {r} has shape {:?} but rank {rep}, which should hold the same values, has {:?} \
@@ -576,12 +656,9 @@ fn assemble(sh: &Shared, opts: &RunOptions, name: &str, ranks: &[RankOut]) -> Re
             let av = &cache[&rep];
             let bv = host::values_f64(b).map_err(&out_err)?;
             let scale = av.iter().fold(1.0f64, |m, x| m.max(x.abs()));
-            if let Some((i, (x, y))) = av
-                .iter()
-                .zip(&bv)
-                .enumerate()
-                .find(|(_, (x, y))| !((*x - *y).abs() <= tol * scale || (x.is_nan() && y.is_nan()) || *x == *y))
-            {
+            if let Some((i, (x, y))) = av.iter().zip(&bv).enumerate().find(|(_, (x, y))| {
+                !((*x - *y).abs() <= tol * scale || (x.is_nan() && y.is_nan()) || *x == *y)
+            }) {
                 return Err(out_err(format!(
                     "rank {r} differs from rank {rep} at flat position {i} ({y} vs {x}), but the output has no split \
                      over the axes on which they differ\nhelp: declare how the output is split with `add_output_split`"
@@ -593,12 +670,28 @@ fn assemble(sh: &Shared, opts: &RunOptions, name: &str, ranks: &[RankOut]) -> Re
 }
 
 /// Backward from the loss, then each param's gradient assembled from its replicas.
-fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], res: &mut RunResult) -> Result<(), RuntimeError> {
-    let bwd = |message: String| RuntimeError::Backward { loss: opts.loss.clone(), message };
+fn gradients(
+    sh: &Shared,
+    opts: &RunOptions,
+    loss: &Tensor,
+    ranks: &[RankOut],
+    res: &mut RunResult,
+) -> Result<(), RuntimeError> {
+    let bwd = |message: String| RuntimeError::Backward {
+        loss: opts.loss.clone(),
+        message,
+    };
     if host::kind_of(loss.dtype()) != host::Kind::Float {
-        return Err(bwd(format!("the loss is a {:?} tensor, not a float", loss.dtype())));
+        return Err(bwd(format!(
+            "the loss is a {:?} tensor, not a float",
+            loss.dtype()
+        )));
     }
-    let root = if loss.rank() == 0 { loss.clone() } else { loss.sum_all().map_err(|e| bwd(e.to_string()))? };
+    let root = if loss.rank() == 0 {
+        loss.clone()
+    } else {
+        loss.sum_all().map_err(|e| bwd(e.to_string()))?
+    };
     let tb = std::time::Instant::now();
     let store = root.backward().map_err(|e| bwd(e.to_string()))?;
     res.profile.backward_s = tb.elapsed().as_secs_f64();
@@ -610,7 +703,11 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
         let dtype = g.ty(v).dtype;
         let full = &sh.params[&name];
         let shape = full.dims().to_vec();
-        let splits = opts.param_splits.get(&name).map(|s| s.as_slice()).unwrap_or(&[]);
+        let splits = opts
+            .param_splits
+            .get(&name)
+            .map(|s| s.as_slice())
+            .unwrap_or(&[]);
         let mut acc = Vec::new();
         if !sh.per_rank_vars {
             // One variable shared by every rank: its gradient is already the sum.
@@ -622,7 +719,9 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
             if !sh.per_rank_vars {
                 break;
             }
-            let Some(var) = ro.vars.get(&name) else { continue };
+            let Some(var) = ro.vars.get(&name) else {
+                continue;
+            };
             let grad = match store.get(var) {
                 Some(gr) => gr.clone(),
                 None => var.zeros_like().map_err(|e| bwd(e.to_string()))?,
@@ -636,23 +735,33 @@ fn gradients(sh: &Shared, opts: &RunOptions, loss: &Tensor, ranks: &[RankOut], r
                 let offsets = split_offsets(&shape, splits, sh.mesh, r as u32);
                 add_block(&mut acc, &shape, &gv, grad.dims(), &offsets);
             } else {
-                partition::add_shard(&mut acc, &shape, &gv, grad.dims(), parts, sh.mesh, r as u32).map_err(|m| bwd(format!("param `{name}`: {m}")))?;
+                partition::add_shard(&mut acc, &shape, &gv, grad.dims(), parts, sh.mesh, r as u32)
+                    .map_err(|m| bwd(format!("param `{name}`: {m}")))?;
             }
             if res.rank_grads.len() < ranks.len() {
                 res.rank_grads.resize(ranks.len(), BTreeMap::new());
             }
-            res.rank_grads[r].insert(name.clone(), HostTensor::floats(dtype, grad.dims().to_vec(), gv));
+            res.rank_grads[r].insert(
+                name.clone(),
+                HostTensor::floats(dtype, grad.dims().to_vec(), gv),
+            );
         }
         if acc.is_empty() {
             acc = vec![0.0f64; full.elem_count()];
         }
-        res.grads.insert(name.clone(), HostTensor::floats(dtype, shape, acc));
+        res.grads
+            .insert(name.clone(), HostTensor::floats(dtype, shape, acc));
     }
     Ok(())
 }
 
 /// Where `rank`'s piece of a param split by `splits` starts in each dim.
-fn split_offsets(shape: &[usize], splits: &[(usize, String)], mesh: &weft_ir::Mesh, rank: u32) -> Vec<usize> {
+fn split_offsets(
+    shape: &[usize],
+    splits: &[(usize, String)],
+    mesh: &weft_ir::Mesh,
+    rank: u32,
+) -> Vec<usize> {
     let mut off = vec![0usize; shape.len()];
     let mut ext = shape.to_vec();
     for (dim, axis) in splits {
@@ -690,7 +799,9 @@ fn add_block(acc: &mut [f64], shape: &[usize], block: &[f64], bshape: &[usize], 
             idx[i] = r % bshape[i];
             r /= bshape[i];
         }
-        let base: usize = (0..rank.saturating_sub(1)).map(|i| (idx[i] + offsets[i]) * strides[i]).sum::<usize>()
+        let base: usize = (0..rank.saturating_sub(1))
+            .map(|i| (idx[i] + offsets[i]) * strides[i])
+            .sum::<usize>()
             + offsets.last().copied().unwrap_or(0);
         for (j, v) in chunk.iter().enumerate() {
             acc[base + j] += v;

@@ -7,13 +7,29 @@ use candle_core::Tensor;
 use weft_ir::{Mesh, Partition};
 
 /// For each dim of the full tensor, the full index of every shard index on `rank`.
-pub(crate) fn index_maps(shape: &[usize], parts: &[Partition], mesh: &Mesh, rank: u32) -> Result<Vec<Vec<usize>>, String> {
+pub(crate) fn index_maps(
+    shape: &[usize],
+    parts: &[Partition],
+    mesh: &Mesh,
+    rank: u32,
+) -> Result<Vec<Vec<usize>>, String> {
     let mut maps: Vec<Vec<usize>> = shape.iter().map(|&n| (0..n).collect()).collect();
     for p in parts {
-        let c = mesh.coord(rank, &p.axis).ok_or_else(|| format!("split over axis `{}`, which the mesh `{mesh}` lacks", p.axis))? as usize;
-        let cur = maps.get(p.dim).ok_or_else(|| format!("split dim {} is out of range for {shape:?}", p.dim))?;
+        let c = mesh.coord(rank, &p.axis).ok_or_else(|| {
+            format!(
+                "split over axis `{}`, which the mesh `{mesh}` lacks",
+                p.axis
+            )
+        })? as usize;
+        let cur = maps
+            .get(p.dim)
+            .ok_or_else(|| format!("split dim {} is out of range for {shape:?}", p.dim))?;
         if p.full_size() as usize != cur.len() || c >= p.ranks() {
-            return Err(format!("partition `{p}` does not fit dim {} of size {} (rank coordinate {c})", p.dim, cur.len()));
+            return Err(format!(
+                "partition `{p}` does not fit dim {} of size {} (rank coordinate {c})",
+                p.dim,
+                cur.len()
+            ));
         }
         let mut next = Vec::new();
         for (s, e) in p.ranges(c) {
@@ -38,25 +54,48 @@ fn runs(map: &[usize]) -> Vec<(usize, usize)> {
 
 /// The shard of `rank`: narrows (and concatenations of fused pieces) of `full`, so the
 /// autograd graph leads back to `full`.
-pub(crate) fn local_param(full: &Tensor, parts: &[Partition], mesh: &Mesh, rank: u32) -> Result<Tensor, String> {
+pub(crate) fn local_param(
+    full: &Tensor,
+    parts: &[Partition],
+    mesh: &Mesh,
+    rank: u32,
+) -> Result<Tensor, String> {
     let maps = index_maps(full.dims(), parts, mesh, rank)?;
     let mut t = full.clone();
     for (d, m) in maps.iter().enumerate() {
         if m.len() == full.dims()[d] && m.iter().enumerate().all(|(i, &x)| i == x) {
             continue;
         }
-        let pieces: Vec<Tensor> = runs(m).into_iter().map(|(s, l)| t.narrow(d, s, l)).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
-        t = if pieces.len() == 1 { pieces.into_iter().next().expect("one piece") } else { Tensor::cat(&pieces, d).map_err(|e| e.to_string())? };
+        let pieces: Vec<Tensor> = runs(m)
+            .into_iter()
+            .map(|(s, l)| t.narrow(d, s, l))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        t = if pieces.len() == 1 {
+            pieces.into_iter().next().expect("one piece")
+        } else {
+            Tensor::cat(&pieces, d).map_err(|e| e.to_string())?
+        };
     }
     Ok(t)
 }
 
 /// `acc[maps(i)] += block[i]` for `rank`'s shard gradient `block` of shape `bshape`.
-pub(crate) fn add_shard(acc: &mut [f64], shape: &[usize], block: &[f64], bshape: &[usize], parts: &[Partition], mesh: &Mesh, rank: u32) -> Result<(), String> {
+pub(crate) fn add_shard(
+    acc: &mut [f64],
+    shape: &[usize],
+    block: &[f64],
+    bshape: &[usize],
+    parts: &[Partition],
+    mesh: &Mesh,
+    rank: u32,
+) -> Result<(), String> {
     let maps = index_maps(shape, parts, mesh, rank)?;
     let want: Vec<usize> = maps.iter().map(|m| m.len()).collect();
     if want != bshape {
-        return Err(format!("a shard gradient has shape {bshape:?} but the partition gives {want:?}"));
+        return Err(format!(
+            "a shard gradient has shape {bshape:?} but the partition gives {want:?}"
+        ));
     }
     let mut strides = vec![1usize; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
@@ -64,7 +103,11 @@ pub(crate) fn add_shard(acc: &mut [f64], shape: &[usize], block: &[f64], bshape:
     }
     let mut cur = vec![0usize; bshape.len()];
     for v in block {
-        let i: usize = cur.iter().enumerate().map(|(d, &c)| maps[d][c] * strides[d]).sum();
+        let i: usize = cur
+            .iter()
+            .enumerate()
+            .map(|(d, &c)| maps[d][c] * strides[d])
+            .sum();
         acc[i] += v;
         for d in (0..bshape.len()).rev() {
             cur[d] += 1;

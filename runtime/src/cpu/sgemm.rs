@@ -49,7 +49,9 @@ pub(crate) fn avx512() -> bool {
     {
         use std::sync::OnceLock;
         static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| std::is_x86_feature_detected!("avx512f") && std::env::var_os("WEFT_NO_AVX512").is_none())
+        *HAS.get_or_init(|| {
+            std::is_x86_feature_detected!("avx512f") && std::env::var_os("WEFT_NO_AVX512").is_none()
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -76,7 +78,10 @@ pub(crate) fn sgemm(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(c.len() > (m - 1) * c_rs + (n - 1) * c_cs, "sgemm: c is too short for its strides");
+    assert!(
+        c.len() > (m - 1) * c_rs + (n - 1) * c_cs,
+        "sgemm: c is too short for its strides"
+    );
     if k == 0 || alpha == 0.0 {
         for i in 0..m {
             for j in 0..n {
@@ -86,11 +91,32 @@ pub(crate) fn sgemm(
         }
         return;
     }
-    assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs, "sgemm: a is too short for its strides");
-    assert!(b.len() > (k - 1) * b_rs + (n - 1) * b_cs, "sgemm: b is too short for its strides");
+    assert!(
+        a.len() > (m - 1) * a_rs + (k - 1) * a_cs,
+        "sgemm: a is too short for its strides"
+    );
+    assert!(
+        b.len() > (k - 1) * b_rs + (n - 1) * b_cs,
+        "sgemm: b is too short for its strides"
+    );
     let parallel = parallel && m * n * k >= PAR_MIN_FLOPS;
     if avx512() {
-        let p = Problem { m, n, k, alpha, beta, a, a_rs, a_cs, b, b_rs, b_cs, c: CPtr(c.as_mut_ptr()), c_rs, c_cs };
+        let p = Problem {
+            m,
+            n,
+            k,
+            alpha,
+            beta,
+            a,
+            a_rs,
+            a_cs,
+            b,
+            b_rs,
+            b_cs,
+            c: CPtr(c.as_mut_ptr()),
+            c_rs,
+            c_cs,
+        };
         // SAFETY: AVX-512F was detected; the bounds of a, b and c were checked above and
         // `c` stays mutably borrowed for the whole call.
         unsafe { p.run(parallel) };
@@ -117,7 +143,11 @@ pub(crate) fn sgemm(
                 false,
                 false,
                 false,
-                if parallel { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None },
+                if parallel {
+                    gemm::Parallelism::Rayon(0)
+                } else {
+                    gemm::Parallelism::None
+                },
             )
         }
     }
@@ -127,13 +157,21 @@ pub(crate) fn sgemm(
 /// strides, no copies) through [`sgemm`] for f32 CPU tensors; other dtypes go to candle.
 pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
-    if ra < 2 || rb < 2 || a.dtype() != candle_core::DType::F32 || b.dtype() != candle_core::DType::F32 {
+    if ra < 2
+        || rb < 2
+        || a.dtype() != candle_core::DType::F32
+        || b.dtype() != candle_core::DType::F32
+    {
         return a.matmul(b);
     }
     let (m, k) = (a.dims()[ra - 2], a.dims()[ra - 1]);
     let n = b.dims()[rb - 1];
     if b.dims()[rb - 2] != k {
-        candle_core::bail!("matmul: contracted dims differ: {:?} @ {:?}", a.dims(), b.dims());
+        candle_core::bail!(
+            "matmul: contracted dims differ: {:?} @ {:?}",
+            a.dims(),
+            b.dims()
+        );
     }
     // the broadcast batch shape
     let r = ra.max(rb) - 2;
@@ -149,7 +187,11 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             (x, y) if x == y => x,
             (1, y) => y,
             (x, 1) => x,
-            _ => candle_core::bail!("matmul: batch dims of {:?} and {:?} do not broadcast", a.dims(), b.dims()),
+            _ => candle_core::bail!(
+                "matmul: batch dims of {:?} and {:?} do not broadcast",
+                a.dims(),
+                b.dims()
+            ),
         });
     }
     let nb: usize = batch.iter().product();
@@ -157,7 +199,8 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let bbc = b.broadcast_as([batch.as_slice(), &[k, n]].concat())?;
     let (sta, al) = ab.storage_and_layout();
     let (stb, bl) = bbc.storage_and_layout();
-    let (Storage::Cpu(CpuStorage::F32(av)), Storage::Cpu(CpuStorage::F32(bv))) = (&*sta, &*stb) else {
+    let (Storage::Cpu(CpuStorage::F32(av)), Storage::Cpu(CpuStorage::F32(bv))) = (&*sta, &*stb)
+    else {
         drop((sta, stb));
         return a.matmul(b);
     };
@@ -173,11 +216,25 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     };
     let one = |i: usize, dst: &mut [f32], par: bool| {
         let (oa, ob) = (off(sa, al.start_offset(), i), off(sb, bl.start_offset(), i));
-        sgemm((m, n, k), 1.0, &av[oa..], (sa[r], sa[r + 1]), &bv[ob..], (sb[r], sb[r + 1]), 0.0, dst, (n, 1), par);
+        sgemm(
+            (m, n, k),
+            1.0,
+            &av[oa..],
+            (sa[r], sa[r + 1]),
+            &bv[ob..],
+            (sb[r], sb[r + 1]),
+            0.0,
+            dst,
+            (n, 1),
+            par,
+        );
     };
     // `b` the same for every batch entry and `a`'s batch dims folding into its rows (each
     // batch stride is the extent of the dims after it): one GEMM of nb * m rows
-    let b_shared = sb[..r].iter().zip(&batch).all(|(&st, &d)| st == 0 || d == 1);
+    let b_shared = sb[..r]
+        .iter()
+        .zip(&batch)
+        .all(|(&st, &d)| st == 0 || d == 1);
     let a_folds = {
         let (mut ok, mut extent) = (true, m * sa[r]);
         for d in (0..r).rev().filter(|&d| batch[d] != 1) {
@@ -190,11 +247,26 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if m * n == 0 {
     } else if nb == 1 || (b_shared && a_folds) {
         let (oa, ob) = (al.start_offset(), bl.start_offset());
-        sgemm((nb * m, n, k), 1.0, &av[oa..], (sa[r], sa[r + 1]), &bv[ob..], (sb[r], sb[r + 1]), 0.0, &mut out, (n, 1), true);
+        sgemm(
+            (nb * m, n, k),
+            1.0,
+            &av[oa..],
+            (sa[r], sa[r + 1]),
+            &bv[ob..],
+            (sb[r], sb[r + 1]),
+            0.0,
+            &mut out,
+            (n, 1),
+            true,
+        );
     } else if nb >= rayon::current_num_threads() && m * n * k >= 1 << 14 {
-        out.par_chunks_mut(m * n).enumerate().for_each(|(i, d)| one(i, d, false));
+        out.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(i, d)| one(i, d, false));
     } else {
-        out.chunks_mut(m * n).enumerate().for_each(|(i, d)| one(i, d, true));
+        out.chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(i, d)| one(i, d, true));
     }
     drop((sta, stb));
     let mut full = batch;
@@ -249,7 +321,15 @@ fn floats(v: &mut Vec<Line>, len: usize) -> &mut [f32] {
 
 /// Packs rows `i0..i0 + mr` (`mr <= MR`), depth `p0..p0 + kc` of A as `dst[p * MR + i]`,
 /// zero-padding rows past `mr`.
-fn pack_a(dst: &mut [f32], a: &[f32], (rs, cs): (usize, usize), i0: usize, mr: usize, p0: usize, kc: usize) {
+fn pack_a(
+    dst: &mut [f32],
+    a: &[f32],
+    (rs, cs): (usize, usize),
+    i0: usize,
+    mr: usize,
+    p0: usize,
+    kc: usize,
+) {
     let dst = &mut dst[..kc * MR];
     if rs == 1 && mr > 1 {
         for (p, d) in dst.chunks_exact_mut(MR).enumerate() {
@@ -270,9 +350,13 @@ fn pack_a(dst: &mut [f32], a: &[f32], (rs, cs): (usize, usize), i0: usize, mr: u
             let s = (i0 + i) * rs + p0 * cs;
             let src = &a[s..=s + (kc - 1) * cs];
             if cs == 1 {
-                dst.chunks_exact_mut(MR).zip(src).for_each(|(d, &v)| d[i] = v);
+                dst.chunks_exact_mut(MR)
+                    .zip(src)
+                    .for_each(|(d, &v)| d[i] = v);
             } else {
-                dst.chunks_exact_mut(MR).zip(src.iter().step_by(cs)).for_each(|(d, &v)| d[i] = v);
+                dst.chunks_exact_mut(MR)
+                    .zip(src.iter().step_by(cs))
+                    .for_each(|(d, &v)| d[i] = v);
             }
         } else {
             dst.chunks_exact_mut(MR).for_each(|d| d[i] = 0.0);
@@ -282,7 +366,15 @@ fn pack_a(dst: &mut [f32], a: &[f32], (rs, cs): (usize, usize), i0: usize, mr: u
 
 /// Packs columns `j0..j0 + nr` (`nr <= NR`), depth `p0..p0 + kc` of B as `dst[p * NR + j]`,
 /// zero-padding columns past `nr`.
-fn pack_b(dst: &mut [f32], b: &[f32], (rs, cs): (usize, usize), j0: usize, nr: usize, p0: usize, kc: usize) {
+fn pack_b(
+    dst: &mut [f32],
+    b: &[f32],
+    (rs, cs): (usize, usize),
+    j0: usize,
+    nr: usize,
+    p0: usize,
+    kc: usize,
+) {
     let dst = &mut dst[..kc * NR];
     if cs == 1 && nr > 1 {
         for (p, d) in dst.chunks_exact_mut(NR).enumerate() {
@@ -296,7 +388,18 @@ fn pack_b(dst: &mut [f32], b: &[f32], (rs, cs): (usize, usize), j0: usize, nr: u
     if rs == 1 && avx512() {
         for h in [0, 16] {
             // SAFETY: AVX-512F detected.
-            unsafe { transpose_into(dst, NR, h, b, (j0 + h) * cs + p0, cs, nr.saturating_sub(h).min(16), kc) };
+            unsafe {
+                transpose_into(
+                    dst,
+                    NR,
+                    h,
+                    b,
+                    (j0 + h) * cs + p0,
+                    cs,
+                    nr.saturating_sub(h).min(16),
+                    kc,
+                )
+            };
         }
         return;
     }
@@ -305,9 +408,13 @@ fn pack_b(dst: &mut [f32], b: &[f32], (rs, cs): (usize, usize), j0: usize, nr: u
             let s = (j0 + j) * cs + p0 * rs;
             let src = &b[s..=s + (kc - 1) * rs];
             if rs == 1 {
-                dst.chunks_exact_mut(NR).zip(src).for_each(|(d, &v)| d[j] = v);
+                dst.chunks_exact_mut(NR)
+                    .zip(src)
+                    .for_each(|(d, &v)| d[j] = v);
             } else {
-                dst.chunks_exact_mut(NR).zip(src.iter().step_by(rs)).for_each(|(d, &v)| d[j] = v);
+                dst.chunks_exact_mut(NR)
+                    .zip(src.iter().step_by(rs))
+                    .for_each(|(d, &v)| d[j] = v);
             }
         } else {
             dst.chunks_exact_mut(NR).for_each(|d| d[j] = 0.0);
@@ -321,7 +428,16 @@ fn pack_b(dst: &mut [f32], b: &[f32], (rs, cs): (usize, usize), j0: usize, nr: u
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-fn transpose_into(dst: &mut [f32], w: usize, off: usize, src: &[f32], base: usize, ls: usize, lines: usize, kc: usize) {
+fn transpose_into(
+    dst: &mut [f32],
+    w: usize,
+    off: usize,
+    src: &[f32],
+    base: usize,
+    ls: usize,
+    lines: usize,
+    kc: usize,
+) {
     use std::arch::x86_64::*;
     let lanes = 16.min(w - off);
     let mask = ((1u32 << lanes) - 1) as __mmask16;
@@ -343,7 +459,11 @@ fn transpose_into(dst: &mut [f32], w: usize, off: usize, src: &[f32], base: usiz
     }
     for p in p..kc {
         for (l, d) in dst[p * w + off..][..lanes].iter_mut().enumerate() {
-            *d = if l < lines { src[base + l * ls + p] } else { 0.0 };
+            *d = if l < lines {
+                src[base + l * ls + p]
+            } else {
+                0.0
+            };
         }
     }
 }
@@ -401,7 +521,15 @@ impl Problem<'_> {
                 let beta = if pc == 0 { self.beta } else { 1.0 };
                 let bp = &mut floats(&mut bbuf, bcap)[..npan * kc * NR];
                 let pb = |(t, d): (usize, &mut [f32])| {
-                    pack_b(d, self.b, (self.b_rs, self.b_cs), jc + t * NR, NR.min(nc - t * NR), pc, kc)
+                    pack_b(
+                        d,
+                        self.b,
+                        (self.b_rs, self.b_cs),
+                        jc + t * NR,
+                        NR.min(nc - t * NR),
+                        pc,
+                        kc,
+                    )
                 };
                 if parallel && npan > 1 {
                     bp.par_chunks_mut(kc * NR).enumerate().for_each(pb);
@@ -414,7 +542,15 @@ impl Problem<'_> {
                     let mpan = mb.div_ceil(MR);
                     let ap = &mut floats(&mut abuf, acap)[..mpan * kc * MR];
                     let pa = |(t, d): (usize, &mut [f32])| {
-                        pack_a(d, self.a, (self.a_rs, self.a_cs), ic + t * MR, MR.min(mb - t * MR), pc, kc)
+                        pack_a(
+                            d,
+                            self.a,
+                            (self.a_rs, self.a_cs),
+                            ic + t * MR,
+                            MR.min(mb - t * MR),
+                            pc,
+                            kc,
+                        )
                     };
                     if parallel && mpan > 1 {
                         ap.par_chunks_mut(kc * MR).enumerate().for_each(pa);
@@ -435,8 +571,20 @@ impl Problem<'_> {
                                 // SAFETY: tile (ic + ir.., jc + jr..) of mr x nr lies inside C
                                 // (mr, nr are clipped to m, n) and no other task writes it.
                                 unsafe {
-                                    let c = self.c.0.add((ic + ir) * self.c_rs + (jc + jr) * self.c_cs);
-                                    tile(mr, kc, apan.as_ptr(), bpan.as_ptr(), c, self.c_rs, self.c_cs, nr, self.alpha, beta);
+                                    let c =
+                                        self.c.0.add((ic + ir) * self.c_rs + (jc + jr) * self.c_cs);
+                                    tile(
+                                        mr,
+                                        kc,
+                                        apan.as_ptr(),
+                                        bpan.as_ptr(),
+                                        c,
+                                        self.c_rs,
+                                        self.c_cs,
+                                        nr,
+                                        self.alpha,
+                                        beta,
+                                    );
                                 }
                             }
                         }
@@ -457,7 +605,18 @@ impl Problem<'_> {
 #[allow(clippy::too_many_arguments)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn tile(mr: usize, kc: usize, a: *const f32, b: *const f32, c: *mut f32, c_rs: usize, c_cs: usize, nr: usize, alpha: f32, beta: f32) {
+unsafe fn tile(
+    mr: usize,
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    c_rs: usize,
+    c_cs: usize,
+    nr: usize,
+    alpha: f32,
+    beta: f32,
+) {
     // SAFETY: forwarded from the caller.
     unsafe {
         match mr {
@@ -480,7 +639,18 @@ unsafe fn tile(mr: usize, kc: usize, a: *const f32, b: *const f32, c: *mut f32, 
 
 #[allow(clippy::too_many_arguments)]
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn tile(_: usize, _: usize, _: *const f32, _: *const f32, _: *mut f32, _: usize, _: usize, _: usize, _: f32, _: f32) {
+unsafe fn tile(
+    _: usize,
+    _: usize,
+    _: *const f32,
+    _: *const f32,
+    _: *mut f32,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: f32,
+    _: f32,
+) {
     unreachable!("the AVX-512 kernel only runs on x86_64")
 }
 
@@ -601,7 +771,12 @@ mod tests {
                     s += a[i * ars + p * acs] as f64 * b[p * brs + j * bcs] as f64;
                 }
                 let e = &mut c[i * crs + j * ccs];
-                *e = (alpha as f64 * s + if beta == 0.0 { 0.0 } else { beta as f64 * *e as f64 }) as f32;
+                *e = (alpha as f64 * s
+                    + if beta == 0.0 {
+                        0.0
+                    } else {
+                        beta as f64 * *e as f64
+                    }) as f32;
             }
         }
     }
@@ -624,8 +799,29 @@ mod tests {
                         if beta == 0.0 {
                             got.iter_mut().for_each(|v| *v = f32::NAN);
                         }
-                        naive((m, n, k), alpha, &a[1..], sa, &b[2..], sb, beta, &mut want, sc);
-                        sgemm((m, n, k), alpha, &a[1..], sa, &b[2..], sb, beta, &mut got, sc, par);
+                        naive(
+                            (m, n, k),
+                            alpha,
+                            &a[1..],
+                            sa,
+                            &b[2..],
+                            sb,
+                            beta,
+                            &mut want,
+                            sc,
+                        );
+                        sgemm(
+                            (m, n, k),
+                            alpha,
+                            &a[1..],
+                            sa,
+                            &b[2..],
+                            sb,
+                            beta,
+                            &mut got,
+                            sc,
+                            par,
+                        );
                         let tol = 1e-5 * (k as f32).sqrt().max(1.0) * 4.0;
                         for i in 0..m {
                             for j in 0..n {
@@ -659,7 +855,17 @@ mod tests {
     #[test]
     fn sgemm_matches_naive_blocked() {
         // past KC in depth, several tasks and micro-panels, odd tails everywhere
-        for (i, &(m, n, k)) in [(97, 131, 300), (25, 290, 513), (200, 65, 257), (130, 300, 64), (1, 300, 600), (300, 1, 40)].iter().enumerate() {
+        for (i, &(m, n, k)) in [
+            (97, 131, 300),
+            (25, 290, 513),
+            (200, 65, 257),
+            (130, 300, 64),
+            (1, 300, 600),
+            (300, 1, 40),
+        ]
+        .iter()
+        .enumerate()
+        {
             check(m, n, k, 100 + i as u64);
         }
     }
@@ -674,7 +880,11 @@ mod tests {
             pack_a(&mut d, &src, (40, 1), 1, lines, 2, 37);
             for p in 0..37 {
                 for i in 0..MR {
-                    let want = if i < lines { src[(1 + i) * 40 + 2 + p] } else { 0.0 };
+                    let want = if i < lines {
+                        src[(1 + i) * 40 + 2 + p]
+                    } else {
+                        0.0
+                    };
                     assert_eq!(d[p * MR + i], want, "a lines {lines} p {p} i {i}");
                 }
             }
@@ -684,7 +894,11 @@ mod tests {
             pack_b(&mut d, &src, (1, 40), 3, nr, 2, 37);
             for p in 0..37 {
                 for j in 0..NR {
-                    let want = if j < nr { src[(3 + j) * 40 + 2 + p] } else { 0.0 };
+                    let want = if j < nr {
+                        src[(3 + j) * 40 + 2 + p]
+                    } else {
+                        0.0
+                    };
                     assert_eq!(d[p * NR + j], want, "b nr {nr} p {p} j {j}");
                 }
             }
@@ -695,41 +909,107 @@ mod tests {
     fn sgemm_degenerate() {
         // k = 0: c = beta * c; m or n = 0: nothing
         let mut c = vec![2.0f32; 6];
-        sgemm((2, 3, 0), 1.0, &[], (0, 1), &[], (3, 1), 0.5, &mut c, (3, 1), true);
+        sgemm(
+            (2, 3, 0),
+            1.0,
+            &[],
+            (0, 1),
+            &[],
+            (3, 1),
+            0.5,
+            &mut c,
+            (3, 1),
+            true,
+        );
         assert_eq!(c, vec![1.0; 6]);
-        sgemm((2, 3, 0), 1.0, &[], (0, 1), &[], (3, 1), 0.0, &mut c, (3, 1), false);
+        sgemm(
+            (2, 3, 0),
+            1.0,
+            &[],
+            (0, 1),
+            &[],
+            (3, 1),
+            0.0,
+            &mut c,
+            (3, 1),
+            false,
+        );
         assert_eq!(c, vec![0.0; 6]);
-        sgemm((0, 3, 4), 1.0, &[], (4, 1), &[0.0; 12], (3, 1), 0.0, &mut [], (3, 1), false);
+        sgemm(
+            (0, 3, 4),
+            1.0,
+            &[],
+            (4, 1),
+            &[0.0; 12],
+            (3, 1),
+            0.0,
+            &mut [],
+            (3, 1),
+            false,
+        );
     }
 
     #[test]
     fn matmul_broadcast_matches_candle() {
         use candle_core::{Device, Tensor};
         let dev = Device::Cpu;
-        let t = |d: &[usize], seed| Tensor::from_vec(rand(d.iter().product(), seed), d, &dev).unwrap();
+        let t =
+            |d: &[usize], seed| Tensor::from_vec(rand(d.iter().product(), seed), d, &dev).unwrap();
         // (a, b, the broadcast batch shape)
         let cases: Vec<(Tensor, Tensor, Vec<usize>)> = vec![
             (t(&[5, 7], 1), t(&[7, 3], 2), vec![]),
             (t(&[2, 3, 5, 7], 3), t(&[7, 4], 4), vec![2, 3]),
             (t(&[2, 3, 5, 7], 5), t(&[3, 7, 4], 6), vec![2, 3]),
             (t(&[2, 1, 5, 7], 7), t(&[1, 4, 7, 6], 8), vec![2, 4]),
-            (t(&[4, 6, 5], 9).transpose(1, 2).unwrap(), t(&[4, 9, 6], 10).transpose(1, 2).unwrap(), vec![4]),
-            (t(&[3, 8, 2, 40], 11).transpose(1, 2).unwrap(), t(&[3, 2, 40, 33], 12), vec![3, 2]),
+            (
+                t(&[4, 6, 5], 9).transpose(1, 2).unwrap(),
+                t(&[4, 9, 6], 10).transpose(1, 2).unwrap(),
+                vec![4],
+            ),
+            (
+                t(&[3, 8, 2, 40], 11).transpose(1, 2).unwrap(),
+                t(&[3, 2, 40, 33], 12),
+                vec![3, 2],
+            ),
             // b shared by the batch: folded into one GEMM when a's rows allow it
             (t(&[3, 1, 5, 7], 13), t(&[7, 4], 14), vec![3, 1]),
-            (t(&[4, 6, 5], 15).transpose(1, 2).unwrap(), t(&[6, 3], 16), vec![4]),
-            (t(&[5, 2, 7], 17).transpose(0, 1).unwrap(), t(&[1, 7, 3], 18), vec![2]),
-            (t(&[2, 5, 7], 19).narrow(1, 1, 3).unwrap(), t(&[7, 3], 20), vec![2]),
+            (
+                t(&[4, 6, 5], 15).transpose(1, 2).unwrap(),
+                t(&[6, 3], 16),
+                vec![4],
+            ),
+            (
+                t(&[5, 2, 7], 17).transpose(0, 1).unwrap(),
+                t(&[1, 7, 3], 18),
+                vec![2],
+            ),
+            (
+                t(&[2, 5, 7], 19).narrow(1, 1, 3).unwrap(),
+                t(&[7, 3], 20),
+                vec![2],
+            ),
         ];
         for (a, b, batch) in cases {
             let full = |x: &Tensor| {
                 let r = x.rank();
-                x.broadcast_as([batch.as_slice(), &x.dims()[r - 2..]].concat()).unwrap().contiguous().unwrap()
+                x.broadcast_as([batch.as_slice(), &x.dims()[r - 2..]].concat())
+                    .unwrap()
+                    .contiguous()
+                    .unwrap()
             };
             let want = full(&a).matmul(&full(&b)).unwrap();
             let got = matmul(&a, &b).unwrap();
             assert_eq!(got.dims(), want.dims());
-            let d = (got - want).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+            let d = (got - want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
             assert!(d < 1e-4, "{d}");
         }
     }

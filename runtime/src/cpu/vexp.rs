@@ -21,7 +21,10 @@ pub(crate) fn max(r: &[f32]) -> f32 {
         // SAFETY: AVX-512F detected.
         return unsafe { max_avx512(r) };
     }
-    r.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m || x.is_nan() { x } else { m })
+    r.iter().fold(
+        f32::NEG_INFINITY,
+        |m, &x| if x > m || x.is_nan() { x } else { m },
+    )
 }
 
 /// `sum(exp(r - m))`, also writing each `exp(r[i] - m)` to `out[i]` when given (`out`
@@ -51,7 +54,11 @@ fn max_avx512(r: &[f32]) -> f32 {
     let mut acc = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut nan: __mmask16 = 0;
     for c in r.chunks(16) {
-        let k: __mmask16 = if c.len() == 16 { 0xffff } else { ((1u32 << c.len()) - 1) as u16 };
+        let k: __mmask16 = if c.len() == 16 {
+            0xffff
+        } else {
+            ((1u32 << c.len()) - 1) as u16
+        };
         // SAFETY: the mask keeps to the chunk's elements.
         let v = unsafe { _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), k, c.as_ptr()) };
         nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
@@ -71,12 +78,23 @@ fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     // below -104 the result is 0 in f32 (scalef underflows), above 88.7 inf; max(lo, x)
     // and min(hi, .) return x when it is NaN
-    let x = _mm512_min_ps(_mm512_set1_ps(88.8), _mm512_max_ps(_mm512_set1_ps(-104.0), x));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
+    let x = _mm512_min_ps(
+        _mm512_set1_ps(88.8),
+        _mm512_max_ps(_mm512_set1_ps(-104.0), x),
+    );
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
     let mut p = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+    for c in [
+        1.398_2e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     }
     let r2 = _mm512_mul_ps(r, r);
@@ -93,7 +111,11 @@ unsafe fn exp_sum_avx512(r: &[f32], m: f32, out: Option<*mut f32>) -> f32 {
     let vm = _mm512_set1_ps(m);
     let mut acc = _mm512_setzero_ps();
     for (i, c) in r.chunks(16).enumerate() {
-        let k: __mmask16 = if c.len() == 16 { 0xffff } else { ((1u32 << c.len()) - 1) as u16 };
+        let k: __mmask16 = if c.len() == 16 {
+            0xffff
+        } else {
+            ((1u32 << c.len()) - 1) as u16
+        };
         // SAFETY: the mask keeps to the chunk's elements, of r and of out alike.
         unsafe {
             let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, c.as_ptr()), vm));
@@ -112,13 +134,19 @@ mod tests {
 
     #[test]
     fn exp_matches_libm() {
-        let xs: Vec<f32> = (0..2000).map(|i| -110.0 + i as f32 * 0.099).chain([0.0, -0.0, f32::NEG_INFINITY, -1e-30, 88.0]).collect();
+        let xs: Vec<f32> = (0..2000)
+            .map(|i| -110.0 + i as f32 * 0.099)
+            .chain([0.0, -0.0, f32::NEG_INFINITY, -1e-30, 88.0])
+            .collect();
         let mut out = vec![0f32; xs.len()];
         exp_sum(&xs, 0.0, Some(&mut out));
         for (&x, &o) in xs.iter().zip(&out) {
             let w = (x as f64).exp();
             let ulp = f32::EPSILON as f64 * w.max(f32::MIN_POSITIVE as f64);
-            assert!((o as f64 - w).abs() <= 2.0 * ulp + 1.5e-45, "exp({x}) = {o}, want {w}");
+            assert!(
+                (o as f64 - w).abs() <= 2.0 * ulp + 1.5e-45,
+                "exp({x}) = {o}, want {w}"
+            );
         }
         // the sum, shifted to stay finite in f32
         let want_s: f64 = xs.iter().map(|&x| (x as f64 - 88.0).exp()).sum();

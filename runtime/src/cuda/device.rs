@@ -13,7 +13,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 /// The kernels' CUDA C source (one translation unit).
-pub const KERNEL_SOURCE: &str = concat!(include_str!("kernels.cu"), "\n", include_str!("attention.cu"), "\n", include_str!("backward.cu"));
+pub const KERNEL_SOURCE: &str = concat!(
+    include_str!("kernels.cu"),
+    "\n",
+    include_str!("attention.cu"),
+    "\n",
+    include_str!("backward.cu")
+);
 
 /// An owned device allocation.
 pub struct DevBuf {
@@ -89,7 +95,9 @@ impl Arg {
     /// A `#[repr(C)]` value as a by-value kernel parameter.
     pub fn blob<T: Copy>(v: &T) -> Arg {
         // SAFETY: T is plain old data (repr(C) structs of integers).
-        let bytes = unsafe { std::slice::from_raw_parts(v as *const T as *const u8, std::mem::size_of::<T>()) };
+        let bytes = unsafe {
+            std::slice::from_raw_parts(v as *const T as *const u8, std::mem::size_of::<T>())
+        };
         Arg::Blob(bytes.to_vec().into_boxed_slice())
     }
 }
@@ -117,8 +125,19 @@ impl Launch {
         let mut ptrs: Vec<*mut c_void> = self.args.iter().map(Arg::ptr).collect();
         // SAFETY: the function comes from the loaded module; arguments match the kernel's
         // signature (each call site mirrors its kernel), and live for this call.
-        unsafe { dr::launch_kernel(self.func, self.grid, self.block, self.smem, stream, &mut ptrs) }.map_err(|e| {
-            CudaError::driver(&format!("cuLaunchKernel({}, grid {:?}, block {:?}, smem {})", self.name, self.grid, self.block, self.smem), e)
+        unsafe {
+            dr::launch_kernel(
+                self.func, self.grid, self.block, self.smem, stream, &mut ptrs,
+            )
+        }
+        .map_err(|e| {
+            CudaError::driver(
+                &format!(
+                    "cuLaunchKernel({}, grid {:?}, block {:?}, smem {})",
+                    self.name, self.grid, self.block, self.smem
+                ),
+                e,
+            )
         })
     }
 }
@@ -147,7 +166,10 @@ pub struct GpuOptions {
 
 impl Default for GpuOptions {
     fn default() -> Self {
-        GpuOptions { ordinal: 0, cache_dir: nvrtc::default_cache_dir() }
+        GpuOptions {
+            ordinal: 0,
+            cache_dir: nvrtc::default_cache_dir(),
+        }
     }
 }
 
@@ -160,9 +182,11 @@ impl Gpu {
         // SAFETY: no cudarc-managed allocation exists yet.
         unsafe { ctx.disable_event_tracking() };
         ctx.bind_to_thread().ck("cuCtxSetCurrent")?;
-        let (bin, compile) = nvrtc::compile_cubin(KERNEL_SOURCE, info.compute_capability, &opts.cache_dir, &[])?;
+        let (bin, compile) =
+            nvrtc::compile_cubin(KERNEL_SOURCE, info.compute_capability, &opts.cache_dir, &[])?;
         // SAFETY: `bin` is a cubin NVRTC produced for this device.
-        let module = unsafe { dr::module::load_data(bin.as_ptr() as *const c_void) }.ck("cuModuleLoadData")?;
+        let module = unsafe { dr::module::load_data(bin.as_ptr() as *const c_void) }
+            .ck("cuModuleLoadData")?;
         let (free, _) = dr::mem_get_info().ck("cuMemGetInfo")?;
         let mut gpu = Gpu {
             ctx,
@@ -189,13 +213,21 @@ impl Gpu {
         }
         let c = CString::new(name).expect("kernel names have no NUL");
         // SAFETY: module is loaded.
-        let f = unsafe { dr::module::get_function(self.module, c) }.ck(&format!("cuModuleGetFunction({name})"))?;
+        let f = unsafe { dr::module::get_function(self.module, c) }
+            .ck(&format!("cuModuleGetFunction({name})"))?;
         self.funcs.borrow_mut().insert(name, f);
         Ok(f)
     }
 
     /// A launch of kernel `name` (args in the kernel's order).
-    pub fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: Vec<Arg>) -> CudaResult<Launch> {
+    pub fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> CudaResult<Launch> {
         let func = self.func(name)?;
         if smem > 48 * 1024 {
             // SAFETY: valid function handle; raising its dynamic shared-memory limit.
@@ -206,9 +238,18 @@ impl Gpu {
                     smem as i32,
                 )
             }
-            .ck(&format!("cuFuncSetAttribute({name}, max dynamic smem {smem})"))?;
+            .ck(&format!(
+                "cuFuncSetAttribute({name}, max dynamic smem {smem})"
+            ))?;
         }
-        Ok(Launch { func, name, grid, block, smem, args })
+        Ok(Launch {
+            func,
+            name,
+            grid,
+            block,
+            smem,
+            args,
+        })
     }
 
     /// A grid-stride elementwise launch over `n` items.
@@ -248,19 +289,31 @@ impl Gpu {
 
     pub fn alloc_pinned(&self, bytes: usize) -> CudaResult<Pinned> {
         if bytes == 0 {
-            return Ok(Pinned { ptr: std::ptr::null_mut(), bytes: 0 });
+            return Ok(Pinned {
+                ptr: std::ptr::null_mut(),
+                bytes: 0,
+            });
         }
         // SAFETY: plain pinned allocation.
         let p = unsafe { dr::malloc_host(bytes, 0) }.ck(&format!("cuMemHostAlloc({bytes})"))?;
-        Ok(Pinned { ptr: p as *mut u8, bytes })
+        Ok(Pinned {
+            ptr: p as *mut u8,
+            bytes,
+        })
     }
 
     pub fn stream(&self) -> CudaResult<Stream> {
-        Ok(Stream(dr::stream::create(dr::stream::StreamKind::NonBlocking).ck("cuStreamCreate")?))
+        Ok(Stream(
+            dr::stream::create(dr::stream::StreamKind::NonBlocking).ck("cuStreamCreate")?,
+        ))
     }
 
     pub fn event(&self, timing: bool) -> CudaResult<Event> {
-        let flags = if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
         Ok(Event(dr::event::create(flags).ck("cuEventCreate")?))
     }
 
@@ -288,12 +341,19 @@ impl Gpu {
         unsafe { dr::memcpy_dtoh_sync(dst, src) }.ck(&format!("cuMemcpyDtoH({} bytes)", dst.len()))
     }
 
-    pub(crate) fn dtod_async(&self, dst: u64, src: u64, bytes: usize, stream: sys::CUstream) -> CudaResult<()> {
+    pub(crate) fn dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        stream: sys::CUstream,
+    ) -> CudaResult<()> {
         if bytes == 0 || dst == src {
             return Ok(());
         }
         // SAFETY: both ranges are inside our allocations.
-        unsafe { dr::memcpy_dtod_async(dst, src, bytes, stream) }.ck(&format!("cuMemcpyDtoDAsync({bytes})"))
+        unsafe { dr::memcpy_dtod_async(dst, src, bytes, stream) }
+            .ck(&format!("cuMemcpyDtoDAsync({bytes})"))
     }
 
     pub fn sync(&self) -> CudaResult<()> {

@@ -23,10 +23,21 @@ pub enum CudaError {
     /// A device allocation did not fit; `breakdown` is the program's memory by category.
     #[error("out of device memory allocating {what} ({}): {} free of {}\n{}help: {help}",
         gib(*.bytes), gib(*.free), gib(*.total), breakdown_text(.breakdown))]
-    OutOfMemory { what: String, bytes: u64, free: u64, total: u64, breakdown: BTreeMap<String, u64>, help: String },
+    OutOfMemory {
+        what: String,
+        bytes: u64,
+        free: u64,
+        total: u64,
+        breakdown: BTreeMap<String, u64>,
+        help: String,
+    },
     /// An op, dtype or shape this backend does not run yet.
     #[error("the CUDA backend cannot run {what} in {location}: {why}")]
-    Unsupported { what: String, location: String, why: String },
+    Unsupported {
+        what: String,
+        location: String,
+        why: String,
+    },
     /// The plan or its program is inconsistent with what the executor was given.
     #[error("{0}")]
     Plan(String),
@@ -44,24 +55,53 @@ fn gib(b: u64) -> String {
 }
 
 fn breakdown_text(b: &BTreeMap<String, u64>) -> String {
-    b.iter().map(|(k, v)| format!("  {k:<16} {}\n", gib(*v))).collect()
+    b.iter()
+        .map(|(k, v)| format!("  {k:<16} {}\n", gib(*v)))
+        .collect()
 }
 
 impl CudaError {
     pub(crate) fn driver(call: &str, e: cudarc::driver::DriverError) -> CudaError {
-        let name = e.error_name().map(|c| c.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
-        let text = e.error_string().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
-        CudaError::Driver { call: call.to_string(), code: if text.is_empty() { name } else { format!("{name}: {text}") } }
+        let name = e
+            .error_name()
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("{:?}", e.0));
+        let text = e
+            .error_string()
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        CudaError::Driver {
+            call: call.to_string(),
+            code: if text.is_empty() {
+                name
+            } else {
+                format!("{name}: {text}")
+            },
+        }
     }
     pub(crate) fn cublas(call: &str, e: cudarc::cublaslt::result::CublasError) -> CudaError {
-        CudaError::Cublas { call: call.to_string(), code: format!("{:?}", e.0) }
+        CudaError::Cublas {
+            call: call.to_string(),
+            code: format!("{:?}", e.0),
+        }
     }
     pub(crate) fn nccl(call: &str, e: cudarc::nccl::result::NcclError) -> CudaError {
         // NcclError's Debug prints only "NcclError": name the ncclResult_t.
-        CudaError::Nccl { call: call.to_string(), code: format!("{:?}", e.0) }
+        CudaError::Nccl {
+            call: call.to_string(),
+            code: format!("{:?}", e.0),
+        }
     }
-    pub(crate) fn unsupported(what: impl Into<String>, location: impl Into<String>, why: impl Into<String>) -> CudaError {
-        CudaError::Unsupported { what: what.into(), location: location.into(), why: why.into() }
+    pub(crate) fn unsupported(
+        what: impl Into<String>,
+        location: impl Into<String>,
+        why: impl Into<String>,
+    ) -> CudaError {
+        CudaError::Unsupported {
+            what: what.into(),
+            location: location.into(),
+            why: why.into(),
+        }
     }
     /// True when the driver said the device is out of memory.
     pub fn is_oom(&self) -> bool {

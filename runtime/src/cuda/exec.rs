@@ -34,7 +34,9 @@ impl Default for ExecOptions {
     fn default() -> Self {
         ExecOptions {
             gpu: GpuOptions::default(),
-            fast_attention: std::env::var("WEFT_ATTENTION").map(|v| v != "generic").unwrap_or(true),
+            fast_attention: std::env::var("WEFT_ATTENTION")
+                .map(|v| v != "generic")
+                .unwrap_or(true),
             allow_tf32: false,
             nccl: true,
             gemm_workspace: 64 << 20,
@@ -80,13 +82,34 @@ enum Coll {
 #[derive(Clone, Debug)]
 enum StepKind {
     Launch(Launch),
-    Gemm { shape: GemmShape, a: u64, b: u64, c: u64, bias: u64 },
-    Copy { dst: u64, src: u64, bytes: u64, kind: CopyKind },
-    Memset { dst: u64, bytes: u64 },
+    Gemm {
+        shape: GemmShape,
+        a: u64,
+        b: u64,
+        c: u64,
+        bias: u64,
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: u64,
+        kind: CopyKind,
+    },
+    Memset {
+        dst: u64,
+        bytes: u64,
+    },
     Wait(u32),
     Record(u32),
     Grouped(Box<Grouped>),
-    Collective { coll: Coll, axis: String, send: u64, recv: u64, count: u64, dtype: DType },
+    Collective {
+        coll: Coll,
+        axis: String,
+        send: u64,
+        recv: u64,
+        count: u64,
+        dtype: DType,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -187,7 +210,13 @@ pub struct Executor {
 // ---------------------------------------------------------------- kernel names
 
 fn kname(base: &str, d: DType) -> CudaResult<&'static str> {
-    let s = fsuffix(d).ok_or_else(|| CudaError::unsupported(format!("`{base}` on {d}"), "kernel selection", "float dtypes only"))?;
+    let s = fsuffix(d).ok_or_else(|| {
+        CudaError::unsupported(
+            format!("`{base}` on {d}"),
+            "kernel selection",
+            "float dtypes only",
+        )
+    })?;
     Ok(intern(&format!("{base}_{s}")))
 }
 
@@ -222,7 +251,12 @@ fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling) -> Vec<f32> {
                 *v = r(*v / factor.0);
             }
         }
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
             let (factor, lo, hi) = (factor.0, low_freq_factor.0, high_freq_factor.0);
             let old = *original_max_position_embeddings as f64;
             let low_freq_wavelen = old / lo;
@@ -230,7 +264,11 @@ fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling) -> Vec<f32> {
             for v in &mut inv {
                 let f = *v;
                 let wavelen = r(2.0 * std::f64::consts::PI / f);
-                let llama = if wavelen > low_freq_wavelen { r(f / factor) } else { f };
+                let llama = if wavelen > low_freq_wavelen {
+                    r(f / factor)
+                } else {
+                    f
+                };
                 let smooth = r((r(old / wavelen) - lo) / (hi - lo));
                 let smoothed = r(r(r((1.0 - smooth) * llama) / factor) + r(smooth * llama));
                 let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
@@ -298,7 +336,11 @@ struct Lower<'a> {
 
 impl Lower<'_> {
     fn push(&mut self, kind: StepKind) {
-        self.steps.push(Step { stream: self.stream, ins: self.ins, kind });
+        self.steps.push(Step {
+            stream: self.stream,
+            ins: self.ins,
+            kind,
+        });
     }
     fn launch(&mut self, l: Launch) {
         self.push(StepKind::Launch(l));
@@ -308,14 +350,23 @@ impl Lower<'_> {
         self.launch(l);
         Ok(())
     }
-    fn rows(&mut self, name: &'static str, rows: u64, block: u32, smem: u32, args: Vec<Arg>) -> CudaResult<()> {
+    fn rows(
+        &mut self,
+        name: &'static str,
+        rows: u64,
+        block: u32,
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> CudaResult<()> {
         if rows == 0 {
             return Ok(());
         }
         if rows > u32::MAX as u64 {
             return Err(self.unsup(name, "more rows than one grid dimension holds"));
         }
-        let l = self.gpu.launch(name, (rows as u32, 1, 1), (block, 1, 1), smem, args)?;
+        let l = self
+            .gpu
+            .launch(name, (rows as u32, 1, 1), (block, 1, 1), smem, args)?;
         self.launch(l);
         Ok(())
     }
@@ -324,7 +375,9 @@ impl Lower<'_> {
         if blocks == 0 {
             return Ok(());
         }
-        let l = self.gpu.launch(name, (blocks as u32, 1, 1), (256, 1, 1), 0, args)?;
+        let l = self
+            .gpu
+            .launch(name, (blocks as u32, 1, 1), (256, 1, 1), 0, args)?;
         self.launch(l);
         Ok(())
     }
@@ -333,7 +386,12 @@ impl Lower<'_> {
     }
     fn copy(&mut self, dst: u64, src: u64, bytes: u64) {
         if bytes > 0 && dst != src {
-            self.push(StepKind::Copy { dst, src, bytes, kind: CopyKind::D2D });
+            self.push(StepKind::Copy {
+                dst,
+                src,
+                bytes,
+                kind: CopyKind::D2D,
+            });
         }
     }
     fn memset(&mut self, dst: u64, bytes: u64) {
@@ -349,15 +407,28 @@ impl Lower<'_> {
             4 => "fill_b4",
             _ => "fill_b8",
         };
-        self.n(name, t.numel(), vec![Arg::P(t.ptr), Arg::I64(t.numel() as i64), Arg::U64(pat)])
+        self.n(
+            name,
+            t.numel(),
+            vec![Arg::P(t.ptr), Arg::I64(t.numel() as i64), Arg::U64(pat)],
+        )
     }
     /// `dst[ds . i] = src[ss . i]` over `shape` (element offsets applied to the pointers).
-    fn strided(&mut self, dst: u64, src: u64, esz: usize, shape: &[usize], ss: &[i64], ds: &[i64]) -> CudaResult<()> {
+    fn strided(
+        &mut self,
+        dst: u64,
+        src: u64,
+        esz: usize,
+        shape: &[usize],
+        ss: &[i64],
+        ds: &[i64],
+    ) -> CudaResult<()> {
         let n: usize = shape.iter().product();
         if n == 0 {
             return Ok(());
         }
-        let (st, w, count) = layout::strided_copy(shape, ss, ds, esz, src, dst).map_err(|m| self.unsup("a layout copy", &m))?;
+        let (st, w, count) = layout::strided_copy(shape, ss, ds, esz, src, dst)
+            .map_err(|m| self.unsup("a layout copy", &m))?;
         // A plain contiguous run is a memcpy.
         if st.rank == 1 && st.ss[0] == 1 && st.ds[0] == 1 {
             self.copy(dst, src, count * w as u64);
@@ -370,10 +441,25 @@ impl Lower<'_> {
             8 => "copy_strided_b8",
             _ => "copy_strided_b16",
         };
-        self.n(name, count, vec![Arg::P(dst), Arg::P(src), Arg::I64(count as i64), Arg::blob(&st)])
+        self.n(
+            name,
+            count,
+            vec![
+                Arg::P(dst),
+                Arg::P(src),
+                Arg::I64(count as i64),
+                Arg::blob(&st),
+            ],
+        )
     }
     fn gemm(&mut self, shape: GemmShape, a: u64, b: u64, c: u64, bias: u64) {
-        self.push(StepKind::Gemm { shape, a, b, c, bias });
+        self.push(StepKind::Gemm {
+            shape,
+            a,
+            b,
+            c,
+            bias,
+        });
     }
 }
 
@@ -390,44 +476,134 @@ fn ptr_or_null(t: Option<&DevT>) -> u64 {
 }
 
 /// Lowers one node to steps.
-fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bindings) -> CudaResult<()> {
+fn lower_op(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+    bindings: &Bindings,
+) -> CudaResult<()> {
     let err = lw.gpu.err_flag.ptr;
     let o = &outs[0];
     let same = |a: &DevT, b: &DevT| a.shape == b.shape;
-    let vec8 = |ts: &[&DevT]| o.dtype == DType::BF16 && o.numel().is_multiple_of(8) && ts.iter().all(|t| t.ptr % 16 == 0 && t.dtype == DType::BF16 && t.numel() == o.numel());
+    let vec8 = |ts: &[&DevT]| {
+        o.dtype == DType::BF16
+            && o.numel().is_multiple_of(8)
+            && ts
+                .iter()
+                .all(|t| t.ptr % 16 == 0 && t.dtype == DType::BF16 && t.numel() == o.numel())
+    };
     let unary = |lw: &mut Lower, code_: i32, p: f32| -> CudaResult<()> {
         if vec8(&[o, &ins[0]]) {
-            return lw.n("unary8_bf16", o.numel() / 8, vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::I64(o.numel() as i64 / 8), Arg::I32(code_), Arg::F32(p)]);
+            return lw.n(
+                "unary8_bf16",
+                o.numel() / 8,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(ins[0].ptr),
+                    Arg::I64(o.numel() as i64 / 8),
+                    Arg::I32(code_),
+                    Arg::F32(p),
+                ],
+            );
         }
         let name = kname("unary", o.dtype)?;
-        lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::I64(o.numel() as i64), Arg::I32(code_), Arg::F32(p)])
+        lw.n(
+            name,
+            o.numel(),
+            vec![
+                Arg::P(o.ptr),
+                Arg::P(ins[0].ptr),
+                Arg::I64(o.numel() as i64),
+                Arg::I32(code_),
+                Arg::F32(p),
+            ],
+        )
     };
     let binary = |lw: &mut Lower, code_: i32| -> CudaResult<()> {
         let (a, b) = (&ins[0], &ins[1]);
         if a.dtype != b.dtype {
-            return Err(lw.unsup("a binary op on mixed dtypes", &format!("{} and {}", a.dtype, b.dtype)));
+            return Err(lw.unsup(
+                "a binary op on mixed dtypes",
+                &format!("{} and {}", a.dtype, b.dtype),
+            ));
         }
         if a.dtype.is_int() && o.dtype == DType::I64 && a.dtype == DType::I64 {
-            let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape]).map_err(|m| lw.unsup("broadcast", &m))?;
-            return lw.n("binary_i64", o.numel(), vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I64(o.numel() as i64), Arg::I32(code_), Arg::blob(&bc)]);
+            let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape])
+                .map_err(|m| lw.unsup("broadcast", &m))?;
+            return lw.n(
+                "binary_i64",
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(a.ptr),
+                    Arg::P(b.ptr),
+                    Arg::I64(o.numel() as i64),
+                    Arg::I32(code_),
+                    Arg::blob(&bc),
+                ],
+            );
         }
         if same(a, o) && same(b, o) && vec8(&[o, a, b]) {
-            return lw.n("binary8_bf16", o.numel() / 8, vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I64(o.numel() as i64 / 8), Arg::I32(code_)]);
+            return lw.n(
+                "binary8_bf16",
+                o.numel() / 8,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(a.ptr),
+                    Arg::P(b.ptr),
+                    Arg::I64(o.numel() as i64 / 8),
+                    Arg::I32(code_),
+                ],
+            );
         }
         if same(a, o) && same(b, o) {
             let name = kname("binary_c", o.dtype)?;
-            return lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I64(o.numel() as i64), Arg::I32(code_)]);
+            return lw.n(
+                name,
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(a.ptr),
+                    Arg::P(b.ptr),
+                    Arg::I64(o.numel() as i64),
+                    Arg::I32(code_),
+                ],
+            );
         }
-        let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape]).map_err(|m| lw.unsup("broadcast", &m))?;
+        let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape])
+            .map_err(|m| lw.unsup("broadcast", &m))?;
         let name = kname("binary", o.dtype)?;
-        lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I64(o.numel() as i64), Arg::I32(code_), Arg::blob(&bc)])
+        lw.n(
+            name,
+            o.numel(),
+            vec![
+                Arg::P(o.ptr),
+                Arg::P(a.ptr),
+                Arg::P(b.ptr),
+                Arg::I64(o.numel() as i64),
+                Arg::I32(code_),
+                Arg::blob(&bc),
+            ],
+        )
     };
     match op {
         Op::Param { .. } | Op::Input { .. } => Ok(()),
         Op::Full { value, .. } => lw.fill(o, value.0),
         Op::Arange { start, .. } => {
-            let s = start.eval(bindings).map_err(|e| CudaError::Plan(e.to_string()))?;
-            lw.n("arange_any", o.numel(), vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::I64(o.numel() as i64), Arg::I64(s)])
+            let s = start
+                .eval(bindings)
+                .map_err(|e| CudaError::Plan(e.to_string()))?;
+            lw.n(
+                "arange_any",
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::I32(code(o.dtype)),
+                    Arg::I64(o.numel() as i64),
+                    Arg::I64(s),
+                ],
+            )
         }
         Op::Neg {} => unary(lw, 0, 0.0),
         Op::Exp {} => unary(lw, 1, 0.0),
@@ -459,23 +635,62 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
                 CmpOp::Gt => 4,
                 CmpOp::Ge => 5,
             };
-            let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape]).map_err(|m| lw.unsup("broadcast", &m))?;
-            lw.n("compare_any", o.numel(), vec![Arg::P(o.ptr), Arg::P(a.ptr), Arg::P(b.ptr), Arg::I32(code(a.dtype)), Arg::I64(o.numel() as i64), Arg::I32(c), Arg::blob(&bc)])
+            let bc = layout::bcast(&o.shape, &[&a.shape, &b.shape])
+                .map_err(|m| lw.unsup("broadcast", &m))?;
+            lw.n(
+                "compare_any",
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(a.ptr),
+                    Arg::P(b.ptr),
+                    Arg::I32(code(a.dtype)),
+                    Arg::I64(o.numel() as i64),
+                    Arg::I32(c),
+                    Arg::blob(&bc),
+                ],
+            )
         }
         Op::Where {} => {
-            let bc = layout::bcast(&o.shape, &[&ins[0].shape, &ins[1].shape, &ins[2].shape]).map_err(|m| lw.unsup("broadcast", &m))?;
-            lw.n("where_any", o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::P(ins[1].ptr), Arg::P(ins[2].ptr), Arg::I32(esz(o.dtype) as i32), Arg::I64(o.numel() as i64), Arg::blob(&bc)])
+            let bc = layout::bcast(&o.shape, &[&ins[0].shape, &ins[1].shape, &ins[2].shape])
+                .map_err(|m| lw.unsup("broadcast", &m))?;
+            lw.n(
+                "where_any",
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(ins[0].ptr),
+                    Arg::P(ins[1].ptr),
+                    Arg::P(ins[2].ptr),
+                    Arg::I32(esz(o.dtype) as i32),
+                    Arg::I64(o.numel() as i64),
+                    Arg::blob(&bc),
+                ],
+            )
         }
         Op::Cast { .. } => {
             if ins[0].dtype == o.dtype {
                 lw.copy(o.ptr, ins[0].ptr, o.bytes());
                 return Ok(());
             }
-            lw.n("cast_any", o.numel(), vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(ins[0].ptr), Arg::I32(code(ins[0].dtype)), Arg::I64(o.numel() as i64)])
+            lw.n(
+                "cast_any",
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::I32(code(o.dtype)),
+                    Arg::P(ins[0].ptr),
+                    Arg::I32(code(ins[0].dtype)),
+                    Arg::I64(o.numel() as i64),
+                ],
+            )
         }
         Op::Sum { dims, .. } | Op::Mean { dims, .. } | Op::Max { dims, .. } => {
             let x = &ins[0];
-            let ds: Vec<usize> = dims.iter().map(|&d| norm(d, x.rank())).collect::<CudaResult<_>>()?;
+            let ds: Vec<usize> = dims
+                .iter()
+                .map(|&d| norm(d, x.rank()))
+                .collect::<CudaResult<_>>()?;
             if ds.is_empty() {
                 lw.copy(o.ptr, x.ptr, o.bytes());
                 return Ok(());
@@ -485,12 +700,31 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
                 Op::Mean { .. } => 1,
                 _ => 2,
             };
-            let (rd, nout, nred) = layout::red(&x.shape, &ds).map_err(|m| lw.unsup("a reduction", &m))?;
-            let name = if x.dtype == DType::I64 { "reduce_i64" } else { kname("reduce", x.dtype)? };
+            let (rd, nout, nred) =
+                layout::red(&x.shape, &ds).map_err(|m| lw.unsup("a reduction", &m))?;
+            let name = if x.dtype == DType::I64 {
+                "reduce_i64"
+            } else {
+                kname("reduce", x.dtype)?
+            };
             if x.dtype != o.dtype {
-                return Err(lw.unsup("a reduction changing dtype", "output dtype differs from input"));
+                return Err(lw.unsup(
+                    "a reduction changing dtype",
+                    "output dtype differs from input",
+                ));
             }
-            lw.warps(name, nout, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::I64(nout as i64), Arg::I64(nred as i64), Arg::I32(c), Arg::blob(&rd)])
+            lw.warps(
+                name,
+                nout,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(x.ptr),
+                    Arg::I64(nout as i64),
+                    Arg::I64(nred as i64),
+                    Arg::I32(c),
+                    Arg::blob(&rd),
+                ],
+            )
         }
         Op::Softmax { dim } | Op::LogSoftmax { dim } => {
             let x = &ins[0];
@@ -502,7 +736,19 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let rows = if n == 0 { 0 } else { x.numel() / n };
             let name = kname("softmax", x.dtype)?;
             let logsm = matches!(op, Op::LogSoftmax { .. }) as i32;
-            lw.rows(name, rows, 256, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::I64(rows as i64), Arg::I64(n as i64), Arg::I32(logsm)])
+            lw.rows(
+                name,
+                rows,
+                256,
+                0,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(x.ptr),
+                    Arg::I64(rows as i64),
+                    Arg::I64(n as i64),
+                    Arg::I32(logsm),
+                ],
+            )
         }
         Op::Embedding {} => {
             let (ids, w) = (&ins[0], &ins[1]);
@@ -511,23 +757,61 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             }
             let h = w.shape[1] as u64;
             let name = kname("embedding", w.dtype)?;
-            lw.rows(name, ids.numel(), 128, 0, vec![Arg::P(o.ptr), Arg::P(ids.ptr), Arg::P(w.ptr), Arg::I64(ids.numel() as i64), Arg::I64(h as i64), Arg::I64(w.shape[0] as i64), Arg::P(err)])
+            lw.rows(
+                name,
+                ids.numel(),
+                128,
+                0,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(ids.ptr),
+                    Arg::P(w.ptr),
+                    Arg::I64(ids.numel() as i64),
+                    Arg::I64(h as i64),
+                    Arg::I64(w.shape[0] as i64),
+                    Arg::P(err),
+                ],
+            )
         }
         Op::Linear {} => {
             let (x, w) = (&ins[0], &ins[1]);
             if x.dtype != w.dtype || o.dtype != x.dtype {
-                return Err(lw.unsup("linear on mixed dtypes", &format!("x {}, w {}", x.dtype, w.dtype)));
+                return Err(lw.unsup(
+                    "linear on mixed dtypes",
+                    &format!("x {}, w {}", x.dtype, w.dtype),
+                ));
             }
             let k = *x.shape.last().unwrap() as u64;
             let n = w.shape[0] as u64;
             let m = if k == 0 { 0 } else { x.numel() / k };
             let bias = ins.get(2);
-            let shape = GemmShape { dtype: x.dtype, m, n, k, ta: false, tb: true, batch: 1, sa: 0, sb: 0, sc: 0, bias: bias.is_some(), accumulate: false };
+            let shape = GemmShape {
+                dtype: x.dtype,
+                m,
+                n,
+                k,
+                ta: false,
+                tb: true,
+                batch: 1,
+                sa: 0,
+                sb: 0,
+                sc: 0,
+                bias: bias.is_some(),
+                accumulate: false,
+            };
             if k == 0 {
                 return match bias {
                     Some(b) => {
-                        let bc = layout::bcast(&o.shape, &[&b.shape, &b.shape]).map_err(|m| lw.unsup("broadcast", &m))?;
-                        lw.strided(o.ptr, b.ptr, esz(o.dtype), &o.shape, &bc.sa[..o.rank()], &layout::strides(&o.shape))
+                        let bc = layout::bcast(&o.shape, &[&b.shape, &b.shape])
+                            .map_err(|m| lw.unsup("broadcast", &m))?;
+                        lw.strided(
+                            o.ptr,
+                            b.ptr,
+                            esz(o.dtype),
+                            &o.shape,
+                            &bc.sa[..o.rank()],
+                            &layout::strides(&o.shape),
+                        )
                     }
                     None => lw.fill(o, 0.0),
                 };
@@ -535,34 +819,97 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             lw.gemm(shape, x.ptr, w.ptr, o.ptr, ptr_or_null(bias));
             Ok(())
         }
-        Op::Matmul { transpose_a, transpose_b } => lower_matmul(lw, &ins[0], &ins[1], o, *transpose_a, *transpose_b),
+        Op::Matmul {
+            transpose_a,
+            transpose_b,
+        } => lower_matmul(lw, &ins[0], &ins[1], o, *transpose_a, *transpose_b),
         Op::RmsNorm { eps } => {
             let (x, w) = (&ins[0], &ins[1]);
             let h = *x.shape.last().unwrap() as u64;
             let rows = if h == 0 { 0 } else { x.numel() / h };
             if let Some(name) = rms8_kernel(x, w, h, "rms_fwd8_bf16") {
-                return lw.rows(name, rows, 256, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::I64(rows as i64), Arg::I32(h as i32), Arg::F32(eps.0 as f32), Arg::P(0)]);
+                return lw.rows(
+                    name,
+                    rows,
+                    256,
+                    0,
+                    vec![
+                        Arg::P(o.ptr),
+                        Arg::P(x.ptr),
+                        Arg::P(w.ptr),
+                        Arg::I32(code(w.dtype)),
+                        Arg::I64(rows as i64),
+                        Arg::I32(h as i32),
+                        Arg::F32(eps.0 as f32),
+                        Arg::P(0),
+                    ],
+                );
             }
             let name = kname("rms_norm", x.dtype)?;
-            lw.rows(name, rows, 256, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::I64(rows as i64), Arg::I64(h as i64), Arg::F32(eps.0 as f32), Arg::P(0)])
+            lw.rows(
+                name,
+                rows,
+                256,
+                0,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(x.ptr),
+                    Arg::P(w.ptr),
+                    Arg::I32(code(w.dtype)),
+                    Arg::I64(rows as i64),
+                    Arg::I64(h as i64),
+                    Arg::F32(eps.0 as f32),
+                    Arg::P(0),
+                ],
+            )
         }
-        Op::RopeTable { theta, dim, scaling } => {
+        Op::RopeTable {
+            theta,
+            dim,
+            scaling,
+        } => {
             let inv = rope_inv_freq(theta.0, *dim as usize, scaling);
             let bytes: Vec<u8> = inv.iter().flat_map(|x| x.to_le_bytes()).collect();
             let invp = lw.ex.constant(&bytes);
             let pos = &ins[0];
             let half = (*dim / 2) as i32;
-            lw.n("rope_table", o.numel(), vec![Arg::P(outs[0].ptr), Arg::P(outs[1].ptr), Arg::I32(code(o.dtype)), Arg::P(pos.ptr), Arg::I32(code(pos.dtype)), Arg::I64(pos.numel() as i64), Arg::I32(half), Arg::P(invp)])
+            lw.n(
+                "rope_table",
+                o.numel(),
+                vec![
+                    Arg::P(outs[0].ptr),
+                    Arg::P(outs[1].ptr),
+                    Arg::I32(code(o.dtype)),
+                    Arg::P(pos.ptr),
+                    Arg::I32(code(pos.dtype)),
+                    Arg::I64(pos.numel() as i64),
+                    Arg::I32(half),
+                    Arg::P(invp),
+                ],
+            )
         }
         Op::Rope {} => {
             let (x, c, s) = (&ins[0], &ins[1], &ins[2]);
             if x.rank() != 4 || c.rank() != 3 || c.dtype != s.dtype {
-                return Err(lw.unsup("rope", "x must be [B, N, S, D] and cos/sin [B|1, S, r] of one dtype"));
+                return Err(lw.unsup(
+                    "rope",
+                    "x must be [B, N, S, D] and cos/sin [B|1, S, r] of one dtype",
+                ));
             }
             let (b, nh, sq, d) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
             let r = c.shape[2];
-            let cbs = if c.shape[0] == 1 { 0 } else { (c.shape[1] * r) as i64 };
-            let fits = d / 2 <= 512 && d % 2 == 0 && r % 2 == 0 && r <= d && sq <= i32::MAX as usize && nh <= 65535 && b <= 65535;
+            let cbs = if c.shape[0] == 1 {
+                0
+            } else {
+                (c.shape[1] * r) as i64
+            };
+            let fits = d / 2 <= 512
+                && d % 2 == 0
+                && r % 2 == 0
+                && r <= d
+                && sq <= i32::MAX as usize
+                && nh <= 65535
+                && b <= 65535;
             if fits && d >= 2 {
                 let tx = (d / 2) as u32;
                 let ty = (256 / tx).max(1);
@@ -572,34 +919,100 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
                     (sq.div_ceil(ty as usize) as u32, nh as u32, b as u32),
                     (tx, ty, 1),
                     0,
-                    vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(c.ptr), Arg::P(s.ptr), Arg::I32(code(c.dtype)), Arg::I32(nh as i32), Arg::I32(sq as i32), Arg::I32(d as i32), Arg::I32(r as i32), Arg::I64(cbs)],
+                    vec![
+                        Arg::P(o.ptr),
+                        Arg::P(x.ptr),
+                        Arg::P(c.ptr),
+                        Arg::P(s.ptr),
+                        Arg::I32(code(c.dtype)),
+                        Arg::I32(nh as i32),
+                        Arg::I32(sq as i32),
+                        Arg::I32(d as i32),
+                        Arg::I32(r as i32),
+                        Arg::I64(cbs),
+                    ],
                 )?;
                 lw.launch(l);
                 return Ok(());
             }
             let name = kname("rope", x.dtype)?;
-            lw.n(name, x.numel(), vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(c.ptr), Arg::P(s.ptr), Arg::I32(code(c.dtype)), Arg::I64(b as i64), Arg::I64(nh as i64), Arg::I64(sq as i64), Arg::I64(d as i64), Arg::I64(r as i64), Arg::I64(cbs)])
+            lw.n(
+                name,
+                x.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(x.ptr),
+                    Arg::P(c.ptr),
+                    Arg::P(s.ptr),
+                    Arg::I32(code(c.dtype)),
+                    Arg::I64(b as i64),
+                    Arg::I64(nh as i64),
+                    Arg::I64(sq as i64),
+                    Arg::I64(d as i64),
+                    Arg::I64(r as i64),
+                    Arg::I64(cbs),
+                ],
+            )
         }
         Op::Attention { causal, scale } => {
             // Per query row: the log-sum-exp (tensor-core path) or the max and the sum (generic).
-            let lse = lw.ex.side(8 * ins[0].shape[0] as u64 * ins[0].shape[1] as u64 * ins[0].shape[2] as u64);
+            let lse = lw
+                .ex
+                .side(8 * ins[0].shape[0] as u64 * ins[0].shape[1] as u64 * ins[0].shape[2] as u64);
             lw.attn_lse.insert(o.ptr, lse);
-            attention_fwd(lw, &ins[0], &ins[1], &ins[2], ins.get(3), o, lse, *causal, scale.0 as f32)
+            attention_fwd(
+                lw,
+                &ins[0],
+                &ins[1],
+                &ins[2],
+                ins.get(3),
+                o,
+                lse,
+                *causal,
+                scale.0 as f32,
+            )
         }
-        Op::AttentionGrad { causal, scale } => attention_bwd(lw, ins, outs, *causal, scale.0 as f32),
+        Op::AttentionGrad { causal, scale } => {
+            attention_bwd(lw, ins, outs, *causal, scale.0 as f32)
+        }
         Op::ShiftLabels { ignore_index } => {
             let l = &ins[0];
             let n = *l.shape.last().unwrap_or(&1) as i64;
             let rows = if n == 0 { 0 } else { l.numel() as i64 / n };
-            lw.n("shift_labels", l.numel(), vec![Arg::P(o.ptr), Arg::P(l.ptr), Arg::I64(rows), Arg::I64(n), Arg::I64(*ignore_index)])
+            lw.n(
+                "shift_labels",
+                l.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(l.ptr),
+                    Arg::I64(rows),
+                    Arg::I64(n),
+                    Arg::I64(*ignore_index),
+                ],
+            )
         }
         Op::CountValid { ignore_index } => {
             let l = &ins[0];
-            let lp = lw.gpu.launch("count_valid", (1, 1, 1), (1024, 1, 1), 0, vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(l.ptr), Arg::I64(l.numel() as i64), Arg::I64(*ignore_index)])?;
+            let lp = lw.gpu.launch(
+                "count_valid",
+                (1, 1, 1),
+                (1024, 1, 1),
+                0,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::I32(code(o.dtype)),
+                    Arg::P(l.ptr),
+                    Arg::I64(l.numel() as i64),
+                    Arg::I64(*ignore_index),
+                ],
+            )?;
             lw.launch(lp);
             Ok(())
         }
-        Op::CrossEntropy { ignore_index, reduction } => {
+        Op::CrossEntropy {
+            ignore_index,
+            reduction,
+        } => {
             let (x, l) = (&ins[0], &ins[1]);
             let v = *x.shape.last().unwrap() as u64;
             let rows = l.numel();
@@ -611,23 +1024,69 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let lse = lw.ex.side(rows * 4);
             lw.ce_lse.insert((x.ptr, l.ptr), lse);
             let name = kname("ce_rows", x.dtype)?;
-            lw.rows(name, rows, 512, 0, vec![Arg::P(per_row), Arg::P(lse), Arg::P(x.ptr), Arg::P(l.ptr), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index), Arg::P(err)])?;
+            lw.rows(
+                name,
+                rows,
+                512,
+                0,
+                vec![
+                    Arg::P(per_row),
+                    Arg::P(lse),
+                    Arg::P(x.ptr),
+                    Arg::P(l.ptr),
+                    Arg::I64(rows as i64),
+                    Arg::I64(v as i64),
+                    Arg::I64(*ignore_index),
+                    Arg::P(err),
+                ],
+            )?;
             match reduction {
                 Reduction::None => {
                     if per_row != o.ptr {
-                        lw.n("f32_to_any", rows, vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(per_row), Arg::I64(rows as i64)])?;
+                        lw.n(
+                            "f32_to_any",
+                            rows,
+                            vec![
+                                Arg::P(o.ptr),
+                                Arg::I32(code(o.dtype)),
+                                Arg::P(per_row),
+                                Arg::I64(rows as i64),
+                            ],
+                        )?;
                     }
                     Ok(())
                 }
                 Reduction::Sum | Reduction::Mean => {
-                    let labels = if *reduction == Reduction::Mean { l.ptr } else { 0 };
-                    let lp = lw.gpu.launch("sum_f32", (1, 1, 1), (1024, 1, 1), 0, vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(per_row), Arg::I64(rows as i64), Arg::F32(1.0), Arg::P(labels), Arg::I64(rows as i64), Arg::I64(*ignore_index)])?;
+                    let labels = if *reduction == Reduction::Mean {
+                        l.ptr
+                    } else {
+                        0
+                    };
+                    let lp = lw.gpu.launch(
+                        "sum_f32",
+                        (1, 1, 1),
+                        (1024, 1, 1),
+                        0,
+                        vec![
+                            Arg::P(o.ptr),
+                            Arg::I32(code(o.dtype)),
+                            Arg::P(per_row),
+                            Arg::I64(rows as i64),
+                            Arg::F32(1.0),
+                            Arg::P(labels),
+                            Arg::I64(rows as i64),
+                            Arg::I64(*ignore_index),
+                        ],
+                    )?;
                     lw.launch(lp);
                     Ok(())
                 }
             }
         }
-        Op::CrossEntropyGrad { ignore_index, reduction } => {
+        Op::CrossEntropyGrad {
+            ignore_index,
+            reduction,
+        } => {
             let (x, l, dl) = (&ins[0], &ins[1], &ins[2]);
             let v = *x.shape.last().unwrap() as u64;
             let rows = l.numel();
@@ -638,17 +1097,67 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             };
             let count = if mode == 2 {
                 let c = lw.ex.scratch(lw.stream, 4);
-                let lp = lw.gpu.launch("count_valid", (1, 1, 1), (1024, 1, 1), 0, vec![Arg::P(c), Arg::I32(0), Arg::P(l.ptr), Arg::I64(rows as i64), Arg::I64(*ignore_index)])?;
+                let lp = lw.gpu.launch(
+                    "count_valid",
+                    (1, 1, 1),
+                    (1024, 1, 1),
+                    0,
+                    vec![
+                        Arg::P(c),
+                        Arg::I32(0),
+                        Arg::P(l.ptr),
+                        Arg::I64(rows as i64),
+                        Arg::I64(*ignore_index),
+                    ],
+                )?;
                 lw.launch(lp);
                 c
             } else {
                 0
             };
-            if let (Some(&lse), true) = (lw.ce_lse.get(&(x.ptr, l.ptr)), vec8(&[o, x]) && v.is_multiple_of(8)) {
-                return lw.rows("ce_bwd_lse8_bf16", rows, 512, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(l.ptr), Arg::P(lse), Arg::P(dl.ptr), Arg::I32(code(dl.dtype)), Arg::I32(mode), Arg::P(count), Arg::I64(rows as i64), Arg::I64(v as i64 / 8), Arg::I64(*ignore_index)]);
+            if let (Some(&lse), true) = (
+                lw.ce_lse.get(&(x.ptr, l.ptr)),
+                vec8(&[o, x]) && v.is_multiple_of(8),
+            ) {
+                return lw.rows(
+                    "ce_bwd_lse8_bf16",
+                    rows,
+                    512,
+                    0,
+                    vec![
+                        Arg::P(o.ptr),
+                        Arg::P(x.ptr),
+                        Arg::P(l.ptr),
+                        Arg::P(lse),
+                        Arg::P(dl.ptr),
+                        Arg::I32(code(dl.dtype)),
+                        Arg::I32(mode),
+                        Arg::P(count),
+                        Arg::I64(rows as i64),
+                        Arg::I64(v as i64 / 8),
+                        Arg::I64(*ignore_index),
+                    ],
+                );
             }
             let name = kname("ce_bwd", x.dtype)?;
-            lw.rows(name, rows, 512, 0, vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(l.ptr), Arg::P(dl.ptr), Arg::I32(code(dl.dtype)), Arg::I32(mode), Arg::P(count), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index)])
+            lw.rows(
+                name,
+                rows,
+                512,
+                0,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(x.ptr),
+                    Arg::P(l.ptr),
+                    Arg::P(dl.ptr),
+                    Arg::I32(code(dl.dtype)),
+                    Arg::I32(mode),
+                    Arg::P(count),
+                    Arg::I64(rows as i64),
+                    Arg::I64(v as i64),
+                    Arg::I64(*ignore_index),
+                ],
+            )
         }
         Op::Reshape { .. } => {
             lw.copy(o.ptr, ins[0].ptr, o.bytes());
@@ -656,25 +1165,51 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
         }
         Op::Permute { perm } => {
             let x = &ins[0];
-            let p: Vec<usize> = perm.iter().map(|&d| norm(d, x.rank())).collect::<CudaResult<_>>()?;
+            let p: Vec<usize> = perm
+                .iter()
+                .map(|&d| norm(d, x.rank()))
+                .collect::<CudaResult<_>>()?;
             let xs = layout::strides(&x.shape);
             let ss: Vec<i64> = p.iter().map(|&i| xs[i]).collect();
-            lw.strided(o.ptr, x.ptr, esz(o.dtype), &o.shape, &ss, &layout::strides(&o.shape))
+            lw.strided(
+                o.ptr,
+                x.ptr,
+                esz(o.dtype),
+                &o.shape,
+                &ss,
+                &layout::strides(&o.shape),
+            )
         }
         Op::Transpose { dim0, dim1 } => {
             let x = &ins[0];
             let (a, b) = (norm(*dim0, x.rank())?, norm(*dim1, x.rank())?);
             let mut ss = layout::strides(&x.shape);
             ss.swap(a, b);
-            lw.strided(o.ptr, x.ptr, esz(o.dtype), &o.shape, &ss, &layout::strides(&o.shape))
+            lw.strided(
+                o.ptr,
+                x.ptr,
+                esz(o.dtype),
+                &o.shape,
+                &ss,
+                &layout::strides(&o.shape),
+            )
         }
         Op::Slice { dim, start, .. } => {
             let x = &ins[0];
             let d = norm(*dim, x.rank())?;
-            let s = start.eval(bindings).map_err(|e| CudaError::Plan(e.to_string()))?;
+            let s = start
+                .eval(bindings)
+                .map_err(|e| CudaError::Plan(e.to_string()))?;
             let xs = layout::strides(&x.shape);
             let src = x.ptr + (s * xs[d]) as u64 * x.dtype.size_bytes();
-            lw.strided(o.ptr, src, esz(o.dtype), &o.shape, &xs, &layout::strides(&o.shape))
+            lw.strided(
+                o.ptr,
+                src,
+                esz(o.dtype),
+                &o.shape,
+                &xs,
+                &layout::strides(&o.shape),
+            )
         }
         Op::Split { dim, .. } => {
             let x = &ins[0];
@@ -683,7 +1218,14 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let mut at = 0usize;
             for out in outs {
                 let src = x.ptr + (at as i64 * xs[d]) as u64 * x.dtype.size_bytes();
-                lw.strided(out.ptr, src, esz(out.dtype), &out.shape, &xs, &layout::strides(&out.shape))?;
+                lw.strided(
+                    out.ptr,
+                    src,
+                    esz(out.dtype),
+                    &out.shape,
+                    &xs,
+                    &layout::strides(&out.shape),
+                )?;
                 at += out.shape[d];
             }
             Ok(())
@@ -694,15 +1236,30 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let mut at = 0usize;
             for x in ins {
                 let dst = o.ptr + (at as i64 * os[d]) as u64 * o.dtype.size_bytes();
-                lw.strided(dst, x.ptr, esz(o.dtype), &x.shape, &layout::strides(&x.shape), &os)?;
+                lw.strided(
+                    dst,
+                    x.ptr,
+                    esz(o.dtype),
+                    &x.shape,
+                    &layout::strides(&x.shape),
+                    &os,
+                )?;
                 at += x.shape[d];
             }
             Ok(())
         }
         Op::Expand { .. } => {
             let x = &ins[0];
-            let ss = layout::broadcast_strides(&x.shape, &o.shape).map_err(|m| lw.unsup("expand", &m))?;
-            lw.strided(o.ptr, x.ptr, esz(o.dtype), &o.shape, &ss, &layout::strides(&o.shape))
+            let ss = layout::broadcast_strides(&x.shape, &o.shape)
+                .map_err(|m| lw.unsup("expand", &m))?;
+            lw.strided(
+                o.ptr,
+                x.ptr,
+                esz(o.dtype),
+                &o.shape,
+                &ss,
+                &layout::strides(&o.shape),
+            )
         }
         Op::Gather { dim } => {
             let (x, idx) = (&ins[0], &ins[1]);
@@ -711,12 +1268,31 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
                 return Err(lw.unsup("gather with non-i64 indices", "cast to i64"));
             }
             let xs = layout::strides(&x.shape);
-            let mut st = layout::Strided { rank: idx.rank() as i32, shape: [1; 8], ss: [0; 8], ds: [0; 8] };
+            let mut st = layout::Strided {
+                rank: idx.rank() as i32,
+                shape: [1; 8],
+                ss: [0; 8],
+                ds: [0; 8],
+            };
             for i in 0..idx.rank() {
                 st.shape[i] = idx.shape[i] as i64;
                 st.ss[i] = xs[i];
             }
-            lw.n("gather_any", o.numel(), vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(idx.ptr), Arg::I32(esz(o.dtype) as i32), Arg::I64(o.numel() as i64), Arg::blob(&st), Arg::I32(d as i32), Arg::I64(x.shape[d] as i64), Arg::P(err)])
+            lw.n(
+                "gather_any",
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(x.ptr),
+                    Arg::P(idx.ptr),
+                    Arg::I32(esz(o.dtype) as i32),
+                    Arg::I64(o.numel() as i64),
+                    Arg::blob(&st),
+                    Arg::I32(d as i32),
+                    Arg::I64(x.shape[d] as i64),
+                    Arg::P(err),
+                ],
+            )
         }
         Op::IndexSelect { dim } => {
             let (x, idx) = (&ins[0], &ins[1]);
@@ -726,7 +1302,18 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             lw.n(
                 "index_select_any",
                 o.numel(),
-                vec![Arg::P(o.ptr), Arg::P(x.ptr), Arg::P(idx.ptr), Arg::I32(code(idx.dtype)), Arg::I32(esz(o.dtype) as i32), Arg::I64(outer as i64), Arg::I64(x.shape[d] as i64), Arg::I64(idx.numel() as i64), Arg::I64(inner as i64), Arg::P(err)],
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(x.ptr),
+                    Arg::P(idx.ptr),
+                    Arg::I32(code(idx.dtype)),
+                    Arg::I32(esz(o.dtype) as i32),
+                    Arg::I64(outer as i64),
+                    Arg::I64(x.shape[d] as i64),
+                    Arg::I64(idx.numel() as i64),
+                    Arg::I64(inner as i64),
+                    Arg::P(err),
+                ],
             )
         }
         Op::ScatterAdd { dim } => {
@@ -734,13 +1321,31 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let d = norm(*dim, dst.rank())?;
             lw.copy(o.ptr, dst.ptr, o.bytes());
             let os = layout::strides(&o.shape);
-            let mut st = layout::Strided { rank: src.rank() as i32, shape: [1; 8], ss: [0; 8], ds: [0; 8] };
+            let mut st = layout::Strided {
+                rank: src.rank() as i32,
+                shape: [1; 8],
+                ss: [0; 8],
+                ds: [0; 8],
+            };
             for i in 0..src.rank() {
                 st.shape[i] = src.shape[i] as i64;
                 st.ds[i] = os[i];
             }
             let name = kname("scatter_add", o.dtype)?;
-            lw.n(name, src.numel(), vec![Arg::P(o.ptr), Arg::P(idx.ptr), Arg::P(src.ptr), Arg::I64(src.numel() as i64), Arg::blob(&st), Arg::I32(d as i32), Arg::I64(o.shape[d] as i64), Arg::P(err)])
+            lw.n(
+                name,
+                src.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(idx.ptr),
+                    Arg::P(src.ptr),
+                    Arg::I64(src.numel() as i64),
+                    Arg::blob(&st),
+                    Arg::I32(d as i32),
+                    Arg::I64(o.shape[d] as i64),
+                    Arg::P(err),
+                ],
+            )
         }
         Op::Topk { k, dim } => {
             let x = &ins[0];
@@ -750,11 +1355,35 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             }
             let n = x.shape[d] as u64;
             let rows = if n == 0 { 0 } else { x.numel() / n };
-            lw.n("topk_any", rows, vec![Arg::P(outs[0].ptr), Arg::I32(code(outs[0].dtype)), Arg::P(outs[1].ptr), Arg::P(x.ptr), Arg::I32(code(x.dtype)), Arg::I64(rows as i64), Arg::I64(n as i64), Arg::I32(*k as i32)])
+            lw.n(
+                "topk_any",
+                rows,
+                vec![
+                    Arg::P(outs[0].ptr),
+                    Arg::I32(code(outs[0].dtype)),
+                    Arg::P(outs[1].ptr),
+                    Arg::P(x.ptr),
+                    Arg::I32(code(x.dtype)),
+                    Arg::I64(rows as i64),
+                    Arg::I64(n as i64),
+                    Arg::I32(*k as i32),
+                ],
+            )
         }
         Op::OneHot { num_classes, .. } => {
             let idx = &ins[0];
-            lw.n("one_hot", o.numel(), vec![Arg::P(o.ptr), Arg::I32(code(o.dtype)), Arg::P(idx.ptr), Arg::I64(idx.numel() as i64), Arg::I64(*num_classes), Arg::P(err)])
+            lw.n(
+                "one_hot",
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::I32(code(o.dtype)),
+                    Arg::P(idx.ptr),
+                    Arg::I64(idx.numel() as i64),
+                    Arg::I64(*num_classes),
+                    Arg::P(err),
+                ],
+            )
         }
         Op::MoeDispatch { num_experts } => {
             let (x, e) = (&ins[0], &ins[1]);
@@ -762,11 +1391,35 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let tk = e.numel();
             let k = if e.rank() == 2 { e.shape[1] } else { 1 };
             let ne = *num_experts as u32;
-            let lp = lw.gpu.launch("moe_route", (1, 1, 1), (ne.clamp(32, 1024), 1, 1), ne * 8, vec![Arg::P(counts.ptr), Arg::P(order.ptr), Arg::P(e.ptr), Arg::I64(tk as i64), Arg::I32(ne as i32), Arg::P(err)])?;
+            let lp = lw.gpu.launch(
+                "moe_route",
+                (1, 1, 1),
+                (ne.clamp(32, 1024), 1, 1),
+                ne * 8,
+                vec![
+                    Arg::P(counts.ptr),
+                    Arg::P(order.ptr),
+                    Arg::P(e.ptr),
+                    Arg::I64(tk as i64),
+                    Arg::I32(ne as i32),
+                    Arg::P(err),
+                ],
+            )?;
             lw.launch(lp);
             let h = x.shape[1] as i64;
             let name = kname("moe_gather", x.dtype)?;
-            lw.n(name, rows.numel(), vec![Arg::P(rows.ptr), Arg::P(x.ptr), Arg::P(order.ptr), Arg::I64(tk as i64), Arg::I32(k as i32), Arg::I64(h)])
+            lw.n(
+                name,
+                rows.numel(),
+                vec![
+                    Arg::P(rows.ptr),
+                    Arg::P(x.ptr),
+                    Arg::P(order.ptr),
+                    Arg::I64(tk as i64),
+                    Arg::I32(k as i32),
+                    Arg::I64(h),
+                ],
+            )
         }
         Op::GroupedMatmul {} => {
             let (x, w, c) = (&ins[0], &ins[1], &ins[2]);
@@ -807,17 +1460,58 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
             let (t, k) = (w.shape[0], w.shape[1]);
             let tk = (t * k) as u64;
             let inv = lw.ex.scratch(lw.stream, tk * 4);
-            lw.n("fill_i32", tk, vec![Arg::P(inv), Arg::I64(tk as i64), Arg::I32(-1)])?;
-            lw.n("moe_inverse", rows.shape[0] as u64, vec![Arg::P(inv), Arg::P(order.ptr), Arg::I64(rows.shape[0] as i64), Arg::I64(tk as i64), Arg::P(err)])?;
+            lw.n(
+                "fill_i32",
+                tk,
+                vec![Arg::P(inv), Arg::I64(tk as i64), Arg::I32(-1)],
+            )?;
+            lw.n(
+                "moe_inverse",
+                rows.shape[0] as u64,
+                vec![
+                    Arg::P(inv),
+                    Arg::P(order.ptr),
+                    Arg::I64(rows.shape[0] as i64),
+                    Arg::I64(tk as i64),
+                    Arg::P(err),
+                ],
+            )?;
             let name = kname("moe_combine", o.dtype)?;
-            lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(rows.ptr), Arg::P(inv), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::I64(t as i64), Arg::I32(k as i32), Arg::I64(rows.shape[1] as i64)])
+            lw.n(
+                name,
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(rows.ptr),
+                    Arg::P(inv),
+                    Arg::P(w.ptr),
+                    Arg::I32(code(w.dtype)),
+                    Arg::I64(t as i64),
+                    Arg::I32(k as i32),
+                    Arg::I64(rows.shape[1] as i64),
+                ],
+            )
         }
         Op::MoeCombineGrad {} => {
             let (rows, order, w, dy) = (&ins[0], &ins[1], &ins[2], &ins[3]);
             let k = w.shape[1];
             lw.memset(outs[1].ptr, outs[1].bytes());
             let name = kname("moe_combine_bwd", rows.dtype)?;
-            lw.warps(name, rows.shape[0] as u64, vec![Arg::P(outs[0].ptr), Arg::P(outs[1].ptr), Arg::P(rows.ptr), Arg::P(order.ptr), Arg::P(w.ptr), Arg::P(dy.ptr), Arg::I64(rows.shape[0] as i64), Arg::I32(k as i32), Arg::I64(rows.shape[1] as i64)])
+            lw.warps(
+                name,
+                rows.shape[0] as u64,
+                vec![
+                    Arg::P(outs[0].ptr),
+                    Arg::P(outs[1].ptr),
+                    Arg::P(rows.ptr),
+                    Arg::P(order.ptr),
+                    Arg::P(w.ptr),
+                    Arg::P(dy.ptr),
+                    Arg::I64(rows.shape[0] as i64),
+                    Arg::I32(k as i32),
+                    Arg::I64(rows.shape[1] as i64),
+                ],
+            )
         }
         Op::RmsNormGrad { eps } => {
             let (x, w, dy) = (&ins[0], &ins[1], &ins[2]);
@@ -830,57 +1524,199 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
                 let rpb = rows.div_ceil(512).max(1);
                 let nblocks = rows.div_ceil(rpb);
                 let part = lw.ex.scratch(lw.stream, nblocks.max(1) * h * 4);
-                lw.rows(name, nblocks, 256, 0, vec![Arg::P(dx.ptr), Arg::P(part), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::P(dy.ptr), Arg::I64(rows as i64), Arg::I32(h as i32), Arg::F32(eps.0 as f32), Arg::I32(rpb as i32)])?;
-                let l = lw.gpu.launch("colsum_f32_to", (h.div_ceil(32) as u32, 1, 1), (32, 8, 1), 0, vec![Arg::P(dw.ptr), Arg::I32(code(dw.dtype)), Arg::P(part), Arg::I64(nblocks as i64), Arg::I64(h as i64)])?;
+                lw.rows(
+                    name,
+                    nblocks,
+                    256,
+                    0,
+                    vec![
+                        Arg::P(dx.ptr),
+                        Arg::P(part),
+                        Arg::P(x.ptr),
+                        Arg::P(w.ptr),
+                        Arg::I32(code(w.dtype)),
+                        Arg::P(dy.ptr),
+                        Arg::I64(rows as i64),
+                        Arg::I32(h as i32),
+                        Arg::F32(eps.0 as f32),
+                        Arg::I32(rpb as i32),
+                    ],
+                )?;
+                let l = lw.gpu.launch(
+                    "colsum_f32_to",
+                    (h.div_ceil(32) as u32, 1, 1),
+                    (32, 8, 1),
+                    0,
+                    vec![
+                        Arg::P(dw.ptr),
+                        Arg::I32(code(dw.dtype)),
+                        Arg::P(part),
+                        Arg::I64(nblocks as i64),
+                        Arg::I64(h as i64),
+                    ],
+                )?;
                 lw.launch(l);
                 return Ok(());
             }
             let acc = lw.ex.scratch(lw.stream, h * 4);
             let rstd = lw.ex.scratch(lw.stream, rows * 4);
             let name = kname("rms_norm_bwd", x.dtype)?;
-            lw.rows(name, rows, 256, 0, vec![Arg::P(dx.ptr), Arg::P(rstd), Arg::P(x.ptr), Arg::P(w.ptr), Arg::I32(code(w.dtype)), Arg::P(dy.ptr), Arg::I64(rows as i64), Arg::I64(h as i64), Arg::F32(eps.0 as f32)])?;
+            lw.rows(
+                name,
+                rows,
+                256,
+                0,
+                vec![
+                    Arg::P(dx.ptr),
+                    Arg::P(rstd),
+                    Arg::P(x.ptr),
+                    Arg::P(w.ptr),
+                    Arg::I32(code(w.dtype)),
+                    Arg::P(dy.ptr),
+                    Arg::I64(rows as i64),
+                    Arg::I64(h as i64),
+                    Arg::F32(eps.0 as f32),
+                ],
+            )?;
             lw.memset(acc, h * 4);
             let chunk = 256u64;
             let gy = rows.div_ceil(chunk).max(1);
             let name = kname("rms_dw_partial", x.dtype)?;
-            let lp = lw.gpu.launch(name, (h.div_ceil(32) as u32, gy as u32, 1), (32, 8, 1), 0, vec![Arg::P(acc), Arg::P(x.ptr), Arg::P(dy.ptr), Arg::P(rstd), Arg::I64(rows as i64), Arg::I64(h as i64), Arg::I64(chunk as i64)])?;
+            let lp = lw.gpu.launch(
+                name,
+                (h.div_ceil(32) as u32, gy as u32, 1),
+                (32, 8, 1),
+                0,
+                vec![
+                    Arg::P(acc),
+                    Arg::P(x.ptr),
+                    Arg::P(dy.ptr),
+                    Arg::P(rstd),
+                    Arg::I64(rows as i64),
+                    Arg::I64(h as i64),
+                    Arg::I64(chunk as i64),
+                ],
+            )?;
             lw.launch(lp);
-            lw.n("f32_to_any", h, vec![Arg::P(dw.ptr), Arg::I32(code(dw.dtype)), Arg::P(acc), Arg::I64(h as i64)])
+            lw.n(
+                "f32_to_any",
+                h,
+                vec![
+                    Arg::P(dw.ptr),
+                    Arg::I32(code(dw.dtype)),
+                    Arg::P(acc),
+                    Arg::I64(h as i64),
+                ],
+            )
         }
         Op::EmbeddingGrad { .. } => {
             let (ids, dy) = (&ins[0], &ins[1]);
             let h = *dy.shape.last().unwrap() as i64;
             lw.memset(o.ptr, o.bytes());
             let name = kname("embedding_bwd", o.dtype)?;
-            lw.rows(name, ids.numel(), 256, 0, vec![Arg::P(o.ptr), Arg::P(ids.ptr), Arg::P(dy.ptr), Arg::I64(ids.numel() as i64), Arg::I64(h), Arg::I64(o.shape[0] as i64), Arg::P(err)])
+            lw.rows(
+                name,
+                ids.numel(),
+                256,
+                0,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(ids.ptr),
+                    Arg::P(dy.ptr),
+                    Arg::I64(ids.numel() as i64),
+                    Arg::I64(h),
+                    Arg::I64(o.shape[0] as i64),
+                    Arg::P(err),
+                ],
+            )
         }
         Op::SiluGrad {} => {
             if vec8(&[o, &ins[0], &ins[1]]) {
-                return lw.n("silu_bwd8_bf16", o.numel() / 8, vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::P(ins[1].ptr), Arg::I64(o.numel() as i64 / 8)]);
+                return lw.n(
+                    "silu_bwd8_bf16",
+                    o.numel() / 8,
+                    vec![
+                        Arg::P(o.ptr),
+                        Arg::P(ins[0].ptr),
+                        Arg::P(ins[1].ptr),
+                        Arg::I64(o.numel() as i64 / 8),
+                    ],
+                );
             }
             let name = kname("silu_bwd", o.dtype)?;
-            lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::P(ins[1].ptr), Arg::I64(o.numel() as i64)])
+            lw.n(
+                name,
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(ins[0].ptr),
+                    Arg::P(ins[1].ptr),
+                    Arg::I64(o.numel() as i64),
+                ],
+            )
         }
         Op::GeluGrad { tanh_approx } => {
             let name = kname("gelu_bwd", o.dtype)?;
-            lw.n(name, o.numel(), vec![Arg::P(o.ptr), Arg::P(ins[0].ptr), Arg::P(ins[1].ptr), Arg::I64(o.numel() as i64), Arg::I32(*tanh_approx as i32)])
+            lw.n(
+                name,
+                o.numel(),
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(ins[0].ptr),
+                    Arg::P(ins[1].ptr),
+                    Arg::I64(o.numel() as i64),
+                    Arg::I32(*tanh_approx as i32),
+                ],
+            )
         }
         Op::SoftmaxGrad { dim } => {
             let y = &ins[0];
             if norm(*dim, y.rank())? != y.rank() - 1 {
-                return Err(lw.unsup("softmax_grad along a dim other than the last", "transpose first"));
+                return Err(lw.unsup(
+                    "softmax_grad along a dim other than the last",
+                    "transpose first",
+                ));
             }
             let n = *y.shape.last().unwrap() as u64;
             let rows = if n == 0 { 0 } else { y.numel() / n };
             let name = kname("softmax_bwd", y.dtype)?;
-            lw.rows(name, rows, 256, 0, vec![Arg::P(o.ptr), Arg::P(y.ptr), Arg::P(ins[1].ptr), Arg::I64(rows as i64), Arg::I64(n as i64)])
+            lw.rows(
+                name,
+                rows,
+                256,
+                0,
+                vec![
+                    Arg::P(o.ptr),
+                    Arg::P(y.ptr),
+                    Arg::P(ins[1].ptr),
+                    Arg::I64(rows as i64),
+                    Arg::I64(n as i64),
+                ],
+            )
         }
-        Op::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+        Op::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
             let (p, g, m, v, step) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
             let n = p.numel();
             let aligned = |ps: &[u64]| n % 8 == 0 && ps.iter().all(|x| x % 16 == 0);
             if let Some((glow, pout, low)) = lw.fused_adamw {
-                if low == DType::BF16 && aligned(&[pout, outs[0].ptr, outs[1].ptr, outs[2].ptr, p.ptr, glow, m.ptr, v.ptr]) {
+                if low == DType::BF16
+                    && aligned(&[
+                        pout,
+                        outs[0].ptr,
+                        outs[1].ptr,
+                        outs[2].ptr,
+                        p.ptr,
+                        glow,
+                        m.ptr,
+                        v.ptr,
+                    ])
+                {
                     return lw.n(
                         "adamw_master8_bf16",
                         n / 8,
@@ -929,13 +1765,34 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
                 );
             }
             if g.dtype != p.dtype || m.dtype != v.dtype {
-                return Err(lw.unsup("adamw", "grad must have the param's dtype and m, v one dtype"));
+                return Err(lw.unsup(
+                    "adamw",
+                    "grad must have the param's dtype and m, v one dtype",
+                ));
             }
-            let vector = p.dtype == DType::BF16 && m.dtype == DType::BF16 && aligned(&[outs[0].ptr, outs[1].ptr, outs[2].ptr, p.ptr, g.ptr, m.ptr, v.ptr]);
+            let vector = p.dtype == DType::BF16
+                && m.dtype == DType::BF16
+                && aligned(&[
+                    outs[0].ptr,
+                    outs[1].ptr,
+                    outs[2].ptr,
+                    p.ptr,
+                    g.ptr,
+                    m.ptr,
+                    v.ptr,
+                ]);
             let (name, items, count) = if vector {
                 ("adamw8_bf16_bf16", n / 8, n as i64 / 8)
             } else {
-                (intern(&format!("adamw_{}_{}", fsuffix(p.dtype).unwrap_or("?"), fsuffix(m.dtype).unwrap_or("?"))), n, n as i64)
+                (
+                    intern(&format!(
+                        "adamw_{}_{}",
+                        fsuffix(p.dtype).unwrap_or("?"),
+                        fsuffix(m.dtype).unwrap_or("?")
+                    )),
+                    n,
+                    n as i64,
+                )
             };
             lw.n(
                 name,
@@ -959,42 +1816,96 @@ fn lower_op(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], bindings: &Bin
                 ],
             )
         }
-        Op::Sgd { lr, momentum, weight_decay } => {
+        Op::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        } => {
             let (p, g) = (&ins[0], &ins[1]);
             let name = kname("sgd", p.dtype)?;
             let (buf, bo) = match ins.get(2) {
                 Some(b) => (b.ptr, outs[1].ptr),
                 None => (0, 0),
             };
-            lw.n(name, p.numel(), vec![Arg::P(outs[0].ptr), Arg::P(bo), Arg::P(p.ptr), Arg::P(g.ptr), Arg::P(buf), Arg::I64(p.numel() as i64), Arg::F32(lr.0 as f32), Arg::F32(momentum.0 as f32), Arg::F32(weight_decay.0 as f32)])
+            lw.n(
+                name,
+                p.numel(),
+                vec![
+                    Arg::P(outs[0].ptr),
+                    Arg::P(bo),
+                    Arg::P(p.ptr),
+                    Arg::P(g.ptr),
+                    Arg::P(buf),
+                    Arg::I64(p.numel() as i64),
+                    Arg::F32(lr.0 as f32),
+                    Arg::F32(momentum.0 as f32),
+                    Arg::F32(weight_decay.0 as f32),
+                ],
+            )
         }
-        other if other.is_collective() => Err(lw.unsup(other.name(), "internal: collectives are lowered by the executor")),
-        other => Err(lw.unsup(&format!("op `{}`", other.name()), "no CUDA kernel for it yet")),
+        other if other.is_collective() => Err(lw.unsup(
+            other.name(),
+            "internal: collectives are lowered by the executor",
+        )),
+        other => Err(lw.unsup(
+            &format!("op `{}`", other.name()),
+            "no CUDA kernel for it yet",
+        )),
     }
 }
 
-fn lower_matmul(lw: &mut Lower, a: &DevT, b: &DevT, o: &DevT, ta: bool, tb: bool) -> CudaResult<()> {
+fn lower_matmul(
+    lw: &mut Lower,
+    a: &DevT,
+    b: &DevT,
+    o: &DevT,
+    ta: bool,
+    tb: bool,
+) -> CudaResult<()> {
     if a.dtype != b.dtype || a.dtype != o.dtype {
-        return Err(lw.unsup("matmul on mixed dtypes", "operands and result must share a dtype"));
+        return Err(lw.unsup(
+            "matmul on mixed dtypes",
+            "operands and result must share a dtype",
+        ));
     }
     let (ra, rb) = (a.rank(), b.rank());
     if ra < 2 || rb < 2 {
         return Err(lw.unsup("matmul of vectors", "operands need two dims"));
     }
-    let (m, k) = if ta { (a.shape[ra - 1], a.shape[ra - 2]) } else { (a.shape[ra - 2], a.shape[ra - 1]) };
+    let (m, k) = if ta {
+        (a.shape[ra - 1], a.shape[ra - 2])
+    } else {
+        (a.shape[ra - 2], a.shape[ra - 1])
+    };
     let n = if tb { b.shape[rb - 2] } else { b.shape[rb - 1] };
     let ba: usize = a.shape[..ra - 2].iter().product();
     let bb: usize = b.shape[..rb - 2].iter().product();
     let bo: usize = o.shape[..o.rank() - 2].iter().product();
     // b shared by every batch entry of a (and a not transposed): one big GEMM.
     if bb == 1 && !ta {
-        let shape = GemmShape { dtype: a.dtype, m: (ba * m) as u64, n: n as u64, k: k as u64, ta, tb, batch: 1, sa: 0, sb: 0, sc: 0, bias: false, accumulate: false };
+        let shape = GemmShape {
+            dtype: a.dtype,
+            m: (ba * m) as u64,
+            n: n as u64,
+            k: k as u64,
+            ta,
+            tb,
+            batch: 1,
+            sa: 0,
+            sb: 0,
+            sc: 0,
+            bias: false,
+            accumulate: false,
+        };
         lw.gemm(shape, a.ptr, b.ptr, o.ptr, 0);
         return Ok(());
     }
     let ok = |x: usize| x == bo || x == 1;
     if !ok(ba) || !ok(bb) {
-        return Err(lw.unsup("matmul with partially broadcast batch dims", "expand the operand first"));
+        return Err(lw.unsup(
+            "matmul with partially broadcast batch dims",
+            "expand the operand first",
+        ));
     }
     let shape = GemmShape {
         dtype: a.dtype,
@@ -1017,7 +1928,12 @@ fn lower_matmul(lw: &mut Lower, a: &DevT, b: &DevT, o: &DevT, ta: bool, tb: bool
 /// The 16-byte-vector bf16 rms_norm kernel for rows of `h` (a multiple of 8, at most 8192)
 /// with a f32 or bf16 weight, by chunks per thread; None where the generic kernel must run.
 fn rms8_kernel(x: &DevT, w: &DevT, h: u64, base: &str) -> Option<&'static str> {
-    if x.dtype != DType::BF16 || !matches!(w.dtype, DType::BF16 | DType::F32) || !h.is_multiple_of(8) || !x.ptr.is_multiple_of(16) || !w.ptr.is_multiple_of(16) {
+    if x.dtype != DType::BF16
+        || !matches!(w.dtype, DType::BF16 | DType::F32)
+        || !h.is_multiple_of(8)
+        || !x.ptr.is_multiple_of(16)
+        || !w.ptr.is_multiple_of(16)
+    {
         return None;
     }
     let per_thread = (h / 8).div_ceil(256);
@@ -1040,21 +1956,47 @@ fn mask_dims(mask: Option<&DevT>) -> (u64, i32, i32) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn attention_fwd(lw: &mut Lower, q: &DevT, k: &DevT, v: &DevT, mask: Option<&DevT>, o: &DevT, lse: u64, causal: bool, scale: f32) -> CudaResult<()> {
+fn attention_fwd(
+    lw: &mut Lower,
+    q: &DevT,
+    k: &DevT,
+    v: &DevT,
+    mask: Option<&DevT>,
+    o: &DevT,
+    lse: u64,
+    causal: bool,
+    scale: f32,
+) -> CudaResult<()> {
     let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
     let (nkv, sk) = (k.shape[1], k.shape[2]);
     if nkv == 0 || nq % nkv != 0 || d > 256 {
-        return Err(lw.unsup("attention", "q heads must be a multiple of kv heads, head dim at most 256"));
+        return Err(lw.unsup(
+            "attention",
+            "q heads must be a multiple of kv heads, head dim at most 256",
+        ));
     }
     if mask.is_some_and(|m| m.dtype != DType::Bool) {
-        return Err(lw.unsup("attention with a non-bool mask", "the mask is a bool keep-mask"));
+        return Err(lw.unsup(
+            "attention with a non-bool mask",
+            "the mask is a bool keep-mask",
+        ));
     }
-    let fast = lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
+    let fast =
+        lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
     if fast {
         // WEFT_FA_WARPS=8: 128 query rows per block (8 warps) instead of 64.
         // Head dim 64: two 16-row m-tiles per warp (128 rows per block) unless WEFT_FA_FWD=m1.
-        let nw: usize = if std::env::var("WEFT_FA_WARPS").as_deref() == Ok("8") { 8 } else { 4 };
-        let mt: usize = if d == 64 && nw == 4 && std::env::var("WEFT_FA_FWD").as_deref() != Ok("m1") { 2 } else { 1 };
+        let nw: usize = if std::env::var("WEFT_FA_WARPS").as_deref() == Ok("8") {
+            8
+        } else {
+            4
+        };
+        let mt: usize = if d == 64 && nw == 4 && std::env::var("WEFT_FA_FWD").as_deref() != Ok("m1")
+        {
+            2
+        } else {
+            1
+        };
         let name = match (d, nw, mt) {
             (64, 4, 2) => "fa_fwd_d64_m2",
             (64, 4, _) => "fa_fwd_d64",
@@ -1070,7 +2012,19 @@ fn attention_fwd(lw: &mut Lower, q: &DevT, k: &DevT, v: &DevT, mask: Option<&Dev
             grid,
             (32 * nw as u32, 1, 1),
             smem as u32,
-            vec![Arg::P(o.ptr), Arg::P(lse), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::F32(scale * std::f32::consts::LOG2_E), Arg::I32(causal as i32)],
+            vec![
+                Arg::P(o.ptr),
+                Arg::P(lse),
+                Arg::P(q.ptr),
+                Arg::P(k.ptr),
+                Arg::P(v.ptr),
+                Arg::I32(nq as i32),
+                Arg::I32(nkv as i32),
+                Arg::I64(sq as i64),
+                Arg::I64(sk as i64),
+                Arg::F32(scale * std::f32::consts::LOG2_E),
+                Arg::I32(causal as i32),
+            ],
         )?;
         lw.launch(l);
         return Ok(());
@@ -1083,13 +2037,36 @@ fn attention_fwd(lw: &mut Lower, q: &DevT, k: &DevT, v: &DevT, mask: Option<&Dev
         grid,
         (128, 1, 1),
         0,
-        vec![Arg::P(o.ptr), Arg::P(lse), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::P(mp), Arg::I32(mb), Arg::I32(mh), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::I32(d as i32), Arg::F32(scale), Arg::I32(causal as i32), Arg::I64((b * nq * sq) as i64)],
+        vec![
+            Arg::P(o.ptr),
+            Arg::P(lse),
+            Arg::P(q.ptr),
+            Arg::P(k.ptr),
+            Arg::P(v.ptr),
+            Arg::P(mp),
+            Arg::I32(mb),
+            Arg::I32(mh),
+            Arg::I32(nq as i32),
+            Arg::I32(nkv as i32),
+            Arg::I64(sq as i64),
+            Arg::I64(sk as i64),
+            Arg::I32(d as i32),
+            Arg::F32(scale),
+            Arg::I32(causal as i32),
+            Arg::I64((b * nq * sq) as i64),
+        ],
     )?;
     lw.launch(l);
     Ok(())
 }
 
-fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scale: f32) -> CudaResult<()> {
+fn attention_bwd(
+    lw: &mut Lower,
+    ins: &[DevT],
+    outs: &[DevT],
+    causal: bool,
+    scale: f32,
+) -> CudaResult<()> {
     let (q, k, v, out, dout) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
     let mask = ins.get(5);
     let (dq, dk, dv) = (&outs[0], &outs[1], &outs[2]);
@@ -1101,15 +2078,30 @@ fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scal
         Some(&p) => p,
         None => {
             let p = lw.ex.scratch(lw.stream, rows * 8);
-            let tmp = DevT { ptr: lw.ex.scratch(lw.stream, out.bytes()), dtype: out.dtype, shape: out.shape.clone() };
+            let tmp = DevT {
+                ptr: lw.ex.scratch(lw.stream, out.bytes()),
+                dtype: out.dtype,
+                shape: out.shape.clone(),
+            };
             attention_fwd(lw, q, k, v, mask, &tmp, p, causal, scale)?;
             p
         }
     };
     let delta = lw.ex.scratch(lw.stream, rows * 4);
     let name = kname("attn_delta", q.dtype)?;
-    lw.warps(name, rows, vec![Arg::P(delta), Arg::P(out.ptr), Arg::P(dout.ptr), Arg::I64(rows as i64), Arg::I32(d as i32)])?;
-    let fast = lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
+    lw.warps(
+        name,
+        rows,
+        vec![
+            Arg::P(delta),
+            Arg::P(out.ptr),
+            Arg::P(dout.ptr),
+            Arg::I64(rows as i64),
+            Arg::I32(d as i32),
+        ],
+    )?;
+    let fast =
+        lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
     if fast {
         let dq_acc = lw.ex.scratch(lw.stream, rows * d as u64 * 4);
         lw.memset(dq_acc, rows * d as u64 * 4);
@@ -1138,11 +2130,36 @@ fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scal
             ((nkv * b) as u32, sk.div_ceil(bk) as u32, 1),
             (32 * nw as u32, 1, 1),
             smem as u32,
-            vec![Arg::P(dq_acc), Arg::P(dk.ptr), Arg::P(dv.ptr), Arg::P(q.ptr), Arg::P(k.ptr), Arg::P(v.ptr), Arg::P(dout.ptr), Arg::P(lse), Arg::P(delta), Arg::I32(nq as i32), Arg::I32(nkv as i32), Arg::I64(sq as i64), Arg::I64(sk as i64), Arg::F32(scale), Arg::I32(causal as i32)],
+            vec![
+                Arg::P(dq_acc),
+                Arg::P(dk.ptr),
+                Arg::P(dv.ptr),
+                Arg::P(q.ptr),
+                Arg::P(k.ptr),
+                Arg::P(v.ptr),
+                Arg::P(dout.ptr),
+                Arg::P(lse),
+                Arg::P(delta),
+                Arg::I32(nq as i32),
+                Arg::I32(nkv as i32),
+                Arg::I64(sq as i64),
+                Arg::I64(sk as i64),
+                Arg::F32(scale),
+                Arg::I32(causal as i32),
+            ],
         )?;
         lw.launch(l);
         let name = kname("f32_to", dq.dtype)?;
-        return lw.n(name, dq.numel(), vec![Arg::P(dq.ptr), Arg::P(dq_acc), Arg::I64(dq.numel() as i64), Arg::F32(1.0)]);
+        return lw.n(
+            name,
+            dq.numel(),
+            vec![
+                Arg::P(dq.ptr),
+                Arg::P(dq_acc),
+                Arg::I64(dq.numel() as i64),
+                Arg::F32(1.0),
+            ],
+        );
     }
     let kv = k.numel();
     let dk_acc = lw.ex.scratch(lw.stream, kv * 4);
@@ -1181,8 +2198,26 @@ fn attention_bwd(lw: &mut Lower, ins: &[DevT], outs: &[DevT], causal: bool, scal
     )?;
     lw.launch(l);
     let name = kname("f32_to", dk.dtype)?;
-    lw.n(name, kv, vec![Arg::P(dk.ptr), Arg::P(dk_acc), Arg::I64(kv as i64), Arg::F32(1.0)])?;
-    lw.n(name, kv, vec![Arg::P(dv.ptr), Arg::P(dv_acc), Arg::I64(kv as i64), Arg::F32(1.0)])
+    lw.n(
+        name,
+        kv,
+        vec![
+            Arg::P(dk.ptr),
+            Arg::P(dk_acc),
+            Arg::I64(kv as i64),
+            Arg::F32(1.0),
+        ],
+    )?;
+    lw.n(
+        name,
+        kv,
+        vec![
+            Arg::P(dv.ptr),
+            Arg::P(dv_acc),
+            Arg::I64(kv as i64),
+            Arg::F32(1.0),
+        ],
+    )
 }
 
 // ---------------------------------------------------------------- the executor
@@ -1199,7 +2234,10 @@ impl Executor {
                     plan.mesh
                 )));
             }
-            return Err(CudaError::Launcher(format!("the plan is for {world} ranks but WORLD_SIZE is {}", env.world)));
+            return Err(CudaError::Launcher(format!(
+                "the plan is for {world} ranks but WORLD_SIZE is {}",
+                env.world
+            )));
         }
         let mut gopts = opts.gpu.clone();
         if env.world > 1 {
@@ -1209,11 +2247,21 @@ impl Executor {
         Self::with_gpu(gpu, plan, opts, env)
     }
 
-    pub fn with_gpu(gpu: Gpu, plan: &ExecutionPlan, opts: &ExecOptions, env: LaunchEnv) -> CudaResult<Executor> {
+    pub fn with_gpu(
+        gpu: Gpu,
+        plan: &ExecutionPlan,
+        opts: &ExecOptions,
+        env: LaunchEnv,
+    ) -> CudaResult<Executor> {
         let t0 = std::time::Instant::now();
-        let graph = weft_ir::parse(&plan.program).map_err(|e| CudaError::Plan(format!("the plan's program does not parse: {e}")))?;
+        let graph = weft_ir::parse(&plan.program)
+            .map_err(|e| CudaError::Plan(format!("the plan's program does not parse: {e}")))?;
         if !graph.runtime_symbols().is_empty() {
-            return Err(CudaError::unsupported("data-dependent sizes (all_to_all_v)", plan.model.clone(), "the CUDA executor binds sizes once per plan"));
+            return Err(CudaError::unsupported(
+                "data-dependent sizes (all_to_all_v)",
+                plan.model.clone(),
+                "the CUDA executor binds sizes once per plan",
+            ));
         }
         let mut bindings = Bindings::new();
         for (k, v) in &plan.bindings {
@@ -1226,7 +2274,8 @@ impl Executor {
         gemm.allow_tf32 = opts.allow_tf32;
 
         // Allocations: the resident region and the arena, as planned.
-        let oom = |e: CudaError, what: &str| match e {
+        let oom = |e: CudaError, what: &str| {
+            match e {
             CudaError::OutOfMemory { bytes, free, total, .. } => CudaError::OutOfMemory {
                 what: what.to_string(),
                 bytes,
@@ -1236,44 +2285,103 @@ impl Executor {
                 help: "the plan's memory (above) does not fit: raise sequence or tensor parallelism, or use --checkpoint / --offload".into(),
             },
             e => e,
+        }
         };
-        let resident = gpu.alloc(plan.memory.resident_bytes.max(256) as usize, "the resident region (params, grads, optimizer state)").map_err(|e| oom(e, "the resident region"))?;
-        let arena = gpu.alloc(plan.memory.arena_bytes.max(256) as usize, "the activation arena").map_err(|e| oom(e, "the activation arena"))?;
-        let host_need = plan.buffers.iter().filter(|b| b.category == Category::Host).map(|b| b.offset + b.bytes).max().unwrap_or(0).max(plan.memory.host_bytes);
-        let host = if host_need > 0 { Some(gpu.alloc_pinned(host_need as usize)?) } else { None };
+        let resident = gpu
+            .alloc(
+                plan.memory.resident_bytes.max(256) as usize,
+                "the resident region (params, grads, optimizer state)",
+            )
+            .map_err(|e| oom(e, "the resident region"))?;
+        let arena = gpu
+            .alloc(
+                plan.memory.arena_bytes.max(256) as usize,
+                "the activation arena",
+            )
+            .map_err(|e| oom(e, "the activation arena"))?;
+        let host_need = plan
+            .buffers
+            .iter()
+            .filter(|b| b.category == Category::Host)
+            .map(|b| b.offset + b.bytes)
+            .max()
+            .unwrap_or(0)
+            .max(plan.memory.host_bytes);
+        let host = if host_need > 0 {
+            Some(gpu.alloc_pinned(host_need as usize)?)
+        } else {
+            None
+        };
 
         // Buffers: pointers and evaluated shapes.
-        let value_node: HashMap<u32, Node> = graph.nodes().iter().flat_map(|&n| graph.node(n).results.iter().map(move |v| (v.0, n))).collect();
+        let value_node: HashMap<u32, Node> = graph
+            .nodes()
+            .iter()
+            .flat_map(|&n| graph.node(n).results.iter().map(move |v| (v.0, n)))
+            .collect();
         let mut bufs = Vec::with_capacity(plan.buffers.len());
         for b in &plan.buffers {
             let v = weft_ir::Value(b.value);
-            let ty = graph.try_ty(v).ok_or_else(|| CudaError::Plan(format!("buffer {} holds %{} which the program lacks", b.id, b.value)))?;
+            let ty = graph.try_ty(v).ok_or_else(|| {
+                CudaError::Plan(format!(
+                    "buffer {} holds %{} which the program lacks",
+                    b.id, b.value
+                ))
+            })?;
             let shape: Vec<usize> = ty
                 .shape
                 .iter()
                 .map(|d| d.eval(&bindings).map(|x| x.max(0) as usize))
                 .collect::<Result<_, _>>()
                 .map_err(|e| CudaError::Plan(format!("cannot size %{}: {e}", b.value)))?;
-            let t = DevT { ptr: 0, dtype: ty.dtype, shape };
+            let t = DevT {
+                ptr: 0,
+                dtype: ty.dtype,
+                shape,
+            };
             if t.bytes() > b.bytes {
-                return Err(CudaError::Plan(format!("buffer {} (%{}) needs {} bytes but the plan gives {}", b.id, b.value, t.bytes(), b.bytes)));
+                return Err(CudaError::Plan(format!(
+                    "buffer {} (%{}) needs {} bytes but the plan gives {}",
+                    b.id,
+                    b.value,
+                    t.bytes(),
+                    b.bytes
+                )));
             }
             let ptr = match b.category {
                 Category::Host => host.as_ref().map(|h| h.ptr as u64 + b.offset).unwrap_or(0),
                 _ if b.resident => resident.ptr + b.offset,
                 _ => arena.ptr + b.offset,
             };
-            if !b.resident && b.category != Category::Host && b.offset + b.bytes > plan.memory.arena_bytes.max(256) {
-                return Err(CudaError::Plan(format!("buffer {} ends past the arena", b.id)));
+            if !b.resident
+                && b.category != Category::Host
+                && b.offset + b.bytes > plan.memory.arena_bytes.max(256)
+            {
+                return Err(CudaError::Plan(format!(
+                    "buffer {} ends past the arena",
+                    b.id
+                )));
             }
-            if b.resident && b.category != Category::Host && b.offset + b.bytes > plan.memory.resident_bytes.max(256) {
-                return Err(CudaError::Plan(format!("buffer {} ends past the resident region", b.id)));
+            if b.resident
+                && b.category != Category::Host
+                && b.offset + b.bytes > plan.memory.resident_bytes.max(256)
+            {
+                return Err(CudaError::Plan(format!(
+                    "buffer {} ends past the resident region",
+                    b.id
+                )));
             }
             bufs.push(DevT { ptr, ..t });
         }
 
-        let streams: Vec<Stream> = plan.streams.iter().map(|_| gpu.stream()).collect::<CudaResult<_>>()?;
-        let events: Vec<Event> = (0..plan.events).map(|_| gpu.event(false)).collect::<CudaResult<_>>()?;
+        let streams: Vec<Stream> = plan
+            .streams
+            .iter()
+            .map(|_| gpu.stream())
+            .collect::<CudaResult<_>>()?;
+        let events: Vec<Event> = (0..plan.events)
+            .map(|_| gpu.event(false))
+            .collect::<CudaResult<_>>()?;
 
         // NCCL: per-axis communicators (also for one rank, as a check that NCCL runs).
         let has_coll = plan.instructions.iter().any(|i| i.axis.is_some());
@@ -1283,7 +2391,9 @@ impl Executor {
                     let s = format!("{} rank(s), {} axis communicator(s)", c.ranks, c.axes.len());
                     (Some(c), s)
                 }
-                Err(e) if env.world == 1 && !has_coll => (None, format!("unavailable ({e}); not needed for one rank")),
+                Err(e) if env.world == 1 && !has_coll => {
+                    (None, format!("unavailable ({e}); not needed for one rank"))
+                }
                 Err(e) => return Err(e),
             }
         } else {
@@ -1292,8 +2402,13 @@ impl Executor {
 
         // Updated params / optimizer state go back into their inputs after each step.
         let mut updates = Vec::new();
-        let buf_of_value: HashMap<u32, u32> = plan.buffers.iter().map(|b| (b.value, b.id)).collect();
-        let params: HashMap<String, u32> = graph.params().into_iter().filter_map(|(n, v)| buf_of_value.get(&v.0).map(|&b| (n, b))).collect();
+        let buf_of_value: HashMap<u32, u32> =
+            plan.buffers.iter().map(|b| (b.value, b.id)).collect();
+        let params: HashMap<String, u32> = graph
+            .params()
+            .into_iter()
+            .filter_map(|(n, v)| buf_of_value.get(&v.0).map(|&b| (n, b)))
+            .collect();
         for (name, v) in graph.outputs() {
             let target = if let Some(rest) = name.strip_prefix("param.") {
                 params.get(rest).or_else(|| params.get(name.as_str()))
@@ -1324,10 +2439,17 @@ impl Executor {
                 match plan.buffers.get(r as usize).map(|x| x.alias_of) {
                     Some(Some(a)) => r = a,
                     Some(None) => break,
-                    None => return Err(CudaError::Plan(format!("buffer {} is a view of buffer {r}, which the plan lacks", b.id))),
+                    None => {
+                        return Err(CudaError::Plan(format!(
+                            "buffer {} is a view of buffer {r}, which the plan lacks",
+                            b.id
+                        )))
+                    }
                 }
             }
-            if plan.buffers[r as usize].alias_of.is_some() || bufs[b.id as usize].bytes() > bufs[r as usize].bytes() {
+            if plan.buffers[r as usize].alias_of.is_some()
+                || bufs[b.id as usize].bytes() > bufs[r as usize].bytes()
+            {
                 return Err(CudaError::Plan(format!("buffer {} is a view but its alias chain ends at no buffer of its size with storage", b.id)));
             }
             root_of[b.id as usize] = r;
@@ -1335,7 +2457,11 @@ impl Executor {
         }
         updates.retain(|&(from, to)| root_of[from as usize] != root_of[to as usize]);
         let mut elided: std::collections::HashSet<u32> = std::collections::HashSet::new();
-        for ins in plan.instructions.iter().filter(|i| i.op == "reshape" && i.inputs.len() == 1 && i.outputs.len() == 1) {
+        for ins in plan
+            .instructions
+            .iter()
+            .filter(|i| i.op == "reshape" && i.inputs.len() == 1 && i.outputs.len() == 1)
+        {
             let (ib, ob) = (ins.inputs[0] as usize, ins.outputs[0] as usize);
             if root_of[ob] as usize != ob && root_of[ob] == root_of[ib] {
                 elided.insert(ins.id);
@@ -1360,24 +2486,46 @@ impl Executor {
                 producer[b as usize].get_or_insert(ins.id);
             }
         }
-        let outputs: std::collections::HashSet<u32> = graph.outputs().iter().filter_map(|(_, v)| plan.buffers.iter().find(|b| b.value == v.0).map(|b| b.id)).collect();
+        let outputs: std::collections::HashSet<u32> = graph
+            .outputs()
+            .iter()
+            .filter_map(|(_, v)| plan.buffers.iter().find(|b| b.value == v.0).map(|b| b.id))
+            .collect();
         let mut fused: HashMap<u32, (u32, u32)> = HashMap::new(); // adamw -> (low grad, low param out)
         let mut writer: Vec<Option<u32>> = producer.clone();
-        for a_ins in plan.instructions.iter().filter(|i| i.op == "adamw" && i.inputs.len() == 5) {
+        for a_ins in plan
+            .instructions
+            .iter()
+            .filter(|i| i.op == "adamw" && i.inputs.len() == 5)
+        {
             let gb = a_ins.inputs[1] as usize;
             let Some(c1) = producer[gb] else { continue };
             let c1i = &plan.instructions[c1 as usize];
             let p32 = a_ins.outputs[0] as usize;
             let low = |d: DType| d == DType::BF16 || d == DType::F16;
-            if c1i.op != "cast" || readers[gb] != [a_ins.id] || outputs.contains(&(gb as u32)) || !low(bufs[c1i.inputs[0] as usize].dtype) || bufs[gb].dtype != DType::F32 {
+            if c1i.op != "cast"
+                || readers[gb] != [a_ins.id]
+                || outputs.contains(&(gb as u32))
+                || !low(bufs[c1i.inputs[0] as usize].dtype)
+                || bufs[gb].dtype != DType::F32
+            {
                 continue;
             }
-            if [a_ins.inputs[0], a_ins.inputs[2], a_ins.inputs[3]].iter().any(|&b| bufs[b as usize].dtype != DType::F32) {
+            if [a_ins.inputs[0], a_ins.inputs[2], a_ins.inputs[3]]
+                .iter()
+                .any(|&b| bufs[b as usize].dtype != DType::F32)
+            {
                 continue;
             }
-            let [c2] = readers[p32].as_slice() else { continue };
+            let [c2] = readers[p32].as_slice() else {
+                continue;
+            };
             let c2i = &plan.instructions[*c2 as usize];
-            if c2i.op != "cast" || bufs[c2i.outputs[0] as usize].dtype != bufs[c1i.inputs[0] as usize].dtype || c2i.stream != a_ins.stream || c1i.stream != a_ins.stream {
+            if c2i.op != "cast"
+                || bufs[c2i.outputs[0] as usize].dtype != bufs[c1i.inputs[0] as usize].dtype
+                || c2i.stream != a_ins.stream
+                || c1i.stream != a_ins.stream
+            {
                 continue;
             }
             // Fused, the low param is written at the adamw, not at the cast. When the plan
@@ -1389,8 +2537,17 @@ impl Executor {
             if root_of[lo] as usize != lo {
                 let r = root_of[lo];
                 let between = |i: &&weft_ir::plan::Instruction| i.id >= a_ins.id && i.id < *c2;
-                let read = plan.instructions.iter().filter(between).any(|i| i.inputs.iter().any(|&b| root_of[b as usize] == r));
-                let waits = plan.instructions.iter().filter(between).any(|i| i.stream == a_ins.stream && i.id > a_ins.id && !i.wait.is_empty()) || !c2i.wait.is_empty();
+                let read = plan
+                    .instructions
+                    .iter()
+                    .filter(between)
+                    .any(|i| i.inputs.iter().any(|&b| root_of[b as usize] == r));
+                let waits = plan
+                    .instructions
+                    .iter()
+                    .filter(between)
+                    .any(|i| i.stream == a_ins.stream && i.id > a_ins.id && !i.wait.is_empty())
+                    || !c2i.wait.is_empty();
                 if read || waits {
                     continue;
                 }
@@ -1407,7 +2564,9 @@ impl Executor {
         // in place were dropped above; the groups left here hold one value each.
         let mut aliased: Vec<u32> = Vec::new();
         for &(ob, to) in &updates {
-            let Some(w) = writer[ob as usize] else { continue };
+            let Some(w) = writer[ob as usize] else {
+                continue;
+            };
             // A view is written by its root's producer: leave it (and its root) to the
             // copy back.
             if root_of[ob as usize] != ob {
@@ -1415,10 +2574,15 @@ impl Executor {
             }
             let wi = &plan.instructions[w as usize];
             let tr = root_of[to as usize] as usize;
-            if bufs[ob as usize].bytes() != bufs[to as usize].bytes() || bufs[ob as usize].dtype != bufs[to as usize].dtype {
+            if bufs[ob as usize].bytes() != bufs[to as usize].bytes()
+                || bufs[ob as usize].dtype != bufs[to as usize].dtype
+            {
                 continue;
             }
-            let reads_it = wi.inputs.iter().any(|&b| root_of[b as usize] as usize == tr);
+            let reads_it = wi
+                .inputs
+                .iter()
+                .any(|&b| root_of[b as usize] as usize == tr);
             let ok = if reads_it {
                 // elementwise in place: the optimizer reading the value it replaces
                 let pairs: &[(usize, usize)] = match wi.op.as_str() {
@@ -1427,8 +2591,14 @@ impl Executor {
                     _ => &[],
                 };
                 let pos_out = wi.outputs.iter().position(|&b| b == ob);
-                let pos_in = wi.inputs.iter().position(|&b| root_of[b as usize] as usize == tr);
-                pairs.iter().any(|&(i, o)| Some(i) == pos_in && Some(o) == pos_out) && last_read[tr] <= w
+                let pos_in = wi
+                    .inputs
+                    .iter()
+                    .position(|&b| root_of[b as usize] as usize == tr);
+                pairs
+                    .iter()
+                    .any(|&(i, o)| Some(i) == pos_in && Some(o) == pos_out)
+                    && last_read[tr] <= w
             } else {
                 last_read[tr] < w
             };
@@ -1446,27 +2616,66 @@ impl Executor {
         // Lowering, twice: sizes first, then pointers.
         let ns = plan.streams.len().max(1);
         let lower_all = |ex: Extra| -> CudaResult<(Vec<Step>, Extra)> {
-            let mut lw = Lower { gpu: &gpu, ex, steps: Vec::new(), stream: 0, ins: 0, fast_attention: opts.fast_attention, attn_lse: HashMap::new(), ce_lse: HashMap::new(), location: String::new(), fused_adamw: None };
+            let mut lw = Lower {
+                gpu: &gpu,
+                ex,
+                steps: Vec::new(),
+                stream: 0,
+                ins: 0,
+                fast_attention: opts.fast_attention,
+                attn_lse: HashMap::new(),
+                ce_lse: HashMap::new(),
+                location: String::new(),
+                fused_adamw: None,
+            };
             for ins in &plan.instructions {
                 lw.stream = ins.stream as usize;
                 lw.ins = ins.id;
                 lw.ex.cur = 0;
-                let node = *value_node.get(&ins.node).ok_or_else(|| CudaError::Plan(format!("instruction {} runs %{} which the program lacks", ins.id, ins.node)))?;
+                let node = *value_node.get(&ins.node).ok_or_else(|| {
+                    CudaError::Plan(format!(
+                        "instruction {} runs %{} which the program lacks",
+                        ins.id, ins.node
+                    ))
+                })?;
                 let nd = graph.node(node);
                 lw.location = format!("instruction {} ({})", ins.id, graph.describe(node));
                 for e in &ins.wait {
                     lw.push(StepKind::Wait(*e));
                 }
-                let ti: Vec<DevT> = ins.inputs.iter().map(|&b| bufs[b as usize].clone()).collect();
-                let to: Vec<DevT> = ins.outputs.iter().map(|&b| bufs[b as usize].clone()).collect();
-                lw.fused_adamw = fused.get(&ins.id).map(|&(g, p)| (bufs[g as usize].ptr, bufs[p as usize].ptr, bufs[g as usize].dtype));
+                let ti: Vec<DevT> = ins
+                    .inputs
+                    .iter()
+                    .map(|&b| bufs[b as usize].clone())
+                    .collect();
+                let to: Vec<DevT> = ins
+                    .outputs
+                    .iter()
+                    .map(|&b| bufs[b as usize].clone())
+                    .collect();
+                lw.fused_adamw = fused.get(&ins.id).map(|&(g, p)| {
+                    (
+                        bufs[g as usize].ptr,
+                        bufs[p as usize].ptr,
+                        bufs[g as usize].dtype,
+                    )
+                });
                 if elided.contains(&ins.id) {
                     // a view: nothing to run
                 } else if nd.op.is_collective() {
                     lower_collective(&mut lw, &nd.op, &ti, &to, env.world)?;
                 } else if matches!(nd.op.name(), "offload" | "reload") {
-                    let kind = if nd.op.name() == "offload" { CopyKind::D2H } else { CopyKind::H2D };
-                    lw.push(StepKind::Copy { dst: to[0].ptr, src: ti[0].ptr, bytes: to[0].bytes(), kind });
+                    let kind = if nd.op.name() == "offload" {
+                        CopyKind::D2H
+                    } else {
+                        CopyKind::H2D
+                    };
+                    lw.push(StepKind::Copy {
+                        dst: to[0].ptr,
+                        src: ti[0].ptr,
+                        bytes: to[0].bytes(),
+                        kind,
+                    });
                 } else {
                     lower_op(&mut lw, &nd.op, &ti, &to, &bindings)?;
                 }
@@ -1476,7 +2685,15 @@ impl Executor {
             }
             Ok((lw.steps, lw.ex))
         };
-        let zero = Extra { scratch_base: vec![0; ns], scratch_need: vec![0; ns], cur: 0, side_base: 0, side_used: 0, consts_base: 0, consts: Vec::new() };
+        let zero = Extra {
+            scratch_base: vec![0; ns],
+            scratch_need: vec![0; ns],
+            cur: 0,
+            side_base: 0,
+            side_used: 0,
+            consts_base: 0,
+            consts: Vec::new(),
+        };
         let (_, sized) = lower_all(zero)?;
         let mut extra_bytes = 0u64;
         let mut scratch_off = Vec::with_capacity(ns);
@@ -1488,7 +2705,9 @@ impl Executor {
         extra_bytes += align256(sized.side_used);
         let consts_off = extra_bytes;
         extra_bytes += align256(sized.consts.len() as u64);
-        let extra = gpu.alloc(extra_bytes.max(256) as usize, "kernel scratch").map_err(|e| oom(e, "kernel scratch"))?;
+        let extra = gpu
+            .alloc(extra_bytes.max(256) as usize, "kernel scratch")
+            .map_err(|e| oom(e, "kernel scratch"))?;
         let real = Extra {
             scratch_base: scratch_off.iter().map(|o| extra.ptr + o).collect(),
             scratch_need: vec![0; ns],
@@ -1502,17 +2721,29 @@ impl Executor {
         gpu.htod(extra.ptr + consts_off, &filled.consts)?;
 
         let t_start = gpu.event(true)?;
-        let t_ends = (0..streams.len()).map(|_| gpu.event(true)).collect::<CudaResult<Vec<_>>>()?;
+        let t_ends = (0..streams.len())
+            .map(|_| gpu.event(true))
+            .collect::<CudaResult<Vec<_>>>()?;
         let (free, _) = gpu.mem_info()?;
         let load = LoadReport {
             kernel_compile_s: gpu.compile.seconds,
             kernel_cache_hit: gpu.compile.cache_hit,
             lower_s: t0.elapsed().as_secs_f64(),
-            launches_per_step: steps.iter().filter(|s| matches!(s.kind, StepKind::Launch(_) | StepKind::Gemm { .. })).count(),
+            launches_per_step: steps
+                .iter()
+                .filter(|s| matches!(s.kind, StepKind::Launch(_) | StepKind::Gemm { .. }))
+                .count(),
             gemm_shapes: 0,
             nccl,
             fast_attention: opts.fast_attention,
-            device: format!("{} (sm_{}{}, {} SMs, {:.0} GiB)", gpu.info.name, gpu.info.compute_capability.0, gpu.info.compute_capability.1, gpu.info.multiprocessors, gpu.info.total_memory as f64 / (1u64 << 30) as f64),
+            device: format!(
+                "{} (sm_{}{}, {} SMs, {:.0} GiB)",
+                gpu.info.name,
+                gpu.info.compute_capability.0,
+                gpu.info.compute_capability.1,
+                gpu.info.multiprocessors,
+                gpu.info.total_memory as f64 / (1u64 << 30) as f64
+            ),
         };
         Ok(Executor {
             gemm,
@@ -1541,7 +2772,11 @@ impl Executor {
 
     /// The device tensor holding program value `%v`.
     pub fn value(&self, v: u32) -> Option<&DevT> {
-        self.plan.buffers.iter().find(|b| b.value == v).map(|b| &self.bufs[b.id as usize])
+        self.plan
+            .buffers
+            .iter()
+            .find(|b| b.value == v)
+            .map(|b| &self.bufs[b.id as usize])
     }
 
     /// Copies weights into the resident params (optimizer state not in `weights` is zeroed).
@@ -1549,7 +2784,10 @@ impl Executor {
         self.gpu.bind()?;
         let mut masters = Vec::new();
         for (name, v) in self.graph.params() {
-            let t = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
+            let t = self
+                .value(v.0)
+                .cloned()
+                .ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
             match weights.get(&name) {
                 Some(w) => {
                     if w.shape != t.shape {
@@ -1572,15 +2810,36 @@ impl Executor {
     fn init_masters(&mut self, masters: &[String]) -> CudaResult<()> {
         let params: BTreeMap<String, weft_ir::Value> = self.graph.params().into_iter().collect();
         for m in masters {
-            let Some(src) = m.strip_prefix("optim.master.") else { continue };
-            let (Some(sv), Some(mv)) = (params.get(src), params.get(m)) else {
-                return Err(CudaError::Plan(format!("master weight `{m}` has no param `{src}` to start from")));
+            let Some(src) = m.strip_prefix("optim.master.") else {
+                continue;
             };
-            let (s, d) = (self.value(sv.0).cloned().unwrap(), self.value(mv.0).cloned().unwrap());
+            let (Some(sv), Some(mv)) = (params.get(src), params.get(m)) else {
+                return Err(CudaError::Plan(format!(
+                    "master weight `{m}` has no param `{src}` to start from"
+                )));
+            };
+            let (s, d) = (
+                self.value(sv.0).cloned().unwrap(),
+                self.value(mv.0).cloned().unwrap(),
+            );
             if s.numel() != d.numel() {
-                return Err(CudaError::unsupported(format!("master weight `{m}`"), "load_params", "a sharded master copy (ZeRO) is not initialised on the device yet"));
+                return Err(CudaError::unsupported(
+                    format!("master weight `{m}`"),
+                    "load_params",
+                    "a sharded master copy (ZeRO) is not initialised on the device yet",
+                ));
             }
-            let l = self.gpu.launch_n("cast_any", d.numel(), vec![Arg::P(d.ptr), Arg::I32(code(d.dtype)), Arg::P(s.ptr), Arg::I32(code(s.dtype)), Arg::I64(d.numel() as i64)])?;
+            let l = self.gpu.launch_n(
+                "cast_any",
+                d.numel(),
+                vec![
+                    Arg::P(d.ptr),
+                    Arg::I32(code(d.dtype)),
+                    Arg::P(s.ptr),
+                    Arg::I32(code(s.dtype)),
+                    Arg::I64(d.numel() as i64),
+                ],
+            )?;
             l.enqueue(self.streams[0].0)?;
         }
         self.gpu.sync()
@@ -1590,8 +2849,13 @@ impl Executor {
     pub fn set_inputs(&mut self, inputs: &BTreeMap<String, HostTensor>) -> CudaResult<()> {
         self.gpu.bind()?;
         for (name, _, v) in self.graph.inputs() {
-            let t = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("input `{name}` has no buffer")))?;
-            let h = inputs.get(&name).ok_or_else(|| CudaError::Plan(format!("no tensor for input `{name}`")))?;
+            let t = self
+                .value(v.0)
+                .cloned()
+                .ok_or_else(|| CudaError::Plan(format!("input `{name}` has no buffer")))?;
+            let h = inputs
+                .get(&name)
+                .ok_or_else(|| CudaError::Plan(format!("no tensor for input `{name}`")))?;
             if h.shape != t.shape {
                 return Err(CudaError::Plan(format!("input `{name}` has shape {:?} but the plan is for {:?} (compile with matching --seq/--batch)", h.shape, t.shape)));
             }
@@ -1602,8 +2866,17 @@ impl Executor {
 
     /// Writes a param (or optimizer state) by name.
     pub fn set_param(&mut self, name: &str, t: &HostTensor) -> CudaResult<()> {
-        let v = self.graph.params().into_iter().find(|(n, _)| n == name).map(|(_, v)| v).ok_or_else(|| CudaError::Plan(format!("no param `{name}`")))?;
-        let d = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
+        let v = self
+            .graph
+            .params()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+            .ok_or_else(|| CudaError::Plan(format!("no param `{name}`")))?;
+        let d = self
+            .value(v.0)
+            .cloned()
+            .ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
         self.gpu.htod(d.ptr, &layout::to_device_bytes(t, d.dtype))
     }
 
@@ -1614,9 +2887,17 @@ impl Executor {
         let wall = std::time::Instant::now();
         let s0 = self.streams[0].0;
         // SAFETY: live event and stream.
-        unsafe { dr::event::record(self.t_start.0, s0) }.map_err(|e| CudaError::driver("cuEventRecord", e))?;
+        unsafe { dr::event::record(self.t_start.0, s0) }
+            .map_err(|e| CudaError::driver("cuEventRecord", e))?;
         for s in 1..self.streams.len() {
-            unsafe { dr::stream::wait_event(self.streams[s].0, self.t_start.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
+            unsafe {
+                dr::stream::wait_event(
+                    self.streams[s].0,
+                    self.t_start.0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
         }
         // Profiling (WEFT_PROFILE): an event before each instruction's work on stream 0.
         let profiling = std::env::var("WEFT_PROFILE").is_ok();
@@ -1626,14 +2907,16 @@ impl Executor {
             if profiling && self.steps[i].stream == 0 && self.steps[i].ins != last_ins {
                 last_ins = self.steps[i].ins;
                 let e = self.gpu.event(true)?;
-                unsafe { dr::event::record(e.0, s0) }.map_err(|e| CudaError::driver("cuEventRecord", e))?;
+                unsafe { dr::event::record(e.0, s0) }
+                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
                 marks.push((last_ins, e));
             }
             self.exec(i)?;
         }
         let upd_mark = if profiling {
             let e = self.gpu.event(true)?;
-            unsafe { dr::event::record(e.0, s0) }.map_err(|e| CudaError::driver("cuEventRecord", e))?;
+            unsafe { dr::event::record(e.0, s0) }
+                .map_err(|e| CudaError::driver("cuEventRecord", e))?;
             Some(e)
         } else {
             None
@@ -1641,29 +2924,53 @@ impl Executor {
         // Join every stream into stream 0, then the updates.
         for s in 1..self.streams.len() {
             unsafe {
-                dr::event::record(self.t_ends[s].0, self.streams[s].0).map_err(|e| CudaError::driver("cuEventRecord", e))?;
-                dr::stream::wait_event(s0, self.t_ends[s].0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
+                dr::event::record(self.t_ends[s].0, self.streams[s].0)
+                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
+                dr::stream::wait_event(
+                    s0,
+                    self.t_ends[s].0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+                .map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
             }
         }
         for &(from, to) in &self.updates {
             let (f, t) = (&self.bufs[from as usize], &self.bufs[to as usize]);
             self.gpu.dtod_async(t.ptr, f.ptr, f.bytes() as usize, s0)?;
         }
-        unsafe { dr::event::record(self.t_ends[0].0, s0) }.map_err(|e| CudaError::driver("cuEventRecord", e))?;
+        unsafe { dr::event::record(self.t_ends[0].0, s0) }
+            .map_err(|e| CudaError::driver("cuEventRecord", e))?;
         let enqueue_s = wall.elapsed().as_secs_f64();
-        unsafe { dr::event::synchronize(self.t_ends[0].0) }.map_err(|e| CudaError::driver("cuEventSynchronize (the step)", e))?;
-        let ms = unsafe { dr::event::elapsed(self.t_start.0, self.t_ends[0].0) }.map_err(|e| CudaError::driver("cuEventElapsedTime", e))?;
+        unsafe { dr::event::synchronize(self.t_ends[0].0) }
+            .map_err(|e| CudaError::driver("cuEventSynchronize (the step)", e))?;
+        let ms = unsafe { dr::event::elapsed(self.t_start.0, self.t_ends[0].0) }
+            .map_err(|e| CudaError::driver("cuEventElapsedTime", e))?;
         let flag = self.gpu.take_err_flag()?;
         if flag != 0 {
-            return Err(CudaError::BadData { after: "the step".into(), message: err_flag_text(flag).into() });
+            return Err(CudaError::BadData {
+                after: "the step".into(),
+                message: err_flag_text(flag).into(),
+            });
         }
         if let Some(end) = upd_mark {
             let mut by_op: BTreeMap<String, (usize, f64)> = BTreeMap::new();
             for k in 0..marks.len() {
-                let next = if k + 1 < marks.len() { &marks[k + 1].1 } else { &end };
+                let next = if k + 1 < marks.len() {
+                    &marks[k + 1].1
+                } else {
+                    &end
+                };
                 let ms = unsafe { dr::event::elapsed(marks[k].1 .0, next.0) }.unwrap_or(0.0) as f64;
                 let ins = &self.plan.instructions[marks[k].0 as usize];
-                let key = format!("{}{}", ins.op, if ins.op == "matmul" || ins.op == "linear" { format!(" {:?}", self.bufs[ins.outputs[0] as usize].shape) } else { String::new() });
+                let key = format!(
+                    "{}{}",
+                    ins.op,
+                    if ins.op == "matmul" || ins.op == "linear" {
+                        format!(" {:?}", self.bufs[ins.outputs[0] as usize].shape)
+                    } else {
+                        String::new()
+                    }
+                );
                 let e = by_op.entry(key).or_insert((0, 0.0));
                 e.0 += 1;
                 e.1 += ms;
@@ -1676,7 +2983,11 @@ impl Executor {
             self.min_free = self.min_free.min(free);
         }
         self.load.gemm_shapes = self.gemm.cached_shapes();
-        Ok(StepTiming { device_s: ms as f64 / 1e3, wall_s: wall.elapsed().as_secs_f64(), enqueue_s })
+        Ok(StepTiming {
+            device_s: ms as f64 / 1e3,
+            wall_s: wall.elapsed().as_secs_f64(),
+            enqueue_s,
+        })
     }
 
     fn exec(&mut self, i: usize) -> CudaResult<()> {
@@ -1684,37 +2995,86 @@ impl Executor {
         let s = self.streams[st.stream].0;
         let at = |e: CudaError| -> CudaError {
             match e {
-                CudaError::Driver { call, code } => CudaError::Driver { call: format!("{call} at instruction {}", st.ins), code },
+                CudaError::Driver { call, code } => CudaError::Driver {
+                    call: format!("{call} at instruction {}", st.ins),
+                    code,
+                },
                 e => e,
             }
         };
         match &st.kind {
             StepKind::Launch(l) => l.enqueue(s).map_err(at),
-            StepKind::Gemm { shape, a, b, c, bias } => self.gemm.run(shape, *a, *b, *c, *bias, s),
-            StepKind::Copy { dst, src, bytes, kind } => {
+            StepKind::Gemm {
+                shape,
+                a,
+                b,
+                c,
+                bias,
+            } => self.gemm.run(shape, *a, *b, *c, *bias, s),
+            StepKind::Copy {
+                dst,
+                src,
+                bytes,
+                kind,
+            } => {
                 let r = unsafe {
                     match kind {
                         CopyKind::D2D => dr::memcpy_dtod_async(*dst, *src, *bytes as usize, s),
-                        CopyKind::D2H => sys::cuMemcpyDtoHAsync_v2(*dst as *mut std::ffi::c_void, *src, *bytes as usize, s).result(),
-                        CopyKind::H2D => sys::cuMemcpyHtoDAsync_v2(*dst, *src as *const std::ffi::c_void, *bytes as usize, s).result(),
+                        CopyKind::D2H => sys::cuMemcpyDtoHAsync_v2(
+                            *dst as *mut std::ffi::c_void,
+                            *src,
+                            *bytes as usize,
+                            s,
+                        )
+                        .result(),
+                        CopyKind::H2D => sys::cuMemcpyHtoDAsync_v2(
+                            *dst,
+                            *src as *const std::ffi::c_void,
+                            *bytes as usize,
+                            s,
+                        )
+                        .result(),
                     }
                 };
                 r.map_err(|e| at(CudaError::driver("cuMemcpyAsync", e)))
             }
-            StepKind::Memset { dst, bytes } => unsafe { dr::memset_d8_async(*dst, 0, *bytes as usize, s) }.map_err(|e| at(CudaError::driver("cuMemsetD8Async", e))),
-            StepKind::Wait(e) => unsafe { dr::stream::wait_event(s, self.events[*e as usize].0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.map_err(|e| at(CudaError::driver("cuStreamWaitEvent", e))),
-            StepKind::Record(e) => unsafe { dr::event::record(self.events[*e as usize].0, s) }.map_err(|e| at(CudaError::driver("cuEventRecord", e))),
+            StepKind::Memset { dst, bytes } => {
+                unsafe { dr::memset_d8_async(*dst, 0, *bytes as usize, s) }
+                    .map_err(|e| at(CudaError::driver("cuMemsetD8Async", e)))
+            }
+            StepKind::Wait(e) => unsafe {
+                dr::stream::wait_event(
+                    s,
+                    self.events[*e as usize].0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| at(CudaError::driver("cuStreamWaitEvent", e))),
+            StepKind::Record(e) => unsafe { dr::event::record(self.events[*e as usize].0, s) }
+                .map_err(|e| at(CudaError::driver("cuEventRecord", e))),
             StepKind::Grouped(g) => {
                 let g = g.clone();
                 self.grouped(&g, s)
             }
-            StepKind::Collective { coll, axis, send, recv, count, dtype } => {
+            StepKind::Collective {
+                coll,
+                axis,
+                send,
+                recv,
+                count,
+                dtype,
+            } => {
                 let comm = match &self.comms {
                     Some(c) => c.axis(axis)?,
                     None => {
                         // One rank and no NCCL: every collective is a copy.
                         let bytes = count * dtype.size_bytes();
-                        return if send != recv { unsafe { dr::memcpy_dtod_async(*recv, *send, bytes as usize, s) }.map_err(|e| CudaError::driver("cuMemcpyDtoDAsync", e)) } else { Ok(()) };
+                        return if send != recv {
+                            unsafe { dr::memcpy_dtod_async(*recv, *send, bytes as usize, s) }
+                                .map_err(|e| CudaError::driver("cuMemcpyDtoDAsync", e))
+                        } else {
+                            Ok(())
+                        };
                     }
                 };
                 let ty = comm::nccl_type(*dtype)?;
@@ -1725,35 +3085,59 @@ impl Executor {
                     ReduceOp::Min => cudarc::nccl::sys::ncclRedOp_t::ncclMin,
                 };
                 let cs = s as cudarc::nccl::sys::cudaStream_t;
-                let (sp, rp) = (*send as *const std::ffi::c_void, *recv as *mut std::ffi::c_void);
+                let (sp, rp) = (
+                    *send as *const std::ffi::c_void,
+                    *recv as *mut std::ffi::c_void,
+                );
                 let n = *count as usize;
                 // SAFETY: buffers sized by the plan; comm live.
                 let r = unsafe {
                     match coll {
-                        Coll::AllReduce { op } => cudarc::nccl::sys::ncclAllReduce(sp, rp, n, ty, red(op), comm, cs),
-                        Coll::AllGather => cudarc::nccl::sys::ncclAllGather(sp, rp, n, ty, comm, cs),
-                        Coll::ReduceScatter { op } => cudarc::nccl::sys::ncclReduceScatter(sp, rp, n, ty, red(op), comm, cs),
-                        Coll::Broadcast { root } => cudarc::nccl::sys::ncclBroadcast(sp, rp, n, ty, *root, comm, cs),
+                        Coll::AllReduce { op } => {
+                            cudarc::nccl::sys::ncclAllReduce(sp, rp, n, ty, red(op), comm, cs)
+                        }
+                        Coll::AllGather => {
+                            cudarc::nccl::sys::ncclAllGather(sp, rp, n, ty, comm, cs)
+                        }
+                        Coll::ReduceScatter { op } => {
+                            cudarc::nccl::sys::ncclReduceScatter(sp, rp, n, ty, red(op), comm, cs)
+                        }
+                        Coll::Broadcast { root } => {
+                            cudarc::nccl::sys::ncclBroadcast(sp, rp, n, ty, *root, comm, cs)
+                        }
                     }
                 };
-                r.result().map(|_| ()).map_err(|e| CudaError::nccl(&format!("{coll:?} over `{axis}` at instruction {}", st.ins), e))
+                r.result().map(|_| ()).map_err(|e| {
+                    CudaError::nccl(
+                        &format!("{coll:?} over `{axis}` at instruction {}", st.ins),
+                        e,
+                    )
+                })
             }
         }
     }
 
     /// Grouped GEMMs: reads the row counts (a sync of this stream), then one GEMM per group.
     fn grouped(&mut self, g: &Grouped, s: sys::CUstream) -> CudaResult<()> {
-        unsafe { dr::stream::synchronize(s) }.map_err(|e| CudaError::driver("cuStreamSynchronize (expert counts)", e))?;
+        unsafe { dr::stream::synchronize(s) }
+            .map_err(|e| CudaError::driver("cuStreamSynchronize (expert counts)", e))?;
         let mut raw = vec![0u8; g.ncounts * 8];
         self.gpu.dtoh(&mut raw, g.counts)?;
-        let counts: Vec<i64> = raw.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+        let counts: Vec<i64> = raw
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         let total: i64 = counts.iter().sum();
         if counts.iter().any(|&c| c < 0) || total as u64 != g.rows {
-            return Err(CudaError::BadData { after: "moe_dispatch".into(), message: format!("expert counts {counts:?} do not sum to the {} rows", g.rows) });
+            return Err(CudaError::BadData {
+                after: "moe_dispatch".into(),
+                message: format!("expert counts {counts:?} do not sum to the {} rows", g.rows),
+            });
         }
         let es = g.dtype.size_bytes();
         if let Some((_, dw)) = g.grad {
-            unsafe { dr::memset_d8_async(dw, 0, (g.experts as u64 * g.n * g.k * es) as usize, s) }.map_err(|e| CudaError::driver("cuMemsetD8Async", e))?;
+            unsafe { dr::memset_d8_async(dw, 0, (g.experts as u64 * g.n * g.k * es) as usize, s) }
+                .map_err(|e| CudaError::driver("cuMemsetD8Async", e))?;
         }
         let mut at = 0u64;
         for (gi, &c) in counts.iter().enumerate() {
@@ -1767,18 +3151,57 @@ impl Executor {
             match g.grad {
                 None => {
                     let out = g.out + at * g.n * es;
-                    let shape = GemmShape { dtype: g.dtype, m: c, n: g.n, k: g.k, ta: false, tb: true, batch: 1, sa: 0, sb: 0, sc: 0, bias: false, accumulate: false };
+                    let shape = GemmShape {
+                        dtype: g.dtype,
+                        m: c,
+                        n: g.n,
+                        k: g.k,
+                        ta: false,
+                        tb: true,
+                        batch: 1,
+                        sa: 0,
+                        sb: 0,
+                        sc: 0,
+                        bias: false,
+                        accumulate: false,
+                    };
                     self.gemm.run(&shape, x, w, out, 0, s)?;
                 }
                 Some((dy, dw)) => {
                     let dyp = dy + at * g.n * es;
                     let dx = g.out + at * g.k * es;
                     // dx_g = dy_g [c, n] @ w[e] [n, k]
-                    let shape = GemmShape { dtype: g.dtype, m: c, n: g.k, k: g.n, ta: false, tb: false, batch: 1, sa: 0, sb: 0, sc: 0, bias: false, accumulate: false };
+                    let shape = GemmShape {
+                        dtype: g.dtype,
+                        m: c,
+                        n: g.k,
+                        k: g.n,
+                        ta: false,
+                        tb: false,
+                        batch: 1,
+                        sa: 0,
+                        sb: 0,
+                        sc: 0,
+                        bias: false,
+                        accumulate: false,
+                    };
                     self.gemm.run(&shape, dyp, w, dx, 0, s)?;
                     // dw[e] += dy_g^T [n, c] @ x_g [c, k]
                     let dwp = dw + e * g.n * g.k * es;
-                    let shape = GemmShape { dtype: g.dtype, m: g.n, n: g.k, k: c, ta: true, tb: false, batch: 1, sa: 0, sb: 0, sc: 0, bias: false, accumulate: true };
+                    let shape = GemmShape {
+                        dtype: g.dtype,
+                        m: g.n,
+                        n: g.k,
+                        k: c,
+                        ta: true,
+                        tb: false,
+                        batch: 1,
+                        sa: 0,
+                        sb: 0,
+                        sc: 0,
+                        bias: false,
+                        accumulate: true,
+                    };
                     self.gemm.run(&shape, dyp, x, dwp, 0, s)?;
                 }
             }
@@ -1797,20 +3220,37 @@ impl Executor {
 
     /// An output of the program by name.
     pub fn output(&self, name: &str) -> CudaResult<HostTensor> {
-        let v = self.graph.output(name).ok_or_else(|| CudaError::Plan(format!("the program has no output `{name}`")))?;
-        let t = self.value(v.0).ok_or_else(|| CudaError::Plan(format!("output `{name}` has no buffer")))?;
+        let v = self
+            .graph
+            .output(name)
+            .ok_or_else(|| CudaError::Plan(format!("the program has no output `{name}`")))?;
+        let t = self
+            .value(v.0)
+            .ok_or_else(|| CudaError::Plan(format!("output `{name}` has no buffer")))?;
         self.read(t)
     }
 
     /// A param's current value by name.
     pub fn param(&self, name: &str) -> CudaResult<HostTensor> {
-        let v = self.graph.params().into_iter().find(|(n, _)| n == name).map(|(_, v)| v).ok_or_else(|| CudaError::Plan(format!("no param `{name}`")))?;
-        let t = self.value(v.0).ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
+        let v = self
+            .graph
+            .params()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+            .ok_or_else(|| CudaError::Plan(format!("no param `{name}`")))?;
+        let t = self
+            .value(v.0)
+            .ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
         self.read(t)
     }
 
     pub fn output_names(&self) -> Vec<String> {
-        self.graph.outputs().iter().map(|(n, _)| n.clone()).collect()
+        self.graph
+            .outputs()
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect()
     }
 
     pub fn memory(&self) -> MemoryUse {
@@ -1820,28 +3260,46 @@ impl Executor {
             planned_resident_bytes: self.plan.memory.resident_bytes,
             planned_breakdown: self.plan.memory.breakdown.clone(),
             allocated_plan_bytes: self._resident.bytes as u64 + self._arena.bytes as u64,
-            runtime_extra_bytes: self.planned_extra + self.gemm.workspace.bytes as u64 + self.gpu.err_flag.bytes as u64,
+            runtime_extra_bytes: self.planned_extra
+                + self.gemm.workspace.bytes as u64
+                + self.gpu.err_flag.bytes as u64,
             pinned_host_bytes: self.host.as_ref().map(|h| h.bytes as u64).unwrap_or(0),
             measured_peak_bytes: self.gpu.free_at_start.saturating_sub(self.min_free),
         }
     }
 }
 
-fn lower_collective(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], world: u32) -> CudaResult<()> {
+fn lower_collective(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+    world: u32,
+) -> CudaResult<()> {
     let axis = op.axis().unwrap_or_default().to_string();
     let (x, o) = (&ins[0], &outs[0]);
     let dtype = x.dtype;
     let coll = match op {
         Op::AllReduce { op, .. } => Coll::AllReduce { op: *op },
         Op::AllGather { dim, .. } => {
-            if norm(*dim, x.rank())? != 0 && x.shape[..norm(*dim, x.rank())?].iter().any(|&d| d != 1) {
-                return Err(lw.unsup("all_gather along an inner dim", "NCCL gathers along dim 0; not written yet"));
+            if norm(*dim, x.rank())? != 0
+                && x.shape[..norm(*dim, x.rank())?].iter().any(|&d| d != 1)
+            {
+                return Err(lw.unsup(
+                    "all_gather along an inner dim",
+                    "NCCL gathers along dim 0; not written yet",
+                ));
             }
             Coll::AllGather
         }
         Op::ReduceScatter { op, dim, .. } => {
-            if norm(*dim, x.rank())? != 0 && x.shape[..norm(*dim, x.rank())?].iter().any(|&d| d != 1) {
-                return Err(lw.unsup("reduce_scatter along an inner dim", "NCCL scatters along dim 0; not written yet"));
+            if norm(*dim, x.rank())? != 0
+                && x.shape[..norm(*dim, x.rank())?].iter().any(|&d| d != 1)
+            {
+                return Err(lw.unsup(
+                    "reduce_scatter along an inner dim",
+                    "NCCL scatters along dim 0; not written yet",
+                ));
             }
             Coll::ReduceScatter { op: *op }
         }
@@ -1858,7 +3316,14 @@ fn lower_collective(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT], world:
         Coll::ReduceScatter { .. } => o.numel(),
         _ => x.numel(),
     };
-    lw.push(StepKind::Collective { coll, axis, send: x.ptr, recv: o.ptr, count, dtype });
+    lw.push(StepKind::Collective {
+        coll,
+        axis,
+        send: x.ptr,
+        recv: o.ptr,
+        count,
+        dtype,
+    });
     Ok(())
 }
 
@@ -1869,21 +3334,39 @@ impl Executor {
         self.gpu.bind()?;
         let mut masters = Vec::new();
         for (i, (name, v)) in self.graph.params().into_iter().enumerate() {
-            let t = self.value(v.0).cloned().ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
+            let t = self
+                .value(v.0)
+                .cloned()
+                .ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
             let lower = name.to_ascii_lowercase();
             if name.starts_with("optim.master.") {
                 masters.push(name.clone());
                 continue;
             }
-            if name.starts_with("optim.") || name.starts_with("state.") || lower.ends_with("bias") || !t.dtype.is_float() {
+            if name.starts_with("optim.")
+                || name.starts_with("state.")
+                || lower.ends_with("bias")
+                || !t.dtype.is_float()
+            {
                 self.gpu.memset(t.ptr, 0, t.bytes() as usize)?;
                 continue;
             }
-            let (s, mean) = if lower.contains("norm") { (0.0, 1.0) } else { (std, 0.0) };
+            let (s, mean) = if lower.contains("norm") {
+                (0.0, 1.0)
+            } else {
+                (std, 0.0)
+            };
             let l = self.gpu.launch_n(
                 "init_normal_any",
                 t.numel(),
-                vec![Arg::P(t.ptr), Arg::I32(code(t.dtype)), Arg::I64(t.numel() as i64), Arg::U64(seed.wrapping_mul(1_000_003).wrapping_add(i as u64)), Arg::F32(s), Arg::F32(mean)],
+                vec![
+                    Arg::P(t.ptr),
+                    Arg::I32(code(t.dtype)),
+                    Arg::I64(t.numel() as i64),
+                    Arg::U64(seed.wrapping_mul(1_000_003).wrapping_add(i as u64)),
+                    Arg::F32(s),
+                    Arg::F32(mean),
+                ],
             )?;
             l.enqueue(self.streams[0].0)?;
         }

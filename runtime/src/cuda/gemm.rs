@@ -57,7 +57,13 @@ fn dt(d: DType) -> CudaResult<sys::cudaDataType> {
         DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
         DType::F16 => sys::cudaDataType::CUDA_R_16F,
         DType::F64 => sys::cudaDataType::CUDA_R_64F,
-        other => return Err(CudaError::unsupported(format!("a {other} matmul"), "cuBLASLt", "matmuls take float operands")),
+        other => {
+            return Err(CudaError::unsupported(
+                format!("a {other} matmul"),
+                "cuBLASLt",
+                "matmuls take float operands",
+            ))
+        }
     })
 }
 
@@ -65,7 +71,13 @@ impl Gemm {
     pub fn new(gpu: &super::device::Gpu, workspace_bytes: usize) -> CudaResult<Gemm> {
         let handle = lt::create_handle().ck("cublasLtCreate")?;
         let workspace = gpu.alloc(workspace_bytes, "the cuBLASLt workspace")?;
-        Ok(Gemm { handle, workspace, cache: HashMap::new(), allow_tf32: false, plans_made: 0 })
+        Ok(Gemm {
+            handle,
+            workspace,
+            cache: HashMap::new(),
+            allow_tf32: false,
+            plans_made: 0,
+        })
     }
 
     fn plan(&mut self, s: &GemmShape) -> CudaResult<&Cached> {
@@ -84,21 +96,42 @@ impl Gemm {
             DType::F32 if self.allow_tf32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
             _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         };
-        let scale = if s.dtype == DType::F64 { sys::cudaDataType::CUDA_R_64F } else { sys::cudaDataType::CUDA_R_32F };
+        let scale = if s.dtype == DType::F64 {
+            sys::cudaDataType::CUDA_R_64F
+        } else {
+            sys::cudaDataType::CUDA_R_32F
+        };
         let desc = lt::create_matmul_desc(compute, scale).ck("cublasLtMatmulDescCreate")?;
         // Column-major: D (n x m) = X (n x k) * Y (k x m), X from B's storage, Y from A's.
         let opx: i32 = if s.tb { 1 } else { 0 }; // CUBLAS_OP_T / CUBLAS_OP_N
         let opy: i32 = if s.ta { 1 } else { 0 };
         let set = |attr: sys::cublasLtMatmulDescAttributes_t, p: *const c_void, size: usize| {
             // SAFETY: desc is live; p points at a value of `size` bytes.
-            unsafe { lt::set_matmul_desc_attribute(desc, attr, p, size) }.ck("cublasLtMatmulDescSetAttribute")
+            unsafe { lt::set_matmul_desc_attribute(desc, attr, p, size) }
+                .ck("cublasLtMatmulDescSetAttribute")
         };
-        set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &opx as *const _ as *const c_void, std::mem::size_of_val(&opx))?;
-        set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &opy as *const _ as *const c_void, std::mem::size_of_val(&opy))?;
+        set(
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+            &opx as *const _ as *const c_void,
+            std::mem::size_of_val(&opx),
+        )?;
+        set(
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+            &opy as *const _ as *const c_void,
+            std::mem::size_of_val(&opy),
+        )?;
         if s.bias {
             let epi = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-            set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi as *const _ as *const c_void, std::mem::size_of_val(&epi))?;
-            set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &t as *const _ as *const c_void, std::mem::size_of_val(&t))?;
+            set(
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                &epi as *const _ as *const c_void,
+                std::mem::size_of_val(&epi),
+            )?;
+            set(
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                &t as *const _ as *const c_void,
+                std::mem::size_of_val(&t),
+            )?;
         }
         // Stored shapes (rows x cols, column-major, ld = rows).
         let (xr, xc) = if s.tb { (s.k, s.n) } else { (s.n, s.k) };
@@ -109,8 +142,13 @@ impl Gemm {
                 let b = s.batch as i32;
                 // SAFETY: l is live; values are i32/i64 as the attributes require.
                 unsafe {
-                    lt::set_matrix_layout_attribute(l, sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &b as *const _ as *const c_void, 4)
-                        .ck("cublasLtMatrixLayoutSetAttribute(batch)")?;
+                    lt::set_matrix_layout_attribute(
+                        l,
+                        sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        &b as *const _ as *const c_void,
+                        4,
+                    )
+                    .ck("cublasLtMatrixLayoutSetAttribute(batch)")?;
                     lt::set_matrix_layout_attribute(l, sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride as *const _ as *const c_void, 8)
                         .ck("cublasLtMatrixLayoutSetAttribute(stride)")?;
                 }
@@ -124,19 +162,41 @@ impl Gemm {
         let ws = self.workspace.bytes as u64;
         // SAFETY: pref is live.
         unsafe {
-            lt::set_matmul_pref_attribute(pref, sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const _ as *const c_void, 8)
-                .ck("cublasLtMatmulPreferenceSetAttribute")?;
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const _ as *const c_void,
+                8,
+            )
+            .ck("cublasLtMatmulPreferenceSetAttribute")?;
         }
         // SAFETY: every descriptor is live.
         let h = unsafe { lt::get_matmul_algo_heuristic(self.handle, desc, la, lb, lc, lc, pref) };
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        let h = h.map_err(|e| CudaError::Cublas { call: format!("cublasLtMatmulAlgoGetHeuristic for {s:?}"), code: format!("{:?}", e.0) })?;
-        Ok(Cached { desc, la, lb, lc, algo: h.algo })
+        let h = h.map_err(|e| CudaError::Cublas {
+            call: format!("cublasLtMatmulAlgoGetHeuristic for {s:?}"),
+            code: format!("{:?}", e.0),
+        })?;
+        Ok(Cached {
+            desc,
+            la,
+            lb,
+            lc,
+            algo: h.algo,
+        })
     }
 
     /// Enqueues `C = op(A) op(B) (+ bias)` (or `C +=` when `accumulate`) on `stream`.
     #[allow(clippy::too_many_arguments)]
-    pub fn run(&mut self, s: &GemmShape, a: u64, b: u64, c: u64, bias: u64, stream: cudarc::driver::sys::CUstream) -> CudaResult<()> {
+    pub fn run(
+        &mut self,
+        s: &GemmShape,
+        a: u64,
+        b: u64,
+        c: u64,
+        bias: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> CudaResult<()> {
         if s.m == 0 || s.n == 0 || s.batch == 0 {
             return Ok(());
         }
@@ -145,8 +205,13 @@ impl Gemm {
         if s.bias {
             // SAFETY: desc is live; the pointer attribute is a device address.
             unsafe {
-                lt::set_matmul_desc_attribute(p.desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias as *const u64 as *const c_void, 8)
-                    .ck("cublasLtMatmulDescSetAttribute(bias)")?;
+                lt::set_matmul_desc_attribute(
+                    p.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &bias as *const u64 as *const c_void,
+                    8,
+                )
+                .ck("cublasLtMatmulDescSetAttribute(bias)")?;
             }
         }
         let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
@@ -178,7 +243,10 @@ impl Gemm {
                 stream as sys::cudaStream_t,
             )
         }
-        .map_err(|e| CudaError::Cublas { call: format!("cublasLtMatmul {s:?}"), code: format!("{:?}", e.0) })
+        .map_err(|e| CudaError::Cublas {
+            call: format!("cublasLtMatmul {s:?}"),
+            code: format!("{:?}", e.0),
+        })
     }
 
     pub fn cached_shapes(&self) -> usize {

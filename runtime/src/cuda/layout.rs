@@ -80,7 +80,10 @@ pub fn collapse(shape: &[usize], stride_lists: &[Vec<i64>]) -> (Vec<usize>, Vec<
             continue;
         }
         let can_merge = !sh.is_empty()
-            && stride_lists.iter().enumerate().all(|(j, s)| *sts[j].last().unwrap() == s[k] * shape[k] as i64);
+            && stride_lists
+                .iter()
+                .enumerate()
+                .all(|(j, s)| *sts[j].last().unwrap() == s[k] * shape[k] as i64);
         if can_merge {
             *sh.last_mut().unwrap() *= shape[k];
             for (j, s) in stride_lists.iter().enumerate() {
@@ -111,11 +114,21 @@ fn fill8(v: &[i64]) -> [i64; MAXR] {
 /// A strided copy `dst[ds . idx] = src[ss . idx]` over `shape`, collapsed, with the
 /// widest element size (bytes) that keeps it exact: returns (struct, element bytes,
 /// element count). `esz` is the dtype's size; offsets are applied by the caller.
-pub fn strided_copy(shape: &[usize], ss: &[i64], ds: &[i64], esz: usize, src_align: u64, dst_align: u64) -> Result<(Strided, usize, u64), String> {
+pub fn strided_copy(
+    shape: &[usize],
+    ss: &[i64],
+    ds: &[i64],
+    esz: usize,
+    src_align: u64,
+    dst_align: u64,
+) -> Result<(Strided, usize, u64), String> {
     let (mut sh, sts) = collapse(shape, &[ss.to_vec(), ds.to_vec()]);
     let (mut s, mut d) = (sts[0].clone(), sts[1].clone());
     if sh.len() > MAXR {
-        return Err(format!("a copy over {} dims after merging (at most {MAXR})", sh.len()));
+        return Err(format!(
+            "a copy over {} dims after merging (at most {MAXR})",
+            sh.len()
+        ));
     }
     // Widen the element when the innermost dim is contiguous on both sides.
     let mut w = esz;
@@ -126,8 +139,15 @@ pub fn strided_copy(shape: &[usize], ss: &[i64], ds: &[i64], esz: usize, src_ali
                 break;
             }
             let bytes = sh[last] * esz;
-            let other_ok = (0..last).all(|k| (s[k] as usize * esz).is_multiple_of(cand) && (d[k] as usize * esz).is_multiple_of(cand));
-            if bytes.is_multiple_of(cand) && other_ok && src_align.is_multiple_of(cand as u64) && dst_align.is_multiple_of(cand as u64) {
+            let other_ok = (0..last).all(|k| {
+                (s[k] as usize * esz).is_multiple_of(cand)
+                    && (d[k] as usize * esz).is_multiple_of(cand)
+            });
+            if bytes.is_multiple_of(cand)
+                && other_ok
+                && src_align.is_multiple_of(cand as u64)
+                && dst_align.is_multiple_of(cand as u64)
+            {
                 w = cand;
                 break;
             }
@@ -147,7 +167,16 @@ pub fn strided_copy(shape: &[usize], ss: &[i64], ds: &[i64], esz: usize, src_ali
         d = st2[1].clone();
     }
     let n: u64 = sh.iter().map(|&x| x as u64).product();
-    Ok((Strided { rank: sh.len() as i32, shape: fill8(&sh.iter().map(|&x| x as i64).collect::<Vec<_>>()), ss: fill8(&s), ds: fill8(&d) }, w, n))
+    Ok((
+        Strided {
+            rank: sh.len() as i32,
+            shape: fill8(&sh.iter().map(|&x| x as i64).collect::<Vec<_>>()),
+            ss: fill8(&s),
+            ds: fill8(&d),
+        },
+        w,
+        n,
+    ))
 }
 
 /// Broadcast parameters for up to three operands against `out`.
@@ -190,7 +219,18 @@ pub fn red(shape: &[usize], dims: &[usize]) -> Result<(Red, u64, u64), String> {
     }
     let nout: i64 = os.iter().product();
     let nred: i64 = rs.iter().product();
-    Ok((Red { ro: os.len() as i32, rr: rs.len() as i32, oshape: fill8(&os), ostride: fill8(&ost), rshape: fill8(&rs), rstride: fill8(&rst) }, nout as u64, nred as u64))
+    Ok((
+        Red {
+            ro: os.len() as i32,
+            rr: rs.len() as i32,
+            oshape: fill8(&os),
+            ostride: fill8(&ost),
+            rshape: fill8(&rs),
+            rstride: fill8(&rst),
+        },
+        nout as u64,
+        nred as u64,
+    ))
 }
 
 /// Dtype code of kernels.cu (0 f32, 1 bf16, 2 f16, 3 i64, 4 i32, 5 bool, 6 f64).
@@ -221,10 +261,18 @@ pub fn to_device_bytes(t: &HostTensor, dtype: DType) -> Vec<u8> {
     let n = t.numel();
     let mut out = Vec::with_capacity(n * dtype.size_bytes() as usize);
     match (&t.data, dtype) {
-        (HostData::F64(v), DType::F32) => v.iter().for_each(|x| out.extend_from_slice(&(*x as f32).to_le_bytes())),
-        (HostData::F64(v), DType::BF16) => v.iter().for_each(|x| out.extend_from_slice(&half::bf16::from_f64(*x).to_le_bytes())),
-        (HostData::F64(v), DType::F16) => v.iter().for_each(|x| out.extend_from_slice(&half::f16::from_f64(*x).to_le_bytes())),
-        (HostData::F64(v), DType::F64) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        (HostData::F64(v), DType::F32) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&(*x as f32).to_le_bytes())),
+        (HostData::F64(v), DType::BF16) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&half::bf16::from_f64(*x).to_le_bytes())),
+        (HostData::F64(v), DType::F16) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&half::f16::from_f64(*x).to_le_bytes())),
+        (HostData::F64(v), DType::F64) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
         (d, DType::I64) => ints(d).for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
         (d, DType::I32) => ints(d).for_each(|x| out.extend_from_slice(&(x as i32).to_le_bytes())),
         (d, DType::Bool) => ints(d).for_each(|x| out.push((x != 0) as u8)),
@@ -246,12 +294,48 @@ fn ints(d: &HostData) -> Box<dyn Iterator<Item = i64> + '_> {
 /// Device bytes of `dtype` back to a host tensor.
 pub fn from_device_bytes(b: &[u8], dtype: DType, shape: Vec<usize>) -> HostTensor {
     match dtype {
-        DType::F32 => HostTensor::floats(dtype, shape, b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect()),
-        DType::BF16 => HostTensor::floats(dtype, shape, b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64()).collect()),
-        DType::F16 => HostTensor::floats(dtype, shape, b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64()).collect()),
-        DType::F64 => HostTensor::floats(dtype, shape, b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()),
-        DType::I64 => HostTensor::ints(dtype, shape, b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
-        DType::I32 => HostTensor::ints(dtype, shape, b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64).collect()),
+        DType::F32 => HostTensor::floats(
+            dtype,
+            shape,
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+                .collect(),
+        ),
+        DType::BF16 => HostTensor::floats(
+            dtype,
+            shape,
+            b.chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+        ),
+        DType::F16 => HostTensor::floats(
+            dtype,
+            shape,
+            b.chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+        ),
+        DType::F64 => HostTensor::floats(
+            dtype,
+            shape,
+            b.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        ),
+        DType::I64 => HostTensor::ints(
+            dtype,
+            shape,
+            b.chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        ),
+        DType::I32 => HostTensor::ints(
+            dtype,
+            shape,
+            b.chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
+                .collect(),
+        ),
         DType::Bool => HostTensor::ints(dtype, shape, b.iter().map(|&x| x as i64).collect()),
     }
 }
@@ -276,7 +360,10 @@ mod tests {
     #[test]
     fn strides_and_broadcast() {
         assert_eq!(strides(&[2, 3, 4]), vec![12, 4, 1]);
-        assert_eq!(broadcast_strides(&[3, 1], &[2, 3, 4]).unwrap(), vec![0, 1, 0]);
+        assert_eq!(
+            broadcast_strides(&[3, 1], &[2, 3, 4]).unwrap(),
+            vec![0, 1, 0]
+        );
         assert_eq!(broadcast_strides(&[4], &[2, 3, 4]).unwrap(), vec![0, 0, 1]);
         assert!(broadcast_strides(&[5], &[2, 3, 4]).is_err());
     }
@@ -338,7 +425,10 @@ mod tests {
         assert_eq!(v[1], -2.5);
         assert!((v[2] - 0.1).abs() < 1e-3);
         let i = HostTensor::ints(DType::I64, vec![2], vec![7, -1]);
-        assert_eq!(from_device_bytes(&to_device_bytes(&i, DType::I64), DType::I64, vec![2]), i);
+        assert_eq!(
+            from_device_bytes(&to_device_bytes(&i, DType::I64), DType::I64, vec![2]),
+            i
+        );
         assert_eq!(fill_pattern(1.0, DType::BF16), 0x3f80);
         assert_eq!(fill_pattern(-1.0, DType::I32), 0xffff_ffff);
     }

@@ -70,7 +70,12 @@ fn nvrtc_version() -> (i32, i32) {
 }
 
 /// Compiles `src` for `sm_{cc}` (a cubin), or loads it from `cache_dir`.
-pub fn compile_cubin(src: &str, cc: (i32, i32), cache_dir: &Path, extra_opts: &[String]) -> CudaResult<(Vec<u8>, CompileReport)> {
+pub fn compile_cubin(
+    src: &str,
+    cc: (i32, i32),
+    cache_dir: &Path,
+    extra_opts: &[String],
+) -> CudaResult<(Vec<u8>, CompileReport)> {
     let t0 = std::time::Instant::now();
     let includes = include_dirs();
     if includes.is_empty() {
@@ -80,24 +85,46 @@ pub fn compile_cubin(src: &str, cc: (i32, i32), cache_dir: &Path, extra_opts: &[
         });
     }
     let arch = format!("sm_{}{}", cc.0, cc.1);
-    let mut opts = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string(), "--extra-device-vectorization".to_string()];
+    let mut opts = vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".to_string(),
+        "--extra-device-vectorization".to_string(),
+    ];
     opts.extend(extra_opts.iter().cloned());
     for d in &includes {
         opts.push(format!("-I{}", d.display()));
     }
     let ver = nvrtc_version();
     let opt_text = opts.join(" ");
-    let key = fnv64(&[src.as_bytes(), opt_text.as_bytes(), format!("{ver:?}").as_bytes()]);
+    let key = fnv64(&[
+        src.as_bytes(),
+        opt_text.as_bytes(),
+        format!("{ver:?}").as_bytes(),
+    ]);
     let path = cache_dir.join(format!("weft-{arch}-{key:016x}.cubin"));
     if let Ok(bin) = std::fs::read(&path) {
         if !bin.is_empty() {
-            return Ok((bin, CompileReport { cache_hit: true, seconds: t0.elapsed().as_secs_f64(), path }));
+            return Ok((
+                bin,
+                CompileReport {
+                    cache_hit: true,
+                    seconds: t0.elapsed().as_secs_f64(),
+                    path,
+                },
+            ));
         }
     }
-    let csrc = CString::new(src).map_err(|_| CudaError::Nvrtc { message: "source has a NUL byte".into(), log: String::new() })?;
+    let csrc = CString::new(src).map_err(|_| CudaError::Nvrtc {
+        message: "source has a NUL byte".into(),
+        log: String::new(),
+    })?;
     let name = CString::new("weft_kernels.cu").expect("no NUL");
-    let prog = cudarc::nvrtc::result::create_program(&csrc, Some(&name))
-        .map_err(|e| CudaError::Nvrtc { message: format!("nvrtcCreateProgram: {:?}", e.0), log: String::new() })?;
+    let prog = cudarc::nvrtc::result::create_program(&csrc, Some(&name)).map_err(|e| {
+        CudaError::Nvrtc {
+            message: format!("nvrtcCreateProgram: {:?}", e.0),
+            log: String::new(),
+        }
+    })?;
     struct Guard(cudarc::nvrtc::sys::nvrtcProgram);
     impl Drop for Guard {
         fn drop(&mut self) {
@@ -110,20 +137,35 @@ pub fn compile_cubin(src: &str, cc: (i32, i32), cache_dir: &Path, extra_opts: &[
     let compiled = unsafe { cudarc::nvrtc::result::compile_program(g.0, &opts) };
     if let Err(e) = compiled {
         let log = unsafe { cudarc::nvrtc::result::get_program_log(g.0) }
-            .map(|raw| unsafe { CStr::from_ptr(raw.as_ptr()) }.to_string_lossy().into_owned())
+            .map(|raw| {
+                unsafe { CStr::from_ptr(raw.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
             .unwrap_or_default();
-        return Err(CudaError::Nvrtc { message: format!("{:?} with options `{opt_text}`", e.0), log });
+        return Err(CudaError::Nvrtc {
+            message: format!("{:?} with options `{opt_text}`", e.0),
+            log,
+        });
     }
     let mut size = 0usize;
     // SAFETY: prog compiled; out-parameter.
     let r = unsafe { cudarc::nvrtc::sys::nvrtcGetCUBINSize(g.0, &mut size) };
     if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
-        return Err(CudaError::Nvrtc { message: format!("nvrtcGetCUBINSize: {r:?} (is {arch} a real architecture?)"), log: String::new() });
+        return Err(CudaError::Nvrtc {
+            message: format!("nvrtcGetCUBINSize: {r:?} (is {arch} a real architecture?)"),
+            log: String::new(),
+        });
     }
     let mut bin = vec![0u8; size];
-    let r = unsafe { cudarc::nvrtc::sys::nvrtcGetCUBIN(g.0, bin.as_mut_ptr() as *mut std::ffi::c_char) };
+    let r = unsafe {
+        cudarc::nvrtc::sys::nvrtcGetCUBIN(g.0, bin.as_mut_ptr() as *mut std::ffi::c_char)
+    };
     if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(CudaError::Nvrtc { message: format!("nvrtcGetCUBIN: {r:?}"), log: String::new() });
+        return Err(CudaError::Nvrtc {
+            message: format!("nvrtcGetCUBIN: {r:?}"),
+            log: String::new(),
+        });
     }
     // Best effort: a cache that cannot be written only costs the next start a compile.
     if std::fs::create_dir_all(cache_dir).is_ok() {
@@ -132,7 +174,14 @@ pub fn compile_cubin(src: &str, cc: (i32, i32), cache_dir: &Path, extra_opts: &[
             let _ = std::fs::rename(&tmp, &path);
         }
     }
-    Ok((bin, CompileReport { cache_hit: false, seconds: t0.elapsed().as_secs_f64(), path }))
+    Ok((
+        bin,
+        CompileReport {
+            cache_hit: false,
+            seconds: t0.elapsed().as_secs_f64(),
+            path,
+        },
+    ))
 }
 
 #[cfg(test)]

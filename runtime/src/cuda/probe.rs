@@ -26,8 +26,10 @@ pub fn probe(ordinal: usize) -> CudaResult<DeviceInfo> {
             help: "run on a machine with an NVIDIA GPU and driver, or use `--backend cpu`".into(),
         });
     }
-    cudarc::driver::result::init().map_err(|e| CudaError::NoDevice(format!("cuInit: {:?}", e.0)))?;
-    let count = cudarc::driver::result::device::get_count().map_err(|e| CudaError::NoDevice(format!("cuDeviceGetCount: {:?}", e.0)))?;
+    cudarc::driver::result::init()
+        .map_err(|e| CudaError::NoDevice(format!("cuInit: {:?}", e.0)))?;
+    let count = cudarc::driver::result::device::get_count()
+        .map_err(|e| CudaError::NoDevice(format!("cuDeviceGetCount: {:?}", e.0)))?;
     if count <= 0 {
         return Err(CudaError::NoDevice("the driver reports 0 devices".into()));
     }
@@ -45,18 +47,32 @@ pub fn probe(ordinal: usize) -> CudaResult<DeviceInfo> {
     if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
         return Err(CudaError::MissingLibrary {
             lib: "cuBLASLt (libcublasLt.so, CUDA 13)",
-            help: "install the CUDA toolkit's cuBLAS or add its directory to LD_LIBRARY_PATH".into(),
+            help: "install the CUDA toolkit's cuBLAS or add its directory to LD_LIBRARY_PATH"
+                .into(),
         });
     }
-    let dev = cudarc::driver::result::device::get(ordinal as i32).map_err(|e| CudaError::driver("cuDeviceGet", e))?;
-    let name = cudarc::driver::result::device::get_name(dev).map_err(|e| CudaError::driver("cuDeviceGetName", e))?;
+    let dev = cudarc::driver::result::device::get(ordinal as i32)
+        .map_err(|e| CudaError::driver("cuDeviceGet", e))?;
+    let name = cudarc::driver::result::device::get_name(dev)
+        .map_err(|e| CudaError::driver("cuDeviceGetName", e))?;
     // SAFETY: dev is a valid device handle.
-    let attr = |a: Attr| unsafe { cudarc::driver::result::device::get_attribute(dev, a) }.map_err(|e| CudaError::driver("cuDeviceGetAttribute", e));
+    let attr = |a: Attr| {
+        unsafe { cudarc::driver::result::device::get_attribute(dev, a) }
+            .map_err(|e| CudaError::driver("cuDeviceGetAttribute", e))
+    };
     let major = attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let sms = attr(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let total = unsafe { cudarc::driver::result::device::total_mem(dev) }.map_err(|e| CudaError::driver("cuDeviceTotalMem", e))? as u64;
-    Ok(DeviceInfo { ordinal, name, compute_capability: (major, minor), total_memory: total, multiprocessors: sms, device_count: count })
+    let total = unsafe { cudarc::driver::result::device::total_mem(dev) }
+        .map_err(|e| CudaError::driver("cuDeviceTotalMem", e))? as u64;
+    Ok(DeviceInfo {
+        ordinal,
+        name,
+        compute_capability: (major, minor),
+        total_memory: total,
+        multiprocessors: sms,
+        device_count: count,
+    })
 }
 
 /// Whether libnccl can be loaded (a missing NCCL panics inside cudarc at first use, so

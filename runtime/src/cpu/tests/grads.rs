@@ -12,8 +12,17 @@ fn loss_of(g: &Graph, w: &BTreeMap<String, HostTensor>, i: &BTreeMap<String, Hos
 }
 
 /// Compares autograd with central differences on up to `per_param` entries of each param.
-fn check_fd(g: &Graph, w: &BTreeMap<String, HostTensor>, i: &BTreeMap<String, HostTensor>, per_param: usize, tol: f64) {
-    let opts = RunOptions { grads: true, ..RunOptions::new(Precision::F64) };
+fn check_fd(
+    g: &Graph,
+    w: &BTreeMap<String, HostTensor>,
+    i: &BTreeMap<String, HostTensor>,
+    per_param: usize,
+    tol: f64,
+) {
+    let opts = RunOptions {
+        grads: true,
+        ..RunOptions::new(Precision::F64)
+    };
     let r = run(g, w, i, &opts).unwrap_or_else(|e| panic!("{e}"));
     let eps = 1e-5;
     let mut rng = Rng::new(99);
@@ -24,7 +33,9 @@ fn check_fd(g: &Graph, w: &BTreeMap<String, HostTensor>, i: &BTreeMap<String, Ho
         let picks: Vec<usize> = if t.numel() <= per_param {
             (0..t.numel()).collect()
         } else {
-            (0..per_param).map(|_| rng.below(t.numel() as u64) as usize).collect()
+            (0..per_param)
+                .map(|_| rng.below(t.numel() as u64) as usize)
+                .collect()
         };
         for k in picks {
             let mut wp = w.clone();
@@ -33,11 +44,20 @@ fn check_fd(g: &Graph, w: &BTreeMap<String, HostTensor>, i: &BTreeMap<String, Ho
             let mut vm = t.to_f64();
             vp[k] += eps;
             vm[k] -= eps;
-            wp.insert(name.clone(), HostTensor::floats(t.dtype, t.shape.clone(), vp));
-            wm.insert(name.clone(), HostTensor::floats(t.dtype, t.shape.clone(), vm));
+            wp.insert(
+                name.clone(),
+                HostTensor::floats(t.dtype, t.shape.clone(), vp),
+            );
+            wm.insert(
+                name.clone(),
+                HostTensor::floats(t.dtype, t.shape.clone(), vm),
+            );
             let fd = (loss_of(g, &wp, i) - loss_of(g, &wm, i)) / (2.0 * eps);
             let ad = grad[k];
-            assert!((fd - ad).abs() <= tol * (1.0 + fd.abs()), "d loss / d {name}[{k}]: autograd {ad}, finite differences {fd}");
+            assert!(
+                (fd - ad).abs() <= tol * (1.0 + fd.abs()),
+                "d loss / d {name}[{k}]: autograd {ad}, finite differences {fd}"
+            );
             checked += 1;
         }
     }
@@ -48,7 +68,13 @@ fn check_fd(g: &Graph, w: &BTreeMap<String, HostTensor>, i: &BTreeMap<String, Ho
 fn llama_grads_match_finite_differences() {
     let cfg = Cfg::tiny();
     let g = build(&cfg);
-    check_fd(&g, &cfg.random_weights(1), &random_inputs(&cfg, 2, 5, 2), 6, 1e-6);
+    check_fd(
+        &g,
+        &cfg.random_weights(1),
+        &random_inputs(&cfg, 2, 5, 2),
+        6,
+        1e-6,
+    );
 }
 
 #[test]
@@ -64,9 +90,19 @@ fn moe_and_misc_op_grads_match_finite_differences() {
     let logits = g.add(Op::Linear {}, &[x, wr]).unwrap();
     let probs = g.add(Op::Softmax { dim: -1 }, &[logits]).unwrap();
     let tk = g.add_multi(Op::Topk { k, dim: 1 }, &[probs]).unwrap();
-    let den = g.add(Op::Sum { dims: vec![1], keepdim: true }, &[tk[0]]).unwrap();
+    let den = g
+        .add(
+            Op::Sum {
+                dims: vec![1],
+                keepdim: true,
+            },
+            &[tk[0]],
+        )
+        .unwrap();
     let gates = g.add(Op::Div {}, &[tk[0], den]).unwrap();
-    let d = g.add_multi(Op::MoeDispatch { num_experts: e }, &[x, tk[1]]).unwrap();
+    let d = g
+        .add_multi(Op::MoeDispatch { num_experts: e }, &[x, tk[1]])
+        .unwrap();
     let y = g.add(Op::GroupedMatmul {}, &[d[0], w1, d[1]]).unwrap();
     let y = g.add(Op::Gelu { tanh_approx: false }, &[y]).unwrap();
     let y = g.add(Op::MoeCombine {}, &[y, d[2], gates]).unwrap();
@@ -74,16 +110,49 @@ fn moe_and_misc_op_grads_match_finite_differences() {
     // misc
     let idx = input(&mut g, "idx", ity(&[t, 2]));
     let gathered = g.add(Op::Gather { dim: 1 }, &[y, idx]).unwrap();
-    let zeros = g.add(Op::Full { value: Float(0.0), ty: fty(&[t, n]) }, &[]).unwrap();
-    let sc = g.add(Op::ScatterAdd { dim: 1 }, &[y, idx, gathered]).unwrap();
+    let zeros = g
+        .add(
+            Op::Full {
+                value: Float(0.0),
+                ty: fty(&[t, n]),
+            },
+            &[],
+        )
+        .unwrap();
+    let sc = g
+        .add(Op::ScatterAdd { dim: 1 }, &[y, idx, gathered])
+        .unwrap();
     let sel = input(&mut g, "sel", ity(&[4]));
     let rows = g.add(Op::IndexSelect { dim: 0 }, &[sc, sel]).unwrap();
-    let pos = g.add(Op::Compare { op: weft_ir::CmpOp::Gt }, &[y, zeros]).unwrap();
+    let pos = g
+        .add(
+            Op::Compare {
+                op: weft_ir::CmpOp::Gt,
+            },
+            &[y, zeros],
+        )
+        .unwrap();
     let wh = g.add(Op::Where {}, &[pos, y, zeros]).unwrap();
     let mx = g.add(Op::Maximum {}, &[wh, sc]).unwrap();
     let lsm = g.add(Op::LogSoftmax { dim: 1 }, &[mx]).unwrap();
-    let m1 = g.add(Op::Mean { dims: vec![0, 1], keepdim: false }, &[lsm]).unwrap();
-    let m2 = g.add(Op::Mean { dims: vec![0, 1], keepdim: false }, &[rows]).unwrap();
+    let m1 = g
+        .add(
+            Op::Mean {
+                dims: vec![0, 1],
+                keepdim: false,
+            },
+            &[lsm],
+        )
+        .unwrap();
+    let m2 = g
+        .add(
+            Op::Mean {
+                dims: vec![0, 1],
+                keepdim: false,
+            },
+            &[rows],
+        )
+        .unwrap();
     let loss = g.add(Op::Sub {}, &[m2, m1]).unwrap();
     g.set_output("loss", loss);
     let mut rng = Rng::new(3);
@@ -103,14 +172,29 @@ fn moe_and_misc_op_grads_match_finite_differences() {
 #[test]
 fn data_parallel_grads_equal_the_one_rank_grads() {
     let base = Cfg::tiny();
-    let dp = Cfg { dp: 2, ..base.clone() };
+    let dp = Cfg {
+        dp: 2,
+        ..base.clone()
+    };
     let w = base.random_weights(11);
     let i = random_inputs(&base, 4, 6, 12);
-    let opts = RunOptions { grads: true, keep_rank_outputs: true, ..RunOptions::new(Precision::F64) };
+    let opts = RunOptions {
+        grads: true,
+        keep_rank_outputs: true,
+        ..RunOptions::new(Precision::F64)
+    };
     let one = run(&build(&base), &w, &i, &opts).unwrap();
     let two = run(&build(&dp), &w, &i, &opts).unwrap();
-    assert_close(&two.outputs["loss"].to_f64(), &one.outputs["loss"].to_f64(), 1e-12);
-    assert_close(&two.outputs["logits"].to_f64(), &one.outputs["logits"].to_f64(), 1e-12);
+    assert_close(
+        &two.outputs["loss"].to_f64(),
+        &one.outputs["loss"].to_f64(),
+        1e-12,
+    );
+    assert_close(
+        &two.outputs["logits"].to_f64(),
+        &one.outputs["logits"].to_f64(),
+        1e-12,
+    );
     for (name, gw) in &one.grads {
         assert_close(&two.grads[name].to_f64(), &gw.to_f64(), 1e-10);
         // the convention: the full gradient is the sum of the two replicas' gradients,
@@ -120,22 +204,43 @@ fn data_parallel_grads_equal_the_one_rank_grads() {
         let sum: Vec<f64> = r0.iter().zip(&r1).map(|(a, b)| a + b).collect();
         assert_close(&sum, &gw.to_f64(), 1e-10);
     }
-    assert_ne!(two.rank_grads[0]["lm_head.weight"], two.rank_grads[1]["lm_head.weight"]);
+    assert_ne!(
+        two.rank_grads[0]["lm_head.weight"],
+        two.rank_grads[1]["lm_head.weight"]
+    );
 }
 
 #[test]
 fn ulysses_sequence_parallel_grads_equal_the_one_rank_grads() {
     // Gradients flow backward through all_to_all across the ranks.
-    let base = Cfg { layers: 2, ..Cfg::tiny() };
+    let base = Cfg {
+        layers: 2,
+        ..Cfg::tiny()
+    };
     let w = base.random_weights(21);
     let i = random_inputs(&base, 2, 8, 22);
-    let opts = RunOptions { grads: true, ..RunOptions::new(Precision::F64) };
+    let opts = RunOptions {
+        grads: true,
+        ..RunOptions::new(Precision::F64)
+    };
     let one = run(&build(&base), &w, &i, &opts).unwrap();
     for (dp, sp) in [(1, 2), (2, 2)] {
-        let par = Cfg { dp, sp, ..base.clone() };
+        let par = Cfg {
+            dp,
+            sp,
+            ..base.clone()
+        };
         let r = run(&build(&par), &w, &i, &opts).unwrap();
-        assert_close(&r.outputs["loss"].to_f64(), &one.outputs["loss"].to_f64(), 1e-12);
-        assert_close(&r.outputs["logits"].to_f64(), &one.outputs["logits"].to_f64(), 1e-12);
+        assert_close(
+            &r.outputs["loss"].to_f64(),
+            &one.outputs["loss"].to_f64(),
+            1e-12,
+        );
+        assert_close(
+            &r.outputs["logits"].to_f64(),
+            &one.outputs["logits"].to_f64(),
+            1e-12,
+        );
         for (name, gw) in &one.grads {
             assert_close(&r.grads[name].to_f64(), &gw.to_f64(), 1e-10);
         }
@@ -150,9 +255,25 @@ fn split_params_get_their_piece_and_their_gradient_back_in_place() {
     let x = input(&mut g, "x", fty(&[2, 3]));
     let w = param(&mut g, "w", fty(&[2, 3]));
     let y = g.add(Op::Linear {}, &[x, w]).unwrap();
-    let y = g.add(Op::AllGather { axis: "tp".into(), dim: 1 }, &[y]).unwrap();
+    let y = g
+        .add(
+            Op::AllGather {
+                axis: "tp".into(),
+                dim: 1,
+            },
+            &[y],
+        )
+        .unwrap();
     let sq = g.add(Op::Mul {}, &[y, y]).unwrap();
-    let loss = g.add(Op::Sum { dims: vec![0, 1], keepdim: false }, &[sq]).unwrap();
+    let loss = g
+        .add(
+            Op::Sum {
+                dims: vec![0, 1],
+                keepdim: false,
+            },
+            &[sq],
+        )
+        .unwrap();
     g.set_output("y", y);
     g.set_output("loss", loss);
     let mut one = Graph::new("one");
@@ -160,13 +281,24 @@ fn split_params_get_their_piece_and_their_gradient_back_in_place() {
     let w1 = param(&mut one, "w", fty(&[4, 3]));
     let y1 = one.add(Op::Linear {}, &[x1, w1]).unwrap();
     let sq1 = one.add(Op::Mul {}, &[y1, y1]).unwrap();
-    let l1 = one.add(Op::Sum { dims: vec![0, 1], keepdim: false }, &[sq1]).unwrap();
+    let l1 = one
+        .add(
+            Op::Sum {
+                dims: vec![0, 1],
+                keepdim: false,
+            },
+            &[sq1],
+        )
+        .unwrap();
     one.set_output("y", y1);
     one.set_output("loss", l1);
     let mut rng = Rng::new(5);
     let wv = map(vec![("w", hf(&[4, 3], rng.vec(12, 1.0)))]);
     let iv = map(vec![("x", hf(&[2, 3], rng.vec(6, 1.0)))]);
-    let mut opts = RunOptions { grads: true, ..RunOptions::new(Precision::F64) };
+    let mut opts = RunOptions {
+        grads: true,
+        ..RunOptions::new(Precision::F64)
+    };
     let a = run(&one, &wv, &iv, &opts).unwrap();
     opts.param_splits.insert("w".into(), vec![(0, "tp".into())]);
     let b = run(&g, &wv, &iv, &opts).unwrap();
@@ -180,17 +312,64 @@ fn all_reduce_avg_and_max_are_differentiable() {
     let mut g = Graph::new("ar");
     g.mesh = Mesh::parse("dp=2").unwrap();
     let x = input(&mut g, "x", fty(&[4, 3]));
-    let xs = g.add(Op::Slice { dim: 0, start: Dim::coord("dp") * 2, len: Dim::from(2) }, &[x]).unwrap();
+    let xs = g
+        .add(
+            Op::Slice {
+                dim: 0,
+                start: Dim::coord("dp") * 2,
+                len: Dim::from(2),
+            },
+            &[x],
+        )
+        .unwrap();
     let w = param(&mut g, "w", fty(&[3]));
     let p = g.add(Op::Mul {}, &[xs, w]).unwrap();
-    let avg = g.add(Op::AllReduce { axis: "dp".into(), op: ReduceOp::Avg }, &[p]).unwrap();
-    let s1 = g.add(Op::Sum { dims: vec![0, 1], keepdim: false }, &[avg]).unwrap();
-    let s2 = g.add(Op::Sum { dims: vec![0, 1], keepdim: false }, &[p]).unwrap();
-    let mx = g.add(Op::AllReduce { axis: "dp".into(), op: ReduceOp::Max }, &[s2]).unwrap();
+    let avg = g
+        .add(
+            Op::AllReduce {
+                axis: "dp".into(),
+                op: ReduceOp::Avg,
+            },
+            &[p],
+        )
+        .unwrap();
+    let s1 = g
+        .add(
+            Op::Sum {
+                dims: vec![0, 1],
+                keepdim: false,
+            },
+            &[avg],
+        )
+        .unwrap();
+    let s2 = g
+        .add(
+            Op::Sum {
+                dims: vec![0, 1],
+                keepdim: false,
+            },
+            &[p],
+        )
+        .unwrap();
+    let mx = g
+        .add(
+            Op::AllReduce {
+                axis: "dp".into(),
+                op: ReduceOp::Max,
+            },
+            &[s2],
+        )
+        .unwrap();
     let loss = g.add(Op::Add {}, &[s1, mx]).unwrap();
     g.set_output("loss", loss);
     let mut rng = Rng::new(8);
-    check_fd(&g, &map(vec![("w", hf(&[3], rng.vec(3, 1.0)))]), &map(vec![("x", hf(&[4, 3], rng.vec(12, 1.0)))]), 3, 1e-6);
+    check_fd(
+        &g,
+        &map(vec![("w", hf(&[3], rng.vec(3, 1.0)))]),
+        &map(vec![("x", hf(&[4, 3], rng.vec(12, 1.0)))]),
+        3,
+        1e-6,
+    );
 }
 
 #[test]
@@ -199,19 +378,37 @@ fn cross_entropy_gradient_by_hand() {
     let mut g = Graph::new("ce");
     let l = param(&mut g, "logits", fty(&[3, 2]));
     let y = input_role(&mut g, "labels", Role::Labels, ity(&[3]));
-    let loss = g.add(Op::CrossEntropy { ignore_index: -100, reduction: Reduction::Mean }, &[l, y]).unwrap();
+    let loss = g
+        .add(
+            Op::CrossEntropy {
+                ignore_index: -100,
+                reduction: Reduction::Mean,
+            },
+            &[l, y],
+        )
+        .unwrap();
     g.set_output("loss", loss);
     let logits = vec![0.0, 1.0, 2.0, 0.0, 0.5, 0.5];
     let r = run(
         &g,
         &map(vec![("logits", hf(&[3, 2], logits.clone()))]),
         &map(vec![("labels", hi(&[3], vec![1, -100, 0]))]),
-        &RunOptions { grads: true, ..RunOptions::new(Precision::F64) },
+        &RunOptions {
+            grads: true,
+            ..RunOptions::new(Precision::F64)
+        },
     )
     .unwrap();
     let s = |a: f64, b: f64| (a.exp() / (a.exp() + b.exp()), b.exp() / (a.exp() + b.exp()));
     let (p0, p1) = s(0.0, 1.0);
-    let want = vec![p0 / 2.0, (p1 - 1.0) / 2.0, 0.0, 0.0, (0.5 - 1.0) / 2.0, 0.5 / 2.0];
+    let want = vec![
+        p0 / 2.0,
+        (p1 - 1.0) / 2.0,
+        0.0,
+        0.0,
+        (0.5 - 1.0) / 2.0,
+        0.5 / 2.0,
+    ];
     assert_close(&r.grads["logits"].to_f64(), &want, 1e-12);
 }
 
@@ -229,19 +426,44 @@ fn attention_loss_graph(sq: i64, sk: i64, causal: bool, with_mask: bool) -> Grap
     let v = param(&mut g, "v", fty(&[1, nkv, sk, d]));
     let mut ins = vec![q, k, v];
     if with_mask {
-        ins.push(input(&mut g, "mask", TensorType::new(DType::Bool, dims(&[1, 1, sq, sk]))));
+        ins.push(input(
+            &mut g,
+            "mask",
+            TensorType::new(DType::Bool, dims(&[1, 1, sq, sk])),
+        ));
     }
-    let o = g.add(Op::Attention { causal, scale: Float(0.7) }, &ins).unwrap();
+    let o = g
+        .add(
+            Op::Attention {
+                causal,
+                scale: Float(0.7),
+            },
+            &ins,
+        )
+        .unwrap();
     let r = input(&mut g, "r", fty(&[1, nq, sq, d]));
     let p = g.add(Op::Mul {}, &[o, r]).unwrap();
-    let loss = g.add(Op::Sum { dims: vec![0, 1, 2, 3], keepdim: false }, &[p]).unwrap();
+    let loss = g
+        .add(
+            Op::Sum {
+                dims: vec![0, 1, 2, 3],
+                keepdim: false,
+            },
+            &[p],
+        )
+        .unwrap();
     g.set_output("loss", loss);
     g
 }
 
 #[test]
 fn attention_grads_over_many_row_blocks() {
-    for (sq, sk, causal, with_mask) in [(150, 150, true, false), (70, 150, true, false), (130, 150, true, true), (90, 90, false, true)] {
+    for (sq, sk, causal, with_mask) in [
+        (150, 150, true, false),
+        (70, 150, true, false),
+        (130, 150, true, true),
+        (90, 90, false, true),
+    ] {
         let g = attention_loss_graph(sq, sk, causal, with_mask);
         let mut rng = Rng::new(sq as u64 * 7 + sk as u64);
         let (sq, sk) = (sq as usize, sk as usize);
@@ -253,8 +475,19 @@ fn attention_grads_over_many_row_blocks() {
         let mut i = map(vec![("r", hf(&[1, 4, sq, 3], rng.vec(sq * 12, 1.0)))]);
         if with_mask {
             // random holes; key 0 always kept so that every row sees a key
-            let m: Vec<i64> = (0..sq * sk).map(|x| if x % sk == 0 { 1 } else { (rng.below(5) != 0) as i64 }).collect();
-            i.insert("mask".into(), HostTensor::ints(DType::Bool, vec![1, 1, sq, sk], m));
+            let m: Vec<i64> = (0..sq * sk)
+                .map(|x| {
+                    if x % sk == 0 {
+                        1
+                    } else {
+                        (rng.below(5) != 0) as i64
+                    }
+                })
+                .collect();
+            i.insert(
+                "mask".into(),
+                HostTensor::ints(DType::Bool, vec![1, 1, sq, sk], m),
+            );
         }
         check_fd(&g, &w, &i, 8, 1e-6);
     }
@@ -274,10 +507,21 @@ fn partial_rope_and_rms_norm_grads_match_finite_differences() {
     let y = g.add(Op::RmsNorm { eps: Float(1e-5) }, &[y, w]).unwrap();
     let r = input(&mut g, "r", fty(&[2, 3, 2, 6]));
     let p = g.add(Op::Mul {}, &[y, r]).unwrap();
-    let loss = g.add(Op::Sum { dims: vec![0, 1, 2, 3], keepdim: false }, &[p]).unwrap();
+    let loss = g
+        .add(
+            Op::Sum {
+                dims: vec![0, 1, 2, 3],
+                keepdim: false,
+            },
+            &[p],
+        )
+        .unwrap();
     g.set_output("loss", loss);
     let mut rng = Rng::new(31);
-    let w = map(vec![("x", hf(&[2, 2, 3, 6], rng.vec(72, 1.0))), ("w", hf(&[6], rng.vec(6, 1.0)))]);
+    let w = map(vec![
+        ("x", hf(&[2, 2, 3, 6], rng.vec(72, 1.0))),
+        ("w", hf(&[6], rng.vec(6, 1.0))),
+    ]);
     let i = map(vec![
         ("cos", hf(&[2, 2, 4], rng.vec(16, 1.0))),
         ("sin", hf(&[2, 2, 4], rng.vec(16, 1.0))),
@@ -294,7 +538,15 @@ fn linear_with_bias_grads_match_finite_differences() {
     let b = param(&mut g, "b", fty(&[5]));
     let y = g.add(Op::Linear {}, &[x, w, b]).unwrap();
     let y = g.add(Op::Tanh {}, &[y]).unwrap();
-    let loss = g.add(Op::Sum { dims: vec![0, 1, 2], keepdim: false }, &[y]).unwrap();
+    let loss = g
+        .add(
+            Op::Sum {
+                dims: vec![0, 1, 2],
+                keepdim: false,
+            },
+            &[y],
+        )
+        .unwrap();
     g.set_output("loss", loss);
     let mut rng = Rng::new(41);
     let wv = map(vec![
@@ -315,7 +567,15 @@ fn softmax_along_a_leading_dim_grads_match_finite_differences() {
     let a = g.add(Op::Mul {}, &[y, r]).unwrap();
     let b = g.add(Op::Mul {}, &[z, r]).unwrap();
     let c = g.add(Op::Add {}, &[a, b]).unwrap();
-    let loss = g.add(Op::Sum { dims: vec![0, 1, 2], keepdim: false }, &[c]).unwrap();
+    let loss = g
+        .add(
+            Op::Sum {
+                dims: vec![0, 1, 2],
+                keepdim: false,
+            },
+            &[c],
+        )
+        .unwrap();
     g.set_output("loss", loss);
     let mut rng = Rng::new(51);
     let w = map(vec![("x", hf(&[3, 2, 4], rng.vec(24, 2.0)))]);

@@ -49,8 +49,15 @@ impl Cfg {
 
     /// `(name, shape)` of every param, in HF order.
     pub(super) fn params(&self) -> Vec<(String, Vec<usize>)> {
-        let (h, i, v) = (self.hidden as usize, self.inter as usize, self.vocab as usize);
-        let (q, kv) = ((self.heads * self.head_dim) as usize, (self.kv_heads * self.head_dim) as usize);
+        let (h, i, v) = (
+            self.hidden as usize,
+            self.inter as usize,
+            self.vocab as usize,
+        );
+        let (q, kv) = (
+            (self.heads * self.head_dim) as usize,
+            (self.kv_heads * self.head_dim) as usize,
+        );
         let mut p = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
         for l in 0..self.layers {
             let pre = format!("model.layers.{l}");
@@ -86,7 +93,12 @@ impl Cfg {
     }
 }
 
-pub(super) fn random_inputs(cfg: &Cfg, b: usize, s: usize, seed: u64) -> BTreeMap<String, HostTensor> {
+pub(super) fn random_inputs(
+    cfg: &Cfg,
+    b: usize,
+    s: usize,
+    seed: u64,
+) -> BTreeMap<String, HostTensor> {
     let mut rng = Rng::new(seed);
     let ids: Vec<i64> = (0..b * s).map(|_| rng.below(cfg.vocab as u64)).collect();
     let mut labels = ids.clone();
@@ -95,7 +107,10 @@ pub(super) fn random_inputs(cfg: &Cfg, b: usize, s: usize, seed: u64) -> BTreeMa
             *l = -100;
         }
     }
-    map(vec![("input_ids", hi(&[b, s], ids)), ("labels", hi(&[b, s], labels))])
+    map(vec![
+        ("input_ids", hi(&[b, s], ids)),
+        ("labels", hi(&[b, s], labels)),
+    ])
 }
 
 pub(super) fn build(cfg: &Cfg) -> Graph {
@@ -109,35 +124,96 @@ pub(super) fn build(cfg: &Cfg) -> Graph {
     }
     g.mesh = Mesh::new(&axes);
     let (bsym, ssym) = (Dim::sym("B"), Dim::sym("S"));
-    let dp = if cfg.dp > 1 { Dim::sym("dp") } else { Dim::from(1) };
-    let sp = if cfg.sp > 1 { Dim::sym("sp") } else { Dim::from(1) };
+    let dp = if cfg.dp > 1 {
+        Dim::sym("dp")
+    } else {
+        Dim::from(1)
+    };
+    let sp = if cfg.sp > 1 {
+        Dim::sym("sp")
+    } else {
+        Dim::from(1)
+    };
     let (bl, sl) = (bsym.clone() / dp.clone(), ssym.clone() / sp.clone());
     let d = |x: i64| Dim::from(x);
     let ity2 = TensorType::new(DType::I64, vec![bsym.clone(), ssym.clone()]);
     let ids = input_role(&mut g, "input_ids", Role::InputIds, ity2.clone());
     let labels = input_role(&mut g, "labels", Role::Labels, ity2);
-    let shifted = g.add(Op::ShiftLabels { ignore_index: -100 }, &[labels]).unwrap();
-    let count = g.add(Op::CountValid { ignore_index: -100 }, &[shifted]).unwrap();
+    let shifted = g
+        .add(Op::ShiftLabels { ignore_index: -100 }, &[labels])
+        .unwrap();
+    let count = g
+        .add(Op::CountValid { ignore_index: -100 }, &[shifted])
+        .unwrap();
     // This rank's block: batch by @dp, sequence by @sp.
     let local = |g: &mut Graph, v: Value| -> Value {
         let mut v = v;
         if cfg.dp > 1 {
-            v = g.add(Op::Slice { dim: 0, start: Dim::coord("dp") * bl.clone(), len: bl.clone() }, &[v]).unwrap();
+            v = g
+                .add(
+                    Op::Slice {
+                        dim: 0,
+                        start: Dim::coord("dp") * bl.clone(),
+                        len: bl.clone(),
+                    },
+                    &[v],
+                )
+                .unwrap();
         }
         if cfg.sp > 1 {
-            v = g.add(Op::Slice { dim: 1, start: Dim::coord("sp") * sl.clone(), len: sl.clone() }, &[v]).unwrap();
+            v = g
+                .add(
+                    Op::Slice {
+                        dim: 1,
+                        start: Dim::coord("sp") * sl.clone(),
+                        len: sl.clone(),
+                    },
+                    &[v],
+                )
+                .unwrap();
         }
         v
     };
     let ids_l = local(&mut g, ids);
     let lab_l = local(&mut g, shifted);
-    let pos = g.add(Op::Arange { start: d(0), ty: TensorType::new(DType::I64, vec![ssym.clone()]) }, &[]).unwrap();
-    let mut pos = g.add(Op::Reshape { shape: vec![d(1), ssym.clone()] }, &[pos]).unwrap();
+    let pos = g
+        .add(
+            Op::Arange {
+                start: d(0),
+                ty: TensorType::new(DType::I64, vec![ssym.clone()]),
+            },
+            &[],
+        )
+        .unwrap();
+    let mut pos = g
+        .add(
+            Op::Reshape {
+                shape: vec![d(1), ssym.clone()],
+            },
+            &[pos],
+        )
+        .unwrap();
     if cfg.sp > 1 {
-        pos = g.add(Op::Slice { dim: 1, start: Dim::coord("sp") * sl.clone(), len: sl.clone() }, &[pos]).unwrap();
+        pos = g
+            .add(
+                Op::Slice {
+                    dim: 1,
+                    start: Dim::coord("sp") * sl.clone(),
+                    len: sl.clone(),
+                },
+                &[pos],
+            )
+            .unwrap();
     }
     let cs = g
-        .add_multi(Op::RopeTable { theta: Float(cfg.theta), dim: cfg.head_dim, scaling: cfg.scaling }, &[pos])
+        .add_multi(
+            Op::RopeTable {
+                theta: Float(cfg.theta),
+                dim: cfg.head_dim,
+                scaling: cfg.scaling,
+            },
+            &[pos],
+        )
         .unwrap();
     let (cos, sin) = (cs[0], cs[1]);
     let pm = |g: &mut Graph, name: String, shape: &[i64]| param(g, &name, fty(shape));
@@ -145,18 +221,48 @@ pub(super) fn build(cfg: &Cfg) -> Graph {
     let emb = pm(&mut g, "model.embed_tokens.weight".into(), &[cfg.vocab, h]);
     let mut x = g.add(Op::Embedding {}, &[ids_l, emb]).unwrap();
     let heads = |g: &mut Graph, t: Value, n: i64| -> Value {
-        let r = g.add(Op::Reshape { shape: vec![bl.clone(), sl.clone(), d(n), d(hd)] }, &[t]).unwrap();
+        let r = g
+            .add(
+                Op::Reshape {
+                    shape: vec![bl.clone(), sl.clone(), d(n), d(hd)],
+                },
+                &[t],
+            )
+            .unwrap();
         g.add(Op::Transpose { dim0: 1, dim1: 2 }, &[r]).unwrap()
     };
     for l in 0..cfg.layers {
         let pre = format!("model.layers.{l}");
         g.set_scope(Some(&format!("{pre}.self_attn")));
         let ln1 = pm(&mut g, format!("{pre}.input_layernorm.weight"), &[h]);
-        let hn = g.add(Op::RmsNorm { eps: Float(cfg.eps) }, &[x, ln1]).unwrap();
-        let wq = pm(&mut g, format!("{pre}.self_attn.q_proj.weight"), &[cfg.heads * hd, h]);
-        let wk = pm(&mut g, format!("{pre}.self_attn.k_proj.weight"), &[cfg.kv_heads * hd, h]);
-        let wv = pm(&mut g, format!("{pre}.self_attn.v_proj.weight"), &[cfg.kv_heads * hd, h]);
-        let wo = pm(&mut g, format!("{pre}.self_attn.o_proj.weight"), &[h, cfg.heads * hd]);
+        let hn = g
+            .add(
+                Op::RmsNorm {
+                    eps: Float(cfg.eps),
+                },
+                &[x, ln1],
+            )
+            .unwrap();
+        let wq = pm(
+            &mut g,
+            format!("{pre}.self_attn.q_proj.weight"),
+            &[cfg.heads * hd, h],
+        );
+        let wk = pm(
+            &mut g,
+            format!("{pre}.self_attn.k_proj.weight"),
+            &[cfg.kv_heads * hd, h],
+        );
+        let wv = pm(
+            &mut g,
+            format!("{pre}.self_attn.v_proj.weight"),
+            &[cfg.kv_heads * hd, h],
+        );
+        let wo = pm(
+            &mut g,
+            format!("{pre}.self_attn.o_proj.weight"),
+            &[h, cfg.heads * hd],
+        );
         let q = g.add(Op::Linear {}, &[hn, wq]).unwrap();
         let k = g.add(Op::Linear {}, &[hn, wk]).unwrap();
         let v = g.add(Op::Linear {}, &[hn, wv]).unwrap();
@@ -168,24 +274,76 @@ pub(super) fn build(cfg: &Cfg) -> Graph {
         if cfg.sp > 1 {
             // Ulysses: trade the sequence split for a head split.
             for t in [&mut q, &mut k, &mut v] {
-                *t = g.add(Op::AllToAll { axis: "sp".into(), scatter_dim: 1, gather_dim: 2 }, &[*t]).unwrap();
+                *t = g
+                    .add(
+                        Op::AllToAll {
+                            axis: "sp".into(),
+                            scatter_dim: 1,
+                            gather_dim: 2,
+                        },
+                        &[*t],
+                    )
+                    .unwrap();
             }
         }
         let scale = 1.0 / (hd as f64).sqrt();
-        let mut a = g.add(Op::Attention { causal: true, scale: Float(scale) }, &[q, k, v]).unwrap();
+        let mut a = g
+            .add(
+                Op::Attention {
+                    causal: true,
+                    scale: Float(scale),
+                },
+                &[q, k, v],
+            )
+            .unwrap();
         if cfg.sp > 1 {
-            a = g.add(Op::AllToAll { axis: "sp".into(), scatter_dim: 2, gather_dim: 1 }, &[a]).unwrap();
+            a = g
+                .add(
+                    Op::AllToAll {
+                        axis: "sp".into(),
+                        scatter_dim: 2,
+                        gather_dim: 1,
+                    },
+                    &[a],
+                )
+                .unwrap();
         }
         let a = g.add(Op::Transpose { dim0: 1, dim1: 2 }, &[a]).unwrap();
-        let a = g.add(Op::Reshape { shape: vec![bl.clone(), sl.clone(), d(cfg.heads * hd)] }, &[a]).unwrap();
+        let a = g
+            .add(
+                Op::Reshape {
+                    shape: vec![bl.clone(), sl.clone(), d(cfg.heads * hd)],
+                },
+                &[a],
+            )
+            .unwrap();
         let o = g.add(Op::Linear {}, &[a, wo]).unwrap();
         x = g.add(Op::Add {}, &[x, o]).unwrap();
         g.set_scope(Some(&format!("{pre}.mlp")));
-        let ln2 = pm(&mut g, format!("{pre}.post_attention_layernorm.weight"), &[h]);
-        let hn = g.add(Op::RmsNorm { eps: Float(cfg.eps) }, &[x, ln2]).unwrap();
-        let wg = pm(&mut g, format!("{pre}.mlp.gate_proj.weight"), &[cfg.inter, h]);
+        let ln2 = pm(
+            &mut g,
+            format!("{pre}.post_attention_layernorm.weight"),
+            &[h],
+        );
+        let hn = g
+            .add(
+                Op::RmsNorm {
+                    eps: Float(cfg.eps),
+                },
+                &[x, ln2],
+            )
+            .unwrap();
+        let wg = pm(
+            &mut g,
+            format!("{pre}.mlp.gate_proj.weight"),
+            &[cfg.inter, h],
+        );
         let wu = pm(&mut g, format!("{pre}.mlp.up_proj.weight"), &[cfg.inter, h]);
-        let wd = pm(&mut g, format!("{pre}.mlp.down_proj.weight"), &[h, cfg.inter]);
+        let wd = pm(
+            &mut g,
+            format!("{pre}.mlp.down_proj.weight"),
+            &[h, cfg.inter],
+        );
         let gt = g.add(Op::Linear {}, &[hn, wg]).unwrap();
         let gt = g.add(Op::Silu {}, &[gt]).unwrap();
         let up = g.add(Op::Linear {}, &[hn, wu]).unwrap();
@@ -195,18 +353,48 @@ pub(super) fn build(cfg: &Cfg) -> Graph {
     }
     g.set_scope(Some("model"));
     let nw = pm(&mut g, "model.norm.weight".into(), &[h]);
-    let x = g.add(Op::RmsNorm { eps: Float(cfg.eps) }, &[x, nw]).unwrap();
+    let x = g
+        .add(
+            Op::RmsNorm {
+                eps: Float(cfg.eps),
+            },
+            &[x, nw],
+        )
+        .unwrap();
     let head = pm(&mut g, "lm_head.weight".into(), &[cfg.vocab, h]);
     let logits = g.add(Op::Linear {}, &[x, head]).unwrap();
     g.set_scope(Some("loss"));
     let loss = if cfg.dp * cfg.sp == 1 {
-        g.add(Op::CrossEntropy { ignore_index: -100, reduction: Reduction::Mean }, &[logits, lab_l]).unwrap()
+        g.add(
+            Op::CrossEntropy {
+                ignore_index: -100,
+                reduction: Reduction::Mean,
+            },
+            &[logits, lab_l],
+        )
+        .unwrap()
     } else {
         // The sum of every rank's token losses over the global number of targets.
-        let mut s = g.add(Op::CrossEntropy { ignore_index: -100, reduction: Reduction::Sum }, &[logits, lab_l]).unwrap();
+        let mut s = g
+            .add(
+                Op::CrossEntropy {
+                    ignore_index: -100,
+                    reduction: Reduction::Sum,
+                },
+                &[logits, lab_l],
+            )
+            .unwrap();
         for (axis, n) in [("dp", cfg.dp), ("sp", cfg.sp)] {
             if n > 1 {
-                s = g.add(Op::AllReduce { axis: axis.into(), op: ReduceOp::Sum }, &[s]).unwrap();
+                s = g
+                    .add(
+                        Op::AllReduce {
+                            axis: axis.into(),
+                            op: ReduceOp::Sum,
+                        },
+                        &[s],
+                    )
+                    .unwrap();
             }
         }
         g.add(Op::Div {}, &[s, count]).unwrap()
@@ -225,7 +413,9 @@ pub(super) fn build(cfg: &Cfg) -> Graph {
 // ---- HF fixtures ----
 
 fn fixture_dir(name: &str) -> Option<std::path::PathBuf> {
-    let d = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name);
+    let d = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(name);
     d.join("reference.safetensors").exists().then_some(d)
 }
 
@@ -234,11 +424,20 @@ fn load(path: &std::path::Path) -> BTreeMap<String, HostTensor> {
     ts.into_iter()
         .map(|(k, t)| {
             let h = match t.dtype() {
-                candle_core::DType::I64 => HostTensor::ints(DType::I64, t.dims().to_vec(), t.flatten_all().unwrap().to_vec1().unwrap()),
+                candle_core::DType::I64 => HostTensor::ints(
+                    DType::I64,
+                    t.dims().to_vec(),
+                    t.flatten_all().unwrap().to_vec1().unwrap(),
+                ),
                 _ => HostTensor::floats(
                     DType::F32,
                     t.dims().to_vec(),
-                    t.flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_vec1().unwrap(),
+                    t.flatten_all()
+                        .unwrap()
+                        .to_dtype(candle_core::DType::F64)
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap(),
                 ),
             };
             (k, h)
@@ -247,7 +446,8 @@ fn load(path: &std::path::Path) -> BTreeMap<String, HostTensor> {
 }
 
 fn cfg_of(dir: &std::path::Path) -> Cfg {
-    let c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let i = |k: &str| c[k].as_i64().unwrap();
     let rp = &c["rope_parameters"];
     let scaling = match rp["rope_type"].as_str().unwrap() {
@@ -255,7 +455,9 @@ fn cfg_of(dir: &std::path::Path) -> Cfg {
             factor: Float(rp["factor"].as_f64().unwrap()),
             low_freq_factor: Float(rp["low_freq_factor"].as_f64().unwrap()),
             high_freq_factor: Float(rp["high_freq_factor"].as_f64().unwrap()),
-            original_max_position_embeddings: rp["original_max_position_embeddings"].as_i64().unwrap(),
+            original_max_position_embeddings: rp["original_max_position_embeddings"]
+                .as_i64()
+                .unwrap(),
         },
         "default" => RopeScaling::None,
         other => panic!("rope type {other}"),
@@ -280,7 +482,10 @@ fn cfg_of(dir: &std::path::Path) -> Cfg {
 fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
-    a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+    a.iter()
+        .zip(b)
+        .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
+        / scale
 }
 
 fn check_fixture(name: &str, mesh: Option<(u32, u32)>) {
@@ -299,7 +504,10 @@ fn check_fixture(name: &str, mesh: Option<(u32, u32)>) {
     let inputs = load(&dir.join("inputs.safetensors"));
     let reference = load(&dir.join("reference.safetensors"));
     for precision in [Precision::F64, Precision::F32] {
-        let opts = RunOptions { grads: true, ..RunOptions::new(precision) };
+        let opts = RunOptions {
+            grads: true,
+            ..RunOptions::new(precision)
+        };
         let r = run(&g, &weights, &inputs, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
         let tol = 5e-6;
         let e = rel_err(&r.outputs["logits"].to_f64(), &reference["logits"].to_f64());
@@ -370,11 +578,18 @@ fn speed_llama_512() {
     let g = build(&cfg);
     let w = cfg.random_weights(7);
     let i = random_inputs(&cfg, 1, 512, 8);
-    let opts = RunOptions { grads: true, ..RunOptions::new(Precision::F32) };
+    let opts = RunOptions {
+        grads: true,
+        ..RunOptions::new(Precision::F32)
+    };
     for it in 0..3 {
         let t = std::time::Instant::now();
         let r = run(&g, &w, &i, &opts).unwrap();
-        eprintln!("run {it}: forward+backward {:.3}s, loss {}", t.elapsed().as_secs_f64(), r.outputs["loss"].to_f64()[0]);
+        eprintln!(
+            "run {it}: forward+backward {:.3}s, loss {}",
+            t.elapsed().as_secs_f64(),
+            r.outputs["loss"].to_f64()[0]
+        );
         eprintln!("{}", r.profile.table());
     }
 }
@@ -397,7 +612,11 @@ fn speed_gemm() {
             })
             .fold(f64::INFINITY, f64::min)
     };
-    for (m, k, n) in [(512usize, 512usize, 512usize), (512, 512, 1376), (512, 512, 32000)] {
+    for (m, k, n) in [
+        (512usize, 512usize, 512usize),
+        (512, 512, 1376),
+        (512, 512, 32000),
+    ] {
         let gf = |s: f64| 2.0 * (m * k * n) as f64 / s / 1e9;
         let a = Tensor::ones((m, k), candle_core::DType::F32, &Device::Cpu).unwrap();
         let b = Tensor::ones((k, n), candle_core::DType::F32, &Device::Cpu).unwrap();
@@ -405,16 +624,58 @@ fn speed_gemm() {
         eprintln!("gemm crate {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s", s, gf(s));
         let (av, bv) = (vec![1f32; m * k], vec![1f32; k * n]);
         let mut c = vec![0f32; m * n];
-        for (what, bs, par) in [("", (n, 1), true), (" b^T", (1, k), true), (" 1 thread", (n, 1), false)] {
-            let s = time(&mut || crate::cpu::sgemm::sgemm((m, n, k), 1.0, &av, (k, 1), &bv, bs, 0.0, &mut c, (n, 1), par));
-            eprintln!("sgemm{what} {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s (avx512: {})", s, gf(s), crate::cpu::sgemm::avx512());
+        for (what, bs, par) in [
+            ("", (n, 1), true),
+            (" b^T", (1, k), true),
+            (" 1 thread", (n, 1), false),
+        ] {
+            let s = time(&mut || {
+                crate::cpu::sgemm::sgemm(
+                    (m, n, k),
+                    1.0,
+                    &av,
+                    (k, 1),
+                    &bv,
+                    bs,
+                    0.0,
+                    &mut c,
+                    (n, 1),
+                    par,
+                )
+            });
+            eprintln!(
+                "sgemm{what} {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s (avx512: {})",
+                s,
+                gf(s),
+                crate::cpu::sgemm::avx512()
+            );
         }
     }
     // the lm_head's backward: dx = g @ w (k = vocab) and dw = g^T @ x (m = vocab, a^T)
-    for (what, (m, k, n), a_s) in [("dx", (512usize, 32000usize, 512usize), (32000usize, 1usize)), ("dw", (32000, 512, 512), (1, 32000))] {
+    for (what, (m, k, n), a_s) in [
+        ("dx", (512usize, 32000usize, 512usize), (32000usize, 1usize)),
+        ("dw", (32000, 512, 512), (1, 32000)),
+    ] {
         let (av, bv) = (vec![1f32; m * k], vec![1f32; k * n]);
         let mut c = vec![0f32; m * n];
-        let s = time(&mut || crate::cpu::sgemm::sgemm((m, n, k), 1.0, &av, a_s, &bv, (n, 1), 0.0, &mut c, (n, 1), true));
-        eprintln!("sgemm lm_head {what} {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s", s, 2.0 * (m * k * n) as f64 / s / 1e9);
+        let s = time(&mut || {
+            crate::cpu::sgemm::sgemm(
+                (m, n, k),
+                1.0,
+                &av,
+                a_s,
+                &bv,
+                (n, 1),
+                0.0,
+                &mut c,
+                (n, 1),
+                true,
+            )
+        });
+        eprintln!(
+            "sgemm lm_head {what} {m}x{k}x{n}: {:.4}s, {:.1} GFLOP/s",
+            s,
+            2.0 * (m * k * n) as f64 / s / 1e9
+        );
     }
 }

@@ -23,15 +23,38 @@ pub(super) fn ity(d: &[i64]) -> TensorType {
 }
 
 pub(super) fn input(g: &mut Graph, name: &str, ty: TensorType) -> Value {
-    g.add(Op::Input { name: name.into(), role: Role::Other, ty }, &[]).unwrap()
+    g.add(
+        Op::Input {
+            name: name.into(),
+            role: Role::Other,
+            ty,
+        },
+        &[],
+    )
+    .unwrap()
 }
 
 pub(super) fn input_role(g: &mut Graph, name: &str, role: Role, ty: TensorType) -> Value {
-    g.add(Op::Input { name: name.into(), role, ty }, &[]).unwrap()
+    g.add(
+        Op::Input {
+            name: name.into(),
+            role,
+            ty,
+        },
+        &[],
+    )
+    .unwrap()
 }
 
 pub(super) fn param(g: &mut Graph, name: &str, ty: TensorType) -> Value {
-    g.add(Op::Param { name: name.into(), ty }, &[]).unwrap()
+    g.add(
+        Op::Param {
+            name: name.into(),
+            ty,
+        },
+        &[],
+    )
+    .unwrap()
 }
 
 pub(super) fn hf(shape: &[usize], data: Vec<f64>) -> HostTensor {
@@ -46,12 +69,19 @@ pub(super) fn map(items: Vec<(&str, HostTensor)>) -> BTreeMap<String, HostTensor
     items.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 
-pub(super) fn run64(g: &Graph, w: &BTreeMap<String, HostTensor>, i: &BTreeMap<String, HostTensor>) -> RunResult {
+pub(super) fn run64(
+    g: &Graph,
+    w: &BTreeMap<String, HostTensor>,
+    i: &BTreeMap<String, HostTensor>,
+) -> RunResult {
     run(g, w, i, &RunOptions::new(Precision::F64)).unwrap_or_else(|e| panic!("run failed: {e}"))
 }
 
 pub(super) fn out(r: &RunResult, name: &str) -> Vec<f64> {
-    r.outputs.get(name).unwrap_or_else(|| panic!("no output {name}")).to_f64()
+    r.outputs
+        .get(name)
+        .unwrap_or_else(|| panic!("no output {name}"))
+        .to_f64()
 }
 
 #[track_caller]
@@ -59,7 +89,10 @@ pub(super) fn assert_close(got: &[f64], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "lengths differ");
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
         let ok = (a - b).abs() <= tol * (1.0 + b.abs()) || (a.is_nan() && b.is_nan());
-        assert!(ok, "at {i}: got {a}, want {b} (tol {tol})\n got: {got:?}\nwant: {want:?}");
+        assert!(
+            ok,
+            "at {i}: got {a}, want {b} (tol {tol})\n got: {got:?}\nwant: {want:?}"
+        );
     }
 }
 

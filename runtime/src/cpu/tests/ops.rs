@@ -47,8 +47,14 @@ fn matmul_broadcast_and_transposes() {
     let b = rng.vec(4 * 5, 1.0);
     // [2,3,4] @ [4,5]: batch folds into rows
     let y = one_op(
-        Op::Matmul { transpose_a: false, transpose_b: false },
-        vec![(fty(&[2, 3, 4]), hf(&[2, 3, 4], a.clone())), (fty(&[4, 5]), hf(&[4, 5], b.clone()))],
+        Op::Matmul {
+            transpose_a: false,
+            transpose_b: false,
+        },
+        vec![
+            (fty(&[2, 3, 4]), hf(&[2, 3, 4], a.clone())),
+            (fty(&[4, 5]), hf(&[4, 5], b.clone())),
+        ],
     );
     let mut want = naive_matmul(&a[..12], &b, 3, 4, 5);
     want.extend(naive_matmul(&a[12..], &b, 3, 4, 5));
@@ -58,8 +64,14 @@ fn matmul_broadcast_and_transposes() {
     let bt = rng.vec(2 * 5 * 4, 1.0);
     let a1 = &a[..12];
     let y = one_op(
-        Op::Matmul { transpose_a: false, transpose_b: true },
-        vec![(fty(&[1, 3, 4]), hf(&[1, 3, 4], a1.to_vec())), (fty(&[2, 5, 4]), hf(&[2, 5, 4], bt.clone()))],
+        Op::Matmul {
+            transpose_a: false,
+            transpose_b: true,
+        },
+        vec![
+            (fty(&[1, 3, 4]), hf(&[1, 3, 4], a1.to_vec())),
+            (fty(&[2, 5, 4]), hf(&[2, 5, 4], bt.clone())),
+        ],
     );
     let mut want = naive_matmul(a1, &transpose2(&bt[..20], 5, 4), 3, 4, 5);
     want.extend(naive_matmul(a1, &transpose2(&bt[20..], 5, 4), 3, 4, 5));
@@ -68,8 +80,14 @@ fn matmul_broadcast_and_transposes() {
     // transpose_a: a [4,3] used as [3,4]
     let at = transpose2(a1, 3, 4);
     let y = one_op(
-        Op::Matmul { transpose_a: true, transpose_b: false },
-        vec![(fty(&[4, 3]), hf(&[4, 3], at)), (fty(&[4, 5]), hf(&[4, 5], b.clone()))],
+        Op::Matmul {
+            transpose_a: true,
+            transpose_b: false,
+        },
+        vec![
+            (fty(&[4, 3]), hf(&[4, 3], at)),
+            (fty(&[4, 5]), hf(&[4, 5], b.clone())),
+        ],
     );
     assert_close(&y, &naive_matmul(a1, &b, 3, 4, 5), 1e-12);
 }
@@ -102,7 +120,10 @@ fn rms_norm_matches_formula() {
     let eps = 1e-6;
     let y = one_op(
         Op::RmsNorm { eps: Float(eps) },
-        vec![(fty(&[2, 4]), hf(&[2, 4], x.clone())), (fty(&[4]), hf(&[4], w.clone()))],
+        vec![
+            (fty(&[2, 4]), hf(&[2, 4], x.clone())),
+            (fty(&[4]), hf(&[4], w.clone())),
+        ],
     );
     let mut want = Vec::new();
     for r in 0..2 {
@@ -133,10 +154,23 @@ fn llama3(inv: f64, factor: f64, lo: f64, hi: f64, old: f64) -> f64 {
 fn rope_table(pos: &[i64], dim: i64, theta: f64, scaling: RopeScaling) -> (Vec<f64>, Vec<f64>) {
     let mut g = Graph::new("t");
     let p = input(&mut g, "p", ity(&[1, pos.len() as i64]));
-    let cs = g.add_multi(Op::RopeTable { theta: Float(theta), dim, scaling }, &[p]).unwrap();
+    let cs = g
+        .add_multi(
+            Op::RopeTable {
+                theta: Float(theta),
+                dim,
+                scaling,
+            },
+            &[p],
+        )
+        .unwrap();
     g.set_output("cos", cs[0]);
     g.set_output("sin", cs[1]);
-    let r = run64(&g, &BTreeMap::new(), &map(vec![("p", hi(&[1, pos.len()], pos.to_vec()))]));
+    let r = run64(
+        &g,
+        &BTreeMap::new(),
+        &map(vec![("p", hi(&[1, pos.len()], pos.to_vec()))]),
+    );
     (out(&r, "cos"), out(&r, "sin"))
 }
 
@@ -149,8 +183,14 @@ fn rope_table_default_linear_and_llama3() {
         for (i, &p) in pos.iter().enumerate() {
             for j in 0..8 {
                 let f = p as f64 * pscale * inv[j % 4];
-                assert!((cos[i * 8 + j] - f.cos()).abs() < 1e-9, "cos at pos {p}, feature {j}");
-                assert!((sin[i * 8 + j] - f.sin()).abs() < 1e-9, "sin at pos {p}, feature {j}");
+                assert!(
+                    (cos[i * 8 + j] - f.cos()).abs() < 1e-9,
+                    "cos at pos {p}, feature {j}"
+                );
+                assert!(
+                    (sin[i * 8 + j] - f.sin()).abs() < 1e-9,
+                    "sin at pos {p}, feature {j}"
+                );
             }
         }
     };
@@ -167,9 +207,16 @@ fn rope_table_default_linear_and_llama3() {
         high_freq_factor: Float(16.0),
         original_max_position_embeddings: 512,
     };
-    let scaled: Vec<f64> = inv.iter().map(|&f| llama3(f, 8.0, 1.0, 16.0, 512.0)).collect();
+    let scaled: Vec<f64> = inv
+        .iter()
+        .map(|&f| llama3(f, 8.0, 1.0, 16.0, 512.0))
+        .collect();
     assert_eq!(scaled[0], 1.0);
-    assert!((scaled[1] - 0.054200943).abs() < 1e-8, "smoothed: {}", scaled[1]);
+    assert!(
+        (scaled[1] - 0.054200943).abs() < 1e-8,
+        "smoothed: {}",
+        scaled[1]
+    );
     assert!((scaled[2] - 0.00125).abs() < 1e-12 && (scaled[3] - 0.000125).abs() < 1e-12);
     let (c, s) = rope_table(&pos, 8, 1e4, sc);
     check(&c, &s, &scaled, 1.0);
@@ -196,7 +243,11 @@ fn rope_rotates_the_first_features_and_passes_the_rest() {
             let base = (h * s + t) * d;
             for j in 0..d {
                 want[base + j] = if j < r {
-                    let rot = if j < r / 2 { -x[base + j + r / 2] } else { x[base + j - r / 2] };
+                    let rot = if j < r / 2 {
+                        -x[base + j + r / 2]
+                    } else {
+                        x[base + j - r / 2]
+                    };
                     x[base + j] * cos[t * r + j] + rot * sin[t * r + j]
                 } else {
                     x[base + j]
@@ -226,9 +277,13 @@ fn naive_attention(
             for i in 0..sq {
                 let mut sc = vec![f64::MIN; sk];
                 for (j, s) in sc.iter_mut().enumerate() {
-                    let keep = (!causal || j + sq <= i + sk) && mask.is_none_or(|m| m[(bi * sq + i) * sk + j] != 0);
+                    let keep = (!causal || j + sq <= i + sk)
+                        && mask.is_none_or(|m| m[(bi * sq + i) * sk + j] != 0);
                     let dot: f64 = (0..d)
-                        .map(|e| q[((bi * nq + h) * sq + i) * d + e] * k[((bi * nkv + kh) * sk + j) * d + e])
+                        .map(|e| {
+                            q[((bi * nq + h) * sq + i) * d + e]
+                                * k[((bi * nkv + kh) * sk + j) * d + e]
+                        })
                         .sum();
                     if keep {
                         *s = dot * scale;
@@ -238,8 +293,9 @@ fn naive_attention(
                 let ex: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
                 let z: f64 = ex.iter().sum();
                 for e in 0..d {
-                    o[((bi * nq + h) * sq + i) * d + e] =
-                        (0..sk).map(|j| ex[j] / z * v[((bi * nkv + kh) * sk + j) * d + e]).sum();
+                    o[((bi * nq + h) * sq + i) * d + e] = (0..sk)
+                        .map(|j| ex[j] / z * v[((bi * nkv + kh) * sk + j) * d + e])
+                        .sum();
                 }
             }
         }
@@ -265,8 +321,18 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
         ]
     };
     for causal in [true, false] {
-        let y = one_op(Op::Attention { causal, scale: Float(scale) }, qkv(&q, &k, &v));
-        assert_close(&y, &naive_attention(&q, &k, &v, (b, nq, nkv, s, s, d), causal, None, scale), 1e-12);
+        let y = one_op(
+            Op::Attention {
+                causal,
+                scale: Float(scale),
+            },
+            qkv(&q, &k, &v),
+        );
+        assert_close(
+            &y,
+            &naive_attention(&q, &k, &v, (b, nq, nkv, s, s, d), causal, None, scale),
+            1e-12,
+        );
     }
     // keep-mask [B, 1, S, S]: left padding of 2 in batch 1, with a fully masked row
     let mut m = vec![1i64; b * s * s];
@@ -276,11 +342,23 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
         }
     }
     let mut ins = qkv(&q, &k, &v);
-    ins.push((TensorType::new(DType::Bool, dims(&[2, 1, 5, 5])), HostTensor::ints(DType::Bool, vec![2, 1, 5, 5], m.clone())));
-    let y = one_op(Op::Attention { causal: true, scale: Float(scale) }, ins);
+    ins.push((
+        TensorType::new(DType::Bool, dims(&[2, 1, 5, 5])),
+        HostTensor::ints(DType::Bool, vec![2, 1, 5, 5], m.clone()),
+    ));
+    let y = one_op(
+        Op::Attention {
+            causal: true,
+            scale: Float(scale),
+        },
+        ins,
+    );
     let want = naive_attention(&q, &k, &v, (b, nq, nkv, s, s, d), true, Some(&m), scale);
     assert_close(&y, &want, 1e-12);
-    assert!(y.iter().all(|x| x.is_finite()), "fully masked rows must not give NaN");
+    assert!(
+        y.iter().all(|x| x.is_finite()),
+        "fully masked rows must not give NaN"
+    );
 
     // several blocks of query rows, causal with fewer queries than keys
     let (b, nq, nkv, sq, sk, d) = (1usize, 2usize, 1usize, 100usize, 160usize, 4usize);
@@ -288,20 +366,30 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
     let k = rng.vec(b * nkv * sk * d, 1.0);
     let v = rng.vec(b * nkv * sk * d, 1.0);
     let y = one_op(
-        Op::Attention { causal: true, scale: Float(0.5) },
+        Op::Attention {
+            causal: true,
+            scale: Float(0.5),
+        },
         vec![
             (fty(&[1, 2, 100, 4]), hf(&[1, 2, 100, 4], q.clone())),
             (fty(&[1, 1, 160, 4]), hf(&[1, 1, 160, 4], k.clone())),
             (fty(&[1, 1, 160, 4]), hf(&[1, 1, 160, 4], v.clone())),
         ],
     );
-    assert_close(&y, &naive_attention(&q, &k, &v, (b, nq, nkv, sq, sk, d), true, None, 0.5), 1e-12);
+    assert_close(
+        &y,
+        &naive_attention(&q, &k, &v, (b, nq, nkv, sq, sk, d), true, None, 0.5),
+        1e-12,
+    );
 }
 
 #[test]
 fn cross_entropy_shift_and_count_with_ignored_labels() {
     let (n, v) = (2usize, 3usize);
-    let logits = vec![0.5, -1.0, 2.0, 1.0, 1.0, 0.0, 0.2, 0.3, -0.4, 3.0, 0.0, 1.0, -2.0, 0.5, 0.25, 1.5, 1.0, -1.0];
+    let logits = vec![
+        0.5, -1.0, 2.0, 1.0, 1.0, 0.0, 0.2, 0.3, -0.4, 3.0, 0.0, 1.0, -2.0, 0.5, 0.25, 1.5, 1.0,
+        -1.0,
+    ];
     let labels = vec![2i64, -100, 1, 0, -100, 2];
     let lse = |row: &[f64]| row.iter().map(|x| x.exp()).sum::<f64>().ln();
     let per: Vec<f64> = (0..6)
@@ -319,13 +407,28 @@ fn cross_entropy_shift_and_count_with_ignored_labels() {
         let mut g = Graph::new("t");
         let l = input(&mut g, "logits", fty(&[2, 3, 3]));
         let y = input_role(&mut g, "labels", Role::Labels, ity(&[2, 3]));
-        let ce = g.add(Op::CrossEntropy { ignore_index: -100, reduction: red }, &[l, y]).unwrap();
+        let ce = g
+            .add(
+                Op::CrossEntropy {
+                    ignore_index: -100,
+                    reduction: red,
+                },
+                &[l, y],
+            )
+            .unwrap();
         let sh = g.add(Op::ShiftLabels { ignore_index: -100 }, &[y]).unwrap();
         let cv = g.add(Op::CountValid { ignore_index: -100 }, &[y]).unwrap();
         g.set_output("ce", ce);
         g.set_output("shifted", sh);
         g.set_output("count", cv);
-        let r = run64(&g, &BTreeMap::new(), &map(vec![("logits", hf(&[2, 3, 3], logits.clone())), ("labels", hi(&[2, 3], labels.clone()))]));
+        let r = run64(
+            &g,
+            &BTreeMap::new(),
+            &map(vec![
+                ("logits", hf(&[2, 3, 3], logits.clone())),
+                ("labels", hi(&[2, 3], labels.clone())),
+            ]),
+        );
         (out(&r, "ce"), out(&r, "shifted"), out(&r, "count"))
     };
     let _ = n;
@@ -354,7 +457,11 @@ fn topk_sorted_descending_ties_to_lower_index() {
     let xi = input(&mut g, "x", fty(&[3, 2]));
     let r = g.add_multi(Op::Topk { k: 2, dim: 0 }, &[xi]).unwrap();
     g.set_output("i", r[1]);
-    let res = run64(&g, &BTreeMap::new(), &map(vec![("x", hf(&[3, 2], vec![0.0, 5.0, 1.0, 5.0, 1.0, 4.0]))]));
+    let res = run64(
+        &g,
+        &BTreeMap::new(),
+        &map(vec![("x", hf(&[3, 2], vec![0.0, 5.0, 1.0, 5.0, 1.0, 4.0]))]),
+    );
     assert_eq!(res.outputs["i"].to_i64(), vec![1, 0, 2, 1]);
 }
 
@@ -371,7 +478,9 @@ fn moe_dispatch_grouped_matmul_combine_match_a_per_token_loop() {
     let iv = input(&mut g, "idx", ity(&[5, 2]));
     let wv = param(&mut g, "w", fty(&[3, 4, 3]));
     let gv = input(&mut g, "gates", fty(&[5, 2]));
-    let d = g.add_multi(Op::MoeDispatch { num_experts: 3 }, &[xv, iv]).unwrap();
+    let d = g
+        .add_multi(Op::MoeDispatch { num_experts: 3 }, &[xv, iv])
+        .unwrap();
     let y = g.add(Op::GroupedMatmul {}, &[d[0], wv, d[1]]).unwrap();
     let c = g.add(Op::MoeCombine {}, &[y, d[2], gv]).unwrap();
     g.set_output("rows", d[0]);
@@ -381,11 +490,18 @@ fn moe_dispatch_grouped_matmul_combine_match_a_per_token_loop() {
     let r = run64(
         &g,
         &map(vec![("w", hf(&[3, 4, 3], w.clone()))]),
-        &map(vec![("x", hf(&[5, 3], x.clone())), ("idx", hi(&[5, 2], experts.clone())), ("gates", hf(&[5, 2], gates.clone()))]),
+        &map(vec![
+            ("x", hf(&[5, 3], x.clone())),
+            ("idx", hi(&[5, 2], experts.clone())),
+            ("gates", hf(&[5, 2], gates.clone())),
+        ]),
     );
     assert_eq!(r.outputs["counts"].to_i64(), vec![4, 2, 4]);
     // stable by expert, token-major within an expert
-    assert_eq!(r.outputs["order"].to_i64(), vec![1, 2, 6, 9, 3, 5, 0, 4, 7, 8]);
+    assert_eq!(
+        r.outputs["order"].to_i64(),
+        vec![1, 2, 6, 9, 3, 5, 0, 4, 7, 8]
+    );
     let rows = out(&r, "rows");
     assert_eq!(&rows[0..3], &x[0..3]); // flat 1 is token 0
     let mut want = vec![0.0; t * n];
@@ -393,7 +509,9 @@ fn moe_dispatch_grouped_matmul_combine_match_a_per_token_loop() {
         for s in 0..k {
             let ex = experts[ti * k + s] as usize;
             for o in 0..n {
-                let dot: f64 = (0..h).map(|c| x[ti * h + c] * w[(ex * n + o) * h + c]).sum();
+                let dot: f64 = (0..h)
+                    .map(|c| x[ti * h + c] * w[(ex * n + o) * h + c])
+                    .sum();
                 want[ti * n + o] += gates[ti * k + s] * dot;
             }
         }
@@ -407,16 +525,40 @@ fn slice_at_rank_coordinate_and_output_split() {
     g.mesh = Mesh::parse("sp=2").unwrap();
     let x = input(&mut g, "x", fty(&[2, 6]));
     let start = Dim::coord("sp") * 3;
-    let y = g.add(Op::Slice { dim: 1, start, len: Dim::from(3) }, &[x]).unwrap();
+    let y = g
+        .add(
+            Op::Slice {
+                dim: 1,
+                start,
+                len: Dim::from(3),
+            },
+            &[x],
+        )
+        .unwrap();
     let z = g.add(Op::Scale { factor: Float(2.0) }, &[y]).unwrap();
     g.set_output("z", z);
     g.add_output_split("z", 1, "sp");
     let data: Vec<f64> = (0..12).map(|v| v as f64).collect();
-    let opts = RunOptions { keep_rank_outputs: true, ..RunOptions::new(Precision::F64) };
-    let r = run(&g, &BTreeMap::new(), &map(vec![("x", hf(&[2, 6], data.clone()))]), &opts).unwrap();
-    assert_eq!(out(&r, "z"), data.iter().map(|v| v * 2.0).collect::<Vec<_>>());
+    let opts = RunOptions {
+        keep_rank_outputs: true,
+        ..RunOptions::new(Precision::F64)
+    };
+    let r = run(
+        &g,
+        &BTreeMap::new(),
+        &map(vec![("x", hf(&[2, 6], data.clone()))]),
+        &opts,
+    )
+    .unwrap();
+    assert_eq!(
+        out(&r, "z"),
+        data.iter().map(|v| v * 2.0).collect::<Vec<_>>()
+    );
     assert_eq!(r.rank_outputs[1]["z"].shape, vec![2, 3]);
-    assert_eq!(r.rank_outputs[1]["z"].to_f64(), vec![6.0, 8.0, 10.0, 18.0, 20.0, 22.0]);
+    assert_eq!(
+        r.rank_outputs[1]["z"].to_f64(),
+        vec![6.0, 8.0, 10.0, 18.0, 20.0, 22.0]
+    );
 }
 
 #[test]
@@ -424,9 +566,22 @@ fn layout_ops() {
     let data: Vec<f64> = (0..24).map(|v| v as f64).collect();
     let x = || (fty(&[2, 3, 4]), hf(&[2, 3, 4], data.clone()));
     // reshape is row-major
-    assert_eq!(one_op(Op::Reshape { shape: dims(&[4, 6]) }, vec![x()]), data);
+    assert_eq!(
+        one_op(
+            Op::Reshape {
+                shape: dims(&[4, 6])
+            },
+            vec![x()]
+        ),
+        data
+    );
     // permute [2, 0, 1]: out[k][i][j] = x[i][j][k]
-    let y = one_op(Op::Permute { perm: vec![2, 0, 1] }, vec![x()]);
+    let y = one_op(
+        Op::Permute {
+            perm: vec![2, 0, 1],
+        },
+        vec![x()],
+    );
     let mut want = Vec::new();
     for k in 0..4 {
         for i in 0..2 {
@@ -442,7 +597,11 @@ fn layout_ops() {
     let t = g.add(Op::Transpose { dim0: 0, dim1: 2 }, &[xi]).unwrap();
     let r = g.add(Op::Reshape { shape: dims(&[24]) }, &[t]).unwrap();
     g.set_output("r", r);
-    let res = run64(&g, &BTreeMap::new(), &map(vec![("x", hf(&[2, 3, 4], data.clone()))]));
+    let res = run64(
+        &g,
+        &BTreeMap::new(),
+        &map(vec![("x", hf(&[2, 3, 4], data.clone()))]),
+    );
     let mut want = Vec::new();
     for k in 0..4 {
         for j in 0..3 {
@@ -455,17 +614,41 @@ fn layout_ops() {
     // split into [1, 3] along the last dim, concat back in the other order
     let mut g = Graph::new("t");
     let xi = input(&mut g, "x", fty(&[2, 3, 4]));
-    let parts = g.add_multi(Op::Split { dim: -1, sizes: dims(&[1, 3]) }, &[xi]).unwrap();
+    let parts = g
+        .add_multi(
+            Op::Split {
+                dim: -1,
+                sizes: dims(&[1, 3]),
+            },
+            &[xi],
+        )
+        .unwrap();
     let c = g.add(Op::Concat { dim: 2 }, &[parts[1], parts[0]]).unwrap();
     g.set_output("c", c);
     g.set_output("p0", parts[0]);
-    let res = run64(&g, &BTreeMap::new(), &map(vec![("x", hf(&[2, 3, 4], data.clone()))]));
+    let res = run64(
+        &g,
+        &BTreeMap::new(),
+        &map(vec![("x", hf(&[2, 3, 4], data.clone()))]),
+    );
     assert_eq!(out(&res, "p0"), vec![0.0, 4.0, 8.0, 12.0, 16.0, 20.0]);
-    let want: Vec<f64> = (0..6).flat_map(|r| [1.0, 2.0, 3.0, 0.0].map(|c| (r * 4) as f64 + c)).collect();
+    let want: Vec<f64> = (0..6)
+        .flat_map(|r| [1.0, 2.0, 3.0, 0.0].map(|c| (r * 4) as f64 + c))
+        .collect();
     assert_eq!(out(&res, "c"), want);
     // expand [3, 1] -> [2, 3, 4]
-    let y = one_op(Op::Expand { shape: dims(&[2, 3, 4]) }, vec![(fty(&[3, 1]), hf(&[3, 1], vec![1.0, 2.0, 3.0]))]);
-    assert_eq!(y, (0..24).map(|i| ((i / 4) % 3 + 1) as f64).collect::<Vec<_>>());
+    let y = one_op(
+        Op::Expand {
+            shape: dims(&[2, 3, 4]),
+        },
+        vec![(fty(&[3, 1]), hf(&[3, 1], vec![1.0, 2.0, 3.0]))],
+    );
+    assert_eq!(
+        y,
+        (0..24)
+            .map(|i| ((i / 4) % 3 + 1) as f64)
+            .collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -474,7 +657,10 @@ fn gather_scatter_add_index_select_one_hot_embedding() {
     // gather dim 1 with a narrower index: out[i][j] = x[i][idx[i][j]]
     let y = one_op(
         Op::Gather { dim: 1 },
-        vec![(fty(&[2, 3]), hf(&[2, 3], x.clone())), (ity(&[1, 2]), hi(&[1, 2], vec![2, 0]))],
+        vec![
+            (fty(&[2, 3]), hf(&[2, 3], x.clone())),
+            (ity(&[1, 2]), hi(&[1, 2], vec![2, 0])),
+        ],
     );
     assert_eq!(y, vec![3.0, 1.0]);
     // scatter_add dim 0: dst[idx[i][j]][j] += src[i][j]
@@ -483,23 +669,38 @@ fn gather_scatter_add_index_select_one_hot_embedding() {
         vec![
             (fty(&[2, 3]), hf(&[2, 3], x.clone())),
             (ity(&[2, 3]), hi(&[2, 3], vec![1, 0, 1, 1, 1, 0])),
-            (fty(&[2, 3]), hf(&[2, 3], vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0])),
+            (
+                fty(&[2, 3]),
+                hf(&[2, 3], vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0]),
+            ),
         ],
     );
     assert_eq!(y, vec![1.0, 22.0, 63.0, 54.0, 55.0, 36.0]);
     // index_select dim 1
     let y = one_op(
         Op::IndexSelect { dim: 1 },
-        vec![(fty(&[2, 3]), hf(&[2, 3], x.clone())), (ity(&[4]), hi(&[4], vec![2, 2, 0, 1]))],
+        vec![
+            (fty(&[2, 3]), hf(&[2, 3], x.clone())),
+            (ity(&[4]), hi(&[4], vec![2, 2, 0, 1])),
+        ],
     );
     assert_eq!(y, vec![3.0, 3.0, 1.0, 2.0, 6.0, 6.0, 4.0, 5.0]);
     // one_hot to f32
-    let y = one_op(Op::OneHot { num_classes: 3, dtype: DType::F32 }, vec![(ity(&[2]), hi(&[2], vec![2, 0]))]);
+    let y = one_op(
+        Op::OneHot {
+            num_classes: 3,
+            dtype: DType::F32,
+        },
+        vec![(ity(&[2]), hi(&[2], vec![2, 0]))],
+    );
     assert_eq!(y, vec![0.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
     // embedding
     let y = one_op(
         Op::Embedding {},
-        vec![(ity(&[1, 2]), hi(&[1, 2], vec![1, 0])), (fty(&[3, 2]), hf(&[3, 2], x.clone()))],
+        vec![
+            (ity(&[1, 2]), hi(&[1, 2], vec![1, 0])),
+            (fty(&[3, 2]), hf(&[3, 2], x.clone())),
+        ],
     );
     assert_eq!(y, vec![3.0, 4.0, 1.0, 2.0]);
 }
@@ -519,52 +720,122 @@ fn elementwise_reductions_and_softmax() {
     each(Op::Sigmoid {}, &sig);
     each(Op::Silu {}, &|v| v * sig(v));
     each(Op::Relu {}, &|v| v.max(0.0));
-    each(Op::Scale { factor: Float(-3.0) }, &|v| -3.0 * v);
+    each(
+        Op::Scale {
+            factor: Float(-3.0),
+        },
+        &|v| -3.0 * v,
+    );
     each(Op::AddScalar { value: Float(0.25) }, &|v| v + 0.25);
-    each(Op::PowScalar { exponent: Float(2.0) }, &|v| v * v);
-    each(Op::PowScalar { exponent: Float(3.0) }, &|v| v.powi(3));
+    each(
+        Op::PowScalar {
+            exponent: Float(2.0),
+        },
+        &|v| v * v,
+    );
+    each(
+        Op::PowScalar {
+            exponent: Float(3.0),
+        },
+        &|v| v.powi(3),
+    );
     each(Op::Gelu { tanh_approx: true }, &|v| {
         0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
     });
     // exact GELU at a few points: 0.5 x (1 + erf(x / sqrt 2))
     let y = one_op(Op::Gelu { tanh_approx: false }, vec![xt()]);
-    let erf_ref = [-0.9544997361036416, -0.3829249225480262, 0.0, 0.5160726955538539, 0.8663855974622838, 0.9973002039367398];
-    let want: Vec<f64> = x.iter().zip(erf_ref).map(|(v, e)| 0.5 * v * (1.0 + e)).collect();
+    let erf_ref = [
+        -0.9544997361036416,
+        -0.3829249225480262,
+        0.0,
+        0.5160726955538539,
+        0.8663855974622838,
+        0.9973002039367398,
+    ];
+    let want: Vec<f64> = x
+        .iter()
+        .zip(erf_ref)
+        .map(|(v, e)| 0.5 * v * (1.0 + e))
+        .collect();
     assert_close(&y, &want, 1e-7);
     let pos = vec![0.5, 1.0, 2.0, 4.0];
     let p = || (fty(&[4]), hf(&[4], pos.clone()));
-    assert_close(&one_op(Op::Log {}, vec![p()]), &pos.iter().map(|v: &f64| v.ln()).collect::<Vec<_>>(), 1e-12);
-    assert_close(&one_op(Op::Sqrt {}, vec![p()]), &pos.iter().map(|v: &f64| v.sqrt()).collect::<Vec<_>>(), 1e-12);
-    assert_close(&one_op(Op::Rsqrt {}, vec![p()]), &pos.iter().map(|v: &f64| 1.0 / v.sqrt()).collect::<Vec<_>>(), 1e-12);
+    assert_close(
+        &one_op(Op::Log {}, vec![p()]),
+        &pos.iter().map(|v: &f64| v.ln()).collect::<Vec<_>>(),
+        1e-12,
+    );
+    assert_close(
+        &one_op(Op::Sqrt {}, vec![p()]),
+        &pos.iter().map(|v: &f64| v.sqrt()).collect::<Vec<_>>(),
+        1e-12,
+    );
+    assert_close(
+        &one_op(Op::Rsqrt {}, vec![p()]),
+        &pos.iter().map(|v: &f64| 1.0 / v.sqrt()).collect::<Vec<_>>(),
+        1e-12,
+    );
 
     // broadcasting binaries: [2,3] with [3]
     let b = vec![1.0, 2.0, -1.0];
     let bin = |op: Op| one_op(op, vec![xt(), (fty(&[3]), hf(&[3], b.clone()))]);
-    let zip = |f: &dyn Fn(f64, f64) -> f64| x.iter().enumerate().map(|(i, &v)| f(v, b[i % 3])).collect::<Vec<_>>();
+    let zip = |f: &dyn Fn(f64, f64) -> f64| {
+        x.iter()
+            .enumerate()
+            .map(|(i, &v)| f(v, b[i % 3]))
+            .collect::<Vec<_>>()
+    };
     assert_close(&bin(Op::Add {}), &zip(&|a, b| a + b), 1e-12);
     assert_close(&bin(Op::Sub {}), &zip(&|a, b| a - b), 1e-12);
     assert_close(&bin(Op::Mul {}), &zip(&|a, b| a * b), 1e-12);
     assert_close(&bin(Op::Div {}), &zip(&|a, b| a / b), 1e-12);
     assert_close(&bin(Op::Maximum {}), &zip(&|a, b| a.max(b)), 1e-12);
     assert_close(&bin(Op::Minimum {}), &zip(&|a, b| a.min(b)), 1e-12);
-    assert_eq!(bin(Op::Compare { op: CmpOp::Gt }), zip(&|a, b| (a > b) as i64 as f64));
+    assert_eq!(
+        bin(Op::Compare { op: CmpOp::Gt }),
+        zip(&|a, b| (a > b) as i64 as f64)
+    );
     let y = one_op(Op::Pow {}, vec![p(), (fty(&[1]), hf(&[1], vec![1.5]))]);
-    assert_close(&y, &pos.iter().map(|v: &f64| v.powf(1.5)).collect::<Vec<_>>(), 1e-12);
+    assert_close(
+        &y,
+        &pos.iter().map(|v: &f64| v.powf(1.5)).collect::<Vec<_>>(),
+        1e-12,
+    );
 
     // where + cast
     let mut g = Graph::new("t");
     let xi = input(&mut g, "x", fty(&[2, 3]));
-    let zero = g.add(Op::Full { value: Float(0.0), ty: fty(&[]) }, &[]).unwrap();
+    let zero = g
+        .add(
+            Op::Full {
+                value: Float(0.0),
+                ty: fty(&[]),
+            },
+            &[],
+        )
+        .unwrap();
     let c = g.add(Op::Compare { op: CmpOp::Ge }, &[xi, zero]).unwrap();
     let w = g.add(Op::Where {}, &[c, xi, zero]).unwrap();
     let ci = g.add(Op::Cast { dtype: DType::I64 }, &[xi]).unwrap();
     let cb = g.add(Op::Cast { dtype: DType::F32 }, &[c]).unwrap();
-    let ar = g.add(Op::Arange { start: Dim::from(3), ty: ity(&[4]) }, &[]).unwrap();
+    let ar = g
+        .add(
+            Op::Arange {
+                start: Dim::from(3),
+                ty: ity(&[4]),
+            },
+            &[],
+        )
+        .unwrap();
     g.set_output("w", w);
     g.set_output("ci", ci);
     g.set_output("cb", cb);
     g.set_output("ar", ar);
-    let r = run64(&g, &BTreeMap::new(), &map(vec![("x", hf(&[2, 3], x.clone()))]));
+    let r = run64(
+        &g,
+        &BTreeMap::new(),
+        &map(vec![("x", hf(&[2, 3], x.clone()))]),
+    );
     assert_eq!(out(&r, "w"), vec![0.0, 0.0, 0.0, 0.7, 1.5, 3.0]);
     assert_eq!(r.outputs["ci"].to_i64(), vec![-2, 0, 0, 0, 1, 3]);
     assert_eq!(out(&r, "cb"), vec![0.0, 0.0, 1.0, 1.0, 1.0, 1.0]);
@@ -572,10 +843,38 @@ fn elementwise_reductions_and_softmax() {
 
     // reductions
     let red = |op: Op| one_op(op, vec![xt()]);
-    assert_close(&red(Op::Sum { dims: vec![1], keepdim: false }), &[-2.5, 5.2], 1e-12);
-    assert_close(&red(Op::Sum { dims: vec![0, 1], keepdim: true }), &[2.7], 1e-12);
-    assert_close(&red(Op::Mean { dims: vec![0], keepdim: false }), &[-0.65, 0.5, 1.5], 1e-12);
-    assert_close(&red(Op::Max { dims: vec![-1], keepdim: true }), &[0.0, 3.0], 1e-12);
+    assert_close(
+        &red(Op::Sum {
+            dims: vec![1],
+            keepdim: false,
+        }),
+        &[-2.5, 5.2],
+        1e-12,
+    );
+    assert_close(
+        &red(Op::Sum {
+            dims: vec![0, 1],
+            keepdim: true,
+        }),
+        &[2.7],
+        1e-12,
+    );
+    assert_close(
+        &red(Op::Mean {
+            dims: vec![0],
+            keepdim: false,
+        }),
+        &[-0.65, 0.5, 1.5],
+        1e-12,
+    );
+    assert_close(
+        &red(Op::Max {
+            dims: vec![-1],
+            keepdim: true,
+        }),
+        &[0.0, 3.0],
+        1e-12,
+    );
     // softmax / log_softmax along the last dim
     let sm = red(Op::Softmax { dim: -1 });
     let lsm = red(Op::LogSoftmax { dim: 1 });
@@ -603,21 +902,49 @@ fn errors_name_what_is_missing_or_wrong() {
     assert_eq!(e, RuntimeError::MissingWeight { name: "w".into() });
     let e = run(&g, &map(vec![("w", ws.clone())]), &BTreeMap::new(), &opts).unwrap_err();
     assert_eq!(e, RuntimeError::MissingInput { name: "x".into() });
-    let e = run(&g, &map(vec![("w", hf(&[3, 4], vec![0.0; 12]))]), &map(vec![("x", xs.clone())]), &opts).unwrap_err();
+    let e = run(
+        &g,
+        &map(vec![("w", hf(&[3, 4], vec![0.0; 12]))]),
+        &map(vec![("x", xs.clone())]),
+        &opts,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("param `w`: has shape [3, 4]"), "{e}");
-    let e = run(&g, &map(vec![("w", ws.clone())]), &map(vec![("x", hi(&[2, 3], vec![0; 6]))]), &opts).unwrap_err();
-    assert!(e.to_string().contains("input `x`: is i64 but the graph wants f32"), "{e}");
+    let e = run(
+        &g,
+        &map(vec![("w", ws.clone())]),
+        &map(vec![("x", hi(&[2, 3], vec![0; 6]))]),
+        &opts,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("input `x`: is i64 but the graph wants f32"),
+        "{e}"
+    );
 
     // a node whose type is wrong (as a broken pass would leave it) is named
     let mut g = Graph::new("t");
     g.set_scope(Some("model.layers.0.mlp"));
     let x = input(&mut g, "x", fty(&[2, 3]));
-    let bad = g.insert_typed(weft_ir::At::End, Op::Neg {}, &[x], vec![fty(&[3, 2])], weft_ir::NodeMeta::default());
+    let bad = g.insert_typed(
+        weft_ir::At::End,
+        Op::Neg {},
+        &[x],
+        vec![fty(&[3, 2])],
+        weft_ir::NodeMeta::default(),
+    );
     g.set_output("y", bad[0]);
     let e = run(&g, &BTreeMap::new(), &map(vec![("x", xs)]), &opts).unwrap_err();
     let msg = e.to_string();
-    assert!(msg.contains(&format!("`neg` failed in node {} on rank 0", bad[0])), "{msg}");
-    assert!(msg.contains("computed shape [2, 3] but the node's type says [3, 2]"), "{msg}");
+    assert!(
+        msg.contains(&format!("`neg` failed in node {} on rank 0", bad[0])),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("computed shape [2, 3] but the node's type says [3, 2]"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -628,7 +955,10 @@ fn symbols_are_inferred_from_inputs_and_checked() {
     let emb = param(&mut g, "emb", fty(&[10, 2]));
     let y = g.add(Op::Embedding {}, &[ids, emb]).unwrap();
     g.set_output("y", y);
-    let w = map(vec![("emb", hf(&[10, 2], (0..20).map(|v| v as f64).collect()))]);
+    let w = map(vec![(
+        "emb",
+        hf(&[10, 2], (0..20).map(|v| v as f64).collect()),
+    )]);
     let i = map(vec![("input_ids", hi(&[1, 3], vec![9, 0, 4]))]);
     let r = run64(&g, &w, &i);
     assert_eq!(r.bindings.symbols["S"], 3);
