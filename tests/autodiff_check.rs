@@ -3,14 +3,16 @@
 //! unsharded forward (f64, 1e-9 relative) and the PyTorch reference gradients of every
 //! fixture (1e-4), on one rank and on every sp/dp mesh the forward passes cover.
 
+mod common;
+use common::*;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use weft_ir::{DType, Graph, HostTensor, Mesh};
 use weft_passes::{default_pipeline, lookup, run_pipeline, PassContext};
-use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
+use weft_runtime::cpu::RunResult;
 
 #[path = "../passes/tests/common/mod.rs"]
-mod common;
+mod llama_graph;
 
 const FAMILIES: &[&str] = &[
     "llama",
@@ -23,18 +25,6 @@ const FAMILIES: &[&str] = &[
     "mixtral",
     "qwen3_moe",
 ];
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-struct Case {
-    graph: Graph,
-    weights: BTreeMap<String, HostTensor>,
-    inputs: BTreeMap<String, HostTensor>,
-}
 
 fn case(name: &str, uneven_labels: bool) -> Case {
     let dir = fixture(name);
@@ -61,28 +51,6 @@ fn case(name: &str, uneven_labels: bool) -> Case {
         graph: model.graph,
         weights,
         inputs,
-    }
-}
-
-fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
-    let opts = RunOptions::new(Precision::F64).with_grads(grads);
-    run(g, &c.weights, &c.inputs, &opts)
-        .unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
-}
-
-fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
-    assert_eq!(a.shape, b.shape);
-    let (x, y) = (a.to_f64(), b.to_f64());
-    let diff = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0, f64::max);
-    let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
-    if diff == 0.0 {
-        0.0
-    } else {
-        diff / scale.max(1e-300)
     }
 }
 
@@ -223,24 +191,24 @@ fn data_parallel_every_family() {
 #[test]
 fn variants_mask_position_ids_mean_loss() {
     for cfg in [
-        common::Config {
+        llama_graph::Config {
             mask: true,
-            ..common::Config::llama_tiny()
+            ..llama_graph::Config::llama_tiny()
         },
-        common::Config {
+        llama_graph::Config {
             position_ids: true,
-            ..common::Config::llama_tiny()
+            ..llama_graph::Config::llama_tiny()
         },
-        common::Config {
+        llama_graph::Config {
             mean_loss: true,
-            ..common::Config::llama_tiny()
+            ..llama_graph::Config::llama_tiny()
         },
-        common::Config {
+        llama_graph::Config {
             qk_norm: true,
-            ..common::Config::llama_tiny()
+            ..llama_graph::Config::llama_tiny()
         },
     ] {
-        let graph = common::build(&cfg);
+        let graph = llama_graph::build(&cfg);
         let model = weft_frontends::Model::from_graph(
             graph,
             weft_frontends::Origin::Preset(cfg.name.clone()),

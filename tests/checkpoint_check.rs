@@ -2,32 +2,14 @@
 //! same with and without recompute (every policy, sp/dp/tp meshes), equal autograd of
 //! the unsharded model, and the saved activations shrink as the policy tightens.
 
+mod common;
+use common::*;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use weft_ir::{Graph, HostTensor, Mesh};
 use weft_passes::training::{training_pipeline, CheckpointPolicy, TrainOptions};
 use weft_passes::{PassContext, PassManager};
 use weft_runtime::cpu::{run, Precision, RunOptions};
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-fn load(
-    name: &str,
-) -> (
-    Graph,
-    BTreeMap<String, HostTensor>,
-    BTreeMap<String, HostTensor>,
-) {
-    let dir = fixture(name);
-    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
-    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
-    let inputs = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
-    (model.graph, weights, inputs)
-}
 
 pub fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> Graph {
     try_compile(g, mesh, opts).unwrap_or_else(|e| panic!("{mesh} {}: {e}", opts.checkpoint))
@@ -117,7 +99,7 @@ fn gradients_are_equal_with_and_without_recompute() {
         ("mixtral", &["", "sp=2"][..]),
         ("qwen3", &["sp=2"][..]),
     ] {
-        let (graph, weights, inputs) = load(fam);
+        let (graph, weights, inputs) = load_fixture(fam);
         let reference = run(
             &graph,
             &weights,
@@ -180,7 +162,7 @@ fn gradients_are_equal_with_and_without_recompute() {
 
 #[test]
 fn saved_activations_fall_as_the_policy_tightens() {
-    let (graph, _, _) = load("llama");
+    let (graph, _, _) = load_fixture("llama");
     let mut rows = Vec::new();
     let mut saved = Vec::new();
     let mut peaks = Vec::new();
@@ -228,7 +210,7 @@ fn offload_runs_and_keeps_the_gradients() {
         ("mixtral", "sp=2"),
         ("llama", "tp=2"),
     ] {
-        let (graph, weights, inputs) = load(fam);
+        let (graph, weights, inputs) = load_fixture(fam);
         let reference = run(
             &graph,
             &weights,

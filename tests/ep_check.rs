@@ -6,23 +6,13 @@
 //! router variant (sigmoid scores, no renormalisation) and a shared expert beside the
 //! routed ones check that the pass is blind to what computes the routing.
 
+mod common;
+use common::*;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use weft_ir::{DType, Dim, Graph, HostTensor, Mesh, Op, TensorType};
 use weft_passes::{default_pipeline, lookup, PassContext};
-use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-struct Case {
-    graph: Graph,
-    weights: BTreeMap<String, HostTensor>,
-    inputs: BTreeMap<String, HostTensor>,
-}
+use weft_runtime::cpu::RunResult;
 
 /// The fixture's model and weights; its two rows of input ids and two more (the same
 /// rows rotated by 5 tokens), so dp=4 has a row per rank; labels with a few ignored.
@@ -60,26 +50,6 @@ fn case(name: &str) -> Case {
         weights,
         inputs,
     }
-}
-
-fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
-    let opts = RunOptions::new(Precision::F64).with_grads(grads);
-    run(g, &c.weights, &c.inputs, &opts)
-        .unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
-}
-
-fn assert_close(what: &str, want: &HostTensor, got: &HostTensor) {
-    assert_eq!(want.shape, got.shape, "{what}: shapes");
-    let (a, b) = (want.to_f64(), got.to_f64());
-    let scale = a.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
-    let err = a
-        .iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-    assert!(
-        err <= 1e-10 * scale,
-        "{what}: max abs error {err:e} (scale {scale:e})"
-    );
 }
 
 fn compare(what: &str, want: &RunResult, got: &RunResult) {

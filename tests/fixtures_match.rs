@@ -2,8 +2,11 @@
 //! within 1e-5 relative, gradients within 1e-4), and data-parallel programs match the
 //! unsharded model on every fixture.
 
+mod common;
+use common::*;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use weft_ir::{HostTensor, Mesh};
 use weft_passes::{default_pipeline, run_pipeline, PassContext};
 use weft_runtime::cpu::{run, Precision, RunOptions};
@@ -19,29 +22,6 @@ const FAMILIES: &[&str] = &[
     "mixtral",
     "qwen3_moe",
 ];
-
-fn fixture(name: &str) -> PathBuf {
-    let root = option_env!("CARGO_MANIFEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    root.join("tests/fixtures").join(name)
-}
-
-fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
-    assert_eq!(a.shape, b.shape);
-    let (x, y) = (a.to_f64(), b.to_f64());
-    let diff = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0, f64::max);
-    let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
-    if diff == 0.0 {
-        0.0
-    } else {
-        diff / scale
-    }
-}
 
 fn load(
     dir: &Path,

@@ -2,21 +2,17 @@
 //! and gradients (the global mean over the valid tokens of the whole batch), issues the
 //! same gradient reductions as one micro-batch, and keeps fewer activations alive.
 
+mod common;
+use common::*;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use weft_ir::{DType, Graph, HostTensor, Mesh};
+use weft_ir::{Graph, HostTensor, Mesh};
 use weft_passes::training::{training_pipeline, CheckpointPolicy, TrainOptions};
 use weft_passes::{PassContext, PassManager, RunReport};
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-/// The fixture with a batch of 4 (its two rows twice, labels unevenly ignored, so the
-/// micro-batches hold different numbers of valid tokens).
+/// The fixture with a batch of 4, labels unevenly ignored, so the micro-batches hold
+/// different numbers of valid tokens.
 fn load(
     name: &str,
 ) -> (
@@ -24,34 +20,9 @@ fn load(
     BTreeMap<String, HostTensor>,
     BTreeMap<String, HostTensor>,
 ) {
-    let dir = fixture(name);
-    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
-    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
-    let given = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
-    let ids = given["input_ids"].to_i64();
-    let s = given["input_ids"].shape[1];
-    let ids4: Vec<i64> = ids.iter().chain(ids.iter().rev()).copied().collect();
-    let labels: Vec<i64> = ids4
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| {
-            if i < s / 2 || i % 7 == 3 || (2 * s..3 * s).contains(&i) && i % 2 == 0 {
-                -100
-            } else {
-                t
-            }
-        })
-        .collect();
-    let mut inputs = BTreeMap::new();
-    inputs.insert(
-        "input_ids".to_string(),
-        HostTensor::ints(DType::I64, vec![4, s], ids4),
-    );
-    inputs.insert(
-        "labels".to_string(),
-        HostTensor::ints(DType::I64, vec![4, s], labels),
-    );
-    (model.graph, weights, inputs)
+    load_fixture_batch4(name, |i, s| {
+        i < s / 2 || i % 7 == 3 || (2 * s..3 * s).contains(&i) && i % 2 == 0
+    })
 }
 
 fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> (Graph, RunReport) {

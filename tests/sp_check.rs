@@ -7,26 +7,16 @@
 //! exercises the kv-head repeat. Because every pass preserves meaning (shard-inputs and
 //! shard-seq keep the program whole with gathers), the graph after *each* pass is run too.
 
+mod common;
+use common::*;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use weft_ir::{Graph, HostTensor, Mesh};
+use weft_ir::{HostTensor, Mesh};
 use weft_passes::{default_pipeline, lookup, PassContext};
-use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
+use weft_runtime::cpu::RunResult;
 
 #[path = "../passes/tests/common/mod.rs"]
-mod common;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-struct Case {
-    graph: Graph,
-    weights: BTreeMap<String, HostTensor>,
-    inputs: BTreeMap<String, HostTensor>,
-}
+mod llama_graph;
 
 /// The fixture's model and weights, with its input ids and our uneven labels.
 fn case(name: &str) -> Case {
@@ -61,8 +51,8 @@ fn case(name: &str) -> Case {
 
 /// A hand-built variant (mask input, position_ids input, mean loss) with random
 /// weights: 0.2 * normal, so the attention is far from uniform.
-fn variant(cfg: common::Config) -> Case {
-    let graph = common::build(&cfg);
+fn variant(cfg: llama_graph::Config) -> Case {
+    let graph = llama_graph::build(&cfg);
     let model =
         weft_frontends::Model::from_graph(graph, weft_frontends::Origin::Preset(cfg.name.clone()))
             .unwrap();
@@ -125,26 +115,6 @@ fn variant(cfg: common::Config) -> Case {
         weights,
         inputs,
     }
-}
-
-fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
-    let opts = RunOptions::new(Precision::F64).with_grads(grads);
-    run(g, &c.weights, &c.inputs, &opts)
-        .unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
-}
-
-fn assert_close(what: &str, want: &HostTensor, got: &HostTensor) {
-    assert_eq!(want.shape, got.shape, "{what}: shapes");
-    let (a, b) = (want.to_f64(), got.to_f64());
-    let scale = a.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
-    let err = a
-        .iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-    assert!(
-        err <= 1e-10 * scale,
-        "{what}: max abs error {err:e} (scale {scale:e})"
-    );
 }
 
 fn compare(what: &str, want: &RunResult, got: &RunResult) {
@@ -273,9 +243,9 @@ fn qwen3_moe() {
 #[test]
 fn attention_mask_input() {
     for mesh in ["sp=2", "sp=4", "dp=2,sp=2"] {
-        let cfg = common::Config {
+        let cfg = llama_graph::Config {
             mask: true,
-            ..common::Config::llama_tiny()
+            ..llama_graph::Config::llama_tiny()
         };
         check_case("llama+mask", variant(cfg), mesh, mesh == "sp=4");
     }
@@ -284,9 +254,9 @@ fn attention_mask_input() {
 #[test]
 fn position_ids_input() {
     for mesh in ["sp=4", "dp=2,sp=2"] {
-        let cfg = common::Config {
+        let cfg = llama_graph::Config {
             position_ids: true,
-            ..common::Config::llama_tiny()
+            ..llama_graph::Config::llama_tiny()
         };
         check_case("llama+position_ids", variant(cfg), mesh, true);
     }
@@ -295,9 +265,9 @@ fn position_ids_input() {
 #[test]
 fn mean_reduced_cross_entropy() {
     for mesh in ["sp=4", "dp=2,sp=2"] {
-        let cfg = common::Config {
+        let cfg = llama_graph::Config {
             mean_loss: true,
-            ..common::Config::llama_tiny()
+            ..llama_graph::Config::llama_tiny()
         };
         check_case("llama+mean", variant(cfg), mesh, true);
     }

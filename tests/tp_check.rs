@@ -5,23 +5,12 @@
 //! MLP [22,21,21], vocabulary [43,43,42]), replicated kv heads (tp=4 with 2 kv heads),
 //! fused projections (phi3), qk-norms, tied embeddings (qwen2) and MoE experts are covered.
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+mod common;
+use common::*;
+
 use weft_ir::{Graph, HostTensor, Mesh};
 use weft_passes::{default_pipeline, lookup, PassContext};
-use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-struct Case {
-    graph: Graph,
-    weights: BTreeMap<String, HostTensor>,
-    inputs: BTreeMap<String, HostTensor>,
-}
+use weft_runtime::cpu::RunResult;
 
 fn case(name: &str) -> Case {
     let dir = fixture(name);
@@ -48,26 +37,6 @@ fn case(name: &str) -> Case {
         weights,
         inputs,
     }
-}
-
-fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
-    let opts = RunOptions::new(Precision::F64).with_grads(grads);
-    run(g, &c.weights, &c.inputs, &opts)
-        .unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
-}
-
-fn assert_close(what: &str, want: &HostTensor, got: &HostTensor) {
-    assert_eq!(want.shape, got.shape, "{what}: shapes");
-    let (a, b) = (want.to_f64(), got.to_f64());
-    let scale = a.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
-    let err = a
-        .iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-    assert!(
-        err <= 1e-10 * scale,
-        "{what}: max abs error {err:e} (scale {scale:e})"
-    );
 }
 
 fn compare(what: &str, want: &RunResult, got: &RunResult) {

@@ -2,21 +2,8 @@
 //! with sp and dp, uneven, with a DeepSpeed spec file), bad specs, and `weft shard`:
 //! a full checkpoint to per-rank shards and back, byte for byte, and tp=2 -> tp=3.
 
-use std::process::Command;
-
-fn weft(args: &[&str]) -> (i32, String, String) {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
-        .args(args)
-        .current_dir(root)
-        .output()
-        .expect("weft runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::*;
 
 fn check_ok(model: &str, mesh: &str, extra: &[&str]) {
     let mut args = vec!["check", model, "--mesh", mesh, "--train", "--json"];

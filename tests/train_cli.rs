@@ -2,25 +2,8 @@
 //! offload and micro-batches, `weft eval --grads` from the backward graph, `weft run`
 //! lowering the loss on a fixed batch, and `weft compile --train --stats` memory.
 
-use std::process::Command;
-
-fn weft(args: &[&str]) -> (i32, String, String) {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
-        .args(args)
-        .current_dir(root)
-        .output()
-        .expect("weft runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn json(text: &str) -> serde_json::Value {
-    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}"))
-}
+mod common;
+use common::*;
 
 #[test]
 fn check_train_with_every_training_flag() {

@@ -5,18 +5,14 @@
 //! candle's autograd of the unsharded model (f64); recomputation and offload must not
 //! change them, and their ops must run.
 
+mod common;
+use common::*;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use weft_ir::{DType, Graph, HostTensor, Mesh};
 use weft_passes::training::{training_pipeline, CheckpointPolicy, OffloadOptions, TrainOptions};
 use weft_passes::{PassContext, PassManager};
 use weft_runtime::cpu::{run, Precision, RunOptions};
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
 
 /// The fixture with batch 4 (for dp=4 meshes) and unevenly ignored labels.
 fn load(
@@ -26,45 +22,9 @@ fn load(
     BTreeMap<String, HostTensor>,
     BTreeMap<String, HostTensor>,
 ) {
-    let dir = fixture(name);
-    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
-    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
-    let given = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
-    let ids = given["input_ids"].to_i64();
-    let s = given["input_ids"].shape[1];
-    let ids4: Vec<i64> = ids.iter().chain(ids.iter().rev()).copied().collect();
-    let labels: Vec<i64> = ids4
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| {
-            if [1, 2, 3, 6, 9].contains(&i) || (s + 12..2 * s).contains(&i) || i % 11 == 4 {
-                -100
-            } else {
-                t
-            }
-        })
-        .collect();
-    let mut inputs = BTreeMap::new();
-    inputs.insert(
-        "input_ids".to_string(),
-        HostTensor::ints(DType::I64, vec![4, s], ids4),
-    );
-    inputs.insert(
-        "labels".to_string(),
-        HostTensor::ints(DType::I64, vec![4, s], labels),
-    );
-    (model.graph, weights, inputs)
-}
-
-fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
-    assert_eq!(a.shape, b.shape);
-    let (x, y) = (a.to_f64(), b.to_f64());
-    let d = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0, f64::max);
-    d / y.iter().map(|q| q.abs()).fold(1e-300, f64::max)
+    load_fixture_batch4(name, |i, s| {
+        [1, 2, 3, 6, 9].contains(&i) || (s + 12..2 * s).contains(&i) || i % 11 == 4
+    })
 }
 
 fn configs() -> Vec<(&'static str, TrainOptions)> {
@@ -155,7 +115,7 @@ fn check(fam: &str, meshes: &[&str]) {
                 );
             }
             for out in ["loss", "logits"] {
-                let e = max_rel(&r.outputs[out], &reference.outputs[out]);
+                let e = rel_err(&r.outputs[out], &reference.outputs[out]);
                 assert!(e < 1e-10, "{fam} {mesh} {what}: {out} rel err {e:e}");
             }
             let grads: BTreeMap<String, Vec<f64>> = r
@@ -170,7 +130,7 @@ fn check(fam: &str, meshes: &[&str]) {
             );
             for (p, want) in &reference.grads {
                 let have = HostTensor::floats(want.dtype, want.shape.clone(), grads[p].clone());
-                let e = max_rel(&have, want);
+                let e = rel_err(&have, want);
                 assert!(e < 1e-9, "{fam} {mesh} {what}: grad {p} rel err {e:e}");
             }
             match &first {

@@ -3,27 +3,17 @@
 //! stage gives the one-rank update, mixed precision keeps f32 master weights, and
 //! repeated steps on a fixed batch lower the loss.
 
+mod common;
+use common::*;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use weft_ir::{DType, Graph, HostTensor, Mesh};
 use weft_passes::training::{training_pipeline, Optimizer, TrainOptions};
 use weft_passes::{PassContext, PassManager};
 use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
 #[path = "../passes/tests/common/mod.rs"]
-mod common;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-struct Case {
-    graph: Graph,
-    weights: BTreeMap<String, HostTensor>,
-    inputs: BTreeMap<String, HostTensor>,
-}
+mod llama_graph;
 
 fn case(name: &str) -> Case {
     let dir = fixture(name);
@@ -171,11 +161,11 @@ fn every_mesh_and_zero_stage_gives_the_one_rank_update() {
 
 #[test]
 fn bf16_params_keep_f32_master_weights() {
-    let cfg = common::Config {
+    let cfg = llama_graph::Config {
         dtype: DType::BF16,
-        ..common::Config::llama_tiny()
+        ..llama_graph::Config::llama_tiny()
     };
-    let graph = common::build(&cfg);
+    let graph = llama_graph::build(&cfg);
     let model =
         weft_frontends::Model::from_graph(graph, weft_frontends::Origin::Preset(cfg.name.clone()))
             .unwrap();

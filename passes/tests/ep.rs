@@ -2,6 +2,9 @@
 //! of the diff the pass makes after the passes before it in the default pipeline and
 //! its counters; the whole program for one mesh; and the pass's errors and guards.
 
+mod util;
+use util::*;
+
 use weft_ir::*;
 use weft_passes::*;
 
@@ -12,63 +15,18 @@ const MESHES: &[(&str, &str)] = &[
     ("dp2-sp2-ep4", "dp=2,sp=2,ep=4"),
 ];
 
-fn model(name: &str) -> Graph {
-    weft_frontends::load(name)
-        .unwrap_or_else(|e| panic!("{name}: {e}"))
-        .graph
-}
-
-fn snapshot(name: &str, text: &str) {
-    insta::with_settings!({ prepend_module_to_snapshot => false, omit_expression => true }, {
-        insta::assert_snapshot!(name, text);
-    });
-}
-
-fn cx(mesh: &str) -> PassContext {
-    PassContext::new(Mesh::parse(mesh).unwrap())
-}
-
 /// The graph just before `expert-parallel` in the mesh's default pipeline.
 fn before_ep(model_name: &str, mesh: &str) -> (Graph, PassContext) {
-    let mut g = model(model_name);
-    let cx = cx(mesh);
-    let pipeline = default_pipeline(&cx.mesh);
-    let at = pipeline
-        .iter()
-        .position(|p| *p == "expert-parallel")
-        .expect("ep meshes run expert-parallel");
-    run_pipeline(&mut g, &cx, &pipeline[..at]).unwrap();
-    (g, cx)
+    before_pass(model_name, mesh, "expert-parallel").expect("ep meshes run expert-parallel")
 }
 
 fn pass_diff(model_name: &str, mesh: &str) -> String {
     let (mut g, cx) = before_ep(model_name, mesh);
-    let ins = Instrumentation {
-        print_changes: true,
-        check_requires: false,
-        ..Default::default()
-    };
-    let mut sink = Vec::new();
-    let r = PassManager::new(ins)
-        .run(&mut g, &cx, &["expert-parallel"], &mut sink)
-        .unwrap();
-    let mut text = String::from_utf8(sink).unwrap();
-    let p = &r.passes[0];
-    text.push_str(&format!(
-        "// changed={} nodes {} -> {} (+{} -{}), collectives +{}\n// {}\n",
-        p.changed,
-        p.nodes_before,
-        p.nodes_after,
-        p.nodes_added,
-        p.nodes_removed,
-        p.collectives_added,
-        p.counters
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    ));
-    text
+    diff_of(&mut g, &cx, "expert-parallel")
+}
+
+fn cx(mesh: &str) -> PassContext {
+    PassContext::new(Mesh::parse(mesh).unwrap())
 }
 
 #[test]
@@ -85,7 +43,7 @@ fn snapshots() {
 
 #[test]
 fn whole_program() {
-    let mut g = model("mixtral-tiny");
+    let mut g = preset("mixtral-tiny");
     let cx = cx("dp=4,ep=2");
     run_pipeline(&mut g, &cx, &default_pipeline(&cx.mesh)).unwrap();
     snapshot("pipeline__mixtral-tiny__dp4-ep2", &print(&g));
@@ -182,7 +140,7 @@ fn errors() {
         "{e}"
     );
     // A mesh without ep.
-    let mut g = model("mixtral-tiny");
+    let mut g = preset("mixtral-tiny");
     let e = run_pipeline(&mut g, &cx_plain("dp=2"), &["expert-parallel"])
         .unwrap_err()
         .to_string();

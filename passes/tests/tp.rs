@@ -3,6 +3,9 @@
 //! passes before it in the default pipeline) and its counters; plus the pipeline
 //! order with sp and dp, idempotence and the text round trip.
 
+mod util;
+use util::*;
+
 use weft_ir::*;
 use weft_passes::*;
 
@@ -14,22 +17,8 @@ const MESHES: &[(&str, &str)] = &[
     ("sp2-tp2", "sp=2,tp=2"),
 ];
 
-fn model(name: &str) -> Graph {
-    weft_frontends::load(name)
-        .unwrap_or_else(|e| panic!("{name}: {e}"))
-        .graph
-}
-
 fn compiled_until(model_name: &str, mesh: &str) -> (Graph, PassContext) {
-    let mut g = model(model_name);
-    let cx = PassContext::new(Mesh::parse(mesh).unwrap());
-    let pipeline = default_pipeline(&cx.mesh);
-    let at = pipeline
-        .iter()
-        .position(|p| *p == "tensor-parallel")
-        .unwrap();
-    run_pipeline(&mut g, &cx, &pipeline[..at]).unwrap();
-    (g, cx)
+    before_pass(model_name, mesh, "tensor-parallel").unwrap()
 }
 
 #[test]
@@ -37,34 +26,8 @@ fn snapshots() {
     for m in MODELS {
         for (tag, mesh) in MESHES {
             let (mut g, cx) = compiled_until(m, mesh);
-            let ins = Instrumentation {
-                print_changes: true,
-                check_requires: false,
-                ..Default::default()
-            };
-            let mut sink = Vec::new();
-            let r = PassManager::new(ins)
-                .run(&mut g, &cx, &["tensor-parallel"], &mut sink)
-                .unwrap();
-            let mut text = String::from_utf8(sink).unwrap();
-            let p = &r.passes[0];
-            text.push_str(&format!(
-                "// changed={} nodes {} -> {} (+{} -{}), collectives +{}\n// {}\n",
-                p.changed,
-                p.nodes_before,
-                p.nodes_after,
-                p.nodes_added,
-                p.nodes_removed,
-                p.collectives_added,
-                p.counters
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            ));
-            insta::with_settings!({ prepend_module_to_snapshot => false, omit_expression => true }, {
-                insta::assert_snapshot!(format!("tensor-parallel__{m}__{tag}"), text);
-            });
+            let text = diff_of(&mut g, &cx, "tensor-parallel");
+            snapshot(&format!("tensor-parallel__{m}__{tag}"), &text);
         }
     }
 }

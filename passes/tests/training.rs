@@ -2,6 +2,9 @@
 //! (one rank and sp=2), each training pass's diff (`<pass>__<model>__<mesh>`), the
 //! collectives of N-micro-batch steps, and the memory estimate per checkpoint policy.
 
+mod util;
+use util::*;
+
 use weft_ir::*;
 use weft_passes::training::{
     training_pipeline, CheckpointPolicy, OffloadOptions, Optimizer, TrainOptions,
@@ -22,12 +25,6 @@ fn model_1l(preset: &str) -> Graph {
     )
     .unwrap()
     .graph
-}
-
-fn snapshot(name: &str, text: &str) {
-    insta::with_settings!({ prepend_module_to_snapshot => false, omit_expression => true }, {
-        insta::assert_snapshot!(name, text);
-    });
 }
 
 fn cx(mesh: &str, opts: &TrainOptions) -> PassContext {
@@ -65,32 +62,7 @@ fn pass_diff(g: &Graph, mesh: &str, opts: &TrainOptions, pass: &str) -> String {
     PassManager::default()
         .run(&mut g, &cx, &refs, &mut std::io::sink())
         .unwrap();
-    let ins = Instrumentation {
-        print_changes: true,
-        check_requires: false,
-        ..Default::default()
-    };
-    let mut sink = Vec::new();
-    let r = PassManager::new(ins)
-        .run(&mut g, &cx, &[pass], &mut sink)
-        .unwrap();
-    let mut text = String::from_utf8(sink).unwrap();
-    let p = &r.passes[0];
-    text.push_str(&format!(
-        "// changed={} nodes {} -> {} (+{} -{}), collectives +{}\n// {}\n",
-        p.changed,
-        p.nodes_before,
-        p.nodes_after,
-        p.nodes_added,
-        p.nodes_removed,
-        p.collectives_added,
-        p.counters
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    ));
-    text
+    diff_of(&mut g, &cx, pass)
 }
 
 #[test]

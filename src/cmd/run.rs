@@ -74,6 +74,7 @@ pub struct Args {
 }
 
 /// The program and plan to run, with the weights and inputs.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // `training`, `compile_s`: GPU report
 pub struct Prepared {
     pub program: Graph,
     pub plan: ExecutionPlan,
@@ -481,6 +482,7 @@ pub struct StepReport {
 }
 
 /// The CPU reference run of `g`: per step, outputs with params updated from `param.*`.
+#[cfg(feature = "cuda")]
 pub fn cpu_steps(
     g: &Graph,
     weights: &BTreeMap<String, HostTensor>,
@@ -549,6 +551,7 @@ pub fn cpu_steps_timed(
     Ok(out)
 }
 
+#[cfg(feature = "cuda")]
 pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     let num: f64 = a
         .iter()

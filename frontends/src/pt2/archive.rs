@@ -57,12 +57,14 @@ impl Archive {
             };
             match &root {
                 None => root = Some(r.clone()),
-                Some(r0) if *r0 != r => return Err(Pt2Error::Zip {
-                    archive: name.to_string(),
-                    message: format!(
+                Some(r0) if *r0 != r => {
+                    return Err(Pt2Error::Zip {
+                        archive: name.to_string(),
+                        message: format!(
                         "entries lie in two root folders, `{r0}` and `{r}`; a .pt2 archive has one"
                     ),
-                }),
+                    })
+                }
                 _ => {}
             }
             // A declared size larger than the whole file is a corrupt or hostile header.

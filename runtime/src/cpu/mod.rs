@@ -51,7 +51,7 @@ mod error;
 mod fused;
 mod grad_outputs;
 mod host;
-mod kernels;
+pub(crate) mod kernels;
 mod partition;
 mod rank;
 mod sgemm;

@@ -233,50 +233,12 @@ fn intern(s: &str) -> &'static str {
     v
 }
 
-/// HF `rope_init_fn` inverse frequencies (f32 steps), as the CPU reference computes them
-/// (`cpu::kernels::rope_inv_freq`, kept private there).
+/// HF `rope_init_fn` inverse frequencies in f32 steps: the CPU reference's table.
 fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling) -> Vec<f32> {
-    let r = |v: f64| v as f32 as f64;
-    let mut inv: Vec<f64> = (0..dim)
-        .step_by(2)
-        .map(|i| {
-            let e = i as f32 / dim as f32;
-            (1.0f32 / (theta as f32).powf(e)) as f64
-        })
-        .collect();
-    match scaling {
-        RopeScaling::None => {}
-        RopeScaling::Linear { factor } => {
-            for v in &mut inv {
-                *v = r(*v / factor.0);
-            }
-        }
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => {
-            let (factor, lo, hi) = (factor.0, low_freq_factor.0, high_freq_factor.0);
-            let old = *original_max_position_embeddings as f64;
-            let low_freq_wavelen = old / lo;
-            let high_freq_wavelen = old / hi;
-            for v in &mut inv {
-                let f = *v;
-                let wavelen = r(2.0 * std::f64::consts::PI / f);
-                let llama = if wavelen > low_freq_wavelen {
-                    r(f / factor)
-                } else {
-                    f
-                };
-                let smooth = r((r(old / wavelen) - lo) / (hi - lo));
-                let smoothed = r(r(r((1.0 - smooth) * llama) / factor) + r(smooth * llama));
-                let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
-                *v = if medium { smoothed } else { llama };
-            }
-        }
-    }
-    inv.into_iter().map(|x| x as f32).collect()
+    crate::cpu::kernels::rope_inv_freq(theta, dim, scaling, true)
+        .into_iter()
+        .map(|x| x as f32)
+        .collect()
 }
 
 // ---------------------------------------------------------------- lowering
@@ -1704,65 +1666,31 @@ fn lower_op(
             let (p, g, m, v, step) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
             let n = p.numel();
             let aligned = |ps: &[u64]| n % 8 == 0 && ps.iter().all(|x| x % 16 == 0);
+            let hyper = [lr, beta1, beta2, eps, weight_decay].map(|x| Arg::F32(x.0 as f32));
             if let Some((glow, pout, low)) = lw.fused_adamw {
-                if low == DType::BF16
-                    && aligned(&[
-                        pout,
-                        outs[0].ptr,
-                        outs[1].ptr,
-                        outs[2].ptr,
-                        p.ptr,
-                        glow,
-                        m.ptr,
-                        v.ptr,
-                    ])
-                {
-                    return lw.n(
-                        "adamw_master8_bf16",
-                        n / 8,
-                        vec![
-                            Arg::P(pout),
-                            Arg::P(outs[0].ptr),
-                            Arg::P(outs[1].ptr),
-                            Arg::P(outs[2].ptr),
-                            Arg::P(p.ptr),
-                            Arg::P(glow),
-                            Arg::P(m.ptr),
-                            Arg::P(v.ptr),
-                            Arg::P(step.ptr),
-                            Arg::I32(code(step.dtype)),
-                            Arg::I64(n as i64 / 8),
-                            Arg::F32(lr.0 as f32),
-                            Arg::F32(beta1.0 as f32),
-                            Arg::F32(beta2.0 as f32),
-                            Arg::F32(eps.0 as f32),
-                            Arg::F32(weight_decay.0 as f32),
-                        ],
-                    );
-                }
-                let name = kname("adamw_master", low)?;
-                return lw.n(
-                    name,
-                    p.numel(),
-                    vec![
-                        Arg::P(pout),
-                        Arg::P(outs[0].ptr),
-                        Arg::P(outs[1].ptr),
-                        Arg::P(outs[2].ptr),
-                        Arg::P(p.ptr),
-                        Arg::P(glow),
-                        Arg::P(m.ptr),
-                        Arg::P(v.ptr),
-                        Arg::P(step.ptr),
-                        Arg::I32(code(step.dtype)),
-                        Arg::I64(p.numel() as i64),
-                        Arg::F32(lr.0 as f32),
-                        Arg::F32(beta1.0 as f32),
-                        Arg::F32(beta2.0 as f32),
-                        Arg::F32(eps.0 as f32),
-                        Arg::F32(weight_decay.0 as f32),
-                    ],
-                );
+                let ptrs = [
+                    pout,
+                    outs[0].ptr,
+                    outs[1].ptr,
+                    outs[2].ptr,
+                    p.ptr,
+                    glow,
+                    m.ptr,
+                    v.ptr,
+                ];
+                let (name, items) = if low == DType::BF16 && aligned(&ptrs) {
+                    ("adamw_master8_bf16", n / 8)
+                } else {
+                    (kname("adamw_master", low)?, n)
+                };
+                let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
+                args.extend([
+                    Arg::P(step.ptr),
+                    Arg::I32(code(step.dtype)),
+                    Arg::I64(items as i64),
+                ]);
+                args.extend(hyper);
+                return lw.n(name, items, args);
             }
             if g.dtype != p.dtype || m.dtype != v.dtype {
                 return Err(lw.unsup(
@@ -1770,51 +1698,34 @@ fn lower_op(
                     "grad must have the param's dtype and m, v one dtype",
                 ));
             }
-            let vector = p.dtype == DType::BF16
-                && m.dtype == DType::BF16
-                && aligned(&[
-                    outs[0].ptr,
-                    outs[1].ptr,
-                    outs[2].ptr,
-                    p.ptr,
-                    g.ptr,
-                    m.ptr,
-                    v.ptr,
-                ]);
-            let (name, items, count) = if vector {
-                ("adamw8_bf16_bf16", n / 8, n as i64 / 8)
-            } else {
-                (
-                    intern(&format!(
+            let ptrs = [
+                outs[0].ptr,
+                outs[1].ptr,
+                outs[2].ptr,
+                p.ptr,
+                g.ptr,
+                m.ptr,
+                v.ptr,
+            ];
+            let (name, items) =
+                if p.dtype == DType::BF16 && m.dtype == DType::BF16 && aligned(&ptrs) {
+                    ("adamw8_bf16_bf16", n / 8)
+                } else {
+                    let name = format!(
                         "adamw_{}_{}",
                         fsuffix(p.dtype).unwrap_or("?"),
                         fsuffix(m.dtype).unwrap_or("?")
-                    )),
-                    n,
-                    n as i64,
-                )
-            };
-            lw.n(
-                name,
-                items,
-                vec![
-                    Arg::P(outs[0].ptr),
-                    Arg::P(outs[1].ptr),
-                    Arg::P(outs[2].ptr),
-                    Arg::P(p.ptr),
-                    Arg::P(g.ptr),
-                    Arg::P(m.ptr),
-                    Arg::P(v.ptr),
-                    Arg::P(step.ptr),
-                    Arg::I32(code(step.dtype)),
-                    Arg::I64(count),
-                    Arg::F32(lr.0 as f32),
-                    Arg::F32(beta1.0 as f32),
-                    Arg::F32(beta2.0 as f32),
-                    Arg::F32(eps.0 as f32),
-                    Arg::F32(weight_decay.0 as f32),
-                ],
-            )
+                    );
+                    (intern(&name), n)
+                };
+            let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
+            args.extend([
+                Arg::P(step.ptr),
+                Arg::I32(code(step.dtype)),
+                Arg::I64(items as i64),
+            ]);
+            args.extend(hyper);
+            lw.n(name, items, args)
         }
         Op::Sgd {
             lr,

@@ -1,0 +1,125 @@
+//! Helpers shared by the workspace's numeric tests: fixture paths, a loaded case, running
+//! a program on the CPU reference in f64, and the error measures the checks assert on.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use weft_ir::{Graph, HostTensor};
+use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
+
+/// `tests/fixtures/<name>`, from the build's manifest dir or, where the binary runs
+/// elsewhere (the device machine), from the current directory.
+pub fn fixture(name: &str) -> PathBuf {
+    let root = option_env!("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    root.join("tests/fixtures").join(name)
+}
+
+/// A model with its weights and one batch of inputs.
+pub struct Case {
+    pub graph: Graph,
+    pub weights: BTreeMap<String, HostTensor>,
+    pub inputs: BTreeMap<String, HostTensor>,
+}
+
+/// Runs `g` on the case in f64 (with gradients when asked), naming the mesh on failure.
+pub fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
+    let opts = RunOptions::new(Precision::F64).with_grads(grads);
+    run(g, &c.weights, &c.inputs, &opts)
+        .unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
+}
+
+/// Max absolute difference over the max magnitude of `b` (0 when equal).
+pub fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
+    assert_eq!(a.shape, b.shape);
+    let (x, y) = (a.to_f64(), b.to_f64());
+    let diff = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0, f64::max);
+    let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
+    if diff == 0.0 {
+        0.0
+    } else {
+        diff / scale.max(1e-300)
+    }
+}
+
+/// Asserts `got` equals `want` to 1e-10 of `want`'s largest magnitude (f64 programs that
+/// only reorder sums).
+pub fn assert_close(what: &str, want: &HostTensor, got: &HostTensor) {
+    assert_eq!(want.shape, got.shape, "{what}: shapes");
+    let (a, b) = (want.to_f64(), got.to_f64());
+    let scale = a.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
+    let err = a
+        .iter()
+        .zip(&b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        err <= 1e-10 * scale,
+        "{what}: max abs error {err:e} (scale {scale:e})"
+    );
+}
+
+/// Runs the `weft` binary in the repository root: (exit code, stdout, stderr).
+pub fn weft(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("weft runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `text` parsed as JSON, or a panic that shows it.
+pub fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}"))
+}
+
+/// A fixture's graph, weights and inputs as `make_fixtures.py` saved them.
+pub fn load_fixture(
+    name: &str,
+) -> (
+    Graph,
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+) {
+    let dir = fixture(name);
+    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
+    let weights = weft_frontends::load_weights(&model, &dir.join("model.safetensors")).unwrap();
+    let inputs = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
+    (model.graph, weights, inputs)
+}
+
+/// The fixture with a batch of 4 (its two rows, then the same tokens reversed) and the
+/// labels at flat positions `i` (of rows of `s` tokens) where `ignored(i, s)` set to -100.
+pub fn load_fixture_batch4(
+    name: &str,
+    ignored: impl Fn(usize, usize) -> bool,
+) -> (
+    Graph,
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+) {
+    let (graph, weights, given) = load_fixture(name);
+    let ids = given["input_ids"].to_i64();
+    let s = given["input_ids"].shape[1];
+    let ids4: Vec<i64> = ids.iter().chain(ids.iter().rev()).copied().collect();
+    let labels: Vec<i64> = ids4
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| if ignored(i, s) { -100 } else { t })
+        .collect();
+    let int = |v| HostTensor::ints(weft_ir::DType::I64, vec![4, s], v);
+    let inputs = BTreeMap::from([
+        ("input_ids".to_string(), int(ids4)),
+        ("labels".to_string(), int(labels)),
+    ]);
+    (graph, weights, inputs)
+}
