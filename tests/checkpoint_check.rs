@@ -100,13 +100,7 @@ fn gradients_are_equal_with_and_without_recompute() {
         ("qwen3", &["sp=2"][..]),
     ] {
         let (graph, weights, inputs) = load_fixture(fam);
-        let reference = run(
-            &graph,
-            &weights,
-            &inputs,
-            &RunOptions::new(Precision::F64).with_grads(true),
-        )
-        .unwrap();
+        let reference = reference_run(&graph, &weights, &inputs);
         for mesh in meshes {
             let mut base: Option<BTreeMap<String, HostTensor>> = None;
             for policy in policies(&graph, mesh) {
@@ -211,13 +205,7 @@ fn offload_runs_and_keeps_the_gradients() {
         ("llama", "tp=2"),
     ] {
         let (graph, weights, inputs) = load_fixture(fam);
-        let reference = run(
-            &graph,
-            &weights,
-            &inputs,
-            &RunOptions::new(Precision::F64).with_grads(true),
-        )
-        .unwrap();
+        let reference = reference_run(&graph, &weights, &inputs);
         for policy in [CheckpointPolicy::None, CheckpointPolicy::Selective] {
             let offload = Some(OffloadOptions {
                 min_bytes: 0,

@@ -71,13 +71,7 @@ fn accumulated_gradients_equal_the_full_batch() {
         ("qwen2", &["sp=2"][..]),
     ] {
         let (graph, weights, inputs) = load(fam);
-        let reference = run(
-            &graph,
-            &weights,
-            &inputs,
-            &RunOptions::new(Precision::F64).with_grads(true),
-        )
-        .unwrap();
+        let reference = reference_run(&graph, &weights, &inputs);
         for mesh in meshes {
             for n in [2u32, 4] {
                 if mesh.contains("dp=2") && n == 4 {

@@ -3,6 +3,9 @@
 //! PyTorch's logits and loss (1e-5) and gradients (1e-4) on the CPU reference runtime,
 //! agree with the graph built from the family's config.json, and survive the passes.
 
+mod common;
+use common::*;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use weft_frontends::pt2::{import, Pt2Error, Pt2Import, Pt2Options};
@@ -66,22 +69,6 @@ fn run64(
         .bind("B", s[0] as i64)
         .bind("S", s[1] as i64);
     run(g, w, inputs, &o).unwrap()
-}
-
-fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
-    assert_eq!(a.shape, b.shape);
-    let (x, y) = (a.to_f64(), b.to_f64());
-    let diff = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0, f64::max);
-    let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
-    if diff == 0.0 {
-        0.0
-    } else {
-        diff / scale
-    }
 }
 
 #[test]

@@ -74,13 +74,7 @@ fn configs() -> Vec<(&'static str, TrainOptions)> {
 
 fn check(fam: &str, meshes: &[&str]) {
     let (graph, weights, inputs) = load(fam);
-    let reference = run(
-        &graph,
-        &weights,
-        &inputs,
-        &RunOptions::new(Precision::F64).with_grads(true),
-    )
-    .unwrap();
+    let reference = reference_run(&graph, &weights, &inputs);
     for mesh in meshes {
         let m = Mesh::parse(mesh).unwrap();
         let mut first: Option<BTreeMap<String, Vec<f64>>> = None;

@@ -123,3 +123,18 @@ pub fn load_fixture_batch4(
     ]);
     (graph, weights, inputs)
 }
+
+/// The unsharded reference: `g` run in f64 with gradients.
+pub fn reference_run(
+    g: &Graph,
+    weights: &BTreeMap<String, HostTensor>,
+    inputs: &BTreeMap<String, HostTensor>,
+) -> RunResult {
+    run(
+        g,
+        weights,
+        inputs,
+        &RunOptions::new(Precision::F64).with_grads(true),
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", g.name))
+}
