@@ -3,7 +3,7 @@
 # `../shared/gpu-pack` put the binaries in .gpu/): kernel checks, 20-step tiny-model
 # training checks against the CPU reference, then the 1.24B training step, Weft and
 # PyTorch side by side. Results under $OUT (default ./gpu-out); a short table last.
-#   PHASES="checks train bench torch compile" bench/gpu_bench.sh
+#   PHASES="link checks train bench torch torchckpt compile" VARIANTS="pass torch sel torchseloff" bench/gpu_bench.sh
 set -uo pipefail
 FINAL=${OUT:-gpu-out}; OUT=$(mktemp -d /tmp/weft-gpu.XXXX); mkdir -p "$FINAL"
 PHASES=${PHASES:-"checks train bench torch"}
@@ -11,6 +11,9 @@ SEQ=${SEQ:-4096}; STEPS=${STEPS:-8}
 PY=${PY:-/opt/torch/.venv/bin/python3}
 export WEFT_CACHE_DIR=${WEFT_CACHE_DIR:-/tmp/weft-kernels}
 W=./.gpu/weft
+# cuDNN (WEFT_ATTENTION=cudnn) comes from PyTorch's pip package, not on the default path.
+CUDNN_LIB=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cudnn/lib 2>/dev/null | head -1)
+[ -n "$CUDNN_LIB" ] && export LD_LIBRARY_PATH="$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 summary=()
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > "$OUT/nvidia-smi.txt" 2>&1
@@ -28,6 +31,10 @@ if has checks; then
   grep -E "FAIL|error|panicked" "$OUT/gpu_tests.txt" | cut -c1-300 | head -40
   grep -A5 "^benchmarks" "$OUT/gpu_tests_models.txt"; echo "8-warp forward:"; grep -A5 "^benchmarks" "$OUT/gpu_tests_attn_w8.txt"
 fi
+if has link; then
+  $PY bench/host_link.py > "$OUT/host_link.txt" 2>&1
+  summary+=("host link: $(tr '\n' ';' < "$OUT/host_link.txt" | cut -c1-300)")
+fi
 if has train; then
   for m in llama-tiny mixtral-tiny "llama-tiny --dtype bf16" "llama-tiny --dtype bf16 --torch-adamw"; do
     f="$OUT/train_$(echo $m | tr ' ' '_' | tr -d '-').txt"
@@ -41,7 +48,11 @@ if has bench; then
   for variant in ${VARIANTS:-pass torch fa8}; do
     tag=$variant; args=""; envs="WEFT_PROFILE=1"
     case $variant in torch) args="--torch-adamw";; sel) args="--checkpoint selective";; full) args="--checkpoint full";;
-      seloff) args="--checkpoint selective --offload";; torchsel) args="--torch-adamw --checkpoint selective";; fa8) envs="WEFT_PROFILE=1 WEFT_FA_WARPS=8";; bwd4) envs="WEFT_PROFILE=1 WEFT_FA_BWD_WARPS=4";; esac
+      seloff) args="--checkpoint selective --offload";; torchsel) args="--torch-adamw --checkpoint selective";;
+      torchseloff) args="--torch-adamw --checkpoint selective --offload";;
+      cudnn) envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";; torchcudnn) args="--torch-adamw"; envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";;
+      torchselcudnn) args="--torch-adamw --checkpoint selective"; envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";;
+      torchseloffcudnn) args="--torch-adamw --checkpoint selective --offload"; envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";; fa8) envs="WEFT_PROFILE=1 WEFT_FA_WARPS=8";; bwd4) envs="WEFT_PROFILE=1 WEFT_FA_BWD_WARPS=4";; esac
     env $envs timeout 200 $W run llama3.2-1b --backend cuda --steps $STEPS --seq $SEQ --batch 1 --json $args > "$OUT/weft_1b_$tag.json" 2> "$OUT/weft_1b_$tag.err"
     rc=$?
     echo "== $variant"; head -${PROFILE_LINES:-24} "$OUT/weft_1b_$tag.err"

@@ -270,6 +270,7 @@ fn offload_planner_meets_a_budget_within_the_link_bandwidth() {
     let opts = TrainOptions {
         offload: Some(OffloadOptions {
             budget: Some(budget),
+            link_bytes_per_s: 25_000_000_000,
             ..Default::default()
         }),
         ..base.clone()
@@ -298,4 +299,102 @@ fn offload_planner_meets_a_budget_within_the_link_bandwidth() {
         "budget {budget}: {e:?}"
     );
     assert_eq!(e.saved_activations + e.offloaded, none.saved_activations);
+}
+
+#[test]
+fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_host() {
+    use weft_ir::plan::Category;
+    use weft_passes::training::{Device, OffloadOptions};
+    // A device slow enough at matmuls that the fixtures' projections are compute-bound
+    // (their FLOPs per byte above its ridge point), so selective + offload moves them to
+    // the host instead of recomputing them.
+    let mut slow = weft_passes::plan::profile::preset("h200").unwrap();
+    slow.matmul_tflops = 0.05;
+    slow.attention_tflops = 0.05;
+    slow.hbm_gbps = 5.0;
+    for (fam, mesh) in [
+        ("llama", ""),
+        ("llama", "dp=2,sp=2"),
+        ("mixtral", "sp=2"),
+        ("llama", "tp=2"),
+    ] {
+        let (graph, weights, inputs) = load_fixture(fam);
+        let reference = reference_run(&graph, &weights, &inputs);
+        let opts = TrainOptions {
+            checkpoint: CheckpointPolicy::Selective,
+            offload: Some(OffloadOptions {
+                min_bytes: 0,
+                device: Device(slow.clone()),
+                ..Default::default()
+            }),
+            batch: Some(2),
+            seq: Some(SEQ),
+            ..Default::default()
+        };
+        let g = compile(&graph, mesh, &opts);
+        let selective = compile(
+            &graph,
+            mesh,
+            &TrainOptions {
+                offload: None,
+                ..opts.clone()
+            },
+        );
+        let count = |g: &Graph, f: &dyn Fn(&weft_ir::NodeData) -> bool| {
+            g.nodes().iter().filter(|&&n| f(g.node(n))).count()
+        };
+        let offloads = count(&g, &|d| {
+            d.op.name() == "offload"
+                && d.meta
+                    .provenance
+                    .as_ref()
+                    .is_some_and(|p| p.pass == "checkpoint")
+        });
+        let recomputes = |g: &Graph| {
+            count(g, &|d| {
+                d.meta
+                    .derived
+                    .is_some_and(|x| x.kind == weft_ir::DerivedKind::Recompute)
+            })
+        };
+        assert!(
+            offloads > 0,
+            "{fam} {mesh}: nothing offloaded by checkpoint"
+        );
+        assert!(
+            recomputes(&g) < recomputes(&selective),
+            "{fam} {mesh}: offload should replace recompute ({} vs {})",
+            recomputes(&g),
+            recomputes(&selective)
+        );
+        let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
+            .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+        for (p, want) in &reference.grads {
+            let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
+            assert!(
+                e < 1e-9,
+                "{fam} {mesh} selective+offload: grad {p} rel err {e:e}"
+            );
+        }
+        // The plan puts the host copies in the pinned host pool, not the device arena.
+        if mesh.is_empty() {
+            let plan = weft_passes::plan::lower(
+                &g,
+                &weft_passes::plan::PlanOptions::new(2, inputs["input_ids"].shape[1] as i64),
+            )
+            .unwrap();
+            plan.check().unwrap();
+            let host: Vec<_> = plan
+                .buffers
+                .iter()
+                .filter(|b| b.category == Category::Host)
+                .collect();
+            assert_eq!(host.len(), offloads);
+            assert!(plan.memory.host_bytes >= host.iter().map(|b| b.bytes).sum::<u64>());
+            assert!(
+                plan.streams.len() == 4,
+                "d2h and h2d copies on their own streams"
+            );
+        }
+    }
 }

@@ -11,7 +11,11 @@
 //!   recompute everything inside a layer, collectives included.
 //! - `selective` (AutoSP's): like `full`, but also keep attention outputs (quadratic
 //!   in the sequence to recompute) and collective results (recomputing them would
-//!   communicate again); matmuls, norms and elementwise ops are recomputed.
+//!   communicate again); matmuls, norms and elementwise ops are recomputed. With
+//!   `--offload` (no offload budget), the matmul outputs the host link can carry are
+//!   offloaded instead of recomputed: per layer, most recompute time per byte first,
+//!   while the copies fit under the next layer's forward (out) and backward (in) at the
+//!   link's bandwidth, timed by the plan's cost model (see [`crate::offload`]).
 //! - `budget=<bytes>`: keep the step's peak of live values per rank (the memory
 //!   estimate's `peak live`: saved and recomputed activations, backward transients,
 //!   gradients in flight; parameters and optimizer state aside) within the budget at
@@ -28,6 +32,7 @@
 //!   and `S`.
 
 use crate::memory::{bytes, flops, is_resident, layer_of, Joint};
+use crate::offload;
 use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::training::CheckpointPolicy;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -89,8 +94,21 @@ impl Pass for Checkpoint {
                 keep
             }
         };
+        // `selective` with `--offload` (no budget): what the host link can carry goes
+        // there instead of being recomputed.
+        let to_host = match (&policy, &cx.options.train.offload) {
+            (CheckpointPolicy::Selective, Some(o)) if o.budget.is_none() => {
+                let v = offload_instead(g, &joint, &b, &keep, o);
+                res.count("offloaded", v.len() as u64);
+                res.count("offloaded_bytes", v.iter().map(|x| bytes(g, *x, &b)).sum());
+                v
+            }
+            _ => Vec::new(),
+        };
+        let mut keep = keep;
+        keep.extend(to_host.iter().copied());
         let (cloned, fl) = apply(g, &joint, &keep, &policy, &why, &b)?;
-        if cloned == 0 {
+        if cloned == 0 && to_host.is_empty() {
             return Ok(res);
         }
         res.count("recomputed_nodes", cloned as u64);
@@ -101,6 +119,30 @@ impl Pass for Checkpoint {
             "saved_bytes_after",
             after.saved.iter().map(|v| bytes(g, *v, &b)).sum(),
         );
+        if !to_host.is_empty() {
+            let o = cx.options.train.offload.as_ref().expect("offload options");
+            let order = g.nodes().to_vec();
+            let w = offload::Windows::of(g, &after, &order, &b, None)
+                .expect("offloaded values lie in layers");
+            let mut cands: Vec<offload::Cand> = to_host
+                .iter()
+                .filter_map(|&v| offload::Cand::of(g, &after, &order, &w, &b, v, 0, 0))
+                .collect();
+            offload::rewrite(
+                g,
+                &order,
+                &after,
+                &mut cands,
+                o.link_bytes_per_s,
+                NAME,
+                |c| {
+                    format!(
+                    "selective + offload: saved for the backward of layer {} on the host instead of recomputed ({} bytes after the last forward use)",
+                    c.layer, c.bytes
+                )
+                },
+            )?;
+        }
         res.changed = true;
         Ok(res)
     }
@@ -213,6 +255,91 @@ fn budget_keep(
         ),
     )
     .with_help(format!("raise the budget to at least {peak}, use `--checkpoint full` (which also recomputes collectives), or lower the per-rank activations (more `sp` or `tp`, a smaller batch, --micro-batches, --offload)")))
+}
+
+/// The values `selective` would recompute that the host link carries instead, with
+/// `--offload` and no offload budget: those whose recompute is compute-bound on the
+/// device (at least its ridge point, matmul FLOP/s over HBM bytes/s, in FLOPs per byte
+/// of the value: on an H200 about 184, where a projection's output has 2 x hidden;
+/// memory-bound ones recompute about as fast as they would be read back), in the layers the offload options allow,
+/// most recompute time per byte first within each layer, while the link
+/// (`link_bytes_per_s`) moves them under the next layer's forward (copy out) and its
+/// backward (copy in) as the plan's cost model times them on the options' device.
+fn offload_instead(
+    g: &Graph,
+    joint: &Joint,
+    b: &weft_ir::Bindings,
+    keep: &HashSet<Value>,
+    o: &crate::training::OffloadOptions,
+) -> Vec<Value> {
+    let order = g.nodes().to_vec();
+    let Some(w) = offload::Windows::of(g, joint, &order, b, Some(&o.device.0)) else {
+        return Vec::new();
+    };
+    let d = &o.device.0;
+    let ridge = d.matmul_tflops * 1e12 / (d.hbm_gbps * 1e9);
+    let mut cands: Vec<(f64, offload::Cand)> = joint
+        .saved
+        .iter()
+        .copied()
+        .filter(|v| !keep.contains(v) && !g.node(g.def(*v)).op.is_collective())
+        .filter_map(|v| offload::Cand::of(g, joint, &order, &w, b, v, o.keep_last, o.min_bytes))
+        .filter_map(|c| {
+            let (fl, secs) = exclusive_recompute(g, joint, keep, b, &o.device.0, c.v);
+            (fl >= ridge * c.bytes as f64).then(|| (secs / c.bytes as f64, c))
+        })
+        .collect();
+    cands.sort_by(|(pa, a), (pc, c)| {
+        a.layer
+            .cmp(&c.layer)
+            .then(pc.total_cmp(pa))
+            .then(c.bytes.cmp(&a.bytes))
+            .then(a.v.0.cmp(&c.v.0))
+    });
+    let mut room = offload::LinkRoom::new(&w, o.link_bytes_per_s);
+    let mut chosen: Vec<Value> = cands
+        .into_iter()
+        .filter(|(_, c)| room.take(c))
+        .map(|(_, c)| c.v)
+        .collect();
+    chosen.sort_by_key(|v| (joint.pos[&g.def(*v)], v.0));
+    chosen
+}
+
+/// The FLOPs and predicted seconds of recomputing `v` alone: its defining node and,
+/// through single-use operands the backward does not read (a projection feeding only
+/// rope, say), the forward nodes that only it needs.
+fn exclusive_recompute(
+    g: &Graph,
+    joint: &Joint,
+    keep: &HashSet<Value>,
+    b: &weft_ir::Bindings,
+    device: &weft_ir::plan::DeviceProfile,
+    v: Value,
+) -> (f64, f64) {
+    let d = g.def(v);
+    let mut fl = flops(g, d, b);
+    let mut secs = offload::compute_seconds(g, d, b, device);
+    for &x in &g.node(d).operands {
+        let xd = g.def(x);
+        let only_here = g
+            .nodes()
+            .iter()
+            .filter(|&&n| joint.forward.contains(&n) && g.node(n).operands.contains(&x))
+            .count()
+            == 1;
+        if joint.forward.contains(&xd)
+            && !is_resident(&g.node(xd).op)
+            && !keep.contains(&x)
+            && !joint.backward_uses.contains_key(&x)
+            && only_here
+        {
+            let (f, s) = exclusive_recompute(g, joint, keep, b, device, x);
+            fl += f;
+            secs += s;
+        }
+    }
+    (fl, secs)
 }
 
 /// How many cuts `budget=` checks by liveness before taking the one that keeps least.

@@ -12,9 +12,14 @@
 //!
 //! Planner mode (`budget`): offload, earliest layers first and largest tensors first,
 //! only until the saved activations left on the device fit the budget, and only what
-//! the host link (`link_bytes_per_s`, default 25 GB/s) moves in the compute time of the
-//! window it hides under (the next layer's forward for the copy out, its backward —
-//! recompute included — for the copy in). Compute time is the plan's cost model
+//! the host link (`link_bytes_per_s`, default the device profile's: 55 GB/s on an
+//! H200) moves in the compute time of the window it hides under (the next layer's
+//! forward for the copy out, its backward — recompute included — for the copy in).
+//!
+//! With `--checkpoint selective` and no budget, the `checkpoint` pass has already
+//! chosen what goes to the host (the recomputable matmul outputs the link can carry
+//! within those windows, instead of recomputing them) and inserted the copies with
+//! the helpers here; this pass then adds nothing. Compute time is the plan's cost model
 //! ([`crate::plan::cost::compute_time`]: roofline of FLOPs and bytes plus the kernel
 //! overhead) on the options' device profile (`h200` unless `--device` says otherwise);
 //! collectives run on their own stream and are not counted.
@@ -101,106 +106,31 @@ impl Pass for Offload {
         let b = crate::memory::bindings(g, &cx.options.train);
         let joint = Joint::of(g);
         let order: Vec<Node> = g.nodes().to_vec();
-        let layer_at =
-            |n: Node| layer_of(g.node(n).meta.source.as_deref()).and_then(|l| layer_index(&l));
-        let last_layer = order.iter().filter_map(|&n| layer_at(n)).max();
-        let Some(last_layer) = last_layer else {
+        let timed = o.budget.is_some();
+        let Some(w) = Windows::of(g, &joint, &order, &b, timed.then_some(&o.device.0)) else {
             return Ok(res);
         };
-        // The first node after the forward of each layer's backward, and the predicted
-        // compute time of each layer's forward and backward.
-        let mut bwd_start: BTreeMap<usize, usize> = BTreeMap::new();
-        let mut fwd_s: BTreeMap<usize, f64> = BTreeMap::new();
-        let mut bwd_s: BTreeMap<usize, f64> = BTreeMap::new();
-        let timed = o.budget.is_some();
-        for (i, &n) in order.iter().enumerate() {
-            let Some(l) = layer_at(n) else { continue };
-            let t = if timed {
-                compute_seconds(g, n, &b, &o.device.0)
-            } else {
-                0.0
-            };
-            if joint.forward.contains(&n) {
-                *fwd_s.entry(l).or_default() += t;
-            } else {
-                bwd_start.entry(l).or_insert(i);
-                *bwd_s.entry(l).or_default() += t;
-            }
-        }
-        // Candidates: saved values of the layers before the last `keep_last`.
-        struct Cand {
-            v: Value,
-            layer: usize,
-            bytes: u64,
-            after_fwd: usize,
-            prefetch: usize,
-        }
-        let mut cands = Vec::new();
+        let mut cands: Vec<Cand> = joint
+            .saved
+            .iter()
+            .filter_map(|&v| Cand::of(g, &joint, &order, &w, &b, v, o.keep_last, o.min_bytes))
+            .collect();
         let total_saved: u64 = joint.saved.iter().map(|v| bytes(g, *v, &b)).sum();
-        for &v in &joint.saved {
-            let d = g.def(v);
-            let Some(layer) = layer_at(d) else { continue };
-            if layer + o.keep_last > last_layer {
-                continue;
-            }
-            let by = bytes(g, v, &b);
-            if by < o.min_bytes.max(1) {
-                continue;
-            }
-            let uses = &joint.backward_uses[&v];
-            let first_bwd = *uses.iter().min().expect("saved values have backward uses");
-            let fwd_last = order
-                .iter()
-                .enumerate()
-                .filter(|(_, n)| joint.forward.contains(n) && g.node(**n).operands.contains(&v))
-                .map(|(i, _)| i)
-                .max()
-                .unwrap_or(joint.pos[&d]);
-            // Prefetch when the backward of the next layer starts (never after the use).
-            let prefetch = bwd_start
-                .get(&(layer + 1))
-                .copied()
-                .unwrap_or(first_bwd)
-                .min(first_bwd.saturating_sub(1));
-            if prefetch <= fwd_last {
-                continue;
-            }
-            cands.push(Cand {
-                v,
-                layer,
-                bytes: by,
-                after_fwd: fwd_last,
-                prefetch,
-            });
-        }
         res.count("candidates", cands.len() as u64);
         // Which to offload.
-        let mut chosen: Vec<&Cand> = Vec::new();
+        let mut chosen: Vec<Cand> = Vec::new();
         if let Some(budget) = o.budget {
             cands.sort_by_key(|c| (c.layer, std::cmp::Reverse(c.bytes), c.v.0));
             let mut on_device = total_saved;
-            // Bytes each window can move: copies out during the next layer's forward,
-            // copies in during its backward.
-            let mut out_room: HashMap<usize, f64> = HashMap::new();
-            let mut in_room: HashMap<usize, f64> = HashMap::new();
-            for c in &cands {
+            let mut room = LinkRoom::new(&w, o.link_bytes_per_s);
+            for c in cands {
                 if on_device <= budget {
                     break;
                 }
-                let next = c.layer + 1;
-                let link = o.link_bytes_per_s as f64;
-                let out = out_room
-                    .entry(next)
-                    .or_insert(fwd_s.get(&next).copied().unwrap_or(0.0) * link);
-                let inr = in_room
-                    .entry(next)
-                    .or_insert(bwd_s.get(&next).copied().unwrap_or(0.0) * link);
-                if (c.bytes as f64) > *out || (c.bytes as f64) > *inr {
+                if !room.take(&c) {
                     res.count("skipped_bandwidth", 1);
                     continue;
                 }
-                *out -= c.bytes as f64;
-                *inr -= c.bytes as f64;
                 on_device -= c.bytes;
                 chosen.push(c);
             }
@@ -208,65 +138,251 @@ impl Pass for Offload {
                 res.count("budget_not_met", 1);
             }
         } else {
-            chosen = cands.iter().collect();
+            chosen = cands;
         }
-        chosen.sort_by_key(|c| (c.after_fwd, c.v.0));
-        // Rewrite: offload after the last forward use, reload at the prefetch point.
-        let mut offloaded_bytes = 0;
-        let mut redirect: HashMap<Value, (Value, usize)> = HashMap::new();
-        for c in &chosen {
-            let d = g.def(c.v);
-            let src = g.node(d).meta.source.clone();
-            let meta = |reason: String| NodeMeta {
-                source: src.clone(),
-                provenance: Some(Provenance {
-                    pass: NAME.into(),
-                    reason,
-                }),
-                ..Default::default()
-            };
-            let user = order[c.after_fwd];
-            let mut ops = vec![c.v];
-            if user != d {
-                ops.push(g.node(user).results[0]);
-            }
-            let host = g
-                .insert_with(At::After(user), Op::Offload { stream: "d2h".into() }, &ops, meta(format!("saved for the backward of layer {}: {} bytes to host after the last forward use", c.layer, c.bytes)))
-                .map_err(|e| build_error(NAME, e))?[0];
-            let at = order[c.prefetch];
-            let dep = g.node(at).results[0];
-            let secs = c.bytes as f64 / o.link_bytes_per_s as f64;
-            let back = g
-                .insert_with(
-                    At::After(at),
-                    Op::Reload { stream: "h2d".into() },
-                    &[host, dep],
-                    meta(format!("prefetch for the backward of layer {}: {} bytes, {:.3} ms on the host link, issued with the backward of layer {}", c.layer, c.bytes, secs * 1e3, c.layer + 1)),
-                )
-                .map_err(|e| build_error(NAME, e))?[0];
-            redirect.insert(c.v, (back, c.prefetch));
-            offloaded_bytes += c.bytes;
-        }
-        // Backward readers after the prefetch point read the reloaded value.
-        for (i, &n) in order.iter().enumerate() {
-            if joint.forward.contains(&n) {
-                continue;
-            }
-            let ops: Vec<Value> = g
-                .node(n)
-                .operands
-                .iter()
-                .map(|x| match redirect.get(x) {
-                    Some((r, p)) if i > *p => *r,
-                    _ => *x,
-                })
-                .collect();
-            g.node_mut(n).operands = ops;
-        }
+        let offloaded_bytes = rewrite(
+            g,
+            &order,
+            &joint,
+            &mut chosen,
+            o.link_bytes_per_s,
+            NAME,
+            |c| {
+                format!(
+                "saved for the backward of layer {}: {} bytes to host after the last forward use",
+                c.layer, c.bytes
+            )
+            },
+        )?;
         res.count("offloaded", chosen.len() as u64);
         res.count("offloaded_bytes", offloaded_bytes);
         res.count("device_saved_bytes", total_saved - offloaded_bytes);
         res.changed = !chosen.is_empty();
         Ok(res)
     }
+}
+
+/// The layer index of a node's scope (`model.layers.3.mlp` -> 3).
+fn layer_at(g: &Graph, n: Node) -> Option<usize> {
+    layer_of(g.node(n).meta.source.as_deref()).and_then(|l| layer_index(&l))
+}
+
+/// The time windows copies hide under, per layer: where its backward starts, and the
+/// predicted compute seconds of its forward and its backward (0 when untimed).
+pub(crate) struct Windows {
+    bwd_start: BTreeMap<usize, usize>,
+    fwd_s: BTreeMap<usize, f64>,
+    bwd_s: BTreeMap<usize, f64>,
+    last_layer: usize,
+}
+
+impl Windows {
+    /// `None` when the graph has no layers. Untimed without a device.
+    pub(crate) fn of(
+        g: &Graph,
+        joint: &Joint,
+        order: &[Node],
+        b: &weft_ir::Bindings,
+        device: Option<&weft_ir::plan::DeviceProfile>,
+    ) -> Option<Windows> {
+        let mut w = Windows {
+            bwd_start: BTreeMap::new(),
+            fwd_s: BTreeMap::new(),
+            bwd_s: BTreeMap::new(),
+            last_layer: 0,
+        };
+        let mut any = false;
+        for (i, &n) in order.iter().enumerate() {
+            let Some(l) = layer_at(g, n) else { continue };
+            any = true;
+            w.last_layer = w.last_layer.max(l);
+            let t = device.map_or(0.0, |d| compute_seconds(g, n, b, d));
+            if joint.forward.contains(&n) {
+                *w.fwd_s.entry(l).or_default() += t;
+            } else {
+                w.bwd_start.entry(l).or_insert(i);
+                *w.bwd_s.entry(l).or_default() += t;
+            }
+        }
+        any.then_some(w)
+    }
+}
+
+/// A saved value that can go to the host: defined in a layer before the last
+/// `keep_last`, at least `min_bytes`, with room between its last forward use and the
+/// prefetch point (the start of the next layer's backward, or just before its own
+/// first backward use if that comes earlier).
+pub(crate) struct Cand {
+    pub(crate) v: Value,
+    pub(crate) layer: usize,
+    pub(crate) bytes: u64,
+    after_fwd: usize,
+    prefetch: usize,
+}
+
+impl Cand {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn of(
+        g: &Graph,
+        joint: &Joint,
+        order: &[Node],
+        w: &Windows,
+        b: &weft_ir::Bindings,
+        v: Value,
+        keep_last: usize,
+        min_bytes: u64,
+    ) -> Option<Cand> {
+        let d = g.def(v);
+        if matches!(g.node(d).op, Op::Offload { .. }) {
+            return None;
+        }
+        let layer = layer_at(g, d)?;
+        let by = bytes(g, v, b);
+        if layer + keep_last > w.last_layer || by < min_bytes.max(1) {
+            return None;
+        }
+        let first_bwd = *joint.backward_uses.get(&v)?.iter().min()?;
+        let fwd_last = order
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| joint.forward.contains(n) && g.node(**n).operands.contains(&v))
+            .map(|(i, _)| i)
+            .max()
+            .unwrap_or(joint.pos[&d]);
+        let prefetch = w
+            .bwd_start
+            .get(&(layer + 1))
+            .copied()
+            .unwrap_or(first_bwd)
+            .min(first_bwd.saturating_sub(1));
+        (prefetch > fwd_last).then_some(Cand {
+            v,
+            layer,
+            bytes: by,
+            after_fwd: fwd_last,
+            prefetch,
+        })
+    }
+}
+
+/// Bytes the host link can still move in each window: copies out of layer `l` during
+/// the forward of layer `l + 1`, copies back in during its backward.
+pub(crate) struct LinkRoom<'a> {
+    w: &'a Windows,
+    link: f64,
+    out: BTreeMap<usize, f64>,
+    inn: BTreeMap<usize, f64>,
+}
+
+impl<'a> LinkRoom<'a> {
+    pub(crate) fn new(w: &'a Windows, link_bytes_per_s: u64) -> Self {
+        LinkRoom {
+            w,
+            link: link_bytes_per_s as f64,
+            out: BTreeMap::new(),
+            inn: BTreeMap::new(),
+        }
+    }
+    /// Reserves room for `c` if both its windows have it.
+    pub(crate) fn take(&mut self, c: &Cand) -> bool {
+        let next = c.layer + 1;
+        let out = self
+            .out
+            .entry(next)
+            .or_insert(self.w.fwd_s.get(&next).copied().unwrap_or(0.0) * self.link);
+        let inn = self
+            .inn
+            .entry(next)
+            .or_insert(self.w.bwd_s.get(&next).copied().unwrap_or(0.0) * self.link);
+        let by = c.bytes as f64;
+        if by > *out || by > *inn {
+            return false;
+        }
+        *out -= by;
+        *inn -= by;
+        true
+    }
+}
+
+/// Inserts `offload {stream="d2h"}` after each chosen value's last forward use and
+/// `reload {stream="h2d"}` at its prefetch point, and points the backward readers after
+/// that point at the reloaded value. `reason` says why each was offloaded. Returns the
+/// bytes offloaded.
+pub(crate) fn rewrite(
+    g: &mut Graph,
+    order: &[Node],
+    joint: &Joint,
+    chosen: &mut [Cand],
+    link_bytes_per_s: u64,
+    pass: &str,
+    reason: impl Fn(&Cand) -> String,
+) -> Result<u64, PassError> {
+    chosen.sort_by_key(|c| (c.after_fwd, c.v.0));
+    let mut offloaded_bytes = 0;
+    let mut redirect: HashMap<Value, (Value, usize)> = HashMap::new();
+    for c in chosen.iter() {
+        let d = g.def(c.v);
+        let src = g.node(d).meta.source.clone();
+        let meta = |reason: String| NodeMeta {
+            source: src.clone(),
+            provenance: Some(Provenance {
+                pass: pass.into(),
+                reason,
+            }),
+            ..Default::default()
+        };
+        let user = order[c.after_fwd];
+        let mut ops = vec![c.v];
+        if user != d {
+            ops.push(g.node(user).results[0]);
+        }
+        let host = g
+            .insert_with(
+                At::After(user),
+                Op::Offload {
+                    stream: "d2h".into(),
+                },
+                &ops,
+                meta(reason(c)),
+            )
+            .map_err(|e| build_error(pass, e))?[0];
+        let at = order[c.prefetch];
+        let dep = g.node(at).results[0];
+        let secs = c.bytes as f64 / link_bytes_per_s as f64;
+        let back = g
+            .insert_with(
+                At::After(at),
+                Op::Reload {
+                    stream: "h2d".into(),
+                },
+                &[host, dep],
+                meta(format!(
+                    "prefetch for the backward of layer {}: {} bytes, {:.3} ms on the host link, issued with the backward of layer {}",
+                    c.layer,
+                    c.bytes,
+                    secs * 1e3,
+                    c.layer + 1
+                )),
+            )
+            .map_err(|e| build_error(pass, e))?[0];
+        redirect.insert(c.v, (back, c.prefetch));
+        offloaded_bytes += c.bytes;
+    }
+    // Backward readers after the prefetch point read the reloaded value.
+    for (i, &n) in order.iter().enumerate() {
+        if joint.forward.contains(&n) {
+            continue;
+        }
+        let ops: Vec<Value> = g
+            .node(n)
+            .operands
+            .iter()
+            .map(|x| match redirect.get(x) {
+                Some((r, p)) if i > *p => *r,
+                _ => *x,
+            })
+            .collect();
+        g.node_mut(n).operands = ops;
+    }
+    Ok(offloaded_bytes)
 }

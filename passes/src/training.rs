@@ -159,7 +159,8 @@ pub struct OffloadOptions {
     /// saved activations on the device fit this many bytes per rank, and only what the
     /// link can move in the compute time between the forward use and the backward use.
     pub budget: Option<u64>,
-    /// Host link bandwidth, bytes per second (default 25 GB/s).
+    /// Host link bandwidth, bytes per second (default the device profile's `host_gbps`:
+    /// 55 GB/s on the default H200).
     pub link_bytes_per_s: u64,
     /// The device whose compute the copies hide under, timed by the plan's cost model
     /// (default the `h200` profile; `weft compile --device` sets it).
@@ -173,6 +174,13 @@ pub struct Device(pub weft_ir::plan::DeviceProfile);
 
 impl Eq for Device {}
 
+impl Device {
+    /// The profile's host link, bytes per second.
+    pub fn link_bytes_per_s(&self) -> u64 {
+        (self.0.host_gbps * 1e9) as u64
+    }
+}
+
 impl Default for Device {
     fn default() -> Self {
         Device(crate::plan::profile::preset("h200").expect("built-in profile"))
@@ -185,7 +193,7 @@ impl Default for OffloadOptions {
             keep_last: 1,
             min_bytes: 1 << 20,
             budget: None,
-            link_bytes_per_s: 25_000_000_000,
+            link_bytes_per_s: Device::default().link_bytes_per_s(),
             device: Device::default(),
         }
     }

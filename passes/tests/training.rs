@@ -12,14 +12,18 @@ use weft_passes::training::{
 use weft_passes::*;
 
 fn model_1l(preset: &str) -> Graph {
+    model_layers(preset, 1)
+}
+
+fn model_layers(preset: &str, layers: usize) -> Graph {
     let p = weft_frontends::presets::find_preset(preset).unwrap();
     let mut v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
     v.as_object_mut()
         .unwrap()
-        .insert("num_hidden_layers".into(), 1.into());
+        .insert("num_hidden_layers".into(), layers.into());
     let cfg = weft_frontends::ModelConfig::from_json(&v, &p.label()).unwrap();
     weft_frontends::Model::from_config(
-        &format!("{preset}-1l"),
+        &format!("{preset}-{layers}l"),
         cfg,
         weft_frontends::Origin::Preset(preset.into()),
     )
@@ -74,6 +78,57 @@ fn joint_graph_of_a_one_layer_llama() {
         assert_eq!(parse(&print(&j)).unwrap(), j);
         snapshot(&format!("joint__llama-tiny-1l__{tag}"), &print(&j));
     }
+}
+
+/// A device whose matmuls are slow enough (0.05 TFLOP/s against 5 GB/s of memory: a
+/// ridge of 10 FLOPs per byte) that a tiny model's projections are compute-bound and
+/// its norms and elementwise ops are not, as a 1B model's are on an H200.
+fn slow_matmul_device() -> weft_passes::training::Device {
+    let mut d = weft_passes::plan::profile::preset("h200").unwrap();
+    d.matmul_tflops = 0.05;
+    d.attention_tflops = 0.05;
+    d.hbm_gbps = 5.0;
+    weft_passes::training::Device(d)
+}
+
+#[test]
+fn selective_offload_diff() {
+    // Two layers: the first layer's projections go to the host under the second
+    // layer's forward and come back under its backward, instead of being recomputed;
+    // its norms and elementwise ops are still recomputed; the last layer stays as is.
+    let g = model_layers("llama-tiny", 2);
+    let opts = TrainOptions {
+        checkpoint: CheckpointPolicy::Selective,
+        offload: Some(OffloadOptions {
+            min_bytes: 0,
+            device: slow_matmul_device(),
+            ..Default::default()
+        }),
+        batch: Some(2),
+        seq: Some(16),
+        ..Default::default()
+    };
+    let diff = pass_diff(&g, "sp=2", &opts, "checkpoint");
+    let j = compile(&g, "sp=2", &opts);
+    verify(&j).unwrap();
+    let by_checkpoint = |op: &str| {
+        j.nodes()
+            .iter()
+            .filter(|&&n| {
+                let d = j.node(n);
+                d.op.name() == op
+                    && d.meta
+                        .provenance
+                        .as_ref()
+                        .is_some_and(|p| p.pass == "checkpoint")
+            })
+            .count()
+    };
+    assert!(by_checkpoint("offload") > 0, "{diff}");
+    assert_eq!(by_checkpoint("offload"), by_checkpoint("reload"));
+    // The offload pass adds nothing after checkpoint chose.
+    assert!(pass_diff(&g, "sp=2", &opts, "offload").contains("changed=false"));
+    snapshot("checkpoint__llama-tiny-2l__sp2-selective-offload", &diff);
 }
 
 #[test]
@@ -370,7 +425,7 @@ fn checkpoint_budget_bounds_the_peak() {
 #[test]
 fn offload_planner_times_compute_on_the_device_profile() {
     // Llama 3.2 1B, one rank, S=8192: halve the saved activations by offload at the
-    // default 25 GB/s. The copies hide under each layer's compute as the plan's cost
+    // 25 GB/s (a PCIe Gen4 link). The copies hide under each layer's compute as the plan's cost
     // model times it on the device: a slower device (A100) hides more bytes than the
     // default H200. The plan is deterministic.
     let g = weft_frontends::load("llama3.2-1b").unwrap().graph;
@@ -386,6 +441,7 @@ fn offload_planner_times_compute_on_the_device_profile() {
     for device in ["h200", "h100", "a100"] {
         let o = OffloadOptions {
             budget: Some(saved / 2),
+            link_bytes_per_s: 25_000_000_000,
             device: weft_passes::training::Device(
                 weft_passes::plan::profile::preset(device).unwrap(),
             ),

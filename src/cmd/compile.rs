@@ -148,6 +148,7 @@ pub fn run(a: Args) -> CliResult {
             o.device = weft_passes::training::Device(
                 weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?,
             );
+            o.link_bytes_per_s = o.device.link_bytes_per_s();
         }
         names.extend(super::train::training_passes(&mesh, &cx.options.train));
     }

@@ -233,9 +233,36 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         // taking its bytes.
         g.remove_output("logits");
     }
+    // --inputs fixes the batch and sequence length.
+    let given: Option<(i64, i64)> = match &a.inputs {
+        Some(p) => {
+            let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
+            match t.get("input_ids").map(|x| x.shape.as_slice()) {
+                Some([b, s]) => Some((*b as i64, *s as i64)),
+                _ => {
+                    return Err(CliError::input(format!(
+                        "--inputs {}: needs `input_ids` as i64 [batch, seq]",
+                        p.display()
+                    )))
+                }
+            }
+        }
+        None => None,
+    };
+    let batch = a
+        .batch
+        .or(given.map(|x| x.0))
+        .unwrap_or(mesh.size_or_one("dp") as i64);
+    let seq = a
+        .seq
+        .or(given.map(|x| x.1))
+        .unwrap_or(64 * mesh.size_or_one("sp") as i64);
     let mut names = super::compile::pipeline(None, &mesh)?;
     let mut training = false;
     let mut train_opts = a.train.options("adamw")?;
+    // The memory-aware passes (checkpoint budget, offload planner) size the step as run.
+    train_opts.batch = Some(batch);
+    train_opts.seq = Some(seq);
     // Only --check compares gradients; a training run lets each gradient die once its
     // bucket has updated the weights.
     train_opts.grad_outputs = a.check > 0;
@@ -299,30 +326,6 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     if training && a.torch_adamw {
         append_adamw(&mut g, a.train.lr, 0.9, 0.95, 1e-8, 0.1, None)?;
     }
-    // --inputs fixes the batch and sequence length.
-    let given: Option<(i64, i64)> = match &a.inputs {
-        Some(p) => {
-            let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
-            match t.get("input_ids").map(|x| x.shape.as_slice()) {
-                Some([b, s]) => Some((*b as i64, *s as i64)),
-                _ => {
-                    return Err(CliError::input(format!(
-                        "--inputs {}: needs `input_ids` as i64 [batch, seq]",
-                        p.display()
-                    )))
-                }
-            }
-        }
-        None => None,
-    };
-    let batch = a
-        .batch
-        .or(given.map(|x| x.0))
-        .unwrap_or(mesh.size_or_one("dp") as i64);
-    let seq = a
-        .seq
-        .or(given.map(|x| x.1))
-        .unwrap_or(64 * mesh.size_or_one("sp") as i64);
     let bindings = super::compile::check_sizes(&g, Some(batch), Some(seq))?;
     let mut opts = weft_passes::plan::PlanOptions::new(batch, seq);
     opts.bindings = bindings;

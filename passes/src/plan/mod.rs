@@ -1,10 +1,13 @@
 //! Lowering a program to an [`ExecutionPlan`]: schedule, memory plan and costs.
 //!
-//! - Streams: collectives run on a communication stream, host copies on a copy stream,
-//!   everything else on the compute stream. Each stream keeps program order (a
-//!   topological order the passes keep memory-friendly); a collective starts as soon as
-//!   its operands exist, so it overlaps the compute that does not need it. A consumer
-//!   on another stream waits for its producer's event.
+//! - Streams: collectives run on a communication stream, host copies on two copy
+//!   streams (device to host, host to device: the link is full duplex), everything else
+//!   on the compute stream. Each stream keeps program order (a topological order the
+//!   passes keep memory-friendly); a collective starts as soon as its operands exist,
+//!   so it overlaps the compute that does not need it. A consumer on another stream
+//!   waits for its producer's event. The compute stream also waits for each offload at
+//!   the first instruction starting after the copy's predicted end, so the offloaded
+//!   value's bytes return to the arena there.
 //! - Memory: one buffer per value; params, gradients and optimizer state are resident;
 //!   everything else lives in one arena, placed first-fit, where a buffer may reuse the
 //!   bytes of another only once that one's last use is ordered before it on the new
@@ -118,9 +121,13 @@ fn sizes(
     Ok((max, if uniform { None } else { Some(per_rank) }))
 }
 
-/// Category of a value: resident params/grads/optimizer state, or arena memory.
+/// Category of a value: resident params/grads/optimizer state, host memory (what
+/// `offload` copies out, in the pinned host pool), or arena memory.
 fn category(g: &Graph, v: Value, output_names: &BTreeMap<Value, Vec<String>>) -> Category {
     let op = g.op_of(v);
+    if matches!(op, Op::Offload { .. }) {
+        return Category::Host;
+    }
     if let Op::Param { name, .. } = op {
         return if name.starts_with("optim.") || name.starts_with("state.") {
             Category::OptimizerState
@@ -157,11 +164,17 @@ fn category(g: &Graph, v: Value, output_names: &BTreeMap<Value, Vec<String>>) ->
 /// logits' bytes when the logits die there (not when the step returns them).
 pub const ELEMENTWISE_IN_PLACE: &[&str] = &["cross_entropy_grad"];
 
+/// The plan's streams: compute, communication, device-to-host and host-to-device copies
+/// (a PCIe link is full duplex: offloads and prefetches move at the same time).
+const NS: usize = 4;
+
 fn stream_of(op: &Op) -> u32 {
     if op.is_collective() {
         1
-    } else if matches!(op.name(), "offload" | "reload") {
+    } else if op.name() == "offload" {
         2
+    } else if op.name() == "reload" {
+        3
     } else {
         0
     }
@@ -241,7 +254,8 @@ pub fn lower_with_views(
     let mut instructions: Vec<Instruction> = Vec::with_capacity(compute_nodes.len());
     let mut finish_of: BTreeMap<u32, f64> = BTreeMap::new(); // buffer -> time it is ready
     let mut producer_instr: BTreeMap<u32, u32> = BTreeMap::new(); // buffer -> instruction
-    let mut stream_free = [0.0f64; 3];
+    let mut stream_free = [0.0f64; NS];
+    let mut offloads_in_flight: Vec<(u32, f64)> = Vec::new(); // (event, predicted end)
     let mut events = 0u32;
     let mut collectives: BTreeMap<String, u64> = BTreeMap::new();
     let mut comm_bytes: BTreeMap<String, f64> = BTreeMap::new();
@@ -281,10 +295,14 @@ pub fn lower_with_views(
                 comm_s += t;
                 (moved, t)
             }
-            2 => {
-                let t = cost::copy_time(in_bytes, d);
+            2 | 3 => {
+                // The copied value; later operands only order the copy.
+                let moved = inputs
+                    .first()
+                    .map_or(0.0, |&i| buffers[i as usize].bytes as f64);
+                let t = cost::copy_time(moved, d);
                 copy_s += t;
-                (in_bytes, t)
+                (moved, t)
             }
             _ => {
                 let t = cost::compute_time(&nd.op, flops, in_bytes + out_bytes, d);
@@ -314,8 +332,27 @@ pub fn lower_with_views(
                 }
             }
         }
+        // The compute stream waits for an offload once the copy is predicted done (at no
+        // cost): from there on the offloaded value's device bytes can be reused.
+        if stream == 0 {
+            offloads_in_flight.retain(|&(e, done)| {
+                if done <= ready {
+                    if !wait.contains(&e) {
+                        wait.push(e);
+                    }
+                    false
+                } else {
+                    true
+                }
+            });
+        }
         let start = ready;
         stream_free[stream as usize] = start + time;
+        let signal = (stream == 2).then(|| {
+            events += 1;
+            offloads_in_flight.push((events - 1, start + time));
+            events - 1
+        });
         for &o in &outputs {
             finish_of.insert(o, start + time);
             producer_instr.insert(o, id);
@@ -328,7 +365,7 @@ pub fn lower_with_views(
             inputs,
             outputs,
             wait,
-            signal: None,
+            signal,
             flops,
             bytes,
             start_s: start,
@@ -376,12 +413,12 @@ pub fn lower_with_views(
     // Vector clocks: clock[j][t] is the last instruction of stream t known to have
     // finished when instruction j starts (in-order streams plus the events it waits for,
     // transitively). -1: none.
-    let mut clock: Vec<[i64; 3]> = Vec::with_capacity(instructions.len());
+    let mut clock: Vec<[i64; NS]> = Vec::with_capacity(instructions.len());
     let mut event_source: BTreeMap<u32, u32> = BTreeMap::new();
-    let mut prev_on: [i64; 3] = [-1; 3];
+    let mut prev_on: [i64; NS] = [-1; NS];
     for ins in &instructions {
         let s = ins.stream as usize;
-        let mut c = [-1i64; 3];
+        let mut c = [-1i64; NS];
         if prev_on[s] >= 0 {
             let p = prev_on[s] as usize;
             c = max3(c, clock[p]);
@@ -547,7 +584,7 @@ pub fn lower_with_views(
 
     // Last touch of each root on each stream (producer and views included), and the
     // roots whose bytes a graph output holds to the end.
-    let mut last_touch: Vec<[i64; 3]> = vec![[-1; 3]; buffers.len()];
+    let mut last_touch: Vec<[i64; NS]> = vec![[-1; NS]; buffers.len()];
     for ins in &instructions {
         for &bi in ins.inputs.iter().chain(&ins.outputs) {
             let t = &mut last_touch[root[bi as usize]][ins.stream as usize];
@@ -561,26 +598,26 @@ pub fn lower_with_views(
         }
     }
     let pinned = |bi: usize, _: &[Buffer]| pinned_root[bi];
-    let free_under = |bi: usize, c: &[i64; 3]| (0..3).all(|t| last_touch[bi][t] <= c[t]);
+    let free_under = |bi: usize, c: &[i64; NS]| (0..NS).all(|t| last_touch[bi][t] <= c[t]);
 
     // First-fit arena placement of the roots in allocation order.
     let mut order: Vec<usize> = (0..buffers.len())
-        .filter(|&i| !buffers[i].resident && root[i] == i)
+        .filter(|&i| !buffers[i].resident && root[i] == i && buffers[i].category != Category::Host)
         .collect();
     order.sort_by_key(|&i| (buffers[i].live.0, i));
     let mut placed: Vec<usize> = Vec::new();
     let mut arena_bytes = 0u64;
-    let mut latest: [[i64; 3]; 3] = [[-1; 3]; 3];
+    let mut latest: [[i64; NS]; NS] = [[-1; NS]; NS];
     for &c in &order {
         let size = align(buffers[c].bytes);
         let (clk, s) = match producer_instr.get(&(c as u32)) {
             Some(&p) => (clock[p as usize], instructions[p as usize].stream as usize),
-            None => ([-1; 3], 0),
+            None => ([-1; NS], 0),
         };
         latest[s] = max3(latest[s], clk);
         placed.retain(|&b| {
             pinned(b, &buffers)
-                || !(0..3).all(|t| free_under(b, &latest[t]))
+                || !(0..NS).all(|t| free_under(b, &latest[t]))
                 || buffers[b].live.1 >= buffers[c].live.0
         });
         let mut conflicts: Vec<(u64, u64)> = placed
@@ -607,6 +644,15 @@ pub fn lower_with_views(
         arena_bytes = arena_bytes.max(off + size);
         placed.push(c);
     }
+    // Host pool: one slot per offloaded value, in program order.
+    let mut host_bytes = 0u64;
+    for buf in buffers
+        .iter_mut()
+        .filter(|b| b.category == Category::Host && b.alias_of.is_none())
+    {
+        buf.offset = host_bytes;
+        host_bytes += align(buf.bytes);
+    }
     // Resident region.
     let mut resident_bytes = 0u64;
     for buf in buffers
@@ -630,7 +676,7 @@ pub fn lower_with_views(
     let mut live_at = vec![BTreeMap::<Category, u64>::new(); instructions.len().max(1)];
     for buf in buffers
         .iter()
-        .filter(|b| !b.resident && b.alias_of.is_none())
+        .filter(|b| !b.resident && b.alias_of.is_none() && b.category != Category::Host)
     {
         for t in buf.live.0..=buf.live.1 {
             *live_at[t as usize].entry(buf.category).or_default() += buf.bytes;
@@ -737,7 +783,12 @@ pub fn lower_with_views(
             Stream {
                 id: 2,
                 kind: StreamKind::Copy,
-                name: "copy".into(),
+                name: "d2h".into(),
+            },
+            Stream {
+                id: 3,
+                kind: StreamKind::Copy,
+                name: "h2d".into(),
             },
         ],
         buffers,
@@ -749,7 +800,7 @@ pub fn lower_with_views(
             breakdown,
             arena_bytes,
             resident_bytes,
-            host_bytes: 0,
+            host_bytes,
             peak_at: peak_at as u32,
         },
         cost: CostSummary {
@@ -767,8 +818,8 @@ pub fn lower_with_views(
     })
 }
 
-fn max3(a: [i64; 3], b: [i64; 3]) -> [i64; 3] {
-    [a[0].max(b[0]), a[1].max(b[1]), a[2].max(b[2])]
+fn max3(a: [i64; NS], b: [i64; NS]) -> [i64; NS] {
+    std::array::from_fn(|t| a[t].max(b[t]))
 }
 
 fn max_over_ranks(

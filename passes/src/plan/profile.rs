@@ -30,11 +30,14 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         // cuDNN's fused SDPA (~530), which the runtime does not call: with 530 the plan
         // predicted 317 ms for a 1.24B step at S=16384 that measured 533 ms; with 190, 525.
         // H100: the same SMs and clocks, so the same kernel rate.
+        // Host link: pinned copies measured on the H200 there (PCIe Gen5 x16, bench/host_link.py):
+        // 55 GB/s each way, both directions at once (~101 GB/s together), unchanged under a
+        // concurrent GEMM load; H100 SXM has the same link. A100: PCIe Gen4, about half.
         "h200" => Some(p(
-            "h200", 790.0, 190.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 25.0,
+            "h200", 790.0, 190.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 55.0,
         )),
         "h100" => Some(p(
-            "h100", 700.0, 190.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 25.0,
+            "h100", 700.0, 190.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 55.0,
         )),
         "a100" => Some(p(
             "a100", 280.0, 190.0, 19.5, 1700.0, 80.0, 240.0, 22.0, 20.0,
