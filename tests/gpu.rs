@@ -7,7 +7,13 @@
 //!
 //! Without a GPU (CI) every case still parses, lowers to a plan and runs on the CPU
 //! reference; the GPU half reports "skipped". `WEFT_GPU_BENCH=1` adds timings (GEMM,
-//! attention forward/backward). Run with `--nocapture` to see the table.
+//! attention forward/backward, Weft's kernels beside cuDNN's). Run with `--nocapture` to
+//! see the table.
+//!
+//! bf16 attention cases also run cuDNN's fused flash attention (`Attn::Cudnn`). libcudnn
+//! is loaded at run time; on the GPU machine it is the pip package in /opt/torch/.venv:
+//! `export LD_LIBRARY_PATH=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cudnn/lib)`.
+//! Without it the cuDNN rows say "skipped: cuDNN absent" and pass.
 
 use std::collections::BTreeMap;
 use weft_ir::{DType, Graph, HostTensor};
@@ -281,9 +287,23 @@ fn op_cases() -> Vec<Case> {
         ("bf16", 64, 4, 1, 257, 257, true, 2e-2),
         ("bf16", 64, 2, 1, 200, 300, true, 2e-2),
         ("bf16", 128, 2, 2, 190, 190, true, 2e-2),
+        // odd lengths, GQA and MHA, d 64/128 (also the cuDNN path's cases)
+        ("bf16", 64, 4, 2, 1, 1, true, 2e-2),
+        ("bf16", 64, 4, 2, 63, 63, true, 2e-2),
+        ("bf16", 128, 4, 4, 200, 200, true, 2e-2),
+        ("bf16", 64, 8, 2, 1000, 1000, true, 2e-2),
+        ("bf16", 128, 2, 2, 1000, 1000, true, 2e-2),
+        ("bf16", 128, 4, 1, 63, 63, false, 2e-2),
     ] {
+        // With one key every softmax weight is exactly 1, so dq and dk are exactly zero
+        // (a relative error against zero means nothing): check o and dv there.
+        let ret = if sk == 1 {
+            "o=%3, dv=%7"
+        } else {
+            "o=%3, dq=%5, dk=%6, dv=%7"
+        };
         let text = format!(
-            "graph \"t\"\n%0: {dt}[2, {nq}, {sq}, {d}] = param {{name=\"q\"}}\n%1: {dt}[2, {nkv}, {sk}, {d}] = param {{name=\"k\"}}\n%2: {dt}[2, {nkv}, {sk}, {d}] = param {{name=\"v\"}}\n%3: {dt}[2, {nq}, {sq}, {d}] = attention %0, %1, %2 {{causal={causal}, scale={}}}\n%4: {dt}[2, {nq}, {sq}, {d}] = param {{name=\"do\"}}\n%5: {dt}[2, {nq}, {sq}, {d}], %6: {dt}[2, {nkv}, {sk}, {d}], %7: {dt}[2, {nkv}, {sk}, {d}] = attention_grad %0, %1, %2, %3, %4 {{causal={causal}, scale={}}}\nreturn o=%3, dq=%5, dk=%6, dv=%7\n",
+            "graph \"t\"\n%0: {dt}[2, {nq}, {sq}, {d}] = param {{name=\"q\"}}\n%1: {dt}[2, {nkv}, {sk}, {d}] = param {{name=\"k\"}}\n%2: {dt}[2, {nkv}, {sk}, {d}] = param {{name=\"v\"}}\n%3: {dt}[2, {nq}, {sq}, {d}] = attention %0, %1, %2 {{causal={causal}, scale={}}}\n%4: {dt}[2, {nq}, {sq}, {d}] = param {{name=\"do\"}}\n%5: {dt}[2, {nq}, {sq}, {d}], %6: {dt}[2, {nkv}, {sk}, {d}], %7: {dt}[2, {nkv}, {sk}, {d}] = attention_grad %0, %1, %2, %3, %4 {{causal={causal}, scale={}}}\nreturn {ret}\n",
             1.0 / (d as f64).sqrt(),
             1.0 / (d as f64).sqrt()
         );
@@ -321,17 +341,41 @@ fn gpu_available() -> Result<(), String> {
     Err("built without the `cuda` feature".into())
 }
 
+/// Which attention kernels a GPU run uses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Attn {
+    /// Weft's tensor-core flash kernels (bf16, d 64/128), else its generic kernel.
+    TensorCore,
+    Generic,
+    /// cuDNN's fused flash attention (`WEFT_ATTENTION=cudnn`), Weft's kernels elsewhere.
+    Cudnn,
+}
+
+/// Whether libcudnn loads here (and its version), without panicking.
+#[cfg(feature = "cuda")]
+fn cudnn_available() -> Result<usize, String> {
+    weft_runtime::cuda::cudnn_sdpa::available()
+}
+#[cfg(not(feature = "cuda"))]
+fn cudnn_available() -> Result<usize, String> {
+    Err("built without the `cuda` feature".into())
+}
+
+/// Outputs, device seconds and how many steps ran cuDNN attention.
+type GpuRun = (BTreeMap<String, HostTensor>, f64, usize);
+
 #[cfg(feature = "cuda")]
 fn run_gpu(
     g: &Graph,
     plan: &weft_ir::ExecutionPlan,
     w: &BTreeMap<String, HostTensor>,
     x: &BTreeMap<String, HostTensor>,
-    fast: bool,
-) -> Result<(BTreeMap<String, HostTensor>, f64), String> {
+    attn: Attn,
+) -> Result<GpuRun, String> {
     use weft_runtime::cuda::{ExecOptions, Executor};
     let mut o = ExecOptions::default();
-    o.fast_attention = fast;
+    o.fast_attention = attn != Attn::Generic;
+    o.cudnn_attention = attn == Attn::Cudnn;
     o.nccl = false;
     let mut ex = Executor::new(plan, &o).map_err(|e| e.to_string())?;
     ex.poison_arena().map_err(|e| e.to_string())?;
@@ -342,7 +386,7 @@ fn run_gpu(
     for (name, _) in g.outputs() {
         out.insert(name.clone(), ex.output(name).map_err(|e| e.to_string())?);
     }
-    Ok((out, t.device_s))
+    Ok((out, t.device_s, ex.cudnn_attention_steps()))
 }
 #[cfg(not(feature = "cuda"))]
 fn run_gpu(
@@ -350,8 +394,8 @@ fn run_gpu(
     _: &weft_ir::ExecutionPlan,
     _: &BTreeMap<String, HostTensor>,
     _: &BTreeMap<String, HostTensor>,
-    _: bool,
-) -> Result<(BTreeMap<String, HostTensor>, f64), String> {
+    _: Attn,
+) -> Result<GpuRun, String> {
     Err("no cuda".into())
 }
 
@@ -450,29 +494,64 @@ fn run_case(c: &Case, gpu: bool, seed: u64, rows: &mut Vec<Row>) {
         });
         return;
     }
-    let paths: &[bool] = if c.name.starts_with("attention") && c.name.contains("bf16") {
-        &[true, false]
+    let paths: &[Attn] = if c.name.starts_with("attention") && c.name.contains("bf16") {
+        &[Attn::TensorCore, Attn::Generic, Attn::Cudnn]
     } else {
-        &[true]
+        &[Attn::TensorCore]
     };
-    for &fast in paths {
+    for &attn in paths {
         let label = if paths.len() > 1 {
             format!(
                 "{} [{}]",
                 c.name,
-                if fast { "tensor-core" } else { "generic" }
+                match attn {
+                    Attn::TensorCore => "tensor-core",
+                    Attn::Generic => "generic",
+                    Attn::Cudnn => "cudnn",
+                }
             )
         } else {
             c.name.clone()
         };
-        match run_gpu(&g, &plan, &w, &x, fast) {
-            Ok((got, t)) => {
-                let (e, what) = compare(&c.name, &want, &got, c.tol);
-                let ok = e <= c.tol.max(1e-6) || (c.tol == 0.0 && e == 0.0);
+        // cuDNN runs bf16 attention with Sq == Sk ("S{n}x{n}" in the name); it falls back
+        // to Weft's kernels elsewhere. Without libcudnn the cuDNN rows say so and pass.
+        let cudnn_expected = attn == Attn::Cudnn && {
+            let sxs = c
+                .name
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix('S'))
+                .and_then(|w| w.split_once('x'));
+            sxs.is_some_and(|(a, b)| a == b)
+        };
+        if attn == Attn::Cudnn {
+            if let Err(e) = cudnn_available() {
                 rows.push(Row {
                     name: label,
                     cpu: "ok".into(),
-                    gpu: format!("{:.3} ms worst={what}", t * 1e3),
+                    gpu: format!("skipped: cuDNN absent ({e})"),
+                    err: 0.0,
+                    tol: c.tol,
+                    ok: true,
+                });
+                continue;
+            }
+        }
+        match run_gpu(&g, &plan, &w, &x, attn) {
+            Ok((got, t, cudnn_steps)) => {
+                let (e, what) = compare(&c.name, &want, &got, c.tol);
+                let mut ok = e <= c.tol.max(1e-6) || (c.tol == 0.0 && e == 0.0);
+                let mut note = String::new();
+                if attn == Attn::Cudnn {
+                    note = format!(" cudnn steps={cudnn_steps}");
+                    if cudnn_expected && cudnn_steps == 0 {
+                        ok = false;
+                        note.push_str(" (cuDNN did not run: see stderr)");
+                    }
+                }
+                rows.push(Row {
+                    name: label,
+                    cpu: "ok".into(),
+                    gpu: format!("{:.3} ms worst={what}{note}", t * 1e3),
                     err: e,
                     tol: c.tol,
                     ok,
@@ -630,13 +709,27 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
             });
             continue;
         }
-        match run_gpu(&g, &plan, &weights, &x, true) {
-            Ok((got, t)) => {
+        // WEFT_ATTENTION=cudnn: the models' attention runs on cuDNN (where it can).
+        let attn = if std::env::var("WEFT_ATTENTION").as_deref() == Ok("cudnn") {
+            Attn::Cudnn
+        } else {
+            Attn::TensorCore
+        };
+        match run_gpu(&g, &plan, &weights, &x, attn) {
+            Ok((got, t, cudnn_steps)) => {
                 let (e, what) = compare(&name, &want, &got, tol);
                 rows.push(Row {
                     name,
                     cpu: "ok".into(),
-                    gpu: format!("{:.3} ms worst={what}", t * 1e3),
+                    gpu: format!(
+                        "{:.3} ms worst={what}{}",
+                        t * 1e3,
+                        if attn == Attn::Cudnn {
+                            format!(" cudnn steps={cudnn_steps}")
+                        } else {
+                            String::new()
+                        }
+                    ),
                     err: e,
                     tol,
                     ok: e <= tol,
@@ -679,11 +772,14 @@ fn convert(g: &mut Graph, d: DType) {
 #[cfg(feature = "cuda")]
 fn bench(rows: &mut Vec<String>) {
     use weft_runtime::cuda::{ExecOptions, Executor};
-    let time = |text: &str, iters: usize| -> Result<f64, String> {
+    // Median device seconds of `iters` steps, and how many steps ran cuDNN attention.
+    let time = |text: &str, iters: usize, cudnn: bool| -> Result<(f64, usize), String> {
         let g = weft_ir::parse(text).map_err(|e| e.to_string())?;
         let plan = plan_of(&g, 1, 1)?;
         let o = ExecOptions {
             nccl: false,
+            fast_attention: true,
+            cudnn_attention: cudnn,
             ..ExecOptions::default()
         };
         let mut ex = Executor::new(&plan, &o).map_err(|e| e.to_string())?;
@@ -694,33 +790,59 @@ fn bench(rows: &mut Vec<String>) {
             ts.push(ex.run_step().map_err(|e| e.to_string())?.device_s);
         }
         ts.sort_by(|a, b| a.total_cmp(b));
-        Ok(ts[ts.len() / 2])
+        Ok((ts[ts.len() / 2], ex.cudnn_attention_steps()))
     };
     let n = 8192;
-    let t = time(&format!("graph \"g\"\n%0: bf16[{n}, {n}] = param {{name=\"x\"}}\n%1: bf16[{n}, {n}] = param {{name=\"w\"}}\n%2: bf16[{n}, {n}] = linear %0, %1\nreturn y=%2\n"), 10);
+    let t = time(&format!("graph \"g\"\n%0: bf16[{n}, {n}] = param {{name=\"x\"}}\n%1: bf16[{n}, {n}] = param {{name=\"w\"}}\n%2: bf16[{n}, {n}] = linear %0, %1\nreturn y=%2\n"), 10, false);
     rows.push(match t {
-        Ok(t) => format!(
+        Ok((t, _)) => format!(
             "gemm bf16 {n}^3 (cuBLASLt)          {:>8.3} ms  {:>6.0} TFLOP/s",
             t * 1e3,
             2.0 * (n as f64).powi(3) / t / 1e12
         ),
         Err(e) => format!("gemm bf16: error {e}"),
     });
-    for (d, nkv, s) in [(64usize, 8usize, 4096usize), (128, 8, 4096), (64, 8, 16384)] {
+    let cudnn = cudnn_available();
+    if let Err(e) = &cudnn {
+        rows.push(format!("attention [cudnn]: skipped, cuDNN absent: {e}"));
+    }
+    for (d, nkv, s) in [
+        (64usize, 8usize, 4096usize),
+        (128, 8, 4096),
+        (64, 8, 16384),
+        (128, 8, 16384),
+    ] {
         let nq = 32;
         let sc = 1.0 / (d as f64).sqrt();
         let fwd = format!("graph \"a\"\n%0: bf16[1, {nq}, {s}, {d}] = param {{name=\"q\"}}\n%1: bf16[1, {nkv}, {s}, {d}] = param {{name=\"k\"}}\n%2: bf16[1, {nkv}, {s}, {d}] = param {{name=\"v\"}}\n%3: bf16[1, {nq}, {s}, {d}] = attention %0, %1, %2 {{causal=true, scale={sc}}}\nreturn o=%3\n");
         let both = format!("graph \"a\"\n%0: bf16[1, {nq}, {s}, {d}] = param {{name=\"q\"}}\n%1: bf16[1, {nkv}, {s}, {d}] = param {{name=\"k\"}}\n%2: bf16[1, {nkv}, {s}, {d}] = param {{name=\"v\"}}\n%3: bf16[1, {nq}, {s}, {d}] = attention %0, %1, %2 {{causal=true, scale={sc}}}\n%4: bf16[1, {nq}, {s}, {d}] = param {{name=\"do\"}}\n%5: bf16[1, {nq}, {s}, {d}], %6: bf16[1, {nkv}, {s}, {d}], %7: bf16[1, {nkv}, {s}, {d}] = attention_grad %0, %1, %2, %3, %4 {{causal=true, scale={sc}}}\nreturn dq=%5, dk=%6, dv=%7\n");
         let f = 4.0 * nq as f64 * (s as f64).powi(2) * d as f64 / 2.0; // causal forward FLOPs
-        match (time(&fwd, 10), time(&both, 10)) {
-            (Ok(tf), Ok(tb)) => rows.push(format!(
-                "attention causal bf16 S={s} d={d} 32q/{nkv}kv: fwd {:>7.3} ms {:>5.0} TFLOP/s; fwd+bwd {:>7.3} ms {:>5.0} TFLOP/s",
-                tf * 1e3,
-                f / tf / 1e12,
-                tb * 1e3,
-                3.5 * f / tb / 1e12
-            )),
-            (a, b) => rows.push(format!("attention S={s} d={d}: error {:?} {:?}", a.err(), b.err())),
+        let impls: &[bool] = if cudnn.is_ok() {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for &use_cudnn in impls {
+            let name = if use_cudnn { "cudnn" } else { "weft " };
+            match (time(&fwd, 10, use_cudnn), time(&both, 10, use_cudnn)) {
+                (Ok((tf, nf)), Ok((tb, nb))) => rows.push(format!(
+                    "attention causal bf16 S={s} d={d} 32q/{nkv}kv [{name}]: fwd {:>7.3} ms {:>5.0} TFLOP/s; fwd+bwd {:>7.3} ms {:>5.0} TFLOP/s{}",
+                    tf * 1e3,
+                    f / tf / 1e12,
+                    tb * 1e3,
+                    3.5 * f / tb / 1e12,
+                    if use_cudnn && (nf == 0 || nb == 0) {
+                        format!(" (cuDNN NOT used: {nf} fwd / {nb} fwd+bwd cuDNN steps; see stderr)")
+                    } else {
+                        String::new()
+                    }
+                )),
+                (a, b) => rows.push(format!(
+                    "attention S={s} d={d} [{name}]: error {:?} {:?}",
+                    a.err(),
+                    b.err()
+                )),
+            }
         }
     }
 }

@@ -6,6 +6,9 @@
 //! - [`device`]: context, the kernel module (CUDA C in `kernels.cu`, `attention.cu`,
 //!   `backward.cu`, compiled once by NVRTC to a cubin and cached on disk), raw
 //!   allocations, streams, events, pinned memory, launches.
+//! - [`cudnn_sdpa`]: cuDNN's fused flash attention (forward and backward) through the
+//!   cuDNN backend API; the default where libcudnn loads (`WEFT_ATTENTION=weft` for Weft's
+//!   own kernels).
 //! - [`gemm`]: cuBLASLt GEMMs with descriptors and algorithms cached per shape.
 //! - [`comm`]: launcher variables (torchrun, Slurm) and NCCL communicators per mesh axis.
 //! - [`exec`]: the plan executor: the plan's arena and resident region as one
@@ -27,6 +30,7 @@
 //! ```
 
 pub mod comm;
+pub mod cudnn_sdpa;
 pub mod device;
 pub mod error;
 pub mod exec;
