@@ -398,3 +398,52 @@ fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_h
         }
     }
 }
+
+#[test]
+fn budget_with_offload_sends_what_it_would_recompute_to_the_host() {
+    use weft_passes::training::{Device, OffloadOptions};
+    let mut slow = weft_passes::plan::profile::preset("h200").unwrap();
+    slow.matmul_tflops = 0.05;
+    slow.attention_tflops = 0.05;
+    slow.hbm_gbps = 5.0;
+    for (fam, mesh) in [("llama", ""), ("llama", "dp=2,sp=2")] {
+        let (graph, weights, inputs) = load_fixture(fam);
+        let reference = reference_run(&graph, &weights, &inputs);
+        // Halfway between the least reachable peak and no recompute's.
+        let policy = budgets(&graph, mesh).pop().unwrap();
+        let opts = TrainOptions {
+            checkpoint: policy.clone(),
+            offload: Some(OffloadOptions {
+                min_bytes: 0,
+                device: Device(slow.clone()),
+                ..Default::default()
+            }),
+            batch: Some(2),
+            seq: Some(SEQ),
+            ..Default::default()
+        };
+        let g = compile(&graph, mesh, &opts);
+        let offloads = g
+            .nodes()
+            .iter()
+            .filter(|&&n| {
+                let d = g.node(n);
+                d.op.name() == "offload"
+                    && d.meta
+                        .provenance
+                        .as_ref()
+                        .is_some_and(|p| p.pass == "checkpoint")
+            })
+            .count();
+        assert!(offloads > 0, "{fam} {mesh} {policy}: nothing offloaded");
+        let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
+            .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+        for (p, want) in &reference.grads {
+            let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
+            assert!(
+                e < 1e-9,
+                "{fam} {mesh} {policy}+offload: grad {p} rel err {e:e}"
+            );
+        }
+    }
+}

@@ -11,11 +11,12 @@
 //!   recompute everything inside a layer, collectives included.
 //! - `selective` (AutoSP's): like `full`, but also keep attention outputs (quadratic
 //!   in the sequence to recompute) and collective results (recomputing them would
-//!   communicate again); matmuls, norms and elementwise ops are recomputed. With
-//!   `--offload` (no offload budget), the matmul outputs the host link can carry are
-//!   offloaded instead of recomputed: per layer, most recompute time per byte first,
-//!   while the copies fit under the next layer's forward (out) and backward (in) at the
-//!   link's bandwidth, timed by the plan's cost model (see [`crate::offload`]).
+//!   communicate again); matmuls, norms and elementwise ops are recomputed.
+//! - With `--offload` (and no offload budget), `selective` and `budget=` send to the
+//!   host, instead of recomputing them, the compute-bound values (projection outputs)
+//!   the host link can carry: layer by layer, the set with the most recompute time whose
+//!   copies leave by the end of the next layer's forward and come back before their
+//!   backward use, on the plan cost model's clock (see `offload_instead`).
 //! - `budget=<bytes>`: keep the step's peak of live values per rank (the memory
 //!   estimate's `peak live`: saved and recomputed activations, backward transients,
 //!   gradients in flight; parameters and optimizer state aside) within the budget at
@@ -97,7 +98,9 @@ impl Pass for Checkpoint {
         // `selective` with `--offload` (no budget): what the host link can carry goes
         // there instead of being recomputed.
         let to_host = match (&policy, &cx.options.train.offload) {
-            (CheckpointPolicy::Selective, Some(o)) if o.budget.is_none() => {
+            (CheckpointPolicy::Selective | CheckpointPolicy::Budget(_), Some(o))
+                if o.budget.is_none() =>
+            {
                 let v = offload_instead(g, &joint, &b, &keep, o);
                 res.count("offloaded", v.len() as u64);
                 res.count("offloaded_bytes", v.iter().map(|x| bytes(g, *x, &b)).sum());
@@ -261,10 +264,12 @@ fn budget_keep(
 /// `--offload` and no offload budget: those whose recompute is compute-bound on the
 /// device (at least its ridge point, matmul FLOP/s over HBM bytes/s, in FLOPs per byte
 /// of the value: on an H200 about 184, where a projection's output has 2 x hidden;
-/// memory-bound ones recompute about as fast as they would be read back), in the layers the offload options allow,
-/// most recompute time per byte first within each layer, while the link
-/// (`link_bytes_per_s`) moves them under the next layer's forward (copy out) and its
-/// backward (copy in) as the plan's cost model times them on the options' device.
+/// memory-bound ones recompute about as fast as they would be read back), in the layers
+/// the offload options allow: layer by layer, the set with the most recompute time
+/// whose copies the link (`link_bytes_per_s`, planned at [`LINK_PLANNED_SHARE`]) moves
+/// in time as [`offload::LinkQueues`] simulates them on the compute stream's clock
+/// (the plan's cost model on the options' device): out by the end of the next layer's
+/// forward, back before the first backward use.
 fn offload_instead(
     g: &Graph,
     joint: &Joint,
@@ -278,7 +283,7 @@ fn offload_instead(
     };
     let d = &o.device.0;
     let ridge = d.matmul_tflops * 1e12 / (d.hbm_gbps * 1e9);
-    let mut cands: Vec<(f64, offload::Cand)> = joint
+    let cands: Vec<(f64, offload::Cand)> = joint
         .saved
         .iter()
         .copied()
@@ -289,22 +294,64 @@ fn offload_instead(
             (fl >= ridge * c.bytes as f64).then(|| (secs / c.bytes as f64, c))
         })
         .collect();
-    cands.sort_by(|(pa, a), (pc, c)| {
-        a.layer
-            .cmp(&c.layer)
-            .then(pc.total_cmp(pa))
-            .then(c.bytes.cmp(&a.bytes))
-            .then(a.v.0.cmp(&c.v.0))
-    });
-    let mut room = offload::LinkRoom::new(&w, o.link_bytes_per_s);
-    let mut chosen: Vec<Value> = cands
-        .into_iter()
-        .filter(|(_, c)| room.take(c))
-        .map(|(_, c)| c.v)
-        .collect();
+    // Per layer, the set of most recompute time that fits the room: exhaustively over
+    // the densest candidates (a handful per layer: projections), then greedily.
+    let mut by_layer: BTreeMap<usize, Vec<(f64, offload::Cand)>> = BTreeMap::new();
+    for (density, c) in cands {
+        by_layer.entry(c.layer).or_default().push((density, c));
+    }
+    let mut chosen: Vec<Value> = Vec::new();
+    let mut queues = offload::LinkQueues::new(&w, o.link_bytes_per_s as f64 * LINK_PLANNED_SHARE);
+    for (_, mut cs) in by_layer {
+        cs.sort_by(|(pa, a), (pc, c)| {
+            pc.total_cmp(pa)
+                .then(c.bytes.cmp(&a.bytes))
+                .then(a.v.0.cmp(&c.v.0))
+        });
+        let n = cs.len().min(KNAPSACK_MAX);
+        let pick = |mask: usize| -> Vec<&offload::Cand> {
+            (0..n)
+                .filter(|i| mask >> i & 1 == 1)
+                .map(|i| &cs[i].1)
+                .collect()
+        };
+        let (mut best, mut best_secs, mut best_end) = (0usize, 0.0f64, None);
+        for mask in 1usize..(1 << n) {
+            let secs: f64 = (0..n)
+                .filter(|i| mask >> i & 1 == 1)
+                .map(|i| cs[i].0 * cs[i].1.bytes as f64)
+                .sum();
+            if secs > best_secs {
+                if let Some(end) = queues.try_layer(&pick(mask)) {
+                    (best, best_secs, best_end) = (mask, secs, Some(end));
+                }
+            }
+        }
+        let mut taken = pick(best);
+        if let Some(end) = best_end {
+            queues.commit(end);
+        }
+        for (_, c) in &cs[n..] {
+            taken.push(c);
+            match queues.try_layer(&taken) {
+                Some(end) => queues.commit(end),
+                None => {
+                    taken.pop();
+                }
+            }
+        }
+        chosen.extend(taken.iter().map(|c| c.v));
+    }
     chosen.sort_by_key(|v| (joint.pos[&g.def(*v)], v.0));
     chosen
 }
+
+/// The share of the host link's bandwidth selective + offload plans with: a copy that
+/// runs past its window makes the compute stream wait (or holds device memory longer).
+const LINK_PLANNED_SHARE: f64 = 0.85;
+
+/// Candidates per layer the selective + offload choice searches exhaustively.
+const KNAPSACK_MAX: usize = 12;
 
 /// The FLOPs and predicted seconds of recomputing `v` alone: its defining node and,
 /// through single-use operands the backward does not read (a projection feeding only

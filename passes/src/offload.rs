@@ -174,6 +174,10 @@ pub(crate) struct Windows {
     fwd_s: BTreeMap<usize, f64>,
     bwd_s: BTreeMap<usize, f64>,
     last_layer: usize,
+    /// The compute stream's predicted clock at the end of each program position (it
+    /// runs the program in order), and at the end of each layer's forward.
+    t_end: Vec<f64>,
+    fwd_end: BTreeMap<usize, f64>,
 }
 
 impl Windows {
@@ -190,21 +194,81 @@ impl Windows {
             fwd_s: BTreeMap::new(),
             bwd_s: BTreeMap::new(),
             last_layer: 0,
+            t_end: Vec::with_capacity(order.len()),
+            fwd_end: BTreeMap::new(),
         };
         let mut any = false;
+        let mut clock = 0.0;
         for (i, &n) in order.iter().enumerate() {
+            let t = device.map_or(0.0, |d| compute_seconds(g, n, b, d));
+            clock += t;
+            w.t_end.push(clock);
             let Some(l) = layer_at(g, n) else { continue };
             any = true;
             w.last_layer = w.last_layer.max(l);
-            let t = device.map_or(0.0, |d| compute_seconds(g, n, b, d));
             if joint.forward.contains(&n) {
                 *w.fwd_s.entry(l).or_default() += t;
+                w.fwd_end.insert(l, clock);
             } else {
                 w.bwd_start.entry(l).or_insert(i);
                 *w.bwd_s.entry(l).or_default() += t;
             }
         }
         any.then_some(w)
+    }
+}
+
+/// The two copy streams of the host link as FIFO queues on the compute stream's
+/// predicted clock (a [`Windows`] timed on a device): whether a layer's offloads, each
+/// issued after its last forward use, leave the device by the end of the next layer's
+/// forward (later, the compute stream would wait for them or hold their bytes), and
+/// its prefetches, issued when the next layer's backward starts, arrive before their
+/// first backward use.
+pub(crate) struct LinkQueues<'a> {
+    w: &'a Windows,
+    bytes_per_s: f64,
+    /// When the device-to-host queue is next free.
+    out_free: f64,
+}
+
+impl<'a> LinkQueues<'a> {
+    pub(crate) fn new(w: &'a Windows, bytes_per_s: f64) -> Self {
+        LinkQueues {
+            w,
+            bytes_per_s,
+            out_free: 0.0,
+        }
+    }
+
+    /// The device-to-host queue's end if `cs` (all of one layer) join it, or `None`
+    /// when either direction misses its deadline.
+    pub(crate) fn try_layer(&self, cs: &[&Cand]) -> Option<f64> {
+        let Some(first) = cs.first() else {
+            return Some(self.out_free);
+        };
+        let layer = first.layer;
+        let deadline_out = *self.w.fwd_end.get(&(layer + 1))?;
+        let mut by_avail: Vec<&&Cand> = cs.iter().collect();
+        by_avail.sort_by_key(|c| (c.after_fwd, c.v.0));
+        let mut q = self.out_free;
+        for c in by_avail {
+            q = q.max(self.w.t_end[c.after_fwd]) + c.bytes as f64 / self.bytes_per_s;
+        }
+        if q > deadline_out {
+            return None;
+        }
+        let issue = self.w.t_end[cs.iter().map(|c| c.prefetch).min()?];
+        let arrive = issue + cs.iter().map(|c| c.bytes as f64).sum::<f64>() / self.bytes_per_s;
+        let need = cs
+            .iter()
+            .map(|c| self.w.t_end[c.first_bwd.saturating_sub(1)])
+            .fold(f64::INFINITY, f64::min);
+        (arrive <= need).then_some(q)
+    }
+
+    /// Commits a layer's choice (the queue end [`Self::try_layer`] gave).
+    pub(crate) fn commit(&mut self, out_end: f64) {
+        self.out_free = out_end;
     }
 }
 
@@ -218,6 +282,7 @@ pub(crate) struct Cand {
     pub(crate) bytes: u64,
     after_fwd: usize,
     prefetch: usize,
+    first_bwd: usize,
 }
 
 impl Cand {
@@ -261,6 +326,7 @@ impl Cand {
             bytes: by,
             after_fwd: fwd_last,
             prefetch,
+            first_bwd,
         })
     }
 }

@@ -6,8 +6,8 @@
 //!   passes keep memory-friendly); a collective starts as soon as its operands exist,
 //!   so it overlaps the compute that does not need it. A consumer on another stream
 //!   waits for its producer's event. The compute stream also waits for each offload at
-//!   the first instruction starting after the copy's predicted end, so the offloaded
-//!   value's bytes return to the arena there.
+//!   the first instruction starting half a copy's duration after its predicted end, so
+//!   the offloaded value's bytes return to the arena there.
 //! - Memory: one buffer per value; params, gradients and optimizer state are resident;
 //!   everything else lives in one arena, placed first-fit, where a buffer may reuse the
 //!   bytes of another only once that one's last use is ordered before it on the new
@@ -163,6 +163,10 @@ fn category(g: &Graph, v: Value, output_names: &BTreeMap<Value, Vec<String>>) ->
 /// at the index of, the gradient element they write). Its logits gradient takes the
 /// logits' bytes when the logits die there (not when the step returns them).
 pub const ELEMENTWISE_IN_PLACE: &[&str] = &["cross_entropy_grad"];
+
+/// The compute stream waits for an offload this many copy durations after the copy's
+/// predicted start.
+const OFFLOAD_WAIT_SLACK: f64 = 1.5;
 
 /// The plan's streams: compute, communication, device-to-host and host-to-device copies
 /// (a PCIe link is full duplex: offloads and prefetches move at the same time).
@@ -332,8 +336,9 @@ pub fn lower_with_views(
                 }
             }
         }
-        // The compute stream waits for an offload once the copy is predicted done (at no
-        // cost): from there on the offloaded value's device bytes can be reused.
+        // The compute stream waits for an offload once the copy is predicted done, with
+        // slack (a copy running late should not stall compute): from there on the
+        // offloaded value's device bytes can be reused.
         if stream == 0 {
             offloads_in_flight.retain(|&(e, done)| {
                 if done <= ready {
@@ -350,7 +355,7 @@ pub fn lower_with_views(
         stream_free[stream as usize] = start + time;
         let signal = (stream == 2).then(|| {
             events += 1;
-            offloads_in_flight.push((events - 1, start + time));
+            offloads_in_flight.push((events - 1, start + OFFLOAD_WAIT_SLACK * time));
             events - 1
         });
         for &o in &outputs {

@@ -25,19 +25,22 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
     };
     match name.to_ascii_lowercase().as_str() {
         // H200: cuBLASLt bf16 8192^3 reached ~790 TFLOP/s there; device copies ~4.3 TB/s.
-        // Attention is priced at what Weft's own flash kernels reach there (causal fwd+bwd,
-        // head dim 64: 172 TFLOP/s at S=4096, 195 at 16384; bench/GPU_NOTES.md run D), not
-        // cuDNN's fused SDPA (~530), which the runtime does not call: with 530 the plan
-        // predicted 317 ms for a 1.24B step at S=16384 that measured 533 ms; with 190, 525.
+        // Attention is priced at what the runtime's attention reaches there: cuDNN's fused
+        // flash attention (the CUDA executor's default where libcudnn loads), causal, head
+        // dim 64, S=16384, in a 1.24B training step: forward 37.2 ms and backward 123.6 ms
+        // for 16 layers, 383 TFLOP/s over the 3.5x forward FLOPs the model counts (run E in
+        // bench/GPU_NOTES.md). Weft's own kernels (WEFT_ATTENTION=weft) reach ~190; with
+        // that rate the plan predicted 527.7 ms for the step at S=16384 that measured
+        // 533.4 ms (run D).
         // H100: the same SMs and clocks, so the same kernel rate.
         // Host link: pinned copies measured on the H200 there (PCIe Gen5 x16, bench/host_link.py):
         // 55 GB/s each way, both directions at once (~101 GB/s together), unchanged under a
         // concurrent GEMM load; H100 SXM has the same link. A100: PCIe Gen4, about half.
         "h200" => Some(p(
-            "h200", 790.0, 190.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 55.0,
+            "h200", 790.0, 380.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 55.0,
         )),
         "h100" => Some(p(
-            "h100", 700.0, 190.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 55.0,
+            "h100", 700.0, 380.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 55.0,
         )),
         "a100" => Some(p(
             "a100", 280.0, 190.0, 19.5, 1700.0, 80.0, 240.0, 22.0, 20.0,
