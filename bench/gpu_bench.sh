@@ -50,6 +50,8 @@ if has bench; then
     case $variant in torch) args="--torch-adamw";; sel) args="--checkpoint selective";; full) args="--checkpoint full";;
       seloff) args="--checkpoint selective --offload";; torchsel) args="--torch-adamw --checkpoint selective";;
       torchseloff) args="--torch-adamw --checkpoint selective --offload";;
+      torchb*off) b=${variant#torchb}; args="--torch-adamw --checkpoint budget=${b%off}G --offload";;
+      torchb*) args="--torch-adamw --checkpoint budget=${variant#torchb}G";;
       cudnn) envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";; torchcudnn) args="--torch-adamw"; envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";;
       torchselcudnn) args="--torch-adamw --checkpoint selective"; envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";;
       torchseloffcudnn) args="--torch-adamw --checkpoint selective --offload"; envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";; fa8) envs="WEFT_PROFILE=1 WEFT_FA_WARPS=8";; bwd4) envs="WEFT_PROFILE=1 WEFT_FA_BWD_WARPS=4";; esac
