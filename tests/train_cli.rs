@@ -173,3 +173,47 @@ fn compile_stats_prints_memory_per_policy() {
         "{saved:?}\n{err}"
     );
 }
+
+#[test]
+fn run_with_zero_steps_writes_the_plan_of_the_step_and_runs_nothing() {
+    let dir = std::env::temp_dir().join(format!("weft-plan-only-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.json");
+    let (code, out, err) = weft(&[
+        "run",
+        "llama3.2-1b",
+        "--steps",
+        "0",
+        "--seq",
+        "4096",
+        "--batch",
+        "1",
+        "--torch-adamw",
+        "--checkpoint",
+        "selective",
+        "--offload",
+        "--plan-out",
+        plan.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("plan for B=1 S=4096") && out.contains("nothing ran"),
+        "{out}"
+    );
+    // The step as the flags describe it: host copies in the host pool, not the arena.
+    let p = weft_ir::plan::ExecutionPlan::from_json(
+        &std::fs::read_to_string(&plan).unwrap(),
+        "plan.json",
+    )
+    .unwrap();
+    p.check().unwrap();
+    assert!(
+        p.memory.host_bytes > 0,
+        "selective + offload sends projections to the host"
+    );
+    assert!(p
+        .buffers
+        .iter()
+        .any(|b| b.category == weft_ir::plan::Category::Host));
+    std::fs::remove_dir_all(&dir).ok();
+}

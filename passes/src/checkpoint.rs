@@ -84,24 +84,34 @@ impl Pass for Checkpoint {
             CheckpointPolicy::Selective => "selective: recomputed (matmuls and elementwise ops; attention outputs and collectives are kept)".to_string(),
             CheckpointPolicy::Budget(bytes_max) => format!("budget={bytes_max}: recomputed (min-cut of saved bytes and recompute FLOPs)"),
         };
+        // `budget=` with `--offload` may choose what goes to the host itself.
+        let mut chosen_to_host = None;
         let keep = match policy.clone() {
             CheckpointPolicy::None => unreachable!(),
             CheckpointPolicy::Full => layer_keep(g, &joint, false),
             CheckpointPolicy::Selective => layer_keep(g, &joint, true),
             CheckpointPolicy::Budget(budget) => {
-                let (keep, peak, tries) = budget_keep(g, &joint, &b, budget, &why, cx)?;
+                let planned = match link_options(cx) {
+                    Some(o) => budget_with_offload(g, &joint, &b, budget, &why, cx, o)?,
+                    None => None,
+                };
+                let (keep, peak, tries) = match planned {
+                    Some((keep, to_host, peak, tries)) => {
+                        chosen_to_host = Some(to_host);
+                        (keep, peak, tries)
+                    }
+                    None => budget_keep(g, &joint, &b, budget, &why, cx)?,
+                };
                 res.count("budget_tries", tries);
                 res.count("peak_bytes", peak);
                 keep
             }
         };
-        // `selective` with `--offload` (no budget): what the host link can carry goes
-        // there instead of being recomputed.
-        let to_host = match (&policy, &cx.options.train.offload) {
-            (CheckpointPolicy::Selective | CheckpointPolicy::Budget(_), Some(o))
-                if o.budget.is_none() =>
-            {
-                let v = offload_instead(g, &joint, &b, &keep, o);
+        // With `--offload` (no offload budget): what the host link can carry goes there
+        // instead of being recomputed.
+        let to_host = match (&policy, link_options(cx)) {
+            (CheckpointPolicy::Selective | CheckpointPolicy::Budget(_), Some(o)) => {
+                let v = chosen_to_host.unwrap_or_else(|| offload_instead(g, &joint, &b, &keep, o));
                 res.count("offloaded", v.len() as u64);
                 res.count("offloaded_bytes", v.iter().map(|x| bytes(g, *x, &b)).sum());
                 v
@@ -123,32 +133,114 @@ impl Pass for Checkpoint {
             after.saved.iter().map(|v| bytes(g, *v, &b)).sum(),
         );
         if !to_host.is_empty() {
-            let o = cx.options.train.offload.as_ref().expect("offload options");
-            let order = g.nodes().to_vec();
-            let w = offload::Windows::of(g, &after, &order, &b, None)
-                .expect("offloaded values lie in layers");
-            let mut cands: Vec<offload::Cand> = to_host
-                .iter()
-                .filter_map(|&v| offload::Cand::of(g, &after, &order, &w, &b, v, 0, 0))
-                .collect();
-            offload::rewrite(
-                g,
-                &order,
-                &after,
-                &mut cands,
-                o.link_bytes_per_s,
-                NAME,
-                |c| {
-                    format!(
-                    "selective + offload: saved for the backward of layer {} on the host instead of recomputed ({} bytes after the last forward use)",
-                    c.layer, c.bytes
-                )
-                },
-            )?;
+            let o = link_options(cx).expect("offload options");
+            offload_rewrite(g, &to_host, &b, o.link_bytes_per_s)?;
         }
         res.changed = true;
         Ok(res)
     }
+}
+
+/// The offload options when `--offload` has no budget of its own (then `checkpoint`
+/// chooses what goes to the host).
+fn link_options(cx: &PassContext) -> Option<&crate::training::OffloadOptions> {
+    cx.options
+        .train
+        .offload
+        .as_ref()
+        .filter(|o| o.budget.is_none())
+}
+
+/// Sends `to_host` (kept values of the graph `apply` rewrote) to the host: offload after
+/// the last forward use, reload when the next layer's backward starts.
+fn offload_rewrite(
+    g: &mut Graph,
+    to_host: &[Value],
+    b: &weft_ir::Bindings,
+    link_bytes_per_s: u64,
+) -> Result<(), PassError> {
+    let after = Joint::of(g);
+    let order = g.nodes().to_vec();
+    let w =
+        offload::Windows::of(g, &after, &order, b, None).expect("offloaded values lie in layers");
+    let mut cands: Vec<offload::Cand> = to_host
+        .iter()
+        .filter_map(|&v| offload::Cand::of(g, &after, &order, &w, b, v, 0, 0))
+        .collect();
+    offload::rewrite(g, &order, &after, &mut cands, link_bytes_per_s, NAME, |c| {
+        format!(
+            "selective + offload: saved for the backward of layer {} on the host instead of recomputed ({} bytes after the last forward use)",
+            c.layer, c.bytes
+        )
+    })?;
+    Ok(())
+}
+
+/// `budget=` with `--offload`: start from `selective` with the host link carrying what
+/// it can (as for `selective --offload`), then spend what the budget leaves on keeping
+/// the remaining recomputed values on the device, most recompute time per byte first
+/// (the longest such prefix that fits, by bisection, each checked by the liveness
+/// estimate of the whole step with its offloads). `None` when that start already
+/// exceeds the budget: the min-cut, which can recompute more than `selective` does,
+/// decides then. Returns the values to keep on the device, those to send to the host,
+/// the estimated peak and how many estimates it took.
+#[allow(clippy::type_complexity)]
+fn budget_with_offload(
+    g: &Graph,
+    joint: &Joint,
+    b: &weft_ir::Bindings,
+    budget: u64,
+    why: &str,
+    cx: &PassContext,
+    o: &crate::training::OffloadOptions,
+) -> Result<Option<(HashSet<Value>, Vec<Value>, u64, u64)>, PassError> {
+    let policy = CheckpointPolicy::Budget(budget);
+    let selective = layer_keep(g, joint, true);
+    let to_host = offload_instead(g, joint, b, &selective, o);
+    let mut base = selective.clone();
+    base.extend(to_host.iter().copied());
+    let peak_of = |extra: &[Value]| -> Result<u64, PassError> {
+        let mut keep = base.clone();
+        keep.extend(extra.iter().copied());
+        let mut t = g.clone();
+        apply(&mut t, joint, &keep, &policy, why, b)?;
+        if !to_host.is_empty() {
+            offload_rewrite(&mut t, &to_host, b, o.link_bytes_per_s)?;
+        }
+        finish_step(&mut t, cx)?;
+        Ok(crate::memory::estimate(&t, b).peak_live)
+    };
+    let mut tries = 1;
+    let peak0 = peak_of(&[])?;
+    if peak0 > budget {
+        return Ok(None);
+    }
+    let mut more: Vec<(f64, Value)> = joint
+        .saved
+        .iter()
+        .copied()
+        .filter(|v| !base.contains(v) && !g.node(g.def(*v)).op.is_collective())
+        .map(|v| {
+            let (_, secs) = exclusive_recompute(g, joint, &base, b, &o.device.0, v);
+            (secs / bytes(g, v, b).max(1) as f64, v)
+        })
+        .collect();
+    more.sort_by(|(x, a), (y, c)| y.total_cmp(x).then(a.0.cmp(&c.0)));
+    let more: Vec<Value> = more.into_iter().map(|(_, v)| v).collect();
+    let (mut lo, mut hi, mut peak) = (0, more.len(), peak0);
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        tries += 1;
+        let p = peak_of(&more[..mid])?;
+        if p <= budget {
+            (lo, peak) = (mid, p);
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let mut keep = selective;
+    keep.extend(more[..lo].iter().copied());
+    Ok(Some((keep, to_host, peak, tries)))
 }
 
 /// Recomputes every saved value of `joint` not in `keep` (only `full` re-runs a
@@ -190,14 +282,22 @@ fn step_peak(
     b: &weft_ir::Bindings,
     cx: &PassContext,
 ) -> Result<u64, PassError> {
-    use crate::pass::Pass;
     let mut t = g.clone();
     apply(&mut t, joint, keep, policy, why, b)?;
-    crate::grad_sync::GradSync.run(&mut t, cx)?;
-    if cx.options.train.optimizer.is_some() {
-        crate::optimizer::OptimizerPass.run(&mut t, cx)?;
-    }
+    finish_step(&mut t, cx)?;
     Ok(crate::memory::estimate(&t, b).peak_live)
+}
+
+/// The training passes after `checkpoint` that change the step's liveness: `grad-sync`,
+/// then `optimizer` when the options have one (it frees each gradient as its bucket is
+/// updated).
+fn finish_step(t: &mut Graph, cx: &PassContext) -> Result<(), PassError> {
+    use crate::pass::Pass;
+    crate::grad_sync::GradSync.run(t, cx)?;
+    if cx.options.train.optimizer.is_some() {
+        crate::optimizer::OptimizerPass.run(t, cx)?;
+    }
+    Ok(())
 }
 
 /// The values to keep so that the step's peak of live values fits `budget`, the peak

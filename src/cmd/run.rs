@@ -340,7 +340,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     });
     let host_weights = match checkpoint {
         Some(w) => Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?),
-        None if a.backend == "cpu" || a.check > 0 => {
+        None if (a.backend == "cpu" && a.steps > 0) || a.check > 0 => {
             Some(weft_frontends::random_weights(&model, a.seed))
         }
         None => None,
@@ -570,11 +570,40 @@ pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
 }
 
 pub fn run(a: Args) -> CliResult {
+    if a.steps == 0 && a.check == 0 {
+        return plan_only(&a);
+    }
     match a.backend.as_str() {
         "cpu" => run_cpu(&a),
         "cuda" => run_cuda(&a),
         b => Err(CliError::input(format!("unknown --backend `{b}`")).with_help("use cpu or cuda")),
     }
+}
+
+/// `--steps 0`: compile the step the flags describe, write it with `--plan-out`, and say
+/// what the plan predicts; nothing runs and no weights are made.
+fn plan_only(a: &Args) -> CliResult {
+    let p = prepare(a)?;
+    for n in &p.notes {
+        eprintln!("note: {n}");
+    }
+    if let Some(path) = &a.plan_out {
+        std::fs::write(path, p.plan.to_json())
+            .map_err(|e| CliError::input(format!("cannot write {}: {e}", path.display())))?;
+    }
+    let m = &p.plan.memory;
+    let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
+    println!(
+        "plan for B={} S={}: peak {:.2} GiB (arena {:.2} + resident {:.2}; host {:.2}), step {:.3} ms predicted; --steps 0: nothing ran",
+        p.batch,
+        p.seq,
+        gib(m.peak_bytes),
+        gib(m.arena_bytes),
+        gib(m.resident_bytes),
+        gib(m.host_bytes),
+        p.plan.cost.step_time_s * 1e3
+    );
+    Ok(())
 }
 
 fn print_step(a: &Args, r: &StepReport) {
