@@ -28,7 +28,7 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         // Attention is priced at what the runtime's attention reaches there: cuDNN's fused
         // flash attention (the CUDA executor's default where libcudnn loads), causal, head
         // dim 64, S=16384, in a 1.24B training step: forward 37.2 ms and backward 123.6 ms
-        // for 16 layers, 383 TFLOP/s over the 3.5x forward FLOPs the model counts (run E in
+        // for 16 layers, 383 TFLOP/s over the 3.5x forward FLOPs the model counts (session 3 in
         // bench/GPU_NOTES.md). Weft's own kernels (WEFT_ATTENTION=weft) reach ~190; with
         // that rate the plan predicted 527.7 ms for the step at S=16384 that measured
         // 533.4 ms (run D).
