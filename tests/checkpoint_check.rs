@@ -301,17 +301,22 @@ fn offload_planner_meets_a_budget_within_the_link_bandwidth() {
     assert_eq!(e.saved_activations + e.offloaded, none.saved_activations);
 }
 
-#[test]
-fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_host() {
-    use weft_ir::plan::Category;
-    use weft_passes::training::{Device, OffloadOptions};
-    // A device slow enough at matmuls that the fixtures' projections are compute-bound
-    // (their FLOPs per byte above its ridge point), so selective + offload moves them to
-    // the host instead of recomputing them.
+/// A device slow enough at matmuls that the fixtures' projections are compute-bound
+/// (their FLOPs per byte above its ridge point), so selective + offload moves them to
+/// the host instead of recomputing them.
+fn slow_matmul_device() -> weft_ir::plan::DeviceProfile {
     let mut slow = weft_passes::plan::profile::preset("h200").unwrap();
     slow.matmul_tflops = 0.05;
     slow.attention_tflops = 0.05;
     slow.hbm_gbps = 5.0;
+    slow
+}
+
+#[test]
+fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_host() {
+    use weft_ir::plan::Category;
+    use weft_passes::training::{Device, OffloadOptions};
+    let slow = slow_matmul_device();
     for (fam, mesh) in [
         ("llama", ""),
         ("llama", "dp=2,sp=2"),
@@ -402,10 +407,7 @@ fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_h
 #[test]
 fn budget_with_offload_sends_what_it_would_recompute_to_the_host() {
     use weft_passes::training::{Device, OffloadOptions};
-    let mut slow = weft_passes::plan::profile::preset("h200").unwrap();
-    slow.matmul_tflops = 0.05;
-    slow.attention_tflops = 0.05;
-    slow.hbm_gbps = 5.0;
+    let slow = slow_matmul_device();
     for (fam, mesh) in [("llama", ""), ("llama", "dp=2,sp=2")] {
         let (graph, weights, inputs) = load_fixture(fam);
         let reference = reference_run(&graph, &weights, &inputs);

@@ -478,3 +478,65 @@ fn offload_planner_times_compute_on_the_device_profile() {
     );
     snapshot("offload__planner__llama3.2-1b", &text);
 }
+
+#[test]
+fn offload_replaces_recompute_in_the_plan_of_a_long_sequence() {
+    // Llama 3.2 1B, one rank, S=16384, on the default H200 profile: selective + offload
+    // is predicted faster than selective alone at nearly its peak (the offloaded
+    // projections sit in the host pool, not the device arena), and no copy is planned
+    // past what the link moves in the forward.
+    let g = weft_frontends::load("llama3.2-1b").unwrap().graph;
+    let opts = |checkpoint, offload| TrainOptions {
+        checkpoint,
+        offload,
+        optimizer: None,
+        grad_outputs: true,
+        batch: Some(1),
+        seq: Some(16384),
+        ..Default::default()
+    };
+    let plan_of = |o: &TrainOptions| {
+        let j = compile(&g, "", o);
+        weft_passes::plan::lower(&j, &weft_passes::plan::PlanOptions::new(1, 16384)).unwrap()
+    };
+    let none = plan_of(&opts(CheckpointPolicy::None, None));
+    let sel = plan_of(&opts(CheckpointPolicy::Selective, None));
+    let off = plan_of(&opts(
+        CheckpointPolicy::Selective,
+        Some(OffloadOptions::default()),
+    ));
+    off.check().unwrap();
+    let ms = |p: &weft_ir::plan::ExecutionPlan| p.cost.step_time_s * 1e3;
+    assert!(
+        ms(&none) < ms(&off) && ms(&off) < ms(&sel),
+        "{} {} {}",
+        ms(&none),
+        ms(&off),
+        ms(&sel)
+    );
+    assert!(off.memory.host_bytes > 1 << 30, "{:?}", off.memory);
+    assert!(
+        off.memory.peak_bytes < sel.memory.peak_bytes + (1 << 30),
+        "{} vs {}",
+        off.memory.peak_bytes,
+        sel.memory.peak_bytes
+    );
+    // The copies out fit in the forward (the first backward instruction starts after
+    // the last offload ends).
+    let last_offload_end = off
+        .instructions
+        .iter()
+        .filter(|i| i.op == "offload")
+        .map(|i| i.start_s + i.time_s)
+        .fold(0.0, f64::max);
+    let lm_head = off
+        .instructions
+        .iter()
+        .find(|i| i.source.as_deref() == Some("lm_head"))
+        .unwrap()
+        .start_s;
+    assert!(
+        last_offload_end <= lm_head,
+        "{last_offload_end} > {lm_head}"
+    );
+}

@@ -580,6 +580,15 @@ pub fn run(a: Args) -> CliResult {
     }
 }
 
+/// `--plan-out`: the plan that runs.
+fn write_plan(a: &Args, p: &Prepared) -> CliResult {
+    if let Some(path) = &a.plan_out {
+        std::fs::write(path, p.plan.to_json())
+            .map_err(|e| CliError::input(format!("cannot write {}: {e}", path.display())))?;
+    }
+    Ok(())
+}
+
 /// `--steps 0`: compile the step the flags describe, write it with `--plan-out`, and say
 /// what the plan predicts; nothing runs and no weights are made.
 fn plan_only(a: &Args) -> CliResult {
@@ -587,10 +596,7 @@ fn plan_only(a: &Args) -> CliResult {
     for n in &p.notes {
         eprintln!("note: {n}");
     }
-    if let Some(path) = &a.plan_out {
-        std::fs::write(path, p.plan.to_json())
-            .map_err(|e| CliError::input(format!("cannot write {}: {e}", path.display())))?;
-    }
+    write_plan(a, &p)?;
     let m = &p.plan.memory;
     let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
     println!(
@@ -690,10 +696,7 @@ fn run_cuda(a: &Args) -> CliResult {
     for n in &p.notes {
         eprintln!("note: {n}");
     }
-    if let Some(path) = &a.plan_out {
-        std::fs::write(path, p.plan.to_json())
-            .map_err(|e| CliError::input(format!("cannot write {}: {e}", path.display())))?;
-    }
+    write_plan(a, &p)?;
     let mut opts = ExecOptions::default();
     if a.generic_attention {
         opts.fast_attention = false;

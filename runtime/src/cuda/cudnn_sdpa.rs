@@ -156,6 +156,11 @@ fn set<T>(d: Raw, a: A, ty: Ty, vals: &[T], what: &str) -> R<()> {
     )
 }
 
+/// Sets a descriptor-valued attribute.
+fn set_desc(d: Raw, a: A, descs: &[Raw], what: &str) -> R<()> {
+    set(d, a, Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR, descs, what)
+}
+
 fn finalize(d: Raw, what: &str) -> R<()> {
     ck(unsafe { c::cudnnBackendFinalize(d) }, || {
         format!("cudnnBackendFinalize({what})")
@@ -537,43 +542,37 @@ impl G {
         }
         finalize(pd.0, &what)?;
         let op = create(D::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, &what)?;
-        let bd = Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR;
-        set(
+        set_desc(
             op.0,
             A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR,
-            bd,
             &[pd.0],
             &what,
         )?;
-        set(
+        set_desc(
             op.0,
             A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC,
-            bd,
             &[ins[0].raw],
             &what,
         )?;
         if let Some(b) = ins.get(1) {
-            set(
+            set_desc(
                 op.0,
                 A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC,
-                bd,
                 &[b.raw],
                 &what,
             )?;
         }
         if let Some(t) = ins.get(2) {
-            set(
+            set_desc(
                 op.0,
                 A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC,
-                bd,
                 &[t.raw],
                 &what,
             )?;
         }
-        set(
+        set_desc(
             op.0,
             A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC,
-            bd,
             &[y.raw],
             &what,
         )?;
@@ -616,35 +615,10 @@ impl G {
         )?;
         finalize(md.0, &what)?;
         let op = create(D::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, &what)?;
-        let bd = Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR;
-        set(
-            op.0,
-            A::CUDNN_ATTR_OPERATION_MATMUL_ADESC,
-            bd,
-            &[a.raw],
-            &what,
-        )?;
-        set(
-            op.0,
-            A::CUDNN_ATTR_OPERATION_MATMUL_BDESC,
-            bd,
-            &[b.raw],
-            &what,
-        )?;
-        set(
-            op.0,
-            A::CUDNN_ATTR_OPERATION_MATMUL_CDESC,
-            bd,
-            &[y.raw],
-            &what,
-        )?;
-        set(
-            op.0,
-            A::CUDNN_ATTR_OPERATION_MATMUL_DESC,
-            bd,
-            &[md.0],
-            &what,
-        )?;
+        set_desc(op.0, A::CUDNN_ATTR_OPERATION_MATMUL_ADESC, &[a.raw], &what)?;
+        set_desc(op.0, A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &[b.raw], &what)?;
+        set_desc(op.0, A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &[y.raw], &what)?;
+        set_desc(op.0, A::CUDNN_ATTR_OPERATION_MATMUL_DESC, &[md.0], &what)?;
         finalize(op.0, &what)?;
         self.ops.push(op.0);
         self.keep.push(md);
@@ -670,25 +644,16 @@ impl G {
         )?;
         finalize(rd.0, &what)?;
         let op = create(D::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, &what)?;
-        let bd = Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR;
-        set(
-            op.0,
-            A::CUDNN_ATTR_OPERATION_REDUCTION_DESC,
-            bd,
-            &[rd.0],
-            &what,
-        )?;
-        set(
+        set_desc(op.0, A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &[rd.0], &what)?;
+        set_desc(
             op.0,
             A::CUDNN_ATTR_OPERATION_REDUCTION_XDESC,
-            bd,
             &[x.raw],
             &what,
         )?;
-        set(
+        set_desc(
             op.0,
             A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC,
-            bd,
             &[y.raw],
             &what,
         )?;
@@ -701,21 +666,8 @@ impl G {
     fn reshape(&mut self, x: T, y: T, name: &str) -> R<()> {
         let what = format!("reshape {name}");
         let op = create(D::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, &what)?;
-        let bd = Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR;
-        set(
-            op.0,
-            A::CUDNN_ATTR_OPERATION_RESHAPE_XDESC,
-            bd,
-            &[x.raw],
-            &what,
-        )?;
-        set(
-            op.0,
-            A::CUDNN_ATTR_OPERATION_RESHAPE_YDESC,
-            bd,
-            &[y.raw],
-            &what,
-        )?;
+        set_desc(op.0, A::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, &[x.raw], &what)?;
+        set_desc(op.0, A::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, &[y.raw], &what)?;
         finalize(op.0, &what)?;
         self.ops.push(op.0);
         self.keep.push(op);
@@ -952,13 +904,7 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
         &[handle.0],
         &what,
     )?;
-    set(
-        og.0,
-        A::CUDNN_ATTR_OPERATIONGRAPH_OPS,
-        Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-        &g.ops,
-        &what,
-    )?;
+    set_desc(og.0, A::CUDNN_ATTR_OPERATIONGRAPH_OPS, &g.ops, &what)?;
     finalize(og.0, &what)?;
 
     // Engine configs from the heuristics (mode A, then the fallback list), the first
@@ -970,13 +916,7 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
     ] {
         let hw = format!("engine heuristics {mode:?}");
         let heur = match create(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &hw).and_then(|h| {
-            set(
-                h.0,
-                A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH,
-                Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                &[og.0],
-                &hw,
-            )?;
+            set_desc(h.0, A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[og.0], &hw)?;
             set(
                 h.0,
                 A::CUDNN_ATTR_ENGINEHEUR_MODE,
