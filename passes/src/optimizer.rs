@@ -3,7 +3,9 @@
 //! For every parameter with a `grad.<name>` output: `adamw` (torch.optim.AdamW) or
 //! `sgd` on an f32 copy: the parameter itself when it is f32, else an f32 master
 //! weight `optim.master.<name>` (mixed precision: the bf16 parameter is the master
-//! rounded). Optimizer state are parameters of the step program, `optim.m.<name>`,
+//! rounded). Without master weights (`master_weights` off) a low-precision parameter is
+//! updated in its own dtype with states in that dtype, as `torch.optim.AdamW` runs on a
+//! bf16 model. Optimizer state are parameters of the step program, `optim.m.<name>`,
 //! `optim.v.<name>` (AdamW) or `optim.buf.<name>` (SGD with momentum), zero before the
 //! first step; the 1-based step number is the input `optim.step`. The step returns
 //! `param.<name>` (the updated parameter, in its dtype) and every updated state under
@@ -107,7 +109,8 @@ impl Pass for OptimizerPass {
             let shard = zero && w.g.param_partition(&name).is_empty();
             w.meta.source = w.g.node(w.g.def(pv)).meta.source.clone();
             let first = w.g.nodes().len();
-            let new = w.update(&name, pv, gv, step, &opt, shard, dp, &mut res)?;
+            let master = cx.options.train.master_weights;
+            let new = w.update(&name, pv, gv, step, &opt, shard, dp, master, &mut res)?;
             groups.push((pv, w.g.nodes()[first..].to_vec()));
             w.g.set_output(&format!("{PARAM_PREFIX}{name}"), new);
             updated.push(name);
@@ -276,12 +279,14 @@ impl Writer<'_> {
         opt: &Optimizer,
         shard: bool,
         dp: i64,
+        master_weights: bool,
         res: &mut PassResult,
     ) -> Result<Value, PassError> {
         let pty = self.g.ty(p).clone();
         let low = pty.dtype != DType::F32 && pty.dtype != DType::F64;
-        let fdt = if pty.dtype == DType::F64 {
-            DType::F64
+        // The dtype the update and its states work in.
+        let fdt = if pty.dtype == DType::F64 || (low && !master_weights) {
+            pty.dtype
         } else {
             DType::F32
         };
@@ -343,7 +348,7 @@ impl Writer<'_> {
         };
         let sh = shard_len.map(|_| dp);
         // The f32 weights the update reads: the param, or its master copy.
-        let master = if low {
+        let master = if low && master_weights {
             res.count("master_weights", 1);
             self.why(format!(
                 "f32 master weight of the {} param `{name}`",

@@ -216,6 +216,10 @@ pub struct TrainOptions {
     pub optimizer: Option<Optimizer>,
     /// `optimizer`: shard the optimizer states (and master weights) over `dp` (ZeRO-1).
     pub zero1: bool,
+    /// `optimizer`: low-precision (bf16, f16) parameters get f32 master weights and f32
+    /// states (mixed precision). Off, the update runs on the parameter itself with states
+    /// in its dtype, as `torch.optim.AdamW` does on a bf16 model.
+    pub master_weights: bool,
     /// `optimizer`: keep returning the parameter gradients (`grad.*`) from a step that
     /// updates the parameters (what `weft check --train` and `eval --grads` compare).
     /// Off, the step returns only the updates and states, so each gradient is freed
@@ -237,6 +241,7 @@ impl Default for TrainOptions {
             reduce_scatter: false,
             optimizer: None,
             zero1: false,
+            master_weights: true,
             grad_outputs: true,
             batch: None,
             seq: None,

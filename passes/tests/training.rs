@@ -540,3 +540,71 @@ fn offload_replaces_recompute_in_the_plan_of_a_long_sequence() {
         "{last_offload_end} > {lm_head}"
     );
 }
+
+#[test]
+fn adamw_without_master_weights_updates_bf16_params_in_their_dtype_inside_the_backward() {
+    // torch.optim.AdamW on a bf16 model: states in bf16, no f32 master, no casts; each
+    // update still runs inside the backward, so no gradient is returned.
+    let mut g = model_1l("llama-tiny");
+    let nodes: Vec<Node> = g.nodes().to_vec();
+    for n in nodes {
+        if let Op::Param { name, ty } = g.node(n).op.clone() {
+            if ty.dtype == DType::F32 {
+                g.node_mut(n).op = Op::Param {
+                    name,
+                    ty: ty.with_dtype(DType::BF16),
+                };
+            }
+        }
+        g.reinfer(n).unwrap();
+    }
+    let opts = |master_weights| TrainOptions {
+        optimizer: Some(Optimizer::adamw(1e-3)),
+        master_weights,
+        grad_outputs: false,
+        batch: Some(2),
+        seq: Some(16),
+        ..Default::default()
+    };
+    let mixed = compile(&g, "", &opts(true));
+    let pure = compile(&g, "", &opts(false));
+    verify(&pure).unwrap();
+    let states = |j: &Graph| -> Vec<(String, DType)> {
+        j.params()
+            .into_iter()
+            .filter(|(n, _)| n.starts_with("optim."))
+            .map(|(n, v)| (n, j.ty(v).dtype))
+            .collect()
+    };
+    assert!(states(&mixed)
+        .iter()
+        .any(|(n, _)| n.starts_with("optim.master.")));
+    assert!(!states(&pure)
+        .iter()
+        .any(|(n, _)| n.starts_with("optim.master.")));
+    assert!(
+        states(&pure).iter().all(|(_, d)| *d == DType::BF16),
+        "{:?}",
+        states(&pure)
+    );
+    let count = |j: &Graph, op: &str| {
+        j.nodes()
+            .iter()
+            .filter(|&&n| j.node(n).op.name() == op)
+            .count()
+    };
+    assert_eq!(count(&pure, "adamw"), count(&mixed, "adamw"));
+    assert!(count(&pure, "cast") < count(&mixed, "cast"));
+    assert!(!pure.outputs().iter().any(|(n, _)| n.starts_with("grad.")));
+    // Each update sits in the backward: something of the backward follows the first one.
+    let order = pure.nodes();
+    let first = order
+        .iter()
+        .position(|&n| pure.node(n).op.name() == "adamw")
+        .unwrap();
+    assert!(order[first..].iter().any(|&n| pure
+        .node(n)
+        .meta
+        .derived
+        .is_some_and(|d| d.kind == DerivedKind::Backward)));
+}

@@ -65,8 +65,9 @@ pub struct Args {
     pub plan_out: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
-    /// The update as torch.optim.AdamW does it on a bf16 model: on the params themselves,
-    /// moments in the param dtype, no f32 master weights (instead of the `optimizer` pass).
+    /// The update as torch.optim.AdamW does it on a bf16 model (betas 0.9/0.95, eps 1e-8,
+    /// weight decay 0.1, --lr): on the params themselves, moments in the param dtype, no f32
+    /// master weights; still placed in the backward by the `optimizer` pass.
     #[arg(long)]
     pub torch_adamw: bool,
     #[command(flatten)]
@@ -116,68 +117,6 @@ pub fn convert_dtype(g: &mut Graph, dtype: DType) -> CliResult {
         }
         g.reinfer(n)
             .map_err(|e| CliError::input(format!("converting to {dtype}: {e}")))?;
-    }
-    Ok(())
-}
-
-/// One AdamW update per parameter with a `grad.<name>` output (torch.optim.AdamW
-/// semantics; moments in `state`, default the param's dtype): params `optim.m.<name>`, `optim.v.<name>`, the input
-/// `optim.step` (1-based, f32), outputs `param.<name>`, `optim.m.<name>`, `optim.v.<name>`.
-pub fn append_adamw(
-    g: &mut Graph,
-    lr: f64,
-    b1: f64,
-    b2: f64,
-    eps: f64,
-    wd: f64,
-    state: Option<DType>,
-) -> CliResult {
-    use weft_ir::{Role, TensorType};
-    let err = |e: weft_ir::BuildError| CliError::input(format!("appending AdamW: {e:?}"));
-    let step = g
-        .add(
-            Op::Input {
-                name: "optim.step".into(),
-                role: Role::Other,
-                ty: TensorType::scalar(DType::F32),
-            },
-            &[],
-        )
-        .map_err(err)?;
-    for (name, pv) in g.params() {
-        let Some(gv) = g.output(&format!("grad.{name}")) else {
-            continue;
-        };
-        let sty = g.ty(pv).with_dtype(state.unwrap_or(g.ty(pv).dtype));
-        let m = g
-            .add(
-                Op::Param {
-                    name: format!("optim.m.{name}"),
-                    ty: sty.clone(),
-                },
-                &[],
-            )
-            .map_err(err)?;
-        let v = g
-            .add(
-                Op::Param {
-                    name: format!("optim.v.{name}"),
-                    ty: sty,
-                },
-                &[],
-            )
-            .map_err(err)?;
-        let op = Op::AdamW {
-            lr: lr.into(),
-            beta1: b1.into(),
-            beta2: b2.into(),
-            eps: eps.into(),
-            weight_decay: wd.into(),
-        };
-        let outs = g.add_multi(op, &[pv, gv, m, v, step]).map_err(err)?;
-        g.set_output(&format!("param.{name}"), outs[0]);
-        g.set_output(&format!("optim.m.{name}"), outs[1]);
-        g.set_output(&format!("optim.v.{name}"), outs[2]);
     }
     Ok(())
 }
@@ -267,7 +206,17 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     // bucket has updated the weights.
     train_opts.grad_outputs = a.check > 0;
     if a.torch_adamw {
-        train_opts.optimizer = None;
+        // torch.optim.AdamW(fused=True) on the bf16 model, as bench/torch_llama_step.py
+        // runs it, placed in the backward by the `optimizer` pass: each gradient dies at
+        // its update instead of living to the end of the step.
+        train_opts.optimizer = Some(weft_passes::training::Optimizer::AdamW {
+            lr: weft_ir::Float(a.train.lr),
+            beta1: weft_ir::Float(0.9),
+            beta2: weft_ir::Float(0.95),
+            eps: weft_ir::Float(1e-8),
+            weight_decay: weft_ir::Float(0.1),
+        });
+        train_opts.master_weights = false;
     }
     if !a.forward_only {
         let want: Vec<String> = a
@@ -290,13 +239,6 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
                 names.extend(want.iter().cloned());
             }
             training = true;
-        } else if weft_passes::lookup("autodiff").is_ok()
-            && missing.iter().all(|m| m.as_str() == "optimizer")
-        {
-            // No optimizer pass in this build: autodiff here, AdamW appended below.
-            names.push("autodiff".to_string());
-            training = true;
-            notes.push("no `optimizer` pass in this build: AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1) appended by `weft run`".into());
         } else {
             notes.push(format!(
                 "training passes {} are not in this build: running the forward program (loss only)",
@@ -323,9 +265,6 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     weft_passes::PassManager::default()
         .run(&mut g, &cx, &refs, &mut std::io::sink())
         .map_err(crate::fail)?;
-    if training && a.torch_adamw {
-        append_adamw(&mut g, a.train.lr, 0.9, 0.95, 1e-8, 0.1, None)?;
-    }
     let bindings = super::compile::check_sizes(&g, Some(batch), Some(seq))?;
     let mut opts = weft_passes::plan::PlanOptions::new(batch, seq);
     opts.bindings = bindings;

@@ -111,6 +111,7 @@ impl TrainArgs {
             reduce_scatter: self.zero >= 2,
             optimizer,
             zero1: self.zero >= 1,
+            master_weights: true,
             // check and eval compare the gradients; `compile` drops them from a plan.
             grad_outputs: true,
             batch: None,
