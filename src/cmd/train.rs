@@ -44,6 +44,10 @@ pub struct TrainArgs {
     /// Learning rate of the optimizer.
     #[arg(long, default_value_t = 1e-3, value_name = "X")]
     pub lr: f64,
+    /// Update bf16/f16 parameters in their own dtype with states in that dtype (as
+    /// torch.optim.AdamW on a bf16 model) instead of on f32 master weights.
+    #[arg(long)]
+    pub no_master_weights: bool,
 }
 
 impl TrainArgs {
@@ -111,7 +115,7 @@ impl TrainArgs {
             reduce_scatter: self.zero >= 2,
             optimizer,
             zero1: self.zero >= 1,
-            master_weights: true,
+            master_weights: !self.no_master_weights,
             // check and eval compare the gradients; `compile` drops them from a plan.
             grad_outputs: true,
             batch: None,
@@ -128,6 +132,7 @@ impl TrainArgs {
             || self.micro_batches != 1
             || self.zero != 0
             || self.optimizer.is_some()
+            || self.no_master_weights
     }
 }
 
