@@ -133,7 +133,8 @@ pub struct MemoryEstimate {
     /// schedules and allocates in (activations, their gradients, saved activations,
     /// recomputed values, parameter gradients until their update reads them, or to the
     /// end of the step when it returns them), without params and optimizer state
-    /// (updated in place).
+    /// (updated in place); a reshape shares its operand's bytes and the logits gradient
+    /// the logits', as in the plan.
     pub peak_live: u64,
     /// params + optimizer + peak_live.
     pub total: u64,
@@ -196,20 +197,52 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
             last[v.0 as usize] = usize::MAX;
         }
     }
+    // Shared bytes, as the plan places them: a reshape is a view of its operand's bytes
+    // (the group lives to its members' last use), and the ops of
+    // `plan::ELEMENTWISE_IN_PLACE` write over an operand whose group dies there.
+    let mut root: Vec<usize> = (0..g.value_capacity()).collect();
+    let mut group_last = last.clone();
+    for (i, &n) in order.iter().enumerate() {
+        let d = g.node(n);
+        let join = |x: Value, y: Value, root: &mut Vec<usize>, group_last: &mut Vec<usize>| {
+            let r = root[x.0 as usize];
+            root[y.0 as usize] = r;
+            group_last[r] = group_last[r].max(last[y.0 as usize]);
+        };
+        if matches!(d.op, Op::Reshape { .. })
+            && !in_place[d.results[0].0 as usize]
+            && bytes(g, d.operands[0], b) == bytes(g, d.results[0], b)
+            && !matches!(g.node(g.def(d.operands[0])).op, Op::Offload { .. })
+        {
+            join(d.operands[0], d.results[0], &mut root, &mut group_last);
+        } else if crate::plan::ELEMENTWISE_IN_PLACE.contains(&d.op.name()) {
+            for &(oi, ri) in weft_ir::plan::in_place_pairs(d.op.name()) {
+                let (x, y) = (d.operands[oi], d.results[ri]);
+                let xd = &g.node(g.def(x)).op;
+                if group_last[root[x.0 as usize]] == i
+                    && !is_resident(xd)
+                    && !in_place[y.0 as usize]
+                    && bytes(g, x, b) == bytes(g, y, b)
+                {
+                    join(x, y, &mut root, &mut group_last);
+                }
+            }
+        }
+    }
     let mut frees: Vec<Vec<u64>> = vec![Vec::new(); order.len() + 1];
     let (mut live, mut peak) = (0u64, 0u64);
     for (i, &n) in order.iter().enumerate() {
         let d = g.node(n);
-        if is_resident(&d.op) || matches!(d.op, Op::Offload { .. }) {
-            continue;
-        }
-        for v in &d.results {
-            if in_place[v.0 as usize] {
+        // Params, inputs and host copies hold no device bytes of their own (but what dies
+        // at them, such as a value at its offload, is freed below all the same).
+        let holds = !(is_resident(&d.op) || matches!(d.op, Op::Offload { .. }));
+        for v in d.results.iter().filter(|_| holds) {
+            if in_place[v.0 as usize] || root[v.0 as usize] != v.0 as usize {
                 continue;
             }
             let by = bytes(g, *v, b);
             live += by;
-            let l = last[v.0 as usize];
+            let l = group_last[v.0 as usize];
             let at = if l == usize::MAX {
                 order.len()
             } else {

@@ -538,15 +538,26 @@ fn plan_only(a: &Args) -> CliResult {
     write_plan(a, &p)?;
     let m = &p.plan.memory;
     let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
+    let bindings = weft_passes::memory::bindings(
+        &p.program,
+        &weft_passes::training::TrainOptions {
+            batch: Some(p.batch),
+            seq: Some(p.seq),
+            ..Default::default()
+        },
+    );
+    // What `--checkpoint budget=` bounds.
+    let live = weft_passes::memory::estimate(&p.program, &bindings).peak_live;
     println!(
-        "plan for B={} S={}: peak {:.2} GiB (arena {:.2} + resident {:.2}; host {:.2}), step {:.3} ms predicted; --steps 0: nothing ran",
+        "plan for B={} S={}: peak {:.2} GiB (arena {:.2} + resident {:.2}; host {:.2}), step {:.3} ms predicted; live-value estimate {:.2} GB; --steps 0: nothing ran",
         p.batch,
         p.seq,
         gib(m.peak_bytes),
         gib(m.arena_bytes),
         gib(m.resident_bytes),
         gib(m.host_bytes),
-        p.plan.cost.step_time_s * 1e3
+        p.plan.cost.step_time_s * 1e3,
+        live as f64 / 1e9
     );
     Ok(())
 }
