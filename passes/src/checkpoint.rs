@@ -91,16 +91,41 @@ impl Pass for Checkpoint {
             CheckpointPolicy::Full => layer_keep(g, &joint, false),
             CheckpointPolicy::Selective => layer_keep(g, &joint, true),
             CheckpointPolicy::Budget(budget) => {
-                let planned = match link_options(cx) {
-                    Some(o) => budget_with_offload(g, &joint, &b, budget, &why, cx, o)?,
-                    None => None,
-                };
-                let (keep, peak, tries) = match planned {
-                    Some((keep, to_host, peak, tries)) => {
-                        chosen_to_host = Some(to_host);
-                        (keep, peak, tries)
-                    }
-                    None => budget_keep(g, &joint, &b, budget, &why, cx)?,
+                let (keep, peak, tries) = match link_options(cx) {
+                    None => budget_keep(g, &joint, &b, budget, &why, cx, &[], 0)?,
+                    Some(o) => match budget_with_offload(g, &joint, &b, budget, &why, cx, o)? {
+                        Some((keep, to_host, peak, tries)) => {
+                            chosen_to_host = Some(to_host);
+                            (keep, peak, tries)
+                        }
+                        // Below what selective + offload needs: the min-cut, with what
+                        // selective + offload sends to the host kept at no device cost;
+                        // if even that cannot fit (a value on its way to or from the host
+                        // still holds device bytes), the min-cut alone, the host link
+                        // then carrying what it can of what that recomputes.
+                        None => {
+                            let host =
+                                offload_instead(g, &joint, &b, &layer_keep(g, &joint, true), o);
+                            match budget_keep(
+                                g,
+                                &joint,
+                                &b,
+                                budget,
+                                &why,
+                                cx,
+                                &host,
+                                o.link_bytes_per_s,
+                            ) {
+                                Ok((keep, peak, tries)) => {
+                                    chosen_to_host = Some(
+                                        host.into_iter().filter(|v| keep.contains(v)).collect(),
+                                    );
+                                    (keep, peak, tries)
+                                }
+                                Err(_) => budget_keep(g, &joint, &b, budget, &why, cx, &[], 0)?,
+                            }
+                        }
+                    },
                 };
                 res.count("budget_tries", tries);
                 res.count("peak_bytes", peak);
@@ -272,11 +297,15 @@ fn apply(
 /// The peak of live values per rank (the estimate's `peak_live`) of the step `g`
 /// becomes once `keep` is applied and the rest of the training pipeline (`grad-sync`,
 /// then `optimizer` when the options have one, which frees each gradient as its
-/// bucket is updated) has run. `offload`, which only lowers it, is left out.
+/// bucket is updated) has run, with the kept values of `to_host` offloaded (over a
+/// link of `link` bytes per second).
+#[allow(clippy::too_many_arguments)]
 fn step_peak(
     g: &Graph,
     joint: &Joint,
     keep: &HashSet<Value>,
+    to_host: &[Value],
+    link: u64,
     policy: &CheckpointPolicy,
     why: &str,
     b: &weft_ir::Bindings,
@@ -284,6 +313,14 @@ fn step_peak(
 ) -> Result<u64, PassError> {
     let mut t = g.clone();
     apply(&mut t, joint, keep, policy, why, b)?;
+    let host: Vec<Value> = to_host
+        .iter()
+        .copied()
+        .filter(|v| keep.contains(v))
+        .collect();
+    if !host.is_empty() {
+        offload_rewrite(&mut t, &host, b, link)?;
+    }
     finish_step(&mut t, cx)?;
     Ok(crate::memory::estimate(&t, b).peak_live)
 }
@@ -305,7 +342,9 @@ fn finish_step(t: &mut Graph, cx: &PassContext) -> Result<(), PassError> {
 /// bytes; recomputed values live from their recompute to their last backward use and
 /// the backward has its own transients, so each cut is checked by the liveness
 /// estimate of the whole step, and the saved-bytes target lowered by the overshoot
-/// until it fits. Errors when even the cut that keeps the least does not fit.
+/// until it fits. Errors when even the cut that keeps the least does not fit. Values of
+/// `to_host` cost no device bytes in the cut and are offloaded when kept.
+#[allow(clippy::too_many_arguments)]
 fn budget_keep(
     g: &Graph,
     joint: &Joint,
@@ -313,18 +352,26 @@ fn budget_keep(
     budget: u64,
     why: &str,
     cx: &PassContext,
+    to_host: &[Value],
+    link: u64,
 ) -> Result<(HashSet<Value>, u64, u64), PassError> {
     let policy = CheckpointPolicy::Budget(budget);
-    let saved_of = |keep: &HashSet<Value>| -> u64 { keep.iter().map(|v| bytes(g, *v, b)).sum() };
+    let free: HashSet<Value> = to_host.iter().copied().collect();
+    let saved_of = |keep: &HashSet<Value>| -> u64 {
+        keep.iter()
+            .filter(|v| !free.contains(v))
+            .map(|v| bytes(g, *v, b))
+            .sum()
+    };
     let mut target = budget;
     let mut tries = 0;
     for _ in 0..MAX_BUDGET_TRIES {
-        let (keep, met) = min_cut_keep(g, joint, b, target);
+        let (keep, met) = min_cut_keep(g, joint, b, target, &free);
         if !met {
             break;
         }
         tries += 1;
-        let peak = step_peak(g, joint, &keep, &policy, why, b, cx)?;
+        let peak = step_peak(g, joint, &keep, to_host, link, &policy, why, b, cx)?;
         if peak <= budget {
             return Ok((keep, peak, tries));
         }
@@ -335,9 +382,9 @@ fn budget_keep(
         target = next;
     }
     // The cut that keeps the least.
-    let (least, _) = min_cut_keep(g, joint, b, 0);
+    let (least, _) = min_cut_keep(g, joint, b, 0, &free);
     tries += 1;
-    let peak = step_peak(g, joint, &least, &policy, why, b, cx)?;
+    let peak = step_peak(g, joint, &least, to_host, link, &policy, why, b, cx)?;
     if peak <= budget {
         return Ok((least, peak, tries));
     }
@@ -357,7 +404,7 @@ fn budget_keep(
             gib(budget)
         ),
     )
-    .with_help(format!("raise the budget to at least {peak}, use `--checkpoint full` (which also recomputes collectives), or lower the per-rank activations (more `sp` or `tp`, a smaller batch, --micro-batches, --offload)")))
+    .with_help(format!("raise the budget to at least {peak}, use `--checkpoint full` (which also recomputes collectives), or lower the per-rank activations (more `sp` or `tp`, a smaller batch, --micro-batches{})", if to_host.is_empty() { ", --offload" } else { "" })))
 }
 
 /// The values `selective` would recompute that the host link carries instead, with
@@ -725,6 +772,7 @@ fn min_cut_keep(
     joint: &Joint,
     b: &weft_ir::Bindings,
     budget: u64,
+    free: &HashSet<Value>,
 ) -> (HashSet<Value>, bool) {
     // Forward nodes that matter: those the saved values depend on.
     let mut nodes: Vec<Node> = Vec::new();
@@ -743,10 +791,12 @@ fn min_cut_keep(
     let index: BTreeMap<Node, usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let saved_set: HashSet<Value> = joint.saved.iter().copied().collect();
     let crossing = crossing_values(g, joint);
+    // Values on the host (`free`) cost no device bytes to keep.
     let size = |n: Node| -> f64 {
         g.node(n)
             .results
             .iter()
+            .filter(|v| !free.contains(v))
             .map(|v| bytes(g, *v, b) as f64)
             .sum()
     };
@@ -803,8 +853,8 @@ fn min_cut_keep(
             if reach[2 * i] && !reach[2 * i + 1] {
                 for v in &g.node(n).results {
                     keep.insert(*v);
-                    total += bytes(g, *v, b) as f64;
                 }
+                total += sizes[i];
             }
         }
         (keep, total)
