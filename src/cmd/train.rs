@@ -13,12 +13,14 @@ use weft_passes::training::{
 pub struct TrainArgs {
     /// Activation checkpointing: `none`, `full` (per layer), `selective` (keep attention
     /// outputs, recompute matmuls and elementwise ops) or `budget=<bytes>` (keep the
-    /// step's peak of live values per rank within the budget: a min-cut, checked by
-    /// the liveness estimate).
+    /// step's peak of live values per rank within the budget at the least recompute,
+    /// checked by the liveness estimate; `weft run --steps 0` prints that estimate).
     #[arg(long, default_value = "none", value_name = "POLICY")]
     pub checkpoint: String,
-    /// Offload saved activations to host memory (async copies on a copy stream,
-    /// prefetched before their backward use; the last layer's stay on the device).
+    /// Offload saved activations to host memory (async copies on their own streams,
+    /// prefetched before their backward use; the last layer's stay on the device). With
+    /// `--checkpoint selective` or `budget=`, what would be recomputed goes to the host
+    /// instead where the host link (the --device profile's) can carry it in time.
     #[arg(long)]
     pub offload: bool,
     /// Offload planner: offload only until the saved activations fit this many bytes per
