@@ -228,6 +228,10 @@ fn op_cases() -> Vec<Case> {
             }
             v.push(c);
         }
+        if dt == "bf16" {
+            // Large enough that the 8-wide kernel's grid-stride loop runs several rounds.
+            v.push(Case::new("silu/exp/sigmoid bf16[4096, 2048] (8-wide, grid-stride)", "graph \"t\"\n%0: bf16[4096, 2048] = param {name=\"x\"}\n%1: bf16[4096, 2048] = silu %0\n%2: bf16[4096, 2048] = exp %0\n%3: bf16[4096, 2048] = sigmoid %0\nreturn a=%1, b=%2, c=%3\n").tol(tol));
+        }
         v.push(Case::new(format!("gelu {dt}"), format!("graph \"t\"\n%0: {dt}[7, 33] = param {{name=\"x\"}}\n%1: {dt}[7, 33] = gelu %0 {{tanh_approx=false}}\n%2: {dt}[7, 33] = gelu %0 {{tanh_approx=true}}\nreturn a=%1, b=%2\n")).tol(tol));
         v.push(Case::new(format!("scale/add_scalar/pow_scalar {dt}"), format!("graph \"t\"\n%0: {dt}[5, 17] = param {{name=\"x\"}}\n%1: {dt}[5, 17] = scale %0 {{factor=0.37}}\n%2: {dt}[5, 17] = add_scalar %1 {{value=1.5}}\n%3: {dt}[5, 17] = pow_scalar %0 {{exponent=2.0}}\nreturn a=%2, b=%3\n")).tol(tol));
         for op in ["add", "sub", "mul", "div", "maximum", "minimum"] {
