@@ -539,6 +539,25 @@ fn offload_replaces_recompute_in_the_plan_of_a_long_sequence() {
         last_offload_end <= lm_head,
         "{last_offload_end} > {lm_head}"
     );
+    // Copies out and in run on their own streams, and the compute stream waits for every
+    // offload (so the offloaded bytes return to the arena).
+    for i in off
+        .instructions
+        .iter()
+        .filter(|i| i.op == "offload" || i.op == "reload")
+    {
+        assert_eq!(i.stream, if i.op == "offload" { 2 } else { 3 }, "{}", i.id);
+    }
+    for i in off.instructions.iter().filter(|i| i.op == "offload") {
+        let e = i.signal.expect("an offload signals an event");
+        assert!(
+            off.instructions
+                .iter()
+                .any(|c| c.stream == 0 && c.wait.contains(&e)),
+            "nothing on the compute stream waits for offload {}",
+            i.id
+        );
+    }
 }
 
 #[test]
