@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use weft_ir::{Graph, HostTensor, Mesh};
 use weft_passes::training::{training_pipeline, CheckpointPolicy, TrainOptions};
 use weft_passes::{PassContext, PassManager};
-use weft_runtime::cpu::{run, Precision, RunOptions};
+use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
 pub fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> Graph {
     try_compile(g, mesh, opts).unwrap_or_else(|e| panic!("{mesh} {}: {e}", opts.checkpoint))
@@ -72,16 +72,6 @@ fn budgets(graph: &Graph, mesh: &str) -> Vec<CheckpointPolicy> {
     ]
 }
 
-fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
-    let (x, y) = (a.to_f64(), b.to_f64());
-    let d = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0, f64::max);
-    d / y.iter().map(|q| q.abs()).fold(1e-300, f64::max)
-}
-
 fn policies(graph: &Graph, mesh: &str) -> Vec<CheckpointPolicy> {
     let mut p = vec![
         CheckpointPolicy::None,
@@ -126,12 +116,13 @@ fn gradients_are_equal_with_and_without_recompute() {
                 if policy != CheckpointPolicy::None {
                     assert!(recomputed > 0, "{fam} {mesh} {policy}: nothing recomputed");
                 }
-                let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
-                    .unwrap_or_else(|e| panic!("{fam} {mesh} {policy}: {e}"));
-                for (p, want) in &reference.grads {
-                    let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
-                    assert!(e < 1e-9, "{fam} {mesh} {policy}: grad {p} rel err {e:e}");
-                }
+                let r = assert_grads_match(
+                    &format!("{fam} {mesh} {policy}"),
+                    &g,
+                    &weights,
+                    &inputs,
+                    &reference,
+                );
                 let grads: BTreeMap<String, HostTensor> = r
                     .outputs
                     .into_iter()
@@ -219,31 +210,24 @@ fn offload_runs_and_keeps_the_gradients() {
                 ..Default::default()
             };
             let g = compile(&graph, mesh, &opts);
-            let count = |name: &str| {
-                g.nodes()
-                    .iter()
-                    .filter(|&&n| g.node(n).op.name() == name)
-                    .count()
-            };
+            let ops = |name: &str| count(&g, |d| d.op.name() == name);
             assert!(
-                count("offload") > 0 && count("offload") == count("reload"),
+                ops("offload") > 0 && ops("offload") == ops("reload"),
                 "{fam} {mesh} {policy}: {} offloads, {} reloads",
-                count("offload"),
-                count("reload")
+                ops("offload"),
+                ops("reload")
             );
-            let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
-                .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+            let r = assert_grads_match(
+                &format!("{fam} {mesh} {policy} offload"),
+                &g,
+                &weights,
+                &inputs,
+                &reference,
+            );
             assert!(
                 r.profile.ops.get("reload").is_some_and(|(n, _)| *n > 0),
                 "{fam} {mesh}: reloads ran"
             );
-            for (p, want) in &reference.grads {
-                let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
-                assert!(
-                    e < 1e-9,
-                    "{fam} {mesh} {policy} offload: grad {p} rel err {e:e}"
-                );
-            }
             // Nothing of the last layer is offloaded; the device keeps less.
             let b = weft_passes::memory::bindings(&g, &opts);
             let e = weft_passes::memory::estimate(&g, &b);
@@ -301,22 +285,65 @@ fn offload_planner_meets_a_budget_within_the_link_bandwidth() {
     assert_eq!(e.saved_activations + e.offloaded, none.saved_activations);
 }
 
-/// A device slow enough at matmuls that the fixtures' projections are compute-bound
-/// (their FLOPs per byte above its ridge point), so selective + offload moves them to
-/// the host instead of recomputing them.
-fn slow_matmul_device() -> weft_ir::plan::DeviceProfile {
+/// `policy` with `--offload` on a device slow enough at matmuls that the fixtures'
+/// projections are compute-bound (their FLOPs per byte above its ridge point), so the
+/// checkpoint pass moves them to the host instead of recomputing them.
+fn offload_instead_opts(policy: CheckpointPolicy) -> TrainOptions {
+    use weft_passes::training::{Device, OffloadOptions};
     let mut slow = weft_passes::plan::profile::preset("h200").unwrap();
     slow.matmul_tflops = 0.05;
     slow.attention_tflops = 0.05;
     slow.hbm_gbps = 5.0;
-    slow
+    TrainOptions {
+        checkpoint: policy,
+        offload: Some(OffloadOptions {
+            min_bytes: 0,
+            device: Device(slow),
+            ..Default::default()
+        }),
+        batch: Some(2),
+        seq: Some(SEQ),
+        ..Default::default()
+    }
+}
+
+/// Nodes of `g` for which `f` holds.
+fn count(g: &Graph, f: impl Fn(&weft_ir::NodeData) -> bool) -> usize {
+    g.nodes().iter().filter(|&&n| f(g.node(n))).count()
+}
+
+/// The offloads the checkpoint pass put in (in place of recompute).
+fn offloads_by_checkpoint(g: &Graph) -> usize {
+    count(g, |d| {
+        d.op.name() == "offload"
+            && d.meta
+                .provenance
+                .as_ref()
+                .is_some_and(|p| p.pass == "checkpoint")
+    })
+}
+
+/// Runs the step `g` on the CPU reference (f64), asserts every parameter gradient
+/// equals the unsharded reference's, and returns the run.
+fn assert_grads_match(
+    what: &str,
+    g: &Graph,
+    weights: &BTreeMap<String, HostTensor>,
+    inputs: &BTreeMap<String, HostTensor>,
+    reference: &RunResult,
+) -> RunResult {
+    let r = run(g, weights, inputs, &RunOptions::new(Precision::F64))
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    for (p, want) in &reference.grads {
+        let e = rel_err(&r.outputs[&format!("grad.{p}")], want);
+        assert!(e < 1e-9, "{what}: grad {p} rel err {e:e}");
+    }
+    r
 }
 
 #[test]
 fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_host() {
     use weft_ir::plan::Category;
-    use weft_passes::training::{Device, OffloadOptions};
-    let slow = slow_matmul_device();
     for (fam, mesh) in [
         ("llama", ""),
         ("llama", "dp=2,sp=2"),
@@ -325,17 +352,7 @@ fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_h
     ] {
         let (graph, weights, inputs) = load_fixture(fam);
         let reference = reference_run(&graph, &weights, &inputs);
-        let opts = TrainOptions {
-            checkpoint: CheckpointPolicy::Selective,
-            offload: Some(OffloadOptions {
-                min_bytes: 0,
-                device: Device(slow.clone()),
-                ..Default::default()
-            }),
-            batch: Some(2),
-            seq: Some(SEQ),
-            ..Default::default()
-        };
+        let opts = offload_instead_opts(CheckpointPolicy::Selective);
         let g = compile(&graph, mesh, &opts);
         let selective = compile(
             &graph,
@@ -345,18 +362,9 @@ fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_h
                 ..opts.clone()
             },
         );
-        let count = |g: &Graph, f: &dyn Fn(&weft_ir::NodeData) -> bool| {
-            g.nodes().iter().filter(|&&n| f(g.node(n))).count()
-        };
-        let offloads = count(&g, &|d| {
-            d.op.name() == "offload"
-                && d.meta
-                    .provenance
-                    .as_ref()
-                    .is_some_and(|p| p.pass == "checkpoint")
-        });
+        let offloads = offloads_by_checkpoint(&g);
         let recomputes = |g: &Graph| {
-            count(g, &|d| {
+            count(g, |d| {
                 d.meta
                     .derived
                     .is_some_and(|x| x.kind == weft_ir::DerivedKind::Recompute)
@@ -372,15 +380,13 @@ fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_h
             recomputes(&g),
             recomputes(&selective)
         );
-        let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
-            .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
-        for (p, want) in &reference.grads {
-            let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
-            assert!(
-                e < 1e-9,
-                "{fam} {mesh} selective+offload: grad {p} rel err {e:e}"
-            );
-        }
+        assert_grads_match(
+            &format!("{fam} {mesh} selective+offload"),
+            &g,
+            &weights,
+            &inputs,
+            &reference,
+        );
         // The plan puts the host copies in the pinned host pool, not the device arena.
         if mesh.is_empty() {
             let plan = weft_passes::plan::lower(
@@ -406,46 +412,22 @@ fn selective_offload_keeps_the_gradients_and_the_plan_holds_host_copies_on_the_h
 
 #[test]
 fn budget_with_offload_sends_what_it_would_recompute_to_the_host() {
-    use weft_passes::training::{Device, OffloadOptions};
-    let slow = slow_matmul_device();
     for (fam, mesh) in [("llama", ""), ("llama", "dp=2,sp=2")] {
         let (graph, weights, inputs) = load_fixture(fam);
         let reference = reference_run(&graph, &weights, &inputs);
         // Halfway between the least reachable peak and no recompute's.
         let policy = budgets(&graph, mesh).pop().unwrap();
-        let opts = TrainOptions {
-            checkpoint: policy.clone(),
-            offload: Some(OffloadOptions {
-                min_bytes: 0,
-                device: Device(slow.clone()),
-                ..Default::default()
-            }),
-            batch: Some(2),
-            seq: Some(SEQ),
-            ..Default::default()
-        };
-        let g = compile(&graph, mesh, &opts);
-        let offloads = g
-            .nodes()
-            .iter()
-            .filter(|&&n| {
-                let d = g.node(n);
-                d.op.name() == "offload"
-                    && d.meta
-                        .provenance
-                        .as_ref()
-                        .is_some_and(|p| p.pass == "checkpoint")
-            })
-            .count();
-        assert!(offloads > 0, "{fam} {mesh} {policy}: nothing offloaded");
-        let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
-            .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
-        for (p, want) in &reference.grads {
-            let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
-            assert!(
-                e < 1e-9,
-                "{fam} {mesh} {policy}+offload: grad {p} rel err {e:e}"
-            );
-        }
+        let g = compile(&graph, mesh, &offload_instead_opts(policy.clone()));
+        assert!(
+            offloads_by_checkpoint(&g) > 0,
+            "{fam} {mesh} {policy}: nothing offloaded"
+        );
+        assert_grads_match(
+            &format!("{fam} {mesh} {policy}+offload"),
+            &g,
+            &weights,
+            &inputs,
+            &reference,
+        );
     }
 }

@@ -165,28 +165,6 @@ fn draw(
     (w, x)
 }
 
-fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
-    let (x, y) = (a.to_f64(), b.to_f64());
-    if x.len() != y.len() {
-        return f64::INFINITY;
-    }
-    if x.iter().any(|v| v.is_nan()) && !y.iter().any(|v| v.is_nan()) {
-        return f64::INFINITY;
-    }
-    let num: f64 = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q) * (p - q))
-        .sum::<f64>()
-        .sqrt();
-    let den: f64 = y.iter().map(|q| q * q).sum::<f64>().sqrt();
-    if num == 0.0 {
-        0.0
-    } else {
-        num / den.max(1e-30)
-    }
-}
-
 fn plan_of(g: &Graph, b: i64, s: i64) -> Result<weft_ir::ExecutionPlan, String> {
     let mut opts = weft_passes::plan::PlanOptions::new(b, s);
     opts.device_memory = 139 << 30;
@@ -416,7 +394,7 @@ fn compare(
             return (f64::INFINITY, format!("{name}: no output {k}"));
         };
         let e = if w.dtype.is_float() {
-            rel_err(gt, w)
+            gt.l2_rel_err(w)
         } else if gt.to_i64() == w.to_i64() {
             0.0
         } else {

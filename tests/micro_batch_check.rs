@@ -42,17 +42,6 @@ fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> (Graph, RunReport) {
     (g, r)
 }
 
-fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
-    assert_eq!(a.shape, b.shape);
-    let (x, y) = (a.to_f64(), b.to_f64());
-    let d = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0, f64::max);
-    d / y.iter().map(|q| q.abs()).fold(1e-300, f64::max)
-}
-
 fn opts(n: u32) -> TrainOptions {
     TrainOptions {
         micro_batches: n,
@@ -83,11 +72,11 @@ fn accumulated_gradients_equal_the_full_batch() {
                 let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
                     .unwrap_or_else(|e| panic!("{fam} {mesh} N={n}: {e}"));
                 for out in ["loss", "logits"] {
-                    let e = max_rel(&r.outputs[out], &reference.outputs[out]);
+                    let e = rel_err(&r.outputs[out], &reference.outputs[out]);
                     assert!(e < 1e-10, "{fam} {mesh} N={n}: {out} rel err {e:e}");
                 }
                 for (p, want) in &reference.grads {
-                    let e = max_rel(&r.outputs[&format!("grad.{p}")], want);
+                    let e = rel_err(&r.outputs[&format!("grad.{p}")], want);
                     assert!(e < 1e-9, "{fam} {mesh} N={n}: grad {p} rel err {e:e}");
                 }
             }

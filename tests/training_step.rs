@@ -62,18 +62,6 @@ fn step(
         .unwrap_or_else(|e| panic!("{} on {}: {e}", g.name, g.mesh))
 }
 
-fn max_rel(a: &HostTensor, b: &HostTensor) -> f64 {
-    assert_eq!(a.shape, b.shape);
-    let (x, y) = (a.to_f64(), b.to_f64());
-    let d = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0, f64::max);
-    let s = y.iter().map(|q| q.abs()).fold(1e-300, f64::max);
-    d / s
-}
-
 fn adamw_opts(zero: u8) -> TrainOptions {
     TrainOptions {
         optimizer: Some(Optimizer::adamw(1e-2)),
@@ -110,12 +98,12 @@ fn adamw_step_applies_the_reference_gradients() {
             })
             .collect();
         let got = &r.outputs[&format!("param.{name}")];
-        let e = max_rel(got, &HostTensor::floats(w.dtype, w.shape.clone(), want));
+        let e = rel_err(got, &HostTensor::floats(w.dtype, w.shape.clone(), want));
         assert!(e < 1e-9, "param.{name}: rel err {e:e}");
         let m = &r.outputs[&format!("optim.m.{name}")];
         let want_m: Vec<f64> = gr.iter().map(|g| (1.0 - b1) * g).collect();
         assert!(
-            max_rel(m, &HostTensor::floats(DType::F32, w.shape.clone(), want_m)) < 1e-9,
+            rel_err(m, &HostTensor::floats(DType::F32, w.shape.clone(), want_m)) < 1e-9,
             "optim.m.{name}"
         );
     }
@@ -143,14 +131,14 @@ fn every_mesh_and_zero_stage_gives_the_one_rank_update() {
             .iter()
             .filter(|(k, _)| k.starts_with("param.") || k == &"loss")
         {
-            let e = max_rel(&r.outputs[k], want);
+            let e = rel_err(&r.outputs[k], want);
             assert!(e < 1e-9, "{mesh} zero={zero}: {k} rel err {e:e}");
         }
         for (k, want) in one.outputs.iter().filter(|(k, _)| k.starts_with("optim.")) {
             // ZeRO-1 keeps states flat (and padded to a multiple of dp).
             let mut have = r.outputs[k].to_f64();
             have.truncate(want.numel());
-            let e = max_rel(
+            let e = rel_err(
                 &HostTensor::floats(want.dtype, want.shape.clone(), have),
                 want,
             );

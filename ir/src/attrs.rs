@@ -348,3 +348,57 @@ pub fn split_top_level(s: &str, sep: char) -> Result<Vec<&str>, String> {
     }
     Ok(parts)
 }
+
+/// HF `rope_init_fn` results: the inverse frequencies of a rotary table, in f64 (in
+/// f32 precision they are rounded to f32 at each step where HF computes in f32).
+pub fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling, f32_steps: bool) -> Vec<f64> {
+    let r = |v: f64| if f32_steps { v as f32 as f64 } else { v };
+    // inv_freq = 1 / base ** (arange(0, dim, 2).float() / dim)
+    let mut inv: Vec<f64> = (0..dim)
+        .step_by(2)
+        .map(|i| {
+            if f32_steps {
+                let e = i as f32 / dim as f32;
+                (1.0f32 / (theta as f32).powf(e)) as f64
+            } else {
+                1.0 / theta.powf(i as f64 / dim as f64)
+            }
+        })
+        .collect();
+    match scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            for v in &mut inv {
+                *v = r(*v / factor.0);
+            }
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            // transformers `_compute_llama3_parameters`.
+            let (factor, lo, hi) = (factor.0, low_freq_factor.0, high_freq_factor.0);
+            let old = *original_max_position_embeddings as f64;
+            let low_freq_wavelen = old / lo;
+            let high_freq_wavelen = old / hi;
+            for v in &mut inv {
+                let f = *v;
+                let wavelen = r(2.0 * std::f64::consts::PI / f);
+                let llama = if wavelen > low_freq_wavelen {
+                    r(f / factor)
+                } else {
+                    f
+                };
+                let smooth = r((r(old / wavelen) - lo) / (hi - lo));
+                let smoothed = r(r(r((1.0 - smooth) * llama) / factor) + r(smooth * llama));
+                // HF's `~(wavelen < high) * ~(wavelen > low)`, NaN included
+                #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                *v = if medium { smoothed } else { llama };
+            }
+        }
+    }
+    inv
+}

@@ -57,3 +57,62 @@ impl HostTensor {
         }
     }
 }
+
+/// `max |a - b| / max |b|`, `b` the reference: 0 when equal; infinite when the lengths
+/// differ, `a` has a NaN, or `b` is all zero while `a` is not.
+pub fn max_rel_err(a: &[f64], b: &[f64]) -> f64 {
+    if a.len() != b.len() || a.iter().any(|x| x.is_nan()) {
+        return f64::INFINITY;
+    }
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
+    let scale = b.iter().map(|y| y.abs()).fold(0.0, f64::max);
+    match (diff, scale) {
+        (d, _) if d == 0.0 => 0.0,
+        (_, s) if s == 0.0 => f64::INFINITY,
+        (d, s) => d / s,
+    }
+}
+
+/// `||a - b|| / ||b||` (Euclidean), `b` the reference, with the edge cases of
+/// [`max_rel_err`]: the measure for low-precision results, where single elements round
+/// far more than the whole.
+pub fn l2_rel_err(a: &[f64], b: &[f64]) -> f64 {
+    if a.len() != b.len() || a.iter().any(|x| x.is_nan()) {
+        return f64::INFINITY;
+    }
+    let num = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt();
+    let den = b.iter().map(|y| y * y).sum::<f64>().sqrt();
+    match (num, den) {
+        (n, _) if n == 0.0 => 0.0,
+        (_, d) if d == 0.0 => f64::INFINITY,
+        (n, d) => n / d,
+    }
+}
+
+impl HostTensor {
+    /// [`max_rel_err`] of this tensor against `reference` (infinite when the shapes
+    /// differ).
+    pub fn max_rel_err(&self, reference: &HostTensor) -> f64 {
+        if self.shape != reference.shape {
+            return f64::INFINITY;
+        }
+        max_rel_err(&self.to_f64(), &reference.to_f64())
+    }
+
+    /// [`l2_rel_err`] of this tensor against `reference` (infinite when the shapes differ).
+    pub fn l2_rel_err(&self, reference: &HostTensor) -> f64 {
+        if self.shape != reference.shape {
+            return f64::INFINITY;
+        }
+        l2_rel_err(&self.to_f64(), &reference.to_f64())
+    }
+}

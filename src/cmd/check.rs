@@ -36,27 +36,6 @@ struct Report {
     ok: bool,
 }
 
-/// max|a-b| / max|b|, with 0/0 = 0.
-pub fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
-    let (x, y) = (a.to_f64(), b.to_f64());
-    if a.shape != b.shape {
-        return f64::INFINITY;
-    }
-    let diff = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0, f64::max);
-    let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
-    if diff == 0.0 {
-        0.0
-    } else if scale == 0.0 {
-        f64::INFINITY
-    } else {
-        diff / scale
-    }
-}
-
 pub fn run(a: Args) -> CliResult {
     let s = Session::new(&a.run)?;
     let (tol_out, tol_grad) = match s.precision {
@@ -85,13 +64,13 @@ pub fn run(a: Args) -> CliResult {
             .ok_or_else(|| CliError::input(format!("the program has no `{name}` output")))
     };
     let (loss_ref, loss) = (out(&reference, "loss")?, out(&got, "loss")?);
-    let err_loss = rel_err(&loss, &loss_ref);
-    let err_logits = rel_err(&out(&got, "logits")?, &out(&reference, "logits")?);
+    let err_loss = loss.max_rel_err(&loss_ref);
+    let err_logits = out(&got, "logits")?.max_rel_err(&out(&reference, "logits")?);
     let (mut err_grads, mut worst) = (0.0f64, String::new());
     if a.train {
         for (name, want) in &reference.grads {
             let e = match got.grads.get(name) {
-                Some(have) => rel_err(have, want),
+                Some(have) => have.max_rel_err(want),
                 None => f64::INFINITY,
             };
             if e > err_grads || worst.is_empty() {

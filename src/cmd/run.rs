@@ -493,21 +493,6 @@ pub fn cpu_steps_timed(
     Ok(out)
 }
 
-#[cfg(feature = "cuda")]
-pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y) * (x - y))
-        .sum::<f64>()
-        .sqrt();
-    let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-30);
-    if a.iter().any(|x| x.is_nan()) {
-        return f64::INFINITY;
-    }
-    num / den
-}
-
 pub fn run(a: Args) -> CliResult {
     if a.steps == 0 && a.check == 0 {
         return plan_only(&a);
@@ -718,7 +703,7 @@ fn run_cuda(a: &Args) -> CliResult {
                         continue;
                     }
                     let got = ex.output(name).map_err(cuda_err)?;
-                    let e = rel_err(&got.to_f64(), &want.to_f64());
+                    let e = got.l2_rel_err(want);
                     if !(e <= tol) {
                         failures.push(format!("step 1: {name} differs from the cpu reference (rel {e:.2e} > {tol:.0e})"));
                     }

@@ -30,21 +30,10 @@ pub fn execute(g: &Graph, c: &Case, grads: bool) -> RunResult {
         .unwrap_or_else(|e| panic!("{} on mesh `{}`: {e}", g.name, g.mesh))
 }
 
-/// Max absolute difference over the max magnitude of `b` (0 when equal).
+/// Max absolute difference over the max magnitude of `b` (0 when equal; infinite for
+/// differing shapes or a NaN in `a`).
 pub fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
-    assert_eq!(a.shape, b.shape);
-    let (x, y) = (a.to_f64(), b.to_f64());
-    let diff = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0, f64::max);
-    let scale = y.iter().map(|q| q.abs()).fold(0.0, f64::max);
-    if diff == 0.0 {
-        0.0
-    } else {
-        diff / scale.max(1e-300)
-    }
+    a.max_rel_err(b)
 }
 
 /// Asserts `got` equals `want` to 1e-10 of `want`'s largest magnitude (f64 programs that

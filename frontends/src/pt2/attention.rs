@@ -16,6 +16,7 @@ use super::fx::FxNode;
 use super::lower::{LErr, Lower, LR, LV};
 use super::schema::Arg;
 use std::collections::BTreeMap;
+use weft_ir::attrs::rope_inv_freq;
 use weft_ir::{CmpOp, DType, Dim, Float, Graph, Op, RopeScaling, TensorType, Value};
 
 /// Probe lengths a size-only value is evaluated at.
@@ -298,7 +299,7 @@ impl Lower<'_> {
             if rdim != dim {
                 continue;
             }
-            let freqs = rope_freqs(theta, rdim, &scaling);
+            let freqs = rope_inv_freq(theta, rdim as usize, &scaling, false);
             if fits(&freqs) {
                 chosen = Some((theta, scaling, how));
                 break;
@@ -411,45 +412,6 @@ fn classify_causal(t: &CT, s: usize) -> Option<bool> {
     Some(additive)
 }
 
-/// HF's inverse frequencies for `rope_table` (default, linear, llama3).
-pub fn rope_freqs(theta: f64, dim: i64, scaling: &RopeScaling) -> Vec<f64> {
-    let base: Vec<f64> = (0..dim / 2)
-        .map(|i| 1.0 / theta.powf((2 * i) as f64 / dim as f64))
-        .collect();
-    match scaling {
-        RopeScaling::None => base,
-        RopeScaling::Linear { factor } => base.iter().map(|f| f / factor.0).collect(),
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => {
-            let (factor, lo, hi, orig) = (
-                factor.0,
-                low_freq_factor.0,
-                high_freq_factor.0,
-                *original_max_position_embeddings as f64,
-            );
-            let low_wl = orig / lo;
-            let high_wl = orig / hi;
-            base.iter()
-                .map(|&f| {
-                    let wl = 2.0 * std::f64::consts::PI / f;
-                    if wl < high_wl {
-                        f
-                    } else if wl > low_wl {
-                        f / factor
-                    } else {
-                        let smooth = (orig / wl - lo) / (hi - lo);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    }
-                })
-                .collect()
-        }
-    }
-}
-
 /// `(k0, rep)` if `k` is `repeat_kv(k0, rep)`: reshape [B, N*rep, S, D] of an expand
 /// [B, N, rep, S, D] of k0 [B, N, S, D] reshaped to [B, N, 1, S, D].
 pub fn strip_repeat_kv(g: &Graph, k: Value) -> Option<(Value, i64)> {
@@ -539,8 +501,8 @@ mod tests {
             high_freq_factor: Float(4.0),
             original_max_position_embeddings: 32,
         };
-        let f = rope_freqs(10000.0, 8, &s);
-        let base = rope_freqs(10000.0, 8, &RopeScaling::None);
+        let f = rope_inv_freq(10000.0, 8, &s, false);
+        let base = rope_inv_freq(10000.0, 8, &RopeScaling::None, false);
         assert_eq!(f[0], base[0]);
         assert!((f[3] - base[3] / 8.0).abs() < 1e-12);
         assert!(f[1] < base[1] && f[1] > base[1] / 8.0 || f[2] < base[2] && f[2] > base[2] / 8.0);

@@ -3,7 +3,7 @@
 //! choice on the compute stream's predicted clock), the rewrite that sends them there,
 //! and the budget search that starts from selective + offload.
 
-use super::{apply, finish_step, layer_keep, NAME};
+use super::{layer_keep, step_peak, NAME};
 use crate::memory::{bytes, flops, is_resident, Joint};
 use crate::offload;
 use crate::pass::{PassContext, PassError};
@@ -72,13 +72,17 @@ pub(super) fn budget_with_offload(
     let peak_of = |extra: &[Value]| -> Result<u64, PassError> {
         let mut keep = base.clone();
         keep.extend(extra.iter().copied());
-        let mut t = g.clone();
-        apply(&mut t, joint, &keep, &policy, why, b)?;
-        if !to_host.is_empty() {
-            offload_rewrite(&mut t, &to_host, b, o.link_bytes_per_s)?;
-        }
-        finish_step(&mut t, cx)?;
-        Ok(crate::memory::estimate(&t, b).peak_live)
+        step_peak(
+            g,
+            joint,
+            &keep,
+            &to_host,
+            o.link_bytes_per_s,
+            &policy,
+            why,
+            b,
+            cx,
+        )
     };
     let mut tries = 1;
     let peak0 = peak_of(&[])?;

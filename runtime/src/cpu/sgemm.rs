@@ -504,6 +504,21 @@ fn for_each(parallel: bool, n: usize, f: impl Fn(usize) + Sync + Send) {
     }
 }
 
+/// `f` on each `size`-element chunk of `buf` with its index (in rayon tasks when
+/// `parallel` and there is more than one chunk).
+fn for_each_chunk(
+    parallel: bool,
+    buf: &mut [f32],
+    size: usize,
+    f: impl Fn((usize, &mut [f32])) + Sync + Send,
+) {
+    if parallel && buf.len() > size {
+        buf.par_chunks_mut(size).enumerate().for_each(f);
+    } else {
+        buf.chunks_mut(size).enumerate().for_each(f);
+    }
+}
+
 impl Problem<'_> {
     /// # Safety
     /// AVX-512F must be available, and `self.c` must point at a live, unaliased buffer
@@ -531,11 +546,7 @@ impl Problem<'_> {
                         kc,
                     )
                 };
-                if parallel && npan > 1 {
-                    bp.par_chunks_mut(kc * NR).enumerate().for_each(pb);
-                } else {
-                    bp.chunks_mut(kc * NR).enumerate().for_each(pb);
-                }
+                for_each_chunk(parallel, bp, kc * NR, pb);
                 let bp: &[f32] = bp;
                 for ic in (0..self.m).step_by(MB) {
                     let mb = MB.min(self.m - ic);
@@ -552,11 +563,7 @@ impl Problem<'_> {
                             kc,
                         )
                     };
-                    if parallel && mpan > 1 {
-                        ap.par_chunks_mut(kc * MR).enumerate().for_each(pa);
-                    } else {
-                        ap.chunks_mut(kc * MR).enumerate().for_each(pa);
-                    }
+                    for_each_chunk(parallel, ap, kc * MR, pa);
                     let ap: &[f32] = ap;
                     let (tm, tn) = (mb.div_ceil(MC), nc.div_ceil(NT));
                     for_each(parallel, tm * tn, |t| {

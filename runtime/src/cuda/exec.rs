@@ -260,7 +260,7 @@ fn intern(s: &str) -> &'static str {
 
 /// HF `rope_init_fn` inverse frequencies in f32 steps: the CPU reference's table.
 fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling) -> Vec<f32> {
-    crate::cpu::kernels::rope_inv_freq(theta, dim, scaling, true)
+    weft_ir::attrs::rope_inv_freq(theta, dim, scaling, true)
         .into_iter()
         .map(|x| x as f32)
         .collect()

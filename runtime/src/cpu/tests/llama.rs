@@ -478,16 +478,6 @@ fn cfg_of(dir: &std::path::Path) -> Cfg {
     }
 }
 
-/// max |a - b| / max |b|
-fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(b)
-        .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
-        / scale
-}
-
 fn check_fixture(name: &str, mesh: Option<(u32, u32)>) {
     let Some(dir) = fixture_dir(name) else {
         eprintln!("fixture {name} not found; skipped");
@@ -510,15 +500,19 @@ fn check_fixture(name: &str, mesh: Option<(u32, u32)>) {
         };
         let r = run(&g, &weights, &inputs, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
         let tol = 5e-6;
-        let e = rel_err(&r.outputs["logits"].to_f64(), &reference["logits"].to_f64());
+        let e = weft_ir::tensor::max_rel_err(
+            &r.outputs["logits"].to_f64(),
+            &reference["logits"].to_f64(),
+        );
         eprintln!("{name} {precision:?} mesh {mesh:?}: logits rel err {e:.2e}");
         assert!(e < tol, "{name} {precision:?}: logits differ by {e}");
-        let e = rel_err(&r.outputs["loss"].to_f64(), &reference["loss"].to_f64());
+        let e =
+            weft_ir::tensor::max_rel_err(&r.outputs["loss"].to_f64(), &reference["loss"].to_f64());
         assert!(e < tol, "{name} {precision:?}: loss differs by {e}");
         let mut worst = 0.0f64;
         for (p, _) in cfg.params() {
             let want = reference[&format!("grad.{p}")].to_f64();
-            let e = rel_err(&r.grads[&p].to_f64(), &want);
+            let e = weft_ir::tensor::max_rel_err(&r.grads[&p].to_f64(), &want);
             worst = worst.max(e);
             assert!(e < 2e-5, "{name} {precision:?}: grad of {p} differs by {e}");
         }
