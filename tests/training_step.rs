@@ -147,8 +147,8 @@ fn every_mesh_and_zero_stage_gives_the_one_rank_update() {
     }
 }
 
-#[test]
-fn bf16_params_keep_f32_master_weights() {
+/// The tiny llama with bf16 parameters, random weights and one fixed batch.
+fn bf16_llama_tiny() -> Case {
     let cfg = llama_graph::Config {
         dtype: DType::BF16,
         ..llama_graph::Config::llama_tiny()
@@ -169,11 +169,16 @@ fn bf16_params_keep_f32_master_weights() {
         "labels".to_string(),
         HostTensor::ints(DType::I64, vec![b, s], ids),
     );
-    let c = Case {
+    Case {
         graph: model.graph,
         weights,
         inputs,
-    };
+    }
+}
+
+#[test]
+fn bf16_params_keep_f32_master_weights() {
+    let c = bf16_llama_tiny();
     for (mesh, zero) in [("", 0u8), ("dp=2", 1)] {
         let g = compile(&c, mesh, &adamw_opts(zero));
         let masters: Vec<String> = g
@@ -192,6 +197,53 @@ fn bf16_params_keep_f32_master_weights() {
             assert_eq!(r.outputs[&format!("param.{name}")].dtype, DType::BF16);
             assert_eq!(r.outputs[&format!("optim.master.{name}")].dtype, DType::F32);
         }
+    }
+}
+
+#[test]
+fn bf16_adamw_without_master_weights_applies_the_reference_gradients() {
+    // torch.optim.AdamW on a bf16 model (`--torch-adamw`): the update on the parameter
+    // itself, states in bf16, placed in the backward; one step against AdamW computed
+    // here from the unsharded run's gradients, and the same update with master weights.
+    let c = bf16_llama_tiny();
+    let reference = run(
+        &c.graph,
+        &c.weights,
+        &c.inputs,
+        &RunOptions::new(Precision::F64).with_grads(true),
+    )
+    .unwrap();
+    let opts = TrainOptions {
+        master_weights: false,
+        ..adamw_opts(0)
+    };
+    let g = compile(&c, "", &opts);
+    assert!(!g
+        .params()
+        .iter()
+        .any(|(n, _)| n.starts_with("optim.master.")));
+    let r = step(&g, &c.weights, &c.inputs, 1);
+    let mixed = step(&compile(&c, "", &adamw_opts(0)), &c.weights, &c.inputs, 1);
+    let (lr, b1, b2, eps, wd) = (1e-2, 0.9, 0.999, 1e-8, 0.01);
+    for (name, w) in &c.weights {
+        let gr = reference.grads[name].to_f64();
+        let want: Vec<f64> = w
+            .to_f64()
+            .iter()
+            .zip(&gr)
+            .map(|(&p, &gv)| {
+                let p = p * (1.0 - lr * wd);
+                let (m, v) = ((1.0 - b1) * gv, (1.0 - b2) * gv * gv);
+                p - lr * (m / (1.0 - b1)) / ((v / (1.0 - b2)).sqrt() + eps)
+            })
+            .collect();
+        let got = &r.outputs[&format!("param.{name}")];
+        assert_eq!(got.dtype, DType::BF16);
+        assert_eq!(r.outputs[&format!("optim.m.{name}")].dtype, DType::BF16);
+        let e = rel_err(got, &HostTensor::floats(w.dtype, w.shape.clone(), want));
+        assert!(e < 1e-9, "param.{name}: rel err {e:e}");
+        let e = rel_err(got, &mixed.outputs[&format!("param.{name}")]);
+        assert!(e < 1e-9, "param.{name} vs master weights: rel err {e:e}");
     }
 }
 
