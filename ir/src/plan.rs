@@ -41,6 +41,21 @@ pub fn in_place_pairs(op: &str) -> &'static [(usize, usize)] {
     }
 }
 
+/// The parameter a training step's output is fed back into: `param.<name>` replaces
+/// `<name>` (or a parameter itself named `param.<name>`), `optim.*` and `state.*` the
+/// parameter of the same name. `None` for other outputs, or when `is_param` knows no
+/// such parameter.
+pub fn fed_back_param<'a>(output: &'a str, is_param: impl Fn(&str) -> bool) -> Option<&'a str> {
+    let candidates = match output.strip_prefix("param.") {
+        Some(rest) => [Some(rest), Some(output)],
+        None if output.starts_with("optim.") || output.starts_with("state.") => {
+            [Some(output), None]
+        }
+        None => [None, None],
+    };
+    candidates.into_iter().flatten().find(|n| is_param(n))
+}
+
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ExecutionPlan {
     pub version: u32,

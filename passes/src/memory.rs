@@ -188,10 +188,9 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
         }
     }
     let mut in_place = vec![false; g.value_capacity()];
+    let param_names: HashSet<String> = g.params().into_iter().map(|(n, _)| n).collect();
     for (name, v) in g.outputs() {
-        if name.starts_with(crate::optimizer::PARAM_PREFIX)
-            || name.starts_with(crate::optimizer::STATE_PREFIX)
-        {
+        if weft_ir::plan::fed_back_param(name, |n| param_names.contains(n)).is_some() {
             in_place[v.0 as usize] = true;
         } else {
             last[v.0 as usize] = usize::MAX;

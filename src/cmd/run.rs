@@ -479,13 +479,8 @@ pub fn cpu_steps_timed(
         let r = weft_runtime::cpu::run(g, &w, &inputs, &opts)
             .map_err(|e| CliError::input(format!("CPU reference, step {step}: {e}")))?;
         for (name, t) in &r.outputs {
-            let target = name.strip_prefix("param.").map(str::to_string).or_else(|| {
-                (name.starts_with("optim.") || name.starts_with("state.")).then(|| name.clone())
-            });
-            if let Some(t_name) = target {
-                if w.contains_key(&t_name) {
-                    w.insert(t_name, t.clone());
-                }
+            if let Some(p) = weft_ir::plan::fed_back_param(name, |n| w.contains_key(n)) {
+                w.insert(p.to_string(), t.clone());
             }
         }
         out.push((r, t.elapsed().as_secs_f64()));

@@ -463,13 +463,7 @@ pub fn lower_with_views(
         let params: BTreeMap<String, Value> = g.params().into_iter().collect();
         let mut cands: Vec<(u32, usize, usize)> = Vec::new(); // (writer, result, operand replaced)
         for (name, v) in g.outputs() {
-            let target = if let Some(rest) = name.strip_prefix("param.") {
-                params.get(rest).or_else(|| params.get(name.as_str()))
-            } else if name.starts_with("optim.") || name.starts_with("state.") {
-                params.get(name.as_str())
-            } else {
-                None
-            };
+            let target = fed_back_param(name, |n| params.contains_key(n)).map(|n| &params[n]);
             let o = buf_of[v];
             if let (Some(t), Some(&w)) = (target, producer_instr.get(&o)) {
                 cands.push((w, o as usize, buf_of[t] as usize));

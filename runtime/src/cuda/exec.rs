@@ -2523,13 +2523,8 @@ impl Executor {
             .filter_map(|(n, v)| buf_of_value.get(&v.0).map(|&b| (n, b)))
             .collect();
         for (name, v) in graph.outputs() {
-            let target = if let Some(rest) = name.strip_prefix("param.") {
-                params.get(rest).or_else(|| params.get(name.as_str()))
-            } else if name.starts_with("optim.") || name.starts_with("state.") {
-                params.get(name.as_str())
-            } else {
-                None
-            };
+            let target =
+                weft_ir::plan::fed_back_param(name, |n| params.contains_key(n)).map(|n| &params[n]);
             if let (Some(&to), Some(&from)) = (target, buf_of_value.get(&v.0)) {
                 if to != from {
                     updates.push((from, to));
