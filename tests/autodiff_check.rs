@@ -14,18 +14,6 @@ use weft_runtime::cpu::RunResult;
 #[path = "../passes/tests/common/mod.rs"]
 mod llama_graph;
 
-const FAMILIES: &[&str] = &[
-    "llama",
-    "llama_rope3",
-    "llama_kv1",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "mixtral",
-    "qwen3_moe",
-];
-
 fn case(name: &str, uneven_labels: bool) -> Case {
     let dir = fixture(name);
     let model =
@@ -122,7 +110,7 @@ fn check(name: &str, c: &Case, mesh: &str) {
 #[test]
 fn every_family_matches_pytorch_gradients_on_one_rank() {
     let mut report = Vec::new();
-    for fam in FAMILIES {
+    for fam in FIXTURE_FAMILIES {
         let c = case(fam, false);
         let dir = fixture(fam);
         let reference =
@@ -182,7 +170,7 @@ fn sequence_parallel_other_families() {
 
 #[test]
 fn data_parallel_every_family() {
-    for fam in FAMILIES {
+    for fam in FIXTURE_FAMILIES {
         let c = case(fam, true);
         check(fam, &c, "dp=2");
     }

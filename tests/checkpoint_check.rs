@@ -6,9 +6,8 @@ mod common;
 use common::*;
 
 use std::collections::BTreeMap;
-use weft_ir::{Graph, HostTensor, Mesh};
-use weft_passes::training::{training_pipeline, CheckpointPolicy, TrainOptions};
-use weft_passes::{PassContext, PassManager};
+use weft_ir::{Graph, HostTensor};
+use weft_passes::training::{CheckpointPolicy, TrainOptions};
 use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
 pub fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> Graph {
@@ -16,20 +15,7 @@ pub fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> Graph {
 }
 
 fn try_compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> Result<Graph, String> {
-    let mesh = Mesh::parse(mesh).unwrap();
-    let mut cx = PassContext::new(mesh.clone());
-    cx.options.train = opts.clone();
-    let names: Vec<String> = training_pipeline(&mesh, opts)
-        .names()
-        .into_iter()
-        .map(String::from)
-        .collect();
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    let mut g = g.clone();
-    PassManager::default()
-        .run(&mut g, &cx, &refs, &mut std::io::sink())
-        .map_err(|e| e.to_string())?;
-    Ok(g)
+    training_step(g, mesh, opts).map(|(g, _)| g)
 }
 
 /// The sequence length the memory-aware passes size activations at (the fixtures'

@@ -11,18 +11,6 @@ use weft_ir::{HostTensor, Mesh};
 use weft_passes::{default_pipeline, run_pipeline, PassContext};
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
-const FAMILIES: &[&str] = &[
-    "llama",
-    "llama_rope3",
-    "llama_kv1",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "mixtral",
-    "qwen3_moe",
-];
-
 fn load(
     dir: &Path,
 ) -> (
@@ -47,7 +35,7 @@ fn opts(inputs: &BTreeMap<String, HostTensor>) -> RunOptions {
 #[test]
 fn every_family_reproduces_pytorch() {
     let mut report = Vec::new();
-    for fam in FAMILIES {
+    for fam in FIXTURE_FAMILIES {
         let dir = fixture(fam);
         let (model, weights, inputs) = load(&dir);
         let reference =
@@ -131,7 +119,7 @@ fn check_mesh(fam: &str, mesh: &str, batch: usize) {
 
 #[test]
 fn data_parallel_matches_on_every_fixture() {
-    for fam in FAMILIES {
+    for fam in FIXTURE_FAMILIES {
         check_mesh(fam, "dp=2", 2);
         check_mesh(fam, "dp=4", 4);
     }

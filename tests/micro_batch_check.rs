@@ -6,9 +6,9 @@ mod common;
 use common::*;
 
 use std::collections::BTreeMap;
-use weft_ir::{Graph, HostTensor, Mesh};
-use weft_passes::training::{training_pipeline, CheckpointPolicy, TrainOptions};
-use weft_passes::{PassContext, PassManager, RunReport};
+use weft_ir::{Graph, HostTensor};
+use weft_passes::training::{CheckpointPolicy, TrainOptions};
+use weft_passes::RunReport;
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
 /// The fixture with a batch of 4, labels unevenly ignored, so the micro-batches hold
@@ -26,20 +26,7 @@ fn load(
 }
 
 fn compile(g: &Graph, mesh: &str, opts: &TrainOptions) -> (Graph, RunReport) {
-    let mesh = Mesh::parse(mesh).unwrap();
-    let mut cx = PassContext::new(mesh.clone());
-    cx.options.train = opts.clone();
-    let names: Vec<String> = training_pipeline(&mesh, opts)
-        .names()
-        .into_iter()
-        .map(String::from)
-        .collect();
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    let mut g = g.clone();
-    let r = PassManager::default()
-        .run(&mut g, &cx, &refs, &mut std::io::sink())
-        .unwrap_or_else(|e| panic!("{mesh} N={}: {e}", opts.micro_batches));
-    (g, r)
+    training_step(g, mesh, opts).unwrap_or_else(|e| panic!("{mesh} N={}: {e}", opts.micro_batches))
 }
 
 fn opts(n: u32) -> TrainOptions {

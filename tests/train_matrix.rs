@@ -10,8 +10,7 @@ use common::*;
 
 use std::collections::BTreeMap;
 use weft_ir::{DType, Graph, HostTensor, Mesh};
-use weft_passes::training::{training_pipeline, CheckpointPolicy, OffloadOptions, TrainOptions};
-use weft_passes::{PassContext, PassManager};
+use weft_passes::training::{CheckpointPolicy, OffloadOptions, TrainOptions};
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
 /// The fixture with batch 4 (for dp=4 meshes) and unevenly ignored labels.
@@ -76,20 +75,10 @@ fn check(fam: &str, meshes: &[&str]) {
     let (graph, weights, inputs) = load(fam);
     let reference = reference_run(&graph, &weights, &inputs);
     for mesh in meshes {
-        let m = Mesh::parse(mesh).unwrap();
+        let _m = Mesh::parse(mesh).unwrap();
         let mut first: Option<BTreeMap<String, Vec<f64>>> = None;
         for (what, opts) in configs() {
-            let mut cx = PassContext::new(m.clone());
-            cx.options.train = opts.clone();
-            let names: Vec<String> = training_pipeline(&m, &opts)
-                .names()
-                .into_iter()
-                .map(String::from)
-                .collect();
-            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-            let mut g = graph.clone();
-            PassManager::default()
-                .run(&mut g, &cx, &refs, &mut std::io::sink())
+            let (g, _) = training_step(&graph, mesh, &opts)
                 .unwrap_or_else(|e| panic!("{fam} {mesh} {what}: {e}"));
             let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
                 .unwrap_or_else(|e| panic!("{fam} {mesh} {what}: {e}"));
@@ -197,7 +186,7 @@ fn updates_in_the_backward_without_gradient_outputs() {
     ];
     for (fam, mesh, zero, micro, policy) in cases {
         let (graph, weights, inputs) = load(fam);
-        let m = Mesh::parse(mesh).unwrap();
+        let _m = Mesh::parse(mesh).unwrap();
         let mut outs = Vec::new();
         for grad_outputs in [true, false] {
             let opts = TrainOptions {
@@ -212,18 +201,8 @@ fn updates_in_the_backward_without_gradient_outputs() {
                 seq: Some(16),
                 ..Default::default()
             };
-            let mut cx = PassContext::new(m.clone());
-            cx.options.train = opts.clone();
-            let names: Vec<String> = training_pipeline(&m, &opts)
-                .names()
-                .into_iter()
-                .map(String::from)
-                .collect();
-            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-            let mut g = graph.clone();
-            PassManager::default()
-                .run(&mut g, &cx, &refs, &mut std::io::sink())
-                .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+            let (g, _) =
+                training_step(&graph, mesh, &opts).unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
             // The last update comes before the end of the backward (the embedding's
             // gradient, the last one finished, is updated last).
             let order = g.nodes();

@@ -7,9 +7,8 @@ mod common;
 use common::*;
 
 use std::collections::BTreeMap;
-use weft_ir::{DType, Graph, HostTensor, Mesh};
-use weft_passes::training::{training_pipeline, Optimizer, TrainOptions};
-use weft_passes::{PassContext, PassManager};
+use weft_ir::{DType, Graph, HostTensor};
+use weft_passes::training::{Optimizer, TrainOptions};
 use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
 #[path = "../passes/tests/common/mod.rs"]
@@ -28,20 +27,9 @@ fn case(name: &str) -> Case {
 }
 
 fn compile(c: &Case, mesh: &str, opts: &TrainOptions) -> Graph {
-    let mesh = Mesh::parse(mesh).unwrap();
-    let mut cx = PassContext::new(mesh.clone());
-    cx.options.train = opts.clone();
-    let names = training_pipeline(&mesh, opts)
-        .names()
-        .into_iter()
-        .map(String::from)
-        .collect::<Vec<_>>();
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    let mut g = c.graph.clone();
-    PassManager::default()
-        .run(&mut g, &cx, &refs, &mut std::io::sink())
-        .unwrap_or_else(|e| panic!("{mesh}: {e}"));
-    g
+    training_step(&c.graph, mesh, opts)
+        .unwrap_or_else(|e| panic!("{mesh}: {e}"))
+        .0
 }
 
 /// Runs one step from `weights` (plus the state it needs), with step number `step`.

@@ -7,6 +7,19 @@ use std::path::PathBuf;
 use weft_ir::{Graph, HostTensor};
 use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
+/// The model fixtures made from `transformers` models (tests/fixtures/make_fixtures.py).
+pub const FIXTURE_FAMILIES: &[&str] = &[
+    "llama",
+    "llama_rope3",
+    "llama_kv1",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+];
+
 /// `tests/fixtures/<name>`, from the build's manifest dir or, where the binary runs
 /// elsewhere (the device machine), from the current directory.
 pub fn fixture(name: &str) -> PathBuf {
@@ -126,4 +139,27 @@ pub fn reference_run(
         &RunOptions::new(Precision::F64).with_grads(true),
     )
     .unwrap_or_else(|e| panic!("{}: {e}", g.name))
+}
+
+/// The training step of `g` on `mesh` (e.g. `"dp=2,sp=2"`, empty for one rank): the
+/// forward pipeline and the training passes `opts` asks for, with the pass report.
+pub fn training_step(
+    g: &Graph,
+    mesh: &str,
+    opts: &weft_passes::training::TrainOptions,
+) -> Result<(Graph, weft_passes::RunReport), String> {
+    let mesh = weft_ir::Mesh::parse(mesh).map_err(|e| e.to_string())?;
+    let mut cx = weft_passes::PassContext::new(mesh.clone());
+    cx.options.train = opts.clone();
+    let names: Vec<String> = weft_passes::training::training_pipeline(&mesh, opts)
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let mut g = g.clone();
+    let report = weft_passes::PassManager::default()
+        .run(&mut g, &cx, &refs, &mut std::io::sink())
+        .map_err(|e| e.to_string())?;
+    Ok((g, report))
 }
