@@ -423,24 +423,8 @@ pub struct StepReport {
     pub reference_loss: Option<f64>,
 }
 
-/// The CPU reference run of `g`: per step, outputs with params updated from `param.*`.
-#[cfg(feature = "cuda")]
-pub fn cpu_steps(
-    g: &Graph,
-    weights: &BTreeMap<String, HostTensor>,
-    feeder: &mut Feeder,
-    steps: usize,
-    b: i64,
-    s: i64,
-    precision: weft_runtime::cpu::Precision,
-) -> CliResult<Vec<weft_runtime::cpu::RunResult>> {
-    Ok(cpu_steps_timed(g, weights, feeder, steps, b, s, precision)?
-        .into_iter()
-        .map(|(r, _)| r)
-        .collect())
-}
-
-/// Like [`cpu_steps`], with each step's wall time.
+/// The CPU reference run of `g` for `steps` steps, feeding each step's updated params
+/// and state back (see `fed_back_param`), with each step's wall time.
 pub fn cpu_steps_timed(
     g: &Graph,
     weights: &BTreeMap<String, HostTensor>,
@@ -645,15 +629,10 @@ fn run_cuda(a: &Args) -> CliResult {
             .as_ref()
             .ok_or_else(|| CliError::input("--check needs host weights"))?;
         let mut f2 = Feeder::new(a, p.batch, p.seq, p.vocab)?;
-        Some(cpu_steps(
-            &p.program,
-            w,
-            &mut f2,
-            a.check.min(a.steps.max(1)),
-            p.batch,
-            p.seq,
-            weft_runtime::cpu::Precision::F32,
-        )?)
+        use weft_runtime::cpu::Precision::F32;
+        let steps = a.check.min(a.steps.max(1));
+        let runs = cpu_steps_timed(&p.program, w, &mut f2, steps, p.batch, p.seq, F32)?;
+        Some(runs.into_iter().map(|(r, _)| r).collect::<Vec<_>>())
     } else {
         None
     };
