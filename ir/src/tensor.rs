@@ -70,11 +70,7 @@ pub fn max_rel_err(a: &[f64], b: &[f64]) -> f64 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f64::max);
     let scale = b.iter().map(|y| y.abs()).fold(0.0, f64::max);
-    match (diff, scale) {
-        (d, _) if d == 0.0 => 0.0,
-        (_, s) if s == 0.0 => f64::INFINITY,
-        (d, s) => d / s,
-    }
+    ratio(diff, scale)
 }
 
 /// `||a - b|| / ||b||` (Euclidean), `b` the reference, with the edge cases of
@@ -91,10 +87,17 @@ pub fn l2_rel_err(a: &[f64], b: &[f64]) -> f64 {
         .sum::<f64>()
         .sqrt();
     let den = b.iter().map(|y| y * y).sum::<f64>().sqrt();
-    match (num, den) {
-        (n, _) if n == 0.0 => 0.0,
-        (_, d) if d == 0.0 => f64::INFINITY,
-        (n, d) => n / d,
+    ratio(num, den)
+}
+
+/// `err / scale`: 0 for no error, infinite for an error against an all-zero reference.
+fn ratio(err: f64, scale: f64) -> f64 {
+    if err == 0.0 {
+        0.0
+    } else if scale == 0.0 {
+        f64::INFINITY
+    } else {
+        err / scale
     }
 }
 
