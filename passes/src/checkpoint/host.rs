@@ -226,17 +226,19 @@ pub(super) fn exclusive_recompute(
     let mut secs = offload::compute_seconds(g, d, b, device);
     for &x in &g.node(d).operands {
         let xd = g.def(x);
-        let only_here = g
-            .nodes()
-            .iter()
-            .filter(|&&n| joint.forward.contains(&n) && g.node(n).operands.contains(&x))
-            .count()
-            == 1;
+        // (the scan for other forward uses last: most operands are weights or kept)
+        let only_here = || {
+            g.nodes()
+                .iter()
+                .filter(|&&n| joint.forward.contains(&n) && g.node(n).operands.contains(&x))
+                .count()
+                == 1
+        };
         if joint.forward.contains(&xd)
             && !is_resident(&g.node(xd).op)
             && !keep.contains(&x)
             && !joint.backward_uses.contains_key(&x)
-            && only_here
+            && only_here()
         {
             let (f, s) = exclusive_recompute(g, joint, keep, b, device, x);
             fl += f;
