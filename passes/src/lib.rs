@@ -7,37 +7,25 @@
 //!   position, [`default_pipeline`] per mesh.
 //! - [`PassManager`]: runs a pipeline with verify-each, print-before/after,
 //!   print-changes (unified diffs), statistics, stop-after and bisect.
-//! - Sequence parallelism (mesh axis `sp`, DeepSpeed Ulysses/AutoSP in SPMD form):
-//!   [`shard_inputs`], [`shard_seq`], [`ulysses`], [`sp_loss`]; data parallelism over
-//!   `dp` is handled by the same passes (batch dim). [`canonicalize`]: fold, CSE, DCE.
-//! - Tensor parallelism (mesh axis `tp`): [`tp`] (`tensor-parallel`, layer specs,
-//!   per-rank sizes, reshardable parameter layouts).
-//! - Expert parallelism (mesh axis `ep`, derived from the ranks like DeepSpeed's expert
-//!   groups): [`ep`] (`expert-parallel`).
-//! - [`check_bindings`]: plan-time check that concrete sizes divide.
+//! - The passes by what they do: [`parallel`] (sp/Ulysses, dp, tp, ep), [`train`]
+//!   (micro-batches, autodiff, checkpoint, offload, grad-sync, optimizer), [`lower`]
+//!   (plan, memory estimate, bindings) and [`cleanup`] (simplify, canonicalize).
 
-pub mod autodiff;
-pub mod bindings;
-pub mod canonicalize;
-pub mod checkpoint;
-pub mod ep;
-pub mod grad_sync;
+pub mod cleanup;
+pub mod lower;
 pub mod manager;
-pub mod memory;
-pub mod micro_batches;
-pub mod offload;
-pub mod optimizer;
+pub mod parallel;
 pub mod pass;
-pub mod plan;
 pub mod registry;
-pub mod shard_inputs;
-pub mod shard_seq;
-pub mod simplify;
-pub mod sp_loss;
-pub mod tp;
-pub mod training;
-pub mod ulysses;
+pub mod train;
 mod util;
+
+// The pass modules by their old flat names, so `crate::ulysses` and
+// `weft_passes::autodiff` keep working across the folder split.
+pub use cleanup::{canonicalize, simplify};
+pub use lower::{bindings, memory, plan};
+pub use parallel::{ep, shard_inputs, shard_seq, sp_loss, tp, ulysses};
+pub use train::{autodiff, checkpoint, grad_sync, micro_batches, offload, optimizer, training};
 
 pub use bindings::{check_bindings, BindingError};
 pub use manager::{run_pipeline, Instrumentation, PassFilter, PassManager, PassStats, RunReport};

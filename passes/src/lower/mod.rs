@@ -1,0 +1,9 @@
+//! Lowering: from a program to an execution plan.
+//!
+//! [`plan`] (schedule, memory plan, cost model, device profiles), [`memory`] (the
+//! per-rank memory estimate) and [`bindings`] (plan-time check that concrete sizes
+//! divide).
+
+pub mod bindings;
+pub mod memory;
+pub mod plan;

@@ -1,0 +1,14 @@
+//! Parallelism passes: how one program is split over a mesh axis.
+//!
+//! - Sequence parallelism (axis `sp`, DeepSpeed Ulysses/AutoSP in SPMD form):
+//!   [`shard_inputs`], [`shard_seq`], [`ulysses`], [`sp_loss`]; data parallelism over
+//!   `dp` rides on the same passes (batch dim).
+//! - Tensor parallelism (axis `tp`): [`tp`].
+//! - Expert parallelism (axis `ep`, DeepSpeed's expert groups): [`ep`].
+
+pub mod ep;
+pub mod shard_inputs;
+pub mod shard_seq;
+pub mod sp_loss;
+pub mod tp;
+pub mod ulysses;
