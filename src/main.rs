@@ -69,6 +69,11 @@ enum Command {
     ///
     /// Example: weft run llama3.2-1b --backend cuda --steps 10 --seq 4096 --batch 1
     Run(cmd::run::Args),
+    /// Start one process per GPU of this node with torchrun's variables (RANK, WORLD_SIZE,
+    /// LOCAL_RANK, MASTER_ADDR, MASTER_PORT); when one rank fails the others are stopped.
+    ///
+    /// Example: weft launch --nproc-per-node 8 -- weft run plan.json --backend cuda --steps 20
+    Launch(cmd::launch::Args),
 }
 
 fn main() {
@@ -86,6 +91,7 @@ fn main() {
         Command::Check(a) => cmd::check::run(a),
         Command::Shard(a) => cmd::shard::run(a),
         Command::Run(a) => cmd::run::run(a),
+        Command::Launch(a) => cmd::launch::run(a),
     };
     if let Err(e) = result {
         eprintln!("{e}");

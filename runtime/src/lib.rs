@@ -3,9 +3,12 @@
 //! - [`cpu`]: the reference executor. It runs an SPMD graph on simulated ranks (one
 //!   thread per rank, real in-process collectives) with candle-core tensors, and takes
 //!   gradients with candle's autograd. Every compiler pass is judged against it.
+//! - [`launch`]: who this process is among launched ones (torchrun/Slurm/`weft launch`
+//!   variables) and the rendezvous that hands out the NCCL id, with a timeout.
 //! - `cuda` (behind the cargo feature `cuda`): the plan executor on an NVIDIA GPU
 //!   (cuBLASLt, NVRTC kernels, NCCL, streams and events from the plan).
 
 pub mod cpu;
+pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod cuda;

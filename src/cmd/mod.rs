@@ -5,6 +5,7 @@ pub mod compile;
 pub mod eval;
 pub mod import;
 pub mod inspect;
+pub mod launch;
 pub mod mesh;
 pub mod models;
 pub mod ops;

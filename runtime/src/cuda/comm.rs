@@ -1,101 +1,11 @@
-//! Ranks and NCCL communicators. The launcher variables say who this process is:
-//! torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or
-//! Slurm's `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` (with `MASTER_ADDR`/`MASTER_PORT`
-//! exported by the batch script); none of them means one rank. Rank 0 makes the NCCL
-//! unique id and hands it to the others over TCP at `MASTER_ADDR:MASTER_PORT+1` (torchrun's
-//! own store holds `MASTER_PORT`); the world communicator is then split once per mesh axis
-//! into the axis's process groups.
+//! NCCL communicators. Who this process is, and how rank 0's unique id reaches the
+//! others, is [`crate::launch`] (CPU-testable); the world communicator is then split
+//! once per mesh axis into the axis's process groups.
 
 use super::error::{CudaError, CudaResult};
 use cudarc::nccl::{result as nr, sys as ns};
+pub use crate::launch::LaunchEnv;
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::time::{Duration, Instant};
-
-/// Who this process is among the launched ones.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LaunchEnv {
-    pub rank: u32,
-    pub world: u32,
-    pub local_rank: u32,
-    pub master_addr: String,
-    pub master_port: u16,
-    /// Which variables said so ("torchrun", "slurm", "single").
-    pub source: &'static str,
-}
-
-impl LaunchEnv {
-    pub fn single() -> LaunchEnv {
-        LaunchEnv {
-            rank: 0,
-            world: 1,
-            local_rank: 0,
-            master_addr: "127.0.0.1".into(),
-            master_port: 29500,
-            source: "single",
-        }
-    }
-
-    pub fn from_env() -> CudaResult<LaunchEnv> {
-        Self::from_vars(|k| std::env::var(k).ok())
-    }
-
-    /// Reads the launcher variables through `get` (tests pass a map).
-    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> CudaResult<LaunchEnv> {
-        let num = |k: &str| -> CudaResult<Option<u32>> {
-            match get(k) {
-                None => Ok(None),
-                Some(v) => v.trim().parse::<u32>().map(Some).map_err(|_| {
-                    CudaError::Launcher(format!("{k}={v:?} is not a non-negative integer"))
-                }),
-            }
-        };
-        let (rank, world, local, source) =
-            if let (Some(r), Some(w)) = (num("RANK")?, num("WORLD_SIZE")?) {
-                (r, w, num("LOCAL_RANK")?.unwrap_or(r), "torchrun")
-            } else if let (Some(r), Some(w)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
-                (r, w, num("SLURM_LOCALID")?.unwrap_or(0), "slurm")
-            } else {
-                if get("RANK").is_some() != get("WORLD_SIZE").is_some() {
-                    return Err(CudaError::Launcher(
-                        "RANK and WORLD_SIZE must be set together".into(),
-                    ));
-                }
-                return Ok(LaunchEnv::single());
-            };
-        if world == 0 || rank >= world {
-            return Err(CudaError::Launcher(format!(
-                "rank {rank} is out of range for world size {world}"
-            )));
-        }
-        let master_addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
-        let master_port = match get("MASTER_PORT") {
-            Some(p) => p
-                .trim()
-                .parse::<u16>()
-                .map_err(|_| CudaError::Launcher(format!("MASTER_PORT={p:?} is not a port")))?,
-            None => 29500,
-        };
-        if world > 1 && get("MASTER_ADDR").is_none() && source == "slurm" {
-            return Err(CudaError::Launcher(
-                "a Slurm launch of several tasks needs MASTER_ADDR (e.g. `export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)`)".into(),
-            ));
-        }
-        Ok(LaunchEnv {
-            rank,
-            world,
-            local_rank: local,
-            master_addr,
-            master_port,
-            source,
-        })
-    }
-
-    /// The port the NCCL id is exchanged on.
-    pub fn id_port(&self) -> u16 {
-        self.master_port.wrapping_add(1)
-    }
-}
 
 /// Which group of `groups` holds `rank`, and its position there.
 pub fn group_of(groups: &[Vec<u32>], rank: u32) -> Option<(usize, usize)> {
@@ -127,53 +37,24 @@ impl Drop for Comms {
 }
 
 fn exchange_id(env: &LaunchEnv) -> CudaResult<ns::ncclUniqueId> {
-    let port = env.id_port();
-    if env.rank == 0 {
+    let mine = if env.rank == 0 {
         let id = nr::get_uniqueid().map_err(|e| CudaError::nccl("ncclGetUniqueId", e))?;
-        if env.world == 1 {
-            return Ok(id);
+        let mut b = [0u8; crate::launch::ID_BYTES];
+        for (d, &c) in b.iter_mut().zip(id.internal.iter()) {
+            *d = c as u8;
         }
-        let l = std::net::TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
-            CudaError::Launcher(format!("rank 0 cannot listen on port {port}: {e}"))
-        })?;
-        let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
-        for _ in 1..env.world {
-            let (mut s, _) = l.accept().map_err(|e| {
-                CudaError::Launcher(format!("accepting a rank on port {port}: {e}"))
-            })?;
-            s.write_all(&bytes)
-                .map_err(|e| CudaError::Launcher(format!("sending the NCCL id: {e}")))?;
-        }
-        Ok(id)
+        Some(b)
     } else {
-        let start = Instant::now();
-        let addr = format!("{}:{port}", env.master_addr);
-        loop {
-            match std::net::TcpStream::connect(&addr) {
-                Ok(mut s) => {
-                    let mut b = [0u8; 128];
-                    s.read_exact(&mut b).map_err(|e| {
-                        CudaError::Launcher(format!("reading the NCCL id from {addr}: {e}"))
-                    })?;
-                    let mut id = ns::ncclUniqueId { internal: [0; 128] };
-                    for (d, s) in id.internal.iter_mut().zip(b) {
-                        *d = s as std::ffi::c_char;
-                    }
-                    return Ok(id);
-                }
-                Err(e) if start.elapsed() < Duration::from_secs(300) => {
-                    let _ = e;
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-                Err(e) => {
-                    return Err(CudaError::Launcher(format!(
-                        "rank {} could not reach rank 0 at {addr}: {e}",
-                        env.rank
-                    )))
-                }
-            }
-        }
+        None
+    };
+    let bytes = env
+        .exchange_id(mine)
+        .map_err(|e| CudaError::Launcher(e.0))?;
+    let mut id = ns::ncclUniqueId { internal: [0; 128] };
+    for (d, s) in id.internal.iter_mut().zip(bytes) {
+        *d = s as std::ffi::c_char;
     }
+    Ok(id)
 }
 
 impl Comms {
@@ -246,57 +127,6 @@ pub fn nccl_type(d: weft_ir::DType) -> CudaResult<ns::ncclDataType_t> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env(pairs: &[(&str, &str)]) -> CudaResult<LaunchEnv> {
-        let m: BTreeMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        LaunchEnv::from_vars(|k| m.get(k).cloned())
-    }
-
-    #[test]
-    fn launcher_variables() {
-        assert_eq!(env(&[]).unwrap(), LaunchEnv::single());
-        let t = env(&[
-            ("RANK", "3"),
-            ("WORLD_SIZE", "8"),
-            ("LOCAL_RANK", "3"),
-            ("MASTER_ADDR", "node0"),
-            ("MASTER_PORT", "1234"),
-        ])
-        .unwrap();
-        assert_eq!(
-            (
-                t.rank,
-                t.world,
-                t.local_rank,
-                t.master_addr.as_str(),
-                t.id_port(),
-                t.source
-            ),
-            (3, 8, 3, "node0", 1235, "torchrun")
-        );
-        let s = env(&[
-            ("SLURM_PROCID", "5"),
-            ("SLURM_NTASKS", "16"),
-            ("SLURM_LOCALID", "1"),
-            ("MASTER_ADDR", "n1"),
-        ])
-        .unwrap();
-        assert_eq!(
-            (s.rank, s.world, s.local_rank, s.source),
-            (5, 16, 1, "slurm")
-        );
-        assert!(
-            env(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "16")]).is_err(),
-            "slurm needs MASTER_ADDR"
-        );
-        assert!(env(&[("RANK", "8"), ("WORLD_SIZE", "8")]).is_err());
-        assert!(env(&[("RANK", "x"), ("WORLD_SIZE", "8")]).is_err());
-        assert!(env(&[("RANK", "0")]).is_err());
-        assert!(env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "99999")]).is_err());
-    }
 
     #[test]
     fn groups() {

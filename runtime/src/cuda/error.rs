@@ -124,3 +124,9 @@ impl<T> DriverCheck<T> for Result<T, cudarc::cublaslt::result::CublasError> {
         self.map_err(|e| CudaError::cublas(call, e))
     }
 }
+
+impl From<crate::launch::LaunchError> for CudaError {
+    fn from(e: crate::launch::LaunchError) -> CudaError {
+        CudaError::Launcher(e.0)
+    }
+}
