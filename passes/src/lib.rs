@@ -12,6 +12,7 @@
 //!   (plan, memory estimate, bindings) and [`cleanup`] (simplify, canonicalize).
 
 pub mod cleanup;
+pub mod driver;
 pub mod lower;
 pub mod manager;
 pub mod parallel;
@@ -23,7 +24,7 @@ mod util;
 // The pass modules by their old flat names, so `crate::ulysses` and
 // `weft_passes::autodiff` keep working across the folder split.
 pub use cleanup::{canonicalize, simplify};
-pub use lower::{bindings, memory, plan};
+pub use lower::{bindings, convert_dtype, memory, plan};
 pub use parallel::{ep, shard_inputs, shard_seq, sp_loss, tp, ulysses};
 pub use train::{autodiff, checkpoint, grad_sync, micro_batches, offload, optimizer, training};
 

@@ -4,6 +4,7 @@
 use crate::autodiff::Autodiff;
 use crate::canonicalize::Canonicalize;
 use crate::checkpoint::Checkpoint;
+use crate::convert_dtype::ConvertDtype;
 use crate::ep::ExpertParallel;
 use crate::grad_sync::GradSync;
 use crate::micro_batches::MicroBatches;
@@ -21,6 +22,7 @@ use weft_ir::Mesh;
 
 /// Every pass, in the order a full pipeline would run them.
 pub static PASSES: &[&dyn Pass] = &[
+    &ConvertDtype,
     &ShardInputs,
     &ShardSeq,
     &UlyssesAttention,

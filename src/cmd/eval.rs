@@ -23,11 +23,12 @@ pub fn run(a: Args) -> CliResult {
     let s = Session::new(&a.run)?;
     // Gradients come from the step's backward graph (`grad.*` outputs of autodiff).
     let training = a.grads || a.run.train.any();
-    let g = if training {
-        s.compile_training(a.run.passes.as_deref(), &a.run.train.options("none")?)?
+    let train = if training {
+        Some(a.run.train.request("none")?)
     } else {
-        s.compile(a.run.passes.as_deref())?
+        None
     };
+    let g = s.compile(a.run.passes.as_deref(), train)?;
     let mut r = s.run(&g, false)?;
     if training {
         let grads = super::train::graph_grads(&r.outputs);

@@ -9,9 +9,8 @@ use crate::error::{CliError, CliResult};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use weft_frontends::Model;
-use weft_ir::{HostTensor, Mesh};
+use weft_ir::HostTensor;
 use weft_passes::tp::{self, ParamLayout, TpOptions, TpSpec};
-use weft_passes::PassContext;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -48,10 +47,9 @@ struct LayoutFile {
     params: Vec<ParamLayout>,
 }
 
-/// The pass context for `mesh`: the explicit `--tp-spec`, the config's HF tp plan and
-/// the model type for the `tensor-parallel` pass.
-pub fn pass_context(mesh: &Mesh, model: &Model, tp_spec: Option<&Path>) -> CliResult<PassContext> {
-    let mut cx = PassContext::new(mesh.clone());
+/// `tensor-parallel`'s options for `model`: the explicit `--tp-spec`, the config's HF
+/// tp plan and the model type.
+pub fn tp_options(model: &Model, tp_spec: Option<&Path>) -> CliResult<TpOptions> {
     let mut o = TpOptions::default();
     if let Some(p) = tp_spec {
         let text = std::fs::read_to_string(p)
@@ -69,8 +67,7 @@ pub fn pass_context(mesh: &Mesh, model: &Model, tp_spec: Option<&Path>) -> CliRe
         };
         o.hf_plan_source = file;
     }
-    cx.options.tp = o;
-    Ok(cx)
+    Ok(o)
 }
 
 fn shard_name(axes: &[(String, u32)], coords: &[u32]) -> String {
@@ -91,14 +88,10 @@ pub fn run(a: Args) -> CliResult {
     }
     let mesh = super::parse_mesh(&a.mesh)?;
     let model = super::load_model(&a.model)?;
-    let mut g = model.graph.clone();
-    g.mesh = mesh.clone();
-    let cx = pass_context(&mesh, &model, a.tp_spec.as_deref())?;
-    let names = super::compile::pipeline(None, &mesh)?;
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    weft_passes::PassManager::default()
-        .run(&mut g, &cx, &refs, &mut std::io::sink())
-        .map_err(crate::fail)?;
+    let req = super::request(&model, &mesh, a.tp_spec.as_deref(), &a.model)?;
+    let g = weft_passes::driver::compile(&req, &mut std::io::sink())
+        .map_err(super::driver_err)?
+        .program;
     let layouts = tp::param_layouts(&g, &model.tied).map_err(CliError::input)?;
     let checkpoint = a
         .weights
