@@ -1,5 +1,8 @@
-//! weft-passes: the pass manager and the rewrite passes.
+//! weft-passes: the compile driver, the pass manager and the rewrite passes.
 //!
+//! - [`driver`]: the one compile every CLI verb calls: a request (model, mesh, sizes,
+//!   training options, pass list, instrumentation, device) in; the program, the
+//!   pipeline with its reasons, the report, the plan and the options it chose out.
 //! - [`Pass`]: a named rewrite with a one-line summary, its prerequisites and the mesh
 //!   axes it needs; [`PassContext`] carries the mesh and options, [`PassResult`] what
 //!   changed and the pass's counters.
@@ -32,6 +35,7 @@ pub use bindings::{check_bindings, BindingError};
 pub use manager::{run_pipeline, Instrumentation, PassFilter, PassManager, PassStats, RunReport};
 pub use pass::{MeshAxes, Pass, PassContext, PassError, PassOptions, PassResult, DP, SP, TP};
 pub use registry::{
-    check_pipeline, default_pipeline, default_pipeline_explained, lookup, pass_names, passes,
+    check_pipeline, default_pipeline, default_pipeline_explained, lookup, parse_pass_names,
+    pass_names, passes,
     Pipeline, Step,
 };

@@ -37,6 +37,9 @@ pub struct Args {
 #[derive(serde::Serialize)]
 struct Summary<'a> {
     model: &'a str,
+    /// `training` (forward, backward, gradient sync, optimizer) or `forward`: what
+    /// `step_time_s` and `mfu` are the time and utilisation of.
+    step: weft_ir::plan::StepKind,
     mesh: String,
     bindings: &'a std::collections::BTreeMap<String, i64>,
     device: &'a str,
@@ -83,8 +86,10 @@ pub fn load_plan(path: &std::path::Path) -> CliResult<ExecutionPlan> {
 pub fn run(a: Args) -> CliResult {
     let p = load_plan(&a.plan)?;
     let placed = in_place(&p);
+    let kind = p.step_kind();
     let s = Summary {
         model: &p.model,
+        step: kind,
         mesh: p.mesh.to_string(),
         bindings: &p.bindings,
         device: &p.device.name,
@@ -116,8 +121,9 @@ pub fn run(a: Args) -> CliResult {
     }
     let gib = weft_passes::plan::gib;
     println!(
-        "plan {} on mesh {} ({} ranks, {}), sizes {:?}",
+        "plan {} ({}) on mesh {} ({} ranks, {}), sizes {:?}",
         p.model,
+        kind.name(),
         if s.mesh.is_empty() {
             "(one rank)"
         } else {
@@ -163,13 +169,19 @@ pub fn run(a: Args) -> CliResult {
         );
     }
     println!(
-        "time    step {:.3} ms: compute {:.3} ms, exposed communication {:.3} ms (of {:.3} ms), host copies {:.3} ms; MFU {:.1}%",
+        "time    {} {:.3} ms: compute {:.3} ms, exposed communication {:.3} ms (of {:.3} ms), host copies {:.3} ms; MFU {:.1}%{}",
+        kind.time_name(),
         p.cost.step_time_s * 1e3,
         p.cost.compute_s * 1e3,
         p.cost.exposed_comm_s * 1e3,
         p.cost.comm_s * 1e3,
         p.cost.copy_s * 1e3,
-        p.cost.mfu * 100.0
+        p.cost.mfu * 100.0,
+        if kind == weft_ir::plan::StepKind::Forward {
+            " of the forward pass alone (no backward or optimizer: not a training step)"
+        } else {
+            ""
+        }
     );
     for (k, v) in &p.cost.collectives {
         let bytes: f64 = p
@@ -180,8 +192,8 @@ pub fn run(a: Args) -> CliResult {
             .map(|(_, b)| b)
             .sum();
         println!(
-            "comm    {k:<15} x{v:<5} {:.3} MiB sent per rank",
-            bytes / (1u64 << 20) as f64
+            "comm    {k:<15} x{v:<5} {:>12.3} KiB sent per rank",
+            bytes / 1024.0
         );
     }
     if a.buffers {
@@ -209,6 +221,10 @@ pub fn run(a: Args) -> CliResult {
     }
     if a.explain {
         println!("\ninserted by passes:");
+        println!(
+            "  {:<6} {:<7} {:<15} {:<8} {:>16}  {}  [{}]",
+            "instr", "value", "op", "axis", "sent per rank", "pass: why", "layer"
+        );
         for ins in p.instructions.iter().filter(|i| i.provenance.is_some()) {
             println!(
                 "  #{:<5} %{:<6} {:<15} {:<8} {:>12.3} KiB  {}  [{}]",

@@ -141,7 +141,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let t0 = std::time::Instant::now();
     let mut notes = Vec::new();
     // A plan given as MODEL runs as is.
-    if let Some(plan) = read_plan(&a.model)? {
+    if let Some(plan) = super::session::read_plan(&a.model)? {
         let program = weft_ir::parse(&plan.program)
             .map_err(|e| CliError::input(format!("the program of plan {}: {e}", a.model)))?;
         let training = plan.step_kind() == weft_ir::plan::StepKind::Training;
@@ -265,22 +265,6 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     })
 }
 
-fn read_plan(spec: &str) -> CliResult<Option<ExecutionPlan>> {
-    let path = std::path::Path::new(spec);
-    if !path.is_file() {
-        return Ok(None);
-    }
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(None);
-    };
-    if !(text.trim_start().starts_with('{') && text.contains("\"program\"")) {
-        return Ok(None);
-    }
-    ExecutionPlan::from_json(&text, spec)
-        .map(Some)
-        .map_err(crate::fail)
-}
-
 /// The inputs of step `step`: `--inputs`, the next tokens of `--data`, or drawn.
 pub struct Feeder {
     fixed: Option<BTreeMap<String, HostTensor>>,
@@ -381,6 +365,7 @@ pub fn inputs_for(g: &Graph, all: &BTreeMap<String, HostTensor>) -> BTreeMap<Str
 
 #[derive(serde::Serialize, Clone, Debug)]
 pub struct StepReport {
+    /// 1-based, as the text prints it.
     pub step: usize,
     pub loss: f64,
     pub step_s: f64,
@@ -543,7 +528,7 @@ fn print_step(a: &Args, r: &StepReport) {
             .unwrap_or_default();
         println!(
             "step {:>4}  loss {:>10.6}{refl}  {:>9.2} ms  {:>10.0} tok/s{mfu}",
-            r.step + 1,
+            r.step,
             r.loss,
             r.step_s * 1e3,
             r.tokens_per_s,
@@ -581,7 +566,7 @@ fn run_cpu(a: &Args) -> CliResult {
             .map(|t| t.to_f64()[0])
             .unwrap_or(f64::NAN);
         let rep = StepReport {
-            step,
+            step: step + 1,
             loss,
             step_s: dt,
             tokens_per_s: tokens / dt,
@@ -695,7 +680,7 @@ fn run_cuda(a: &Args) -> CliResult {
             }
         }
         let rep = StepReport {
-            step,
+            step: step + 1,
             loss,
             step_s: dt,
             tokens_per_s: tokens / dt,

@@ -237,7 +237,7 @@ impl Session {
 }
 
 /// A plan JSON given as MODEL (`None` for anything else).
-fn read_plan(spec: &str) -> CliResult<Option<weft_ir::ExecutionPlan>> {
+pub fn read_plan(spec: &str) -> CliResult<Option<weft_ir::ExecutionPlan>> {
     let path = Path::new(spec);
     if !path.is_file() {
         return Ok(None);

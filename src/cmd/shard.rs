@@ -14,9 +14,10 @@ use weft_passes::tp::{self, ParamLayout, TpOptions, TpSpec};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Preset name, config.json or model directory (for `--unshard`: optional, the
+    /// Preset name, config.json or model directory (not needed with `--unshard`: the
     /// shard directory's layout.json says everything).
-    pub model: String,
+    #[arg(required_unless_present = "unshard")]
+    pub model: Option<String>,
     /// The full checkpoint to cut (default: the model directory's model.safetensors);
     /// with `--unshard`, the shard directory to read.
     #[arg(long)]
@@ -34,6 +35,9 @@ pub struct Args {
     /// Output directory (shards) or file (`--unshard`).
     #[arg(short, long)]
     pub output: PathBuf,
+    /// Print {output, mesh, files, params, split} as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -86,9 +90,10 @@ pub fn run(a: Args) -> CliResult {
     if a.unshard {
         return unshard(&a);
     }
+    let spec = a.model.clone().unwrap_or_default();
     let mesh = super::parse_mesh(&a.mesh)?;
-    let model = super::load_model(&a.model)?;
-    let req = super::request(&model, &mesh, a.tp_spec.as_deref(), &a.model)?;
+    let model = super::load_model(&spec)?;
+    let req = super::request(&model, &mesh, a.tp_spec.as_deref(), &spec)?;
     let g = weft_passes::driver::compile(&req, &mut std::io::sink())
         .map_err(super::driver_err)?
         .program;
@@ -120,7 +125,7 @@ pub fn run(a: Args) -> CliResult {
         files.push(name);
     }
     let lf = LayoutFile {
-        model: a.model.clone(),
+        model: spec.clone(),
         mesh: mesh.to_string(),
         axes: axes.clone(),
         files,
@@ -128,6 +133,19 @@ pub fn run(a: Args) -> CliResult {
     };
     super::write_out(Some(&a.output.join("layout.json")), &super::json(&lf))?;
     let split = lf.params.iter().filter(|l| !l.replicated).count();
+    if a.json {
+        print!(
+            "{}",
+            super::json(&serde_json::json!({
+                "output": a.output.display().to_string(),
+                "mesh": mesh.to_string(),
+                "files": lf.files,
+                "params": lf.params.len(),
+                "split": split,
+            }))
+        );
+        return Ok(());
+    }
     eprintln!(
         "sharded {} for mesh {mesh}: {} files, {split} of {} parameters split -> {}",
         checkpoint.display(),
@@ -157,6 +175,18 @@ fn unshard(a: &Args) -> CliResult {
     let full = tp::unshard_checkpoint(&lf.params, &shards, &lf.axes)
         .map_err(|e| CliError::input(format!("unsharding {}: {e}", dir.display())))?;
     weft_frontends::save_safetensors(&a.output, &full).map_err(super::frontend_err)?;
+    if a.json {
+        print!(
+            "{}",
+            super::json(&serde_json::json!({
+                "output": a.output.display().to_string(),
+                "mesh": lf.mesh,
+                "files": lf.files,
+                "params": full.len(),
+            }))
+        );
+        return Ok(());
+    }
     eprintln!(
         "unsharded {} ({} files, mesh {}) -> {}",
         dir.display(),
