@@ -111,7 +111,7 @@ impl StepKind {
     pub fn name(self) -> &'static str {
         match self {
             StepKind::Training => "training step",
-            StepKind::Forward => "forward only",
+            StepKind::Forward => "forward pass",
         }
     }
 

@@ -191,10 +191,7 @@ pub fn run(a: Args) -> CliResult {
             .filter(|(kk, _)| kk.starts_with(&format!("{k}/")))
             .map(|(_, b)| b)
             .sum();
-        println!(
-            "comm    {k:<15} x{v:<5} {:>12.3} KiB sent per rank",
-            bytes / 1024.0
-        );
+        println!("comm    {k:<15} x{v:<5} {:>14} sent per rank", bytes_text(bytes));
     }
     if a.buffers {
         println!("\nbuffers:");
@@ -222,23 +219,36 @@ pub fn run(a: Args) -> CliResult {
     if a.explain {
         println!("\ninserted by passes:");
         println!(
-            "  {:<6} {:<7} {:<15} {:<8} {:>16}  {}  [{}]",
+            "  {:<6} {:<7} {:<15} {:<8} {:>14}  {}  [{}]",
             "instr", "value", "op", "axis", "sent per rank", "pass: why", "layer"
         );
         for ins in p.instructions.iter().filter(|i| i.provenance.is_some()) {
             println!(
-                "  #{:<5} %{:<6} {:<15} {:<8} {:>12.3} KiB  {}  [{}]",
+                "  #{:<5} %{:<6} {:<15} {:<8} {:>14}  {}  [{}]",
                 ins.id,
                 ins.node,
                 ins.op,
                 ins.axis.as_deref().unwrap_or("-"),
-                ins.bytes / 1024.0,
+                bytes_text(ins.bytes),
                 ins.provenance.as_deref().unwrap_or(""),
                 ins.source.as_deref().unwrap_or("")
             );
         }
     }
     Ok(())
+}
+
+/// Bytes in the largest binary unit that keeps the number at least 1 (the same
+/// rule for every byte count `inspect` prints).
+fn bytes_text(b: f64) -> String {
+    const K: f64 = 1024.0;
+    if b >= K * K * K {
+        format!("{:.3} GiB", b / (K * K * K))
+    } else if b >= K * K {
+        format!("{:.3} MiB", b / (K * K))
+    } else {
+        format!("{:.3} KiB", b / K)
+    }
 }
 
 /// Chrome trace-event JSON: one track per stream, one complete event per instruction.
