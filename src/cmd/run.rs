@@ -228,6 +228,13 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         }
         req.train = Some(t);
     }
+    if model.param_count() > 100_000_000 {
+        eprintln!(
+            "compiling the {} of {} for B={batch} S={seq} ...",
+            req.step_kind().name(),
+            model.name
+        );
+    }
     let c = weft_passes::driver::compile(&req, &mut std::io::sink()).map_err(super::driver_err)?;
     if let Some(ch) = &c.choice {
         notes.push(format!("chose {} ({})", ch.chosen, ch.why));
@@ -242,9 +249,20 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             .map(|d| d.join("model.safetensors"))
             .filter(|p| p.exists())
     });
+    // Host weights of a real model take a while and many GiB: say so before.
     let host_weights = match checkpoint {
-        Some(w) => Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?),
+        Some(w) => {
+            eprintln!("loading weights from {} ...", w.display());
+            Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?)
+        }
         None if (a.backend == "cpu" && a.steps > 0) || a.check > 0 => {
+            if model.param_count() > 100_000_000 {
+                eprintln!(
+                    "drawing {} random parameters on the host (seed {}) ...",
+                    super::models::group_digits(model.param_count()),
+                    a.seed
+                );
+            }
             Some(weft_frontends::random_weights(&model, a.seed))
         }
         None => None,
