@@ -101,7 +101,11 @@ impl StepKind {
     /// A training step returns gradients (`grad.*`) or updated parameters and optimizer
     /// state (`param.*`, `optim.*`); a forward program neither.
     pub fn of_outputs<'a>(mut names: impl Iterator<Item = &'a str>) -> StepKind {
-        if names.any(|n| ["grad.", "param.", "optim.", "state."].iter().any(|p| n.starts_with(p))) {
+        if names.any(|n| {
+            ["grad.", "param.", "optim.", "state."]
+                .iter()
+                .any(|p| n.starts_with(p))
+        }) {
             StepKind::Training
         } else {
             StepKind::Forward

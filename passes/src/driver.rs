@@ -355,7 +355,11 @@ fn candidate_line(e: &Evaluated, limit: u64) -> String {
 }
 
 fn out_of_memory(e: &Evaluated, limit: u64) -> LowerError {
-    let p = e.compiled.plan.as_ref().expect("evaluated candidates have plans");
+    let p = e
+        .compiled
+        .plan
+        .as_ref()
+        .expect("evaluated candidates have plans");
     LowerError::OutOfMemory {
         peak: e.peak_bytes,
         limit,
@@ -511,7 +515,11 @@ mod tests {
         assert_eq!(f.kind, StepKind::Forward);
         assert_eq!(f.plan.as_ref().unwrap().step_kind(), StepKind::Forward);
         assert!(!f.pipeline.names().contains(&"autodiff"));
-        let t = compile(&request("sp=2", Some(open_training())), &mut std::io::sink()).unwrap();
+        let t = compile(
+            &request("sp=2", Some(open_training())),
+            &mut std::io::sink(),
+        )
+        .unwrap();
         assert_eq!(t.plan.as_ref().unwrap().step_kind(), StepKind::Training);
         assert!(t.pipeline.steps.iter().all(|s| !s.why.is_empty()));
         assert_eq!(
@@ -519,13 +527,20 @@ mod tests {
             &f.pipeline.names()[..],
             "the training step starts with the forward pipeline"
         );
-        assert!(t.program.output("logits").is_none(), "a training step drops the logits");
+        assert!(
+            t.program.output("logits").is_none(),
+            "a training step drops the logits"
+        );
     }
 
     #[test]
     fn open_options_take_the_first_candidate_that_fits() {
         // Plenty of memory: no checkpointing, no offload.
-        let c = compile(&request("sp=2", Some(open_training())), &mut std::io::sink()).unwrap();
+        let c = compile(
+            &request("sp=2", Some(open_training())),
+            &mut std::io::sink(),
+        )
+        .unwrap();
         let choice = c.choice.unwrap();
         assert_eq!(choice.tried.len(), 1);
         assert_eq!(c.train.unwrap().checkpoint, CheckpointPolicy::None);
@@ -542,7 +557,10 @@ mod tests {
         // Below every candidate: the error lists what was tried.
         r.device_memory = Some(1 << 10);
         let e = compile(&r, &mut std::io::sink()).unwrap_err().to_string();
-        assert!(e.contains("no training options fit") && e.contains("--checkpoint full"), "{e}");
+        assert!(
+            e.contains("no training options fit") && e.contains("--checkpoint full"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -36,6 +36,5 @@ pub use manager::{run_pipeline, Instrumentation, PassFilter, PassManager, PassSt
 pub use pass::{MeshAxes, Pass, PassContext, PassError, PassOptions, PassResult, DP, SP, TP};
 pub use registry::{
     check_pipeline, default_pipeline, default_pipeline_explained, lookup, parse_pass_names,
-    pass_names, passes,
-    Pipeline, Step,
+    pass_names, passes, Pipeline, Step,
 };

@@ -89,8 +89,9 @@ pub fn parse_dtype(text: Option<&str>, flag: &str) -> CliResult<Option<weft_ir::
         None | Some("keep") => Ok(None),
         Some("bf16") => Ok(Some(weft_ir::DType::BF16)),
         Some("f32") => Ok(Some(weft_ir::DType::F32)),
-        Some(d) => Err(CliError::input(format!("invalid {flag} `{d}`"))
-            .with_help("use keep, bf16 or f32")),
+        Some(d) => {
+            Err(CliError::input(format!("invalid {flag} `{d}`")).with_help("use keep, bf16 or f32"))
+        }
     }
 }
 
@@ -151,8 +152,8 @@ pub fn run(a: Args) -> CliResult {
         ..Instrumentation::default()
     };
     let start = std::time::Instant::now();
-    let c = weft_passes::driver::compile(&req, &mut std::io::stderr())
-        .map_err(super::driver_err)?;
+    let c =
+        weft_passes::driver::compile(&req, &mut std::io::stderr()).map_err(super::driver_err)?;
     let elapsed = start.elapsed();
     super::print_choice(&c);
     let g = &c.program;
@@ -174,11 +175,7 @@ pub fn run(a: Args) -> CliResult {
             c.kind.name(),
             p.display()
         ));
-    } else if !a.json
-        && a.print_before.is_none()
-        && a.print_after.is_none()
-        && !a.print_changes
-    {
+    } else if !a.json && a.print_before.is_none() && a.print_after.is_none() && !a.print_changes {
         // The program on stdout, unless the instrumentation already printed the IR.
         print!("{text}");
     }

@@ -191,7 +191,10 @@ pub fn run(a: Args) -> CliResult {
             .filter(|(kk, _)| kk.starts_with(&format!("{k}/")))
             .map(|(_, b)| b)
             .sum();
-        println!("comm    {k:<15} x{v:<5} {:>14} sent per rank", bytes_text(bytes));
+        println!(
+            "comm    {k:<15} x{v:<5} {:>14} sent per rank",
+            bytes_text(bytes)
+        );
     }
     if a.buffers {
         println!("\nbuffers:");

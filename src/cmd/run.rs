@@ -160,7 +160,9 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         let params = if plan.source.is_empty() {
             None
         } else {
-            super::load_model(&plan.source).ok().map(|m| m.param_count())
+            super::load_model(&plan.source)
+                .ok()
+                .map(|m| m.param_count())
         };
         let optimizer = if training {
             "optimizer: as compiled into the plan".to_string()

@@ -171,9 +171,9 @@ impl Session {
         req.seq = Some(s);
         req.passes = super::parse_passes(passes)?;
         if let Some(p) = &self.precompiled {
-            let is_training = weft_ir::plan::StepKind::of_outputs(
-                p.outputs().iter().map(|(n, _)| n.as_str()),
-            ) == weft_ir::plan::StepKind::Training;
+            let is_training =
+                weft_ir::plan::StepKind::of_outputs(p.outputs().iter().map(|(n, _)| n.as_str()))
+                    == weft_ir::plan::StepKind::Training;
             if train.is_none() || is_training {
                 let bind = weft_passes::driver::sizes(&self.mesh, Some(b), Some(s))
                     .map_err(super::driver_err)?;

@@ -214,8 +214,8 @@ pub fn memory_table(req: &Request, compiled: &TrainOptions) -> CliResult<String>
             verify_each: false,
             ..Default::default()
         };
-        let c = weft_passes::driver::compile(&r, &mut std::io::sink())
-            .map_err(super::driver_err)?;
+        let c =
+            weft_passes::driver::compile(&r, &mut std::io::sink()).map_err(super::driver_err)?;
         let opts = c.train.clone().unwrap_or_default();
         let b = bindings(&c.program, &opts);
         at = format!("B={}, S={}", b.symbols["B"], b.symbols["S"]);
