@@ -144,14 +144,16 @@ pub struct Compiled {
 }
 
 /// Why a compile failed. `Display` is the message after `error: ` (with `help:` lines).
+/// The large variants are boxed: every compile returns this error type, and the error
+/// path is cold.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
     #[error("{0}")]
-    Pass(#[from] PassError),
+    Pass(Box<PassError>),
     #[error("{0}")]
-    Lower(#[from] LowerError),
+    Lower(Box<LowerError>),
     #[error("{0}")]
-    Bindings(#[from] crate::BindingError),
+    Bindings(Box<crate::BindingError>),
     #[error("{what}{}", .help.as_ref().map(|h| format!("\nhelp: {h}")).unwrap_or_default())]
     Input { what: String, help: Option<String> },
     /// No option set fits the device: each tried, and what would help.
@@ -163,6 +165,24 @@ pub enum DriverError {
         /// The plan error of the least peak tried (its breakdown and help).
         last: Box<LowerError>,
     },
+}
+
+impl From<PassError> for DriverError {
+    fn from(e: PassError) -> Self {
+        DriverError::Pass(Box::new(e))
+    }
+}
+
+impl From<LowerError> for DriverError {
+    fn from(e: LowerError) -> Self {
+        DriverError::Lower(Box::new(e))
+    }
+}
+
+impl From<crate::BindingError> for DriverError {
+    fn from(e: crate::BindingError) -> Self {
+        DriverError::Bindings(Box::new(e))
+    }
 }
 
 /// One candidate option set, compiled and planned.
@@ -243,8 +263,8 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
     if !req.plan || bindings.symbols.is_empty() || !open {
         let c = compile_with(req, Some(&train.options), sink, req.memory_limit());
         return match c {
-            Err(DriverError::Lower(e @ LowerError::OutOfMemory { .. })) => {
-                Err(with_what_fits(req, train, e))
+            Err(DriverError::Lower(e)) if matches!(*e, LowerError::OutOfMemory { .. }) => {
+                Err(with_what_fits(req, train, *e))
             }
             c => c,
         };
@@ -389,7 +409,7 @@ fn with_what_fits(req: &Request, train: &TrainRequest, e: LowerError) -> DriverE
                     ..
                 } = e
                 {
-                    return DriverError::Lower(LowerError::OutOfMemory {
+                    return DriverError::from(LowerError::OutOfMemory {
                         peak,
                         limit,
                         breakdown,
@@ -404,7 +424,7 @@ fn with_what_fits(req: &Request, train: &TrainRequest, e: LowerError) -> DriverE
             }
         }
     }
-    DriverError::Lower(e)
+    DriverError::from(e)
 }
 
 /// One compile with fixed options: the pipeline, the passes, the sizes, the plan.

@@ -150,9 +150,9 @@ pub fn run(a: Args) -> CliResult {
             .map(|b| b.bytes)
             .sum();
         println!(
-            "views   {} reshapes share their input's bytes ({:.1} MiB not copied)",
+            "views   {} reshapes share their input's bytes ({} not copied)",
             s.views,
-            bytes as f64 / (1u64 << 20) as f64
+            bytes_text(bytes as f64)
         );
     }
     if s.in_place > 0 {
@@ -163,9 +163,9 @@ pub fn run(a: Args) -> CliResult {
             .map(|b| b.bytes)
             .sum();
         println!(
-            "inplace {} results written over dead values' bytes ({:.1} MiB not held twice)",
+            "inplace {} results written over dead values' bytes ({} not held twice)",
             s.in_place,
-            bytes as f64 / (1u64 << 20) as f64
+            bytes_text(bytes as f64)
         );
     }
     println!(
@@ -222,8 +222,8 @@ pub fn run(a: Args) -> CliResult {
     if a.explain {
         println!("\ninserted by passes:");
         println!(
-            "  {:<6} {:<7} {:<15} {:<8} {:>14}  {}  [{}]",
-            "instr", "value", "op", "axis", "sent per rank", "pass: why", "layer"
+            "  {:<6} {:<7} {:<15} {:<8} {:>14}  pass: why  [layer]",
+            "instr", "value", "op", "axis", "sent per rank"
         );
         for ins in p.instructions.iter().filter(|i| i.provenance.is_some()) {
             println!(

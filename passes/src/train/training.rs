@@ -266,12 +266,11 @@ impl TrainOptions {
     /// `--checkpoint selective --offload --zero 1 --micro-batches 1` (no `--offload`: none).
     pub fn summary(&self) -> String {
         let mut s = format!("--checkpoint {}", self.checkpoint);
-        match &self.offload {
-            Some(o) => match o.budget {
+        if let Some(o) = &self.offload {
+            match o.budget {
                 Some(b) => s.push_str(&format!(" --offload-budget {b}")),
                 None => s.push_str(" --offload"),
-            },
-            None => {}
+            }
         }
         s.push_str(&format!(
             " --zero {} --micro-batches {}",
