@@ -29,7 +29,7 @@ enum Command {
     ///
     /// Example: weft import llama3-8b -o llama3-8b.weft
     Import(cmd::import::Args),
-    /// Parameter count, nodes by op, FLOPs per token and parameter bytes.
+    /// Parameter count, nodes by op, FLOPs per token and parameter bytes (of a model or a plan's model).
     ///
     /// Example: weft stats mixtral-8x7b --seq 4096 --json
     Stats(cmd::stats::Args),
@@ -45,11 +45,15 @@ enum Command {
     ///
     /// Example: weft ops
     Ops(cmd::ops::Args),
-    /// Run the pass pipeline a mesh needs and write the parallel program.
+    /// Compile a model's training step (--forward-only: its forward pass) for a mesh and
+    /// write the program's text or, with -o plan.json, its ExecutionPlan.
     ///
-    /// Example: weft compile llama3-8b --mesh sp=8 --seq 131072 --stats
+    /// Training options left out are chosen to fit the device memory when a plan is
+    /// made, and printed.
+    ///
+    /// Example: weft compile llama3-8b --mesh sp=8 --seq 131072 --stats -o plan.json
     Compile(cmd::compile::Args),
-    /// Summarize a plan: peak memory, predicted step time, communication; --explain, --trace, --memory.
+    /// Summarize a plan: what it holds (training step or forward), peak memory, predicted time, communication; --explain, --trace, --memory.
     ///
     /// Example: weft inspect plan.json --explain --trace trace.json
     Inspect(cmd::inspect::Args),
@@ -65,9 +69,9 @@ enum Command {
     ///
     /// Example: weft shard tests/fixtures/llama --mesh tp=4 -o shards/
     Shard(cmd::shard::Args),
-    /// Train (or evaluate) a model or plan for --steps steps on a backend (cpu, cuda).
+    /// Train (or with --forward-only evaluate) a model or plan for --steps steps on a backend (cpu, cuda).
     ///
-    /// Example: weft run llama3.2-1b --backend cuda --steps 10 --seq 4096 --batch 1
+    /// Example: weft run tests/fixtures/llama --inputs tests/fixtures/llama/inputs.safetensors --steps 20 --lr 1e-2
     Run(cmd::run::Args),
     /// Start one process per GPU of this node with torchrun's variables (RANK, WORLD_SIZE,
     /// LOCAL_RANK, MASTER_ADDR, MASTER_PORT); when one rank fails the others are stopped.

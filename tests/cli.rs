@@ -177,6 +177,7 @@ fn plans_are_written_inspected_and_run() {
     let (code, _, err) = weft(&[
         "compile",
         "tests/fixtures/llama",
+        "--forward-only",
         "--mesh",
         "sp=2",
         "--seq",
@@ -191,6 +192,7 @@ fn plans_are_written_inspected_and_run() {
     let (code, _, _) = weft(&[
         "compile",
         "tests/fixtures/llama",
+        "--forward-only",
         "--mesh",
         "sp=2",
         "--seq",

@@ -197,7 +197,7 @@ fn run_with_zero_steps_writes_the_plan_of_the_step_and_runs_nothing() {
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("plan for B=1 S=4096") && out.contains("nothing ran"),
+        out.contains("plan (training step) for B=1 S=4096") && out.contains("nothing ran"),
         "{out}"
     );
     // The step as the flags describe it: host copies in the host pool, not the arena.

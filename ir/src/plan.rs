@@ -60,6 +60,10 @@ pub fn fed_back_param<'a>(output: &'a str, is_param: impl Fn(&str) -> bool) -> O
 pub struct ExecutionPlan {
     pub version: u32,
     pub model: String,
+    /// What the program computes: a whole training step or a forward pass only (plans
+    /// written before this field read as `None`; [`ExecutionPlan::step_kind`] infers it).
+    #[serde(default)]
+    pub step: Option<StepKind>,
     /// The MODEL argument the plan was compiled from (a preset name or a path), so
     /// `weft check PLAN` can rebuild the unsharded reference.
     #[serde(default)]
@@ -81,6 +85,47 @@ pub struct ExecutionPlan {
     pub cost: CostSummary,
     /// The program as Weft text IR; instruction `node` ids are its value ids.
     pub program: String,
+}
+
+/// What a plan's program computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepKind {
+    /// Forward, backward, gradient reduction and (where asked) the optimizer update.
+    Training,
+    /// The forward pass only: loss and logits, no gradients.
+    Forward,
+}
+
+impl StepKind {
+    /// A training step returns gradients (`grad.*`) or updated parameters and optimizer
+    /// state (`param.*`, `optim.*`); a forward program neither.
+    pub fn of_outputs<'a>(mut names: impl Iterator<Item = &'a str>) -> StepKind {
+        if names.any(|n| {
+            ["grad.", "param.", "optim.", "state."]
+                .iter()
+                .any(|p| n.starts_with(p))
+        }) {
+            StepKind::Training
+        } else {
+            StepKind::Forward
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StepKind::Training => "training step",
+            StepKind::Forward => "forward pass",
+        }
+    }
+
+    /// What the plan's predicted time is the time of.
+    pub fn time_name(self) -> &'static str {
+        match self {
+            StepKind::Training => "step",
+            StepKind::Forward => "forward",
+        }
+    }
 }
 
 #[derive(
@@ -298,6 +343,20 @@ pub enum PlanError {
 }
 
 impl ExecutionPlan {
+    /// The plan's [`StepKind`]: recorded, or (older plans) read off the program's outputs.
+    pub fn step_kind(&self) -> StepKind {
+        self.step.unwrap_or_else(|| {
+            // The program's last `return name=%v, ...` line names its outputs.
+            let ret = self
+                .program
+                .lines()
+                .rev()
+                .find_map(|l| l.trim_start().strip_prefix("return "))
+                .unwrap_or("");
+            StepKind::of_outputs(ret.split(", ").map(|o| o.split('=').next().unwrap_or("")))
+        })
+    }
+
     /// Vector clocks: `clock[j][t]` is the last instruction of stream `t` known to have
     /// finished when instruction `j` starts (in-order streams plus the events it waits
     /// for, transitively); -1: none.

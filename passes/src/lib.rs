@@ -1,5 +1,8 @@
-//! weft-passes: the pass manager and the rewrite passes.
+//! weft-passes: the compile driver, the pass manager and the rewrite passes.
 //!
+//! - [`driver`]: the one compile every CLI verb calls: a request (model, mesh, sizes,
+//!   training options, pass list, instrumentation, device) in; the program, the
+//!   pipeline with its reasons, the report, the plan and the options it chose out.
 //! - [`Pass`]: a named rewrite with a one-line summary, its prerequisites and the mesh
 //!   axes it needs; [`PassContext`] carries the mesh and options, [`PassResult`] what
 //!   changed and the pass's counters.
@@ -12,6 +15,7 @@
 //!   (plan, memory estimate, bindings) and [`cleanup`] (simplify, canonicalize).
 
 pub mod cleanup;
+pub mod driver;
 pub mod lower;
 pub mod manager;
 pub mod parallel;
@@ -23,7 +27,7 @@ mod util;
 // The pass modules by their old flat names, so `crate::ulysses` and
 // `weft_passes::autodiff` keep working across the folder split.
 pub use cleanup::{canonicalize, simplify};
-pub use lower::{bindings, memory, plan};
+pub use lower::{bindings, convert_dtype, memory, plan};
 pub use parallel::{ep, shard_inputs, shard_seq, sp_loss, tp, ulysses};
 pub use train::{autodiff, checkpoint, grad_sync, micro_batches, offload, optimizer, training};
 
@@ -31,6 +35,6 @@ pub use bindings::{check_bindings, BindingError};
 pub use manager::{run_pipeline, Instrumentation, PassFilter, PassManager, PassStats, RunReport};
 pub use pass::{MeshAxes, Pass, PassContext, PassError, PassOptions, PassResult, DP, SP, TP};
 pub use registry::{
-    check_pipeline, default_pipeline, default_pipeline_explained, lookup, pass_names, passes,
-    Pipeline, Step,
+    check_pipeline, default_pipeline, default_pipeline_explained, lookup, parse_pass_names,
+    pass_names, passes, Pipeline, Step,
 };

@@ -29,15 +29,7 @@ impl PassFilter {
         if t == "all" {
             return Ok(PassFilter::All);
         }
-        let names: Vec<String> = t
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(String::from)
-            .collect();
-        for n in &names {
-            lookup(n)?;
-        }
+        let names = crate::registry::parse_pass_names(t)?;
         Ok(if names.is_empty() {
             PassFilter::None
         } else {

@@ -94,6 +94,8 @@ pub struct PassOptions {
     pub tp: crate::tp::TpOptions,
     /// The training passes: micro-batches, checkpoint, offload, grad-sync, optimizer.
     pub train: crate::training::TrainOptions,
+    /// `convert-dtype`: the float dtype to run the model in (`None`: the model's own).
+    pub dtype: Option<weft_ir::DType>,
 }
 
 impl Default for PassOptions {
@@ -103,6 +105,7 @@ impl Default for PassOptions {
             canonicalize_max_rounds: 16,
             tp: Default::default(),
             train: Default::default(),
+            dtype: None,
         }
     }
 }

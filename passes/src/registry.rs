@@ -4,6 +4,7 @@
 use crate::autodiff::Autodiff;
 use crate::canonicalize::Canonicalize;
 use crate::checkpoint::Checkpoint;
+use crate::convert_dtype::ConvertDtype;
 use crate::ep::ExpertParallel;
 use crate::grad_sync::GradSync;
 use crate::micro_batches::MicroBatches;
@@ -21,6 +22,7 @@ use weft_ir::Mesh;
 
 /// Every pass, in the order a full pipeline would run them.
 pub static PASSES: &[&dyn Pass] = &[
+    &ConvertDtype,
     &ShardInputs,
     &ShardSeq,
     &UlyssesAttention,
@@ -88,12 +90,8 @@ impl Pipeline {
     /// checking every name and every ordering constraint.
     pub fn parse(text: &str) -> Result<Pipeline, PassError> {
         let mut p = Pipeline::default();
-        for name in text
-            .split([',', ' '])
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-        {
-            p.push(name, "given on the command line");
+        for name in parse_pass_names(text)? {
+            p.push(&name, "given on the command line");
         }
         check_pipeline(&p.names())?;
         Ok(p)
@@ -108,6 +106,21 @@ impl fmt::Display for Pipeline {
         }
         Ok(())
     }
+}
+
+/// A list of pass names, separated by commas or spaces (the one parser of pass lists:
+/// `--passes`, `--print-before`, `--print-after`), each checked against the registry.
+pub fn parse_pass_names(text: &str) -> Result<Vec<String>, PassError> {
+    let names: Vec<String> = text
+        .split([',', ' '])
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect();
+    for n in &names {
+        lookup(n)?;
+    }
+    Ok(names)
 }
 
 /// Checks that every name is a pass and that every pass's prerequisites come earlier.

@@ -47,12 +47,12 @@ pub fn run(a: Args) -> CliResult {
     // the training passes the flags ask for) computes the `grad.*` outputs compared here.
     let reference = s.run(&s.model.graph, a.train)?;
     let training = a.train || a.run.train.any();
-    let program = if training {
-        let opts = a.run.train.options("none")?;
-        s.compile_training(a.run.passes.as_deref(), &opts)?
+    let train = if training {
+        Some(a.run.train.request("none")?)
     } else {
-        s.compile(a.run.passes.as_deref())?
+        None
     };
+    let program = s.compile(a.run.passes.as_deref(), train)?;
     let mut got = s.run(&program, false)?;
     if training {
         got.grads = super::train::graph_grads(&got.outputs);

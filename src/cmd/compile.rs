@@ -1,15 +1,14 @@
-//! `weft compile`: run the pipeline a mesh needs (or `--passes`) on a model, with the
-//! pass manager's instrumentation, check that `--seq`/`--batch` fit the program, and
-//! write the parallel program's text.
+//! `weft compile`: compile a model's training step (or with `--forward-only` its
+//! forward pass) for a mesh through the driver, with the pass manager's
+//! instrumentation, and write the program's text or its ExecutionPlan.
 
 use crate::error::{CliError, CliResult};
 use std::path::PathBuf;
-use weft_ir::Bindings;
-use weft_passes::{Instrumentation, PassFilter, PassManager};
+use weft_passes::{Instrumentation, PassFilter};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Preset name, config.json, model directory or .weft file.
+    /// Preset name, config.json or model directory, torch.export .pt2, or .weft file.
     pub model: String,
     /// Mesh axes outermost first, e.g. `dp=2,sp=4` (empty: one rank).
     #[arg(long, default_value = "")]
@@ -20,9 +19,13 @@ pub struct Args {
     /// Global batch size to bind `B` to (`dp` must divide it).
     #[arg(long)]
     pub batch: Option<i64>,
-    /// Comma-separated pass names instead of the mesh's default pipeline.
+    /// Comma-separated forward pass names instead of the mesh's default pipeline (the
+    /// training passes still follow, unless --forward-only).
     #[arg(long)]
     pub passes: Option<String>,
+    /// Print the pipeline that ran, with the reason for each pass's position.
+    #[arg(long)]
+    pub print_pipeline: bool,
     /// Print the IR before these passes (`all` or comma-separated names).
     #[arg(long, value_name = "PASS")]
     pub print_before: Option<String>,
@@ -32,7 +35,9 @@ pub struct Args {
     /// Print a unified diff of the IR for every pass that changed it.
     #[arg(long)]
     pub print_changes: bool,
-    /// Print per-pass statistics (time, nodes added/removed, collectives inserted).
+    /// Print per-pass statistics (time, nodes added/removed, collectives inserted) on
+    /// stderr after the program (for a training step also the memory per rank of each
+    /// checkpoint policy).
     #[arg(long)]
     pub stats: bool,
     /// Stop after this pass.
@@ -48,19 +53,26 @@ pub struct Args {
     /// Device profile the plan is scheduled and costed for: h200, h100, a100 or a JSON file.
     #[arg(long, default_value = "h200")]
     pub device: String,
-    /// Per-rank device memory the plan must fit, in GiB.
-    #[arg(long, default_value_t = 80.0)]
-    pub device_memory: f64,
-    /// Print the pass statistics as JSON on stdout.
+    /// Per-rank device memory the plan must fit, in GiB (default: the device profile's:
+    /// 139 for h200, 80 for h100 and a100).
+    #[arg(long, value_name = "GIB")]
+    pub device_memory: Option<f64>,
+    /// Float dtype to compile the model in: bf16 or f32 (default: the model's own).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Print a JSON report on stdout: the step kind, the pipeline with reasons, the
+    /// pass statistics and any options chosen (the program goes to -o).
     #[arg(long)]
     pub json: bool,
     /// DeepSpeed `tensor_parallel.partition_config` JSON: layer specs for tp meshes.
     #[arg(long, value_name = "FILE")]
     pub tp_spec: Option<PathBuf>,
-    /// Compile a whole training step: forward, autodiff, grad-sync, optimizer (implied
-    /// by any training flag). With --stats, also the memory per rank of each
-    /// checkpoint policy.
-    #[arg(long)]
+    /// Compile the forward pass only (no backward, gradients or optimizer). The
+    /// default is a whole training step: forward, autodiff, grad-sync, optimizer.
+    #[arg(long, conflicts_with = "keep_grads")]
+    pub forward_only: bool,
+    /// Compile a training step (the default; kept so older command lines still work).
+    #[arg(long, hide = true, conflicts_with = "forward_only")]
     pub train: bool,
     /// Keep the parameter gradients as outputs (`grad.*`) of a training step that
     /// updates the parameters. Off by default: a plan for training frees each gradient
@@ -71,87 +83,59 @@ pub struct Args {
     pub train_args: super::train::TrainArgs,
 }
 
-/// Parses `--passes` or picks the mesh's default pipeline.
-pub fn pipeline(passes: Option<&str>, mesh: &weft_ir::Mesh) -> CliResult<Vec<String>> {
-    match passes {
-        Some(p) => {
-            let names: Vec<String> = p
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(String::from)
-                .collect();
-            for n in &names {
-                weft_passes::lookup(n).map_err(crate::fail)?;
-            }
-            Ok(names)
+/// `--dtype`: bf16 or f32.
+pub fn parse_dtype(text: Option<&str>, flag: &str) -> CliResult<Option<weft_ir::DType>> {
+    match text {
+        None | Some("keep") => Ok(None),
+        Some("bf16") => Ok(Some(weft_ir::DType::BF16)),
+        Some("f32") => Ok(Some(weft_ir::DType::F32)),
+        Some(d) => {
+            Err(CliError::input(format!("invalid {flag} `{d}`")).with_help("use keep, bf16 or f32"))
         }
-        None => Ok(weft_passes::default_pipeline(mesh)
-            .into_iter()
-            .map(String::from)
-            .collect()),
     }
 }
 
-/// Binds `B` and `S` (and the mesh's axis sizes) and checks every size of the program.
-/// When only one of the two is given, the other takes the smallest size the mesh
-/// allows (one sequence per data-parallel rank, one token per sequence-parallel rank).
-pub fn check_sizes(
-    g: &weft_ir::Graph,
-    batch: Option<i64>,
-    seq: Option<i64>,
-) -> CliResult<Bindings> {
-    let mut b = Bindings::new();
-    let (batch, seq) = match (batch, seq) {
-        (None, None) => (None, None),
-        (b, s) => (
-            Some(b.unwrap_or(g.mesh.size_or_one("dp") as i64)),
-            Some(s.unwrap_or(g.mesh.size_or_one("sp") as i64)),
-        ),
-    };
-    for (flag, sym, v) in [("--batch", "B", batch), ("--seq", "S", seq)] {
-        if let Some(v) = v {
-            if v <= 0 {
-                return Err(CliError::input(format!(
-                    "invalid {flag} {v}: must be positive"
-                )));
-            }
-            b = b.with(sym, v);
-        }
-    }
-    if batch.is_some() || seq.is_some() {
-        weft_passes::check_bindings(g, &b).map_err(crate::fail)?;
-    }
-    Ok(b)
+#[derive(serde::Serialize)]
+struct Report<'a> {
+    model: &'a str,
+    mesh: String,
+    /// `training` or `forward`.
+    step: weft_ir::plan::StepKind,
+    bindings: &'a std::collections::BTreeMap<String, i64>,
+    /// The training options compiled, as flags.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    train_options: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chosen: Option<&'a weft_passes::driver::Choice>,
+    pipeline: &'a weft_passes::Pipeline,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    output: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peak_memory_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    predicted_time_s: Option<f64>,
+    report: &'a weft_passes::RunReport,
 }
 
 pub fn run(a: Args) -> CliResult {
     let mesh = super::parse_mesh(&a.mesh)?;
-    let model = super::load_model(&a.model)?;
-    let mut cx = super::shard::pass_context(&mesh, &model, a.tp_spec.as_deref())?;
-    let mut g = model.graph;
-    let mut names = pipeline(a.passes.as_deref(), &mesh)?;
-    let training = a.train || a.train_args.any();
-    let forward = names.clone();
-    let model_graph = if training && a.stats {
-        Some(g.clone())
-    } else {
-        None
-    };
-    if training {
-        cx.options.train = a.train_args.options("adamw")?;
-        cx.options.train.batch = a.batch;
-        cx.options.train.seq = a.seq;
-        cx.options.train.grad_outputs = a.keep_grads;
-        // The offload planner hides copies under compute timed on this device.
-        if let Some(o) = &mut cx.options.train.offload {
-            o.device = weft_passes::training::Device(
-                weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?,
-            );
-            o.link_bytes_per_s = o.device.link_bytes_per_s();
-        }
-        names.extend(super::train::training_passes(&mesh, &cx.options.train));
+    let (model, _) = super::load_model_and_weights(&a.model, None)?;
+    let mut req = super::request(&model, &mesh, a.tp_spec.as_deref(), &a.model)?;
+    req.batch = a.batch;
+    req.seq = a.seq;
+    req.passes = super::parse_passes(a.passes.as_deref())?;
+    req.dtype = parse_dtype(a.dtype.as_deref(), "--dtype")?;
+    (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
+    if !a.forward_only {
+        let mut t = a.train_args.request("adamw")?;
+        t.options.grad_outputs = a.keep_grads;
+        req.train = Some(t);
     }
+    let wants_plan = a
+        .output
+        .as_ref()
+        .is_some_and(|p| p.extension().is_some_and(|e| e == "json"));
+    req.plan = wants_plan;
     let filter = |t: &Option<String>| -> CliResult<PassFilter> {
         t.as_deref()
             .map(PassFilter::parse)
@@ -159,87 +143,108 @@ pub fn run(a: Args) -> CliResult {
             .map(|f| f.unwrap_or_default())
             .map_err(crate::fail)
     };
-    let ins = Instrumentation {
+    req.instrumentation = Instrumentation {
         verify_each: a.verify_each,
         print_before: filter(&a.print_before)?,
         print_after: filter(&a.print_after)?,
         print_changes: a.print_changes,
-        stats: a.stats && !a.json,
         stop_after: a.stop_after.clone(),
         ..Instrumentation::default()
     };
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();
-    let report = PassManager::new(ins)
-        .run(&mut g, &cx, &refs, &mut std::io::stderr())
-        .map_err(crate::fail)?;
-    let bindings = check_sizes(&g, a.batch, a.seq)?;
-    if let Some(m) = &model_graph {
-        eprint!("{}", super::train::memory_table(m, &cx, &forward)?);
-    }
-    let wants_plan = a
-        .output
-        .as_ref()
-        .is_some_and(|p| p.extension().is_some_and(|e| e == "json"));
-    let mut plan_note = String::new();
-    if wants_plan {
-        if a.seq.is_none() {
-            return Err(CliError::input("a plan needs concrete sizes")
-                .with_help("pass --seq (and --batch) to bind S and B"));
-        }
-        let device = weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?;
-        if !(a.device_memory > 0.0) {
-            return Err(CliError::input(format!(
-                "invalid --device-memory {}: must be positive GiB",
-                a.device_memory
-            )));
-        }
-        let opts = weft_passes::plan::PlanOptions {
-            device,
-            device_memory: (a.device_memory * (1u64 << 30) as f64) as u64,
-            bindings,
-            source: a.model.clone(),
-        };
-        let plan = weft_passes::plan::lower(&g, &opts).map_err(crate::fail)?;
-        plan_note = format!(
-            "; plan: peak {} per rank, step {:.3} ms predicted",
-            weft_passes::plan::gib(plan.memory.peak_bytes),
-            plan.cost.step_time_s * 1e3
-        );
-        super::write_out(a.output.as_deref(), &plan.to_json())?;
-    }
+    let c =
+        weft_passes::driver::compile(&req, &mut std::io::stderr()).map_err(super::driver_err)?;
     let elapsed = start.elapsed();
-    let text = weft_ir::print(&g);
+    super::print_choice(&c);
+    let g = &c.program;
+    let text = weft_ir::print(g);
+    let mut wrote = None;
     if let Some(p) = &a.output {
-        if !wants_plan {
-            super::write_out(Some(p), &text)?;
-        }
-    } else if !a.json {
+        let body = match &c.plan {
+            Some(plan) => plan.to_json(),
+            None => text.clone(),
+        };
+        super::write_out(Some(p), &body)?;
+        wrote = Some(format!(
+            "{} ({}) to {}",
+            if c.plan.is_some() {
+                "the ExecutionPlan"
+            } else {
+                "the program's text IR"
+            },
+            c.kind.name(),
+            p.display()
+        ));
+    } else if !a.json && a.print_before.is_none() && a.print_after.is_none() && !a.print_changes {
+        // The program on stdout, unless the instrumentation already printed the IR.
         print!("{text}");
     }
+    if a.print_pipeline {
+        eprintln!("pipeline ({}):", c.kind.name());
+        eprint!("{}", c.pipeline);
+    }
+    if a.stats && !a.json {
+        eprintln!(
+            "// pass statistics (mesh {})",
+            if mesh.axes.is_empty() {
+                "one rank".to_string()
+            } else {
+                mesh.to_string()
+            }
+        );
+        eprint!("{}", c.report.table(true));
+        if let Some(t) = &c.train {
+            eprint!("{}", super::train::memory_table(&req, t)?);
+        }
+    }
     if a.json {
-        print!("{}", report.to_json());
-        println!();
+        let r = Report {
+            model: &g.name,
+            mesh: mesh.to_string(),
+            step: c.kind,
+            bindings: &c.bindings.symbols,
+            train_options: c.train.as_ref().map(|t| t.summary()),
+            chosen: c.choice.as_ref(),
+            pipeline: &c.pipeline,
+            output: a.output.as_ref().map(|p| p.display().to_string()),
+            peak_memory_bytes: c.plan.as_ref().map(|p| p.memory.peak_bytes),
+            predicted_time_s: c.plan.as_ref().map(|p| p.cost.step_time_s),
+            report: &c.report,
+        };
+        print!("{}", super::json(&r));
     }
     let collectives = g
         .nodes()
         .iter()
         .filter(|&&n| g.node(n).op.is_collective())
         .count();
+    let plan_note = match &c.plan {
+        Some(p) => format!(
+            "; plan: peak {} per rank, {} {:.3} ms predicted",
+            weft_passes::plan::gib(p.memory.peak_bytes),
+            c.kind.time_name(),
+            p.cost.step_time_s * 1e3
+        ),
+        None => String::new(),
+    };
     eprintln!(
-        "compiled {} for mesh {} ({} ranks): {} nodes, {} collectives, pipeline [{}] in {:.1} ms{}",
+        "compiled the {} of {} for mesh {} ({} ranks){}: {} nodes, {} collectives, pipeline [{}] in {:.1} ms{}",
+        c.kind.name(),
         g.name,
-        if mesh.axes.is_empty() {
-            "(one rank)".to_string()
-        } else {
-            mesh.to_string()
-        },
+        super::mesh_text(&mesh),
         mesh.world_size(),
+        c.train
+            .as_ref()
+            .map(|t| format!(" with {}", t.summary()))
+            .unwrap_or_default(),
         g.node_count(),
         collectives,
-        names.join(", "),
+        c.pipeline.names().join(", "),
         elapsed.as_secs_f64() * 1e3,
         plan_note
     );
+    if let Some(w) = wrote {
+        eprintln!("wrote {w}");
+    }
     Ok(())
 }

@@ -17,17 +17,32 @@ pub struct Args {
     /// Output safetensors file.
     #[arg(short, long)]
     output: PathBuf,
+    /// Print {model, mesh, weights, loss, output, tensors} as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(serde::Serialize)]
+struct Report {
+    model: String,
+    mesh: String,
+    weights: String,
+    loss: Option<f64>,
+    output: String,
+    /// The tensors written, by name.
+    tensors: Vec<String>,
 }
 
 pub fn run(a: Args) -> CliResult {
     let s = Session::new(&a.run)?;
     // Gradients come from the step's backward graph (`grad.*` outputs of autodiff).
     let training = a.grads || a.run.train.any();
-    let g = if training {
-        s.compile_training(a.run.passes.as_deref(), &a.run.train.options("none")?)?
+    let train = if training {
+        Some(a.run.train.request("none")?)
     } else {
-        s.compile(a.run.passes.as_deref())?
+        None
     };
+    let g = s.compile(a.run.passes.as_deref(), train)?;
     let mut r = s.run(&g, false)?;
     if training {
         let grads = super::train::graph_grads(&r.outputs);
@@ -44,6 +59,18 @@ pub fn run(a: Args) -> CliResult {
     }
     weft_frontends::save_safetensors(&a.output, &out).map_err(super::frontend_err)?;
     let loss = out.get("loss").map(|t| t.to_f64()[0]);
+    if a.json {
+        let r = Report {
+            model: s.model.name.clone(),
+            mesh: s.mesh.to_string(),
+            weights: s.weights_from.clone(),
+            loss,
+            output: a.output.display().to_string(),
+            tensors: out.keys().cloned().collect(),
+        };
+        print!("{}", super::json(&r));
+        return Ok(());
+    }
     eprintln!(
         "evaluated {} on mesh {} ({} weights): loss {} -> {}",
         s.model.name,

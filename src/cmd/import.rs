@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Preset name, config.json, model directory or .weft file.
+    /// Preset name, config.json or model directory, torch.export .pt2, or .weft file.
     model: String,
     /// Write the text here instead of stdout.
     #[arg(short, long)]
@@ -19,6 +19,22 @@ pub struct Args {
     /// (Llama 3 rope scaling).
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Print {model, family, params, nodes, output, report} as JSON on stdout (the IR
+    /// then needs -o).
+    #[arg(long, requires = "output")]
+    json: bool,
+}
+
+#[derive(serde::Serialize)]
+struct Report {
+    model: String,
+    family: String,
+    params: u64,
+    nodes: usize,
+    output: String,
+    /// For a .pt2 archive: what the importer recognised.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    report: Option<String>,
 }
 
 pub fn run(a: Args) -> CliResult {
@@ -32,5 +48,28 @@ pub fn run(a: Args) -> CliResult {
             ),
         }
     }
-    super::write_out(a.output.as_deref(), &weft_ir::print(&m.graph))
+    super::write_out(a.output.as_deref(), &weft_ir::print(&m.graph))?;
+    if a.json {
+        let r = Report {
+            model: m.name.clone(),
+            family: m.family.as_str().to_string(),
+            params: m.param_count(),
+            nodes: m.graph.node_count(),
+            output: a
+                .output
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            report: imported.map(|i| i.report),
+        };
+        print!("{}", super::json(&r));
+    } else if let Some(p) = &a.output {
+        eprintln!(
+            "wrote the IR of {} ({} nodes) to {}",
+            m.name,
+            m.graph.node_count(),
+            p.display()
+        );
+    }
+    Ok(())
 }

@@ -37,6 +37,9 @@ pub struct Args {
 #[derive(serde::Serialize)]
 struct Summary<'a> {
     model: &'a str,
+    /// `training` (forward, backward, gradient sync, optimizer) or `forward`: what
+    /// `step_time_s` and `mfu` are the time and utilisation of.
+    step: weft_ir::plan::StepKind,
     mesh: String,
     bindings: &'a std::collections::BTreeMap<String, i64>,
     device: &'a str,
@@ -83,8 +86,10 @@ pub fn load_plan(path: &std::path::Path) -> CliResult<ExecutionPlan> {
 pub fn run(a: Args) -> CliResult {
     let p = load_plan(&a.plan)?;
     let placed = in_place(&p);
+    let kind = p.step_kind();
     let s = Summary {
         model: &p.model,
+        step: kind,
         mesh: p.mesh.to_string(),
         bindings: &p.bindings,
         device: &p.device.name,
@@ -116,8 +121,9 @@ pub fn run(a: Args) -> CliResult {
     }
     let gib = weft_passes::plan::gib;
     println!(
-        "plan {} on mesh {} ({} ranks, {}), sizes {:?}",
+        "plan {} ({}) on mesh {} ({} ranks, {}), sizes {:?}",
         p.model,
+        kind.name(),
         if s.mesh.is_empty() {
             "(one rank)"
         } else {
@@ -144,9 +150,9 @@ pub fn run(a: Args) -> CliResult {
             .map(|b| b.bytes)
             .sum();
         println!(
-            "views   {} reshapes share their input's bytes ({:.1} MiB not copied)",
+            "views   {} reshapes share their input's bytes ({} not copied)",
             s.views,
-            bytes as f64 / (1u64 << 20) as f64
+            bytes_text(bytes as f64)
         );
     }
     if s.in_place > 0 {
@@ -157,19 +163,25 @@ pub fn run(a: Args) -> CliResult {
             .map(|b| b.bytes)
             .sum();
         println!(
-            "inplace {} results written over dead values' bytes ({:.1} MiB not held twice)",
+            "inplace {} results written over dead values' bytes ({} not held twice)",
             s.in_place,
-            bytes as f64 / (1u64 << 20) as f64
+            bytes_text(bytes as f64)
         );
     }
     println!(
-        "time    step {:.3} ms: compute {:.3} ms, exposed communication {:.3} ms (of {:.3} ms), host copies {:.3} ms; MFU {:.1}%",
+        "time    {} {:.3} ms: compute {:.3} ms, exposed communication {:.3} ms (of {:.3} ms), host copies {:.3} ms; MFU {:.1}%{}",
+        kind.time_name(),
         p.cost.step_time_s * 1e3,
         p.cost.compute_s * 1e3,
         p.cost.exposed_comm_s * 1e3,
         p.cost.comm_s * 1e3,
         p.cost.copy_s * 1e3,
-        p.cost.mfu * 100.0
+        p.cost.mfu * 100.0,
+        if kind == weft_ir::plan::StepKind::Forward {
+            " of the forward pass alone (no backward or optimizer: not a training step)"
+        } else {
+            ""
+        }
     );
     for (k, v) in &p.cost.collectives {
         let bytes: f64 = p
@@ -180,8 +192,8 @@ pub fn run(a: Args) -> CliResult {
             .map(|(_, b)| b)
             .sum();
         println!(
-            "comm    {k:<15} x{v:<5} {:.3} MiB sent per rank",
-            bytes / (1u64 << 20) as f64
+            "comm    {k:<15} x{v:<5} {:>14} sent per rank",
+            bytes_text(bytes)
         );
     }
     if a.buffers {
@@ -209,20 +221,37 @@ pub fn run(a: Args) -> CliResult {
     }
     if a.explain {
         println!("\ninserted by passes:");
+        println!(
+            "  {:<6} {:<7} {:<15} {:<8} {:>14}  pass: why  [layer]",
+            "instr", "value", "op", "axis", "sent per rank"
+        );
         for ins in p.instructions.iter().filter(|i| i.provenance.is_some()) {
             println!(
-                "  #{:<5} %{:<6} {:<15} {:<8} {:>12.3} KiB  {}  [{}]",
+                "  #{:<5} %{:<6} {:<15} {:<8} {:>14}  {}  [{}]",
                 ins.id,
                 ins.node,
                 ins.op,
                 ins.axis.as_deref().unwrap_or("-"),
-                ins.bytes / 1024.0,
+                bytes_text(ins.bytes),
                 ins.provenance.as_deref().unwrap_or(""),
                 ins.source.as_deref().unwrap_or("")
             );
         }
     }
     Ok(())
+}
+
+/// Bytes in the largest binary unit that keeps the number at least 1 (the same
+/// rule for every byte count `inspect` prints).
+fn bytes_text(b: f64) -> String {
+    const K: f64 = 1024.0;
+    if b >= K * K * K {
+        format!("{:.3} GiB", b / (K * K * K))
+    } else if b >= K * K {
+        format!("{:.3} MiB", b / (K * K))
+    } else {
+        format!("{:.3} KiB", b / K)
+    }
 }
 
 /// Chrome trace-event JSON: one track per stream, one complete event per instruction.

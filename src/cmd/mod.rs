@@ -87,6 +87,69 @@ pub fn load_model_and_weights(
     Ok((weft_frontends::load(spec).map_err(frontend_err)?, None))
 }
 
+/// The driver request every compiling verb starts from: the model, the mesh and the
+/// config's facts the passes need (HF tp plan, model type, `--tp-spec`).
+pub fn request(
+    model: &Model,
+    mesh: &Mesh,
+    tp_spec: Option<&std::path::Path>,
+    source: &str,
+) -> CliResult<weft_passes::driver::Request> {
+    let mut r = weft_passes::driver::Request::new(model.graph.clone(), mesh.clone());
+    r.tp = shard::tp_options(model, tp_spec)?;
+    r.source = source.to_string();
+    Ok(r)
+}
+
+/// A driver error in the CLI's format (its `help:` lines are part of the message).
+pub fn driver_err(e: weft_passes::driver::DriverError) -> CliError {
+    CliError::input(e.to_string())
+}
+
+/// `--passes`: a forward pipeline given on the command line.
+pub fn parse_passes(text: Option<&str>) -> CliResult<Option<weft_passes::Pipeline>> {
+    text.map(weft_passes::Pipeline::parse)
+        .transpose()
+        .map_err(crate::fail)
+}
+
+/// `--device` and `--device-memory` (GiB; default: the profile's memory).
+pub fn device(
+    name: &str,
+    memory_gib: Option<f64>,
+) -> CliResult<(weft_ir::plan::DeviceProfile, Option<u64>)> {
+    let d = weft_passes::plan::profile::load(name).map_err(CliError::input)?;
+    let limit = match memory_gib {
+        None => None,
+        Some(g) if g > 0.0 && g.is_finite() => Some((g * (1u64 << 30) as f64) as u64),
+        Some(g) => {
+            return Err(CliError::input(format!(
+                "invalid --device-memory {g}: must be positive GiB"
+            )))
+        }
+    };
+    Ok((d, limit))
+}
+
+/// Says on stderr what the driver chose for training options left open, and why.
+pub fn print_choice(c: &weft_passes::driver::Compiled) {
+    if let Some(ch) = &c.choice {
+        eprintln!("chose {}: {}", ch.chosen, ch.why);
+        for t in &ch.tried {
+            eprintln!("  tried {t}");
+        }
+    }
+}
+
+/// The mesh as reports print it.
+pub fn mesh_text(mesh: &Mesh) -> String {
+    if mesh.axes.is_empty() {
+        "(one rank)".to_string()
+    } else {
+        mesh.to_string()
+    }
+}
+
 pub fn parse_mesh(text: &str) -> CliResult<Mesh> {
     Mesh::parse(text).map_err(|e| CliError::input(format!("invalid --mesh: {e}")))
 }

@@ -33,16 +33,18 @@ pub fn run(a: Args) -> CliResult {
         print!("{}", super::json(&rows));
         return Ok(());
     }
+    // One column for the names, as wide as the longest; the doc under the signature.
+    let w = rows.iter().map(|r| r.name.len()).max().unwrap_or(0);
     for r in rows {
         let attrs = if r.attrs.is_empty() {
             String::new()
         } else {
             format!(" {{{}}}", r.attrs.join(", "))
         };
-        println!(
-            "{:<15} {}{}\n                {}",
-            r.name, r.operands, attrs, r.doc
-        );
+        println!("{:<w$}  {}{}", r.name, r.operands, attrs);
+        for line in r.doc.lines() {
+            println!("{:<w$}  {}", "", line.trim());
+        }
     }
     Ok(())
 }

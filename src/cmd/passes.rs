@@ -1,5 +1,6 @@
-//! `weft passes`: every registered pass with its summary, and the default pipeline a
-//! mesh gets, with the reason for each position.
+//! `weft passes`: every registered pass with its summary, and the pipeline a mesh gets
+//! for a training step (with `--forward-only`, for the forward pass), with the reason
+//! for each position.
 
 use crate::error::CliResult;
 
@@ -11,6 +12,10 @@ pub struct Args {
     /// Print {passes: [{name, summary, requires}], pipeline: [{pass, reason}]} as JSON.
     #[arg(long)]
     json: bool,
+    /// The forward pipeline only (the default is a training step's, with AdamW and the
+    /// training options' defaults).
+    #[arg(long)]
+    forward_only: bool,
 }
 
 #[derive(serde::Serialize)]
@@ -31,6 +36,8 @@ struct Step {
 struct Report {
     passes: Vec<PassRow>,
     mesh: String,
+    /// `training` or `forward`.
+    step: weft_ir::plan::StepKind,
     pipeline: Vec<Step>,
 }
 
@@ -45,7 +52,22 @@ pub fn run(a: Args) -> CliResult {
             mesh_axes: p.mesh_axes().to_string(),
         })
         .collect();
-    let pipeline: Vec<Step> = weft_passes::default_pipeline_explained(&mesh)
+    let (step, explained) = if a.forward_only {
+        (
+            weft_ir::plan::StepKind::Forward,
+            weft_passes::default_pipeline_explained(&mesh),
+        )
+    } else {
+        let train = weft_passes::training::TrainOptions {
+            optimizer: Some(weft_passes::training::Optimizer::adamw(1e-3)),
+            ..Default::default()
+        };
+        (
+            weft_ir::plan::StepKind::Training,
+            weft_passes::training::training_pipeline(&mesh, &train),
+        )
+    };
+    let pipeline: Vec<Step> = explained
         .steps
         .iter()
         .map(|s| Step {
@@ -59,6 +81,7 @@ pub fn run(a: Args) -> CliResult {
             super::json(&Report {
                 passes,
                 mesh: mesh.to_string(),
+                step,
                 pipeline
             })
         );
@@ -71,7 +94,7 @@ pub fn run(a: Args) -> CliResult {
             println!("  {:<20}   requires: {}", "", p.requires.join(", "));
         }
     }
-    println!("\ndefault pipeline for mesh {mesh}:");
+    println!("\npipeline of the {} for mesh {mesh}:", step.name());
     for (i, s) in pipeline.iter().enumerate() {
         println!("  {}. {:<20} {}", i + 1, s.pass, s.reason);
     }

@@ -12,11 +12,13 @@ use weft_ir::{DType, ExecutionPlan, Graph, HostTensor, Op};
 
 #[derive(clap::Args, Clone)]
 pub struct Args {
-    /// Preset name, config.json, model directory, .weft file or a plan .json.
+    /// Preset name, config.json or model directory, .weft file, or a plan .json (run as
+    /// compiled).
     pub model: String,
-    /// cpu or cuda.
+    /// cpu (the reference runtime, f32) or cuda (needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// Optimizer steps to run (0: compile and print the plan's prediction, run nothing).
     #[arg(long, default_value_t = 1)]
     pub steps: usize,
     /// Mesh axes outermost first (empty: one rank).
@@ -35,18 +37,24 @@ pub struct Args {
     /// Float dtype of params and activations: keep (the model's), bf16 or f32.
     #[arg(long, default_value = "keep")]
     pub dtype: String,
+    /// Sequence length (default: --inputs' length, else 8 per sequence-parallel rank).
     #[arg(long)]
     pub seq: Option<i64>,
+    /// Global batch size (default: --inputs' batch, else 2 per data-parallel rank).
     #[arg(long)]
     pub batch: Option<i64>,
+    /// Seed of random weights and drawn inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Forward only (no autodiff/optimizer passes), even where the build has them.
+    /// Run the forward pass only (loss, no backward or optimizer update).
     #[arg(long)]
     pub forward_only: bool,
-    /// Passes appended for training (when registered in this build).
-    #[arg(long, default_value = "autodiff,optimizer")]
-    pub train_passes: String,
+    /// Device profile the plan is scheduled and sized for: h200, h100, a100 or a JSON file.
+    #[arg(long, default_value = "h200")]
+    pub device: String,
+    /// Per-rank device memory the plan must fit, in GiB (default: the device profile's).
+    #[arg(long, value_name = "GIB")]
+    pub device_memory: Option<f64>,
     /// Compare each step's loss (and the first step's gradients) with the CPU reference
     /// (f32) for this many steps (0: off). `--check` alone checks the first step.
     #[arg(long, num_args = 0..=1, default_missing_value = "1", default_value_t = 0)]
@@ -63,6 +71,8 @@ pub struct Args {
     /// Write the plan that was run here.
     #[arg(long)]
     pub plan_out: Option<PathBuf>,
+    /// Print one JSON object per step (JSON lines: step, loss, step_s, tokens_per_s,
+    /// mfu) instead of the table; the header goes to stderr.
     #[arg(long)]
     pub json: bool,
     /// The update as torch.optim.AdamW does it on a bf16 model (betas 0.9/0.95, eps 1e-8,
@@ -86,39 +96,38 @@ pub struct Prepared {
     pub vocab: i64,
     pub compile_s: f64,
     pub notes: Vec<String>,
+    /// The model's parameter count, where the model is known.
+    pub params: Option<u64>,
+    /// The update each step applies, in words.
+    pub optimizer: String,
 }
 
-/// Every float param, input and fill of `g` becomes `dtype` (ops whose rules fix f32,
-/// such as rope tables and losses, keep it); types are re-inferred in program order.
-pub fn convert_dtype(g: &mut Graph, dtype: DType) -> CliResult {
-    let nodes: Vec<_> = g.nodes().to_vec();
-    for n in nodes {
-        let op = g.node(n).op.clone();
-        let new = match op {
-            Op::Param { name, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Param {
-                name,
-                ty: ty.with_dtype(dtype),
-            }),
-            Op::Input { name, role, ty } if ty.dtype.is_float() && ty.dtype != dtype => {
-                Some(Op::Input {
-                    name,
-                    role,
-                    ty: ty.with_dtype(dtype),
-                })
-            }
-            Op::Full { value, ty } if ty.dtype.is_float() && ty.dtype != dtype => Some(Op::Full {
-                value,
-                ty: ty.with_dtype(dtype),
-            }),
-            _ => None,
-        };
-        if let Some(op) = new {
-            g.node_mut(n).op = op;
-        }
-        g.reinfer(n)
-            .map_err(|e| CliError::input(format!("converting to {dtype}: {e}")))?;
-    }
-    Ok(())
+/// The optimizer of a training step in words (for the run header).
+fn optimizer_text(t: Option<&weft_passes::training::TrainOptions>) -> String {
+    use weft_passes::training::Optimizer;
+    let Some(t) = t else {
+        return "optimizer: none (forward only)".into();
+    };
+    let master = if t.master_weights {
+        "f32 master weights"
+    } else {
+        "in the parameters' dtype"
+    };
+    let opt = match &t.optimizer {
+        Some(Optimizer::AdamW {
+            lr,
+            beta1,
+            beta2,
+            weight_decay,
+            ..
+        }) => format!(
+            "AdamW lr {} betas {}/{} weight decay {} ({master})",
+            lr.0, beta1.0, beta2.0, weight_decay.0
+        ),
+        Some(Optimizer::Sgd { lr, .. }) => format!("SGD lr {} ({master})", lr.0),
+        None => "none (gradients only)".into(),
+    };
+    format!("optimizer: {opt}; {}", t.summary())
 }
 
 fn vocab_of(g: &Graph) -> Option<i64> {
@@ -132,13 +141,10 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let t0 = std::time::Instant::now();
     let mut notes = Vec::new();
     // A plan given as MODEL runs as is.
-    if let Some(plan) = read_plan(&a.model)? {
+    if let Some(plan) = super::session::read_plan(&a.model)? {
         let program = weft_ir::parse(&plan.program)
             .map_err(|e| CliError::input(format!("the program of plan {}: {e}", a.model)))?;
-        let training = program
-            .outputs()
-            .iter()
-            .any(|(n, _)| n.starts_with("param.") || n.starts_with("grad."));
+        let training = plan.step_kind() == weft_ir::plan::StepKind::Training;
         let (b, s) = (
             plan.bindings.get("B").copied().unwrap_or(1),
             plan.bindings.get("S").copied().unwrap_or(1),
@@ -151,6 +157,18 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             }
             _ => None,
         };
+        let params = if plan.source.is_empty() {
+            None
+        } else {
+            super::load_model(&plan.source)
+                .ok()
+                .map(|m| m.param_count())
+        };
+        let optimizer = if training {
+            "optimizer: as compiled into the plan".to_string()
+        } else {
+            optimizer_text(None)
+        };
         return Ok(Prepared {
             program,
             plan,
@@ -161,17 +179,12 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             vocab,
             compile_s: t0.elapsed().as_secs_f64(),
             notes,
+            params,
+            optimizer,
         });
     }
     let mesh = super::parse_mesh(&a.mesh)?;
     let model = super::load_model(&a.model)?;
-    let mut g = model.graph.clone();
-    if !a.forward_only && a.check == 0 {
-        // A training run reports the loss; returning the logits would keep the largest
-        // activation of the step (S x vocab) alive to the end and stop its gradient from
-        // taking its bytes.
-        g.remove_output("logits");
-    }
     // --inputs fixes the batch and sequence length.
     let given: Option<(i64, i64)> = match &a.inputs {
         Some(p) => {
@@ -188,98 +201,70 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         }
         None => None,
     };
-    let batch = a
-        .batch
-        .or(given.map(|x| x.0))
-        .unwrap_or(mesh.size_or_one("dp") as i64);
-    let seq = a
-        .seq
-        .or(given.map(|x| x.1))
-        .unwrap_or(64 * mesh.size_or_one("sp") as i64);
-    let mut names = super::compile::pipeline(None, &mesh)?;
-    let mut training = false;
-    let mut train_opts = a.train.options("adamw")?;
-    // The memory-aware passes (checkpoint budget, offload planner) size the step as run.
-    train_opts.batch = Some(batch);
-    train_opts.seq = Some(seq);
-    // Only --check compares gradients; a training run lets each gradient die once its
-    // bucket has updated the weights.
-    train_opts.grad_outputs = a.check > 0;
-    if a.torch_adamw {
-        // torch.optim.AdamW(fused=True) on the bf16 model, as bench/torch_llama_step.py
-        // runs it, placed in the backward by the `optimizer` pass: each gradient dies at
-        // its update instead of living to the end of the step.
-        train_opts.optimizer = Some(weft_passes::training::Optimizer::AdamW {
-            lr: weft_ir::Float(a.train.lr),
-            beta1: weft_ir::Float(0.9),
-            beta2: weft_ir::Float(0.95),
-            eps: weft_ir::Float(1e-8),
-            weight_decay: weft_ir::Float(0.1),
-        });
-        train_opts.master_weights = false;
-    }
+    let (db, ds) = weft_passes::driver::default_run_sizes(&mesh);
+    let batch = a.batch.or(given.map(|x| x.0)).unwrap_or(db);
+    let seq = a.seq.or(given.map(|x| x.1)).unwrap_or(ds);
+    let mut req = super::request(&model, &mesh, None, &a.model)?;
+    req.batch = Some(batch);
+    req.seq = Some(seq);
+    req.plan = true;
+    req.dtype = super::compile::parse_dtype(Some(&a.dtype), "--dtype")?;
+    (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
     if !a.forward_only {
-        let want: Vec<String> = a
-            .train_passes
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(String::from)
-            .collect();
-        let missing: Vec<&String> = want
-            .iter()
-            .filter(|p| weft_passes::lookup(p).is_err())
-            .collect();
-        if missing.is_empty() && !want.is_empty() {
-            if a.train_passes == "autodiff,optimizer" {
-                // The training step the flags describe: micro-batches, autodiff,
-                // checkpoint, offload, grad-sync, optimizer.
-                names.extend(super::train::training_passes(&mesh, &train_opts));
-            } else {
-                names.extend(want.iter().cloned());
-            }
-            training = true;
-        } else {
-            notes.push(format!(
-                "training passes {} are not in this build: running the forward program (loss only)",
-                missing
-                    .iter()
-                    .map(|s| format!("`{s}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ));
+        let mut t = a.train.request("adamw")?;
+        // Only --check compares gradients (and logits); a training run lets each
+        // gradient die once its bucket has updated the weights.
+        t.options.grad_outputs = a.check > 0;
+        if a.torch_adamw {
+            // torch.optim.AdamW(fused=True) on the bf16 model, as bench/torch_llama_step.py
+            // runs it, placed in the backward by the `optimizer` pass: each gradient dies
+            // at its update instead of living to the end of the step.
+            t.options.optimizer = Some(weft_passes::training::Optimizer::AdamW {
+                lr: weft_ir::Float(a.train.lr),
+                beta1: weft_ir::Float(0.9),
+                beta2: weft_ir::Float(0.95),
+                eps: weft_ir::Float(1e-8),
+                weight_decay: weft_ir::Float(0.1),
+            });
+            t.options.master_weights = false;
         }
+        req.train = Some(t);
     }
-    match a.dtype.as_str() {
-        "keep" => {}
-        "bf16" => convert_dtype(&mut g, DType::BF16)?,
-        "f32" => convert_dtype(&mut g, DType::F32)?,
-        d => {
-            return Err(CliError::input(format!("invalid --dtype `{d}`"))
-                .with_help("use keep, bf16 or f32"))
-        }
+    if model.param_count() > 100_000_000 {
+        eprintln!(
+            "compiling the {} of {} for B={batch} S={seq} ...",
+            req.step_kind().name(),
+            model.name
+        );
     }
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    let mut cx = weft_passes::PassContext::new(mesh.clone());
-    cx.options.train = train_opts.clone();
-    weft_passes::PassManager::default()
-        .run(&mut g, &cx, &refs, &mut std::io::sink())
-        .map_err(crate::fail)?;
-    let bindings = super::compile::check_sizes(&g, Some(batch), Some(seq))?;
-    let mut opts = weft_passes::plan::PlanOptions::new(batch, seq);
-    opts.bindings = bindings;
-    opts.device_memory = 139 << 30;
-    opts.source = a.model.clone();
-    let plan = weft_passes::plan::lower(&g, &opts).map_err(crate::fail)?;
+    let c = weft_passes::driver::compile(&req, &mut std::io::sink()).map_err(super::driver_err)?;
+    if let Some(ch) = &c.choice {
+        notes.push(format!("chose {} ({})", ch.chosen, ch.why));
+    }
+    let plan = c.plan.expect("the request asks for a plan");
+    let optimizer = optimizer_text(c.train.as_ref());
+    let g = c.program;
+    let training = c.kind == weft_ir::plan::StepKind::Training;
     let checkpoint = a.weights.clone().or_else(|| {
         model
             .dir()
             .map(|d| d.join("model.safetensors"))
             .filter(|p| p.exists())
     });
+    // Host weights of a real model take a while and many GiB: say so before.
     let host_weights = match checkpoint {
-        Some(w) => Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?),
+        Some(w) => {
+            eprintln!("loading weights from {} ...", w.display());
+            Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?)
+        }
         None if (a.backend == "cpu" && a.steps > 0) || a.check > 0 => {
+            if model.param_count() > 100_000_000 {
+                eprintln!(
+                    "drawing {} random parameters on the host (seed {}) ...",
+                    super::models::group_digits(model.param_count()),
+                    a.seed
+                );
+            }
             Some(weft_frontends::random_weights(&model, a.seed))
         }
         None => None,
@@ -295,23 +280,9 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         vocab,
         compile_s: t0.elapsed().as_secs_f64(),
         notes,
+        params: Some(model.param_count()),
+        optimizer,
     })
-}
-
-fn read_plan(spec: &str) -> CliResult<Option<ExecutionPlan>> {
-    let path = std::path::Path::new(spec);
-    if !path.is_file() {
-        return Ok(None);
-    }
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(None);
-    };
-    if !(text.trim_start().starts_with('{') && text.contains("\"program\"")) {
-        return Ok(None);
-    }
-    ExecutionPlan::from_json(&text, spec)
-        .map(Some)
-        .map_err(crate::fail)
 }
 
 /// The inputs of step `step`: `--inputs`, the next tokens of `--data`, or drawn.
@@ -414,11 +385,14 @@ pub fn inputs_for(g: &Graph, all: &BTreeMap<String, HostTensor>) -> BTreeMap<Str
 
 #[derive(serde::Serialize, Clone, Debug)]
 pub struct StepReport {
+    /// 1-based, as the text prints it.
     pub step: usize,
     pub loss: f64,
     pub step_s: f64,
     pub tokens_per_s: f64,
-    pub mfu: f64,
+    /// Model FLOPs utilisation against --peak-tflops (GPU backends only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reference_loss: Option<f64>,
 }
@@ -513,17 +487,53 @@ fn plan_only(a: &Args) -> CliResult {
     // What `--checkpoint budget=` bounds.
     let live = weft_passes::memory::estimate(&p.program, &bindings).peak_live;
     println!(
-        "plan for B={} S={}: peak {:.2} GiB (arena {:.2} + resident {:.2}; host {:.2}), step {:.3} ms predicted; live-value estimate {:.2} GB; --steps 0: nothing ran",
+        "plan ({}) for B={} S={}: peak {:.2} GiB (arena {:.2} + resident {:.2}; host {:.2}), {} {:.3} ms predicted; live-value estimate {:.2} GB; --steps 0: nothing ran",
+        p.plan.step_kind().name(),
         p.batch,
         p.seq,
         gib(m.peak_bytes),
         gib(m.arena_bytes),
         gib(m.resident_bytes),
         gib(m.host_bytes),
+        p.plan.step_kind().time_name(),
         p.plan.cost.step_time_s * 1e3,
         live as f64 / 1e9
     );
     Ok(())
+}
+
+/// What runs: model, parameters, sizes, where the tokens come from, the optimizer.
+fn print_header(a: &Args, p: &Prepared) {
+    let data = match (&a.inputs, &a.data) {
+        (Some(f), _) => format!("--inputs {} (the same batch every step)", f.display()),
+        (None, Some(f)) => format!("--data {} (the next B*S tokens each step)", f.display()),
+        (None, None) => format!(
+            "random tokens (seed {}, fresh each step: nothing to learn, the loss stays flat; give --inputs or --data)",
+            a.seed
+        ),
+    };
+    let text = format!(
+        "{} ({} parameters) on {} ({}), mesh {}, B={} S={}\n  data: {data}\n  {}\n",
+        p.plan.model,
+        p.params
+            .map(super::models::group_digits)
+            .unwrap_or_else(|| "?".into()),
+        a.backend,
+        if p.training {
+            "training step"
+        } else {
+            "forward only"
+        },
+        super::mesh_text(&p.plan.mesh),
+        p.batch,
+        p.seq,
+        p.optimizer
+    );
+    if a.json {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
+    }
 }
 
 fn print_step(a: &Args, r: &StepReport) {
@@ -532,13 +542,16 @@ fn print_step(a: &Args, r: &StepReport) {
             .reference_loss
             .map(|l| format!("  (cpu {l:.6})"))
             .unwrap_or_default();
+        let mfu = r
+            .mfu
+            .map(|m| format!("  MFU {:>5.1}%", m * 100.0))
+            .unwrap_or_default();
         println!(
-            "step {:>4}  loss {:>10.6}{refl}  {:>9.2} ms  {:>10.0} tok/s  MFU {:>5.1}%",
-            r.step + 1,
+            "step {:>4}  loss {:>10.6}{refl}  {:>9.2} ms  {:>10.0} tok/s{mfu}",
+            r.step,
             r.loss,
             r.step_s * 1e3,
             r.tokens_per_s,
-            r.mfu * 100.0
         );
     }
 }
@@ -548,6 +561,7 @@ fn run_cpu(a: &Args) -> CliResult {
     for n in &p.notes {
         eprintln!("note: {n}");
     }
+    print_header(a, &p);
     let weights = p
         .host_weights
         .clone()
@@ -572,11 +586,11 @@ fn run_cpu(a: &Args) -> CliResult {
             .map(|t| t.to_f64()[0])
             .unwrap_or(f64::NAN);
         let rep = StepReport {
-            step,
+            step: step + 1,
             loss,
             step_s: dt,
             tokens_per_s: tokens / dt,
-            mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12),
+            mfu: None,
             reference_loss: None,
         };
         print_step(a, &rep);
@@ -610,6 +624,7 @@ fn run_cuda(a: &Args) -> CliResult {
     for n in &p.notes {
         eprintln!("note: {n}");
     }
+    print_header(a, &p);
     write_plan(a, &p)?;
     let mut opts = ExecOptions::default();
     if a.generic_attention {
@@ -685,11 +700,11 @@ fn run_cuda(a: &Args) -> CliResult {
             }
         }
         let rep = StepReport {
-            step,
+            step: step + 1,
             loss,
             step_s: dt,
             tokens_per_s: tokens / dt,
-            mfu: p.plan.cost.flops / (dt * a.peak_tflops * 1e12),
+            mfu: Some(p.plan.cost.flops / (dt * a.peak_tflops * 1e12)),
             reference_loss,
         };
         print_step(a, &rep);

@@ -12,7 +12,8 @@ use weft_runtime::cpu::{self, Precision, RunOptions, RunResult};
 /// Options every command that runs a model takes.
 #[derive(clap::Args, Clone)]
 pub struct RunArgs {
-    /// Preset name, config.json, model directory or .weft file.
+    /// Preset name, config.json or model directory, torch.export .pt2, .weft file, or
+    /// a plan .json.
     pub model: String,
     /// Weights (safetensors, or an index json / directory of shards). Default: the
     /// model directory's model.safetensors if there is one, else seeded random weights.
@@ -25,7 +26,7 @@ pub struct RunArgs {
     /// Mesh axes outermost first, e.g. `dp=2,sp=4` (empty: one rank).
     #[arg(long, default_value = "")]
     pub mesh: String,
-    /// Batch size of drawn inputs (default: 2 per data-parallel rank).
+    /// Global batch size of drawn inputs (default: 2 per data-parallel rank).
     #[arg(long)]
     pub batch: Option<i64>,
     /// Sequence length of drawn inputs (default: 8 per sequence-parallel rank).
@@ -34,7 +35,7 @@ pub struct RunArgs {
     /// Seed for random weights and inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Comma-separated pass names instead of the mesh's default pipeline.
+    /// Comma-separated forward pass names instead of the mesh's default pipeline.
     #[arg(long)]
     pub passes: Option<String>,
     /// For a .pt2 MODEL: the HF config.json, for what the export cannot tell (Llama 3 rope scaling).
@@ -127,8 +128,9 @@ impl Session {
         let inputs = match &a.inputs {
             Some(p) => read_inputs(p)?,
             None => {
-                let batch = a.batch.unwrap_or(2 * mesh.size_or_one("dp") as i64);
-                let seq = a.seq.unwrap_or(8 * mesh.size_or_one("sp") as i64);
+                let (db, ds) = weft_passes::driver::default_run_sizes(&mesh);
+                let batch = a.batch.unwrap_or(db);
+                let seq = a.seq.unwrap_or(ds);
                 if batch <= 0 || seq <= 0 {
                     return Err(CliError::input(format!(
                         "invalid --batch {batch} / --seq {seq}: must be positive"
@@ -154,49 +156,39 @@ impl Session {
         })
     }
 
-    /// The parallel program for the session's mesh (the model itself on one rank).
-    pub fn compile(&self, passes: Option<&str>) -> CliResult<Graph> {
-        if let Some(p) = &self.precompiled {
-            let (b, s) = self.input_sizes()?;
-            super::compile::check_sizes(p, Some(b), Some(s))?;
-            return Ok(p.clone());
-        }
-        let mut g = self.model.graph.clone();
-        let names = super::compile::pipeline(passes, &self.mesh)?;
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let cx = super::shard::pass_context(&self.mesh, &self.model, self.tp_spec.as_deref())?;
-        weft_passes::PassManager::default()
-            .run(&mut g, &cx, &refs, &mut std::io::sink())
-            .map_err(crate::fail)?;
-        let (b, s) = self.input_sizes()?;
-        super::compile::check_sizes(&g, Some(b), Some(s))?;
-        Ok(g)
-    }
-
-    /// A whole training step for the session's mesh: the forward pipeline (or
-    /// `passes`), then autodiff, grad-sync and the training passes `train` asks for.
-    pub fn compile_training(
+    /// The program for the session's mesh through the driver: the forward pipeline (or
+    /// `passes`), then for `train` the training passes it asks for, at the inputs'
+    /// sizes. A plan given as MODEL is its program; a forward plan asked for a
+    /// training step gets the training passes on top.
+    pub fn compile(
         &self,
         passes: Option<&str>,
-        train: &weft_passes::training::TrainOptions,
+        train: Option<weft_passes::driver::TrainRequest>,
     ) -> CliResult<Graph> {
-        let mut g = self.compile(passes)?;
         let (b, s) = self.input_sizes()?;
-        let mut cx = super::shard::pass_context(&self.mesh, &self.model, self.tp_spec.as_deref())?;
-        cx.options.train = train.clone();
-        cx.options.train.batch.get_or_insert(b);
-        cx.options.train.seq.get_or_insert(s);
-        let names = super::train::training_passes(&self.mesh, &cx.options.train);
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let ins = weft_passes::Instrumentation {
-            check_requires: false,
-            ..Default::default()
-        };
-        weft_passes::PassManager::new(ins)
-            .run(&mut g, &cx, &refs, &mut std::io::sink())
-            .map_err(crate::fail)?;
-        super::compile::check_sizes(&g, Some(b), Some(s))?;
-        Ok(g)
+        let mut req = super::request(&self.model, &self.mesh, self.tp_spec.as_deref(), "")?;
+        req.batch = Some(b);
+        req.seq = Some(s);
+        req.passes = super::parse_passes(passes)?;
+        if let Some(p) = &self.precompiled {
+            let is_training =
+                weft_ir::plan::StepKind::of_outputs(p.outputs().iter().map(|(n, _)| n.as_str()))
+                    == weft_ir::plan::StepKind::Training;
+            if train.is_none() || is_training {
+                let bind = weft_passes::driver::sizes(&self.mesh, Some(b), Some(s))
+                    .map_err(super::driver_err)?;
+                weft_passes::check_bindings(p, &bind).map_err(crate::fail)?;
+                return Ok(p.clone());
+            }
+            // The plan's program is the forward already: only the training passes run.
+            req.model = p.clone();
+            req.passes = Some(weft_passes::Pipeline::default());
+            req.instrumentation.check_requires = false;
+        }
+        req.train = train;
+        weft_passes::driver::compile(&req, &mut std::io::sink())
+            .map(|c| c.program)
+            .map_err(super::driver_err)
     }
 
     /// `(B, S)` of the inputs.
@@ -245,7 +237,7 @@ impl Session {
 }
 
 /// A plan JSON given as MODEL (`None` for anything else).
-fn read_plan(spec: &str) -> CliResult<Option<weft_ir::ExecutionPlan>> {
+pub fn read_plan(spec: &str) -> CliResult<Option<weft_ir::ExecutionPlan>> {
     let path = Path::new(spec);
     if !path.is_file() {
         return Ok(None);

@@ -9,15 +9,15 @@ use crate::error::{CliError, CliResult};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use weft_frontends::Model;
-use weft_ir::{HostTensor, Mesh};
+use weft_ir::HostTensor;
 use weft_passes::tp::{self, ParamLayout, TpOptions, TpSpec};
-use weft_passes::PassContext;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Preset name, config.json or model directory (for `--unshard`: optional, the
+    /// Preset name, config.json or model directory (not needed with `--unshard`: the
     /// shard directory's layout.json says everything).
-    pub model: String,
+    #[arg(required_unless_present = "unshard")]
+    pub model: Option<String>,
     /// The full checkpoint to cut (default: the model directory's model.safetensors);
     /// with `--unshard`, the shard directory to read.
     #[arg(long)]
@@ -35,6 +35,9 @@ pub struct Args {
     /// Output directory (shards) or file (`--unshard`).
     #[arg(short, long)]
     pub output: PathBuf,
+    /// Print {output, mesh, files, params, split} as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -48,10 +51,9 @@ struct LayoutFile {
     params: Vec<ParamLayout>,
 }
 
-/// The pass context for `mesh`: the explicit `--tp-spec`, the config's HF tp plan and
-/// the model type for the `tensor-parallel` pass.
-pub fn pass_context(mesh: &Mesh, model: &Model, tp_spec: Option<&Path>) -> CliResult<PassContext> {
-    let mut cx = PassContext::new(mesh.clone());
+/// `tensor-parallel`'s options for `model`: the explicit `--tp-spec`, the config's HF
+/// tp plan and the model type.
+pub fn tp_options(model: &Model, tp_spec: Option<&Path>) -> CliResult<TpOptions> {
     let mut o = TpOptions::default();
     if let Some(p) = tp_spec {
         let text = std::fs::read_to_string(p)
@@ -69,8 +71,7 @@ pub fn pass_context(mesh: &Mesh, model: &Model, tp_spec: Option<&Path>) -> CliRe
         };
         o.hf_plan_source = file;
     }
-    cx.options.tp = o;
-    Ok(cx)
+    Ok(o)
 }
 
 fn shard_name(axes: &[(String, u32)], coords: &[u32]) -> String {
@@ -89,16 +90,13 @@ pub fn run(a: Args) -> CliResult {
     if a.unshard {
         return unshard(&a);
     }
+    let spec = a.model.clone().unwrap_or_default();
     let mesh = super::parse_mesh(&a.mesh)?;
-    let model = super::load_model(&a.model)?;
-    let mut g = model.graph.clone();
-    g.mesh = mesh.clone();
-    let cx = pass_context(&mesh, &model, a.tp_spec.as_deref())?;
-    let names = super::compile::pipeline(None, &mesh)?;
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    weft_passes::PassManager::default()
-        .run(&mut g, &cx, &refs, &mut std::io::sink())
-        .map_err(crate::fail)?;
+    let model = super::load_model(&spec)?;
+    let req = super::request(&model, &mesh, a.tp_spec.as_deref(), &spec)?;
+    let g = weft_passes::driver::compile(&req, &mut std::io::sink())
+        .map_err(super::driver_err)?
+        .program;
     let layouts = tp::param_layouts(&g, &model.tied).map_err(CliError::input)?;
     let checkpoint = a
         .weights
@@ -127,7 +125,7 @@ pub fn run(a: Args) -> CliResult {
         files.push(name);
     }
     let lf = LayoutFile {
-        model: a.model.clone(),
+        model: spec.clone(),
         mesh: mesh.to_string(),
         axes: axes.clone(),
         files,
@@ -135,6 +133,19 @@ pub fn run(a: Args) -> CliResult {
     };
     super::write_out(Some(&a.output.join("layout.json")), &super::json(&lf))?;
     let split = lf.params.iter().filter(|l| !l.replicated).count();
+    if a.json {
+        print!(
+            "{}",
+            super::json(&serde_json::json!({
+                "output": a.output.display().to_string(),
+                "mesh": mesh.to_string(),
+                "files": lf.files,
+                "params": lf.params.len(),
+                "split": split,
+            }))
+        );
+        return Ok(());
+    }
     eprintln!(
         "sharded {} for mesh {mesh}: {} files, {split} of {} parameters split -> {}",
         checkpoint.display(),
@@ -164,6 +175,18 @@ fn unshard(a: &Args) -> CliResult {
     let full = tp::unshard_checkpoint(&lf.params, &shards, &lf.axes)
         .map_err(|e| CliError::input(format!("unsharding {}: {e}", dir.display())))?;
     weft_frontends::save_safetensors(&a.output, &full).map_err(super::frontend_err)?;
+    if a.json {
+        print!(
+            "{}",
+            super::json(&serde_json::json!({
+                "output": a.output.display().to_string(),
+                "mesh": lf.mesh,
+                "files": lf.files,
+                "params": full.len(),
+            }))
+        );
+        return Ok(());
+    }
     eprintln!(
         "unsharded {} ({} files, mesh {}) -> {}",
         dir.display(),

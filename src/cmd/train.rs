@@ -5,6 +5,7 @@
 use crate::error::{CliError, CliResult};
 use std::collections::BTreeMap;
 use weft_ir::HostTensor;
+use weft_passes::driver::{Open, Request, TrainRequest};
 use weft_passes::training::{
     parse_bytes, CheckpointPolicy, OffloadOptions, Optimizer, TrainOptions,
 };
@@ -15,14 +16,18 @@ pub struct TrainArgs {
     /// outputs, recompute matmuls and elementwise ops) or `budget=<bytes>` (keep the
     /// step's peak of live values per rank within the budget at the least recompute,
     /// checked by the liveness estimate; `weft run --steps 0` prints that estimate).
-    #[arg(long, default_value = "none", value_name = "POLICY")]
-    pub checkpoint: String,
+    /// Not given: a plan takes the cheapest of none, selective, full (then with
+    /// --offload) that fits the device memory, and says which.
+    #[arg(long, value_name = "POLICY")]
+    pub checkpoint: Option<String>,
     /// Offload saved activations to host memory (async copies on their own streams,
     /// prefetched before their backward use; the last layer's stay on the device). With
     /// `--checkpoint selective` or `budget=`, what would be recomputed goes to the host
     /// instead where the host link (the --device profile's) can carry it in time.
-    #[arg(long)]
-    pub offload: bool,
+    /// `--offload=false` forbids it; not given, a plan turns it on only when nothing
+    /// fits without it.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub offload: Option<bool>,
     /// Offload planner: offload only until the saved activations fit this many bytes per
     /// rank, within what the host link can hide under compute (implies --offload).
     #[arg(long, value_name = "BYTES")]
@@ -31,15 +36,17 @@ pub struct TrainArgs {
     #[arg(long, default_value = "1Mi", value_name = "BYTES")]
     pub offload_min_bytes: String,
     /// Gradient accumulation: run the step as N micro-batches (one gradient reduction).
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    pub micro_batches: u32,
-    /// Gradient reduction bucket size in MB (DeepSpeed's reduce_bucket_size: 500).
+    /// Default 1.
+    #[arg(long, value_name = "N")]
+    pub micro_batches: Option<u32>,
+    /// Gradient reduction bucket size in millions of bytes of gradient (10^6 bytes; a
+    /// bucket of 500 holds 250M bf16 or 125M f32 gradient elements). Default 500.
     #[arg(long, default_value_t = 500.0, value_name = "MB")]
     pub bucket_mb: f64,
     /// ZeRO stage: 0 (all_reduce gradients), 1 (shard optimizer states over dp), 2 (also
-    /// reduce_scatter gradients over dp).
-    #[arg(long, default_value_t = 0, value_name = "STAGE")]
-    pub zero: u8,
+    /// reduce_scatter gradients over dp). Default 0.
+    #[arg(long, value_name = "STAGE")]
+    pub zero: Option<u8>,
     /// Optimizer update in the step: adamw, sgd or none.
     #[arg(long, value_name = "NAME")]
     pub optimizer: Option<String>,
@@ -53,31 +60,42 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    /// The training passes' options; `default_optimizer` when `--optimizer` is absent.
-    pub fn options(&self, default_optimizer: &str) -> CliResult<TrainOptions> {
-        let checkpoint = CheckpointPolicy::parse(&self.checkpoint).map_err(|m| {
-            CliError::input(format!("invalid --checkpoint: {m}"))
-                .with_help("use none, full, selective or budget=<bytes> (e.g. budget=2G)")
-        })?;
+    /// The training request: the options given (defaults elsewhere), and which of
+    /// them the driver may choose by memory; `default_optimizer` when `--optimizer`
+    /// is absent.
+    pub fn request(&self, default_optimizer: &str) -> CliResult<TrainRequest> {
+        let checkpoint = match &self.checkpoint {
+            None => CheckpointPolicy::None,
+            Some(c) => CheckpointPolicy::parse(c).map_err(|m| {
+                CliError::input(format!("invalid --checkpoint: {m}"))
+                    .with_help("use none, full, selective or budget=<bytes> (e.g. budget=2G)")
+            })?,
+        };
         let min_bytes = parse_bytes(&self.offload_min_bytes)
             .map_err(|m| CliError::input(format!("invalid --offload-min-bytes: {m}")))?;
+        let template = OffloadOptions {
+            min_bytes,
+            ..Default::default()
+        };
         let offload = match (&self.offload_budget, self.offload) {
+            (Some(_), Some(false)) => {
+                return Err(CliError::input(
+                    "--offload-budget and --offload=false contradict each other",
+                ))
+            }
             (Some(b), _) => {
                 let budget = parse_bytes(b)
                     .map_err(|m| CliError::input(format!("invalid --offload-budget: {m}")))?;
                 Some(OffloadOptions {
                     budget: Some(budget),
-                    min_bytes,
-                    ..Default::default()
+                    ..template.clone()
                 })
             }
-            (None, true) => Some(OffloadOptions {
-                min_bytes,
-                ..Default::default()
-            }),
-            (None, false) => None,
+            (None, Some(true)) => Some(template.clone()),
+            (None, _) => None,
         };
-        if self.micro_batches == 0 {
+        let micro_batches = self.micro_batches.unwrap_or(1);
+        if micro_batches == 0 {
             return Err(CliError::input(
                 "invalid --micro-batches 0: must be at least 1",
             ));
@@ -88,10 +106,10 @@ impl TrainArgs {
                 self.bucket_mb
             )));
         }
-        if self.zero > 2 {
+        let zero = self.zero.unwrap_or(0);
+        if zero > 2 {
             return Err(CliError::input(format!(
-                "invalid --zero {}: stages 0, 1 and 2 are supported",
-                self.zero
+                "invalid --zero {zero}: stages 0, 1 and 2 are supported"
             )));
         }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
@@ -109,44 +127,40 @@ impl TrainArgs {
                     .with_help("use adamw, sgd or none"))
             }
         };
-        Ok(TrainOptions {
-            micro_batches: self.micro_batches,
-            checkpoint,
-            offload,
-            bucket_bytes: (self.bucket_mb * 1e6) as u64,
-            reduce_scatter: self.zero >= 2,
-            optimizer,
-            zero1: self.zero >= 1,
-            master_weights: !self.no_master_weights,
-            // check and eval compare the gradients; `compile` drops them from a plan.
-            grad_outputs: true,
-            batch: None,
-            seq: None,
+        Ok(TrainRequest {
+            options: TrainOptions {
+                micro_batches,
+                checkpoint,
+                offload,
+                bucket_bytes: (self.bucket_mb * 1e6) as u64,
+                reduce_scatter: zero >= 2,
+                optimizer,
+                zero1: zero >= 1,
+                master_weights: !self.no_master_weights,
+                // check and eval compare the gradients; `compile` drops them from a plan.
+                grad_outputs: true,
+                batch: None,
+                seq: None,
+            },
+            open: Open {
+                checkpoint: self.checkpoint.is_none(),
+                offload: self.offload.is_none() && self.offload_budget.is_none(),
+            },
+            offload_template: template,
         })
     }
 
-    /// True when any training flag differs from its default (so `compile` builds a
-    /// training step without `--train`).
+    /// True when any training flag is given (so `check` and `eval` build a training
+    /// step without `--train` / `--grads`).
     pub fn any(&self) -> bool {
-        self.checkpoint != "none"
-            || self.offload
+        self.checkpoint.is_some()
+            || self.offload.is_some()
             || self.offload_budget.is_some()
-            || self.micro_batches != 1
-            || self.zero != 0
+            || self.micro_batches.is_some()
+            || self.zero.is_some()
             || self.optimizer.is_some()
             || self.no_master_weights
     }
-}
-
-/// The training passes after the forward pipeline, for `opts`.
-pub fn training_passes(mesh: &weft_ir::Mesh, opts: &TrainOptions) -> Vec<String> {
-    let forward = weft_passes::default_pipeline(mesh).len();
-    weft_passes::training::training_pipeline(mesh, opts)
-        .names()
-        .into_iter()
-        .skip(forward)
-        .map(String::from)
-        .collect()
 }
 
 /// The gradients a training step returned as `grad.<param>` outputs, by param name.
@@ -161,21 +175,17 @@ pub fn graph_grads(outputs: &BTreeMap<String, HostTensor>) -> BTreeMap<String, H
 }
 
 /// The per-rank memory of the training step under each checkpoint policy (none,
-/// selective, full, and the one given), compiled from `model` with `forward` then the
-/// training passes: a table for `weft compile --stats`.
-pub fn memory_table(
-    model: &weft_ir::Graph,
-    cx: &weft_passes::PassContext,
-    forward: &[String],
-) -> CliResult<String> {
+/// selective, full, and the one compiled), each compiled by the driver from `req`
+/// with the compiled step's other options: a table for `weft compile --stats`.
+pub fn memory_table(req: &Request, compiled: &TrainOptions) -> CliResult<String> {
     use weft_passes::memory::{bindings, estimate};
     let mut policies = vec![
         CheckpointPolicy::None,
         CheckpointPolicy::Selective,
         CheckpointPolicy::Full,
     ];
-    if !policies.contains(&cx.options.train.checkpoint) {
-        policies.push(cx.options.train.checkpoint.clone());
+    if !policies.contains(&compiled.checkpoint) {
+        policies.push(compiled.checkpoint.clone());
     }
     let gib = |b: u64| format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64);
     let mut rows = vec![[
@@ -192,23 +202,24 @@ pub fn memory_table(
     .to_vec()];
     let mut at = String::new();
     for p in policies {
-        let mut c = cx.clone();
-        c.options.train.checkpoint = p.clone();
-        let mut names: Vec<String> = forward.to_vec();
-        names.extend(training_passes(&c.mesh, &c.options.train));
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let mut g = model.clone();
-        let ins = weft_passes::Instrumentation {
-            check_requires: false,
+        let mut r = req.clone();
+        let mut t = r.train.clone().unwrap_or_default();
+        t.options = compiled.clone();
+        t.options.checkpoint = p.clone();
+        t.open = Open::default();
+        r.train = Some(t);
+        r.plan = false;
+        r.instrumentation = weft_passes::Instrumentation {
+            check_requires: r.instrumentation.check_requires,
             verify_each: false,
             ..Default::default()
         };
-        weft_passes::PassManager::new(ins)
-            .run(&mut g, &c, &refs, &mut std::io::sink())
-            .map_err(crate::fail)?;
-        let b = bindings(&g, &c.options.train);
+        let c =
+            weft_passes::driver::compile(&r, &mut std::io::sink()).map_err(super::driver_err)?;
+        let opts = c.train.clone().unwrap_or_default();
+        let b = bindings(&c.program, &opts);
         at = format!("B={}, S={}", b.symbols["B"], b.symbols["S"]);
-        let e = estimate(&g, &b);
+        let e = estimate(&c.program, &b);
         rows.push(vec![
             p.to_string(),
             gib(e.saved_activations),

@@ -1,9 +1,10 @@
 //! Lowering: from a program to an execution plan.
 //!
-//! [`plan`] (schedule, memory plan, cost model, device profiles), [`memory`] (the
+//! [`convert_dtype`] (the model's float dtype), [`plan`] (schedule, memory plan, cost model, device profiles), [`memory`] (the
 //! per-rank memory estimate) and [`bindings`] (plan-time check that concrete sizes
 //! divide).
 
 pub mod bindings;
+pub mod convert_dtype;
 pub mod memory;
 pub mod plan;

@@ -249,12 +249,52 @@ impl Default for TrainOptions {
     }
 }
 
+impl TrainOptions {
+    /// The ZeRO stage these options amount to (2: reduce_scatter gradients, 1: shard
+    /// the optimizer state, 0: neither).
+    pub fn zero_stage(&self) -> u8 {
+        if self.reduce_scatter {
+            2
+        } else if self.zero1 {
+            1
+        } else {
+            0
+        }
+    }
+
+    /// The memory-relevant choices in one line, as the CLI flags name them:
+    /// `--checkpoint selective --offload --zero 1 --micro-batches 1` (no `--offload`: none).
+    pub fn summary(&self) -> String {
+        let mut s = format!("--checkpoint {}", self.checkpoint);
+        if let Some(o) = &self.offload {
+            match o.budget {
+                Some(b) => s.push_str(&format!(" --offload-budget {b}")),
+                None => s.push_str(" --offload"),
+            }
+        }
+        s.push_str(&format!(
+            " --zero {} --micro-batches {}",
+            self.zero_stage(),
+            self.micro_batches
+        ));
+        s
+    }
+}
+
 /// The pipeline of a whole training step on `mesh`: the forward pipeline, then the
 /// training passes `opts` asks for, each with the reason for its position.
 pub fn training_pipeline(mesh: &Mesh, opts: &TrainOptions) -> Pipeline {
     let mut p = default_pipeline_explained(mesh);
-    let push = |p: &mut Pipeline, pass: &str, why: &str| {
-        p.steps.push(Step {
+    p.steps.extend(training_steps(opts));
+    p
+}
+
+/// The training passes `opts` asks for, in order, each with the reason for its
+/// position; they follow whatever forward pipeline the program went through.
+pub fn training_steps(opts: &TrainOptions) -> Vec<Step> {
+    let mut p = Vec::new();
+    let push = |p: &mut Vec<Step>, pass: &str, why: &str| {
+        p.push(Step {
             pass: pass.to_string(),
             why: why.to_string(),
         })

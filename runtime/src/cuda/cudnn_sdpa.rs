@@ -34,8 +34,8 @@
 //! at S=16384.
 //!
 //! libcudnn is loaded at run time (cudarc `dynamic-loading`, `libcudnn.so.9`). On the GPU
-//! machine the pip package in /opt/torch/.venv has it; where the loader does not find it,
-//! run with `LD_LIBRARY_PATH=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cudnn/lib)`.
+//! machine PyTorch's pip package (nvidia-cudnn-cu13) has it; where the loader does not
+//! find it, put the package's `lib` directory on `LD_LIBRARY_PATH` (see [`CUDNN_HELP`]).
 //! Absence, an old version, or a graph no engine supports is an `Err(String)` that the
 //! executor turns into one line on stderr and a fallback to Weft's own kernels.
 
@@ -53,7 +53,7 @@ type Raw = c::cudnnBackendDescriptor_t;
 type R<T> = Result<T, String>;
 
 /// Where libcudnn usually is on the GPU machine, for error messages.
-pub const CUDNN_HELP: &str = "libcudnn.so.9 (cuDNN 9) was not found: put its directory on LD_LIBRARY_PATH, e.g. `export LD_LIBRARY_PATH=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cudnn/lib)` (the pip package nvidia-cudnn-cu13)";
+pub const CUDNN_HELP: &str = "libcudnn.so.9 (cuDNN 9) was not found: put its directory on LD_LIBRARY_PATH, e.g. with PyTorch's pip package (nvidia-cudnn-cu13) in the python3 on PATH: `export LD_LIBRARY_PATH=$(python3 -c 'import nvidia.cudnn; print(nvidia.cudnn.__path__[0] + \"/lib\")')`";
 
 /// Is libcudnn loadable, and which version is it (`cudnnGetVersion`, e.g. 91300)?
 /// Never panics: cudarc's dynamic loading panics on a missing library or symbol, so the

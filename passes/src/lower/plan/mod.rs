@@ -763,6 +763,9 @@ pub fn lower_with_views(
     Ok(ExecutionPlan {
         version: PLAN_VERSION,
         model: g.name.clone(),
+        step: Some(weft_ir::plan::StepKind::of_outputs(
+            g.outputs().iter().map(|(n, _)| n.as_str()),
+        )),
         source: opts.source.clone(),
         mesh: g.mesh.clone(),
         groups,

@@ -1,5 +1,5 @@
 //! Device profiles: the rates the cost model uses. Presets for A100, H100 and H200
-//! (figures measured on the device machine where we have them; see ../shared/GPU.md),
+//! (figures measured on the device machine where we have them; see docs/GPU.md),
 //! overridable by a JSON file with the same fields.
 
 use weft_ir::plan::DeviceProfile;

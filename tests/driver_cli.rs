@@ -1,0 +1,200 @@
+//! The CLI over the one compile driver: training is the default, reports say what they
+//! hold, options left out are chosen by memory (and given ones that do not fit name
+//! what would), and every report has `--json`.
+
+mod common;
+use common::*;
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("weft-driver-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn compile_builds_the_training_step_unless_told_forward_only() {
+    let (train, fwd) = (tmp("train.json"), tmp("fwd.json"));
+    let base = [
+        "compile",
+        "tests/fixtures/llama",
+        "--mesh",
+        "sp=2",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+    ];
+    let (code, _, err) = weft(&[&base[..], &["-o", train.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("compiled the training step of")
+            && err.contains(&format!(
+                "wrote the ExecutionPlan (training step) to {}",
+                train.display()
+            )),
+        "{err}"
+    );
+    let (code, _, err) =
+        weft(&[&base[..], &["--forward-only", "-o", fwd.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("(forward pass)"), "{err}");
+    for (plan, step, autodiff) in [(&train, "training", true), (&fwd, "forward", false)] {
+        let v = json(&std::fs::read_to_string(plan).unwrap());
+        assert_eq!(v["step"], step);
+        assert_eq!(
+            v["program"].as_str().unwrap().contains("autodiff"),
+            autodiff,
+            "{step}"
+        );
+        let (code, out, err) = weft(&["inspect", plan.to_str().unwrap(), "--json"]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(json(&out)["step"], step);
+        let (code, out, err) = weft(&["stats", plan.to_str().unwrap(), "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let v = json(&out);
+        assert_eq!(v["plan"]["step"], step);
+        assert_eq!(v["seq"], 16, "stats of a plan counts at the plan's S");
+        assert!(v["forward_flops_per_token"].is_u64(), "FLOPs are integers");
+    }
+    let (_, out, _) = weft(&["inspect", fwd.to_str().unwrap()]);
+    assert!(
+        out.contains("(forward pass)")
+            && out.contains("time    forward ")
+            && !out.contains("time    step"),
+        "a forward plan's time is not a step's:\n{out}"
+    );
+}
+
+#[test]
+fn open_options_are_chosen_to_fit_and_given_ones_that_do_not_fit_say_what_would() {
+    let plan = tmp("8b.json");
+    let p = plan.to_str().unwrap();
+    let args = ["compile", "llama3-8b", "--mesh", "sp=8", "--seq", "131072"];
+    // The h200 profile's 139 GiB: no checkpointing needs 196 GiB, selective fits.
+    let (code, _, err) = weft(&[&args[..], &["-o", p]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("chose --checkpoint selective") && err.contains("tried --checkpoint none"),
+        "{err}"
+    );
+    assert_eq!(
+        json(&std::fs::read_to_string(&plan).unwrap())["step"],
+        "training"
+    );
+    // Only the checkpoint given: offload is still open, and none + offload fits.
+    let (code, _, err) = weft(&[&args[..], &["--checkpoint", "none", "-o", p]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("chose --checkpoint none --offload"), "{err}");
+    // Both given: kept, refused, and the error names what fits.
+    let (code, _, err) = weft(
+        &[
+            &args[..],
+            &["--checkpoint", "none", "--offload=false", "-o", p],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("but the device has 139.00 GiB")
+            && err.contains("help: --checkpoint selective"),
+        "{err}"
+    );
+}
+
+#[test]
+fn pipelines_print_with_their_reasons() {
+    let (code, out, err) = weft(&[
+        "compile",
+        "llama-tiny",
+        "--mesh",
+        "dp=2",
+        "--print-pipeline",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.contains(". autodiff ") && l.ends_with("after every forward rewrite: differentiates the parallel program itself, collectives included")),
+        "{err}"
+    );
+    let v = json(&out);
+    assert_eq!(v["step"], "training");
+    let steps = v["pipeline"]["steps"].as_array().unwrap();
+    assert!(steps.iter().all(|s| !s["why"].as_str().unwrap().is_empty()));
+    assert!(steps.iter().any(|s| s["pass"] == "grad-sync"));
+}
+
+#[test]
+fn eval_shard_and_import_have_json() {
+    let out = tmp("eval.safetensors");
+    let (code, o, err) = weft(&[
+        "eval",
+        "tests/fixtures/llama",
+        "--inputs",
+        "tests/fixtures/llama/inputs.safetensors",
+        "-o",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v = json(&o);
+    assert!(v["loss"].as_f64().unwrap() > 0.0);
+    assert!(v["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t == "logits"));
+    let dir = tmp("shards");
+    let (code, o, err) = weft(&[
+        "shard",
+        "tests/fixtures/llama",
+        "--mesh",
+        "tp=2",
+        "-o",
+        dir.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&o)["files"].as_array().unwrap().len(), 2);
+    // --unshard needs no MODEL.
+    let back = tmp("back.safetensors");
+    let (code, o, err) = weft(&[
+        "shard",
+        "--unshard",
+        "--weights",
+        dir.to_str().unwrap(),
+        "-o",
+        back.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(json(&o)["params"].as_u64().unwrap() > 0);
+    let ir = tmp("tiny.weft");
+    let (code, o, err) = weft(&["import", "llama-tiny", "-o", ir.to_str().unwrap(), "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&o)["model"], "llama-tiny");
+}
+
+#[test]
+fn run_says_what_it_trains_on() {
+    let (code, out, err) = weft(&[
+        "run",
+        "tests/fixtures/llama",
+        "--inputs",
+        "tests/fixtures/llama/inputs.safetensors",
+        "--steps",
+        "2",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("B=2 S=16")
+            && out.contains("data: --inputs tests/fixtures/llama/inputs.safetensors")
+            && out.contains("optimizer: AdamW")
+            && out.contains("step    1")
+            && !out.contains("MFU"),
+        "{out}"
+    );
+    let (code, out, err) = weft(&["run", "llama-tiny", "--steps", "1"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("random tokens"), "{out}");
+}
