@@ -459,6 +459,7 @@ fn parse_moe(
             Ok(())
         }
     };
+    refuse_router_training_fields(f, family)?;
     match family {
         Family::Mixtral => {
             let e = f.positive("num_local_experts")?;
@@ -497,4 +498,27 @@ fn parse_moe(
         }
         _ => Ok(None),
     }
+}
+
+/// Router fields that change HF's training math and are not implemented yet.
+fn refuse_router_training_fields(f: &Fields, family: Family) -> Result<(), FrontendError> {
+    if !matches!(family, Family::Mixtral | Family::Qwen3Moe) {
+        return Ok(());
+    }
+    if f.opt_bool("output_router_logits")?.unwrap_or(false) {
+        return Err(f.err(
+            "output_router_logits",
+            "is true: HF's loss then adds router_aux_loss_coef x the load-balancing loss, which Weft does not compute yet",
+        ));
+    }
+    if family == Family::Mixtral {
+        let jitter = f.opt_f64("router_jitter_noise")?.unwrap_or(0.0);
+        if jitter != 0.0 {
+            return Err(f.err(
+                "router_jitter_noise",
+                format!("is {jitter}: HF multiplies the MoE input by uniform noise in training, which Weft does not implement (set it to 0)"),
+            ));
+        }
+    }
+    Ok(())
 }
