@@ -162,14 +162,15 @@ fn aux_part(g: &Graph, coef: f64) -> Graph {
     g
 }
 
-/// Rows `[lo, hi)` of every input.
-fn rows(inputs: &BTreeMap<String, HostTensor>, lo: usize, hi: usize) -> BTreeMap<String, HostTensor> {
+/// The listed rows of every input.
+fn rows(inputs: &BTreeMap<String, HostTensor>, which: &[usize]) -> BTreeMap<String, HostTensor> {
     inputs
         .iter()
         .map(|(k, t)| {
             let s = t.shape[1];
-            let v = t.to_i64()[lo * s..hi * s].to_vec();
-            (k.clone(), HostTensor::ints(t.dtype, vec![hi - lo, s], v))
+            let all = t.to_i64();
+            let v = which.iter().flat_map(|&r| all[r * s..(r + 1) * s].to_vec()).collect();
+            (k.clone(), HostTensor::ints(t.dtype, vec![which.len(), s], v))
         })
         .collect()
 }
@@ -177,10 +178,12 @@ fn rows(inputs: &BTreeMap<String, HostTensor>, lo: usize, hi: usize) -> BTreeMap
 #[test]
 fn micro_batches_take_the_aux_loss_per_micro_batch() {
     // With N micro-batches: loss = ce over the whole batch + coef * mean_m aux(micro-batch m),
-    // gradients likewise: what gradient accumulation over N forward calls of HF gives for
-    // the aux term (each call's own token fractions), with the cross-entropy normalised
-    // once over the whole batch as Weft's micro-batches always do.
-    let n = 2usize;
+    // gradients likewise: gradient accumulation over N forward calls, each with its own
+    // token fractions (HF's aux per call), the cross-entropy normalised once over the whole
+    // batch as Weft's micro-batches always do. Micro-batch m is the m-th 1/N of each
+    // data-parallel rank's rows, all ranks together (their aux statistics are summed over
+    // dp): with batch 4, dp=2, N=2 it is rows {m, 2+m}; on one rank rows {2m, 2m+1}.
+    let (n, batch) = (2usize, 4usize);
     for name in ["mixtral_aux", "qwen3_moe_aux"] {
         let (graph, weights, inputs) =
             load_fixture_batch4(name, |i, s| i < 3 || i % 7 == 2 || (2 * s..2 * s + 5).contains(&i));
@@ -191,49 +194,54 @@ fn micro_batches_take_the_aux_loss_per_micro_batch() {
         };
         let model = weft_frontends::load(fixture(name).to_str().unwrap()).unwrap();
         let coef = model.config.and_then(|c| c.moe).and_then(|m| m.aux_loss_coef).unwrap();
-        // Expected: the ce part on the whole batch, the aux part per micro-batch.
+        // The ce part on the whole batch.
         let mut ce_only = graph.clone();
         let ce = ce_only.output("ce_loss").unwrap();
         ce_only.set_output("loss", ce);
         let whole = execute(&ce_only, &c, true);
         let aux_graph = aux_part(&graph, coef);
-        let mut aux_mean = 0.0;
-        let mut want_grads: BTreeMap<String, Vec<f64>> =
-            whole.grads.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
-        for m in 0..n {
-            let part = Case {
-                graph: aux_graph.clone(),
-                weights: c.weights.clone(),
-                inputs: rows(&c.inputs, m * 4 / n, (m + 1) * 4 / n),
-            };
-            let r = execute(&aux_graph, &part, true);
-            aux_mean += r.outputs["aux_loss"].to_f64()[0] / n as f64;
-            for (k, g) in &r.grads {
-                for (w, x) in want_grads.get_mut(k).unwrap().iter_mut().zip(g.to_f64()) {
-                    *w += x / n as f64;
-                }
-            }
-        }
-        let want_loss = whole.outputs["ce_loss"].to_f64()[0] + coef * aux_mean;
         let opts = TrainOptions {
-            batch: Some(4),
+            batch: Some(batch as i64),
             seq: Some(16),
             micro_batches: n as u32,
             ..Default::default()
         };
-        for mesh in ["", "dp=2", "sp=2", "dp=2,ep=2"] {
+        for mesh in ["", "sp=2", "dp=2", "dp=2,ep=2"] {
+            let dp = Mesh::parse(mesh).unwrap().size("dp").unwrap_or(1) as usize;
+            let per = batch / dp / n;
+            // The aux part per micro-batch, on the unsharded model.
+            let mut aux_mean = 0.0;
+            let mut want_grads: BTreeMap<String, Vec<f64>> =
+                whole.grads.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
+            for m in 0..n {
+                let which: Vec<usize> = (0..dp)
+                    .flat_map(|r| (0..per).map(move |j| r * batch / dp + m * per + j))
+                    .collect();
+                let part = Case {
+                    graph: aux_graph.clone(),
+                    weights: c.weights.clone(),
+                    inputs: rows(&c.inputs, &which),
+                };
+                let r = execute(&aux_graph, &part, true);
+                aux_mean += r.outputs["aux_loss"].to_f64()[0] / n as f64;
+                for (k, g) in &r.grads {
+                    for (w, x) in want_grads.get_mut(k).unwrap().iter_mut().zip(g.to_f64()) {
+                        *w += x / n as f64;
+                    }
+                }
+            }
+            let want_loss = whole.outputs["ce_loss"].to_f64()[0] + coef * aux_mean;
             let (g, _) = training_step(&graph, mesh, &opts)
                 .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
             let got = run(&g, &c.weights, &c.inputs, &RunOptions::new(Precision::F64))
                 .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
             let what = format!("{name} micro-batches {n} on `{mesh}`");
             let close = |a: f64, b: f64| (a - b).abs() <= 1e-10 * b.abs();
-            assert!(close(got.outputs["loss"].to_f64()[0], want_loss), "{what}: loss");
-            assert!(close(got.outputs["aux_loss"].to_f64()[0], aux_mean), "{what}: aux_loss");
-            assert!(
-                close(got.outputs["ce_loss"].to_f64()[0], whole.outputs["ce_loss"].to_f64()[0]),
-                "{what}: ce_loss"
-            );
+            let out = |k: &str| got.outputs[k].to_f64()[0];
+            assert!(close(out("loss"), want_loss), "{what}: loss {} want {want_loss}", out("loss"));
+            assert!(close(out("aux_loss"), aux_mean), "{what}: aux_loss {} want {aux_mean}", out("aux_loss"));
+            let want_ce = whole.outputs["ce_loss"].to_f64()[0];
+            assert!(close(out("ce_loss"), want_ce), "{what}: ce_loss");
             let grads = grad_outputs(&got);
             for (k, want) in &want_grads {
                 let w = &whole.grads[k];

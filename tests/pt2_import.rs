@@ -301,3 +301,29 @@ fn llama3_rope_needs_the_config() {
     // Default rope is fitted from the table alone.
     import(&archive("qwen2"), &Pt2Options::default()).unwrap();
 }
+
+#[test]
+fn moe_load_balancing_loss_is_refused_by_name() {
+    // Exported with output_router_logits: true, the program returns aux_loss and the
+    // router logits; the importer appends the cross-entropy only, so it refuses.
+    let opts = Pt2Options {
+        config: Some(fixture_dir("mixtral").join("config.json")),
+        ..Default::default()
+    };
+    let s = import(&archive("mixtral_aux_batched"), &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        s.contains("`aux_loss`") && s.contains("output_router_logits"),
+        "{s}"
+    );
+    // A config that asks for the aux loss is refused too, whatever the archive returns.
+    let opts = Pt2Options {
+        config: Some(fixture_dir("mixtral_aux").join("config.json")),
+        ..Default::default()
+    };
+    let s = import(&archive("mixtral_batched"), &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(s.contains("output_router_logits: true"), "{s}");
+}

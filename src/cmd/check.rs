@@ -64,7 +64,13 @@ pub fn run(a: Args) -> CliResult {
             .ok_or_else(|| CliError::input(format!("the program has no `{name}` output")))
     };
     let (loss_ref, loss) = (out(&reference, "loss")?, out(&got, "loss")?);
-    let err_loss = loss.max_rel_err(&loss_ref);
+    let mut err_loss = loss.max_rel_err(&loss_ref);
+    // The parts of a loss with a MoE aux term are outputs too: compared like the loss.
+    for part in ["ce_loss", "aux_loss"] {
+        if let Some(want) = reference.outputs.get(part) {
+            err_loss = err_loss.max(out(&got, part)?.max_rel_err(want));
+        }
+    }
     let err_logits = out(&got, "logits")?.max_rel_err(&out(&reference, "logits")?);
     let (mut err_grads, mut worst) = (0.0f64, String::new());
     if a.train {

@@ -5,22 +5,24 @@
 //! Weft's inputs have none, which is HF's `attention_mask=None`; labels play no part):
 //!
 //! ```text
-//! tokens[e] = sum_l count of top-k slots routed to e in layer l     # one_hot -> sum
-//! probs[e]  = sum_l sum_t softmax(router_logits_l)[t, e]
-//! rows      = sum_e tokens[e] / k                                    # = L_moe * B*S, exact
-//! aux       = E * sum_e (tokens[e] / rows) * (probs[e] / rows)
+//! tokens[t, e] = sum_l top-k slots of token t routed to e in layer l   # one_hot -> sum
+//! probs[t, e]  = sum_l softmax(router_logits_l)[t, e]
+//! tokens, probs = split(sum_t concat(tokens, probs))                   # one token sum
+//! rows         = sum_e tokens[e] / k                                   # = L_moe * B*S, exact
+//! aux          = E * sum_e (tokens[e] / rows) * (probs[e] / rows)
 //! ```
 //!
 //! The top-k indices are those the routing uses (HF takes `topk` of the same softmax),
 //! so the counts carry no gradient and the gradient reaches the routers through the
-//! mean probabilities. The per-layer sums are over the token dim, so after sharding
-//! they are per-rank partial sums that `sp-loss` completes with an `all_reduce` over the
-//! token axes before the division: the fractions stay global means over every token.
+//! mean probabilities. The one sum over the tokens is, after sharding, a per-rank
+//! partial sum that `shard-seq` completes with an `all_reduce` over the token axes
+//! (dp, sp) before the division: the fractions stay global means over every token, for
+//! one collective of 2E floats per step.
 
 use super::Builder;
 use crate::config::MoeConfig;
 use crate::error::FrontendError;
-use weft_ir::{DType, Float, Op, TensorType, Value};
+use weft_ir::{DType, Dim, Float, Op, TensorType, Value};
 
 impl Builder<'_> {
     /// The aux loss over the routers recorded by `moe` (scope `loss.aux`): an f32 scalar.
@@ -31,6 +33,8 @@ impl Builder<'_> {
             dims,
             keepdim: false,
         };
+        // Per token first ([B*S, E], layers added elementwise), so the sum over the
+        // tokens happens once: one reduction (and, sharded, one all_reduce) per step.
         let mut tokens: Option<Value> = None;
         let mut probs: Option<Value> = None;
         for (p, index) in routers {
@@ -43,16 +47,15 @@ impl Builder<'_> {
                 },
                 &[index],
             )?;
-            let counts = self.op(sum(vec![0, 1]), &[hot])?;
-            let psum = self.op(sum(vec![0]), &[p])?;
+            let counts = self.op(sum(vec![1]), &[hot])?;
             self.scope("loss.aux");
             tokens = Some(match tokens {
                 Some(t) => self.op(Op::Add {}, &[t, counts])?,
                 None => counts,
             });
             probs = Some(match probs {
-                Some(t) => self.op(Op::Add {}, &[t, psum])?,
-                None => psum,
+                Some(t) => self.op(Op::Add {}, &[t, p])?,
+                None => p,
             });
         }
         let (Some(tokens), Some(probs)) = (tokens, probs) else {
@@ -63,6 +66,16 @@ impl Builder<'_> {
             ));
         };
         self.scope("loss.aux");
+        let per_token = self.op(Op::Concat { dim: 1 }, &[tokens, probs])?;
+        let totals = self.op(sum(vec![0]), &[per_token])?;
+        let parts = self.ops(
+            Op::Split {
+                dim: 0,
+                sizes: vec![Dim::from(e), Dim::from(e)],
+            },
+            &[totals],
+        )?;
+        let (tokens, probs) = (parts[0], parts[1]);
         let slots = self.op(sum(vec![0]), &[tokens])?;
         let k = self.op(
             Op::Full {

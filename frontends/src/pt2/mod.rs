@@ -78,6 +78,16 @@ pub struct Pt2Import {
     pub report: ImportReport,
 }
 
+/// The refusal of a MoE model trained with HF's load-balancing loss: the importer
+/// appends the cross-entropy only, which would silently differ from HF's loss.
+fn router_loss_refused(why: &str) -> Pt2Error {
+    Pt2Error::Signature {
+        message: format!(
+            "{why}; HF's loss then adds router_aux_loss_coef x the MoE load-balancing loss, which the .pt2 importer does not build (it appends the cross-entropy only). Export with output_router_logits=False, or compile the model's config.json and safetensors, which implement it"
+        ),
+    }
+}
+
 /// Labels equal to this take no part in the loss (HF's `ignore_index`).
 const IGNORE_INDEX: i64 = -100;
 
@@ -274,6 +284,12 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
             .map_err(|e| Pt2Error::Signature {
                 message: format!("--config: {e}"),
             })?;
+        if cfg.moe.as_ref().is_some_and(|m| m.aux_loss_coef.is_some()) {
+            return Err(router_loss_refused(&format!(
+                "--config {} sets output_router_logits: true",
+                c.display()
+            )));
+        }
         lw.rope_cfg = Some(cfg.rope);
     }
     lw.moe_state = vec![Default::default(); lw.moe.moes.len()];
@@ -418,6 +434,16 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     lw.run();
 
     // ---- outputs
+    if let Some(f) = prog
+        .output_fields
+        .iter()
+        .find(|f| *f == "aux_loss" || *f == "router_logits")
+    {
+        return Err(router_loss_refused(&format!(
+            "the program returns `{f}` (outputs: {}): it was exported with output_router_logits: true",
+            prog.output_fields.join(", ")
+        )));
+    }
     let logits_name = prog
         .outputs
         .iter()
