@@ -132,21 +132,32 @@ fn aux_loss_on_every_mesh_forward_pipeline() {
 
 #[test]
 fn aux_loss_on_every_mesh_training_step() {
-    let opts = TrainOptions {
+    let base = TrainOptions {
         batch: Some(2),
         seq: Some(16),
         ..Default::default()
     };
+    // Full recompute too: the aux path's saved values are recomputed like the rest.
+    let full = TrainOptions {
+        checkpoint: weft_passes::training::CheckpointPolicy::Full,
+        ..base.clone()
+    };
+    let runs: Vec<(&str, &TrainOptions)> = [""]
+        .iter()
+        .chain(MESHES)
+        .map(|m| (*m, &base))
+        .chain([("sp=2", &full), ("dp=2,ep=2", &full)])
+        .collect();
     for name in AUX_FIXTURES {
         let (c, reference) = case(name);
         let unsharded = execute(&c.graph, &c, true);
-        for mesh in [""].iter().chain(MESHES) {
-            let (g, _) = training_step(&c.graph, mesh, &opts)
+        for &(mesh, opts) in &runs {
+            let (g, _) = training_step(&c.graph, mesh, opts)
                 .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
             let got = run(&g, &c.weights, &c.inputs, &RunOptions::new(Precision::F64))
                 .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
             let grads = grad_outputs(&got);
-            let what = format!("{name} training step on `{mesh}`");
+            let what = format!("{name} training step on `{mesh}` ({:?})", opts.checkpoint);
             against_unsharded(&what, &unsharded, &got, &grads);
             against_pytorch(&what, &got, &grads, &reference);
         }
@@ -251,4 +262,34 @@ fn micro_batches_take_the_aux_loss_per_micro_batch() {
             }
         }
     }
+}
+
+#[test]
+fn weft_check_train_compares_the_loss_parts() {
+    // The CLI: `weft check --train` on the aux fixtures (the unsharded model against the
+    // step's backward graph, f64), ce_loss and aux_loss compared with the loss.
+    for (model, mesh) in [
+        ("tests/fixtures/mixtral_top1_aux", "tp=2"),
+        ("tests/fixtures/mixtral_top1_aux", "dp=2,ep=2"),
+        ("tests/fixtures/qwen3_moe_aux", "sp=2"),
+    ] {
+        let args = ["check", model, "--mesh", mesh, "--train", "--json"];
+        let (code, out, err) = weft(&args);
+        assert_eq!(code, 0, "{model} {mesh}: {out}{err}");
+        let v = json(&out);
+        assert_eq!(v["ok"], true, "{model} {mesh}: {v}");
+    }
+    // With micro-batches the aux loss is per micro-batch and the whole-batch reference
+    // does not apply: refused as bad usage, not reported as a failed program.
+    let (code, _, err) = weft(&[
+        "check",
+        "tests/fixtures/qwen3_moe_aux",
+        "--mesh",
+        "sp=2",
+        "--train",
+        "--micro-batches",
+        "2",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("per micro-batch"), "{err}");
 }

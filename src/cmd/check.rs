@@ -46,6 +46,14 @@ pub fn run(a: Args) -> CliResult {
     // with --train a whole training step whose backward graph (autodiff, grad-sync and
     // the training passes the flags ask for) computes the `grad.*` outputs compared here.
     let reference = s.run(&s.model.graph, a.train)?;
+    if a.run.train.micro_batches > 1 && reference.outputs.contains_key("aux_loss") {
+        // The step takes the MoE aux loss per micro-batch (as HF's gradient accumulation
+        // does); the reference here is one forward call over the whole batch.
+        return Err(CliError::input(format!(
+            "`weft check` cannot compare {} with --micro-batches {}: its MoE load-balancing loss is taken per micro-batch, the unsharded reference over the whole batch; check without --micro-batches (tests/moe_aux_check.rs checks the micro-batch semantics)",
+            s.model.name, a.run.train.micro_batches
+        )));
+    }
     let training = a.train || a.run.train.any();
     let program = if training {
         let opts = a.run.train.options("none")?;
