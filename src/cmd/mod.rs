@@ -7,6 +7,7 @@ pub mod import;
 pub mod inspect;
 pub mod mesh;
 pub mod models;
+pub mod moe_aux_ref;
 pub mod ops;
 pub mod passes;
 pub mod run;
