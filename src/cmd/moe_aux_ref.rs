@@ -42,7 +42,7 @@ pub fn micro_batch_reference(s: &Session, n: usize, train: bool) -> CliResult<Ru
     let (b, seq) = s.input_sizes()?;
     let b = b as usize;
     let dp = s.mesh.size("dp").unwrap_or(1) as usize;
-    if b % (dp * n) != 0 {
+    if !b.is_multiple_of(dp * n) {
         return Err(CliError::input(format!(
             "the batch ({b}) is not a multiple of dp x micro-batches ({dp} x {n})"
         )));
