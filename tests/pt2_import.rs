@@ -44,6 +44,8 @@ const ARCHIVES: &[(&str, &str)] = &[
     ("mixtral_batched_decomposed", "mixtral"),
     ("qwen3_moe_batched", "qwen3_moe"),
     ("qwen3_moe_batched_decomposed", "qwen3_moe"),
+    ("olmo2", "olmo2"),
+    ("granite", "granite"),
 ];
 
 fn imp(name: &str, family: &str) -> Pt2Import {
@@ -178,6 +180,8 @@ fn import_matches_config_build() {
         ("mixtral", "mixtral"),
         ("qwen3_moe_batched", "qwen3_moe"),
         ("phi3", "phi3"),
+        ("olmo2", "olmo2"),
+        ("granite", "granite"),
     ] {
         let im = imp(name, family);
         let dir = fixture_dir(family);
@@ -236,6 +240,37 @@ fn passes_run_on_imported_graphs() {
         let ins = inputs(family);
         let reference = run64(&im.graph, &im.weights, &ins);
         for mesh in ["dp=2", "sp=2", "dp=2,sp=2"] {
+            let mesh = Mesh::parse(mesh).unwrap();
+            let mut g = im.graph.clone();
+            run_pipeline(
+                &mut g,
+                &PassContext::new(mesh.clone()),
+                &default_pipeline(&mesh),
+            )
+            .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+            let got = run64(&g, &im.weights, &ins);
+            for out in ["loss", "logits"] {
+                let e = rel_err(&got.outputs[out], &reference.outputs[out]);
+                assert!(e < 1e-10, "{name} {mesh}: {out} rel err {e}");
+            }
+            for (p, want) in &reference.grads {
+                let e = rel_err(&got.grads[p], want);
+                assert!(e < 1e-9, "{name} {mesh}: grad {p} rel err {e}");
+            }
+        }
+    }
+}
+
+/// Tensor parallelism on imported OLMo 2 (q/k norms over the split projection) and
+/// Granite (the logit scale before the vocabulary-parallel loss).
+#[test]
+fn tensor_parallel_on_imported_olmo2_and_granite() {
+    use weft_passes::{default_pipeline, run_pipeline, PassContext};
+    for (name, family) in [("olmo2", "olmo2"), ("granite", "granite")] {
+        let im = imp(name, family);
+        let ins = inputs(family);
+        let reference = run64(&im.graph, &im.weights, &ins);
+        for mesh in ["tp=2", "dp=2,tp=2", "sp=2,tp=2"] {
             let mesh = Mesh::parse(mesh).unwrap();
             let mut g = im.graph.clone();
             run_pipeline(

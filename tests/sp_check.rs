@@ -272,3 +272,17 @@ fn mean_reduced_cross_entropy() {
         check_case("llama+mean", variant(cfg), mesh, true);
     }
 }
+
+#[test]
+fn olmo2_post_norms_and_whole_projection_qk_norm() {
+    // The q/k norms span every head of the projection: they run before the heads are
+    // scattered, on each rank's own tokens, so sequence sharding leaves them whole.
+    check("olmo2", "sp=2", false);
+    check("olmo2", "dp=2,sp=2", false);
+}
+
+#[test]
+fn granite_multipliers() {
+    check("granite", "sp=2", false);
+    check("granite", "sp=4", false);
+}

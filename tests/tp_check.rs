@@ -429,3 +429,45 @@ fn uneven_heads_split_on_kv_head_boundaries() {
         vec![vec![18, 18, 18, 18]]
     );
 }
+
+#[test]
+fn granite_multipliers_with_vocab_parallel_loss() {
+    // Scaled embeddings, residual branches and logits (logits / logits_scaling before the
+    // vocabulary-parallel cross-entropy) on even and uneven splits.
+    check("granite", "tp=2");
+    check("granite", "tp=3");
+    check("granite", "dp=2,sp=2,tp=2");
+}
+
+#[test]
+fn olmo2_whole_projection_qk_norm() {
+    // q_norm/k_norm normalise over every head of the projection, which tp splits: the
+    // sum of squares is all-reduced over tp before the rsqrt.
+    let g = check("olmo2", "tp=2");
+    assert_eq!(
+        g.param_partition("model.layers.0.self_attn.q_norm.weight")[0].pieces,
+        vec![vec![16, 16]]
+    );
+    check("olmo2", "sp=2,tp=2");
+    check("olmo2", "dp=2,tp=2");
+}
+
+#[test]
+fn olmo2_kv_norm_over_replicated_heads_is_refused() {
+    // tp=4 over 2 kv heads replicates each kv head on two ranks; the whole-projection
+    // k_norm would count each replica: refused by name rather than computed wrongly.
+    let c = case("olmo2");
+    let mesh = Mesh::parse("tp=4").unwrap();
+    let mut g = c.graph.clone();
+    g.mesh = mesh.clone();
+    let cx = PassContext::new(mesh.clone());
+    let err = default_pipeline(&mesh)
+        .iter()
+        .try_for_each(|p| lookup(p).unwrap().run(&mut g, &cx).map(|_| ()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("k_norm.weight") && err.contains("num_key_value_heads"),
+        "{err}"
+    );
+}

@@ -17,6 +17,8 @@ pub enum Family {
     Phi3,
     Mixtral,
     Qwen3Moe,
+    Olmo2,
+    Granite,
     /// A graph read from weft text IR (no config).
     WeftIr,
 }
@@ -31,6 +33,8 @@ impl Family {
         "phi3",
         "mixtral",
         "qwen3_moe",
+        "olmo2",
+        "granite",
     ];
 
     /// The name used in reports: the HF `model_type`, or `weft-ir`.
@@ -43,6 +47,8 @@ impl Family {
             Family::Phi3 => "phi3",
             Family::Mixtral => "mixtral",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Olmo2 => "olmo2",
+            Family::Granite => "granite",
             Family::WeftIr => "weft-ir",
         }
     }
@@ -56,6 +62,8 @@ impl Family {
             "phi3" => Family::Phi3,
             "mixtral" => Family::Mixtral,
             "qwen3_moe" => Family::Qwen3Moe,
+            "olmo2" => Family::Olmo2,
+            "granite" => Family::Granite,
             _ => return None,
         })
     }
@@ -74,6 +82,49 @@ pub struct RopeConfig {
     pub scaling: RopeScaling,
     /// Rotated features per head: `head_dim * partial_rotary_factor`.
     pub rotary_dim: usize,
+}
+
+/// Where q and k are RMS-normalised (before rope).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Over each head's `head_dim` features, one weight of `[head_dim]` (qwen3).
+    PerHead,
+    /// Over the whole projection (`heads * head_dim` features, one weight of that size),
+    /// before the view as heads (olmo2).
+    WholeProjection,
+}
+
+/// Where each layer's RMSNorms sit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormPlacement {
+    /// `x + attn(norm(x))`, `x + mlp(norm(x))` (`input_layernorm`, `post_attention_layernorm`).
+    Pre,
+    /// `x + norm(attn(x))`, `x + norm(mlp(x))` (olmo2: `post_attention_layernorm`,
+    /// `post_feedforward_layernorm`).
+    Post,
+}
+
+/// Granite's scalar multipliers; all 1 (and the attention scale `head_dim^-0.5`) elsewhere.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Multipliers {
+    /// Scales the token embeddings (`embedding_multiplier`).
+    pub embedding: f64,
+    /// Scales each block's output before its residual add (`residual_multiplier`).
+    pub residual: f64,
+    /// The attention logits' scale in place of `head_dim^-0.5` (`attention_multiplier`).
+    pub attention_scale: Option<f64>,
+    /// The logits are divided by this (`logits_scaling`).
+    pub logits_divisor: f64,
+}
+
+impl Multipliers {
+    pub const NONE: Multipliers = Multipliers {
+        embedding: 1.0,
+        residual: 1.0,
+        attention_scale: None,
+        logits_divisor: 1.0,
+    };
 }
 
 /// Mixture-of-experts parameters (mixtral, qwen3_moe).
@@ -120,8 +171,12 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// Biases on the dense MLP's projections (llama `mlp_bias`).
     pub mlp_bias: bool,
-    /// RMSNorm of q and k over head_dim (qwen3).
-    pub qk_norm: bool,
+    /// RMSNorm of q and k (qwen3 per head, olmo2 over the whole projection).
+    pub qk_norm: QkNorm,
+    /// Pre-norm (most families) or post-norm (olmo2) blocks.
+    pub norm_placement: NormPlacement,
+    /// Granite's embedding, residual, attention and logit multipliers.
+    pub multipliers: Multipliers,
     /// One `qkv_proj` and one `gate_up_proj` (phi3).
     pub fused_projections: bool,
     pub moe: Option<MoeConfig>,
@@ -220,11 +275,18 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
 
     let (qkv_bias, o_bias) = match family {
-        Family::Llama | Family::Qwen3 | Family::Qwen3Moe => (attention_bias, attention_bias),
+        Family::Llama | Family::Qwen3 | Family::Qwen3Moe | Family::Olmo2 | Family::Granite => {
+            (attention_bias, attention_bias)
+        }
         Family::Qwen2 => (true, false),
         _ => (false, false),
     };
-    let mlp_bias = family == Family::Llama && f.opt_bool("mlp_bias")?.unwrap_or(false);
+    let mlp_bias = matches!(family, Family::Llama | Family::Granite)
+        && f.opt_bool("mlp_bias")?.unwrap_or(false);
+    let multipliers = match family {
+        Family::Granite => parse_granite_multipliers(f)?,
+        _ => Multipliers::NONE,
+    };
     let moe = parse_moe(f, family, num_hidden_layers)?;
     let needs_dense = moe
         .as_ref()
@@ -271,11 +333,42 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         qkv_bias,
         o_bias,
         mlp_bias,
-        qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
+        qk_norm: match family {
+            Family::Qwen3 | Family::Qwen3Moe => QkNorm::PerHead,
+            Family::Olmo2 => QkNorm::WholeProjection,
+            _ => QkNorm::None,
+        },
+        norm_placement: match family {
+            Family::Olmo2 => NormPlacement::Post,
+            _ => NormPlacement::Pre,
+        },
+        multipliers,
         fused_projections: family == Family::Phi3,
         moe,
         sliding_window,
         tp_plan: parse_tp_plan(f)?,
+    })
+}
+
+/// Granite's multipliers (HF defaults 1.0 each; `attention_multiplier` replaces the
+/// `head_dim^-0.5` scale, so its default 1.0 is a scale of 1).
+fn parse_granite_multipliers(f: &Fields) -> Result<Multipliers, FrontendError> {
+    let finite = |key: &str| -> Result<f64, FrontendError> {
+        match f.opt_f64(key)? {
+            None => Ok(1.0),
+            Some(x) if x.is_finite() => Ok(x),
+            Some(x) => Err(f.err(key, format!("must be a finite number, got {x}"))),
+        }
+    };
+    let logits_divisor = finite("logits_scaling")?;
+    if logits_divisor == 0.0 {
+        return Err(f.err("logits_scaling", "must not be 0 (the logits are divided by it)"));
+    }
+    Ok(Multipliers {
+        embedding: finite("embedding_multiplier")?,
+        residual: finite("residual_multiplier")?,
+        attention_scale: Some(finite("attention_multiplier")?),
+        logits_divisor,
     })
 }
 

@@ -35,6 +35,8 @@ presets! {
     "mixtral-8x7b" => "mistralai/Mixtral-8x7B-v0.1",
     "qwen3-30b-a3b" => "Qwen/Qwen3-30B-A3B",
     "phi3-mini" => "microsoft/Phi-3-mini-4k-instruct",
+    "olmo2-7b" => "allenai/OLMo-2-1124-7B",
+    "granite-3-8b" => "ibm-granite Granite 3.x 8B (GraniteForCausalLM, vocab 49159, 128k context)",
     "llama-tiny" => "tests/fixtures/llama",
     "mistral-tiny" => "tests/fixtures/mistral",
     "qwen2-tiny" => "tests/fixtures/qwen2",
@@ -42,6 +44,8 @@ presets! {
     "phi3-tiny" => "tests/fixtures/phi3",
     "mixtral-tiny" => "tests/fixtures/mixtral",
     "qwen3-moe-tiny" => "tests/fixtures/qwen3_moe",
+    "olmo2-tiny" => "tests/fixtures/olmo2",
+    "granite-tiny" => "tests/fixtures/granite",
 }
 
 /// A preset with what `weft presets` reports about it.

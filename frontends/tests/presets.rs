@@ -36,6 +36,9 @@ const PUBLISHED: &[(&str, u64)] = &[
     ("mixtral-8x7b", 46_702_792_704),
     ("qwen3-30b-a3b", 30_532_122_624),
     ("phi3-mini", 3_821_079_552),
+    // frontends/scripts/count_params.py (transformers 5.17 on the meta device).
+    ("olmo2-7b", 7_298_617_344),
+    ("granite-3-8b", 8_170_864_640),
 ];
 
 #[test]
@@ -62,6 +65,8 @@ fn preset_list_counts_match_graphs_and_fixture_counts() {
         ("phi3-tiny", "phi3"),
         ("mixtral-tiny", "mixtral"),
         ("qwen3-moe-tiny", "qwen3_moe"),
+        ("olmo2-tiny", "olmo2"),
+        ("granite-tiny", "granite"),
     ];
     for info in presets() {
         assert_eq!(

@@ -33,6 +33,14 @@ fn snapshots() {
 }
 
 #[test]
+fn olmo2_whole_projection_norm_snapshot() {
+    // q_norm/k_norm over the split projection: squares summed per rank, all-reduced.
+    let (mut g, cx) = compiled_until("olmo2-tiny", "tp=2");
+    let text = diff_of(&mut g, &cx, "tensor-parallel");
+    snapshot("tensor-parallel__olmo2-tiny__tp2", &text);
+}
+
+#[test]
 fn idempotent_and_round_trips() {
     let (mut g, cx) = compiled_until("qwen3-tiny", "tp=3");
     let pass = lookup("tensor-parallel").unwrap();

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use weft_ir::{Graph, HostTensor};
 use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
-/// The model fixtures made from `transformers` models (tests/fixtures/make_fixtures.py).
+/// The model fixtures made from `transformers` models (tests/fixtures/make_fixtures.py and
+/// make_families.py).
 pub const FIXTURE_FAMILIES: &[&str] = &[
     "llama",
     "llama_rope3",
@@ -18,6 +19,8 @@ pub const FIXTURE_FAMILIES: &[&str] = &[
     "phi3",
     "mixtral",
     "qwen3_moe",
+    "olmo2",
+    "granite",
 ];
 
 /// `tests/fixtures/<name>`, from the build's manifest dir or, where the binary runs

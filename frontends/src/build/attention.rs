@@ -1,9 +1,12 @@
 //! Self-attention as HF writes it: q/k/v projections (phi3: one `qkv_proj`, split q, k,
-//! v), view as [B, S, heads, D], qwen3's q/k RMSNorm over D, transpose to
+//! v), olmo2's q/k RMSNorm over the whole projection, view as [B, S, heads, D], qwen3's
+//! q/k RMSNorm over D, transpose to
 //! [B, heads, S, D], rope on q and k, causal attention with scale `head_dim^-0.5`
+//! (granite: `attention_multiplier`)
 //! (GQA inside the op: kv heads are not repeated), back to [B, S, heads*D], `o_proj`.
 
 use super::Builder;
+use crate::config::QkNorm;
 use crate::error::FrontendError;
 use weft_ir::{Dim, Float, Op, Value};
 
@@ -28,9 +31,13 @@ impl Builder<'_> {
             let parts = self.ops(Op::Split { dim: -1, sizes }, &[qkv])?;
             (parts[0], parts[1], parts[2])
         } else {
-            let q = self.linear(&format!("{a}.q_proj"), h)?;
-            let k = self.linear(&format!("{a}.k_proj"), h)?;
+            let mut q = self.linear(&format!("{a}.q_proj"), h)?;
+            let mut k = self.linear(&format!("{a}.k_proj"), h)?;
             let v = self.linear(&format!("{a}.v_proj"), h)?;
+            if c.qk_norm == QkNorm::WholeProjection {
+                q = self.rms_norm(&format!("{a}.q_norm"), q)?;
+                k = self.rms_norm(&format!("{a}.k_norm"), k)?;
+            }
             (q, k, v)
         };
 
@@ -38,7 +45,7 @@ impl Builder<'_> {
         let mut q = self.reshape(q, heads(nq))?;
         let mut k = self.reshape(k, heads(nkv))?;
         let v = self.reshape(v, heads(nkv))?;
-        if c.qk_norm {
+        if c.qk_norm == QkNorm::PerHead {
             q = self.rms_norm(&format!("{a}.q_norm"), q)?;
             k = self.rms_norm(&format!("{a}.k_norm"), k)?;
             self.scope(&a);
@@ -48,7 +55,11 @@ impl Builder<'_> {
         let v = self.transpose(v, 1, 2)?;
         let q = self.op(Op::Rope {}, &[q, cos, sin])?;
         let k = self.op(Op::Rope {}, &[k, cos, sin])?;
-        let scale = Float((d as f64).powf(-0.5));
+        let scale = Float(
+            c.multipliers
+                .attention_scale
+                .unwrap_or_else(|| (d as f64).powf(-0.5)),
+        );
         let o = self.op(
             Op::Attention {
                 causal: true,

@@ -4,7 +4,8 @@
 //! - inputs `input_ids` and `labels`, i64[B, S] (B, S symbolic; causal, no mask input);
 //! - every parameter first, in HF `named_parameters()` order, scoped to its module;
 //! - positions `arange` → [1, S] → `rope_table` (in `model.rotary_emb`);
-//! - per layer: pre-norm attention and MLP with residual adds (see [`attention`], [`mlp`]);
+//! - per layer: pre-norm (olmo2: post-norm) attention and MLP with residual adds (see
+//!   [`attention`], [`mlp`]); granite's multipliers as `scale` ops;
 //! - `model.norm`, `lm_head` (the embedding parameter when tied) → output `logits`;
 //! - loss: `shift_labels` → `cross_entropy` (sum) / `count_valid` → output `loss`;
 //!   with `output_router_logits` (MoE), `loss = ce + router_aux_loss_coef * aux` and the
@@ -17,7 +18,7 @@ mod aux_loss;
 mod mlp;
 pub mod params;
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, NormPlacement};
 use crate::error::FrontendError;
 use std::collections::BTreeMap;
 use weft_ir::{DType, Dim, Float, Graph, Op, Reduction, Role, TensorType, Value};
@@ -123,6 +124,14 @@ impl<'c> Builder<'c> {
         self.op(Op::Transpose { dim0, dim1 }, &[x])
     }
 
+    /// `x * factor`, or `x` itself when the factor is 1 (granite's multipliers).
+    fn scaled(&mut self, x: Value, factor: f64) -> Result<Value, FrontendError> {
+        if factor == 1.0 {
+            return Ok(x);
+        }
+        self.op(Op::Scale { factor: Float(factor) }, &[x])
+    }
+
     fn declare_params(&mut self) -> Result<(), FrontendError> {
         for (name, shape) in params::param_specs(self.cfg) {
             self.scope(params::module_of(&name));
@@ -165,6 +174,7 @@ impl<'c> Builder<'c> {
         self.scope("model.embed_tokens");
         let embed = self.param(params::EMBED);
         let mut x = self.op(Op::Embedding {}, &[ids, embed])?;
+        x = self.scaled(x, self.cfg.multipliers.embedding)?;
 
         self.scope("model.rotary_emb");
         let pos = self.op(
@@ -186,20 +196,43 @@ impl<'c> Builder<'c> {
 
         for i in 0..self.cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let h = self.rms_norm(&format!("{p}.input_layernorm"), x)?;
-            let a = self.attention(i, h, cos, sin)?;
+            let residual = self.cfg.multipliers.residual;
+            let a = match self.cfg.norm_placement {
+                NormPlacement::Pre => {
+                    let h = self.rms_norm(&format!("{p}.input_layernorm"), x)?;
+                    self.attention(i, h, cos, sin)?
+                }
+                NormPlacement::Post => {
+                    let a = self.attention(i, x, cos, sin)?;
+                    self.rms_norm(&format!("{p}.post_attention_layernorm"), a)?
+                }
+            };
             self.scope(&p);
+            let a = self.scaled(a, residual)?;
             x = self.op(Op::Add {}, &[x, a])?;
-            let h = self.rms_norm(&format!("{p}.post_attention_layernorm"), x)?;
-            let m = self.mlp(i, h)?;
+            let m = match self.cfg.norm_placement {
+                NormPlacement::Pre => {
+                    let h = self.rms_norm(&format!("{p}.post_attention_layernorm"), x)?;
+                    self.mlp(i, h)?
+                }
+                NormPlacement::Post => {
+                    let m = self.mlp(i, x)?;
+                    self.rms_norm(&format!("{p}.post_feedforward_layernorm"), m)?
+                }
+            };
             self.scope(&p);
+            let m = self.scaled(m, residual)?;
             x = self.op(Op::Add {}, &[x, m])?;
         }
 
         let x = self.rms_norm("model.norm", x)?;
         let head = self.opt_param(params::LM_HEAD).unwrap_or(embed);
         self.scope("lm_head");
-        let logits = self.op(Op::Linear {}, &[x, head])?;
+        let mut logits = self.op(Op::Linear {}, &[x, head])?;
+        let divisor = self.cfg.multipliers.logits_divisor;
+        if divisor != 1.0 {
+            logits = self.op(Op::Scale { factor: Float(1.0 / divisor) }, &[logits])?;
+        }
 
         self.scope("loss");
         let shifted = self.op(

@@ -3,7 +3,7 @@
 //! `mlp.experts.down_proj` [E, H, I], router `mlp.gate.weight`). A tied model has no
 //! `lm_head.weight`: the head uses `model.embed_tokens.weight`.
 
-use crate::config::{Family, ModelConfig};
+use crate::config::{Family, ModelConfig, NormPlacement, QkNorm};
 
 /// The name of the parameter the output head reads when embeddings are tied.
 pub const EMBED: &str = "model.embed_tokens.weight";
@@ -39,9 +39,16 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                 push(format!("{a}.o_proj.bias"), vec![h]);
             }
         }
-        if c.qk_norm {
-            push(format!("{a}.q_norm.weight"), vec![d]);
-            push(format!("{a}.k_norm.weight"), vec![d]);
+        match c.qk_norm {
+            QkNorm::None => {}
+            QkNorm::PerHead => {
+                push(format!("{a}.q_norm.weight"), vec![d]);
+                push(format!("{a}.k_norm.weight"), vec![d]);
+            }
+            QkNorm::WholeProjection => {
+                push(format!("{a}.q_norm.weight"), vec![nq * d]);
+                push(format!("{a}.k_norm.weight"), vec![nkv * d]);
+            }
         }
         let m = format!("model.layers.{i}.mlp");
         match &c.moe {
@@ -81,11 +88,13 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                 }
             }
         }
-        push(format!("model.layers.{i}.input_layernorm.weight"), vec![h]);
-        push(
-            format!("model.layers.{i}.post_attention_layernorm.weight"),
-            vec![h],
-        );
+        let norms = match c.norm_placement {
+            NormPlacement::Pre => ["input_layernorm", "post_attention_layernorm"],
+            NormPlacement::Post => ["post_attention_layernorm", "post_feedforward_layernorm"],
+        };
+        for norm in norms {
+            push(format!("model.layers.{i}.{norm}.weight"), vec![h]);
+        }
     }
     push("model.norm.weight".into(), vec![h]);
     if !c.tie_word_embeddings {

@@ -224,6 +224,8 @@ enum Use {
     LinearBias,
     Embedding,
     ExpertsW,
+    /// The weight of an `rms_norm`.
+    NormW,
 }
 
 /// What feeds one attention: the projection of q, k and v (linear, and the split of a
@@ -303,6 +305,7 @@ impl Tp {
                 }
                 Op::Embedding {} => note(1, Use::Embedding),
                 Op::GroupedMatmul {} => note(1, Use::ExpertsW),
+                Op::RmsNorm { .. } => note(1, Use::NormW),
                 _ => {}
             }
         }
@@ -437,6 +440,20 @@ impl Tp {
             };
             self.plans.insert(name.clone(), plan);
         }
+        // A norm over the whole output of a column-parallel linear (olmo2's q/k norms)
+        // splits its weight with that output; the norm all-reduces its sum of squares.
+        for (name, _) in &params {
+            let Some(us) = param_uses.get(name) else {
+                continue;
+            };
+            if us.is_empty() || !us.iter().all(|(_, u)| *u == Use::NormW) {
+                continue;
+            }
+            let Some(plan) = self.whole_projection_norm_plan(g, name, us, &by_value)? else {
+                continue;
+            };
+            self.plans.insert(name.clone(), plan);
+        }
         // An attention is split whole or not at all.
         for (i, a) in attns.iter().enumerate() {
             let kind = |n: Node| {
@@ -504,6 +521,149 @@ impl Tp {
             {
                 res.count("kv_heads_replicated", 1);
             }
+        }
+        Ok(())
+    }
+
+    /// The plan of a norm weight whose every norm reads the whole output of one
+    /// column-parallel linear: split like that output. `None` when the norms read
+    /// something else (the weight is then planned like any other).
+    fn whole_projection_norm_plan(
+        &self,
+        g: &Graph,
+        name: &str,
+        uses: &[(Node, Use)],
+        by_value: &HashMap<Value, String>,
+    ) -> Result<Option<ParamPlan>, PassError> {
+        let mut linear = None;
+        for &(norm, _) in uses {
+            let x = g.node(norm).operands[0];
+            let lin = g.def(x);
+            if !matches!(g.node(lin).op, Op::Linear {}) || linear.is_some_and(|l| l != lin) {
+                return Ok(None);
+            }
+            linear = Some(lin);
+        }
+        let Some(lin) = linear else { return Ok(None) };
+        if self.linears.get(&lin).map(|l| l.kind) != Some(LinearKind::Column { gather: false })
+            && !self.slices_weight(g, lin)
+        {
+            return Ok(None);
+        }
+        let wname = by_value
+            .get(&g.node(lin).operands[1])
+            .cloned()
+            .unwrap_or_default();
+        match self.plans.get(&wname) {
+            Some(ParamPlan::Split {
+                dim: 0,
+                pieces,
+                local,
+                ..
+            }) => Ok(Some(ParamPlan::Split {
+                gather: false,
+                kind: "column",
+                dim: 0,
+                pieces: pieces.clone(),
+                local: local.clone(),
+                why: format!("norm over the whole output of column-parallel `{wname}`"),
+            })),
+            Some(ParamPlan::Slice { .. }) => Err(param_error(
+                name,
+                format!(
+                    "normalises over the whole output of `{wname}`, whose heads are replicated over tp (more tp ranks than kv heads); the split norm is not implemented for replicated heads"
+                ),
+            )
+            .with_help("use a tp degree no larger than num_key_value_heads")),
+            _ => Ok(None),
+        }
+    }
+
+    /// `rms_norm(x, w)` over a last dim split over tp, as its parts: the sum of squares
+    /// of this rank's features is all-reduced over tp, so every rank divides by the
+    /// mean over all features. The node becomes the final `* w` (its result is kept).
+    fn split_rms_norm(
+        &mut self,
+        g: &mut Graph,
+        n: Node,
+        eps: f64,
+        res: &mut PassResult,
+    ) -> Result<(), PassError> {
+        let (x, w) = (g.node(n).operands[0], g.node(n).operands[1]);
+        if !self.changed.contains(&w) {
+            return Err(self.mixing_error(g, n, 0, g.ty(x).rank() - 1));
+        }
+        let total: i64 = match (self.pieces.get(&x), self.orig_ty(x)) {
+            (Some(ps), _) => ps.iter().sum(),
+            (None, Some(t)) => t.shape.last().and_then(|d| d.as_const()).unwrap_or(0),
+            (None, None) => 0,
+        };
+        if total <= 0 {
+            return Err(self.mixing_error(g, n, 0, g.ty(x).rank() - 1));
+        }
+        let dtype = g.ty(x).dtype;
+        let at = At::Before(n);
+        let m = |g: &Graph, r: &str| meta_for(g, n, NAME, format!("rms_norm split over tp: {r}"));
+        let mut xf = x;
+        if dtype != DType::F32 {
+            xf = insert1(g, NAME, at, Op::Cast { dtype: DType::F32 }, &[x], m(g, "in f32"))?;
+        }
+        let sq = insert1(g, NAME, at, Op::Mul {}, &[xf, xf], m(g, "squares"))?;
+        let local = insert1(
+            g,
+            NAME,
+            at,
+            Op::Sum {
+                dims: vec![-1],
+                keepdim: true,
+            },
+            &[sq],
+            m(g, "sum of this rank's squares"),
+        )?;
+        let t = g.ty(local).clone();
+        let reason = format!(
+            "sum of squares over every rank's features, {} bytes",
+            t.numel() * t.dtype.size_bytes() as i64
+        );
+        let sum = insert1(
+            g,
+            NAME,
+            at,
+            Op::AllReduce {
+                axis: TP.into(),
+                op: ReduceOp::Sum,
+            },
+            &[local],
+            m(g, &reason),
+        )?;
+        res.count("all_reduce", 1);
+        let mean = insert1(
+            g,
+            NAME,
+            at,
+            Op::Scale {
+                factor: Float(1.0 / total as f64),
+            },
+            &[sum],
+            m(g, &format!("mean over all {total} features")),
+        )?;
+        let var = insert1(g, NAME, at, Op::AddScalar { value: Float(eps) }, &[mean], m(g, "+ eps"))?;
+        let r = insert1(g, NAME, at, Op::Rsqrt {}, &[var], m(g, "rsqrt"))?;
+        let mut y = insert1(g, NAME, at, Op::Mul {}, &[xf, r], m(g, "normalised"))?;
+        if dtype != DType::F32 {
+            y = insert1(g, NAME, at, Op::Cast { dtype }, &[y], m(g, "back to the input dtype"))?;
+        }
+        let d = g.node_mut(n);
+        d.op = Op::Mul {};
+        d.operands = vec![y, w];
+        d.meta.provenance = Some(Provenance {
+            pass: NAME.into(),
+            reason: "rms_norm split over tp: times this rank's slice of the weight".into(),
+        });
+        self.reinfer(g, n)?;
+        if let Some(ps) = self.pieces.get(&x).cloned() {
+            let r = g.node(n).results[0];
+            self.pieces.insert(r, ps);
         }
         Ok(())
     }
@@ -1096,6 +1256,12 @@ impl Tp {
         let op = g.node(n).op.clone();
         let operands = g.node(n).operands.clone();
         let dims_of = |i: usize| self.split_dims(g, operands[i]);
+        if let Op::RmsNorm { eps } = op {
+            let last = g.ty(operands[0]).rank().saturating_sub(1);
+            if dims_of(0).contains(&last) {
+                return self.split_rms_norm(g, n, eps.0, res);
+            }
+        }
         // Ops that combine values along a dim.
         let mixes: Vec<(usize, i64)> = match &op {
             Op::RmsNorm { .. } => vec![(0, -1)],
@@ -1233,7 +1399,17 @@ impl Tp {
                 }
                 self.reinfer(g, n)
             }
-            Op::Cast { .. } => {
+            // Unary elementwise ops keep the split of their operand (granite's logit scale).
+            Op::Cast { .. }
+            | Op::Scale { .. }
+            | Op::AddScalar { .. }
+            | Op::Neg {}
+            | Op::Tanh {}
+            | Op::Sigmoid {}
+            | Op::Silu {}
+            | Op::Gelu { .. }
+            | Op::Relu {}
+            | Op::Exp {} => {
                 self.reinfer(g, n)?;
                 if let Some(ps) = self.pieces.get(&operands[0]).cloned() {
                     let r = g.node(n).results[0];
