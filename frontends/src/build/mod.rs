@@ -14,7 +14,7 @@
 //! Every node carries its HF module path as source (`g.set_scope`).
 
 mod attention;
-mod aux_loss;
+pub(crate) mod aux_loss;
 mod mlp;
 pub mod params;
 

@@ -121,9 +121,10 @@ pub struct Program {
     pub torch_version: String,
     /// `forward_arg_names` of the root call, when recorded.
     pub forward_arg_names: Vec<String>,
-    /// The field names of the root call's output (its `out_spec` context), when it
-    /// returns a named structure (`["aux_loss", "logits", "router_logits"]`).
-    pub output_fields: Vec<String>,
+    /// The fields of the root call's output (its `out_spec`), when it returns a named
+    /// structure: each field's name and how many output tensors it holds, in output
+    /// order (`aux_loss` 1, `logits` 1, `router_logits` one per MoE layer).
+    pub output_fields: Vec<(String, usize)>,
     pub range_constraints: BTreeMap<String, (Option<i64>, Option<i64>)>,
 }
 
@@ -721,23 +722,41 @@ pub fn read_program(entry: &str, v: &J) -> Result<Program, Pt2Error> {
     })
 }
 
-/// The field names of a serialized pytree spec's root (`[1, {"type": ..., "context":
-/// "[\"aux_loss\", \"logits\"]", ...}]`); empty when it has none or does not parse.
-fn out_spec_fields(spec: &str) -> Vec<String> {
+/// The fields of a serialized pytree spec's root (`[1, {"type": ..., "context":
+/// "[\"aux_loss\", \"logits\"]", "children_spec": [...]}]`) with their leaf counts;
+/// empty when it has none or does not parse.
+fn out_spec_fields(spec: &str) -> Vec<(String, usize)> {
+    fn leaves(node: &J) -> usize {
+        match node.get("children_spec").and_then(J::as_array) {
+            Some(children) if !children.is_empty() => children.iter().map(leaves).sum(),
+            _ if node.get("type").is_some_and(|t| !t.is_null()) => 0, // an empty container
+            _ => 1,
+        }
+    }
     let Ok(v) = serde_json::from_str::<J>(spec) else {
         return vec![];
     };
-    let context = v.get(1).and_then(|r| r.get("context")).and_then(J::as_str);
-    context
+    let Some(root) = v.get(1) else {
+        return vec![];
+    };
+    let names: Vec<String> = root
+        .get("context")
+        .and_then(J::as_str)
         .and_then(|c| serde_json::from_str::<J>(c).ok())
         .and_then(|c| {
-            c.as_array().map(|l| {
-                l.iter()
-                    .filter_map(|x| x.as_str().map(str::to_string))
-                    .collect()
-            })
+            c.as_array()
+                .map(|l| l.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    let children = root
+        .get("children_spec")
+        .and_then(J::as_array)
+        .cloned()
+        .unwrap_or_default();
+    if names.len() != children.len() {
+        return vec![];
+    }
+    names.into_iter().zip(children.iter().map(leaves)).collect()
 }
 
 /// Reads `model_weights_config.json` or `model_constants_config.json`.
