@@ -556,7 +556,10 @@ fn parse_moe(
             Ok(())
         }
     };
-    let aux_loss_coef = parse_router_loss(f, family)?;
+    let aux_loss_coef = match family {
+        Family::Mixtral | Family::Qwen3Moe => parse_router_loss(f, family)?,
+        _ => None,
+    };
     match family {
         Family::Mixtral => {
             let e = f.positive("num_local_experts")?;

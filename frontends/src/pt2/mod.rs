@@ -609,6 +609,12 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         lw.report.notes.push("HF causal-LM loss added (shift_labels, cross_entropy sum / count_valid, ignore_index -100)".into());
         match aux {
             Some((coef, moe)) => {
+                if user_inputs.iter().any(|u| u == "attention_mask") {
+                    // HF weights each router row by the mask (padding excluded).
+                    return Err(Pt2Error::Signature {
+                        message: "the program takes an `attention_mask` and returns router logits: HF's MoE load-balancing loss then weights every router row by the mask, which the importer does not implement; export without attention_mask (Weft's programs are causal over whole rows)".into(),
+                    });
+                }
                 let mut routers = Vec::new();
                 for name in &router_names {
                     match lw.lv(name) {
