@@ -559,6 +559,8 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
         ("qwen3-tiny", None, 2e-4),
         ("mixtral-tiny", None, 2e-4),
         ("qwen3-moe-tiny", None, 2e-4),
+        // MoE load-balancing loss (output_router_logits): one_hot, token sums, ce/aux outputs.
+        ("tests/fixtures/mixtral_aux", None, 2e-4),
         ("llama-tiny", Some(DType::BF16), 3e-2),
     ] {
         let name = format!(

@@ -336,3 +336,60 @@ fn llama3_rope_needs_the_config() {
     // Default rope is fitted from the table alone.
     import(&archive("qwen2"), &Pt2Options::default()).unwrap();
 }
+
+#[test]
+fn moe_load_balancing_loss_from_the_router_logits_outputs() {
+    // Exported with output_router_logits: true, the program returns aux_loss, the logits
+    // and the router logits; with the config (coefficient, top-k) the importer adds HF's
+    // aux loss over the router logits and matches transformers' loss and gradients.
+    let import_with = |archive_name: &str, config: Option<&str>| {
+        let opts = Pt2Options {
+            config: config.map(|c| fixture_dir(c).join("config.json")),
+            ..Default::default()
+        };
+        import(&archive(archive_name), &opts)
+    };
+    let m = import_with("mixtral_aux_batched", Some("mixtral_aux")).unwrap();
+    let outs: Vec<&str> = m.graph.outputs().iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(outs, ["loss", "logits", "ce_loss", "aux_loss"]);
+    let inputs = inputs("mixtral_aux");
+    let reference =
+        weft_frontends::read_safetensors(&fixture_dir("mixtral_aux").join("reference.safetensors"))
+            .unwrap();
+    let r = run64(&m.graph, &m.weights, &inputs);
+    for out in ["loss", "ce_loss", "aux_loss", "logits"] {
+        let e = rel_err(&r.outputs[out], &reference[out]);
+        assert!(e < 1e-5, "{out}: {e:e}");
+    }
+    for (name, g) in &r.grads {
+        let e = rel_err(g, &reference[&format!("grad.{name}")]);
+        assert!(e < 1e-4, "grad {name}: {e:e}");
+    }
+    // Data-parallel with expert parallelism: the aux statistics all_reduced over dp.
+    let mut g = m.graph.clone();
+    let mesh = weft_ir::Mesh::parse("dp=2,ep=2").unwrap();
+    weft_passes::run_pipeline(
+        &mut g,
+        &weft_passes::PassContext::new(mesh.clone()),
+        &weft_passes::default_pipeline(&mesh),
+    )
+    .unwrap();
+    let p = run64(&g, &m.weights, &inputs);
+    for out in ["loss", "aux_loss"] {
+        let e = rel_err(&p.outputs[out], &r.outputs[out]);
+        assert!(e < 1e-10, "dp=2,ep=2 {out}: {e:e}");
+    }
+
+    // Without the config the coefficient is unknown: refused, naming --config.
+    let s = import_with("mixtral_aux_batched", None).unwrap_err().to_string();
+    assert!(s.contains("router logits") && s.contains("--config"), "{s}");
+    // Archive and config disagree: refused either way.
+    let s = import_with("mixtral_aux_batched", Some("mixtral"))
+        .unwrap_err()
+        .to_string();
+    assert!(s.contains("sets it false"), "{s}");
+    let s = import_with("mixtral_batched", Some("mixtral_aux"))
+        .unwrap_err()
+        .to_string();
+    assert!(s.contains("returns no router logits"), "{s}");
+}

@@ -139,6 +139,10 @@ pub struct MoeConfig {
     pub norm_topk_prob: bool,
     /// Per layer: true when the layer's MLP is sparse (qwen3_moe `mlp_only_layers`, `decoder_sparse_step`).
     pub sparse_layers: Vec<bool>,
+    /// With `output_router_logits`: `router_aux_loss_coef` (HF default 0.001), the weight of
+    /// the load-balancing loss HF adds to the cross-entropy. `None`: the loss is the
+    /// cross-entropy alone.
+    pub aux_loss_coef: Option<f64>,
 }
 
 /// The parsed config: everything the graph builders read.
@@ -552,6 +556,10 @@ fn parse_moe(
             Ok(())
         }
     };
+    let aux_loss_coef = match family {
+        Family::Mixtral | Family::Qwen3Moe => parse_router_loss(f, family)?,
+        _ => None,
+    };
     match family {
         Family::Mixtral => {
             let e = f.positive("num_local_experts")?;
@@ -563,6 +571,7 @@ fn parse_moe(
                 expert_intermediate_size: 0, // set from intermediate_size by the caller
                 norm_topk_prob: true,
                 sparse_layers: vec![true; layers],
+                aux_loss_coef,
             }))
         }
         Family::Qwen3Moe => {
@@ -576,6 +585,13 @@ fn parse_moe(
                 .map(|i| !only_dense.contains(&i) && e > 0 && (i + 1) % step == 0)
                 .collect();
             if !sparse_layers.iter().any(|s| *s) {
+                if aux_loss_coef.is_some() {
+                    // HF's load_balancing_loss_func indexes the (empty) router logits and fails.
+                    return Err(f.err(
+                        "output_router_logits",
+                        "is true but no layer is sparse (mlp_only_layers, decoder_sparse_step): there are no router logits for the load-balancing loss (HF fails there too); set it to false",
+                    ));
+                }
                 return Ok(None);
             }
             let k = f.positive("num_experts_per_tok")?;
@@ -586,8 +602,31 @@ fn parse_moe(
                 expert_intermediate_size: f.positive("moe_intermediate_size")?,
                 norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
                 sparse_layers,
+                aux_loss_coef,
             }))
         }
         _ => Ok(None),
+    }
+}
+
+/// The router fields that change HF's loss: `output_router_logits` (then
+/// `router_aux_loss_coef`), and mixtral's `router_jitter_noise` (refused: HF multiplies
+/// the MoE input by uniform noise in training, which Weft does not implement).
+fn parse_router_loss(f: &Fields, family: Family) -> Result<Option<f64>, FrontendError> {
+    if family == Family::Mixtral {
+        let jitter = f.opt_f64("router_jitter_noise")?.unwrap_or(0.0);
+        if jitter != 0.0 {
+            return Err(f.err(
+                "router_jitter_noise",
+                format!("is {jitter}: HF multiplies the MoE input by uniform noise in training, which Weft does not implement (set it to 0)"),
+            ));
+        }
+    }
+    if !f.opt_bool("output_router_logits")?.unwrap_or(false) {
+        return Ok(None);
+    }
+    match f.opt_f64("router_aux_loss_coef")?.unwrap_or(0.001) {
+        c if c.is_finite() => Ok(Some(c)),
+        c => Err(f.err("router_aux_loss_coef", format!("must be a finite number, got {c}"))),
     }
 }

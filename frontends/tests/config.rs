@@ -313,3 +313,59 @@ fn sliding_window_is_recorded() {
         None
     );
 }
+
+/// `preset_with`, or the error.
+fn preset_try(
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> Result<ModelConfig, FrontendError> {
+    let mut v: serde_json::Value = serde_json::from_str(&load_preset_json(name)).unwrap();
+    edit(v.as_object_mut().unwrap());
+    ModelConfig::from_json(&v, "test/config.json")
+}
+
+#[test]
+fn router_fields_that_change_the_loss() {
+    // output_router_logits: HF adds router_aux_loss_coef (default 0.001) x the aux loss.
+    for name in ["mixtral-tiny", "qwen3-moe-tiny"] {
+        let off = preset_try(name, |_| {}).unwrap();
+        assert_eq!(off.moe.unwrap().aux_loss_coef, None, "{name}");
+        let on = preset_try(name, |o| {
+            o.insert("output_router_logits".into(), true.into());
+            o.remove("router_aux_loss_coef");
+        })
+        .unwrap();
+        assert_eq!(on.moe.unwrap().aux_loss_coef, Some(0.001), "{name}");
+        let c = preset_try(name, |o| {
+            o.insert("output_router_logits".into(), true.into());
+            o.insert("router_aux_loss_coef".into(), 0.02.into());
+        })
+        .unwrap();
+        assert_eq!(c.moe.unwrap().aux_loss_coef, Some(0.02), "{name}");
+    }
+    // Mixtral's router jitter multiplies the MoE input by noise in training: refused.
+    let e = preset_try("mixtral-tiny", |o| {
+        o.insert("router_jitter_noise".into(), 0.01.into());
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("field `router_jitter_noise` is 0.01"), "{e}");
+    // No sparse layer: no router logits (HF's aux loss fails on the empty tuple).
+    let e = preset_try("qwen3-moe-tiny", |o| {
+        o.insert("output_router_logits".into(), true.into());
+        o.insert("mlp_only_layers".into(), serde_json::json!([0, 1]));
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("field `output_router_logits` is true but no layer is sparse"), "{e}");
+    // The graph then has the loss parts as outputs.
+    let c = preset_try("qwen3-moe-tiny", |o| {
+        o.insert("output_router_logits".into(), true.into());
+    })
+    .unwrap();
+    let m = weft_frontends::Model::from_config("q", c, weft_frontends::Origin::Preset("q".into()))
+        .unwrap();
+    let outs: Vec<&str> = m.graph.outputs().iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(outs, ["loss", "logits", "ce_loss", "aux_loss"]);
+    weft_ir::verify(&m.graph).unwrap();
+}

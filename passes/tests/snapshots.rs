@@ -64,3 +64,15 @@ fn whole_programs() {
         snapshot(&format!("pipeline__llama-tiny__{tag}"), &print(&g));
     }
 }
+
+/// The MoE load-balancing loss (mixtral with `output_router_logits: true`): `shard-seq`
+/// turns its one sum over the tokens into this rank's partial sum and an `all_reduce`
+/// over sp then dp (the aux collective), so the token fractions stay global.
+#[test]
+fn shard_seq_moe_aux_loss() {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/mixtral_aux");
+    for (tag, mesh) in [("sp2", "sp=2"), ("dp2-sp2", "dp=2,sp=2")] {
+        let text = pass_diff(model, mesh, "shard-seq").unwrap();
+        snapshot(&format!("shard-seq__mixtral-aux__{tag}"), &text);
+    }
+}

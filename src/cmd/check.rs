@@ -45,7 +45,13 @@ pub fn run(a: Args) -> CliResult {
     // The reference: the unsharded model, gradients by candle's autograd. The program:
     // with --train a whole training step whose backward graph (autodiff, grad-sync and
     // the training passes the flags ask for) computes the `grad.*` outputs compared here.
-    let reference = s.run(&s.model.graph, a.train)?;
+    let micro = a.run.train.micro_batches.unwrap_or(1) as usize;
+    let reference = if micro > 1 && s.model.graph.output("aux_loss").is_some() {
+        // The MoE aux loss is per micro-batch: the reference runs each micro-batch.
+        super::moe_aux_ref::micro_batch_reference(&s, micro, a.train)?
+    } else {
+        s.run(&s.model.graph, a.train)?
+    };
     let training = a.train || a.run.train.any();
     let train = if training {
         Some(a.run.train.request("none")?)
@@ -64,7 +70,13 @@ pub fn run(a: Args) -> CliResult {
             .ok_or_else(|| CliError::input(format!("the program has no `{name}` output")))
     };
     let (loss_ref, loss) = (out(&reference, "loss")?, out(&got, "loss")?);
-    let err_loss = loss.max_rel_err(&loss_ref);
+    let mut err_loss = loss.max_rel_err(&loss_ref);
+    // The parts of a loss with a MoE aux term are outputs too: compared like the loss.
+    for part in ["ce_loss", "aux_loss"] {
+        if let Some(want) = reference.outputs.get(part) {
+            err_loss = err_loss.max(out(&got, part)?.max_rel_err(want));
+        }
+    }
     let err_logits = out(&got, "logits")?.max_rel_err(&out(&reference, "logits")?);
     let (mut err_grads, mut worst) = (0.0f64, String::new());
     if a.train {

@@ -8,6 +8,7 @@ pub mod inspect;
 pub mod launch;
 pub mod mesh;
 pub mod models;
+pub mod moe_aux_ref;
 pub mod ops;
 pub mod passes;
 pub mod run;

@@ -395,6 +395,10 @@ pub struct StepReport {
     pub mfu: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reference_loss: Option<f64>,
+    /// The MoE load-balancing loss (unweighted), where the model has one (`loss` includes
+    /// `router_aux_loss_coef` times it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
 }
 
 /// The CPU reference run of `g` for `steps` steps, feeding each step's updated params
@@ -546,8 +550,12 @@ fn print_step(a: &Args, r: &StepReport) {
             .mfu
             .map(|m| format!("  MFU {:>5.1}%", m * 100.0))
             .unwrap_or_default();
+        let aux = r
+            .aux_loss
+            .map(|l| format!("  (aux {l:.6})"))
+            .unwrap_or_default();
         println!(
-            "step {:>4}  loss {:>10.6}{refl}  {:>9.2} ms  {:>10.0} tok/s{mfu}",
+            "step {:>4}  loss {:>10.6}{refl}{aux}  {:>9.2} ms  {:>10.0} tok/s{mfu}",
             r.step,
             r.loss,
             r.step_s * 1e3,
@@ -592,6 +600,7 @@ fn run_cpu(a: &Args) -> CliResult {
             tokens_per_s: tokens / dt,
             mfu: None,
             reference_loss: None,
+            aux_loss: r.outputs.get("aux_loss").map(|t| t.to_f64()[0]),
         };
         print_step(a, &rep);
         if a.json {
@@ -706,6 +715,7 @@ fn run_cuda(a: &Args) -> CliResult {
             tokens_per_s: tokens / dt,
             mfu: Some(p.plan.cost.flops / (dt * a.peak_tflops * 1e12)),
             reference_loss,
+            aux_loss: ex.output("aux_loss").ok().map(|t| t.to_f64()[0]),
         };
         print_step(a, &rep);
         reports.push(rep);

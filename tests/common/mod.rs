@@ -21,6 +21,8 @@ pub const FIXTURE_FAMILIES: &[&str] = &[
     "qwen3_moe",
     "olmo2",
     "granite",
+    "mixtral_aux",
+    "qwen3_moe_aux",
 ];
 
 /// `tests/fixtures/<name>`, from the build's manifest dir or, where the binary runs

@@ -5,6 +5,8 @@
 //! `moe_dispatch` → `grouped_matmul` with `gate_up_proj` [E, 2I, H] → split (gate
 //! first, as `chunk(2)`) → `silu(gate) * up` → `grouped_matmul` with `down_proj`
 //! [E, H, I] → `moe_combine` with the routing weights → [B, S, H].
+//! Each router's probabilities and top-k indices are kept for the load-balancing loss
+//! (see [`super::aux_loss`]).
 
 use super::Builder;
 use crate::config::MoeConfig;
@@ -67,6 +69,7 @@ impl Builder<'_> {
             &[probs],
         )?;
         let (mut weights, index) = (top[0], top[1]);
+        self.routers.push((probs, index));
         if moe.norm_topk_prob {
             let total = self.op(
                 Op::Sum {

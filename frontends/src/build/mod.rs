@@ -7,11 +7,14 @@
 //! - per layer: pre-norm (olmo2: post-norm) attention and MLP with residual adds (see
 //!   [`attention`], [`mlp`]); granite's multipliers as `scale` ops;
 //! - `model.norm`, `lm_head` (the embedding parameter when tied) → output `logits`;
-//! - loss: `shift_labels` → `cross_entropy` (sum) / `count_valid` → output `loss`.
+//! - loss: `shift_labels` → `cross_entropy` (sum) / `count_valid` → output `loss`;
+//!   with `output_router_logits` (MoE), `loss = ce + router_aux_loss_coef * aux` and the
+//!   parts as outputs `ce_loss` and `aux_loss` (see [`aux_loss`]).
 //!
 //! Every node carries its HF module path as source (`g.set_scope`).
 
 mod attention;
+pub(crate) mod aux_loss;
 mod mlp;
 pub mod params;
 
@@ -30,6 +33,7 @@ pub fn build_graph(name: &str, cfg: &ModelConfig) -> Result<Graph, FrontendError
         cfg,
         params: BTreeMap::new(),
         model: name.to_string(),
+        routers: Vec::new(),
     };
     b.model_body()?;
     Ok(b.g)
@@ -49,6 +53,8 @@ pub(crate) struct Builder<'c> {
     pub cfg: &'c ModelConfig,
     params: BTreeMap<String, Value>,
     model: String,
+    /// Each MoE layer's router probabilities [B*S, E] (f32) and top-k indices [B*S, k].
+    routers: Vec<(Value, Value)>,
 }
 
 impl<'c> Builder<'c> {
@@ -248,10 +254,26 @@ impl<'c> Builder<'c> {
             },
             &[shifted],
         )?;
-        let loss = self.op(Op::Div {}, &[total, count])?;
+        let ce = self.op(Op::Div {}, &[total, count])?;
+        let aux = match self.cfg.moe.as_ref().and_then(|m| m.aux_loss_coef.map(|c| (m, c))) {
+            Some((moe, coef)) => Some((self.aux_loss(moe)?, coef)),
+            None => None,
+        };
+        let loss = match aux {
+            Some((aux, coef)) => {
+                self.scope("loss");
+                let weighted = self.op(Op::Scale { factor: Float(coef) }, &[aux])?;
+                self.op(Op::Add {}, &[ce, weighted])?
+            }
+            None => ce,
+        };
         self.g.set_scope(None);
         self.g.set_output("loss", loss);
         self.g.set_output("logits", logits);
+        if let Some((aux, _)) = aux {
+            self.g.set_output("ce_loss", ce);
+            self.g.set_output("aux_loss", aux);
+        }
         Ok(())
     }
 }

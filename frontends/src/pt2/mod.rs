@@ -17,7 +17,10 @@
 //! and `labels` [B, S] (the export's sequence symbol becomes `S`, a dynamic batch `B`),
 //! parameters named by their state_dict names (tied ones merged), HF's causal-LM loss
 //! appended (`shift_labels` → `cross_entropy` sum / `count_valid`), outputs `loss`
-//! then `logits`, and every node scoped to its HF module from `nn_module_stack`.
+//! then `logits`, and every node scoped to its HF module from `nn_module_stack`. A
+//! program exported with `output_router_logits` (a named output with `router_logits`)
+//! gets HF's MoE load-balancing loss over those outputs, with the coefficient and
+//! top-k from `--config` (`loss = ce_loss + coef * aux_loss`, as [`crate::build`]).
 
 mod archive;
 mod attention;
@@ -76,6 +79,107 @@ pub struct Pt2Import {
     /// Every parameter of the graph by name.
     pub weights: BTreeMap<String, HostTensor>,
     pub report: ImportReport,
+}
+
+/// The output positions of the `logits` field and of the `router_logits` field's
+/// tensors, from the output's field names and leaf counts (none: unnamed output).
+fn output_positions(fields: &[(String, usize)]) -> (Option<usize>, std::ops::Range<usize>) {
+    let (mut at, mut logits, mut routers) = (0, None, 0..0);
+    for (name, leaves) in fields {
+        match name.as_str() {
+            "logits" => logits = Some(at),
+            "router_logits" => routers = at..at + leaves,
+            _ => {}
+        }
+        at += leaves;
+    }
+    (logits, routers)
+}
+
+/// The aux loss to add, `(router_aux_loss_coef, MoE fields)`, when the archive returns
+/// router logits; an error where the archive and `--config` disagree or the config is
+/// missing (the coefficient and top-k are not in the archive).
+fn aux_loss_config(
+    config: &Option<(String, Option<crate::config::MoeConfig>)>,
+    routers: usize,
+    fields: &[(String, usize)],
+) -> Result<Option<(f64, crate::config::MoeConfig)>, Pt2Error> {
+    let names = || fields.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ");
+    let exported = routers > 0 || fields.iter().any(|(n, _)| n == "aux_loss");
+    match (exported, config) {
+        (false, Some((file, Some(moe)))) if moe.aux_loss_coef.is_some() => Err(router_loss_refused(&format!(
+            "--config {file} sets output_router_logits: true but the program returns no router logits (outputs: {})",
+            if fields.is_empty() { "unnamed".to_string() } else { names() }
+        ))),
+        (false, _) => Ok(None),
+        (true, None) => Err(Pt2Error::Signature {
+            message: format!(
+                "the program returns router logits (outputs: {}): it was exported with output_router_logits: true, and HF's loss then adds router_aux_loss_coef x the MoE load-balancing loss, whose coefficient and top-k are not in the archive; pass the model's config.json with --config",
+                names()
+            ),
+        }),
+        (true, Some((file, moe))) => match moe {
+            Some(m) if routers > 0 => match m.aux_loss_coef {
+                Some(coef) => Ok(Some((coef, m.clone()))),
+                None => Err(router_loss_refused(&format!(
+                    "the program returns router logits (exported with output_router_logits: true) but --config {file} sets it false"
+                ))),
+            },
+            _ => Err(router_loss_refused(&format!(
+                "the program returns `aux_loss` without router logits, or --config {file} has no MoE fields (outputs: {})",
+                names()
+            ))),
+        },
+    }
+}
+
+/// `loss = ce + coef * aux` with the aux loss of HF's `load_balancing_loss_func` over the
+/// router logits (softmax in f32, top-k, as transformers recomputes them): (loss, aux).
+fn add_aux_loss(
+    g: &mut Graph,
+    ce: weft_ir::Value,
+    router_logits: &[weft_ir::Value],
+    coef: f64,
+    moe: &crate::config::MoeConfig,
+) -> Result<(weft_ir::Value, weft_ir::Value), weft_ir::BuildError> {
+    let mut routers = Vec::new();
+    for &l in router_logits {
+        let source = g.node(g.def(l)).meta.source.clone();
+        g.set_scope(source.as_deref());
+        let mut x = l;
+        if g.ty(x).dtype != DType::F32 {
+            x = g.add(Op::Cast { dtype: DType::F32 }, &[x])?;
+        }
+        let probs = g.add(Op::Softmax { dim: -1 }, &[x])?;
+        let top = g.add_multi(
+            Op::Topk {
+                k: moe.top_k as i64,
+                dim: -1,
+            },
+            &[probs],
+        )?;
+        routers.push((probs, top[1]));
+    }
+    let aux = crate::build::aux_loss::aux_loss(g, &routers, moe.num_experts, moe.top_k)?;
+    g.set_scope(Some("loss"));
+    let weighted = g.add(
+        Op::Scale {
+            factor: weft_ir::Float(coef),
+        },
+        &[aux],
+    )?;
+    let loss = g.add(Op::Add {}, &[ce, weighted])?;
+    Ok((loss, aux))
+}
+
+/// An archive and `--config` that disagree on HF's MoE load-balancing loss: the
+/// importer cannot tell which loss HF trains with.
+fn router_loss_refused(why: &str) -> Pt2Error {
+    Pt2Error::Signature {
+        message: format!(
+            "{why}; with output_router_logits HF's loss adds router_aux_loss_coef x the MoE load-balancing loss over the router logits the program returns. Export with output_router_logits=True and pass that config.json, or neither"
+        ),
+    }
 }
 
 /// Labels equal to this take no part in the loss (HF's `ignore_index`).
@@ -253,6 +357,8 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         SymInt::Expr { hint, .. } => hint.unwrap_or(2),
     };
     let generalize_seq = seq_sym.is_none();
+    // `--config`'s file and MoE fields (the aux loss's coefficient and top-k).
+    let mut config_moe: Option<(String, Option<crate::config::MoeConfig>)> = None;
     let mut lw = Lower {
         symmap,
         consts,
@@ -274,6 +380,7 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
             .map_err(|e| Pt2Error::Signature {
                 message: format!("--config: {e}"),
             })?;
+        config_moe = Some((c.display().to_string(), cfg.moe.clone()));
         lw.rope_cfg = Some(cfg.rope);
     }
     lw.moe_state = vec![Default::default(); lw.moe.moes.len()];
@@ -418,28 +525,41 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
     lw.run();
 
     // ---- outputs
-    let logits_name = prog
+    let user_outputs: Vec<Option<String>> = prog
         .outputs
         .iter()
-        .filter_map(|o| match o {
+        .map(|o| match o {
             OutputSpec::User {
                 arg: Arg::Tensor(n),
             } => Some(n.clone()),
             _ => None,
         })
-        .next()
-        .ok_or_else(|| Pt2Error::Signature {
-            message: "the program has no tensor output".into(),
-        })?;
+        .collect();
     for o in &prog.outputs {
         if let OutputSpec::Other { kind, name } = o {
             return Err(Pt2Error::Signature { message: format!("output `{name}` is a {kind}; export the forward only (no buffer mutation or gradients)") });
         }
     }
-    let extra = prog.outputs.len() - 1;
+    // A named output (`MoeCausalLMOutputWithPast`): the logits by name, and the router
+    // logits when exported with output_router_logits (HF's loss then has the aux term).
+    let (logits_at, routers_at) = output_positions(&prog.output_fields);
+    let logits_name = user_outputs
+        .get(logits_at.unwrap_or(0))
+        .cloned()
+        .flatten()
+        .or_else(|| user_outputs.iter().flatten().next().cloned())
+        .ok_or_else(|| Pt2Error::Signature {
+            message: "the program has no tensor output".into(),
+        })?;
+    let router_names: Vec<String> = routers_at
+        .clone()
+        .filter_map(|i| user_outputs.get(i).cloned().flatten())
+        .collect();
+    let aux = aux_loss_config(&config_moe, router_names.len(), &prog.output_fields)?;
+    let extra = prog.outputs.len() - 1 - router_names.len();
     if extra > 0 {
         lw.report.notes.push(format!(
-            "{extra} output(s) after the logits ignored (use_cache=False drops past_key_values)"
+            "{extra} output(s) besides the logits and router logits ignored (use_cache=False drops past_key_values)"
         ));
     }
     let logits = match lw.lv(&logits_name) {
@@ -458,6 +578,7 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
         });
     }
     let mut g = std::mem::take(&mut lw.g);
+    let mut loss_parts = None;
     if let Some(labels) = labels {
         g.set_scope(Some("loss"));
         let build = |g: &mut Graph| -> Result<weft_ir::Value, weft_ir::BuildError> {
@@ -482,14 +603,50 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
             )?;
             g.add(Op::Div {}, &[total, count])
         };
-        let loss = build(&mut g).map_err(|e| Pt2Error::Signature {
+        let ce = build(&mut g).map_err(|e| Pt2Error::Signature {
             message: format!("adding the loss: {e}"),
         })?;
-        g.set_output("loss", loss);
         lw.report.notes.push("HF causal-LM loss added (shift_labels, cross_entropy sum / count_valid, ignore_index -100)".into());
+        match aux {
+            Some((coef, moe)) => {
+                if user_inputs.iter().any(|u| u == "attention_mask") {
+                    // HF weights each router row by the mask (padding excluded).
+                    return Err(Pt2Error::Signature {
+                        message: "the program takes an `attention_mask` and returns router logits: HF's MoE load-balancing loss then weights every router row by the mask, which the importer does not implement; export without attention_mask (Weft's programs are causal over whole rows)".into(),
+                    });
+                }
+                let mut routers = Vec::new();
+                for name in &router_names {
+                    match lw.lv(name) {
+                        LV::T(v) => routers.push(v),
+                        LV::Err(e) => return Err(lower::unwrap_err(e)),
+                        other => {
+                            return Err(Pt2Error::Signature {
+                                message: format!("router logits output `{name}` is not a tensor ({other:?})"),
+                            })
+                        }
+                    }
+                }
+                let (loss, aux_loss) = add_aux_loss(&mut g, ce, &routers, coef, &moe)
+                    .map_err(|e| Pt2Error::Signature {
+                        message: format!("adding the MoE load-balancing loss: {e}"),
+                    })?;
+                g.set_output("loss", loss);
+                loss_parts = Some((ce, aux_loss));
+                lw.report.notes.push(format!(
+                    "HF MoE load-balancing loss added over the {} router logits outputs: loss = ce_loss + {coef} x aux_loss (router_aux_loss_coef, top-{} of {} experts, from --config)",
+                    routers.len(), moe.top_k, moe.num_experts
+                ));
+            }
+            None => g.set_output("loss", ce),
+        }
     }
     g.set_scope(None);
     g.set_output("logits", logits);
+    if let Some((ce, aux_loss)) = loss_parts {
+        g.set_output("ce_loss", ce);
+        g.set_output("aux_loss", aux_loss);
+    }
 
     // ---- rewrites
     let causal = std::mem::take(&mut lw.causal);

@@ -121,6 +121,10 @@ pub struct Program {
     pub torch_version: String,
     /// `forward_arg_names` of the root call, when recorded.
     pub forward_arg_names: Vec<String>,
+    /// The fields of the root call's output (its `out_spec`), when it returns a named
+    /// structure: each field's name and how many output tensors it holds, in output
+    /// order (`aux_loss` 1, `logits` 1, `router_logits` one per MoE layer).
+    pub output_fields: Vec<(String, usize)>,
     pub range_constraints: BTreeMap<String, (Option<i64>, Option<i64>)>,
 }
 
@@ -669,11 +673,18 @@ pub fn read_program(entry: &str, v: &J) -> Result<Program, Pt2Error> {
         outputs.push(r.output_spec(s, &format!("{p}[{i}]"))?);
     }
     let mut forward_arg_names = Vec::new();
+    let mut output_fields = Vec::new();
     if let Some(mcg) = r.opt_field(gm, "module_call_graph", "graph_module")? {
         if let Some(root) = mcg.as_array().and_then(|l| {
             l.iter()
                 .find(|e| e.get("fqn").and_then(J::as_str) == Some(""))
         }) {
+            output_fields = root
+                .get("signature")
+                .and_then(|s| s.get("out_spec"))
+                .and_then(J::as_str)
+                .map(out_spec_fields)
+                .unwrap_or_default();
             if let Some(names) = root
                 .get("signature")
                 .and_then(|s| s.get("forward_arg_names"))
@@ -706,8 +717,46 @@ pub fn read_program(entry: &str, v: &J) -> Result<Program, Pt2Error> {
         schema: (major, minor),
         torch_version,
         forward_arg_names,
+        output_fields,
         range_constraints,
     })
+}
+
+/// The fields of a serialized pytree spec's root (`[1, {"type": ..., "context":
+/// "[\"aux_loss\", \"logits\"]", "children_spec": [...]}]`) with their leaf counts;
+/// empty when it has none or does not parse.
+fn out_spec_fields(spec: &str) -> Vec<(String, usize)> {
+    fn leaves(node: &J) -> usize {
+        match node.get("children_spec").and_then(J::as_array) {
+            Some(children) if !children.is_empty() => children.iter().map(leaves).sum(),
+            _ if node.get("type").is_some_and(|t| !t.is_null()) => 0, // an empty container
+            _ => 1,
+        }
+    }
+    let Ok(v) = serde_json::from_str::<J>(spec) else {
+        return vec![];
+    };
+    let Some(root) = v.get(1) else {
+        return vec![];
+    };
+    let names: Vec<String> = root
+        .get("context")
+        .and_then(J::as_str)
+        .and_then(|c| serde_json::from_str::<J>(c).ok())
+        .and_then(|c| {
+            c.as_array()
+                .map(|l| l.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+        })
+        .unwrap_or_default();
+    let children = root
+        .get("children_spec")
+        .and_then(J::as_array)
+        .cloned()
+        .unwrap_or_default();
+    if names.len() != children.len() {
+        return vec![];
+    }
+    names.into_iter().zip(children.iter().map(leaves)).collect()
 }
 
 /// Reads `model_weights_config.json` or `model_constants_config.json`.

@@ -14,6 +14,10 @@
 //!   did before. After `attention` the output is sliced back to this rank's block so the
 //!   rest of the layer stays per-rank; `ulysses-attention` then trades the gather/slice
 //!   pair for all_to_alls, and `sp-loss` the loss gathers for all_reduces;
+//! - a **sum over every per-rank dim** of its operand (the MoE aux loss's per-expert
+//!   token counts and probability sums over `[B*S, ..]` rows): summed per rank, then
+//!   `all_reduce`d (sum) over the axes those dims are split on, so it needs no gather
+//!   (a flattened `B*S/dp/sp` dim could not be gathered in order anyway);
 //! - anything that does not fit per-rank operands (a node mixing a per-rank value with
 //!   a whole one) falls back to gathering its operands (counted as `fallback_gathers`).
 //!
@@ -25,7 +29,7 @@ use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, DP, SP};
 use crate::util::{gather_dims, insert1, made_by, meta_for, Layout};
 use std::collections::HashMap;
 use weft_ir::shape::norm_dim;
-use weft_ir::{At, Dim, Graph, Node, Op, Provenance, Reduction, TensorType, Value};
+use weft_ir::{At, Dim, Graph, Node, Op, Provenance, ReduceOp, Reduction, TensorType, Value};
 
 pub struct ShardSeq;
 
@@ -193,7 +197,11 @@ impl Propagation {
     fn visit(&mut self, g: &mut Graph, n: Node, res: &mut PassResult) -> Result<(), PassError> {
         let before: Vec<TensorType> = g.node(n).results.iter().map(|v| g.ty(*v).clone()).collect();
         let mixed = self.mixed_dims(g, n);
-        if !mixed.is_empty() {
+        if let Some(axes) = self.token_sum_axes(g, n) {
+            self.reinfer(g, n)?;
+            self.all_reduce_result(g, n, &axes)?;
+            res.count("partial_sums", 1); // not pre-registered: only MoE aux losses have them
+        } else if !mixed.is_empty() {
             self.gather_operands(
                 g,
                 n,
@@ -255,6 +263,62 @@ impl Propagation {
             let v = g.node(n).operands[*i];
             let w = self.gather(g, v, ds, n, reason)?;
             g.node_mut(n).operands[*i] = w;
+        }
+        Ok(())
+    }
+
+    /// For a `sum` whose reduced dims include every per-rank dim of its operand: the
+    /// axes those dims are split over, inner (`sp`) first.
+    fn token_sum_axes(&self, g: &Graph, n: Node) -> Option<Vec<&'static str>> {
+        let Op::Sum { dims, .. } = &g.node(n).op else {
+            return None;
+        };
+        let t = g.ty(g.node(n).operands[0]);
+        let reduced: Vec<usize> = dims
+            .iter()
+            .map(|&k| norm_dim(k, t.rank()).ok())
+            .collect::<Option<_>>()?;
+        let sharded = self.sharded_dims(g, g.node(n).operands[0]);
+        if sharded.is_empty() || sharded.iter().any(|k| !reduced.contains(k)) {
+            return None;
+        }
+        let mut axes: Vec<&'static str> = self
+            .layout
+            .splits()
+            .iter()
+            .filter(|(_, s)| sharded.iter().any(|&k| t.shape[k].mentions(s.axis)))
+            .map(|(_, s)| s.axis)
+            .collect();
+        axes.sort_by_key(|&a| a != SP);
+        Some(axes)
+    }
+
+    /// `all_reduce` (sum) of `n`'s result over `axes`, read by every other use.
+    fn all_reduce_result(
+        &mut self,
+        g: &mut Graph,
+        n: Node,
+        axes: &[&'static str],
+    ) -> Result<(), PassError> {
+        let out = g.node(n).results[0];
+        let (mut cur, mut at, mut first) = (out, n, None);
+        for axis in axes {
+            let meta = meta_for(
+                g,
+                n,
+                NAME,
+                format!("`sum` over every token: this rank's partial sum, added over {axis}"),
+            );
+            let op = Op::AllReduce {
+                axis: axis.to_string(),
+                op: ReduceOp::Sum,
+            };
+            cur = insert1(g, NAME, At::After(at), op, &[cur], meta)?;
+            at = g.def(cur);
+            first.get_or_insert(at);
+        }
+        if let Some(first) = first {
+            g.replace_uses_except(out, cur, first);
         }
         Ok(())
     }

@@ -12,7 +12,17 @@
 //! each micro-batch computes its token-loss sum, the sums are added locally, and the
 //! count is computed once on the whole batch, so one `all_reduce` per axis serves the
 //! step as before. Outputs with a batch dim (`logits`) are the micro-batches' pieces
-//! concatenated. `autodiff` then accumulates each parameter's gradient over the
+//! concatenated.
+//!
+//! A MoE load-balancing term (`loss = ce + scale{coef}(aux)`, outputs `ce_loss` and
+//! `aux_loss`) is computed per micro-batch, as each of HF's forward calls under
+//! gradient accumulation computes it from its own tokens' routing: the step's aux is
+//! the mean of the micro-batches' (`scale{1/N}` of their sum), so the loss keeps the
+//! scale of a single call. (HF's Trainer adds each call's aux undivided when the model
+//! takes `num_items_in_batch`, i.e. N times this; a plain `loss / N` loop gives this.)
+//! With `dp`, micro-batch `i` is the `i`-th 1/N of every rank's rows, and its aux
+//! statistics are summed over the ranks (`shard-seq`'s all_reduce, cloned per
+//! micro-batch): the aux of those rows together, as ranks stepping in lockstep see it. `autodiff` then accumulates each parameter's gradient over the
 //! micro-batches before `grad-sync`'s single reduction (DeepSpeed's
 //! `coalesce_grad_reduction`), and orders each micro-batch's backward right after its
 //! forward.
@@ -20,7 +30,7 @@
 use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::util::{as_symbol, build_error};
 use std::collections::{HashMap, HashSet};
-use weft_ir::{At, Dim, Graph, Node, NodeMeta, Op, Provenance, ReduceOp, Role, Value};
+use weft_ir::{At, Dim, Float, Graph, Node, NodeMeta, Op, Provenance, ReduceOp, Role, Value};
 
 pub struct MicroBatches;
 
@@ -160,11 +170,12 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
     }
     roots.sort();
     roots.dedup();
-    // The loss: div(all_reduce*(sum), all_reduce*(count)).
+    // The loss: div(all_reduce*(sum), all_reduce*(count)), plus scale(aux) with a MoE aux loss.
     let loss = g
         .output("loss")
         .ok_or_else(|| err(g, "no loss", "it has no output named `loss`"))?;
-    let ld = g.def(loss);
+    let (ce_loss, aux) = aux_term(g, loss);
+    let ld = g.def(ce_loss);
     let (num, den) = match (&g.node(ld).op, g.node(ld).operands.as_slice()) {
         (Op::Div {}, [a, b]) => (*a, *b),
         (op, _) => {
@@ -217,6 +228,15 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
             dep.extend(d.results.iter().copied());
         }
     }
+    if let Some((aux, _)) = aux {
+        if !dep.contains(&aux) {
+            return Err(err(
+                g,
+                "the aux loss does not depend on the tokens",
+                format!("{} is not computed from the token inputs", g.describe(g.def(aux))),
+            ));
+        }
+    }
     if !dep.contains(&num0) {
         return Err(err(
             g,
@@ -225,9 +245,22 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
         ));
     }
     // Clone per micro-batch.
-    let sub = |d: &Dim| d.substitute(&batch, &micro);
+    // Data-dependent sizes (the rows an expert-parallel `all_to_all_v` receives) differ
+    // per micro-batch: each clone binds its own symbol (`R57` -> `R57_mb1`).
+    let cloned: HashSet<Node> = nodes.iter().copied().collect();
+    let runtime: Vec<String> = g
+        .runtime_symbols()
+        .into_iter()
+        .filter(|(_, x)| cloned.contains(x))
+        .map(|(s, _)| s)
+        .collect();
     let mut clones: Vec<HashMap<Value, Value>> = Vec::new();
     for i in 0..n {
+        let sub = |d: &Dim| {
+            runtime.iter().fold(d.substitute(&batch, &micro), |d, r| {
+                d.substitute(r, &Dim::sym(&format!("{r}_mb{i}")))
+            })
+        };
         let mut map: HashMap<Value, Value> = HashMap::new();
         for &r in &roots {
             let meta = NodeMeta {
@@ -311,7 +344,7 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
             .insert_with(At::End, d.op.clone(), &[total], m)
             .map_err(|e| build_error(NAME, e))?[0];
     }
-    let new_loss = g
+    let new_ce = g
         .insert_with(
             At::End,
             Op::Div {},
@@ -319,11 +352,53 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
             meta("global mean over the valid tokens of the whole batch"),
         )
         .map_err(|e| build_error(NAME, e))?[0];
-    g.set_output("loss", new_loss);
+    // Scalar outputs: the loss and its parts, rebuilt from the micro-batches.
+    let mut scalars: HashMap<Value, Value> = HashMap::from([(ce_loss, new_ce)]);
+    let mut new_loss = new_ce;
+    if let Some((aux, weight)) = aux {
+        let mut sum = clones[0][&aux];
+        for m in &clones[1..] {
+            sum = g
+                .insert_with(
+                    At::End,
+                    Op::Add {},
+                    &[sum, m[&aux]],
+                    meta("MoE aux losses of the micro-batches (each from its own tokens' routing)"),
+                )
+                .map_err(|e| build_error(NAME, e))?[0];
+        }
+        let mean = g
+            .insert_with(
+                At::End,
+                Op::Scale {
+                    factor: Float(1.0 / n as f64),
+                },
+                &[sum],
+                meta("MoE aux loss: the mean of the micro-batches' (one forward call's scale)"),
+            )
+            .map_err(|e| build_error(NAME, e))?[0];
+        let weighted = g
+            .insert_with(At::End, weight, &[mean], meta("router_aux_loss_coef x aux loss"))
+            .map_err(|e| build_error(NAME, e))?[0];
+        new_loss = g
+            .insert_with(
+                At::End,
+                Op::Add {},
+                &[new_ce, weighted],
+                meta("cross-entropy + weighted MoE aux loss"),
+            )
+            .map_err(|e| build_error(NAME, e))?[0];
+        scalars.insert(aux, mean);
+    }
+    scalars.insert(loss, new_loss);
     // Batch outputs: the micro-batches' pieces along dim 0.
     let outs: Vec<(String, Value)> = g.outputs().to_vec();
     for (name, v) in outs {
-        if name == "loss" || !dep.contains(&v) {
+        if let Some(&w) = scalars.get(&v) {
+            g.set_output(&name, w);
+            continue;
+        }
+        if !dep.contains(&v) {
             continue;
         }
         if !g.ty(v).shape.first().is_some_and(|d| d.mentions(&batch)) {
@@ -368,6 +443,19 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
     }
     res.count("removed_nodes", (before - g.node_count()) as u64);
     Ok(())
+}
+
+/// `loss = add(ce, scale{coef}(aux))` (a MoE aux loss): `(ce, Some((aux, scale op)))`;
+/// otherwise `(loss, None)`.
+fn aux_term(g: &Graph, loss: Value) -> (Value, Option<(Value, Op)>) {
+    let d = g.node(g.def(loss));
+    if let (Op::Add {}, [ce, weighted]) = (&d.op, d.operands.as_slice()) {
+        let w = g.node(g.def(*weighted));
+        if matches!(g.node(g.def(*ce)).op, Op::Div {}) && matches!(w.op, Op::Scale { .. }) {
+            return (*ce, Some((w.operands[0], w.op.clone())));
+        }
+    }
+    (loss, None)
 }
 
 /// Reorders a joint graph so each micro-batch's backward follows its forward: a
