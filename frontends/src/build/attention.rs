@@ -1,6 +1,7 @@
 //! Self-attention as HF writes it: q/k/v projections (phi3: one `qkv_proj`, split q, k,
 //! v), view as [B, S, heads, D], qwen3's q/k RMSNorm over D, transpose to
-//! [B, heads, S, D], rope on q and k, causal attention with scale `head_dim^-0.5`
+//! [B, heads, S, D], rope on q and k, causal attention with scale `head_dim^-0.5` (and
+//! the layer's sliding window, `ModelConfig::layer_windows`)
 //! (GQA inside the op: kv heads are not repeated), back to [B, S, heads*D], `o_proj`.
 
 use super::Builder;
@@ -53,6 +54,10 @@ impl Builder<'_> {
             Op::Attention {
                 causal: true,
                 scale,
+                window: c.layer_windows.get(layer).copied().flatten().map(|w| w as i64),
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
             },
             &[q, k, v],
         )?;

@@ -189,6 +189,10 @@ impl Lower<'_> {
             Op::Attention {
                 causal,
                 scale: Float(scale),
+                window: None,
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
             },
             &args,
         )?;

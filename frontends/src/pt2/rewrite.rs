@@ -385,6 +385,10 @@ impl Rewriter<'_> {
             Op::Attention {
                 causal,
                 scale: Float(scale),
+                window: None,
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
             },
             &[q, k, v],
         )

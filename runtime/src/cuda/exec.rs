@@ -472,6 +472,54 @@ fn ptr_or_null(t: Option<&DevT>) -> u64 {
 }
 
 /// Lowers one node to steps.
+/// Why the CUDA kernels cannot run this `attention` / `attention_grad` (attributes or
+/// shapes they do not implement), or `None` when they can.
+fn attention_unsupported(op: &Op, ins: &[DevT]) -> Option<String> {
+    let (window, softcap, sinks, lse) = match op {
+        Op::Attention {
+            window,
+            softcap,
+            sinks,
+            lse,
+            ..
+        }
+        | Op::AttentionGrad {
+            window,
+            softcap,
+            sinks,
+            lse,
+            ..
+        } => (*window, *softcap, sinks.0, lse.0),
+        _ => return None,
+    };
+    let mut why = Vec::new();
+    if let Some(w) = window {
+        why.push(format!("a sliding window (window={w})"));
+    }
+    if let Some(c) = softcap {
+        why.push(format!("logit soft-capping (softcap={c})"));
+    }
+    if sinks {
+        why.push("attention sinks".to_string());
+    }
+    if lse {
+        why.push("the log-sum-exp result (lse=true)".to_string());
+    }
+    if ins.len() >= 3 && ins[2].shape.last() != ins[0].shape.last() {
+        why.push(format!(
+            "a value head dim ({}) different from the query/key one ({})",
+            ins[2].shape.last().copied().unwrap_or(0),
+            ins[0].shape.last().copied().unwrap_or(0)
+        ));
+    }
+    (!why.is_empty()).then(|| {
+        format!(
+            "its kernels do not implement {} yet\nhelp: run with `--backend cpu`",
+            why.join(", ")
+        )
+    })
+}
+
 fn lower_op(
     lw: &mut Lower,
     op: &Op,
@@ -950,7 +998,10 @@ fn lower_op(
                 ],
             )
         }
-        Op::Attention { causal, scale } => {
+        Op::Attention { causal, scale, .. } => {
+            if let Some(why) = attention_unsupported(op, ins) {
+                return Err(lw.unsup("this attention", &why));
+            }
             // Per query row: the log-sum-exp (tensor-core path) or the max and the sum (generic).
             let lse = lw
                 .ex
@@ -968,7 +1019,10 @@ fn lower_op(
                 scale.0 as f32,
             )
         }
-        Op::AttentionGrad { causal, scale } => {
+        Op::AttentionGrad { causal, scale, .. } => {
+            if let Some(why) = attention_unsupported(op, ins) {
+                return Err(lw.unsup("this attention_grad", &why));
+            }
             attention_bwd(lw, ins, outs, *causal, scale.0 as f32)
         }
         Op::ShiftLabels { ignore_index } => {
