@@ -44,6 +44,9 @@ const ARCHIVES: &[(&str, &str)] = &[
     ("mixtral_batched_decomposed", "mixtral"),
     ("qwen3_moe_batched", "qwen3_moe"),
     ("qwen3_moe_batched_decomposed", "qwen3_moe"),
+    ("mistral_sw13", "mistral_sw13"),
+    ("mistral_sw13_decomposed", "mistral_sw13"),
+    ("mistral_sw4", "mistral_sw4"),
 ];
 
 fn imp(name: &str, family: &str) -> Pt2Import {
@@ -300,4 +303,28 @@ fn llama3_rope_needs_the_config() {
     );
     // Default rope is fitted from the table alone.
     import(&archive("qwen2"), &Pt2Options::default()).unwrap();
+}
+
+/// A sliding-window mask (HF's `create_sliding_window_causal_mask`, window 13 >= the old
+/// probe length 12, and 4) is recognised as such, in the SDPA program and in the
+/// decomposed one, and never as a plain causal mask.
+#[test]
+fn sliding_window_masks_are_recognised() {
+    for (name, family, w) in [
+        ("mistral_sw13", "mistral_sw13", 13),
+        ("mistral_sw13_decomposed", "mistral_sw13", 13),
+        ("mistral_sw4", "mistral_sw4", 4),
+    ] {
+        let im = imp(name, family);
+        let windows: Vec<Option<i64>> = im
+            .graph
+            .nodes()
+            .iter()
+            .filter_map(|&n| match &im.graph.node(n).op {
+                Op::Attention { window, .. } => Some(*window),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(windows, [Some(w), Some(w)], "{name}\n{}", im.report);
+    }
 }
