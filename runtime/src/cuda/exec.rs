@@ -475,27 +475,16 @@ fn ptr_or_null(t: Option<&DevT>) -> u64 {
 /// Why the CUDA kernels cannot run this `attention` / `attention_grad` (attributes or
 /// shapes they do not implement), or `None` when they can.
 fn attention_unsupported(op: &Op, ins: &[DevT]) -> Option<String> {
-    let (window, softcap, sinks, lse) = match op {
+    let (softcap, sinks, lse) = match op {
         Op::Attention {
-            window,
-            softcap,
-            sinks,
-            lse,
-            ..
+            softcap, sinks, lse, ..
         }
         | Op::AttentionGrad {
-            window,
-            softcap,
-            sinks,
-            lse,
-            ..
-        } => (*window, *softcap, sinks.0, lse.0),
+            softcap, sinks, lse, ..
+        } => (*softcap, sinks.0, lse.0),
         _ => return None,
     };
     let mut why = Vec::new();
-    if let Some(w) = window {
-        why.push(format!("a sliding window (window={w})"));
-    }
     if let Some(c) = softcap {
         why.push(format!("logit soft-capping (softcap={c})"));
     }
@@ -998,7 +987,12 @@ fn lower_op(
                 ],
             )
         }
-        Op::Attention { causal, scale, .. } => {
+        Op::Attention {
+            causal,
+            scale,
+            window,
+            ..
+        } => {
             if let Some(why) = attention_unsupported(op, ins) {
                 return Err(lw.unsup("this attention", &why));
             }
@@ -1017,13 +1011,19 @@ fn lower_op(
                 lse,
                 *causal,
                 scale.0 as f32,
+                window.unwrap_or(0),
             )
         }
-        Op::AttentionGrad { causal, scale, .. } => {
+        Op::AttentionGrad {
+            causal,
+            scale,
+            window,
+            ..
+        } => {
             if let Some(why) = attention_unsupported(op, ins) {
                 return Err(lw.unsup("this attention_grad", &why));
             }
-            attention_bwd(lw, ins, outs, *causal, scale.0 as f32)
+            attention_bwd(lw, ins, outs, *causal, scale.0 as f32, window.unwrap_or(0))
         }
         Op::ShiftLabels { ignore_index } => {
             let l = &ins[0];
@@ -2060,14 +2060,20 @@ fn attention_fwd(
     lse: u64,
     causal: bool,
     scale: f32,
+    window: i64,
 ) -> CudaResult<()> {
-    if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, scale, false) {
-        if cudnn_fwd(lw, q, k, v, o, lse, sh)? {
-            lw.cudnn_lse.insert(lse);
-            return Ok(());
+    // A window as long as the keys is no band (and may be too large to count with).
+    let window = if window as u64 >= k.shape[2] as u64 { 0 } else { window };
+    // (the cuDNN graph has no band yet: a window runs on Weft's kernels)
+    if window == 0 {
+        if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, scale, false) {
+            if cudnn_fwd(lw, q, k, v, o, lse, sh)? {
+                lw.cudnn_lse.insert(lse);
+                return Ok(());
+            }
         }
     }
-    attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale)
+    attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale, window)
 }
 
 /// Weft's own attention forward kernels (tensor-core flash or generic).
@@ -2082,6 +2088,7 @@ fn attention_fwd_weft(
     lse: u64,
     causal: bool,
     scale: f32,
+    window: i64,
 ) -> CudaResult<()> {
     let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
     let (nkv, sk) = (k.shape[1], k.shape[2]);
@@ -2140,6 +2147,7 @@ fn attention_fwd_weft(
                 Arg::I64(sk as i64),
                 Arg::F32(scale * std::f32::consts::LOG2_E),
                 Arg::I32(causal as i32),
+                Arg::I64(window),
             ],
         )?;
         lw.launch(l);
@@ -2170,6 +2178,7 @@ fn attention_fwd_weft(
             Arg::F32(scale),
             Arg::I32(causal as i32),
             Arg::I64((b * nq * sq) as i64),
+            Arg::I64(window),
         ],
     )?;
     lw.launch(l);
@@ -2182,6 +2191,7 @@ fn attention_bwd(
     outs: &[DevT],
     causal: bool,
     scale: f32,
+    window: i64,
 ) -> CudaResult<()> {
     let (q, k, v, out, dout) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
     let mask = ins.get(5);
@@ -2192,7 +2202,13 @@ fn attention_bwd(
     let saved = lw.attn_lse.get(&out.ptr).copied();
     // cuDNN's backward, from cuDNN's saved statistics (or a cuDNN forward recomputed to
     // scratch when the forward's were not kept): never mixed with Weft's log2 statistics.
-    if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, scale, true) {
+    let window = if window as u64 >= k.shape[2] as u64 { 0 } else { window };
+    let cudnn = if window == 0 {
+        cudnn_shape(lw, q, k, v, mask, causal, scale, true)
+    } else {
+        None
+    };
+    if let Some(sh) = cudnn {
         let from_cudnn = saved.is_some_and(|p| lw.cudnn_lse.contains(&p));
         if saved.is_none() || from_cudnn {
             if let Some(plan) = cudnn_plan(lw, sh) {
@@ -2250,7 +2266,7 @@ fn attention_bwd(
                 dtype: out.dtype,
                 shape: out.shape.clone(),
             };
-            attention_fwd_weft(lw, q, k, v, mask, &tmp, p, causal, scale)?;
+            attention_fwd_weft(lw, q, k, v, mask, &tmp, p, causal, scale, window)?;
             p
         }
     };
@@ -2313,6 +2329,7 @@ fn attention_bwd(
                 Arg::I64(sk as i64),
                 Arg::F32(scale),
                 Arg::I32(causal as i32),
+                Arg::I64(window),
             ],
         )?;
         lw.launch(l);
@@ -2361,6 +2378,7 @@ fn attention_bwd(
             Arg::F32(scale),
             Arg::I32(causal as i32),
             Arg::I64(rows as i64),
+            Arg::I64(window),
         ],
     )?;
     lw.launch(l);
