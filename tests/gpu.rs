@@ -986,6 +986,62 @@ fn bench(rows: &mut Vec<String>) {
             }
         }
     }
+    // Sliding window: counting only the band's FLOPs, S=65536 W=4096 must reach at least
+    // 70% of the fwd+bwd TFLOP/s of full causal attention at S=4096 (issue 15).
+    let attn_text = |s: usize, d: usize, nkv: usize, window: Option<usize>, bwd: bool| {
+        let nq = 32;
+        let sc = 1.0 / (d as f64).sqrt();
+        let w = window.map(|w| format!(", window={w}")).unwrap_or_default();
+        let mut t = format!("graph \"a\"\n%0: bf16[1, {nq}, {s}, {d}] = param {{name=\"q\"}}\n%1: bf16[1, {nkv}, {s}, {d}] = param {{name=\"k\"}}\n%2: bf16[1, {nkv}, {s}, {d}] = param {{name=\"v\"}}\n%3: bf16[1, {nq}, {s}, {d}] = attention %0, %1, %2 {{causal=true, scale={sc}{w}}}\n");
+        if bwd {
+            t += &format!("%4: bf16[1, {nq}, {s}, {d}] = param {{name=\"do\"}}\n%5: bf16[1, {nq}, {s}, {d}], %6: bf16[1, {nkv}, {s}, {d}], %7: bf16[1, {nkv}, {s}, {d}] = attention_grad %0, %1, %2, %3, %4 {{causal=true, scale={sc}{w}}}\nreturn dq=%5, dk=%6, dv=%7\n");
+        } else {
+            t += "return o=%3\n";
+        }
+        t
+    };
+    for d in [64usize, 128] {
+        // (query, key) pairs inside the band, per head
+        let pairs = |s: usize, w: Option<usize>| -> f64 {
+            let w = w.unwrap_or(s).min(s) as f64;
+            let s = s as f64;
+            s * w - w * (w - 1.0) / 2.0
+        };
+        let mut tflops = Vec::new();
+        for (s, w) in [(4096usize, None), (65536, Some(4096usize)), (16384, Some(4096))] {
+            let f = 4.0 * 32.0 * pairs(s, w) * d as f64; // forward FLOPs in the band
+            let label = match w {
+                Some(w) => format!("window {w}"),
+                None => "causal".to_string(),
+            };
+            match (
+                time(&attn_text(s, d, 8, w, false), 5, false),
+                time(&attn_text(s, d, 8, w, true), 5, false),
+            ) {
+                (Ok((tf, _)), Ok((tb, _))) => {
+                    let both = 3.5 * f / tb / 1e12;
+                    tflops.push(both);
+                    rows.push(format!(
+                        "attention {label} bf16 S={s} d={d} 32q/8kv [weft ]: fwd {:>7.3} ms {:>5.0} TFLOP/s; fwd+bwd {:>7.3} ms {:>5.0} TFLOP/s (band FLOPs){}",
+                        tf * 1e3,
+                        f / tf / 1e12,
+                        tb * 1e3,
+                        both,
+                        if w.is_some() && !tflops.is_empty() {
+                            format!("; {:.0}% of causal S=4096 (target >= 70%)", 100.0 * both / tflops[0])
+                        } else {
+                            String::new()
+                        }
+                    ));
+                }
+                (a, b) => rows.push(format!(
+                    "attention {label} S={s} d={d}: error {:?} {:?}",
+                    a.err(),
+                    b.err()
+                )),
+            }
+        }
+    }
 }
 #[cfg(not(feature = "cuda"))]
 fn bench(_: &mut Vec<String>) {}
