@@ -495,7 +495,9 @@ fn transformer_blocks() {
         };
         let ys = t.g.add_multi(op, &ops).unwrap();
         t.check(
-            &format!("attention window={window:?} softcap={softcap:?} dv={dv} sinks={sinks} lse={lse}"),
+            &format!(
+                "attention window={window:?} softcap={softcap:?} dv={dv} sinks={sinks} lse={lse}"
+            ),
             &ys,
         );
     }

@@ -1008,7 +1008,11 @@ fn bench(rows: &mut Vec<String>) {
             s * w - w * (w - 1.0) / 2.0
         };
         let mut tflops = Vec::new();
-        for (s, w) in [(4096usize, None), (65536, Some(4096usize)), (16384, Some(4096))] {
+        for (s, w) in [
+            (4096usize, None),
+            (65536, Some(4096usize)),
+            (16384, Some(4096)),
+        ] {
             let f = 4.0 * 32.0 * pairs(s, w) * d as f64; // forward FLOPs in the band
             let label = match w {
                 Some(w) => format!("window {w}"),

@@ -118,7 +118,10 @@ fn without_the_window_the_short_ones_differ_from_hf() {
         if short {
             assert!(e > 1e-3, "{fam}: full causal is within {e:e} of HF");
         } else {
-            assert!(e < 1e-5, "{fam}: a window over the sequence changed the result ({e:e})");
+            assert!(
+                e < 1e-5,
+                "{fam}: a window over the sequence changed the result ({e:e})"
+            );
         }
     }
 }
@@ -136,7 +139,12 @@ fn ulysses_attention_keeps_the_band_over_the_whole_sequence() {
         if let Op::Attention { window, .. } = &d.op {
             seen.push(*window);
             for (i, &v) in d.operands.iter().take(3).enumerate() {
-                assert_eq!(g.ty(v).shape[2], Dim::sym("S"), "operand {i} of {}", g.describe(n));
+                assert_eq!(
+                    g.ty(v).shape[2],
+                    Dim::sym("S"),
+                    "operand {i} of {}",
+                    g.describe(n)
+                );
                 let def = g.node(g.def(v));
                 assert!(
                     matches!(def.op, Op::AllToAll { .. }),
@@ -152,14 +160,25 @@ fn ulysses_attention_keeps_the_band_over_the_whole_sequence() {
     }
     // forward then backward of each layer (the backward's order is the graph's)
     assert_eq!(seen.iter().filter(|w| w.is_none()).count(), 2, "{seen:?}");
-    assert_eq!(seen.iter().filter(|w| **w == Some(3)).count(), 2, "{seen:?}");
+    assert_eq!(
+        seen.iter().filter(|w| **w == Some(3)).count(),
+        2,
+        "{seen:?}"
+    );
 }
 
 #[test]
 fn presets_carry_their_windows() {
-    for (preset, w) in [("mistral-7b", Some(4096)), ("phi3-mini", Some(2047)), ("llama3-8b", None)] {
+    for (preset, w) in [
+        ("mistral-7b", Some(4096)),
+        ("phi3-mini", Some(2047)),
+        ("llama3-8b", None),
+    ] {
         let m = weft_frontends::load(preset).unwrap();
         let ws = windows(&m.graph);
-        assert!(!ws.is_empty() && ws.iter().all(|x| *x == w), "{preset}: {ws:?}");
+        assert!(
+            !ws.is_empty() && ws.iter().all(|x| *x == w),
+            "{preset}: {ws:?}"
+        );
     }
 }

@@ -294,7 +294,10 @@ fn parse_windows(
             Some(_) => f.opt_usize("sliding_window")?,
         };
         if w.is_some_and(|w| i64::try_from(w).is_err()) {
-            return Err(f.err("sliding_window", "is larger than any sequence Weft can express"));
+            return Err(f.err(
+                "sliding_window",
+                "is larger than any sequence Weft can express",
+            ));
         }
         if w == Some(0) {
             return Err(f.err(
@@ -348,10 +351,8 @@ fn parse_windows(
     let types = match types {
         Some(t) => t,
         None => {
-            let first = match f.opt_usize("max_window_layers")? {
-                Some(n) => n,
-                None => 28,
-            };
+            // HF's default for qwen2 and qwen3
+            let first = f.opt_usize("max_window_layers")?.unwrap_or(28);
             (0..layers)
                 .map(|i| {
                     if window.is_some() && i >= first {

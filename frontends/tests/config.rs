@@ -359,23 +359,33 @@ fn sliding_window_defaults_follow_each_hf_class() {
         .layer_windows
     };
     assert_eq!(qwen("qwen2", json!({"sliding_window": 8})), vec![None; 4]);
-    assert_eq!(qwen("qwen2", json!({"use_sliding_window": true})), vec![None; 4]);
     assert_eq!(
-        qwen("qwen2", json!({"use_sliding_window": true, "max_window_layers": 2})),
+        qwen("qwen2", json!({"use_sliding_window": true})),
+        vec![None; 4]
+    );
+    assert_eq!(
+        qwen(
+            "qwen2",
+            json!({"use_sliding_window": true, "max_window_layers": 2})
+        ),
         vec![None, None, Some(4096), Some(4096)]
     );
     assert_eq!(
-        qwen("qwen3", json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1,
-            "layer_types": ["sliding_attention", "full_attention", "attention", "sliding_attention"]})),
+        qwen(
+            "qwen3",
+            json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1,
+            "layer_types": ["sliding_attention", "full_attention", "attention", "sliding_attention"]})
+        ),
         vec![Some(8), None, None, Some(8)],
         "layer_types wins over max_window_layers"
     );
     // qwen3_moe: every layer (HF reads no max_window_layers for it)
     let moe = family_with("qwen3_moe", |o| {
-        for (k, v) in json!({"use_sliding_window": true, "sliding_window": 7, "max_window_layers": 1,
+        for (k, v) in
+            json!({"use_sliding_window": true, "sliding_window": 7, "max_window_layers": 1,
             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16})
-        .as_object()
-        .unwrap()
+            .as_object()
+            .unwrap()
         {
             o.insert(k.clone(), v.clone());
         }
@@ -398,12 +408,30 @@ fn window_fields_weft_cannot_honour_are_refused_by_name() {
     };
     let e = err("mistral", json!({"sliding_window": 0}));
     assert!(e.contains("sliding_window") && e.contains("is 0"), "{e}");
-    let e = err("qwen2", json!({"use_sliding_window": true, "layer_types": ["full_attention", "chunked_attention"]}));
-    assert!(e.contains("layer_types") && e.contains("chunked_attention"), "{e}");
-    let e = err("qwen3", json!({"layer_types": ["sliding_attention", "full_attention"]}));
-    assert!(e.contains("layer_types") && e.contains("use_sliding_window is false"), "{e}");
-    let e = err("qwen2", json!({"use_sliding_window": true, "layer_types": ["full_attention"]}));
+    let e = err(
+        "qwen2",
+        json!({"use_sliding_window": true, "layer_types": ["full_attention", "chunked_attention"]}),
+    );
+    assert!(
+        e.contains("layer_types") && e.contains("chunked_attention"),
+        "{e}"
+    );
+    let e = err(
+        "qwen3",
+        json!({"layer_types": ["sliding_attention", "full_attention"]}),
+    );
+    assert!(
+        e.contains("layer_types") && e.contains("use_sliding_window is false"),
+        "{e}"
+    );
+    let e = err(
+        "qwen2",
+        json!({"use_sliding_window": true, "layer_types": ["full_attention"]}),
+    );
     assert!(e.contains("layer_types") && e.contains("1 entries"), "{e}");
-    let e = err("mistral", json!({"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}));
+    let e = err(
+        "mistral",
+        json!({"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}),
+    );
     assert!(e.contains("layer_types") && e.contains("ignores"), "{e}");
 }

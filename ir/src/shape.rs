@@ -364,9 +364,7 @@ pub(crate) fn attention_operands_check(op: &Op, ins: &[&TensorType]) -> Result<T
             return Err(format!("softcap must be a positive number, got {}", c.0));
         }
     }
-    let slots = op
-        .attention_operands(ins.len())
-        .expect("an attention op")?;
+    let slots = op.attention_operands(ins.len()).expect("an attention op")?;
     let (q, k, v) = (ins[0], ins[1], ins[2]);
     for (t, n) in [(q, "q"), (k, "k"), (v, "v")] {
         if t.rank() != 4 {

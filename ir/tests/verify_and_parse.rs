@@ -290,18 +290,37 @@ fn attention_attributes_round_trip_and_are_checked() {
     verify(&g).unwrap_or_else(|r| panic!("{r}"));
     let printed = print(&g);
     assert_eq!(parse(&printed).unwrap(), g);
-    assert!(printed.contains("{causal=true, scale=0.35, window=4, softcap=30.0, sinks=true, lse=true}"), "{printed}");
-    assert!(printed.contains("attention %0, %1, %2 {causal=true, scale=0.35}\n"), "{printed}");
-    let slots = Op::from_text("attention_grad", &[("causal".into(), "true".into()), ("scale".into(), "1.0".into()), ("lse".into(), "true".into())])
-        .unwrap()
-        .attention_operands(7)
-        .unwrap()
-        .unwrap();
-    assert_eq!((slots.mask, slots.sinks, slots.dlse), (Some(5), None, Some(6)));
+    assert!(
+        printed.contains("{causal=true, scale=0.35, window=4, softcap=30.0, sinks=true, lse=true}"),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("attention %0, %1, %2 {causal=true, scale=0.35}\n"),
+        "{printed}"
+    );
+    let slots = Op::from_text(
+        "attention_grad",
+        &[
+            ("causal".into(), "true".into()),
+            ("scale".into(), "1.0".into()),
+            ("lse".into(), "true".into()),
+        ],
+    )
+    .unwrap()
+    .attention_operands(7)
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        (slots.mask, slots.sinks, slots.dlse),
+        (Some(5), None, Some(6))
+    );
     for (attrs, why) in [
         ("{causal=false, scale=0.35, window=4}", "needs causal=true"),
         ("{causal=true, scale=0.35, window=0}", "at least 1"),
-        ("{causal=true, scale=0.35, softcap=-1.0}", "softcap must be a positive"),
+        (
+            "{causal=true, scale=0.35, softcap=-1.0}",
+            "softcap must be a positive",
+        ),
     ] {
         let bad = format!("graph \"a\"\n%0: f32[2, 4, 9, 8] = param {{name=\"q\"}}\n%1: f32[2, 2, 9, 8] = param {{name=\"k\"}}\n%2: f32[2, 4, 9, 8] = attention %0, %1, %1 {attrs}\nreturn o=%2\n");
         let e = errors_of(&parse(&bad).unwrap()).join("\n");

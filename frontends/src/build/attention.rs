@@ -54,7 +54,12 @@ impl Builder<'_> {
             Op::Attention {
                 causal: true,
                 scale,
-                window: c.layer_windows.get(layer).copied().flatten().map(|w| w as i64),
+                window: c
+                    .layer_windows
+                    .get(layer)
+                    .copied()
+                    .flatten()
+                    .map(|w| w as i64),
                 softcap: None,
                 sinks: Default::default(),
                 lse: Default::default(),

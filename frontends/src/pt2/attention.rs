@@ -43,7 +43,18 @@ pub struct MaskKind {
 
 /// Ops whose scalar operands may be a window (arithmetic and comparisons).
 const ARITH: &[&str] = &[
-    "add", "sub", "rsub", "mul", "gt", "ge", "lt", "le", "eq", "ne", "remainder", "floor_divide",
+    "add",
+    "sub",
+    "rsub",
+    "mul",
+    "gt",
+    "ge",
+    "lt",
+    "le",
+    "eq",
+    "ne",
+    "remainder",
+    "floor_divide",
     "div",
 ];
 
@@ -79,7 +90,9 @@ impl Lower<'_> {
             if !seen.insert(v.clone()) {
                 continue;
             }
-            let Some(n) = self.fx.node_of(&v) else { continue };
+            let Some(n) = self.fx.node_of(&v) else {
+                continue;
+            };
             if ARITH.contains(&n.base()) {
                 for (_, a) in &n.args {
                     match a {
@@ -154,10 +167,13 @@ impl Lower<'_> {
         let Some(kind) = kind else { return Ok(None) };
         if let Some(w) = kind.window {
             // consistent: no window below or at W, the same W above it
-            if let Some((s, got)) = seen
-                .iter()
-                .find(|(s, got)| if *s > w { *got != Some(w) } else { got.is_some() })
-            {
+            if let Some((s, got)) = seen.iter().find(|(s, got)| {
+                if *s > w {
+                    *got != Some(w)
+                } else {
+                    got.is_some()
+                }
+            }) {
                 return Err(format!(
                     "the mask keeps a window of {w} keys at one length but {} at S = {s}",
                     match got {
@@ -299,10 +315,12 @@ impl Lower<'_> {
                 }
                 found => {
                     // Not provably causal or banded: the mask itself, as data.
-                    let mv = self.tensor(n, n.arg("attn_mask")).map_err(|e| match &found {
-                        Err(why) => self.unsupported(n, format!("attention mask: {why}")),
-                        Ok(_) => e,
-                    })?;
+                    let mv = self
+                        .tensor(n, n.arg("attn_mask"))
+                        .map_err(|e| match &found {
+                            Err(why) => self.unsupported(n, format!("attention mask: {why}")),
+                            Ok(_) => e,
+                        })?;
                     if self.g.ty(mv).dtype != DType::Bool {
                         return Err(self.unsupported(n, "a float attention mask that is not causal (only bool keep-masks are supported)"));
                     }
@@ -558,7 +576,10 @@ fn classify_band(t: &CT, s: usize) -> Option<MaskKind> {
     };
     // The window from the last row of the first entry: the keys it keeps.
     let last = &t.data[(s - 1) * s..s * s];
-    let n_last = last.iter().map(|&v| kept(v).unwrap_or(false) as usize).sum::<usize>();
+    let n_last = last
+        .iter()
+        .map(|&v| kept(v).unwrap_or(false) as usize)
+        .sum::<usize>();
     let window = (n_last < s).then_some(n_last as i64);
     if window == Some(0) {
         return None;
@@ -623,7 +644,13 @@ mod tests {
             data: [keep.clone(), keep.clone()].concat(),
             kind: Kind::Bool,
         };
-        assert_eq!(classify_band(&t, s), Some(MaskKind { additive: false, window: None }));
+        assert_eq!(
+            classify_band(&t, s),
+            Some(MaskKind {
+                additive: false,
+                window: None
+            })
+        );
         let add: Vec<f64> = keep
             .iter()
             .map(|&k| if k == 1.0 { 0.0 } else { f64::NEG_INFINITY })
@@ -637,7 +664,10 @@ mod tests {
                 },
                 s
             ),
-            Some(MaskKind { additive: true, window: None })
+            Some(MaskKind {
+                additive: true,
+                window: None
+            })
         );
         let mut bad = keep.clone();
         bad[1] = 1.0;

@@ -184,7 +184,10 @@ pub(crate) fn attention_grad(
         scores = Tensor::cat(&[&scores, &col], 3)?;
     }
     let p_all = kernels::softmax(&scores, 3)?;
-    let p = p_all.narrow(3, 0, sk)?.contiguous()?.reshape((b, nkv, rep * sq, sk))?;
+    let p = p_all
+        .narrow(3, 0, sk)?
+        .contiguous()?
+        .reshape((b, nkv, rep * sq, sk))?;
     let dv = kernels::matmul(&p.transpose(2, 3)?, &dog)?;
     let dp = kernels::matmul(&dog, &v.transpose(2, 3)?)?;
     let mut dsum = (&dog * &og)?.sum_keepdim(3)?;

@@ -957,8 +957,8 @@ fn attn_probs<T: Fl>(
             if let Some(br) = brow {
                 x = x.add(br[jj]);
             }
-            let dropped = op.causal
-                && (j > pos || op.window.is_some_and(|w| j <= pos - w as isize));
+            let dropped =
+                op.causal && (j > pos || op.window.is_some_and(|w| j <= pos - w as isize));
             if dropped {
                 x = x.add(min);
             }
@@ -979,7 +979,13 @@ fn attn_probs<T: Fl>(
 /// The keys `j0..j0+jn` rows `i0..i0+rows` can see: all, except for a plain causal mask
 /// (and window) whose rows all keep at least one key (then the keys outside the band have
 /// probability exactly 0).
-fn keys_seen(g: &AttnGeom, op: &Attention, has_bias: bool, i0: usize, rows: usize) -> (usize, usize) {
+fn keys_seen(
+    g: &AttnGeom,
+    op: &Attention,
+    has_bias: bool,
+    i0: usize,
+    rows: usize,
+) -> (usize, usize) {
     let off = g.sk as isize - g.sq as isize;
     if op.causal && !has_bias && off >= 0 {
         let hi = ((i0 + rows) as isize + off).clamp(0, g.sk as isize) as usize;
@@ -1027,7 +1033,16 @@ fn attn_fwd<T: Fl>(
                     (b, h, i0, rows, j0, jn),
                 );
                 let (va, vrs, vcs) = v.mat(b, kh, j0);
-                gemm_acc(ob, g.dv, (rows, g.dv, jn), &p, (jn, 1), va, (vrs, vcs), false);
+                gemm_acc(
+                    ob,
+                    g.dv,
+                    (rows, g.dv, jn),
+                    &p,
+                    (jn, 1),
+                    va,
+                    (vrs, vcs),
+                    false,
+                );
             });
     });
     Ok(out)

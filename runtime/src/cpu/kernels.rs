@@ -383,7 +383,8 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             let mask = slots.mask.map(|i| &ins[i]);
             if sinks.0 || lse.0 {
                 let s = slots.sinks.map(|i| &ins[i]);
-                let (out, lse_t, _) = attention_dense(&ins[0], &ins[1], &ins[2], mask, s, a, cx.float)?;
+                let (out, lse_t, _) =
+                    attention_dense(&ins[0], &ins[1], &ins[2], mask, s, a, cx.float)?;
                 Ok(if lse.0 { vec![out, lse_t] } else { vec![out] })
             } else {
                 one(attention(&ins[0], &ins[1], &ins[2], mask, a, cx.float)?)
@@ -741,8 +742,8 @@ pub(crate) fn attention_dense(
     let m = x.max_keepdim(3)?.detach();
     let lse = (x.broadcast_sub(&m)?.exp()?.sum_keepdim(3)?.log()? + &m)?;
     let p = x.broadcast_sub(&lse)?.exp()?.narrow(3, 0, sk)?;
-    let out = matmul(&p.reshape((b, nkv, rep * sq, sk))?, &v.contiguous()?)?
-        .reshape((b, nq, sq, dv))?;
+    let out =
+        matmul(&p.reshape((b, nkv, rep * sq, sk))?, &v.contiguous()?)?.reshape((b, nq, sq, dv))?;
     Ok((out, lse.squeeze(3)?, p))
 }
 

@@ -477,10 +477,16 @@ fn ptr_or_null(t: Option<&DevT>) -> u64 {
 fn attention_unsupported(op: &Op, ins: &[DevT]) -> Option<String> {
     let (softcap, sinks, lse) = match op {
         Op::Attention {
-            softcap, sinks, lse, ..
+            softcap,
+            sinks,
+            lse,
+            ..
         }
         | Op::AttentionGrad {
-            softcap, sinks, lse, ..
+            softcap,
+            sinks,
+            lse,
+            ..
         } => (*softcap, sinks.0, lse.0),
         _ => return None,
     };
@@ -2063,7 +2069,11 @@ fn attention_fwd(
     window: i64,
 ) -> CudaResult<()> {
     // A window as long as the keys is no band (and may be too large to count with).
-    let window = if window as u64 >= k.shape[2] as u64 { 0 } else { window };
+    let window = if window as u64 >= k.shape[2] as u64 {
+        0
+    } else {
+        window
+    };
     // (the cuDNN graph has no band yet: a window runs on Weft's kernels)
     if window == 0 {
         if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, scale, false) {
@@ -2202,7 +2212,11 @@ fn attention_bwd(
     let saved = lw.attn_lse.get(&out.ptr).copied();
     // cuDNN's backward, from cuDNN's saved statistics (or a cuDNN forward recomputed to
     // scratch when the forward's were not kept): never mixed with Weft's log2 statistics.
-    let window = if window as u64 >= k.shape[2] as u64 { 0 } else { window };
+    let window = if window as u64 >= k.shape[2] as u64 {
+        0
+    } else {
+        window
+    };
     let cudnn = if window == 0 {
         cudnn_shape(lw, q, k, v, mask, causal, scale, true)
     } else {

@@ -213,7 +213,11 @@ impl Ad<'_> {
                 operands.extend(slots.mask.map(|i| ops[i]));
                 operands.extend(slots.sinks.map(|i| ops[i]));
                 // Without a gradient on the log-sum-exp, attention_grad is told there is none.
-                let dlse = if lse.0 { dy.get(1).copied().flatten() } else { None };
+                let dlse = if lse.0 {
+                    dy.get(1).copied().flatten()
+                } else {
+                    None
+                };
                 operands.extend(dlse);
                 let r = self.ops(
                     Op::AttentionGrad {

@@ -652,7 +652,10 @@ fn attention_window_softcap_sinks_and_lse_grads_match_finite_differences() {
         if sinks {
             w.insert("sinks".into(), hf(&[nq], rng.vec(nq, 1.0)));
         }
-        let mut i = map(vec![("r", hf(&[1, nq, sq, dv], rng.vec(sq * nq * dv, 1.0)))]);
+        let mut i = map(vec![(
+            "r",
+            hf(&[1, nq, sq, dv], rng.vec(sq * nq * dv, 1.0)),
+        )]);
         if lse {
             i.insert("r2".into(), hf(&[1, nq, sq], rng.vec(sq * nq, 1.0)));
         }

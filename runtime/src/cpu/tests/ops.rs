@@ -1025,7 +1025,11 @@ fn naive_attention_ext(
                     }
                 }
                 let sink = sinks.map(|s| s[h]);
-                let mx = sc.iter().chain(sink.iter()).cloned().fold(f64::MIN, f64::max);
+                let mx = sc
+                    .iter()
+                    .chain(sink.iter())
+                    .cloned()
+                    .fold(f64::MIN, f64::max);
                 let ex: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
                 let z: f64 = ex.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - mx).exp());
                 lse[(bi * nq + h) * sq + i] = mx + z.ln();
