@@ -3,11 +3,13 @@ backward, AdamW) of the 1.24B Llama-3-style model (hidden 2048, 16 layers, 32 he
 heads, intermediate 8192, vocab 128256, tied embeddings, rope theta 500000), bf16, batch 1.
 
 Usage: python bench/torch_llama_step.py --seq 4096 --steps 8 [--compile] [--json out.json]
+       [--window 4096 --attn sdpa|flex_attention]   (the same model as MistralForCausalLM
+       with HF's sliding-window mask: SDPA with the materialized mask, or FlexAttention)
 Prints tokens/s (median step after warm-up) and peak memory.
 """
 import argparse, json, time, sys
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 p = argparse.ArgumentParser()
 p.add_argument("--seq", type=int, default=4096)
@@ -17,6 +19,7 @@ p.add_argument("--compile", action="store_true")
 p.add_argument("--ckpt", action="store_true", help="per-layer activation checkpointing (HF gradient_checkpointing)")
 p.add_argument("--attn", default="sdpa")
 p.add_argument("--json", default=None)
+p.add_argument("--window", type=int, default=None, help="sliding window (MistralForCausalLM, same sizes)")
 a = p.parse_args()
 
 cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -25,8 +28,16 @@ cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, n
                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                   use_cache=False, attn_implementation=a.attn)
+if a.window is not None:
+    cfg = MistralConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                        tie_word_embeddings=True, rms_norm_eps=1e-5, sliding_window=a.window,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192},
+                        use_cache=False, attn_implementation=a.attn)
 torch.manual_seed(0)
-model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).train()
+model = (MistralForCausalLM if a.window is not None else LlamaForCausalLM)(cfg).to(device="cuda", dtype=torch.bfloat16).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
 if a.ckpt:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -55,7 +66,7 @@ times.sort()
 med = times[len(times) // 2]
 tok = a.batch * a.seq / med
 peak = torch.cuda.max_memory_allocated() / 2**30
-res = {"impl": ("torch.compile" if a.compile else "torch eager") + (" + checkpointing" if a.ckpt else ""), "seq": a.seq, "batch": a.batch, "median_step_s": med,
+res = {"impl": ("torch.compile" if a.compile else "torch eager") + (" + checkpointing" if a.ckpt else "") + (f" window {a.window} ({a.attn})" if a.window else ""), "seq": a.seq, "batch": a.batch, "median_step_s": med,
        "tokens_per_s": tok, "first_step_s": first, "peak_gib": peak, "loss": float(loss), "torch": torch.__version__}
 print(json.dumps(res))
 if a.json:

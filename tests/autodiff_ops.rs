@@ -459,10 +459,47 @@ fn transformer_blocks() {
             Op::Attention {
                 causal,
                 scale: Float(0.6),
+                window: None,
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
             },
             &ops,
         );
         t.check(&format!("attention causal={causal} mask={mask}"), &[y]);
+    }
+    // attention: window (shorter than the sequence), soft-cap, a value head dim of its
+    // own, sinks and the log-sum-exp result (its gradient folds into attention_grad)
+    for (window, softcap, dv, sinks, lse) in [
+        (Some(2i64), None, 3i64, false, false),
+        (Some(3), Some(0.9), 4, false, false),
+        (None, Some(1.5), 2, true, false),
+        (Some(2), None, 3, true, true),
+        (Some(4), Some(2.0), 5, false, true),
+    ] {
+        let mut t = T::new();
+        let q = t.param("q", &[2, 4, 7, 3]);
+        let k = t.param("k", &[2, 2, 7, 3]);
+        let v = t.param("v", &[2, 2, 7, dv]);
+        let mut ops = vec![q, k, v];
+        if sinks {
+            ops.push(t.param("sinks", &[4]));
+        }
+        let op = Op::Attention {
+            causal: true,
+            scale: Float(0.6),
+            window,
+            softcap: softcap.map(Float),
+            sinks: sinks.into(),
+            lse: lse.into(),
+        };
+        let ys = t.g.add_multi(op, &ops).unwrap();
+        t.check(
+            &format!(
+                "attention window={window:?} softcap={softcap:?} dv={dv} sinks={sinks} lse={lse}"
+            ),
+            &ys,
+        );
     }
     // embedding, cross-entropy (none, sum, mean)
     let mut t = T::new();

@@ -46,6 +46,9 @@ const ARCHIVES: &[(&str, &str)] = &[
     ("qwen3_moe_batched_decomposed", "qwen3_moe"),
     ("olmo2", "olmo2"),
     ("granite", "granite"),
+    ("mistral_sw13", "mistral_sw13"),
+    ("mistral_sw13_decomposed", "mistral_sw13"),
+    ("mistral_sw4", "mistral_sw4"),
 ];
 
 fn imp(name: &str, family: &str) -> Pt2Import {
@@ -392,4 +395,28 @@ fn moe_load_balancing_loss_from_the_router_logits_outputs() {
         .unwrap_err()
         .to_string();
     assert!(s.contains("returns no router logits"), "{s}");
+}
+
+/// A sliding-window mask (HF's `create_sliding_window_causal_mask`, window 13 >= the old
+/// probe length 12, and 4) is recognised as such, in the SDPA program and in the
+/// decomposed one, and never as a plain causal mask.
+#[test]
+fn sliding_window_masks_are_recognised() {
+    for (name, family, w) in [
+        ("mistral_sw13", "mistral_sw13", 13),
+        ("mistral_sw13_decomposed", "mistral_sw13", 13),
+        ("mistral_sw4", "mistral_sw4", 4),
+    ] {
+        let im = imp(name, family);
+        let windows: Vec<Option<i64>> = im
+            .graph
+            .nodes()
+            .iter()
+            .filter_map(|&n| match &im.graph.node(n).op {
+                Op::Attention { window, .. } => Some(*window),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(windows, [Some(w), Some(w)], "{name}\n{}", im.report);
+    }
 }

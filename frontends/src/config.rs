@@ -180,9 +180,11 @@ pub struct ModelConfig {
     /// One `qkv_proj` and one `gate_up_proj` (phi3).
     pub fused_projections: bool,
     pub moe: Option<MoeConfig>,
-    /// The attention window HF applies, if any. The graph's attention is fully causal,
-    /// so it equals HF only for sequences no longer than this.
+    /// HF's `config.sliding_window` after its defaults (none unless the family uses it).
     pub sliding_window: Option<usize>,
+    /// The attention window of each layer (none: full causal), as HF applies it; see
+    /// [`parse_windows`].
+    pub layer_windows: Vec<Option<usize>>,
     /// HF `base_model_tp_plan` (module pattern, style), as written; read by the
     /// `tensor-parallel` pass (styles are checked there).
     pub tp_plan: Vec<(String, String)>,
@@ -302,17 +304,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         }
         m
     });
-    let sliding_window = match family {
-        Family::Mistral | Family::Mixtral | Family::Phi3 => f.opt_usize("sliding_window")?,
-        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
-            if f.opt_bool("use_sliding_window")?.unwrap_or(false) {
-                f.opt_usize("sliding_window")?
-            } else {
-                None
-            }
-        }
-        _ => None,
-    };
+    let (sliding_window, layer_windows) = parse_windows(f, family, num_hidden_layers)?;
 
     Ok(ModelConfig {
         model_type: model_type.to_string(),
@@ -346,6 +338,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         fused_projections: family == Family::Phi3,
         moe,
         sliding_window,
+        layer_windows,
         tp_plan: parse_tp_plan(f)?,
     })
 }
@@ -370,6 +363,177 @@ fn parse_granite_multipliers(f: &Fields) -> Result<Multipliers, FrontendError> {
         attention_scale: Some(finite("attention_multiplier")?),
         logits_divisor,
     })
+}
+
+/// The attention window of each layer, as HF's modeling code applies it (the band of
+/// `masking_utils.sliding_window_overlay`: query `i` keeps keys `i - window < j <= i`).
+///
+/// - mistral, mixtral, phi3: `sliding_window` on every layer (mistral's default when the
+///   key is absent is 4096, the others' none; `null` means none);
+/// - qwen2, qwen3: only with `use_sliding_window`, `sliding_window` (default 4096) on the
+///   layers `layer_types` marks `sliding_attention`; without `layer_types`, the layers
+///   from `max_window_layers` (default 28) on;
+/// - qwen3_moe: with `use_sliding_window`, every layer (HF reads neither
+///   `max_window_layers` nor `layer_types` for it);
+/// - llama: none (HF's Llama has no window).
+///
+/// `layer_types` on a family whose HF model ignores it must agree with what HF applies,
+/// and entries other than full and sliding attention are refused by name.
+fn parse_windows(
+    f: &Fields,
+    family: Family,
+    layers: usize,
+) -> Result<(Option<usize>, Vec<Option<usize>>), FrontendError> {
+    // `sliding_window` with HF's class default when the key is absent; null is none.
+    let window_or = |default: Option<usize>| -> Result<Option<usize>, FrontendError> {
+        let w = match f.obj.get("sliding_window") {
+            None => default,
+            Some(_) => f.opt_usize("sliding_window")?,
+        };
+        if w.is_some_and(|w| i64::try_from(w).is_err()) {
+            return Err(f.err(
+                "sliding_window",
+                "is larger than any sequence Weft can express",
+            ));
+        }
+        if w == Some(0) {
+            return Err(f.err(
+                "sliding_window",
+                "is 0, which keeps no key for any query (HF's softmax gives NaN); use null for no window",
+            ));
+        }
+        Ok(w)
+    };
+    let use_sliding = |f: &Fields| -> Result<bool, FrontendError> {
+        Ok(f.opt_bool("use_sliding_window")?.unwrap_or(false))
+    };
+    let (window, per_layer_from_types) = match family {
+        Family::Mistral => (window_or(Some(4096))?, false),
+        Family::Mixtral | Family::Phi3 => (window_or(None)?, false),
+        Family::Qwen2 | Family::Qwen3 => {
+            let w = window_or(Some(4096))?;
+            (if use_sliding(f)? { w } else { None }, true)
+        }
+        Family::Qwen3Moe => {
+            let w = window_or(Some(4096))?;
+            (if use_sliding(f)? { w } else { None }, false)
+        }
+        Family::Llama | Family::Olmo2 | Family::Granite | Family::WeftIr => (None, false),
+    };
+    let types = parse_layer_types(f, layers)?;
+    if !per_layer_from_types {
+        // HF's model for this family applies `window` to every layer whatever
+        // `layer_types` says; a disagreeing list means the user expects something else.
+        if let Some(types) = &types {
+            if let Some((i, t)) = types
+                .iter()
+                .enumerate()
+                .find(|(_, t)| t.is_sliding() != window.is_some())
+            {
+                return Err(f.err(
+                    "layer_types",
+                    format!(
+                        "marks layer {i} `{}`, but HF's {family} model ignores `layer_types` and applies {} to every layer",
+                        t.name(),
+                        match window {
+                            Some(w) => format!("the sliding window ({w})"),
+                            None => "full causal attention".to_string(),
+                        }
+                    ),
+                ));
+            }
+        }
+        return Ok((window, vec![window; layers]));
+    }
+    let types = match types {
+        Some(t) => t,
+        None => {
+            // HF's default for qwen2 and qwen3
+            let first = f.opt_usize("max_window_layers")?.unwrap_or(28);
+            (0..layers)
+                .map(|i| {
+                    if window.is_some() && i >= first {
+                        LayerType::Sliding
+                    } else {
+                        LayerType::Full
+                    }
+                })
+                .collect()
+        }
+    };
+    let mut per_layer = Vec::with_capacity(layers);
+    for (i, t) in types.iter().enumerate() {
+        per_layer.push(match (t, window) {
+            (LayerType::Full, _) => None,
+            (LayerType::Sliding, Some(w)) => Some(w),
+            (LayerType::Sliding, None) => {
+                return Err(f.err(
+                    "layer_types",
+                    format!(
+                        "marks layer {i} `sliding_attention`, but the config has no window ({}); HF cannot build this model's mask",
+                        if use_sliding(f)? {
+                            "sliding_window is null"
+                        } else {
+                            "use_sliding_window is false"
+                        }
+                    ),
+                ))
+            }
+        });
+    }
+    Ok((window, per_layer))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LayerType {
+    Full,
+    Sliding,
+}
+
+impl LayerType {
+    fn is_sliding(self) -> bool {
+        self == LayerType::Sliding
+    }
+    fn name(self) -> &'static str {
+        match self {
+            LayerType::Full => "full_attention",
+            LayerType::Sliding => "sliding_attention",
+        }
+    }
+}
+
+/// transformers 5's `layer_types` (one entry per layer; the legacy `attention` is full
+/// attention), or `None` when absent.
+fn parse_layer_types(f: &Fields, layers: usize) -> Result<Option<Vec<LayerType>>, FrontendError> {
+    let Some(v) = f.get("layer_types") else {
+        return Ok(None);
+    };
+    let items = v
+        .as_array()
+        .ok_or_else(|| f.err("layer_types", format!("must be a list of strings, got {v}")))?;
+    if items.len() != layers {
+        return Err(f.err(
+            "layer_types",
+            format!(
+                "has {} entries but num_hidden_layers is {layers}",
+                items.len()
+            ),
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t.as_str() {
+            Some("full_attention") | Some("attention") => Ok(LayerType::Full),
+            Some("sliding_attention") => Ok(LayerType::Sliding),
+            Some(other) => Err(f.err(
+                "layer_types",
+                format!("entry {i} is `{other}`; Weft implements `full_attention` and `sliding_attention` only"),
+            )),
+            None => Err(f.err("layer_types", format!("entry {i} must be a string, got {t}"))),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 fn parse_tp_plan(f: &Fields) -> Result<Vec<(String, String)>, FrontendError> {

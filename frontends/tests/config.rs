@@ -301,6 +301,10 @@ fn partial_rotary_factor_sets_the_rotary_dim() {
 #[test]
 fn sliding_window_is_recorded() {
     assert_eq!(
+        load("phi3-mini").unwrap().config.unwrap().layer_windows,
+        vec![Some(2047); 32]
+    );
+    assert_eq!(
         load("mistral-7b").unwrap().config.unwrap().sliding_window,
         Some(4096)
     );
@@ -368,4 +372,122 @@ fn router_fields_that_change_the_loss() {
     let outs: Vec<&str> = m.graph.outputs().iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(outs, ["loss", "logits", "ce_loss", "aux_loss"]);
     weft_ir::verify(&m.graph).unwrap();
+}
+
+/// The BASE config as `model_type` with `edit` applied.
+fn family_with(
+    model_type: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> Result<ModelConfig, FrontendError> {
+    base_with(|o| {
+        o.insert("model_type".into(), model_type.into());
+        edit(o)
+    })
+}
+
+#[test]
+fn sliding_window_defaults_follow_each_hf_class() {
+    use serde_json::{json, Value};
+    // the key absent: HF's class default (mistral 4096, mixtral and phi3 none)
+    let absent = |t: &str| family_with(t, |_| {}).unwrap().layer_windows;
+    assert_eq!(absent("mistral"), vec![Some(4096); 2]);
+    assert_eq!(absent("phi3"), vec![None; 2]);
+    assert_eq!(absent("llama"), vec![None; 2]);
+    // null: no window; a number: every layer
+    let with = |t: &str, v: Value| {
+        family_with(t, |o| {
+            o.insert("sliding_window".into(), v);
+        })
+        .unwrap()
+        .layer_windows
+    };
+    assert_eq!(with("mistral", Value::Null), vec![None; 2]);
+    assert_eq!(with("phi3", json!(2047)), vec![Some(2047); 2]);
+    // qwen2/qwen3: only with use_sliding_window, and from max_window_layers (default 28) on
+    let qwen = |t: &str, extra: Value| {
+        family_with(t, |o| {
+            o.insert("num_hidden_layers".into(), json!(4));
+            for (k, v) in extra.as_object().unwrap() {
+                o.insert(k.clone(), v.clone());
+            }
+        })
+        .unwrap()
+        .layer_windows
+    };
+    assert_eq!(qwen("qwen2", json!({"sliding_window": 8})), vec![None; 4]);
+    assert_eq!(
+        qwen("qwen2", json!({"use_sliding_window": true})),
+        vec![None; 4]
+    );
+    assert_eq!(
+        qwen(
+            "qwen2",
+            json!({"use_sliding_window": true, "max_window_layers": 2})
+        ),
+        vec![None, None, Some(4096), Some(4096)]
+    );
+    assert_eq!(
+        qwen(
+            "qwen3",
+            json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1,
+            "layer_types": ["sliding_attention", "full_attention", "attention", "sliding_attention"]})
+        ),
+        vec![Some(8), None, None, Some(8)],
+        "layer_types wins over max_window_layers"
+    );
+    // qwen3_moe: every layer (HF reads no max_window_layers for it)
+    let moe = family_with("qwen3_moe", |o| {
+        for (k, v) in
+            json!({"use_sliding_window": true, "sliding_window": 7, "max_window_layers": 1,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16})
+            .as_object()
+            .unwrap()
+        {
+            o.insert(k.clone(), v.clone());
+        }
+    })
+    .unwrap();
+    assert_eq!(moe.layer_windows, vec![Some(7); 2]);
+}
+
+#[test]
+fn window_fields_weft_cannot_honour_are_refused_by_name() {
+    use serde_json::json;
+    let err = |t: &str, extra: serde_json::Value| {
+        family_with(t, |o| {
+            for (k, v) in extra.as_object().unwrap() {
+                o.insert(k.clone(), v.clone());
+            }
+        })
+        .unwrap_err()
+        .to_string()
+    };
+    let e = err("mistral", json!({"sliding_window": 0}));
+    assert!(e.contains("sliding_window") && e.contains("is 0"), "{e}");
+    let e = err(
+        "qwen2",
+        json!({"use_sliding_window": true, "layer_types": ["full_attention", "chunked_attention"]}),
+    );
+    assert!(
+        e.contains("layer_types") && e.contains("chunked_attention"),
+        "{e}"
+    );
+    let e = err(
+        "qwen3",
+        json!({"layer_types": ["sliding_attention", "full_attention"]}),
+    );
+    assert!(
+        e.contains("layer_types") && e.contains("use_sliding_window is false"),
+        "{e}"
+    );
+    let e = err(
+        "qwen2",
+        json!({"use_sliding_window": true, "layer_types": ["full_attention"]}),
+    );
+    assert!(e.contains("layer_types") && e.contains("1 entries"), "{e}");
+    let e = err(
+        "mistral",
+        json!({"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}),
+    );
+    assert!(e.contains("layer_types") && e.contains("ignores"), "{e}");
 }

@@ -190,6 +190,29 @@ impl AttrValue for TensorType {
     }
 }
 
+/// A boolean attribute that is off unless written: printed only when true (`sinks=true`),
+/// absent from the text when false, so adding one leaves existing programs' text alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Flag(pub bool);
+
+impl From<bool> for Flag {
+    fn from(b: bool) -> Flag {
+        Flag(b)
+    }
+}
+
+impl AttrValue for Flag {
+    fn fmt_attr(&self) -> Option<String> {
+        self.0.then(|| "true".to_string())
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        bool::parse_attr(s).map(Flag)
+    }
+    fn absent() -> Option<Self> {
+        Some(Flag(false))
+    }
+}
+
 impl<T: AttrValue> AttrValue for Option<T> {
     fn fmt_attr(&self) -> Option<String> {
         self.as_ref().and_then(|v| v.fmt_attr())

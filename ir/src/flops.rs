@@ -50,28 +50,14 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             out_numel * k * 2
         }
         Op::GroupedMatmul {} => out_numel * last(ins[0]) * 2,
-        Op::Attention { causal, .. } => {
-            // scores q k^T and probs v: 2 matmuls of B*Nq*Sq*Sk*D, plus softmax.
-            let q = ins[0];
-            let sk = ins[1].shape[2].clone();
-            let full = q.numel() * sk.clone() * 4 + q.numel() / last(q) * sk * 5;
-            if *causal {
-                full / 2
-            } else {
-                full
-            }
+        Op::Attention { .. } => {
+            // scores q k^T (2 D per kept pair) and probs v (2 Dv), plus the softmax (5).
+            attention_flops(&d.op, ins[0], ins[1], ins[2], (2, 2, 5))
         }
-        Op::AttentionGrad { causal, .. } => {
-            // dV = P^T dO, dP = dO V^T, dS, dQ = dS K, dK = dS^T Q plus recomputing S = Q K^T:
-            // 5 matmuls of B*Nq*Sq*Sk*D (2.5x the forward's two), and the elementwise dS.
-            let q = ins[0];
-            let sk = ins[1].shape[2].clone();
-            let full = q.numel() * sk.clone() * 10 + q.numel() / last(q) * sk * 6;
-            if *causal {
-                full / 2
-            } else {
-                full
-            }
+        Op::AttentionGrad { .. } => {
+            // Recomputing S = Q K^T (2 D), dV = P^T dO (2 Dv), dP = dO V^T (2 Dv),
+            // dQ = dS K (2 D), dK = dS^T Q (2 D), and the elementwise dS (6).
+            attention_flops(&d.op, ins[0], ins[1], ins[2], (6, 4, 6))
         }
         Op::GroupedMatmulGrad {} => {
             // dx = dy w and dw = dy^T x: twice the forward's matmul.
@@ -86,6 +72,48 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
         Op::MoeCombine {} => g.ty(d.operands[0]).numel() * 2,
         _ => out_numel,
     }
+}
+
+/// FLOPs of an attention (or its gradient) at `(per D, per Dv, per element)` for each
+/// (query, key) pair a kernel that skips masked tiles visits: all of them, half for
+/// causal, the band for a window (exact when the sequence lengths are known; for symbolic
+/// ones the band of a sequence at least `window` long, `S W - W (W - 1) / 2` per head).
+fn attention_flops(
+    op: &Op,
+    q: &crate::types::TensorType,
+    k: &crate::types::TensorType,
+    v: &crate::types::TensorType,
+    (per_d, per_dv, per_el): (i64, i64, i64),
+) -> Dim {
+    let (causal, window) = match op {
+        Op::Attention { causal, window, .. } | Op::AttentionGrad { causal, window, .. } => {
+            (*causal, *window)
+        }
+        _ => (false, None),
+    };
+    let (sq, sk) = (q.shape[2].clone(), k.shape[2].clone());
+    let rows = q.shape[0].clone() * q.shape[1].clone() * sq.clone();
+    let per_pair = q.shape[3].clone() * per_d + v.shape[3].clone() * per_dv + per_el;
+    // (a window too large to count with is no narrower than the causal triangle)
+    let Some(w) = window.filter(|&w| causal && w.checked_mul(w).is_some()) else {
+        let full = rows * sk * per_pair;
+        return if causal { full / 2 } else { full };
+    };
+    let heads = q.shape[0].clone() * q.shape[1].clone();
+    let band = match (sq.as_const(), sk.as_const()) {
+        (Some(a), Some(b)) => {
+            // query i sits at p = i + b - a and keeps keys max(0, p - w + 1) ..= min(p, b - 1)
+            let per_head: i64 = (0..a)
+                .map(|i| {
+                    let p = i + b - a;
+                    (p.min(b - 1) - (p - w + 1).max(0) + 1).max(0)
+                })
+                .sum();
+            heads * per_head
+        }
+        _ => heads * (sq * w - Dim::from(w * (w - 1) / 2)),
+    };
+    band * per_pair
 }
 
 /// Total forward FLOPs of the graph.

@@ -204,8 +204,11 @@ define_ops! {
     RopeTable = "rope_table" ("position_ids") [1, 1] { theta: Float, dim: i64, scaling: RopeScaling } => rope_table;
     /// Rotary embedding `x*cos + rotate_half(x)*sin` on x [B, N, S, D]; rotates the first `cos.dim` features.
     Rope = "rope" ("x, cos, sin") [3, 3] => rope;
-    /// Scaled dot-product attention on q [B, Nq, S, D], k/v [B, Nkv, S, D] (GQA: Nkv divides Nq); mask is bool keep-mask.
-    Attention = "attention" ("q, k, v, mask?") [3, 4] { causal: bool, scale: Float } => attention;
+    /// Scaled dot-product attention on q [B, Nq, Sq, D], k [B, Nkv, Sk, D], v [B, Nkv, Sk, Dv] (GQA: Nkv divides Nq; Dv may differ from D): out [B, Nq, Sq, Dv].
+    /// Query `i` sits at position `p = i + Sk - Sq` (queries aligned with the last keys). Scores are `scale * q.k`, then `softcap * tanh(s / softcap)` when `softcap` is set; key `j` is kept when the bool keep-`mask` [B|1, Nq|1, Sq, Sk] says so, `causal` keeps `j <= p`, and `window=W` (needs causal) also keeps only `j > p - W` (HF's sliding window: W keys, the query's own included).
+    /// Masked scores get the dtype's most negative value (a row with nothing kept is uniform, as HF's eager path). With `sinks=true` the last operand is a per-head logit [Nq] that joins each row's softmax and is dropped after it (gpt-oss).
+    /// With `lse=true` a second result is the f32 log-sum-exp of each row's scores [B, Nq, Sq] (sink included), for combining partial attentions.
+    Attention = "attention" ("q, k, v, mask?, sinks?") [3, 5] { causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float>, sinks: Flag, lse: Flag } => attention;
     /// HF causal-LM labels: `labels[:, 1:]` padded with `ignore_index` at the end (the shift of ForCausalLMLoss).
     ShiftLabels = "shift_labels" ("labels") [1, 1] { ignore_index: i64 } => same;
     /// Number of labels not equal to `ignore_index`, as f32.
@@ -248,8 +251,9 @@ define_ops! {
     MoeCombine = "moe_combine" ("rows, order, weights") [3, 3] => moe_combine;
 
     // ---- backward (made by `autodiff`; the other gradients are written with the ops above) ----
-    /// Gradients of `attention` from its operands, output and output gradient: dq, dk, dv (GQA: dk, dv summed over the q heads of each kv head).
-    AttentionGrad = "attention_grad" ("q, k, v, out, dout, mask?") [5, 6] { causal: bool, scale: Float } => attention_grad;
+    /// Gradients of `attention` (same attributes) from its operands, output and output gradient: dq, dk, dv (GQA: dk, dv summed over the q heads of each kv head), and with `sinks=true` dsinks [Nq] (f32).
+    /// Optional operands in order: the keep-mask, the sinks (`sinks=true`) and, with `lse=true`, the gradient of the log-sum-exp result `dlse` [B, Nq, Sq] (f32).
+    AttentionGrad = "attention_grad" ("q, k, v, out, dout, mask?, sinks?, dlse?") [5, 8] { causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float>, sinks: Flag, lse: Flag } => attention_grad;
     /// Gradients of `rms_norm`: dx, and dw summed over every row.
     RmsNormGrad = "rms_norm_grad" ("x, w, dy") [3, 3] { eps: Float } => rms_norm_grad;
     /// Gradient of `cross_entropy` wrt the logits for loss gradient `dloss` (a scalar for sum/mean, per token for none); 0 for ignored labels.
@@ -294,7 +298,48 @@ define_ops! {
     Broadcast = "broadcast" ("x") [1, 1] { axis: String, root: i64 } => same, collective;
 }
 
+/// Where an `attention` or `attention_grad` node's optional operands sit, from its
+/// flags and operand count: the flags say which of sinks and dlse are present, the
+/// count whether a mask is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct AttentionOperands {
+    pub mask: Option<usize>,
+    pub sinks: Option<usize>,
+    pub dlse: Option<usize>,
+}
+
 impl Op {
+    /// The optional operands of an `attention` (or `attention_grad`) with `n` operands;
+    /// `Err` when the count does not fit the flags, `None` for other ops.
+    pub fn attention_operands(&self, n: usize) -> Option<Result<AttentionOperands, String>> {
+        let (fixed, sinks, lse) = match self {
+            // the forward's `lse` is a result, not an operand
+            Op::Attention { sinks, .. } => (3, sinks.0, false),
+            Op::AttentionGrad { sinks, lse, .. } => (5, sinks.0, lse.0),
+            _ => return None,
+        };
+        let flagged = fixed + sinks as usize + lse as usize;
+        if n != flagged && n != flagged + 1 {
+            return Some(Err(format!(
+                "`{}` with sinks={sinks}{} takes {flagged} or {} operands (the second with a mask), got {n}",
+                self.name(),
+                if fixed == 5 { format!(", lse={lse}") } else { String::new() },
+                flagged + 1
+            )));
+        }
+        let mut next = fixed;
+        let mut take = |present: bool| {
+            present.then(|| {
+                next += 1;
+                next - 1
+            })
+        };
+        let mask = take(n == flagged + 1);
+        let sinks = take(sinks);
+        let dlse = take(lse);
+        Some(Ok(AttentionOperands { mask, sinks, dlse }))
+    }
+
     pub fn is_collective(&self) -> bool {
         self.info().collective
     }

@@ -310,17 +310,74 @@ pub fn rope(_: &Op, ins: &[&TensorType]) -> Out {
     one(x.clone())
 }
 
-pub fn attention(_: &Op, ins: &[&TensorType]) -> Out {
+/// `attention(q, k, v, mask?, sinks?)`: out [B, Nq, Sq, Dv], and with `lse=true` the f32
+/// log-sum-exp [B, Nq, Sq]. Checks the attributes too (window needs causal and >= 1,
+/// softcap > 0), so a program the runtimes would refuse fails at its node.
+pub fn attention(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::Attention { lse, .. } = op else {
+        unreachable!()
+    };
+    let out = attention_operands_check(op, ins)?;
+    let mut res = vec![out];
+    if lse.0 {
+        let q = ins[0];
+        res.push(TensorType::new(DType::F32, q.shape[..3].to_vec()));
+    }
+    Ok(res)
+}
+
+/// The checks `attention` and `attention_grad` share (their first three operands, the
+/// mask and the sinks, and the attributes); returns the type of the forward's output.
+pub(crate) fn attention_operands_check(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    let (causal, scale, window, softcap) = match op {
+        Op::Attention {
+            causal,
+            scale,
+            window,
+            softcap,
+            ..
+        }
+        | Op::AttentionGrad {
+            causal,
+            scale,
+            window,
+            softcap,
+            ..
+        } => (*causal, scale.0, *window, *softcap),
+        _ => unreachable!(),
+    };
+    if !scale.is_finite() {
+        return Err(format!("scale must be finite, got {scale}"));
+    }
+    if let Some(w) = window {
+        if !causal {
+            return Err(format!(
+                "window={w} needs causal=true (the band is `p - window < j <= p`)"
+            ));
+        }
+        if w < 1 {
+            return Err(format!("window must be at least 1, got {w}"));
+        }
+    }
+    if let Some(c) = softcap {
+        if !(c.0.is_finite() && c.0 > 0.0) {
+            return Err(format!("softcap must be a positive number, got {}", c.0));
+        }
+    }
+    let slots = op.attention_operands(ins.len()).expect("an attention op")?;
     let (q, k, v) = (ins[0], ins[1], ins[2]);
     for (t, n) in [(q, "q"), (k, "k"), (v, "v")] {
         if t.rank() != 4 {
             return Err(format!("{n} must be [B, heads, S, head_dim], got {t}"));
         }
+        want_float(t, n)?;
     }
     same_dtype(q, k, "q and k")?;
     same_dtype(q, v, "q and v")?;
-    if k.shape != v.shape {
-        return Err(format!("k and v shapes differ: {k} vs {v}"));
+    if k.shape[..3] != v.shape[..3] {
+        return Err(format!(
+            "k and v differ in batch, heads or sequence: {k} vs {v}"
+        ));
     }
     if q.shape[0] != k.shape[0] || q.shape[3] != k.shape[3] {
         return Err(format!("q {q} and k {k} differ in batch or head_dim"));
@@ -332,7 +389,8 @@ pub fn attention(_: &Op, ins: &[&TensorType]) -> Out {
             ));
         }
     }
-    if let Some(m) = ins.get(3) {
+    if let Some(i) = slots.mask {
+        let m = ins[i];
         if m.rank() != 4 {
             return Err(format!("mask must be [B|1, heads|1, Sq, Sk], got {m}"));
         }
@@ -340,7 +398,19 @@ pub fn attention(_: &Op, ins: &[&TensorType]) -> Out {
             return Err(format!("mask must be bool (true = attend), got {m}"));
         }
     }
-    one(q.clone())
+    if let Some(i) = slots.sinks {
+        let s = ins[i];
+        want_float(s, "sinks")?;
+        if s.shape != [q.shape[1].clone()] {
+            return Err(format!(
+                "sinks must be one logit per q head [{}], got {s}",
+                q.shape[1]
+            ));
+        }
+    }
+    let mut out = q.clone();
+    out.shape[3] = v.shape[3].clone();
+    Ok(out)
 }
 
 pub fn count_valid(_: &Op, ins: &[&TensorType]) -> Out {

@@ -31,26 +31,49 @@ fn same_type(a: &TensorType, b: &TensorType, what: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// `attention_grad(q, k, v, out, dout, mask?)`: dq, dk, dv shaped like q, k, v.
-pub fn attention_grad(_: &Op, ins: &[&TensorType]) -> Out {
-    let (q, k, v, out, dout) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
-    crate::shape::attention(
-        &Op::Attention {
-            causal: false,
-            scale: 1.0.into(),
-        },
-        &[q, k, v],
-    )?;
-    same_type(q, out, "q and out")?;
-    same_type(out, dout, "out and dout")?;
-    if let Some(m) = ins.get(5) {
-        if m.rank() != 4 || m.dtype != DType::Bool {
-            return Err(format!(
-                "mask must be a bool [B|1, heads|1, Sq, Sk], got {m}"
-            ));
-        }
+/// `attention_grad(q, k, v, out, dout, mask?, sinks?, dlse?)`: dq, dk, dv shaped like q,
+/// k, v, and with sinks dsinks [Nq] (f32).
+pub fn attention_grad(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::AttentionGrad { sinks, .. } = op else {
+        unreachable!()
+    };
+    // The forward's operands: q, k, v and the optional ones after out and dout.
+    let mut fwd: Vec<&TensorType> = vec![ins[0], ins[1], ins[2]];
+    let slots = op.attention_operands(ins.len()).expect("an attention op")?;
+    for i in [slots.mask, slots.sinks].into_iter().flatten() {
+        fwd.push(ins[i]);
     }
-    Ok(vec![q.clone(), k.clone(), v.clone()])
+    let fwd_op = match op {
+        Op::AttentionGrad {
+            causal,
+            scale,
+            window,
+            softcap,
+            sinks,
+            ..
+        } => Op::Attention {
+            causal: *causal,
+            scale: *scale,
+            window: *window,
+            softcap: *softcap,
+            sinks: *sinks,
+            lse: Default::default(),
+        },
+        _ => unreachable!(),
+    };
+    let out_ty = crate::shape::attention_operands_check(&fwd_op, &fwd)?;
+    let (q, k, v, out, dout) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
+    same_type(&out_ty, out, "the attention output and out")?;
+    same_type(out, dout, "out and dout")?;
+    if let Some(i) = slots.dlse {
+        let want = TensorType::new(DType::F32, q.shape[..3].to_vec());
+        same_type(&want, ins[i], "the log-sum-exp and dlse")?;
+    }
+    let mut res = vec![q.clone(), k.clone(), v.clone()];
+    if sinks.0 {
+        res.push(TensorType::new(DType::F32, vec![q.shape[1].clone()]));
+    }
+    Ok(res)
 }
 
 /// `rms_norm_grad(x, w, dy)`: dx like x, dw like w.

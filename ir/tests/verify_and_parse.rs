@@ -280,3 +280,53 @@ fn param_partitions_round_trip_and_verify() {
         ]
     );
 }
+
+/// Every attention attribute and optional operand prints and parses back; a plain
+/// attention prints no window, softcap or flags; bad combinations are refused at the node.
+#[test]
+fn attention_attributes_round_trip_and_are_checked() {
+    let text = "graph \"a\"\n%0: f32[2, 4, 9, 8] = param {name=\"q\"}\n%1: f32[2, 2, 9, 8] = param {name=\"k\"}\n%2: f32[2, 2, 9, 6] = param {name=\"v\"}\n%3: f32[4] = param {name=\"sinks\"}\n%4: bool[2, 1, 9, 9] = input {name=\"m\", role=other}\n%5: f32[2, 4, 9, 6], %6: f32[2, 4, 9] = attention %0, %1, %2, %4, %3 {causal=true, scale=0.35, window=4, softcap=30.0, sinks=true, lse=true}\n%7: f32[2, 4, 9, 6] = attention %0, %1, %2 {causal=true, scale=0.35}\n%8: f32[2, 4, 9, 6] = param {name=\"do\"}\n%9: f32[2, 4, 9] = param {name=\"dl\"}\n%10: f32[2, 4, 9, 8], %11: f32[2, 2, 9, 8], %12: f32[2, 2, 9, 6], %13: f32[4] = attention_grad %0, %1, %2, %5, %8, %4, %3, %9 {causal=true, scale=0.35, window=4, softcap=30.0, sinks=true, lse=true}\nreturn o=%5, l=%6, p=%7, dq=%10, dk=%11, dv=%12, ds=%13\n";
+    let g = parse(text).unwrap_or_else(|e| panic!("{e}"));
+    verify(&g).unwrap_or_else(|r| panic!("{r}"));
+    let printed = print(&g);
+    assert_eq!(parse(&printed).unwrap(), g);
+    assert!(
+        printed.contains("{causal=true, scale=0.35, window=4, softcap=30.0, sinks=true, lse=true}"),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("attention %0, %1, %2 {causal=true, scale=0.35}\n"),
+        "{printed}"
+    );
+    let slots = Op::from_text(
+        "attention_grad",
+        &[
+            ("causal".into(), "true".into()),
+            ("scale".into(), "1.0".into()),
+            ("lse".into(), "true".into()),
+        ],
+    )
+    .unwrap()
+    .attention_operands(7)
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        (slots.mask, slots.sinks, slots.dlse),
+        (Some(5), None, Some(6))
+    );
+    for (attrs, why) in [
+        ("{causal=false, scale=0.35, window=4}", "needs causal=true"),
+        ("{causal=true, scale=0.35, window=0}", "at least 1"),
+        (
+            "{causal=true, scale=0.35, softcap=-1.0}",
+            "softcap must be a positive",
+        ),
+    ] {
+        let bad = format!("graph \"a\"\n%0: f32[2, 4, 9, 8] = param {{name=\"q\"}}\n%1: f32[2, 2, 9, 8] = param {{name=\"k\"}}\n%2: f32[2, 4, 9, 8] = attention %0, %1, %1 {attrs}\nreturn o=%2\n");
+        let e = errors_of(&parse(&bad).unwrap()).join("\n");
+        assert!(e.contains(why), "{attrs}: {e}");
+    }
+    // sinks=true without the operand (or the wrong shape) names the problem
+    let e = errors_of(&parse("graph \"a\"\n%0: f32[2, 4, 9, 8] = param {name=\"q\"}\n%1: f32[2, 2, 9, 8] = param {name=\"k\"}\n%2: f32[2, 4, 9, 8] = attention %0, %1, %1 {causal=true, scale=0.35, sinks=true}\nreturn o=%2\n").unwrap()).join("\n");
+    assert!(e.contains("sinks"), "{e}");
+}

@@ -279,3 +279,27 @@ pub(crate) fn remove_unused(g: &mut Graph, nodes: &[Node]) {
     }
     g.remove_nodes(&order);
 }
+
+/// Refuses, for pass `pass`, any `attention` with sinks or a log-sum-exp result: the
+/// parallel rewrites do not yet split the per-head sinks or carry the log-sum-exp across
+/// ranks, and must not compute something else. (The window, soft-cap and value head dim
+/// need nothing: every rank computes whole rows of the scores for its heads.)
+pub fn refuse_unsplit_attention(g: &Graph, pass: &str) -> Result<(), PassError> {
+    for &n in g.nodes() {
+        if let Op::Attention { sinks, lse, .. } = &g.node(n).op {
+            let what = match (sinks.0, lse.0) {
+                (true, _) => "attention sinks",
+                (_, true) => "an attention's log-sum-exp result",
+                _ => continue,
+            };
+            return Err(PassError::rewrite(
+                pass,
+                format!("`{pass}` cannot split {what} yet"),
+                g.describe(n),
+                "the rewrite would drop or misplace them",
+            )
+            .with_help("compile this model without sequence or tensor parallelism"));
+        }
+    }
+    Ok(())
+}

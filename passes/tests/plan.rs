@@ -298,6 +298,9 @@ fn train_step(preset: &str, mesh: &str, sgd: bool, zero1: bool) -> weft_ir::Grap
     v.as_object_mut()
         .unwrap()
         .insert("num_hidden_layers".into(), 1.into());
+    if let Some(serde_json::Value::Array(t)) = v.as_object_mut().unwrap().get_mut("layer_types") {
+        t.truncate(1);
+    }
     let cfg = weft_frontends::ModelConfig::from_json(&v, &p.label()).unwrap();
     let mut g = weft_frontends::Model::from_config(
         &format!("{preset}-1l"),

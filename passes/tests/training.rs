@@ -21,6 +21,9 @@ fn model_layers(preset: &str, layers: usize) -> Graph {
     v.as_object_mut()
         .unwrap()
         .insert("num_hidden_layers".into(), layers.into());
+    if let Some(serde_json::Value::Array(t)) = v.as_object_mut().unwrap().get_mut("layer_types") {
+        t.truncate(layers);
+    }
     let cfg = weft_frontends::ModelConfig::from_json(&v, &p.label()).unwrap();
     weft_frontends::Model::from_config(
         &format!("{preset}-{layers}l"),

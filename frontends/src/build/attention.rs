@@ -1,8 +1,8 @@
 //! Self-attention as HF writes it: q/k/v projections (phi3: one `qkv_proj`, split q, k,
 //! v), olmo2's q/k RMSNorm over the whole projection, view as [B, S, heads, D], qwen3's
-//! q/k RMSNorm over D, transpose to
-//! [B, heads, S, D], rope on q and k, causal attention with scale `head_dim^-0.5`
-//! (granite: `attention_multiplier`)
+//! q/k RMSNorm over D, transpose to [B, heads, S, D], rope on q and k, causal attention
+//! with scale `head_dim^-0.5` (granite: `attention_multiplier`) and the layer's sliding
+//! window (`ModelConfig::layer_windows`)
 //! (GQA inside the op: kv heads are not repeated), back to [B, S, heads*D], `o_proj`.
 
 use super::Builder;
@@ -64,6 +64,15 @@ impl Builder<'_> {
             Op::Attention {
                 causal: true,
                 scale,
+                window: c
+                    .layer_windows
+                    .get(layer)
+                    .copied()
+                    .flatten()
+                    .map(|w| w as i64),
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
             },
             &[q, k, v],
         )?;

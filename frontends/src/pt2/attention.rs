@@ -1,12 +1,18 @@
 //! Attention, masks and rotary tables.
 //!
 //! - `scaled_dot_product_attention` becomes Weft's `attention`. Its mask, when it
-//!   depends only on the sequence length (HF's `create_causal_mask` chain of `arange`,
-//!   `le`, `cumsum`, `index` ...), is evaluated at two probe lengths and recognised as
-//!   causal if it keeps exactly `j <= i`; K and V heads repeated by `repeat_kv`
-//!   (unsqueeze → expand → reshape) are un-repeated, since Weft's op does GQA itself.
+//!   depends only on the sequence length (HF's `create_causal_mask` and
+//!   `create_sliding_window_causal_mask` chains of `arange`, `le`, `gt`, `cumsum`,
+//!   `index` ...), is evaluated at probe lengths and recognised as causal if it keeps
+//!   exactly `j <= i`, or as a sliding window `W` if it keeps exactly
+//!   `i - W < j <= i`. The probes are 5 and 12 and, for every integer constant `c` the
+//!   mask's arithmetic uses (a window is one), `c + 2`, where a window `c` shows; a
+//!   constant too large to probe, or a mask that is neither at some probe, is refused.
+//!   K and V heads repeated by `repeat_kv` (unsqueeze → expand → reshape) are
+//!   un-repeated, since Weft's op does GQA itself.
 //! - A size-only mask that the decomposed (core ATen) program uses as data is rebuilt
-//!   from `arange` + `compare` and remembered as causal, for [`super::rewrite`].
+//!   from `arange` + `compare` and remembered as causal (with its window), for
+//!   [`super::rewrite`].
 //! - `cos`/`sin` of the rotary embedding are evaluated likewise and matched against
 //!   `rope_table` frequencies: from `--config` when given, else fitted (default theta,
 //!   linear scaling).
@@ -15,12 +21,42 @@ use super::consteval::{Eval, Kind, CT, CV};
 use super::fx::FxNode;
 use super::lower::{LErr, Lower, LR, LV};
 use super::schema::Arg;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use weft_ir::attrs::rope_inv_freq;
 use weft_ir::{CmpOp, DType, Dim, Float, Graph, Op, RopeScaling, TensorType, Value};
 
-/// Probe lengths a size-only value is evaluated at.
+/// Probe lengths a size-only value is evaluated at (more for the constants it uses).
 const PROBES: [i64; 2] = [5, 12];
+
+/// The largest window the importer evaluates a mask at (`W + 2` queries by keys): the
+/// evaluator holds several `[S, S]` tensors in f64.
+pub const MAX_PROBED_WINDOW: i64 = 4096;
+
+/// What a size-only mask keeps, recognised by evaluating it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaskKind {
+    /// Additive (0 / -inf) rather than a bool keep-mask.
+    pub additive: bool,
+    /// `Some(W)`: query `i` keeps `i - W < j <= i`; `None`: `j <= i`.
+    pub window: Option<i64>,
+}
+
+/// Ops whose scalar operands may be a window (arithmetic and comparisons).
+const ARITH: &[&str] = &[
+    "add",
+    "sub",
+    "rsub",
+    "mul",
+    "gt",
+    "ge",
+    "lt",
+    "le",
+    "eq",
+    "ne",
+    "remainder",
+    "floor_divide",
+    "div",
+];
 
 impl Lower<'_> {
     /// Evaluates a size-only value with the sequence length bound to `s`.
@@ -44,31 +80,116 @@ impl Lower<'_> {
         }
     }
 
-    /// `Some(additive)` if the size-only value `name` is a causal mask at every probe.
-    pub fn causal_kind(&self, name: &str) -> Option<bool> {
-        if !self.static_vals.contains(name) {
-            return None;
-        }
-        // A static export can only be evaluated at its own length.
-        let probes: &[i64] = if self.seq_sym.is_some() {
-            &PROBES
-        } else {
-            std::slice::from_ref(&self.s0)
-        };
-        let mut kind = None;
-        for &s in probes {
-            let t = self.probe(name, s).ok()?;
-            let k = classify_causal(&t, s as usize)?;
-            if kind.is_some_and(|k0| k0 != k) {
-                return None;
+    /// The integer constants of the arithmetic on `name`'s size-only ancestry (sorted):
+    /// a window, if the mask has one, is among them.
+    fn mask_constants(&self, name: &str) -> Vec<i64> {
+        let mut seen = BTreeSet::new();
+        let mut stack = vec![name.to_string()];
+        let mut out = BTreeSet::new();
+        while let Some(v) = stack.pop() {
+            if !seen.insert(v.clone()) {
+                continue;
             }
-            kind = Some(k);
+            let Some(n) = self.fx.node_of(&v) else {
+                continue;
+            };
+            if ARITH.contains(&n.base()) {
+                for (_, a) in &n.args {
+                    match a {
+                        Arg::Int(c) => {
+                            out.insert(*c);
+                        }
+                        Arg::Float(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => {
+                            out.insert(*f as i64);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            stack.extend(n.tensor_args().into_iter().map(str::to_string));
         }
-        kind
+        out.into_iter().collect()
     }
 
-    /// Builds a causal mask of the exported type `ty` from `arange` + `compare`.
-    pub fn materialize_causal(&mut self, n: &FxNode, additive: bool, ty: &TensorType) -> LR<Value> {
+    /// What the size-only value `name` keeps: `Ok(None)` when it is not size-only or
+    /// cannot be evaluated (it is then lowered as data), `Err` when it is a mask Weft
+    /// cannot prove causal or banded at every probe length.
+    pub fn mask_kind(&self, name: &str) -> Result<Option<MaskKind>, String> {
+        if !self.static_vals.contains(name) {
+            return Ok(None);
+        }
+        // A static export can only be evaluated at its own length.
+        let mut probes: Vec<i64> = if self.seq_sym.is_some() {
+            PROBES.to_vec()
+        } else {
+            vec![self.s0]
+        };
+        if self.seq_sym.is_some() {
+            for c in self.mask_constants(name) {
+                if c > MAX_PROBED_WINDOW {
+                    return Err(format!(
+                        "the mask's arithmetic uses the constant {c}, which may be a sliding window; Weft evaluates masks at up to {} tokens to tell, so it cannot prove this one causal or banded",
+                        MAX_PROBED_WINDOW + 2
+                    ));
+                }
+                if c >= 1 {
+                    probes.push(c + 2);
+                }
+            }
+        }
+        probes.sort_unstable();
+        probes.dedup();
+        let mut kind: Option<MaskKind> = None;
+        // (probe length, window seen there): a window W shows at every length > W
+        let mut seen: Vec<(i64, Option<i64>)> = Vec::new();
+        for &s in &probes {
+            let Ok(t) = self.probe(name, s) else {
+                return Ok(None);
+            };
+            let Some(k) = classify_band(&t, s as usize) else {
+                let r = t.shape.len();
+                if r >= 2 && t.shape[r - 1] == s as usize && t.shape[r - 2] == s as usize {
+                    return Err(format!(
+                        "the mask evaluated at S = {s} is neither causal nor a causal sliding window"
+                    ));
+                }
+                return Ok(None);
+            };
+            if kind.is_some_and(|k0| k0.additive != k.additive) {
+                return Err("the mask changes kind with the sequence length".into());
+            }
+            seen.push((s, k.window));
+            kind = Some(match kind {
+                Some(k0) if k0.window.is_some() => k0,
+                _ => k,
+            });
+        }
+        let Some(kind) = kind else { return Ok(None) };
+        if let Some(w) = kind.window {
+            // consistent: no window below or at W, the same W above it
+            if let Some((s, got)) = seen.iter().find(|(s, got)| {
+                if *s > w {
+                    *got != Some(w)
+                } else {
+                    got.is_some()
+                }
+            }) {
+                return Err(format!(
+                    "the mask keeps a window of {w} keys at one length but {} at S = {s}",
+                    match got {
+                        Some(g) => format!("{g}"),
+                        None => "all earlier keys".into(),
+                    }
+                ));
+            }
+        }
+        Ok(Some(kind))
+    }
+
+    /// Builds a causal (or windowed causal) mask of the exported type `ty` from `arange`
+    /// + `compare`.
+    pub fn materialize_causal(&mut self, n: &FxNode, kind: MaskKind, ty: &TensorType) -> LR<Value> {
+        let additive = kind.additive;
         let r = ty.rank();
         if r < 2 {
             return Err(self.bad(n, "mask of rank < 2"));
@@ -90,7 +211,21 @@ impl Lower<'_> {
         )?;
         let rows = self.reshape(n, ar, vec![sq.clone(), Dim::from(1)])?;
         let cols = self.reshape(n, ar, vec![Dim::from(1), sq.clone()])?;
-        let keep = self.emit(n, Op::Compare { op: CmpOp::Le }, &[cols, rows])?;
+        let mut keep = self.emit(n, Op::Compare { op: CmpOp::Le }, &[cols, rows])?;
+        if let Some(w) = kind.window {
+            // j > i - w, as j + w > i
+            let shifted = self.emit(
+                n,
+                Op::Arange {
+                    start: Dim::from(w),
+                    ty: TensorType::new(DType::I64, vec![sq.clone()]),
+                },
+                &[],
+            )?;
+            let shifted = self.reshape(n, shifted, vec![Dim::from(1), sq.clone()])?;
+            let band = self.emit(n, Op::Compare { op: CmpOp::Gt }, &[shifted, rows])?;
+            keep = self.emit(n, Op::Where {}, &[keep, band, keep])?;
+        }
         let mut m = keep;
         if additive {
             let z = self.full(n, 0.0, TensorType::scalar(ty.dtype))?;
@@ -101,27 +236,40 @@ impl Lower<'_> {
         }
         let mut lead = vec![Dim::from(1); r - 2];
         lead.extend([sq.clone(), sk]);
-        self.causal.insert(m, additive);
+        // (both the mask and its reshape: rewrite peels layout ops)
+        let inner = m;
         let m = self.reshape(n, m, lead)?;
-        self.causal.insert(m, additive);
+        for v in [inner, m] {
+            self.causal.insert(v, additive);
+            if let Some(w) = kind.window {
+                self.mask_windows.insert(v, w);
+            }
+            self.broadcast_masks.insert(v);
+        }
         // Leading dims stay 1: the mask broadcasts over batch and heads.
         Ok(m)
     }
 
-    /// A size-only node whose own lowering failed: if it is a causal mask, rebuild it.
+    /// A size-only node whose own lowering failed: if it is a causal (or windowed) mask,
+    /// rebuild it; if it is a mask Weft cannot express, say why.
     pub fn rescue_static(&mut self, n: &FxNode, err: LErr) -> LR<Vec<LV>> {
         let Some(out) = n.out() else { return Err(err) };
-        let Some(additive) = self.causal_kind(out) else {
-            return Err(err);
+        let kind = match self.mask_kind(out) {
+            Ok(Some(k)) => k,
+            Ok(None) => return Err(err),
+            Err(why) => return Err(self.unsupported(n, format!("attention mask: {why}"))),
         };
         let ty = self.meta_ty(out)?;
-        let m = self.materialize_causal(n, additive, &ty)?;
+        let m = self.materialize_causal(n, kind, &ty)?;
         self.report.notes.push(format!(
-            "node `{}` ({}): size-only mask evaluated at S = {:?} and rebuilt as a causal {} mask",
+            "node `{}` ({}): size-only mask evaluated and rebuilt as a {} {} mask",
             n.name,
             n.scope.as_deref().unwrap_or("-"),
-            PROBES,
-            if additive { "additive" } else { "bool" }
+            match kind.window {
+                Some(w) => format!("sliding-window ({w})"),
+                None => "causal".to_string(),
+            },
+            if kind.additive { "additive" } else { "bool" }
         ));
         Ok(vec![LV::T(m)])
     }
@@ -146,18 +294,33 @@ impl Lower<'_> {
             a => self.float_arg(n, a)?,
         };
         let mut detail = Vec::new();
+        let mut window = None;
         let (causal, mask) = match n.arg("attn_mask") {
             Arg::None => {
                 detail.push(if is_causal { "is_causal" } else { "no mask" });
                 (is_causal, None)
             }
-            Arg::Tensor(m) => match self.causal_kind(m) {
-                Some(_) => {
-                    detail.push("causal mask (evaluated)");
+            Arg::Tensor(m) => match self.mask_kind(m) {
+                Ok(Some(k)) => {
+                    if is_causal {
+                        return Err(self.unsupported(n, "is_causal together with an explicit mask"));
+                    }
+                    window = k.window;
+                    detail.push(if k.window.is_some() {
+                        "sliding-window causal mask (evaluated)"
+                    } else {
+                        "causal mask (evaluated)"
+                    });
                     (true, None)
                 }
-                None => {
-                    let mv = self.tensor(n, n.arg("attn_mask"))?;
+                found => {
+                    // Not provably causal or banded: the mask itself, as data.
+                    let mv = self
+                        .tensor(n, n.arg("attn_mask"))
+                        .map_err(|e| match &found {
+                            Err(why) => self.unsupported(n, format!("attention mask: {why}")),
+                            Ok(_) => e,
+                        })?;
                     if self.g.ty(mv).dtype != DType::Bool {
                         return Err(self.unsupported(n, "a float attention mask that is not causal (only bool keep-masks are supported)"));
                     }
@@ -189,6 +352,10 @@ impl Lower<'_> {
             Op::Attention {
                 causal,
                 scale: Float(scale),
+                window,
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
             },
             &args,
         )?;
@@ -382,10 +549,11 @@ fn table_rows(t: &CT, s: usize, dim: usize) -> Option<Vec<Vec<f64>>> {
     )
 }
 
-/// `Some(additive)` if `t` ([.., s, s]) keeps exactly `j <= i` in every leading entry.
-fn classify_causal(t: &CT, s: usize) -> Option<bool> {
+/// The kind of `t` ([.., s, s]) if every leading entry keeps exactly `j <= i`
+/// (`window: None`) or exactly `i - W < j <= i` for one `W < s`.
+fn classify_band(t: &CT, s: usize) -> Option<MaskKind> {
     let r = t.shape.len();
-    if r < 2 || t.shape[r - 1] != s || t.shape[r - 2] != s {
+    if r < 2 || t.shape[r - 1] != s || t.shape[r - 2] != s || s == 0 {
         return None;
     }
     let additive = match t.kind {
@@ -393,23 +561,37 @@ fn classify_causal(t: &CT, s: usize) -> Option<bool> {
         Kind::Float => true,
         Kind::Int => return None,
     };
-    for (idx, &v) in t.data.iter().enumerate() {
-        let (i, j) = ((idx / s) % s, idx % s);
-        let keep = j <= i;
-        let ok = if additive {
-            if keep {
-                v == 0.0
+    let kept = |v: f64| -> Option<bool> {
+        if additive {
+            if v == 0.0 {
+                Some(true)
+            } else if v <= -1e30 {
+                Some(false)
             } else {
-                v <= -1e30
+                None
             }
         } else {
-            (v != 0.0) == keep
-        };
-        if !ok {
+            Some(v != 0.0)
+        }
+    };
+    // The window from the last row of the first entry: the keys it keeps.
+    let last = &t.data[(s - 1) * s..s * s];
+    let n_last = last
+        .iter()
+        .map(|&v| kept(v).unwrap_or(false) as usize)
+        .sum::<usize>();
+    let window = (n_last < s).then_some(n_last as i64);
+    if window == Some(0) {
+        return None;
+    }
+    for (idx, &v) in t.data.iter().enumerate() {
+        let (i, j) = ((idx / s) % s, idx % s);
+        let keep = j <= i && window.is_none_or(|w| (j as i64) > i as i64 - w);
+        if kept(v)? != keep {
             return None;
         }
     }
-    Some(additive)
+    Some(MaskKind { additive, window })
 }
 
 /// `(k0, rep)` if `k` is `repeat_kv(k0, rep)`: reshape [B, N*rep, S, D] of an expand
@@ -462,13 +644,19 @@ mod tests {
             data: [keep.clone(), keep.clone()].concat(),
             kind: Kind::Bool,
         };
-        assert_eq!(classify_causal(&t, s), Some(false));
+        assert_eq!(
+            classify_band(&t, s),
+            Some(MaskKind {
+                additive: false,
+                window: None
+            })
+        );
         let add: Vec<f64> = keep
             .iter()
             .map(|&k| if k == 1.0 { 0.0 } else { f64::NEG_INFINITY })
             .collect();
         assert_eq!(
-            classify_causal(
+            classify_band(
                 &CT {
                     shape: vec![3, 3],
                     data: add,
@@ -476,12 +664,15 @@ mod tests {
                 },
                 s
             ),
-            Some(true)
+            Some(MaskKind {
+                additive: true,
+                window: None
+            })
         );
         let mut bad = keep.clone();
         bad[1] = 1.0;
         assert_eq!(
-            classify_causal(
+            classify_band(
                 &CT {
                     shape: vec![3, 3],
                     data: bad,

@@ -75,6 +75,11 @@ pub(crate) struct Lower<'a> {
     pub report: ImportReport,
     /// Values known to be causal masks: `true` for additive (0 / -inf), `false` for bool keep-masks.
     pub causal: BTreeMap<Value, bool>,
+    /// Masks rebuilt from `arange` + `compare` (causal or windowed): they broadcast over
+    /// batch and heads where the export expanded them.
+    pub broadcast_masks: BTreeSet<Value>,
+    /// The window of the causal masks in `causal` that have one.
+    pub mask_windows: BTreeMap<Value, i64>,
     pub rope_tables: Vec<(String, [Value; 2])>,
     pub positions: Option<Value>,
     pub rope_cfg: Option<crate::config::RopeConfig>,
@@ -161,6 +166,8 @@ impl<'a> Lower<'a> {
             static_vals: BTreeSet::new(),
             report: ImportReport::default(),
             causal: BTreeMap::new(),
+            broadcast_masks: BTreeSet::new(),
+            mask_windows: BTreeMap::new(),
             rope_tables: Vec::new(),
             positions: None,
             rope_cfg: None,
@@ -480,7 +487,7 @@ impl<'a> Lower<'a> {
         if want.dtype != got.dtype || want.rank() != got.rank() {
             return false;
         }
-        let bcast = self.causal.contains_key(&v);
+        let bcast = self.causal.contains_key(&v) || self.broadcast_masks.contains(&v);
         want.shape
             .iter()
             .zip(&got.shape)
@@ -756,6 +763,9 @@ impl<'a> Lower<'a> {
                 let w = self.emit(n, Op::Where {}, &[c, a, b])?;
                 if additive {
                     self.causal.insert(w, true);
+                    if let Some(&win) = self.mask_windows.get(&c) {
+                        self.mask_windows.insert(w, win);
+                    }
                 }
                 one(w)
             }
@@ -909,7 +919,7 @@ impl<'a> Lower<'a> {
             }
             "aten.expand.default" | "aten.expand_as.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
-                if self.causal.contains_key(&x) {
+                if self.causal.contains_key(&x) || self.broadcast_masks.contains(&x) {
                     // A causal mask broadcasts; expanding it over batch and heads adds nothing.
                     return one(x);
                 }

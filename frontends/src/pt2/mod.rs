@@ -650,11 +650,13 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
 
     // ---- rewrites
     let causal = std::mem::take(&mut lw.causal);
+    let mask_windows = std::mem::take(&mut lw.mask_windows);
     let mut report = std::mem::take(&mut lw.report);
     rewrite::dce(&mut g);
     rewrite::Rewriter {
         report: &mut report,
         causal: &causal,
+        windows: &mask_windows,
     }
     .run(&mut g);
     rewrite::leftovers(&g, &mut report);

@@ -84,6 +84,8 @@ pub struct Rewriter<'a> {
     pub report: &'a mut ImportReport,
     /// Values known to be causal additive (`true`) or bool (`false`) masks.
     pub causal: &'a BTreeMap<Value, bool>,
+    /// The sliding window of those causal masks that have one.
+    pub windows: &'a BTreeMap<Value, i64>,
 }
 
 impl Rewriter<'_> {
@@ -329,11 +331,12 @@ impl Rewriter<'_> {
             return false;
         }
         let x = through_casts(g, *x);
-        let (scores, causal) = match def(g, x) {
-            (Op::Add {}, [s, m]) if self.is_causal_bias(g, *m) => (*s, true),
-            (Op::Add {}, [m, s]) if self.is_causal_bias(g, *m) => (*s, true),
+        let (scores, causal, window) = match def(g, x) {
+            (Op::Add {}, [s, m]) | (Op::Add {}, [m, s]) if self.causal_bias(g, *m).is_some() => {
+                (*s, true, self.causal_bias(g, *m).flatten())
+            }
             (Op::Add {}, _) => return false,
-            _ => (x, false),
+            _ => (x, false, None),
         };
         // Eager attention scales the scores rather than q and k.
         let (scores, c0) = unscale(g, scores);
@@ -385,6 +388,10 @@ impl Rewriter<'_> {
             Op::Attention {
                 causal,
                 scale: Float(scale),
+                window,
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
             },
             &[q, k, v],
         )
@@ -396,7 +403,11 @@ impl Rewriter<'_> {
                 format!(
                     "{} softmax(QK^T)V{}{}",
                     if c0 != 1.0 { "eager" } else { "decomposed" },
-                    if causal { ", causal bias" } else { ", no mask" },
+                    match (causal, window) {
+                        (true, Some(w)) => format!(", sliding-window ({w}) causal bias"),
+                        (true, None) => ", causal bias".to_string(),
+                        _ => ", no mask".to_string(),
+                    },
                     if gqa { ", repeat_kv undone (GQA)" } else { "" }
                 ),
             );
@@ -407,23 +418,27 @@ impl Rewriter<'_> {
 }
 
 impl Rewriter<'_> {
-    /// A causal additive bias: remembered as one, or `where(causal keep-mask, 0, -inf)`.
-    fn is_causal_bias(&self, g: &Graph, v: Value) -> bool {
+    /// A causal additive bias (remembered as one, or `where(causal keep-mask, 0, -inf)`)
+    /// with its window, if it has one: `Some(window)`, or `None` when `v` is not one.
+    fn causal_bias(&self, g: &Graph, v: Value) -> Option<Option<i64>> {
         let v = peel_layout(g, v);
         if self.causal.get(&v) == Some(&true) {
-            return true;
+            return Some(self.windows.get(&v).copied());
         }
         let (Op::Where {}, [c, z, ninf]) = def(g, v) else {
-            return false;
+            return None;
         };
         let is_ninf = match def(g, peel_layout(g, *ninf)) {
             (Op::Full { value, .. }, _) => value.0 == f64::NEG_INFINITY || value.0 <= -1e30,
             _ => false,
         };
-        is_ninf
-            && is_zero_full(g, *z)
-            && (self.causal.get(&peel_layout(g, *c)) == Some(&false)
-                || self.causal.get(c) == Some(&false))
+        if !(is_ninf && is_zero_full(g, *z)) {
+            return None;
+        }
+        [peel_layout(g, *c), *c]
+            .into_iter()
+            .find(|m| self.causal.get(m) == Some(&false))
+            .map(|m| self.windows.get(&m).copied())
     }
 }
 

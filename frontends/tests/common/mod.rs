@@ -39,6 +39,10 @@ pub fn preset_with(
 pub fn preset_layers(name: &str, layers: usize) -> Model {
     let cfg = preset_with(name, |o| {
         o.insert("num_hidden_layers".into(), layers.into());
+        // a per-layer list follows the cut (HF refuses a layer_types of another length)
+        if let Some(serde_json::Value::Array(t)) = o.get_mut("layer_types") {
+            t.truncate(layers);
+        }
     });
     Model::from_config(
         &format!("{name}-{layers}l"),

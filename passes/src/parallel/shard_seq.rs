@@ -50,6 +50,7 @@ impl Pass for ShardSeq {
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let layout = Layout::of(g, cx, NAME)?;
+        crate::util::refuse_unsplit_attention(g, NAME)?;
         let mut res = PassResult::unchanged();
         for k in [
             "input_gathers_removed",
@@ -373,8 +374,10 @@ fn mixing_dims(g: &Graph, n: Node, layout: &Layout) -> Vec<(usize, i64)> {
         Op::Attention { .. } => {
             // Attention mixes the sequence of q, k, v (and both sequence dims of a mask).
             let mut v = vec![(0, 2), (1, 2), (2, 2)];
-            if d.operands.len() > 3 {
-                v.extend([(3, 2), (3, 3)]);
+            if let Some(Ok(slots)) = d.op.attention_operands(d.operands.len()) {
+                if let Some(m) = slots.mask {
+                    v.extend([(m, 2), (m, 3)]);
+                }
             }
             v
         }

@@ -38,6 +38,7 @@ impl Pass for UlyssesAttention {
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let sp = cx.axis_size(NAME, SP)? as i64;
+        crate::util::refuse_unsplit_attention(g, NAME)?;
         let mut res = PassResult::unchanged();
         res.count("attention_layers", 0)
             .count("all_to_all", 0)

@@ -218,6 +218,10 @@ pub fn build(c: &Config) -> Graph {
                 Op::Attention {
                     causal: true,
                     scale: Float(1.0 / (c.head_dim as f64).sqrt()),
+                    window: None,
+                    softcap: None,
+                    sinks: Default::default(),
+                    lse: Default::default(),
                 },
                 &operands,
             )

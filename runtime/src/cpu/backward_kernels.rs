@@ -24,19 +24,24 @@ const DEV: &Device = &Device::Cpu;
 pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
     let one = |t: Tensor| Ok(vec![t]);
     match op {
-        Op::AttentionGrad { causal, scale } => {
-            let (dq, dk, dv) = attention_grad(
+        Op::AttentionGrad { .. } => {
+            let slots = op
+                .attention_operands(ins.len())
+                .expect("an attention_grad")
+                .map_err(KernelError)?;
+            let at = |i: Option<usize>| i.map(|i| &ins[i]);
+            attention_grad(
                 &ins[0],
                 &ins[1],
                 &ins[2],
                 &ins[3],
                 &ins[4],
-                ins.get(5),
-                *causal,
-                scale.0,
+                at(slots.mask),
+                at(slots.sinks),
+                at(slots.dlse),
+                kernels::AttnAttrs::of(op)?,
                 cx.float,
-            )?;
-            Ok(vec![dq, dk, dv])
+            )
         }
         Op::RmsNormGrad { eps } => {
             let (dx, dw) = rms_norm_grad(&ins[0], &ins[1], &ins[2], eps.0)?;
@@ -110,56 +115,12 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
     }
 }
 
-/// The scores' additive mask of `attention` (0 where kept, the dtype's most negative
-/// value elsewhere), exactly as the forward kernel builds it.
-fn attention_bias(
-    mask: Option<&Tensor>,
-    causal: bool,
-    b: usize,
-    nq: usize,
-    sq: usize,
-    sk: usize,
-    float: C,
-) -> KResult<Option<Tensor>> {
-    let mut keep: Option<Tensor> = None;
-    if causal {
-        let off = sk as i64 - sq as i64;
-        let rows = (Tensor::arange(0i64, sq as i64, DEV)? + off as f64)?.reshape((sq, 1))?;
-        let cols = Tensor::arange(0i64, sk as i64, DEV)?.reshape((1, sk))?;
-        keep = Some(cols.broadcast_le(&rows)?.reshape((1, 1, sq, sk))?);
-    }
-    if let Some(m) = mask {
-        let md = m.dims();
-        if md.len() != 4
-            || md[2] != sq
-            || md[3] != sk
-            || !(md[0] == 1 || md[0] == b)
-            || !(md[1] == 1 || md[1] == nq)
-        {
-            bail!("mask {md:?} must be [B|1, heads|1, {sq}, {sk}]");
-        }
-        let m = m.to_dtype(C::U8)?;
-        keep = Some(match keep {
-            Some(c) => m.broadcast_mul(&c)?,
-            None => m,
-        });
-    }
-    Ok(match keep {
-        Some(keep) => {
-            let min = if float == C::F64 {
-                f64::MIN
-            } else {
-                f32::MIN as f64
-            };
-            Some(keep.to_dtype(float)?.affine(-min, min)?)
-        }
-        None => None,
-    })
-}
-
-/// dq, dk, dv of `attention`: the probabilities are recomputed, `D = rowsum(dout * out)`
-/// and `dS = P * (dout v^T - D)` (the flash-attention backward). GQA: the q heads of one
-/// kv head are folded into its rows, so dk and dv sum over them.
+/// dq, dk, dv (and with sinks dsinks) of `attention`: the probabilities are recomputed
+/// (soft-capped, masked, with the sink column), `D = rowsum(dout * out) - dlse` and
+/// `dS = P * (dout v^T - D)` (the flash-attention backward; a gradient on the
+/// log-sum-exp adds `P * dlse`), times `1 - tanh^2` under a soft-cap. GQA: the q heads
+/// of one kv head are folded into its rows, so dk and dv sum over them. The sink of
+/// head h gets `-sum P_sink * D` over its rows.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_grad(
     q: &Tensor,
@@ -168,17 +129,19 @@ pub(crate) fn attention_grad(
     out: &Tensor,
     dout: &Tensor,
     mask: Option<&Tensor>,
-    causal: bool,
-    scale: f64,
+    sinks: Option<&Tensor>,
+    dlse: Option<&Tensor>,
+    a: kernels::AttnAttrs,
     float: C,
-) -> KResult<(Tensor, Tensor, Tensor)> {
+) -> KResult<Vec<Tensor>> {
     let (b, nq, sq, hd) = q.dims4()?;
     let (bk, nkv, sk, hdk) = k.dims4()?;
-    if v.dims() != k.dims()
+    let (bv, nv, sv, dvd) = v.dims4()?;
+    if (bv, nv, sv) != (bk, nkv, sk)
         || bk != b
         || hdk != hd
-        || out.dims() != q.dims()
-        || dout.dims() != q.dims()
+        || out.dims() != [b, nq, sq, dvd]
+        || dout.dims() != out.dims()
     {
         bail!(
             "q {:?}, k {:?}, v {:?}, out {:?}, dout {:?} do not fit together",
@@ -193,27 +156,64 @@ pub(crate) fn attention_grad(
         bail!("q heads ({nq}) must be a multiple of kv heads ({nkv})");
     }
     let rep = nq / nkv;
-    let fold =
-        |t: &Tensor| -> KResult<Tensor> { Ok(t.contiguous()?.reshape((b, nkv, rep * sq, hd))?) };
-    let (qg, og, dog) = (fold(q)?, fold(out)?, fold(dout)?);
-    let kt = k.transpose(2, 3)?;
-    let scores = kernels::matmul(&qg, &kt)?
-        .affine(scale, 0.0)?
-        .reshape((b, nq, sq, sk))?;
-    let scores = match attention_bias(mask, causal, b, nq, sq, sk, float)? {
-        Some(bias) => scores.broadcast_add(&bias)?,
-        None => scores,
+    let fold = |t: &Tensor, d: usize| -> KResult<Tensor> {
+        Ok(t.contiguous()?.reshape((b, nkv, rep * sq, d))?)
     };
-    let p = kernels::softmax(&scores, 3)?.reshape((b, nkv, rep * sq, sk))?;
+    let (qg, og, dog) = (fold(q, hd)?, fold(out, dvd)?, fold(dout, dvd)?);
+    let raw = kernels::matmul(&qg, &k.transpose(2, 3)?)?
+        .affine(a.scale, 0.0)?
+        .reshape((b, nq, sq, sk))?;
+    let (mut scores, tcap) = match a.softcap {
+        Some(c) => {
+            let t = raw.affine(1.0 / c, 0.0)?.tanh()?;
+            ((&t * c)?, Some(t))
+        }
+        None => (raw, None),
+    };
+    if let Some(keep) = kernels::attention_keep(mask, a.causal, a.window, (b, nq, sq, sk))? {
+        scores = scores.broadcast_add(&kernels::keep_to_bias(&keep, float)?)?;
+    }
+    if let Some(s) = sinks {
+        if s.dims() != [nq] {
+            bail!("sinks {:?} must be [{nq}]", s.dims());
+        }
+        let col = s
+            .to_dtype(float)?
+            .reshape((1, nq, 1, 1))?
+            .broadcast_as((b, nq, sq, 1))?;
+        scores = Tensor::cat(&[&scores, &col], 3)?;
+    }
+    let p_all = kernels::softmax(&scores, 3)?;
+    let p = p_all
+        .narrow(3, 0, sk)?
+        .contiguous()?
+        .reshape((b, nkv, rep * sq, sk))?;
     let dv = kernels::matmul(&p.transpose(2, 3)?, &dog)?;
     let dp = kernels::matmul(&dog, &v.transpose(2, 3)?)?;
-    let dsum = (&dog * &og)?.sum_keepdim(3)?;
-    let ds = p.mul(&dp.broadcast_sub(&dsum)?)?;
+    let mut dsum = (&dog * &og)?.sum_keepdim(3)?;
+    if let Some(dl) = dlse {
+        if dl.dims() != [b, nq, sq] {
+            bail!("dlse {:?} must be [{b}, {nq}, {sq}]", dl.dims());
+        }
+        dsum = (dsum - dl.to_dtype(float)?.reshape((b, nkv, rep * sq, 1))?)?;
+    }
+    let mut ds = p.mul(&dp.broadcast_sub(&dsum)?)?;
+    if let Some(t) = &tcap {
+        let t = t.reshape((b, nkv, rep * sq, sk))?;
+        ds = ds.mul(&t.sqr()?.affine(-1.0, 1.0)?)?;
+    }
     let dq = kernels::matmul(&ds, &k.contiguous()?)?
-        .affine(scale, 0.0)?
+        .affine(a.scale, 0.0)?
         .reshape((b, nq, sq, hd))?;
-    let dk = kernels::matmul(&ds.transpose(2, 3)?, &qg)?.affine(scale, 0.0)?;
-    Ok((dq, dk, dv))
+    let dk = kernels::matmul(&ds.transpose(2, 3)?, &qg)?.affine(a.scale, 0.0)?;
+    let mut res = vec![dq, dk, dv];
+    if sinks.is_some() {
+        // d sink = P_sink * (0 - D), summed over batch and rows.
+        let ps = p_all.narrow(3, sk, 1)?.reshape((b, nq, sq))?;
+        let d = dsum.reshape((b, nq, sq))?;
+        res.push((ps * d)?.neg()?.sum(2)?.sum(0)?);
+    }
+    Ok(res)
 }
 
 /// dx, dw of `rms_norm`: with `r = 1/sqrt(mean(x^2) + eps)` and `xh = x r`,

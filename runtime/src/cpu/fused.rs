@@ -26,6 +26,7 @@ trait Fl: Copy + Send + Sync + PartialOrd + Gemm + RowExp + 'static {
     fn one() -> Self;
     fn of(v: f64) -> Self;
     fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
 }
 
 macro_rules! fl {
@@ -60,6 +61,9 @@ macro_rules! fl {
             }
             fn sqrt(self) -> Self {
                 <$t>::sqrt(self)
+            }
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
             }
         }
     };
@@ -818,15 +822,21 @@ fn gemm_acc<T: Fl>(
     gemm_strided(dst, dst_rs, mnk, a, astr, b, bstr, accumulate, false)
 }
 
-/// Scaled dot-product attention of `q [B, Nq, Sq, D]`, `k`/`v [B, Nkv, Sk, D]` (any
-/// strides), as HF's eager path: `q k^T * scale + bias`, softmax, `@ v`, where the bias is
-/// the dtype's most negative value at masked positions (causal: query `i` keeps keys
-/// `j <= i + Sk - Sq`; `bias`: an additive `[B|1, Nq|1, Sq, Sk]` tensor). Query head `h`
-/// reads kv head `h / (Nq / Nkv)`. The backward recomputes the probabilities per block
-/// of query rows (as flash attention does) instead of keeping them.
+/// Scaled dot-product attention of `q [B, Nq, Sq, D]`, `k [B, Nkv, Sk, D]`,
+/// `v [B, Nkv, Sk, Dv]` (any strides), as HF's eager path: `q k^T * scale`, soft-capped
+/// (`softcap * tanh(s / softcap)`) when asked, plus a bias of the dtype's most negative
+/// value at masked positions (query `i` sits at `p = i + Sk - Sq`; causal keeps keys
+/// `j <= p`, a window `W` also only `j > p - W`; `bias`: an additive
+/// `[B|1, Nq|1, Sq, Sk]` tensor), softmax, `@ v`. Query head `h` reads kv head
+/// `h / (Nq / Nkv)`. Blocks of query rows visit only the keys of their band (the rest
+/// have probability exactly 0). The backward recomputes the probabilities per block of
+/// query rows (as flash attention does) instead of keeping them.
 pub(crate) struct Attention {
     pub causal: bool,
     pub scale: f64,
+    /// Keys per query of the sliding window (needs `causal`).
+    pub window: Option<usize>,
+    pub softcap: Option<f64>,
     /// Additive mask, contiguous, in the compute dtype.
     pub bias: Option<Tensor>,
 }
@@ -841,13 +851,16 @@ struct AttnGeom {
     sq: usize,
     sk: usize,
     d: usize,
+    /// v's head dim.
+    dv: usize,
 }
 
 fn attn_geom(q: &Layout, k: &Layout, v: &Layout) -> Result<AttnGeom> {
     let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
     if qd.len() != 4
         || kd.len() != 4
-        || kd != vd
+        || vd.len() != 4
+        || kd[..3] != vd[..3]
         || qd[0] != kd[0]
         || qd[3] != kd[3]
         || kd[1] == 0
@@ -862,6 +875,7 @@ fn attn_geom(q: &Layout, k: &Layout, v: &Layout) -> Result<AttnGeom> {
         sq: qd[2],
         sk: kd[2],
         d: qd[3],
+        dv: vd[3],
     })
 }
 
@@ -888,22 +902,24 @@ fn bias_of<T: candle_core::WithDType>(
     Ok(Some((v, [d[0], d[1]])))
 }
 
-/// Scores of rows `i0..i0+rows` of head `h`, masked and softmaxed, into `p` (row stride `jn`).
+/// Scores of rows `i0..i0+rows` of head `h` against keys `j0..j0+jn`, soft-capped, masked
+/// and softmaxed, into `p` (row stride `jn`); with `tcap`, the `tanh(s / softcap)` of
+/// every score too (the backward's soft-cap factor).
 #[allow(clippy::too_many_arguments)]
 fn attn_probs<T: Fl>(
     p: &mut [T],
+    mut tcap: Option<&mut [T]>,
     q: &View4<T>,
     k: &View4<T>,
     g: &AttnGeom,
     bias: Option<&(Vec<T>, [usize; 2])>,
-    causal: bool,
-    scale: T,
+    op: &Attention,
     min: T,
-    (b, h, i0, rows, jn): (usize, usize, usize, usize, usize),
+    (b, h, i0, rows, j0, jn): (usize, usize, usize, usize, usize, usize),
 ) {
     let kh = h / (g.nq / g.nkv);
     let (qa, qrs, qcs) = q.mat(b, h, i0);
-    let (ka, krs, kcs) = k.mat(b, kh, 0);
+    let (ka, krs, kcs) = k.mat(b, kh, j0);
     // k^T: element (d, j) is k[j, d]
     gemm_acc(
         p,
@@ -915,22 +931,35 @@ fn attn_probs<T: Fl>(
         (kcs, krs),
         false,
     );
+    let scale = T::of(op.scale);
+    let cap = op.softcap.map(T::of);
     let off = g.sk as isize - g.sq as isize;
     for r in 0..rows {
         let i = i0 + r;
+        let pos = i as isize + off;
         let row = &mut p[r * jn..r * jn + jn];
         let brow = bias.map(|(bv, [bb, bh])| {
             let base =
                 (((if *bb == 1 { 0 } else { b }) * bh + if *bh == 1 { 0 } else { h }) * g.sq + i)
                     * g.sk;
-            &bv[base..base + g.sk]
+            &bv[base + j0..base + j0 + jn]
         });
-        for (j, s) in row.iter_mut().enumerate() {
+        for (jj, s) in row.iter_mut().enumerate() {
+            let j = (j0 + jj) as isize;
             let mut x = s.mul(scale);
-            if let Some(br) = brow {
-                x = x.add(br[j]);
+            if let Some(c) = cap {
+                let t = x.div(c).tanh();
+                if let Some(tc) = tcap.as_deref_mut() {
+                    tc[r * jn + jj] = t;
+                }
+                x = c.mul(t);
             }
-            if causal && (j as isize) > i as isize + off {
+            if let Some(br) = brow {
+                x = x.add(br[jj]);
+            }
+            let dropped =
+                op.causal && (j > pos || op.window.is_some_and(|w| j <= pos - w as isize));
+            if dropped {
                 x = x.add(min);
             }
             *s = x;
@@ -947,14 +976,26 @@ fn attn_probs<T: Fl>(
     }
 }
 
-/// How many keys rows `i0..i0+rows` can see: all, except for a plain causal mask whose
-/// rows all keep at least one key (then the masked tail has probability exactly 0).
-fn keys_seen(g: &AttnGeom, causal: bool, has_bias: bool, i0: usize, rows: usize) -> usize {
+/// The keys `j0..j0+jn` rows `i0..i0+rows` can see: all, except for a plain causal mask
+/// (and window) whose rows all keep at least one key (then the keys outside the band have
+/// probability exactly 0).
+fn keys_seen(
+    g: &AttnGeom,
+    op: &Attention,
+    has_bias: bool,
+    i0: usize,
+    rows: usize,
+) -> (usize, usize) {
     let off = g.sk as isize - g.sq as isize;
-    if causal && !has_bias && off >= 0 {
-        ((i0 + rows) as isize + off).clamp(0, g.sk as isize) as usize
+    if op.causal && !has_bias && off >= 0 {
+        let hi = ((i0 + rows) as isize + off).clamp(0, g.sk as isize) as usize;
+        let lo = match op.window {
+            Some(w) => ((i0 as isize + off + 1 - w as isize).max(0) as usize).min(hi),
+            None => 0,
+        };
+        (lo, hi - lo)
     } else {
-        g.sk
+        (0, g.sk)
     }
 }
 
@@ -965,41 +1006,49 @@ fn attn_fwd<T: Fl>(
     min: T,
     bias: Option<(Vec<T>, [usize; 2])>,
 ) -> Result<Vec<T>> {
-    let scale = T::of(op.scale);
-    let mut out = vec![T::zero(); g.b * g.nq * g.sq * g.d];
+    let mut out = vec![T::zero(); g.b * g.nq * g.sq * g.dv];
     if out.is_empty() {
         return Ok(out);
     }
-    let head = g.sq * g.d;
+    let head = g.sq * g.dv;
     out.par_chunks_mut(head).enumerate().for_each(|(bh, oh)| {
         let (b, h) = (bh / g.nq, bh % g.nq);
         let kh = h / (g.nq / g.nkv);
-        oh.par_chunks_mut(ROWS * g.d)
+        oh.par_chunks_mut(ROWS * g.dv)
             .enumerate()
             .for_each(|(blk, ob)| {
                 let i0 = blk * ROWS;
-                let rows = ob.len() / g.d;
-                let jn = keys_seen(g, op.causal, bias.is_some(), i0, rows);
+                let rows = ob.len() / g.dv;
+                let (j0, jn) = keys_seen(g, op, bias.is_some(), i0, rows);
                 let mut p = vec![T::zero(); rows * jn.max(1)];
                 attn_probs(
                     &mut p,
+                    None,
                     q,
                     k,
                     g,
                     bias.as_ref(),
-                    op.causal,
-                    scale,
+                    op,
                     min,
-                    (b, h, i0, rows, jn),
+                    (b, h, i0, rows, j0, jn),
                 );
-                let (va, vrs, vcs) = v.mat(b, kh, 0);
-                gemm_acc(ob, g.d, (rows, g.d, jn), &p, (jn, 1), va, (vrs, vcs), false);
+                let (va, vrs, vcs) = v.mat(b, kh, j0);
+                gemm_acc(
+                    ob,
+                    g.dv,
+                    (rows, g.dv, jn),
+                    &p,
+                    (jn, 1),
+                    va,
+                    (vrs, vcs),
+                    false,
+                );
             });
     });
     Ok(out)
 }
 
-/// `[dq | dk | dv]` flattened, for output gradient `go` (contiguous `[B, Nq, Sq, D]`).
+/// `[dq | dk | dv]` flattened, for output gradient `go` (contiguous `[B, Nq, Sq, Dv]`).
 fn attn_bwd<T: Fl>(
     op: &Attention,
     (q, k, v): (&View4<T>, &View4<T>, &View4<T>),
@@ -1009,58 +1058,64 @@ fn attn_bwd<T: Fl>(
     bias: Option<(Vec<T>, [usize; 2])>,
 ) -> Result<Vec<T>> {
     let scale = T::of(op.scale);
-    let (nq_el, nk_el) = (g.b * g.nq * g.sq * g.d, g.b * g.nkv * g.sk * g.d);
-    let mut all = vec![T::zero(); nq_el + 2 * nk_el];
+    let (nq_el, nk_el, nv_el) = (
+        g.b * g.nq * g.sq * g.d,
+        g.b * g.nkv * g.sk * g.d,
+        g.b * g.nkv * g.sk * g.dv,
+    );
+    let mut all = vec![T::zero(); nq_el + nk_el + nv_el];
     // Per query head, its contribution to its kv head's dk and dv (summed below, in
     // head order, so the result does not depend on scheduling).
-    let kv_el = g.sk * g.d;
-    let mut dkp = vec![T::zero(); g.b * g.nq * kv_el];
-    let mut dvp = vec![T::zero(); g.b * g.nq * kv_el];
+    let (k_el, v_el) = (g.sk * g.d, g.sk * g.dv);
+    let mut dkp = vec![T::zero(); g.b * g.nq * k_el];
+    let mut dvp = vec![T::zero(); g.b * g.nq * v_el];
     let (dq, rest) = all.split_at_mut(nq_el);
     let head = g.sq * g.d;
-    if nq_el > 0 && kv_el > 0 {
+    let ohead = g.sq * g.dv;
+    if nq_el > 0 && k_el > 0 && v_el > 0 {
         dq.par_chunks_mut(head)
-            .zip(dkp.par_chunks_mut(kv_el))
-            .zip(dvp.par_chunks_mut(kv_el))
+            .zip(dkp.par_chunks_mut(k_el))
+            .zip(dvp.par_chunks_mut(v_el))
             .enumerate()
             .for_each(|(bh, ((dqh, dkh), dvh))| {
                 let (b, h) = (bh / g.nq, bh % g.nq);
                 let kh = h / (g.nq / g.nkv);
-                let (ka, krs, kcs) = k.mat(b, kh, 0);
-                let (va, vrs, vcs) = v.mat(b, kh, 0);
                 for (blk, dqb) in dqh.chunks_mut(ROWS * g.d).enumerate() {
                     let i0 = blk * ROWS;
                     let rows = dqb.len() / g.d;
-                    let jn = keys_seen(g, op.causal, bias.is_some(), i0, rows);
+                    let (j0, jn) = keys_seen(g, op, bias.is_some(), i0, rows);
                     if jn == 0 {
                         continue;
                     }
+                    let (ka, krs, kcs) = k.mat(b, kh, j0);
+                    let (va, vrs, vcs) = v.mat(b, kh, j0);
                     let mut p = vec![T::zero(); rows * jn];
+                    let mut tcap = op.softcap.map(|_| vec![T::zero(); rows * jn]);
                     attn_probs(
                         &mut p,
+                        tcap.as_deref_mut(),
                         q,
                         k,
                         g,
                         bias.as_ref(),
-                        op.causal,
-                        scale,
+                        op,
                         min,
-                        (b, h, i0, rows, jn),
+                        (b, h, i0, rows, j0, jn),
                     );
-                    let gob = &go[bh * head + i0 * g.d..bh * head + (i0 + rows) * g.d];
+                    let gob = &go[bh * ohead + i0 * g.dv..bh * ohead + (i0 + rows) * g.dv];
                     // dP = dO @ v^T
                     let mut dp = vec![T::zero(); rows * jn];
                     gemm_acc(
                         &mut dp,
                         jn,
-                        (rows, jn, g.d),
+                        (rows, jn, g.dv),
                         gob,
-                        (g.d, 1),
+                        (g.dv, 1),
                         va,
                         (vcs, vrs),
                         false,
                     );
-                    // dS = P * (dP - rowsum(P * dP)) * scale
+                    // dS = P * (dP - rowsum(P * dP)) * scale (times 1 - tanh^2 when capped)
                     for r in 0..rows {
                         let (pr, dr) = (&p[r * jn..(r + 1) * jn], &mut dp[r * jn..(r + 1) * jn]);
                         let dot = pr
@@ -1069,6 +1124,11 @@ fn attn_bwd<T: Fl>(
                             .fold(T::zero(), |s, (&a, &b)| s.add(a.mul(b)));
                         for (d, &pv) in dr.iter_mut().zip(pr) {
                             *d = pv.mul(d.sub(dot)).mul(scale);
+                        }
+                        if let Some(tc) = &tcap {
+                            for (d, &t) in dr.iter_mut().zip(&tc[r * jn..(r + 1) * jn]) {
+                                *d = d.mul(T::one().sub(t.mul(t)));
+                            }
                         }
                     }
                     // dq = dS @ k
@@ -1086,7 +1146,7 @@ fn attn_bwd<T: Fl>(
                     let (qa, qrs, qcs) = q.mat(b, h, i0);
                     // (the partial buffers start at zero, so every block accumulates)
                     gemm_acc(
-                        dkh,
+                        &mut dkh[j0 * g.d..],
                         g.d,
                         (jn, g.d, rows),
                         &dp,
@@ -1095,17 +1155,26 @@ fn attn_bwd<T: Fl>(
                         (qrs, qcs),
                         true,
                     );
-                    gemm_acc(dvh, g.d, (jn, g.d, rows), &p, (1, jn), gob, (g.d, 1), true);
+                    gemm_acc(
+                        &mut dvh[j0 * g.dv..],
+                        g.dv,
+                        (jn, g.dv, rows),
+                        &p,
+                        (1, jn),
+                        gob,
+                        (g.dv, 1),
+                        true,
+                    );
                 }
             });
         let (dk, dv) = rest.split_at_mut(nk_el);
         let rep = g.nq / g.nkv;
-        for (dst, part) in [(dk, &dkp), (dv, &dvp)] {
-            dst.par_chunks_mut(kv_el).enumerate().for_each(|(bg, out)| {
+        for (dst, part, el) in [(dk, &dkp, k_el), (dv, &dvp, v_el)] {
+            dst.par_chunks_mut(el).enumerate().for_each(|(bg, out)| {
                 let (b, gk) = (bg / g.nkv, bg % g.nkv);
                 for r in 0..rep {
                     let h = gk * rep + r;
-                    let src = &part[(b * g.nq + h) * kv_el..(b * g.nq + h + 1) * kv_el];
+                    let src = &part[(b * g.nq + h) * el..(b * g.nq + h + 1) * el];
                     for (o, &s) in out.iter_mut().zip(src) {
                         *o = o.add(s);
                     }
@@ -1129,6 +1198,18 @@ fn views<'a, T: Copy>(
         View4::new(k, lk, "k")?,
         View4::new(v, lv, "v")?,
     ))
+}
+
+impl Attention {
+    fn same(&self) -> Attention {
+        Attention {
+            causal: self.causal,
+            scale: self.scale,
+            window: self.window,
+            softcap: self.softcap,
+            bias: self.bias.clone(),
+        }
+    }
 }
 
 impl CustomOp3 for Attention {
@@ -1168,7 +1249,7 @@ impl CustomOp3 for Attention {
             }
             _ => candle_core::bail!("attention: q, k, v must share one float dtype"),
         };
-        Ok((out, Shape::from(vec![g.b, g.nq, g.sq, g.d])))
+        Ok((out, Shape::from(vec![g.b, g.nq, g.sq, g.dv])))
     }
     fn bwd(
         &self,
@@ -1179,18 +1260,14 @@ impl CustomOp3 for Attention {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let bwd = AttentionBwd {
-            op: Attention {
-                causal: self.causal,
-                scale: self.scale,
-                bias: self.bias.clone(),
-            },
+            op: self.same(),
             go: grad.contiguous()?,
         };
         let all = q.apply_op3_no_bwd(k, v, &bwd)?;
-        let (nq, nk) = (q.elem_count(), k.elem_count());
+        let (nq, nk, nv) = (q.elem_count(), k.elem_count(), v.elem_count());
         let dq = all.narrow(0, 0, nq)?.reshape(q.dims())?;
         let dk = all.narrow(0, nq, nk)?.reshape(k.dims())?;
-        let dv = all.narrow(0, nq + nk, nk)?.reshape(v.dims())?;
+        let dv = all.narrow(0, nq + nk, nv)?.reshape(v.dims())?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -1245,7 +1322,7 @@ impl CustomOp3 for AttentionBwd {
             }
             _ => candle_core::bail!("attention-bwd: operands must share one float dtype"),
         };
-        let n = g.b * g.nq * g.sq * g.d + 2 * g.b * g.nkv * g.sk * g.d;
+        let n = g.b * g.nq * g.sq * g.d + g.b * g.nkv * g.sk * (g.d + g.dv);
         Ok((out, Shape::from(n)))
     }
 }

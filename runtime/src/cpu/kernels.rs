@@ -374,15 +374,22 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 y
             })
         }
-        Op::Attention { causal, scale } => one(attention(
-            &ins[0],
-            &ins[1],
-            &ins[2],
-            ins.get(3),
-            *causal,
-            scale.0,
-            cx.float,
-        )?),
+        Op::Attention { sinks, lse, .. } => {
+            let a = AttnAttrs::of(op)?;
+            let slots = op
+                .attention_operands(ins.len())
+                .expect("an attention")
+                .map_err(KernelError)?;
+            let mask = slots.mask.map(|i| &ins[i]);
+            if sinks.0 || lse.0 {
+                let s = slots.sinks.map(|i| &ins[i]);
+                let (out, lse_t, _) =
+                    attention_dense(&ins[0], &ins[1], &ins[2], mask, s, a, cx.float)?;
+                Ok(if lse.0 { vec![out, lse_t] } else { vec![out] })
+            } else {
+                one(attention(&ins[0], &ins[1], &ins[2], mask, a, cx.float)?)
+            }
+        }
         Op::ShiftLabels { ignore_index } => {
             let l = &ins[0];
             let last = l
@@ -550,23 +557,115 @@ fn check_range(t: &Tensor, lo: i64, hi: i64, what: &str, of: &str) -> KResult<()
     Ok(())
 }
 
+/// The keep-mask of `attention` as u8 `[B|1, Nq|1, Sq, Sk]` (1 = kept): the bool `mask`,
+/// and with `causal` the keys `j <= p` of query `i` at `p = i + Sk - Sq`, with `window`
+/// only `p - window < j <= p`. `None` when nothing is masked.
+pub(crate) fn attention_keep(
+    mask: Option<&Tensor>,
+    causal: bool,
+    window: Option<usize>,
+    (b, nq, sq, sk): (usize, usize, usize, usize),
+) -> KResult<Option<Tensor>> {
+    let mut keep: Option<Tensor> = None;
+    if causal {
+        let off = sk as i64 - sq as i64;
+        let rows = (Tensor::arange(0i64, sq as i64, DEV)? + off as f64)?.reshape((sq, 1))?;
+        let cols = Tensor::arange(0i64, sk as i64, DEV)?.reshape((1, sk))?;
+        let mut band = cols.broadcast_le(&rows)?;
+        if let Some(w) = window {
+            // j > p - w, i.e. j + w > p
+            band = band.mul(&(cols + w as f64)?.broadcast_gt(&rows)?)?;
+        }
+        keep = Some(band.reshape((1, 1, sq, sk))?);
+    }
+    if let Some(m) = mask {
+        let md = m.dims();
+        if md.len() != 4
+            || md[2] != sq
+            || md[3] != sk
+            || !(md[0] == 1 || md[0] == b)
+            || !(md[1] == 1 || md[1] == nq)
+        {
+            bail!("mask {md:?} must be [B|1, heads|1, {sq}, {sk}]");
+        }
+        let m = m.to_dtype(C::U8)?;
+        keep = Some(match keep {
+            Some(c) => m.broadcast_mul(&c)?,
+            None => m,
+        });
+    }
+    Ok(keep)
+}
+
+/// The additive bias of a keep-mask: 0 where kept, the compute dtype's most negative
+/// value elsewhere (so a row with nothing kept is uniform, not NaN).
+pub(crate) fn keep_to_bias(keep: &Tensor, float: C) -> KResult<Tensor> {
+    let min = if float == C::F64 {
+        f64::MIN
+    } else {
+        f32::MIN as f64
+    };
+    Ok(keep.to_dtype(float)?.affine(-min, min)?.contiguous()?)
+}
+
+/// The attributes of one `attention` the CPU kernels read.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttnAttrs {
+    pub causal: bool,
+    pub scale: f64,
+    pub window: Option<usize>,
+    pub softcap: Option<f64>,
+}
+
+impl AttnAttrs {
+    pub(crate) fn of(op: &Op) -> KResult<AttnAttrs> {
+        match op {
+            Op::Attention {
+                causal,
+                scale,
+                window,
+                softcap,
+                ..
+            }
+            | Op::AttentionGrad {
+                causal,
+                scale,
+                window,
+                softcap,
+                ..
+            } => Ok(AttnAttrs {
+                causal: *causal,
+                scale: scale.0,
+                window: match window {
+                    None => None,
+                    Some(w) if *w >= 1 => Some(*w as usize),
+                    Some(w) => bail!("window must be at least 1, got {w}"),
+                },
+                softcap: softcap.map(|c| c.0),
+            }),
+            other => bail!("internal: `{}` is not an attention", other.name()),
+        }
+    }
+}
+
 /// Scaled dot-product attention as HF's eager path computes it (see [`fused::Attention`]):
-/// a keep-mask and the causal mask become one additive bias of the dtype's most negative
-/// value, so fully masked rows come out uniform rather than NaN. Causal with `Sq != Sk`
-/// aligns the queries with the last `Sq` keys (query `i` sees keys `j <= i + Sk - Sq`),
-/// as flash-attention and HF's KV cache do.
+/// the keep-mask, causal band and window become one additive bias of the dtype's most
+/// negative value, so fully masked rows come out uniform rather than NaN. Causal with
+/// `Sq != Sk` aligns the queries with the last `Sq` keys (query `i` sees keys
+/// `j <= i + Sk - Sq`), as flash-attention and HF's KV cache do. Without a mask the
+/// fused kernel applies the band itself and visits only the keys inside it.
 fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
-    causal: bool,
-    scale: f64,
+    a: AttnAttrs,
     float: C,
 ) -> KResult<Tensor> {
     let (b, nq, sq, hd) = q.dims4()?;
     let (bk, nkv, sk, hdk) = k.dims4()?;
-    if v.dims() != k.dims() || bk != b || hdk != hd {
+    let (bv, nv, sv, _) = v.dims4()?;
+    if (bv, nv, sv) != (bk, nkv, sk) || bk != b || hdk != hd {
         bail!(
             "q {:?}, k {:?}, v {:?} do not fit together",
             q.dims(),
@@ -579,44 +678,73 @@ fn attention(
     }
     let bias = match mask {
         None => None,
-        Some(m) => {
-            let md = m.dims();
-            if md.len() != 4
-                || md[2] != sq
-                || md[3] != sk
-                || !(md[0] == 1 || md[0] == b)
-                || !(md[1] == 1 || md[1] == nq)
-            {
-                bail!("mask {md:?} must be [B|1, heads|1, {sq}, {sk}]");
-            }
-            let mut keep = m.to_dtype(C::U8)?;
-            if causal {
-                let off = sk as i64 - sq as i64;
-                let rows =
-                    (Tensor::arange(0i64, sq as i64, DEV)? + off as f64)?.reshape((sq, 1))?;
-                let cols = Tensor::arange(0i64, sk as i64, DEV)?.reshape((1, sk))?;
-                keep = keep.broadcast_mul(&cols.broadcast_le(&rows)?.reshape((1, 1, sq, sk))?)?;
-            }
-            let min = if float == C::F64 {
-                f64::MIN
-            } else {
-                f32::MIN as f64
-            };
-            // keep = 1 -> 0, keep = 0 -> min
-            Some(
-                keep.to_dtype(float)?
-                    .affine(-min, min)?
-                    .contiguous()?
-                    .detach(),
-            )
-        }
+        Some(_) => attention_keep(mask, a.causal, a.window, (b, nq, sq, sk))?
+            .map(|keep| keep_to_bias(&keep, float))
+            .transpose()?
+            .map(|t| t.detach()),
     };
+    let folded = bias.is_some();
     let op = fused::Attention {
-        causal: causal && bias.is_none(),
-        scale,
+        causal: a.causal && !folded,
+        scale: a.scale,
+        window: if folded { None } else { a.window },
+        softcap: a.softcap,
         bias,
     };
     Ok(q.apply_op3(k, v, op)?)
+}
+
+/// Attention with sinks or a log-sum-exp result, composed of candle ops (their autograd
+/// is the backward): the scores `[B, Nq, Sq, Sk]` are materialized, soft-capped, masked,
+/// joined by the sink column, and `lse` is taken before the softmax. Returns out and
+/// the log-sum-exp `[B, Nq, Sq]`.
+pub(crate) fn attention_dense(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    sinks: Option<&Tensor>,
+    a: AttnAttrs,
+    float: C,
+) -> KResult<(Tensor, Tensor, Tensor)> {
+    let (b, nq, sq, hd) = q.dims4()?;
+    let (bk, nkv, sk, hdk) = k.dims4()?;
+    let (bv, nv, sv, dv) = v.dims4()?;
+    if (bv, nv, sv) != (bk, nkv, sk) || bk != b || hdk != hd || nkv == 0 || nq % nkv != 0 {
+        bail!(
+            "q {:?}, k {:?}, v {:?} do not fit together",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    let rep = nq / nkv;
+    let qg = q.contiguous()?.reshape((b, nkv, rep * sq, hd))?;
+    let mut x = matmul(&qg, &k.transpose(2, 3)?)?
+        .affine(a.scale, 0.0)?
+        .reshape((b, nq, sq, sk))?;
+    if let Some(c) = a.softcap {
+        x = (x.affine(1.0 / c, 0.0)?.tanh()? * c)?;
+    }
+    if let Some(keep) = attention_keep(mask, a.causal, a.window, (b, nq, sq, sk))? {
+        x = x.broadcast_add(&keep_to_bias(&keep, float)?.detach())?;
+    }
+    if let Some(s) = sinks {
+        if s.dims() != [nq] {
+            bail!("sinks {:?} must be [{nq}]", s.dims());
+        }
+        let col = s
+            .to_dtype(float)?
+            .reshape((1, nq, 1, 1))?
+            .broadcast_as((b, nq, sq, 1))?;
+        x = Tensor::cat(&[&x, &col], 3)?;
+    }
+    let m = x.max_keepdim(3)?.detach();
+    let lse = (x.broadcast_sub(&m)?.exp()?.sum_keepdim(3)?.log()? + &m)?;
+    let p = x.broadcast_sub(&lse)?.exp()?.narrow(3, 0, sk)?;
+    let out =
+        matmul(&p.reshape((b, nkv, rep * sq, sk))?, &v.contiguous()?)?.reshape((b, nq, sq, dv))?;
+    Ok((out, lse.squeeze(3)?, p))
 }
 
 /// Token cross-entropy in the compute dtype: `-log_softmax(logits)[label]`, 0 where the

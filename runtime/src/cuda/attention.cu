@@ -1,6 +1,8 @@
 // Causal / masked scaled dot-product attention, forward and backward, flash style: no
 // S x S matrix, online softmax, GQA (kv head = q head / (Nq / Nkv)), causal alignment to
-// the last Sq keys (query i sees keys j <= i + Sk - Sq).
+// the last Sq keys (query i sees keys j <= i + Sk - Sq), and with `window` > 0 (causal
+// only) HF's sliding window: only keys i + Sk - Sq - window < j. Every kernel visits only
+// the keys (tiles) of the band and masks where a tile is cut by one of its edges.
 //
 // - attn_fwd_generic_*: one warp per query row, any head dim up to 256, f32/bf16/f16,
 //   optional bool keep-mask [Bm, Hm, Sq, Sk] (masked scores get -FLT_MAX added, as the CPU
@@ -15,7 +17,7 @@
 #define DEF_ATTN_GENERIC(S_, T)                                                                           \
     extern "C" __global__ void attn_fwd_generic_##S_(T* out, float* lse, const T* q, const T* k, const T* v, \
             const u8* mask, int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal, \
-            i64 lstride) {                                                                                \
+            i64 lstride, i64 window) {                                                                    \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
         i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
         if (i >= Sq) return;                                                                              \
@@ -32,8 +34,9 @@
         float m = -INFINITY, l = 0.f;                                                                     \
         i64 off = Sk - Sq;                                                                                \
         i64 jend = (causal && !mask) ? (i + off + 1 < Sk ? i + off + 1 : Sk) : Sk;                        \
+        i64 jbeg = (causal && window > 0 && !mask && i + off - window + 1 > 0) ? i + off - window + 1 : 0; \
         const u8* mrow = mask ? mask + (((i64)(mb > 1 ? b : 0) * mh + (mh > 1 ? h : 0)) * Sq + i) * Sk : 0; \
-        for (i64 j = 0; j < jend; ++j) {                                                                  \
+        for (i64 j = jbeg; j < jend; ++j) {                                                               \
             const T* kr = kb + j * D;                                                                     \
             float dot = 0.f;                                                                              \
             _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
@@ -42,7 +45,7 @@
             }                                                                                             \
             float s = warp_sum(dot) * scale;                                                              \
             if (mask) {                                                                                   \
-                bool keep = mrow[j] != 0 && (!causal || j <= i + off);                                    \
+                bool keep = mrow[j] != 0 && (!causal || (j <= i + off && (window <= 0 || j > i + off - window))); \
                 if (!keep) s += NEG_BIG;                                                                  \
             }                                                                                             \
             float mn = fmaxf(m, s);                                                                       \
@@ -85,7 +88,8 @@ FOR_FLOATS(DEF_ATTN_DELTA)
 #define DEF_ATTN_BWD_GENERIC(S_, T)                                                                       \
     extern "C" __global__ void attn_bwd_generic_##S_(T* dq, float* dk_acc, float* dv_acc, const T* q,      \
             const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* mask,   \
-            int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal, i64 lstride) { \
+            int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal, i64 lstride,  \
+            i64 window) {                                                                                 \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
         i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
         if (i >= Sq) return;                                                                              \
@@ -104,8 +108,9 @@ FOR_FLOATS(DEF_ATTN_DELTA)
         float M = lse[qrow], Linv = 1.f / lse[lstride + qrow], dl = delta[qrow];                          \
         i64 off = Sk - Sq;                                                                                \
         i64 jend = (causal && !mask) ? (i + off + 1 < Sk ? i + off + 1 : Sk) : Sk;                        \
+        i64 jbeg = (causal && window > 0 && !mask && i + off - window + 1 > 0) ? i + off - window + 1 : 0; \
         const u8* mrow = mask ? mask + (((i64)(mb > 1 ? b : 0) * mh + (mh > 1 ? h : 0)) * Sq + i) * Sk : 0; \
-        for (i64 j = 0; j < jend; ++j) {                                                                  \
+        for (i64 j = jbeg; j < jend; ++j) {                                                               \
             const T* kr = k + (kvbase + j) * D;                                                           \
             const T* vr = v + (kvbase + j) * D;                                                           \
             float dot = 0.f, dpv = 0.f;                                                                   \
@@ -116,7 +121,7 @@ FOR_FLOATS(DEF_ATTN_DELTA)
             float s = warp_sum(dot) * scale;                                                              \
             float dp = warp_sum(dpv);                                                                     \
             if (mask) {                                                                                   \
-                bool keep = mrow[j] != 0 && (!causal || j <= i + off);                                    \
+                bool keep = mrow[j] != 0 && (!causal || (j <= i + off && (window <= 0 || j > i + off - window))); \
                 if (!keep) s += NEG_BIG;                                                                  \
             }                                                                                             \
             float p = __expf(s - M) * Linv;                                                               \
@@ -195,7 +200,8 @@ __device__ __forceinline__ void load_rows(__nv_bfloat16* sm, const __nv_bfloat16
 // feeds two MMAs (shared-memory bandwidth, not the tensor cores, bounds the loop at MT = 1).
 template <int D, int NW, int MT>
 __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                       const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) {
+                                       const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal,
+                                       i64 window) {
     constexpr int LD = D + 8;
     constexpr int BR = 16 * NW * MT; // query rows per block
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -216,10 +222,17 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
         i64 lim = last < 0 ? 0 : last / 64 + 1;
         if (lim < nkt) nkt = lim;
     }
+    // sliding window: the first key tile the block's first row sees
+    i64 kt0 = 0;
+    if (causal && window > 0) {
+        i64 first = q0 + off - window + 1;
+        kt0 = first <= 0 ? 0 : first / 64;
+        if (kt0 > nkt) kt0 = nkt;
+    }
     load_rows<D, LD, BR>(sQ, qg, q0, Sq);
-    if (nkt > 0) {
-        load_rows<D, LD, 64>(sK, kg, 0, Sk);
-        load_rows<D, LD, 64>(sV, vg, 0, Sk);
+    if (nkt > kt0) {
+        load_rows<D, LD, 64>(sK + (kt0 & 1) * 64 * LD, kg, kt0 * 64, Sk);
+        load_rows<D, LD, 64>(sV + (kt0 & 1) * 64 * LD, vg, kt0 * 64, Sk);
     }
     cp_async_commit();
 
@@ -234,7 +247,7 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
     u32 qf[MT][D / 16][4];
     // row of this thread's first value in m-tile t: q0 + (warp * MT + t) * 16 + lane / 4
 
-    for (i64 kt = 0; kt < nkt; ++kt) {
+    for (i64 kt = kt0; kt < nkt; ++kt) {
         if (kt + 1 < nkt) {
             int nb = (int)((kt + 1) & 1);
             load_rows<D, LD, 64>(sK + nb * 64 * LD, kg, (kt + 1) * 64, Sk);
@@ -245,7 +258,7 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (kt == 0) {
+        if (kt == kt0) {
 #pragma unroll
             for (int t = 0; t < MT; ++t)
 #pragma unroll
@@ -274,7 +287,8 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
         }
         // scale, mask
         const i64 k0 = kt * 64;
-        const bool need_mask = (k0 + 64 > Sk) || (causal && k0 + 63 > q0 + off);
+        const bool need_mask = (k0 + 64 > Sk) || (causal && k0 + 63 > q0 + off) ||
+                               (causal && window > 0 && k0 <= q0 + BR - 1 + off - window);
 #pragma unroll
         for (int t = 0; t < MT; ++t)
 #pragma unroll
@@ -285,7 +299,8 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
                     if (need_mask) {
                         i64 col = k0 + nt * 8 + (lane & 3) * 2 + (e & 1);
                         i64 qi = q0 + (warp * MT + t) * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
-                        if (col >= Sk || (causal && col > qi + off)) x = -INFINITY;
+                        if (col >= Sk || (causal && (col > qi + off || (window > 0 && col <= qi + off - window))))
+                            x = -INFINITY;
                     }
                     s[t][nt][e] = x;
                 }
@@ -368,8 +383,9 @@ __device__ __forceinline__ void fa_fwd(__nv_bfloat16* out, float* lse, const __n
 
 #define DEF_FA_FWD(NAME, D, NW, MT)                                                                       \
     extern "C" __global__ void __launch_bounds__(32 * NW) NAME(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, \
-            const __nv_bfloat16* k, const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal) { \
-        fa_fwd<D, NW, MT>(out, lse, q, k, v, Nq, Nkv, Sq, Sk, scale_log2, causal);                         \
+            const __nv_bfloat16* k, const __nv_bfloat16* v, int Nq, int Nkv, i64 Sq, i64 Sk, float scale_log2, int causal, \
+            i64 window) {                                                                                 \
+        fa_fwd<D, NW, MT>(out, lse, q, k, v, Nq, Nkv, Sq, Sk, scale_log2, causal, window);                 \
     }
 DEF_FA_FWD(fa_fwd_d64, 64, 4, 1)
 DEF_FA_FWD(fa_fwd_d128, 128, 4, 1)
@@ -388,7 +404,7 @@ template <int D, int NW, bool HOIST_>
 __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
                                        const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout,
                                        const float* lse, const float* delta, int Nq, int Nkv, i64 Sq, i64 Sk, float scale,
-                                       int causal) {
+                                       int causal, i64 window) {
     constexpr int BK = 16 * NW;         // keys per block
     constexpr int LD = D + 8;
     constexpr int LDS = 64 + 8;
@@ -421,7 +437,13 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
         i64 first = k0 - off; // first query row that sees key k0
         qt0 = first <= 0 ? 0 : first / 64;
     }
-    const i64 nqt = (Sq + 63) / 64;
+    i64 nqt = (Sq + 63) / 64;
+    if (causal && window > 0) {
+        // sliding window: the last query row that sees the block's last key
+        i64 last = k0 + BK - 1 + window - 1 - off;
+        i64 lim = last < 0 ? 0 : last / 64 + 1;
+        if (lim < nqt) nqt = lim;
+    }
     const i64 per_head = nqt > qt0 ? nqt - qt0 : 0;
     const i64 niter = per_head * group;
     // The warp's keys are all visible to every row of a query tile from this one on
@@ -506,7 +528,8 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
             }
         }
         // P^T (masked only where the tile is cut by the diagonal or an edge)
-        const bool masked = !warp_in_bounds || q0 + 64 > Sq || (causal && wk_last > q0 + off);
+        const bool masked = !warp_in_bounds || q0 + 64 > Sq || (causal && wk_last > q0 + off) ||
+                            (causal && window > 0 && q0 + 63 + off - window >= k0 + warp * 16);
         if (masked) {
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
@@ -515,7 +538,8 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
                     int col = nt * 8 + (lane & 3) * 2 + (e & 1);
                     i64 qi = q0 + col;
                     i64 kj = k0 + warp * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
-                    bool ok = qi < Sq && kj < Sk && (!causal || kj <= qi + off);
+                    bool ok = qi < Sq && kj < Sk &&
+                              (!causal || (kj <= qi + off && (window <= 0 || kj > qi + off - window)));
                     st[nt][e] = ok ? exp2f(st[nt][e] * scale_log2 - sL[col]) : 0.f;
                 }
             }
@@ -658,8 +682,9 @@ __device__ __forceinline__ void fa_bwd(float* dq_acc, __nv_bfloat16* dk, __nv_bf
 #define DEF_FA_BWD(NAME, D, NW, H)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW) NAME(float* dq_acc, __nv_bfloat16* dk, __nv_bfloat16* dv, \
             const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* dout,   \
-            const float* lse, const float* delta, int Nq, int Nkv, i64 Sq, i64 Sk, float scale, int causal) {      \
-        fa_bwd<D, NW, H>(dq_acc, dk, dv, q, k, v, dout, lse, delta, Nq, Nkv, Sq, Sk, scale, causal);            \
+            const float* lse, const float* delta, int Nq, int Nkv, i64 Sq, i64 Sk, float scale, int causal,        \
+            i64 window) {                                                                                        \
+        fa_bwd<D, NW, H>(dq_acc, dk, dv, q, k, v, dout, lse, delta, Nq, Nkv, Sq, Sk, scale, causal, window);    \
     }
 DEF_FA_BWD(fa_bwd_d64, 64, 4, false)
 DEF_FA_BWD(fa_bwd_d128, 128, 4, false)

@@ -472,6 +472,49 @@ fn ptr_or_null(t: Option<&DevT>) -> u64 {
 }
 
 /// Lowers one node to steps.
+/// Why the CUDA kernels cannot run this `attention` / `attention_grad` (attributes or
+/// shapes they do not implement), or `None` when they can.
+fn attention_unsupported(op: &Op, ins: &[DevT]) -> Option<String> {
+    let (softcap, sinks, lse) = match op {
+        Op::Attention {
+            softcap,
+            sinks,
+            lse,
+            ..
+        }
+        | Op::AttentionGrad {
+            softcap,
+            sinks,
+            lse,
+            ..
+        } => (*softcap, sinks.0, lse.0),
+        _ => return None,
+    };
+    let mut why = Vec::new();
+    if let Some(c) = softcap {
+        why.push(format!("logit soft-capping (softcap={c})"));
+    }
+    if sinks {
+        why.push("attention sinks".to_string());
+    }
+    if lse {
+        why.push("the log-sum-exp result (lse=true)".to_string());
+    }
+    if ins.len() >= 3 && ins[2].shape.last() != ins[0].shape.last() {
+        why.push(format!(
+            "a value head dim ({}) different from the query/key one ({})",
+            ins[2].shape.last().copied().unwrap_or(0),
+            ins[0].shape.last().copied().unwrap_or(0)
+        ));
+    }
+    (!why.is_empty()).then(|| {
+        format!(
+            "its kernels do not implement {} yet\nhelp: run with `--backend cpu`",
+            why.join(", ")
+        )
+    })
+}
+
 fn lower_op(
     lw: &mut Lower,
     op: &Op,
@@ -950,7 +993,15 @@ fn lower_op(
                 ],
             )
         }
-        Op::Attention { causal, scale } => {
+        Op::Attention {
+            causal,
+            scale,
+            window,
+            ..
+        } => {
+            if let Some(why) = attention_unsupported(op, ins) {
+                return Err(lw.unsup("this attention", &why));
+            }
             // Per query row: the log-sum-exp (tensor-core path) or the max and the sum (generic).
             let lse = lw
                 .ex
@@ -966,10 +1017,19 @@ fn lower_op(
                 lse,
                 *causal,
                 scale.0 as f32,
+                window.unwrap_or(0),
             )
         }
-        Op::AttentionGrad { causal, scale } => {
-            attention_bwd(lw, ins, outs, *causal, scale.0 as f32)
+        Op::AttentionGrad {
+            causal,
+            scale,
+            window,
+            ..
+        } => {
+            if let Some(why) = attention_unsupported(op, ins) {
+                return Err(lw.unsup("this attention_grad", &why));
+            }
+            attention_bwd(lw, ins, outs, *causal, scale.0 as f32, window.unwrap_or(0))
         }
         Op::ShiftLabels { ignore_index } => {
             let l = &ins[0];
@@ -2006,14 +2066,24 @@ fn attention_fwd(
     lse: u64,
     causal: bool,
     scale: f32,
+    window: i64,
 ) -> CudaResult<()> {
-    if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, scale, false) {
-        if cudnn_fwd(lw, q, k, v, o, lse, sh)? {
-            lw.cudnn_lse.insert(lse);
-            return Ok(());
+    // A window as long as the keys is no band (and may be too large to count with).
+    let window = if window as u64 >= k.shape[2] as u64 {
+        0
+    } else {
+        window
+    };
+    // (the cuDNN graph has no band yet: a window runs on Weft's kernels)
+    if window == 0 {
+        if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, scale, false) {
+            if cudnn_fwd(lw, q, k, v, o, lse, sh)? {
+                lw.cudnn_lse.insert(lse);
+                return Ok(());
+            }
         }
     }
-    attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale)
+    attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale, window)
 }
 
 /// Weft's own attention forward kernels (tensor-core flash or generic).
@@ -2028,6 +2098,7 @@ fn attention_fwd_weft(
     lse: u64,
     causal: bool,
     scale: f32,
+    window: i64,
 ) -> CudaResult<()> {
     let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
     let (nkv, sk) = (k.shape[1], k.shape[2]);
@@ -2086,6 +2157,7 @@ fn attention_fwd_weft(
                 Arg::I64(sk as i64),
                 Arg::F32(scale * std::f32::consts::LOG2_E),
                 Arg::I32(causal as i32),
+                Arg::I64(window),
             ],
         )?;
         lw.launch(l);
@@ -2116,6 +2188,7 @@ fn attention_fwd_weft(
             Arg::F32(scale),
             Arg::I32(causal as i32),
             Arg::I64((b * nq * sq) as i64),
+            Arg::I64(window),
         ],
     )?;
     lw.launch(l);
@@ -2128,6 +2201,7 @@ fn attention_bwd(
     outs: &[DevT],
     causal: bool,
     scale: f32,
+    window: i64,
 ) -> CudaResult<()> {
     let (q, k, v, out, dout) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
     let mask = ins.get(5);
@@ -2138,7 +2212,17 @@ fn attention_bwd(
     let saved = lw.attn_lse.get(&out.ptr).copied();
     // cuDNN's backward, from cuDNN's saved statistics (or a cuDNN forward recomputed to
     // scratch when the forward's were not kept): never mixed with Weft's log2 statistics.
-    if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, scale, true) {
+    let window = if window as u64 >= k.shape[2] as u64 {
+        0
+    } else {
+        window
+    };
+    let cudnn = if window == 0 {
+        cudnn_shape(lw, q, k, v, mask, causal, scale, true)
+    } else {
+        None
+    };
+    if let Some(sh) = cudnn {
         let from_cudnn = saved.is_some_and(|p| lw.cudnn_lse.contains(&p));
         if saved.is_none() || from_cudnn {
             if let Some(plan) = cudnn_plan(lw, sh) {
@@ -2196,7 +2280,7 @@ fn attention_bwd(
                 dtype: out.dtype,
                 shape: out.shape.clone(),
             };
-            attention_fwd_weft(lw, q, k, v, mask, &tmp, p, causal, scale)?;
+            attention_fwd_weft(lw, q, k, v, mask, &tmp, p, causal, scale, window)?;
             p
         }
     };
@@ -2259,6 +2343,7 @@ fn attention_bwd(
                 Arg::I64(sk as i64),
                 Arg::F32(scale),
                 Arg::I32(causal as i32),
+                Arg::I64(window),
             ],
         )?;
         lw.launch(l);
@@ -2307,6 +2392,7 @@ fn attention_bwd(
             Arg::F32(scale),
             Arg::I32(causal as i32),
             Arg::I64(rows as i64),
+            Arg::I64(window),
         ],
     )?;
     lw.launch(l);

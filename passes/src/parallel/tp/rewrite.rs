@@ -57,6 +57,7 @@ impl Pass for TensorParallel {
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let p = cx.axis_size(NAME, TP)? as i64;
+        crate::util::refuse_unsplit_attention(g, NAME)?;
         let mut res = PassResult::unchanged();
         for k in [
             "params_split",

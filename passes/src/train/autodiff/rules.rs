@@ -184,6 +184,69 @@ impl Ad<'_> {
                 return Ok(out);
             }
             Op::RopeTable { .. } => return Ok(out),
+            Op::Attention {
+                causal,
+                scale,
+                window,
+                softcap,
+                sinks,
+                lse,
+            } => {
+                // out and (lse=true) the log-sum-exp: one attention_grad takes both
+                // gradients, a zero one for out when it has none.
+                if dy.iter().all(|g| g.is_none()) {
+                    return Ok(out);
+                }
+                let slots = d
+                    .op
+                    .attention_operands(ops.len())
+                    .expect("an attention")
+                    .map_err(|m| err("`autodiff`: malformed attention", self.g.describe(n), m))?;
+                let dout = match dy[0] {
+                    Some(g) => g,
+                    None => {
+                        let t = self.ty(y);
+                        self.zeros(&t)?
+                    }
+                };
+                let mut operands = vec![ops[0], ops[1], ops[2], y, dout];
+                operands.extend(slots.mask.map(|i| ops[i]));
+                operands.extend(slots.sinks.map(|i| ops[i]));
+                // Without a gradient on the log-sum-exp, attention_grad is told there is none.
+                let dlse = if lse.0 {
+                    dy.get(1).copied().flatten()
+                } else {
+                    None
+                };
+                operands.extend(dlse);
+                let r = self.ops(
+                    Op::AttentionGrad {
+                        causal: *causal,
+                        scale: *scale,
+                        window: *window,
+                        softcap: *softcap,
+                        sinks: *sinks,
+                        lse: dlse.is_some().into(),
+                    },
+                    &operands,
+                )?;
+                let w = |i: usize| want.get(i).copied().unwrap_or(false);
+                for i in 0..3 {
+                    out[i] = w(i).then_some(r[i]);
+                }
+                if let Some(i) = slots.sinks {
+                    if w(i) {
+                        // dsinks comes in f32; the sinks may be stored narrower.
+                        let st = self.ty(ops[i]);
+                        out[i] = Some(if st.dtype == DType::F32 {
+                            r[3]
+                        } else {
+                            self.op(Op::Cast { dtype: st.dtype }, &[r[3]])?
+                        });
+                    }
+                }
+                return Ok(out);
+            }
             _ => {}
         }
         if d.results.len() != 1 {
@@ -597,22 +660,6 @@ impl Ad<'_> {
                 }
                 let ns = self.op(Op::Neg {}, &[ops[2]])?;
                 out[0] = Some(self.op(Op::Rope {}, &[g, ops[1], ns])?);
-            }
-            Op::Attention { causal, scale } => {
-                let mut operands = vec![ops[0], ops[1], ops[2], y, g];
-                if ops.len() > 3 {
-                    operands.push(ops[3]);
-                }
-                let r = self.ops(
-                    Op::AttentionGrad {
-                        causal: *causal,
-                        scale: *scale,
-                    },
-                    &operands,
-                )?;
-                for i in 0..3 {
-                    out[i] = w(i).then_some(r[i]);
-                }
             }
             Op::CrossEntropy {
                 ignore_index,

@@ -437,6 +437,10 @@ fn attention_loss_graph(sq: i64, sk: i64, causal: bool, with_mask: bool) -> Grap
             Op::Attention {
                 causal,
                 scale: Float(0.7),
+                window: None,
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
             },
             &ins,
         )
@@ -581,4 +585,80 @@ fn softmax_along_a_leading_dim_grads_match_finite_differences() {
     let w = map(vec![("x", hf(&[3, 2, 4], rng.vec(24, 2.0)))]);
     let i = map(vec![("r", hf(&[3, 2, 4], rng.vec(24, 1.0)))]);
     check_fd(&g, &w, &i, 100, 1e-6);
+}
+
+/// `loss = sum(out * r) (+ sum(lse * r2))` of an attention with a window, soft-cap and a
+/// value head dim of its own (the fused kernel's backward), and with sinks and the
+/// log-sum-exp result (the composed path's autograd), against finite differences.
+#[test]
+fn attention_window_softcap_sinks_and_lse_grads_match_finite_differences() {
+    let (nq, nkv, d, dv, sq, sk) = (4i64, 2i64, 3i64, 5i64, 130i64, 150i64);
+    for (window, softcap, sinks, lse) in [
+        (Some(9i64), Some(1.3), false, false),
+        (Some(70), None, false, false),
+        (Some(12), Some(2.0), true, true),
+        (None, None, true, false),
+        (Some(5), None, false, true),
+    ] {
+        let mut g = Graph::new("attn");
+        let q = param(&mut g, "q", fty(&[1, sq, nq, d]));
+        let q = g.add(Op::Transpose { dim0: 1, dim1: 2 }, &[q]).unwrap();
+        let k = param(&mut g, "k", fty(&[1, nkv, sk, d]));
+        let v = param(&mut g, "v", fty(&[1, nkv, sk, dv]));
+        let mut ins = vec![q, k, v];
+        if sinks {
+            ins.push(param(&mut g, "sinks", fty(&[nq])));
+        }
+        let res = g
+            .add_multi(
+                Op::Attention {
+                    causal: true,
+                    scale: Float(0.7),
+                    window,
+                    softcap: softcap.map(Float),
+                    sinks: sinks.into(),
+                    lse: lse.into(),
+                },
+                &ins,
+            )
+            .unwrap();
+        let r = input(&mut g, "r", fty(&[1, nq, sq, dv]));
+        let p = g.add(Op::Mul {}, &[res[0], r]).unwrap();
+        let all = |g: &mut Graph, x: Value, n: i64| {
+            g.add(
+                Op::Sum {
+                    dims: (0..n).collect(),
+                    keepdim: false,
+                },
+                &[x],
+            )
+            .unwrap()
+        };
+        let mut loss = all(&mut g, p, 4);
+        if lse {
+            let r2 = input(&mut g, "r2", fty(&[1, nq, sq]));
+            let p2 = g.add(Op::Mul {}, &[res[1], r2]).unwrap();
+            let l2 = all(&mut g, p2, 3);
+            loss = g.add(Op::Add {}, &[loss, l2]).unwrap();
+        }
+        g.set_output("loss", loss);
+        let mut rng = Rng::new(31 + window.unwrap_or(0) as u64);
+        let (sq, sk, nq, nkv, d, dv) = (sq as usize, sk as usize, 4, 2, 3, 5);
+        let mut w = map(vec![
+            ("q", hf(&[1, sq, nq, d], rng.vec(sq * nq * d, 1.0))),
+            ("k", hf(&[1, nkv, sk, d], rng.vec(sk * nkv * d, 1.0))),
+            ("v", hf(&[1, nkv, sk, dv], rng.vec(sk * nkv * dv, 1.0))),
+        ]);
+        if sinks {
+            w.insert("sinks".into(), hf(&[nq], rng.vec(nq, 1.0)));
+        }
+        let mut i = map(vec![(
+            "r",
+            hf(&[1, nq, sq, dv], rng.vec(sq * nq * dv, 1.0)),
+        )]);
+        if lse {
+            i.insert("r2".into(), hf(&[1, nq, sq], rng.vec(sq * nq, 1.0)));
+        }
+        check_fd(&g, &w, &i, 8, 1e-6);
+    }
 }

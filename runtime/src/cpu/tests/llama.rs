@@ -292,6 +292,10 @@ pub(super) fn build(cfg: &Cfg) -> Graph {
                 Op::Attention {
                     causal: true,
                     scale: Float(scale),
+                    window: None,
+                    softcap: None,
+                    sinks: Default::default(),
+                    lse: Default::default(),
                 },
                 &[q, k, v],
             )

@@ -1,7 +1,7 @@
 //! Each op against values computed by hand or by naive loops, in f64.
 
 use super::*;
-use weft_ir::attrs::{CmpOp, Float, Reduction, RopeScaling};
+use weft_ir::attrs::{CmpOp, Flag, Float, Reduction, RopeScaling};
 use weft_ir::Mesh;
 
 /// One-op graph helper: inputs `x0, x1, ...` of the given types and data, one op, output `y`.
@@ -325,6 +325,10 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
             Op::Attention {
                 causal,
                 scale: Float(scale),
+                window: None,
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
             },
             qkv(&q, &k, &v),
         );
@@ -350,6 +354,10 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
         Op::Attention {
             causal: true,
             scale: Float(scale),
+            window: None,
+            softcap: None,
+            sinks: Default::default(),
+            lse: Default::default(),
         },
         ins,
     );
@@ -369,6 +377,10 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
         Op::Attention {
             causal: true,
             scale: Float(0.5),
+            window: None,
+            softcap: None,
+            sinks: Default::default(),
+            lse: Default::default(),
         },
         vec![
             (fty(&[1, 2, 100, 4]), hf(&[1, 2, 100, 4], q.clone())),
@@ -969,4 +981,136 @@ fn symbols_are_inferred_from_inputs_and_checked() {
     let i = map(vec![("input_ids", hi(&[1, 2], vec![3, 10]))]);
     let e = run(&g, &w, &i, &RunOptions::new(Precision::F64)).unwrap_err();
     assert!(e.to_string().contains("token id 10"), "{e}");
+}
+
+/// The band, soft-cap, value head dim and sinks of `attention`, one loop per score: HF's
+/// sliding window keeps keys `p - window < j <= p`; soft-capping is `c * tanh(s / c)`
+/// before the mask; a sink joins each row's softmax and is dropped after it. Also the
+/// log-sum-exp result.
+#[allow(clippy::too_many_arguments)]
+fn naive_attention_ext(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    (b, nq, nkv, sq, sk, d, dv): (usize, usize, usize, usize, usize, usize, usize),
+    window: Option<usize>,
+    softcap: Option<f64>,
+    sinks: Option<&[f64]>,
+    scale: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let rep = nq / nkv;
+    let mut o = vec![0.0; b * nq * sq * dv];
+    let mut lse = vec![0.0; b * nq * sq];
+    for bi in 0..b {
+        for h in 0..nq {
+            let kh = h / rep;
+            for i in 0..sq {
+                let p = (i + sk) as i64 - sq as i64;
+                let mut sc = vec![f64::MIN; sk];
+                for (j, s) in sc.iter_mut().enumerate() {
+                    let j = j as i64;
+                    let keep = j <= p && window.is_none_or(|w| j > p - w as i64);
+                    let mut x: f64 = (0..d)
+                        .map(|e| {
+                            q[((bi * nq + h) * sq + i) * d + e]
+                                * k[((bi * nkv + kh) * sk + j as usize) * d + e]
+                        })
+                        .sum::<f64>()
+                        * scale;
+                    if let Some(c) = softcap {
+                        x = c * (x / c).tanh();
+                    }
+                    if keep {
+                        *s = x;
+                    }
+                }
+                let sink = sinks.map(|s| s[h]);
+                let mx = sc
+                    .iter()
+                    .chain(sink.iter())
+                    .cloned()
+                    .fold(f64::MIN, f64::max);
+                let ex: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
+                let z: f64 = ex.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - mx).exp());
+                lse[(bi * nq + h) * sq + i] = mx + z.ln();
+                for e in 0..dv {
+                    o[((bi * nq + h) * sq + i) * dv + e] = (0..sk)
+                        .map(|j| ex[j] / z * v[((bi * nkv + kh) * sk + j) * dv + e])
+                        .sum();
+                }
+            }
+        }
+    }
+    (o, lse)
+}
+
+#[test]
+fn attention_window_softcap_value_dim_and_sinks_match_a_naive_loop() {
+    // 150 queries over 160 keys: several 64-row blocks, each seeing only its band
+    let (b, nq, nkv, sq, sk, d, dv) = (1usize, 4usize, 2usize, 150usize, 160usize, 3usize, 5usize);
+    let mut rng = Rng::new(9);
+    let q = rng.vec(b * nq * sq * d, 1.0);
+    let k = rng.vec(b * nkv * sk * d, 1.0);
+    let v = rng.vec(b * nkv * sk * dv, 1.0);
+    let sinks = rng.vec(nq, 1.0);
+    let ins = |with_sinks: bool| {
+        let mut v = vec![
+            (fty(&[1, 4, 150, 3]), hf(&[1, 4, 150, 3], q.clone())),
+            (fty(&[1, 2, 160, 3]), hf(&[1, 2, 160, 3], k.clone())),
+            (fty(&[1, 2, 160, 5]), hf(&[1, 2, 160, 5], v.clone())),
+        ];
+        if with_sinks {
+            v.push((fty(&[4]), hf(&[4], sinks.clone())));
+        }
+        v
+    };
+    for (window, softcap, with_sinks) in [
+        (Some(1), None, false),
+        (Some(7), None, false),
+        (Some(70), Some(0.8), false),
+        (Some(500), None, false),
+        (None, Some(2.0), false),
+        (Some(20), Some(1.5), true),
+        (None, None, true),
+    ] {
+        let op = |lse: bool| Op::Attention {
+            causal: true,
+            scale: Float(0.6),
+            window: window.map(|w| w as i64),
+            softcap: softcap.map(Float),
+            sinks: Flag(with_sinks),
+            lse: Flag(lse),
+        };
+        let (want, want_lse) = naive_attention_ext(
+            &q,
+            &k,
+            &v,
+            (b, nq, nkv, sq, sk, d, dv),
+            window,
+            softcap,
+            with_sinks.then_some(&sinks[..]),
+            0.6,
+        );
+        let what = format!("window={window:?} softcap={softcap:?} sinks={with_sinks}");
+        if !with_sinks {
+            let y = one_op(op(false), ins(false));
+            assert_close(&y, &want, 1e-12);
+        }
+        // lse=true: the composed path, both results
+        let mut g = Graph::new("t");
+        let mut vs = Vec::new();
+        let mut data = BTreeMap::new();
+        for (i, (ty, t)) in ins(with_sinks).into_iter().enumerate() {
+            let name = format!("x{i}");
+            vs.push(input(&mut g, &name, ty));
+            data.insert(name, t);
+        }
+        let r = g.add_multi(op(true), &vs).unwrap();
+        g.set_output("y", r[0]);
+        g.set_output("lse", r[1]);
+        let res = run64(&g, &BTreeMap::new(), &data);
+        assert_close(&out(&res, "y"), &want, 1e-12);
+        assert_close(&out(&res, "lse"), &want_lse, 1e-12);
+        eprintln!("{what}: ok");
+    }
 }
