@@ -14,6 +14,7 @@ pub mod error;
 mod fields;
 pub mod init;
 pub mod model;
+mod neutral;
 pub mod presets;
 pub mod pt2;
 pub mod weights;
