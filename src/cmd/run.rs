@@ -316,6 +316,8 @@ fn read_plan(spec: &str) -> CliResult<Option<ExecutionPlan>> {
 
 /// The inputs of step `step`: `--inputs`, the next tokens of `--data`, or drawn.
 pub struct Feeder {
+    /// Where the inputs come from, for errors.
+    source: String,
     fixed: Option<BTreeMap<String, HostTensor>>,
     data: Option<Vec<u16>>,
     at: usize,
@@ -352,7 +354,13 @@ impl Feeder {
             }
             None => None,
         };
+        let source = match (&a.inputs, &a.data) {
+            (Some(p), _) => format!("--inputs {}", p.display()),
+            (None, Some(p)) => format!("--data {}", p.display()),
+            (None, None) => format!("the drawn inputs (seed {})", a.seed),
+        };
         Ok(Feeder {
+            source,
             fixed,
             data,
             at: 0,
@@ -361,6 +369,13 @@ impl Feeder {
             vocab,
             seed: a.seed,
         })
+    }
+
+    /// The inputs of step `step` that `g` takes, refused where every label is ignored.
+    pub fn next_for(&mut self, g: &Graph, step: usize) -> CliResult<BTreeMap<String, HostTensor>> {
+        let all = self.next(step);
+        super::session::check_labels(g, &all, &format!("{}, step {step}", self.source))?;
+        Ok(inputs_for(g, &all))
     }
 
     pub fn next(&mut self, step: usize) -> BTreeMap<String, HostTensor> {
@@ -456,7 +471,7 @@ pub fn cpu_steps_timed(
     }
     for step in 0..steps {
         let t = std::time::Instant::now();
-        let inputs = inputs_for(g, &feeder.next(step));
+        let inputs = feeder.next_for(g, step)?;
         let opts = weft_runtime::cpu::RunOptions::new(precision)
             .bind("B", b)
             .bind("S", s);
@@ -651,7 +666,7 @@ fn run_cuda(a: &Args) -> CliResult {
         },
     );
     for step in 0..a.steps {
-        let inputs = inputs_for(&p.program, &feeder.next(step));
+        let inputs = feeder.next_for(&p.program, step)?;
         ex.set_inputs(&inputs).map_err(cuda_err)?;
         let t = ex.run_step().map_err(cuda_err)?;
         let loss = ex.output("loss").map(|t| t.to_f64()[0]).unwrap_or(f64::NAN);
