@@ -211,6 +211,49 @@ fn unknown_op_names_node_and_layer() {
     );
 }
 
+/// The qwen2 fixture with its first `silu` turned into `aten.dropout(x, p, train)`.
+fn with_dropout(p: f64, train: bool) -> Vec<u8> {
+    rebuild("qwen2", |n, d| {
+        if !n.ends_with("models/model.json") {
+            return Some(d);
+        }
+        let mut j: serde_json::Value = serde_json::from_slice(&d).unwrap();
+        let nodes = j["graph_module"]["graph"]["nodes"].as_array_mut().unwrap();
+        let node = nodes
+            .iter_mut()
+            .find(|n| n["target"] == "torch.ops.aten.silu.default")
+            .unwrap();
+        node["target"] = "torch.ops.aten.dropout.default".into();
+        let x = node["inputs"][0]["arg"].clone();
+        node["inputs"] = serde_json::json!([
+            {"name": "input", "arg": x, "kind": 1},
+            {"name": "p", "arg": {"as_float": p}, "kind": 1},
+            {"name": "train", "arg": {"as_bool": train}, "kind": 1},
+        ]);
+        Some(serde_json::to_vec(&j).unwrap())
+    })
+}
+
+#[test]
+fn dropout_in_training_mode_is_refused() {
+    let e = err(with_dropout(0.1, true));
+    assert!(matches!(e, Pt2Error::UnsupportedOp { .. }), "{e}");
+    assert!(
+        e.to_string().contains("dropout with p = 0.1 in training mode")
+            && e.to_string().contains("(model.layers.0.mlp.act_fn)"),
+        "{e}"
+    );
+    // In eval mode, or with p = 0, dropout is the identity.
+    let opts = Pt2Options {
+        config: Some(config("qwen2")),
+        ..Default::default()
+    };
+    for (p, train) in [(0.1, false), (0.0, true)] {
+        import_bytes("dropout.pt2", with_dropout(p, train), &opts)
+            .unwrap_or_else(|e| panic!("p {p} train {train}: {e}"));
+    }
+}
+
 #[test]
 fn unused_unsupported_ops_do_not_matter() {
     // The mask builder's `cumsum` and `index` have no Weft op; the causal mask is
