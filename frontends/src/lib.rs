@@ -13,6 +13,7 @@ pub mod config;
 pub mod error;
 mod fields;
 pub mod init;
+pub mod mapped;
 pub mod model;
 mod neutral;
 pub mod presets;
