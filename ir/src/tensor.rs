@@ -101,6 +101,95 @@ fn ratio(err: f64, scale: f64) -> f64 {
     }
 }
 
+/// The floor of the set measures ([`set_rel_errs`]), as a fraction of the set's scale.
+///
+/// A gradient that is exactly zero in theory (the router of top-1 routing, where the
+/// weight p/p = 1 whatever p is; a projection whose only path to the loss is masked) is
+/// computed as a cancellation of terms no larger than the other gradients of the set,
+/// so both sides hold rounding noise of at most that scale times the unit roundoff, and
+/// a purely relative error (noise / noise) is anything from 0 to infinity. Measured
+/// against 1e-3 of the set's largest gradient instead, such a tensor passes when its
+/// error is below `tolerance x 1e-3` of the set's scale: 1e-11 of it at the f64
+/// tolerance 1e-8, 1e-7 at the f32 tolerance 1e-4. Rounding noise is below both even in
+/// the worst case of f64 (1.1e-16) and near it in f32 (6e-8); measured on top-1
+/// mixtral it is 4e-19 of the set's scale in f64 and 2e-10 in f32. A real error stays
+/// visible: 1e-3 relative in a gradient 1000x smaller than the largest still fails both.
+/// The floor binds only for tensors whose reference is below it, which the reports
+/// name as noise-level.
+pub const NOISE_FLOOR: f64 = 1e-3;
+
+/// How one tensor's error is measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Measure {
+    /// `max |a - b| / max |b|` ([`max_rel_err`]): f64 and f32 programs.
+    MaxAbs,
+    /// `rms(a - b) / rms(b)` ([`l2_rel_err`]): low-precision programs, where single
+    /// elements round far more than the whole.
+    L2,
+}
+
+impl Measure {
+    /// The tensor's magnitude in this measure: max |x|, or the root mean square.
+    fn scale(self, x: &[f64]) -> f64 {
+        match self {
+            Measure::MaxAbs => x.iter().map(|y| y.abs()).fold(0.0, f64::max),
+            Measure::L2 if x.is_empty() => 0.0,
+            Measure::L2 => (x.iter().map(|y| y * y).sum::<f64>() / x.len() as f64).sqrt(),
+        }
+    }
+}
+
+/// One tensor's error in a set compared together ([`set_rel_errs`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SetErr {
+    pub name: String,
+    /// The error over `max(scale of the reference, NOISE_FLOOR x the set's scale)`.
+    pub err: f64,
+    /// The reference is below the floor: the tensor holds rounding noise of a value that
+    /// is zero (or negligible) next to the rest of the set.
+    pub noise_level: bool,
+}
+
+/// The errors of every tensor of `reference` (a set compared together, such as all the
+/// gradients of one step) against `got`, each over the larger of its own scale and
+/// [`NOISE_FLOOR`] times the largest scale in the set (see there for why). A tensor
+/// missing from `got`, of another shape, or with a NaN has an infinite error. In name
+/// order.
+pub fn set_rel_errs(
+    got: &std::collections::BTreeMap<String, HostTensor>,
+    reference: &std::collections::BTreeMap<String, HostTensor>,
+    measure: Measure,
+) -> Vec<SetErr> {
+    let refs: Vec<(&String, Vec<f64>)> = reference.iter().map(|(n, t)| (n, t.to_f64())).collect();
+    let set_scale = refs
+        .iter()
+        .map(|(_, b)| measure.scale(b))
+        .fold(0.0, f64::max);
+    let floor = NOISE_FLOOR * set_scale;
+    refs.into_iter()
+        .map(|(name, b)| {
+            let own = measure.scale(&b);
+            let err = match got.get(name) {
+                Some(a) if a.shape == reference[name].shape => {
+                    let a = a.to_f64();
+                    if a.len() != b.len() || a.iter().any(|x| x.is_nan()) {
+                        f64::INFINITY
+                    } else {
+                        let diff: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
+                        ratio(measure.scale(&diff), own.max(floor))
+                    }
+                }
+                _ => f64::INFINITY,
+            };
+            SetErr {
+                name: name.clone(),
+                err,
+                noise_level: own < floor,
+            }
+        })
+        .collect()
+}
+
 impl HostTensor {
     /// [`max_rel_err`] of this tensor against `reference` (infinite when the shapes
     /// differ).
@@ -117,5 +206,71 @@ impl HostTensor {
             return f64::INFINITY;
         }
         l2_rel_err(&self.to_f64(), &reference.to_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn t(v: &[f64]) -> HostTensor {
+        HostTensor::floats(crate::DType::F64, vec![v.len()], v.to_vec())
+    }
+
+    fn set(items: &[(&str, &[f64])]) -> BTreeMap<String, HostTensor> {
+        items.iter().map(|(n, v)| (n.to_string(), t(v))).collect()
+    }
+
+    #[test]
+    fn a_gradient_zero_in_theory_is_measured_against_the_floor() {
+        // `router` is zero in theory: both sides hold rounding noise of 1e-17.
+        let want = set(&[("big", &[1.0, -2.0]), ("router", &[1e-17, -3e-17])]);
+        let got = set(&[("big", &[1.0, -2.0 + 4e-16]), ("router", &[-2e-17, 1e-17])]);
+        // Purely relative, the noise is a 100% error.
+        assert!(got["router"].max_rel_err(&want["router"]) > 1.0);
+        let errs = set_rel_errs(&got, &want, Measure::MaxAbs);
+        assert_eq!(errs[0].name, "big");
+        assert!(!errs[0].noise_level && errs[0].err > 0.0 && errs[0].err < 1e-15, "{:?}", errs[0]);
+        // max |diff| 4e-17 over the floor 1e-3 x 2.
+        assert_eq!(errs[1].name, "router");
+        assert!(errs[1].noise_level);
+        assert!((errs[1].err - 2e-14).abs() < 1e-20, "{}", errs[1].err);
+    }
+
+    #[test]
+    fn real_errors_in_small_gradients_still_show() {
+        // A gradient 1e4 below the largest with a 1% error: 1e-2 x 1e-4 / 1e-3 = 1e-3.
+        let want = set(&[("big", &[1.0]), ("small", &[1e-4, -1e-4])]);
+        let got = set(&[("big", &[1.0]), ("small", &[1.01e-4, -1e-4])]);
+        let e = &set_rel_errs(&got, &want, Measure::MaxAbs)[1];
+        assert!(e.noise_level && (e.err - 1e-3).abs() < 1e-12, "{e:?}");
+        // Above the floor, the measure is the plain relative one.
+        let want = set(&[("big", &[1.0]), ("mid", &[1e-2])]);
+        let got = set(&[("big", &[1.0]), ("mid", &[1.01e-2])]);
+        let e = &set_rel_errs(&got, &want, Measure::MaxAbs)[1];
+        assert!(!e.noise_level);
+        assert_eq!(e.err, got["mid"].max_rel_err(&want["mid"]));
+    }
+
+    #[test]
+    fn missing_misshaped_and_nan_are_infinite() {
+        let want = set(&[("a", &[1.0, 2.0]), ("b", &[1.0]), ("c", &[0.0])]);
+        let got = set(&[("a", &[1.0]), ("c", &[f64::NAN])]);
+        let errs = set_rel_errs(&got, &want, Measure::L2);
+        assert!(errs.iter().all(|e| e.err == f64::INFINITY), "{errs:?}");
+        // All zero on both sides: no error.
+        let z = set(&[("z", &[0.0, 0.0])]);
+        assert_eq!(set_rel_errs(&z, &z, Measure::MaxAbs)[0].err, 0.0);
+    }
+
+    #[test]
+    fn the_l2_measure_uses_root_mean_squares() {
+        let want = set(&[("big", &[3.0, 4.0]), ("zero", &[0.0, 0.0, 0.0, 0.0])]);
+        let got = set(&[("big", &[3.0, 4.0]), ("zero", &[1e-6, 0.0, 0.0, 0.0])]);
+        let e = &set_rel_errs(&got, &want, Measure::L2)[1];
+        // rms(diff) = 5e-7; floor = 1e-3 x rms(3, 4) = 1e-3 x 3.5355.
+        let rms_big = (12.5f64).sqrt();
+        assert!(e.noise_level && (e.err - 5e-7 / (1e-3 * rms_big)).abs() < 1e-12, "{e:?}");
     }
 }
