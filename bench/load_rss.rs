@@ -47,21 +47,33 @@ fn main() {
     };
     let before = status_bytes("VmRSS");
     let t = std::time::Instant::now();
-    let (tensors, elements) = match &model_spec {
+    // The weights stay alive until the resident set is read.
+    let weights = match &model_spec {
         Some(m) => {
             let model = weft_frontends::load(m).expect("model");
-            let w = weft_frontends::load_weights(&model, ck).expect("weights");
-            let n: usize = w.values().map(|t| t.numel()).sum();
-            (w.len(), n)
+            weft_frontends::load_weights(&model, ck).expect("weights")
         }
         None => {
-            let im = weft_frontends::pt2::import(ck, &Default::default()).expect("archive");
-            let n: usize = im.weights.values().map(|t| t.numel()).sum();
-            (im.weights.len(), n)
+            weft_frontends::pt2::import(ck, &Default::default())
+                .expect("archive")
+                .weights
         }
     };
     let secs = t.elapsed().as_secs_f64();
     let (rss, peak) = (status_bytes("VmRSS"), status_bytes("VmHWM"));
+    let tensors = weights.len();
+    let elements: usize = weights.values().map(|t| t.numel()).sum();
+    // Touch every page of every tensor, as a run reading them all would (a mapped tensor
+    // is read from disk on first use, and its pages then count as resident).
+    let sum: u64 = weights
+        .values()
+        .map(|t| match &t.data {
+            weft_ir::HostData::Raw(b) => b.bytes().iter().step_by(4096).map(|&x| x as u64).sum(),
+            _ => 0,
+        })
+        .sum();
+    let peak_used = status_bytes("VmHWM");
+    drop(weights);
     let gb = |b: u64| b as f64 / 1e9;
     println!("checkpoint {checkpoint}: {:.3} GB, {tensors} tensors, {elements} elements", gb(size));
     println!("  resident before loading {:.3} GB", gb(before));
@@ -73,4 +85,9 @@ fn main() {
         peak.saturating_sub(before) as f64 / size as f64
     );
     println!("  load took {secs:.2} s");
+    println!(
+        "  peak after touching every page of every tensor: {:.3} GB = {:.2}x (checksum {sum})",
+        gb(peak_used),
+        peak_used as f64 / size as f64
+    );
 }

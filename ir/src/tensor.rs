@@ -1,21 +1,145 @@
 //! Host tensors: the neutral in-memory form weights, inputs and results take between
 //! crates (frontends load them, runtimes consume and produce them, the CLI writes them).
-//! Floats of any dtype are held as f64, integers and bools as i64.
+//! Computed floats are held as f64, integers and bools as i64; tensors read from a file
+//! keep its bytes in their own dtype ([`HostData::Raw`], often a view of the
+//! memory-mapped file), so a bf16 checkpoint takes its own size in memory, not four
+//! times it. Readers that want numbers decode with [`HostTensor::to_f64`] or
+//! [`HostTensor::widened`].
 
 use crate::types::DType;
+use std::borrow::Cow;
+use std::sync::Arc;
+
+/// Bytes that several tensors can share: a memory-mapped file or a buffer.
+pub type SharedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// A tensor's bytes: little-endian values of its dtype, contiguous, row-major; a range
+/// of shared bytes (a view of a mapped file costs no copy).
+#[derive(Clone)]
+pub struct RawBytes {
+    owner: SharedBytes,
+    start: usize,
+    len: usize,
+}
+
+impl RawBytes {
+    pub fn owned(bytes: Vec<u8>) -> RawBytes {
+        let len = bytes.len();
+        RawBytes {
+            owner: Arc::new(bytes),
+            start: 0,
+            len,
+        }
+    }
+
+    /// The bytes `range` of `owner`; `None` when the range lies outside it.
+    pub fn shared(owner: SharedBytes, range: std::ops::Range<usize>) -> Option<RawBytes> {
+        let total = (*owner).as_ref().len();
+        (range.start <= range.end && range.end <= total).then(|| RawBytes {
+            owner,
+            start: range.start,
+            len: range.end - range.start,
+        })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.start..self.start + self.len]
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for RawBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RawBytes({} bytes)", self.len)
+    }
+}
+
+impl PartialEq for RawBytes {
+    fn eq(&self, other: &RawBytes) -> bool {
+        self.bytes() == other.bytes()
+    }
+}
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum HostData {
     F64(Vec<f64>),
     I64(Vec<i64>),
+    /// The values in the tensor's own dtype, as a file holds them.
+    Raw(RawBytes),
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct HostTensor {
-    /// The dtype the tensor has in its file or graph (data is widened as above).
+    /// The dtype the tensor has in its file or graph (F64 / I64 data is widened).
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub data: HostData,
+}
+
+/// Equal dtype, shape and values, however they are held (a raw bf16 tensor equals the
+/// same values widened to f64).
+impl PartialEq for HostTensor {
+    fn eq(&self, other: &HostTensor) -> bool {
+        if self.dtype != other.dtype || self.shape != other.shape {
+            return false;
+        }
+        match (&self.data, &other.data) {
+            (HostData::F64(a), HostData::F64(b)) => a == b,
+            (HostData::I64(a), HostData::I64(b)) => a == b,
+            (HostData::Raw(a), HostData::Raw(b)) if a == b => true,
+            _ if self.dtype.is_float() => self.to_f64() == other.to_f64(),
+            _ => self.to_i64() == other.to_i64(),
+        }
+    }
+}
+
+fn bf16_to_f64(bits: u16) -> f64 {
+    f32::from_bits((bits as u32) << 16) as f64
+}
+
+fn f16_to_f64(h: u16) -> f64 {
+    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let exp = ((h >> 10) & 0x1f) as i32;
+    let man = (h & 0x3ff) as f64;
+    match exp {
+        0 => sign * man * 2f64.powi(-24),
+        0x1f if man == 0.0 => sign * f64::INFINITY,
+        0x1f => f64::NAN,
+        _ => sign * (1.0 + man / 1024.0) * 2f64.powi(exp - 15),
+    }
+}
+
+/// Decodes little-endian `dtype` values.
+fn decode_f64(dtype: DType, b: &[u8]) -> Vec<f64> {
+    match dtype {
+        DType::F64 => b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
+        DType::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        DType::BF16 => b.chunks_exact(2).map(|c| bf16_to_f64(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        DType::F16 => b.chunks_exact(2).map(|c| f16_to_f64(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        _ => decode_i64(dtype, b).into_iter().map(|x| x as f64).collect(),
+    }
+}
+
+fn decode_i64(dtype: DType, b: &[u8]) -> Vec<i64> {
+    match dtype {
+        DType::I64 => b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect(),
+        DType::I32 => b
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
+            .collect(),
+        DType::Bool => b.iter().map(|&x| (x != 0) as i64).collect(),
+        _ => decode_f64(dtype, b).into_iter().map(|x| x as i64).collect(),
+    }
 }
 
 impl HostTensor {
@@ -37,8 +161,37 @@ impl HostTensor {
         }
     }
 
+    /// A tensor holding `bytes` in its own dtype; `Err` when their length is not the
+    /// shape's element count times the dtype's size.
+    pub fn raw(dtype: DType, shape: Vec<usize>, bytes: RawBytes) -> Result<HostTensor, String> {
+        let want = shape
+            .iter()
+            .try_fold(dtype.size_bytes() as usize, |a, &d| a.checked_mul(d));
+        if want != Some(bytes.len()) {
+            return Err(format!(
+                "{} bytes do not hold a {dtype}{shape:?} tensor ({} bytes)",
+                bytes.len(),
+                want.map_or("too many".to_string(), |w| w.to_string())
+            ));
+        }
+        Ok(HostTensor {
+            dtype,
+            shape,
+            data: HostData::Raw(bytes),
+        })
+    }
+
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    /// How many values the data holds (the shape's count for a well-formed tensor).
+    pub fn data_len(&self) -> usize {
+        match &self.data {
+            HostData::F64(v) => v.len(),
+            HostData::I64(v) => v.len(),
+            HostData::Raw(b) => b.len() / (self.dtype.size_bytes() as usize).max(1),
+        }
     }
 
     /// The values as f64 (integers converted).
@@ -46,6 +199,7 @@ impl HostTensor {
         match &self.data {
             HostData::F64(v) => v.clone(),
             HostData::I64(v) => v.iter().map(|&x| x as f64).collect(),
+            HostData::Raw(b) => decode_f64(self.dtype, b.bytes()),
         }
     }
 
@@ -54,6 +208,35 @@ impl HostTensor {
         match &self.data {
             HostData::F64(v) => v.iter().map(|&x| x as i64).collect(),
             HostData::I64(v) => v.clone(),
+            HostData::Raw(b) => decode_i64(self.dtype, b.bytes()),
+        }
+    }
+
+    /// The tensor with its values widened (floats to f64, integers and bools to i64):
+    /// itself when they already are, a decoded copy of raw bytes otherwise.
+    pub fn widened(&self) -> Cow<'_, HostTensor> {
+        match &self.data {
+            HostData::Raw(_) => Cow::Owned(HostTensor {
+                dtype: self.dtype,
+                shape: self.shape.clone(),
+                data: if self.dtype.is_float() {
+                    HostData::F64(self.to_f64())
+                } else {
+                    HostData::I64(self.to_i64())
+                },
+            }),
+            _ => Cow::Borrowed(self),
+        }
+    }
+
+    /// The float values to change in place (raw bytes are widened first).
+    pub fn f64_mut(&mut self) -> &mut Vec<f64> {
+        if !matches!(self.data, HostData::F64(_)) {
+            self.data = HostData::F64(self.to_f64());
+        }
+        match &mut self.data {
+            HostData::F64(v) => v,
+            _ => unreachable!("just widened"),
         }
     }
 }

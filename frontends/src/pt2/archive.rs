@@ -304,7 +304,11 @@ impl Archive {
                 message: "no tensor_meta (a custom object?)".into(),
             })?;
             let bytes = self.require(&rel)?;
-            out.insert(name.clone(), decode_tensor(&entry, name, meta, bytes)?);
+            let start = self.entries[&rel].start;
+            out.insert(
+                name.clone(),
+                decode_view(&entry, name, meta, bytes, Some((&self.source, start)))?,
+            );
         }
         Ok(out)
     }
@@ -321,12 +325,25 @@ fn int_of(entry: &str, tensor: &str, what: &str, s: &SymInt) -> Result<i64, Pt2E
     }
 }
 
-/// Decodes one strided view of `bytes` into a contiguous host tensor.
+/// Decodes one strided view of `bytes` into a contiguous host tensor of its dtype.
+#[cfg(test)]
 pub fn decode_tensor(
     entry: &str,
     name: &str,
     meta: &TensorMeta,
     bytes: &[u8],
+) -> Result<Option<HostTensor>, Pt2Error> {
+    decode_view(entry, name, meta, bytes, None)
+}
+
+/// [`decode_tensor`]; with `shared` (the archive's bytes and where `bytes` starts in
+/// them), a contiguous view is a view of the archive, not a copy.
+fn decode_view(
+    entry: &str,
+    name: &str,
+    meta: &TensorMeta,
+    bytes: &[u8],
+    shared: Option<(&Shared, usize)>,
 ) -> Result<Option<HostTensor>, Pt2Error> {
     let terr = |message: String| Pt2Error::TensorData {
         entry: entry.into(),
@@ -412,25 +429,36 @@ pub fn decode_tensor(
     if numel > (1 << 34) {
         return Err(terr(format!("{numel} elements is too many to load")));
     }
-    // Walk the view in row-major order.
+    let raw = |b: weft_ir::RawBytes| {
+        HostTensor::raw(dtype, shape.clone(), b).map_err(|m| terr(m))
+    };
+    let contiguous = {
+        let mut acc = 1u64;
+        sizes.iter().zip(&strides).rev().all(|(&size, &st)| {
+            let ok = size == 1 || st as u64 == acc;
+            acc = acc.saturating_mul(size as u64);
+            ok
+        })
+    };
+    if contiguous {
+        let span = offset as usize * elem..(offset as usize + numel as usize) * elem;
+        if let Some((source, start)) = shared {
+            let whole = start + span.start..start + span.end;
+            if let Some(b) = weft_ir::RawBytes::shared(source.clone(), whole) {
+                return raw(b).map(Some);
+            }
+        }
+        return raw(weft_ir::RawBytes::owned(bytes[span].to_vec())).map(Some);
+    }
+    // Walk the view in row-major order, copying each element's bytes.
     let mut idx = vec![0usize; shape.len()];
-    let mut ints = Vec::new();
-    let mut floats = Vec::new();
+    let mut out = Vec::with_capacity(numel as usize * elem);
     for _ in 0..numel {
         let mut e = offset as usize;
         for (i, &k) in idx.iter().enumerate() {
             e += k * strides[i] as usize;
         }
-        let b = &bytes[e * elem..(e + 1) * elem];
-        match dtype {
-            DType::F32 => floats.push(f32::from_le_bytes(b.try_into().unwrap()) as f64),
-            DType::F64 => floats.push(f64::from_le_bytes(b.try_into().unwrap())),
-            DType::F16 => floats.push(half::f16::from_le_bytes(b.try_into().unwrap()).to_f64()),
-            DType::BF16 => floats.push(half::bf16::from_le_bytes(b.try_into().unwrap()).to_f64()),
-            DType::I64 => ints.push(i64::from_le_bytes(b.try_into().unwrap())),
-            DType::I32 => ints.push(i32::from_le_bytes(b.try_into().unwrap()) as i64),
-            DType::Bool => ints.push((b[0] != 0) as i64),
-        }
+        out.extend_from_slice(&bytes[e * elem..(e + 1) * elem]);
         for d in (0..idx.len()).rev() {
             idx[d] += 1;
             if idx[d] < shape[d] {
@@ -439,11 +467,7 @@ pub fn decode_tensor(
             idx[d] = 0;
         }
     }
-    Ok(Some(if dtype.is_float() {
-        HostTensor::floats(dtype, shape, floats)
-    } else {
-        HostTensor::ints(dtype, shape, ints)
-    }))
+    raw(weft_ir::RawBytes::owned(out)).map(Some)
 }
 
 fn empty(dtype: DType, shape: Vec<usize>) -> HostTensor {
