@@ -7,7 +7,8 @@
 //! ```text
 //! python bench/make_big_checkpoint.py /tmp/llama1b            # ~2.5 GB bf16
 //! cargo bench -p weft-frontends --bench load_rss -- /tmp/llama1b /tmp/llama1b/model.safetensors
-//! cargo bench -p weft-frontends --bench load_rss -- /tmp/llama1b.pt2
+//! python bench/make_big_pt2.py /tmp/llama1b.pt2                 # its .pt2 (torch.export)
+//! cargo bench -p weft-frontends --bench load_rss -- /tmp/llama1b.pt2 /tmp/llama1b/config.json
 //! ```
 
 use std::path::Path;
@@ -26,11 +27,13 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with("--"))
         .collect();
-    let (model_spec, checkpoint) = match args.as_slice() {
-        [pt2] => (None, pt2.clone()),
-        [m, c] => (Some(m.clone()), c.clone()),
+    // MODEL CHECKPOINT, or ARCHIVE.pt2 [CONFIG.json] (the config for llama3 rope scaling).
+    let (model_spec, checkpoint, config) = match args.as_slice() {
+        [pt2] => (None, pt2.clone(), None),
+        [pt2, c] if pt2.ends_with(".pt2") => (None, pt2.clone(), Some(c.into())),
+        [m, c] => (Some(m.clone()), c.clone(), None),
         _ => {
-            eprintln!("usage: load_rss MODEL CHECKPOINT | load_rss ARCHIVE.pt2");
+            eprintln!("usage: load_rss MODEL CHECKPOINT | load_rss ARCHIVE.pt2 [CONFIG.json]");
             std::process::exit(2);
         }
     };
@@ -54,7 +57,11 @@ fn main() {
             weft_frontends::load_weights(&model, ck).expect("weights")
         }
         None => {
-            weft_frontends::pt2::import(ck, &Default::default())
+            let opts = weft_frontends::pt2::Pt2Options {
+                config,
+                ..Default::default()
+            };
+            weft_frontends::pt2::import(ck, &opts)
                 .expect("archive")
                 .weights
         }
