@@ -82,7 +82,10 @@ fn main() {
     let peak_used = status_bytes("VmHWM");
     drop(weights);
     let gb = |b: u64| b as f64 / 1e9;
-    println!("checkpoint {checkpoint}: {:.3} GB, {tensors} tensors, {elements} elements", gb(size));
+    println!(
+        "checkpoint {checkpoint}: {:.3} GB, {tensors} tensors, {elements} elements",
+        gb(size)
+    );
     println!("  resident before loading {:.3} GB", gb(before));
     println!("  resident after loading  {:.3} GB", gb(rss));
     println!(

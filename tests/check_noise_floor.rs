@@ -37,15 +37,26 @@ fn top1_routing_has_a_zero_router_gradient() {
     std::fs::write(&config, v.to_string()).unwrap();
     for mesh in ["", "ep=2", "sp=2"] {
         let (code, out, err) = weft(&[
-            "check", config.to_str().unwrap(), "--train", "--json", "--mesh", mesh,
-            "--batch", "2", "--seq", "16",
+            "check",
+            config.to_str().unwrap(),
+            "--train",
+            "--json",
+            "--mesh",
+            mesh,
+            "--batch",
+            "2",
+            "--seq",
+            "16",
         ]);
         assert_eq!(code, 0, "mesh `{mesh}`: {err}\n{out}");
         let v = json(&out);
         assert_eq!(v["ok"], true);
         assert_eq!(
             noise_level(&v),
-            ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"],
+            [
+                "model.layers.0.mlp.gate.weight",
+                "model.layers.1.mlp.gate.weight"
+            ],
             "mesh `{mesh}`"
         );
     }
@@ -66,13 +77,21 @@ fn only_the_first_target_valid_gives_zero_query_and_key_gradients() {
         &inputs,
         &BTreeMap::from([
             ("input_ids".to_string(), ids.clone()),
-            ("labels".to_string(), HostTensor::ints(DType::I64, ids.shape.clone(), labels)),
+            (
+                "labels".to_string(),
+                HostTensor::ints(DType::I64, ids.shape.clone(), labels),
+            ),
         ]),
     )
     .unwrap();
     let (code, out, err) = weft(&[
-        "check", "tests/fixtures/llama", "--inputs", inputs.to_str().unwrap(), "--train",
-        "--mesh", "sp=2",
+        "check",
+        "tests/fixtures/llama",
+        "--inputs",
+        inputs.to_str().unwrap(),
+        "--train",
+        "--mesh",
+        "sp=2",
     ]);
     assert_eq!(code, 0, "{err}\n{out}");
     assert!(

@@ -32,8 +32,10 @@ fn dropout_in_a_config_is_refused_by_name() {
         let (code, _, err) = weft(&["compile", path.to_str().unwrap()]);
         assert_eq!(code, 2, "{preset}: {err}");
         assert!(
-            err.contains(&format!("error: invalid config in {}: field `{field}` is 0.1", path.display()))
-                && err.contains(&format!("help: set `{field}` to 0")),
+            err.contains(&format!(
+                "error: invalid config in {}: field `{field}` is 0.1",
+                path.display()
+            )) && err.contains(&format!("help: set `{field}` to 0")),
             "{preset}: {err}"
         );
     }
@@ -41,7 +43,8 @@ fn dropout_in_a_config_is_refused_by_name() {
 
 /// The llama fixture's inputs with the labels replaced by `labels(row, col, token)`.
 fn write_inputs(dir: &std::path::Path, labels: impl Fn(usize, usize, i64) -> i64) -> PathBuf {
-    let given = weft_frontends::read_safetensors(&fixture("llama").join("inputs.safetensors")).unwrap();
+    let given =
+        weft_frontends::read_safetensors(&fixture("llama").join("inputs.safetensors")).unwrap();
     let ids = &given["input_ids"];
     let s = ids.shape[1];
     let l: Vec<i64> = ids
@@ -53,7 +56,10 @@ fn write_inputs(dir: &std::path::Path, labels: impl Fn(usize, usize, i64) -> i64
     let path = dir.join("inputs.safetensors");
     let m = BTreeMap::from([
         ("input_ids".to_string(), ids.clone()),
-        ("labels".to_string(), HostTensor::ints(DType::I64, ids.shape.clone(), l)),
+        (
+            "labels".to_string(),
+            HostTensor::ints(DType::I64, ids.shape.clone(), l),
+        ),
     ]);
     weft_frontends::save_safetensors(&path, &m).unwrap();
     path
@@ -70,22 +76,46 @@ fn all_labels_ignored_is_an_input_error_in_every_command() {
     for args in [
         vec!["check", model, "--inputs", inputs, "--train"],
         vec!["check", model, "--inputs", inputs, "--mesh", "sp=2"],
-        vec!["eval", model, "--inputs", inputs, "--grads", "-o", out.to_str().unwrap()],
+        vec![
+            "eval",
+            model,
+            "--inputs",
+            inputs,
+            "--grads",
+            "-o",
+            out.to_str().unwrap(),
+        ],
         vec!["run", model, "--inputs", inputs, "--steps", "1"],
     ] {
         let (code, _, err) = weft(&args);
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(
-            err.contains(&format!("error: no valid label in `labels` of {}", if args[0] == "run" { format!("--inputs {inputs}, step 0") } else { inputs.to_string() }))
-                && err.contains("0/0")
+            err.contains(&format!(
+                "error: no valid label in `labels` of {}",
+                if args[0] == "run" {
+                    format!("--inputs {inputs}, step 0")
+                } else {
+                    inputs.to_string()
+                }
+            )) && err.contains("0/0")
                 && err.contains("help: give at least one label that is not -100"),
             "{args:?}: {err}"
         );
         assert!(!err.contains("does not match"), "{args:?}: {err}");
     }
     // One valid target anywhere after position 0 is enough.
-    let one = write_inputs(&dir, |row, col, t| if row == 1 && col == 5 { t } else { -100 });
-    let (code, out, err) = weft(&["check", model, "--inputs", one.to_str().unwrap(), "--train", "--json"]);
+    let one = write_inputs(
+        &dir,
+        |row, col, t| if row == 1 && col == 5 { t } else { -100 },
+    );
+    let (code, out, err) = weft(&[
+        "check",
+        model,
+        "--inputs",
+        one.to_str().unwrap(),
+        "--train",
+        "--json",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert!(json(&out)["loss"].as_f64().unwrap().is_finite(), "{out}");
 }
@@ -96,7 +126,8 @@ fn drawn_inputs_with_nothing_to_predict_are_refused() {
     let (code, _, err) = weft(&["check", "llama-tiny", "--batch", "2", "--seq", "1"]);
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("no valid label in `labels` of the drawn inputs") && err.contains("one token per row"),
+        err.contains("no valid label in `labels` of the drawn inputs")
+            && err.contains("one token per row"),
         "{err}"
     );
 }

@@ -41,7 +41,9 @@ fn a_pt2_over_one_mib_with_weights_first_imports_and_checks() {
     let (code, out, err) = weft(&["import", path, "--config", config]);
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("graph "), "{out}");
-    let (code, out, err) = weft(&["check", path, "--config", config, "--mesh", "sp=2", "--train", "--json"]);
+    let (code, out, err) = weft(&[
+        "check", path, "--config", config, "--mesh", "sp=2", "--train", "--json",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(json(&out)["ok"], true, "{out}");
     std::fs::remove_dir_all(&dir).unwrap();

@@ -240,7 +240,8 @@ fn read_small(path: &Path) -> std::io::Result<(Vec<u8>, bool)> {
     let f = std::fs::File::open(path)?;
     let whole = f.metadata()?.len() <= MAX_TEXT_MODEL_BYTES;
     let mut bytes = Vec::new();
-    f.take(if whole { MAX_TEXT_MODEL_BYTES } else { 4 }).read_to_end(&mut bytes)?;
+    f.take(if whole { MAX_TEXT_MODEL_BYTES } else { 4 })
+        .read_to_end(&mut bytes)?;
     Ok((bytes, whole))
 }
 

@@ -69,7 +69,10 @@ pub(crate) const MATH_FIELDS: &[MathField] = &[
     zero("dropout_rate", HIDDEN),
     zero("dropout_prob", HIDDEN),
     zero("final_dropout", HIDDEN),
-    zero("drop_path_rate", "stochastic depth (dropping whole residual branches)"),
+    zero(
+        "drop_path_rate",
+        "stochastic depth (dropping whole residual branches)",
+    ),
     // Embedding dropout: phi3 `embd_pdrop` (applied by transformers 4).
     zero("embd_pdrop", EMBED),
     zero("emb_pdrop", EMBED),
@@ -84,7 +87,10 @@ pub(crate) const MATH_FIELDS: &[MathField] = &[
         "router_jitter_noise",
         "multiplicative noise on the MoE router input",
     ),
-    zero("input_jitter_noise", "multiplicative noise on the MoE input"),
+    zero(
+        "input_jitter_noise",
+        "multiplicative noise on the MoE input",
+    ),
     zero("moe_jitter_eps", "noise on the MoE routing"),
     zero("moe_token_dropout", "dropout of tokens routed to experts"),
 ];
@@ -131,12 +137,7 @@ pub(crate) fn check_math_fields(f: &Fields) -> Result<(), FrontendError> {
     Ok(())
 }
 
-fn check_field(
-    f: &Fields,
-    key: &str,
-    neutral: Neutral,
-    effect: &str,
-) -> Result<(), FrontendError> {
+fn check_field(f: &Fields, key: &str, neutral: Neutral, effect: &str) -> Result<(), FrontendError> {
     match neutral {
         Neutral::Zero => {
             let Some(x) = f.opt_f64(key)? else {
@@ -212,15 +213,26 @@ mod tests {
                     ),
                     "{preset}"
                 );
-                assert!(e.help().unwrap().contains(&format!("set `{}` to 0", field.name)));
+                assert!(e
+                    .help()
+                    .unwrap()
+                    .contains(&format!("set `{}` to 0", field.name)));
                 // The neutral value, null and an integer 0 all parse.
-                for neutral in [serde_json::json!(0.0), serde_json::json!(0), serde_json::Value::Null] {
+                for neutral in [
+                    serde_json::json!(0.0),
+                    serde_json::json!(0),
+                    serde_json::Value::Null,
+                ] {
                     parse_with(&base, field.name, neutral.clone())
                         .unwrap_or_else(|e| panic!("{preset} {} = {neutral}: {e}", field.name));
                 }
                 // A non-number is named, not ignored.
                 let e = parse_with(&base, field.name, "high".into()).unwrap_err();
-                assert!(e.to_string().contains(&format!("field `{}` must be a number", field.name)), "{e}");
+                assert!(
+                    e.to_string()
+                        .contains(&format!("field `{}` must be a number", field.name)),
+                    "{e}"
+                );
             }
         }
     }
@@ -228,10 +240,17 @@ mod tests {
     #[test]
     fn unknown_dropout_like_fields_are_refused_and_head_dropouts_accepted() {
         for (preset, base) in family_configs() {
-            for key in ["decoder_layerdrop_dropout", "lm_pdrop", "stochastic_drop_path", "gate_jitter"] {
+            for key in [
+                "decoder_layerdrop_dropout",
+                "lm_pdrop",
+                "stochastic_drop_path",
+                "gate_jitter",
+            ] {
                 let e = parse_with(&base, key, 0.25.into()).unwrap_err();
                 assert!(
-                    e.to_string().contains(&format!("field `{key}` is 0.25: dropout or noise in training")),
+                    e.to_string().contains(&format!(
+                        "field `{key}` is 0.25: dropout or noise in training"
+                    )),
                     "{preset}: {e}"
                 );
                 parse_with(&base, key, 0.into()).unwrap();
@@ -248,7 +267,10 @@ mod tests {
     #[test]
     fn published_presets_set_every_math_field_to_neutral() {
         for name in crate::presets::preset_names() {
-            find_preset(name).unwrap().config().unwrap_or_else(|e| panic!("{name}: {e}"));
+            find_preset(name)
+                .unwrap()
+                .config()
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
         }
     }
 }

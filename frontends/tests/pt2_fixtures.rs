@@ -239,7 +239,8 @@ fn dropout_in_training_mode_is_refused() {
     let e = err(with_dropout(0.1, true));
     assert!(matches!(e, Pt2Error::UnsupportedOp { .. }), "{e}");
     assert!(
-        e.to_string().contains("dropout with p = 0.1 in training mode")
+        e.to_string()
+            .contains("dropout with p = 0.1 in training mode")
             && e.to_string().contains("(model.layers.0.mlp.act_fn)"),
         "{e}"
     );
@@ -288,9 +289,12 @@ fn archives_over_a_mib_with_weights_first_import() {
     assert_eq!(weft_ir::print(&im.graph), weft_ir::print(&small.graph));
     // Other zips and non-zips are not archives.
     let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
-    w.start_file("a/readme.txt", zip::write::SimpleFileOptions::default()).unwrap();
+    w.start_file("a/readme.txt", zip::write::SimpleFileOptions::default())
+        .unwrap();
     w.write_all(b"models/ is only in the text").unwrap();
-    assert!(!weft_frontends::pt2::looks_like_pt2(&w.finish().unwrap().into_inner()));
+    assert!(!weft_frontends::pt2::looks_like_pt2(
+        &w.finish().unwrap().into_inner()
+    ));
     assert!(!weft_frontends::pt2::looks_like_pt2(b"PK\x03\x04models/"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

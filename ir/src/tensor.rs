@@ -119,20 +119,32 @@ fn f16_to_f64(h: u16) -> f64 {
 /// Decodes little-endian `dtype` values.
 fn decode_f64(dtype: DType, b: &[u8]) -> Vec<f64> {
     match dtype {
-        DType::F64 => b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
+        DType::F64 => b
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
         DType::F32 => b
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
             .collect(),
-        DType::BF16 => b.chunks_exact(2).map(|c| bf16_to_f64(u16::from_le_bytes([c[0], c[1]]))).collect(),
-        DType::F16 => b.chunks_exact(2).map(|c| f16_to_f64(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        DType::BF16 => b
+            .chunks_exact(2)
+            .map(|c| bf16_to_f64(u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+        DType::F16 => b
+            .chunks_exact(2)
+            .map(|c| f16_to_f64(u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
         _ => decode_i64(dtype, b).into_iter().map(|x| x as f64).collect(),
     }
 }
 
 fn decode_i64(dtype: DType, b: &[u8]) -> Vec<i64> {
     match dtype {
-        DType::I64 => b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect(),
+        DType::I64 => b
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
         DType::I32 => b
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
@@ -414,7 +426,11 @@ mod tests {
         assert!(got["router"].max_rel_err(&want["router"]) > 1.0);
         let errs = set_rel_errs(&got, &want, Measure::MaxAbs);
         assert_eq!(errs[0].name, "big");
-        assert!(!errs[0].noise_level && errs[0].err > 0.0 && errs[0].err < 1e-15, "{:?}", errs[0]);
+        assert!(
+            !errs[0].noise_level && errs[0].err > 0.0 && errs[0].err < 1e-15,
+            "{:?}",
+            errs[0]
+        );
         // max |diff| 4e-17 over the floor 1e-3 x 2.
         assert_eq!(errs[1].name, "router");
         assert!(errs[1].noise_level);
@@ -454,6 +470,9 @@ mod tests {
         let e = &set_rel_errs(&got, &want, Measure::L2)[1];
         // rms(diff) = 5e-7; floor = 1e-3 x rms(3, 4) = 1e-3 x 3.5355.
         let rms_big = (12.5f64).sqrt();
-        assert!(e.noise_level && (e.err - 5e-7 / (1e-3 * rms_big)).abs() < 1e-12, "{e:?}");
+        assert!(
+            e.noise_level && (e.err - 5e-7 / (1e-3 * rms_big)).abs() < 1e-12,
+            "{e:?}"
+        );
     }
 }

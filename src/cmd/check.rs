@@ -78,7 +78,11 @@ pub fn run(a: Args) -> CliResult {
         // largest gradient, not to its own rounding noise (see NOISE_FLOOR).
         for e in set_rel_errs(&got.grads, &reference.grads, Measure::MaxAbs) {
             if e.err > err_grads || worst.is_empty() || e.err.is_nan() {
-                err_grads = if e.err.is_nan() { f64::INFINITY } else { err_grads.max(e.err) };
+                err_grads = if e.err.is_nan() {
+                    f64::INFINITY
+                } else {
+                    err_grads.max(e.err)
+                };
                 worst = e.name.clone();
             }
             if e.noise_level {

@@ -706,7 +706,11 @@ fn run_cuda(a: &Args) -> CliResult {
                             "step 1: {} differs from the cpu reference (rel {:.2e} > {tol:.0e}{})",
                             e.name,
                             e.err,
-                            if e.noise_level { ", against the noise floor" } else { "" }
+                            if e.noise_level {
+                                ", against the noise floor"
+                            } else {
+                                ""
+                            }
                         ));
                     }
                 }

@@ -330,7 +330,8 @@ pub fn check_labels(
         return Ok(());
     }
     let why = if shift.is_some() && row == 1 {
-        "with one token per row there is nothing to predict (HF shifts the labels by one)".to_string()
+        "with one token per row there is nothing to predict (HF shifts the labels by one)"
+            .to_string()
     } else if shift.is_some() {
         format!("every label is {ignore_index} (ignored) at positions 1.. of each row (HF shifts the labels by one, so position 0 is never a target)")
     } else {

@@ -429,9 +429,7 @@ fn decode_view(
     if numel > (1 << 34) {
         return Err(terr(format!("{numel} elements is too many to load")));
     }
-    let raw = |b: weft_ir::RawBytes| {
-        HostTensor::raw(dtype, shape.clone(), b).map_err(|m| terr(m))
-    };
+    let raw = |b: weft_ir::RawBytes| HostTensor::raw(dtype, shape.clone(), b).map_err(terr);
     let contiguous = {
         let mut acc = 1u64;
         sizes.iter().zip(&strides).rev().all(|(&size, &st)| {

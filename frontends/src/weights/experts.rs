@@ -208,7 +208,11 @@ fn stack(dtype: weft_ir::DType, shape: Vec<usize>, parts: &[&HostTensor]) -> Hos
             return t;
         }
     }
-    HostTensor::floats(dtype, shape, parts.iter().flat_map(|t| t.to_f64()).collect())
+    HostTensor::floats(
+        dtype,
+        shape,
+        parts.iter().flat_map(|t| t.to_f64()).collect(),
+    )
 }
 
 /// `(E, I, H)` of a fused `gate_up_proj` [E, 2I, H] parameter.

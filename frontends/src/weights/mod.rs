@@ -125,7 +125,11 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>, Fro
 }
 
 /// A view of `file` (whose bytes `view` lies in) as a host tensor of its dtype.
-fn to_host(v: &TensorView, file: &[u8], shared: &weft_ir::SharedBytes) -> Result<HostTensor, String> {
+fn to_host(
+    v: &TensorView,
+    file: &[u8],
+    shared: &weft_ir::SharedBytes,
+) -> Result<HostTensor, String> {
     let dtype = match v.dtype() {
         Dtype::F64 => DType::F64,
         Dtype::F32 => DType::F32,
