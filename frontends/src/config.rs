@@ -272,6 +272,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
             ))
         }
     };
+    crate::neutral::check_math_fields(f)?;
     let dtype = parse_dtype(f)?;
     let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
     let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);

@@ -135,6 +135,11 @@ impl FrontendError {
                 "check that the checkpoint belongs to this config (model_type, sizes, dtype)"
                     .to_string(),
             ),
+            FrontendError::Config { field, .. } if crate::neutral::is_math_field(field) => {
+                Some(format!(
+                    "set `{field}` to 0 in config.json to train without it (HF applies it only in train mode)"
+                ))
+            }
             FrontendError::Config { field, .. } if field == "hidden_act" => {
                 Some("only silu MLPs are supported".to_string())
             }

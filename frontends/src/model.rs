@@ -172,11 +172,17 @@ pub fn load(spec: &str) -> Result<Model, FrontendError> {
 
 /// Loads a file, detecting its kind by content.
 pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
-    let bytes = std::fs::read(path).map_err(|e| FrontendError::io(path, e))?;
+    let (bytes, whole) = read_small(path).map_err(|e| FrontendError::io(path, e))?;
     if bytes.starts_with(b"PK\x03\x04") {
         return Err(FrontendError::UnknownSpec {
             spec: spec.into(),
             why: "it is a zip archive (a .pt2?); the torch.export importer is not available".into(),
+        });
+    }
+    if !whole {
+        return Err(FrontendError::UnknownSpec {
+            spec: spec.into(),
+            why: format!("it is larger ({} MiB) than any config.json or weft text IR (a checkpoint? give it with --weights)", MAX_TEXT_MODEL_BYTES >> 20),
         });
     }
     let Ok(text) = std::str::from_utf8(&bytes) else {
@@ -221,6 +227,22 @@ pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
         spec: spec.into(),
         why: "it is neither an HF config.json nor weft text IR (`graph \"...\"`)".into(),
     })
+}
+
+/// Files larger than this are not config.json or text IR (both are small: a graph
+/// names its parameters, it does not hold them); only their head is read.
+const MAX_TEXT_MODEL_BYTES: u64 = 64 << 20;
+
+/// The whole file (and `true`) if it is small enough to be a config or text IR, else its
+/// first bytes (enough to tell a zip), so a checkpoint given as MODEL is not read whole.
+fn read_small(path: &Path) -> std::io::Result<(Vec<u8>, bool)> {
+    use std::io::Read;
+    let f = std::fs::File::open(path)?;
+    let whole = f.metadata()?.len() <= MAX_TEXT_MODEL_BYTES;
+    let mut bytes = Vec::new();
+    f.take(if whole { MAX_TEXT_MODEL_BYTES } else { 4 })
+        .read_to_end(&mut bytes)?;
+    Ok((bytes, whole))
 }
 
 /// A config's model name: its directory's name for `.../<name>/config.json`, else the file stem.

@@ -211,6 +211,94 @@ fn unknown_op_names_node_and_layer() {
     );
 }
 
+/// The qwen2 fixture with its first `silu` turned into `aten.dropout(x, p, train)`.
+fn with_dropout(p: f64, train: bool) -> Vec<u8> {
+    rebuild("qwen2", |n, d| {
+        if !n.ends_with("models/model.json") {
+            return Some(d);
+        }
+        let mut j: serde_json::Value = serde_json::from_slice(&d).unwrap();
+        let nodes = j["graph_module"]["graph"]["nodes"].as_array_mut().unwrap();
+        let node = nodes
+            .iter_mut()
+            .find(|n| n["target"] == "torch.ops.aten.silu.default")
+            .unwrap();
+        node["target"] = "torch.ops.aten.dropout.default".into();
+        let x = node["inputs"][0]["arg"].clone();
+        node["inputs"] = serde_json::json!([
+            {"name": "input", "arg": x, "kind": 1},
+            {"name": "p", "arg": {"as_float": p}, "kind": 1},
+            {"name": "train", "arg": {"as_bool": train}, "kind": 1},
+        ]);
+        Some(serde_json::to_vec(&j).unwrap())
+    })
+}
+
+#[test]
+fn dropout_in_training_mode_is_refused() {
+    let e = err(with_dropout(0.1, true));
+    assert!(matches!(e, Pt2Error::UnsupportedOp { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("dropout with p = 0.1 in training mode")
+            && e.to_string().contains("(model.layers.0.mlp.act_fn)"),
+        "{e}"
+    );
+    // In eval mode, or with p = 0, dropout is the identity.
+    let opts = Pt2Options {
+        config: Some(config("qwen2")),
+        ..Default::default()
+    };
+    for (p, train) in [(0.1, false), (0.0, true)] {
+        import_bytes("dropout.pt2", with_dropout(p, train), &opts)
+            .unwrap_or_else(|e| panic!("p {p} train {train}: {e}"));
+    }
+}
+
+/// The qwen2 fixture over `min_len` bytes: its first weight's storage padded with zeros
+/// (the view reads only its start), entries in the fixture's order, weights first as
+/// torch writes them, so the entry names lie past the first MiB.
+fn padded_archive(min_len: usize) -> Vec<u8> {
+    let bytes = rebuild("qwen2", |n, mut d| {
+        if n.ends_with("data/weights/weight_0") {
+            d.resize(d.len() + min_len, 0);
+        }
+        Some(d)
+    });
+    assert!(bytes.len() > min_len);
+    bytes
+}
+
+#[test]
+fn archives_over_a_mib_with_weights_first_import() {
+    let big = padded_archive(3 << 20);
+    assert!(
+        !big[..1 << 20].windows(7).any(|w| w == b"models/"),
+        "the case that failed: no entry name in the first MiB"
+    );
+    assert!(weft_frontends::pt2::looks_like_pt2(&big));
+    let dir = std::env::temp_dir().join(format!("weft-pt2-big-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("qwen2.pt2");
+    std::fs::write(&path, &big).unwrap();
+    assert!(weft_frontends::pt2::is_pt2_file(&path));
+    // Mapped from the file, and the same as the small fixture (the padding is never read).
+    let im = import(&path, &Pt2Options::default()).unwrap();
+    let small = import(&fixture("qwen2"), &Pt2Options::default()).unwrap();
+    assert_eq!(im.weights, small.weights);
+    assert_eq!(weft_ir::print(&im.graph), weft_ir::print(&small.graph));
+    // Other zips and non-zips are not archives.
+    let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    w.start_file("a/readme.txt", zip::write::SimpleFileOptions::default())
+        .unwrap();
+    w.write_all(b"models/ is only in the text").unwrap();
+    assert!(!weft_frontends::pt2::looks_like_pt2(
+        &w.finish().unwrap().into_inner()
+    ));
+    assert!(!weft_frontends::pt2::looks_like_pt2(b"PK\x03\x04models/"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn unused_unsupported_ops_do_not_matter() {
     // The mask builder's `cumsum` and `index` have no Weft op; the causal mask is

@@ -351,3 +351,34 @@ fn reads_16_bit_floats_and_integers() {
         .to_string();
     assert!(e.starts_with("cannot read "), "{e}");
 }
+
+/// Writing over the file whose mapping backs the tensors being written: the tensors
+/// stay intact (the new file is renamed into place) and the result reads back equal.
+#[test]
+fn saving_over_the_mapped_source_file() {
+    let dir = temp_dir("save-over-mapped");
+    let path = dir.join("w.safetensors");
+    let t = weft_ir::HostTensor::floats(
+        weft_ir::DType::F32,
+        vec![2, 3],
+        vec![1., 2., 3., 4., 5., 6.],
+    );
+    let mut m = std::collections::BTreeMap::from([("w".to_string(), t)]);
+    weft_frontends::save_safetensors(&path, &m).unwrap();
+    let mapped = weft_frontends::read_safetensors(&path).unwrap();
+    assert!(matches!(mapped["w"].data, weft_ir::HostData::Raw(_)));
+    m.insert(
+        "v".to_string(),
+        weft_ir::HostTensor::ints(weft_ir::DType::I64, vec![1], vec![7]),
+    );
+    m.insert("w".to_string(), mapped["w"].clone());
+    weft_frontends::save_safetensors(&path, &m).unwrap();
+    assert_eq!(mapped["w"].to_f64(), vec![1., 2., 3., 4., 5., 6.]);
+    let back = weft_frontends::read_safetensors(&path).unwrap();
+    assert_eq!(back, m);
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        1,
+        "no temporary file left"
+    );
+}

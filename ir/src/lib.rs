@@ -35,6 +35,6 @@ pub use parse::{parse, parse_dim, parse_type, ParseError};
 pub use partition::Partition;
 pub use plan::{ExecutionPlan, PLAN_VERSION};
 pub use print::print;
-pub use tensor::{HostData, HostTensor};
+pub use tensor::{HostData, HostTensor, RawBytes, SharedBytes};
 pub use types::{DType, TensorType};
 pub use verify::{verify, VerifyError, VerifyReport};

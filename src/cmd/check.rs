@@ -1,10 +1,13 @@
 //! `weft check`: run the unsharded model and the parallel program on the same weights
 //! and inputs, and compare logits, loss and (with `--train`) every parameter gradient.
-//! Relative error of a tensor is max|a - b| / max|reference|. Exit code 1 when a
-//! tolerance is exceeded.
+//! Relative error of a tensor is max|a - b| / max|reference|; a gradient's is over the
+//! larger of max|reference| and a floor of 1e-3 of the largest gradient (gradients that
+//! are zero in theory are rounding noise on both sides; they are listed as noise-level).
+//! Exit code 1 when a tolerance is exceeded.
 
 use super::session::{RunArgs, Session};
 use crate::error::{CliError, CliResult};
+use weft_ir::tensor::{set_rel_errs, Measure, NOISE_FLOOR};
 use weft_ir::HostTensor;
 use weft_runtime::cpu::Precision;
 
@@ -15,7 +18,7 @@ pub struct Args {
     /// Also compare the gradients of every parameter.
     #[arg(long)]
     train: bool,
-    /// Print one JSON object: {mesh, loss_ref, loss, max_rel_err_logits, max_rel_err_grads, worst_param, ok}.
+    /// Print one JSON object: {mesh, loss_ref, loss, max_rel_err_logits, max_rel_err_grads, worst_param, noise_level_grads, ok}.
     #[arg(long)]
     json: bool,
 }
@@ -29,6 +32,9 @@ struct Report {
     max_rel_err_logits: f64,
     max_rel_err_grads: f64,
     worst_param: String,
+    /// Gradients whose reference is below NOISE_FLOOR x the largest gradient's max |g|
+    /// (zero in theory, rounding noise on both sides): measured against that floor.
+    noise_level_grads: Vec<String>,
     /// Where the program's gradients come from: `backward graph` (autodiff) or `none`.
     grads_from: String,
     tolerance_outputs: f64,
@@ -78,16 +84,21 @@ pub fn run(a: Args) -> CliResult {
         }
     }
     let err_logits = out(&got, "logits")?.max_rel_err(&out(&reference, "logits")?);
-    let (mut err_grads, mut worst) = (0.0f64, String::new());
+    let (mut err_grads, mut worst, mut noise_level) = (0.0f64, String::new(), Vec::new());
     if a.train {
-        for (name, want) in &reference.grads {
-            let e = match got.grads.get(name) {
-                Some(have) => have.max_rel_err(want),
-                None => f64::INFINITY,
-            };
-            if e > err_grads || worst.is_empty() {
-                err_grads = err_grads.max(e);
-                worst = name.clone();
+        // One set: a gradient that is zero in theory is held to a floor tied to the
+        // largest gradient, not to its own rounding noise (see NOISE_FLOOR).
+        for e in set_rel_errs(&got.grads, &reference.grads, Measure::MaxAbs) {
+            if e.err > err_grads || worst.is_empty() || e.err.is_nan() {
+                err_grads = if e.err.is_nan() {
+                    f64::INFINITY
+                } else {
+                    err_grads.max(e.err)
+                };
+                worst = e.name.clone();
+            }
+            if e.noise_level {
+                noise_level.push(e.name);
             }
         }
     }
@@ -100,6 +111,7 @@ pub fn run(a: Args) -> CliResult {
         max_rel_err_logits: err_logits,
         max_rel_err_grads: err_grads,
         worst_param: worst,
+        noise_level_grads: noise_level,
         grads_from: if a.train { "backward graph" } else { "none" }.to_string(),
         tolerance_outputs: tol_out,
         tolerance_grads: tol_grad,
@@ -122,6 +134,12 @@ pub fn run(a: Args) -> CliResult {
         println!("  logits    max rel err {:.2e}", r.max_rel_err_logits);
         if a.train {
             println!("  gradients max rel err {:.2e} (worst: {}; from the backward graph, reference: autograd of the unsharded model)", r.max_rel_err_grads, r.worst_param);
+            if !r.noise_level_grads.is_empty() {
+                println!(
+                    "  noise-level gradients (reference below {NOISE_FLOOR:.0e} of the largest gradient, errors measured against that floor): {}",
+                    r.noise_level_grads.join(", ")
+                );
+            }
         }
         println!(
             "  {} (tolerance {:.0e} outputs, {:.0e} gradients)",

@@ -54,9 +54,8 @@ pub fn load_model_and_weights(
             .is_ok()
             && &head == b"PK\x03\x04";
         if is_zip {
-            let bytes = std::fs::read(path)
-                .map_err(|e| CliError::input(format!("cannot read {spec}: {e}")))?;
-            if !weft_frontends::pt2::looks_like_pt2(&bytes) {
+            // By the zip's central directory, wherever it lies (torch writes weights first).
+            if !weft_frontends::pt2::is_pt2_file(path) {
                 return Err(CliError::input(format!(
                     "unknown model `{spec}`: a zip archive that is not a torch.export .pt2"
                 )));
@@ -65,12 +64,14 @@ pub fn load_model_and_weights(
                 config: config.map(|c| c.to_path_buf()),
                 ..Default::default()
             };
-            let imp = weft_frontends::pt2::import_bytes(spec, bytes, &opts).map_err(|e| {
+            let pt2_err = |e: weft_frontends::pt2::Pt2Error| {
                 let help = e.help();
                 let mut c = CliError::input(e.to_string());
                 c.help = help;
                 c
-            })?;
+            };
+            let ar = weft_frontends::pt2::Archive::open(path).map_err(pt2_err)?;
+            let imp = weft_frontends::pt2::import_archive(ar, &opts).map_err(pt2_err)?;
             let model = Model::from_graph(
                 imp.graph,
                 weft_frontends::Origin::TextIr(path.to_path_buf()),

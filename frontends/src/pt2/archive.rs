@@ -12,29 +12,81 @@
 
 use super::error::Pt2Error;
 use super::schema::{self, PayloadMeta, ScalarType, SymInt, TensorMeta};
+use crate::mapped::{FileBytes, Shared};
 use std::collections::BTreeMap;
-use std::io::{Cursor, Read};
+use std::io::Cursor;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
 use weft_ir::{DType, HostTensor};
 
-/// A read archive: its entries' bytes by path (without the root folder).
+/// A read archive: where each entry's bytes lie in the archive (mapped from its file or
+/// held in memory). torch stores every entry uncompressed, so an entry is a span of
+/// the archive and reading a tensor copies nothing.
 pub struct Archive {
     /// The archive's name for messages (its path, or a label for in-memory archives).
     pub name: String,
     /// The root folder inside the zip (`llama` for `llama/models/model.json`).
     pub root: String,
-    entries: BTreeMap<String, Vec<u8>>,
+    source: Shared,
+    /// Entry path (without the root folder) → its bytes in `source`.
+    entries: BTreeMap<String, Range<usize>>,
 }
 
 /// Caps that keep a hostile archive from exhausting memory (a fuzzing finding class).
 const MAX_ENTRIES: usize = 1 << 20;
 
+/// Folders of tensor payloads: their CRC is not checked (it would read every byte of a
+/// multi-GB archive at load); each is checked against its tensor's size instead.
+const PAYLOAD_FOLDERS: [&str; 2] = ["data/weights/", "data/constants/"];
+
+/// True when the central directory of the zip in `bytes` names the entries of a
+/// torch.export archive (`models/<name>.json`, or an older layout's files, which the
+/// importer then names). Reads only the directory, wherever it is: torch writes the
+/// weights first, so the names can lie gigabytes into the file.
+pub fn is_pt2_zip(bytes: &[u8]) -> bool {
+    zip::ZipArchive::new(Cursor::new(bytes)).is_ok_and(|z| has_pt2_entries(z.file_names()))
+}
+
+/// [`is_pt2_zip`] of a file, reading only its central directory.
+pub fn is_pt2_file(path: &Path) -> bool {
+    std::fs::File::open(path)
+        .ok()
+        .and_then(|f| zip::ZipArchive::new(std::io::BufReader::new(f)).ok())
+        .is_some_and(|z| has_pt2_entries(z.file_names()))
+}
+
+fn has_pt2_entries<'a>(mut names: impl Iterator<Item = &'a str>) -> bool {
+    names.any(|n| {
+        let rel = n.split_once('/').map_or(n, |(_, rest)| rest);
+        (rel.starts_with("models/") && rel.ends_with(".json"))
+            || rel == "serialized_exported_program.json"
+            || rel.starts_with("data/aotinductor/")
+    })
+}
+
 impl Archive {
-    /// Reads every entry of a zip held in memory.
+    /// Reads the directory of a zip held in memory.
     pub fn from_bytes(name: &str, bytes: Vec<u8>) -> Result<Archive, Pt2Error> {
+        Archive::from_shared(name, Arc::new(FileBytes::Owned(bytes)))
+    }
+
+    /// Maps the archive at `path` (named by its path in messages).
+    pub fn open(path: &Path) -> Result<Archive, Pt2Error> {
+        let map = crate::mapped::map_file(path).map_err(|source| Pt2Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Archive::from_shared(&path.display().to_string(), map)
+    }
+
+    /// Reads the directory of a zip in `source` and finds every entry's bytes.
+    pub fn from_shared(name: &str, source: Shared) -> Result<Archive, Pt2Error> {
         let zerr = |e: zip::result::ZipError| Pt2Error::Zip {
             archive: name.to_string(),
             message: e.to_string(),
         };
+        let bytes: &[u8] = (*source).as_ref();
         let total = bytes.len() as u64;
         let mut z = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zerr)?;
         if z.len() > MAX_ENTRIES {
@@ -46,11 +98,16 @@ impl Archive {
         let mut entries = BTreeMap::new();
         let mut root: Option<String> = None;
         for i in 0..z.len() {
-            let mut f = z.by_index(i).map_err(zerr)?;
+            let f = z.by_index_raw(i).map_err(zerr)?;
             if f.is_dir() {
                 continue;
             }
             let full = f.name().to_string();
+            let eerr = |message: String| Pt2Error::Entry {
+                archive: name.to_string(),
+                entry: full.clone(),
+                message,
+            };
             let (r, rest) = match full.split_once('/') {
                 Some((r, rest)) => (r.to_string(), rest.to_string()),
                 None => (String::new(), full.clone()),
@@ -67,28 +124,37 @@ impl Archive {
                 }
                 _ => {}
             }
-            // A declared size larger than the whole file is a corrupt or hostile header.
-            if f.size() > total.saturating_mul(1032) {
-                return Err(Pt2Error::Entry {
-                    archive: name.to_string(),
-                    entry: full,
-                    message: format!(
-                        "declared size {} exceeds what the archive can hold",
-                        f.size()
-                    ),
-                });
+            if f.compression() != zip::CompressionMethod::Stored {
+                return Err(eerr(format!(
+                    "is compressed ({}); torch.export.save stores entries uncompressed, and Weft reads only those",
+                    f.compression()
+                )));
             }
-            let mut buf = Vec::with_capacity(f.size().min(total) as usize);
-            f.read_to_end(&mut buf).map_err(|e| Pt2Error::Entry {
-                archive: name.to_string(),
-                entry: full.clone(),
-                message: e.to_string(),
-            })?;
-            entries.insert(rest, buf);
+            let start = f
+                .data_start()
+                .ok_or_else(|| eerr("has no data offset".into()))?;
+            let size = f.size();
+            // A declared size past the end of the file is a corrupt or hostile header.
+            let end = start
+                .checked_add(size)
+                .filter(|&e| e <= total && f.compressed_size() == size)
+                .ok_or_else(|| {
+                    eerr(format!(
+                        "declared size {size} at offset {start} exceeds what the archive can hold ({total} bytes)"
+                    ))
+                })?;
+            let span = start as usize..end as usize;
+            if !PAYLOAD_FOLDERS.iter().any(|p| rest.starts_with(p))
+                && crc32fast::hash(&bytes[span.clone()]) != f.crc32()
+            {
+                return Err(eerr("fails its CRC check (a damaged archive)".into()));
+            }
+            entries.insert(rest, span);
         }
         Ok(Archive {
             name: name.to_string(),
             root: root.unwrap_or_default(),
+            source: source.clone(),
             entries,
         })
     }
@@ -103,7 +169,8 @@ impl Archive {
     }
 
     pub fn get(&self, rel: &str) -> Option<&[u8]> {
-        self.entries.get(rel).map(Vec::as_slice)
+        let bytes: &[u8] = (*self.source).as_ref();
+        self.entries.get(rel).map(|r| &bytes[r.clone()])
     }
 
     pub fn require(&self, rel: &str) -> Result<&[u8], Pt2Error> {
@@ -237,7 +304,11 @@ impl Archive {
                 message: "no tensor_meta (a custom object?)".into(),
             })?;
             let bytes = self.require(&rel)?;
-            out.insert(name.clone(), decode_tensor(&entry, name, meta, bytes)?);
+            let start = self.entries[&rel].start;
+            out.insert(
+                name.clone(),
+                decode_view(&entry, name, meta, bytes, Some((&self.source, start)))?,
+            );
         }
         Ok(out)
     }
@@ -254,12 +325,25 @@ fn int_of(entry: &str, tensor: &str, what: &str, s: &SymInt) -> Result<i64, Pt2E
     }
 }
 
-/// Decodes one strided view of `bytes` into a contiguous host tensor.
+/// Decodes one strided view of `bytes` into a contiguous host tensor of its dtype.
+#[cfg(test)]
 pub fn decode_tensor(
     entry: &str,
     name: &str,
     meta: &TensorMeta,
     bytes: &[u8],
+) -> Result<Option<HostTensor>, Pt2Error> {
+    decode_view(entry, name, meta, bytes, None)
+}
+
+/// [`decode_tensor`]; with `shared` (the archive's bytes and where `bytes` starts in
+/// them), a contiguous view is a view of the archive, not a copy.
+fn decode_view(
+    entry: &str,
+    name: &str,
+    meta: &TensorMeta,
+    bytes: &[u8],
+    shared: Option<(&Shared, usize)>,
 ) -> Result<Option<HostTensor>, Pt2Error> {
     let terr = |message: String| Pt2Error::TensorData {
         entry: entry.into(),
@@ -345,25 +429,34 @@ pub fn decode_tensor(
     if numel > (1 << 34) {
         return Err(terr(format!("{numel} elements is too many to load")));
     }
-    // Walk the view in row-major order.
+    let raw = |b: weft_ir::RawBytes| HostTensor::raw(dtype, shape.clone(), b).map_err(terr);
+    let contiguous = {
+        let mut acc = 1u64;
+        sizes.iter().zip(&strides).rev().all(|(&size, &st)| {
+            let ok = size == 1 || st as u64 == acc;
+            acc = acc.saturating_mul(size as u64);
+            ok
+        })
+    };
+    if contiguous {
+        let span = offset as usize * elem..(offset as usize + numel as usize) * elem;
+        if let Some((source, start)) = shared {
+            let whole = start + span.start..start + span.end;
+            if let Some(b) = weft_ir::RawBytes::shared(source.clone(), whole) {
+                return raw(b).map(Some);
+            }
+        }
+        return raw(weft_ir::RawBytes::owned(bytes[span].to_vec())).map(Some);
+    }
+    // Walk the view in row-major order, copying each element's bytes.
     let mut idx = vec![0usize; shape.len()];
-    let mut ints = Vec::new();
-    let mut floats = Vec::new();
+    let mut out = Vec::with_capacity(numel as usize * elem);
     for _ in 0..numel {
         let mut e = offset as usize;
         for (i, &k) in idx.iter().enumerate() {
             e += k * strides[i] as usize;
         }
-        let b = &bytes[e * elem..(e + 1) * elem];
-        match dtype {
-            DType::F32 => floats.push(f32::from_le_bytes(b.try_into().unwrap()) as f64),
-            DType::F64 => floats.push(f64::from_le_bytes(b.try_into().unwrap())),
-            DType::F16 => floats.push(half::f16::from_le_bytes(b.try_into().unwrap()).to_f64()),
-            DType::BF16 => floats.push(half::bf16::from_le_bytes(b.try_into().unwrap()).to_f64()),
-            DType::I64 => ints.push(i64::from_le_bytes(b.try_into().unwrap())),
-            DType::I32 => ints.push(i32::from_le_bytes(b.try_into().unwrap()) as i64),
-            DType::Bool => ints.push((b[0] != 0) as i64),
-        }
+        out.extend_from_slice(&bytes[e * elem..(e + 1) * elem]);
         for d in (0..idx.len()).rev() {
             idx[d] += 1;
             if idx[d] < shape[d] {
@@ -372,11 +465,7 @@ pub fn decode_tensor(
             idx[d] = 0;
         }
     }
-    Ok(Some(if dtype.is_float() {
-        HostTensor::floats(dtype, shape, floats)
-    } else {
-        HostTensor::ints(dtype, shape, ints)
-    }))
+    raw(weft_ir::RawBytes::owned(out)).map(Some)
 }
 
 fn empty(dtype: DType, shape: Vec<usize>) -> HostTensor {

@@ -185,22 +185,22 @@ fn router_loss_refused(why: &str) -> Pt2Error {
 /// Labels equal to this take no part in the loss (HF's `ignore_index`).
 const IGNORE_INDEX: i64 = -100;
 
-/// True if `bytes` look like a PT2 archive (a zip with a `models/*.json` entry name).
+/// True if `bytes` hold a PT2 archive: a zip whose central directory names a
+/// `models/*.json` entry (or an older export layout). See [`is_pt2_file`].
 pub fn looks_like_pt2(bytes: &[u8]) -> bool {
-    bytes.starts_with(b"PK\x03\x04") && bytes.windows(7).take(1 << 20).any(|w| w == b"models/")
+    archive::is_pt2_zip(bytes)
 }
 
-/// Imports the archive at `path`.
+pub use archive::is_pt2_file;
+
+/// Imports the archive at `path` (memory-mapped: weights stay views of the file).
 pub fn import(path: &Path, opts: &Pt2Options) -> Result<Pt2Import, Pt2Error> {
-    let bytes = std::fs::read(path).map_err(|source| Pt2Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let ar = Archive::open(path)?;
     let mut opts = opts.clone();
     if opts.name.is_none() {
         opts.name = path.file_stem().map(|s| s.to_string_lossy().to_string());
     }
-    import_bytes(&path.display().to_string(), bytes, &opts)
+    import_archive(ar, &opts)
 }
 
 /// Reads and checks an archive and its program, without lowering (the fuzz target's
@@ -210,6 +210,12 @@ pub fn read_archive(
     bytes: Vec<u8>,
 ) -> Result<(Archive, String, schema::Program), Pt2Error> {
     let ar = Archive::from_bytes(name, bytes)?;
+    let (model, prog) = read_program(&ar)?;
+    Ok((ar, model, prog))
+}
+
+/// The model name and program of a read archive, checked.
+fn read_program(ar: &Archive) -> Result<(String, schema::Program), Pt2Error> {
     let model = ar.check_layout()?;
     let rel = format!("models/{model}.json");
     let entry = ar.entry_name(&rel);
@@ -224,12 +230,20 @@ pub fn read_archive(
         });
     }
     let prog = schema::read_program(&entry, &v)?;
-    Ok((ar, model, prog))
+    Ok((model, prog))
 }
 
 /// Imports an archive held in memory; `name` labels it in messages.
 pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2Import, Pt2Error> {
-    let (ar, model, prog) = read_archive(name, bytes)?;
+    import_archive(Archive::from_bytes(name, bytes)?, opts)
+}
+
+/// Imports an archive opened by [`Archive::open`] or [`Archive::from_bytes`]; the
+/// graph is named `opts.name`, else after the archive's program.
+pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Error> {
+    let (model, prog) = read_program(&ar)?;
+    let name = ar.name.clone();
+    let name = name.as_str();
     let wcfg = ar.payload_config(&format!("data/weights/{model}_weights_config.json"))?;
     let ccfg = ar.payload_config(&format!("data/constants/{model}_constants_config.json"))?;
     let weights = ar.tensors("data/weights", &wcfg)?;

@@ -167,20 +167,18 @@ pub(super) fn fuse_experts(
         files.sort();
         files.dedup();
         let files = files.join(", ");
-        let mut gate_up = Vec::with_capacity(experts * 2 * inter * hidden);
-        let mut down = Vec::with_capacity(experts * hidden * inter);
-        for e in 0..experts {
-            gate_up.extend(parts[&(e, Part::Gate)].1.to_f64());
-            gate_up.extend(parts[&(e, Part::Up)].1.to_f64());
-            down.extend(parts[&(e, Part::Down)].1.to_f64());
-        }
+        let part = |e: usize, p: Part| &parts[&(e, p)].1;
+        let gate_up: Vec<&HostTensor> = (0..experts)
+            .flat_map(|e| [part(e, Part::Gate), part(e, Part::Up)])
+            .collect();
+        let down: Vec<&HostTensor> = (0..experts).map(|e| part(e, Part::Down)).collect();
         ck.tensors.insert(
             gu_name.clone(),
-            HostTensor::floats(dtype, vec![experts, 2 * inter, hidden], gate_up),
+            stack(dtype, vec![experts, 2 * inter, hidden], &gate_up),
         );
         ck.tensors.insert(
             dn_name.clone(),
-            HostTensor::floats(dtype, vec![experts, hidden, inter], down),
+            stack(dtype, vec![experts, hidden, inter], &down),
         );
         ck.files.insert(gu_name, files.clone());
         ck.files.insert(dn_name, files);
@@ -192,6 +190,29 @@ pub(super) fn fuse_experts(
         }
     }
     accounted
+}
+
+/// `parts` one after the other as one tensor of `shape`: their bytes, in the checkpoint's
+/// dtype, where all are raw bytes of `dtype` (no widening to f64), else their values.
+fn stack(dtype: weft_ir::DType, shape: Vec<usize>, parts: &[&HostTensor]) -> HostTensor {
+    let raw: Option<Vec<&[u8]>> = parts
+        .iter()
+        .map(|t| match &t.data {
+            weft_ir::HostData::Raw(b) if t.dtype == dtype => Some(b.bytes()),
+            _ => None,
+        })
+        .collect();
+    if let Some(raw) = raw {
+        let bytes = weft_ir::RawBytes::owned(raw.concat());
+        if let Ok(t) = HostTensor::raw(dtype, shape.clone(), bytes) {
+            return t;
+        }
+    }
+    HostTensor::floats(
+        dtype,
+        shape,
+        parts.iter().flat_map(|t| t.to_f64()).collect(),
+    )
 }
 
 /// `(E, I, H)` of a fused `gate_up_proj` [E, 2I, H] parameter.

@@ -101,18 +101,21 @@ fn shard_files(index: &Path) -> Result<Vec<String>, FrontendError> {
     Ok(files)
 }
 
-/// Reads one safetensors file. Floats (f64/f32/bf16/f16) become f64 data, integers and
-/// bools i64 data; each tensor keeps its file dtype.
+/// Reads one safetensors file, memory-mapped: each tensor is a view of the mapping in
+/// the file's dtype (f64/f32/bf16/f16/i64/i32/bool), so reading copies nothing and a
+/// tensor's pages are read from disk when it is first used.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>, FrontendError> {
-    let bytes = std::fs::read(path).map_err(|e| FrontendError::io(path, e))?;
+    let map = crate::mapped::map_file(path).map_err(|e| FrontendError::io(path, e))?;
+    let shared: weft_ir::SharedBytes = map.clone();
+    let bytes: &[u8] = (*map).as_ref();
     let file = path.display().to_string();
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| FrontendError::Safetensors {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| FrontendError::Safetensors {
         file: file.clone(),
         message: e.to_string(),
     })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
-        let t = to_host(&view).map_err(|message| FrontendError::Safetensors {
+        let t = to_host(&view, bytes, &shared).map_err(|message| FrontendError::Safetensors {
             file: file.clone(),
             message: format!("tensor `{name}`: {message}"),
         })?;
@@ -121,63 +124,33 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>, Fro
     Ok(out)
 }
 
-fn to_host(v: &TensorView) -> Result<HostTensor, String> {
-    let (shape, d) = (v.shape().to_vec(), v.data());
-    let le2 = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
-    Ok(match v.dtype() {
-        Dtype::F64 => HostTensor::floats(
-            DType::F64,
-            shape,
-            d.chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-        ),
-        Dtype::F32 => HostTensor::floats(
-            DType::F32,
-            shape,
-            d.chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                .collect(),
-        ),
-        Dtype::BF16 => HostTensor::floats(
-            DType::BF16,
-            shape,
-            d.chunks_exact(2)
-                .map(|c| floats::bf16_to_f32(le2(c)) as f64)
-                .collect(),
-        ),
-        Dtype::F16 => HostTensor::floats(
-            DType::F16,
-            shape,
-            d.chunks_exact(2)
-                .map(|c| floats::f16_to_f32(le2(c)) as f64)
-                .collect(),
-        ),
-        Dtype::I64 => HostTensor::ints(
-            DType::I64,
-            shape,
-            d.chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-        ),
-        Dtype::I32 => HostTensor::ints(
-            DType::I32,
-            shape,
-            d.chunks_exact(4)
-                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
-                .collect(),
-        ),
-        Dtype::BOOL => HostTensor::ints(
-            DType::Bool,
-            shape,
-            d.iter().map(|&b| (b != 0) as i64).collect(),
-        ),
+/// A view of `file` (whose bytes `view` lies in) as a host tensor of its dtype.
+fn to_host(
+    v: &TensorView,
+    file: &[u8],
+    shared: &weft_ir::SharedBytes,
+) -> Result<HostTensor, String> {
+    let dtype = match v.dtype() {
+        Dtype::F64 => DType::F64,
+        Dtype::F32 => DType::F32,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F16 => DType::F16,
+        Dtype::I64 => DType::I64,
+        Dtype::I32 => DType::I32,
+        Dtype::BOOL => DType::Bool,
         other => {
             return Err(format!(
                 "dtype {other:?} is not supported (use f32, bf16, f16, f64, i64, i32 or bool)"
             ))
         }
-    })
+    };
+    let data = v.data();
+    let start = (data.as_ptr() as usize)
+        .checked_sub(file.as_ptr() as usize)
+        .ok_or("its data lies outside the file")?;
+    let bytes = weft_ir::RawBytes::shared(shared.clone(), start..start + data.len())
+        .ok_or("its data lies outside the file")?;
+    HostTensor::raw(dtype, v.shape().to_vec(), bytes)
 }
 
 /// Reads the checkpoint at `path` for `model`: converts per-expert MoE tensors to the
@@ -320,6 +293,7 @@ pub fn save_safetensors(
 ) -> Result<(), FrontendError> {
     let mut owned = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
+        let t = t.widened();
         if t.numel() != data_len(&t.data) {
             return Err(FrontendError::Write {
                 path: path.to_path_buf(),
@@ -346,20 +320,38 @@ pub fn save_safetensors(
                 shape: t.shape.clone(),
                 bytes: v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
             },
+            (HostData::Raw(_), _) => unreachable!("widened above"),
         };
         owned.push((name.clone(), o));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    safetensors::serialize_to_file(owned.iter().map(|(n, o)| (n.as_str(), o)), Some(meta), path)
-        .map_err(|e| FrontendError::Write {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })
+    // Written beside the target and renamed over it: the target may be a file whose
+    // mapping backs the very tensors being written (read_safetensors maps, it does not
+    // copy), and truncating a mapped file in place would fault or change them.
+    let tmp = path.with_file_name(format!(
+        ".{}.weft-tmp-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
+        std::process::id()
+    ));
+    let werr = |message: String| FrontendError::Write {
+        path: path.to_path_buf(),
+        message,
+    };
+    safetensors::serialize_to_file(owned.iter().map(|(n, o)| (n.as_str(), o)), Some(meta), &tmp)
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            werr(e.to_string())
+        })?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        werr(e.to_string())
+    })
 }
 
 fn data_len(d: &HostData) -> usize {
     match d {
         HostData::F64(v) => v.len(),
         HostData::I64(v) => v.len(),
+        HostData::Raw(b) => b.len(),
     }
 }

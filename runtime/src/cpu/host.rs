@@ -51,11 +51,11 @@ pub(crate) fn to_candle(
     p: Precision,
     var: bool,
 ) -> Result<Tensor, String> {
+    // Raw bytes (a checkpoint's own dtype) are decoded here, one tensor at a time.
+    let widened = t.widened();
+    let t = widened.as_ref();
     let n: usize = t.shape.iter().product();
-    let len = match &t.data {
-        HostData::F64(v) => v.len(),
-        HostData::I64(v) => v.len(),
-    };
+    let len = t.data_len();
     if len != n {
         return Err(format!(
             "has {len} elements but its shape {:?} needs {n}",
@@ -108,6 +108,7 @@ pub(crate) fn to_candle(
                 Ok(x)
             }
         }
+        (HostData::Raw(_), _, _) => Err("raw bytes after widening".to_string()),
         (HostData::F64(v), _, _) => {
             let ints: Vec<i64> = v.iter().map(|&x| x as i64).collect();
             let x = Tensor::from_vec(ints, shape, dev).map_err(err)?;

@@ -258,6 +258,13 @@ pub fn fsuffix(d: DType) -> Option<&'static str> {
 
 /// A host tensor's bytes in device storage of `dtype` (floats rounded to nearest even).
 pub fn to_device_bytes(t: &HostTensor, dtype: DType) -> Vec<u8> {
+    // Raw bytes already in the device dtype go as they are; others are decoded first.
+    if let HostData::Raw(b) = &t.data {
+        if t.dtype == dtype {
+            return b.bytes().to_vec();
+        }
+        return to_device_bytes(&t.widened(), dtype);
+    }
     let n = t.numel();
     let mut out = Vec::with_capacity(n * dtype.size_bytes() as usize);
     match (&t.data, dtype) {
@@ -280,6 +287,7 @@ pub fn to_device_bytes(t: &HostTensor, dtype: DType) -> Vec<u8> {
             let ft = HostTensor::floats(f, t.shape.clone(), v.iter().map(|&x| x as f64).collect());
             return to_device_bytes(&ft, f);
         }
+        (HostData::Raw(_), _) => unreachable!("raw bytes are handled above"),
     }
     out
 }
@@ -288,6 +296,7 @@ fn ints(d: &HostData) -> Box<dyn Iterator<Item = i64> + '_> {
     match d {
         HostData::I64(v) => Box::new(v.iter().copied()),
         HostData::F64(v) => Box::new(v.iter().map(|&x| x as i64)),
+        HostData::Raw(_) => unreachable!("raw bytes are widened before"),
     }
 }
 

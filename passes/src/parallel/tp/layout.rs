@@ -200,6 +200,17 @@ fn gather_elems(t: &HostTensor, maps: &[Vec<usize>]) -> HostTensor {
     let data = match &t.data {
         HostData::F64(v) => HostData::F64(idx.iter().map(|&i| v[i]).collect()),
         HostData::I64(v) => HostData::I64(idx.iter().map(|&i| v[i]).collect()),
+        // A checkpoint's bytes stay in their dtype: the shard copies its elements.
+        HostData::Raw(b) => {
+            let es = t.dtype.size_bytes() as usize;
+            let bytes = b.bytes();
+            HostData::Raw(weft_ir::RawBytes::owned(
+                idx.iter()
+                    .flat_map(|&i| &bytes[i * es..(i + 1) * es])
+                    .copied()
+                    .collect(),
+            ))
+        }
     };
     HostTensor {
         dtype: t.dtype,
@@ -220,6 +231,8 @@ fn scatter_elems(
             shard.shape, shape
         ));
     }
+    let shard = shard.widened();
+    let shard = shard.as_ref();
     let st = strides(&full.shape);
     let mut cur = vec![0usize; shape.len()];
     for k in 0..shard.numel() {
@@ -306,9 +319,10 @@ pub fn unshard_checkpoint(
             continue;
         }
         let n: usize = l.logical_shape.iter().product();
-        let data = match first.data {
-            HostData::F64(_) => HostData::F64(vec![0.0; n]),
-            HostData::I64(_) => HostData::I64(vec![0; n]),
+        let data = if first.dtype.is_float() {
+            HostData::F64(vec![0.0; n])
+        } else {
+            HostData::I64(vec![0; n])
         };
         let mut full = HostTensor {
             dtype: first.dtype,
