@@ -36,8 +36,11 @@ pub struct TrainArgs {
     /// Gradient reduction bucket size in MB (DeepSpeed's reduce_bucket_size: 500).
     #[arg(long, default_value_t = 500.0, value_name = "MB")]
     pub bucket_mb: f64,
-    /// ZeRO stage: 0 (all_reduce gradients), 1 (shard optimizer states over dp), 2 (also
-    /// reduce_scatter gradients over dp).
+    /// ZeRO stage, over each parameter's data-parallel group (dp x sp for dense
+    /// parameters, edp for experts, tp-split ones included): 0 (all_reduce gradients),
+    /// 1 (shard optimizer states and master weights), 2 (also reduce_scatter
+    /// gradients, per micro-batch), 3 (also shard the parameters by rows, all_gathered
+    /// before each forward and backward use).
     #[arg(long, default_value_t = 0, value_name = "STAGE")]
     pub zero: u8,
     /// Optimizer update in the step: adamw, sgd or none.
@@ -88,9 +91,9 @@ impl TrainArgs {
                 self.bucket_mb
             )));
         }
-        if self.zero > 2 {
+        if self.zero > 3 {
             return Err(CliError::input(format!(
-                "invalid --zero {}: stages 0, 1 and 2 are supported",
+                "invalid --zero {}: stages 0, 1, 2 and 3 are supported",
                 self.zero
             )));
         }
@@ -117,6 +120,7 @@ impl TrainArgs {
             reduce_scatter: self.zero >= 2,
             optimizer,
             zero1: self.zero >= 1,
+            zero3: self.zero >= 3,
             master_weights: !self.no_master_weights,
             // check and eval compare the gradients; `compile` drops them from a plan.
             grad_outputs: true,

@@ -2,8 +2,9 @@
 //!
 //! [`plan`] (schedule, memory plan, cost model, device profiles), [`memory`] (the
 //! per-rank memory estimate) and [`bindings`] (plan-time check that concrete sizes
-//! divide).
+//! divide); [`search`] (`weft plan`'s analytic search over meshes and options).
 
 pub mod bindings;
 pub mod memory;
 pub mod plan;
+pub mod search;
