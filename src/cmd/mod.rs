@@ -9,6 +9,7 @@ pub mod mesh;
 pub mod models;
 pub mod ops;
 pub mod passes;
+pub mod plan;
 pub mod run;
 pub mod session;
 pub mod shard;
