@@ -220,29 +220,36 @@ fn table(rows: Vec<Vec<String>>) -> String {
     out
 }
 
-/// Why `best` beats `other`, from their breakdowns.
-fn why(best: &Scored, other: &Scored) -> String {
-    let (b, o) = (&best.time, &other.time);
-    let d_compute = o.compute - b.compute;
-    let d_comm = o.exposed_comm - b.exposed_comm;
+/// Why `best` beats `other` (their step times `b`, `o`), from their analytic breakdowns.
+fn why(best: &Scored, b: f64, other: &Scored, o: f64) -> String {
+    let (bt, ot) = (&best.time, &other.time);
+    let d_compute = ot.compute - bt.compute;
+    let d_comm = ot.exposed_comm - bt.exposed_comm;
     let main = if d_comm.abs() >= d_compute.abs() {
         format!(
-            "{:.3} s less exposed communication ({:.3} vs {:.3} s)",
-            d_comm, b.exposed_comm, o.exposed_comm
+            "exposed communication {:.3} s vs {:.3} s (tp/sp/ep collectives on the critical path, gradient and ZeRO traffic the backward does not hide)",
+            bt.exposed_comm, ot.exposed_comm
         )
     } else {
         format!(
-            "{:.3} s less compute ({:.3} vs {:.3} s: recompute and kernel overheads)",
-            d_compute, b.compute, o.compute
+            "compute {:.3} s vs {:.3} s (recomputation, micro-batch overheads)",
+            bt.compute, ot.compute
         )
     };
+    let mem = format!(
+        "; peak {} vs {} GiB analytic",
+        gib(best.memory.total),
+        gib(other.memory.total)
+    );
     format!(
-        "--mesh {} {} is {:.1}% faster than the best other mesh, --mesh {} {}: {main}",
+        "--mesh {} {} takes {:.3} s a step, {:.1}% less than --mesh {} {} ({:.3} s): {main}{mem}",
         best.candidate.mesh(),
         best.candidate.flags(),
-        (o.step / b.step - 1.0) * 100.0,
+        b,
+        (1.0 - b / o) * 100.0,
         other.candidate.mesh(),
         other.candidate.flags(),
+        o,
     )
 }
 
@@ -337,18 +344,27 @@ pub fn run(a: Args) -> CliResult {
     .to_vec()];
     rows.extend(all.iter().filter(|s| s.fits).take(a.top).map(row));
     eprintln!("top candidates (analytic estimate):\n{}", table(rows));
-    // Finalists: the best analytic candidates, compiled; the first that fits after
-    // compilation among them wins by compiled step time.
+    // Finalists: the best analytic candidates, compiled. Each compilation calibrates
+    // the analytic memory (the largest compiled/analytic peak ratio seen so far), and
+    // candidates that cannot fit under that calibration are skipped.
+    let limit = spec.device_memory as f64;
+    let mut scale = 1.0f64;
     let mut compiled: Vec<(&Scored, Compiled)> = Vec::new();
-    let mut tried = 0;
+    let want = a.finalists.max(1);
     for s in all.iter().filter(|s| s.fits) {
-        if tried >= a.finalists.max(1) * 3 || compiled.iter().filter(|(_, c)| c.plan.is_some()).count() >= a.finalists.max(1) {
+        let ok = compiled.iter().filter(|(_, c)| c.plan.is_some()).count();
+        if ok >= want || compiled.len() >= want * 3 {
             break;
         }
-        tried += 1;
+        if s.memory.total as f64 * scale > limit {
+            continue;
+        }
         let c = evaluate(&model, &s.candidate, &spec)?;
+        if c.peak > 0 && s.memory.total > 0 {
+            scale = scale.max(c.peak as f64 / s.memory.total as f64);
+        }
         eprintln!(
-            "  compiled {} {}: {} in {:.1} s{}",
+            "  compiled --mesh {} {}: {} in {:.1} s",
             s.candidate.mesh(),
             s.candidate.flags(),
             match &c.error {
@@ -356,36 +372,39 @@ pub fn run(a: Args) -> CliResult {
                 Some(e) => format!("{e} (peak {} GiB)", gib(c.peak)),
             },
             c.compile_s,
-            ""
         );
         compiled.push((s, c));
     }
-    let best = compiled
-        .iter()
-        .filter(|(_, c)| c.plan.is_some())
-        .min_by(|x, y| x.1.step_s.total_cmp(&y.1.step_s).then(x.0.candidate.cmp(&y.0.candidate)));
-    let Some((best, plan)) = best else {
+    let mut fit: Vec<&(&Scored, Compiled)> = compiled.iter().filter(|(_, c)| c.plan.is_some()).collect();
+    fit.sort_by(|x, y| x.1.step_s.total_cmp(&y.1.step_s).then(x.0.candidate.cmp(&y.0.candidate)));
+    let Some((best, plan)) = fit.first().map(|x| (x.0, &x.1)) else {
         return Err(CliError::input(format!(
-            "none of the {tried} finalists fits after compilation"
+            "none of the {} finalists fits after compilation",
+            compiled.len()
         ))
         .with_help("raise --finalists or --device-memory"));
     };
-    let runner = all
-        .iter()
-        .filter(|s| s.fits && s.candidate != best.candidate)
-        .find(|s| s.candidate.mesh() != best.candidate.mesh())
-        .or_else(|| all.iter().find(|s| s.fits && s.candidate != best.candidate));
     println!(
-        "best: --mesh {} {} (peak {} GiB compiled, step {:.3} s predicted, {:.0} tok/s/GPU, MFU {:.1}%)",
+        "best: --mesh {} {} (peak {} GiB compiled, step {:.3} s predicted, {:.0} tok/s/GPU, MFU {:.1}%, exposed communication {:.3} s analytic)",
         best.candidate.mesh(),
         best.candidate.flags(),
         gib(plan.peak),
         plan.step_s,
         (batch * a.seq) as f64 / plan.step_s / a.gpus as f64,
-        best.time.mfu * best.time.step / plan.step_s * 100.0
+        best.time.mfu * best.time.step / plan.step_s * 100.0,
+        best.time.exposed_comm,
     );
-    if let Some(r) = runner {
-        println!("why: {}", why(best, r));
+    // Why: against the next compiled finalist, else the best analytic other mesh.
+    let other = fit
+        .get(1)
+        .map(|x| (x.0, x.1.step_s))
+        .or_else(|| {
+            all.iter()
+                .find(|s| s.fits && s.candidate.mesh() != best.candidate.mesh())
+                .map(|s| (s, s.time.step * plan.step_s / best.time.step))
+        });
+    if let Some((o, o_step)) = other {
+        println!("why: {}", why(best, plan.step_s, o, o_step));
     }
     if let (Some(path), Some(p)) = (&a.output, &plan.plan) {
         super::write_out(Some(path), &p.to_json())?;
