@@ -350,16 +350,28 @@ pub fn run(a: Args) -> CliResult {
     let limit = spec.device_memory as f64;
     let mut scale = 1.0f64;
     let mut compiled: Vec<(&Scored, Compiled)> = Vec::new();
+    // Meshes the passes refused (the other options do not change that).
+    let mut refused: std::collections::BTreeSet<String> = Default::default();
     let want = a.finalists.max(1);
     for s in all.iter().filter(|s| s.fits) {
         let ok = compiled.iter().filter(|(_, c)| c.plan.is_some()).count();
         if ok >= want || compiled.len() >= want * 3 {
             break;
         }
-        if s.memory.total as f64 * scale > limit {
+        if s.memory.total as f64 * scale > limit || refused.contains(&s.candidate.mesh()) {
             continue;
         }
-        let c = evaluate(&model, &s.candidate, &spec)?;
+        // A candidate the passes refuse is reported and skipped.
+        let c = evaluate(&model, &s.candidate, &spec).unwrap_or_else(|e| Compiled {
+            peak: 0,
+            step_s: f64::INFINITY,
+            plan: None,
+            error: Some(format!("refused: {}", e.to_string().lines().next().unwrap_or(""))),
+            compile_s: 0.0,
+        });
+        if c.error.as_deref().is_some_and(|e| e.starts_with("refused")) {
+            refused.insert(s.candidate.mesh());
+        }
         if c.peak > 0 && s.memory.total > 0 {
             scale = scale.max(c.peak as f64 / s.memory.total as f64);
         }
@@ -384,7 +396,15 @@ pub fn run(a: Args) -> CliResult {
         ))
         .with_help("raise --finalists or --device-memory"));
     };
-    println!(
+    // With --json, stdout holds the candidates only.
+    let say = |line: String| {
+        if a.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
+    say(format!(
         "best: --mesh {} {} (peak {} GiB compiled, step {:.3} s predicted, {:.0} tok/s/GPU, MFU {:.1}%, exposed communication {:.3} s analytic)",
         best.candidate.mesh(),
         best.candidate.flags(),
@@ -393,7 +413,7 @@ pub fn run(a: Args) -> CliResult {
         (batch * a.seq) as f64 / plan.step_s / a.gpus as f64,
         best.time.mfu * best.time.step / plan.step_s * 100.0,
         best.time.exposed_comm,
-    );
+    ));
     // Why: against the next compiled finalist, else the best analytic other mesh.
     let other = fit
         .get(1)
@@ -404,7 +424,7 @@ pub fn run(a: Args) -> CliResult {
                 .map(|s| (s, s.time.step * plan.step_s / best.time.step))
         });
     if let Some((o, o_step)) = other {
-        println!("why: {}", why(best, plan.step_s, o, o_step));
+        say(format!("why: {}", why(best, plan.step_s, o, o_step)));
     }
     if let (Some(path), Some(p)) = (&a.output, &plan.plan) {
         super::write_out(Some(path), &p.to_json())?;
