@@ -345,20 +345,21 @@ pub fn run(a: Args) -> CliResult {
     rows.extend(all.iter().filter(|s| s.fits).take(a.top).map(row));
     eprintln!("top candidates (analytic estimate):\n{}", table(rows));
     // Finalists: the best analytic candidates, compiled. Each compilation calibrates
-    // the analytic memory (the largest compiled/analytic peak ratio seen so far), and
-    // candidates that cannot fit under that calibration are skipped.
+    // the analytic memory of its mesh (the largest compiled/analytic peak ratio seen
+    // on it), and candidates that cannot fit under that calibration are skipped.
     let limit = spec.device_memory as f64;
-    let mut scale = 1.0f64;
+    let mut scale: std::collections::BTreeMap<String, f64> = Default::default();
     let mut compiled: Vec<(&Scored, Compiled)> = Vec::new();
     // Meshes the passes refused (the other options do not change that).
     let mut refused: std::collections::BTreeSet<String> = Default::default();
     let want = a.finalists.max(1);
     for s in all.iter().filter(|s| s.fits) {
         let ok = compiled.iter().filter(|(_, c)| c.plan.is_some()).count();
-        if ok >= want || compiled.len() >= want * 3 {
+        if ok >= want || compiled.len() >= want * 4 {
             break;
         }
-        if s.memory.total as f64 * scale > limit || refused.contains(&s.candidate.mesh()) {
+        let k = scale.get(&s.candidate.mesh()).copied().unwrap_or(1.0);
+        if s.memory.total as f64 * k > limit || refused.contains(&s.candidate.mesh()) {
             continue;
         }
         // A candidate the passes refuse is reported and skipped.
@@ -373,7 +374,9 @@ pub fn run(a: Args) -> CliResult {
             refused.insert(s.candidate.mesh());
         }
         if c.peak > 0 && s.memory.total > 0 {
-            scale = scale.max(c.peak as f64 / s.memory.total as f64);
+            let r = c.peak as f64 / s.memory.total as f64;
+            let e = scale.entry(s.candidate.mesh()).or_insert(r);
+            *e = e.max(r);
         }
         eprintln!(
             "  compiled --mesh {} {}: {} in {:.1} s",
