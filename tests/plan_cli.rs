@@ -19,8 +19,20 @@ fn plan_searches_compiles_finalists_and_writes_the_best() {
     let dir = tempdir("tiny");
     let out = dir.join("best.json");
     let args = [
-        "plan", "llama-tiny", "--gpus", "4", "--seq", "64", "--batch", "8", "--device", "h100",
-        "--finalists", "2", "-o", out.to_str().unwrap(),
+        "plan",
+        "llama-tiny",
+        "--gpus",
+        "4",
+        "--seq",
+        "64",
+        "--batch",
+        "8",
+        "--device",
+        "h100",
+        "--finalists",
+        "2",
+        "-o",
+        out.to_str().unwrap(),
     ];
     let (code, stdout, stderr) = weft(&args);
     assert_eq!(code, 0, "{stderr}");
@@ -33,8 +45,17 @@ fn plan_searches_compiles_finalists_and_writes_the_best() {
     let (_, again, _) = weft(&args);
     assert_eq!(stdout, again);
     let (code, text, stderr) = weft(&[
-        "plan", "llama-tiny", "--gpus", "4", "--seq", "64", "--batch", "8", "--json",
-        "--finalists", "1",
+        "plan",
+        "llama-tiny",
+        "--gpus",
+        "4",
+        "--seq",
+        "64",
+        "--batch",
+        "8",
+        "--json",
+        "--finalists",
+        "1",
     ]);
     assert_eq!(code, 0, "{stderr}");
     let v = json(&text);
@@ -73,11 +94,19 @@ fn all_to_all_per_layer(plan: &serde_json::Value) -> (usize, usize) {
             continue;
         }
         let src = i["source"].as_str().unwrap_or("");
-        let Some(layer) = src.split('.').nth(2).filter(|_| src.starts_with("model.layers.")) else {
+        let Some(layer) = src
+            .split('.')
+            .nth(2)
+            .filter(|_| src.starts_with("model.layers."))
+        else {
             continue;
         };
         let prov = i["provenance"].as_str().unwrap_or("");
-        let m = if prov.starts_with("autodiff") { &mut bwd } else { &mut fwd };
+        let m = if prov.starts_with("autodiff") {
+            &mut bwd
+        } else {
+            &mut fwd
+        };
         *m.entry(layer.to_string()).or_default() += 1;
     }
     assert_eq!(fwd.len(), bwd.len());
@@ -92,15 +121,32 @@ fn llama3_8b_trains_at_128k_tokens_on_sp8() {
     let dir = tempdir("8b");
     let out = dir.join("plan.json");
     let (code, _, stderr) = weft(&[
-        "compile", "llama3-8b", "--mesh", "sp=8", "--seq", "131072", "--train", "--zero", "2",
-        "--checkpoint", "selective", "--device", "h100", "--device-memory", "80", "-o",
+        "compile",
+        "llama3-8b",
+        "--mesh",
+        "sp=8",
+        "--seq",
+        "131072",
+        "--train",
+        "--zero",
+        "2",
+        "--checkpoint",
+        "selective",
+        "--device",
+        "h100",
+        "--device-memory",
+        "80",
+        "-o",
         out.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{stderr}");
     let plan = json(&std::fs::read_to_string(&out).unwrap());
     assert!(plan["memory"]["peak_bytes"].as_u64().unwrap() <= 80 << 30);
     let (f, b) = all_to_all_per_layer(&plan);
-    assert!(f >= 4 && b >= 4, "all_to_all per layer: forward {f}, backward {b}");
+    assert!(
+        f >= 4 && b >= 4,
+        "all_to_all per layer: forward {f}, backward {b}"
+    );
 }
 
 #[test]
@@ -109,9 +155,24 @@ fn llama3_405b_fits_with_zero3_on_dp8_sp8_tp8() {
     let dir = tempdir("405b");
     let out = dir.join("plan.json");
     let (code, _, stderr) = weft(&[
-        "compile", "llama3.1-405b", "--mesh", "dp=8,sp=8,tp=8", "--seq", "131072", "--train",
-        "--zero", "3", "--checkpoint", "full", "--offload", "--device", "h100",
-        "--device-memory", "80", "-o", out.to_str().unwrap(),
+        "compile",
+        "llama3.1-405b",
+        "--mesh",
+        "dp=8,sp=8,tp=8",
+        "--seq",
+        "131072",
+        "--train",
+        "--zero",
+        "3",
+        "--checkpoint",
+        "full",
+        "--offload",
+        "--device",
+        "h100",
+        "--device-memory",
+        "80",
+        "-o",
+        out.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{stderr}");
     let plan = json(&std::fs::read_to_string(&out).unwrap());
@@ -122,7 +183,14 @@ fn llama3_405b_fits_with_zero3_on_dp8_sp8_tp8() {
 #[ignore = "slow (a few minutes): cargo test --test plan_cli -- --ignored"]
 fn plan_finds_a_405b_plan_on_1024_gpus() {
     let (code, stdout, stderr) = weft(&[
-        "plan", "llama3.1-405b", "--gpus", "1024", "--seq", "131072", "--device", "h100",
+        "plan",
+        "llama3.1-405b",
+        "--gpus",
+        "1024",
+        "--seq",
+        "131072",
+        "--device",
+        "h100",
     ]);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.starts_with("best: --mesh "), "{stdout}");

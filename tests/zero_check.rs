@@ -96,8 +96,8 @@ fn check(fam: &str, cases: &[(&str, u8, u32)]) {
     let want = steps(&one, &weights, &inputs);
     for &(mesh, zero, micro) in cases {
         let what = format!("{fam} {mesh} zero={zero} micro={micro}");
-        let (g, report) =
-            training_step(&graph, mesh, &opts(zero, micro)).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (g, report) = training_step(&graph, mesh, &opts(zero, micro))
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
         let stat = |pass: &str, k: &str| {
             report
                 .passes
@@ -112,7 +112,11 @@ fn check(fam: &str, cases: &[(&str, u8, u32)]) {
             .axes
             .iter()
             .any(|(a, n)| *n > 1 && ["dp", "sp", "edp"].contains(&a.as_str()));
-        assert_eq!(sharded > 0, zero >= 1 && has_group, "{what}: {sharded} params sharded");
+        assert_eq!(
+            sharded > 0,
+            zero >= 1 && has_group,
+            "{what}: {sharded} params sharded"
+        );
         if zero >= 1 {
             // tp-split parameters are sharded too: every parameter with replicas is.
             let want = weights
@@ -125,13 +129,26 @@ fn check(fam: &str, cases: &[(&str, u8, u32)]) {
             .nodes()
             .iter()
             .filter(|&&n| matches!(g.node(n).op, Op::ReduceScatter { .. }))
-            .filter(|&&n| g.node(n).meta.provenance.as_ref().is_some_and(|p| p.pass == "grad-sync"))
+            .filter(|&&n| {
+                g.node(n)
+                    .meta
+                    .provenance
+                    .as_ref()
+                    .is_some_and(|p| p.pass == "grad-sync")
+            })
             .count();
-        assert_eq!(scatters > 0, zero >= 2 && has_group, "{what}: {scatters} reduce_scatters");
+        assert_eq!(
+            scatters > 0,
+            zero >= 2 && has_group,
+            "{what}: {scatters} reduce_scatters"
+        );
         if zero >= 3 && has_group {
             // Parameters are rows per rank, gathered before the forward and again before
             // the backward (per micro-batch).
-            assert!(stat("optimizer", "stage3_params") > 0, "{what}: no parameter sharded");
+            assert!(
+                stat("optimizer", "stage3_params") > 0,
+                "{what}: no parameter sharded"
+            );
             let gathers = |backward: bool| {
                 g.nodes()
                     .iter()
@@ -140,22 +157,37 @@ fn check(fam: &str, cases: &[(&str, u8, u32)]) {
                         matches!(d.op, Op::AllGather { .. })
                             && d.meta.provenance.as_ref().is_some_and(|p| {
                                 p.reason.starts_with("ZeRO-3: gather")
-                                    && p.reason.contains(if backward { "backward" } else { "forward" })
+                                    && p.reason.contains(if backward {
+                                        "backward"
+                                    } else {
+                                        "forward"
+                                    })
                             })
                     })
                     .count()
             };
-            assert!(gathers(false) > 0 && gathers(true) > 0, "{what}: forward/backward gathers");
+            assert!(
+                gathers(false) > 0 && gathers(true) > 0,
+                "{what}: forward/backward gathers"
+            );
         }
         let got = steps(&g, &weights, &inputs);
         for (k, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
-            assert!((a - b).abs() < 1e-9 * b.abs(), "{what}: loss of step {} {a} vs {b}", k + 1);
+            assert!(
+                (a - b).abs() < 1e-9 * b.abs(),
+                "{what}: loss of step {} {a} vs {b}",
+                k + 1
+            );
         }
         for (p, v) in &want.grads {
             close(&format!("{what}: grad.{p}"), &got.grads[p], v);
         }
         for (p, v) in &want.params {
-            close(&format!("{what}: param.{p} after {K} steps"), &got.params[p], v);
+            close(
+                &format!("{what}: param.{p} after {K} steps"),
+                &got.params[p],
+                v,
+            );
         }
         for (s, v) in &want.states {
             close(&format!("{what}: {s} after {K} steps"), &got.states[s], v);
@@ -226,11 +258,17 @@ fn zero_collectives_snapshot() {
             if !d.op.is_collective() {
                 continue;
             }
-            let Some(p) = &d.meta.provenance else { continue };
+            let Some(p) = &d.meta.provenance else {
+                continue;
+            };
             if p.pass != "grad-sync" && p.pass != "optimizer" {
                 continue;
             }
-            let mb = d.meta.micro_batch.map(|m| format!(" mb{m}")).unwrap_or_default();
+            let mb = d
+                .meta
+                .micro_batch
+                .map(|m| format!(" mb{m}"))
+                .unwrap_or_default();
             text.push_str(&format!(
                 "{}{mb} {} -> {}: {}\n",
                 d.op.name(),

@@ -47,12 +47,17 @@ pub struct Args {
 /// The search's view of a parsed model config.
 fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
     let c = model.config.as_ref().ok_or_else(|| {
-        CliError::input(format!("`{}` has no config (a .weft or .pt2 program)", model.name))
-            .with_help("give a preset or a config.json: the search reads layer sizes from it")
+        CliError::input(format!(
+            "`{}` has no config (a .weft or .pt2 program)",
+            model.name
+        ))
+        .with_help("give a preset or a config.json: the search reads layer sizes from it")
     })?;
     let (moe_layers, experts, top_k, expert_ffn) = match &c.moe {
         Some(m) => (
-            (0..c.num_hidden_layers).filter(|&i| c.is_sparse_layer(i)).count() as u64,
+            (0..c.num_hidden_layers)
+                .filter(|&i| c.is_sparse_layer(i))
+                .count() as u64,
             m.num_experts as u64,
             m.top_k as u64,
             m.expert_intermediate_size as u64,
@@ -73,7 +78,7 @@ fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
         top_k,
         expert_ffn,
         tied: c.tie_word_embeddings,
-        param_bytes: model.param_dtype.size_bytes() as u64,
+        param_bytes: model.param_dtype.size_bytes(),
     })
 }
 
@@ -261,9 +266,7 @@ pub fn run(a: Args) -> CliResult {
     if a.gpus == 0 || a.seq == 0 {
         return Err(CliError::input("invalid --gpus/--seq: must be positive"));
     }
-    let batch = a
-        .batch
-        .unwrap_or_else(|| ((1u64 << 22) / a.seq).max(1));
+    let batch = a.batch.unwrap_or_else(|| ((1u64 << 22) / a.seq).max(1));
     if batch == 0 {
         return Err(CliError::input("invalid --batch 0: must be positive"));
     }
@@ -338,7 +341,17 @@ pub fn run(a: Args) -> CliResult {
         .with_help("use more GPUs, a shorter --seq or a smaller --batch"));
     }
     let mut rows = vec![[
-        "mesh", "zero", "ckpt", "offload", "micro", "peak GiB", "params/grads/optim/act/tmp", "step s", "tok/s/GPU", "MFU", "exposed s",
+        "mesh",
+        "zero",
+        "ckpt",
+        "offload",
+        "micro",
+        "peak GiB",
+        "params/grads/optim/act/tmp",
+        "step s",
+        "tok/s/GPU",
+        "MFU",
+        "exposed s",
     ]
     .map(String::from)
     .to_vec()];
@@ -367,7 +380,10 @@ pub fn run(a: Args) -> CliResult {
             peak: 0,
             step_s: f64::INFINITY,
             plan: None,
-            error: Some(format!("refused: {}", e.to_string().lines().next().unwrap_or(""))),
+            error: Some(format!(
+                "refused: {}",
+                e.to_string().lines().next().unwrap_or("")
+            )),
             compile_s: 0.0,
         });
         if c.error.as_deref().is_some_and(|e| e.starts_with("refused")) {
@@ -390,8 +406,13 @@ pub fn run(a: Args) -> CliResult {
         );
         compiled.push((s, c));
     }
-    let mut fit: Vec<&(&Scored, Compiled)> = compiled.iter().filter(|(_, c)| c.plan.is_some()).collect();
-    fit.sort_by(|x, y| x.1.step_s.total_cmp(&y.1.step_s).then(x.0.candidate.cmp(&y.0.candidate)));
+    let mut fit: Vec<&(&Scored, Compiled)> =
+        compiled.iter().filter(|(_, c)| c.plan.is_some()).collect();
+    fit.sort_by(|x, y| {
+        x.1.step_s
+            .total_cmp(&y.1.step_s)
+            .then(x.0.candidate.cmp(&y.0.candidate))
+    });
     let Some((best, plan)) = fit.first().map(|x| (x.0, &x.1)) else {
         return Err(CliError::input(format!(
             "none of the {} finalists fits after compilation",
@@ -418,14 +439,11 @@ pub fn run(a: Args) -> CliResult {
         best.time.exposed_comm,
     ));
     // Why: against the next compiled finalist, else the best analytic other mesh.
-    let other = fit
-        .get(1)
-        .map(|x| (x.0, x.1.step_s))
-        .or_else(|| {
-            all.iter()
-                .find(|s| s.fits && s.candidate.mesh() != best.candidate.mesh())
-                .map(|s| (s, s.time.step * plan.step_s / best.time.step))
-        });
+    let other = fit.get(1).map(|x| (x.0, x.1.step_s)).or_else(|| {
+        all.iter()
+            .find(|s| s.fits && s.candidate.mesh() != best.candidate.mesh())
+            .map(|s| (s, s.time.step * plan.step_s / best.time.step))
+    });
     if let Some((o, o_step)) = other {
         say(format!("why: {}", why(best, plan.step_s, o, o_step)));
     }

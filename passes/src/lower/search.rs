@@ -69,7 +69,11 @@ impl ModelShape {
     }
     /// Parameters a token passes through (matmul FLOPs are 2 per parameter and token).
     pub fn active_params(&self) -> u64 {
-        let emb = if self.tied { 0 } else { self.vocab * self.hidden };
+        let emb = if self.tied {
+            0
+        } else {
+            self.vocab * self.hidden
+        };
         self.dense_params() - self.vocab * self.hidden * if self.tied { 1 } else { 2 }
             + emb
             + self.moe_layers * self.top_k * 3 * self.hidden * self.expert_ffn
@@ -175,7 +179,7 @@ pub struct Scored {
 }
 
 fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
 }
 
 /// Whether ranks `stride` apart, `size` of them, span more than one node.
@@ -200,25 +204,28 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
     let mut out = Vec::new();
     for tp in divisors(world) {
         if tp > s.gpus_per_node as u64
-            || m.heads % tp != 0
-            || (m.kv_heads % tp != 0 && tp % m.kv_heads != 0)
-            || m.vocab % tp != 0
+            || !m.heads.is_multiple_of(tp)
+            || (!m.kv_heads.is_multiple_of(tp) && !tp.is_multiple_of(m.kv_heads))
+            || !m.vocab.is_multiple_of(tp)
         {
             continue;
         }
         for sp in divisors(world / tp) {
             let heads = m.heads / tp;
-            if heads % sp != 0 || s.seq % sp != 0 {
+            if !heads.is_multiple_of(sp) || !s.seq.is_multiple_of(sp) {
                 continue;
             }
             let dp = world / tp / sp;
-            if s.batch % dp != 0 {
+            if !s.batch.is_multiple_of(dp) {
                 continue;
             }
             let eps: Vec<u64> = if m.experts > 0 {
                 divisors(m.experts)
                     .into_iter()
-                    .filter(|e| world % e == 0 && weft_ir::Mesh::parse(&mesh_text(dp, sp, tp, *e)).is_ok())
+                    .filter(|e| {
+                        world.is_multiple_of(*e)
+                            && weft_ir::Mesh::parse(&mesh_text(dp, sp, tp, *e)).is_ok()
+                    })
                     .collect()
             } else {
                 vec![1]
@@ -230,7 +237,7 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
                         for offload in [false, true] {
                             let mut mb = 1;
                             while mb <= per_rank {
-                                if per_rank % mb == 0 {
+                                if per_rank.is_multiple_of(mb) {
                                     out.push(Candidate {
                                         dp: dp as u32,
                                         sp: sp as u32,
@@ -308,7 +315,11 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         "selective" => 2.0 * ((2.0 * h + q + 2.0 * kv) / tp + ffn / tp + 2.0 * h),
         _ => 2.0 * h,
     };
-    let kept_layers = if c.offload { 1.0_f64.min(layers) } else { layers };
+    let kept_layers = if c.offload {
+        1.0_f64.min(layers)
+    } else {
+        layers
+    };
     let activations = tokens * (saved_per_layer * kept_layers + full_layer);
     let logits = tokens * m.vocab as f64 / tp * 4.0 * 2.0;
     let gathered = if c.zero >= 3 {
@@ -335,7 +346,14 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         _ => 0.0,
     };
     let compute = (matmul_model * (1.0 + recompute) / world) / (d.matmul_tflops * 1e12)
-        + (attn_model * (1.0 + if c.checkpoint == "full" { 1.0 / 3.0 } else { 0.0 }) / world)
+        + (attn_model
+            * (1.0
+                + if c.checkpoint == "full" {
+                    1.0 / 3.0
+                } else {
+                    0.0
+                })
+            / world)
             / (d.attention_tflops * 1e12)
         + layers * 40.0 * c.micro_batches as f64 * d.kernel_overhead_us * 1e-6;
     // Critical-path collectives, per micro-batch then times the count.
@@ -354,14 +372,20 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     if c.sp > 1 {
         // Ulysses: q, k, v and the output through all_to_all, forward and backward.
         let bytes = tokens * 2.0 * (2.0 * q + 2.0 * kv) / tp;
-        let t = 2.0 * layers * link_time(d, sp_inter, bytes * (sp - 1.0) / sp, sp - 1.0) * mb
+        let t = 2.0
+            * layers
+            * link_time(d, sp_inter, bytes * (sp - 1.0) / sp, sp - 1.0)
+            * mb
             * (1.0 + if c.checkpoint == "full" { 0.5 } else { 0.0 });
         exposed += t;
         comm += t;
     }
     if c.ep > 1 && m.moe_layers > 0 {
         let bytes = tokens * m.top_k as f64 * h * 2.0;
-        let t = 4.0 * m.moe_layers as f64 * link_time(d, ep_inter, bytes * (ep - 1.0) / ep, ep - 1.0) * mb;
+        let t = 4.0
+            * m.moe_layers as f64
+            * link_time(d, ep_inter, bytes * (ep - 1.0) / ep, ep - 1.0)
+            * mb;
         exposed += t;
         comm += t;
     }
@@ -389,7 +413,8 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     comm += dp_comm;
     let backward = compute * 2.0 / 3.0;
     let hide = if c.zero >= 3 { compute } else { backward };
-    exposed += (dp_comm - 0.9 * hide).max(0.0) + group_time(bucket.min(g)) * (zd > 1.0) as u8 as f64;
+    exposed +=
+        (dp_comm - 0.9 * hide).max(0.0) + group_time(bucket.min(g)) * (zd > 1.0) as u8 as f64;
     if c.offload {
         let moved = tokens * saved_per_layer * (layers - 1.0) * 2.0 * mb;
         let t = moved / (d.host_gbps * 1e9);

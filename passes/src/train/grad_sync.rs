@@ -32,8 +32,7 @@ use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::util::made_by;
 use crate::zero::{Emitter, ZeroGroup};
 use weft_ir::{
-    At, Bindings, DType, Dim, Float, Graph, Node, NodeMeta, Op, ReduceOp, TensorType,
-    Value,
+    At, Bindings, DType, Dim, Float, Graph, Node, NodeMeta, Op, ReduceOp, TensorType, Value,
 };
 
 pub struct GradSync;
@@ -80,7 +79,9 @@ impl Pass for GradSync {
             let m = res.counters.get_mut("bucket_bytes_max").unwrap();
             *m = (*m).max(b.bytes);
             let scatter = !b.group.is_empty()
-                && b.members.iter().all(|s| crate::zero::local_numel(&g.mesh, g.ty(s.local)).is_some());
+                && b.members
+                    .iter()
+                    .all(|s| crate::zero::local_numel(&g.mesh, g.ty(s.local)).is_some());
             let n = if scatter {
                 let (n, adds) = emit_scatter_bucket(g, i, b, shards_out, opts.zero3 && shards_out)?;
                 dead.extend(adds);
@@ -225,14 +226,23 @@ fn numel(t: &TensorType) -> Dim {
     t.numel()
 }
 
-
 /// Writes all-reduce bucket `i` after its last gradient: the members' gradients
 /// flattened and concatenated, one `all_reduce` per axis; returns the number of
 /// collectives.
-fn emit_bucket(g: &mut Graph, i: usize, b: &Bucket, mesh: &weft_ir::Mesh) -> Result<u64, PassError> {
+fn emit_bucket(
+    g: &mut Graph,
+    i: usize,
+    b: &Bucket,
+    mesh: &weft_ir::Mesh,
+) -> Result<u64, PassError> {
     let last = last_node(g, b.members.iter().map(|s| s.local));
     let what = bucket_name(i, b);
-    let mut em = Emitter { pass: NAME, at: At::After(last), meta: NodeMeta::default(), g };
+    let mut em = Emitter {
+        pass: NAME,
+        at: At::After(last),
+        meta: NodeMeta::default(),
+        g,
+    };
     let sizes: Vec<Dim> = b.members.iter().map(|s| numel(em.g.ty(s.local))).collect();
     let mut flats = Vec::new();
     for (s, n) in b.members.iter().zip(&sizes) {
@@ -240,7 +250,13 @@ fn emit_bucket(g: &mut Graph, i: usize, b: &Bucket, mesh: &weft_ir::Mesh) -> Res
         flats.push(if t.shape.len() == 1 {
             s.local
         } else {
-            em.op(Op::Reshape { shape: vec![n.clone()] }, &[s.local], &format!("{what}: flatten"))?
+            em.op(
+                Op::Reshape {
+                    shape: vec![n.clone()],
+                },
+                &[s.local],
+                &format!("{what}: flatten"),
+            )?
         });
     }
     let flat = if flats.len() == 1 {
@@ -249,11 +265,23 @@ fn emit_bucket(g: &mut Graph, i: usize, b: &Bucket, mesh: &weft_ir::Mesh) -> Res
         em.op(Op::Concat { dim: 0 }, &flats, &format!("{what}: coalesce"))?
     };
     let mut collectives = 0;
-    let flat = reduce_others(&mut em, b, &ZeroGroup::default(), flat, &what, mesh, &mut collectives)?;
+    let flat = reduce_others(
+        &mut em,
+        b,
+        &ZeroGroup::default(),
+        flat,
+        &what,
+        mesh,
+        &mut collectives,
+    )?;
     let parts = if b.members.len() == 1 {
         vec![flat]
     } else {
-        em.ops(Op::Split { dim: 0, sizes }, &[flat], &format!("{what}: back to parameters"))?
+        em.ops(
+            Op::Split { dim: 0, sizes },
+            &[flat],
+            &format!("{what}: back to parameters"),
+        )?
     };
     for (s, p) in b.members.iter().zip(parts) {
         let t = em.g.ty(s.local).clone();
@@ -261,7 +289,9 @@ fn emit_bucket(g: &mut Graph, i: usize, b: &Bucket, mesh: &weft_ir::Mesh) -> Res
             p
         } else {
             em.op(
-                Op::Reshape { shape: t.shape.clone() },
+                Op::Reshape {
+                    shape: t.shape.clone(),
+                },
                 &[p],
                 &format!("{what}: {}", &s.output[GRAD_PREFIX.len()..]),
             )?
@@ -275,12 +305,23 @@ fn emit_bucket(g: &mut Graph, i: usize, b: &Bucket, mesh: &weft_ir::Mesh) -> Res
 fn last_node(g: &Graph, vs: impl Iterator<Item = Value>) -> Node {
     let pos: std::collections::HashMap<Node, usize> =
         g.nodes().iter().enumerate().map(|(i, n)| (*n, i)).collect();
-    vs.map(|v| g.def(v)).max_by_key(|n| pos[n]).expect("buckets are not empty")
+    vs.map(|v| g.def(v))
+        .max_by_key(|n| pos[n])
+        .expect("buckets are not empty")
 }
 
 fn bucket_name(i: usize, b: &Bucket) -> String {
-    let names: Vec<&str> = b.members.iter().map(|s| &s.output[GRAD_PREFIX.len()..]).collect();
-    format!("bucket {i} ({} params, {} bytes per rank: {})", b.members.len(), b.bytes, summarize(&names))
+    let names: Vec<&str> = b
+        .members
+        .iter()
+        .map(|s| &s.output[GRAD_PREFIX.len()..])
+        .collect();
+    format!(
+        "bucket {i} ({} params, {} bytes per rank: {})",
+        b.members.len(),
+        b.bytes,
+        summarize(&names)
+    )
 }
 
 /// `all_reduce` (sum) of `flat` over the bucket's axes outside `group`, innermost first.
@@ -300,7 +341,14 @@ fn reduce_others(
             "{what}: all_reduce over {axis}, sum (the loss is the global mean over valid tokens), {} bytes",
             value_bytes(em.g, flat)
         );
-        flat = em.op(Op::AllReduce { axis: axis.clone(), op: ReduceOp::Sum }, &[flat], &reason)?;
+        flat = em.op(
+            Op::AllReduce {
+                axis: axis.clone(),
+                op: ReduceOp::Sum,
+            },
+            &[flat],
+            &reason,
+        )?;
         *collectives += 1;
     }
     Ok(flat)
@@ -327,7 +375,11 @@ fn micro_batch_parts(
         let n = g.def(v);
         let d = g.node(n);
         let inner = v == local || uses[v.0 as usize].len() == 1;
-        if matches!(d.op, Op::Add {}) && made_by(g, n, AUTODIFF) && inner && d.meta.micro_batch.is_none() {
+        if matches!(d.op, Op::Add {})
+            && made_by(g, n, AUTODIFF)
+            && inner
+            && d.meta.micro_batch.is_none()
+        {
             adds.push(n);
             stack.extend(d.operands.iter().rev().copied());
         } else {
@@ -360,7 +412,11 @@ fn emit_scatter_bucket(
     let chunks: Vec<i64> = sizes.iter().map(|n| (n + z - 1) / z).collect();
     // The rounds: one per micro-batch when every member splits the same way.
     let uses = g.uses();
-    let split: Vec<_> = b.members.iter().map(|s| micro_batch_parts(g, s.local, &uses)).collect();
+    let split: Vec<_> = b
+        .members
+        .iter()
+        .map(|s| micro_batch_parts(g, s.local, &uses))
+        .collect();
     let same_rounds = split.iter().all(|p| {
         p.as_ref().map(|(m, _)| m.keys().collect::<Vec<_>>())
             == split[0].as_ref().map(|(m, _)| m.keys().collect::<Vec<_>>())
@@ -373,7 +429,10 @@ fn emit_scatter_bucket(
             }
             m0.keys()
                 .map(|k| {
-                    let leaves = split.iter().map(|p| p.as_ref().unwrap().0[k].clone()).collect();
+                    let leaves = split
+                        .iter()
+                        .map(|p| p.as_ref().unwrap().0[k].clone())
+                        .collect();
                     (Some(*k), leaves)
                 })
                 .collect()
@@ -384,52 +443,109 @@ fn emit_scatter_bucket(
     let mut shard: Option<Value> = None;
     let mut em_at = At::End;
     for (mb, leaves) in &rounds {
-        let tag = mb.map(|m| format!(" [micro-batch {m}]")).unwrap_or_default();
+        let tag = mb
+            .map(|m| format!(" [micro-batch {m}]"))
+            .unwrap_or_default();
         let last = last_node(g, leaves.iter().flatten().copied());
-        let mut em = Emitter { pass: NAME, at: At::After(last), meta: NodeMeta::default(), g };
+        let mut em = Emitter {
+            pass: NAME,
+            at: At::After(last),
+            meta: NodeMeta::default(),
+            g,
+        };
         let mut rows = Vec::new();
         for ((s, vs), (&n, &chunk)) in b.members.iter().zip(leaves).zip(sizes.iter().zip(&chunks)) {
             let mut v = vs[0];
             for &x in &vs[1..] {
-                v = em.op(Op::Add {}, &[v, x], &format!("{what}{tag}: this micro-batch's gradient of {}", &s.output[GRAD_PREFIX.len()..]))?;
+                v = em.op(
+                    Op::Add {},
+                    &[v, x],
+                    &format!(
+                        "{what}{tag}: this micro-batch's gradient of {}",
+                        &s.output[GRAD_PREFIX.len()..]
+                    ),
+                )?;
             }
             v = em.flat_const(v, n, &format!("{what}{tag}"))?;
             if chunk * z != n {
                 let pad = em.op(
-                    Op::Full { value: Float(0.0), ty: TensorType::new(b.dtype, vec![Dim::from(chunk * z - n)]) },
+                    Op::Full {
+                        value: Float(0.0),
+                        ty: TensorType::new(b.dtype, vec![Dim::from(chunk * z - n)]),
+                    },
                     &[],
-                    &format!("{what}{tag}: padding to a multiple of the {} group's {z} ranks", b.group.name()),
+                    &format!(
+                        "{what}{tag}: padding to a multiple of the {} group's {z} ranks",
+                        b.group.name()
+                    ),
                 )?;
-                v = em.op(Op::Concat { dim: 0 }, &[v, pad], &format!("{what}{tag}: pad"))?;
+                v = em.op(
+                    Op::Concat { dim: 0 },
+                    &[v, pad],
+                    &format!("{what}{tag}: pad"),
+                )?;
             }
             rows.push(em.op(
-                Op::Reshape { shape: vec![Dim::from(z), Dim::from(chunk)] },
+                Op::Reshape {
+                    shape: vec![Dim::from(z), Dim::from(chunk)],
+                },
                 &[v],
-                &format!("{what}{tag}: one chunk per rank of the {} group", b.group.name()),
+                &format!(
+                    "{what}{tag}: one chunk per rank of the {} group",
+                    b.group.name()
+                ),
             )?);
         }
         let flat = if rows.len() == 1 {
             rows[0]
         } else {
-            em.op(Op::Concat { dim: 1 }, &rows, &format!("{what}{tag}: coalesce, rank-major"))?
+            em.op(
+                Op::Concat { dim: 1 },
+                &rows,
+                &format!("{what}{tag}: coalesce, rank-major"),
+            )?
         };
         let part = em.reduce_scatter(&b.group, flat, &format!("{what}{tag}"))?;
         collectives += b.group.axes.len() as u64;
         shard = Some(match shard {
             None => part,
-            Some(acc) => em.op(Op::Add {}, &[acc, part], &format!("{what}{tag}: accumulate the shard (reduce_scatter is linear)"))?,
+            Some(acc) => em.op(
+                Op::Add {},
+                &[acc, part],
+                &format!("{what}{tag}: accumulate the shard (reduce_scatter is linear)"),
+            )?,
         });
         em_at = em.at;
     }
-    let mut em = Emitter { pass: NAME, at: em_at, meta: NodeMeta::default(), g };
+    let mut em = Emitter {
+        pass: NAME,
+        at: em_at,
+        meta: NodeMeta::default(),
+        g,
+    };
     let mesh = em.g.mesh.clone();
-    let shard = reduce_others(&mut em, b, &b.group, shard.expect("one round"), &what, &mesh, &mut collectives)?;
+    let shard = reduce_others(
+        &mut em,
+        b,
+        &b.group,
+        shard.expect("one round"),
+        &what,
+        &mesh,
+        &mut collectives,
+    )?;
     let chunk_dims: Vec<Dim> = chunks.iter().map(|c| Dim::from(*c)).collect();
     if shards_out {
         let parts = if b.members.len() == 1 {
             vec![shard]
         } else {
-            em.ops(Op::Split { dim: 0, sizes: chunk_dims.clone() }, &[shard], &format!("{what}: each parameter's chunk"))?
+            em.ops(
+                Op::Split {
+                    dim: 0,
+                    sizes: chunk_dims.clone(),
+                },
+                &[shard],
+                &format!("{what}: each parameter's chunk"),
+            )?
         };
         for (s, p) in b.members.iter().zip(parts) {
             let param = &s.output[GRAD_PREFIX.len()..];
@@ -455,13 +571,31 @@ fn emit_scatter_bucket(
         let parts = if b.members.len() == 1 {
             vec![shard]
         } else {
-            em.ops(Op::Split { dim: 0, sizes: chunk_dims.clone() }, &[shard], &format!("{what}: each parameter's rows"))?
+            em.ops(
+                Op::Split {
+                    dim: 0,
+                    sizes: chunk_dims.clone(),
+                },
+                &[shard],
+                &format!("{what}: each parameter's rows"),
+            )?
         };
-        for ((s, p), _) in b.members.iter().zip(parts).zip(&stage3).filter(|(_, x)| **x) {
+        for ((s, p), _) in b
+            .members
+            .iter()
+            .zip(parts)
+            .zip(&stage3)
+            .filter(|(_, x)| **x)
+        {
             let mut shape = em.g.ty(s.local).shape.clone();
-            let rows = crate::zero::stage3_rows(&em.g.mesh, em.g.ty(s.local), &b.group).expect("checked");
+            let rows =
+                crate::zero::stage3_rows(&em.g.mesh, em.g.ty(s.local), &b.group).expect("checked");
             shape[0] = Dim::from(rows);
-            let v = em.unflat(p, &shape, &format!("{what}: ZeRO-3 rows of {}", &s.output[GRAD_PREFIX.len()..]))?;
+            let v = em.unflat(
+                p,
+                &shape,
+                &format!("{what}: ZeRO-3 rows of {}", &s.output[GRAD_PREFIX.len()..]),
+            )?;
             em.g.set_output(&s.output, v);
         }
         if stage3.iter().all(|x| *x) {
@@ -473,7 +607,14 @@ fn emit_scatter_bucket(
     let parts = if b.members.len() == 1 {
         vec![whole]
     } else {
-        em.ops(Op::Split { dim: 1, sizes: chunk_dims }, &[whole], &format!("{what}: back to parameters"))?
+        em.ops(
+            Op::Split {
+                dim: 1,
+                sizes: chunk_dims,
+            },
+            &[whole],
+            &format!("{what}: back to parameters"),
+        )?
     };
     for (((s, p), (&n, &c)), _) in b
         .members
@@ -485,9 +626,23 @@ fn emit_scatter_bucket(
     {
         let t = em.g.ty(s.local).clone();
         let name = &s.output[GRAD_PREFIX.len()..];
-        let mut v = em.op(Op::Reshape { shape: vec![b.group.size_dim() * Dim::from(c)] }, &[p], &format!("{what}: {name}"))?;
+        let mut v = em.op(
+            Op::Reshape {
+                shape: vec![b.group.size_dim() * Dim::from(c)],
+            },
+            &[p],
+            &format!("{what}: {name}"),
+        )?;
         // Less the padding (the slice also gives the size as a constant).
-        v = em.op(Op::Slice { dim: 0, start: Dim::zero(), len: Dim::from(n) }, &[v], &format!("{what}: {name} without padding"))?;
+        v = em.op(
+            Op::Slice {
+                dim: 0,
+                start: Dim::zero(),
+                len: Dim::from(n),
+            },
+            &[v],
+            &format!("{what}: {name} without padding"),
+        )?;
         v = em.unflat(v, &t.shape, &format!("{what}: {name}"))?;
         em.g.set_output(&s.output, v);
     }

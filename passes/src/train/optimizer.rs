@@ -32,9 +32,9 @@
 
 use crate::autodiff::GRAD_PREFIX;
 use crate::pass::{Pass, PassContext, PassError, PassResult};
-use crate::zero::ZeroGroup;
 use crate::training::Optimizer;
 use crate::util::build_error;
+use crate::zero::ZeroGroup;
 use weft_ir::{
     At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Partition, Provenance, Role, TensorType,
     Value,
@@ -139,7 +139,9 @@ impl Pass for OptimizerPass {
             }
             let first = w.g.nodes().len();
             let master = cx.options.train.master_weights;
-            let new = w.update(&name, pv, &pty, stage3, gv, step, &opt, &group, master, &mut res)?;
+            let new = w.update(
+                &name, pv, &pty, stage3, gv, step, &opt, &group, master, &mut res,
+            )?;
             groups.push((pv, w.g.nodes()[first..].to_vec()));
             w.g.set_output(&format!("{PARAM_PREFIX}{name}"), new);
             updated.push(name);
@@ -347,7 +349,9 @@ impl Writer<'_> {
             let Some((total, chunk)) = shard_len else {
                 return Ok(v);
             };
-            w.why(format!("ZeRO-1: this rank's 1/{dp} of `{name}`'s {what} (group {gname})"));
+            w.why(format!(
+                "ZeRO-1: this rank's 1/{dp} of `{name}`'s {what} (group {gname})"
+            ));
             let flat = {
                 let mut em = crate::zero::Emitter {
                     pass: NAME,
@@ -514,7 +518,11 @@ impl Writer<'_> {
                 meta: self.meta.clone(),
                 g: &mut *self.g,
             };
-            return em.unflat(whole, &shard_shape, &format!("ZeRO-3: `{name}`'s updated rows"));
+            return em.unflat(
+                whole,
+                &shard_shape,
+                &format!("ZeRO-3: `{name}`'s updated rows"),
+            );
         }
         if let Some((total, chunk)) = shard_len {
             res.count("sharded", 1);
@@ -528,7 +536,11 @@ impl Writer<'_> {
                 meta: self.meta.clone(),
                 g: &mut *self.g,
             };
-            whole = em.all_gather(group, whole, &format!("ZeRO-1: every rank's updated chunk of `{name}`"))?;
+            whole = em.all_gather(
+                group,
+                whole,
+                &format!("ZeRO-1: every rank's updated chunk of `{name}`"),
+            )?;
             whole = self.op(
                 Op::Reshape {
                     shape: vec![group.size_dim() * Dim::from(chunk)],
@@ -628,7 +640,9 @@ fn own_shards(g: &Graph, parts: &[Partition]) -> usize {
             axes.push(&p.axis);
         }
     }
-    axes.iter().map(|a| g.mesh.size_or_one(a) as usize).product()
+    axes.iter()
+        .map(|a| g.mesh.size_or_one(a) as usize)
+        .product()
 }
 
 /// The flat state layout of a split parameter: for every combination of coordinates on
@@ -684,7 +698,10 @@ fn block_indices(
                 .get(p.dim)
                 .ok_or_else(|| format!("partition `{p}` splits dim {} of {shape:?}", p.dim))?;
             if p.full_size() as usize != cur.len() || coords[i] as usize >= p.ranks() {
-                return Err(format!("partition `{p}` does not fit dim {} of {shape:?}", p.dim));
+                return Err(format!(
+                    "partition `{p}` does not fit dim {} of {shape:?}",
+                    p.dim
+                ));
             }
             let mut next = Vec::new();
             for (s, e) in p.ranges(coords[i] as usize) {
@@ -694,12 +711,19 @@ fn block_indices(
         }
         let local: usize = maps.iter().map(Vec::len).product();
         if local > block {
-            return Err(format!("a shard of {local} elements does not fit its state block of {block}"));
+            return Err(format!(
+                "a shard of {local} elements does not fit its state block of {block}"
+            ));
         }
         let mut one = Vec::with_capacity(block);
         let mut idx = vec![0usize; shape.len()];
         for _ in 0..local {
-            one.push(Some(idx.iter().enumerate().map(|(d, &c)| maps[d][c] * strides[d]).sum()));
+            one.push(Some(
+                idx.iter()
+                    .enumerate()
+                    .map(|(d, &c)| maps[d][c] * strides[d])
+                    .sum(),
+            ));
             for d in (0..shape.len()).rev() {
                 idx[d] += 1;
                 if idx[d] < maps[d].len() {
@@ -740,12 +764,18 @@ pub fn state_as_param(
     let mut out = vec![0.0; n];
     if own.is_empty() {
         if data.len() < n {
-            return Err(format!("`{state}` has {} elements, fewer than its parameter's {n}", data.len()));
+            return Err(format!(
+                "`{state}` has {} elements, fewer than its parameter's {n}",
+                data.len()
+            ));
         }
         out.copy_from_slice(&data[..n]);
     } else {
         let blocks = data.len() / own_shards(g, own);
-        for (k, idx) in block_indices(shape, own, &g.mesh, blocks)?.iter().enumerate() {
+        for (k, idx) in block_indices(shape, own, &g.mesh, blocks)?
+            .iter()
+            .enumerate()
+        {
             for (j, i) in idx.iter().enumerate() {
                 if let Some(i) = i {
                     out[*i] = data[k * blocks + j];

@@ -191,11 +191,21 @@ impl Emitter<'_> {
         let sym = t.numel();
         let mut v = x;
         if t.rank() != 1 {
-            v = self.op(Op::Reshape { shape: vec![sym.clone()] }, &[v], &format!("{what}: flatten"))?;
+            v = self.op(
+                Op::Reshape {
+                    shape: vec![sym.clone()],
+                },
+                &[v],
+                &format!("{what}: flatten"),
+            )?;
         }
         if !sym.is_const() {
             v = self.op(
-                Op::Slice { dim: 0, start: Dim::zero(), len: Dim::from(n) },
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::zero(),
+                    len: Dim::from(n),
+                },
                 &[v],
                 &format!("{what}: its {n} elements"),
             )?;
@@ -204,18 +214,33 @@ impl Emitter<'_> {
     }
 
     /// The inverse of [`Emitter::flat_const`]: `[n]` back to `shape`.
-    pub fn unflat(&mut self, x: Value, shape: &[Dim], what: &str) -> Result<Value, crate::PassError> {
+    pub fn unflat(
+        &mut self,
+        x: Value,
+        shape: &[Dim],
+        what: &str,
+    ) -> Result<Value, crate::PassError> {
         let sym = shape.iter().fold(Dim::from(1), |a, d| a * d.clone());
         let mut v = x;
         if !sym.is_const() {
             v = self.op(
-                Op::Slice { dim: 0, start: Dim::zero(), len: sym },
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::zero(),
+                    len: sym,
+                },
                 &[v],
                 &format!("{what}: as the local size"),
             )?;
         }
         if shape.len() != 1 {
-            v = self.op(Op::Reshape { shape: shape.to_vec() }, &[v], &format!("{what}: reshape"))?;
+            v = self.op(
+                Op::Reshape {
+                    shape: shape.to_vec(),
+                },
+                &[v],
+                &format!("{what}: reshape"),
+            )?;
         }
         Ok(v)
     }
@@ -410,9 +435,17 @@ pub fn shard_param(
     }
     let full_rows = ty.shape[0].clone();
     for ((backward, mb), us) in regions {
-        let at = us.iter().map(|(n, _)| *n).min_by_key(|n| pos[n]).expect("a use");
+        let at = us
+            .iter()
+            .map(|(n, _)| *n)
+            .min_by_key(|n| pos[n])
+            .expect("a use");
         let phase = if backward { "backward" } else { "forward" };
-        let mbt = if mb == u32::MAX { String::new() } else { format!(" of micro-batch {mb}") };
+        let mbt = if mb == u32::MAX {
+            String::new()
+        } else {
+            format!(" of micro-batch {mb}")
+        };
         let mut em = Emitter {
             pass,
             at: At::Before(at),
@@ -433,7 +466,11 @@ pub fn shard_param(
             )?;
         }
         v = em.op(
-            Op::Slice { dim: 0, start: Dim::zero(), len: full_rows.clone() },
+            Op::Slice {
+                dim: 0,
+                start: Dim::zero(),
+                len: full_rows.clone(),
+            },
             &[v],
             &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
         )?;
@@ -444,7 +481,10 @@ pub fn shard_param(
     let mut inner = rows * group.size();
     for (a, n) in &group.axes {
         inner /= n;
-        g.add_param_partition(name, Partition::simple("zero", a, 0, vec![inner; *n as usize]));
+        g.add_param_partition(
+            name,
+            Partition::simple("zero", a, 0, vec![inner; *n as usize]),
+        );
     }
     let dead: Vec<weft_ir::Node> = olds.iter().map(|(n, _)| *n).collect();
     g.remove_nodes(&dead);
@@ -462,7 +502,10 @@ mod tests {
         assert_eq!(d.name(), "dpxsp");
         assert_eq!(d.size(), 4);
         let at = |dp, sp| {
-            let b = weft_ir::Bindings::new().with_coord("dp", dp).with_coord("sp", sp).with_coord("tp", 1);
+            let b = weft_ir::Bindings::new()
+                .with_coord("dp", dp)
+                .with_coord("sp", sp)
+                .with_coord("tp", 1);
             d.index().eval(&b).unwrap()
         };
         assert_eq!((at(0, 0), at(0, 1), at(1, 0), at(1, 1)), (0, 1, 2, 3));
