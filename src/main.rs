@@ -53,6 +53,11 @@ enum Command {
     ///
     /// Example: weft compile llama3-8b --mesh sp=8 --seq 131072 --stats -o plan.json
     Compile(cmd::compile::Args),
+    /// Search meshes, ZeRO stage, checkpointing, offload and micro-batches for the
+    /// fastest training plan that fits a cluster; compile the finalists.
+    ///
+    /// Example: weft plan llama3-70b --gpus 64 --seq 32768 --device h100
+    Plan(cmd::plan::Args),
     /// Summarize a plan: what it holds (training step or forward), peak memory, predicted time, communication; --explain, --trace, --memory.
     ///
     /// Example: weft inspect plan.json --explain --trace trace.json
@@ -90,6 +95,7 @@ fn main() {
         Command::Mesh(a) => cmd::mesh::run(a),
         Command::Ops(a) => cmd::ops::run(a),
         Command::Compile(a) => cmd::compile::run(a),
+        Command::Plan(a) => cmd::plan::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Eval(a) => cmd::eval::run(a),
         Command::Check(a) => cmd::check::run(a),

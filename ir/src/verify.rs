@@ -261,6 +261,23 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
             if p.pieces.iter().flatten().any(|&x| x < 0) {
                 push("has a negative size".into());
             }
+            // Nested splits of one dim (a ZeRO split inside a tp one): each shard of
+            // this partition is what the next one on the dim splits; the last one
+            // gives the parameter's type.
+            let idx = parts.iter().position(|q| std::ptr::eq(q, p)).unwrap_or(0);
+            if let Some(next) = parts[idx + 1..].iter().find(|q| q.dim == p.dim) {
+                if (0..n as usize).any(|c| p.shard_size(c) != next.full_size()) {
+                    push(format!(
+                        "the shards of its `{}` split of dim {} ({:?}) are not what its `{}` split divides ({})",
+                        p.axis,
+                        p.dim,
+                        p.shard_sizes(),
+                        next.axis,
+                        next.full_size()
+                    ));
+                }
+                continue;
+            }
             let d = &ty.shape[p.dim];
             for coord in 0..n {
                 let b = Bindings::new().with_coord(&p.axis, coord as i64);

@@ -11,6 +11,7 @@ pub mod models;
 pub mod moe_aux_ref;
 pub mod ops;
 pub mod passes;
+pub mod plan;
 pub mod run;
 pub mod session;
 pub mod shard;

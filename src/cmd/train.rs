@@ -43,8 +43,11 @@ pub struct TrainArgs {
     /// bucket of 500 holds 250M bf16 or 125M f32 gradient elements). Default 500.
     #[arg(long, default_value_t = 500.0, value_name = "MB")]
     pub bucket_mb: f64,
-    /// ZeRO stage: 0 (all_reduce gradients), 1 (shard optimizer states over dp), 2 (also
-    /// reduce_scatter gradients over dp). Default 0.
+    /// ZeRO stage, over each parameter's data-parallel group (dp x sp for dense
+    /// parameters, edp for experts, tp-split ones included): 0 (all_reduce gradients),
+    /// 1 (shard optimizer states and master weights), 2 (also reduce_scatter
+    /// gradients, per micro-batch), 3 (also shard the parameters by rows, all_gathered
+    /// before each forward and backward use). Default 0.
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
     /// Optimizer update in the step: adamw, sgd or none.
@@ -107,9 +110,9 @@ impl TrainArgs {
             )));
         }
         let zero = self.zero.unwrap_or(0);
-        if zero > 2 {
+        if zero > 3 {
             return Err(CliError::input(format!(
-                "invalid --zero {zero}: stages 0, 1 and 2 are supported"
+                "invalid --zero {zero}: stages 0, 1, 2 and 3 are supported"
             )));
         }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
@@ -136,6 +139,7 @@ impl TrainArgs {
                 reduce_scatter: zero >= 2,
                 optimizer,
                 zero1: zero >= 1,
+                zero3: zero >= 3,
                 master_weights: !self.no_master_weights,
                 // check and eval compare the gradients; `compile` drops them from a plan.
                 grad_outputs: true,

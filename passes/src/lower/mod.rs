@@ -2,9 +2,10 @@
 //!
 //! [`convert_dtype`] (the model's float dtype), [`plan`] (schedule, memory plan, cost model, device profiles), [`memory`] (the
 //! per-rank memory estimate) and [`bindings`] (plan-time check that concrete sizes
-//! divide).
+//! divide); [`search`] (`weft plan`'s analytic search over meshes and options).
 
 pub mod bindings;
 pub mod convert_dtype;
 pub mod memory;
 pub mod plan;
+pub mod search;

@@ -15,16 +15,24 @@
 //! where the loss differs per rank), so the replicas' partial gradients add up to it.
 //!
 //! With `reduce_scatter` (ZeRO-2 style) a bucket is laid out rank-major and
-//! `reduce_scatter`ed over `dp`, so each rank keeps the reduced chunks of every member
-//! that the sharded optimizer updates (returned as `grad_shard.<param>` when a ZeRO
-//! optimizer follows); the `grad.*` outputs `all_gather` them back.
+//! `reduce_scatter`ed over its parameters' data-parallel group (`zero::ZeroGroup`:
+//! dp x sp for dense parameters, tp-sharded or not, edp for experts), so each rank
+//! keeps the reduced chunks of every member that the sharded optimizer updates
+//! (returned as `grad_shard.<param>` when a ZeRO optimizer follows); the `grad.*`
+//! outputs `all_gather` them back. Axes outside the group (tp for the parameters tp
+//! leaves whole) are `all_reduce`d on the shard.
+//!
+//! With micro-batches a ZeRO-2 bucket is reduce-scattered once per micro-batch, right
+//! after that micro-batch's backward finishes its members, and the shards are added
+//! (`reduce_scatter` is linear): only a shard of each gradient lives across
+//! micro-batches, as DeepSpeed's stage 2 with gradient accumulation does.
 
 use crate::autodiff::{GRAD_PREFIX, NAME as AUTODIFF};
-use crate::pass::{Pass, PassContext, PassError, PassResult, DP};
-use crate::util::{build_error, made_by};
+use crate::pass::{Pass, PassContext, PassError, PassResult};
+use crate::util::made_by;
+use crate::zero::{Emitter, ZeroGroup};
 use weft_ir::{
-    At, Bindings, DType, Dim, Float, Graph, Node, NodeMeta, Op, Provenance, ReduceOp, TensorType,
-    Value,
+    At, Bindings, DType, Dim, Float, Graph, Node, NodeMeta, Op, ReduceOp, TensorType, Value,
 };
 
 pub struct GradSync;
@@ -49,6 +57,7 @@ impl Pass for GradSync {
             "collectives",
             "collectives_before",
             "bucket_bytes_max",
+            "reduce_scatter_buckets",
         ] {
             res.count(k, 0);
         }
@@ -62,14 +71,25 @@ impl Pass for GradSync {
             "collectives_before",
             syncs.iter().map(|s| s.axes.len() as u64).sum(),
         );
-        let buckets = plan_buckets(g, syncs, opts.bucket_bytes);
+        let buckets = plan_buckets(g, syncs, opts.bucket_bytes, opts.reduce_scatter);
+        let shards_out = opts.reduce_scatter && opts.zero1 && opts.optimizer.is_some();
         let mut dead = Vec::new();
         for (i, b) in buckets.iter().enumerate() {
             res.count("bucket_bytes_max", 0);
             let m = res.counters.get_mut("bucket_bytes_max").unwrap();
             *m = (*m).max(b.bytes);
-            let shards_out = opts.reduce_scatter && opts.zero1 && opts.optimizer.is_some();
-            let n = emit_bucket(g, i, b, opts.reduce_scatter, shards_out, &cx.mesh)?;
+            let scatter = !b.group.is_empty()
+                && b.members
+                    .iter()
+                    .all(|s| crate::zero::local_numel(&g.mesh, g.ty(s.local)).is_some());
+            let n = if scatter {
+                let (n, adds) = emit_scatter_bucket(g, i, b, shards_out, opts.zero3 && shards_out)?;
+                dead.extend(adds);
+                res.count("reduce_scatter_buckets", 1);
+                n
+            } else {
+                emit_bucket(g, i, b, &cx.mesh)?
+            };
             res.count("collectives", n);
             for s in &b.members {
                 dead.extend(s.chain.iter().copied());
@@ -135,12 +155,14 @@ fn find_syncs(g: &Graph) -> Vec<Sync> {
     out
 }
 
-/// A bucket: gradients with the same reduction axes and dtype, in backward order.
+/// A bucket: gradients with the same reduction axes, dtype and ZeRO group (empty
+/// without `reduce_scatter`), in backward order.
 pub(crate) struct Bucket {
     pub axes: Vec<String>,
     pub dtype: DType,
     pub members: Vec<Sync>,
     pub bytes: u64,
+    pub group: ZeroGroup,
 }
 
 /// Per-rank bytes of a value, evaluated with the mesh sizes and rank 0's coordinates
@@ -153,15 +175,20 @@ pub(crate) fn value_bytes(g: &Graph, v: Value) -> u64 {
     g.ty(v).size_bytes(&b).unwrap_or(0)
 }
 
-fn plan_buckets(g: &Graph, syncs: Vec<Sync>, limit: u64) -> Vec<Bucket> {
+fn plan_buckets(g: &Graph, syncs: Vec<Sync>, limit: u64, scatter: bool) -> Vec<Bucket> {
     let mut open: Vec<Bucket> = Vec::new();
     let mut done: Vec<Bucket> = Vec::new();
     for s in syncs {
         let dtype = g.ty(s.local).dtype;
         let bytes = value_bytes(g, s.local);
+        let group = if scatter {
+            ZeroGroup::of_param(g, &s.output[GRAD_PREFIX.len()..]).within(&s.axes)
+        } else {
+            ZeroGroup::default()
+        };
         let i = match open
             .iter()
-            .position(|b| b.axes == s.axes && b.dtype == dtype)
+            .position(|b| b.axes == s.axes && b.dtype == dtype && b.group == group)
         {
             Some(i) => i,
             None => {
@@ -170,6 +197,7 @@ fn plan_buckets(g: &Graph, syncs: Vec<Sync>, limit: u64) -> Vec<Bucket> {
                     dtype,
                     members: Vec::new(),
                     bytes: 0,
+                    group,
                 });
                 open.len() - 1
             }
@@ -198,317 +226,427 @@ fn numel(t: &TensorType) -> Dim {
     t.numel()
 }
 
-/// The prefix of the per-rank gradient shards a ZeRO step returns for the sharded
-/// optimizer (`optimizer` reads and removes them): `grad_shard.<param>`, this rank's
-/// `ceil(n/dp)` elements of the flattened, zero-padded gradient, split over `dp`.
-pub const SHARD_PREFIX: &str = "grad_shard.";
-
-/// Writes bucket `i` after its last gradient; returns the number of collectives.
-///
-/// All-reduce buckets are the members' gradients flattened and concatenated. A ZeRO
-/// bucket is laid out rank-major: each member flattened, padded to `dp * chunk`
-/// (`chunk = ceil(n/dp)`), viewed `[dp, chunk]` and concatenated along the chunks, so
-/// that the `reduce_scatter` over dp leaves each rank exactly the chunks of every
-/// member that the sharded optimizer updates (its `1/dp` of each parameter).
+/// Writes all-reduce bucket `i` after its last gradient: the members' gradients
+/// flattened and concatenated, one `all_reduce` per axis; returns the number of
+/// collectives.
 fn emit_bucket(
     g: &mut Graph,
     i: usize,
     b: &Bucket,
-    reduce_scatter: bool,
-    shards_out: bool,
     mesh: &weft_ir::Mesh,
 ) -> Result<u64, PassError> {
+    let last = last_node(g, b.members.iter().map(|s| s.local));
+    let what = bucket_name(i, b);
+    let mut em = Emitter {
+        pass: NAME,
+        at: At::After(last),
+        meta: NodeMeta::default(),
+        g,
+    };
+    let sizes: Vec<Dim> = b.members.iter().map(|s| numel(em.g.ty(s.local))).collect();
+    let mut flats = Vec::new();
+    for (s, n) in b.members.iter().zip(&sizes) {
+        let t = em.g.ty(s.local).clone();
+        flats.push(if t.shape.len() == 1 {
+            s.local
+        } else {
+            em.op(
+                Op::Reshape {
+                    shape: vec![n.clone()],
+                },
+                &[s.local],
+                &format!("{what}: flatten"),
+            )?
+        });
+    }
+    let flat = if flats.len() == 1 {
+        flats[0]
+    } else {
+        em.op(Op::Concat { dim: 0 }, &flats, &format!("{what}: coalesce"))?
+    };
+    let mut collectives = 0;
+    let flat = reduce_others(
+        &mut em,
+        b,
+        &ZeroGroup::default(),
+        flat,
+        &what,
+        mesh,
+        &mut collectives,
+    )?;
+    let parts = if b.members.len() == 1 {
+        vec![flat]
+    } else {
+        em.ops(
+            Op::Split { dim: 0, sizes },
+            &[flat],
+            &format!("{what}: back to parameters"),
+        )?
+    };
+    for (s, p) in b.members.iter().zip(parts) {
+        let t = em.g.ty(s.local).clone();
+        let v = if em.g.ty(p).shape == t.shape {
+            p
+        } else {
+            em.op(
+                Op::Reshape {
+                    shape: t.shape.clone(),
+                },
+                &[p],
+                &format!("{what}: {}", &s.output[GRAD_PREFIX.len()..]),
+            )?
+        };
+        em.g.set_output(&s.output, v);
+    }
+    Ok(collectives)
+}
+
+/// The node of the last of `vs` in program order.
+fn last_node(g: &Graph, vs: impl Iterator<Item = Value>) -> Node {
     let pos: std::collections::HashMap<Node, usize> =
         g.nodes().iter().enumerate().map(|(i, n)| (*n, i)).collect();
-    let last = b
-        .members
-        .iter()
-        .map(|s| g.def(s.local))
+    vs.map(|v| g.def(v))
         .max_by_key(|n| pos[n])
-        .expect("buckets are not empty");
+        .expect("buckets are not empty")
+}
+
+fn bucket_name(i: usize, b: &Bucket) -> String {
     let names: Vec<&str> = b
         .members
         .iter()
         .map(|s| &s.output[GRAD_PREFIX.len()..])
         .collect();
-    let what = format!(
+    format!(
         "bucket {i} ({} params, {} bytes per rank: {})",
         b.members.len(),
         b.bytes,
         summarize(&names)
-    );
-    let at = std::cell::Cell::new(last);
-    let add =
-        |g: &mut Graph, op: Op, xs: &[Value], reason: String| -> Result<Vec<Value>, PassError> {
-            let meta = NodeMeta {
-                source: None,
-                provenance: Some(Provenance {
-                    pass: NAME.into(),
-                    reason,
-                }),
-                ..Default::default()
-            };
-            let v = g
-                .insert_with(At::After(at.get()), op, xs, meta)
-                .map_err(|e| build_error(NAME, e))?;
-            at.set(g.def(v[0]));
-            Ok(v)
-        };
-    let add1 = |g: &mut Graph, op: Op, xs: &[Value], reason: String| -> Result<Value, PassError> {
-        Ok(add(g, op, xs, reason)?[0])
-    };
-    let sizes: Vec<Dim> = b.members.iter().map(|s| numel(g.ty(s.local))).collect();
-    let dp_size = mesh.size(DP).unwrap_or(1) as i64;
-    let scatter = reduce_scatter
-        && b.axes.iter().any(|a| a == DP)
-        && dp_size > 1
-        && sizes.iter().all(|d| d.is_const());
-    let mut collectives = 0;
-    let reduce_others = |g: &mut Graph,
-                         mut flat: Value,
-                         collectives: &mut u64|
-     -> Result<Value, PassError> {
-        // Axes other than a scattered dp: all_reduce (sum), innermost axis first.
-        let mut axes: Vec<&String> = b
-            .axes
-            .iter()
-            .filter(|a| !(scatter && a.as_str() == DP))
-            .collect();
-        axes.sort_by_key(|a| std::cmp::Reverse(mesh.axes.iter().position(|(x, _)| x == *a)));
-        for axis in axes {
-            let reason = format!("{what}: all_reduce over {axis}, sum (the loss is the global mean over valid tokens), {} bytes", value_bytes(g, flat));
-            flat = add1(
-                g,
-                Op::AllReduce {
-                    axis: axis.clone(),
-                    op: ReduceOp::Sum,
-                },
-                &[flat],
-                reason,
-            )?;
-            *collectives += 1;
-        }
-        Ok(flat)
-    };
-    if !scatter {
-        let mut flats = Vec::new();
-        for (s, n) in b.members.iter().zip(&sizes) {
-            let t = g.ty(s.local).clone();
-            flats.push(if t.shape.len() == 1 {
-                s.local
-            } else {
-                add1(
-                    g,
-                    Op::Reshape {
-                        shape: vec![n.clone()],
-                    },
-                    &[s.local],
-                    format!("{what}: flatten"),
-                )?
-            });
-        }
-        let flat = if flats.len() == 1 {
-            flats[0]
-        } else {
-            add1(
-                g,
-                Op::Concat { dim: 0 },
-                &flats,
-                format!("{what}: coalesce"),
-            )?
-        };
-        let flat = reduce_others(g, flat, &mut collectives)?;
-        let parts = if b.members.len() == 1 {
-            vec![flat]
-        } else {
-            add(
-                g,
-                Op::Split { dim: 0, sizes },
-                &[flat],
-                format!("{what}: back to parameters"),
-            )?
-        };
-        for (s, p) in b.members.iter().zip(parts) {
-            let t = g.ty(s.local).clone();
-            let v = if g.ty(p).shape == t.shape {
-                p
-            } else {
-                add1(
-                    g,
-                    Op::Reshape {
-                        shape: t.shape.clone(),
-                    },
-                    &[p],
-                    format!("{what}: {}", &s.output[GRAD_PREFIX.len()..]),
-                )?
-            };
-            g.set_output(&s.output, v);
-        }
-        return Ok(collectives);
+    )
+}
+
+/// `all_reduce` (sum) of `flat` over the bucket's axes outside `group`, innermost first.
+fn reduce_others(
+    em: &mut Emitter,
+    b: &Bucket,
+    group: &ZeroGroup,
+    mut flat: Value,
+    what: &str,
+    mesh: &weft_ir::Mesh,
+    collectives: &mut u64,
+) -> Result<Value, PassError> {
+    let mut axes: Vec<&String> = b.axes.iter().filter(|a| !group.has(a)).collect();
+    axes.sort_by_key(|a| std::cmp::Reverse(mesh.axes.iter().position(|(x, _)| x == *a)));
+    for axis in axes {
+        let reason = format!(
+            "{what}: all_reduce over {axis}, sum (the loss is the global mean over valid tokens), {} bytes",
+            value_bytes(em.g, flat)
+        );
+        flat = em.op(
+            Op::AllReduce {
+                axis: axis.clone(),
+                op: ReduceOp::Sum,
+            },
+            &[flat],
+            &reason,
+        )?;
+        *collectives += 1;
     }
-    // ZeRO: rank-major [dp, sum of chunks], reduce_scatter over dp.
-    let dpd = Dim::from(dp_size);
-    let mut chunks = Vec::new();
-    let mut rows = Vec::new();
-    for (s, n) in b.members.iter().zip(&sizes) {
-        let n = n.as_const().expect("checked constant");
-        let chunk = (n + dp_size - 1) / dp_size;
-        chunks.push(Dim::from(chunk));
-        let mut v = s.local;
-        if g.ty(v).rank() != 1 {
-            v = add1(
-                g,
+    Ok(flat)
+}
+
+/// The prefix of the per-rank gradient shards a ZeRO step returns for the sharded
+/// optimizer (`optimizer` reads and removes them): `grad_shard.<param>`, this rank's
+/// `ceil(n/Z)` elements of the flattened, zero-padded gradient, split over the
+/// parameter's ZeRO group of `Z` ranks.
+pub const SHARD_PREFIX: &str = "grad_shard.";
+
+/// A member's local gradient as the sum of its micro-batches' contributions: the
+/// leaves of the `add` tree autodiff built, by micro-batch, and the tree's adds.
+/// `None` when a leaf belongs to no micro-batch (or there is one).
+fn micro_batch_parts(
+    g: &Graph,
+    local: Value,
+    uses: &[Vec<(Node, usize)>],
+) -> Option<(std::collections::BTreeMap<u32, Vec<Value>>, Vec<Node>)> {
+    let mut parts: std::collections::BTreeMap<u32, Vec<Value>> = Default::default();
+    let mut adds = Vec::new();
+    let mut stack = vec![local];
+    while let Some(v) = stack.pop() {
+        let n = g.def(v);
+        let d = g.node(n);
+        let inner = v == local || uses[v.0 as usize].len() == 1;
+        if matches!(d.op, Op::Add {})
+            && made_by(g, n, AUTODIFF)
+            && inner
+            && d.meta.micro_batch.is_none()
+        {
+            adds.push(n);
+            stack.extend(d.operands.iter().rev().copied());
+        } else {
+            parts.entry(d.meta.micro_batch?).or_default().push(v);
+        }
+    }
+    (parts.len() > 1).then_some((parts, adds))
+}
+
+/// Writes ZeRO bucket `i`: each member flattened, padded to `Z * chunk`
+/// (`chunk = ceil(n/Z)`), viewed `[Z, chunk]` and concatenated along the chunks, so
+/// that the `reduce_scatter` over the group leaves each rank exactly the chunks of
+/// every member that the sharded optimizer updates. With micro-batches, once per
+/// micro-batch after its last contribution, the shards added. Returns the number of
+/// collectives and the nodes of the replaced accumulation.
+fn emit_scatter_bucket(
+    g: &mut Graph,
+    i: usize,
+    b: &Bucket,
+    shards_out: bool,
+    zero3: bool,
+) -> Result<(u64, Vec<Node>), PassError> {
+    let what = bucket_name(i, b);
+    let z = b.group.size();
+    let sizes: Vec<i64> = b
+        .members
+        .iter()
+        .map(|s| crate::zero::local_numel(&g.mesh, g.ty(s.local)).expect("checked constant"))
+        .collect();
+    let chunks: Vec<i64> = sizes.iter().map(|n| (n + z - 1) / z).collect();
+    // The rounds: one per micro-batch when every member splits the same way.
+    let uses = g.uses();
+    let split: Vec<_> = b
+        .members
+        .iter()
+        .map(|s| micro_batch_parts(g, s.local, &uses))
+        .collect();
+    let same_rounds = split.iter().all(|p| {
+        p.as_ref().map(|(m, _)| m.keys().collect::<Vec<_>>())
+            == split[0].as_ref().map(|(m, _)| m.keys().collect::<Vec<_>>())
+    });
+    let mut dead = Vec::new();
+    let rounds: Vec<(Option<u32>, Vec<Vec<Value>>)> = match (&split[0], same_rounds) {
+        (Some((m0, _)), true) => {
+            for p in split.iter().flatten() {
+                dead.extend(p.1.iter().copied());
+            }
+            m0.keys()
+                .map(|k| {
+                    let leaves = split
+                        .iter()
+                        .map(|p| p.as_ref().unwrap().0[k].clone())
+                        .collect();
+                    (Some(*k), leaves)
+                })
+                .collect()
+        }
+        _ => vec![(None, b.members.iter().map(|s| vec![s.local]).collect())],
+    };
+    let mut collectives = 0;
+    let mut shard: Option<Value> = None;
+    let mut em_at = At::End;
+    for (mb, leaves) in &rounds {
+        let tag = mb
+            .map(|m| format!(" [micro-batch {m}]"))
+            .unwrap_or_default();
+        let last = last_node(g, leaves.iter().flatten().copied());
+        let mut em = Emitter {
+            pass: NAME,
+            at: At::After(last),
+            meta: NodeMeta::default(),
+            g,
+        };
+        let mut rows = Vec::new();
+        for ((s, vs), (&n, &chunk)) in b.members.iter().zip(leaves).zip(sizes.iter().zip(&chunks)) {
+            let mut v = vs[0];
+            for &x in &vs[1..] {
+                v = em.op(
+                    Op::Add {},
+                    &[v, x],
+                    &format!(
+                        "{what}{tag}: this micro-batch's gradient of {}",
+                        &s.output[GRAD_PREFIX.len()..]
+                    ),
+                )?;
+            }
+            v = em.flat_const(v, n, &format!("{what}{tag}"))?;
+            if chunk * z != n {
+                let pad = em.op(
+                    Op::Full {
+                        value: Float(0.0),
+                        ty: TensorType::new(b.dtype, vec![Dim::from(chunk * z - n)]),
+                    },
+                    &[],
+                    &format!(
+                        "{what}{tag}: padding to a multiple of the {} group's {z} ranks",
+                        b.group.name()
+                    ),
+                )?;
+                v = em.op(
+                    Op::Concat { dim: 0 },
+                    &[v, pad],
+                    &format!("{what}{tag}: pad"),
+                )?;
+            }
+            rows.push(em.op(
                 Op::Reshape {
-                    shape: vec![Dim::from(n)],
+                    shape: vec![Dim::from(z), Dim::from(chunk)],
                 },
                 &[v],
-                format!("{what}: flatten"),
-            )?;
+                &format!(
+                    "{what}{tag}: one chunk per rank of the {} group",
+                    b.group.name()
+                ),
+            )?);
         }
-        if chunk * dp_size != n {
-            let z = add1(
-                g,
-                Op::Full {
-                    value: Float(0.0),
-                    ty: TensorType::new(b.dtype, vec![Dim::from(chunk * dp_size - n)]),
-                },
-                &[],
-                format!("{what}: padding to a multiple of dp={dp_size}"),
-            )?;
-            v = add1(g, Op::Concat { dim: 0 }, &[v, z], format!("{what}: pad"))?;
-        }
-        rows.push(add1(
-            g,
-            Op::Reshape {
-                shape: vec![dpd.clone(), Dim::from(chunk)],
-            },
-            &[v],
-            format!("{what}: one chunk per dp rank"),
-        )?);
+        let flat = if rows.len() == 1 {
+            rows[0]
+        } else {
+            em.op(
+                Op::Concat { dim: 1 },
+                &rows,
+                &format!("{what}{tag}: coalesce, rank-major"),
+            )?
+        };
+        let part = em.reduce_scatter(&b.group, flat, &format!("{what}{tag}"))?;
+        collectives += b.group.axes.len() as u64;
+        shard = Some(match shard {
+            None => part,
+            Some(acc) => em.op(
+                Op::Add {},
+                &[acc, part],
+                &format!("{what}{tag}: accumulate the shard (reduce_scatter is linear)"),
+            )?,
+        });
+        em_at = em.at;
     }
-    let total: i64 = chunks.iter().map(|c| c.as_const().unwrap()).sum();
-    let mut flat = if rows.len() == 1 {
-        rows[0]
-    } else {
-        add1(
-            g,
-            Op::Concat { dim: 1 },
-            &rows,
-            format!("{what}: coalesce, rank-major"),
-        )?
+    let mut em = Emitter {
+        pass: NAME,
+        at: em_at,
+        meta: NodeMeta::default(),
+        g,
     };
-    let reason = format!("{what}: ZeRO reduce_scatter over dp, sum (the loss is the global mean over valid tokens), {} bytes", b.bytes);
-    flat = add1(
-        g,
-        Op::ReduceScatter {
-            axis: DP.into(),
-            dim: 0,
-            op: ReduceOp::Sum,
-        },
-        &[flat],
-        reason,
+    let mesh = em.g.mesh.clone();
+    let shard = reduce_others(
+        &mut em,
+        b,
+        &b.group,
+        shard.expect("one round"),
+        &what,
+        &mesh,
+        &mut collectives,
     )?;
-    collectives += 1;
-    // [dp_size/dp, total]: the one row this rank keeps (the slice gives its size as a constant).
-    flat = add1(
-        g,
-        Op::Slice {
-            dim: 0,
-            start: Dim::zero(),
-            len: Dim::from(1),
-        },
-        &[flat],
-        format!("{what}: this rank's row"),
-    )?;
-    let mut shard = add1(
-        g,
-        Op::Reshape {
-            shape: vec![Dim::from(total)],
-        },
-        &[flat],
-        format!("{what}: this rank's shard"),
-    )?;
-    shard = reduce_others(g, shard, &mut collectives)?;
+    let chunk_dims: Vec<Dim> = chunks.iter().map(|c| Dim::from(*c)).collect();
     if shards_out {
         let parts = if b.members.len() == 1 {
             vec![shard]
         } else {
-            add(
-                g,
+            em.ops(
                 Op::Split {
                     dim: 0,
-                    sizes: chunks.clone(),
+                    sizes: chunk_dims.clone(),
                 },
                 &[shard],
-                format!("{what}: each parameter's chunk"),
+                &format!("{what}: each parameter's chunk"),
             )?
         };
         for (s, p) in b.members.iter().zip(parts) {
-            let out = format!("{SHARD_PREFIX}{}", &s.output[GRAD_PREFIX.len()..]);
-            g.set_output(&out, p);
-            g.add_output_split(&out, 0, DP);
+            let param = &s.output[GRAD_PREFIX.len()..];
+            let out = format!("{SHARD_PREFIX}{param}");
+            em.g.set_output(&out, p);
+            let pparts = em.g.param_partition(param).to_vec();
+            crate::zero::split_output(em.g, &out, &pparts, &b.group);
+        }
+    }
+    // ZeRO-3 parameters (rows of dim 0 per rank) return their gradient as those rows,
+    // partitioned like the parameter; the others the whole gradient.
+    let stage3: Vec<bool> = b
+        .members
+        .iter()
+        .map(|s| {
+            let param = &s.output[GRAD_PREFIX.len()..];
+            zero3
+                && ZeroGroup::of_param(em.g, param) == b.group
+                && crate::zero::stage3_rows(&em.g.mesh, em.g.ty(s.local), &b.group).is_some()
+        })
+        .collect();
+    if stage3.iter().any(|x| *x) {
+        let parts = if b.members.len() == 1 {
+            vec![shard]
+        } else {
+            em.ops(
+                Op::Split {
+                    dim: 0,
+                    sizes: chunk_dims.clone(),
+                },
+                &[shard],
+                &format!("{what}: each parameter's rows"),
+            )?
+        };
+        for ((s, p), _) in b
+            .members
+            .iter()
+            .zip(parts)
+            .zip(&stage3)
+            .filter(|(_, x)| **x)
+        {
+            let mut shape = em.g.ty(s.local).shape.clone();
+            let rows =
+                crate::zero::stage3_rows(&em.g.mesh, em.g.ty(s.local), &b.group).expect("checked");
+            shape[0] = Dim::from(rows);
+            let v = em.unflat(
+                p,
+                &shape,
+                &format!("{what}: ZeRO-3 rows of {}", &s.output[GRAD_PREFIX.len()..]),
+            )?;
+            em.g.set_output(&s.output, v);
+        }
+        if stage3.iter().all(|x| *x) {
+            return Ok((collectives, dead));
         }
     }
     // The whole gradients for the grad outputs.
-    let whole = add1(
-        g,
-        Op::Reshape {
-            shape: vec![Dim::from(1), Dim::from(total)],
-        },
-        &[shard],
-        format!("{what}: gather the shards"),
-    )?;
-    let whole = add1(g, Op::AllGather { axis: DP.into(), dim: 0 }, &[whole], format!("{what}: the whole gradient for the grad outputs (the sharded optimizer reads the shard)"))?;
+    let whole = em.all_gather(&b.group, shard, &format!("{what}: the whole gradient for the grad outputs (the sharded optimizer reads the shard)"))?;
     let parts = if b.members.len() == 1 {
         vec![whole]
     } else {
-        add(
-            g,
+        em.ops(
             Op::Split {
                 dim: 1,
-                sizes: chunks.clone(),
+                sizes: chunk_dims,
             },
             &[whole],
-            format!("{what}: back to parameters"),
+            &format!("{what}: back to parameters"),
         )?
     };
-    for ((s, p), c) in b.members.iter().zip(parts).zip(&chunks) {
-        let t = g.ty(s.local).clone();
-        let n = numel(&t);
+    for (((s, p), (&n, &c)), _) in b
+        .members
+        .iter()
+        .zip(parts)
+        .zip(sizes.iter().zip(&chunks))
+        .zip(&stage3)
+        .filter(|(_, x)| !**x)
+    {
+        let t = em.g.ty(s.local).clone();
         let name = &s.output[GRAD_PREFIX.len()..];
-        let flat = add1(
-            g,
+        let mut v = em.op(
             Op::Reshape {
-                shape: vec![Dim::sym(DP) * c.clone()],
+                shape: vec![b.group.size_dim() * Dim::from(c)],
             },
             &[p],
-            format!("{what}: {name}"),
+            &format!("{what}: {name}"),
         )?;
-        let flat = add1(
-            g,
+        // Less the padding (the slice also gives the size as a constant).
+        v = em.op(
             Op::Slice {
                 dim: 0,
                 start: Dim::zero(),
-                len: n,
+                len: Dim::from(n),
             },
-            &[flat],
-            format!("{what}: {name} without padding"),
+            &[v],
+            &format!("{what}: {name} without padding"),
         )?;
-        let v = if t.rank() == 1 {
-            flat
-        } else {
-            add1(
-                g,
-                Op::Reshape {
-                    shape: t.shape.clone(),
-                },
-                &[flat],
-                format!("{what}: {name}"),
-            )?
-        };
-        g.set_output(&s.output, v);
+        v = em.unflat(v, &t.shape, &format!("{what}: {name}"))?;
+        em.g.set_output(&s.output, v);
     }
-    Ok(collectives)
+    Ok((collectives, dead))
 }
 
 fn summarize(names: &[&str]) -> String {

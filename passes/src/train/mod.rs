@@ -12,3 +12,4 @@ pub mod micro_batches;
 pub mod offload;
 pub mod optimizer;
 pub mod training;
+pub mod zero;

@@ -11,12 +11,17 @@
 //! `param.<name>` (the updated parameter, in its dtype) and every updated state under
 //! its own name, so a driver feeds them back (see `weft run`).
 //!
-//! ZeRO-1 (`zero1` with a `dp` axis): the state and master weights are sharded over
-//! `dp`. Each rank flattens the parameter and its gradient, pads them to a multiple of
-//! `dp`, updates its `1/dp` chunk (`slice` at `@dp`) and the chunks are `all_gather`ed
-//! back into the parameter; the state is partitioned (`zero dp dim=0`) and returned per
-//! rank, split over `dp`. After `grad-sync`'s ZeRO-2 `reduce_scatter` the chunk of the
-//! gradient is the `grad_shard.<name>` it returns (no gather, no slice).
+//! ZeRO-1 (`zero1`): the state and master weights are sharded over the parameter's
+//! data-parallel group (`zero::ZeroGroup`: dp x sp for dense parameters, edp for
+//! experts, of `Z` ranks), also for a parameter tp or ep split first (its local shard
+//! is what is sharded). Each rank flattens the parameter and its gradient, pads them
+//! to a multiple of `Z`, updates its `1/Z` chunk (`slice` at its group index) and the
+//! chunks are `all_gather`ed back into the parameter; the state is flat, partitioned
+//! (the parameter's own split axes as blocks of the flat tensor, then `zero <axis>
+//! dim=0` per group axis) and returned per rank, split the same way. After
+//! `grad-sync`'s ZeRO-2 `reduce_scatter` the chunk of the gradient is the
+//! `grad_shard.<name>` it returns (no gather, no slice). A parameter whose local size
+//! differs per rank (an uneven tp split) keeps its state whole (`unsharded_uneven`).
 //!
 //! Placement: each parameter's update runs inside the backward, right after its
 //! gradient is final (its grad-sync bucket reduced) and the old weight's last read, as
@@ -26,9 +31,10 @@
 //! is freed once its update has read it instead of living to the end of the step.
 
 use crate::autodiff::GRAD_PREFIX;
-use crate::pass::{Pass, PassContext, PassError, PassResult, DP};
+use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::training::Optimizer;
 use crate::util::build_error;
+use crate::zero::ZeroGroup;
 use weft_ir::{
     At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Partition, Provenance, Role, TensorType,
     Value,
@@ -61,6 +67,9 @@ impl Pass for OptimizerPass {
             "master_weights",
             "state_tensors",
             "sharded",
+            "unsharded_uneven",
+            "stage3_params",
+            "stage3_whole",
             "dead_nodes",
         ] {
             res.count(k, 0);
@@ -71,8 +80,7 @@ impl Pass for OptimizerPass {
         if g.outputs().iter().any(|(n, _)| n.starts_with(PARAM_PREFIX)) {
             return Ok(res); // already has an update
         }
-        let dp = cx.mesh.size(DP).unwrap_or(1) as i64;
-        let zero = cx.options.train.zero1 && dp > 1;
+        let zero = cx.options.train.zero1;
         let mut w = Writer {
             g: &mut *g,
             meta: NodeMeta::default(),
@@ -104,13 +112,36 @@ impl Pass for OptimizerPass {
             if !pty.dtype.is_float() {
                 continue;
             }
-            // ZeRO-1 shards replicated parameters; a partitioned one (tensor or expert
-            // parallel) keeps its state partitioned like itself.
-            let shard = zero && w.g.param_partition(&name).is_empty();
+            // ZeRO-1 shards the (local) parameter over its data-parallel group.
+            let mut group = ZeroGroup::of_param(w.g, &name);
+            if !zero || crate::zero::local_numel(&w.g.mesh, &pty).is_none() {
+                if zero && !group.is_empty() {
+                    res.count("unsharded_uneven", 1);
+                }
+                group = ZeroGroup::default();
+            }
             w.meta.source = w.g.node(w.g.def(pv)).meta.source.clone();
+            // ZeRO-3: the parameter itself becomes this rank's rows, gathered per use.
+            let mut pv = pv;
+            let mut stage3 = false;
+            if cx.options.train.zero3 {
+                match crate::zero::stage3_rows(&w.g.mesh, &pty, &group) {
+                    Some(rows) => {
+                        pv = crate::zero::shard_param(w.g, NAME, &name, &group, rows)?;
+                        stage3 = true;
+                        res.count("stage3_params", 1);
+                    }
+                    None if !group.is_empty() => {
+                        res.count("stage3_whole", 1);
+                    }
+                    None => {}
+                }
+            }
             let first = w.g.nodes().len();
             let master = cx.options.train.master_weights;
-            let new = w.update(&name, pv, gv, step, &opt, shard, dp, master, &mut res)?;
+            let new = w.update(
+                &name, pv, &pty, stage3, gv, step, &opt, &group, master, &mut res,
+            )?;
             groups.push((pv, w.g.nodes()[first..].to_vec()));
             w.g.set_output(&format!("{PARAM_PREFIX}{name}"), new);
             updated.push(name);
@@ -229,13 +260,14 @@ impl Writer<'_> {
         });
     }
 
-    /// A state parameter `optim.<kind>.<name>` of type `ty` (sharded over dp when `shard`).
+    /// A state parameter `optim.<kind>.<name>` of type `ty`: partitioned like the
+    /// parameter, or flat and sharded over `group` (of `chunk`-element shards).
     fn state(
         &mut self,
         kind: &str,
         name: &str,
         ty: &TensorType,
-        shard: Option<i64>,
+        shard: Option<(&ZeroGroup, i64)>,
         res: &mut PassResult,
     ) -> Result<Value, PassError> {
         let sname = format!("{STATE_PREFIX}{kind}.{name}");
@@ -246,14 +278,14 @@ impl Writer<'_> {
             },
             &[],
         )?;
-        if let Some(dp) = shard {
-            let local = ty.shape[0].as_const().unwrap_or(0);
-            self.g.add_param_partition(
-                &sname,
-                Partition::simple("zero", DP, 0, vec![local; dp as usize]),
-            );
+        let own = own_partitions(self.g, name);
+        if let Some((group, chunk)) = shard {
+            let flat = crate::zero::flat_param_partitions(&self.g.mesh, &own, group.size() * chunk);
+            for p in group.flat_partitions(flat, chunk) {
+                self.g.add_param_partition(&sname, p);
+            }
         } else {
-            for p in self.g.param_partition(name).to_vec() {
+            for p in own {
                 self.g.add_param_partition(&sname, p);
             }
         }
@@ -261,11 +293,12 @@ impl Writer<'_> {
         Ok(v)
     }
 
-    fn state_out(&mut self, kind: &str, name: &str, v: Value, shard: bool) {
+    fn state_out(&mut self, kind: &str, name: &str, v: Value, shard: Option<&ZeroGroup>) {
         let out = format!("{STATE_PREFIX}{kind}.{name}");
         self.g.set_output(&out, v);
-        if shard {
-            self.g.add_output_split(&out, 0, DP);
+        if let Some(group) = shard {
+            let own = own_partitions(self.g, name);
+            crate::zero::split_output(self.g, &out, &own, group);
         }
     }
 
@@ -274,15 +307,16 @@ impl Writer<'_> {
         &mut self,
         name: &str,
         p: Value,
+        pty: &TensorType,
+        stage3: bool,
         grad: Value,
         step: Value,
         opt: &Optimizer,
-        shard: bool,
-        dp: i64,
+        group: &ZeroGroup,
         master_weights: bool,
         res: &mut PassResult,
     ) -> Result<Value, PassError> {
-        let pty = self.g.ty(p).clone();
+        let pty = pty.clone();
         let low = pty.dtype != DType::F32 && pty.dtype != DType::F64;
         // The dtype the update and its states work in.
         let fdt = if pty.dtype == DType::F64 || (low && !master_weights) {
@@ -292,11 +326,13 @@ impl Writer<'_> {
         };
         // What the update works on: the whole tensor, or this rank's chunk of it flattened.
         let n = pty.numel();
-        let (work_ty, shard_len) = if shard {
-            let Some(total) = n.as_const() else {
+        let dp = group.size();
+        let gname = group.name();
+        let (work_ty, shard_len) = if !group.is_empty() {
+            let Some(total) = crate::zero::local_numel(&self.g.mesh, &pty) else {
                 return Err(PassError::rewrite(
                     NAME,
-                    format!("`{NAME}` cannot shard `{name}` over dp"),
+                    format!("`{NAME}` cannot shard `{name}` over {gname}"),
                     format!("param `{name}`"),
                     format!("its size `{n}` is not a constant"),
                 ));
@@ -313,16 +349,17 @@ impl Writer<'_> {
             let Some((total, chunk)) = shard_len else {
                 return Ok(v);
             };
-            w.why(format!("ZeRO-1: this rank's 1/{dp} of `{name}`'s {what}"));
-            let flat = if w.g.ty(v).rank() == 1 {
-                v
-            } else {
-                w.op(
-                    Op::Reshape {
-                        shape: vec![Dim::from(total)],
-                    },
-                    &[v],
-                )?
+            w.why(format!(
+                "ZeRO-1: this rank's 1/{dp} of `{name}`'s {what} (group {gname})"
+            ));
+            let flat = {
+                let mut em = crate::zero::Emitter {
+                    pass: NAME,
+                    at: At::End,
+                    meta: w.meta.clone(),
+                    g: &mut *w.g,
+                };
+                em.flat_const(v, total, &format!("ZeRO-1: `{name}`'s {what}"))?
             };
             let pad = chunk * dp - total;
             let flat = if pad > 0 {
@@ -340,13 +377,14 @@ impl Writer<'_> {
             w.op(
                 Op::Slice {
                     dim: 0,
-                    start: Dim::coord(DP) * Dim::from(chunk),
+                    start: group.index() * Dim::from(chunk),
                     len: Dim::from(chunk),
                 },
                 &[flat],
             )
         };
-        let sh = shard_len.map(|_| dp);
+        let sh = shard_len.map(|(_, chunk)| (group, chunk));
+        let sh_out = shard_len.map(|_| group);
         // The f32 weights the update reads: the param, or its master copy.
         let master = if low && master_weights {
             res.count("master_weights", 1);
@@ -360,6 +398,23 @@ impl Writer<'_> {
         };
         let w32 = match master {
             Some(m) => m,
+            None if stage3 => {
+                // The parameter is already this rank's rows: its chunk, flat.
+                let (_, chunk) = shard_len.expect("stage 3 shards");
+                let mut em = crate::zero::Emitter {
+                    pass: NAME,
+                    at: At::End,
+                    meta: self.meta.clone(),
+                    g: &mut *self.g,
+                };
+                let v = em.flat_const(p, chunk, &format!("ZeRO-3: `{name}`"))?;
+                if self.g.ty(v).dtype == fdt {
+                    v
+                } else {
+                    self.why(format!("`{name}` in {fdt}"));
+                    self.op(Op::Cast { dtype: fdt }, &[v])?
+                }
+            }
             None => chunk_of(self, p, "weights")?,
         };
         // Under ZeRO-2, grad-sync left this rank's chunk of the reduced gradient.
@@ -406,8 +461,8 @@ impl Writer<'_> {
                     },
                     &[w32, g, m, v, step],
                 )?;
-                self.state_out("m", name, r[1], sh.is_some());
-                self.state_out("v", name, r[2], sh.is_some());
+                self.state_out("m", name, r[1], sh_out);
+                self.state_out("v", name, r[2], sh_out);
                 r[0]
             }
             Optimizer::Sgd {
@@ -429,7 +484,7 @@ impl Writer<'_> {
                         },
                         &[w32, g, b],
                     )?;
-                    self.state_out("buf", name, r[1], sh.is_some());
+                    self.state_out("buf", name, r[1], sh_out);
                     r[0]
                 } else {
                     self.op(
@@ -444,24 +499,55 @@ impl Writer<'_> {
             }
         };
         if master.is_some() {
-            self.state_out("master", name, new32, sh.is_some());
+            self.state_out("master", name, new32, sh_out);
         }
-        // Back to the whole parameter in its dtype.
+        // Back to the whole parameter in its dtype (cast first: the gather moves the
+        // parameter's dtype, bf16 under mixed precision, not the f32 master).
         let mut whole = new32;
+        if pty.dtype != fdt {
+            self.why(format!("`{name}` back in {}", pty.dtype));
+            whole = self.op(Op::Cast { dtype: pty.dtype }, &[whole])?;
+        }
+        if stage3 {
+            // ZeRO-3: the updated rows are the new parameter (no gather).
+            res.count("sharded", 1);
+            let shard_shape = self.g.ty(p).shape.clone();
+            let mut em = crate::zero::Emitter {
+                pass: NAME,
+                at: At::End,
+                meta: self.meta.clone(),
+                g: &mut *self.g,
+            };
+            return em.unflat(
+                whole,
+                &shard_shape,
+                &format!("ZeRO-3: `{name}`'s updated rows"),
+            );
+        }
         if let Some((total, chunk)) = shard_len {
             res.count("sharded", 1);
             self.why(format!(
                 "ZeRO-1: every rank's updated chunk of `{name}`, {} bytes",
-                chunk * dp * fdt.size_bytes() as i64
+                chunk * dp * pty.dtype.size_bytes() as i64
             ));
+            let mut em = crate::zero::Emitter {
+                pass: NAME,
+                at: weft_ir::At::End,
+                meta: self.meta.clone(),
+                g: &mut *self.g,
+            };
+            whole = em.all_gather(
+                group,
+                whole,
+                &format!("ZeRO-1: every rank's updated chunk of `{name}`"),
+            )?;
             whole = self.op(
-                Op::AllGather {
-                    axis: DP.into(),
-                    dim: 0,
+                Op::Reshape {
+                    shape: vec![group.size_dim() * Dim::from(chunk)],
                 },
                 &[whole],
             )?;
-            // `chunk*dp` elements, less the padding (also gives the size as a constant).
+            // Less the padding (the slice also gives the size as a constant).
             whole = self.op(
                 Op::Slice {
                     dim: 0,
@@ -470,18 +556,13 @@ impl Writer<'_> {
                 },
                 &[whole],
             )?;
-            if pty.rank() != 1 {
-                whole = self.op(
-                    Op::Reshape {
-                        shape: pty.shape.clone(),
-                    },
-                    &[whole],
-                )?;
-            }
-        }
-        if pty.dtype != fdt {
-            self.why(format!("`{name}` back in {}", pty.dtype));
-            whole = self.op(Op::Cast { dtype: pty.dtype }, &[whole])?;
+            let mut em = crate::zero::Emitter {
+                pass: NAME,
+                at: At::End,
+                meta: self.meta.clone(),
+                g: &mut *self.g,
+            };
+            whole = em.unflat(whole, &pty.shape, &format!("ZeRO-1: `{name}`"))?;
         }
         Ok(whole)
     }
@@ -524,7 +605,16 @@ pub fn initial_state(
                 let w = weights.get(param).ok_or_else(|| {
                     format!("no weight for `{param}`, whose master copy `{sname}` starts from it")
                 })?;
-                let mut d = w.to_f64();
+                let flat_sharded = g.param_partition(&sname).iter().any(|p| p.kind == "zero");
+                let own_v = own_partitions(g, param);
+                let own = own_v.as_slice();
+                let mut d = if flat_sharded && !own.is_empty() {
+                    // One padded block per shard of the parameter, in its split order.
+                    let blocks = n / own_shards(g, own);
+                    flat_blocks(w, own, &g.mesh, blocks)?
+                } else {
+                    w.to_f64()
+                };
                 if d.len() > n {
                     return Err(format!(
                         "`{param}` has {} elements but its master copy {n}",
@@ -539,4 +629,168 @@ pub fn initial_state(
         out.insert(sname.clone(), HostTensor::floats(ty.dtype, shape, data));
     }
     Ok(out)
+}
+
+/// The number of shards a parameter's partitions cut it into (one per combination of
+/// coordinates on its split axes).
+fn own_shards(g: &Graph, parts: &[Partition]) -> usize {
+    let mut axes: Vec<&str> = Vec::new();
+    for p in parts {
+        if !axes.contains(&p.axis.as_str()) {
+            axes.push(&p.axis);
+        }
+    }
+    axes.iter()
+        .map(|a| g.mesh.size_or_one(a) as usize)
+        .product()
+}
+
+/// The flat state layout of a split parameter: for every combination of coordinates on
+/// its split axes (row-major, in the partitions' order), that shard of `w` flattened
+/// and zero-padded to `block` elements.
+fn flat_blocks(
+    w: &weft_ir::HostTensor,
+    parts: &[Partition],
+    mesh: &weft_ir::Mesh,
+    block: usize,
+) -> Result<Vec<f64>, String> {
+    let data = w.to_f64();
+    let mut out = Vec::new();
+    for idx in block_indices(&w.shape, parts, mesh, block)? {
+        out.extend(idx.iter().map(|&i| i.map_or(0.0, |i| data[i])));
+    }
+    Ok(out)
+}
+
+/// For each block of the flat state layout of a parameter of `shape` split by `parts`
+/// (see [`flat_blocks`]), the flat index in the whole parameter of each of its
+/// `block` elements (`None` for padding).
+fn block_indices(
+    shape: &[usize],
+    parts: &[Partition],
+    mesh: &weft_ir::Mesh,
+    block: usize,
+) -> Result<Vec<Vec<Option<usize>>>, String> {
+    let mut axes: Vec<(String, u32)> = Vec::new();
+    for p in parts {
+        if !axes.iter().any(|(a, _)| a == &p.axis) {
+            axes.push((p.axis.clone(), mesh.size_or_one(&p.axis)));
+        }
+    }
+    let mut strides = vec![1usize; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    let count: u32 = axes.iter().map(|(_, n)| n).product();
+    let mut out = Vec::with_capacity(count as usize);
+    for k in 0..count {
+        // Coordinates of combination k, row-major.
+        let mut coords = vec![0u32; axes.len()];
+        let mut r = k;
+        for (i, (_, n)) in axes.iter().enumerate().rev() {
+            coords[i] = r % n;
+            r /= n;
+        }
+        let mut maps: Vec<Vec<usize>> = shape.iter().map(|&n| (0..n).collect()).collect();
+        for p in parts {
+            let i = axes.iter().position(|(a, _)| a == &p.axis).expect("listed");
+            let cur = maps
+                .get(p.dim)
+                .ok_or_else(|| format!("partition `{p}` splits dim {} of {shape:?}", p.dim))?;
+            if p.full_size() as usize != cur.len() || coords[i] as usize >= p.ranks() {
+                return Err(format!(
+                    "partition `{p}` does not fit dim {} of {shape:?}",
+                    p.dim
+                ));
+            }
+            let mut next = Vec::new();
+            for (s, e) in p.ranges(coords[i] as usize) {
+                next.extend_from_slice(&cur[s as usize..e as usize]);
+            }
+            maps[p.dim] = next;
+        }
+        let local: usize = maps.iter().map(Vec::len).product();
+        if local > block {
+            return Err(format!(
+                "a shard of {local} elements does not fit its state block of {block}"
+            ));
+        }
+        let mut one = Vec::with_capacity(block);
+        let mut idx = vec![0usize; shape.len()];
+        for _ in 0..local {
+            one.push(Some(
+                idx.iter()
+                    .enumerate()
+                    .map(|(d, &c)| maps[d][c] * strides[d])
+                    .sum(),
+            ));
+            for d in (0..shape.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < maps[d].len() {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        one.resize(block, None);
+        out.push(one);
+    }
+    Ok(out)
+}
+
+/// A whole state tensor (as a step returns it, `optim.<kind>.<param>`) in the layout of
+/// its parameter (`shape`): a ZeRO-sharded state is flat, padded and, for a split
+/// parameter, blocked by shard; others are returned unchanged. For comparing states
+/// across meshes and resharding them.
+pub fn state_as_param(
+    g: &Graph,
+    state: &str,
+    t: &weft_ir::HostTensor,
+    shape: &[usize],
+) -> Result<weft_ir::HostTensor, String> {
+    let sharded = g.param_partition(state).iter().any(|p| p.kind == "zero");
+    let param = state
+        .strip_prefix(STATE_PREFIX)
+        .and_then(|r| r.split_once('.'))
+        .map(|(_, p)| p)
+        .ok_or_else(|| format!("`{state}` is not an optimizer state"))?;
+    if !sharded {
+        return Ok(t.clone());
+    }
+    let own_v = own_partitions(g, param);
+    let own = own_v.as_slice();
+    let data = t.to_f64();
+    let n: usize = shape.iter().product();
+    let mut out = vec![0.0; n];
+    if own.is_empty() {
+        if data.len() < n {
+            return Err(format!(
+                "`{state}` has {} elements, fewer than its parameter's {n}",
+                data.len()
+            ));
+        }
+        out.copy_from_slice(&data[..n]);
+    } else {
+        let blocks = data.len() / own_shards(g, own);
+        for (k, idx) in block_indices(shape, own, &g.mesh, blocks)?
+            .iter()
+            .enumerate()
+        {
+            for (j, i) in idx.iter().enumerate() {
+                if let Some(i) = i {
+                    out[*i] = data[k * blocks + j];
+                }
+            }
+        }
+    }
+    Ok(weft_ir::HostTensor::floats(t.dtype, shape.to_vec(), out))
+}
+
+/// A parameter's own partitions (tensor, expert), without the ZeRO-3 split of its rows.
+fn own_partitions(g: &Graph, name: &str) -> Vec<Partition> {
+    g.param_partition(name)
+        .iter()
+        .filter(|p| p.kind != "zero")
+        .cloned()
+        .collect()
 }

@@ -210,12 +210,18 @@ pub struct TrainOptions {
     pub offload: Option<OffloadOptions>,
     /// `grad-sync`: bucket size in bytes (DeepSpeed's reduce_bucket_size, 500 MB).
     pub bucket_bytes: u64,
-    /// `grad-sync`: ZeRO-style `reduce_scatter` over `dp` instead of `all_reduce`.
+    /// `grad-sync`: ZeRO-style `reduce_scatter` over each parameter's data-parallel
+    /// group instead of `all_reduce`.
     pub reduce_scatter: bool,
     /// `optimizer`: the update, or `None` for a step that stops at the gradients.
     pub optimizer: Option<Optimizer>,
-    /// `optimizer`: shard the optimizer states (and master weights) over `dp` (ZeRO-1).
+    /// `optimizer`: shard the optimizer states (and master weights) over each
+    /// parameter's data-parallel group (ZeRO-1; `zero::ZeroGroup`).
     pub zero1: bool,
+    /// `optimizer`: ZeRO-3, also shard the parameters themselves (by rows of dim 0),
+    /// gathered before each forward and backward region that reads them. Needs
+    /// `zero1` and `reduce_scatter`.
+    pub zero3: bool,
     /// `optimizer`: low-precision (bf16, f16) parameters get f32 master weights and f32
     /// states (mixed precision). Off, the update runs on the parameter itself with states
     /// in its dtype, as `torch.optim.AdamW` does on a bf16 model.
@@ -241,6 +247,7 @@ impl Default for TrainOptions {
             reduce_scatter: false,
             optimizer: None,
             zero1: false,
+            zero3: false,
             master_weights: true,
             grad_outputs: true,
             batch: None,

@@ -549,6 +549,13 @@ pub fn tune_allocator() -> bool {
 /// Which rank holds each block of a split: for split axes' coordinates `cs`, the rank
 /// with those coordinates and 0 on every other axis.
 fn rank_with(mesh: &weft_ir::Mesh, fixed: &[(String, u32)]) -> u32 {
+    if fixed.iter().any(|(a, _)| weft_ir::mesh::is_derived(a)) {
+        // Derived axes (ep, edp) regroup the others' ranks: search by coordinates.
+        let want: Vec<(&str, u32)> = fixed.iter().map(|(a, c)| (a.as_str(), *c)).collect();
+        if let Some(r) = mesh.rank_with(&want) {
+            return r;
+        }
+    }
     let coords: Vec<u32> = mesh
         .axes
         .iter()

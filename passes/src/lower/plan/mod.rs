@@ -164,6 +164,10 @@ fn category(g: &Graph, v: Value, output_names: &BTreeMap<Value, Vec<String>>) ->
 /// logits' bytes when the logits die there (not when the step returns them).
 pub const ELEMENTWISE_IN_PLACE: &[&str] = &["cross_entropy_grad"];
 
+/// How many compute instructions ahead of its place a ZeRO-3 parameter gather may
+/// start (about a transformer layer's forward).
+const ZERO3_PREFETCH: usize = 48;
+
 /// The compute stream waits for an offload this many copy durations after the copy's
 /// predicted start.
 const OFFLOAD_WAIT_SLACK: f64 = 1.5;
@@ -259,6 +263,7 @@ pub fn lower_with_views(
     let mut finish_of: BTreeMap<u32, f64> = BTreeMap::new(); // buffer -> time it is ready
     let mut producer_instr: BTreeMap<u32, u32> = BTreeMap::new(); // buffer -> instruction
     let mut stream_free = [0.0f64; NS];
+    let mut compute_ids: Vec<u32> = Vec::new();
     let mut offloads_in_flight: Vec<(u32, f64)> = Vec::new(); // (event, predicted end)
     let mut events = 0u32;
     let mut collectives: BTreeMap<String, u64> = BTreeMap::new();
@@ -336,6 +341,32 @@ pub fn lower_with_views(
                 }
             }
         }
+        // A ZeRO-3 parameter gather is prefetched a bounded distance ahead: it waits for
+        // the compute instruction ZERO3_PREFETCH compute instructions before it in
+        // program order, so it overlaps about a layer of compute and at most that much
+        // of gathered parameters is in flight (rather than every gather starting at
+        // the beginning of the step because its shard is ready then).
+        let zero3_gather = stream == 1
+            && nd
+                .meta
+                .provenance
+                .as_ref()
+                .is_some_and(|p| p.reason.starts_with("ZeRO-3: gather"));
+        if zero3_gather && compute_ids.len() >= ZERO3_PREFETCH {
+            let p = compute_ids[compute_ids.len() - ZERO3_PREFETCH] as usize;
+            let e = match instructions[p].signal {
+                Some(e) => e,
+                None => {
+                    instructions[p].signal = Some(events);
+                    events += 1;
+                    events - 1
+                }
+            };
+            if !wait.contains(&e) {
+                wait.push(e);
+            }
+            ready = ready.max(instructions[p].start_s + instructions[p].time_s);
+        }
         // The compute stream waits for an offload once the copy is predicted done, with
         // slack (a copy running late should not stall compute): from there on the
         // offloaded value's device bytes can be reused.
@@ -361,6 +392,9 @@ pub fn lower_with_views(
         for &o in &outputs {
             finish_of.insert(o, start + time);
             producer_instr.insert(o, id);
+        }
+        if stream == 0 {
+            compute_ids.push(id);
         }
         instructions.push(Instruction {
             id,

@@ -1,0 +1,517 @@
+//! `weft plan`'s search: every mesh (dp, sp, tp, ep), ZeRO stage, checkpoint policy,
+//! activation offload and micro-batch count for a model on `N` GPUs, priced by an
+//! analytic model of memory and step time so that thousands of candidates take
+//! milliseconds; the CLI compiles only the finalists (the plan's own estimate then
+//! decides). Deterministic: candidates are enumerated in a fixed order and ties broken
+//! by their text.
+//!
+//! The analytic model, per rank:
+//! - memory: parameters (sharded by tp/ep, and by the ZeRO group at stage 3, plus two
+//!   layers of gathered parameters in flight), gradients (whole, or sharded at stage
+//!   2/3 plus two buckets in flight), optimizer state (f32 master + AdamW moments,
+//!   sharded from stage 1), saved activations per token and layer by checkpoint policy
+//!   (Korthikanti et al.'s accounting for SwiGLU attention blocks with flash attention:
+//!   no S^2 term), the logits and their gradient in f32, one layer's working set;
+//! - time: matmul and attention FLOPs at the profile's rates (recompute adds the
+//!   forward again for `full`), tp and sp (Ulysses) and ep collectives on the critical
+//!   path, gradient reduction and ZeRO gathers overlapped with the backward (only
+//!   what exceeds it is exposed), offload copies over the host link hidden under
+//!   compute. Each collective is priced on NVLink or on the network by where its
+//!   axis lands: ranks are row-major over `dp, sp, tp` (tp innermost), so an axis
+//!   crosses nodes when its stride times its size exceeds the GPUs of a node.
+
+use weft_ir::plan::DeviceProfile;
+
+/// What the search needs to know about a model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelShape {
+    pub name: String,
+    pub layers: u64,
+    pub hidden: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    /// Dense MLP intermediate size.
+    pub ffn: u64,
+    pub vocab: u64,
+    /// Sparse layers and their experts (0 experts: dense).
+    pub moe_layers: u64,
+    pub experts: u64,
+    pub top_k: u64,
+    pub expert_ffn: u64,
+    pub tied: bool,
+    /// Bytes of a parameter (2 for bf16).
+    pub param_bytes: u64,
+}
+
+impl ModelShape {
+    fn attn_params(&self) -> u64 {
+        let q = self.heads * self.head_dim;
+        let kv = self.kv_heads * self.head_dim;
+        self.hidden * (2 * q + 2 * kv)
+    }
+    /// Parameters outside the experts (all layers' attention, dense MLPs, norms,
+    /// embeddings, routers).
+    pub fn dense_params(&self) -> u64 {
+        let dense_layers = self.layers - self.moe_layers;
+        let emb = self.vocab * self.hidden * if self.tied { 1 } else { 2 };
+        self.layers * (self.attn_params() + 2 * self.hidden)
+            + dense_layers * 3 * self.hidden * self.ffn
+            + self.moe_layers * self.hidden * self.experts
+            + emb
+            + self.hidden
+    }
+    pub fn expert_params(&self) -> u64 {
+        self.moe_layers * self.experts * 3 * self.hidden * self.expert_ffn
+    }
+    pub fn params(&self) -> u64 {
+        self.dense_params() + self.expert_params()
+    }
+    /// Parameters a token passes through (matmul FLOPs are 2 per parameter and token).
+    pub fn active_params(&self) -> u64 {
+        let emb = if self.tied {
+            0
+        } else {
+            self.vocab * self.hidden
+        };
+        self.dense_params() - self.vocab * self.hidden * if self.tied { 1 } else { 2 }
+            + emb
+            + self.moe_layers * self.top_k * 3 * self.hidden * self.expert_ffn
+    }
+    /// MLP intermediate width a token's activations span in an average layer.
+    fn ffn_per_token(&self) -> f64 {
+        let dense = (self.layers - self.moe_layers) as f64 * self.ffn as f64;
+        let sparse = self.moe_layers as f64 * (self.top_k * self.expert_ffn) as f64;
+        (dense + sparse) / self.layers as f64
+    }
+}
+
+/// The search's input besides the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SearchSpec {
+    pub gpus: u32,
+    pub gpus_per_node: u32,
+    pub seq: u64,
+    /// Global batch in sequences.
+    pub batch: u64,
+    pub device: DeviceProfile,
+    /// Per-rank memory the plan must fit, bytes.
+    pub device_memory: u64,
+    /// Datasheet dense bf16 peak per GPU for MFU, FLOP/s.
+    pub peak_flops: f64,
+}
+
+/// One point of the search space.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Candidate {
+    pub dp: u32,
+    pub sp: u32,
+    pub tp: u32,
+    pub ep: u32,
+    pub zero: u8,
+    /// `none`, `selective` or `full`.
+    pub checkpoint: &'static str,
+    pub offload: bool,
+    pub micro_batches: u32,
+}
+
+impl Candidate {
+    /// The mesh text (`dp=8,sp=8,tp=8`, `ep` last), axes of size 1 left out.
+    pub fn mesh(&self) -> String {
+        let mut parts = Vec::new();
+        for (a, n) in [("dp", self.dp), ("sp", self.sp), ("tp", self.tp)] {
+            if n > 1 {
+                parts.push(format!("{a}={n}"));
+            }
+        }
+        if self.ep > 1 {
+            if parts.is_empty() {
+                parts.push(format!("dp={}", self.dp));
+            }
+            parts.push(format!("ep={}", self.ep));
+        }
+        parts.join(",")
+    }
+    /// The options as `weft compile` flags.
+    pub fn flags(&self) -> String {
+        let mut f = format!(
+            "--zero {} --checkpoint {} --micro-batches {}",
+            self.zero, self.checkpoint, self.micro_batches
+        );
+        if self.offload {
+            f.push_str(" --offload");
+        }
+        f
+    }
+}
+
+/// Per-rank memory of a candidate, bytes.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct MemoryBreakdown {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    pub activations: u64,
+    pub transient: u64,
+    pub total: u64,
+}
+
+/// Predicted step of a candidate, seconds.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct TimeBreakdown {
+    pub compute: f64,
+    /// Collectives on the critical path (tp, sp, ep) and what of the gradient
+    /// reduction and ZeRO gathers the backward does not hide.
+    pub exposed_comm: f64,
+    /// All communication time, hidden or not.
+    pub comm: f64,
+    pub step: f64,
+    pub tokens_per_s_per_gpu: f64,
+    pub mfu: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scored {
+    pub candidate: Candidate,
+    pub memory: MemoryBreakdown,
+    pub time: TimeBreakdown,
+    pub fits: bool,
+}
+
+fn divisors(n: u64) -> Vec<u64> {
+    (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
+}
+
+/// Whether ranks `stride` apart, `size` of them, span more than one node.
+fn crosses(stride: u64, size: u64, gpus_per_node: u64) -> bool {
+    size > 1 && stride * size > gpus_per_node
+}
+
+/// Ring time of a collective moving `bytes` per rank (already scaled by `(p-1)/p`)
+/// in `steps` latency hops.
+fn link_time(d: &DeviceProfile, inter: bool, bytes: f64, steps: f64) -> f64 {
+    let (bw, lat) = if inter {
+        (d.inter_node_gbps * 1e9, d.inter_node_latency_us * 1e-6)
+    } else {
+        (d.intra_node_gbps * 1e9, d.intra_node_latency_us * 1e-6)
+    };
+    bytes / bw + lat * steps
+}
+
+/// Every candidate, in a fixed order.
+pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
+    let world = s.gpus as u64;
+    let mut out = Vec::new();
+    for tp in divisors(world) {
+        if tp > s.gpus_per_node as u64
+            || !m.heads.is_multiple_of(tp)
+            || (!m.kv_heads.is_multiple_of(tp) && !tp.is_multiple_of(m.kv_heads))
+            || !m.vocab.is_multiple_of(tp)
+        {
+            continue;
+        }
+        for sp in divisors(world / tp) {
+            let heads = m.heads / tp;
+            if !heads.is_multiple_of(sp) || !s.seq.is_multiple_of(sp) {
+                continue;
+            }
+            let dp = world / tp / sp;
+            if !s.batch.is_multiple_of(dp) {
+                continue;
+            }
+            let eps: Vec<u64> = if m.experts > 0 {
+                divisors(m.experts)
+                    .into_iter()
+                    .filter(|e| {
+                        world.is_multiple_of(*e)
+                            && weft_ir::Mesh::parse(&mesh_text(dp, sp, tp, *e)).is_ok()
+                    })
+                    .collect()
+            } else {
+                vec![1]
+            };
+            let per_rank = s.batch / dp;
+            for ep in eps {
+                for zero in 0..=3u8 {
+                    for checkpoint in ["none", "selective", "full"] {
+                        for offload in [false, true] {
+                            let mut mb = 1;
+                            while mb <= per_rank {
+                                if per_rank.is_multiple_of(mb) {
+                                    out.push(Candidate {
+                                        dp: dp as u32,
+                                        sp: sp as u32,
+                                        tp: tp as u32,
+                                        ep: ep as u32,
+                                        zero,
+                                        checkpoint,
+                                        offload,
+                                        micro_batches: mb as u32,
+                                    });
+                                }
+                                mb *= 2;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn mesh_text(dp: u64, sp: u64, tp: u64, ep: u64) -> String {
+    Candidate {
+        dp: dp as u32,
+        sp: sp as u32,
+        tp: tp as u32,
+        ep: ep as u32,
+        zero: 0,
+        checkpoint: "none",
+        offload: false,
+        micro_batches: 1,
+    }
+    .mesh()
+}
+
+/// Prices one candidate.
+pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
+    let d = &s.device;
+    let (dp, sp, tp, ep) = (c.dp as f64, c.sp as f64, c.tp as f64, c.ep as f64);
+    let world = s.gpus as f64;
+    let pb = m.param_bytes as f64;
+    let h = m.hidden as f64;
+    let layers = m.layers as f64;
+    let gpn = s.gpus_per_node as u64;
+    // Where the axes land: row-major dp, sp, tp.
+    let tp_inter = crosses(1, c.tp as u64, gpn);
+    let sp_inter = crosses(c.tp as u64, c.sp as u64, gpn);
+    let dp_inter = crosses((c.tp * c.sp) as u64, c.dp as u64, gpn);
+    let ep_inter = c.ep as u64 > gpn;
+    // ZeRO groups: dense dp x sp, experts edp (world / ep, split over tp too when no ep).
+    let zd = dp * sp;
+    let ze = world / ep / if c.ep > 1 { 1.0 } else { tp };
+    let dense = m.dense_params() as f64 / tp;
+    let expert = m.expert_params() as f64 / ep / if c.ep > 1 { 1.0 } else { tp };
+    let local = dense + expert;
+    let z3 = |n: f64, z: f64| if c.zero >= 3 { n / z } else { n };
+    let z2 = |n: f64, z: f64| if c.zero >= 2 { n / z } else { n };
+    let z1 = |n: f64, z: f64| if c.zero >= 1 { n / z } else { n };
+    let per_layer_params = local / layers;
+    let params = pb * (z3(dense, zd) + z3(expert, ze));
+    let bucket = 500e6_f64.min(local * pb);
+    let grads = pb * (z2(dense, zd) + z2(expert, ze));
+    let opt_per_param = if m.param_bytes < 4 { 12.0 } else { 8.0 };
+    let optimizer = opt_per_param * (z1(dense, zd) + z1(expert, ze));
+    // Activations: tokens per rank per micro-batch.
+    let tokens = (s.batch * s.seq) as f64 / (dp * sp) / c.micro_batches as f64;
+    let ffn = m.ffn_per_token();
+    let kv = (m.kv_heads * m.head_dim) as f64;
+    let q = (m.heads * m.head_dim) as f64;
+    // Bytes saved per token and layer (bf16), tp shards everything but the norms' inputs.
+    let full_layer = 2.0 * ((4.0 * h + 2.0 * q + 2.0 * kv) / tp + 4.0 * ffn / tp + 2.0 * h);
+    let saved_per_layer = match c.checkpoint {
+        "none" => full_layer,
+        "selective" => 2.0 * ((2.0 * h + q + 2.0 * kv) / tp + ffn / tp + 2.0 * h),
+        _ => 2.0 * h,
+    };
+    let kept_layers = if c.offload {
+        1.0_f64.min(layers)
+    } else {
+        layers
+    };
+    let activations = tokens * (saved_per_layer * kept_layers + full_layer);
+    let logits = tokens * m.vocab as f64 / tp * 4.0 * 2.0;
+    let gathered = if c.zero >= 3 {
+        2.0 * per_layer_params * pb
+    } else {
+        0.0
+    };
+    let transient = logits + 2.0 * bucket.min(grads.max(pb * local / zd)) + gathered;
+    let memory = MemoryBreakdown {
+        params: params as u64,
+        grads: grads as u64,
+        optimizer: optimizer as u64,
+        activations: activations as u64,
+        transient: transient as u64,
+        total: (params + grads + optimizer + activations + transient) as u64,
+    };
+    // Compute.
+    let all_tokens = (s.batch * s.seq) as f64;
+    let matmul_model = 6.0 * m.active_params() as f64 * all_tokens;
+    let attn_model = 6.0 * 2.0 * layers * q * s.seq as f64 * all_tokens / 2.0;
+    let recompute = match c.checkpoint {
+        "full" => 1.0 / 3.0,
+        "selective" => 0.05,
+        _ => 0.0,
+    };
+    let compute = (matmul_model * (1.0 + recompute) / world) / (d.matmul_tflops * 1e12)
+        + (attn_model
+            * (1.0
+                + if c.checkpoint == "full" {
+                    1.0 / 3.0
+                } else {
+                    0.0
+                })
+            / world)
+            / (d.attention_tflops * 1e12)
+        + layers * 40.0 * c.micro_batches as f64 * d.kernel_overhead_us * 1e-6;
+    // Critical-path collectives, per micro-batch then times the count.
+    let mb = c.micro_batches as f64;
+    let mut exposed = 0.0;
+    let mut comm = 0.0;
+    let act = tokens * h * 2.0; // one activation per rank, bf16
+    if c.tp > 1 {
+        // Sequence-parallel tp: 2 all_gathers and 2 reduce_scatters a layer forward, as
+        // many backward, each moving the activation of the tp group's tokens.
+        let one = link_time(d, tp_inter, act * tp * (tp - 1.0) / tp, tp - 1.0);
+        let t = 8.0 * layers * one * mb * (1.0 + recompute);
+        exposed += t;
+        comm += t;
+    }
+    if c.sp > 1 {
+        // Ulysses: q, k, v and the output through all_to_all, forward and backward.
+        let bytes = tokens * 2.0 * (2.0 * q + 2.0 * kv) / tp;
+        let t = 2.0
+            * layers
+            * link_time(d, sp_inter, bytes * (sp - 1.0) / sp, sp - 1.0)
+            * mb
+            * (1.0 + if c.checkpoint == "full" { 0.5 } else { 0.0 });
+        exposed += t;
+        comm += t;
+    }
+    if c.ep > 1 && m.moe_layers > 0 {
+        let bytes = tokens * m.top_k as f64 * h * 2.0;
+        let t = 4.0
+            * m.moe_layers as f64
+            * link_time(d, ep_inter, bytes * (ep - 1.0) / ep, ep - 1.0)
+            * mb;
+        exposed += t;
+        comm += t;
+    }
+    // Gradient reduction and ZeRO gathers, hierarchical over sp (inner) then dp.
+    let group_time = |bytes: f64| -> f64 {
+        let mut t = 0.0;
+        if c.sp > 1 {
+            t += link_time(d, sp_inter, bytes * (sp - 1.0) / sp, sp - 1.0);
+        }
+        if c.dp > 1 {
+            t += link_time(d, dp_inter, bytes / sp * (dp - 1.0) / dp, dp - 1.0);
+        }
+        t
+    };
+    let g = local * pb;
+    let dp_comm = if zd <= 1.0 {
+        0.0
+    } else {
+        match c.zero {
+            0 | 1 => 2.0 * group_time(g) + if c.zero == 1 { group_time(g) } else { 0.0 },
+            2 => group_time(g) * mb + group_time(g),
+            _ => group_time(g) * mb * 3.0,
+        }
+    };
+    comm += dp_comm;
+    let backward = compute * 2.0 / 3.0;
+    let hide = if c.zero >= 3 { compute } else { backward };
+    exposed +=
+        (dp_comm - 0.9 * hide).max(0.0) + group_time(bucket.min(g)) * (zd > 1.0) as u8 as f64;
+    if c.offload {
+        let moved = tokens * saved_per_layer * (layers - 1.0) * 2.0 * mb;
+        let t = moved / (d.host_gbps * 1e9);
+        exposed += (t - 0.9 * compute).max(0.0);
+    }
+    let step = compute + exposed;
+    let model_flops = matmul_model + attn_model;
+    let time = TimeBreakdown {
+        compute,
+        exposed_comm: exposed,
+        comm,
+        step,
+        tokens_per_s_per_gpu: all_tokens / step / world,
+        mfu: model_flops / (step * world * s.peak_flops),
+    };
+    Scored {
+        fits: memory.total <= s.device_memory,
+        candidate: c.clone(),
+        memory,
+        time,
+    }
+}
+
+/// Every candidate scored: those that fit first by step time, then the rest by memory;
+/// ties by the candidate's order.
+pub fn search(m: &ModelShape, s: &SearchSpec) -> Vec<Scored> {
+    let mut all: Vec<Scored> = enumerate(m, s).iter().map(|c| score(m, s, c)).collect();
+    all.sort_by(|a, b| {
+        b.fits
+            .cmp(&a.fits)
+            .then(if a.fits {
+                a.time.step.total_cmp(&b.time.step)
+            } else {
+                a.memory.total.cmp(&b.memory.total)
+            })
+            .then(a.candidate.cmp(&b.candidate))
+    });
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama8b() -> ModelShape {
+        ModelShape {
+            name: "llama3-8b".into(),
+            layers: 32,
+            hidden: 4096,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            ffn: 14336,
+            vocab: 128256,
+            moe_layers: 0,
+            experts: 0,
+            top_k: 0,
+            expert_ffn: 0,
+            tied: false,
+            param_bytes: 2,
+        }
+    }
+
+    #[test]
+    fn parameter_counts_match_the_published_sizes() {
+        let p = llama8b().params() as f64 / 1e9;
+        assert!((p - 8.03).abs() < 0.02, "{p}");
+    }
+
+    #[test]
+    fn zero_over_dp_x_sp_shrinks_the_state_and_the_search_is_deterministic() {
+        let spec = SearchSpec {
+            gpus: 8,
+            gpus_per_node: 8,
+            seq: 131072,
+            batch: 8,
+            device: crate::plan::profile::preset("h100").unwrap(),
+            device_memory: 80 << 30,
+            peak_flops: 989e12,
+        };
+        let m = llama8b();
+        let c = |zero| Candidate {
+            dp: 1,
+            sp: 8,
+            tp: 1,
+            ep: 1,
+            zero,
+            checkpoint: "full",
+            offload: false,
+            micro_batches: 8,
+        };
+        let (a, b) = (score(&m, &spec, &c(0)), score(&m, &spec, &c(3)));
+        assert!(b.memory.optimizer * 7 < a.memory.optimizer, "{a:?} {b:?}");
+        assert!(b.memory.params * 7 < a.memory.params);
+        let r1 = search(&m, &spec);
+        let r2 = search(&m, &spec);
+        assert!(r1[0].fits);
+        assert_eq!(r1[0].candidate, r2[0].candidate);
+    }
+}

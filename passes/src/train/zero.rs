@@ -1,0 +1,518 @@
+//! ZeRO's data-parallel group of a parameter and the collectives over it.
+//!
+//! A parameter's data-parallel group is every rank holding the same copy of it after
+//! tensor and expert sharding: the `dp`, `sp` and `cp` ranks for a dense parameter
+//! (sequence- and context-parallel ranks see different tokens of the same weights), the
+//! expert-data-parallel group `edp` for a parameter split over `ep`. ZeRO shards the
+//! optimizer state (stage 1), the gradient (stage 2) and the parameter (stage 3) over
+//! that group, whether or not tensor parallelism split the parameter first (the state
+//! of a tp shard is sharded over its own replicas).
+//!
+//! A group of several axes is addressed row-major, outermost axis first: the rank with
+//! coordinates `(c1, c2)` on axes of sizes `(n1, n2)` holds chunk `c1*n2 + c2`. Its
+//! collectives are hierarchical, one per axis: a `[Z, T]` buffer viewed `[n1, n2, T]`
+//! is `reduce_scatter`ed over the innermost axis first (the fast link moves the whole
+//! buffer, the outer link `1/n2` of it) and `all_gather`ed outermost first; the bytes
+//! each rank sends are those of one flat collective over the `Z = n1*n2` ranks.
+
+use crate::util::build_error;
+use weft_ir::{At, Dim, Graph, Mesh, NodeMeta, Op, Partition, Provenance, ReduceOp, Value};
+
+/// The axes whose ranks see different tokens of the same weights.
+pub const DENSE_DATA_AXES: &[&str] = &["dp", "sp", "cp"];
+
+/// The data-parallel group of one parameter: axes (outermost first) and their sizes;
+/// axes of size 1 are left out, so an empty group means no sharding.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ZeroGroup {
+    pub axes: Vec<(String, i64)>,
+}
+
+impl ZeroGroup {
+    /// The group of parameter `name` in `g`: `edp` for expert parameters (split over
+    /// `ep`), else the dense data axes of the mesh.
+    pub fn of_param(g: &Graph, name: &str) -> ZeroGroup {
+        let expert = g
+            .param_partition(name)
+            .iter()
+            .any(|p| p.axis == weft_ir::mesh::EP);
+        ZeroGroup::for_mesh(&g.mesh, expert)
+    }
+
+    /// The group of a dense (`expert` false) or expert parameter on `mesh`.
+    pub fn for_mesh(mesh: &Mesh, expert: bool) -> ZeroGroup {
+        let wanted: &[&str] = if expert {
+            &[weft_ir::mesh::EDP]
+        } else {
+            DENSE_DATA_AXES
+        };
+        ZeroGroup {
+            axes: mesh
+                .axes
+                .iter()
+                .filter(|(a, n)| *n > 1 && wanted.contains(&a.as_str()))
+                .map(|(a, n)| (a.clone(), *n as i64))
+                .collect(),
+        }
+    }
+
+    /// Keeps the axes in `axes` only (the axes a gradient is actually summed over).
+    pub fn within(mut self, axes: &[String]) -> ZeroGroup {
+        self.axes.retain(|(a, _)| axes.iter().any(|x| x == a));
+        self
+    }
+
+    pub fn size(&self) -> i64 {
+        self.axes.iter().map(|(_, n)| n).product()
+    }
+
+    /// The group size as the product of its axis symbols (what a gather's type says).
+    pub fn size_dim(&self) -> Dim {
+        self.axes
+            .iter()
+            .fold(Dim::from(1), |d, (a, _)| d * Dim::sym(a))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.axes.is_empty()
+    }
+
+    pub fn has(&self, axis: &str) -> bool {
+        self.axes.iter().any(|(a, _)| a == axis)
+    }
+
+    /// This rank's index in the group (row-major over the axes), as a dim.
+    pub fn index(&self) -> Dim {
+        let mut stride = 1i64;
+        let mut out = Dim::zero();
+        for (a, n) in self.axes.iter().rev() {
+            out = out + Dim::coord(a) * Dim::from(stride);
+            stride *= n;
+        }
+        out
+    }
+
+    /// `dp x sp` style name for reports.
+    pub fn name(&self) -> String {
+        self.axes
+            .iter()
+            .map(|(a, _)| a.as_str())
+            .collect::<Vec<_>>()
+            .join("x")
+    }
+
+    /// The sizes of the leading dims of the `[n1, .., nk, rest]` view.
+    fn view(&self, rest: &[Dim]) -> Vec<Dim> {
+        let mut s: Vec<Dim> = self.axes.iter().map(|(_, n)| Dim::from(*n)).collect();
+        s.extend_from_slice(rest);
+        s
+    }
+
+    /// Partitions of a flat `[outer * Z * chunk]` state tensor whose dim 0 is already
+    /// split into `outer` equal blocks by `before` (the parameter's own partitions,
+    /// rewritten for the flat tensor): then over each group axis, outermost first.
+    pub fn flat_partitions(&self, before: Vec<Partition>, chunk: i64) -> Vec<Partition> {
+        let mut out = before;
+        let mut inner = self.size() * chunk;
+        for (a, n) in &self.axes {
+            inner /= n;
+            out.push(Partition::simple("zero", a, 0, vec![inner; *n as usize]));
+        }
+        out
+    }
+}
+
+/// The partitions of a flat state tensor for a parameter split by `parts`: each of the
+/// parameter's split axes becomes a split of the flat tensor's dim 0 into equal blocks
+/// of `block` elements (the flattened, padded local shard), in the same order.
+pub fn flat_param_partitions(mesh: &Mesh, parts: &[Partition], block: i64) -> Vec<Partition> {
+    let mut axes: Vec<(String, i64)> = Vec::new();
+    for p in parts {
+        if !axes.iter().any(|(a, _)| a == &p.axis) {
+            axes.push((p.axis.clone(), mesh.size_or_one(&p.axis) as i64));
+        }
+    }
+    let mut inner: i64 = axes.iter().map(|(_, n)| n).product::<i64>() * block;
+    axes.into_iter()
+        .map(|(a, n)| {
+            inner /= n;
+            Partition::simple("flat", &a, 0, vec![inner; n as usize])
+        })
+        .collect()
+}
+
+/// The element count of a per-rank type with the mesh sizes bound (`4/ep*2048` is
+/// 4096 on `ep=2`); `None` where it differs per rank (an uneven split).
+pub fn local_numel(mesh: &Mesh, t: &weft_ir::TensorType) -> Option<i64> {
+    let mut b = weft_ir::Bindings::new();
+    for (a, n) in &mesh.axes {
+        b = b.with(a, *n as i64);
+    }
+    t.numel().bind(&b).as_const()
+}
+
+/// Inserts nodes after `at`, each carrying `pass`'s provenance with its reason.
+pub(crate) struct Emitter<'a> {
+    pub pass: &'static str,
+    pub at: At,
+    pub meta: NodeMeta,
+    pub g: &'a mut Graph,
+}
+
+impl Emitter<'_> {
+    pub fn op(&mut self, op: Op, xs: &[Value], reason: &str) -> Result<Value, crate::PassError> {
+        Ok(self.ops(op, xs, reason)?[0])
+    }
+    pub fn ops(
+        &mut self,
+        op: Op,
+        xs: &[Value],
+        reason: &str,
+    ) -> Result<Vec<Value>, crate::PassError> {
+        let mut meta = self.meta.clone();
+        meta.provenance = Some(Provenance {
+            pass: self.pass.into(),
+            reason: reason.into(),
+        });
+        let v = self
+            .g
+            .insert_with(self.at, op, xs, meta)
+            .map_err(|e| build_error(self.pass, e))?;
+        if let At::After(_) = self.at {
+            self.at = At::After(self.g.def(v[0]));
+        }
+        Ok(v)
+    }
+
+    /// `x` flattened to `[n]`, `n` its element count as a constant (a slice of the
+    /// flat view gives the size as a constant where the type spells it with mesh sizes).
+    pub fn flat_const(&mut self, x: Value, n: i64, what: &str) -> Result<Value, crate::PassError> {
+        let t = self.g.ty(x).clone();
+        let sym = t.numel();
+        let mut v = x;
+        if t.rank() != 1 {
+            v = self.op(
+                Op::Reshape {
+                    shape: vec![sym.clone()],
+                },
+                &[v],
+                &format!("{what}: flatten"),
+            )?;
+        }
+        if !sym.is_const() {
+            v = self.op(
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::zero(),
+                    len: Dim::from(n),
+                },
+                &[v],
+                &format!("{what}: its {n} elements"),
+            )?;
+        }
+        Ok(v)
+    }
+
+    /// The inverse of [`Emitter::flat_const`]: `[n]` back to `shape`.
+    pub fn unflat(
+        &mut self,
+        x: Value,
+        shape: &[Dim],
+        what: &str,
+    ) -> Result<Value, crate::PassError> {
+        let sym = shape.iter().fold(Dim::from(1), |a, d| a * d.clone());
+        let mut v = x;
+        if !sym.is_const() {
+            v = self.op(
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::zero(),
+                    len: sym,
+                },
+                &[v],
+                &format!("{what}: as the local size"),
+            )?;
+        }
+        if shape.len() != 1 {
+            v = self.op(
+                Op::Reshape {
+                    shape: shape.to_vec(),
+                },
+                &[v],
+                &format!("{what}: reshape"),
+            )?;
+        }
+        Ok(v)
+    }
+
+    /// `[Z, rest..]` (rank-major chunks) reduce-scattered over the group: this rank's
+    /// `[rest..]`, summed over the group's ranks. Innermost axis first.
+    pub fn reduce_scatter(
+        &mut self,
+        group: &ZeroGroup,
+        x: Value,
+        what: &str,
+    ) -> Result<Value, crate::PassError> {
+        let rest: Vec<Dim> = self.g.ty(x).shape[1..].to_vec();
+        let k = group.axes.len();
+        let mut v = if k == 1 {
+            x
+        } else {
+            self.op(
+                Op::Reshape {
+                    shape: group.view(&rest),
+                },
+                &[x],
+                &format!("{what}: one dim per axis of the {} group", group.name()),
+            )?
+        };
+        for (i, (a, _)) in group.axes.iter().enumerate().rev() {
+            let bytes = crate::grad_sync::value_bytes(self.g, v);
+            v = self.op(
+                Op::ReduceScatter {
+                    axis: a.clone(),
+                    dim: i as i64,
+                    op: ReduceOp::Sum,
+                },
+                &[v],
+                &format!(
+                    "{what}: ZeRO reduce_scatter over {a} (group {}), sum (the loss is the global mean over valid tokens), {bytes} bytes",
+                    group.name()
+                ),
+            )?;
+        }
+        // Each group dim is now `n/axis` (1 on every rank): slices give it as a constant.
+        for i in 0..k {
+            v = self.op(
+                Op::Slice {
+                    dim: i as i64,
+                    start: Dim::zero(),
+                    len: Dim::from(1),
+                },
+                &[v],
+                &format!("{what}: this rank's row"),
+            )?;
+        }
+        self.op(
+            Op::Reshape { shape: rest },
+            &[v],
+            &format!("{what}: this rank's shard"),
+        )
+    }
+
+    /// `[rest..]` on every rank of the group all-gathered into `[Z, rest..]`, rank-major.
+    /// Outermost axis first.
+    pub fn all_gather(
+        &mut self,
+        group: &ZeroGroup,
+        x: Value,
+        what: &str,
+    ) -> Result<Value, crate::PassError> {
+        let rest: Vec<Dim> = self.g.ty(x).shape.clone();
+        let ones: Vec<Dim> = group.axes.iter().map(|_| Dim::from(1)).collect();
+        let mut shape = ones;
+        shape.extend_from_slice(&rest);
+        let mut v = self.op(
+            Op::Reshape { shape },
+            &[x],
+            &format!("{what}: one dim per axis of the {} group", group.name()),
+        )?;
+        for (i, (a, _)) in group.axes.iter().enumerate() {
+            let bytes = crate::grad_sync::value_bytes(self.g, v);
+            v = self.op(
+                Op::AllGather {
+                    axis: a.clone(),
+                    dim: i as i64,
+                },
+                &[v],
+                &format!(
+                    "{what}: ZeRO all_gather over {a} (group {}), {bytes} bytes per rank in",
+                    group.name()
+                ),
+            )?;
+        }
+        let mut shape = vec![group.size_dim()];
+        shape.extend_from_slice(&rest);
+        self.op(
+            Op::Reshape { shape },
+            &[v],
+            &format!("{what}: every rank's shard"),
+        )
+    }
+}
+
+/// Declares output `name` split on dim 0 over the param partition axes of `parts` and
+/// then the group, outermost first (the layout of [`flat_param_partitions`] and
+/// [`ZeroGroup::flat_partitions`]).
+pub fn split_output(g: &mut Graph, name: &str, parts: &[Partition], group: &ZeroGroup) {
+    let mut seen: Vec<&str> = Vec::new();
+    for p in parts {
+        if !seen.contains(&p.axis.as_str()) {
+            seen.push(&p.axis);
+            g.add_output_split(name, 0, &p.axis);
+        }
+    }
+    for (a, _) in &group.axes {
+        g.add_output_split(name, 0, a);
+    }
+}
+
+/// ZeRO stage 3 for a parameter of local type `ty`: the rows of dim 0 each rank of
+/// `group` keeps, when dim 0 divides evenly by the group (then a rank's flat chunk of
+/// the parameter, gradient and state is exactly its block of rows, with no padding).
+/// `None`: the parameter stays whole on every rank (its state is still sharded).
+pub fn stage3_rows(mesh: &Mesh, ty: &weft_ir::TensorType, group: &ZeroGroup) -> Option<i64> {
+    if group.is_empty() || ty.rank() == 0 || !ty.dtype.is_float() {
+        return None;
+    }
+    local_numel(mesh, ty)?;
+    let mut b = weft_ir::Bindings::new();
+    for (a, n) in &mesh.axes {
+        b = b.with(a, *n as i64);
+    }
+    let rows = ty.shape[0].bind(&b).as_const()?;
+    let z = group.size();
+    (rows >= z && rows % z == 0).then_some(rows / z)
+}
+
+/// The region of a parameter use that shares one ZeRO-3 gather: the forward or the
+/// backward (recomputation included) of one micro-batch.
+fn use_region(g: &Graph, n: weft_ir::Node) -> (bool, u32) {
+    let m = &g.node(n).meta;
+    (m.derived.is_some(), m.micro_batch.unwrap_or(u32::MAX))
+}
+
+/// ZeRO stage 3: parameter `name` becomes this rank's block of `rows` rows of dim 0
+/// (split over `group` inside its own partitions, outermost axis first), and every
+/// region that reads it (each micro-batch's forward, each backward) reads its own
+/// `all_gather` of the blocks, made right before the region's first use: the whole
+/// parameter lives only while that region runs. Returns the new parameter value.
+pub fn shard_param(
+    g: &mut Graph,
+    pass: &'static str,
+    name: &str,
+    group: &ZeroGroup,
+    rows: i64,
+) -> Result<Value, crate::PassError> {
+    let olds: Vec<(weft_ir::Node, Value)> = g
+        .nodes()
+        .iter()
+        .filter(|&&n| matches!(&g.node(n).op, Op::Param { name: x, .. } if x == name))
+        .map(|&n| (n, g.node(n).results[0]))
+        .collect();
+    let (first, v0) = olds[0];
+    let ty = g.ty(v0).clone();
+    let mut shard_ty = ty.clone();
+    shard_ty.shape[0] = Dim::from(rows);
+    let mut meta = g.node(first).meta.clone();
+    meta.provenance = Some(Provenance {
+        pass: pass.into(),
+        reason: format!(
+            "ZeRO-3: this rank's {rows} rows of `{name}` (dim 0 split over {})",
+            group.name()
+        ),
+    });
+    let shard = g
+        .insert_with(
+            At::Before(first),
+            Op::Param {
+                name: name.into(),
+                ty: shard_ty,
+            },
+            &[],
+            meta.clone(),
+        )
+        .map_err(|e| build_error(pass, e))?[0];
+    let pos: std::collections::HashMap<weft_ir::Node, usize> =
+        g.nodes().iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let uses = g.uses();
+    let mut regions: std::collections::BTreeMap<(bool, u32), Vec<(weft_ir::Node, usize)>> =
+        Default::default();
+    for (_, v) in &olds {
+        for &(n, i) in &uses[v.0 as usize] {
+            regions.entry(use_region(g, n)).or_default().push((n, i));
+        }
+    }
+    let full_rows = ty.shape[0].clone();
+    for ((backward, mb), us) in regions {
+        let at = us
+            .iter()
+            .map(|(n, _)| *n)
+            .min_by_key(|n| pos[n])
+            .expect("a use");
+        let phase = if backward { "backward" } else { "forward" };
+        let mbt = if mb == u32::MAX {
+            String::new()
+        } else {
+            format!(" of micro-batch {mb}")
+        };
+        let mut em = Emitter {
+            pass,
+            at: At::Before(at),
+            meta: NodeMeta {
+                source: meta.source.clone(),
+                micro_batch: (mb != u32::MAX).then_some(mb),
+                ..Default::default()
+            },
+            g: &mut *g,
+        };
+        let mut v = shard;
+        for (a, _) in group.axes.iter().rev() {
+            let bytes = crate::grad_sync::value_bytes(em.g, v);
+            v = em.op(
+                Op::AllGather { axis: a.clone(), dim: 0 },
+                &[v],
+                &format!("ZeRO-3: gather `{name}` for its {phase}{mbt} over {a} (group {}), {bytes} bytes per rank in; freed after its last use there", group.name()),
+            )?;
+        }
+        v = em.op(
+            Op::Slice {
+                dim: 0,
+                start: Dim::zero(),
+                len: full_rows.clone(),
+            },
+            &[v],
+            &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
+        )?;
+        for (n, i) in us {
+            g.node_mut(n).operands[i] = v;
+        }
+    }
+    let mut inner = rows * group.size();
+    for (a, n) in &group.axes {
+        inner /= n;
+        g.add_param_partition(
+            name,
+            Partition::simple("zero", a, 0, vec![inner; *n as usize]),
+        );
+    }
+    let dead: Vec<weft_ir::Node> = olds.iter().map(|(n, _)| *n).collect();
+    g.remove_nodes(&dead);
+    Ok(shard)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_follow_the_replicas() {
+        let m = Mesh::parse("dp=2,sp=2,tp=2").unwrap();
+        let d = ZeroGroup::for_mesh(&m, false);
+        assert_eq!(d.name(), "dpxsp");
+        assert_eq!(d.size(), 4);
+        let at = |dp, sp| {
+            let b = weft_ir::Bindings::new()
+                .with_coord("dp", dp)
+                .with_coord("sp", sp)
+                .with_coord("tp", 1);
+            d.index().eval(&b).unwrap()
+        };
+        assert_eq!((at(0, 0), at(0, 1), at(1, 0), at(1, 1)), (0, 1, 2, 3));
+        let m = Mesh::parse("dp=4,ep=2").unwrap();
+        assert_eq!(ZeroGroup::for_mesh(&m, true).name(), "edp");
+        assert_eq!(ZeroGroup::for_mesh(&m, false).name(), "dp");
+        let m = Mesh::parse("tp=2").unwrap();
+        assert!(ZeroGroup::for_mesh(&m, false).is_empty());
+    }
+}

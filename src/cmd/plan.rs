@@ -1,0 +1,446 @@
+//! `weft plan`: the best training plan for a model on a cluster. Searches meshes (dp,
+//! sp, tp, ep), ZeRO stage, checkpoint policy, activation offload and micro-batches
+//! with the analytic model of `weft_passes::search`, compiles the finalists through
+//! the compile path and ranks them by the compiled plan's predicted step time among
+//! those whose compiled peak fits.
+
+use crate::error::{CliError, CliResult};
+use std::path::PathBuf;
+use weft_passes::search::{self, Candidate, ModelShape, Scored, SearchSpec};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Preset name, config.json or model directory.
+    pub model: String,
+    /// Number of GPUs.
+    #[arg(long)]
+    pub gpus: u32,
+    /// GPUs per node (NVLink domain); default the device profile's.
+    #[arg(long)]
+    pub gpus_per_node: Option<u32>,
+    /// Device profile: h100, h200, a100 or a JSON file.
+    #[arg(long, default_value = "h200")]
+    pub device: String,
+    /// Sequence length.
+    #[arg(long)]
+    pub seq: u64,
+    /// Global batch in sequences (default: about 4M tokens, at least 1 sequence).
+    #[arg(long)]
+    pub batch: Option<u64>,
+    /// Per-rank device memory the plan must fit, GiB (default the profile's).
+    #[arg(long)]
+    pub device_memory: Option<f64>,
+    /// Rows of the table.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Finalists compiled through the compile path.
+    #[arg(long, default_value_t = 3)]
+    pub finalists: usize,
+    /// Write the best plan (ExecutionPlan JSON) here.
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// Print every candidate as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The search's view of a parsed model config.
+fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
+    let c = model.config.as_ref().ok_or_else(|| {
+        CliError::input(format!(
+            "`{}` has no config (a .weft or .pt2 program)",
+            model.name
+        ))
+        .with_help("give a preset or a config.json: the search reads layer sizes from it")
+    })?;
+    let (moe_layers, experts, top_k, expert_ffn) = match &c.moe {
+        Some(m) => (
+            (0..c.num_hidden_layers)
+                .filter(|&i| c.is_sparse_layer(i))
+                .count() as u64,
+            m.num_experts as u64,
+            m.top_k as u64,
+            m.expert_intermediate_size as u64,
+        ),
+        None => (0, 0, 0, 0),
+    };
+    Ok(ModelShape {
+        name: model.name.clone(),
+        layers: c.num_hidden_layers as u64,
+        hidden: c.hidden_size as u64,
+        heads: c.num_attention_heads as u64,
+        kv_heads: c.num_key_value_heads as u64,
+        head_dim: c.head_dim as u64,
+        ffn: c.intermediate_size as u64,
+        vocab: c.vocab_size as u64,
+        moe_layers,
+        experts,
+        top_k,
+        expert_ffn,
+        tied: c.tie_word_embeddings,
+        param_bytes: model.param_dtype.size_bytes(),
+    })
+}
+
+/// A compiled finalist: the plan's own peak and step time.
+pub struct Compiled {
+    pub peak: u64,
+    pub step_s: f64,
+    pub plan: Option<weft_ir::plan::ExecutionPlan>,
+    pub error: Option<String>,
+    pub compile_s: f64,
+}
+
+/// Compiles one candidate through the compile driver (`driver::evaluate`: forward
+/// pipeline, training passes, plan lowering). Finalists with micro-batches are compiled for one micro-batch (the
+/// peak of a step with accumulation is that of one micro-batch's step; the step time
+/// is scaled by the count), which keeps compile time bounded.
+pub fn evaluate(
+    model: &weft_frontends::Model,
+    c: &Candidate,
+    spec: &SearchSpec,
+) -> CliResult<Compiled> {
+    let start = std::time::Instant::now();
+    let mesh = super::parse_mesh(&c.mesh())?;
+    let micro_batch = (spec.batch / c.micro_batches as u64) as i64;
+    let mut opts = weft_passes::training::TrainOptions {
+        optimizer: Some(weft_passes::training::Optimizer::adamw(1e-4)),
+        zero1: c.zero >= 1,
+        reduce_scatter: c.zero >= 2,
+        zero3: c.zero >= 3,
+        checkpoint: weft_passes::training::CheckpointPolicy::parse(c.checkpoint)
+            .map_err(CliError::input)?,
+        grad_outputs: false,
+        batch: Some(micro_batch),
+        seq: Some(spec.seq as i64),
+        ..Default::default()
+    };
+    if c.offload {
+        let device = weft_passes::training::Device(spec.device.clone());
+        opts.offload = Some(weft_passes::training::OffloadOptions {
+            link_bytes_per_s: device.link_bytes_per_s(),
+            device,
+            ..Default::default()
+        });
+    }
+    let mut req = weft_passes::driver::Request::new(model.graph.clone(), mesh);
+    req.tp = super::shard::tp_options(model, None)?;
+    req.batch = Some(micro_batch);
+    req.seq = Some(spec.seq as i64);
+    req.device = spec.device.clone();
+    req.device_memory = Some(spec.device_memory);
+    req.plan = true;
+    req.source = model.name.clone();
+    req.instrumentation = weft_passes::Instrumentation {
+        verify_each: false,
+        check_requires: false,
+        ..Default::default()
+    };
+    let out = match weft_passes::driver::evaluate(&req, &opts) {
+        Ok(e) if e.fits => Compiled {
+            peak: e.peak_bytes,
+            step_s: e.step_time_s * c.micro_batches as f64,
+            plan: e.compiled.plan,
+            error: None,
+            compile_s: 0.0,
+        },
+        Ok(e) => Compiled {
+            peak: e.peak_bytes,
+            step_s: f64::INFINITY,
+            plan: None,
+            error: Some("does not fit".into()),
+            compile_s: 0.0,
+        },
+        Err(e) => Compiled {
+            peak: 0,
+            step_s: f64::INFINITY,
+            plan: None,
+            error: Some(e.to_string()),
+            compile_s: 0.0,
+        },
+    };
+    Ok(Compiled {
+        compile_s: start.elapsed().as_secs_f64(),
+        ..out
+    })
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.1}", b as f64 / (1u64 << 30) as f64)
+}
+
+fn row(s: &Scored) -> Vec<String> {
+    let c = &s.candidate;
+    let m = &s.memory;
+    vec![
+        c.mesh(),
+        format!("{}", c.zero),
+        c.checkpoint.to_string(),
+        if c.offload { "yes".into() } else { "no".into() },
+        c.micro_batches.to_string(),
+        gib(m.total),
+        format!(
+            "{}/{}/{}/{}/{}",
+            gib(m.params),
+            gib(m.grads),
+            gib(m.optimizer),
+            gib(m.activations),
+            gib(m.transient)
+        ),
+        format!("{:.3}", s.time.step),
+        format!("{:.0}", s.time.tokens_per_s_per_gpu),
+        format!("{:.1}%", s.time.mfu * 100.0),
+        format!("{:.3}", s.time.exposed_comm),
+    ]
+}
+
+fn table(rows: Vec<Vec<String>>) -> String {
+    let w: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for r in rows {
+        let cells: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                if i == 0 {
+                    format!("{s:<w$}", w = w[i])
+                } else {
+                    format!("{s:>w$}", w = w[i])
+                }
+            })
+            .collect();
+        out.push_str(&format!("  {}\n", cells.join("  ")));
+    }
+    out
+}
+
+/// Why `best` beats `other` (their step times `b`, `o`), from their analytic breakdowns.
+fn why(best: &Scored, b: f64, other: &Scored, o: f64) -> String {
+    let (bt, ot) = (&best.time, &other.time);
+    let d_compute = ot.compute - bt.compute;
+    let d_comm = ot.exposed_comm - bt.exposed_comm;
+    let main = if d_comm.abs() >= d_compute.abs() {
+        format!(
+            "exposed communication {:.3} s vs {:.3} s (tp/sp/ep collectives on the critical path, gradient and ZeRO traffic the backward does not hide)",
+            bt.exposed_comm, ot.exposed_comm
+        )
+    } else {
+        format!(
+            "compute {:.3} s vs {:.3} s (recomputation, micro-batch overheads)",
+            bt.compute, ot.compute
+        )
+    };
+    let mem = format!(
+        "; peak {} vs {} GiB analytic",
+        gib(best.memory.total),
+        gib(other.memory.total)
+    );
+    format!(
+        "--mesh {} {} takes {:.3} s a step, {:.1}% less than --mesh {} {} ({:.3} s): {main}{mem}",
+        best.candidate.mesh(),
+        best.candidate.flags(),
+        b,
+        (1.0 - b / o) * 100.0,
+        other.candidate.mesh(),
+        other.candidate.flags(),
+        o,
+    )
+}
+
+pub fn run(a: Args) -> CliResult {
+    let start = std::time::Instant::now();
+    let model = super::load_model(&a.model)?;
+    let shape = shape_of(&model)?;
+    let device = weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?;
+    if a.gpus == 0 || a.seq == 0 {
+        return Err(CliError::input("invalid --gpus/--seq: must be positive"));
+    }
+    let batch = a.batch.unwrap_or_else(|| ((1u64 << 22) / a.seq).max(1));
+    if batch == 0 {
+        return Err(CliError::input("invalid --batch 0: must be positive"));
+    }
+    let mem_gib = a.device_memory.unwrap_or(device.memory_gib);
+    if !(mem_gib > 0.0) {
+        return Err(CliError::input(format!(
+            "invalid --device-memory {mem_gib}: must be positive GiB"
+        )));
+    }
+    let peak_flops = match device.name.as_str() {
+        "h100" | "h200" => 989e12,
+        "a100" => 312e12,
+        _ => device.matmul_tflops * 1e12,
+    };
+    let spec = SearchSpec {
+        gpus: a.gpus,
+        gpus_per_node: a.gpus_per_node.unwrap_or(device.gpus_per_node).max(1),
+        seq: a.seq,
+        batch,
+        device_memory: (mem_gib * (1u64 << 30) as f64) as u64,
+        device,
+        peak_flops,
+    };
+    let all = search::search(&shape, &spec);
+    let fitting = all.iter().filter(|s| s.fits).count();
+    let searched = start.elapsed().as_secs_f64();
+    if a.json {
+        let v: Vec<serde_json::Value> = all
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "mesh": s.candidate.mesh(),
+                    "zero": s.candidate.zero,
+                    "checkpoint": s.candidate.checkpoint,
+                    "offload": s.candidate.offload,
+                    "micro_batches": s.candidate.micro_batches,
+                    "fits": s.fits,
+                    "memory": s.memory,
+                    "time": s.time,
+                })
+            })
+            .collect();
+        print!("{}", super::json(&v));
+    }
+    eprintln!(
+        "weft plan: {} ({:.2}B params, {:.2}B active) on {} x {} ({} per node), seq {}, batch {} ({} tokens), {:.0} GiB per GPU",
+        shape.name,
+        shape.params() as f64 / 1e9,
+        shape.active_params() as f64 / 1e9,
+        a.gpus,
+        spec.device.name,
+        spec.gpus_per_node,
+        a.seq,
+        batch,
+        batch * a.seq,
+        mem_gib
+    );
+    eprintln!(
+        "searched {} candidates analytically in {:.1} ms: {} fit",
+        all.len(),
+        searched * 1e3,
+        fitting
+    );
+    if fitting == 0 {
+        let least = &all[0];
+        return Err(CliError::input(format!(
+            "no plan fits {mem_gib:.0} GiB per GPU: the smallest, {} {}, needs {} GiB",
+            least.candidate.mesh(),
+            least.candidate.flags(),
+            gib(least.memory.total)
+        ))
+        .with_help("use more GPUs, a shorter --seq or a smaller --batch"));
+    }
+    let mut rows = vec![[
+        "mesh",
+        "zero",
+        "ckpt",
+        "offload",
+        "micro",
+        "peak GiB",
+        "params/grads/optim/act/tmp",
+        "step s",
+        "tok/s/GPU",
+        "MFU",
+        "exposed s",
+    ]
+    .map(String::from)
+    .to_vec()];
+    rows.extend(all.iter().filter(|s| s.fits).take(a.top).map(row));
+    eprintln!("top candidates (analytic estimate):\n{}", table(rows));
+    // Finalists: the best analytic candidates, compiled. Each compilation calibrates
+    // the analytic memory of its mesh (the largest compiled/analytic peak ratio seen
+    // on it), and candidates that cannot fit under that calibration are skipped.
+    let limit = spec.device_memory as f64;
+    let mut scale: std::collections::BTreeMap<String, f64> = Default::default();
+    let mut compiled: Vec<(&Scored, Compiled)> = Vec::new();
+    // Meshes the passes refused (the other options do not change that).
+    let mut refused: std::collections::BTreeSet<String> = Default::default();
+    let want = a.finalists.max(1);
+    for s in all.iter().filter(|s| s.fits) {
+        let ok = compiled.iter().filter(|(_, c)| c.plan.is_some()).count();
+        if ok >= want || compiled.len() >= want * 4 {
+            break;
+        }
+        let k = scale.get(&s.candidate.mesh()).copied().unwrap_or(1.0);
+        if s.memory.total as f64 * k > limit || refused.contains(&s.candidate.mesh()) {
+            continue;
+        }
+        // A candidate the passes refuse is reported and skipped.
+        let c = evaluate(&model, &s.candidate, &spec).unwrap_or_else(|e| Compiled {
+            peak: 0,
+            step_s: f64::INFINITY,
+            plan: None,
+            error: Some(format!(
+                "refused: {}",
+                e.to_string().lines().next().unwrap_or("")
+            )),
+            compile_s: 0.0,
+        });
+        if c.error.as_deref().is_some_and(|e| e.starts_with("refused")) {
+            refused.insert(s.candidate.mesh());
+        }
+        if c.peak > 0 && s.memory.total > 0 {
+            let r = c.peak as f64 / s.memory.total as f64;
+            let e = scale.entry(s.candidate.mesh()).or_insert(r);
+            *e = e.max(r);
+        }
+        eprintln!(
+            "  compiled --mesh {} {}: {} in {:.1} s",
+            s.candidate.mesh(),
+            s.candidate.flags(),
+            match &c.error {
+                None => format!("peak {} GiB, step {:.3} s", gib(c.peak), c.step_s),
+                Some(e) => format!("{e} (peak {} GiB)", gib(c.peak)),
+            },
+            c.compile_s,
+        );
+        compiled.push((s, c));
+    }
+    let mut fit: Vec<&(&Scored, Compiled)> =
+        compiled.iter().filter(|(_, c)| c.plan.is_some()).collect();
+    fit.sort_by(|x, y| {
+        x.1.step_s
+            .total_cmp(&y.1.step_s)
+            .then(x.0.candidate.cmp(&y.0.candidate))
+    });
+    let Some((best, plan)) = fit.first().map(|x| (x.0, &x.1)) else {
+        return Err(CliError::input(format!(
+            "none of the {} finalists fits after compilation",
+            compiled.len()
+        ))
+        .with_help("raise --finalists or --device-memory"));
+    };
+    // With --json, stdout holds the candidates only.
+    let say = |line: String| {
+        if a.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
+    say(format!(
+        "best: --mesh {} {} (peak {} GiB compiled, step {:.3} s predicted, {:.0} tok/s/GPU, MFU {:.1}%, exposed communication {:.3} s analytic)",
+        best.candidate.mesh(),
+        best.candidate.flags(),
+        gib(plan.peak),
+        plan.step_s,
+        (batch * a.seq) as f64 / plan.step_s / a.gpus as f64,
+        best.time.mfu * best.time.step / plan.step_s * 100.0,
+        best.time.exposed_comm,
+    ));
+    // Why: against the next compiled finalist, else the best analytic other mesh.
+    let other = fit.get(1).map(|x| (x.0, x.1.step_s)).or_else(|| {
+        all.iter()
+            .find(|s| s.fits && s.candidate.mesh() != best.candidate.mesh())
+            .map(|s| (s, s.time.step * plan.step_s / best.time.step))
+    });
+    if let Some((o, o_step)) = other {
+        say(format!("why: {}", why(best, plan.step_s, o, o_step)));
+    }
+    if let (Some(path), Some(p)) = (&a.output, &plan.plan) {
+        super::write_out(Some(path), &p.to_json())?;
+    }
+    eprintln!("weft plan took {:.1} s", start.elapsed().as_secs_f64());
+    Ok(())
+}

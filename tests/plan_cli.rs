@@ -1,0 +1,197 @@
+//! `weft plan` and the issue-17 plans that must fit: the search on a tiny model
+//! (deterministic, writes a plan, every candidate in --json), Llama-3-8B's training
+//! step at 128k tokens on sp=8 (ZeRO over the sp group, Ulysses' all_to_alls in every
+//! layer), and the 405B ones (slow: `cargo test --test plan_cli -- --ignored`).
+
+mod common;
+use common::*;
+
+/// A fresh directory for one test's files.
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("weft-plan-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn plan_searches_compiles_finalists_and_writes_the_best() {
+    let dir = tempdir("tiny");
+    let out = dir.join("best.json");
+    let args = [
+        "plan",
+        "llama-tiny",
+        "--gpus",
+        "4",
+        "--seq",
+        "64",
+        "--batch",
+        "8",
+        "--device",
+        "h100",
+        "--finalists",
+        "2",
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    let (code, stdout, stderr) = weft(&args);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.starts_with("best: --mesh "), "{stdout}");
+    assert!(stderr.contains("top candidates"), "{stderr}");
+    assert!(stderr.contains("compiled --mesh"), "{stderr}");
+    let plan = json(&std::fs::read_to_string(&out).unwrap());
+    assert!(plan["memory"]["peak_bytes"].as_u64().unwrap() > 0);
+    // Deterministic.
+    let (_, again, _) = weft(&args);
+    assert_eq!(stdout, again);
+    let (code, text, stderr) = weft(&[
+        "plan",
+        "llama-tiny",
+        "--gpus",
+        "4",
+        "--seq",
+        "64",
+        "--batch",
+        "8",
+        "--json",
+        "--finalists",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v = json(&text);
+    let all = v.as_array().unwrap();
+    assert!(all.len() > 10);
+    // Meshes of 4 ranks only, ZeRO 0-3, fitting ones first.
+    for c in all {
+        let mesh = c["mesh"].as_str().unwrap();
+        let ranks: u64 = mesh
+            .split(',')
+            .filter(|p| !p.is_empty() && !p.starts_with("ep="))
+            .map(|p| p.split_once('=').unwrap().1.parse::<u64>().unwrap())
+            .product();
+        assert!(mesh.is_empty() || ranks == 4, "{mesh}");
+        assert!(c["zero"].as_u64().unwrap() <= 3);
+    }
+    let first_misfit = all.iter().position(|c| !c["fits"].as_bool().unwrap());
+    if let Some(i) = first_misfit {
+        assert!(all[i..].iter().all(|c| !c["fits"].as_bool().unwrap()));
+    }
+}
+
+#[test]
+fn plan_refuses_a_program_without_a_config_and_a_cluster_too_small() {
+    let (code, _, stderr) = weft(&["plan", "llama3.1-405b", "--gpus", "1", "--seq", "131072"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("no plan fits"), "{stderr}");
+}
+
+/// Counts `all_to_all` per layer in the forward and the backward of a plan file.
+fn all_to_all_per_layer(plan: &serde_json::Value) -> (usize, usize) {
+    let mut fwd = std::collections::BTreeMap::<String, usize>::new();
+    let mut bwd = std::collections::BTreeMap::<String, usize>::new();
+    for i in plan["instructions"].as_array().unwrap() {
+        if i["op"] != "all_to_all" {
+            continue;
+        }
+        let src = i["source"].as_str().unwrap_or("");
+        let Some(layer) = src
+            .split('.')
+            .nth(2)
+            .filter(|_| src.starts_with("model.layers."))
+        else {
+            continue;
+        };
+        let prov = i["provenance"].as_str().unwrap_or("");
+        let m = if prov.starts_with("autodiff") {
+            &mut bwd
+        } else {
+            &mut fwd
+        };
+        *m.entry(layer.to_string()).or_default() += 1;
+    }
+    assert_eq!(fwd.len(), bwd.len());
+    (
+        fwd.values().copied().min().unwrap_or(0),
+        bwd.values().copied().min().unwrap_or(0),
+    )
+}
+
+#[test]
+fn llama3_8b_trains_at_128k_tokens_on_sp8() {
+    let dir = tempdir("8b");
+    let out = dir.join("plan.json");
+    let (code, _, stderr) = weft(&[
+        "compile",
+        "llama3-8b",
+        "--mesh",
+        "sp=8",
+        "--seq",
+        "131072",
+        "--train",
+        "--zero",
+        "2",
+        "--checkpoint",
+        "selective",
+        "--device",
+        "h100",
+        "--device-memory",
+        "80",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let plan = json(&std::fs::read_to_string(&out).unwrap());
+    assert!(plan["memory"]["peak_bytes"].as_u64().unwrap() <= 80 << 30);
+    let (f, b) = all_to_all_per_layer(&plan);
+    assert!(
+        f >= 4 && b >= 4,
+        "all_to_all per layer: forward {f}, backward {b}"
+    );
+}
+
+#[test]
+#[ignore = "slow (about a minute): cargo test --test plan_cli -- --ignored"]
+fn llama3_405b_fits_with_zero3_on_dp8_sp8_tp8() {
+    let dir = tempdir("405b");
+    let out = dir.join("plan.json");
+    let (code, _, stderr) = weft(&[
+        "compile",
+        "llama3.1-405b",
+        "--mesh",
+        "dp=8,sp=8,tp=8",
+        "--seq",
+        "131072",
+        "--train",
+        "--zero",
+        "3",
+        "--checkpoint",
+        "full",
+        "--offload",
+        "--device",
+        "h100",
+        "--device-memory",
+        "80",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let plan = json(&std::fs::read_to_string(&out).unwrap());
+    assert!(plan["memory"]["peak_bytes"].as_u64().unwrap() <= 80 << 30);
+}
+
+#[test]
+#[ignore = "slow (a few minutes): cargo test --test plan_cli -- --ignored"]
+fn plan_finds_a_405b_plan_on_1024_gpus() {
+    let (code, stdout, stderr) = weft(&[
+        "plan",
+        "llama3.1-405b",
+        "--gpus",
+        "1024",
+        "--seq",
+        "131072",
+        "--device",
+        "h100",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.starts_with("best: --mesh "), "{stdout}");
+}

@@ -1,0 +1,282 @@
+//! ZeRO over every data-parallel group on the CPU reference: stages 1 and 2 on dp, sp,
+//! dp x sp, with tp and with ep (MoE), with micro-batches. Each sharded training step
+//! returns the unsharded model's gradients, and after `K` AdamW steps (parameters and
+//! states fed back) its parameters and optimizer states, to 1e-9 in f64. A snapshot
+//! pins the collectives ZeRO inserts.
+
+mod common;
+use common::*;
+
+use std::collections::BTreeMap;
+use weft_ir::{DType, Graph, HostTensor, Op};
+use weft_passes::training::{Optimizer, TrainOptions};
+use weft_runtime::cpu::{run, Precision, RunOptions};
+
+const K: usize = 3;
+
+fn opts(zero: u8, micro: u32) -> TrainOptions {
+    TrainOptions {
+        optimizer: Some(Optimizer::adamw(1e-2)),
+        zero1: zero >= 1,
+        reduce_scatter: zero >= 2,
+        zero3: zero >= 3,
+        micro_batches: micro,
+        bucket_bytes: 4096,
+        batch: Some(4),
+        seq: Some(16),
+        ..Default::default()
+    }
+}
+
+/// What `K` steps produce: the first step's gradients and loss, the last step's
+/// parameters and states (states in their parameter's layout).
+struct Trace {
+    grads: BTreeMap<String, HostTensor>,
+    losses: Vec<f64>,
+    params: BTreeMap<String, HostTensor>,
+    states: BTreeMap<String, HostTensor>,
+}
+
+fn steps(
+    g: &Graph,
+    weights: &BTreeMap<String, HostTensor>,
+    inputs: &BTreeMap<String, HostTensor>,
+) -> Trace {
+    let mut w = weights.clone();
+    w.extend(weft_passes::optimizer::initial_state(g, weights).unwrap());
+    let mut t = Trace {
+        grads: BTreeMap::new(),
+        losses: Vec::new(),
+        params: BTreeMap::new(),
+        states: BTreeMap::new(),
+    };
+    for k in 1..=K {
+        let mut i = inputs.clone();
+        i.insert(
+            "optim.step".into(),
+            HostTensor::floats(DType::F32, vec![], vec![k as f64]),
+        );
+        let r = run(g, &w, &i, &RunOptions::new(Precision::F64))
+            .unwrap_or_else(|e| panic!("{} step {k}: {e}", g.mesh));
+        t.losses.push(r.outputs["loss"].to_f64()[0]);
+        for (name, v) in &r.outputs {
+            if let Some(p) = name.strip_prefix("param.") {
+                w.insert(p.to_string(), v.clone());
+                t.params.insert(p.to_string(), v.clone());
+            } else if name.starts_with("optim.") {
+                w.insert(name.clone(), v.clone());
+            } else if let (1, Some(p)) = (k, name.strip_prefix("grad.")) {
+                t.grads.insert(p.to_string(), v.clone());
+            }
+        }
+        if k == K {
+            for (name, v) in &r.outputs {
+                if name.starts_with("optim.") {
+                    let p = name.split_once('.').unwrap().1.split_once('.').unwrap().1;
+                    let shape = weights[p].shape.clone();
+                    let s = weft_passes::optimizer::state_as_param(g, name, v, &shape)
+                        .unwrap_or_else(|e| panic!("{}: {name}: {e}", g.mesh));
+                    t.states.insert(name.clone(), s);
+                }
+            }
+        }
+    }
+    t
+}
+
+fn close(what: &str, a: &HostTensor, b: &HostTensor) {
+    let e = rel_err(a, b);
+    assert!(e < 1e-9, "{what}: rel err {e:e}");
+}
+
+/// Every (mesh, stage, micro-batches) of `cases` matches the one-rank step.
+fn check(fam: &str, cases: &[(&str, u8, u32)]) {
+    let (graph, weights, inputs) = load_fixture_batch4(fam, |i, _| i % 7 == 3);
+    let (one, _) = training_step(&graph, "", &opts(0, 1)).unwrap();
+    let want = steps(&one, &weights, &inputs);
+    for &(mesh, zero, micro) in cases {
+        let what = format!("{fam} {mesh} zero={zero} micro={micro}");
+        let (g, report) = training_step(&graph, mesh, &opts(zero, micro))
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let stat = |pass: &str, k: &str| {
+            report
+                .passes
+                .iter()
+                .find(|p| p.pass == pass)
+                .and_then(|p| p.counters.get(k).copied())
+                .unwrap_or(0)
+        };
+        let sharded = stat("optimizer", "sharded");
+        let m = weft_ir::Mesh::parse(mesh).unwrap();
+        let has_group = m
+            .axes
+            .iter()
+            .any(|(a, n)| *n > 1 && ["dp", "sp", "edp"].contains(&a.as_str()));
+        assert_eq!(
+            sharded > 0,
+            zero >= 1 && has_group,
+            "{what}: {sharded} params sharded"
+        );
+        if zero >= 1 {
+            // tp-split parameters are sharded too: every parameter with replicas is.
+            let want = weights
+                .keys()
+                .filter(|p| !weft_passes::zero::ZeroGroup::of_param(&g, p).is_empty())
+                .count();
+            assert_eq!(sharded, want as u64, "{what}: params sharded");
+        }
+        let scatters = g
+            .nodes()
+            .iter()
+            .filter(|&&n| matches!(g.node(n).op, Op::ReduceScatter { .. }))
+            .filter(|&&n| {
+                g.node(n)
+                    .meta
+                    .provenance
+                    .as_ref()
+                    .is_some_and(|p| p.pass == "grad-sync")
+            })
+            .count();
+        assert_eq!(
+            scatters > 0,
+            zero >= 2 && has_group,
+            "{what}: {scatters} reduce_scatters"
+        );
+        if zero >= 3 && has_group {
+            // Parameters are rows per rank, gathered before the forward and again before
+            // the backward (per micro-batch).
+            assert!(
+                stat("optimizer", "stage3_params") > 0,
+                "{what}: no parameter sharded"
+            );
+            let gathers = |backward: bool| {
+                g.nodes()
+                    .iter()
+                    .filter(|&&n| {
+                        let d = g.node(n);
+                        matches!(d.op, Op::AllGather { .. })
+                            && d.meta.provenance.as_ref().is_some_and(|p| {
+                                p.reason.starts_with("ZeRO-3: gather")
+                                    && p.reason.contains(if backward {
+                                        "backward"
+                                    } else {
+                                        "forward"
+                                    })
+                            })
+                    })
+                    .count()
+            };
+            assert!(
+                gathers(false) > 0 && gathers(true) > 0,
+                "{what}: forward/backward gathers"
+            );
+        }
+        let got = steps(&g, &weights, &inputs);
+        for (k, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-9 * b.abs(),
+                "{what}: loss of step {} {a} vs {b}",
+                k + 1
+            );
+        }
+        for (p, v) in &want.grads {
+            close(&format!("{what}: grad.{p}"), &got.grads[p], v);
+        }
+        for (p, v) in &want.params {
+            close(
+                &format!("{what}: param.{p} after {K} steps"),
+                &got.params[p],
+                v,
+            );
+        }
+        for (s, v) in &want.states {
+            close(&format!("{what}: {s} after {K} steps"), &got.states[s], v);
+        }
+    }
+}
+
+#[test]
+fn dense_every_group_and_stage() {
+    check(
+        "llama",
+        &[
+            ("dp=2", 1, 1),
+            ("dp=2", 2, 2),
+            ("sp=2", 1, 1),
+            ("sp=2", 2, 1),
+            ("dp=2,sp=2", 1, 2),
+            ("dp=2,sp=2", 2, 1),
+            ("dp=2,sp=2", 2, 2),
+            ("tp=2", 2, 1),
+            ("dp=2,tp=2", 1, 1),
+            ("dp=2,tp=2", 2, 2),
+            ("sp=2,tp=2", 2, 1),
+            ("dp=2", 3, 1),
+            ("sp=2", 3, 2),
+            ("dp=2,sp=2", 3, 1),
+            ("dp=2,sp=2", 3, 2),
+            ("dp=2,tp=2", 3, 1),
+            ("sp=2,tp=2", 3, 2),
+        ],
+    );
+}
+
+#[test]
+fn moe_expert_data_parallel_group() {
+    check(
+        "mixtral",
+        &[
+            ("dp=2,sp=2", 2, 1),
+            ("ep=2", 2, 1),
+            ("dp=4,ep=2", 1, 1),
+            ("dp=4,ep=2", 2, 1),
+            ("dp=2,sp=2", 2, 2),
+            ("dp=2,sp=2,ep=2", 1, 1),
+            ("dp=2,sp=2,ep=2", 2, 1),
+            ("dp=2,tp=2,ep=2", 2, 1),
+            ("dp=4,ep=2", 3, 1),
+            ("dp=2,sp=2", 3, 2),
+        ],
+    );
+}
+
+/// The collectives of a ZeRO-2 step with micro-batches over dp x sp, and of an
+/// expert model over edp: one reduce_scatter per group axis per bucket and
+/// micro-batch, hierarchical (innermost first), and the parameter gathers.
+#[test]
+fn zero_collectives_snapshot() {
+    let mut text = String::new();
+    for (fam, mesh, micro) in [("llama", "dp=2,sp=2", 2), ("mixtral", "dp=4,ep=2", 1)] {
+        let (graph, _, _) = load_fixture(fam);
+        let mut o = opts(2, micro);
+        o.bucket_bytes = 1 << 20;
+        o.grad_outputs = false;
+        let (g, _) = training_step(&graph, mesh, &o).unwrap();
+        text.push_str(&format!("== {fam} {mesh} zero=2 micro-batches={micro}\n"));
+        for &n in g.nodes() {
+            let d = g.node(n);
+            if !d.op.is_collective() {
+                continue;
+            }
+            let Some(p) = &d.meta.provenance else {
+                continue;
+            };
+            if p.pass != "grad-sync" && p.pass != "optimizer" {
+                continue;
+            }
+            let mb = d
+                .meta
+                .micro_batch
+                .map(|m| format!(" mb{m}"))
+                .unwrap_or_default();
+            text.push_str(&format!(
+                "{}{mb} {} -> {}: {}\n",
+                d.op.name(),
+                g.ty(d.operands[0]),
+                g.ty(d.results[0]),
+                p.reason
+            ));
+        }
+    }
+    insta::assert_snapshot!(text);
+}
