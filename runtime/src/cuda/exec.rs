@@ -2086,6 +2086,11 @@ fn attention_fwd(
     attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale, window)
 }
 
+/// The narrowest window the tensor-core kernels take: below it (a band narrower than
+/// their 64-key tile) the generic kernels run. On an H200 the tensor-core backward gave
+/// non-finite dK for window 1 (session 4), while windows of 64 and more matched the CPU.
+const FA_MIN_WINDOW: i64 = 64;
+
 /// Weft's own attention forward kernels (tensor-core flash or generic).
 #[allow(clippy::too_many_arguments)]
 fn attention_fwd_weft(
@@ -2114,8 +2119,11 @@ fn attention_fwd_weft(
             "the mask is a bool keep-mask",
         ));
     }
-    let fast =
-        lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
+    let fast = lw.fast_attention
+        && mask.is_none()
+        && q.dtype == DType::BF16
+        && (d == 64 || d == 128)
+        && (window == 0 || window >= FA_MIN_WINDOW);
     if fast {
         // WEFT_FA_WARPS=8: 128 query rows per block (8 warps) instead of 64.
         // Head dim 64: two 16-row m-tiles per warp (128 rows per block) unless WEFT_FA_FWD=m1.
@@ -2297,8 +2305,11 @@ fn attention_bwd(
             Arg::I32(d as i32),
         ],
     )?;
-    let fast =
-        lw.fast_attention && mask.is_none() && q.dtype == DType::BF16 && (d == 64 || d == 128);
+    let fast = lw.fast_attention
+        && mask.is_none()
+        && q.dtype == DType::BF16
+        && (d == 64 || d == 128)
+        && (window == 0 || window >= FA_MIN_WINDOW);
     if fast {
         let dq_acc = lw.ex.scratch(lw.stream, rows * d as u64 * 4);
         lw.memset(dq_acc, rows * d as u64 * 4);
