@@ -78,6 +78,12 @@ impl Model {
                 param_dtype = Some(ty.dtype);
             }
         }
+        if checked_param_count(&graph_params(&graph)).is_none() {
+            return Err(FrontendError::TextIr {
+                file,
+                message: "the parameters hold more than 2^64 elements in all".into(),
+            });
+        }
         let names: Vec<String> = graph.params().into_iter().map(|(n, _)| n).collect();
         let tied = if names.iter().any(|n| n == params::EMBED)
             && !names.iter().any(|n| n == params::LM_HEAD)
@@ -104,15 +110,7 @@ impl Model {
 
     /// Total number of parameter elements (a tied weight counts once).
     pub fn param_count(&self) -> u64 {
-        self.params()
-            .iter()
-            .map(|(_, t)| {
-                t.shape
-                    .iter()
-                    .map(|d| d.as_const().unwrap_or(0) as u64)
-                    .product::<u64>()
-            })
-            .sum()
+        checked_param_count(&self.params()).unwrap_or(u64::MAX)
     }
 
     /// The std of HF's normal init (`initializer_range`, 0.02 without a config).
@@ -264,4 +262,15 @@ fn edit_distance(a: &str, b: &str) -> usize {
         }
     }
     row[b.len()]
+}
+
+/// The number of parameter elements, counted with checked arithmetic (`None` past
+/// `u64`; the verifier already bounds each parameter).
+fn checked_param_count<'a>(params: impl IntoIterator<Item = &'a (String, weft_ir::TensorType)>) -> Option<u64> {
+    params.into_iter().try_fold(0u64, |acc, (_, t)| {
+        let n = t.shape.iter().try_fold(1u64, |p, d| {
+            p.checked_mul(u64::try_from(d.as_const().unwrap_or(0)).unwrap_or(0))
+        })?;
+        acc.checked_add(n)
+    })
 }

@@ -132,11 +132,17 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
                 ));
             }
         }
+        if let Some(m) = check_float_attrs(&d.op) {
+            push(m);
+        }
         for v in &d.results {
             for (i, dim) in g.ty(*v).shape.iter().enumerate() {
                 check_dim(dim, &mesh_sizes, g, &mut |m| {
                     push(format!("dim {i} of {v}: {m}"))
                 });
+            }
+            if let Some(m) = check_value_size(g.ty(*v), &mesh_sizes) {
+                push(format!("{v}: {m}"));
             }
             if let Some(slot) = defined.get_mut(v.0 as usize) {
                 *slot = true;
@@ -178,16 +184,91 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
             }
         }
     }
+    let mut names = std::collections::BTreeSet::new();
     for (name, v) in g.outputs() {
-        if g.try_value(*v).is_none() {
+        let mut push = |message: String| {
             errors.push(VerifyError {
                 node: None,
                 location: format!("output `{name}`"),
-                message: format!("{v} is not defined"),
-            });
+                message,
+            })
+        };
+        if !names.insert(name.as_str()) {
+            push("is returned twice".into());
+        }
+        match g.try_ty(*v) {
+            None => push(format!("{v} is not defined")),
+            Some(t) if name == "loss" && t.rank() != 0 => push(format!(
+                "the loss must be a scalar, but {v} is {t}"
+            )),
+            Some(_) => {}
         }
     }
     errors
+}
+
+/// The most bytes one value may hold on one rank (1 PiB): far above any device, and
+/// low enough that sizes, offsets and costs computed from it never overflow.
+pub const MAX_VALUE_BYTES: u64 = 1 << 50;
+
+/// A value's size must be countable: no overflowed dim, and at most
+/// [`MAX_VALUE_BYTES`] on one rank with every free size symbol at its smallest (1).
+fn check_value_size(ty: &TensorType, mesh: &Bindings) -> Option<String> {
+    if ty.shape.iter().any(Dim::is_overflow) || ty.numel().is_overflow() {
+        return Some(format!("the size of {ty} overflows"));
+    }
+    let numel = ty.numel();
+    let mut b = mesh.clone();
+    for s in numel.symbols() {
+        if !b.symbols.contains_key(&s) {
+            b = b.with(&s, 1);
+        }
+    }
+    for a in numel.rank_axes() {
+        b = b.with_coord(&a, 0);
+    }
+    let bytes = match numel.eval(&b) {
+        Ok(n) => (n.max(0) as u128) * ty.dtype.size_bytes() as u128,
+        Err(crate::dim::DimError::Overflow(_)) => u128::MAX,
+        Err(_) => return None,
+    };
+    (bytes > MAX_VALUE_BYTES as u128).then(|| {
+        format!(
+            "{ty} holds more than {} bytes on one rank (the most Weft plans for is {MAX_VALUE_BYTES})",
+            if bytes == u128::MAX { "2^127".to_string() } else { bytes.to_string() }
+        )
+    })
+}
+
+/// Float attributes whose meaning needs them finite (and some positive): `eps` of a
+/// norm or of AdamW, a scale, RoPE's theta, optimizer rates. `full` may hold `-inf`
+/// (masks).
+fn check_float_attrs(op: &Op) -> Option<String> {
+    let bad = |name: &str, v: f64, why: &str| Some(format!("attribute `{name}` is {v}: {why}"));
+    let finite = |name: &str, v: f64| (!v.is_finite()).then(|| bad(name, v, "must be finite")).flatten();
+    let positive = |name: &str, v: f64| {
+        (!(v.is_finite() && v > 0.0)).then(|| bad(name, v, "must be positive and finite")).flatten()
+    };
+    let unit = |name: &str, v: f64| {
+        (!(v.is_finite() && (0.0..1.0).contains(&v))).then(|| bad(name, v, "must be in [0, 1)")).flatten()
+    };
+    match op {
+        Op::Scale { factor } => finite("factor", factor.0),
+        Op::AddScalar { value } => finite("value", value.0),
+        Op::PowScalar { exponent } => finite("exponent", exponent.0),
+        Op::RmsNorm { eps } | Op::RmsNormGrad { eps } => positive("eps", eps.0),
+        Op::RopeTable { theta, .. } => positive("theta", theta.0),
+        Op::Attention { scale, .. } | Op::AttentionGrad { scale, .. } => finite("scale", scale.0),
+        Op::AdamW { lr, beta1, beta2, eps, weight_decay } => finite("lr", lr.0)
+            .or_else(|| unit("beta1", beta1.0))
+            .or_else(|| unit("beta2", beta2.0))
+            .or_else(|| positive("eps", eps.0))
+            .or_else(|| finite("weight_decay", weight_decay.0)),
+        Op::Sgd { lr, momentum, weight_decay } => finite("lr", lr.0)
+            .or_else(|| finite("momentum", momentum.0))
+            .or_else(|| finite("weight_decay", weight_decay.0)),
+        _ => None,
+    }
 }
 
 /// A data-dependent size (see [`Graph::runtime_symbols`]) appears in no type or

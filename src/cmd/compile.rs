@@ -101,6 +101,7 @@ pub fn check_sizes(
     batch: Option<i64>,
     seq: Option<i64>,
 ) -> CliResult<Bindings> {
+    weft_passes::bindings::check_batch_seq(batch, seq).map_err(CliError::input)?;
     let mut b = Bindings::new();
     let (batch, seq) = match (batch, seq) {
         (None, None) => (None, None),
@@ -126,6 +127,9 @@ pub fn check_sizes(
 }
 
 pub fn run(a: Args) -> CliResult {
+    if let Some(out) = &a.output {
+        super::refuse_overwrite(out, &[("MODEL", std::path::Path::new(&a.model))])?;
+    }
     let mesh = super::parse_mesh(&a.mesh)?;
     let model = super::load_model(&a.model)?;
     let mut cx = super::shard::pass_context(&mesh, &model, a.tp_spec.as_deref())?;

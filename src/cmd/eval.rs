@@ -20,6 +20,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> CliResult {
+    super::refuse_overwrite(&a.output, &a.run.input_paths())?;
     let s = Session::new(&a.run)?;
     // Gradients come from the step's backward graph (`grad.*` outputs of autodiff).
     let training = a.grads || a.run.train.any();

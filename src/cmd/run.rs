@@ -130,7 +130,7 @@ fn vocab_of(g: &Graph) -> Option<i64> {
 
 pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let t0 = std::time::Instant::now();
-    let mut notes = Vec::new();
+    let notes = Vec::new();
     // A plan given as MODEL runs as is.
     if let Some(plan) = read_plan(&a.model)? {
         let program = weft_ir::parse(&plan.program)
@@ -196,6 +196,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         .seq
         .or(given.map(|x| x.1))
         .unwrap_or(64 * mesh.size_or_one("sp") as i64);
+    weft_passes::bindings::check_batch_seq(Some(batch), Some(seq)).map_err(CliError::input)?;
     let mut names = super::compile::pipeline(None, &mesh)?;
     let mut training = false;
     let mut train_opts = a.train.options("adamw")?;
@@ -240,14 +241,20 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             }
             training = true;
         } else {
-            notes.push(format!(
-                "training passes {} are not in this build: running the forward program (loss only)",
-                missing
-                    .iter()
-                    .map(|s| format!("`{s}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ));
+            let names = missing
+                .iter()
+                .map(|s| format!("`{s}`"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(CliError::input(format!(
+                "invalid --train-passes `{}`: {}",
+                a.train_passes,
+                if want.is_empty() { "no pass named".to_string() } else { format!("no pass is called {names}") }
+            ))
+            .with_help(format!(
+                "the passes are: {}; or --forward-only for the forward program",
+                weft_passes::pass_names().join(", ")
+            )));
         }
     }
     match a.dtype.as_str() {
@@ -318,6 +325,9 @@ fn read_plan(spec: &str) -> CliResult<Option<ExecutionPlan>> {
 pub struct Feeder {
     fixed: Option<BTreeMap<String, HostTensor>>,
     data: Option<Vec<u16>>,
+    /// The `--data` file, named once when a run reads past its end and wraps around.
+    data_path: Option<PathBuf>,
+    wrapped: bool,
     at: usize,
     batch: usize,
     seq: usize,
@@ -336,6 +346,14 @@ impl Feeder {
                 let b = std::fs::read(p).map_err(|e| {
                     CliError::input(format!("cannot read --data {}: {e}", p.display()))
                 })?;
+                if b.len() % 2 != 0 {
+                    return Err(CliError::input(format!(
+                        "--data {}: {} bytes is not a whole number of uint16 tokens",
+                        p.display(),
+                        b.len()
+                    ))
+                    .with_help("a token file is flat little-endian uint16 (2 bytes per token)"));
+                }
                 let toks: Vec<u16> = b
                     .chunks_exact(2)
                     .map(|c| u16::from_le_bytes([c[0], c[1]]))
@@ -355,6 +373,8 @@ impl Feeder {
         Ok(Feeder {
             fixed,
             data,
+            data_path: a.data.clone(),
+            wrapped: false,
             at: 0,
             batch: batch as usize,
             seq: seq as usize,
@@ -369,6 +389,15 @@ impl Feeder {
         } else if let Some(d) = &self.data {
             let n = self.batch * self.seq;
             if self.at + n > d.len() {
+                if !self.wrapped {
+                    eprintln!(
+                        "note: step {} wraps around to the start of --data {} ({} tokens, {n} per step)",
+                        step + 1,
+                        self.data_path.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+                        d.len()
+                    );
+                    self.wrapped = true;
+                }
                 self.at = 0;
             }
             let ids: Vec<i64> = d[self.at..self.at + n].iter().map(|&t| t as i64).collect();
@@ -473,6 +502,18 @@ pub fn cpu_steps_timed(
 }
 
 pub fn run(a: Args) -> CliResult {
+    if !(a.peak_tflops.is_finite() && a.peak_tflops > 0.0) {
+        return Err(CliError::input(format!(
+            "invalid --peak-tflops {}: must be a positive number (the device's peak, for MFU)",
+            a.peak_tflops
+        )));
+    }
+    if a.check > 0 && a.backend == "cpu" {
+        return Err(CliError::input(
+            "--check compares a GPU run with the CPU reference, but --backend is cpu (nothing to compare)",
+        )
+        .with_help("use --backend cuda with --check, or drop --check"));
+    }
     if a.steps == 0 && a.check == 0 {
         return plan_only(&a);
     }
@@ -486,8 +527,7 @@ pub fn run(a: Args) -> CliResult {
 /// `--plan-out`: the plan that runs.
 fn write_plan(a: &Args, p: &Prepared) -> CliResult {
     if let Some(path) = &a.plan_out {
-        std::fs::write(path, p.plan.to_json())
-            .map_err(|e| CliError::input(format!("cannot write {}: {e}", path.display())))?;
+        super::write_out(Some(path), &p.plan.to_json())?;
     }
     Ok(())
 }

@@ -33,12 +33,7 @@ struct Report {
 }
 
 pub fn run(a: Args) -> CliResult {
-    if a.seq <= 0 {
-        return Err(CliError::input(format!(
-            "invalid --seq {}: must be positive",
-            a.seq
-        )));
-    }
+    weft_passes::bindings::check_batch_seq(None, Some(a.seq)).map_err(CliError::input)?;
     let m = super::load_model(&a.model)?;
     let g = &m.graph;
     let mut by_op: BTreeMap<String, usize> = BTreeMap::new();
@@ -50,17 +45,20 @@ pub fn run(a: Args) -> CliResult {
             let b = ty.size_bytes(&Bindings::new()).map_err(|e| {
                 CliError::input(format!("parameter shape in {}: {e}", g.describe(n)))
             })?;
-            *bytes.entry(ty.dtype.to_string()).or_default() += b;
+            let total = bytes.entry(ty.dtype.to_string()).or_default();
+            *total = total.checked_add(b).ok_or_else(|| {
+                CliError::input(format!("the {} parameter bytes of {} overflow", ty.dtype, m.name))
+            })?;
         }
     }
     let b = Bindings::new().with("B", 1).with("S", a.seq);
-    let flops = weft_ir::flops::graph_flops(g).eval(&b).map_err(|e| {
+    let flops = weft_ir::flops::graph_flops(g).eval_f64(&b).map_err(|e| {
         CliError::input(format!(
             "cannot count FLOPs of {} at seq {}: {e}",
             m.name, a.seq
         ))
     })?;
-    let per_token = flops as f64 / a.seq as f64;
+    let per_token = flops / a.seq as f64;
     let r = Report {
         model: m.name.clone(),
         family: m.family.as_str().to_string(),

@@ -350,11 +350,15 @@ pub fn save_safetensors(
         owned.push((name.clone(), o));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    safetensors::serialize_to_file(owned.iter().map(|(n, o)| (n.as_str(), o)), Some(meta), path)
+    let bytes = safetensors::serialize(owned.iter().map(|(n, o)| (n.as_str(), o)), Some(meta))
         .map_err(|e| FrontendError::Write {
             path: path.to_path_buf(),
             message: e.to_string(),
-        })
+        })?;
+    weft_ir::output::write_atomic(path, &bytes).map_err(|e| FrontendError::Write {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
 }
 
 fn data_len(d: &HostData) -> usize {

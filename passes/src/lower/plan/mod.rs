@@ -89,6 +89,9 @@ fn breakdown_text(b: &BTreeMap<String, u64>) -> String {
 
 const ALIGN: u64 = 256;
 
+/// The most bytes all of a step's buffers may hold on one rank (2^60).
+pub const MAX_PLAN_BYTES: u64 = 1 << 60;
+
 fn align(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
 }
@@ -246,6 +249,19 @@ pub fn lower_with_views(
                 alias_of: None,
             });
         }
+    }
+
+    // Every offset and sum below stays exact: the bytes of all buffers fit with room.
+    let total = buffers
+        .iter()
+        .try_fold(0u64, |acc, b| acc.checked_add(b.bytes))
+        .filter(|&t| t <= MAX_PLAN_BYTES);
+    if total.is_none() {
+        return Err(LowerError::Size {
+            what: "the buffers of the step".into(),
+            location: g.name.clone(),
+            why: format!("they hold more than {MAX_PLAN_BYTES} bytes per rank (the most Weft plans)"),
+        });
     }
 
     // Instructions in program order, each on its stream; simulate the streams.
