@@ -81,6 +81,58 @@ pub struct ExecutionPlan {
     pub cost: CostSummary,
     /// The program as Weft text IR; instruction `node` ids are its value ids.
     pub program: String,
+    /// SHA-256 of `program` (hex), checked on load: an edited or swapped program is
+    /// refused. Empty in plans written before it existed.
+    #[serde(default)]
+    pub program_digest: String,
+}
+
+/// SHA-256 of `bytes`, in lowercase hex.
+pub fn digest(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The most streams a plan may have (Weft's plans have four).
+pub const MAX_STREAMS: usize = 64;
+
+impl DeviceProfile {
+    /// Every rate and size positive and finite, latencies and overheads non-negative
+    /// and finite, at least one GPU per node: a cost model divides by these.
+    pub fn validate(&self) -> Result<(), String> {
+        let rates = [
+            ("matmul_tflops", self.matmul_tflops),
+            ("attention_tflops", self.attention_tflops),
+            ("vector_tflops", self.vector_tflops),
+            ("hbm_gbps", self.hbm_gbps),
+            ("memory_gib", self.memory_gib),
+            ("intra_node_gbps", self.intra_node_gbps),
+            ("inter_node_gbps", self.inter_node_gbps),
+            ("host_gbps", self.host_gbps),
+        ];
+        for (name, v) in rates {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("`{name}` is {v}: must be a positive number"));
+            }
+        }
+        let delays = [
+            ("kernel_overhead_us", self.kernel_overhead_us),
+            ("intra_node_latency_us", self.intra_node_latency_us),
+            ("inter_node_latency_us", self.inter_node_latency_us),
+        ];
+        for (name, v) in delays {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("`{name}` is {v}: must be a non-negative number"));
+            }
+        }
+        if self.gpus_per_node == 0 {
+            return Err("`gpus_per_node` is 0: must be at least 1".into());
+        }
+        Ok(())
+    }
 }
 
 #[derive(
@@ -371,7 +423,7 @@ impl ExecutionPlan {
         arena.sort_by_key(|b| (b.offset, b.id));
         for (k, a) in arena.iter().enumerate() {
             for b in &arena[k + 1..] {
-                if b.offset >= a.offset + a.bytes {
+                if b.offset >= a.offset.saturating_add(a.bytes) {
                     break;
                 }
                 // The later-written buffer must be ordered after every touch of the other.
@@ -607,6 +659,7 @@ impl ExecutionPlan {
     /// two arena buffers that are live at once overlap (a root and its views share
     /// bytes, and hold them over the union of their live ranges).
     pub fn check(&self) -> Result<(), String> {
+        self.check_integrity()?;
         for (i, s) in self.streams.iter().enumerate() {
             if s.id as usize != i {
                 return Err(format!("stream {i} has id {}", s.id));
@@ -683,7 +736,7 @@ impl ExecutionPlan {
         arena.sort_by_key(|b| (b.offset, b.id));
         for (k, a) in arena.iter().enumerate() {
             for b in &arena[k + 1..] {
-                if b.offset >= a.offset + a.bytes {
+                if b.offset >= a.offset.saturating_add(a.bytes) {
                     break;
                 }
                 let (la, lb) = (held[a.id as usize], held[b.id as usize]);
@@ -693,6 +746,142 @@ impl ExecutionPlan {
                         "buffers {} and {} overlap in the arena while both are live",
                         a.id, b.id
                     ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Self-check of a loaded plan beyond its schedule: what a runtime trusts before it
+/// allocates or launches anything.
+impl ExecutionPlan {
+    /// The mesh is one Weft makes (at most [`crate::mesh::MAX_RANKS`] ranks) and its
+    /// groups are exactly the ones it induces; the device profile is usable; counts
+    /// are bounded by the plan's own size; bindings are positive; the program matches
+    /// its digest, parses, verifies, has the plan's mesh, and every buffer holds a
+    /// value of the program with that value's dtype and bytes.
+    pub fn check_integrity(&self) -> Result<(), String> {
+        let parsed = crate::mesh::Mesh::parse(&self.mesh.to_string())
+            .map_err(|e| format!("its mesh: {e}"))?;
+        if parsed != self.mesh {
+            return Err(format!("its mesh `{}` is not in normal form", self.mesh));
+        }
+        let axes: std::collections::BTreeSet<&String> =
+            self.mesh.axes.iter().map(|(a, _)| a).collect();
+        if !self.groups.keys().eq(axes.iter().copied()) {
+            return Err(format!(
+                "its groups are for axes [{}] but the mesh is `{}`",
+                self.groups.keys().cloned().collect::<Vec<_>>().join(", "),
+                self.mesh
+            ));
+        }
+        for (axis, groups) in &self.groups {
+            if Some(groups) != self.mesh.groups(axis).as_ref() {
+                return Err(format!(
+                    "the groups of axis `{axis}` are not the ones mesh `{}` induces (a rank out of range or misplaced)",
+                    self.mesh
+                ));
+            }
+        }
+        self.device
+            .validate()
+            .map_err(|e| format!("device profile `{}`: {e}", self.device.name))?;
+        if self.streams.len() > MAX_STREAMS {
+            return Err(format!(
+                "it has {} streams (at most {MAX_STREAMS})",
+                self.streams.len()
+            ));
+        }
+        if self.events as usize > self.instructions.len() {
+            return Err(format!(
+                "it has {} events but only {} instructions to record them",
+                self.events,
+                self.instructions.len()
+            ));
+        }
+        for (sym, v) in &self.bindings {
+            if *v <= 0 {
+                return Err(format!("binding {sym}={v} is not positive"));
+            }
+        }
+        for (a, n) in &self.mesh.axes {
+            if let Some(v) = self.bindings.get(a) {
+                if *v != *n as i64 {
+                    return Err(format!("binding {a}={v} differs from the mesh's {a}={n}"));
+                }
+            }
+        }
+        if !self.program_digest.is_empty()
+            && digest(self.program.as_bytes()) != self.program_digest
+        {
+            return Err(
+                "its program does not match its digest (the program was edited or swapped)".into(),
+            );
+        }
+        let g = crate::parse::parse(&self.program).map_err(|e| format!("its program: {e}"))?;
+        crate::verify::verify(&g).map_err(|r| {
+            format!(
+                "its program does not verify: {}",
+                r.errors
+                    .first()
+                    .map(|e| format!("{}: {}", e.location, e.message))
+                    .unwrap_or_default()
+            )
+        })?;
+        if g.mesh != self.mesh {
+            return Err(format!(
+                "its program is for mesh `{}` but the plan is for `{}`",
+                g.mesh, self.mesh
+            ));
+        }
+        let mut b = crate::dim::Bindings::new();
+        for (k, v) in &self.bindings {
+            b = b.with(k, *v);
+        }
+        for (a, n) in &self.mesh.axes {
+            b = b.with(a, *n as i64);
+        }
+        let world = self.mesh.world_size() as usize;
+        for buf in &self.buffers {
+            let Some(ty) = g.try_ty(crate::graph::Value(buf.value)) else {
+                return Err(format!(
+                    "buffer {} holds %{}, which the program lacks",
+                    buf.id, buf.value
+                ));
+            };
+            if buf
+                .offset
+                .checked_add(buf.bytes)
+                .is_none_or(|end| end > 1 << 60)
+            {
+                return Err(format!(
+                    "buffer {} ends past 2^60 bytes (offset {}, {} bytes)",
+                    buf.id, buf.offset, buf.bytes
+                ));
+            }
+            if buf.per_rank_bytes.as_ref().is_some_and(|t| t.len() != world) {
+                return Err(format!(
+                    "buffer {} lists per-rank sizes for other than the {world} ranks",
+                    buf.id
+                ));
+            }
+            if ty.dtype != buf.dtype {
+                return Err(format!(
+                    "buffer {} is {} but %{} is {ty}",
+                    buf.id, buf.dtype, buf.value
+                ));
+            }
+            // Sizes that need a rank coordinate or a data-dependent symbol are checked
+            // per rank by the runtime; the rest must match exactly.
+            if ty.shape.iter().all(|d| d.rank_axes().is_empty()) {
+                if let Ok(want) = ty.size_bytes(&b) {
+                    if want != buf.bytes {
+                        return Err(format!(
+                            "buffer {} holds %{}: {ty}, {want} bytes with the plan's bindings, but says {}",
+                            buf.id, buf.value, buf.bytes
+                        ));
+                    }
                 }
             }
         }

@@ -772,6 +772,7 @@ pub fn lower_with_views(
             }
         })
         .collect();
+    let program = weft_ir::print(g);
     let mut groups = BTreeMap::new();
     for (a, _) in &g.mesh.axes {
         groups.insert(a.clone(), g.mesh.groups(a).unwrap_or_default());
@@ -829,7 +830,8 @@ pub fn lower_with_views(
             comm_bytes,
             collectives,
         },
-        program: weft_ir::print(g),
+        program_digest: weft_ir::plan::digest(program.as_bytes()),
+        program,
     })
 }
 
