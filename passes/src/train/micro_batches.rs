@@ -46,10 +46,40 @@ impl Pass for MicroBatches {
         {
             return Ok(res);
         }
+        check_count(g, n, cx)?;
         split(g, n, &mut res)?;
         res.changed = true;
         Ok(res)
     }
+}
+
+/// The most micro-batches one step may hold: the graph holds a clone of the
+/// token-dependent forward per micro-batch, so this bounds the memory the option can
+/// make the compiler use (real runs use tens).
+pub const MAX_MICRO_BATCHES: u32 = 4096;
+
+/// Checked before anything is cloned: `n` is at most [`MAX_MICRO_BATCHES`] and, when the
+/// batch is known, divides each data-parallel rank's rows.
+fn check_count(g: &Graph, n: u32, cx: &PassContext) -> Result<(), PassError> {
+    if n > MAX_MICRO_BATCHES {
+        return Err(err(
+            g,
+            &format!("{n} micro-batches is more than {MAX_MICRO_BATCHES}"),
+            "each micro-batch is a clone of the forward in the graph",
+        ));
+    }
+    if let Some(b) = cx.options.train.batch {
+        let dp = cx.mesh.size_or_one(crate::pass::DP) as i64;
+        if b % (dp * n as i64) != 0 {
+            return Err(err(
+                g,
+                &format!("{n} micro-batches do not divide the batch"),
+                format!("--batch {b} over dp={dp} is {} rows per rank, which {n} does not divide", b as f64 / dp as f64),
+            )
+            .with_help(format!("use a batch that is a multiple of {}", dp * n as i64)));
+        }
+    }
+    Ok(())
 }
 
 fn err(g: &Graph, what: &str, why: impl Into<String>) -> PassError {

@@ -844,18 +844,19 @@ fn max_over_ranks(
     b: &Bindings,
     mesh: &weft_ir::Mesh,
 ) -> Result<f64, weft_ir::DimError> {
+    // Costs are reported, never used as sizes: f64 cannot wrap.
     if d.rank_axes().is_empty() {
-        return Ok(d.eval(b)? as f64);
+        return d.eval_f64(b);
     }
-    let mut best = 0i64;
+    let mut best = 0f64;
     for r in 0..mesh.world_size() {
         let mut rb = b.clone();
         for (i, (axis, _)) in mesh.axes.iter().enumerate() {
             rb = rb.with_coord(axis, mesh.coords(r)[i] as i64);
         }
-        best = best.max(d.eval(&rb)?);
+        best = best.max(d.eval_f64(&rb)?);
     }
-    Ok(best as f64)
+    Ok(best)
 }
 
 /// Which option would bring the plan under the limit, from what dominates the peak.
