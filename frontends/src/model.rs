@@ -157,6 +157,13 @@ pub fn load(spec: &str) -> Result<Model, FrontendError> {
     if path.is_file() {
         return load_file(path, spec);
     }
+    if path.exists() {
+        return Err(FrontendError::UnknownSpec {
+            spec: spec.into(),
+            why: "it is a special file (a device, FIFO or socket), not a regular file or directory"
+                .into(),
+        });
+    }
     let mut why = "it is not a preset, and no file or directory has this path".to_string();
     let close = similar_presets(spec);
     if !close.is_empty() {
@@ -177,11 +184,18 @@ pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
             why: "it is a zip archive (a .pt2?); the torch.export importer is not available".into(),
         });
     }
-    let Ok(text) = std::str::from_utf8(&bytes) else {
-        return Err(FrontendError::UnknownSpec {
-            spec: spec.into(),
-            why: "it is a binary file, not a config.json or weft text IR".into(),
-        });
+    let text = match std::str::from_utf8(&bytes) {
+        Ok(t) => t,
+        Err(e) => {
+            return Err(FrontendError::UnknownSpec {
+                spec: spec.into(),
+                why: format!(
+                    "byte {} (line {}) is not UTF-8: a binary file, not a config.json or weft text IR",
+                    e.valid_up_to(),
+                    bytes[..e.valid_up_to()].iter().filter(|&&b| b == b'\n').count() + 1
+                ),
+            });
+        }
     };
     let text = text.trim_start_matches('\u{feff}');
     let first = text
@@ -194,6 +208,10 @@ pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
         let graph = weft_ir::parse(text).map_err(|e| FrontendError::TextIr {
             file: file.clone(),
             message: e.to_string(),
+        })?;
+        weft_ir::verify(&graph).map_err(|r| FrontendError::TextIr {
+            file: file.clone(),
+            message: r.in_source(&graph, text, &file),
         })?;
         return Model::from_graph(graph, Origin::TextIr(path.to_path_buf()));
     }

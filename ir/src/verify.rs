@@ -27,14 +27,104 @@ pub struct VerifyReport {
     pub annotated: String,
 }
 
+/// The most errors a report lists one by one; the rest are counted.
+const SHOWN_ERRORS: usize = 10;
+/// Lines of the program shown before and after each error's line.
+const CONTEXT_LINES: usize = 2;
+
 impl fmt::Display for VerifyReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{} verifier error(s):", self.errors.len())?;
-        for e in &self.errors {
+        for e in self.errors.iter().take(SHOWN_ERRORS) {
             writeln!(f, "error: invalid IR in {}: {}", e.location, e.message)?;
         }
-        write!(f, "\n{}", self.annotated)
+        if self.errors.len() > SHOWN_ERRORS {
+            writeln!(f, "... and {} more", self.errors.len() - SHOWN_ERRORS)?;
+        }
+        write!(f, "\n{}", excerpt(&self.annotated))
     }
+}
+
+impl VerifyReport {
+    /// The errors located in the source text the graph was parsed from:
+    /// `error: <msg> in FILE:LINE (node %N (scope))` and the line with a few lines of
+    /// context, numbered as in the file. Errors whose node has no line there (or
+    /// graph-level ones) name their location only.
+    pub fn in_source(&self, g: &Graph, text: &str, file: &str) -> String {
+        let lines: Vec<&str> = text.lines().collect();
+        let mut line_of: BTreeMap<u32, usize> = BTreeMap::new();
+        for (i, l) in lines.iter().enumerate() {
+            let Some(rest) = l.trim_start().strip_prefix('%') else {
+                continue;
+            };
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            if let Ok(id) = digits.parse::<u32>() {
+                line_of.entry(id).or_insert(i);
+            }
+        }
+        let mut out = format!("{} verifier error(s)\n", self.errors.len());
+        for e in self.errors.iter().take(SHOWN_ERRORS) {
+            let at = e
+                .node
+                .and_then(|n| g.node(n).results.first().copied())
+                .and_then(|v| line_of.get(&v.0).copied());
+            match at {
+                Some(i) => {
+                    out.push_str(&format!(
+                        "error: {} in {file}:{} ({})\n",
+                        e.message,
+                        i + 1,
+                        e.location
+                    ));
+                    let (lo, hi) = (i.saturating_sub(CONTEXT_LINES), (i + CONTEXT_LINES).min(lines.len() - 1));
+                    for (k, l) in lines.iter().enumerate().take(hi + 1).skip(lo) {
+                        let shown: String = l.chars().take(160).collect();
+                        out.push_str(&format!("{:>6} | {shown}\n", k + 1));
+                        if k == i {
+                            out.push_str("       | ^ here\n");
+                        }
+                    }
+                }
+                None => out.push_str(&format!("error: {} in {file} ({})\n", e.message, e.location)),
+            }
+        }
+        if self.errors.len() > SHOWN_ERRORS {
+            out.push_str(&format!("... and {} more\n", self.errors.len() - SHOWN_ERRORS));
+        }
+        out
+    }
+}
+
+/// The lines of an annotated program near its errors (`^ error:` lines), with `...`
+/// for what is left out: a 47 MB program is not printed whole.
+fn excerpt(annotated: &str) -> String {
+    let lines: Vec<&str> = annotated.lines().collect();
+    let marks: Vec<usize> = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.trim_start().starts_with("^ error"))
+        .map(|(i, _)| i)
+        .take(SHOWN_ERRORS)
+        .collect();
+    let mut keep = vec![false; lines.len()];
+    for &m in &marks {
+        let lo = m.saturating_sub(CONTEXT_LINES + 1);
+        let hi = (m + CONTEXT_LINES).min(lines.len().saturating_sub(1));
+        keep[lo..=hi].iter_mut().for_each(|k| *k = true);
+    }
+    let mut out = String::new();
+    let mut skipped = false;
+    for (l, k) in lines.iter().zip(&keep) {
+        if *k {
+            out.push_str(l);
+            out.push('\n');
+            skipped = false;
+        } else if !skipped {
+            out.push_str("...\n");
+            skipped = true;
+        }
+    }
+    out
 }
 
 impl std::error::Error for VerifyReport {}
@@ -327,6 +417,10 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
                 push(format!("splits over unknown mesh axis `{}`", p.axis));
                 continue;
             };
+            if p.pieces.iter().any(|piece| piece.len() != p.ranks()) {
+                push("lists pieces of different numbers of ranks".into());
+                continue;
+            }
             if p.ranks() != n as usize {
                 push(format!(
                     "lists {} ranks but axis `{}` has {n}",
