@@ -216,9 +216,11 @@ pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
         return Model::from_graph(graph, Origin::TextIr(path.to_path_buf()));
     }
     if first.starts_with('{') {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| FrontendError::Json {
-            file: file.clone(),
-            message: e.to_string(),
+        let v = crate::fields::parse_json_no_duplicates(text).map_err(|message| {
+            FrontendError::Json {
+                file: file.clone(),
+                message,
+            }
         })?;
         if v.get("model_type").is_none() {
             return Err(FrontendError::UnknownSpec {
