@@ -591,7 +591,10 @@ fn run_cpu(a: &Args) -> CliResult {
     let weights = p
         .host_weights
         .clone()
-        .ok_or_else(|| CliError::input("the cpu backend needs host weights"))?;
+        .ok_or_else(|| {
+            CliError::input(format!("the cpu backend needs host weights to run {}", a.model))
+                .with_help("give --weights FILE (a plan records its model, not its weights)")
+        })?;
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let tokens = (p.batch * p.seq) as f64;
     let mut reports = Vec::new();
@@ -667,7 +670,10 @@ fn run_cuda(a: &Args) -> CliResult {
         let w = p
             .host_weights
             .as_ref()
-            .ok_or_else(|| CliError::input("--check needs host weights"))?;
+            .ok_or_else(|| {
+                CliError::input("--check needs host weights")
+                    .with_help("give --weights FILE (a plan records its model, not its weights)")
+            })?;
         let mut f2 = Feeder::new(a, p.batch, p.seq, p.vocab)?;
         use weft_runtime::cpu::Precision::F32;
         let steps = a.check.min(a.steps.max(1));
