@@ -344,6 +344,7 @@ fn tampered_plans_are_refused_on_load() {
             "digest",
         ),
         (tamper("bindings.json", &|v| v["bindings"]["S"] = (-1).into()), "S=-1"),
+        (tamper("bindings_big.json", &|v| v["bindings"]["S"] = 1000000000000i64.into()), "S=1000000000000"),
         (tamper("events.json", &|v| v["events"] = 4000000000u64.into()), "events"),
         (tamper("device.json", &|v| v["device"]["hbm_gbps"] = 0.into()), "hbm_gbps"),
     ];
@@ -468,4 +469,42 @@ fn special_and_binary_files_are_named() {
     let p = dir.join("bin.weft");
     std::fs::write(&p, b"graph \"x\"\n\xff\n").unwrap();
     refused(&["stats", s(&p)], &["byte 10 (line 2) is not UTF-8"]);
+}
+
+// ---- plan building scales with the program ----
+
+/// A chain of `n` elementwise ops on one parameter, as text IR.
+fn chain(n: usize) -> weft_ir::Graph {
+    let mut t = String::from("graph \"chain\"\n%0: f32[64, 64] = param {name=\"w\"}\n");
+    for i in 1..=n {
+        t.push_str(&format!("%{i}: f32[64, 64] = neg %{}\n", i - 1));
+    }
+    t.push_str(&format!("return out=%{n}\n"));
+    weft_ir::parse(&t).unwrap()
+}
+
+/// Measures how long lowering a chain to a plan takes as it doubles (and a 1M-node
+/// chain): near-linear growth is the goal. Not a timed assertion; run with
+/// `cargo test --release --test hostile plan_building_time -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn plan_building_time() {
+    let opts = weft_passes::plan::PlanOptions::new(1, 1);
+    let mut last = None;
+    for n in [10_000, 20_000, 40_000, 80_000, 1_000_000] {
+        let g = chain(n);
+        let t = std::time::Instant::now();
+        let plan = weft_passes::plan::lower(&g, &opts).unwrap();
+        let dt = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        let loaded = weft_ir::ExecutionPlan::from_json(&plan.to_json(), "chain").unwrap();
+        let load = t.elapsed().as_secs_f64();
+        assert_eq!(loaded.instructions.len(), n);
+        println!(
+            "{n:>8} nodes: lower {dt:.3} s, save+load {load:.3} s{}",
+            last.map(|(m, p): (usize, f64)| format!(" (x{:.2} for x{:.1} nodes)", dt / p, n as f64 / m as f64))
+                .unwrap_or_default()
+        );
+        last = Some((n, dt));
+    }
 }

@@ -167,6 +167,27 @@ fn small_enough(g: &weft_ir::Graph) -> bool {
     total < 2_000_000
 }
 
+/// Text-IR mutants seen, parsed, verified and run (printed every 5000 mutants with
+/// `--nocapture`, to see what a long run covered).
+static TALLY: [std::sync::atomic::AtomicUsize; 4] = [const { std::sync::atomic::AtomicUsize::new(0) }; 4];
+
+fn tally(i: usize) {
+    TALLY[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[derive(Default)]
+struct Count;
+
+impl Drop for Count {
+    fn drop(&mut self) {
+        let n = TALLY[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if n % 5000 == 0 {
+            let t: Vec<usize> = TALLY.iter().map(|x| x.load(std::sync::atomic::Ordering::Relaxed)).collect();
+            eprintln!("text-IR mutants: {} seen, {} parsed, {} verified, {} run through passes and runtime", t[0], t[1], t[2], t[3]);
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
 
@@ -175,10 +196,13 @@ proptest! {
     #[test]
     fn text_ir_mutants_never_panic(e in edits(), mesh in 0usize..4) {
         let text = mutate(&seeds().text, &e);
+        let _count = Count::default();
         let Ok(g) = weft_ir::parse(&text) else { return Ok(()) };
+        tally(1);
         if weft_ir::verify(&g).is_err() {
             return Ok(());
         }
+        tally(2);
         let Ok(model) = weft_frontends::Model::from_graph(g, weft_frontends::Origin::Preset("mutant".into())) else {
             return Ok(());
         };
@@ -190,6 +214,7 @@ proptest! {
         let cx = weft_passes::PassContext::new(g.mesh.clone());
         let names = weft_passes::registry::default_pipeline(&g.mesh);
         let passed = weft_passes::PassManager::default().run(&mut g, &cx, &names, &mut std::io::sink());
+        tally(3);
         let weights = weft_frontends::random_weights(&model, 1);
         let opts = weft_runtime::cpu::RunOptions::new(weft_runtime::cpu::Precision::F32);
         let _ = weft_runtime::cpu::run(&model.graph, &weights, &seeds().inputs, &opts);

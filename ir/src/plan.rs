@@ -96,6 +96,11 @@ pub fn digest(bytes: &[u8]) -> String {
         .collect()
 }
 
+/// The longest sequence Weft plans for (2^32 tokens), far above any model's context.
+pub const MAX_SEQ: i64 = 1 << 32;
+/// The largest batch Weft plans for (2^24 sequences).
+pub const MAX_BATCH: i64 = 1 << 24;
+
 /// The most streams a plan may have (Weft's plans have four).
 pub const MAX_STREAMS: usize = 64;
 
@@ -420,27 +425,43 @@ impl ExecutionPlan {
                 b.alias_of.is_none() && !b.resident && b.category != Category::Host && b.bytes > 0
             })
             .collect();
-        arena.sort_by_key(|b| (b.offset, b.id));
-        for (k, a) in arena.iter().enumerate() {
-            for b in &arena[k + 1..] {
-                if b.offset >= a.offset.saturating_add(a.bytes) {
-                    break;
-                }
-                // The later-written buffer must be ordered after every touch of the other.
-                let (first, later, second) =
-                    match (producer[a.id as usize], producer[b.id as usize]) {
-                        (Some(pa), Some(pb)) if pa < pb => (a, b, pb),
-                        (Some(pa), Some(_)) => (b, a, pa),
-                        _ => continue, // inputs are written before the step; covered by live ranges
-                    };
-                let c = &clock[second];
-                if (0..ns).any(|t| touch[first.id as usize][t] > c[t]) {
+        // In producer order, each byte range remembers its latest writer; a buffer must
+        // be ordered after every touch of the writers whose bytes it takes. Checking
+        // only the latest writer suffices: it was itself ordered after the one before
+        // (vector clocks are transitive), so this is near-linear where all pairs were
+        // quadratic.
+        arena.retain(|b| producer[b.id as usize].is_some());
+        arena.sort_by_key(|b| (producer[b.id as usize], b.id));
+        let mut segments: BTreeMap<u64, (u64, usize)> = BTreeMap::new(); // start -> (end, buffer)
+        for b in arena {
+            let (start, end) = (b.offset, b.offset.saturating_add(b.bytes));
+            let second = producer[b.id as usize].unwrap_or(0);
+            let c = &clock[second];
+            let overlapping: Vec<(u64, u64, usize)> = segments
+                .range(..end)
+                .rev()
+                .take_while(|(_, (e, _))| *e > start)
+                .map(|(&s, &(e, o))| (s, e, o))
+                .collect();
+            // Segments never overlap, so those ending after `start` among the ones
+            // starting before `end` are contiguous from the last; one that starts before
+            // `start` and ends after it is found by the same scan.
+            for &(s0, e0, first) in &overlapping {
+                if (0..ns).any(|t| touch[first][t] > c[t]) {
                     return Err(format!(
-                        "buffer {} reuses bytes of buffer {} but its producer (instruction {second}) may run before the last use of buffer {}",
-                        later.id, first.id, first.id
+                        "buffer {} reuses bytes of buffer {first} but its producer (instruction {second}) may run before the last use of buffer {first}",
+                        b.id
                     ));
                 }
+                segments.remove(&s0);
+                if s0 < start {
+                    segments.insert(s0, (start, first));
+                }
+                if e0 > end {
+                    segments.insert(end, (e0, first));
+                }
             }
+            segments.insert(start, (end, b.id as usize));
         }
         Ok(())
     }
@@ -727,27 +748,42 @@ impl ExecutionPlan {
                 held[r] = (held[r].0.min(b.live.0), held[r].1.max(b.live.1));
             }
         }
-        // Arena buffers live at the same time must not overlap.
+        // Arena buffers live at the same time must not overlap: sweep over time with
+        // the live buffers kept by offset (they never overlap each other, so a new one
+        // need only be compared with its neighbours).
         let mut arena: Vec<&Buffer> = self
             .buffers
             .iter()
-            .filter(|b| b.alias_of.is_none() && !b.resident && b.category != Category::Host)
+            .filter(|b| {
+                b.alias_of.is_none() && !b.resident && b.category != Category::Host && b.bytes > 0
+            })
             .collect();
-        arena.sort_by_key(|b| (b.offset, b.id));
-        for (k, a) in arena.iter().enumerate() {
-            for b in &arena[k + 1..] {
-                if b.offset >= a.offset.saturating_add(a.bytes) {
+        arena.sort_by_key(|b| (held[b.id as usize].0, b.id));
+        let mut ending: std::collections::BinaryHeap<std::cmp::Reverse<(u32, u64)>> =
+            Default::default(); // (last instruction, offset) of live buffers
+        let mut live: BTreeMap<u64, (u64, u32)> = BTreeMap::new(); // offset -> (end, buffer)
+        for b in arena {
+            let (from, to) = held[b.id as usize];
+            while let Some(std::cmp::Reverse((last, off))) = ending.peek().copied() {
+                if last >= from {
                     break;
                 }
-                let (la, lb) = (held[a.id as usize], held[b.id as usize]);
-                let overlap_time = la.0 <= lb.1 && lb.0 <= la.1;
-                if overlap_time && a.bytes > 0 && b.bytes > 0 {
+                ending.pop();
+                live.remove(&off);
+            }
+            let end = b.offset.saturating_add(b.bytes);
+            let before = live.range(..=b.offset).next_back();
+            let after = live.range(b.offset..).next();
+            for (&o, &(e, other)) in before.into_iter().chain(after) {
+                if o < end && b.offset < e {
                     return Err(format!(
-                        "buffers {} and {} overlap in the arena while both are live",
-                        a.id, b.id
+                        "buffers {other} and {} overlap in the arena while both are live",
+                        b.id
                     ));
                 }
             }
+            live.insert(b.offset, (end, b.id));
+            ending.push(std::cmp::Reverse((to, b.offset)));
         }
         Ok(())
     }
@@ -801,8 +837,13 @@ impl ExecutionPlan {
             ));
         }
         for (sym, v) in &self.bindings {
-            if *v <= 0 {
-                return Err(format!("binding {sym}={v} is not positive"));
+            let max = match sym.as_str() {
+                "B" => MAX_BATCH,
+                "S" => MAX_SEQ,
+                _ => i64::MAX,
+            };
+            if *v <= 0 || *v > max {
+                return Err(format!("binding {sym}={v} is out of range (1 to {max})"));
             }
         }
         for (a, n) in &self.mesh.axes {

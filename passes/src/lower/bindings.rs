@@ -9,10 +9,7 @@ use std::collections::BTreeSet;
 use weft_ir::shape::norm_dim;
 use weft_ir::{Bindings, Dim, DimError, Graph, Node, Op, Role};
 
-/// The longest sequence Weft plans for (2^32 tokens), far above any model's context.
-pub const MAX_SEQ: i64 = 1 << 32;
-/// The largest batch Weft plans for (2^24 sequences).
-pub const MAX_BATCH: i64 = 1 << 24;
+pub use weft_ir::plan::{MAX_BATCH, MAX_SEQ};
 
 /// `--batch` / `--seq` as the CLI takes them: positive and at most [`MAX_BATCH`] /
 /// [`MAX_SEQ`]; the error names the flag and the value.
