@@ -623,16 +623,32 @@ pub fn lower_with_views(
     let mut placed: Vec<usize> = Vec::new();
     let mut arena_bytes = 0u64;
     let mut latest: [[i64; NS]; NS] = [[-1; NS]; NS];
+    let stream_of_buffer = |c: usize| {
+        producer_instr
+            .get(&(c as u32))
+            .map_or(0, |&p| instructions[p as usize].stream as usize)
+    };
+    // Buffers still to place, per producing stream: a placed buffer is forgotten once
+    // it is free under the clocks of every stream that still writes one (streams that
+    // never write again cannot conflict with it), so `placed` holds what is live, not
+    // everything placed so far (quadratic on long programs).
+    let mut remaining = [0usize; NS];
+    for &c in &order {
+        remaining[stream_of_buffer(c)] += 1;
+    }
     for &c in &order {
         let size = align(buffers[c].bytes);
         let (clk, s) = match producer_instr.get(&(c as u32)) {
             Some(&p) => (clock[p as usize], instructions[p as usize].stream as usize),
             None => ([-1; NS], 0),
         };
+        remaining[stream_of_buffer(c)] -= 1;
         latest[s] = max3(latest[s], clk);
         placed.retain(|&b| {
             pinned(b, &buffers)
-                || !(0..NS).all(|t| free_under(b, &latest[t]))
+                || !(0..NS)
+                    .filter(|&t| remaining[t] > 0 || t == s)
+                    .all(|t| free_under(b, &latest[t]))
                 || buffers[b].live.1 >= buffers[c].live.0
         });
         let mut conflicts: Vec<(u64, u64)> = placed
