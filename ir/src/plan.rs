@@ -680,7 +680,7 @@ impl ExecutionPlan {
     /// two arena buffers that are live at once overlap (a root and its views share
     /// bytes, and hold them over the union of their live ranges).
     pub fn check(&self) -> Result<(), String> {
-        self.check_integrity()?;
+        self.check_bounds()?;
         for (i, s) in self.streams.iter().enumerate() {
             if s.id as usize != i {
                 return Err(format!("stream {i} has id {}", s.id));
@@ -785,6 +785,7 @@ impl ExecutionPlan {
             live.insert(b.offset, (end, b.id));
             ending.push(std::cmp::Reverse((to, b.offset)));
         }
+        self.check_program()?;
         Ok(())
     }
 }
@@ -792,12 +793,11 @@ impl ExecutionPlan {
 /// Self-check of a loaded plan beyond its schedule: what a runtime trusts before it
 /// allocates or launches anything.
 impl ExecutionPlan {
-    /// The mesh is one Weft makes (at most [`crate::mesh::MAX_RANKS`] ranks) and its
-    /// groups are exactly the ones it induces; the device profile is usable; counts
-    /// are bounded by the plan's own size; bindings are positive; the program matches
-    /// its digest, parses, verifies, has the plan's mesh, and every buffer holds a
-    /// value of the program with that value's dtype and bytes.
-    pub fn check_integrity(&self) -> Result<(), String> {
+    /// Checked first, before anything is sized by them: the mesh is one Weft makes
+    /// (at most [`crate::mesh::MAX_RANKS`] ranks) and its groups are exactly the ones
+    /// it induces; the device profile is usable; stream and event counts are bounded
+    /// by the plan's own size; bindings are in range and agree with the mesh.
+    pub fn check_bounds(&self) -> Result<(), String> {
         let parsed = crate::mesh::Mesh::parse(&self.mesh.to_string())
             .map_err(|e| format!("its mesh: {e}"))?;
         if parsed != self.mesh {
@@ -853,6 +853,13 @@ impl ExecutionPlan {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Checked last (the schedule's own checks name their faults more precisely): the
+    /// program matches its digest, parses, verifies, has the plan's mesh, and every
+    /// buffer holds a value of the program with that value's dtype and bytes.
+    pub fn check_program(&self) -> Result<(), String> {
         if !self.program_digest.is_empty()
             && digest(self.program.as_bytes()) != self.program_digest
         {

@@ -147,6 +147,12 @@ pub fn run(a: Args) -> CliResult {
         cx.options.train.batch = a.batch;
         cx.options.train.seq = a.seq;
         cx.options.train.grad_outputs = a.keep_grads;
+        weft_passes::micro_batches::check_micro_batches(
+            cx.options.train.micro_batches,
+            a.batch,
+            &mesh,
+        )
+        .map_err(CliError::input)?;
         // The offload planner hides copies under compute timed on this device.
         if let Some(o) = &mut cx.options.train.offload {
             o.device = weft_passes::training::Device(

@@ -203,6 +203,10 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     // The memory-aware passes (checkpoint budget, offload planner) size the step as run.
     train_opts.batch = Some(batch);
     train_opts.seq = Some(seq);
+    if !a.forward_only {
+        weft_passes::micro_batches::check_micro_batches(train_opts.micro_batches, Some(batch), &mesh)
+            .map_err(CliError::input)?;
+    }
     // Only --check compares gradients; a training run lets each gradient die once its
     // bucket has updated the weights.
     train_opts.grad_outputs = a.check > 0;
