@@ -82,7 +82,7 @@ pub fn check_micro_batches(n: u32, batch: Option<i64>, mesh: &weft_ir::Mesh) -> 
     }
     if let Some(b) = batch {
         let dp = mesh.size_or_one(crate::pass::DP) as i64;
-        if n > 0 && b % (dp * n as i64) != 0 {
+        if n > 1 && b % (dp * n as i64) != 0 {
             return Err(format!(
                 "invalid --micro-batches {n}: --batch {b} over dp={dp} is {} rows per rank, which {n} micro-batches do not divide\nhelp: use a batch that is a multiple of {}",
                 b as f64 / dp as f64,
