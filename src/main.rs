@@ -86,6 +86,7 @@ enum Command {
 }
 
 fn main() {
+    install_panic_hook();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Models(a) => cmd::models::run(a),
@@ -107,6 +108,37 @@ fn main() {
         eprintln!("{e}");
         std::process::exit(e.code);
     }
+}
+
+/// No `panicked at` reaches a user. A rank thread's panic is reported by the runtime as
+/// an error naming the rank, so other threads stay silent here. On the main thread, a
+/// write to a closed stdout (`weft import ... | head -1`) ends quietly; a failed one
+/// (`> /dev/full`) and anything else is an error line (a bug, but said as an error).
+fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        if std::thread::current().name() != Some("main") {
+            return;
+        }
+        let message = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        if message.starts_with("failed printing to stdout") {
+            if message.contains("Broken pipe") {
+                std::process::exit(0);
+            }
+            eprintln!("error: cannot write to stdout: {}", message.trim_start_matches("failed printing to stdout: "));
+            std::process::exit(2);
+        }
+        let at = info
+            .location()
+            .map(|l| format!(" ({}:{})", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!("error: internal error: {message}{at}\nhelp: this is a bug in weft; please report it with the command that caused it");
+        std::process::exit(101);
+    }));
 }
 
 /// Used by commands to print errors of the libraries in the CLI's format.

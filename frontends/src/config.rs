@@ -193,9 +193,11 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Parses config.json text; `file` names it in errors (a path or `preset <name>`).
     pub fn from_json_str(text: &str, file: &str) -> Result<ModelConfig, FrontendError> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| FrontendError::Json {
-            file: file.to_string(),
-            message: e.to_string(),
+        let v = crate::fields::parse_json_no_duplicates(text).map_err(|message| {
+            FrontendError::Json {
+                file: file.to_string(),
+                message,
+            }
         })?;
         ModelConfig::from_json(&v, file)
     }
@@ -216,6 +218,10 @@ impl ModelConfig {
     }
 }
 
+/// The most decoder layers a config may ask for: the largest models have ~130, and the
+/// graph holds every layer's nodes, so this bounds the memory a config can make Weft use.
+pub const MAX_LAYERS: usize = 4096;
+
 fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     let model_type = f
         .opt_str("model_type")?
@@ -229,6 +235,12 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     let vocab_size = f.positive("vocab_size")?;
     let hidden_size = f.positive("hidden_size")?;
     let num_hidden_layers = f.positive("num_hidden_layers")?;
+    if num_hidden_layers > MAX_LAYERS {
+        return Err(f.err(
+            "num_hidden_layers",
+            format!("is {num_hidden_layers}, more than the {MAX_LAYERS} layers Weft builds (the graph holds every layer's nodes)"),
+        ));
+    }
     let num_attention_heads = f.positive("num_attention_heads")?;
     let num_key_value_heads = f
         .opt_usize("num_key_value_heads")?

@@ -4,6 +4,61 @@
 use crate::error::FrontendError;
 use serde_json::{Map, Value};
 
+/// The largest integer a config field may hold (2^31 - 1).
+pub const MAX_CONFIG_INT: u64 = (1 << 31) - 1;
+
+/// Parses JSON text, refusing an object with the same key twice (serde_json keeps the
+/// last silently; a config with two `hidden_size`s has no one meaning).
+pub fn parse_json_no_duplicates(text: &str) -> Result<Value, String> {
+    use serde::de::{Deserializer, MapAccess, SeqAccess, Visitor};
+    struct Check;
+    impl<'de> serde::Deserialize<'de> for Check {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Check, D::Error> {
+            d.deserialize_any(Check)
+        }
+    }
+    impl<'de> Visitor<'de> for Check {
+        type Value = Check;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("JSON")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Check, E> {
+            Ok(Check)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Check, E> {
+            Ok(Check)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Check, E> {
+            Ok(Check)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Check, E> {
+            Ok(Check)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<Check, E> {
+            Ok(Check)
+        }
+        fn visit_unit<E>(self) -> Result<Check, E> {
+            Ok(Check)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Check, A::Error> {
+            while a.next_element::<Check>()?.is_some() {}
+            Ok(Check)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Check, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(k) = a.next_key::<String>()? {
+                if !seen.insert(k.clone()) {
+                    return Err(serde::de::Error::custom(format!("key `{k}` appears twice")));
+                }
+                a.next_value::<Check>()?;
+            }
+            Ok(Check)
+        }
+    }
+    serde_json::from_str::<Check>(text).map_err(|e| e.to_string())?;
+    serde_json::from_str(text).map_err(|e| e.to_string())
+}
+
 pub(crate) struct Fields<'a> {
     pub obj: &'a Map<String, Value>,
     pub file: &'a str,
@@ -46,18 +101,27 @@ impl<'a> Fields<'a> {
         self.get(key).is_some()
     }
 
+    /// An integer field, at most [`MAX_CONFIG_INT`] (no size or count in a model config
+    /// comes near it; larger ones would overflow the sizes computed from them).
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>, FrontendError> {
-        match self.get(key) {
-            None => Ok(None),
+        let n = match self.get(key) {
+            None => return Ok(None),
             Some(v) => match v.as_u64() {
-                Some(n) => Ok(Some(n as usize)),
+                Some(n) => n,
                 None => match v.as_f64() {
                     // 4.0 written by some tools for integer fields.
-                    Some(f) if f >= 0.0 && f.fract() == 0.0 && f < 9.0e15 => Ok(Some(f as usize)),
-                    _ => Err(self.err(key, format!("must be a non-negative integer, got {v}"))),
+                    Some(f) if f >= 0.0 && f.fract() == 0.0 && f < 9.0e15 => f as u64,
+                    _ => return Err(self.err(key, format!("must be a non-negative integer, got {v}"))),
                 },
             },
+        };
+        if n > MAX_CONFIG_INT {
+            return Err(self.err(
+                key,
+                format!("is {n}, more than Weft accepts for any config size or count ({MAX_CONFIG_INT})"),
+            ));
         }
+        Ok(Some(n as usize))
     }
 
     pub fn usize(&self, key: &str) -> Result<usize, FrontendError> {

@@ -15,12 +15,19 @@ pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> 
     let std = model.initializer_range();
     let mut out = BTreeMap::new();
     for (name, ty) in model.params() {
-        // `Model` guarantees constant parameter shapes.
-        let shape: Vec<usize> = ty
+        // `Model` guarantees constant parameter shapes. A parameter a compiled program
+        // holds split (`partition`) is drawn at its full size: weights are full
+        // tensors, which the runtime cuts per rank.
+        let mut shape: Vec<usize> = ty
             .shape
             .iter()
             .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
             .collect();
+        for p in model.graph.param_partition(&name) {
+            if let Some(d) = shape.get_mut(p.dim) {
+                *d = p.full_size().max(0) as usize;
+            }
+        }
         let n: usize = shape.iter().product();
         if !ty.dtype.is_float() {
             out.insert(name, HostTensor::ints(ty.dtype, shape, vec![0; n]));

@@ -78,6 +78,12 @@ impl Model {
                 param_dtype = Some(ty.dtype);
             }
         }
+        if checked_param_count(&graph_params(&graph)).is_none() {
+            return Err(FrontendError::TextIr {
+                file,
+                message: "the parameters hold more than 2^64 elements in all".into(),
+            });
+        }
         let names: Vec<String> = graph.params().into_iter().map(|(n, _)| n).collect();
         let tied = if names.iter().any(|n| n == params::EMBED)
             && !names.iter().any(|n| n == params::LM_HEAD)
@@ -104,15 +110,7 @@ impl Model {
 
     /// Total number of parameter elements (a tied weight counts once).
     pub fn param_count(&self) -> u64 {
-        self.params()
-            .iter()
-            .map(|(_, t)| {
-                t.shape
-                    .iter()
-                    .map(|d| d.as_const().unwrap_or(0) as u64)
-                    .product::<u64>()
-            })
-            .sum()
+        checked_param_count(&self.params()).unwrap_or(u64::MAX)
     }
 
     /// The std of HF's normal init (`initializer_range`, 0.02 without a config).
@@ -159,6 +157,13 @@ pub fn load(spec: &str) -> Result<Model, FrontendError> {
     if path.is_file() {
         return load_file(path, spec);
     }
+    if path.exists() {
+        return Err(FrontendError::UnknownSpec {
+            spec: spec.into(),
+            why: "it is a special file (a device, FIFO or socket), not a regular file or directory"
+                .into(),
+        });
+    }
     let mut why = "it is not a preset, and no file or directory has this path".to_string();
     let close = similar_presets(spec);
     if !close.is_empty() {
@@ -185,11 +190,18 @@ pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
             why: format!("it is larger ({} MiB) than any config.json or weft text IR (a checkpoint? give it with --weights)", MAX_TEXT_MODEL_BYTES >> 20),
         });
     }
-    let Ok(text) = std::str::from_utf8(&bytes) else {
-        return Err(FrontendError::UnknownSpec {
-            spec: spec.into(),
-            why: "it is a binary file, not a config.json or weft text IR".into(),
-        });
+    let text = match std::str::from_utf8(&bytes) {
+        Ok(t) => t,
+        Err(e) => {
+            return Err(FrontendError::UnknownSpec {
+                spec: spec.into(),
+                why: format!(
+                    "byte {} (line {}) is not UTF-8: a binary file, not a config.json or weft text IR",
+                    e.valid_up_to(),
+                    bytes[..e.valid_up_to()].iter().filter(|&&b| b == b'\n').count() + 1
+                ),
+            });
+        }
     };
     let text = text.trim_start_matches('\u{feff}');
     let first = text
@@ -203,12 +215,18 @@ pub fn load_file(path: &Path, spec: &str) -> Result<Model, FrontendError> {
             file: file.clone(),
             message: e.to_string(),
         })?;
+        weft_ir::verify(&graph).map_err(|r| FrontendError::TextIr {
+            file: file.clone(),
+            message: r.in_source(&graph, text, &file),
+        })?;
         return Model::from_graph(graph, Origin::TextIr(path.to_path_buf()));
     }
     if first.starts_with('{') {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| FrontendError::Json {
-            file: file.clone(),
-            message: e.to_string(),
+        let v = crate::fields::parse_json_no_duplicates(text).map_err(|message| {
+            FrontendError::Json {
+                file: file.clone(),
+                message,
+            }
         })?;
         if v.get("model_type").is_none() {
             return Err(FrontendError::UnknownSpec {
@@ -286,4 +304,15 @@ fn edit_distance(a: &str, b: &str) -> usize {
         }
     }
     row[b.len()]
+}
+
+/// The number of parameter elements, counted with checked arithmetic (`None` past
+/// `u64`; the verifier already bounds each parameter).
+fn checked_param_count<'a>(params: impl IntoIterator<Item = &'a (String, weft_ir::TensorType)>) -> Option<u64> {
+    params.into_iter().try_fold(0u64, |acc, (_, t)| {
+        let n = t.shape.iter().try_fold(1u64, |p, d| {
+            p.checked_mul(u64::try_from(d.as_const().unwrap_or(0)).unwrap_or(0))
+        })?;
+        acc.checked_add(n)
+    })
 }

@@ -6,6 +6,11 @@
 //! product of atoms raised to integer powers (negative powers are exact division by a
 //! symbol). Atoms are symbols, rank coordinates, floor divisions (kept opaque), and
 //! per-rank size tables (uneven shards: each rank on an axis has its own size).
+//!
+//! Coefficients are exact 128-bit rationals with checked arithmetic: a term whose
+//! coefficient would not fit makes the whole dim the opaque [`Atom::Overflow`], which
+//! the verifier refuses and which never evaluates (never a wrapped size). Evaluation is
+//! checked too and must fit an `i64`.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -42,6 +47,8 @@ pub enum Atom {
     FloorDiv(Box<Dim>, Box<Dim>),
     /// A size that differs per rank on `axis`: `sizes[coord(axis)]`.
     PerRank { axis: String, sizes: Vec<i64> },
+    /// A size whose arithmetic overflowed: absorbs everything it meets, never evaluates.
+    Overflow,
 }
 
 /// A product of atoms with integer exponents, sorted by atom.
@@ -49,38 +56,50 @@ type Monomial = Vec<(Atom, i32)>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Ratio {
-    num: i64,
-    den: i64,
+    num: i128,
+    den: i128,
 }
 
-fn gcd(a: i64, b: i64) -> i64 {
+fn gcd(a: i128, b: i128) -> i128 {
     let (mut a, mut b) = (a.unsigned_abs(), b.unsigned_abs());
     while b != 0 {
         let t = a % b;
         a = b;
         b = t;
     }
-    a as i64
+    // Both magnitudes fit i128 here (coefficients never hold i128::MIN).
+    a as i128
 }
 
+/// Arithmetic on exact rationals; `None` when a result does not fit 128 bits (or
+/// divides by zero).
 impl Ratio {
-    fn new(num: i64, den: i64) -> Ratio {
-        assert!(den != 0, "zero denominator");
+    fn new(num: i128, den: i128) -> Option<Ratio> {
+        if den == 0 || num == i128::MIN || den == i128::MIN {
+            return None;
+        }
         let g = gcd(num, den).max(1);
         let s = if den < 0 { -1 } else { 1 };
-        Ratio {
+        Some(Ratio {
             num: s * num / g,
             den: s * den / g,
-        }
+        })
     }
     fn int(n: i64) -> Ratio {
-        Ratio { num: n, den: 1 }
+        Ratio {
+            num: n as i128,
+            den: 1,
+        }
     }
-    fn add(self, o: Ratio) -> Ratio {
-        Ratio::new(self.num * o.den + o.num * self.den, self.den * o.den)
+    fn add(self, o: Ratio) -> Option<Ratio> {
+        let n = self
+            .num
+            .checked_mul(o.den)?
+            .checked_add(o.num.checked_mul(self.den)?)?;
+        Ratio::new(n, self.den.checked_mul(o.den)?)
     }
-    fn mul(self, o: Ratio) -> Ratio {
-        Ratio::new(self.num * o.num, self.den * o.den)
+    fn mul(self, o: Ratio) -> Option<Ratio> {
+        Ratio::new(self.num.checked_mul(o.num)?, self.den.checked_mul(o.den)?)
     }
 }
 
@@ -89,7 +108,7 @@ impl Ratio {
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Dim {
     /// Sorted by monomial, no zero coefficients, no duplicate monomials.
-    terms: Vec<(Monomial, (i64, i64))>,
+    terms: Vec<(Monomial, (i128, i128))>,
 }
 
 /// A dim that cannot be evaluated or divided.
@@ -103,6 +122,10 @@ pub enum DimError {
     NotInteger { dim: String, num: i64, den: i64 },
     #[error("division by zero in `{0}`")]
     DivByZero(String),
+    #[error("`{dim}` is {value}: a size cannot be negative")]
+    Negative { dim: String, value: i64 },
+    #[error("`{0}` overflows: the size is larger than Weft can count")]
+    Overflow(String),
     #[error("rank {coord} is out of range for the per-rank sizes of axis `{axis}` ({len} ranks)")]
     CoordOutOfRange {
         axis: String,
@@ -116,7 +139,7 @@ impl Dim {
         Dim { terms: vec![] }
     }
     pub fn constant(n: i64) -> Dim {
-        Dim::from_terms(vec![(vec![], Ratio::int(n))])
+        Dim::from_terms(vec![(vec![], Some(Ratio::int(n)))])
     }
     pub fn sym(name: &str) -> Dim {
         Dim::atom(Atom::Sym(name.to_string()))
@@ -135,14 +158,43 @@ impl Dim {
         })
     }
     pub fn atom(a: Atom) -> Dim {
-        Dim::from_terms(vec![(vec![(a, 1)], Ratio::int(1))])
+        Dim::from_terms(vec![(vec![(a, 1)], Some(Ratio::int(1)))])
     }
 
-    fn from_terms(terms: Vec<(Monomial, Ratio)>) -> Dim {
+    /// The dim of a computation that overflowed.
+    pub fn overflow() -> Dim {
+        Dim {
+            terms: vec![(vec![(Atom::Overflow, 1)], (1, 1))],
+        }
+    }
+
+    /// True when this dim's arithmetic overflowed somewhere.
+    pub fn is_overflow(&self) -> bool {
+        self.terms.iter().any(|(m, _)| {
+            m.iter().any(|(a, _)| match a {
+                Atom::Overflow => true,
+                Atom::FloorDiv(n, d) => n.is_overflow() || d.is_overflow(),
+                _ => false,
+            })
+        })
+    }
+
+    /// Sums the terms; a missing coefficient (`None`: it overflowed) or an overflowed
+    /// atom makes the result [`Dim::overflow`].
+    fn from_terms(terms: Vec<(Monomial, Option<Ratio>)>) -> Dim {
         let mut acc: BTreeMap<Monomial, Ratio> = BTreeMap::new();
         for (m, c) in terms {
+            let Some(c) = c else {
+                return Dim::overflow();
+            };
+            if m.iter().any(|(a, _)| *a == Atom::Overflow) {
+                return Dim::overflow();
+            }
             let e = acc.entry(m).or_insert(Ratio::int(0));
-            *e = e.add(c);
+            match e.add(c) {
+                Some(sum) => *e = sum,
+                None => return Dim::overflow(),
+            }
         }
         Dim {
             terms: acc
@@ -163,7 +215,7 @@ impl Dim {
     pub fn as_const(&self) -> Option<i64> {
         match self.terms.as_slice() {
             [] => Some(0),
-            [(m, (n, 1))] if m.is_empty() => Some(*n),
+            [(m, (n, 1))] if m.is_empty() => i64::try_from(*n).ok(),
             _ => None,
         }
     }
@@ -195,7 +247,7 @@ impl Dim {
                         n.collect_symbols(out);
                         d.collect_symbols(out);
                     }
-                    Atom::Coord(_) | Atom::PerRank { .. } => {}
+                    Atom::Coord(_) | Atom::PerRank { .. } | Atom::Overflow => {}
                 }
             }
         }
@@ -219,7 +271,7 @@ impl Dim {
                         out.extend(n.rank_axes());
                         out.extend(d.rank_axes());
                     }
-                    Atom::Sym(_) => {}
+                    Atom::Sym(_) | Atom::Overflow => {}
                 }
             }
         }
@@ -248,7 +300,7 @@ impl Dim {
     pub fn substitute(&self, name: &str, by: &Dim) -> Dim {
         let mut out = Dim::zero();
         for (m, c) in self.ratio_terms() {
-            let mut t = Dim::from_terms(vec![(vec![], c)]);
+            let mut t = Dim::from_terms(vec![(vec![], Some(c))]);
             for (a, e) in m {
                 let base = match a {
                     Atom::Sym(s) if s == name => by.clone(),
@@ -291,7 +343,7 @@ impl Dim {
             }
             _ => {
                 let a = Atom::FloorDiv(Box::new(self.clone()), Box::new(Dim::constant(1)));
-                Dim::from_terms(vec![(vec![(a, -1)], Ratio::int(1))])
+                Dim::from_terms(vec![(vec![(a, -1)], Some(Ratio::int(1)))])
             }
         }
     }
@@ -310,7 +362,12 @@ impl Dim {
             }
         }
         if let Some(b) = by.as_const() {
-            if b != 0 && self.terms.iter().all(|(_, (n, d))| *d == 1 && n % b == 0) {
+            if b != 0
+                && self
+                    .terms
+                    .iter()
+                    .all(|(_, (n, d))| *d == 1 && n % b as i128 == 0)
+            {
                 return self.exact_div(by);
             }
         }
@@ -319,33 +376,53 @@ impl Dim {
 
     /// Evaluates to an integer with the given bindings.
     pub fn eval(&self, b: &Bindings) -> Result<i64, DimError> {
-        // Accumulate exactly as rationals, then require an integer.
+        // Accumulate exactly as checked rationals, then require an i64 integer.
+        let overflow = || DimError::Overflow(self.to_string());
         let mut total = Ratio::int(0);
         for (m, c) in self.ratio_terms() {
             let mut t = c;
             for (a, e) in m {
                 let v = eval_atom(a, b)?;
                 for _ in 0..e.unsigned_abs() {
-                    if *e > 0 {
-                        t = t.mul(Ratio::int(v));
+                    t = if *e > 0 {
+                        t.mul(Ratio::int(v)).ok_or_else(overflow)?
                     } else {
                         if v == 0 {
                             return Err(DimError::DivByZero(self.to_string()));
                         }
-                        t = t.mul(Ratio::new(1, v));
-                    }
+                        t.mul(Ratio::new(1, v as i128).ok_or_else(overflow)?)
+                            .ok_or_else(overflow)?
+                    };
                 }
             }
-            total = total.add(t);
+            total = total.add(t).ok_or_else(overflow)?;
         }
-        if total.den != 1 {
+        let (num, den) = (
+            i64::try_from(total.num).map_err(|_| overflow())?,
+            i64::try_from(total.den).map_err(|_| overflow())?,
+        );
+        if den != 1 {
             return Err(DimError::NotInteger {
                 dim: self.to_string(),
-                num: total.num,
-                den: total.den,
+                num,
+                den,
             });
         }
-        Ok(total.num)
+        Ok(num)
+    }
+
+    /// Evaluates in floating point, for counts that are only reported (FLOPs): never
+    /// wraps, whatever the sizes (a coordinate or table still needs its binding).
+    pub fn eval_f64(&self, b: &Bindings) -> Result<f64, DimError> {
+        let mut total = 0.0;
+        for (m, c) in self.ratio_terms() {
+            let mut t = c.num as f64 / c.den as f64;
+            for (a, e) in m {
+                t *= (eval_atom(a, b)? as f64).powi(*e);
+            }
+            total += t;
+        }
+        Ok(total)
     }
 
     /// Evaluates what can be evaluated: binds the given symbols and coordinates and
@@ -353,7 +430,7 @@ impl Dim {
     pub fn bind(&self, b: &Bindings) -> Dim {
         let mut out = Dim::zero();
         for (m, c) in self.ratio_terms() {
-            let mut t = Dim::from_terms(vec![(vec![], c)]);
+            let mut t = Dim::from_terms(vec![(vec![], Some(c))]);
             for (a, e) in m {
                 let base = match eval_atom(a, b) {
                     Ok(v) => Dim::constant(v),
@@ -387,8 +464,10 @@ fn eval_atom(a: &Atom, b: &Bindings) -> Result<i64, DimError> {
             if dv == 0 {
                 return Err(DimError::DivByZero(format!("{n}//0")));
             }
-            Ok(n.div_euclid(dv))
+            n.checked_div_euclid(dv)
+                .ok_or_else(|| DimError::Overflow(format!("{n}//{dv}")))
         }
+        Atom::Overflow => Err(DimError::Overflow("a size".into())),
         Atom::PerRank { axis, sizes } => {
             let c = b
                 .coords
@@ -426,9 +505,11 @@ impl From<i32> for Dim {
 impl std::ops::Add for Dim {
     type Output = Dim;
     fn add(self, o: Dim) -> Dim {
-        let mut t: Vec<(Monomial, Ratio)> =
-            self.ratio_terms().map(|(m, c)| (m.clone(), c)).collect();
-        t.extend(o.ratio_terms().map(|(m, c)| (m.clone(), c)));
+        let mut t: Vec<(Monomial, Option<Ratio>)> = self
+            .ratio_terms()
+            .map(|(m, c)| (m.clone(), Some(c)))
+            .collect();
+        t.extend(o.ratio_terms().map(|(m, c)| (m.clone(), Some(c))));
         Dim::from_terms(t)
     }
 }
@@ -497,6 +578,7 @@ fn fmt_atom(a: &Atom, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 write!(f, "//{d}")
             }
         }
+        Atom::Overflow => write!(f, "<overflow>"),
         Atom::PerRank { axis, sizes } => {
             write!(f, "{axis}?[")?;
             for (i, s) in sizes.iter().enumerate() {
@@ -522,7 +604,7 @@ impl Dim {
 }
 
 /// Writes one term with a positive coefficient magnitude.
-fn fmt_term(m: &Monomial, num: i64, den: i64, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+fn fmt_term(m: &Monomial, num: i128, den: i128, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     let pos: Vec<&(Atom, i32)> = m.iter().filter(|(_, e)| *e > 0).collect();
     let neg: Vec<&(Atom, i32)> = m.iter().filter(|(_, e)| *e < 0).collect();
     let mut first = true;
@@ -557,7 +639,7 @@ impl fmt::Display for Dim {
             return write!(f, "0");
         }
         // Constant term last, as people write `S + 1`.
-        let mut order: Vec<&(Monomial, (i64, i64))> =
+        let mut order: Vec<&(Monomial, (i128, i128))> =
             self.terms.iter().filter(|(m, _)| !m.is_empty()).collect();
         order.extend(self.terms.iter().filter(|(m, _)| m.is_empty()));
         for (i, (m, (n, d))) in order.into_iter().enumerate() {
@@ -570,7 +652,7 @@ impl fmt::Display for Dim {
             } else {
                 write!(f, " + ")?;
             }
-            fmt_term(m, n.abs(), *d, f)?;
+            fmt_term(m, n.unsigned_abs() as i128, *d, f)?;
         }
         Ok(())
     }

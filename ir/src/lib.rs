@@ -8,6 +8,7 @@
 //! - [`plan`]: the ExecutionPlan runtimes execute (streams, events, arena buffers).
 //! - [`partition`]: how sharded parameters map to their full tensors.
 //! - [`tensor`]: host tensors exchanged between crates.
+//! - [`output`]: output files written through a temporary and renamed into place.
 
 pub mod attrs;
 pub mod dim;
@@ -15,6 +16,7 @@ pub mod flops;
 pub mod graph;
 pub mod mesh;
 pub mod ops;
+pub mod output;
 pub mod parse;
 pub mod partition;
 pub mod plan;

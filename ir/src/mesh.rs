@@ -25,6 +25,10 @@ pub const EP: &str = "ep";
 /// The expert-data-parallel axis, derived: the ranks at the same place of every ep group.
 pub const EDP: &str = "edp";
 
+/// The most ranks a mesh may have: far above any machine Weft plans for, and low enough
+/// that rank numbers, group sizes and per-rank loops stay small and exact.
+pub const MAX_RANKS: u64 = 1 << 20;
+
 /// True for the axes that regroup the ranks of the others (`ep`, `edp`).
 pub fn is_derived(axis: &str) -> bool {
     axis == EP || axis == EDP
@@ -40,6 +44,8 @@ pub enum MeshError {
         axis: String,
         size: String,
     },
+    #[error("mesh `{text}`: {ranks} ranks is more than Weft plans for (at most {max})\nhelp: use fewer or smaller axes", max = MAX_RANKS)]
+    TooLarge { text: String, ranks: u128 },
     #[error("mesh `{text}`: axis `{axis}` appears twice")]
     Duplicate { text: String, axis: String },
     #[error(
@@ -99,6 +105,19 @@ impl Mesh {
                 });
             }
             axes.push((a.to_string(), size));
+        }
+        // Checked before anything multiplies the sizes in 32 bits (ep/edp fold into
+        // the others, so they count only where they stand alone).
+        let ranks: u128 = axes
+            .iter()
+            .filter(|(a, _)| !is_derived(a) || !axes.iter().any(|(x, _)| !is_derived(x)))
+            .map(|(_, n)| *n as u128)
+            .product();
+        if ranks > MAX_RANKS as u128 {
+            return Err(MeshError::TooLarge {
+                text: text.into(),
+                ranks,
+            });
         }
         fold_expert_axes(text, axes)
     }
@@ -199,27 +218,44 @@ impl Mesh {
                     .collect()
             });
         }
-        let mut groups: Vec<Vec<u32>> = Vec::new();
-        for rank in 0..self.world_size() {
-            let c = self.coords(rank);
-            if c[i] != 0 {
-                continue;
-            }
-            let group = (0..self.axes[i].1)
-                .map(|k| {
-                    let mut cc = c.clone();
-                    cc[i] = k;
-                    self.rank_of(&cc)
-                })
-                .collect();
-            groups.push(group);
-        }
+        let (n, stride) = (self.axes[i].1, self.stride(axis).unwrap_or(1));
+        let groups = (0..self.world_size())
+            .filter(|r| (r / stride) % n == 0)
+            .map(|base| (0..n).map(|k| base + k * stride).collect())
+            .collect();
         Some(groups)
+    }
+
+    /// How far apart in rank numbers the members of one group of the (product) axis
+    /// `axis` are: the product of the sizes of the product axes after it. `None` for
+    /// derived axes (`ep` groups are consecutive, `edp` ones `ep` apart) and unknown ones.
+    pub fn stride(&self, axis: &str) -> Option<u32> {
+        let i = self.axes.iter().position(|(a, _)| a == axis)?;
+        if is_derived(axis) {
+            return None;
+        }
+        Some(
+            self.axes[i + 1..]
+                .iter()
+                .filter(|(a, _)| !is_derived(a))
+                .map(|(_, n)| *n)
+                .product(),
+        )
     }
 
     /// The group of `axis` that contains `rank`.
     pub fn group_of(&self, axis: &str, rank: u32) -> Option<Vec<u32>> {
-        self.groups(axis)?.into_iter().find(|g| g.contains(&rank))
+        if rank >= self.world_size() {
+            return None;
+        }
+        let n = self.size(axis)?;
+        match self.stride(axis) {
+            Some(stride) => {
+                let base = rank - (rank / stride % n) * stride;
+                Some((0..n).map(|k| base + k * stride).collect())
+            }
+            None => self.groups(axis)?.into_iter().find(|g| g.contains(&rank)),
+        }
     }
 
     /// A table of every rank's coordinates and groups, for display and tests.

@@ -312,9 +312,65 @@ fn parse_value(s: &str, col: usize) -> Result<Value, ParseError> {
         .ok_or_else(|| err(col, format!("expected a value like `%12`, found `{s}`")))
 }
 
+/// How value ids in the text become ids in the graph. The graph stores values densely
+/// by id, so ids are kept as written (printing round-trips) only when they are about as
+/// many as the values defined; sparse ids (`%1000000000` in a small file) are
+/// renumbered in order of definition, so memory follows the file, not the numbers in it.
+struct Ids {
+    renumber: Option<std::collections::HashMap<u32, u32>>,
+}
+
+impl Ids {
+    fn for_text(text: &str) -> Ids {
+        let (mut count, mut max) = (0u64, 0u64);
+        for line in text.lines() {
+            let lhs = line.split('=').next().unwrap_or("");
+            if !lhs.trim_start().starts_with('%') {
+                continue;
+            }
+            for part in lhs.split(',') {
+                let id = part.trim().strip_prefix('%').map(|r| {
+                    r.chars()
+                        .take_while(char::is_ascii_digit)
+                        .collect::<String>()
+                });
+                if let Some(n) = id.and_then(|d| d.parse::<u64>().ok()) {
+                    count += 1;
+                    max = max.max(n);
+                }
+            }
+        }
+        let sparse = max > 4 * count + 4096;
+        Ids {
+            renumber: sparse.then(std::collections::HashMap::new),
+        }
+    }
+
+    /// The id of a value the text defines.
+    fn define(&mut self, v: Value) -> Value {
+        match &mut self.renumber {
+            None => v,
+            Some(m) => {
+                let next = m.len() as u32;
+                Value(*m.entry(v.0).or_insert(next))
+            }
+        }
+    }
+
+    /// The id of a value the text uses (`None` when it was never defined).
+    fn used(&self, v: Value) -> Option<Value> {
+        match &self.renumber {
+            None => Some(v),
+            Some(m) => m.get(&v.0).copied().map(Value),
+        }
+    }
+}
+
 /// Parses a whole graph. Errors carry line and column (1-based).
 pub fn parse(text: &str) -> Result<Graph, ParseError> {
     let mut g = Graph::new("");
+    let mut ids = Ids::for_text(text);
+    let mut outputs_seen = std::collections::BTreeSet::new();
     let mut seen_header = false;
     let mut returned = false;
     for (ln, raw) in text.lines().enumerate() {
@@ -391,11 +447,17 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
                 let (name, v) = part.split_once('=').ok_or_else(|| {
                     locate(err(col, format!("expected `name=%v`, found `{part}`")))
                 })?;
-                let v = parse_value(v.trim(), col).map_err(locate)?;
-                if g.try_value(v).is_none() {
+                let written = parse_value(v.trim(), col).map_err(locate)?;
+                let Some(v) = ids.used(written).filter(|v| g.try_value(*v).is_some()) else {
                     return Err(locate(err(
                         col,
-                        format!("output `{}` uses undefined value {v}", name.trim()),
+                        format!("output `{}` uses undefined value {written}", name.trim()),
+                    )));
+                };
+                if !outputs_seen.insert(name.trim().to_string()) {
+                    return Err(locate(err(
+                        col,
+                        format!("output `{}` is returned twice", name.trim()),
                     )));
                 }
                 g.set_output(name.trim(), v);
@@ -403,7 +465,7 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
             returned = true;
             continue;
         }
-        parse_node_line(&mut g, raw).map_err(locate)?;
+        parse_node_line(&mut g, &mut ids, raw).map_err(locate)?;
     }
     if !seen_header {
         return Err(ParseError {
@@ -423,7 +485,7 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
     Ok(g)
 }
 
-fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
+fn parse_node_line(g: &mut Graph, ids: &mut Ids, raw: &str) -> Result<(), ParseError> {
     let (body, comment) = match comment_start(raw) {
         Some(i) => (&raw[..i], Some((i, &raw[i + 1..]))),
         None => (raw, None),
@@ -443,10 +505,13 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
         let (v, t) = part
             .split_once(':')
             .ok_or_else(|| err(col, format!("expected `%v: type`, found `{part}`")))?;
-        let v = parse_value(v.trim(), col)?;
-        if g.try_value(v).is_some() {
-            return Err(err(col, format!("value {v} is defined twice")));
+        let written = parse_value(v.trim(), col)?;
+        if ids.used(written).is_some_and(|v| g.try_value(v).is_some())
+            || results.contains(&ids.define(written))
+        {
+            return Err(err(col, format!("value {written} is defined twice")));
         }
+        let v = ids.define(written);
         let tcol = col + part.find(':').unwrap() + 1 + (t.len() - t.trim_start().len());
         let ty = parse_type(t.trim()).map_err(|e| err(tcol + e.col, e.message))?;
         results.push(v);
@@ -471,10 +536,10 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
     let mut operands = Vec::new();
     for part in ops_text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let col = ops_col + ops_text.find(part).unwrap_or(0);
-        let v = parse_value(part, col)?;
-        if g.try_value(v).is_none() {
-            return Err(err(col, format!("{v} is used before it is defined")));
-        }
+        let written = parse_value(part, col)?;
+        let Some(v) = ids.used(written).filter(|v| g.try_value(*v).is_some()) else {
+            return Err(err(col, format!("{written} is used before it is defined")));
+        };
         operands.push(v);
     }
     let mut attrs: Vec<(String, String)> = Vec::new();
@@ -539,10 +604,7 @@ fn parse_node_line(g: &mut Graph, raw: &str) -> Result<(), ParseError> {
                     .and_then(|v| v.parse::<u32>().ok());
                 match (kind, of) {
                     (Some(kind), Some(of)) => {
-                        meta.derived = Some(crate::graph::Derived {
-                            kind,
-                            of: Value(of),
-                        })
+                        meta.derived = ids.used(Value(of)).map(|of| crate::graph::Derived { kind, of })
                     }
                     _ => break,
                 }

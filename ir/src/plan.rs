@@ -85,6 +85,63 @@ pub struct ExecutionPlan {
     pub cost: CostSummary,
     /// The program as Weft text IR; instruction `node` ids are its value ids.
     pub program: String,
+    /// SHA-256 of `program` (hex), checked on load: an edited or swapped program is
+    /// refused. Empty in plans written before it existed.
+    #[serde(default)]
+    pub program_digest: String,
+}
+
+/// SHA-256 of `bytes`, in lowercase hex.
+pub fn digest(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The longest sequence Weft plans for (2^32 tokens), far above any model's context.
+pub const MAX_SEQ: i64 = 1 << 32;
+/// The largest batch Weft plans for (2^24 sequences).
+pub const MAX_BATCH: i64 = 1 << 24;
+
+/// The most streams a plan may have (Weft's plans have four).
+pub const MAX_STREAMS: usize = 64;
+
+impl DeviceProfile {
+    /// Every rate and size positive and finite, latencies and overheads non-negative
+    /// and finite, at least one GPU per node: a cost model divides by these.
+    pub fn validate(&self) -> Result<(), String> {
+        let rates = [
+            ("matmul_tflops", self.matmul_tflops),
+            ("attention_tflops", self.attention_tflops),
+            ("vector_tflops", self.vector_tflops),
+            ("hbm_gbps", self.hbm_gbps),
+            ("memory_gib", self.memory_gib),
+            ("intra_node_gbps", self.intra_node_gbps),
+            ("inter_node_gbps", self.inter_node_gbps),
+            ("host_gbps", self.host_gbps),
+        ];
+        for (name, v) in rates {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("`{name}` is {v}: must be a positive number"));
+            }
+        }
+        let delays = [
+            ("kernel_overhead_us", self.kernel_overhead_us),
+            ("intra_node_latency_us", self.intra_node_latency_us),
+            ("inter_node_latency_us", self.inter_node_latency_us),
+        ];
+        for (name, v) in delays {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("`{name}` is {v}: must be a non-negative number"));
+            }
+        }
+        if self.gpus_per_node == 0 {
+            return Err("`gpus_per_node` is 0: must be at least 1".into());
+        }
+        Ok(())
+    }
 }
 
 /// What a plan's program computes.
@@ -427,27 +484,43 @@ impl ExecutionPlan {
                 b.alias_of.is_none() && !b.resident && b.category != Category::Host && b.bytes > 0
             })
             .collect();
-        arena.sort_by_key(|b| (b.offset, b.id));
-        for (k, a) in arena.iter().enumerate() {
-            for b in &arena[k + 1..] {
-                if b.offset >= a.offset + a.bytes {
-                    break;
-                }
-                // The later-written buffer must be ordered after every touch of the other.
-                let (first, later, second) =
-                    match (producer[a.id as usize], producer[b.id as usize]) {
-                        (Some(pa), Some(pb)) if pa < pb => (a, b, pb),
-                        (Some(pa), Some(_)) => (b, a, pa),
-                        _ => continue, // inputs are written before the step; covered by live ranges
-                    };
-                let c = &clock[second];
-                if (0..ns).any(|t| touch[first.id as usize][t] > c[t]) {
+        // In producer order, each byte range remembers its latest writer; a buffer must
+        // be ordered after every touch of the writers whose bytes it takes. Checking
+        // only the latest writer suffices: it was itself ordered after the one before
+        // (vector clocks are transitive), so this is near-linear where all pairs were
+        // quadratic.
+        arena.retain(|b| producer[b.id as usize].is_some());
+        arena.sort_by_key(|b| (producer[b.id as usize], b.id));
+        let mut segments: BTreeMap<u64, (u64, usize)> = BTreeMap::new(); // start -> (end, buffer)
+        for b in arena {
+            let (start, end) = (b.offset, b.offset.saturating_add(b.bytes));
+            let second = producer[b.id as usize].unwrap_or(0);
+            let c = &clock[second];
+            let overlapping: Vec<(u64, u64, usize)> = segments
+                .range(..end)
+                .rev()
+                .take_while(|(_, (e, _))| *e > start)
+                .map(|(&s, &(e, o))| (s, e, o))
+                .collect();
+            // Segments never overlap, so those ending after `start` among the ones
+            // starting before `end` are contiguous from the last; one that starts before
+            // `start` and ends after it is found by the same scan.
+            for &(s0, e0, first) in &overlapping {
+                if (0..ns).any(|t| touch[first][t] > c[t]) {
                     return Err(format!(
-                        "buffer {} reuses bytes of buffer {} but its producer (instruction {second}) may run before the last use of buffer {}",
-                        later.id, first.id, first.id
+                        "buffer {} reuses bytes of buffer {first} but its producer (instruction {second}) may run before the last use of buffer {first}",
+                        b.id
                     ));
                 }
+                segments.remove(&s0);
+                if s0 < start {
+                    segments.insert(s0, (start, first));
+                }
+                if e0 > end {
+                    segments.insert(end, (e0, first));
+                }
             }
+            segments.insert(start, (end, b.id as usize));
         }
         Ok(())
     }
@@ -666,6 +739,7 @@ impl ExecutionPlan {
     /// two arena buffers that are live at once overlap (a root and its views share
     /// bytes, and hold them over the union of their live ranges).
     pub fn check(&self) -> Result<(), String> {
+        self.check_bounds()?;
         for (i, s) in self.streams.iter().enumerate() {
             if s.id as usize != i {
                 return Err(format!("stream {i} has id {}", s.id));
@@ -733,25 +807,188 @@ impl ExecutionPlan {
                 held[r] = (held[r].0.min(b.live.0), held[r].1.max(b.live.1));
             }
         }
-        // Arena buffers live at the same time must not overlap.
+        // Arena buffers live at the same time must not overlap: sweep over time with
+        // the live buffers kept by offset (they never overlap each other, so a new one
+        // need only be compared with its neighbours).
         let mut arena: Vec<&Buffer> = self
             .buffers
             .iter()
-            .filter(|b| b.alias_of.is_none() && !b.resident && b.category != Category::Host)
+            .filter(|b| {
+                b.alias_of.is_none() && !b.resident && b.category != Category::Host && b.bytes > 0
+            })
             .collect();
-        arena.sort_by_key(|b| (b.offset, b.id));
-        for (k, a) in arena.iter().enumerate() {
-            for b in &arena[k + 1..] {
-                if b.offset >= a.offset + a.bytes {
+        arena.sort_by_key(|b| (held[b.id as usize].0, b.id));
+        let mut ending: std::collections::BinaryHeap<std::cmp::Reverse<(u32, u64)>> =
+            Default::default(); // (last instruction, offset) of live buffers
+        let mut live: BTreeMap<u64, (u64, u32)> = BTreeMap::new(); // offset -> (end, buffer)
+        for b in arena {
+            let (from, to) = held[b.id as usize];
+            while let Some(std::cmp::Reverse((last, off))) = ending.peek().copied() {
+                if last >= from {
                     break;
                 }
-                let (la, lb) = (held[a.id as usize], held[b.id as usize]);
-                let overlap_time = la.0 <= lb.1 && lb.0 <= la.1;
-                if overlap_time && a.bytes > 0 && b.bytes > 0 {
+                ending.pop();
+                live.remove(&off);
+            }
+            let end = b.offset.saturating_add(b.bytes);
+            let before = live.range(..=b.offset).next_back();
+            let after = live.range(b.offset..).next();
+            for (&o, &(e, other)) in before.into_iter().chain(after) {
+                if o < end && b.offset < e {
                     return Err(format!(
-                        "buffers {} and {} overlap in the arena while both are live",
-                        a.id, b.id
+                        "buffers {other} and {} overlap in the arena while both are live",
+                        b.id
                     ));
+                }
+            }
+            live.insert(b.offset, (end, b.id));
+            ending.push(std::cmp::Reverse((to, b.offset)));
+        }
+        self.check_program()?;
+        Ok(())
+    }
+}
+
+/// Self-check of a loaded plan beyond its schedule: what a runtime trusts before it
+/// allocates or launches anything.
+impl ExecutionPlan {
+    /// Checked first, before anything is sized by them: the mesh is one Weft makes
+    /// (at most [`crate::mesh::MAX_RANKS`] ranks) and its groups are exactly the ones
+    /// it induces; the device profile is usable; stream and event counts are bounded
+    /// by the plan's own size; bindings are in range and agree with the mesh.
+    pub fn check_bounds(&self) -> Result<(), String> {
+        let parsed = crate::mesh::Mesh::parse(&self.mesh.to_string())
+            .map_err(|e| format!("its mesh: {e}"))?;
+        if parsed != self.mesh {
+            return Err(format!("its mesh `{}` is not in normal form", self.mesh));
+        }
+        let axes: std::collections::BTreeSet<&String> =
+            self.mesh.axes.iter().map(|(a, _)| a).collect();
+        if !self.groups.keys().eq(axes.iter().copied()) {
+            return Err(format!(
+                "its groups are for axes [{}] but the mesh is `{}`",
+                self.groups.keys().cloned().collect::<Vec<_>>().join(", "),
+                self.mesh
+            ));
+        }
+        for (axis, groups) in &self.groups {
+            if Some(groups) != self.mesh.groups(axis).as_ref() {
+                return Err(format!(
+                    "the groups of axis `{axis}` are not the ones mesh `{}` induces (a rank out of range or misplaced)",
+                    self.mesh
+                ));
+            }
+        }
+        self.device
+            .validate()
+            .map_err(|e| format!("device profile `{}`: {e}", self.device.name))?;
+        if self.streams.len() > MAX_STREAMS {
+            return Err(format!(
+                "it has {} streams (at most {MAX_STREAMS})",
+                self.streams.len()
+            ));
+        }
+        if self.events as usize > self.instructions.len() {
+            return Err(format!(
+                "it has {} events but only {} instructions to record them",
+                self.events,
+                self.instructions.len()
+            ));
+        }
+        for (sym, v) in &self.bindings {
+            let max = match sym.as_str() {
+                "B" => MAX_BATCH,
+                "S" => MAX_SEQ,
+                _ => i64::MAX,
+            };
+            if *v <= 0 || *v > max {
+                return Err(format!("binding {sym}={v} is out of range (1 to {max})"));
+            }
+        }
+        for (a, n) in &self.mesh.axes {
+            if let Some(v) = self.bindings.get(a) {
+                if *v != *n as i64 {
+                    return Err(format!("binding {a}={v} differs from the mesh's {a}={n}"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checked last (the schedule's own checks name their faults more precisely): the
+    /// program matches its digest, parses, verifies, has the plan's mesh, and every
+    /// buffer holds a value of the program with that value's dtype and bytes.
+    pub fn check_program(&self) -> Result<(), String> {
+        if !self.program_digest.is_empty()
+            && digest(self.program.as_bytes()) != self.program_digest
+        {
+            return Err(
+                "its program does not match its digest (the program was edited or swapped)".into(),
+            );
+        }
+        let g = crate::parse::parse(&self.program).map_err(|e| format!("its program: {e}"))?;
+        crate::verify::verify(&g).map_err(|r| {
+            format!(
+                "its program does not verify: {}",
+                r.errors
+                    .first()
+                    .map(|e| format!("{}: {}", e.location, e.message))
+                    .unwrap_or_default()
+            )
+        })?;
+        if g.mesh != self.mesh {
+            return Err(format!(
+                "its program is for mesh `{}` but the plan is for `{}`",
+                g.mesh, self.mesh
+            ));
+        }
+        let mut b = crate::dim::Bindings::new();
+        for (k, v) in &self.bindings {
+            b = b.with(k, *v);
+        }
+        for (a, n) in &self.mesh.axes {
+            b = b.with(a, *n as i64);
+        }
+        let world = self.mesh.world_size() as usize;
+        for buf in &self.buffers {
+            let Some(ty) = g.try_ty(crate::graph::Value(buf.value)) else {
+                return Err(format!(
+                    "buffer {} holds %{}, which the program lacks",
+                    buf.id, buf.value
+                ));
+            };
+            if buf
+                .offset
+                .checked_add(buf.bytes)
+                .is_none_or(|end| end > 1 << 60)
+            {
+                return Err(format!(
+                    "buffer {} ends past 2^60 bytes (offset {}, {} bytes)",
+                    buf.id, buf.offset, buf.bytes
+                ));
+            }
+            if buf.per_rank_bytes.as_ref().is_some_and(|t| t.len() != world) {
+                return Err(format!(
+                    "buffer {} lists per-rank sizes for other than the {world} ranks",
+                    buf.id
+                ));
+            }
+            if ty.dtype != buf.dtype {
+                return Err(format!(
+                    "buffer {} is {} but %{} is {ty}",
+                    buf.id, buf.dtype, buf.value
+                ));
+            }
+            // Sizes that need a rank coordinate or a data-dependent symbol are checked
+            // per rank by the runtime; the rest must match exactly.
+            if ty.shape.iter().all(|d| d.rank_axes().is_empty()) {
+                if let Ok(want) = ty.size_bytes(&b) {
+                    if want != buf.bytes {
+                        return Err(format!(
+                            "buffer {} holds %{}: {ty}, {want} bytes with the plan's bindings, but says {}",
+                            buf.id, buf.value, buf.bytes
+                        ));
+                    }
                 }
             }
         }

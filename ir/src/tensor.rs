@@ -155,6 +155,25 @@ fn decode_i64(dtype: DType, b: &[u8]) -> Vec<i64> {
 }
 
 impl HostTensor {
+    /// SHA-256 (hex) of the dtype, shape and values: equal exactly when the tensors are.
+    pub fn digest(&self) -> String {
+        let mut bytes = format!("{}{:?}", self.dtype, self.shape).into_bytes();
+        match &self.data {
+            HostData::F64(v) => v.iter().for_each(|x| bytes.extend(x.to_le_bytes())),
+            HostData::I64(v) => v.iter().for_each(|x| bytes.extend(x.to_le_bytes())),
+            // Raw bytes digest as the values they hold (equality compares values).
+            HostData::Raw(_) if self.dtype.is_float() => self
+                .to_f64()
+                .iter()
+                .for_each(|x| bytes.extend(x.to_le_bytes())),
+            HostData::Raw(_) => self
+                .to_i64()
+                .iter()
+                .for_each(|x| bytes.extend(x.to_le_bytes())),
+        }
+        crate::plan::digest(&bytes)
+    }
+
     pub fn floats(dtype: DType, shape: Vec<usize>, data: Vec<f64>) -> HostTensor {
         debug_assert_eq!(shape.iter().product::<usize>(), data.len());
         HostTensor {

@@ -110,15 +110,27 @@ impl TensorType {
     }
 
     /// Concrete shape under the given bindings.
+    /// Concrete shape under the given bindings; a negative size is an error.
     pub fn concrete_shape(&self, b: &Bindings) -> Result<Vec<usize>, DimError> {
         self.shape
             .iter()
-            .map(|d| d.eval(b).map(|v| v.max(0) as usize))
+            .map(|d| {
+                let v = d.eval(b)?;
+                usize::try_from(v).map_err(|_| DimError::Negative {
+                    dim: d.to_string(),
+                    value: v,
+                })
+            })
             .collect()
     }
 
+    /// Bytes under the given bindings, counted with checked arithmetic.
     pub fn size_bytes(&self, b: &Bindings) -> Result<u64, DimError> {
-        Ok(self.concrete_shape(b)?.iter().product::<usize>() as u64 * self.dtype.size_bytes())
+        let overflow = || DimError::Overflow(format!("the bytes of {self}"));
+        self.concrete_shape(b)?
+            .iter()
+            .try_fold(self.dtype.size_bytes(), |acc, &n| acc.checked_mul(n as u64))
+            .ok_or_else(overflow)
     }
 }
 

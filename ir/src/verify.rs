@@ -27,14 +27,104 @@ pub struct VerifyReport {
     pub annotated: String,
 }
 
+/// The most errors a report lists one by one; the rest are counted.
+const SHOWN_ERRORS: usize = 10;
+/// Lines of the program shown before and after each error's line.
+const CONTEXT_LINES: usize = 2;
+
 impl fmt::Display for VerifyReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{} verifier error(s):", self.errors.len())?;
-        for e in &self.errors {
+        for e in self.errors.iter().take(SHOWN_ERRORS) {
             writeln!(f, "error: invalid IR in {}: {}", e.location, e.message)?;
         }
-        write!(f, "\n{}", self.annotated)
+        if self.errors.len() > SHOWN_ERRORS {
+            writeln!(f, "... and {} more", self.errors.len() - SHOWN_ERRORS)?;
+        }
+        write!(f, "\n{}", excerpt(&self.annotated))
     }
+}
+
+impl VerifyReport {
+    /// The errors located in the source text the graph was parsed from:
+    /// `error: <msg> in FILE:LINE (node %N (scope))` and the line with a few lines of
+    /// context, numbered as in the file. Errors whose node has no line there (or
+    /// graph-level ones) name their location only.
+    pub fn in_source(&self, g: &Graph, text: &str, file: &str) -> String {
+        let lines: Vec<&str> = text.lines().collect();
+        let mut line_of: BTreeMap<u32, usize> = BTreeMap::new();
+        for (i, l) in lines.iter().enumerate() {
+            let Some(rest) = l.trim_start().strip_prefix('%') else {
+                continue;
+            };
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            if let Ok(id) = digits.parse::<u32>() {
+                line_of.entry(id).or_insert(i);
+            }
+        }
+        let mut out = format!("{} verifier error(s)\n", self.errors.len());
+        for e in self.errors.iter().take(SHOWN_ERRORS) {
+            let at = e
+                .node
+                .and_then(|n| g.node(n).results.first().copied())
+                .and_then(|v| line_of.get(&v.0).copied());
+            match at {
+                Some(i) => {
+                    out.push_str(&format!(
+                        "error: {} in {file}:{} ({})\n",
+                        e.message,
+                        i + 1,
+                        e.location
+                    ));
+                    let (lo, hi) = (i.saturating_sub(CONTEXT_LINES), (i + CONTEXT_LINES).min(lines.len() - 1));
+                    for (k, l) in lines.iter().enumerate().take(hi + 1).skip(lo) {
+                        let shown: String = l.chars().take(160).collect();
+                        out.push_str(&format!("{:>6} | {shown}\n", k + 1));
+                        if k == i {
+                            out.push_str("       | ^ here\n");
+                        }
+                    }
+                }
+                None => out.push_str(&format!("error: {} in {file} ({})\n", e.message, e.location)),
+            }
+        }
+        if self.errors.len() > SHOWN_ERRORS {
+            out.push_str(&format!("... and {} more\n", self.errors.len() - SHOWN_ERRORS));
+        }
+        out
+    }
+}
+
+/// The lines of an annotated program near its errors (`^ error:` lines), with `...`
+/// for what is left out: a 47 MB program is not printed whole.
+fn excerpt(annotated: &str) -> String {
+    let lines: Vec<&str> = annotated.lines().collect();
+    let marks: Vec<usize> = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.trim_start().starts_with("^ error"))
+        .map(|(i, _)| i)
+        .take(SHOWN_ERRORS)
+        .collect();
+    let mut keep = vec![false; lines.len()];
+    for &m in &marks {
+        let lo = m.saturating_sub(CONTEXT_LINES + 1);
+        let hi = (m + CONTEXT_LINES).min(lines.len().saturating_sub(1));
+        keep[lo..=hi].iter_mut().for_each(|k| *k = true);
+    }
+    let mut out = String::new();
+    let mut skipped = false;
+    for (l, k) in lines.iter().zip(&keep) {
+        if *k {
+            out.push_str(l);
+            out.push('\n');
+            skipped = false;
+        } else if !skipped {
+            out.push_str("...\n");
+            skipped = true;
+        }
+    }
+    out
 }
 
 impl std::error::Error for VerifyReport {}
@@ -132,11 +222,17 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
                 ));
             }
         }
+        if let Some(m) = check_float_attrs(&d.op) {
+            push(m);
+        }
         for v in &d.results {
             for (i, dim) in g.ty(*v).shape.iter().enumerate() {
                 check_dim(dim, &mesh_sizes, g, &mut |m| {
                     push(format!("dim {i} of {v}: {m}"))
                 });
+            }
+            if let Some(m) = check_value_size(g.ty(*v), &mesh_sizes) {
+                push(format!("{v}: {m}"));
             }
             if let Some(slot) = defined.get_mut(v.0 as usize) {
                 *slot = true;
@@ -178,16 +274,91 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
             }
         }
     }
+    let mut names = std::collections::BTreeSet::new();
     for (name, v) in g.outputs() {
-        if g.try_value(*v).is_none() {
+        let mut push = |message: String| {
             errors.push(VerifyError {
                 node: None,
                 location: format!("output `{name}`"),
-                message: format!("{v} is not defined"),
-            });
+                message,
+            })
+        };
+        if !names.insert(name.as_str()) {
+            push("is returned twice".into());
+        }
+        match g.try_ty(*v) {
+            None => push(format!("{v} is not defined")),
+            Some(t) if name == "loss" && t.rank() != 0 => push(format!(
+                "the loss must be a scalar, but {v} is {t}"
+            )),
+            Some(_) => {}
         }
     }
     errors
+}
+
+/// The most bytes one value may hold on one rank (1 PiB): far above any device, and
+/// low enough that sizes, offsets and costs computed from it never overflow.
+pub const MAX_VALUE_BYTES: u64 = 1 << 50;
+
+/// A value's size must be countable: no overflowed dim, and at most
+/// [`MAX_VALUE_BYTES`] on one rank with every free size symbol at its smallest (1).
+fn check_value_size(ty: &TensorType, mesh: &Bindings) -> Option<String> {
+    if ty.shape.iter().any(Dim::is_overflow) || ty.numel().is_overflow() {
+        return Some(format!("the size of {ty} overflows"));
+    }
+    let numel = ty.numel();
+    let mut b = mesh.clone();
+    for s in numel.symbols() {
+        if !b.symbols.contains_key(&s) {
+            b = b.with(&s, 1);
+        }
+    }
+    for a in numel.rank_axes() {
+        b = b.with_coord(&a, 0);
+    }
+    let bytes = match numel.eval(&b) {
+        Ok(n) => (n.max(0) as u128) * ty.dtype.size_bytes() as u128,
+        Err(crate::dim::DimError::Overflow(_)) => u128::MAX,
+        Err(_) => return None,
+    };
+    (bytes > MAX_VALUE_BYTES as u128).then(|| {
+        format!(
+            "{ty} holds more than {} bytes on one rank (the most Weft plans for is {MAX_VALUE_BYTES})",
+            if bytes == u128::MAX { "2^127".to_string() } else { bytes.to_string() }
+        )
+    })
+}
+
+/// Float attributes whose meaning needs them finite (and some positive): `eps` of a
+/// norm or of AdamW, a scale, RoPE's theta, optimizer rates. `full` may hold `-inf`
+/// (masks).
+fn check_float_attrs(op: &Op) -> Option<String> {
+    let bad = |name: &str, v: f64, why: &str| Some(format!("attribute `{name}` is {v}: {why}"));
+    let finite = |name: &str, v: f64| (!v.is_finite()).then(|| bad(name, v, "must be finite")).flatten();
+    let positive = |name: &str, v: f64| {
+        (!(v.is_finite() && v > 0.0)).then(|| bad(name, v, "must be positive and finite")).flatten()
+    };
+    let unit = |name: &str, v: f64| {
+        (!(v.is_finite() && (0.0..1.0).contains(&v))).then(|| bad(name, v, "must be in [0, 1)")).flatten()
+    };
+    match op {
+        Op::Scale { factor } => finite("factor", factor.0),
+        Op::AddScalar { value } => finite("value", value.0),
+        Op::PowScalar { exponent } => finite("exponent", exponent.0),
+        Op::RmsNorm { eps } | Op::RmsNormGrad { eps } => positive("eps", eps.0),
+        Op::RopeTable { theta, .. } => positive("theta", theta.0),
+        Op::Attention { scale, .. } | Op::AttentionGrad { scale, .. } => finite("scale", scale.0),
+        Op::AdamW { lr, beta1, beta2, eps, weight_decay } => finite("lr", lr.0)
+            .or_else(|| unit("beta1", beta1.0))
+            .or_else(|| unit("beta2", beta2.0))
+            .or_else(|| positive("eps", eps.0))
+            .or_else(|| finite("weight_decay", weight_decay.0)),
+        Op::Sgd { lr, momentum, weight_decay } => finite("lr", lr.0)
+            .or_else(|| finite("momentum", momentum.0))
+            .or_else(|| finite("weight_decay", weight_decay.0)),
+        _ => None,
+    }
 }
 
 /// A data-dependent size (see [`Graph::runtime_symbols`]) appears in no type or
@@ -246,6 +417,10 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
                 push(format!("splits over unknown mesh axis `{}`", p.axis));
                 continue;
             };
+            if p.pieces.iter().any(|piece| piece.len() != p.ranks()) {
+                push("lists pieces of different numbers of ranks".into());
+                continue;
+            }
             if p.ranks() != n as usize {
                 push(format!(
                     "lists {} ranks but axis `{}` has {n}",

@@ -228,3 +228,43 @@ pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
     }
     p
 }
+
+/// The mesh axes some registered pass implements (from each pass's
+/// [`Pass::mesh_axes`]), plus `edp`, which `ep` derives. A mesh axis outside this list
+/// would replicate the model silently, so [`check_mesh_axes`] refuses it.
+pub fn supported_axes() -> Vec<&'static str> {
+    let mut out: Vec<&'static str> = PASSES
+        .iter()
+        .flat_map(|p| match p.mesh_axes() {
+            crate::pass::MeshAxes::None => &[][..],
+            crate::pass::MeshAxes::All(a) | crate::pass::MeshAxes::AnyOf(a) => a,
+        })
+        .copied()
+        .collect();
+    if out.contains(&weft_ir::mesh::EP) {
+        out.push(weft_ir::mesh::EDP);
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Refuses a mesh axis no pass implements (`pp`, `DP`, `foo`, or `cp` before context
+/// parallelism exists), naming the axis and the ones that work.
+pub fn check_mesh_axes(mesh: &Mesh) -> Result<(), String> {
+    let known = supported_axes();
+    for (axis, _) in &mesh.axes {
+        if !known.contains(&axis.as_str()) {
+            let hint = known
+                .iter()
+                .find(|k| k.eq_ignore_ascii_case(axis))
+                .map(|k| format!(" (did you mean `{k}`?)"))
+                .unwrap_or_default();
+            return Err(format!(
+                "mesh `{mesh}`: no pass implements axis `{axis}`{hint}, so it would only replicate the model\nhelp: the axes Weft implements are {}",
+                known.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}

@@ -118,8 +118,12 @@ struct Report<'a> {
 }
 
 pub fn run(a: Args) -> CliResult {
+    if let Some(out) = &a.output {
+        super::refuse_overwrite(out, &[("MODEL", std::path::Path::new(&a.model))])?;
+    }
     let mesh = super::parse_mesh(&a.mesh)?;
     let (model, _) = super::load_model_and_weights(&a.model, None)?;
+    weft_passes::bindings::check_batch_seq(a.batch, a.seq).map_err(CliError::input)?;
     let mut req = super::request(&model, &mesh, a.tp_spec.as_deref(), &a.model)?;
     req.batch = a.batch;
     req.seq = a.seq;
@@ -128,6 +132,8 @@ pub fn run(a: Args) -> CliResult {
     (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
     if !a.forward_only {
         let mut t = a.train_args.request("adamw")?;
+        weft_passes::micro_batches::check_micro_batches(t.options.micro_batches, a.batch, &mesh)
+            .map_err(CliError::input)?;
         t.options.grad_outputs = a.keep_grads;
         req.train = Some(t);
     }

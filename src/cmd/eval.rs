@@ -34,6 +34,7 @@ struct Report {
 }
 
 pub fn run(a: Args) -> CliResult {
+    super::refuse_overwrite(&a.output, &a.run.input_paths())?;
     let s = Session::new(&a.run)?;
     // Gradients come from the step's backward graph (`grad.*` outputs of autodiff).
     let training = a.grads || a.run.train.any();

@@ -38,6 +38,9 @@ struct Report {
 }
 
 pub fn run(a: Args) -> CliResult {
+    if let Some(out) = &a.output {
+        super::refuse_overwrite(out, &[("MODEL", std::path::Path::new(&a.model))])?;
+    }
     let (m, imported) = super::load_model_and_weights(&a.model, a.config.as_deref())?;
     if a.report {
         match &imported {

@@ -84,6 +84,10 @@ pub fn load_plan(path: &std::path::Path) -> CliResult<ExecutionPlan> {
 }
 
 pub fn run(a: Args) -> CliResult {
+    for out in [&a.trace, &a.memory].into_iter().flatten() {
+        weft_ir::output::refuse_overwriting_input(out, &[("plan", &a.plan)])
+            .map_err(CliError::input)?;
+    }
     let p = load_plan(&a.plan)?;
     let placed = in_place(&p);
     let kind = p.step_kind();
@@ -108,12 +112,10 @@ pub fn run(a: Args) -> CliResult {
         in_place: placed.iter().filter(|&&x| x).count(),
     };
     if let Some(t) = &a.trace {
-        std::fs::write(t, trace(&p))
-            .map_err(|e| CliError::input(format!("cannot write {}: {e}", t.display())))?;
+        super::write_out(Some(t), &trace(&p))?;
     }
     if let Some(m) = &a.memory {
-        std::fs::write(m, memory_svg(&p))
-            .map_err(|e| CliError::input(format!("cannot write {}: {e}", m.display())))?;
+        super::write_out(Some(m), &memory_svg(&p))?;
     }
     if a.json {
         print!("{}", super::json(&s));

@@ -153,19 +153,38 @@ pub fn mesh_text(mesh: &Mesh) -> String {
     }
 }
 
+/// Parses a mesh and refuses axes no pass implements (they would replicate silently).
 pub fn parse_mesh(text: &str) -> CliResult<Mesh> {
-    Mesh::parse(text).map_err(|e| CliError::input(format!("invalid --mesh: {e}")))
+    let mesh = Mesh::parse(text).map_err(|e| CliError::input(format!("invalid --mesh: {e}")))?;
+    weft_passes::registry::check_mesh_axes(&mesh)
+        .map_err(|e| CliError::input(format!("invalid --mesh: {e}")))?;
+    Ok(mesh)
 }
 
-/// Writes `text` to `path`, or stdout when no path is given.
+/// Refuses an output path that is one of the command's inputs (or inside one).
+pub fn refuse_overwrite(out: &std::path::Path, inputs: &[(&str, &std::path::Path)]) -> CliResult {
+    weft_ir::output::refuse_overwriting_input(out, inputs).map_err(CliError::input)
+}
+
+/// Writes `text` to `path` (through a temporary renamed into place), or stdout when no
+/// path is given.
 pub fn write_out(path: Option<&std::path::Path>, text: &str) -> CliResult {
     match path {
-        Some(p) => std::fs::write(p, text)
+        Some(p) => weft_ir::output::write_atomic(p, text.as_bytes())
             .map_err(|e| CliError::input(format!("cannot write {}: {e}", p.display()))),
-        None => {
-            print!("{text}");
-            Ok(())
-        }
+        None => print_out(text),
+    }
+}
+
+/// Writes `text` to stdout and flushes it: a closed pipe (`| head -1`) ends the
+/// program quietly, any other failure (`> /dev/full`) is an error.
+pub fn print_out(text: &str) -> CliResult {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => Err(CliError::input(format!("cannot write to stdout: {e}"))),
     }
 }
 

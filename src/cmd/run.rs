@@ -205,6 +205,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let batch = a.batch.or(given.map(|x| x.0)).unwrap_or(db);
     let seq = a.seq.or(given.map(|x| x.1)).unwrap_or(ds);
     let mut req = super::request(&model, &mesh, None, &a.model)?;
+    weft_passes::bindings::check_batch_seq(Some(batch), Some(seq)).map_err(CliError::input)?;
     req.batch = Some(batch);
     req.seq = Some(seq);
     req.plan = true;
@@ -212,6 +213,8 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
     if !a.forward_only {
         let mut t = a.train.request("adamw")?;
+        weft_passes::micro_batches::check_micro_batches(t.options.micro_batches, Some(batch), &mesh)
+            .map_err(CliError::input)?;
         // Only --check compares gradients (and logits); a training run lets each
         // gradient die once its bucket has updated the weights.
         t.options.grad_outputs = a.check > 0;
@@ -291,6 +294,9 @@ pub struct Feeder {
     source: String,
     fixed: Option<BTreeMap<String, HostTensor>>,
     data: Option<Vec<u16>>,
+    /// The `--data` file, named once when a run reads past its end and wraps around.
+    data_path: Option<PathBuf>,
+    wrapped: bool,
     at: usize,
     batch: usize,
     seq: usize,
@@ -309,6 +315,14 @@ impl Feeder {
                 let b = std::fs::read(p).map_err(|e| {
                     CliError::input(format!("cannot read --data {}: {e}", p.display()))
                 })?;
+                if b.len() % 2 != 0 {
+                    return Err(CliError::input(format!(
+                        "--data {}: {} bytes is not a whole number of uint16 tokens",
+                        p.display(),
+                        b.len()
+                    ))
+                    .with_help("a token file is flat little-endian uint16 (2 bytes per token)"));
+                }
                 let toks: Vec<u16> = b
                     .chunks_exact(2)
                     .map(|c| u16::from_le_bytes([c[0], c[1]]))
@@ -334,6 +348,8 @@ impl Feeder {
             source,
             fixed,
             data,
+            data_path: a.data.clone(),
+            wrapped: false,
             at: 0,
             batch: batch as usize,
             seq: seq as usize,
@@ -355,6 +371,15 @@ impl Feeder {
         } else if let Some(d) = &self.data {
             let n = self.batch * self.seq;
             if self.at + n > d.len() {
+                if !self.wrapped {
+                    eprintln!(
+                        "note: step {} wraps around to the start of --data {} ({} tokens, {n} per step)",
+                        step + 1,
+                        self.data_path.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+                        d.len()
+                    );
+                    self.wrapped = true;
+                }
                 self.at = 0;
             }
             let ids: Vec<i64> = d[self.at..self.at + n].iter().map(|&t| t as i64).collect();
@@ -466,6 +491,18 @@ pub fn cpu_steps_timed(
 }
 
 pub fn run(a: Args) -> CliResult {
+    if !(a.peak_tflops.is_finite() && a.peak_tflops > 0.0) {
+        return Err(CliError::input(format!(
+            "invalid --peak-tflops {}: must be a positive number (the device's peak, for MFU)",
+            a.peak_tflops
+        )));
+    }
+    if a.check > 0 && a.backend == "cpu" {
+        return Err(CliError::input(
+            "--check compares a GPU run with the CPU reference, but --backend is cpu (nothing to compare)",
+        )
+        .with_help("use --backend cuda with --check, or drop --check"));
+    }
     if a.steps == 0 && a.check == 0 {
         return plan_only(&a);
     }
@@ -479,8 +516,7 @@ pub fn run(a: Args) -> CliResult {
 /// `--plan-out`: the plan that runs.
 fn write_plan(a: &Args, p: &Prepared) -> CliResult {
     if let Some(path) = &a.plan_out {
-        std::fs::write(path, p.plan.to_json())
-            .map_err(|e| CliError::input(format!("cannot write {}: {e}", path.display())))?;
+        super::write_out(Some(path), &p.plan.to_json())?;
     }
     Ok(())
 }
@@ -588,7 +624,10 @@ fn run_cpu(a: &Args) -> CliResult {
     let weights = p
         .host_weights
         .clone()
-        .ok_or_else(|| CliError::input("the cpu backend needs host weights"))?;
+        .ok_or_else(|| {
+            CliError::input(format!("the cpu backend needs host weights to run {}", a.model))
+                .with_help("give --weights FILE (a plan records its model, not its weights)")
+        })?;
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let tokens = (p.batch * p.seq) as f64;
     let mut reports = Vec::new();
@@ -666,7 +705,10 @@ fn run_cuda(a: &Args) -> CliResult {
         let w = p
             .host_weights
             .as_ref()
-            .ok_or_else(|| CliError::input("--check needs host weights"))?;
+            .ok_or_else(|| {
+                CliError::input("--check needs host weights")
+                    .with_help("give --weights FILE (a plan records its model, not its weights)")
+            })?;
         let mut f2 = Feeder::new(a, p.batch, p.seq, p.vocab)?;
         use weft_runtime::cpu::Precision::F32;
         let steps = a.check.min(a.steps.max(1));

@@ -51,6 +51,26 @@ pub struct RunArgs {
     pub train: super::train::TrainArgs,
 }
 
+impl RunArgs {
+    /// The files this command reads (MODEL, --weights, --inputs, --config, --tp-spec),
+    /// for refusing an output that would overwrite one.
+    pub fn input_paths(&self) -> Vec<(&'static str, &Path)> {
+        let mut out: Vec<(&'static str, &Path)> = vec![("MODEL", Path::new(&self.model))];
+        let named = [
+            ("--weights", &self.weights),
+            ("--inputs", &self.inputs),
+            ("--config", &self.config),
+            ("--tp-spec", &self.tp_spec),
+        ];
+        for (what, p) in named {
+            if let Some(p) = p {
+                out.push((what, p.as_path()));
+            }
+        }
+        out
+    }
+}
+
 pub struct Session {
     /// The unsharded model (for a plan: rebuilt from the MODEL it was compiled from).
     pub model: Model,
@@ -120,17 +140,35 @@ impl Session {
                 weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?,
                 w.display().to_string(),
             ),
-            None => (
-                weft_frontends::random_weights(&model, a.seed),
-                format!("random (seed {})", a.seed),
-            ),
+            None => {
+                check_host_memory(&model)?;
+                (
+                    weft_frontends::random_weights(&model, a.seed),
+                    format!("random (seed {})", a.seed),
+                )
+            }
         };
+        weft_passes::bindings::check_batch_seq(a.batch, a.seq).map_err(CliError::input)?;
         let inputs_from = match &a.inputs {
             Some(p) => p.display().to_string(),
             None => "the drawn inputs".to_string(),
         };
         let inputs = match &a.inputs {
-            Some(p) => read_inputs(p)?,
+            Some(p) => {
+                let t = read_inputs(p)?;
+                let shape = &t["input_ids"].shape;
+                for (flag, given, have) in [("--batch", a.batch, shape[0]), ("--seq", a.seq, shape[1])] {
+                    if given.is_some_and(|g| g != have as i64) {
+                        return Err(CliError::input(format!(
+                            "{flag} {} differs from --inputs {}, whose input_ids are {shape:?}",
+                            given.unwrap_or(0),
+                            p.display()
+                        ))
+                        .with_help(format!("drop {flag} (the inputs fix it) or give inputs of that size")));
+                    }
+                }
+                t
+            }
             None => {
                 let (db, ds) = weft_passes::driver::default_run_sizes(&mesh);
                 let batch = a.batch.unwrap_or(db);
@@ -256,6 +294,28 @@ pub fn read_plan(spec: &str) -> CliResult<Option<weft_ir::ExecutionPlan>> {
     weft_ir::ExecutionPlan::from_json(&text, spec)
         .map(Some)
         .map_err(crate::fail)
+}
+
+/// Random weights live in host memory as f64: refuse a model whose weights would not
+/// fit in the memory available now (`MemAvailable`), before allocating any of them.
+pub fn check_host_memory(model: &Model) -> CliResult {
+    let bytes = model.param_count() as u128 * 8;
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u128>().ok())
+            .map(|kb| kb * 1024)
+    });
+    match available {
+        Some(avail) if bytes > avail => Err(CliError::input(format!(
+            "random weights for {} need {:.1} GiB of host memory (f64), more than the {:.1} GiB available",
+            model.name,
+            bytes as f64 / (1u64 << 30) as f64,
+            avail as f64 / (1u64 << 30) as f64
+        ))
+        .with_help("the CPU reference runs small models; give a smaller config")),
+        _ => Ok(()),
+    }
 }
 
 fn find_checkpoint(dir: &Path) -> Option<PathBuf> {

@@ -14,8 +14,8 @@ use weft_passes::tp::{self, ParamLayout, TpOptions, TpSpec};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Preset name, config.json or model directory (not needed with `--unshard`: the
-    /// shard directory's layout.json says everything).
+    /// Preset name, config.json or model directory to shard (not used by `--unshard`:
+    /// the shard directory's layout.json says everything).
     #[arg(required_unless_present = "unshard")]
     pub model: Option<String>,
     /// The full checkpoint to cut (default: the model directory's model.safetensors);
@@ -49,6 +49,13 @@ struct LayoutFile {
     /// One file per coordinate combination, in row-major order.
     files: Vec<String>,
     params: Vec<ParamLayout>,
+    /// SHA-256 of each file of `files`, checked before `--unshard` reads it.
+    #[serde(default)]
+    file_digests: Vec<String>,
+    /// SHA-256 of each full tensor (`HostTensor::digest`), checked after `--unshard`
+    /// puts it back together.
+    #[serde(default)]
+    tensor_digests: BTreeMap<String, String>,
 }
 
 /// `tensor-parallel`'s options for `model`: the explicit `--tp-spec`, the config's HF
@@ -110,6 +117,7 @@ pub fn run(a: Args) -> CliResult {
         .ok_or_else(|| {
             CliError::input("no checkpoint to shard").with_help("give --weights FILE")
         })?;
+    super::refuse_overwrite(&a.output, &[("checkpoint", &checkpoint)])?;
     let full = weft_frontends::read_safetensors(&checkpoint).map_err(super::frontend_err)?;
     let axes = tp::layout::shard_axes(&layouts, &mesh);
     let shards = tp::shard_checkpoint(&layouts, &full, &axes)
@@ -118,13 +126,25 @@ pub fn run(a: Args) -> CliResult {
         .map_err(|e| CliError::input(format!("cannot create {}: {e}", a.output.display())))?;
     let coords = tp::layout::shard_coords(&axes);
     let mut files = Vec::new();
+    let mut file_digests = Vec::new();
     for (cs, shard) in coords.iter().zip(&shards) {
         let name = shard_name(&axes, cs);
-        weft_frontends::save_safetensors(&a.output.join(&name), shard)
-            .map_err(super::frontend_err)?;
+        let path = a.output.join(&name);
+        weft_frontends::save_safetensors(&path, shard).map_err(super::frontend_err)?;
+        file_digests.push(file_digest(&path)?);
         files.push(name);
     }
+    let tensor_digests = layouts
+        .iter()
+        .filter_map(|l| {
+            full.get(&l.name)
+                .or_else(|| l.tied_aliases.iter().find_map(|t| full.get(t)))
+                .map(|t| (l.name.clone(), t.digest()))
+        })
+        .collect();
     let lf = LayoutFile {
+        file_digests,
+        tensor_digests,
         model: spec.clone(),
         mesh: mesh.to_string(),
         axes: axes.clone(),
@@ -156,6 +176,13 @@ pub fn run(a: Args) -> CliResult {
     Ok(())
 }
 
+/// SHA-256 of a file's bytes.
+fn file_digest(path: &Path) -> CliResult<String> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| CliError::input(format!("cannot read {}: {e}", path.display())))?;
+    Ok(weft_ir::plan::digest(&bytes))
+}
+
 fn unshard(a: &Args) -> CliResult {
     let dir = a.weights.clone().ok_or_else(|| {
         CliError::input("--unshard needs --weights DIR (a directory `weft shard` wrote)")
@@ -166,14 +193,43 @@ fn unshard(a: &Args) -> CliResult {
             dir.join("layout.json").display()
         ))
     })?;
-    let lf: LayoutFile = serde_json::from_str(&text)
-        .map_err(|e| CliError::input(format!("{}: {e}", dir.join("layout.json").display())))?;
+    let layout_path = dir.join("layout.json");
+    let bad = |why: String| CliError::input(format!("{}: {why}", layout_path.display()));
+    let lf: LayoutFile = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    super::refuse_overwrite(&a.output, &[("shard directory", &dir)])?;
+    tp::layout::validate_layouts(&lf.params, &lf.axes).map_err(bad)?;
+    if lf.file_digests.len() != lf.files.len() {
+        return Err(bad(format!(
+            "lists {} files but {} digests (a layout without digests cannot be checked)",
+            lf.files.len(),
+            lf.file_digests.len()
+        ))
+        .with_help("shard the checkpoint again with this weft"));
+    }
     let mut shards: Vec<BTreeMap<String, HostTensor>> = Vec::new();
-    for f in &lf.files {
-        shards.push(weft_frontends::read_safetensors(&dir.join(f)).map_err(super::frontend_err)?);
+    for (f, want) in lf.files.iter().zip(&lf.file_digests) {
+        let path = dir.join(f);
+        if Path::new(f).components().count() != 1 {
+            return Err(bad(format!("file `{f}` is not a plain name in the shard directory")));
+        }
+        if file_digest(&path)? != *want {
+            return Err(CliError::input(format!(
+                "shard {} does not match its digest in layout.json: it was changed, damaged or swapped with another",
+                path.display()
+            )));
+        }
+        shards.push(weft_frontends::read_safetensors(&path).map_err(super::frontend_err)?);
     }
     let full = tp::unshard_checkpoint(&lf.params, &shards, &lf.axes)
         .map_err(|e| CliError::input(format!("unsharding {}: {e}", dir.display())))?;
+    for (name, t) in &full {
+        if lf.tensor_digests.get(name) != Some(&t.digest()) {
+            return Err(CliError::input(format!(
+                "unsharding {}: `{name}` put back together does not match the digest of the checkpoint it was cut from",
+                dir.display()
+            )));
+        }
+    }
     weft_frontends::save_safetensors(&a.output, &full).map_err(super::frontend_err)?;
     if a.json {
         print!(

@@ -79,6 +79,7 @@ pub fn run(a: Args) -> CliResult {
         None => (super::load_model(&a.model)?, None, None),
     };
     let seq = a.seq.or(plan_seq).unwrap_or(4096);
+    weft_passes::bindings::check_batch_seq(None, Some(seq)).map_err(CliError::input)?;
     if seq <= 0 {
         return Err(CliError::input(format!(
             "invalid --seq {seq}: must be positive"
@@ -94,17 +95,28 @@ pub fn run(a: Args) -> CliResult {
             let b = ty.size_bytes(&Bindings::new()).map_err(|e| {
                 CliError::input(format!("parameter shape in {}: {e}", g.describe(n)))
             })?;
-            *bytes.entry(ty.dtype.to_string()).or_default() += b;
+            let total = bytes.entry(ty.dtype.to_string()).or_default();
+            *total = total.checked_add(b).ok_or_else(|| {
+                CliError::input(format!("the {} parameter bytes of {} overflow", ty.dtype, m.name))
+            })?;
         }
     }
     let b = Bindings::new().with("B", 1).with("S", seq);
-    let flops = weft_ir::flops::graph_flops(g).eval(&b).map_err(|e| {
+    let flops = weft_ir::flops::graph_flops(g).eval_f64(&b).map_err(|e| {
         CliError::input(format!(
             "cannot count FLOPs of {} at seq {seq}: {e}",
             m.name
         ))
     })?;
-    let per_token = (flops as f64 / seq as f64).round() as u64;
+    let per_token = (flops / seq as f64).round();
+    // Below 2^62 so that the training step's 3x still fits a u64.
+    if !(per_token.is_finite() && per_token < (1u64 << 62) as f64) {
+        return Err(CliError::input(format!(
+            "FLOPs per token of {} at --seq {seq} ({per_token:e}) are beyond what Weft counts",
+            a.model
+        )));
+    }
+    let per_token = per_token as u64;
     let r = Report {
         model: m.name.clone(),
         family: m.family.as_str().to_string(),

@@ -325,26 +325,16 @@ pub fn save_safetensors(
         owned.push((name.clone(), o));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    // Written beside the target and renamed over it: the target may be a file whose
-    // mapping backs the very tensors being written (read_safetensors maps, it does not
-    // copy), and truncating a mapped file in place would fault or change them.
-    let tmp = path.with_file_name(format!(
-        ".{}.weft-tmp-{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
-        std::process::id()
-    ));
-    let werr = |message: String| FrontendError::Write {
-        path: path.to_path_buf(),
-        message,
-    };
-    safetensors::serialize_to_file(owned.iter().map(|(n, o)| (n.as_str(), o)), Some(meta), &tmp)
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            werr(e.to_string())
+    // Serialized in memory, then written beside the target and renamed over it: the
+    // target may be a file whose mapping backs the very tensors being written.
+    let bytes = safetensors::serialize(owned.iter().map(|(n, o)| (n.as_str(), o)), Some(meta))
+        .map_err(|e| FrontendError::Write {
+            path: path.to_path_buf(),
+            message: e.to_string(),
         })?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        werr(e.to_string())
+    weft_ir::output::write_atomic(path, &bytes).map_err(|e| FrontendError::Write {
+        path: path.to_path_buf(),
+        message: e.to_string(),
     })
 }
 

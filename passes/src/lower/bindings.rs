@@ -9,6 +9,21 @@ use std::collections::BTreeSet;
 use weft_ir::shape::norm_dim;
 use weft_ir::{Bindings, Dim, DimError, Graph, Node, Op, Role};
 
+pub use weft_ir::plan::{MAX_BATCH, MAX_SEQ};
+
+/// `--batch` / `--seq` as the CLI takes them: positive and at most [`MAX_BATCH`] /
+/// [`MAX_SEQ`]; the error names the flag and the value.
+pub fn check_batch_seq(batch: Option<i64>, seq: Option<i64>) -> Result<(), String> {
+    for (flag, v, max) in [("--batch", batch, MAX_BATCH), ("--seq", seq, MAX_SEQ)] {
+        if let Some(v) = v {
+            if v <= 0 || v > max {
+                return Err(format!("invalid {flag} {v}: must be between 1 and {max}"));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A size that does not work with the given bindings.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{what} in {location}: {why}{}", .help.as_ref().map(|h| format!("\nhelp: {h}")).unwrap_or_default())]
@@ -152,6 +167,23 @@ fn describe_symbol(g: &Graph, s: &str) -> String {
 /// graph's mesh when `b` does not bind them), on every rank.
 #[allow(clippy::result_large_err)] // a cold error path; the fields are what callers print
 pub fn check_bindings(g: &Graph, b: &Bindings) -> Result<(), BindingError> {
+    for (sym, v) in &b.symbols {
+        let limit = match sym.as_str() {
+            "B" => MAX_BATCH,
+            "S" => MAX_SEQ,
+            _ => i64::MAX,
+        };
+        if *v <= 0 || *v > limit {
+            return Err(BindingError {
+                what: format!("{sym}={v} is out of range"),
+                location: format!("the bindings of {}", g.name),
+                why: format!("{} must be between 1 and {limit}", describe_symbol(g, sym)),
+                help: None,
+                symbol: Some(sym.clone()),
+                suggestions: vec![],
+            });
+        }
+    }
     let full = with_mesh(g, b);
     let checks = collect(g);
     for c in &checks {

@@ -56,10 +56,51 @@ impl Pass for MicroBatches {
         {
             return Ok(res);
         }
+        check_count(g, n)?;
         split(g, n, &mut res)?;
         res.changed = true;
         Ok(res)
     }
+}
+
+/// The most micro-batches one step may hold: the graph holds a clone of the
+/// token-dependent forward per micro-batch, so this bounds the memory the option can
+/// make the compiler use (real runs use tens).
+pub const MAX_MICRO_BATCHES: u32 = 4096;
+
+/// Checked before anything is cloned: `n` is at most [`MAX_MICRO_BATCHES`].
+fn check_count(g: &Graph, n: u32) -> Result<(), PassError> {
+    if n > MAX_MICRO_BATCHES {
+        return Err(err(
+            g,
+            &format!("{n} micro-batches is more than {MAX_MICRO_BATCHES}"),
+            "each micro-batch is a clone of the forward in the graph",
+        ));
+    }
+    Ok(())
+}
+
+/// What a command checks before compiling a step of `n` micro-batches for a concrete
+/// batch: at most [`MAX_MICRO_BATCHES`], and dividing each data-parallel rank's rows
+/// (the pass itself works on the symbolic batch; this catches the mismatch before the
+/// forward is cloned `n` times).
+pub fn check_micro_batches(n: u32, batch: Option<i64>, mesh: &weft_ir::Mesh) -> Result<(), String> {
+    if n > MAX_MICRO_BATCHES {
+        return Err(format!(
+            "invalid --micro-batches {n}: more than {MAX_MICRO_BATCHES} (each is a clone of the forward in the graph)"
+        ));
+    }
+    if let Some(b) = batch {
+        let dp = mesh.size_or_one(crate::pass::DP) as i64;
+        if n > 1 && b % (dp * n as i64) != 0 {
+            return Err(format!(
+                "invalid --micro-batches {n}: --batch {b} over dp={dp} is {} rows per rank, which {n} micro-batches do not divide\nhelp: use a batch that is a multiple of {}",
+                b as f64 / dp as f64,
+                dp * n as i64
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn err(g: &Graph, what: &str, why: impl Into<String>) -> PassError {

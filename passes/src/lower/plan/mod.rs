@@ -89,6 +89,9 @@ fn breakdown_text(b: &BTreeMap<String, u64>) -> String {
 
 const ALIGN: u64 = 256;
 
+/// The most bytes all of a step's buffers may hold on one rank (2^60).
+pub const MAX_PLAN_BYTES: u64 = 1 << 60;
+
 fn align(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
 }
@@ -250,6 +253,19 @@ pub fn lower_with_views(
                 alias_of: None,
             });
         }
+    }
+
+    // Every offset and sum below stays exact: the bytes of all buffers fit with room.
+    let total = buffers
+        .iter()
+        .try_fold(0u64, |acc, b| acc.checked_add(b.bytes))
+        .filter(|&t| t <= MAX_PLAN_BYTES);
+    if total.is_none() {
+        return Err(LowerError::Size {
+            what: "the buffers of the step".into(),
+            location: g.name.clone(),
+            why: format!("they hold more than {MAX_PLAN_BYTES} bytes per rank (the most Weft plans)"),
+        });
     }
 
     // Instructions in program order, each on its stream; simulate the streams.
@@ -641,16 +657,32 @@ pub fn lower_with_views(
     let mut placed: Vec<usize> = Vec::new();
     let mut arena_bytes = 0u64;
     let mut latest: [[i64; NS]; NS] = [[-1; NS]; NS];
+    let stream_of_buffer = |c: usize| {
+        producer_instr
+            .get(&(c as u32))
+            .map_or(0, |&p| instructions[p as usize].stream as usize)
+    };
+    // Buffers still to place, per producing stream: a placed buffer is forgotten once
+    // it is free under the clocks of every stream that still writes one (streams that
+    // never write again cannot conflict with it), so `placed` holds what is live, not
+    // everything placed so far (quadratic on long programs).
+    let mut remaining = [0usize; NS];
+    for &c in &order {
+        remaining[stream_of_buffer(c)] += 1;
+    }
     for &c in &order {
         let size = align(buffers[c].bytes);
         let (clk, s) = match producer_instr.get(&(c as u32)) {
             Some(&p) => (clock[p as usize], instructions[p as usize].stream as usize),
             None => ([-1; NS], 0),
         };
+        remaining[stream_of_buffer(c)] -= 1;
         latest[s] = max3(latest[s], clk);
         placed.retain(|&b| {
             pinned(b, &buffers)
-                || !(0..NS).all(|t| free_under(b, &latest[t]))
+                || !(0..NS)
+                    .filter(|&t| remaining[t] > 0 || t == s)
+                    .all(|t| free_under(b, &latest[t]))
                 || buffers[b].live.1 >= buffers[c].live.0
         });
         let mut conflicts: Vec<(u64, u64)> = placed
@@ -790,6 +822,7 @@ pub fn lower_with_views(
             }
         })
         .collect();
+    let program = weft_ir::print(g);
     let mut groups = BTreeMap::new();
     for (a, _) in &g.mesh.axes {
         groups.insert(a.clone(), g.mesh.groups(a).unwrap_or_default());
@@ -850,7 +883,8 @@ pub fn lower_with_views(
             comm_bytes,
             collectives,
         },
-        program: weft_ir::print(g),
+        program_digest: weft_ir::plan::digest(program.as_bytes()),
+        program,
     })
 }
 
@@ -863,18 +897,19 @@ fn max_over_ranks(
     b: &Bindings,
     mesh: &weft_ir::Mesh,
 ) -> Result<f64, weft_ir::DimError> {
+    // Costs are reported, never used as sizes: f64 cannot wrap.
     if d.rank_axes().is_empty() {
-        return Ok(d.eval(b)? as f64);
+        return d.eval_f64(b);
     }
-    let mut best = 0i64;
+    let mut best = 0f64;
     for r in 0..mesh.world_size() {
         let mut rb = b.clone();
         for (i, (axis, _)) in mesh.axes.iter().enumerate() {
             rb = rb.with_coord(axis, mesh.coords(r)[i] as i64);
         }
-        best = best.max(d.eval(&rb)?);
+        best = best.max(d.eval_f64(&rb)?);
     }
-    Ok(best as f64)
+    Ok(best)
 }
 
 /// Which option would bring the plan under the limit, from what dominates the peak.

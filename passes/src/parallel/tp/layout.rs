@@ -294,13 +294,100 @@ pub fn shard_checkpoint(
     Ok(out)
 }
 
-/// Puts shards (in [`shard_coords`] order) back into the full checkpoint. Replicated
-/// parameters come from the first shard.
+/// The most elements one parameter of a layout may have (2^40): checked before a full
+/// tensor is allocated for it.
+pub const MAX_LAYOUT_ELEMENTS: u64 = 1 << 40;
+
+/// Checks layouts read from a file before anything is indexed or allocated by them:
+/// at least one parameter; shard axes of positive sizes whose product is at most
+/// [`weft_ir::mesh::MAX_RANKS`]; each split names one of those axes, a dim inside the
+/// shape, pieces of one length per rank (that axis's size), non-negative, covering
+/// the dim exactly; and each shape at most [`MAX_LAYOUT_ELEMENTS`] elements.
+pub fn validate_layouts(layouts: &[ParamLayout], axes: &[(String, u32)]) -> Result<(), String> {
+    if layouts.is_empty() {
+        return Err("the layout lists no parameters".into());
+    }
+    let mut world: u64 = 1;
+    for (a, n) in axes {
+        if *n == 0 {
+            return Err(format!("shard axis `{a}` has size 0"));
+        }
+        world = world.saturating_mul(*n as u64);
+    }
+    if world > weft_ir::mesh::MAX_RANKS {
+        return Err(format!(
+            "the shard axes make {world} shards (at most {})",
+            weft_ir::mesh::MAX_RANKS
+        ));
+    }
+    for l in layouts {
+        let numel = l
+            .logical_shape
+            .iter()
+            .try_fold(1u64, |acc, &n| acc.checked_mul(n as u64))
+            .filter(|&n| n <= MAX_LAYOUT_ELEMENTS);
+        if numel.is_none() {
+            return Err(format!(
+                "param `{}` has shape {:?}, more than {MAX_LAYOUT_ELEMENTS} elements",
+                l.name, l.logical_shape
+            ));
+        }
+        if l.replicated != l.partitions.is_empty() {
+            return Err(format!(
+                "param `{}` says replicated={} but lists {} splits",
+                l.name,
+                l.replicated,
+                l.partitions.len()
+            ));
+        }
+        for p in &l.partitions {
+            let Some((_, n)) = axes.iter().find(|(a, _)| *a == p.axis) else {
+                return Err(format!(
+                    "param `{}` is split over `{}`, which is not a shard axis",
+                    l.name, p.axis
+                ));
+            };
+            if p.dim >= l.logical_shape.len() {
+                return Err(format!(
+                    "param `{}`: split dim {} is out of range for shape {:?}",
+                    l.name, p.dim, l.logical_shape
+                ));
+            }
+            if p.sub_shard_widths.is_empty()
+                || p.sub_shard_widths.iter().any(|w| w.len() != *n as usize)
+            {
+                return Err(format!(
+                    "param `{}`: the split over `{}` must list {n} widths per piece",
+                    l.name, p.axis
+                ));
+            }
+            if p.sub_shard_widths.iter().flatten().any(|&w| w < 0) {
+                return Err(format!("param `{}`: a negative shard width", l.name));
+            }
+            let covered = p
+                .sub_shard_widths
+                .iter()
+                .flatten()
+                .try_fold(0i64, |acc, &w| acc.checked_add(w));
+            if covered != Some(l.logical_shape[p.dim] as i64) {
+                return Err(format!(
+                    "param `{}`: the split of dim {} covers {:?} entries, the shape has {}",
+                    l.name, p.dim, covered, l.logical_shape[p.dim]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Puts shards (in [`shard_coords`] order) back into the full checkpoint, after
+/// [`validate_layouts`]. Replicated parameters must agree on every shard.
 pub fn unshard_checkpoint(
     layouts: &[ParamLayout],
     shards: &[BTreeMap<String, HostTensor>],
     axes: &[(String, u32)],
 ) -> Result<BTreeMap<String, HostTensor>, String> {
+    validate_layouts(layouts, axes)?;
     let all = shard_coords(axes);
     if all.len() != shards.len() {
         return Err(format!(
@@ -315,6 +402,15 @@ pub fn unshard_checkpoint(
             .get(&l.name)
             .ok_or_else(|| format!("shard 0 has no `{}`", l.name))?;
         if l.replicated {
+            let want = first.digest();
+            for (k, shard) in shards.iter().enumerate().skip(1) {
+                if shard.get(&l.name).map(HostTensor::digest) != Some(want.clone()) {
+                    return Err(format!(
+                        "`{}` is replicated, but shard {k} holds a different copy than shard 0 (or none)",
+                        l.name
+                    ));
+                }
+            }
             out.insert(l.name.clone(), first.clone());
             continue;
         }
