@@ -129,7 +129,10 @@ fn install_panic_hook() {
             if message.contains("Broken pipe") {
                 std::process::exit(0);
             }
-            eprintln!("error: cannot write to stdout: {}", message.trim_start_matches("failed printing to stdout: "));
+            eprintln!(
+                "error: cannot write to stdout: {}",
+                message.trim_start_matches("failed printing to stdout: ")
+            );
             std::process::exit(2);
         }
         let at = info

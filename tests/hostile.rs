@@ -25,9 +25,15 @@ fn s(p: &Path) -> &str {
 fn refused(args: &[&str], needles: &[&str]) -> String {
     let (code, out, err) = weft(args);
     assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
-    assert_eq!(code, 2, "{args:?} should be refused\nstdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(
+        code, 2,
+        "{args:?} should be refused\nstdout:\n{out}\nstderr:\n{err}"
+    );
     // Progress lines (`loading weights ...`, the options chosen) may come first.
-    assert!(err.lines().any(|l| l.starts_with("error: ")), "{args:?}: {err}");
+    assert!(
+        err.lines().any(|l| l.starts_with("error: ")),
+        "{args:?}: {err}"
+    );
     for n in needles {
         assert!(err.contains(n), "{args:?}: expected `{n}` in:\n{err}");
     }
@@ -52,7 +58,10 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 #[test]
 fn mesh_sizes_are_checked_not_wrapped() {
-    refused(&["mesh", "dp=65536,sp=65536"], &["4294967296 ranks", "1048576"]);
+    refused(
+        &["mesh", "dp=65536,sp=65536"],
+        &["4294967296 ranks", "1048576"],
+    );
     refused(&["mesh", "dp=4294967295"], &["4294967295 ranks"]);
     refused(
         &["compile", "llama3-8b", "--mesh", "dp=65536,sp=65536"],
@@ -69,11 +78,25 @@ fn flops_and_seq_never_wrap() {
         assert_eq!(code, 0, "{err}");
         json(&out)["forward_flops_per_token"].as_f64().unwrap()
     };
-    let (a, b, c) = (per_token("4194304"), per_token("8388608"), per_token("67108864"));
+    let (a, b, c) = (
+        per_token("4194304"),
+        per_token("8388608"),
+        per_token("67108864"),
+    );
     assert!(a > 0.0 && b > a && c > b, "{a} {b} {c}");
-    refused(&["stats", "llama3-8b", "--seq", "4611686018427387904"], &["--seq 4611686018427387904"]);
     refused(
-        &["compile", "llama3-8b", "--seq", "4611686018427387904", "-o", "/dev/null/x.json"],
+        &["stats", "llama3-8b", "--seq", "4611686018427387904"],
+        &["--seq 4611686018427387904"],
+    );
+    refused(
+        &[
+            "compile",
+            "llama3-8b",
+            "--seq",
+            "4611686018427387904",
+            "-o",
+            "/dev/null/x.json",
+        ],
         &["--seq"],
     );
 }
@@ -84,7 +107,16 @@ fn plan_sizes_overflow_is_an_error_naming_the_size() {
     // activations exceed any device: an error, never `0 GiB`.
     let dir = scratch("planoverflow");
     let err = refused(
-        &["compile", "llama3-8b", "--mesh", "sp=8", "--seq", "4294967296", "-o", s(&dir.join("p.json"))],
+        &[
+            "compile",
+            "llama3-8b",
+            "--mesh",
+            "sp=8",
+            "--seq",
+            "4294967296",
+            "-o",
+            s(&dir.join("p.json")),
+        ],
         &[],
     );
     assert!(!err.contains("0.00 GiB per rank but"), "{err}");
@@ -99,7 +131,10 @@ fn huge_vocabulary_is_refused_not_counted_wrong() {
     let p = write(&dir, "config.json", &v.to_string());
     refused(&["stats", s(&p)], &["vocab_size", "576460752303423488"]);
     // In text IR: a 2^59-row parameter holds more than any rank.
-    let text = fixture_text(&dir).replace("f32[128, 32] = param", "f32[576460752303423488, 32] = param");
+    let text = fixture_text(&dir).replace(
+        "f32[128, 32] = param",
+        "f32[576460752303423488, 32] = param",
+    );
     let p = write(&dir, "big.weft", &text);
     refused(&["stats", s(&p)], &["more than"]);
 }
@@ -133,11 +168,18 @@ fn large_meshes_print_a_summary() {
     let (code, out, err) = weft(&["mesh", "dp=1024,sp=1024"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.lines().count() < 10, "{out}");
-    assert!(out.contains("1048576 ranks") && out.contains("sp groups: 1024 groups of 1024 ranks, 1 apart"), "{out}");
+    assert!(
+        out.contains("1048576 ranks")
+            && out.contains("sp groups: 1024 groups of 1024 ranks, 1 apart"),
+        "{out}"
+    );
     let (code, out, _) = weft(&["mesh", "dp=1024,sp=1024", "--json"]);
     assert_eq!(code, 0);
     let v = json(&out);
-    assert!(v.get("coords").is_none(), "no per-rank table for a large mesh");
+    assert!(
+        v.get("coords").is_none(),
+        "no per-rank table for a large mesh"
+    );
     assert_eq!(v["summary"][0]["stride"], 1024);
     // Small meshes still list every rank.
     let (_, out, _) = weft(&["mesh", "dp=2,sp=2", "--json"]);
@@ -147,11 +189,29 @@ fn large_meshes_print_a_summary() {
 #[test]
 fn micro_batches_are_checked_before_unrolling() {
     refused(
-        &["compile", "llama3-8b", "--micro-batches", "100000", "--batch", "3", "--seq", "16"],
+        &[
+            "compile",
+            "llama3-8b",
+            "--micro-batches",
+            "100000",
+            "--batch",
+            "3",
+            "--seq",
+            "16",
+        ],
         &["--micro-batches 100000: more than 4096"],
     );
     refused(
-        &["compile", "tests/fixtures/llama", "--micro-batches", "2", "--batch", "3", "--seq", "16"],
+        &[
+            "compile",
+            "tests/fixtures/llama",
+            "--micro-batches",
+            "2",
+            "--batch",
+            "3",
+            "--seq",
+            "16",
+        ],
         &["2 micro-batches do not divide"],
     );
 }
@@ -168,7 +228,11 @@ fn random_weights_are_checked_against_host_memory() {
 
 #[test]
 fn closed_or_full_stdout() {
-    for args in [&["import", "llama3-8b"][..], &["mesh", "dp=8,sp=8"], &["ops"]] {
+    for args in [
+        &["import", "llama3-8b"][..],
+        &["mesh", "dp=8,sp=8"],
+        &["ops"],
+    ] {
         // A closed pipe ends quietly.
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_weft"))
             .args(args)
@@ -181,7 +245,10 @@ fn closed_or_full_stdout() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.is_empty(), "{args:?}: {err}");
         // A full disk is an error.
-        let full = std::fs::File::options().write(true).open("/dev/full").unwrap();
+        let full = std::fs::File::options()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_weft"))
             .args(args)
             .stdout(full)
@@ -189,7 +256,10 @@ fn closed_or_full_stdout() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains("No space left on device") && !err.contains("panicked"), "{err}");
+        assert!(
+            err.contains("No space left on device") && !err.contains("panicked"),
+            "{err}"
+        );
     }
 }
 
@@ -197,16 +267,26 @@ fn closed_or_full_stdout() {
 fn zero_rows_and_huge_dims_do_not_panic_eval() {
     let dir = scratch("zerorows");
     let text = fixture_text(&dir);
-    let zero = write(&dir, "zero.weft", &text.replace("f32[128, 32] = param", "f32[0, 32] = param"));
+    let zero = write(
+        &dir,
+        "zero.weft",
+        &text.replace("f32[128, 32] = param", "f32[0, 32] = param"),
+    );
     let (code, _, err) = weft(&["eval", s(&zero), "-o", s(&dir.join("o.safetensors"))]);
     assert!(!err.contains("panicked"), "{err}");
     assert_ne!(code, 0, "{err}");
     let huge = write(
         &dir,
         "huge.weft",
-        &text.replace("f32[32, 32] = param", "f32[1000000000000000000, 32] = param"),
+        &text.replace(
+            "f32[32, 32] = param",
+            "f32[1000000000000000000, 32] = param",
+        ),
     );
-    refused(&["eval", s(&huge), "-o", s(&dir.join("o.safetensors"))], &[]);
+    refused(
+        &["eval", s(&huge), "-o", s(&dir.join("o.safetensors"))],
+        &[],
+    );
 }
 
 // ---- accepted when it should be refused ----
@@ -215,9 +295,17 @@ fn zero_rows_and_huge_dims_do_not_panic_eval() {
 fn verifier_refuses_duplicate_outputs_and_a_non_scalar_loss() {
     let dir = scratch("outputs");
     let text = fixture_text(&dir);
-    let dup = write(&dir, "dup.weft", &text.replace("return loss=%81, logits=%77", "return loss=%81, loss=%77"));
+    let dup = write(
+        &dir,
+        "dup.weft",
+        &text.replace("return loss=%81, logits=%77", "return loss=%81, loss=%77"),
+    );
     refused(&["import", s(&dup)], &["output `loss` is returned twice"]);
-    let wide = write(&dir, "wide.weft", &text.replace("return loss=%81, logits=%77", "return loss=%77"));
+    let wide = write(
+        &dir,
+        "wide.weft",
+        &text.replace("return loss=%81, logits=%77", "return loss=%77"),
+    );
     refused(&["import", s(&wide)], &["the loss must be a scalar"]);
 }
 
@@ -229,7 +317,10 @@ fn unknown_mesh_axes_are_refused() {
         ("DP=2", "did you mean `dp`"),
         ("cp=2", "`cp`"),
     ] {
-        refused(&["compile", "llama3-8b", "--mesh", mesh], &[needle, "no pass implements"]);
+        refused(
+            &["compile", "llama3-8b", "--mesh", mesh],
+            &[needle, "no pass implements"],
+        );
     }
 }
 
@@ -238,24 +329,42 @@ fn text_ir_float_attributes_are_checked() {
     let dir = scratch("floats");
     let text = fixture_text(&dir);
     let eps = write(&dir, "eps.weft", &text.replace("eps=1e-6", "eps=-1"));
-    let err = refused(&["import", s(&eps)], &["attribute `eps` is -1", "eps.weft:"]);
+    let err = refused(
+        &["import", s(&eps)],
+        &["attribute `eps` is -1", "eps.weft:"],
+    );
     // Located: the line and a little context, not the whole program.
     assert!(err.lines().count() < 80, "{err}");
-    let nan = write(&dir, "nan.weft", &text.replacen("scale=0.3535533905932738", "scale=NaN", 1));
+    let nan = write(
+        &dir,
+        "nan.weft",
+        &text.replacen("scale=0.3535533905932738", "scale=NaN", 1),
+    );
     refused(&["import", s(&nan)], &["attribute `scale` is NaN"]);
 }
 
 #[test]
 fn device_profiles_with_bad_numbers_are_refused() {
     let dir = scratch("profile");
-    for (field, value) in [("hbm_gbps", "0"), ("matmul_tflops", "-5"), ("memory_gib", "1e999")] {
+    for (field, value) in [
+        ("hbm_gbps", "0"),
+        ("matmul_tflops", "-5"),
+        ("memory_gib", "1e999"),
+    ] {
         let text = format!(
             r#"{{"name":"bad","matmul_tflops":100,"attention_tflops":100,"vector_tflops":10,"hbm_gbps":1000,"kernel_overhead_us":4,"memory_gib":80,"gpus_per_node":8,"intra_node_gbps":100,"intra_node_latency_us":8,"inter_node_gbps":10,"inter_node_latency_us":25,"host_gbps":20,"{field}":{value}}}"#
         );
         // serde_json keeps the last of a repeated key; the profile reader only sees it.
         let p = write(&dir, "dev.json", &text);
         let (code, _, err) = weft(&[
-            "compile", "llama3.2-1b", "--seq", "64", "--device", s(&p), "-o", s(&dir.join("p.json")),
+            "compile",
+            "llama3.2-1b",
+            "--seq",
+            "64",
+            "--device",
+            s(&p),
+            "-o",
+            s(&dir.join("p.json")),
         ]);
         assert_eq!(code, 2, "{field}={value}: {err}");
         assert!(err.contains("device profile"), "{err}");
@@ -274,13 +383,38 @@ fn duplicate_config_keys_are_refused() {
 #[test]
 fn run_flags_are_checked() {
     // `--train-passes` is gone (the driver builds the training pipeline): clap refuses it.
-    refused(&["run", "tests/fixtures/llama", "--train-passes", "nope", "--steps", "1"], &["--train-passes"]);
-    refused(&["run", "tests/fixtures/llama", "--peak-tflops", "0"], &["--peak-tflops 0"]);
-    refused(&["run", "tests/fixtures/llama", "--check", "--backend", "cpu"], &["--check"]);
+    refused(
+        &[
+            "run",
+            "tests/fixtures/llama",
+            "--train-passes",
+            "nope",
+            "--steps",
+            "1",
+        ],
+        &["--train-passes"],
+    );
+    refused(
+        &["run", "tests/fixtures/llama", "--peak-tflops", "0"],
+        &["--peak-tflops 0"],
+    );
+    refused(
+        &["run", "tests/fixtures/llama", "--check", "--backend", "cpu"],
+        &["--check"],
+    );
     let dir = scratch("data");
     let odd = write(&dir, "odd.bin", "abc");
     refused(
-        &["run", "tests/fixtures/llama", "--data", s(&odd), "--seq", "1", "--batch", "1"],
+        &[
+            "run",
+            "tests/fixtures/llama",
+            "--data",
+            s(&odd),
+            "--seq",
+            "1",
+            "--batch",
+            "1",
+        ],
         &["3 bytes is not a whole number"],
     );
     // A run longer than the data says where it wraps, once.
@@ -288,7 +422,16 @@ fn run_flags_are_checked() {
     let data = dir.join("tokens.bin");
     std::fs::write(&data, tokens).unwrap();
     let (code, _, err) = weft(&[
-        "run", "tests/fixtures/llama", "--data", s(&data), "--seq", "8", "--batch", "2", "--steps", "5",
+        "run",
+        "tests/fixtures/llama",
+        "--data",
+        s(&data),
+        "--seq",
+        "8",
+        "--batch",
+        "2",
+        "--steps",
+        "5",
     ]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(err.matches("wraps around").count(), 1, "{err}");
@@ -299,7 +442,16 @@ fn run_flags_are_checked() {
 fn inputs_fix_batch_and_seq() {
     let inputs = fixture("llama").join("inputs.safetensors");
     refused(
-        &["eval", "tests/fixtures/llama", "--inputs", s(&inputs), "--seq", "999", "-o", "/dev/null"],
+        &[
+            "eval",
+            "tests/fixtures/llama",
+            "--inputs",
+            s(&inputs),
+            "--seq",
+            "999",
+            "-o",
+            "/dev/null",
+        ],
         &["--seq 999 differs from --inputs"],
     );
 }
@@ -309,7 +461,16 @@ fn inputs_fix_batch_and_seq() {
 fn compile_plan(dir: &Path) -> (PathBuf, serde_json::Value) {
     let p = dir.join("plan.json");
     let (code, _, err) = weft(&[
-        "compile", "tests/fixtures/llama", "--mesh", "dp=2", "--seq", "8", "--batch", "2", "-o", s(&p),
+        "compile",
+        "tests/fixtures/llama",
+        "--mesh",
+        "dp=2",
+        "--seq",
+        "8",
+        "--batch",
+        "2",
+        "-o",
+        s(&p),
     ]);
     assert_eq!(code, 0, "{err}");
     let v = json(&std::fs::read_to_string(&p).unwrap());
@@ -328,8 +489,14 @@ fn tampered_plans_are_refused_on_load() {
         write(&dir, name, &v.to_string())
     };
     let cases: Vec<(PathBuf, &str)> = vec![
-        (tamper("rank99.json", &|v| v["groups"]["dp"][0][1] = 99.into()), "groups of axis `dp`"),
-        (tamper("mesh.json", &|v| v["mesh"]["axes"][0][1] = 4.into()), "mesh"),
+        (
+            tamper("rank99.json", &|v| v["groups"]["dp"][0][1] = 99.into()),
+            "groups of axis `dp`",
+        ),
+        (
+            tamper("mesh.json", &|v| v["mesh"]["axes"][0][1] = 4.into()),
+            "mesh",
+        ),
         (
             tamper("buffer.json", &|v| {
                 let n = v["buffers"].as_array().unwrap().len();
@@ -337,18 +504,40 @@ fn tampered_plans_are_refused_on_load() {
             }),
             "unknown buffer",
         ),
-        (tamper("huge.json", &|v| v["buffers"][0]["bytes"] = (1u64 << 63).into()), "buffer"),
+        (
+            tamper("huge.json", &|v| {
+                v["buffers"][0]["bytes"] = (1u64 << 63).into()
+            }),
+            "buffer",
+        ),
         (
             tamper("program.json", &|v| {
-                let p = v["program"].as_str().unwrap().replace("eps=1e-6", "eps=1e-5");
+                let p = v["program"]
+                    .as_str()
+                    .unwrap()
+                    .replace("eps=1e-6", "eps=1e-5");
                 v["program"] = p.into();
             }),
             "digest",
         ),
-        (tamper("bindings.json", &|v| v["bindings"]["S"] = (-1).into()), "S=-1"),
-        (tamper("bindings_big.json", &|v| v["bindings"]["S"] = 1000000000000i64.into()), "S=1000000000000"),
-        (tamper("events.json", &|v| v["events"] = 4000000000u64.into()), "events"),
-        (tamper("device.json", &|v| v["device"]["hbm_gbps"] = 0.into()), "hbm_gbps"),
+        (
+            tamper("bindings.json", &|v| v["bindings"]["S"] = (-1).into()),
+            "S=-1",
+        ),
+        (
+            tamper("bindings_big.json", &|v| {
+                v["bindings"]["S"] = 1000000000000i64.into()
+            }),
+            "S=1000000000000",
+        ),
+        (
+            tamper("events.json", &|v| v["events"] = 4000000000u64.into()),
+            "events",
+        ),
+        (
+            tamper("device.json", &|v| v["device"]["hbm_gbps"] = 0.into()),
+            "hbm_gbps",
+        ),
     ];
     for (p, needle) in cases {
         refused(&["inspect", s(&p)], &["inconsistent plan", needle]);
@@ -356,7 +545,16 @@ fn tampered_plans_are_refused_on_load() {
     // Another model's program, with its digest updated: the buffers do not match it.
     let other = dir.join("other.json");
     let (code, _, err) = weft(&[
-        "compile", "tests/fixtures/qwen3", "--mesh", "dp=2", "--seq", "8", "--batch", "2", "-o", s(&other),
+        "compile",
+        "tests/fixtures/qwen3",
+        "--mesh",
+        "dp=2",
+        "--seq",
+        "8",
+        "--batch",
+        "2",
+        "-o",
+        s(&other),
     ]);
     assert_eq!(code, 0, "{err}");
     let o = json(&std::fs::read_to_string(&other).unwrap());
@@ -380,15 +578,28 @@ fn outputs_never_overwrite_inputs() {
     let weights = model.join("model.safetensors");
     let before = std::fs::read(&weights).unwrap();
     refused(
-        &["eval", s(&model), "--weights", s(&weights), "-o", s(&weights)],
+        &[
+            "eval",
+            s(&model),
+            "--weights",
+            s(&weights),
+            "-o",
+            s(&weights),
+        ],
         &["would destroy the input"],
     );
     // The same file by another spelling.
     let other = model.join(".").join("model.safetensors");
-    refused(&["eval", s(&model), "-o", s(&other), "--weights", s(&weights)], &["would destroy"]);
+    refused(
+        &["eval", s(&model), "-o", s(&other), "--weights", s(&weights)],
+        &["would destroy"],
+    );
     assert_eq!(std::fs::read(&weights).unwrap(), before);
     let (plan, _) = compile_plan(&dir);
-    refused(&["inspect", s(&plan), "--trace", s(&plan)], &["would destroy"]);
+    refused(
+        &["inspect", s(&plan), "--trace", s(&plan)],
+        &["would destroy"],
+    );
     refused(&["import", s(&plan), "-o", s(&plan)], &["would destroy"]);
     // No temporary files are left behind by successful writes.
     let (code, _, err) = weft(&["inspect", s(&plan), "--trace", s(&dir.join("t.json"))]);
@@ -405,23 +616,43 @@ fn outputs_never_overwrite_inputs() {
 fn unshard_checks_digests_and_replicas() {
     let dir = scratch("unshard");
     let shards = dir.join("shards");
-    let (code, _, err) = weft(&["shard", "tests/fixtures/llama", "--mesh", "tp=2", "-o", s(&shards)]);
+    let (code, _, err) = weft(&[
+        "shard",
+        "tests/fixtures/llama",
+        "--mesh",
+        "tp=2",
+        "-o",
+        s(&shards),
+    ]);
     assert_eq!(code, 0, "{err}");
     let out = dir.join("full.safetensors");
     let (code, _, err) = weft(&["shard", "--unshard", "--weights", s(&shards), "-o", s(&out)]);
     assert_eq!(code, 0, "{err}");
     // Output into the shard set.
     refused(
-        &["shard", "--unshard", "--weights", s(&shards), "-o", s(&shards.join("rank-tp0.safetensors"))],
+        &[
+            "shard",
+            "--unshard",
+            "--weights",
+            s(&shards),
+            "-o",
+            s(&shards.join("rank-tp0.safetensors")),
+        ],
         &["would destroy"],
     );
     // Swapped rank files.
-    let (a, b) = (shards.join("rank-tp0.safetensors"), shards.join("rank-tp1.safetensors"));
+    let (a, b) = (
+        shards.join("rank-tp0.safetensors"),
+        shards.join("rank-tp1.safetensors"),
+    );
     let tmp = dir.join("swap");
     std::fs::rename(&a, &tmp).unwrap();
     std::fs::rename(&b, &a).unwrap();
     std::fs::rename(&tmp, &b).unwrap();
-    refused(&["shard", "--unshard", "--weights", s(&shards), "-o", s(&out)], &["does not match its digest"]);
+    refused(
+        &["shard", "--unshard", "--weights", s(&shards), "-o", s(&out)],
+        &["does not match its digest"],
+    );
     std::fs::rename(&a, &tmp).unwrap();
     std::fs::rename(&b, &a).unwrap();
     std::fs::rename(&tmp, &b).unwrap();
@@ -430,7 +661,10 @@ fn unshard_checks_digests_and_replicas() {
     let n = bytes.len();
     bytes[n - 3] ^= 0x40;
     std::fs::write(&a, &bytes).unwrap();
-    refused(&["shard", "--unshard", "--weights", s(&shards), "-o", s(&out)], &["digest"]);
+    refused(
+        &["shard", "--unshard", "--weights", s(&shards), "-o", s(&out)],
+        &["digest"],
+    );
     bytes[n - 3] ^= 0x40;
     std::fs::write(&a, &bytes).unwrap();
     // Layouts: no params, an out-of-range dim.
@@ -439,7 +673,10 @@ fn unshard_checks_digests_and_replicas() {
     let mut empty = layout.clone();
     empty["params"] = serde_json::json!([]);
     std::fs::write(&layout_path, empty.to_string()).unwrap();
-    refused(&["shard", "--unshard", "--weights", s(&shards), "-o", s(&out)], &["no parameters"]);
+    refused(
+        &["shard", "--unshard", "--weights", s(&shards), "-o", s(&out)],
+        &["no parameters"],
+    );
     let mut bad_dim = layout.clone();
     let split = bad_dim["params"]
         .as_array_mut()
@@ -449,16 +686,33 @@ fn unshard_checks_digests_and_replicas() {
         .unwrap();
     split["partitions"][0]["dim"] = 7.into();
     std::fs::write(&layout_path, bad_dim.to_string()).unwrap();
-    refused(&["shard", "--unshard", "--weights", s(&shards), "-o", s(&out)], &["out of range"]);
+    refused(
+        &["shard", "--unshard", "--weights", s(&shards), "-o", s(&out)],
+        &["out of range"],
+    );
 }
 
 #[test]
 fn a_tp_program_evaluates_on_its_mesh() {
     let dir = scratch("tpweft");
     let p = dir.join("p.weft");
-    let (code, _, err) = weft(&["compile", "tests/fixtures/llama", "--mesh", "tp=2", "-o", s(&p)]);
+    let (code, _, err) = weft(&[
+        "compile",
+        "tests/fixtures/llama",
+        "--mesh",
+        "tp=2",
+        "-o",
+        s(&p),
+    ]);
     assert_eq!(code, 0, "{err}");
-    let (code, _, err) = weft(&["eval", s(&p), "--mesh", "tp=2", "-o", s(&dir.join("o.safetensors"))]);
+    let (code, _, err) = weft(&[
+        "eval",
+        s(&p),
+        "--mesh",
+        "tp=2",
+        "-o",
+        s(&dir.join("o.safetensors")),
+    ]);
     assert_eq!(code, 0, "{err}");
 }
 
@@ -504,8 +758,12 @@ fn plan_building_time() {
         assert_eq!(loaded.instructions.len(), n);
         println!(
             "{n:>8} nodes: lower {dt:.3} s, save+load {load:.3} s{}",
-            last.map(|(m, p): (usize, f64)| format!(" (x{:.2} for x{:.1} nodes)", dt / p, n as f64 / m as f64))
-                .unwrap_or_default()
+            last.map(|(m, p): (usize, f64)| format!(
+                " (x{:.2} for x{:.1} nodes)",
+                dt / p,
+                n as f64 / m as f64
+            ))
+            .unwrap_or_default()
         );
         last = Some((n, dt));
     }

@@ -14,13 +14,48 @@ use std::sync::OnceLock;
 use weft_ir::HostTensor;
 
 const EDGE: &[&str] = &[
-    "0", "1", "2", "-1", "3", "7", "64", "1000000000", "2147483648", "4294967296",
-    "1099511627776", "4611686018427387904", "9223372036854775807", "-9223372036854775808",
-    "NaN", "inf", "-inf", "1e-300", "1e300", "0.5", "\"\"", "null", "[]", "{}",
+    "0",
+    "1",
+    "2",
+    "-1",
+    "3",
+    "7",
+    "64",
+    "1000000000",
+    "2147483648",
+    "4294967296",
+    "1099511627776",
+    "4611686018427387904",
+    "9223372036854775807",
+    "-9223372036854775808",
+    "NaN",
+    "inf",
+    "-inf",
+    "1e-300",
+    "1e300",
+    "0.5",
+    "\"\"",
+    "null",
+    "[]",
+    "{}",
 ];
 const OPS: &[&str] = &[
-    "add", "mul", "matmul", "linear", "reshape", "transpose", "slice", "concat", "softmax",
-    "rms_norm", "attention", "embedding", "cross_entropy", "all_reduce", "param", "input",
+    "add",
+    "mul",
+    "matmul",
+    "linear",
+    "reshape",
+    "transpose",
+    "slice",
+    "concat",
+    "softmax",
+    "rms_norm",
+    "attention",
+    "embedding",
+    "cross_entropy",
+    "all_reduce",
+    "param",
+    "input",
 ];
 
 /// One edit of a text: `(kind, where, what)`, positions taken modulo the text.
@@ -39,7 +74,11 @@ fn numbers(t: &str) -> Vec<(usize, usize)> {
         if b[i].is_ascii_digit() {
             let start = if i > 0 && b[i - 1] == b'-' { i - 1 } else { i };
             let mut j = i;
-            while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'.' || b[j] == b'-' && b[j - 1] == b'e') {
+            while j < b.len()
+                && (b[j].is_ascii_alphanumeric()
+                    || b[j] == b'.'
+                    || b[j] == b'-' && b[j - 1] == b'e')
+            {
                 j += 1;
             }
             out.push((start, j));
@@ -169,7 +208,8 @@ fn small_enough(g: &weft_ir::Graph) -> bool {
 
 /// Text-IR mutants seen, parsed, verified and run (printed every 5000 mutants with
 /// `--nocapture`, to see what a long run covered).
-static TALLY: [std::sync::atomic::AtomicUsize; 4] = [const { std::sync::atomic::AtomicUsize::new(0) }; 4];
+static TALLY: [std::sync::atomic::AtomicUsize; 4] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; 4];
 
 fn tally(i: usize) {
     TALLY[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -182,7 +222,10 @@ impl Drop for Count {
     fn drop(&mut self) {
         let n = TALLY[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         if n % 5000 == 0 {
-            let t: Vec<usize> = TALLY.iter().map(|x| x.load(std::sync::atomic::Ordering::Relaxed)).collect();
+            let t: Vec<usize> = TALLY
+                .iter()
+                .map(|x| x.load(std::sync::atomic::Ordering::Relaxed))
+                .collect();
             eprintln!("text-IR mutants: {} seen, {} parsed, {} verified, {} run through passes and runtime", t[0], t[1], t[2], t[3]);
         }
     }

@@ -49,7 +49,10 @@ fn every_rank_gets_torchrun_variables_and_multicast_off() {
     assert!(o.status.success(), "{}", stderr(&o));
     for (rank, local) in [(2, 0), (3, 1)] {
         let got = std::fs::read_to_string(d.join(format!("r{rank}"))).unwrap();
-        assert_eq!(got.trim(), format!("{rank} 6 {local} 2 1 10.1.2.3:4000 0 1 1"));
+        assert_eq!(
+            got.trim(),
+            format!("{rank} 6 {local} 2 1 10.1.2.3:4000 0 1 1")
+        );
     }
     assert!(!d.join("r0").exists() && !d.join("r4").exists());
 }
@@ -71,7 +74,10 @@ fn a_failing_rank_stops_the_others_and_names_itself() {
     ]);
     assert_eq!(o.status.code(), Some(7), "{}", stderr(&o));
     let e = stderr(&o);
-    assert!(e.contains("rank 1 (local rank 1) exited with code 7"), "{e}");
+    assert!(
+        e.contains("rank 1 (local rank 1) exited with code 7"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -92,7 +98,15 @@ fn ranks_that_ignore_sigterm_are_killed_after_the_grace_period() {
 
 #[test]
 fn success_is_exit_zero_and_weft_means_this_binary() {
-    let o = weft(&["launch", "--nproc-per-node", "2", "--", "weft", "mesh", "dp=2"]);
+    let o = weft(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "weft",
+        "mesh",
+        "dp=2",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     // Both ranks printed the mesh.
     let out = String::from_utf8_lossy(&o.stdout);
@@ -104,14 +118,26 @@ fn bad_arguments_are_refused() {
     for args in [
         vec!["launch", "--nproc-per-node", "0", "--", "true"],
         vec!["launch", "--nnodes", "2", "--node-rank", "2", "--", "true"],
-        vec!["launch", "--nproc-per-node", "1024", "--nnodes", "4096", "--", "true"],
+        vec![
+            "launch",
+            "--nproc-per-node",
+            "1024",
+            "--nnodes",
+            "4096",
+            "--",
+            "true",
+        ],
         vec!["launch", "--master-port", "65535", "--", "true"],
         vec!["launch", "--grace", "nan", "--", "true"],
         vec!["launch", "--", "/nonexistent/program"],
     ] {
         let o = weft(&args);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
-        assert!(stderr(&o).starts_with("error: "), "{args:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).starts_with("error: "),
+            "{args:?}: {}",
+            stderr(&o)
+        );
         assert!(!stderr(&o).contains("panicked"), "{args:?}");
     }
 }

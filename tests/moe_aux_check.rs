@@ -49,7 +49,10 @@ fn against_pytorch(
         assert!(e < 1e-5, "{what}: {out} rel err {e:e}");
         worst_out = worst_out.max(e);
     }
-    let want: Vec<&String> = reference.keys().filter(|k| k.starts_with("grad.")).collect();
+    let want: Vec<&String> = reference
+        .keys()
+        .filter(|k| k.starts_with("grad."))
+        .collect();
     assert_eq!(grads.len(), want.len(), "{what}: gradient count");
     let mut worst_grad: f64 = 0.0;
     for (name, g) in grads {
@@ -61,7 +64,12 @@ fn against_pytorch(
 }
 
 /// `got` against the unsharded program in f64: equal up to summation order.
-fn against_unsharded(what: &str, want: &RunResult, got: &RunResult, grads: &BTreeMap<String, HostTensor>) {
+fn against_unsharded(
+    what: &str,
+    want: &RunResult,
+    got: &RunResult,
+    grads: &BTreeMap<String, HostTensor>,
+) {
     for out in LOSSES.iter().chain(&["logits"]) {
         let e = rel_err(&got.outputs[*out], &want.outputs[*out]);
         assert!(e < 1e-10, "{what}: {out} rel err {e:e}");
@@ -89,7 +97,10 @@ fn aux_loss_reproduces_pytorch_alone() {
         // The aux term is not negligible: leaving it out is far outside the tolerance.
         let ce = r.outputs["ce_loss"].to_f64()[0];
         let loss = r.outputs["loss"].to_f64()[0];
-        assert!((loss - ce).abs() > 1e-3 * loss.abs(), "{name}: aux term too small to test");
+        assert!(
+            (loss - ce).abs() > 1e-3 * loss.abs(),
+            "{name}: aux term too small to test"
+        );
     }
 }
 
@@ -107,8 +118,16 @@ fn top1_router_gradient_comes_from_the_aux_loss() {
     for layer in 0..2 {
         let name = format!("model.layers.{layer}.mlp.gate.weight");
         let max = |t: &HostTensor| t.to_f64().iter().fold(0f64, |m, x| m.max(x.abs()));
-        assert!(max(&r_ce.grads[&name]) < 1e-12, "{name}: ce gradient {}", max(&r_ce.grads[&name]));
-        assert!(max(&r.grads[&name]) > 1e-4, "{name}: loss gradient {}", max(&r.grads[&name]));
+        assert!(
+            max(&r_ce.grads[&name]) < 1e-12,
+            "{name}: ce gradient {}",
+            max(&r_ce.grads[&name])
+        );
+        assert!(
+            max(&r.grads[&name]) > 1e-4,
+            "{name}: loss gradient {}",
+            max(&r.grads[&name])
+        );
     }
 }
 
@@ -120,8 +139,12 @@ fn aux_loss_on_every_mesh_forward_pipeline() {
         for mesh in MESHES {
             let mesh = Mesh::parse(mesh).unwrap();
             let mut g = c.graph.clone();
-            run_pipeline(&mut g, &PassContext::new(mesh.clone()), &default_pipeline(&mesh))
-                .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+            run_pipeline(
+                &mut g,
+                &PassContext::new(mesh.clone()),
+                &default_pipeline(&mesh),
+            )
+            .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
             let got = execute(&g, &c, true);
             let what = format!("{name} on {mesh}");
             against_unsharded(&what, &unsharded, &got, &got.grads);
@@ -168,7 +191,14 @@ fn aux_loss_on_every_mesh_training_step() {
 fn aux_part(g: &Graph, coef: f64) -> Graph {
     let mut g = g.clone();
     let aux = g.output("aux_loss").unwrap();
-    let scaled = g.add(Op::Scale { factor: Float(coef) }, &[aux]).unwrap();
+    let scaled = g
+        .add(
+            Op::Scale {
+                factor: Float(coef),
+            },
+            &[aux],
+        )
+        .unwrap();
     g.set_output("loss", scaled);
     g
 }
@@ -180,8 +210,14 @@ fn rows(inputs: &BTreeMap<String, HostTensor>, which: &[usize]) -> BTreeMap<Stri
         .map(|(k, t)| {
             let s = t.shape[1];
             let all = t.to_i64();
-            let v = which.iter().flat_map(|&r| all[r * s..(r + 1) * s].to_vec()).collect();
-            (k.clone(), HostTensor::ints(t.dtype, vec![which.len(), s], v))
+            let v = which
+                .iter()
+                .flat_map(|&r| all[r * s..(r + 1) * s].to_vec())
+                .collect();
+            (
+                k.clone(),
+                HostTensor::ints(t.dtype, vec![which.len(), s], v),
+            )
         })
         .collect()
 }
@@ -196,15 +232,20 @@ fn micro_batches_take_the_aux_loss_per_micro_batch() {
     // dp): with batch 4, dp=2, N=2 it is rows {m, 2+m}; on one rank rows {2m, 2m+1}.
     let (n, batch) = (2usize, 4usize);
     for name in ["mixtral_aux", "qwen3_moe_aux"] {
-        let (graph, weights, inputs) =
-            load_fixture_batch4(name, |i, s| i < 3 || i % 7 == 2 || (2 * s..2 * s + 5).contains(&i));
+        let (graph, weights, inputs) = load_fixture_batch4(name, |i, s| {
+            i < 3 || i % 7 == 2 || (2 * s..2 * s + 5).contains(&i)
+        });
         let c = Case {
             graph: graph.clone(),
             weights,
             inputs,
         };
         let model = weft_frontends::load(fixture(name).to_str().unwrap()).unwrap();
-        let coef = model.config.and_then(|c| c.moe).and_then(|m| m.aux_loss_coef).unwrap();
+        let coef = model
+            .config
+            .and_then(|c| c.moe)
+            .and_then(|m| m.aux_loss_coef)
+            .unwrap();
         // The ce part on the whole batch.
         let mut ce_only = graph.clone();
         let ce = ce_only.output("ce_loss").unwrap();
@@ -222,8 +263,11 @@ fn micro_batches_take_the_aux_loss_per_micro_batch() {
             let per = batch / dp / n;
             // The aux part per micro-batch, on the unsharded model.
             let mut aux_mean = 0.0;
-            let mut want_grads: BTreeMap<String, Vec<f64>> =
-                whole.grads.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
+            let mut want_grads: BTreeMap<String, Vec<f64>> = whole
+                .grads
+                .iter()
+                .map(|(k, v)| (k.clone(), v.to_f64()))
+                .collect();
             for m in 0..n {
                 let which: Vec<usize> = (0..dp)
                     .flat_map(|r| (0..per).map(move |j| r * batch / dp + m * per + j))
@@ -242,15 +286,23 @@ fn micro_batches_take_the_aux_loss_per_micro_batch() {
                 }
             }
             let want_loss = whole.outputs["ce_loss"].to_f64()[0] + coef * aux_mean;
-            let (g, _) = training_step(&graph, mesh, &opts)
-                .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+            let (g, _) =
+                training_step(&graph, mesh, &opts).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
             let got = run(&g, &c.weights, &c.inputs, &RunOptions::new(Precision::F64))
                 .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
             let what = format!("{name} micro-batches {n} on `{mesh}`");
             let close = |a: f64, b: f64| (a - b).abs() <= 1e-10 * b.abs();
             let out = |k: &str| got.outputs[k].to_f64()[0];
-            assert!(close(out("loss"), want_loss), "{what}: loss {} want {want_loss}", out("loss"));
-            assert!(close(out("aux_loss"), aux_mean), "{what}: aux_loss {} want {aux_mean}", out("aux_loss"));
+            assert!(
+                close(out("loss"), want_loss),
+                "{what}: loss {} want {want_loss}",
+                out("loss")
+            );
+            assert!(
+                close(out("aux_loss"), aux_mean),
+                "{what}: aux_loss {} want {aux_mean}",
+                out("aux_loss")
+            );
             let want_ce = whole.outputs["ce_loss"].to_f64()[0];
             assert!(close(out("ce_loss"), want_ce), "{what}: ce_loss");
             let grads = grad_outputs(&got);

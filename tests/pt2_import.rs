@@ -384,7 +384,9 @@ fn moe_load_balancing_loss_from_the_router_logits_outputs() {
     }
 
     // Without the config the coefficient is unknown: refused, naming --config.
-    let s = import_with("mixtral_aux_batched", None).unwrap_err().to_string();
+    let s = import_with("mixtral_aux_batched", None)
+        .unwrap_err()
+        .to_string();
     assert!(s.contains("router logits") && s.contains("--config"), "{s}");
     // Archive and config disagree: refused either way.
     let s = import_with("mixtral_aux_batched", Some("mixtral"))

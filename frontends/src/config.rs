@@ -368,7 +368,10 @@ fn parse_granite_multipliers(f: &Fields) -> Result<Multipliers, FrontendError> {
     };
     let logits_divisor = finite("logits_scaling")?;
     if logits_divisor == 0.0 {
-        return Err(f.err("logits_scaling", "must not be 0 (the logits are divided by it)"));
+        return Err(f.err(
+            "logits_scaling",
+            "must not be 0 (the logits are divided by it)",
+        ));
     }
     Ok(Multipliers {
         embedding: finite("embedding_multiplier")?,
@@ -804,6 +807,9 @@ fn parse_router_loss(f: &Fields, family: Family) -> Result<Option<f64>, Frontend
     }
     match f.opt_f64("router_aux_loss_coef")?.unwrap_or(0.001) {
         c if c.is_finite() => Ok(Some(c)),
-        c => Err(f.err("router_aux_loss_coef", format!("must be a finite number, got {c}"))),
+        c => Err(f.err(
+            "router_aux_loss_coef",
+            format!("must be a finite number, got {c}"),
+        )),
     }
 }

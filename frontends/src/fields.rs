@@ -111,7 +111,11 @@ impl<'a> Fields<'a> {
                 None => match v.as_f64() {
                     // 4.0 written by some tools for integer fields.
                     Some(f) if f >= 0.0 && f.fract() == 0.0 && f < 9.0e15 => f as u64,
-                    _ => return Err(self.err(key, format!("must be a non-negative integer, got {v}"))),
+                    _ => {
+                        return Err(
+                            self.err(key, format!("must be a non-negative integer, got {v}"))
+                        )
+                    }
                 },
             },
         };

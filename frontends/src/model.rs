@@ -308,7 +308,9 @@ fn edit_distance(a: &str, b: &str) -> usize {
 
 /// The number of parameter elements, counted with checked arithmetic (`None` past
 /// `u64`; the verifier already bounds each parameter).
-fn checked_param_count<'a>(params: impl IntoIterator<Item = &'a (String, weft_ir::TensorType)>) -> Option<u64> {
+fn checked_param_count<'a>(
+    params: impl IntoIterator<Item = &'a (String, weft_ir::TensorType)>,
+) -> Option<u64> {
     params.into_iter().try_fold(0u64, |acc, (_, t)| {
         let n = t.shape.iter().try_fold(1u64, |p, d| {
             p.checked_mul(u64::try_from(d.as_const().unwrap_or(0)).unwrap_or(0))

@@ -361,7 +361,10 @@ fn router_fields_that_change_the_loss() {
     })
     .unwrap_err()
     .to_string();
-    assert!(e.contains("field `output_router_logits` is true but no layer is sparse"), "{e}");
+    assert!(
+        e.contains("field `output_router_logits` is true but no layer is sparse"),
+        "{e}"
+    );
     // The graph then has the loss parts as outputs.
     let c = preset_try("qwen3-moe-tiny", |o| {
         o.insert("output_router_logits".into(), true.into());

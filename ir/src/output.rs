@@ -58,7 +58,9 @@ fn resolved(p: &Path) -> Option<PathBuf> {
 /// exist yet), or one is a directory holding the other.
 pub fn same_or_inside(a: &Path, b: &Path) -> bool {
     match (resolved(a), resolved(b)) {
-        (Some(x), Some(y)) => x == y || (b.is_dir() && x.starts_with(&y)) || (a.is_dir() && y.starts_with(&x)),
+        (Some(x), Some(y)) => {
+            x == y || (b.is_dir() && x.starts_with(&y)) || (a.is_dir() && y.starts_with(&x))
+        }
         _ => false,
     }
 }
@@ -97,7 +99,9 @@ mod tests {
         let via_dots = dir.join("..").join(dir.file_name().unwrap()).join("a.txt");
         assert!(refuse_overwriting_input(&via_dots, &[("weights", &f)]).is_err());
         assert!(refuse_overwriting_input(&dir.join("b.txt"), &[("weights", &f)]).is_ok());
-        assert!(refuse_overwriting_input(&dir.join("new.txt"), &[("shard directory", &dir)]).is_err());
+        assert!(
+            refuse_overwriting_input(&dir.join("new.txt"), &[("shard directory", &dir)]).is_err()
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -604,7 +604,9 @@ fn parse_node_line(g: &mut Graph, ids: &mut Ids, raw: &str) -> Result<(), ParseE
                     .and_then(|v| v.parse::<u32>().ok());
                 match (kind, of) {
                     (Some(kind), Some(of)) => {
-                        meta.derived = ids.used(Value(of)).map(|of| crate::graph::Derived { kind, of })
+                        meta.derived = ids
+                            .used(Value(of))
+                            .map(|of| crate::graph::Derived { kind, of })
                     }
                     _ => break,
                 }

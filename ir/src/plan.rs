@@ -919,8 +919,7 @@ impl ExecutionPlan {
     /// program matches its digest, parses, verifies, has the plan's mesh, and every
     /// buffer holds a value of the program with that value's dtype and bytes.
     pub fn check_program(&self) -> Result<(), String> {
-        if !self.program_digest.is_empty()
-            && digest(self.program.as_bytes()) != self.program_digest
+        if !self.program_digest.is_empty() && digest(self.program.as_bytes()) != self.program_digest
         {
             return Err(
                 "its program does not match its digest (the program was edited or swapped)".into(),
@@ -967,7 +966,11 @@ impl ExecutionPlan {
                     buf.id, buf.offset, buf.bytes
                 ));
             }
-            if buf.per_rank_bytes.as_ref().is_some_and(|t| t.len() != world) {
+            if buf
+                .per_rank_bytes
+                .as_ref()
+                .is_some_and(|t| t.len() != world)
+            {
                 return Err(format!(
                     "buffer {} lists per-rank sizes for other than the {world} ranks",
                     buf.id

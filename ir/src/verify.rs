@@ -76,7 +76,10 @@ impl VerifyReport {
                         i + 1,
                         e.location
                     ));
-                    let (lo, hi) = (i.saturating_sub(CONTEXT_LINES), (i + CONTEXT_LINES).min(lines.len() - 1));
+                    let (lo, hi) = (
+                        i.saturating_sub(CONTEXT_LINES),
+                        (i + CONTEXT_LINES).min(lines.len() - 1),
+                    );
                     for (k, l) in lines.iter().enumerate().take(hi + 1).skip(lo) {
                         let shown: String = l.chars().take(160).collect();
                         out.push_str(&format!("{:>6} | {shown}\n", k + 1));
@@ -85,11 +88,17 @@ impl VerifyReport {
                         }
                     }
                 }
-                None => out.push_str(&format!("error: {} in {file} ({})\n", e.message, e.location)),
+                None => out.push_str(&format!(
+                    "error: {} in {file} ({})\n",
+                    e.message, e.location
+                )),
             }
         }
         if self.errors.len() > SHOWN_ERRORS {
-            out.push_str(&format!("... and {} more\n", self.errors.len() - SHOWN_ERRORS));
+            out.push_str(&format!(
+                "... and {} more\n",
+                self.errors.len() - SHOWN_ERRORS
+            ));
         }
         out
     }
@@ -288,9 +297,9 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
         }
         match g.try_ty(*v) {
             None => push(format!("{v} is not defined")),
-            Some(t) if name == "loss" && t.rank() != 0 => push(format!(
-                "the loss must be a scalar, but {v} is {t}"
-            )),
+            Some(t) if name == "loss" && t.rank() != 0 => {
+                push(format!("the loss must be a scalar, but {v} is {t}"))
+            }
             Some(_) => {}
         }
     }
@@ -335,12 +344,20 @@ fn check_value_size(ty: &TensorType, mesh: &Bindings) -> Option<String> {
 /// (masks).
 fn check_float_attrs(op: &Op) -> Option<String> {
     let bad = |name: &str, v: f64, why: &str| Some(format!("attribute `{name}` is {v}: {why}"));
-    let finite = |name: &str, v: f64| (!v.is_finite()).then(|| bad(name, v, "must be finite")).flatten();
+    let finite = |name: &str, v: f64| {
+        (!v.is_finite())
+            .then(|| bad(name, v, "must be finite"))
+            .flatten()
+    };
     let positive = |name: &str, v: f64| {
-        (!(v.is_finite() && v > 0.0)).then(|| bad(name, v, "must be positive and finite")).flatten()
+        (!(v.is_finite() && v > 0.0))
+            .then(|| bad(name, v, "must be positive and finite"))
+            .flatten()
     };
     let unit = |name: &str, v: f64| {
-        (!(v.is_finite() && (0.0..1.0).contains(&v))).then(|| bad(name, v, "must be in [0, 1)")).flatten()
+        (!(v.is_finite() && (0.0..1.0).contains(&v)))
+            .then(|| bad(name, v, "must be in [0, 1)"))
+            .flatten()
     };
     match op {
         Op::Scale { factor } => finite("factor", factor.0),
@@ -349,12 +366,22 @@ fn check_float_attrs(op: &Op) -> Option<String> {
         Op::RmsNorm { eps } | Op::RmsNormGrad { eps } => positive("eps", eps.0),
         Op::RopeTable { theta, .. } => positive("theta", theta.0),
         Op::Attention { scale, .. } | Op::AttentionGrad { scale, .. } => finite("scale", scale.0),
-        Op::AdamW { lr, beta1, beta2, eps, weight_decay } => finite("lr", lr.0)
+        Op::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => finite("lr", lr.0)
             .or_else(|| unit("beta1", beta1.0))
             .or_else(|| unit("beta2", beta2.0))
             .or_else(|| positive("eps", eps.0))
             .or_else(|| finite("weight_decay", weight_decay.0)),
-        Op::Sgd { lr, momentum, weight_decay } => finite("lr", lr.0)
+        Op::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        } => finite("lr", lr.0)
             .or_else(|| finite("momentum", momentum.0))
             .or_else(|| finite("weight_decay", weight_decay.0)),
         _ => None,

@@ -64,14 +64,15 @@ impl LaunchEnv {
 
     /// Reads the launcher variables through `get` (tests pass a map).
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchError> {
-        let num = |k: &str| -> Result<Option<u32>, LaunchError> {
-            match get(k) {
-                None => Ok(None),
-                Some(v) => v.trim().parse::<u32>().map(Some).map_err(|_| {
-                    LaunchError(format!("{k}={v:?} is not a non-negative integer"))
-                }),
-            }
-        };
+        let num =
+            |k: &str| -> Result<Option<u32>, LaunchError> {
+                match get(k) {
+                    None => Ok(None),
+                    Some(v) => v.trim().parse::<u32>().map(Some).map_err(|_| {
+                        LaunchError(format!("{k}={v:?} is not a non-negative integer"))
+                    }),
+                }
+            };
         let (rank, world, local, source) =
             if let (Some(r), Some(w)) = (num("RANK")?, num("WORLD_SIZE")?) {
                 (r, w, num("LOCAL_RANK")?.unwrap_or(r), "torchrun")
@@ -191,7 +192,11 @@ pub fn serve_id(
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e) => return Err(LaunchError(format!("rank 0: accepting on port {port}: {e}"))),
+            Err(e) => {
+                return Err(LaunchError(format!(
+                    "rank 0: accepting on port {port}: {e}"
+                )))
+            }
         }
     }
     Ok(())
@@ -257,7 +262,15 @@ mod tests {
                 t.source,
                 t.timeout
             ),
-            (3, 8, 3, "node0", 1235, "torchrun", Duration::from_millis(2500))
+            (
+                3,
+                8,
+                3,
+                "node0",
+                1235,
+                "torchrun",
+                Duration::from_millis(2500)
+            )
         );
         let s = env(&[
             ("SLURM_PROCID", "5"),
@@ -277,8 +290,16 @@ mod tests {
             vec![("RANK", "0")],
             vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "99999")],
             vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "65535")],
-            vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("WEFT_RENDEZVOUS_TIMEOUT", "-1")],
-            vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("WEFT_RENDEZVOUS_TIMEOUT", "nan")],
+            vec![
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("WEFT_RENDEZVOUS_TIMEOUT", "-1"),
+            ],
+            vec![
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("WEFT_RENDEZVOUS_TIMEOUT", "nan"),
+            ],
         ];
         for b in bad {
             assert!(env(&b).is_err(), "{b:?}");

@@ -9,6 +9,6 @@
 //!   (cuBLASLt, NVRTC kernels, NCCL, streams and events from the plan).
 
 pub mod cpu;
-pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod launch;

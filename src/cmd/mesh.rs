@@ -48,7 +48,9 @@ fn summary(m: &weft_ir::Mesh) -> Vec<AxisSummary> {
             axis: a.clone(),
             groups: world / n.max(&1),
             group_size: *n,
-            stride: m.stride(a).unwrap_or(if a == weft_ir::mesh::EP { 1 } else { ep }),
+            stride: m
+                .stride(a)
+                .unwrap_or(if a == weft_ir::mesh::EP { 1 } else { ep }),
         })
         .collect()
 }

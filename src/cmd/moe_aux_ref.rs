@@ -60,14 +60,15 @@ pub fn micro_batch_reference(s: &Session, n: usize, train: bool) -> CliResult<Ru
             .with_grads(train)
             .bind("B", rows.len() as i64)
             .bind("S", seq);
-        let r = cpu::run(&aux_graph, &s.weights, &inputs, &opts).map_err(|e| {
-            CliError::input(format!("running {} on micro-batch {m}: {e}", g.name))
-        })?;
+        let r = cpu::run(&aux_graph, &s.weights, &inputs, &opts)
+            .map_err(|e| CliError::input(format!("running {} on micro-batch {m}: {e}", g.name)))?;
         let get = |k: &str| r.outputs.get(k).map(|t| t.to_f64()[0]).unwrap_or(f64::NAN);
         weighted_mean += get("loss") / n as f64;
         aux_mean += get("aux_loss") / n as f64;
         for (k, t) in &r.grads {
-            let acc = grads.entry(k.clone()).or_insert_with(|| vec![0.0; t.numel()]);
+            let acc = grads
+                .entry(k.clone())
+                .or_insert_with(|| vec![0.0; t.numel()]);
             for (a, x) in acc.iter_mut().zip(t.to_f64()) {
                 *a += x / n as f64;
             }
@@ -75,9 +76,15 @@ pub fn micro_batch_reference(s: &Session, n: usize, train: bool) -> CliResult<Ru
     }
     let ce_value = whole.outputs["loss"].to_f64()[0];
     let like = whole.outputs["loss"].clone();
-    whole.outputs.insert("ce_loss".into(), scalar(&like, ce_value));
-    whole.outputs.insert("aux_loss".into(), scalar(&like, aux_mean));
-    whole.outputs.insert("loss".into(), scalar(&like, ce_value + weighted_mean));
+    whole
+        .outputs
+        .insert("ce_loss".into(), scalar(&like, ce_value));
+    whole
+        .outputs
+        .insert("aux_loss".into(), scalar(&like, aux_mean));
+    whole
+        .outputs
+        .insert("loss".into(), scalar(&like, ce_value + weighted_mean));
     for (k, t) in whole.grads.iter_mut() {
         if let Some(extra) = grads.get(k) {
             let sum: Vec<f64> = t.to_f64().iter().zip(extra).map(|(a, b)| a + b).collect();

@@ -213,8 +213,12 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
     if !a.forward_only {
         let mut t = a.train.request("adamw")?;
-        weft_passes::micro_batches::check_micro_batches(t.options.micro_batches, Some(batch), &mesh)
-            .map_err(CliError::input)?;
+        weft_passes::micro_batches::check_micro_batches(
+            t.options.micro_batches,
+            Some(batch),
+            &mesh,
+        )
+        .map_err(CliError::input)?;
         // Only --check compares gradients (and logits); a training run lets each
         // gradient die once its bucket has updated the weights.
         t.options.grad_outputs = a.check > 0;
@@ -621,13 +625,13 @@ fn run_cpu(a: &Args) -> CliResult {
         eprintln!("note: {n}");
     }
     print_header(a, &p);
-    let weights = p
-        .host_weights
-        .clone()
-        .ok_or_else(|| {
-            CliError::input(format!("the cpu backend needs host weights to run {}", a.model))
-                .with_help("give --weights FILE (a plan records its model, not its weights)")
-        })?;
+    let weights = p.host_weights.clone().ok_or_else(|| {
+        CliError::input(format!(
+            "the cpu backend needs host weights to run {}",
+            a.model
+        ))
+        .with_help("give --weights FILE (a plan records its model, not its weights)")
+    })?;
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let tokens = (p.batch * p.seq) as f64;
     let mut reports = Vec::new();
@@ -702,13 +706,10 @@ fn run_cuda(a: &Args) -> CliResult {
     let load_s = t_load.elapsed().as_secs_f64();
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let reference = if a.check > 0 {
-        let w = p
-            .host_weights
-            .as_ref()
-            .ok_or_else(|| {
-                CliError::input("--check needs host weights")
-                    .with_help("give --weights FILE (a plan records its model, not its weights)")
-            })?;
+        let w = p.host_weights.as_ref().ok_or_else(|| {
+            CliError::input("--check needs host weights")
+                .with_help("give --weights FILE (a plan records its model, not its weights)")
+        })?;
         let mut f2 = Feeder::new(a, p.batch, p.seq, p.vocab)?;
         use weft_runtime::cpu::Precision::F32;
         let steps = a.check.min(a.steps.max(1));

@@ -157,14 +157,18 @@ impl Session {
             Some(p) => {
                 let t = read_inputs(p)?;
                 let shape = &t["input_ids"].shape;
-                for (flag, given, have) in [("--batch", a.batch, shape[0]), ("--seq", a.seq, shape[1])] {
+                for (flag, given, have) in
+                    [("--batch", a.batch, shape[0]), ("--seq", a.seq, shape[1])]
+                {
                     if given.is_some_and(|g| g != have as i64) {
                         return Err(CliError::input(format!(
                             "{flag} {} differs from --inputs {}, whose input_ids are {shape:?}",
                             given.unwrap_or(0),
                             p.display()
                         ))
-                        .with_help(format!("drop {flag} (the inputs fix it) or give inputs of that size")));
+                        .with_help(format!(
+                            "drop {flag} (the inputs fix it) or give inputs of that size"
+                        )));
                     }
                 }
                 t

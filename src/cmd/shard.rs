@@ -210,7 +210,9 @@ fn unshard(a: &Args) -> CliResult {
     for (f, want) in lf.files.iter().zip(&lf.file_digests) {
         let path = dir.join(f);
         if Path::new(f).components().count() != 1 {
-            return Err(bad(format!("file `{f}` is not a plain name in the shard directory")));
+            return Err(bad(format!(
+                "file `{f}` is not a plain name in the shard directory"
+            )));
         }
         if file_digest(&path)? != *want {
             return Err(CliError::input(format!(

@@ -97,7 +97,10 @@ pub fn run(a: Args) -> CliResult {
             })?;
             let total = bytes.entry(ty.dtype.to_string()).or_default();
             *total = total.checked_add(b).ok_or_else(|| {
-                CliError::input(format!("the {} parameter bytes of {} overflow", ty.dtype, m.name))
+                CliError::input(format!(
+                    "the {} parameter bytes of {} overflow",
+                    ty.dtype, m.name
+                ))
             })?;
         }
     }

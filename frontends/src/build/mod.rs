@@ -129,7 +129,12 @@ impl<'c> Builder<'c> {
         if factor == 1.0 {
             return Ok(x);
         }
-        self.op(Op::Scale { factor: Float(factor) }, &[x])
+        self.op(
+            Op::Scale {
+                factor: Float(factor),
+            },
+            &[x],
+        )
     }
 
     fn declare_params(&mut self) -> Result<(), FrontendError> {
@@ -231,7 +236,12 @@ impl<'c> Builder<'c> {
         let mut logits = self.op(Op::Linear {}, &[x, head])?;
         let divisor = self.cfg.multipliers.logits_divisor;
         if divisor != 1.0 {
-            logits = self.op(Op::Scale { factor: Float(1.0 / divisor) }, &[logits])?;
+            logits = self.op(
+                Op::Scale {
+                    factor: Float(1.0 / divisor),
+                },
+                &[logits],
+            )?;
         }
 
         self.scope("loss");
@@ -255,14 +265,24 @@ impl<'c> Builder<'c> {
             &[shifted],
         )?;
         let ce = self.op(Op::Div {}, &[total, count])?;
-        let aux = match self.cfg.moe.as_ref().and_then(|m| m.aux_loss_coef.map(|c| (m, c))) {
+        let aux = match self
+            .cfg
+            .moe
+            .as_ref()
+            .and_then(|m| m.aux_loss_coef.map(|c| (m, c)))
+        {
             Some((moe, coef)) => Some((self.aux_loss(moe)?, coef)),
             None => None,
         };
         let loss = match aux {
             Some((aux, coef)) => {
                 self.scope("loss");
-                let weighted = self.op(Op::Scale { factor: Float(coef) }, &[aux])?;
+                let weighted = self.op(
+                    Op::Scale {
+                        factor: Float(coef),
+                    },
+                    &[aux],
+                )?;
                 self.op(Op::Add {}, &[ce, weighted])?
             }
             None => ce,

@@ -104,7 +104,13 @@ fn aux_loss_config(
     routers: usize,
     fields: &[(String, usize)],
 ) -> Result<Option<(f64, crate::config::MoeConfig)>, Pt2Error> {
-    let names = || fields.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ");
+    let names = || {
+        fields
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let exported = routers > 0 || fields.iter().any(|(n, _)| n == "aux_loss");
     match (exported, config) {
         (false, Some((file, Some(moe)))) if moe.aux_loss_coef.is_some() => Err(router_loss_refused(&format!(
@@ -636,14 +642,18 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
                         LV::Err(e) => return Err(lower::unwrap_err(e)),
                         other => {
                             return Err(Pt2Error::Signature {
-                                message: format!("router logits output `{name}` is not a tensor ({other:?})"),
+                                message: format!(
+                                    "router logits output `{name}` is not a tensor ({other:?})"
+                                ),
                             })
                         }
                     }
                 }
-                let (loss, aux_loss) = add_aux_loss(&mut g, ce, &routers, coef, &moe)
-                    .map_err(|e| Pt2Error::Signature {
-                        message: format!("adding the MoE load-balancing loss: {e}"),
+                let (loss, aux_loss) =
+                    add_aux_loss(&mut g, ce, &routers, coef, &moe).map_err(|e| {
+                        Pt2Error::Signature {
+                            message: format!("adding the MoE load-balancing loss: {e}"),
+                        }
                     })?;
                 g.set_output("loss", loss);
                 loss_parts = Some((ce, aux_loss));

@@ -744,8 +744,11 @@ fn out_spec_fields(spec: &str) -> Vec<(String, usize)> {
         .and_then(J::as_str)
         .and_then(|c| serde_json::from_str::<J>(c).ok())
         .and_then(|c| {
-            c.as_array()
-                .map(|l| l.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+            c.as_array().map(|l| {
+                l.iter()
+                    .filter_map(|x| x.as_str().map(str::to_string))
+                    .collect()
+            })
         })
         .unwrap_or_default();
     let children = root

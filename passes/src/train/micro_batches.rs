@@ -274,7 +274,10 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
             return Err(err(
                 g,
                 "the aux loss does not depend on the tokens",
-                format!("{} is not computed from the token inputs", g.describe(g.def(aux))),
+                format!(
+                    "{} is not computed from the token inputs",
+                    g.describe(g.def(aux))
+                ),
             ));
         }
     }
@@ -419,7 +422,12 @@ fn split(g: &mut Graph, n: u32, res: &mut PassResult) -> Result<(), PassError> {
             )
             .map_err(|e| build_error(NAME, e))?[0];
         let weighted = g
-            .insert_with(At::End, weight, &[mean], meta("router_aux_loss_coef x aux loss"))
+            .insert_with(
+                At::End,
+                weight,
+                &[mean],
+                meta("router_aux_loss_coef x aux loss"),
+            )
             .map_err(|e| build_error(NAME, e))?[0];
         new_loss = g
             .insert_with(

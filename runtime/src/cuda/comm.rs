@@ -3,8 +3,8 @@
 //! once per mesh axis into the axis's process groups.
 
 use super::error::{CudaError, CudaResult};
-use cudarc::nccl::{result as nr, sys as ns};
 pub use crate::launch::LaunchEnv;
+use cudarc::nccl::{result as nr, sys as ns};
 use std::collections::BTreeMap;
 
 /// Which group of `groups` holds `rank`, and its position there.

@@ -264,7 +264,9 @@ pub fn lower_with_views(
         return Err(LowerError::Size {
             what: "the buffers of the step".into(),
             location: g.name.clone(),
-            why: format!("they hold more than {MAX_PLAN_BYTES} bytes per rank (the most Weft plans)"),
+            why: format!(
+                "they hold more than {MAX_PLAN_BYTES} bytes per rank (the most Weft plans)"
+            ),
         });
     }
 

@@ -60,8 +60,8 @@ pub fn load(spec: &str) -> Result<DeviceProfile, String> {
             PROFILES.join(", ")
         )
     })?;
-    let p: DeviceProfile =
-        serde_json::from_str(&text).map_err(|e| format!("invalid device profile in {spec}: {e}"))?;
+    let p: DeviceProfile = serde_json::from_str(&text)
+        .map_err(|e| format!("invalid device profile in {spec}: {e}"))?;
     p.validate()
         .map_err(|e| format!("invalid device profile in {spec}: {e}"))?;
     Ok(p)

@@ -607,7 +607,14 @@ impl Tp {
         let m = |g: &Graph, r: &str| meta_for(g, n, NAME, format!("rms_norm split over tp: {r}"));
         let mut xf = x;
         if dtype != DType::F32 {
-            xf = insert1(g, NAME, at, Op::Cast { dtype: DType::F32 }, &[x], m(g, "in f32"))?;
+            xf = insert1(
+                g,
+                NAME,
+                at,
+                Op::Cast { dtype: DType::F32 },
+                &[x],
+                m(g, "in f32"),
+            )?;
         }
         let sq = insert1(g, NAME, at, Op::Mul {}, &[xf, xf], m(g, "squares"))?;
         let local = insert1(
@@ -648,11 +655,25 @@ impl Tp {
             &[sum],
             m(g, &format!("mean over all {total} features")),
         )?;
-        let var = insert1(g, NAME, at, Op::AddScalar { value: Float(eps) }, &[mean], m(g, "+ eps"))?;
+        let var = insert1(
+            g,
+            NAME,
+            at,
+            Op::AddScalar { value: Float(eps) },
+            &[mean],
+            m(g, "+ eps"),
+        )?;
         let r = insert1(g, NAME, at, Op::Rsqrt {}, &[var], m(g, "rsqrt"))?;
         let mut y = insert1(g, NAME, at, Op::Mul {}, &[xf, r], m(g, "normalised"))?;
         if dtype != DType::F32 {
-            y = insert1(g, NAME, at, Op::Cast { dtype }, &[y], m(g, "back to the input dtype"))?;
+            y = insert1(
+                g,
+                NAME,
+                at,
+                Op::Cast { dtype },
+                &[y],
+                m(g, "back to the input dtype"),
+            )?;
         }
         let d = g.node_mut(n);
         d.op = Op::Mul {};
