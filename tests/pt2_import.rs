@@ -228,10 +228,37 @@ fn import_matches_config_build() {
     }
 }
 
+/// The imported archive's default pipeline on each mesh gives the unsharded program's
+/// loss, logits and gradients (f64).
+fn assert_meshes_match(name: &str, family: &str, meshes: &[&str]) {
+    use weft_passes::{default_pipeline, run_pipeline, PassContext};
+    let im = imp(name, family);
+    let ins = inputs(family);
+    let reference = run64(&im.graph, &im.weights, &ins);
+    for mesh in meshes {
+        let mesh = Mesh::parse(mesh).unwrap();
+        let mut g = im.graph.clone();
+        run_pipeline(
+            &mut g,
+            &PassContext::new(mesh.clone()),
+            &default_pipeline(&mesh),
+        )
+        .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        let got = run64(&g, &im.weights, &ins);
+        for out in ["loss", "logits"] {
+            let e = rel_err(&got.outputs[out], &reference.outputs[out]);
+            assert!(e < 1e-10, "{name} {mesh}: {out} rel err {e}");
+        }
+        for (p, want) in &reference.grads {
+            let e = rel_err(&got.grads[p], want);
+            assert!(e < 1e-9, "{name} {mesh}: grad {p} rel err {e}");
+        }
+    }
+}
+
 /// The default pipeline runs on imported graphs and keeps their meaning.
 #[test]
 fn passes_run_on_imported_graphs() {
-    use weft_passes::{default_pipeline, run_pipeline, PassContext};
     for (name, family) in [
         ("llama_decomposed", "llama"),
         ("llama_static", "llama"),
@@ -239,28 +266,7 @@ fn passes_run_on_imported_graphs() {
         ("mixtral", "mixtral"),
         ("qwen3_moe_batched_decomposed", "qwen3_moe"),
     ] {
-        let im = imp(name, family);
-        let ins = inputs(family);
-        let reference = run64(&im.graph, &im.weights, &ins);
-        for mesh in ["dp=2", "sp=2", "dp=2,sp=2"] {
-            let mesh = Mesh::parse(mesh).unwrap();
-            let mut g = im.graph.clone();
-            run_pipeline(
-                &mut g,
-                &PassContext::new(mesh.clone()),
-                &default_pipeline(&mesh),
-            )
-            .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
-            let got = run64(&g, &im.weights, &ins);
-            for out in ["loss", "logits"] {
-                let e = rel_err(&got.outputs[out], &reference.outputs[out]);
-                assert!(e < 1e-10, "{name} {mesh}: {out} rel err {e}");
-            }
-            for (p, want) in &reference.grads {
-                let e = rel_err(&got.grads[p], want);
-                assert!(e < 1e-9, "{name} {mesh}: grad {p} rel err {e}");
-            }
-        }
+        assert_meshes_match(name, family, &["dp=2", "sp=2", "dp=2,sp=2"]);
     }
 }
 
@@ -268,30 +274,8 @@ fn passes_run_on_imported_graphs() {
 /// Granite (the logit scale before the vocabulary-parallel loss).
 #[test]
 fn tensor_parallel_on_imported_olmo2_and_granite() {
-    use weft_passes::{default_pipeline, run_pipeline, PassContext};
     for (name, family) in [("olmo2", "olmo2"), ("granite", "granite")] {
-        let im = imp(name, family);
-        let ins = inputs(family);
-        let reference = run64(&im.graph, &im.weights, &ins);
-        for mesh in ["tp=2", "dp=2,tp=2", "sp=2,tp=2"] {
-            let mesh = Mesh::parse(mesh).unwrap();
-            let mut g = im.graph.clone();
-            run_pipeline(
-                &mut g,
-                &PassContext::new(mesh.clone()),
-                &default_pipeline(&mesh),
-            )
-            .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
-            let got = run64(&g, &im.weights, &ins);
-            for out in ["loss", "logits"] {
-                let e = rel_err(&got.outputs[out], &reference.outputs[out]);
-                assert!(e < 1e-10, "{name} {mesh}: {out} rel err {e}");
-            }
-            for (p, want) in &reference.grads {
-                let e = rel_err(&got.grads[p], want);
-                assert!(e < 1e-9, "{name} {mesh}: grad {p} rel err {e}");
-            }
-        }
+        assert_meshes_match(name, family, &["tp=2", "dp=2,tp=2", "sp=2,tp=2"]);
     }
 }
 

@@ -192,3 +192,34 @@ pub fn print_out(text: &str) -> CliResult {
 pub fn json<T: serde::Serialize>(v: &T) -> String {
     serde_json::to_string_pretty(v).expect("reports serialize") + "\n"
 }
+
+/// Rows as an aligned text table, two spaces in: the first column left-aligned, the
+/// others right-aligned.
+pub fn table(rows: Vec<Vec<String>>) -> String {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let w: Vec<usize> = (0..columns)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(String::len)
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for r in rows {
+        let cells: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                if i == 0 {
+                    format!("{s:<w$}", w = w[i])
+                } else {
+                    format!("{s:>w$}", w = w[i])
+                }
+            })
+            .collect();
+        out.push_str(&format!("  {}\n", cells.join("  ")));
+    }
+    out
+}

@@ -194,28 +194,6 @@ fn row(s: &Scored) -> Vec<String> {
     ]
 }
 
-fn table(rows: Vec<Vec<String>>) -> String {
-    let w: Vec<usize> = (0..rows[0].len())
-        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for r in rows {
-        let cells: Vec<String> = r
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                if i == 0 {
-                    format!("{s:<w$}", w = w[i])
-                } else {
-                    format!("{s:>w$}", w = w[i])
-                }
-            })
-            .collect();
-        out.push_str(&format!("  {}\n", cells.join("  ")));
-    }
-    out
-}
-
 /// Why `best` beats `other` (their step times `b`, `o`), from their analytic breakdowns.
 fn why(best: &Scored, b: f64, other: &Scored, o: f64) -> String {
     let (bt, ot) = (&best.time, &other.time);
@@ -347,7 +325,10 @@ pub fn run(a: Args) -> CliResult {
     .map(String::from)
     .to_vec()];
     rows.extend(all.iter().filter(|s| s.fits).take(a.top).map(row));
-    eprintln!("top candidates (analytic estimate):\n{}", table(rows));
+    eprintln!(
+        "top candidates (analytic estimate):\n{}",
+        super::table(rows)
+    );
     // Finalists: the best analytic candidates, compiled. Each compilation calibrates
     // the analytic memory of its mesh (the largest compiled/analytic peak ratio seen
     // on it), and candidates that cannot fit under that calibration are skipped.

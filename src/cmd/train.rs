@@ -235,23 +235,7 @@ pub fn memory_table(req: &Request, compiled: &TrainOptions) -> CliResult<String>
             gib(e.total),
         ]);
     }
-    let w: Vec<usize> = (0..rows[0].len())
-        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
-        .collect();
     let mut out = format!("memory per rank of the training step ({at}):\n");
-    for r in rows {
-        let cells: Vec<String> = r
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                if i == 0 {
-                    format!("{s:<w$}", w = w[i])
-                } else {
-                    format!("{s:>w$}", w = w[i])
-                }
-            })
-            .collect();
-        out.push_str(&format!("  {}\n", cells.join("  ")));
-    }
+    out.push_str(&super::table(rows));
     Ok(out)
 }
