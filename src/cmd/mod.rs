@@ -162,8 +162,24 @@ pub fn parse_mesh(text: &str) -> CliResult<Mesh> {
 }
 
 /// Refuses an output path that is one of the command's inputs (or inside one).
+/// A MODEL directory counts as the files in it (config.json, weights, index): a new
+/// file written beside them destroys nothing, so only an existing file is refused.
 pub fn refuse_overwrite(out: &std::path::Path, inputs: &[(&str, &std::path::Path)]) -> CliResult {
-    weft_ir::output::refuse_overwriting_input(out, inputs).map_err(CliError::input)
+    let mut files: Vec<(&str, std::path::PathBuf)> = Vec::new();
+    for (what, p) in inputs {
+        match std::fs::read_dir(p) {
+            Ok(entries) if *what == "MODEL" => {
+                if out == *p || out.canonicalize().ok() == p.canonicalize().ok() {
+                    files.push((what, p.to_path_buf()));
+                }
+                files.extend(entries.flatten().map(|e| (*what, e.path())));
+            }
+            _ => files.push((what, p.to_path_buf())),
+        }
+    }
+    let refs: Vec<(&str, &std::path::Path)> =
+        files.iter().map(|(w, p)| (*w, p.as_path())).collect();
+    weft_ir::output::refuse_overwriting_input(out, &refs).map_err(CliError::input)
 }
 
 /// Writes `text` to `path` (through a temporary renamed into place), or stdout when no
