@@ -6,7 +6,7 @@
 #   3. the 1.24B training step (llama3.2-1b sizes as MistralForCausalLM, window 4096,
 #      bench/window_1b) at SEQS (default 16384 65536) against full causal (llama3.2-1b)
 #      and against PyTorch (SDPA with HF's sliding-window mask, and FlexAttention).
-#   OUT=$OUT SEQS="16384 65536" STEPS=4 ARGS="--checkpoint selective" bash bench/window_bench.sh
+#   OUT=$OUT SEQS="16384 65536" STEPS=4 ARGS="--checkpoint selective" ATTNS="sdpa flex_attention" bash bench/window_bench.sh
 set -uo pipefail
 FINAL=${OUT:-gpu-out}; OUT=$(mktemp -d /tmp/weft-window.XXXX); mkdir -p "$FINAL"
 SEQS=${SEQS:-"16384 65536"}; STEPS=${STEPS:-4}; ARGS=${ARGS:-"--checkpoint selective"}
@@ -24,7 +24,7 @@ timeout 120 $W run tests/fixtures/mistral_sw4 --backend cuda --steps 20 --check 
 summary+=("weft run mistral_sw4 20 steps --check 20: rc $? $(grep -c 'check failed' "$OUT/train_mistral_sw4.txt") failures")
 
 WEFT_GPU_BENCH=1 WEFT_GPU_ONLY=nothing timeout 400 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/attn_bench.txt" 2>&1
-grep -E "attention (window|causal) bf16 S=(4096|16384|65536) d=(64|128) 32q/8kv \[weft" "$OUT/attn_bench.txt" | tee -a "$OUT/attn_rows.txt"
+grep -E "attention (window|causal) bf16 S=(4096|16384|65536) d=(64|128) 32q/8kv \[(weft|cudnn)" "$OUT/attn_bench.txt" | tee -a "$OUT/attn_rows.txt"
 summary+=("attention band TFLOP/s: $(grep -E 'window 4096 bf16 S=65536' "$OUT/attn_bench.txt" | sed -E 's/.*fwd\+bwd[^;]*; //' | tr '\n' ' ')")
 
 for SEQ in $SEQS; do
@@ -35,7 +35,7 @@ for SEQ in $SEQS; do
     r=$($PY -c "import json;d=json.load(open('$OUT/weft_${tag}_$SEQ.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['mean_step_s']*1e3,1), 'ms, measured peak', round(d['memory']['measured_peak_bytes']/2**30,2), 'GiB')" 2>/dev/null || echo "failed rc $rc: $(tail -2 "$OUT/weft_${tag}_$SEQ.err" | tr '\n' ' ')")
     summary+=("weft 1.24B $tag seq $SEQ: $r")
   done
-  for attn in sdpa flex_attention; do
+  for attn in ${ATTNS:-sdpa flex_attention}; do
     timeout 400 $PY bench/torch_llama_step.py --seq $SEQ --steps $STEPS --window 4096 --attn $attn --ckpt --json "$OUT/torch_${attn}_$SEQ.json" > "$OUT/torch_${attn}_$SEQ.txt" 2>&1
     r=$($PY -c "import json;d=json.load(open('$OUT/torch_${attn}_$SEQ.json'));print(round(d['tokens_per_s']), 'tok/s, step', round(d['median_step_s']*1e3,1), 'ms, peak', round(d['peak_gib'],2), 'GiB')" 2>/dev/null || echo "failed: $(tail -2 "$OUT/torch_${attn}_$SEQ.txt" | tr '\n' ' ')")
     summary+=("torch 1.24B window 4096 [$attn + checkpointing] seq $SEQ: $r")

@@ -321,6 +321,97 @@ fn op_cases() -> Vec<Case> {
             .tol(tol),
         );
     }
+    // The op's other attributes (docs/attention.md), on the generic kernels: soft-capping,
+    // a value head dim != the query/key one, sinks (in f32 and in q's dtype), and the
+    // log-sum-exp as a result with its gradient; with windows, masks and GQA.
+    for (dt, d, dvd, nq, nkv, s_, w, cap, sinks, lse, mask, tol) in [
+        ("f32", 16, 16, 4, 2, 13, 0, 5.0, "", false, false, 1e-5),
+        ("bf16", 64, 64, 4, 2, 100, 8, 50.0, "", false, false, 2e-2),
+        ("f32", 24, 16, 4, 2, 19, 0, 0.0, "", false, false, 1e-5),
+        ("bf16", 192, 128, 2, 2, 70, 0, 0.0, "", false, false, 2e-2),
+        ("bf16", 192, 128, 4, 2, 128, 0, 0.0, "", false, false, 2e-2),
+        ("bf16", 192, 128, 4, 2, 256, 64, 0.0, "", false, false, 2e-2),
+        ("f32", 16, 16, 4, 1, 21, 5, 0.0, "f32", false, false, 1e-5),
+        ("bf16", 64, 64, 8, 2, 90, 16, 0.0, "bf16", false, false, 2e-2),
+        ("bf16", 64, 64, 4, 2, 33, 0, 0.0, "f32", false, false, 2e-2),
+        ("f32", 16, 8, 2, 1, 12, 0, 3.0, "f32", false, true, 1e-5),
+        ("f32", 16, 16, 4, 2, 17, 0, 0.0, "f32", true, false, 1e-5),
+        ("f32", 32, 16, 2, 2, 15, 4, 2.0, "", true, false, 1e-5),
+    ] {
+        let sc = 1.0 / (d as f64).sqrt();
+        let mut attrs = format!("causal=true, scale={sc}");
+        if w > 0 {
+            attrs += &format!(", window={w}");
+        }
+        if cap > 0.0 {
+            attrs += &format!(", softcap={cap}");
+        }
+        if !sinks.is_empty() {
+            attrs += ", sinks=true";
+        }
+        if lse {
+            attrs += ", lse=true";
+        }
+        let mut t = format!(
+            "graph \"t\"\n%0: {dt}[2, {nq}, {s_}, {d}] = param {{name=\"q\"}}\n%1: {dt}[2, {nkv}, {s_}, {d}] = param {{name=\"k\"}}\n%2: {dt}[2, {nkv}, {s_}, {dvd}] = param {{name=\"v\"}}\n"
+        );
+        let mut extra = String::new();
+        let mut n = 3;
+        if mask {
+            t += &format!("%{n}: bool[2, 1, {s_}, {s_}] = input {{name=\"m\", role=other}}\n");
+            extra += &format!(", %{n}");
+            n += 1;
+        }
+        if !sinks.is_empty() {
+            t += &format!("%{n}: {sinks}[{nq}] = param {{name=\"sinks\"}}\n");
+            extra += &format!(", %{n}");
+            n += 1;
+        }
+        let (o, l) = (n, n + 1);
+        if lse {
+            t += &format!("%{o}: {dt}[2, {nq}, {s_}, {dvd}], %{l}: f32[2, {nq}, {s_}] = attention %0, %1, %2{extra} {{{attrs}}}\n");
+            n += 2;
+        } else {
+            t += &format!("%{o}: {dt}[2, {nq}, {s_}, {dvd}] = attention %0, %1, %2{extra} {{{attrs}}}\n");
+            n += 1;
+        }
+        let dout = n;
+        t += &format!("%{dout}: {dt}[2, {nq}, {s_}, {dvd}] = param {{name=\"do\"}}\n");
+        n += 1;
+        let mut gextra = extra.clone();
+        if lse {
+            t += &format!("%{n}: f32[2, {nq}, {s_}] = param {{name=\"dlse\"}}\n");
+            gextra += &format!(", %{n}");
+            n += 1;
+        }
+        let (dq, dk, dv, ds) = (n, n + 1, n + 2, n + 3);
+        let sinks_out = if sinks.is_empty() {
+            String::new()
+        } else {
+            format!(", %{ds}: f32[{nq}]")
+        };
+        t += &format!("%{dq}: {dt}[2, {nq}, {s_}, {d}], %{dk}: {dt}[2, {nkv}, {s_}, {d}], %{dv}: {dt}[2, {nkv}, {s_}, {dvd}]{sinks_out} = attention_grad %0, %1, %2, %{o}, %{dout}{gextra} {{{attrs}}}\n");
+        t += &format!("return o=%{o}, dq=%{dq}, dk=%{dk}, dv=%{dv}");
+        if lse {
+            t += &format!(", lse=%{l}");
+        }
+        if !sinks.is_empty() {
+            t += &format!(", dsinks=%{ds}");
+        }
+        t += "\n";
+        v.push(
+            Case::new(
+                // only the value head dim differs: cuDNN runs it too ("S{n}x{n}")
+                if cap == 0.0 && sinks.is_empty() && !lse && !mask {
+                    format!("attention extras {dt} d{d}/dv{dvd} q{nq}/kv{nkv} S{s_}x{s_} window={w}")
+                } else {
+                    format!("attention extras {dt} d{d}/dv{dvd} q{nq}/kv{nkv} S{s_} window={w} softcap={cap} sinks={sinks:?} lse={lse} mask={mask}")
+                },
+                t,
+            )
+            .tol(tol),
+        );
+    }
     v.push(Case::new("attention window=3 with bool mask (f32)", "graph \"t\"\n%0: f32[2, 2, 9, 8] = param {name=\"q\"}\n%1: f32[2, 1, 9, 8] = param {name=\"k\"}\n%2: f32[2, 1, 9, 8] = param {name=\"v\"}\n%3: bool[2, 1, 9, 9] = input {name=\"m\", role=other}\n%4: f32[2, 2, 9, 8] = attention %0, %1, %2, %3 {causal=true, scale=0.35, window=3}\n%5: f32[2, 2, 9, 8] = param {name=\"do\"}\n%6: f32[2, 2, 9, 8], %7: f32[2, 1, 9, 8], %8: f32[2, 1, 9, 8] = attention_grad %0, %1, %2, %4, %5, %3 {causal=true, scale=0.35, window=3}\nreturn o=%4, dq=%6, dk=%7, dv=%8\n").tol(1e-5));
     v.push(Case::new("attention with bool mask (f32, causal)", "graph \"t\"\n%0: f32[2, 2, 9, 8] = param {name=\"q\"}\n%1: f32[2, 1, 9, 8] = param {name=\"k\"}\n%2: f32[2, 1, 9, 8] = param {name=\"v\"}\n%3: bool[2, 1, 9, 9] = input {name=\"m\", role=other}\n%4: f32[2, 2, 9, 8] = attention %0, %1, %2, %3 {causal=true, scale=0.35}\n%5: f32[2, 2, 9, 8] = param {name=\"do\"}\n%6: f32[2, 2, 9, 8], %7: f32[2, 1, 9, 8], %8: f32[2, 1, 9, 8] = attention_grad %0, %1, %2, %4, %5, %3 {causal=true, scale=0.35}\nreturn o=%4, dq=%6, dk=%7, dv=%8\n").tol(1e-5));
     v
@@ -522,8 +613,15 @@ fn run_case(c: &Case, gpu: bool, seed: u64, rows: &mut Vec<Row>) {
         };
         // cuDNN runs bf16 attention with Sq == Sk ("S{n}x{n}" in the name); it falls back
         // to Weft's kernels elsewhere. Without libcudnn the cuDNN rows say so and pass.
-        // A window runs on Weft's kernels (the cuDNN graph has no band yet).
-        let cudnn_expected = attn == Attn::Cudnn && !c.name.contains("window=") && {
+        // A causal window of 64 keys or more runs on cuDNN too (its band is the causal
+        // mask's left edge); narrower ones run on Weft's generic kernels.
+        let narrow_window = c
+            .name
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("window="))
+            .and_then(|w| w.parse::<i64>().ok())
+            .is_some_and(|w| w > 0 && w < 64);
+        let cudnn_expected = attn == Attn::Cudnn && !c.name.contains("mask") && !narrow_window && {
             let sxs = c
                 .name
                 .split_whitespace()
@@ -1010,42 +1108,55 @@ fn bench(rows: &mut Vec<String>) {
             let s = s as f64;
             s * w - w * (w - 1.0) / 2.0
         };
-        let mut tflops = Vec::new();
-        for (s, w) in [
-            (4096usize, None),
-            (65536, Some(4096usize)),
-            (16384, Some(4096)),
-        ] {
-            let f = 4.0 * 32.0 * pairs(s, w) * d as f64; // forward FLOPs in the band
-            let label = match w {
-                Some(w) => format!("window {w}"),
-                None => "causal".to_string(),
-            };
-            match (
-                time(&attn_text(s, d, 8, w, false), 5, false),
-                time(&attn_text(s, d, 8, w, true), 5, false),
-            ) {
-                (Ok((tf, _)), Ok((tb, _))) => {
-                    let both = 3.5 * f / tb / 1e12;
-                    tflops.push(both);
-                    rows.push(format!(
-                        "attention {label} bf16 S={s} d={d} 32q/8kv [weft ]: fwd {:>7.3} ms {:>5.0} TFLOP/s; fwd+bwd {:>7.3} ms {:>5.0} TFLOP/s (band FLOPs){}",
-                        tf * 1e3,
-                        f / tf / 1e12,
-                        tb * 1e3,
-                        both,
-                        if w.is_some() && !tflops.is_empty() {
-                            format!("; {:.0}% of causal S=4096 (target >= 70%)", 100.0 * both / tflops[0])
-                        } else {
-                            String::new()
+        let paths: &[bool] = if cudnn.is_ok() { &[false, true] } else { &[false] };
+        for &use_cudnn in paths {
+            let tag = if use_cudnn { "cudnn" } else { "weft " };
+            let mut causal_rate = None;
+            for (s, w) in [
+                (4096usize, None),
+                (65536, Some(4096usize)),
+                (16384, Some(4096)),
+            ] {
+                let f = 4.0 * 32.0 * pairs(s, w) * d as f64; // forward FLOPs in the band
+                let label = match w {
+                    Some(w) => format!("window {w}"),
+                    None => "causal".to_string(),
+                };
+                match (
+                    time(&attn_text(s, d, 8, w, false), 5, use_cudnn),
+                    time(&attn_text(s, d, 8, w, true), 5, use_cudnn),
+                ) {
+                    (Ok((tf, nf)), Ok((tb, nb))) => {
+                        let both = 3.5 * f / tb / 1e12;
+                        if w.is_none() {
+                            causal_rate = Some(both);
                         }
-                    ));
+                        let ran = if use_cudnn && nf + nb == 0 {
+                            " (cuDNN did not run: Weft's kernels)"
+                        } else {
+                            ""
+                        };
+                        rows.push(format!(
+                            "attention {label} bf16 S={s} d={d} 32q/8kv [{tag}]: fwd {:>7.3} ms {:>5.0} TFLOP/s; fwd+bwd {:>7.3} ms {:>5.0} TFLOP/s (band FLOPs){}{ran}",
+                            tf * 1e3,
+                            f / tf / 1e12,
+                            tb * 1e3,
+                            both,
+                            match (w, causal_rate) {
+                                (Some(_), Some(c)) => format!(
+                                    "; {:.0}% of {tag} causal S=4096 (target >= 70%)",
+                                    100.0 * both / c
+                                ),
+                                _ => String::new(),
+                            }
+                        ));
+                    }
+                    (a, b) => rows.push(format!(
+                        "attention {label} S={s} d={d} [{tag}]: error {:?} {:?}",
+                        a.err(),
+                        b.err()
+                    )),
                 }
-                (a, b) => rows.push(format!(
-                    "attention {label} S={s} d={d}: error {:?} {:?}",
-                    a.err(),
-                    b.err()
-                )),
             }
         }
     }

@@ -6,7 +6,10 @@
 //
 // - attn_fwd_generic_*: one warp per query row, any head dim up to 256, f32/bf16/f16,
 //   optional bool keep-mask [Bm, Hm, Sq, Sk] (masked scores get -FLT_MAX added, as the CPU
-//   reference does, so fully masked rows come out uniform).
+//   reference does, so fully masked rows come out uniform); the only kernels with the rest
+//   of the op's attributes (docs/attention.md): logit soft-capping (before the mask), a
+//   value head dim Dv != D, per-head sinks, and the log-sum-exp as a result (and its
+//   gradient in the backward).
 // - fa_fwd_d64 / fa_fwd_d128: bf16, tensor cores (mma.sync m16n8k16, ldmatrix, cp.async
 //   double buffering), 64 queries x 64 keys per tile, 4 warps.
 // - attn_bwd_*: FlashAttention-2 backward from the forward's log-sum-exp: dK/dV per key
@@ -17,14 +20,14 @@
 #define DEF_ATTN_GENERIC(S_, T)                                                                           \
     extern "C" __global__ void attn_fwd_generic_##S_(T* out, float* lse, const T* q, const T* k, const T* v, \
             const u8* mask, int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal, \
-            i64 lstride, i64 window) {                                                                    \
+            i64 lstride, i64 window, int Dv, float softcap, const void* sinks, int sinks_f32, float* lse_out) { \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
         i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
         if (i >= Sq) return;                                                                              \
         int h = blockIdx.y, b = blockIdx.z, hk = h / (Nq / Nkv);                                          \
         const T* qr = q + (((i64)b * Nq + h) * Sq + i) * D;                                               \
         const T* kb = k + ((i64)b * Nkv + hk) * Sk * D;                                                   \
-        const T* vb = v + ((i64)b * Nkv + hk) * Sk * D;                                                   \
+        const T* vb = v + ((i64)b * Nkv + hk) * Sk * Dv;                                                  \
         float qv[8], acc[8];                                                                              \
         _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
             int d = lane + 32 * t;                                                                        \
@@ -44,6 +47,7 @@
                 if (d < D) dot += qv[t] * tof(kr[d]);                                                     \
             }                                                                                             \
             float s = warp_sum(dot) * scale;                                                              \
+            if (softcap > 0.f) s = softcap * tanhf(s / softcap);                                          \
             if (mask) {                                                                                   \
                 bool keep = mrow[j] != 0 && (!causal || (j <= i + off && (window <= 0 || j > i + off - window))); \
                 if (!keep) s += NEG_BIG;                                                                  \
@@ -52,21 +56,31 @@
             float corr = __expf(m - mn);                                                                  \
             float p = __expf(s - mn);                                                                     \
             l = l * corr + p;                                                                             \
-            const T* vr = vb + j * D;                                                                     \
+            const T* vr = vb + j * Dv;                                                                    \
             _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
                 int d = lane + 32 * t;                                                                    \
-                if (d < D) acc[t] = acc[t] * corr + p * tof(vr[d]);                                       \
+                if (d < Dv) acc[t] = acc[t] * corr + p * tof(vr[d]);                                      \
             }                                                                                             \
             m = mn;                                                                                       \
         }                                                                                                 \
-        T* orow = out + (((i64)b * Nq + h) * Sq + i) * D;                                                 \
+        /* a sink joins the row's softmax (its probability is dropped, not its mass) */                   \
+        if (sinks) {                                                                                      \
+            float sv = sinks_f32 ? ((const float*)sinks)[h] : tof(((const T*)sinks)[h]);                  \
+            float mn = fmaxf(m, sv);                                                                      \
+            float corr = __expf(m - mn);                                                                  \
+            l = l * corr + __expf(sv - mn);                                                               \
+            _Pragma("unroll") for (int t = 0; t < 8; ++t) acc[t] *= corr;                                 \
+            m = mn;                                                                                       \
+        }                                                                                                 \
+        T* orow = out + (((i64)b * Nq + h) * Sq + i) * Dv;                                                \
         float inv = l > 0.f ? 1.f / l : 0.f;                                                              \
         _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
             int d = lane + 32 * t;                                                                        \
-            if (d < D) orow[d] = fromf<T>(acc[t] * inv);                                                  \
+            if (d < Dv) orow[d] = fromf<T>(acc[t] * inv);                                                 \
         }                                                                                                 \
         /* the row max and the sum separately: m + log(l) loses log(l) when m is -FLT_MAX (masked rows) */ \
         if (lse && lane == 0) { lse[((i64)b * Nq + h) * Sq + i] = m; lse[lstride + ((i64)b * Nq + h) * Sq + i] = l; } \
+        if (lse_out && lane == 0) lse_out[((i64)b * Nq + h) * Sq + i] = m + logf(l);                      \
     }
 FOR_FLOATS(DEF_ATTN_GENERIC)
 
@@ -89,36 +103,41 @@ FOR_FLOATS(DEF_ATTN_DELTA)
     extern "C" __global__ void attn_bwd_generic_##S_(T* dq, float* dk_acc, float* dv_acc, const T* q,      \
             const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* mask,   \
             int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal, i64 lstride,  \
-            i64 window) {                                                                                 \
+            i64 window, int Dv, float softcap, const void* sinks, int sinks_f32, float* dsinks_acc,          \
+            const float* dlse) {                                                                          \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
         i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
         if (i >= Sq) return;                                                                              \
         int h = blockIdx.y, b = blockIdx.z, hk = h / (Nq / Nkv);                                          \
         i64 qrow = ((i64)b * Nq + h) * Sq + i;                                                            \
         const T* qr = q + qrow * D;                                                                       \
-        const T* dor = dout + qrow * D;                                                                   \
+        const T* dor = dout + qrow * Dv;                                                                  \
         i64 kvbase = ((i64)b * Nkv + hk) * Sk;                                                            \
         float qv[8], dov[8], dqa[8];                                                                      \
         _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
             int d = lane + 32 * t;                                                                        \
             qv[t] = d < D ? tof(qr[d]) : 0.f;                                                             \
-            dov[t] = d < D ? tof(dor[d]) : 0.f;                                                           \
+            dov[t] = d < Dv ? tof(dor[d]) : 0.f;                                                          \
             dqa[t] = 0.f;                                                                                 \
         }                                                                                                 \
-        float M = lse[qrow], Linv = 1.f / lse[lstride + qrow], dl = delta[qrow];                          \
+        /* D = rowsum(dO o O) - dlse: an explicit log-sum-exp result's gradient enters here */            \
+        float M = lse[qrow], Linv = 1.f / lse[lstride + qrow], dl = delta[qrow] - (dlse ? dlse[qrow] : 0.f); \
         i64 off = Sk - Sq;                                                                                \
         i64 jend = (causal && !mask) ? (i + off + 1 < Sk ? i + off + 1 : Sk) : Sk;                        \
         i64 jbeg = (causal && window > 0 && !mask && i + off - window + 1 > 0) ? i + off - window + 1 : 0; \
         const u8* mrow = mask ? mask + (((i64)(mb > 1 ? b : 0) * mh + (mh > 1 ? h : 0)) * Sq + i) * Sk : 0; \
         for (i64 j = jbeg; j < jend; ++j) {                                                               \
             const T* kr = k + (kvbase + j) * D;                                                           \
-            const T* vr = v + (kvbase + j) * D;                                                           \
+            const T* vr = v + (kvbase + j) * Dv;                                                          \
             float dot = 0.f, dpv = 0.f;                                                                   \
             _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
                 int d = lane + 32 * t;                                                                    \
-                if (d < D) { dot += qv[t] * tof(kr[d]); dpv += dov[t] * tof(vr[d]); }                     \
+                if (d < D) dot += qv[t] * tof(kr[d]);                                                     \
+                if (d < Dv) dpv += dov[t] * tof(vr[d]);                                                   \
             }                                                                                             \
             float s = warp_sum(dot) * scale;                                                              \
+            float capped = 0.f;                                                                           \
+            if (softcap > 0.f) { capped = tanhf(s / softcap); s = softcap * capped; }                     \
             float dp = warp_sum(dpv);                                                                     \
             if (mask) {                                                                                   \
                 bool keep = mrow[j] != 0 && (!causal || (j <= i + off && (window <= 0 || j > i + off - window))); \
@@ -126,18 +145,24 @@ FOR_FLOATS(DEF_ATTN_DELTA)
             }                                                                                             \
             float p = __expf(s - M) * Linv;                                                               \
             float ds = p * (dp - dl);                                                                     \
+            if (softcap > 0.f) ds *= 1.f - capped * capped;                                               \
             _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
                 int d = lane + 32 * t;                                                                    \
                 if (d < D) {                                                                              \
                     dqa[t] += ds * tof(kr[d]);                                                            \
                     atomicAdd(dk_acc + (kvbase + j) * D + d, ds * qv[t] * scale);                         \
-                    atomicAdd(dv_acc + (kvbase + j) * D + d, p * dov[t]);                                 \
                 }                                                                                         \
+                if (d < Dv) atomicAdd(dv_acc + (kvbase + j) * Dv + d, p * dov[t]);                        \
             }                                                                                             \
         }                                                                                                 \
         _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
             int d = lane + 32 * t;                                                                        \
             if (d < D) dq[qrow * D + d] = fromf<T>(dqa[t] * scale);                                       \
+        }                                                                                                 \
+        /* the sink's logit: dsink_h = -sum_i P_sink(i) D(i) */                                           \
+        if (sinks && lane == 0) {                                                                         \
+            float sv = sinks_f32 ? ((const float*)sinks)[h] : tof(((const T*)sinks)[h]);                  \
+            atomicAdd(dsinks_acc + h, -__expf(sv - M) * Linv * dl);                                       \
         }                                                                                                 \
     }
 FOR_FLOATS(DEF_ATTN_BWD_GENERIC)

@@ -26,6 +26,10 @@
 //!   dQ   = identity(dQacc)
 //! ```
 //! K and V are passed as Kᵀ/Vᵀ: the same memory with the last two dims and strides swapped.
+//! A sliding window adds the band's left edge after the causal select, in both graphs
+//! (`keep = col + W > row`: GEN_INDEX, a float ADD of the window, CMP_GT, select — the
+//! composite diagonal-band node cudnn-frontend emits for cuDNN before 9.21). V, O, dO and
+//! dV may have a head dim of their own (`Shape::dv`).
 //!
 //! Selected by default where libcudnn loads (`WEFT_ATTENTION=weft` forces Weft's kernels).
 //! Measured on an H200 with cuDNN 9.14.0 (bf16, causal, 32 q / 8 kv heads, fwd+bwd):
@@ -185,7 +189,11 @@ pub struct Shape {
     pub hkv: usize,
     pub s: usize,
     pub d: usize,
+    /// Value head dim (may differ from the query/key one, as DeepSeek-V3's 192/128).
+    pub dv: usize,
     pub causal: bool,
+    /// Sliding window (keys `j` with `i - j < window` kept), 0 for none; only with `causal`.
+    pub window: usize,
     pub scale_bits: u32,
     pub backward: bool,
 }
@@ -211,6 +219,8 @@ const DQ_ACC: i64 = 11;
 const SCALE: i64 = 20;
 const ONE: i64 = 21;
 const NEG_INF: i64 = 22;
+const WINDOW: i64 = 23;
+const NEG_INF_BAND: i64 = 24;
 
 /// A finalized execution plan and what running it needs.
 pub struct Plan {
@@ -713,6 +723,71 @@ impl G {
             "causal select",
         )
     }
+
+    /// The band's left edge after the causal mask: keep `s` where col + window > row
+    /// (cudnn-frontend's composite diagonal-band node, which the fused engines recognise
+    /// on cuDNN before 9.21: GEN_INDEX of the masked scores, a float ADD, CMP_GT, select).
+    fn band(&mut self, s: T, window: usize, neg_inf: f32) -> R<T> {
+        let i32t = Dt::CUDNN_DATA_INT32;
+        let f32t = Dt::CUDNN_DATA_FLOAT;
+        let row = self.virt(s.dims, s.strides, i32t, "band row index")?;
+        self.pw(
+            Pw::CUDNN_POINTWISE_GEN_INDEX,
+            f32t,
+            &[s],
+            row,
+            Some(2),
+            "gen_row_index",
+        )?;
+        let col = self.virt(s.dims, s.strides, i32t, "band col index")?;
+        self.pw(
+            Pw::CUDNN_POINTWISE_GEN_INDEX,
+            f32t,
+            &[s],
+            col,
+            Some(3),
+            "gen_col_index",
+        )?;
+        let w = self.scalar(WINDOW, window as f32, "window")?;
+        let shifted = self.virt(s.dims, s.strides, f32t, "col + window")?;
+        self.pw(
+            Pw::CUDNN_POINTWISE_ADD,
+            f32t,
+            &[col, w],
+            shifted,
+            None,
+            "col+window",
+        )?;
+        let keep = self.virt(s.dims, s.strides, Dt::CUDNN_DATA_BOOLEAN, "col + window > row")?;
+        self.pw(
+            Pw::CUDNN_POINTWISE_CMP_GT,
+            Dt::CUDNN_DATA_BOOLEAN,
+            &[shifted, row],
+            keep,
+            None,
+            "col+window>row",
+        )?;
+        let ninf = self.scalar(NEG_INF_BAND, neg_inf, "-inf (band)")?;
+        self.pw_new(
+            Pw::CUDNN_POINTWISE_BINARY_SELECT,
+            &[s, ninf, keep],
+            Dt::CUDNN_DATA_FLOAT,
+            Some(s),
+            "band select",
+        )
+    }
+
+    /// The causal mask, then the window's left edge if there is one.
+    fn mask(&mut self, s: T, sh: &Shape, neg_inf: f32) -> R<T> {
+        if !sh.causal {
+            return Ok(s);
+        }
+        let s = self.causal(s, neg_inf)?;
+        if sh.window == 0 {
+            return Ok(s);
+        }
+        self.band(s, sh.window, neg_inf)
+    }
 }
 
 fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
@@ -737,8 +812,14 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
         next: 100,
         scalars: Vec::new(),
     };
+    let dvh = sh.dv as i64;
     let qd = [b, hq, s, d];
     let kd = [b, hk, s, d];
+    // V, O, dO and dV have the value head dim.
+    let vd = [b, hk, s, dvh];
+    let od = [b, hq, s, dvh];
+    let vtd = [b, hk, dvh, s];
+    let vts = [hk * s * dvh, s * dvh, 1, dvh];
     // Kᵀ and Vᵀ: [B,Hkv,D,S] over the BHSD memory.
     let ktd = [b, hk, d, s];
     let kts = [hk * s * d, s * d, 1, d];
@@ -748,12 +829,12 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
     let rs = [hq * s, s, 1, 1];
     let q = g.io(Q, qd, contig(qd), bf, "Q")?;
     let kt = g.io(K, ktd, kts, bf, "K^T")?;
-    let o = g.io(O, qd, contig(qd), bf, "O")?;
+    let o = g.io(O, od, contig(od), bf, "O")?;
     let stats = g.io(STATS, rd, rs, f32t, "Stats")?;
     let scale = g.scalar(SCALE, sh.scale(), "attn scale")?;
     let add = c::cudnnReduceTensorOp_t::CUDNN_REDUCE_TENSOR_ADD;
     if !sh.backward {
-        let v = g.io(V, kd, contig(kd), bf, "V")?;
+        let v = g.io(V, vd, contig(vd), bf, "V")?;
         let s1 = g.virt(sd, ss, f32t, "Q K^T")?;
         g.matmul(q, kt, s1, "bmm1")?;
         let mut sc = g.pw_new(
@@ -763,9 +844,7 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
             None,
             "attn_scale",
         )?;
-        if sh.causal {
-            sc = g.causal(sc, neg_inf)?;
-        }
+        sc = g.mask(sc, &sh, neg_inf)?;
         let m = g.virt(rd, rs, f32t, "row max")?;
         g.reduce(
             c::cudnnReduceTensorOp_t::CUDNN_REDUCE_TENSOR_MAX,
@@ -790,14 +869,14 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
         g.pw(Pw::CUDNN_POINTWISE_DIV, f32t, &[e, z], p, None, "div")?;
         g.matmul(p, v, o, "bmm2")?;
     } else {
-        let vt = g.io(V, ktd, kts, bf, "V^T")?;
-        let d_o = g.io(DO, qd, contig(qd), bf, "dO")?;
+        let vt = g.io(V, vtd, vts, bf, "V^T")?;
+        let d_o = g.io(DO, od, contig(od), bf, "dO")?;
         let dq = g.io(DQ, qd, contig(qd), bf, "dQ")?;
         let dk = g.io(DK, kd, contig(kd), bf, "dK")?;
-        let dv = g.io(DV, kd, contig(kd), bf, "dV")?;
+        let dv = g.io(DV, vd, contig(vd), bf, "dV")?;
         let one = g.scalar(ONE, 1.0, "one")?;
         // Dsum = rowsum(dO * O)
-        let t = g.virt(qd, [hq * s * d, s * d, hq * d, 1], f32t, "dO*O")?;
+        let t = g.virt(od, [hq * s * dvh, s * dvh, hq * dvh, 1], f32t, "dO*O")?;
         g.pw(
             Pw::CUDNN_POINTWISE_MUL,
             f32t,
@@ -828,9 +907,7 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
             "mul_s_attn_scale",
         )?;
         let mut s3 = g.pw_new(Pw::CUDNN_POINTWISE_SUB, &[s2, stats], f32t, None, "sub_s_m")?;
-        if sh.causal {
-            s3 = g.causal(s3, neg_inf)?;
-        }
+        s3 = g.mask(s3, &sh, neg_inf)?;
         let p = g.pw_new(Pw::CUDNN_POINTWISE_EXP, &[s3], f32t, None, "exp_s")?;
         // dV = P^T dO (per q head, then summed over each kv head's group)
         let td = [b, hq, s, s];
@@ -841,7 +918,8 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
         if hq == hk {
             g.matmul(pt, d_o, dv, "matmul_pT_dO")?;
         } else {
-            let dvf = g.virt(full, contig(full), bf, "dV full heads")?;
+            let fullv = [b, hq, s, dvh];
+            let dvf = g.virt(fullv, contig(fullv), bf, "dV full heads")?;
             g.matmul(pt, d_o, dvf, "matmul_pT_dO")?;
             g.reduce(add, dvf, dv, "red_dV_head")?;
         }

@@ -471,48 +471,99 @@ fn ptr_or_null(t: Option<&DevT>) -> u64 {
     t.map(|t| t.ptr).unwrap_or(0)
 }
 
-/// Lowers one node to steps.
-/// Why the CUDA kernels cannot run this `attention` / `attention_grad` (attributes or
-/// shapes they do not implement), or `None` when they can.
-fn attention_unsupported(op: &Op, ins: &[DevT]) -> Option<String> {
-    let (softcap, sinks, lse) = match op {
+/// What an `attention` / `attention_grad` adds to plain attention (docs/attention.md):
+/// soft-capping, sinks, a value head dim different from the query/key one, and the
+/// log-sum-exp as a result. Only Weft's generic kernels implement these; plain attention
+/// keeps cuDNN and the tensor-core kernels.
+#[derive(Clone, Copy, Debug, Default)]
+struct AttnExtras {
+    /// 0 for none.
+    softcap: f32,
+    /// Device pointers, 0 where absent: the sinks operand, the forward's lse result, the
+    /// backward's dlse operand, and the backward's dsinks result (with its dtype).
+    sinks: u64,
+    /// The sinks are f32 (else in q's dtype).
+    sinks_f32: bool,
+    lse_out: u64,
+    dlse: u64,
+    dsinks: Option<(u64, DType)>,
+}
+
+impl AttnExtras {
+    /// None of the attributes only the generic kernels implement (cuDNN also takes a
+    /// value head dim of its own).
+    fn none(&self) -> bool {
+        self.softcap == 0.0 && self.sinks == 0 && self.lse_out == 0 && self.dlse == 0
+    }
+    /// What Weft's tensor-core kernels take: nothing extra, one head dim.
+    fn plain(&self, d: usize, dv: usize) -> bool {
+        self.none() && d == dv
+    }
+}
+
+/// The attention operands and extras of `op` (whose operands are `ins`, results `outs`),
+/// or why the CUDA kernels cannot run it.
+fn attention_parts<'a>(
+    op: &Op,
+    ins: &'a [DevT],
+    outs: &[DevT],
+) -> Result<(Option<&'a DevT>, AttnExtras), String> {
+    let (softcap, sinks_flag, lse_flag, grad) = match op {
         Op::Attention {
-            softcap,
-            sinks,
-            lse,
-            ..
-        }
-        | Op::AttentionGrad {
-            softcap,
-            sinks,
-            lse,
-            ..
-        } => (*softcap, sinks.0, lse.0),
-        _ => return None,
+            softcap, sinks, lse, ..
+        } => (*softcap, sinks.0, lse.0, false),
+        Op::AttentionGrad {
+            softcap, sinks, lse, ..
+        } => (*softcap, sinks.0, lse.0, true),
+        _ => return Err("not an attention".into()),
     };
-    let mut why = Vec::new();
-    if let Some(c) = softcap {
-        why.push(format!("logit soft-capping (softcap={c})"));
+    let ops = op
+        .attention_operands(ins.len())
+        .unwrap_or_else(|| Err("not an attention".into()))?;
+    let mask = ops.mask.map(|i| &ins[i]);
+    let dt = ins[0].dtype;
+    let mut ex = AttnExtras {
+        softcap: softcap.map(|c| c.0 as f32).unwrap_or(0.0),
+        ..Default::default()
+    };
+    if let Some(i) = ops.sinks {
+        if ins[i].dtype != dt && ins[i].dtype != DType::F32 {
+            return Err(format!(
+                "sinks in {} with q in {} (sinks in f32 or in q's dtype)",
+                ins[i].dtype, dt
+            ));
+        }
+        ex.sinks = ins[i].ptr;
+        ex.sinks_f32 = ins[i].dtype == DType::F32;
     }
-    if sinks {
-        why.push("attention sinks".to_string());
+    if let Some(i) = ops.dlse {
+        if ins[i].dtype != DType::F32 {
+            return Err(format!("a {} log-sum-exp gradient (f32 expected)", ins[i].dtype));
+        }
+        ex.dlse = ins[i].ptr;
     }
-    if lse {
-        why.push("the log-sum-exp result (lse=true)".to_string());
+    if lse_flag && !grad {
+        match outs.get(1) {
+            Some(t) if t.dtype == DType::F32 => ex.lse_out = t.ptr,
+            _ => return Err("an lse result that is not f32".into()),
+        }
     }
-    if ins.len() >= 3 && ins[2].shape.last() != ins[0].shape.last() {
-        why.push(format!(
-            "a value head dim ({}) different from the query/key one ({})",
-            ins[2].shape.last().copied().unwrap_or(0),
-            ins[0].shape.last().copied().unwrap_or(0)
+    if sinks_flag && grad {
+        match outs.get(3) {
+            Some(t) => ex.dsinks = Some((t.ptr, t.dtype)),
+            None => return Err("attention_grad with sinks=true but no dsinks result".into()),
+        }
+    }
+    let (d, dv) = (
+        ins[0].shape.last().copied().unwrap_or(0),
+        ins[2].shape.last().copied().unwrap_or(0),
+    );
+    if d > 256 || dv > 256 {
+        return Err(format!(
+            "head dims up to 256 (query/key {d}, value {dv})"
         ));
     }
-    (!why.is_empty()).then(|| {
-        format!(
-            "its kernels do not implement {} yet\nhelp: run with `--backend cpu`",
-            why.join(", ")
-        )
-    })
+    Ok((mask, ex))
 }
 
 fn lower_op(
@@ -999,9 +1050,12 @@ fn lower_op(
             window,
             ..
         } => {
-            if let Some(why) = attention_unsupported(op, ins) {
-                return Err(lw.unsup("this attention", &why));
-            }
+            let (mask, extras) = attention_parts(op, ins, outs).map_err(|why| {
+                lw.unsup(
+                    "this attention",
+                    &format!("its kernels do not implement {why}\nhelp: run with `--backend cpu`"),
+                )
+            })?;
             // Per query row: the log-sum-exp (tensor-core path) or the max and the sum (generic).
             let lse = lw
                 .ex
@@ -1012,12 +1066,13 @@ fn lower_op(
                 &ins[0],
                 &ins[1],
                 &ins[2],
-                ins.get(3),
+                mask,
                 o,
                 lse,
                 *causal,
                 scale.0 as f32,
                 window.unwrap_or(0),
+                &extras,
             )
         }
         Op::AttentionGrad {
@@ -1026,10 +1081,22 @@ fn lower_op(
             window,
             ..
         } => {
-            if let Some(why) = attention_unsupported(op, ins) {
-                return Err(lw.unsup("this attention_grad", &why));
-            }
-            attention_bwd(lw, ins, outs, *causal, scale.0 as f32, window.unwrap_or(0))
+            let (mask, extras) = attention_parts(op, ins, outs).map_err(|why| {
+                lw.unsup(
+                    "this attention_grad",
+                    &format!("its kernels do not implement {why}\nhelp: run with `--backend cpu`"),
+                )
+            })?;
+            attention_bwd(
+                lw,
+                ins,
+                mask,
+                outs,
+                *causal,
+                scale.0 as f32,
+                window.unwrap_or(0),
+                &extras,
+            )
         }
         Op::ShiftLabels { ignore_index } => {
             let l = &ins[0];
@@ -1970,11 +2037,15 @@ fn cudnn_shape(
     v: &DevT,
     mask: Option<&DevT>,
     causal: bool,
+    window: i64,
     scale: f32,
     backward: bool,
 ) -> Option<cudnn_sdpa::Shape> {
     lw.cudnn?;
-    if mask.is_some()
+    // cuDNN's band is the left edge of a causal mask; a window without causal runs on
+    // Weft's kernels, and so does one narrower than FA_MIN_WINDOW (on the H200 with
+    // cuDNN 9.14 a window of 1 gave an infinite dK, as Weft's tensor-core backward did).
+    if mask.is_some() || (window > 0 && (!causal || window < FA_MIN_WINDOW))
         || [q, k, v]
             .iter()
             .any(|t| t.dtype != DType::BF16 || t.rank() != 4)
@@ -1988,18 +2059,22 @@ fn cudnn_shape(
         && sq == sk
         && k.shape[0] == b
         && k.shape[3] == d
-        && v.shape == k.shape
+        && v.shape[..3] == k.shape[..3]
         && nkv > 0
         && nq % nkv == 0
         && d % 8 == 0
-        && d <= 256;
+        && d <= 256
+        && v.shape[3] % 8 == 0
+        && v.shape[3] <= 256;
     ok.then_some(cudnn_sdpa::Shape {
         b,
         hq: nq,
         hkv: nkv,
         s: sq,
         d,
+        dv: v.shape[3],
         causal,
+        window: window.max(0) as usize,
         scale_bits: scale.to_bits(),
         backward,
     })
@@ -2067,6 +2142,7 @@ fn attention_fwd(
     causal: bool,
     scale: f32,
     window: i64,
+    extras: &AttnExtras,
 ) -> CudaResult<()> {
     // A window as long as the keys is no band (and may be too large to count with).
     let window = if window as u64 >= k.shape[2] as u64 {
@@ -2074,21 +2150,21 @@ fn attention_fwd(
     } else {
         window
     };
-    // (the cuDNN graph has no band yet: a window runs on Weft's kernels)
-    if window == 0 {
-        if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, scale, false) {
+    if extras.none() {
+        if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, window, scale, false) {
             if cudnn_fwd(lw, q, k, v, o, lse, sh)? {
                 lw.cudnn_lse.insert(lse);
                 return Ok(());
             }
         }
     }
-    attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale, window)
+    attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale, window, extras)
 }
 
-/// The narrowest window the tensor-core kernels take: below it (a band narrower than
-/// their 64-key tile) the generic kernels run. On an H200 the tensor-core backward gave
-/// non-finite dK for window 1 (session 4), while windows of 64 and more matched the CPU.
+/// The narrowest window the tensor-core kernels and cuDNN take: below it (a band narrower
+/// than their 64-key tile) the generic kernels run. On an H200 the tensor-core backward
+/// (session 4) and cuDNN 9.14's (session 5) gave non-finite dK for window 1, while
+/// windows of 64 and more matched the CPU.
 const FA_MIN_WINDOW: i64 = 64;
 
 /// Weft's own attention forward kernels (tensor-core flash or generic).
@@ -2104,10 +2180,11 @@ fn attention_fwd_weft(
     causal: bool,
     scale: f32,
     window: i64,
+    extras: &AttnExtras,
 ) -> CudaResult<()> {
     let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-    let (nkv, sk) = (k.shape[1], k.shape[2]);
-    if nkv == 0 || nq % nkv != 0 || d > 256 {
+    let (nkv, sk, dv) = (k.shape[1], k.shape[2], v.shape[3]);
+    if nkv == 0 || nq % nkv != 0 || d > 256 || dv > 256 {
         return Err(lw.unsup(
             "attention",
             "q heads must be a multiple of kv heads, head dim at most 256",
@@ -2121,6 +2198,7 @@ fn attention_fwd_weft(
     }
     let fast = lw.fast_attention
         && mask.is_none()
+        && extras.plain(d, dv)
         && q.dtype == DType::BF16
         && (d == 64 || d == 128)
         && (window == 0 || window >= FA_MIN_WINDOW);
@@ -2197,25 +2275,33 @@ fn attention_fwd_weft(
             Arg::I32(causal as i32),
             Arg::I64((b * nq * sq) as i64),
             Arg::I64(window),
+            Arg::I32(dv as i32),
+            Arg::F32(extras.softcap),
+            Arg::P(extras.sinks),
+            Arg::I32(extras.sinks_f32 as i32),
+            Arg::P(extras.lse_out),
         ],
     )?;
     lw.launch(l);
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn attention_bwd(
     lw: &mut Lower,
     ins: &[DevT],
+    mask: Option<&DevT>,
     outs: &[DevT],
     causal: bool,
     scale: f32,
     window: i64,
+    extras: &AttnExtras,
 ) -> CudaResult<()> {
     let (q, k, v, out, dout) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
-    let mask = ins.get(5);
     let (dq, dk, dv) = (&outs[0], &outs[1], &outs[2]);
     let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-    let (nkv, sk) = (k.shape[1], k.shape[2]);
+    let (nkv, sk, vd) = (k.shape[1], k.shape[2], v.shape[3]);
+    let plain = extras.plain(d, vd);
     let rows = (b * nq * sq) as u64;
     let saved = lw.attn_lse.get(&out.ptr).copied();
     // cuDNN's backward, from cuDNN's saved statistics (or a cuDNN forward recomputed to
@@ -2225,8 +2311,8 @@ fn attention_bwd(
     } else {
         window
     };
-    let cudnn = if window == 0 {
-        cudnn_shape(lw, q, k, v, mask, causal, scale, true)
+    let cudnn = if extras.none() {
+        cudnn_shape(lw, q, k, v, mask, causal, window, scale, true)
     } else {
         None
     };
@@ -2288,7 +2374,13 @@ fn attention_bwd(
                 dtype: out.dtype,
                 shape: out.shape.clone(),
             };
-            attention_fwd_weft(lw, q, k, v, mask, &tmp, p, causal, scale, window)?;
+            let recompute = AttnExtras {
+                lse_out: 0,
+                dlse: 0,
+                dsinks: None,
+                ..*extras
+            };
+            attention_fwd_weft(lw, q, k, v, mask, &tmp, p, causal, scale, window, &recompute)?;
             p
         }
     };
@@ -2302,11 +2394,12 @@ fn attention_bwd(
             Arg::P(out.ptr),
             Arg::P(dout.ptr),
             Arg::I64(rows as i64),
-            Arg::I32(d as i32),
+            Arg::I32(vd as i32),
         ],
     )?;
     let fast = lw.fast_attention
         && mask.is_none()
+        && plain
         && q.dtype == DType::BF16
         && (d == 64 || d == 128)
         && (window == 0 || window >= FA_MIN_WINDOW);
@@ -2370,11 +2463,19 @@ fn attention_bwd(
             ],
         );
     }
-    let kv = k.numel();
-    let dk_acc = lw.ex.scratch(lw.stream, kv * 4);
-    let dv_acc = lw.ex.scratch(lw.stream, kv * 4);
-    lw.memset(dk_acc, kv * 4);
-    lw.memset(dv_acc, kv * 4);
+    let (kn, vn) = (k.numel(), v.numel());
+    let dk_acc = lw.ex.scratch(lw.stream, kn * 4);
+    let dv_acc = lw.ex.scratch(lw.stream, vn * 4);
+    lw.memset(dk_acc, kn * 4);
+    lw.memset(dv_acc, vn * 4);
+    let dsinks_acc = match extras.dsinks {
+        Some(_) => {
+            let p = lw.ex.scratch(lw.stream, nq as u64 * 4);
+            lw.memset(p, nq as u64 * 4);
+            p
+        }
+        None => 0,
+    };
     let (mp, mb, mh) = mask_dims(mask);
     let name = kname("attn_bwd_generic", q.dtype)?;
     let l = lw.gpu.launch(
@@ -2404,30 +2505,34 @@ fn attention_bwd(
             Arg::I32(causal as i32),
             Arg::I64(rows as i64),
             Arg::I64(window),
+            Arg::I32(vd as i32),
+            Arg::F32(extras.softcap),
+            Arg::P(extras.sinks),
+            Arg::I32(extras.sinks_f32 as i32),
+            Arg::P(dsinks_acc),
+            Arg::P(extras.dlse),
         ],
     )?;
     lw.launch(l);
-    let name = kname("f32_to", dk.dtype)?;
-    lw.n(
-        name,
-        kv,
-        vec![
-            Arg::P(dk.ptr),
-            Arg::P(dk_acc),
-            Arg::I64(kv as i64),
-            Arg::F32(1.0),
-        ],
-    )?;
-    lw.n(
-        name,
-        kv,
-        vec![
-            Arg::P(dv.ptr),
-            Arg::P(dv_acc),
-            Arg::I64(kv as i64),
-            Arg::F32(1.0),
-        ],
-    )
+    let to = |lw: &mut Lower, out: u64, dt: DType, acc: u64, n: u64| -> CudaResult<()> {
+        let name = kname("f32_to", dt)?;
+        lw.n(
+            name,
+            n,
+            vec![
+                Arg::P(out),
+                Arg::P(acc),
+                Arg::I64(n as i64),
+                Arg::F32(1.0),
+            ],
+        )
+    };
+    to(lw, dk.ptr, dk.dtype, dk_acc, kn)?;
+    to(lw, dv.ptr, dv.dtype, dv_acc, vn)?;
+    if let Some((p, dt)) = extras.dsinks {
+        to(lw, p, dt, dsinks_acc, nq as u64)?;
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------- the executor
