@@ -118,36 +118,26 @@ pub fn compile_cubin(
         message: "source has a NUL byte".into(),
         log: String::new(),
     })?;
-    let name = CString::new("weft_kernels.cu").expect("no NUL");
-    let prog = cudarc::nvrtc::result::create_program(&csrc, Some(&name)).map_err(|e| {
-        CudaError::Nvrtc {
-            message: format!("nvrtcCreateProgram: {:?}", e.0),
-            log: String::new(),
+    // NVRTC's split compilation runs the optimizer over the kernels on every core (the
+    // output is the same program); an NVRTC that does not know the option compiles on
+    // one thread. WEFT_NVRTC_SPLIT=1 forces one thread (to compare cold starts).
+    let threads = match std::env::var("WEFT_NVRTC_SPLIT").ok().and_then(|v| v.parse().ok()) {
+        Some(n) => n,
+        None => 0usize,
+    };
+    let g = if threads == 1 {
+        compile_program(&csrc, &opts, &opt_text)?
+    } else {
+        let mut split = opts.clone();
+        split.push(format!("--split-compile={threads}"));
+        match compile_program(&csrc, &split, &opt_text) {
+            Ok(g) => g,
+            Err(CudaError::Nvrtc { message, .. }) if message.contains("INVALID_OPTION") => {
+                compile_program(&csrc, &opts, &opt_text)?
+            }
+            Err(e) => return Err(e),
         }
-    })?;
-    struct Guard(cudarc::nvrtc::sys::nvrtcProgram);
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            // SAFETY: created above, destroyed once.
-            let _ = unsafe { cudarc::nvrtc::result::destroy_program(self.0) };
-        }
-    }
-    let g = Guard(prog);
-    // SAFETY: prog is a live program.
-    let compiled = unsafe { cudarc::nvrtc::result::compile_program(g.0, &opts) };
-    if let Err(e) = compiled {
-        let log = unsafe { cudarc::nvrtc::result::get_program_log(g.0) }
-            .map(|raw| {
-                unsafe { CStr::from_ptr(raw.as_ptr()) }
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .unwrap_or_default();
-        return Err(CudaError::Nvrtc {
-            message: format!("{:?} with options `{opt_text}`", e.0),
-            log,
-        });
-    }
+    };
     let mut size = 0usize;
     // SAFETY: prog compiled; out-parameter.
     let r = unsafe { cudarc::nvrtc::sys::nvrtcGetCUBINSize(g.0, &mut size) };
@@ -182,6 +172,43 @@ pub fn compile_cubin(
             path,
         },
     ))
+}
+
+/// A compiled NVRTC program (destroyed on drop).
+struct Program(cudarc::nvrtc::sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: created by `compile_program`, destroyed once.
+        let _ = unsafe { cudarc::nvrtc::result::destroy_program(self.0) };
+    }
+}
+
+fn compile_program(src: &CString, opts: &[String], opt_text: &str) -> CudaResult<Program> {
+    let name = CString::new("weft_kernels.cu").expect("no NUL");
+    let prog = cudarc::nvrtc::result::create_program(src, Some(&name)).map_err(|e| {
+        CudaError::Nvrtc {
+            message: format!("nvrtcCreateProgram: {:?}", e.0),
+            log: String::new(),
+        }
+    })?;
+    let g = Program(prog);
+    // SAFETY: prog is a live program.
+    let compiled = unsafe { cudarc::nvrtc::result::compile_program(g.0, opts) };
+    if let Err(e) = compiled {
+        let log = unsafe { cudarc::nvrtc::result::get_program_log(g.0) }
+            .map(|raw| {
+                unsafe { CStr::from_ptr(raw.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .unwrap_or_default();
+        return Err(CudaError::Nvrtc {
+            message: format!("{:?} with options `{opt_text}`", e.0),
+            log,
+        });
+    }
+    Ok(g)
 }
 
 #[cfg(test)]
