@@ -13,7 +13,7 @@ for split in 1 0; do
     t0=$(date +%s.%N)
     line=$(WEFT_CACHE_DIR=$dir WEFT_NVRTC_SPLIT=$split $W run $MODEL --backend cuda --dtype bf16 --steps 1 --seq $SEQ --batch 1 2>&1 | grep -E "kernels [0-9.]+s" | sed -E 's/.*(compile [0-9.]+s, kernels [0-9.]+s \([a-z]+\), load [0-9.]+s).*/\1/')
     t1=$(date +%s.%N)
-    printf 'split=%s %s: wall %.1f s to the end of step 1; %s\n' "$split" "$state" "$(echo "$t1 - $t0" | bc)" "$line"
+    printf 'split=%s %s: wall %.1f s to the end of step 1; %s\n' "$split" "$state" "$(awk "BEGIN{print $t1 - $t0}")" "$line"
   done
   rm -rf "$dir"
 done
