@@ -800,7 +800,7 @@ fn run_cuda(a: &Args) -> CliResult {
         rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
         let total: f64 = rows.iter().map(|r| r.1 .1).sum();
         eprintln!("profile of the last step (device ms by op, {total:.2} ms in all):");
-        for (k, (n, ms)) in rows.iter().take(40) {
+        for (k, (n, ms)) in rows.iter() {
             eprintln!(
                 "  {ms:>9.3} ms {:>5.1}%  {n:>5}x  {k}",
                 100.0 * ms / total.max(1e-9)
