@@ -5,6 +5,7 @@ heads, intermediate 8192, vocab 128256, tied embeddings, rope theta 500000), bf1
 Usage: python bench/torch_llama_step.py --seq 4096 --steps 8 [--compile] [--json out.json]
        [--window 4096 --attn sdpa|flex_attention]   (the same model as MistralForCausalLM
        with HF's sliding-window mask: SDPA with the materialized mask, or FlexAttention)
+       [--config dir/config.json]   (any HF architecture instead, e.g. bench/deepseek_stack)
 Prints tokens/s (median step after warm-up) and peak memory.
 """
 import argparse, json, time, sys
@@ -20,6 +21,7 @@ p.add_argument("--ckpt", action="store_true", help="per-layer activation checkpo
 p.add_argument("--attn", default="sdpa")
 p.add_argument("--json", default=None)
 p.add_argument("--window", type=int, default=None, help="sliding window (MistralForCausalLM, same sizes)")
+p.add_argument("--config", default=None, help="any HF config.json (or its directory) instead of the 1.24B model: the same step on AutoModelForCausalLM.from_config")
 a = p.parse_args()
 
 cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -37,7 +39,13 @@ if a.window is not None:
                                          "original_max_position_embeddings": 8192},
                         use_cache=False, attn_implementation=a.attn)
 torch.manual_seed(0)
-model = (MistralForCausalLM if a.window is not None else LlamaForCausalLM)(cfg).to(device="cuda", dtype=torch.bfloat16).train()
+if a.config is not None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(a.config)
+    cfg.use_cache = False
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=a.attn, dtype=torch.bfloat16).to("cuda").train()
+else:
+    model = (MistralForCausalLM if a.window is not None else LlamaForCausalLM)(cfg).to(device="cuda", dtype=torch.bfloat16).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
 if a.ckpt:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
