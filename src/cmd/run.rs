@@ -827,6 +827,7 @@ fn run_cuda(a: &Args) -> CliResult {
                 "load": ex.load,
                 "load_s": load_s,
                 "compile_s": p.compile_s,
+                "predicted_step_s": p.plan.cost.step_time_s,
                 "memory": mem,
                 "mean_step_s": mean_s,
                 "tokens_per_s": tokens / mean_s,
@@ -850,8 +851,10 @@ fn run_cuda(a: &Args) -> CliResult {
             load_s
         );
         println!(
-            "mean step {:.2} ms, {:.0} tok/s; memory: planned peak {:.2} GiB (arena {:.2} + resident {:.2}), measured {:.2} GiB (runtime extra {:.2} GiB); nccl: {}",
+            "mean step {:.2} ms ({:.2} ms predicted, measured/predicted {:.2}), {:.0} tok/s; memory: planned peak {:.2} GiB (arena {:.2} + resident {:.2}), measured {:.2} GiB (runtime extra {:.2} GiB); nccl: {}",
             mean_s * 1e3,
+            p.plan.cost.step_time_s * 1e3,
+            mean_s / p.plan.cost.step_time_s.max(1e-12),
             tokens / mean_s,
             gib(mem.planned_peak_bytes),
             gib(mem.planned_arena_bytes),
