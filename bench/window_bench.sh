@@ -24,7 +24,7 @@ timeout 120 $W run tests/fixtures/mistral_sw4 --backend cuda --steps 20 --check 
 summary+=("weft run mistral_sw4 20 steps --check 20: rc $? $(grep -c 'check failed' "$OUT/train_mistral_sw4.txt") failures")
 
 WEFT_GPU_BENCH=1 WEFT_GPU_ONLY=nothing timeout 400 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/attn_bench.txt" 2>&1
-grep -E "attention (window|causal) bf16 S=(4096|16384|65536) d=(64|128) 32q/8kv \[(weft|cudnn)" "$OUT/attn_bench.txt" | tee -a "$OUT/attn_rows.txt"
+grep -E "attention (window [0-9]+|causal) bf16 S=(4096|16384|65536) d=(64|128) 32q/8kv \[(weft|cudnn)" "$OUT/attn_bench.txt" | tee -a "$OUT/attn_rows.txt"
 summary+=("attention band TFLOP/s: $(grep -E 'window 4096 bf16 S=65536' "$OUT/attn_bench.txt" | sed -E 's/.*fwd\+bwd[^;]*; //' | tr '\n' ' ')")
 
 for SEQ in $SEQS; do
