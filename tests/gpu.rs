@@ -471,7 +471,7 @@ fn run_gpu(
     attn: Attn,
 ) -> Result<GpuRun, String> {
     use weft_runtime::cuda::{ExecOptions, Executor};
-    let mut o = ExecOptions::default();
+    let mut o = ExecOptions::from_env();
     o.fast_attention = attn != Attn::Generic;
     o.cudnn_attention = attn == Attn::Cudnn;
     o.nccl = false;
@@ -953,7 +953,7 @@ fn window_gpu_steps(
     cpu_runs: &[BTreeMap<String, HostTensor>],
 ) -> Result<(f64, String), String> {
     use weft_runtime::cuda::{ExecOptions, Executor};
-    let mut o = ExecOptions::default();
+    let mut o = ExecOptions::from_env();
     o.nccl = false;
     let mut ex = Executor::new(plan, &o).map_err(|e| e.to_string())?;
     ex.load_params(weights).map_err(|e| e.to_string())?;
@@ -1022,7 +1022,7 @@ fn bench(rows: &mut Vec<String>) {
             nccl: false,
             fast_attention: true,
             cudnn_attention: cudnn,
-            ..ExecOptions::default()
+            ..ExecOptions::from_env()
         };
         let mut ex = Executor::new(&plan, &o).map_err(|e| e.to_string())?;
         ex.init_params_random(1, 0.5).map_err(|e| e.to_string())?;

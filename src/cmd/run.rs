@@ -693,7 +693,7 @@ fn run_cuda(a: &Args) -> CliResult {
     }
     print_header(a, &p);
     write_plan(a, &p)?;
-    let mut opts = ExecOptions::default();
+    let mut opts = ExecOptions::from_env();
     if a.generic_attention {
         opts.fast_attention = false;
     }

@@ -162,13 +162,33 @@ unsafe impl Send for Gpu {}
 pub struct GpuOptions {
     pub ordinal: usize,
     pub cache_dir: PathBuf,
+    /// NVRTC's optimizer threads (`--split-compile`): 0 every core, 1 one thread.
+    pub nvrtc_threads: usize,
 }
 
 impl Default for GpuOptions {
+    /// Device 0, the kernel cache in the system temp dir, NVRTC on every core (no
+    /// environment read; see [`GpuOptions::from_env`]).
     fn default() -> Self {
         GpuOptions {
             ordinal: 0,
+            cache_dir: std::env::temp_dir().join("weft-kernels"),
+            nvrtc_threads: 0,
+        }
+    }
+}
+
+impl GpuOptions {
+    /// The kernel cache from `WEFT_CACHE_DIR` / `XDG_CACHE_HOME` / `HOME`, NVRTC's threads
+    /// from `WEFT_NVRTC_SPLIT` (1 compiles on one thread).
+    pub fn from_env() -> Self {
+        GpuOptions {
+            ordinal: 0,
             cache_dir: nvrtc::default_cache_dir(),
+            nvrtc_threads: std::env::var("WEFT_NVRTC_SPLIT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
         }
     }
 }
@@ -183,7 +203,13 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         ctx.bind_to_thread().ck("cuCtxSetCurrent")?;
         let (bin, compile) =
-            nvrtc::compile_cubin(KERNEL_SOURCE, info.compute_capability, &opts.cache_dir, &[])?;
+            nvrtc::compile_cubin(
+                KERNEL_SOURCE,
+                info.compute_capability,
+                &opts.cache_dir,
+                &[],
+                opts.nvrtc_threads,
+            )?;
         // SAFETY: `bin` is a cubin NVRTC produced for this device.
         let module = unsafe { dr::module::load_data(bin.as_ptr() as *const c_void) }
             .ck("cuModuleLoadData")?;

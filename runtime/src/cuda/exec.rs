@@ -9,6 +9,7 @@
 use super::comm::{self, Comms, LaunchEnv};
 use super::cudnn_sdpa;
 use super::device::{err_flag_text, Arg, DevBuf, Event, Gpu, GpuOptions, Launch, Pinned, Stream};
+use super::tuning::Tuning;
 use super::error::{CudaError, CudaResult};
 use super::gemm::{Gemm, GemmShape};
 use super::layout::{self, code, fsuffix};
@@ -19,6 +20,9 @@ use std::sync::Arc;
 use weft_ir::attrs::{CmpOp, ReduceOp, Reduction, RopeScaling};
 use weft_ir::plan::{Category, ExecutionPlan};
 use weft_ir::{Bindings, DType, Graph, HostTensor, Node, Op};
+
+mod attention;
+use attention::{attention_bwd, attention_fwd, attention_parts};
 
 /// How to run.
 #[derive(Clone, Debug)]
@@ -39,6 +43,8 @@ pub struct ExecOptions {
     /// Create NCCL communicators even for one rank (checks NCCL works).
     pub nccl: bool,
     pub gemm_workspace: usize,
+    /// Kernel variants and profiling (read once from the environment by `from_env`).
+    pub tuning: Tuning,
 }
 
 /// `WEFT_ATTENTION` -> (`fast_attention`, `cudnn_attention`): unset, `auto` or `cudnn`:
@@ -53,15 +59,33 @@ fn attention_choice(v: Option<&str>) -> (bool, bool) {
 }
 
 impl Default for ExecOptions {
+    /// cuDNN and tensor-core attention, the default knobs, the kernel cache in the system
+    /// temp dir: the same everywhere (no environment read).
     fn default() -> Self {
-        let env = std::env::var("WEFT_ATTENTION").ok();
         ExecOptions {
             gpu: GpuOptions::default(),
-            fast_attention: attention_choice(env.as_deref()).0,
-            cudnn_attention: attention_choice(env.as_deref()).1,
+            fast_attention: true,
+            cudnn_attention: true,
             allow_tf32: false,
             nccl: true,
             gemm_workspace: 64 << 20,
+            tuning: Tuning::default(),
+        }
+    }
+}
+
+impl ExecOptions {
+    /// The defaults with what the environment asks for: `WEFT_ATTENTION`, the kernel
+    /// cache (`WEFT_CACHE_DIR`, ...), `WEFT_NVRTC_SPLIT` and the [`Tuning`] knobs.
+    pub fn from_env() -> Self {
+        let (fast_attention, cudnn_attention) =
+            attention_choice(std::env::var("WEFT_ATTENTION").ok().as_deref());
+        ExecOptions {
+            gpu: GpuOptions::from_env(),
+            fast_attention,
+            cudnn_attention,
+            tuning: Tuning::from_env(),
+            ..ExecOptions::default()
         }
     }
 }
@@ -206,6 +230,7 @@ pub struct LoadReport {
 
 pub struct Executor {
     gemm: Gemm,
+    tuning: Tuning,
     pub plan: ExecutionPlan,
     pub graph: Graph,
     pub env: LaunchEnv,
@@ -315,6 +340,7 @@ struct Lower<'a> {
     stream: usize,
     ins: u32,
     fast_attention: bool,
+    tuning: Tuning,
     /// Saved log-sum-exp of attention forwards by output pointer: the output a backward
     /// reads is the one its forward wrote (q, k, v may be recomputed copies elsewhere).
     attn_lse: HashMap<u64, u64>,
@@ -469,101 +495,6 @@ fn norm(d: i64, rank: usize) -> CudaResult<usize> {
 
 fn ptr_or_null(t: Option<&DevT>) -> u64 {
     t.map(|t| t.ptr).unwrap_or(0)
-}
-
-/// What an `attention` / `attention_grad` adds to plain attention (docs/attention.md):
-/// soft-capping, sinks, a value head dim different from the query/key one, and the
-/// log-sum-exp as a result. Only Weft's generic kernels implement these; plain attention
-/// keeps cuDNN and the tensor-core kernels.
-#[derive(Clone, Copy, Debug, Default)]
-struct AttnExtras {
-    /// 0 for none.
-    softcap: f32,
-    /// Device pointers, 0 where absent: the sinks operand, the forward's lse result, the
-    /// backward's dlse operand, and the backward's dsinks result (with its dtype).
-    sinks: u64,
-    /// The sinks are f32 (else in q's dtype).
-    sinks_f32: bool,
-    lse_out: u64,
-    dlse: u64,
-    dsinks: Option<(u64, DType)>,
-}
-
-impl AttnExtras {
-    /// None of the attributes only the generic kernels implement (cuDNN also takes a
-    /// value head dim of its own).
-    fn none(&self) -> bool {
-        self.softcap == 0.0 && self.sinks == 0 && self.lse_out == 0 && self.dlse == 0
-    }
-    /// What Weft's tensor-core kernels take: nothing extra, one head dim.
-    fn plain(&self, d: usize, dv: usize) -> bool {
-        self.none() && d == dv
-    }
-}
-
-/// The attention operands and extras of `op` (whose operands are `ins`, results `outs`),
-/// or why the CUDA kernels cannot run it.
-fn attention_parts<'a>(
-    op: &Op,
-    ins: &'a [DevT],
-    outs: &[DevT],
-) -> Result<(Option<&'a DevT>, AttnExtras), String> {
-    let (softcap, sinks_flag, lse_flag, grad) = match op {
-        Op::Attention {
-            softcap, sinks, lse, ..
-        } => (*softcap, sinks.0, lse.0, false),
-        Op::AttentionGrad {
-            softcap, sinks, lse, ..
-        } => (*softcap, sinks.0, lse.0, true),
-        _ => return Err("not an attention".into()),
-    };
-    let ops = op
-        .attention_operands(ins.len())
-        .unwrap_or_else(|| Err("not an attention".into()))?;
-    let mask = ops.mask.map(|i| &ins[i]);
-    let dt = ins[0].dtype;
-    let mut ex = AttnExtras {
-        softcap: softcap.map(|c| c.0 as f32).unwrap_or(0.0),
-        ..Default::default()
-    };
-    if let Some(i) = ops.sinks {
-        if ins[i].dtype != dt && ins[i].dtype != DType::F32 {
-            return Err(format!(
-                "sinks in {} with q in {} (sinks in f32 or in q's dtype)",
-                ins[i].dtype, dt
-            ));
-        }
-        ex.sinks = ins[i].ptr;
-        ex.sinks_f32 = ins[i].dtype == DType::F32;
-    }
-    if let Some(i) = ops.dlse {
-        if ins[i].dtype != DType::F32 {
-            return Err(format!("a {} log-sum-exp gradient (f32 expected)", ins[i].dtype));
-        }
-        ex.dlse = ins[i].ptr;
-    }
-    if lse_flag && !grad {
-        match outs.get(1) {
-            Some(t) if t.dtype == DType::F32 => ex.lse_out = t.ptr,
-            _ => return Err("an lse result that is not f32".into()),
-        }
-    }
-    if sinks_flag && grad {
-        match outs.get(3) {
-            Some(t) => ex.dsinks = Some((t.ptr, t.dtype)),
-            None => return Err("attention_grad with sinks=true but no dsinks result".into()),
-        }
-    }
-    let (d, dv) = (
-        ins[0].shape.last().copied().unwrap_or(0),
-        ins[2].shape.last().copied().unwrap_or(0),
-    );
-    if d > 256 || dv > 256 {
-        return Err(format!(
-            "head dims up to 256 (query/key {d}, value {dv})"
-        ));
-    }
-    Ok((mask, ex))
 }
 
 fn lower_op(
@@ -2020,521 +1951,6 @@ fn rms8_kernel(x: &DevT, w: &DevT, h: u64, base: &str) -> Option<&'static str> {
     })
 }
 
-fn mask_dims(mask: Option<&DevT>) -> (u64, i32, i32) {
-    match mask {
-        Some(m) => (m.ptr, m.shape[0] as i32, m.shape[1] as i32),
-        None => (0, 1, 1),
-    }
-}
-
-/// The cuDNN graph for this attention, when cuDNN is selected and can take it: bf16
-/// BHSD q/k/v, no mask, Sq == Sk, head dim a multiple of 8 up to 256, GQA or MHA.
-#[allow(clippy::too_many_arguments)]
-fn cudnn_shape(
-    lw: &Lower,
-    q: &DevT,
-    k: &DevT,
-    v: &DevT,
-    mask: Option<&DevT>,
-    causal: bool,
-    window: i64,
-    scale: f32,
-    backward: bool,
-) -> Option<cudnn_sdpa::Shape> {
-    lw.cudnn?;
-    // cuDNN's band is the left edge of a causal mask; a window without causal runs on
-    // Weft's kernels, and so does one narrower than FA_MIN_WINDOW (on the H200 with
-    // cuDNN 9.14 a window of 1 gave an infinite dK, as Weft's tensor-core backward did).
-    if mask.is_some() || (window > 0 && (!causal || window < FA_MIN_WINDOW))
-        || [q, k, v]
-            .iter()
-            .any(|t| t.dtype != DType::BF16 || t.rank() != 4)
-    {
-        return None;
-    }
-    let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-    let (nkv, sk) = (k.shape[1], k.shape[2]);
-    let ok = b > 0
-        && sq > 0
-        && sq == sk
-        && k.shape[0] == b
-        && k.shape[3] == d
-        && v.shape[..3] == k.shape[..3]
-        && nkv > 0
-        && nq % nkv == 0
-        && d % 8 == 0
-        && d <= 256
-        && v.shape[3] % 8 == 0
-        && v.shape[3] <= 256;
-    ok.then_some(cudnn_sdpa::Shape {
-        b,
-        hq: nq,
-        hkv: nkv,
-        s: sq,
-        d,
-        dv: v.shape[3],
-        causal,
-        window: window.max(0) as usize,
-        scale_bits: scale.to_bits(),
-        backward,
-    })
-}
-
-fn cudnn_plan(lw: &Lower, shape: cudnn_sdpa::Shape) -> Option<Arc<cudnn_sdpa::Plan>> {
-    lw.cudnn?
-        .borrow_mut()
-        .plan_or_report(shape, lw.stream, &lw.location)
-}
-
-/// Pushes one cuDNN execution (in the second lowering pass; the first only sizes).
-fn cudnn_push(lw: &mut Lower, plan: Arc<cudnn_sdpa::Plan>, p: &cudnn_sdpa::Ptrs) -> CudaResult<()> {
-    if lw.ex.sizing() {
-        return Ok(());
-    }
-    let e = cudnn_sdpa::Exec::new(plan, p).map_err(|e| {
-        CudaError::Plan(format!(
-            "cuDNN attention in {}: building the variant pack failed: {e}",
-            lw.location
-        ))
-    })?;
-    lw.push(StepKind::Cudnn(Arc::new(e)));
-    Ok(())
-}
-
-/// cuDNN's forward into `o` and `stats` (f32 natural-log log-sum-exp [B,Hq,S,1]); false
-/// when cuDNN cannot run it (nothing emitted).
-fn cudnn_fwd(
-    lw: &mut Lower,
-    q: &DevT,
-    k: &DevT,
-    v: &DevT,
-    o: &DevT,
-    stats: u64,
-    shape: cudnn_sdpa::Shape,
-) -> CudaResult<bool> {
-    let Some(plan) = cudnn_plan(lw, shape) else {
-        return Ok(false);
-    };
-    let workspace = lw.ex.scratch(lw.stream, plan.workspace);
-    let p = cudnn_sdpa::Ptrs {
-        q: q.ptr,
-        k: k.ptr,
-        v: v.ptr,
-        o: o.ptr,
-        stats,
-        workspace,
-        ..Default::default()
-    };
-    cudnn_push(lw, plan, &p)?;
-    Ok(true)
-}
-
-/// Attention forward: cuDNN's fused kernel where selected and possible, else Weft's.
-#[allow(clippy::too_many_arguments)]
-fn attention_fwd(
-    lw: &mut Lower,
-    q: &DevT,
-    k: &DevT,
-    v: &DevT,
-    mask: Option<&DevT>,
-    o: &DevT,
-    lse: u64,
-    causal: bool,
-    scale: f32,
-    window: i64,
-    extras: &AttnExtras,
-) -> CudaResult<()> {
-    // A window as long as the keys is no band (and may be too large to count with).
-    let window = if window as u64 >= k.shape[2] as u64 {
-        0
-    } else {
-        window
-    };
-    if extras.none() {
-        if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, window, scale, false) {
-            if cudnn_fwd(lw, q, k, v, o, lse, sh)? {
-                lw.cudnn_lse.insert(lse);
-                return Ok(());
-            }
-        }
-    }
-    attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale, window, extras)
-}
-
-/// The narrowest window the tensor-core kernels and cuDNN take: below it (a band narrower
-/// than their 64-key tile) the generic kernels run. On an H200 the tensor-core backward
-/// (session 4) and cuDNN 9.14's (session 5) gave non-finite dK for window 1, while
-/// windows of 64 and more matched the CPU.
-const FA_MIN_WINDOW: i64 = 64;
-
-/// Weft's own attention forward kernels (tensor-core flash or generic).
-#[allow(clippy::too_many_arguments)]
-fn attention_fwd_weft(
-    lw: &mut Lower,
-    q: &DevT,
-    k: &DevT,
-    v: &DevT,
-    mask: Option<&DevT>,
-    o: &DevT,
-    lse: u64,
-    causal: bool,
-    scale: f32,
-    window: i64,
-    extras: &AttnExtras,
-) -> CudaResult<()> {
-    let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-    let (nkv, sk, dv) = (k.shape[1], k.shape[2], v.shape[3]);
-    if nkv == 0 || nq % nkv != 0 || d > 256 || dv > 256 {
-        return Err(lw.unsup(
-            "attention",
-            "q heads must be a multiple of kv heads, head dim at most 256",
-        ));
-    }
-    if mask.is_some_and(|m| m.dtype != DType::Bool) {
-        return Err(lw.unsup(
-            "attention with a non-bool mask",
-            "the mask is a bool keep-mask",
-        ));
-    }
-    let fast = lw.fast_attention
-        && mask.is_none()
-        && extras.plain(d, dv)
-        && q.dtype == DType::BF16
-        && (d == 64 || d == 128)
-        && (window == 0 || window >= FA_MIN_WINDOW);
-    if fast {
-        // WEFT_FA_WARPS=8: 128 query rows per block (8 warps) instead of 64.
-        // Head dim 64: two 16-row m-tiles per warp (128 rows per block) unless WEFT_FA_FWD=m1.
-        let nw: usize = if std::env::var("WEFT_FA_WARPS").as_deref() == Ok("8") {
-            8
-        } else {
-            4
-        };
-        let mt: usize = if d == 64 && nw == 4 && std::env::var("WEFT_FA_FWD").as_deref() != Ok("m1")
-        {
-            2
-        } else {
-            1
-        };
-        let name = match (d, nw, mt) {
-            (64, 4, 2) => "fa_fwd_d64_m2",
-            (64, 4, _) => "fa_fwd_d64",
-            (64, _, _) => "fa_fwd_d64_w8",
-            (_, 4, _) => "fa_fwd_d128",
-            _ => "fa_fwd_d128_w8",
-        };
-        let br = 16 * nw * mt;
-        let smem = (br + 4 * 64) * (d + 8) * 2;
-        let grid = (sq.div_ceil(br) as u32, nq as u32, b as u32);
-        let l = lw.gpu.launch(
-            name,
-            grid,
-            (32 * nw as u32, 1, 1),
-            smem as u32,
-            vec![
-                Arg::P(o.ptr),
-                Arg::P(lse),
-                Arg::P(q.ptr),
-                Arg::P(k.ptr),
-                Arg::P(v.ptr),
-                Arg::I32(nq as i32),
-                Arg::I32(nkv as i32),
-                Arg::I64(sq as i64),
-                Arg::I64(sk as i64),
-                Arg::F32(scale * std::f32::consts::LOG2_E),
-                Arg::I32(causal as i32),
-                Arg::I64(window),
-            ],
-        )?;
-        lw.launch(l);
-        return Ok(());
-    }
-    let (mp, mb, mh) = mask_dims(mask);
-    let name = kname("attn_fwd_generic", q.dtype)?;
-    let grid = (sq.div_ceil(4) as u32, nq as u32, b as u32);
-    let l = lw.gpu.launch(
-        name,
-        grid,
-        (128, 1, 1),
-        0,
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(lse),
-            Arg::P(q.ptr),
-            Arg::P(k.ptr),
-            Arg::P(v.ptr),
-            Arg::P(mp),
-            Arg::I32(mb),
-            Arg::I32(mh),
-            Arg::I32(nq as i32),
-            Arg::I32(nkv as i32),
-            Arg::I64(sq as i64),
-            Arg::I64(sk as i64),
-            Arg::I32(d as i32),
-            Arg::F32(scale),
-            Arg::I32(causal as i32),
-            Arg::I64((b * nq * sq) as i64),
-            Arg::I64(window),
-            Arg::I32(dv as i32),
-            Arg::F32(extras.softcap),
-            Arg::P(extras.sinks),
-            Arg::I32(extras.sinks_f32 as i32),
-            Arg::P(extras.lse_out),
-        ],
-    )?;
-    lw.launch(l);
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attention_bwd(
-    lw: &mut Lower,
-    ins: &[DevT],
-    mask: Option<&DevT>,
-    outs: &[DevT],
-    causal: bool,
-    scale: f32,
-    window: i64,
-    extras: &AttnExtras,
-) -> CudaResult<()> {
-    let (q, k, v, out, dout) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
-    let (dq, dk, dv) = (&outs[0], &outs[1], &outs[2]);
-    let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-    let (nkv, sk, vd) = (k.shape[1], k.shape[2], v.shape[3]);
-    let plain = extras.plain(d, vd);
-    let rows = (b * nq * sq) as u64;
-    let saved = lw.attn_lse.get(&out.ptr).copied();
-    // cuDNN's backward, from cuDNN's saved statistics (or a cuDNN forward recomputed to
-    // scratch when the forward's were not kept): never mixed with Weft's log2 statistics.
-    let window = if window as u64 >= k.shape[2] as u64 {
-        0
-    } else {
-        window
-    };
-    let cudnn = if extras.none() {
-        cudnn_shape(lw, q, k, v, mask, causal, window, scale, true)
-    } else {
-        None
-    };
-    if let Some(sh) = cudnn {
-        let from_cudnn = saved.is_some_and(|p| lw.cudnn_lse.contains(&p));
-        if saved.is_none() || from_cudnn {
-            if let Some(plan) = cudnn_plan(lw, sh) {
-                let stats = match saved {
-                    Some(p) => Some(p),
-                    None => {
-                        let p = lw.ex.scratch(lw.stream, rows * 4);
-                        let tmp = DevT {
-                            ptr: lw.ex.scratch(lw.stream, out.bytes()),
-                            dtype: out.dtype,
-                            shape: out.shape.clone(),
-                        };
-                        let fsh = cudnn_sdpa::Shape {
-                            backward: false,
-                            ..sh
-                        };
-                        cudnn_fwd(lw, q, k, v, &tmp, p, fsh)?.then_some(p)
-                    }
-                };
-                if let Some(stats) = stats {
-                    let dsum = lw.ex.scratch(lw.stream, rows * 4);
-                    let dq_acc = lw.ex.scratch(lw.stream, rows * d as u64 * 4);
-                    let workspace = lw.ex.scratch(lw.stream, plan.workspace);
-                    // Before cuDNN 9.6 the caller zeroes the dQ accumulator.
-                    if lw.cudnn.is_some_and(|c| c.borrow().version < 90600) {
-                        lw.memset(dq_acc, rows * d as u64 * 4);
-                    }
-                    let p = cudnn_sdpa::Ptrs {
-                        q: q.ptr,
-                        k: k.ptr,
-                        v: v.ptr,
-                        o: out.ptr,
-                        stats,
-                        d_o: dout.ptr,
-                        dq: dq.ptr,
-                        dk: dk.ptr,
-                        dv: dv.ptr,
-                        dsum,
-                        dq_acc,
-                        workspace,
-                    };
-                    return cudnn_push(lw, plan, &p);
-                }
-            }
-        }
-    }
-    // Weft's kernels: the forward's log-sum-exp, or recompute it (the output goes to
-    // scratch), also when the saved one is cuDNN's.
-    let lse = match saved {
-        Some(p) if !lw.cudnn_lse.contains(&p) => p,
-        _ => {
-            let p = lw.ex.scratch(lw.stream, rows * 8);
-            let tmp = DevT {
-                ptr: lw.ex.scratch(lw.stream, out.bytes()),
-                dtype: out.dtype,
-                shape: out.shape.clone(),
-            };
-            let recompute = AttnExtras {
-                lse_out: 0,
-                dlse: 0,
-                dsinks: None,
-                ..*extras
-            };
-            attention_fwd_weft(lw, q, k, v, mask, &tmp, p, causal, scale, window, &recompute)?;
-            p
-        }
-    };
-    let delta = lw.ex.scratch(lw.stream, rows * 4);
-    let name = kname("attn_delta", q.dtype)?;
-    lw.warps(
-        name,
-        rows,
-        vec![
-            Arg::P(delta),
-            Arg::P(out.ptr),
-            Arg::P(dout.ptr),
-            Arg::I64(rows as i64),
-            Arg::I32(vd as i32),
-        ],
-    )?;
-    let fast = lw.fast_attention
-        && mask.is_none()
-        && plain
-        && q.dtype == DType::BF16
-        && (d == 64 || d == 128)
-        && (window == 0 || window >= FA_MIN_WINDOW);
-    if fast {
-        let dq_acc = lw.ex.scratch(lw.stream, rows * d as u64 * 4);
-        lw.memset(dq_acc, rows * d as u64 * 4);
-        // Keys per block: 64 (4 warps) for head dim 64, 128 (8 warps: half the dQ atomics
-        // and Q/dO loads per FLOP) for 128, as measured on an H200; WEFT_FA_BWD_WARPS=4|8
-        // overrides.
-        let nw: usize = match std::env::var("WEFT_FA_BWD_WARPS").as_deref() {
-            Ok("4") => 4,
-            Ok("8") => 8,
-            _ if d == 64 => 4,
-            _ => 8,
-        };
-        // Head dim 64, 4 warps: K/V/dS fragments held in registers unless WEFT_FA_BWD=plain.
-        let hoist = std::env::var("WEFT_FA_BWD").as_deref() != Ok("plain");
-        let name = match (d, nw) {
-            (64, 4) if hoist => "fa_bwd_d64_h",
-            (64, 4) => "fa_bwd_d64",
-            (64, _) => "fa_bwd_d64_w8",
-            (_, 4) => "fa_bwd_d128",
-            _ => "fa_bwd_d128_w8",
-        };
-        let bk = 16 * nw;
-        let smem = (2 * bk * (d + 8) + 4 * 64 * (d + 8) + bk * 72) * 2 + 512;
-        let l = lw.gpu.launch(
-            name,
-            ((nkv * b) as u32, sk.div_ceil(bk) as u32, 1),
-            (32 * nw as u32, 1, 1),
-            smem as u32,
-            vec![
-                Arg::P(dq_acc),
-                Arg::P(dk.ptr),
-                Arg::P(dv.ptr),
-                Arg::P(q.ptr),
-                Arg::P(k.ptr),
-                Arg::P(v.ptr),
-                Arg::P(dout.ptr),
-                Arg::P(lse),
-                Arg::P(delta),
-                Arg::I32(nq as i32),
-                Arg::I32(nkv as i32),
-                Arg::I64(sq as i64),
-                Arg::I64(sk as i64),
-                Arg::F32(scale),
-                Arg::I32(causal as i32),
-                Arg::I64(window),
-            ],
-        )?;
-        lw.launch(l);
-        let name = kname("f32_to", dq.dtype)?;
-        return lw.n(
-            name,
-            dq.numel(),
-            vec![
-                Arg::P(dq.ptr),
-                Arg::P(dq_acc),
-                Arg::I64(dq.numel() as i64),
-                Arg::F32(1.0),
-            ],
-        );
-    }
-    let (kn, vn) = (k.numel(), v.numel());
-    let dk_acc = lw.ex.scratch(lw.stream, kn * 4);
-    let dv_acc = lw.ex.scratch(lw.stream, vn * 4);
-    lw.memset(dk_acc, kn * 4);
-    lw.memset(dv_acc, vn * 4);
-    let dsinks_acc = match extras.dsinks {
-        Some(_) => {
-            let p = lw.ex.scratch(lw.stream, nq as u64 * 4);
-            lw.memset(p, nq as u64 * 4);
-            p
-        }
-        None => 0,
-    };
-    let (mp, mb, mh) = mask_dims(mask);
-    let name = kname("attn_bwd_generic", q.dtype)?;
-    let l = lw.gpu.launch(
-        name,
-        (sq.div_ceil(4) as u32, nq as u32, b as u32),
-        (128, 1, 1),
-        0,
-        vec![
-            Arg::P(dq.ptr),
-            Arg::P(dk_acc),
-            Arg::P(dv_acc),
-            Arg::P(q.ptr),
-            Arg::P(k.ptr),
-            Arg::P(v.ptr),
-            Arg::P(dout.ptr),
-            Arg::P(lse),
-            Arg::P(delta),
-            Arg::P(mp),
-            Arg::I32(mb),
-            Arg::I32(mh),
-            Arg::I32(nq as i32),
-            Arg::I32(nkv as i32),
-            Arg::I64(sq as i64),
-            Arg::I64(sk as i64),
-            Arg::I32(d as i32),
-            Arg::F32(scale),
-            Arg::I32(causal as i32),
-            Arg::I64(rows as i64),
-            Arg::I64(window),
-            Arg::I32(vd as i32),
-            Arg::F32(extras.softcap),
-            Arg::P(extras.sinks),
-            Arg::I32(extras.sinks_f32 as i32),
-            Arg::P(dsinks_acc),
-            Arg::P(extras.dlse),
-        ],
-    )?;
-    lw.launch(l);
-    let to = |lw: &mut Lower, out: u64, dt: DType, acc: u64, n: u64| -> CudaResult<()> {
-        let name = kname("f32_to", dt)?;
-        lw.n(
-            name,
-            n,
-            vec![
-                Arg::P(out),
-                Arg::P(acc),
-                Arg::I64(n as i64),
-                Arg::F32(1.0),
-            ],
-        )
-    };
-    to(lw, dk.ptr, dk.dtype, dk_acc, kn)?;
-    to(lw, dv.ptr, dv.dtype, dv_acc, vn)?;
-    if let Some((p, dt)) = extras.dsinks {
-        to(lw, p, dt, dsinks_acc, nq as u64)?;
-    }
-    Ok(())
-}
-
 // ---------------------------------------------------------------- the executor
 
 impl Executor {
@@ -2965,6 +2381,7 @@ impl Executor {
                 stream: 0,
                 ins: 0,
                 fast_attention: opts.fast_attention,
+                tuning: opts.tuning,
                 attn_lse: HashMap::new(),
                 cudnn: cudnn.as_ref(),
                 cudnn_lse: HashSet::new(),
@@ -3096,6 +2513,7 @@ impl Executor {
         };
         Ok(Executor {
             gemm,
+            tuning: opts.tuning,
             plan: plan.clone(),
             graph,
             env,
@@ -3258,7 +2676,7 @@ impl Executor {
             .map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
         }
         // Profiling (WEFT_PROFILE): an event before each instruction's work on stream 0.
-        let profiling = std::env::var("WEFT_PROFILE").is_ok();
+        let profiling = self.tuning.profile;
         let mut marks: Vec<(u32, Event)> = Vec::new();
         let mut last_ins = u32::MAX;
         for i in 0..self.steps.len() {

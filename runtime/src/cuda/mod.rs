@@ -21,7 +21,7 @@
 //! # fn f(plan: &weft_ir::ExecutionPlan, w: &std::collections::BTreeMap<String, weft_ir::HostTensor>,
 //! #      x: &std::collections::BTreeMap<String, weft_ir::HostTensor>) -> Result<(), weft_runtime::cuda::CudaError> {
 //! use weft_runtime::cuda::{Executor, ExecOptions};
-//! let mut ex = Executor::new(plan, &ExecOptions::default())?;
+//! let mut ex = Executor::new(plan, &ExecOptions::from_env())?;
 //! ex.load_params(w)?;
 //! ex.set_inputs(x)?;
 //! let t = ex.run_step()?;
@@ -38,12 +38,14 @@ pub mod gemm;
 pub mod layout;
 pub mod nvrtc;
 pub mod probe;
+pub mod tuning;
 
 pub use comm::LaunchEnv;
 pub use device::{Gpu, GpuOptions};
 pub use error::{CudaError, CudaResult};
 pub use exec::{DevT, ExecOptions, Executor, LoadReport, MemoryUse, StepTiming};
 pub use probe::{probe, DeviceInfo};
+pub use tuning::Tuning;
 
 /// A one-line answer to "can the CUDA backend run here?", without panicking.
 pub fn availability() -> Result<DeviceInfo, CudaError> {

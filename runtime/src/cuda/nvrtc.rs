@@ -75,6 +75,7 @@ pub fn compile_cubin(
     cc: (i32, i32),
     cache_dir: &Path,
     extra_opts: &[String],
+    threads: usize,
 ) -> CudaResult<(Vec<u8>, CompileReport)> {
     let t0 = std::time::Instant::now();
     let includes = include_dirs();
@@ -118,13 +119,9 @@ pub fn compile_cubin(
         message: "source has a NUL byte".into(),
         log: String::new(),
     })?;
-    // NVRTC's split compilation runs the optimizer over the kernels on every core (the
-    // output is the same program); an NVRTC that does not know the option compiles on
-    // one thread. WEFT_NVRTC_SPLIT=1 forces one thread (to compare cold starts).
-    let threads = match std::env::var("WEFT_NVRTC_SPLIT").ok().and_then(|v| v.parse().ok()) {
-        Some(n) => n,
-        None => 0usize,
-    };
+    // NVRTC's split compilation runs the optimizer over the kernels on `threads` cores
+    // (0: every core; the output is the same program); an NVRTC that does not know the
+    // option compiles on one thread. 1 is one thread (to compare cold starts).
     let g = if threads == 1 {
         compile_program(&csrc, &opts, &opt_text)?
     } else {

@@ -1,0 +1,96 @@
+//! Tuning knobs of the CUDA runtime. They are read from the environment once, by
+//! [`Tuning::from_env`] (which `ExecOptions::from_env` calls), and carried to lowering and
+//! the executor in `ExecOptions`: no code below reads the environment itself, and
+//! `ExecOptions::default()` is the same on every machine.
+
+/// Kernel variants and instrumentation that measurements chose defaults for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// `WEFT_FA_WARPS=8`: 8 warps (128 query rows) per tensor-core forward block, not 4.
+    pub fa_fwd_warps: usize,
+    /// `WEFT_FA_FWD=m1`: one 16-row m-tile per warp in the head-dim-64 forward (default two).
+    pub fa_fwd_one_mtile: bool,
+    /// `WEFT_FA_BWD_WARPS=4|8`: warps per tensor-core backward block (default: 4 for head
+    /// dim 64, 8 for 128, as measured on an H200).
+    pub fa_bwd_warps: Option<usize>,
+    /// `WEFT_FA_BWD=plain`: the head-dim-64 backward without K/V/dS held in registers.
+    pub fa_bwd_plain: bool,
+    /// `WEFT_PROFILE` (any value): device time per instruction of each step.
+    pub profile: bool,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            fa_fwd_warps: 4,
+            fa_fwd_one_mtile: false,
+            fa_bwd_warps: None,
+            fa_bwd_plain: false,
+            profile: false,
+        }
+    }
+}
+
+impl Tuning {
+    /// The knobs from `WEFT_FA_WARPS`, `WEFT_FA_FWD`, `WEFT_FA_BWD_WARPS`, `WEFT_FA_BWD`
+    /// and `WEFT_PROFILE`; unknown values keep the default.
+    pub fn from_env() -> Tuning {
+        Tuning::from_vars(|k| std::env::var(k).ok())
+    }
+
+    fn from_vars(get: impl Fn(&str) -> Option<String>) -> Tuning {
+        let d = Tuning::default();
+        Tuning {
+            fa_fwd_warps: match get("WEFT_FA_WARPS").as_deref() {
+                Some("8") => 8,
+                _ => d.fa_fwd_warps,
+            },
+            fa_fwd_one_mtile: get("WEFT_FA_FWD").as_deref() == Some("m1"),
+            fa_bwd_warps: match get("WEFT_FA_BWD_WARPS").as_deref() {
+                Some("4") => Some(4),
+                Some("8") => Some(8),
+                _ => None,
+            },
+            fa_bwd_plain: get("WEFT_FA_BWD").as_deref() == Some("plain"),
+            profile: get("WEFT_PROFILE").is_some(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn knobs_parse_and_unknown_values_keep_defaults() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(Tuning::from_vars(vars(&[])), Tuning::default());
+        let t = Tuning::from_vars(vars(&[
+            ("WEFT_FA_WARPS", "8"),
+            ("WEFT_FA_FWD", "m1"),
+            ("WEFT_FA_BWD_WARPS", "4"),
+            ("WEFT_FA_BWD", "plain"),
+            ("WEFT_PROFILE", "1"),
+        ]));
+        assert_eq!(
+            t,
+            Tuning {
+                fa_fwd_warps: 8,
+                fa_fwd_one_mtile: true,
+                fa_bwd_warps: Some(4),
+                fa_bwd_plain: true,
+                profile: true
+            }
+        );
+        let t = Tuning::from_vars(vars(&[("WEFT_FA_WARPS", "5"), ("WEFT_FA_BWD_WARPS", "x")]));
+        assert_eq!(t.fa_fwd_warps, 4);
+        assert_eq!(t.fa_bwd_warps, None);
+    }
+}
