@@ -295,6 +295,89 @@ fn f16_round(x: f32) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{ModelConfig, NormPlacement, QkNorm};
+    use weft_ir::{Float, RopeScaling};
+
+    fn parse(json: &str) -> Result<ModelConfig, String> {
+        ModelConfig::from_json_str(json, "config.json").map_err(|e| e.to_string())
+    }
+
+    const GEMMA3_LEGACY: &str = r#"{"model_type": "gemma3_text", "num_hidden_layers": 7,
+        "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "vocab_size": 100,
+        "rope_theta": 500000.0, "rope_local_base_freq": 20000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "sliding_window": 9,
+        "sliding_window_pattern": 3}"#;
+
+    #[test]
+    fn gemma3_legacy_keys_and_defaults() {
+        let c = parse(GEMMA3_LEGACY).unwrap();
+        assert_eq!(c.rope.theta, 500000.0);
+        assert_eq!(
+            c.rope.scaling,
+            RopeScaling::Linear {
+                factor: Float(4.0)
+            }
+        );
+        let local = c.local_rope.clone().unwrap();
+        assert_eq!((local.theta, local.scaling), (20000.0, RopeScaling::None));
+        // every 3rd layer global
+        let w = Some(9);
+        assert_eq!(c.layer_windows, vec![w, w, None, w, w, None, w]);
+        // Gemma3TextConfig's defaults
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.intermediate_size, 9216);
+        assert_eq!(c.num_key_value_heads, 4);
+        assert_eq!((c.attn_softcap, c.final_softcap), (None, None));
+        assert_eq!(c.multipliers.attention_scale, Some(256f64.powf(-0.5)));
+        assert_eq!(c.multipliers.embedding, 8.0);
+        assert_eq!(c.activation, Activation::GeluTanh);
+        assert_eq!(c.qk_norm, QkNorm::PerHead);
+        assert_eq!(c.norm_placement, NormPlacement::Sandwich);
+        // the transformers 5 form of the same ropes
+        let v5 = GEMMA3_LEGACY.replace(
+            r#""rope_theta": 500000.0, "rope_local_base_freq": 20000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},"#,
+            r#""rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}},"#,
+        );
+        assert_ne!(v5, GEMMA3_LEGACY);
+        assert_eq!(parse(&v5).unwrap(), c);
+    }
+
+    #[test]
+    fn gemma2_defaults() {
+        let c = parse(r#"{"model_type": "gemma2", "num_hidden_layers": 3}"#).unwrap();
+        assert_eq!((c.attn_softcap, c.final_softcap), (Some(50.0), Some(30.0)));
+        assert_eq!(c.layer_windows, vec![Some(4096), None, Some(4096)]);
+        assert_eq!((c.head_dim, c.vocab_size, c.rope.theta), (256, 256000, 10000.0));
+        assert!(c.local_rope.is_none() && c.tie_word_embeddings);
+        assert_eq!(c.qk_norm, QkNorm::None);
+        // null is HF's None, not the default
+        let c = parse(r#"{"model_type": "gemma2", "num_hidden_layers": 2, "final_logit_softcapping": null, "attn_logit_softcapping": null}"#).unwrap();
+        assert_eq!((c.attn_softcap, c.final_softcap), (None, None));
+    }
+
+    #[test]
+    fn gemma_refusals_name_the_field() {
+        let base = r#"{"model_type": "gemma3_text", "num_hidden_layers": 2"#;
+        for (extra, field) in [
+            (r#", "use_bidirectional_attention": true"#, "use_bidirectional_attention"),
+            (r#", "attn_logit_softcapping": 50.0"#, "attn_logit_softcapping"),
+            (r#", "final_logit_softcapping": 0"#, "final_logit_softcapping"),
+            (r#", "hidden_activation": "relu""#, "hidden_activation"),
+            (r#", "hidden_act": "silu""#, "hidden_act"),
+            (r#", "query_pre_attn_scalar": 0"#, "query_pre_attn_scalar"),
+            (r#", "sliding_window_pattern": 0"#, "sliding_window_pattern"),
+            (r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}"#, "rope_parameters.rope_theta"),
+            (r#", "sliding_window": null"#, "layer_types"),
+            (r#", "attention_dropout": 0.1"#, "attention_dropout"),
+        ] {
+            let e = parse(&format!("{base}{extra}}}")).unwrap_err();
+            assert!(e.contains(&format!("`{field}`")), "{extra}: {e}");
+        }
+        // hidden_act naming the same function is fine (the published gemma-2 configs)
+        parse(&format!(r#"{base}, "hidden_act": "gelu_pytorch_tanh"}}"#)).unwrap();
+    }
 
     #[test]
     fn embedding_scale_rounds_like_torch() {
