@@ -513,7 +513,26 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
         env.insert(ph.clone(), LV::T(v));
         param_names.push(target.clone());
     }
-    for ph in lw.consts.keys() {
+    for (ph, t) in &lw.consts {
+        // A one-element float buffer (gemma's `embed_scale`) is a constant: `full`.
+        if t.dtype.is_float() && t.numel() == 1 {
+            let ty = TensorType::new(t.dtype, t.shape.iter().map(|&d| Dim::from(d)).collect());
+            g.set_scope(Some("model"));
+            if let Ok(v) = g.add(
+                Op::Full {
+                    value: weft_ir::Float(t.to_f64()[0]),
+                    ty,
+                },
+                &[],
+            ) {
+                lw.report.notes.push(format!(
+                    "buffer `{ph}` (one element, {}) read as a constant",
+                    t.to_f64()[0]
+                ));
+                env.insert(ph.clone(), LV::T(v));
+                continue;
+            }
+        }
         env.insert(
             ph.clone(),
             LV::Err(std::rc::Rc::new(Pt2Error::UnsupportedOp {
