@@ -213,23 +213,38 @@ impl<'c> Builder<'c> {
             dim: rope.rotary_dim as i64,
             scaling: rope.scaling,
         };
-        let cs = self.ops(table(&self.cfg.rope), &[pos])?;
-        let global = (cs[0], cs[1]);
-        // gemma3: sliding-window layers rotate with their own base.
-        let local = match &self.cfg.local_rope {
-            Some(r) if *r != self.cfg.rope => {
+        // gemma3: sliding-window layers rotate with their own base; each table is built
+        // only if a layer reads it.
+        let windows = &self.cfg.layer_windows;
+        let local_rope = self
+            .cfg
+            .local_rope
+            .as_ref()
+            .filter(|r| **r != self.cfg.rope && windows.iter().any(Option::is_some));
+        let all_local = local_rope.is_some() && windows.iter().all(Option::is_some);
+        let global = match all_local {
+            true => None,
+            false => {
+                let cs = self.ops(table(&self.cfg.rope), &[pos])?;
+                Some((cs[0], cs[1]))
+            }
+        };
+        let local = match local_rope {
+            Some(r) => {
                 let cs = self.ops(table(r), &[pos])?;
                 Some((cs[0], cs[1]))
             }
-            _ => None,
+            None => None,
         };
 
         for i in 0..self.cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let sliding = self.cfg.layer_windows.get(i).copied().flatten().is_some();
-            let (cos, sin) = match local {
-                Some(l) if sliding => l,
-                _ => global,
+            let (cos, sin) = match (local, global) {
+                (Some(l), _) if sliding => l,
+                (_, Some(g)) => g,
+                (Some(l), None) => l,
+                (None, None) => unreachable!("the global table is built when no local one is"),
             };
             let residual = self.cfg.multipliers.residual;
             let a = match self.cfg.norm_placement {
