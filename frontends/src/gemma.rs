@@ -344,6 +344,41 @@ mod tests {
         assert_eq!(parse(&v5).unwrap(), c);
     }
 
+    /// In bf16 the norm runs as HF's: x and w cast to f32, `1 + w` in f32, one rounding
+    /// of the product back to bf16; the embedding scale is sqrt(hidden) rounded to bf16.
+    #[test]
+    fn bf16_norms_compute_in_f32_and_the_embedding_scale_is_rounded() {
+        use weft_ir::Op;
+        let c = parse(r#"{"model_type": "gemma3_text", "num_hidden_layers": 2, "hidden_size": 3072, "head_dim": 64, "vocab_size": 10, "intermediate_size": 8, "torch_dtype": "bfloat16"}"#).unwrap();
+        let g = crate::build::build_graph("g", &c).unwrap();
+        let mut norms = 0;
+        for &n in g.nodes() {
+            match &g.node(n).op {
+                Op::Scale { factor } if g.node(n).meta.source.as_deref() == Some("model.embed_tokens") => {
+                    assert_eq!(factor.0, 55.5)
+                }
+                Op::RmsNorm { .. } => {
+                    norms += 1;
+                    let (x, w) = (g.node(n).operands[0], g.node(n).operands[1]);
+                    assert_eq!((g.ty(x).dtype, g.ty(w).dtype), (DType::F32, DType::F32));
+                    assert!(matches!(g.op_of(x), Op::Cast { dtype: DType::F32 }));
+                    let w_def = g.node(g.def(w));
+                    assert!(matches!(w_def.op, Op::AddScalar { value } if value.0 == 1.0));
+                    assert!(matches!(g.op_of(w_def.operands[0]), Op::Cast { dtype: DType::F32 }));
+                    let users: Vec<_> = g
+                        .nodes()
+                        .iter()
+                        .filter(|&&u| g.node(u).operands.contains(&g.node(n).results[0]))
+                        .map(|&u| g.node(u).op.clone())
+                        .collect();
+                    assert_eq!(users, vec![Op::Cast { dtype: DType::BF16 }]);
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(norms, 2 * 6 + 1);
+    }
+
     #[test]
     fn gemma2_defaults() {
         let c = parse(r#"{"model_type": "gemma2", "num_hidden_layers": 3}"#).unwrap();
