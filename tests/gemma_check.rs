@@ -188,6 +188,22 @@ fn weft_check_train_on_gemma_meshes() {
         assert_eq!(v["ok"], true, "{model} {mesh}: {v}");
         assert!(v["max_rel_err_grads"].as_f64().unwrap() < 1e-12, "{out}");
     }
+    // The .pt2 path (tests/gemma_pt2.rs matches these archives to HF).
+    for (archive, family, mesh) in [
+        ("gemma2_eager", "gemma2", "sp=2"),
+        ("gemma2_eager", "gemma2", "tp=2"),
+        ("gemma3", "gemma3", "sp=2,tp=2"),
+    ] {
+        let model = format!("tests/fixtures/pt2/{archive}.pt2");
+        let config = format!("tests/fixtures/{family}/config.json");
+        let (code, out, err) = weft(&[
+            "check", &model, "--config", &config, "--mesh", mesh, "--train", "--json",
+        ]);
+        assert_eq!(code, 0, "{archive} {mesh}: {out}{err}");
+        let v = json(&out);
+        assert_eq!(v["ok"], true, "{archive} {mesh}: {v}");
+        assert!(v["max_rel_err_grads"].as_f64().unwrap() < 1e-12, "{out}");
+    }
 }
 
 /// The soft-capped attention through expert parallelism: the mixtral fixture with a
