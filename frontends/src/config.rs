@@ -187,7 +187,7 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// RMSNorm of q and k (qwen3 per head, olmo2 over the whole projection).
     pub qk_norm: QkNorm,
-    /// Pre-norm (most families) or post-norm (olmo2) blocks.
+    /// Pre-norm (most families), post-norm (olmo2) or both (gemma) blocks.
     pub norm_placement: NormPlacement,
     /// Granite's embedding, residual, attention and logit multipliers; Gemma's embedding
     /// scale (`sqrt(hidden_size)` in the parameter dtype) and `query_pre_attn_scalar^-0.5`.

@@ -128,6 +128,12 @@ pub(crate) fn parse(
     head_dim: usize,
     dtype: DType,
 ) -> Result<GemmaFields, FrontendError> {
+    if f.obj.get("head_dim").is_some_and(Value::is_null) {
+        return Err(f.err(
+            "head_dim",
+            "is null: HF's Gemma attention sizes its projections with head_dim itself (it does not derive it from hidden_size); give the head dimension",
+        ));
+    }
     if f.opt_bool("use_bidirectional_attention")?.unwrap_or(false) {
         return Err(f.err(
             "use_bidirectional_attention",
@@ -406,6 +412,7 @@ mod tests {
             (r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}"#, "rope_parameters.rope_theta"),
             (r#", "sliding_window": null"#, "layer_types"),
             (r#", "attention_dropout": 0.1"#, "attention_dropout"),
+            (r#", "head_dim": null"#, "head_dim"),
         ] {
             let e = parse(&format!("{base}{extra}}}")).unwrap_err();
             assert!(e.contains(&format!("`{field}`")), "{extra}: {e}");
