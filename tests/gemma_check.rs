@@ -42,7 +42,11 @@ fn config_fields_reach_the_graph() {
     let s10 = 10f64.powf(-0.5);
     assert_eq!(
         attentions(&g),
-        vec![(Some(5), None, s10), (None, None, s10), (Some(5), None, s10)]
+        vec![
+            (Some(5), None, s10),
+            (None, None, s10),
+            (Some(5), None, s10)
+        ]
     );
     // Two rope tables: the global one (theta 1e6, linear x8) and the local one (1e4).
     let tables: Vec<(f64, String)> = g
@@ -224,12 +228,15 @@ fn soft_capped_attention_on_expert_parallel_meshes() {
             seq: Some(16),
             ..Default::default()
         };
-        let (g, _) =
-            training_step(&graph, mesh, &opts).unwrap_or_else(|e| panic!("`{mesh}`: {e}"));
+        let (g, _) = training_step(&graph, mesh, &opts).unwrap_or_else(|e| panic!("`{mesh}`: {e}"));
         assert!(
-            g.nodes()
-                .iter()
-                .any(|&n| matches!(g.node(n).op, Op::AttentionGrad { softcap: Some(_), .. })),
+            g.nodes().iter().any(|&n| matches!(
+                g.node(n).op,
+                Op::AttentionGrad {
+                    softcap: Some(_),
+                    ..
+                }
+            )),
             "`{mesh}`: the backward keeps the soft-cap"
         );
         let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))

@@ -80,7 +80,9 @@ fn gemma_archives_recognise_every_block() {
         let layers = if *family == "gemma2" { 2 } else { 3 };
         let want_cap = (*family == "gemma2").then_some(2.0);
         assert_eq!(
-            count(&|o| matches!(o, Op::Attention { causal: true, softcap, .. } if softcap.map(|c| c.0) == want_cap)),
+            count(
+                &|o| matches!(o, Op::Attention { causal: true, softcap, .. } if softcap.map(|c| c.0) == want_cap)
+            ),
             layers,
             "{name}: attention\n{}",
             im.report
@@ -91,10 +93,17 @@ fn gemma_archives_recognise_every_block() {
         for &n in g.nodes() {
             if let Op::RmsNorm { .. } = g.node(n).op {
                 let w = g.node(n).operands[1];
-                assert!(matches!(g.op_of(w), Op::AddScalar { value } if value.0 == 1.0), "{name}");
+                assert!(
+                    matches!(g.op_of(w), Op::AddScalar { value } if value.0 == 1.0),
+                    "{name}"
+                );
             }
         }
-        assert_eq!(count(&|o| matches!(o, Op::Gelu { tanh_approx: true })), layers, "{name}");
+        assert_eq!(
+            count(&|o| matches!(o, Op::Gelu { tanh_approx: true })),
+            layers,
+            "{name}"
+        );
         assert_eq!(count(&|o| matches!(o, Op::Softmax { .. })), 0, "{name}");
         // the embedding scale and the final soft-cap (scale, tanh, scale)
         assert_eq!(count(&|o| matches!(o, Op::Tanh {})), 1, "{name}");
@@ -121,7 +130,10 @@ fn gemma_import_matches_config_build() {
         );
         for out in ["loss", "logits"] {
             let e = rel_err(&ri.outputs[out], &rb.outputs[out]);
-            assert!(e < 1e-9, "{name}: {out} differs from the config build by {e}");
+            assert!(
+                e < 1e-9,
+                "{name}: {out} differs from the config build by {e}"
+            );
         }
         for (p, g) in &rb.grads {
             let e = rel_err(&ri.grads[p], g);
@@ -144,8 +156,12 @@ fn gemma_imports_on_sp_and_tp_meshes() {
         for mesh in ["sp=2", "tp=2", "dp=2,sp=2,tp=2"] {
             let mesh = Mesh::parse(mesh).unwrap();
             let mut g = im.graph.clone();
-            run_pipeline(&mut g, &PassContext::new(mesh.clone()), &default_pipeline(&mesh))
-                .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+            run_pipeline(
+                &mut g,
+                &PassContext::new(mesh.clone()),
+                &default_pipeline(&mesh),
+            )
+            .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
             let got = run64(&g, &im.weights, &ins);
             for out in ["loss", "logits"] {
                 let e = rel_err(&got.outputs[out], &reference.outputs[out]);

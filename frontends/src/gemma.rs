@@ -141,7 +141,7 @@ pub(crate) fn parse(
         ));
     }
     if let Some(v) = f.get("sliding_window_pattern") {
-        if !v.as_u64().is_some_and(|p| p > 0) {
+        if v.as_u64().is_none_or(|p| p == 0) {
             return Err(f.err(
                 "sliding_window_pattern",
                 format!("must be a positive integer, got {v}"),
@@ -156,7 +156,9 @@ pub(crate) fn parse(
             Some(c) if c.is_finite() && c > 0.0 => Ok(Some(c)),
             Some(c) => Err(f.err(
                 key,
-                format!("must be a positive number or null, got {c} (the logits are divided by it)"),
+                format!(
+                    "must be a positive number or null, got {c} (the logits are divided by it)"
+                ),
             )),
         }
     };
@@ -234,9 +236,12 @@ pub(crate) fn parse_gemma3_ropes(
 }
 
 fn parse_activation(f: &Fields) -> Result<Activation, FrontendError> {
-    let name = f
-        .opt_str("hidden_activation")?
-        .ok_or_else(|| f.err("hidden_activation", "is null; HF's Gemma MLP needs an activation"))?;
+    let name = f.opt_str("hidden_activation")?.ok_or_else(|| {
+        f.err(
+            "hidden_activation",
+            "is null; HF's Gemma MLP needs an activation",
+        )
+    })?;
     let act = activation_named(name).ok_or_else(|| {
         f.err(
             "hidden_activation",
@@ -318,12 +323,7 @@ mod tests {
     fn gemma3_legacy_keys_and_defaults() {
         let c = parse(GEMMA3_LEGACY).unwrap();
         assert_eq!(c.rope.theta, 500000.0);
-        assert_eq!(
-            c.rope.scaling,
-            RopeScaling::Linear {
-                factor: Float(4.0)
-            }
-        );
+        assert_eq!(c.rope.scaling, RopeScaling::Linear { factor: Float(4.0) });
         let local = c.local_rope.clone().unwrap();
         assert_eq!((local.theta, local.scaling), (20000.0, RopeScaling::None));
         // every 3rd layer global
@@ -360,7 +360,9 @@ mod tests {
         let mut norms = 0;
         for &n in g.nodes() {
             match &g.node(n).op {
-                Op::Scale { factor } if g.node(n).meta.source.as_deref() == Some("model.embed_tokens") => {
+                Op::Scale { factor }
+                    if g.node(n).meta.source.as_deref() == Some("model.embed_tokens") =>
+                {
                     assert_eq!(factor.0, 55.5)
                 }
                 Op::RmsNorm { .. } => {
@@ -370,7 +372,10 @@ mod tests {
                     assert!(matches!(g.op_of(x), Op::Cast { dtype: DType::F32 }));
                     let w_def = g.node(g.def(w));
                     assert!(matches!(w_def.op, Op::AddScalar { value } if value.0 == 1.0));
-                    assert!(matches!(g.op_of(w_def.operands[0]), Op::Cast { dtype: DType::F32 }));
+                    assert!(matches!(
+                        g.op_of(w_def.operands[0]),
+                        Op::Cast { dtype: DType::F32 }
+                    ));
                     let users: Vec<_> = g
                         .nodes()
                         .iter()
@@ -390,7 +395,10 @@ mod tests {
         let c = parse(r#"{"model_type": "gemma2", "num_hidden_layers": 3}"#).unwrap();
         assert_eq!((c.attn_softcap, c.final_softcap), (Some(50.0), Some(30.0)));
         assert_eq!(c.layer_windows, vec![Some(4096), None, Some(4096)]);
-        assert_eq!((c.head_dim, c.vocab_size, c.rope.theta), (256, 256000, 10000.0));
+        assert_eq!(
+            (c.head_dim, c.vocab_size, c.rope.theta),
+            (256, 256000, 10000.0)
+        );
         assert!(c.local_rope.is_none() && c.tie_word_embeddings);
         assert_eq!(c.qk_norm, QkNorm::None);
         // null is HF's None, not the default
@@ -402,14 +410,26 @@ mod tests {
     fn gemma_refusals_name_the_field() {
         let base = r#"{"model_type": "gemma3_text", "num_hidden_layers": 2"#;
         for (extra, field) in [
-            (r#", "use_bidirectional_attention": true"#, "use_bidirectional_attention"),
-            (r#", "attn_logit_softcapping": 50.0"#, "attn_logit_softcapping"),
-            (r#", "final_logit_softcapping": 0"#, "final_logit_softcapping"),
+            (
+                r#", "use_bidirectional_attention": true"#,
+                "use_bidirectional_attention",
+            ),
+            (
+                r#", "attn_logit_softcapping": 50.0"#,
+                "attn_logit_softcapping",
+            ),
+            (
+                r#", "final_logit_softcapping": 0"#,
+                "final_logit_softcapping",
+            ),
             (r#", "hidden_activation": "relu""#, "hidden_activation"),
             (r#", "hidden_act": "silu""#, "hidden_act"),
             (r#", "query_pre_attn_scalar": 0"#, "query_pre_attn_scalar"),
             (r#", "sliding_window_pattern": 0"#, "sliding_window_pattern"),
-            (r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}"#, "rope_parameters.rope_theta"),
+            (
+                r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}"#,
+                "rope_parameters.rope_theta",
+            ),
             (r#", "sliding_window": null"#, "layer_types"),
             (r#", "attention_dropout": 0.1"#, "attention_dropout"),
             (r#", "head_dim": null"#, "head_dim"),

@@ -53,7 +53,12 @@ fn gemma3_unit_offset_qk_norm_snapshot() {
         .find(|(n, _)| n == "model.layers.0.self_attn.q_norm.weight")
         .unwrap()
         .1;
-    let why = g.node(g.def(q_norm)).meta.provenance.as_ref().map(|p| p.reason.clone());
+    let why = g
+        .node(g.def(q_norm))
+        .meta
+        .provenance
+        .as_ref()
+        .map(|p| p.reason.clone());
     assert!(
         why.as_deref().is_some_and(|w| w.contains("grad_allreduce")),
         "{why:?}"
