@@ -148,6 +148,14 @@ pub(crate) fn parse(
             ));
         }
     }
+    if f.has("rope_parameters") && f.has("rope_scaling") {
+        // HF merges one into the other (gemma3: rope_scaling into full_attention; gemma2:
+        // rope_scaling replaces rope_parameters); one of them is a leftover.
+        return Err(f.err(
+            "rope_scaling",
+            "is given beside rope_parameters; HF merges them by rules that differ between families; keep one (transformers 5 writes rope_parameters)",
+        ));
+    }
     let activation = parse_activation(f)?;
     let scalar = f.positive_f64("query_pre_attn_scalar")?;
     let softcap = |key: &str| -> Result<Option<f64>, FrontendError> {
@@ -433,6 +441,10 @@ mod tests {
             (r#", "sliding_window": null"#, "layer_types"),
             (r#", "attention_dropout": 0.1"#, "attention_dropout"),
             (r#", "head_dim": null"#, "head_dim"),
+            (
+                r#", "rope_parameters": {"full_attention": {"rope_type": "default"}}, "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+                "rope_scaling",
+            ),
         ] {
             let e = parse(&format!("{base}{extra}}}")).unwrap_err();
             assert!(e.contains(&format!("`{field}`")), "{extra}: {e}");
