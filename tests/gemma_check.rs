@@ -192,6 +192,27 @@ fn weft_check_train_on_gemma_meshes() {
         assert_eq!(v["ok"], true, "{model} {mesh}: {v}");
         assert!(v["max_rel_err_grads"].as_f64().unwrap() < 1e-12, "{out}");
     }
+    // With recompute, ZeRO-3 (the (1 + w) weights gathered before add_scalar), micro-batches
+    // and Ulysses over more ranks than kv heads.
+    for (model, mesh, extra) in [
+        (
+            "tests/fixtures/gemma2",
+            "dp=2,sp=2",
+            &["--checkpoint", "full", "--zero", "3"][..],
+        ),
+        (
+            "tests/fixtures/gemma3",
+            "dp=2,tp=2",
+            &["--checkpoint", "selective", "--micro-batches", "2"][..],
+        ),
+        ("tests/fixtures/gemma2", "sp=4", &[][..]),
+    ] {
+        let mut args = vec!["check", model, "--mesh", mesh, "--train", "--json"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = weft(&args);
+        assert_eq!(code, 0, "{model} {mesh} {extra:?}: {out}{err}");
+        assert_eq!(json(&out)["ok"], true, "{model} {mesh} {extra:?}: {out}");
+    }
     // The .pt2 path (tests/gemma_pt2.rs matches these archives to HF).
     for (archive, family, mesh) in [
         ("gemma2_eager", "gemma2", "sp=2"),
