@@ -174,3 +174,29 @@ fn gemma_imports_on_sp_and_tp_meshes() {
         }
     }
 }
+
+/// transformers' SDPA path drops Gemma 2's attention soft-cap: such an archive imports as
+/// the program it is (no cap, so it is not HF's eager model), and the report says so.
+#[test]
+fn sdpa_archive_without_the_cap_is_noted() {
+    let im = imp("gemma2", "gemma2");
+    assert!(im.graph.nodes().iter().all(|&n| !matches!(
+        im.graph.node(n).op,
+        Op::Attention {
+            softcap: Some(_),
+            ..
+        }
+    )));
+    assert!(
+        im.report
+            .notes
+            .iter()
+            .any(|n| n.contains("attn_logit_softcapping 2") && n.contains("eager")),
+        "{}",
+        im.report
+    );
+    let reference =
+        weft_frontends::read_safetensors(&fixture("gemma2").join("reference.safetensors")).unwrap();
+    let r = run64(&im.graph, &im.weights, &inputs("gemma2"));
+    assert!(rel_err(&r.outputs["logits"], &reference["logits"]) > 1e-3);
+}
