@@ -686,6 +686,9 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
         // MoE load-balancing loss (output_router_logits): one_hot, token sums, ce/aux outputs.
         ("tests/fixtures/mixtral_aux", None, 2e-4),
         ("llama-tiny", Some(DType::BF16), 3e-2),
+        // Gemma 3 (no attention soft-cap): (1 + w) norms, GELU-tanh, two rope tables,
+        // the final-logit soft-cap (scale, tanh, scale).
+        ("gemma3-tiny", None, 2e-4),
     ] {
         let name = format!(
             "model {preset}{} forward{}",

@@ -5,6 +5,7 @@
 
 use crate::error::FrontendError;
 use crate::fields::Fields;
+pub use crate::gemma::Activation;
 use weft_ir::{DType, Float, RopeScaling};
 
 /// The architecture family, from `model_type`.
@@ -19,6 +20,9 @@ pub enum Family {
     Qwen3Moe,
     Olmo2,
     Granite,
+    Gemma2,
+    /// Gemma 3's text model (`Gemma3ForCausalLM`).
+    Gemma3Text,
     /// A graph read from weft text IR (no config).
     WeftIr,
 }
@@ -35,6 +39,8 @@ impl Family {
         "qwen3_moe",
         "olmo2",
         "granite",
+        "gemma2",
+        "gemma3_text",
     ];
 
     /// The name used in reports: the HF `model_type`, or `weft-ir`.
@@ -49,6 +55,8 @@ impl Family {
             Family::Qwen3Moe => "qwen3_moe",
             Family::Olmo2 => "olmo2",
             Family::Granite => "granite",
+            Family::Gemma2 => "gemma2",
+            Family::Gemma3Text => "gemma3_text",
             Family::WeftIr => "weft-ir",
         }
     }
@@ -64,6 +72,8 @@ impl Family {
             "qwen3_moe" => Family::Qwen3Moe,
             "olmo2" => Family::Olmo2,
             "granite" => Family::Granite,
+            "gemma2" => Family::Gemma2,
+            "gemma3_text" => Family::Gemma3Text,
             _ => return None,
         })
     }
@@ -103,6 +113,10 @@ pub enum NormPlacement {
     /// `x + norm(attn(x))`, `x + norm(mlp(x))` (olmo2: `post_attention_layernorm`,
     /// `post_feedforward_layernorm`).
     Post,
+    /// Both (gemma2, gemma3): `x + post(attn(input(x)))` with `input_layernorm` and
+    /// `post_attention_layernorm`, `x + post(mlp(pre(x)))` with `pre_feedforward_layernorm`
+    /// and `post_feedforward_layernorm`.
+    Sandwich,
 }
 
 /// Granite's scalar multipliers; all 1 (and the attention scale `head_dim^-0.5`) elsewhere.
@@ -173,10 +187,22 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// RMSNorm of q and k (qwen3 per head, olmo2 over the whole projection).
     pub qk_norm: QkNorm,
-    /// Pre-norm (most families) or post-norm (olmo2) blocks.
+    /// Pre-norm (most families), post-norm (olmo2) or both (gemma) blocks.
     pub norm_placement: NormPlacement,
-    /// Granite's embedding, residual, attention and logit multipliers.
+    /// Granite's embedding, residual, attention and logit multipliers; Gemma's embedding
+    /// scale (`sqrt(hidden_size)` in the parameter dtype) and `query_pre_attn_scalar^-0.5`.
     pub multipliers: Multipliers,
+    /// The MLP's activation (`hidden_act`; Gemma's `hidden_activation`).
+    pub activation: Activation,
+    /// Gemma's RMSNorm: `x * (1 + w)`, computed in f32 (weights stored around 0).
+    pub norm_unit_offset: bool,
+    /// `attn_logit_softcapping` (gemma2): attention scores become `c * tanh(s / c)`.
+    pub attn_softcap: Option<f64>,
+    /// `final_logit_softcapping` (gemma2, gemma3): logits become `c * tanh(logits / c)`.
+    pub final_softcap: Option<f64>,
+    /// The rope of sliding-window layers where it differs from `rope` (gemma3's
+    /// `rope_local_base_freq` / `rope_parameters.sliding_attention`).
+    pub local_rope: Option<RopeConfig>,
     /// One `qkv_proj` and one `gate_up_proj` (phi3).
     pub fused_projections: bool,
     pub moe: Option<MoeConfig>,
@@ -207,7 +233,10 @@ impl ModelConfig {
             file: file.to_string(),
             message: "expected a JSON object at the top level".into(),
         })?;
-        parse(&Fields::new(obj, file))
+        // Gemma's classes fill absent keys with their own defaults (tied embeddings,
+        // the sliding/full pattern, soft-caps).
+        let with_defaults = crate::gemma::with_defaults(obj);
+        parse(&Fields::new(with_defaults.as_ref().unwrap_or(obj), file))
     }
 
     /// True when layer `i` has a sparse (mixture-of-experts) MLP.
@@ -265,8 +294,22 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         }
     };
     let rms_norm_eps = f.positive_f64("rms_norm_eps")?;
-    let rope = parse_rope(f, head_dim)?;
-    if let Some(act) = f.opt_str("hidden_act")? {
+    let rope = match family {
+        Family::Gemma3Text => crate::gemma::parse_gemma3_ropes(f, head_dim)?.0,
+        _ => parse_rope(f, head_dim)?,
+    };
+    let gemma = if crate::gemma::is_gemma(family) {
+        Some(crate::gemma::parse(
+            f,
+            family,
+            hidden_size,
+            head_dim,
+            parse_dtype(f)?,
+        )?)
+    } else {
+        None
+    };
+    if let (None, Some(act)) = (&gemma, f.opt_str("hidden_act")?) {
         if act != "silu" {
             return Err(f.err(
                 "hidden_act",
@@ -290,16 +333,25 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
 
     let (qkv_bias, o_bias) = match family {
-        Family::Llama | Family::Qwen3 | Family::Qwen3Moe | Family::Olmo2 | Family::Granite => {
-            (attention_bias, attention_bias)
-        }
+        Family::Llama
+        | Family::Qwen3
+        | Family::Qwen3Moe
+        | Family::Olmo2
+        | Family::Granite
+        | Family::Gemma2
+        | Family::Gemma3Text => (attention_bias, attention_bias),
         Family::Qwen2 => (true, false),
         _ => (false, false),
     };
     let mlp_bias = matches!(family, Family::Llama | Family::Granite)
         && f.opt_bool("mlp_bias")?.unwrap_or(false);
-    let multipliers = match family {
-        Family::Granite => parse_granite_multipliers(f)?,
+    let multipliers = match (family, &gemma) {
+        (Family::Granite, _) => parse_granite_multipliers(f)?,
+        (_, Some(g)) => Multipliers {
+            embedding: g.embedding_scale,
+            attention_scale: Some(g.attention_scale),
+            ..Multipliers::NONE
+        },
         _ => Multipliers::NONE,
     };
     let moe = parse_moe(f, family, num_hidden_layers)?;
@@ -339,15 +391,21 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         o_bias,
         mlp_bias,
         qk_norm: match family {
-            Family::Qwen3 | Family::Qwen3Moe => QkNorm::PerHead,
+            Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3Text => QkNorm::PerHead,
             Family::Olmo2 => QkNorm::WholeProjection,
             _ => QkNorm::None,
         },
         norm_placement: match family {
             Family::Olmo2 => NormPlacement::Post,
+            Family::Gemma2 | Family::Gemma3Text => NormPlacement::Sandwich,
             _ => NormPlacement::Pre,
         },
         multipliers,
+        activation: gemma.as_ref().map_or(Activation::Silu, |g| g.activation),
+        norm_unit_offset: gemma.is_some(),
+        attn_softcap: gemma.as_ref().and_then(|g| g.attn_softcap),
+        final_softcap: gemma.as_ref().and_then(|g| g.final_softcap),
+        local_rope: gemma.and_then(|g| g.local_rope),
         fused_projections: family == Family::Phi3,
         moe,
         sliding_window,
@@ -430,6 +488,8 @@ fn parse_windows(
             let w = window_or(Some(4096))?;
             (if use_sliding(f)? { w } else { None }, true)
         }
+        // `layer_types` is always set (crate::gemma fills HF's default pattern).
+        Family::Gemma2 | Family::Gemma3Text => (window_or(Some(4096))?, true),
         Family::Qwen3Moe => {
             let w = window_or(Some(4096))?;
             (if use_sliding(f)? { w } else { None }, false)
@@ -596,6 +656,12 @@ fn parse_dtype(f: &Fields) -> Result<DType, FrontendError> {
 
 /// Rope from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4).
 fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> {
+    let (params, theta) = rope_source(f)?;
+    rope_from(f, params, theta, head_dim)
+}
+
+/// Where a config keeps its rope: the parameters object (if any) and theta.
+fn rope_source<'a>(f: &Fields<'a>) -> Result<(Option<Fields<'a>>, f64), FrontendError> {
     let (params, theta) = match f.opt_object("rope_parameters")? {
         Some(rp) => {
             let p = f.nested("rope_parameters", rp);
@@ -615,6 +681,17 @@ fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> 
             (scaling, theta)
         }
     };
+    Ok((params, theta))
+}
+
+/// The rope of `params` (a `rope_parameters` or `rope_scaling` object) with base `theta`;
+/// `f` is the config's top level (`partial_rotary_factor`, `max_position_embeddings`).
+pub(crate) fn rope_from(
+    f: &Fields,
+    params: Option<Fields>,
+    theta: f64,
+    head_dim: usize,
+) -> Result<RopeConfig, FrontendError> {
     if !(theta.is_finite() && theta > 0.0) {
         let field = if f.has("rope_theta") {
             "rope_theta".to_string()

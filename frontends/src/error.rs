@@ -120,6 +120,9 @@ impl FrontendError {
     /// How to fix the error, where that is known.
     pub fn help(&self) -> Option<String> {
         match self {
+            FrontendError::UnknownModelType { model_type, .. } if model_type == "gemma3" => Some(
+                "this is Gemma 3's multimodal config (Gemma3ForConditionalGeneration); Weft builds the text model: save its `text_config` as a config.json (model_type `gemma3_text`, with the top-level torch_dtype)".to_string(),
+            ),
             FrontendError::UnknownModelType { .. } => Some(format!(
                 "supported model types: {}",
                 crate::config::Family::MODEL_TYPES.join(", ")

@@ -12,6 +12,7 @@ pub mod build;
 pub mod config;
 pub mod error;
 mod fields;
+mod gemma;
 pub mod init;
 pub mod mapped;
 pub mod model;
@@ -21,7 +22,7 @@ pub mod pt2;
 pub mod weights;
 
 pub use build::{build_graph, param_count};
-pub use config::{Family, ModelConfig, MoeConfig, RopeConfig};
+pub use config::{Activation, Family, ModelConfig, MoeConfig, RopeConfig};
 pub use error::{FrontendError, WeightProblem};
 pub use init::random_weights;
 pub use model::{load, load_file, Model, Origin};

@@ -37,6 +37,8 @@ presets! {
     "phi3-mini" => "microsoft/Phi-3-mini-4k-instruct",
     "olmo2-7b" => "allenai/OLMo-2-1124-7B",
     "granite-3-8b" => "ibm-granite Granite 3.x 8B (GraniteForCausalLM, vocab 49159, 128k context)",
+    "gemma2-9b" => "google/gemma-2-9b (the config.json of google/gemma-2-9b-it, bfloat16)",
+    "gemma-3-27b" => "google/gemma-3-27b-pt text_config (Gemma3ForCausalLM; absent keys take Gemma3TextConfig's defaults)",
     "llama-tiny" => "tests/fixtures/llama",
     "mistral-tiny" => "tests/fixtures/mistral",
     "qwen2-tiny" => "tests/fixtures/qwen2",
@@ -46,6 +48,8 @@ presets! {
     "qwen3-moe-tiny" => "tests/fixtures/qwen3_moe",
     "olmo2-tiny" => "tests/fixtures/olmo2",
     "granite-tiny" => "tests/fixtures/granite",
+    "gemma2-tiny" => "tests/fixtures/gemma2",
+    "gemma3-tiny" => "tests/fixtures/gemma3",
 }
 
 /// A preset with what `weft presets` reports about it.

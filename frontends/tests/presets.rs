@@ -39,6 +39,10 @@ const PUBLISHED: &[(&str, u64)] = &[
     // frontends/scripts/count_params.py (transformers 5.17 on the meta device).
     ("olmo2-7b", 7_298_617_344),
     ("granite-3-8b", 8_170_864_640),
+    // The same script; gemma-3-27b is the text model alone (the published 27B counts
+    // the SigLIP vision tower and projector too).
+    ("gemma2-9b", 9_241_705_984),
+    ("gemma-3-27b", 27_009_346_304),
 ];
 
 #[test]
@@ -67,6 +71,8 @@ fn preset_list_counts_match_graphs_and_fixture_counts() {
         ("qwen3-moe-tiny", "qwen3_moe"),
         ("olmo2-tiny", "olmo2"),
         ("granite-tiny", "granite"),
+        ("gemma2-tiny", "gemma2"),
+        ("gemma3-tiny", "gemma3"),
     ];
     for info in presets() {
         assert_eq!(
@@ -103,6 +109,8 @@ fn preset_families_and_dtypes() {
     assert_eq!(family("phi3-mini"), Family::Phi3);
     assert_eq!(family("mixtral-8x7b"), Family::Mixtral);
     assert_eq!(family("qwen3-30b-a3b"), Family::Qwen3Moe);
+    assert_eq!(family("gemma2-9b"), Family::Gemma2);
+    assert_eq!(family("gemma-3-27b"), Family::Gemma3Text);
     for i in &infos {
         let m = load(i.name).unwrap();
         let want = if i.name.ends_with("-tiny") {

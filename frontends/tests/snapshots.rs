@@ -35,3 +35,16 @@ fn mixtral_tiny_1_layer() {
 fn phi3_tiny_1_layer() {
     ir_snapshot!("frontend-phi3-tiny-1l", "phi3-tiny");
 }
+
+#[test]
+fn gemma3_tiny_1_layer() {
+    // (1 + w) norms around attention and MLP, per-head q/k norms, the embedding scale,
+    // the local rope table of a sliding layer, GELU-tanh and the final soft-cap.
+    ir_snapshot!("frontend-gemma3-tiny-1l", "gemma3-tiny");
+}
+
+#[test]
+fn gemma2_tiny_1_layer() {
+    // The attention soft-cap and query_pre_attn_scalar's scale on a sliding layer.
+    ir_snapshot!("frontend-gemma2-tiny-1l", "gemma2-tiny");
+}

@@ -41,6 +41,31 @@ fn olmo2_whole_projection_norm_snapshot() {
 }
 
 #[test]
+fn gemma3_unit_offset_qk_norm_snapshot() {
+    // q_norm/k_norm read their weight through add_scalar(w, 1) on split heads: the
+    // weights stay whole and their gradients are summed over tp.
+    let (mut g, cx) = compiled_until("gemma3-tiny", "tp=2");
+    let text = diff_of(&mut g, &cx, "tensor-parallel");
+    snapshot("tensor-parallel__gemma3-tiny__tp2", &text);
+    let q_norm = g
+        .params()
+        .into_iter()
+        .find(|(n, _)| n == "model.layers.0.self_attn.q_norm.weight")
+        .unwrap()
+        .1;
+    let why = g
+        .node(g.def(q_norm))
+        .meta
+        .provenance
+        .as_ref()
+        .map(|p| p.reason.clone());
+    assert!(
+        why.as_deref().is_some_and(|w| w.contains("grad_allreduce")),
+        "{why:?}"
+    );
+}
+
+#[test]
 fn idempotent_and_round_trips() {
     let (mut g, cx) = compiled_until("qwen3-tiny", "tp=3");
     let pass = lookup("tensor-parallel").unwrap();

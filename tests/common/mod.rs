@@ -21,6 +21,8 @@ pub const FIXTURE_FAMILIES: &[&str] = &[
     "qwen3_moe",
     "olmo2",
     "granite",
+    "gemma2",
+    "gemma3",
     "mixtral_aux",
     "qwen3_moe_aux",
 ];

@@ -1,8 +1,9 @@
 //! Self-attention as HF writes it: q/k/v projections (phi3: one `qkv_proj`, split q, k,
 //! v), olmo2's q/k RMSNorm over the whole projection, view as [B, S, heads, D], qwen3's
 //! q/k RMSNorm over D, transpose to [B, heads, S, D], rope on q and k, causal attention
-//! with scale `head_dim^-0.5` (granite: `attention_multiplier`) and the layer's sliding
-//! window (`ModelConfig::layer_windows`)
+//! with scale `head_dim^-0.5` (granite: `attention_multiplier`; gemma:
+//! `query_pre_attn_scalar^-0.5`), the layer's sliding window (`ModelConfig::layer_windows`)
+//! and gemma2's score soft-cap
 //! (GQA inside the op: kv heads are not repeated), back to [B, S, heads*D], `o_proj`.
 
 use super::Builder;
@@ -70,7 +71,7 @@ impl Builder<'_> {
                     .copied()
                     .flatten()
                     .map(|w| w as i64),
-                softcap: None,
+                softcap: c.attn_softcap.map(Float),
                 sinks: Default::default(),
                 lse: Default::default(),
             },

@@ -1,5 +1,5 @@
-//! MLPs. Dense: `down(silu(gate(x)) * up(x))` (phi3: one `gate_up_proj`, split gate
-//! first). Sparse (mixtral, qwen3_moe), as transformers 5's router and fused experts:
+//! MLPs. Dense: `down(act(gate(x)) * up(x))` with SiLU (Gemma: GELU, `hidden_activation`)
+//! (phi3: one `gate_up_proj`, split gate first). Sparse (mixtral, qwen3_moe), as transformers 5's router and fused experts:
 //! tokens flattened to [B*S, H]; router `linear` → f32 `softmax` → `topk` →
 //! renormalise (mixtral always, qwen3_moe with `norm_topk_prob`) → model dtype;
 //! `moe_dispatch` → `grouped_matmul` with `gate_up_proj` [E, 2I, H] → split (gate
@@ -9,7 +9,7 @@
 //! (see [`super::aux_loss`]).
 
 use super::Builder;
-use crate::config::MoeConfig;
+use crate::config::{Activation, MoeConfig};
 use crate::error::FrontendError;
 use weft_ir::{DType, Dim, Op, Value};
 
@@ -38,7 +38,12 @@ impl Builder<'_> {
             (gate, up)
         };
         self.scope(&m);
-        let act = self.op(Op::Silu {}, &[gate])?;
+        let act = match self.cfg.activation {
+            Activation::Silu => Op::Silu {},
+            Activation::GeluTanh => Op::Gelu { tanh_approx: true },
+            Activation::Gelu => Op::Gelu { tanh_approx: false },
+        };
+        let act = self.op(act, &[gate])?;
         let y = self.op(Op::Mul {}, &[act, up])?;
         self.linear(&format!("{m}.down_proj"), y)
     }

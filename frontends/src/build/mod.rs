@@ -4,9 +4,12 @@
 //! - inputs `input_ids` and `labels`, i64[B, S] (B, S symbolic; causal, no mask input);
 //! - every parameter first, in HF `named_parameters()` order, scoped to its module;
 //! - positions `arange` → [1, S] → `rope_table` (in `model.rotary_emb`);
-//! - per layer: pre-norm (olmo2: post-norm) attention and MLP with residual adds (see
-//!   [`attention`], [`mlp`]); granite's multipliers as `scale` ops;
-//! - `model.norm`, `lm_head` (the embedding parameter when tied) → output `logits`;
+//! - per layer: pre-norm (olmo2: post-norm; gemma: both) attention and MLP with residual
+//!   adds (see [`attention`], [`mlp`]); granite's multipliers and gemma's embedding
+//!   scale as `scale` ops; gemma's `(1 + w)` norms as `add_scalar` on the weight;
+//!   gemma3's sliding layers with their own rope table;
+//! - `model.norm`, `lm_head` (the embedding parameter when tied), gemma's final soft-cap
+//!   (`scale`, `tanh`, `scale`) → output `logits`;
 //! - loss: `shift_labels` → `cross_entropy` (sum) / `count_valid` → output `loss`;
 //!   with `output_router_logits` (MoE), `loss = ce + router_aux_loss_coef * aux` and the
 //!   parts as outputs `ce_loss` and `aux_loss` (see [`aux_loss`]).
@@ -104,16 +107,31 @@ impl<'c> Builder<'c> {
         self.op(Op::Linear {}, &args)
     }
 
-    /// `rms_norm` in scope `module` with `module.weight`.
+    /// `rms_norm` in scope `module` with `module.weight`. Gemma's norm
+    /// (`norm_unit_offset`) is HF's `(norm(x.float()) * (1 + w.float())).type_as(x)`:
+    /// `rms_norm(x, add_scalar(w, 1))` with both operands cast to f32 when the model
+    /// dtype is not f32 (so `1 + w` is not rounded to bf16, and the product is rounded once).
     pub fn rms_norm(&mut self, module: &str, x: Value) -> Result<Value, FrontendError> {
-        let w = self.param(&format!("{module}.weight"));
+        let mut w = self.param(&format!("{module}.weight"));
         self.scope(module);
-        self.op(
-            Op::RmsNorm {
-                eps: Float(self.cfg.rms_norm_eps),
-            },
-            &[x, w],
-        )
+        let eps = Float(self.cfg.rms_norm_eps);
+        if !self.cfg.norm_unit_offset {
+            return self.op(Op::RmsNorm { eps }, &[x, w]);
+        }
+        let x_dtype = self.g.ty(x).dtype;
+        let mut x = x;
+        if x_dtype != DType::F32 {
+            x = self.op(Op::Cast { dtype: DType::F32 }, &[x])?;
+        }
+        if self.g.ty(w).dtype != DType::F32 {
+            w = self.op(Op::Cast { dtype: DType::F32 }, &[w])?;
+        }
+        let w1 = self.op(Op::AddScalar { value: Float(1.0) }, &[w])?;
+        let y = self.op(Op::RmsNorm { eps }, &[x, w1])?;
+        if x_dtype != DType::F32 {
+            return self.op(Op::Cast { dtype: x_dtype }, &[y]);
+        }
+        Ok(y)
     }
 
     pub fn reshape(&mut self, x: Value, shape: Vec<Dim>) -> Result<Value, FrontendError> {
@@ -190,22 +208,54 @@ impl<'c> Builder<'c> {
             &[],
         )?;
         let pos = self.reshape(pos, vec![Dim::from(1), s.clone()])?;
-        let rope = &self.cfg.rope;
-        let table = Op::RopeTable {
+        let table = |rope: &crate::config::RopeConfig| Op::RopeTable {
             theta: Float(rope.theta),
             dim: rope.rotary_dim as i64,
             scaling: rope.scaling,
         };
-        let cs = self.ops(table, &[pos])?;
-        let (cos, sin) = (cs[0], cs[1]);
+        // gemma3: sliding-window layers rotate with their own base; each table is built
+        // only if a layer reads it.
+        let windows = &self.cfg.layer_windows;
+        let local_rope = self
+            .cfg
+            .local_rope
+            .as_ref()
+            .filter(|r| **r != self.cfg.rope && windows.iter().any(Option::is_some));
+        let all_local = local_rope.is_some() && windows.iter().all(Option::is_some);
+        let global = match all_local {
+            true => None,
+            false => {
+                let cs = self.ops(table(&self.cfg.rope), &[pos])?;
+                Some((cs[0], cs[1]))
+            }
+        };
+        let local = match local_rope {
+            Some(r) => {
+                let cs = self.ops(table(r), &[pos])?;
+                Some((cs[0], cs[1]))
+            }
+            None => None,
+        };
 
         for i in 0..self.cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
+            let sliding = self.cfg.layer_windows.get(i).copied().flatten().is_some();
+            let (cos, sin) = match (local, global) {
+                (Some(l), _) if sliding => l,
+                (_, Some(g)) => g,
+                (Some(l), None) => l,
+                (None, None) => unreachable!("the global table is built when no local one is"),
+            };
             let residual = self.cfg.multipliers.residual;
             let a = match self.cfg.norm_placement {
                 NormPlacement::Pre => {
                     let h = self.rms_norm(&format!("{p}.input_layernorm"), x)?;
                     self.attention(i, h, cos, sin)?
+                }
+                NormPlacement::Sandwich => {
+                    let h = self.rms_norm(&format!("{p}.input_layernorm"), x)?;
+                    let a = self.attention(i, h, cos, sin)?;
+                    self.rms_norm(&format!("{p}.post_attention_layernorm"), a)?
                 }
                 NormPlacement::Post => {
                     let a = self.attention(i, x, cos, sin)?;
@@ -222,6 +272,11 @@ impl<'c> Builder<'c> {
                 }
                 NormPlacement::Post => {
                     let m = self.mlp(i, x)?;
+                    self.rms_norm(&format!("{p}.post_feedforward_layernorm"), m)?
+                }
+                NormPlacement::Sandwich => {
+                    let h = self.rms_norm(&format!("{p}.pre_feedforward_layernorm"), x)?;
+                    let m = self.mlp(i, h)?;
                     self.rms_norm(&format!("{p}.post_feedforward_layernorm"), m)?
                 }
             };
@@ -242,6 +297,17 @@ impl<'c> Builder<'c> {
                 },
                 &[logits],
             )?;
+        }
+        if let Some(cap) = self.cfg.final_softcap {
+            // HF: `logits / cap`, `tanh`, `* cap` (gemma2, gemma3 `final_logit_softcapping`).
+            let t = self.op(
+                Op::Scale {
+                    factor: Float(1.0 / cap),
+                },
+                &[logits],
+            )?;
+            let t = self.op(Op::Tanh {}, &[t])?;
+            logits = self.op(Op::Scale { factor: Float(cap) }, &[t])?;
         }
 
         self.scope("loss");

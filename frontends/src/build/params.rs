@@ -91,9 +91,15 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         let norms = match c.norm_placement {
             NormPlacement::Pre => ["input_layernorm", "post_attention_layernorm"],
             NormPlacement::Post => ["post_attention_layernorm", "post_feedforward_layernorm"],
+            NormPlacement::Sandwich => ["input_layernorm", "post_attention_layernorm"],
         };
         for norm in norms {
             push(format!("model.layers.{i}.{norm}.weight"), vec![h]);
+        }
+        if c.norm_placement == NormPlacement::Sandwich {
+            for norm in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                push(format!("model.layers.{i}.{norm}.weight"), vec![h]);
+            }
         }
     }
     push("model.norm.weight".into(), vec![h]);

@@ -379,6 +379,7 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
     let generalize_seq = seq_sym.is_none();
     // `--config`'s file and MoE fields (the aux loss's coefficient and top-k).
     let mut config_moe: Option<(String, Option<crate::config::MoeConfig>)> = None;
+    let mut config_attn_softcap: Option<f64> = None;
     let mut lw = Lower {
         symmap,
         consts,
@@ -401,6 +402,7 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
                 message: format!("--config: {e}"),
             })?;
         config_moe = Some((c.display().to_string(), cfg.moe.clone()));
+        config_attn_softcap = cfg.attn_softcap;
         lw.rope_cfg = Some(cfg.rope);
     }
     lw.moe_state = vec![Default::default(); lw.moe.moes.len()];
@@ -513,7 +515,26 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
         env.insert(ph.clone(), LV::T(v));
         param_names.push(target.clone());
     }
-    for ph in lw.consts.keys() {
+    for (ph, t) in &lw.consts {
+        // A one-element float buffer (gemma's `embed_scale`) is a constant: `full`.
+        if t.dtype.is_float() && t.numel() == 1 {
+            let ty = TensorType::new(t.dtype, t.shape.iter().map(|&d| Dim::from(d)).collect());
+            g.set_scope(Some("model"));
+            if let Ok(v) = g.add(
+                Op::Full {
+                    value: weft_ir::Float(t.to_f64()[0]),
+                    ty,
+                },
+                &[],
+            ) {
+                lw.report.notes.push(format!(
+                    "buffer `{ph}` (one element, {}) read as a constant",
+                    t.to_f64()[0]
+                ));
+                env.insert(ph.clone(), LV::T(v));
+                continue;
+            }
+        }
         env.insert(
             ph.clone(),
             LV::Err(std::rc::Rc::new(Pt2Error::UnsupportedOp {
@@ -684,6 +705,23 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
     }
     .run(&mut g);
     rewrite::leftovers(&g, &mut report);
+    if let Some(cap) = config_attn_softcap {
+        let capped = g.nodes().iter().any(|&n| {
+            matches!(
+                g.node(n).op,
+                Op::Attention {
+                    softcap: Some(_),
+                    ..
+                }
+            )
+        });
+        if !capped {
+            // The program is imported as exported; say where it parts from the config.
+            report.notes.push(format!(
+                "--config sets attn_logit_softcapping {cap}, but the exported attention has no soft-cap (transformers' SDPA path drops it; export with attn_implementation=\"eager\" to keep it)"
+            ));
+        }
+    }
     report.weft_nodes = g.node_count();
     weft_ir::verify(&g).map_err(|r| Pt2Error::Verify {
         report: r.to_string(),

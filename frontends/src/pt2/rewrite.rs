@@ -3,10 +3,13 @@
 //!
 //! - `linear`: `matmul(x, permute(W))` (+ bias add, inside `reshape`s) with `W` a
 //!   parameter — the core-ATen form of `F.linear` (`view → mm/addmm → view`);
-//! - `rms_norm`: `W * cast(cast(x) * rsqrt(mean(cast(x)^2, -1) + eps))`;
+//! - `rms_norm`: `W * cast(cast(x) * rsqrt(mean(cast(x)^2, -1) + eps))`, and Gemma's
+//!   `(cast(x) * rsqrt(..)) * (1 + cast(W))` as `rms_norm(cast(x), add_scalar(W, 1))`;
+//! - `scale`: a product with a one-element constant (Gemma's `embed_scale` buffer);
 //! - `rope`: `x * cos + cat(-x2, x1) * sin` with cos/sin from `rope_table`;
 //! - `attention`: `softmax(Q K^T * c + causal bias) V` with the batch-folding reshapes of
-//!   decomposed `bmm`, the fully-masked-row fix-up `where`, and `repeat_kv` on K and V.
+//!   decomposed `bmm`, the fully-masked-row fix-up `where`, and `repeat_kv` on K and V;
+//!   Gemma 2's soft-cap `cap * tanh(s / cap)` on the scores becomes the op's `softcap`.
 //!
 //! Plain pattern matching over def-use chains, run to a fixed point in program order:
 //! each pattern has one root op and a fixed shape, so an e-graph would add no
@@ -101,6 +104,7 @@ impl Rewriter<'_> {
                     continue;
                 };
                 changed |= self.linear(g, root)
+                    || self.scalar_constant(g, root)
                     || self.rms_norm(g, root)
                     || self.rope(g, root)
                     || self.attention(g, root);
@@ -198,14 +202,44 @@ impl Rewriter<'_> {
         }
     }
 
-    /// `W * cast(cast(x) * rsqrt(mean(cast(x)^2, [-1], keepdim) + eps))` → `rms_norm(x, W, eps)`.
+    /// `mul(x, c)` with `c` a one-element `full` (through casts, reshapes and expands,
+    /// rounded as each cast rounds) → `scale(x, c)`.
+    fn scalar_constant(&mut self, g: &mut Graph, root: Value) -> bool {
+        let (Op::Mul {}, [a, b]) = def(g, root) else {
+            return false;
+        };
+        let (a, b) = (*a, *b);
+        for (x, c) in [(a, b), (b, a)] {
+            let Some(value) = scalar_value(g, c) else {
+                continue;
+            };
+            if g.ty(x) != g.ty(root) {
+                continue;
+            }
+            let scope = scope_of(g, root);
+            let op = Op::Scale {
+                factor: Float(value),
+            };
+            if replace(g, root, op, &[x]).is_some() {
+                self.report
+                    .recognise("scale", scope.as_deref(), format!("x {value}"));
+                return true;
+            }
+        }
+        false
+    }
+
+    /// `W * cast(cast(x) * rsqrt(mean(cast(x)^2, [-1], keepdim) + eps))` → `rms_norm(x, W, eps)`;
+    /// Gemma's `(xf * rsqrt(..)) * add_scalar(cast(W), 1)` → `rms_norm(xf, add_scalar(..), eps)`
+    /// (in f32, the cast back to x's dtype kept after it).
     fn rms_norm(&mut self, g: &mut Graph, root: Value) -> bool {
         let (Op::Mul {}, [a, b]) = def(g, root) else {
             return false;
         };
         let (a, b) = (*a, *b);
         for (w, y) in [(a, b), (b, a)] {
-            if !is_param(g, w) || g.ty(w).rank() != 1 {
+            let unit_offset = is_unit_offset_weight(g, w);
+            if !(is_param(g, w) || unit_offset) || g.ty(w).rank() != 1 {
                 continue;
             }
             let y = through_casts(g, y);
@@ -241,14 +275,25 @@ impl Rewriter<'_> {
                 if exponent.0 != 2.0 || *x2 != xf {
                     continue;
                 }
-                let x = through_casts(g, xf);
+                let x = if unit_offset {
+                    if g.ty(xf).dtype != g.ty(w).dtype {
+                        continue;
+                    }
+                    xf
+                } else {
+                    through_casts(g, xf)
+                };
                 if g.ty(x).shape.last() != Some(&g.ty(w).shape[0]) || !g.ty(x).dtype.is_float() {
                     continue;
                 }
                 let scope = scope_of(g, root);
                 if replace(g, root, Op::RmsNorm { eps }, &[x, w]).is_some() {
-                    self.report
-                        .recognise("rms_norm", scope.as_deref(), format!("eps {}", eps.0));
+                    let what = if unit_offset {
+                        format!("Gemma x * (1 + w), eps {}", eps.0)
+                    } else {
+                        format!("eps {}", eps.0)
+                    };
+                    self.report.recognise("rms_norm", scope.as_deref(), what);
                     return true;
                 }
             }
@@ -338,6 +383,11 @@ impl Rewriter<'_> {
             (Op::Add {}, _) => return false,
             _ => (x, false, None),
         };
+        // Gemma 2 caps the scores: `cap * tanh(s / cap)` (before the mask).
+        let (scores, softcap) = match softcapped(g, scores) {
+            Some((s, cap)) => (s, Some(cap)),
+            None => (scores, None),
+        };
         // Eager attention scales the scores rather than q and k.
         let (scores, c0) = unscale(g, scores);
         let qk = match def(g, scores) {
@@ -389,7 +439,7 @@ impl Rewriter<'_> {
                 causal,
                 scale: Float(scale),
                 window,
-                softcap: None,
+                softcap: softcap.map(Float),
                 sinks: Default::default(),
                 lse: Default::default(),
             },
@@ -401,8 +451,12 @@ impl Rewriter<'_> {
                 "attention",
                 scope.as_deref(),
                 format!(
-                    "{} softmax(QK^T)V{}{}",
+                    "{} softmax({}QK^T)V{}{}",
                     if c0 != 1.0 { "eager" } else { "decomposed" },
+                    match softcap {
+                        Some(c) => format!("soft-capped ({c}) "),
+                        None => String::new(),
+                    },
                     match (causal, window) {
                         (true, Some(w)) => format!(", sliding-window ({w}) causal bias"),
                         (true, None) => ", causal bias".to_string(),
@@ -521,6 +575,47 @@ fn peel_to_rank4(g: &Graph, v: Value) -> Option<Value> {
         }
     }
     None
+}
+
+/// `(s, cap)` for `scale(tanh(scale(s, k)), cap)` with `k = 1 / cap` (to rounding).
+fn softcapped(g: &Graph, v: Value) -> Option<(Value, f64)> {
+    let (Op::Scale { factor: cap }, [t]) = def(g, v) else {
+        return None;
+    };
+    let (Op::Tanh {}, [u]) = def(g, *t) else {
+        return None;
+    };
+    let (Op::Scale { factor: k }, [s]) = def(g, *u) else {
+        return None;
+    };
+    let cap = cap.0;
+    ((cap * k.0 - 1.0).abs() < 1e-6 && cap > 0.0 && cap.is_finite()).then_some((*s, cap))
+}
+
+/// `add_scalar(W, 1)` with `W` a parameter (through casts): Gemma's norm weight.
+fn is_unit_offset_weight(g: &Graph, v: Value) -> bool {
+    matches!(def(g, v), (Op::AddScalar { value }, [w]) if value.0 == 1.0 && is_param(g, through_casts(g, *w)))
+}
+
+/// The value of a one-element `full` seen through casts (rounded as they round), reshapes
+/// and expands.
+fn scalar_value(g: &Graph, v: Value) -> Option<f64> {
+    match def(g, v) {
+        (Op::Full { value, ty }, _) if ty.shape.iter().all(|d| d.as_const() == Some(1)) => {
+            Some(rounded(ty.dtype, value.0))
+        }
+        (Op::Cast { dtype }, [x]) => scalar_value(g, *x).map(|c| rounded(*dtype, c)),
+        (Op::Reshape { .. } | Op::Expand { .. }, [x]) => scalar_value(g, *x),
+        _ => None,
+    }
+}
+
+/// `c` as a value of `dtype` holds it.
+fn rounded(dtype: DType, c: f64) -> f64 {
+    match dtype {
+        DType::F64 => c,
+        d => crate::gemma::round_to(d, c as f32),
+    }
 }
 
 /// `(x, c)` for `scale(x, c)`, else `(v, 1)`.

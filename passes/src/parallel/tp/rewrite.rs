@@ -1231,7 +1231,14 @@ impl Tp {
             return;
         }
         for v in &d.operands {
-            if let Op::Param { name, .. } = g.op_of(*v) {
+            // Through elementwise ops of the weight alone (gemma's `(1 + w)` norm weight).
+            let mut v = *v;
+            while let (Op::Cast { .. } | Op::AddScalar { .. } | Op::Scale { .. }, [x]) =
+                (g.op_of(v), g.node(g.def(v)).operands.as_slice())
+            {
+                v = *x;
+            }
+            if let Op::Param { name, .. } = g.op_of(v) {
                 if matches!(self.plans.get(name), Some(ParamPlan::Whole { .. }))
                     && !self.grad_allreduce.contains_key(name)
                 {
