@@ -408,7 +408,7 @@ impl Feeder {
         };
         // The optimizer's 1-based step counter, where the program takes it as an input.
         m.insert(
-            "optim.step".into(),
+            weft_ir::role::STEP_NAME.into(),
             HostTensor::floats(DType::F32, vec![], vec![(step + 1) as f64]),
         );
         m.insert(
@@ -759,7 +759,9 @@ fn run_cuda(a: &Args) -> CliResult {
                 let want: BTreeMap<String, HostTensor> = r
                     .outputs
                     .iter()
-                    .filter(|(name, _)| name.starts_with("grad."))
+                    .filter(|(name, _)| {
+                        weft_ir::ValueRole::of(name) == Some(weft_ir::ValueRole::Grad)
+                    })
                     .map(|(n, t)| (n.clone(), t.clone()))
                     .collect();
                 let mut got = BTreeMap::new();
