@@ -34,7 +34,7 @@ pub use graph::{
     At, BuildError, Derived, DerivedKind, Graph, Node, NodeData, NodeMeta, Provenance, Value,
 };
 pub use mesh::Mesh;
-pub use ops::{Op, OpInfo, OP_TABLE};
+pub use ops::{Elementwise, ElementwiseInfo, Op, OpInfo, OP_TABLE};
 pub use parse::{parse, parse_dim, parse_type, ParseError};
 pub use partition::Partition;
 pub use plan::{ExecutionPlan, PLAN_VERSION};
