@@ -265,13 +265,8 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?)
         }
         None if (a.backend == "cpu" && a.steps > 0) || a.check > 0 => {
-            if model.param_count() > 100_000_000 {
-                eprintln!(
-                    "drawing {} random parameters on the host (seed {}) ...",
-                    super::models::group_digits(model.param_count()),
-                    a.seed
-                );
-            }
+            super::session::check_host_memory(&model)?;
+            super::session::announce_random_weights(&model, a.seed);
             Some(weft_frontends::random_weights(&model, a.seed))
         }
         None => None,
