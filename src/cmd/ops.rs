@@ -54,13 +54,14 @@ pub fn run(a: Args) -> CliResult {
         if !r.attrs.is_empty() {
             sig.push(format!("{{{}}}", r.attrs.join(", ")));
         }
+        let mut sig = sig.join(" ");
         if r.collective {
-            sig.push("[collective]".into());
+            sig.push_str("  [collective]");
         }
         if let (Some(class), Some(f)) = (r.elementwise, r.flops_per_element) {
-            sig.push(format!("[elementwise {class}, {f} FLOP/element]"));
+            sig.push_str(&format!("  [elementwise {class}, {f} FLOP/element]"));
         }
-        println!("{:<w$}  {}", r.name, sig.join("  "));
+        println!("{:<w$}  {}", r.name, sig.trim_start());
         for line in r.doc.lines() {
             println!("{:<w$}  {}", "", line.trim());
         }
