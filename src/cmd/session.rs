@@ -136,10 +136,15 @@ impl Session {
                 archive_weights.take().unwrap_or_default(),
                 format!("from the archive {}", a.model),
             ),
-            Some(w) => (
-                weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?,
-                w.display().to_string(),
-            ),
+            Some(w) => {
+                if model.param_count() > 100_000_000 {
+                    eprintln!("loading weights from {} ...", w.display());
+                }
+                (
+                    weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?,
+                    w.display().to_string(),
+                )
+            }
             None => {
                 check_host_memory(&model)?;
                 announce_random_weights(&model, a.seed);
