@@ -103,6 +103,17 @@ LAYOUT = HEAD + '''%3: f32[16, 8] = param {name="lm_head.weight"}  # lm_head
 %11: f32[B, S, 8] = add %9, %10  # model
 ''' + loss(11, 3, 12)
 
+# An SPMD program as a rewrite leaves it: elementwise ops after an all_gather, which
+# simplify moves before it (each rank computes on its shard, not the whole).
+GATHER = '''mesh sp=2
+%0: f32[4, 8] = input {name="x", role=other}  # model
+%1: f32[4*sp, 8] = all_gather %0 {axis="sp", dim=0}  # model
+%2: f32[4*sp, 8] = add_scalar %1 {value=1.0}  # model
+%3: f32[4*sp, 8] = pow_scalar %2 {exponent=2.0}  # model
+%4: f32[] = sum %3 {dims=[0, 1], keepdim=false}  # loss
+return loss=%4, y=%3
+'''
+
 FORWARD_SP = "shard-inputs, shard-seq, ulysses-attention, sp-loss, canonicalize"
 FORWARD_DP = "shard-inputs, shard-seq, sp-loss, canonicalize"
 
@@ -119,6 +130,7 @@ FILES = [
     ("grad_sync_dp", "grad-sync on dp=2: the gradients' all_reduces coalesced into one bucket in backward order", "dp=2", FORWARD_DP + ", autodiff, grad-sync", "bucket_bytes=100000", "B=4 S=4", "mlp", MLP),
     ("zero2_sgd", "ZeRO-2 with SGD on dp=2: gradients reduce-scattered, each rank updates its shard, the updated parameters all-gathered", "dp=2", FORWARD_DP + ", autodiff, grad-sync, optimizer", "reduce_scatter, zero1, optimizer=sgd:0.1, bucket_bytes=100000", "B=4 S=4", "mlp", MLP),
     ("micro_batches", "two micro-batches: the batch split, each micro-batch's backward accumulates into one gradient", "dp=2", FORWARD_DP + ", micro-batches, autodiff, grad-sync", "micro_batches=2", "B=8 S=4", "mlp", MLP),
+    ("simplify_collective", "simplify moves add_scalar and pow_scalar before an all_gather: each rank computes on its shard (the op table's unary class commutes with data movement)", "sp=2", "simplify, canonicalize", None, "", "gather", GATHER),
     ("simplify_layout", "simplify and canonicalize remove a transpose pair, a reshape chain and a duplicated op", "", "simplify, canonicalize", None, "B=2 S=4", "layout", LAYOUT),
 ]
 
@@ -130,8 +142,8 @@ for name, what, mesh, passes, train, check, graph, body in FILES:
     lines.append(f"// passes: {passes}")
     if train:
         lines.append(f"// train: {train}")
-    if check:
-        lines.append(f"// check: {check}")
+    if check is not None:
+        lines.append(f"// check: {check}".rstrip())
     text = "\n".join(lines) + f'\ngraph "{graph}"\n' + body
     with open(os.path.join(here, name + ".weft"), "w") as f:
         f.write(text)
