@@ -319,3 +319,39 @@ fn pt2_archives_import_and_check() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(json(&out)["ok"], true);
 }
+
+#[test]
+fn ops_columns_align_and_show_the_table_facts() {
+    let (code, out, err) = weft(&["ops"]);
+    assert_eq!(code, 0, "{err}");
+    let width = weft_ir::OP_TABLE
+        .iter()
+        .map(|i| i.name.len())
+        .max()
+        .unwrap();
+    for line in out.lines() {
+        // Every line's second column (signature or doc) starts at the same place.
+        let (head, rest) = line.split_at(width + 2);
+        assert!(
+            !rest.starts_with(' ') && !rest.is_empty(),
+            "misaligned: {line:?}"
+        );
+        let name = head.trim_end();
+        assert!(
+            name.is_empty() || weft_ir::OP_TABLE.iter().any(|i| i.name == name),
+            "{line:?}"
+        );
+    }
+    assert!(out.contains("silu") && out.contains("[elementwise unary, 4 FLOP/element]"));
+    let (code, text, _) = weft(&["ops", "--json"]);
+    assert_eq!(code, 0);
+    let rows = json(&text);
+    let add = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "add")
+        .unwrap();
+    assert_eq!(add["elementwise"], "binary");
+    assert_eq!(add["flops_per_element"], 1);
+}

@@ -68,9 +68,11 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
         Op::Softmax { .. } | Op::LogSoftmax { .. } => out_numel * 5,
         Op::CrossEntropy { .. } => ins[0].numel() * 5,
         Op::Rope {} => out_numel * 3,
-        Op::Silu {} | Op::Gelu { .. } | Op::Sigmoid {} | Op::Tanh {} => out_numel * 4,
         Op::MoeCombine {} => g.ty(d.operands[0]).numel() * 2,
-        _ => out_numel,
+        op => match op.info().elementwise {
+            Some(e) => out_numel * i64::from(e.flops),
+            None => out_numel,
+        },
     }
 }
 

@@ -593,6 +593,13 @@ impl Graph {
     }
 
     /// The graph as a petgraph `DiGraph` (edges def -> use), for algorithms.
+    ///
+    /// Where petgraph has the algorithm, use it (the checkpoint budget's max-flow is
+    /// `petgraph::algo::dinics`). Passes still walk the IR itself (`def`, `uses`) for
+    /// reachability that stops at some ops (at resident values, outside a layer, at
+    /// a collective) and for the priority toposort of `micro-batches`: petgraph's
+    /// `Dfs`/`toposort` would need this copy plus a filter, for no gain; those walks
+    /// are iterative (an explicit stack), so their depth does not grow with the graph.
     pub fn to_petgraph(
         &self,
     ) -> (

@@ -9,6 +9,7 @@
 //! - [`partition`]: how sharded parameters map to their full tensors.
 //! - [`tensor`]: host tensors exchanged between crates.
 //! - [`output`]: output files written through a temporary and renamed into place.
+//! - [`role`]: value roles (gradient, updated parameter, optimizer state) and their names.
 
 pub mod attrs;
 pub mod dim;
@@ -21,6 +22,7 @@ pub mod parse;
 pub mod partition;
 pub mod plan;
 pub mod print;
+pub mod role;
 pub mod shape;
 pub mod tensor;
 pub mod types;
@@ -32,11 +34,12 @@ pub use graph::{
     At, BuildError, Derived, DerivedKind, Graph, Node, NodeData, NodeMeta, Provenance, Value,
 };
 pub use mesh::Mesh;
-pub use ops::{Op, OpInfo, OP_TABLE};
+pub use ops::{Elementwise, ElementwiseInfo, Op, OpInfo, OP_TABLE};
 pub use parse::{parse, parse_dim, parse_type, ParseError};
 pub use partition::Partition;
 pub use plan::{ExecutionPlan, PLAN_VERSION};
 pub use print::print;
+pub use role::{ValueName, ValueRole};
 pub use tensor::{HostData, HostTensor, RawBytes, SharedBytes};
 pub use types::{DType, TensorType};
 pub use verify::{verify, VerifyError, VerifyReport};

@@ -19,12 +19,36 @@ pub struct OpInfo {
     pub max_operands: usize,
     /// Communicates across ranks (has an `axis` attribute).
     pub collective: bool,
+    /// For an elementwise op: its class and FLOPs per output element.
+    pub elementwise: Option<ElementwiseInfo>,
+}
+
+/// How an elementwise op reads its operands: every output element depends only on the
+/// operand elements at the same index (after broadcasting), so it keeps any split of
+/// its operands (rows, sequence, heads) and commutes with data movement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Elementwise {
+    /// One operand (`neg`, `exp`, `silu`, `cast`, ...).
+    Unary,
+    /// Two operands, broadcasting (`add`, `mul`, `maximum`, `compare`, ...).
+    Binary,
+    /// `where`: a condition and two values, broadcasting.
+    Select,
+}
+
+/// The per-op facts of an elementwise op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ElementwiseInfo {
+    pub class: Elementwise,
+    /// FLOPs per output element (the cost model's and MFU's count: 4 for the
+    /// transcendental activations, 1 otherwise).
+    pub flops: u32,
 }
 
 macro_rules! define_ops {
     ($(
         $(#[doc = $doc:literal])+
-        $variant:ident = $name:literal ($($operands:literal)?) [$min:expr, $max:expr] $({$($field:ident : $fty:ty),* $(,)?})? => $infer:ident $(, $coll:ident)? ;
+        $variant:ident = $name:literal ($($operands:literal)?) [$min:expr, $max:expr] $({$($field:ident : $fty:ty),* $(,)?})? => $infer:ident $(, $kind:ident $(($($karg:tt)*))?)? ;
     )*) => {
         /// An operation with its attributes. Operands live in the node.
         #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -40,13 +64,19 @@ macro_rules! define_ops {
                 doc: concat!($($doc),+),
                 min_operands: $min,
                 max_operands: $max,
-                collective: define_ops!(@coll $($coll)?),
+                collective: define_ops!(@coll $($kind)?),
+                elementwise: define_ops!(@elementwise $($kind $(($($karg)*))?)?),
             } ),*
         ];
 
         impl Op {
             pub fn name(&self) -> &'static str {
                 match self { $( Op::$variant { .. } => $name ),* }
+            }
+
+            /// The op's elementwise class, `None` for other ops (the table's fact).
+            pub fn elementwise(&self) -> Option<Elementwise> {
+                self.info().elementwise.map(|e| e.class)
             }
 
             pub fn info(&self) -> &'static OpInfo {
@@ -101,7 +131,11 @@ macro_rules! define_ops {
         }
     };
     (@coll collective) => { true };
-    (@coll) => { false };
+    (@coll $($other:tt)*) => { false };
+    (@elementwise elementwise($class:ident, $flops:literal)) => {
+        Some(ElementwiseInfo { class: Elementwise::$class, flops: $flops })
+    };
+    (@elementwise $($other:tt)*) => { None };
 }
 
 fn arity_message(info: &OpInfo, got: usize) -> String {
@@ -133,51 +167,51 @@ define_ops! {
 
     // ---- elementwise ----
     /// `-x`.
-    Neg = "neg" ("x") [1, 1] => same;
+    Neg = "neg" ("x") [1, 1] => same, elementwise(Unary, 1);
     /// `e^x`.
-    Exp = "exp" ("x") [1, 1] => same;
+    Exp = "exp" ("x") [1, 1] => same, elementwise(Unary, 1);
     /// Natural logarithm.
-    Log = "log" ("x") [1, 1] => same;
+    Log = "log" ("x") [1, 1] => same, elementwise(Unary, 1);
     /// Square root.
-    Sqrt = "sqrt" ("x") [1, 1] => same;
+    Sqrt = "sqrt" ("x") [1, 1] => same, elementwise(Unary, 1);
     /// `1/sqrt(x)`.
-    Rsqrt = "rsqrt" ("x") [1, 1] => same;
+    Rsqrt = "rsqrt" ("x") [1, 1] => same, elementwise(Unary, 1);
     /// Hyperbolic tangent.
-    Tanh = "tanh" ("x") [1, 1] => same;
+    Tanh = "tanh" ("x") [1, 1] => same, elementwise(Unary, 4);
     /// `1/(1+e^-x)`.
-    Sigmoid = "sigmoid" ("x") [1, 1] => same;
+    Sigmoid = "sigmoid" ("x") [1, 1] => same, elementwise(Unary, 4);
     /// `x*sigmoid(x)`.
-    Silu = "silu" ("x") [1, 1] => same;
+    Silu = "silu" ("x") [1, 1] => same, elementwise(Unary, 4);
     /// GELU, exact (erf) or with the tanh approximation.
-    Gelu = "gelu" ("x") [1, 1] { tanh_approx: bool } => same;
+    Gelu = "gelu" ("x") [1, 1] { tanh_approx: bool } => same, elementwise(Unary, 4);
     /// `max(x, 0)`.
-    Relu = "relu" ("x") [1, 1] => same;
+    Relu = "relu" ("x") [1, 1] => same, elementwise(Unary, 1);
     /// `x * factor`.
-    Scale = "scale" ("x") [1, 1] { factor: Float } => same;
+    Scale = "scale" ("x") [1, 1] { factor: Float } => same, elementwise(Unary, 1);
     /// `x + value`.
-    AddScalar = "add_scalar" ("x") [1, 1] { value: Float } => same;
+    AddScalar = "add_scalar" ("x") [1, 1] { value: Float } => same, elementwise(Unary, 1);
     /// `x ^ exponent`.
-    PowScalar = "pow_scalar" ("x") [1, 1] { exponent: Float } => same;
+    PowScalar = "pow_scalar" ("x") [1, 1] { exponent: Float } => same, elementwise(Unary, 1);
     /// `a + b`, broadcasting.
-    Add = "add" ("a, b") [2, 2] => broadcast;
+    Add = "add" ("a, b") [2, 2] => broadcast, elementwise(Binary, 1);
     /// `a - b`, broadcasting.
-    Sub = "sub" ("a, b") [2, 2] => broadcast;
+    Sub = "sub" ("a, b") [2, 2] => broadcast, elementwise(Binary, 1);
     /// `a * b`, broadcasting.
-    Mul = "mul" ("a, b") [2, 2] => broadcast;
+    Mul = "mul" ("a, b") [2, 2] => broadcast, elementwise(Binary, 1);
     /// `a / b`, broadcasting.
-    Div = "div" ("a, b") [2, 2] => broadcast;
+    Div = "div" ("a, b") [2, 2] => broadcast, elementwise(Binary, 1);
     /// `a ^ b`, broadcasting.
-    Pow = "pow" ("a, b") [2, 2] => broadcast;
+    Pow = "pow" ("a, b") [2, 2] => broadcast, elementwise(Binary, 1);
     /// Elementwise maximum, broadcasting.
-    Maximum = "maximum" ("a, b") [2, 2] => broadcast;
+    Maximum = "maximum" ("a, b") [2, 2] => broadcast, elementwise(Binary, 1);
     /// Elementwise minimum, broadcasting.
-    Minimum = "minimum" ("a, b") [2, 2] => broadcast;
+    Minimum = "minimum" ("a, b") [2, 2] => broadcast, elementwise(Binary, 1);
     /// Elementwise comparison to bool, broadcasting.
-    Compare = "compare" ("a, b") [2, 2] { op: CmpOp } => compare;
+    Compare = "compare" ("a, b") [2, 2] { op: CmpOp } => compare, elementwise(Binary, 1);
     /// `cond ? a : b`, broadcasting.
-    Where = "where" ("cond, a, b") [3, 3] => select;
+    Where = "where" ("cond, a, b") [3, 3] => select, elementwise(Select, 1);
     /// Converts the element type.
-    Cast = "cast" ("x") [1, 1] { dtype: DType } => cast;
+    Cast = "cast" ("x") [1, 1] { dtype: DType } => cast, elementwise(Unary, 1);
 
     // ---- reductions ----
     /// Sum over `dims`.
@@ -389,4 +423,42 @@ impl Op {
 /// Every op name, in table order.
 pub fn op_names() -> Vec<&'static str> {
     OP_TABLE.iter().map(|i| i.name).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn elementwise_facts_come_from_the_table() {
+        assert_eq!(Op::Silu {}.elementwise(), Some(Elementwise::Unary));
+        assert_eq!(Op::Where {}.elementwise(), Some(Elementwise::Select));
+        assert_eq!(
+            Op::Compare { op: CmpOp::Lt }.elementwise(),
+            Some(Elementwise::Binary)
+        );
+        assert_eq!(Op::Linear {}.elementwise(), None);
+        let flops = |name: &str| {
+            OP_TABLE
+                .iter()
+                .find(|i| i.name == name)
+                .and_then(|i| i.elementwise)
+                .map(|e| e.flops)
+        };
+        assert_eq!(flops("gelu"), Some(4));
+        assert_eq!(flops("add"), Some(1));
+        assert_eq!(flops("attention"), None);
+        // An elementwise op is never a collective, and its operand count is its class's.
+        for i in OP_TABLE {
+            if let Some(e) = i.elementwise {
+                assert!(!i.collective, "{}", i.name);
+                let n = match e.class {
+                    Elementwise::Unary => 1,
+                    Elementwise::Binary => 2,
+                    Elementwise::Select => 3,
+                };
+                assert_eq!((i.min_operands, i.max_operands), (n, n), "{}", i.name);
+            }
+        }
+    }
 }

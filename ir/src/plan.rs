@@ -46,12 +46,14 @@ pub fn in_place_pairs(op: &str) -> &'static [(usize, usize)] {
 /// parameter of the same name. `None` for other outputs, or when `is_param` knows no
 /// such parameter.
 pub fn fed_back_param<'a>(output: &'a str, is_param: impl Fn(&str) -> bool) -> Option<&'a str> {
-    let candidates = match output.strip_prefix("param.") {
-        Some(rest) => [Some(rest), Some(output)],
-        None if output.starts_with("optim.") || output.starts_with("state.") => {
-            [Some(output), None]
-        }
-        None => [None, None],
+    use crate::role::ValueName;
+    let candidates = match ValueName::parse(output) {
+        ValueName::UpdatedParam(rest) => [Some(rest), Some(output)],
+        ValueName::MasterWeight(_)
+        | ValueName::OptimizerState { .. }
+        | ValueName::Step
+        | ValueName::LegacyState(_) => [Some(output), None],
+        _ => [None, None],
     };
     candidates.into_iter().flatten().find(|n| is_param(n))
 }
@@ -158,11 +160,7 @@ impl StepKind {
     /// A training step returns gradients (`grad.*`) or updated parameters and optimizer
     /// state (`param.*`, `optim.*`); a forward program neither.
     pub fn of_outputs<'a>(mut names: impl Iterator<Item = &'a str>) -> StepKind {
-        if names.any(|n| {
-            ["grad.", "param.", "optim.", "state."]
-                .iter()
-                .any(|p| n.starts_with(p))
-        }) {
+        if names.any(|n| crate::role::ValueRole::of(n).is_some_and(|r| r.is_training_output())) {
             StepKind::Training
         } else {
             StepKind::Forward

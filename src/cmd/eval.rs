@@ -48,7 +48,7 @@ pub fn run(a: Args) -> CliResult {
     if training {
         let grads = super::train::graph_grads(&r.outputs);
         r.outputs
-            .retain(|k, _| !k.starts_with(weft_passes::autodiff::GRAD_PREFIX));
+            .retain(|k, _| weft_ir::ValueRole::of(k) != Some(weft_ir::ValueRole::Grad));
         r.grads = grads;
     }
     let mut out = BTreeMap::new();
@@ -56,7 +56,7 @@ pub fn run(a: Args) -> CliResult {
         out.insert(name, t);
     }
     for (name, t) in r.grads {
-        out.insert(format!("grad.{name}"), t);
+        out.insert(weft_ir::role::grad_name(&name), t);
     }
     weft_frontends::save_safetensors(&a.output, &out).map_err(super::frontend_err)?;
     let loss = out.get("loss").map(|t| t.to_f64()[0]);

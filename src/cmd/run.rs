@@ -265,13 +265,8 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?)
         }
         None if (a.backend == "cpu" && a.steps > 0) || a.check > 0 => {
-            if model.param_count() > 100_000_000 {
-                eprintln!(
-                    "drawing {} random parameters on the host (seed {}) ...",
-                    super::models::group_digits(model.param_count()),
-                    a.seed
-                );
-            }
+            super::session::check_host_memory(&model)?;
+            super::session::announce_random_weights(&model, a.seed);
             Some(weft_frontends::random_weights(&model, a.seed))
         }
         None => None,
@@ -408,7 +403,7 @@ impl Feeder {
         };
         // The optimizer's 1-based step counter, where the program takes it as an input.
         m.insert(
-            "optim.step".into(),
+            weft_ir::role::STEP_NAME.into(),
             HostTensor::floats(DType::F32, vec![], vec![(step + 1) as f64]),
         );
         m.insert(
@@ -759,7 +754,9 @@ fn run_cuda(a: &Args) -> CliResult {
                 let want: BTreeMap<String, HostTensor> = r
                     .outputs
                     .iter()
-                    .filter(|(name, _)| name.starts_with("grad."))
+                    .filter(|(name, _)| {
+                        weft_ir::ValueRole::of(name) == Some(weft_ir::ValueRole::Grad)
+                    })
                     .map(|(n, t)| (n.clone(), t.clone()))
                     .collect();
                 let mut got = BTreeMap::new();

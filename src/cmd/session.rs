@@ -136,12 +136,18 @@ impl Session {
                 archive_weights.take().unwrap_or_default(),
                 format!("from the archive {}", a.model),
             ),
-            Some(w) => (
-                weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?,
-                w.display().to_string(),
-            ),
+            Some(w) => {
+                if model.param_count() > 100_000_000 {
+                    eprintln!("loading weights from {} ...", w.display());
+                }
+                (
+                    weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?,
+                    w.display().to_string(),
+                )
+            }
             None => {
                 check_host_memory(&model)?;
+                announce_random_weights(&model, a.seed);
                 (
                     weft_frontends::random_weights(&model, a.seed),
                     format!("random (seed {})", a.seed),
@@ -298,6 +304,19 @@ pub fn read_plan(spec: &str) -> CliResult<Option<weft_ir::ExecutionPlan>> {
     weft_ir::ExecutionPlan::from_json(&text, spec)
         .map(Some)
         .map_err(crate::fail)
+}
+
+/// Says, before drawing them, that a real model's random weights take a while and how
+/// much host memory they will hold (f64: 8 bytes a parameter); silent for small models.
+pub fn announce_random_weights(model: &Model, seed: u64) {
+    let n = model.param_count();
+    if n > 100_000_000 {
+        eprintln!(
+            "drawing {} random parameters on the host (seed {seed}): {:.1} GiB of host memory as f64 ...",
+            super::models::group_digits(n),
+            n as f64 * 8.0 / (1u64 << 30) as f64
+        );
+    }
 }
 
 /// Random weights live in host memory as f64: refuse a model whose weights would not

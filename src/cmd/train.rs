@@ -171,9 +171,9 @@ impl TrainArgs {
 pub fn graph_grads(outputs: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
     outputs
         .iter()
-        .filter_map(|(k, v)| {
-            k.strip_prefix(weft_passes::autodiff::GRAD_PREFIX)
-                .map(|p| (p.to_string(), v.clone()))
+        .filter_map(|(k, v)| match weft_ir::ValueName::parse(k) {
+            weft_ir::ValueName::Grad(p) => Some((p.to_string(), v.clone())),
+            _ => None,
         })
         .collect()
 }

@@ -139,19 +139,10 @@ fn is_movement(op: &Op) -> bool {
     matches!(op, Op::AllGather { .. } | Op::AllToAll { .. })
 }
 
+/// A one-operand elementwise op (the op table's class): it commutes with any
+/// data-movement collective.
 fn is_unary_elementwise(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Neg {}
-            | Op::Exp {}
-            | Op::Tanh {}
-            | Op::Sigmoid {}
-            | Op::Silu {}
-            | Op::Gelu { .. }
-            | Op::Relu {}
-            | Op::Scale { .. }
-            | Op::Cast { .. }
-    )
+    op.elementwise() == Some(weft_ir::Elementwise::Unary)
 }
 
 /// Rules for the ops present (rule names are stable; one name may cover many rules).

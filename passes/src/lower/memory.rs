@@ -6,7 +6,7 @@
 
 use crate::training::TrainOptions;
 use std::collections::{HashMap, HashSet};
-use weft_ir::{Bindings, DerivedKind, Graph, Node, Op, Value};
+use weft_ir::{Bindings, DerivedKind, Graph, Node, Op, Value, ValueRole};
 
 /// Passes whose nodes belong to the step after the forward.
 const AFTER_FORWARD: &[&str] = &[
@@ -149,7 +149,7 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
             continue;
         }
         let by = bytes(g, v, b);
-        if name.starts_with(crate::optimizer::STATE_PREFIX) {
+        if ValueRole::of(&name).is_some_and(ValueRole::is_optimizer_state) {
             e.optimizer += by;
         } else {
             e.params += by;
@@ -161,11 +161,13 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
     let outs: HashSet<&str> = g.outputs().iter().map(|(n, _)| n.as_str()).collect();
     let mut seen = HashSet::new();
     for (name, v) in g.params() {
-        if name.starts_with(crate::optimizer::STATE_PREFIX) || !seen.insert(name.clone()) {
+        if ValueRole::of(&name).is_some_and(ValueRole::is_optimizer_state)
+            || !seen.insert(name.clone())
+        {
             continue;
         }
-        let grad = format!("{}{name}", crate::autodiff::GRAD_PREFIX);
-        let update = format!("{}{name}", crate::optimizer::PARAM_PREFIX);
+        let grad = weft_ir::role::grad_name(&name);
+        let update = weft_ir::role::updated_name(&name);
         if outs.contains(grad.as_str()) || outs.contains(update.as_str()) {
             e.grads += bytes(g, v, b);
         }

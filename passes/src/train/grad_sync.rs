@@ -27,12 +27,13 @@
 //! (`reduce_scatter` is linear): only a shard of each gradient lives across
 //! micro-batches, as DeepSpeed's stage 2 with gradient accumulation does.
 
-use crate::autodiff::{GRAD_PREFIX, NAME as AUTODIFF};
+use crate::autodiff::NAME as AUTODIFF;
 use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::util::made_by;
 use crate::zero::{Emitter, ZeroGroup};
 use weft_ir::{
     At, Bindings, DType, Dim, Float, Graph, Node, NodeMeta, Op, ReduceOp, TensorType, Value,
+    ValueRole,
 };
 
 pub struct GradSync;
@@ -106,6 +107,7 @@ impl Pass for GradSync {
 /// gradient, the axes and the `all_reduce` nodes to replace.
 #[derive(Clone, Debug)]
 pub(crate) struct Sync {
+    /// `grad.<param>`.
     pub output: String,
     pub local: Value,
     pub axes: Vec<String>,
@@ -118,7 +120,7 @@ fn find_syncs(g: &Graph) -> Vec<Sync> {
     let uses = g.uses();
     let mut out = Vec::new();
     for (name, v) in g.outputs() {
-        if !name.starts_with(GRAD_PREFIX) {
+        if ValueRole::of(name) != Some(ValueRole::Grad) {
             continue;
         }
         let mut cur = *v;
@@ -182,7 +184,7 @@ fn plan_buckets(g: &Graph, syncs: Vec<Sync>, limit: u64, scatter: bool) -> Vec<B
         let dtype = g.ty(s.local).dtype;
         let bytes = value_bytes(g, s.local);
         let group = if scatter {
-            ZeroGroup::of_param(g, &s.output[GRAD_PREFIX.len()..]).within(&s.axes)
+            ZeroGroup::of_param(g, s.param()).within(&s.axes)
         } else {
             ZeroGroup::default()
         };
@@ -293,7 +295,7 @@ fn emit_bucket(
                     shape: t.shape.clone(),
                 },
                 &[p],
-                &format!("{what}: {}", &s.output[GRAD_PREFIX.len()..]),
+                &format!("{what}: {}", s.param()),
             )?
         };
         em.g.set_output(&s.output, v);
@@ -311,11 +313,7 @@ fn last_node(g: &Graph, vs: impl Iterator<Item = Value>) -> Node {
 }
 
 fn bucket_name(i: usize, b: &Bucket) -> String {
-    let names: Vec<&str> = b
-        .members
-        .iter()
-        .map(|s| &s.output[GRAD_PREFIX.len()..])
-        .collect();
+    let names: Vec<&str> = b.members.iter().map(|s| s.param()).collect();
     format!(
         "bucket {i} ({} params, {} bytes per rank: {})",
         b.members.len(),
@@ -354,11 +352,14 @@ fn reduce_others(
     Ok(flat)
 }
 
-/// The prefix of the per-rank gradient shards a ZeRO step returns for the sharded
-/// optimizer (`optimizer` reads and removes them): `grad_shard.<param>`, this rank's
-/// `ceil(n/Z)` elements of the flattened, zero-padded gradient, split over the
-/// parameter's ZeRO group of `Z` ranks.
-pub const SHARD_PREFIX: &str = "grad_shard.";
+impl Sync {
+    /// The parameter whose gradient this is.
+    pub fn param(&self) -> &str {
+        weft_ir::ValueName::parse(&self.output)
+            .param()
+            .unwrap_or(&self.output)
+    }
+}
 
 /// A member's local gradient as the sum of its micro-batches' contributions: the
 /// leaves of the `add` tree autodiff built, by micro-batch, and the tree's adds.
@@ -460,10 +461,7 @@ fn emit_scatter_bucket(
                 v = em.op(
                     Op::Add {},
                     &[v, x],
-                    &format!(
-                        "{what}{tag}: this micro-batch's gradient of {}",
-                        &s.output[GRAD_PREFIX.len()..]
-                    ),
+                    &format!("{what}{tag}: this micro-batch's gradient of {}", s.param()),
                 )?;
             }
             v = em.flat_const(v, n, &format!("{what}{tag}"))?;
@@ -548,8 +546,11 @@ fn emit_scatter_bucket(
             )?
         };
         for (s, p) in b.members.iter().zip(parts) {
-            let param = &s.output[GRAD_PREFIX.len()..];
-            let out = format!("{SHARD_PREFIX}{param}");
+            let param = s.param();
+            // The per-rank gradient shard (ValueRole::GradShard) the sharded optimizer
+            // reads and removes: this rank's `ceil(n/Z)` elements of the flattened,
+            // zero-padded gradient, split over the parameter's ZeRO group of `Z` ranks.
+            let out = weft_ir::role::grad_shard_name(param);
             em.g.set_output(&out, p);
             let pparts = em.g.param_partition(param).to_vec();
             crate::zero::split_output(em.g, &out, &pparts, &b.group);
@@ -561,7 +562,7 @@ fn emit_scatter_bucket(
         .members
         .iter()
         .map(|s| {
-            let param = &s.output[GRAD_PREFIX.len()..];
+            let param = s.param();
             zero3
                 && ZeroGroup::of_param(em.g, param) == b.group
                 && crate::zero::stage3_rows(&em.g.mesh, em.g.ty(s.local), &b.group).is_some()
@@ -591,11 +592,7 @@ fn emit_scatter_bucket(
             let rows =
                 crate::zero::stage3_rows(&em.g.mesh, em.g.ty(s.local), &b.group).expect("checked");
             shape[0] = Dim::from(rows);
-            let v = em.unflat(
-                p,
-                &shape,
-                &format!("{what}: ZeRO-3 rows of {}", &s.output[GRAD_PREFIX.len()..]),
-            )?;
+            let v = em.unflat(p, &shape, &format!("{what}: ZeRO-3 rows of {}", s.param()))?;
             em.g.set_output(&s.output, v);
         }
         if stage3.iter().all(|x| *x) {
@@ -625,7 +622,7 @@ fn emit_scatter_bucket(
         .filter(|(_, x)| !**x)
     {
         let t = em.g.ty(s.local).clone();
-        let name = &s.output[GRAD_PREFIX.len()..];
+        let name = s.param();
         let mut v = em.op(
             Op::Reshape {
                 shape: vec![b.group.size_dim() * Dim::from(c)],

@@ -511,6 +511,11 @@ fn aux_term(g: &Graph, loss: Value) -> (Value, Option<(Value, Op)>) {
 /// topological order that always runs the ready node of the lowest micro-batch
 /// (forward nodes by their tag, other nodes take the highest micro-batch they read),
 /// ties in program order.
+///
+/// Kahn's algorithm with a priority queue, written here rather than petgraph's
+/// `algo::toposort`: that one is a DFS order with no say in which ready node comes
+/// next, and the priority (micro-batch, then program position) is the point.
+/// Iterative, so its depth does not grow with the graph.
 pub fn interleave(g: &mut Graph) {
     if !g
         .nodes()

@@ -30,25 +30,21 @@
 //! step compiled with `grad_outputs` off no longer returns `grad.*`, so each gradient
 //! is freed once its update has read it instead of living to the end of the step.
 
-use crate::autodiff::GRAD_PREFIX;
 use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::training::Optimizer;
 use crate::util::build_error;
 use crate::zero::ZeroGroup;
 use weft_ir::{
-    At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Partition, Provenance, Role, TensorType,
-    Value,
+    role, At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Partition, Provenance, Role,
+    TensorType, Value, ValueName, ValueRole,
 };
 
 pub struct OptimizerPass;
 
 pub const NAME: &str = "optimizer";
 
-/// The prefixes of what a training step returns besides gradients.
-pub const PARAM_PREFIX: &str = "param.";
-pub const STATE_PREFIX: &str = "optim.";
 /// The step-number input.
-pub const STEP_INPUT: &str = "optim.step";
+pub const STEP_INPUT: &str = weft_ir::role::STEP_NAME;
 
 impl Pass for OptimizerPass {
     fn name(&self) -> &'static str {
@@ -77,7 +73,10 @@ impl Pass for OptimizerPass {
         let Some(opt) = cx.options.train.optimizer else {
             return Ok(res);
         };
-        if g.outputs().iter().any(|(n, _)| n.starts_with(PARAM_PREFIX)) {
+        if g.outputs()
+            .iter()
+            .any(|(n, _)| ValueRole::of(n) == Some(ValueRole::UpdatedParam))
+        {
             return Ok(res); // already has an update
         }
         let zero = cx.options.train.zero1;
@@ -105,7 +104,7 @@ impl Pass for OptimizerPass {
             if !done.insert(name.clone()) {
                 continue;
             }
-            let Some(gv) = w.g.output(&format!("{GRAD_PREFIX}{name}")) else {
+            let Some(gv) = w.g.output(&role::grad_name(&name)) else {
                 continue;
             };
             let pty = w.g.ty(pv).clone();
@@ -143,13 +142,13 @@ impl Pass for OptimizerPass {
                 &name, pv, &pty, stage3, gv, step, &opt, &group, master, &mut res,
             )?;
             groups.push((pv, w.g.nodes()[first..].to_vec()));
-            w.g.set_output(&format!("{PARAM_PREFIX}{name}"), new);
+            w.g.set_output(&role::updated_name(&name), new);
             updated.push(name);
             res.count("params", 1);
         }
         if !cx.options.train.grad_outputs {
             for name in &updated {
-                g.remove_output(&format!("{GRAD_PREFIX}{name}"));
+                g.remove_output(&role::grad_name(name));
             }
             // What only fed those outputs (grad-sync's gather of ZeRO shards).
             res.count("dead_nodes", remove_dead(g, crate::grad_sync::NAME) as u64);
@@ -270,7 +269,7 @@ impl Writer<'_> {
         shard: Option<(&ZeroGroup, i64)>,
         res: &mut PassResult,
     ) -> Result<Value, PassError> {
-        let sname = format!("{STATE_PREFIX}{kind}.{name}");
+        let sname = role::optimizer_state_name(kind, name);
         let v = self.op(
             Op::Param {
                 name: sname.clone(),
@@ -294,7 +293,7 @@ impl Writer<'_> {
     }
 
     fn state_out(&mut self, kind: &str, name: &str, v: Value, shard: Option<&ZeroGroup>) {
-        let out = format!("{STATE_PREFIX}{kind}.{name}");
+        let out = role::optimizer_state_name(kind, name);
         self.g.set_output(&out, v);
         if let Some(group) = shard {
             let own = own_partitions(self.g, name);
@@ -418,7 +417,7 @@ impl Writer<'_> {
             None => chunk_of(self, p, "weights")?,
         };
         // Under ZeRO-2, grad-sync left this rank's chunk of the reduced gradient.
-        let shard_out = format!("{}{name}", crate::grad_sync::SHARD_PREFIX);
+        let shard_out = role::grad_shard_name(name);
         let (grad, chunked) = match (shard_len, self.g.output(&shard_out)) {
             (Some((_, chunk)), Some(v)) if self.g.ty(v).shape == [Dim::from(chunk)] => (v, true),
             _ => (grad, false),
@@ -579,9 +578,13 @@ pub fn initial_state(
     use weft_ir::HostTensor;
     let mut out = std::collections::BTreeMap::new();
     for (sname, v) in g.params() {
-        let Some(rest) = sname.strip_prefix(STATE_PREFIX) else {
+        let role = ValueName::parse(&sname);
+        if !matches!(
+            role,
+            ValueName::MasterWeight(_) | ValueName::OptimizerState { .. }
+        ) {
             continue;
-        };
+        }
         if weights.contains_key(&sname) || out.contains_key(&sname) {
             continue;
         }
@@ -600,8 +603,8 @@ pub fn initial_state(
             }
         }
         let n: usize = shape.iter().product();
-        let data = match rest.strip_prefix("master.") {
-            Some(param) => {
+        let data = match role {
+            ValueName::MasterWeight(param) => {
                 let w = weights.get(param).ok_or_else(|| {
                     format!("no weight for `{param}`, whose master copy `{sname}` starts from it")
                 })?;
@@ -624,7 +627,7 @@ pub fn initial_state(
                 d.resize(n, 0.0);
                 d
             }
-            None => vec![0.0; n],
+            _ => vec![0.0; n],
         };
         out.insert(sname.clone(), HostTensor::floats(ty.dtype, shape, data));
     }
@@ -749,11 +752,10 @@ pub fn state_as_param(
     shape: &[usize],
 ) -> Result<weft_ir::HostTensor, String> {
     let sharded = g.param_partition(state).iter().any(|p| p.kind == "zero");
-    let param = state
-        .strip_prefix(STATE_PREFIX)
-        .and_then(|r| r.split_once('.'))
-        .map(|(_, p)| p)
-        .ok_or_else(|| format!("`{state}` is not an optimizer state"))?;
+    let param = match ValueName::parse(state) {
+        ValueName::MasterWeight(p) | ValueName::OptimizerState { param: p, .. } => p,
+        _ => return Err(format!("`{state}` is not an optimizer state")),
+    };
     if !sharded {
         return Ok(t.clone());
     }

@@ -11,16 +11,10 @@ use super::rank::{RankOut, Shared};
 use super::{Precision, RunOptions};
 use candle_core::{Device, Tensor};
 
-/// The prefix of the gradient outputs `autodiff` makes.
-pub(crate) const GRAD_PREFIX: &str = "grad.";
-
-/// The prefixes of outputs shaped and split like the parameter they name: its gradient
-/// and (from a training step) its updated value. An output named like a partitioned
-/// parameter itself (an optimizer state) is assembled by that parameter's partition too.
-pub(crate) const PARAM_LIKE_PREFIXES: &[&str] = &[GRAD_PREFIX, "param."];
-
-/// `Some(full tensor)` when output `name` is a partitioned parameter's gradient, update
-/// or state (see [`PARAM_LIKE_PREFIXES`]) returned as each rank's shard.
+/// `Some(full tensor)` when output `name` is a partitioned parameter's gradient or
+/// update (shaped and split like the parameter it names) or state (an output named like
+/// a partitioned parameter itself, assembled by that parameter's partition) returned as
+/// each rank's shard.
 pub(crate) fn assemble_param_grad(
     sh: &Shared,
     opts: &RunOptions,
@@ -30,11 +24,11 @@ pub(crate) fn assemble_param_grad(
     if !sh.graph.output_split(name).is_empty() {
         return None;
     }
-    let candidates = std::iter::once(name).chain(
-        PARAM_LIKE_PREFIXES
-            .iter()
-            .filter_map(|p| name.strip_prefix(p)),
-    );
+    let param_like = match weft_ir::ValueName::parse(name) {
+        weft_ir::ValueName::Grad(p) | weft_ir::ValueName::UpdatedParam(p) => Some(p),
+        _ => None,
+    };
+    let candidates = std::iter::once(name).chain(param_like);
     let param = candidates
         .into_iter()
         .find(|p| !sh.graph.param_partition(p).is_empty() && sh.params.contains_key(*p))?;

@@ -33,7 +33,7 @@ pub mod profile;
 use crate::bindings::{check_bindings, BindingError};
 use std::collections::BTreeMap;
 use weft_ir::plan::*;
-use weft_ir::{Bindings, Graph, Node, Op, TensorType, Value};
+use weft_ir::{Bindings, Graph, Node, Op, TensorType, Value, ValueRole};
 
 /// What to lower for.
 #[derive(Clone, Debug)]
@@ -132,23 +132,21 @@ fn category(g: &Graph, v: Value, output_names: &BTreeMap<Value, Vec<String>>) ->
         return Category::Host;
     }
     if let Op::Param { name, .. } = op {
-        return if name.starts_with("optim.") || name.starts_with("state.") {
+        return if ValueRole::of(name).is_some_and(ValueRole::is_optimizer_state) {
             Category::OptimizerState
         } else {
             Category::Param
         };
     }
     if let Some(names) = output_names.get(&v) {
-        if names.iter().any(|n| n.starts_with("grad.")) {
+        let roles: Vec<ValueRole> = names.iter().filter_map(|n| ValueRole::of(n)).collect();
+        if roles.contains(&ValueRole::Grad) {
             return Category::Grad;
         }
-        if names
-            .iter()
-            .any(|n| n.starts_with("optim.") || n.starts_with("state."))
-        {
+        if roles.iter().any(|r| r.is_optimizer_state()) {
             return Category::OptimizerState;
         }
-        if names.iter().any(|n| n.starts_with("param.")) {
+        if roles.contains(&ValueRole::UpdatedParam) {
             return Category::Param;
         }
     }
@@ -813,7 +811,9 @@ pub fn lower_with_views(
                     shape[p.dim] = p.full_size();
                 }
             }
-            let grad_buffer = g.output(&format!("grad.{name}")).map(|gv| buf_of[&gv]);
+            let grad_buffer = g
+                .output(&weft_ir::role::grad_name(&name))
+                .map(|gv| buf_of[&gv]);
             ParamPlacement {
                 name,
                 buffer: buf_of[&v],

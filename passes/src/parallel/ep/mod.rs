@@ -45,7 +45,7 @@ use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult};
 use crate::util::{build_error, divisors, made_by, meta_for};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use weft_ir::shape::norm_dim;
-use weft_ir::{At, Dim, Graph, Node, Op, Partition, TensorType, Value};
+use weft_ir::{At, Dim, Elementwise, Graph, Node, Op, Partition, TensorType, Value};
 
 pub use weft_ir::mesh::{EDP, EP};
 
@@ -129,36 +129,13 @@ fn error(g: &Graph, n: Node, why: impl Into<String>) -> PassError {
 }
 
 fn is_unary_rowwise(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Neg {}
-            | Op::Exp {}
-            | Op::Log {}
-            | Op::Sqrt {}
-            | Op::Rsqrt {}
-            | Op::Tanh {}
-            | Op::Sigmoid {}
-            | Op::Silu {}
-            | Op::Gelu { .. }
-            | Op::Relu {}
-            | Op::Scale { .. }
-            | Op::AddScalar { .. }
-            | Op::PowScalar { .. }
-            | Op::Cast { .. }
-    )
+    op.elementwise() == Some(Elementwise::Unary)
 }
 
 fn is_binary_rowwise(op: &Op) -> bool {
     matches!(
-        op,
-        Op::Add {}
-            | Op::Sub {}
-            | Op::Mul {}
-            | Op::Div {}
-            | Op::Pow {}
-            | Op::Maximum {}
-            | Op::Minimum {}
-            | Op::Where {}
+        op.elementwise(),
+        Some(Elementwise::Binary | Elementwise::Select)
     )
 }
 

@@ -1428,17 +1428,9 @@ impl Tp {
                 }
                 self.reinfer(g, n)
             }
-            // Unary elementwise ops keep the split of their operand (granite's logit scale).
-            Op::Cast { .. }
-            | Op::Scale { .. }
-            | Op::AddScalar { .. }
-            | Op::Neg {}
-            | Op::Tanh {}
-            | Op::Sigmoid {}
-            | Op::Silu {}
-            | Op::Gelu { .. }
-            | Op::Relu {}
-            | Op::Exp {} => {
+            // Unary elementwise ops (the op table's class) keep the split of their
+            // operand (granite's logit scale).
+            op if op.elementwise() == Some(weft_ir::Elementwise::Unary) => {
                 self.reinfer(g, n)?;
                 if let Some(ps) = self.pieces.get(&operands[0]).cloned() {
                     let r = g.node(n).results[0];

@@ -52,9 +52,6 @@ pub struct Autodiff;
 
 pub const NAME: &str = "autodiff";
 
-/// The prefix of gradient outputs: `grad.model.layers.0.mlp.up_proj.weight`.
-pub const GRAD_PREFIX: &str = "grad.";
-
 impl Pass for Autodiff {
     fn name(&self) -> &'static str {
         NAME
@@ -73,7 +70,10 @@ impl Pass for Autodiff {
         ] {
             res.count(k, 0);
         }
-        if g.outputs().iter().any(|(n, _)| n.starts_with(GRAD_PREFIX)) {
+        if g.outputs()
+            .iter()
+            .any(|(n, _)| weft_ir::ValueRole::of(n) == Some(weft_ir::ValueRole::Grad))
+        {
             return Ok(res); // already differentiated
         }
         let before = g.node_count();
@@ -282,7 +282,7 @@ fn differentiate(g: &mut Graph, res: &mut PassResult) -> Result<(), PassError> {
             continue;
         }
         let pnode = ad.g.def(v);
-        let out = format!("{GRAD_PREFIX}{name}");
+        let out = weft_ir::role::grad_name(&name);
         let grad = match param_grads.remove(&name) {
             Some(cs) => {
                 ad.set_meta(pnode, "param gradient");

@@ -1,85 +1,72 @@
 //! The min-cut behind `budget=`: which forward values to keep so that the saved bytes
 //! fit a target at the least recompute (PyTorch's partitioner's formulation), solved
-//! with a Dinic max-flow over the forward part of the joint graph.
+//! with petgraph's Dinic max-flow over the forward part of the joint graph.
 
 use crate::memory::{bytes, flops, is_resident, layer_of, Joint};
 use std::collections::{BTreeMap, HashSet};
 use weft_ir::{Graph, Node, Value};
 
 use super::crossing_values;
+use petgraph::algo::dinics;
+use petgraph::graph::{DiGraph, NodeIndex};
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
 
-/// Dinic max-flow on f64 capacities.
+/// A flow network for petgraph's Dinic max-flow (`algo::dinics`, iterative: its depth
+/// does not grow with the graph). Capacities are fixed-point integers (units of
+/// 1e-9 of the f64 capacity): exact arithmetic, so a saturated edge has exactly zero
+/// residual capacity and the min cut read from the residual graph is the one the flow
+/// found; `INFINITE` is far above any sum of finite capacities.
 struct Flow {
-    adj: Vec<Vec<usize>>,
-    to: Vec<usize>,
-    cap: Vec<f64>,
+    net: DiGraph<(), u128>,
 }
+
+const SCALE: f64 = 1e9;
+const INFINITE: u128 = u128::MAX >> 8;
 
 impl Flow {
     fn new(n: usize) -> Flow {
-        Flow {
-            adj: vec![Vec::new(); n],
-            to: Vec::new(),
-            cap: Vec::new(),
+        let mut net = DiGraph::with_capacity(n, 4 * n);
+        for _ in 0..n {
+            net.add_node(());
         }
+        Flow { net }
     }
     fn edge(&mut self, a: usize, b: usize, c: f64) {
-        self.adj[a].push(self.to.len());
-        self.to.push(b);
-        self.cap.push(c);
-        self.adj[b].push(self.to.len());
-        self.to.push(a);
-        self.cap.push(0.0);
-    }
-    fn levels(&self, s: usize) -> Vec<i64> {
-        let mut level = vec![-1i64; self.adj.len()];
-        level[s] = 0;
-        let mut q = std::collections::VecDeque::from([s]);
-        while let Some(u) = q.pop_front() {
-            for &e in &self.adj[u] {
-                let v = self.to[e];
-                if self.cap[e] > 1e-9 && level[v] < 0 {
-                    level[v] = level[u] + 1;
-                    q.push_back(v);
-                }
-            }
-        }
-        level
-    }
-    fn push(&mut self, u: usize, t: usize, f: f64, level: &[i64], it: &mut [usize]) -> f64 {
-        if u == t {
-            return f;
-        }
-        while it[u] < self.adj[u].len() {
-            let e = self.adj[u][it[u]];
-            let v = self.to[e];
-            if self.cap[e] > 1e-9 && level[v] == level[u] + 1 {
-                let d = self.push(v, t, f.min(self.cap[e]), level, it);
-                if d > 0.0 {
-                    self.cap[e] -= d;
-                    self.cap[e ^ 1] += d;
-                    return d;
-                }
-            }
-            it[u] += 1;
-        }
-        0.0
+        let cap = if c.is_finite() {
+            ((c * SCALE).round() as u128).min(INFINITE)
+        } else {
+            INFINITE
+        };
+        self.net.add_edge(NodeIndex::new(a), NodeIndex::new(b), cap);
     }
     /// Runs the max flow; returns the nodes reachable from `s` in the residual graph.
     fn min_cut(&mut self, s: usize, t: usize) -> Vec<bool> {
-        loop {
-            let level = self.levels(s);
-            if level[t] < 0 {
-                return level.iter().map(|l| *l >= 0).collect();
-            }
-            let mut it = vec![0usize; self.adj.len()];
-            loop {
-                let f = self.push(s, t, f64::INFINITY, &level, &mut it);
-                if f <= 0.0 {
-                    break;
+        let (_, flows) = dinics(&self.net, NodeIndex::new(s), NodeIndex::new(t));
+        let mut reach = vec![false; self.net.node_count()];
+        reach[s] = true;
+        let mut queue = std::collections::VecDeque::from([NodeIndex::<u32>::new(s)]);
+        while let Some(u) = queue.pop_front() {
+            // Forward residual: capacity left; backward residual: flow to undo.
+            let forward = self
+                .net
+                .edges_directed(u, Direction::Outgoing)
+                .filter(|e| *e.weight() > flows[e.id().index()])
+                .map(|e| e.target());
+            let backward = self
+                .net
+                .edges_directed(u, Direction::Incoming)
+                .filter(|e| flows[e.id().index()] > 0)
+                .map(|e| e.source());
+            let next: Vec<NodeIndex> = forward.chain(backward).collect();
+            for v in next {
+                if !reach[v.index()] {
+                    reach[v.index()] = true;
+                    queue.push_back(v);
                 }
             }
         }
+        reach
     }
 }
 
@@ -199,4 +186,44 @@ pub(super) fn min_cut_keep(
         }
     }
     (best, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Flow;
+
+    #[test]
+    fn min_cut_of_a_small_network() {
+        // s -> a (3), s -> b (2), a -> b (1), a -> t (2), b -> t (3): max flow 5,
+        // and the cut {s} | {a, b, t} (both source edges saturated).
+        let (s, a, b, t) = (0, 1, 2, 3);
+        let mut f = Flow::new(4);
+        f.edge(s, a, 3.0);
+        f.edge(s, b, 2.0);
+        f.edge(a, b, 1.0);
+        f.edge(a, t, 2.0);
+        f.edge(b, t, 3.0);
+        assert_eq!(f.min_cut(s, t), [true, false, false, false]);
+        // A narrow middle edge: the cut falls there.
+        let mut f = Flow::new(4);
+        f.edge(s, a, 10.0);
+        f.edge(a, b, 0.5);
+        f.edge(b, t, f64::INFINITY);
+        f.edge(s, t, 0.25);
+        assert_eq!(f.min_cut(s, t), [true, true, false, false]);
+    }
+
+    #[test]
+    fn a_long_chain_does_not_recurse() {
+        // 200k nodes in a row: a recursive augmenting-path search would overflow the
+        // test thread's stack.
+        let n = 200_000;
+        let mut f = Flow::new(n);
+        for i in 0..n - 1 {
+            f.edge(i, i + 1, if i == n / 2 { 1.0 } else { 5.0 });
+        }
+        let reach = f.min_cut(0, n - 1);
+        assert!(reach[..=n / 2].iter().all(|r| *r));
+        assert!(reach[n / 2 + 1..].iter().all(|r| !*r));
+    }
 }
