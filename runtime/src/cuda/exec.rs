@@ -19,6 +19,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use weft_ir::attrs::{CmpOp, ReduceOp, Reduction, RopeScaling};
 use weft_ir::plan::{Category, ExecutionPlan};
+use weft_ir::role::{ValueName, ValueRole};
 use weft_ir::{Bindings, DType, Graph, HostTensor, Node, Op};
 
 mod attention;
@@ -2574,8 +2575,8 @@ impl Executor {
                     }
                     self.gpu.htod(t.ptr, &layout::to_device_bytes(w, t.dtype))?;
                 }
-                None if name.starts_with("optim.master.") => masters.push(name.clone()),
-                None if name.starts_with("optim.") || name.starts_with("state.") || name.contains(".exp_avg") => self.gpu.memset(t.ptr, 0, t.bytes() as usize)?,
+                None if ValueRole::of(&name) == Some(ValueRole::MasterWeight) => masters.push(name.clone()),
+                None if ValueRole::of(&name).is_some_and(|r| r.is_optimizer_state()) || name.contains(".exp_avg") => self.gpu.memset(t.ptr, 0, t.bytes() as usize)?,
                 None => return Err(CudaError::Plan(format!("no weight for param `{name}`\nhelp: pass --weights, or let the CLI initialise random weights"))),
             }
         }
@@ -2586,7 +2587,7 @@ impl Executor {
     fn init_masters(&mut self, masters: &[String]) -> CudaResult<()> {
         let params: BTreeMap<String, weft_ir::Value> = self.graph.params().into_iter().collect();
         for m in masters {
-            let Some(src) = m.strip_prefix("optim.master.") else {
+            let ValueName::MasterWeight(src) = ValueName::parse(m) else {
                 continue;
             };
             let (Some(sv), Some(mv)) = (params.get(src), params.get(m)) else {
@@ -3118,12 +3119,12 @@ impl Executor {
                 .cloned()
                 .ok_or_else(|| CudaError::Plan(format!("param `{name}` has no buffer")))?;
             let lower = name.to_ascii_lowercase();
-            if name.starts_with("optim.master.") {
+            let role = ValueRole::of(&name);
+            if role == Some(ValueRole::MasterWeight) {
                 masters.push(name.clone());
                 continue;
             }
-            if name.starts_with("optim.")
-                || name.starts_with("state.")
+            if role.is_some_and(|r| r.is_optimizer_state())
                 || lower.ends_with("bias")
                 || !t.dtype.is_float()
             {
