@@ -45,7 +45,7 @@ pub struct Args {
 }
 
 /// The search's view of a parsed model config.
-fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
+pub fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
     let c = model.config.as_ref().ok_or_else(|| {
         CliError::input(format!(
             "`{}` has no config (a .weft or .pt2 program)",
@@ -245,11 +245,7 @@ pub fn run(a: Args) -> CliResult {
             "invalid --device-memory {mem_gib}: must be positive GiB"
         )));
     }
-    let peak_flops = match device.name.as_str() {
-        "h100" | "h200" => 989e12,
-        "a100" => 312e12,
-        _ => device.matmul_tflops * 1e12,
-    };
+    let peak_flops = search::peak_flops(&device);
     let spec = SearchSpec {
         gpus: a.gpus,
         gpus_per_node: a.gpus_per_node.unwrap_or(device.gpus_per_node).max(1),

@@ -16,8 +16,8 @@ pub struct TrainArgs {
     /// outputs, recompute matmuls and elementwise ops) or `budget=<bytes>` (keep the
     /// step's peak of live values per rank within the budget at the least recompute,
     /// checked by the liveness estimate; `weft run --steps 0` prints that estimate).
-    /// Not given: a plan takes the cheapest of none, selective, full (then with
-    /// --offload) that fits the device memory, and says which.
+    /// Not given: a plan takes the policy of the fastest option set that fits the
+    /// device memory (the search of `weft plan` on the given mesh), and says which.
     #[arg(long, value_name = "POLICY")]
     pub checkpoint: Option<String>,
     /// Offload saved activations to host memory (async copies on their own streams,
@@ -36,7 +36,8 @@ pub struct TrainArgs {
     #[arg(long, default_value = "1Mi", value_name = "BYTES")]
     pub offload_min_bytes: String,
     /// Gradient accumulation: run the step as N micro-batches (one gradient reduction).
-    /// Default 1.
+    /// Not given: 1, or for a plan the count (a power of two dividing a rank's batch,
+    /// at most 8) of the fastest option set that fits.
     #[arg(long, value_name = "N")]
     pub micro_batches: Option<u32>,
     /// Gradient reduction bucket size in millions of bytes of gradient (10^6 bytes; a
@@ -47,7 +48,8 @@ pub struct TrainArgs {
     /// parameters, edp for experts, tp-split ones included): 0 (all_reduce gradients),
     /// 1 (shard optimizer states and master weights), 2 (also reduce_scatter
     /// gradients, per micro-batch), 3 (also shard the parameters by rows, all_gathered
-    /// before each forward and backward use). Default 0.
+    /// before each forward and backward use). Not given: 0, or for a plan the stage of
+    /// the fastest option set that fits the device memory.
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
     /// Optimizer update in the step: adamw, sgd or none.
@@ -149,6 +151,8 @@ impl TrainArgs {
             open: Open {
                 checkpoint: self.checkpoint.is_none(),
                 offload: self.offload.is_none() && self.offload_budget.is_none(),
+                zero: self.zero.is_none(),
+                micro_batches: self.micro_batches.is_none(),
             },
             offload_template: template,
         })

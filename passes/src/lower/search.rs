@@ -178,6 +178,16 @@ pub struct Scored {
     pub fits: bool,
 }
 
+/// Datasheet dense bf16 peak of a device, FLOP/s, for MFU (a profile file: its
+/// matmul rate).
+pub fn peak_flops(d: &DeviceProfile) -> f64 {
+    match d.name.as_str() {
+        "h100" | "h200" => 989e12,
+        "a100" => 312e12,
+        _ => d.matmul_tflops * 1e12,
+    }
+}
+
 fn divisors(n: u64) -> Vec<u64> {
     (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
 }

@@ -257,16 +257,25 @@ impl Default for TrainOptions {
 }
 
 impl TrainOptions {
-    /// The ZeRO stage these options amount to (2: reduce_scatter gradients, 1: shard
-    /// the optimizer state, 0: neither).
+    /// The ZeRO stage these options amount to (3: shard the parameters too, 2:
+    /// reduce_scatter gradients, 1: shard the optimizer state, 0: none of these).
     pub fn zero_stage(&self) -> u8 {
-        if self.reduce_scatter {
+        if self.zero3 {
+            3
+        } else if self.reduce_scatter {
             2
         } else if self.zero1 {
             1
         } else {
             0
         }
+    }
+
+    /// Sets the ZeRO stage (0 to 3): what `--zero N` sets.
+    pub fn set_zero_stage(&mut self, stage: u8) {
+        self.zero1 = stage >= 1;
+        self.reduce_scatter = stage >= 2;
+        self.zero3 = stage >= 3;
     }
 
     /// The memory-relevant choices in one line, as the CLI flags name them:
