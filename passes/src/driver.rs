@@ -124,6 +124,7 @@ pub struct Open {
     pub offload: bool,
     pub zero: bool,
     pub micro_batches: bool,
+    pub offload_optimizer: bool,
 }
 
 impl Open {
@@ -134,10 +135,11 @@ impl Open {
             offload: true,
             zero: true,
             micro_batches: true,
+            offload_optimizer: true,
         }
     }
     pub fn any(&self) -> bool {
-        self.checkpoint || self.offload || self.zero || self.micro_batches
+        self.checkpoint || self.offload || self.zero || self.micro_batches || self.offload_optimizer
     }
 }
 
@@ -338,7 +340,7 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         )
     } else {
         format!(
-            "the first of {} combinations of the open options ({}) that fits {} per rank, tried cheapest first (more ZeRO, then micro-batches, then recomputation, then activation offload; the model has no config for the analytic model)",
+            "the first of {} combinations of the open options ({}) that fits {} per rank, tried cheapest first (more ZeRO, then micro-batches, then recomputation, then activation offload, then optimizer offload; the model has no config for the analytic model)",
             ranked.len(),
             open_names(&train.open),
             plan::gib(limit)
@@ -456,6 +458,7 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
             CheckpointPolicy::Selective | CheckpointPolicy::Budget(_) => "selective",
         },
         offload: opts.offload.is_some(),
+        offload_optimizer: opts.offload_optimizer,
         micro_batches: opts.micro_batches,
     };
     Some(crate::search::score(shape, &spec, &c))
@@ -493,6 +496,7 @@ fn open_names(o: &Open) -> String {
         (o.checkpoint, "--checkpoint"),
         (o.offload, "--offload"),
         (o.micro_batches, "--micro-batches"),
+        (o.offload_optimizer, "--offload-optimizer"),
     ] {
         if on {
             v.push(name);
@@ -542,7 +546,7 @@ const MAX_OPEN_MICRO_BATCHES: i64 = 8;
 /// Every combination of the open options (given options stay as given), in a fixed
 /// order of cost, cheapest first: ZeRO stage innermost (sharding state costs the least
 /// time), then micro-batch counts, then checkpoint none, selective, full, then the
-/// same with activation offload outermost. `per_rank_batch` bounds the micro-batch
+/// same with activation offload, then all of it with the optimizer on the host. `per_rank_batch` bounds the micro-batch
 /// counts (`None`: 1 only).
 pub fn candidates(train: &TrainRequest, per_rank_batch: Option<i64>) -> Vec<TrainOptions> {
     let policies = if train.open.checkpoint {
@@ -575,17 +579,25 @@ pub fn candidates(train: &TrainRequest, per_rank_batch: Option<i64>) -> Vec<Trai
     } else {
         vec![train.options.micro_batches]
     };
+    let host_optimizer = if train.open.offload_optimizer {
+        vec![false, true]
+    } else {
+        vec![train.options.offload_optimizer]
+    };
     let mut out = Vec::new();
-    for off in &offloads {
-        for p in &policies {
-            for &mb in &mbs {
-                for &z in &zeros {
-                    let mut o = train.options.clone();
-                    o.checkpoint = p.clone();
-                    o.offload = off.clone();
-                    o.micro_batches = mb;
-                    o.set_zero_stage(z);
-                    out.push(o);
+    for &host in &host_optimizer {
+        for off in &offloads {
+            for p in &policies {
+                for &mb in &mbs {
+                    for &z in &zeros {
+                        let mut o = train.options.clone();
+                        o.checkpoint = p.clone();
+                        o.offload = off.clone();
+                        o.micro_batches = mb;
+                        o.set_zero_stage(z);
+                        o.offload_optimizer = host;
+                        out.push(o);
+                    }
                 }
             }
         }
@@ -663,7 +675,7 @@ fn with_what_fits(req: &Request, e: LowerError, bindings: &Bindings) -> DriverEr
     }
     let help = match (found, suggest_mesh(req, bindings)) {
         (Some(ev), _) => format!(
-            "{} fits (peak {} per rank, step {:.3} ms predicted); or leave --zero, --checkpoint, --offload and --micro-batches out and the compiler chooses",
+            "{} fits (peak {} per rank, step {:.3} ms predicted); or leave --zero, --checkpoint, --offload, --micro-batches and --offload-optimizer out and the compiler chooses",
             ev.options.summary(),
             plan::gib(ev.peak_bytes),
             ev.step_time_s * 1e3

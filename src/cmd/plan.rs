@@ -1,5 +1,6 @@
 //! `weft plan`: the best training plan for a model on a cluster. Searches meshes (dp,
-//! sp, tp, ep), ZeRO stage, checkpoint policy, activation offload and micro-batches
+//! sp, tp, ep), ZeRO stage, checkpoint policy, activation and optimizer offload and
+//! micro-batches
 //! with the analytic model of `weft_passes::search`, compiles the finalists through
 //! the compile path and ranks them by the compiled plan's predicted step time among
 //! those whose compiled peak fits.
@@ -108,6 +109,7 @@ pub fn evaluate(
         zero1: c.zero >= 1,
         reduce_scatter: c.zero >= 2,
         zero3: c.zero >= 3,
+        offload_optimizer: c.offload_optimizer,
         checkpoint: weft_passes::training::CheckpointPolicy::parse(c.checkpoint)
             .map_err(CliError::input)?,
         grad_outputs: false,
@@ -176,7 +178,12 @@ fn row(s: &Scored) -> Vec<String> {
         c.mesh(),
         format!("{}", c.zero),
         c.checkpoint.to_string(),
-        if c.offload { "yes".into() } else { "no".into() },
+        match (c.offload, c.offload_optimizer) {
+            (false, false) => "no".into(),
+            (true, false) => "act".into(),
+            (false, true) => "optim".into(),
+            (true, true) => "act+optim".into(),
+        },
         c.micro_batches.to_string(),
         gib(m.total),
         format!(
@@ -267,6 +274,7 @@ pub fn run(a: Args) -> CliResult {
                     "zero": s.candidate.zero,
                     "checkpoint": s.candidate.checkpoint,
                     "offload": s.candidate.offload,
+                    "offload_optimizer": s.candidate.offload_optimizer,
                     "micro_batches": s.candidate.micro_batches,
                     "fits": s.fits,
                     "memory": s.memory,

@@ -52,6 +52,14 @@ pub struct TrainArgs {
     /// the fastest option set that fits the device memory.
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
+    /// Keep the f32 master weights and AdamW moments in pinned host memory: gradient
+    /// chunks stream to the host, the host CPU runs AdamW, the updated parameters
+    /// stream back (ZeRO-Offload). Combines with --zero (the host state is sharded
+    /// the same way). `--offload-optimizer=false` forbids it; not given, a plan turns
+    /// it on when it is part of the fastest option set that fits. CPU reference only:
+    /// the CUDA executor refuses it.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub offload_optimizer: Option<bool>,
     /// Optimizer update in the step: adamw, sgd or none.
     #[arg(long, value_name = "NAME")]
     pub optimizer: Option<String>,
@@ -142,6 +150,7 @@ impl TrainArgs {
                 optimizer,
                 zero1: zero >= 1,
                 zero3: zero >= 3,
+                offload_optimizer: self.offload_optimizer == Some(true),
                 master_weights: !self.no_master_weights,
                 // check and eval compare the gradients; `compile` drops them from a plan.
                 grad_outputs: true,
@@ -153,6 +162,10 @@ impl TrainArgs {
                 offload: self.offload.is_none() && self.offload_budget.is_none(),
                 zero: self.zero.is_none(),
                 micro_batches: self.micro_batches.is_none(),
+                // The host update needs AdamW on f32 master weights.
+                offload_optimizer: self.offload_optimizer.is_none()
+                    && matches!(optimizer, Some(Optimizer::AdamW { .. }))
+                    && !self.no_master_weights,
             },
             offload_template: template,
         })
@@ -166,6 +179,7 @@ impl TrainArgs {
             || self.offload_budget.is_some()
             || self.micro_batches.is_some()
             || self.zero.is_some()
+            || self.offload_optimizer.is_some()
             || self.optimizer.is_some()
             || self.no_master_weights
     }

@@ -222,6 +222,12 @@ pub struct TrainOptions {
     /// gathered before each forward and backward region that reads them. Needs
     /// `zero1` and `reduce_scatter`.
     pub zero3: bool,
+    /// `optimizer`: ZeRO-Offload's optimizer placement: f32 master weights and AdamW
+    /// moments (ZeRO-sharded as the stage says) live in pinned host memory; each
+    /// gradient chunk is copied to the host (`offload`), the host CPU updates it
+    /// (`host_adamw`) and the parameter in its dtype comes back (`reload`). Needs AdamW
+    /// and master weights.
+    pub offload_optimizer: bool,
     /// `optimizer`: low-precision (bf16, f16) parameters get f32 master weights and f32
     /// states (mixed precision). Off, the update runs on the parameter itself with states
     /// in its dtype, as `torch.optim.AdamW` does on a bf16 model.
@@ -248,6 +254,7 @@ impl Default for TrainOptions {
             optimizer: None,
             zero1: false,
             zero3: false,
+            offload_optimizer: false,
             master_weights: true,
             grad_outputs: true,
             batch: None,
@@ -293,6 +300,9 @@ impl TrainOptions {
             self.zero_stage(),
             self.micro_batches
         ));
+        if self.offload_optimizer {
+            s.push_str(" --offload-optimizer");
+        }
         s
     }
 }
