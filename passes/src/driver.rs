@@ -299,6 +299,10 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
     }
     let limit = req.memory_limit();
     let ranked = rank(req, train, &bindings);
+    // When the caller's instrumentation only verifies, candidates are compiled with
+    // its verification and the winner's compile is returned as is.
+    let reuse = only_verifies(&req.instrumentation);
+    let verify = reuse && req.instrumentation.verify_each;
     let mut tried = Vec::new();
     let mut fits: Vec<(usize, Evaluated)> = Vec::new();
     let mut least: Option<(u64, LowerError)> = None;
@@ -306,7 +310,7 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         if !keep_going(&ranked, i, &fits, tried.len()) {
             break;
         }
-        let e = evaluate(req, &r.options)?;
+        let e = evaluate_verified(req, &r.options, verify)?;
         tried.push(candidate_line(&e, limit, r.analytic.as_ref()));
         if e.fits {
             fits.push((i, e));
@@ -347,9 +351,13 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         )
     };
     let options = best.options.clone();
-    // Compile once more with the caller's instrumentation, so printing, verification
-    // and statistics describe the program returned.
-    let mut c = compile_with(req, Some(&options), sink, limit)?;
+    let mut c = if reuse {
+        best.compiled.clone()
+    } else {
+        // Compile once more with the caller's instrumentation, so printing and
+        // statistics describe the program returned.
+        compile_with(req, Some(&options), sink, limit)?
+    };
     c.choice = Some(Choice {
         chosen: options.summary(),
         why,
@@ -513,13 +521,33 @@ fn mesh_name(m: &Mesh) -> String {
     }
 }
 
+/// Whether `ins` asks for nothing but (maybe) verification: no printing, statistics,
+/// stopping or bisecting.
+fn only_verifies(ins: &Instrumentation) -> bool {
+    ins.print_before == crate::PassFilter::None
+        && ins.print_after == crate::PassFilter::None
+        && !ins.print_changes
+        && !ins.stats
+        && ins.stop_after.is_none()
+        && ins.bisect_limit.is_none()
+}
+
 /// Compiles and plans one training option set without a memory limit: the program,
 /// its peak per rank, its predicted step time, and whether it fits the request's
 /// device memory. Needs concrete sizes.
 pub fn evaluate(req: &Request, opts: &TrainOptions) -> Result<Evaluated, DriverError> {
+    evaluate_verified(req, opts, false)
+}
+
+/// [`evaluate`], verifying the graph after every pass when `verify_each`.
+fn evaluate_verified(
+    req: &Request,
+    opts: &TrainOptions,
+    verify_each: bool,
+) -> Result<Evaluated, DriverError> {
     let mut quiet = req.clone();
     quiet.instrumentation = Instrumentation {
-        verify_each: false,
+        verify_each,
         check_requires: req.instrumentation.check_requires,
         ..Instrumentation::default()
     };
