@@ -153,11 +153,15 @@ pub fn evaluate(
             error: Some("does not fit".into()),
             compile_s: 0.0,
         },
+        // The passes refuse the mesh (the other options do not change that).
         Err(e) => Compiled {
             peak: 0,
             step_s: f64::INFINITY,
             plan: None,
-            error: Some(e.to_string()),
+            error: Some(format!(
+                "refused: {}",
+                e.to_string().lines().next().unwrap_or("")
+            )),
             compile_s: 0.0,
         },
     };

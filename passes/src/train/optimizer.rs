@@ -866,6 +866,63 @@ pub fn state_as_param(
     Ok(weft_ir::HostTensor::floats(t.dtype, shape.to_vec(), out))
 }
 
+/// The inverse of [`state_as_param`]: a state in the layout of its parameter (as a
+/// universal training checkpoint stores it) as the whole tensor the step program's
+/// state param `state` holds (flat, zero-padded and blocked by shard when ZeRO shards
+/// it; unchanged otherwise), in the state's dtype.
+pub fn state_from_param(
+    g: &Graph,
+    state: &str,
+    t: &weft_ir::HostTensor,
+) -> Result<weft_ir::HostTensor, String> {
+    let v = g
+        .params()
+        .into_iter()
+        .find(|(n, _)| n == state)
+        .map(|(_, v)| v)
+        .ok_or_else(|| format!("the step has no optimizer state `{state}`"))?;
+    let ty = g.ty(v);
+    let parts = g.param_partition(state);
+    let mut shape = Vec::new();
+    for (i, d) in ty.shape.iter().enumerate() {
+        let full = parts.iter().find(|p| p.dim == i).map(|p| p.full_size());
+        match full.or_else(|| d.as_const()) {
+            Some(x) => shape.push(x as usize),
+            None => return Err(format!("state `{state}` has a symbolic size `{d}`")),
+        }
+    }
+    let n: usize = shape.iter().product();
+    if !parts.iter().any(|p| p.kind == "zero") {
+        if t.shape != shape {
+            return Err(format!(
+                "`{state}` has shape {:?} where the step holds {shape:?}",
+                t.shape
+            ));
+        }
+        return Ok(weft_ir::HostTensor::floats(ty.dtype, shape, t.to_f64()));
+    }
+    let param = state
+        .strip_prefix(STATE_PREFIX)
+        .and_then(|r| r.split_once('.'))
+        .map(|(_, p)| p)
+        .ok_or_else(|| format!("`{state}` is not an optimizer state"))?;
+    let own_v = own_partitions(g, param);
+    let own = own_v.as_slice();
+    let mut d = if own.is_empty() {
+        t.to_f64()
+    } else {
+        flat_blocks(t, own, &g.mesh, n / own_shards(g, own))?
+    };
+    if d.len() > n {
+        return Err(format!(
+            "`{state}` has {} elements but the step holds {n}",
+            d.len()
+        ));
+    }
+    d.resize(n, 0.0);
+    Ok(weft_ir::HostTensor::floats(ty.dtype, shape, d))
+}
+
 /// A parameter's own partitions (tensor, expert), without the ZeRO-3 split of its rows.
 fn own_partitions(g: &Graph, name: &str) -> Vec<Partition> {
     g.param_partition(name)
