@@ -78,7 +78,10 @@ fn open_options_are_chosen_to_fit_and_given_ones_that_do_not_fit_say_what_would(
         .lines()
         .find(|l| l.starts_with("chose --checkpoint "))
         .unwrap_or_else(|| panic!("{err}"));
-    assert!(!chose.contains("--zero 0") && err.contains("  tried --checkpoint "), "{err}");
+    assert!(
+        !chose.contains("--zero 0") && err.contains("  tried --checkpoint "),
+        "{err}"
+    );
     assert_eq!(
         json(&std::fs::read_to_string(&plan).unwrap())["step"],
         "training"
@@ -99,7 +102,10 @@ fn open_options_are_chosen_to_fit_and_given_ones_that_do_not_fit_say_what_would(
         .find(|l| l.starts_with("chose --checkpoint "))
         .unwrap_or_else(|| panic!("{err}"));
     assert!(chose.contains("--zero 0 --micro-batches 1:"), "{chose}");
-    assert!(!chose.starts_with("chose --checkpoint none --zero"), "{chose}");
+    assert!(
+        !chose.starts_with("chose --checkpoint none --zero"),
+        "{chose}"
+    );
     // Everything given: kept, refused, and the error names what fits.
     let (code, _, err) = weft(
         &[

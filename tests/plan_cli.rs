@@ -148,7 +148,10 @@ fn llama3_8b_trains_at_128k_tokens_on_sp8() {
     // Unsharded AdamW state alone (12 bytes per parameter) would not fit: a stage of
     // at least 1 over the sp group is chosen.
     assert!(!chose.contains("--zero 0"), "{chose}");
-    assert!(stderr.contains("compiled the training step of llama3-8b"), "{stderr}");
+    assert!(
+        stderr.contains("compiled the training step of llama3-8b"),
+        "{stderr}"
+    );
     let plan = json(&std::fs::read_to_string(&out).unwrap());
     assert_eq!(plan["step"], "training", "{}", plan["step"]);
     assert!(plan["memory"]["peak_bytes"].as_u64().unwrap() <= 80 << 30);
@@ -185,7 +188,10 @@ fn given_options_that_cannot_fit_are_refused_with_what_fits() {
         tempdir("8b-given").join("plan.json").to_str().unwrap(),
     ]);
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("help: --checkpoint") && stderr.contains(" fits (peak"), "{stderr}");
+    assert!(
+        stderr.contains("help: --checkpoint") && stderr.contains(" fits (peak"),
+        "{stderr}"
+    );
 }
 
 /// The second "done when" command, exactly as written (about 30 s of CPU: two
@@ -212,7 +218,10 @@ fn llama3_405b_fits_with_zero3_on_dp8_sp8_tp8() {
         out.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{stderr}");
-    assert!(stderr.contains("chose --checkpoint ") && stderr.contains("--zero 3"), "{stderr}");
+    assert!(
+        stderr.contains("chose --checkpoint ") && stderr.contains("--zero 3"),
+        "{stderr}"
+    );
     let plan = json(&std::fs::read_to_string(&out).unwrap());
     assert!(plan["memory"]["peak_bytes"].as_u64().unwrap() <= 80 << 30);
 }
@@ -249,7 +258,12 @@ fn offload_optimizer_plans_the_update_on_the_host() {
         .count();
     assert!(host > 0);
     assert!(plan["memory"]["host_bytes"].as_u64().unwrap() > 0);
-    assert_eq!(plan["memory"]["breakdown"]["optimizer_state"].as_u64().unwrap_or(0), 0);
+    assert_eq!(
+        plan["memory"]["breakdown"]["optimizer_state"]
+            .as_u64()
+            .unwrap_or(0),
+        0
+    );
 }
 
 #[test]

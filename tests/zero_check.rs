@@ -300,7 +300,8 @@ fn optimizer_offload_matches_the_device_update_bit_for_bit() {
         let device = opts(zero, micro);
         let mut host = device.clone();
         host.offload_optimizer = true;
-        let (gd, _) = training_step(&graph, mesh, &device).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (gd, _) =
+            training_step(&graph, mesh, &device).unwrap_or_else(|e| panic!("{what}: {e}"));
         let (gh, report) =
             training_step(&graph, mesh, &host).unwrap_or_else(|e| panic!("{what}: {e}"));
         let count = |op: &str| {
@@ -316,9 +317,16 @@ fn optimizer_offload_matches_the_device_update_bit_for_bit() {
             .and_then(|p| p.counters.get("params").copied())
             .unwrap_or(0) as usize;
         assert!(params > 0, "{what}");
-        assert_eq!(count("host_adamw"), params, "{what}: one host update per param");
+        assert_eq!(
+            count("host_adamw"),
+            params,
+            "{what}: one host update per param"
+        );
         assert_eq!(count("adamw"), 0, "{what}: no device update left");
-        assert!(count("offload") >= params && count("reload") >= params, "{what}");
+        assert!(
+            count("offload") >= params && count("reload") >= params,
+            "{what}"
+        );
         let a = steps(&gd, &weights, &inputs);
         let b = steps(&gh, &weights, &inputs);
         assert_eq!(a.losses, b.losses, "{what}: losses");
@@ -329,7 +337,10 @@ fn optimizer_offload_matches_the_device_update_bit_for_bit() {
             assert_eq!(v.to_f64(), b.states[s].to_f64(), "{what}: {s}");
         }
         // The device update of f32 params has no master copy; the host keeps one.
-        assert!(b.states.keys().any(|s| s.starts_with("optim.master.")), "{what}");
+        assert!(
+            b.states.keys().any(|s| s.starts_with("optim.master.")),
+            "{what}"
+        );
     }
 }
 
@@ -358,23 +369,41 @@ fn optimizer_offload_plan_and_snapshot() {
         .iter()
         .all(|i| (i.op == "host_adamw") == (i.stream == 4)));
     let state = |p: &weft_ir::plan::ExecutionPlan| {
-        p.memory.breakdown.get("optimizer_state").copied().unwrap_or(0)
+        p.memory
+            .breakdown
+            .get("optimizer_state")
+            .copied()
+            .unwrap_or(0)
     };
-    assert!(state(&pd) > 0 && state(&ph) == 0, "{:?}", ph.memory.breakdown);
+    assert!(
+        state(&pd) > 0 && state(&ph) == 0,
+        "{:?}",
+        ph.memory.breakdown
+    );
     assert!(ph.memory.host_bytes > 0 && ph.memory.peak_bytes < pd.memory.peak_bytes);
     let param = "model.layers.0.mlp.down_proj.weight";
     let mut text = String::new();
     for &n in gh.nodes() {
         let d = gh.node(n);
-        let Some(p) = &d.meta.provenance else { continue };
+        let Some(p) = &d.meta.provenance else {
+            continue;
+        };
         if p.pass != "optimizer" || !p.reason.contains(&format!("`{param}`")) {
             continue;
         }
         text.push_str(&format!(
             "{} ({}) -> {}: {}\n",
             d.op.name(),
-            d.operands.iter().map(|v| gh.ty(*v).to_string()).collect::<Vec<_>>().join(", "),
-            d.results.iter().map(|v| gh.ty(*v).to_string()).collect::<Vec<_>>().join(", "),
+            d.operands
+                .iter()
+                .map(|v| gh.ty(*v).to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            d.results
+                .iter()
+                .map(|v| gh.ty(*v).to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
             p.reason
         ));
     }
@@ -392,16 +421,22 @@ fn shard_round_trips_the_zero_training_state_across_meshes() {
     std::fs::create_dir_all(&dir).unwrap();
     let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
     // A universal checkpoint: the fixture's parameters and non-trivial moments.
-    let mut ckpt = weft_frontends::read_safetensors(&fixture("llama").join("model.safetensors"))
-        .unwrap();
+    let mut ckpt =
+        weft_frontends::read_safetensors(&fixture("llama").join("model.safetensors")).unwrap();
     let params: Vec<(String, HostTensor)> =
         ckpt.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     for (name, t) in &params {
         let x = t.to_f64();
         let m: Vec<f64> = x.iter().map(|v| v * 0.5 - 0.125).collect();
         let v: Vec<f64> = x.iter().map(|v| v * v + 0.25).collect();
-        ckpt.insert(format!("optim.m.{name}"), HostTensor::floats(DType::F32, t.shape.clone(), m));
-        ckpt.insert(format!("optim.v.{name}"), HostTensor::floats(DType::F32, t.shape.clone(), v));
+        ckpt.insert(
+            format!("optim.m.{name}"),
+            HostTensor::floats(DType::F32, t.shape.clone(), m),
+        );
+        ckpt.insert(
+            format!("optim.v.{name}"),
+            HostTensor::floats(DType::F32, t.shape.clone(), v),
+        );
     }
     let file = dir.join("train.safetensors");
     weft_frontends::save_safetensors(&file, &ckpt).unwrap();
@@ -427,7 +462,11 @@ fn shard_round_trips_the_zero_training_state_across_meshes() {
             "--json",
         ]);
         assert_eq!(code, 0, "{mesh}: {err}");
-        assert_eq!(json(&out)["files"].as_array().unwrap().len(), files, "{mesh}: {out}");
+        assert_eq!(
+            json(&out)["files"].as_array().unwrap().len(),
+            files,
+            "{mesh}: {out}"
+        );
         // Each rank holds its chunk of every moment (flat, its share of the local part
         // over the data-parallel group), and at stage 3 its rows of each parameter.
         let rank0 = weft_frontends::read_safetensors(
@@ -462,7 +501,11 @@ fn shard_round_trips_the_zero_training_state_across_meshes() {
             "{mesh}"
         );
         for (name, t) in &ckpt {
-            assert_eq!(got[name].digest(), t.digest(), "{mesh}: `{name}` not byte-exact");
+            assert_eq!(
+                got[name].digest(),
+                t.digest(),
+                "{mesh}: `{name}` not byte-exact"
+            );
         }
         from = back;
     }

@@ -320,10 +320,11 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         }
     }
     // The fastest compiled plan that fits (ties: the better ranked).
-    let Some((_, best)) = fits
-        .iter()
-        .min_by(|a, b| a.1.step_time_s.total_cmp(&b.1.step_time_s).then(a.0.cmp(&b.0)))
-    else {
+    let Some((_, best)) = fits.iter().min_by(|a, b| {
+        a.1.step_time_s
+            .total_cmp(&b.1.step_time_s)
+            .then(a.0.cmp(&b.0))
+    }) else {
         let (_, last) = least.expect("at least one candidate");
         return Err(DriverError::NoFit {
             limit: plan::gib(limit),
@@ -440,7 +441,12 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
     let shape = req.shape.as_ref()?;
     let (batch, seq) = (*b.symbols.get("B")?, *b.symbols.get("S")?);
     let known = ["dp", "sp", "tp", weft_ir::mesh::EP, weft_ir::mesh::EDP];
-    if req.mesh.axes.iter().any(|(a, _)| !known.contains(&a.as_str())) {
+    if req
+        .mesh
+        .axes
+        .iter()
+        .any(|(a, _)| !known.contains(&a.as_str()))
+    {
         return None;
     }
     let axis = |a: &str| req.mesh.size_or_one(a) as u32;
@@ -885,14 +891,28 @@ mod tests {
         let mut r = request("dp=2,sp=2", Some(t));
         r.batch = Some(4);
         let cands = candidates(r.train.as_ref().unwrap(), Some(2));
-        assert_eq!(cands.len(), 4 * 2 * 3 * 2, "zero x micro-batches x checkpoint x offload");
         assert_eq!(
-            cands.iter().map(|o| o.zero_stage()).take(4).collect::<Vec<_>>(),
+            cands.len(),
+            4 * 2 * 3 * 2 * 2,
+            "zero x micro-batches x checkpoint x offload x optimizer offload"
+        );
+        assert!(cands[..48].iter().all(|o| !o.offload_optimizer));
+        assert_eq!(
+            cands
+                .iter()
+                .map(|o| o.zero_stage())
+                .take(4)
+                .collect::<Vec<_>>(),
             vec![0, 1, 2, 3]
         );
         let plain = evaluate(&r, &cands[0]).unwrap();
         let zero1 = evaluate(&r, &cands[1]).unwrap();
-        assert!(zero1.peak_bytes < plain.peak_bytes, "{} {}", zero1.peak_bytes, plain.peak_bytes);
+        assert!(
+            zero1.peak_bytes < plain.peak_bytes,
+            "{} {}",
+            zero1.peak_bytes,
+            plain.peak_bytes
+        );
         r.device_memory = Some(zero1.peak_bytes);
         let c = compile(&r, &mut std::io::sink()).unwrap();
         let chosen = c.train.unwrap();

@@ -184,18 +184,14 @@ pub fn run(a: Args) -> CliResult {
             let Some(param) = state_param(&name) else {
                 continue;
             };
-            let shape = full
-                .get(param)
-                .map(|t| t.shape.clone())
-                .ok_or_else(|| {
-                    CliError::input(format!(
-                        "{} has no `{param}`, whose optimizer state `{name}` the step holds",
-                        checkpoint.display()
-                    ))
-                })?;
-            let bad = |e: String| {
-                CliError::input(format!("`{name}` in {}: {e}", checkpoint.display()))
-            };
+            let shape = full.get(param).map(|t| t.shape.clone()).ok_or_else(|| {
+                CliError::input(format!(
+                    "{} has no `{param}`, whose optimizer state `{name}` the step holds",
+                    checkpoint.display()
+                ))
+            })?;
+            let bad =
+                |e: String| CliError::input(format!("`{name}` in {}: {e}", checkpoint.display()));
             let (u, held) = match full.get(&name) {
                 Some(u) => (
                     u.clone(),
@@ -336,7 +332,9 @@ fn unshard(a: &Args) -> CliResult {
         for name in states {
             let param = state_param(&name).expect("a state");
             let shape = full.get(param).map(|t| t.shape.clone()).ok_or_else(|| {
-                bad(format!("has optimizer state `{name}` but not its parameter `{param}`"))
+                bad(format!(
+                    "has optimizer state `{name}` but not its parameter `{param}`"
+                ))
             })?;
             let u = weft_passes::optimizer::state_as_param(&g, &name, &full[&name], &shape)
                 .map_err(|e| bad(format!("`{name}`: {e}")))?;

@@ -93,7 +93,9 @@ impl Pass for OptimizerPass {
         if offload {
             let why = match opt {
                 Optimizer::Sgd { .. } => Some("the host update is AdamW; SGD runs on the device"),
-                _ if !cx.options.train.master_weights => Some("the host keeps f32 master weights; drop --no-master-weights"),
+                _ if !cx.options.train.master_weights => {
+                    Some("the host keeps f32 master weights; drop --no-master-weights")
+                }
                 _ => None,
             };
             if let Some(why) = why {

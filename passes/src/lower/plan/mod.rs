@@ -371,7 +371,12 @@ pub fn lower_with_views(
                 (moved, t)
             }
             HOST_STREAM => {
-                let params = g.ty(nd.operands[0]).numel().bind(&b).as_const().unwrap_or(0);
+                let params = g
+                    .ty(nd.operands[0])
+                    .numel()
+                    .bind(&b)
+                    .as_const()
+                    .unwrap_or(0);
                 let t = cost::host_adam_time(params as f64, d);
                 (in_bytes + out_bytes, t)
             }
@@ -775,11 +780,9 @@ pub fn lower_with_views(
             continue;
         }
         let v = Value(buf.value);
-        let replaces = output_names.get(&v).and_then(|names| {
-            names
-                .iter()
-                .find_map(|n| host_param_offset.get(n).copied())
-        });
+        let replaces = output_names
+            .get(&v)
+            .and_then(|names| names.iter().find_map(|n| host_param_offset.get(n).copied()));
         let offset = match replaces {
             Some(o) => o,
             None => {
