@@ -449,9 +449,9 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
     {
         return None;
     }
-    let axis = |a: &str| req.mesh.size_or_one(a) as u32;
+    let axis = |a: &str| req.mesh.size_or_one(a);
     let spec = SearchSpec {
-        gpus: req.mesh.world_size() as u32,
+        gpus: req.mesh.world_size(),
         gpus_per_node: req.device.gpus_per_node.max(1),
         seq: seq as u64,
         batch: batch as u64,
@@ -484,7 +484,7 @@ fn suggest_mesh(req: &Request, b: &Bindings) -> Option<String> {
     let shape = req.shape.as_ref()?;
     let (batch, seq) = (*b.symbols.get("B")?, *b.symbols.get("S")?);
     let spec = SearchSpec {
-        gpus: req.mesh.world_size() as u32,
+        gpus: req.mesh.world_size(),
         gpus_per_node: req.device.gpus_per_node.max(1),
         seq: seq as u64,
         batch: batch as u64,

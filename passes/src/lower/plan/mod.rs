@@ -774,8 +774,7 @@ pub fn lower_with_views(
     // host update reads last (the host stream runs in order).
     let mut host_bytes = 0u64;
     let mut host_param_offset: BTreeMap<String, u64> = BTreeMap::new();
-    for i in 0..buffers.len() {
-        let buf = &buffers[i];
+    for buf in buffers.iter_mut() {
         if buf.category != Category::Host || buf.alias_of.is_some() {
             continue;
         }
@@ -794,7 +793,7 @@ pub fn lower_with_views(
                 o
             }
         };
-        buffers[i].offset = offset;
+        buf.offset = offset;
     }
     // Resident region.
     let mut resident_bytes = 0u64;
