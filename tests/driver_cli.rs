@@ -70,33 +70,54 @@ fn open_options_are_chosen_to_fit_and_given_ones_that_do_not_fit_say_what_would(
     let plan = tmp("8b.json");
     let p = plan.to_str().unwrap();
     let args = ["compile", "llama3-8b", "--mesh", "sp=8", "--seq", "131072"];
-    // The h200 profile's 139 GiB: no checkpointing needs 196 GiB, selective fits.
+    // The h200 profile's 139 GiB: no checkpointing and no ZeRO needs 196 GiB; every
+    // option open, a ZeRO stage over the sp group makes it fit.
     let (code, _, err) = weft(&[&args[..], &["-o", p]].concat());
     assert_eq!(code, 0, "{err}");
+    let chose = err
+        .lines()
+        .find(|l| l.starts_with("chose --checkpoint "))
+        .unwrap_or_else(|| panic!("{err}"));
     assert!(
-        err.contains("chose --checkpoint selective") && err.contains("tried --checkpoint none"),
+        !chose.contains("--zero 0") && err.contains("  tried --checkpoint "),
         "{err}"
     );
     assert_eq!(
         json(&std::fs::read_to_string(&plan).unwrap())["step"],
         "training"
     );
-    // Only the checkpoint given: offload is still open, and none + offload fits.
-    let (code, _, err) = weft(&[&args[..], &["--checkpoint", "none", "-o", p]].concat());
+    // ZeRO, micro-batches and the host optimizer given: the checkpoint policy and
+    // activation offload are still open and chosen to fit.
+    let given = [
+        "--zero",
+        "0",
+        "--micro-batches",
+        "1",
+        "--offload-optimizer=false",
+    ];
+    let (code, _, err) = weft(&[&args[..], &given[..], &["-o", p]].concat());
     assert_eq!(code, 0, "{err}");
-    assert!(err.contains("chose --checkpoint none --offload"), "{err}");
-    // Both given: kept, refused, and the error names what fits.
+    let chose = err
+        .lines()
+        .find(|l| l.starts_with("chose --checkpoint "))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(chose.contains("--zero 0 --micro-batches 1:"), "{chose}");
+    assert!(
+        !chose.starts_with("chose --checkpoint none --zero"),
+        "{chose}"
+    );
+    // Everything given: kept, refused, and the error names what fits.
     let (code, _, err) = weft(
         &[
             &args[..],
+            &given[..],
             &["--checkpoint", "none", "--offload=false", "-o", p],
         ]
         .concat(),
     );
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("but the device has 139.00 GiB")
-            && err.contains("help: --checkpoint selective"),
+        err.contains("but the device has 139.00 GiB") && err.contains("help: --checkpoint "),
         "{err}"
     );
 }

@@ -308,6 +308,8 @@ define_ops! {
     // ---- optimizer (made by `optimizer`) ----
     /// One AdamW step (torch.optim.AdamW) of `param` with gradient `grad`, moments `m`, `v` and the 1-based step number `step` (float scalar): new param, m, v.
     AdamW = "adamw" ("param, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float } => adamw;
+    /// `adamw` run by the host CPU (`--offload-optimizer`): f32 `master` weights and moments `m`, `v` in pinned host memory, `grad` (any float dtype, copied to the host by `offload`) widened to the master's dtype; new master, m, v and the new master rounded to `dtype` (the parameter `reload` brings back). Bit for bit the device `cast`, `adamw`, `cast`.
+    HostAdamW = "host_adamw" ("master, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float, dtype: DType } => host_adamw;
     /// One SGD step (torch.optim.SGD): new param and, given a momentum buffer, the new buffer.
     Sgd = "sgd" ("param, grad, buf?") [2, 3] { lr: Float, momentum: Float, weight_decay: Float } => sgd;
 

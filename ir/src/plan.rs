@@ -107,7 +107,7 @@ pub const MAX_SEQ: i64 = 1 << 32;
 /// The largest batch Weft plans for (2^24 sequences).
 pub const MAX_BATCH: i64 = 1 << 24;
 
-/// The most streams a plan may have (Weft's plans have four).
+/// The most streams a plan may have (Weft's plans have four, five with a host update).
 pub const MAX_STREAMS: usize = 64;
 
 impl DeviceProfile {
@@ -123,6 +123,7 @@ impl DeviceProfile {
             ("intra_node_gbps", self.intra_node_gbps),
             ("inter_node_gbps", self.inter_node_gbps),
             ("host_gbps", self.host_gbps),
+            ("host_adam_params_per_s", self.host_adam_params_per_s),
         ];
         for (name, v) in rates {
             if !(v.is_finite() && v > 0.0) {
@@ -192,6 +193,8 @@ pub enum StreamKind {
     Comm,
     /// Host <-> device copies (offload, prefetch).
     Copy,
+    /// The host CPU (the optimizer update of `--offload-optimizer`).
+    Host,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -212,7 +215,8 @@ pub enum Category {
     Activation,
     Workspace,
     Comm,
-    /// Lives in pinned host memory (offloaded activations).
+    /// Lives in pinned host memory (offloaded activations; with `--offload-optimizer`
+    /// the master weights, moments and what the host update reads and writes).
     Host,
 }
 
@@ -380,6 +384,17 @@ pub struct DeviceProfile {
     pub inter_node_latency_us: f64,
     /// Host link (PCIe) for offload copies.
     pub host_gbps: f64,
+    /// Parameters a second the host CPU updates with AdamW for one GPU
+    /// (`--offload-optimizer`: the node's cores shared by its GPUs).
+    #[serde(default = "default_host_adam_params_per_s")]
+    pub host_adam_params_per_s: f64,
+}
+
+/// A host AdamW rate for profiles that do not give one: 0.25 G parameters/s per GPU,
+/// DeepSpeed's vectorised CPU Adam on a two-socket node shared by 8 GPUs (about 2 G
+/// parameters/s per node: memory-bound, ~16 bytes read and 14 written per parameter).
+pub fn default_host_adam_params_per_s() -> f64 {
+    0.25e9
 }
 
 /// Why a plan cannot be loaded.

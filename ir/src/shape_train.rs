@@ -187,6 +187,27 @@ pub fn adamw(_: &Op, ins: &[&TensorType]) -> Out {
     Ok(vec![p.clone(), m.clone(), v.clone()])
 }
 
+/// `host_adamw(master, grad, m, v, step) {dtype}`: new master, m, v, and the master
+/// in `dtype`.
+pub fn host_adamw(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::HostAdamW { dtype, .. } = op else {
+        return Err(format!("internal: host_adamw rule on `{}`", op.name()));
+    };
+    if !dtype.is_float() {
+        return Err(format!("dtype must be a float type, got {dtype}"));
+    }
+    let g = ins[1];
+    if g.shape != ins[0].shape {
+        return Err(format!("grad {g} must have the shape of master {}", ins[0]));
+    }
+    want_float(g, "grad")?;
+    let mut widened = g.clone();
+    widened.dtype = ins[0].dtype;
+    let mut out = adamw(op, &[ins[0], &widened, ins[2], ins[3], ins[4]])?;
+    out.push(ins[0].with_dtype(*dtype));
+    Ok(out)
+}
+
 /// `sgd(param, grad, buf?)`: new param (and new momentum buffer).
 pub fn sgd(_: &Op, ins: &[&TensorType]) -> Out {
     let (p, g) = (ins[0], ins[1]);

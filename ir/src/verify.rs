@@ -372,6 +372,14 @@ fn check_float_attrs(op: &Op) -> Option<String> {
             beta2,
             eps,
             weight_decay,
+        }
+        | Op::HostAdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            ..
         } => finite("lr", lr.0)
             .or_else(|| unit("beta1", beta1.0))
             .or_else(|| unit("beta2", beta2.0))

@@ -12,17 +12,23 @@
 //! concrete, and, for training steps whose options were left open, what the driver
 //! chose and why ([`Choice`]).
 //!
-//! Training options the request leaves open (`TrainRequest::open`) are chosen as
-//! the cheapest set that fits the device memory, tried in a fixed order (checkpoint
-//! none, selective, full, then the same with activation offload); options the request
-//! gives are kept, and when they do not fit the error says which options would.
-//! [`evaluate`] compiles and plans one candidate option set (peak and predicted time),
-//! the unit a search over meshes and ZeRO stages reuses.
+//! Training options the request leaves open (`TrainRequest::open`: ZeRO stage,
+//! checkpoint policy, activation offload, micro-batches) are chosen as the fastest set
+//! that fits the device memory, by the search of `weft plan` restricted to the
+//! request's mesh: every combination of the open options is priced by the analytic
+//! model of [`crate::search`] (when the request carries the model's [`ModelShape`]),
+//! the best are compiled in that order, and the compiled plan's predicted step time
+//! picks among those that fit. Without a shape (a `.weft` or `.pt2` program) the
+//! combinations are compiled in a fixed order of cost and the first that fits wins.
+//! Options the request gives are kept; when they do not fit the error says which
+//! options would (and, failing those, which mesh). [`evaluate`] compiles and plans one
+//! candidate option set (peak and predicted time), the unit every search reuses.
 
 use crate::lower::plan::{self, LowerError, PlanOptions};
 use crate::manager::{Instrumentation, PassManager, RunReport};
 use crate::pass::{PassContext, PassError};
 use crate::registry::{default_pipeline_explained, Pipeline, Step};
+use crate::search::{Candidate, ModelShape, Scored, SearchSpec};
 use crate::tp::TpOptions;
 use crate::training::{training_steps, CheckpointPolicy, OffloadOptions, TrainOptions};
 use std::io::Write;
@@ -59,6 +65,9 @@ pub struct Request {
     pub plan: bool,
     /// The MODEL argument, recorded in the plan.
     pub source: String,
+    /// The model's layer sizes for the analytic search over open training options
+    /// (`None`: no config, the options are compiled in a fixed order instead).
+    pub shape: Option<ModelShape>,
 }
 
 impl Request {
@@ -78,6 +87,7 @@ impl Request {
             device_memory: None,
             plan: false,
             source: String::new(),
+            shape: None,
         }
     }
 
@@ -107,11 +117,30 @@ pub struct TrainRequest {
     pub offload_template: OffloadOptions,
 }
 
-/// Training options left unspecified: the driver picks them by memory.
+/// Training options left unspecified: the driver picks them by memory and time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Open {
     pub checkpoint: bool,
     pub offload: bool,
+    pub zero: bool,
+    pub micro_batches: bool,
+    pub offload_optimizer: bool,
+}
+
+impl Open {
+    /// Every option open.
+    pub fn all() -> Open {
+        Open {
+            checkpoint: true,
+            offload: true,
+            zero: true,
+            micro_batches: true,
+            offload_optimizer: true,
+        }
+    }
+    pub fn any(&self) -> bool {
+        self.checkpoint || self.offload || self.zero || self.micro_batches || self.offload_optimizer
+    }
 }
 
 /// What the driver chose for the open training options, and why.
@@ -259,58 +288,272 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         return compile_with(req, None, sink, req.memory_limit());
     };
     let bindings = sizes(&req.mesh, req.batch, req.seq)?;
-    let open = train.open.checkpoint || train.open.offload;
-    if !req.plan || bindings.symbols.is_empty() || !open {
+    if !req.plan || bindings.symbols.is_empty() || !train.open.any() {
         let c = compile_with(req, Some(&train.options), sink, req.memory_limit());
         return match c {
             Err(DriverError::Lower(e)) if matches!(*e, LowerError::OutOfMemory { .. }) => {
-                Err(with_what_fits(req, train, *e))
+                Err(with_what_fits(req, *e, &bindings))
             }
             c => c,
         };
     }
-    // Open options: the first candidate that fits, in the order of `candidates`.
     let limit = req.memory_limit();
+    let ranked = rank(req, train, &bindings);
+    // When the caller's instrumentation only verifies, candidates are compiled with
+    // its verification and the winner's compile is returned as is.
+    let reuse = only_verifies(&req.instrumentation);
+    let verify = reuse && req.instrumentation.verify_each;
     let mut tried = Vec::new();
+    let mut fits: Vec<(usize, Evaluated)> = Vec::new();
     let mut least: Option<(u64, LowerError)> = None;
-    for opts in candidates(train) {
-        let e = evaluate(req, &opts)?;
-        tried.push(candidate_line(&e, limit));
-        if e.fits {
-            // Run once more with the caller's instrumentation, so printing and
-            // statistics describe the program returned.
-            let mut c = compile_with(req, Some(&opts), sink, limit)?;
-            c.choice = Some(Choice {
-                chosen: opts.summary(),
-                why: format!(
-                    "the first of checkpoint none, selective, full, then each with --offload (each later one recomputes or copies more) that fits {} per rank",
-                    plan::gib(limit)
-                ),
-                tried,
-            });
-            return Ok(c);
+    for (i, r) in ranked.iter().enumerate() {
+        if !keep_going(&ranked, i, &fits, tried.len()) {
+            break;
         }
-        if least.as_ref().is_none_or(|(p, _)| e.peak_bytes < *p) {
-            let err = out_of_memory(&e, limit);
+        let e = evaluate_verified(req, &r.options, verify)?;
+        tried.push(candidate_line(&e, limit, r.analytic.as_ref()));
+        if e.fits {
+            fits.push((i, e));
+        } else if least.as_ref().is_none_or(|(p, _)| e.peak_bytes < *p) {
+            let err = out_of_memory(&e, limit, suggest_mesh(req, &bindings));
             least = Some((e.peak_bytes, err));
         }
     }
-    let (_, last) = least.expect("at least one candidate");
-    Err(DriverError::NoFit {
-        limit: plan::gib(limit),
-        kind: format!("{} of {}", req.step_kind().name(), req.model.name),
+    // The fastest compiled plan that fits (ties: the better ranked).
+    let Some((_, best)) = fits.iter().min_by(|a, b| {
+        a.1.step_time_s
+            .total_cmp(&b.1.step_time_s)
+            .then(a.0.cmp(&b.0))
+    }) else {
+        let (_, last) = least.expect("at least one candidate");
+        return Err(DriverError::NoFit {
+            limit: plan::gib(limit),
+            kind: format!("{} of {}", req.step_kind().name(), req.model.name),
+            tried,
+            last: Box::new(last),
+        });
+    };
+    let analytic = ranked.iter().any(|r| r.analytic.is_some());
+    let why = if analytic {
+        format!(
+            "the fastest predicted step of the {} compiled option sets that fit {} per rank; {} combinations of the open options ({}) on mesh {} were ranked by `weft plan`'s analytic model and the best compiled",
+            fits.len(),
+            plan::gib(limit),
+            ranked.len(),
+            open_names(&train.open),
+            mesh_name(&req.mesh),
+        )
+    } else {
+        format!(
+            "the first of {} combinations of the open options ({}) that fits {} per rank, tried cheapest first (more ZeRO, then micro-batches, then recomputation, then activation offload, then optimizer offload; the model has no config for the analytic model)",
+            ranked.len(),
+            open_names(&train.open),
+            plan::gib(limit)
+        )
+    };
+    let options = best.options.clone();
+    let mut c = if reuse {
+        best.compiled.clone()
+    } else {
+        // Compile once more with the caller's instrumentation, so printing and
+        // statistics describe the program returned.
+        compile_with(req, Some(&options), sink, limit)?
+    };
+    c.choice = Some(Choice {
+        chosen: options.summary(),
+        why,
         tried,
-        last: Box::new(last),
+    });
+    Ok(c)
+}
+
+/// At most this many option sets are compiled for one choice.
+const MAX_EVALUATIONS: usize = 8;
+/// Compiled finalists that fit, among which the fastest compiled plan wins.
+const FINALISTS: usize = 2;
+/// A later finalist is compiled only when its analytic step time is within this
+/// factor of the first that fit.
+const FINALIST_SLACK: f64 = 1.1;
+
+/// Whether the search compiles the `i`-th ranked option set, after `evaluated` compiles
+/// of which `fits` fit: until one fits (at most [`MAX_EVALUATIONS`]), then (ranked
+/// analytically) up to [`FINALISTS`] whose analytic time is close to the first fit's.
+fn keep_going(ranked: &[Ranked], i: usize, fits: &[(usize, Evaluated)], evaluated: usize) -> bool {
+    if evaluated >= MAX_EVALUATIONS {
+        return false;
+    }
+    let Some((first, _)) = fits.first() else {
+        return true;
+    };
+    if fits.len() >= FINALISTS {
+        return false;
+    }
+    match (&ranked[*first].analytic, &ranked[i].analytic) {
+        (Some(a), Some(b)) => b.fits && b.time.step <= a.time.step * FINALIST_SLACK,
+        _ => false,
+    }
+}
+
+/// One combination of training options, with its analytic estimate when the request
+/// has a model shape.
+#[derive(Clone, Debug)]
+pub struct Ranked {
+    pub options: TrainOptions,
+    pub analytic: Option<Scored>,
+}
+
+/// Every combination of the open options, in the order the search compiles them:
+/// analytically fitting ones by predicted step time, then the rest by predicted
+/// memory; without a shape, [`candidates`]'s fixed order of cost.
+pub fn rank(req: &Request, train: &TrainRequest, bindings: &Bindings) -> Vec<Ranked> {
+    let per_rank = bindings
+        .symbols
+        .get("B")
+        .map(|b| b / req.mesh.size_or_one(crate::pass::DP) as i64);
+    let mut out: Vec<Ranked> = candidates(train, per_rank)
+        .into_iter()
+        .map(|options| Ranked {
+            analytic: analytic(req, bindings, &options),
+            options,
+        })
+        .collect();
+    if out.iter().all(|r| r.analytic.is_some()) {
+        // A stable sort keeps the fixed order among equals.
+        out.sort_by(|a, b| {
+            let (a, b) = (a.analytic.as_ref().unwrap(), b.analytic.as_ref().unwrap());
+            b.fits.cmp(&a.fits).then(if a.fits {
+                a.time.step.total_cmp(&b.time.step)
+            } else {
+                a.memory.total.cmp(&b.memory.total)
+            })
+        });
+    } else {
+        for r in &mut out {
+            r.analytic = None;
+        }
+    }
+    out
+}
+
+/// The analytic search's view of the request and one option set: `None` without a
+/// model shape, sizes, or on a mesh with axes the search does not model.
+fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> {
+    let shape = req.shape.as_ref()?;
+    let (batch, seq) = (*b.symbols.get("B")?, *b.symbols.get("S")?);
+    let known = ["dp", "sp", "tp", weft_ir::mesh::EP, weft_ir::mesh::EDP];
+    if req
+        .mesh
+        .axes
+        .iter()
+        .any(|(a, _)| !known.contains(&a.as_str()))
+    {
+        return None;
+    }
+    let axis = |a: &str| req.mesh.size_or_one(a);
+    let spec = SearchSpec {
+        gpus: req.mesh.world_size(),
+        gpus_per_node: req.device.gpus_per_node.max(1),
+        seq: seq as u64,
+        batch: batch as u64,
+        device: req.device.clone(),
+        device_memory: req.memory_limit(),
+        peak_flops: crate::search::peak_flops(&req.device),
+    };
+    let c = Candidate {
+        dp: axis("dp"),
+        sp: axis("sp"),
+        tp: axis("tp"),
+        ep: axis(weft_ir::mesh::EP),
+        zero: opts.zero_stage(),
+        checkpoint: match opts.checkpoint {
+            CheckpointPolicy::None => "none",
+            CheckpointPolicy::Full => "full",
+            // A budget recomputes about what selective does.
+            CheckpointPolicy::Selective | CheckpointPolicy::Budget(_) => "selective",
+        },
+        offload: opts.offload.is_some(),
+        offload_optimizer: opts.offload_optimizer,
+        micro_batches: opts.micro_batches,
+    };
+    Some(crate::search::score(shape, &spec, &c))
+}
+
+/// The best analytic mesh for the request's model on as many GPUs, as flags, when
+/// the request's mesh cannot fit (`None` without a shape or when nothing fits).
+fn suggest_mesh(req: &Request, b: &Bindings) -> Option<String> {
+    let shape = req.shape.as_ref()?;
+    let (batch, seq) = (*b.symbols.get("B")?, *b.symbols.get("S")?);
+    let spec = SearchSpec {
+        gpus: req.mesh.world_size(),
+        gpus_per_node: req.device.gpus_per_node.max(1),
+        seq: seq as u64,
+        batch: batch as u64,
+        device: req.device.clone(),
+        device_memory: req.memory_limit(),
+        peak_flops: crate::search::peak_flops(&req.device),
+    };
+    let best = crate::search::search(shape, &spec).into_iter().next()?;
+    best.fits.then(|| {
+        format!(
+            "--mesh {} {} (peak about {} per rank by the analytic model of `weft plan`)",
+            best.candidate.mesh(),
+            best.candidate.flags(),
+            plan::gib(best.memory.total)
+        )
     })
+}
+
+fn open_names(o: &Open) -> String {
+    let mut v = Vec::new();
+    for (on, name) in [
+        (o.zero, "--zero"),
+        (o.checkpoint, "--checkpoint"),
+        (o.offload, "--offload"),
+        (o.micro_batches, "--micro-batches"),
+        (o.offload_optimizer, "--offload-optimizer"),
+    ] {
+        if on {
+            v.push(name);
+        }
+    }
+    v.join(", ")
+}
+
+fn mesh_name(m: &Mesh) -> String {
+    if m.axes.is_empty() {
+        "(one rank)".into()
+    } else {
+        m.to_string()
+    }
+}
+
+/// Whether `ins` asks for nothing but (maybe) verification: no printing, statistics,
+/// stopping or bisecting.
+fn only_verifies(ins: &Instrumentation) -> bool {
+    ins.print_before == crate::PassFilter::None
+        && ins.print_after == crate::PassFilter::None
+        && !ins.print_changes
+        && !ins.stats
+        && ins.stop_after.is_none()
+        && ins.bisect_limit.is_none()
 }
 
 /// Compiles and plans one training option set without a memory limit: the program,
 /// its peak per rank, its predicted step time, and whether it fits the request's
 /// device memory. Needs concrete sizes.
 pub fn evaluate(req: &Request, opts: &TrainOptions) -> Result<Evaluated, DriverError> {
+    evaluate_verified(req, opts, false)
+}
+
+/// [`evaluate`], verifying the graph after every pass when `verify_each`.
+fn evaluate_verified(
+    req: &Request,
+    opts: &TrainOptions,
+    verify_each: bool,
+) -> Result<Evaluated, DriverError> {
     let mut quiet = req.clone();
     quiet.instrumentation = Instrumentation {
-        verify_each: false,
+        verify_each,
         check_requires: req.instrumentation.check_requires,
         ..Instrumentation::default()
     };
@@ -330,10 +573,16 @@ pub fn evaluate(req: &Request, opts: &TrainOptions) -> Result<Evaluated, DriverE
     })
 }
 
-/// The candidate option sets for the open options, cheapest first: checkpoint none,
-/// selective, full (where the checkpoint is open), then the same with offload (where
-/// offload is open). Given options stay as given.
-pub fn candidates(train: &TrainRequest) -> Vec<TrainOptions> {
+/// Micro-batch counts the driver tries when `--micro-batches` is open: powers of two
+/// that divide a rank's batch, at most this many.
+const MAX_OPEN_MICRO_BATCHES: i64 = 8;
+
+/// Every combination of the open options (given options stay as given), in a fixed
+/// order of cost, cheapest first: ZeRO stage innermost (sharding state costs the least
+/// time), then micro-batch counts, then checkpoint none, selective, full, then the
+/// same with activation offload, then all of it with the optimizer on the host. `per_rank_batch` bounds the micro-batch
+/// counts (`None`: 1 only).
+pub fn candidates(train: &TrainRequest, per_rank_batch: Option<i64>) -> Vec<TrainOptions> {
     let policies = if train.open.checkpoint {
         vec![
             CheckpointPolicy::None,
@@ -348,24 +597,61 @@ pub fn candidates(train: &TrainRequest) -> Vec<TrainOptions> {
     } else {
         vec![train.options.offload.clone()]
     };
+    let zeros: Vec<u8> = if train.open.zero {
+        (0..=3).collect()
+    } else {
+        vec![train.options.zero_stage()]
+    };
+    let mbs: Vec<u32> = if train.open.micro_batches {
+        let per_rank = per_rank_batch.unwrap_or(1).max(1);
+        (0..)
+            .map(|k| 1i64 << k)
+            .take_while(|&m| m <= per_rank.min(MAX_OPEN_MICRO_BATCHES))
+            .filter(|m| per_rank % m == 0)
+            .map(|m| m as u32)
+            .collect()
+    } else {
+        vec![train.options.micro_batches]
+    };
+    let host_optimizer = if train.open.offload_optimizer {
+        vec![false, true]
+    } else {
+        vec![train.options.offload_optimizer]
+    };
     let mut out = Vec::new();
-    for off in &offloads {
-        for p in &policies {
-            let mut o = train.options.clone();
-            o.checkpoint = p.clone();
-            o.offload = off.clone();
-            out.push(o);
+    for &host in &host_optimizer {
+        for off in &offloads {
+            for p in &policies {
+                for &mb in &mbs {
+                    for &z in &zeros {
+                        let mut o = train.options.clone();
+                        o.checkpoint = p.clone();
+                        o.offload = off.clone();
+                        o.micro_batches = mb;
+                        o.set_zero_stage(z);
+                        o.offload_optimizer = host;
+                        out.push(o);
+                    }
+                }
+            }
         }
     }
     out
 }
 
-fn candidate_line(e: &Evaluated, limit: u64) -> String {
+fn candidate_line(e: &Evaluated, limit: u64, analytic: Option<&Scored>) -> String {
     format!(
-        "{}: peak {} per rank, step {:.3} ms predicted{}",
+        "{}: peak {} per rank, step {:.3} ms predicted{}{}",
         e.options.summary(),
         plan::gib(e.peak_bytes),
         e.step_time_s * 1e3,
+        analytic
+            .map(|s| format!(
+                " (analytic: {}, {:.3} ms)",
+                plan::gib(s.memory.total),
+                s.time.step * 1e3
+            ))
+            .unwrap_or_default(),
         if e.fits {
             String::new()
         } else {
@@ -374,7 +660,7 @@ fn candidate_line(e: &Evaluated, limit: u64) -> String {
     )
 }
 
-fn out_of_memory(e: &Evaluated, limit: u64) -> LowerError {
+fn out_of_memory(e: &Evaluated, limit: u64, mesh: Option<String>) -> LowerError {
     let p = e
         .compiled
         .plan
@@ -384,47 +670,59 @@ fn out_of_memory(e: &Evaluated, limit: u64) -> LowerError {
         peak: e.peak_bytes,
         limit,
         breakdown: p.memory.breakdown.clone(),
-        help: "raise tensor parallelism (e.g. tp=2), shard optimizer state (--zero), or give --device-memory".into(),
+        help: match mesh {
+            Some(m) => format!("no option set fits this mesh; on as many GPUs {m} fits, or give --device-memory"),
+            None => "raise tensor parallelism (e.g. tp=2) or sequence parallelism, or give --device-memory".into(),
+        },
     }
 }
 
-/// The given options do not fit: name the first candidate (all options open) that
-/// does, or keep the plan's own help when none does.
-fn with_what_fits(req: &Request, train: &TrainRequest, e: LowerError) -> DriverError {
-    let mut all = train.clone();
-    all.open = Open {
-        checkpoint: true,
-        offload: true,
+/// The given options do not fit: name the fastest option set (every option open) on
+/// the same mesh that does, else a mesh that does, or keep the plan's own help.
+fn with_what_fits(req: &Request, e: LowerError, bindings: &Bindings) -> DriverError {
+    let LowerError::OutOfMemory {
+        peak,
+        limit,
+        breakdown,
+        help,
+    } = e
+    else {
+        return DriverError::from(e);
     };
-    for opts in candidates(&all) {
-        if opts == train.options {
+    let given = req.train.as_ref().map(|t| t.options.clone());
+    let mut all = req.train.clone().unwrap_or_default();
+    all.open = Open::all();
+    let mut found = None;
+    for (i, r) in rank(req, &all, bindings).iter().enumerate() {
+        if i >= MAX_EVALUATIONS {
+            break;
+        }
+        if Some(&r.options) == given.as_ref() {
             continue;
         }
-        if let Ok(ev) = evaluate(req, &opts) {
+        if let Ok(ev) = evaluate(req, &r.options) {
             if ev.fits {
-                if let LowerError::OutOfMemory {
-                    peak,
-                    limit,
-                    breakdown,
-                    ..
-                } = e
-                {
-                    return DriverError::from(LowerError::OutOfMemory {
-                        peak,
-                        limit,
-                        breakdown,
-                        help: format!(
-                            "{} fits (peak {} per rank, step {:.3} ms predicted); or leave --checkpoint and --offload out and the compiler chooses",
-                            opts.summary(),
-                            plan::gib(ev.peak_bytes),
-                            ev.step_time_s * 1e3
-                        ),
-                    });
-                }
+                found = Some(ev);
+                break;
             }
         }
     }
-    DriverError::from(e)
+    let help = match (found, suggest_mesh(req, bindings)) {
+        (Some(ev), _) => format!(
+            "{} fits (peak {} per rank, step {:.3} ms predicted); or leave --zero, --checkpoint, --offload, --micro-batches and --offload-optimizer out and the compiler chooses",
+            ev.options.summary(),
+            plan::gib(ev.peak_bytes),
+            ev.step_time_s * 1e3
+        ),
+        (None, Some(m)) => format!("no option set fits this mesh; on as many GPUs {m} fits"),
+        (None, None) => help,
+    };
+    DriverError::from(LowerError::OutOfMemory {
+        peak,
+        limit,
+        breakdown,
+        help,
+    })
 }
 
 /// One compile with fixed options: the pipeline, the passes, the sizes, the plan.
@@ -524,6 +822,7 @@ mod tests {
             open: Open {
                 checkpoint: true,
                 offload: true,
+                ..Open::default()
             },
             offload_template: OffloadOptions::default(),
         }
@@ -566,8 +865,8 @@ mod tests {
         assert_eq!(c.train.unwrap().checkpoint, CheckpointPolicy::None);
         // A limit between the peaks of `none` and `full` picks a checkpointing policy.
         let mut r = request("sp=2", Some(open_training()));
-        let none = evaluate(&r, &candidates(r.train.as_ref().unwrap())[0]).unwrap();
-        let full = evaluate(&r, &candidates(r.train.as_ref().unwrap())[2]).unwrap();
+        let none = evaluate(&r, &candidates(r.train.as_ref().unwrap(), None)[0]).unwrap();
+        let full = evaluate(&r, &candidates(r.train.as_ref().unwrap(), None)[2]).unwrap();
         assert!(full.peak_bytes < none.peak_bytes);
         r.device_memory = Some(full.peak_bytes);
         let c = compile(&r, &mut std::io::sink()).unwrap();
@@ -581,6 +880,47 @@ mod tests {
             e.contains("no training options fit") && e.contains("--checkpoint full"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn an_open_zero_stage_shards_state_before_recomputing() {
+        // dp=2 x sp=2: ZeRO shards over four ranks. A limit below the unsharded
+        // step's peak but above ZeRO-1's takes a ZeRO stage, not recomputation.
+        let mut t = open_training();
+        t.open = Open::all();
+        let mut r = request("dp=2,sp=2", Some(t));
+        r.batch = Some(4);
+        let cands = candidates(r.train.as_ref().unwrap(), Some(2));
+        assert_eq!(
+            cands.len(),
+            4 * 2 * 3 * 2 * 2,
+            "zero x micro-batches x checkpoint x offload x optimizer offload"
+        );
+        assert!(cands[..48].iter().all(|o| !o.offload_optimizer));
+        assert_eq!(
+            cands
+                .iter()
+                .map(|o| o.zero_stage())
+                .take(4)
+                .collect::<Vec<_>>(),
+            vec![0, 1, 2, 3]
+        );
+        let plain = evaluate(&r, &cands[0]).unwrap();
+        let zero1 = evaluate(&r, &cands[1]).unwrap();
+        assert!(
+            zero1.peak_bytes < plain.peak_bytes,
+            "{} {}",
+            zero1.peak_bytes,
+            plain.peak_bytes
+        );
+        r.device_memory = Some(zero1.peak_bytes);
+        let c = compile(&r, &mut std::io::sink()).unwrap();
+        let chosen = c.train.unwrap();
+        assert_eq!(chosen.zero_stage(), 1, "{:?}", c.choice);
+        assert_eq!(chosen.checkpoint, CheckpointPolicy::None);
+        let choice = c.choice.unwrap();
+        assert!(choice.chosen.contains("--zero 1"), "{}", choice.chosen);
+        assert_eq!(choice.tried.len(), 2, "{:?}", choice.tried);
     }
 
     #[test]

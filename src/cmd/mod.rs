@@ -101,6 +101,8 @@ pub fn request(
     let mut r = weft_passes::driver::Request::new(model.graph.clone(), mesh.clone());
     r.tp = shard::tp_options(model, tp_spec)?;
     r.source = source.to_string();
+    // The analytic search over open training options needs layer sizes (a config).
+    r.shape = plan::shape_of(model).ok();
     Ok(r)
 }
 

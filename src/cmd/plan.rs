@@ -1,5 +1,6 @@
 //! `weft plan`: the best training plan for a model on a cluster. Searches meshes (dp,
-//! sp, tp, ep), ZeRO stage, checkpoint policy, activation offload and micro-batches
+//! sp, tp, ep), ZeRO stage, checkpoint policy, activation and optimizer offload and
+//! micro-batches
 //! with the analytic model of `weft_passes::search`, compiles the finalists through
 //! the compile path and ranks them by the compiled plan's predicted step time among
 //! those whose compiled peak fits.
@@ -45,7 +46,7 @@ pub struct Args {
 }
 
 /// The search's view of a parsed model config.
-fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
+pub fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
     let c = model.config.as_ref().ok_or_else(|| {
         CliError::input(format!(
             "`{}` has no config (a .weft or .pt2 program)",
@@ -108,6 +109,7 @@ pub fn evaluate(
         zero1: c.zero >= 1,
         reduce_scatter: c.zero >= 2,
         zero3: c.zero >= 3,
+        offload_optimizer: c.offload_optimizer,
         checkpoint: weft_passes::training::CheckpointPolicy::parse(c.checkpoint)
             .map_err(CliError::input)?,
         grad_outputs: false,
@@ -151,11 +153,15 @@ pub fn evaluate(
             error: Some("does not fit".into()),
             compile_s: 0.0,
         },
+        // The passes refuse the mesh (the other options do not change that).
         Err(e) => Compiled {
             peak: 0,
             step_s: f64::INFINITY,
             plan: None,
-            error: Some(e.to_string()),
+            error: Some(format!(
+                "refused: {}",
+                e.to_string().lines().next().unwrap_or("")
+            )),
             compile_s: 0.0,
         },
     };
@@ -176,7 +182,12 @@ fn row(s: &Scored) -> Vec<String> {
         c.mesh(),
         format!("{}", c.zero),
         c.checkpoint.to_string(),
-        if c.offload { "yes".into() } else { "no".into() },
+        match (c.offload, c.offload_optimizer) {
+            (false, false) => "no".into(),
+            (true, false) => "act".into(),
+            (false, true) => "optim".into(),
+            (true, true) => "act+optim".into(),
+        },
         c.micro_batches.to_string(),
         gib(m.total),
         format!(
@@ -245,11 +256,7 @@ pub fn run(a: Args) -> CliResult {
             "invalid --device-memory {mem_gib}: must be positive GiB"
         )));
     }
-    let peak_flops = match device.name.as_str() {
-        "h100" | "h200" => 989e12,
-        "a100" => 312e12,
-        _ => device.matmul_tflops * 1e12,
-    };
+    let peak_flops = search::peak_flops(&device);
     let spec = SearchSpec {
         gpus: a.gpus,
         gpus_per_node: a.gpus_per_node.unwrap_or(device.gpus_per_node).max(1),
@@ -271,6 +278,7 @@ pub fn run(a: Args) -> CliResult {
                     "zero": s.candidate.zero,
                     "checkpoint": s.candidate.checkpoint,
                     "offload": s.candidate.offload,
+                    "offload_optimizer": s.candidate.offload_optimizer,
                     "micro_batches": s.candidate.micro_batches,
                     "fits": s.fits,
                     "memory": s.memory,

@@ -222,6 +222,10 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         // Only --check compares gradients (and logits); a training run lets each
         // gradient die once its bucket has updated the weights.
         t.options.grad_outputs = a.check > 0;
+        if a.backend == "cuda" {
+            // The CUDA executor has no host optimizer: never choose it there.
+            t.open.offload_optimizer = false;
+        }
         if a.torch_adamw {
             // torch.optim.AdamW(fused=True) on the bf16 model, as bench/torch_llama_step.py
             // runs it, placed in the backward by the `optimizer` pass: each gradient dies

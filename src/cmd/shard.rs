@@ -2,7 +2,16 @@
 //! (`rank-tp0.safetensors`, ... plus `layout.json`, the reshardable metadata of every
 //! parameter), or with `--unshard` put a shard directory back into one checkpoint.
 //! Resharding tp=a to tp=b is `--unshard` then `shard`; values only move, so a round
-//! trip is byte-identical. Also: the pass options every command that compiles shares
+//! trip is byte-identical.
+//!
+//! With `--zero N` the training state is sharded as a ZeRO-N AdamW step on the mesh
+//! holds it: the parameters (by rows over their data-parallel group at stage 3) and
+//! the optimizer state (`optim.master.*`, `optim.m.*`, `optim.v.*`: flat, padded and
+//! split over the group from stage 1). The checkpoint stores each state in the layout
+//! of its parameter (a universal checkpoint; states it lacks start as a first step
+//! would: moments zero, master weights the parameters), and `--unshard` writes them
+//! back in that layout, so a run resumes on another mesh or stage by unsharding and
+//! sharding again. Also: the pass options every command that compiles shares
 //! (`--tp-spec`, the config's `base_model_tp_plan`).
 
 use crate::error::{CliError, CliResult};
@@ -29,6 +38,11 @@ pub struct Args {
     /// DeepSpeed `tensor_parallel.partition_config` JSON (layer specs).
     #[arg(long, value_name = "FILE")]
     pub tp_spec: Option<PathBuf>,
+    /// Shard the training state of a ZeRO stage 0-3 AdamW step on the mesh: the
+    /// parameters and the optimizer state (master weights, moments), each split as the
+    /// step holds it.
+    #[arg(long, value_name = "STAGE")]
+    pub zero: Option<u8>,
     /// Put the shards in `--weights DIR` back into the full checkpoint `-o FILE`.
     #[arg(long)]
     pub unshard: bool,
@@ -56,6 +70,49 @@ struct LayoutFile {
     /// puts it back together.
     #[serde(default)]
     tensor_digests: BTreeMap<String, String>,
+    /// The ZeRO stage of a training-state layout (`--zero`); `None`: parameters only.
+    #[serde(default)]
+    zero: Option<u8>,
+}
+
+/// The program whose state layout `weft shard --zero` writes: the AdamW training step
+/// of `model` on `mesh` at ZeRO `stage` (`None`: the forward pass, parameters only).
+fn state_program(
+    model: &Model,
+    mesh: &weft_ir::Mesh,
+    tp_spec: Option<&Path>,
+    source: &str,
+    stage: Option<u8>,
+) -> CliResult<weft_ir::Graph> {
+    let mut req = super::request(model, mesh, tp_spec, source)?;
+    if let Some(stage) = stage {
+        if stage > 3 {
+            return Err(CliError::input(format!(
+                "invalid --zero {stage}: stages 0, 1, 2 and 3 are supported"
+            )));
+        }
+        let mut options = weft_passes::training::TrainOptions {
+            optimizer: Some(weft_passes::training::Optimizer::adamw(1e-3)),
+            grad_outputs: false,
+            ..Default::default()
+        };
+        options.set_zero_stage(stage);
+        req.train = Some(weft_passes::driver::TrainRequest {
+            options,
+            ..Default::default()
+        });
+    }
+    Ok(weft_passes::driver::compile(&req, &mut std::io::sink())
+        .map_err(super::driver_err)?
+        .program)
+}
+
+/// The parameter an optimizer state belongs to (`optim.m.w` -> `w`).
+fn state_param(state: &str) -> Option<&str> {
+    state
+        .strip_prefix(weft_passes::optimizer::STATE_PREFIX)
+        .and_then(|r| r.split_once('.'))
+        .map(|(_, p)| p)
 }
 
 /// `tensor-parallel`'s options for `model`: the explicit `--tp-spec`, the config's HF
@@ -100,10 +157,7 @@ pub fn run(a: Args) -> CliResult {
     let spec = a.model.clone().unwrap_or_default();
     let mesh = super::parse_mesh(&a.mesh)?;
     let model = super::load_model(&spec)?;
-    let req = super::request(&model, &mesh, a.tp_spec.as_deref(), &spec)?;
-    let g = weft_passes::driver::compile(&req, &mut std::io::sink())
-        .map_err(super::driver_err)?
-        .program;
+    let g = state_program(&model, &mesh, a.tp_spec.as_deref(), &spec, a.zero)?;
     let layouts = tp::param_layouts(&g, &model.tied).map_err(CliError::input)?;
     let checkpoint = a
         .weights
@@ -118,7 +172,44 @@ pub fn run(a: Args) -> CliResult {
             CliError::input("no checkpoint to shard").with_help("give --weights FILE")
         })?;
     super::refuse_overwrite(&a.output, &[("checkpoint", &checkpoint)])?;
-    let full = weft_frontends::read_safetensors(&checkpoint).map_err(super::frontend_err)?;
+    let mut full = weft_frontends::read_safetensors(&checkpoint).map_err(super::frontend_err)?;
+    // Optimizer state: in its parameter's layout in the checkpoint (or as a first step
+    // starts it), in the step's layout in the shards.
+    let mut universal: BTreeMap<String, HostTensor> = BTreeMap::new();
+    if a.zero.is_some() {
+        let fresh = weft_passes::optimizer::initial_state(&g, &full).map_err(|e| {
+            CliError::input(format!("training state of {}: {e}", checkpoint.display()))
+        })?;
+        for (name, _) in g.params() {
+            let Some(param) = state_param(&name) else {
+                continue;
+            };
+            let shape = full.get(param).map(|t| t.shape.clone()).ok_or_else(|| {
+                CliError::input(format!(
+                    "{} has no `{param}`, whose optimizer state `{name}` the step holds",
+                    checkpoint.display()
+                ))
+            })?;
+            let bad =
+                |e: String| CliError::input(format!("`{name}` in {}: {e}", checkpoint.display()));
+            let (u, held) = match full.get(&name) {
+                Some(u) => (
+                    u.clone(),
+                    weft_passes::optimizer::state_from_param(&g, &name, u).map_err(bad)?,
+                ),
+                None => {
+                    let held = fresh[&name].clone();
+                    (
+                        weft_passes::optimizer::state_as_param(&g, &name, &held, &shape)
+                            .map_err(bad)?,
+                        held,
+                    )
+                }
+            };
+            universal.insert(name.clone(), u);
+            full.insert(name, held);
+        }
+    }
     let axes = tp::layout::shard_axes(&layouts, &mesh);
     let shards = tp::shard_checkpoint(&layouts, &full, &axes)
         .map_err(|e| CliError::input(format!("sharding {}: {e}", checkpoint.display())))?;
@@ -137,7 +228,9 @@ pub fn run(a: Args) -> CliResult {
     let tensor_digests = layouts
         .iter()
         .filter_map(|l| {
-            full.get(&l.name)
+            universal
+                .get(&l.name)
+                .or_else(|| full.get(&l.name))
                 .or_else(|| l.tied_aliases.iter().find_map(|t| full.get(t)))
                 .map(|t| (l.name.clone(), t.digest()))
         })
@@ -150,6 +243,7 @@ pub fn run(a: Args) -> CliResult {
         axes: axes.clone(),
         files,
         params: layouts,
+        zero: a.zero,
     };
     super::write_out(Some(&a.output.join("layout.json")), &super::json(&lf))?;
     let split = lf.params.iter().filter(|l| !l.replicated).count();
@@ -222,8 +316,31 @@ fn unshard(a: &Args) -> CliResult {
         }
         shards.push(weft_frontends::read_safetensors(&path).map_err(super::frontend_err)?);
     }
-    let full = tp::unshard_checkpoint(&lf.params, &shards, &lf.axes)
+    let mut full = tp::unshard_checkpoint(&lf.params, &shards, &lf.axes)
         .map_err(|e| CliError::input(format!("unsharding {}: {e}", dir.display())))?;
+    if lf.zero.is_some() {
+        // The states back in their parameters' layout, as the step on the layout's mesh
+        // holds them.
+        let model = super::load_model(&lf.model)?;
+        let mesh = super::parse_mesh(&lf.mesh)?;
+        let g = state_program(&model, &mesh, None, &lf.model, lf.zero)?;
+        let states: Vec<String> = full
+            .keys()
+            .filter(|n| state_param(n).is_some())
+            .cloned()
+            .collect();
+        for name in states {
+            let param = state_param(&name).expect("a state");
+            let shape = full.get(param).map(|t| t.shape.clone()).ok_or_else(|| {
+                bad(format!(
+                    "has optimizer state `{name}` but not its parameter `{param}`"
+                ))
+            })?;
+            let u = weft_passes::optimizer::state_as_param(&g, &name, &full[&name], &shape)
+                .map_err(|e| bad(format!("`{name}`: {e}")))?;
+            full.insert(name, u);
+        }
+    }
     for (name, t) in &full {
         if lf.tensor_digests.get(name) != Some(&t.digest()) {
             return Err(CliError::input(format!(

@@ -16,8 +16,8 @@ pub struct TrainArgs {
     /// outputs, recompute matmuls and elementwise ops) or `budget=<bytes>` (keep the
     /// step's peak of live values per rank within the budget at the least recompute,
     /// checked by the liveness estimate; `weft run --steps 0` prints that estimate).
-    /// Not given: a plan takes the cheapest of none, selective, full (then with
-    /// --offload) that fits the device memory, and says which.
+    /// Not given: a plan takes the policy of the fastest option set that fits the
+    /// device memory (the search of `weft plan` on the given mesh), and says which.
     #[arg(long, value_name = "POLICY")]
     pub checkpoint: Option<String>,
     /// Offload saved activations to host memory (async copies on their own streams,
@@ -36,7 +36,8 @@ pub struct TrainArgs {
     #[arg(long, default_value = "1Mi", value_name = "BYTES")]
     pub offload_min_bytes: String,
     /// Gradient accumulation: run the step as N micro-batches (one gradient reduction).
-    /// Default 1.
+    /// Not given: 1, or for a plan the count (a power of two dividing a rank's batch,
+    /// at most 8) of the fastest option set that fits.
     #[arg(long, value_name = "N")]
     pub micro_batches: Option<u32>,
     /// Gradient reduction bucket size in millions of bytes of gradient (10^6 bytes; a
@@ -47,9 +48,18 @@ pub struct TrainArgs {
     /// parameters, edp for experts, tp-split ones included): 0 (all_reduce gradients),
     /// 1 (shard optimizer states and master weights), 2 (also reduce_scatter
     /// gradients, per micro-batch), 3 (also shard the parameters by rows, all_gathered
-    /// before each forward and backward use). Default 0.
+    /// before each forward and backward use). Not given: 0, or for a plan the stage of
+    /// the fastest option set that fits the device memory.
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
+    /// Keep the f32 master weights and AdamW moments in pinned host memory: gradient
+    /// chunks stream to the host, the host CPU runs AdamW, the updated parameters
+    /// stream back (ZeRO-Offload). Combines with --zero (the host state is sharded
+    /// the same way). `--offload-optimizer=false` forbids it; not given, a plan turns
+    /// it on when it is part of the fastest option set that fits. CPU reference only:
+    /// the CUDA executor refuses it.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub offload_optimizer: Option<bool>,
     /// Optimizer update in the step: adamw, sgd or none.
     #[arg(long, value_name = "NAME")]
     pub optimizer: Option<String>,
@@ -140,6 +150,7 @@ impl TrainArgs {
                 optimizer,
                 zero1: zero >= 1,
                 zero3: zero >= 3,
+                offload_optimizer: self.offload_optimizer == Some(true),
                 master_weights: !self.no_master_weights,
                 // check and eval compare the gradients; `compile` drops them from a plan.
                 grad_outputs: true,
@@ -149,6 +160,12 @@ impl TrainArgs {
             open: Open {
                 checkpoint: self.checkpoint.is_none(),
                 offload: self.offload.is_none() && self.offload_budget.is_none(),
+                zero: self.zero.is_none(),
+                micro_batches: self.micro_batches.is_none(),
+                // The host update needs AdamW on f32 master weights.
+                offload_optimizer: self.offload_optimizer.is_none()
+                    && matches!(optimizer, Some(Optimizer::AdamW { .. }))
+                    && !self.no_master_weights,
             },
             offload_template: template,
         })
@@ -162,6 +179,7 @@ impl TrainArgs {
             || self.offload_budget.is_some()
             || self.micro_batches.is_some()
             || self.zero.is_some()
+            || self.offload_optimizer.is_some()
             || self.optimizer.is_some()
             || self.no_master_weights
     }

@@ -1,5 +1,5 @@
 //! `weft plan`'s search: every mesh (dp, sp, tp, ep), ZeRO stage, checkpoint policy,
-//! activation offload and micro-batch count for a model on `N` GPUs, priced by an
+//! activation offload, optimizer offload and micro-batch count for a model on `N` GPUs, priced by an
 //! analytic model of memory and step time so that thousands of candidates take
 //! milliseconds; the CLI compiles only the finalists (the plan's own estimate then
 //! decides). Deterministic: candidates are enumerated in a fixed order and ties broken
@@ -16,7 +16,9 @@
 //!   forward again for `full`), tp and sp (Ulysses) and ep collectives on the critical
 //!   path, gradient reduction and ZeRO gathers overlapped with the backward (only
 //!   what exceeds it is exposed), offload copies over the host link hidden under
-//!   compute. Each collective is priced on NVLink or on the network by where its
+//!   compute; optimizer offload's gradient and parameter copies and host AdamW
+//!   (the profile's `host_adam_params_per_s`) hidden under the backward but the last
+//!   layer's share. Each collective is priced on NVLink or on the network by where its
 //!   axis lands: ranks are row-major over `dp, sp, tp` (tp innermost), so an axis
 //!   crosses nodes when its stride times its size exceeds the GPUs of a node.
 
@@ -112,6 +114,8 @@ pub struct Candidate {
     /// `none`, `selective` or `full`.
     pub checkpoint: &'static str,
     pub offload: bool,
+    /// Optimizer state and its update on the host (`--offload-optimizer`).
+    pub offload_optimizer: bool,
     pub micro_batches: u32,
 }
 
@@ -140,6 +144,9 @@ impl Candidate {
         );
         if self.offload {
             f.push_str(" --offload");
+        }
+        if self.offload_optimizer {
+            f.push_str(" --offload-optimizer");
         }
         f
     }
@@ -176,6 +183,16 @@ pub struct Scored {
     pub memory: MemoryBreakdown,
     pub time: TimeBreakdown,
     pub fits: bool,
+}
+
+/// Datasheet dense bf16 peak of a device, FLOP/s, for MFU (a profile file: its
+/// matmul rate).
+pub fn peak_flops(d: &DeviceProfile) -> f64 {
+    match d.name.as_str() {
+        "h100" | "h200" => 989e12,
+        "a100" => 312e12,
+        _ => d.matmul_tflops * 1e12,
+    }
 }
 
 fn divisors(n: u64) -> Vec<u64> {
@@ -234,7 +251,9 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
             for ep in eps {
                 for zero in 0..=3u8 {
                     for checkpoint in ["none", "selective", "full"] {
-                        for offload in [false, true] {
+                        for (offload, offload_optimizer) in
+                            [(false, false), (true, false), (false, true), (true, true)]
+                        {
                             let mut mb = 1;
                             while mb <= per_rank {
                                 if per_rank.is_multiple_of(mb) {
@@ -246,6 +265,7 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
                                         zero,
                                         checkpoint,
                                         offload,
+                                        offload_optimizer,
                                         micro_batches: mb as u32,
                                     });
                                 }
@@ -269,6 +289,7 @@ fn mesh_text(dp: u64, sp: u64, tp: u64, ep: u64) -> String {
         zero: 0,
         checkpoint: "none",
         offload: false,
+        offload_optimizer: false,
         micro_batches: 1,
     }
     .mesh()
@@ -302,7 +323,12 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let bucket = 500e6_f64.min(local * pb);
     let grads = pb * (z2(dense, zd) + z2(expert, ze));
     let opt_per_param = if m.param_bytes < 4 { 12.0 } else { 8.0 };
-    let optimizer = opt_per_param * (z1(dense, zd) + z1(expert, ze));
+    // Optimizer offload keeps the master weights and moments in host memory.
+    let optimizer = if c.offload_optimizer {
+        0.0
+    } else {
+        opt_per_param * (z1(dense, zd) + z1(expert, ze))
+    };
     // Activations: tokens per rank per micro-batch.
     let tokens = (s.batch * s.seq) as f64 / (dp * sp) / c.micro_batches as f64;
     let ffn = m.ffn_per_token();
@@ -420,6 +446,16 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         let t = moved / (d.host_gbps * 1e9);
         exposed += (t - 0.9 * compute).max(0.0);
     }
+    if c.offload_optimizer {
+        // Gradient chunks out and parameters back over the host link, the host AdamW
+        // between; all of it overlaps the rest of the backward but the last layer's.
+        let updated = z1(dense, zd) + z1(expert, ze);
+        let link = 2.0 * updated * pb / (d.host_gbps * 1e9);
+        let host = updated / d.host_adam_params_per_s;
+        let t = link + host;
+        comm += link;
+        exposed += (t - 0.9 * backward).max(t / layers);
+    }
     let step = compute + exposed;
     let model_flops = matmul_model + attn_model;
     let time = TimeBreakdown {
@@ -504,6 +540,7 @@ mod tests {
             zero,
             checkpoint: "full",
             offload: false,
+            offload_optimizer: false,
             micro_batches: 8,
         };
         let (a, b) = (score(&m, &spec, &c(0)), score(&m, &spec, &c(3)));

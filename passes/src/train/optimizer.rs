@@ -23,6 +23,14 @@
 //! `grad_shard.<name>` it returns (no gather, no slice). A parameter whose local size
 //! differs per rank (an uneven tp split) keeps its state whole (`unsharded_uneven`).
 //!
+//! Optimizer offload (`offload_optimizer`, ZeRO-Offload): every float parameter gets
+//! an f32 master weight, and the master weights and moments (sharded as above) live in
+//! pinned host memory. The gradient chunk, in the parameter's dtype, is copied to the
+//! host (`offload`), `host_adamw` updates it on the host stream and rounds the new
+//! master to the parameter's dtype, and `reload` brings that back for the gather (or,
+//! at stage 3, as the rank's rows). The values are those of the device update: the
+//! host widens the gradient exactly as the device `cast` does.
+//!
 //! Placement: each parameter's update runs inside the backward, right after its
 //! gradient is final (its grad-sync bucket reduced) and the old weight's last read, as
 //! DeepSpeed's overlapped reduction and PyTorch's optimizer-in-backward do; AdamW and
@@ -80,6 +88,24 @@ impl Pass for OptimizerPass {
             return Ok(res); // already has an update
         }
         let zero = cx.options.train.zero1;
+        let offload = cx.options.train.offload_optimizer;
+        if offload {
+            let why = match opt {
+                Optimizer::Sgd { .. } => Some("the host update is AdamW; SGD runs on the device"),
+                _ if !cx.options.train.master_weights => {
+                    Some("the host keeps f32 master weights; drop --no-master-weights")
+                }
+                _ => None,
+            };
+            if let Some(why) = why {
+                return Err(PassError::rewrite(
+                    NAME,
+                    "`--offload-optimizer` cannot be applied".to_string(),
+                    "the training options".to_string(),
+                    why.to_string(),
+                ));
+            }
+        }
         let mut w = Writer {
             g: &mut *g,
             meta: NodeMeta::default(),
@@ -139,7 +165,7 @@ impl Pass for OptimizerPass {
             let first = w.g.nodes().len();
             let master = cx.options.train.master_weights;
             let new = w.update(
-                &name, pv, &pty, stage3, gv, step, &opt, &group, master, &mut res,
+                &name, pv, &pty, stage3, gv, step, &opt, &group, master, offload, &mut res,
             )?;
             groups.push((pv, w.g.nodes()[first..].to_vec()));
             w.g.set_output(&role::updated_name(&name), new);
@@ -313,6 +339,7 @@ impl Writer<'_> {
         opt: &Optimizer,
         group: &ZeroGroup,
         master_weights: bool,
+        offload: bool,
         res: &mut PassResult,
     ) -> Result<Value, PassError> {
         let pty = pty.clone();
@@ -385,11 +412,12 @@ impl Writer<'_> {
         let sh = shard_len.map(|(_, chunk)| (group, chunk));
         let sh_out = shard_len.map(|_| group);
         // The f32 weights the update reads: the param, or its master copy.
-        let master = if low && master_weights {
+        let master = if (low && master_weights) || offload {
             res.count("master_weights", 1);
             self.why(format!(
-                "f32 master weight of the {} param `{name}`",
-                pty.dtype
+                "{fdt} master weight of the {} param `{name}`{}",
+                pty.dtype,
+                if offload { ", in host memory" } else { "" }
             ));
             Some(self.state("master", name, &work_ty, sh, res)?)
         } else {
@@ -423,7 +451,8 @@ impl Writer<'_> {
             _ => (grad, false),
         };
         self.g.remove_output(&shard_out);
-        let g = if self.g.ty(grad).dtype == fdt {
+        // Offloaded, the gradient crosses the host link in its own dtype.
+        let g = if self.g.ty(grad).dtype == fdt || offload {
             grad
         } else {
             self.why(format!("the gradient of `{name}` in {fdt}"));
@@ -434,7 +463,49 @@ impl Writer<'_> {
         } else {
             chunk_of(self, g, "gradient")?
         };
+        let mut host_param = None;
         let new32 = match *opt {
+            Optimizer::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } if offload => {
+                self.why(format!(
+                    "optimizer offload: `{name}`'s gradient chunk to the host, {} bytes",
+                    crate::grad_sync::value_bytes(self.g, g)
+                ));
+                let g_host = self.op(
+                    Op::Offload {
+                        stream: "d2h".into(),
+                    },
+                    &[g],
+                )?;
+                self.why(format!("first moment of `{name}`, in host memory"));
+                let m = self.state("m", name, &work_ty, sh, res)?;
+                self.why(format!("second moment of `{name}`, in host memory"));
+                let v = self.state("v", name, &work_ty, sh, res)?;
+                self.why(format!(
+                    "host AdamW step of `{name}` (lr {}, betas {}/{}, eps {}, weight decay {}), rounded to {}",
+                    lr.0, beta1.0, beta2.0, eps.0, weight_decay.0, pty.dtype
+                ));
+                let r = self.ops(
+                    Op::HostAdamW {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                        dtype: pty.dtype,
+                    },
+                    &[w32, g_host, m, v, step],
+                )?;
+                self.state_out("m", name, r[1], sh_out);
+                self.state_out("v", name, r[2], sh_out);
+                host_param = Some(r[3]);
+                r[0]
+            }
             Optimizer::AdamW {
                 lr,
                 beta1,
@@ -503,7 +574,18 @@ impl Writer<'_> {
         // Back to the whole parameter in its dtype (cast first: the gather moves the
         // parameter's dtype, bf16 under mixed precision, not the f32 master).
         let mut whole = new32;
-        if pty.dtype != fdt {
+        if let Some(hp) = host_param {
+            self.why(format!(
+                "optimizer offload: `{name}`'s updated {} back to the device",
+                pty.dtype
+            ));
+            whole = self.op(
+                Op::Reload {
+                    stream: "h2d".into(),
+                },
+                &[hp],
+            )?;
+        } else if pty.dtype != fdt {
             self.why(format!("`{name}` back in {}", pty.dtype));
             whole = self.op(Op::Cast { dtype: pty.dtype }, &[whole])?;
         }
@@ -786,6 +868,63 @@ pub fn state_as_param(
         }
     }
     Ok(weft_ir::HostTensor::floats(t.dtype, shape.to_vec(), out))
+}
+
+/// The inverse of [`state_as_param`]: a state in the layout of its parameter (as a
+/// universal training checkpoint stores it) as the whole tensor the step program's
+/// state param `state` holds (flat, zero-padded and blocked by shard when ZeRO shards
+/// it; unchanged otherwise), in the state's dtype.
+pub fn state_from_param(
+    g: &Graph,
+    state: &str,
+    t: &weft_ir::HostTensor,
+) -> Result<weft_ir::HostTensor, String> {
+    let v = g
+        .params()
+        .into_iter()
+        .find(|(n, _)| n == state)
+        .map(|(_, v)| v)
+        .ok_or_else(|| format!("the step has no optimizer state `{state}`"))?;
+    let ty = g.ty(v);
+    let parts = g.param_partition(state);
+    let mut shape = Vec::new();
+    for (i, d) in ty.shape.iter().enumerate() {
+        let full = parts.iter().find(|p| p.dim == i).map(|p| p.full_size());
+        match full.or_else(|| d.as_const()) {
+            Some(x) => shape.push(x as usize),
+            None => return Err(format!("state `{state}` has a symbolic size `{d}`")),
+        }
+    }
+    let n: usize = shape.iter().product();
+    if !parts.iter().any(|p| p.kind == "zero") {
+        if t.shape != shape {
+            return Err(format!(
+                "`{state}` has shape {:?} where the step holds {shape:?}",
+                t.shape
+            ));
+        }
+        return Ok(weft_ir::HostTensor::floats(ty.dtype, shape, t.to_f64()));
+    }
+    let param = state
+        .strip_prefix(STATE_PREFIX)
+        .and_then(|r| r.split_once('.'))
+        .map(|(_, p)| p)
+        .ok_or_else(|| format!("`{state}` is not an optimizer state"))?;
+    let own_v = own_partitions(g, param);
+    let own = own_v.as_slice();
+    let mut d = if own.is_empty() {
+        t.to_f64()
+    } else {
+        flat_blocks(t, own, &g.mesh, n / own_shards(g, own))?
+    };
+    if d.len() > n {
+        return Err(format!(
+            "`{state}` has {} elements but the step holds {n}",
+            d.len()
+        ));
+    }
+    d.resize(n, 0.0);
+    Ok(weft_ir::HostTensor::floats(ty.dtype, shape, d))
 }
 
 /// A parameter's own partitions (tensor, expert), without the ZeRO-3 split of its rows.

@@ -222,6 +222,12 @@ pub struct TrainOptions {
     /// gathered before each forward and backward region that reads them. Needs
     /// `zero1` and `reduce_scatter`.
     pub zero3: bool,
+    /// `optimizer`: ZeRO-Offload's optimizer placement: f32 master weights and AdamW
+    /// moments (ZeRO-sharded as the stage says) live in pinned host memory; each
+    /// gradient chunk is copied to the host (`offload`), the host CPU updates it
+    /// (`host_adamw`) and the parameter in its dtype comes back (`reload`). Needs AdamW
+    /// and master weights.
+    pub offload_optimizer: bool,
     /// `optimizer`: low-precision (bf16, f16) parameters get f32 master weights and f32
     /// states (mixed precision). Off, the update runs on the parameter itself with states
     /// in its dtype, as `torch.optim.AdamW` does on a bf16 model.
@@ -248,6 +254,7 @@ impl Default for TrainOptions {
             optimizer: None,
             zero1: false,
             zero3: false,
+            offload_optimizer: false,
             master_weights: true,
             grad_outputs: true,
             batch: None,
@@ -257,16 +264,25 @@ impl Default for TrainOptions {
 }
 
 impl TrainOptions {
-    /// The ZeRO stage these options amount to (2: reduce_scatter gradients, 1: shard
-    /// the optimizer state, 0: neither).
+    /// The ZeRO stage these options amount to (3: shard the parameters too, 2:
+    /// reduce_scatter gradients, 1: shard the optimizer state, 0: none of these).
     pub fn zero_stage(&self) -> u8 {
-        if self.reduce_scatter {
+        if self.zero3 {
+            3
+        } else if self.reduce_scatter {
             2
         } else if self.zero1 {
             1
         } else {
             0
         }
+    }
+
+    /// Sets the ZeRO stage (0 to 3): what `--zero N` sets.
+    pub fn set_zero_stage(&mut self, stage: u8) {
+        self.zero1 = stage >= 1;
+        self.reduce_scatter = stage >= 2;
+        self.zero3 = stage >= 3;
     }
 
     /// The memory-relevant choices in one line, as the CLI flags name them:
@@ -284,6 +300,9 @@ impl TrainOptions {
             self.zero_stage(),
             self.micro_batches
         ));
+        if self.offload_optimizer {
+            s.push_str(" --offload-optimizer");
+        }
         s
     }
 }

@@ -96,6 +96,31 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             )?;
             Ok(vec![p, m, v])
         }
+        // The host update: the same AdamW on the same values (this runtime computes
+        // every float dtype in one precision, so the widening and rounding casts of the
+        // device path are identities here as well).
+        Op::HostAdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            ..
+        } => {
+            let (p, m, v) = adamw(
+                &ins[0],
+                &ins[1],
+                &ins[2],
+                &ins[3],
+                &ins[4],
+                lr.0,
+                beta1.0,
+                beta2.0,
+                eps.0,
+                weight_decay.0,
+            )?;
+            Ok(vec![p.clone(), m, v, p])
+        }
         Op::Sgd {
             lr,
             momentum,

@@ -548,6 +548,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         | Op::GroupedMatmulGrad {}
         | Op::MoeCombineGrad {}
         | Op::AdamW { .. }
+        | Op::HostAdamW { .. }
         | Op::Sgd { .. }
         | Op::Offload { .. }
         | Op::Reload { .. } => super::backward_kernels::eval(op, ins, cx),

@@ -1988,6 +1988,17 @@ impl Executor {
         let t0 = std::time::Instant::now();
         let graph = weft_ir::parse(&plan.program)
             .map_err(|e| CudaError::Plan(format!("the plan's program does not parse: {e}")))?;
+        if let Some(&n) = graph
+            .nodes()
+            .iter()
+            .find(|&&n| matches!(graph.node(n).op, Op::HostAdamW { .. }))
+        {
+            return Err(CudaError::unsupported(
+                "the host optimizer update (`host_adamw`, --offload-optimizer)",
+                graph.describe(n),
+                "the CUDA executor has no host AdamW loop yet; compile without --offload-optimizer (ZeRO shards the optimizer state on the device instead)",
+            ));
+        }
         if !graph.runtime_symbols().is_empty() {
             return Err(CudaError::unsupported(
                 "data-dependent sizes (all_to_all_v)",

@@ -79,3 +79,9 @@ pub fn collective_cost(
 pub fn copy_time(bytes: f64, d: &DeviceProfile) -> f64 {
     bytes / (d.host_gbps * 1e9) + d.kernel_overhead_us * 1e-6
 }
+
+/// Seconds for the host CPU's AdamW update of `params` parameters
+/// (`host_adamw`, run on the host stream).
+pub fn host_adam_time(params: f64, d: &DeviceProfile) -> f64 {
+    params / d.host_adam_params_per_s
+}

@@ -1,8 +1,9 @@
 //! Lowering a program to an [`ExecutionPlan`]: schedule, memory plan and costs.
 //!
 //! - Streams: collectives run on a communication stream, host copies on two copy
-//!   streams (device to host, host to device: the link is full duplex), everything else
-//!   on the compute stream. Each stream keeps program order (a topological order the
+//!   streams (device to host, host to device: the link is full duplex), the host CPU's
+//!   optimizer update (`host_adamw`, `--offload-optimizer`) on a host stream present
+//!   only when the program has one, everything else on the compute stream. Each stream keeps program order (a topological order the
 //!   passes keep memory-friendly); a collective starts as soon as its operands exist,
 //!   so it overlaps the compute that does not need it. A consumer on another stream
 //!   waits for its producer's event. The compute stream also waits for each offload at
@@ -126,9 +127,14 @@ fn sizes(
 
 /// Category of a value: resident params/grads/optimizer state, host memory (what
 /// `offload` copies out, in the pinned host pool), or arena memory.
-fn category(g: &Graph, v: Value, output_names: &BTreeMap<Value, Vec<String>>) -> Category {
+fn category(
+    g: &Graph,
+    v: Value,
+    output_names: &BTreeMap<Value, Vec<String>>,
+    host: &std::collections::BTreeSet<Value>,
+) -> Category {
     let op = g.op_of(v);
-    if matches!(op, Op::Offload { .. }) {
+    if matches!(op, Op::Offload { .. }) || host.contains(&v) {
         return Category::Host;
     }
     if let Op::Param { name, .. } = op {
@@ -174,8 +180,11 @@ const ZERO3_PREFETCH: usize = 48;
 const OFFLOAD_WAIT_SLACK: f64 = 1.5;
 
 /// The plan's streams: compute, communication, device-to-host and host-to-device copies
-/// (a PCIe link is full duplex: offloads and prefetches move at the same time).
-const NS: usize = 4;
+/// (a PCIe link is full duplex: offloads and prefetches move at the same time), and
+/// the host CPU.
+const NS: usize = 5;
+/// The host CPU's stream.
+const HOST_STREAM: u32 = 4;
 
 fn stream_of(op: &Op) -> u32 {
     if op.is_collective() {
@@ -184,9 +193,43 @@ fn stream_of(op: &Op) -> u32 {
         2
     } else if op.name() == "reload" {
         3
+    } else if matches!(op, Op::HostAdamW { .. }) {
+        HOST_STREAM
     } else {
         0
     }
+}
+
+/// The values in host memory besides `offload`'s copies: what a host update reads
+/// (master weights and moments; its gradient is an `offload` copy) and writes.
+fn host_values(g: &Graph) -> Result<std::collections::BTreeSet<Value>, LowerError> {
+    let mut out = std::collections::BTreeSet::new();
+    for &n in g.nodes() {
+        let nd = g.node(n);
+        if !matches!(nd.op, Op::HostAdamW { .. }) {
+            continue;
+        }
+        out.extend(nd.results.iter().copied());
+        for (i, &v) in nd.operands.iter().enumerate() {
+            let def = g.op_of(v);
+            let ok = match i {
+                1 => matches!(def, Op::Offload { .. }),
+                4 => matches!(def, Op::Input { .. }),
+                _ => matches!(def, Op::Param { .. }),
+            };
+            if !ok {
+                return Err(LowerError::Size {
+                    what: format!("operand {i} of `host_adamw` ({v})"),
+                    location: g.describe(n),
+                    why: "a host update reads host state params, an `offload` copy of its gradient and the step input".into(),
+                });
+            }
+            if i != 1 && i != 4 {
+                out.insert(v);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Lowers `g` (a verified program) to a plan.
@@ -221,6 +264,11 @@ pub fn lower_with_views(
         output_names.entry(*v).or_default().push(name.clone());
     }
 
+    let host = host_values(g)?;
+    let host_update = g
+        .nodes()
+        .iter()
+        .any(|&n| matches!(g.node(n).op, Op::HostAdamW { .. }));
     // Buffers: one per value, in program order.
     let mut buffers: Vec<Buffer> = Vec::new();
     let mut buf_of: BTreeMap<Value, u32> = BTreeMap::new();
@@ -232,7 +280,7 @@ pub fn lower_with_views(
                 location: g.describe(n),
                 why: e.to_string(),
             })?;
-            let category = category(g, v, &output_names);
+            let category = category(g, v, &output_names, &host);
             let resident = matches!(
                 category,
                 Category::Param | Category::Grad | Category::OptimizerState
@@ -319,6 +367,16 @@ pub fn lower_with_views(
                     .or_default() += moved;
                 comm_s += t;
                 (moved, t)
+            }
+            HOST_STREAM => {
+                let params = g
+                    .ty(nd.operands[0])
+                    .numel()
+                    .bind(&b)
+                    .as_const()
+                    .unwrap_or(0);
+                let t = cost::host_adam_time(params as f64, d);
+                (in_bytes + out_bytes, t)
             }
             2 | 3 => {
                 // The copied value; later operands only order the copy.
@@ -709,14 +767,31 @@ pub fn lower_with_views(
         arena_bytes = arena_bytes.max(off + size);
         placed.push(c);
     }
-    // Host pool: one slot per offloaded value, in program order.
+    // Host pool: one slot per host value, in program order; an updated host state
+    // (an `optim.*` output) is written over the state param of its name, which the
+    // host update reads last (the host stream runs in order).
     let mut host_bytes = 0u64;
-    for buf in buffers
-        .iter_mut()
-        .filter(|b| b.category == Category::Host && b.alias_of.is_none())
-    {
-        buf.offset = host_bytes;
-        host_bytes += align(buf.bytes);
+    let mut host_param_offset: BTreeMap<String, u64> = BTreeMap::new();
+    for buf in buffers.iter_mut() {
+        if buf.category != Category::Host || buf.alias_of.is_some() {
+            continue;
+        }
+        let v = Value(buf.value);
+        let replaces = output_names
+            .get(&v)
+            .and_then(|names| names.iter().find_map(|n| host_param_offset.get(n).copied()));
+        let offset = match replaces {
+            Some(o) => o,
+            None => {
+                let o = host_bytes;
+                host_bytes += align(buf.bytes);
+                if let Op::Param { name, .. } = g.op_of(v) {
+                    host_param_offset.insert(name.clone(), o);
+                }
+                o
+            }
+        };
+        buf.offset = offset;
     }
     // Resident region.
     let mut resident_bytes = 0u64;
@@ -861,7 +936,14 @@ pub fn lower_with_views(
                 kind: StreamKind::Copy,
                 name: "h2d".into(),
             },
-        ],
+        ]
+        .into_iter()
+        .chain(host_update.then(|| Stream {
+            id: HOST_STREAM,
+            kind: StreamKind::Host,
+            name: "host".into(),
+        }))
+        .collect(),
         buffers,
         instructions,
         events,

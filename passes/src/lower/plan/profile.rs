@@ -22,6 +22,7 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         inter_node_gbps: net,
         inter_node_latency_us: 25.0,
         host_gbps: host,
+        host_adam_params_per_s: weft_ir::plan::default_host_adam_params_per_s(),
     };
     match name.to_ascii_lowercase().as_str() {
         // H200: cuBLASLt bf16 8192^3 reached ~790 TFLOP/s there; device copies ~4.3 TB/s.

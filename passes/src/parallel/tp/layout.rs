@@ -340,6 +340,10 @@ pub fn validate_layouts(layouts: &[ParamLayout], axes: &[(String, u32)]) -> Resu
                 l.partitions.len()
             ));
         }
+        // A later split of a dim cuts each shard of the earlier one (ZeRO's split of a
+        // tp shard): it covers the size that split leaves, equal on every rank.
+        let mut current: Vec<Option<i64>> =
+            l.logical_shape.iter().map(|&n| Some(n as i64)).collect();
         for p in &l.partitions {
             let Some((_, n)) = axes.iter().find(|(a, _)| *a == p.axis) else {
                 return Err(format!(
@@ -369,12 +373,25 @@ pub fn validate_layouts(layouts: &[ParamLayout], axes: &[(String, u32)]) -> Resu
                 .iter()
                 .flatten()
                 .try_fold(0i64, |acc, &w| acc.checked_add(w));
-            if covered != Some(l.logical_shape[p.dim] as i64) {
+            let want = current[p.dim];
+            if covered.is_none() || covered != want {
                 return Err(format!(
-                    "param `{}`: the split of dim {} covers {:?} entries, the shape has {}",
-                    l.name, p.dim, covered, l.logical_shape[p.dim]
+                    "param `{}`: the split of dim {} covers {:?} entries, the shape has {}{}",
+                    l.name,
+                    p.dim,
+                    covered,
+                    l.logical_shape[p.dim],
+                    match want {
+                        Some(w) if w != l.logical_shape[p.dim] as i64 =>
+                            format!(" ({w} in each shard of the splits before it)"),
+                        _ => String::new(),
+                    }
                 ));
             }
+            let sizes: Vec<i64> = (0..*n as usize)
+                .map(|r| p.sub_shard_widths.iter().map(|w| w[r]).sum())
+                .collect();
+            current[p.dim] = sizes.iter().all(|&x| x == sizes[0]).then_some(sizes[0]);
         }
     }
     Ok(())
