@@ -332,7 +332,9 @@ fn op_cases() -> Vec<Case> {
         ("bf16", 192, 128, 4, 2, 128, 0, 0.0, "", false, false, 2e-2),
         ("bf16", 192, 128, 4, 2, 256, 64, 0.0, "", false, false, 2e-2),
         ("f32", 16, 16, 4, 1, 21, 5, 0.0, "f32", false, false, 1e-5),
-        ("bf16", 64, 64, 8, 2, 90, 16, 0.0, "bf16", false, false, 2e-2),
+        (
+            "bf16", 64, 64, 8, 2, 90, 16, 0.0, "bf16", false, false, 2e-2,
+        ),
         ("bf16", 64, 64, 4, 2, 33, 0, 0.0, "f32", false, false, 2e-2),
         ("f32", 16, 8, 2, 1, 12, 0, 3.0, "f32", false, true, 1e-5),
         ("f32", 16, 16, 4, 2, 17, 0, 0.0, "f32", true, false, 1e-5),
@@ -372,7 +374,9 @@ fn op_cases() -> Vec<Case> {
             t += &format!("%{o}: {dt}[2, {nq}, {s_}, {dvd}], %{l}: f32[2, {nq}, {s_}] = attention %0, %1, %2{extra} {{{attrs}}}\n");
             n += 2;
         } else {
-            t += &format!("%{o}: {dt}[2, {nq}, {s_}, {dvd}] = attention %0, %1, %2{extra} {{{attrs}}}\n");
+            t += &format!(
+                "%{o}: {dt}[2, {nq}, {s_}, {dvd}] = attention %0, %1, %2{extra} {{{attrs}}}\n"
+            );
             n += 1;
         }
         let dout = n;
@@ -1111,7 +1115,11 @@ fn bench(rows: &mut Vec<String>) {
             let s = s as f64;
             s * w - w * (w - 1.0) / 2.0
         };
-        let paths: &[bool] = if cudnn.is_ok() { &[false, true] } else { &[false] };
+        let paths: &[bool] = if cudnn.is_ok() {
+            &[false, true]
+        } else {
+            &[false]
+        };
         for &use_cudnn in paths {
             let tag = if use_cudnn { "cudnn" } else { "weft " };
             let mut causal_rate = None;

@@ -109,10 +109,11 @@ fn state_program(
 
 /// The parameter an optimizer state belongs to (`optim.m.w` -> `w`).
 fn state_param(state: &str) -> Option<&str> {
-    state
-        .strip_prefix(weft_passes::optimizer::STATE_PREFIX)
-        .and_then(|r| r.split_once('.'))
-        .map(|(_, p)| p)
+    match weft_ir::ValueName::parse(state) {
+        weft_ir::ValueName::MasterWeight(p)
+        | weft_ir::ValueName::OptimizerState { param: p, .. } => Some(p),
+        _ => None,
+    }
 }
 
 /// `tensor-parallel`'s options for `model`: the explicit `--tp-spec`, the config's HF

@@ -905,11 +905,11 @@ pub fn state_from_param(
         }
         return Ok(weft_ir::HostTensor::floats(ty.dtype, shape, t.to_f64()));
     }
-    let param = state
-        .strip_prefix(STATE_PREFIX)
-        .and_then(|r| r.split_once('.'))
-        .map(|(_, p)| p)
-        .ok_or_else(|| format!("`{state}` is not an optimizer state"))?;
+    let param = match weft_ir::ValueName::parse(state) {
+        weft_ir::ValueName::MasterWeight(p)
+        | weft_ir::ValueName::OptimizerState { param: p, .. } => p,
+        _ => return Err(format!("`{state}` is not an optimizer state")),
+    };
     let own_v = own_partitions(g, param);
     let own = own_v.as_slice();
     let mut d = if own.is_empty() {

@@ -758,7 +758,12 @@ impl G {
             None,
             "col+window",
         )?;
-        let keep = self.virt(s.dims, s.strides, Dt::CUDNN_DATA_BOOLEAN, "col + window > row")?;
+        let keep = self.virt(
+            s.dims,
+            s.strides,
+            Dt::CUDNN_DATA_BOOLEAN,
+            "col + window > row",
+        )?;
         self.pw(
             Pw::CUDNN_POINTWISE_CMP_GT,
             Dt::CUDNN_DATA_BOOLEAN,

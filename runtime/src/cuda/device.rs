@@ -202,14 +202,13 @@ impl Gpu {
         // SAFETY: no cudarc-managed allocation exists yet.
         unsafe { ctx.disable_event_tracking() };
         ctx.bind_to_thread().ck("cuCtxSetCurrent")?;
-        let (bin, compile) =
-            nvrtc::compile_cubin(
-                KERNEL_SOURCE,
-                info.compute_capability,
-                &opts.cache_dir,
-                &[],
-                opts.nvrtc_threads,
-            )?;
+        let (bin, compile) = nvrtc::compile_cubin(
+            KERNEL_SOURCE,
+            info.compute_capability,
+            &opts.cache_dir,
+            &[],
+            opts.nvrtc_threads,
+        )?;
         // SAFETY: `bin` is a cubin NVRTC produced for this device.
         let module = unsafe { dr::module::load_data(bin.as_ptr() as *const c_void) }
             .ck("cuModuleLoadData")?;

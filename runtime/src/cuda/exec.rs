@@ -9,10 +9,10 @@
 use super::comm::{self, Comms, LaunchEnv};
 use super::cudnn_sdpa;
 use super::device::{err_flag_text, Arg, DevBuf, Event, Gpu, GpuOptions, Launch, Pinned, Stream};
-use super::tuning::Tuning;
 use super::error::{CudaError, CudaResult};
 use super::gemm::{Gemm, GemmShape};
 use super::layout::{self, code, fsuffix};
+use super::tuning::Tuning;
 use cudarc::driver::{result as dr, sys};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -183,12 +183,11 @@ impl Drop for Program {
 
 fn compile_program(src: &CString, opts: &[String], opt_text: &str) -> CudaResult<Program> {
     let name = CString::new("weft_kernels.cu").expect("no NUL");
-    let prog = cudarc::nvrtc::result::create_program(src, Some(&name)).map_err(|e| {
-        CudaError::Nvrtc {
+    let prog =
+        cudarc::nvrtc::result::create_program(src, Some(&name)).map_err(|e| CudaError::Nvrtc {
             message: format!("nvrtcCreateProgram: {:?}", e.0),
             log: String::new(),
-        }
-    })?;
+        })?;
     let g = Program(prog);
     // SAFETY: prog is a live program.
     let compiled = unsafe { cudarc::nvrtc::result::compile_program(g.0, opts) };

@@ -46,10 +46,16 @@ pub(super) fn attention_parts<'a>(
 ) -> Result<(Option<&'a DevT>, AttnExtras), String> {
     let (softcap, sinks_flag, lse_flag, grad) = match op {
         Op::Attention {
-            softcap, sinks, lse, ..
+            softcap,
+            sinks,
+            lse,
+            ..
         } => (*softcap, sinks.0, lse.0, false),
         Op::AttentionGrad {
-            softcap, sinks, lse, ..
+            softcap,
+            sinks,
+            lse,
+            ..
         } => (*softcap, sinks.0, lse.0, true),
         _ => return Err("not an attention".into()),
     };
@@ -74,7 +80,10 @@ pub(super) fn attention_parts<'a>(
     }
     if let Some(i) = ops.dlse {
         if ins[i].dtype != DType::F32 {
-            return Err(format!("a {} log-sum-exp gradient (f32 expected)", ins[i].dtype));
+            return Err(format!(
+                "a {} log-sum-exp gradient (f32 expected)",
+                ins[i].dtype
+            ));
         }
         ex.dlse = ins[i].ptr;
     }
@@ -95,9 +104,7 @@ pub(super) fn attention_parts<'a>(
         ins[2].shape.last().copied().unwrap_or(0),
     );
     if d > 256 || dv > 256 {
-        return Err(format!(
-            "head dims up to 256 (query/key {d}, value {dv})"
-        ));
+        return Err(format!("head dims up to 256 (query/key {d}, value {dv})"));
     }
     Ok((mask, ex))
 }
@@ -127,7 +134,8 @@ fn cudnn_shape(
     // cuDNN's band is the left edge of a causal mask; a window without causal runs on
     // Weft's kernels, and so does one narrower than FA_MIN_WINDOW (on the H200 with
     // cuDNN 9.14 a window of 1 gave an infinite dK, as Weft's tensor-core backward did).
-    if mask.is_some() || (window > 0 && (!causal || window < FA_MIN_WINDOW))
+    if mask.is_some()
+        || (window > 0 && (!causal || window < FA_MIN_WINDOW))
         || [q, k, v]
             .iter()
             .any(|t| t.dtype != DType::BF16 || t.rank() != 4)
@@ -457,7 +465,9 @@ pub(super) fn attention_bwd(
                 dsinks: None,
                 ..*extras
             };
-            attention_fwd_weft(lw, q, k, v, mask, &tmp, p, causal, scale, window, &recompute)?;
+            attention_fwd_weft(
+                lw, q, k, v, mask, &tmp, p, causal, scale, window, &recompute,
+            )?;
             p
         }
     };
@@ -595,12 +605,7 @@ pub(super) fn attention_bwd(
         lw.n(
             name,
             n,
-            vec![
-                Arg::P(out),
-                Arg::P(acc),
-                Arg::I64(n as i64),
-                Arg::F32(1.0),
-            ],
+            vec![Arg::P(out), Arg::P(acc), Arg::I64(n as i64), Arg::F32(1.0)],
         )
     };
     to(lw, dk.ptr, dk.dtype, dk_acc, kn)?;
@@ -610,4 +615,3 @@ pub(super) fn attention_bwd(
     }
     Ok(())
 }
-
