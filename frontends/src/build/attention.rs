@@ -3,7 +3,8 @@
 //! q/k RMSNorm over D, transpose to [B, heads, S, D], rope on q and k, causal attention
 //! with scale `head_dim^-0.5` (granite: `attention_multiplier`) and the layer's sliding
 //! window (`ModelConfig::layer_windows`)
-//! (GQA inside the op: kv heads are not repeated), back to [B, S, heads*D], `o_proj`.
+//! (GQA inside the op: kv heads are not repeated) and, for gpt-oss, the layer's learned
+//! per-head `sinks` as the op's sinks operand; back to [B, S, heads*D], `o_proj`.
 
 use super::Builder;
 use crate::config::QkNorm;
@@ -60,6 +61,11 @@ impl Builder<'_> {
                 .attention_scale
                 .unwrap_or_else(|| (d as f64).powf(-0.5)),
         );
+        let mut operands = vec![q, k, v];
+        if c.attention_sinks {
+            operands.push(self.param(&format!("{a}.sinks")));
+            self.scope(&a);
+        }
         let o = self.op(
             Op::Attention {
                 causal: true,
@@ -71,10 +77,10 @@ impl Builder<'_> {
                     .flatten()
                     .map(|w| w as i64),
                 softcap: None,
-                sinks: Default::default(),
+                sinks: c.attention_sinks.into(),
                 lse: Default::default(),
             },
-            &[q, k, v],
+            &operands,
         )?;
         let o = self.transpose(o, 1, 2)?;
         let o = self.reshape(o, vec![b, s, Dim::from(nq * d)])?;

@@ -238,7 +238,7 @@ fn match_block(
         let nd = g.node(n);
         let reads = |i: usize| in_region.contains(&nd.operands[i]);
         match &nd.op {
-            Op::GroupedMatmul {} if reads(0) && !reads(1) && !reads(2) => {
+            Op::GroupedMatmul { .. } if reads(0) && !reads(1) && !reads(2) => {
                 if nd.operands[2] != counts {
                     return Err(error(
                         g,
@@ -324,7 +324,7 @@ fn match_block(
     }
     // Counts feed only the grouped matmuls; the order only the combines.
     for &(n, i) in counts_uses {
-        if !(matches!(g.node(n).op, Op::GroupedMatmul {}) && i == 2 && matmuls.contains(&n)) {
+        if !(matches!(g.node(n).op, Op::GroupedMatmul { .. }) && i == 2 && matmuls.contains(&n)) {
             return Err(error(
                 g,
                 n,

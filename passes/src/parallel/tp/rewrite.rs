@@ -305,7 +305,7 @@ impl Tp {
                     note(2, Use::LinearBias);
                 }
                 Op::Embedding {} => note(1, Use::Embedding),
-                Op::GroupedMatmul {} => note(1, Use::ExpertsW),
+                Op::GroupedMatmul { .. } => note(1, Use::ExpertsW),
                 Op::RmsNorm { .. } => note(1, Use::NormW),
                 _ => {}
             }
@@ -516,6 +516,32 @@ impl Tp {
                 }
             }
             res.count("attention_layers", 1);
+            // Learned sinks (one logit per q head) split with the q heads.
+            let d = g.node(a.node);
+            if let Some(Ok(slots)) = d.op.attention_operands(d.operands.len()) {
+                if let (Some(s), Ok(h)) = (slots.sinks, &head_splits[i]) {
+                    if let Some(name) = by_value.get(&d.operands[s]) {
+                        self.plans.insert(
+                            name.clone(),
+                            ParamPlan::Split {
+                                kind: "column",
+                                dim: 0,
+                                pieces: vec![h.q.clone()],
+                                local: per_rank(&h.q),
+                                why: "attention sinks: one per q head, split with the heads".into(),
+                                gather: false,
+                            },
+                        );
+                    } else {
+                        return Err(PassError::rewrite(
+                            NAME,
+                            format!("`{NAME}` cannot split the attention sinks"),
+                            g.describe(a.node),
+                            format!("its sinks {} are not a parameter", d.operands[s]),
+                        ));
+                    }
+                }
+            }
             if head_splits[i]
                 .as_ref()
                 .is_ok_and(|h| h.kv_replicated.is_some())
@@ -1316,7 +1342,7 @@ impl Tp {
             }
         }
         match op {
-            Op::Linear {} | Op::GroupedMatmul {} => self.visit_linear(g, n, res),
+            Op::Linear {} | Op::GroupedMatmul { .. } => self.visit_linear(g, n, res),
             Op::Embedding {} => self.vocab_embedding(g, n, res),
             Op::CrossEntropy {
                 ignore_index,
@@ -1452,7 +1478,7 @@ impl Tp {
         let Some(lp) = self.linears.get(&n).cloned() else {
             return self.reinfer(g, n);
         };
-        let experts = matches!(g.node(n).op, Op::GroupedMatmul {});
+        let experts = matches!(g.node(n).op, Op::GroupedMatmul { .. });
         match lp.kind {
             LinearKind::Whole => self.reinfer(g, n),
             LinearKind::Column { gather } => {
