@@ -130,3 +130,51 @@ fn sinks_and_the_yarn_factor_matter() {
         assert!(e > 1e-3, "without the {what} the logits are within {e:e} of HF");
     }
 }
+
+/// The meshes split what they should: tp=2 halves the sinks with the q heads and the
+/// experts' intermediate dim in (gate, up) pairs with the gate_up bias; ep=2 halves the
+/// experts and both their biases; the router stays whole.
+#[test]
+fn meshes_split_sinks_and_experts() {
+    let (graph, _, _) = load_fixture("gpt_oss");
+    let shape_of = |g: &weft_ir::Graph, name: &str| -> Vec<String> {
+        let (_, v) = g
+            .params()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no param {name}"));
+        g.ty(v).shape.iter().map(|d| d.to_string()).collect()
+    };
+    let l = "model.layers.0";
+    let cases: &[(&str, &[(&str, &[&str])])] = &[
+        (
+            "tp=2",
+            &[
+                ("self_attn.sinks", &["2"]),
+                ("mlp.experts.gate_up_proj", &["4", "32", "64"]),
+                ("mlp.experts.gate_up_proj_bias", &["4", "64"]),
+                ("mlp.experts.down_proj", &["4", "32", "32"]),
+                ("mlp.experts.down_proj_bias", &["4", "32"]),
+                ("mlp.router.weight", &["4", "32"]),
+            ],
+        ),
+        (
+            "ep=2",
+            &[
+                ("self_attn.sinks", &["4"]),
+                ("mlp.experts.gate_up_proj", &["4/ep", "32", "128"]),
+                ("mlp.experts.gate_up_proj_bias", &["4/ep", "128"]),
+                ("mlp.experts.down_proj", &["4/ep", "64", "32"]),
+                ("mlp.experts.down_proj_bias", &["4/ep", "32"]),
+                ("mlp.router.bias", &["4"]),
+            ],
+        ),
+    ];
+    for (mesh, want) in cases {
+        let (g, _) = training_step(&graph, mesh, &TrainOptions::default()).unwrap();
+        for (p, shape) in *want {
+            let got = shape_of(&g, &format!("{l}.{p}"));
+            assert_eq!(got, shape.to_vec(), "{mesh}: {p}");
+        }
+    }
+}
