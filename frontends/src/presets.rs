@@ -37,6 +37,8 @@ presets! {
     "phi3-mini" => "microsoft/Phi-3-mini-4k-instruct",
     "olmo2-7b" => "allenai/OLMo-2-1124-7B",
     "granite-3-8b" => "ibm-granite Granite 3.x 8B (GraniteForCausalLM, vocab 49159, 128k context)",
+    "gpt-oss-20b" => "openai/gpt-oss-20b",
+    "gpt-oss-120b" => "openai/gpt-oss-120b",
     "llama-tiny" => "tests/fixtures/llama",
     "mistral-tiny" => "tests/fixtures/mistral",
     "qwen2-tiny" => "tests/fixtures/qwen2",
@@ -46,6 +48,7 @@ presets! {
     "qwen3-moe-tiny" => "tests/fixtures/qwen3_moe",
     "olmo2-tiny" => "tests/fixtures/olmo2",
     "granite-tiny" => "tests/fixtures/granite",
+    "gpt-oss-tiny" => "tests/fixtures/gpt_oss",
 }
 
 /// A preset with what `weft presets` reports about it.

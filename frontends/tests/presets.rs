@@ -39,6 +39,8 @@ const PUBLISHED: &[(&str, u64)] = &[
     // frontends/scripts/count_params.py (transformers 5.17 on the meta device).
     ("olmo2-7b", 7_298_617_344),
     ("granite-3-8b", 8_170_864_640),
+    ("gpt-oss-20b", 20_914_757_184),
+    ("gpt-oss-120b", 116_829_156_672),
 ];
 
 #[test]
@@ -67,6 +69,7 @@ fn preset_list_counts_match_graphs_and_fixture_counts() {
         ("qwen3-moe-tiny", "qwen3_moe"),
         ("olmo2-tiny", "olmo2"),
         ("granite-tiny", "granite"),
+        ("gpt-oss-tiny", "gpt_oss"),
     ];
     for info in presets() {
         assert_eq!(
@@ -103,9 +106,12 @@ fn preset_families_and_dtypes() {
     assert_eq!(family("phi3-mini"), Family::Phi3);
     assert_eq!(family("mixtral-8x7b"), Family::Mixtral);
     assert_eq!(family("qwen3-30b-a3b"), Family::Qwen3Moe);
+    assert_eq!(family("gpt-oss-20b"), Family::GptOss);
     for i in &infos {
         let m = load(i.name).unwrap();
-        let want = if i.name.ends_with("-tiny") {
+        // gpt-oss's published config.json names no dtype (its checkpoint is bf16 with
+        // MXFP4 experts): f32, as HF builds it from that config.
+        let want = if i.name.ends_with("-tiny") || i.name.starts_with("gpt-oss") {
             DType::F32
         } else {
             DType::BF16
