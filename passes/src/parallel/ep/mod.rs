@@ -38,8 +38,10 @@
 //! (`R<id>`, after the value) that the runtime binds from the tensor it got.
 //!
 //! Between dispatch and combine only row-local ops may appear (each output row depends
-//! on the same input row): the grouped matmuls, elementwise ops, and splits, slices
-//! and concats of other dims. Anything else is an error naming the node.
+//! on the same input row): the grouped matmuls (with expert biases [E, N], split with
+//! their weights), elementwise ops, splits, slices and concats of other dims, and
+//! reshapes that keep the row dim (gpt-oss's gate/up de-interleave; they take the
+//! received row count). Anything else is an error naming the node.
 
 use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult};
 use crate::util::{build_error, divisors, made_by, meta_for};
