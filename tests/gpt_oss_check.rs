@@ -33,7 +33,13 @@ fn config_reaches_the_graph() {
         _ => None,
     });
     assert!(
-        matches!(yarn, Some(RopeScaling::Yarn { truncate: false, .. })),
+        matches!(
+            yarn,
+            Some(RopeScaling::Yarn {
+                truncate: false,
+                ..
+            })
+        ),
         "{yarn:?}"
     );
 }
@@ -115,19 +121,23 @@ fn sinks_and_the_yarn_factor_matter() {
     }
     let mut no_factor = graph.clone();
     for n in no_factor.nodes().to_vec() {
-        if let Op::RopeTable { scaling, .. } = &mut no_factor.node_mut(n).op {
-            if let RopeScaling::Yarn {
+        if let Op::RopeTable {
+            scaling: RopeScaling::Yarn {
                 attention_factor, ..
-            } = scaling
-            {
-                attention_factor.0 = 1.0;
-            }
+            },
+            ..
+        } = &mut no_factor.node_mut(n).op
+        {
+            attention_factor.0 = 1.0;
         }
     }
     for (what, g) in [("sinks", no_sinks), ("attention factor", no_factor)] {
         let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64)).unwrap();
         let e = rel_err(&r.outputs["logits"], &reference["logits"]);
-        assert!(e > 1e-3, "without the {what} the logits are within {e:e} of HF");
+        assert!(
+            e > 1e-3,
+            "without the {what} the logits are within {e:e} of HF"
+        );
     }
 }
 
@@ -146,7 +156,8 @@ fn meshes_split_sinks_and_experts() {
         g.ty(v).shape.iter().map(|d| d.to_string()).collect()
     };
     let l = "model.layers.0";
-    let cases: &[(&str, &[(&str, &[&str])])] = &[
+    type Shapes<'a> = &'a [(&'a str, &'a [&'a str])];
+    let cases: &[(&str, Shapes)] = &[
         (
             "tp=2",
             &[

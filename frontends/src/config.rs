@@ -776,7 +776,10 @@ fn parse_gpt_oss_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, Fronten
     if !has_params {
         let theta = f.opt_f64("rope_theta")?.unwrap_or(DEFAULT_THETA);
         if !(theta.is_finite() && theta > 0.0) {
-            return Err(f.err("rope_theta", format!("must be a positive number, got {theta}")));
+            return Err(f.err(
+                "rope_theta",
+                format!("must be a positive number, got {theta}"),
+            ));
         }
         return Ok(RopeConfig {
             theta,
@@ -809,7 +812,12 @@ fn parse_gpt_oss_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, Fronten
 /// true, and `attention_factor` from `mscale` / `mscale_all_dim` when absent.
 fn parse_yarn(f: &Fields, p: &Fields) -> Result<RopeScaling, FrontendError> {
     let orig = match p.opt_usize("original_max_position_embeddings")? {
-        Some(0) => return Err(p.err("original_max_position_embeddings", "must be positive, got 0")),
+        Some(0) => {
+            return Err(p.err(
+                "original_max_position_embeddings",
+                "must be positive, got 0",
+            ))
+        }
         Some(n) => n,
         None => f
             .opt_usize("max_position_embeddings")?
@@ -831,7 +839,7 @@ fn parse_yarn(f: &Fields, p: &Fields) -> Result<RopeScaling, FrontendError> {
     let finite_or = |key: &str, default: f64| -> Result<f64, FrontendError> {
         match p.opt_f64(key)? {
             None => Ok(default),
-            Some(x) if x == 0.0 => Ok(default), // HF: `get(key) or default`
+            Some(0.0) => Ok(default), // HF: `get(key) or default`
             Some(x) if x.is_finite() && x > 0.0 => Ok(x),
             Some(x) => Err(p.err(key, format!("must be a positive number, got {x}"))),
         }
@@ -839,7 +847,9 @@ fn parse_yarn(f: &Fields, p: &Fields) -> Result<RopeScaling, FrontendError> {
     let (beta_fast, beta_slow) = (finite_or("beta_fast", 32.0)?, finite_or("beta_slow", 1.0)?);
     let opt_finite = |key: &str| -> Result<Option<f64>, FrontendError> {
         match p.opt_f64(key)? {
-            Some(x) if !x.is_finite() => Err(p.err(key, format!("must be a finite number, got {x}"))),
+            Some(x) if !x.is_finite() => {
+                Err(p.err(key, format!("must be a finite number, got {x}")))
+            }
             v => Ok(v),
         }
     };

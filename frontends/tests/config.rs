@@ -153,25 +153,52 @@ fn yarn_fields_and_defaults() {
             truncate: true,
         }
     );
-    let c = yarn(serde_json::json!({"type": "yarn", "factor": null, "original_max_position_embeddings": 2048,
-        "mscale": 0.8, "mscale_all_dim": 0.6, "truncate": false}))
+    let c = yarn(
+        serde_json::json!({"type": "yarn", "factor": null, "original_max_position_embeddings": 2048,
+        "mscale": 0.8, "mscale_all_dim": 0.6, "truncate": false}),
+    )
     .unwrap();
-    let RopeScaling::Yarn { factor, attention_factor, truncate, .. } = c.rope.scaling else {
+    let RopeScaling::Yarn {
+        factor,
+        attention_factor,
+        truncate,
+        ..
+    } = c.rope.scaling
+    else {
         panic!("{:?}", c.rope.scaling)
     };
     assert_eq!(factor, Float(4.0));
-    assert_eq!(attention_factor, Float(weft_ir::yarn_attention_factor(4.0, Some(0.8), Some(0.6))));
+    assert_eq!(
+        attention_factor,
+        Float(weft_ir::yarn_attention_factor(4.0, Some(0.8), Some(0.6)))
+    );
     assert!(!truncate);
-    let c = yarn(serde_json::json!({"rope_type": "yarn", "factor": 2.0, "attention_factor": 0.5})).unwrap();
+    let c = yarn(serde_json::json!({"rope_type": "yarn", "factor": 2.0, "attention_factor": 0.5}))
+        .unwrap();
     assert_eq!(c.rope.scaling.attention_factor(), 0.5);
     for (params, field) in [
-        (serde_json::json!({"rope_type": "yarn"}), "rope_scaling.factor"),
-        (serde_json::json!({"rope_type": "yarn", "factor": -1.0}), "rope_scaling.factor"),
-        (serde_json::json!({"rope_type": "yarn", "factor": 2.0, "beta_fast": -3.0}), "rope_scaling.beta_fast"),
-        (serde_json::json!({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}), "rope_scaling.original_max_position_embeddings"),
+        (
+            serde_json::json!({"rope_type": "yarn"}),
+            "rope_scaling.factor",
+        ),
+        (
+            serde_json::json!({"rope_type": "yarn", "factor": -1.0}),
+            "rope_scaling.factor",
+        ),
+        (
+            serde_json::json!({"rope_type": "yarn", "factor": 2.0, "beta_fast": -3.0}),
+            "rope_scaling.beta_fast",
+        ),
+        (
+            serde_json::json!({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}),
+            "rope_scaling.original_max_position_embeddings",
+        ),
     ] {
         let e = yarn(params.clone()).unwrap_err();
-        assert!(e.to_string().contains(&format!("`{field}`")), "{params}: {e}");
+        assert!(
+            e.to_string().contains(&format!("`{field}`")),
+            "{params}: {e}"
+        );
     }
 }
 
@@ -209,14 +236,25 @@ fn gpt_oss_defaults() {
         }
     );
     let moe = c.moe.as_ref().unwrap();
-    assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate_size), (4, 4, 64));
+    assert_eq!(
+        (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+        (4, 4, 64)
+    );
     assert_eq!(moe.kind, weft_frontends::config::MoeKind::GptOss);
     // head_dim null derives it; attention_bias false drops the biases
     let c = gpt_oss_with(|o| {
         o.insert("head_dim".into(), serde_json::Value::Null);
         o.insert("attention_bias".into(), false.into());
         o.insert("rope_theta".into(), 1e4.into());
-        o.insert("layer_types".into(), serde_json::json!(["full_attention", "full_attention", "sliding_attention", "full_attention"]));
+        o.insert(
+            "layer_types".into(),
+            serde_json::json!([
+                "full_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention"
+            ]),
+        );
         o.insert("sliding_window".into(), 7.into());
     })
     .unwrap();
@@ -231,14 +269,25 @@ fn gpt_oss_refusals_name_the_field() {
     for (key, value, field) in [
         ("swiglu_limit", serde_json::json!(5.0), "swiglu_limit"),
         ("sliding_window", serde_json::Value::Null, "layer_types"),
-        ("num_experts_per_tok", serde_json::json!(5), "num_experts_per_tok"),
-        ("attention_dropout", serde_json::json!(0.1), "attention_dropout"),
+        (
+            "num_experts_per_tok",
+            serde_json::json!(5),
+            "num_experts_per_tok",
+        ),
+        (
+            "attention_dropout",
+            serde_json::json!(0.1),
+            "attention_dropout",
+        ),
     ] {
         let e = gpt_oss_with(|o| {
             o.insert(key.into(), value.clone());
         })
         .unwrap_err();
-        assert!(e.to_string().contains(&format!("`{field}`")), "{key}={value}: {e}");
+        assert!(
+            e.to_string().contains(&format!("`{field}`")),
+            "{key}={value}: {e}"
+        );
     }
     assert!(gpt_oss_with(|o| {
         o.insert("swiglu_limit".into(), 7.0.into());

@@ -117,7 +117,13 @@ impl RopeScaling {
 /// get_mscale(factor, mscale_all_dim)`, else `get_mscale(factor)`, where
 /// `get_mscale(s, m) = 0.1 * m * ln(s) + 1` for `s > 1` and 1 otherwise.
 pub fn yarn_attention_factor(factor: f64, mscale: Option<f64>, mscale_all_dim: Option<f64>) -> f64 {
-    let get = |s: f64, m: f64| if s <= 1.0 { 1.0 } else { 0.1 * m * s.ln() + 1.0 };
+    let get = |s: f64, m: f64| {
+        if s <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * s.ln() + 1.0
+        }
+    };
     match (mscale, mscale_all_dim) {
         (Some(m), Some(a)) if m != 0.0 && a != 0.0 => get(factor, m) / get(factor, a),
         _ => get(factor, 1.0),

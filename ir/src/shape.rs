@@ -685,7 +685,11 @@ pub fn grouped_matmul(op: &Op, ins: &[&TensorType]) -> Out {
     let counts_ok = matches!(counts.rank(), 1 | 2) && counts.shape.last() == Some(&w.shape[0]);
     let (n_dim, k_dim) = if transposed { (2, 1) } else { (1, 2) };
     if x.rank() != 2 || w.rank() != 3 || !counts_ok || x.shape[1] != w.shape[k_dim] {
-        let layout = if transposed { "[E, K, N] (transpose_w)" } else { "[E, N, K]" };
+        let layout = if transposed {
+            "[E, K, N] (transpose_w)"
+        } else {
+            "[E, N, K]"
+        };
         return Err(format!("grouped_matmul needs x [M, K], w {layout}, counts [E] or [G, E], got {x}, {w}, {counts}"));
     }
     if let Some(b) = ins.get(3) {

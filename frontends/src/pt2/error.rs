@@ -118,7 +118,9 @@ pub enum Pt2Error {
 
     /// A model whose parts the importer does not recognise in exported programs yet,
     /// named by the parameter that shows it (gpt-oss's attention sinks).
-    #[error("{archive}: {what} (parameter `{param}`) is not recognised in .pt2 programs yet: {message}")]
+    #[error(
+        "{archive}: {what} (parameter `{param}`) is not recognised in .pt2 programs yet: {message}"
+    )]
     UnsupportedModel {
         archive: String,
         what: String,

@@ -142,7 +142,14 @@ fn rewrite_attention(
     let nd = g.node(n);
     let slots = match nd.op.attention_operands(nd.operands.len()) {
         Some(Ok(s)) => s,
-        Some(Err(why)) => return Err(PassError::rewrite(NAME, "bad attention", g.describe(n), why)),
+        Some(Err(why)) => {
+            return Err(PassError::rewrite(
+                NAME,
+                "bad attention",
+                g.describe(n),
+                why,
+            ))
+        }
         None => unreachable!("an attention"),
     };
     let mask = slots.mask.map(|i| nd.operands[i]);
@@ -313,7 +320,12 @@ fn heads_of_sinks(g: &mut Graph, n: Node, s: Value, nq: i64) -> Result<Value, Pa
         start: Dim::coord(SP) * local.clone(),
         len: local,
     };
-    let meta = meta_for(g, n, NAME, "sinks: this rank's q heads after heads -> sequence");
+    let meta = meta_for(
+        g,
+        n,
+        NAME,
+        "sinks: this rank's q heads after heads -> sequence",
+    );
     insert1(g, NAME, At::Before(n), op, &[s], meta)
 }
 

@@ -70,7 +70,11 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         Op::GroupedMatmulGrad { transpose_w, bias } => {
             let (dx, dw, db) =
                 grouped_matmul_grad(&ins[0], &ins[1], &ins[2], &ins[3], transpose_w.0)?;
-            Ok(if bias.0 { vec![dx, dw, db] } else { vec![dx, dw] })
+            Ok(if bias.0 {
+                vec![dx, dw, db]
+            } else {
+                vec![dx, dw]
+            })
         }
         Op::MoeCombineGrad {} => {
             let (drows, dw) = moe_combine_grad(&ins[0], &ins[1], &ins[2], &ins[3])?;

@@ -345,7 +345,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             let (cos, sin) = (emb.cos()?, emb.sin()?);
             // HF multiplies both tables by the rope's attention factor (YaRN).
             match scaling.attention_factor() {
-                a if a == 1.0 => Ok(vec![cos, sin]),
+                1.0 => Ok(vec![cos, sin]),
                 a => Ok(vec![cos.affine(a, 0.0)?, sin.affine(a, 0.0)?]),
             }
         }

@@ -240,9 +240,7 @@ fn match_block(
         let nd = g.node(n);
         let reads = |i: usize| in_region.contains(&nd.operands[i]);
         match &nd.op {
-            Op::GroupedMatmul { .. }
-                if reads(0) && !reads(1) && !reads(2) && !(nd.operands.len() > 3 && reads(3)) =>
-            {
+            Op::GroupedMatmul { .. } if reads(0) && (1..nd.operands.len()).all(|i| !reads(i)) => {
                 if nd.operands[2] != counts {
                     return Err(error(
                         g,
@@ -275,9 +273,13 @@ fn match_block(
                         return Err(error(
                             g,
                             n,
-                            format!("its bias {bias} is not an expert parameter [{num_experts}, N]"),
+                            format!(
+                                "its bias {bias} is not an expert parameter [{num_experts}, N]"
+                            ),
                         )
-                        .with_help("expert biases must be parameters read directly by the grouped matmul"));
+                        .with_help(
+                            "expert biases must be parameters read directly by the grouped matmul",
+                        ));
                     }
                     if !weights.contains(&bn) {
                         weights.push(bn);

@@ -1079,7 +1079,8 @@ impl Tp {
                 let sizes: Vec<i64> = (0..self.p as usize)
                     .map(|r| pieces.iter().map(|pc| pc[r]).sum())
                     .collect();
-                let transposed = matches!(g.node(n).op, Op::GroupedMatmul { transpose_w } if transpose_w.0);
+                let transposed =
+                    matches!(g.node(n).op, Op::GroupedMatmul { transpose_w } if transpose_w.0);
                 let col = (u == Use::LinearW && *dim == 0)
                     || (u == Use::ExpertsW && *dim == if transposed { 2 } else { 1 });
                 let gather = *kind != "vocab" && *gather;
