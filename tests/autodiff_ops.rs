@@ -601,10 +601,20 @@ fn mixture_of_experts() {
     let probs = t.op(Op::Softmax { dim: -1 }, &[logits]);
     let tk = t.ops(Op::Topk { k: 2, dim: -1 }, &[probs]);
     let d = t.ops(Op::MoeDispatch { num_experts: 3 }, &[x, tk[1]]);
-    let h = t.op(Op::GroupedMatmul {}, &[d[0], w1, d[1]]);
+    let h = t.op(
+        Op::GroupedMatmul {
+            transpose_w: Default::default(),
+        },
+        &[d[0], w1, d[1]],
+    );
     let h = t.op(Op::Silu {}, &[h]);
     let w2 = t.param("w2", &[3, 4, 6]);
-    let o = t.op(Op::GroupedMatmul {}, &[h, w2, d[1]]);
+    let o = t.op(
+        Op::GroupedMatmul {
+            transpose_w: Default::default(),
+        },
+        &[h, w2, d[1]],
+    );
     let y = t.op(Op::MoeCombine {}, &[o, d[2], tk[0]]);
     t.check("router, dispatch, grouped matmuls, combine", &[y]);
 }

@@ -23,6 +23,7 @@ pub enum Family {
     Gemma2,
     /// Gemma 3's text model (`Gemma3ForCausalLM`).
     Gemma3Text,
+    GptOss,
     /// A graph read from weft text IR (no config).
     WeftIr,
 }
@@ -41,6 +42,7 @@ impl Family {
         "granite",
         "gemma2",
         "gemma3_text",
+        "gpt_oss",
     ];
 
     /// The name used in reports: the HF `model_type`, or `weft-ir`.
@@ -57,6 +59,7 @@ impl Family {
             Family::Granite => "granite",
             Family::Gemma2 => "gemma2",
             Family::Gemma3Text => "gemma3_text",
+            Family::GptOss => "gpt_oss",
             Family::WeftIr => "weft-ir",
         }
     }
@@ -74,6 +77,7 @@ impl Family {
             "granite" => Family::Granite,
             "gemma2" => Family::Gemma2,
             "gemma3_text" => Family::Gemma3Text,
+            "gpt_oss" => Family::GptOss,
             _ => return None,
         })
     }
@@ -157,7 +161,29 @@ pub struct MoeConfig {
     /// the load-balancing loss HF adds to the cross-entropy. `None`: the loss is the
     /// cross-entropy alone.
     pub aux_loss_coef: Option<f64>,
+    /// The router and expert arithmetic (mixtral and qwen3_moe, or gpt-oss's).
+    pub kind: MoeKind,
 }
+
+/// How a MoE layer routes and what its experts compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeKind {
+    /// mixtral, qwen3_moe: router `linear` without bias, f32 softmax over every expert,
+    /// top-k (renormalised with `norm_topk_prob`); experts `down(silu(gate) * up)` with
+    /// `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I], no biases.
+    Softmax,
+    /// gpt-oss (`GptOssTopKRouter`, `GptOssExperts`): router `linear` with bias, top-k
+    /// of the logits, softmax over the k selected; experts with biases in the
+    /// transposed layout `gate_up_proj` [E, H, 2I] (gate and up interleaved: even
+    /// columns gate, odd up) and `down_proj` [E, I, H], and the clamped SwiGLU
+    /// `(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)`, `g = min(gate, 7)`.
+    GptOss,
+}
+
+/// gpt-oss's SwiGLU clamp and sigmoid slope, hard-coded in HF's `GptOssExperts`
+/// (`self.limit`, `self.alpha`), which ignores the config's `swiglu_limit`.
+pub const GPT_OSS_SWIGLU_LIMIT: f64 = 7.0;
+pub const GPT_OSS_SWIGLU_ALPHA: f64 = 1.702;
 
 /// The parsed config: everything the graph builders read.
 #[derive(Clone, Debug, PartialEq)]
@@ -214,6 +240,9 @@ pub struct ModelConfig {
     /// HF `base_model_tp_plan` (module pattern, style), as written; read by the
     /// `tensor-parallel` pass (styles are checked there).
     pub tp_plan: Vec<(String, String)>,
+    /// A learned logit per q head joins each attention row's softmax (gpt-oss
+    /// `self_attn.sinks`).
+    pub attention_sinks: bool,
 }
 
 impl ModelConfig {
@@ -283,6 +312,8 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     let head_dim = match f.opt_usize("head_dim")? {
         Some(0) => return Err(f.err("head_dim", "must be positive, got 0")),
         Some(d) => d,
+        // GptOssConfig's class default; only an explicit null derives it.
+        None if family == Family::GptOss && !f.obj.contains_key("head_dim") => 64,
         None => {
             if hidden_size % num_attention_heads != 0 {
                 return Err(f.err(
@@ -296,6 +327,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     let rms_norm_eps = f.positive_f64("rms_norm_eps")?;
     let rope = match family {
         Family::Gemma3Text => crate::gemma::parse_gemma3_ropes(f, head_dim)?.0,
+        Family::GptOss => parse_gpt_oss_rope(f, head_dim)?,
         _ => parse_rope(f, head_dim)?,
     };
     let gemma = if crate::gemma::is_gemma(family) {
@@ -330,7 +362,9 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     crate::neutral::check_math_fields(f)?;
     let dtype = parse_dtype(f)?;
     let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
-    let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+    let attention_bias = f
+        .opt_bool("attention_bias")?
+        .unwrap_or(family == Family::GptOss);
 
     let (qkv_bias, o_bias) = match family {
         Family::Llama
@@ -339,7 +373,8 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         | Family::Olmo2
         | Family::Granite
         | Family::Gemma2
-        | Family::Gemma3Text => (attention_bias, attention_bias),
+        | Family::Gemma3Text
+        | Family::GptOss => (attention_bias, attention_bias),
         Family::Qwen2 => (true, false),
         _ => (false, false),
     };
@@ -360,11 +395,11 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         .is_none_or(|m| m.sparse_layers.iter().any(|s| !s));
     let intermediate_size = match (family, needs_dense) {
         // mixtral's experts use intermediate_size.
-        (Family::Mixtral, _) | (_, true) => f.positive("intermediate_size")?,
+        (Family::Mixtral | Family::GptOss, _) | (_, true) => f.positive("intermediate_size")?,
         (_, false) => f.opt_usize("intermediate_size")?.unwrap_or(0),
     };
     let moe = moe.map(|mut m| {
-        if family == Family::Mixtral {
+        if matches!(family, Family::Mixtral | Family::GptOss) {
             m.expert_intermediate_size = intermediate_size;
         }
         m
@@ -411,6 +446,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         sliding_window,
         layer_windows,
         tp_plan: parse_tp_plan(f)?,
+        attention_sinks: family == Family::GptOss,
     })
 }
 
@@ -494,6 +530,7 @@ fn parse_windows(
             let w = window_or(Some(4096))?;
             (if use_sliding(f)? { w } else { None }, false)
         }
+        Family::GptOss => (window_or(Some(128))?, true),
         Family::Llama | Family::Olmo2 | Family::Granite | Family::WeftIr => (None, false),
     };
     let types = parse_layer_types(f, layers)?;
@@ -523,6 +560,16 @@ fn parse_windows(
     }
     let types = match types {
         Some(t) => t,
+        // GptOssConfig: sliding on even layers, full on odd ones
+        None if family == Family::GptOss => (0..layers)
+            .map(|i| {
+                if (i + 1) % 2 == 1 {
+                    LayerType::Sliding
+                } else {
+                    LayerType::Full
+                }
+            })
+            .collect(),
         None => {
             // HF's default for qwen2 and qwen3
             let first = f.opt_usize("max_window_layers")?.unwrap_or(28);
@@ -547,7 +594,7 @@ fn parse_windows(
                     "layer_types",
                     format!(
                         "marks layer {i} `sliding_attention`, but the config has no window ({}); HF cannot build this model's mask",
-                        if use_sliding(f)? {
+                        if use_sliding(f)? || family == Family::GptOss {
                             "sliding_window is null"
                         } else {
                             "use_sliding_window is false"
@@ -774,6 +821,7 @@ pub(crate) fn rope_from(
                         original_max_position_embeddings: orig as i64,
                     }
                 }
+                "yarn" => parse_yarn(f, p)?,
                 other => {
                     return Err(FrontendError::UnsupportedRope {
                         file: f.file.to_string(),
@@ -788,6 +836,111 @@ pub(crate) fn rope_from(
         theta,
         scaling,
         rotary_dim,
+    })
+}
+
+/// gpt-oss's rope: `GptOssConfig` defaults `rope_theta` to 150000 and, with no
+/// `rope_parameters` / `rope_scaling`, uses YaRN (factor 32, beta_fast 32, beta_slow 1,
+/// original_max_position_embeddings 4096, truncate false).
+fn parse_gpt_oss_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> {
+    const DEFAULT_THETA: f64 = 150000.0;
+    let has_params =
+        f.opt_object("rope_parameters")?.is_some() || f.opt_object("rope_scaling")?.is_some();
+    if !has_params {
+        let theta = f.opt_f64("rope_theta")?.unwrap_or(DEFAULT_THETA);
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(f.err(
+                "rope_theta",
+                format!("must be a positive number, got {theta}"),
+            ));
+        }
+        return Ok(RopeConfig {
+            theta,
+            scaling: RopeScaling::Yarn {
+                factor: Float(32.0),
+                beta_fast: Float(32.0),
+                beta_slow: Float(1.0),
+                original_max_position_embeddings: 4096,
+                attention_factor: Float(weft_ir::yarn_attention_factor(32.0, None, None)),
+                truncate: false,
+            },
+            rotary_dim: head_dim,
+        });
+    }
+    let has_theta = f.opt_f64("rope_theta")?.is_some()
+        || f.opt_object("rope_parameters")?
+            .is_some_and(|rp| rp.get("rope_theta").is_some_and(|v| !v.is_null()));
+    if has_theta {
+        return parse_rope(f, head_dim);
+    }
+    let mut obj = f.obj.clone();
+    obj.insert("rope_theta".into(), DEFAULT_THETA.into());
+    parse_rope(&Fields::new(&obj, f.file), head_dim)
+}
+
+/// YaRN with HF's defaults (`_compute_yarn_parameters`): `factor` (null: the ratio of
+/// `max_position_embeddings` to `original_max_position_embeddings`), `beta_fast` 32,
+/// `beta_slow` 1 (absent, null or 0 all take the default, as HF's `or`),
+/// `original_max_position_embeddings` (default `max_position_embeddings`), `truncate`
+/// true, and `attention_factor` from `mscale` / `mscale_all_dim` when absent.
+fn parse_yarn(f: &Fields, p: &Fields) -> Result<RopeScaling, FrontendError> {
+    let orig = match p.opt_usize("original_max_position_embeddings")? {
+        Some(0) => {
+            return Err(p.err(
+                "original_max_position_embeddings",
+                "must be positive, got 0",
+            ))
+        }
+        Some(n) => n,
+        None => f
+            .opt_usize("max_position_embeddings")?
+            .ok_or_else(|| p.err("original_max_position_embeddings", "is missing"))?,
+    };
+    if i64::try_from(orig).is_err() {
+        return Err(p.err("original_max_position_embeddings", "is too large"));
+    }
+    let factor = match p.opt_f64("factor")? {
+        Some(x) => x,
+        None => match f.opt_usize("max_position_embeddings")? {
+            Some(m) if p.obj.contains_key("factor") => m as f64 / orig as f64,
+            _ => return Err(p.err("factor", "is missing")),
+        },
+    };
+    if !(factor.is_finite() && factor > 0.0) {
+        return Err(p.err("factor", format!("must be a positive number, got {factor}")));
+    }
+    let finite_or = |key: &str, default: f64| -> Result<f64, FrontendError> {
+        match p.opt_f64(key)? {
+            None => Ok(default),
+            Some(0.0) => Ok(default), // HF: `get(key) or default`
+            Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+            Some(x) => Err(p.err(key, format!("must be a positive number, got {x}"))),
+        }
+    };
+    let (beta_fast, beta_slow) = (finite_or("beta_fast", 32.0)?, finite_or("beta_slow", 1.0)?);
+    let opt_finite = |key: &str| -> Result<Option<f64>, FrontendError> {
+        match p.opt_f64(key)? {
+            Some(x) if !x.is_finite() => {
+                Err(p.err(key, format!("must be a finite number, got {x}")))
+            }
+            v => Ok(v),
+        }
+    };
+    let attention_factor = match opt_finite("attention_factor")? {
+        Some(a) => a,
+        None => weft_ir::yarn_attention_factor(
+            factor,
+            opt_finite("mscale")?,
+            opt_finite("mscale_all_dim")?,
+        ),
+    };
+    Ok(RopeScaling::Yarn {
+        factor: Float(factor),
+        beta_fast: Float(beta_fast),
+        beta_slow: Float(beta_slow),
+        original_max_position_embeddings: orig as i64,
+        attention_factor: Float(attention_factor),
+        truncate: p.opt_bool("truncate")?.unwrap_or(true),
     })
 }
 
@@ -814,7 +967,7 @@ fn parse_moe(
         }
     };
     let aux_loss_coef = match family {
-        Family::Mixtral | Family::Qwen3Moe => parse_router_loss(f, family)?,
+        Family::Mixtral | Family::Qwen3Moe | Family::GptOss => parse_router_loss(f, family)?,
         _ => None,
     };
     match family {
@@ -829,6 +982,32 @@ fn parse_moe(
                 norm_topk_prob: true,
                 sparse_layers: vec![true; layers],
                 aux_loss_coef,
+                kind: MoeKind::Softmax,
+            }))
+        }
+        Family::GptOss => {
+            let e = f.positive("num_local_experts")?;
+            let k = f.opt_usize("num_experts_per_tok")?.unwrap_or(4);
+            if k == 0 {
+                return Err(f.err("num_experts_per_tok", "must be positive, got 0"));
+            }
+            check_k(e, k)?;
+            if let Some(limit) = f.opt_f64("swiglu_limit")? {
+                if limit != GPT_OSS_SWIGLU_LIMIT {
+                    return Err(f.err(
+                        "swiglu_limit",
+                        format!("is {limit}, but HF's GptOssExperts ignores it and clamps at {GPT_OSS_SWIGLU_LIMIT}; Weft computes what HF computes, so only {GPT_OSS_SWIGLU_LIMIT} is accepted"),
+                    ));
+                }
+            }
+            Ok(Some(MoeConfig {
+                num_experts: e,
+                top_k: k,
+                expert_intermediate_size: 0, // set from intermediate_size by the caller
+                norm_topk_prob: false,
+                sparse_layers: vec![true; layers],
+                aux_loss_coef,
+                kind: MoeKind::GptOss,
             }))
         }
         Family::Qwen3Moe => {
@@ -860,6 +1039,7 @@ fn parse_moe(
                 norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
                 sparse_layers,
                 aux_loss_coef,
+                kind: MoeKind::Softmax,
             }))
         }
         _ => Ok(None),

@@ -128,7 +128,7 @@ impl FrontendError {
                 crate::config::Family::MODEL_TYPES.join(", ")
             )),
             FrontendError::UnsupportedRope { .. } => {
-                Some("supported rope types: default, linear, llama3".to_string())
+                Some("supported rope types: default, linear, llama3, yarn".to_string())
             }
             FrontendError::UnknownSpec { .. } => Some(format!(
                 "give a preset ({}), a config.json, a model directory or a .weft file",

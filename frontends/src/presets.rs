@@ -39,6 +39,8 @@ presets! {
     "granite-3-8b" => "ibm-granite Granite 3.x 8B (GraniteForCausalLM, vocab 49159, 128k context)",
     "gemma2-9b" => "google/gemma-2-9b (the config.json of google/gemma-2-9b-it, bfloat16)",
     "gemma-3-27b" => "google/gemma-3-27b-pt text_config (Gemma3ForCausalLM; absent keys take Gemma3TextConfig's defaults)",
+    "gpt-oss-20b" => "openai/gpt-oss-20b",
+    "gpt-oss-120b" => "openai/gpt-oss-120b",
     "llama-tiny" => "tests/fixtures/llama",
     "mistral-tiny" => "tests/fixtures/mistral",
     "qwen2-tiny" => "tests/fixtures/qwen2",
@@ -50,6 +52,7 @@ presets! {
     "granite-tiny" => "tests/fixtures/granite",
     "gemma2-tiny" => "tests/fixtures/gemma2",
     "gemma3-tiny" => "tests/fixtures/gemma3",
+    "gpt-oss-tiny" => "tests/fixtures/gpt_oss",
 }
 
 /// A preset with what `weft presets` reports about it.

@@ -103,20 +103,20 @@ fn other_rope_types_are_a_clear_error() {
     let e = base_with(|o| {
         o.insert(
             "rope_scaling".into(),
-            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+            serde_json::json!({"rope_type": "longrope", "factor": 4.0}),
         );
     })
     .unwrap_err();
     assert!(
-        matches!(&e, FrontendError::UnsupportedRope { field, rope_type, .. } if field == "rope_scaling.rope_type" && rope_type == "yarn")
+        matches!(&e, FrontendError::UnsupportedRope { field, rope_type, .. } if field == "rope_scaling.rope_type" && rope_type == "longrope")
     );
     assert_eq!(
         e.to_string(),
-        "unsupported rope type `yarn` in test/config.json: field `rope_scaling.rope_type`"
+        "unsupported rope type `longrope` in test/config.json: field `rope_scaling.rope_type`"
     );
     assert_eq!(
         e.help().unwrap(),
-        "supported rope types: default, linear, llama3"
+        "supported rope types: default, linear, llama3, yarn"
     );
     let e = base_with(|o| {
         o.remove("rope_theta");
@@ -127,6 +127,172 @@ fn other_rope_types_are_a_clear_error() {
     })
     .unwrap_err();
     assert!(e.to_string().contains("`rope_parameters.rope_type`"), "{e}");
+}
+
+/// YaRN with HF's defaults: original_max_position_embeddings from
+/// max_position_embeddings, beta_fast 32 / beta_slow 1 (also for 0, HF's `or`), truncate
+/// true, the attention factor from the factor or from mscale / mscale_all_dim, an explicit
+/// attention_factor as given, and a null factor as max / original positions.
+#[test]
+fn yarn_fields_and_defaults() {
+    let yarn = |params: serde_json::Value| {
+        base_with(|o| {
+            o.insert("max_position_embeddings".into(), 8192.into());
+            o.insert("rope_scaling".into(), params);
+        })
+    };
+    let c = yarn(serde_json::json!({"rope_type": "yarn", "factor": 4.0, "beta_fast": 0})).unwrap();
+    assert_eq!(
+        c.rope.scaling,
+        RopeScaling::Yarn {
+            factor: Float(4.0),
+            beta_fast: Float(32.0),
+            beta_slow: Float(1.0),
+            original_max_position_embeddings: 8192,
+            attention_factor: Float(0.1 * 4f64.ln() + 1.0),
+            truncate: true,
+        }
+    );
+    let c = yarn(
+        serde_json::json!({"type": "yarn", "factor": null, "original_max_position_embeddings": 2048,
+        "mscale": 0.8, "mscale_all_dim": 0.6, "truncate": false}),
+    )
+    .unwrap();
+    let RopeScaling::Yarn {
+        factor,
+        attention_factor,
+        truncate,
+        ..
+    } = c.rope.scaling
+    else {
+        panic!("{:?}", c.rope.scaling)
+    };
+    assert_eq!(factor, Float(4.0));
+    assert_eq!(
+        attention_factor,
+        Float(weft_ir::yarn_attention_factor(4.0, Some(0.8), Some(0.6)))
+    );
+    assert!(!truncate);
+    let c = yarn(serde_json::json!({"rope_type": "yarn", "factor": 2.0, "attention_factor": 0.5}))
+        .unwrap();
+    assert_eq!(c.rope.scaling.attention_factor(), 0.5);
+    for (params, field) in [
+        (
+            serde_json::json!({"rope_type": "yarn"}),
+            "rope_scaling.factor",
+        ),
+        (
+            serde_json::json!({"rope_type": "yarn", "factor": -1.0}),
+            "rope_scaling.factor",
+        ),
+        (
+            serde_json::json!({"rope_type": "yarn", "factor": 2.0, "beta_fast": -3.0}),
+            "rope_scaling.beta_fast",
+        ),
+        (
+            serde_json::json!({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}),
+            "rope_scaling.original_max_position_embeddings",
+        ),
+    ] {
+        let e = yarn(params.clone()).unwrap_err();
+        assert!(
+            e.to_string().contains(&format!("`{field}`")),
+            "{params}: {e}"
+        );
+    }
+}
+
+const GPT_OSS: &str = r#"{"model_type": "gpt_oss", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+  "num_local_experts": 4}"#;
+
+fn gpt_oss_with(
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> Result<ModelConfig, FrontendError> {
+    let mut v: serde_json::Value = serde_json::from_str(GPT_OSS).unwrap();
+    edit(v.as_object_mut().unwrap());
+    ModelConfig::from_json(&v, "test/config.json")
+}
+
+/// GptOssConfig's class defaults: head_dim 64 when absent, attention biases, sinks,
+/// window 128 on the even layers, rope_theta 150000 with YaRN (factor 32, original
+/// 4096, truncate false), top-4 routing of the local experts.
+#[test]
+fn gpt_oss_defaults() {
+    let c = gpt_oss_with(|_| {}).unwrap();
+    assert_eq!(c.head_dim, 64);
+    assert!(c.qkv_bias && c.o_bias && c.attention_sinks);
+    assert_eq!(c.layer_windows, vec![Some(128), None, Some(128), None]);
+    assert_eq!(c.rope.theta, 150000.0);
+    assert_eq!(
+        c.rope.scaling,
+        RopeScaling::Yarn {
+            factor: Float(32.0),
+            beta_fast: Float(32.0),
+            beta_slow: Float(1.0),
+            original_max_position_embeddings: 4096,
+            attention_factor: Float(0.1 * 32f64.ln() + 1.0),
+            truncate: false,
+        }
+    );
+    let moe = c.moe.as_ref().unwrap();
+    assert_eq!(
+        (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+        (4, 4, 64)
+    );
+    assert_eq!(moe.kind, weft_frontends::config::MoeKind::GptOss);
+    // head_dim null derives it; attention_bias false drops the biases
+    let c = gpt_oss_with(|o| {
+        o.insert("head_dim".into(), serde_json::Value::Null);
+        o.insert("attention_bias".into(), false.into());
+        o.insert("rope_theta".into(), 1e4.into());
+        o.insert(
+            "layer_types".into(),
+            serde_json::json!([
+                "full_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention"
+            ]),
+        );
+        o.insert("sliding_window".into(), 7.into());
+    })
+    .unwrap();
+    assert_eq!(c.head_dim, 8);
+    assert!(!c.qkv_bias && !c.o_bias);
+    assert_eq!(c.rope.theta, 1e4);
+    assert_eq!(c.layer_windows, vec![None, None, Some(7), None]);
+}
+
+#[test]
+fn gpt_oss_refusals_name_the_field() {
+    for (key, value, field) in [
+        ("swiglu_limit", serde_json::json!(5.0), "swiglu_limit"),
+        ("sliding_window", serde_json::Value::Null, "layer_types"),
+        (
+            "num_experts_per_tok",
+            serde_json::json!(5),
+            "num_experts_per_tok",
+        ),
+        (
+            "attention_dropout",
+            serde_json::json!(0.1),
+            "attention_dropout",
+        ),
+    ] {
+        let e = gpt_oss_with(|o| {
+            o.insert(key.into(), value.clone());
+        })
+        .unwrap_err();
+        assert!(
+            e.to_string().contains(&format!("`{field}`")),
+            "{key}={value}: {e}"
+        );
+    }
+    assert!(gpt_oss_with(|o| {
+        o.insert("swiglu_limit".into(), 7.0.into());
+    })
+    .is_ok());
 }
 
 #[test]

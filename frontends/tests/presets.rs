@@ -43,6 +43,8 @@ const PUBLISHED: &[(&str, u64)] = &[
     // the SigLIP vision tower and projector too).
     ("gemma2-9b", 9_241_705_984),
     ("gemma-3-27b", 27_009_346_304),
+    ("gpt-oss-20b", 20_914_757_184),
+    ("gpt-oss-120b", 116_829_156_672),
 ];
 
 #[test]
@@ -73,6 +75,7 @@ fn preset_list_counts_match_graphs_and_fixture_counts() {
         ("granite-tiny", "granite"),
         ("gemma2-tiny", "gemma2"),
         ("gemma3-tiny", "gemma3"),
+        ("gpt-oss-tiny", "gpt_oss"),
     ];
     for info in presets() {
         assert_eq!(
@@ -111,9 +114,12 @@ fn preset_families_and_dtypes() {
     assert_eq!(family("qwen3-30b-a3b"), Family::Qwen3Moe);
     assert_eq!(family("gemma2-9b"), Family::Gemma2);
     assert_eq!(family("gemma-3-27b"), Family::Gemma3Text);
+    assert_eq!(family("gpt-oss-20b"), Family::GptOss);
     for i in &infos {
         let m = load(i.name).unwrap();
-        let want = if i.name.ends_with("-tiny") {
+        // gpt-oss's published config.json names no dtype (its checkpoint is bf16 with
+        // MXFP4 experts): f32, as HF builds it from that config.
+        let want = if i.name.ends_with("-tiny") || i.name.starts_with("gpt-oss") {
             DType::F32
         } else {
             DType::BF16

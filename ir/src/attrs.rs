@@ -83,6 +83,51 @@ pub enum RopeScaling {
         high_freq_factor: Float,
         original_max_position_embeddings: i64,
     },
+    /// YaRN (transformers `_compute_yarn_parameters`): each frequency blends its
+    /// interpolated (`/factor`) and original values by a linear ramp over the rotary
+    /// dims between the correction dims of `beta_fast` and `beta_slow` rotations in
+    /// `original_max_position_embeddings` positions (floored/ceiled when `truncate`), and
+    /// the cos/sin tables are multiplied by `attention_factor` (already resolved from
+    /// `mscale` / `mscale_all_dim` by [`yarn_attention_factor`] when the config has none).
+    Yarn {
+        factor: Float,
+        beta_fast: Float,
+        beta_slow: Float,
+        original_max_position_embeddings: i64,
+        attention_factor: Float,
+        truncate: bool,
+    },
+}
+
+impl RopeScaling {
+    /// The factor HF multiplies the cos/sin tables by (`attention_scaling`): 1 except
+    /// for YaRN.
+    pub fn attention_factor(&self) -> f64 {
+        match self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor.0,
+            _ => 1.0,
+        }
+    }
+}
+
+/// YaRN's default `attention_factor` (HF `get_mscale`): with both `mscale` and
+/// `mscale_all_dim` set and non-zero (DeepSeek-V3), `get_mscale(factor, mscale) /
+/// get_mscale(factor, mscale_all_dim)`, else `get_mscale(factor)`, where
+/// `get_mscale(s, m) = 0.1 * m * ln(s) + 1` for `s > 1` and 1 otherwise.
+pub fn yarn_attention_factor(factor: f64, mscale: Option<f64>, mscale_all_dim: Option<f64>) -> f64 {
+    let get = |s: f64, m: f64| {
+        if s <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * s.ln() + 1.0
+        }
+    };
+    match (mscale, mscale_all_dim) {
+        (Some(m), Some(a)) if m != 0.0 && a != 0.0 => get(factor, m) / get(factor, a),
+        _ => get(factor, 1.0),
+    }
 }
 
 macro_rules! keyword_enum {
@@ -259,6 +304,14 @@ impl AttrValue for RopeScaling {
             } => {
                 format!("llama3({factor}, {low_freq_factor}, {high_freq_factor}, {original_max_position_embeddings})")
             }
+            RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings,
+                attention_factor,
+                truncate,
+            } => format!("yarn({factor}, {beta_fast}, {beta_slow}, {original_max_position_embeddings}, {attention_factor}, {truncate})"),
         })
     }
     fn parse_attr(s: &str) -> Result<Self, String> {
@@ -269,7 +322,7 @@ impl AttrValue for RopeScaling {
             .split_once('(')
             .and_then(|(h, r)| r.strip_suffix(')').map(|a| (h, a)))
             .ok_or_else(|| {
-                format!("expected none, linear(f) or llama3(f, lo, hi, orig), found `{s}`")
+                format!("expected none, linear(f), llama3(f, lo, hi, orig) or yarn(f, beta_fast, beta_slow, orig, attention_factor, truncate), found `{s}`")
             })?;
         let parts = split_top_level(args, ',')?;
         let num = |i: usize| -> Result<Float, String> {
@@ -286,8 +339,16 @@ impl AttrValue for RopeScaling {
                 high_freq_factor: num(2)?,
                 original_max_position_embeddings: i64::parse_attr(parts[3])?,
             }),
+            ("yarn", 6) => Ok(RopeScaling::Yarn {
+                factor: num(0)?,
+                beta_fast: num(1)?,
+                beta_slow: num(2)?,
+                original_max_position_embeddings: i64::parse_attr(parts[3])?,
+                attention_factor: num(4)?,
+                truncate: bool::parse_attr(parts[5])?,
+            }),
             _ => Err(format!(
-                "unknown rope scaling `{s}` (expected none, linear(f) or llama3(f, lo, hi, orig))"
+                "unknown rope scaling `{s}` (expected none, linear(f), llama3(f, lo, hi, orig) or yarn(f, beta_fast, beta_slow, orig, attention_factor, truncate))"
             )),
         }
     }
@@ -420,6 +481,52 @@ pub fn rope_inv_freq(theta: f64, dim: usize, scaling: &RopeScaling, f32_steps: b
                 #[allow(clippy::neg_cmp_op_on_partial_ord)]
                 let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
                 *v = if medium { smoothed } else { llama };
+            }
+        }
+        RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            original_max_position_embeddings,
+            truncate,
+            ..
+        } => {
+            // transformers `_compute_yarn_parameters`: the correction range in f64 (Python
+            // floats), the blend in f32 tensors when `f32_steps`.
+            let d = dim as f64;
+            let orig = *original_max_position_embeddings as f64;
+            let correction_dim = |rotations: f64| {
+                d * (orig / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+            };
+            let (mut low, mut high) = (correction_dim(beta_fast.0), correction_dim(beta_slow.0));
+            if *truncate {
+                low = low.floor();
+                high = high.ceil();
+            }
+            let low = low.max(0.0);
+            let mut high = high.min(d - 1.0);
+            if low == high {
+                high += 0.001; // HF: "prevent singularity"
+            }
+            for (i, v) in inv.iter_mut().enumerate() {
+                let extrapolation = *v;
+                let e = (2 * i) as f64 / d;
+                let ramp = if f32_steps {
+                    let x = (i as f32 - low as f32) / (high - low) as f32;
+                    x.clamp(0.0, 1.0) as f64
+                } else {
+                    ((i as f64 - low) / (high - low)).clamp(0.0, 1.0)
+                };
+                let extrapolation_factor = r(1.0 - ramp);
+                // 1 / (factor * pos_freq), pos_freq = 1 / extrapolation
+                let interpolation = if f32_steps {
+                    let pos_freq = (theta as f32).powf((2 * i) as f32 / dim as f32);
+                    (1.0f32 / (factor.0 as f32 * pos_freq)) as f64
+                } else {
+                    1.0 / (factor.0 * theta.powf(e))
+                };
+                *v = r(r(interpolation * r(1.0 - extrapolation_factor))
+                    + r(extrapolation * extrapolation_factor));
             }
         }
     }

@@ -49,7 +49,7 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             };
             out_numel * k * 2
         }
-        Op::GroupedMatmul {} => out_numel * last(ins[0]) * 2,
+        Op::GroupedMatmul { .. } => out_numel * last(ins[0]) * 2,
         Op::Attention { .. } => {
             // scores q k^T (2 D per kept pair) and probs v (2 Dv), plus the softmax (5).
             attention_flops(&d.op, ins[0], ins[1], ins[2], (2, 2, 5))
@@ -59,7 +59,7 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             // dQ = dS K (2 D), dK = dS^T Q (2 D), and the elementwise dS (6).
             attention_flops(&d.op, ins[0], ins[1], ins[2], (6, 4, 6))
         }
-        Op::GroupedMatmulGrad {} => {
+        Op::GroupedMatmulGrad { .. } => {
             // dx = dy w and dw = dy^T x: twice the forward's matmul.
             let k = last(ins[0]);
             ins[3].numel() * k * 4

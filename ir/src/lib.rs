@@ -28,7 +28,9 @@ pub mod tensor;
 pub mod types;
 pub mod verify;
 
-pub use attrs::{CmpOp, Flag, Float, ReduceOp, Reduction, Role, RopeScaling};
+pub use attrs::{
+    yarn_attention_factor, CmpOp, Flag, Float, ReduceOp, Reduction, Role, RopeScaling,
+};
 pub use dim::{Bindings, Dim, DimError};
 pub use graph::{
     At, BuildError, Derived, DerivedKind, Graph, Node, NodeData, NodeMeta, Provenance, Value,

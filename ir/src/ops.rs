@@ -279,8 +279,9 @@ define_ops! {
     // ---- mixture of experts ----
     /// Replicates token rows per selected expert and sorts them by expert: rows [T*k, H], counts i64 [E], order i64 [T*k] (flat t*k+slot of each row).
     MoeDispatch = "moe_dispatch" ("x, expert_index") [2, 2] { num_experts: i64 } => moe_dispatch;
-    /// Row groups times per-expert weights: rows of group e (by `counts` [E]) times `w[e]^T`, w [E, N, K]. With counts [G, E] the rows come in G*E groups in row-major order and group (g, e) uses `w[e]` (rows received from G ranks, each sorted by expert).
-    GroupedMatmul = "grouped_matmul" ("x, w, counts") [3, 3] => grouped_matmul;
+    /// Row groups times per-expert weights: rows of group e (by `counts` [E]) times `w[e]^T`, w [E, N, K]; with `transpose_w=true` times `w[e]`, w [E, K, N] (gpt-oss's layout). With counts [G, E] the rows come in G*E groups in row-major order and group (g, e) uses `w[e]` (rows received from G ranks, each sorted by expert).
+    /// With a `bias` [E, N], each row of group e gets `bias[e]` added.
+    GroupedMatmul = "grouped_matmul" ("x, w, counts, bias?") [3, 4] { transpose_w: Flag } => grouped_matmul;
     /// Undoes `moe_dispatch`: `out[t] = sum_slot weights[t, slot] * rows[row of (t, slot)]`.
     MoeCombine = "moe_combine" ("rows, order, weights") [3, 3] => moe_combine;
 
@@ -300,8 +301,8 @@ define_ops! {
     GeluGrad = "gelu_grad" ("x, dy") [2, 2] { tanh_approx: bool } => elementwise_grad;
     /// Gradient of `softmax` from its output: `y * (dy - sum(dy * y, dim))`.
     SoftmaxGrad = "softmax_grad" ("y, dy") [2, 2] { dim: i64 } => softmax_grad;
-    /// Gradients of `grouped_matmul`: dx, and dw per expert (zero for an expert without rows).
-    GroupedMatmulGrad = "grouped_matmul_grad" ("x, w, counts, dy") [4, 4] => grouped_matmul_grad;
+    /// Gradients of `grouped_matmul` (same `transpose_w`): dx, and dw per expert (zero for an expert without rows); with `bias=true` also dbias [E, N], each expert's rows of dy summed.
+    GroupedMatmulGrad = "grouped_matmul_grad" ("x, w, counts, dy") [4, 4] { transpose_w: Flag, bias: Flag } => grouped_matmul_grad;
     /// Gradients of `moe_combine`: drows, dweights.
     MoeCombineGrad = "moe_combine_grad" ("rows, order, weights, dy") [4, 4] => moe_combine_grad;
 

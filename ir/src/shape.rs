@@ -677,15 +677,31 @@ pub fn moe_dispatch(op: &Op, ins: &[&TensorType]) -> Out {
     ])
 }
 
-pub fn grouped_matmul(_: &Op, ins: &[&TensorType]) -> Out {
+pub fn grouped_matmul(op: &Op, ins: &[&TensorType]) -> Out {
+    let transposed = matches!(op, Op::GroupedMatmul { transpose_w } if transpose_w.0);
     let (x, w, counts) = (ins[0], ins[1], ins[2]);
     want_int(counts, "counts")?;
     same_dtype(x, w, "x and w")?;
     let counts_ok = matches!(counts.rank(), 1 | 2) && counts.shape.last() == Some(&w.shape[0]);
-    if x.rank() != 2 || w.rank() != 3 || !counts_ok || x.shape[1] != w.shape[2] {
-        return Err(format!("grouped_matmul needs x [M, K], w [E, N, K], counts [E] or [G, E], got {x}, {w}, {counts}"));
+    let (n_dim, k_dim) = if transposed { (2, 1) } else { (1, 2) };
+    if x.rank() != 2 || w.rank() != 3 || !counts_ok || x.shape[1] != w.shape[k_dim] {
+        let layout = if transposed {
+            "[E, K, N] (transpose_w)"
+        } else {
+            "[E, N, K]"
+        };
+        return Err(format!("grouped_matmul needs x [M, K], w {layout}, counts [E] or [G, E], got {x}, {w}, {counts}"));
     }
-    one(x.with_shape(vec![x.shape[0].clone(), w.shape[1].clone()]))
+    if let Some(b) = ins.get(3) {
+        same_dtype(x, b, "x and bias")?;
+        if b.shape != [w.shape[0].clone(), w.shape[n_dim].clone()] {
+            return Err(format!(
+                "grouped_matmul's bias must be [E, N] = [{}, {}], got {b}",
+                w.shape[0], w.shape[n_dim]
+            ));
+        }
+    }
+    one(x.with_shape(vec![x.shape[0].clone(), w.shape[n_dim].clone()]))
 }
 
 pub fn moe_combine(_: &Op, ins: &[&TensorType]) -> Out {

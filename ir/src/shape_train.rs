@@ -152,12 +152,23 @@ pub fn softmax_grad(op: &Op, ins: &[&TensorType]) -> Out {
     Ok(vec![ins[0].clone()])
 }
 
-/// `grouped_matmul_grad(x, w, counts, dy)`: dx like x, dw like w.
-pub fn grouped_matmul_grad(_: &Op, ins: &[&TensorType]) -> Out {
+/// `grouped_matmul_grad(x, w, counts, dy)`: dx like x, dw like w, and with `bias=true`
+/// dbias [E, N] in w's dtype.
+pub fn grouped_matmul_grad(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::GroupedMatmulGrad { transpose_w, bias } = op else {
+        unreachable!()
+    };
     let (x, w, counts, dy) = (ins[0], ins[1], ins[2], ins[3]);
-    let y = crate::shape::grouped_matmul(&Op::GroupedMatmul {}, &[x, w, counts])?;
+    let forward = Op::GroupedMatmul {
+        transpose_w: *transpose_w,
+    };
+    let y = crate::shape::grouped_matmul(&forward, &[x, w, counts])?;
     same_type(&y[0], dy, "the grouped_matmul output and dy")?;
-    Ok(vec![x.clone(), w.clone()])
+    let mut out = vec![x.clone(), w.clone()];
+    if bias.0 {
+        out.push(w.with_shape(vec![w.shape[0].clone(), dy.shape[1].clone()]));
+    }
+    Ok(out)
 }
 
 /// `moe_combine_grad(rows, order, weights, dy)`: drows like rows, dweights like weights.

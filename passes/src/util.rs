@@ -280,17 +280,17 @@ pub(crate) fn remove_unused(g: &mut Graph, nodes: &[Node]) {
     g.remove_nodes(&order);
 }
 
-/// Refuses, for pass `pass`, any `attention` with sinks or a log-sum-exp result: the
-/// parallel rewrites do not yet split the per-head sinks or carry the log-sum-exp across
-/// ranks, and must not compute something else. (The window, soft-cap and value head dim
-/// need nothing: every rank computes whole rows of the scores for its heads.)
+/// Refuses, for pass `pass`, any `attention` with a log-sum-exp result: the parallel
+/// rewrites do not yet carry the log-sum-exp across ranks, and must not compute
+/// something else. (The window, soft-cap and value head dim need nothing: every rank
+/// computes whole rows of the scores for its heads; the per-head sinks are sliced or
+/// split with the heads by ulysses-attention and tensor-parallel.)
 pub fn refuse_unsplit_attention(g: &Graph, pass: &str) -> Result<(), PassError> {
     for &n in g.nodes() {
-        if let Op::Attention { sinks, lse, .. } = &g.node(n).op {
-            let what = match (sinks.0, lse.0) {
-                (true, _) => "attention sinks",
-                (_, true) => "an attention's log-sum-exp result",
-                _ => continue,
+        if let Op::Attention { lse, .. } = &g.node(n).op {
+            let what = match lse.0 {
+                true => "an attention's log-sum-exp result",
+                false => continue,
             };
             return Err(PassError::rewrite(
                 pass,

@@ -76,3 +76,19 @@ fn shard_seq_moe_aux_loss() {
         snapshot(&format!("shard-seq__mixtral-aux__{tag}"), &text);
     }
 }
+
+/// gpt-oss (`gpt-oss-tiny`): ulysses-attention slices each layer's sinks to the rank's
+/// q heads; tensor-parallel splits the sinks with the heads and the transposed experts
+/// in (gate, up) column pairs, with 1/tp of the down bias per rank; expert-parallel
+/// carries the expert biases and the row-keeping de-interleave reshapes.
+#[test]
+fn gpt_oss_sinks_and_experts() {
+    for (pass, tag, mesh) in [
+        ("ulysses-attention", "sp2", "sp=2"),
+        ("tensor-parallel", "tp2", "tp=2"),
+        ("expert-parallel", "ep2", "ep=2"),
+    ] {
+        let text = pass_diff("gpt-oss-tiny", mesh, pass).unwrap();
+        snapshot(&format!("{pass}__gpt-oss-tiny__{tag}"), &text);
+    }
+}

@@ -2,9 +2,10 @@
 //! v), olmo2's q/k RMSNorm over the whole projection, view as [B, S, heads, D], qwen3's
 //! q/k RMSNorm over D, transpose to [B, heads, S, D], rope on q and k, causal attention
 //! with scale `head_dim^-0.5` (granite: `attention_multiplier`; gemma:
-//! `query_pre_attn_scalar^-0.5`), the layer's sliding window (`ModelConfig::layer_windows`)
-//! and gemma2's score soft-cap
-//! (GQA inside the op: kv heads are not repeated), back to [B, S, heads*D], `o_proj`.
+//! `query_pre_attn_scalar^-0.5`), the layer's sliding window (`ModelConfig::layer_windows`),
+//! gemma2's score soft-cap and, for gpt-oss, the layer's learned per-head `sinks` as the
+//! op's sinks operand (GQA inside the op: kv heads are not repeated), back to
+//! [B, S, heads*D], `o_proj`.
 
 use super::Builder;
 use crate::config::QkNorm;
@@ -61,6 +62,11 @@ impl Builder<'_> {
                 .attention_scale
                 .unwrap_or_else(|| (d as f64).powf(-0.5)),
         );
+        let mut operands = vec![q, k, v];
+        if c.attention_sinks {
+            operands.push(self.param(&format!("{a}.sinks")));
+            self.scope(&a);
+        }
         let o = self.op(
             Op::Attention {
                 causal: true,
@@ -72,10 +78,10 @@ impl Builder<'_> {
                     .flatten()
                     .map(|w| w as i64),
                 softcap: c.attn_softcap.map(Float),
-                sinks: Default::default(),
+                sinks: c.attention_sinks.into(),
                 lse: Default::default(),
             },
-            &[q, k, v],
+            &operands,
         )?;
         let o = self.transpose(o, 1, 2)?;
         let o = self.reshape(o, vec![b, s, Dim::from(nq * d)])?;

@@ -3,7 +3,7 @@
 //! `mlp.experts.down_proj` [E, H, I], router `mlp.gate.weight`). A tied model has no
 //! `lm_head.weight`: the head uses `model.embed_tokens.weight`.
 
-use crate::config::{Family, ModelConfig, NormPlacement, QkNorm};
+use crate::config::{Family, ModelConfig, MoeKind, NormPlacement, QkNorm};
 
 /// The name of the parameter the output head reads when embeddings are tied.
 pub const EMBED: &str = "model.embed_tokens.weight";
@@ -23,6 +23,10 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     push(EMBED.into(), vec![c.vocab_size, h]);
     for i in 0..c.num_hidden_layers {
         let a = format!("model.layers.{i}.self_attn");
+        // A module's own parameters come before its submodules' (gpt-oss `sinks`).
+        if c.attention_sinks {
+            push(format!("{a}.sinks"), vec![nq]);
+        }
         if c.fused_projections {
             push(format!("{a}.o_proj.weight"), vec![h, nq * d]);
             push(format!("{a}.qkv_proj.weight"), vec![(nq + 2 * nkv) * d, h]);
@@ -39,6 +43,7 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                 push(format!("{a}.o_proj.bias"), vec![h]);
             }
         }
+
         match c.qk_norm {
             QkNorm::None => {}
             QkNorm::PerHead => {
@@ -52,6 +57,16 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         }
         let m = format!("model.layers.{i}.mlp");
         match &c.moe {
+            Some(moe) if c.is_sparse_layer(i) && moe.kind == MoeKind::GptOss => {
+                // GptOssMLP: router (with bias), then the experts in the transposed layout.
+                let (e, inter) = (moe.num_experts, moe.expert_intermediate_size);
+                push(format!("{m}.router.weight"), vec![e, h]);
+                push(format!("{m}.router.bias"), vec![e]);
+                push(format!("{m}.experts.gate_up_proj"), vec![e, h, 2 * inter]);
+                push(format!("{m}.experts.gate_up_proj_bias"), vec![e, 2 * inter]);
+                push(format!("{m}.experts.down_proj"), vec![e, inter, h]);
+                push(format!("{m}.experts.down_proj_bias"), vec![e, h]);
+            }
             Some(moe) if c.is_sparse_layer(i) => {
                 let (e, inter) = (moe.num_experts, moe.expert_intermediate_size);
                 let router = (format!("{m}.gate.weight"), vec![e, h]);

@@ -467,7 +467,13 @@ impl Lower<'_> {
         let (_, counts, _) = self.dispatch(n, a.m)?;
         let dt = self.ty(w).dtype;
         let xv = self.cast(n, xv, dt)?;
-        let y = self.emit(n, Op::GroupedMatmul {}, &[xv, w, counts])?;
+        let y = self.emit(
+            n,
+            Op::GroupedMatmul {
+                transpose_w: Default::default(),
+            },
+            &[xv, w, counts],
+        )?;
         Ok(vec![LV::Rows(Rows {
             m: a.m,
             v: y,

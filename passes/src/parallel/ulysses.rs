@@ -139,7 +139,21 @@ fn rewrite_attention(
     res: &mut PassResult,
 ) -> Result<(), PassError> {
     let [q, k, v] = m.local;
-    let mask = g.node(n).operands.get(3).copied();
+    let nd = g.node(n);
+    let slots = match nd.op.attention_operands(nd.operands.len()) {
+        Some(Ok(s)) => s,
+        Some(Err(why)) => {
+            return Err(PassError::rewrite(
+                NAME,
+                "bad attention",
+                g.describe(n),
+                why,
+            ))
+        }
+        None => unreachable!("an attention"),
+    };
+    let mask = slots.mask.map(|i| nd.operands[i]);
+    let sinks = slots.sinks.map(|i| nd.operands[i]);
     let (qt, kt) = (g.ty(q).clone(), g.ty(k).clone());
     let what = format!("`{NAME}` cannot split the attention heads over sp={sp}");
     let (Some(nq), Some(nkv)) = (qt.shape[1].as_const(), kt.shape[1].as_const()) else {
@@ -196,6 +210,9 @@ fn rewrite_attention(
     }
     if let Some(mk) = mask {
         new_ops.push(heads_of_mask(g, n, mk, nq, &qt)?);
+    }
+    if let Some(s) = sinks {
+        new_ops.push(heads_of_sinks(g, n, s, nq)?);
     }
     g.node_mut(n).operands = new_ops;
     g.reinfer(n)
@@ -291,6 +308,25 @@ fn heads_of_mask(
         "mask: this rank's heads after heads -> sequence",
     );
     insert1(g, NAME, At::Before(n), op, &[mk], meta)
+}
+
+/// The sinks [Nq] of this rank's q heads after heads -> sequence (gpt-oss): the
+/// gradient of each rank's slice lands in its heads' entries, and grad-sync's sum over
+/// sp completes it.
+fn heads_of_sinks(g: &mut Graph, n: Node, s: Value, nq: i64) -> Result<Value, PassError> {
+    let local = Dim::from(nq) / Dim::sym(SP);
+    let op = Op::Slice {
+        dim: 0,
+        start: Dim::coord(SP) * local.clone(),
+        len: local,
+    };
+    let meta = meta_for(
+        g,
+        n,
+        NAME,
+        "sinks: this rank's q heads after heads -> sequence",
+    );
+    insert1(g, NAME, At::Before(n), op, &[s], meta)
 }
 
 /// Checks that on every rank each local q head attends to the kv head it attends to in

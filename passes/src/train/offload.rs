@@ -51,7 +51,7 @@ pub fn compute_seconds(
     let mut fl = flops(g, n, b);
     let factor = match nd.op {
         Op::AttentionGrad { .. } => 2.5,
-        Op::GroupedMatmulGrad {} => 2.0,
+        Op::GroupedMatmulGrad { .. } => 2.0,
         _ => 0.0,
     };
     if factor > 0.0 {

@@ -67,9 +67,14 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             let dot = (y * dy)?.sum_keepdim(d)?;
             one(y.mul(&dy.broadcast_sub(&dot)?)?)
         }
-        Op::GroupedMatmulGrad {} => {
-            let (dx, dw) = grouped_matmul_grad(&ins[0], &ins[1], &ins[2], &ins[3])?;
-            Ok(vec![dx, dw])
+        Op::GroupedMatmulGrad { transpose_w, bias } => {
+            let (dx, dw, db) =
+                grouped_matmul_grad(&ins[0], &ins[1], &ins[2], &ins[3], transpose_w.0)?;
+            Ok(if bias.0 {
+                vec![dx, dw, db]
+            } else {
+                vec![dx, dw]
+            })
         }
         Op::MoeCombineGrad {} => {
             let (drows, dw) = moe_combine_grad(&ins[0], &ins[1], &ins[2], &ins[3])?;
@@ -373,9 +378,11 @@ pub(crate) fn grouped_matmul_grad(
     w: &Tensor,
     counts: &Tensor,
     dy: &Tensor,
-) -> KResult<(Tensor, Tensor)> {
+    transpose_w: bool,
+) -> KResult<(Tensor, Tensor, Tensor)> {
     let (m, kx) = x.dims2()?;
     let (e, n, kw) = w.dims3()?;
+    let (n, kw) = if transpose_w { (kw, n) } else { (n, kw) };
     if kx != kw || dy.dims() != [m, n] {
         bail!(
             "x {:?}, w {:?}, dy {:?} do not fit together",
@@ -394,6 +401,7 @@ pub(crate) fn grouped_matmul_grad(
     }
     let mut dx_parts = Vec::new();
     let mut dw: Vec<Option<Tensor>> = vec![None; e];
+    let mut db: Vec<Option<Tensor>> = vec![None; e];
     let mut at = 0usize;
     for (g, &cnt) in c.iter().enumerate() {
         if cnt == 0 {
@@ -403,11 +411,27 @@ pub(crate) fn grouped_matmul_grad(
         let xs = x.narrow(0, at, cnt as usize)?;
         let gs = dy.narrow(0, at, cnt as usize)?;
         let we = w.get(ex)?;
-        dx_parts.push(super::sgemm::matmul(&gs, &we)?);
-        let part = super::sgemm::matmul(&gs.t()?, &xs)?;
+        let (dxs, part) = if transpose_w {
+            // y = x w[e], w[e] [K, N]
+            (
+                super::sgemm::matmul(&gs, &we.t()?)?,
+                super::sgemm::matmul(&xs.t()?, &gs)?,
+            )
+        } else {
+            (
+                super::sgemm::matmul(&gs, &we)?,
+                super::sgemm::matmul(&gs.t()?, &xs)?,
+            )
+        };
+        dx_parts.push(dxs);
         dw[ex] = Some(match dw[ex].take() {
             Some(acc) => (acc + part)?,
             None => part,
+        });
+        let bias_part = gs.sum(0)?;
+        db[ex] = Some(match db[ex].take() {
+            Some(acc) => (acc + bias_part)?,
+            None => bias_part,
         });
         at += cnt as usize;
     }
@@ -416,12 +440,17 @@ pub(crate) fn grouped_matmul_grad(
         1 => dx_parts.pop().expect("one part"),
         _ => Tensor::cat(&dx_parts, 0)?,
     };
-    let zero = Tensor::zeros((n, kw), w.dtype(), DEV)?;
+    let zero = Tensor::zeros(w.dims()[1..].to_vec(), w.dtype(), DEV)?;
     let dw: Vec<Tensor> = dw
         .into_iter()
         .map(|t| t.unwrap_or_else(|| zero.clone()))
         .collect();
-    Ok((dx, Tensor::stack(&dw, 0)?))
+    let zero_b = Tensor::zeros(n, dy.dtype(), DEV)?;
+    let db: Vec<Tensor> = db
+        .into_iter()
+        .map(|t| t.unwrap_or_else(|| zero_b.clone()))
+        .collect();
+    Ok((dx, Tensor::stack(&dw, 0)?, Tensor::stack(&db, 0)?))
 }
 
 /// drows, dweights of `moe_combine`: row `r` (token `t`, slot `s` by `order[r]`) gets

@@ -351,7 +351,12 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             let pos = ins[0].to_dtype(cx.float)?.unsqueeze(D::Minus1)?;
             let freqs = pos.broadcast_mul(&inv)?;
             let emb = Tensor::cat(&[&freqs, &freqs], D::Minus1)?;
-            Ok(vec![emb.cos()?, emb.sin()?])
+            let (cos, sin) = (emb.cos()?, emb.sin()?);
+            // HF multiplies both tables by the rope's attention factor (YaRN).
+            match scaling.attention_factor() {
+                1.0 => Ok(vec![cos, sin]),
+                a => Ok(vec![cos.affine(a, 0.0)?, sin.affine(a, 0.0)?]),
+            }
         }
         Op::Rope {} => {
             let (x, cos, sin) = (&ins[0], &ins[1], &ins[2]);
@@ -536,7 +541,13 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             nd(*dim, ins[0].rank())?,
         )?),
         Op::MoeDispatch { num_experts } => moe_dispatch(&ins[0], &ins[1], *num_experts),
-        Op::GroupedMatmul {} => one(grouped_matmul(&ins[0], &ins[1], &ins[2])?),
+        Op::GroupedMatmul { transpose_w } => one(grouped_matmul(
+            &ins[0],
+            &ins[1],
+            &ins[2],
+            ins.get(3),
+            transpose_w.0,
+        )?),
         Op::MoeCombine {} => one(moe_combine(&ins[0], &ins[1], &ins[2], cx.out_shape(0))?),
         Op::AttentionGrad { .. }
         | Op::RmsNormGrad { .. }
@@ -545,7 +556,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         | Op::SiluGrad {}
         | Op::GeluGrad { .. }
         | Op::SoftmaxGrad { .. }
-        | Op::GroupedMatmulGrad {}
+        | Op::GroupedMatmulGrad { .. }
         | Op::MoeCombineGrad {}
         | Op::AdamW { .. }
         | Op::HostAdamW { .. }
@@ -947,9 +958,16 @@ fn moe_dispatch(x: &Tensor, expert_index: &Tensor, num_experts: i64) -> KResult<
 }
 
 /// `grouped_matmul`: rows of group `e` (consecutive, `counts[e]` of them) times `w[e]^T`.
-fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &Tensor) -> KResult<Tensor> {
+fn grouped_matmul(
+    x: &Tensor,
+    w: &Tensor,
+    counts: &Tensor,
+    bias: Option<&Tensor>,
+    transpose_w: bool,
+) -> KResult<Tensor> {
     let (m, kx) = x.dims2()?;
     let (e, n, kw) = w.dims3()?;
+    let (n, kw) = if transpose_w { (kw, n) } else { (n, kw) };
     if kx != kw {
         bail!(
             "x {:?} and w {:?} differ in the contracted dim",
@@ -973,7 +991,13 @@ fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &Tensor) -> KResult<Tensor> {
             continue;
         }
         let xs = x.narrow(0, at, cnt as usize)?;
-        parts.push(super::sgemm::matmul(&xs, &w.get(g % e)?.t()?)?);
+        let we = w.get(g % e)?;
+        let we = if transpose_w { we } else { we.t()? };
+        let mut y = super::sgemm::matmul(&xs, &we)?;
+        if let Some(b) = bias {
+            y = y.broadcast_add(&b.get(g % e)?)?;
+        }
+        parts.push(y);
         at += cnt as usize;
     }
     Ok(match parts.len() {

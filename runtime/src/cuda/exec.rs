@@ -907,6 +907,7 @@ fn lower_op(
                     Arg::I64(pos.numel() as i64),
                     Arg::I32(half),
                     Arg::P(invp),
+                    Arg::F32(scaling.attention_factor() as f32),
                 ],
             )
         }
@@ -1476,7 +1477,13 @@ fn lower_op(
                 ],
             )
         }
-        Op::GroupedMatmul {} => {
+        Op::GroupedMatmul { transpose_w } => {
+            if transpose_w.0 || ins.len() > 3 {
+                return Err(lw.unsup(
+                    "grouped_matmul",
+                    "transposed expert weights and expert biases (gpt-oss) are not in the CUDA runtime yet",
+                ));
+            }
             let (x, w, c) = (&ins[0], &ins[1], &ins[2]);
             lw.push(StepKind::Grouped(Box::new(Grouped {
                 dtype: x.dtype,
@@ -1493,7 +1500,13 @@ fn lower_op(
             })));
             Ok(())
         }
-        Op::GroupedMatmulGrad {} => {
+        Op::GroupedMatmulGrad { transpose_w, bias } => {
+            if transpose_w.0 || bias.0 {
+                return Err(lw.unsup(
+                    "grouped_matmul_grad",
+                    "transposed expert weights and expert biases (gpt-oss) are not in the CUDA runtime yet",
+                ));
+            }
             let (x, w, c, dy) = (&ins[0], &ins[1], &ins[2], &ins[3]);
             lw.push(StepKind::Grouped(Box::new(Grouped {
                 dtype: x.dtype,

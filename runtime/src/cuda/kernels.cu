@@ -510,9 +510,10 @@ FOR_FLOATS(DEF_EMBEDDING)
     }
 FOR_FLOATS(DEF_RMSNORM)
 
-// cos/sin tables [n_pos, 2*half] from positions and inverse frequencies (f32 out).
+// cos/sin tables [n_pos, 2*half] from positions and inverse frequencies, both times `scale`
+// (YaRN's attention factor; 1 otherwise).
 extern "C" __global__ void rope_table(void* cosv, void* sinv, int ocode, const void* pos, int pcode, i64 npos,
-                                      int half, const float* inv) {
+                                      int half, const float* inv, float scale) {
     i64 n = npos * 2 * half;
     GRID_STRIDE(i, n) {
         i64 p = i / (2 * half);
@@ -520,8 +521,8 @@ extern "C" __global__ void rope_table(void* cosv, void* sinv, int ocode, const v
         float f = (float)ld_any(pos, pcode, p) * inv[j % half];
         float s, c;
         sincosf(f, &s, &c);
-        st_any(cosv, ocode, i, c);
-        st_any(sinv, ocode, i, s);
+        st_any(cosv, ocode, i, c * scale);
+        st_any(sinv, ocode, i, s * scale);
     }
 }
 

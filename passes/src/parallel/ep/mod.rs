@@ -38,8 +38,10 @@
 //! (`R<id>`, after the value) that the runtime binds from the tensor it got.
 //!
 //! Between dispatch and combine only row-local ops may appear (each output row depends
-//! on the same input row): the grouped matmuls, elementwise ops, and splits, slices
-//! and concats of other dims. Anything else is an error naming the node.
+//! on the same input row): the grouped matmuls (with expert biases [E, N], split with
+//! their weights), elementwise ops, splits, slices and concats of other dims, and
+//! reshapes that keep the row dim (gpt-oss's gate/up de-interleave; they take the
+//! received row count). Anything else is an error naming the node.
 
 use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult};
 use crate::util::{build_error, divisors, made_by, meta_for};
@@ -215,7 +217,7 @@ fn match_block(
         let nd = g.node(n);
         let reads = |i: usize| in_region.contains(&nd.operands[i]);
         match &nd.op {
-            Op::GroupedMatmul {} if reads(0) && !reads(1) && !reads(2) => {
+            Op::GroupedMatmul { .. } if reads(0) && (1..nd.operands.len()).all(|i| !reads(i)) => {
                 if nd.operands[2] != counts {
                     return Err(error(
                         g,
@@ -241,9 +243,32 @@ fn match_block(
                 if !weights.contains(&w) {
                     weights.push(w);
                 }
+                if let Some(&bias) = nd.operands.get(3) {
+                    let bn = g.def(bias);
+                    let ok = matches!(&g.node(bn).op, Op::Param { ty, .. } if ty.rank() == 2 && ty.shape[0] == Dim::from(num_experts));
+                    if !ok {
+                        return Err(error(
+                            g,
+                            n,
+                            format!(
+                                "its bias {bias} is not an expert parameter [{num_experts}, N]"
+                            ),
+                        )
+                        .with_help(
+                            "expert biases must be parameters read directly by the grouped matmul",
+                        ));
+                    }
+                    if !weights.contains(&bn) {
+                        weights.push(bn);
+                    }
+                }
                 matmuls.push(n);
             }
             op if is_unary_rowwise(op) => {}
+            // A view that keeps the row dim (gpt-oss's gate/up de-interleave).
+            Op::Reshape { shape }
+                if g.ty(nd.operands[0]).rank() >= 1
+                    && shape.first() == g.ty(nd.operands[0]).shape.first() => {}
             op if is_binary_rowwise(op) => {
                 let out = g.ty(nd.results[0]);
                 for &o in &nd.operands {
@@ -301,7 +326,7 @@ fn match_block(
     }
     // Counts feed only the grouped matmuls; the order only the combines.
     for &(n, i) in counts_uses {
-        if !(matches!(g.node(n).op, Op::GroupedMatmul {}) && i == 2 && matmuls.contains(&n)) {
+        if !(matches!(g.node(n).op, Op::GroupedMatmul { .. }) && i == 2 && matmuls.contains(&n)) {
             return Err(error(
                 g,
                 n,
@@ -354,7 +379,7 @@ fn check_params_only_in_blocks(
             let v = g.node(w).results[0];
             if let Some(&(n, _)) = uses[v.0 as usize]
                 .iter()
-                .find(|(n, i)| !(matmuls.contains(n) && *i == 1))
+                .find(|(n, i)| !(matmuls.contains(n) && (*i == 1 || *i == 3)))
             {
                 let Op::Param { name, .. } = &g.node(w).op else {
                     unreachable!()
@@ -494,6 +519,15 @@ fn rewrite_block(
         g.node_mut(n).operands[2] = grid;
     }
     for &n in &b.region {
+        // A row-keeping reshape takes the received row count.
+        let rows_in = g
+            .node(n)
+            .operands
+            .first()
+            .and_then(|&v| g.ty(v).shape.first().cloned());
+        if let (Op::Reshape { shape }, Some(r)) = (&mut g.node_mut(n).op, rows_in) {
+            shape[0] = r;
+        }
         g.reinfer(n).map_err(|e| build_error(NAME, e))?;
     }
     // The inverse exchange before every combine.

@@ -305,7 +305,10 @@ impl Tp {
                     note(2, Use::LinearBias);
                 }
                 Op::Embedding {} => note(1, Use::Embedding),
-                Op::GroupedMatmul {} => note(1, Use::ExpertsW),
+                Op::GroupedMatmul { .. } => {
+                    note(1, Use::ExpertsW);
+                    note(3, Use::LinearBias);
+                }
                 Op::RmsNorm { .. } => note(1, Use::NormW),
                 _ => {}
             }
@@ -412,7 +415,27 @@ impl Tp {
             let n = us[0].0;
             let w = g.node(n).operands[1];
             let wname = by_value.get(&w).cloned().unwrap_or_default();
+            let experts = matches!(g.node(n).op, Op::GroupedMatmul { .. });
             let plan = match self.plans.get(&wname) {
+                Some(ParamPlan::Split { pieces, local, .. })
+                    if experts
+                        && matches!(
+                            self.linears.get(&n).map(|l| l.kind),
+                            Some(LinearKind::Column { .. })
+                        ) =>
+                {
+                    ParamPlan::Split {
+                        gather: false,
+                        kind: "column",
+                        dim: 1,
+                        pieces: pieces.clone(),
+                        local: local.clone(),
+                        why: format!("bias [E, out] of column-parallel experts `{wname}`"),
+                    }
+                }
+                Some(ParamPlan::Split { .. }) if experts => ParamPlan::Whole {
+                    why: format!("bias of row-parallel experts `{wname}`: each rank adds 1/tp of it before the all_reduce"),
+                },
                 Some(ParamPlan::Split {
                     dim, pieces, local, ..
                 }) if self.linears.get(&n).map(|l| l.kind) != Some(LinearKind::Row)
@@ -516,6 +539,32 @@ impl Tp {
                 }
             }
             res.count("attention_layers", 1);
+            // Learned sinks (one logit per q head) split with the q heads.
+            let d = g.node(a.node);
+            if let Some(Ok(slots)) = d.op.attention_operands(d.operands.len()) {
+                if let (Some(s), Ok(h)) = (slots.sinks, &head_splits[i]) {
+                    if let Some(name) = by_value.get(&d.operands[s]) {
+                        self.plans.insert(
+                            name.clone(),
+                            ParamPlan::Split {
+                                kind: "column",
+                                dim: 0,
+                                pieces: vec![h.q.clone()],
+                                local: per_rank(&h.q),
+                                why: "attention sinks: one per q head, split with the heads".into(),
+                                gather: false,
+                            },
+                        );
+                    } else {
+                        return Err(PassError::rewrite(
+                            NAME,
+                            format!("`{NAME}` cannot split the attention sinks"),
+                            g.describe(a.node),
+                            format!("its sinks {} are not a parameter", d.operands[s]),
+                        ));
+                    }
+                }
+            }
             if head_splits[i]
                 .as_ref()
                 .is_ok_and(|h| h.kv_replicated.is_some())
@@ -772,7 +821,13 @@ impl Tp {
             });
         };
         let experts = u == Use::ExpertsW;
-        let (col_dim, row_dim) = if experts { (1, 2) } else { (0, 1) };
+        // gpt-oss stores its experts transposed, [E, in, out].
+        let transposed = matches!(g.node(n).op, Op::GroupedMatmul { transpose_w } if transpose_w.0);
+        let (col_dim, row_dim) = match (experts, transposed) {
+            (true, true) => (2, 1),
+            (true, false) => (1, 2),
+            _ => (0, 1),
+        };
         let dim = match s.partition_type {
             PartitionType::Skip => {
                 if s.grad_allreduce {
@@ -943,7 +998,17 @@ impl Tp {
         };
         let pieces: Vec<Vec<i64>> = subs
             .iter()
-            .map(|&t| sizes::grain_sizes(t, self.p, grain))
+            .map(|&t| {
+                if transposed && s.partition_type == PartitionType::Column && t % 2 == 0 {
+                    // gpt-oss interleaves gate and up columns: split whole (gate, up) pairs
+                    sizes::grain_sizes(t / 2, self.p, grain)
+                        .into_iter()
+                        .map(|x| 2 * x)
+                        .collect()
+                } else {
+                    sizes::grain_sizes(t, self.p, grain)
+                }
+            })
             .collect();
         if pieces.iter().any(|pc| pc.contains(&0)) {
             return Err(param_error(
@@ -1014,7 +1079,10 @@ impl Tp {
                 let sizes: Vec<i64> = (0..self.p as usize)
                     .map(|r| pieces.iter().map(|pc| pc[r]).sum())
                     .collect();
-                let col = (u == Use::LinearW && *dim == 0) || (u == Use::ExpertsW && *dim == 1);
+                let transposed =
+                    matches!(g.node(n).op, Op::GroupedMatmul { transpose_w } if transpose_w.0);
+                let col = (u == Use::LinearW && *dim == 0)
+                    || (u == Use::ExpertsW && *dim == if transposed { 2 } else { 1 });
                 let gather = *kind != "vocab" && *gather;
                 Some(LinearPlan {
                     kind: if col {
@@ -1323,7 +1391,7 @@ impl Tp {
             }
         }
         match op {
-            Op::Linear {} | Op::GroupedMatmul {} => self.visit_linear(g, n, res),
+            Op::Linear {} | Op::GroupedMatmul { .. } => self.visit_linear(g, n, res),
             Op::Embedding {} => self.vocab_embedding(g, n, res),
             Op::CrossEntropy {
                 ignore_index,
@@ -1451,7 +1519,7 @@ impl Tp {
         let Some(lp) = self.linears.get(&n).cloned() else {
             return self.reinfer(g, n);
         };
-        let experts = matches!(g.node(n).op, Op::GroupedMatmul {});
+        let experts = matches!(g.node(n).op, Op::GroupedMatmul { .. });
         match lp.kind {
             LinearKind::Whole => self.reinfer(g, n),
             LinearKind::Column { gather } => {
@@ -1497,6 +1565,27 @@ impl Tp {
                 };
                 if bias.is_some() {
                     g.node_mut(n).operands.truncate(2);
+                }
+                if let (true, Some(&b)) = (experts, g.node(n).operands.get(3)) {
+                    // Each expert row's bias depends on its group, so it cannot be added
+                    // after the all_reduce as one tensor: every rank adds 1/tp of it.
+                    let meta = meta_for(
+                        g,
+                        n,
+                        NAME,
+                        "row-parallel experts' bias: each rank adds 1/tp of it, the all_reduce sums them",
+                    );
+                    let part = insert1(
+                        g,
+                        NAME,
+                        At::Before(n),
+                        Op::Scale {
+                            factor: weft_ir::Float(1.0 / self.p as f64),
+                        },
+                        &[b],
+                        meta,
+                    )?;
+                    g.node_mut(n).operands[3] = part;
                 }
                 self.reinfer(g, n)?;
                 let out = g.node(n).results[0];

@@ -74,10 +74,6 @@ impl LayerSpec {
             origin: origin.to_string(),
         }
     }
-    fn dim(mut self, d: usize) -> Self {
-        self.partition_dim = Some(d);
-        self
-    }
     fn grad_allreduce(mut self) -> Self {
         self.grad_allreduce = true;
         self
@@ -432,9 +428,10 @@ pub fn preset() -> Vec<LayerSpec> {
         LayerSpec::new(&[r".*\.self_attn\.o_proj\.weight$"], Row, o),
         LayerSpec::new(&[r".*\.self_attn\.(q|k|v|qkv)_proj\.weight$"], Column, o),
         LayerSpec::new(&[r".*\.self_attn\.(q|k)_norm\.weight$"], Skip, o).grad_allreduce(),
-        LayerSpec::new(&[r".*\.mlp\.experts\.gate_up_proj$"], Column, o).dim(1),
-        LayerSpec::new(&[r".*\.mlp\.experts\.down_proj$"], Row, o).dim(2),
-        LayerSpec::new(&[r".*\.mlp\.gate\.weight$"], Skip, o),
+        // Experts: the out dim of [E, out, in] (transposed gpt-oss [E, in, out]: dim 2)
+        LayerSpec::new(&[r".*\.mlp\.experts\.gate_up_proj$"], Column, o),
+        LayerSpec::new(&[r".*\.mlp\.experts\.down_proj$"], Row, o),
+        LayerSpec::new(&[r".*\.mlp\.(gate|router)\.weight$"], Skip, o),
         LayerSpec::new(&[r".*\.mlp\.down_proj\.weight$"], Row, o),
         LayerSpec::new(&[r".*\.mlp\.(gate|up|gate_up)_proj\.weight$"], Column, o),
         LayerSpec::new(&[r".*embed_tokens\.weight$"], Column, o),

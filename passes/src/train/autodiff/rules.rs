@@ -777,10 +777,18 @@ impl Ad<'_> {
                     out[2] = Some(self.op(Op::Gather { dim: *dim }, &[g, ops[1]])?);
                 }
             }
-            Op::GroupedMatmul {} => {
-                let r = self.ops(Op::GroupedMatmulGrad {}, &[ops[0], ops[1], ops[2], g])?;
+            Op::GroupedMatmul { transpose_w } => {
+                let bias = ops.len() > 3;
+                let grad = Op::GroupedMatmulGrad {
+                    transpose_w: *transpose_w,
+                    bias: bias.into(),
+                };
+                let r = self.ops(grad, &[ops[0], ops[1], ops[2], g])?;
                 out[0] = w(0).then_some(r[0]);
                 out[1] = w(1).then_some(r[1]);
+                if bias {
+                    out[3] = w(3).then_some(r[2]);
+                }
             }
             Op::MoeCombine {} => {
                 let r = self.ops(Op::MoeCombineGrad {}, &[ops[0], ops[1], ops[2], g])?;

@@ -103,7 +103,14 @@ fn moe_and_misc_op_grads_match_finite_differences() {
     let d = g
         .add_multi(Op::MoeDispatch { num_experts: e }, &[x, tk[1]])
         .unwrap();
-    let y = g.add(Op::GroupedMatmul {}, &[d[0], w1, d[1]]).unwrap();
+    let y = g
+        .add(
+            Op::GroupedMatmul {
+                transpose_w: Default::default(),
+            },
+            &[d[0], w1, d[1]],
+        )
+        .unwrap();
     let y = g.add(Op::Gelu { tanh_approx: false }, &[y]).unwrap();
     let y = g.add(Op::MoeCombine {}, &[y, d[2], gates]).unwrap();
     let y = g.add(Op::Add {}, &[y, bias]).unwrap();

@@ -493,7 +493,14 @@ fn moe_dispatch_grouped_matmul_combine_match_a_per_token_loop() {
     let d = g
         .add_multi(Op::MoeDispatch { num_experts: 3 }, &[xv, iv])
         .unwrap();
-    let y = g.add(Op::GroupedMatmul {}, &[d[0], wv, d[1]]).unwrap();
+    let y = g
+        .add(
+            Op::GroupedMatmul {
+                transpose_w: Default::default(),
+            },
+            &[d[0], wv, d[1]],
+        )
+        .unwrap();
     let c = g.add(Op::MoeCombine {}, &[y, d[2], gv]).unwrap();
     g.set_output("rows", d[0]);
     g.set_output("counts", d[1]);
