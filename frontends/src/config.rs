@@ -19,6 +19,7 @@ pub enum Family {
     Qwen3Moe,
     Olmo2,
     Granite,
+    DeepseekV3,
     /// A graph read from weft text IR (no config).
     WeftIr,
 }
@@ -35,6 +36,7 @@ impl Family {
         "qwen3_moe",
         "olmo2",
         "granite",
+        "deepseek_v3",
     ];
 
     /// The name used in reports: the HF `model_type`, or `weft-ir`.
@@ -49,6 +51,7 @@ impl Family {
             Family::Qwen3Moe => "qwen3_moe",
             Family::Olmo2 => "olmo2",
             Family::Granite => "granite",
+            Family::DeepseekV3 => "deepseek_v3",
             Family::WeftIr => "weft-ir",
         }
     }
@@ -64,6 +67,7 @@ impl Family {
             "qwen3_moe" => Family::Qwen3Moe,
             "olmo2" => Family::Olmo2,
             "granite" => Family::Granite,
+            "deepseek_v3" => Family::DeepseekV3,
             _ => return None,
         })
     }
@@ -143,6 +147,27 @@ pub struct MoeConfig {
     /// the load-balancing loss HF adds to the cross-entropy. `None`: the loss is the
     /// cross-entropy alone.
     pub aux_loss_coef: Option<f64>,
+    /// How tokens choose their experts.
+    pub router: Router,
+    /// The width of the always-on shared experts, one dense MLP beside the routed ones
+    /// (deepseek_v3: `moe_intermediate_size * n_shared_experts`); `None`: no shared expert.
+    pub shared_expert_intermediate_size: Option<usize>,
+}
+
+/// A MoE router's scoring and selection.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Router {
+    /// f32 softmax over the experts, top-k (mixtral, qwen3_moe).
+    Softmax,
+    /// DeepSeek-V3: f32 sigmoid scores; the selection adds `e_score_correction_bias`, keeps
+    /// the `topk_group` groups (of `n_group`) whose top-2 biased scores sum highest, then
+    /// the top-k experts in them; the weights are the unbiased scores of those experts,
+    /// renormalised with `norm_topk_prob` (plus 1e-20), times `routed_scaling_factor`.
+    GroupLimitedSigmoid {
+        n_group: usize,
+        topk_group: usize,
+        routed_scaling_factor: f64,
+    },
 }
 
 /// The parsed config: everything the graph builders read.
@@ -188,6 +213,8 @@ pub struct ModelConfig {
     /// HF `base_model_tp_plan` (module pattern, style), as written; read by the
     /// `tensor-parallel` pass (styles are checked there).
     pub tp_plan: Vec<(String, String)>,
+    /// Multi-head latent attention (deepseek_v3); `None`: q/k/v projections.
+    pub mla: Option<crate::deepseek::MlaConfig>,
 }
 
 impl ModelConfig {
@@ -251,7 +278,20 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
             format!("must divide num_attention_heads ({num_attention_heads}), got {num_key_value_heads}"),
         ));
     }
+    let mla = match family {
+        Family::DeepseekV3 => {
+            crate::deepseek::check_rope_type(f)?;
+            Some(crate::deepseek::parse_mla(
+                f,
+                num_attention_heads,
+                num_key_value_heads,
+            )?)
+        }
+        _ => None,
+    };
     let head_dim = match f.opt_usize("head_dim")? {
+        // deepseek_v3: HF's config.head_dim is qk_rope_head_dim (the rotary tables' width).
+        _ if mla.is_some() => crate::deepseek::rope_head_dim(f)?,
         Some(0) => return Err(f.err("head_dim", "must be positive, got 0")),
         Some(d) => d,
         None => {
@@ -266,6 +306,8 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     };
     let rms_norm_eps = f.positive_f64("rms_norm_eps")?;
     let rope = parse_rope(f, head_dim)?;
+    // The attention's q/k head dim (what the cost model and tp size heads by).
+    let head_dim = mla.as_ref().map_or(head_dim, |m| m.qk_head_dim());
     if let Some(act) = f.opt_str("hidden_act")? {
         if act != "silu" {
             return Err(f.err(
@@ -290,7 +332,12 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
 
     let (qkv_bias, o_bias) = match family {
-        Family::Llama | Family::Qwen3 | Family::Qwen3Moe | Family::Olmo2 | Family::Granite => {
+        Family::Llama
+        | Family::Qwen3
+        | Family::Qwen3Moe
+        | Family::Olmo2
+        | Family::Granite
+        | Family::DeepseekV3 => {
             (attention_bias, attention_bias)
         }
         Family::Qwen2 => (true, false),
@@ -353,6 +400,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         sliding_window,
         layer_windows,
         tp_plan: parse_tp_plan(f)?,
+        mla,
     })
 }
 
@@ -434,7 +482,11 @@ fn parse_windows(
             let w = window_or(Some(4096))?;
             (if use_sliding(f)? { w } else { None }, false)
         }
-        Family::Llama | Family::Olmo2 | Family::Granite | Family::WeftIr => (None, false),
+        Family::Llama
+        | Family::Olmo2
+        | Family::Granite
+        | Family::DeepseekV3
+        | Family::WeftIr => (None, false),
     };
     let types = parse_layer_types(f, layers)?;
     if !per_layer_from_types {
@@ -752,6 +804,8 @@ fn parse_moe(
                 norm_topk_prob: true,
                 sparse_layers: vec![true; layers],
                 aux_loss_coef,
+                router: Router::Softmax,
+                shared_expert_intermediate_size: None,
             }))
         }
         Family::Qwen3Moe => {
@@ -783,8 +837,11 @@ fn parse_moe(
                 norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
                 sparse_layers,
                 aux_loss_coef,
+                router: Router::Softmax,
+                shared_expert_intermediate_size: None,
             }))
         }
+        Family::DeepseekV3 => crate::deepseek::parse_moe(f, layers),
         _ => Ok(None),
     }
 }
