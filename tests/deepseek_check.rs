@@ -10,9 +10,9 @@ use common::*;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use weft_ir::{DType, HostTensor, Mesh};
-use weft_passes::{default_pipeline, lookup, PassContext};
-use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
+use weft_ir::HostTensor;
+use weft_passes::training::{CheckpointPolicy, TrainOptions};
+use weft_runtime::cpu::{run, Precision, RunOptions};
 
 const FIXTURES: &[&str] = &["deepseek_v3", "deepseek_v3_noq"];
 
@@ -60,4 +60,66 @@ fn deepseek_fixtures_reproduce_transformers() {
         );
         assert!(e_grad < 1e-4, "{fam}: grads {e_grad}");
     }
+}
+
+/// The training step (autodiff, checkpoint, grad-sync) of `fam` compiled for each mesh
+/// gives the unsharded model's loss, logits and gradients (f64, batch 4, uneven -100s).
+fn check_train(fam: &str, meshes: &[&str], checkpoint: CheckpointPolicy) {
+    let (graph, weights, inputs) = load_fixture_batch4(fam, |i, s| {
+        [1, 2, 3, 6, 9].contains(&i) || (s + 12..2 * s).contains(&i) || i % 11 == 4
+    });
+    let reference = reference_run(&graph, &weights, &inputs);
+    let opts = TrainOptions {
+        bucket_bytes: 16_384,
+        batch: Some(4),
+        seq: Some(16),
+        checkpoint,
+        ..Default::default()
+    };
+    for mesh in meshes {
+        let (g, _) =
+            training_step(&graph, mesh, &opts).unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+        let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
+            .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+        for out in ["loss", "logits"] {
+            let e = rel_err(&r.outputs[out], &reference.outputs[out]);
+            assert!(e < 1e-10, "{fam} {mesh}: {out} rel err {e:e}");
+        }
+        let grads: BTreeMap<&str, &HostTensor> = r
+            .outputs
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix("grad.").map(|p| (p, v)))
+            .collect();
+        assert_eq!(grads.len(), reference.grads.len(), "{fam} {mesh}: gradient count");
+        for (p, want) in &reference.grads {
+            let e = rel_err(grads[p.as_str()], want);
+            assert!(e < 1e-9, "{fam} {mesh}: grad {p} rel err {e:e}");
+        }
+    }
+}
+
+#[test]
+fn deepseek_sequence_parallel_trains_like_the_model() {
+    for fam in FIXTURES {
+        check_train(fam, &["sp=2", "dp=2"], CheckpointPolicy::None);
+    }
+}
+
+#[test]
+fn deepseek_expert_parallel_trains_like_the_model() {
+    for fam in FIXTURES {
+        check_train(fam, &["ep=2", "sp=2,ep=2"], CheckpointPolicy::None);
+    }
+}
+
+#[test]
+fn deepseek_tensor_parallel_trains_like_the_model() {
+    for fam in FIXTURES {
+        check_train(fam, &["tp=2"], CheckpointPolicy::None);
+    }
+}
+
+#[test]
+fn deepseek_recompute_keeps_the_gradients() {
+    check_train("deepseek_v3", &["sp=2,ep=2"], CheckpointPolicy::Full);
 }
