@@ -181,6 +181,7 @@ pub(crate) fn parse_mla(
 /// `n_shared_experts` always-on experts (one dense MLP of `moe_intermediate_size *
 /// n_shared_experts`). `None` when no layer is sparse.
 pub(crate) fn parse_moe(f: &Fields, layers: usize) -> Result<Option<MoeConfig>, FrontendError> {
+    check_original_code_fields(f)?;
     let first_dense = match f.opt_usize("first_k_dense_replace")? {
         Some(n) => n,
         None => Defaults::FIRST_K_DENSE,
@@ -267,6 +268,32 @@ pub(crate) fn parse_moe(f: &Fields, layers: usize) -> Result<Option<MoeConfig>, 
     }))
 }
 
+/// Fields of DeepSeek's own modeling code that transformers' `deepseek_v3` ignores (it
+/// always scores with a sigmoid, selects `noaux_tc`-style with the correction bias and
+/// makes every layer from `first_k_dense_replace` on sparse). A config asking for
+/// anything else expects a model HF does not build: refused by name.
+fn check_original_code_fields(f: &Fields) -> Result<(), FrontendError> {
+    for (key, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
+        if let Some(v) = f.opt_str(key)? {
+            if v != want {
+                return Err(f.err(
+                    key,
+                    format!("is `{v}`, but transformers' deepseek_v3 always routes with `{want}` (a DeepSeek-V2-style router is another model)"),
+                ));
+            }
+        }
+    }
+    if let Some(n) = f.opt_usize("moe_layer_freq")? {
+        if n != 1 {
+            return Err(f.err(
+                "moe_layer_freq",
+                format!("is {n}, but transformers' deepseek_v3 makes every layer from first_k_dense_replace on sparse (frequency 1)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,5 +310,69 @@ mod tests {
         assert_eq!(mla_softmax_scale(192, "yarn", Some(40.0), Some(0.0)), 192f64.powf(-0.5));
         assert_eq!(mla_softmax_scale(192, "yarn", Some(1.0), Some(1.0)), 192f64.powf(-0.5));
         assert_eq!(yarn_get_mscale(0.5, 1.0), 1.0);
+    }
+
+    fn tiny(edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> String {
+        let text = include_str!("../presets/deepseek-v3-tiny.json");
+        let mut v: serde_json::Value = serde_json::from_str(text).unwrap();
+        edit(v.as_object_mut().unwrap());
+        match crate::config::ModelConfig::from_json(&v, "config.json") {
+            Ok(_) => "ok".into(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn refusals_name_their_field() {
+        use serde_json::json;
+        assert_eq!(tiny(|_| {}), "ok");
+        let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Map<String, serde_json::Value>)>)> = vec![
+            ("num_key_value_heads", Box::new(|m| { m.insert("num_key_value_heads".into(), json!(2)); })),
+            ("n_group", Box::new(|m| { m.insert("n_group".into(), json!(3)); })),
+            ("n_group", Box::new(|m| { m.insert("n_group".into(), json!(8)); })),
+            ("topk_group", Box::new(|m| { m.insert("topk_group".into(), json!(5)); })),
+            ("num_experts_per_tok", Box::new(|m| { m.insert("num_experts_per_tok".into(), json!(5)); })),
+            ("n_shared_experts", Box::new(|m| { m.insert("n_shared_experts".into(), json!(0)); })),
+            ("qk_rope_head_dim", Box::new(|m| { m.insert("qk_rope_head_dim".into(), json!(5)); })),
+            ("scoring_func", Box::new(|m| { m.insert("scoring_func".into(), json!("softmax")); })),
+            ("topk_method", Box::new(|m| { m.insert("topk_method".into(), json!("group_limited_greedy")); })),
+            ("moe_layer_freq", Box::new(|m| { m.insert("moe_layer_freq".into(), json!(2)); })),
+            ("rope_parameters.rope_type", Box::new(|m| {
+                m.insert("rope_parameters".into(), json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale_all_dim": 1.0}));
+            })),
+            ("rope_scaling.type", Box::new(|m| {
+                m.remove("rope_parameters");
+                m.insert("rope_theta".into(), json!(10000.0));
+                m.insert("rope_scaling".into(), json!({"type": "yarn", "factor": 40.0}));
+            })),
+        ];
+        for (field, edit) in cases {
+            let e = tiny(edit);
+            assert!(e.contains(&format!("`{field}`")), "{field}: {e}");
+        }
+    }
+
+    #[test]
+    fn defaults_are_hf_class_defaults() {
+        // q_lora_rank absent: HF's default 1536 (not "no q LoRA"); null: one q_proj.
+        let text = include_str!("../presets/deepseek-v3-tiny.json");
+        let mut v: serde_json::Value = serde_json::from_str(text).unwrap();
+        let m = v.as_object_mut().unwrap();
+        m.remove("q_lora_rank");
+        m.remove("rope_interleave");
+        let c = crate::config::ModelConfig::from_json(&v, "c").unwrap();
+        let mla = c.mla.unwrap();
+        assert_eq!(mla.q_lora_rank, Some(1536));
+        assert!(mla.rope_interleave);
+        assert_eq!(mla.softmax_scale, 12f64.powf(-0.5));
+        assert_eq!(c.rope.rotary_dim, 4);
+        assert_eq!(c.head_dim, 12);
+        let mut v: serde_json::Value = serde_json::from_str(text).unwrap();
+        v["q_lora_rank"] = serde_json::Value::Null;
+        let c = crate::config::ModelConfig::from_json(&v, "c").unwrap();
+        assert_eq!(c.mla.unwrap().q_lora_rank, None);
+        let moe = c.moe.unwrap();
+        assert_eq!(moe.sparse_layers, vec![false, true, true]);
+        assert_eq!(moe.shared_expert_intermediate_size, Some(32));
     }
 }

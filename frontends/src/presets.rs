@@ -37,6 +37,7 @@ presets! {
     "phi3-mini" => "microsoft/Phi-3-mini-4k-instruct",
     "olmo2-7b" => "allenai/OLMo-2-1124-7B",
     "granite-3-8b" => "ibm-granite Granite 3.x 8B (GraniteForCausalLM, vocab 49159, 128k context)",
+    "deepseek-v3" => "deepseek-ai/DeepSeek-V3",
     "llama-tiny" => "tests/fixtures/llama",
     "mistral-tiny" => "tests/fixtures/mistral",
     "qwen2-tiny" => "tests/fixtures/qwen2",
@@ -46,6 +47,7 @@ presets! {
     "qwen3-moe-tiny" => "tests/fixtures/qwen3_moe",
     "olmo2-tiny" => "tests/fixtures/olmo2",
     "granite-tiny" => "tests/fixtures/granite",
+    "deepseek-v3-tiny" => "tests/fixtures/deepseek_v3",
 }
 
 /// A preset with what `weft presets` reports about it.
@@ -82,12 +84,19 @@ impl Preset {
     }
 }
 
-/// Name, family and parameter count of every preset.
+/// Presets kept verbatim whose config Weft refuses for now, with the field it names:
+/// DeepSeek-V3's published config uses YaRN rope, which `deepseek_v3` refuses until the
+/// YaRN tables are wired to its attention's mscale (`crate::deepseek`). `load` gives the
+/// refusal; `presets()` leaves them out.
+pub const AWAITING: &[(&str, &str)] = &[("deepseek-v3", "rope_scaling.type")];
+
+/// Name, family and parameter count of every preset Weft builds (not [`AWAITING`]).
 pub fn presets() -> Vec<PresetInfo> {
     PRESETS
         .iter()
+        .filter(|p| !AWAITING.iter().any(|(n, _)| *n == p.name))
         .map(|p| {
-            // Every built-in config parses; `tests::every_preset_builds_verifies_and_round_trips` pins it.
+            // Every other built-in config parses; `tests::every_preset_builds_verifies_and_round_trips` pins it.
             let cfg = p
                 .config()
                 .unwrap_or_else(|e| panic!("built-in {}: {e}", p.label()));
