@@ -10,7 +10,7 @@ use common::*;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use weft_ir::HostTensor;
+use weft_ir::{Graph, HostTensor};
 use weft_passes::training::{CheckpointPolicy, TrainOptions};
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
@@ -64,7 +64,8 @@ fn deepseek_fixtures_reproduce_transformers() {
 
 /// The training step (autodiff, checkpoint, grad-sync) of `fam` compiled for each mesh
 /// gives the unsharded model's loss, logits and gradients (f64, batch 4, uneven -100s).
-fn check_train(fam: &str, meshes: &[&str], checkpoint: CheckpointPolicy) {
+fn check_train(fam: &str, meshes: &[&str], checkpoint: CheckpointPolicy) -> Vec<Graph> {
+    let mut programs = Vec::new();
     let (graph, weights, inputs) = load_fixture_batch4(fam, |i, s| {
         [1, 2, 3, 6, 9].contains(&i) || (s + 12..2 * s).contains(&i) || i % 11 == 4
     });
@@ -95,27 +96,73 @@ fn check_train(fam: &str, meshes: &[&str], checkpoint: CheckpointPolicy) {
             let e = rel_err(grads[p.as_str()], want);
             assert!(e < 1e-9, "{fam} {mesh}: grad {p} rel err {e:e}");
         }
+        programs.push(g);
     }
+    programs
+}
+
+fn count(g: &Graph, op: &str) -> usize {
+    g.nodes()
+        .iter()
+        .filter(|&&n| g.node(n).op.name() == op)
+        .count()
+}
+
+fn partition(g: &Graph, name: &str) -> String {
+    g.param_partition(name)
+        .iter()
+        .map(|p| format!("{p:?}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 #[test]
 fn deepseek_sequence_parallel_trains_like_the_model() {
     for fam in FIXTURES {
-        check_train(fam, &["sp=2", "dp=2"], CheckpointPolicy::None);
+        let progs = check_train(fam, &["sp=2", "dp=2", "sp=4"], CheckpointPolicy::None);
+        // Ulysses after the kv expansion: q, k, v (and the output back) by all_to_all in
+        // every layer, forward and backward; no attention on gathered sequences.
+        let layers = if *fam == "deepseek_v3" { 3 } else { 2 };
+        assert_eq!(count(&progs[0], "all_to_all"), 2 * 4 * layers, "{fam} sp=2");
     }
 }
 
 #[test]
 fn deepseek_expert_parallel_trains_like_the_model() {
     for fam in FIXTURES {
-        check_train(fam, &["ep=2", "sp=2,ep=2"], CheckpointPolicy::None);
+        let progs = check_train(fam, &["ep=2", "sp=2,ep=2", "dp=2,ep=2"], CheckpointPolicy::None);
+        let g = &progs[0];
+        // Routed experts are split over ep; the router, its bias and the shared experts
+        // stay whole (every rank runs them on its own tokens).
+        let l = "model.layers.1.mlp";
+        assert!(partition(g, &format!("{l}.experts.gate_up_proj")).contains("ep"), "{fam}");
+        assert!(partition(g, &format!("{l}.experts.down_proj")).contains("ep"), "{fam}");
+        for whole in ["gate.weight", "shared_experts.gate_proj.weight", "shared_experts.down_proj.weight"] {
+            assert_eq!(partition(g, &format!("{l}.{whole}")), "", "{fam}: {whole}");
+        }
+        assert!(count(g, "all_to_all_v") > 0, "{fam}");
     }
 }
 
 #[test]
 fn deepseek_tensor_parallel_trains_like_the_model() {
     for fam in FIXTURES {
-        check_train(fam, &["tp=2"], CheckpointPolicy::None);
+        let progs = check_train(fam, &["tp=2", "tp=4", "sp=2,tp=2", "tp=2,ep=2"], CheckpointPolicy::None);
+        let g = &progs[0];
+        let a = "model.layers.0.self_attn";
+        // The expansions to heads are column-parallel by heads, o_proj row-parallel; the
+        // latent projections and their norms stay whole.
+        for split in ["kv_b_proj.weight", "o_proj.weight"] {
+            assert!(partition(g, &format!("{a}.{split}")).contains("tp"), "{fam}: {split}");
+        }
+        for whole in ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"] {
+            assert_eq!(partition(g, &format!("{a}.{whole}")), "", "{fam}: {whole}");
+        }
+        let q = if *fam == "deepseek_v3" { "q_b_proj.weight" } else { "q_proj.weight" };
+        assert!(partition(g, &format!("{a}.{q}")).contains("tp"), "{fam}: {q}");
+        let shared = "model.layers.1.mlp.shared_experts";
+        assert!(partition(g, &format!("{shared}.gate_proj.weight")).contains("tp"), "{fam}");
+        assert!(partition(g, &format!("{shared}.down_proj.weight")).contains("tp"), "{fam}");
     }
 }
 
