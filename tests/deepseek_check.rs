@@ -170,3 +170,34 @@ fn deepseek_tensor_parallel_trains_like_the_model() {
 fn deepseek_recompute_keeps_the_gradients() {
     check_train("deepseek_v3", &["sp=2,ep=2"], CheckpointPolicy::Full);
 }
+
+/// The checkpoint's multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`)
+/// is dropped on load as HF drops it, and said so in the import notes; the correction
+/// bias buffers are required (missing is an error naming them).
+#[test]
+fn mtp_layers_are_dropped_and_buffers_required() {
+    let dir = fixture("deepseek_v3");
+    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
+    let mut tensors = weft_frontends::read_safetensors(&dir.join("model.safetensors")).unwrap();
+    let bias = "model.layers.1.mlp.gate.e_score_correction_bias";
+    assert!(tensors.contains_key(bias));
+    for name in ["model.layers.3.eh_proj.weight", "model.layers.3.self_attn.kv_b_proj.weight"] {
+        tensors.insert(name.to_string(), HostTensor::floats(weft_ir::DType::F32, vec![2, 2], vec![0.5; 4]));
+    }
+    let tmp = std::env::temp_dir().join(format!("weft-deepseek-mtp-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let path = tmp.join("model.safetensors");
+    weft_frontends::save_safetensors(&path, &tensors).unwrap();
+    let loaded = weft_frontends::load_weights(&model, &path).unwrap();
+    assert!(!loaded.keys().any(|k| k.starts_with("model.layers.3.")));
+    assert!(loaded.contains_key(bias));
+    let notes = model.import_notes().join("\n");
+    assert!(notes.contains("num_nextn_predict_layers = 1") && notes.contains("model.layers.3.*"), "{notes}");
+    assert!(notes.contains("e_score_correction_bias"), "{notes}");
+
+    tensors.remove(bias);
+    weft_frontends::save_safetensors(&path, &tensors).unwrap();
+    let e = weft_frontends::load_weights(&model, &path).unwrap_err().to_string();
+    let _ = std::fs::remove_dir_all(&tmp);
+    assert!(e.contains(bias), "{e}");
+}
