@@ -3,7 +3,11 @@
 mod common;
 
 fn snapshot(preset: &str) -> String {
-    let m = common::preset_layers(preset, 1);
+    snapshot_layers(preset, 1)
+}
+
+fn snapshot_layers(preset: &str, layers: usize) -> String {
+    let m = common::preset_layers(preset, layers);
     weft_ir::verify(&m.graph).unwrap();
     weft_ir::print(&m.graph)
 }
@@ -34,4 +38,13 @@ fn mixtral_tiny_1_layer() {
 #[test]
 fn phi3_tiny_1_layer() {
     ir_snapshot!("frontend-phi3-tiny-1l", "phi3-tiny");
+}
+
+/// Layer 0 dense, layer 1 MoE (first_k_dense_replace 1): MLA with q LoRA and interleaved
+/// rope, the group-limited router with its correction-bias input, shared experts.
+#[test]
+fn deepseek_v3_tiny_2_layers() {
+    insta::with_settings!({ snapshot_path => "../../tests/snapshots", prepend_module_to_snapshot => false, omit_expression => true }, {
+        insta::assert_snapshot!("frontend-deepseek-v3-tiny-2l", snapshot_layers("deepseek-v3-tiny", 2));
+    });
 }
