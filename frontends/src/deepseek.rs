@@ -121,6 +121,24 @@ pub(crate) fn check_rope_type(f: &Fields) -> Result<(), FrontendError> {
         Some(o) => (Some(o), "rope_parameters"),
         None => (f.opt_object("rope_scaling")?, "rope_scaling"),
     };
+    // HF's deepseek_v3 rotary tables always span qk_rope_head_dim: it ignores
+    // partial_rotary_factor, so a config setting it expects something else.
+    let prf = [f.opt_f64("partial_rotary_factor")?.map(|x| (x, f.name("partial_rotary_factor")))];
+    let nested_prf = match obj {
+        Some(o) => {
+            let p = f.nested(key, o);
+            p.opt_f64("partial_rotary_factor")?
+                .map(|x| (x, p.name("partial_rotary_factor")))
+        }
+        None => None,
+    };
+    if let Some((x, field)) = prf.into_iter().flatten().chain(nested_prf).find(|(x, _)| *x != 1.0) {
+        return Err(FrontendError::config(
+            f.file,
+            &field,
+            format!("is {x}, but HF's deepseek_v3 rotates all qk_rope_head_dim features (it ignores partial_rotary_factor); set qk_rope_head_dim instead"),
+        ));
+    }
     let Some(obj) = obj else { return Ok(()) };
     let p = f.nested(key, obj);
     let (type_key, t) = match p.opt_str("rope_type")? {
@@ -337,6 +355,10 @@ mod tests {
             ("scoring_func", Box::new(|m| { m.insert("scoring_func".into(), json!("softmax")); })),
             ("topk_method", Box::new(|m| { m.insert("topk_method".into(), json!("group_limited_greedy")); })),
             ("moe_layer_freq", Box::new(|m| { m.insert("moe_layer_freq".into(), json!(2)); })),
+            ("partial_rotary_factor", Box::new(|m| { m.insert("partial_rotary_factor".into(), json!(0.5)); })),
+            ("rope_parameters.partial_rotary_factor", Box::new(|m| {
+                m.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}));
+            })),
             ("rope_parameters.rope_type", Box::new(|m| {
                 m.insert("rope_parameters".into(), json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale_all_dim": 1.0}));
             })),

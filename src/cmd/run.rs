@@ -421,6 +421,7 @@ impl Feeder {
 
 /// The program's checkpoint-buffer inputs (`Role::Buffer`): from `weights` where given,
 /// else zeros.
+#[cfg(feature = "cuda")]
 pub fn buffer_inputs(
     g: &Graph,
     weights: Option<&BTreeMap<String, HostTensor>>,
