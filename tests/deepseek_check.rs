@@ -91,7 +91,11 @@ fn check_train(fam: &str, meshes: &[&str], checkpoint: CheckpointPolicy) -> Vec<
             .iter()
             .filter_map(|(k, v)| k.strip_prefix("grad.").map(|p| (p, v)))
             .collect();
-        assert_eq!(grads.len(), reference.grads.len(), "{fam} {mesh}: gradient count");
+        assert_eq!(
+            grads.len(),
+            reference.grads.len(),
+            "{fam} {mesh}: gradient count"
+        );
         for (p, want) in &reference.grads {
             let e = rel_err(grads[p.as_str()], want);
             assert!(e < 1e-9, "{fam} {mesh}: grad {p} rel err {e:e}");
@@ -130,14 +134,28 @@ fn deepseek_sequence_parallel_trains_like_the_model() {
 #[test]
 fn deepseek_expert_parallel_trains_like_the_model() {
     for fam in FIXTURES {
-        let progs = check_train(fam, &["ep=2", "sp=2,ep=2", "dp=2,ep=2"], CheckpointPolicy::None);
+        let progs = check_train(
+            fam,
+            &["ep=2", "sp=2,ep=2", "dp=2,ep=2"],
+            CheckpointPolicy::None,
+        );
         let g = &progs[0];
         // Routed experts are split over ep; the router, its bias and the shared experts
         // stay whole (every rank runs them on its own tokens).
         let l = "model.layers.1.mlp";
-        assert!(partition(g, &format!("{l}.experts.gate_up_proj")).contains("ep"), "{fam}");
-        assert!(partition(g, &format!("{l}.experts.down_proj")).contains("ep"), "{fam}");
-        for whole in ["gate.weight", "shared_experts.gate_proj.weight", "shared_experts.down_proj.weight"] {
+        assert!(
+            partition(g, &format!("{l}.experts.gate_up_proj")).contains("ep"),
+            "{fam}"
+        );
+        assert!(
+            partition(g, &format!("{l}.experts.down_proj")).contains("ep"),
+            "{fam}"
+        );
+        for whole in [
+            "gate.weight",
+            "shared_experts.gate_proj.weight",
+            "shared_experts.down_proj.weight",
+        ] {
             assert_eq!(partition(g, &format!("{l}.{whole}")), "", "{fam}: {whole}");
         }
         assert!(count(g, "all_to_all_v") > 0, "{fam}");
@@ -147,22 +165,42 @@ fn deepseek_expert_parallel_trains_like_the_model() {
 #[test]
 fn deepseek_tensor_parallel_trains_like_the_model() {
     for fam in FIXTURES {
-        let progs = check_train(fam, &["tp=2", "tp=4", "sp=2,tp=2", "tp=2,ep=2"], CheckpointPolicy::None);
+        let progs = check_train(
+            fam,
+            &["tp=2", "tp=4", "sp=2,tp=2", "tp=2,ep=2"],
+            CheckpointPolicy::None,
+        );
         let g = &progs[0];
         let a = "model.layers.0.self_attn";
         // The expansions to heads are column-parallel by heads, o_proj row-parallel; the
         // latent projections and their norms stay whole.
         for split in ["kv_b_proj.weight", "o_proj.weight"] {
-            assert!(partition(g, &format!("{a}.{split}")).contains("tp"), "{fam}: {split}");
+            assert!(
+                partition(g, &format!("{a}.{split}")).contains("tp"),
+                "{fam}: {split}"
+            );
         }
         for whole in ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"] {
             assert_eq!(partition(g, &format!("{a}.{whole}")), "", "{fam}: {whole}");
         }
-        let q = if *fam == "deepseek_v3" { "q_b_proj.weight" } else { "q_proj.weight" };
-        assert!(partition(g, &format!("{a}.{q}")).contains("tp"), "{fam}: {q}");
+        let q = if *fam == "deepseek_v3" {
+            "q_b_proj.weight"
+        } else {
+            "q_proj.weight"
+        };
+        assert!(
+            partition(g, &format!("{a}.{q}")).contains("tp"),
+            "{fam}: {q}"
+        );
         let shared = "model.layers.1.mlp.shared_experts";
-        assert!(partition(g, &format!("{shared}.gate_proj.weight")).contains("tp"), "{fam}");
-        assert!(partition(g, &format!("{shared}.down_proj.weight")).contains("tp"), "{fam}");
+        assert!(
+            partition(g, &format!("{shared}.gate_proj.weight")).contains("tp"),
+            "{fam}"
+        );
+        assert!(
+            partition(g, &format!("{shared}.down_proj.weight")).contains("tp"),
+            "{fam}"
+        );
     }
 }
 
@@ -181,8 +219,14 @@ fn mtp_layers_are_dropped_and_buffers_required() {
     let mut tensors = weft_frontends::read_safetensors(&dir.join("model.safetensors")).unwrap();
     let bias = "model.layers.1.mlp.gate.e_score_correction_bias";
     assert!(tensors.contains_key(bias));
-    for name in ["model.layers.3.eh_proj.weight", "model.layers.3.self_attn.kv_b_proj.weight"] {
-        tensors.insert(name.to_string(), HostTensor::floats(weft_ir::DType::F32, vec![2, 2], vec![0.5; 4]));
+    for name in [
+        "model.layers.3.eh_proj.weight",
+        "model.layers.3.self_attn.kv_b_proj.weight",
+    ] {
+        tensors.insert(
+            name.to_string(),
+            HostTensor::floats(weft_ir::DType::F32, vec![2, 2], vec![0.5; 4]),
+        );
     }
     let tmp = std::env::temp_dir().join(format!("weft-deepseek-mtp-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
@@ -192,12 +236,17 @@ fn mtp_layers_are_dropped_and_buffers_required() {
     assert!(!loaded.keys().any(|k| k.starts_with("model.layers.3.")));
     assert!(loaded.contains_key(bias));
     let notes = model.import_notes().join("\n");
-    assert!(notes.contains("num_nextn_predict_layers = 1") && notes.contains("model.layers.3.*"), "{notes}");
+    assert!(
+        notes.contains("num_nextn_predict_layers = 1") && notes.contains("model.layers.3.*"),
+        "{notes}"
+    );
     assert!(notes.contains("e_score_correction_bias"), "{notes}");
 
     tensors.remove(bias);
     weft_frontends::save_safetensors(&path, &tensors).unwrap();
-    let e = weft_frontends::load_weights(&model, &path).unwrap_err().to_string();
+    let e = weft_frontends::load_weights(&model, &path)
+        .unwrap_err()
+        .to_string();
     let _ = std::fs::remove_dir_all(&tmp);
     assert!(e.contains(bias), "{e}");
 }
@@ -213,6 +262,9 @@ fn deepseek_pt2_archives_are_refused_by_name() {
         "/dev/null",
     ]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("multi-head latent attention (kv_a_proj_with_mqa)"), "{err}");
+    assert!(
+        err.contains("multi-head latent attention (kv_a_proj_with_mqa)"),
+        "{err}"
+    );
     assert!(err.contains("config.json"), "{err}");
 }

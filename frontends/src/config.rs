@@ -337,9 +337,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         | Family::Qwen3Moe
         | Family::Olmo2
         | Family::Granite
-        | Family::DeepseekV3 => {
-            (attention_bias, attention_bias)
-        }
+        | Family::DeepseekV3 => (attention_bias, attention_bias),
         Family::Qwen2 => (true, false),
         _ => (false, false),
     };
@@ -482,11 +480,9 @@ fn parse_windows(
             let w = window_or(Some(4096))?;
             (if use_sliding(f)? { w } else { None }, false)
         }
-        Family::Llama
-        | Family::Olmo2
-        | Family::Granite
-        | Family::DeepseekV3
-        | Family::WeftIr => (None, false),
+        Family::Llama | Family::Olmo2 | Family::Granite | Family::DeepseekV3 | Family::WeftIr => {
+            (None, false)
+        }
     };
     let types = parse_layer_types(f, layers)?;
     if !per_layer_from_types {

@@ -123,7 +123,9 @@ pub(crate) fn check_rope_type(f: &Fields) -> Result<(), FrontendError> {
     };
     // HF's deepseek_v3 rotary tables always span qk_rope_head_dim: it ignores
     // partial_rotary_factor, so a config setting it expects something else.
-    let prf = [f.opt_f64("partial_rotary_factor")?.map(|x| (x, f.name("partial_rotary_factor")))];
+    let prf = [f
+        .opt_f64("partial_rotary_factor")?
+        .map(|x| (x, f.name("partial_rotary_factor")))];
     let nested_prf = match obj {
         Some(o) => {
             let p = f.nested(key, o);
@@ -132,7 +134,12 @@ pub(crate) fn check_rope_type(f: &Fields) -> Result<(), FrontendError> {
         }
         None => None,
     };
-    if let Some((x, field)) = prf.into_iter().flatten().chain(nested_prf).find(|(x, _)| *x != 1.0) {
+    if let Some((x, field)) = prf
+        .into_iter()
+        .flatten()
+        .chain(nested_prf)
+        .find(|(x, _)| *x != 1.0)
+    {
         return Err(FrontendError::config(
             f.file,
             &field,
@@ -323,10 +330,19 @@ mod tests {
         let want = 192f64.powf(-0.5) * m * m;
         let got = mla_softmax_scale(192, "yarn", Some(40.0), Some(1.0));
         assert!((got - want).abs() < 1e-15, "{got} vs {want}");
-        assert_eq!(mla_softmax_scale(192, "default", Some(40.0), Some(1.0)), 192f64.powf(-0.5));
+        assert_eq!(
+            mla_softmax_scale(192, "default", Some(40.0), Some(1.0)),
+            192f64.powf(-0.5)
+        );
         // mscale_all_dim 0 (or absent): no factor; a factor <= 1 gives mscale 1.
-        assert_eq!(mla_softmax_scale(192, "yarn", Some(40.0), Some(0.0)), 192f64.powf(-0.5));
-        assert_eq!(mla_softmax_scale(192, "yarn", Some(1.0), Some(1.0)), 192f64.powf(-0.5));
+        assert_eq!(
+            mla_softmax_scale(192, "yarn", Some(40.0), Some(0.0)),
+            192f64.powf(-0.5)
+        );
+        assert_eq!(
+            mla_softmax_scale(192, "yarn", Some(1.0), Some(1.0)),
+            192f64.powf(-0.5)
+        );
         assert_eq!(yarn_get_mscale(0.5, 1.0), 1.0);
     }
 
@@ -344,29 +360,97 @@ mod tests {
     fn refusals_name_their_field() {
         use serde_json::json;
         assert_eq!(tiny(|_| {}), "ok");
-        let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Map<String, serde_json::Value>)>)> = vec![
-            ("num_key_value_heads", Box::new(|m| { m.insert("num_key_value_heads".into(), json!(2)); })),
-            ("n_group", Box::new(|m| { m.insert("n_group".into(), json!(3)); })),
-            ("n_group", Box::new(|m| { m.insert("n_group".into(), json!(8)); })),
-            ("topk_group", Box::new(|m| { m.insert("topk_group".into(), json!(5)); })),
-            ("num_experts_per_tok", Box::new(|m| { m.insert("num_experts_per_tok".into(), json!(5)); })),
-            ("n_shared_experts", Box::new(|m| { m.insert("n_shared_experts".into(), json!(0)); })),
-            ("qk_rope_head_dim", Box::new(|m| { m.insert("qk_rope_head_dim".into(), json!(5)); })),
-            ("scoring_func", Box::new(|m| { m.insert("scoring_func".into(), json!("softmax")); })),
-            ("topk_method", Box::new(|m| { m.insert("topk_method".into(), json!("group_limited_greedy")); })),
-            ("moe_layer_freq", Box::new(|m| { m.insert("moe_layer_freq".into(), json!(2)); })),
-            ("partial_rotary_factor", Box::new(|m| { m.insert("partial_rotary_factor".into(), json!(0.5)); })),
-            ("rope_parameters.partial_rotary_factor", Box::new(|m| {
-                m.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}));
-            })),
-            ("rope_parameters.rope_type", Box::new(|m| {
-                m.insert("rope_parameters".into(), json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale_all_dim": 1.0}));
-            })),
-            ("rope_scaling.type", Box::new(|m| {
-                m.remove("rope_parameters");
-                m.insert("rope_theta".into(), json!(10000.0));
-                m.insert("rope_scaling".into(), json!({"type": "yarn", "factor": 40.0}));
-            })),
+        type Edit = Box<dyn FnOnce(&mut serde_json::Map<String, serde_json::Value>)>;
+        let cases: Vec<(&str, Edit)> = vec![
+            (
+                "num_key_value_heads",
+                Box::new(|m| {
+                    m.insert("num_key_value_heads".into(), json!(2));
+                }),
+            ),
+            (
+                "n_group",
+                Box::new(|m| {
+                    m.insert("n_group".into(), json!(3));
+                }),
+            ),
+            (
+                "n_group",
+                Box::new(|m| {
+                    m.insert("n_group".into(), json!(8));
+                }),
+            ),
+            (
+                "topk_group",
+                Box::new(|m| {
+                    m.insert("topk_group".into(), json!(5));
+                }),
+            ),
+            (
+                "num_experts_per_tok",
+                Box::new(|m| {
+                    m.insert("num_experts_per_tok".into(), json!(5));
+                }),
+            ),
+            (
+                "n_shared_experts",
+                Box::new(|m| {
+                    m.insert("n_shared_experts".into(), json!(0));
+                }),
+            ),
+            (
+                "qk_rope_head_dim",
+                Box::new(|m| {
+                    m.insert("qk_rope_head_dim".into(), json!(5));
+                }),
+            ),
+            (
+                "scoring_func",
+                Box::new(|m| {
+                    m.insert("scoring_func".into(), json!("softmax"));
+                }),
+            ),
+            (
+                "topk_method",
+                Box::new(|m| {
+                    m.insert("topk_method".into(), json!("group_limited_greedy"));
+                }),
+            ),
+            (
+                "moe_layer_freq",
+                Box::new(|m| {
+                    m.insert("moe_layer_freq".into(), json!(2));
+                }),
+            ),
+            (
+                "partial_rotary_factor",
+                Box::new(|m| {
+                    m.insert("partial_rotary_factor".into(), json!(0.5));
+                }),
+            ),
+            (
+                "rope_parameters.partial_rotary_factor",
+                Box::new(|m| {
+                    m.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}));
+                }),
+            ),
+            (
+                "rope_parameters.rope_type",
+                Box::new(|m| {
+                    m.insert("rope_parameters".into(), json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale_all_dim": 1.0}));
+                }),
+            ),
+            (
+                "rope_scaling.type",
+                Box::new(|m| {
+                    m.remove("rope_parameters");
+                    m.insert("rope_theta".into(), json!(10000.0));
+                    m.insert(
+                        "rope_scaling".into(),
+                        json!({"type": "yarn", "factor": 40.0}),
+                    );
+                }),
+            ),
         ];
         for (field, edit) in cases {
             let e = tiny(edit);

@@ -162,12 +162,22 @@ fn deepseek_v3_parameter_count_is_transformers() {
     let p = presets::find_preset("deepseek-v3").unwrap();
     let mut v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
     v.as_object_mut().unwrap().remove("rope_scaling");
-    let cfg = weft_frontends::ModelConfig::from_json(&v, "deepseek-v3 without rope_scaling").unwrap();
+    let cfg =
+        weft_frontends::ModelConfig::from_json(&v, "deepseek-v3 without rope_scaling").unwrap();
     assert_eq!(weft_frontends::param_count(&cfg), 671_026_404_352);
-    let m = weft_frontends::Model::from_config("deepseek-v3", cfg, weft_frontends::Origin::Preset("deepseek-v3".into())).unwrap();
+    let m = weft_frontends::Model::from_config(
+        "deepseek-v3",
+        cfg,
+        weft_frontends::Origin::Preset("deepseek-v3".into()),
+    )
+    .unwrap();
     assert_eq!(m.param_count(), 671_026_404_352);
     assert_eq!(m.param_dtype, DType::BF16);
-    assert_eq!(m.buffers().len(), 58, "one e_score_correction_bias per MoE layer (61 - 3 dense)");
+    assert_eq!(
+        m.buffers().len(),
+        58,
+        "one e_score_correction_bias per MoE layer (61 - 3 dense)"
+    );
     let e = load("deepseek-v3").unwrap_err().to_string();
     assert!(e.contains("rope_scaling.type") && e.contains("yarn"), "{e}");
 }

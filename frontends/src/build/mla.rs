@@ -134,10 +134,7 @@ impl Builder<'_> {
     fn deinterleave(&mut self, x: Value, heads: usize, r: usize) -> Result<Value, FrontendError> {
         let (b, s) = (Dim::sym("B"), Dim::sym("S"));
         let d = Dim::from;
-        let pairs = self.reshape(
-            x,
-            vec![b.clone(), d(heads), s.clone(), d(r / 2), d(2)],
-        )?;
+        let pairs = self.reshape(x, vec![b.clone(), d(heads), s.clone(), d(r / 2), d(2)])?;
         let t = self.transpose(pairs, 3, 4)?;
         self.reshape(t, vec![b, d(heads), s, d(r)])
     }

@@ -243,7 +243,12 @@ impl Builder<'_> {
                 },
                 &[weights],
             )?;
-            let total = self.op(Op::AddScalar { value: Float(1e-20) }, &[total])?;
+            let total = self.op(
+                Op::AddScalar {
+                    value: Float(1e-20),
+                },
+                &[total],
+            )?;
             weights = self.op(Op::Div {}, &[weights, total])?;
         }
         if scaling != 1.0 {

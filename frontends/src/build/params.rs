@@ -141,7 +141,10 @@ fn mla_params(
     push(format!("{a}.kv_a_layernorm.weight"), vec![mla.kv_lora_rank]);
     push(
         format!("{a}.kv_b_proj.weight"),
-        vec![nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank],
+        vec![
+            nh * (mla.qk_nope_head_dim + mla.v_head_dim),
+            mla.kv_lora_rank,
+        ],
     );
     push(format!("{a}.o_proj.weight"), vec![h, nh * mla.v_head_dim]);
     if c.o_bias {
@@ -155,7 +158,10 @@ fn mla_params(
 /// no optimizer update, not in the parameter count (HF's `named_buffers`).
 pub fn buffer_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let Some(moe) = &c.moe else { return vec![] };
-    if !matches!(moe.router, crate::config::Router::GroupLimitedSigmoid { .. }) {
+    if !matches!(
+        moe.router,
+        crate::config::Router::GroupLimitedSigmoid { .. }
+    ) {
         return vec![];
     }
     (0..c.num_hidden_layers)

@@ -198,7 +198,9 @@ pub fn load_weights(
 /// (`model.layers.{num_hidden_layers + i}.`). HF's forward never runs them and its
 /// loader ignores them ([`crate::deepseek::MlaConfig::mtp_layers`]).
 pub fn mtp_layer_prefixes(model: &Model) -> Vec<String> {
-    let Some(c) = &model.config else { return vec![] };
+    let Some(c) = &model.config else {
+        return vec![];
+    };
     let Some(mla) = &c.mla else { return vec![] };
     (0..mla.mtp_layers)
         .map(|i| format!("model.layers.{}.", c.num_hidden_layers + i))

@@ -227,7 +227,11 @@ pub fn run(
         // A checkpoint buffer (`Role::Buffer`) comes with the weights unless given as an input.
         let t = inputs
             .get(&name)
-            .or_else(|| (role == weft_ir::Role::Buffer).then(|| weights.get(&name)).flatten())
+            .or_else(|| {
+                (role == weft_ir::Role::Buffer)
+                    .then(|| weights.get(&name))
+                    .flatten()
+            })
             .ok_or_else(|| RuntimeError::MissingInput { name: name.clone() })?;
         let ty = graph.ty(v);
         let bad = |message: String| RuntimeError::BadTensor {

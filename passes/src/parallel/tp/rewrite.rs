@@ -1280,7 +1280,7 @@ impl Tp {
                 let x = g.node(e).operands[0];
                 let xt = g.ty(x).clone();
                 let off = shape.len() - xt.rank();
-                let broadcast = k >= off && xt.shape[k - off] == Dim::from(1) || k < off;
+                let broadcast = k < off || xt.shape[k - off] == Dim::from(1);
                 let only_here = uses.get(v.0 as usize).is_some_and(|u| u.len() == 1);
                 if !broadcast || !only_here {
                     continue;

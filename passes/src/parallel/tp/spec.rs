@@ -436,7 +436,11 @@ pub fn preset() -> Vec<LayerSpec> {
         // computes the same latent), the expansions to heads split by heads.
         LayerSpec::new(&[r".*\.self_attn\.(q_b|kv_b)_proj\.weight$"], Column, o),
         LayerSpec::new(&[r".*\.mlp\.shared_experts\.down_proj\.weight$"], Row, o),
-        LayerSpec::new(&[r".*\.mlp\.shared_experts\.(gate|up)_proj\.weight$"], Column, o),
+        LayerSpec::new(
+            &[r".*\.mlp\.shared_experts\.(gate|up)_proj\.weight$"],
+            Column,
+            o,
+        ),
         LayerSpec::new(&[r".*\.mlp\.experts\.gate_up_proj$"], Column, o).dim(1),
         LayerSpec::new(&[r".*\.mlp\.experts\.down_proj$"], Row, o).dim(2),
         LayerSpec::new(&[r".*\.mlp\.gate\.weight$"], Skip, o),
