@@ -16,7 +16,8 @@ fail=0; summary=()
 WEFT_GPU_ONLY="${GPU_ONLY:-window,model}" timeout 300 ./.gpu/tests/gpu --nocapture --test-threads=1 > "$OUT/gpu_cases.txt" 2>&1
 rc=$?; [ $rc -ne 0 ] && fail=$((fail+1))
 summary+=("tests/gpu (${GPU_ONLY:-window,model}): rc $rc; $(grep -E '^[0-9]+ cases|test result' "$OUT/gpu_cases.txt" | tr '\n' ' ')")
-for m in ${MODELS:-llama mistral_sw4 mixtral_aux olmo2 granite qwen3_moe gpt_oss}; do
+# deepseek_v3: MLA (v_head_dim != qk head dim), group-limited router, shared experts.
+for m in ${MODELS:-llama mistral_sw4 mixtral_aux olmo2 granite qwen3_moe gpt_oss deepseek_v3}; do
   timeout 120 $W run tests/fixtures/$m --backend cuda --steps 20 --check 20 --inputs tests/fixtures/$m/inputs.safetensors > "$OUT/run_$m.txt" 2>&1
   rc=$?; [ $rc -ne 0 ] && fail=$((fail+1))
   summary+=("weft run $m --check 20: rc $rc; $(grep -iE 'check|max rel' "$OUT/run_$m.txt" | tail -1)")

@@ -24,6 +24,7 @@ pub enum Family {
     /// Gemma 3's text model (`Gemma3ForCausalLM`).
     Gemma3Text,
     GptOss,
+    DeepseekV3,
     /// A graph read from weft text IR (no config).
     WeftIr,
 }
@@ -43,6 +44,7 @@ impl Family {
         "gemma2",
         "gemma3_text",
         "gpt_oss",
+        "deepseek_v3",
     ];
 
     /// The name used in reports: the HF `model_type`, or `weft-ir`.
@@ -60,6 +62,7 @@ impl Family {
             Family::Gemma2 => "gemma2",
             Family::Gemma3Text => "gemma3_text",
             Family::GptOss => "gpt_oss",
+            Family::DeepseekV3 => "deepseek_v3",
             Family::WeftIr => "weft-ir",
         }
     }
@@ -78,6 +81,7 @@ impl Family {
             "gemma2" => Family::Gemma2,
             "gemma3_text" => Family::Gemma3Text,
             "gpt_oss" => Family::GptOss,
+            "deepseek_v3" => Family::DeepseekV3,
             _ => return None,
         })
     }
@@ -163,6 +167,27 @@ pub struct MoeConfig {
     pub aux_loss_coef: Option<f64>,
     /// The router and expert arithmetic (mixtral and qwen3_moe, or gpt-oss's).
     pub kind: MoeKind,
+    /// How tokens choose their experts.
+    pub router: Router,
+    /// The width of the always-on shared experts, one dense MLP beside the routed ones
+    /// (deepseek_v3: `moe_intermediate_size * n_shared_experts`); `None`: no shared expert.
+    pub shared_expert_intermediate_size: Option<usize>,
+}
+
+/// A MoE router's scoring and selection.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Router {
+    /// f32 softmax over the experts, top-k (mixtral, qwen3_moe).
+    Softmax,
+    /// DeepSeek-V3: f32 sigmoid scores; the selection adds `e_score_correction_bias`, keeps
+    /// the `topk_group` groups (of `n_group`) whose top-2 biased scores sum highest, then
+    /// the top-k experts in them; the weights are the unbiased scores of those experts,
+    /// renormalised with `norm_topk_prob` (plus 1e-20), times `routed_scaling_factor`.
+    GroupLimitedSigmoid {
+        n_group: usize,
+        topk_group: usize,
+        routed_scaling_factor: f64,
+    },
 }
 
 /// How a MoE layer routes and what its experts compute.
@@ -243,6 +268,8 @@ pub struct ModelConfig {
     /// A learned logit per q head joins each attention row's softmax (gpt-oss
     /// `self_attn.sinks`).
     pub attention_sinks: bool,
+    /// Multi-head latent attention (deepseek_v3); `None`: q/k/v projections.
+    pub mla: Option<crate::deepseek::MlaConfig>,
 }
 
 impl ModelConfig {
@@ -309,7 +336,20 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
             format!("must divide num_attention_heads ({num_attention_heads}), got {num_key_value_heads}"),
         ));
     }
+    let mla = match family {
+        Family::DeepseekV3 => {
+            crate::deepseek::check_rope_type(f)?;
+            Some(crate::deepseek::parse_mla(
+                f,
+                num_attention_heads,
+                num_key_value_heads,
+            )?)
+        }
+        _ => None,
+    };
     let head_dim = match f.opt_usize("head_dim")? {
+        // deepseek_v3: HF's config.head_dim is qk_rope_head_dim (the rotary tables' width).
+        _ if mla.is_some() => crate::deepseek::rope_head_dim(f)?,
         Some(0) => return Err(f.err("head_dim", "must be positive, got 0")),
         Some(d) => d,
         // GptOssConfig's class default; only an explicit null derives it.
@@ -341,6 +381,8 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     } else {
         None
     };
+    // The attention's q/k head dim (what the cost model and tp size heads by).
+    let head_dim = mla.as_ref().map_or(head_dim, |m| m.qk_head_dim());
     if let (None, Some(act)) = (&gemma, f.opt_str("hidden_act")?) {
         if act != "silu" {
             return Err(f.err(
@@ -374,7 +416,8 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         | Family::Granite
         | Family::Gemma2
         | Family::Gemma3Text
-        | Family::GptOss => (attention_bias, attention_bias),
+        | Family::GptOss
+        | Family::DeepseekV3 => (attention_bias, attention_bias),
         Family::Qwen2 => (true, false),
         _ => (false, false),
     };
@@ -447,6 +490,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         layer_windows,
         tp_plan: parse_tp_plan(f)?,
         attention_sinks: family == Family::GptOss,
+        mla,
     })
 }
 
@@ -531,7 +575,9 @@ fn parse_windows(
             (if use_sliding(f)? { w } else { None }, false)
         }
         Family::GptOss => (window_or(Some(128))?, true),
-        Family::Llama | Family::Olmo2 | Family::Granite | Family::WeftIr => (None, false),
+        Family::Llama | Family::Olmo2 | Family::Granite | Family::DeepseekV3 | Family::WeftIr => {
+            (None, false)
+        }
     };
     let types = parse_layer_types(f, layers)?;
     if !per_layer_from_types {
@@ -983,6 +1029,8 @@ fn parse_moe(
                 sparse_layers: vec![true; layers],
                 aux_loss_coef,
                 kind: MoeKind::Softmax,
+                router: Router::Softmax,
+                shared_expert_intermediate_size: None,
             }))
         }
         Family::GptOss => {
@@ -1008,6 +1056,8 @@ fn parse_moe(
                 sparse_layers: vec![true; layers],
                 aux_loss_coef,
                 kind: MoeKind::GptOss,
+                router: Router::Softmax,
+                shared_expert_intermediate_size: None,
             }))
         }
         Family::Qwen3Moe => {
@@ -1040,8 +1090,11 @@ fn parse_moe(
                 sparse_layers,
                 aux_loss_coef,
                 kind: MoeKind::Softmax,
+                router: Router::Softmax,
+                shared_expert_intermediate_size: None,
             }))
         }
+        Family::DeepseekV3 => crate::deepseek::parse_moe(f, layers),
         _ => Ok(None),
     }
 }

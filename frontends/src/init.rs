@@ -45,6 +45,16 @@ pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> 
         };
         out.insert(name, HostTensor::floats(ty.dtype, shape, data));
     }
+    // Checkpoint buffers start as HF initialises them: deepseek_v3's correction bias is zero.
+    for (name, ty) in model.buffers() {
+        let shape: Vec<usize> = ty
+            .shape
+            .iter()
+            .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
+            .collect();
+        let n = shape.iter().product();
+        out.insert(name, HostTensor::floats(ty.dtype, shape, vec![0.0; n]));
+    }
     out
 }
 

@@ -10,6 +10,7 @@
 
 pub mod build;
 pub mod config;
+pub mod deepseek;
 pub mod error;
 mod fields;
 mod gemma;
@@ -22,7 +23,7 @@ pub mod pt2;
 pub mod weights;
 
 pub use build::{build_graph, param_count};
-pub use config::{Activation, Family, ModelConfig, MoeConfig, RopeConfig};
+pub use config::{Activation, Family, ModelConfig, MoeConfig, RopeConfig, Router};
 pub use error::{FrontendError, WeightProblem};
 pub use init::random_weights;
 pub use model::{load, load_file, Model, Origin};

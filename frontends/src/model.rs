@@ -108,6 +108,42 @@ impl Model {
         graph_params(&self.graph)
     }
 
+    /// The checkpoint buffers the graph reads (inputs of role `buffer`, e.g. deepseek_v3's
+    /// `e_score_correction_bias`), as `(name, type)`: loaded with the weights, never trained.
+    pub fn buffers(&self) -> Vec<(String, TensorType)> {
+        self.graph
+            .inputs()
+            .into_iter()
+            .filter(|(_, role, _)| *role == weft_ir::Role::Buffer)
+            .map(|(name, _, v)| (name, self.graph.ty(v).clone()))
+            .collect()
+    }
+
+    /// What importing this model leaves out or adds beside HF's parameters, one line
+    /// each, for `weft import --report`.
+    pub fn import_notes(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        let buffers = self.buffers();
+        if let Some((first, ty)) = buffers.first() {
+            notes.push(format!(
+                "{} checkpoint buffer(s) read with the weights, never trained (HF buffers, not parameters): {first} {ty}{}",
+                buffers.len(),
+                if buffers.len() > 1 { ", ..." } else { "" }
+            ));
+        }
+        if let Some(mla) = self.config.as_ref().and_then(|c| c.mla.as_ref()) {
+            if mla.mtp_layers > 0 {
+                let prefixes = crate::weights::mtp_layer_prefixes(self);
+                notes.push(format!(
+                    "num_nextn_predict_layers = {}: the multi-token-prediction layer(s) {}* may be in the checkpoint; HF's forward never runs them and its loader drops them, and so does Weft (not in the graph, not trained)",
+                    mla.mtp_layers,
+                    prefixes.join("*, ").trim_end_matches('*')
+                ));
+            }
+        }
+        notes
+    }
+
     /// Total number of parameter elements (a tied weight counts once).
     pub fn param_count(&self) -> u64 {
         checked_param_count(&self.params()).unwrap_or(u64::MAX)

@@ -41,6 +41,7 @@ presets! {
     "gemma-3-27b" => "google/gemma-3-27b-pt text_config (Gemma3ForCausalLM; absent keys take Gemma3TextConfig's defaults)",
     "gpt-oss-20b" => "openai/gpt-oss-20b",
     "gpt-oss-120b" => "openai/gpt-oss-120b",
+    "deepseek-v3" => "deepseek-ai/DeepSeek-V3",
     "llama-tiny" => "tests/fixtures/llama",
     "mistral-tiny" => "tests/fixtures/mistral",
     "qwen2-tiny" => "tests/fixtures/qwen2",
@@ -53,6 +54,7 @@ presets! {
     "gemma2-tiny" => "tests/fixtures/gemma2",
     "gemma3-tiny" => "tests/fixtures/gemma3",
     "gpt-oss-tiny" => "tests/fixtures/gpt_oss",
+    "deepseek-v3-tiny" => "tests/fixtures/deepseek_v3",
 }
 
 /// A preset with what `weft presets` reports about it.
@@ -89,12 +91,19 @@ impl Preset {
     }
 }
 
-/// Name, family and parameter count of every preset.
+/// Presets kept verbatim whose config Weft refuses for now, with the field it names:
+/// DeepSeek-V3's published config uses YaRN rope, which `deepseek_v3` refuses until the
+/// YaRN tables are wired to its attention's mscale (`crate::deepseek`). `load` gives the
+/// refusal; `presets()` leaves them out.
+pub const AWAITING: &[(&str, &str)] = &[("deepseek-v3", "rope_scaling.type")];
+
+/// Name, family and parameter count of every preset Weft builds (not [`AWAITING`]).
 pub fn presets() -> Vec<PresetInfo> {
     PRESETS
         .iter()
+        .filter(|p| !AWAITING.iter().any(|(n, _)| *n == p.name))
         .map(|p| {
-            // Every built-in config parses; `tests::every_preset_builds_verifies_and_round_trips` pins it.
+            // Every other built-in config parses; `tests::every_preset_builds_verifies_and_round_trips` pins it.
             let cfg = p
                 .config()
                 .unwrap_or_else(|e| panic!("built-in {}: {e}", p.label()));

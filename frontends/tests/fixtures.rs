@@ -75,7 +75,9 @@ fn fixture_weights_load_and_match_the_graph() {
     for dir in fixture_dirs() {
         let m = load(dir.to_str().unwrap()).unwrap();
         let w = load_weights(&m, &dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-        let names: Vec<String> = m.graph.params().into_iter().map(|(n, _)| n).collect();
+        // Parameters and the checkpoint buffers (deepseek_v3's correction bias).
+        let mut names: Vec<String> = m.graph.params().into_iter().map(|(n, _)| n).collect();
+        names.extend(m.buffers().into_iter().map(|(n, _)| n));
         let mut sorted = names.clone();
         sorted.sort();
         assert_eq!(

@@ -3,7 +3,11 @@
 mod common;
 
 fn snapshot(preset: &str) -> String {
-    let m = common::preset_layers(preset, 1);
+    snapshot_layers(preset, 1)
+}
+
+fn snapshot_layers(preset: &str, layers: usize) -> String {
+    let m = common::preset_layers(preset, layers);
     weft_ir::verify(&m.graph).unwrap();
     weft_ir::print(&m.graph)
 }
@@ -47,4 +51,13 @@ fn gemma3_tiny_1_layer() {
 fn gemma2_tiny_1_layer() {
     // The attention soft-cap and query_pre_attn_scalar's scale on a sliding layer.
     ir_snapshot!("frontend-gemma2-tiny-1l", "gemma2-tiny");
+}
+
+/// Layer 0 dense, layer 1 MoE (first_k_dense_replace 1): MLA with q LoRA and interleaved
+/// rope, the group-limited router with its correction-bias input, shared experts.
+#[test]
+fn deepseek_v3_tiny_2_layers() {
+    insta::with_settings!({ snapshot_path => "../../tests/snapshots", prepend_module_to_snapshot => false, omit_expression => true }, {
+        insta::assert_snapshot!("frontend-deepseek-v3-tiny-2l", snapshot_layers("deepseek-v3-tiny", 2));
+    });
 }

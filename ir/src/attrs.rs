@@ -39,6 +39,10 @@ pub enum Role {
     PositionIds,
     AttentionMask,
     Other,
+    /// A fixed tensor of the checkpoint that is no parameter (an HF persistent buffer,
+    /// e.g. DeepSeek-V3's `e_score_correction_bias`): read with the weights, the same on
+    /// every rank, never differentiated or updated.
+    Buffer,
 }
 
 /// How `cross_entropy` reduces the per-token losses.
@@ -146,7 +150,7 @@ macro_rules! keyword_enum {
     };
 }
 
-keyword_enum!(Role { InputIds = "input_ids", Labels = "labels", PositionIds = "position_ids", AttentionMask = "attention_mask", Other = "other" });
+keyword_enum!(Role { InputIds = "input_ids", Labels = "labels", PositionIds = "position_ids", AttentionMask = "attention_mask", Other = "other", Buffer = "buffer" });
 keyword_enum!(Reduction { None = "none", Sum = "sum", Mean = "mean" });
 keyword_enum!(ReduceOp { Sum = "sum", Avg = "avg", Max = "max", Min = "min" });
 keyword_enum!(CmpOp { Eq = "eq", Ne = "ne", Lt = "lt", Le = "le", Gt = "gt", Ge = "ge" });

@@ -45,10 +45,15 @@ pub fn run(a: Args) -> CliResult {
     if a.report {
         match &imported {
             Some(i) => eprint!("{}", i.report),
-            None => eprintln!(
-                "{}: built from its config (nothing to recognise: every op is Weft's own)",
-                m.name
-            ),
+            None => {
+                eprintln!(
+                    "{}: built from its config (nothing to recognise: every op is Weft's own)",
+                    m.name
+                );
+                for note in m.import_notes() {
+                    eprintln!("  {note}");
+                }
+            }
         }
     }
     super::write_out(a.output.as_deref(), &weft_ir::print(&m.graph))?;

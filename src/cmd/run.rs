@@ -418,6 +418,32 @@ impl Feeder {
     }
 }
 
+/// The program's checkpoint-buffer inputs (`Role::Buffer`): from `weights` where given,
+/// else zeros.
+#[cfg(feature = "cuda")]
+pub fn buffer_inputs(
+    g: &Graph,
+    weights: Option<&BTreeMap<String, HostTensor>>,
+) -> BTreeMap<String, HostTensor> {
+    g.inputs()
+        .into_iter()
+        .filter(|(_, role, _)| *role == weft_ir::Role::Buffer)
+        .map(|(n, _, v)| {
+            let t = weights.and_then(|w| w.get(&n)).cloned().unwrap_or_else(|| {
+                let shape: Vec<usize> = g
+                    .ty(v)
+                    .shape
+                    .iter()
+                    .map(|d| d.as_const().unwrap_or(0).max(0) as usize)
+                    .collect();
+                let len = shape.iter().product();
+                HostTensor::floats(g.ty(v).dtype, shape, vec![0.0; len])
+            });
+            (n, t)
+        })
+        .collect()
+}
+
 /// Only the inputs the program has.
 pub fn inputs_for(g: &Graph, all: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
     g.inputs()
@@ -731,8 +757,12 @@ fn run_cuda(a: &Args) -> CliResult {
             1e-3
         },
     );
+    // Checkpoint buffers (deepseek_v3's correction bias) are inputs the device needs every
+    // step: from the host weights, else zero as HF initialises them.
+    let buffers = buffer_inputs(&p.program, p.host_weights.as_ref());
     for step in 0..a.steps {
-        let inputs = feeder.next_for(&p.program, step)?;
+        let mut inputs = feeder.next_for(&p.program, step)?;
+        inputs.extend(buffers.clone());
         ex.set_inputs(&inputs).map_err(cuda_err)?;
         let t = ex.run_step().map_err(cuda_err)?;
         let loss = ex.output("loss").map(|t| t.to_f64()[0]).unwrap_or(f64::NAN);

@@ -21,6 +21,9 @@ impl Builder<'_> {
         sin: Value,
     ) -> Result<Value, FrontendError> {
         let c = self.cfg;
+        if let Some(mla) = &c.mla {
+            return self.mla_attention(layer, mla, h, cos, sin);
+        }
         let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let a = format!("model.layers.{layer}.self_attn");
         let (b, s) = (Dim::sym("B"), Dim::sym("S"));

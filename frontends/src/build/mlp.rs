@@ -14,11 +14,15 @@
 //! columns, up = odd) → `(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)` with
 //! `g = min(gate, 7)` → `grouped_matmul {transpose_w}` with `down_proj` [E, I, H] and
 //! its bias → `moe_combine`.
+//!
+//! deepseek_v3: the router is [`Builder::group_limited_router`] (sigmoid, correction
+//! bias for the choice only, group-limited top-k, routed scaling), and the always-on
+//! `shared_experts` MLP of the layer's input is added to the routed output.
 
 use super::Builder;
-use crate::config::{Activation, MoeConfig, MoeKind, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT};
+use crate::config::{Activation, MoeConfig, MoeKind, Router, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT};
 use crate::error::FrontendError;
-use weft_ir::{DType, Dim, Float, Op, TensorType, Value};
+use weft_ir::{CmpOp, DType, Dim, Float, Op, TensorType, Value};
 
 impl Builder<'_> {
     pub(super) fn mlp(&mut self, layer: usize, h: Value) -> Result<Value, FrontendError> {
@@ -71,21 +75,37 @@ impl Builder<'_> {
         let x = self.reshape(h, vec![b.clone() * s.clone(), hidden.clone()])?;
 
         let router = format!("{m}.gate");
-        let mut logits = self.linear(&router, x)?;
-        if dtype != DType::F32 {
-            logits = self.op(Op::Cast { dtype: DType::F32 }, &[logits])?;
-        }
-        let probs = self.op(Op::Softmax { dim: -1 }, &[logits])?;
-        let top = self.ops(
-            Op::Topk {
-                k: moe.top_k as i64,
-                dim: -1,
-            },
-            &[probs],
-        )?;
-        let (mut weights, index) = (top[0], top[1]);
-        self.routers.push((probs, index));
-        if moe.norm_topk_prob {
+        let (mut weights, index) = match moe.router {
+            Router::Softmax => {
+                let mut logits = self.linear(&router, x)?;
+                if dtype != DType::F32 {
+                    logits = self.op(Op::Cast { dtype: DType::F32 }, &[logits])?;
+                }
+                let probs = self.op(Op::Softmax { dim: -1 }, &[logits])?;
+                let top = self.ops(
+                    Op::Topk {
+                        k: moe.top_k as i64,
+                        dim: -1,
+                    },
+                    &[probs],
+                )?;
+                self.routers.push((probs, top[1]));
+                (top[0], top[1])
+            }
+            Router::GroupLimitedSigmoid {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            } => self.group_limited_router(
+                &router,
+                x,
+                moe,
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            )?,
+        };
+        if moe.norm_topk_prob && moe.router == Router::Softmax {
             let total = self.op(
                 Op::Sum {
                     dims: vec![-1],
@@ -229,6 +249,136 @@ impl Builder<'_> {
         let out = self.op(Op::MoeCombine {}, &[y, order, weights])?;
 
         self.scope(m);
-        self.reshape(out, vec![b, s, hidden])
+        let out = self.reshape(out, vec![b, s, hidden])?;
+        if moe.shared_expert_intermediate_size.is_none() {
+            return Ok(out);
+        }
+        let shared = self.dense_mlp(&format!("{m}.shared_experts"), h)?;
+        self.scope(m);
+        self.op(Op::Add {}, &[out, shared])
+    }
+
+    /// `down(silu(gate(x)) * up(x))` in `module` with separate projections.
+    fn dense_mlp(&mut self, module: &str, h: Value) -> Result<Value, FrontendError> {
+        let gate = self.linear(&format!("{module}.gate_proj"), h)?;
+        let up = self.linear(&format!("{module}.up_proj"), h)?;
+        self.scope(module);
+        let act = self.op(Op::Silu {}, &[gate])?;
+        let y = self.op(Op::Mul {}, &[act, up])?;
+        self.linear(&format!("{module}.down_proj"), y)
+    }
+
+    /// DeepSeek-V3's `DeepseekV3TopkRouter` on tokens `x` [T, H]: routing weights [T, k]
+    /// (f32, renormalised and scaled) and expert indices [T, k].
+    ///
+    /// f32 `linear` → `sigmoid` scores; the choice adds `e_score_correction_bias`; with
+    /// fewer kept groups than groups, each group's score is the sum of its top-2 biased
+    /// scores and the experts of groups scoring below the `topk_group`-th best are masked
+    /// (to the lowest f32, below any score); `topk` of the rest gives the indices; the
+    /// weights are the *unbiased* scores there (`gather`), over their sum + 1e-20 with
+    /// `norm_topk_prob`, times `routed_scaling_factor`. (A tie at the group threshold
+    /// keeps every tied group, where torch's `topk` keeps one; real-valued scores tie with
+    /// probability zero.)
+    fn group_limited_router(
+        &mut self,
+        router: &str,
+        x: Value,
+        moe: &MoeConfig,
+        n_group: usize,
+        topk_group: usize,
+        scaling: f64,
+    ) -> Result<(Value, Value), FrontendError> {
+        let t = Dim::sym("B") * Dim::sym("S");
+        let e = moe.num_experts;
+        let d = Dim::from;
+        let w = self.param(&format!("{router}.weight"));
+        let bias = self.param(&format!("{router}.e_score_correction_bias"));
+        self.scope(router);
+        let (mut xf, mut wf) = (x, w);
+        if self.dtype() != DType::F32 {
+            xf = self.op(Op::Cast { dtype: DType::F32 }, &[x])?;
+            wf = self.op(Op::Cast { dtype: DType::F32 }, &[w])?;
+        }
+        let logits = self.op(Op::Linear {}, &[xf, wf])?;
+        let scores = self.op(Op::Sigmoid {}, &[logits])?;
+        let mut choice = self.op(Op::Add {}, &[scores, bias])?;
+        if topk_group < n_group {
+            let per = e / n_group;
+            let grouped = self.reshape(choice, vec![t.clone(), d(n_group), d(per)])?;
+            let top2 = self.ops(Op::Topk { k: 2, dim: -1 }, &[grouped])?;
+            let group_scores = self.op(
+                Op::Sum {
+                    dims: vec![-1],
+                    keepdim: false,
+                },
+                &[top2[0]],
+            )?;
+            let best = self.ops(
+                Op::Topk {
+                    k: topk_group as i64,
+                    dim: -1,
+                },
+                &[group_scores],
+            )?;
+            let threshold = self.op(
+                Op::Slice {
+                    dim: -1,
+                    start: d(topk_group - 1),
+                    len: d(1),
+                },
+                &[best[0]],
+            )?;
+            let kept = self.op(Op::Compare { op: CmpOp::Ge }, &[group_scores, threshold])?;
+            let kept = self.reshape(kept, vec![t.clone(), d(n_group), d(1)])?;
+            let kept = self.op(
+                Op::Expand {
+                    shape: vec![t.clone(), d(n_group), d(per)],
+                },
+                &[kept],
+            )?;
+            let kept = self.reshape(kept, vec![t.clone(), d(e)])?;
+            let lowest = self.op(
+                Op::Full {
+                    value: Float(f32::MIN as f64),
+                    ty: TensorType::scalar(DType::F32),
+                },
+                &[],
+            )?;
+            choice = self.op(Op::Where {}, &[kept, choice, lowest])?;
+        }
+        let top = self.ops(
+            Op::Topk {
+                k: moe.top_k as i64,
+                dim: -1,
+            },
+            &[choice],
+        )?;
+        let index = top[1];
+        let mut weights = self.op(Op::Gather { dim: -1 }, &[scores, index])?;
+        if moe.norm_topk_prob {
+            let total = self.op(
+                Op::Sum {
+                    dims: vec![-1],
+                    keepdim: true,
+                },
+                &[weights],
+            )?;
+            let total = self.op(
+                Op::AddScalar {
+                    value: Float(1e-20),
+                },
+                &[total],
+            )?;
+            weights = self.op(Op::Div {}, &[weights, total])?;
+        }
+        if scaling != 1.0 {
+            weights = self.op(
+                Op::Scale {
+                    factor: Float(scaling),
+                },
+                &[weights],
+            )?;
+        }
+        Ok((weights, index))
     }
 }

@@ -18,6 +18,7 @@
 
 mod attention;
 pub(crate) mod aux_loss;
+mod mla;
 mod mlp;
 pub mod params;
 
@@ -162,6 +163,19 @@ impl<'c> Builder<'c> {
             let v = self.op(
                 Op::Param {
                     name: name.clone(),
+                    ty,
+                },
+                &[],
+            )?;
+            self.params.insert(name, v);
+        }
+        for (name, shape) in params::buffer_specs(self.cfg) {
+            self.scope(params::module_of(&name));
+            let ty = TensorType::new(DType::F32, shape.into_iter().map(Dim::from).collect());
+            let v = self.op(
+                Op::Input {
+                    name: name.clone(),
+                    role: Role::Buffer,
                     ty,
                 },
                 &[],

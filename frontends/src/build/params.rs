@@ -27,7 +27,9 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         if c.attention_sinks {
             push(format!("{a}.sinks"), vec![nq]);
         }
-        if c.fused_projections {
+        if let Some(mla) = &c.mla {
+            mla_params(c, mla, &a, &mut push);
+        } else if c.fused_projections {
             push(format!("{a}.o_proj.weight"), vec![h, nq * d]);
             push(format!("{a}.qkv_proj.weight"), vec![(nq + 2 * nkv) * d, h]);
         } else {
@@ -82,6 +84,12 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                     experts.into_iter().for_each(|(n, s)| push(n, s));
                     push(router.0, router.1);
                 }
+                if let Some(si) = moe.shared_expert_intermediate_size {
+                    let s = format!("{m}.shared_experts");
+                    push(format!("{s}.gate_proj.weight"), vec![si, h]);
+                    push(format!("{s}.up_proj.weight"), vec![si, h]);
+                    push(format!("{s}.down_proj.weight"), vec![h, si]);
+                }
             }
             _ => {
                 let inter = c.intermediate_size;
@@ -122,6 +130,70 @@ pub fn param_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         push(LM_HEAD.into(), vec![c.vocab_size, h]);
     }
     out
+}
+
+/// Multi-head latent attention's parameters in `DeepseekV3Attention`'s module order;
+/// `attention_bias` gives biases to `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj` only.
+fn mla_params(
+    c: &ModelConfig,
+    mla: &crate::deepseek::MlaConfig,
+    a: &str,
+    push: &mut impl FnMut(String, Vec<usize>),
+) {
+    let (h, nh) = (c.hidden_size, c.num_attention_heads);
+    let qk = mla.qk_head_dim();
+    let bias = c.qkv_bias;
+    match mla.q_lora_rank {
+        None => push(format!("{a}.q_proj.weight"), vec![nh * qk, h]),
+        Some(r) => {
+            push(format!("{a}.q_a_proj.weight"), vec![r, h]);
+            if bias {
+                push(format!("{a}.q_a_proj.bias"), vec![r]);
+            }
+            push(format!("{a}.q_a_layernorm.weight"), vec![r]);
+            push(format!("{a}.q_b_proj.weight"), vec![nh * qk, r]);
+        }
+    }
+    let kv_a = mla.kv_lora_rank + mla.qk_rope_head_dim;
+    push(format!("{a}.kv_a_proj_with_mqa.weight"), vec![kv_a, h]);
+    if bias {
+        push(format!("{a}.kv_a_proj_with_mqa.bias"), vec![kv_a]);
+    }
+    push(format!("{a}.kv_a_layernorm.weight"), vec![mla.kv_lora_rank]);
+    push(
+        format!("{a}.kv_b_proj.weight"),
+        vec![
+            nh * (mla.qk_nope_head_dim + mla.v_head_dim),
+            mla.kv_lora_rank,
+        ],
+    );
+    push(format!("{a}.o_proj.weight"), vec![h, nh * mla.v_head_dim]);
+    if c.o_bias {
+        push(format!("{a}.o_proj.bias"), vec![h]);
+    }
+}
+
+/// The persistent buffers a config's checkpoint holds beside its parameters, as
+/// `(name, shape)` (f32): deepseek_v3's `mlp.gate.e_score_correction_bias` [E] of each
+/// sparse layer. They are graph inputs of role `buffer`, not parameters: no gradient,
+/// no optimizer update, not in the parameter count (HF's `named_buffers`).
+pub fn buffer_specs(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let Some(moe) = &c.moe else { return vec![] };
+    if !matches!(
+        moe.router,
+        crate::config::Router::GroupLimitedSigmoid { .. }
+    ) {
+        return vec![];
+    }
+    (0..c.num_hidden_layers)
+        .filter(|&i| c.is_sparse_layer(i))
+        .map(|i| {
+            (
+                format!("model.layers.{i}.mlp.gate.e_score_correction_bias"),
+                vec![moe.num_experts],
+            )
+        })
+        .collect()
 }
 
 /// The module a parameter belongs to: its name without the last component

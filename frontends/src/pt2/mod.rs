@@ -246,8 +246,36 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
 
 /// Imports an archive opened by [`Archive::open`] or [`Archive::from_bytes`]; the
 /// graph is named `opts.name`, else after the archive's program.
+/// DeepSeek-V3 exports (multi-head latent attention's `kv_a_proj_with_mqa`, the
+/// router's `e_score_correction_bias` buffer) are refused by name: the importer does
+/// not recognise MLA's interleaved rope, its shared rope key or the group-limited router
+/// yet. The config.json path builds the model (`crate::deepseek`).
+fn refuse_deepseek(inputs: &[InputSpec]) -> Result<(), Pt2Error> {
+    for spec in inputs {
+        let target = match spec {
+            InputSpec::Parameter { target, .. } | InputSpec::Buffer { target, .. } => target,
+            _ => continue,
+        };
+        let pattern = if target.ends_with(".kv_a_proj_with_mqa.weight") {
+            "multi-head latent attention (kv_a_proj_with_mqa)"
+        } else if target.ends_with(".e_score_correction_bias") {
+            "group-limited sigmoid router (e_score_correction_bias)"
+        } else {
+            continue;
+        };
+        return Err(Pt2Error::UnsupportedOp {
+            op: pattern.into(),
+            node: target.clone(),
+            layer: target.rsplit_once('.').map(|(m, _)| m.to_string()),
+            message: "DeepSeek-V3 (deepseek_v3) .pt2 archives are not recognised yet (MLA's interleaved rope and shared rope key, the group-limited router with its correction-bias buffer); build the model from its config.json instead (`weft import DIR` with config.json and model.safetensors), which Weft supports".into(),
+        });
+    }
+    Ok(())
+}
+
 pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Error> {
     let (model, prog) = read_program(&ar)?;
+    refuse_deepseek(&prog.inputs)?;
     let name = ar.name.clone();
     let name = name.as_str();
     let wcfg = ar.payload_config(&format!("data/weights/{model}_weights_config.json"))?;

@@ -156,13 +156,17 @@ fn to_host(
 /// Reads the checkpoint at `path` for `model`: converts per-expert MoE tensors to the
 /// fused layout, resolves tied aliases (a tied model's `lm_head.weight` is dropped, or
 /// stands for `model.embed_tokens.weight` when only it is present), and checks that
-/// the tensors are exactly the model's parameters with the same dtypes and shapes.
+/// the tensors are exactly the model's parameters (and checkpoint buffers, see
+/// [`Model::buffers`]) with the same dtypes and shapes. deepseek_v3's
+/// multi-token-prediction layers are dropped first, as HF drops them.
 pub fn load_weights(
     model: &Model,
     path: &Path,
 ) -> Result<BTreeMap<String, HostTensor>, FrontendError> {
     let mut ck = read_checkpoint(path)?;
-    let params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
+    drop_mtp_layers(model, &mut ck);
+    let mut params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
+    params.extend(model.buffers());
     let mut problems = Vec::new();
     let accounted = experts::fuse_experts(&mut ck, &params, &mut problems);
     for (alias, target) in &model.tied {
@@ -189,12 +193,39 @@ pub fn load_weights(
     Ok(ck.tensors)
 }
 
+/// The checkpoint names of deepseek_v3's multi-token-prediction layers: the
+/// `num_nextn_predict_layers` layers after the last decoder layer
+/// (`model.layers.{num_hidden_layers + i}.`). HF's forward never runs them and its
+/// loader ignores them ([`crate::deepseek::MlaConfig::mtp_layers`]).
+pub fn mtp_layer_prefixes(model: &Model) -> Vec<String> {
+    let Some(c) = &model.config else {
+        return vec![];
+    };
+    let Some(mla) = &c.mla else { return vec![] };
+    (0..mla.mtp_layers)
+        .map(|i| format!("model.layers.{}.", c.num_hidden_layers + i))
+        .collect()
+}
+
+/// Drops the multi-token-prediction layers' tensors, as HF's loader does.
+fn drop_mtp_layers(model: &Model, ck: &mut Checkpoint) {
+    let prefixes = mtp_layer_prefixes(model);
+    if prefixes.is_empty() {
+        return;
+    }
+    ck.tensors
+        .retain(|name, _| !prefixes.iter().any(|p| name.starts_with(p.as_str())));
+    ck.files
+        .retain(|name, _| !prefixes.iter().any(|p| name.starts_with(p.as_str())));
+}
+
 /// Checks in-memory tensors against the model's parameters (as `load_weights` does).
 pub fn check_weights(
     model: &Model,
     weights: &BTreeMap<String, HostTensor>,
 ) -> Result<(), FrontendError> {
-    let params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
+    let mut params: BTreeMap<String, TensorType> = model.params().into_iter().collect();
+    params.extend(model.buffers());
     let mut problems = compare(&params, weights, &BTreeMap::new(), &Default::default());
     sort_problems(&mut problems);
     if problems.is_empty() {

@@ -80,7 +80,7 @@ impl Pass for ShardInputs {
                 Role::AttentionMask => {
                     shard_value(g, v, &layout, true, &name, &uses, &mut res)?;
                 }
-                Role::Other => {
+                Role::Other | Role::Buffer => {
                     res.count("inputs_replicated", 1);
                 }
             }

@@ -220,12 +220,18 @@ pub fn run(
         );
     }
     let mut ins = BTreeMap::new();
-    for (name, _, v) in graph.inputs() {
+    for (name, role, v) in graph.inputs() {
         if ins.contains_key(&name) {
             continue;
         }
+        // A checkpoint buffer (`Role::Buffer`) comes with the weights unless given as an input.
         let t = inputs
             .get(&name)
+            .or_else(|| {
+                (role == weft_ir::Role::Buffer)
+                    .then(|| weights.get(&name))
+                    .flatten()
+            })
             .ok_or_else(|| RuntimeError::MissingInput { name: name.clone() })?;
         let ty = graph.ty(v);
         let bad = |message: String| RuntimeError::BadTensor {

@@ -1319,6 +1319,56 @@ impl Tp {
         }
     }
 
+    /// A whole value broadcast by `expand` and joined by `concat` to values split over
+    /// tp (multi-head latent attention's shared rope key, expanded to every head and
+    /// concatenated with each head's own key part) takes the per-rank size of the split
+    /// dim: each rank broadcasts it to its own heads only. Only an `expand` whose sole
+    /// use is this concat, along a dim it broadcasts from size 1, is rewritten.
+    fn follow_broadcasts_into_concat(
+        &mut self,
+        g: &mut Graph,
+        n: Node,
+        dim: i64,
+    ) -> Result<(), PassError> {
+        let operands = g.node(n).operands.clone();
+        let rank = g.ty(operands[0]).rank();
+        let Ok(cat) = weft_ir::shape::norm_dim(dim, rank) else {
+            return Ok(());
+        };
+        let uses = g.uses();
+        for k in (0..rank).filter(|&k| k != cat) {
+            let Some(size) = operands
+                .iter()
+                .find(|&&v| self.split_dims(g, v).contains(&k))
+                .map(|&v| g.ty(v).shape[k].clone())
+            else {
+                continue;
+            };
+            for &v in &operands {
+                if g.ty(v).shape[k] == size {
+                    continue;
+                }
+                let e = g.def(v);
+                let Op::Expand { shape } = g.node(e).op.clone() else {
+                    continue;
+                };
+                let x = g.node(e).operands[0];
+                let xt = g.ty(x).clone();
+                let off = shape.len() - xt.rank();
+                let broadcast = k < off || xt.shape[k - off] == Dim::from(1);
+                let only_here = uses.get(v.0 as usize).is_some_and(|u| u.len() == 1);
+                if !broadcast || !only_here {
+                    continue;
+                }
+                let mut shape = shape;
+                shape[k] = size.clone();
+                g.node_mut(e).op = Op::Expand { shape };
+                self.reinfer(g, e)?;
+            }
+        }
+        Ok(())
+    }
+
     fn reinfer(&self, g: &mut Graph, n: Node) -> Result<(), PassError> {
         g.reinfer(n).map_err(|e| {
             PassError::rewrite(NAME, format!("`{NAME}` cannot give `{}` per-rank sizes", e.op), e.location, e.message)
@@ -1494,6 +1544,10 @@ impl Tp {
                         len: g.ty(x).shape[k].clone(),
                     };
                 }
+                self.reinfer(g, n)
+            }
+            Op::Concat { dim } => {
+                self.follow_broadcasts_into_concat(g, n, dim)?;
                 self.reinfer(g, n)
             }
             // Unary elementwise ops (the op table's class) keep the split of their

@@ -428,6 +428,15 @@ pub fn preset() -> Vec<LayerSpec> {
         LayerSpec::new(&[r".*\.self_attn\.o_proj\.weight$"], Row, o),
         LayerSpec::new(&[r".*\.self_attn\.(q|k|v|qkv)_proj\.weight$"], Column, o),
         LayerSpec::new(&[r".*\.self_attn\.(q|k)_norm\.weight$"], Skip, o).grad_allreduce(),
+        // Multi-head latent attention: the latent projections stay whole (every rank
+        // computes the same latent), the expansions to heads split by heads.
+        LayerSpec::new(&[r".*\.self_attn\.(q_b|kv_b)_proj\.weight$"], Column, o),
+        LayerSpec::new(&[r".*\.mlp\.shared_experts\.down_proj\.weight$"], Row, o),
+        LayerSpec::new(
+            &[r".*\.mlp\.shared_experts\.(gate|up)_proj\.weight$"],
+            Column,
+            o,
+        ),
         // Experts: the out dim of [E, out, in] (transposed gpt-oss [E, in, out]: dim 2)
         LayerSpec::new(&[r".*\.mlp\.experts\.gate_up_proj$"], Column, o),
         LayerSpec::new(&[r".*\.mlp\.experts\.down_proj$"], Row, o),
