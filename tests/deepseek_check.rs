@@ -14,7 +14,7 @@ use weft_ir::{Graph, HostTensor};
 use weft_passes::training::{CheckpointPolicy, TrainOptions};
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
-const FIXTURES: &[&str] = &["deepseek_v3", "deepseek_v3_noq"];
+const FIXTURES: &[&str] = &["deepseek_v3", "deepseek_v3_noq", "deepseek_v3_yarn"];
 
 fn load(dir: &Path) -> (weft_frontends::Model, BTreeMap<String, HostTensor>) {
     let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();

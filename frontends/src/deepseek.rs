@@ -6,8 +6,9 @@
 //!
 //! The softmax scale is `qk_head_dim^-0.5`, times `mscale^2` when the rope type is not
 //! `default` and `mscale_all_dim` is set ([`mla_softmax_scale`], HF's
-//! `yarn_apply_mscale`). YaRN rope itself is not built here: a `deepseek_v3` config with a
-//! rope type other than `default` is refused by name until the YaRN tables are wired.
+//! `yarn_apply_mscale`). The YaRN tables themselves are the shared `RopeScaling::Yarn`
+//! (with HF's attention factor from `mscale` / `mscale_all_dim`); rope types other than
+//! `default` and `yarn` are refused by name.
 
 use crate::config::{MoeConfig, Router};
 use crate::error::FrontendError;
@@ -114,8 +115,8 @@ pub(crate) fn rope_head_dim(f: &Fields) -> Result<usize, FrontendError> {
     Ok(d)
 }
 
-/// Refuses rope scaling for deepseek_v3 (YaRN with its mscale is wired after the YaRN
-/// tables land; linear and llama3 scaling are untested with MLA's mscale).
+/// Refuses rope scaling other than YaRN for deepseek_v3 (linear and llama3 scaling are
+/// untested with MLA's mscale).
 pub(crate) fn check_rope_type(f: &Fields) -> Result<(), FrontendError> {
     let (obj, key) = match f.opt_object("rope_parameters")? {
         Some(o) => (Some(o), "rope_parameters"),
@@ -152,13 +153,31 @@ pub(crate) fn check_rope_type(f: &Fields) -> Result<(), FrontendError> {
         Some(t) => ("rope_type", t),
         None => ("type", p.opt_str("type")?.unwrap_or("default")),
     };
-    if t != "default" {
+    if t != "default" && t != "yarn" {
         return Err(p.err(
             type_key,
-            format!("is `{t}`: deepseek_v3 is built with default rope only for now (its YaRN tables and the attention's mscale^2 softmax factor are wired together; use rope_type `default`)"),
+            format!("is `{t}`: deepseek_v3 is built with default or yarn rope (the attention's mscale^2 softmax factor is defined for those); linear and llama3 scaling are untested with multi-head latent attention"),
         ));
     }
     Ok(())
+}
+
+/// The rope type and the YaRN fields the softmax scale reads (`factor`,
+/// `mscale_all_dim`), from `rope_parameters` (transformers 5) or `rope_scaling` (4).
+fn rope_mscale_fields(f: &Fields) -> Result<(String, Option<f64>, Option<f64>), FrontendError> {
+    let (obj, key) = match f.opt_object("rope_parameters")? {
+        Some(o) => (Some(o), "rope_parameters"),
+        None => (f.opt_object("rope_scaling")?, "rope_scaling"),
+    };
+    let Some(obj) = obj else {
+        return Ok(("default".to_string(), None, None));
+    };
+    let p = f.nested(key, obj);
+    let t = match p.opt_str("rope_type")? {
+        Some(t) => t,
+        None => p.opt_str("type")?.unwrap_or("default"),
+    };
+    Ok((t.to_string(), p.opt_f64("factor")?, p.opt_f64("mscale_all_dim")?))
 }
 
 /// Parses the MLA fields. `heads`/`kv_heads`: the config's head counts.
@@ -193,8 +212,10 @@ pub(crate) fn parse_mla(
         qk_rope_head_dim,
         v_head_dim,
         rope_interleave,
-        // check_rope_type admits default rope only, so no mscale factor today.
-        softmax_scale: mla_softmax_scale(qk, "default", None, None),
+        softmax_scale: {
+            let (rope_type, factor, mscale_all_dim) = rope_mscale_fields(f)?;
+            mla_softmax_scale(qk, &rope_type, factor, mscale_all_dim)
+        },
         mtp_layers: f
             .opt_usize("num_nextn_predict_layers")?
             .or(f.opt_usize("num_mtp_layers")?)
@@ -284,6 +305,8 @@ pub(crate) fn parse_moe(f: &Fields, layers: usize) -> Result<Option<MoeConfig>, 
         sparse_layers,
         // HF's DeepseekV3ForCausalLM adds no load-balancing loss (its bias term balances).
         aux_loss_coef: None,
+        // mixtral's expert arithmetic (SwiGLU, gate first); the router differs
+        kind: crate::config::MoeKind::Softmax,
         router: Router::GroupLimitedSigmoid {
             n_group,
             topk_group,

@@ -91,11 +91,10 @@ impl Preset {
     }
 }
 
-/// Presets kept verbatim whose config Weft refuses for now, with the field it names:
-/// DeepSeek-V3's published config uses YaRN rope, which `deepseek_v3` refuses until the
-/// YaRN tables are wired to its attention's mscale (`crate::deepseek`). `load` gives the
-/// refusal; `presets()` leaves them out.
-pub const AWAITING: &[(&str, &str)] = &[("deepseek-v3", "rope_scaling.type")];
+/// Presets kept verbatim whose config Weft refuses for now, with the field it names
+/// (`load` gives the refusal; `presets()` leaves them out). Empty since DeepSeek-V3's YaRN
+/// rope was wired.
+pub const AWAITING: &[(&str, &str)] = &[];
 
 /// Name, family and parameter count of every preset Weft builds (not [`AWAITING`]).
 pub fn presets() -> Vec<PresetInfo> {

@@ -154,7 +154,13 @@ impl Builder<'_> {
         let out = self.op(Op::MoeCombine {}, &[y, order, weights])?;
 
         self.scope(m);
-        self.reshape(out, vec![b, s, hidden])
+        let out = self.reshape(out, vec![b, s, hidden])?;
+        if moe.shared_expert_intermediate_size.is_none() {
+            return Ok(out);
+        }
+        let shared = self.dense_mlp(&format!("{m}.shared_experts"), h)?;
+        self.scope(m);
+        self.op(Op::Add {}, &[out, shared])
     }
 
     fn gpt_oss_moe(&mut self, m: &str, h: Value, moe: &MoeConfig) -> Result<Value, FrontendError> {
@@ -249,13 +255,7 @@ impl Builder<'_> {
         let out = self.op(Op::MoeCombine {}, &[y, order, weights])?;
 
         self.scope(m);
-        let out = self.reshape(out, vec![b, s, hidden])?;
-        if moe.shared_expert_intermediate_size.is_none() {
-            return Ok(out);
-        }
-        let shared = self.dense_mlp(&format!("{m}.shared_experts"), h)?;
-        self.scope(m);
-        self.op(Op::Add {}, &[out, shared])
+        self.reshape(out, vec![b, s, hidden])
     }
 
     /// `down(silu(gate(x)) * up(x))` in `module` with separate projections.
