@@ -207,7 +207,11 @@ fn deepseek_tensor_parallel_trains_like_the_model() {
 #[test]
 fn deepseek_recompute_keeps_the_gradients() {
     check_train("deepseek_v3", &["sp=2,ep=2"], CheckpointPolicy::Full);
-    check_train("deepseek_v3_noq", &["tp=2,ep=2"], CheckpointPolicy::Selective);
+    check_train(
+        "deepseek_v3_noq",
+        &["tp=2,ep=2"],
+        CheckpointPolicy::Selective,
+    );
 }
 
 /// The checkpoint's multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`)

@@ -177,7 +177,11 @@ fn rope_mscale_fields(f: &Fields) -> Result<(String, Option<f64>, Option<f64>), 
         Some(t) => t,
         None => p.opt_str("type")?.unwrap_or("default"),
     };
-    Ok((t.to_string(), p.opt_f64("factor")?, p.opt_f64("mscale_all_dim")?))
+    Ok((
+        t.to_string(),
+        p.opt_f64("factor")?,
+        p.opt_f64("mscale_all_dim")?,
+    ))
 }
 
 /// Parses the MLA fields. `heads`/`kv_heads`: the config's head counts.

@@ -20,7 +20,9 @@
 //! `shared_experts` MLP of the layer's input is added to the routed output.
 
 use super::Builder;
-use crate::config::{Activation, MoeConfig, MoeKind, Router, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT};
+use crate::config::{
+    Activation, MoeConfig, MoeKind, Router, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT,
+};
 use crate::error::FrontendError;
 use weft_ir::{CmpOp, DType, Dim, Float, Op, TensorType, Value};
 

@@ -177,6 +177,14 @@ struct Grouped {
     k: u64,
     /// Backward: (dy, dw).
     grad: Option<(u64, u64)>,
+    /// The weights are [E, k, n] (gpt-oss's layout) instead of [E, n, k].
+    transpose_w: bool,
+    /// Forward: a per-expert bias [E, n] added to each group's rows (0: none).
+    bias: u64,
+    /// Backward: dbias [E, n] (0: none) and a buffer of `rows` ones in the dtype (the
+    /// column sums of dy run as `ones^T dy` GEMMs).
+    dbias: u64,
+    ones: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -1478,13 +1486,25 @@ fn lower_op(
             )
         }
         Op::GroupedMatmul { transpose_w } => {
-            if transpose_w.0 || ins.len() > 3 {
+            let (x, w, c) = (&ins[0], &ins[1], &ins[2]);
+            let bias = ins.get(3);
+            if w.dtype != x.dtype || bias.is_some_and(|b| b.dtype != x.dtype) {
                 return Err(lw.unsup(
-                    "grouped_matmul",
-                    "transposed expert weights and expert biases (gpt-oss) are not in the CUDA runtime yet",
+                    "grouped_matmul on mixed dtypes",
+                    &format!(
+                        "x {}, w {}, bias {:?}",
+                        x.dtype,
+                        w.dtype,
+                        bias.map(|b| b.dtype)
+                    ),
                 ));
             }
-            let (x, w, c) = (&ins[0], &ins[1], &ins[2]);
+            // [E, n, k], or [E, k, n] transposed
+            let (n, k) = if transpose_w.0 {
+                (w.shape[2], w.shape[1])
+            } else {
+                (w.shape[1], w.shape[2])
+            };
             lw.push(StepKind::Grouped(Box::new(Grouped {
                 dtype: x.dtype,
                 counts: c.ptr,
@@ -1494,20 +1514,48 @@ fn lower_op(
                 w: w.ptr,
                 out: o.ptr,
                 rows: x.shape[0] as u64,
-                n: w.shape[1] as u64,
-                k: w.shape[2] as u64,
+                n: n as u64,
+                k: k as u64,
                 grad: None,
+                transpose_w: transpose_w.0,
+                bias: bias.map_or(0, |b| b.ptr),
+                dbias: 0,
+                ones: 0,
             })));
             Ok(())
         }
         Op::GroupedMatmulGrad { transpose_w, bias } => {
-            if transpose_w.0 || bias.0 {
+            let (x, w, c, dy) = (&ins[0], &ins[1], &ins[2], &ins[3]);
+            if w.dtype != x.dtype || dy.dtype != x.dtype {
                 return Err(lw.unsup(
-                    "grouped_matmul_grad",
-                    "transposed expert weights and expert biases (gpt-oss) are not in the CUDA runtime yet",
+                    "grouped_matmul_grad on mixed dtypes",
+                    &format!("x {}, w {}, dy {}", x.dtype, w.dtype, dy.dtype),
                 ));
             }
-            let (x, w, c, dy) = (&ins[0], &ins[1], &ins[2], &ins[3]);
+            let (n, k) = if transpose_w.0 {
+                (w.shape[2], w.shape[1])
+            } else {
+                (w.shape[1], w.shape[2])
+            };
+            let rows = x.shape[0] as u64;
+            let (dbias, ones) = if bias.0 {
+                let db = &outs[2];
+                if db.dtype != x.dtype {
+                    return Err(lw.unsup(
+                        "grouped_matmul_grad with a dbias in another dtype",
+                        &format!("x {}, dbias {}", x.dtype, db.dtype),
+                    ));
+                }
+                let ones = DevT {
+                    ptr: lw.ex.scratch(lw.stream, rows.max(1) * esz(x.dtype) as u64),
+                    dtype: x.dtype,
+                    shape: vec![rows.max(1) as usize],
+                };
+                lw.fill(&ones, 1.0)?;
+                (db.ptr, ones.ptr)
+            } else {
+                (0, 0)
+            };
             lw.push(StepKind::Grouped(Box::new(Grouped {
                 dtype: x.dtype,
                 counts: c.ptr,
@@ -1516,10 +1564,14 @@ fn lower_op(
                 x: x.ptr,
                 w: w.ptr,
                 out: outs[0].ptr,
-                rows: x.shape[0] as u64,
-                n: w.shape[1] as u64,
-                k: w.shape[2] as u64,
+                rows,
+                n: n as u64,
+                k: k as u64,
                 grad: Some((dy.ptr, outs[1].ptr)),
+                transpose_w: transpose_w.0,
+                bias: 0,
+                dbias,
+                ones,
             })));
             Ok(())
         }
@@ -2942,7 +2994,28 @@ impl Executor {
         if let Some((_, dw)) = g.grad {
             unsafe { dr::memset_d8_async(dw, 0, (g.experts as u64 * g.n * g.k * es) as usize, s) }
                 .map_err(|e| CudaError::driver("cuMemsetD8Async", e))?;
+            if g.dbias != 0 {
+                unsafe {
+                    dr::memset_d8_async(g.dbias, 0, (g.experts as u64 * g.n * es) as usize, s)
+                }
+                .map_err(|e| CudaError::driver("cuMemsetD8Async", e))?;
+            }
         }
+        let plain =
+            |m: u64, n: u64, k: u64, ta: bool, tb: bool, accumulate: bool, bias: bool| GemmShape {
+                dtype: g.dtype,
+                m,
+                n,
+                k,
+                ta,
+                tb,
+                batch: 1,
+                sa: 0,
+                sb: 0,
+                sc: 0,
+                bias,
+                accumulate,
+            };
         let mut at = 0u64;
         for (gi, &c) in counts.iter().enumerate() {
             if c == 0 {
@@ -2955,58 +3028,37 @@ impl Executor {
             match g.grad {
                 None => {
                     let out = g.out + at * g.n * es;
-                    let shape = GemmShape {
-                        dtype: g.dtype,
-                        m: c,
-                        n: g.n,
-                        k: g.k,
-                        ta: false,
-                        tb: true,
-                        batch: 1,
-                        sa: 0,
-                        sb: 0,
-                        sc: 0,
-                        bias: false,
-                        accumulate: false,
+                    // out_g [c, n] = x_g [c, k] @ w[e]^T ([n, k]) or @ w[e] ([k, n]) (+ bias[e])
+                    let bias = if g.bias != 0 {
+                        g.bias + e * g.n * es
+                    } else {
+                        0
                     };
-                    self.gemm.run(&shape, x, w, out, 0, s)?;
+                    let shape = plain(c, g.n, g.k, false, !g.transpose_w, false, g.bias != 0);
+                    self.gemm.run(&shape, x, w, out, bias, s)?;
                 }
                 Some((dy, dw)) => {
                     let dyp = dy + at * g.n * es;
                     let dx = g.out + at * g.k * es;
-                    // dx_g = dy_g [c, n] @ w[e] [n, k]
-                    let shape = GemmShape {
-                        dtype: g.dtype,
-                        m: c,
-                        n: g.k,
-                        k: g.n,
-                        ta: false,
-                        tb: false,
-                        batch: 1,
-                        sa: 0,
-                        sb: 0,
-                        sc: 0,
-                        bias: false,
-                        accumulate: false,
-                    };
+                    // dx_g [c, k] = dy_g [c, n] @ w[e] ([n, k]) or @ w[e]^T ([k, n])
+                    let shape = plain(c, g.k, g.n, false, g.transpose_w, false, false);
                     self.gemm.run(&shape, dyp, w, dx, 0, s)?;
-                    // dw[e] += dy_g^T [n, c] @ x_g [c, k]
                     let dwp = dw + e * g.n * g.k * es;
-                    let shape = GemmShape {
-                        dtype: g.dtype,
-                        m: g.n,
-                        n: g.k,
-                        k: c,
-                        ta: true,
-                        tb: false,
-                        batch: 1,
-                        sa: 0,
-                        sb: 0,
-                        sc: 0,
-                        bias: false,
-                        accumulate: true,
-                    };
-                    self.gemm.run(&shape, dyp, x, dwp, 0, s)?;
+                    if g.transpose_w {
+                        // dw[e] [k, n] += x_g^T [k, c] @ dy_g [c, n]
+                        let shape = plain(g.k, g.n, c, true, false, true, false);
+                        self.gemm.run(&shape, x, dyp, dwp, 0, s)?;
+                    } else {
+                        // dw[e] [n, k] += dy_g^T [n, c] @ x_g [c, k]
+                        let shape = plain(g.n, g.k, c, true, false, true, false);
+                        self.gemm.run(&shape, dyp, x, dwp, 0, s)?;
+                    }
+                    if g.dbias != 0 {
+                        // dbias[e] [1, n] += ones [1, c] @ dy_g [c, n]
+                        let shape = plain(1, g.n, c, false, false, true, false);
+                        self.gemm
+                            .run(&shape, g.ones, dyp, g.dbias + e * g.n * es, 0, s)?;
+                    }
                 }
             }
             at += c;
