@@ -183,10 +183,10 @@ fn deepseek_tensor_parallel_trains_like_the_model() {
         for whole in ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"] {
             assert_eq!(partition(g, &format!("{a}.{whole}")), "", "{fam}: {whole}");
         }
-        let q = if *fam == "deepseek_v3" {
-            "q_b_proj.weight"
-        } else {
+        let q = if *fam == "deepseek_v3_noq" {
             "q_proj.weight"
+        } else {
+            "q_b_proj.weight"
         };
         assert!(
             partition(g, &format!("{a}.{q}")).contains("tp"),

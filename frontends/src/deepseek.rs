@@ -464,7 +464,7 @@ mod tests {
             (
                 "rope_parameters.rope_type",
                 Box::new(|m| {
-                    m.insert("rope_parameters".into(), json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale_all_dim": 1.0}));
+                    m.insert("rope_parameters".into(), json!({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}));
                 }),
             ),
             (
@@ -474,7 +474,7 @@ mod tests {
                     m.insert("rope_theta".into(), json!(10000.0));
                     m.insert(
                         "rope_scaling".into(),
-                        json!({"type": "yarn", "factor": 40.0}),
+                        json!({"type": "linear", "factor": 4.0}),
                     );
                 }),
             ),

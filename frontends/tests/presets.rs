@@ -169,15 +169,12 @@ fn tied_presets_use_one_embedding_param_twice() {
 /// DeepSeek-V3 (671B): transformers 5.17 counts 671,026,404,352 parameters for the
 /// published config on the meta device (`frontends/scripts/count_params.py`; the
 /// e_score_correction_bias buffers and the MTP layer are not parameters). Its YaRN rope
-/// is refused until wired ([`presets::AWAITING`]); rope has no parameters, so the count
-/// is checked on the same config with default rope.
+/// has no parameters.
 #[test]
 fn deepseek_v3_parameter_count_is_transformers() {
     let p = presets::find_preset("deepseek-v3").unwrap();
-    let mut v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
-    v.as_object_mut().unwrap().remove("rope_scaling");
-    let cfg =
-        weft_frontends::ModelConfig::from_json(&v, "deepseek-v3 without rope_scaling").unwrap();
+    let v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
+    let cfg = weft_frontends::ModelConfig::from_json(&v, "deepseek-v3").unwrap();
     assert_eq!(weft_frontends::param_count(&cfg), 671_026_404_352);
     let m = weft_frontends::Model::from_config(
         "deepseek-v3",
@@ -192,6 +189,11 @@ fn deepseek_v3_parameter_count_is_transformers() {
         58,
         "one e_score_correction_bias per MoE layer (61 - 3 dense)"
     );
-    let e = load("deepseek-v3").unwrap_err().to_string();
-    assert!(e.contains("rope_scaling.type") && e.contains("yarn"), "{e}");
+    let v: serde_json::Value = serde_json::from_str(p.config_json).unwrap();
+    let cfg = weft_frontends::ModelConfig::from_json(&v, "deepseek-v3").unwrap();
+    assert!(
+        matches!(cfg.rope.scaling, weft_ir::RopeScaling::Yarn { .. }),
+        "{:?}",
+        cfg.rope.scaling
+    );
 }

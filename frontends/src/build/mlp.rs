@@ -296,10 +296,13 @@ impl Builder<'_> {
         let w = self.param(&format!("{router}.weight"));
         let bias = self.param(&format!("{router}.e_score_correction_bias"));
         self.scope(router);
-        let (mut xf, mut wf) = (x, w);
+        let (mut xf, mut wf, mut bias) = (x, w, bias);
         if self.dtype() != DType::F32 {
+            // HF computes the router in f32; the bias buffer may have been converted to
+            // the model dtype (`convert-dtype`), so it is cast back like the operands.
             xf = self.op(Op::Cast { dtype: DType::F32 }, &[x])?;
             wf = self.op(Op::Cast { dtype: DType::F32 }, &[w])?;
+            bias = self.op(Op::Cast { dtype: DType::F32 }, &[bias])?;
         }
         let logits = self.op(Op::Linear {}, &[xf, wf])?;
         let scores = self.op(Op::Sigmoid {}, &[logits])?;
@@ -346,6 +349,12 @@ impl Builder<'_> {
                 },
                 &[],
             )?;
+            // (convert-dtype turns fills into the model dtype; the router stays f32)
+            let lowest = if self.dtype() != DType::F32 {
+                self.op(Op::Cast { dtype: DType::F32 }, &[lowest])?
+            } else {
+                lowest
+            };
             choice = self.op(Op::Where {}, &[kept, choice, lowest])?;
         }
         let top = self.ops(
