@@ -225,7 +225,7 @@ fn rewrite_attention(
 }
 
 /// `[B, Nkv, s, D]` -> `[B, Nkv*rep, s, D]`, each head repeated `rep` times in place.
-fn repeat_heads(
+pub(crate) fn repeat_heads(
     g: &mut Graph,
     n: Node,
     x: Value,
