@@ -1301,7 +1301,7 @@ impl Tp {
                 (1, if *transpose_b { -1 } else { -2 }),
             ],
             Op::Gather { dim } | Op::IndexSelect { dim } => vec![(0, *dim)],
-            Op::AllGather { dim, .. } => vec![(0, *dim)],
+            Op::AllGather { dim, .. } | Op::Zigzag { dim, .. } => vec![(0, *dim)],
             Op::MoeDispatch { .. } | Op::MoeCombine {} => vec![(0, -1)],
             _ => vec![],
         };
@@ -1421,8 +1421,11 @@ impl Tp {
                 }
                 self.reinfer(g, n)
             }
-            // Unary elementwise ops keep the split of their operand (granite's logit scale).
-            Op::Cast { .. }
+            // Unary elementwise ops keep the split of their operand (granite's logit scale);
+            // so do a context-parallel gather and zigzag, which move only the sequence.
+            Op::Zigzag { .. }
+            | Op::AllGather { .. }
+            | Op::Cast { .. }
             | Op::Scale { .. }
             | Op::AddScalar { .. }
             | Op::Neg {}
@@ -2218,6 +2221,7 @@ fn trace_back(g: &Graph, v: Value) -> Option<(Node, Option<(Node, usize)>)> {
             | Op::Reshape { .. }
             | Op::Cast { .. }
             | Op::AllGather { .. }
+            | Op::Zigzag { .. }
             | Op::Slice { .. }
             | Op::Expand { .. } => cur = d.operands[0],
             _ => return None,
@@ -2240,6 +2244,7 @@ fn trace_forward(g: &Graph, v: Value, uses: &[Vec<(Node, usize)>]) -> Option<Nod
             | Op::Cast { .. }
             | Op::Slice { .. }
             | Op::AllGather { .. }
+            | Op::Zigzag { .. }
             | Op::AllToAll { .. } => cur = g.node(n).results[0],
             _ => return None,
         }
