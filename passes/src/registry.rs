@@ -263,8 +263,8 @@ pub fn supported_axes() -> Vec<&'static str> {
     out
 }
 
-/// Refuses a mesh axis no pass implements (`pp`, `DP`, `foo`, or `cp` before context
-/// parallelism exists), naming the axis and the ones that work.
+/// Refuses a mesh axis no pass implements (`pp`, `DP`, `foo`), naming the axis and the
+/// ones that work.
 pub fn check_mesh_axes(mesh: &Mesh) -> Result<(), String> {
     let known = supported_axes();
     for (axis, _) in &mesh.axes {
