@@ -139,3 +139,55 @@ fn qwen3_qk_norm_cp2() {
     check("qwen3", "cp=2", false);
     check("qwen3_moe", "cp=2,sp=2", false);
 }
+
+/// Bytes per rank of every `op_name` node of layer 0 in the training step of `fixture`
+/// on `mesh`, with B and S bound.
+fn layer0_bytes(fixture: &str, mesh: &str, op_name: &str, b: i64, s: i64) -> (usize, i64) {
+    let c = case(fixture);
+    let opts = weft_passes::training::TrainOptions::default();
+    let (g, _) = training_step(&c.graph, mesh, &opts).unwrap();
+    let m = Mesh::parse(mesh).unwrap();
+    let mut bind = weft_ir::dim::Bindings::new().with("B", b).with("S", s);
+    for (a, n) in &m.axes {
+        bind = bind.with(a, *n as i64);
+    }
+    let mut count = 0;
+    let mut total = 0;
+    for &n in g.nodes() {
+        let d = g.node(n);
+        let in_layer0 = d.meta.source.as_deref().is_some_and(|s| s.starts_with("model.layers.0.self_attn"));
+        if d.op.name() != op_name || !in_layer0 {
+            continue;
+        }
+        let t = g.ty(d.operands[0]);
+        count += 1;
+        total += (t.numel() * t.dtype.size_bytes() as i64).eval(&bind).unwrap();
+    }
+    (count, total)
+}
+
+/// Per layer and rank, the ring moves `cp-1` k blocks and `cp-1` v blocks forward and
+/// as many dk/dv blocks backward: `4 (cp-1) x B x Nkv x S/cp x D x bytes`. With
+/// Ulysses inside, each of q, k, v and the output goes through one all_to_all forward
+/// and one backward (kv heads repeated `sp / gcd(Nkv, sp)` times when they do not split).
+#[test]
+fn ring_communication_volume_is_the_analytic_figure() {
+    // llama fixture: 4 q heads, 2 kv heads, head dim 8, f32.
+    let (b, s, nq, nkv, d, bytes) = (2i64, 16i64, 4i64, 2i64, 8i64, 4i64);
+    for cp in [2i64, 4] {
+        let (steps, moved) = layer0_bytes("llama", &format!("cp={cp}"), "ring_shift", b, s);
+        assert_eq!(steps as i64, 4 * (cp - 1), "cp={cp}");
+        assert_eq!(moved, 4 * (cp - 1) * b * nkv * (s / cp) * d * bytes, "cp={cp}");
+    }
+    // cp=2,sp=2: the ring carries the cp portion (S/cp tokens) for Nkv/sp heads.
+    let (cp, sp) = (2i64, 2i64);
+    let (_, moved) = layer0_bytes("llama", "cp=2,sp=2", "ring_shift", b, s);
+    assert_eq!(moved, 4 * (cp - 1) * b * (nkv / sp) * (s / cp) * d * bytes);
+    let (n, moved) = layer0_bytes("llama", "cp=2,sp=2", "all_to_all", b, s);
+    assert_eq!(n, 8);
+    let local = b * (s / cp / sp) * d * bytes;
+    assert_eq!(moved, 2 * (nq * local + 2 * nkv * local + nq * local));
+    // One kv head over sp=2: repeated twice before the all_to_all.
+    let (_, moved) = layer0_bytes("llama_kv1", "cp=2,sp=2", "all_to_all", b, s);
+    assert_eq!(moved, 2 * (nq * local + 2 * 2 * local + nq * local));
+}
