@@ -85,7 +85,10 @@ fn check(name: &str, mesh: &str, every_pass: bool) -> weft_ir::Graph {
     // Only the logits output is gathered (zigzag order has no output split); no
     // attention reads a gathered sequence.
     for line in text.lines().filter(|l| l.contains("all_gather")) {
-        assert!(!line.contains("self_attn"), "an attention gather is left: {line}");
+        assert!(
+            !line.contains("self_attn"),
+            "an attention gather is left: {line}"
+        );
     }
     g
 }
@@ -155,13 +158,19 @@ fn layer0_bytes(fixture: &str, mesh: &str, op_name: &str, b: i64, s: i64) -> (us
     let mut total = 0;
     for &n in g.nodes() {
         let d = g.node(n);
-        let in_layer0 = d.meta.source.as_deref().is_some_and(|s| s.starts_with("model.layers.0.self_attn"));
+        let in_layer0 = d
+            .meta
+            .source
+            .as_deref()
+            .is_some_and(|s| s.starts_with("model.layers.0.self_attn"));
         if d.op.name() != op_name || !in_layer0 {
             continue;
         }
         let t = g.ty(d.operands[0]);
         count += 1;
-        total += (t.numel() * t.dtype.size_bytes() as i64).eval(&bind).unwrap();
+        total += (t.numel() * t.dtype.size_bytes() as i64)
+            .eval(&bind)
+            .unwrap();
     }
     (count, total)
 }
@@ -177,7 +186,11 @@ fn ring_communication_volume_is_the_analytic_figure() {
     for cp in [2i64, 4] {
         let (steps, moved) = layer0_bytes("llama", &format!("cp={cp}"), "ring_shift", b, s);
         assert_eq!(steps as i64, 4 * (cp - 1), "cp={cp}");
-        assert_eq!(moved, 4 * (cp - 1) * b * nkv * (s / cp) * d * bytes, "cp={cp}");
+        assert_eq!(
+            moved,
+            4 * (cp - 1) * b * nkv * (s / cp) * d * bytes,
+            "cp={cp}"
+        );
     }
     // cp=2,sp=2: the ring carries the cp portion (S/cp tokens) for Nkv/sp heads.
     let (cp, sp) = (2i64, 2i64);

@@ -793,7 +793,13 @@ pub fn zigzag(op: &Op, ins: &[&TensorType]) -> Out {
 /// For `zigzag` over `2*parts` chunks: output chunk `i` reads input chunk `order[i]`.
 pub fn zigzag_order(parts: usize, inverse: bool) -> Vec<usize> {
     let k = 2 * parts.max(1);
-    let zz = |i: usize| if i % 2 == 0 { i / 2 } else { k - 1 - i / 2 };
+    let zz = |i: usize| {
+        if i.is_multiple_of(2) {
+            i / 2
+        } else {
+            k - 1 - i / 2
+        }
+    };
     let order: Vec<usize> = (0..k).map(zz).collect();
     if !inverse {
         return order;

@@ -251,7 +251,11 @@ pub(crate) fn gather_dims(
     plan.sort_by_key(|&(k, s)| (s.axis == DP, k));
     let mut cur = v;
     for (k, split) in plan {
-        let what = if split.axis == DP { "batch" } else { "sequence" };
+        let what = if split.axis == DP {
+            "batch"
+        } else {
+            "sequence"
+        };
         for axis in split.axes() {
             let meta = meta_for(
                 g,

@@ -223,10 +223,11 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
         {
             continue;
         }
-        for (sp, cp) in divisors(world / tp)
-            .into_iter()
-            .flat_map(|sp| divisors(world / tp / sp).into_iter().map(move |cp| (sp, cp)))
-        {
+        for (sp, cp) in divisors(world / tp).into_iter().flat_map(|sp| {
+            divisors(world / tp / sp)
+                .into_iter()
+                .map(move |cp| (sp, cp))
+        }) {
             let heads = m.heads / tp;
             // cp splits the sequence into 2*cp zigzag chunks, each split over sp.
             let chunks = if cp > 1 { 2 * cp * sp } else { sp };
@@ -429,7 +430,10 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         let heads_local = m.heads as f64 / tp / sp;
         let step = ring_step(d, cp_inter, ring_kv, local, heads_local, m.head_dim as f64);
         let redo = if c.checkpoint == "full" { 1.0 } else { 0.0 };
-        let t_exposed = layers * (cp - 1.0) * mb * ((1.0 + redo) * step.exposed_forward + step.exposed_backward);
+        let t_exposed = layers
+            * (cp - 1.0)
+            * mb
+            * ((1.0 + redo) * step.exposed_forward + step.exposed_backward);
         exposed += t_exposed;
         comm += layers * (cp - 1.0) * mb * (2.0 + redo) * step.transfer;
     }

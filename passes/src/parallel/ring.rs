@@ -95,7 +95,9 @@ impl Pass for RingAttention {
                     g.describe(n),
                     "the keep-mask's key columns would have to follow each k/v block",
                 )
-                .with_help("drop `cp` from the mesh (use `sp`), or run without the attention_mask input"));
+                .with_help(
+                    "drop `cp` from the mesh (use `sp`), or run without the attention_mask input",
+                ));
             }
             let out = rewrite(g, n, &m, cp, sp, cx.options.replicate_kv_heads, &mut res)?;
             let sliced = g.node(m.slice).results[0];
@@ -134,7 +136,9 @@ fn matched(g: &Graph, n: Node, uses: &[Vec<(Node, usize)>], sp: bool) -> Option<
     let mut gathers = Vec::new();
     for i in 0..3 {
         let (x, dims, nodes) = strip_seq_gathers(g, ops[i], crate::shard_seq::NAME);
-        let zig = nodes.first().is_some_and(|&z| matches!(g.node(z).op, Op::Zigzag { .. }));
+        let zig = nodes
+            .first()
+            .is_some_and(|&z| matches!(g.node(z).op, Op::Zigzag { .. }));
         if dims != want || !zig {
             return None;
         }
@@ -147,8 +151,14 @@ fn matched(g: &Graph, n: Node, uses: &[Vec<(Node, usize)>], sp: bool) -> Option<
         _ => None,
     };
     let zigzag = single_use(out)?;
-    if !(matches!(g.node(zigzag).op, Op::Zigzag { inverse: false, dim: 2, .. })
-        && made_by(g, zigzag, crate::shard_seq::NAME))
+    if !(matches!(
+        g.node(zigzag).op,
+        Op::Zigzag {
+            inverse: false,
+            dim: 2,
+            ..
+        }
+    ) && made_by(g, zigzag, crate::shard_seq::NAME))
     {
         return None;
     }
@@ -190,15 +200,34 @@ impl Builder<'_> {
     fn ty(&self, v: Value) -> TensorType {
         self.g.ty(v).clone()
     }
-    fn slice(&mut self, x: Value, dim: i64, start: Dim, len: Dim, why: &str) -> Result<Value, PassError> {
+    fn slice(
+        &mut self,
+        x: Value,
+        dim: i64,
+        start: Dim,
+        len: Dim,
+        why: &str,
+    ) -> Result<Value, PassError> {
         self.op(Op::Slice { dim, start, len }, &[x], why)
     }
     fn full(&mut self, value: f64, ty: TensorType, why: &str) -> Result<Value, PassError> {
-        self.op(Op::Full { value: Float(value), ty }, &[], why)
+        self.op(
+            Op::Full {
+                value: Float(value),
+                ty,
+            },
+            &[],
+            why,
+        )
     }
 
     /// Merges two partial attentions over disjoint key sets by their log-sum-exp.
-    fn merge(&mut self, a: (Value, Value), b: (Value, Value), why: &str) -> Result<(Value, Value), PassError> {
+    fn merge(
+        &mut self,
+        a: (Value, Value),
+        b: (Value, Value),
+        why: &str,
+    ) -> Result<(Value, Value), PassError> {
         let why = format!("{why}: log-sum-exp merge of partial attentions");
         let (o1, l1) = a;
         let (o2, l2) = b;
@@ -216,7 +245,13 @@ impl Builder<'_> {
         let weight = |b: &mut Self, li: Value| -> Result<Value, PassError> {
             let d = b.op(Op::Sub {}, &[li, l], &why)?;
             let w = b.op(Op::Exp {}, &[d], &why)?;
-            let w = b.op(Op::Reshape { shape: shape.clone() }, &[w], &why)?;
+            let w = b.op(
+                Op::Reshape {
+                    shape: shape.clone(),
+                },
+                &[w],
+                &why,
+            )?;
             if b.ty(w).dtype == ot.dtype {
                 Ok(w)
             } else {
@@ -260,16 +295,35 @@ fn rewrite(
         let (qt, kt) = (b.ty(q), b.ty(k));
         let what = format!("`{NAME}` cannot split the attention heads over sp={sp}");
         let (Some(nq), Some(nkv)) = (qt.shape[1].as_const(), kt.shape[1].as_const()) else {
-            return Err(PassError::rewrite(NAME, what, desc, format!("head counts must be constants, got q {qt} and k {kt}")));
+            return Err(PassError::rewrite(
+                NAME,
+                what,
+                desc,
+                format!("head counts must be constants, got q {qt} and k {kt}"),
+            ));
         };
         if nq % sp != 0 {
-            return Err(PassError::rewrite(NAME, what, desc, format!("its {nq} q heads do not divide by sp={sp}"))
-                .with_help(format!("use an sp that divides {nq} and a larger cp (ring attention has no head limit)")));
+            return Err(PassError::rewrite(
+                NAME,
+                what,
+                desc,
+                format!("its {nq} q heads do not divide by sp={sp}"),
+            )
+            .with_help(format!(
+                "use an sp that divides {nq} and a larger cp (ring attention has no head limit)"
+            )));
         }
         let rep = if nkv % sp == 0 { 1 } else { sp / gcd(nkv, sp) };
         if rep > 1 && !replicate {
-            return Err(PassError::rewrite(NAME, what, desc, format!("its {nkv} kv heads do not divide by sp={sp} and kv-head replication is off"))
-                .with_help("use an sp that divides the kv heads and a larger cp"));
+            return Err(PassError::rewrite(
+                NAME,
+                what,
+                desc,
+                format!(
+                    "its {nkv} kv heads do not divide by sp={sp} and kv-head replication is off"
+                ),
+            )
+            .with_help("use an sp that divides the kv heads and a larger cp"));
         }
         crate::ulysses::check_head_map(nq, nkv, rep, sp)
             .map_err(|why| PassError::rewrite(NAME, what.clone(), desc.clone(), why))?;
@@ -285,7 +339,10 @@ fn rewrite(
                 x = crate::ulysses::repeat_heads(b.g, n, x, name, nkv, rep, sp)?;
                 res.count("kv_heads_repeated", 1);
             }
-            let why = format!("{name}: heads -> sequence over sp inside the ring, {} bytes per rank", bytes(b.g.ty(x)));
+            let why = format!(
+                "{name}: heads -> sequence over sp inside the ring, {} bytes per rank",
+                bytes(b.g.ty(x))
+            );
             traded.push(b.op(a2a.clone(), &[x], &why)?);
             res.count("all_to_all", 1);
         }
@@ -297,7 +354,10 @@ fn rewrite(
         masked_ring(&mut b, q, k, v, cp, causal, window, scale, softcap, res)?
     };
     if sp > 1 {
-        let why = format!("attention output: sequence -> heads over sp, {} bytes per rank", bytes(b.g.ty(out)));
+        let why = format!(
+            "attention output: sequence -> heads over sp, {} bytes per rank",
+            bytes(b.g.ty(out))
+        );
         res.count("all_to_all", 1);
         return b.op(
             Op::AllToAll {
@@ -313,7 +373,14 @@ fn rewrite(
 }
 
 /// `ring_shift {shift=1}` of a k/v block, with its bytes in the reason.
-fn ring_step(b: &mut Builder, x: Value, name: &str, t: i64, cp: i64, res: &mut PassResult) -> Result<Value, PassError> {
+fn ring_step(
+    b: &mut Builder,
+    x: Value,
+    name: &str,
+    t: i64,
+    cp: i64,
+    res: &mut PassResult,
+) -> Result<Value, PassError> {
     let why = format!(
         "ring step {t}/{}: {name} block from the previous rank on the cp ring, {} bytes per rank (overlaps step {}'s attention)",
         cp - 1,
@@ -321,7 +388,14 @@ fn ring_step(b: &mut Builder, x: Value, name: &str, t: i64, cp: i64, res: &mut P
         t - 1
     );
     res.count("ring_shifts", 1);
-    b.op(Op::RingShift { axis: CP.into(), shift: 1 }, &[x], &why)
+    b.op(
+        Op::RingShift {
+            axis: CP.into(),
+            shift: 1,
+        },
+        &[x],
+        &why,
+    )
 }
 
 fn block_attention(
@@ -362,7 +436,15 @@ fn zigzag_causal_ring(
     let local = b.ty(q).shape[2].clone();
     let c = local.clone() / 2;
     let zero = Dim::from(0);
-    let (o, l) = block_attention(b, &[q, k, v], true, scale, softcap, "ring step 0: causal attention over this rank's own two zigzag chunks", res)?;
+    let (o, l) = block_attention(
+        b,
+        &[q, k, v],
+        true,
+        scale,
+        softcap,
+        "ring step 0: causal attention over this rank's own two zigzag chunks",
+        res,
+    )?;
     res.count("ring_steps", 1);
     let halves = "split into the two zigzag chunks";
     let mut acc0 = (
@@ -376,8 +458,20 @@ fn zigzag_causal_ring(
     if cp == 1 {
         return Ok(o);
     }
-    let q0 = b.slice(q, 2, zero.clone(), c.clone(), "q: first zigzag chunk (chunk @cp)")?;
-    let q1 = b.slice(q, 2, c.clone(), c.clone(), "q: second zigzag chunk (chunk 2cp-1-@cp)")?;
+    let q0 = b.slice(
+        q,
+        2,
+        zero.clone(),
+        c.clone(),
+        "q: first zigzag chunk (chunk @cp)",
+    )?;
+    let q1 = b.slice(
+        q,
+        2,
+        c.clone(),
+        c.clone(),
+        "q: second zigzag chunk (chunk 2cp-1-@cp)",
+    )?;
     let rank = b.op(
         Op::Arange {
             start: Dim::coord(CP),
@@ -387,34 +481,90 @@ fn zigzag_causal_ring(
         "this rank's cp coordinate, to pick the causal block of each ring step",
     )?;
     let lse_ty = b.ty(l);
-    let absent = b.full(ABSENT_LSE, TensorType::new(lse_ty.dtype, vec![Dim::from(1)]), "log-sum-exp of a block that does not apply (merge weight 0)")?;
+    let absent = b.full(
+        ABSENT_LSE,
+        TensorType::new(lse_ty.dtype, vec![Dim::from(1)]),
+        "log-sum-exp of a block that does not apply (merge weight 0)",
+    )?;
     let (mut kt, mut vt) = (k, v);
     for t in 1..cp {
         kt = ring_step(b, kt, "k", t, cp, res)?;
         vt = ring_step(b, vt, "v", t, cp, res)?;
         res.count("ring_steps", 1);
         let what = format!("ring step {t}");
-        let k0 = b.slice(kt, 2, zero.clone(), c.clone(), &format!("{what}: first k chunk of the sender"))?;
-        let k1 = b.slice(kt, 2, c.clone(), c.clone(), &format!("{what}: second k chunk of the sender"))?;
-        let v0 = b.slice(vt, 2, zero.clone(), c.clone(), &format!("{what}: first v chunk of the sender"))?;
-        let v1 = b.slice(vt, 2, c.clone(), c.clone(), &format!("{what}: second v chunk of the sender"))?;
+        let k0 = b.slice(
+            kt,
+            2,
+            zero.clone(),
+            c.clone(),
+            &format!("{what}: first k chunk of the sender"),
+        )?;
+        let k1 = b.slice(
+            kt,
+            2,
+            c.clone(),
+            c.clone(),
+            &format!("{what}: second k chunk of the sender"),
+        )?;
+        let v0 = b.slice(
+            vt,
+            2,
+            zero.clone(),
+            c.clone(),
+            &format!("{what}: first v chunk of the sender"),
+        )?;
+        let v1 = b.slice(
+            vt,
+            2,
+            c.clone(),
+            c.clone(),
+            &format!("{what}: second v chunk of the sender"),
+        )?;
         // (second q chunk, first k chunk): always below the diagonal.
-        let ob = block_attention(b, &[q1, k0, v0], false, scale, softcap, &format!("{what}: second q chunk x the sender's first chunk (always wholly visible)"), res)?;
+        let ob = block_attention(
+            b,
+            &[q1, k0, v0],
+            false,
+            scale,
+            softcap,
+            &format!("{what}: second q chunk x the sender's first chunk (always wholly visible)"),
+            res,
+        )?;
         // The sender is s = r - t mod cp: s < r iff r >= t.
-        let tt = b.full(t as f64, TensorType::new(DType::I64, vec![Dim::from(1)]), &what)?;
-        let earlier = b.op(Op::Compare { op: CmpOp::Ge }, &[rank, tt], &format!("{what}: the sender is an earlier rank (@cp >= {t})"))?;
+        let tt = b.full(
+            t as f64,
+            TensorType::new(DType::I64, vec![Dim::from(1)]),
+            &what,
+        )?;
+        let earlier = b.op(
+            Op::Compare { op: CmpOp::Ge },
+            &[rank, tt],
+            &format!("{what}: the sender is an earlier rank (@cp >= {t})"),
+        )?;
         let pick = format!("{what}: first chunks when the sender is earlier, else second chunks (the other pair is above the diagonal)");
         let qc = b.op(Op::Where {}, &[earlier, q0, q1], &pick)?;
         let kc = b.op(Op::Where {}, &[earlier, k0, k1], &pick)?;
         let vc = b.op(Op::Where {}, &[earlier, v0, v1], &pick)?;
         let (oc, lc) = block_attention(b, &[qc, kc, vc], false, scale, softcap, &pick, res)?;
-        let lc0 = b.op(Op::Where {}, &[earlier, lc, absent], &format!("{what}: applies to the first q chunk iff the sender is earlier"))?;
-        let lc1 = b.op(Op::Where {}, &[earlier, absent, lc], &format!("{what}: applies to the second q chunk iff the sender is later"))?;
+        let lc0 = b.op(
+            Op::Where {},
+            &[earlier, lc, absent],
+            &format!("{what}: applies to the first q chunk iff the sender is earlier"),
+        )?;
+        let lc1 = b.op(
+            Op::Where {},
+            &[earlier, absent, lc],
+            &format!("{what}: applies to the second q chunk iff the sender is later"),
+        )?;
         acc0 = b.merge(acc0, (oc, lc0), &what)?;
         acc1 = b.merge(acc1, ob, &what)?;
         acc1 = b.merge(acc1, (oc, lc1), &what)?;
     }
-    b.op(Op::Concat { dim: 2 }, &[acc0.0, acc1.0], "the two zigzag chunks of the ring attention output")
+    b.op(
+        Op::Concat { dim: 2 },
+        &[acc0.0, acc1.0],
+        "the two zigzag chunks of the ring attention output",
+    )
 }
 
 /// The general ring: every step attends all local queries to the received block under a
@@ -436,10 +586,37 @@ fn masked_ring(
     let whole = local.clone() * Dim::sym(CP);
     // Global positions of this rank's tokens: its block of the zigzag-ordered positions.
     let pos_ty = TensorType::new(DType::I64, vec![whole]);
-    let all = b.op(Op::Arange { start: Dim::from(0), ty: pos_ty }, &[], "token positions, for the ring's keep-masks")?;
-    let zz = b.op(Op::Zigzag { dim: 0, parts: cp, inverse: false }, &[all], "token positions in zigzag order over cp")?;
-    let qpos = b.slice(zz, 0, Dim::coord(CP) * local.clone(), local.clone(), "positions of this rank's two zigzag chunks")?;
-    let qcol = b.op(Op::Reshape { shape: vec![local.clone(), Dim::from(1)] }, &[qpos], "query positions as a column")?;
+    let all = b.op(
+        Op::Arange {
+            start: Dim::from(0),
+            ty: pos_ty,
+        },
+        &[],
+        "token positions, for the ring's keep-masks",
+    )?;
+    let zz = b.op(
+        Op::Zigzag {
+            dim: 0,
+            parts: cp,
+            inverse: false,
+        },
+        &[all],
+        "token positions in zigzag order over cp",
+    )?;
+    let qpos = b.slice(
+        zz,
+        0,
+        Dim::coord(CP) * local.clone(),
+        local.clone(),
+        "positions of this rank's two zigzag chunks",
+    )?;
+    let qcol = b.op(
+        Op::Reshape {
+            shape: vec![local.clone(), Dim::from(1)],
+        },
+        &[qpos],
+        "query positions as a column",
+    )?;
     let mut acc: Option<(Value, Value)> = None;
     let (mut kt, mut vt, mut kpos) = (k, v, qpos);
     for t in 0..cp {
@@ -450,16 +627,34 @@ fn masked_ring(
             kpos = ring_step(b, kpos, "key positions", t, cp, res)?;
         }
         res.count("ring_steps", 1);
-        let krow = b.op(Op::Reshape { shape: vec![Dim::from(1), local.clone()] }, &[kpos], &what)?;
+        let krow = b.op(
+            Op::Reshape {
+                shape: vec![Dim::from(1), local.clone()],
+            },
+            &[kpos],
+            &what,
+        )?;
         let mask = if causal {
-            let seen = b.op(Op::Compare { op: CmpOp::Le }, &[krow, qcol], &format!("{what}: causal keep-mask from global positions"))?;
+            let seen = b.op(
+                Op::Compare { op: CmpOp::Le },
+                &[krow, qcol],
+                &format!("{what}: causal keep-mask from global positions"),
+            )?;
             match window {
                 Some(w) => {
                     let dist = b.op(Op::Sub {}, &[qcol, krow], &what)?;
                     let wt = b.full(w as f64, TensorType::new(DType::I64, vec![]), &what)?;
-                    let near = b.op(Op::Compare { op: CmpOp::Lt }, &[dist, wt], &format!("{what}: sliding window of {w} keys"))?;
+                    let near = b.op(
+                        Op::Compare { op: CmpOp::Lt },
+                        &[dist, wt],
+                        &format!("{what}: sliding window of {w} keys"),
+                    )?;
                     let no = b.full(0.0, TensorType::new(DType::Bool, vec![]), &what)?;
-                    b.op(Op::Where {}, &[seen, near, no], &format!("{what}: causal and in the window"))?
+                    b.op(
+                        Op::Where {},
+                        &[seen, near, no],
+                        &format!("{what}: causal and in the window"),
+                    )?
                 }
                 None => seen,
             }
@@ -467,8 +662,22 @@ fn masked_ring(
             let t1 = TensorType::new(DType::Bool, vec![local.clone(), local.clone()]);
             b.full(1.0, t1, &format!("{what}: every key (not causal)"))?
         };
-        let mask = b.op(Op::Reshape { shape: vec![Dim::from(1), Dim::from(1), local.clone(), local.clone()] }, &[mask], &what)?;
-        let part = block_attention(b, &[q, kt, vt, mask], false, scale, softcap, &format!("{what}: this rank's queries x the received k/v block"), res)?;
+        let mask = b.op(
+            Op::Reshape {
+                shape: vec![Dim::from(1), Dim::from(1), local.clone(), local.clone()],
+            },
+            &[mask],
+            &what,
+        )?;
+        let part = block_attention(
+            b,
+            &[q, kt, vt, mask],
+            false,
+            scale,
+            softcap,
+            &format!("{what}: this rank's queries x the received k/v block"),
+            res,
+        )?;
         acc = Some(match acc {
             None => part,
             Some(a) => b.merge(a, part, &what)?,

@@ -183,13 +183,25 @@ impl Propagation {
             // zigzag-ordered positions.
             let out = g.node(n).results[0];
             let meta = meta_for(g, n, NAME, format!("positions in zigzag order over cp={cp}, so RoPE uses each token's global position"));
-            let op = Op::Zigzag { dim: 0, parts: cp as i64, inverse: false };
+            let op = Op::Zigzag {
+                dim: 0,
+                parts: cp as i64,
+                inverse: false,
+            };
             let Ok(z) = insert1(g, NAME, At::After(n), op, &[out], meta) else {
                 return false;
             };
-            let reason = format!("positions of this rank's block [{}, +{}) of the zigzag order", split.start(), split.local());
+            let reason = format!(
+                "positions of this rank's block [{}, +{}) of the zigzag order",
+                split.start(),
+                split.local()
+            );
             let meta = meta_for(g, n, NAME, reason);
-            let op = Op::Slice { dim: 0, start: split.start(), len: split.local() };
+            let op = Op::Slice {
+                dim: 0,
+                start: split.start(),
+                len: split.local(),
+            };
             let Ok(local) = insert1(g, NAME, At::After(g.def(z)), op, &[z], meta) else {
                 return false;
             };
@@ -370,7 +382,11 @@ impl Propagation {
         };
         let meta = meta_for(g, n, NAME, "attention output: back to this rank's sequence block (ulysses-attention replaces the gathers and this slice with all_to_alls)");
         let local = insert1(g, NAME, At::After(g.def(whole)), op, &[whole], meta)?;
-        let first = if whole == out { g.def(local) } else { g.def(whole) };
+        let first = if whole == out {
+            g.def(local)
+        } else {
+            g.def(whole)
+        };
         g.replace_uses_except(out, local, first);
         Ok(())
     }

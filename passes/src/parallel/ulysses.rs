@@ -152,7 +152,12 @@ fn rewrite_attention(
     };
     if nq % sp != 0 {
         let valid: Vec<i64> = divisors(nq);
-        let best = valid.iter().copied().filter(|d| sp % d == 0).max().unwrap_or(1);
+        let best = valid
+            .iter()
+            .copied()
+            .filter(|d| sp % d == 0)
+            .max()
+            .unwrap_or(1);
         let list: Vec<String> = valid.iter().map(|d| d.to_string()).collect();
         return Err(PassError::rewrite(
             NAME,

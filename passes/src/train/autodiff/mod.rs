@@ -626,7 +626,13 @@ impl Ad<'_> {
                     },
                     &[dy.v],
                 )?;
-                return Ok(vec![(0, Contrib { v: back, partial: dy.partial })]);
+                return Ok(vec![(
+                    0,
+                    Contrib {
+                        v: back,
+                        partial: dy.partial,
+                    },
+                )]);
             }
             Op::Broadcast { root, .. } => {
                 let g = if dy.partial & a != 0 {
