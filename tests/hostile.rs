@@ -315,7 +315,7 @@ fn unknown_mesh_axes_are_refused() {
         ("foo=2", "`foo`"),
         ("pp=2", "`pp`"),
         ("DP=2", "did you mean `dp`"),
-        ("cp=2", "`cp`"),
+        ("CP=2", "did you mean `cp`"),
     ] {
         refused(
             &["compile", "llama3-8b", "--mesh", mesh],

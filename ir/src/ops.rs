@@ -267,6 +267,8 @@ define_ops! {
     Expand = "expand" ("x") [1, 1] { shape: Vec<Dim> } => expand;
     /// `out[i][j] = x[i][idx[i][j]]` along `dim` (torch.gather).
     Gather = "gather" ("x, index") [2, 2] { dim: i64 } => gather;
+    /// Zigzag order of `dim` viewed as `2*parts` equal chunks (context parallelism's causal load balance): output chunk `2r` is input chunk `r` and output chunk `2r+1` is input chunk `2*parts-1-r`, so rank `r` of `parts` holds one chunk from each end. `inverse=true` undoes it.
+    Zigzag = "zigzag" ("x") [1, 1] { dim: i64, parts: i64, inverse: bool } => zigzag;
     /// Selects entries of `dim` by a 1-D index.
     IndexSelect = "index_select" ("x, index") [2, 2] { dim: i64 } => index_select;
     /// Largest `k` along `dim`, sorted: values and i64 indices.
@@ -331,6 +333,8 @@ define_ops! {
     AllGather = "all_gather" ("x") [1, 1] { axis: String, dim: i64 } => all_gather, collective;
     /// Reduces over `axis` and keeps this rank's chunk of `dim`.
     ReduceScatter = "reduce_scatter" ("x") [1, 1] { axis: String, dim: i64, op: ReduceOp } => reduce_scatter, collective;
+    /// Ring step: each rank of `axis` sends `x` to the rank `shift` places after it (coordinate + shift, mod the axis size) and receives the tensor of the rank `shift` places before it. Its transpose is `ring_shift {shift=-shift}`.
+    RingShift = "ring_shift" ("x") [1, 1] { axis: String, shift: i64 } => same, collective;
     /// Every rank of `axis` gets rank `root`'s tensor.
     Broadcast = "broadcast" ("x") [1, 1] { axis: String, root: i64 } => same, collective;
 }
@@ -389,7 +393,8 @@ impl Op {
             | Op::AllReduce { axis, .. }
             | Op::AllGather { axis, .. }
             | Op::ReduceScatter { axis, .. }
-            | Op::Broadcast { axis, .. } => Some(axis),
+            | Op::Broadcast { axis, .. }
+            | Op::RingShift { axis, .. } => Some(axis),
             _ => None,
         }
     }

@@ -785,3 +785,44 @@ pub fn reduce_scatter(op: &Op, ins: &[&TensorType]) -> Out {
     shape[d] = shape[d].clone() / axis_size(axis);
     one(x.with_shape(shape))
 }
+
+pub fn zigzag(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::Zigzag { dim, parts, .. } = op else {
+        unreachable!()
+    };
+    let x = ins[0];
+    let d = norm_dim(*dim, x.rank())?;
+    if *parts < 1 {
+        return Err(format!("zigzag needs parts >= 1, got {parts}"));
+    }
+    if let Some(n) = x.shape[d].as_const() {
+        if n % (2 * parts) != 0 {
+            return Err(format!(
+                "zigzag: dim {d} of {x} does not split into {} equal chunks",
+                2 * parts
+            ));
+        }
+    }
+    one(x.clone())
+}
+
+/// For `zigzag` over `2*parts` chunks: output chunk `i` reads input chunk `order[i]`.
+pub fn zigzag_order(parts: usize, inverse: bool) -> Vec<usize> {
+    let k = 2 * parts.max(1);
+    let zz = |i: usize| {
+        if i.is_multiple_of(2) {
+            i / 2
+        } else {
+            k - 1 - i / 2
+        }
+    };
+    let order: Vec<usize> = (0..k).map(zz).collect();
+    if !inverse {
+        return order;
+    }
+    let mut inv = vec![0usize; k];
+    for (i, &z) in order.iter().enumerate() {
+        inv[z] = i;
+    }
+    inv
+}

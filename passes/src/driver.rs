@@ -461,6 +461,7 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
     };
     let c = Candidate {
         dp: axis("dp"),
+        cp: axis("cp"),
         sp: axis("sp"),
         tp: axis("tp"),
         ep: axis(weft_ir::mesh::EP),

@@ -9,6 +9,8 @@ use weft_ir::{Graph, Mesh, VerifyReport};
 
 /// The mesh axis sequence parallelism runs over.
 pub const SP: &str = "sp";
+/// The mesh axis context parallelism (ring attention) runs over.
+pub const CP: &str = "cp";
 /// The mesh axis data parallelism runs over.
 pub const DP: &str = "dp";
 /// The mesh axis tensor parallelism runs over.

@@ -10,7 +10,8 @@ use crate::grad_sync::GradSync;
 use crate::micro_batches::MicroBatches;
 use crate::offload::Offload;
 use crate::optimizer::OptimizerPass;
-use crate::pass::{Pass, PassError, DP, SP, TP};
+use crate::pass::{Pass, PassError, CP, DP, SP, TP};
+use crate::ring::RingAttention;
 use crate::shard_inputs::ShardInputs;
 use crate::shard_seq::ShardSeq;
 use crate::simplify::Simplify;
@@ -26,6 +27,7 @@ pub static PASSES: &[&dyn Pass] = &[
     &ShardInputs,
     &ShardSeq,
     &UlyssesAttention,
+    &RingAttention,
     &SpLoss,
     &ExpertParallel,
     &TensorParallel,
@@ -164,16 +166,23 @@ const TP_AFTER_SP: &str = "after sp-loss: the loss is already per-rank sums, whi
 /// - one rank: canonicalize.
 pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
     let mut p = Pipeline::default();
-    let (sp, dp, tp) = (
+    let (sp, dp, tp, cp) = (
         mesh.has(SP),
         mesh.has(DP),
         mesh.has(TP) && mesh.size_or_one(TP) > 1,
+        mesh.has(CP),
     );
-    if mesh.world_size() > 1 && (sp || dp) {
-        let what = match (sp, dp) {
-            (true, true) => "batch block by @dp and sequence block by @sp",
-            (true, false) => "sequence block by @sp",
-            _ => "batch block by @dp",
+    if mesh.world_size() > 1 && (sp || dp || cp) {
+        let seq = match (cp, sp) {
+            (true, true) => Some("sequence block by @cp (zigzag) and @sp"),
+            (true, false) => Some("sequence block by @cp (zigzag)"),
+            (false, true) => Some("sequence block by @sp"),
+            _ => None,
+        };
+        let what = match (seq, dp) {
+            (Some(s), true) => format!("batch block by @dp and {s}"),
+            (Some(s), false) => s.to_string(),
+            _ => "batch block by @dp".to_string(),
         };
         p.push(
             "shard-inputs",
@@ -181,7 +190,10 @@ pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
         );
         p.push("shard-seq", "after shard-inputs: propagates the per-rank sizes its slices introduce to every consumer");
         let ulysses = "after shard-seq: trades heads for sequence on q/k/v of per-rank sequence S/sp, so attention sees whole sequences";
-        if sp && !tp {
+        let ring = "after shard-seq: replaces the whole-sequence attention of each cp rank with ring steps over cp (and Ulysses all_to_alls over sp inside), merged by log-sum-exp";
+        if cp && !tp {
+            p.push(crate::ring::NAME, ring);
+        } else if sp && !tp {
             p.push("ulysses-attention", ulysses);
         }
         p.push(
@@ -190,7 +202,9 @@ pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
         );
         if tp {
             p.push("tensor-parallel", TP_AFTER_SP);
-            if sp {
+            if cp {
+                p.push(crate::ring::NAME, "after tensor-parallel: the ring (and Ulysses inside it) works on this tp rank's heads");
+            } else if sp {
                 p.push("ulysses-attention", "after tensor-parallel: trades this tp rank's heads (not the model's) for sequence, so kv-head repeats are decided on the local heads");
             }
         }
@@ -249,8 +263,8 @@ pub fn supported_axes() -> Vec<&'static str> {
     out
 }
 
-/// Refuses a mesh axis no pass implements (`pp`, `DP`, `foo`, or `cp` before context
-/// parallelism exists), naming the axis and the ones that work.
+/// Refuses a mesh axis no pass implements (`pp`, `DP`, `foo`), naming the axis and the
+/// ones that work.
 pub fn check_mesh_axes(mesh: &Mesh) -> Result<(), String> {
     let known = supported_axes();
     for (axis, _) in &mesh.axes {

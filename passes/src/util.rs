@@ -1,7 +1,7 @@
 //! Helpers shared by the passes: node creation with provenance, and the sharding
 //! layout (which symbols are the batch and sequence sizes, which axes split them).
 
-use crate::pass::{PassContext, PassError, DP, SP};
+use crate::pass::{PassContext, PassError, CP, DP, SP};
 use weft_ir::{At, BuildError, Dim, Graph, Node, NodeMeta, Op, Provenance, Role, Value};
 
 /// Metadata for a node a pass inserts on behalf of `anchor`: the anchor's model scope
@@ -58,21 +58,56 @@ pub(crate) fn as_symbol(d: &Dim) -> Option<String> {
     }
 }
 
-/// One sharded size: the symbol of the global size, the mesh axis, and its size.
+/// One sharded size: the symbol of the global size, the (innermost) mesh axis that
+/// splits it, and for the sequence on a mesh with `cp` the ring size.
+///
+/// With `cp` the sequence is split in zigzag order (see `Op::Zigzag`): rank `r` of cp
+/// holds chunks `r` and `2cp-1-r` of `2cp` equal chunks (the causal load balance of ring
+/// attention), and with `sp` as well each cp rank's two chunks are split contiguously
+/// over sp (cp outer, sp inner: `cp=4,sp=8` is Ulysses inside groups of 8 consecutive
+/// ranks and a ring of 4 across them).
 #[derive(Clone, Debug)]
 pub(crate) struct Split {
     pub symbol: String,
     pub axis: &'static str,
+    /// The sequence is in zigzag order over `cp` of this size.
+    pub ring: Option<u32>,
 }
 
 impl Split {
-    /// The per-rank size `S/sp`.
+    /// The per-rank size: `S/sp`, `S/cp`, `S/cp/sp`, `B/dp`.
     pub fn local(&self) -> Dim {
-        Dim::sym(&self.symbol) / Dim::sym(self.axis)
+        let mut d = Dim::sym(&self.symbol);
+        if self.ring.is_some() {
+            d = d / Dim::sym(CP);
+        }
+        if self.axis != CP {
+            d = d / Dim::sym(self.axis);
+        }
+        d
     }
-    /// The first global index this rank holds: `@sp*S/sp`.
+    /// The first index this rank holds: `@sp*S/sp`; with cp, in the zigzag order
+    /// (`@cp*S/cp + @sp*S/cp/sp`).
     pub fn start(&self) -> Dim {
-        Dim::coord(self.axis) * self.local()
+        match self.ring {
+            None => Dim::coord(self.axis) * self.local(),
+            Some(_) => {
+                let portion = Dim::coord(CP) * (Dim::sym(&self.symbol) / Dim::sym(CP));
+                if self.axis == CP {
+                    portion
+                } else {
+                    portion + Dim::coord(self.axis) * self.local()
+                }
+            }
+        }
+    }
+    /// The mesh axes this size is split over, inner first.
+    pub fn axes(&self) -> Vec<&'static str> {
+        let mut v = vec![self.axis];
+        if self.ring.is_some() && self.axis != CP {
+            v.push(CP);
+        }
+        v
     }
 }
 
@@ -120,7 +155,7 @@ impl Layout {
                 return Ok(None);
             }
             match as_symbol(&ty.shape[i]) {
-                Some(symbol) => Ok(Some(Split { symbol, axis })),
+                Some(symbol) => Ok(Some(Split { symbol, axis, ring: None })),
                 None => Err(PassError::rewrite(
                     pass,
                     format!("`{pass}` cannot split the {what} over `{axis}`"),
@@ -130,9 +165,12 @@ impl Layout {
                 .with_help(format!("build the model with a symbolic {what} (e.g. `{}`) and bind it when making the plan", if i == 0 { "B" } else { "S" }))),
             }
         };
+        let ring = cx.mesh.size(CP);
+        let seq_axis = if cx.mesh.has(SP) { SP } else { CP };
+        let seq = symbolic(1, "sequence", seq_axis)?.map(|s| Split { ring, ..s });
         Ok(Layout {
             batch: symbolic(0, "batch", DP)?,
-            seq: symbolic(1, "sequence", SP)?,
+            seq,
         })
     }
 
@@ -160,7 +198,9 @@ impl Layout {
     /// True when `d` is (a multiple of) a per-rank size made by this layout, i.e. it
     /// mentions a sharded axis' size symbol.
     pub fn is_sharded(&self, d: &Dim) -> bool {
-        self.splits().iter().any(|(_, s)| d.mentions(s.axis))
+        self.splits()
+            .iter()
+            .any(|(_, s)| s.axes().iter().any(|a| d.mentions(a)))
     }
 }
 
@@ -191,11 +231,11 @@ pub(crate) fn gather_dims(
     reason: &str,
 ) -> Result<Value, PassError> {
     let ty = g.ty(v).clone();
-    let mut plan: Vec<(usize, &'static str)> = Vec::new();
+    let mut plan: Vec<(usize, &Split)> = Vec::new();
     for &k in dims {
         let d = &ty.shape[k];
         match layout.splits().into_iter().find(|(_, s)| *d == s.local()) {
-            Some((_, s)) => plan.push((k, s.axis)),
+            Some((_, s)) => plan.push((k, s)),
             None => {
                 return Err(PassError::rewrite(
                     pass,
@@ -207,28 +247,54 @@ pub(crate) fn gather_dims(
             }
         }
     }
-    // Inner axis (sp) first, so the dp gather is outermost.
-    plan.sort_by_key(|&(k, a)| (a != SP, k));
+    // Inner axis (sp, cp) first, so the dp gather is outermost.
+    plan.sort_by_key(|&(k, s)| (s.axis == DP, k));
     let mut cur = v;
-    for (k, axis) in plan {
-        let what = if axis == SP { "sequence" } else { "batch" };
-        let meta = meta_for(
-            g,
-            user,
-            pass,
-            format!("{reason}: whole {what} (dim {k}) over {axis}"),
-        );
-        cur = insert1(
-            g,
-            pass,
-            At::After(g.def(cur)),
-            Op::AllGather {
-                axis: axis.to_string(),
-                dim: k as i64,
-            },
-            &[cur],
-            meta,
-        )?;
+    for (k, split) in plan {
+        let what = if split.axis == DP {
+            "batch"
+        } else {
+            "sequence"
+        };
+        for axis in split.axes() {
+            let meta = meta_for(
+                g,
+                user,
+                pass,
+                format!("{reason}: whole {what} (dim {k}) over {axis}"),
+            );
+            cur = insert1(
+                g,
+                pass,
+                At::After(g.def(cur)),
+                Op::AllGather {
+                    axis: axis.to_string(),
+                    dim: k as i64,
+                },
+                &[cur],
+                meta,
+            )?;
+        }
+        if let Some(cp) = split.ring {
+            let meta = meta_for(
+                g,
+                user,
+                pass,
+                format!("{reason}: the gathered sequence (dim {k}) from zigzag order back to token order"),
+            );
+            cur = insert1(
+                g,
+                pass,
+                At::After(g.def(cur)),
+                Op::Zigzag {
+                    dim: k as i64,
+                    parts: cp as i64,
+                    inverse: true,
+                },
+                &[cur],
+                meta,
+            )?;
+        }
     }
     Ok(cur)
 }
@@ -254,6 +320,23 @@ pub(crate) fn strip_gathers(
             _ => return (cur, dims, nodes),
         }
     }
+}
+
+/// [`strip_gathers`] that also sees through the `zigzag {inverse}` made by `pass` on top
+/// of a context-parallel gather (for consumers whose result does not depend on the
+/// token order, such as the loss sums); the zigzag node is listed with the gathers.
+pub(crate) fn strip_seq_gathers(
+    g: &Graph,
+    v: Value,
+    pass: &str,
+) -> (Value, Vec<(usize, String)>, Vec<Node>) {
+    let n = g.def(v);
+    if matches!(g.node(n).op, Op::Zigzag { inverse: true, .. }) && made_by(g, n, pass) {
+        let (x, dims, mut nodes) = strip_gathers(g, g.node(n).operands[0], pass);
+        nodes.insert(0, n);
+        return (x, dims, nodes);
+    }
+    strip_gathers(g, v, pass)
 }
 
 /// Removes those of `nodes` whose results no longer have any use, counting uses by

@@ -35,7 +35,7 @@ fn heads_not_divisible_names_layer_heads_and_valid_degrees() {
         e.to_string(),
         format!(
             "`ulysses-attention` cannot split the attention heads over sp=3 in {loc}: its 4 q heads (2 kv heads) do not divide by sp=3\n\
-             help: use an sp degree that works for this layer: 2, 4"
+             help: use an sp degree that works for this layer (2, 4), and split the sequence further with context parallelism (ring attention has no head limit): e.g. `cp=3` in place of `sp=3`"
         )
     );
     assert!(loc.contains("model.layers.0.self_attn"), "{loc}");
@@ -46,6 +46,7 @@ fn heads_not_divisible_names_layer_heads_and_valid_degrees() {
         e.contains("its 4 q heads (2 kv heads) do not divide by sp=8"),
         "{e}"
     );
+    assert!(e.contains("e.g. `cp=2,sp=4` in place of `sp=8`"), "{e}");
 }
 
 #[test]
@@ -149,7 +150,7 @@ fn unknown_axis_is_an_error_naming_the_pass_and_mesh() {
     let e = compile_with(&mut g, "tp=2", &["shard-inputs"]).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "pass `shard-inputs` needs mesh axis `sp`, `dp` but the mesh is `tp=2`\nhelp: add sp or dp to the mesh (e.g. `--mesh tp=2,sp=2`)"
+        "pass `shard-inputs` needs mesh axis `sp`, `cp`, `dp` but the mesh is `tp=2`\nhelp: add sp or cp or dp to the mesh (e.g. `--mesh tp=2,sp=2`)"
     );
 }
 

@@ -92,3 +92,18 @@ fn gpt_oss_sinks_and_experts() {
         snapshot(&format!("{pass}__gpt-oss-tiny__{tag}"), &text);
     }
 }
+
+/// Context parallelism: the zigzag input split, the ring rewrite (ring_shift steps,
+/// per-block attention with log-sum-exp, the merge) alone and with Ulysses inside.
+#[test]
+fn ring_attention() {
+    for (tag, mesh) in [("cp2", "cp=2"), ("cp2-sp2", "cp=2,sp=2")] {
+        for pass in ["shard-inputs", "ring-attention"] {
+            if pass == "shard-inputs" && tag != "cp2" {
+                continue;
+            }
+            let text = pass_diff("llama-tiny", mesh, pass).unwrap();
+            snapshot(&format!("{pass}__llama-tiny__{tag}"), &text);
+        }
+    }
+}

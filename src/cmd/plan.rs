@@ -43,6 +43,9 @@ pub struct Args {
     /// Print every candidate as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Leave context parallelism (`cp`, ring attention) out of the search.
+    #[arg(long)]
+    pub no_cp: bool,
 }
 
 /// The search's view of a parsed model config.
@@ -266,7 +269,10 @@ pub fn run(a: Args) -> CliResult {
         device,
         peak_flops,
     };
-    let all = search::search(&shape, &spec);
+    let mut all = search::search(&shape, &spec);
+    if a.no_cp {
+        all.retain(|s| s.candidate.cp <= 1);
+    }
     let fitting = all.iter().filter(|s| s.fits).count();
     let searched = start.elapsed().as_secs_f64();
     if a.json {

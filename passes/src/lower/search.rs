@@ -1,4 +1,4 @@
-//! `weft plan`'s search: every mesh (dp, sp, tp, ep), ZeRO stage, checkpoint policy,
+//! `weft plan`'s search: every mesh (dp, cp, sp, tp, ep), ZeRO stage, checkpoint policy,
 //! activation offload, optimizer offload and micro-batch count for a model on `N` GPUs, priced by an
 //! analytic model of memory and step time so that thousands of candidates take
 //! milliseconds; the CLI compiles only the finalists (the plan's own estimate then
@@ -19,8 +19,14 @@
 //!   compute; optimizer offload's gradient and parameter copies and host AdamW
 //!   (the profile's `host_adam_params_per_s`) hidden under the backward but the last
 //!   layer's share. Each collective is priced on NVLink or on the network by where its
-//!   axis lands: ranks are row-major over `dp, sp, tp` (tp innermost), so an axis
-//!   crosses nodes when its stride times its size exceeds the GPUs of a node.
+//!   axis lands: ranks are row-major over `dp, cp, sp, tp` (tp innermost), so an axis
+//!   crosses nodes when its stride times its size exceeds the GPUs of a node;
+//! - context parallelism (`cp`, ring attention): each of the `cp-1` ring steps sends
+//!   this rank's k/v block forward (and the dk/dv block back in the backward) while
+//!   the previous block's attention runs, so only what a step's transfer takes beyond
+//!   its block's attention is exposed ([`ring_step`]); the received blocks are saved
+//!   for the backward unless the layer is recomputed. Ulysses past the kv heads
+//!   repeats them (`sp / gcd(kv, sp)`), which the all_to_all bytes count.
 
 use weft_ir::plan::DeviceProfile;
 
@@ -107,6 +113,8 @@ pub struct SearchSpec {
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Candidate {
     pub dp: u32,
+    /// Context parallelism (ring attention), outside sp.
+    pub cp: u32,
     pub sp: u32,
     pub tp: u32,
     pub ep: u32,
@@ -123,7 +131,12 @@ impl Candidate {
     /// The mesh text (`dp=8,sp=8,tp=8`, `ep` last), axes of size 1 left out.
     pub fn mesh(&self) -> String {
         let mut parts = Vec::new();
-        for (a, n) in [("dp", self.dp), ("sp", self.sp), ("tp", self.tp)] {
+        for (a, n) in [
+            ("dp", self.dp),
+            ("cp", self.cp),
+            ("sp", self.sp),
+            ("tp", self.tp),
+        ] {
             if n > 1 {
                 parts.push(format!("{a}={n}"));
             }
@@ -227,12 +240,18 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
         {
             continue;
         }
-        for sp in divisors(world / tp) {
+        for (sp, cp) in divisors(world / tp).into_iter().flat_map(|sp| {
+            divisors(world / tp / sp)
+                .into_iter()
+                .map(move |cp| (sp, cp))
+        }) {
             let heads = m.heads / tp;
-            if !heads.is_multiple_of(sp) || !s.seq.is_multiple_of(sp) {
+            // cp splits the sequence into 2*cp zigzag chunks, each split over sp.
+            let chunks = if cp > 1 { 2 * cp * sp } else { sp };
+            if !heads.is_multiple_of(sp) || !s.seq.is_multiple_of(chunks) {
                 continue;
             }
-            let dp = world / tp / sp;
+            let dp = world / tp / sp / cp;
             if !s.batch.is_multiple_of(dp) {
                 continue;
             }
@@ -241,7 +260,7 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
                     .into_iter()
                     .filter(|e| {
                         world.is_multiple_of(*e)
-                            && weft_ir::Mesh::parse(&mesh_text(dp, sp, tp, *e)).is_ok()
+                            && weft_ir::Mesh::parse(&mesh_text(dp, cp, sp, tp, *e)).is_ok()
                     })
                     .collect()
             } else {
@@ -259,6 +278,7 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
                                 if per_rank.is_multiple_of(mb) {
                                     out.push(Candidate {
                                         dp: dp as u32,
+                                        cp: cp as u32,
                                         sp: sp as u32,
                                         tp: tp as u32,
                                         ep: ep as u32,
@@ -280,9 +300,10 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
     out
 }
 
-fn mesh_text(dp: u64, sp: u64, tp: u64, ep: u64) -> String {
+fn mesh_text(dp: u64, cp: u64, sp: u64, tp: u64, ep: u64) -> String {
     Candidate {
         dp: dp as u32,
+        cp: cp as u32,
         sp: sp as u32,
         tp: tp as u32,
         ep: ep as u32,
@@ -299,18 +320,20 @@ fn mesh_text(dp: u64, sp: u64, tp: u64, ep: u64) -> String {
 pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let d = &s.device;
     let (dp, sp, tp, ep) = (c.dp as f64, c.sp as f64, c.tp as f64, c.ep as f64);
+    let cp = c.cp.max(1) as f64;
     let world = s.gpus as f64;
     let pb = m.param_bytes as f64;
     let h = m.hidden as f64;
     let layers = m.layers as f64;
     let gpn = s.gpus_per_node as u64;
-    // Where the axes land: row-major dp, sp, tp.
+    // Where the axes land: row-major dp, cp, sp, tp.
     let tp_inter = crosses(1, c.tp as u64, gpn);
     let sp_inter = crosses(c.tp as u64, c.sp as u64, gpn);
-    let dp_inter = crosses((c.tp * c.sp) as u64, c.dp as u64, gpn);
+    let cp_inter = crosses((c.tp * c.sp) as u64, c.cp.max(1) as u64, gpn);
+    let dp_inter = crosses((c.tp * c.sp * c.cp.max(1)) as u64, c.dp as u64, gpn);
     let ep_inter = c.ep as u64 > gpn;
-    // ZeRO groups: dense dp x sp, experts edp (world / ep, split over tp too when no ep).
-    let zd = dp * sp;
+    // ZeRO groups: dense dp x cp x sp, experts edp (world / ep, split over tp too when no ep).
+    let zd = dp * cp * sp;
     let ze = world / ep / if c.ep > 1 { 1.0 } else { tp };
     let dense = m.dense_params() as f64 / tp;
     let expert = m.expert_params() as f64 / ep / if c.ep > 1 { 1.0 } else { tp };
@@ -330,7 +353,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         opt_per_param * (z1(dense, zd) + z1(expert, ze))
     };
     // Activations: tokens per rank per micro-batch.
-    let tokens = (s.batch * s.seq) as f64 / (dp * sp) / c.micro_batches as f64;
+    let tokens = (s.batch * s.seq) as f64 / (dp * cp * sp) / c.micro_batches as f64;
     let ffn = m.ffn_per_token();
     let kv = (m.kv_heads * m.head_dim) as f64;
     let q = (m.heads * m.head_dim) as f64;
@@ -346,7 +369,27 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     } else {
         layers
     };
-    let activations = tokens * (saved_per_layer * kept_layers + full_layer);
+    // Ulysses past the kv heads repeats them; ring attention keeps the cp-1 received
+    // k/v blocks of each layer for the backward (unless the layer is recomputed).
+    let kv_rep = kv_repeat(m.kv_heads / c.tp as u64, c.sp as u64) as f64;
+    let ring_kv = tokens * sp * 2.0 * 2.0 * kv * kv_rep / tp / sp;
+    // What autodiff keeps of each ring step (the IR's ring is differentiated, not
+    // recomputed): the received k/v, the chosen q/k/v block, both blocks' outputs and the
+    // three merges' partial outputs: about 8 q-chunk-sized tensors besides the k/v.
+    let q_chunk = tokens * sp / 2.0 * q / tp / sp * 2.0;
+    let ring_step_saved = if c.cp > 1 {
+        (cp - 1.0) * (ring_kv + 8.0 * q_chunk)
+    } else {
+        0.0
+    };
+    let ring_saved = if c.checkpoint == "full" {
+        0.0
+    } else {
+        ring_step_saved
+    };
+    let activations = tokens * (saved_per_layer * kept_layers + full_layer)
+        + ring_saved * kept_layers
+        + ring_step_saved;
     let logits = tokens * m.vocab as f64 / tp * 4.0 * 2.0;
     let gathered = if c.zero >= 3 {
         2.0 * per_layer_params * pb
@@ -397,7 +440,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     }
     if c.sp > 1 {
         // Ulysses: q, k, v and the output through all_to_all, forward and backward.
-        let bytes = tokens * 2.0 * (2.0 * q + 2.0 * kv) / tp;
+        let bytes = tokens * 2.0 * (2.0 * q + 2.0 * kv * kv_rep) / tp;
         let t = 2.0
             * layers
             * link_time(d, sp_inter, bytes * (sp - 1.0) / sp, sp - 1.0)
@@ -405,6 +448,20 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
             * (1.0 + if c.checkpoint == "full" { 0.5 } else { 0.0 });
         exposed += t;
         comm += t;
+    }
+    if c.cp > 1 {
+        // Ring attention: forward k/v and backward dk/dv blocks, one step each per
+        // ring step, each hidden behind that step's block attention.
+        let local = tokens * sp;
+        let heads_local = m.heads as f64 / tp / sp;
+        let step = ring_step(d, cp_inter, ring_kv, local, heads_local, m.head_dim as f64);
+        let redo = if c.checkpoint == "full" { 1.0 } else { 0.0 };
+        let t_exposed = layers
+            * (cp - 1.0)
+            * mb
+            * ((1.0 + redo) * step.exposed_forward + step.exposed_backward);
+        exposed += t_exposed;
+        comm += layers * (cp - 1.0) * mb * (2.0 + redo) * step.transfer;
     }
     if c.ep > 1 && m.moe_layers > 0 {
         let bytes = tokens * m.top_k as f64 * h * 2.0;
@@ -415,14 +472,17 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         exposed += t;
         comm += t;
     }
-    // Gradient reduction and ZeRO gathers, hierarchical over sp (inner) then dp.
+    // Gradient reduction and ZeRO gathers, hierarchical over sp (inner), cp, then dp.
     let group_time = |bytes: f64| -> f64 {
         let mut t = 0.0;
         if c.sp > 1 {
             t += link_time(d, sp_inter, bytes * (sp - 1.0) / sp, sp - 1.0);
         }
+        if c.cp > 1 {
+            t += link_time(d, cp_inter, bytes / sp * (cp - 1.0) / cp, cp - 1.0);
+        }
         if c.dp > 1 {
-            t += link_time(d, dp_inter, bytes / sp * (dp - 1.0) / dp, dp - 1.0);
+            t += link_time(d, dp_inter, bytes / sp / cp * (dp - 1.0) / dp, dp - 1.0);
         }
         t
     };
@@ -471,6 +531,57 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         candidate: c.clone(),
         memory,
         time,
+    }
+}
+
+/// How many times Ulysses repeats each of `kv` kv heads over `sp` ranks (1 when they split).
+pub fn kv_repeat(kv: u64, sp: u64) -> u64 {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    if kv == 0 || kv.is_multiple_of(sp) {
+        1
+    } else {
+        sp / gcd(kv, sp)
+    }
+}
+
+/// One ring step of ring attention: the k/v block transfer and what of it the step's
+/// block attention does not hide.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RingStep {
+    /// Seconds to send one k/v (or dk/dv) block to the next rank.
+    pub transfer: f64,
+    /// Seconds of one step's block attention, forward (two c x c blocks of the zigzag
+    /// layout: half the local square).
+    pub block_forward: f64,
+    pub exposed_forward: f64,
+    pub exposed_backward: f64,
+}
+
+/// Prices one ring step: `kv_bytes` per rank per step (k and v of this rank's cp
+/// portion), `local` query tokens and `heads` heads of `head_dim` per rank. The
+/// backward's block costs 2.5x the forward's (flash attention's backward).
+pub fn ring_step(
+    d: &DeviceProfile,
+    inter: bool,
+    kv_bytes: f64,
+    local: f64,
+    heads: f64,
+    head_dim: f64,
+) -> RingStep {
+    let transfer = link_time(d, inter, kv_bytes, 1.0);
+    let flops = 4.0 * local * local * head_dim * heads / 2.0;
+    let block_forward = flops / (d.attention_tflops * 1e12);
+    RingStep {
+        transfer,
+        block_forward,
+        exposed_forward: (transfer - block_forward).max(0.0),
+        exposed_backward: (transfer - 2.5 * block_forward).max(0.0),
     }
 }
 
@@ -533,6 +644,7 @@ mod tests {
         };
         let m = llama8b();
         let c = |zero| Candidate {
+            cp: 1,
             dp: 1,
             sp: 8,
             tp: 1,

@@ -3,10 +3,14 @@
 //! - Sequence parallelism (axis `sp`, DeepSpeed Ulysses/AutoSP in SPMD form):
 //!   [`shard_inputs`], [`shard_seq`], [`ulysses`], [`sp_loss`]; data parallelism over
 //!   `dp` rides on the same passes (batch dim).
+//! - Context parallelism (axis `cp`, ring attention with zigzag load balance, and the
+//!   Ulysses x ring hybrid with `sp`): [`ring`], on the sequence split `shard_inputs` /
+//!   `shard_seq` make in zigzag order.
 //! - Tensor parallelism (axis `tp`): [`tp`].
 //! - Expert parallelism (axis `ep`, DeepSpeed's expert groups): [`ep`].
 
 pub mod ep;
+pub mod ring;
 pub mod shard_inputs;
 pub mod shard_seq;
 pub mod sp_loss;

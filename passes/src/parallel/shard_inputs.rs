@@ -16,7 +16,7 @@
 //! key (and query) dims whole, because Ulysses attention sees the whole sequence; only
 //! its batch dim is split over `dp`.
 
-use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, DP, SP};
+use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, CP, DP, SP};
 use crate::util::{gather_dims, insert1, made_by, meta_for, Layout, Split};
 use weft_ir::{At, Graph, Node, Op, Role, Value};
 
@@ -32,7 +32,7 @@ impl Pass for ShardInputs {
         "slice each rank's block of input_ids, position_ids and shifted labels: sequence by @sp, batch by @dp"
     }
     fn mesh_axes(&self) -> MeshAxes {
-        MeshAxes::AnyOf(&[SP, DP])
+        MeshAxes::AnyOf(&[SP, CP, DP])
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let layout = Layout::of(g, cx, NAME)?;
@@ -118,6 +118,21 @@ fn shard_value(
         }
         if dim >= ty.rank() || ty.shape[dim] != weft_ir::Dim::sym(&split.symbol) {
             continue;
+        }
+        if let Some(cp) = split.ring {
+            let meta = meta_for(
+                g,
+                anchor,
+                NAME,
+                format!("{what}: zigzag order over cp={cp}, so each rank holds one chunk from each end of the sequence (equal causal work per ring step)"),
+            );
+            let op = Op::Zigzag {
+                dim: dim as i64,
+                parts: cp as i64,
+                inverse: false,
+            };
+            cur = insert1(g, NAME, At::After(anchor), op, &[cur], meta)?;
+            anchor = g.def(cur);
         }
         let reason = reason(what, dim, split);
         let op = Op::Slice {

@@ -25,7 +25,7 @@
 //! `S/sp`, so each rank rotates its tokens by their global positions. Outputs that end
 //! per-rank are gathered; `sp-loss` records their split instead.
 
-use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, DP, SP};
+use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, CP, DP, SP};
 use crate::util::{gather_dims, insert1, made_by, meta_for, Layout};
 use std::collections::HashMap;
 use weft_ir::shape::norm_dim;
@@ -46,7 +46,7 @@ impl Pass for ShardSeq {
         &[crate::shard_inputs::NAME]
     }
     fn mesh_axes(&self) -> MeshAxes {
-        MeshAxes::AnyOf(&[SP, DP])
+        MeshAxes::AnyOf(&[SP, CP, DP])
     }
     fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let layout = Layout::of(g, cx, NAME)?;
@@ -69,8 +69,10 @@ impl Pass for ShardSeq {
             .iter()
             .copied()
             .filter(|&n| {
-                matches!(g.node(n).op, Op::AllGather { .. })
-                    && made_by(g, n, crate::shard_inputs::NAME)
+                matches!(
+                    g.node(n).op,
+                    Op::AllGather { .. } | Op::Zigzag { inverse: true, .. }
+                ) && made_by(g, n, crate::shard_inputs::NAME)
             })
             .collect();
         if restoring.is_empty() {
@@ -175,6 +177,36 @@ impl Propagation {
         };
         if ty.shape[0] != Dim::sym(&split.symbol) {
             return false; // already per-rank
+        }
+        if let Some(cp) = split.ring {
+            // Zigzag positions are not one range: take this rank's block of the
+            // zigzag-ordered positions.
+            let out = g.node(n).results[0];
+            let meta = meta_for(g, n, NAME, format!("positions in zigzag order over cp={cp}, so RoPE uses each token's global position"));
+            let op = Op::Zigzag {
+                dim: 0,
+                parts: cp as i64,
+                inverse: false,
+            };
+            let Ok(z) = insert1(g, NAME, At::After(n), op, &[out], meta) else {
+                return false;
+            };
+            let reason = format!(
+                "positions of this rank's block [{}, +{}) of the zigzag order",
+                split.start(),
+                split.local()
+            );
+            let meta = meta_for(g, n, NAME, reason);
+            let op = Op::Slice {
+                dim: 0,
+                start: split.start(),
+                len: split.local(),
+            };
+            let Ok(local) = insert1(g, NAME, At::After(g.def(z)), op, &[z], meta) else {
+                return false;
+            };
+            g.replace_uses_except(out, local, g.def(z));
+            return true;
         }
         let new_start = start.clone() + split.start();
         let new_ty = ty.with_shape(vec![split.local()]);
@@ -287,10 +319,10 @@ impl Propagation {
             .layout
             .splits()
             .iter()
-            .filter(|(_, s)| sharded.iter().any(|&k| t.shape[k].mentions(s.axis)))
-            .map(|(_, s)| s.axis)
+            .flat_map(|(_, s)| s.axes())
+            .filter(|a| sharded.iter().any(|&k| t.shape[k].mentions(a)))
             .collect();
-        axes.sort_by_key(|&a| a != SP);
+        axes.sort_by_key(|&a| [SP, CP, DP].iter().position(|x| *x == a));
         Some(axes)
     }
 
@@ -333,14 +365,29 @@ impl Propagation {
         if g.ty(out).shape[2] != Dim::sym(&split.symbol) {
             return Ok(());
         }
+        let mut whole = out;
+        if let Some(cp) = split.ring {
+            let meta = meta_for(g, n, NAME, "attention output: into zigzag order over cp (ring-attention replaces the gathers, this and the slice with ring steps)");
+            let op = Op::Zigzag {
+                dim: 2,
+                parts: cp as i64,
+                inverse: false,
+            };
+            whole = insert1(g, NAME, At::After(n), op, &[out], meta)?;
+        }
         let op = Op::Slice {
             dim: 2,
             start: split.start(),
             len: split.local(),
         };
         let meta = meta_for(g, n, NAME, "attention output: back to this rank's sequence block (ulysses-attention replaces the gathers and this slice with all_to_alls)");
-        let local = insert1(g, NAME, At::After(n), op, &[out], meta)?;
-        g.replace_uses_except(out, local, g.def(local));
+        let local = insert1(g, NAME, At::After(g.def(whole)), op, &[whole], meta)?;
+        let first = if whole == out {
+            g.def(local)
+        } else {
+            g.def(whole)
+        };
+        g.replace_uses_except(out, local, first);
         Ok(())
     }
 

@@ -12,8 +12,8 @@
 //! split recorded (`logits`: dim 0 over `dp`, dim 1 over `sp`), so runtimes and plans
 //! reassemble them without an all_gather.
 
-use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, DP, SP};
-use crate::util::{insert1, meta_for, remove_unused, strip_gathers};
+use crate::pass::{MeshAxes, Pass, PassContext, PassError, PassResult, CP, DP, SP};
+use crate::util::{insert1, meta_for, remove_unused, strip_gathers, strip_seq_gathers};
 use weft_ir::{At, Graph, Node, Op, ReduceOp, Reduction, Value};
 
 pub struct SpLoss;
@@ -35,7 +35,7 @@ impl Pass for SpLoss {
         &[crate::shard_seq::NAME]
     }
     fn mesh_axes(&self) -> MeshAxes {
-        MeshAxes::AnyOf(&[SP, DP])
+        MeshAxes::AnyOf(&[SP, CP, DP])
     }
     fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
@@ -65,13 +65,13 @@ impl Pass for SpLoss {
             let parts: Vec<Stripped> = d
                 .operands
                 .iter()
-                .map(|&v| strip_gathers(g, v, crate::shard_seq::NAME))
+                .map(|&v| strip_seq_gathers(g, v, crate::shard_seq::NAME))
                 .collect();
             let dims = &parts[0].1;
             if dims.is_empty() || parts.iter().any(|p| p.1 != *dims) {
                 continue;
             }
-            let axes: Vec<String> = [SP, DP]
+            let axes: Vec<String> = [SP, CP, DP]
                 .iter()
                 .filter(|a| dims.iter().any(|(_, x)| x == *a))
                 .map(|a| a.to_string())

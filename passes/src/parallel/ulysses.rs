@@ -166,13 +166,24 @@ fn rewrite_attention(
     };
     if nq % sp != 0 {
         let valid: Vec<i64> = divisors(nq);
-        return Err(heads_error(
-            g,
-            n,
+        let best = valid
+            .iter()
+            .copied()
+            .filter(|d| sp % d == 0)
+            .max()
+            .unwrap_or(1);
+        let list: Vec<String> = valid.iter().map(|d| d.to_string()).collect();
+        return Err(PassError::rewrite(
+            NAME,
             what,
+            g.describe(n),
             format!("its {nq} q heads ({nkv} kv heads) do not divide by sp={sp}"),
-            &valid,
-        ));
+        )
+        .with_help(format!(
+            "use an sp degree that works for this layer ({}), and split the sequence further with context parallelism (ring attention has no head limit): e.g. `{}` in place of `sp={sp}`",
+            list.join(", "),
+            if best == 1 { format!("cp={sp}") } else { format!("cp={},sp={best}", sp / best) }
+        )));
     }
     let rep = if nkv % sp == 0 { 1 } else { sp / gcd(nkv, sp) };
     if rep > 1 && !replicate {
@@ -242,7 +253,7 @@ fn rewrite_attention(
 }
 
 /// `[B, Nkv, s, D]` -> `[B, Nkv*rep, s, D]`, each head repeated `rep` times in place.
-fn repeat_heads(
+pub(crate) fn repeat_heads(
     g: &mut Graph,
     n: Node,
     x: Value,

@@ -198,7 +198,8 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         | Op::AllReduce { .. }
         | Op::AllGather { .. }
         | Op::ReduceScatter { .. }
-        | Op::Broadcast { .. } => {
+        | Op::Broadcast { .. }
+        | Op::RingShift { .. } => {
             bail!("internal: collectives run in the rank")
         }
         Op::Full { value, .. } => one(full(value.0, cx.out_shape(0), cx.out_storage(0))?),
@@ -457,6 +458,25 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 bail!("slice [{s}, {}) (start `{start}`, len `{len}`) is out of bounds for dim {d} of size {n}", s + l);
             }
             one(x.narrow(d, s as usize, l as usize)?)
+        }
+        Op::Zigzag {
+            dim,
+            parts,
+            inverse,
+        } => {
+            let x = x();
+            let d = nd(*dim, x.rank())?;
+            let (n, k) = (x.dims()[d], 2 * (*parts).max(1) as usize);
+            if n % k != 0 {
+                bail!("zigzag: dim {d} of size {n} does not split into {k} equal chunks (2 per rank of {parts}); make the sequence a multiple of {k}");
+            }
+            let c = n / k;
+            let order = weft_ir::shape::zigzag_order(*parts as usize, *inverse);
+            let chunks: Vec<Tensor> = order
+                .iter()
+                .map(|&j| x.narrow(d, j * c, c))
+                .collect::<Result<_, _>>()?;
+            one(if k == 1 { x } else { Tensor::cat(&chunks, d)? })
         }
         Op::Concat { dim } => {
             let d = nd(*dim, ins[0].rank())?;

@@ -475,6 +475,16 @@ fn collective(
                     .collect()
             })
         }
+        Op::RingShift { shift, .. } => {
+            // Member j receives member (j - shift) mod p's tensor.
+            let shift = *shift;
+            sh.comm.exchange(key, member, size, x, move |xs| {
+                let p = xs.len() as i64;
+                Ok((0..p)
+                    .map(|j| xs[(j - shift).rem_euclid(p) as usize].clone())
+                    .collect())
+            })
+        }
         _ => Err(CommError::Failed(format!(
             "internal: `{}` is not a collective",
             op.name()

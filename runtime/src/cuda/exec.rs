@@ -1294,6 +1294,27 @@ fn lower_op(
             }
             Ok(())
         }
+        Op::Zigzag {
+            dim,
+            parts,
+            inverse,
+        } => {
+            // One strided copy per chunk: output chunk i is input chunk order[i].
+            let x = &ins[0];
+            let d = norm(*dim, x.rank())?;
+            let order = weft_ir::shape::zigzag_order(*parts as usize, *inverse);
+            let c = x.shape[d] / order.len();
+            let mut chunk = x.shape.clone();
+            chunk[d] = c;
+            let (xs, os) = (layout::strides(&x.shape), layout::strides(&o.shape));
+            let bytes = x.dtype.size_bytes();
+            for (i, &j) in order.iter().enumerate() {
+                let src = x.ptr + (j as i64 * c as i64 * xs[d]) as u64 * bytes;
+                let dst = o.ptr + (i as i64 * c as i64 * os[d]) as u64 * bytes;
+                lw.strided(dst, src, esz(o.dtype), &chunk, &xs, &os)?;
+            }
+            Ok(())
+        }
         Op::Concat { dim } => {
             let d = norm(*dim, o.rank())?;
             let os = layout::strides(&o.shape);

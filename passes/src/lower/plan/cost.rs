@@ -70,6 +70,8 @@ pub fn collective_cost(
         Op::AllGather { .. } => (out_bytes * frac, p - 1.0),
         Op::ReduceScatter { .. } => (in_bytes * frac, p - 1.0),
         Op::Broadcast { .. } => (in_bytes, p.log2().ceil()),
+        // One point-to-point send of the whole tensor (and one receive), one step.
+        Op::RingShift { .. } => (in_bytes, 1.0),
         _ => (in_bytes * frac, p - 1.0),
     };
     (moved, alpha * steps + moved / bw)

@@ -1426,7 +1426,7 @@ impl Tp {
                 (1, if *transpose_b { -1 } else { -2 }),
             ],
             Op::Gather { dim } | Op::IndexSelect { dim } => vec![(0, *dim)],
-            Op::AllGather { dim, .. } => vec![(0, *dim)],
+            Op::AllGather { dim, .. } | Op::Zigzag { dim, .. } => vec![(0, *dim)],
             Op::MoeDispatch { .. } | Op::MoeCombine {} => vec![(0, -1)],
             _ => vec![],
         };
@@ -1551,8 +1551,11 @@ impl Tp {
                 self.reinfer(g, n)
             }
             // Unary elementwise ops (the op table's class) keep the split of their
-            // operand (granite's logit scale).
-            op if op.elementwise() == Some(weft_ir::Elementwise::Unary) => {
+            // operand (granite's logit scale); so do a context-parallel gather and
+            // zigzag, which move only the sequence.
+            op if matches!(op, Op::Zigzag { .. } | Op::AllGather { .. })
+                || op.elementwise() == Some(weft_ir::Elementwise::Unary) =>
+            {
                 self.reinfer(g, n)?;
                 if let Some(ps) = self.pieces.get(&operands[0]).cloned() {
                     let r = g.node(n).results[0];
@@ -2360,6 +2363,7 @@ fn trace_back(g: &Graph, v: Value) -> Option<(Node, Option<(Node, usize)>)> {
             | Op::Reshape { .. }
             | Op::Cast { .. }
             | Op::AllGather { .. }
+            | Op::Zigzag { .. }
             | Op::Slice { .. }
             | Op::Expand { .. } => cur = d.operands[0],
             _ => return None,
@@ -2382,6 +2386,7 @@ fn trace_forward(g: &Graph, v: Value, uses: &[Vec<(Node, usize)>]) -> Option<Nod
             | Op::Cast { .. }
             | Op::Slice { .. }
             | Op::AllGather { .. }
+            | Op::Zigzag { .. }
             | Op::AllToAll { .. } => cur = g.node(n).results[0],
             _ => return None,
         }

@@ -612,6 +612,28 @@ impl Ad<'_> {
                 let partial = rest | (a & !replication::of(&self.varying, x));
                 return Ok(vec![(0, Contrib { v: back, partial })]);
             }
+            Op::RingShift { shift, .. } => {
+                // A permutation of the ranks: the gradient goes back the other way.
+                self.set_meta(
+                    n,
+                    &format!("ring_shift transposed: the gradient travels back {shift} step(s) over {axis}"),
+                );
+                self.collectives += 1;
+                let back = self.op(
+                    Op::RingShift {
+                        axis: axis.clone(),
+                        shift: -*shift,
+                    },
+                    &[dy.v],
+                )?;
+                return Ok(vec![(
+                    0,
+                    Contrib {
+                        v: back,
+                        partial: dy.partial,
+                    },
+                )]);
+            }
             Op::Broadcast { root, .. } => {
                 let g = if dy.partial & a != 0 {
                     self.collectives += 1;

@@ -199,7 +199,8 @@ pub fn varying(g: &Graph) -> Vec<Axes> {
             | Op::Broadcast { axis, .. } => ins & !bit(mesh, axis),
             Op::ReduceScatter { axis, .. }
             | Op::AllToAll { axis, .. }
-            | Op::AllToAllV { axis, .. } => ins | bit(mesh, axis),
+            | Op::AllToAllV { axis, .. }
+            | Op::RingShift { axis, .. } => ins | bit(mesh, axis),
             _ => ins,
         };
         if !d.op.is_collective() {

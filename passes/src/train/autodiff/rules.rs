@@ -698,6 +698,21 @@ impl Ad<'_> {
                     &[g],
                 )?)
             }
+            Op::Zigzag {
+                dim,
+                parts,
+                inverse,
+            } => {
+                // A permutation: its transpose is the inverse permutation.
+                out[0] = Some(self.op(
+                    Op::Zigzag {
+                        dim: *dim,
+                        parts: *parts,
+                        inverse: !*inverse,
+                    },
+                    &[g],
+                )?)
+            }
             Op::Slice { dim, start, len } => {
                 // Zeros before and after this slice's gradient.
                 let x = ty(self, 0);
