@@ -43,7 +43,9 @@ if a.config is not None:
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(a.config)
     cfg.use_cache = False
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=a.attn, dtype=torch.bfloat16).to("cuda").train()
+    # built on the GPU directly: a multi-billion-parameter random init on the CPU takes minutes
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=a.attn, dtype=torch.bfloat16).train()
 else:
     model = (MistralForCausalLM if a.window is not None else LlamaForCausalLM)(cfg).to(device="cuda", dtype=torch.bfloat16).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
