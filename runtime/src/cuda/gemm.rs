@@ -1,6 +1,9 @@
 //! GEMMs through cuBLASLt, with the matmul descriptor, the four layouts and the chosen
 //! algorithm cached per shape (cuBLASLt's heuristic query costs tens of microseconds,
-//! more than a small GEMM). bf16/f16 operands accumulate in f32; f32 operands run in
+//! more than a small GEMM). Shapes whose row count changes every step (one GEMM per
+//! expert of a mixture of experts) reuse the algorithm chosen for their power-of-two
+//! row bucket once cuBLASLt's check accepts it for the exact shape, and past
+//! [`EXACT_CACHE_LIMIT`] shapes their descriptors are made per call and dropped. bf16/f16 operands accumulate in f32; f32 operands run in
 //! full f32 (not TF32) unless TF32 is allowed.
 //!
 //! Everything here is row-major, as the IR is: `C[b] = op(A[b]) @ op(B[b])` with
@@ -40,10 +43,16 @@ struct Cached {
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
+/// Shapes whose descriptors stay cached; past it (a long MoE run meets a new row count
+/// per expert and step) they are made for the call and destroyed after it.
+const EXACT_CACHE_LIMIT: usize = 4096;
+
 pub struct Gemm {
     handle: sys::cublasLtHandle_t,
     pub workspace: super::device::DevBuf,
     cache: HashMap<GemmShape, Cached>,
+    /// The algorithm per shape with `m` rounded up to a power of two.
+    algos: HashMap<GemmShape, sys::cublasLtMatmulAlgo_t>,
     pub allow_tf32: bool,
     pub plans_made: u64,
 }
@@ -75,21 +84,32 @@ impl Gemm {
             handle,
             workspace,
             cache: HashMap::new(),
+            algos: HashMap::new(),
             allow_tf32: false,
             plans_made: 0,
         })
     }
 
-    fn plan(&mut self, s: &GemmShape) -> CudaResult<&Cached> {
+    /// The cached plan of `s`, or `None` when the cache is full and `s` is not in it.
+    fn plan(&mut self, s: &GemmShape) -> CudaResult<Option<&Cached>> {
         if !self.cache.contains_key(s) {
+            if self.cache.len() >= EXACT_CACHE_LIMIT {
+                return Ok(None);
+            }
             let c = self.make(s)?;
-            self.plans_made += 1;
             self.cache.insert(*s, c);
         }
-        Ok(&self.cache[s])
+        Ok(self.cache.get(s))
     }
 
-    fn make(&self, s: &GemmShape) -> CudaResult<Cached> {
+    fn bucket(s: &GemmShape) -> GemmShape {
+        GemmShape {
+            m: s.m.next_power_of_two(),
+            ..*s
+        }
+    }
+
+    fn make(&mut self, s: &GemmShape) -> CudaResult<Cached> {
         let t = dt(s.dtype)?;
         let compute = match s.dtype {
             DType::F64 => sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
@@ -158,6 +178,34 @@ impl Gemm {
         let la = layout(xr, xc, s.sb)?;
         let lb = layout(yr, yc, s.sa)?;
         let lc = layout(s.n, s.m, s.sc)?;
+        // The bucket's algorithm, where cuBLASLt accepts it for this exact shape.
+        if let Some(algo) = self.algos.get(&Self::bucket(s)).copied() {
+            // SAFETY: every descriptor is live; `result` is plain data cuBLASLt fills.
+            let ok = unsafe {
+                let mut result: sys::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+                sys::cublasLtMatmulAlgoCheck(
+                    self.handle,
+                    desc,
+                    la,
+                    lb,
+                    lc,
+                    lc,
+                    &algo,
+                    &mut result,
+                ) == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && result.workspaceSize <= self.workspace.bytes
+            };
+            if ok {
+                return Ok(Cached {
+                    desc,
+                    la,
+                    lb,
+                    lc,
+                    algo,
+                });
+            }
+        }
+        self.plans_made += 1;
         let pref = lt::create_matmul_pref().ck("cublasLtMatmulPreferenceCreate")?;
         let ws = self.workspace.bytes as u64;
         // SAFETY: pref is live.
@@ -177,6 +225,7 @@ impl Gemm {
             call: format!("cublasLtMatmulAlgoGetHeuristic for {s:?}"),
             code: format!("{:?}", e.0),
         })?;
+        self.algos.entry(Self::bucket(s)).or_insert(h.algo);
         Ok(Cached {
             desc,
             la,
@@ -201,7 +250,14 @@ impl Gemm {
             return Ok(());
         }
         let (ws, wsb, handle) = (self.workspace.ptr, self.workspace.bytes, self.handle);
-        let p = self.plan(s)?;
+        let owned;
+        let p = match self.plan(s)? {
+            Some(p) => p,
+            None => {
+                owned = OwnedPlan(self.make(s)?);
+                &owned.0
+            }
+        };
         if s.bias {
             // SAFETY: desc is live; the pointer attribute is a device address.
             unsafe {
@@ -254,16 +310,32 @@ impl Gemm {
     }
 }
 
+impl Cached {
+    fn destroy(&self) {
+        // SAFETY: created in `make`, destroyed once (by its owner).
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.la);
+            let _ = lt::destroy_matrix_layout(self.lb);
+            let _ = lt::destroy_matrix_layout(self.lc);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// A plan made for one call when the cache is full: destroyed after the call is
+/// enqueued (cuBLASLt reads the descriptors when the call is made, not when it runs).
+struct OwnedPlan(Cached);
+
+impl Drop for OwnedPlan {
+    fn drop(&mut self) {
+        self.0.destroy();
+    }
+}
+
 impl Drop for Gemm {
     fn drop(&mut self) {
         for (_, c) in self.cache.drain() {
-            // SAFETY: created in `make`, destroyed once.
-            unsafe {
-                let _ = lt::destroy_matrix_layout(c.la);
-                let _ = lt::destroy_matrix_layout(c.lb);
-                let _ = lt::destroy_matrix_layout(c.lc);
-                let _ = lt::destroy_matmul_desc(c.desc);
-            }
+            c.destroy();
         }
         // SAFETY: created in `new`.
         let _ = unsafe { lt::destroy_handle(self.handle) };
