@@ -355,3 +355,37 @@ fn ops_columns_align_and_show_the_table_facts() {
     assert_eq!(add["elementwise"], "binary");
     assert_eq!(add["flops_per_element"], 1);
 }
+
+/// `--dtype bf16` on a float32 config builds the model in bf16, so what HF computes in f32
+/// whatever the model's dtype stays f32: the MoE routers' softmax (mixtral) and
+/// DeepSeek-V3's sigmoid scores with their f32 correction bias.
+#[test]
+fn dtype_flag_rebuilds_config_models_keeping_hf_f32_routers() {
+    let dir = std::env::temp_dir().join(format!("weft-cli-dtype-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (fixture, op) in [("mixtral", "= softmax "), ("deepseek_v3", "= sigmoid ")] {
+        let out = dir.join(format!("{fixture}.weft"));
+        let model = format!("tests/fixtures/{fixture}");
+        let (code, _, err) = weft(&[
+            "compile",
+            &model,
+            "--dtype",
+            "bf16",
+            "--forward-only",
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{fixture}: {err}");
+        let text = std::fs::read_to_string(&out).unwrap();
+        let routers: Vec<&str> = text.lines().filter(|l| l.contains(op)).collect();
+        assert!(!routers.is_empty(), "{fixture}: no `{op}` in the program");
+        for l in routers {
+            assert!(
+                l.contains(": f32["),
+                "{fixture}: the router runs in bf16: {l}"
+            );
+        }
+        assert!(text.contains(": bf16["), "{fixture}: nothing in bf16");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

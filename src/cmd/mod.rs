@@ -106,6 +106,22 @@ pub fn request(
     Ok(r)
 }
 
+/// The model's graph in `dtype`: a model built from a config is rebuilt in it, so the ops
+/// HF computes in f32 whatever the model's dtype (MoE routers, norms' upcasts) keep their
+/// casts; a `.weft` or `.pt2` program is converted by `convert-dtype` instead.
+pub fn graph_in_dtype(model: &Model, dtype: Option<weft_ir::DType>) -> CliResult<weft_ir::Graph> {
+    match (dtype, &model.config) {
+        (Some(d), Some(cfg)) if cfg.dtype != d => {
+            let mut cfg = cfg.clone();
+            cfg.dtype = d;
+            let m =
+                Model::from_config(&model.name, cfg, model.origin.clone()).map_err(frontend_err)?;
+            Ok(m.graph)
+        }
+        _ => Ok(model.graph.clone()),
+    }
+}
+
 /// A driver error in the CLI's format (its `help:` lines are part of the message).
 pub fn driver_err(e: weft_passes::driver::DriverError) -> CliError {
     CliError::input(e.to_string())

@@ -183,16 +183,8 @@ impl Gemm {
             // SAFETY: every descriptor is live; `result` is plain data cuBLASLt fills.
             let ok = unsafe {
                 let mut result: sys::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
-                sys::cublasLtMatmulAlgoCheck(
-                    self.handle,
-                    desc,
-                    la,
-                    lb,
-                    lc,
-                    lc,
-                    &algo,
-                    &mut result,
-                ) == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                sys::cublasLtMatmulAlgoCheck(self.handle, desc, la, lb, lc, lc, &algo, &mut result)
+                    == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
                     && result.workspaceSize <= self.workspace.bytes
             };
             if ok {
