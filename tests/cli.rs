@@ -386,6 +386,15 @@ fn dtype_flag_rebuilds_config_models_keeping_hf_f32_routers() {
             );
         }
         assert!(text.contains(": bf16["), "{fixture}: nothing in bf16");
+        for l in text
+            .lines()
+            .filter(|l| l.contains("e_score_correction_bias"))
+        {
+            assert!(
+                l.contains(": f32["),
+                "{fixture}: the bias buffer left f32: {l}"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

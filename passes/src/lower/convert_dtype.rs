@@ -1,10 +1,11 @@
 //! `convert-dtype`: run the model in another float dtype. Every float parameter, input
-//! and fill becomes the dtype `PassOptions::dtype` names; ops whose rules fix their own
+//! (but buffers, which HF keeps in f32) and fill becomes the dtype `PassOptions::dtype`
+//! names; ops whose rules fix their own
 //! output dtype (rope tables, losses in f32) keep it, because every node's type is
 //! re-inferred in program order from the converted leaves.
 
 use crate::pass::{Pass, PassContext, PassError, PassResult};
-use weft_ir::{Graph, Op};
+use weft_ir::{Graph, Op, Role};
 
 pub const NAME: &str = "convert-dtype";
 
@@ -31,7 +32,11 @@ impl Pass for ConvertDtype {
                         ty: ty.with_dtype(dtype),
                     })
                 }
-                Op::Input { name, role, ty } if ty.dtype.is_float() && ty.dtype != dtype => {
+                // Buffers keep their dtype: HF keeps them in f32 (DeepSeek-V3's
+                // `e_score_correction_bias` is in `_keep_in_fp32_modules_strict`).
+                Op::Input { name, role, ty }
+                    if ty.dtype.is_float() && ty.dtype != dtype && role != Role::Buffer =>
+                {
                     Some(Op::Input {
                         name,
                         role,
