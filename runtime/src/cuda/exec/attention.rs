@@ -116,6 +116,43 @@ fn mask_dims(mask: Option<&DevT>) -> (u64, i32, i32) {
     }
 }
 
+/// The arguments the generic forward and backward kernels share, in their order: the
+/// mask and its broadcast dims, head counts, sequence lengths, head dim, scale, causal,
+/// the statistics' stride (rows), window, value head dim, soft-cap and sinks.
+#[allow(clippy::too_many_arguments)]
+fn generic_shape_args(
+    q: &DevT,
+    k: &DevT,
+    v: &DevT,
+    mask: Option<&DevT>,
+    causal: bool,
+    scale: f32,
+    window: i64,
+    extras: &AttnExtras,
+) -> [Arg; 16] {
+    let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+    let (nkv, sk, dv) = (k.shape[1], k.shape[2], v.shape[3]);
+    let (mp, mb, mh) = mask_dims(mask);
+    [
+        Arg::P(mp),
+        Arg::I32(mb),
+        Arg::I32(mh),
+        Arg::I32(nq as i32),
+        Arg::I32(nkv as i32),
+        Arg::I64(sq as i64),
+        Arg::I64(sk as i64),
+        Arg::I32(d as i32),
+        Arg::F32(scale),
+        Arg::I32(causal as i32),
+        Arg::I64((b * nq * sq) as i64),
+        Arg::I64(window),
+        Arg::I32(dv as i32),
+        Arg::F32(extras.softcap),
+        Arg::P(extras.sinks),
+        Arg::I32(extras.sinks_f32 as i32),
+    ]
+}
+
 /// The cuDNN graph for this attention, when cuDNN is selected and can take it: bf16
 /// BHSD q/k/v, no mask, Sq == Sk, head dim a multiple of 8 up to 256, GQA or MHA.
 #[allow(clippy::too_many_arguments)]
@@ -334,7 +371,6 @@ fn attention_fwd_weft(
         lw.launch(l);
         return Ok(());
     }
-    let (mp, mb, mh) = mask_dims(mask);
     let name = kname("attn_fwd_generic", q.dtype)?;
     let grid = (sq.div_ceil(4) as u32, nq as u32, b as u32);
     let l = lw.gpu.launch(
@@ -348,24 +384,13 @@ fn attention_fwd_weft(
             Arg::P(q.ptr),
             Arg::P(k.ptr),
             Arg::P(v.ptr),
-            Arg::P(mp),
-            Arg::I32(mb),
-            Arg::I32(mh),
-            Arg::I32(nq as i32),
-            Arg::I32(nkv as i32),
-            Arg::I64(sq as i64),
-            Arg::I64(sk as i64),
-            Arg::I32(d as i32),
-            Arg::F32(scale),
-            Arg::I32(causal as i32),
-            Arg::I64((b * nq * sq) as i64),
-            Arg::I64(window),
-            Arg::I32(dv as i32),
-            Arg::F32(extras.softcap),
-            Arg::P(extras.sinks),
-            Arg::I32(extras.sinks_f32 as i32),
-            Arg::P(extras.lse_out),
-        ],
+        ]
+        .into_iter()
+        .chain(generic_shape_args(
+            q, k, v, mask, causal, scale, window, extras,
+        ))
+        .chain([Arg::P(extras.lse_out)])
+        .collect(),
     )?;
     lw.launch(l);
     Ok(())
@@ -562,7 +587,6 @@ pub(super) fn attention_bwd(
         }
         None => 0,
     };
-    let (mp, mb, mh) = mask_dims(mask);
     let name = kname("attn_bwd_generic", q.dtype)?;
     let l = lw.gpu.launch(
         name,
@@ -579,25 +603,13 @@ pub(super) fn attention_bwd(
             Arg::P(dout.ptr),
             Arg::P(lse),
             Arg::P(delta),
-            Arg::P(mp),
-            Arg::I32(mb),
-            Arg::I32(mh),
-            Arg::I32(nq as i32),
-            Arg::I32(nkv as i32),
-            Arg::I64(sq as i64),
-            Arg::I64(sk as i64),
-            Arg::I32(d as i32),
-            Arg::F32(scale),
-            Arg::I32(causal as i32),
-            Arg::I64(rows as i64),
-            Arg::I64(window),
-            Arg::I32(vd as i32),
-            Arg::F32(extras.softcap),
-            Arg::P(extras.sinks),
-            Arg::I32(extras.sinks_f32 as i32),
-            Arg::P(dsinks_acc),
-            Arg::P(extras.dlse),
-        ],
+        ]
+        .into_iter()
+        .chain(generic_shape_args(
+            q, k, v, mask, causal, scale, window, extras,
+        ))
+        .chain([Arg::P(dsinks_acc), Arg::P(extras.dlse)])
+        .collect(),
     )?;
     lw.launch(l);
     let to = |lw: &mut Lower, out: u64, dt: DType, acc: u64, n: u64| -> CudaResult<()> {
