@@ -80,31 +80,18 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             let (drows, dw) = moe_combine_grad(&ins[0], &ins[1], &ins[2], &ins[3])?;
             Ok(vec![drows, dw])
         }
+        // The host update (`host_adamw`) is the same AdamW on the same values (this
+        // runtime computes every float dtype in one precision, so the widening and
+        // rounding casts of the device path are identities here as well); it also
+        // returns the parameter in its own dtype, to reload.
         Op::AdamW {
             lr,
             beta1,
             beta2,
             eps,
             weight_decay,
-        } => {
-            let (p, m, v) = adamw(
-                &ins[0],
-                &ins[1],
-                &ins[2],
-                &ins[3],
-                &ins[4],
-                lr.0,
-                beta1.0,
-                beta2.0,
-                eps.0,
-                weight_decay.0,
-            )?;
-            Ok(vec![p, m, v])
         }
-        // The host update: the same AdamW on the same values (this runtime computes
-        // every float dtype in one precision, so the widening and rounding casts of the
-        // device path are identities here as well).
-        Op::HostAdamW {
+        | Op::HostAdamW {
             lr,
             beta1,
             beta2,
@@ -124,7 +111,11 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 eps.0,
                 weight_decay.0,
             )?;
-            Ok(vec![p.clone(), m, v, p])
+            Ok(if matches!(op, Op::HostAdamW { .. }) {
+                vec![p.clone(), m, v, p]
+            } else {
+                vec![p, m, v]
+            })
         }
         Op::Sgd {
             lr,
