@@ -5,6 +5,7 @@ heads, intermediate 8192, vocab 128256, tied embeddings, rope theta 500000), bf1
 Usage: python bench/torch_llama_step.py --seq 4096 --steps 8 [--compile] [--json out.json]
        [--window 4096 --attn sdpa|flex_attention]   (the same model as MistralForCausalLM
        with HF's sliding-window mask: SDPA with the materialized mask, or FlexAttention)
+       [--ckpt] [--save-on-cpu]   (HF checkpointing; saved activations in pinned host memory)
        [--config dir/config.json]   (any HF architecture instead, e.g. bench/deepseek_stack)
 Prints tokens/s (median step after warm-up) and peak memory.
 """
@@ -18,6 +19,7 @@ p.add_argument("--batch", type=int, default=1)
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--compile", action="store_true")
 p.add_argument("--ckpt", action="store_true", help="per-layer activation checkpointing (HF gradient_checkpointing)")
+p.add_argument("--save-on-cpu", action="store_true", help="keep saved activations in pinned host memory (torch.autograd.graph.save_on_cpu)")
 p.add_argument("--attn", default="sdpa")
 p.add_argument("--json", default=None)
 p.add_argument("--window", type=int, default=None, help="sliding window (MistralForCausalLM, same sizes)")
@@ -56,8 +58,10 @@ if a.compile:
     step_fn = torch.compile(model)
 ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device="cuda")
 
+import contextlib
 def step():
-    out = step_fn(input_ids=ids, labels=ids, use_cache=False)
+    with (torch.autograd.graph.save_on_cpu(pin_memory=True) if a.save_on_cpu else contextlib.nullcontext()):
+        out = step_fn(input_ids=ids, labels=ids, use_cache=False)
     out.loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -76,7 +80,7 @@ times.sort()
 med = times[len(times) // 2]
 tok = a.batch * a.seq / med
 peak = torch.cuda.max_memory_allocated() / 2**30
-res = {"impl": ("torch.compile" if a.compile else "torch eager") + (" + checkpointing" if a.ckpt else "") + (f" window {a.window} ({a.attn})" if a.window else ""), "seq": a.seq, "batch": a.batch, "median_step_s": med,
+res = {"impl": ("torch.compile" if a.compile else "torch eager") + (" + checkpointing" if a.ckpt else "") + (" + save_on_cpu" if a.save_on_cpu else "") + (f" window {a.window} ({a.attn})" if a.window else ""), "seq": a.seq, "batch": a.batch, "median_step_s": med,
        "tokens_per_s": tok, "first_step_s": first, "peak_gib": peak, "loss": float(loss), "torch": torch.__version__}
 print(json.dumps(res))
 if a.json:
