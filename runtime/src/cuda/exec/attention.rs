@@ -627,3 +627,68 @@ pub(super) fn attention_bwd(
     }
     Ok(())
 }
+
+/// `attention`: saves its per-row statistics for the backward, then runs the forward.
+pub(super) fn attention(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+    causal: &bool,
+    scale: &Float,
+    window: &Option<i64>,
+) -> CudaResult<()> {
+    let o = &outs[0];
+    let (mask, extras) = attention_parts(op, ins, outs).map_err(|why| {
+        lw.unsup(
+            "this attention",
+            &format!("its kernels do not implement {why}\nhelp: run with `--backend cpu`"),
+        )
+    })?;
+    // Per query row: the log-sum-exp (tensor-core path) or the max and the sum (generic).
+    let lse = lw
+        .ex
+        .side(8 * ins[0].shape[0] as u64 * ins[0].shape[1] as u64 * ins[0].shape[2] as u64);
+    lw.attn_lse.insert(o.ptr, lse);
+    attention_fwd(
+        lw,
+        &ins[0],
+        &ins[1],
+        &ins[2],
+        mask,
+        o,
+        lse,
+        *causal,
+        scale.0 as f32,
+        window.unwrap_or(0),
+        &extras,
+    )
+}
+
+/// `attention_grad`: dq, dk, dv (and the extras' gradients).
+pub(super) fn attention_grad(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+    causal: &bool,
+    scale: &Float,
+    window: &Option<i64>,
+) -> CudaResult<()> {
+    let (mask, extras) = attention_parts(op, ins, outs).map_err(|why| {
+        lw.unsup(
+            "this attention_grad",
+            &format!("its kernels do not implement {why}\nhelp: run with `--backend cpu`"),
+        )
+    })?;
+    attention_bwd(
+        lw,
+        ins,
+        mask,
+        outs,
+        *causal,
+        scale.0 as f32,
+        window.unwrap_or(0),
+        &extras,
+    )
+}
