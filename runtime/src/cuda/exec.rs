@@ -11,7 +11,8 @@ use super::cudnn_sdpa;
 use super::device::{err_flag_text, Arg, DevBuf, Event, Gpu, GpuOptions, Launch, Pinned, Stream};
 use super::error::{CudaError, CudaResult};
 use super::gemm::{Gemm, GemmShape};
-use super::layout::{self, code, fsuffix};
+use super::kernels::{self, Kernel, Shape};
+use super::layout::{self, fsuffix};
 use super::tuning::Tuning;
 use cudarc::driver::{result as dr, sys};
 use std::cell::RefCell;
@@ -944,17 +945,14 @@ impl Executor {
                     "a sharded master copy (ZeRO) is not initialised on the device yet",
                 ));
             }
-            let l = self.gpu.launch_n(
-                "cast_any",
-                d.numel(),
-                vec![
-                    Arg::P(d.ptr),
-                    Arg::I32(code(d.dtype)),
-                    Arg::P(s.ptr),
-                    Arg::I32(code(s.dtype)),
-                    Arg::I64(d.numel() as i64),
-                ],
-            )?;
+            let k = kernels::Cast {
+                out: d.ptr,
+                to: d.dtype,
+                input: s.ptr,
+                from: s.dtype,
+                n: d.numel() as i64,
+            };
+            let l = self.gpu.launch_n("cast_any", d.numel(), k.args())?;
             l.enqueue(self.streams[0].0)?;
         }
         self.gpu.sync()
@@ -1416,18 +1414,15 @@ impl Executor {
             } else {
                 (std, 0.0)
             };
-            let l = self.gpu.launch_n(
-                "init_normal_any",
-                t.numel(),
-                vec![
-                    Arg::P(t.ptr),
-                    Arg::I32(code(t.dtype)),
-                    Arg::I64(t.numel() as i64),
-                    Arg::U64(seed.wrapping_mul(1_000_003).wrapping_add(i as u64)),
-                    Arg::F32(s),
-                    Arg::F32(mean),
-                ],
-            )?;
+            let k = kernels::InitNormal {
+                out: t.ptr,
+                code: t.dtype,
+                n: t.numel() as i64,
+                seed: seed.wrapping_mul(1_000_003).wrapping_add(i as u64),
+                stdv: s,
+                mean,
+            };
+            let l = self.gpu.launch_n("init_normal_any", t.numel(), k.args())?;
             l.enqueue(self.streams[0].0)?;
         }
         self.gpu.sync()?;

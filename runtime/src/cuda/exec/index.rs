@@ -14,21 +14,16 @@ pub(super) fn embedding(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResu
     }
     let h = w.shape[1] as u64;
     let name = kname("embedding", w.dtype)?;
-    lw.rows(
-        name,
-        ids.numel(),
-        128,
-        0,
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(ids.ptr),
-            Arg::P(w.ptr),
-            Arg::I64(ids.numel() as i64),
-            Arg::I64(h as i64),
-            Arg::I64(w.shape[0] as i64),
-            Arg::P(err),
-        ],
-    )
+    let k = kernels::Embedding {
+        out: o.ptr,
+        ids: ids.ptr,
+        w: w.ptr,
+        ntok: ids.numel() as i64,
+        h: h as i64,
+        vocab: w.shape[0] as i64,
+        err,
+    };
+    lw.run(name, ids.numel(), k)
 }
 
 /// `embedding_grad`: dy rows added into a zeroed table.
@@ -39,21 +34,16 @@ pub(super) fn embedding_grad(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> Cud
     let h = *dy.shape.last().unwrap() as i64;
     lw.memset(o.ptr, o.bytes());
     let name = kname("embedding_bwd", o.dtype)?;
-    lw.rows(
-        name,
-        ids.numel(),
-        256,
-        0,
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(ids.ptr),
-            Arg::P(dy.ptr),
-            Arg::I64(ids.numel() as i64),
-            Arg::I64(h),
-            Arg::I64(o.shape[0] as i64),
-            Arg::P(err),
-        ],
-    )
+    let k = kernels::EmbeddingBwd {
+        dw: o.ptr,
+        ids: ids.ptr,
+        dy: dy.ptr,
+        ntok: ids.numel() as i64,
+        h,
+        vocab: o.shape[0] as i64,
+        err,
+    };
+    lw.run(name, ids.numel(), k)
 }
 
 /// `gather` along `dim` (i64 indices).
@@ -72,25 +62,22 @@ pub(super) fn gather(lw: &mut Lower, ins: &[DevT], outs: &[DevT], dim: &i64) -> 
         ss: [0; 8],
         ds: [0; 8],
     };
-    for i in 0..idx.rank() {
-        st.shape[i] = idx.shape[i] as i64;
+    for (i, &size) in idx.shape.iter().enumerate() {
+        st.shape[i] = size as i64;
         st.ss[i] = xs[i];
     }
-    lw.n(
-        "gather_any",
-        o.numel(),
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(x.ptr),
-            Arg::P(idx.ptr),
-            Arg::I32(esz(o.dtype) as i32),
-            Arg::I64(o.numel() as i64),
-            Arg::blob(&st),
-            Arg::I32(d as i32),
-            Arg::I64(x.shape[d] as i64),
-            Arg::P(err),
-        ],
-    )
+    let k = kernels::Gather {
+        out: o.ptr,
+        x: x.ptr,
+        idx: idx.ptr,
+        esz: esz(o.dtype) as i32,
+        n: o.numel() as i64,
+        st,
+        d: d as i32,
+        xd: x.shape[d] as i64,
+        err,
+    };
+    lw.run("gather_any", o.numel(), k)
 }
 
 /// `index_select` along `dim`.
@@ -106,22 +93,19 @@ pub(super) fn index_select(
     let d = norm(*dim, x.rank())?;
     let outer: usize = x.shape[..d].iter().product();
     let inner: usize = x.shape[d + 1..].iter().product();
-    lw.n(
-        "index_select_any",
-        o.numel(),
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(x.ptr),
-            Arg::P(idx.ptr),
-            Arg::I32(code(idx.dtype)),
-            Arg::I32(esz(o.dtype) as i32),
-            Arg::I64(outer as i64),
-            Arg::I64(x.shape[d] as i64),
-            Arg::I64(idx.numel() as i64),
-            Arg::I64(inner as i64),
-            Arg::P(err),
-        ],
-    )
+    let k = kernels::IndexSelect {
+        out: o.ptr,
+        x: x.ptr,
+        idx: idx.ptr,
+        icode: idx.dtype,
+        esz: esz(o.dtype) as i32,
+        outer: outer as i64,
+        nx: x.shape[d] as i64,
+        m: idx.numel() as i64,
+        inner: inner as i64,
+        err,
+    };
+    lw.run("index_select_any", o.numel(), k)
 }
 
 /// `scatter_add` along `dim` into a copy of `dst`.
@@ -143,25 +127,22 @@ pub(super) fn scatter_add(
         ss: [0; 8],
         ds: [0; 8],
     };
-    for i in 0..src.rank() {
-        st.shape[i] = src.shape[i] as i64;
+    for (i, &size) in src.shape.iter().enumerate() {
+        st.shape[i] = size as i64;
         st.ds[i] = os[i];
     }
     let name = kname("scatter_add", o.dtype)?;
-    lw.n(
-        name,
-        src.numel(),
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(idx.ptr),
-            Arg::P(src.ptr),
-            Arg::I64(src.numel() as i64),
-            Arg::blob(&st),
-            Arg::I32(d as i32),
-            Arg::I64(o.shape[d] as i64),
-            Arg::P(err),
-        ],
-    )
+    let k = kernels::ScatterAdd {
+        out: o.ptr,
+        idx: idx.ptr,
+        src: src.ptr,
+        n: src.numel() as i64,
+        st,
+        d: d as i32,
+        od: o.shape[d] as i64,
+        err,
+    };
+    lw.run(name, src.numel(), k)
 }
 
 /// `topk` along the last dim: values and i64 indices.
@@ -178,21 +159,18 @@ pub(super) fn topk(
         return Err(lw.unsup("topk along a dim other than the last", "transpose first"));
     }
     let n = x.shape[d] as u64;
-    let rows = if n == 0 { 0 } else { x.numel() / n };
-    lw.n(
-        "topk_any",
-        rows,
-        vec![
-            Arg::P(outs[0].ptr),
-            Arg::I32(code(outs[0].dtype)),
-            Arg::P(outs[1].ptr),
-            Arg::P(x.ptr),
-            Arg::I32(code(x.dtype)),
-            Arg::I64(rows as i64),
-            Arg::I64(n as i64),
-            Arg::I32(*k as i32),
-        ],
-    )
+    let rows = x.numel().checked_div(n).unwrap_or(0);
+    let kernel = kernels::Topk {
+        vals: outs[0].ptr,
+        vcode: outs[0].dtype,
+        idx: outs[1].ptr,
+        x: x.ptr,
+        xcode: x.dtype,
+        rows: rows as i64,
+        n: n as i64,
+        k: *k as i32,
+    };
+    lw.run("topk_any", rows, kernel)
 }
 
 /// `one_hot`.
@@ -205,16 +183,13 @@ pub(super) fn one_hot(
     let o = &outs[0];
     let err = lw.gpu.err_flag.ptr;
     let idx = &ins[0];
-    lw.n(
-        "one_hot",
-        o.numel(),
-        vec![
-            Arg::P(o.ptr),
-            Arg::I32(code(o.dtype)),
-            Arg::P(idx.ptr),
-            Arg::I64(idx.numel() as i64),
-            Arg::I64(*num_classes),
-            Arg::P(err),
-        ],
-    )
+    let k = kernels::OneHot {
+        out: o.ptr,
+        ocode: o.dtype,
+        idx: idx.ptr,
+        n: idx.numel() as i64,
+        classes: *num_classes,
+        err,
+    };
+    lw.run("one_hot", o.numel(), k)
 }

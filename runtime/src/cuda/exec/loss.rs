@@ -14,18 +14,15 @@ pub(super) fn shift_labels(
     let o = &outs[0];
     let l = &ins[0];
     let n = *l.shape.last().unwrap_or(&1) as i64;
-    let rows = if n == 0 { 0 } else { l.numel() as i64 / n };
-    lw.n(
-        "shift_labels",
-        l.numel(),
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(l.ptr),
-            Arg::I64(rows),
-            Arg::I64(n),
-            Arg::I64(*ignore_index),
-        ],
-    )
+    let rows = (l.numel() as i64).checked_div(n).unwrap_or(0);
+    let k = kernels::ShiftLabels {
+        out: o.ptr,
+        l: l.ptr,
+        rows,
+        n,
+        ignore: *ignore_index,
+    };
+    lw.run("shift_labels", l.numel(), k)
 }
 
 /// `count_valid`: how many labels are not `ignore_index`.
@@ -37,21 +34,14 @@ pub(super) fn count_valid(
 ) -> CudaResult<()> {
     let o = &outs[0];
     let l = &ins[0];
-    let lp = lw.gpu.launch(
-        "count_valid",
-        (1, 1, 1),
-        (1024, 1, 1),
-        0,
-        vec![
-            Arg::P(o.ptr),
-            Arg::I32(code(o.dtype)),
-            Arg::P(l.ptr),
-            Arg::I64(l.numel() as i64),
-            Arg::I64(*ignore_index),
-        ],
-    )?;
-    lw.launch(lp);
-    Ok(())
+    let k = kernels::CountValid {
+        out: o.ptr,
+        ocode: o.dtype,
+        l: l.ptr,
+        n: l.numel() as i64,
+        ignore: *ignore_index,
+    };
+    lw.run("count_valid", 1, k)
 }
 
 /// `cross_entropy`: per-row losses, then their sum or mean.
@@ -75,35 +65,27 @@ pub(super) fn cross_entropy(
     let lse = lw.ex.side(rows * 4);
     lw.ce_lse.insert((x.ptr, l.ptr), lse);
     let name = kname("ce_rows", x.dtype)?;
-    lw.rows(
-        name,
-        rows,
-        512,
-        0,
-        vec![
-            Arg::P(per_row),
-            Arg::P(lse),
-            Arg::P(x.ptr),
-            Arg::P(l.ptr),
-            Arg::I64(rows as i64),
-            Arg::I64(v as i64),
-            Arg::I64(*ignore_index),
-            Arg::P(err),
-        ],
-    )?;
+    let k = kernels::CeRows {
+        loss: per_row,
+        lse,
+        logits: x.ptr,
+        labels: l.ptr,
+        rows: rows as i64,
+        v: v as i64,
+        ignore: *ignore_index,
+        err,
+    };
+    lw.run(name, rows, k)?;
     match reduction {
         Reduction::None => {
             if per_row != o.ptr {
-                lw.n(
-                    "f32_to_any",
-                    rows,
-                    vec![
-                        Arg::P(o.ptr),
-                        Arg::I32(code(o.dtype)),
-                        Arg::P(per_row),
-                        Arg::I64(rows as i64),
-                    ],
-                )?;
+                let k = kernels::F32To {
+                    out: o.ptr,
+                    ocode: o.dtype,
+                    input: per_row,
+                    n: rows as i64,
+                };
+                lw.run("f32_to_any", rows, k)?;
             }
             Ok(())
         }
@@ -113,24 +95,17 @@ pub(super) fn cross_entropy(
             } else {
                 0
             };
-            let lp = lw.gpu.launch(
-                "sum_f32",
-                (1, 1, 1),
-                (1024, 1, 1),
-                0,
-                vec![
-                    Arg::P(o.ptr),
-                    Arg::I32(code(o.dtype)),
-                    Arg::P(per_row),
-                    Arg::I64(rows as i64),
-                    Arg::F32(1.0),
-                    Arg::P(labels),
-                    Arg::I64(rows as i64),
-                    Arg::I64(*ignore_index),
-                ],
-            )?;
-            lw.launch(lp);
-            Ok(())
+            let k = kernels::SumF32 {
+                out: o.ptr,
+                ocode: o.dtype,
+                input: per_row,
+                n: rows as i64,
+                scale: 1.0,
+                labels,
+                nl: rows as i64,
+                ignore: *ignore_index,
+            };
+            lw.run("sum_f32", 1, k)
         }
     }
 }
@@ -154,20 +129,14 @@ pub(super) fn cross_entropy_grad(
     };
     let count = if mode == 2 {
         let c = lw.ex.scratch(lw.stream, 4);
-        let lp = lw.gpu.launch(
-            "count_valid",
-            (1, 1, 1),
-            (1024, 1, 1),
-            0,
-            vec![
-                Arg::P(c),
-                Arg::I32(0),
-                Arg::P(l.ptr),
-                Arg::I64(rows as i64),
-                Arg::I64(*ignore_index),
-            ],
-        )?;
-        lw.launch(lp);
+        let k = kernels::CountValid {
+            out: c,
+            ocode: DType::F32,
+            l: l.ptr,
+            n: rows as i64,
+            ignore: *ignore_index,
+        };
+        lw.run("count_valid", 1, k)?;
         c
     } else {
         0
@@ -176,43 +145,33 @@ pub(super) fn cross_entropy_grad(
         lw.ce_lse.get(&(x.ptr, l.ptr)),
         vec8(o, &[o, x]) && v.is_multiple_of(8),
     ) {
-        return lw.rows(
-            "ce_bwd_lse8_bf16",
-            rows,
-            512,
-            0,
-            vec![
-                Arg::P(o.ptr),
-                Arg::P(x.ptr),
-                Arg::P(l.ptr),
-                Arg::P(lse),
-                Arg::P(dl.ptr),
-                Arg::I32(code(dl.dtype)),
-                Arg::I32(mode),
-                Arg::P(count),
-                Arg::I64(rows as i64),
-                Arg::I64(v as i64 / 8),
-                Arg::I64(*ignore_index),
-            ],
-        );
+        let k = kernels::CeBwdLse8 {
+            dx: o.ptr,
+            logits: x.ptr,
+            labels: l.ptr,
+            lse,
+            dloss: dl.ptr,
+            dcode: dl.dtype,
+            mode,
+            count,
+            rows: rows as i64,
+            v8: v as i64 / 8,
+            ignore: *ignore_index,
+        };
+        return lw.run("ce_bwd_lse8_bf16", rows, k);
     }
     let name = kname("ce_bwd", x.dtype)?;
-    lw.rows(
-        name,
-        rows,
-        512,
-        0,
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(x.ptr),
-            Arg::P(l.ptr),
-            Arg::P(dl.ptr),
-            Arg::I32(code(dl.dtype)),
-            Arg::I32(mode),
-            Arg::P(count),
-            Arg::I64(rows as i64),
-            Arg::I64(v as i64),
-            Arg::I64(*ignore_index),
-        ],
-    )
+    let k = kernels::CeBwd {
+        dx: o.ptr,
+        logits: x.ptr,
+        labels: l.ptr,
+        dloss: dl.ptr,
+        dcode: dl.dtype,
+        mode,
+        count,
+        rows: rows as i64,
+        v: v as i64,
+        ignore: *ignore_index,
+    };
+    lw.run(name, rows, k)
 }

@@ -155,6 +155,43 @@ impl Lower<'_> {
         self.launch(l);
         Ok(())
     }
+    /// Launches kernel `name` (an instance of one of `K::SOURCES`) with the arguments of
+    /// `k`, its grid from `count` as `K::SHAPE` says.
+    pub(super) fn run<K: Kernel>(
+        &mut self,
+        name: &'static str,
+        count: u64,
+        k: K,
+    ) -> CudaResult<()> {
+        debug_assert!(K::launches(name), "`{name}` is not one of {:?}", K::SOURCES);
+        match K::SHAPE {
+            Shape::Items => self.n(name, count, k.args()),
+            Shape::Rows(block) => self.rows(name, count, block, 0, k.args()),
+            Shape::Warps => self.warps(name, count, k.args()),
+            Shape::Single(block) => {
+                let l = self
+                    .gpu
+                    .launch(name, (1, 1, 1), (block, 1, 1), 0, k.args())?;
+                self.launch(l);
+                Ok(())
+            }
+            Shape::Custom => Err(self.unsup(name, "internal: launched without its grid")),
+        }
+    }
+    /// Launches kernel `name` with the arguments of `k` on the grid the call site chose.
+    pub(super) fn run_at<K: Kernel>(
+        &mut self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        k: K,
+    ) -> CudaResult<()> {
+        debug_assert!(K::launches(name), "`{name}` is not one of {:?}", K::SOURCES);
+        let l = self.gpu.launch(name, grid, block, smem, k.args())?;
+        self.launch(l);
+        Ok(())
+    }
     pub(super) fn unsup(&self, what: &str, why: &str) -> CudaError {
         CudaError::unsupported(what.to_string(), self.location.clone(), why.to_string())
     }
@@ -181,11 +218,12 @@ impl Lower<'_> {
             4 => "fill_b4",
             _ => "fill_b8",
         };
-        self.n(
-            name,
-            t.numel(),
-            vec![Arg::P(t.ptr), Arg::I64(t.numel() as i64), Arg::U64(pat)],
-        )
+        let k = kernels::Fill {
+            out: t.ptr,
+            n: t.numel() as i64,
+            pat,
+        };
+        self.run(name, t.numel(), k)
     }
     /// `dst[ds . i] = src[ss . i]` over `shape` (element offsets applied to the pointers).
     pub(super) fn strided(
@@ -215,16 +253,13 @@ impl Lower<'_> {
             8 => "copy_strided_b8",
             _ => "copy_strided_b16",
         };
-        self.n(
-            name,
-            count,
-            vec![
-                Arg::P(dst),
-                Arg::P(src),
-                Arg::I64(count as i64),
-                Arg::blob(&st),
-            ],
-        )
+        let k = kernels::CopyStrided {
+            d: dst,
+            s: src,
+            n: count as i64,
+            st,
+        };
+        self.run(name, count, k)
     }
     pub(super) fn gemm(&mut self, shape: GemmShape, a: u64, b: u64, c: u64, bias: u64) {
         self.push(StepKind::Gemm {
@@ -269,38 +304,46 @@ pub(super) fn lower_op(
     bindings: &Bindings,
 ) -> CudaResult<()> {
     use elementwise::{binary, unary};
+    use kernels::{BinaryCode, ReduceCode, UnaryCode};
     match op {
         Op::Param { .. } | Op::Input { .. } => Ok(()),
         Op::Full { value, .. } => lw.fill(&outs[0], value.0),
         Op::Arange { start, .. } => elementwise::arange(lw, outs, start, bindings),
-        Op::Neg {} => unary(lw, ins, outs, 0, 0.0),
-        Op::Exp {} => unary(lw, ins, outs, 1, 0.0),
-        Op::Log {} => unary(lw, ins, outs, 2, 0.0),
-        Op::Sqrt {} => unary(lw, ins, outs, 3, 0.0),
-        Op::Rsqrt {} => unary(lw, ins, outs, 4, 0.0),
-        Op::Tanh {} => unary(lw, ins, outs, 5, 0.0),
-        Op::Sigmoid {} => unary(lw, ins, outs, 6, 0.0),
-        Op::Silu {} => unary(lw, ins, outs, 7, 0.0),
-        Op::Gelu { tanh_approx } => unary(lw, ins, outs, if *tanh_approx { 9 } else { 8 }, 0.0),
-        Op::Relu {} => unary(lw, ins, outs, 10, 0.0),
-        Op::Scale { factor } => unary(lw, ins, outs, 11, factor.0 as f32),
-        Op::AddScalar { value } => unary(lw, ins, outs, 12, value.0 as f32),
-        Op::PowScalar { exponent } => unary(lw, ins, outs, 13, exponent.0 as f32),
-        Op::Add {} => binary(lw, ins, outs, 0),
-        Op::Sub {} => binary(lw, ins, outs, 1),
-        Op::Mul {} => binary(lw, ins, outs, 2),
-        Op::Div {} => binary(lw, ins, outs, 3),
-        Op::Pow {} => binary(lw, ins, outs, 4),
-        Op::Maximum {} => binary(lw, ins, outs, 5),
-        Op::Minimum {} => binary(lw, ins, outs, 6),
+        Op::Neg {} => unary(lw, ins, outs, UnaryCode::Neg, 0.0),
+        Op::Exp {} => unary(lw, ins, outs, UnaryCode::Exp, 0.0),
+        Op::Log {} => unary(lw, ins, outs, UnaryCode::Log, 0.0),
+        Op::Sqrt {} => unary(lw, ins, outs, UnaryCode::Sqrt, 0.0),
+        Op::Rsqrt {} => unary(lw, ins, outs, UnaryCode::Rsqrt, 0.0),
+        Op::Tanh {} => unary(lw, ins, outs, UnaryCode::Tanh, 0.0),
+        Op::Sigmoid {} => unary(lw, ins, outs, UnaryCode::Sigmoid, 0.0),
+        Op::Silu {} => unary(lw, ins, outs, UnaryCode::Silu, 0.0),
+        Op::Gelu { tanh_approx } => {
+            let code = if *tanh_approx {
+                UnaryCode::GeluTanh
+            } else {
+                UnaryCode::Gelu
+            };
+            unary(lw, ins, outs, code, 0.0)
+        }
+        Op::Relu {} => unary(lw, ins, outs, UnaryCode::Relu, 0.0),
+        Op::Scale { factor } => unary(lw, ins, outs, UnaryCode::Scale, factor.0 as f32),
+        Op::AddScalar { value } => unary(lw, ins, outs, UnaryCode::AddScalar, value.0 as f32),
+        Op::PowScalar { exponent } => unary(lw, ins, outs, UnaryCode::PowScalar, exponent.0 as f32),
+        Op::Add {} => binary(lw, ins, outs, BinaryCode::Add),
+        Op::Sub {} => binary(lw, ins, outs, BinaryCode::Sub),
+        Op::Mul {} => binary(lw, ins, outs, BinaryCode::Mul),
+        Op::Div {} => binary(lw, ins, outs, BinaryCode::Div),
+        Op::Pow {} => binary(lw, ins, outs, BinaryCode::Pow),
+        Op::Maximum {} => binary(lw, ins, outs, BinaryCode::Maximum),
+        Op::Minimum {} => binary(lw, ins, outs, BinaryCode::Minimum),
         Op::Compare { op } => elementwise::compare(lw, ins, outs, *op),
         Op::Where {} => elementwise::select(lw, ins, outs),
         Op::Cast { .. } => elementwise::cast(lw, ins, outs),
         Op::SiluGrad {} => elementwise::silu_grad(lw, ins, outs),
         Op::GeluGrad { tanh_approx } => elementwise::gelu_grad(lw, ins, outs, *tanh_approx),
-        Op::Sum { dims, .. } => reduce::reduce(lw, ins, outs, dims, 0),
-        Op::Mean { dims, .. } => reduce::reduce(lw, ins, outs, dims, 1),
-        Op::Max { dims, .. } => reduce::reduce(lw, ins, outs, dims, 2),
+        Op::Sum { dims, .. } => reduce::reduce(lw, ins, outs, dims, ReduceCode::Sum),
+        Op::Mean { dims, .. } => reduce::reduce(lw, ins, outs, dims, ReduceCode::Mean),
+        Op::Max { dims, .. } => reduce::reduce(lw, ins, outs, dims, ReduceCode::Max),
         Op::Softmax { dim } => reduce::softmax(lw, ins, outs, *dim, false),
         Op::LogSoftmax { dim } => reduce::softmax(lw, ins, outs, *dim, true),
         Op::SoftmaxGrad { dim } => reduce::softmax_grad(lw, ins, outs, *dim),

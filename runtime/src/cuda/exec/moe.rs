@@ -17,35 +17,32 @@ pub(super) fn moe_dispatch(
     let tk = e.numel();
     let k = if e.rank() == 2 { e.shape[1] } else { 1 };
     let ne = *num_experts as u32;
-    let lp = lw.gpu.launch(
+    let route = kernels::MoeRoute {
+        counts: counts.ptr,
+        order: order.ptr,
+        eidx: e.ptr,
+        tk: tk as i64,
+        e: ne as i32,
+        err,
+    };
+    lw.run_at(
         "moe_route",
         (1, 1, 1),
         (ne.clamp(32, 1024), 1, 1),
         ne * 8,
-        vec![
-            Arg::P(counts.ptr),
-            Arg::P(order.ptr),
-            Arg::P(e.ptr),
-            Arg::I64(tk as i64),
-            Arg::I32(ne as i32),
-            Arg::P(err),
-        ],
+        route,
     )?;
-    lw.launch(lp);
     let h = x.shape[1] as i64;
     let name = kname("moe_gather", x.dtype)?;
-    lw.n(
-        name,
-        rows.numel(),
-        vec![
-            Arg::P(rows.ptr),
-            Arg::P(x.ptr),
-            Arg::P(order.ptr),
-            Arg::I64(tk as i64),
-            Arg::I32(k as i32),
-            Arg::I64(h),
-        ],
-    )
+    let gather = kernels::MoeGather {
+        rows: rows.ptr,
+        x: x.ptr,
+        order: order.ptr,
+        r: tk as i64,
+        k: k as i32,
+        h,
+    };
+    lw.run(name, rows.numel(), gather)
 }
 
 /// `moe_combine`: each token the weighted sum of its expert rows.
@@ -56,37 +53,32 @@ pub(super) fn moe_combine(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaRe
     let (t, k) = (w.shape[0], w.shape[1]);
     let tk = (t * k) as u64;
     let inv = lw.ex.scratch(lw.stream, tk * 4);
-    lw.n(
-        "fill_i32",
-        tk,
-        vec![Arg::P(inv), Arg::I64(tk as i64), Arg::I32(-1)],
-    )?;
-    lw.n(
-        "moe_inverse",
-        rows.shape[0] as u64,
-        vec![
-            Arg::P(inv),
-            Arg::P(order.ptr),
-            Arg::I64(rows.shape[0] as i64),
-            Arg::I64(tk as i64),
-            Arg::P(err),
-        ],
-    )?;
+    let fill = kernels::FillI32 {
+        out: inv,
+        n: tk as i64,
+        v: -1,
+    };
+    lw.run("fill_i32", tk, fill)?;
+    let inverse = kernels::MoeInverse {
+        inv,
+        order: order.ptr,
+        r: rows.shape[0] as i64,
+        tk: tk as i64,
+        err,
+    };
+    lw.run("moe_inverse", rows.shape[0] as u64, inverse)?;
     let name = kname("moe_combine", o.dtype)?;
-    lw.n(
-        name,
-        o.numel(),
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(rows.ptr),
-            Arg::P(inv),
-            Arg::P(w.ptr),
-            Arg::I32(code(w.dtype)),
-            Arg::I64(t as i64),
-            Arg::I32(k as i32),
-            Arg::I64(rows.shape[1] as i64),
-        ],
-    )
+    let combine = kernels::MoeCombine {
+        out: o.ptr,
+        rows: rows.ptr,
+        inv,
+        w: w.ptr,
+        wcode: w.dtype,
+        ntok: t as i64,
+        k: k as i32,
+        h: rows.shape[1] as i64,
+    };
+    lw.run(name, o.numel(), combine)
 }
 
 /// `moe_combine_grad`: d rows and d weights.
@@ -95,19 +87,16 @@ pub(super) fn moe_combine_grad(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> C
     let k = w.shape[1];
     lw.memset(outs[1].ptr, outs[1].bytes());
     let name = kname("moe_combine_bwd", rows.dtype)?;
-    lw.warps(
-        name,
-        rows.shape[0] as u64,
-        vec![
-            Arg::P(outs[0].ptr),
-            Arg::P(outs[1].ptr),
-            Arg::P(rows.ptr),
-            Arg::P(order.ptr),
-            Arg::P(w.ptr),
-            Arg::P(dy.ptr),
-            Arg::I64(rows.shape[0] as i64),
-            Arg::I32(k as i32),
-            Arg::I64(rows.shape[1] as i64),
-        ],
-    )
+    let bwd = kernels::MoeCombineBwd {
+        drows: outs[0].ptr,
+        dweights: outs[1].ptr,
+        rows: rows.ptr,
+        order: order.ptr,
+        w: w.ptr,
+        dy: dy.ptr,
+        r: rows.shape[0] as i64,
+        k: k as i32,
+        h: rows.shape[1] as i64,
+    };
+    lw.run(name, rows.shape[0] as u64, bwd)
 }

@@ -13,7 +13,7 @@ pub(super) fn adamw(
     let (p, g, m, v, step) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
     let n = p.numel();
     let aligned = |ps: &[u64]| n % 8 == 0 && ps.iter().all(|x| x % 16 == 0);
-    let hyper = hyper.map(|x| Arg::F32(x.0 as f32));
+    let [lr, b1, b2, eps, wd] = hyper.map(|x| x.0 as f32);
     if let Some((glow, pout, low)) = lw.fused_adamw {
         let ptrs = [
             pout,
@@ -30,14 +30,25 @@ pub(super) fn adamw(
         } else {
             (kname("adamw_master", low)?, n)
         };
-        let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
-        args.extend([
-            Arg::P(step.ptr),
-            Arg::I32(code(step.dtype)),
-            Arg::I64(items as i64),
-        ]);
-        args.extend(hyper);
-        return lw.n(name, items, args);
+        let k = kernels::AdamWMaster {
+            pout,
+            wo: outs[0].ptr,
+            mo: outs[1].ptr,
+            vo: outs[2].ptr,
+            w: p.ptr,
+            g: glow,
+            m: m.ptr,
+            v: v.ptr,
+            step: step.ptr,
+            scode: step.dtype,
+            n: items as i64,
+            lr,
+            b1,
+            b2,
+            eps,
+            wd,
+        };
+        return lw.run(name, items, k);
     }
     if g.dtype != p.dtype || m.dtype != v.dtype {
         return Err(lw.unsup(
@@ -64,14 +75,24 @@ pub(super) fn adamw(
         );
         (intern(&name), n)
     };
-    let mut args: Vec<Arg> = ptrs.into_iter().map(Arg::P).collect();
-    args.extend([
-        Arg::P(step.ptr),
-        Arg::I32(code(step.dtype)),
-        Arg::I64(items as i64),
-    ]);
-    args.extend(hyper);
-    lw.n(name, items, args)
+    let k = kernels::AdamW {
+        po: outs[0].ptr,
+        mo: outs[1].ptr,
+        vo: outs[2].ptr,
+        p: p.ptr,
+        g: g.ptr,
+        m: m.ptr,
+        v: v.ptr,
+        step: step.ptr,
+        scode: step.dtype,
+        n: items as i64,
+        lr,
+        b1,
+        b2,
+        eps,
+        wd,
+    };
+    lw.run(name, items, k)
 }
 
 /// `sgd` (momentum buffer optional).
@@ -89,19 +110,16 @@ pub(super) fn sgd(
         Some(b) => (b.ptr, outs[1].ptr),
         None => (0, 0),
     };
-    lw.n(
-        name,
-        p.numel(),
-        vec![
-            Arg::P(outs[0].ptr),
-            Arg::P(bo),
-            Arg::P(p.ptr),
-            Arg::P(g.ptr),
-            Arg::P(buf),
-            Arg::I64(p.numel() as i64),
-            Arg::F32(lr.0 as f32),
-            Arg::F32(momentum.0 as f32),
-            Arg::F32(weight_decay.0 as f32),
-        ],
-    )
+    let k = kernels::Sgd {
+        po: outs[0].ptr,
+        bo,
+        p: p.ptr,
+        g: g.ptr,
+        buf,
+        n: p.numel() as i64,
+        lr: lr.0 as f32,
+        mu: momentum.0 as f32,
+        wd: weight_decay.0 as f32,
+    };
+    lw.run(name, p.numel(), k)
 }

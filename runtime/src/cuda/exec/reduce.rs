@@ -2,14 +2,15 @@
 //! of softmax / log-softmax and their backward along the last dim (one block per row).
 
 use super::*;
+use kernels::ReduceCode;
 
-/// `sum` / `mean` / `max` over `dims` (`c`: 0 sum, 1 mean, 2 max).
+/// `sum` / `mean` / `max` (`code`) over `dims`.
 pub(super) fn reduce(
     lw: &mut Lower,
     ins: &[DevT],
     outs: &[DevT],
     dims: &[i64],
-    c: i32,
+    code: ReduceCode,
 ) -> CudaResult<()> {
     let o = &outs[0];
     let x = &ins[0];
@@ -33,18 +34,15 @@ pub(super) fn reduce(
             "output dtype differs from input",
         ));
     }
-    lw.warps(
-        name,
-        nout,
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(x.ptr),
-            Arg::I64(nout as i64),
-            Arg::I64(nred as i64),
-            Arg::I32(c),
-            Arg::blob(&rd),
-        ],
-    )
+    let k = kernels::Reduce {
+        out: o.ptr,
+        input: x.ptr,
+        nout: nout as i64,
+        nred: nred as i64,
+        code,
+        rd,
+    };
+    lw.run(name, nout, k)
 }
 
 /// `softmax` / `log_softmax` along the last dim.
@@ -62,22 +60,16 @@ pub(super) fn softmax(
         return Err(lw.unsup("softmax along a dim other than the last", "transpose first"));
     }
     let n = *x.shape.last().unwrap() as u64;
-    let rows = if n == 0 { 0 } else { x.numel() / n };
+    let rows = x.numel().checked_div(n).unwrap_or(0);
     let name = kname("softmax", x.dtype)?;
-    let logsm = log as i32;
-    lw.rows(
-        name,
-        rows,
-        256,
-        0,
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(x.ptr),
-            Arg::I64(rows as i64),
-            Arg::I64(n as i64),
-            Arg::I32(logsm),
-        ],
-    )
+    let k = kernels::Softmax {
+        out: o.ptr,
+        input: x.ptr,
+        rows: rows as i64,
+        n: n as i64,
+        logsm: log as i32,
+    };
+    lw.run(name, rows, k)
 }
 
 /// `softmax_grad` along the last dim: dx from y and dy.
@@ -96,19 +88,14 @@ pub(super) fn softmax_grad(
         ));
     }
     let n = *y.shape.last().unwrap() as u64;
-    let rows = if n == 0 { 0 } else { y.numel() / n };
+    let rows = y.numel().checked_div(n).unwrap_or(0);
     let name = kname("softmax_bwd", y.dtype)?;
-    lw.rows(
-        name,
-        rows,
-        256,
-        0,
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(y.ptr),
-            Arg::P(ins[1].ptr),
-            Arg::I64(rows as i64),
-            Arg::I64(n as i64),
-        ],
-    )
+    let k = kernels::SoftmaxBwd {
+        dx: o.ptr,
+        y: y.ptr,
+        dy: ins[1].ptr,
+        rows: rows as i64,
+        n: n as i64,
+    };
+    lw.run(name, rows, k)
 }

@@ -19,21 +19,18 @@ pub(super) fn rope_table(
     let invp = lw.ex.constant(&bytes);
     let pos = &ins[0];
     let half = (*dim / 2) as i32;
-    lw.n(
-        "rope_table",
-        o.numel(),
-        vec![
-            Arg::P(outs[0].ptr),
-            Arg::P(outs[1].ptr),
-            Arg::I32(code(o.dtype)),
-            Arg::P(pos.ptr),
-            Arg::I32(code(pos.dtype)),
-            Arg::I64(pos.numel() as i64),
-            Arg::I32(half),
-            Arg::P(invp),
-            Arg::F32(scaling.attention_factor() as f32),
-        ],
-    )
+    let k = kernels::RopeTable {
+        cosv: outs[0].ptr,
+        sinv: outs[1].ptr,
+        ocode: o.dtype,
+        pos: pos.ptr,
+        pcode: pos.dtype,
+        npos: pos.numel() as i64,
+        half,
+        inv: invp,
+        scale: scaling.attention_factor() as f32,
+    };
+    lw.run("rope_table", o.numel(), k)
 }
 
 /// `rope`: rotates x [B, N, S, D] by cos/sin [B|1, S, r].
@@ -64,43 +61,34 @@ pub(super) fn rope(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<()
         let tx = (d / 2) as u32;
         let ty = (256 / tx).max(1);
         let name = kname("rope2", x.dtype)?;
-        let l = lw.gpu.launch(
-            name,
-            (sq.div_ceil(ty as usize) as u32, nh as u32, b as u32),
-            (tx, ty, 1),
-            0,
-            vec![
-                Arg::P(o.ptr),
-                Arg::P(x.ptr),
-                Arg::P(c.ptr),
-                Arg::P(s.ptr),
-                Arg::I32(code(c.dtype)),
-                Arg::I32(nh as i32),
-                Arg::I32(sq as i32),
-                Arg::I32(d as i32),
-                Arg::I32(r as i32),
-                Arg::I64(cbs),
-            ],
-        )?;
-        lw.launch(l);
-        return Ok(());
+        let k = kernels::Rope2 {
+            out: o.ptr,
+            x: x.ptr,
+            cosv: c.ptr,
+            sinv: s.ptr,
+            ccode: c.dtype,
+            n: nh as i32,
+            s: sq as i32,
+            d: d as i32,
+            r: r as i32,
+            cbs,
+        };
+        let grid = (sq.div_ceil(ty as usize) as u32, nh as u32, b as u32);
+        return lw.run_at(name, grid, (tx, ty, 1), 0, k);
     }
     let name = kname("rope", x.dtype)?;
-    lw.n(
-        name,
-        x.numel(),
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(x.ptr),
-            Arg::P(c.ptr),
-            Arg::P(s.ptr),
-            Arg::I32(code(c.dtype)),
-            Arg::I64(b as i64),
-            Arg::I64(nh as i64),
-            Arg::I64(sq as i64),
-            Arg::I64(d as i64),
-            Arg::I64(r as i64),
-            Arg::I64(cbs),
-        ],
-    )
+    let k = kernels::Rope {
+        out: o.ptr,
+        x: x.ptr,
+        cosv: c.ptr,
+        sinv: s.ptr,
+        ccode: c.dtype,
+        b: b as i64,
+        n: nh as i64,
+        s: sq as i64,
+        d: d as i64,
+        r: r as i64,
+        cbs,
+    };
+    lw.run(name, x.numel(), k)
 }
