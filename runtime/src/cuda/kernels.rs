@@ -435,6 +435,39 @@ kernels! {
         h: I64,
     }
 
+    // ------------------------------------------------------------ attention
+    /// The generic attention forward (every attribute of the op); the call site picks the
+    /// grid. `lstride` is the statistics' row count, `lse_out` the op's own lse result.
+    AttnFwdGeneric ["attn_fwd_generic_##S_"] Shape::Custom => {
+        out: Ptr, lse: Ptr, q: Ptr, k: Ptr, v: Ptr, mask: Ptr, mb: I32, mh: I32, nq: I32,
+        nkv: I32, sq: I64, sk: I64, d: I32, scale: F32, causal: I32, lstride: I64, window: I64,
+        dv: I32, softcap: F32, sinks: Ptr, sinks_f32: I32, lse_out: Ptr,
+    }
+    /// The generic attention backward: dq, and dk, dv (and d sinks) as f32 accumulators.
+    AttnBwdGeneric ["attn_bwd_generic_##S_"] Shape::Custom => {
+        dq: Ptr, dk_acc: Ptr, dv_acc: Ptr, q: Ptr, k: Ptr, v: Ptr, dout: Ptr, lse: Ptr,
+        delta: Ptr, mask: Ptr, mb: I32, mh: I32, nq: I32, nkv: I32, sq: I64, sk: I64, d: I32,
+        scale: F32, causal: I32, lstride: I64, window: I64, dv: I32, softcap: F32, sinks: Ptr,
+        sinks_f32: I32, dsinks_acc: Ptr, dlse: Ptr,
+    }
+    /// `rowsum(o * dout)` per query row, one warp per row.
+    AttnDelta ["attn_delta_##S_"] Shape::Warps => { delta: Ptr, o: Ptr, dout: Ptr, rows: I64, d: I32 }
+    /// `scale` times `n` f32 converted to the kernel's dtype.
+    F32ToScaled ["f32_to_##S_"] Shape::Items => { out: Ptr, input: Ptr, n: I64, scale: F32 }
+    /// The tensor-core flash attention forward (bf16, head dim 64 or 128); the call site
+    /// picks the grid, block and shared memory of the variant.
+    FaFwd ["fa_fwd_d64", "fa_fwd_d128", "fa_fwd_d64_w8", "fa_fwd_d128_w8", "fa_fwd_d64_m2"]
+    Shape::Custom => {
+        out: Ptr, lse: Ptr, q: Ptr, k: Ptr, v: Ptr, nq: I32, nkv: I32, sq: I64, sk: I64,
+        scale_log2: F32, causal: I32, window: I64,
+    }
+    /// The tensor-core flash attention backward (dq as an f32 accumulator).
+    FaBwd ["fa_bwd_d64", "fa_bwd_d128", "fa_bwd_d64_w8", "fa_bwd_d128_w8", "fa_bwd_d64_h"]
+    Shape::Custom => {
+        dq_acc: Ptr, dk: Ptr, dv: Ptr, q: Ptr, k: Ptr, v: Ptr, dout: Ptr, lse: Ptr, delta: Ptr,
+        nq: I32, nkv: I32, sq: I64, sk: I64, scale: F32, causal: I32, window: I64,
+    }
+
     // ------------------------------------------------------------ optimizers
     /// AdamW with param and moments in their own dtypes (`n` elements, or bf16 vectors
     /// for the `8` variant).
@@ -471,13 +504,26 @@ mod tests {
                 head = r[r.find(')').unwrap() + 1..].trim_start();
             }
             let open = head.find('(').unwrap();
-            let name = head[..open].trim().to_string();
+            let mut name = head[..open].trim().to_string();
             let close = open + head[open..].find(')').unwrap();
             let params = head[open + 1..close]
                 .replace('\\', " ")
                 .split(',')
                 .map(|p| param(p.split_whitespace().collect::<Vec<_>>().join(" ").as_str()))
-                .collect();
+                .collect::<Vec<_>>();
+            if name == "NAME" {
+                // `#define DEF_X(NAME, ...)`: each `DEF_X(name, ...)` line is a kernel.
+                let consumed = src.len() - rest.len();
+                let def = src[..consumed].rfind("#define ").unwrap() + "#define ".len();
+                let mac = &src[def..def + src[def..].find('(').unwrap()];
+                for line in src.lines() {
+                    if let Some(args) = line.strip_prefix(&format!("{mac}(")) {
+                        name = args[..args.find(',').unwrap()].trim().to_string();
+                        out.insert(name.clone(), params.clone());
+                    }
+                }
+                continue;
+            }
             out.insert(name, params);
         }
         out
