@@ -210,7 +210,7 @@ fn cudnn_shape(
         && nq % nkv == 0
         && d % 8 == 0
         && d <= 256
-        && v.shape[3] % 8 == 0
+        && v.shape[3].is_multiple_of(8)
         && v.shape[3] <= 256;
     ok.then_some(cudnn_sdpa::Shape {
         b,

@@ -16,7 +16,7 @@ pub(super) fn linear(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<
     }
     let k = *x.shape.last().unwrap() as u64;
     let n = w.shape[0] as u64;
-    let m = if k == 0 { 0 } else { x.numel() / k };
+    let m = x.numel().checked_div(k).unwrap_or(0);
     let bias = ins.get(2);
     let shape = GemmShape {
         dtype: x.dtype,
