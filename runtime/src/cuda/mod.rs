@@ -15,6 +15,8 @@
 //!   allocation each, its streams and events, every instruction lowered to launches once,
 //!   a step replays them.
 //! - [`layout`]: host-side layout logic, unit-tested without a GPU.
+//! - `kernels`: typed descriptors of the CUDA kernels (parameters, launch shape, op
+//!   codes), checked against the kernel source by a unit test.
 //!
 //! Typical use:
 //! ```no_run
@@ -35,6 +37,7 @@ pub mod device;
 pub mod error;
 pub mod exec;
 pub mod gemm;
+pub(crate) mod kernels;
 pub mod layout;
 pub mod nvrtc;
 pub mod probe;

@@ -116,11 +116,30 @@ fn mask_dims(mask: Option<&DevT>) -> (u64, i32, i32) {
     }
 }
 
-/// The arguments the generic forward and backward kernels share, in their order: the
-/// mask and its broadcast dims, head counts, sequence lengths, head dim, scale, causal,
-/// the statistics' stride (rows), window, value head dim, soft-cap and sinks.
+/// The parameters the generic forward and backward kernels share: the mask and its
+/// broadcast dims, head counts, sequence lengths, head dim, scale, causal, the
+/// statistics' stride (rows), window, value head dim, soft-cap and sinks.
+struct GenericShape {
+    mask: u64,
+    mb: i32,
+    mh: i32,
+    nq: i32,
+    nkv: i32,
+    sq: i64,
+    sk: i64,
+    d: i32,
+    scale: f32,
+    causal: i32,
+    lstride: i64,
+    window: i64,
+    dv: i32,
+    softcap: f32,
+    sinks: u64,
+    sinks_f32: i32,
+}
+
 #[allow(clippy::too_many_arguments)]
-fn generic_shape_args(
+fn generic_shape(
     q: &DevT,
     k: &DevT,
     v: &DevT,
@@ -129,28 +148,28 @@ fn generic_shape_args(
     scale: f32,
     window: i64,
     extras: &AttnExtras,
-) -> [Arg; 16] {
+) -> GenericShape {
     let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
     let (nkv, sk, dv) = (k.shape[1], k.shape[2], v.shape[3]);
-    let (mp, mb, mh) = mask_dims(mask);
-    [
-        Arg::P(mp),
-        Arg::I32(mb),
-        Arg::I32(mh),
-        Arg::I32(nq as i32),
-        Arg::I32(nkv as i32),
-        Arg::I64(sq as i64),
-        Arg::I64(sk as i64),
-        Arg::I32(d as i32),
-        Arg::F32(scale),
-        Arg::I32(causal as i32),
-        Arg::I64((b * nq * sq) as i64),
-        Arg::I64(window),
-        Arg::I32(dv as i32),
-        Arg::F32(extras.softcap),
-        Arg::P(extras.sinks),
-        Arg::I32(extras.sinks_f32 as i32),
-    ]
+    let (mask, mb, mh) = mask_dims(mask);
+    GenericShape {
+        mask,
+        mb,
+        mh,
+        nq: nq as i32,
+        nkv: nkv as i32,
+        sq: sq as i64,
+        sk: sk as i64,
+        d: d as i32,
+        scale,
+        causal: causal as i32,
+        lstride: (b * nq * sq) as i64,
+        window,
+        dv: dv as i32,
+        softcap: extras.softcap,
+        sinks: extras.sinks,
+        sinks_f32: extras.sinks_f32 as i32,
+    }
 }
 
 /// The cuDNN graph for this attention, when cuDNN is selected and can take it: bf16
@@ -191,7 +210,7 @@ fn cudnn_shape(
         && nq % nkv == 0
         && d % 8 == 0
         && d <= 256
-        && v.shape[3] % 8 == 0
+        && v.shape[3].is_multiple_of(8)
         && v.shape[3] <= 256;
     ok.then_some(cudnn_sdpa::Shape {
         b,
@@ -348,52 +367,50 @@ fn attention_fwd_weft(
         let br = 16 * nw * mt;
         let smem = (br + 4 * 64) * (d + 8) * 2;
         let grid = (sq.div_ceil(br) as u32, nq as u32, b as u32);
-        let l = lw.gpu.launch(
-            name,
-            grid,
-            (32 * nw as u32, 1, 1),
-            smem as u32,
-            vec![
-                Arg::P(o.ptr),
-                Arg::P(lse),
-                Arg::P(q.ptr),
-                Arg::P(k.ptr),
-                Arg::P(v.ptr),
-                Arg::I32(nq as i32),
-                Arg::I32(nkv as i32),
-                Arg::I64(sq as i64),
-                Arg::I64(sk as i64),
-                Arg::F32(scale * std::f32::consts::LOG2_E),
-                Arg::I32(causal as i32),
-                Arg::I64(window),
-            ],
-        )?;
-        lw.launch(l);
-        return Ok(());
+        let kernel = kernels::FaFwd {
+            out: o.ptr,
+            lse,
+            q: q.ptr,
+            k: k.ptr,
+            v: v.ptr,
+            nq: nq as i32,
+            nkv: nkv as i32,
+            sq: sq as i64,
+            sk: sk as i64,
+            scale_log2: scale * std::f32::consts::LOG2_E,
+            causal: causal as i32,
+            window,
+        };
+        return lw.run_at(name, grid, (32 * nw as u32, 1, 1), smem as u32, kernel);
     }
     let name = kname("attn_fwd_generic", q.dtype)?;
     let grid = (sq.div_ceil(4) as u32, nq as u32, b as u32);
-    let l = lw.gpu.launch(
-        name,
-        grid,
-        (128, 1, 1),
-        0,
-        vec![
-            Arg::P(o.ptr),
-            Arg::P(lse),
-            Arg::P(q.ptr),
-            Arg::P(k.ptr),
-            Arg::P(v.ptr),
-        ]
-        .into_iter()
-        .chain(generic_shape_args(
-            q, k, v, mask, causal, scale, window, extras,
-        ))
-        .chain([Arg::P(extras.lse_out)])
-        .collect(),
-    )?;
-    lw.launch(l);
-    Ok(())
+    let g = generic_shape(q, k, v, mask, causal, scale, window, extras);
+    let kernel = kernels::AttnFwdGeneric {
+        out: o.ptr,
+        lse,
+        q: q.ptr,
+        k: k.ptr,
+        v: v.ptr,
+        mask: g.mask,
+        mb: g.mb,
+        mh: g.mh,
+        nq: g.nq,
+        nkv: g.nkv,
+        sq: g.sq,
+        sk: g.sk,
+        d: g.d,
+        scale: g.scale,
+        causal: g.causal,
+        lstride: g.lstride,
+        window: g.window,
+        dv: g.dv,
+        softcap: g.softcap,
+        sinks: g.sinks,
+        sinks_f32: g.sinks_f32,
+        lse_out: extras.lse_out,
+    };
+    lw.run_at(name, grid, (128, 1, 1), 0, kernel)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -498,17 +515,14 @@ pub(super) fn attention_bwd(
     };
     let delta = lw.ex.scratch(lw.stream, rows * 4);
     let name = kname("attn_delta", q.dtype)?;
-    lw.warps(
-        name,
-        rows,
-        vec![
-            Arg::P(delta),
-            Arg::P(out.ptr),
-            Arg::P(dout.ptr),
-            Arg::I64(rows as i64),
-            Arg::I32(vd as i32),
-        ],
-    )?;
+    let kernel = kernels::AttnDelta {
+        delta,
+        o: out.ptr,
+        dout: dout.ptr,
+        rows: rows as i64,
+        d: vd as i32,
+    };
+    lw.run(name, rows, kernel)?;
     let fast = lw.fast_attention
         && mask.is_none()
         && plain
@@ -537,42 +551,27 @@ pub(super) fn attention_bwd(
         };
         let bk = 16 * nw;
         let smem = (2 * bk * (d + 8) + 4 * 64 * (d + 8) + bk * 72) * 2 + 512;
-        let l = lw.gpu.launch(
-            name,
-            ((nkv * b) as u32, sk.div_ceil(bk) as u32, 1),
-            (32 * nw as u32, 1, 1),
-            smem as u32,
-            vec![
-                Arg::P(dq_acc),
-                Arg::P(dk.ptr),
-                Arg::P(dv.ptr),
-                Arg::P(q.ptr),
-                Arg::P(k.ptr),
-                Arg::P(v.ptr),
-                Arg::P(dout.ptr),
-                Arg::P(lse),
-                Arg::P(delta),
-                Arg::I32(nq as i32),
-                Arg::I32(nkv as i32),
-                Arg::I64(sq as i64),
-                Arg::I64(sk as i64),
-                Arg::F32(scale),
-                Arg::I32(causal as i32),
-                Arg::I64(window),
-            ],
-        )?;
-        lw.launch(l);
-        let name = kname("f32_to", dq.dtype)?;
-        return lw.n(
-            name,
-            dq.numel(),
-            vec![
-                Arg::P(dq.ptr),
-                Arg::P(dq_acc),
-                Arg::I64(dq.numel() as i64),
-                Arg::F32(1.0),
-            ],
-        );
+        let kernel = kernels::FaBwd {
+            dq_acc,
+            dk: dk.ptr,
+            dv: dv.ptr,
+            q: q.ptr,
+            k: k.ptr,
+            v: v.ptr,
+            dout: dout.ptr,
+            lse,
+            delta,
+            nq: nq as i32,
+            nkv: nkv as i32,
+            sq: sq as i64,
+            sk: sk as i64,
+            scale,
+            causal: causal as i32,
+            window,
+        };
+        let grid = ((nkv * b) as u32, sk.div_ceil(bk) as u32, 1);
+        lw.run_at(name, grid, (32 * nw as u32, 1, 1), smem as u32, kernel)?;
+        return f32_to(lw, dq.ptr, dq.dtype, dq_acc, dq.numel());
     }
     let (kn, vn) = (k.numel(), v.numel());
     let dk_acc = lw.ex.scratch(lw.stream, kn * 4);
@@ -588,42 +587,119 @@ pub(super) fn attention_bwd(
         None => 0,
     };
     let name = kname("attn_bwd_generic", q.dtype)?;
-    let l = lw.gpu.launch(
-        name,
-        (sq.div_ceil(4) as u32, nq as u32, b as u32),
-        (128, 1, 1),
-        0,
-        vec![
-            Arg::P(dq.ptr),
-            Arg::P(dk_acc),
-            Arg::P(dv_acc),
-            Arg::P(q.ptr),
-            Arg::P(k.ptr),
-            Arg::P(v.ptr),
-            Arg::P(dout.ptr),
-            Arg::P(lse),
-            Arg::P(delta),
-        ]
-        .into_iter()
-        .chain(generic_shape_args(
-            q, k, v, mask, causal, scale, window, extras,
-        ))
-        .chain([Arg::P(dsinks_acc), Arg::P(extras.dlse)])
-        .collect(),
-    )?;
-    lw.launch(l);
-    let to = |lw: &mut Lower, out: u64, dt: DType, acc: u64, n: u64| -> CudaResult<()> {
-        let name = kname("f32_to", dt)?;
-        lw.n(
-            name,
-            n,
-            vec![Arg::P(out), Arg::P(acc), Arg::I64(n as i64), Arg::F32(1.0)],
-        )
+    let g = generic_shape(q, k, v, mask, causal, scale, window, extras);
+    let kernel = kernels::AttnBwdGeneric {
+        dq: dq.ptr,
+        dk_acc,
+        dv_acc,
+        q: q.ptr,
+        k: k.ptr,
+        v: v.ptr,
+        dout: dout.ptr,
+        lse,
+        delta,
+        mask: g.mask,
+        mb: g.mb,
+        mh: g.mh,
+        nq: g.nq,
+        nkv: g.nkv,
+        sq: g.sq,
+        sk: g.sk,
+        d: g.d,
+        scale: g.scale,
+        causal: g.causal,
+        lstride: g.lstride,
+        window: g.window,
+        dv: g.dv,
+        softcap: g.softcap,
+        sinks: g.sinks,
+        sinks_f32: g.sinks_f32,
+        dsinks_acc,
+        dlse: extras.dlse,
     };
-    to(lw, dk.ptr, dk.dtype, dk_acc, kn)?;
-    to(lw, dv.ptr, dv.dtype, dv_acc, vn)?;
+    let grid = (sq.div_ceil(4) as u32, nq as u32, b as u32);
+    lw.run_at(name, grid, (128, 1, 1), 0, kernel)?;
+    f32_to(lw, dk.ptr, dk.dtype, dk_acc, kn)?;
+    f32_to(lw, dv.ptr, dv.dtype, dv_acc, vn)?;
     if let Some((p, dt)) = extras.dsinks {
-        to(lw, p, dt, dsinks_acc, nq as u64)?;
+        f32_to(lw, p, dt, dsinks_acc, nq as u64)?;
     }
     Ok(())
+}
+
+/// `out` (dtype `dt`) = the `n` f32 of the accumulator `acc`.
+fn f32_to(lw: &mut Lower, out: u64, dt: DType, acc: u64, n: u64) -> CudaResult<()> {
+    let name = kname("f32_to", dt)?;
+    let kernel = kernels::F32ToScaled {
+        out,
+        input: acc,
+        n: n as i64,
+        scale: 1.0,
+    };
+    lw.run(name, n, kernel)
+}
+
+/// `attention`: saves its per-row statistics for the backward, then runs the forward.
+pub(super) fn attention(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+    causal: &bool,
+    scale: &Float,
+    window: &Option<i64>,
+) -> CudaResult<()> {
+    let o = &outs[0];
+    let (mask, extras) = attention_parts(op, ins, outs).map_err(|why| {
+        lw.unsup(
+            "this attention",
+            &format!("its kernels do not implement {why}\nhelp: run with `--backend cpu`"),
+        )
+    })?;
+    // Per query row: the log-sum-exp (tensor-core path) or the max and the sum (generic).
+    let lse = lw
+        .ex
+        .side(8 * ins[0].shape[0] as u64 * ins[0].shape[1] as u64 * ins[0].shape[2] as u64);
+    lw.attn_lse.insert(o.ptr, lse);
+    attention_fwd(
+        lw,
+        &ins[0],
+        &ins[1],
+        &ins[2],
+        mask,
+        o,
+        lse,
+        *causal,
+        scale.0 as f32,
+        window.unwrap_or(0),
+        &extras,
+    )
+}
+
+/// `attention_grad`: dq, dk, dv (and the extras' gradients).
+pub(super) fn attention_grad(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+    causal: &bool,
+    scale: &Float,
+    window: &Option<i64>,
+) -> CudaResult<()> {
+    let (mask, extras) = attention_parts(op, ins, outs).map_err(|why| {
+        lw.unsup(
+            "this attention_grad",
+            &format!("its kernels do not implement {why}\nhelp: run with `--backend cpu`"),
+        )
+    })?;
+    attention_bwd(
+        lw,
+        ins,
+        mask,
+        outs,
+        *causal,
+        scale.0 as f32,
+        window.unwrap_or(0),
+        &extras,
+    )
 }
