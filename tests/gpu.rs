@@ -765,7 +765,7 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
             .nodes()
             .iter()
             .find_map(|&n| match model.graph.node(n).op {
-                weft_ir::Op::Embedding {} => {
+                weft_ir::Op::Embedding { .. } => {
                     model.graph.ty(model.graph.node(n).operands[1]).shape[0].as_const()
                 }
                 _ => None,

@@ -780,7 +780,7 @@ fn lower_op(
                 ],
             )
         }
-        Op::Embedding {} => {
+        Op::Embedding { .. } => {
             let (ids, w) = (&ins[0], &ins[1]);
             if ids.dtype != DType::I64 {
                 return Err(lw.unsup("embedding with non-i64 ids", "cast the ids to i64"));
@@ -1750,8 +1750,15 @@ fn lower_op(
                 ],
             )
         }
-        Op::EmbeddingGrad { .. } => {
+        Op::EmbeddingGrad { padding_idx, .. } => {
             let (ids, dy) = (&ins[0], &ins[1]);
+            // Any id in range differs from -1, so -1 is "no padding row".
+            let pad = match padding_idx {
+                Some(p) => p
+                    .eval(bindings)
+                    .map_err(|e| CudaError::Plan(e.to_string()))?,
+                None => -1,
+            };
             let h = *dy.shape.last().unwrap() as i64;
             lw.memset(o.ptr, o.bytes());
             let name = kname("embedding_bwd", o.dtype)?;
@@ -1767,6 +1774,7 @@ fn lower_op(
                     Arg::I64(ids.numel() as i64),
                     Arg::I64(h),
                     Arg::I64(o.shape[0] as i64),
+                    Arg::I64(pad),
                     Arg::P(err),
                 ],
             )
