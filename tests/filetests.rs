@@ -208,7 +208,7 @@ fn vocab(g: &Graph) -> i64 {
     g.nodes()
         .iter()
         .find_map(|&n| match g.node(n).op {
-            Op::Embedding {} => {
+            Op::Embedding { .. } => {
                 let table = g.node(n).operands[1];
                 g.ty(table).shape[0].as_const()
             }

@@ -240,6 +240,7 @@ fn op_cases() -> Vec<Case> {
         v.push(Case::new(format!("rms_norm_grad {dt}"), format!("graph \"t\"\n%0: {dt}[5, 3, 257] = param {{name=\"x\"}}\n%1: {dt}[257] = param {{name=\"w\"}}\n%2: {dt}[5, 3, 257] = param {{name=\"dy\"}}\n%3: {dt}[5, 3, 257], %4: {dt}[257] = rms_norm_grad %0, %1, %2 {{eps=1e-5}}\nreturn dx=%3, dw=%4\n")).tol(tol * 2.0));
         v.push(Case::new(format!("cross_entropy_grad {dt} none/sum/mean"), format!("graph \"t\"\n%0: {dt}[2, 9, 517] = param {{name=\"x\"}}\n%1: i64[2, 9] = input {{name=\"l\", role=labels}}\n%2: f32[2, 9] = param {{name=\"dn\"}}\n%3: f32[] = param {{name=\"ds\"}}\n%4: {dt}[2, 9, 517] = cross_entropy_grad %0, %1, %2 {{ignore_index=-100, reduction=none}}\n%5: {dt}[2, 9, 517] = cross_entropy_grad %0, %1, %3 {{ignore_index=-100, reduction=sum}}\n%6: {dt}[2, 9, 517] = cross_entropy_grad %0, %1, %3 {{ignore_index=-100, reduction=mean}}\nreturn a=%4, b=%5, c=%6\n")).labels("l", 0, 517).tol(tol));
         v.push(Case::new(format!("embedding_grad {dt} (repeated ids)"), format!("graph \"t\"\n%0: i64[3, 7] = input {{name=\"ids\", role=other}}\n%1: {dt}[3, 7, 40] = param {{name=\"dy\"}}\n%2: {dt}[11, 40] = embedding_grad %0, %1 {{num_embeddings=11}}\nreturn a=%2\n")).ints("ids", 0, 11).tol(tol));
+        v.push(Case::new(format!("embedding_grad {dt} (padding_idx)"), format!("graph \"t\"\n%0: i64[3, 7] = input {{name=\"ids\", role=other}}\n%1: {dt}[3, 7, 40] = param {{name=\"dy\"}}\n%2: {dt}[11, 40] = embedding_grad %0, %1 {{num_embeddings=11, padding_idx=3}}\nreturn a=%2\n")).ints("ids", 0, 11).tol(tol));
         v.push(Case::new(format!("silu_grad/gelu_grad/softmax_grad {dt}"), format!("graph \"t\"\n%0: {dt}[7, 65] = param {{name=\"x\"}}\n%1: {dt}[7, 65] = param {{name=\"dy\"}}\n%2: {dt}[7, 65] = silu_grad %0, %1\n%3: {dt}[7, 65] = gelu_grad %0, %1 {{tanh_approx=false}}\n%4: {dt}[7, 65] = gelu_grad %0, %1 {{tanh_approx=true}}\n%5: {dt}[7, 65] = softmax %0 {{dim=-1}}\n%6: {dt}[7, 65] = softmax_grad %5, %1 {{dim=-1}}\nreturn a=%2, b=%3, c=%4, d=%6\n")).tol(tol * 2.0));
         // gpt-oss's experts: transposed weights [E, in, out] and a per-expert bias
         v.push(Case::new(format!("grouped_matmul transpose_w + bias, and its grad {dt}"), format!("graph \"t\"\n%0: {dt}[19, 24] = param {{name=\"x\"}}\n%1: i64[19, 2] = input {{name=\"e\", role=other}}\n%3: {dt}[5, 24, 40] = param {{name=\"w\"}}\n%2: {dt}[5, 40] = param {{name=\"b\"}}\n%4: {dt}[38, 24], %5: i64[5], %6: i64[38] = moe_dispatch %0, %1 {{num_experts=5}}\n%7: {dt}[38, 40] = grouped_matmul %4, %3, %5, %2 {{transpose_w=true}}\n%8: {dt}[38, 40] = param {{name=\"dy\"}}\n%9: {dt}[38, 24], %10: {dt}[5, 24, 40], %11: {dt}[5, 40] = grouped_matmul_grad %4, %3, %5, %8 {{transpose_w=true, bias=true}}\nreturn y=%7, dx=%9, dw=%10, db=%11\n")).ints("e", 0, 5).tol(tol * 2.0));
@@ -765,7 +766,7 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
             .nodes()
             .iter()
             .find_map(|&n| match model.graph.node(n).op {
-                weft_ir::Op::Embedding {} => {
+                weft_ir::Op::Embedding { .. } => {
                     model.graph.ty(model.graph.node(n).operands[1]).shape[0].as_const()
                 }
                 _ => None,

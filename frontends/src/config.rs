@@ -270,6 +270,9 @@ pub struct ModelConfig {
     pub attention_sinks: bool,
     /// Multi-head latent attention (deepseek_v3); `None`: q/k/v projections.
     pub mla: Option<crate::deepseek::MlaConfig>,
+    /// The embedding row HF's `nn.Embedding(padding_idx=pad_token_id)` gives no gradient
+    /// (every family Weft builds passes `pad_token_id`), normalized to `[0, vocab_size)`.
+    pub padding_idx: Option<usize>,
 }
 
 impl ModelConfig {
@@ -491,7 +494,44 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         tp_plan: parse_tp_plan(f)?,
         attention_sinks: family == Family::GptOss,
         mla,
+        padding_idx: parse_padding_idx(f, family, vocab_size)?,
     })
+}
+
+/// `pad_token_id` as the row `nn.Embedding` takes for `padding_idx`: the config class's
+/// default when the key is absent (phi3 32000, gemma2/gemma3_text 0, olmo2 1, the
+/// others none), none when it is null; torch counts a negative one from the end and
+/// refuses one outside `[-vocab_size, vocab_size)`, and so does Weft.
+fn parse_padding_idx(
+    f: &Fields,
+    family: Family,
+    vocab_size: usize,
+) -> Result<Option<usize>, FrontendError> {
+    let key = "pad_token_id";
+    let id = match f.obj.get(key) {
+        None => match family {
+            Family::Phi3 => Some(32000),
+            Family::Gemma2 | Family::Gemma3Text => Some(0),
+            Family::Olmo2 => Some(1),
+            _ => None,
+        },
+        Some(serde_json::Value::Null) => None,
+        Some(v) => Some(v.as_i64().ok_or_else(|| {
+            f.err(key, format!("must be an integer or null, got {v}"))
+        })?),
+    };
+    let Some(id) = id else { return Ok(None) };
+    let v = vocab_size as i64;
+    if !(-v..v).contains(&id) {
+        return Err(f.err(
+            key,
+            format!(
+                "is {id}{}, outside the embedding's {vocab_size} rows: HF's nn.Embedding(padding_idx=pad_token_id) refuses it",
+                if f.obj.contains_key(key) { "" } else { " (the class default, the key being absent)" }
+            ),
+        ));
+    }
+    Ok(Some(id.rem_euclid(v) as usize))
 }
 
 /// Granite's multipliers (HF defaults 1.0 each; `attention_multiplier` replaces the

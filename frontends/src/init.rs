@@ -3,7 +3,8 @@
 //! parameter has its own stream (seed and name hashed), so adding a layer does not
 //! change the others. Only IEEE-exact arithmetic is used (splitmix64, the polar
 //! Box-Muller method, a series logarithm), so values are identical on every platform;
-//! each is rounded to the parameter's dtype.
+//! each is rounded to the parameter's dtype. An embedding's `padding_idx` row is zero,
+//! as HF's `_init_weights` leaves it.
 
 use crate::model::Model;
 use crate::weights::floats::round_to;
@@ -13,6 +14,7 @@ use weft_ir::HostTensor;
 /// Random weights for every parameter of `model`, keyed by parameter name.
 pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> {
     let std = model.initializer_range();
+    let padding_rows = padding_rows(&model.graph);
     let mut out = BTreeMap::new();
     for (name, ty) in model.params() {
         // `Model` guarantees constant parameter shapes. A parameter a compiled program
@@ -33,7 +35,7 @@ pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> 
             out.insert(name, HostTensor::ints(ty.dtype, shape, vec![0; n]));
             continue;
         }
-        let data = match init_kind(&name) {
+        let mut data = match init_kind(&name) {
             Kind::Zeros => vec![0.0; n],
             Kind::Ones => vec![1.0; n],
             Kind::Normal => {
@@ -43,6 +45,11 @@ pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> 
                     .collect()
             }
         };
+        if let (Some(&row), [_, h]) = (padding_rows.get(&name), shape.as_slice()) {
+            if let Some(r) = data.get_mut(row * h..(row + 1) * h) {
+                r.fill(0.0);
+            }
+        }
         out.insert(name, HostTensor::floats(ty.dtype, shape, data));
     }
     // Checkpoint buffers start as HF initialises them: deepseek_v3's correction bias is zero.
@@ -56,6 +63,27 @@ pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> 
         out.insert(name, HostTensor::floats(ty.dtype, shape, vec![0.0; n]));
     }
     out
+}
+
+/// The `padding_idx` row of each embedding table parameter.
+fn padding_rows(g: &weft_ir::Graph) -> BTreeMap<String, usize> {
+    let mut rows = BTreeMap::new();
+    for &n in g.nodes() {
+        let node = g.node(n);
+        let weft_ir::Op::Embedding {
+            padding_idx: Some(p),
+        } = &node.op
+        else {
+            continue;
+        };
+        if let (Some(p), Some(weft_ir::Op::Param { name, .. })) = (
+            p.as_const().and_then(|p| usize::try_from(p).ok()),
+            node.operands.get(1).map(|&w| g.op_of(w)),
+        ) {
+            rows.insert(name.clone(), p);
+        }
+    }
+    rows
 }
 
 enum Kind {

@@ -28,7 +28,7 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
         Op::Split { .. }
         | Op::Expand { .. }
         | Op::Cast { .. }
-        | Op::Embedding {}
+        | Op::Embedding { .. }
         | Op::IndexSelect { .. } => Dim::zero(),
         Op::Gather { .. } | Op::ShiftLabels { .. } | Op::MoeDispatch { .. } => Dim::zero(),
         Op::Linear {} => {

@@ -226,8 +226,8 @@ define_ops! {
     LogSoftmax = "log_softmax" ("x") [1, 1] { dim: i64 } => same_dim;
 
     // ---- transformer blocks ----
-    /// Token embedding lookup: `weight[ids]`.
-    Embedding = "embedding" ("ids, weight") [2, 2] => embedding;
+    /// Token embedding lookup: `weight[ids]`. With `padding_idx=p` (HF's `nn.Embedding(padding_idx=pad_token_id)`) the forward is unchanged and row `p` of the weight gets no gradient: tokens whose id is `p` are skipped by `embedding_grad`. A per-rank `p` (vocab-parallel tp) may lie outside this rank's rows: then no row is skipped here.
+    Embedding = "embedding" ("ids, weight") [2, 2] { padding_idx: Option<Dim> } => embedding;
     /// `x @ w^T + bias` with `w` of shape [out, in].
     Linear = "linear" ("x, w, bias?") [2, 3] => linear;
     /// Batched matmul with broadcast batch dims and optional transposes of the last two dims.
@@ -295,8 +295,8 @@ define_ops! {
     RmsNormGrad = "rms_norm_grad" ("x, w, dy") [3, 3] { eps: Float } => rms_norm_grad;
     /// Gradient of `cross_entropy` wrt the logits for loss gradient `dloss` (a scalar for sum/mean, per token for none); 0 for ignored labels.
     CrossEntropyGrad = "cross_entropy_grad" ("logits, labels, dloss") [3, 3] { ignore_index: i64, reduction: Reduction } => cross_entropy_grad;
-    /// Gradient of `embedding` wrt its table [num_embeddings, H]: row `ids[i]` gets `dy[i]` added.
-    EmbeddingGrad = "embedding_grad" ("ids, dy") [2, 2] { num_embeddings: Dim } => embedding_grad;
+    /// Gradient of `embedding` wrt its table [num_embeddings, H]: row `ids[i]` gets `dy[i]` added, except for tokens whose id is `padding_idx` (that row stays zero).
+    EmbeddingGrad = "embedding_grad" ("ids, dy") [2, 2] { num_embeddings: Dim, padding_idx: Option<Dim> } => embedding_grad;
     /// `dy * silu'(x)`.
     SiluGrad = "silu_grad" ("x, dy") [2, 2] => elementwise_grad;
     /// `dy * gelu'(x)`, exact or with the tanh approximation.

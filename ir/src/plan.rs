@@ -134,6 +134,8 @@ impl DeviceProfile {
             ("kernel_overhead_us", self.kernel_overhead_us),
             ("intra_node_latency_us", self.intra_node_latency_us),
             ("inter_node_latency_us", self.inter_node_latency_us),
+            ("grouped_gemm_issue_us", self.grouped_gemm_issue_us),
+            ("host_sync_us", self.host_sync_us),
         ];
         for (name, v) in delays {
             if !(v.is_finite() && v >= 0.0) {
@@ -388,6 +390,28 @@ pub struct DeviceProfile {
     /// (`--offload-optimizer`: the node's cores shared by its GPUs).
     #[serde(default = "default_host_adam_params_per_s")]
     pub host_adam_params_per_s: f64,
+    /// Host time to issue one GEMM of a grouped matmul (one cuBLASLt call per expert,
+    /// its plan looked up or made for that expert's row count): a group's GEMM takes at
+    /// least this long however few its rows.
+    #[serde(default = "default_grouped_gemm_issue_us")]
+    pub grouped_gemm_issue_us: f64,
+    /// A stream synchronisation and small device-to-host read (a grouped matmul reads
+    /// its per-expert row counts before issuing the GEMMs): the GPU drains and idles.
+    #[serde(default = "default_host_sync_us")]
+    pub host_sync_us: f64,
+}
+
+/// Host issue time per grouped-matmul GEMM for profiles that do not give one: fitted to
+/// the DeepSeek-V3-shaped stack on an H200 (bench/GPU_NOTES.md session 5: 128 forward
+/// GEMMs of ~1024 rows in 17.6 ms, 256 backward ones in 28.5 ms, where the GEMMs' FLOPs
+/// alone take 7.3 and 14.6 ms).
+pub fn default_grouped_gemm_issue_us() -> f64 {
+    120.0
+}
+
+/// Stream synchronisation cost for profiles that do not give one.
+pub fn default_host_sync_us() -> f64 {
+    15.0
 }
 
 /// A host AdamW rate for profiles that do not give one: 0.25 G parameters/s per GPU,

@@ -184,15 +184,32 @@ pub fn reduce(op: &Op, ins: &[&TensorType]) -> Out {
     one(x.with_shape(shape))
 }
 
-pub fn embedding(_: &Op, ins: &[&TensorType]) -> Out {
+pub fn embedding(op: &Op, ins: &[&TensorType]) -> Out {
     let (ids, w) = (ins[0], ins[1]);
     want_int(ids, "ids")?;
     if w.rank() != 2 {
         return Err(format!("embedding weight must be [vocab, hidden], got {w}"));
     }
+    if let Op::Embedding { padding_idx } = op {
+        check_padding_idx(padding_idx.as_ref(), &w.shape[0])?;
+    }
     let mut shape = ids.shape.clone();
     shape.push(w.shape[1].clone());
     one(TensorType::new(w.dtype, shape))
+}
+
+/// A constant `padding_idx` must name a row of the table (a per-rank one, set by
+/// vocab-parallel tp, may point outside a rank's rows).
+pub(crate) fn check_padding_idx(padding_idx: Option<&Dim>, rows: &Dim) -> Result<(), String> {
+    let (Some(p), Some(n)) = (padding_idx.and_then(|p| p.as_const()), rows.as_const()) else {
+        return Ok(());
+    };
+    if p < 0 || p >= n {
+        return Err(format!(
+            "padding_idx {p} is not a row of the embedding's {n} rows"
+        ));
+    }
+    Ok(())
 }
 
 pub fn linear(_: &Op, ins: &[&TensorType]) -> Out {

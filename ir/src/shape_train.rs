@@ -119,7 +119,7 @@ pub fn cross_entropy_grad(op: &Op, ins: &[&TensorType]) -> Out {
 
 /// `embedding_grad(ids, dy) {num_embeddings}`: the table gradient [num_embeddings, H].
 pub fn embedding_grad(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::EmbeddingGrad { num_embeddings } = op else {
+    let Op::EmbeddingGrad { num_embeddings, padding_idx } = op else {
         unreachable!()
     };
     let (ids, dy) = (ins[0], ins[1]);
@@ -128,6 +128,7 @@ pub fn embedding_grad(op: &Op, ins: &[&TensorType]) -> Out {
     if dy.rank() != ids.rank() + 1 || dy.shape[..ids.rank()] != ids.shape[..] {
         return Err(format!("dy {dy} must be ids {ids} plus a hidden dim"));
     }
+    crate::shape::check_padding_idx(padding_idx.as_ref(), num_embeddings)?;
     Ok(vec![dy.with_shape(vec![
         num_embeddings.clone(),
         dy.shape.last().unwrap().clone(),

@@ -512,6 +512,8 @@ fn op_dims(op: &Op) -> Vec<&Dim> {
         Op::Slice { start, len, .. } => vec![start, len],
         Op::Split { sizes, .. } => sizes.iter().collect(),
         Op::Arange { start, .. } => vec![start],
+        Op::Embedding { padding_idx } => padding_idx.iter().collect(),
+        Op::EmbeddingGrad { padding_idx, .. } => padding_idx.iter().collect(),
         Op::AllToAllV { rows, .. } => vec![rows],
         _ => vec![],
     }

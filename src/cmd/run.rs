@@ -132,7 +132,7 @@ fn optimizer_text(t: Option<&weft_passes::training::TrainOptions>) -> String {
 
 fn vocab_of(g: &Graph) -> Option<i64> {
     g.nodes().iter().find_map(|&n| match g.node(n).op {
-        Op::Embedding {} => g.ty(g.node(n).operands[1]).shape[0].as_const(),
+        Op::Embedding { .. } => g.ty(g.node(n).operands[1]).shape[0].as_const(),
         _ => None,
     })
 }

@@ -427,7 +427,7 @@ fn vocab_size(g: &Graph) -> CliResult<i64> {
     g.nodes()
         .iter()
         .find_map(|&n| match g.node(n).op {
-            Op::Embedding {} => g.ty(g.node(n).operands[1]).shape[0].as_const(),
+            Op::Embedding { .. } => g.ty(g.node(n).operands[1]).shape[0].as_const(),
             _ => None,
         })
         .ok_or_else(|| {

@@ -210,7 +210,8 @@ impl<'c> Builder<'c> {
 
         self.scope("model.embed_tokens");
         let embed = self.param(params::EMBED);
-        let mut x = self.op(Op::Embedding {}, &[ids, embed])?;
+        let padding_idx = self.cfg.padding_idx.map(|p| Dim::from(p as i64));
+        let mut x = self.op(Op::Embedding { padding_idx }, &[ids, embed])?;
         x = self.scaled(x, self.cfg.multipliers.embedding)?;
 
         self.scope("model.rotary_emb");

@@ -555,7 +555,15 @@ impl<'a> Lower<'a> {
             }
             "aten.embedding.default" => {
                 let (w, ids) = (self.tensor(n, n.arg_at(0))?, self.tensor(n, n.arg_at(1))?);
-                one(self.emit(n, Op::Embedding {}, &[ids, w])?)
+                if matches!(n.arg_at(3), Arg::Bool(true)) {
+                    return Err(self.unsupported(n, "scale_grad_by_freq=True (each row's gradient divided by its token count) is not implemented"));
+                }
+                // nn.Embedding passes its padding_idx (made non-negative); -1 is none.
+                let padding_idx = match self.int_arg(n, n.arg_at(2))? {
+                    p if p < 0 => None,
+                    p => Some(Dim::from(p)),
+                };
+                one(self.emit(n, Op::Embedding { padding_idx }, &[ids, w])?)
             }
             "aten.linear.default" => {
                 let (x, w) = (self.tensor(n, n.arg_at(0))?, self.tensor(n, n.arg_at(1))?);

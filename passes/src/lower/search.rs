@@ -94,6 +94,33 @@ impl ModelShape {
     }
 }
 
+/// Time the experts' grouped GEMMs take beyond their FLOPs: the runtime issues one GEMM
+/// per expert from the host (2 a layer forward, 4 backward, the forward again under full
+/// checkpointing), each at least `grouped_gemm_issue_us`, after a host sync per grouped
+/// matmul (see `plan::cost::grouped_matmul_time`, which prices compiled plans).
+fn expert_issue_floor(
+    m: &ModelShape,
+    c: &Candidate,
+    tokens_per_rank: f64,
+    recompute: f64,
+    d: &DeviceProfile,
+) -> f64 {
+    if m.moe_layers == 0 || m.experts == 0 {
+        return 0.0;
+    }
+    let redo = if c.checkpoint == "full" { 1.0 } else { 0.0 };
+    let gemms = (6.0 + 2.0 * redo) * m.experts as f64;
+    let issue = m.moe_layers as f64
+        * c.micro_batches as f64
+        * (gemms * d.grouped_gemm_issue_us + (6.0 + 2.0 * redo) / 2.0 * d.host_sync_us)
+        * 1e-6;
+    let flops = 6.0
+        * (m.moe_layers * m.top_k * 3 * m.hidden * m.expert_ffn) as f64
+        * tokens_per_rank
+        * (1.0 + recompute);
+    (issue - flops / (d.matmul_tflops * 1e12)).max(0.0)
+}
+
 /// The search's input besides the model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SearchSpec {
@@ -424,7 +451,8 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
                 })
             / world)
             / (d.attention_tflops * 1e12)
-        + layers * 40.0 * c.micro_batches as f64 * d.kernel_overhead_us * 1e-6;
+        + layers * 40.0 * c.micro_batches as f64 * d.kernel_overhead_us * 1e-6
+        + expert_issue_floor(m, c, all_tokens / world, recompute, d);
     // Critical-path collectives, per micro-batch then times the count.
     let mb = c.micro_batches as f64;
     let mut exposed = 0.0;

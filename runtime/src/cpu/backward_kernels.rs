@@ -58,7 +58,13 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             *reduction,
             cx.float,
         )?),
-        Op::EmbeddingGrad { .. } => one(embedding_grad(&ins[0], &ins[1], cx.out[0].1[0])?),
+        Op::EmbeddingGrad { padding_idx, .. } => {
+            let pad = match padding_idx {
+                Some(p) => Some(cx.eval(p, "padding_idx")?),
+                None => None,
+            };
+            one(embedding_grad(&ins[0], &ins[1], cx.out[0].1[0], pad)?)
+        }
         Op::SiluGrad {} => one(silu_grad(&ins[0], &ins[1])?),
         Op::GeluGrad { tanh_approx } => one(gelu_grad(&ins[0], &ins[1], *tanh_approx)?),
         Op::SoftmaxGrad { dim } => {
@@ -309,7 +315,13 @@ pub(crate) fn cross_entropy_grad(
 }
 
 /// The table gradient of `embedding`: row `ids[i]` gets `dy[i]` added.
-pub(crate) fn embedding_grad(ids: &Tensor, dy: &Tensor, rows: usize) -> KResult<Tensor> {
+/// `padding_idx`: tokens with that id add nothing (HF's `nn.Embedding(padding_idx=..)`).
+pub(crate) fn embedding_grad(
+    ids: &Tensor,
+    dy: &Tensor,
+    rows: usize,
+    padding_idx: Option<i64>,
+) -> KResult<Tensor> {
     let h = *dy.dims().last().unwrap_or(&0);
     let flat = ids.flatten_all()?;
     let iv = values_i64(&flat)?;
@@ -324,7 +336,18 @@ pub(crate) fn embedding_grad(ids: &Tensor, dy: &Tensor, rows: usize) -> KResult<
     }
     let n = flat.elem_count();
     let zeros = Tensor::zeros((rows, h), dy.dtype(), DEV)?;
-    Ok(zeros.index_add(&flat, &dy.reshape((n, h))?.contiguous()?, 0)?)
+    let (mut ids, mut dy) = (flat, dy.reshape((n, h))?.contiguous()?);
+    if let Some(p) = padding_idx.filter(|p| iv.contains(p)) {
+        // Drop the padding tokens' rows (not a multiply by 0, which would keep a NaN).
+        let keep: Vec<u32> = (0..n as u32).filter(|&i| iv[i as usize] != p).collect();
+        if keep.is_empty() {
+            return Ok(zeros);
+        }
+        let keep = Tensor::from_vec(keep.clone(), keep.len(), DEV)?;
+        ids = ids.index_select(&keep, 0)?;
+        dy = dy.index_select(&keep, 0)?.contiguous()?;
+    }
+    Ok(zeros.index_add(&ids, &dy, 0)?)
 }
 
 /// `dy * silu'(x)` with `silu'(x) = s (1 + x (1 - s))`, `s = sigmoid(x)`.

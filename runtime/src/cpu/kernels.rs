@@ -44,7 +44,7 @@ pub(crate) struct Cx<'a> {
 }
 
 impl Cx<'_> {
-    fn eval(&self, d: &Dim, what: &str) -> KResult<i64> {
+    pub(crate) fn eval(&self, d: &Dim, what: &str) -> KResult<i64> {
         d.eval(self.bindings)
             .map_err(|e| KernelError(format!("cannot evaluate {what} `{d}`: {e}")))
     }
@@ -310,7 +310,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             one(log_softmax(&ins[0], nd(*dim, ins[0].rank())?)?)
         }
 
-        Op::Embedding {} => {
+        Op::Embedding { .. } => {
             let (ids, w) = (&ins[0], &ins[1]);
             let flat = ids.flatten_all()?;
             let vocab = w.dims()[0] as i64;

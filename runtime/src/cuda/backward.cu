@@ -84,15 +84,17 @@ FOR_FLOATS(DEF_CE_BWD)
 
 // ---------------------------------------------------------------- embedding_grad
 // dW [V, H] (zeroed first): block t handles token t; only the first token with a given id
-// sums every token with that id (deterministic, in f32) and writes the row.
+// sums every token with that id (deterministic, in f32) and writes the row. Tokens whose id
+// is `pad` (padding_idx; -1 for none) add nothing: that row stays zero.
 #define DEF_EMB_BWD(S_, T)                                                                                \
     extern "C" __global__ void embedding_bwd_##S_(T* dw, const i64* ids, const T* dy, i64 ntok, i64 H,      \
-                                                    i64 vocab, int* err) {                                 \
+                                                    i64 vocab, i64 pad, int* err) {                        \
         __shared__ int first, ndup;                                                                       \
         __shared__ int dups[1024];                                                                        \
         i64 t = blockIdx.x;                                                                               \
         i64 id = ids[t];                                                                                  \
         if (id < 0 || id >= vocab) { if (threadIdx.x == 0) atomicExch(err, 9); return; }                  \
+        if (id == pad) return;                                                                            \
         if (threadIdx.x == 0) { first = 1; ndup = 0; }                                                    \
         __syncthreads();                                                                                  \
         for (i64 u = threadIdx.x; u < ntok; u += blockDim.x) {                                            \

@@ -388,7 +388,10 @@ pub fn lower_with_views(
                 (moved, t)
             }
             _ => {
-                let t = cost::compute_time(&nd.op, flops, in_bytes + out_bytes, d);
+                let t = match grouped_shape(g, n, &b) {
+                    Some(s) => cost::grouped_matmul_time(&s, d),
+                    None => cost::compute_time(&nd.op, flops, in_bytes + out_bytes, d),
+                };
                 compute_s += t;
                 (in_bytes + out_bytes, t)
             }
@@ -974,6 +977,34 @@ pub fn lower_with_views(
 
 fn max3(a: [i64; NS], b: [i64; NS]) -> [i64; NS] {
     std::array::from_fn(|t| a[t].max(b[t]))
+}
+
+/// The sizes of a `grouped_matmul(_grad)` node for the cost model (the largest over
+/// ranks where they differ); `None` for other ops or sizes that do not evaluate.
+fn grouped_shape(g: &Graph, n: Node, b: &Bindings) -> Option<cost::GroupedShape> {
+    let nd = g.node(n);
+    let (transpose_w, grad, bias) = match &nd.op {
+        Op::GroupedMatmul { transpose_w } => (transpose_w.0, false, nd.operands.len() > 3),
+        Op::GroupedMatmulGrad { transpose_w, bias } => (transpose_w.0, true, bias.0),
+        _ => return None,
+    };
+    let size = |v: Value, i: usize| -> Option<f64> {
+        max_over_ranks(g.ty(v).shape.get(i)?, b, &g.mesh).ok()
+    };
+    let (x, w, counts) = (nd.operands[0], nd.operands[1], nd.operands[2]);
+    let (a, c) = (size(w, 1)?, size(w, 2)?);
+    let (n_out, k) = if transpose_w { (c, a) } else { (a, c) };
+    let groups = max_over_ranks(&g.ty(counts).numel(), b, &g.mesh).ok()?;
+    Some(cost::GroupedShape {
+        rows: size(x, 0)?,
+        groups,
+        experts: size(w, 0)?,
+        n: n_out,
+        k,
+        elem_bytes: g.ty(x).dtype.size_bytes() as f64,
+        grad,
+        bias,
+    })
 }
 
 fn max_over_ranks(

@@ -23,6 +23,8 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         inter_node_latency_us: 25.0,
         host_gbps: host,
         host_adam_params_per_s: weft_ir::plan::default_host_adam_params_per_s(),
+        grouped_gemm_issue_us: weft_ir::plan::default_grouped_gemm_issue_us(),
+        host_sync_us: weft_ir::plan::default_host_sync_us(),
     };
     match name.to_ascii_lowercase().as_str() {
         // H200: cuBLASLt bf16 8192^3 reached ~790 TFLOP/s there; device copies ~4.3 TB/s.

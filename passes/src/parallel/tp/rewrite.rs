@@ -304,7 +304,7 @@ impl Tp {
                     note(1, Use::LinearW);
                     note(2, Use::LinearBias);
                 }
-                Op::Embedding {} => note(1, Use::Embedding),
+                Op::Embedding { .. } => note(1, Use::Embedding),
                 Op::GroupedMatmul { .. } => {
                     note(1, Use::ExpertsW);
                     note(3, Use::LinearBias);
@@ -1442,7 +1442,7 @@ impl Tp {
         }
         match op {
             Op::Linear {} | Op::GroupedMatmul { .. } => self.visit_linear(g, n, res),
-            Op::Embedding {} => self.vocab_embedding(g, n, res),
+            Op::Embedding { .. } => self.vocab_embedding(g, n, res),
             Op::CrossEntropy {
                 ignore_index,
                 reduction,
@@ -1712,6 +1712,19 @@ impl Tp {
         )
     }
 
+    /// The padding row in each rank's rows of a vocab-parallel table: `p - offset` on the
+    /// rank holding row `p`; on the others their row count, a row no local id reaches
+    /// (so no token is skipped there).
+    fn local_padding_idx(p: &Dim, sizes: &[i64]) -> Option<Dim> {
+        let p = p.as_const()?;
+        let local = offsets(sizes)
+            .iter()
+            .zip(sizes)
+            .map(|(&off, &len)| if (off..off + len).contains(&p) { p - off } else { len })
+            .collect::<Vec<_>>();
+        Some(per_rank(&local))
+    }
+
     /// `(ids - offset, in_range)` for ids against this rank's `[offset, offset+size)`.
     fn local_index(
         g: &mut Graph,
@@ -1807,6 +1820,22 @@ impl Tp {
         let ids = g.node(n).operands[0];
         let (safe, inr, _) = Self::local_index(g, n, ids, sizes, "vocab-parallel embedding")?;
         g.node_mut(n).operands[0] = safe;
+        if let Op::Embedding {
+            padding_idx: Some(p),
+        } = &g.node(n).op
+        {
+            let local = Self::local_padding_idx(p, sizes).ok_or_else(|| {
+                PassError::rewrite(
+                    NAME,
+                    format!("`{NAME}` cannot split the embedding's vocabulary"),
+                    g.describe(n),
+                    format!("its padding_idx `{p}` is not a constant row of the whole table"),
+                )
+            })?;
+            g.node_mut(n).op = Op::Embedding {
+                padding_idx: Some(local),
+            };
+        }
         self.reinfer(g, n)?;
         let out = g.node(n).results[0];
         let t = g.ty(out).clone();

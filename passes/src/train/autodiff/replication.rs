@@ -168,7 +168,11 @@ pub fn attr_dims(op: &Op) -> Vec<&Dim> {
         Op::Reshape { shape } | Op::Expand { shape } => shape.iter().collect(),
         Op::Slice { start, len, .. } => vec![start, len],
         Op::Split { sizes, .. } => sizes.iter().collect(),
-        Op::EmbeddingGrad { num_embeddings } => vec![num_embeddings],
+        Op::EmbeddingGrad {
+            num_embeddings,
+            padding_idx,
+        } => std::iter::once(num_embeddings).chain(padding_idx).collect(),
+        Op::Embedding { padding_idx } => padding_idx.iter().collect(),
         Op::AllToAllV { rows, .. } => vec![rows],
         _ => vec![],
     }

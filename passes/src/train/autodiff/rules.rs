@@ -542,11 +542,12 @@ impl Ad<'_> {
             }
 
             // ---- transformer blocks ----
-            Op::Embedding {} => {
+            Op::Embedding { padding_idx } => {
                 let wt = ty(self, 1);
                 out[1] = Some(self.op(
                     Op::EmbeddingGrad {
                         num_embeddings: wt.shape[0].clone(),
+                        padding_idx: padding_idx.clone(),
                     },
                     &[ops[0], g],
                 )?);

@@ -715,7 +715,7 @@ fn gather_scatter_add_index_select_one_hot_embedding() {
     assert_eq!(y, vec![0.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
     // embedding
     let y = one_op(
-        Op::Embedding {},
+        Op::Embedding { padding_idx: None },
         vec![
             (ity(&[1, 2]), hi(&[1, 2], vec![1, 0])),
             (fty(&[3, 2]), hf(&[3, 2], x.clone())),
@@ -972,7 +972,7 @@ fn symbols_are_inferred_from_inputs_and_checked() {
     let ty = TensorType::new(DType::I64, vec![Dim::sym("B"), Dim::sym("S")]);
     let ids = input_role(&mut g, "input_ids", Role::InputIds, ty);
     let emb = param(&mut g, "emb", fty(&[10, 2]));
-    let y = g.add(Op::Embedding {}, &[ids, emb]).unwrap();
+    let y = g.add(Op::Embedding { padding_idx: None }, &[ids, emb]).unwrap();
     g.set_output("y", y);
     let w = map(vec![(
         "emb",

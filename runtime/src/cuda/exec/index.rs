@@ -26,11 +26,23 @@ pub(super) fn embedding(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResu
     lw.run(name, ids.numel(), k)
 }
 
-/// `embedding_grad`: dy rows added into a zeroed table.
-pub(super) fn embedding_grad(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<()> {
+/// `embedding_grad`: dy rows added into a zeroed table; the `padding_idx` row's tokens
+/// are skipped (HF's `nn.Embedding(padding_idx=...)`).
+pub(super) fn embedding_grad(
+    lw: &mut Lower,
+    ins: &[DevT],
+    outs: &[DevT],
+    padding_idx: Option<&Dim>,
+    bindings: &Bindings,
+) -> CudaResult<()> {
     let o = &outs[0];
     let err = lw.gpu.err_flag.ptr;
     let (ids, dy) = (&ins[0], &ins[1]);
+    // Any id in range differs from -1, so -1 is "no padding row".
+    let pad = match padding_idx {
+        Some(p) => p.eval(bindings).map_err(|e| CudaError::Plan(e.to_string()))?,
+        None => -1,
+    };
     let h = *dy.shape.last().unwrap() as i64;
     lw.memset(o.ptr, o.bytes());
     let name = kname("embedding_bwd", o.dtype)?;
@@ -41,6 +53,7 @@ pub(super) fn embedding_grad(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> Cud
         ntok: ids.numel() as i64,
         h,
         vocab: o.shape[0] as i64,
+        pad,
         err,
     };
     lw.run(name, ids.numel(), k)

@@ -398,8 +398,10 @@ pub(super) fn lower_op(
         } => movement::zigzag(lw, ins, outs, dim, parts, inverse),
         Op::Concat { dim } => movement::concat(lw, ins, outs, dim),
         Op::Expand { .. } => movement::expand(lw, ins, outs),
-        Op::Embedding {} => index::embedding(lw, ins, outs),
-        Op::EmbeddingGrad { .. } => index::embedding_grad(lw, ins, outs),
+        Op::Embedding { .. } => index::embedding(lw, ins, outs),
+        Op::EmbeddingGrad { padding_idx, .. } => {
+            index::embedding_grad(lw, ins, outs, padding_idx.as_ref(), bindings)
+        }
         Op::Gather { dim } => index::gather(lw, ins, outs, dim),
         Op::IndexSelect { dim } => index::index_select(lw, ins, outs, dim),
         Op::ScatterAdd { dim } => index::scatter_add(lw, ins, outs, dim),
