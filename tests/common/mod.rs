@@ -170,3 +170,6 @@ pub fn training_step(
         .map_err(|e| e.to_string())?;
     Ok((g, report))
 }
+
+mod reference;
+pub use reference::*;
