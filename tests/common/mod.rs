@@ -172,4 +172,5 @@ pub fn training_step(
 }
 
 mod reference;
+#[allow(unused_imports)] // not every test binary uses them
 pub use reference::*;
