@@ -36,8 +36,7 @@ fn deepseek_fixtures_reproduce_transformers() {
         let dir = fixture(fam);
         let (model, weights) = load(&dir);
         let inputs = weft_frontends::read_safetensors(&dir.join("inputs.safetensors")).unwrap();
-        let reference =
-            weft_frontends::read_safetensors(&dir.join("reference.safetensors")).unwrap();
+        let reference = hf_reference(fam);
         let r = run(&model.graph, &weights, &inputs, &opts(&inputs)).unwrap();
         let e_logits = rel_err(&r.outputs["logits"], &reference["logits"]);
         let e_loss = rel_err(&r.outputs["loss"], &reference["loss"]);
@@ -78,28 +77,9 @@ fn check_train(fam: &str, meshes: &[&str], checkpoint: CheckpointPolicy) -> Vec<
         ..Default::default()
     };
     for mesh in meshes {
-        let (g, _) =
-            training_step(&graph, mesh, &opts).unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
-        let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
-            .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
-        for out in ["loss", "logits"] {
-            let e = rel_err(&r.outputs[out], &reference.outputs[out]);
-            assert!(e < 1e-10, "{fam} {mesh}: {out} rel err {e:e}");
-        }
-        let grads: BTreeMap<&str, &HostTensor> = r
-            .outputs
-            .iter()
-            .filter_map(|(k, v)| k.strip_prefix("grad.").map(|p| (p, v)))
-            .collect();
-        assert_eq!(
-            grads.len(),
-            reference.grads.len(),
-            "{fam} {mesh}: gradient count"
-        );
-        for (p, want) in &reference.grads {
-            let e = rel_err(grads[p.as_str()], want);
-            assert!(e < 1e-9, "{fam} {mesh}: grad {p} rel err {e:e}");
-        }
+        let what = format!("{fam} {mesh}");
+        let (g, r) = run_training_step(&what, &graph, &weights, &inputs, mesh, &opts);
+        assert_step_matches_unsharded(&what, &r, &reference, &["loss", "logits"], 1e-10, 1e-9);
         programs.push(g);
     }
     programs

@@ -8,7 +8,7 @@
 mod common;
 use common::*;
 
-use weft_ir::{Graph, HostTensor, Op};
+use weft_ir::{Graph, Op};
 use weft_passes::training::TrainOptions;
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
@@ -16,18 +16,15 @@ const GEMMA: &[&str] = &["gemma2", "gemma3"];
 
 /// (window, softcap, scale) of each attention, in graph order.
 fn attentions(g: &Graph) -> Vec<(Option<i64>, Option<f64>, f64)> {
-    g.nodes()
-        .iter()
-        .filter_map(|&n| match &g.node(n).op {
-            Op::Attention {
-                window,
-                softcap,
-                scale,
-                ..
-            } => Some((*window, softcap.map(|c| c.0), scale.0)),
-            _ => None,
-        })
-        .collect()
+    ops_where(g, |op| match op {
+        Op::Attention {
+            window,
+            softcap,
+            scale,
+            ..
+        } => Some((*window, softcap.map(|c| c.0), scale.0)),
+        _ => None,
+    })
 }
 
 #[test]
@@ -49,14 +46,10 @@ fn config_fields_reach_the_graph() {
         ]
     );
     // Two rope tables: the global one (theta 1e6, linear x8) and the local one (1e4).
-    let tables: Vec<(f64, String)> = g
-        .nodes()
-        .iter()
-        .filter_map(|&n| match &g.node(n).op {
-            Op::RopeTable { theta, scaling, .. } => Some((theta.0, format!("{scaling:?}"))),
-            _ => None,
-        })
-        .collect();
+    let tables: Vec<(f64, String)> = ops_where(&g, |op| match op {
+        Op::RopeTable { theta, scaling, .. } => Some((theta.0, format!("{scaling:?}"))),
+        _ => None,
+    });
     assert_eq!(tables.len(), 2, "{tables:?}");
     assert_eq!(tables[0].0, 1e6);
     assert!(tables[0].1.contains("Linear"), "{tables:?}");
@@ -76,43 +69,14 @@ fn training_step_matches_hf_alone_and_on_sp2_and_tp2() {
     let mut report = Vec::new();
     for fam in GEMMA {
         let (graph, weights, inputs) = load_fixture(fam);
-        let reference =
-            weft_frontends::read_safetensors(&fixture(fam).join("reference.safetensors")).unwrap();
+        let reference = hf_reference(fam);
         for mesh in ["", "sp=2", "tp=2", "sp=2,tp=2"] {
-            let opts = TrainOptions {
-                batch: Some(2),
-                seq: Some(16),
-                bucket_bytes: 16_384,
-                ..Default::default()
-            };
-            let (g, _) = training_step(&graph, mesh, &opts)
-                .unwrap_or_else(|e| panic!("{fam} `{mesh}`: {e}"));
-            let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
-                .unwrap_or_else(|e| panic!("{fam} `{mesh}`: {e}"));
-            let mut worst: f64 = 0.0;
-            for out in ["logits", "loss"] {
-                let e = rel_err(&r.outputs[out], &reference[out]);
-                assert!(e < 1e-5, "{fam} `{mesh}`: {out} rel err {e:e}");
-                worst = worst.max(e);
-            }
-            let mut count = 0;
-            for (k, v) in &r.outputs {
-                let Some(p) = k.strip_prefix("grad.") else {
-                    continue;
-                };
-                let want = &reference[&format!("grad.{p}")];
-                let have = HostTensor::floats(want.dtype, want.shape.clone(), v.to_f64());
-                let e = rel_err(&have, want);
-                assert!(e < 1e-4, "{fam} `{mesh}`: grad {p} rel err {e:e}");
-                worst = worst.max(e);
-                count += 1;
-            }
-            assert_eq!(
-                count,
-                reference.keys().filter(|k| k.starts_with("grad.")).count(),
-                "{fam} `{mesh}`: gradient count"
-            );
-            report.push(format!("{fam} `{mesh}`: worst rel err {worst:.1e}"));
+            let what = format!("{fam} `{mesh}`");
+            let opts = fixture_train_options();
+            let (_, r) = run_training_step(&what, &graph, &weights, &inputs, mesh, &opts);
+            let worst =
+                assert_step_matches_hf(&what, &r, &reference, &["logits", "loss"], 1e-5, 1e-4);
+            report.push(format!("{what}: worst rel err {worst:.1e}"));
         }
     }
     eprintln!("{}", report.join("\n"));
@@ -124,18 +88,13 @@ fn training_step_matches_hf_alone_and_on_sp2_and_tp2() {
 fn each_gemma_feature_matters() {
     let far = |fam: &str, what: &str, edit: &dyn Fn(&mut Graph)| {
         let (mut graph, weights, inputs) = load_fixture(fam);
-        let reference =
-            weft_frontends::read_safetensors(&fixture(fam).join("reference.safetensors")).unwrap();
+        let reference = hf_reference(fam);
         edit(&mut graph);
         let r = run(&graph, &weights, &inputs, &RunOptions::new(Precision::F64)).unwrap();
         let e = rel_err(&r.outputs["logits"], &reference["logits"]);
         assert!(e > 1e-3, "{fam} without {what}: within {e:e} of HF");
     };
-    let each = |g: &mut Graph, f: &dyn Fn(&mut Op)| {
-        for n in g.nodes().to_vec() {
-            f(&mut g.node_mut(n).op);
-        }
-    };
+    let each = |g: &mut Graph, f: &dyn Fn(&mut Op)| edit_ops(g, f);
     far("gemma2", "the attention soft-cap", &|g| {
         each(g, &|op| {
             if let Op::Attention { softcap, .. } = op {
@@ -237,11 +196,11 @@ fn weft_check_train_on_gemma_meshes() {
 #[test]
 fn soft_capped_attention_on_expert_parallel_meshes() {
     let (mut graph, weights, inputs) = load_fixture("mixtral");
-    for n in graph.nodes().to_vec() {
-        if let Op::Attention { softcap, .. } = &mut graph.node_mut(n).op {
+    edit_ops(&mut graph, |op| {
+        if let Op::Attention { softcap, .. } = op {
             *softcap = Some(weft_ir::Float(1.5));
         }
-    }
+    });
     let want = reference_run(&graph, &weights, &inputs);
     for mesh in ["ep=2", "sp=2,ep=2", "tp=2,ep=2"] {
         let opts = TrainOptions {
@@ -249,7 +208,8 @@ fn soft_capped_attention_on_expert_parallel_meshes() {
             seq: Some(16),
             ..Default::default()
         };
-        let (g, _) = training_step(&graph, mesh, &opts).unwrap_or_else(|e| panic!("`{mesh}`: {e}"));
+        let what = format!("`{mesh}`");
+        let (g, r) = run_training_step(&what, &graph, &weights, &inputs, mesh, &opts);
         assert!(
             g.nodes().iter().any(|&n| matches!(
                 g.node(n).op,
@@ -260,17 +220,6 @@ fn soft_capped_attention_on_expert_parallel_meshes() {
             )),
             "`{mesh}`: the backward keeps the soft-cap"
         );
-        let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
-            .unwrap_or_else(|e| panic!("`{mesh}`: {e}"));
-        for out in ["logits", "loss"] {
-            let e = rel_err(&r.outputs[out], &want.outputs[out]);
-            assert!(e < 1e-10, "`{mesh}`: {out} rel err {e:e}");
-        }
-        for (p, w) in &want.grads {
-            let got = &r.outputs[&format!("grad.{p}")];
-            let have = HostTensor::floats(w.dtype, w.shape.clone(), got.to_f64());
-            let e = rel_err(&have, w);
-            assert!(e < 1e-9, "`{mesh}`: grad {p} rel err {e:e}");
-        }
+        assert_step_matches_unsharded(&what, &r, &want, &["logits", "loss"], 1e-10, 1e-9);
     }
 }

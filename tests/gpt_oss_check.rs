@@ -9,7 +9,7 @@
 mod common;
 use common::*;
 
-use weft_ir::{HostTensor, Op, RopeScaling};
+use weft_ir::{Op, RopeScaling};
 use weft_passes::training::TrainOptions;
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
@@ -19,14 +19,10 @@ const MESHES: &[&str] = &["", "sp=2", "tp=2", "ep=2", "sp=2,ep=2"];
 #[test]
 fn config_reaches_the_graph() {
     let (g, _, _) = load_fixture("gpt_oss");
-    let attn: Vec<(Option<i64>, bool)> = g
-        .nodes()
-        .iter()
-        .filter_map(|&n| match &g.node(n).op {
-            Op::Attention { window, sinks, .. } => Some((*window, sinks.0)),
-            _ => None,
-        })
-        .collect();
+    let attn: Vec<(Option<i64>, bool)> = ops_where(&g, |op| match op {
+        Op::Attention { window, sinks, .. } => Some((*window, sinks.0)),
+        _ => None,
+    });
     assert_eq!(attn, vec![(Some(5), true), (None, true)]);
     let yarn = g.nodes().iter().find_map(|&n| match &g.node(n).op {
         Op::RopeTable { scaling, .. } => Some(*scaling),
@@ -49,56 +45,19 @@ fn training_step_matches_hf_alone_and_on_every_mesh() {
     let mut report = Vec::new();
     for fam in FIXTURES {
         let (graph, weights, inputs) = load_fixture(fam);
-        let reference =
-            weft_frontends::read_safetensors(&fixture(fam).join("reference.safetensors")).unwrap();
+        let reference = hf_reference(fam);
         let fwd = reference_run(&graph, &weights, &inputs);
-        for out in ["logits", "loss"] {
-            let e = rel_err(&fwd.outputs[out], &reference[out]);
-            assert!(e < 1e-5, "{fam}: forward {out} rel err {e:e}");
-        }
-        for (p, gr) in &fwd.grads {
-            let e = rel_err(gr, &reference[&format!("grad.{p}")]);
-            assert!(e < 1e-4, "{fam}: autograd grad {p} rel err {e:e}");
-        }
+        assert_autograd_matches_hf(fam, &fwd, &reference);
         for mesh in MESHES {
-            let opts = TrainOptions {
-                batch: Some(2),
-                seq: Some(16),
-                bucket_bytes: 16_384,
-                ..Default::default()
-            };
-            let (g, _) = training_step(&graph, mesh, &opts)
-                .unwrap_or_else(|e| panic!("{fam} `{mesh}`: {e}"));
-            let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
-                .unwrap_or_else(|e| panic!("{fam} `{mesh}`: {e}"));
-            let mut worst: f64 = 0.0;
+            let what = format!("{fam} `{mesh}`");
+            let opts = fixture_train_options();
+            let (_, r) = run_training_step(&what, &graph, &weights, &inputs, mesh, &opts);
             let mut outs = vec!["logits", "loss"];
             if reference.contains_key("aux_loss") {
                 outs.extend(["ce_loss", "aux_loss"]);
             }
-            for out in outs {
-                let e = rel_err(&r.outputs[out], &reference[out]);
-                assert!(e < 1e-5, "{fam} `{mesh}`: {out} rel err {e:e}");
-                worst = worst.max(e);
-            }
-            let mut count = 0;
-            for (k, v) in &r.outputs {
-                let Some(p) = k.strip_prefix("grad.") else {
-                    continue;
-                };
-                let want = &reference[&format!("grad.{p}")];
-                let have = HostTensor::floats(want.dtype, want.shape.clone(), v.to_f64());
-                let e = rel_err(&have, want);
-                assert!(e < 1e-4, "{fam} `{mesh}`: grad {p} rel err {e:e}");
-                worst = worst.max(e);
-                count += 1;
-            }
-            assert_eq!(
-                count,
-                reference.keys().filter(|k| k.starts_with("grad.")).count(),
-                "{fam} `{mesh}`: gradient count"
-            );
-            report.push(format!("{fam} `{mesh}`: worst rel err {worst:.1e}"));
+            let worst = assert_step_matches_hf(&what, &r, &reference, &outs, 1e-5, 1e-4);
+            report.push(format!("{what}: worst rel err {worst:.1e}"));
         }
     }
     eprintln!("{}", report.join("\n"));
@@ -109,9 +68,7 @@ fn training_step_matches_hf_alone_and_on_every_mesh() {
 #[test]
 fn sinks_and_the_yarn_factor_matter() {
     let (graph, weights, inputs) = load_fixture("gpt_oss");
-    let reference =
-        weft_frontends::read_safetensors(&fixture("gpt_oss").join("reference.safetensors"))
-            .unwrap();
+    let reference = hf_reference("gpt_oss");
     let mut no_sinks = graph.clone();
     for n in no_sinks.nodes().to_vec() {
         if let Op::Attention { sinks, .. } = &mut no_sinks.node_mut(n).op {
@@ -120,17 +77,17 @@ fn sinks_and_the_yarn_factor_matter() {
         }
     }
     let mut no_factor = graph.clone();
-    for n in no_factor.nodes().to_vec() {
+    edit_ops(&mut no_factor, |op| {
         if let Op::RopeTable {
             scaling: RopeScaling::Yarn {
                 attention_factor, ..
             },
             ..
-        } = &mut no_factor.node_mut(n).op
+        } = op
         {
             attention_factor.0 = 1.0;
         }
-    }
+    });
     for (what, g) in [("sinks", no_sinks), ("attention factor", no_factor)] {
         let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64)).unwrap();
         let e = rel_err(&r.outputs["logits"], &reference["logits"]);

@@ -7,7 +7,7 @@
 mod common;
 use common::*;
 
-use weft_ir::{Dim, Graph, HostTensor, Op};
+use weft_ir::{Dim, Graph, Op};
 use weft_passes::training::TrainOptions;
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
@@ -25,13 +25,10 @@ const WINDOWED: &[(&str, [Option<i64>; 2])] = &[
 
 /// The window of each attention, in graph order.
 fn windows(g: &Graph) -> Vec<Option<i64>> {
-    g.nodes()
-        .iter()
-        .filter_map(|&n| match &g.node(n).op {
-            Op::Attention { window, .. } => Some(*window),
-            _ => None,
-        })
-        .collect()
+    ops_where(g, |op| match op {
+        Op::Attention { window, .. } => Some(*window),
+        _ => None,
+    })
 }
 
 #[test]
@@ -47,53 +44,17 @@ fn training_step_matches_hf_alone_and_on_sp2_and_tp2() {
     let mut report = Vec::new();
     for (fam, _) in WINDOWED {
         let (graph, weights, inputs) = load_fixture(fam);
-        let reference =
-            weft_frontends::read_safetensors(&fixture(fam).join("reference.safetensors")).unwrap();
+        let reference = hf_reference(fam);
         // candle's autograd of the forward (the fused kernel's backward) first
         let fwd = reference_run(&graph, &weights, &inputs);
-        for out in ["logits", "loss"] {
-            let e = rel_err(&fwd.outputs[out], &reference[out]);
-            assert!(e < 1e-5, "{fam}: forward {out} rel err {e:e}");
-        }
-        for (p, gr) in &fwd.grads {
-            let e = rel_err(gr, &reference[&format!("grad.{p}")]);
-            assert!(e < 1e-4, "{fam}: autograd grad {p} rel err {e:e}");
-        }
+        assert_autograd_matches_hf(fam, &fwd, &reference);
         for mesh in ["", "sp=2", "tp=2"] {
-            let opts = TrainOptions {
-                batch: Some(2),
-                seq: Some(16),
-                bucket_bytes: 16_384,
-                ..Default::default()
-            };
-            let (g, _) = training_step(&graph, mesh, &opts)
-                .unwrap_or_else(|e| panic!("{fam} `{mesh}`: {e}"));
-            let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
-                .unwrap_or_else(|e| panic!("{fam} `{mesh}`: {e}"));
-            let mut worst: f64 = 0.0;
-            for out in ["logits", "loss"] {
-                let e = rel_err(&r.outputs[out], &reference[out]);
-                assert!(e < 1e-5, "{fam} `{mesh}`: {out} rel err {e:e}");
-                worst = worst.max(e);
-            }
-            let mut count = 0;
-            for (k, v) in &r.outputs {
-                let Some(p) = k.strip_prefix("grad.") else {
-                    continue;
-                };
-                let want = &reference[&format!("grad.{p}")];
-                let have = HostTensor::floats(want.dtype, want.shape.clone(), v.to_f64());
-                let e = rel_err(&have, want);
-                assert!(e < 1e-4, "{fam} `{mesh}`: grad {p} rel err {e:e}");
-                worst = worst.max(e);
-                count += 1;
-            }
-            assert_eq!(
-                count,
-                reference.keys().filter(|k| k.starts_with("grad.")).count(),
-                "{fam} `{mesh}`: gradient count"
-            );
-            report.push(format!("{fam} `{mesh}`: worst rel err {worst:.1e}"));
+            let what = format!("{fam} `{mesh}`");
+            let opts = fixture_train_options();
+            let (_, r) = run_training_step(&what, &graph, &weights, &inputs, mesh, &opts);
+            let outs = ["logits", "loss"];
+            let worst = assert_step_matches_hf(&what, &r, &reference, &outs, 1e-5, 1e-4);
+            report.push(format!("{what}: worst rel err {worst:.1e}"));
         }
     }
     eprintln!("{}", report.join("\n"));
@@ -105,13 +66,12 @@ fn training_step_matches_hf_alone_and_on_sp2_and_tp2() {
 fn without_the_window_the_short_ones_differ_from_hf() {
     for (fam, w) in WINDOWED {
         let (mut graph, weights, inputs) = load_fixture(fam);
-        let reference =
-            weft_frontends::read_safetensors(&fixture(fam).join("reference.safetensors")).unwrap();
-        for n in graph.nodes().to_vec() {
-            if let Op::Attention { window, .. } = &mut graph.node_mut(n).op {
+        let reference = hf_reference(fam);
+        edit_ops(&mut graph, |op| {
+            if let Op::Attention { window, .. } = op {
                 *window = None;
             }
-        }
+        });
         let r = run(&graph, &weights, &inputs, &RunOptions::new(Precision::F64)).unwrap();
         let e = rel_err(&r.outputs["logits"], &reference["logits"]);
         let short = w.iter().flatten().any(|&w| w < 16);

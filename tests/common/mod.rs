@@ -170,3 +170,7 @@ pub fn training_step(
         .map_err(|e| e.to_string())?;
     Ok((g, report))
 }
+
+mod reference;
+#[allow(unused_imports)] // not every test binary uses them
+pub use reference::*;
