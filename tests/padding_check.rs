@@ -109,8 +109,7 @@ fn pt2_import_matches_hf_alone_and_on_every_mesh() {
     let imported = pt2_import();
     assert_eq!(padding_idx(&imported.graph), vec![Some(Dim::from(PAD))]);
     let (_, _, inputs) = load_fixture("llama_pad");
-    let report =
-        matches_hf_on_every_mesh("pt2", &imported.graph, &imported.weights, &inputs);
+    let report = matches_hf_on_every_mesh("pt2", &imported.graph, &imported.weights, &inputs);
     eprintln!("{}", report.join("\n"));
 }
 
@@ -130,7 +129,10 @@ fn padding_idx_matters() {
     let r = reference_run(&graph, &weights, &inputs);
     let name = "model.embed_tokens.weight";
     let e = rel_err(&r.grads[name], &reference[&format!("grad.{name}")]);
-    assert!(e > 1e-3, "without padding_idx the gradient is within {e:e} of HF");
+    assert!(
+        e > 1e-3,
+        "without padding_idx the gradient is within {e:e} of HF"
+    );
 }
 
 #[test]

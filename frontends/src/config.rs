@@ -516,9 +516,10 @@ fn parse_padding_idx(
             _ => None,
         },
         Some(serde_json::Value::Null) => None,
-        Some(v) => Some(v.as_i64().ok_or_else(|| {
-            f.err(key, format!("must be an integer or null, got {v}"))
-        })?),
+        Some(v) => Some(
+            v.as_i64()
+                .ok_or_else(|| f.err(key, format!("must be an integer or null, got {v}")))?,
+        ),
     };
     let Some(id) = id else { return Ok(None) };
     let v = vocab_size as i64;

@@ -558,13 +558,22 @@ fn family_with(
 fn sliding_window_defaults_follow_each_hf_class() {
     use serde_json::{json, Value};
     // the key absent: HF's class default (mistral 4096, mixtral and phi3 none)
-    let absent = |t: &str| family_with(t, |_| {}).unwrap().layer_windows;
+    // (phi3's default pad_token_id, 32000, is past this config's vocabulary: HF refuses
+    // it, so these set pad_token_id null; the window does not depend on it)
+    let absent = |t: &str| {
+        family_with(t, |o| {
+            o.insert("pad_token_id".into(), Value::Null);
+        })
+        .unwrap()
+        .layer_windows
+    };
     assert_eq!(absent("mistral"), vec![Some(4096); 2]);
     assert_eq!(absent("phi3"), vec![None; 2]);
     assert_eq!(absent("llama"), vec![None; 2]);
     // null: no window; a number: every layer
     let with = |t: &str, v: Value| {
         family_with(t, |o| {
+            o.insert("pad_token_id".into(), Value::Null);
             o.insert("sliding_window".into(), v);
         })
         .unwrap()

@@ -119,7 +119,11 @@ pub fn cross_entropy_grad(op: &Op, ins: &[&TensorType]) -> Out {
 
 /// `embedding_grad(ids, dy) {num_embeddings}`: the table gradient [num_embeddings, H].
 pub fn embedding_grad(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::EmbeddingGrad { num_embeddings, padding_idx } = op else {
+    let Op::EmbeddingGrad {
+        num_embeddings,
+        padding_idx,
+    } = op
+    else {
         unreachable!()
     };
     let (ids, dy) = (ins[0], ins[1]);

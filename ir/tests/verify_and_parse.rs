@@ -24,7 +24,9 @@ fn tiny() -> Graph {
             &[],
         )
         .unwrap();
-    let x = g.add(Op::Embedding { padding_idx: None }, &[ids, w]).unwrap();
+    let x = g
+        .add(Op::Embedding { padding_idx: None }, &[ids, w])
+        .unwrap();
     g.set_scope(Some("model.mlp"));
     let up = g
         .add(

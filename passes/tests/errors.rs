@@ -311,7 +311,9 @@ fn gathering_a_flattened_token_dim_is_an_error() {
             &[],
         )
         .unwrap();
-    let x = g.add(Op::Embedding { padding_idx: None }, &[ids, w]).unwrap();
+    let x = g
+        .add(Op::Embedding { padding_idx: None }, &[ids, w])
+        .unwrap();
     let x = g
         .add(
             Op::Reshape {

@@ -125,7 +125,9 @@ pub fn build(c: &Config) -> Graph {
         "model.embed_tokens.weight",
         vec![d(c.vocab), d(c.hidden)],
     );
-    let mut x = g.add(Op::Embedding { padding_idx: None }, &[ids, embed]).unwrap();
+    let mut x = g
+        .add(Op::Embedding { padding_idx: None }, &[ids, embed])
+        .unwrap();
     g.set_scope(Some("model.rotary_emb"));
     let pos = if c.position_ids {
         let ty = t(DType::I64, vec![b.clone(), s.clone()]);

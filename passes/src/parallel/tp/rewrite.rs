@@ -1720,7 +1720,13 @@ impl Tp {
         let local = offsets(sizes)
             .iter()
             .zip(sizes)
-            .map(|(&off, &len)| if (off..off + len).contains(&p) { p - off } else { len })
+            .map(|(&off, &len)| {
+                if (off..off + len).contains(&p) {
+                    p - off
+                } else {
+                    len
+                }
+            })
             .collect::<Vec<_>>();
         Some(per_rank(&local))
     }

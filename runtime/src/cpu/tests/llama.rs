@@ -219,7 +219,9 @@ pub(super) fn build(cfg: &Cfg) -> Graph {
     let pm = |g: &mut Graph, name: String, shape: &[i64]| param(g, &name, fty(shape));
     let (h, hd) = (cfg.hidden, cfg.head_dim);
     let emb = pm(&mut g, "model.embed_tokens.weight".into(), &[cfg.vocab, h]);
-    let mut x = g.add(Op::Embedding { padding_idx: None }, &[ids_l, emb]).unwrap();
+    let mut x = g
+        .add(Op::Embedding { padding_idx: None }, &[ids_l, emb])
+        .unwrap();
     let heads = |g: &mut Graph, t: Value, n: i64| -> Value {
         let r = g
             .add(

@@ -972,7 +972,9 @@ fn symbols_are_inferred_from_inputs_and_checked() {
     let ty = TensorType::new(DType::I64, vec![Dim::sym("B"), Dim::sym("S")]);
     let ids = input_role(&mut g, "input_ids", Role::InputIds, ty);
     let emb = param(&mut g, "emb", fty(&[10, 2]));
-    let y = g.add(Op::Embedding { padding_idx: None }, &[ids, emb]).unwrap();
+    let y = g
+        .add(Op::Embedding { padding_idx: None }, &[ids, emb])
+        .unwrap();
     g.set_output("y", y);
     let w = map(vec![(
         "emb",
