@@ -2,7 +2,12 @@
 //! the CPU reference executes the unsharded model and the compiled SPMD program over
 //! simulated ranks (f64), and the loss, logits and every gradient must agree to 1e-10.
 //! The program after each pass is run too (shard-inputs and shard-seq keep it whole
-//! with gathers and inverse zigzags until ring-attention replaces them).
+//! with gathers and inverse zigzags until ring-attention replaces them; a program that
+//! still holds `ring_attention` ops runs with them expanded by `ring-lower`).
+//!
+//! The training step (autodiff on the unexpanded ring, then `ring-lower` writes the
+//! transposed ring) is checked the same way: its `grad.*` outputs against the
+//! reference's gradients, with and without recomputation.
 //!
 //! Labels include -100 spread unevenly, so the loss must be the global mean over valid
 //! tokens whatever the zigzag puts on each rank.
@@ -11,6 +16,7 @@ mod common;
 use common::*;
 
 use weft_ir::{HostTensor, Mesh};
+use weft_passes::training::{CheckpointPolicy, TrainOptions};
 use weft_passes::{default_pipeline, lookup, PassContext};
 use weft_runtime::cpu::RunResult;
 
@@ -54,6 +60,13 @@ fn compare(what: &str, want: &RunResult, got: &RunResult) {
     }
 }
 
+/// `g`, with any ring ops expanded (the runtimes run only ring steps).
+fn runnable(g: &weft_ir::Graph, cx: &PassContext) -> weft_ir::Graph {
+    let mut g = g.clone();
+    lookup("ring-lower").unwrap().run(&mut g, cx).unwrap();
+    g
+}
+
 /// Compiles fixture `name` for `mesh` pass by pass; runs after each pass when
 /// `every_pass` (gradients after the last) against the unsharded reference.
 fn check(name: &str, mesh: &str, every_pass: bool) -> weft_ir::Graph {
@@ -64,6 +77,7 @@ fn check(name: &str, mesh: &str, every_pass: bool) -> weft_ir::Graph {
     g.mesh = cx.mesh.clone();
     let pipeline = default_pipeline(&cx.mesh);
     assert!(pipeline.contains(&"ring-attention"), "{pipeline:?}");
+    assert!(pipeline.contains(&"ring-lower"), "{pipeline:?}");
     for (i, pass) in pipeline.iter().enumerate() {
         lookup(pass)
             .unwrap()
@@ -72,7 +86,7 @@ fn check(name: &str, mesh: &str, every_pass: bool) -> weft_ir::Graph {
         weft_ir::verify(&g).unwrap_or_else(|r| panic!("{name} {mesh} after {pass}: {r}"));
         let last = i + 1 == pipeline.len();
         if every_pass || last {
-            let got = execute(&g, &c, last);
+            let got = execute(&runnable(&g, &cx), &c, last);
             let mut want = reference.clone();
             if !last {
                 want.grads.clear();
@@ -90,7 +104,65 @@ fn check(name: &str, mesh: &str, every_pass: bool) -> weft_ir::Graph {
             "an attention gather is left: {line}"
         );
     }
+    check_training(name, mesh, &c, &reference, TrainOptions::default());
     g
+}
+
+/// The training step of `c` on `mesh`: every `grad.*` output equals the reference
+/// gradient, and the backward has no per-step copy of the forward's ring (autodiff
+/// saw one `ring_attention`).
+fn check_training(
+    name: &str,
+    mesh: &str,
+    c: &Case,
+    reference: &RunResult,
+    opts: TrainOptions,
+) -> weft_ir::Graph {
+    let (g, _) = training_step(&c.graph, mesh, &opts)
+        .unwrap_or_else(|e| panic!("{name} {mesh} training: {e}"));
+    weft_ir::verify(&g).unwrap_or_else(|r| panic!("{name} {mesh} training: {r}"));
+    let text = g.to_string();
+    assert!(
+        !text.contains("ring_attention"),
+        "ring ops left unexpanded:\n{text}"
+    );
+    // The backward is the explicit ring's (per-block gradients from the merged out and
+    // lse), not autodiff's differentiation of the expanded forward.
+    assert!(text.contains("attention_block_grad"), "no ring backward");
+    assert!(
+        !text.contains("attention_grad "),
+        "an attention_grad of a ring step is left"
+    );
+    let got = execute(&g, c, false);
+    let what = format!("{name} on {mesh}, training step ({})", opts.summary());
+    assert_close(
+        &format!("{what}: loss"),
+        &reference.outputs["loss"],
+        &got.outputs["loss"],
+    );
+    for (p, want) in &reference.grads {
+        assert_close(
+            &format!("{what}: grad {p}"),
+            want,
+            &got.outputs[&format!("grad.{p}")],
+        );
+    }
+    g
+}
+
+#[test]
+fn recomputed_ring_keeps_the_gradients() {
+    for policy in [CheckpointPolicy::Full, CheckpointPolicy::Selective] {
+        for (name, mesh) in [("llama", "cp=2"), ("mistral_sw4", "cp=4")] {
+            let c = case(name);
+            let reference = execute(&c.graph, &c, true);
+            let opts = TrainOptions {
+                checkpoint: policy.clone(),
+                ..Default::default()
+            };
+            check_training(name, mesh, &c, &reference, opts);
+        }
+    }
 }
 
 #[test]
@@ -175,8 +247,10 @@ fn layer0_bytes(fixture: &str, mesh: &str, op_name: &str, b: i64, s: i64) -> (us
     (count, total)
 }
 
-/// Per layer and rank, the ring moves `cp-1` k blocks and `cp-1` v blocks forward and
-/// as many dk/dv blocks backward: `4 (cp-1) x B x Nkv x S/cp x D x bytes`. With
+/// Per layer and rank, the ring moves `cp-1` k blocks and `cp-1` v blocks forward, and
+/// in the backward the same k/v blocks again plus as many dk/dv accumulators (the
+/// explicit ring backward re-sends k/v rather than keeping the forward's):
+/// `6 (cp-1) x B x Nkv x S/cp x D x bytes`. With
 /// Ulysses inside, each of q, k, v and the output goes through one all_to_all forward
 /// and one backward (kv heads repeated `sp / gcd(Nkv, sp)` times when they do not split).
 #[test]
@@ -185,17 +259,17 @@ fn ring_communication_volume_is_the_analytic_figure() {
     let (b, s, nq, nkv, d, bytes) = (2i64, 16i64, 4i64, 2i64, 8i64, 4i64);
     for cp in [2i64, 4] {
         let (steps, moved) = layer0_bytes("llama", &format!("cp={cp}"), "ring_shift", b, s);
-        assert_eq!(steps as i64, 4 * (cp - 1), "cp={cp}");
+        assert_eq!(steps as i64, 6 * (cp - 1), "cp={cp}");
         assert_eq!(
             moved,
-            4 * (cp - 1) * b * nkv * (s / cp) * d * bytes,
+            6 * (cp - 1) * b * nkv * (s / cp) * d * bytes,
             "cp={cp}"
         );
     }
     // cp=2,sp=2: the ring carries the cp portion (S/cp tokens) for Nkv/sp heads.
     let (cp, sp) = (2i64, 2i64);
     let (_, moved) = layer0_bytes("llama", "cp=2,sp=2", "ring_shift", b, s);
-    assert_eq!(moved, 4 * (cp - 1) * b * (nkv / sp) * (s / cp) * d * bytes);
+    assert_eq!(moved, 6 * (cp - 1) * b * (nkv / sp) * (s / cp) * d * bytes);
     let (n, moved) = layer0_bytes("llama", "cp=2,sp=2", "all_to_all", b, s);
     assert_eq!(n, 8);
     let local = b * (s / cp / sp) * d * bytes;
