@@ -278,3 +278,26 @@ fn ring_communication_volume_is_the_analytic_figure() {
     let (_, moved) = layer0_bytes("llama_kv1", "cp=2,sp=2", "all_to_all", b, s);
     assert_eq!(moved, 2 * (nq * local + 2 * 2 * local + nq * local));
 }
+
+/// Pins the text of layer 0's ring on cp=4 in the training step: the forward's ring
+/// steps and the transposed ring of the backward (k/v re-sent, per-block
+/// `attention_block_grad` from the merged out and lse, dk/dv accumulators shifted with
+/// their blocks and home at the end), every node `ring-lower` made for it.
+#[test]
+fn ring_backward_snapshot() {
+    let c = case("llama");
+    let (g, _) = training_step(&c.graph, "cp=4", &TrainOptions::default()).unwrap();
+    let text = g.to_string();
+    let ring: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("model.layers.0.self_attn") && l.contains("<- ring-lower:"))
+        .collect();
+    let shifts = |backward: bool| {
+        ring.iter()
+            .filter(|l| l.contains("= ring_shift") && l.contains("backward of") == backward)
+            .count()
+    };
+    // cp-1 steps: k and v forward; k, v and the dk/dv accumulators backward.
+    assert_eq!((shifts(false), shifts(true)), (6, 12), "{}", ring.join("\n"));
+    insta::assert_snapshot!(ring.join("\n"));
+}
