@@ -298,7 +298,12 @@ fn ring_backward_snapshot() {
             .count()
     };
     // cp-1 steps: k and v forward; k, v and the dk/dv accumulators backward.
-    assert_eq!((shifts(false), shifts(true)), (6, 12), "{}", ring.join("\n"));
+    assert_eq!(
+        (shifts(false), shifts(true)),
+        (6, 12),
+        "{}",
+        ring.join("\n")
+    );
     insta::assert_snapshot!(ring.join("\n"));
 }
 
@@ -384,10 +389,7 @@ fn compiled_ring_peak_follows_the_analytic_model() {
         gib(sp_compiled),
         gib(sp_analytic)
     );
-    assert!(
-        (cp_compiled / sp_compiled - 1.0).abs() < 0.10,
-        "{what}"
-    );
+    assert!((cp_compiled / sp_compiled - 1.0).abs() < 0.10, "{what}");
     let ratio = (cp_compiled / cp_analytic) / (sp_compiled / sp_analytic);
     assert!((ratio - 1.0).abs() < 0.10, "{what}");
     eprintln!("{what}");

@@ -76,7 +76,9 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             } else {
                 (6, 4, 6)
             };
-            let pairs = q.shape[0].clone() * q.shape[1].clone() * q.shape[2].clone()
+            let pairs = q.shape[0].clone()
+                * q.shape[1].clone()
+                * q.shape[2].clone()
                 * (ins[1].shape[2].clone() * cp);
             let per_pair = q.shape[3].clone() * per.0 + v.shape[3].clone() * per.1 + per.2;
             let full = pairs * per_pair;
@@ -90,8 +92,8 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             // attention_grad's matmuls and elementwise work, every (query, key) pair of
             // the block (the probabilities come from the given log-sum-exp).
             let (q, k, v) = (ins[0], ins[1], ins[2]);
-            let pairs = q.shape[0].clone() * q.shape[1].clone() * q.shape[2].clone()
-                * k.shape[2].clone();
+            let pairs =
+                q.shape[0].clone() * q.shape[1].clone() * q.shape[2].clone() * k.shape[2].clone();
             let full = pairs * (q.shape[3].clone() * 6 + v.shape[3].clone() * 4 + 6);
             match &d.op {
                 Op::AttentionBlockGrad { causal: true, .. } => full / 2,

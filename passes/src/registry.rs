@@ -163,7 +163,11 @@ const RING_LOWER_TRAINING: &str = "after autodiff, checkpoint and offload: they 
 /// Moves `ring-lower` (if the forward pipeline has it) after the training passes that
 /// must see each ring as one op: autodiff, checkpoint and offload (before grad-sync).
 pub fn place_ring_lower(p: &mut Pipeline) {
-    let Some(i) = p.steps.iter().position(|s| s.pass == crate::ring_lower::NAME) else {
+    let Some(i) = p
+        .steps
+        .iter()
+        .position(|s| s.pass == crate::ring_lower::NAME)
+    else {
         return;
     };
     let Some(last) = p

@@ -87,7 +87,11 @@ impl Pass for RingLower {
         for n in todo {
             let d = g.node(n).clone();
             let ring = Ring::of(g, n, &d.op)?;
-            let mut b = Builder { g, at: n, res: &mut res };
+            let mut b = Builder {
+                g,
+                at: n,
+                res: &mut res,
+            };
             let new: Vec<Value> = match &d.op {
                 Op::RingAttention { .. } => {
                     b.res.count("ring_attentions", 1);
@@ -490,7 +494,10 @@ fn zigzag_backward(
 ) -> Result<(Value, Value, Value), PassError> {
     let cp = r.cp;
     let mut next = if cp > 1 {
-        Some((b.shift(x.k, "k block (again, for the backward)", 1, cp)?, b.shift(x.v, "v block (again, for the backward)", 1, cp)?))
+        Some((
+            b.shift(x.k, "k block (again, for the backward)", 1, cp)?,
+            b.shift(x.v, "v block (again, for the backward)", 1, cp)?,
+        ))
     } else {
         None
     };
@@ -542,7 +549,9 @@ fn zigzag_backward(
         let lc = b.pick(earlier, l0, l1, &pick)?;
         let (dqc, dkc, dvc) = b.block_grad(r, &[qc, kc, vc, oc, gc, lc], false, &pick)?;
         let to_first = format!("{what}: the chosen block's gradient goes to the first chunks iff the sender is earlier");
-        let to_second = format!("{what}: the chosen block's gradient goes to the second chunks iff the sender is later");
+        let to_second = format!(
+            "{what}: the chosen block's gradient goes to the second chunks iff the sender is later"
+        );
         let dqc0 = b.pick(earlier, dqc, zero, &to_first)?;
         let dqc1 = b.pick(earlier, zero, dqc, &to_second)?;
         dq0 = b.add(dq0, dqc0, &what)?;
@@ -564,10 +573,7 @@ fn zigzag_backward(
             Some((dk, dv)) => {
                 let dk = b.shift(dk, "dk accumulator of the block", t, cp)?;
                 let dv = b.shift(dv, "dv accumulator of the block", t, cp)?;
-                (
-                    b.add(dk, grads[0], &what)?,
-                    b.add(dv, grads[1], &what)?,
-                )
+                (b.add(dk, grads[0], &what)?, b.add(dv, grads[1], &what)?)
             }
         });
     }
