@@ -59,6 +59,47 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             // dQ = dS K (2 D), dK = dS^T Q (2 D), and the elementwise dS (6).
             attention_flops(&d.op, ins[0], ins[1], ins[2], (6, 4, 6))
         }
+        Op::RingAttention { axis, .. } | Op::RingAttentionGrad { axis, .. } => {
+            // Every rank's queries against the whole sequence's keys (cp local blocks);
+            // the zigzag causal ring skips the blocks above the diagonal (half), the
+            // masked ring (window, not causal) computes every block. The backward is
+            // attention_grad's work per pair.
+            let (causal, windowed) = match &d.op {
+                Op::RingAttention { causal, window, .. }
+                | Op::RingAttentionGrad { causal, window, .. } => (*causal, window.is_some()),
+                _ => unreachable!(),
+            };
+            let cp = g.mesh.size_or_one(axis) as i64;
+            let (q, v) = (ins[0], ins[2]);
+            let per = if matches!(d.op, Op::RingAttention { .. }) {
+                (2, 2, 5)
+            } else {
+                (6, 4, 6)
+            };
+            let pairs = q.shape[0].clone()
+                * q.shape[1].clone()
+                * q.shape[2].clone()
+                * (ins[1].shape[2].clone() * cp);
+            let per_pair = q.shape[3].clone() * per.0 + v.shape[3].clone() * per.1 + per.2;
+            let full = pairs * per_pair;
+            if causal && !windowed {
+                full / 2
+            } else {
+                full
+            }
+        }
+        Op::AttentionBlockGrad { .. } => {
+            // attention_grad's matmuls and elementwise work, every (query, key) pair of
+            // the block (the probabilities come from the given log-sum-exp).
+            let (q, k, v) = (ins[0], ins[1], ins[2]);
+            let pairs =
+                q.shape[0].clone() * q.shape[1].clone() * q.shape[2].clone() * k.shape[2].clone();
+            let full = pairs * (q.shape[3].clone() * 6 + v.shape[3].clone() * 4 + 6);
+            match &d.op {
+                Op::AttentionBlockGrad { causal: true, .. } => full / 2,
+                _ => full,
+            }
+        }
         Op::GroupedMatmulGrad { .. } => {
             // dx = dy w and dw = dy^T x: twice the forward's matmul.
             let k = last(ins[0]);

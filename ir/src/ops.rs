@@ -243,6 +243,8 @@ define_ops! {
     /// Masked scores get the dtype's most negative value (a row with nothing kept is uniform, as HF's eager path). With `sinks=true` the last operand is a per-head logit [Nq] that joins each row's softmax and is dropped after it (gpt-oss).
     /// With `lse=true` a second result is the f32 log-sum-exp of each row's scores [B, Nq, Sq] (sink included), for combining partial attentions.
     Attention = "attention" ("q, k, v, mask?, sinks?") [3, 5] { causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float>, sinks: Flag, lse: Flag } => attention;
+    /// Ring attention over mesh axis `axis` (context parallelism; made by `ring-attention`, expanded by `ring-lower`): each rank holds q, k, v [B, N, S/cp, D] of its two zigzag chunks of the sequence (see `zigzag`) and gets `attention`'s out and f32 log-sum-exp [B, Nq, S/cp] over the whole sequence, with the attributes of `attention` (no mask, no sinks). One op so that `autodiff` differentiates the ring as a unit (`ring_attention_grad`) and saves only q, k, v, out and lse.
+    RingAttention = "ring_attention" ("q, k, v") [3, 3] { axis: String, causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float> } => ring_attention;
     /// HF causal-LM labels: `labels[:, 1:]` padded with `ignore_index` at the end (the shift of ForCausalLMLoss).
     ShiftLabels = "shift_labels" ("labels") [1, 1] { ignore_index: i64 } => same;
     /// Number of labels not equal to `ignore_index`, as f32.
@@ -291,6 +293,10 @@ define_ops! {
     /// Gradients of `attention` (same attributes) from its operands, output and output gradient: dq, dk, dv (GQA: dk, dv summed over the q heads of each kv head), and with `sinks=true` dsinks [Nq] (f32).
     /// Optional operands in order: the keep-mask, the sinks (`sinks=true`) and, with `lse=true`, the gradient of the log-sum-exp result `dlse` [B, Nq, Sq] (f32).
     AttentionGrad = "attention_grad" ("q, k, v, out, dout, mask?, sinks?, dlse?") [5, 8] { causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float>, sinks: Flag, lse: Flag } => attention_grad;
+    /// Gradients of `ring_attention` (same attributes) from its operands, out, lse and the output gradient: dq, dk, dv. `ring-lower` expands it into the transposed ring: k/v travel the ring again with their dk/dv accumulators.
+    RingAttentionGrad = "ring_attention_grad" ("q, k, v, out, lse, dout") [6, 6] { axis: String, causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float> } => ring_attention_grad;
+    /// Gradients of one key block of a larger attention whose merged output is `out` and whose whole-row f32 log-sum-exp is `lse` [B, Nq, Sq]: with `P = exp(s - lse)` (the block's scores, soft-capped and masked as `attention` does), `dv = P^T dout`, `dS = P (dout v^T - rowsum(dout out))`, `dq = scale dS k`, `dk = scale dS^T q` (GQA: dk, dv summed over the q heads of each kv head). Summed over the blocks, they are `attention_grad`'s.
+    AttentionBlockGrad = "attention_block_grad" ("q, k, v, out, dout, lse, mask?") [6, 7] { causal: bool, scale: Float, softcap: Option<Float> } => attention_block_grad;
     /// Gradients of `rms_norm`: dx, and dw summed over every row.
     RmsNormGrad = "rms_norm_grad" ("x, w, dy") [3, 3] { eps: Float } => rms_norm_grad;
     /// Gradient of `cross_entropy` wrt the logits for loss gradient `dloss` (a scalar for sum/mean, per token for none); 0 for ignored labels.

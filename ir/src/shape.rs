@@ -343,6 +343,47 @@ pub fn attention(op: &Op, ins: &[&TensorType]) -> Out {
     Ok(res)
 }
 
+/// The plain `attention` a ring attention computes (its attributes, no mask or sinks;
+/// `lse` as asked), for the checks they share.
+pub(crate) fn ring_as_attention(op: &Op, lse: bool) -> Op {
+    match op {
+        Op::RingAttention {
+            causal,
+            scale,
+            window,
+            softcap,
+            ..
+        }
+        | Op::RingAttentionGrad {
+            causal,
+            scale,
+            window,
+            softcap,
+            ..
+        } => Op::Attention {
+            causal: *causal,
+            scale: *scale,
+            window: *window,
+            softcap: *softcap,
+            sinks: false.into(),
+            lse: lse.into(),
+        },
+        _ => unreachable!("a ring attention op"),
+    }
+}
+
+/// `ring_attention(q, k, v)`: out [B, Nq, Sq, Dv] and the f32 log-sum-exp [B, Nq, Sq],
+/// checked as `attention` with `lse=true`; the axis must be named.
+pub fn ring_attention(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::RingAttention { axis, .. } = op else {
+        unreachable!()
+    };
+    if axis.is_empty() {
+        return Err("ring_attention needs the mesh axis of its ring".into());
+    }
+    attention(&ring_as_attention(op, true), ins)
+}
+
 /// The checks `attention` and `attention_grad` share (their first three operands, the
 /// mask and the sinks, and the attributes); returns the type of the forward's output.
 pub(crate) fn attention_operands_check(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {

@@ -76,6 +76,47 @@ pub fn attention_grad(op: &Op, ins: &[&TensorType]) -> Out {
     Ok(res)
 }
 
+/// `ring_attention_grad(q, k, v, out, lse, dout)`: dq, dk, dv shaped like q, k, v; out
+/// and lse must be what `ring_attention` of q, k, v gives, dout like out.
+pub fn ring_attention_grad(op: &Op, ins: &[&TensorType]) -> Out {
+    let fwd = crate::shape::ring_as_attention(op, true);
+    let want = crate::shape::attention(&fwd, &ins[..3])?;
+    same_type(&want[0], ins[3], "the ring attention output and out")?;
+    same_type(&want[1], ins[4], "the ring attention log-sum-exp and lse")?;
+    same_type(ins[3], ins[5], "out and dout")?;
+    Ok(vec![ins[0].clone(), ins[1].clone(), ins[2].clone()])
+}
+
+/// `attention_block_grad(q, k, v, out, dout, lse, mask?)`: dq, dk, dv shaped like q, k,
+/// v; out and dout like the attention output of q and v, lse f32 [B, Nq, Sq].
+pub fn attention_block_grad(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::AttentionBlockGrad {
+        causal,
+        scale,
+        softcap,
+    } = op
+    else {
+        unreachable!()
+    };
+    let fwd = Op::Attention {
+        causal: *causal,
+        scale: *scale,
+        window: None,
+        softcap: *softcap,
+        sinks: false.into(),
+        lse: false.into(),
+    };
+    let mut fwd_ins: Vec<&TensorType> = vec![ins[0], ins[1], ins[2]];
+    fwd_ins.extend(ins.get(6).copied());
+    let out_ty = crate::shape::attention_operands_check(&fwd, &fwd_ins)?;
+    let (q, out, dout, lse) = (ins[0], ins[3], ins[4], ins[5]);
+    same_type(&out_ty, out, "the attention output and out")?;
+    same_type(out, dout, "out and dout")?;
+    let want = TensorType::new(DType::F32, q.shape[..3].to_vec());
+    same_type(&want, lse, "the log-sum-exp and lse")?;
+    Ok(vec![ins[0].clone(), ins[1].clone(), ins[2].clone()])
+}
+
 /// `rms_norm_grad(x, w, dy)`: dx like x, dw like w.
 pub fn rms_norm_grad(_: &Op, ins: &[&TensorType]) -> Out {
     let (x, w, dy) = (ins[0], ins[1], ins[2]);

@@ -241,6 +241,7 @@ pub fn pipeline(req: &Request, train: Option<&TrainOptions>) -> Pipeline {
     p.steps.extend(forward.steps);
     if let Some(t) = train {
         p.steps.extend(training_steps(t));
+        crate::registry::place_ring_lower(&mut p);
     }
     p
 }
@@ -440,7 +441,7 @@ pub fn rank(req: &Request, train: &TrainRequest, bindings: &Bindings) -> Vec<Ran
 fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> {
     let shape = req.shape.as_ref()?;
     let (batch, seq) = (*b.symbols.get("B")?, *b.symbols.get("S")?);
-    let known = ["dp", "sp", "tp", weft_ir::mesh::EP, weft_ir::mesh::EDP];
+    let known = ["dp", "cp", "sp", "tp", weft_ir::mesh::EP, weft_ir::mesh::EDP];
     if req
         .mesh
         .axes

@@ -28,7 +28,7 @@ mod util;
 // `weft_passes::autodiff` keep working across the folder split.
 pub use cleanup::{canonicalize, simplify};
 pub use lower::{bindings, convert_dtype, memory, plan, search};
-pub use parallel::{ep, ring, shard_inputs, shard_seq, sp_loss, tp, ulysses};
+pub use parallel::{ep, ring, ring_lower, shard_inputs, shard_seq, sp_loss, tp, ulysses};
 pub use train::{
     autodiff, checkpoint, grad_sync, micro_batches, offload, optimizer, training, zero,
 };

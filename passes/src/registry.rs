@@ -12,6 +12,7 @@ use crate::offload::Offload;
 use crate::optimizer::OptimizerPass;
 use crate::pass::{Pass, PassError, CP, DP, SP, TP};
 use crate::ring::RingAttention;
+use crate::ring_lower::RingLower;
 use crate::shard_inputs::ShardInputs;
 use crate::shard_seq::ShardSeq;
 use crate::simplify::Simplify;
@@ -37,6 +38,7 @@ pub static PASSES: &[&dyn Pass] = &[
     &Autodiff,
     &Checkpoint,
     &Offload,
+    &RingLower,
     &GradSync,
     &OptimizerPass,
 ];
@@ -155,6 +157,39 @@ pub fn default_pipeline(mesh: &Mesh) -> Vec<&'static str> {
         .collect()
 }
 
+const RING_LOWER_FORWARD: &str = "after ring-attention: expands each ring_attention into its ring steps (a training step moves it after autodiff, checkpoint and offload)";
+const RING_LOWER_TRAINING: &str = "after autodiff, checkpoint and offload: they see each ring as one op whose backward saves only q, k, v, out and lse; then the ring steps of the forward and the transposed ring of the backward are written out";
+
+/// Moves `ring-lower` (if the forward pipeline has it) after the training passes that
+/// must see each ring as one op: autodiff, checkpoint and offload (before grad-sync).
+pub fn place_ring_lower(p: &mut Pipeline) {
+    let Some(i) = p
+        .steps
+        .iter()
+        .position(|s| s.pass == crate::ring_lower::NAME)
+    else {
+        return;
+    };
+    let Some(last) = p
+        .steps
+        .iter()
+        .rposition(|s| ["autodiff", "checkpoint", "offload"].contains(&s.pass.as_str()))
+    else {
+        return;
+    };
+    if last < i {
+        return;
+    }
+    p.steps.remove(i);
+    p.steps.insert(
+        last,
+        Step {
+            pass: crate::ring_lower::NAME.to_string(),
+            why: RING_LOWER_TRAINING.to_string(),
+        },
+    );
+}
+
 const TP_AFTER_SP: &str = "after sp-loss: the loss is already per-rank sums, which the vocab-parallel cross-entropy keeps; before ulysses-attention: heads are split by tp first";
 
 /// The default pipeline of a mesh with the reason for each position:
@@ -207,6 +242,9 @@ pub fn default_pipeline_explained(mesh: &Mesh) -> Pipeline {
             } else if sp {
                 p.push("ulysses-attention", "after tensor-parallel: trades this tp rank's heads (not the model's) for sequence, so kv-head repeats are decided on the local heads");
             }
+        }
+        if cp && mesh.size_or_one(CP) > 1 {
+            p.push(crate::ring_lower::NAME, RING_LOWER_FORWARD);
         }
         p.push("canonicalize", "last: folds and removes what the rewrites leave behind (identity ops, duplicates, dead nodes)");
     } else if tp {

@@ -323,20 +323,29 @@ pub(crate) fn strip_gathers(
 }
 
 /// [`strip_gathers`] that also sees through the `zigzag {inverse}` made by `pass` on top
-/// of a context-parallel gather (for consumers whose result does not depend on the
-/// token order, such as the loss sums); the zigzag node is listed with the gathers.
+/// of a context-parallel gather, wherever it sits among the gathers (a dp gather of the
+/// batch can be outside it), for consumers whose result does not depend on the token
+/// order, such as the loss sums; the zigzag node is listed with the gathers, in order.
 pub(crate) fn strip_seq_gathers(
     g: &Graph,
     v: Value,
     pass: &str,
 ) -> (Value, Vec<(usize, String)>, Vec<Node>) {
-    let n = g.def(v);
-    if matches!(g.node(n).op, Op::Zigzag { inverse: true, .. }) && made_by(g, n, pass) {
-        let (x, dims, mut nodes) = strip_gathers(g, g.node(n).operands[0], pass);
-        nodes.insert(0, n);
-        return (x, dims, nodes);
+    let mut cur = v;
+    let mut dims = Vec::new();
+    let mut nodes = Vec::new();
+    loop {
+        let n = g.def(cur);
+        match &g.node(n).op {
+            Op::AllGather { axis, dim } if made_by(g, n, pass) => {
+                dims.push((*dim as usize, axis.clone()));
+            }
+            Op::Zigzag { inverse: true, .. } if made_by(g, n, pass) => {}
+            _ => return (cur, dims, nodes),
+        }
+        nodes.push(n);
+        cur = g.node(n).operands[0];
     }
-    strip_gathers(g, v, pass)
 }
 
 /// Removes those of `nodes` whose results no longer have any use, counting uses by

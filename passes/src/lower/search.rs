@@ -396,27 +396,27 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     } else {
         layers
     };
-    // Ulysses past the kv heads repeats them; ring attention keeps the cp-1 received
-    // k/v blocks of each layer for the backward (unless the layer is recomputed).
+    // Ulysses past the kv heads repeats them. Ring attention saves only q, k, v and
+    // out (counted per token above) and its f32 log-sum-exp; its backward re-sends k/v
+    // (docs/ring.md), so what the ring adds is in flight during one layer: two k/v
+    // blocks forward (double buffering), two k/v blocks and two dk/dv accumulators
+    // backward.
     let kv_rep = kv_repeat(m.kv_heads / c.tp as u64, c.sp as u64) as f64;
     let ring_kv = tokens * sp * 2.0 * 2.0 * kv * kv_rep / tp / sp;
-    // What autodiff keeps of each ring step (the IR's ring is differentiated, not
-    // recomputed): the received k/v, the chosen q/k/v block, both blocks' outputs and the
-    // three merges' partial outputs: about 8 q-chunk-sized tensors besides the k/v.
-    let q_chunk = tokens * sp / 2.0 * q / tp / sp * 2.0;
-    let ring_step_saved = if c.cp > 1 {
-        (cp - 1.0) * (ring_kv + 8.0 * q_chunk)
+    let ring_lse = if c.cp > 1 {
+        tokens * 4.0 * m.heads as f64 / tp
     } else {
         0.0
     };
     let ring_saved = if c.checkpoint == "full" {
         0.0
     } else {
-        ring_step_saved
+        ring_lse
     };
+    let ring_in_flight = if c.cp > 1 { 4.0 * ring_kv } else { 0.0 };
     let activations = tokens * (saved_per_layer * kept_layers + full_layer)
         + ring_saved * kept_layers
-        + ring_step_saved;
+        + ring_in_flight;
     let logits = tokens * m.vocab as f64 / tp * 4.0 * 2.0;
     let gathered = if c.zero >= 3 {
         2.0 * per_layer_params * pb
@@ -489,7 +489,8 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
             * mb
             * ((1.0 + redo) * step.exposed_forward + step.exposed_backward);
         exposed += t_exposed;
-        comm += layers * (cp - 1.0) * mb * (2.0 + redo) * step.transfer;
+        // Per step: k/v forward, k/v again and dk/dv backward, k/v again to recompute.
+        comm += layers * (cp - 1.0) * mb * (3.0 + redo) * step.transfer;
     }
     if c.ep > 1 && m.moe_layers > 0 {
         let bytes = tokens * m.top_k as f64 * h * 2.0;
@@ -609,7 +610,8 @@ pub fn ring_step(
         transfer,
         block_forward,
         exposed_forward: (transfer - block_forward).max(0.0),
-        exposed_backward: (transfer - 2.5 * block_forward).max(0.0),
+        // the backward sends k/v and dk/dv: two transfers under 2.5 blocks of work
+        exposed_backward: (2.0 * transfer - 2.5 * block_forward).max(0.0),
     }
 }
 

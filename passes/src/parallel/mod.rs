@@ -5,12 +5,14 @@
 //!   `dp` rides on the same passes (batch dim).
 //! - Context parallelism (axis `cp`, ring attention with zigzag load balance, and the
 //!   Ulysses x ring hybrid with `sp`): [`ring`], on the sequence split `shard_inputs` /
-//!   `shard_seq` make in zigzag order.
+//!   `shard_seq` make in zigzag order, and [`ring_lower`], which expands the ring ops
+//!   into ring steps after `autodiff`.
 //! - Tensor parallelism (axis `tp`): [`tp`].
 //! - Expert parallelism (axis `ep`, DeepSpeed's expert groups): [`ep`].
 
 pub mod ep;
 pub mod ring;
+pub mod ring_lower;
 pub mod shard_inputs;
 pub mod shard_seq;
 pub mod sp_loss;

@@ -312,6 +312,7 @@ impl TrainOptions {
 pub fn training_pipeline(mesh: &Mesh, opts: &TrainOptions) -> Pipeline {
     let mut p = default_pipeline_explained(mesh);
     p.steps.extend(training_steps(opts));
+    crate::registry::place_ring_lower(&mut p);
     p
 }
 

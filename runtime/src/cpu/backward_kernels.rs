@@ -39,10 +39,33 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 at(slots.mask),
                 at(slots.sinks),
                 at(slots.dlse),
+                None,
                 kernels::AttnAttrs::of(op)?,
                 cx.float,
             )
         }
+        Op::AttentionBlockGrad {
+            causal,
+            scale,
+            softcap,
+        } => attention_grad(
+            &ins[0],
+            &ins[1],
+            &ins[2],
+            &ins[3],
+            &ins[4],
+            ins.get(6),
+            None,
+            None,
+            Some(&ins[5]),
+            kernels::AttnAttrs {
+                causal: *causal,
+                scale: scale.0,
+                window: None,
+                softcap: softcap.map(|c| c.0),
+            },
+            cx.float,
+        ),
         Op::RmsNormGrad { eps } => {
             let (dx, dw) = rms_norm_grad(&ins[0], &ins[1], &ins[2], eps.0)?;
             Ok(vec![dx, dw])
@@ -148,6 +171,10 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
 /// log-sum-exp adds `P * dlse`), times `1 - tanh^2` under a soft-cap. GQA: the q heads
 /// of one kv head are folded into its rows, so dk and dv sum over them. The sink of
 /// head h gets `-sum P_sink * D` over its rows.
+///
+/// With `row_lse` (`attention_block_grad`: one key block of a larger attention) the
+/// probabilities are `exp(s - row_lse)`, the whole row's normalisation, instead of the
+/// block's own softmax, and `out` is the merged output of every block.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_grad(
     q: &Tensor,
@@ -158,6 +185,7 @@ pub(crate) fn attention_grad(
     mask: Option<&Tensor>,
     sinks: Option<&Tensor>,
     dlse: Option<&Tensor>,
+    row_lse: Option<&Tensor>,
     a: kernels::AttnAttrs,
     float: C,
 ) -> KResult<Vec<Tensor>> {
@@ -210,7 +238,16 @@ pub(crate) fn attention_grad(
             .broadcast_as((b, nq, sq, 1))?;
         scores = Tensor::cat(&[&scores, &col], 3)?;
     }
-    let p_all = kernels::softmax(&scores, 3)?;
+    let p_all = match row_lse {
+        Some(l) => {
+            if l.dims() != [b, nq, sq] {
+                bail!("lse {:?} must be [{b}, {nq}, {sq}]", l.dims());
+            }
+            let l = l.to_dtype(float)?.reshape((b, nq, sq, 1))?;
+            scores.broadcast_sub(&l)?.exp()?
+        }
+        None => kernels::softmax(&scores, 3)?,
+    };
     let p = p_all
         .narrow(3, 0, sk)?
         .contiguous()?

@@ -569,7 +569,12 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             transpose_w.0,
         )?),
         Op::MoeCombine {} => one(moe_combine(&ins[0], &ins[1], &ins[2], cx.out_shape(0))?),
+        Op::RingAttention { .. } | Op::RingAttentionGrad { .. } => bail!(
+            "`{}` runs only after `ring-lower` expands it into ring steps (add `ring-lower` to the pipeline)",
+            op.name()
+        ),
         Op::AttentionGrad { .. }
+        | Op::AttentionBlockGrad { .. }
         | Op::RmsNormGrad { .. }
         | Op::CrossEntropyGrad { .. }
         | Op::EmbeddingGrad { .. }

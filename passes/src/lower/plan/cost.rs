@@ -14,7 +14,20 @@ pub fn is_matmul_class(op: &Op) -> bool {
         op,
         Op::Linear {} | Op::Matmul { .. } | Op::GroupedMatmul { .. } | Op::Attention { .. }
     ) || op.name().ends_with("matmul_grad")
-        || op.name() == "attention_grad"
+        || is_attention_class(op)
+}
+
+/// Ops priced at the attention rate: attention, its gradient, the ring's per-block
+/// gradient, and the unexpanded ring ops (which the training passes price).
+fn is_attention_class(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Attention { .. }
+            | Op::AttentionGrad { .. }
+            | Op::AttentionBlockGrad { .. }
+            | Op::RingAttention { .. }
+            | Op::RingAttentionGrad { .. }
+    )
 }
 
 /// Ops that only relabel memory (no kernel at all when the runtime makes them views).
@@ -27,7 +40,7 @@ pub fn compute_time(op: &Op, flops: f64, bytes: f64, d: &DeviceProfile) -> f64 {
     if is_view(op) {
         return 0.0;
     }
-    let rate = if matches!(op, Op::Attention { .. }) || op.name() == "attention_grad" {
+    let rate = if is_attention_class(op) {
         d.attention_tflops
     } else if is_matmul_class(op) {
         d.matmul_tflops

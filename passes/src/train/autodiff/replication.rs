@@ -204,7 +204,9 @@ pub fn varying(g: &Graph) -> Vec<Axes> {
             Op::ReduceScatter { axis, .. }
             | Op::AllToAll { axis, .. }
             | Op::AllToAllV { axis, .. }
-            | Op::RingShift { axis, .. } => ins | bit(mesh, axis),
+            | Op::RingShift { axis, .. }
+            | Op::RingAttention { axis, .. }
+            | Op::RingAttentionGrad { axis, .. } => ins | bit(mesh, axis),
             _ => ins,
         };
         if !d.op.is_collective() {

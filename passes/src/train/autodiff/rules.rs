@@ -247,6 +247,38 @@ impl Ad<'_> {
                 }
                 return Ok(out);
             }
+            Op::RingAttention {
+                axis,
+                causal,
+                scale,
+                window,
+                softcap,
+            } => {
+                // The ring as one unit: its backward re-sends k/v around the ring
+                // (`ring-lower` expands it), so only q, k, v, out and lse are saved.
+                if dy.get(1).copied().flatten().is_some() {
+                    return Err(err(
+                        "`autodiff` cannot differentiate a ring attention's log-sum-exp result",
+                        self.g.describe(n),
+                        "ring_attention_grad takes the gradient of out only",
+                    ));
+                }
+                let Some(dout) = dy[0] else { return Ok(out) };
+                let r = self.ops(
+                    Op::RingAttentionGrad {
+                        axis: axis.clone(),
+                        causal: *causal,
+                        scale: *scale,
+                        window: *window,
+                        softcap: *softcap,
+                    },
+                    &[ops[0], ops[1], ops[2], y, d.results[1], dout],
+                )?;
+                for i in 0..3 {
+                    out[i] = want[i].then_some(r[i]);
+                }
+                return Ok(out);
+            }
             _ => {}
         }
         if d.results.len() != 1 {

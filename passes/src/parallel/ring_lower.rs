@@ -1,0 +1,780 @@
+//! `ring-lower`: expands every `ring_attention` and `ring_attention_grad` (made by
+//! `ring-attention` and `autodiff`) into the ring steps themselves: `ring_shift`s of the
+//! k/v blocks over the cp axis, per-block `attention` (forward, merged by log-sum-exp)
+//! and per-block `attention_block_grad` (backward). See docs/ring.md.
+//!
+//! It runs after `autodiff` (and `checkpoint`, `offload`) in a training step, so the
+//! backward saves only the ring op's operands and results (q, k, v, out, lse per layer):
+//! the forward's received blocks die within the forward, and the backward sends k/v
+//! around the ring a second time, with the dk/dv accumulators travelling beside them
+//! (the transposed ring). In a forward-only pipeline it runs right after
+//! `ring-attention`.
+//!
+//! Forward, causal without a window (zigzag layout: rank `r` holds chunks `r` and
+//! `2cp-1-r` of `2cp`):
+//! - step 0: causal attention over the rank's own two chunks (in zigzag order that is
+//!   exactly causal attention over the local `[2c]` tokens);
+//! - step `t` (1..cp) attends to the k/v of rank `s = r - t mod cp` (received by
+//!   `ring_shift {shift=1}` of the previous step's block, issued before the previous
+//!   step's attention so the transfer overlaps it; at most two blocks live). Of its four
+//!   chunk pairs (second q, first k) is always wholly visible, (first q, second k)
+//!   never; (first, first) is visible when `s < r` (`@cp >= t`) and (second, second)
+//!   otherwise, so every rank computes two unmasked `c x c` blocks, the second choosing
+//!   its operands by `where(@cp >= t)`;
+//! - partial results merge as `l = log(e^l1 + e^l2)`, `o = o1 e^(l1-l) + o2 e^(l2-l)`;
+//!   a block that does not apply to a chunk gets `lse = -1e30` (weight exactly 0).
+//!
+//! A sliding window or a non-causal attention uses the masked ring: every step attends
+//! all local queries to the received block under a keep-mask from the tokens' global
+//! positions, which travel the ring with k/v.
+//!
+//! Backward: the same steps and blocks in the same order; each block's
+//! `attention_block_grad` takes the merged `out` and the whole row's `lse` (so its
+//! probabilities are the final ones, `exp(s - lse)`, with no per-block statistics
+//! kept), adds its dq into this rank's accumulator and its dk/dv into the accumulator of
+//! the block it read, which travels one step further with the next `ring_shift`; after
+//! step `cp-1` one more shift brings each rank's dk/dv home, where the step-0 part is
+//! added.
+
+use crate::pass::{Pass, PassContext, PassError, PassResult, CP};
+use crate::util::remove_unused;
+use weft_ir::{
+    At, CmpOp, DType, Dim, Float, Graph, Node, NodeMeta, Op, Provenance, TensorType, Value,
+};
+
+pub struct RingLower;
+
+pub const NAME: &str = "ring-lower";
+
+/// The log-sum-exp a block that does not apply to a chunk contributes: its merge weight
+/// `e^(-1e30 - l)` is exactly 0.
+const ABSENT_LSE: f64 = -1e30;
+
+impl Pass for RingLower {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+    fn summary(&self) -> &'static str {
+        "expands ring_attention into ring steps (ring_shift of k/v, per-block attention, log-sum-exp merge) and ring_attention_grad into the transposed ring (k/v re-sent, dk/dv accumulators travelling with them, per-block attention_block_grad)"
+    }
+    fn requires(&self) -> &'static [&'static str] {
+        &[crate::ring::NAME]
+    }
+    fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
+        let mut res = PassResult::unchanged();
+        for k in [
+            "ring_attentions",
+            "ring_attention_grads",
+            "ring_steps",
+            "ring_shifts",
+            "block_attentions",
+            "block_grads",
+        ] {
+            res.count(k, 0);
+        }
+        let todo: Vec<Node> = g
+            .nodes()
+            .iter()
+            .copied()
+            .filter(|&n| {
+                matches!(
+                    g.node(n).op,
+                    Op::RingAttention { .. } | Op::RingAttentionGrad { .. }
+                )
+            })
+            .collect();
+        let mut dead = Vec::new();
+        for n in todo {
+            let d = g.node(n).clone();
+            let ring = Ring::of(g, n, &d.op)?;
+            let mut b = Builder {
+                g,
+                at: n,
+                res: &mut res,
+            };
+            let new: Vec<Value> = match &d.op {
+                Op::RingAttention { .. } => {
+                    b.res.count("ring_attentions", 1);
+                    let [q, k, v] = [d.operands[0], d.operands[1], d.operands[2]];
+                    let (o, l) = if ring.zigzag_causal() {
+                        zigzag_forward(&mut b, &ring, q, k, v)?
+                    } else {
+                        masked_forward(&mut b, &ring, q, k, v)?
+                    };
+                    vec![o, l]
+                }
+                _ => {
+                    b.res.count("ring_attention_grads", 1);
+                    let x = Saved {
+                        q: d.operands[0],
+                        k: d.operands[1],
+                        v: d.operands[2],
+                        out: d.operands[3],
+                        lse: d.operands[4],
+                        dout: d.operands[5],
+                    };
+                    let (dq, dk, dv) = if ring.zigzag_causal() {
+                        zigzag_backward(&mut b, &ring, x)?
+                    } else {
+                        masked_backward(&mut b, &ring, x)?
+                    };
+                    vec![dq, dk, dv]
+                }
+            };
+            for (old, new) in d.results.iter().zip(new) {
+                g.replace_all_uses(*old, new);
+            }
+            dead.push(n);
+            res.changed = true;
+        }
+        remove_unused(g, &dead);
+        Ok(res)
+    }
+}
+
+/// The attributes of one ring op and its ring size.
+struct Ring {
+    cp: i64,
+    causal: bool,
+    window: Option<i64>,
+    scale: Float,
+    softcap: Option<Float>,
+}
+
+impl Ring {
+    fn of(g: &Graph, n: Node, op: &Op) -> Result<Ring, PassError> {
+        let (Op::RingAttention {
+            axis,
+            causal,
+            scale,
+            window,
+            softcap,
+        }
+        | Op::RingAttentionGrad {
+            axis,
+            causal,
+            scale,
+            window,
+            softcap,
+        }) = op
+        else {
+            unreachable!("ring ops only")
+        };
+        if axis != CP {
+            return Err(PassError::rewrite(
+                NAME,
+                format!("`{NAME}` cannot run a ring over axis `{axis}`"),
+                g.describe(n),
+                "rings run over the context-parallel axis `cp` (its zigzag layout is assumed)",
+            ));
+        }
+        let cp = g.mesh.size(axis).ok_or_else(|| {
+            PassError::rewrite(
+                NAME,
+                format!("`{NAME}` has no ring to expand over"),
+                g.describe(n),
+                format!("the mesh `{}` has no axis `{axis}`", g.mesh),
+            )
+        })? as i64;
+        Ok(Ring {
+            cp,
+            causal: *causal,
+            window: *window,
+            scale: *scale,
+            softcap: *softcap,
+        })
+    }
+    fn zigzag_causal(&self) -> bool {
+        self.causal && self.window.is_none()
+    }
+}
+
+/// The backward's operands: what the forward saved and the output gradient.
+#[derive(Clone, Copy)]
+struct Saved {
+    q: Value,
+    k: Value,
+    v: Value,
+    out: Value,
+    lse: Value,
+    dout: Value,
+}
+
+fn bytes(t: &TensorType) -> Dim {
+    t.numel() * t.dtype.size_bytes() as i64
+}
+
+/// Builds nodes before `at` with the lowered node's metadata (its scope, whether it is
+/// backward or recompute, its micro-batch) and this pass's provenance.
+struct Builder<'a> {
+    g: &'a mut Graph,
+    at: Node,
+    res: &'a mut PassResult,
+}
+
+impl Builder<'_> {
+    fn meta(&self, why: &str) -> NodeMeta {
+        let mut m = self.g.node(self.at).meta.clone();
+        m.provenance = Some(Provenance {
+            pass: NAME.into(),
+            reason: why.into(),
+        });
+        m
+    }
+    fn ops(&mut self, op: Op, ins: &[Value], why: &str) -> Result<Vec<Value>, PassError> {
+        let meta = self.meta(why);
+        self.g
+            .insert_with(At::Before(self.at), op, ins, meta)
+            .map_err(|e| crate::util::build_error(NAME, e))
+    }
+    fn op(&mut self, op: Op, ins: &[Value], why: &str) -> Result<Value, PassError> {
+        Ok(self.ops(op, ins, why)?[0])
+    }
+    fn ty(&self, v: Value) -> TensorType {
+        self.g.ty(v).clone()
+    }
+    fn slice(
+        &mut self,
+        x: Value,
+        dim: i64,
+        start: Dim,
+        len: Dim,
+        why: &str,
+    ) -> Result<Value, PassError> {
+        self.op(Op::Slice { dim, start, len }, &[x], why)
+    }
+    /// The two zigzag chunks of `x` along the sequence (dim 2).
+    fn halves(&mut self, x: Value, what: &str) -> Result<(Value, Value), PassError> {
+        let c = self.ty(x).shape[2].clone() / 2;
+        let a = self.slice(
+            x,
+            2,
+            Dim::from(0),
+            c.clone(),
+            &format!("{what}: first zigzag chunk"),
+        )?;
+        let b = self.slice(x, 2, c.clone(), c, &format!("{what}: second zigzag chunk"))?;
+        Ok((a, b))
+    }
+    fn full(&mut self, value: f64, ty: TensorType, why: &str) -> Result<Value, PassError> {
+        self.op(
+            Op::Full {
+                value: Float(value),
+                ty,
+            },
+            &[],
+            why,
+        )
+    }
+    fn add(&mut self, a: Value, b: Value, why: &str) -> Result<Value, PassError> {
+        self.op(Op::Add {}, &[a, b], why)
+    }
+    fn pick(&mut self, cond: Value, a: Value, b: Value, why: &str) -> Result<Value, PassError> {
+        self.op(Op::Where {}, &[cond, a, b], why)
+    }
+
+    /// `ring_shift {shift=1}` of a block, with its bytes in the reason.
+    fn shift(&mut self, x: Value, name: &str, t: i64, cp: i64) -> Result<Value, PassError> {
+        let why = format!(
+            "ring step {t}/{}: {name} from the previous rank on the cp ring, {} bytes per rank",
+            cp - 1,
+            bytes(self.g.ty(x)),
+        );
+        self.res.count("ring_shifts", 1);
+        self.op(
+            Op::RingShift {
+                axis: CP.into(),
+                shift: 1,
+            },
+            &[x],
+            &why,
+        )
+    }
+
+    fn block_attention(
+        &mut self,
+        r: &Ring,
+        ins: &[Value],
+        causal: bool,
+        why: &str,
+    ) -> Result<(Value, Value), PassError> {
+        self.res.count("block_attentions", 1);
+        let v = self.ops(
+            Op::Attention {
+                causal,
+                scale: r.scale,
+                window: None,
+                softcap: r.softcap,
+                sinks: false.into(),
+                lse: true.into(),
+            },
+            ins,
+            why,
+        )?;
+        Ok((v[0], v[1]))
+    }
+
+    /// dq, dk, dv of one block: `ins` = q, k, v, out, dout, lse (, mask).
+    fn block_grad(
+        &mut self,
+        r: &Ring,
+        ins: &[Value],
+        causal: bool,
+        why: &str,
+    ) -> Result<(Value, Value, Value), PassError> {
+        self.res.count("block_grads", 1);
+        let v = self.ops(
+            Op::AttentionBlockGrad {
+                causal,
+                scale: r.scale,
+                softcap: r.softcap,
+            },
+            ins,
+            why,
+        )?;
+        Ok((v[0], v[1], v[2]))
+    }
+
+    /// Merges two partial attentions over disjoint key sets by their log-sum-exp.
+    fn merge(
+        &mut self,
+        a: (Value, Value),
+        b: (Value, Value),
+        why: &str,
+    ) -> Result<(Value, Value), PassError> {
+        let why = format!("{why}: log-sum-exp merge of partial attentions");
+        let (o1, l1) = a;
+        let (o2, l2) = b;
+        let m = self.op(Op::Maximum {}, &[l1, l2], &why)?;
+        let d1 = self.op(Op::Sub {}, &[l1, m], &why)?;
+        let d2 = self.op(Op::Sub {}, &[l2, m], &why)?;
+        let e1 = self.op(Op::Exp {}, &[d1], &why)?;
+        let e2 = self.op(Op::Exp {}, &[d2], &why)?;
+        let s = self.op(Op::Add {}, &[e1, e2], &why)?;
+        let ls = self.op(Op::Log {}, &[s], &why)?;
+        let l = self.op(Op::Add {}, &[m, ls], &why)?;
+        let ot = self.ty(o1);
+        let mut shape = self.ty(l).shape;
+        shape.push(Dim::from(1));
+        let weight = |b: &mut Self, li: Value| -> Result<Value, PassError> {
+            let d = b.op(Op::Sub {}, &[li, l], &why)?;
+            let w = b.op(Op::Exp {}, &[d], &why)?;
+            let w = b.op(
+                Op::Reshape {
+                    shape: shape.clone(),
+                },
+                &[w],
+                &why,
+            )?;
+            if b.ty(w).dtype == ot.dtype {
+                Ok(w)
+            } else {
+                b.op(Op::Cast { dtype: ot.dtype }, &[w], &why)
+            }
+        };
+        let w1 = weight(self, l1)?;
+        let w2 = weight(self, l2)?;
+        let p1 = self.op(Op::Mul {}, &[o1, w1], &why)?;
+        let p2 = self.op(Op::Mul {}, &[o2, w2], &why)?;
+        let o = self.op(Op::Add {}, &[p1, p2], &why)?;
+        Ok((o, l))
+    }
+
+    /// `[1]` bool: whether step `t`'s sender (rank `@cp - t mod cp`) is an earlier rank,
+    /// i.e. `@cp >= t`.
+    fn sender_is_earlier(&mut self, t: i64) -> Result<Value, PassError> {
+        let what = format!("ring step {t}");
+        let rank = self.op(
+            Op::Arange {
+                start: Dim::coord(CP),
+                ty: TensorType::new(DType::I64, vec![Dim::from(1)]),
+            },
+            &[],
+            "this rank's cp coordinate, to pick the causal block of each ring step",
+        )?;
+        let tt = self.full(
+            t as f64,
+            TensorType::new(DType::I64, vec![Dim::from(1)]),
+            &what,
+        )?;
+        self.op(
+            Op::Compare { op: CmpOp::Ge },
+            &[rank, tt],
+            &format!("{what}: the sender is an earlier rank (@cp >= {t})"),
+        )
+    }
+}
+
+/// The zigzag causal ring's forward: out and lse of the rank's two chunks.
+fn zigzag_forward(
+    b: &mut Builder,
+    r: &Ring,
+    q: Value,
+    k: Value,
+    v: Value,
+) -> Result<(Value, Value), PassError> {
+    let cp = r.cp;
+    // Step 1's blocks are on their way while step 0 computes.
+    let mut next = if cp > 1 {
+        Some((b.shift(k, "k block", 1, cp)?, b.shift(v, "v block", 1, cp)?))
+    } else {
+        None
+    };
+    let (o, l) = b.block_attention(
+        r,
+        &[q, k, v],
+        true,
+        "ring step 0: causal attention over this rank's own two zigzag chunks",
+    )?;
+    b.res.count("ring_steps", 1);
+    if cp == 1 {
+        return Ok((o, l));
+    }
+    let (o0, o1) = b.halves(o, "step 0 out")?;
+    let (l0, l1) = b.halves(l, "step 0 lse")?;
+    let (mut acc0, mut acc1) = ((o0, l0), (o1, l1));
+    let (q0, q1) = b.halves(q, "q")?;
+    let lse_ty = b.ty(l);
+    let absent = b.full(
+        ABSENT_LSE,
+        TensorType::new(lse_ty.dtype, vec![Dim::from(1)]),
+        "log-sum-exp of a block that does not apply (merge weight 0)",
+    )?;
+    for t in 1..cp {
+        let (kt, vt) = next.take().expect("the step's blocks were sent");
+        if t + 1 < cp {
+            next = Some((
+                b.shift(kt, "k block", t + 1, cp)?,
+                b.shift(vt, "v block", t + 1, cp)?,
+            ));
+        }
+        b.res.count("ring_steps", 1);
+        let what = format!("ring step {t}");
+        let (k0, k1) = b.halves(kt, &format!("{what}: the sender's k"))?;
+        let (v0, v1) = b.halves(vt, &format!("{what}: the sender's v"))?;
+        let ob = b.block_attention(
+            r,
+            &[q1, k0, v0],
+            false,
+            &format!("{what}: second q chunk x the sender's first chunk (always wholly visible)"),
+        )?;
+        let earlier = b.sender_is_earlier(t)?;
+        let pick = format!("{what}: first chunks when the sender is earlier, else second chunks (the other pair is above the diagonal)");
+        let qc = b.pick(earlier, q0, q1, &pick)?;
+        let kc = b.pick(earlier, k0, k1, &pick)?;
+        let vc = b.pick(earlier, v0, v1, &pick)?;
+        let (oc, lc) = b.block_attention(r, &[qc, kc, vc], false, &pick)?;
+        let lc0 = b.pick(
+            earlier,
+            lc,
+            absent,
+            &format!("{what}: applies to the first q chunk iff the sender is earlier"),
+        )?;
+        let lc1 = b.pick(
+            earlier,
+            absent,
+            lc,
+            &format!("{what}: applies to the second q chunk iff the sender is later"),
+        )?;
+        acc0 = b.merge(acc0, (oc, lc0), &what)?;
+        acc1 = b.merge(acc1, ob, &what)?;
+        acc1 = b.merge(acc1, (oc, lc1), &what)?;
+    }
+    let why = "the two zigzag chunks of the ring attention";
+    let o = b.op(Op::Concat { dim: 2 }, &[acc0.0, acc1.0], why)?;
+    let l = b.op(Op::Concat { dim: 2 }, &[acc0.1, acc1.1], why)?;
+    Ok((o, l))
+}
+
+/// The zigzag causal ring's backward: dq, dk, dv.
+fn zigzag_backward(
+    b: &mut Builder,
+    r: &Ring,
+    x: Saved,
+) -> Result<(Value, Value, Value), PassError> {
+    let cp = r.cp;
+    let mut next = if cp > 1 {
+        Some((
+            b.shift(x.k, "k block (again, for the backward)", 1, cp)?,
+            b.shift(x.v, "v block (again, for the backward)", 1, cp)?,
+        ))
+    } else {
+        None
+    };
+    let (dq, dk_own, dv_own) = b.block_grad(
+        r,
+        &[x.q, x.k, x.v, x.out, x.dout, x.lse],
+        true,
+        "ring step 0 backward: causal block of this rank's own two chunks",
+    )?;
+    if cp == 1 {
+        return Ok((dq, dk_own, dv_own));
+    }
+    let (mut dq0, mut dq1) = b.halves(dq, "step 0 dq")?;
+    let (q0, q1) = b.halves(x.q, "q")?;
+    let (o0, o1) = b.halves(x.out, "out")?;
+    let (g0, g1) = b.halves(x.dout, "dout")?;
+    let (l0, l1) = b.halves(x.lse, "lse")?;
+    let zero = b.full(
+        0.0,
+        TensorType::scalar(b.ty(x.q).dtype),
+        "no gradient from a block that does not apply",
+    )?;
+    // The dk/dv accumulator of the block this rank holds, travelling with it.
+    let mut acc: Option<(Value, Value)> = None;
+    for t in 1..cp {
+        let (kt, vt) = next.take().expect("the step's blocks were sent");
+        if t + 1 < cp {
+            next = Some((
+                b.shift(kt, "k block (again, for the backward)", t + 1, cp)?,
+                b.shift(vt, "v block (again, for the backward)", t + 1, cp)?,
+            ));
+        }
+        let what = format!("ring step {t} backward");
+        let (k0, k1) = b.halves(kt, &format!("{what}: the sender's k"))?;
+        let (v0, v1) = b.halves(vt, &format!("{what}: the sender's v"))?;
+        let (dq1a, dk0a, dv0a) = b.block_grad(
+            r,
+            &[q1, k0, v0, o1, g1, l1],
+            false,
+            &format!("{what}: second q chunk x the sender's first chunk"),
+        )?;
+        let earlier = b.sender_is_earlier(t)?;
+        let pick = format!("{what}: first chunks when the sender is earlier, else second chunks");
+        let qc = b.pick(earlier, q0, q1, &pick)?;
+        let kc = b.pick(earlier, k0, k1, &pick)?;
+        let vc = b.pick(earlier, v0, v1, &pick)?;
+        let oc = b.pick(earlier, o0, o1, &pick)?;
+        let gc = b.pick(earlier, g0, g1, &pick)?;
+        let lc = b.pick(earlier, l0, l1, &pick)?;
+        let (dqc, dkc, dvc) = b.block_grad(r, &[qc, kc, vc, oc, gc, lc], false, &pick)?;
+        let to_first = format!("{what}: the chosen block's gradient goes to the first chunks iff the sender is earlier");
+        let to_second = format!(
+            "{what}: the chosen block's gradient goes to the second chunks iff the sender is later"
+        );
+        let dqc0 = b.pick(earlier, dqc, zero, &to_first)?;
+        let dqc1 = b.pick(earlier, zero, dqc, &to_second)?;
+        dq0 = b.add(dq0, dqc0, &what)?;
+        dq1 = b.add(dq1, dq1a, &what)?;
+        dq1 = b.add(dq1, dqc1, &what)?;
+        let mut grads = Vec::new();
+        for (name, first, chosen) in [("dk", dk0a, dkc), ("dv", dv0a, dvc)] {
+            let c0 = b.pick(earlier, chosen, zero, &to_first)?;
+            let c1 = b.pick(earlier, zero, chosen, &to_second)?;
+            let first = b.add(first, c0, &what)?;
+            grads.push(b.op(
+                Op::Concat { dim: 2 },
+                &[first, c1],
+                &format!("{what}: {name} of the sender's two chunks"),
+            )?);
+        }
+        acc = Some(match acc {
+            None => (grads[0], grads[1]),
+            Some((dk, dv)) => {
+                let dk = b.shift(dk, "dk accumulator of the block", t, cp)?;
+                let dv = b.shift(dv, "dv accumulator of the block", t, cp)?;
+                (b.add(dk, grads[0], &what)?, b.add(dv, grads[1], &what)?)
+            }
+        });
+    }
+    let (dk, dv) = acc.expect("cp > 1");
+    let home = "the dk/dv accumulators back to the rank that owns the block";
+    let dk = b.shift(dk, home, cp, cp)?;
+    let dv = b.shift(dv, home, cp, cp)?;
+    let dk = b.add(dk_own, dk, "this rank's k: the ring's part plus step 0's")?;
+    let dv = b.add(dv_own, dv, "this rank's v: the ring's part plus step 0's")?;
+    let dq = b.op(
+        Op::Concat { dim: 2 },
+        &[dq0, dq1],
+        "dq of the two zigzag chunks",
+    )?;
+    Ok((dq, dk, dv))
+}
+
+/// Global positions of this rank's tokens (its block of the zigzag-ordered positions)
+/// and the same as a column, for the masked ring's keep-masks.
+fn local_positions(b: &mut Builder, local: &Dim, cp: i64) -> Result<(Value, Value), PassError> {
+    let whole = local.clone() * Dim::sym(CP);
+    let all = b.op(
+        Op::Arange {
+            start: Dim::from(0),
+            ty: TensorType::new(DType::I64, vec![whole]),
+        },
+        &[],
+        "token positions, for the ring's keep-masks",
+    )?;
+    let zz = b.op(
+        Op::Zigzag {
+            dim: 0,
+            parts: cp,
+            inverse: false,
+        },
+        &[all],
+        "token positions in zigzag order over cp",
+    )?;
+    let qpos = b.slice(
+        zz,
+        0,
+        Dim::coord(CP) * local.clone(),
+        local.clone(),
+        "positions of this rank's two zigzag chunks",
+    )?;
+    let qcol = b.op(
+        Op::Reshape {
+            shape: vec![local.clone(), Dim::from(1)],
+        },
+        &[qpos],
+        "query positions as a column",
+    )?;
+    Ok((qpos, qcol))
+}
+
+/// The keep-mask `[1, 1, local, local]` of this rank's queries against the keys at
+/// positions `kpos`.
+fn keep_mask(
+    b: &mut Builder,
+    r: &Ring,
+    local: &Dim,
+    qcol: Value,
+    kpos: Value,
+    what: &str,
+) -> Result<Value, PassError> {
+    let krow = b.op(
+        Op::Reshape {
+            shape: vec![Dim::from(1), local.clone()],
+        },
+        &[kpos],
+        what,
+    )?;
+    let mask = if r.causal {
+        let seen = b.op(
+            Op::Compare { op: CmpOp::Le },
+            &[krow, qcol],
+            &format!("{what}: causal keep-mask from global positions"),
+        )?;
+        match r.window {
+            Some(w) => {
+                let dist = b.op(Op::Sub {}, &[qcol, krow], what)?;
+                let wt = b.full(w as f64, TensorType::new(DType::I64, vec![]), what)?;
+                let near = b.op(
+                    Op::Compare { op: CmpOp::Lt },
+                    &[dist, wt],
+                    &format!("{what}: sliding window of {w} keys"),
+                )?;
+                let no = b.full(0.0, TensorType::new(DType::Bool, vec![]), what)?;
+                b.pick(seen, near, no, &format!("{what}: causal and in the window"))?
+            }
+            None => seen,
+        }
+    } else {
+        let t1 = TensorType::new(DType::Bool, vec![local.clone(), local.clone()]);
+        b.full(1.0, t1, &format!("{what}: every key (not causal)"))?
+    };
+    b.op(
+        Op::Reshape {
+            shape: vec![Dim::from(1), Dim::from(1), local.clone(), local.clone()],
+        },
+        &[mask],
+        what,
+    )
+}
+
+/// The masked ring's forward: every step attends all local queries to the received
+/// block under a keep-mask from global positions (causal, and the window's band).
+fn masked_forward(
+    b: &mut Builder,
+    r: &Ring,
+    q: Value,
+    k: Value,
+    v: Value,
+) -> Result<(Value, Value), PassError> {
+    let cp = r.cp;
+    let local = b.ty(q).shape[2].clone();
+    let (qpos, qcol) = local_positions(b, &local, cp)?;
+    let mut acc: Option<(Value, Value)> = None;
+    let mut cur = (k, v, qpos);
+    for t in 0..cp {
+        let (kt, vt, kpos) = cur;
+        if t + 1 < cp {
+            cur = (
+                b.shift(kt, "k block", t + 1, cp)?,
+                b.shift(vt, "v block", t + 1, cp)?,
+                b.shift(kpos, "key positions", t + 1, cp)?,
+            );
+        }
+        b.res.count("ring_steps", 1);
+        let what = format!("ring step {t}");
+        let mask = keep_mask(b, r, &local, qcol, kpos, &what)?;
+        let part = b.block_attention(
+            r,
+            &[q, kt, vt, mask],
+            false,
+            &format!("{what}: this rank's queries x the received k/v block"),
+        )?;
+        acc = Some(match acc {
+            None => part,
+            Some(a) => b.merge(a, part, &what)?,
+        });
+    }
+    Ok(acc.expect("cp >= 1"))
+}
+
+/// The masked ring's backward: the same steps, each block's gradient from the merged
+/// out and lse; dk/dv accumulators travel with their blocks.
+fn masked_backward(
+    b: &mut Builder,
+    r: &Ring,
+    x: Saved,
+) -> Result<(Value, Value, Value), PassError> {
+    let cp = r.cp;
+    let local = b.ty(x.q).shape[2].clone();
+    let (qpos, qcol) = local_positions(b, &local, cp)?;
+    let mut dq: Option<Value> = None;
+    let mut own: Option<(Value, Value)> = None;
+    let mut acc: Option<(Value, Value)> = None;
+    let mut cur = (x.k, x.v, qpos);
+    for t in 0..cp {
+        let (kt, vt, kpos) = cur;
+        if t + 1 < cp {
+            let again = "(again, for the backward)";
+            cur = (
+                b.shift(kt, &format!("k block {again}"), t + 1, cp)?,
+                b.shift(vt, &format!("v block {again}"), t + 1, cp)?,
+                b.shift(kpos, &format!("key positions {again}"), t + 1, cp)?,
+            );
+        }
+        let what = format!("ring step {t} backward");
+        let mask = keep_mask(b, r, &local, qcol, kpos, &what)?;
+        let (dqt, dkt, dvt) = b.block_grad(
+            r,
+            &[x.q, kt, vt, x.out, x.dout, x.lse, mask],
+            false,
+            &format!("{what}: this rank's queries x the received k/v block"),
+        )?;
+        dq = Some(match dq {
+            None => dqt,
+            Some(d) => b.add(d, dqt, &what)?,
+        });
+        if t == 0 {
+            own = Some((dkt, dvt));
+            continue;
+        }
+        acc = Some(match acc {
+            None => (dkt, dvt),
+            Some((dk, dv)) => {
+                let dk = b.shift(dk, "dk accumulator of the block", t, cp)?;
+                let dv = b.shift(dv, "dv accumulator of the block", t, cp)?;
+                (b.add(dk, dkt, &what)?, b.add(dv, dvt, &what)?)
+            }
+        });
+    }
+    let (mut dk, mut dv) = own.expect("cp >= 1");
+    if let Some((ak, av)) = acc {
+        let home = "the dk/dv accumulators back to the rank that owns the block";
+        let ak = b.shift(ak, home, cp, cp)?;
+        let av = b.shift(av, home, cp, cp)?;
+        dk = b.add(dk, ak, "this rank's k: the ring's part plus step 0's")?;
+        dv = b.add(dv, av, "this rank's v: the ring's part plus step 0's")?;
+    }
+    Ok((dq.expect("cp >= 1"), dk, dv))
+}
