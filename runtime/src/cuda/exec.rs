@@ -160,6 +160,8 @@ enum StepKind {
         count: u64,
         dtype: DType,
     },
+    /// The host optimizer update, a host function on the step's stream.
+    HostAdamW(Arc<super::host_adamw::HostAdamW>),
 }
 
 #[derive(Clone, Debug)]
@@ -504,6 +506,75 @@ fn norm(d: i64, rank: usize) -> CudaResult<usize> {
 
 fn ptr_or_null(t: Option<&DevT>) -> u64 {
     t.map(|t| t.ptr).unwrap_or(0)
+}
+
+/// `host_adamw`: the step counter copied into the job's pinned scalar, then the update
+/// as a host function, both on the instruction's stream (the host stream), after the
+/// gradient's `offload` by the plan's events.
+fn lower_host_adamw(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]) -> CudaResult<()> {
+    let Op::HostAdamW {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        ..
+    } = op
+    else {
+        return Err(CudaError::Plan("internal: not a host_adamw".into()));
+    };
+    if ins.len() != 5 || outs.len() != 4 {
+        return Err(CudaError::Plan(format!(
+            "host_adamw at {} has {} operands and {} results, not 5 and 4",
+            lw.location,
+            ins.len(),
+            outs.len()
+        )));
+    }
+    let n = outs[0].numel();
+    for t in ins[..4].iter().chain(outs) {
+        if t.numel() != n {
+            return Err(CudaError::Plan(format!(
+                "host_adamw at {}: operand shapes {:?} and {:?} differ",
+                lw.location, t.shape, outs[0].shape
+            )));
+        }
+    }
+    if ins[4].numel() != 1 {
+        return Err(CudaError::Plan(format!(
+            "host_adamw at {}: the step is not a scalar",
+            lw.location
+        )));
+    }
+    let span = |t: &DevT| super::host_adamw::HostSpan {
+        ptr: t.ptr,
+        dtype: t.dtype,
+    };
+    let job = super::host_adamw::HostAdamW::new(
+        lw.gpu,
+        [
+            span(&ins[0]),
+            span(&ins[1]),
+            span(&ins[2]),
+            span(&ins[3]),
+            span(&outs[0]),
+            span(&outs[1]),
+            span(&outs[2]),
+            span(&outs[3]),
+        ],
+        n as usize,
+        ins[4].dtype,
+        [lr.0, beta1.0, beta2.0, eps.0, weight_decay.0],
+        lw.location.clone(),
+    )?;
+    lw.push(StepKind::Copy {
+        dst: job.step_ptr(),
+        src: ins[4].ptr,
+        bytes: ins[4].bytes(),
+        kind: CopyKind::D2H,
+    });
+    lw.push(StepKind::HostAdamW(Arc::new(job)));
+    Ok(())
 }
 
 fn lower_op(
@@ -2074,17 +2145,6 @@ impl Executor {
         let t0 = std::time::Instant::now();
         let graph = weft_ir::parse(&plan.program)
             .map_err(|e| CudaError::Plan(format!("the plan's program does not parse: {e}")))?;
-        if let Some(&n) = graph
-            .nodes()
-            .iter()
-            .find(|&&n| matches!(graph.node(n).op, Op::HostAdamW { .. }))
-        {
-            return Err(CudaError::unsupported(
-                "the host optimizer update (`host_adamw`, --offload-optimizer)",
-                graph.describe(n),
-                "the CUDA executor has no host AdamW loop yet; compile without --offload-optimizer (ZeRO shards the optimizer state on the device instead)",
-            ));
-        }
         if !graph.runtime_symbols().is_empty() {
             return Err(CudaError::unsupported(
                 "data-dependent sizes (all_to_all_v)",
@@ -2523,6 +2583,8 @@ impl Executor {
                     // a view: nothing to run
                 } else if nd.op.is_collective() {
                     lower_collective(&mut lw, &nd.op, &ti, &to, env.world)?;
+                } else if let Op::HostAdamW { .. } = &nd.op {
+                    lower_host_adamw(&mut lw, &nd.op, &ti, &to)?;
                 } else if matches!(nd.op.name(), "offload" | "reload") {
                     let kind = if nd.op.name() == "offload" {
                         CopyKind::D2H
@@ -2826,6 +2888,13 @@ impl Executor {
                 message: err_flag_text(flag).into(),
             });
         }
+        for st in &self.steps {
+            if let StepKind::HostAdamW(j) = &st.kind {
+                if let Some(e) = j.take_error() {
+                    return Err(e);
+                }
+            }
+        }
         if let Some(end) = upd_mark {
             let mut by_op: BTreeMap<String, (usize, f64)> = BTreeMap::new();
             for k in 0..marks.len() {
@@ -2930,6 +2999,7 @@ impl Executor {
                 let g = g.clone();
                 self.grouped(&g, s)
             }
+            StepKind::HostAdamW(j) => j.enqueue(s).map_err(at),
             StepKind::Cudnn(x) => x
                 .run()
                 .map_err(|e| CudaError::Plan(format!("{e} at instruction {}", st.ins))),
