@@ -83,7 +83,6 @@ unsafe impl Sync for PinnedScalar {}
 impl HostAdamW {
     /// Checks the operand dtypes (float master/moments in f32, grad and param f32, bf16
     /// or f16) and allocates the step scalar.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         gpu: &Gpu,
         spans: [HostSpan; 8],
@@ -220,7 +219,7 @@ impl HostAdamW {
     /// The update on this thread and `threads - 1` others, each over a contiguous range.
     fn run(&self) {
         let t = self.step_value();
-        if !(t >= 1.0) {
+        if t.is_nan() || t < 1.0 {
             self.seen_step.store(t.to_bits(), Ordering::Release);
             self.status.store(BAD_STEP, Ordering::Release);
             return;
