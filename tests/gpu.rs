@@ -868,9 +868,16 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
 /// 20 AdamW training steps of the tiny Mistral with a 4-token window over 16 tokens
 /// (tests/fixtures/mistral_sw4, HF's weights) on the GPU and on the CPU reference (f64),
 /// each step's updated parameters fed back: every step's loss, the first step's
-/// gradients and the last step's parameters agree.
-fn window_training_steps(gpu: bool, rows: &mut Vec<Row>) {
-    let name = "model mistral_sw4 (window 4 < S 16): 20 AdamW steps".to_string();
+/// gradients and the last step's parameters agree. With `offload_optimizer`, 5 steps
+/// with the optimizer on the host (`--offload-optimizer`: gradients copied to pinned
+/// host memory, AdamW on host threads, parameters copied back).
+fn window_training_steps(gpu: bool, rows: &mut Vec<Row>, offload_optimizer: bool) {
+    let steps = if offload_optimizer { 5 } else { 20 };
+    let name = if offload_optimizer {
+        format!("model mistral_sw4 (window 4 < S 16): {steps} AdamW steps, host optimizer")
+    } else {
+        format!("model mistral_sw4 (window 4 < S 16): {steps} AdamW steps")
+    };
     // (as `weft run --check` for f32: AdamW's normalised steps amplify rounding a little)
     let tol = 1e-3;
     let mut row = |cpu: String, gpu_: String, err: f64| {
@@ -895,6 +902,7 @@ fn window_training_steps(gpu: bool, rows: &mut Vec<Row>) {
             grad_outputs: true,
             batch: Some(2),
             seq: Some(16),
+            offload_optimizer,
             ..Default::default()
         };
         let mesh = weft_ir::Mesh::default();
@@ -911,6 +919,16 @@ fn window_training_steps(gpu: bool, rows: &mut Vec<Row>) {
             .run(&mut g, &cx, &refs, &mut std::io::sink())
             .map_err(|e| e.to_string())?;
         let plan = plan_of(&g, 2, 16)?;
+        let host_updates = g
+            .nodes()
+            .iter()
+            .filter(|&&n| matches!(g.node(n).op, weft_ir::Op::HostAdamW { .. }))
+            .count();
+        if offload_optimizer != (host_updates > 0) {
+            return Err(format!(
+                "{host_updates} host_adamw updates with offload_optimizer {offload_optimizer}"
+            ));
+        }
         Ok((g, weights, inputs, plan))
     })();
     let (g, weights, inputs, plan) = match prepared {
@@ -932,7 +950,7 @@ fn window_training_steps(gpu: bool, rows: &mut Vec<Row>) {
         Err(e) => return row(format!("optimizer state: {e}"), "-".into(), f64::INFINITY),
     }
     let mut cpu_runs = Vec::new();
-    for step in 0..20 {
+    for step in 0..steps {
         let opts = RunOptions::new(Precision::F64).bind("B", 2).bind("S", 16);
         let r = match cpu::run(&g, &w, &step_in(step), &opts) {
             Ok(r) => r,
@@ -1216,7 +1234,8 @@ fn gpu_suite() {
         model_cases(has_gpu, &mut rows);
     }
     if selected("model mistral_sw4") {
-        window_training_steps(has_gpu, &mut rows);
+        window_training_steps(has_gpu, &mut rows, false);
+        window_training_steps(has_gpu, &mut rows, true);
     }
     let w = rows
         .iter()

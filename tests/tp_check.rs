@@ -471,3 +471,48 @@ fn olmo2_kv_norm_over_replicated_heads_is_refused() {
         "{err}"
     );
 }
+
+/// A batch of `b` rows (the fixture's rows repeated, each rotated by its index so the
+/// rows differ), labels the ids with a few ignored.
+fn llama_batch(b: usize) -> Case {
+    let mut c = case("llama");
+    let ids = c.inputs["input_ids"].to_i64();
+    let s = c.inputs["input_ids"].shape[1];
+    let rows = ids.len() / s;
+    let mut out = Vec::with_capacity(b * s);
+    for r in 0..b {
+        let row = &ids[(r % rows) * s..(r % rows + 1) * s];
+        out.extend((0..s).map(|i| row[(i + r) % s]));
+    }
+    let mut labels = out.clone();
+    for i in (3..labels.len()).step_by(7) {
+        labels[i] = -100;
+    }
+    c.inputs.insert(
+        "input_ids".into(),
+        HostTensor::ints(weft_ir::DType::I64, vec![b, s], out),
+    );
+    c.inputs.insert(
+        "labels".into(),
+        HostTensor::ints(weft_ir::DType::I64, vec![b, s], labels),
+    );
+    c
+}
+
+/// Issue 17's 405B bug in small: tp follows the attention reshape `[B/dp, S/sp, H] ->
+/// [B/dp, S/sp, heads, head_dim]` by evaluating the dims with a stand-in for `B` and
+/// `S`; a stand-in not divisible by dp (720720 for dp=32 on 405B's dp=32,sp=16,tp=2)
+/// made `B/dp` fractional and every such mesh was refused. dp=17 is the smallest mesh
+/// size that did not divide it; the program must match the unsharded model.
+#[test]
+fn tp_follows_reshapes_on_any_data_parallel_degree() {
+    let g = check_with(
+        "llama",
+        llama_batch(17),
+        "dp=17,tp=2",
+        PassContext::new(Mesh::parse("dp=17,tp=2").unwrap()),
+    );
+    assert!(!g
+        .param_partition("model.layers.0.self_attn.q_proj.weight")
+        .is_empty());
+}

@@ -224,7 +224,9 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         // gradient die once its bucket has updated the weights.
         t.options.grad_outputs = a.check > 0;
         if a.backend == "cuda" {
-            // The CUDA executor has no host optimizer: never choose it there.
+            // The CUDA host optimizer runs when asked for (--offload-optimizer); the
+            // choice stays off until its GPU step time has been measured against the
+            // cost model.
             t.open.offload_optimizer = false;
         }
         if a.torch_adamw {

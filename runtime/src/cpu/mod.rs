@@ -62,6 +62,20 @@ mod tests;
 
 pub use error::RuntimeError;
 
+/// The reference AdamW (`adamw` / `host_adamw`) on candle tensors, for the CUDA host
+/// optimizer's bit-for-bit test: `[lr, beta1, beta2, eps, weight_decay]`.
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) fn host_adamw_reference(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    step: &Tensor,
+    [lr, b1, b2, eps, wd]: [f64; 5],
+) -> Result<(Tensor, Tensor, Tensor), String> {
+    backward_kernels::adamw(p, g, m, v, step, lr, b1, b2, eps, wd).map_err(|e| e.0)
+}
+
 use candle_core::Tensor;
 use comm::Comm;
 use rank::{RankOut, RankResult, Shared};

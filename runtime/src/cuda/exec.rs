@@ -168,6 +168,8 @@ enum StepKind {
     /// cuDNN fused attention: a finalized plan and its variant pack, run with
     /// `cudnnBackendExecute` on the handle bound to the step's stream.
     Cudnn(Arc<cudnn_sdpa::Exec>),
+    /// The host optimizer update, a host function on the step's stream.
+    HostAdamW(Arc<super::host_adamw::HostAdamW>),
     Collective {
         coll: Coll,
         axis: String,
@@ -318,17 +320,6 @@ impl Executor {
         let t0 = std::time::Instant::now();
         let graph = weft_ir::parse(&plan.program)
             .map_err(|e| CudaError::Plan(format!("the plan's program does not parse: {e}")))?;
-        if let Some(&n) = graph
-            .nodes()
-            .iter()
-            .find(|&&n| matches!(graph.node(n).op, Op::HostAdamW { .. }))
-        {
-            return Err(CudaError::unsupported(
-                "the host optimizer update (`host_adamw`, --offload-optimizer)",
-                graph.describe(n),
-                "the CUDA executor has no host AdamW loop yet; compile without --offload-optimizer (ZeRO shards the optimizer state on the device instead)",
-            ));
-        }
         if !graph.runtime_symbols().is_empty() {
             return Err(CudaError::unsupported(
                 "data-dependent sizes (all_to_all_v)",
@@ -744,6 +735,13 @@ impl Executor {
                 message: err_flag_text(flag).into(),
             });
         }
+        for st in &self.steps {
+            if let StepKind::HostAdamW(j) = &st.kind {
+                if let Some(e) = j.take_error() {
+                    return Err(e);
+                }
+            }
+        }
         if let Some(end) = upd_mark {
             let mut by_op: BTreeMap<String, (usize, f64)> = BTreeMap::new();
             for k in 0..marks.len() {
@@ -848,6 +846,7 @@ impl Executor {
                 let g = g.clone();
                 self.grouped(&g, s)
             }
+            StepKind::HostAdamW(j) => j.enqueue(s).map_err(at),
             StepKind::Cudnn(x) => x
                 .run()
                 .map_err(|e| CudaError::Plan(format!("{e} at instruction {}", st.ins))),

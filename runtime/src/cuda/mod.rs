@@ -9,6 +9,9 @@
 //! - [`cudnn_sdpa`]: cuDNN's fused flash attention (forward and backward) through the
 //!   cuDNN backend API; the default where libcudnn loads (`WEFT_ATTENTION=weft` for Weft's
 //!   own kernels).
+//! - `host_adamw`: the host optimizer update (`--offload-optimizer`): AdamW on host
+//!   threads over the pinned master weights and moments, as a host function on the
+//!   plan's host stream.
 //! - [`gemm`]: cuBLASLt GEMMs with descriptors and algorithms cached per shape.
 //! - [`comm`]: launcher variables (torchrun, Slurm) and NCCL communicators per mesh axis.
 //! - [`exec`]: the plan executor: the plan's arena and resident region as one
@@ -37,6 +40,7 @@ pub mod device;
 pub mod error;
 pub mod exec;
 pub mod gemm;
+pub(crate) mod host_adamw;
 pub(crate) mod kernels;
 pub mod layout;
 pub mod nvrtc;

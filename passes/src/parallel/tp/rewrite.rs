@@ -2450,14 +2450,38 @@ fn following_split(g: &Graph, n: Node, dim: usize) -> Option<Vec<i64>> {
 /// Rewrites a reshape target for an operand whose dims changed: dims are grouped
 /// between input and target by equal products (evaluated with sample sizes), and the
 /// first non-1 target dim of each changed group is scaled by new/old.
+/// The value a free symbol (`B`, `S`) takes while [`reshape_target`] matches dim
+/// groups: highly composite, and a multiple of the mesh's rank count, so that any
+/// `B/dp` or `S/(sp*tp)` the sharding passes wrote evaluates to an integer. (A fixed
+/// 720720 = 2^4*3^2*5*7*11*13 made `B/dp` fractional for dp=32, and the reshape of
+/// every attention layer on meshes like dp=32,sp=16,tp=2 was refused.)
+fn free_symbol_stand_in(mesh: &weft_ir::Mesh) -> i64 {
+    fn gcd(a: i64, b: i64) -> i64 {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    // Any denominator is a product of distinct axes' sizes, so it divides their product.
+    let ranks = mesh
+        .axes
+        .iter()
+        .try_fold(1i64, |p, (_, n)| p.checked_mul((*n as i64).max(1)))
+        .unwrap_or(1);
+    let base = 720_720i64;
+    base.checked_mul(ranks / gcd(base, ranks)).unwrap_or(base)
+}
+
 fn reshape_target(old_in: &[Dim], new_in: &[Dim], target: &[Dim], g: &Graph) -> Option<Vec<Dim>> {
     let mut b = Bindings::new();
     let mut syms: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
     for d in old_in.iter().chain(target) {
         syms.extend(d.symbols());
     }
+    let stand_in = free_symbol_stand_in(&g.mesh);
     for s in syms {
-        let v = g.mesh.size(&s).map(|x| x as i64).unwrap_or(720_720);
+        let v = g.mesh.size(&s).map(|x| x as i64).unwrap_or(stand_in);
         b = b.with(&s, v);
     }
     let ev = |d: &Dim| d.eval(&b).ok().map(|x| x as i128);

@@ -40,7 +40,9 @@ pub(super) fn embedding_grad(
     let (ids, dy) = (&ins[0], &ins[1]);
     // Any id in range differs from -1, so -1 is "no padding row".
     let pad = match padding_idx {
-        Some(p) => p.eval(bindings).map_err(|e| CudaError::Plan(e.to_string()))?,
+        Some(p) => p
+            .eval(bindings)
+            .map_err(|e| CudaError::Plan(e.to_string()))?,
         None => -1,
     };
     let h = *dy.shape.last().unwrap() as i64;

@@ -1,5 +1,6 @@
 //! Lowering of the optimizer updates: AdamW (plain, 16-byte-vector bf16, or fused with
-//! the mixed-precision cast the executor found around it) and SGD with momentum.
+//! the mixed-precision cast the executor found around it), SGD with momentum, and the
+//! host AdamW update (`--offload-optimizer`) as a host function on the host stream.
 
 use super::*;
 
@@ -122,4 +123,73 @@ pub(super) fn sgd(
         wd: weight_decay.0 as f32,
     };
     lw.run(name, p.numel(), k)
+}
+
+/// `host_adamw`: the step counter copied into the job's pinned scalar, then the update
+/// as a host function, both on the instruction's stream (the host stream), after the
+/// gradient's `offload` by the plan's events.
+pub(super) fn host_adamw(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]) -> CudaResult<()> {
+    let Op::HostAdamW {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        ..
+    } = op
+    else {
+        return Err(CudaError::Plan("internal: not a host_adamw".into()));
+    };
+    if ins.len() != 5 || outs.len() != 4 {
+        return Err(CudaError::Plan(format!(
+            "host_adamw at {} has {} operands and {} results, not 5 and 4",
+            lw.location,
+            ins.len(),
+            outs.len()
+        )));
+    }
+    let n = outs[0].numel();
+    for t in ins[..4].iter().chain(outs) {
+        if t.numel() != n {
+            return Err(CudaError::Plan(format!(
+                "host_adamw at {}: operand shapes {:?} and {:?} differ",
+                lw.location, t.shape, outs[0].shape
+            )));
+        }
+    }
+    if ins[4].numel() != 1 {
+        return Err(CudaError::Plan(format!(
+            "host_adamw at {}: the step is not a scalar",
+            lw.location
+        )));
+    }
+    let span = |t: &DevT| crate::cuda::host_adamw::HostSpan {
+        ptr: t.ptr,
+        dtype: t.dtype,
+    };
+    let job = crate::cuda::host_adamw::HostAdamW::new(
+        lw.gpu,
+        [
+            span(&ins[0]),
+            span(&ins[1]),
+            span(&ins[2]),
+            span(&ins[3]),
+            span(&outs[0]),
+            span(&outs[1]),
+            span(&outs[2]),
+            span(&outs[3]),
+        ],
+        n as usize,
+        ins[4].dtype,
+        [lr.0, beta1.0, beta2.0, eps.0, weight_decay.0],
+        lw.location.clone(),
+    )?;
+    lw.push(StepKind::Copy {
+        dst: job.step_ptr(),
+        src: ins[4].ptr,
+        bytes: ins[4].bytes(),
+        kind: CopyKind::D2H,
+    });
+    lw.push(StepKind::HostAdamW(Arc::new(job)));
+    Ok(())
 }

@@ -432,6 +432,8 @@ pub(super) fn lower_instruction(
         // a view: nothing to run
     } else if nd.op.is_collective() {
         lower_collective(lw, &nd.op, &ti, &to, cx.world)?;
+    } else if let Op::HostAdamW { .. } = &nd.op {
+        optimizer::host_adamw(lw, &nd.op, &ti, &to)?;
     } else if matches!(nd.op.name(), "offload" | "reload") {
         let kind = if nd.op.name() == "offload" {
             CopyKind::D2H
