@@ -24,6 +24,7 @@ use weft_ir::{Bindings, DType, Graph, HostTensor, Node, Op};
 
 mod attention;
 use attention::{attention_bwd, attention_fwd, attention_parts};
+mod fused;
 
 /// How to run.
 #[derive(Clone, Debug)]
@@ -1653,6 +1654,9 @@ fn lower_op(
                     Arg::I64(rows.shape[1] as i64),
                 ],
             )
+        }
+        Op::Glu { .. } | Op::GluGrad { .. } | Op::AddRmsNorm { .. } | Op::AddRmsNormGrad { .. } => {
+            fused::lower_fused(lw, op, ins, outs)
         }
         Op::RmsNormGrad { eps } => {
             let (x, w, dy) = (&ins[0], &ins[1], &ins[2]);
