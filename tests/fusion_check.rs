@@ -10,7 +10,7 @@ mod common;
 use common::*;
 
 use std::collections::BTreeMap;
-use weft_ir::{Graph, HostTensor, Op};
+use weft_ir::{Graph, HostTensor};
 use weft_passes::training::{CheckpointPolicy, OffloadOptions, TrainOptions};
 use weft_passes::{PassContext, PassManager};
 use weft_runtime::cpu::{run, Precision, RunOptions};
