@@ -208,24 +208,7 @@ fn fuse_rewrite_snapshot_and_values() {
         ("input_ids".to_string(), int(ids.clone())),
         ("labels".to_string(), int(ids)),
     ]);
-    // Deterministic weights: norm weights near 1, the rest small.
-    let weights: BTreeMap<String, HostTensor> = g
-        .params()
-        .into_iter()
-        .map(|(name, v)| {
-            let t = g.ty(v);
-            let shape: Vec<usize> = t.shape.iter().map(|d| d.as_const().unwrap() as usize).collect();
-            let n: usize = shape.iter().product();
-            let norm = name.contains("norm");
-            let data = (0..n)
-                .map(|i| {
-                    let u = ((i * 2654435761 + name.len() * 97) % 1000) as f64 / 1000.0 - 0.5;
-                    if norm { 1.0 + 0.2 * u } else { 0.6 * u }
-                })
-                .collect();
-            (name, HostTensor::floats(t.dtype, shape, data))
-        })
-        .collect();
+    let weights = weights_for(&g, 1.0);
     same_outputs("blocks", &unfused, &f, &weights, &inputs, Precision::F64, 1e-10);
     same_outputs("blocks", &unfused, &f, &weights, &inputs, Precision::F32, 1e-4);
 }
@@ -283,4 +266,79 @@ fn fused_plan_moves_fewer_bytes_in_less_time_and_memory() {
     assert!(b1 < b0, "bytes {b0} -> {b1}");
     assert!(t1 < t0, "predicted step {t0} -> {t1}");
     assert!(p1 <= p0, "peak {p0} -> {p1}");
+}
+
+#[test]
+fn only_exact_patterns_fuse() {
+    // A broadcasting mul, an activation read twice, a broadcasting add before a norm and
+    // a norm of a sum in another dtype stay unfused; the one exact glu fuses.
+    let text = r#"graph "near_misses"
+%0: f32[2, 4, 16] = param {name="g"}
+%1: f32[16] = param {name="u"}
+%2: f32[2, 4, 16] = param {name="v"}
+%3: f32[2, 4, 16] = silu %0
+%4: f32[2, 4, 16] = mul %3, %1
+%5: f32[2, 4, 16] = silu %2
+%6: f32[2, 4, 16] = mul %5, %2
+%7: f32[2, 4, 16] = mul %5, %0
+%8: f32[2, 4, 16] = silu %2
+%9: f32[2, 4, 16] = mul %8, %0
+%10: f32[16] = param {name="w"}
+%11: f32[2, 4, 16] = add %0, %1
+%12: f32[2, 4, 16] = rms_norm %11, %10 {eps=1e-6}
+return a=%4, b=%6, c=%7, d=%9, e=%12
+"#;
+    let g = weft_ir::parse(text).unwrap();
+    let (f, counters) = fused(&g);
+    assert_eq!(counters["glu"], 1, "{}", weft_ir::print(&f));
+    assert_eq!(counters["add_rms_norm"], 0);
+    assert_eq!(count(&f, "silu"), 2, "the broadcast one and the one read twice stay");
+    assert_eq!(count(&f, "rms_norm"), 1);
+}
+
+/// Deterministic weights of `g`'s parameters in their dtypes: norm weights near
+/// `norm_center` (1, or 0 for Gemma's `1 + w`), the rest small.
+fn weights_for(g: &Graph, norm_center: f64) -> BTreeMap<String, HostTensor> {
+    g.params()
+        .into_iter()
+        .map(|(name, v)| {
+            let t = g.ty(v);
+            let shape: Vec<usize> = t.shape.iter().map(|d| d.as_const().unwrap() as usize).collect();
+            let n: usize = shape.iter().product();
+            let norm = name.contains("norm");
+            let data = (0..n)
+                .map(|i| {
+                    let u = ((i * 2654435761 + name.len() * 97) % 1000) as f64 / 1000.0 - 0.5;
+                    if norm { norm_center + 0.2 * u } else { 0.6 * u }
+                })
+                .collect();
+            (name, HostTensor::floats(t.dtype, shape, data))
+        })
+        .collect()
+}
+
+#[test]
+fn gemma2_in_bf16_fuses_its_f32_norms_between_casts() {
+    // Gemma's (1 + w) norms in bf16 run in f32 between a widening cast and the cast back:
+    // they fuse too, forward and backward, and the step computes the same (on the CPU
+    // reference, which holds bf16 in f64, exactly).
+    let dir = fixture("gemma2");
+    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
+    let mut cfg = model.config.clone().unwrap();
+    cfg.dtype = weft_ir::DType::BF16;
+    let g = weft_frontends::Model::from_config(&model.name, cfg, model.origin.clone())
+        .unwrap()
+        .graph;
+    let (_, _, inputs) = load_fixture("gemma2");
+    let weights = weights_for(&g, 0.0);
+    for mesh in ["", "sp=2,tp=2"] {
+        let (unfused, _) = training_step(&g, mesh, &train_opts()).unwrap();
+        let (f, counters) = fused(&unfused);
+        let what = format!("gemma2 bf16 on `{mesh}`");
+        assert!(counters["add_rms_norm"] >= 3, "{what}: {counters:?}");
+        assert!(counters["add_rms_norm_grad"] >= 3, "{what}: {counters:?}");
+        assert!(counters["glu"] >= 2 && counters["glu_grad"] >= 2, "{what}: {counters:?}");
+        assert!(count(&f, "add_rms_norm") > 0 && count(&f, "cast") < count(&unfused, "cast"), "{what}");
+        same_outputs(&what, &unfused, &f, &weights, &inputs, Precision::F64, 1e-10);
+    }
 }

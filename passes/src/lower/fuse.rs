@@ -17,6 +17,12 @@
 //!   plus what it gets from its other readers, and the norm weight's gradient.
 //! - `add_rms_norm`: `rms_norm(add(x, y), w)`: the sum stays a result (the next residual
 //!   add and the backward read it).
+//! - Both norm patterns also where the norm runs in f32 on a bf16/f16 stream between a
+//!   widening cast and the cast back (Gemma's `(1 + w)` norms in bf16):
+//!   `cast(rms_norm(cast_f32(add(x, y)), w))` and
+//!   `add(cast(rms_norm_grad(cast_f32(s), w, cast_f32(dn)).dx), other)`. The fused
+//!   kernels compute in f32 from the same values and round once where the casts round;
+//!   only the order of the f32 sum of squares may differ from the f32 kernel's.
 //!
 //! The backward patterns are matched first: fusing them frees the forward's activation,
 //! which lets its forward pattern fuse. A fused node takes the place of the first node it
@@ -27,7 +33,7 @@
 
 use crate::canonicalize::dce;
 use crate::pass::{Pass, PassContext, PassError, PassResult};
-use weft_ir::{At, GateAct, Graph, Node, NodeMeta, Op, Provenance, Value};
+use weft_ir::{At, DType, GateAct, Graph, Node, NodeMeta, Op, Provenance, Value};
 
 pub struct Fuse;
 
@@ -281,7 +287,31 @@ fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
     Ok(fused)
 }
 
-/// `add(rms_norm_grad(s, w, dn).dx, other)` -> `add_rms_norm_grad(s, w, dn, other)`.
+/// `x` when `v` is `cast(x) {dtype=f32}` of a narrower float `x` (bf16, f16): the
+/// widening cast of a norm computed in f32 (Gemma's), exact.
+fn widened(g: &Graph, v: Value) -> Option<Value> {
+    let d = g.node(g.def(v));
+    match d.op {
+        Op::Cast { dtype: DType::F32 } => {
+            let x = d.operands[0];
+            matches!(g.ty(x).dtype, DType::BF16 | DType::F16).then_some(x)
+        }
+        _ => None,
+    }
+}
+
+/// The node rounding `v` back to `dtype` when that cast is `v`'s only reader.
+fn narrowed(g: &Graph, uses: &[Vec<(Node, usize)>], v: Value, dtype: DType) -> Option<Node> {
+    let [(c, _)] = uses[v.0 as usize].as_slice() else {
+        return None;
+    };
+    (matches!(g.node(*c).op, Op::Cast { dtype: d } if d == dtype) && read_only_by(g, uses, v, *c))
+        .then_some(*c)
+}
+
+/// `add(rms_norm_grad(s, w, dn).dx, other)` -> `add_rms_norm_grad(s, w, dn, other)`;
+/// also with the norm in f32 on a narrower stream (Gemma in bf16):
+/// `add(cast(rms_norm_grad(cast_f32(s), w, cast_f32(dn)).dx), other)`.
 fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
     let candidates: Vec<Node> = g
@@ -296,8 +326,18 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
         let Op::RmsNormGrad { eps } = d.op else {
             unreachable!("a candidate")
         };
-        let (s, w, dn) = (d.operands[0], d.operands[1], d.operands[2]);
+        let (x, w, dy) = (d.operands[0], d.operands[1], d.operands[2]);
         let (dx, dw) = (d.results[0], d.results[1]);
+        // (s, dn, the stream's gradient from the norm, the cast that rounds it)
+        let (s, dn, dx, round) = match (widened(g, x), widened(g, dy)) {
+            (Some(s), Some(dn)) if g.ty(s) == g.ty(dn) => {
+                match narrowed(g, &uses, dx, g.ty(s).dtype) {
+                    Some(c) => (s, dn, g.node(c).results[0], Some(c)),
+                    None => continue,
+                }
+            }
+            _ => (x, dy, dx, None),
+        };
         let ty = g.ty(s).clone();
         let [(add, _)] = uses[dx.0 as usize].as_slice() else {
             continue;
@@ -314,20 +354,28 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
             continue;
         }
         let operands = [s, w, dn, other];
-        let Some(at) = placement(g, &operands, &[rg, add]) else {
+        let mut replaced = vec![rg, add];
+        replaced.extend(round);
+        let Some(at) = placement(g, &operands, &replaced) else {
             continue;
         };
-        let what = "`rms_norm_grad` and the `add` of the residual stream's gradient";
+        let what = if round.is_some() {
+            "`rms_norm_grad` (in f32, between casts) and the `add` of the residual stream's gradient"
+        } else {
+            "`rms_norm_grad` and the `add` of the residual stream's gradient"
+        };
         let r = insert_fused(g, at, Op::AddRmsNormGrad { eps }, &operands, rg, what)?;
         g.replace_all_uses(sum, r[0]);
         g.replace_all_uses(dw, r[1]);
-        g.remove_nodes(&[add, rg]);
+        g.remove_nodes(&replaced);
         fused += 1;
     }
     Ok(fused)
 }
 
-/// `rms_norm(add(x, y), w)` -> `add_rms_norm(x, y, w)` (the sum a result too).
+/// `rms_norm(add(x, y), w)` -> `add_rms_norm(x, y, w)` (the sum a result too); also with
+/// the norm in f32 on a narrower stream (Gemma in bf16):
+/// `cast(rms_norm(cast_f32(add(x, y)), w))`, the cast back to the stream's dtype.
 fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
     let candidates: Vec<Node> = g
@@ -341,30 +389,50 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
         if g.try_node(rn).is_none() {
             continue;
         }
+        let uses = readers(g);
         let d = g.node(rn);
         let Op::RmsNorm { eps } = d.op else {
             unreachable!("a candidate")
         };
-        let (s, w) = (d.operands[0], d.operands[1]);
+        let (x, w) = (d.operands[0], d.operands[1]);
         let normed = d.results[0];
+        // (the sum, the normed value in the stream's dtype, the cast that rounds it)
+        let (s, normed, round) = match widened(g, x) {
+            Some(s) => match narrowed(g, &uses, normed, g.ty(s).dtype) {
+                Some(c) => (s, g.node(c).results[0], Some(c)),
+                None => continue,
+            },
+            None => (x, normed, None),
+        };
         let add = g.def(s);
         if !matches!(g.node(add).op, Op::Add {}) {
             continue;
         }
-        let (x, y) = (g.node(add).operands[0], g.node(add).operands[1]);
+        let (a, b) = (g.node(add).operands[0], g.node(add).operands[1]);
         let ty = g.ty(s).clone();
-        if g.ty(x) != &ty || g.ty(y) != &ty || g.ty(normed) != &ty {
+        if g.ty(a) != &ty || g.ty(b) != &ty || g.ty(normed) != &ty {
             continue;
         }
-        let operands = [x, y, w];
-        let Some(at) = placement(g, &operands, &[add, rn]) else {
+        let operands = [a, b, w];
+        let mut replaced = vec![add, rn];
+        replaced.extend(round);
+        if round.is_some() && read_only_by(g, &uses, x, rn) {
+            // the widening cast goes too (the backward, fused first, no longer reads it)
+            replaced.push(g.def(x));
+        }
+        let Some(at) = placement(g, &operands, &replaced) else {
             continue;
         };
-        let what = "the residual `add` and the `rms_norm` of its sum";
+        let what = if round.is_some() {
+            "the residual `add` and the `rms_norm` (in f32, between casts) of its sum"
+        } else {
+            "the residual `add` and the `rms_norm` of its sum"
+        };
         let r = insert_fused(g, at, Op::AddRmsNorm { eps }, &operands, rn, what)?;
         g.replace_all_uses(s, r[0]);
         g.replace_all_uses(normed, r[1]);
-        g.remove_nodes(&[add, rn]);
+        // (with a cast, the f32 norm's result was read only by that cast)
+        g.remove_nodes(&replaced);
         fused += 1;
     }
     Ok(fused)
