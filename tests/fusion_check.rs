@@ -342,3 +342,23 @@ fn gemma2_in_bf16_fuses_its_f32_norms_between_casts() {
         same_outputs(&what, &unfused, &f, &weights, &inputs, Precision::F64, 1e-10);
     }
 }
+
+#[test]
+fn a_fused_forward_differentiates_to_the_fused_backward() {
+    // A fused forward (a forward-only plan, a .weft file) coming back for a training
+    // step: autodiff's rules for glu and add_rms_norm give the same gradients.
+    let g = weft_ir::parse(BLOCKS).unwrap();
+    let (fwd, counters) = fused(&g);
+    assert_eq!((counters["glu"], counters["add_rms_norm"]), (2, 2));
+    let (unfused, _) = training_step(&g, "", &train_opts()).unwrap();
+    let (from_fused, _) = training_step(&fwd, "", &train_opts()).unwrap();
+    assert!(count(&from_fused, "glu_grad") == 2 && count(&from_fused, "add_rms_norm_grad") >= 1);
+    let ids: Vec<i64> = (0..10).map(|i| (i * 5 + 1) % 16).collect();
+    let int = |v: Vec<i64>| HostTensor::ints(weft_ir::DType::I64, vec![2, 5], v);
+    let inputs = BTreeMap::from([
+        ("input_ids".to_string(), int(ids.clone())),
+        ("labels".to_string(), int(ids)),
+    ]);
+    let weights = weights_for(&g, 1.0);
+    same_outputs("fused forward", &unfused, &from_fused, &weights, &inputs, Precision::F64, 1e-10);
+}
