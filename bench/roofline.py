@@ -20,7 +20,7 @@ CLASSES = [
     ("GEMM", {"matmul", "linear", "batched_matmul"}),
     ("attention", {"attention", "attention_grad"}),
     ("cross-entropy", {"cross_entropy", "cross_entropy_grad", "log_softmax", "softmax_cross_entropy"}),
-    ("norms", {"rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad"}),
+    ("norms", {"rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad", "add_rms_norm", "add_rms_norm_grad"}),
     ("optimizer", {"adamw", "sgd", "adamw_master"}),
     ("collectives", {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v"}),
     ("MoE routing", {"topk", "moe_dispatch", "moe_combine", "moe_combine_grad", "one_hot", "scatter_add", "index_select", "gather"}),

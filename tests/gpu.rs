@@ -419,8 +419,40 @@ fn op_cases() -> Vec<Case> {
             .tol(tol),
         );
     }
+    v.extend(fused_op_cases());
     v.push(Case::new("attention window=3 with bool mask (f32)", "graph \"t\"\n%0: f32[2, 2, 9, 8] = param {name=\"q\"}\n%1: f32[2, 1, 9, 8] = param {name=\"k\"}\n%2: f32[2, 1, 9, 8] = param {name=\"v\"}\n%3: bool[2, 1, 9, 9] = input {name=\"m\", role=other}\n%4: f32[2, 2, 9, 8] = attention %0, %1, %2, %3 {causal=true, scale=0.35, window=3}\n%5: f32[2, 2, 9, 8] = param {name=\"do\"}\n%6: f32[2, 2, 9, 8], %7: f32[2, 1, 9, 8], %8: f32[2, 1, 9, 8] = attention_grad %0, %1, %2, %4, %5, %3 {causal=true, scale=0.35, window=3}\nreturn o=%4, dq=%6, dk=%7, dv=%8\n").tol(1e-5));
     v.push(Case::new("attention with bool mask (f32, causal)", "graph \"t\"\n%0: f32[2, 2, 9, 8] = param {name=\"q\"}\n%1: f32[2, 1, 9, 8] = param {name=\"k\"}\n%2: f32[2, 1, 9, 8] = param {name=\"v\"}\n%3: bool[2, 1, 9, 9] = input {name=\"m\", role=other}\n%4: f32[2, 2, 9, 8] = attention %0, %1, %2, %3 {causal=true, scale=0.35}\n%5: f32[2, 2, 9, 8] = param {name=\"do\"}\n%6: f32[2, 2, 9, 8], %7: f32[2, 1, 9, 8], %8: f32[2, 1, 9, 8] = attention_grad %0, %1, %2, %4, %5, %3 {causal=true, scale=0.35}\nreturn o=%4, dq=%6, dk=%7, dv=%8\n").tol(1e-5));
+    v
+}
+
+/// The ops `fuse` makes (`glu`, `glu_grad`, `add_rms_norm`, `add_rms_norm_grad`): generic
+/// kernels (f32, bf16 with odd sizes) and the 8-wide bf16 ones (rows of 1, 3 and 4 chunks
+/// per thread, f32 and bf16 norm weights), each beside the unfused ops it replaces.
+fn fused_op_cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    for (dt, shape, tol) in [
+        ("f32", "7, 65", 1e-5),
+        ("bf16", "7, 65", 3e-2),
+        ("bf16", "64, 2048", 3e-2),
+    ] {
+        for act in ["silu", "gelu", "gelu_tanh"] {
+            let unfused = match act {
+                "silu" => "silu %0".to_string(),
+                "gelu" => "gelu %0 {tanh_approx=false}".to_string(),
+                _ => "gelu %0 {tanh_approx=true}".to_string(),
+            };
+            v.push(Case::new(format!("glu + glu_grad {act} {dt}[{shape}]"), format!("graph \"t\"\n%0: {dt}[{shape}] = param {{name=\"g\"}}\n%1: {dt}[{shape}] = param {{name=\"u\"}}\n%2: {dt}[{shape}] = param {{name=\"dy\"}}\n%3: {dt}[{shape}] = glu %0, %1 {{act={act}}}\n%4: {dt}[{shape}], %5: {dt}[{shape}] = glu_grad %0, %1, %2 {{act={act}}}\n%6: {dt}[{shape}] = {unfused}\n%7: {dt}[{shape}] = mul %6, %1\nreturn y=%3, dg=%4, du=%5, unfused=%7\n")).tol(tol));
+        }
+    }
+    for (dt, rows, h, wdt, tol) in [
+        ("f32", 5usize, 257usize, "f32", 1e-4),
+        ("bf16", 5, 257, "bf16", 4e-2),
+        ("bf16", 7, 2048, "bf16", 4e-2),
+        ("bf16", 3, 4104, "f32", 4e-2),
+        ("bf16", 2, 8192, "bf16", 4e-2),
+    ] {
+        v.push(Case::new(format!("add_rms_norm + add_rms_norm_grad {dt}[{rows}, {h}], {wdt} weight"), format!("graph \"t\"\n%0: {dt}[{rows}, {h}] = param {{name=\"x\"}}\n%1: {dt}[{rows}, {h}] = param {{name=\"y\"}}\n%2: {wdt}[{h}] = param {{name=\"w\"}}\n%3: {dt}[{rows}, {h}], %4: {dt}[{rows}, {h}] = add_rms_norm %0, %1, %2 {{eps=1e-5}}\n%5: {dt}[{rows}, {h}] = param {{name=\"dn\"}}\n%6: {dt}[{rows}, {h}] = param {{name=\"ds\"}}\n%7: {dt}[{rows}, {h}], %8: {wdt}[{h}] = add_rms_norm_grad %3, %2, %5, %6 {{eps=1e-5}}\n%9: {dt}[{rows}, {h}] = add %0, %1\n%10: {dt}[{rows}, {h}] = rms_norm %9, %2 {{eps=1e-5}}\nreturn s=%3, n=%4, dsum=%7, dw=%8, unfused=%10\n")).tol(tol));
+    }
     v
 }
 

@@ -153,6 +153,18 @@ macro_rules! keyword_enum {
 keyword_enum!(Role { InputIds = "input_ids", Labels = "labels", PositionIds = "position_ids", AttentionMask = "attention_mask", Other = "other", Buffer = "buffer" });
 keyword_enum!(Reduction { None = "none", Sum = "sum", Mean = "mean" });
 keyword_enum!(ReduceOp { Sum = "sum", Avg = "avg", Max = "max", Min = "min" });
+/// The activation of a gated unit (`glu`): `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GateAct {
+    /// SiLU: SwiGLU (Llama, Qwen, Mistral, the MoE experts).
+    Silu,
+    /// Exact (erf) GELU.
+    Gelu,
+    /// GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+keyword_enum!(GateAct { Silu = "silu", Gelu = "gelu", GeluTanh = "gelu_tanh" });
 keyword_enum!(CmpOp { Eq = "eq", Ne = "ne", Lt = "lt", Le = "le", Gt = "gt", Ge = "ge" });
 
 /// A value that can appear as `key=value` in an op's attribute list.

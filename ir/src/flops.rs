@@ -106,6 +106,14 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             ins[3].numel() * k * 4
         }
         Op::RmsNorm { .. } => out_numel * 4,
+        // the add (1) and the norm (4) per element
+        Op::AddRmsNorm { .. } => out_numel * 5,
+        // the activation (4) and the product (1)
+        Op::Glu { .. } => out_numel * 5,
+        // the activation and its derivative (8) and three products
+        Op::GluGrad { .. } => out_numel * 11,
+        // `rms_norm_grad`'s count (the default: one per element) and the add
+        Op::AddRmsNormGrad { .. } => out_numel * 2,
         Op::Softmax { .. } | Op::LogSoftmax { .. } => out_numel * 5,
         Op::CrossEntropy { .. } => ins[0].numel() * 5,
         Op::Rope {} => out_numel * 3,

@@ -314,6 +314,16 @@ define_ops! {
     /// Gradients of `moe_combine`: drows, dweights.
     MoeCombineGrad = "moe_combine_grad" ("rows, order, weights, dy") [4, 4] => moe_combine_grad;
 
+    // ---- fused (made by `fuse`; each equals the unfused ops it replaces, roundings included) ----
+    /// Gated unit `act(gate) * up` (SwiGLU with `act=silu`, GeGLU with `gelu`/`gelu_tanh`), computed in f32 with `act(gate)` rounded to the dtype before the product, as the unfused ops round it.
+    Glu = "glu" ("gate, up") [2, 2] { act: GateAct } => glu;
+    /// Gradients of `glu` in one pass: dgate `act'(gate) * (dy * up)` and dup `dy * act(gate)` (each product rounded to the dtype where the unfused ops round it).
+    GluGrad = "glu_grad" ("gate, up, dy") [3, 3] { act: GateAct } => glu_grad;
+    /// Residual add and `rms_norm` in one pass: the new residual stream `sum = x + y` (rounded to x's dtype) and `rms_norm(sum, w)`.
+    AddRmsNorm = "add_rms_norm" ("x, y, w") [3, 3] { eps: Float } => add_rms_norm;
+    /// `rms_norm_grad` of the residual stream `sum` plus the gradient `dsum` the stream gets from its other readers, in one pass: the gradient of `sum` (the dx and dy of its add) and dw.
+    AddRmsNormGrad = "add_rms_norm_grad" ("sum, w, dnorm, dsum") [4, 4] { eps: Float } => add_rms_norm_grad;
+
     // ---- optimizer (made by `optimizer`) ----
     /// One AdamW step (torch.optim.AdamW) of `param` with gradient `grad`, moments `m`, `v` and the 1-based step number `step` (float scalar): new param, m, v.
     AdamW = "adamw" ("param, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float } => adamw;

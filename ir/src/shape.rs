@@ -13,6 +13,10 @@ type Out = Result<Vec<TensorType>, String>;
 mod train;
 pub use train::*;
 
+#[path = "shape_fused.rs"]
+mod fused;
+pub use fused::*;
+
 fn one(t: TensorType) -> Out {
     Ok(vec![t])
 }

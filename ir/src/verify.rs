@@ -363,7 +363,10 @@ fn check_float_attrs(op: &Op) -> Option<String> {
         Op::Scale { factor } => finite("factor", factor.0),
         Op::AddScalar { value } => finite("value", value.0),
         Op::PowScalar { exponent } => finite("exponent", exponent.0),
-        Op::RmsNorm { eps } | Op::RmsNormGrad { eps } => positive("eps", eps.0),
+        Op::RmsNorm { eps }
+        | Op::RmsNormGrad { eps }
+        | Op::AddRmsNorm { eps }
+        | Op::AddRmsNormGrad { eps } => positive("eps", eps.0),
         Op::RopeTable { theta, .. } => positive("theta", theta.0),
         Op::Attention { scale, .. } | Op::AttentionGrad { scale, .. } => finite("scale", scale.0),
         Op::AdamW {

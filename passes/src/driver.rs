@@ -68,6 +68,9 @@ pub struct Request {
     /// The model's layer sizes for the analytic search over open training options
     /// (`None`: no config, the options are compiled in a fixed order instead).
     pub shape: Option<ModelShape>,
+    /// Run `fuse` last (SwiGLU and residual add + rms_norm fused, forward and
+    /// backward); `--fuse=false` turns it off.
+    pub fuse: bool,
 }
 
 impl Request {
@@ -88,6 +91,7 @@ impl Request {
             plan: false,
             source: String::new(),
             shape: None,
+            fuse: true,
         }
     }
 
@@ -242,6 +246,12 @@ pub fn pipeline(req: &Request, train: Option<&TrainOptions>) -> Pipeline {
     if let Some(t) = train {
         p.steps.extend(training_steps(t));
         crate::registry::place_ring_lower(&mut p);
+    }
+    if req.fuse {
+        p.steps.push(Step {
+            pass: crate::fuse::NAME.to_string(),
+            why: "last: fuses the finished program's patterns (forward, backward, recomputed and reloaded values alike), so no later pass sees a fused op".to_string(),
+        });
     }
     p
 }
@@ -843,11 +853,14 @@ mod tests {
         .unwrap();
         assert_eq!(t.plan.as_ref().unwrap().step_kind(), StepKind::Training);
         assert!(t.pipeline.steps.iter().all(|s| !s.why.is_empty()));
+        let forward = &f.pipeline.names()[..f.pipeline.steps.len() - 1];
         assert_eq!(
-            &t.pipeline.names()[..f.pipeline.steps.len()],
-            &f.pipeline.names()[..],
+            &t.pipeline.names()[..forward.len()],
+            forward,
             "the training step starts with the forward pipeline"
         );
+        assert_eq!(f.pipeline.names().last(), Some(&"fuse"));
+        assert_eq!(t.pipeline.names().last(), Some(&"fuse"), "fuse runs last");
         assert!(
             t.program.output("logits").is_none(),
             "a training step drops the logits"

@@ -27,7 +27,7 @@ mod util;
 // The pass modules by their old flat names, so `crate::ulysses` and
 // `weft_passes::autodiff` keep working across the folder split.
 pub use cleanup::{canonicalize, simplify};
-pub use lower::{bindings, convert_dtype, memory, plan, search};
+pub use lower::{bindings, convert_dtype, fuse, memory, plan, search};
 pub use parallel::{ep, ring, ring_lower, shard_inputs, shard_seq, sp_loss, tp, ulysses};
 pub use train::{
     autodiff, checkpoint, grad_sync, micro_batches, offload, optimizer, training, zero,

@@ -6,6 +6,7 @@ use crate::canonicalize::Canonicalize;
 use crate::checkpoint::Checkpoint;
 use crate::convert_dtype::ConvertDtype;
 use crate::ep::ExpertParallel;
+use crate::fuse::Fuse;
 use crate::grad_sync::GradSync;
 use crate::micro_batches::MicroBatches;
 use crate::offload::Offload;
@@ -41,6 +42,7 @@ pub static PASSES: &[&dyn Pass] = &[
     &RingLower,
     &GradSync,
     &OptimizerPass,
+    &Fuse,
 ];
 
 /// Every registered pass.

@@ -84,6 +84,8 @@ pub struct Session {
     pub weights_from: String,
     /// `--tp-spec`.
     pub tp_spec: Option<PathBuf>,
+    /// `--fuse`: run the `fuse` pass last.
+    pub fuse: bool,
 }
 
 impl Session {
@@ -206,6 +208,7 @@ impl Session {
             precision,
             weights_from,
             tp_spec: a.tp_spec.clone(),
+            fuse: a.train.fuse(),
         })
     }
 
@@ -223,6 +226,7 @@ impl Session {
         req.batch = Some(b);
         req.seq = Some(s);
         req.passes = super::parse_passes(passes)?;
+        req.fuse = self.fuse;
         if let Some(p) = &self.precompiled {
             let is_training =
                 weft_ir::plan::StepKind::of_outputs(p.outputs().iter().map(|(n, _)| n.as_str()))

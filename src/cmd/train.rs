@@ -70,6 +70,11 @@ pub struct TrainArgs {
     /// torch.optim.AdamW on a bf16 model) instead of on f32 master weights.
     #[arg(long)]
     pub no_master_weights: bool,
+    /// Run the `fuse` pass last: SwiGLU/GeGLU (`glu`, `glu_grad`) and residual add +
+    /// rms_norm (`add_rms_norm`, `add_rms_norm_grad`) fused, forward and backward, each
+    /// equal to the ops it replaces. On by default; `--fuse=false` leaves them unfused.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub fuse: Option<bool>,
 }
 
 impl TrainArgs {
@@ -169,6 +174,11 @@ impl TrainArgs {
             },
             offload_template: template,
         })
+    }
+
+    /// Whether the driver runs `fuse` (`--fuse`, default on).
+    pub fn fuse(&self) -> bool {
+        self.fuse.unwrap_or(true)
     }
 
     /// True when any training flag is given (so `check` and `eval` build a training

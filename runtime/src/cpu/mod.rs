@@ -49,6 +49,7 @@ mod backward_kernels;
 mod comm;
 mod error;
 mod fused;
+mod fusions;
 mod grad_outputs;
 mod host;
 pub(crate) mod kernels;

@@ -26,6 +26,7 @@ use weft_ir::{Bindings, DType, Dim, Graph, HostTensor, Node, Op};
 mod attention;
 mod collective;
 mod elementwise;
+mod fused;
 mod index;
 mod loss;
 mod lower;

@@ -184,6 +184,23 @@ impl Ad<'_> {
                 return Ok(out);
             }
             Op::RopeTable { .. } => return Ok(out),
+            // `fuse` runs last, but a fused program (a forward plan, a .weft file) may
+            // come back for a training step.
+            Op::AddRmsNorm { eps } => {
+                let wants = |i: usize| want.get(i).copied().unwrap_or(false);
+                let Some(dnorm) = dy[1] else {
+                    (out[0], out[1]) = (dy[0].filter(|_| wants(0)), dy[0].filter(|_| wants(1)));
+                    return Ok(out);
+                };
+                let (sum, w) = (d.results[0], ops[2]);
+                let r = match dy[0] {
+                    Some(dsum) => self.ops(Op::AddRmsNormGrad { eps: *eps }, &[sum, w, dnorm, dsum])?,
+                    None => self.ops(Op::RmsNormGrad { eps: *eps }, &[sum, w, dnorm])?,
+                };
+                (out[0], out[1]) = (wants(0).then_some(r[0]), wants(1).then_some(r[0]));
+                out[2] = wants(2).then_some(r[1]);
+                return Ok(out);
+            }
             Op::Attention {
                 causal,
                 scale,
@@ -331,6 +348,10 @@ impl Ad<'_> {
                 out[0] = Some(self.mul(g, dsig)?);
             }
             Op::Silu {} => out[0] = Some(self.op(Op::SiluGrad {}, &[ops[0], g])?),
+            Op::Glu { act } => {
+                let r = self.ops(Op::GluGrad { act: *act }, &[ops[0], ops[1], g])?;
+                (out[0], out[1]) = (w(0).then_some(r[0]), w(1).then_some(r[1]));
+            }
             Op::Gelu { tanh_approx } => {
                 out[0] = Some(self.op(
                     Op::GeluGrad {

@@ -357,6 +357,9 @@ pub(super) fn lower_op(
             matmul::grouped_matmul_grad(lw, ins, outs, transpose_w, bias)
         }
         Op::RmsNorm { eps } => norm::rms_norm(lw, ins, outs, eps),
+        Op::Glu { .. } | Op::GluGrad { .. } | Op::AddRmsNorm { .. } | Op::AddRmsNormGrad { .. } => {
+            fused::lower_fused(lw, op, ins, outs)
+        }
         Op::RmsNormGrad { eps } => norm::rms_norm_grad(lw, ins, outs, eps),
         Op::RopeTable {
             theta,

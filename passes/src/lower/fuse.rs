@@ -1,0 +1,439 @@
+//! `fuse`: replaces exact patterns of elementwise and norm ops by one fused op each, so
+//! a step reads and writes those tensors once instead of once per op. It runs last, on
+//! the finished program (after the parallel and training passes), so it sees and fuses
+//! whatever they made: sharded ops, backward ops, recomputed copies (checkpoint) and
+//! values brought back from the host (offload).
+//!
+//! The patterns, each fused only where the types are exactly the unfused ones (same
+//! type on both operands, no broadcasting), so the fused op computes the same thing:
+//! - `glu_grad`: `act_grad(g, mul(dy, u))` and `mul(dy, act(g'))` where `g'` is `g` or
+//!   the value `g` was offloaded from (`act` is `silu`, `gelu` or `gelu {tanh}`, and
+//!   `act_grad` its `silu_grad` / `gelu_grad`), the first `mul` read only there: one
+//!   `glu_grad(g, u, dy)` gives both gradients. The forward's `act(g')` is then no
+//!   longer saved for the backward.
+//! - `glu`: `mul(act(g), u)` (either operand order) where `act(g)` has no other reader.
+//! - `add_rms_norm_grad`: `add(rms_norm_grad(s, w, dn).dx, other)` (either order), the
+//!   `dx` read only by that add: the gradient of the residual stream `s` from the norm
+//!   plus what it gets from its other readers, and the norm weight's gradient.
+//! - `add_rms_norm`: `rms_norm(add(x, y), w)`: the sum stays a result (the next residual
+//!   add and the backward read it).
+//! - Both norm patterns also where the norm runs in f32 on a bf16/f16 stream between a
+//!   widening cast and the cast back (Gemma's `(1 + w)` norms in bf16):
+//!   `cast(rms_norm(cast_f32(add(x, y)), w))` and
+//!   `add(cast(rms_norm_grad(cast_f32(s), w, cast_f32(dn)).dx), other)`. The fused
+//!   kernels compute in f32 from the same values and round once where the casts round;
+//!   only the order of the f32 sum of squares may differ from the f32 kernel's.
+//!
+//! The backward patterns are matched first: fusing them frees the forward's activation,
+//! which lets its forward pattern fuse. A fused node takes the place of the first node it
+//! replaces when its operands are all computed by then, else the place just after its
+//! last operand when that is still before every reader of its results; otherwise the
+//! pattern stays unfused. Dead nodes left behind (the activation, its offload copies) are
+//! removed. Each fused node says so in its provenance.
+
+use crate::canonicalize::dce;
+use crate::pass::{Pass, PassContext, PassError, PassResult};
+use weft_ir::{At, DType, GateAct, Graph, Node, NodeMeta, Op, Provenance, Value};
+
+pub struct Fuse;
+
+pub const NAME: &str = "fuse";
+
+impl Pass for Fuse {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+    fn summary(&self) -> &'static str {
+        "fuse SwiGLU/GeGLU (glu, glu_grad) and residual add + rms_norm (add_rms_norm, add_rms_norm_grad), forward and backward"
+    }
+    fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
+        let mut res = PassResult::unchanged();
+        let glu_grad = fuse_glu_grads(g)?;
+        let norm_grad = fuse_add_rms_norm_grads(g)?;
+        // The activations the fused backward no longer reads (and their offload
+        // copies) go first, so that each `act` is read by its `mul` alone.
+        let dead = dce(g);
+        let glu = fuse_glus(g)?;
+        let norm = fuse_add_rms_norms(g)?;
+        let dead = dead + dce(g);
+        res.count("glu", glu as u64)
+            .count("glu_grad", glu_grad as u64)
+            .count("add_rms_norm", norm as u64)
+            .count("add_rms_norm_grad", norm_grad as u64)
+            .count("dce_removed", dead as u64);
+        res.changed = glu + glu_grad + norm + norm_grad > 0;
+        Ok(res)
+    }
+}
+
+/// The activation a unary op computes, for ops a `glu` can fuse.
+fn gate_act(op: &Op) -> Option<GateAct> {
+    match op {
+        Op::Silu {} => Some(GateAct::Silu),
+        Op::Gelu { tanh_approx: false } => Some(GateAct::Gelu),
+        Op::Gelu { tanh_approx: true } => Some(GateAct::GeluTanh),
+        _ => None,
+    }
+}
+
+/// The activation whose gradient a backward op computes (`silu_grad`, `gelu_grad`).
+fn grad_act(op: &Op) -> Option<GateAct> {
+    match op {
+        Op::SiluGrad {} => Some(GateAct::Silu),
+        Op::GeluGrad { tanh_approx: false } => Some(GateAct::Gelu),
+        Op::GeluGrad { tanh_approx: true } => Some(GateAct::GeluTanh),
+        _ => None,
+    }
+}
+
+/// The value `v` is a copy of: through `reload(offload(x))` (host copies keep every
+/// bit), else `v` itself.
+fn origin(g: &Graph, mut v: Value) -> Value {
+    loop {
+        match g.op_of(v) {
+            Op::Reload { .. } | Op::Offload { .. } => v = g.node(g.def(v)).operands[0],
+            _ => return v,
+        }
+    }
+}
+
+/// The other operand of a binary node `n` when one of its operands is `v`.
+fn other_operand(g: &Graph, n: Node, v: Value) -> Option<Value> {
+    match g.node(n).operands.as_slice() {
+        [a, b] if *a == v => Some(*b),
+        [a, b] if *b == v => Some(*a),
+        _ => None,
+    }
+}
+
+/// Readers of every value, indexed by value id (outputs not included).
+fn readers(g: &Graph) -> Vec<Vec<(Node, usize)>> {
+    g.uses()
+}
+
+/// True when value `v` is read only by node `n` (once) and is no output.
+fn read_only_by(g: &Graph, uses: &[Vec<(Node, usize)>], v: Value, n: Node) -> bool {
+    let u = &uses[v.0 as usize];
+    u.len() == 1 && u[0].0 == n && !g.outputs().iter().any(|(_, o)| *o == v)
+}
+
+/// Where a node with `operands` that replaces `replaced` (whose results it takes over)
+/// can go: before the first replaced node when every operand is computed by then, else
+/// just after the last operand's node when that is before every reader of the replaced
+/// nodes' results (outside the replaced nodes). `None`: nowhere that keeps the order.
+fn placement(g: &Graph, operands: &[Value], replaced: &[Node]) -> Option<At> {
+    let order = g.nodes();
+    let pos = |n: Node| order.iter().position(|x| *x == n);
+    let first = replaced.iter().filter_map(|&n| pos(n)).min()?;
+    let last_operand = operands
+        .iter()
+        .filter_map(|&v| pos(g.def(v)))
+        .max()
+        .unwrap_or(0);
+    if operands.is_empty() || last_operand < first {
+        return Some(At::Before(order[first]));
+    }
+    let results: Vec<Value> = replaced
+        .iter()
+        .flat_map(|&n| g.node(n).results.clone())
+        .collect();
+    let first_reader = order
+        .iter()
+        .position(|n| {
+            !replaced.contains(n) && g.node(*n).operands.iter().any(|v| results.contains(v))
+        })
+        .unwrap_or(usize::MAX);
+    (last_operand < first_reader).then(|| At::After(order[last_operand]))
+}
+
+/// Inserts the fused node at `at` with `template`'s scope, derivation and micro-batch,
+/// and a provenance naming what it replaced.
+fn insert_fused(
+    g: &mut Graph,
+    at: At,
+    op: Op,
+    operands: &[Value],
+    template: Node,
+    replaced: &str,
+) -> Result<Vec<Value>, PassError> {
+    let t = &g.node(template).meta;
+    let meta = NodeMeta {
+        source: t.source.clone(),
+        derived: t.derived,
+        micro_batch: t.micro_batch,
+        provenance: Some(Provenance {
+            pass: NAME.into(),
+            reason: format!("fuses {replaced}"),
+        }),
+    };
+    let location = g.describe(template);
+    g.insert_with(at, op, operands, meta)
+        .map_err(|e| PassError::rewrite(NAME, "cannot insert a fused op", location, e.to_string()))
+}
+
+/// `act_grad(g, mul(dy, u))` with `mul(dy, act(g'))`, `g'` a copy of `g` -> `glu_grad`.
+fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
+    let mut fused = 0;
+    let candidates: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| grad_act(&g.node(n).op).is_some())
+        .collect();
+    for ag in candidates {
+        let uses = readers(g);
+        let d = g.node(ag);
+        let act = grad_act(&d.op).expect("a candidate");
+        let (gate, dact) = (d.operands[0], d.operands[1]);
+        let m1 = g.def(dact);
+        if !matches!(g.node(m1).op, Op::Mul {}) || !read_only_by(g, &uses, dact, ag) {
+            continue;
+        }
+        let ty = g.ty(gate).clone();
+        // mul(dy, u) in either order: try both operands as dy, and every mul(dy, a)
+        // with a = act(g') and g' a copy of g, until one has a place in the order.
+        let m1_ops = g.node(m1).operands.clone();
+        let mut found = None;
+        for (dy, up) in [(m1_ops[0], m1_ops[1]), (m1_ops[1], m1_ops[0])] {
+            if g.ty(dy) != &ty || g.ty(up) != &ty || g.ty(dact) != &ty {
+                continue;
+            }
+            let pairs = uses[dy.0 as usize].iter().map(|&(n, _)| n).filter(|&n| {
+                n != m1
+                    && matches!(g.node(n).op, Op::Mul {})
+                    && other_operand(g, n, dy).is_some_and(|a| {
+                        let an = g.node(g.def(origin(g, a)));
+                        gate_act(&an.op) == Some(act)
+                            && origin(g, an.operands[0]) == origin(g, gate)
+                            && g.ty(a) == &ty
+                    })
+                    && g.ty(g.node(n).results[0]) == &ty
+            });
+            for m2 in pairs {
+                if let Some(at) = placement(g, &[gate, up, dy], &[ag, m2]) {
+                    found = Some((dy, up, m2, at));
+                    break;
+                }
+            }
+            if found.is_some() {
+                break;
+            }
+        }
+        let Some((dy, up, m2, at)) = found else {
+            continue;
+        };
+        let operands = [gate, up, dy];
+        let r = insert_fused(
+            g,
+            at,
+            Op::GluGrad { act },
+            &operands,
+            ag,
+            &format!("`{}` and the two `mul`s of the gated unit's backward", g.node(ag).op.name()),
+        )?;
+        let (dgate, dup) = (g.node(ag).results[0], g.node(m2).results[0]);
+        g.replace_all_uses(dgate, r[0]);
+        g.replace_all_uses(dup, r[1]);
+        g.remove_nodes(&[ag, m1, m2]);
+        fused += 1;
+    }
+    Ok(fused)
+}
+
+/// `mul(act(g), u)` with `act(g)` read only there -> `glu(g, u)`.
+fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
+    let mut fused = 0;
+    let candidates: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| matches!(g.node(n).op, Op::Mul {}))
+        .collect();
+    for m in candidates {
+        let uses = readers(g);
+        let ops = g.node(m).operands.clone();
+        let ty = g.ty(g.node(m).results[0]).clone();
+        let mut found = None;
+        for (a, up) in [(ops[0], ops[1]), (ops[1], ops[0])] {
+            let an = g.def(a);
+            let Some(act) = gate_act(&g.node(an).op) else {
+                continue;
+            };
+            let gate = g.node(an).operands[0];
+            if a != up
+                && read_only_by(g, &uses, a, m)
+                && g.ty(gate) == &ty
+                && g.ty(up) == &ty
+                && g.ty(a) == &ty
+            {
+                found = Some((act, an, gate, up));
+                break;
+            }
+        }
+        let Some((act, an, gate, up)) = found else {
+            continue;
+        };
+        let operands = [gate, up];
+        let Some(at) = placement(g, &operands, &[an, m]) else {
+            continue;
+        };
+        let what = format!("`{}` and `mul` of a gated unit", g.node(an).op.name());
+        let r = insert_fused(g, at, Op::Glu { act }, &operands, m, &what)?;
+        let y = g.node(m).results[0];
+        g.replace_all_uses(y, r[0]);
+        g.remove_nodes(&[m, an]);
+        fused += 1;
+    }
+    Ok(fused)
+}
+
+/// `x` when `v` is `cast(x) {dtype=f32}` of a narrower float `x` (bf16, f16): the
+/// widening cast of a norm computed in f32 (Gemma's), exact.
+fn widened(g: &Graph, v: Value) -> Option<Value> {
+    let d = g.node(g.def(v));
+    match d.op {
+        Op::Cast { dtype: DType::F32 } => {
+            let x = d.operands[0];
+            matches!(g.ty(x).dtype, DType::BF16 | DType::F16).then_some(x)
+        }
+        _ => None,
+    }
+}
+
+/// The node rounding `v` back to `dtype` when that cast is `v`'s only reader.
+fn narrowed(g: &Graph, uses: &[Vec<(Node, usize)>], v: Value, dtype: DType) -> Option<Node> {
+    let [(c, _)] = uses[v.0 as usize].as_slice() else {
+        return None;
+    };
+    (matches!(g.node(*c).op, Op::Cast { dtype: d } if d == dtype) && read_only_by(g, uses, v, *c))
+        .then_some(*c)
+}
+
+/// `add(rms_norm_grad(s, w, dn).dx, other)` -> `add_rms_norm_grad(s, w, dn, other)`;
+/// also with the norm in f32 on a narrower stream (Gemma in bf16):
+/// `add(cast(rms_norm_grad(cast_f32(s), w, cast_f32(dn)).dx), other)`.
+fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
+    let mut fused = 0;
+    let candidates: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| matches!(g.node(n).op, Op::RmsNormGrad { .. }))
+        .collect();
+    for rg in candidates {
+        let uses = readers(g);
+        let d = g.node(rg);
+        let Op::RmsNormGrad { eps } = d.op else {
+            unreachable!("a candidate")
+        };
+        let (x, w, dy) = (d.operands[0], d.operands[1], d.operands[2]);
+        let (dx, dw) = (d.results[0], d.results[1]);
+        // (s, dn, the stream's gradient from the norm, the cast that rounds it)
+        let (s, dn, dx, round) = match (widened(g, x), widened(g, dy)) {
+            (Some(s), Some(dn)) if g.ty(s) == g.ty(dn) => {
+                match narrowed(g, &uses, dx, g.ty(s).dtype) {
+                    Some(c) => (s, dn, g.node(c).results[0], Some(c)),
+                    None => continue,
+                }
+            }
+            _ => (x, dy, dx, None),
+        };
+        let ty = g.ty(s).clone();
+        let [(add, _)] = uses[dx.0 as usize].as_slice() else {
+            continue;
+        };
+        let add = *add;
+        if !matches!(g.node(add).op, Op::Add {}) || !read_only_by(g, &uses, dx, add) {
+            continue;
+        }
+        let Some(other) = other_operand(g, add, dx) else {
+            continue;
+        };
+        let sum = g.node(add).results[0];
+        if other == dx || g.ty(other) != &ty || g.ty(sum) != &ty || g.ty(dn) != &ty {
+            continue;
+        }
+        let operands = [s, w, dn, other];
+        let mut replaced = vec![rg, add];
+        replaced.extend(round);
+        let Some(at) = placement(g, &operands, &replaced) else {
+            continue;
+        };
+        let what = if round.is_some() {
+            "`rms_norm_grad` (in f32, between casts) and the `add` of the residual stream's gradient"
+        } else {
+            "`rms_norm_grad` and the `add` of the residual stream's gradient"
+        };
+        let r = insert_fused(g, at, Op::AddRmsNormGrad { eps }, &operands, rg, what)?;
+        g.replace_all_uses(sum, r[0]);
+        g.replace_all_uses(dw, r[1]);
+        g.remove_nodes(&replaced);
+        fused += 1;
+    }
+    Ok(fused)
+}
+
+/// `rms_norm(add(x, y), w)` -> `add_rms_norm(x, y, w)` (the sum a result too); also with
+/// the norm in f32 on a narrower stream (Gemma in bf16):
+/// `cast(rms_norm(cast_f32(add(x, y)), w))`, the cast back to the stream's dtype.
+fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
+    let mut fused = 0;
+    let candidates: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| matches!(g.node(n).op, Op::RmsNorm { .. }))
+        .collect();
+    for rn in candidates {
+        // An earlier fusion may have taken this norm's add (two norms of one sum).
+        if g.try_node(rn).is_none() {
+            continue;
+        }
+        let uses = readers(g);
+        let d = g.node(rn);
+        let Op::RmsNorm { eps } = d.op else {
+            unreachable!("a candidate")
+        };
+        let (x, w) = (d.operands[0], d.operands[1]);
+        let normed = d.results[0];
+        // (the sum, the normed value in the stream's dtype, the cast that rounds it)
+        let (s, normed, round) = match widened(g, x) {
+            Some(s) => match narrowed(g, &uses, normed, g.ty(s).dtype) {
+                Some(c) => (s, g.node(c).results[0], Some(c)),
+                None => continue,
+            },
+            None => (x, normed, None),
+        };
+        let add = g.def(s);
+        if !matches!(g.node(add).op, Op::Add {}) {
+            continue;
+        }
+        let (a, b) = (g.node(add).operands[0], g.node(add).operands[1]);
+        let ty = g.ty(s).clone();
+        if g.ty(a) != &ty || g.ty(b) != &ty || g.ty(normed) != &ty {
+            continue;
+        }
+        let operands = [a, b, w];
+        let mut replaced = vec![add, rn];
+        replaced.extend(round);
+        if round.is_some() && read_only_by(g, &uses, x, rn) {
+            // the widening cast goes too (the backward, fused first, no longer reads it)
+            replaced.push(g.def(x));
+        }
+        let Some(at) = placement(g, &operands, &replaced) else {
+            continue;
+        };
+        let what = if round.is_some() {
+            "the residual `add` and the `rms_norm` (in f32, between casts) of its sum"
+        } else {
+            "the residual `add` and the `rms_norm` of its sum"
+        };
+        let r = insert_fused(g, at, Op::AddRmsNorm { eps }, &operands, rn, what)?;
+        g.replace_all_uses(s, r[0]);
+        g.replace_all_uses(normed, r[1]);
+        // (with a cast, the f32 norm's result was read only by that cast)
+        g.remove_nodes(&replaced);
+        fused += 1;
+    }
+    Ok(fused)
+}

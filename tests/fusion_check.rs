@@ -1,0 +1,364 @@
+//! `fuse` never changes what a step computes: the training steps of the llama, gemma2
+//! (GeGLU with the tanh GELU, `(1 + w)` norms) and qwen3_moe (SwiGLU experts) fixtures,
+//! alone and on sp=2,tp=2 (and with checkpointing, offload and micro-batches), give the
+//! same loss, logits and gradients fused and unfused on the CPU reference (f64 to 1e-10,
+//! f32 to 1e-4), and every pattern fuses where the model has it. An insta snapshot pins
+//! the rewrite of a two-block program; `check --train` through the CLI (fusion on by
+//! default) matches the unsharded model; and a plan's predicted bytes fall.
+
+mod common;
+use common::*;
+
+use std::collections::BTreeMap;
+use weft_ir::{Graph, HostTensor};
+use weft_passes::training::{CheckpointPolicy, OffloadOptions, TrainOptions};
+use weft_passes::{PassContext, PassManager};
+use weft_runtime::cpu::{run, Precision, RunOptions};
+
+/// `g` after `fuse` (verified after the pass), with the pass's counters.
+fn fused(g: &Graph) -> (Graph, BTreeMap<String, u64>) {
+    let mut f = g.clone();
+    let report = PassManager::default()
+        .run(
+            &mut f,
+            &PassContext::new(g.mesh.clone()),
+            &["fuse"],
+            &mut std::io::sink(),
+        )
+        .unwrap_or_else(|e| panic!("fuse on {}: {e}", g.name));
+    let counters = report.passes[0].counters.clone();
+    (f, counters)
+}
+
+fn count(g: &Graph, name: &str) -> usize {
+    g.nodes()
+        .iter()
+        .filter(|&&n| g.node(n).op.name() == name)
+        .count()
+}
+
+fn train_opts() -> TrainOptions {
+    TrainOptions::default()
+}
+
+/// Runs the unfused and fused programs in `precision` and compares every output.
+fn same_outputs(
+    what: &str,
+    unfused: &Graph,
+    fused: &Graph,
+    weights: &BTreeMap<String, HostTensor>,
+    inputs: &BTreeMap<String, HostTensor>,
+    precision: Precision,
+    tol: f64,
+) {
+    let opts = RunOptions::new(precision);
+    let a = run(unfused, weights, inputs, &opts).unwrap_or_else(|e| panic!("{what} unfused: {e}"));
+    let b = run(fused, weights, inputs, &opts).unwrap_or_else(|e| panic!("{what} fused: {e}"));
+    assert_eq!(
+        a.outputs.keys().collect::<Vec<_>>(),
+        b.outputs.keys().collect::<Vec<_>>(),
+        "{what}: the same outputs"
+    );
+    assert!(a.outputs.keys().any(|k| k.starts_with("grad.")), "{what}: gradients compared");
+    for (name, want) in &a.outputs {
+        let err = rel_err(&b.outputs[name], want);
+        assert!(err <= tol, "{what}: `{name}` differs by {err:e} (tolerance {tol:e})");
+    }
+}
+
+/// Fused equals unfused on `fixture` for each (mesh, options); each pattern the model
+/// has fuses at least `min` times per layer kind (counters).
+fn check_fixture(fixture: &str, expect: &[(&str, u64)]) {
+    let (g, weights, inputs) = load_fixture(fixture);
+    let mut ckpt = train_opts();
+    ckpt.checkpoint = CheckpointPolicy::Full;
+    ckpt.offload = Some(OffloadOptions {
+        min_bytes: 0,
+        keep_last: 0,
+        ..OffloadOptions::default()
+    });
+    let mut micro = train_opts();
+    micro.micro_batches = 2;
+    let cases: [(&str, TrainOptions); 4] = [
+        ("", train_opts()),
+        ("sp=2,tp=2", train_opts()),
+        ("sp=2,tp=2", ckpt),
+        ("", micro),
+    ];
+    for (mesh, opts) in cases {
+        let what = format!(
+            "{fixture} on `{mesh}` (checkpoint {}, offload {}, micro-batches {})",
+            opts.checkpoint,
+            opts.offload.is_some(),
+            opts.micro_batches
+        );
+        let (unfused, _) = training_step(&g, mesh, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (f, counters) = fused(&unfused);
+        for (pattern, min) in expect {
+            assert!(
+                counters[*pattern] >= *min,
+                "{what}: `{pattern}` fused {} times, expected at least {min} ({counters:?})",
+                counters[*pattern]
+            );
+            assert_eq!(count(&f, pattern) as u64, counters[*pattern], "{what}: {pattern}");
+        }
+        assert!(f.node_count() < unfused.node_count(), "{what}: fewer nodes");
+        same_outputs(&what, &unfused, &f, &weights, &inputs, Precision::F64, 1e-10);
+        same_outputs(&what, &unfused, &f, &weights, &inputs, Precision::F32, 1e-4);
+    }
+}
+
+#[test]
+fn llama_fused_equals_unfused() {
+    // Two layers: a glu and its grad per layer; the residual add + norm twice per layer
+    // but the first (the embedding has no add before it).
+    check_fixture(
+        "llama",
+        &[("glu", 2), ("glu_grad", 2), ("add_rms_norm", 3), ("add_rms_norm_grad", 3)],
+    );
+}
+
+#[test]
+fn gemma2_fused_equals_unfused() {
+    // GeGLU (tanh GELU) and the `(1 + w)` norms, whose weight operand is `w + 1`.
+    check_fixture("gemma2", &[("glu", 2), ("glu_grad", 2), ("add_rms_norm", 1)]);
+}
+
+#[test]
+fn qwen3_moe_fused_equals_unfused() {
+    // The experts' SwiGLU on dispatched rows (a data-dependent row count).
+    check_fixture(
+        "qwen3_moe",
+        &[("glu", 1), ("glu_grad", 1), ("add_rms_norm", 2), ("add_rms_norm_grad", 2)],
+    );
+}
+
+/// Two residual blocks (SwiGLU MLPs): enough for every pattern, forward and backward.
+const BLOCKS: &str = r#"graph "blocks"
+%0: i64[B, S] = input {name="input_ids", role=input_ids}
+%1: i64[B, S] = input {name="labels", role=labels}
+%2: f32[16, 8] = param {name="model.embed_tokens.weight"}
+%3: f32[8] = param {name="model.layers.0.norm.weight"}
+%4: f32[16, 8] = param {name="model.layers.0.mlp.gate_proj.weight"}
+%5: f32[16, 8] = param {name="model.layers.0.mlp.up_proj.weight"}
+%6: f32[8, 16] = param {name="model.layers.0.mlp.down_proj.weight"}
+%7: f32[8] = param {name="model.layers.1.norm.weight"}
+%8: f32[16, 8] = param {name="model.layers.1.mlp.gate_proj.weight"}
+%9: f32[16, 8] = param {name="model.layers.1.mlp.up_proj.weight"}
+%10: f32[8, 16] = param {name="model.layers.1.mlp.down_proj.weight"}
+%11: f32[8] = param {name="model.norm.weight"}
+%12: f32[16, 8] = param {name="lm_head.weight"}
+%13: f32[B, S, 8] = embedding %0, %2
+%14: f32[B, S, 8] = rms_norm %13, %3 {eps=1e-6}
+%15: f32[B, S, 16] = linear %14, %4
+%16: f32[B, S, 16] = linear %14, %5
+%17: f32[B, S, 16] = silu %15
+%18: f32[B, S, 16] = mul %17, %16
+%19: f32[B, S, 8] = linear %18, %6
+%20: f32[B, S, 8] = add %13, %19
+%21: f32[B, S, 8] = rms_norm %20, %7 {eps=1e-6}
+%22: f32[B, S, 16] = linear %21, %8
+%23: f32[B, S, 16] = linear %21, %9
+%24: f32[B, S, 16] = gelu %22 {tanh_approx=true}
+%25: f32[B, S, 16] = mul %23, %24
+%26: f32[B, S, 8] = linear %25, %10
+%27: f32[B, S, 8] = add %20, %26
+%28: f32[B, S, 8] = rms_norm %27, %11 {eps=1e-6}
+%29: f32[B, S, 16] = linear %28, %12
+%30: i64[B, S] = shift_labels %1 {ignore_index=-100}
+%31: f32[] = cross_entropy %29, %30 {ignore_index=-100, reduction=sum}
+%32: f32[] = count_valid %30 {ignore_index=-100}
+%33: f32[] = div %31, %32
+return loss=%33, logits=%29
+"#;
+
+#[test]
+fn fuse_rewrite_snapshot_and_values() {
+    let g = weft_ir::parse(BLOCKS).unwrap();
+    let (unfused, _) = training_step(&g, "", &train_opts()).unwrap();
+    let (f, counters) = fused(&unfused);
+    let want: BTreeMap<String, u64> = [
+        ("add_rms_norm", 2),
+        ("add_rms_norm_grad", 2),
+        ("dce_removed", 0),
+        ("glu", 2),
+        ("glu_grad", 2),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    // the silu/gelu outputs the unfused backward read are gone with their muls
+    assert_eq!(
+        counters.iter().filter(|(k, _)| *k != "dce_removed").collect::<Vec<_>>(),
+        want.iter().filter(|(k, _)| *k != "dce_removed").collect::<Vec<_>>()
+    );
+    for op in ["silu", "gelu", "silu_grad", "gelu_grad"] {
+        assert_eq!(count(&f, op), 0, "`{op}` left unfused:\n{}", weft_ir::print(&f));
+    }
+    // Only the first norm (of the embedding, no add before it) stays a plain rms_norm, and
+    // only the last one's gradient (its sum has no other reader: no add to fuse with).
+    assert_eq!(count(&f, "rms_norm"), 1);
+    assert_eq!(count(&f, "rms_norm_grad"), 1);
+    let text = weft_ir::print(&f);
+    assert_eq!(weft_ir::parse(&text).unwrap(), f, "the fused program round-trips");
+    insta::assert_snapshot!("fuse__blocks", text);
+    let ids: Vec<i64> = (0..10).map(|i| (i * 7 + 3) % 16).collect();
+    let int = |v: Vec<i64>| HostTensor::ints(weft_ir::DType::I64, vec![2, 5], v);
+    let inputs = BTreeMap::from([
+        ("input_ids".to_string(), int(ids.clone())),
+        ("labels".to_string(), int(ids)),
+    ]);
+    let weights = weights_for(&g, 1.0);
+    same_outputs("blocks", &unfused, &f, &weights, &inputs, Precision::F64, 1e-10);
+    same_outputs("blocks", &unfused, &f, &weights, &inputs, Precision::F32, 1e-4);
+}
+
+#[test]
+fn fusion_turns_off_and_check_train_passes_with_it() {
+    // Fused by default through the driver; --fuse=false leaves the program unfused.
+    let (code, on, err) = weft(&["compile", "llama-tiny"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, off, err) = weft(&["compile", "llama-tiny", "--fuse=false"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(on.contains("= glu_grad ") && on.contains("= add_rms_norm "), "{on}");
+    assert!(!off.contains("glu") && !off.contains("add_rms_norm"), "{off}");
+    for fixture in ["llama", "gemma2", "qwen3_moe"] {
+        let dir = fixture_arg(fixture);
+        let (code, out, err) = weft(&["check", &dir, "--mesh", "sp=2,tp=2", "--train"]);
+        assert_eq!(code, 0, "{fixture}: {out}\n{err}");
+    }
+}
+
+fn fixture_arg(name: &str) -> String {
+    fixture(name).to_str().unwrap().to_string()
+}
+
+/// The plan of a llama-tiny training step (AdamW, nothing recomputed or offloaded),
+/// fused or not: (bytes the compute instructions move, predicted step seconds, peak).
+fn llama_plan(fuse: bool) -> (f64, f64, u64) {
+    use weft_passes::driver::{compile, Request, TrainRequest};
+    let model = weft_frontends::load("llama-tiny").unwrap().graph;
+    let mut req = Request::new(model, weft_ir::Mesh::parse("").unwrap());
+    (req.batch, req.seq, req.plan, req.fuse) = (Some(2), Some(256), true, fuse);
+    req.train = Some(TrainRequest {
+        options: TrainOptions {
+            optimizer: Some(weft_passes::training::Optimizer::adamw(1e-3)),
+            grad_outputs: false,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let plan = compile(&req, &mut std::io::sink()).unwrap().plan.unwrap();
+    let bytes = plan
+        .instructions
+        .iter()
+        .filter(|i| i.axis.is_none())
+        .map(|i| i.bytes)
+        .sum();
+    (bytes, plan.cost.step_time_s, plan.memory.peak_bytes)
+}
+
+#[test]
+fn fused_plan_moves_fewer_bytes_in_less_time_and_memory() {
+    let (b0, t0, p0) = llama_plan(false);
+    let (b1, t1, p1) = llama_plan(true);
+    eprintln!("llama-tiny B=2 S=256: bytes {b0} -> {b1}, step {t0:e} s -> {t1:e} s, peak {p0} -> {p1}");
+    assert!(b1 < b0, "bytes {b0} -> {b1}");
+    assert!(t1 < t0, "predicted step {t0} -> {t1}");
+    assert!(p1 <= p0, "peak {p0} -> {p1}");
+}
+
+#[test]
+fn only_exact_patterns_fuse() {
+    // A broadcasting mul, an activation read twice, a broadcasting add before a norm and
+    // a norm of a sum in another dtype stay unfused; the one exact glu fuses.
+    let text = r#"graph "near_misses"
+%0: f32[2, 4, 16] = param {name="g"}
+%1: f32[16] = param {name="u"}
+%2: f32[2, 4, 16] = param {name="v"}
+%3: f32[2, 4, 16] = silu %0
+%4: f32[2, 4, 16] = mul %3, %1
+%5: f32[2, 4, 16] = silu %2
+%6: f32[2, 4, 16] = mul %5, %2
+%7: f32[2, 4, 16] = mul %5, %0
+%8: f32[2, 4, 16] = silu %2
+%9: f32[2, 4, 16] = mul %8, %0
+%10: f32[16] = param {name="w"}
+%11: f32[2, 4, 16] = add %0, %1
+%12: f32[2, 4, 16] = rms_norm %11, %10 {eps=1e-6}
+return a=%4, b=%6, c=%7, d=%9, e=%12
+"#;
+    let g = weft_ir::parse(text).unwrap();
+    let (f, counters) = fused(&g);
+    assert_eq!(counters["glu"], 1, "{}", weft_ir::print(&f));
+    assert_eq!(counters["add_rms_norm"], 0);
+    assert_eq!(count(&f, "silu"), 2, "the broadcast one and the one read twice stay");
+    assert_eq!(count(&f, "rms_norm"), 1);
+}
+
+/// Deterministic weights of `g`'s parameters in their dtypes: norm weights near
+/// `norm_center` (1, or 0 for Gemma's `1 + w`), the rest small.
+fn weights_for(g: &Graph, norm_center: f64) -> BTreeMap<String, HostTensor> {
+    g.params()
+        .into_iter()
+        .map(|(name, v)| {
+            let t = g.ty(v);
+            let shape: Vec<usize> = t.shape.iter().map(|d| d.as_const().unwrap() as usize).collect();
+            let n: usize = shape.iter().product();
+            let norm = name.contains("norm");
+            let data = (0..n)
+                .map(|i| {
+                    let u = ((i * 2654435761 + name.len() * 97) % 1000) as f64 / 1000.0 - 0.5;
+                    if norm { norm_center + 0.2 * u } else { 0.6 * u }
+                })
+                .collect();
+            (name, HostTensor::floats(t.dtype, shape, data))
+        })
+        .collect()
+}
+
+#[test]
+fn gemma2_in_bf16_fuses_its_f32_norms_between_casts() {
+    // Gemma's (1 + w) norms in bf16 run in f32 between a widening cast and the cast back:
+    // they fuse too, forward and backward, and the step computes the same (on the CPU
+    // reference, which holds bf16 in f64, exactly).
+    let dir = fixture("gemma2");
+    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
+    let mut cfg = model.config.clone().unwrap();
+    cfg.dtype = weft_ir::DType::BF16;
+    let g = weft_frontends::Model::from_config(&model.name, cfg, model.origin.clone())
+        .unwrap()
+        .graph;
+    let (_, _, inputs) = load_fixture("gemma2");
+    let weights = weights_for(&g, 0.0);
+    for mesh in ["", "sp=2,tp=2"] {
+        let (unfused, _) = training_step(&g, mesh, &train_opts()).unwrap();
+        let (f, counters) = fused(&unfused);
+        let what = format!("gemma2 bf16 on `{mesh}`");
+        assert!(counters["add_rms_norm"] >= 3, "{what}: {counters:?}");
+        assert!(counters["add_rms_norm_grad"] >= 3, "{what}: {counters:?}");
+        assert!(counters["glu"] >= 2 && counters["glu_grad"] >= 2, "{what}: {counters:?}");
+        assert!(count(&f, "add_rms_norm") > 0 && count(&f, "cast") < count(&unfused, "cast"), "{what}");
+        same_outputs(&what, &unfused, &f, &weights, &inputs, Precision::F64, 1e-10);
+    }
+}
+
+#[test]
+fn a_fused_forward_differentiates_to_the_fused_backward() {
+    // A fused forward (a forward-only plan, a .weft file) coming back for a training
+    // step: autodiff's rules for glu and add_rms_norm give the same gradients.
+    let g = weft_ir::parse(BLOCKS).unwrap();
+    let (fwd, counters) = fused(&g);
+    assert_eq!((counters["glu"], counters["add_rms_norm"]), (2, 2));
+    let (unfused, _) = training_step(&g, "", &train_opts()).unwrap();
+    let (from_fused, _) = training_step(&fwd, "", &train_opts()).unwrap();
+    assert!(count(&from_fused, "glu_grad") == 2 && count(&from_fused, "add_rms_norm_grad") >= 1);
+    let ids: Vec<i64> = (0..10).map(|i| (i * 5 + 1) % 16).collect();
+    let int = |v: Vec<i64>| HostTensor::ints(weft_ir::DType::I64, vec![2, 5], v);
+    let inputs = BTreeMap::from([
+        ("input_ids".to_string(), int(ids.clone())),
+        ("labels".to_string(), int(ids)),
+    ]);
+    let weights = weights_for(&g, 1.0);
+    same_outputs("fused forward", &unfused, &from_fused, &weights, &inputs, Precision::F64, 1e-10);
+}
