@@ -7,6 +7,7 @@ use crate::checkpoint::Checkpoint;
 use crate::convert_dtype::ConvertDtype;
 use crate::ep::ExpertParallel;
 use crate::grad_sync::GradSync;
+use crate::linear_ce::LinearCrossEntropy;
 use crate::micro_batches::MicroBatches;
 use crate::offload::Offload;
 use crate::optimizer::OptimizerPass;
@@ -33,6 +34,7 @@ pub static PASSES: &[&dyn Pass] = &[
     &TensorParallel,
     &Simplify,
     &Canonicalize,
+    &LinearCrossEntropy,
     &MicroBatches,
     &Autodiff,
     &Checkpoint,

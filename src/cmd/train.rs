@@ -156,6 +156,8 @@ impl TrainArgs {
                 grad_outputs: true,
                 batch: None,
                 seq: None,
+                fused_loss: true,
+                loss_chunk: None,
             },
             open: Open {
                 checkpoint: self.checkpoint.is_none(),

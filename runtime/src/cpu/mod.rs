@@ -52,6 +52,7 @@ mod fused;
 mod grad_outputs;
 mod host;
 pub(crate) mod kernels;
+mod linear_ce;
 mod partition;
 mod rank;
 mod sgemm;
