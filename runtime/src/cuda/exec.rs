@@ -1432,6 +1432,10 @@ fn lower_op(
                 ],
             )
         }
+        Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyGrad { .. } => Err(lw.unsup(
+            op.name(),
+            "the CUDA executor has no chunked lm_head + cross-entropy kernels yet\nhelp: compile the step without `linear-cross-entropy` (TrainOptions::fused_loss = false; `weft run --backend cuda` does), or run with `--backend cpu`",
+        )),
         Op::Topk { k, dim } => {
             let x = &ins[0];
             let d = norm(*dim, x.rank())?;
