@@ -35,6 +35,8 @@ fn step(graph: &Graph, mesh: &str, fused: bool) -> Graph {
     let mut g = graph.clone();
     g.remove_output("logits");
     let (g, report) = training_step(&g, mesh, &opts(fused)).unwrap_or_else(|e| panic!("{mesh}: {e}"));
+    weft_ir::verify(&g).unwrap_or_else(|r| panic!("{mesh}: {r}"));
+    assert_eq!(weft_ir::parse(&weft_ir::print(&g)).unwrap(), g, "{mesh}: text round trip");
     let count = |name: &str| g.nodes().iter().filter(|&&n| g.node(n).op.name() == name).count();
     if fused {
         let stats = report

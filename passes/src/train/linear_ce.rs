@@ -407,3 +407,21 @@ fn stable_toposort(g: &mut Graph) {
     }
     g.set_order(out);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_chunk_bounds_the_scratch_and_keeps_gemms_large() {
+        // 16384 tokens: 256 MiB / (16384 x 4 B) = 4096 rows.
+        assert_eq!(chunk_for(Some(16384), Some(128256)), 4096);
+        // 262144 tokens would give 256 rows: the floor.
+        assert_eq!(chunk_for(Some(262_144), Some(128256)), MIN_CHUNK);
+        assert_eq!(chunk_for(Some(1 << 30), None), MIN_CHUNK);
+        // Few tokens: the whole (small) vocabulary in one chunk.
+        assert_eq!(chunk_for(Some(64), Some(128)), 128);
+        assert_eq!(chunk_for(None, None), DEFAULT_CHUNK);
+        assert_eq!(chunk_for(Some(0), Some(50_000)), DEFAULT_CHUNK);
+    }
+}
