@@ -226,8 +226,6 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         if a.backend == "cuda" {
             // The CUDA executor has no host optimizer: never choose it there.
             t.open.offload_optimizer = false;
-            // Nor kernels for the fused lm_head + loss (`linear_cross_entropy`) yet.
-            t.options.fused_loss = false;
         }
         if a.torch_adamw {
             // torch.optim.AdamW(fused=True) on the bf16 model, as bench/torch_llama_step.py

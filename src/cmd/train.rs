@@ -70,6 +70,10 @@ pub struct TrainArgs {
     /// torch.optim.AdamW on a bf16 model) instead of on f32 master weights.
     #[arg(long)]
     pub no_master_weights: bool,
+    /// Keep the lm_head and the cross-entropy as separate ops (the step materialises the
+    /// [tokens, vocab] logits) instead of `linear_cross_entropy` over vocabulary chunks.
+    #[arg(long)]
+    pub unfused_loss: bool,
 }
 
 impl TrainArgs {
@@ -156,7 +160,7 @@ impl TrainArgs {
                 grad_outputs: true,
                 batch: None,
                 seq: None,
-                fused_loss: true,
+                fused_loss: !self.unfused_loss,
                 loss_chunk: None,
             },
             open: Open {

@@ -18,7 +18,9 @@ pub const KERNEL_SOURCE: &str = concat!(
     "\n",
     include_str!("attention.cu"),
     "\n",
-    include_str!("backward.cu")
+    include_str!("backward.cu"),
+    "\n",
+    include_str!("linear_ce.cu")
 );
 
 /// An owned device allocation.

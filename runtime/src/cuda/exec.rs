@@ -23,6 +23,7 @@ use weft_ir::role::{ValueName, ValueRole};
 use weft_ir::{Bindings, DType, Graph, HostTensor, Node, Op};
 
 mod attention;
+mod linear_ce;
 use attention::{attention_bwd, attention_fwd, attention_parts};
 
 /// How to run.
@@ -1432,10 +1433,8 @@ fn lower_op(
                 ],
             )
         }
-        Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyGrad { .. } => Err(lw.unsup(
-            op.name(),
-            "the CUDA executor has no chunked lm_head + cross-entropy kernels yet\nhelp: compile the step without `linear-cross-entropy` (TrainOptions::fused_loss = false; `weft run --backend cuda` does), or run with `--backend cpu`",
-        )),
+        Op::LinearCrossEntropy { .. } => linear_ce::linear_ce_fwd(lw, op, ins, outs),
+        Op::LinearCrossEntropyGrad { .. } => linear_ce::linear_ce_bwd(lw, op, ins, outs),
         Op::Topk { k, dim } => {
             let x = &ins[0];
             let d = norm(*dim, x.rank())?;
