@@ -132,3 +132,14 @@ fn logits_that_are_an_output_stay() {
     assert!(g.output("logits").is_some());
     assert!(!g.nodes().iter().any(|&n| matches!(g.node(n).op, Op::LinearCrossEntropy { .. })));
 }
+
+/// `weft compile --train` fuses by default; `--unfused-loss` keeps the logits.
+#[test]
+fn cli_fuses_unless_told_not_to() {
+    let (code, out, err) = weft(&["compile", "llama-tiny", "--seq", "16"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("linear_cross_entropy_grad"), "{out}");
+    let (code, out, err) = weft(&["compile", "llama-tiny", "--seq", "16", "--unfused-loss"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("linear_cross_entropy") && out.contains("cross_entropy_grad"), "{out}");
+}
