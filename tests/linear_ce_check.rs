@@ -15,8 +15,16 @@ use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 
 const MESHES: &[&str] = &["", "tp=2", "sp=2", "sp=2,tp=2", "dp=2"];
 
-fn load(name: &str) -> (Graph, BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>) {
-    load_fixture_batch4(name, |i, s| [1, 2, 3, 6, 9].contains(&i) || (s + 12..2 * s).contains(&i))
+fn load(
+    name: &str,
+) -> (
+    Graph,
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+) {
+    load_fixture_batch4(name, |i, s| {
+        [1, 2, 3, 6, 9].contains(&i) || (s + 12..2 * s).contains(&i)
+    })
 }
 
 fn opts(fused: bool) -> TrainOptions {
@@ -34,10 +42,20 @@ fn opts(fused: bool) -> TrainOptions {
 fn step(graph: &Graph, mesh: &str, fused: bool) -> Graph {
     let mut g = graph.clone();
     g.remove_output("logits");
-    let (g, report) = training_step(&g, mesh, &opts(fused)).unwrap_or_else(|e| panic!("{mesh}: {e}"));
+    let (g, report) =
+        training_step(&g, mesh, &opts(fused)).unwrap_or_else(|e| panic!("{mesh}: {e}"));
     weft_ir::verify(&g).unwrap_or_else(|r| panic!("{mesh}: {r}"));
-    assert_eq!(weft_ir::parse(&weft_ir::print(&g)).unwrap(), g, "{mesh}: text round trip");
-    let count = |name: &str| g.nodes().iter().filter(|&&n| g.node(n).op.name() == name).count();
+    assert_eq!(
+        weft_ir::parse(&weft_ir::print(&g)).unwrap(),
+        g,
+        "{mesh}: text round trip"
+    );
+    let count = |name: &str| {
+        g.nodes()
+            .iter()
+            .filter(|&&n| g.node(n).op.name() == name)
+            .count()
+    };
     if fused {
         let stats = report
             .passes
@@ -47,14 +65,22 @@ fn step(graph: &Graph, mesh: &str, fused: bool) -> Graph {
         assert_eq!(stats.counters["fused"], 1, "{mesh}: {:?}", stats.counters);
         assert_eq!(count("linear_cross_entropy"), 1, "{mesh}");
         assert_eq!(count("linear_cross_entropy_grad"), 1, "{mesh}");
-        assert_eq!(count("cross_entropy") + count("cross_entropy_grad"), 0, "{mesh}");
+        assert_eq!(
+            count("cross_entropy") + count("cross_entropy_grad"),
+            0,
+            "{mesh}"
+        );
         // No value anywhere has the (local) vocabulary as its last dim besides the
         // weight and its gradient: the logits are gone, forward and backward.
         let vocab = g.ty(g.node(lce_node(&g)).operands[1]).shape[0].clone();
         for &n in g.nodes() {
             if matches!(g.node(n).op, Op::Linear {}) {
                 for &r in &g.node(n).results {
-                    assert_ne!(g.ty(r).shape.last(), Some(&vocab), "{mesh}: a linear still makes logits");
+                    assert_ne!(
+                        g.ty(r).shape.last(),
+                        Some(&vocab),
+                        "{mesh}: a linear still makes logits"
+                    );
                 }
             }
         }
@@ -88,7 +114,11 @@ fn check(fam: &str) {
         let e = rel_err(&r.outputs["loss"], &reference.outputs["loss"]);
         assert!(e < 1e-10, "{fam} {mesh}: loss rel err {e:e}");
         let got = grads(&r);
-        assert_eq!(got.len(), reference.grads.len(), "{fam} {mesh}: gradient count");
+        assert_eq!(
+            got.len(),
+            reference.grads.len(),
+            "{fam} {mesh}: gradient count"
+        );
         for (p, want) in &reference.grads {
             let have = HostTensor::floats(want.dtype, want.shape.clone(), got[p].to_f64());
             let e = rel_err(&have, want);
@@ -130,7 +160,10 @@ fn logits_that_are_an_output_stay() {
     let (graph, ..) = load("llama");
     let (g, _) = training_step(&graph, "tp=2", &opts(true)).unwrap();
     assert!(g.output("logits").is_some());
-    assert!(!g.nodes().iter().any(|&n| matches!(g.node(n).op, Op::LinearCrossEntropy { .. })));
+    assert!(!g
+        .nodes()
+        .iter()
+        .any(|&n| matches!(g.node(n).op, Op::LinearCrossEntropy { .. })));
 }
 
 /// `weft compile --train` fuses by default; `--unfused-loss` keeps the logits.
@@ -141,5 +174,8 @@ fn cli_fuses_unless_told_not_to() {
     assert!(out.contains("linear_cross_entropy_grad"), "{out}");
     let (code, out, err) = weft(&["compile", "llama-tiny", "--seq", "16", "--unfused-loss"]);
     assert_eq!(code, 0, "{err}");
-    assert!(!out.contains("linear_cross_entropy") && out.contains("cross_entropy_grad"), "{out}");
+    assert!(
+        !out.contains("linear_cross_entropy") && out.contains("cross_entropy_grad"),
+        "{out}"
+    );
 }

@@ -440,8 +440,18 @@ pub fn cross_entropy(op: &Op, ins: &[&TensorType]) -> Out {
 /// w [V, H] of x's dtype, integer labels of x's leading shape, a positive chunk, and a
 /// finite scale and positive soft-cap when set. Returns the per-token f32 type.
 pub(crate) fn linear_ce_operands(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
-    let (Op::LinearCrossEntropy { chunk, scale, softcap, .. }
-    | Op::LinearCrossEntropyGrad { chunk, scale, softcap, .. }) = op
+    let (Op::LinearCrossEntropy {
+        chunk,
+        scale,
+        softcap,
+        ..
+    }
+    | Op::LinearCrossEntropyGrad {
+        chunk,
+        scale,
+        softcap,
+        ..
+    }) = op
     else {
         unreachable!()
     };

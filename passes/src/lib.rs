@@ -30,8 +30,7 @@ pub use cleanup::{canonicalize, simplify};
 pub use lower::{bindings, convert_dtype, memory, plan, search};
 pub use parallel::{ep, ring, shard_inputs, shard_seq, sp_loss, tp, ulysses};
 pub use train::{
-    autodiff, checkpoint, grad_sync, linear_ce, micro_batches, offload, optimizer, training,
-    zero,
+    autodiff, checkpoint, grad_sync, linear_ce, micro_batches, offload, optimizer, training, zero,
 };
 
 pub use bindings::{check_bindings, BindingError};

@@ -20,7 +20,10 @@ fn rewrite_snapshots() {
         run_pipeline(&mut g, &cx, &default_pipeline(&cx.mesh)).unwrap();
         let text = diff_of(&mut g, &cx, linear_ce::NAME);
         weft_ir::verify(&g).unwrap();
-        assert!(text.contains("linear_cross_entropy"), "{tag}: nothing fused\n{text}");
+        assert!(
+            text.contains("linear_cross_entropy"),
+            "{tag}: nothing fused\n{text}"
+        );
         snapshot(&format!("linear-cross-entropy__llama-tiny__{tag}"), &text);
     }
 }
@@ -69,11 +72,22 @@ fn plan_peak_drops_by_the_logits() {
         assert_eq!(vocab, if tp { 64128 } else { 128256 });
         let logits = SEQ * vocab * x.dtype.size_bytes();
         let largest = |p: &weft_ir::plan::ExecutionPlan| {
-            let b = p.buffers.iter().filter(|b| !b.resident).max_by_key(|b| b.bytes).unwrap();
+            let b = p
+                .buffers
+                .iter()
+                .filter(|b| !b.resident)
+                .max_by_key(|b| b.bytes)
+                .unwrap();
             b.bytes
         };
-        assert!(largest(&unfused_plan) >= logits, "tp={tp}: the unfused plan holds the logits");
-        assert!(largest(&fused_plan) < logits, "tp={tp}: a fused plan buffer is as large as the logits");
+        assert!(
+            largest(&unfused_plan) >= logits,
+            "tp={tp}: the unfused plan holds the logits"
+        );
+        assert!(
+            largest(&fused_plan) < logits,
+            "tp={tp}: a fused plan buffer is as large as the logits"
+        );
         assert!(
             unfused >= fused + logits / 10 * 9,
             "tp={tp}: peak {unfused} unfused, {fused} fused: dropped {} < the logits' {logits}",

@@ -13,8 +13,8 @@
 //! - `tensor-parallel`'s vocab-parallel cross-entropy on a vocabulary shard: the max,
 //!   sum of exp and target gather of the shard's logits. The fused op on the shard
 //!   gives its log-sum-exp and target; the shard max becomes the shard lse (any bound
-//!   >= every logit keeps the all_reduce max a valid shift) and the shard sum of exp
-//!   becomes `exp(lse_shard - max)`, so the combination over tp is unchanged.
+//!   at least every logit keeps the all_reduce max a valid shift) and the shard sum of
+//!   exp becomes `exp(lse_shard - max)`, so the combination over tp is unchanged.
 //!
 //! Logits that are a program output (eval, check, `--grad-outputs` steps) or that
 //! anything else reads are left alone: the rewrite only fires when the loss is their
@@ -123,9 +123,7 @@ impl LmHead {
     /// Follows single-use `scale`s, one soft-cap (`scale {1/c}`, `tanh`, `scale {c}`)
     /// and an f32 `cast` from the linear's result. `None` when it is not such a chain.
     fn follow(g: &Graph, uses: &[Vec<(Node, usize)>], n: Node) -> Option<LmHead> {
-        if g.try_node(n).is_none() {
-            return None;
-        }
+        g.try_node(n)?;
         let outputs: HashSet<Value> = g.outputs().iter().map(|(_, v)| *v).collect();
         let single = |v: Value| -> Option<Node> {
             if outputs.contains(&v) {
@@ -146,8 +144,7 @@ impl LmHead {
         let mut softcap = None;
         let mut cast = false;
         // Peek at the next op without committing: the logits may stop at any point.
-        loop {
-            let Some(u) = single(v) else { break };
+        while let Some(u) = single(v) {
             let next = g.node(u).results[0];
             match &g.node(u).op {
                 Op::Scale { factor } if softcap.is_none() && !cast => {
@@ -231,12 +228,28 @@ fn fuse_plain(g: &mut Graph, head: &LmHead, ce: Node, chunk: i64) -> Result<(), 
     };
     let labels = g.node(ce).operands[1];
     let at = At::Before(ce);
-    let m = |g: &Graph, r: &str| meta_for(g, ce, NAME, format!("lm_head + cross-entropy fused: {r}"));
-    let meta = m(g, "log-sum-exp and target logit per token, the vocabulary in chunks (no logits tensor)");
+    let m =
+        |g: &Graph, r: &str| meta_for(g, ce, NAME, format!("lm_head + cross-entropy fused: {r}"));
+    let meta = m(
+        g,
+        "log-sum-exp and target logit per token, the vocabulary in chunks (no logits tensor)",
+    );
     let stats = g
-        .insert_with(at, head.op(ignore_index, chunk), &[head.x, head.w, labels], meta)
+        .insert_with(
+            at,
+            head.op(ignore_index, chunk),
+            &[head.x, head.w, labels],
+            meta,
+        )
         .map_err(|e| build_error(NAME, e))?;
-    let tok = insert1(g, NAME, at, Op::Sub {}, &[stats[0], stats[1]], m(g, "token loss lse - target"))?;
+    let tok = insert1(
+        g,
+        NAME,
+        at,
+        Op::Sub {},
+        &[stats[0], stats[1]],
+        m(g, "token loss lse - target"),
+    )?;
     let ig = insert1(
         g,
         NAME,
@@ -248,9 +261,30 @@ fn fuse_plain(g: &mut Graph, head: &LmHead, ce: Node, chunk: i64) -> Result<(), 
         &[],
         m(g, "ignore_index"),
     )?;
-    let valid = insert1(g, NAME, at, Op::Compare { op: CmpOp::Ne }, &[labels, ig], m(g, "labels that count"))?;
-    let valid = insert1(g, NAME, at, Op::Cast { dtype: DType::F32 }, &[valid], m(g, "labels that count"))?;
-    let tok = insert1(g, NAME, at, Op::Mul {}, &[tok, valid], m(g, "ignored labels contribute 0"))?;
+    let valid = insert1(
+        g,
+        NAME,
+        at,
+        Op::Compare { op: CmpOp::Ne },
+        &[labels, ig],
+        m(g, "labels that count"),
+    )?;
+    let valid = insert1(
+        g,
+        NAME,
+        at,
+        Op::Cast { dtype: DType::F32 },
+        &[valid],
+        m(g, "labels that count"),
+    )?;
+    let tok = insert1(
+        g,
+        NAME,
+        at,
+        Op::Mul {},
+        &[tok, valid],
+        m(g, "ignored labels contribute 0"),
+    )?;
     let rank = g.ty(labels).rank() as i64;
     let out = match reduction {
         Reduction::None => tok,
@@ -269,8 +303,22 @@ fn fuse_plain(g: &mut Graph, head: &LmHead, ce: Node, chunk: i64) -> Result<(), 
             if reduction == Reduction::Sum {
                 sum
             } else {
-                let c = insert1(g, NAME, at, Op::CountValid { ignore_index }, &[labels], m(g, "valid labels"))?;
-                insert1(g, NAME, at, Op::Div {}, &[sum, c], m(g, "mean over valid labels"))?
+                let c = insert1(
+                    g,
+                    NAME,
+                    at,
+                    Op::CountValid { ignore_index },
+                    &[labels],
+                    m(g, "valid labels"),
+                )?;
+                insert1(
+                    g,
+                    NAME,
+                    at,
+                    Op::Div {},
+                    &[sum, c],
+                    m(g, "mean over valid labels"),
+                )?
             }
         }
     };
@@ -319,12 +367,17 @@ impl VocabParallel {
             }
         };
         let exp = only(sub).filter(|&e| matches!(g.node(e).op, Op::Exp {}))?;
-        let sum = only(exp).filter(|&s| matches!(&g.node(s).op, Op::Sum { dims, keepdim } if last(dims, *keepdim)))?;
+        let sum = only(exp).filter(
+            |&s| matches!(&g.node(s).op, Op::Sum { dims, keepdim } if last(dims, *keepdim)),
+        )?;
         // the label index has the logits' shape with a last dim of 1
         let idx = g.node(gather).operands[1];
         let lt = g.ty(head.logits);
         let it = g.ty(idx);
-        if it.rank() != lt.rank() || it.shape[..lt.rank() - 1] != lt.shape[..lt.rank() - 1] || it.shape[lt.rank() - 1] != Dim::from(1) {
+        if it.rank() != lt.rank()
+            || it.shape[..lt.rank() - 1] != lt.shape[..lt.rank() - 1]
+            || it.shape[lt.rank() - 1] != Dim::from(1)
+        {
             return None;
         }
         Some(VocabParallel {
@@ -339,30 +392,77 @@ impl VocabParallel {
 
 /// tp's vocab-parallel cross-entropy with the shard's logits replaced by the fused op's
 /// shard statistics (the combination over tp is left as it is).
-fn fuse_vocab_parallel(g: &mut Graph, head: &LmHead, vp: &VocabParallel, chunk: i64) -> Result<(), PassError> {
+fn fuse_vocab_parallel(
+    g: &mut Graph,
+    head: &LmHead,
+    vp: &VocabParallel,
+    chunk: i64,
+) -> Result<(), PassError> {
     let idx = g.node(vp.gather).operands[1];
     let global_max = g.node(vp.sub).operands[1];
     let keep_shape = g.ty(idx).shape.clone();
     let tok_shape = keep_shape[..keep_shape.len() - 1].to_vec();
     let at = At::Before(vp.gather);
     let m = |g: &Graph, r: &str| {
-        meta_for(g, vp.gather, NAME, format!("lm_head + vocab-parallel cross-entropy fused: {r}"))
+        meta_for(
+            g,
+            vp.gather,
+            NAME,
+            format!("lm_head + vocab-parallel cross-entropy fused: {r}"),
+        )
     };
-    let labels = insert1(g, NAME, at, Op::Reshape { shape: tok_shape }, &[idx], m(g, "this rank's label index per token"))?;
+    let labels = insert1(
+        g,
+        NAME,
+        at,
+        Op::Reshape { shape: tok_shape },
+        &[idx],
+        m(g, "this rank's label index per token"),
+    )?;
     // The index is clamped into the shard (tp masks the target where the rank does not
     // hold the label), so no label is ignored here.
     let ignore = -1;
-    let meta = m(g, "this vocab shard's log-sum-exp and target logit, in chunks (no logits tensor)");
+    let meta = m(
+        g,
+        "this vocab shard's log-sum-exp and target logit, in chunks (no logits tensor)",
+    );
     let stats = g
         .insert_with(at, head.op(ignore, chunk), &[head.x, head.w, labels], meta)
         .map_err(|e| build_error(NAME, e))?;
     let reshape = |g: &mut Graph, v: Value, why: &str| {
-        insert1(g, NAME, at, Op::Reshape { shape: keep_shape.clone() }, &[v], m(g, why))
+        insert1(
+            g,
+            NAME,
+            at,
+            Op::Reshape {
+                shape: keep_shape.clone(),
+            },
+            &[v],
+            m(g, why),
+        )
     };
-    let lse = reshape(g, stats[0], "shard log-sum-exp: a bound on the shard's logits for the max over tp")?;
+    let lse = reshape(
+        g,
+        stats[0],
+        "shard log-sum-exp: a bound on the shard's logits for the max over tp",
+    )?;
     let target = reshape(g, stats[1], "target logit if this rank holds it")?;
-    let shifted = insert1(g, NAME, at, Op::Sub {}, &[lse, global_max], m(g, "shard lse - max over tp"))?;
-    let sum_exp = insert1(g, NAME, at, Op::Exp {}, &[shifted], m(g, "sum of exp over this rank's vocabulary"))?;
+    let shifted = insert1(
+        g,
+        NAME,
+        at,
+        Op::Sub {},
+        &[lse, global_max],
+        m(g, "shard lse - max over tp"),
+    )?;
+    let sum_exp = insert1(
+        g,
+        NAME,
+        at,
+        Op::Exp {},
+        &[shifted],
+        m(g, "sum of exp over this rank's vocabulary"),
+    )?;
     let res = |g: &Graph, n: Node| g.node(n).results[0];
     let (old_max, old_sum, old_target) = (res(g, vp.max), res(g, vp.sum), res(g, vp.gather));
     g.replace_all_uses(old_max, lse);

@@ -80,7 +80,11 @@ fn rows(x: &Tensor, w: &Tensor, labels: &Tensor, a: &LinearCe) -> KResult<(Tenso
     let lab = labels.flatten_all()?;
     let n = lab.elem_count();
     if x.elem_count() != n * h {
-        bail!("x {:?} must be labels {:?} plus a hidden dim", x.dims(), labels.dims());
+        bail!(
+            "x {:?} must be labels {:?} plus a hidden dim",
+            x.dims(),
+            labels.dims()
+        );
     }
     let lv = values_i64(&lab)?;
     if let Some((i, bad)) = lv
@@ -95,7 +99,13 @@ fn rows(x: &Tensor, w: &Tensor, labels: &Tensor, a: &LinearCe) -> KResult<(Tenso
 
 /// Per chunk `[c0, c0+len)`: the [N, 1] column index of each label inside the chunk
 /// (clamped) and the [N, 1] mask of the labels that fall in it and are not ignored.
-fn chunk_targets(lab: &Tensor, c0: usize, len: usize, ignore: i64, float: C) -> KResult<(Tensor, Tensor)> {
+fn chunk_targets(
+    lab: &Tensor,
+    c0: usize,
+    len: usize,
+    ignore: i64,
+    float: C,
+) -> KResult<(Tensor, Tensor)> {
     let lo = lab.ge(c0 as i64)?.to_dtype(float)?;
     let hi = lab.lt((c0 + len) as i64)?.to_dtype(float)?;
     let kept = lab.ne(ignore)?.to_dtype(float)?;
@@ -110,7 +120,13 @@ fn chunk_targets(lab: &Tensor, c0: usize, len: usize, ignore: i64, float: C) -> 
 }
 
 /// The forward: per-token log-sum-exp and target logit, each of the labels' shape.
-pub(crate) fn forward(x: &Tensor, w: &Tensor, labels: &Tensor, a: LinearCe, float: C) -> KResult<Vec<Tensor>> {
+pub(crate) fn forward(
+    x: &Tensor,
+    w: &Tensor,
+    labels: &Tensor,
+    a: LinearCe,
+    float: C,
+) -> KResult<Vec<Tensor>> {
     let (x2, lab, v) = rows(x, w, labels, &a)?;
     let n = lab.elem_count();
     let shape = labels.dims().to_vec();

@@ -33,9 +33,10 @@ impl LceAttrs {
         };
         Ok(LceAttrs {
             ignore: *ignore_index,
-            chunk: u64::try_from(*chunk).ok().filter(|&c| c > 0).ok_or_else(|| {
-                lw.unsup(op.name(), &format!("chunk {chunk} must be positive"))
-            })?,
+            chunk: u64::try_from(*chunk)
+                .ok()
+                .filter(|&c| c > 0)
+                .ok_or_else(|| lw.unsup(op.name(), &format!("chunk {chunk} must be positive")))?,
             scale: scale.map_or(1.0, |s| s.0 as f32),
             cap: softcap.map_or(0.0, |c| c.0 as f32),
         })
@@ -51,11 +52,19 @@ fn sizes(lw: &Lower, op: &Op, x: &DevT, w: &DevT) -> CudaResult<(u64, u64, u64)>
         ));
     }
     let h = *x.shape.last().unwrap_or(&0) as u64;
-    let n = if h == 0 { 0 } else { x.numel() / h };
+    let n = x.numel().checked_div(h).unwrap_or(0);
     Ok((n, h, w.shape[0] as u64))
 }
 
-fn gemm_shape(dtype: DType, m: u64, n: u64, k: u64, ta: bool, tb: bool, accumulate: bool) -> GemmShape {
+fn gemm_shape(
+    dtype: DType,
+    m: u64,
+    n: u64,
+    k: u64,
+    ta: bool,
+    tb: bool,
+    accumulate: bool,
+) -> GemmShape {
     GemmShape {
         dtype,
         m,
@@ -73,7 +82,12 @@ fn gemm_shape(dtype: DType, m: u64, n: u64, k: u64, ta: bool, tb: bool, accumula
 }
 
 /// Forward: `outs` = [lse, target], f32 per token.
-pub(super) fn linear_ce_fwd(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]) -> CudaResult<()> {
+pub(super) fn linear_ce_fwd(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+) -> CudaResult<()> {
     let a = LceAttrs::of(lw, op)?;
     let (x, w, labels) = (&ins[0], &ins[1], &ins[2]);
     let (lse, target) = (&outs[0], &outs[1]);
@@ -82,7 +96,10 @@ pub(super) fn linear_ce_fwd(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]
         return Ok(());
     }
     if v == 0 {
-        return Err(lw.unsup(op.name(), "an empty vocabulary (a cross-entropy needs a class)"));
+        return Err(lw.unsup(
+            op.name(),
+            "an empty vocabulary (a cross-entropy needs a class)",
+        ));
     }
     let chunk = a.chunk.min(v);
     let es = esz(x.dtype) as u64;
@@ -100,7 +117,13 @@ pub(super) fn linear_ce_fwd(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]
     while c0 < v {
         let len = chunk.min(v - c0);
         let wc = w.ptr + c0 * h * es;
-        lw.gemm(gemm_shape(x.dtype, n, len, h, false, true, false), x.ptr, wc, z, 0);
+        lw.gemm(
+            gemm_shape(x.dtype, n, len, h, false, true, false),
+            x.ptr,
+            wc,
+            z,
+            0,
+        );
         lw.rows(
             stats,
             n,
@@ -131,7 +154,12 @@ pub(super) fn linear_ce_fwd(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]
 }
 
 /// Backward: operands x, w, labels, lse, dlse, dtarget; `outs` = [dx, dw].
-pub(super) fn linear_ce_bwd(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]) -> CudaResult<()> {
+pub(super) fn linear_ce_bwd(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+) -> CudaResult<()> {
     let a = LceAttrs::of(lw, op)?;
     let (x, w, labels, lse, dlse, dtarget) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4], &ins[5]);
     let (dx, dw) = (&outs[0], &outs[1]);
@@ -148,7 +176,13 @@ pub(super) fn linear_ce_bwd(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]
     while c0 < v {
         let len = chunk.min(v - c0);
         let wc = w.ptr + c0 * h * es;
-        lw.gemm(gemm_shape(x.dtype, n, len, h, false, true, false), x.ptr, wc, z, 0);
+        lw.gemm(
+            gemm_shape(x.dtype, n, len, h, false, true, false),
+            x.ptr,
+            wc,
+            z,
+            0,
+        );
         lw.n(
             dz,
             n * len,
@@ -167,10 +201,22 @@ pub(super) fn linear_ce_bwd(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]
             ],
         )?;
         // dx (+)= dz [n, len] @ w_c [len, h]
-        lw.gemm(gemm_shape(x.dtype, n, h, len, false, false, c0 > 0), z, wc, dx.ptr, 0);
+        lw.gemm(
+            gemm_shape(x.dtype, n, h, len, false, false, c0 > 0),
+            z,
+            wc,
+            dx.ptr,
+            0,
+        );
         // dw_c = dz^T [len, n] @ x [n, h]
         let dwc = dw.ptr + c0 * h * es;
-        lw.gemm(gemm_shape(x.dtype, len, h, n, true, false, false), z, x.ptr, dwc, 0);
+        lw.gemm(
+            gemm_shape(x.dtype, len, h, n, true, false, false),
+            z,
+            x.ptr,
+            dwc,
+            0,
+        );
         c0 += len;
     }
     Ok(())
