@@ -59,10 +59,16 @@ fn same_outputs(
         b.outputs.keys().collect::<Vec<_>>(),
         "{what}: the same outputs"
     );
-    assert!(a.outputs.keys().any(|k| k.starts_with("grad.")), "{what}: gradients compared");
+    assert!(
+        a.outputs.keys().any(|k| k.starts_with("grad.")),
+        "{what}: gradients compared"
+    );
     for (name, want) in &a.outputs {
         let err = rel_err(&b.outputs[name], want);
-        assert!(err <= tol, "{what}: `{name}` differs by {err:e} (tolerance {tol:e})");
+        assert!(
+            err <= tol,
+            "{what}: `{name}` differs by {err:e} (tolerance {tol:e})"
+        );
     }
 }
 
@@ -100,10 +106,22 @@ fn check_fixture(fixture: &str, expect: &[(&str, u64)]) {
                 "{what}: `{pattern}` fused {} times, expected at least {min} ({counters:?})",
                 counters[*pattern]
             );
-            assert_eq!(count(&f, pattern) as u64, counters[*pattern], "{what}: {pattern}");
+            assert_eq!(
+                count(&f, pattern) as u64,
+                counters[*pattern],
+                "{what}: {pattern}"
+            );
         }
         assert!(f.node_count() < unfused.node_count(), "{what}: fewer nodes");
-        same_outputs(&what, &unfused, &f, &weights, &inputs, Precision::F64, 1e-10);
+        same_outputs(
+            &what,
+            &unfused,
+            &f,
+            &weights,
+            &inputs,
+            Precision::F64,
+            1e-10,
+        );
         same_outputs(&what, &unfused, &f, &weights, &inputs, Precision::F32, 1e-4);
     }
 }
@@ -114,14 +132,22 @@ fn llama_fused_equals_unfused() {
     // but the first (the embedding has no add before it).
     check_fixture(
         "llama",
-        &[("glu", 2), ("glu_grad", 2), ("add_rms_norm", 3), ("add_rms_norm_grad", 3)],
+        &[
+            ("glu", 2),
+            ("glu_grad", 2),
+            ("add_rms_norm", 3),
+            ("add_rms_norm_grad", 3),
+        ],
     );
 }
 
 #[test]
 fn gemma2_fused_equals_unfused() {
     // GeGLU (tanh GELU) and the `(1 + w)` norms, whose weight operand is `w + 1`.
-    check_fixture("gemma2", &[("glu", 2), ("glu_grad", 2), ("add_rms_norm", 1)]);
+    check_fixture(
+        "gemma2",
+        &[("glu", 2), ("glu_grad", 2), ("add_rms_norm", 1)],
+    );
 }
 
 #[test]
@@ -129,7 +155,12 @@ fn qwen3_moe_fused_equals_unfused() {
     // The experts' SwiGLU on dispatched rows (a data-dependent row count).
     check_fixture(
         "qwen3_moe",
-        &[("glu", 1), ("glu_grad", 1), ("add_rms_norm", 2), ("add_rms_norm_grad", 2)],
+        &[
+            ("glu", 1),
+            ("glu_grad", 1),
+            ("add_rms_norm", 2),
+            ("add_rms_norm_grad", 2),
+        ],
     );
 }
 
@@ -189,18 +220,32 @@ fn fuse_rewrite_snapshot_and_values() {
     .collect();
     // the silu/gelu outputs the unfused backward read are gone with their muls
     assert_eq!(
-        counters.iter().filter(|(k, _)| *k != "dce_removed").collect::<Vec<_>>(),
-        want.iter().filter(|(k, _)| *k != "dce_removed").collect::<Vec<_>>()
+        counters
+            .iter()
+            .filter(|(k, _)| *k != "dce_removed")
+            .collect::<Vec<_>>(),
+        want.iter()
+            .filter(|(k, _)| *k != "dce_removed")
+            .collect::<Vec<_>>()
     );
     for op in ["silu", "gelu", "silu_grad", "gelu_grad"] {
-        assert_eq!(count(&f, op), 0, "`{op}` left unfused:\n{}", weft_ir::print(&f));
+        assert_eq!(
+            count(&f, op),
+            0,
+            "`{op}` left unfused:\n{}",
+            weft_ir::print(&f)
+        );
     }
     // Only the first norm (of the embedding, no add before it) stays a plain rms_norm, and
     // only the last one's gradient (its sum has no other reader: no add to fuse with).
     assert_eq!(count(&f, "rms_norm"), 1);
     assert_eq!(count(&f, "rms_norm_grad"), 1);
     let text = weft_ir::print(&f);
-    assert_eq!(weft_ir::parse(&text).unwrap(), f, "the fused program round-trips");
+    assert_eq!(
+        weft_ir::parse(&text).unwrap(),
+        f,
+        "the fused program round-trips"
+    );
     insta::assert_snapshot!("fuse__blocks", text);
     let ids: Vec<i64> = (0..10).map(|i| (i * 7 + 3) % 16).collect();
     let int = |v: Vec<i64>| HostTensor::ints(weft_ir::DType::I64, vec![2, 5], v);
@@ -209,8 +254,24 @@ fn fuse_rewrite_snapshot_and_values() {
         ("labels".to_string(), int(ids)),
     ]);
     let weights = weights_for(&g, 1.0);
-    same_outputs("blocks", &unfused, &f, &weights, &inputs, Precision::F64, 1e-10);
-    same_outputs("blocks", &unfused, &f, &weights, &inputs, Precision::F32, 1e-4);
+    same_outputs(
+        "blocks",
+        &unfused,
+        &f,
+        &weights,
+        &inputs,
+        Precision::F64,
+        1e-10,
+    );
+    same_outputs(
+        "blocks",
+        &unfused,
+        &f,
+        &weights,
+        &inputs,
+        Precision::F32,
+        1e-4,
+    );
 }
 
 #[test]
@@ -220,8 +281,14 @@ fn fusion_turns_off_and_check_train_passes_with_it() {
     assert_eq!(code, 0, "{err}");
     let (code, off, err) = weft(&["compile", "llama-tiny", "--fuse=false"]);
     assert_eq!(code, 0, "{err}");
-    assert!(on.contains("= glu_grad ") && on.contains("= add_rms_norm "), "{on}");
-    assert!(!off.contains("glu") && !off.contains("add_rms_norm"), "{off}");
+    assert!(
+        on.contains("= glu_grad ") && on.contains("= add_rms_norm "),
+        "{on}"
+    );
+    assert!(
+        !off.contains("glu") && !off.contains("add_rms_norm"),
+        "{off}"
+    );
     for fixture in ["llama", "gemma2", "qwen3_moe"] {
         let dir = fixture_arg(fixture);
         let (code, out, err) = weft(&["check", &dir, "--mesh", "sp=2,tp=2", "--train"]);
@@ -262,7 +329,9 @@ fn llama_plan(fuse: bool) -> (f64, f64, u64) {
 fn fused_plan_moves_fewer_bytes_in_less_time_and_memory() {
     let (b0, t0, p0) = llama_plan(false);
     let (b1, t1, p1) = llama_plan(true);
-    eprintln!("llama-tiny B=2 S=256: bytes {b0} -> {b1}, step {t0:e} s -> {t1:e} s, peak {p0} -> {p1}");
+    eprintln!(
+        "llama-tiny B=2 S=256: bytes {b0} -> {b1}, step {t0:e} s -> {t1:e} s, peak {p0} -> {p1}"
+    );
     assert!(b1 < b0, "bytes {b0} -> {b1}");
     assert!(t1 < t0, "predicted step {t0} -> {t1}");
     assert!(p1 <= p0, "peak {p0} -> {p1}");
@@ -292,7 +361,11 @@ return a=%4, b=%6, c=%7, d=%9, e=%12
     let (f, counters) = fused(&g);
     assert_eq!(counters["glu"], 1, "{}", weft_ir::print(&f));
     assert_eq!(counters["add_rms_norm"], 0);
-    assert_eq!(count(&f, "silu"), 2, "the broadcast one and the one read twice stay");
+    assert_eq!(
+        count(&f, "silu"),
+        2,
+        "the broadcast one and the one read twice stay"
+    );
     assert_eq!(count(&f, "rms_norm"), 1);
 }
 
@@ -303,13 +376,21 @@ fn weights_for(g: &Graph, norm_center: f64) -> BTreeMap<String, HostTensor> {
         .into_iter()
         .map(|(name, v)| {
             let t = g.ty(v);
-            let shape: Vec<usize> = t.shape.iter().map(|d| d.as_const().unwrap() as usize).collect();
+            let shape: Vec<usize> = t
+                .shape
+                .iter()
+                .map(|d| d.as_const().unwrap() as usize)
+                .collect();
             let n: usize = shape.iter().product();
             let norm = name.contains("norm");
             let data = (0..n)
                 .map(|i| {
                     let u = ((i * 2654435761 + name.len() * 97) % 1000) as f64 / 1000.0 - 0.5;
-                    if norm { norm_center + 0.2 * u } else { 0.6 * u }
+                    if norm {
+                        norm_center + 0.2 * u
+                    } else {
+                        0.6 * u
+                    }
                 })
                 .collect();
             (name, HostTensor::floats(t.dtype, shape, data))
@@ -337,9 +418,23 @@ fn gemma2_in_bf16_fuses_its_f32_norms_between_casts() {
         let what = format!("gemma2 bf16 on `{mesh}`");
         assert!(counters["add_rms_norm"] >= 3, "{what}: {counters:?}");
         assert!(counters["add_rms_norm_grad"] >= 3, "{what}: {counters:?}");
-        assert!(counters["glu"] >= 2 && counters["glu_grad"] >= 2, "{what}: {counters:?}");
-        assert!(count(&f, "add_rms_norm") > 0 && count(&f, "cast") < count(&unfused, "cast"), "{what}");
-        same_outputs(&what, &unfused, &f, &weights, &inputs, Precision::F64, 1e-10);
+        assert!(
+            counters["glu"] >= 2 && counters["glu_grad"] >= 2,
+            "{what}: {counters:?}"
+        );
+        assert!(
+            count(&f, "add_rms_norm") > 0 && count(&f, "cast") < count(&unfused, "cast"),
+            "{what}"
+        );
+        same_outputs(
+            &what,
+            &unfused,
+            &f,
+            &weights,
+            &inputs,
+            Precision::F64,
+            1e-10,
+        );
     }
 }
 
@@ -360,5 +455,13 @@ fn a_fused_forward_differentiates_to_the_fused_backward() {
         ("labels".to_string(), int(ids)),
     ]);
     let weights = weights_for(&g, 1.0);
-    same_outputs("fused forward", &unfused, &from_fused, &weights, &inputs, Precision::F64, 1e-10);
+    same_outputs(
+        "fused forward",
+        &unfused,
+        &from_fused,
+        &weights,
+        &inputs,
+        Precision::F64,
+        1e-10,
+    );
 }

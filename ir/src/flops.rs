@@ -116,6 +116,17 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
         Op::AddRmsNormGrad { .. } => out_numel * 2,
         Op::Softmax { .. } | Op::LogSoftmax { .. } => out_numel * 5,
         Op::CrossEntropy { .. } => ins[0].numel() * 5,
+        Op::LinearCrossEntropy { .. } => {
+            // the logits x w^T (2 H per logit) and their log-sum-exp (5 per logit)
+            let logits = ins[2].numel() * ins[1].shape[0].clone();
+            logits * (last(ins[0]) * 2 + 5)
+        }
+        Op::LinearCrossEntropyGrad { .. } => {
+            // recomputed logits, dx = dz w and dw = dz^T x (2 H per logit each), and
+            // the softmax and dz (6 per logit)
+            let logits = ins[2].numel() * ins[1].shape[0].clone();
+            logits * (last(ins[0]) * 6 + 6)
+        }
         Op::Rope {} => out_numel * 3,
         Op::MoeCombine {} => g.ty(d.operands[0]).numel() * 2,
         op => match op.info().elementwise {

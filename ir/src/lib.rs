@@ -29,7 +29,7 @@ pub mod types;
 pub mod verify;
 
 pub use attrs::{
-    yarn_attention_factor, CmpOp, Flag, GateAct, Float, ReduceOp, Reduction, Role, RopeScaling,
+    yarn_attention_factor, CmpOp, Flag, Float, GateAct, ReduceOp, Reduction, Role, RopeScaling,
 };
 pub use dim::{Bindings, Dim, DimError};
 pub use graph::{

@@ -252,6 +252,9 @@ define_ops! {
     /// Token cross-entropy of logits [.., V] against labels [..] (f32); ignored labels contribute 0.
     CrossEntropy = "cross_entropy" ("logits, labels") [2, 2] { ignore_index: i64, reduction: Reduction } => cross_entropy;
 
+    /// lm_head and cross-entropy fused, chunked over the vocabulary (the logits are never stored): for x [.., H] and w [V, H] the logits `z = x w^T`, times `scale` when set, then `softcap * tanh(z / softcap)` when set, are computed `chunk` rows of w at a time. Results, f32 with the labels' shape: the log-sum-exp of each token's logits and its target logit `z[label]` (0 where the label is `ignore_index`); the token loss is `lse - target`. The statistics are results so a vocabulary split over ranks combines them (max and sum of exp of the lse, sum of the target).
+    LinearCrossEntropy = "linear_cross_entropy" ("x, w, labels") [3, 3] { ignore_index: i64, chunk: i64, scale: Option<Float>, softcap: Option<Float> } => linear_cross_entropy;
+
     // ---- layout ----
     /// Same elements, new shape (element counts must match).
     Reshape = "reshape" ("x") [1, 1] { shape: Vec<Dim> } => reshape;
@@ -301,6 +304,8 @@ define_ops! {
     RmsNormGrad = "rms_norm_grad" ("x, w, dy") [3, 3] { eps: Float } => rms_norm_grad;
     /// Gradient of `cross_entropy` wrt the logits for loss gradient `dloss` (a scalar for sum/mean, per token for none); 0 for ignored labels.
     CrossEntropyGrad = "cross_entropy_grad" ("logits, labels, dloss") [3, 3] { ignore_index: i64, reduction: Reduction } => cross_entropy_grad;
+    /// Gradients of `linear_cross_entropy` (same attributes) from the forward's log-sum-exp `lse` and the gradients `dlse`, `dtarget` of its two results: dx and dw. Each vocabulary chunk's logits are recomputed, `dz = dlse * softmax + dtarget * onehot(label)` formed in place, then `dx += dz w_c` and `dw_c = dz^T x`.
+    LinearCrossEntropyGrad = "linear_cross_entropy_grad" ("x, w, labels, lse, dlse, dtarget") [6, 6] { ignore_index: i64, chunk: i64, scale: Option<Float>, softcap: Option<Float> } => linear_cross_entropy_grad;
     /// Gradient of `embedding` wrt its table [num_embeddings, H]: row `ids[i]` gets `dy[i]` added, except for tokens whose id is `padding_idx` (that row stays zero).
     EmbeddingGrad = "embedding_grad" ("ids, dy") [2, 2] { num_embeddings: Dim, padding_idx: Option<Dim> } => embedding_grad;
     /// `dy * silu'(x)`.

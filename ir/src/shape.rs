@@ -498,6 +498,61 @@ pub fn cross_entropy(op: &Op, ins: &[&TensorType]) -> Out {
     })
 }
 
+/// The attributes and operands `linear_cross_entropy` and its gradient share: x [.., H],
+/// w [V, H] of x's dtype, integer labels of x's leading shape, a positive chunk, and a
+/// finite scale and positive soft-cap when set. Returns the per-token f32 type.
+pub(crate) fn linear_ce_operands(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    let (Op::LinearCrossEntropy {
+        chunk,
+        scale,
+        softcap,
+        ..
+    }
+    | Op::LinearCrossEntropyGrad {
+        chunk,
+        scale,
+        softcap,
+        ..
+    }) = op
+    else {
+        unreachable!()
+    };
+    let (x, w, labels) = (ins[0], ins[1], ins[2]);
+    want_float(x, "x")?;
+    want_int(labels, "labels")?;
+    same_dtype(x, w, "x and w")?;
+    if *chunk < 1 {
+        return Err(format!("chunk must be at least 1, got {chunk}"));
+    }
+    if let Some(s) = scale {
+        if !s.0.is_finite() {
+            return Err(format!("scale must be finite, got {}", s.0));
+        }
+    }
+    if let Some(c) = softcap {
+        if !(c.0.is_finite() && c.0 > 0.0) {
+            return Err(format!("softcap must be positive and finite, got {}", c.0));
+        }
+    }
+    if x.rank() == 0 || w.rank() != 2 || w.shape[1] != x.shape[x.rank() - 1] {
+        return Err(format!(
+            "w must be [vocab, hidden] with hidden the last dim of x: x {x}, w {w}"
+        ));
+    }
+    if x.shape[..x.rank() - 1] != labels.shape[..] {
+        return Err(format!(
+            "labels {labels} must be x {x} without its hidden dim"
+        ));
+    }
+    Ok(TensorType::new(DType::F32, labels.shape.clone()))
+}
+
+/// `linear_cross_entropy(x, w, labels)`: the per-token log-sum-exp and target logit.
+pub fn linear_cross_entropy(op: &Op, ins: &[&TensorType]) -> Out {
+    let tok = linear_ce_operands(op, ins)?;
+    Ok(vec![tok.clone(), tok])
+}
+
 pub fn reshape(op: &Op, ins: &[&TensorType]) -> Out {
     let Op::Reshape { shape } = op else {
         unreachable!()

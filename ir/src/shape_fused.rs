@@ -87,10 +87,15 @@ mod tests {
         assert_eq!(glu.infer(&[&x, &x]).unwrap(), vec![x.clone()]);
         let e = glu.infer(&[&x, &t(DType::BF16, &[1, 3, 8])]).unwrap_err();
         assert!(e.contains("gate and up"), "{e}");
-        let grad = Op::GluGrad { act: GateAct::GeluTanh };
+        let grad = Op::GluGrad {
+            act: GateAct::GeluTanh,
+        };
         assert_eq!(grad.infer(&[&x, &x, &x]).unwrap().len(), 2);
         let norm = Op::AddRmsNorm { eps: Float(1e-6) };
-        assert_eq!(norm.infer(&[&x, &x, &w]).unwrap(), vec![x.clone(), x.clone()]);
+        assert_eq!(
+            norm.infer(&[&x, &x, &w]).unwrap(),
+            vec![x.clone(), x.clone()]
+        );
         let e = norm.infer(&[&x, &x, &t(DType::F32, &[4])]).unwrap_err();
         assert!(e.contains("last dim"), "{e}");
         let ng = Op::AddRmsNormGrad { eps: Float(1e-6) };

@@ -451,7 +451,14 @@ pub fn rank(req: &Request, train: &TrainRequest, bindings: &Bindings) -> Vec<Ran
 fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> {
     let shape = req.shape.as_ref()?;
     let (batch, seq) = (*b.symbols.get("B")?, *b.symbols.get("S")?);
-    let known = ["dp", "cp", "sp", "tp", weft_ir::mesh::EP, weft_ir::mesh::EDP];
+    let known = [
+        "dp",
+        "cp",
+        "sp",
+        "tp",
+        weft_ir::mesh::EP,
+        weft_ir::mesh::EDP,
+    ];
     if req
         .mesh
         .axes

@@ -30,7 +30,7 @@ pub use cleanup::{canonicalize, simplify};
 pub use lower::{bindings, convert_dtype, fuse, memory, plan, search};
 pub use parallel::{ep, ring, ring_lower, shard_inputs, shard_seq, sp_loss, tp, ulysses};
 pub use train::{
-    autodiff, checkpoint, grad_sync, micro_batches, offload, optimizer, training, zero,
+    autodiff, checkpoint, grad_sync, linear_ce, micro_batches, offload, optimizer, training, zero,
 };
 
 pub use bindings::{check_bindings, BindingError};

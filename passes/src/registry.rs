@@ -8,6 +8,7 @@ use crate::convert_dtype::ConvertDtype;
 use crate::ep::ExpertParallel;
 use crate::fuse::Fuse;
 use crate::grad_sync::GradSync;
+use crate::linear_ce::LinearCrossEntropy;
 use crate::micro_batches::MicroBatches;
 use crate::offload::Offload;
 use crate::optimizer::OptimizerPass;
@@ -35,6 +36,7 @@ pub static PASSES: &[&dyn Pass] = &[
     &TensorParallel,
     &Simplify,
     &Canonicalize,
+    &LinearCrossEntropy,
     &MicroBatches,
     &Autodiff,
     &Checkpoint,

@@ -75,6 +75,10 @@ pub struct TrainArgs {
     /// equal to the ops it replaces. On by default; `--fuse=false` leaves them unfused.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub fuse: Option<bool>,
+    /// Keep the lm_head and the cross-entropy as separate ops (the step materialises the
+    /// [tokens, vocab] logits) instead of `linear_cross_entropy` over vocabulary chunks.
+    #[arg(long)]
+    pub unfused_loss: bool,
 }
 
 impl TrainArgs {
@@ -161,6 +165,8 @@ impl TrainArgs {
                 grad_outputs: true,
                 batch: None,
                 seq: None,
+                fused_loss: !self.unfused_loss,
+                loss_chunk: None,
             },
             open: Open {
                 checkpoint: self.checkpoint.is_none(),

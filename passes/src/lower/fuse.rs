@@ -229,7 +229,10 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
             Op::GluGrad { act },
             &operands,
             ag,
-            &format!("`{}` and the two `mul`s of the gated unit's backward", g.node(ag).op.name()),
+            &format!(
+                "`{}` and the two `mul`s of the gated unit's backward",
+                g.node(ag).op.name()
+            ),
         )?;
         let (dgate, dup) = (g.node(ag).results[0], g.node(m2).results[0]);
         g.replace_all_uses(dgate, r[0]);

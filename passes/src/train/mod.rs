@@ -1,6 +1,6 @@
 //! Training passes: what turns a forward program into a training step.
 //!
-//! [`micro_batches`] (gradient accumulation), [`autodiff`] (the backward),
+//! [`linear_ce`] (lm_head + cross-entropy fused over vocabulary chunks), //! [`micro_batches`] (gradient accumulation), [`autodiff`] (the backward),
 //! [`checkpoint`] (recompute policies and the memory budget), [`offload`] (activations
 //! to the host), [`grad_sync`] (coalesced gradient reduction), [`optimizer`] (updates
 //! inside the backward) and [`training`] (the training options and pass list).
@@ -8,6 +8,7 @@
 pub mod autodiff;
 pub mod checkpoint;
 pub mod grad_sync;
+pub mod linear_ce;
 pub mod micro_batches;
 pub mod offload;
 pub mod optimizer;

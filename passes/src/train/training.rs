@@ -241,6 +241,12 @@ pub struct TrainOptions {
     /// per-rank bytes at: `B` and `S` (default: 1 sequence of 4096 tokens per dp rank).
     pub batch: Option<i64>,
     pub seq: Option<i64>,
+    /// `linear-cross-entropy`: fuse the lm_head and the loss so no logits tensor exists
+    /// (where the logits are not an output).
+    pub fused_loss: bool,
+    /// `linear-cross-entropy`: vocabulary rows per chunk (`None`: sized from the
+    /// tokens so the chunk's logits stay under 256 MiB).
+    pub loss_chunk: Option<i64>,
 }
 
 impl Default for TrainOptions {
@@ -259,6 +265,8 @@ impl Default for TrainOptions {
             grad_outputs: true,
             batch: None,
             seq: None,
+            fused_loss: true,
+            loss_chunk: None,
         }
     }
 }
@@ -326,6 +334,13 @@ pub fn training_steps(opts: &TrainOptions) -> Vec<Step> {
             why: why.to_string(),
         })
     };
+    if opts.fused_loss {
+        push(
+            &mut p,
+            crate::linear_ce::NAME,
+            "after the forward passes (it matches the per-rank loss, vocab-parallel included) and before micro-batches and autodiff, which clone and differentiate the fused op",
+        );
+    }
     if opts.micro_batches > 1 {
         push(
             &mut p,

@@ -40,7 +40,11 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         }
         Op::AddRmsNorm { eps } => {
             let sum = (&ins[0] + &ins[1])?;
-            let normed = kernels::eval(&Op::RmsNorm { eps: *eps }, &[sum.clone(), ins[2].clone()], cx)?;
+            let normed = kernels::eval(
+                &Op::RmsNorm { eps: *eps },
+                &[sum.clone(), ins[2].clone()],
+                cx,
+            )?;
             Ok(vec![sum, normed.into_iter().next().expect("one result")])
         }
         Op::AddRmsNormGrad { eps } => {

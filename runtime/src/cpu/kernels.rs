@@ -435,6 +435,17 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             cx.float,
         )?),
 
+        Op::LinearCrossEntropy { .. } => super::linear_ce::forward(
+            &ins[0],
+            &ins[1],
+            &ins[2],
+            super::linear_ce::LinearCe::of(op)?,
+            cx.float,
+        ),
+        Op::LinearCrossEntropyGrad { .. } => {
+            super::linear_ce::backward(ins, super::linear_ce::LinearCe::of(op)?, cx.float)
+        }
+
         Op::Reshape { .. } => one(x().reshape(cx.out_shape(0))?),
         Op::Permute { perm } => {
             let x = x();

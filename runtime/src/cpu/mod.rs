@@ -53,6 +53,7 @@ mod fusions;
 mod grad_outputs;
 mod host;
 pub(crate) mod kernels;
+mod linear_ce;
 mod partition;
 mod rank;
 mod sgemm;

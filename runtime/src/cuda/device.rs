@@ -20,7 +20,9 @@ pub const KERNEL_SOURCE: &str = concat!(
     "\n",
     include_str!("backward.cu"),
     "\n",
-    include_str!("fused.cu")
+    include_str!("fused.cu"),
+    "\n",
+    include_str!("linear_ce.cu")
 );
 
 /// An owned device allocation.

@@ -28,6 +28,7 @@ mod collective;
 mod elementwise;
 mod fused;
 mod index;
+mod linear_ce;
 mod loss;
 mod lower;
 mod matmul;

@@ -12,7 +12,12 @@ use weft_ir::{Mesh, Op};
 pub fn is_matmul_class(op: &Op) -> bool {
     matches!(
         op,
-        Op::Linear {} | Op::Matmul { .. } | Op::GroupedMatmul { .. } | Op::Attention { .. }
+        Op::Linear {}
+            | Op::Matmul { .. }
+            | Op::GroupedMatmul { .. }
+            | Op::Attention { .. }
+            | Op::LinearCrossEntropy { .. }
+            | Op::LinearCrossEntropyGrad { .. }
     ) || op.name().ends_with("matmul_grad")
         || is_attention_class(op)
 }

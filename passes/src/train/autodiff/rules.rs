@@ -183,6 +183,41 @@ impl Ad<'_> {
                 out[0] = Some(self.op(Op::MoeCombine {}, &[drows, d.results[2], ones])?);
                 return Ok(out);
             }
+            Op::LinearCrossEntropy {
+                ignore_index,
+                chunk,
+                scale,
+                softcap,
+            } => {
+                // One gradient op takes both statistics' gradients (zero where one has
+                // none) and recomputes the logits chunk by chunk from the saved lse.
+                if dy.iter().all(|g| g.is_none()) {
+                    return Ok(out);
+                }
+                let mut grads = Vec::new();
+                for (r, g) in d.results.iter().zip(dy) {
+                    grads.push(match g {
+                        Some(g) => *g,
+                        None => {
+                            let t = self.ty(*r);
+                            self.zeros(&t)?
+                        }
+                    });
+                }
+                let r = self.ops(
+                    Op::LinearCrossEntropyGrad {
+                        ignore_index: *ignore_index,
+                        chunk: *chunk,
+                        scale: *scale,
+                        softcap: *softcap,
+                    },
+                    &[ops[0], ops[1], ops[2], y, grads[0], grads[1]],
+                )?;
+                let w = |i: usize| want.get(i).copied().unwrap_or(false);
+                out[0] = w(0).then_some(r[0]);
+                out[1] = w(1).then_some(r[1]);
+                return Ok(out);
+            }
             Op::RopeTable { .. } => return Ok(out),
             // `fuse` runs last, but a fused program (a forward plan, a .weft file) may
             // come back for a training step.
@@ -194,7 +229,9 @@ impl Ad<'_> {
                 };
                 let (sum, w) = (d.results[0], ops[2]);
                 let r = match dy[0] {
-                    Some(dsum) => self.ops(Op::AddRmsNormGrad { eps: *eps }, &[sum, w, dnorm, dsum])?,
+                    Some(dsum) => {
+                        self.ops(Op::AddRmsNormGrad { eps: *eps }, &[sum, w, dnorm, dsum])?
+                    }
                     None => self.ops(Op::RmsNormGrad { eps: *eps }, &[sum, w, dnorm])?,
                 };
                 (out[0], out[1]) = (wants(0).then_some(r[0]), wants(1).then_some(r[0]));

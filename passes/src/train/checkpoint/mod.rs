@@ -328,7 +328,9 @@ fn layer_keep(g: &Graph, joint: &Joint, also_attention: bool) -> HashSet<Value> 
             let op = &g.node(d).op;
             layer_of_node(d).is_none()
                 || crossing.contains(v)
-                || (also_attention && (matches!(op, Op::Attention { .. } | Op::RingAttention { .. }) || op.is_collective()))
+                || (also_attention
+                    && (matches!(op, Op::Attention { .. } | Op::RingAttention { .. })
+                        || op.is_collective()))
         })
         .collect()
 }

@@ -1,0 +1,223 @@
+//! Lowering of `linear_cross_entropy` and `linear_cross_entropy_grad`: per vocabulary
+//! chunk, a cuBLASLt GEMM `z = x w_c^T` into one scratch buffer of [tokens, chunk] in x's
+//! dtype, then `lce_stats` (running max / sum of exp and the target logit, in f32) or, in
+//! the backward, `lce_dz` (the logits' gradient, in place) and two GEMMs:
+//! `dx += dz w_c` and `dw_c = dz^T x`. No [tokens, vocab] tensor exists.
+
+use super::*;
+
+/// The op's attributes as the kernels take them (0 for no soft-cap, 1 for no scale).
+struct LceAttrs {
+    ignore: i64,
+    chunk: u64,
+    scale: f32,
+    cap: f32,
+}
+
+impl LceAttrs {
+    fn of(lw: &Lower, op: &Op) -> CudaResult<LceAttrs> {
+        let (Op::LinearCrossEntropy {
+            ignore_index,
+            chunk,
+            scale,
+            softcap,
+        }
+        | Op::LinearCrossEntropyGrad {
+            ignore_index,
+            chunk,
+            scale,
+            softcap,
+        }) = op
+        else {
+            return Err(lw.unsup(op.name(), "not a linear_cross_entropy"));
+        };
+        Ok(LceAttrs {
+            ignore: *ignore_index,
+            chunk: u64::try_from(*chunk)
+                .ok()
+                .filter(|&c| c > 0)
+                .ok_or_else(|| lw.unsup(op.name(), &format!("chunk {chunk} must be positive")))?,
+            scale: scale.map_or(1.0, |s| s.0 as f32),
+            cap: softcap.map_or(0.0, |c| c.0 as f32),
+        })
+    }
+}
+
+/// (tokens, hidden, vocab) of x [.., H] and w [V, H], refusing mixed dtypes.
+fn sizes(lw: &Lower, op: &Op, x: &DevT, w: &DevT) -> CudaResult<(u64, u64, u64)> {
+    if x.dtype != w.dtype {
+        return Err(lw.unsup(
+            op.name(),
+            &format!("x and w must share a dtype: x {}, w {}", x.dtype, w.dtype),
+        ));
+    }
+    let h = *x.shape.last().unwrap_or(&0) as u64;
+    let n = x.numel().checked_div(h).unwrap_or(0);
+    Ok((n, h, w.shape[0] as u64))
+}
+
+fn gemm_shape(
+    dtype: DType,
+    m: u64,
+    n: u64,
+    k: u64,
+    ta: bool,
+    tb: bool,
+    accumulate: bool,
+) -> GemmShape {
+    GemmShape {
+        dtype,
+        m,
+        n,
+        k,
+        ta,
+        tb,
+        batch: 1,
+        sa: 0,
+        sb: 0,
+        sc: 0,
+        bias: false,
+        accumulate,
+    }
+}
+
+/// Forward: `outs` = [lse, target], f32 per token.
+pub(super) fn linear_ce_fwd(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+) -> CudaResult<()> {
+    let a = LceAttrs::of(lw, op)?;
+    let (x, w, labels) = (&ins[0], &ins[1], &ins[2]);
+    let (lse, target) = (&outs[0], &outs[1]);
+    let (n, h, v) = sizes(lw, op, x, w)?;
+    if n == 0 {
+        return Ok(());
+    }
+    if v == 0 {
+        return Err(lw.unsup(
+            op.name(),
+            "an empty vocabulary (a cross-entropy needs a class)",
+        ));
+    }
+    let chunk = a.chunk.min(v);
+    let es = esz(x.dtype) as u64;
+    let z = lw.ex.scratch(lw.stream, n * chunk * es);
+    let m = lw.ex.scratch(lw.stream, n * 4);
+    let s = lw.ex.scratch(lw.stream, n * 4);
+    lw.n(
+        "lce_init",
+        n,
+        vec![Arg::P(m), Arg::P(s), Arg::P(target.ptr), Arg::I64(n as i64)],
+    )?;
+    let stats = kname("lce_stats", x.dtype)?;
+    let err = lw.gpu.err_flag.ptr;
+    let mut c0 = 0;
+    while c0 < v {
+        let len = chunk.min(v - c0);
+        let wc = w.ptr + c0 * h * es;
+        lw.gemm(
+            gemm_shape(x.dtype, n, len, h, false, true, false),
+            x.ptr,
+            wc,
+            z,
+            0,
+        );
+        lw.rows(
+            stats,
+            n,
+            256,
+            0,
+            vec![
+                Arg::P(m),
+                Arg::P(s),
+                Arg::P(target.ptr),
+                Arg::P(z),
+                Arg::P(labels.ptr),
+                Arg::I64(len as i64),
+                Arg::I64(c0 as i64),
+                Arg::I64(v as i64),
+                Arg::I64(a.ignore),
+                Arg::F32(a.scale),
+                Arg::F32(a.cap),
+                Arg::P(err),
+            ],
+        )?;
+        c0 += len;
+    }
+    lw.n(
+        "lce_finish",
+        n,
+        vec![Arg::P(lse.ptr), Arg::P(m), Arg::P(s), Arg::I64(n as i64)],
+    )
+}
+
+/// Backward: operands x, w, labels, lse, dlse, dtarget; `outs` = [dx, dw].
+pub(super) fn linear_ce_bwd(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+) -> CudaResult<()> {
+    let a = LceAttrs::of(lw, op)?;
+    let (x, w, labels, lse, dlse, dtarget) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4], &ins[5]);
+    let (dx, dw) = (&outs[0], &outs[1]);
+    let (n, h, v) = sizes(lw, op, x, w)?;
+    if n == 0 || v == 0 || h == 0 {
+        lw.fill(dx, 0.0)?;
+        return lw.fill(dw, 0.0);
+    }
+    let chunk = a.chunk.min(v);
+    let es = esz(x.dtype) as u64;
+    let z = lw.ex.scratch(lw.stream, n * chunk * es);
+    let dz = kname("lce_dz", x.dtype)?;
+    let mut c0 = 0;
+    while c0 < v {
+        let len = chunk.min(v - c0);
+        let wc = w.ptr + c0 * h * es;
+        lw.gemm(
+            gemm_shape(x.dtype, n, len, h, false, true, false),
+            x.ptr,
+            wc,
+            z,
+            0,
+        );
+        lw.n(
+            dz,
+            n * len,
+            vec![
+                Arg::P(z),
+                Arg::P(labels.ptr),
+                Arg::P(lse.ptr),
+                Arg::P(dlse.ptr),
+                Arg::P(dtarget.ptr),
+                Arg::I64(n as i64),
+                Arg::I64(len as i64),
+                Arg::I64(c0 as i64),
+                Arg::I64(a.ignore),
+                Arg::F32(a.scale),
+                Arg::F32(a.cap),
+            ],
+        )?;
+        // dx (+)= dz [n, len] @ w_c [len, h]
+        lw.gemm(
+            gemm_shape(x.dtype, n, h, len, false, false, c0 > 0),
+            z,
+            wc,
+            dx.ptr,
+            0,
+        );
+        // dw_c = dz^T [len, n] @ x [n, h]
+        let dwc = dw.ptr + c0 * h * es;
+        lw.gemm(
+            gemm_shape(x.dtype, len, h, n, true, false, false),
+            z,
+            x.ptr,
+            dwc,
+            0,
+        );
+        c0 += len;
+    }
+    Ok(())
+}

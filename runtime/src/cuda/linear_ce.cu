@@ -1,0 +1,71 @@
+// ---------------------------------------------------------------- linear_cross_entropy
+// The lm_head + cross-entropy fused over vocabulary chunks (lowering in exec/linear_ce.rs).
+// Per chunk the executor writes z = x w_c^T [rows, len] with a cuBLASLt GEMM into a
+// scratch buffer; these kernels turn it into the running statistics (forward) or, in
+// place, into the logits' gradient (backward), which two GEMMs then take to dx and dw_c.
+
+// The logit from the GEMM's raw value: times `scale`, then `cap * tanh(. / cap)` (cap 0: none).
+__device__ __forceinline__ float lce_logit(float z, float scale, float cap) {
+    z *= scale;
+    return cap > 0.f ? cap * tanhf(z / cap) : z;
+}
+
+extern "C" __global__ void lce_init(float* m, float* s, float* target, i64 rows) {
+    GRID_STRIDE(i, rows) {
+        m[i] = -INFINITY;
+        s[i] = 0.f;
+        target[i] = 0.f;
+    }
+}
+
+// One block per row: merges the chunk's (max, sum of exp) into the running (m, s) and takes
+// the target logit when the row's label falls in [c0, c0 + len). A label out of range (and
+// not ignore) sets err = 2.
+#define DEF_LCE_STATS(S, T)                                                                              \
+    extern "C" __global__ void lce_stats_##S(float* m, float* s, float* target, const T* z,               \
+                                             const i64* labels, i64 len, i64 c0, i64 V, i64 ignore,       \
+                                             float scale, float cap, int* err) {                          \
+        __shared__ float sh[64];                                                                         \
+        i64 row = blockIdx.x;                                                                            \
+        const T* zr = z + row * len;                                                                     \
+        float mm = -INFINITY, ss = 0.f;                                                                  \
+        for (i64 j = threadIdx.x; j < len; j += blockDim.x) ms_merge(mm, ss, lce_logit(tof(zr[j]), scale, cap), 1.f); \
+        block_ms(mm, ss, sh);                                                                            \
+        if (threadIdx.x == 0) {                                                                          \
+            float m0 = m[row], s0 = s[row];                                                              \
+            ms_merge(m0, s0, mm, ss);                                                                    \
+            m[row] = m0;                                                                                 \
+            s[row] = s0;                                                                                 \
+            i64 lab = labels[row];                                                                       \
+            if (lab != ignore) {                                                                         \
+                if (lab < 0 || lab >= V) atomicExch(err, 2);                                             \
+                else if (lab >= c0 && lab < c0 + len) target[row] = lce_logit(tof(zr[lab - c0]), scale, cap); \
+            }                                                                                            \
+        }                                                                                                \
+    }
+FOR_FLOATS(DEF_LCE_STATS)
+
+extern "C" __global__ void lce_finish(float* lse, const float* m, const float* s, i64 rows) {
+    GRID_STRIDE(i, rows) lse[i] = m[i] + __logf(s[i]);
+}
+
+// In place: the chunk's raw logits z become dz = (dlse * softmax + dtarget * onehot(label))
+// times the derivative of the scale and soft-cap, for dx += dz w_c and dw_c = dz^T x.
+#define DEF_LCE_DZ(S, T)                                                                                 \
+    extern "C" __global__ void lce_dz_##S(T* z, const i64* labels, const float* lse, const float* dlse,  \
+                                          const float* dtarget, i64 rows, i64 len, i64 c0, i64 ignore,    \
+                                          float scale, float cap) {                                       \
+        i64 total = rows * len;                                                                          \
+        GRID_STRIDE(i, total) {                                                                          \
+            i64 row = i / len, j = i % len;                                                              \
+            float y = tof(z[i]) * scale;                                                                 \
+            float t = cap > 0.f ? tanhf(y / cap) : 0.f;                                                  \
+            float logit = cap > 0.f ? cap * t : y;                                                       \
+            float g = dlse[row] * __expf(logit - lse[row]);                                              \
+            i64 lab = labels[row];                                                                       \
+            if (lab != ignore && lab == c0 + j) g += dtarget[row];                                       \
+            if (cap > 0.f) g *= 1.f - t * t;                                                             \
+            z[i] = fromf<T>(g * scale);                                                                  \
+        }                                                                                                \
+    }
+FOR_FLOATS(DEF_LCE_DZ)

@@ -1,0 +1,181 @@
+//! `linear-cross-entropy`: a training step whose logits are not an output fuses the
+//! lm_head and the loss into `linear_cross_entropy` (chunked over the vocabulary, no
+//! logits tensor). On the CPU reference runtime its loss and every gradient equal the
+//! unsharded model's (candle's autograd, f64: 1e-10 loss, 1e-9 gradients) and the
+//! unfused step's in f32 (1e-4), for llama, a tied model with Gemma 2's soft-cap and
+//! Granite's logit scale, alone and on tp, sp, sp x tp and dp meshes.
+
+mod common;
+use common::*;
+
+use std::collections::BTreeMap;
+use weft_ir::{Graph, HostTensor, Op};
+use weft_passes::training::TrainOptions;
+use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
+
+const MESHES: &[&str] = &["", "tp=2", "sp=2", "sp=2,tp=2", "dp=2"];
+
+fn load(
+    name: &str,
+) -> (
+    Graph,
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+) {
+    load_fixture_batch4(name, |i, s| {
+        [1, 2, 3, 6, 9].contains(&i) || (s + 12..2 * s).contains(&i)
+    })
+}
+
+fn opts(fused: bool) -> TrainOptions {
+    TrainOptions {
+        fused_loss: fused,
+        // 128 classes (64 per tp rank): several chunks, the last one partial.
+        loss_chunk: Some(48),
+        batch: Some(4),
+        seq: Some(16),
+        ..Default::default()
+    }
+}
+
+/// The training step with the logits dropped (as `compile --train` does).
+fn step(graph: &Graph, mesh: &str, fused: bool) -> Graph {
+    let mut g = graph.clone();
+    g.remove_output("logits");
+    let (g, report) =
+        training_step(&g, mesh, &opts(fused)).unwrap_or_else(|e| panic!("{mesh}: {e}"));
+    weft_ir::verify(&g).unwrap_or_else(|r| panic!("{mesh}: {r}"));
+    assert_eq!(
+        weft_ir::parse(&weft_ir::print(&g)).unwrap(),
+        g,
+        "{mesh}: text round trip"
+    );
+    let count = |name: &str| {
+        g.nodes()
+            .iter()
+            .filter(|&&n| g.node(n).op.name() == name)
+            .count()
+    };
+    if fused {
+        let stats = report
+            .passes
+            .iter()
+            .find(|p| p.pass == weft_passes::linear_ce::NAME)
+            .expect("the pass ran");
+        assert_eq!(stats.counters["fused"], 1, "{mesh}: {:?}", stats.counters);
+        assert_eq!(count("linear_cross_entropy"), 1, "{mesh}");
+        assert_eq!(count("linear_cross_entropy_grad"), 1, "{mesh}");
+        assert_eq!(
+            count("cross_entropy") + count("cross_entropy_grad"),
+            0,
+            "{mesh}"
+        );
+        // No value anywhere has the (local) vocabulary as its last dim besides the
+        // weight and its gradient: the logits are gone, forward and backward.
+        let vocab = g.ty(g.node(lce_node(&g)).operands[1]).shape[0].clone();
+        for &n in g.nodes() {
+            if matches!(g.node(n).op, Op::Linear {}) {
+                for &r in &g.node(n).results {
+                    assert_ne!(
+                        g.ty(r).shape.last(),
+                        Some(&vocab),
+                        "{mesh}: a linear still makes logits"
+                    );
+                }
+            }
+        }
+    } else {
+        assert_eq!(count("linear_cross_entropy"), 0, "{mesh}");
+    }
+    g
+}
+
+fn lce_node(g: &Graph) -> weft_ir::Node {
+    *g.nodes()
+        .iter()
+        .find(|&&n| matches!(g.node(n).op, Op::LinearCrossEntropy { .. }))
+        .unwrap()
+}
+
+fn grads(r: &RunResult) -> BTreeMap<String, HostTensor> {
+    r.outputs
+        .iter()
+        .filter_map(|(k, v)| k.strip_prefix("grad.").map(|p| (p.to_string(), v.clone())))
+        .collect()
+}
+
+fn check(fam: &str) {
+    let (graph, weights, inputs) = load(fam);
+    let reference = reference_run(&graph, &weights, &inputs);
+    for mesh in MESHES {
+        let fused = step(&graph, mesh, true);
+        let r = run(&fused, &weights, &inputs, &RunOptions::new(Precision::F64))
+            .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+        let e = rel_err(&r.outputs["loss"], &reference.outputs["loss"]);
+        assert!(e < 1e-10, "{fam} {mesh}: loss rel err {e:e}");
+        let got = grads(&r);
+        assert_eq!(
+            got.len(),
+            reference.grads.len(),
+            "{fam} {mesh}: gradient count"
+        );
+        for (p, want) in &reference.grads {
+            let have = HostTensor::floats(want.dtype, want.shape.clone(), got[p].to_f64());
+            let e = rel_err(&have, want);
+            assert!(e < 1e-9, "{fam} {mesh}: grad {p} rel err {e:e}");
+        }
+        // f32: the fused step against the unfused one.
+        let unfused = step(&graph, mesh, false);
+        let f32 = |g: &Graph| {
+            run(g, &weights, &inputs, &RunOptions::new(Precision::F32))
+                .unwrap_or_else(|e| panic!("{fam} {mesh} f32: {e}"))
+        };
+        let (a, b) = (f32(&fused), f32(&unfused));
+        for (k, want) in &b.outputs {
+            let e = rel_err(&a.outputs[k], want);
+            assert!(e < 1e-4, "{fam} {mesh} f32: {k} rel err {e:e}");
+        }
+    }
+}
+
+#[test]
+fn llama_matches_the_unfused_model() {
+    check("llama");
+}
+
+#[test]
+fn gemma2_tied_with_final_softcap_matches() {
+    check("gemma2");
+}
+
+#[test]
+fn granite_logit_scale_matches() {
+    check("granite");
+}
+
+/// Where the logits are an output (eval, check, `--grad-outputs` of them), nothing is
+/// fused: the step still returns them.
+#[test]
+fn logits_that_are_an_output_stay() {
+    let (graph, ..) = load("llama");
+    let (g, _) = training_step(&graph, "tp=2", &opts(true)).unwrap();
+    assert!(g.output("logits").is_some());
+    assert!(!g
+        .nodes()
+        .iter()
+        .any(|&n| matches!(g.node(n).op, Op::LinearCrossEntropy { .. })));
+}
+
+/// `weft compile --train` fuses by default; `--unfused-loss` keeps the logits.
+#[test]
+fn cli_fuses_unless_told_not_to() {
+    let (code, out, err) = weft(&["compile", "llama-tiny", "--seq", "16"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("linear_cross_entropy_grad"), "{out}");
+    let (code, out, err) = weft(&["compile", "llama-tiny", "--seq", "16", "--unfused-loss"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        !out.contains("linear_cross_entropy") && out.contains("cross_entropy_grad"),
+        "{out}"
+    );
+}
