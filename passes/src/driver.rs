@@ -129,6 +129,9 @@ pub struct Open {
     pub zero: bool,
     pub micro_batches: bool,
     pub offload_optimizer: bool,
+    /// lm_head + cross-entropy fused over vocabulary chunks (`linear_cross_entropy`):
+    /// no logits tensor, one more lm_head GEMM (the backward recomputes each chunk).
+    pub fused_loss: bool,
 }
 
 impl Open {
@@ -140,10 +143,16 @@ impl Open {
             zero: true,
             micro_batches: true,
             offload_optimizer: true,
+            fused_loss: true,
         }
     }
     pub fn any(&self) -> bool {
-        self.checkpoint || self.offload || self.zero || self.micro_batches || self.offload_optimizer
+        self.checkpoint
+            || self.offload
+            || self.zero
+            || self.micro_batches
+            || self.offload_optimizer
+            || self.fused_loss
     }
 }
 
@@ -492,6 +501,7 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
         },
         offload: opts.offload.is_some(),
         offload_optimizer: opts.offload_optimizer,
+        fused_loss: opts.fused_loss,
         micro_batches: opts.micro_batches,
     };
     Some(crate::search::score(shape, &spec, &c))
@@ -530,6 +540,7 @@ fn open_names(o: &Open) -> String {
         (o.offload, "--offload"),
         (o.micro_batches, "--micro-batches"),
         (o.offload_optimizer, "--offload-optimizer"),
+        (o.fused_loss, "--fused-loss / --unfused-loss"),
     ] {
         if on {
             v.push(name);
@@ -637,19 +648,29 @@ pub fn candidates(train: &TrainRequest, per_rank_batch: Option<i64>) -> Vec<Trai
     } else {
         vec![train.options.offload_optimizer]
     };
+    // The unfused loss first: it is faster where its logits fit. A step that returns
+    // its gradients keeps the logits anyway (the pass does not fuse it).
+    let fused_losses = if train.open.fused_loss && !train.options.grad_outputs {
+        vec![false, true]
+    } else {
+        vec![train.options.fused_loss]
+    };
     let mut out = Vec::new();
     for &host in &host_optimizer {
         for off in &offloads {
             for p in &policies {
                 for &mb in &mbs {
                     for &z in &zeros {
-                        let mut o = train.options.clone();
-                        o.checkpoint = p.clone();
-                        o.offload = off.clone();
-                        o.micro_batches = mb;
-                        o.set_zero_stage(z);
-                        o.offload_optimizer = host;
-                        out.push(o);
+                        for &fused in &fused_losses {
+                            let mut o = train.options.clone();
+                            o.checkpoint = p.clone();
+                            o.offload = off.clone();
+                            o.micro_batches = mb;
+                            o.set_zero_stage(z);
+                            o.offload_optimizer = host;
+                            o.fused_loss = fused;
+                            out.push(o);
+                        }
                     }
                 }
             }
@@ -905,11 +926,47 @@ mod tests {
     }
 
     #[test]
+    fn an_open_loss_stays_unfused_where_its_logits_fit_and_fuses_where_they_do_not() {
+        let mut train = open_training();
+        train.open = Open {
+            fused_loss: true,
+            ..Open::default()
+        };
+        let cands = candidates(&train, None);
+        assert_eq!(
+            cands.iter().map(|o| o.fused_loss).collect::<Vec<_>>(),
+            [false, true],
+            "the unfused (faster) loss is tried first"
+        );
+        let mut r = request("", Some(train.clone()));
+        let unfused = evaluate(&r, &cands[0]).unwrap();
+        let fused = evaluate(&r, &cands[1]).unwrap();
+        assert!(fused.peak_bytes < unfused.peak_bytes);
+        let c = compile(&r, &mut std::io::sink()).unwrap();
+        assert!(!c.train.unwrap().fused_loss, "{:?}", c.choice);
+        // Memory for the fused step only: the compiler fuses, and says so.
+        r.device_memory = Some(fused.peak_bytes);
+        let c = compile(&r, &mut std::io::sink()).unwrap();
+        assert!(c.train.unwrap().fused_loss, "{:?}", c.choice);
+        assert!(c
+            .program
+            .nodes()
+            .iter()
+            .any(|&n| matches!(c.program.node(n).op, weft_ir::Op::LinearCrossEntropy { .. })));
+        // A step that returns its gradients keeps the logits: nothing to choose.
+        train.options.grad_outputs = true;
+        assert_eq!(candidates(&train, None).len(), 1);
+    }
+
+    #[test]
     fn an_open_zero_stage_shards_state_before_recomputing() {
         // dp=2 x sp=2: ZeRO shards over four ranks. A limit below the unsharded
         // step's peak but above ZeRO-1's takes a ZeRO stage, not recomputation.
         let mut t = open_training();
-        t.open = Open::all();
+        t.open = Open {
+            fused_loss: false,
+            ..Open::all()
+        };
         let mut r = request("dp=2,sp=2", Some(t));
         r.batch = Some(4);
         let cands = candidates(r.train.as_ref().unwrap(), Some(2));

@@ -77,8 +77,14 @@ pub struct TrainArgs {
     pub fuse: Option<bool>,
     /// Keep the lm_head and the cross-entropy as separate ops (the step materialises the
     /// [tokens, vocab] logits) instead of `linear_cross_entropy` over vocabulary chunks.
-    #[arg(long)]
+    /// Neither this nor --fused-loss: the compiler chooses (unfused where it fits, as it
+    /// is faster; fused where the logits do not fit).
+    #[arg(long, conflicts_with = "fused_loss")]
     pub unfused_loss: bool,
+    /// Always fuse the lm_head and the cross-entropy (`linear_cross_entropy`, no logits
+    /// tensor in the step).
+    #[arg(long)]
+    pub fused_loss: bool,
 }
 
 impl TrainArgs {
@@ -177,6 +183,7 @@ impl TrainArgs {
                 offload_optimizer: self.offload_optimizer.is_none()
                     && matches!(optimizer, Some(Optimizer::AdamW { .. }))
                     && !self.no_master_weights,
+                fused_loss: !self.unfused_loss && !self.fused_loss,
             },
             offload_template: template,
         })
@@ -198,6 +205,8 @@ impl TrainArgs {
             || self.offload_optimizer.is_some()
             || self.optimizer.is_some()
             || self.no_master_weights
+            || self.unfused_loss
+            || self.fused_loss
     }
 }
 

@@ -151,6 +151,9 @@ pub struct Candidate {
     pub offload: bool,
     /// Optimizer state and its update on the host (`--offload-optimizer`).
     pub offload_optimizer: bool,
+    /// lm_head + cross-entropy over vocabulary chunks (no logits tensor; the backward
+    /// recomputes each chunk's GEMM).
+    pub fused_loss: bool,
     pub micro_batches: u32,
 }
 
@@ -313,6 +316,8 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
                                         checkpoint,
                                         offload,
                                         offload_optimizer,
+                                        // what `weft plan` compiles (the default)
+                                        fused_loss: true,
                                         micro_batches: mb as u32,
                                     });
                                 }
@@ -338,6 +343,7 @@ fn mesh_text(dp: u64, cp: u64, sp: u64, tp: u64, ep: u64) -> String {
         checkpoint: "none",
         offload: false,
         offload_optimizer: false,
+        fused_loss: true,
         micro_batches: 1,
     }
     .mesh()
@@ -417,7 +423,13 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let activations = tokens * (saved_per_layer * kept_layers + full_layer)
         + ring_saved * kept_layers
         + ring_in_flight;
-    let logits = tokens * m.vocab as f64 / tp * 4.0 * 2.0;
+    // The f32 logits and their gradient, or with the fused loss one vocabulary chunk's
+    // scratch (the pass bounds it to 256 MiB).
+    let logits = if c.fused_loss {
+        (tokens * m.vocab as f64 / tp * 4.0).min(256.0 * 1024.0 * 1024.0)
+    } else {
+        tokens * m.vocab as f64 / tp * 4.0 * 2.0
+    };
     let gathered = if c.zero >= 3 {
         2.0 * per_layer_params * pb
     } else {
@@ -441,7 +453,14 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         "selective" => 0.05,
         _ => 0.0,
     };
-    let compute = (matmul_model * (1.0 + recompute) / world) / (d.matmul_tflops * 1e12)
+    // The fused loss's backward recomputes the lm_head GEMM chunk by chunk.
+    let loss_recompute = if c.fused_loss {
+        2.0 * all_tokens * m.vocab as f64 * h
+    } else {
+        0.0
+    };
+    let compute = ((matmul_model * (1.0 + recompute) + loss_recompute) / world)
+        / (d.matmul_tflops * 1e12)
         + (attn_model
             * (1.0
                 + if c.checkpoint == "full" {
@@ -683,6 +702,7 @@ mod tests {
             checkpoint: "full",
             offload: false,
             offload_optimizer: false,
+            fused_loss: true,
             micro_batches: 8,
         };
         let (a, b) = (score(&m, &spec, &c(0)), score(&m, &spec, &c(3)));

@@ -311,6 +311,9 @@ impl TrainOptions {
         if self.offload_optimizer {
             s.push_str(" --offload-optimizer");
         }
+        if !self.fused_loss {
+            s.push_str(" --unfused-loss");
+        }
         s
     }
 }
