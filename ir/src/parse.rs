@@ -403,10 +403,11 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
         }
         if let Some(rest) = trimmed.strip_prefix("partition ") {
             let rest = rest.trim();
-            let close = rest[1..]
-                .find('"')
-                .map(|i| i + 2)
-                .filter(|_| rest.starts_with('"'));
+            // byte offsets: `"` is one byte, so the name may hold any UTF-8
+            let close = rest
+                .strip_prefix('"')
+                .and_then(|r| r.find('"'))
+                .map(|i| i + 2);
             let close = close.ok_or_else(|| {
                 locate(err(
                     indent + 10,
