@@ -366,6 +366,8 @@ fn peaks(mesh: &str) -> (f64, f64) {
         checkpoint: "none",
         offload: false,
         offload_optimizer: false,
+        // as compiled: the step's loss is fused (TrainOptions' default)
+        fused_loss: true,
         micro_batches: 1,
     };
     let a = weft_passes::search::score(&shape_of(&model), &spec, &c);
