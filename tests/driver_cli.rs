@@ -111,7 +111,14 @@ fn open_options_are_chosen_to_fit_and_given_ones_that_do_not_fit_say_what_would(
         &[
             &args[..],
             &given[..],
-            &["--checkpoint", "none", "--offload=false", "-o", p],
+            &[
+                "--checkpoint",
+                "none",
+                "--offload=false",
+                "--fused-loss",
+                "-o",
+                p,
+            ],
         ]
         .concat(),
     );
