@@ -17,6 +17,96 @@ pub(crate) fn meta_for(g: &Graph, anchor: Node, pass: &str, reason: impl Into<St
     }
 }
 
+/// The loss from per-token losses `tok` (shaped like `labels`): tokens whose label is
+/// `ignore_index` contribute 0, then `reduction` (none, sum, or the mean over the valid
+/// labels), as `cross_entropy` reduces. Shared by tp's vocab-parallel loss and the fused
+/// lm_head loss; `meta` labels each inserted node.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn masked_token_loss(
+    g: &mut Graph,
+    pass: &str,
+    at: At,
+    tok: Value,
+    labels: Value,
+    ignore_index: i64,
+    reduction: weft_ir::Reduction,
+    meta: &dyn Fn(&Graph, &str) -> NodeMeta,
+) -> Result<Value, PassError> {
+    use weft_ir::{CmpOp, DType, Float, Reduction, TensorType};
+    let ig = insert1(
+        g,
+        pass,
+        at,
+        Op::Full {
+            value: Float(ignore_index as f64),
+            ty: TensorType::scalar(DType::I64),
+        },
+        &[],
+        meta(g, "ignore_index"),
+    )?;
+    let valid = insert1(
+        g,
+        pass,
+        at,
+        Op::Compare { op: CmpOp::Ne },
+        &[labels, ig],
+        meta(g, "labels that count"),
+    )?;
+    let valid = insert1(
+        g,
+        pass,
+        at,
+        Op::Cast { dtype: DType::F32 },
+        &[valid],
+        meta(g, "labels that count"),
+    )?;
+    let tok = insert1(
+        g,
+        pass,
+        at,
+        Op::Mul {},
+        &[tok, valid],
+        meta(g, "ignored labels contribute 0"),
+    )?;
+    let rank = g.ty(labels).rank() as i64;
+    Ok(match reduction {
+        Reduction::None => tok,
+        Reduction::Sum | Reduction::Mean => {
+            let sum = insert1(
+                g,
+                pass,
+                at,
+                Op::Sum {
+                    dims: (0..rank).collect(),
+                    keepdim: false,
+                },
+                &[tok],
+                meta(g, "sum over tokens"),
+            )?;
+            if reduction == Reduction::Sum {
+                sum
+            } else {
+                let c = insert1(
+                    g,
+                    pass,
+                    at,
+                    Op::CountValid { ignore_index },
+                    &[labels],
+                    meta(g, "valid labels"),
+                )?;
+                insert1(
+                    g,
+                    pass,
+                    at,
+                    Op::Div {},
+                    &[sum, c],
+                    meta(g, "mean over valid labels"),
+                )?
+            }
+        }
+    })
+}
+
 /// Inserts a single-result node, turning a shape error into a located pass error.
 pub(crate) fn insert1(
     g: &mut Graph,

@@ -24,7 +24,7 @@
 use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::util::{build_error, insert1, meta_for};
 use std::collections::HashSet;
-use weft_ir::{At, CmpOp, DType, Dim, Float, Graph, Node, Op, Reduction, TensorType, Value};
+use weft_ir::{At, DType, Dim, Float, Graph, Node, Op, Value};
 
 pub struct LinearCrossEntropy;
 
@@ -250,78 +250,8 @@ fn fuse_plain(g: &mut Graph, head: &LmHead, ce: Node, chunk: i64) -> Result<(), 
         &[stats[0], stats[1]],
         m(g, "token loss lse - target"),
     )?;
-    let ig = insert1(
-        g,
-        NAME,
-        at,
-        Op::Full {
-            value: Float(ignore_index as f64),
-            ty: TensorType::scalar(DType::I64),
-        },
-        &[],
-        m(g, "ignore_index"),
-    )?;
-    let valid = insert1(
-        g,
-        NAME,
-        at,
-        Op::Compare { op: CmpOp::Ne },
-        &[labels, ig],
-        m(g, "labels that count"),
-    )?;
-    let valid = insert1(
-        g,
-        NAME,
-        at,
-        Op::Cast { dtype: DType::F32 },
-        &[valid],
-        m(g, "labels that count"),
-    )?;
-    let tok = insert1(
-        g,
-        NAME,
-        at,
-        Op::Mul {},
-        &[tok, valid],
-        m(g, "ignored labels contribute 0"),
-    )?;
-    let rank = g.ty(labels).rank() as i64;
-    let out = match reduction {
-        Reduction::None => tok,
-        Reduction::Sum | Reduction::Mean => {
-            let sum = insert1(
-                g,
-                NAME,
-                at,
-                Op::Sum {
-                    dims: (0..rank).collect(),
-                    keepdim: false,
-                },
-                &[tok],
-                m(g, "sum over tokens"),
-            )?;
-            if reduction == Reduction::Sum {
-                sum
-            } else {
-                let c = insert1(
-                    g,
-                    NAME,
-                    at,
-                    Op::CountValid { ignore_index },
-                    &[labels],
-                    m(g, "valid labels"),
-                )?;
-                insert1(
-                    g,
-                    NAME,
-                    at,
-                    Op::Div {},
-                    &[sum, c],
-                    m(g, "mean over valid labels"),
-                )?
-            }
-        }
-    };
+    let out =
+        crate::util::masked_token_loss(g, NAME, at, tok, labels, ignore_index, reduction, &m)?;
     let old = g.node(ce).results[0];
     g.replace_all_uses(old, out);
     let mut dead = vec![ce];
