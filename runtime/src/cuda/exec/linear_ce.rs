@@ -103,7 +103,9 @@ pub(super) fn linear_ce_fwd(
     }
     let chunk = a.chunk.min(v);
     let es = esz(x.dtype) as u64;
-    let z = lw.ex.scratch(lw.stream, n * chunk * es);
+    let z = lw
+        .ex
+        .scratch(lw.stream, chunk_scratch_bytes(lw, op, n, chunk, es)?);
     let m = lw.ex.scratch(lw.stream, n * 4);
     let s = lw.ex.scratch(lw.stream, n * 4);
     lw.n(
@@ -170,7 +172,9 @@ pub(super) fn linear_ce_bwd(
     }
     let chunk = a.chunk.min(v);
     let es = esz(x.dtype) as u64;
-    let z = lw.ex.scratch(lw.stream, n * chunk * es);
+    let z = lw
+        .ex
+        .scratch(lw.stream, chunk_scratch_bytes(lw, op, n, chunk, es)?);
     let dz = kname("lce_dz", x.dtype)?;
     let mut c0 = 0;
     while c0 < v {
@@ -220,4 +224,17 @@ pub(super) fn linear_ce_bwd(
         c0 += len;
     }
     Ok(())
+}
+
+/// Bytes of one [tokens, chunk] logits block, checked (an overflow is an error naming
+/// the op, not a wrapped allocation).
+fn chunk_scratch_bytes(lw: &Lower, op: &Op, n: u64, chunk: u64, es: u64) -> CudaResult<u64> {
+    n.checked_mul(chunk)
+        .and_then(|b| b.checked_mul(es))
+        .ok_or_else(|| {
+            lw.unsup(
+                op.name(),
+                &format!("a [{n}, {chunk}] chunk scratch overflows 64-bit bytes"),
+            )
+        })
 }
