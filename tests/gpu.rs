@@ -1043,7 +1043,34 @@ fn window_gpu_steps(
             }
         }
     }
-    Ok((worst, what))
+    // The same steps launched kernel by kernel: a replayed CUDA graph runs the same
+    // kernels on the same buffers, so every output is bit-identical.
+    let replayed = ex.replays_cuda_graph();
+    if replayed {
+        o.tuning.cuda_graph = false;
+        let mut eager = Executor::new(plan, &o).map_err(|e| e.to_string())?;
+        eager.load_params(weights).map_err(|e| e.to_string())?;
+        for step in 0..cpu_runs.len() {
+            eager.set_inputs(&step_in(step)).map_err(|e| e.to_string())?;
+            eager.run_step().map_err(|e| e.to_string())?;
+        }
+        for (name, _) in g.outputs() {
+            let (a, b) = (ex.output(name), eager.output(name));
+            let (a, b) = (a.map_err(|e| e.to_string())?, b.map_err(|e| e.to_string())?);
+            if a.to_f64() != b.to_f64() {
+                return Err(format!(
+                    "`{name}` after {} steps differs between the CUDA graph and eager launches",
+                    cpu_runs.len()
+                ));
+            }
+        }
+    }
+    let graph = match ex.cuda_graph_refusal() {
+        Some(why) => format!("no CUDA graph: {why}"),
+        None if replayed => "CUDA graph == eager bitwise".to_string(),
+        None => "no CUDA graph".to_string(),
+    };
+    Ok((worst, format!("{what}; {graph}")))
 }
 #[cfg(not(feature = "cuda"))]
 fn window_gpu_steps(

@@ -844,10 +844,20 @@ fn run_cuda(a: &Args) -> CliResult {
     }
     let mem = ex.memory();
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let steady: Vec<&StepReport> = reports
-        .iter()
-        .skip(if reports.len() > 2 { 1 } else { 0 })
-        .collect();
+    // The first step fills the caches; with a CUDA graph the second also captures it.
+    let warmup = if ex.replays_cuda_graph() && reports.len() > 3 {
+        2
+    } else if reports.len() > 2 {
+        1
+    } else {
+        0
+    };
+    let steady: Vec<&StepReport> = reports.iter().skip(warmup).collect();
+    let graph_note = match ex.cuda_graph_refusal() {
+        None if ex.replays_cuda_graph() => "steps replay one CUDA graph".to_string(),
+        None => "launched per kernel".to_string(),
+        Some(why) => format!("launched per kernel (no CUDA graph: {why})"),
+    };
     let mean_s = steady.iter().map(|r| r.step_s).sum::<f64>() / steady.len().max(1) as f64;
     if a.json {
         print!(
@@ -860,6 +870,8 @@ fn run_cuda(a: &Args) -> CliResult {
                 "seq": p.seq,
                 "device": ex.load.device,
                 "load": ex.load,
+                "cuda_graph": ex.replays_cuda_graph(),
+                "cuda_graph_refusal": ex.cuda_graph_refusal(),
                 "load_s": load_s,
                 "compile_s": p.compile_s,
                 "predicted_step_s": p.plan.cost.step_time_s,
@@ -873,7 +885,7 @@ fn run_cuda(a: &Args) -> CliResult {
         );
     } else {
         println!(
-            "{} on {}: {} program, B={} S={}, {} launches/step; compile {:.2}s, kernels {:.2}s ({}), load {:.2}s",
+            "{} on {}: {} program, B={} S={}, {} launches/step, {graph_note}; compile {:.2}s, kernels {:.2}s ({}), load {:.2}s",
             p.plan.model,
             ex.load.device,
             if p.training { "training" } else { "forward" },

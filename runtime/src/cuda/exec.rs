@@ -267,6 +267,13 @@ pub struct Executor {
     events: Vec<Event>,
     t_start: Event,
     t_ends: Vec<Event>,
+    /// Recorded on stream 0 at the start of the step's work; the other streams wait on it.
+    fork: Event,
+    /// The step as a CUDA graph, captured on the second step where the plan allows it.
+    step_graph: Option<super::step_graph::StepGraph>,
+    /// Steps run so far, and whether capture was tried and failed (then never again).
+    steps_run: u64,
+    graph_refused: Option<String>,
     _resident: DevBuf,
     _arena: DevBuf,
     _extra: DevBuf,
@@ -494,6 +501,7 @@ impl Executor {
         gpu.htod(extra.ptr + consts_off, &filled.consts)?;
 
         let t_start = gpu.event(true)?;
+        let fork = gpu.event(false)?;
         let t_ends = (0..streams.len())
             .map(|_| gpu.event(true))
             .collect::<CudaResult<Vec<_>>>()?;
@@ -533,6 +541,10 @@ impl Executor {
             events,
             t_start,
             t_ends,
+            fork,
+            step_graph: None,
+            steps_run: 0,
+            graph_refused: None,
             _resident: resident,
             _arena: arena,
             planned_extra: extra_bytes,
@@ -665,64 +677,80 @@ impl Executor {
         self.gpu.htod(d.ptr, &layout::to_device_bytes(t, d.dtype))
     }
 
+    /// Whether this plan's step can be captured as a CUDA graph, or why not.
+    fn capturable(&self) -> super::step_graph::Capture {
+        use super::step_graph::Capture;
+        if !self.tuning.cuda_graph {
+            return Capture::No("WEFT_CUDA_GRAPH=0");
+        }
+        if self.tuning.profile {
+            return Capture::No("profiling (WEFT_PROFILE) times each instruction");
+        }
+        if self.comms.is_some() {
+            return Capture::No("collectives across ranks");
+        }
+        for st in &self.steps {
+            match st.kind {
+                StepKind::Grouped(_) => {
+                    return Capture::No("MoE grouped GEMMs read their row counts on the host")
+                }
+                StepKind::HostAdamW(_) => return Capture::No("the host optimizer runs on CPU threads"),
+                _ => {}
+            }
+        }
+        Capture::Yes
+    }
+
+    /// Why the step is not replayed as a CUDA graph (None while it is, or before the
+    /// second step decides).
+    pub fn cuda_graph_refusal(&self) -> Option<String> {
+        match self.capturable() {
+            super::step_graph::Capture::No(why) => Some(why.to_string()),
+            super::step_graph::Capture::Yes => self.graph_refused.clone(),
+        }
+    }
+
+    /// Whether steps are replayed from a captured CUDA graph.
+    pub fn replays_cuda_graph(&self) -> bool {
+        self.step_graph.is_some()
+    }
+
     /// Runs the program once (every instruction on its stream), then copies updated
     /// params and optimizer state back into place. Blocks until the device is done.
+    /// The first step runs eagerly (it fills the GEMM and kernel caches); where the plan
+    /// allows, the second is captured as a CUDA graph and every step after replays it.
     pub fn run_step(&mut self) -> CudaResult<StepTiming> {
         self.gpu.bind()?;
         let wall = std::time::Instant::now();
         let s0 = self.streams[0].0;
+        if self.step_graph.is_none()
+            && self.graph_refused.is_none()
+            && self.steps_run >= 1
+            && matches!(self.capturable(), super::step_graph::Capture::Yes)
+        {
+            let captured = {
+                let this = &mut *self;
+                super::step_graph::StepGraph::capture(s0, || {
+                    let mut none = Vec::new();
+                    this.enqueue_work(false, &mut none)
+                })
+            };
+            match captured {
+                Ok(g) => self.step_graph = Some(g),
+                Err(e) => self.graph_refused = Some(format!("capture failed: {e}")),
+            }
+        }
         // SAFETY: live event and stream.
         unsafe { dr::event::record(self.t_start.0, s0) }
             .map_err(|e| CudaError::driver("cuEventRecord", e))?;
-        for s in 1..self.streams.len() {
-            unsafe {
-                dr::stream::wait_event(
-                    self.streams[s].0,
-                    self.t_start.0,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
-        }
-        // Profiling (WEFT_PROFILE): an event before each instruction's work on stream 0.
         let profiling = self.tuning.profile;
         let mut marks: Vec<(u32, Event)> = Vec::new();
-        let mut last_ins = u32::MAX;
-        for i in 0..self.steps.len() {
-            if profiling && self.steps[i].stream == 0 && self.steps[i].ins != last_ins {
-                last_ins = self.steps[i].ins;
-                let e = self.gpu.event(true)?;
-                unsafe { dr::event::record(e.0, s0) }
-                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
-                marks.push((last_ins, e));
-            }
-            self.exec(i)?;
+        match &self.step_graph {
+            Some(g) => g.launch(s0)?,
+            None => self.enqueue_work(profiling, &mut marks)?,
         }
-        let upd_mark = if profiling {
-            let e = self.gpu.event(true)?;
-            unsafe { dr::event::record(e.0, s0) }
-                .map_err(|e| CudaError::driver("cuEventRecord", e))?;
-            Some(e)
-        } else {
-            None
-        };
-        // Join every stream into stream 0, then the updates.
-        for s in 1..self.streams.len() {
-            unsafe {
-                dr::event::record(self.t_ends[s].0, self.streams[s].0)
-                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
-                dr::stream::wait_event(
-                    s0,
-                    self.t_ends[s].0,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-                .map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
-            }
-        }
-        for &(from, to) in &self.updates {
-            let (f, t) = (&self.bufs[from as usize], &self.bufs[to as usize]);
-            self.gpu.dtod_async(t.ptr, f.ptr, f.bytes() as usize, s0)?;
-        }
+        self.steps_run += 1;
+        let upd_mark = marks.pop().filter(|_| profiling).map(|(_, e)| e);
         unsafe { dr::event::record(self.t_ends[0].0, s0) }
             .map_err(|e| CudaError::driver("cuEventRecord", e))?;
         let enqueue_s = wall.elapsed().as_secs_f64();
@@ -780,6 +808,63 @@ impl Executor {
             wall_s: wall.elapsed().as_secs_f64(),
             enqueue_s,
         })
+    }
+
+    /// Issues one step's work on the streams: fork from stream 0, every instruction,
+    /// join into stream 0, the parameter updates. With `profiling`, an event before each
+    /// stream-0 instruction goes into `marks`, and a last one (instruction u32::MAX)
+    /// before the updates. Issued eagerly or into a graph capture alike.
+    fn enqueue_work(&mut self, profiling: bool, marks: &mut Vec<(u32, Event)>) -> CudaResult<()> {
+        let s0 = self.streams[0].0;
+        // SAFETY: live event and streams.
+        unsafe { dr::event::record(self.fork.0, s0) }
+            .map_err(|e| CudaError::driver("cuEventRecord", e))?;
+        for s in 1..self.streams.len() {
+            unsafe {
+                dr::stream::wait_event(
+                    self.streams[s].0,
+                    self.fork.0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
+        }
+        // Profiling (WEFT_PROFILE): an event before each instruction's work on stream 0.
+        let mut last_ins = u32::MAX;
+        for i in 0..self.steps.len() {
+            if profiling && self.steps[i].stream == 0 && self.steps[i].ins != last_ins {
+                last_ins = self.steps[i].ins;
+                let e = self.gpu.event(true)?;
+                unsafe { dr::event::record(e.0, s0) }
+                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
+                marks.push((last_ins, e));
+            }
+            self.exec(i)?;
+        }
+        if profiling {
+            let e = self.gpu.event(true)?;
+            unsafe { dr::event::record(e.0, s0) }
+                .map_err(|e| CudaError::driver("cuEventRecord", e))?;
+            marks.push((u32::MAX, e));
+        }
+        // Join every stream into stream 0, then the updates.
+        for s in 1..self.streams.len() {
+            unsafe {
+                dr::event::record(self.t_ends[s].0, self.streams[s].0)
+                    .map_err(|e| CudaError::driver("cuEventRecord", e))?;
+                dr::stream::wait_event(
+                    s0,
+                    self.t_ends[s].0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+                .map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
+            }
+        }
+        for &(from, to) in &self.updates {
+            let (f, t) = (&self.bufs[from as usize], &self.bufs[to as usize]);
+            self.gpu.dtod_async(t.ptr, f.ptr, f.bytes() as usize, s0)?;
+        }
+        Ok(())
     }
 
     fn exec(&mut self, i: usize) -> CudaResult<()> {

@@ -45,6 +45,7 @@ pub(crate) mod kernels;
 pub mod layout;
 pub mod nvrtc;
 pub mod probe;
+pub(crate) mod step_graph;
 pub mod tuning;
 
 pub use comm::LaunchEnv;

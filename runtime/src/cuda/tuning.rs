@@ -17,6 +17,9 @@ pub struct Tuning {
     pub fa_bwd_plain: bool,
     /// `WEFT_PROFILE` (any value): device time per instruction of each step.
     pub profile: bool,
+    /// `WEFT_CUDA_GRAPH=0`: launch every kernel of every step instead of replaying the
+    /// step captured as a CUDA graph (on by default where the plan allows capture).
+    pub cuda_graph: bool,
 }
 
 impl Default for Tuning {
@@ -27,13 +30,14 @@ impl Default for Tuning {
             fa_bwd_warps: None,
             fa_bwd_plain: false,
             profile: false,
+            cuda_graph: true,
         }
     }
 }
 
 impl Tuning {
-    /// The knobs from `WEFT_FA_WARPS`, `WEFT_FA_FWD`, `WEFT_FA_BWD_WARPS`, `WEFT_FA_BWD`
-    /// and `WEFT_PROFILE`; unknown values keep the default.
+    /// The knobs from `WEFT_FA_WARPS`, `WEFT_FA_FWD`, `WEFT_FA_BWD_WARPS`, `WEFT_FA_BWD`,
+    /// `WEFT_PROFILE` and `WEFT_CUDA_GRAPH`; unknown values keep the default.
     pub fn from_env() -> Tuning {
         Tuning::from_vars(|k| std::env::var(k).ok())
     }
@@ -53,6 +57,7 @@ impl Tuning {
             },
             fa_bwd_plain: get("WEFT_FA_BWD").as_deref() == Some("plain"),
             profile: get("WEFT_PROFILE").is_some(),
+            cuda_graph: get("WEFT_CUDA_GRAPH").as_deref() != Some("0"),
         }
     }
 }
@@ -78,6 +83,7 @@ mod tests {
             ("WEFT_FA_BWD_WARPS", "4"),
             ("WEFT_FA_BWD", "plain"),
             ("WEFT_PROFILE", "1"),
+            ("WEFT_CUDA_GRAPH", "0"),
         ]));
         assert_eq!(
             t,
@@ -86,7 +92,8 @@ mod tests {
                 fa_fwd_one_mtile: true,
                 fa_bwd_warps: Some(4),
                 fa_bwd_plain: true,
-                profile: true
+                profile: true,
+                cuda_graph: false,
             }
         );
         let t = Tuning::from_vars(vars(&[("WEFT_FA_WARPS", "5"), ("WEFT_FA_BWD_WARPS", "x")]));
