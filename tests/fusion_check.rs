@@ -137,6 +137,9 @@ fn llama_fused_equals_unfused() {
             ("glu_grad", 2),
             ("add_rms_norm", 3),
             ("add_rms_norm_grad", 3),
+            // The residual stream's gradient summed from q, k, v and from gate, up: two
+            // and one GEMMs accumulating per layer.
+            ("matmul_add", 6),
         ],
     );
 }
@@ -214,6 +217,7 @@ fn fuse_rewrite_snapshot_and_values() {
         ("dce_removed", 0),
         ("glu", 2),
         ("glu_grad", 2),
+        ("matmul_add", 2),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))

@@ -460,6 +460,16 @@ fn fused_op_cases() -> Vec<Case> {
     ] {
         v.push(Case::new(format!("add_rms_norm + add_rms_norm_grad {dt}[{rows}, {h}], {wdt} weight"), format!("graph \"t\"\n%0: {dt}[{rows}, {h}] = param {{name=\"x\"}}\n%1: {dt}[{rows}, {h}] = param {{name=\"y\"}}\n%2: {wdt}[{h}] = param {{name=\"w\"}}\n%3: {dt}[{rows}, {h}], %4: {dt}[{rows}, {h}] = add_rms_norm %0, %1, %2 {{eps=1e-5}}\n%5: {dt}[{rows}, {h}] = param {{name=\"dn\"}}\n%6: {dt}[{rows}, {h}] = param {{name=\"ds\"}}\n%7: {dt}[{rows}, {h}], %8: {wdt}[{h}] = add_rms_norm_grad %3, %2, %5, %6 {{eps=1e-5}}\n%9: {dt}[{rows}, {h}] = add %0, %1\n%10: {dt}[{rows}, {h}] = rms_norm %9, %2 {{eps=1e-5}}\nreturn s=%3, n=%4, dsum=%7, dw=%8, unfused=%10\n")).tol(tol));
     }
+    // matmul_add: the GEMM accumulates into the addend (beta = 1); the unfused pair too.
+    for (dt, a, b, c, ta, tb, tol) in [
+        ("f32", "5, 7", "7, 9", "5, 9", false, false, 2e-5),
+        ("f32", "2, 5, 7", "9, 7", "2, 5, 9", false, true, 2e-5),
+        ("f32", "2, 7, 5", "2, 7, 9", "2, 5, 9", true, false, 2e-5),
+        ("bf16", "64, 256", "256, 128", "64, 128", false, false, 2e-2),
+        ("bf16", "1, 512, 1024", "512, 1024", "1, 512, 512", false, true, 2e-2),
+    ] {
+        v.push(Case::new(format!("matmul_add {dt}[{a}] @ [{b}] ta={ta} tb={tb}"), format!("graph \"t\"\n%0: {dt}[{a}] = param {{name=\"a\"}}\n%1: {dt}[{b}] = param {{name=\"b\"}}\n%2: {dt}[{c}] = param {{name=\"c\"}}\n%3: {dt}[{c}] = matmul_add %0, %1, %2 {{transpose_a={ta}, transpose_b={tb}}}\n%4: {dt}[{c}] = matmul %0, %1 {{transpose_a={ta}, transpose_b={tb}}}\n%5: {dt}[{c}] = add %4, %2\nreturn y=%3, unfused=%5\n")).tol(tol));
+    }
     v
 }
 
@@ -1043,9 +1053,11 @@ fn window_gpu_steps(
             }
         }
     }
-    // The same steps launched kernel by kernel: a replayed CUDA graph runs the same
-    // kernels on the same buffers, so every output is bit-identical.
+    // The same steps launched kernel by kernel. The replayed graph runs the same kernels
+    // on the same buffers; some kernels accumulate with atomics, so two runs may differ in
+    // the last bits, and over the steps: they must agree within the same tolerance.
     let replayed = ex.replays_cuda_graph();
+    let mut graph_vs_eager = 0.0f64;
     if replayed {
         o.tuning.cuda_graph = false;
         let mut eager = Executor::new(plan, &o).map_err(|e| e.to_string())?;
@@ -1057,17 +1069,19 @@ fn window_gpu_steps(
         for (name, _) in g.outputs() {
             let (a, b) = (ex.output(name), eager.output(name));
             let (a, b) = (a.map_err(|e| e.to_string())?, b.map_err(|e| e.to_string())?);
-            if a.to_f64() != b.to_f64() {
-                return Err(format!(
-                    "`{name}` after {} steps differs between the CUDA graph and eager launches",
-                    cpu_runs.len()
-                ));
+            let e = a.l2_rel_err(&b);
+            if !(e <= graph_vs_eager) {
+                graph_vs_eager = e;
             }
+        }
+        if !(graph_vs_eager <= worst) {
+            worst = graph_vs_eager;
+            what = format!("CUDA graph vs eager after {} steps {graph_vs_eager:.1e}", cpu_runs.len());
         }
     }
     let graph = match ex.cuda_graph_refusal() {
         Some(why) => format!("no CUDA graph: {why}"),
-        None if replayed => "CUDA graph == eager bitwise".to_string(),
+        None if replayed => format!("CUDA graph vs eager {graph_vs_eager:.1e}"),
         None => "no CUDA graph".to_string(),
     };
     Ok((worst, format!("{what}; {graph}")))

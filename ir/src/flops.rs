@@ -49,6 +49,15 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             };
             out_numel * k * 2
         }
+        Op::MatmulAdd { transpose_a, .. } => {
+            let a = ins[0];
+            let k = if *transpose_a {
+                a.shape[a.rank() - 2].clone()
+            } else {
+                last(a)
+            };
+            out_numel.clone() * k * 2 + out_numel
+        }
         Op::GroupedMatmul { .. } => out_numel * last(ins[0]) * 2,
         Op::Attention { .. } => {
             // scores q k^T (2 D per kept pair) and probs v (2 Dv), plus the softmax (5).

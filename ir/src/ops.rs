@@ -328,6 +328,8 @@ define_ops! {
     AddRmsNorm = "add_rms_norm" ("x, y, w") [3, 3] { eps: Float } => add_rms_norm;
     /// `rms_norm_grad` of the residual stream `sum` plus the gradient `dsum` the stream gets from its other readers, in one pass: the gradient of `sum` (the dx and dy of its add) and dw.
     AddRmsNormGrad = "add_rms_norm_grad" ("sum, w, dnorm, dsum") [4, 4] { eps: Float } => add_rms_norm_grad;
+    /// `matmul(a, b) + c` as one GEMM that accumulates into `c` (cuBLASLt's beta = 1): `c` has the product's type exactly. The sum is rounded once, from the f32 accumulator (the unfused pair rounds the product first, then the sum).
+    MatmulAdd = "matmul_add" ("a, b, c") [3, 3] { transpose_a: bool, transpose_b: bool } => matmul_add;
 
     // ---- optimizer (made by `optimizer`) ----
     /// One AdamW step (torch.optim.AdamW) of `param` with gradient `grad`, moments `m`, `v` and the 1-based step number `step` (float scalar): new param, m, v.

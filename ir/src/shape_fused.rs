@@ -1,5 +1,5 @@
 //! Shape rules of the fused ops `fuse` makes (`glu`, `glu_grad`, `add_rms_norm`,
-//! `add_rms_norm_grad`). Each takes exactly the types of the unfused ops it replaces:
+//! `add_rms_norm_grad`, `matmul_add`). Each takes exactly the types of the unfused ops it replaces:
 //! no broadcasting, one dtype for the elementwise operands. Re-exported by
 //! [`crate::shape`], which the op table reads.
 
@@ -103,4 +103,24 @@ mod tests {
         let e = ng.infer(&[&x, &t(DType::F32, &[8]), &x, &t(DType::F32, &[2, 3, 8])]);
         assert!(e.unwrap_err().contains("dsum"));
     }
+}
+
+/// `matmul_add(a, b, c)`: the product's type, which `c` must have exactly.
+pub fn matmul_add(op: &Op, ins: &[&TensorType]) -> Out {
+    let Op::MatmulAdd {
+        transpose_a,
+        transpose_b,
+    } = op
+    else {
+        unreachable!()
+    };
+    let product = crate::shape::matmul(
+        &Op::Matmul {
+            transpose_a: *transpose_a,
+            transpose_b: *transpose_b,
+        },
+        &ins[..2],
+    )?;
+    same(&product[0], ins[2], "the product and c")?;
+    Ok(product)
 }

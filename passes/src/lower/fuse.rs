@@ -17,6 +17,12 @@
 //!   plus what it gets from its other readers, and the norm weight's gradient.
 //! - `add_rms_norm`: `rms_norm(add(x, y), w)`: the sum stays a result (the next residual
 //!   add and the backward read it).
+//! - `matmul_add`: `add(matmul(a, b), c)` (either order), the product read only by that
+//!   add and `c` of the product's type exactly: one GEMM accumulates into `c` (cuBLASLt's
+//!   beta = 1) instead of a second pass over memory. Autodiff makes these sums where a
+//!   value has several readers (the residual stream's gradient from q, k and v, from gate
+//!   and up). Matched after the norm patterns, so an `add` that `add_rms_norm_grad` takes
+//!   stays there. The sum is rounded once (the unfused pair rounds the product first).
 //! - Both norm patterns also where the norm runs in f32 on a bf16/f16 stream between a
 //!   widening cast and the cast back (Gemma's `(1 + w)` norms in bf16):
 //!   `cast(rms_norm(cast_f32(add(x, y)), w))` and
@@ -55,13 +61,15 @@ impl Pass for Fuse {
         let dead = dce(g);
         let glu = fuse_glus(g)?;
         let norm = fuse_add_rms_norms(g)?;
+        let matmul_add = fuse_matmul_adds(g)?;
         let dead = dead + dce(g);
         res.count("glu", glu as u64)
             .count("glu_grad", glu_grad as u64)
             .count("add_rms_norm", norm as u64)
             .count("add_rms_norm_grad", norm_grad as u64)
+            .count("matmul_add", matmul_add as u64)
             .count("dce_removed", dead as u64);
-        res.changed = glu + glu_grad + norm + norm_grad > 0;
+        res.changed = glu + glu_grad + norm + norm_grad + matmul_add > 0;
         Ok(res)
     }
 }
@@ -436,6 +444,64 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
         g.replace_all_uses(normed, r[1]);
         // (with a cast, the f32 norm's result was read only by that cast)
         g.remove_nodes(&replaced);
+        fused += 1;
+    }
+    Ok(fused)
+}
+
+/// `add(matmul(a, b), c)` -> `matmul_add(a, b, c)`, placed where the `add` was (every
+/// operand is computed by then). Where both operands are products, the later one
+/// accumulates into the earlier, so the earlier can itself take in a sum before it:
+/// `add(add(m1, m2), m3)` becomes two GEMMs accumulating into `m1`.
+fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
+    let mut fused = 0;
+    let candidates: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| matches!(g.node(n).op, Op::Add {}))
+        .collect();
+    for add in candidates {
+        let uses = readers(g);
+        let order = g.nodes();
+        let pos = |n: Node| order.iter().position(|x| *x == n).unwrap_or(0);
+        let ops = g.node(add).operands.clone();
+        let [x, y] = ops[..] else { continue };
+        let sum = g.node(add).results[0];
+        let is_product = |v: Value| {
+            matches!(g.op_of(v), Op::Matmul { .. }) && read_only_by(g, &uses, v, add)
+        };
+        // The product computed last accumulates into the other operand.
+        let mut pick: Vec<(Value, Value)> = [(x, y), (y, x)]
+            .into_iter()
+            .filter(|&(p, c)| p != c && is_product(p) && g.ty(c) == g.ty(p) && g.ty(sum) == g.ty(p))
+            .collect();
+        pick.sort_by_key(|&(p, _)| std::cmp::Reverse(pos(g.def(p))));
+        let Some(&(product, c)) = pick.first() else {
+            continue;
+        };
+        let mm = g.def(product);
+        let Op::Matmul {
+            transpose_a,
+            transpose_b,
+        } = g.node(mm).op.clone()
+        else {
+            continue;
+        };
+        let operands = [g.node(mm).operands[0], g.node(mm).operands[1], c];
+        let r = insert_fused(
+            g,
+            At::Before(add),
+            Op::MatmulAdd {
+                transpose_a,
+                transpose_b,
+            },
+            &operands,
+            mm,
+            "a `matmul` and the `add` of its product (one GEMM accumulating into the addend)",
+        )?;
+        g.replace_all_uses(sum, r[0]);
+        g.remove_nodes(&[add, mm]);
         fused += 1;
     }
     Ok(fused)

@@ -1,5 +1,6 @@
-//! The fused ops `fuse` makes (`glu`, `glu_grad`, `add_rms_norm`, `add_rms_norm_grad`),
-//! each computed as the unfused ops it replaces: the same kernels in the same order.
+//! The fused ops `fuse` makes (`glu`, `glu_grad`, `add_rms_norm`, `add_rms_norm_grad`,
+//! `matmul_add`), each computed as the unfused ops it replaces: the same kernels in the
+//! same order.
 //! This runtime holds every float dtype in one precision, so the roundings the fused
 //! GPU kernels keep (to the dtype where the unfused ops round) are identities here, and
 //! a fused program equals its unfused one to the last bit on this runtime.
@@ -46,6 +47,20 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 cx,
             )?;
             Ok(vec![sum, normed.into_iter().next().expect("one result")])
+        }
+        Op::MatmulAdd {
+            transpose_a,
+            transpose_b,
+        } => {
+            let product = kernels::eval(
+                &Op::Matmul {
+                    transpose_a: *transpose_a,
+                    transpose_b: *transpose_b,
+                },
+                &ins[..2],
+                cx,
+            )?;
+            Ok(vec![(&product[0] + &ins[2])?])
         }
         Op::AddRmsNormGrad { eps } => {
             let (sum, w, dnorm, dsum) = (&ins[0], &ins[1], &ins[2], &ins[3]);

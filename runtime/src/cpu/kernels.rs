@@ -599,7 +599,11 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         | Op::Sgd { .. }
         | Op::Offload { .. }
         | Op::Reload { .. } => super::backward_kernels::eval(op, ins, cx),
-        Op::Glu { .. } | Op::GluGrad { .. } | Op::AddRmsNorm { .. } | Op::AddRmsNormGrad { .. } => {
+        Op::Glu { .. }
+        | Op::GluGrad { .. }
+        | Op::AddRmsNorm { .. }
+        | Op::AddRmsNormGrad { .. }
+        | Op::MatmulAdd { .. } => {
             super::fusions::eval(op, ins, cx)
         }
     }

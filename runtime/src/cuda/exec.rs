@@ -153,6 +153,9 @@ enum StepKind {
         b: u64,
         c: u64,
         bias: u64,
+        /// What an accumulating GEMM adds to (`c` itself unless `matmul_add` names
+        /// another buffer).
+        addend: u64,
     },
     Copy {
         dst: u64,
@@ -686,11 +689,12 @@ impl Executor {
         if self.tuning.profile {
             return Capture::No("profiling (WEFT_PROFILE) times each instruction");
         }
-        if self.comms.is_some() {
-            return Capture::No("collectives across ranks");
-        }
         for st in &self.steps {
             match st.kind {
+                // Without communicators (one rank) a collective is a device copy.
+                StepKind::Collective { .. } if self.comms.is_some() => {
+                    return Capture::No("collectives across ranks")
+                }
                 StepKind::Grouped(_) => {
                     return Capture::No("MoE grouped GEMMs read their row counts on the host")
                 }
@@ -887,7 +891,8 @@ impl Executor {
                 b,
                 c,
                 bias,
-            } => self.gemm.run(shape, *a, *b, *c, *bias, s),
+                addend,
+            } => self.gemm.run_into(shape, *a, *b, *addend, *c, *bias, s),
             StepKind::Copy {
                 dst,
                 src,

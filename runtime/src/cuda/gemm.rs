@@ -228,12 +228,27 @@ impl Gemm {
     }
 
     /// Enqueues `C = op(A) op(B) (+ bias)` (or `C +=` when `accumulate`) on `stream`.
-    #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
         s: &GemmShape,
         a: u64,
         b: u64,
+        c: u64,
+        bias: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> CudaResult<()> {
+        self.run_into(s, a, b, c, c, bias, stream)
+    }
+
+    /// Enqueues `D = op(A) op(B) (+ bias)`, or with `accumulate` `D = op(A) op(B) + C`
+    /// (`C` and `D` of one layout; `C` may be `D`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_into(
+        &mut self,
+        s: &GemmShape,
+        a: u64,
+        b: u64,
+        c_in: u64,
         c: u64,
         bias: u64,
         stream: cudarc::driver::sys::CUstream,
@@ -281,7 +296,7 @@ impl Gemm {
                 p.la,
                 a as *const c_void,
                 p.lb,
-                c as *const c_void,
+                c_in as *const c_void,
                 p.lc,
                 c as *mut c_void,
                 p.lc,

@@ -14,6 +14,7 @@ pub fn is_matmul_class(op: &Op) -> bool {
         op,
         Op::Linear {}
             | Op::Matmul { .. }
+            | Op::MatmulAdd { .. }
             | Op::GroupedMatmul { .. }
             | Op::Attention { .. }
             | Op::LinearCrossEntropy { .. }

@@ -691,8 +691,16 @@ impl Ad<'_> {
             Op::Matmul {
                 transpose_a: ta,
                 transpose_b: tb,
+            }
+            | Op::MatmulAdd {
+                transpose_a: ta,
+                transpose_b: tb,
             } => {
                 let (ta, tb) = (*ta, *tb);
+                // matmul_add's addend has the sum's type: its gradient is the sum's.
+                if matches!(d.op, Op::MatmulAdd { .. }) && w(2) {
+                    out[2] = Some(g);
+                }
                 if w(0) {
                     let t = ty(self, 0);
                     let da = if !ta {

@@ -262,12 +262,26 @@ impl Lower<'_> {
         self.run(name, count, k)
     }
     pub(super) fn gemm(&mut self, shape: GemmShape, a: u64, b: u64, c: u64, bias: u64) {
+        self.gemm_adding(shape, a, b, c, c, bias);
+    }
+
+    /// A GEMM writing `c`; with `shape.accumulate` it adds `addend` (which may be `c`).
+    pub(super) fn gemm_adding(
+        &mut self,
+        shape: GemmShape,
+        a: u64,
+        b: u64,
+        addend: u64,
+        c: u64,
+        bias: u64,
+    ) {
         self.push(StepKind::Gemm {
             shape,
             a,
             b,
             c,
             bias,
+            addend,
         });
     }
 }
@@ -351,7 +365,19 @@ pub(super) fn lower_op(
         Op::Matmul {
             transpose_a,
             transpose_b,
-        } => matmul::matmul(lw, &ins[0], &ins[1], &outs[0], *transpose_a, *transpose_b),
+        } => matmul::matmul(lw, &ins[0], &ins[1], &outs[0], *transpose_a, *transpose_b, None),
+        Op::MatmulAdd {
+            transpose_a,
+            transpose_b,
+        } => matmul::matmul(
+            lw,
+            &ins[0],
+            &ins[1],
+            &outs[0],
+            *transpose_a,
+            *transpose_b,
+            Some(&ins[2]),
+        ),
         Op::GroupedMatmul { transpose_w } => matmul::grouped_matmul(lw, ins, outs, transpose_w),
         Op::GroupedMatmulGrad { transpose_w, bias } => {
             matmul::grouped_matmul_grad(lw, ins, outs, transpose_w, bias)

@@ -54,7 +54,8 @@ pub(super) fn linear(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<
 }
 
 /// `matmul` of `a` and `b` (either transposed) into `o`: one GEMM where `b` is shared by
-/// every batch entry, else a strided batched GEMM.
+/// every batch entry, else a strided batched GEMM. With `addend` (`matmul_add`) the GEMM
+/// adds it (beta = 1): it has `o`'s type, so its layout is `o`'s.
 pub(super) fn matmul(
     lw: &mut Lower,
     a: &DevT,
@@ -62,7 +63,18 @@ pub(super) fn matmul(
     o: &DevT,
     ta: bool,
     tb: bool,
+    addend: Option<&DevT>,
 ) -> CudaResult<()> {
+    if addend.is_some_and(|c| c.dtype != o.dtype || c.shape != o.shape) {
+        return Err(lw.unsup(
+            "matmul_add with an addend of another type",
+            "the addend must have the product's type",
+        ));
+    }
+    let (accumulate, c_in) = match addend {
+        Some(c) => (true, c.ptr),
+        None => (false, o.ptr),
+    };
     if a.dtype != b.dtype || a.dtype != o.dtype {
         return Err(lw.unsup(
             "matmul on mixed dtypes",
@@ -96,9 +108,9 @@ pub(super) fn matmul(
             sb: 0,
             sc: 0,
             bias: false,
-            accumulate: false,
+            accumulate,
         };
-        lw.gemm(shape, a.ptr, b.ptr, o.ptr, 0);
+        lw.gemm_adding(shape, a.ptr, b.ptr, c_in, o.ptr, 0);
         return Ok(());
     }
     let ok = |x: usize| x == bo || x == 1;
@@ -120,9 +132,9 @@ pub(super) fn matmul(
         sb: if bb == 1 { 0 } else { (k * n) as i64 },
         sc: (m * n) as i64,
         bias: false,
-        accumulate: false,
+        accumulate,
     };
-    lw.gemm(shape, a.ptr, b.ptr, o.ptr, 0);
+    lw.gemm_adding(shape, a.ptr, b.ptr, c_in, o.ptr, 0);
     Ok(())
 }
 
