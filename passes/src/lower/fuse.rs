@@ -449,9 +449,9 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
     Ok(fused)
 }
 
-/// `add(matmul(a, b), c)` -> `matmul_add(a, b, c)`, placed where the `add` was (every
-/// operand is computed by then). Where both operands are products, the later one
-/// accumulates into the earlier, so the earlier can itself take in a sum before it:
+/// `add(matmul(a, b), c)` -> `matmul_add(a, b, c)`, placed where the `matmul` was when
+/// `c` is computed by then (else just after `c`, if that is before the sum's readers).
+/// Where both operands are products, the later one accumulates into the earlier, so the earlier can itself take in a sum before it:
 /// `add(add(m1, m2), m3)` becomes two GEMMs accumulating into `m1`.
 fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
@@ -489,9 +489,14 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
             continue;
         };
         let operands = [g.node(mm).operands[0], g.node(mm).operands[1], c];
+        // In the product's place where the addend is ready by then: the GEMM then still
+        // reads its weight before the optimizer updates it in place.
+        let Some(at) = placement(g, &operands, &[mm, add]) else {
+            continue;
+        };
         let r = insert_fused(
             g,
-            At::Before(add),
+            at,
             Op::MatmulAdd {
                 transpose_a,
                 transpose_b,
