@@ -449,65 +449,90 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
     Ok(fused)
 }
 
-/// `add(matmul(a, b), c)` -> `matmul_add(a, b, c)`, placed where the `matmul` was when
-/// `c` is computed by then (else just after `c`, if that is before the sum's readers).
-/// Where both operands are products, the later one accumulates into the earlier, so the earlier can itself take in a sum before it:
-/// `add(add(m1, m2), m3)` becomes two GEMMs accumulating into `m1`.
+/// `add(matmul(a, b), c)` -> `matmul_add(a, b, c)` in the product's place, where `c` is
+/// computed by then: the GEMM still reads its weight where the unfused one did (before
+/// the optimizer updates it in place). Where both operands are products, the later one
+/// accumulates into the earlier. A sum of several products, `add(matmul_add(.., c0), p)`
+/// with the product `p` computed before that GEMM, is reassociated to
+/// `matmul_add(.., add(c0, p))` and its new inner `add` fused in turn, so every product
+/// of a sum accumulates into the one before it (the residual stream's gradient from v, k
+/// then q: one plain GEMM and two accumulating ones).
 fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
-    let candidates: Vec<Node> = g
+    let mut work: std::collections::VecDeque<Node> = g
         .nodes()
         .iter()
         .copied()
         .filter(|&n| matches!(g.node(n).op, Op::Add {}))
         .collect();
-    for add in candidates {
+    while let Some(add) = work.pop_front() {
+        if g.position(add).is_none() {
+            continue;
+        }
         let uses = readers(g);
-        let order = g.nodes();
-        let pos = |n: Node| order.iter().position(|x| *x == n).unwrap_or(0);
+        let pos = |g: &Graph, v: Value| g.position(g.def(v)).unwrap_or(0);
         let ops = g.node(add).operands.clone();
         let [x, y] = ops[..] else { continue };
         let sum = g.node(add).results[0];
         let is_product = |v: Value| {
-            matches!(g.op_of(v), Op::Matmul { .. }) && read_only_by(g, &uses, v, add)
+            matches!(g.op_of(v), Op::Matmul { .. })
+                && read_only_by(g, &uses, v, add)
+                && g.ty(v) == g.ty(sum)
         };
-        // The product computed last accumulates into the other operand.
-        let mut pick: Vec<(Value, Value)> = [(x, y), (y, x)]
+        let mut pairs: Vec<(Value, Value)> = [(x, y), (y, x)]
             .into_iter()
-            .filter(|&(p, c)| p != c && is_product(p) && g.ty(c) == g.ty(p) && g.ty(sum) == g.ty(p))
+            .filter(|&(p, c)| p != c && is_product(p) && g.ty(c) == g.ty(sum))
             .collect();
-        pick.sort_by_key(|&(p, _)| std::cmp::Reverse(pos(g.def(p))));
-        let Some(&(product, c)) = pick.first() else {
-            continue;
-        };
-        let mm = g.def(product);
-        let Op::Matmul {
-            transpose_a,
-            transpose_b,
-        } = g.node(mm).op.clone()
-        else {
-            continue;
-        };
-        let operands = [g.node(mm).operands[0], g.node(mm).operands[1], c];
-        // In the product's place where the addend is ready by then: the GEMM then still
-        // reads its weight before the optimizer updates it in place.
-        let Some(at) = placement(g, &operands, &[mm, add]) else {
-            continue;
-        };
-        let r = insert_fused(
-            g,
-            at,
-            Op::MatmulAdd {
+        pairs.sort_by_key(|&(p, _)| std::cmp::Reverse(pos(g, p)));
+        if let Some(&(product, c)) = pairs.iter().find(|&&(p, c)| pos(g, c) < pos(g, p)) {
+            let mm = g.def(product);
+            let Op::Matmul {
                 transpose_a,
                 transpose_b,
-            },
-            &operands,
-            mm,
-            "a `matmul` and the `add` of its product (one GEMM accumulating into the addend)",
-        )?;
-        g.replace_all_uses(sum, r[0]);
-        g.remove_nodes(&[add, mm]);
-        fused += 1;
+            } = g.node(mm).op.clone()
+            else {
+                continue;
+            };
+            let operands = [g.node(mm).operands[0], g.node(mm).operands[1], c];
+            let r = insert_fused(
+                g,
+                At::Before(mm),
+                Op::MatmulAdd {
+                    transpose_a,
+                    transpose_b,
+                },
+                &operands,
+                mm,
+                "a `matmul` and the `add` of its product (one GEMM accumulating into the addend)",
+            )?;
+            g.replace_all_uses(sum, r[0]);
+            g.remove_nodes(&[add, mm]);
+            fused += 1;
+            continue;
+        }
+        // add(matmul_add(.., c0), p) with p computed first: p joins c0 inside.
+        let Some(&(product, acc)) = pairs.first() else {
+            continue;
+        };
+        let m = g.def(acc);
+        if !matches!(g.node(m).op, Op::MatmulAdd { .. }) || !read_only_by(g, &uses, acc, add) {
+            continue;
+        }
+        let c0 = g.node(m).operands[2];
+        if g.ty(c0) != g.ty(product) {
+            continue;
+        }
+        let meta = g.node(add).meta.clone();
+        let location = g.describe(add);
+        let inner = g
+            .insert_with(At::Before(m), Op::Add {}, &[c0, product], meta)
+            .map_err(|e| {
+                PassError::rewrite(NAME, "cannot reassociate a sum", location, e.to_string())
+            })?[0];
+        g.node_mut(m).operands[2] = inner;
+        g.replace_all_uses(sum, acc);
+        g.remove_nodes(&[add]);
+        work.push_front(g.def(inner));
     }
     Ok(fused)
 }
