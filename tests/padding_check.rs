@@ -176,3 +176,33 @@ fn pad_token_id_follows_each_config_class() {
         );
     }
 }
+
+#[test]
+fn autograd_reference_skips_the_padding_row() {
+    // `weft check` compares the backward graph with candle's autograd of the unsharded
+    // model; that autograd must give the padding row no gradient either (it gave it
+    // the pad tokens' gradient, and `check --train` failed on any batch holding one).
+    let (graph, weights, inputs) = load_fixture("llama_pad");
+    let reference =
+        weft_frontends::read_safetensors(&fixture("llama_pad").join("reference.safetensors"))
+            .unwrap();
+    let r = reference_run(&graph, &weights, &inputs);
+    assert_autograd_matches_hf("llama_pad autograd", &r, &reference);
+    // Random tokens over 128 rows, 128 of them: the pad token (5) is among them.
+    for mesh in ["", "dp=2", "tp=2"] {
+        let (code, out, err) = weft(&[
+            "check",
+            "tests/fixtures/llama_pad",
+            "--mesh",
+            mesh,
+            "--train",
+            "--seq",
+            "64",
+            "--batch",
+            "2",
+            "--json",
+        ]);
+        assert_eq!(code, 0, "check --train on `{mesh}`: {out}{err}");
+        assert_eq!(json(&out)["ok"], true, "{out}");
+    }
+}

@@ -3,7 +3,8 @@
 //! same order.
 //! This runtime holds every float dtype in one precision, so the roundings the fused
 //! GPU kernels keep (to the dtype where the unfused ops round) are identities here, and
-//! a fused program equals its unfused one to the last bit on this runtime.
+//! a fused program equals its unfused one to the last bit on this runtime, but for the
+//! order of the sums `fuse` reassociates into chains of `matmul_add`.
 
 use super::backward_kernels::{gelu_grad, rms_norm_grad, silu_grad};
 use super::kernels::{self, Cx, KResult};

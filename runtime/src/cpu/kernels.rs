@@ -310,12 +310,35 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             one(log_softmax(&ins[0], nd(*dim, ins[0].rank())?)?)
         }
 
-        Op::Embedding { .. } => {
+        Op::Embedding { padding_idx } => {
             let (ids, w) = (&ins[0], &ins[1]);
             let flat = ids.flatten_all()?;
             let vocab = w.dims()[0] as i64;
             check_range(&flat, 0, vocab, "token id", "the embedding's rows")?;
-            one(w.index_select(&flat, 0)?.reshape(cx.out_shape(0))?)
+            let rows = w.index_select(&flat, 0)?;
+            // The padding row gets no gradient (HF's `padding_idx`): its tokens read a
+            // detached copy of the table, so candle's autograd (the reference `check`
+            // differentiates) agrees with `embedding_grad`.
+            let pad = match padding_idx {
+                Some(p) => Some(cx.eval(p, "padding_idx")?),
+                None => None,
+            };
+            let rows = match pad {
+                Some(p) if (0..vocab).contains(&p) => {
+                    let iv = super::host::values_i64(&flat).map_err(KernelError)?;
+                    if iv.contains(&p) {
+                        let keep: Vec<u8> = iv.iter().map(|&t| u8::from(t != p)).collect();
+                        let keep = Tensor::from_vec(keep, iv.len(), DEV)?
+                            .unsqueeze(1)?
+                            .broadcast_as(rows.shape())?;
+                        keep.where_cond(&rows, &w.detach().index_select(&flat, 0)?)?
+                    } else {
+                        rows
+                    }
+                }
+                _ => rows,
+            };
+            one(rows.reshape(cx.out_shape(0))?)
         }
         Op::Linear {} => {
             let (x, w) = (ins[0].contiguous()?, ins[1].contiguous()?);
