@@ -30,6 +30,8 @@ pub const PLAN_VERSION: u32 = 2;
 ///   (`ce_bwd_*`, `ce_bwd_lse8_bf16`) run one block per row and read the row's logits
 ///   before (the max/sum reduction, synchronised) or at the same index as (the
 ///   gradient loop) each element they write.
+/// - `matmul_add(a, b, c) -> d`: (2, 0). One accumulating GEMM (cuBLASLt's beta = 1 with
+///   C = D, its in-place form) reads each element of `c` only to write the same element.
 ///
 /// Anything else writes in place only when it does not read the value it replaces.
 pub fn in_place_pairs(op: &str) -> &'static [(usize, usize)] {
@@ -37,6 +39,7 @@ pub fn in_place_pairs(op: &str) -> &'static [(usize, usize)] {
         "adamw" => &[(0, 0), (2, 1), (3, 2)],
         "sgd" => &[(0, 0), (2, 1)],
         "cross_entropy_grad" => &[(0, 0)],
+        "matmul_add" => &[(2, 0)],
         _ => &[],
     }
 }

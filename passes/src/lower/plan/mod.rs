@@ -168,8 +168,9 @@ fn category(
 /// runtime: `cross_entropy_grad` (the CPU reference runs on values, not buffers; the
 /// CUDA `ce_bwd_*` and `ce_bwd_lse8_bf16` kernels read each logit of a row before, or
 /// at the index of, the gradient element they write). Its logits gradient takes the
-/// logits' bytes when the logits die there (not when the step returns them).
-pub const ELEMENTWISE_IN_PLACE: &[&str] = &["cross_entropy_grad"];
+/// logits' bytes when the logits die there (not when the step returns them); and
+/// `matmul_add` (cuBLASLt accumulates into C = D), whose sum takes its addend's bytes.
+pub const ELEMENTWISE_IN_PLACE: &[&str] = &["cross_entropy_grad", "matmul_add"];
 
 /// How many compute instructions ahead of its place a ZeRO-3 parameter gather may
 /// start (about a transformer layer's forward).
