@@ -396,22 +396,21 @@ extern "C" __global__ void ce_bwd_lse8_bf16(uint4* dx, const uint4* logits, cons
     }
 }
 
-// Rotary embedding without per-element index arithmetic: grid (ceil(S / blockDim.y), ceil(N / nper), B),
+// Rotary embedding without per-element index arithmetic: grid (ceil(S / blockDim.y), N, B),
 // thread x = j < D / 2. j < r/2 rotates the pair (j, j + r/2); the rest copy two of the D - r
 // unrotated features each. cos/sin are f32 or bf16 [Bc, S, r] (cbs = 0 when Bc = 1).
-#define DEF_ROPE2(S_, T)                                                                                 \
+#define DEF_ROPE2(S_, T)                                                                                   \
     extern "C" __global__ void rope2_##S_(T* out, const T* x, const void* cosv, const void* sinv, int ccode,  \
-                                            int N, int S, int D, int r, i64 cbs, int nper) {                  \
+                                            int N, int S, int D, int r, i64 cbs) {                            \
         const int j = threadIdx.x;                                                                           \
         const int s = blockIdx.x * blockDim.y + threadIdx.y;                                                 \
         if (s >= S || j >= D / 2) return;                                                                    \
-        const int b = blockIdx.z;                                                                            \
-        const int n0 = blockIdx.y * nper, n1 = min(N, n0 + nper);                                            \
+        const int n = blockIdx.y, b = blockIdx.z;                                                            \
+        const i64 base = (((i64)b * N + n) * S + s) * D;                                                     \
         const int h = r / 2;                                                                                 \
-        /* cos/sin of this position and feature pair are read once for nper heads */                        \
-        float c0 = 0.f, s0 = 0.f, c1 = 0.f, s1 = 0.f;                                                        \
         if (j < h) {                                                                                         \
             const i64 ci = (i64)b * cbs + (i64)s * r + j;                                                    \
+            float c0, s0, c1, s1;                                                                            \
             if (ccode == 0) {                                                                                \
                 c0 = ((const float*)cosv)[ci]; c1 = ((const float*)cosv)[ci + h];                            \
                 s0 = ((const float*)sinv)[ci]; s1 = ((const float*)sinv)[ci + h];                            \
@@ -419,18 +418,13 @@ extern "C" __global__ void ce_bwd_lse8_bf16(uint4* dx, const uint4* logits, cons
                 c0 = (float)ld_any(cosv, ccode, ci); c1 = (float)ld_any(cosv, ccode, ci + h);                \
                 s0 = (float)ld_any(sinv, ccode, ci); s1 = (float)ld_any(sinv, ccode, ci + h);                \
             }                                                                                                \
-        }                                                                                                    \
-        for (int n = n0; n < n1; ++n) {                                                                      \
-            const i64 base = (((i64)b * N + n) * S + s) * D;                                                 \
-            if (j < h) {                                                                                     \
-                float a = tof(x[base + j]), bb = tof(x[base + j + h]);                                       \
-                out[base + j] = fromf<T>(a * c0 - bb * s0);                                                  \
-                out[base + j + h] = fromf<T>(bb * c1 + a * s1);                                              \
-            } else {                                                                                         \
-                const int d0 = r + 2 * (j - h);                                                              \
-                out[base + d0] = x[base + d0];                                                               \
-                if (d0 + 1 < D) out[base + d0 + 1] = x[base + d0 + 1];                                       \
-            }                                                                                                \
+            float a = tof(x[base + j]), bb = tof(x[base + j + h]);                                           \
+            out[base + j] = fromf<T>(a * c0 - bb * s0);                                                      \
+            out[base + j + h] = fromf<T>(bb * c1 + a * s1);                                                  \
+        } else {                                                                                             \
+            const int d0 = r + 2 * (j - h);                                                                  \
+            out[base + d0] = x[base + d0];                                                                   \
+            if (d0 + 1 < D) out[base + d0 + 1] = x[base + d0 + 1];                                           \
         }                                                                                                    \
     }
 FOR_FLOATS(DEF_ROPE2)

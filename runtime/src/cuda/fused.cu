@@ -145,29 +145,6 @@ __device__ __forceinline__ void add_rms_fwd8(uint4* sum, uint4* normed, const ui
     }
 }
 
-// Sums (a, b) over the block behind one barrier: each warp's partials go to one half of
-// `sh` (128 floats; consecutive calls alternate halves through `parity`, so a call never
-// overwrites partials another thread may still be reading), then every thread adds the
-// warp partials in warp order (deterministic).
-__device__ __forceinline__ void block_sum2(float& a, float& b, float* sh, int parity) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    a = warp_sum(a);
-    b = warp_sum(b);
-    float* half = sh + parity * 64;
-    if (lane == 0) {
-        half[2 * wid] = a;
-        half[2 * wid + 1] = b;
-    }
-    __syncthreads();
-    float sa = 0.f, sb = 0.f;
-    for (int w = 0; w < nw; ++w) {
-        sa += half[2 * w];
-        sb += half[2 * w + 1];
-    }
-    a = sa;
-    b = sb;
-}
-
 // add_rms_norm_grad: rms_bwd8 on the sum, its dx rounded as the unfused kernel stores it,
 // plus the residual gradient dres (rounded once more, as the unfused add). dw as rms_bwd8:
 // per-block f32 partials, summed by colsum_f32_to.
@@ -175,7 +152,7 @@ template <int RV_MAX>
 __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const uint4* x, const void* w, int wcode,
                                              const uint4* dy, const uint4* dres, i64 rows, int H, float eps,
                                              int rpb) {
-    __shared__ float sh[128];
+    __shared__ float sh[64];
     const int chunks = H >> 3;
     float wv[RV_MAX][8], acc[RV_MAX][8];
 #pragma unroll
@@ -203,7 +180,8 @@ __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const u
                 }
             }
         }
-        block_sum2(ss, gx, sh, (int)((row - r0) & 1));
+        ss = block_sum(ss, sh);
+        gx = block_sum(gx, sh);
         float r = rsqrtf(ss / (float)H + eps);
         float mean = gx * r / (float)H;
 #pragma unroll

@@ -350,11 +350,10 @@ kernels! {
         out: Ptr, x: Ptr, cosv: Ptr, sinv: Ptr, ccode: Code, b: I64, n: I64, s: I64, d: I64,
         r: I64, cbs: I64,
     }
-    /// rope with a (S-tiles, N / nper, B) grid of (D/2, rows) blocks, each block rotating
-    /// `nper` heads with one read of cos/sin; the call site picks the grid.
+    /// rope with a (S-tiles, N, B) grid of (D/2, rows) blocks; the call site picks the grid.
     Rope2 ["rope2_##S_"] Shape::Custom => {
         out: Ptr, x: Ptr, cosv: Ptr, sinv: Ptr, ccode: Code, n: I32, s: I32, d: I32, r: I32,
-        cbs: I64, nper: I32,
+        cbs: I64,
     }
 
     // ------------------------------------------------------------ embedding and indexing

@@ -33,10 +33,6 @@ pub(super) fn rope_table(
     lw.run("rope_table", o.numel(), k)
 }
 
-/// Heads one block of the 3-D rope kernel rotates: cos/sin (f32, 4x the bytes of a bf16
-/// pair) are read once for them, not once per head.
-const ROPE_HEADS_PER_BLOCK: usize = 8;
-
 /// `rope`: rotates x [B, N, S, D] by cos/sin [B|1, S, r].
 pub(super) fn rope(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<()> {
     let o = &outs[0];
@@ -76,13 +72,8 @@ pub(super) fn rope(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<()
             d: d as i32,
             r: r as i32,
             cbs,
-            nper: ROPE_HEADS_PER_BLOCK as i32,
         };
-        let grid = (
-            sq.div_ceil(ty as usize) as u32,
-            nh.div_ceil(ROPE_HEADS_PER_BLOCK) as u32,
-            b as u32,
-        );
+        let grid = (sq.div_ceil(ty as usize) as u32, nh as u32, b as u32);
         return lw.run_at(name, grid, (tx, ty, 1), 0, k);
     }
     let name = kname("rope", x.dtype)?;
