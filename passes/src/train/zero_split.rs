@@ -94,9 +94,10 @@ impl ZeroSplit {
         self.per_rank(self.unit_widths())
     }
 
-    /// This rank's elements.
+    /// This rank's elements (its units times the unit, so that a row split's flat
+    /// width and its rows' element count are the same dim).
     pub fn width(&self) -> Dim {
-        self.per_rank(self.widths())
+        self.unit_width() * Dim::from(self.unit)
     }
 
     /// The flat index of this rank's first element.
