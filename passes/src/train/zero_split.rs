@@ -281,7 +281,7 @@ impl Emitter<'_> {
                     shape: vec![split.group.size_dim() * Dim::from(chunk)],
                 },
                 &[rows],
-                &format!("{what}: every rank's piece, in order"),
+                what,
             )?;
             return self.op(
                 Op::Slice {
@@ -290,7 +290,7 @@ impl Emitter<'_> {
                     len: Dim::from(z * chunk),
                 },
                 &[flat],
-                &format!("{what}: {} elements", z * chunk),
+                &format!("{what} without padding"),
             );
         }
         let (wide, narrow) = (split.wide_ranks(), z - split.wide_ranks());
@@ -364,12 +364,13 @@ impl Emitter<'_> {
         )
     }
 
-    /// This rank's piece of a whole flat `[numel]` value.
+    /// This rank's piece of a whole flat `[numel]` value (`reason`: the slice's whole
+    /// provenance reason).
     pub fn piece_of(
         &mut self,
         split: &ZeroSplit,
         flat: Value,
-        what: &str,
+        reason: &str,
     ) -> Result<Value, crate::PassError> {
         self.op(
             Op::Slice {
@@ -378,7 +379,7 @@ impl Emitter<'_> {
                 len: split.width(),
             },
             &[flat],
-            &format!("{what}: this rank's piece"),
+            reason,
         )
     }
 
