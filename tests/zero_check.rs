@@ -102,7 +102,10 @@ fn batch_of(batch: usize, inputs: &BTreeMap<String, HostTensor>) -> BTreeMap<Str
             let s = t.shape[1];
             let x = t.to_i64();
             let rows: Vec<i64> = x.iter().cycle().take(batch * s).copied().collect();
-            (k.clone(), HostTensor::ints(DType::I64, vec![batch, s], rows))
+            (
+                k.clone(),
+                HostTensor::ints(DType::I64, vec![batch, s], rows),
+            )
         })
         .collect()
 }
@@ -624,7 +627,11 @@ fn uneven_groups_every_stage() {
         };
         // One axis splits every size; several axes leave the uneven ones whole.
         let uneven = stat("unsharded_uneven");
-        assert_eq!(uneven == 0, !mesh.contains(','), "{what}: {uneven} unsharded");
+        assert_eq!(
+            uneven == 0,
+            !mesh.contains(','),
+            "{what}: {uneven} unsharded"
+        );
         assert_eq!(
             stat("sharded") + uneven,
             weights.len() as u64,
@@ -650,7 +657,10 @@ fn uneven_groups_every_stage() {
                 })
                 .collect();
             assert_eq!(widths.iter().sum::<i64>(), 131, "{what}: rows {rows}");
-            assert!(widths.iter().max().unwrap() - widths.iter().min().unwrap() == 1, "{what}: {widths:?}");
+            assert!(
+                widths.iter().max().unwrap() - widths.iter().min().unwrap() == 1,
+                "{what}: {widths:?}"
+            );
         }
     }
 }
@@ -703,8 +713,7 @@ fn shard_round_trips_the_uneven_zero_training_state() {
     std::fs::create_dir_all(&dir).unwrap();
     let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
     let mut ckpt =
-        weft_frontends::read_safetensors(&fixture("llama_odd").join("model.safetensors"))
-            .unwrap();
+        weft_frontends::read_safetensors(&fixture("llama_odd").join("model.safetensors")).unwrap();
     let params: Vec<(String, HostTensor)> =
         ckpt.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     for (name, t) in &params {

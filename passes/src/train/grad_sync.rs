@@ -32,8 +32,7 @@ use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::util::made_by;
 use crate::zero::{Emitter, ZeroGroup, ZeroSplit};
 use weft_ir::{
-    At, Bindings, DType, Dim, Graph, Node, NodeMeta, Op, ReduceOp, TensorType, Value,
-    ValueRole,
+    At, Bindings, DType, Dim, Graph, Node, NodeMeta, Op, ReduceOp, TensorType, Value, ValueRole,
 };
 
 pub struct GradSync;

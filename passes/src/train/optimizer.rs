@@ -43,8 +43,8 @@ use crate::training::Optimizer;
 use crate::util::build_error;
 use crate::zero::{ZeroGroup, ZeroSplit};
 use weft_ir::{
-    role, At, DType, Graph, Node, NodeMeta, Op, Partition, Provenance, Role,
-    TensorType, Value, ValueName, ValueRole,
+    role, At, DType, Graph, Node, NodeMeta, Op, Partition, Provenance, Role, TensorType, Value,
+    ValueName, ValueRole,
 };
 
 pub struct OptimizerPass;
@@ -365,10 +365,7 @@ impl Writer<'_> {
         };
         // What the update works on: the whole tensor, or this rank's piece of it flattened.
         let (work_ty, gname) = match split {
-            Some(s) => (
-                TensorType::new(fdt, vec![s.width()]),
-                s.group.name(),
-            ),
+            Some(s) => (TensorType::new(fdt, vec![s.width()]), s.group.name()),
             None => (pty.with_dtype(fdt), String::new()),
         };
         let chunk_of = |w: &mut Self, v: Value, what: &str| -> Result<Value, PassError> {

@@ -15,8 +15,8 @@
 //! buffer, the outer link `1/n2` of it) and `all_gather`ed outermost first; the bytes
 //! each rank sends are those of one flat collective over the `Z = n1*n2` ranks.
 
-pub use crate::zero_split::{param_split, stage3_split, ZeroSplit};
 use crate::util::build_error;
+pub use crate::zero_split::{param_split, stage3_split, ZeroSplit};
 use weft_ir::{At, Dim, Graph, Mesh, NodeMeta, Op, Partition, Provenance, ReduceOp, Value};
 
 /// The axes whose ranks see different tokens of the same weights.
@@ -453,7 +453,9 @@ pub fn shard_param(
                 &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
             )?
         } else {
-            let what = format!("ZeRO-3: gather `{name}` for its {phase}{mbt}; freed after its last use there");
+            let what = format!(
+                "ZeRO-3: gather `{name}` for its {phase}{mbt}; freed after its last use there"
+            );
             let flat = em.op(
                 Op::Reshape {
                     shape: vec![rows.clone() * Dim::from(split.unit)],

@@ -202,7 +202,10 @@ impl Emitter<'_> {
                     shape: vec![Dim::from(z), Dim::from(chunk)],
                 },
                 &[flat],
-                &format!("{what}: one chunk per rank of the {} group", split.group.name()),
+                &format!(
+                    "{what}: one chunk per rank of the {} group",
+                    split.group.name()
+                ),
             );
         }
         let (wide, narrow) = (split.wide_ranks(), z - split.wide_ranks());
@@ -260,7 +263,10 @@ impl Emitter<'_> {
         self.op(
             Op::Concat { dim: 0 },
             &[head, tail],
-            &format!("{what}: one row per rank of the {} group", split.group.name()),
+            &format!(
+                "{what}: one row per rank of the {} group",
+                split.group.name()
+            ),
         )
     }
 
@@ -454,7 +460,10 @@ mod tests {
         let g = ZeroGroup::for_mesh(&m, false);
         assert!(param_split(&m, &ty, &g, false).is_none());
         let even = TensorType::new(weft_ir::DType::F32, vec![Dim::from(8), Dim::from(35)]);
-        assert_eq!(param_split(&m, &even, &g, true).unwrap().unit_widths(), vec![2; 4]);
+        assert_eq!(
+            param_split(&m, &even, &g, true).unwrap().unit_widths(),
+            vec![2; 4]
+        );
         let tiny = TensorType::new(weft_ir::DType::F32, vec![Dim::from(3)]);
         assert!(param_split(&m, &tiny, &g, false).is_none());
     }
