@@ -582,7 +582,8 @@ fn assert_unpadded_states(g: &Graph, weights: &BTreeMap<String, HostTensor>, wha
 }
 
 /// ZeRO stages 1, 2 and 3 on groups the fixture's sizes do not divide (dp=2, dp=3,
-/// cp=2 (its 5 heads rule out sp=2); dp x cp, where uneven sizes stay unsharded) match the one-rank step's
+/// cp=2 (its 5 heads rule out sp=2); dp x cp, where uneven sizes stay unsharded; dp
+/// with tp=2, whose per-rank tp shards stay unsharded) match the one-rank step's
 /// gradients, parameters and states after `K` steps, and store no padding: a rank's
 /// state is exactly its piece, and its rows at stage 3 a per-rank width.
 #[test]
@@ -598,6 +599,8 @@ fn uneven_groups_every_stage() {
         ("cp=2", 3, 1),
         ("dp=2,cp=2", 2, 1),
         ("dp=2,cp=2", 3, 2),
+        ("dp=2,tp=2", 1, 1),
+        ("dp=2,tp=2", 3, 1),
     ];
     let (threes, others): (Vec<_>, Vec<_>) = cases.iter().partition(|c| c.0 == "dp=3");
     check_batch("llama_odd", 4, &others);
@@ -625,7 +628,8 @@ fn uneven_groups_every_stage() {
                 .and_then(|p| p.counters.get(k).copied())
                 .unwrap_or(0)
         };
-        // One axis splits every size; several axes leave the uneven ones whole.
+        // A group of one axis splits every size; a group of several axes leaves the
+        // uneven ones whole, as tp=2 leaves its per-rank shards (5 heads, 35 columns).
         let uneven = stat("unsharded_uneven");
         assert_eq!(
             uneven == 0,
