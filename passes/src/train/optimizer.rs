@@ -702,20 +702,20 @@ fn flat_blocks(
     let data = w.to_f64();
     let mut out = Vec::new();
     for idx in block_indices(&w.shape, parts, mesh, block)? {
-        out.extend(idx.iter().map(|&i| i.map_or(0.0, |i| data[i])));
+        out.extend(idx.iter().map(|&i| data[i]));
     }
     Ok(out)
 }
 
 /// For each block of the flat state layout of a parameter of `shape` split by `parts`
 /// (see [`flat_blocks`]), the flat index in the whole parameter of each of its
-/// `block` elements (`None` for padding).
+/// `block` elements (a shard of another size is an error: ZeRO stores no padding).
 fn block_indices(
     shape: &[usize],
     parts: &[Partition],
     mesh: &weft_ir::Mesh,
     block: usize,
-) -> Result<Vec<Vec<Option<usize>>>, String> {
+) -> Result<Vec<Vec<usize>>, String> {
     let mut axes: Vec<(String, u32)> = Vec::new();
     for p in parts {
         if !axes.iter().any(|(a, _)| a == &p.axis) {
@@ -755,20 +755,20 @@ fn block_indices(
             maps[p.dim] = next;
         }
         let local: usize = maps.iter().map(Vec::len).product();
-        if local > block {
+        if local != block {
             return Err(format!(
-                "a shard of {local} elements does not fit its state block of {block}"
+                "a shard of {local} elements is not its state block of {block}"
             ));
         }
         let mut one = Vec::with_capacity(block);
         let mut idx = vec![0usize; shape.len()];
         for _ in 0..local {
-            one.push(Some(
+            one.push(
                 idx.iter()
                     .enumerate()
                     .map(|(d, &c)| maps[d][c] * strides[d])
                     .sum(),
-            ));
+            );
             for d in (0..shape.len()).rev() {
                 idx[d] += 1;
                 if idx[d] < maps[d].len() {
@@ -777,7 +777,6 @@ fn block_indices(
                 idx[d] = 0;
             }
         }
-        one.resize(block, None);
         out.push(one);
     }
     Ok(out)
@@ -806,14 +805,14 @@ pub fn state_as_param(
     let data = t.to_f64();
     let n: usize = shape.iter().product();
     let mut out = vec![0.0; n];
+    if data.len() != n {
+        return Err(format!(
+            "`{state}` has {} elements, not its parameter's {n}",
+            data.len()
+        ));
+    }
     if own.is_empty() {
-        if data.len() < n {
-            return Err(format!(
-                "`{state}` has {} elements, fewer than its parameter's {n}",
-                data.len()
-            ));
-        }
-        out.copy_from_slice(&data[..n]);
+        out.copy_from_slice(&data);
     } else {
         let blocks = data.len() / own_shards(g, own);
         for (k, idx) in block_indices(shape, own, &g.mesh, blocks)?
@@ -821,9 +820,7 @@ pub fn state_as_param(
             .enumerate()
         {
             for (j, i) in idx.iter().enumerate() {
-                if let Some(i) = i {
-                    out[*i] = data[k * blocks + j];
-                }
+                out[*i] = data[k * blocks + j];
             }
         }
     }
