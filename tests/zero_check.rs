@@ -316,15 +316,28 @@ fn zero_collectives_snapshot() {
 /// parameters come back through `reload`.
 #[test]
 fn optimizer_offload_matches_the_device_update_bit_for_bit() {
-    let (graph, weights, inputs) = load_fixture_batch4("llama", |i, _| i % 7 == 3);
-    for (mesh, zero, micro) in [
-        ("", 0, 1),
-        ("dp=2", 1, 1),
-        ("dp=2,sp=2", 2, 2),
-        ("dp=2,sp=2", 3, 1),
-        ("dp=2,tp=2", 3, 2),
-    ] {
-        let what = format!("{mesh} zero={zero} micro={micro}");
+    offload_matches_the_device_update(
+        "llama",
+        &[
+            ("", 0, 1),
+            ("dp=2", 1, 1),
+            ("dp=2,sp=2", 2, 2),
+            ("dp=2,sp=2", 3, 1),
+            ("dp=2,tp=2", 3, 2),
+        ],
+    );
+}
+
+/// The same on uneven shards: the host update of each rank's piece (per-rank widths).
+#[test]
+fn optimizer_offload_on_uneven_shards_matches_the_device_update() {
+    offload_matches_the_device_update("llama_odd", &[("dp=2", 1, 1), ("dp=2", 3, 2)]);
+}
+
+fn offload_matches_the_device_update(fam: &str, cases: &[(&str, u8, u32)]) {
+    let (graph, weights, inputs) = load_fixture_batch4(fam, |i, _| i % 7 == 3);
+    for &(mesh, zero, micro) in cases {
+        let what = format!("{fam} {mesh} zero={zero} micro={micro}");
         let device = opts(zero, micro);
         let mut host = device.clone();
         host.offload_optimizer = true;
