@@ -14,6 +14,10 @@
 //! is `reduce_scatter`ed over the innermost axis first (the fast link moves the whole
 //! buffer, the outer link `1/n2` of it) and `all_gather`ed outermost first; the bytes
 //! each rank sends are those of one flat collective over the `Z = n1*n2` ranks.
+//!
+//! How one parameter is cut over its group (near-evenly, with per-rank widths and no
+//! padding in stored state where the group does not divide its size) is
+//! [`crate::zero_split`]'s.
 
 use crate::util::build_error;
 pub use crate::zero_split::{param_split, stage3_split, ZeroSplit};
