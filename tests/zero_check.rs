@@ -91,7 +91,33 @@ fn close(what: &str, a: &HostTensor, b: &HostTensor) {
 
 /// Every (mesh, stage, micro-batches) of `cases` matches the one-rank step.
 fn check(fam: &str, cases: &[(&str, u8, u32)]) {
+    check_batch(fam, 4, cases)
+}
+
+/// The batch-4 inputs with rows appended (the first ones again) up to `batch` rows.
+fn batch_of(batch: usize, inputs: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
+    inputs
+        .iter()
+        .map(|(k, t)| {
+            let s = t.shape[1];
+            let x = t.to_i64();
+            let rows: Vec<i64> = x.iter().cycle().take(batch * s).copied().collect();
+            (
+                k.clone(),
+                HostTensor::ints(DType::I64, vec![batch, s], rows),
+            )
+        })
+        .collect()
+}
+
+/// [`check`] with `batch` rows (6 for groups of 3).
+fn check_batch(fam: &str, batch: usize, cases: &[(&str, u8, u32)]) {
     let (graph, weights, inputs) = load_fixture_batch4(fam, |i, _| i % 7 == 3);
+    let inputs = batch_of(batch, &inputs);
+    let opts = |zero, micro| TrainOptions {
+        batch: Some(batch as i64),
+        ..opts(zero, micro)
+    };
     let (one, _) = training_step(&graph, "", &opts(0, 1)).unwrap();
     let want = steps(&one, &weights, &inputs);
     for &(mesh, zero, micro) in cases {
@@ -111,19 +137,21 @@ fn check(fam: &str, cases: &[(&str, u8, u32)]) {
         let has_group = m
             .axes
             .iter()
-            .any(|(a, n)| *n > 1 && ["dp", "sp", "edp"].contains(&a.as_str()));
+            .any(|(a, n)| *n > 1 && ["dp", "sp", "cp", "edp"].contains(&a.as_str()));
         assert_eq!(
             sharded > 0,
             zero >= 1 && has_group,
             "{what}: {sharded} params sharded"
         );
         if zero >= 1 {
-            // tp-split parameters are sharded too: every parameter with replicas is.
+            // tp-split parameters are sharded too: every parameter with replicas is,
+            // but for sizes a group of several axes does not divide (left whole).
             let want = weights
                 .keys()
                 .filter(|p| !weft_passes::zero::ZeroGroup::of_param(&g, p).is_empty())
                 .count();
-            assert_eq!(sharded, want as u64, "{what}: params sharded");
+            let whole = stat("optimizer", "unsharded_uneven");
+            assert_eq!(sharded + whole, want as u64, "{what}: params sharded");
         }
         let scatters = g
             .nodes()
@@ -288,15 +316,28 @@ fn zero_collectives_snapshot() {
 /// parameters come back through `reload`.
 #[test]
 fn optimizer_offload_matches_the_device_update_bit_for_bit() {
-    let (graph, weights, inputs) = load_fixture_batch4("llama", |i, _| i % 7 == 3);
-    for (mesh, zero, micro) in [
-        ("", 0, 1),
-        ("dp=2", 1, 1),
-        ("dp=2,sp=2", 2, 2),
-        ("dp=2,sp=2", 3, 1),
-        ("dp=2,tp=2", 3, 2),
-    ] {
-        let what = format!("{mesh} zero={zero} micro={micro}");
+    offload_matches_the_device_update(
+        "llama",
+        &[
+            ("", 0, 1),
+            ("dp=2", 1, 1),
+            ("dp=2,sp=2", 2, 2),
+            ("dp=2,sp=2", 3, 1),
+            ("dp=2,tp=2", 3, 2),
+        ],
+    );
+}
+
+/// The same on uneven shards: the host update of each rank's piece (per-rank widths).
+#[test]
+fn optimizer_offload_on_uneven_shards_matches_the_device_update() {
+    offload_matches_the_device_update("llama_odd", &[("dp=2", 1, 1), ("dp=2", 3, 2)]);
+}
+
+fn offload_matches_the_device_update(fam: &str, cases: &[(&str, u8, u32)]) {
+    let (graph, weights, inputs) = load_fixture_batch4(fam, |i, _| i % 7 == 3);
+    for &(mesh, zero, micro) in cases {
+        let what = format!("{fam} {mesh} zero={zero} micro={micro}");
         let device = opts(zero, micro);
         let mut host = device.clone();
         host.offload_optimizer = true;
@@ -483,6 +524,274 @@ fn shard_round_trips_the_zero_training_state_across_meshes() {
         );
         if zero == "3" {
             assert_eq!(rank0[w].shape[0] * 4, ckpt[w].shape[0], "{mesh}: the rows");
+        }
+        let back = dir.join(format!("back{i}.safetensors"));
+        let (code, _, err) = weft(&[
+            "shard",
+            "--unshard",
+            "--weights",
+            &s(&shards),
+            "-o",
+            &s(&back),
+        ]);
+        assert_eq!(code, 0, "{mesh}: {err}");
+        let got = weft_frontends::read_safetensors(&back).unwrap();
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            ckpt.keys().collect::<Vec<_>>(),
+            "{mesh}"
+        );
+        for (name, t) in &ckpt {
+            assert_eq!(
+                got[name].digest(),
+                t.digest(),
+                "{mesh}: `{name}` not byte-exact"
+            );
+        }
+        from = back;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The uneven fixture (`llama_odd`: hidden 35, intermediate 67, vocab 131) reproduces
+/// its PyTorch reference: logits and loss within 1e-5, gradients within 1e-4.
+#[test]
+fn uneven_fixture_reproduces_pytorch() {
+    let (graph, weights, inputs) = load_fixture("llama_odd");
+    let reference =
+        weft_frontends::read_safetensors(&fixture("llama_odd").join("reference.safetensors"))
+            .unwrap();
+    let r = reference_run(&graph, &weights, &inputs);
+    for out in ["logits", "loss"] {
+        let e = rel_err(&r.outputs[out], &reference[out]);
+        assert!(e < 1e-5, "llama_odd: {out} rel err {e:e}");
+    }
+    assert_eq!(r.grads.len(), weights.len());
+    for (name, g) in &r.grads {
+        let e = rel_err(g, &reference[&format!("grad.{name}")]);
+        assert!(e < 1e-4, "llama_odd: grad.{name} rel err {e:e}");
+    }
+}
+
+/// The state a step returns holds no padding: every optimizer state (the pieces of all
+/// ranks, joined) has exactly its parameter's element count.
+fn assert_unpadded_states(g: &Graph, weights: &BTreeMap<String, HostTensor>, what: &str) {
+    let mut w = weights.clone();
+    w.extend(weft_passes::optimizer::initial_state(g, weights).unwrap());
+    for (name, _) in g.params() {
+        let Some(p) = name
+            .strip_prefix("optim.")
+            .and_then(|r| r.split_once('.'))
+            .map(|(_, p)| p)
+        else {
+            continue;
+        };
+        assert_eq!(
+            w[&name].numel(),
+            weights[p].numel(),
+            "{what}: `{name}` is not exactly its parameter's size"
+        );
+    }
+}
+
+/// ZeRO stages 1, 2 and 3 on groups the fixture's sizes do not divide (dp=2, dp=3,
+/// cp=2 (its 5 heads rule out sp=2); dp x cp, where uneven sizes stay unsharded; dp
+/// with tp=2, whose per-rank tp shards stay unsharded) match the one-rank step's
+/// gradients, parameters and states after `K` steps, and store no padding: a rank's
+/// state is exactly its piece, and its rows at stage 3 a per-rank width.
+#[test]
+fn uneven_groups_every_stage() {
+    let cases: &[(&str, u8, u32)] = &[
+        ("dp=2", 1, 1),
+        ("dp=2", 2, 2),
+        ("dp=2", 3, 1),
+        ("dp=3", 1, 1),
+        ("dp=3", 2, 1),
+        ("dp=3", 3, 2),
+        ("cp=2", 2, 1),
+        ("cp=2", 3, 1),
+        ("dp=2,cp=2", 2, 1),
+        ("dp=2,cp=2", 3, 2),
+        ("dp=2,tp=2", 1, 1),
+        ("dp=2,tp=2", 3, 1),
+    ];
+    let (threes, others): (Vec<_>, Vec<_>) = cases.iter().partition(|c| c.0 == "dp=3");
+    check_batch("llama_odd", 4, &others);
+    check_batch("llama_odd", 6, &threes);
+    let (graph, weights, _) = load_fixture("llama_odd");
+    for &(mesh, zero, micro) in cases {
+        let what = format!("llama_odd {mesh} zero={zero} micro={micro}");
+        let batch = if mesh == "dp=3" { 6 } else { 4 };
+        let o = TrainOptions {
+            batch: Some(batch),
+            ..opts(zero, micro)
+        };
+        let (g, report) = training_step(&graph, mesh, &o).unwrap();
+        assert_unpadded_states(&g, &weights, &what);
+        // The per-rank widths lower to a plan that validates.
+        weft_passes::plan::lower(&g, &weft_passes::plan::PlanOptions::new(batch, 16))
+            .unwrap_or_else(|e| panic!("{what}: plan: {e}"))
+            .check()
+            .unwrap_or_else(|e| panic!("{what}: plan check: {e}"));
+        let stat = |k: &str| {
+            report
+                .passes
+                .iter()
+                .find(|p| p.pass == "optimizer")
+                .and_then(|p| p.counters.get(k).copied())
+                .unwrap_or(0)
+        };
+        // A group of one axis splits every size; a group of several axes leaves the
+        // uneven ones whole, as tp=2 leaves its per-rank shards (5 heads, 35 columns).
+        let uneven = stat("unsharded_uneven");
+        assert_eq!(
+            uneven == 0,
+            !mesh.contains(','),
+            "{what}: {uneven} unsharded"
+        );
+        assert_eq!(
+            stat("sharded") + uneven,
+            weights.len() as u64,
+            "{what}: every parameter accounted for"
+        );
+        if zero == 3 && !mesh.contains(',') {
+            // The embedding's 131 rows are this rank's width of a per-rank table.
+            let (_, v) = g
+                .params()
+                .into_iter()
+                .find(|(n, _)| n == "model.embed_tokens.weight")
+                .unwrap();
+            let rows = &g.ty(v).shape[0];
+            let axis = &mesh[..2];
+            let n: i64 = mesh[3..].parse().unwrap();
+            let widths: Vec<i64> = (0..n)
+                .map(|r| {
+                    let mut b = weft_ir::Bindings::new().with(axis, n);
+                    for a in ["dp", "sp", "cp"] {
+                        b = b.with_coord(a, if a == axis { r } else { 0 });
+                    }
+                    rows.eval(&b).unwrap()
+                })
+                .collect();
+            assert_eq!(widths.iter().sum::<i64>(), 131, "{what}: rows {rows}");
+            assert!(
+                widths.iter().max().unwrap() - widths.iter().min().unwrap() == 1,
+                "{what}: {widths:?}"
+            );
+        }
+    }
+}
+
+/// The collectives (and the only padding: zeros in their buffers) of ZeRO-3 over an
+/// uneven dp=3 group: grad-sync's reduce_scatters of `[3, chunk]` buffers and the
+/// per-use gathers of each parameter's rows.
+#[test]
+fn zero_uneven_collectives_snapshot() {
+    let (graph, _, _) = load_fixture("llama_odd");
+    let mut o = opts(3, 1);
+    o.bucket_bytes = 1 << 20;
+    o.grad_outputs = false;
+    let (g, _) = training_step(&graph, "dp=3", &o).unwrap();
+    let mut text = String::from("== llama_odd dp=3 zero=3\n");
+    for &n in g.nodes() {
+        let d = g.node(n);
+        if !d.op.is_collective() && !matches!(d.op, Op::Full { .. }) {
+            continue;
+        }
+        let Some(p) = &d.meta.provenance else {
+            continue;
+        };
+        if p.pass != "grad-sync" && p.pass != "optimizer" {
+            continue;
+        }
+        let from = d
+            .operands
+            .first()
+            .map(|v| format!("{} ", g.ty(*v)))
+            .unwrap_or_default();
+        text.push_str(&format!(
+            "{} {from}-> {}: {}\n",
+            d.op.name(),
+            g.ty(d.results[0]),
+            p.reason
+        ));
+    }
+    insta::assert_snapshot!(text);
+}
+
+/// `weft shard --zero` writes the uneven training state of `llama_odd` padding-free
+/// (the ranks' pieces of every moment add up to its parameter, row widths differ by
+/// one at stage 3), and `--unshard` reads it back byte for byte, so the run resumes on
+/// another mesh: dp=3 at stage 1, then dp=2 at stage 3.
+#[test]
+fn shard_round_trips_the_uneven_zero_training_state() {
+    let dir = std::env::temp_dir().join(format!("weft-zero-odd-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let mut ckpt =
+        weft_frontends::read_safetensors(&fixture("llama_odd").join("model.safetensors")).unwrap();
+    let params: Vec<(String, HostTensor)> =
+        ckpt.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    for (name, t) in &params {
+        let x = t.to_f64();
+        let m: Vec<f64> = x.iter().map(|v| v * 0.25 + 0.5).collect();
+        let v: Vec<f64> = x.iter().map(|v| v * v + 0.125).collect();
+        ckpt.insert(
+            format!("optim.m.{name}"),
+            HostTensor::floats(DType::F32, t.shape.clone(), m),
+        );
+        ckpt.insert(
+            format!("optim.v.{name}"),
+            HostTensor::floats(DType::F32, t.shape.clone(), v),
+        );
+    }
+    let file = dir.join("train.safetensors");
+    weft_frontends::save_safetensors(&file, &ckpt).unwrap();
+    let ckpt = weft_frontends::read_safetensors(&file).unwrap();
+    let w = "model.layers.0.mlp.down_proj.weight"; // [35, 67]
+    let mut from = file.clone();
+    for (i, (mesh, zero, ranks)) in [("dp=3", "1", 3), ("dp=2", "3", 2)].into_iter().enumerate() {
+        let shards = dir.join(format!("shards{i}"));
+        let (code, out, err) = weft(&[
+            "shard",
+            &s(&fixture("llama_odd")),
+            "--weights",
+            &s(&from),
+            "--mesh",
+            mesh,
+            "--zero",
+            zero,
+            "-o",
+            &s(&shards),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{mesh}: {err}");
+        let files: Vec<String> = json(&out)["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(files.len(), ranks, "{mesh}: {out}");
+        let held: Vec<_> = files
+            .iter()
+            .map(|f| weft_frontends::read_safetensors(&shards.join(f)).unwrap())
+            .collect();
+        let moment: Vec<usize> = held
+            .iter()
+            .map(|r| r[&format!("optim.m.{w}")].numel())
+            .collect();
+        let want = if zero == "3" {
+            // Rows 18 and 17 of 35, each of 67 elements.
+            vec![18 * 67, 17 * 67]
+        } else {
+            vec![782, 782, 781]
+        };
+        assert_eq!(moment, want, "{mesh}: each rank's piece of the moment");
+        if zero == "3" {
+            let rows: Vec<usize> = held.iter().map(|r| r[w].shape[0]).collect();
+            assert_eq!(rows, vec![18, 17], "{mesh}: each rank's rows");
         }
         let back = dir.join(format!("back{i}.safetensors"));
         let (code, _, err) = weft(&[

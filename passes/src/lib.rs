@@ -31,6 +31,7 @@ pub use lower::{bindings, convert_dtype, fuse, memory, plan, search};
 pub use parallel::{ep, ring, ring_lower, shard_inputs, shard_seq, sp_loss, tp, ulysses};
 pub use train::{
     autodiff, checkpoint, grad_sync, linear_ce, micro_batches, offload, optimizer, training, zero,
+    zero_split,
 };
 
 pub use bindings::{check_bindings, BindingError};

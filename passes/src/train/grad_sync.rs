@@ -30,10 +30,9 @@
 use crate::autodiff::NAME as AUTODIFF;
 use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::util::made_by;
-use crate::zero::{Emitter, ZeroGroup};
+use crate::zero::{Emitter, ZeroGroup, ZeroSplit};
 use weft_ir::{
-    At, Bindings, DType, Dim, Float, Graph, Node, NodeMeta, Op, ReduceOp, TensorType, Value,
-    ValueRole,
+    At, Bindings, DType, Dim, Graph, Node, NodeMeta, Op, ReduceOp, TensorType, Value, ValueRole,
 };
 
 pub struct GradSync;
@@ -79,12 +78,13 @@ impl Pass for GradSync {
             res.count("bucket_bytes_max", 0);
             let m = res.counters.get_mut("bucket_bytes_max").unwrap();
             *m = (*m).max(b.bytes);
+            let zero3 = opts.zero3 && shards_out;
             let scatter = !b.group.is_empty()
                 && b.members
                     .iter()
-                    .all(|s| crate::zero::local_numel(&g.mesh, g.ty(s.local)).is_some());
+                    .all(|s| member_split(g, s, &b.group, zero3).is_some());
             let n = if scatter {
-                let (n, adds) = emit_scatter_bucket(g, i, b, shards_out, opts.zero3 && shards_out)?;
+                let (n, adds) = emit_scatter_bucket(g, i, b, shards_out, zero3)?;
                 dead.extend(adds);
                 res.count("reduce_scatter_buckets", 1);
                 n
@@ -390,10 +390,11 @@ fn micro_batch_parts(
     (parts.len() > 1).then_some((parts, adds))
 }
 
-/// Writes ZeRO bucket `i`: each member flattened, padded to `Z * chunk`
-/// (`chunk = ceil(n/Z)`), viewed `[Z, chunk]` and concatenated along the chunks, so
-/// that the `reduce_scatter` over the group leaves each rank exactly the chunks of
-/// every member that the sharded optimizer updates. With micro-batches, once per
+/// Writes ZeRO bucket `i`: each member flattened and laid out `[Z, chunk]`, one row
+/// per rank of its [`ZeroSplit`] (a narrow rank's piece followed by zeros: padding in
+/// the collective's buffer only), concatenated along the rows, so that the
+/// `reduce_scatter` over the group leaves each rank the rows of every member, which it
+/// cuts to exactly the pieces the sharded optimizer updates. With micro-batches, once per
 /// micro-batch after its last contribution, the shards added. Returns the number of
 /// collectives and the nodes of the replaced accumulation.
 fn emit_scatter_bucket(
@@ -404,13 +405,12 @@ fn emit_scatter_bucket(
     zero3: bool,
 ) -> Result<(u64, Vec<Node>), PassError> {
     let what = bucket_name(i, b);
-    let z = b.group.size();
-    let sizes: Vec<i64> = b
+    let splits: Vec<ZeroSplit> = b
         .members
         .iter()
-        .map(|s| crate::zero::local_numel(&g.mesh, g.ty(s.local)).expect("checked constant"))
+        .map(|s| member_split(g, s, &b.group, zero3).expect("checked split"))
         .collect();
-    let chunks: Vec<i64> = sizes.iter().map(|n| (n + z - 1) / z).collect();
+    let chunks: Vec<i64> = splits.iter().map(ZeroSplit::chunk).collect();
     // The rounds: one per micro-batch when every member splits the same way.
     let uses = g.uses();
     let split: Vec<_> = b
@@ -455,7 +455,7 @@ fn emit_scatter_bucket(
             g,
         };
         let mut rows = Vec::new();
-        for ((s, vs), (&n, &chunk)) in b.members.iter().zip(leaves).zip(sizes.iter().zip(&chunks)) {
+        for ((s, vs), split) in b.members.iter().zip(leaves).zip(&splits) {
             let mut v = vs[0];
             for &x in &vs[1..] {
                 v = em.op(
@@ -464,35 +464,8 @@ fn emit_scatter_bucket(
                     &format!("{what}{tag}: this micro-batch's gradient of {}", s.param()),
                 )?;
             }
-            v = em.flat_const(v, n, &format!("{what}{tag}"))?;
-            if chunk * z != n {
-                let pad = em.op(
-                    Op::Full {
-                        value: Float(0.0),
-                        ty: TensorType::new(b.dtype, vec![Dim::from(chunk * z - n)]),
-                    },
-                    &[],
-                    &format!(
-                        "{what}{tag}: padding to a multiple of the {} group's {z} ranks",
-                        b.group.name()
-                    ),
-                )?;
-                v = em.op(
-                    Op::Concat { dim: 0 },
-                    &[v, pad],
-                    &format!("{what}{tag}: pad"),
-                )?;
-            }
-            rows.push(em.op(
-                Op::Reshape {
-                    shape: vec![Dim::from(z), Dim::from(chunk)],
-                },
-                &[v],
-                &format!(
-                    "{what}{tag}: one chunk per rank of the {} group",
-                    b.group.name()
-                ),
-            )?);
+            v = em.flat_const(v, split.numel(), &format!("{what}{tag}"))?;
+            rows.push(em.split_rows(split, v, &format!("{what}{tag}"))?);
         }
         let flat = if rows.len() == 1 {
             rows[0]
@@ -545,11 +518,12 @@ fn emit_scatter_bucket(
                 &format!("{what}: each parameter's chunk"),
             )?
         };
-        for (s, p) in b.members.iter().zip(parts) {
+        for ((s, p), split) in b.members.iter().zip(parts).zip(&splits) {
             let param = s.param();
             // The per-rank gradient shard (ValueRole::GradShard) the sharded optimizer
-            // reads and removes: this rank's `ceil(n/Z)` elements of the flattened,
-            // zero-padded gradient, split over the parameter's ZeRO group of `Z` ranks.
+            // reads and removes: this rank's piece of the flattened gradient (its width
+            // of the parameter's split over its ZeRO group, no padding).
+            let p = em.own_piece(split, p, &format!("{what}: {param}"))?;
             let out = weft_ir::role::grad_shard_name(param);
             em.g.set_output(&out, p);
             let pparts = em.g.param_partition(param).to_vec();
@@ -558,16 +532,7 @@ fn emit_scatter_bucket(
     }
     // ZeRO-3 parameters (rows of dim 0 per rank) return their gradient as those rows,
     // partitioned like the parameter; the others the whole gradient.
-    let stage3: Vec<bool> = b
-        .members
-        .iter()
-        .map(|s| {
-            let param = s.param();
-            zero3
-                && ZeroGroup::of_param(em.g, param) == b.group
-                && crate::zero::stage3_rows(&em.g.mesh, em.g.ty(s.local), &b.group).is_some()
-        })
-        .collect();
+    let stage3: Vec<bool> = splits.iter().map(|s| s.rows).collect();
     if stage3.iter().any(|x| *x) {
         let parts = if b.members.len() == 1 {
             vec![shard]
@@ -581,18 +546,18 @@ fn emit_scatter_bucket(
                 &format!("{what}: each parameter's rows"),
             )?
         };
-        for ((s, p), _) in b
+        for ((s, p), split) in b
             .members
             .iter()
             .zip(parts)
-            .zip(&stage3)
-            .filter(|(_, x)| **x)
+            .zip(&splits)
+            .filter(|(_, x)| x.rows)
         {
             let mut shape = em.g.ty(s.local).shape.clone();
-            let rows =
-                crate::zero::stage3_rows(&em.g.mesh, em.g.ty(s.local), &b.group).expect("checked");
-            shape[0] = Dim::from(rows);
-            let v = em.unflat(p, &shape, &format!("{what}: ZeRO-3 rows of {}", s.param()))?;
+            shape[0] = split.unit_width();
+            let rows_what = format!("{what}: ZeRO-3 rows of {}", s.param());
+            let p = em.own_piece(split, p, &rows_what)?;
+            let v = em.unflat(p, &shape, &rows_what)?;
             em.g.set_output(&s.output, v);
         }
         if stage3.iter().all(|x| *x) {
@@ -613,37 +578,27 @@ fn emit_scatter_bucket(
             &format!("{what}: back to parameters"),
         )?
     };
-    for (((s, p), (&n, &c)), _) in b
+    for ((s, p), split) in b
         .members
         .iter()
         .zip(parts)
-        .zip(sizes.iter().zip(&chunks))
-        .zip(&stage3)
-        .filter(|(_, x)| !**x)
+        .zip(&splits)
+        .filter(|(_, x)| !x.rows)
     {
         let t = em.g.ty(s.local).clone();
         let name = s.param();
-        let mut v = em.op(
-            Op::Reshape {
-                shape: vec![b.group.size_dim() * Dim::from(c)],
-            },
-            &[p],
-            &format!("{what}: {name}"),
-        )?;
-        // Less the padding (the slice also gives the size as a constant).
-        v = em.op(
-            Op::Slice {
-                dim: 0,
-                start: Dim::zero(),
-                len: Dim::from(n),
-            },
-            &[v],
-            &format!("{what}: {name} without padding"),
-        )?;
-        v = em.unflat(v, &t.shape, &format!("{what}: {name}"))?;
+        let v = em.join_rows(split, p, &format!("{what}: {name}"))?;
+        let v = em.unflat(v, &t.shape, &format!("{what}: {name}"))?;
         em.g.set_output(&s.output, v);
     }
     Ok((collectives, dead))
+}
+
+/// The split of member `s`'s gradient over `group`: its parameter's ZeRO split (rows
+/// at stage 3 when `group` is the parameter's own group), as the optimizer makes it.
+fn member_split(g: &Graph, s: &Sync, group: &ZeroGroup, zero3: bool) -> Option<ZeroSplit> {
+    let stage3 = zero3 && ZeroGroup::of_param(g, s.param()) == *group;
+    crate::zero::param_split(&g.mesh, g.ty(s.local), group, stage3)
 }
 
 fn summarize(names: &[&str]) -> String {

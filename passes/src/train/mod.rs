@@ -3,7 +3,8 @@
 //! [`linear_ce`] (lm_head + cross-entropy fused over vocabulary chunks), //! [`micro_batches`] (gradient accumulation), [`autodiff`] (the backward),
 //! [`checkpoint`] (recompute policies and the memory budget), [`offload`] (activations
 //! to the host), [`grad_sync`] (coalesced gradient reduction), [`optimizer`] (updates
-//! inside the backward) and [`training`] (the training options and pass list).
+//! inside the backward), [`zero`] and [`zero_split`] (ZeRO's groups, collectives and
+//! padding-free splits) and [`training`] (the training options and pass list).
 
 pub mod autodiff;
 pub mod checkpoint;
@@ -14,3 +15,4 @@ pub mod offload;
 pub mod optimizer;
 pub mod training;
 pub mod zero;
+pub mod zero_split;

@@ -41,10 +41,10 @@
 use crate::pass::{Pass, PassContext, PassError, PassResult};
 use crate::training::Optimizer;
 use crate::util::build_error;
-use crate::zero::ZeroGroup;
+use crate::zero::{ZeroGroup, ZeroSplit};
 use weft_ir::{
-    role, At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Partition, Provenance, Role,
-    TensorType, Value, ValueName, ValueRole,
+    role, At, DType, Graph, Node, NodeMeta, Op, Partition, Provenance, Role, TensorType, Value,
+    ValueName, ValueRole,
 };
 
 pub struct OptimizerPass;
@@ -137,26 +137,29 @@ impl Pass for OptimizerPass {
             if !pty.dtype.is_float() {
                 continue;
             }
-            // ZeRO-1 shards the (local) parameter over its data-parallel group.
-            let mut group = ZeroGroup::of_param(w.g, &name);
-            if !zero || crate::zero::local_numel(&w.g.mesh, &pty).is_none() {
-                if zero && !group.is_empty() {
-                    res.count("unsharded_uneven", 1);
-                }
-                group = ZeroGroup::default();
+            // ZeRO-1 shards the (local) parameter over its data-parallel group, by one
+            // split computed here and by grad-sync alike (rows when ZeRO-3 shards it).
+            let group = ZeroGroup::of_param(w.g, &name);
+            let split = if zero {
+                crate::zero::param_split(&w.g.mesh, &pty, &group, cx.options.train.zero3)
+            } else {
+                None
+            };
+            if zero && split.is_none() && !group.is_empty() {
+                res.count("unsharded_uneven", 1);
             }
             w.meta.source = w.g.node(w.g.def(pv)).meta.source.clone();
             // ZeRO-3: the parameter itself becomes this rank's rows, gathered per use.
             let mut pv = pv;
             let mut stage3 = false;
             if cx.options.train.zero3 {
-                match crate::zero::stage3_rows(&w.g.mesh, &pty, &group) {
-                    Some(rows) => {
-                        pv = crate::zero::shard_param(w.g, NAME, &name, &group, rows)?;
+                match &split {
+                    Some(s) if s.rows => {
+                        pv = crate::zero::shard_param(w.g, NAME, &name, s)?;
                         stage3 = true;
                         res.count("stage3_params", 1);
                     }
-                    None if !group.is_empty() => {
+                    Some(_) => {
                         res.count("stage3_whole", 1);
                     }
                     None => {}
@@ -165,7 +168,17 @@ impl Pass for OptimizerPass {
             let first = w.g.nodes().len();
             let master = cx.options.train.master_weights;
             let new = w.update(
-                &name, pv, &pty, stage3, gv, step, &opt, &group, master, offload, &mut res,
+                &name,
+                pv,
+                &pty,
+                stage3,
+                gv,
+                step,
+                &opt,
+                split.as_ref(),
+                master,
+                offload,
+                &mut res,
             )?;
             groups.push((pv, w.g.nodes()[first..].to_vec()));
             w.g.set_output(&role::updated_name(&name), new);
@@ -286,13 +299,13 @@ impl Writer<'_> {
     }
 
     /// A state parameter `optim.<kind>.<name>` of type `ty`: partitioned like the
-    /// parameter, or flat and sharded over `group` (of `chunk`-element shards).
+    /// parameter, or flat and sharded by `shard` (each rank exactly its piece).
     fn state(
         &mut self,
         kind: &str,
         name: &str,
         ty: &TensorType,
-        shard: Option<(&ZeroGroup, i64)>,
+        shard: Option<&ZeroSplit>,
         res: &mut PassResult,
     ) -> Result<Value, PassError> {
         let sname = role::optimizer_state_name(kind, name);
@@ -304,9 +317,9 @@ impl Writer<'_> {
             &[],
         )?;
         let own = own_partitions(self.g, name);
-        if let Some((group, chunk)) = shard {
-            let flat = crate::zero::flat_param_partitions(&self.g.mesh, &own, group.size() * chunk);
-            for p in group.flat_partitions(flat, chunk) {
+        if let Some(split) = shard {
+            let flat = crate::zero::flat_param_partitions(&self.g.mesh, &own, split.numel());
+            for p in split.state_partitions(flat) {
                 self.g.add_param_partition(&sname, p);
             }
         } else {
@@ -318,12 +331,12 @@ impl Writer<'_> {
         Ok(v)
     }
 
-    fn state_out(&mut self, kind: &str, name: &str, v: Value, shard: Option<&ZeroGroup>) {
+    fn state_out(&mut self, kind: &str, name: &str, v: Value, shard: Option<&ZeroSplit>) {
         let out = role::optimizer_state_name(kind, name);
         self.g.set_output(&out, v);
-        if let Some(group) = shard {
+        if let Some(split) = shard {
             let own = own_partitions(self.g, name);
-            crate::zero::split_output(self.g, &out, &own, group);
+            crate::zero::split_output(self.g, &out, &own, &split.group);
         }
     }
 
@@ -337,7 +350,7 @@ impl Writer<'_> {
         grad: Value,
         step: Value,
         opt: &Optimizer,
-        group: &ZeroGroup,
+        split: Option<&ZeroSplit>,
         master_weights: bool,
         offload: bool,
         res: &mut PassResult,
@@ -350,67 +363,37 @@ impl Writer<'_> {
         } else {
             DType::F32
         };
-        // What the update works on: the whole tensor, or this rank's chunk of it flattened.
-        let n = pty.numel();
-        let dp = group.size();
-        let gname = group.name();
-        let (work_ty, shard_len) = if !group.is_empty() {
-            let Some(total) = crate::zero::local_numel(&self.g.mesh, &pty) else {
-                return Err(PassError::rewrite(
-                    NAME,
-                    format!("`{NAME}` cannot shard `{name}` over {gname}"),
-                    format!("param `{name}`"),
-                    format!("its size `{n}` is not a constant"),
-                ));
-            };
-            let chunk = (total + dp - 1) / dp;
-            (
-                TensorType::new(fdt, vec![Dim::from(chunk)]),
-                Some((total, chunk)),
-            )
-        } else {
-            (pty.with_dtype(fdt), None)
+        // What the update works on: the whole tensor, or this rank's piece of it flattened.
+        let (work_ty, gname) = match split {
+            Some(s) => (TensorType::new(fdt, vec![s.width()]), s.group.name()),
+            None => (pty.with_dtype(fdt), String::new()),
         };
         let chunk_of = |w: &mut Self, v: Value, what: &str| -> Result<Value, PassError> {
-            let Some((total, chunk)) = shard_len else {
+            let Some(split) = split else {
                 return Ok(v);
             };
-            w.why(format!(
-                "ZeRO-1: this rank's 1/{dp} of `{name}`'s {what} (group {gname})"
-            ));
-            let flat = {
-                let mut em = crate::zero::Emitter {
-                    pass: NAME,
-                    at: At::End,
-                    meta: w.meta.clone(),
-                    g: &mut *w.g,
-                };
-                em.flat_const(v, total, &format!("ZeRO-1: `{name}`'s {what}"))?
-            };
-            let pad = chunk * dp - total;
-            let flat = if pad > 0 {
-                let z = w.op(
-                    Op::Full {
-                        value: Float(0.0),
-                        ty: TensorType::new(w.g.ty(v).dtype, vec![Dim::from(pad)]),
-                    },
-                    &[],
-                )?;
-                w.op(Op::Concat { dim: 0 }, &[flat, z])?
+            let reason = if split.is_even() {
+                format!(
+                    "ZeRO-1: this rank's 1/{} of `{name}`'s {what} (group {gname})",
+                    split.ranks()
+                )
             } else {
-                flat
+                format!(
+                    "ZeRO-1: this rank's piece of `{name}`'s {what} (group {gname}, uneven: {:?} per rank)",
+                    split.widths()
+                )
             };
-            w.op(
-                Op::Slice {
-                    dim: 0,
-                    start: group.index() * Dim::from(chunk),
-                    len: Dim::from(chunk),
-                },
-                &[flat],
-            )
+            w.why(reason.clone());
+            let mut em = crate::zero::Emitter {
+                pass: NAME,
+                at: At::End,
+                meta: w.meta.clone(),
+                g: &mut *w.g,
+            };
+            let flat = em.flat_const(v, split.numel(), &format!("ZeRO-1: `{name}`'s {what}"))?;
+            em.piece_of(split, flat, &reason)
         };
-        let sh = shard_len.map(|(_, chunk)| (group, chunk));
-        let sh_out = shard_len.map(|_| group);
+        let sh = split;
         // The f32 weights the update reads: the param, or its master copy.
         let master = if (low && master_weights) || offload {
             res.count("master_weights", 1);
@@ -426,15 +409,21 @@ impl Writer<'_> {
         let w32 = match master {
             Some(m) => m,
             None if stage3 => {
-                // The parameter is already this rank's rows: its chunk, flat.
-                let (_, chunk) = shard_len.expect("stage 3 shards");
+                // The parameter is already this rank's rows: its piece, flat.
+                let split = split.expect("stage 3 shards");
                 let mut em = crate::zero::Emitter {
                     pass: NAME,
                     at: At::End,
                     meta: self.meta.clone(),
                     g: &mut *self.g,
                 };
-                let v = em.flat_const(p, chunk, &format!("ZeRO-3: `{name}`"))?;
+                let v = em.op(
+                    Op::Reshape {
+                        shape: vec![split.width()],
+                    },
+                    &[p],
+                    &format!("ZeRO-3: `{name}`'s rows, flat"),
+                )?;
                 if self.g.ty(v).dtype == fdt {
                     v
                 } else {
@@ -446,8 +435,8 @@ impl Writer<'_> {
         };
         // Under ZeRO-2, grad-sync left this rank's chunk of the reduced gradient.
         let shard_out = role::grad_shard_name(name);
-        let (grad, chunked) = match (shard_len, self.g.output(&shard_out)) {
-            (Some((_, chunk)), Some(v)) if self.g.ty(v).shape == [Dim::from(chunk)] => (v, true),
+        let (grad, chunked) = match (split, self.g.output(&shard_out)) {
+            (Some(s), Some(v)) if self.g.ty(v).shape == [s.width()] => (v, true),
             _ => (grad, false),
         };
         self.g.remove_output(&shard_out);
@@ -501,8 +490,8 @@ impl Writer<'_> {
                     },
                     &[w32, g_host, m, v, step],
                 )?;
-                self.state_out("m", name, r[1], sh_out);
-                self.state_out("v", name, r[2], sh_out);
+                self.state_out("m", name, r[1], sh);
+                self.state_out("v", name, r[2], sh);
                 host_param = Some(r[3]);
                 r[0]
             }
@@ -531,8 +520,8 @@ impl Writer<'_> {
                     },
                     &[w32, g, m, v, step],
                 )?;
-                self.state_out("m", name, r[1], sh_out);
-                self.state_out("v", name, r[2], sh_out);
+                self.state_out("m", name, r[1], sh);
+                self.state_out("v", name, r[2], sh);
                 r[0]
             }
             Optimizer::Sgd {
@@ -554,7 +543,7 @@ impl Writer<'_> {
                         },
                         &[w32, g, b],
                     )?;
-                    self.state_out("buf", name, r[1], sh_out);
+                    self.state_out("buf", name, r[1], sh);
                     r[0]
                 } else {
                     self.op(
@@ -569,7 +558,7 @@ impl Writer<'_> {
             }
         };
         if master.is_some() {
-            self.state_out("master", name, new32, sh_out);
+            self.state_out("master", name, new32, sh);
         }
         // Back to the whole parameter in its dtype (cast first: the gather moves the
         // parameter's dtype, bf16 under mixed precision, not the f32 master).
@@ -605,44 +594,16 @@ impl Writer<'_> {
                 &format!("ZeRO-3: `{name}`'s updated rows"),
             );
         }
-        if let Some((total, chunk)) = shard_len {
+        if let Some(split) = split {
             res.count("sharded", 1);
-            self.why(format!(
-                "ZeRO-1: every rank's updated chunk of `{name}`, {} bytes",
-                chunk * dp * pty.dtype.size_bytes() as i64
-            ));
-            let mut em = crate::zero::Emitter {
-                pass: NAME,
-                at: weft_ir::At::End,
-                meta: self.meta.clone(),
-                g: &mut *self.g,
-            };
-            whole = em.all_gather(
-                group,
-                whole,
-                &format!("ZeRO-1: every rank's updated chunk of `{name}`"),
-            )?;
-            whole = self.op(
-                Op::Reshape {
-                    shape: vec![group.size_dim() * Dim::from(chunk)],
-                },
-                &[whole],
-            )?;
-            // Less the padding (the slice also gives the size as a constant).
-            whole = self.op(
-                Op::Slice {
-                    dim: 0,
-                    start: Dim::zero(),
-                    len: Dim::from(total),
-                },
-                &[whole],
-            )?;
+            let what = format!("ZeRO-1: every rank's updated chunk of `{name}`");
             let mut em = crate::zero::Emitter {
                 pass: NAME,
                 at: At::End,
                 meta: self.meta.clone(),
                 g: &mut *self.g,
             };
+            whole = em.gather_pieces(split, whole, &what)?;
             whole = em.unflat(whole, &pty.shape, &format!("ZeRO-1: `{name}`"))?;
         }
         Ok(whole)
@@ -651,7 +612,7 @@ impl Writer<'_> {
 
 /// The optimizer state a step program starts from: zero moments and buffers, and master
 /// weights copied from the (low-precision) parameters, each as the full tensor the
-/// runtime expects (a state sharded over dp: the flattened, zero-padded whole).
+/// runtime expects (a state sharded over dp: the flattened whole, every rank's piece).
 /// Entries already in `weights` are kept.
 pub fn initial_state(
     g: &Graph,
@@ -693,20 +654,19 @@ pub fn initial_state(
                 let flat_sharded = g.param_partition(&sname).iter().any(|p| p.kind == "zero");
                 let own_v = own_partitions(g, param);
                 let own = own_v.as_slice();
-                let mut d = if flat_sharded && !own.is_empty() {
-                    // One padded block per shard of the parameter, in its split order.
+                let d = if flat_sharded && !own.is_empty() {
+                    // One block per shard of the parameter, in its split order.
                     let blocks = n / own_shards(g, own);
                     flat_blocks(w, own, &g.mesh, blocks)?
                 } else {
                     w.to_f64()
                 };
-                if d.len() > n {
+                if d.len() != n {
                     return Err(format!(
                         "`{param}` has {} elements but its master copy {n}",
                         d.len()
                     ));
                 }
-                d.resize(n, 0.0);
                 d
             }
             _ => vec![0.0; n],
@@ -732,7 +692,7 @@ fn own_shards(g: &Graph, parts: &[Partition]) -> usize {
 
 /// The flat state layout of a split parameter: for every combination of coordinates on
 /// its split axes (row-major, in the partitions' order), that shard of `w` flattened
-/// and zero-padded to `block` elements.
+/// (`block` elements each: ZeRO stores no padding).
 fn flat_blocks(
     w: &weft_ir::HostTensor,
     parts: &[Partition],
@@ -742,20 +702,20 @@ fn flat_blocks(
     let data = w.to_f64();
     let mut out = Vec::new();
     for idx in block_indices(&w.shape, parts, mesh, block)? {
-        out.extend(idx.iter().map(|&i| i.map_or(0.0, |i| data[i])));
+        out.extend(idx.iter().map(|&i| data[i]));
     }
     Ok(out)
 }
 
 /// For each block of the flat state layout of a parameter of `shape` split by `parts`
 /// (see [`flat_blocks`]), the flat index in the whole parameter of each of its
-/// `block` elements (`None` for padding).
+/// `block` elements (a shard of another size is an error: ZeRO stores no padding).
 fn block_indices(
     shape: &[usize],
     parts: &[Partition],
     mesh: &weft_ir::Mesh,
     block: usize,
-) -> Result<Vec<Vec<Option<usize>>>, String> {
+) -> Result<Vec<Vec<usize>>, String> {
     let mut axes: Vec<(String, u32)> = Vec::new();
     for p in parts {
         if !axes.iter().any(|(a, _)| a == &p.axis) {
@@ -795,20 +755,20 @@ fn block_indices(
             maps[p.dim] = next;
         }
         let local: usize = maps.iter().map(Vec::len).product();
-        if local > block {
+        if local != block {
             return Err(format!(
-                "a shard of {local} elements does not fit its state block of {block}"
+                "a shard of {local} elements is not its state block of {block}"
             ));
         }
         let mut one = Vec::with_capacity(block);
         let mut idx = vec![0usize; shape.len()];
         for _ in 0..local {
-            one.push(Some(
+            one.push(
                 idx.iter()
                     .enumerate()
                     .map(|(d, &c)| maps[d][c] * strides[d])
                     .sum(),
-            ));
+            );
             for d in (0..shape.len()).rev() {
                 idx[d] += 1;
                 if idx[d] < maps[d].len() {
@@ -817,15 +777,14 @@ fn block_indices(
                 idx[d] = 0;
             }
         }
-        one.resize(block, None);
         out.push(one);
     }
     Ok(out)
 }
 
 /// A whole state tensor (as a step returns it, `optim.<kind>.<param>`) in the layout of
-/// its parameter (`shape`): a ZeRO-sharded state is flat, padded and, for a split
-/// parameter, blocked by shard; others are returned unchanged. For comparing states
+/// its parameter (`shape`): a ZeRO-sharded state is flat (every rank's piece, no
+/// padding) and, for a split parameter, blocked by shard; others are returned unchanged. For comparing states
 /// across meshes and resharding them.
 pub fn state_as_param(
     g: &Graph,
@@ -846,14 +805,14 @@ pub fn state_as_param(
     let data = t.to_f64();
     let n: usize = shape.iter().product();
     let mut out = vec![0.0; n];
+    if data.len() != n {
+        return Err(format!(
+            "`{state}` has {} elements, not its parameter's {n}",
+            data.len()
+        ));
+    }
     if own.is_empty() {
-        if data.len() < n {
-            return Err(format!(
-                "`{state}` has {} elements, fewer than its parameter's {n}",
-                data.len()
-            ));
-        }
-        out.copy_from_slice(&data[..n]);
+        out.copy_from_slice(&data);
     } else {
         let blocks = data.len() / own_shards(g, own);
         for (k, idx) in block_indices(shape, own, &g.mesh, blocks)?
@@ -861,9 +820,7 @@ pub fn state_as_param(
             .enumerate()
         {
             for (j, i) in idx.iter().enumerate() {
-                if let Some(i) = i {
-                    out[*i] = data[k * blocks + j];
-                }
+                out[*i] = data[k * blocks + j];
             }
         }
     }
@@ -872,8 +829,8 @@ pub fn state_as_param(
 
 /// The inverse of [`state_as_param`]: a state in the layout of its parameter (as a
 /// universal training checkpoint stores it) as the whole tensor the step program's
-/// state param `state` holds (flat, zero-padded and blocked by shard when ZeRO shards
-/// it; unchanged otherwise), in the state's dtype.
+/// state param `state` holds (flat and blocked by shard when ZeRO shards it, no
+/// padding; unchanged otherwise), in the state's dtype.
 pub fn state_from_param(
     g: &Graph,
     state: &str,
@@ -912,18 +869,17 @@ pub fn state_from_param(
     };
     let own_v = own_partitions(g, param);
     let own = own_v.as_slice();
-    let mut d = if own.is_empty() {
+    let d = if own.is_empty() {
         t.to_f64()
     } else {
         flat_blocks(t, own, &g.mesh, n / own_shards(g, own))?
     };
-    if d.len() > n {
+    if d.len() != n {
         return Err(format!(
             "`{state}` has {} elements but the step holds {n}",
             d.len()
         ));
     }
-    d.resize(n, 0.0);
     Ok(weft_ir::HostTensor::floats(ty.dtype, shape, d))
 }
 

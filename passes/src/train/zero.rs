@@ -14,8 +14,13 @@
 //! is `reduce_scatter`ed over the innermost axis first (the fast link moves the whole
 //! buffer, the outer link `1/n2` of it) and `all_gather`ed outermost first; the bytes
 //! each rank sends are those of one flat collective over the `Z = n1*n2` ranks.
+//!
+//! How one parameter is cut over its group (near-evenly, with per-rank widths and no
+//! padding in stored state where the group does not divide its size) is
+//! [`crate::zero_split`]'s.
 
 use crate::util::build_error;
+pub use crate::zero_split::{param_split, stage3_split, ZeroSplit};
 use weft_ir::{At, Dim, Graph, Mesh, NodeMeta, Op, Partition, Provenance, ReduceOp, Value};
 
 /// The axes whose ranks see different tokens of the same weights.
@@ -107,24 +112,11 @@ impl ZeroGroup {
         s.extend_from_slice(rest);
         s
     }
-
-    /// Partitions of a flat `[outer * Z * chunk]` state tensor whose dim 0 is already
-    /// split into `outer` equal blocks by `before` (the parameter's own partitions,
-    /// rewritten for the flat tensor): then over each group axis, outermost first.
-    pub fn flat_partitions(&self, before: Vec<Partition>, chunk: i64) -> Vec<Partition> {
-        let mut out = before;
-        let mut inner = self.size() * chunk;
-        for (a, n) in &self.axes {
-            inner /= n;
-            out.push(Partition::simple("zero", a, 0, vec![inner; *n as usize]));
-        }
-        out
-    }
 }
 
 /// The partitions of a flat state tensor for a parameter split by `parts`: each of the
 /// parameter's split axes becomes a split of the flat tensor's dim 0 into equal blocks
-/// of `block` elements (the flattened, padded local shard), in the same order.
+/// of `block` elements (the flattened local shard, exactly), in the same order.
 pub fn flat_param_partitions(mesh: &Mesh, parts: &[Partition], block: i64) -> Vec<Partition> {
     let mut axes: Vec<(String, i64)> = Vec::new();
     for p in parts {
@@ -343,7 +335,7 @@ impl Emitter<'_> {
 
 /// Declares output `name` split on dim 0 over the param partition axes of `parts` and
 /// then the group, outermost first (the layout of [`flat_param_partitions`] and
-/// [`ZeroGroup::flat_partitions`]).
+/// [`ZeroSplit::state_partitions`]).
 pub fn split_output(g: &mut Graph, name: &str, parts: &[Partition], group: &ZeroGroup) {
     let mut seen: Vec<&str> = Vec::new();
     for p in parts {
@@ -357,24 +349,6 @@ pub fn split_output(g: &mut Graph, name: &str, parts: &[Partition], group: &Zero
     }
 }
 
-/// ZeRO stage 3 for a parameter of local type `ty`: the rows of dim 0 each rank of
-/// `group` keeps, when dim 0 divides evenly by the group (then a rank's flat chunk of
-/// the parameter, gradient and state is exactly its block of rows, with no padding).
-/// `None`: the parameter stays whole on every rank (its state is still sharded).
-pub fn stage3_rows(mesh: &Mesh, ty: &weft_ir::TensorType, group: &ZeroGroup) -> Option<i64> {
-    if group.is_empty() || ty.rank() == 0 || !ty.dtype.is_float() {
-        return None;
-    }
-    local_numel(mesh, ty)?;
-    let mut b = weft_ir::Bindings::new();
-    for (a, n) in &mesh.axes {
-        b = b.with(a, *n as i64);
-    }
-    let rows = ty.shape[0].bind(&b).as_const()?;
-    let z = group.size();
-    (rows >= z && rows % z == 0).then_some(rows / z)
-}
-
 /// The region of a parameter use that shares one ZeRO-3 gather: the forward or the
 /// backward (recomputation included) of one micro-batch.
 fn use_region(g: &Graph, n: weft_ir::Node) -> (bool, u32) {
@@ -382,18 +356,25 @@ fn use_region(g: &Graph, n: weft_ir::Node) -> (bool, u32) {
     (m.derived.is_some(), m.micro_batch.unwrap_or(u32::MAX))
 }
 
-/// ZeRO stage 3: parameter `name` becomes this rank's block of `rows` rows of dim 0
-/// (split over `group` inside its own partitions, outermost axis first), and every
-/// region that reads it (each micro-batch's forward, each backward) reads its own
-/// `all_gather` of the blocks, made right before the region's first use: the whole
+/// ZeRO stage 3: parameter `name` becomes this rank's rows of dim 0 (the row split
+/// `split` over its group, inside its own partitions, outermost axis first; uneven
+/// rows are this rank's width of a per-rank table, never padded), and every region
+/// that reads it (each micro-batch's forward, each backward) reads its own
+/// `all_gather` of the rows, made right before the region's first use: the whole
 /// parameter lives only while that region runs. Returns the new parameter value.
 pub fn shard_param(
     g: &mut Graph,
     pass: &'static str,
     name: &str,
-    group: &ZeroGroup,
-    rows: i64,
+    split: &ZeroSplit,
 ) -> Result<Value, crate::PassError> {
+    let group = &split.group;
+    let rows = split.unit_width();
+    let widths = if split.is_even() {
+        String::new()
+    } else {
+        format!(", uneven: {:?} per rank", split.unit_widths())
+    };
     let olds: Vec<(weft_ir::Node, Value)> = g
         .nodes()
         .iter()
@@ -403,12 +384,12 @@ pub fn shard_param(
     let (first, v0) = olds[0];
     let ty = g.ty(v0).clone();
     let mut shard_ty = ty.clone();
-    shard_ty.shape[0] = Dim::from(rows);
+    shard_ty.shape[0] = rows.clone();
     let mut meta = g.node(first).meta.clone();
     meta.provenance = Some(Provenance {
         pass: pass.into(),
         reason: format!(
-            "ZeRO-3: this rank's {rows} rows of `{name}` (dim 0 split over {})",
+            "ZeRO-3: this rank's {rows} rows of `{name}` (dim 0 split over {}{widths})",
             group.name()
         ),
     });
@@ -456,35 +437,51 @@ pub fn shard_param(
             },
             g: &mut *g,
         };
-        let mut v = shard;
-        for (a, _) in group.axes.iter().rev() {
-            let bytes = crate::grad_sync::value_bytes(em.g, v);
-            v = em.op(
-                Op::AllGather { axis: a.clone(), dim: 0 },
+        let v = if split.is_even() {
+            let mut v = shard;
+            for (a, _) in group.axes.iter().rev() {
+                let bytes = crate::grad_sync::value_bytes(em.g, v);
+                v = em.op(
+                    Op::AllGather { axis: a.clone(), dim: 0 },
+                    &[v],
+                    &format!("ZeRO-3: gather `{name}` for its {phase}{mbt} over {a} (group {}), {bytes} bytes per rank in; freed after its last use there", group.name()),
+                )?;
+            }
+            em.op(
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::zero(),
+                    len: full_rows.clone(),
+                },
                 &[v],
-                &format!("ZeRO-3: gather `{name}` for its {phase}{mbt} over {a} (group {}), {bytes} bytes per rank in; freed after its last use there", group.name()),
+                &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
+            )?
+        } else {
+            let what = format!(
+                "ZeRO-3: gather `{name}` for its {phase}{mbt}; freed after its last use there"
+            );
+            let flat = em.op(
+                Op::Reshape {
+                    shape: vec![rows.clone() * Dim::from(split.unit)],
+                },
+                &[shard],
+                &format!("ZeRO-3: `{name}`'s rows, flat"),
             )?;
-        }
-        v = em.op(
-            Op::Slice {
-                dim: 0,
-                start: Dim::zero(),
-                len: full_rows.clone(),
-            },
-            &[v],
-            &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
-        )?;
+            let whole = em.gather_pieces(split, flat, &what)?;
+            em.op(
+                Op::Reshape {
+                    shape: ty.shape.clone(),
+                },
+                &[whole],
+                &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
+            )?
+        };
         for (n, i) in us {
             g.node_mut(n).operands[i] = v;
         }
     }
-    let mut inner = rows * group.size();
-    for (a, n) in &group.axes {
-        inner /= n;
-        g.add_param_partition(
-            name,
-            Partition::simple("zero", a, 0, vec![inner; *n as usize]),
-        );
+    for p in split.row_partitions() {
+        g.add_param_partition(name, p);
     }
     let dead: Vec<weft_ir::Node> = olds.iter().map(|(n, _)| *n).collect();
     g.remove_nodes(&dead);
