@@ -12,7 +12,8 @@
 //!   product, folding the difference into the group's outermost dim (row-major flattening
 //!   puts the batch outermost: `[B*S, H] → [2, 16, H]` becomes `[B, S, H]`,
 //!   `[2*B*S, H] → [2*16, 2, H]` becomes `[B*S, 2, H]`);
-//! - an expand keeps every input dim whose size matches;
+//! - an expand keeps every input dim whose size matches, and a leading dim broadcast
+//!   to the batch's size (from nothing or from 1) is `B`;
 //! - `*_like` ops take their input's shape;
 //! - every result is checked against the recorded type at the export's sizes.
 
@@ -75,8 +76,17 @@ impl Lower<'_> {
             .map(|(k, m)| match k.checked_sub(off).map(|j| &input[j]) {
                 Some(i) if self.same_size(i, m) => i.clone(),
                 // A new leading dim of the batch's size (a weight broadcast over the
-                // batch for `bmm`) is the batch.
+                // batch for `bmm`), or a leading size-1 dim broadcast to it (a mask or
+                // gpt-oss's sinks expanded over the batch), is the batch.
                 None if k == 0 && self.batch_sym.is_none() && m.as_const() == Some(self.b0) => {
+                    Dim::sym("B")
+                }
+                Some(i)
+                    if k == 0
+                        && i.as_const() == Some(1)
+                        && self.batch_sym.is_none()
+                        && m.as_const() == Some(self.b0) =>
+                {
                     Dim::sym("B")
                 }
                 _ => m.clone(),
