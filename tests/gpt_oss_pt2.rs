@@ -129,3 +129,28 @@ fn without_the_config_the_yarn_table_is_refused() {
     .to_string();
     assert!(e.contains("aten.cos") && e.contains("--config"), "{e}");
 }
+
+/// The imported graph and the graph built from config.json compute the same thing (f64):
+/// the same weights, losses, logits and gradients up to summation order.
+#[test]
+fn import_matches_the_config_build() {
+    let im = imported();
+    let (graph, weights, inputs) = load_fixture("gpt_oss");
+    for (p, w) in &weights {
+        assert_eq!(rel_err(&im.weights[p], w), 0.0, "weight {p}");
+    }
+    assert_eq!(im.weights.len(), weights.len());
+    let (ri, rb) = (
+        reference_run(&im.graph, &im.weights, &inputs),
+        reference_run(&graph, &weights, &inputs),
+    );
+    for out in ["loss", "logits"] {
+        let e = rel_err(&ri.outputs[out], &rb.outputs[out]);
+        assert!(e < 1e-9, "{out} differs from the config build by {e}");
+    }
+    assert_eq!(ri.grads.len(), rb.grads.len());
+    for (p, g) in &rb.grads {
+        let e = rel_err(&ri.grads[p], g);
+        assert!(e < 1e-8, "grad {p} differs by {e}");
+    }
+}

@@ -129,6 +129,29 @@ fn flat_idx(fx: &FxGraph, ids: &str) -> Option<String> {
     (rank(fx, idx) == 2).then(|| idx.to_string())
 }
 
+/// True unless `ids` is a `clamp` that can move a top-k expert id in `[0, experts)`
+/// (transformers clamps to `[0, experts - 1]`, which changes nothing).
+fn clamp_keeps_ids(fx: &FxGraph, ids: &str, experts: i64) -> bool {
+    let Some(n) = prod(fx, skip_noops(fx, ids)) else {
+        return true;
+    };
+    let bound = |i: usize| match n.arg_at(i) {
+        Arg::None => None,
+        a => Some(match a {
+            Arg::Int(v) => *v as f64,
+            Arg::Float(v) => *v,
+            _ => f64::NAN,
+        }),
+    };
+    let (lo, hi) = match n.base() {
+        "clamp" => (bound(1), bound(2)),
+        "clamp_min" => (bound(1), None),
+        "clamp_max" => (None, bound(1)),
+        _ => return true,
+    };
+    lo.is_none_or(|l| l <= 0.0) && hi.is_none_or(|h| h >= (experts - 1) as f64)
+}
+
 fn int_of(a: &Arg) -> Option<i64> {
     match a {
         Arg::Int(i) => Some(*i),
@@ -182,7 +205,8 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
                 if (kn && !row_vector) || (!kn && !column_vector) {
                     continue;
                 }
-                if let Some(idx) = flat_idx(fx, &ids) {
+                let keeps = const_size(fx, w, 0).is_some_and(|e| clamp_keeps_ids(fx, &ids, e));
+                if let (Some(idx), true) = (flat_idx(fx, &ids), keeps) {
                     found.push((
                         out.to_string(),
                         idx,
@@ -838,6 +862,7 @@ impl Lower<'_> {
         let info = &self.moe.moes[r.m];
         (rank(self.fx, bias) == 2
             && const_size(self.fx, bias, 0) == Some(info.experts)
+            && clamp_keeps_ids(self.fx, &ids, info.experts)
             && flat_idx(self.fx, &ids).as_deref() == Some(info.idx.as_str()))
         .then(|| bias.to_string())
     }
