@@ -223,4 +223,26 @@ mod tests {
             );
         });
     }
+
+    #[test]
+    fn a_leading_unit_dim_expanded_to_the_batch_is_b() {
+        with(|l| {
+            let c = |n: i64| Dim::from(n);
+            // gpt-oss's sinks [1, 4, 1, 1] -> recorded [2, 4, 16, 1]
+            assert_eq!(
+                l.gen_expand(&[c(1), c(4), c(1), c(1)], &[c(2), c(4), c(16), c(1)]),
+                vec![b(), c(4), c(16), c(1)]
+            );
+            // a mask [1, 1, S, S] -> recorded [2, 1, 16, 16]
+            assert_eq!(
+                l.gen_expand(&[c(1), c(1), s(), s()], &[c(2), c(1), c(16), c(16)]),
+                vec![b(), c(1), s(), s()]
+            );
+            // a unit dim expanded to another size, or not leading, stays as recorded
+            assert_eq!(
+                l.gen_expand(&[c(1), c(1), c(8)], &[c(3), c(2), c(8)]),
+                vec![c(3), c(2), c(8)]
+            );
+        });
+    }
 }
