@@ -4,6 +4,8 @@
 //! biases and the clamped SwiGLU, `experts_implementation="batched_mm"`) imports with
 //! every block recognised as the ops the config path builds, and its training step gives
 //! HF's logits, loss and every gradient alone and on sp=2, tp=2, ep=2 and sp=2,ep=2.
+//! Edits to the program that would change the math unseen (another rotary factor,
+//! expert ids clamped to fewer experts) and a missing `--config` are refused.
 
 mod common;
 use common::*;
@@ -153,4 +155,70 @@ fn import_matches_the_config_build() {
         let e = rel_err(&ri.grads[p], g);
         assert!(e < 1e-8, "grad {p} differs by {e}");
     }
+}
+
+/// The archive with one edit to its program JSON (`from` replaced once by `to`).
+fn tampered(from: &str, to: &str) -> Vec<u8> {
+    use std::io::{Read, Write};
+    let bytes = std::fs::read(fixture("pt2").join("gpt_oss_batched.pt2")).unwrap();
+    let mut z = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
+    let mut out = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    let mut edited = false;
+    for i in 0..z.len() {
+        let mut f = z.by_index(i).unwrap();
+        let name = f.name().to_string();
+        let mut data = Vec::new();
+        f.read_to_end(&mut data).unwrap();
+        if name.ends_with("models/model.json") {
+            let text = String::from_utf8(data).unwrap();
+            assert!(text.contains(from), "{from}");
+            data = text.replacen(from, to, 1).into_bytes();
+            edited = true;
+        }
+        out.start_file(name, opts).unwrap();
+        out.write_all(&data).unwrap();
+    }
+    assert!(edited);
+    out.finish().unwrap().into_inner()
+}
+
+fn import_tampered(from: &str, to: &str) -> Result<Pt2Import, String> {
+    let opts = Pt2Options {
+        config: Some(fixture("gpt_oss").join("config.json")),
+        ..Default::default()
+    };
+    weft_frontends::pt2::import_bytes("gpt_oss_tampered", tampered(from, to), &opts)
+        .map_err(|e| e.to_string())
+}
+
+/// A rotary table scaled by something other than the YaRN attention factor the config
+/// gives (`rope_table` holds that factor) is refused at the table, not rescaled.
+#[test]
+fn a_table_scaled_by_another_factor_is_refused() {
+    let e = import_tampered(
+        r#""arg": {"as_float": 1.138629436111989}"#,
+        r#""arg": {"as_float": 1.25}"#,
+    )
+    .err()
+    .expect("a cos table times 1.25 imported");
+    assert!(
+        e.contains("node `cos`") && e.contains("attention factor 1.138629436111989"),
+        "{e}"
+    );
+}
+
+/// Expert ids clamped to fewer experts than the block has (expert 3's rows would use
+/// expert 2's weights) are not read as the MoE block: the import stops in the experts.
+#[test]
+fn expert_ids_clamped_below_the_last_expert_are_refused() {
+    let keep = r#"{"name": "reshape_6"}}, "kind": 1}, {"name": "min", "arg": {"as_int": 0}, "kind": 1}, {"name": "max", "arg": {"as_int": "#;
+    let e = import_tampered(&format!("{keep}3}}"), &format!("{keep}2}}"))
+        .err()
+        .expect("expert ids clamped to [0, 2] imported");
+    assert!(
+        e.contains("unsupported op") && e.contains("(model.layers.0.mlp.experts)"),
+        "{e}"
+    );
 }
