@@ -222,3 +222,52 @@ fn expert_ids_clamped_below_the_last_expert_are_refused() {
         "{e}"
     );
 }
+
+/// The passes shard the imported graph as they shard the config build: tp=2 halves the
+/// sinks with the q heads and the experts' intermediate dim in (gate, up) pairs with the
+/// gate_up bias; ep=2 halves the experts and both their biases.
+#[test]
+fn meshes_split_sinks_and_experts_as_for_the_config_build() {
+    use weft_passes::training::TrainOptions;
+    let im = imported();
+    let (built, _, _) = load_fixture("gpt_oss");
+    let shapes = |g: &weft_ir::Graph| -> Vec<(String, String)> {
+        g.params()
+            .into_iter()
+            .filter(|(n, _)| n.contains("sinks") || n.contains("experts"))
+            .map(|(n, v)| (n, g.ty(v).to_string()))
+            .collect()
+    };
+    for mesh in ["tp=2", "ep=2"] {
+        let (gi, _) = training_step(&im.graph, mesh, &TrainOptions::default()).unwrap();
+        let (gb, _) = training_step(&built, mesh, &TrainOptions::default()).unwrap();
+        let (si, sb) = (shapes(&gi), shapes(&gb));
+        assert_eq!(si, sb, "{mesh}");
+        let layer0: Vec<&str> = si
+            .iter()
+            .filter(|(n, _)| n.starts_with("model.layers.0."))
+            .map(|(_, t)| t.as_str())
+            .collect();
+        let want: &[&str] = if mesh == "tp=2" {
+            &[
+                "f32[2]",
+                "f32[4, 32, 64]",
+                "f32[4, 64]",
+                "f32[4, 32, 32]",
+                "f32[4, 32]",
+            ]
+        } else {
+            &[
+                "f32[4]",
+                "f32[4/ep, 32, 128]",
+                "f32[4/ep, 128]",
+                "f32[4/ep, 64, 32]",
+                "f32[4/ep, 32]",
+            ]
+        };
+        assert_eq!(
+            layer0, want,
+            "{mesh}: sinks, gate_up, its bias, down, its bias"
+        );
+    }
+}
