@@ -3,8 +3,9 @@
 //!
 //! Two expert implementations are recognised:
 //! - `batched_mm`: `repeat_interleave(x, k)` pair rows in HF order (`t*k + slot`), per
-//!   row `bmm(W[clamp(ids)], row)` (or `bmm(row, W[clamp(ids)])`, gpt-oss's [E, K, N]), weighted by the flat routing weights, summed as
-//!   `view(T, k, H).sum(1)`;
+//!   row `bmm(W[clamp(ids)], row)` (or `bmm(row, W[clamp(ids)])`, gpt-oss's [E, K, N]),
+//!   weighted by the flat routing weights, summed as `view(T, k, H).sum(1)`; a clamp
+//!   that could move an id (bounds inside `[0, E-1]`) keeps the block unrecognised;
 //! - the default `grouped_mm` (on CPU/f32 the custom op `transformers::grouped_mm_fallback`):
 //!   `sort` of the flat expert ids, rows `x[perm // k]` in sorted order, `histc` →
 //!   `cumsum` offsets, grouped matmuls, the EP-sentinel `masked_fill`s (never true: top-k
