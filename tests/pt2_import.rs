@@ -406,21 +406,3 @@ fn sliding_window_masks_are_recognised() {
         assert_eq!(windows, [Some(w), Some(w)], "{name}\n{}", im.report);
     }
 }
-
-/// gpt-oss's export (make_pt2.py `gpt_oss_batched`, eager attention, batched_mm experts)
-/// is refused by name, pointing at the config path, rather than misread op by op.
-#[test]
-fn gpt_oss_archive_is_refused_by_name() {
-    let opts = Pt2Options {
-        config: Some(fixture_dir("gpt_oss").join("config.json")),
-        ..Default::default()
-    };
-    let e = import(&archive("gpt_oss_batched"), &opts).unwrap_err();
-    let text = e.to_string();
-    assert!(
-        text.contains("attention sinks (gpt-oss)")
-            && text.contains("`model.layers.0.self_attn.sinks`"),
-        "{text}"
-    );
-    assert!(e.help().unwrap().contains("config.json"), "{:?}", e.help());
-}

@@ -15,7 +15,9 @@
 //!   [`super::rewrite`].
 //! - `cos`/`sin` of the rotary embedding are evaluated likewise and matched against
 //!   `rope_table` frequencies: from `--config` when given, else fitted (default theta,
-//!   linear scaling).
+//!   linear scaling). A table half the config's rotary width (gpt-oss: one column per
+//!   frequency) is the first half of the full table. The table's product with the
+//!   scaling's attention factor (YaRN) is the table itself: `rope_table` includes it.
 
 use super::consteval::{Eval, Kind, CT, CV};
 use super::fx::FxNode;
@@ -250,6 +252,37 @@ impl Lower<'_> {
         Ok(m)
     }
 
+    /// A size-only float `where` of [.., S, S] (eager attention's additive mask, HF's
+    /// `where(keep, 0, finfo.min)`) evaluated and rebuilt as the causal or sliding-window
+    /// mask it is, so that the attention rewrite reads its window; `None` when the node
+    /// is not such a value. A size-only [S, S] mask that is neither is refused.
+    pub fn additive_mask(&mut self, n: &FxNode) -> LR<Option<Value>> {
+        let Some(out) = n.out() else { return Ok(None) };
+        if !self.static_vals.contains(out) {
+            return Ok(None);
+        }
+        let ty = self.meta_ty(out)?;
+        if !ty.dtype.is_float() || ty.rank() < 2 {
+            return Ok(None);
+        }
+        let kind = match self.mask_kind(out) {
+            Ok(Some(k)) if k.additive => k,
+            Ok(_) => return Ok(None),
+            Err(why) => return Err(self.unsupported(n, format!("attention mask: {why}"))),
+        };
+        let m = self.materialize_causal(n, kind, &ty)?;
+        self.report.notes.push(format!(
+            "node `{}` ({}): additive mask evaluated and rebuilt as a {} mask",
+            n.name,
+            n.scope.as_deref().unwrap_or("-"),
+            match kind.window {
+                Some(w) => format!("sliding-window ({w})"),
+                None => "causal".to_string(),
+            },
+        ));
+        Ok(Some(m))
+    }
+
     /// A size-only node whose own lowering failed: if it is a causal (or windowed) mask,
     /// rebuild it; if it is a mask Weft cannot express, say why.
     pub fn rescue_static(&mut self, n: &FxNode, err: LErr) -> LR<Vec<LV>> {
@@ -461,24 +494,29 @@ impl Lower<'_> {
                 ));
             }
         }
+        // gpt-oss's rope keeps the half-width table (one column per frequency) and
+        // rotates the halves of `chunk(x, 2)`: a config rotary dim of twice the width.
+        let mut half = false;
         let mut chosen = None;
         for (theta, rdim, scaling, how) in cands {
-            if rdim != dim {
+            if rdim != dim && !(how == "from --config" && rdim == 2 * dim) {
                 continue;
             }
             let freqs = rope_inv_freq(theta, rdim as usize, &scaling, false);
             if fits(&freqs) {
+                half = rdim != dim;
                 chosen = Some((theta, scaling, how));
                 break;
             }
         }
+        let rdim = if half { 2 * dim } else { dim };
         let Some((theta, scaling, how)) = chosen else {
             return Err(self.unsupported(
                 n,
                 "rotary frequencies not recognised (llama3/yarn scaling cannot be fitted from the table alone); pass the model's config.json with --config",
             ));
         };
-        let key = format!("{theta}/{dim}/{scaling:?}");
+        let key = format!("{theta}/{rdim}/{scaling:?}");
         let cs = match self.rope_tables.iter().find(|(k, _)| *k == key) {
             Some((_, cs)) => *cs,
             None => {
@@ -489,7 +527,7 @@ impl Lower<'_> {
                     n,
                     Op::RopeTable {
                         theta: Float(theta),
-                        dim,
+                        dim: rdim,
                         scaling,
                     },
                     &[pos],
@@ -499,13 +537,30 @@ impl Lower<'_> {
                 self.report.recognise(
                     "rope_table",
                     Some("model.rotary_emb"),
-                    format!("theta {theta}, dim {dim}, scaling {scaling:?} ({how})"),
+                    format!("theta {theta}, dim {rdim}, scaling {scaling:?} ({how})"),
                 );
                 self.rope_tables.push((key, [r[0], r[1]]));
                 [r[0], r[1]]
             }
         };
+        let factor = scaling.attention_factor();
+        if factor != 1.0 {
+            self.expect_factor_product(n, &out, factor)?;
+            self.factored_tables.insert(out.clone(), factor);
+        }
         let mut v = cs[if is_cos { 0 } else { 1 }];
+        if half {
+            let last = self.ty(v).rank() as i64 - 1;
+            v = self.emit(
+                n,
+                Op::Slice {
+                    dim: last,
+                    start: Dim::from(0),
+                    len: Dim::from(dim),
+                },
+                &[v],
+            )?;
+        }
         let vt = self.ty(v);
         if vt.dtype != ty.dtype {
             v = self.cast(n, v, ty.dtype)?;
@@ -516,6 +571,54 @@ impl Lower<'_> {
         }
         Ok(vec![LV::T(v)])
     }
+}
+
+impl Lower<'_> {
+    /// Refuses a rotary table whose scaling has an attention factor unless its only use
+    /// is the product with that factor (HF's `cos() * attention_scaling`): the
+    /// `rope_table` it becomes already holds the factor.
+    fn expect_factor_product(&self, n: &FxNode, out: &str, factor: f64) -> LR<()> {
+        let users: Vec<&FxNode> = self
+            .fx
+            .nodes
+            .iter()
+            .filter(|u| {
+                u.args
+                    .iter()
+                    .any(|(_, a)| matches!(a, Arg::Tensor(t) if t == out))
+            })
+            .collect();
+        let scaled = |u: &FxNode| {
+            matches!(u.op.as_str(), "aten.mul.Tensor" | "aten.mul.Scalar")
+                && matches!(u.arg_at(0), Arg::Tensor(t) if t == out)
+                && matches!(u.arg_at(1), Arg::Float(c) if same_factor(*c, factor))
+        };
+        if users.is_empty() || !users.iter().all(|u| scaled(u)) {
+            return Err(self.unsupported(
+                n,
+                format!("a rotary table with attention factor {factor} used other than multiplied by that factor"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The `rope_table` value of `n = mul(table, attention factor)` for a table recorded
+    /// in `factored_tables` (the factor is already in it).
+    pub fn factored_table(&self, n: &FxNode) -> Option<Value> {
+        let Arg::Tensor(t) = n.arg_at(0) else {
+            return None;
+        };
+        let factor = *self.factored_tables.get(t)?;
+        match (n.arg_at(1), self.lv(t)) {
+            (Arg::Float(c), LV::T(v)) if same_factor(*c, factor) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// An attention factor as exported (a Python float) and as Weft resolved it.
+fn same_factor(exported: f64, factor: f64) -> bool {
+    (exported - factor).abs() <= 1e-12 * factor.abs()
 }
 
 fn round_theta(t: f64) -> f64 {

@@ -116,18 +116,6 @@ pub enum Pt2Error {
     #[error("unsupported program signature: {message}")]
     Signature { message: String },
 
-    /// A model whose parts the importer does not recognise in exported programs yet,
-    /// named by the parameter that shows it (gpt-oss's attention sinks).
-    #[error(
-        "{archive}: {what} (parameter `{param}`) is not recognised in .pt2 programs yet: {message}"
-    )]
-    UnsupportedModel {
-        archive: String,
-        what: String,
-        param: String,
-        message: String,
-    },
-
     /// The imported graph failed Weft's verifier (an importer bug, reported with the graph).
     #[error("the imported graph does not verify:\n{report}")]
     Verify { report: String },
@@ -156,11 +144,7 @@ impl Pt2Error {
                 Some("pass the model's weights with `--weights model.safetensors` (HF state_dict names)".into())
             }
             Pt2Error::UnsupportedOp { .. } => Some(
-                "export with `strict=False` from a supported HF family (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe), or open an issue with the op name"
-                    .into(),
-            ),
-            Pt2Error::UnsupportedModel { .. } => Some(
-                "build the model from its HF config.json instead (`weft check DIR`, DIR holding config.json and model.safetensors): the config path implements it and matches HF"
+                "export with `strict=False` from a supported HF family (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma2, gemma3, gpt_oss), or open an issue with the op name"
                     .into(),
             ),
             Pt2Error::SymExpr { .. } => Some(

@@ -81,6 +81,10 @@ pub(crate) struct Lower<'a> {
     /// The window of the causal masks in `causal` that have one.
     pub mask_windows: BTreeMap<Value, i64>,
     pub rope_tables: Vec<(String, [Value; 2])>,
+    /// Rotary `cos`/`sin` nodes lowered to a `rope_table` that already holds the
+    /// scaling's attention factor (YaRN), with that factor: their one use is the
+    /// product with it.
+    pub factored_tables: BTreeMap<String, f64>,
     pub positions: Option<Value>,
     pub rope_cfg: Option<crate::config::RopeConfig>,
     pub moe: MoePlan,
@@ -169,6 +173,7 @@ impl<'a> Lower<'a> {
             broadcast_masks: BTreeSet::new(),
             mask_windows: BTreeMap::new(),
             rope_tables: Vec::new(),
+            factored_tables: BTreeMap::new(),
             positions: None,
             rope_cfg: None,
             moe: MoePlan::default(),
@@ -634,6 +639,9 @@ impl<'a> Lower<'a> {
             }
             "aten.mul.Tensor" | "aten.mul.Scalar" => {
                 let (a, b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
+                if let Some(table) = self.factored_table(n) {
+                    return one(table);
+                }
                 self.arith(n, Bin::Mul, a, b)
             }
             "aten.div.Tensor" | "aten.div.Scalar" => {
@@ -758,6 +766,9 @@ impl<'a> Lower<'a> {
             "aten.where.self" | "aten.where.ScalarOther" | "aten.where.ScalarSelf" => {
                 if let LV::False = self.arg_lv(n.arg_at(0)) {
                     return Ok(vec![self.arg_lv(n.arg_at(2))]);
+                }
+                if let Some(mask) = self.additive_mask(n)? {
+                    return one(mask);
                 }
                 let c = self.tensor(n, n.arg_at(0))?;
                 let ty = self.out_ty(n)?;
@@ -1107,6 +1118,23 @@ impl<'a> Lower<'a> {
                 }
                 let r = self.emit_multi(n, Op::Topk { k, dim: d }, &[x])?;
                 Ok(r.into_iter().map(LV::T).collect())
+            }
+            "aten.max.dim" => {
+                // The values (gpt-oss subtracts each row's max before its softmax); the
+                // indices (argmax) have no Weft op and stop the import where used.
+                let x = self.tensor(n, n.arg_at(0))?;
+                let d = self.int_arg(n, n.arg_at(1))?;
+                let keepdim = matches!(n.arg_at(2), Arg::Bool(true));
+                let values = self.emit(
+                    n,
+                    Op::Max {
+                        dims: vec![d],
+                        keepdim,
+                    },
+                    &[x],
+                )?;
+                let indices = self.unsupported(n, "the indices (argmax) of max.dim");
+                Ok(vec![LV::T(values), LV::Err(indices)])
             }
             "aten.repeat_interleave.self_int" => {
                 let x = self.tensor(n, n.arg_at(0))?;

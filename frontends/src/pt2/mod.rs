@@ -10,6 +10,7 @@
 //! attention.rs SDPA, causal masks and rotary tables (evaluated by consteval.rs)
 //! moe.rs       transformers' MoE experts → moe_dispatch / grouped_matmul / moe_combine
 //! rewrite.rs   linear, rms_norm, rope and decomposed attention on the Weft graph
+//! sinks.rs     gpt-oss's sink column in the attention softmax
 //! report.rs    what was recognised, what was not
 //! ```
 //!
@@ -34,6 +35,7 @@ mod report;
 mod rewrite;
 mod schema;
 mod shapes;
+mod sinks;
 mod sympy;
 
 pub use archive::Archive;
@@ -341,17 +343,6 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
                 })
             }
         }
-    }
-    // gpt-oss: its export holds parts the op-by-op lowering would misread (a half-width
-    // rotary table scaled by YaRN's attention factor, the sink column concatenated into
-    // the softmax and sliced off, interleaved clamped-SwiGLU experts with biases).
-    if let Some((_, sinks)) = params.iter().find(|(_, t)| t.ends_with("self_attn.sinks")) {
-        return Err(Pt2Error::UnsupportedModel {
-            archive: name.to_string(),
-            what: "attention sinks (gpt-oss)".into(),
-            param: sinks.clone(),
-            message: "the importer does not yet recognise the sink column concatenated into the attention softmax, gpt-oss's half-width YaRN rotary table or its interleaved clamped-SwiGLU experts".into(),
-        });
     }
     let ids_name = user_inputs
         .iter()

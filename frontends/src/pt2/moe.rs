@@ -3,8 +3,9 @@
 //!
 //! Two expert implementations are recognised:
 //! - `batched_mm`: `repeat_interleave(x, k)` pair rows in HF order (`t*k + slot`), per
-//!   row `bmm(W[clamp(ids)], row)`, weighted by the flat routing weights, summed as
-//!   `view(T, k, H).sum(1)`;
+//!   row `bmm(W[clamp(ids)], row)` (or `bmm(row, W[clamp(ids)])`, gpt-oss's [E, K, N]),
+//!   weighted by the flat routing weights, summed as `view(T, k, H).sum(1)`; a clamp
+//!   that could move an id (bounds inside `[0, E-1]`) keeps the block unrecognised;
 //! - the default `grouped_mm` (on CPU/f32 the custom op `transformers::grouped_mm_fallback`):
 //!   `sort` of the flat expert ids, rows `x[perm // k]` in sorted order, `histc` →
 //!   `cumsum` offsets, grouped matmuls, the EP-sentinel `masked_fill`s (never true: top-k
@@ -14,7 +15,9 @@
 //! A plan found before lowering ([`plan`]) names each block's anchors (the expert
 //! matmuls) and its entry (where the token rows are replicated). During lowering the
 //! pair rows are carried as [`Rows`] in dispatch order; row-wise ops (activations,
-//! `chunk`, products) follow them; the final `sum` becomes `moe_combine` with the
+//! `chunk`, strided `slice`s, `clamp`s, products) follow them; a per-expert bias added
+//! to an expert matmul's rows (`add(rows, bias[ids])`, gpt-oss) becomes the grouped
+//! matmul's bias operand; the final `sum` becomes `moe_combine` with the
 //! routing weights folded in. Anything else that touches the rows stops the import with
 //! an error naming the node, rather than computing something different.
 
@@ -39,8 +42,19 @@ pub(crate) struct Anchor {
     pub m: usize,
     pub x: String,
     pub w: String,
-    /// `w` is the [E, N, K] weight itself (else it is [E, K, N] and gets transposed).
-    pub enk: bool,
+    pub layout: Layout,
+}
+
+/// How an expert weight multiplies the rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// `w` is [E, N, K] (a linear's layout): `grouped_matmul(rows, w, counts)`.
+    Enk,
+    /// `w` is [E, K, N] (gpt-oss's experts): `grouped_matmul` with `transpose_w`, as the
+    /// config path builds it.
+    Ekn,
+    /// `w` is [E, K, N], transposed to [E, N, K] first (the grouped_mm fallback's form).
+    EknTransposed,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -58,6 +72,9 @@ pub(crate) struct MoePlan {
 pub(crate) struct MoeState {
     /// `(rows, counts, order)` of the block's `moe_dispatch`.
     pub dispatch: Option<(Value, Value, Value)>,
+    /// `(rows, step)` → the rows' columns split by residue mod `step` (one split for
+    /// every strided slice of the same rows: gpt-oss's interleaved gate and up).
+    pub strided: BTreeMap<(Value, i64), Vec<Value>>,
 }
 
 fn prod<'f>(fx: &'f FxGraph, name: &str) -> Option<&'f FxNode> {
@@ -113,6 +130,29 @@ fn flat_idx(fx: &FxGraph, ids: &str) -> Option<String> {
     (rank(fx, idx) == 2).then(|| idx.to_string())
 }
 
+/// True unless `ids` is a `clamp` that can move a top-k expert id in `[0, experts)`
+/// (transformers clamps to `[0, experts - 1]`, which changes nothing).
+fn clamp_keeps_ids(fx: &FxGraph, ids: &str, experts: i64) -> bool {
+    let Some(n) = prod(fx, skip_noops(fx, ids)) else {
+        return true;
+    };
+    let bound = |i: usize| match n.arg_at(i) {
+        Arg::None => None,
+        a => Some(match a {
+            Arg::Int(v) => *v as f64,
+            Arg::Float(v) => *v,
+            _ => f64::NAN,
+        }),
+    };
+    let (lo, hi) = match n.base() {
+        "clamp" => (bound(1), bound(2)),
+        "clamp_min" => (bound(1), None),
+        "clamp_max" => (None, bound(1)),
+        _ => return true,
+    };
+    lo.is_none_or(|l| l <= 0.0) && hi.is_none_or(|h| h >= (experts - 1) as f64)
+}
+
 fn int_of(a: &Arg) -> Option<i64> {
     match a {
         Arg::Int(i) => Some(*i),
@@ -124,8 +164,8 @@ fn int_of(a: &Arg) -> Option<i64> {
 /// Finds every MoE block of the graph.
 pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
     let mut p = MoePlan::default();
-    // (anchor output, idx, x, w, enk, grouped, sort node)
-    let mut found: Vec<(String, String, String, String, bool, bool, Option<String>)> = Vec::new();
+    // (anchor output, idx, x, w, layout, grouped, sort node)
+    let mut found: Vec<(String, String, String, String, Layout, bool, Option<String>)> = Vec::new();
     for n in &fx.nodes {
         let Some(out) = n.out() else { continue };
         match n.op.as_str() {
@@ -136,15 +176,19 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
                 if b.op != "aten.bmm.default" {
                     continue;
                 }
-                let (Some(a), Some(u)) = (
+                let (Some(first), Some(second)) = (
                     targ(b, 0).and_then(|t| prod(fx, t)),
                     targ(b, 1).and_then(|t| prod(fx, t)),
                 ) else {
                     continue;
                 };
-                if a.op != "aten.index.Tensor" || u.op != "aten.unsqueeze.default" {
-                    continue;
-                }
+                // `bmm(W[ids], x.unsqueeze(-1))` with W [E, N, K] (Mixtral, Qwen3-MoE)
+                // or `bmm(x.unsqueeze(1), W[ids])` with W [E, K, N] (gpt-oss).
+                let (a, u, kn) = match (first.op.as_str(), second.op.as_str()) {
+                    ("aten.index.Tensor", "aten.unsqueeze.default") => (first, second, false),
+                    ("aten.unsqueeze.default", "aten.index.Tensor") => (second, first, true),
+                    _ => continue,
+                };
                 let ids = match a.arg_at(1) {
                     Arg::OptionalTensors(v) if v.len() == 1 => v[0].clone(),
                     Arg::Tensors(v) if v.len() == 1 => Some(v[0].clone()),
@@ -156,13 +200,20 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
                 if rank(fx, w) != 3 {
                     continue;
                 }
-                if let Some(idx) = flat_idx(fx, &ids) {
+                let unsqueezed_at = int_of(u.arg_at(1));
+                let row_vector = matches!(unsqueezed_at, Some(1 | -2));
+                let column_vector = matches!(unsqueezed_at, Some(2 | -1));
+                if (kn && !row_vector) || (!kn && !column_vector) {
+                    continue;
+                }
+                let keeps = const_size(fx, w, 0).is_some_and(|e| clamp_keeps_ids(fx, &ids, e));
+                if let (Some(idx), true) = (flat_idx(fx, &ids), keeps) {
                     found.push((
                         out.to_string(),
                         idx,
                         x.to_string(),
                         w.to_string(),
-                        true,
+                        if kn { Layout::Ekn } else { Layout::Enk },
                         false,
                         None,
                     ));
@@ -198,7 +249,7 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
                 let Some(idx) = flat_idx(fx, flat) else {
                     continue;
                 };
-                let (w, enk) = match prod(fx, wt) {
+                let (w, layout) = match prod(fx, wt) {
                     Some(t)
                         if t.base() == "transpose"
                             && matches!(
@@ -206,22 +257,22 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
                                 (Some(-2 | 1), Some(-1 | 2)) | (Some(-1 | 2), Some(-2 | 1))
                             ) =>
                     {
-                        (targ(t, 0).unwrap_or(wt).to_string(), true)
+                        (targ(t, 0).unwrap_or(wt).to_string(), Layout::Enk)
                     }
                     Some(t)
                         if t.base() == "permute"
                             && matches!(t.arg_at(1), Arg::Ints(v) if v == &[0, 2, 1]) =>
                     {
-                        (targ(t, 0).unwrap_or(wt).to_string(), true)
+                        (targ(t, 0).unwrap_or(wt).to_string(), Layout::Enk)
                     }
-                    _ => (wt.to_string(), false),
+                    _ => (wt.to_string(), Layout::EknTransposed),
                 };
                 found.push((
                     out.to_string(),
                     idx,
                     x.to_string(),
                     w,
-                    enk,
+                    layout,
                     true,
                     Some(s.name.clone()),
                 ));
@@ -229,7 +280,7 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
             _ => {}
         }
     }
-    for (out, idx, x, w, enk, grouped, sort) in found {
+    for (out, idx, x, w, layout, grouped, sort) in found {
         let m = match p.moes.iter().position(|b| b.idx == idx) {
             Some(m) => m,
             None => {
@@ -254,7 +305,7 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
             p.sorts.insert(s, m);
         }
         p.moes[m].matmuls += 1;
-        p.anchors.insert(out, Anchor { m, x, w, enk });
+        p.anchors.insert(out, Anchor { m, x, w, layout });
     }
     // Entries: walk back from each anchor's input through row-wise ops.
     let anchors: BTreeSet<String> = p.anchors.keys().cloned().collect();
@@ -459,10 +510,9 @@ impl Lower<'_> {
         };
         let xv = self.apply_scale(n, x)?;
         let w = self.tensor(n, &Arg::Tensor(a.w.clone()))?;
-        let w = if a.enk {
-            w
-        } else {
-            self.emit(n, Op::Transpose { dim0: 1, dim1: 2 }, &[w])?
+        let w = match a.layout {
+            Layout::EknTransposed => self.emit(n, Op::Transpose { dim0: 1, dim1: 2 }, &[w])?,
+            Layout::Enk | Layout::Ekn => w,
         };
         let (_, counts, _) = self.dispatch(n, a.m)?;
         let dt = self.ty(w).dtype;
@@ -470,7 +520,7 @@ impl Lower<'_> {
         let y = self.emit(
             n,
             Op::GroupedMatmul {
-                transpose_w: Default::default(),
+                transpose_w: (a.layout == Layout::Ekn).into(),
             },
             &[xv, w, counts],
         )?;
@@ -653,6 +703,32 @@ impl Lower<'_> {
                 }
                 Ok(outs)
             }
+            (LV::Rows(r), "slice") => self.rows_slice(n, *r),
+            (LV::Rows(r), "clamp" | "clamp_min" | "clamp_max") => {
+                let r = *r;
+                let (lo, hi) = match base.as_str() {
+                    "clamp" => (n.arg_at(1).clone(), n.arg_at(2).clone()),
+                    "clamp_min" => (n.arg_at(1).clone(), Arg::None),
+                    _ => (Arg::None, n.arg_at(1).clone()),
+                };
+                let mut v = self.apply_scale(n, r)?;
+                // Upper bound first, as the config path builds gpt-oss's clamps.
+                for (bound, bin) in [(hi, super::lower::Bin::Min), (lo, super::lower::Bin::Max)] {
+                    if !matches!(bound, Arg::None) {
+                        let o = self.operand(n, &bound)?;
+                        v = self.arith_v(n, bin, Operand::T(v), o)?;
+                    }
+                }
+                Ok(vec![LV::Rows(Rows {
+                    v,
+                    scale: None,
+                    ..r
+                })])
+            }
+            (LV::Rows(r), "add") if self.expert_bias(n).is_some() => {
+                let bias = self.expert_bias(n).unwrap_or_default();
+                self.add_expert_bias(n, *r, &bias)
+            }
             (_, "mul" | "add" | "sub" | "div") => self.rows_binary(n, &base, &args),
             (LV::Rows(r), "view" | "reshape" | "_unsafe_view") => {
                 let ty = self.out_ty(n)?;
@@ -702,6 +778,120 @@ impl Lower<'_> {
             }
             _ => Err(self.unsupported(n, format!("an op on MoE routing values ({:?})", a0))),
         }
+    }
+
+    /// `rows[:, start::step]` (gpt-oss's interleaved gate and up columns): the rows'
+    /// columns reshaped to `[pairs, W/step, step]` and split on the last dim, as the
+    /// config path builds it; one split serves every residue.
+    fn rows_slice(&mut self, n: &FxNode, r: Rows) -> LR<Vec<LV>> {
+        let v = self.apply_scale(n, r)?;
+        let vt = self.ty(v);
+        let d = self.int_arg(n, n.arg_at(1))?;
+        if vt.rank() != 2 || !(d == 1 || d == -1) {
+            return Err(self.rows_err(n, "a slice across rows"));
+        }
+        let width = vt.shape[1]
+            .as_const()
+            .ok_or_else(|| self.rows_err(n, "a slice of symbolic width"))?;
+        let start = match n.arg_at(2) {
+            Arg::None => 0,
+            a => self.int_arg(n, a)?,
+        };
+        let end = match n.arg_at(3) {
+            Arg::None => i64::MAX,
+            a => self.int_arg(n, a)?,
+        };
+        let step = self.int_arg(n, n.arg_at(4))?;
+        if step == 1 && start == 0 && end >= width {
+            return Ok(vec![LV::Rows(Rows {
+                v,
+                scale: None,
+                ..r
+            })]);
+        }
+        if step < 2 || width % step != 0 || !(0..step).contains(&start) || end < width {
+            return Err(self.rows_err(
+                n,
+                "a slice other than every step-th column from a start below the step",
+            ));
+        }
+        let parts = match self.moe_state[r.m].strided.get(&(v, step)) {
+            Some(p) => p.clone(),
+            None => {
+                let pairs = vt.shape[0].clone();
+                let groups = vec![pairs.clone(), Dim::from(width / step), Dim::from(step)];
+                let g3 = self.reshape(n, v, groups)?;
+                let split = self.emit_multi(
+                    n,
+                    Op::Split {
+                        dim: 2,
+                        sizes: vec![Dim::from(1); step as usize],
+                    },
+                    &[g3],
+                )?;
+                let mut parts = Vec::new();
+                for p in split {
+                    parts.push(self.reshape(n, p, vec![pairs.clone(), Dim::from(width / step)])?);
+                }
+                self.moe_state[r.m].strided.insert((v, step), parts.clone());
+                parts
+            }
+        };
+        Ok(vec![LV::Rows(Rows {
+            v: parts[start as usize],
+            scale: None,
+            ..r
+        })])
+    }
+
+    /// The expert-bias parameter's placeholder when `n = add(rows, index(bias, [ids]))`
+    /// with `bias` [E, N] and `ids` the block's flat expert ids (gpt-oss).
+    fn expert_bias(&self, n: &FxNode) -> Option<String> {
+        let other = prod(self.fx, targ(n, 1)?)?;
+        if other.op != "aten.index.Tensor" {
+            return None;
+        }
+        let ids = match other.arg_at(1) {
+            Arg::OptionalTensors(v) if v.len() == 1 => v[0].clone()?,
+            Arg::Tensors(v) if v.len() == 1 => v[0].clone(),
+            _ => return None,
+        };
+        let bias = targ(other, 0)?;
+        let LV::Rows(r) = self.lv(targ(n, 0)?) else {
+            return None;
+        };
+        let info = &self.moe.moes[r.m];
+        (rank(self.fx, bias) == 2
+            && const_size(self.fx, bias, 0) == Some(info.experts)
+            && clamp_keeps_ids(self.fx, &ids, info.experts)
+            && flat_idx(self.fx, &ids).as_deref() == Some(info.idx.as_str()))
+        .then(|| bias.to_string())
+    }
+
+    /// `grouped_matmul(rows, W, counts) + bias[expert of each row]` → the grouped matmul
+    /// with its bias operand (the config path's form, which expert parallelism shards).
+    fn add_expert_bias(&mut self, n: &FxNode, r: Rows, bias: &str) -> LR<Vec<LV>> {
+        let mm = self.g.node(self.g.def(r.v));
+        let operands = mm.operands.clone();
+        let (Op::GroupedMatmul { .. }, 3, None) = (&mm.op, operands.len(), r.scale) else {
+            return Err(self.rows_err(
+                n,
+                "an expert bias added to something other than an expert matmul",
+            ));
+        };
+        let op = mm.op.clone();
+        let b = self.tensor(n, &Arg::Tensor(bias.to_string()))?;
+        if !matches!(self.g.op_of(b), Op::Param { .. }) {
+            return Err(self.rows_err(n, "an expert bias that is not a parameter"));
+        }
+        let dt = self.ty(r.v).dtype;
+        let b = self.cast(n, b, dt)?;
+        let v = self.emit(n, op, &[operands[0], operands[1], operands[2], b])?;
+        Ok(vec![LV::Rows(Rows {
+            v,
+            scale: None,
+            ..r
+        })])
     }
 
     fn rows_binary(&mut self, n: &FxNode, base: &str, args: &[LV]) -> LR<Vec<LV>> {

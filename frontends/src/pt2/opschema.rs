@@ -117,6 +117,7 @@ const SCHEMAS: &[&str] = &[
     "aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor",
     "aten::amax(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor",
     "aten::any.dim(Tensor self, int dim, bool keepdim=False) -> Tensor",
+    "aten::max.dim(Tensor self, int dim, bool keepdim=False) -> (Tensor values, Tensor indices)",
     "aten::softmax.int(Tensor self, int dim, ScalarType? dtype=None) -> Tensor",
     "aten::_softmax(Tensor self, int dim, bool half_to_float) -> Tensor",
     "aten::log_softmax.int(Tensor self, int dim, ScalarType? dtype=None) -> Tensor",

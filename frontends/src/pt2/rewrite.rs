@@ -6,10 +6,12 @@
 //! - `rms_norm`: `W * cast(cast(x) * rsqrt(mean(cast(x)^2, -1) + eps))`, and Gemma's
 //!   `(cast(x) * rsqrt(..)) * (1 + cast(W))` as `rms_norm(cast(x), add_scalar(W, 1))`;
 //! - `scale`: a product with a one-element constant (Gemma's `embed_scale` buffer);
-//! - `rope`: `x * cos + cat(-x2, x1) * sin` with cos/sin from `rope_table`;
+//! - `rope`: `x * cos + cat(-x2, x1) * sin` with cos/sin from `rope_table`, and gpt-oss's
+//!   `cat(x1*cos - x2*sin, x2*cos + x1*sin)` with the tables' first halves;
 //! - `attention`: `softmax(Q K^T * c + causal bias) V` with the batch-folding reshapes of
 //!   decomposed `bmm`, the fully-masked-row fix-up `where`, and `repeat_kv` on K and V;
-//!   Gemma 2's soft-cap `cap * tanh(s / cap)` on the scores becomes the op's `softcap`.
+//!   Gemma 2's soft-cap `cap * tanh(s / cap)` on the scores becomes the op's `softcap`;
+//!   gpt-oss's sink column in the softmax becomes its `sinks` (see [`super::sinks`]).
 //!
 //! Plain pattern matching over def-use chains, run to a fixed point in program order:
 //! each pattern has one root op and a fixed shape, so an e-graph would add no
@@ -18,6 +20,7 @@
 
 use super::attention::strip_repeat_kv;
 use super::report::ImportReport;
+use super::sinks::sink_softmax;
 use std::collections::{BTreeMap, BTreeSet};
 use weft_ir::{At, DType, Dim, Float, Graph, Node, NodeMeta, Op, Value};
 
@@ -107,6 +110,7 @@ impl Rewriter<'_> {
                     || self.scalar_constant(g, root)
                     || self.rms_norm(g, root)
                     || self.rope(g, root)
+                    || self.half_rope(g, root)
                     || self.attention(g, root);
             }
             dce(g);
@@ -331,6 +335,59 @@ impl Rewriter<'_> {
         false
     }
 
+    /// gpt-oss's rotation of the halves with half-width tables `c`, `s` (the first
+    /// halves of a `rope_table`): `cat(x1*c - x2*s, x2*c + x1*s)` with `x1, x2 =
+    /// chunk(x, 2, -1)` → `rope(x, cos, sin)`, which is the same with the full tables.
+    fn half_rope(&mut self, g: &mut Graph, root: Value) -> bool {
+        let (Op::Concat { dim }, [first, second]) = def(g, root) else {
+            return false;
+        };
+        let (first, second) = (*first, *second);
+        let rank = g.ty(root).rank() as i64;
+        if rank != 4 || (*dim != -1 && *dim != rank - 1) {
+            return false;
+        }
+        let (Op::Sub {}, [p, q]) = def(g, first) else {
+            return false;
+        };
+        let (p, q) = (*p, *q);
+        let (Op::Add {}, [r, t]) = def(g, second) else {
+            return false;
+        };
+        let (r, t) = (*r, *t);
+        let cos = |g: &Graph, v: Value| half_table_of(g, v, 0).is_some();
+        let sin = |g: &Graph, v: Value| half_table_of(g, v, 1).is_some();
+        let (Some((x1, c)), Some((x2, s))) = (mul_pair(g, p, cos), mul_pair(g, q, sin)) else {
+            return false;
+        };
+        let second_ok = [(r, t), (t, r)].into_iter().any(|(u, w)| {
+            matches!((mul_pair(g, u, cos), mul_pair(g, w, sin)), (Some((a, c2)), Some((b, s2))) if a == x2 && b == x1 && c2 == c && s2 == s)
+        });
+        if !second_ok {
+            return false;
+        }
+        let Some(x) = halves_of(g, x1, x2) else {
+            return false;
+        };
+        let (tc, ts) = (
+            half_table_of(g, c, 0).unwrap(),
+            half_table_of(g, s, 1).unwrap(),
+        );
+        if g.def(tc) != g.def(ts) || g.ty(tc).shape.last() != g.ty(x).shape.last() {
+            return false;
+        }
+        let scope = scope_of(g, root);
+        if replace(g, root, Op::Rope {}, &[x, tc, ts]).is_some() {
+            self.report.recognise(
+                "rope",
+                scope.as_deref(),
+                "cat(x1*cos - x2*sin, x2*cos + x1*sin) of chunk(x, 2) (half-width tables)",
+            );
+            return true;
+        }
+        false
+    }
+
     /// Decomposed attention: `reshape(matmul(reshape(P), reshape(V)))` with
     /// `P = softmax(reshape(matmul(reshape(Q*c1), reshape(permute(K)*c2))) + causal)`.
     fn attention(&mut self, g: &mut Graph, root: Value) -> bool {
@@ -369,13 +426,19 @@ impl Rewriter<'_> {
                 }
             }
         }
-        let (Op::Softmax { dim }, [x]) = def(g, psm) else {
-            return false;
+        let (x, sinks) = match sink_softmax(g, psm) {
+            Some((x, sinks)) => (x, Some(sinks)),
+            None => {
+                let (Op::Softmax { dim }, [x]) = def(g, psm) else {
+                    return false;
+                };
+                if *dim != -1 && *dim != 3 {
+                    return false;
+                }
+                (*x, None)
+            }
         };
-        if *dim != -1 && *dim != 3 {
-            return false;
-        }
-        let x = through_casts(g, *x);
+        let x = through_casts(g, x);
         let (scores, causal, window) = match def(g, x) {
             (Op::Add {}, [s, m]) | (Op::Add {}, [m, s]) if self.causal_bias(g, *m).is_some() => {
                 (*s, true, self.causal_bias(g, *m).flatten())
@@ -431,7 +494,13 @@ impl Rewriter<'_> {
         if qt.rank() != 4 || kt_.rank() != 4 || vt.rank() != 4 || qt != rt {
             return false;
         }
+        if let Some(s) = sinks {
+            if g.ty(s).shape[0] != qt.shape[1] {
+                return false;
+            }
+        }
         let scope = scope_of(g, root);
+        let operands: Vec<Value> = [q, k, v].into_iter().chain(sinks).collect();
         if replace(
             g,
             root,
@@ -440,10 +509,10 @@ impl Rewriter<'_> {
                 scale: Float(scale),
                 window,
                 softcap: softcap.map(Float),
-                sinks: Default::default(),
+                sinks: sinks.is_some().into(),
                 lse: Default::default(),
             },
-            &[q, k, v],
+            &operands,
         )
         .is_some()
         {
@@ -451,7 +520,7 @@ impl Rewriter<'_> {
                 "attention",
                 scope.as_deref(),
                 format!(
-                    "{} softmax({}QK^T)V{}{}",
+                    "{} softmax({}QK^T)V{}{}{}",
                     if c0 != 1.0 { "eager" } else { "decomposed" },
                     match softcap {
                         Some(c) => format!("soft-capped ({c}) "),
@@ -462,7 +531,12 @@ impl Rewriter<'_> {
                         (true, None) => ", causal bias".to_string(),
                         _ => ", no mask".to_string(),
                     },
-                    if gqa { ", repeat_kv undone (GQA)" } else { "" }
+                    if gqa { ", repeat_kv undone (GQA)" } else { "" },
+                    if sinks.is_some() {
+                        ", sink column in the softmax"
+                    } else {
+                        ""
+                    }
                 ),
             );
             return true;
@@ -533,6 +607,46 @@ fn table_of(g: &Graph, mut v: Value, which: u32) -> Option<Value> {
         }
     }
     None
+}
+
+/// The `rope_table` result `which` whose first half on the last dim `v` is (through
+/// reshapes, expands and casts): gpt-oss's half-width table.
+fn half_table_of(g: &Graph, mut v: Value, which: u32) -> Option<Value> {
+    for _ in 0..6 {
+        match def(g, v) {
+            (Op::Reshape { .. } | Op::Expand { .. } | Op::Cast { .. }, [x]) => v = *x,
+            (Op::Slice { dim, start, len }, [t]) => {
+                let t = *t;
+                let tt = g.ty(t);
+                let last = tt.rank() as i64 - 1;
+                let width = tt.shape.last().and_then(Dim::as_const)?;
+                let half = (*dim == -1 || *dim == last)
+                    && *start == Dim::from(0)
+                    && *len == Dim::from(width / 2)
+                    && width % 2 == 0;
+                let d = g.value(t);
+                let is_table = matches!(g.node(d.def).op, Op::RopeTable { .. });
+                return (half && is_table && d.index == which).then_some(t);
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// `x` when `a, b` are the two results of `split(x, [h, h], -1)`.
+fn halves_of(g: &Graph, a: Value, b: Value) -> Option<Value> {
+    let (da, db) = (g.value(a), g.value(b));
+    if da.def != db.def || da.index != 0 || db.index != 1 {
+        return None;
+    }
+    let n = g.node(da.def);
+    let Op::Split { dim, sizes } = &n.op else {
+        return None;
+    };
+    let x = n.operands[0];
+    let last = g.ty(x).rank() as i64 - 1;
+    ((*dim == -1 || *dim == last) && sizes.len() == 2 && sizes[0] == sizes[1]).then_some(x)
 }
 
 /// `cat(-x[.., h:], x[.., :h])` on the last dim.

@@ -12,7 +12,8 @@
 //!   product, folding the difference into the group's outermost dim (row-major flattening
 //!   puts the batch outermost: `[B*S, H] → [2, 16, H]` becomes `[B, S, H]`,
 //!   `[2*B*S, H] → [2*16, 2, H]` becomes `[B*S, 2, H]`);
-//! - an expand keeps every input dim whose size matches;
+//! - an expand keeps every input dim whose size matches, and a leading dim broadcast
+//!   to the batch's size (from nothing or from 1) is `B`;
 //! - `*_like` ops take their input's shape;
 //! - every result is checked against the recorded type at the export's sizes.
 
@@ -75,8 +76,17 @@ impl Lower<'_> {
             .map(|(k, m)| match k.checked_sub(off).map(|j| &input[j]) {
                 Some(i) if self.same_size(i, m) => i.clone(),
                 // A new leading dim of the batch's size (a weight broadcast over the
-                // batch for `bmm`) is the batch.
+                // batch for `bmm`), or a leading size-1 dim broadcast to it (a mask or
+                // gpt-oss's sinks expanded over the batch), is the batch.
                 None if k == 0 && self.batch_sym.is_none() && m.as_const() == Some(self.b0) => {
+                    Dim::sym("B")
+                }
+                Some(i)
+                    if k == 0
+                        && i.as_const() == Some(1)
+                        && self.batch_sym.is_none()
+                        && m.as_const() == Some(self.b0) =>
+                {
                     Dim::sym("B")
                 }
                 _ => m.clone(),
@@ -210,6 +220,28 @@ mod tests {
                     &[c(2), c(2), c(2), c(16), c(8)]
                 ),
                 vec![b(), c(2), c(2), s(), c(8)]
+            );
+        });
+    }
+
+    #[test]
+    fn a_leading_unit_dim_expanded_to_the_batch_is_b() {
+        with(|l| {
+            let c = |n: i64| Dim::from(n);
+            // gpt-oss's sinks [1, 4, 1, 1] -> recorded [2, 4, 16, 1]
+            assert_eq!(
+                l.gen_expand(&[c(1), c(4), c(1), c(1)], &[c(2), c(4), c(16), c(1)]),
+                vec![b(), c(4), c(16), c(1)]
+            );
+            // a mask [1, 1, S, S] -> recorded [2, 1, 16, 16]
+            assert_eq!(
+                l.gen_expand(&[c(1), c(1), s(), s()], &[c(2), c(1), c(16), c(16)]),
+                vec![b(), c(1), s(), s()]
+            );
+            // a unit dim expanded to another size, or not leading, stays as recorded
+            assert_eq!(
+                l.gen_expand(&[c(1), c(1), c(8)], &[c(3), c(2), c(8)]),
+                vec![c(3), c(2), c(8)]
             );
         });
     }
