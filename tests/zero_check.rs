@@ -526,28 +526,7 @@ fn shard_round_trips_the_zero_training_state_across_meshes() {
             assert_eq!(rank0[w].shape[0] * 4, ckpt[w].shape[0], "{mesh}: the rows");
         }
         let back = dir.join(format!("back{i}.safetensors"));
-        let (code, _, err) = weft(&[
-            "shard",
-            "--unshard",
-            "--weights",
-            &s(&shards),
-            "-o",
-            &s(&back),
-        ]);
-        assert_eq!(code, 0, "{mesh}: {err}");
-        let got = weft_frontends::read_safetensors(&back).unwrap();
-        assert_eq!(
-            got.keys().collect::<Vec<_>>(),
-            ckpt.keys().collect::<Vec<_>>(),
-            "{mesh}"
-        );
-        for (name, t) in &ckpt {
-            assert_eq!(
-                got[name].digest(),
-                t.digest(),
-                "{mesh}: `{name}` not byte-exact"
-            );
-        }
+        unshard_is_byte_exact(&shards, &back, &ckpt, mesh);
         from = back;
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -794,29 +773,41 @@ fn shard_round_trips_the_uneven_zero_training_state() {
             assert_eq!(rows, vec![18, 17], "{mesh}: each rank's rows");
         }
         let back = dir.join(format!("back{i}.safetensors"));
-        let (code, _, err) = weft(&[
-            "shard",
-            "--unshard",
-            "--weights",
-            &s(&shards),
-            "-o",
-            &s(&back),
-        ]);
-        assert_eq!(code, 0, "{mesh}: {err}");
-        let got = weft_frontends::read_safetensors(&back).unwrap();
-        assert_eq!(
-            got.keys().collect::<Vec<_>>(),
-            ckpt.keys().collect::<Vec<_>>(),
-            "{mesh}"
-        );
-        for (name, t) in &ckpt {
-            assert_eq!(
-                got[name].digest(),
-                t.digest(),
-                "{mesh}: `{name}` not byte-exact"
-            );
-        }
+        unshard_is_byte_exact(&shards, &back, &ckpt, mesh);
         from = back;
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `weft shard --unshard` of `shards` into `back` gives every tensor of `ckpt` back, byte
+/// for byte, and nothing else.
+fn unshard_is_byte_exact(
+    shards: &std::path::Path,
+    back: &std::path::Path,
+    ckpt: &BTreeMap<String, HostTensor>,
+    mesh: &str,
+) {
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (code, _, err) = weft(&[
+        "shard",
+        "--unshard",
+        "--weights",
+        &s(shards),
+        "-o",
+        &s(back),
+    ]);
+    assert_eq!(code, 0, "{mesh}: {err}");
+    let got = weft_frontends::read_safetensors(back).unwrap();
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        ckpt.keys().collect::<Vec<_>>(),
+        "{mesh}"
+    );
+    for (name, t) in ckpt {
+        assert_eq!(
+            got[name].digest(),
+            t.digest(),
+            "{mesh}: `{name}` not byte-exact"
+        );
+    }
 }

@@ -40,23 +40,20 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
                     Dim::zero()
                 }
         }
-        Op::Matmul { transpose_a, .. } => {
+        Op::Matmul { transpose_a, .. } | Op::MatmulAdd { transpose_a, .. } => {
             let a = ins[0];
             let k = if *transpose_a {
                 a.shape[a.rank() - 2].clone()
             } else {
                 last(a)
             };
-            out_numel * k * 2
-        }
-        Op::MatmulAdd { transpose_a, .. } => {
-            let a = ins[0];
-            let k = if *transpose_a {
-                a.shape[a.rank() - 2].clone()
+            // matmul_add adds its addend: one more FLOP per element.
+            let addend = if matches!(d.op, Op::MatmulAdd { .. }) {
+                out_numel.clone()
             } else {
-                last(a)
+                Dim::zero()
             };
-            out_numel.clone() * k * 2 + out_numel
+            out_numel * k * 2 + addend
         }
         Op::GroupedMatmul { .. } => out_numel * last(ins[0]) * 2,
         Op::Attention { .. } => {
