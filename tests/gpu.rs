@@ -1051,7 +1051,9 @@ fn window_gpu_steps(
         let mut eager = Executor::new(plan, &o).map_err(|e| e.to_string())?;
         eager.load_params(weights).map_err(|e| e.to_string())?;
         for step in 0..cpu_runs.len() {
-            eager.set_inputs(&step_in(step)).map_err(|e| e.to_string())?;
+            eager
+                .set_inputs(&step_in(step))
+                .map_err(|e| e.to_string())?;
             eager.run_step().map_err(|e| e.to_string())?;
         }
         for (name, _) in g.outputs() {

@@ -91,7 +91,9 @@ fn covering_steps(c: i64, cp: i64, window: i64) -> (i64, i64) {
 /// tokens, or why there is no such ring.
 pub fn window_ring(seq: i64, cp: i64, window: i64) -> Result<WindowRing, String> {
     if cp < 1 || window < 1 {
-        return Err(format!("a ring of {cp} ranks with a window of {window} keys"));
+        return Err(format!(
+            "a ring of {cp} ranks with a window of {window} keys"
+        ));
     }
     let chunks = 2 * cp;
     if seq < chunks || seq % chunks != 0 {
