@@ -571,3 +571,47 @@ fn gemma2_cp2_cp4() {
     check("gemma2", "cp=2", false);
     check("gemma2", "cp=4", false);
 }
+
+/// `weft inspect --explain` shows each step of the windowed ring (mistral_sw4 at 64
+/// tokens on cp=4: one step of the forward ring and one of the reverse ring) with its
+/// bytes and the compute it overlaps.
+#[test]
+fn inspect_explain_shows_each_windowed_ring_step() {
+    let dir = std::env::temp_dir().join(format!("weft-cp-explain-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.json");
+    let plan = plan.to_str().unwrap();
+    let (code, _, err) = weft(&[
+        "compile",
+        "tests/fixtures/mistral_sw4",
+        "--mesh",
+        "cp=4",
+        "--seq",
+        "64",
+        "--batch",
+        "2",
+        "-o",
+        plan,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = weft(&["inspect", plan, "--explain"]);
+    assert_eq!(code, 0, "{err}");
+    let steps: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("ring_shift") && l.contains("[model.layers.0.self_attn]"))
+        .collect();
+    // forward: k, v, positions each way; backward: the same, and each ring's dk/dv home
+    assert_eq!(steps.len(), 6 + 10, "{out}");
+    for l in &steps {
+        assert!(
+            l.contains("bytes per rank; overlaps ") && l.contains("KiB"),
+            "{l}"
+        );
+    }
+    let reverse = steps
+        .iter()
+        .filter(|l| l.contains("reverse ring step 1/1"))
+        .count();
+    assert_eq!(reverse, 6, "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
