@@ -312,6 +312,32 @@ fn window_ring_steps_and_bytes_are_the_analytic_figure() {
             "S={s} backward"
         );
     }
+    // The hybrid (Ulysses inside the ring) on cp=4,sp=2 at 64 tokens: the ring carries
+    // the cp rank's tokens for Nkv/sp heads over the same (1, 1) steps, and q, k, v and
+    // the output each go through one all_to_all forward and one backward on top.
+    let (s, sp, nq) = (64i64, 2i64, 4i64);
+    let opts = TrainOptions {
+        seq: Some(s),
+        ..Default::default()
+    };
+    let k = 2;
+    let kv = b * (nkv / sp) * (s / cp) * d * 4;
+    let pos = (s / cp) * 8;
+    let (fwd, bwd) = layer0_bytes_split(&c, "cp=4,sp=2", "ring_shift", b, s, &opts);
+    assert_eq!(fwd, (6, k * (2 * kv + pos)), "cp=4,sp=2 forward");
+    assert_eq!(
+        bwd,
+        (10, k * (2 * kv + pos) + 2 * k * kv),
+        "cp=4,sp=2 backward"
+    );
+    let (fwd, bwd) = layer0_bytes_split(&c, "cp=4,sp=2", "all_to_all", b, s, &opts);
+    let local = b * (s / cp / sp) * d * 4;
+    let one_way = nq * local + 2 * nkv * local + nq * local;
+    assert_eq!(
+        (fwd, bwd),
+        ((4, one_way), (4, one_way)),
+        "cp=4,sp=2 all_to_all"
+    );
 }
 
 /// A sequence the zigzag chunks do not divide cannot bound the window's ring.

@@ -834,12 +834,14 @@ fn masked_forward(
     }
     b.res.count("ring_steps", 1);
     let mask = keep_mask(b, r, &local, qcol, qpos, "ring step 0")?;
-    let mut acc = b.block_attention(
-        r,
-        &[q, k, v, mask],
-        false,
-        "ring step 0: this rank's queries x its own k/v block",
-    )?;
+    let step0 = match r.window_ring {
+        Some(w) => format!(
+            "ring step 0: this rank's queries x its own k/v block; the {}-key window's ring takes {w}",
+            r.window.unwrap_or_default()
+        ),
+        None => "ring step 0: this rank's queries x its own k/v block".to_string(),
+    };
+    let mut acc = b.block_attention(r, &[q, k, v, mask], false, &step0)?;
     for (i, &d) in dirs.iter().enumerate() {
         for t in 1..=d.steps {
             let (kt, vt, kpos) = pending[i].take().expect("the step's block was sent");
