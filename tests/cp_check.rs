@@ -340,10 +340,33 @@ fn window_ring_steps_and_bytes_are_the_analytic_figure() {
     );
 }
 
-/// A sequence the zigzag chunks do not divide cannot bound the window's ring.
+/// A sequence the zigzag chunks do not divide cannot bound the window's ring; a ring
+/// that stops early for 64 tokens (4-key window, cp=4: right from 24 tokens on) refuses
+/// to bind or run 16 (whose band needs every step), naming the length that works.
 #[test]
 fn window_ring_refuses_a_shorter_sequence() {
     let c = case("mistral_sw4");
+    let opts = TrainOptions {
+        seq: Some(64),
+        ..Default::default()
+    };
+    let (g, _) = training_step(&c.graph, "cp=4", &opts).unwrap();
+    let bind = |s: i64| weft_ir::dim::Bindings::new().with("B", 2).with("S", s);
+    weft_passes::check_bindings(&g, &bind(24)).unwrap();
+    let err = weft_passes::check_bindings(&g, &bind(16))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("S=16 is too small") && err.contains("S=24"),
+        "{err}"
+    );
+    let run = weft_runtime::cpu::run(
+        &g,
+        &c.weights,
+        &c.inputs,
+        &weft_runtime::cpu::RunOptions::new(weft_runtime::cpu::Precision::F64),
+    );
+    assert!(run.is_err(), "a 64-token ring ran on 16 tokens");
     for seq in [4i64, 12] {
         let opts = TrainOptions {
             seq: Some(seq),

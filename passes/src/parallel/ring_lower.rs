@@ -661,16 +661,54 @@ fn zigzag_backward(
 
 /// Global positions of this rank's tokens (its block of the zigzag-ordered positions)
 /// and the same as a column, for the masked ring's keep-masks.
-fn local_positions(b: &mut Builder, local: &Dim, cp: i64) -> Result<(Value, Value), PassError> {
+///
+/// A ring that stops early is right only for sequences of at least `min_seq` tokens
+/// (shorter ones have smaller chunks, whose band reaches further ranks), so its
+/// positions are made as two ranges, `[0, S - min_seq)` and `[S - min_seq, S)`: the
+/// first one's size is negative for a shorter sequence, which binding the sizes
+/// (`check_bindings`, the runtimes) refuses as `S` too small, naming the nearest
+/// lengths that work.
+fn local_positions(b: &mut Builder, r: &Ring, local: &Dim) -> Result<(Value, Value), PassError> {
+    let cp = r.cp;
     let whole = local.clone() * Dim::sym(CP);
-    let all = b.op(
-        Op::Arange {
-            start: Dim::from(0),
-            ty: TensorType::new(DType::I64, vec![whole]),
-        },
-        &[],
-        "token positions, for the ring's keep-masks",
-    )?;
+    let positions = |b: &mut Builder, start: Dim, len: Dim, why: &str| {
+        b.op(
+            Op::Arange {
+                start,
+                ty: TensorType::new(DType::I64, vec![len]),
+            },
+            &[],
+            why,
+        )
+    };
+    let all = match r.window_ring {
+        Some(w) if w.steps() < cp - 1 => {
+            let min = Dim::from(w.min_seq);
+            let head = whole.clone() - min.clone();
+            let why = format!(
+                "token positions, for the ring's keep-masks: the ring stops early, so the sequence must hold at least {} tokens (this size is negative otherwise)",
+                w.min_seq
+            );
+            let first = positions(b, Dim::from(0), head.clone(), &why)?;
+            let last = positions(
+                b,
+                head,
+                min,
+                "token positions, for the ring's keep-masks: the last ones",
+            )?;
+            b.op(
+                Op::Concat { dim: 0 },
+                &[first, last],
+                "token positions, for the ring's keep-masks",
+            )?
+        }
+        _ => positions(
+            b,
+            Dim::from(0),
+            whole,
+            "token positions, for the ring's keep-masks",
+        )?,
+    };
     let zz = b.op(
         Op::Zigzag {
             dim: 0,
@@ -824,7 +862,7 @@ fn masked_forward(
     v: Value,
 ) -> Result<(Value, Value), PassError> {
     let local = b.ty(q).shape[2].clone();
-    let (qpos, qcol) = local_positions(b, &local, r.cp)?;
+    let (qpos, qcol) = local_positions(b, r, &local)?;
     let dirs = directions(r);
     let own = (k, v, qpos);
     let during = "ring step 0's attention of this rank's queries to its own block";
@@ -874,7 +912,7 @@ fn masked_backward(
 ) -> Result<(Value, Value, Value), PassError> {
     let cp = r.cp;
     let local = b.ty(x.q).shape[2].clone();
-    let (qpos, qcol) = local_positions(b, &local, cp)?;
+    let (qpos, qcol) = local_positions(b, r, &local)?;
     let dirs = directions(r);
     let again = " (again, for the backward)";
     let own = (x.k, x.v, qpos);
