@@ -664,3 +664,21 @@ fn inspect_explain_shows_each_windowed_ring_step() {
     assert_eq!(reverse, 6, "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `weft check` at 64 tokens on cp=4 (mistral_sw4's 4-key window: one step of each
+/// ring) matches the unsharded model, forward-only and as a training step, and gemma2
+/// (soft-caps, a windowed and a full layer) too.
+#[test]
+fn weft_check_runs_the_early_stopped_ring() {
+    for (model, extra) in [
+        ("tests/fixtures/mistral_sw4", &[][..]),
+        ("tests/fixtures/mistral_sw4", &["--train"][..]),
+        ("tests/fixtures/gemma2", &["--train"][..]),
+    ] {
+        let mut args = vec!["check", model, "--mesh", "cp=4", "--seq", "64", "--json"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = weft(&args);
+        assert_eq!(code, 0, "{model} {extra:?}: {out}{err}");
+        assert_eq!(json(&out)["ok"], true, "{model} {extra:?}: {out}");
+    }
+}
