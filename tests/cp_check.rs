@@ -15,7 +15,7 @@
 mod common;
 use common::*;
 
-use weft_ir::{HostTensor, Mesh};
+use weft_ir::{HostTensor, Mesh, Op};
 use weft_passes::training::{CheckpointPolicy, TrainOptions};
 use weft_passes::{default_pipeline, lookup, PassContext};
 use weft_runtime::cpu::RunResult;
@@ -218,16 +218,34 @@ fn qwen3_qk_norm_cp2() {
 /// Bytes per rank of every `op_name` node of layer 0 in the training step of `fixture`
 /// on `mesh`, with B and S bound.
 fn layer0_bytes(fixture: &str, mesh: &str, op_name: &str, b: i64, s: i64) -> (usize, i64) {
-    let c = case(fixture);
-    let opts = weft_passes::training::TrainOptions::default();
-    let (g, _) = training_step(&c.graph, mesh, &opts).unwrap();
+    let (f, bk) = layer0_bytes_split(
+        &case(fixture),
+        mesh,
+        op_name,
+        b,
+        s,
+        &TrainOptions::default(),
+    );
+    (f.0 + bk.0, f.1 + bk.1)
+}
+
+/// Count and bytes per rank of every `op_name` node of layer 0 in the training step of
+/// `c` on `mesh` compiled with `opts`, with B and S bound: (forward, backward).
+fn layer0_bytes_split(
+    c: &Case,
+    mesh: &str,
+    op_name: &str,
+    b: i64,
+    s: i64,
+    opts: &TrainOptions,
+) -> ((usize, i64), (usize, i64)) {
+    let (g, _) = training_step(&c.graph, mesh, opts).unwrap();
     let m = Mesh::parse(mesh).unwrap();
     let mut bind = weft_ir::dim::Bindings::new().with("B", b).with("S", s);
     for (a, n) in &m.axes {
         bind = bind.with(a, *n as i64);
     }
-    let mut count = 0;
-    let mut total = 0;
+    let (mut forward, mut backward) = ((0, 0), (0, 0));
     for &n in g.nodes() {
         let d = g.node(n);
         let in_layer0 = d
@@ -239,12 +257,209 @@ fn layer0_bytes(fixture: &str, mesh: &str, op_name: &str, b: i64, s: i64) -> (us
             continue;
         }
         let t = g.ty(d.operands[0]);
-        count += 1;
-        total += (t.numel() * t.dtype.size_bytes() as i64)
+        let is_backward = d
+            .meta
+            .derived
+            .as_ref()
+            .is_some_and(|x| x.kind == weft_ir::DerivedKind::Backward);
+        let at = if is_backward {
+            &mut backward
+        } else {
+            &mut forward
+        };
+        at.0 += 1;
+        at.1 += (t.numel() * t.dtype.size_bytes() as i64)
             .eval(&bind)
             .unwrap();
     }
-    (count, total)
+    (forward, backward)
+}
+
+/// With a sliding window the ring takes only the steps whose blocks meet the band
+/// (`ring_steps`): per layer and rank, forward, `K` steps each moving a k and a v
+/// block and the block's key positions (i64); backward, the same again plus the dk/dv
+/// accumulators (one shift per step after each ring's first, and one home per ring),
+/// so `K (2 kv + pos)` forward and `K (2 kv + pos) + 2 K kv` backward.
+#[test]
+fn window_ring_steps_and_bytes_are_the_analytic_figure() {
+    // mistral_sw4: 2 kv heads, head dim 8, f32, a 4-key window.
+    let (b, nkv, d, cp) = (2i64, 2i64, 8i64, 4i64);
+    let c = case("mistral_sw4");
+    // 64 tokens: chunks of 8, the band reaches one chunk back: one step of each ring
+    // (2 of cp-1 = 3). 16 tokens: chunks of 2, the band needs every step.
+    for (s, want_steps) in [(64i64, (1, 1)), (16, (3, 0))] {
+        let steps = weft_passes::ring_steps::window_ring(s, cp, 4).unwrap();
+        assert_eq!((steps.from_earlier, steps.from_later), want_steps, "S={s}");
+        let k = steps.steps();
+        let rings = [steps.from_earlier, steps.from_later]
+            .iter()
+            .filter(|&&n| n > 0)
+            .count() as i64;
+        let opts = TrainOptions {
+            seq: Some(s),
+            ..Default::default()
+        };
+        let (fwd, bwd) = layer0_bytes_split(&c, &format!("cp={cp}"), "ring_shift", b, s, &opts);
+        let kv = b * nkv * (s / cp) * d * 4;
+        let pos = (s / cp) * 8;
+        assert_eq!(fwd, (3 * k as usize, k * (2 * kv + pos)), "S={s} forward");
+        assert_eq!(
+            bwd,
+            (
+                (3 * k + 2 * (k - rings) + 2 * rings) as usize,
+                k * (2 * kv + pos) + 2 * k * kv
+            ),
+            "S={s} backward"
+        );
+    }
+    // The hybrid (Ulysses inside the ring) on cp=4,sp=2 at 64 tokens: the ring carries
+    // the cp rank's tokens for Nkv/sp heads over the same (1, 1) steps, and q, k, v and
+    // the output each go through one all_to_all forward and one backward on top.
+    let (s, sp, nq) = (64i64, 2i64, 4i64);
+    let opts = TrainOptions {
+        seq: Some(s),
+        ..Default::default()
+    };
+    let k = 2;
+    let kv = b * (nkv / sp) * (s / cp) * d * 4;
+    let pos = (s / cp) * 8;
+    let (fwd, bwd) = layer0_bytes_split(&c, "cp=4,sp=2", "ring_shift", b, s, &opts);
+    assert_eq!(fwd, (6, k * (2 * kv + pos)), "cp=4,sp=2 forward");
+    assert_eq!(
+        bwd,
+        (10, k * (2 * kv + pos) + 2 * k * kv),
+        "cp=4,sp=2 backward"
+    );
+    let (fwd, bwd) = layer0_bytes_split(&c, "cp=4,sp=2", "all_to_all", b, s, &opts);
+    let local = b * (s / cp / sp) * d * 4;
+    let one_way = nq * local + 2 * nkv * local + nq * local;
+    assert_eq!(
+        (fwd, bwd),
+        ((4, one_way), (4, one_way)),
+        "cp=4,sp=2 all_to_all"
+    );
+}
+
+/// A sequence the zigzag chunks do not divide cannot bound the window's ring; a ring
+/// that stops early for 64 tokens (4-key window, cp=4: right from 24 tokens on) refuses
+/// to bind or run 16 (whose band needs every step), naming the length that works.
+#[test]
+fn window_ring_refuses_a_shorter_sequence() {
+    let c = case("mistral_sw4");
+    let opts = TrainOptions {
+        seq: Some(64),
+        ..Default::default()
+    };
+    let (g, _) = training_step(&c.graph, "cp=4", &opts).unwrap();
+    let bind = |s: i64| weft_ir::dim::Bindings::new().with("B", 2).with("S", s);
+    weft_passes::check_bindings(&g, &bind(24)).unwrap();
+    let err = weft_passes::check_bindings(&g, &bind(16))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("S=16 is too small") && err.contains("S=24"),
+        "{err}"
+    );
+    let run = weft_runtime::cpu::run(
+        &g,
+        &c.weights,
+        &c.inputs,
+        &weft_runtime::cpu::RunOptions::new(weft_runtime::cpu::Precision::F64),
+    );
+    assert!(run.is_err(), "a 64-token ring ran on 16 tokens");
+    for seq in [4i64, 12] {
+        let opts = TrainOptions {
+            seq: Some(seq),
+            ..Default::default()
+        };
+        let err = training_step(&c.graph, "cp=4", &opts).unwrap_err();
+        assert!(
+            err.contains("ring-lower")
+                && err.contains(&format!("{seq} tokens"))
+                && err.contains("multiple of 2 x cp = 8"),
+            "{err}"
+        );
+    }
+}
+
+/// mistral_sw4 with its window narrowed to 2 keys.
+fn narrow_window_case() -> Case {
+    let mut c = case("mistral_sw4");
+    for n in c.graph.nodes().to_vec() {
+        if let Op::Attention { window, .. } = &mut c.graph.node_mut(n).op {
+            *window = Some(2);
+        }
+    }
+    c
+}
+
+/// With a 2-key window at 16 tokens on cp=4 (chunks of 2) only the first step of each
+/// ring meets the band: the ring stops there (k, v and positions sent once each way
+/// per layer, not three times), and the logits, loss and every gradient still equal
+/// the unsharded model's.
+#[test]
+fn sliding_window_ring_stops_early() {
+    let c = narrow_window_case();
+    let reference = execute(&c.graph, &c, true);
+    let mut cx = PassContext::new(Mesh::parse("cp=4").unwrap());
+    cx.options.train.seq = Some(16);
+    let mut g = c.graph.clone();
+    g.mesh = cx.mesh.clone();
+    for pass in default_pipeline(&cx.mesh) {
+        lookup(pass).unwrap().run(&mut g, &cx).unwrap();
+    }
+    weft_ir::verify(&g).unwrap();
+    let text = g.to_string();
+    let layer0_shifts: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("= ring_shift") && l.contains("model.layers.0.self_attn"))
+        .collect();
+    assert_eq!(layer0_shifts.len(), 6, "{}", layer0_shifts.join("\n"));
+    assert_eq!(
+        layer0_shifts
+            .iter()
+            .filter(|l| l.contains("shift=-1"))
+            .count(),
+        3,
+        "{}",
+        layer0_shifts.join("\n")
+    );
+    let mut want = reference.clone();
+    want.grads.clear();
+    compare("2-key window on cp=4", &want, &execute(&g, &c, false));
+    let opts = TrainOptions {
+        seq: Some(16),
+        ..Default::default()
+    };
+    let g = check_training("mistral_sw4 (2-key window)", "cp=4", &c, &reference, opts);
+    let backward_shifts = g
+        .to_string()
+        .lines()
+        .filter(|l| l.contains("= ring_shift") && l.contains("model.layers.0.self_attn"))
+        .count();
+    assert_eq!(backward_shifts, 6 + 10);
+}
+
+/// Pins the text of layer 0's windowed ring (2-key window, cp=4, 16 tokens) in the
+/// training step: one step of the forward ring and one of the reverse ring, forward
+/// and backward, each `ring_shift` naming its bytes and the compute it overlaps.
+#[test]
+fn window_ring_snapshot() {
+    let c = narrow_window_case();
+    let opts = TrainOptions {
+        seq: Some(16),
+        ..Default::default()
+    };
+    let (g, _) = training_step(&c.graph, "cp=4", &opts).unwrap();
+    let text = g.to_string();
+    let ring: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("model.layers.0.self_attn") && l.contains("<- ring-lower:"))
+        .collect();
+    for l in ring.iter().filter(|l| l.contains("= ring_shift")) {
+        assert!(l.contains("; overlaps "), "{l}");
+    }
+    insta::assert_snapshot!(ring.join("\n"));
 }
 
 /// Per layer and rank, the ring moves `cp-1` k blocks and `cp-1` v blocks forward, and
@@ -395,4 +610,75 @@ fn compiled_ring_peak_follows_the_analytic_model() {
     let ratio = (cp_compiled / cp_analytic) / (sp_compiled / sp_analytic);
     assert!((ratio - 1.0).abs() < 0.10, "{what}");
     eprintln!("{what}");
+}
+
+/// gemma2 (soft-capped attention, a 4-key window on layer 0, (1 + w) norms, a scaled
+/// and tied embedding with a padding row) through the ring: logits, loss and every
+/// gradient equal the unsharded model's.
+#[test]
+fn gemma2_cp2_cp4() {
+    check("gemma2", "cp=2", false);
+    check("gemma2", "cp=4", false);
+}
+
+/// `weft inspect --explain` shows each step of the windowed ring (mistral_sw4 at 64
+/// tokens on cp=4: one step of the forward ring and one of the reverse ring) with its
+/// bytes and the compute it overlaps.
+#[test]
+fn inspect_explain_shows_each_windowed_ring_step() {
+    let dir = std::env::temp_dir().join(format!("weft-cp-explain-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.json");
+    let plan = plan.to_str().unwrap();
+    let (code, _, err) = weft(&[
+        "compile",
+        "tests/fixtures/mistral_sw4",
+        "--mesh",
+        "cp=4",
+        "--seq",
+        "64",
+        "--batch",
+        "2",
+        "-o",
+        plan,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = weft(&["inspect", plan, "--explain"]);
+    assert_eq!(code, 0, "{err}");
+    let steps: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("ring_shift") && l.contains("[model.layers.0.self_attn]"))
+        .collect();
+    // forward: k, v, positions each way; backward: the same, and each ring's dk/dv home
+    assert_eq!(steps.len(), 6 + 10, "{out}");
+    for l in &steps {
+        assert!(
+            l.contains("bytes per rank; overlaps ") && l.contains("KiB"),
+            "{l}"
+        );
+    }
+    let reverse = steps
+        .iter()
+        .filter(|l| l.contains("reverse ring step 1/1"))
+        .count();
+    assert_eq!(reverse, 6, "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `weft check` at 64 tokens on cp=4 (mistral_sw4's 4-key window: one step of each
+/// ring) matches the unsharded model, forward-only and as a training step, and gemma2
+/// (soft-caps, a windowed and a full layer) too.
+#[test]
+fn weft_check_runs_the_early_stopped_ring() {
+    for (model, extra) in [
+        ("tests/fixtures/mistral_sw4", &[][..]),
+        ("tests/fixtures/mistral_sw4", &["--train"][..]),
+        ("tests/fixtures/gemma2", &["--train"][..]),
+    ] {
+        let mut args = vec!["check", model, "--mesh", "cp=4", "--seq", "64", "--json"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = weft(&args);
+        assert_eq!(code, 0, "{model} {extra:?}: {out}{err}");
+        assert_eq!(json(&out)["ok"], true, "{model} {extra:?}: {out}");
+    }
 }

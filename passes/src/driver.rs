@@ -797,6 +797,9 @@ fn compile_with(
             g.remove_output("logits");
         }
         cx.options.train = t.clone();
+    } else if let Some(s) = bindings.symbols.get("S") {
+        // A forward-only program's ring lowering sizes a sliding window's ring too.
+        cx.options.train.seq = Some(*s);
     }
     let pipeline = pipeline(req, train.as_ref());
     let names = pipeline.names();

@@ -28,7 +28,9 @@ mod util;
 // `weft_passes::autodiff` keep working across the folder split.
 pub use cleanup::{canonicalize, simplify};
 pub use lower::{bindings, convert_dtype, fuse, memory, plan, search};
-pub use parallel::{ep, ring, ring_lower, shard_inputs, shard_seq, sp_loss, tp, ulysses};
+pub use parallel::{
+    ep, ring, ring_lower, ring_steps, shard_inputs, shard_seq, sp_loss, tp, ulysses,
+};
 pub use train::{
     autodiff, checkpoint, grad_sync, linear_ce, micro_batches, offload, optimizer, training, zero,
     zero_split,

@@ -6,13 +6,15 @@
 //! - Context parallelism (axis `cp`, ring attention with zigzag load balance, and the
 //!   Ulysses x ring hybrid with `sp`): [`ring`], on the sequence split `shard_inputs` /
 //!   `shard_seq` make in zigzag order, and [`ring_lower`], which expands the ring ops
-//!   into ring steps after `autodiff`.
+//!   into ring steps after `autodiff` ([`ring_steps`]: where a sliding window lets
+//!   the ring stop early).
 //! - Tensor parallelism (axis `tp`): [`tp`].
 //! - Expert parallelism (axis `ep`, DeepSpeed's expert groups): [`ep`].
 
 pub mod ep;
 pub mod ring;
 pub mod ring_lower;
+pub mod ring_steps;
 pub mod shard_inputs;
 pub mod shard_seq;
 pub mod sp_loss;

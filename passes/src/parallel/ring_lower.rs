@@ -26,7 +26,12 @@
 //!
 //! A sliding window or a non-causal attention uses the masked ring: every step attends
 //! all local queries to the received block under a keep-mask from the tokens' global
-//! positions, which travel the ring with k/v.
+//! positions, which travel the ring with k/v. With a sliding window and a known
+//! training sequence length (`TrainOptions::seq`) the ring stops early: only the steps
+//! whose blocks meet the band are sent and computed, the first steps of the forward
+//! ring (earlier ranks' first chunks) and of the reverse ring (`ring_shift {shift=-1}`,
+//! later ranks' second chunks); see `ring_steps.rs`. Unknown, every step is taken.
+//! Each `ring_shift`'s reason ends with the compute it overlaps.
 //!
 //! Backward: the same steps and blocks in the same order; each block's
 //! `attention_block_grad` takes the merged `out` and the whole row's `lse` (so its
@@ -37,6 +42,7 @@
 //! added.
 
 use crate::pass::{Pass, PassContext, PassError, PassResult, CP};
+use crate::ring_steps::{window_ring, WindowRing};
 use crate::util::remove_unused;
 use weft_ir::{
     At, CmpOp, DType, Dim, Float, Graph, Node, NodeMeta, Op, Provenance, TensorType, Value,
@@ -50,6 +56,9 @@ pub const NAME: &str = "ring-lower";
 /// `e^(-1e30 - l)` is exactly 0.
 const ABSENT_LSE: f64 = -1e30;
 
+/// What the transfer that brings the dk/dv accumulators home overlaps.
+const NO_OVERLAP: &str = "no compute (it carries the last step's gradients)";
+
 impl Pass for RingLower {
     fn name(&self) -> &'static str {
         NAME
@@ -60,7 +69,7 @@ impl Pass for RingLower {
     fn requires(&self) -> &'static [&'static str] {
         &[crate::ring::NAME]
     }
-    fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
+    fn run(&self, g: &mut Graph, cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
         for k in [
             "ring_attentions",
@@ -86,7 +95,7 @@ impl Pass for RingLower {
         let mut dead = Vec::new();
         for n in todo {
             let d = g.node(n).clone();
-            let ring = Ring::of(g, n, &d.op)?;
+            let ring = Ring::of(g, n, &d.op, cx.options.train.seq)?;
             let mut b = Builder {
                 g,
                 at: n,
@@ -139,10 +148,13 @@ struct Ring {
     window: Option<i64>,
     scale: Float,
     softcap: Option<Float>,
+    /// The steps a causal sliding window needs, when the sequence length is known
+    /// (unknown: every step, which is right for any length).
+    window_ring: Option<WindowRing>,
 }
 
 impl Ring {
-    fn of(g: &Graph, n: Node, op: &Op) -> Result<Ring, PassError> {
+    fn of(g: &Graph, n: Node, op: &Op, seq: Option<i64>) -> Result<Ring, PassError> {
         let (Op::RingAttention {
             axis,
             causal,
@@ -176,12 +188,32 @@ impl Ring {
                 format!("the mesh `{}` has no axis `{axis}`", g.mesh),
             )
         })? as i64;
+        let window_ring = match (*window, *causal, seq) {
+            (Some(w), true, Some(seq)) if cp > 1 => {
+                Some(window_ring(seq, cp, w).map_err(|why| {
+                    PassError::rewrite(
+                        NAME,
+                        format!(
+                            "`{NAME}` cannot choose the ring steps of a {w}-key sliding window"
+                        ),
+                        g.describe(n),
+                        why,
+                    )
+                    .with_help(format!(
+                        "give a sequence length (--seq) that is a multiple of 2 x cp = {}",
+                        2 * cp
+                    ))
+                })?)
+            }
+            _ => None,
+        };
         Ok(Ring {
             cp,
             causal: *causal,
             window: *window,
             scale: *scale,
             softcap: *softcap,
+            window_ring,
         })
     }
     fn zigzag_causal(&self) -> bool {
@@ -273,18 +305,43 @@ impl Builder<'_> {
         self.op(Op::Where {}, &[cond, a, b], why)
     }
 
-    /// `ring_shift {shift=1}` of a block, with its bytes in the reason.
-    fn shift(&mut self, x: Value, name: &str, t: i64, cp: i64) -> Result<Value, PassError> {
+    /// `ring_shift {shift=1}` of a block for ring step `t`, with its bytes and the
+    /// compute it `overlaps` in the reason.
+    fn shift(
+        &mut self,
+        x: Value,
+        name: &str,
+        t: i64,
+        cp: i64,
+        overlaps: &str,
+    ) -> Result<Value, PassError> {
+        let step = format!("ring step {t}/{}", cp - 1);
+        self.shift_by(
+            x,
+            1,
+            &format!("{step}: {name} from the previous rank"),
+            overlaps,
+        )
+    }
+
+    /// `ring_shift {shift=by}` of `x` over the cp ring; the reason is `what`, the bytes
+    /// per rank and the compute the transfer `overlaps`.
+    fn shift_by(
+        &mut self,
+        x: Value,
+        by: i64,
+        what: &str,
+        overlaps: &str,
+    ) -> Result<Value, PassError> {
         let why = format!(
-            "ring step {t}/{}: {name} from the previous rank on the cp ring, {} bytes per rank",
-            cp - 1,
+            "{what} on the cp ring, {} bytes per rank; overlaps {overlaps}",
             bytes(self.g.ty(x)),
         );
         self.res.count("ring_shifts", 1);
         self.op(
             Op::RingShift {
                 axis: CP.into(),
-                shift: 1,
+                shift: by,
             },
             &[x],
             &why,
@@ -416,7 +473,11 @@ fn zigzag_forward(
     let cp = r.cp;
     // Step 1's blocks are on their way while step 0 computes.
     let mut next = if cp > 1 {
-        Some((b.shift(k, "k block", 1, cp)?, b.shift(v, "v block", 1, cp)?))
+        let during = "ring step 0's causal attention over this rank's own two chunks";
+        Some((
+            b.shift(k, "k block", 1, cp, during)?,
+            b.shift(v, "v block", 1, cp, during)?,
+        ))
     } else {
         None
     };
@@ -443,9 +504,10 @@ fn zigzag_forward(
     for t in 1..cp {
         let (kt, vt) = next.take().expect("the step's blocks were sent");
         if t + 1 < cp {
+            let during = format!("ring step {t}'s two block attentions");
             next = Some((
-                b.shift(kt, "k block", t + 1, cp)?,
-                b.shift(vt, "v block", t + 1, cp)?,
+                b.shift(kt, "k block", t + 1, cp, &during)?,
+                b.shift(vt, "v block", t + 1, cp, &during)?,
             ));
         }
         b.res.count("ring_steps", 1);
@@ -494,9 +556,10 @@ fn zigzag_backward(
 ) -> Result<(Value, Value, Value), PassError> {
     let cp = r.cp;
     let mut next = if cp > 1 {
+        let during = "ring step 0's block gradient of this rank's own two chunks";
         Some((
-            b.shift(x.k, "k block (again, for the backward)", 1, cp)?,
-            b.shift(x.v, "v block (again, for the backward)", 1, cp)?,
+            b.shift(x.k, "k block (again, for the backward)", 1, cp, during)?,
+            b.shift(x.v, "v block (again, for the backward)", 1, cp, during)?,
         ))
     } else {
         None
@@ -524,12 +587,21 @@ fn zigzag_backward(
     let mut acc: Option<(Value, Value)> = None;
     for t in 1..cp {
         let (kt, vt) = next.take().expect("the step's blocks were sent");
+        let during = format!("ring step {t}'s two block gradients");
         if t + 1 < cp {
             next = Some((
-                b.shift(kt, "k block (again, for the backward)", t + 1, cp)?,
-                b.shift(vt, "v block (again, for the backward)", t + 1, cp)?,
+                b.shift(kt, "k block (again, for the backward)", t + 1, cp, &during)?,
+                b.shift(vt, "v block (again, for the backward)", t + 1, cp, &during)?,
             ));
         }
+        // The previous step's dk/dv accumulator moves on while this step computes.
+        let moved = match acc.take() {
+            None => None,
+            Some((dk, dv)) => Some((
+                b.shift(dk, "dk accumulator of the block", t, cp, &during)?,
+                b.shift(dv, "dv accumulator of the block", t, cp, &during)?,
+            )),
+        };
         let what = format!("ring step {t} backward");
         let (k0, k1) = b.halves(kt, &format!("{what}: the sender's k"))?;
         let (v0, v1) = b.halves(vt, &format!("{what}: the sender's v"))?;
@@ -568,19 +640,15 @@ fn zigzag_backward(
                 &format!("{what}: {name} of the sender's two chunks"),
             )?);
         }
-        acc = Some(match acc {
+        acc = Some(match moved {
             None => (grads[0], grads[1]),
-            Some((dk, dv)) => {
-                let dk = b.shift(dk, "dk accumulator of the block", t, cp)?;
-                let dv = b.shift(dv, "dv accumulator of the block", t, cp)?;
-                (b.add(dk, grads[0], &what)?, b.add(dv, grads[1], &what)?)
-            }
+            Some((dk, dv)) => (b.add(dk, grads[0], &what)?, b.add(dv, grads[1], &what)?),
         });
     }
     let (dk, dv) = acc.expect("cp > 1");
     let home = "the dk/dv accumulators back to the rank that owns the block";
-    let dk = b.shift(dk, home, cp, cp)?;
-    let dv = b.shift(dv, home, cp, cp)?;
+    let dk = b.shift_by(dk, 1, home, NO_OVERLAP)?;
+    let dv = b.shift_by(dv, 1, home, NO_OVERLAP)?;
     let dk = b.add(dk_own, dk, "this rank's k: the ring's part plus step 0's")?;
     let dv = b.add(dv_own, dv, "this rank's v: the ring's part plus step 0's")?;
     let dq = b.op(
@@ -593,16 +661,54 @@ fn zigzag_backward(
 
 /// Global positions of this rank's tokens (its block of the zigzag-ordered positions)
 /// and the same as a column, for the masked ring's keep-masks.
-fn local_positions(b: &mut Builder, local: &Dim, cp: i64) -> Result<(Value, Value), PassError> {
+///
+/// A ring that stops early is right only for sequences of at least `min_seq` tokens
+/// (shorter ones have smaller chunks, whose band reaches further ranks), so its
+/// positions are made as two ranges, `[0, S - min_seq)` and `[S - min_seq, S)`: the
+/// first one's size is negative for a shorter sequence, which binding the sizes
+/// (`check_bindings`, the runtimes) refuses as `S` too small, naming the nearest
+/// lengths that work.
+fn local_positions(b: &mut Builder, r: &Ring, local: &Dim) -> Result<(Value, Value), PassError> {
+    let cp = r.cp;
     let whole = local.clone() * Dim::sym(CP);
-    let all = b.op(
-        Op::Arange {
-            start: Dim::from(0),
-            ty: TensorType::new(DType::I64, vec![whole]),
-        },
-        &[],
-        "token positions, for the ring's keep-masks",
-    )?;
+    let positions = |b: &mut Builder, start: Dim, len: Dim, why: &str| {
+        b.op(
+            Op::Arange {
+                start,
+                ty: TensorType::new(DType::I64, vec![len]),
+            },
+            &[],
+            why,
+        )
+    };
+    let all = match r.window_ring {
+        Some(w) if w.steps() < cp - 1 => {
+            let min = Dim::from(w.min_seq);
+            let head = whole.clone() - min.clone();
+            let why = format!(
+                "token positions, for the ring's keep-masks: the ring stops early, so the sequence must hold at least {} tokens (this size is negative otherwise)",
+                w.min_seq
+            );
+            let first = positions(b, Dim::from(0), head.clone(), &why)?;
+            let last = positions(
+                b,
+                head,
+                min,
+                "token positions, for the ring's keep-masks: the last ones",
+            )?;
+            b.op(
+                Op::Concat { dim: 0 },
+                &[first, last],
+                "token positions, for the ring's keep-masks",
+            )?
+        }
+        _ => positions(
+            b,
+            Dim::from(0),
+            whole,
+            "token positions, for the ring's keep-masks",
+        )?,
+    };
     let zz = b.op(
         Op::Zigzag {
             dim: 0,
@@ -679,6 +785,73 @@ fn keep_mask(
     )
 }
 
+/// One ring of the masked lowering: `steps` steps of `ring_shift {shift=by}`.
+#[derive(Clone, Copy)]
+struct Direction {
+    by: i64,
+    steps: i64,
+}
+
+impl Direction {
+    /// The name of step `t` of this ring in reasons.
+    fn step(&self, t: i64) -> String {
+        let ring = if self.by > 0 { "ring" } else { "reverse ring" };
+        format!("{ring} step {t}/{}", self.steps)
+    }
+    fn from(&self) -> &'static str {
+        if self.by > 0 {
+            "from the previous rank"
+        } else {
+            "from the next rank"
+        }
+    }
+}
+
+/// The rings the masked lowering runs: with a bounded sliding window, the steps of
+/// the forward and reverse rings whose blocks meet the band (`ring_steps`); otherwise
+/// all `cp - 1` steps of the forward ring.
+fn directions(r: &Ring) -> Vec<Direction> {
+    let all = match r.window_ring {
+        Some(w) => vec![
+            Direction {
+                by: 1,
+                steps: w.from_earlier,
+            },
+            Direction {
+                by: -1,
+                steps: w.from_later,
+            },
+        ],
+        None => vec![Direction {
+            by: 1,
+            steps: r.cp - 1,
+        }],
+    };
+    all.into_iter().filter(|d| d.steps > 0).collect()
+}
+
+/// A block on the ring: k, v and the global positions of its keys.
+type Block = (Value, Value, Value);
+
+/// Sends `block` one step further along ring `d`, for step `t`, while `overlaps`
+/// computes.
+fn send(
+    b: &mut Builder,
+    d: Direction,
+    block: Block,
+    t: i64,
+    again: &str,
+    overlaps: &str,
+) -> Result<Block, PassError> {
+    let (k, v, pos) = block;
+    let what = |name: &str| format!("{}: {name}{again} {}", d.step(t), d.from());
+    Ok((
+        b.shift_by(k, d.by, &what("k block"), overlaps)?,
+        b.shift_by(v, d.by, &what("v block"), overlaps)?,
+        b.shift_by(pos, d.by, &what("key positions"), overlaps)?,
+    ))
+}
+
 /// The masked ring's forward: every step attends all local queries to the received
 /// block under a keep-mask from global positions (causal, and the window's band).
 fn masked_forward(
@@ -688,39 +861,50 @@ fn masked_forward(
     k: Value,
     v: Value,
 ) -> Result<(Value, Value), PassError> {
-    let cp = r.cp;
     let local = b.ty(q).shape[2].clone();
-    let (qpos, qcol) = local_positions(b, &local, cp)?;
-    let mut acc: Option<(Value, Value)> = None;
-    let mut cur = (k, v, qpos);
-    for t in 0..cp {
-        let (kt, vt, kpos) = cur;
-        if t + 1 < cp {
-            cur = (
-                b.shift(kt, "k block", t + 1, cp)?,
-                b.shift(vt, "v block", t + 1, cp)?,
-                b.shift(kpos, "key positions", t + 1, cp)?,
-            );
-        }
-        b.res.count("ring_steps", 1);
-        let what = format!("ring step {t}");
-        let mask = keep_mask(b, r, &local, qcol, kpos, &what)?;
-        let part = b.block_attention(
-            r,
-            &[q, kt, vt, mask],
-            false,
-            &format!("{what}: this rank's queries x the received k/v block"),
-        )?;
-        acc = Some(match acc {
-            None => part,
-            Some(a) => b.merge(a, part, &what)?,
-        });
+    let (qpos, qcol) = local_positions(b, r, &local)?;
+    let dirs = directions(r);
+    let own = (k, v, qpos);
+    let during = "ring step 0's attention of this rank's queries to its own block";
+    let mut pending = Vec::new();
+    for &d in &dirs {
+        pending.push(Some(send(b, d, own, 1, "", during)?));
     }
-    Ok(acc.expect("cp >= 1"))
+    b.res.count("ring_steps", 1);
+    let mask = keep_mask(b, r, &local, qcol, qpos, "ring step 0")?;
+    let step0 = match r.window_ring {
+        Some(w) => format!(
+            "ring step 0: this rank's queries x its own k/v block; the {}-key window's ring takes {w}",
+            r.window.unwrap_or_default()
+        ),
+        None => "ring step 0: this rank's queries x its own k/v block".to_string(),
+    };
+    let mut acc = b.block_attention(r, &[q, k, v, mask], false, &step0)?;
+    for (i, &d) in dirs.iter().enumerate() {
+        for t in 1..=d.steps {
+            let (kt, vt, kpos) = pending[i].take().expect("the step's block was sent");
+            let what = d.step(t);
+            if t < d.steps {
+                let during = format!("{what}'s block attention");
+                pending[i] = Some(send(b, d, (kt, vt, kpos), t + 1, "", &during)?);
+            }
+            b.res.count("ring_steps", 1);
+            let mask = keep_mask(b, r, &local, qcol, kpos, &what)?;
+            let part = b.block_attention(
+                r,
+                &[q, kt, vt, mask],
+                false,
+                &format!("{what}: this rank's queries x the received k/v block"),
+            )?;
+            acc = b.merge(acc, part, &what)?;
+        }
+    }
+    Ok(acc)
 }
 
 /// The masked ring's backward: the same steps, each block's gradient from the merged
-/// out and lse; dk/dv accumulators travel with their blocks.
+/// out and lse; each ring's dk/dv accumulator travels with its blocks and goes home
+/// after the ring's last step.
 fn masked_backward(
     b: &mut Builder,
     r: &Ring,
@@ -728,53 +912,72 @@ fn masked_backward(
 ) -> Result<(Value, Value, Value), PassError> {
     let cp = r.cp;
     let local = b.ty(x.q).shape[2].clone();
-    let (qpos, qcol) = local_positions(b, &local, cp)?;
-    let mut dq: Option<Value> = None;
-    let mut own: Option<(Value, Value)> = None;
-    let mut acc: Option<(Value, Value)> = None;
-    let mut cur = (x.k, x.v, qpos);
-    for t in 0..cp {
-        let (kt, vt, kpos) = cur;
-        if t + 1 < cp {
-            let again = "(again, for the backward)";
-            cur = (
-                b.shift(kt, &format!("k block {again}"), t + 1, cp)?,
-                b.shift(vt, &format!("v block {again}"), t + 1, cp)?,
-                b.shift(kpos, &format!("key positions {again}"), t + 1, cp)?,
-            );
-        }
-        let what = format!("ring step {t} backward");
-        let mask = keep_mask(b, r, &local, qcol, kpos, &what)?;
-        let (dqt, dkt, dvt) = b.block_grad(
+    let (qpos, qcol) = local_positions(b, r, &local)?;
+    let dirs = directions(r);
+    let again = " (again, for the backward)";
+    let own = (x.k, x.v, qpos);
+    let during = "ring step 0's block gradient of this rank's own block";
+    let mut pending = Vec::new();
+    for &d in &dirs {
+        pending.push(Some(send(b, d, own, 1, again, during)?));
+    }
+    let grad = |b: &mut Builder, kt: Value, vt: Value, mask: Value, what: &str| {
+        b.block_grad(
             r,
             &[x.q, kt, vt, x.out, x.dout, x.lse, mask],
             false,
             &format!("{what}: this rank's queries x the received k/v block"),
-        )?;
-        dq = Some(match dq {
-            None => dqt,
-            Some(d) => b.add(d, dqt, &what)?,
-        });
-        if t == 0 {
-            own = Some((dkt, dvt));
-            continue;
-        }
-        acc = Some(match acc {
-            None => (dkt, dvt),
-            Some((dk, dv)) => {
-                let dk = b.shift(dk, "dk accumulator of the block", t, cp)?;
-                let dv = b.shift(dv, "dv accumulator of the block", t, cp)?;
-                (b.add(dk, dkt, &what)?, b.add(dv, dvt, &what)?)
+        )
+    };
+    let mask = keep_mask(b, r, &local, qcol, qpos, "ring step 0 backward")?;
+    let (mut dq, mut dk, mut dv) = grad(b, x.k, x.v, mask, "ring step 0 backward")?;
+    for (i, &d) in dirs.iter().enumerate() {
+        let mut acc: Option<(Value, Value)> = None;
+        for t in 1..=d.steps {
+            let (kt, vt, kpos) = pending[i].take().expect("the step's block was sent");
+            let what = format!("{} backward", d.step(t));
+            let during = format!("{what}'s block gradient");
+            if t < d.steps {
+                pending[i] = Some(send(b, d, (kt, vt, kpos), t + 1, again, &during)?);
             }
-        });
+            // The previous step's accumulator moves on with its block while this
+            // step computes.
+            let moved = match acc.take() {
+                None => None,
+                Some((ak, av)) => {
+                    let name = |n: &str| {
+                        format!("{}: {n} accumulator of the block {}", d.step(t), d.from())
+                    };
+                    Some((
+                        b.shift_by(ak, d.by, &name("dk"), &during)?,
+                        b.shift_by(av, d.by, &name("dv"), &during)?,
+                    ))
+                }
+            };
+            let mask = keep_mask(b, r, &local, qcol, kpos, &what)?;
+            let (dqt, dkt, dvt) = grad(b, kt, vt, mask, &what)?;
+            dq = b.add(dq, dqt, &what)?;
+            acc = Some(match moved {
+                None => (dkt, dvt),
+                Some((ak, av)) => (b.add(ak, dkt, &what)?, b.add(av, dvt, &what)?),
+            });
+        }
+        if let Some((ak, av)) = acc {
+            // The accumulator of the block of the rank `by x steps` back goes to it.
+            let home_by = (-d.by * d.steps).rem_euclid(cp);
+            let home = format!(
+                "the {} accumulators back to the rank that owns the block",
+                if d.by > 0 {
+                    "ring's dk/dv"
+                } else {
+                    "reverse ring's dk/dv"
+                }
+            );
+            let ak = b.shift_by(ak, home_by, &home, NO_OVERLAP)?;
+            let av = b.shift_by(av, home_by, &home, NO_OVERLAP)?;
+            dk = b.add(dk, ak, "this rank's k: the ring's part plus step 0's")?;
+            dv = b.add(dv, av, "this rank's v: the ring's part plus step 0's")?;
+        }
     }
-    let (mut dk, mut dv) = own.expect("cp >= 1");
-    if let Some((ak, av)) = acc {
-        let home = "the dk/dv accumulators back to the rank that owns the block";
-        let ak = b.shift(ak, home, cp, cp)?;
-        let av = b.shift(av, home, cp, cp)?;
-        dk = b.add(dk, ak, "this rank's k: the ring's part plus step 0's")?;
-        dv = b.add(dv, av, "this rank's v: the ring's part plus step 0's")?;
-    }
-    Ok((dq.expect("cp >= 1"), dk, dv))
+    Ok((dq, dk, dv))
 }

@@ -239,6 +239,8 @@ pub struct TrainOptions {
     pub grad_outputs: bool,
     /// Sizes the memory-aware passes (checkpoint budget, offload planner) evaluate
     /// per-rank bytes at: `B` and `S` (default: 1 sequence of 4096 tokens per dp rank).
+    /// `ring-lower` stops a sliding window's ring early for `S` (and sequences at least
+    /// as long; unknown, it takes every step).
     pub batch: Option<i64>,
     pub seq: Option<i64>,
     /// `linear-cross-entropy`: fuse the lm_head and the loss so no logits tensor exists
