@@ -10,7 +10,7 @@ mod common;
 use common::*;
 
 use std::collections::BTreeMap;
-use weft_ir::{Graph, HostTensor};
+use weft_ir::{Graph, HostTensor, Op};
 use weft_passes::training::{CheckpointPolicy, OffloadOptions, TrainOptions};
 use weft_passes::{PassContext, PassManager};
 use weft_runtime::cpu::{run, Precision, RunOptions};
@@ -215,6 +215,7 @@ fn fuse_rewrite_snapshot_and_values() {
         ("add_rms_norm", 2),
         ("add_rms_norm_grad", 2),
         ("dce_removed", 0),
+        ("embedding_grad_init", 0),
         ("glu", 2),
         ("glu_grad", 2),
         ("matmul_add", 2),
@@ -471,4 +472,36 @@ fn a_fused_forward_differentiates_to_the_fused_backward() {
         Precision::F64,
         1e-10,
     );
+}
+
+#[test]
+fn tied_embedding_gradient_adds_into_the_lm_head_gradient() {
+    // gemma2 ties lm_head to the embedding: the table's gradient is the lm_head GEMM's
+    // plus the embedding's rows; `fuse` adds the rows into the first in its bytes.
+    let (g, weights, inputs) = load_fixture("gemma2");
+    for mesh in ["", "dp=2", "sp=2"] {
+        let (unfused, _) = training_step(&g, mesh, &train_opts()).unwrap();
+        let (f, counters) = fused(&unfused);
+        assert_eq!(counters["embedding_grad_init"], 1, "{mesh}");
+        let with_init = f
+            .nodes()
+            .iter()
+            .filter(|&&n| {
+                matches!(f.node(n).op, Op::EmbeddingGrad { .. }) && f.node(n).operands.len() == 3
+            })
+            .count();
+        assert_eq!(
+            with_init, 1,
+            "{mesh}: one embedding_grad adds into its init"
+        );
+        same_outputs(
+            &format!("gemma2 on `{mesh}`"),
+            &unfused,
+            &f,
+            &weights,
+            &inputs,
+            Precision::F64,
+            1e-10,
+        );
+    }
 }

@@ -306,8 +306,8 @@ define_ops! {
     CrossEntropyGrad = "cross_entropy_grad" ("logits, labels, dloss") [3, 3] { ignore_index: i64, reduction: Reduction } => cross_entropy_grad;
     /// Gradients of `linear_cross_entropy` (same attributes) from the forward's log-sum-exp `lse` and the gradients `dlse`, `dtarget` of its two results: dx and dw. Each vocabulary chunk's logits are recomputed, `dz = dlse * softmax + dtarget * onehot(label)` formed in place, then `dx += dz w_c` and `dw_c = dz^T x`.
     LinearCrossEntropyGrad = "linear_cross_entropy_grad" ("x, w, labels, lse, dlse, dtarget") [6, 6] { ignore_index: i64, chunk: i64, scale: Option<Float>, softcap: Option<Float> } => linear_cross_entropy_grad;
-    /// Gradient of `embedding` wrt its table [num_embeddings, H]: row `ids[i]` gets `dy[i]` added, except for tokens whose id is `padding_idx` (that row stays zero).
-    EmbeddingGrad = "embedding_grad" ("ids, dy") [2, 2] { num_embeddings: Dim, padding_idx: Option<Dim> } => embedding_grad;
+    /// Gradient of `embedding` wrt its table [num_embeddings, H]: row `ids[i]` gets `dy[i]` added, except for tokens whose id is `padding_idx` (that row stays zero). With `init` (made by `fuse`: a tied lm_head's weight gradient, of the result's type) the rows are added to it instead of to zeros.
+    EmbeddingGrad = "embedding_grad" ("ids, dy, init?") [2, 3] { num_embeddings: Dim, padding_idx: Option<Dim> } => embedding_grad;
     /// `dy * silu'(x)`.
     SiluGrad = "silu_grad" ("x, dy") [2, 2] => elementwise_grad;
     /// `dy * gelu'(x)`, exact or with the tanh approximation.

@@ -185,10 +185,18 @@ pub fn embedding_grad(op: &Op, ins: &[&TensorType]) -> Out {
         return Err(format!("dy {dy} must be ids {ids} plus a hidden dim"));
     }
     crate::shape::check_padding_idx(padding_idx.as_ref(), num_embeddings)?;
-    Ok(vec![dy.with_shape(vec![
+    let table = dy.with_shape(vec![
         num_embeddings.clone(),
         dy.shape.last().unwrap().clone(),
-    ])])
+    ]);
+    if let Some(init) = ins.get(2) {
+        if **init != table {
+            return Err(format!(
+                "init {init} must have the table gradient's type {table}"
+            ));
+        }
+    }
+    Ok(vec![table])
 }
 
 /// `silu_grad` / `gelu_grad (x, dy)`: dx like x.

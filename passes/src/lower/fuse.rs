@@ -23,6 +23,10 @@
 //!   value has several readers (the residual stream's gradient from q, k and v, from gate
 //!   and up). Matched after the norm patterns, so an `add` that `add_rms_norm_grad` takes
 //!   stays there. The sum is rounded once (the unfused pair rounds the product first).
+//! - `embedding_grad` with an `init`: `add(embedding_grad(ids, dy), c)` (either order),
+//!   the table gradient read only by that add and `c` of its type (a tied lm_head's
+//!   weight gradient, computed long before the embedding's): the rows are added into
+//!   `c`, in its bytes, instead of into zeros that a second pass then adds to `c`.
 //! - Both norm patterns also where the norm runs in f32 on a bf16/f16 stream between a
 //!   widening cast and the cast back (Gemma's `(1 + w)` norms in bf16):
 //!   `cast(rms_norm(cast_f32(add(x, y)), w))` and
@@ -62,14 +66,16 @@ impl Pass for Fuse {
         let glu = fuse_glus(g)?;
         let norm = fuse_add_rms_norms(g)?;
         let matmul_add = fuse_matmul_adds(g)?;
+        let embedding_grad = fuse_embedding_grad_adds(g)?;
         let dead = dead + dce(g);
         res.count("glu", glu as u64)
             .count("glu_grad", glu_grad as u64)
             .count("add_rms_norm", norm as u64)
             .count("add_rms_norm_grad", norm_grad as u64)
             .count("matmul_add", matmul_add as u64)
+            .count("embedding_grad_init", embedding_grad as u64)
             .count("dce_removed", dead as u64);
-        res.changed = glu + glu_grad + norm + norm_grad + matmul_add > 0;
+        res.changed = glu + glu_grad + norm + norm_grad + matmul_add + embedding_grad > 0;
         Ok(res)
     }
 }
@@ -533,6 +539,51 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
         g.replace_all_uses(sum, acc);
         g.remove_nodes(&[add]);
         work.push_front(g.def(inner));
+    }
+    Ok(fused)
+}
+
+/// `add(embedding_grad(ids, dy), c)` -> `embedding_grad(ids, dy, c)` where the embedding's
+/// own gradient was (`c`, a tied lm_head's weight gradient, is ready long before).
+fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
+    let mut fused = 0;
+    let candidates: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| matches!(g.node(n).op, Op::Add {}))
+        .collect();
+    for add in candidates {
+        let uses = readers(g);
+        let ops = g.node(add).operands.clone();
+        let [x, y] = ops[..] else { continue };
+        let sum = g.node(add).results[0];
+        let found = [(x, y), (y, x)].into_iter().find(|&(e, c)| {
+            e != c
+                && matches!(g.op_of(e), Op::EmbeddingGrad { .. })
+                && g.node(g.def(e)).operands.len() == 2
+                && read_only_by(g, &uses, e, add)
+                && g.ty(c) == g.ty(e)
+                && g.ty(sum) == g.ty(e)
+        });
+        let Some((rows, c)) = found else { continue };
+        let eg = g.def(rows);
+        let op = g.node(eg).op.clone();
+        let operands = [g.node(eg).operands[0], g.node(eg).operands[1], c];
+        let Some(at) = placement(g, &operands, &[eg, add]) else {
+            continue;
+        };
+        let r = insert_fused(
+            g,
+            at,
+            op,
+            &operands,
+            eg,
+            "an `embedding_grad` and the `add` of its table gradient (the rows are added into the addend)",
+        )?;
+        g.replace_all_uses(sum, r[0]);
+        g.remove_nodes(&[add, eg]);
+        fused += 1;
     }
     Ok(fused)
 }

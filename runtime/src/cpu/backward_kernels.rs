@@ -86,7 +86,11 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 Some(p) => Some(cx.eval(p, "padding_idx")?),
                 None => None,
             };
-            one(embedding_grad(&ins[0], &ins[1], cx.out[0].1[0], pad)?)
+            let rows = embedding_grad(&ins[0], &ins[1], cx.out[0].1[0], pad)?;
+            one(match ins.get(2) {
+                Some(init) => (init + rows)?,
+                None => rows,
+            })
         }
         Op::SiluGrad {} => one(silu_grad(&ins[0], &ins[1])?),
         Op::GeluGrad { tanh_approx } => one(gelu_grad(&ins[0], &ins[1], *tanh_approx)?),

@@ -46,7 +46,13 @@ pub(super) fn embedding_grad(
         None => -1,
     };
     let h = *dy.shape.last().unwrap() as i64;
-    lw.memset(o.ptr, o.bytes());
+    // The rows are added to `init` (a tied lm_head's weight gradient) where `fuse` gave
+    // one, in its own bytes when the plan writes the result over it, else to zeros.
+    match ins.get(2) {
+        Some(init) if init.ptr == o.ptr => {}
+        Some(init) => lw.copy(o.ptr, init.ptr, o.bytes() as u64),
+        None => lw.memset(o.ptr, o.bytes()),
+    }
     let name = kname("embedding_bwd", o.dtype)?;
     let k = kernels::EmbeddingBwd {
         dw: o.ptr,
