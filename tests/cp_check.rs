@@ -540,6 +540,7 @@ fn shape_of(model: &weft_frontends::Model) -> weft_passes::search::ModelShape {
         expert_ffn: 0,
         tied: c.tie_word_embeddings,
         param_bytes: model.param_dtype.size_bytes(),
+        layer_windows: Vec::new(),
     }
 }
 

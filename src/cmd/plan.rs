@@ -83,6 +83,14 @@ pub fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
         expert_ffn,
         tied: c.tie_word_embeddings,
         param_bytes: model.param_dtype.size_bytes(),
+        layer_windows: if c.layer_windows.iter().any(Option::is_some) {
+            c.layer_windows
+                .iter()
+                .map(|w| w.map(|w| w as u64))
+                .collect()
+        } else {
+            Vec::new()
+        },
     })
 }
 

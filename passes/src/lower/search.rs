@@ -50,6 +50,9 @@ pub struct ModelShape {
     pub tied: bool,
     /// Bytes of a parameter (2 for bf16).
     pub param_bytes: u64,
+    /// Each layer's causal attention window (none: full attention); empty when no
+    /// layer has one. A windowed layer's ring stops early ([`window_ring_steps`]).
+    pub layer_windows: Vec<Option<u64>>,
 }
 
 impl ModelShape {
@@ -349,6 +352,29 @@ fn mesh_text(dp: u64, cp: u64, sp: u64, tp: u64, ep: u64) -> String {
     .mesh()
 }
 
+/// The ring steps a windowed layer takes over `cp` ranks at `seq` tokens (the
+/// lowering's own rule, `ring_steps::window_ring`); `cp - 1` for full attention or where
+/// the window leaves no shorter ring.
+pub fn window_ring_steps(window: Option<u64>, seq: u64, cp: u64) -> u64 {
+    let full = cp.saturating_sub(1);
+    match window {
+        Some(w) if cp > 1 => {
+            crate::parallel::ring_steps::window_ring(seq as i64, cp as i64, w as i64)
+                .map(|r| (r.steps() as u64).min(full))
+                .unwrap_or(full)
+        }
+        _ => full,
+    }
+}
+
+/// Ring steps, summed over layers, that sliding windows save against `cp - 1` a layer.
+fn window_ring_saved_steps(m: &ModelShape, seq: u64, cp: u64) -> f64 {
+    m.layer_windows
+        .iter()
+        .map(|&w| (cp.saturating_sub(1) - window_ring_steps(w, seq, cp)) as f64)
+        .sum()
+}
+
 /// Prices one candidate.
 pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let d = &s.device;
@@ -510,6 +536,12 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         exposed += t_exposed;
         // Per step: k/v forward, k/v again and dk/dv backward, k/v again to recompute.
         comm += layers * (cp - 1.0) * mb * (3.0 + redo) * step.transfer;
+        // A sliding window's ring takes only the steps whose blocks meet its band.
+        let saved = window_ring_saved_steps(m, s.seq, c.cp as u64);
+        if saved > 0.0 {
+            exposed -= saved * mb * ((1.0 + redo) * step.exposed_forward + step.exposed_backward);
+            comm -= saved * mb * (3.0 + redo) * step.transfer;
+        }
     }
     if c.ep > 1 && m.moe_layers > 0 {
         let bytes = tokens * m.top_k as f64 * h * 2.0;
@@ -671,7 +703,54 @@ mod tests {
             expert_ffn: 0,
             tied: false,
             param_bytes: 2,
+            layer_windows: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_sliding_window_shortens_the_ring_in_the_price() {
+        let spec = SearchSpec {
+            gpus: 16,
+            gpus_per_node: 8,
+            seq: 262144,
+            batch: 1,
+            device: crate::plan::profile::preset("h100").unwrap(),
+            device_memory: 80 << 30,
+            peak_flops: 989e12,
+        };
+        let c = Candidate {
+            cp: 16,
+            dp: 1,
+            sp: 1,
+            tp: 1,
+            ep: 1,
+            zero: 3,
+            checkpoint: "full",
+            offload: false,
+            offload_optimizer: false,
+            fused_loss: true,
+            micro_batches: 1,
+        };
+        let full = llama8b();
+        // Every other layer windowed to 4096 keys (chunks of 8192 tokens): its ring takes
+        // 1 step forward and 1 backward instead of 15.
+        let mut windowed = llama8b();
+        windowed.layer_windows = (0..32).map(|i| (i % 2 == 0).then_some(4096)).collect();
+        assert_eq!(window_ring_steps(Some(4096), 262144, 16), 2);
+        assert_eq!(window_ring_steps(None, 262144, 16), 15);
+        // A window as long as the sequence needs every step.
+        assert_eq!(window_ring_steps(Some(262144), 262144, 16), 15);
+        let mut all = llama8b();
+        all.layer_windows = vec![Some(4096); 32];
+        let (a, b) = (score(&full, &spec, &c), score(&windowed, &spec, &c));
+        let every = score(&all, &spec, &c);
+        assert!(b.time.comm < a.time.comm, "{a:?} {b:?}");
+        assert!(b.time.exposed_comm <= a.time.exposed_comm);
+        // What a windowed layer saves is the same for each: twice the layers, twice the
+        // saving.
+        let (half, whole) = (a.time.comm - b.time.comm, a.time.comm - every.time.comm);
+        assert!((whole - 2.0 * half).abs() <= 1e-9 * whole, "{half} {whole}");
+        assert_eq!(b.memory.total, a.memory.total);
     }
 
     #[test]
