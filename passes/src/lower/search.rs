@@ -21,7 +21,8 @@
 //!   layer's share. Each collective is priced on NVLink or on the network by where its
 //!   axis lands: ranks are row-major over `dp, cp, sp, tp` (tp innermost), so an axis
 //!   crosses nodes when its stride times its size exceeds the GPUs of a node;
-//! - context parallelism (`cp`, ring attention): each of the `cp-1` ring steps sends
+//! - context parallelism (`cp`, ring attention): each of the `cp-1` ring steps (fewer for a
+//!   layer with a sliding window: [`window_ring_steps`]) sends
 //!   this rank's k/v block forward (and the dk/dv block back in the backward) while
 //!   the previous block's attention runs, so only what a step's transfer takes beyond
 //!   its block's attention is exposed ([`ring_step`]); the received blocks are saved
