@@ -32,8 +32,8 @@ pub const PLAN_VERSION: u32 = 2;
 ///   gradient loop) each element they write.
 /// - `matmul_add(a, b, c) -> d`: (2, 0). One accumulating GEMM (cuBLASLt's beta = 1 with
 ///   C = D, its in-place form) reads each element of `c` only to write the same element.
-/// - `embedding_grad(ids, dy, init) -> dw`: (2, 0). The rows are added into `dw` with
-///   atomics: over `init`'s bytes they add to it.
+/// - `embedding_grad(ids, dy, init) -> dw`: (2, 0). One CUDA block writes each touched row,
+///   reading its `init` value first (`embedding_bwd_*` with `accumulate`).
 ///
 /// Anything else writes in place only when it does not read the value it replaces.
 pub fn in_place_pairs(op: &str) -> &'static [(usize, usize)] {

@@ -83,12 +83,13 @@ extern "C" __global__ void f32_to_any(void* out, int ocode, const float* in, i64
 FOR_FLOATS(DEF_CE_BWD)
 
 // ---------------------------------------------------------------- embedding_grad
-// dW [V, H] (zeroed first): block t handles token t; only the first token with a given id
-// sums every token with that id (deterministic, in f32) and writes the row. Tokens whose id
-// is `pad` (padding_idx; -1 for none) add nothing: that row stays zero.
+// dW [V, H] (zeroed first, or holding `init` when `accumulate`): block t handles token t;
+// only the first token with a given id sums every token with that id (deterministic, in
+// f32) and writes the row (adding it to the row's value when `accumulate`). Tokens whose id
+// is `pad` (padding_idx; -1 for none) add nothing: that row keeps its value.
 #define DEF_EMB_BWD(S_, T)                                                                                \
     extern "C" __global__ void embedding_bwd_##S_(T* dw, const i64* ids, const T* dy, i64 ntok, i64 H,      \
-                                                    i64 vocab, i64 pad, int* err) {                        \
+                                                    i64 vocab, i64 pad, int accumulate, int* err) {        \
         __shared__ int first, ndup;                                                                       \
         __shared__ int dups[1024];                                                                        \
         i64 t = blockIdx.x;                                                                               \
@@ -113,6 +114,7 @@ FOR_FLOATS(DEF_CE_BWD)
             float acc = tof(dy[t * H + j]);                                                               \
             if (nd <= 1024) { for (int k = 0; k < nd; ++k) acc += tof(dy[(i64)dups[k] * H + j]); }        \
             else { for (i64 u = t + 1; u < ntok; ++u) if (ids[u] == id) acc += tof(dy[u * H + j]); }      \
+            if (accumulate) acc += tof(dw[id * H + j]);                                                   \
             dw[id * H + j] = fromf<T>(acc);                                                               \
         }                                                                                                 \
     }

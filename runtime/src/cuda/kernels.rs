@@ -361,9 +361,11 @@ kernels! {
     Embedding ["embedding_##S"] Shape::Rows(128) => {
         out: Ptr, ids: Ptr, w: Ptr, ntok: I64, h: I64, vocab: I64, err: Ptr,
     }
-    /// Embedding backward: dy rows added into dw, except tokens whose id is `pad` (-1: none).
+    /// Embedding backward: each id's summed dy rows written into dw (added to dw's row when
+    /// `accumulate`), except tokens whose id is `pad` (-1: none).
     EmbeddingBwd ["embedding_bwd_##S_"] Shape::Rows(256) => {
-        dw: Ptr, ids: Ptr, dy: Ptr, ntok: I64, h: I64, vocab: I64, pad: I64, err: Ptr,
+        dw: Ptr, ids: Ptr, dy: Ptr, ntok: I64, h: I64, vocab: I64, pad: I64, accumulate: I32,
+        err: Ptr,
     }
     /// `gather` along `d` of elements of `esz` bytes.
     Gather ["gather_any"] Shape::Items => {

@@ -170,7 +170,7 @@ fn category(
 /// at the index of, the gradient element they write). Its logits gradient takes the
 /// logits' bytes when the logits die there (not when the step returns them); and
 /// `matmul_add` (cuBLASLt accumulates into C = D), whose sum takes its addend's bytes;
-/// `embedding_grad` with an `init` (its rows are added into it with atomics).
+/// `embedding_grad` with an `init` (one block reads and writes each touched row).
 pub const ELEMENTWISE_IN_PLACE: &[&str] = &["cross_entropy_grad", "matmul_add", "embedding_grad"];
 
 /// How many compute instructions ahead of its place a ZeRO-3 parameter gather may

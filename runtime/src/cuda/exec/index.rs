@@ -62,6 +62,7 @@ pub(super) fn embedding_grad(
         h,
         vocab: o.shape[0] as i64,
         pad,
+        accumulate: i32::from(ins.len() > 2),
         err,
     };
     lw.run(name, ids.numel(), k)
