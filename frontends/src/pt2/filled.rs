@@ -1,0 +1,157 @@
+//! A tensor allocated empty and filled through `copy_` into slices that tile it, as
+//! transformers' DeepSeek-V3 assembles MLA's key:
+//!
+//! ```text
+//! k = k_pass.new_empty([B, N, S, nope + rope])
+//! k[..., :nope] = k_pass;  k[..., nope:] = k_rot.expand(...)
+//! ```
+//!
+//! (exported as `new_empty`, `slice`, `copy_`). Once in-place ops are functional the
+//! writes would be lost, so the whole pattern is read as `cat(sources, dim)`, placed at
+//! the last write. It is recognised only exactly: every use of the empty tensor before
+//! its first read is a step-1 `slice` on one dim whose single use is a `copy_` of a
+//! source of the slice's recorded shape, the slices tile the dim without gap or
+//! overlap, and no slice or copy result is read elsewhere. Anything else is left as is,
+//! and the lowering refuses `new_empty` by its node name.
+
+use super::fx::{FxGraph, FxNode};
+use super::schema::{Arg, SymInt};
+
+/// One `copy_` into a slice of the empty tensor.
+struct Write {
+    start: i64,
+    end: i64,
+    source: String,
+    /// Indices of the slice and copy nodes.
+    nodes: [usize; 2],
+}
+
+/// Rewrites every recognised fill of an empty tensor into a `cat`; returns the names of
+/// the tensors so assembled.
+pub fn fold(fx: &mut FxGraph) -> Vec<String> {
+    let mut folded = Vec::new();
+    let empties: Vec<usize> = (0..fx.nodes.len())
+        .filter(|&i| fx.nodes[i].op == "aten.new_empty.default")
+        .collect();
+    let mut cats: Vec<(usize, FxNode)> = Vec::new();
+    let mut removed: Vec<usize> = Vec::new();
+    for e in empties {
+        let Some(name) = fx.nodes[e].out().map(str::to_string) else {
+            continue;
+        };
+        if let Some((dim, writes)) = writes_tiling(fx, &name) {
+            let last = writes.iter().map(|w| w.nodes[1]).max().unwrap_or(e);
+            let n = &fx.nodes[e];
+            cats.push((
+                last,
+                FxNode {
+                    op: "aten.cat.default".into(),
+                    name: n.name.clone(),
+                    args: vec![
+                        (
+                            "tensors".into(),
+                            Arg::Tensors(writes.iter().map(|w| w.source.clone()).collect()),
+                        ),
+                        ("dim".into(), Arg::Int(dim)),
+                    ],
+                    outputs: vec![Some(name.clone())],
+                    scope: n.scope.clone(),
+                },
+            ));
+            removed.push(e);
+            removed.extend(writes.iter().flat_map(|w| w.nodes));
+            folded.push(name);
+        }
+    }
+    if folded.is_empty() {
+        return folded;
+    }
+    let old = std::mem::take(&mut fx.nodes);
+    for (i, n) in old.into_iter().enumerate() {
+        if !removed.contains(&i) {
+            fx.nodes.push(n);
+        }
+        for (_, cat) in cats.iter().filter(|(at, _)| *at == i) {
+            fx.nodes.push(cat.clone());
+        }
+    }
+    folded
+}
+
+/// `(dim, writes in order)` when the uses of the empty tensor `name` (node `e`) before
+/// its first read are slice-and-copy writes tiling one dim.
+fn writes_tiling(fx: &FxGraph, name: &str) -> Option<(i64, Vec<Write>)> {
+    let meta = fx.tensor_meta.get(name)?;
+    let rank = meta.sizes.len() as i64;
+    let users = |v: &str| -> Vec<usize> {
+        (0..fx.nodes.len())
+            .filter(|&j| fx.nodes[j].tensor_args().contains(&v))
+            .collect()
+    };
+    let mut writes = Vec::new();
+    let mut dim = None;
+    let mut first_read = usize::MAX;
+    for j in users(name) {
+        let s = &fx.nodes[j];
+        let is_write = s.op == "aten.slice.Tensor" && s.arg_at(0) == &Arg::Tensor(name.into());
+        if !is_write {
+            first_read = first_read.min(j);
+            continue;
+        }
+        let int = |a: &Arg, none: i64| match a {
+            Arg::Int(i) => Some(*i),
+            Arg::None => Some(none),
+            _ => None,
+        };
+        let d = int(s.arg_at(1), 0)?;
+        let d = if d < 0 { d + rank } else { d };
+        let size = match meta.sizes.get(usize::try_from(d).ok()?)? {
+            SymInt::Int(i) => *i,
+            SymInt::Expr { .. } => return None,
+        };
+        let (start, end, step) = (
+            int(s.arg_at(2), 0)?,
+            int(s.arg_at(3), i64::MAX)?,
+            int(s.arg_at(4), 1)?,
+        );
+        if step != 1 || !(0..size).contains(&start) || *dim.get_or_insert(d) != d {
+            return None;
+        }
+        let slice = s.out()?;
+        let [c] = users(slice)[..] else {
+            return None;
+        };
+        let copy = &fx.nodes[c];
+        if copy.op != "aten.copy.default" || copy.arg_at(0) != &Arg::Tensor(slice.into()) {
+            return None;
+        }
+        let Arg::Tensor(source) = copy.arg_at(1) else {
+            return None;
+        };
+        let same_shape = fx.tensor_meta.get(source).map(|m| &m.sizes)
+            == fx.tensor_meta.get(slice).map(|m| &m.sizes);
+        if !same_shape || copy.out().is_some_and(|o| !users(o).is_empty()) {
+            return None;
+        }
+        writes.push(Write {
+            start,
+            end: end.min(size),
+            source: source.clone(),
+            nodes: [j, c],
+        });
+    }
+    let dim = dim?;
+    let size = match &meta.sizes[dim as usize] {
+        SymInt::Int(i) => *i,
+        SymInt::Expr { .. } => return None,
+    };
+    writes.sort_by_key(|w| w.start);
+    let mut at = 0;
+    for w in &writes {
+        if w.start != at || w.end <= w.start || w.nodes[1] > first_read {
+            return None;
+        }
+        at = w.end;
+    }
+    (at == size).then_some((dim, writes))
+}
