@@ -365,15 +365,7 @@ pub(super) fn lower_op(
         Op::Matmul {
             transpose_a,
             transpose_b,
-        } => matmul::matmul(
-            lw,
-            &ins[0],
-            &ins[1],
-            &outs[0],
-            *transpose_a,
-            *transpose_b,
-            None,
-        ),
+        } => matmul::matmul(lw, &ins[0], &ins[1], &outs[0], *transpose_a, *transpose_b, None),
         Op::MatmulAdd {
             transpose_a,
             transpose_b,
