@@ -155,3 +155,113 @@ fn writes_tiling(fx: &FxGraph, name: &str) -> Option<(i64, Vec<Write>)> {
     }
     (at == size).then_some((dim, writes))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::fold;
+    use crate::pt2::fx::{FxGraph, FxNode};
+    use crate::pt2::schema::{Arg, SymInt, TensorMeta};
+
+    fn node(op: &str, out: &str, args: Vec<Arg>) -> FxNode {
+        FxNode {
+            op: op.into(),
+            name: out.into(),
+            args: args
+                .into_iter()
+                .enumerate()
+                .map(|(i, a)| (format!("a{i}"), a))
+                .collect(),
+            outputs: vec![Some(out.into())],
+            scope: None,
+        }
+    }
+
+    fn meta(cols: i64) -> TensorMeta {
+        TensorMeta {
+            dtype: 7,
+            sizes: vec![SymInt::Int(2), SymInt::Int(cols)],
+            strides: vec![SymInt::Int(cols), SymInt::Int(1)],
+            storage_offset: SymInt::Int(0),
+            requires_grad: false,
+        }
+    }
+
+    /// `e = new_empty([2, 12])`, written as columns `[0, split)` from `a` and
+    /// `[split, 12)` from `b`, then read by `use`; `late` moves the second write after
+    /// the read.
+    fn program(split: i64, late: bool) -> FxGraph {
+        let t = |s: &str| Arg::Tensor(s.into());
+        let slice = |out: &str, start: i64, end: i64| {
+            node(
+                "aten.slice.Tensor",
+                out,
+                vec![
+                    t("e"),
+                    Arg::Int(1),
+                    Arg::Int(start),
+                    Arg::Int(end),
+                    Arg::Int(1),
+                ],
+            )
+        };
+        let mut nodes = vec![
+            node("aten.new_empty.default", "e", vec![t("a"), Arg::None]),
+            slice("s0", 0, split),
+            node("aten.copy.default", "c0", vec![t("s0"), t("a")]),
+            slice("s1", split, i64::MAX),
+            node("aten.copy.default", "c1", vec![t("s1"), t("b")]),
+            node("aten.relu.default", "use", vec![t("e")]),
+        ];
+        if late {
+            let read = nodes.pop().unwrap();
+            nodes.insert(3, read);
+        }
+        let mut fx = FxGraph {
+            nodes,
+            ..Default::default()
+        };
+        for (name, cols) in [
+            ("a", 8),
+            ("b", 4),
+            ("e", 12),
+            ("s0", split),
+            ("c0", split),
+            ("s1", 12 - split),
+            ("c1", 12 - split),
+            ("use", 12),
+        ] {
+            fx.tensor_meta.insert(name.into(), meta(cols));
+        }
+        fx
+    }
+
+    fn ops(fx: &FxGraph) -> Vec<String> {
+        fx.nodes.iter().map(|n| n.base().to_string()).collect()
+    }
+
+    #[test]
+    fn writes_tiling_the_dim_become_a_cat_before_the_read() {
+        let mut fx = program(8, false);
+        assert_eq!(fold(&mut fx), ["e"]);
+        assert_eq!(ops(&fx), ["cat", "relu"]);
+        let cat = &fx.nodes[0];
+        assert_eq!(cat.out(), Some("e"));
+        assert_eq!(cat.arg_at(0), &Arg::Tensors(vec!["a".into(), "b".into()]));
+        assert_eq!(cat.arg_at(1), &Arg::Int(1));
+    }
+
+    #[test]
+    fn a_source_of_another_shape_is_left_alone() {
+        // Columns [0, 9) from the 8 columns of `a`: copy_ would broadcast, not a cat part.
+        let mut fx = program(9, false);
+        assert!(fold(&mut fx).is_empty());
+        assert_eq!(ops(&fx).len(), 6);
+    }
+
+    #[test]
+    fn a_write_after_a_read_is_left_alone() {
+        let mut fx = program(8, true);
+        assert!(fold(&mut fx).is_empty());
+        assert_eq!(ops(&fx)[0], "new_empty");
+    }
+}
