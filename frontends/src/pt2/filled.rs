@@ -16,6 +16,7 @@
 
 use super::fx::{FxGraph, FxNode};
 use super::schema::{Arg, SymInt};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// One `copy_` into a slice of the empty tensor.
 struct Write {
@@ -33,32 +34,42 @@ pub fn fold(fx: &mut FxGraph) -> Vec<String> {
     let empties: Vec<usize> = (0..fx.nodes.len())
         .filter(|&i| fx.nodes[i].op == "aten.new_empty.default")
         .collect();
-    let mut cats: Vec<(usize, FxNode)> = Vec::new();
-    let mut removed: Vec<usize> = Vec::new();
+    if empties.is_empty() {
+        return folded;
+    }
+    // Value name -> the nodes reading it, in program order.
+    let mut users: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (j, n) in fx.nodes.iter().enumerate() {
+        for a in n.tensor_args() {
+            let at = users.entry(a.to_string()).or_default();
+            if at.last() != Some(&j) {
+                at.push(j);
+            }
+        }
+    }
+    let mut cats: BTreeMap<usize, Vec<FxNode>> = BTreeMap::new();
+    let mut removed: BTreeSet<usize> = BTreeSet::new();
     for e in empties {
         let Some(name) = fx.nodes[e].out().map(str::to_string) else {
             continue;
         };
-        if let Some((dim, writes)) = writes_tiling(fx, &name) {
+        if let Some((dim, writes)) = writes_tiling(fx, &users, &name) {
             let last = writes.iter().map(|w| w.nodes[1]).max().unwrap_or(e);
             let n = &fx.nodes[e];
-            cats.push((
-                last,
-                FxNode {
-                    op: "aten.cat.default".into(),
-                    name: n.name.clone(),
-                    args: vec![
-                        (
-                            "tensors".into(),
-                            Arg::Tensors(writes.iter().map(|w| w.source.clone()).collect()),
-                        ),
-                        ("dim".into(), Arg::Int(dim)),
-                    ],
-                    outputs: vec![Some(name.clone())],
-                    scope: n.scope.clone(),
-                },
-            ));
-            removed.push(e);
+            cats.entry(last).or_default().push(FxNode {
+                op: "aten.cat.default".into(),
+                name: n.name.clone(),
+                args: vec![
+                    (
+                        "tensors".into(),
+                        Arg::Tensors(writes.iter().map(|w| w.source.clone()).collect()),
+                    ),
+                    ("dim".into(), Arg::Int(dim)),
+                ],
+                outputs: vec![Some(name.clone())],
+                scope: n.scope.clone(),
+            });
+            removed.insert(e);
             removed.extend(writes.iter().flat_map(|w| w.nodes));
             folded.push(name);
         }
@@ -71,23 +82,21 @@ pub fn fold(fx: &mut FxGraph) -> Vec<String> {
         if !removed.contains(&i) {
             fx.nodes.push(n);
         }
-        for (_, cat) in cats.iter().filter(|(at, _)| *at == i) {
-            fx.nodes.push(cat.clone());
-        }
+        fx.nodes.extend(cats.remove(&i).unwrap_or_default());
     }
     folded
 }
 
 /// `(dim, writes in order)` when the uses of the empty tensor `name` (node `e`) before
 /// its first read are slice-and-copy writes tiling one dim.
-fn writes_tiling(fx: &FxGraph, name: &str) -> Option<(i64, Vec<Write>)> {
+fn writes_tiling(
+    fx: &FxGraph,
+    readers: &BTreeMap<String, Vec<usize>>,
+    name: &str,
+) -> Option<(i64, Vec<Write>)> {
     let meta = fx.tensor_meta.get(name)?;
     let rank = meta.sizes.len() as i64;
-    let users = |v: &str| -> Vec<usize> {
-        (0..fx.nodes.len())
-            .filter(|&j| fx.nodes[j].tensor_args().contains(&v))
-            .collect()
-    };
+    let users = |v: &str| -> Vec<usize> { readers.get(v).cloned().unwrap_or_default() };
     let mut writes = Vec::new();
     let mut dim = None;
     let mut first_read = usize::MAX;

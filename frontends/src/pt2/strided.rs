@@ -24,11 +24,11 @@ impl Lower<'_> {
         let size = shape[d]
             .as_const()
             .ok_or_else(|| self.unsupported(n, refuse(format!("dim {dim} is symbolic"))))?;
-        if step < 2 || size % step != 0 {
+        if step < 2 || step > size || size % step != 0 {
             return Err(self.unsupported(
                 n,
                 refuse(format!(
-                    "the dim's size {size} is not a multiple of the step"
+                    "the dim's size {size} is not a multiple of a step of at least 2"
                 )),
             ));
         }
