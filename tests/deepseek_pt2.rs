@@ -147,6 +147,27 @@ fn import_matches_the_config_build() {
     }
 }
 
+/// Without `--config` the rotary table is fitted from the exported cos/sin (f32, 4
+/// features: the small frequency is loosely pinned by a cos near 1): one table with
+/// theta 10000 for both, and the same model as with the config.
+#[test]
+fn without_the_config_the_rotary_table_is_fitted_exactly() {
+    let im = import(&fixture("pt2").join(ARCHIVE), &Pt2Options::default())
+        .unwrap_or_else(|e| panic!("deepseek_v3_batched without --config: {e}"));
+    let tables: Vec<(f64, i64)> = ops_where(&im.graph, |op| match op {
+        Op::RopeTable { theta, dim, .. } => Some((theta.0, *dim)),
+        _ => None,
+    });
+    assert_eq!(tables, [(10000.0, 4)], "{}", im.report);
+    let (_, _, inputs) = load_fixture("deepseek_v3");
+    let with_config = imported();
+    let (a, b) = (
+        reference_run(&im.graph, &im.weights, &inputs),
+        reference_run(&with_config.graph, &with_config.weights, &inputs),
+    );
+    assert_eq!(rel_err(&a.outputs["logits"], &b.outputs["logits"]), 0.0);
+}
+
 /// The archive with one edit to its program JSON (`from` replaced once by `to`).
 fn tampered(from: &str, to: &str) -> Vec<u8> {
     use std::io::{Read, Write};
