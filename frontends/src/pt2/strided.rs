@@ -15,6 +15,9 @@ use super::lower::{Lower, LR};
 use super::schema::Arg;
 use weft_ir::{Dim, Op, Value};
 
+/// The largest step read (one split part per step): rotary pairs use 2.
+const MAX_STEP: i64 = 1 << 16;
+
 impl Lower<'_> {
     /// `slice(x, dim, start, end, step)` with `step != 1` (`dim` normalised).
     pub fn strided_slice(&mut self, n: &FxNode, x: Value, dim: i64, step: i64) -> LR<Value> {
@@ -24,11 +27,11 @@ impl Lower<'_> {
         let size = shape[d]
             .as_const()
             .ok_or_else(|| self.unsupported(n, refuse(format!("dim {dim} is symbolic"))))?;
-        if step < 2 || step > size || size % step != 0 {
+        if !(2..=MAX_STEP).contains(&step) || step > size || size % step != 0 {
             return Err(self.unsupported(
                 n,
                 refuse(format!(
-                    "the dim's size {size} is not a multiple of a step of at least 2"
+                    "the dim's size {size} is not a multiple of a step of 2 to {MAX_STEP}"
                 )),
             ));
         }
