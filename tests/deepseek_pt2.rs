@@ -147,6 +147,41 @@ fn import_matches_the_config_build() {
     }
 }
 
+/// The passes shard the imported graph as they shard the config build: every parameter
+/// (MLA's projections, the router, the experts, the shared experts) gets the same
+/// per-rank type on tp=2 and on ep=2.
+#[test]
+fn meshes_shard_every_parameter_as_for_the_config_build() {
+    use weft_passes::training::TrainOptions;
+    let im = imported();
+    let (built, _, _) = load_fixture("deepseek_v3");
+    let shapes = |g: &weft_ir::Graph| -> Vec<(String, String)> {
+        g.params()
+            .into_iter()
+            .map(|(n, v)| (n, g.ty(v).to_string()))
+            .collect()
+    };
+    for mesh in ["tp=2", "ep=2"] {
+        let (gi, _) = training_step(&im.graph, mesh, &TrainOptions::default()).unwrap();
+        let (gb, _) = training_step(&built, mesh, &TrainOptions::default()).unwrap();
+        let (mut si, mut sb) = (shapes(&gi), shapes(&gb));
+        si.sort();
+        sb.sort();
+        assert_eq!(si, sb, "{mesh}");
+        let experts: Vec<&str> = si
+            .iter()
+            .filter(|(n, _)| n == "model.layers.1.mlp.experts.gate_up_proj")
+            .map(|(_, t)| t.as_str())
+            .collect();
+        let want = if mesh == "tp=2" {
+            "f32[8, 16, 32]"
+        } else {
+            "f32[8/ep, 32, 32]"
+        };
+        assert_eq!(experts, [want], "{mesh}");
+    }
+}
+
 /// Without `--config` the rotary table is fitted from the exported cos/sin (f32, 4
 /// features: the small frequency is loosely pinned by a cos near 1): one table with
 /// theta 10000 for both, and the same model as with the config.
