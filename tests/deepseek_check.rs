@@ -235,21 +235,3 @@ fn mtp_layers_are_dropped_and_buffers_required() {
     let _ = std::fs::remove_dir_all(&tmp);
     assert!(e.contains(bias), "{e}");
 }
-
-/// A DeepSeek-V3 `.pt2` archive (`make_pt2.py`) is refused naming the pattern the
-/// importer does not recognise, and pointing at the config.json path.
-#[test]
-fn deepseek_pt2_archives_are_refused_by_name() {
-    let (code, _, err) = weft(&[
-        "import",
-        "tests/fixtures/pt2/deepseek_v3_batched.pt2",
-        "-o",
-        "/dev/null",
-    ]);
-    assert_eq!(code, 2, "{err}");
-    assert!(
-        err.contains("multi-head latent attention (kv_a_proj_with_mqa)"),
-        "{err}"
-    );
-    assert!(err.contains("config.json"), "{err}");
-}

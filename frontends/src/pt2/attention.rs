@@ -450,17 +450,46 @@ impl Lower<'_> {
         let rows = table_rows(&t, probe as usize, dim as usize)
             .ok_or_else(|| self.unsupported(n, "the rotary table is not [.., S, dim]"))?;
         let f = |x: f64| if is_cos { x.cos() } else { x.sin() };
-        let fits = |freqs: &[f64]| -> bool {
-            rows.iter().enumerate().all(|(p, row)| {
-                row.iter()
-                    .enumerate()
-                    .all(|(i, &val)| (val - f(p as f64 * freqs[i % freqs.len()])).abs() < 2e-4)
-            })
+        let worst = |freqs: &[f64]| -> f64 {
+            rows.iter()
+                .enumerate()
+                .flat_map(|(p, row)| {
+                    row.iter()
+                        .enumerate()
+                        .map(move |(i, &val)| (val - f(p as f64 * freqs[i % freqs.len()])).abs())
+                })
+                .fold(0.0, f64::max)
+        };
+        let fits = |freqs: &[f64]| worst(freqs) < 2e-4;
+        // A fitted theta holds a few digits only (an f32 cos near 1 pins a small
+        // frequency loosely): of the fit and its roundings to 1-4 significant digits,
+        // the one the table fits best (the fewer digits on a tie).
+        let best_theta = |theta: f64, scaling: &RopeScaling| -> f64 {
+            let mut best = (f64::INFINITY, theta);
+            for t in nice_thetas(theta) {
+                let e = worst(&rope_inv_freq(t, dim as usize, scaling, false));
+                if e < best.0 {
+                    best = (e, t);
+                }
+            }
+            best.1
         };
         // Candidates: the config's rope, then fits of default and linear scaling.
         let mut cands: Vec<(f64, i64, RopeScaling, &str)> = Vec::new();
         if let Some(c) = &self.rope_cfg {
             cands.push((c.theta, c.rotary_dim as i64, c.scaling, "from --config"));
+        }
+        // A table already built that fits this one too (the sin of a cos fitted before):
+        // one `rope_table` for both, not a second fit a rounding apart.
+        for (_, [cos, _]) in &self.rope_tables {
+            if let Op::RopeTable {
+                theta,
+                dim: rdim,
+                scaling,
+            } = &self.g.node(self.g.def(*cos)).op
+            {
+                cands.push((theta.0, *rdim, *scaling, "shared"));
+            }
         }
         // f_i from position 1: cos(f) or sin(f), with f_0 <= 1 < pi/2.
         let f1: Vec<f64> = rows
@@ -482,16 +511,13 @@ impl Lower<'_> {
             let half = (dim / 2) as f64;
             let theta = (f1[1] / f1[0]).powf(-half);
             if f1[0] > 0.0 && (f1[0] - 1.0).abs() < 1e-4 {
-                cands.push((round_theta(theta), dim, RopeScaling::None, "fitted"));
+                let scaling = RopeScaling::None;
+                cands.push((best_theta(theta, &scaling), dim, scaling, "fitted"));
             } else if f1[0] > 0.0 {
-                cands.push((
-                    round_theta(theta),
-                    dim,
-                    RopeScaling::Linear {
-                        factor: Float(round_sig(1.0 / f1[0])),
-                    },
-                    "fitted",
-                ));
+                let scaling = RopeScaling::Linear {
+                    factor: Float(round_sig(1.0 / f1[0])),
+                };
+                cands.push((best_theta(theta, &scaling), dim, scaling, "fitted"));
             }
         }
         // gpt-oss's rope keeps the half-width table (one column per frequency) and
@@ -499,7 +525,7 @@ impl Lower<'_> {
         let mut half = false;
         let mut chosen = None;
         for (theta, rdim, scaling, how) in cands {
-            if rdim != dim && !(how == "from --config" && rdim == 2 * dim) {
+            if rdim != dim && !(how != "fitted" && rdim == 2 * dim) {
                 continue;
             }
             let freqs = rope_inv_freq(theta, rdim as usize, &scaling, false);
@@ -621,13 +647,27 @@ fn same_factor(exported: f64, factor: f64) -> bool {
     (exported - factor).abs() <= 1e-12 * factor.abs()
 }
 
-fn round_theta(t: f64) -> f64 {
+/// `t` rounded to 1, 2, 3 and 4 significant digits where within 1% of it, then `t`
+/// rounded to an integer (within 0.1%) or itself: the thetas a fit of `t` may mean.
+fn nice_thetas(t: f64) -> Vec<f64> {
+    let mut out = Vec::new();
+    if t.is_finite() && t > 0.0 {
+        let top = t.log10().floor() as i32;
+        for digits in 1..=4 {
+            let unit = 10f64.powi(top + 1 - digits);
+            let r = (t / unit).round() * unit;
+            if (r - t).abs() < 0.01 * t && !out.contains(&r) {
+                out.push(r);
+            }
+        }
+    }
     let r = t.round();
-    if (r - t).abs() / t.max(1.0) < 1e-3 {
+    out.push(if (r - t).abs() / t.max(1.0) < 1e-3 {
         r
     } else {
         t
-    }
+    });
+    out
 }
 
 fn round_sig(x: f64) -> f64 {

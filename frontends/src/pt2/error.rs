@@ -144,7 +144,7 @@ impl Pt2Error {
                 Some("pass the model's weights with `--weights model.safetensors` (HF state_dict names)".into())
             }
             Pt2Error::UnsupportedOp { .. } => Some(
-                "export with `strict=False` from a supported HF family (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma2, gemma3, gpt_oss), or open an issue with the op name"
+                "export with `strict=False` from a supported HF family (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma2, gemma3, gpt_oss, deepseek_v3), or open an issue with the op name"
                     .into(),
             ),
             Pt2Error::SymExpr { .. } => Some(

@@ -74,6 +74,8 @@ pub struct FxGraph {
     pub dropped: usize,
     /// In-place ops made functional, counted for the report.
     pub functionalized: Vec<String>,
+    /// Empty tensors filled by `copy_` into slices, read as `cat` (filled.rs).
+    pub assembled: Vec<String>,
 }
 
 impl FxGraph {
@@ -130,6 +132,7 @@ pub fn build(entry: &str, g: &Graph) -> Result<FxGraph, Pt2Error> {
     for o in fx.outputs.iter_mut() {
         rename_arg(o, &renames);
     }
+    fx.assembled = super::filled::fold(&mut fx);
     for (i, n) in fx.nodes.iter().enumerate() {
         for o in n.outputs.iter().flatten() {
             fx.producer.insert(o.clone(), i);

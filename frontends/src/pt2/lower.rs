@@ -99,6 +99,8 @@ pub(crate) struct Lower<'a> {
     pub s0: i64,
     /// The export fixed the sequence length: recorded sizes equal to it become `S`.
     pub generalize_seq: bool,
+    /// `(x, dim, step)` → the parts of `x` de-interleaved on `dim` (see strided.rs).
+    pub strided: BTreeMap<(Value, i64, i64), Vec<Value>>,
 }
 
 pub(crate) fn dup(e: &Pt2Error) -> Pt2Error {
@@ -178,6 +180,7 @@ impl<'a> Lower<'a> {
             rope_cfg: None,
             moe: MoePlan::default(),
             moe_state: Vec::new(),
+            strided: BTreeMap::new(),
             seq_sym: None,
             batch_sym: None,
             current: None,
@@ -1007,8 +1010,9 @@ impl<'a> Lower<'a> {
                     let shape = self.gen_reshape(&self.ty(s).shape, &ty.shape);
                     return one(self.reshape(n, s, shape)?);
                 }
-                if self.int_arg(n, n.arg_at(4))? != 1 {
-                    return Err(self.unsupported(n, "slice with a step other than 1"));
+                let step = self.int_arg(n, n.arg_at(4))?;
+                if step != 1 {
+                    return one(self.strided_slice(n, x, d, step)?);
                 }
                 let start = match n.arg_at(2) {
                     Arg::None => Dim::from(0),
@@ -1093,6 +1097,55 @@ impl<'a> Lower<'a> {
                 let s = self.tensor(n, n.arg_at(3))?;
                 one(self.emit(n, Op::ScatterAdd { dim: d }, &[x, i, s])?)
             }
+            "aten.scatter.value" => {
+                // `zeros.scatter_(-1, index, v)` (DeepSeek-V3's mask of the kept expert
+                // groups): `v` where some index of the row hits, else 0, read row by row
+                // as `where(max(one_hot(index), -2) > 0, v, 0)`. On another base the
+                // overwritten values would matter, and other dims mix rows: refused.
+                let x = self.tensor(n, n.arg_at(0))?;
+                if self.const_of(&Operand::T(x)) != Some(0.0) {
+                    return Err(self
+                        .unsupported(n, "scatter of a value into a tensor that is not all zeros"));
+                }
+                let (xt, i) = (self.ty(x), self.tensor(n, n.arg_at(2))?);
+                let it = self.ty(i);
+                let d = self.norm_dim(n, self.int_arg(n, n.arg_at(1))?, xt.rank())?;
+                let classes = xt.shape.last().and_then(Dim::as_const);
+                let rows_match = it.rank() == xt.rank()
+                    && it.shape[..d]
+                        .iter()
+                        .zip(&xt.shape[..d])
+                        .all(|(a, b)| self.same_size(a, b));
+                let (Some(classes), true) = (classes.filter(|_| d + 1 == xt.rank()), rows_match)
+                else {
+                    return Err(self.unsupported(
+                        n,
+                        "scatter of a value other than along the last dim of matching rows",
+                    ));
+                };
+                let v = self.float_arg(n, n.arg_at(3))?;
+                let dt = xt.dtype;
+                let hot = self.emit(
+                    n,
+                    Op::OneHot {
+                        num_classes: classes,
+                        dtype: dt,
+                    },
+                    &[i],
+                )?;
+                let hits = self.emit(
+                    n,
+                    Op::Max {
+                        dims: vec![-2],
+                        keepdim: false,
+                    },
+                    &[hot],
+                )?;
+                let zero = self.full(n, 0.0, TensorType::scalar(dt))?;
+                let hit = self.emit(n, Op::Compare { op: CmpOp::Gt }, &[hits, zero])?;
+                let v = self.full(n, v, TensorType::scalar(dt))?;
+                one(self.emit(n, Op::Where {}, &[hit, v, zero])?)
+            }
             "aten.one_hot.default" => {
                 let x = self.tensor(n, n.arg_at(0))?;
                 let ty = self.out_ty(n)?;
@@ -1116,6 +1169,8 @@ impl<'a> Lower<'a> {
                 if !matches!(n.arg_at(3), Arg::Bool(true)) {
                     return Err(self.unsupported(n, "topk of the smallest values"));
                 }
+                // `sorted=False` leaves the order to the implementation; `topk` sorts,
+                // which is one such order (DeepSeek-V3 reads the k results as a set).
                 let r = self.emit_multi(n, Op::Topk { k, dim: d }, &[x])?;
                 Ok(r.into_iter().map(LV::T).collect())
             }

@@ -6,11 +6,13 @@
 //! schema.rs    models/model.json → typed ExportedProgram (schema major 8)
 //! sympy.rs     symbolic sizes (sympy srepr) → Weft dims
 //! fx.rs        inline HOPs, functionalize in-place ops, fill defaults (opschema.rs)
+//! filled.rs    an empty tensor filled by copy_ into slices (MLA's key) → cat
 //! lower.rs     exported ops → Weft ops, deferred errors, type checks
 //! attention.rs SDPA, causal masks and rotary tables (evaluated by consteval.rs)
 //! moe.rs       transformers' MoE experts → moe_dispatch / grouped_matmul / moe_combine
 //! rewrite.rs   linear, rms_norm, rope and decomposed attention on the Weft graph
 //! sinks.rs     gpt-oss's sink column in the attention softmax
+//! strided.rs   step-k slices (DeepSeek-V3's interleaved rope pairs) as a de-interleave
 //! report.rs    what was recognised, what was not
 //! ```
 //!
@@ -27,6 +29,7 @@ mod archive;
 mod attention;
 mod consteval;
 mod error;
+mod filled;
 mod fx;
 mod lower;
 mod moe;
@@ -36,6 +39,7 @@ mod rewrite;
 mod schema;
 mod shapes;
 mod sinks;
+mod strided;
 mod sympy;
 
 pub use archive::Archive;
@@ -78,7 +82,7 @@ impl Default for Pt2Options {
 #[derive(Clone, Debug)]
 pub struct Pt2Import {
     pub graph: Graph,
-    /// Every parameter of the graph by name.
+    /// Every parameter and checkpoint buffer (input of role `buffer`) of the graph by name.
     pub weights: BTreeMap<String, HostTensor>,
     pub report: ImportReport,
 }
@@ -248,36 +252,8 @@ pub fn import_bytes(name: &str, bytes: Vec<u8>, opts: &Pt2Options) -> Result<Pt2
 
 /// Imports an archive opened by [`Archive::open`] or [`Archive::from_bytes`]; the
 /// graph is named `opts.name`, else after the archive's program.
-/// DeepSeek-V3 exports (multi-head latent attention's `kv_a_proj_with_mqa`, the
-/// router's `e_score_correction_bias` buffer) are refused by name: the importer does
-/// not recognise MLA's interleaved rope, its shared rope key or the group-limited router
-/// yet. The config.json path builds the model (`crate::deepseek`).
-fn refuse_deepseek(inputs: &[InputSpec]) -> Result<(), Pt2Error> {
-    for spec in inputs {
-        let target = match spec {
-            InputSpec::Parameter { target, .. } | InputSpec::Buffer { target, .. } => target,
-            _ => continue,
-        };
-        let pattern = if target.ends_with(".kv_a_proj_with_mqa.weight") {
-            "multi-head latent attention (kv_a_proj_with_mqa)"
-        } else if target.ends_with(".e_score_correction_bias") {
-            "group-limited sigmoid router (e_score_correction_bias)"
-        } else {
-            continue;
-        };
-        return Err(Pt2Error::UnsupportedOp {
-            op: pattern.into(),
-            node: target.clone(),
-            layer: target.rsplit_once('.').map(|(m, _)| m.to_string()),
-            message: "DeepSeek-V3 (deepseek_v3) .pt2 archives are not recognised yet (MLA's interleaved rope and shared rope key, the group-limited router with its correction-bias buffer); build the model from its config.json instead (`weft import DIR` with config.json and model.safetensors), which Weft supports".into(),
-        });
-    }
-    Ok(())
-}
-
 pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Error> {
     let (model, prog) = read_program(&ar)?;
-    refuse_deepseek(&prog.inputs)?;
     let name = ar.name.clone();
     let name = name.as_str();
     let wcfg = ar.payload_config(&format!("data/weights/{model}_weights_config.json"))?;
@@ -308,6 +284,12 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
             .notes
             .push(format!("{} assert/metadata nodes dropped", fx.dropped));
     }
+    if !fx.assembled.is_empty() {
+        report.notes.push(format!(
+            "empty tensors filled by copy_ into slices read as cat: {}",
+            fx.assembled.join(", ")
+        ));
+    }
     if !fx.functionalized.is_empty() {
         report.notes.push(format!(
             "in-place ops made functional: {}",
@@ -320,6 +302,9 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
     let mut params: Vec<(String, String)> = Vec::new(); // (placeholder, state_dict name)
     let mut consts: BTreeMap<String, HostTensor> = BTreeMap::new();
     let mut missing_consts = Vec::new();
+    // Persistent buffers (placeholder -> state_dict name): checkpoint tensors that a
+    // program may read as data (DeepSeek-V3's `e_score_correction_bias`).
+    let mut persistent: BTreeMap<String, String> = BTreeMap::new();
     for spec in &prog.inputs {
         match spec {
             InputSpec::User {
@@ -327,7 +312,20 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
             } => user_inputs.push(n.clone()),
             InputSpec::User { .. } | InputSpec::ConstantInput { .. } => {}
             InputSpec::Parameter { name, target } => params.push((name.clone(), target.clone())),
-            InputSpec::Buffer { name, target } | InputSpec::Constant { name, target } => {
+            InputSpec::Buffer {
+                name,
+                target,
+                persistent: keep,
+            } if *keep => {
+                persistent.insert(name.clone(), target.clone());
+                match constants.get(target).or_else(|| weights.get(target)) {
+                    Some(Some(t)) => {
+                        consts.insert(name.clone(), t.clone());
+                    }
+                    _ => missing_consts.push(target.clone()),
+                }
+            }
+            InputSpec::Buffer { name, target, .. } | InputSpec::Constant { name, target } => {
                 match constants.get(target).or_else(|| weights.get(target)) {
                     Some(Some(t)) => {
                         consts.insert(name.clone(), t.clone());
@@ -545,6 +543,7 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
         env.insert(ph.clone(), LV::T(v));
         param_names.push(target.clone());
     }
+    let mut buffer_values: BTreeMap<String, HostTensor> = BTreeMap::new();
     for (ph, t) in &lw.consts {
         // A one-element float buffer (gemma's `embed_scale`) is a constant: `full`.
         if t.dtype.is_float() && t.numel() == 1 {
@@ -564,6 +563,29 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
                 env.insert(ph.clone(), LV::T(v));
                 continue;
             }
+        }
+        // A persistent float buffer is a checkpoint tensor: a graph input of role
+        // `buffer` (read with the weights, never trained), as the config builders make.
+        if let Some(target) = persistent.get(ph).filter(|_| t.dtype.is_float()) {
+            let ty = TensorType::new(t.dtype, t.shape.iter().map(|&d| Dim::from(d)).collect());
+            g.set_scope(Some(
+                target.rsplit_once('.').map(|(m, _)| m).unwrap_or(target),
+            ));
+            let v = g
+                .add(
+                    Op::Input {
+                        name: target.clone(),
+                        role: Role::Buffer,
+                        ty,
+                    },
+                    &[],
+                )
+                .map_err(|e| Pt2Error::Signature {
+                    message: e.to_string(),
+                })?;
+            buffer_values.insert(target.clone(), t.clone());
+            env.insert(ph.clone(), LV::T(v));
+            continue;
         }
         env.insert(
             ph.clone(),
@@ -796,6 +818,12 @@ pub fn import_archive(ar: Archive, opts: &Pt2Options) -> Result<Pt2Import, Pt2Er
             out
         }
     };
+    let mut weights = weights;
+    for (name, t) in buffer_values {
+        if g.inputs().iter().any(|(n, _, _)| *n == name) {
+            weights.entry(name).or_insert(t);
+        }
+    }
     let _ = alias_of;
     Ok(Pt2Import {
         graph: g,

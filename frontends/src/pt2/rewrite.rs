@@ -377,12 +377,13 @@ impl Rewriter<'_> {
             return false;
         }
         let scope = scope_of(g, root);
+        let what = if is_deinterleaved(g, x) {
+            "cat(x1*cos - x2*sin, x2*cos + x1*sin) of x1, x2 = x[..., 0::2], x[..., 1::2] (interleaved pairs, de-interleaved; half-width tables)"
+        } else {
+            "cat(x1*cos - x2*sin, x2*cos + x1*sin) of chunk(x, 2) (half-width tables)"
+        };
         if replace(g, root, Op::Rope {}, &[x, tc, ts]).is_some() {
-            self.report.recognise(
-                "rope",
-                scope.as_deref(),
-                "cat(x1*cos - x2*sin, x2*cos + x1*sin) of chunk(x, 2) (half-width tables)",
-            );
+            self.report.recognise("rope", scope.as_deref(), what);
             return true;
         }
         false
@@ -647,6 +648,22 @@ fn halves_of(g: &Graph, a: Value, b: Value) -> Option<Value> {
     let x = n.operands[0];
     let last = g.ty(x).rank() as i64 - 1;
     ((*dim == -1 || *dim == last) && sizes.len() == 2 && sizes[0] == sizes[1]).then_some(x)
+}
+
+/// `v = reshape(transpose(reshape(x, [.., n/2, 2]), -2, -1), [.., n])`: the pairs of
+/// `x`'s last dim de-interleaved (strided.rs's form of `x[..., 0::2]`, `x[..., 1::2]`).
+fn is_deinterleaved(g: &Graph, v: Value) -> bool {
+    let (Op::Reshape { .. }, [t]) = def(g, v) else {
+        return false;
+    };
+    let (Op::Transpose { dim0, dim1 }, [p]) = def(g, *t) else {
+        return false;
+    };
+    let pairs = g.ty(*p);
+    let r = pairs.rank() as i64;
+    (*dim0, *dim1) == (r - 2, r - 1)
+        && pairs.shape.last() == Some(&Dim::from(2))
+        && matches!(def(g, *p).0, Op::Reshape { .. })
 }
 
 /// `cat(-x[.., h:], x[.., :h])` on the last dim.

@@ -98,12 +98,30 @@ pub struct Graph {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum InputSpec {
-    User { arg: Arg },
-    Parameter { name: String, target: String },
-    Buffer { name: String, target: String },
-    Constant { name: String, target: String },
-    ConstantInput { name: String },
-    Other { kind: String },
+    User {
+        arg: Arg,
+    },
+    Parameter {
+        name: String,
+        target: String,
+    },
+    /// `persistent`: in the module's state_dict (a checkpoint tensor such as DeepSeek-V3's
+    /// `e_score_correction_bias`), not a derived one (rotary `inv_freq`).
+    Buffer {
+        name: String,
+        target: String,
+        persistent: bool,
+    },
+    Constant {
+        name: String,
+        target: String,
+    },
+    ConstantInput {
+        name: String,
+    },
+    Other {
+        kind: String,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -596,6 +614,10 @@ impl<'a> Reader<'a> {
             "buffer" => InputSpec::Buffer {
                 name: arg_name(x)?,
                 target: self.string(self.field(x, "buffer_name", &p)?, &p)?,
+                persistent: match self.opt_field(x, "persistent", &p)? {
+                    Some(v) => self.boolean(v, &format!("{p}.persistent"))?,
+                    None => false,
+                },
             },
             "tensor_constant" => InputSpec::Constant {
                 name: arg_name(x)?,
