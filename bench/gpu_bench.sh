@@ -58,7 +58,8 @@ if has link; then
   summary+=("host link: $(tr '\n' ';' < "$OUT/host_link.txt" | cut -c1-300)")
 fi
 if has train; then
-  for m in llama-tiny mixtral-tiny "llama-tiny --dtype bf16" "llama-tiny --dtype bf16 --torch-adamw" "llama-tiny --dtype bf16 --checkpoint selective --offload"; do
+  # gemma2-tiny ties lm_head to the embedding (fuse's embedding_grad into an init).
+  for m in llama-tiny mixtral-tiny gemma2-tiny "gemma2-tiny --dtype bf16" "llama-tiny --dtype bf16" "llama-tiny --dtype bf16 --torch-adamw" "llama-tiny --dtype bf16 --checkpoint selective --offload"; do
     f="$OUT/train_$(echo $m | tr ' ' '_' | tr -d '-').txt"
     timeout 120 $W run $m --backend cuda --steps 20 --check 20 --seq 32 --batch 2 > "$f" 2>&1
     rc=$?; step "20-step $m" $rc
