@@ -757,7 +757,7 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
         ("gemma3-tiny", None, 2e-4),
     ] {
         let name = format!(
-            "model {preset}{} forward{}",
+            "model {preset}{} forward{}, fused",
             dtype.map(|d| format!(" {d}")).unwrap_or_default(),
             if weft_passes::lookup("autodiff").is_ok() {
                 "+backward"
@@ -783,10 +783,13 @@ fn model_cases(gpu: bool, rows: &mut Vec<Row>) {
         if let Some(d) = dtype {
             convert(&mut g, d);
         }
+        // The program users run: `fuse` last, as every pipeline ends (its kernels then
+        // meet each other in a whole model, e.g. the tied embedding's gradient).
         let mut passes = vec!["canonicalize"];
         if weft_passes::lookup("autodiff").is_ok() {
             passes.push("autodiff");
         }
+        passes.push("fuse");
         let cx = weft_passes::PassContext::new(weft_ir::Mesh::default());
         if let Err(e) =
             weft_passes::PassManager::default().run(&mut g, &cx, &passes, &mut std::io::sink())

@@ -218,7 +218,10 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
             join(d.operands[0], d.results[0], &mut root, &mut group_last);
         } else if crate::plan::ELEMENTWISE_IN_PLACE.contains(&d.op.name()) {
             for &(oi, ri) in weft_ir::plan::in_place_pairs(d.op.name()) {
-                let (x, y) = (d.operands[oi], d.results[ri]);
+                // An optional operand (`embedding_grad`'s init) may be absent.
+                let (Some(&x), Some(&y)) = (d.operands.get(oi), d.results.get(ri)) else {
+                    continue;
+                };
                 let xd = &g.node(g.def(x)).op;
                 if group_last[root[x.0 as usize]] == i
                     && !is_resident(xd)
