@@ -71,6 +71,9 @@ pub struct Request {
     /// Run `fuse` last (SwiGLU and residual add + rms_norm fused, forward and
     /// backward); `--fuse=false` turns it off.
     pub fuse: bool,
+    /// How `ring-lower` moves k/v between the cp ranks (`--cp-kv`: ring steps, or one
+    /// all-gather), forward-only or in a training step.
+    pub cp_kv: crate::ring_allgather::CpKv,
 }
 
 impl Request {
@@ -92,6 +95,7 @@ impl Request {
             source: String::new(),
             shape: None,
             fuse: true,
+            cp_kv: Default::default(),
         }
     }
 
@@ -787,6 +791,7 @@ fn compile_with(
         if let Some(s) = bindings.symbols.get("S") {
             t.seq = Some(*s);
         }
+        t.cp_kv = req.cp_kv;
         if let Some(o) = &mut t.offload {
             o.device = crate::training::Device(req.device.clone());
             o.link_bytes_per_s = o.device.link_bytes_per_s();
@@ -801,6 +806,7 @@ fn compile_with(
         // A forward-only program's ring lowering sizes a sliding window's ring too.
         cx.options.train.seq = Some(*s);
     }
+    cx.options.train.cp_kv = req.cp_kv;
     let pipeline = pipeline(req, train.as_ref());
     let names = pipeline.names();
     let report = PassManager::new(req.instrumentation.clone()).run(&mut g, &cx, &names, sink)?;

@@ -249,6 +249,10 @@ pub struct TrainOptions {
     /// `linear-cross-entropy`: vocabulary rows per chunk (`None`: sized from the
     /// tokens so the chunk's logits stay under 256 MiB).
     pub loss_chunk: Option<i64>,
+    /// `ring-lower`: how context parallelism moves k/v between the cp ranks, ring
+    /// steps (default) or one all-gather (`--cp-kv`). Also read by a forward-only
+    /// program's ring lowering (the driver sets it from the request).
+    pub cp_kv: crate::ring_allgather::CpKv,
 }
 
 impl Default for TrainOptions {
@@ -269,6 +273,7 @@ impl Default for TrainOptions {
             seq: None,
             fused_loss: true,
             loss_chunk: None,
+            cp_kv: Default::default(),
         }
     }
 }
