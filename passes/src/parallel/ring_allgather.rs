@@ -16,6 +16,9 @@
 //!   (sum) over `cp` of dk and of dv along the sequence, which leaves each rank the sum
 //!   of every rank's gradient for its own keys.
 //!
+//! The collectives run along dim 0 of a sequence-first copy (`permute`), where NCCL
+//! gathers and scatters contiguous blocks.
+//!
 //! Per layer and rank it moves `2 (cp-1)` k/v blocks forward and `4 (cp-1)` backward,
 //! as the ring does, in collectives that nothing overlaps, and it holds the whole
 //! sequence's k/v (`cp` blocks) where the ring holds two.
@@ -55,42 +58,83 @@ impl CpKv {
     }
 }
 
-/// `all_gather` of `x` over cp along the sequence (dim 2); the reason names the
-/// variant and the bytes a rank sends and receives.
+/// The permutation that brings the sequence (dim 2) of a `[B, N, S, D]` tensor to the
+/// front, and its inverse: the collectives run along dim 0, where NCCL gathers and
+/// scatters contiguous blocks (an inner dim is refused by the CUDA executor).
+const SEQUENCE_FIRST: [i64; 4] = [2, 0, 1, 3];
+const SEQUENCE_BACK: [i64; 4] = [1, 2, 0, 3];
+
+fn permute(b: &mut Builder, x: Value, perm: [i64; 4], why: &str) -> Result<Value, PassError> {
+    b.op(
+        Op::Permute {
+            perm: perm.to_vec(),
+        },
+        &[x],
+        why,
+    )
+}
+
+/// `all_gather` of `x` (`[B, N, S/cp, D]`) over cp along the sequence, in rank order
+/// (the zigzag chunk order); the reason names the variant and the bytes a rank sends
+/// and receives.
 fn gather(b: &mut Builder, r: &Ring, x: Value, what: &str) -> Result<Value, PassError> {
     let block = bytes(&b.ty(x));
     let why = format!(
         "cp k/v all-gather: {what} of every cp rank, {block} bytes per rank sent, {} received; overlaps nothing",
         block.clone() * (r.cp - 1)
     );
+    let first = permute(
+        b,
+        x,
+        SEQUENCE_FIRST,
+        &format!("cp k/v all-gather: {what} sequence-first for the gather"),
+    )?;
     b.res.count("kv_all_gathers", 1);
-    b.op(
+    let all = b.op(
         Op::AllGather {
             axis: CP.into(),
-            dim: 2,
+            dim: 0,
         },
-        &[x],
+        &[first],
         &why,
+    )?;
+    permute(
+        b,
+        all,
+        SEQUENCE_BACK,
+        &format!("cp k/v all-gather: the whole sequence's {what} back to [B, N, S, D]"),
     )
 }
 
-/// `reduce_scatter` (sum) over cp along the sequence (dim 2) of a gradient for the
-/// whole sequence's keys: each rank gets the sum over ranks of its own block.
+/// `reduce_scatter` (sum) over cp along the sequence of a gradient for the whole
+/// sequence's keys (`[B, N, S, D]`): each rank gets the sum over ranks of its own block.
 fn scatter(b: &mut Builder, r: &Ring, x: Value, what: &str) -> Result<Value, PassError> {
     let whole = bytes(&b.ty(x));
     let why = format!(
         "cp k/v all-gather backward: {what} summed over the cp ranks and scattered to the rank owning each key block, {whole} bytes per rank in, {} out; overlaps nothing",
         whole.clone() / r.cp
     );
+    let first = permute(
+        b,
+        x,
+        SEQUENCE_FIRST,
+        &format!("cp k/v all-gather backward: {what} sequence-first for the reduce-scatter"),
+    )?;
     b.res.count("kv_reduce_scatters", 1);
-    b.op(
+    let own = b.op(
         Op::ReduceScatter {
             axis: CP.into(),
-            dim: 2,
+            dim: 0,
             op: ReduceOp::Sum,
         },
-        &[x],
+        &[first],
         &why,
+    )?;
+    permute(
+        b,
+        own,
+        SEQUENCE_BACK,
+        &format!("cp k/v all-gather backward: this rank's {what} back to [B, N, S/cp, D]"),
     )
 }
 
