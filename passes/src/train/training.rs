@@ -321,6 +321,10 @@ impl TrainOptions {
         if !self.fused_loss {
             s.push_str(" --unfused-loss");
         }
+        if self.cp_kv != crate::ring_allgather::CpKv::Ring {
+            // It holds the whole sequence's k/v per layer where the ring holds two blocks.
+            s.push_str(&format!(" --cp-kv {}", self.cp_kv.name()));
+        }
         s
     }
 }
