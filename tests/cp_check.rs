@@ -586,6 +586,7 @@ fn peaks(mesh: &str) -> (f64, f64) {
         // as compiled: the step's loss is fused (TrainOptions' default)
         fused_loss: true,
         micro_batches: 1,
+        cp_kv: CpKv::Ring,
     };
     let a = weft_passes::search::score(&shape_of(&model), &spec, &c);
     (e.peak_bytes as f64, a.memory.total as f64)

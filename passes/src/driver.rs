@@ -507,6 +507,7 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
         offload_optimizer: opts.offload_optimizer,
         fused_loss: opts.fused_loss,
         micro_batches: opts.micro_batches,
+        cp_kv: opts.cp_kv,
     };
     Some(crate::search::score(shape, &spec, &c))
 }

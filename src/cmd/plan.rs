@@ -144,6 +144,7 @@ pub fn evaluate(
     req.device_memory = Some(spec.device_memory);
     req.plan = true;
     req.source = model.name.clone();
+    req.cp_kv = c.cp_kv;
     req.instrumentation = weft_passes::Instrumentation {
         verify_each: false,
         check_requires: false,
@@ -294,6 +295,7 @@ pub fn run(a: Args) -> CliResult {
                     "offload": s.candidate.offload,
                     "offload_optimizer": s.candidate.offload_optimizer,
                     "micro_batches": s.candidate.micro_batches,
+                    "cp_kv": s.candidate.cp_kv.name(),
                     "fits": s.fits,
                     "memory": s.memory,
                     "time": s.time,

@@ -28,7 +28,7 @@ use crate::ring_lower::{bytes, keep_mask, zigzag_positions, Builder, Ring, Saved
 use weft_ir::{Op, ReduceOp, Value};
 
 /// How context parallelism moves k/v between the `cp` ranks (`--cp-kv`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum CpKv {
     /// Ring steps: each k/v block travels the ring (`ring_shift`), overlapped with the
     /// previous step's attention; two blocks live at a time.
