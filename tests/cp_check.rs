@@ -821,4 +821,18 @@ fn weft_check_runs_the_allgather_variant() {
     ]);
     assert_ne!(code, 0, "{out}");
     assert!(err.contains("--cp-kv") && err.contains("gather"), "{err}");
+    // Without a ring there is nothing for the option to choose: refused by name.
+    let (code, out, err) = weft(&[
+        "check",
+        "tests/fixtures/llama",
+        "--mesh",
+        "sp=2",
+        "--cp-kv",
+        "allgather",
+    ]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        err.contains("--cp-kv allgather") && err.contains("no cp axis"),
+        "{err}"
+    );
 }

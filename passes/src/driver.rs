@@ -778,6 +778,18 @@ fn compile_with(
     limit: u64,
 ) -> Result<Compiled, DriverError> {
     let bindings = sizes(&req.mesh, req.batch, req.seq)?;
+    if req.cp_kv != crate::ring_allgather::CpKv::Ring && req.mesh.size_or_one(crate::pass::CP) < 2 {
+        // Nothing would move k/v: refuse rather than compile something the option does
+        // not describe.
+        return Err(DriverError::Input {
+            what: format!(
+                "--cp-kv {} chooses how context parallelism moves k/v, and the mesh `{}` has no cp axis larger than 1",
+                req.cp_kv.name(),
+                req.mesh
+            ),
+            help: Some("add cp=N (N >= 2) to --mesh, or leave --cp-kv out".into()),
+        });
+    }
     let mut cx = PassContext::new(req.mesh.clone());
     cx.options.tp = req.tp.clone();
     cx.options.dtype = req.dtype;
