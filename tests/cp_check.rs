@@ -9,6 +9,9 @@
 //! transposed ring) is checked the same way: its `grad.*` outputs against the
 //! reference's gradients, with and without recomputation.
 //!
+//! The all-gather variant (`--cp-kv allgather`: k/v gathered over cp, one masked
+//! attention, dk/dv reduce-scattered) is checked the same way, forward and training.
+//!
 //! Labels include -100 spread unevenly, so the loss must be the global mean over valid
 //! tokens whatever the zigzag puts on each rank.
 

@@ -27,7 +27,11 @@
 //!   the previous block's attention runs, so only what a step's transfer takes beyond
 //!   its block's attention is exposed ([`ring_step`]); the received blocks are saved
 //!   for the backward unless the layer is recomputed. Ulysses past the kv heads
-//!   repeats them (`sp / gcd(kv, sp)`), which the all_to_all bytes count.
+//!   repeats them (`sp / gcd(kv, sp)`), which the all_to_all bytes count. The
+//!   all-gather variant (`--cp-kv allgather`, searched beside the ring on a cp mesh)
+//!   gathers k/v once forward and once backward and reduce-scatters dk/dv, all exposed,
+//!   holds the whole sequence's k/v and dk/dv, and computes the masked half of the
+//!   attention too;
 
 use crate::ring_allgather::CpKv;
 use weft_ir::plan::DeviceProfile;
