@@ -747,6 +747,21 @@ fn allgather_cp_sliding_window_matches_the_unsharded_model() {
     check_allgather("gemma2", "cp=2");
 }
 
+#[test]
+fn recomputed_allgather_cp_keeps_the_gradients() {
+    for policy in [CheckpointPolicy::Full, CheckpointPolicy::Selective] {
+        for (name, mesh) in [("llama", "cp=2"), ("mistral_sw4", "cp=4")] {
+            let c = case(name);
+            let reference = execute(&c.graph, &c, true);
+            let opts = TrainOptions {
+                checkpoint: policy.clone(),
+                ..allgather()
+            };
+            check_training(name, mesh, &c, &reference, opts);
+        }
+    }
+}
+
 /// With `--cp-kv allgather` a layer's attention moves k and v by one all_gather each
 /// forward, gathers them again in the backward and reduce-scatters dk and dv home: per
 /// layer and rank `2 kv` sent forward, `2 kv` gathered and `2 cp kv` reduce-scattered
