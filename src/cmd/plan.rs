@@ -191,7 +191,11 @@ fn row(s: &Scored) -> Vec<String> {
     let c = &s.candidate;
     let m = &s.memory;
     vec![
-        c.mesh(),
+        // The all-gather variant of cp is a different plan on the same mesh.
+        match c.cp_kv {
+            weft_passes::ring_allgather::CpKv::Ring => c.mesh(),
+            kv => format!("{} (cp-kv {})", c.mesh(), kv.name()),
+        },
         format!("{}", c.zero),
         c.checkpoint.to_string(),
         match (c.offload, c.offload_optimizer) {
