@@ -9,6 +9,9 @@
 //! transposed ring) is checked the same way: its `grad.*` outputs against the
 //! reference's gradients, with and without recomputation.
 //!
+//! The all-gather variant (`--cp-kv allgather`: k/v gathered over cp, one masked
+//! attention, dk/dv reduce-scattered) is checked the same way, forward and training.
+//!
 //! Labels include -100 spread unevenly, so the loss must be the global mean over valid
 //! tokens whatever the zigzag puts on each rank.
 
@@ -16,6 +19,7 @@ mod common;
 use common::*;
 
 use weft_ir::{HostTensor, Mesh, Op};
+use weft_passes::ring_allgather::CpKv;
 use weft_passes::training::{CheckpointPolicy, TrainOptions};
 use weft_passes::{default_pipeline, lookup, PassContext};
 use weft_runtime::cpu::RunResult;
@@ -585,6 +589,7 @@ fn peaks(mesh: &str) -> (f64, f64) {
         // as compiled: the step's loss is fused (TrainOptions' default)
         fused_loss: true,
         micro_batches: 1,
+        cp_kv: CpKv::Ring,
     };
     let a = weft_passes::search::score(&shape_of(&model), &spec, &c);
     (e.peak_bytes as f64, a.memory.total as f64)
@@ -682,4 +687,170 @@ fn weft_check_runs_the_early_stopped_ring() {
         assert_eq!(code, 0, "{model} {extra:?}: {out}{err}");
         assert_eq!(json(&out)["ok"], true, "{model} {extra:?}: {out}");
     }
+}
+
+/// Training options that lower context parallelism to the all-gather variant.
+fn allgather() -> TrainOptions {
+    TrainOptions {
+        cp_kv: CpKv::AllGather,
+        ..Default::default()
+    }
+}
+
+/// Fixture `name` on `mesh` with `--cp-kv allgather`: the forward program (logits, loss
+/// and the gradients of running it) and the training step (loss and every `grad.*`)
+/// match the unsharded model; neither holds a ring step.
+fn check_allgather(name: &str, mesh: &str) {
+    let c = case(name);
+    let reference = execute(&c.graph, &c, true);
+    let mut cx = PassContext::new(Mesh::parse(mesh).unwrap());
+    cx.options.train = allgather();
+    let mut g = c.graph.clone();
+    g.mesh = cx.mesh.clone();
+    for pass in default_pipeline(&cx.mesh) {
+        lookup(pass)
+            .unwrap()
+            .run(&mut g, &cx)
+            .unwrap_or_else(|e| panic!("{name} {mesh} allgather: {e}"));
+    }
+    weft_ir::verify(&g).unwrap_or_else(|r| panic!("{name} {mesh} allgather: {r}"));
+    let text = g.to_string();
+    assert!(!text.contains("ring_shift"), "a ring step is left:\n{text}");
+    assert!(
+        !text.contains("ring_attention"),
+        "a ring op is left:\n{text}"
+    );
+    let got = execute(&g, &c, true);
+    compare(
+        &format!("{name} on {mesh}, cp-kv allgather"),
+        &reference,
+        &got,
+    );
+    let g = check_training(name, mesh, &c, &reference, allgather());
+    let text = g.to_string();
+    assert!(!text.contains("ring_shift"), "a ring step is left:\n{text}");
+}
+
+#[test]
+fn allgather_cp_matches_the_unsharded_model() {
+    check_allgather("llama", "cp=2");
+    check_allgather("llama", "cp=4");
+    check_allgather("llama", "sp=2,cp=2");
+    check_allgather("llama_kv1", "cp=4");
+}
+
+#[test]
+fn allgather_cp_sliding_window_matches_the_unsharded_model() {
+    // A 4-key window: the mask from global positions cuts the gathered sequence.
+    check_allgather("mistral_sw4", "cp=2");
+    check_allgather("mistral_sw4", "cp=4");
+    check_allgather("gemma2", "cp=2");
+}
+
+#[test]
+fn recomputed_allgather_cp_keeps_the_gradients() {
+    for policy in [CheckpointPolicy::Full, CheckpointPolicy::Selective] {
+        for (name, mesh) in [("llama", "cp=2"), ("mistral_sw4", "cp=4")] {
+            let c = case(name);
+            let reference = execute(&c.graph, &c, true);
+            let opts = TrainOptions {
+                checkpoint: policy.clone(),
+                ..allgather()
+            };
+            check_training(name, mesh, &c, &reference, opts);
+        }
+    }
+}
+
+/// With `--cp-kv allgather` a layer's attention moves k and v by one all_gather each
+/// forward, gathers them again in the backward and reduce-scatters dk and dv home: per
+/// layer and rank `2 kv` sent forward, `2 kv` gathered and `2 cp kv` reduce-scattered
+/// (the whole sequence's dk, dv) backward, with `kv = B x Nkv x S/cp x D` elements.
+#[test]
+fn allgather_cp_collectives_are_one_per_tensor_and_layer() {
+    // llama fixture: 2 kv heads, head dim 8, f32.
+    let (b, s, nkv, d, bytes) = (2i64, 16i64, 2i64, 8i64, 4i64);
+    let c = case("llama");
+    for cp in [2i64, 4] {
+        let mesh = format!("cp={cp}");
+        let kv = b * nkv * (s / cp) * d * bytes;
+        let split = |op: &str| layer0_bytes_split(&c, &mesh, op, b, s, &allgather());
+        assert_eq!(split("all_gather"), ((2, 2 * kv), (2, 2 * kv)), "{mesh}");
+        assert_eq!(
+            split("reduce_scatter"),
+            ((0, 0), (2, 2 * cp * kv)),
+            "{mesh}"
+        );
+        assert_eq!(split("ring_shift"), ((0, 0), (0, 0)), "{mesh}");
+    }
+}
+
+/// Pins the text of layer 0's all-gather lowering on cp=2 in the training step: the
+/// gathers of k and v, the keep-mask from global positions, the one attention and the
+/// one gradient against the whole sequence, the reduce_scatters of dk and dv, each
+/// collective's reason naming the variant and its bytes.
+#[test]
+fn allgather_cp_snapshot() {
+    let c = case("llama");
+    let (g, _) = training_step(&c.graph, "cp=2", &allgather()).unwrap();
+    let text = g.to_string();
+    let lowered: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("model.layers.0.self_attn") && l.contains("<- ring-lower:"))
+        .collect();
+    for l in lowered
+        .iter()
+        .filter(|l| l.contains("= all_gather") || l.contains("= reduce_scatter"))
+    {
+        assert!(
+            l.contains("cp k/v all-gather") && l.contains(" bytes per rank"),
+            "{l}"
+        );
+    }
+    insta::assert_snapshot!(lowered.join("\n"));
+}
+
+/// `weft check --cp-kv allgather` runs the all-gather variant as a training step and
+/// forward-only; an unknown value is refused by name.
+#[test]
+fn weft_check_runs_the_allgather_variant() {
+    for extra in [&["--train"][..], &[][..]] {
+        let mut args = vec![
+            "check",
+            "tests/fixtures/llama",
+            "--mesh",
+            "cp=2",
+            "--cp-kv",
+            "allgather",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (code, out, err) = weft(&args);
+        assert_eq!(code, 0, "{extra:?}: {out}{err}");
+        assert_eq!(json(&out)["ok"], true, "{extra:?}: {out}");
+    }
+    let (code, out, err) = weft(&[
+        "check",
+        "tests/fixtures/llama",
+        "--mesh",
+        "cp=2",
+        "--cp-kv",
+        "gather",
+    ]);
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("--cp-kv") && err.contains("gather"), "{err}");
+    // Without a ring there is nothing for the option to choose: refused by name.
+    let (code, out, err) = weft(&[
+        "check",
+        "tests/fixtures/llama",
+        "--mesh",
+        "sp=2",
+        "--cp-kv",
+        "allgather",
+    ]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        err.contains("--cp-kv allgather") && err.contains("no cp axis"),
+        "{err}"
+    );
 }

@@ -71,6 +71,9 @@ pub struct Request {
     /// Run `fuse` last (SwiGLU and residual add + rms_norm fused, forward and
     /// backward); `--fuse=false` turns it off.
     pub fuse: bool,
+    /// How `ring-lower` moves k/v between the cp ranks (`--cp-kv`: ring steps, or one
+    /// all-gather), forward-only or in a training step.
+    pub cp_kv: crate::ring_allgather::CpKv,
 }
 
 impl Request {
@@ -92,6 +95,7 @@ impl Request {
             source: String::new(),
             shape: None,
             fuse: true,
+            cp_kv: Default::default(),
         }
     }
 
@@ -503,6 +507,7 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
         offload_optimizer: opts.offload_optimizer,
         fused_loss: opts.fused_loss,
         micro_batches: opts.micro_batches,
+        cp_kv: opts.cp_kv,
     };
     Some(crate::search::score(shape, &spec, &c))
 }
@@ -773,6 +778,18 @@ fn compile_with(
     limit: u64,
 ) -> Result<Compiled, DriverError> {
     let bindings = sizes(&req.mesh, req.batch, req.seq)?;
+    if req.cp_kv != crate::ring_allgather::CpKv::Ring && req.mesh.size_or_one(crate::pass::CP) < 2 {
+        // Nothing would move k/v: refuse rather than compile something the option does
+        // not describe.
+        return Err(DriverError::Input {
+            what: format!(
+                "--cp-kv {} chooses how context parallelism moves k/v, and the mesh `{}` has no cp axis larger than 1",
+                req.cp_kv.name(),
+                req.mesh
+            ),
+            help: Some("add cp=N (N >= 2) to --mesh, or leave --cp-kv out".into()),
+        });
+    }
     let mut cx = PassContext::new(req.mesh.clone());
     cx.options.tp = req.tp.clone();
     cx.options.dtype = req.dtype;
@@ -787,6 +804,7 @@ fn compile_with(
         if let Some(s) = bindings.symbols.get("S") {
             t.seq = Some(*s);
         }
+        t.cp_kv = req.cp_kv;
         if let Some(o) = &mut t.offload {
             o.device = crate::training::Device(req.device.clone());
             o.link_bytes_per_s = o.device.link_bytes_per_s();
@@ -801,6 +819,7 @@ fn compile_with(
         // A forward-only program's ring lowering sizes a sliding window's ring too.
         cx.options.train.seq = Some(*s);
     }
+    cx.options.train.cp_kv = req.cp_kv;
     let pipeline = pipeline(req, train.as_ref());
     let names = pipeline.names();
     let report = PassManager::new(req.instrumentation.clone()).run(&mut g, &cx, &names, sink)?;

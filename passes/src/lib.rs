@@ -29,7 +29,7 @@ mod util;
 pub use cleanup::{canonicalize, simplify};
 pub use lower::{bindings, convert_dtype, fuse, memory, plan, search};
 pub use parallel::{
-    ep, ring, ring_lower, ring_steps, shard_inputs, shard_seq, sp_loss, tp, ulysses,
+    ep, ring, ring_allgather, ring_lower, ring_steps, shard_inputs, shard_seq, sp_loss, tp, ulysses,
 };
 pub use train::{
     autodiff, checkpoint, grad_sync, linear_ce, micro_batches, offload, optimizer, training, zero,

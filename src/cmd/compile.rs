@@ -130,6 +130,7 @@ pub fn run(a: Args) -> CliResult {
     req.passes = super::parse_passes(a.passes.as_deref())?;
     req.dtype = parse_dtype(a.dtype.as_deref(), "--dtype")?;
     req.fuse = a.train_args.fuse();
+    req.cp_kv = a.train_args.cp_kv()?;
     req.model = super::graph_in_dtype(&model, req.dtype)?;
     (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
     if !a.forward_only {

@@ -144,6 +144,7 @@ pub fn evaluate(
     req.device_memory = Some(spec.device_memory);
     req.plan = true;
     req.source = model.name.clone();
+    req.cp_kv = c.cp_kv;
     req.instrumentation = weft_passes::Instrumentation {
         verify_each: false,
         check_requires: false,
@@ -190,7 +191,11 @@ fn row(s: &Scored) -> Vec<String> {
     let c = &s.candidate;
     let m = &s.memory;
     vec![
-        c.mesh(),
+        // The all-gather variant of cp is a different plan on the same mesh.
+        match c.cp_kv {
+            weft_passes::ring_allgather::CpKv::Ring => c.mesh(),
+            kv => format!("{} (cp-kv {})", c.mesh(), kv.name()),
+        },
         format!("{}", c.zero),
         c.checkpoint.to_string(),
         match (c.offload, c.offload_optimizer) {
@@ -294,6 +299,7 @@ pub fn run(a: Args) -> CliResult {
                     "offload": s.candidate.offload,
                     "offload_optimizer": s.candidate.offload_optimizer,
                     "micro_batches": s.candidate.micro_batches,
+                    "cp_kv": s.candidate.cp_kv.name(),
                     "fits": s.fits,
                     "memory": s.memory,
                     "time": s.time,

@@ -211,6 +211,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     req.plan = true;
     req.dtype = super::compile::parse_dtype(Some(&a.dtype), "--dtype")?;
     req.fuse = a.train.fuse();
+    req.cp_kv = a.train.cp_kv()?;
     req.model = super::graph_in_dtype(&model, req.dtype)?;
     (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
     if !a.forward_only {

@@ -86,6 +86,8 @@ pub struct Session {
     pub tp_spec: Option<PathBuf>,
     /// `--fuse`: run the `fuse` pass last.
     pub fuse: bool,
+    /// `--cp-kv`: how `ring-lower` moves k/v between the cp ranks.
+    pub cp_kv: weft_passes::ring_allgather::CpKv,
 }
 
 impl Session {
@@ -209,6 +211,7 @@ impl Session {
             weights_from,
             tp_spec: a.tp_spec.clone(),
             fuse: a.train.fuse(),
+            cp_kv: a.train.cp_kv()?,
         })
     }
 
@@ -227,6 +230,7 @@ impl Session {
         req.seq = Some(s);
         req.passes = super::parse_passes(passes)?;
         req.fuse = self.fuse;
+        req.cp_kv = self.cp_kv;
         if let Some(p) = &self.precompiled {
             let is_training =
                 weft_ir::plan::StepKind::of_outputs(p.outputs().iter().map(|(n, _)| n.as_str()))

@@ -6,6 +6,7 @@ use crate::error::{CliError, CliResult};
 use std::collections::BTreeMap;
 use weft_ir::HostTensor;
 use weft_passes::driver::{Open, Request, TrainRequest};
+use weft_passes::ring_allgather::CpKv;
 use weft_passes::training::{
     parse_bytes, CheckpointPolicy, OffloadOptions, Optimizer, TrainOptions,
 };
@@ -85,6 +86,12 @@ pub struct TrainArgs {
     /// tensor in the step).
     #[arg(long)]
     pub fused_loss: bool,
+    /// How context parallelism (`cp`) moves k/v between ranks: `ring` (default; ring
+    /// steps overlapped with attention, two k/v blocks alive) or `allgather` (one
+    /// all_gather of k and v per layer, a reduce_scatter of dk and dv in the backward;
+    /// not overlapped, the whole sequence's k/v held).
+    #[arg(long, value_name = "KIND")]
+    pub cp_kv: Option<String>,
 }
 
 impl TrainArgs {
@@ -173,6 +180,7 @@ impl TrainArgs {
                 seq: None,
                 fused_loss: !self.unfused_loss,
                 loss_chunk: None,
+                cp_kv: self.cp_kv()?,
             },
             open: Open {
                 checkpoint: self.checkpoint.is_none(),
@@ -187,6 +195,14 @@ impl TrainArgs {
             },
             offload_template: template,
         })
+    }
+
+    /// `--cp-kv` (default `ring`).
+    pub fn cp_kv(&self) -> CliResult<CpKv> {
+        match &self.cp_kv {
+            None => Ok(CpKv::Ring),
+            Some(s) => CpKv::parse(s).map_err(|m| CliError::input(format!("invalid --cp-kv: {m}"))),
+        }
     }
 
     /// Whether the driver runs `fuse` (`--fuse`, default on).

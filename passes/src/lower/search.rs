@@ -27,8 +27,13 @@
 //!   the previous block's attention runs, so only what a step's transfer takes beyond
 //!   its block's attention is exposed ([`ring_step`]); the received blocks are saved
 //!   for the backward unless the layer is recomputed. Ulysses past the kv heads
-//!   repeats them (`sp / gcd(kv, sp)`), which the all_to_all bytes count.
+//!   repeats them (`sp / gcd(kv, sp)`), which the all_to_all bytes count. The
+//!   all-gather variant (`--cp-kv allgather`, searched beside the ring on a cp mesh)
+//!   gathers k/v once forward and once backward and reduce-scatters dk/dv, all exposed,
+//!   holds the whole sequence's k/v and dk/dv, and computes the masked half of the
+//!   attention too;
 
+use crate::ring_allgather::CpKv;
 use weft_ir::plan::DeviceProfile;
 
 /// What the search needs to know about a model.
@@ -159,6 +164,9 @@ pub struct Candidate {
     /// recomputes each chunk's GEMM).
     pub fused_loss: bool,
     pub micro_batches: u32,
+    /// How cp moves k/v (`--cp-kv`): ring steps overlapped with attention, or one
+    /// all-gather (not overlapped, the whole sequence's k/v held). Ring when `cp` is 1.
+    pub cp_kv: CpKv,
 }
 
 impl Candidate {
@@ -194,6 +202,9 @@ impl Candidate {
         }
         if self.offload_optimizer {
             f.push_str(" --offload-optimizer");
+        }
+        if self.cp_kv != CpKv::Ring {
+            f.push_str(&format!(" --cp-kv {}", self.cp_kv.name()));
         }
         f
     }
@@ -309,7 +320,10 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
                         {
                             let mut mb = 1;
                             while mb <= per_rank {
-                                if per_rank.is_multiple_of(mb) {
+                                for &cp_kv in kv_exchanges(cp) {
+                                    if !per_rank.is_multiple_of(mb) {
+                                        continue;
+                                    }
                                     out.push(Candidate {
                                         dp: dp as u32,
                                         cp: cp as u32,
@@ -323,6 +337,7 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
                                         // what `weft plan` compiles (the default)
                                         fused_loss: true,
                                         micro_batches: mb as u32,
+                                        cp_kv,
                                     });
                                 }
                                 mb *= 2;
@@ -334,6 +349,16 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
         }
     }
     out
+}
+
+/// The k/v exchanges a cp of `cp` ranks can use: both with a ring, none to choose
+/// without one.
+fn kv_exchanges(cp: u64) -> &'static [CpKv] {
+    if cp > 1 {
+        &[CpKv::Ring, CpKv::AllGather]
+    } else {
+        &[CpKv::Ring]
+    }
 }
 
 fn mesh_text(dp: u64, cp: u64, sp: u64, tp: u64, ep: u64) -> String {
@@ -349,6 +374,7 @@ fn mesh_text(dp: u64, cp: u64, sp: u64, tp: u64, ep: u64) -> String {
         offload_optimizer: false,
         fused_loss: true,
         micro_batches: 1,
+        cp_kv: CpKv::Ring,
     }
     .mesh()
 }
@@ -446,7 +472,13 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     } else {
         ring_lse
     };
-    let ring_in_flight = if c.cp > 1 { 4.0 * ring_kv } else { 0.0 };
+    // The all-gather variant holds the whole sequence's k/v (cp blocks) and, in the
+    // backward, the whole sequence's dk/dv besides.
+    let ring_in_flight = match (c.cp > 1, c.cp_kv) {
+        (false, _) => 0.0,
+        (true, CpKv::Ring) => 4.0 * ring_kv,
+        (true, CpKv::AllGather) => 2.0 * cp * ring_kv,
+    };
     let activations = tokens * (saved_per_layer * kept_layers + full_layer)
         + ring_saved * kept_layers
         + ring_in_flight;
@@ -523,7 +555,20 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         exposed += t;
         comm += t;
     }
-    if c.cp > 1 {
+    let mut compute = compute;
+    if c.cp > 1 && c.cp_kv == CpKv::AllGather {
+        // One all_gather of k/v forward (again to recompute under full checkpointing),
+        // one backward and a reduce_scatter of dk/dv, each moving `cp - 1` blocks and
+        // hidden behind nothing; a sliding window does not shorten them.
+        let redo = if c.checkpoint == "full" { 1.0 } else { 0.0 };
+        let one = link_time(d, cp_inter, ring_kv * (cp - 1.0), cp - 1.0);
+        let t = layers * mb * (3.0 + redo) * one;
+        exposed += t;
+        comm += t;
+        // The masked attention against the whole sequence computes the blocks above
+        // the diagonal too: the causal half again.
+        compute += (attn_model * (1.0 + redo / 3.0) / world) / (d.attention_tflops * 1e12);
+    } else if c.cp > 1 {
         // Ring attention: forward k/v and backward dk/dv blocks, one step each per
         // ring step, each hidden behind that step's block attention.
         let local = tokens * sp;
@@ -731,6 +776,7 @@ mod tests {
             offload_optimizer: false,
             fused_loss: true,
             micro_batches: 1,
+            cp_kv: CpKv::Ring,
         };
         let full = llama8b();
         // Every other layer windowed to 4096 keys (chunks of 8192 tokens): its ring takes
@@ -752,6 +798,62 @@ mod tests {
         let (half, whole) = (a.time.comm - b.time.comm, a.time.comm - every.time.comm);
         assert!((whole - 2.0 * half).abs() <= 1e-9 * whole, "{half} {whole}");
         assert_eq!(b.memory.total, a.memory.total);
+    }
+
+    /// The all-gather variant is priced as what it is: the whole sequence's k/v and
+    /// dk/dv held (`2 cp` blocks against the ring's 4), its collectives exposed, and the
+    /// attention's masked half computed; both variants are searched on a cp mesh and
+    /// only the ring without one.
+    #[test]
+    fn the_allgather_variant_is_priced_unoverlapped_with_the_whole_kv() {
+        let spec = SearchSpec {
+            gpus: 8,
+            gpus_per_node: 8,
+            seq: 131072,
+            batch: 1,
+            device: crate::plan::profile::preset("h100").unwrap(),
+            device_memory: 80 << 30,
+            peak_flops: 989e12,
+        };
+        let m = llama8b();
+        let c = |cp_kv| Candidate {
+            cp: 8,
+            dp: 1,
+            sp: 1,
+            tp: 1,
+            ep: 1,
+            zero: 3,
+            checkpoint: "none",
+            offload: false,
+            offload_optimizer: false,
+            fused_loss: true,
+            micro_batches: 1,
+            cp_kv,
+        };
+        let (ring, gather) = (
+            score(&m, &spec, &c(CpKv::Ring)),
+            score(&m, &spec, &c(CpKv::AllGather)),
+        );
+        // ring_kv: this rank's 16384 tokens x (k, v) x bf16 x 8 kv heads x 128.
+        let block = 16384.0 * 2.0 * 2.0 * 1024.0;
+        let extra = (2.0 * 8.0 - 4.0) * block;
+        assert_eq!(
+            gather.memory.activations - ring.memory.activations,
+            extra as u64
+        );
+        assert!(
+            gather.time.compute > ring.time.compute,
+            "{ring:?} {gather:?}"
+        );
+        // Every all-gather byte is exposed.
+        assert!(gather.time.exposed_comm > ring.time.exposed_comm);
+        assert_eq!(
+            gather.candidate.flags(),
+            format!("{} --cp-kv allgather", ring.candidate.flags())
+        );
+        let all = enumerate(&m, &spec);
+        assert!(all.iter().any(|c| c.cp > 1 && c.cp_kv == CpKv::AllGather));
+        assert!(all.iter().all(|c| c.cp > 1 || c.cp_kv == CpKv::Ring));
     }
 
     #[test]
@@ -784,6 +886,7 @@ mod tests {
             offload_optimizer: false,
             fused_loss: true,
             micro_batches: 8,
+            cp_kv: CpKv::Ring,
         };
         let (a, b) = (score(&m, &spec, &c(0)), score(&m, &spec, &c(3)));
         assert!(b.memory.optimizer * 7 < a.memory.optimizer, "{a:?} {b:?}");

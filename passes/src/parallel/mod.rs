@@ -7,12 +7,13 @@
 //!   Ulysses x ring hybrid with `sp`): [`ring`], on the sequence split `shard_inputs` /
 //!   `shard_seq` make in zigzag order, and [`ring_lower`], which expands the ring ops
 //!   into ring steps after `autodiff` ([`ring_steps`]: where a sliding window lets
-//!   the ring stop early).
+//!   the ring stop early; [`ring_allgather`]: the all-gather variant, `--cp-kv`).
 //! - Tensor parallelism (axis `tp`): [`tp`].
 //! - Expert parallelism (axis `ep`, DeepSpeed's expert groups): [`ep`].
 
 pub mod ep;
 pub mod ring;
+pub mod ring_allgather;
 pub mod ring_lower;
 pub mod ring_steps;
 pub mod shard_inputs;

@@ -33,6 +33,10 @@
 //! later ranks' second chunks); see `ring_steps.rs`. Unknown, every step is taken.
 //! Each `ring_shift`'s reason ends with the compute it overlaps.
 //!
+//! With `TrainOptions::cp_kv` = all-gather (`--cp-kv allgather`) it writes the
+//! all-gather variant instead (`ring_allgather.rs`): k/v gathered over cp, one masked
+//! attention and one gradient against the whole sequence, dk/dv reduce-scattered home.
+//!
 //! Backward: the same steps and blocks in the same order; each block's
 //! `attention_block_grad` takes the merged `out` and the whole row's `lse` (so its
 //! probabilities are the final ones, `exp(s - lse)`, with no per-block statistics
@@ -42,6 +46,7 @@
 //! added.
 
 use crate::pass::{Pass, PassContext, PassError, PassResult, CP};
+use crate::ring_allgather::{self, CpKv};
 use crate::ring_steps::{window_ring, WindowRing};
 use crate::util::remove_unused;
 use weft_ir::{
@@ -78,6 +83,8 @@ impl Pass for RingLower {
             "ring_shifts",
             "block_attentions",
             "block_grads",
+            "kv_all_gathers",
+            "kv_reduce_scatters",
         ] {
             res.count(k, 0);
         }
@@ -95,7 +102,14 @@ impl Pass for RingLower {
         let mut dead = Vec::new();
         for n in todo {
             let d = g.node(n).clone();
-            let ring = Ring::of(g, n, &d.op, cx.options.train.seq)?;
+            let all_gather = cx.options.train.cp_kv == CpKv::AllGather;
+            // The all-gather variant takes no ring steps, so it needs no sequence length.
+            let seq = if all_gather {
+                None
+            } else {
+                cx.options.train.seq
+            };
+            let ring = Ring::of(g, n, &d.op, seq)?;
             let mut b = Builder {
                 g,
                 at: n,
@@ -105,7 +119,9 @@ impl Pass for RingLower {
                 Op::RingAttention { .. } => {
                     b.res.count("ring_attentions", 1);
                     let [q, k, v] = [d.operands[0], d.operands[1], d.operands[2]];
-                    let (o, l) = if ring.zigzag_causal() {
+                    let (o, l) = if all_gather {
+                        ring_allgather::forward(&mut b, &ring, q, k, v)?
+                    } else if ring.zigzag_causal() {
                         zigzag_forward(&mut b, &ring, q, k, v)?
                     } else {
                         masked_forward(&mut b, &ring, q, k, v)?
@@ -122,7 +138,9 @@ impl Pass for RingLower {
                         lse: d.operands[4],
                         dout: d.operands[5],
                     };
-                    let (dq, dk, dv) = if ring.zigzag_causal() {
+                    let (dq, dk, dv) = if all_gather {
+                        ring_allgather::backward(&mut b, &ring, x)?
+                    } else if ring.zigzag_causal() {
                         zigzag_backward(&mut b, &ring, x)?
                     } else {
                         masked_backward(&mut b, &ring, x)?
@@ -142,15 +160,15 @@ impl Pass for RingLower {
 }
 
 /// The attributes of one ring op and its ring size.
-struct Ring {
-    cp: i64,
-    causal: bool,
-    window: Option<i64>,
-    scale: Float,
-    softcap: Option<Float>,
+pub(crate) struct Ring {
+    pub(crate) cp: i64,
+    pub(crate) causal: bool,
+    pub(crate) window: Option<i64>,
+    pub(crate) scale: Float,
+    pub(crate) softcap: Option<Float>,
     /// The steps a causal sliding window needs, when the sequence length is known
     /// (unknown: every step, which is right for any length).
-    window_ring: Option<WindowRing>,
+    pub(crate) window_ring: Option<WindowRing>,
 }
 
 impl Ring {
@@ -223,25 +241,25 @@ impl Ring {
 
 /// The backward's operands: what the forward saved and the output gradient.
 #[derive(Clone, Copy)]
-struct Saved {
-    q: Value,
-    k: Value,
-    v: Value,
-    out: Value,
-    lse: Value,
-    dout: Value,
+pub(crate) struct Saved {
+    pub(crate) q: Value,
+    pub(crate) k: Value,
+    pub(crate) v: Value,
+    pub(crate) out: Value,
+    pub(crate) lse: Value,
+    pub(crate) dout: Value,
 }
 
-fn bytes(t: &TensorType) -> Dim {
+pub(crate) fn bytes(t: &TensorType) -> Dim {
     t.numel() * t.dtype.size_bytes() as i64
 }
 
 /// Builds nodes before `at` with the lowered node's metadata (its scope, whether it is
 /// backward or recompute, its micro-batch) and this pass's provenance.
-struct Builder<'a> {
-    g: &'a mut Graph,
-    at: Node,
-    res: &'a mut PassResult,
+pub(crate) struct Builder<'a> {
+    pub(crate) g: &'a mut Graph,
+    pub(crate) at: Node,
+    pub(crate) res: &'a mut PassResult,
 }
 
 impl Builder<'_> {
@@ -253,16 +271,21 @@ impl Builder<'_> {
         });
         m
     }
-    fn ops(&mut self, op: Op, ins: &[Value], why: &str) -> Result<Vec<Value>, PassError> {
+    pub(crate) fn ops(
+        &mut self,
+        op: Op,
+        ins: &[Value],
+        why: &str,
+    ) -> Result<Vec<Value>, PassError> {
         let meta = self.meta(why);
         self.g
             .insert_with(At::Before(self.at), op, ins, meta)
             .map_err(|e| crate::util::build_error(NAME, e))
     }
-    fn op(&mut self, op: Op, ins: &[Value], why: &str) -> Result<Value, PassError> {
+    pub(crate) fn op(&mut self, op: Op, ins: &[Value], why: &str) -> Result<Value, PassError> {
         Ok(self.ops(op, ins, why)?[0])
     }
-    fn ty(&self, v: Value) -> TensorType {
+    pub(crate) fn ty(&self, v: Value) -> TensorType {
         self.g.ty(v).clone()
     }
     fn slice(
@@ -348,7 +371,7 @@ impl Builder<'_> {
         )
     }
 
-    fn block_attention(
+    pub(crate) fn block_attention(
         &mut self,
         r: &Ring,
         ins: &[Value],
@@ -372,7 +395,7 @@ impl Builder<'_> {
     }
 
     /// dq, dk, dv of one block: `ins` = q, k, v, out, dout, lse (, mask).
-    fn block_grad(
+    pub(crate) fn block_grad(
         &mut self,
         r: &Ring,
         ins: &[Value],
@@ -669,6 +692,18 @@ fn zigzag_backward(
 /// (`check_bindings`, the runtimes) refuses as `S` too small, naming the nearest
 /// lengths that work.
 fn local_positions(b: &mut Builder, r: &Ring, local: &Dim) -> Result<(Value, Value), PassError> {
+    let (_, qpos, qcol) = zigzag_positions(b, r, local)?;
+    Ok((qpos, qcol))
+}
+
+/// The whole sequence's positions in zigzag order over cp (`[local x cp]`, the order
+/// of the rank blocks), this rank's block of them and the same as a column; see
+/// [`local_positions`].
+pub(crate) fn zigzag_positions(
+    b: &mut Builder,
+    r: &Ring,
+    local: &Dim,
+) -> Result<(Value, Value, Value), PassError> {
     let cp = r.cp;
     let whole = local.clone() * Dim::sym(CP);
     let positions = |b: &mut Builder, start: Dim, len: Dim, why: &str| {
@@ -732,12 +767,12 @@ fn local_positions(b: &mut Builder, r: &Ring, local: &Dim) -> Result<(Value, Val
         &[qpos],
         "query positions as a column",
     )?;
-    Ok((qpos, qcol))
+    Ok((zz, qpos, qcol))
 }
 
-/// The keep-mask `[1, 1, local, local]` of this rank's queries against the keys at
-/// positions `kpos`.
-fn keep_mask(
+/// The keep-mask `[1, 1, local, keys]` of this rank's queries against the keys at
+/// positions `kpos` (`[keys]`: a ring block's, or the whole gathered sequence's).
+pub(crate) fn keep_mask(
     b: &mut Builder,
     r: &Ring,
     local: &Dim,
@@ -745,9 +780,10 @@ fn keep_mask(
     kpos: Value,
     what: &str,
 ) -> Result<Value, PassError> {
+    let keys = b.ty(kpos).shape[0].clone();
     let krow = b.op(
         Op::Reshape {
-            shape: vec![Dim::from(1), local.clone()],
+            shape: vec![Dim::from(1), keys.clone()],
         },
         &[kpos],
         what,
@@ -773,12 +809,12 @@ fn keep_mask(
             None => seen,
         }
     } else {
-        let t1 = TensorType::new(DType::Bool, vec![local.clone(), local.clone()]);
+        let t1 = TensorType::new(DType::Bool, vec![local.clone(), keys.clone()]);
         b.full(1.0, t1, &format!("{what}: every key (not causal)"))?
     };
     b.op(
         Op::Reshape {
-            shape: vec![Dim::from(1), Dim::from(1), local.clone(), local.clone()],
+            shape: vec![Dim::from(1), Dim::from(1), local.clone(), keys],
         },
         &[mask],
         what,

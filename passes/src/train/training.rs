@@ -249,6 +249,10 @@ pub struct TrainOptions {
     /// `linear-cross-entropy`: vocabulary rows per chunk (`None`: sized from the
     /// tokens so the chunk's logits stay under 256 MiB).
     pub loss_chunk: Option<i64>,
+    /// `ring-lower`: how context parallelism moves k/v between the cp ranks, ring
+    /// steps (default) or one all-gather (`--cp-kv`). Also read by a forward-only
+    /// program's ring lowering (the driver sets it from the request).
+    pub cp_kv: crate::ring_allgather::CpKv,
 }
 
 impl Default for TrainOptions {
@@ -269,6 +273,7 @@ impl Default for TrainOptions {
             seq: None,
             fused_loss: true,
             loss_chunk: None,
+            cp_kv: Default::default(),
         }
     }
 }
@@ -315,6 +320,10 @@ impl TrainOptions {
         }
         if !self.fused_loss {
             s.push_str(" --unfused-loss");
+        }
+        if self.cp_kv != crate::ring_allgather::CpKv::Ring {
+            // It holds the whole sequence's k/v per layer where the ring holds two blocks.
+            s.push_str(&format!(" --cp-kv {}", self.cp_kv.name()));
         }
         s
     }
