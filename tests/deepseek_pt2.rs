@@ -33,19 +33,13 @@ fn imported() -> Pt2Import {
 #[test]
 fn training_step_matches_hf_alone_and_on_every_mesh() {
     let im = imported();
-    let (_, _, inputs) = load_fixture("deepseek_v3");
-    let reference = hf_reference("deepseek_v3");
-    let fwd = reference_run(&im.graph, &im.weights, &inputs);
-    assert_autograd_matches_hf("deepseek_v3.pt2", &fwd, &reference);
-    let mut report = Vec::new();
-    for mesh in MESHES {
-        let what = format!("deepseek_v3.pt2 `{mesh}`");
-        let opts = fixture_train_options();
-        let (_, r) = run_training_step(&what, &im.graph, &im.weights, &inputs, mesh, &opts);
-        let worst = assert_step_matches_hf(&what, &r, &reference, &["logits", "loss"], 1e-5, 1e-4);
-        report.push(format!("{what}: worst rel err {worst:.1e}"));
-    }
-    eprintln!("{}", report.join("\n"));
+    assert_import_matches_hf_on_meshes(
+        "deepseek_v3.pt2",
+        "deepseek_v3",
+        &im.graph,
+        &im.weights,
+        MESHES,
+    );
 }
 
 /// Every block is the op the config path builds: one causal attention per layer with

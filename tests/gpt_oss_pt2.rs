@@ -28,19 +28,7 @@ fn imported() -> Pt2Import {
 #[test]
 fn training_step_matches_hf_alone_and_on_every_mesh() {
     let im = imported();
-    let (_, _, inputs) = load_fixture("gpt_oss");
-    let reference = hf_reference("gpt_oss");
-    let fwd = reference_run(&im.graph, &im.weights, &inputs);
-    assert_autograd_matches_hf("gpt_oss.pt2", &fwd, &reference);
-    let mut report = Vec::new();
-    for mesh in MESHES {
-        let what = format!("gpt_oss.pt2 `{mesh}`");
-        let opts = fixture_train_options();
-        let (_, r) = run_training_step(&what, &im.graph, &im.weights, &inputs, mesh, &opts);
-        let worst = assert_step_matches_hf(&what, &r, &reference, &["logits", "loss"], 1e-5, 1e-4);
-        report.push(format!("{what}: worst rel err {worst:.1e}"));
-    }
-    eprintln!("{}", report.join("\n"));
+    assert_import_matches_hf_on_meshes("gpt_oss.pt2", "gpt_oss", &im.graph, &im.weights, MESHES);
 }
 
 /// Every block is the op the config path builds: attention with its sinks and the

@@ -100,6 +100,32 @@ pub fn assert_autograd_matches_hf(
     }
 }
 
+/// An imported program of fixture `fam` (`what` names it) matches HF's reference: the
+/// autograd of its forward, then its training step alone and on each of `meshes`
+/// (logits and loss within 1e-5, every gradient within 1e-4). Prints each mesh's worst
+/// relative error.
+pub fn assert_import_matches_hf_on_meshes(
+    what: &str,
+    fam: &str,
+    graph: &Graph,
+    weights: &BTreeMap<String, HostTensor>,
+    meshes: &[&str],
+) {
+    let (_, _, inputs) = super::load_fixture(fam);
+    let reference = hf_reference(fam);
+    let fwd = super::reference_run(graph, weights, &inputs);
+    assert_autograd_matches_hf(what, &fwd, &reference);
+    let mut report = Vec::new();
+    for mesh in meshes {
+        let on = format!("{what} `{mesh}`");
+        let opts = fixture_train_options();
+        let (_, r) = run_training_step(&on, graph, weights, &inputs, mesh, &opts);
+        let worst = assert_step_matches_hf(&on, &r, &reference, &["logits", "loss"], 1e-5, 1e-4);
+        report.push(format!("{on}: worst rel err {worst:.1e}"));
+    }
+    eprintln!("{}", report.join("\n"));
+}
+
 /// Asserts a training step's run `r` matches the unsharded model's run `want` (f64, with
 /// gradients): each of `outputs` within `out_tol`, and every gradient of `want` within
 /// `grad_tol` of the step's `grad.<param>` output, with as many gradient outputs.

@@ -733,6 +733,19 @@ pub fn search(m: &ModelShape, s: &SearchSpec) -> Vec<Scored> {
 mod tests {
     use super::*;
 
+    /// A search on H100s (80 GiB, 8 a node): `gpus`, `seq` tokens, global `batch`.
+    fn h100_spec(gpus: u32, seq: u64, batch: u64) -> SearchSpec {
+        SearchSpec {
+            gpus,
+            gpus_per_node: 8,
+            seq,
+            batch,
+            device: crate::plan::profile::preset("h100").unwrap(),
+            device_memory: 80 << 30,
+            peak_flops: 989e12,
+        }
+    }
+
     fn llama8b() -> ModelShape {
         ModelShape {
             name: "llama3-8b".into(),
@@ -755,15 +768,7 @@ mod tests {
 
     #[test]
     fn a_sliding_window_shortens_the_ring_in_the_price() {
-        let spec = SearchSpec {
-            gpus: 16,
-            gpus_per_node: 8,
-            seq: 262144,
-            batch: 1,
-            device: crate::plan::profile::preset("h100").unwrap(),
-            device_memory: 80 << 30,
-            peak_flops: 989e12,
-        };
+        let spec = h100_spec(16, 262144, 1);
         let c = Candidate {
             cp: 16,
             dp: 1,
@@ -806,15 +811,7 @@ mod tests {
     /// only the ring without one.
     #[test]
     fn the_allgather_variant_is_priced_unoverlapped_with_the_whole_kv() {
-        let spec = SearchSpec {
-            gpus: 8,
-            gpus_per_node: 8,
-            seq: 131072,
-            batch: 1,
-            device: crate::plan::profile::preset("h100").unwrap(),
-            device_memory: 80 << 30,
-            peak_flops: 989e12,
-        };
+        let spec = h100_spec(8, 131072, 1);
         let m = llama8b();
         let c = |cp_kv| Candidate {
             cp: 8,
@@ -864,15 +861,7 @@ mod tests {
 
     #[test]
     fn zero_over_dp_x_sp_shrinks_the_state_and_the_search_is_deterministic() {
-        let spec = SearchSpec {
-            gpus: 8,
-            gpus_per_node: 8,
-            seq: 131072,
-            batch: 8,
-            device: crate::plan::profile::preset("h100").unwrap(),
-            device_memory: 80 << 30,
-            peak_flops: 989e12,
-        };
+        let spec = h100_spec(8, 131072, 8);
         let m = llama8b();
         let c = |zero| Candidate {
             cp: 1,

@@ -365,27 +365,23 @@ pub(super) fn lower_op(
         Op::Matmul {
             transpose_a,
             transpose_b,
-        } => matmul::matmul(
-            lw,
-            &ins[0],
-            &ins[1],
-            &outs[0],
-            *transpose_a,
-            *transpose_b,
-            None,
-        ),
-        Op::MatmulAdd {
+        }
+        | Op::MatmulAdd {
             transpose_a,
             transpose_b,
-        } => matmul::matmul(
-            lw,
-            &ins[0],
-            &ins[1],
-            &outs[0],
-            *transpose_a,
-            *transpose_b,
-            Some(&ins[2]),
-        ),
+        } => {
+            // matmul_add's third operand is the addend the GEMM accumulates into.
+            let addend = ins.get(2).filter(|_| matches!(op, Op::MatmulAdd { .. }));
+            matmul::matmul(
+                lw,
+                &ins[0],
+                &ins[1],
+                &outs[0],
+                *transpose_a,
+                *transpose_b,
+                addend,
+            )
+        }
         Op::GroupedMatmul { transpose_w } => matmul::grouped_matmul(lw, ins, outs, transpose_w),
         Op::GroupedMatmulGrad { transpose_w, bias } => {
             matmul::grouped_matmul_grad(lw, ins, outs, transpose_w, bias)
