@@ -462,25 +462,7 @@ fn shard_round_trips_the_zero_training_state_across_meshes() {
     std::fs::create_dir_all(&dir).unwrap();
     let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
     // A universal checkpoint: the fixture's parameters and non-trivial moments.
-    let mut ckpt =
-        weft_frontends::read_safetensors(&fixture("llama").join("model.safetensors")).unwrap();
-    let params: Vec<(String, HostTensor)> =
-        ckpt.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    for (name, t) in &params {
-        let x = t.to_f64();
-        let m: Vec<f64> = x.iter().map(|v| v * 0.5 - 0.125).collect();
-        let v: Vec<f64> = x.iter().map(|v| v * v + 0.25).collect();
-        ckpt.insert(
-            format!("optim.m.{name}"),
-            HostTensor::floats(DType::F32, t.shape.clone(), m),
-        );
-        ckpt.insert(
-            format!("optim.v.{name}"),
-            HostTensor::floats(DType::F32, t.shape.clone(), v),
-        );
-    }
-    let file = dir.join("train.safetensors");
-    weft_frontends::save_safetensors(&file, &ckpt).unwrap();
+    let file = universal_checkpoint(&dir, "llama", |v| v * 0.5 - 0.125, |v| v * v + 0.25);
     // As stored (the moments rounded to f32).
     let ckpt = weft_frontends::read_safetensors(&file).unwrap();
     let mut from = file.clone();
@@ -708,25 +690,7 @@ fn shard_round_trips_the_uneven_zero_training_state() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
-    let mut ckpt =
-        weft_frontends::read_safetensors(&fixture("llama_odd").join("model.safetensors")).unwrap();
-    let params: Vec<(String, HostTensor)> =
-        ckpt.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    for (name, t) in &params {
-        let x = t.to_f64();
-        let m: Vec<f64> = x.iter().map(|v| v * 0.25 + 0.5).collect();
-        let v: Vec<f64> = x.iter().map(|v| v * v + 0.125).collect();
-        ckpt.insert(
-            format!("optim.m.{name}"),
-            HostTensor::floats(DType::F32, t.shape.clone(), m),
-        );
-        ckpt.insert(
-            format!("optim.v.{name}"),
-            HostTensor::floats(DType::F32, t.shape.clone(), v),
-        );
-    }
-    let file = dir.join("train.safetensors");
-    weft_frontends::save_safetensors(&file, &ckpt).unwrap();
+    let file = universal_checkpoint(&dir, "llama_odd", |v| v * 0.25 + 0.5, |v| v * v + 0.125);
     let ckpt = weft_frontends::read_safetensors(&file).unwrap();
     let w = "model.layers.0.mlp.down_proj.weight"; // [35, 67]
     let mut from = file.clone();
@@ -810,4 +774,31 @@ fn unshard_is_byte_exact(
             "{mesh}: `{name}` not byte-exact"
         );
     }
+}
+
+/// A universal training checkpoint in `dir`: fixture `fam`'s parameters and AdamW
+/// moments `m(x)`, `v(x)` of each parameter value `x` (f32), saved as safetensors.
+fn universal_checkpoint(
+    dir: &std::path::Path,
+    fam: &str,
+    m: impl Fn(f64) -> f64,
+    v: impl Fn(f64) -> f64,
+) -> std::path::PathBuf {
+    let mut ckpt =
+        weft_frontends::read_safetensors(&fixture(fam).join("model.safetensors")).unwrap();
+    let params: Vec<(String, HostTensor)> =
+        ckpt.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+    for (name, t) in &params {
+        let x = t.to_f64();
+        for (state, f) in [("m", &m as &dyn Fn(f64) -> f64), ("v", &v)] {
+            let vals: Vec<f64> = x.iter().map(|&e| f(e)).collect();
+            ckpt.insert(
+                format!("optim.{state}.{name}"),
+                HostTensor::floats(DType::F32, t.shape.clone(), vals),
+            );
+        }
+    }
+    let file = dir.join("train.safetensors");
+    weft_frontends::save_safetensors(&file, &ckpt).unwrap();
+    file
 }
