@@ -480,6 +480,18 @@ fn fused_op_cases() -> Vec<Case> {
     ] {
         v.push(Case::new(format!("matmul_add {dt}[{a}] @ [{b}] ta={ta} tb={tb}"), format!("graph \"t\"\n%0: {dt}[{a}] = param {{name=\"a\"}}\n%1: {dt}[{b}] = param {{name=\"b\"}}\n%2: {dt}[{c}] = param {{name=\"c\"}}\n%3: {dt}[{c}] = matmul_add %0, %1, %2 {{transpose_a={ta}, transpose_b={tb}}}\n%4: {dt}[{c}] = matmul %0, %1 {{transpose_a={ta}, transpose_b={tb}}}\n%5: {dt}[{c}] = add %4, %2\nreturn y=%3, unfused=%5\n")).tol(tol));
     }
+    // fp8_matmul: cuBLASLt's FP8 GEMM (sizes multiples of 16; operands transposed while
+    // quantized where cuBLASLt wants k contiguous), and the quantize-dequantize fallback.
+    for (dt, a, b, c, ta, tb, fa, fb, tol) in [
+        ("f32", "64, 128", "96, 128", "64, 96", false, true, "e4m3", "e4m3", 2e-5),
+        ("bf16", "1, 512, 1024", "384, 1024", "1, 512, 384", false, true, "e4m3", "e4m3", 2e-2),
+        ("bf16", "512, 256", "256, 384", "512, 384", false, false, "e5m2", "e4m3", 2e-2),
+        ("bf16", "512, 64", "512, 96", "64, 96", true, false, "e5m2", "e4m3", 2e-2),
+        ("f32", "5, 7", "9, 7", "5, 9", false, true, "e4m3", "e4m3", 2e-5),
+        ("bf16", "2, 5, 7", "2, 7, 9", "2, 5, 9", false, false, "e5m2", "e4m3", 2e-2),
+    ] {
+        v.push(Case::new(format!("fp8_matmul {dt}[{a}] @ [{b}] ta={ta} tb={tb} {fa}/{fb}"), format!("graph \"t\"\n%0: {dt}[{a}] = param {{name=\"a\"}}\n%1: {dt}[{b}] = param {{name=\"b\"}}\n%2: {dt}[{c}] = fp8_matmul %0, %1 {{transpose_a={ta}, transpose_b={tb}, format_a={fa}, format_b={fb}}}\nreturn y=%2\n")).tol(tol));
+    }
     v
 }
 

@@ -40,7 +40,9 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
                     Dim::zero()
                 }
         }
-        Op::Matmul { transpose_a, .. } | Op::MatmulAdd { transpose_a, .. } => {
+        Op::Matmul { transpose_a, .. }
+        | Op::MatmulAdd { transpose_a, .. }
+        | Op::Fp8Matmul { transpose_a, .. } => {
             let a = ins[0];
             let k = if *transpose_a {
                 a.shape[a.rank() - 2].clone()

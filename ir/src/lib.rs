@@ -9,11 +9,13 @@
 //! - [`partition`]: how sharded parameters map to their full tensors.
 //! - [`tensor`]: host tensors exchanged between crates.
 //! - [`output`]: output files written through a temporary and renamed into place.
+//! - [`fp8`]: FP8 formats, scaling and rounding of `fp8_matmul`.
 //! - [`role`]: value roles (gradient, updated parameter, optimizer state) and their names.
 
 pub mod attrs;
 pub mod dim;
 pub mod flops;
+pub mod fp8;
 pub mod graph;
 pub mod mesh;
 pub mod ops;
@@ -31,6 +33,7 @@ pub mod verify;
 pub use attrs::{
     yarn_attention_factor, CmpOp, Flag, Float, GateAct, ReduceOp, Reduction, Role, RopeScaling,
 };
+pub use fp8::Fp8Format;
 pub use dim::{Bindings, Dim, DimError};
 pub use graph::{
     At, BuildError, Derived, DerivedKind, Graph, Node, NodeData, NodeMeta, Provenance, Value,

@@ -3,6 +3,7 @@
 //! one-line doc. The text printer, parser, verifier and `weft ops` all read this table.
 
 use crate::attrs::*;
+use crate::fp8::Fp8Format;
 use crate::dim::Dim;
 use crate::shape as rule;
 use crate::types::{DType, TensorType};
@@ -232,6 +233,8 @@ define_ops! {
     Linear = "linear" ("x, w, bias?") [2, 3] => linear;
     /// Batched matmul with broadcast batch dims and optional transposes of the last two dims.
     Matmul = "matmul" ("a, b") [2, 2] { transpose_a: bool, transpose_b: bool } => matmul;
+    /// `matmul` with each operand quantized to FP8 first (made by `fp8`): per-tensor current scaling by a power of two (`2^floor(log2(max / amax))`, so dequantizing is exact), round to nearest even saturating at the format's largest value, products accumulated in f32, the result rounded to the operands' dtype. Its gradient is the straight-through one, computed by `fp8_matmul`s whose incoming-gradient operand is `e5m2`.
+    Fp8Matmul = "fp8_matmul" ("a, b") [2, 2] { transpose_a: bool, transpose_b: bool, format_a: Fp8Format, format_b: Fp8Format } => matmul;
     /// `w * x / sqrt(mean(x^2, last) + eps)`, computed in f32, result in x's dtype.
     RmsNorm = "rms_norm" ("x, w") [2, 2] { eps: Float } => rms_norm;
     /// RoPE cos/sin tables [B, S, dim] (f32) from position ids [B, S].

@@ -243,12 +243,17 @@ pub fn linear(_: &Op, ins: &[&TensorType]) -> Out {
 }
 
 pub fn matmul(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::Matmul {
-        transpose_a,
-        transpose_b,
-    } = op
-    else {
-        unreachable!()
+    let (transpose_a, transpose_b) = match op {
+        Op::Matmul {
+            transpose_a,
+            transpose_b,
+        }
+        | Op::Fp8Matmul {
+            transpose_a,
+            transpose_b,
+            ..
+        } => (transpose_a, transpose_b),
+        _ => unreachable!(),
     };
     let (a, b) = (ins[0], ins[1]);
     if a.rank() < 2 || b.rank() < 2 {
@@ -257,6 +262,9 @@ pub fn matmul(op: &Op, ins: &[&TensorType]) -> Out {
         ));
     }
     same_dtype(a, b, "operands")?;
+    if matches!(op, Op::Fp8Matmul { .. }) {
+        want_float(a, "fp8_matmul operand")?;
+    }
     let (ar, br) = (a.rank(), b.rank());
     let (m, ka) = if *transpose_a {
         (&a.shape[ar - 1], &a.shape[ar - 2])

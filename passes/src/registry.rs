@@ -6,6 +6,7 @@ use crate::canonicalize::Canonicalize;
 use crate::checkpoint::Checkpoint;
 use crate::convert_dtype::ConvertDtype;
 use crate::ep::ExpertParallel;
+use crate::fp8::Fp8;
 use crate::fuse::Fuse;
 use crate::grad_sync::GradSync;
 use crate::linear_ce::LinearCrossEntropy;
@@ -37,6 +38,7 @@ pub static PASSES: &[&dyn Pass] = &[
     &Simplify,
     &Canonicalize,
     &LinearCrossEntropy,
+    &Fp8,
     &MicroBatches,
     &Autodiff,
     &Checkpoint,

@@ -86,6 +86,12 @@ pub struct TrainArgs {
     /// tensor in the step).
     #[arg(long)]
     pub fused_loss: bool,
+    /// Run the linear layers' GEMMs in FP8: e4m3 weights and activations, e5m2
+    /// gradients, per-tensor power-of-two scales from each operand's current amax,
+    /// f32 accumulation (the `fp8` pass). The lm_head, routers, attention and MoE
+    /// experts stay in the model's dtype, as do master weights and optimizer states.
+    #[arg(long)]
+    pub fp8: bool,
     /// How context parallelism (`cp`) moves k/v between ranks: `ring` (default; ring
     /// steps overlapped with attention, two k/v blocks alive) or `allgather` (one
     /// all_gather of k and v per layer, a reduce_scatter of dk and dv in the backward;
@@ -180,6 +186,7 @@ impl TrainArgs {
                 seq: None,
                 fused_loss: !self.unfused_loss,
                 loss_chunk: None,
+                fp8: self.fp8,
                 cp_kv: self.cp_kv()?,
             },
             open: Open {
@@ -223,6 +230,7 @@ impl TrainArgs {
             || self.no_master_weights
             || self.unfused_loss
             || self.fused_loss
+            || self.fp8
     }
 }
 

@@ -1,6 +1,7 @@
 //! Training passes: what turns a forward program into a training step.
 //!
-//! [`linear_ce`] (lm_head + cross-entropy fused over vocabulary chunks), //! [`micro_batches`] (gradient accumulation), [`autodiff`] (the backward),
+//! [`linear_ce`] (lm_head + cross-entropy fused over vocabulary chunks), [`fp8`] (the
+//! linear layers' GEMMs in FP8), [`micro_batches`] (gradient accumulation), [`autodiff`] (the backward),
 //! [`checkpoint`] (recompute policies and the memory budget), [`offload`] (activations
 //! to the host), [`grad_sync`] (coalesced gradient reduction), [`optimizer`] (updates
 //! inside the backward), [`zero`] and [`zero_split`] (ZeRO's groups, collectives and
@@ -8,6 +9,7 @@
 
 pub mod autodiff;
 pub mod checkpoint;
+pub mod fp8;
 pub mod grad_sync;
 pub mod linear_ce;
 pub mod micro_batches;

@@ -249,6 +249,8 @@ pub struct TrainOptions {
     /// `linear-cross-entropy`: vocabulary rows per chunk (`None`: sized from the
     /// tokens so the chunk's logits stay under 256 MiB).
     pub loss_chunk: Option<i64>,
+    /// `fp8`: the linear layers' GEMMs in FP8 (e4m3 forward, e5m2 gradients).
+    pub fp8: bool,
     /// `ring-lower`: how context parallelism moves k/v between the cp ranks, ring
     /// steps (default) or one all-gather (`--cp-kv`). Also read by a forward-only
     /// program's ring lowering (the driver sets it from the request).
@@ -273,6 +275,7 @@ impl Default for TrainOptions {
             seq: None,
             fused_loss: true,
             loss_chunk: None,
+            fp8: false,
             cp_kv: Default::default(),
         }
     }
@@ -321,6 +324,9 @@ impl TrainOptions {
         if !self.fused_loss {
             s.push_str(" --unfused-loss");
         }
+        if self.fp8 {
+            s.push_str(" --fp8");
+        }
         if self.cp_kv != crate::ring_allgather::CpKv::Ring {
             // It holds the whole sequence's k/v per layer where the ring holds two blocks.
             s.push_str(&format!(" --cp-kv {}", self.cp_kv.name()));
@@ -353,6 +359,13 @@ pub fn training_steps(opts: &TrainOptions) -> Vec<Step> {
             &mut p,
             crate::linear_ce::NAME,
             "after the forward passes (it matches the per-rank loss, vocab-parallel included) and before micro-batches and autodiff, which clone and differentiate the fused op",
+        );
+    }
+    if opts.fp8 {
+        push(
+            &mut p,
+            crate::fp8::NAME,
+            "after the forward passes and linear-cross-entropy (the loss's lm_head stays in its dtype) and before autodiff, which differentiates each FP8 GEMM into FP8 GEMMs",
         );
     }
     if opts.micro_batches > 1 {

@@ -629,6 +629,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         | Op::MatmulAdd { .. } => {
             super::fusions::eval(op, ins, cx)
         }
+        Op::Fp8Matmul { .. } => super::fp8::eval(op, ins, cx),
     }
 }
 

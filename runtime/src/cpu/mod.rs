@@ -48,6 +48,7 @@
 mod backward_kernels;
 mod comm;
 mod error;
+mod fp8;
 mod fused;
 mod fusions;
 mod grad_outputs;

@@ -22,7 +22,9 @@ pub const KERNEL_SOURCE: &str = concat!(
     "\n",
     include_str!("fused.cu"),
     "\n",
-    include_str!("linear_ce.cu")
+    include_str!("linear_ce.cu"),
+    "\n",
+    include_str!("fp8.cu")
 );
 
 /// An owned device allocation.

@@ -26,6 +26,7 @@ use weft_ir::{Bindings, DType, Dim, Graph, HostTensor, Node, Op};
 mod attention;
 mod collective;
 mod elementwise;
+mod fp8;
 mod fused;
 mod index;
 mod linear_ce;
@@ -156,6 +157,8 @@ enum StepKind {
         /// What an accumulating GEMM adds to (`c` itself unless `matmul_add` names
         /// another buffer).
         addend: u64,
+        /// An FP8 GEMM's dequantizing factors of `a` and `b` (device f32 scalars).
+        fp8_scales: Option<(u64, u64)>,
     },
     Copy {
         dst: u64,
@@ -894,7 +897,11 @@ impl Executor {
                 c,
                 bias,
                 addend,
-            } => self.gemm.run_into(shape, *a, *b, *addend, *c, *bias, s),
+                fp8_scales,
+            } => match fp8_scales {
+                Some((sa, sb)) => self.gemm.run_fp8(shape, *a, *b, *sa, *sb, *c, s),
+                None => self.gemm.run_into(shape, *a, *b, *addend, *c, *bias, s),
+            },
             StepKind::Copy {
                 dst,
                 src,
@@ -1047,6 +1054,7 @@ impl Executor {
                 sc: 0,
                 bias,
                 accumulate,
+                fp8: None,
             };
         let mut at = 0u64;
         for (gi, &c) in counts.iter().enumerate() {

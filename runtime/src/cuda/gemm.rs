@@ -14,7 +14,7 @@ use super::error::{CudaError, CudaResult, DriverCheck};
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;
 use std::ffi::c_void;
-use weft_ir::DType;
+use weft_ir::{DType, Fp8Format};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GemmShape {
@@ -33,6 +33,22 @@ pub struct GemmShape {
     pub bias: bool,
     /// Accumulates into C (beta = 1).
     pub accumulate: bool,
+    /// FP8 operands (formats of A and B), each with a dequantizing factor on the device
+    /// (`run_fp8`); `dtype` is then C's. cuBLASLt takes them only as A `[m, k]` and B
+    /// stored `[n, k]` (`ta` false, `tb` true), with m, n and k multiples of 16.
+    pub fp8: Option<(Fp8Format, Fp8Format)>,
+}
+
+/// Whether cuBLASLt's FP8 GEMM takes these sizes (its 16-byte alignment rule).
+pub fn fp8_sizes_ok(m: u64, n: u64, k: u64) -> bool {
+    m % 16 == 0 && n % 16 == 0 && k % 16 == 0 && m > 0 && n > 0 && k > 0
+}
+
+fn fp8_dt(f: Fp8Format) -> sys::cudaDataType {
+    match f {
+        Fp8Format::E4m3 => sys::cudaDataType::CUDA_R_8F_E4M3,
+        Fp8Format::E5m2 => sys::cudaDataType::CUDA_R_8F_E5M2,
+    }
 }
 
 struct Cached {
@@ -156,7 +172,11 @@ impl Gemm {
         // Stored shapes (rows x cols, column-major, ld = rows).
         let (xr, xc) = if s.tb { (s.k, s.n) } else { (s.n, s.k) };
         let (yr, yc) = if s.ta { (s.m, s.k) } else { (s.k, s.m) };
-        let layout = |r: u64, c: u64, stride: i64| -> CudaResult<sys::cublasLtMatrixLayout_t> {
+        let layout = |t: sys::cudaDataType,
+                      r: u64,
+                      c: u64,
+                      stride: i64|
+         -> CudaResult<sys::cublasLtMatrixLayout_t> {
             let l = lt::create_matrix_layout(t, r, c, r as i64).ck("cublasLtMatrixLayoutCreate")?;
             if s.batch > 1 {
                 let b = s.batch as i32;
@@ -175,9 +195,13 @@ impl Gemm {
             }
             Ok(l)
         };
-        let la = layout(xr, xc, s.sb)?;
-        let lb = layout(yr, yc, s.sa)?;
-        let lc = layout(s.n, s.m, s.sc)?;
+        let (tx, ty) = match s.fp8 {
+            Some((fa, fb)) => (fp8_dt(fb), fp8_dt(fa)),
+            None => (t, t),
+        };
+        let la = layout(tx, xr, xc, s.sb)?;
+        let lb = layout(ty, yr, yc, s.sa)?;
+        let lc = layout(t, s.n, s.m, s.sc)?;
         // The bucket's algorithm, where cuBLASLt accepts it for this exact shape.
         if let Some(algo) = self.algos.get(&Self::bucket(s)).copied() {
             // SAFETY: every descriptor is live; `result` is plain data cuBLASLt fills.
@@ -310,6 +334,43 @@ impl Gemm {
             call: format!("cublasLtMatmul {s:?}"),
             code: format!("{:?}", e.0),
         })
+    }
+
+    /// Enqueues an FP8 GEMM `D = (sa * A) (sb * B)^T` (`s.fp8` set, A `[m, k]`, B stored
+    /// `[n, k]`), `sa` and `sb` f32 dequantizing factors on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_fp8(
+        &mut self,
+        s: &GemmShape,
+        a: u64,
+        b: u64,
+        scale_a: u64,
+        scale_b: u64,
+        c: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> CudaResult<()> {
+        let p = match self.plan(s)? {
+            Some(p) => p.desc,
+            None => {
+                return Err(CudaError::unsupported(
+                    "an FP8 GEMM past the plan cache".to_string(),
+                    "cuBLASLt",
+                    "FP8 GEMM shapes stay cached".to_string(),
+                ))
+            }
+        };
+        // cuBLAS's A is our B (column-major swap), so their scales swap too.
+        for (attr, ptr) in [
+            (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b),
+            (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scale_a),
+        ] {
+            // SAFETY: desc is live; the attribute is a device address.
+            unsafe {
+                lt::set_matmul_desc_attribute(p, attr, &ptr as *const u64 as *const c_void, 8)
+                    .ck("cublasLtMatmulDescSetAttribute(scale)")?;
+            }
+        }
+        self.run_into(s, a, b, c, c, 0, stream)
     }
 
     pub fn cached_shapes(&self) -> usize {

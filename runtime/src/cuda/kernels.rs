@@ -300,6 +300,17 @@ kernels! {
     /// gelu backward.
     GeluBwd ["gelu_bwd_##S_"] Shape::Items => { dx: Ptr, x: Ptr, dy: Ptr, n: I64, tanh_approx: I32 }
 
+    // ------------------------------------------------------------ fp8 (fp8.cu)
+    /// amax (as float bits) of `n` elements into `amax`, zeroed first.
+    Fp8Amax ["fp8_amax_##S"] Shape::Items => { amax: Ptr, x: Ptr, n: I64 }
+    /// `x` [rows, cols] to fp8 bytes (`[cols, rows]` when `transpose`) with the scale of
+    /// `amax`, and its dequantizing factor into `inv_scale`; one 32x32 tile per block.
+    Fp8Quantize ["fp8_quantize_##S"] Shape::Custom => {
+        out: Ptr, inv_scale: Ptr, x: Ptr, amax: Ptr, rows: I64, cols: I64, transpose: I32, fmt: I32,
+    }
+    /// `x` quantized with the scale of `amax` and dequantized, in its dtype.
+    Fp8Qdq ["fp8_qdq_##S"] Shape::Items => { out: Ptr, x: Ptr, amax: Ptr, n: I64, fmt: I32 }
+
     // ------------------------------------------------------------ reductions
     /// Sum, mean or max over the reduced dims of `rd`, one warp per output.
     Reduce ["reduce_##S", "reduce_i64"] Shape::Warps => {

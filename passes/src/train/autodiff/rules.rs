@@ -744,6 +744,42 @@ impl Ad<'_> {
                     out[1] = Some(self.unbroadcast(db, &t)?);
                 }
             }
+            Op::Fp8Matmul {
+                transpose_a: ta,
+                transpose_b: tb,
+                format_a: fa,
+                format_b: fb,
+            } => {
+                // Straight-through, as matmul's rule, each product an fp8_matmul whose
+                // incoming gradient is quantized to e5m2 and whose other operand keeps
+                // its forward format.
+                let (ta, tb, fa, fb) = (*ta, *tb, *fa, *fb);
+                let g8 = weft_ir::Fp8Format::E5m2;
+                let fp8 = |transpose_a, transpose_b, format_a, format_b| Op::Fp8Matmul {
+                    transpose_a,
+                    transpose_b,
+                    format_a,
+                    format_b,
+                };
+                if w(0) {
+                    let t = ty(self, 0);
+                    let da = if !ta {
+                        self.op(fp8(false, !tb, g8, fb), &[g, ops[1]])?
+                    } else {
+                        self.op(fp8(tb, true, fb, g8), &[ops[1], g])?
+                    };
+                    out[0] = Some(self.unbroadcast(da, &t)?);
+                }
+                if w(1) {
+                    let t = ty(self, 1);
+                    let db = if !tb {
+                        self.op(fp8(!ta, false, fa, g8), &[ops[0], g])?
+                    } else {
+                        self.op(fp8(true, ta, g8, fa), &[g, ops[0]])?
+                    };
+                    out[1] = Some(self.unbroadcast(db, &t)?);
+                }
+            }
             Op::RmsNorm { eps } => {
                 let r = self.ops(Op::RmsNormGrad { eps: *eps }, &[ops[0], ops[1], g])?;
                 out[0] = w(0).then_some(r[0]);

@@ -78,6 +78,7 @@ fn gemm_shape(
         sc: 0,
         bias: false,
         accumulate,
+        fp8: None,
     }
 }
 

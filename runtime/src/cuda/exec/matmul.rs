@@ -31,6 +31,7 @@ pub(super) fn linear(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<
         sc: 0,
         bias: bias.is_some(),
         accumulate: false,
+        fp8: None,
     };
     if k == 0 {
         return match bias {
@@ -109,6 +110,7 @@ pub(super) fn matmul(
             sc: 0,
             bias: false,
             accumulate,
+            fp8: None,
         };
         lw.gemm_adding(shape, a.ptr, b.ptr, c_in, o.ptr, 0);
         return Ok(());
@@ -133,6 +135,7 @@ pub(super) fn matmul(
         sc: (m * n) as i64,
         bias: false,
         accumulate,
+        fp8: None,
     };
     lw.gemm_adding(shape, a.ptr, b.ptr, c_in, o.ptr, 0);
     Ok(())
