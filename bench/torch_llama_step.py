@@ -23,6 +23,7 @@ p.add_argument("--save-on-cpu", action="store_true", help="keep saved activation
 p.add_argument("--attn", default="sdpa")
 p.add_argument("--json", default=None)
 p.add_argument("--window", type=int, default=None, help="sliding window (MistralForCausalLM, same sizes)")
+p.add_argument("--fp8", action="store_true", help="torchao float8 training (tensorwise dynamic scaling) on every nn.Linear but the lm_head; use with --compile")
 p.add_argument("--config", default=None, help="any HF config.json (or its directory) instead of the 1.24B model: the same step on AutoModelForCausalLM.from_config")
 a = p.parse_args()
 
@@ -53,6 +54,9 @@ else:
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
 if a.ckpt:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+if a.fp8:
+    from torchao.float8 import convert_to_float8_training
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
 step_fn = model
 if a.compile:
     step_fn = torch.compile(model)
@@ -80,7 +84,7 @@ times.sort()
 med = times[len(times) // 2]
 tok = a.batch * a.seq / med
 peak = torch.cuda.max_memory_allocated() / 2**30
-res = {"impl": ("torch.compile" if a.compile else "torch eager") + (" + checkpointing" if a.ckpt else "") + (" + save_on_cpu" if a.save_on_cpu else "") + (f" window {a.window} ({a.attn})" if a.window else ""), "seq": a.seq, "batch": a.batch, "median_step_s": med,
+res = {"impl": ("torch.compile" if a.compile else "torch eager") + (" + torchao float8" if a.fp8 else "") + (" + checkpointing" if a.ckpt else "") + (" + save_on_cpu" if a.save_on_cpu else "") + (f" window {a.window} ({a.attn})" if a.window else ""), "seq": a.seq, "batch": a.batch, "median_step_s": med,
        "tokens_per_s": tok, "first_step_s": first, "peak_gib": peak, "loss": float(loss), "torch": torch.__version__}
 print(json.dumps(res))
 if a.json:

@@ -156,6 +156,17 @@ impl Gemm {
             &opy as *const _ as *const c_void,
             std::mem::size_of_val(&opy),
         )?;
+        if s.fp8 == Some((Fp8Format::E4m3, Fp8Format::E4m3)) {
+            // The forward product (e4m3 x e4m3) accumulates without cuBLASLt's periodic
+            // promotion, as torchao's and Transformer Engine's FP8 recipes do; the
+            // gradients' GEMMs (e5m2) keep it.
+            let fast: i8 = 1;
+            set(
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                &fast as *const _ as *const c_void,
+                1,
+            )?;
+        }
         if s.bias {
             let epi = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
             set(

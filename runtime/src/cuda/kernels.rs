@@ -308,6 +308,17 @@ kernels! {
     Fp8Quantize ["fp8_quantize_##S"] Shape::Custom => {
         out: Ptr, inv_scale: Ptr, x: Ptr, amax: Ptr, rows: I64, cols: I64, transpose: I32, fmt: I32,
     }
+    /// bf16 amax over `n8` 16-byte words.
+    Fp8Amax8 ["fp8_amax8_bf16"] Shape::Items => { amax: Ptr, x: Ptr, n8: I64 }
+    /// bf16 to fp8 bytes in the same layout, 8 a thread (`n8` words).
+    Fp8Quantize8 ["fp8_quantize8_bf16"] Shape::Items => {
+        out: Ptr, inv_scale: Ptr, x: Ptr, amax: Ptr, n8: I64, fmt: I32,
+    }
+    /// bf16 `[rows, cols]` (multiples of 64) to fp8 bytes `[cols, rows]`, a 64x64 tile per
+    /// block of 256 threads.
+    Fp8QuantizeT64 ["fp8_quantize_t64_bf16"] Shape::Custom => {
+        out: Ptr, inv_scale: Ptr, x: Ptr, amax: Ptr, rows: I64, cols: I64, fmt: I32,
+    }
     /// `x` quantized with the scale of `amax` and dequantized, in its dtype.
     Fp8Qdq ["fp8_qdq_##S"] Shape::Items => { out: Ptr, x: Ptr, amax: Ptr, n: I64, fmt: I32 }
 

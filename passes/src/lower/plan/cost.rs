@@ -15,6 +15,7 @@ pub fn is_matmul_class(op: &Op) -> bool {
         Op::Linear {}
             | Op::Matmul { .. }
             | Op::MatmulAdd { .. }
+            | Op::Fp8Matmul { .. }
             | Op::GroupedMatmul { .. }
             | Op::Attention { .. }
             | Op::LinearCrossEntropy { .. }
@@ -41,10 +42,22 @@ pub fn is_view(op: &Op) -> bool {
     matches!(op, Op::Reshape { .. } | Op::Param { .. } | Op::Input { .. })
 }
 
+/// FP8 GEMM rate over the bf16 one (cuBLASLt on an H200, large shapes).
+pub const FP8_GEMM_SPEEDUP: f64 = 1.6;
+/// HBM passes of an `fp8_matmul`'s operand bytes besides the GEMM: the amax read, the
+/// quantizing read and the 1-byte write (half an operand) for each operand.
+const FP8_QUANTIZE_PASSES: f64 = 2.5;
+
 /// Seconds for a compute instruction.
 pub fn compute_time(op: &Op, flops: f64, bytes: f64, d: &DeviceProfile) -> f64 {
     if is_view(op) {
         return 0.0;
+    }
+    if matches!(op, Op::Fp8Matmul { .. }) {
+        // Two amax and two quantize kernels, then the GEMM.
+        let gemm = flops / (d.matmul_tflops * FP8_GEMM_SPEEDUP * 1e12);
+        let quantize = bytes * FP8_QUANTIZE_PASSES / (d.hbm_gbps * 1e9);
+        return gemm + quantize + 5.0 * d.kernel_overhead_us * 1e-6;
     }
     let rate = if is_attention_class(op) {
         d.attention_tflops

@@ -21,6 +21,18 @@ fn format_code(f: Fp8Format) -> i32 {
 fn amax(lw: &mut Lower, t: &DevT) -> CudaResult<u64> {
     let slot = lw.ex.scratch(lw.stream, 4);
     lw.memset(slot, 4);
+    if t.dtype == DType::BF16 && t.numel() % 8 == 0 {
+        lw.run(
+            "fp8_amax8_bf16",
+            t.numel() / 8,
+            kernels::Fp8Amax8 {
+                amax: slot,
+                x: t.ptr,
+                n8: (t.numel() / 8) as i64,
+            },
+        )?;
+        return Ok(slot);
+    }
     let name = kname("fp8_amax", t.dtype)?;
     lw.run(
         name,
@@ -46,6 +58,41 @@ fn quantize(
     let slot = amax(lw, t)?;
     let out = lw.ex.scratch(lw.stream, rows * cols);
     let inv_scale = lw.ex.scratch(lw.stream, 4);
+    if t.dtype == DType::BF16 && !transpose && cols % 8 == 0 {
+        let n8 = rows * cols / 8;
+        lw.run(
+            "fp8_quantize8_bf16",
+            n8,
+            kernels::Fp8Quantize8 {
+                out,
+                inv_scale,
+                x: t.ptr,
+                amax: slot,
+                n8: n8 as i64,
+                fmt: format_code(format),
+            },
+        )?;
+        return Ok((out, inv_scale));
+    }
+    let tiles64 = (rows / 64) * (cols / 64);
+    if t.dtype == DType::BF16 && transpose && rows % 64 == 0 && cols % 64 == 0 && tiles64 <= i32::MAX as u64 {
+        lw.run_at(
+            "fp8_quantize_t64_bf16",
+            (tiles64 as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            kernels::Fp8QuantizeT64 {
+                out,
+                inv_scale,
+                x: t.ptr,
+                amax: slot,
+                rows: rows as i64,
+                cols: cols as i64,
+                fmt: format_code(format),
+            },
+        )?;
+        return Ok((out, inv_scale));
+    }
     let tiles = rows.div_ceil(32) * cols.div_ceil(32);
     if tiles > i32::MAX as u64 {
         return Err(lw.unsup("fp8_matmul of this size", "more than 2^31 32x32 tiles"));
