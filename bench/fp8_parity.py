@@ -33,6 +33,14 @@ def train(fp8):
         sys.stderr.write(r.stderr[-4000:])
         raise SystemExit(f"{' '.join(cmd)} failed with {r.returncode}")
     steps = []
+    try:
+        # The CUDA backend prints one JSON document with every step under "steps".
+        doc = json.loads(r.stdout)
+        if isinstance(doc, dict) and isinstance(doc.get("steps"), list):
+            return cmd, [s for s in doc["steps"] if "loss" in s], r.stderr
+    except ValueError:
+        pass
+    # The CPU backend prints JSON lines, one a step.
     for l in r.stdout.splitlines():
         try:
             s = json.loads(l)
@@ -50,6 +58,8 @@ for name, fp8 in [("bf16", False), ("fp8", True)]:
                   "step_s": [s.get("step_s") for s in steps], "stderr_tail": err[-1500:]}
 b, f = runs["bf16"]["loss"], runs["fp8"]["loss"]
 n = min(len(b), len(f))
+if n == 0:
+    raise SystemExit(f"no steps parsed: bf16 {len(b)}, fp8 {len(f)}; stderr: {runs['fp8']['stderr_tail']}")
 last = min(50, n)
 mb, mf = sum(b[n - last:n]) / last, sum(f[n - last:n]) / last
 rel = [abs(f[i] - b[i]) / abs(b[i]) for i in range(n)]
