@@ -351,6 +351,7 @@ impl Executor {
         }
         let mut gemm = Gemm::new(&gpu, opts.gemm_workspace)?;
         gemm.allow_tf32 = opts.allow_tf32;
+        gemm.fp8_fast_accum = opts.tuning.fp8_fast_accum;
 
         // Allocations: the resident region and the arena, as planned.
         let oom = |e: CudaError, what: &str| {

@@ -70,6 +70,8 @@ pub struct Gemm {
     /// The algorithm per shape with `m` rounded up to a power of two.
     algos: HashMap<GemmShape, sys::cublasLtMatmulAlgo_t>,
     pub allow_tf32: bool,
+    /// The forward FP8 GEMMs without periodic promotion (`Tuning::fp8_fast_accum`).
+    pub fp8_fast_accum: bool,
     pub plans_made: u64,
 }
 
@@ -102,6 +104,7 @@ impl Gemm {
             cache: HashMap::new(),
             algos: HashMap::new(),
             allow_tf32: false,
+            fp8_fast_accum: false,
             plans_made: 0,
         })
     }
@@ -156,10 +159,9 @@ impl Gemm {
             &opy as *const _ as *const c_void,
             std::mem::size_of_val(&opy),
         )?;
-        if s.fp8 == Some((Fp8Format::E4m3, Fp8Format::E4m3)) {
-            // The forward product (e4m3 x e4m3) accumulates without cuBLASLt's periodic
-            // promotion, as torchao's and Transformer Engine's FP8 recipes do; the
-            // gradients' GEMMs (e5m2) keep it.
+        if self.fp8_fast_accum && s.fp8 == Some((Fp8Format::E4m3, Fp8Format::E4m3)) {
+            // The forward product (e4m3 x e4m3) without cuBLASLt's periodic promotion,
+            // as torchao's default recipe runs it; the gradients' GEMMs keep it.
             let fast: i8 = 1;
             set(
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_FAST_ACCUM,

@@ -20,6 +20,9 @@ pub struct Tuning {
     /// `WEFT_CUDA_GRAPH=0`: launch every kernel of every step instead of replaying the
     /// step captured as a CUDA graph (on by default where the plan allows capture).
     pub cuda_graph: bool,
+    /// `WEFT_FP8_FAST_ACCUM=1`: the forward FP8 GEMMs (e4m3 x e4m3) accumulate without
+    /// cuBLASLt's periodic promotion to f32 (faster, less accurate; off by default).
+    pub fp8_fast_accum: bool,
 }
 
 impl Default for Tuning {
@@ -31,6 +34,7 @@ impl Default for Tuning {
             fa_bwd_plain: false,
             profile: false,
             cuda_graph: true,
+            fp8_fast_accum: false,
         }
     }
 }
@@ -58,6 +62,7 @@ impl Tuning {
             fa_bwd_plain: get("WEFT_FA_BWD").as_deref() == Some("plain"),
             profile: get("WEFT_PROFILE").is_some(),
             cuda_graph: get("WEFT_CUDA_GRAPH").as_deref() != Some("0"),
+            fp8_fast_accum: get("WEFT_FP8_FAST_ACCUM").as_deref() == Some("1"),
         }
     }
 }
