@@ -285,3 +285,38 @@ fn the_loss_falls_on_a_fixed_batch() {
         assert!(l[5] < l[0] - 0.1, "{mesh}: losses {l:?}");
     }
 }
+
+/// `--warmup-steps w`: AdamW's learning rate at step t is `lr * min(1, t / w)`. A step
+/// under warmup updates exactly as a step at that reduced rate without warmup (the
+/// moments do not depend on the rate), and past the warmup as the plain rate.
+#[test]
+fn warmup_scales_the_learning_rate_linearly_then_stops() {
+    let c = case("llama");
+    let with = |lr: f64, warmup: Option<u32>| TrainOptions {
+        optimizer: Some(Optimizer::adamw(lr)),
+        warmup_steps: warmup,
+        ..Default::default()
+    };
+    let warm = compile(&c, "", &with(1e-2, Some(4)));
+    assert!(weft_ir::print(&warm).contains("warmup=4"));
+    for (t, lr) in [(1, 2.5e-3), (3, 7.5e-3), (4, 1e-2), (9, 1e-2)] {
+        let plain = compile(&c, "", &with(lr, None));
+        let (a, b) = (
+            step(&warm, &c.weights, &c.inputs, t),
+            step(&plain, &c.weights, &c.inputs, t),
+        );
+        for name in c.weights.keys() {
+            let k = format!("param.{name}");
+            let e = rel_err(&a.outputs[&k], &b.outputs[&k]);
+            assert!(e < 1e-12, "step {t}: {k} rel err {e:e}");
+        }
+    }
+    // SGD has no warmup: refused by name, not ignored.
+    let sgd = TrainOptions {
+        optimizer: Some(Optimizer::sgd(1e-2)),
+        warmup_steps: Some(4),
+        ..Default::default()
+    };
+    let err = training_step(&c.graph, "", &sgd).unwrap_err();
+    assert!(err.contains("--warmup-steps"), "{err}");
+}

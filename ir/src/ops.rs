@@ -335,10 +335,10 @@ define_ops! {
     MatmulAdd = "matmul_add" ("a, b, c") [3, 3] { transpose_a: bool, transpose_b: bool } => matmul_add;
 
     // ---- optimizer (made by `optimizer`) ----
-    /// One AdamW step (torch.optim.AdamW) of `param` with gradient `grad`, moments `m`, `v` and the 1-based step number `step` (float scalar): new param, m, v.
-    AdamW = "adamw" ("param, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float } => adamw;
+    /// One AdamW step (torch.optim.AdamW) of `param` with gradient `grad`, moments `m`, `v` and the 1-based step number `step` (float scalar): new param, m, v. With `warmup=w` the learning rate of step t is `lr * min(1, t / w)` (linear warmup).
+    AdamW = "adamw" ("param, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float, warmup: Option<i64> } => adamw;
     /// `adamw` run by the host CPU (`--offload-optimizer`): f32 `master` weights and moments `m`, `v` in pinned host memory, `grad` (any float dtype, copied to the host by `offload`) widened to the master's dtype; new master, m, v and the new master rounded to `dtype` (the parameter `reload` brings back). Bit for bit the device `cast`, `adamw`, `cast`.
-    HostAdamW = "host_adamw" ("master, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float, dtype: DType } => host_adamw;
+    HostAdamW = "host_adamw" ("master, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float, dtype: DType, warmup: Option<i64> } => host_adamw;
     /// One SGD step (torch.optim.SGD): new param and, given a momentum buffer, the new buffer.
     Sgd = "sgd" ("param, grad, buf?") [2, 3] { lr: Float, momentum: Float, weight_decay: Float } => sgd;
 

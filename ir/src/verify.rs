@@ -375,6 +375,7 @@ fn check_float_attrs(op: &Op) -> Option<String> {
             beta2,
             eps,
             weight_decay,
+            warmup,
         }
         | Op::HostAdamW {
             lr,
@@ -382,8 +383,14 @@ fn check_float_attrs(op: &Op) -> Option<String> {
             beta2,
             eps,
             weight_decay,
+            warmup,
             ..
         } => finite("lr", lr.0)
+            .or_else(|| {
+                warmup
+                    .filter(|&w| w < 1)
+                    .map(|w| format!("warmup must be at least 1 step, got {w}"))
+            })
             .or_else(|| unit("beta1", beta1.0))
             .or_else(|| unit("beta2", beta2.0))
             .or_else(|| positive("eps", eps.0))

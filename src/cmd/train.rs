@@ -92,6 +92,10 @@ pub struct TrainArgs {
     /// experts stay in the model's dtype, as do master weights and optimizer states.
     #[arg(long)]
     pub fp8: bool,
+    /// AdamW's learning rate rises linearly over the first N steps (`--lr` times
+    /// min(1, step / N)), as a warmup schedule does; constant after.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub warmup_steps: Option<u32>,
     /// How context parallelism (`cp`) moves k/v between ranks: `ring` (default; ring
     /// steps overlapped with attention, two k/v blocks alive) or `allgather` (one
     /// all_gather of k and v per layer, a reduce_scatter of dk and dv in the backward;
@@ -187,6 +191,7 @@ impl TrainArgs {
                 fused_loss: !self.unfused_loss,
                 loss_chunk: None,
                 fp8: self.fp8,
+                warmup_steps: self.warmup_steps,
                 cp_kv: self.cp_kv()?,
             },
             open: Open {
@@ -231,6 +236,7 @@ impl TrainArgs {
             || self.unfused_loss
             || self.fused_loss
             || self.fp8
+            || self.warmup_steps.is_some()
     }
 }
 

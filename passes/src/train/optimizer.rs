@@ -106,9 +106,19 @@ impl Pass for OptimizerPass {
                 ));
             }
         }
+        let warmup = cx.options.train.warmup_steps.map(i64::from);
+        if warmup.is_some() && matches!(opt, Optimizer::Sgd { .. }) {
+            return Err(PassError::rewrite(
+                NAME,
+                "`--warmup-steps` cannot be applied".to_string(),
+                "the training options".to_string(),
+                "the learning-rate warmup is implemented for AdamW; SGD has none".to_string(),
+            ));
+        }
         let mut w = Writer {
             g: &mut *g,
             meta: NodeMeta::default(),
+            warmup,
         };
         w.meta.provenance = Some(Provenance {
             pass: NAME.into(),
@@ -280,6 +290,8 @@ fn remove_dead(g: &mut Graph, pass: &str) -> usize {
 struct Writer<'g> {
     g: &'g mut Graph,
     meta: NodeMeta,
+    /// AdamW's linear learning-rate warmup, in steps.
+    warmup: Option<i64>,
 }
 
 impl Writer<'_> {
@@ -487,6 +499,7 @@ impl Writer<'_> {
                         eps,
                         weight_decay,
                         dtype: pty.dtype,
+                        warmup: self.warmup,
                     },
                     &[w32, g_host, m, v, step],
                 )?;
@@ -517,6 +530,7 @@ impl Writer<'_> {
                         beta2,
                         eps,
                         weight_decay,
+                        warmup: self.warmup,
                     },
                     &[w32, g, m, v, step],
                 )?;

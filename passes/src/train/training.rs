@@ -251,6 +251,9 @@ pub struct TrainOptions {
     pub loss_chunk: Option<i64>,
     /// `fp8`: the linear layers' GEMMs in FP8 (e4m3 forward, e5m2 gradients).
     pub fp8: bool,
+    /// `optimizer`: AdamW's learning rate rises linearly over this many steps
+    /// (`lr * min(1, step / warmup)`), then stays.
+    pub warmup_steps: Option<u32>,
     /// `ring-lower`: how context parallelism moves k/v between the cp ranks, ring
     /// steps (default) or one all-gather (`--cp-kv`). Also read by a forward-only
     /// program's ring lowering (the driver sets it from the request).
@@ -276,6 +279,7 @@ impl Default for TrainOptions {
             fused_loss: true,
             loss_chunk: None,
             fp8: false,
+            warmup_steps: None,
             cp_kv: Default::default(),
         }
     }
@@ -326,6 +330,9 @@ impl TrainOptions {
         }
         if self.fp8 {
             s.push_str(" --fp8");
+        }
+        if let Some(w) = self.warmup_steps {
+            s.push_str(&format!(" --warmup-steps {w}"));
         }
         if self.cp_kv != crate::ring_allgather::CpKv::Ring {
             // It holds the whole sequence's k/v per layer where the ring holds two blocks.

@@ -123,6 +123,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             beta2,
             eps,
             weight_decay,
+            warmup,
         }
         | Op::HostAdamW {
             lr,
@@ -130,15 +131,17 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             beta2,
             eps,
             weight_decay,
+            warmup,
             ..
         } => {
+            let t = ins[4].to_dtype(C::F64)?.to_scalar::<f64>()?;
             let (p, m, v) = adamw(
                 &ins[0],
                 &ins[1],
                 &ins[2],
                 &ins[3],
                 &ins[4],
-                lr.0,
+                lr.0 * warmup_factor(t, *warmup),
                 beta1.0,
                 beta2.0,
                 eps.0,
@@ -573,6 +576,16 @@ pub(crate) fn adamw(
     let denom = (v.affine(1.0 / c2, 0.0)?.sqrt()? + eps)?;
     let upd = m.affine(lr / c1, 0.0)?.div(&denom)?;
     Ok(((p - upd)?, m, v))
+}
+
+/// The learning rate's factor at 1-based step `t` under a linear warmup of `warmup`
+/// steps: `min(1, t / warmup)` (1 without warmup). The CUDA kernels compute it the same
+/// way in f32.
+pub(crate) fn warmup_factor(t: f64, warmup: Option<i64>) -> f64 {
+    match warmup {
+        Some(w) if w > 0 => (t / w as f64).min(1.0),
+        _ => 1.0,
+    }
 }
 
 /// One SGD step (torch.optim.SGD): `g += wd p`; with momentum `buf = mu buf + g` and

@@ -176,12 +176,18 @@ FOR_FLOATS(DEF_ACT_BWD)
 
 // ---------------------------------------------------------------- optimizers
 
+// The learning rate at 1-based step t under a linear warmup of `warmup` steps (0: none).
+__device__ __forceinline__ float warmup_lr(float lr, float t, float warmup) {
+    return warmup > 0.f ? lr * fminf(1.f, t / warmup) : lr;
+}
+
 // One AdamW step (torch.optim.AdamW): p' = p (1 - lr wd) - lr mhat / (sqrt(vhat) + eps).
 #define DEF_ADAMW(SP, TP, SM, TM)                                                                         \
     extern "C" __global__ void adamw_##SP##_##SM(TP* po, TM* mo, TM* vo, const TP* p, const TP* g,          \
             const TM* m, const TM* v, const void* step, int scode, i64 n, float lr, float b1, float b2,    \
-            float eps, float wd) {                                                                        \
+            float eps, float wd, float warmup) {                                                          \
         float t = (float)ld_any(step, scode, 0);                                                          \
+        lr = warmup_lr(lr, t, warmup);                                                                    \
         float c1 = 1.f - powf(b1, t), c2 = 1.f - powf(b2, t);                                             \
         float step_size = lr / c1, rc2 = rsqrtf(c2);                                                      \
         GRID_STRIDE(i, n) {                                                                               \
@@ -219,8 +225,9 @@ FOR_FLOATS(DEF_SGD)
 #define DEF_ADAMW_MASTER(S_, T)                                                                           \
     extern "C" __global__ void adamw_master_##S_(T* pout, float* mo, float* mo1, float* vo, const float* w,  \
             const T* g, const float* m, const float* v, const void* step, int scode, i64 n, float lr,      \
-            float b1, float b2, float eps, float wd) {                                                    \
+            float b1, float b2, float eps, float wd, float warmup) {                                      \
         float t = (float)ld_any(step, scode, 0);                                                          \
+        lr = warmup_lr(lr, t, warmup);                                                                    \
         float c1 = 1.f - powf(b1, t), c2 = 1.f - powf(b2, t);                                             \
         float step_size = lr / c1, rc2 = rsqrtf(c2);                                                      \
         GRID_STRIDE(i, n) {                                                                               \
@@ -446,8 +453,9 @@ __device__ __forceinline__ void adam8(float* p, float* m, float* v, const float*
 // bf16 params, grads and moments (torch.optim.AdamW on a bf16 model).
 extern "C" __global__ void adamw8_bf16_bf16(uint4* po, uint4* mo, uint4* vo, const uint4* p, const uint4* g,
                                             const uint4* m, const uint4* v, const void* step, int scode, i64 n8,
-                                            float lr, float b1, float b2, float eps, float wd) {
+                                            float lr, float b1, float b2, float eps, float wd, float warmup) {
     float t = (float)ld_any(step, scode, 0);
+    lr = warmup_lr(lr, t, warmup);
     float step_size = lr / (1.f - powf(b1, t)), rc2 = rsqrtf(1.f - powf(b2, t));
     GRID_STRIDE(i, n8) {
         float pv[8], gv[8], mv[8], vv[8];
@@ -464,8 +472,10 @@ extern "C" __global__ void adamw8_bf16_bf16(uint4* po, uint4* mo, uint4* vo, con
 // f32 master weights and moments, bf16 grad in and bf16 param out (adamw_master_bf16).
 extern "C" __global__ void adamw_master8_bf16(uint4* pout, float* wo, float* mo, float* vo, const float* w,
                                               const uint4* g, const float* m, const float* v, const void* step,
-                                              int scode, i64 n8, float lr, float b1, float b2, float eps, float wd) {
+                                              int scode, i64 n8, float lr, float b1, float b2, float eps, float wd,
+                                              float warmup) {
     float t = (float)ld_any(step, scode, 0);
+    lr = warmup_lr(lr, t, warmup);
     float step_size = lr / (1.f - powf(b1, t)), rc2 = rsqrtf(1.f - powf(b2, t));
     GRID_STRIDE(i, n8) {
         float pv[8], gv[8], mv[8], vv[8];

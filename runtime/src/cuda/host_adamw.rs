@@ -54,6 +54,8 @@ pub(crate) struct HostAdamW {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+    /// Linear learning-rate warmup in steps (`lr * min(1, t / warmup)`).
+    pub warmup: Option<i64>,
     /// The step counter, copied from the device before the update (8 pinned bytes).
     step: PinnedScalar,
     step_dtype: DType,
@@ -162,6 +164,7 @@ impl HostAdamW {
             beta2,
             eps,
             weight_decay,
+            warmup: None,
             step: PinnedScalar(gpu.alloc_pinned(8)?),
             step_dtype,
             threads,
@@ -277,15 +280,19 @@ struct Constants {
 impl Constants {
     fn new(j: &HostAdamW, t: f64) -> Constants {
         let (c1, c2) = (1.0 - j.beta1.powf(t), 1.0 - j.beta2.powf(t));
+        let lr = match j.warmup {
+            Some(w) if w > 0 => j.lr * (t / w as f64).min(1.0),
+            _ => j.lr,
+        };
         Constants {
-            decay: (1.0 - j.lr * j.weight_decay) as f32,
+            decay: (1.0 - lr * j.weight_decay) as f32,
             b1: j.beta1 as f32,
             one_minus_b1: (1.0 - j.beta1) as f32,
             b2: j.beta2 as f32,
             one_minus_b2: (1.0 - j.beta2) as f32,
             inv_c2: (1.0 / c2) as f32,
             eps: j.eps as f32,
-            lr_over_c1: (j.lr / c1) as f32,
+            lr_over_c1: (lr / c1) as f32,
         }
     }
 

@@ -497,13 +497,13 @@ kernels! {
     /// for the `8` variant).
     AdamW ["adamw_##SP##_##SM", "adamw8_bf16_bf16"] Shape::Items => {
         po: Ptr, mo: Ptr, vo: Ptr, p: Ptr, g: Ptr, m: Ptr, v: Ptr, step: Ptr, scode: Code,
-        n: I64, lr: F32, b1: F32, b2: F32, eps: F32, wd: F32,
+        n: I64, lr: F32, b1: F32, b2: F32, eps: F32, wd: F32, warmup: F32,
     }
     /// AdamW on an f32 master copy `w` with a low-precision grad, writing the
     /// low-precision param `pout` too.
     AdamWMaster ["adamw_master8_bf16", "adamw_master_##S_"] Shape::Items => {
         pout: Ptr, wo: Ptr, mo: Ptr, vo: Ptr, w: Ptr, g: Ptr, m: Ptr, v: Ptr, step: Ptr,
-        scode: Code, n: I64, lr: F32, b1: F32, b2: F32, eps: F32, wd: F32,
+        scode: Code, n: I64, lr: F32, b1: F32, b2: F32, eps: F32, wd: F32, warmup: F32,
     }
     /// SGD with an optional momentum buffer (`buf`, `bo` null for none).
     Sgd ["sgd_##S_"] Shape::Items => {

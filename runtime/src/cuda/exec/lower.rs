@@ -472,7 +472,8 @@ pub(super) fn lower_op(
             beta2,
             eps,
             weight_decay,
-        } => optimizer::adamw(lw, ins, outs, [lr, beta1, beta2, eps, weight_decay]),
+            warmup,
+        } => optimizer::adamw(lw, ins, outs, [lr, beta1, beta2, eps, weight_decay], *warmup),
         Op::Sgd {
             lr,
             momentum,

@@ -10,7 +10,10 @@ pub(super) fn adamw(
     ins: &[DevT],
     outs: &[DevT],
     hyper: [&Float; 5],
+    warmup: Option<i64>,
 ) -> CudaResult<()> {
+    // 0: none; the kernels scale lr by min(1, step / warmup).
+    let warmup = warmup.filter(|&w| w > 0).map_or(0.0, |w| w as f32);
     let (p, g, m, v, step) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
     let n = p.numel();
     let aligned = |ps: &[u64]| n % 8 == 0 && ps.iter().all(|x| x % 16 == 0);
@@ -48,6 +51,7 @@ pub(super) fn adamw(
             b2,
             eps,
             wd,
+            warmup,
         };
         return lw.run(name, items, k);
     }
@@ -92,6 +96,7 @@ pub(super) fn adamw(
         b2,
         eps,
         wd,
+        warmup,
     };
     lw.run(name, items, k)
 }
@@ -135,6 +140,7 @@ pub(super) fn host_adamw(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]) -
         beta2,
         eps,
         weight_decay,
+        warmup,
         ..
     } = op
     else {
@@ -167,7 +173,7 @@ pub(super) fn host_adamw(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]) -
         ptr: t.ptr,
         dtype: t.dtype,
     };
-    let job = crate::cuda::host_adamw::HostAdamW::new(
+    let mut job = crate::cuda::host_adamw::HostAdamW::new(
         lw.gpu,
         [
             span(&ins[0]),
@@ -184,6 +190,7 @@ pub(super) fn host_adamw(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]) -
         [lr.0, beta1.0, beta2.0, eps.0, weight_decay.0],
         lw.location.clone(),
     )?;
+    job.warmup = *warmup;
     lw.push(StepKind::Copy {
         dst: job.step_ptr(),
         src: ins[4].ptr,
