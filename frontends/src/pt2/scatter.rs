@@ -1,0 +1,362 @@
+//! `slice_scatter`, `copy`, and the empty tensors they fill.
+//!
+//! Core ATen writes a slice functionally: `x[.., a:b] = y` is
+//! `slice_scatter(x, copy(slice(x, d, a, b), y), d, a, b)`, where `copy` gives `y`
+//! broadcast to the slice's shape and dtype. On a tensor with values, a step-1
+//! `slice_scatter` is the `concat` of `x` before the range, the source, and `x` after it
+//! (other steps are refused).
+//!
+//! An `empty` tensor has no values until written (transformers' DeepSeek-V3 assembles
+//! MLA's key in one: `new_empty`, then `[..., :nope] = k_pass` and `[..., nope:] =
+//! k_rot`), and the importer invents none: it lowers to an [`Unset`], which records the
+//! written ranges of one dim and the value of each. A slice of it keeps the written
+//! ranges it covers, `copy` into it reads only its type, and `slice_scatter` adds a
+//! range (replacing what it overlaps). Once the ranges tile the dim, the tensor is the
+//! `concat` of the written values: the same `concat` filled.rs makes of the program
+//! before decomposition. Every other use of a tensor with an unwritten part is refused,
+//! naming the node that reads it and the empty tensor.
+
+use super::fx::FxNode;
+use super::lower::{LErr, Lower, LR, LV};
+use super::schema::Arg;
+use std::rc::Rc;
+use weft_ir::{Dim, Op, TensorType, Value};
+
+/// A tensor allocated empty, with the ranges of one dim written so far.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Unset {
+    /// The node that allocated it, and that node's op.
+    pub origin: String,
+    pub origin_op: String,
+    /// Its type (after any slices of it).
+    pub ty: TensorType,
+    /// The dim the writes are ranges of, once something is written.
+    pub dim: Option<usize>,
+    /// Written `[start, end)` ranges of `dim`, sorted and disjoint, each with its value.
+    pub written: Vec<(i64, i64, Value)>,
+}
+
+impl Unset {
+    /// The unwritten ranges of the write dim of constant size `size`.
+    fn gaps(&self, size: i64) -> Vec<(i64, i64)> {
+        let mut gaps = Vec::new();
+        let mut at = 0;
+        for &(a, b, _) in &self.written {
+            if a > at {
+                gaps.push((at, a));
+            }
+            at = b;
+        }
+        if at < size {
+            gaps.push((at, size));
+        }
+        gaps
+    }
+
+    /// What is known of it, for messages.
+    fn describe(&self) -> String {
+        match (self.dim, self.ty.shape.get(self.dim.unwrap_or(0))) {
+            (Some(d), Some(size)) => {
+                let gaps: Vec<String> = match size.as_const() {
+                    Some(s) => self
+                        .gaps(s)
+                        .into_iter()
+                        .map(|(a, b)| format!("[{a}, {b})"))
+                        .collect(),
+                    None => vec![format!("part of {size}")],
+                };
+                format!("{} of dim {d} never written", gaps.join(", "))
+            }
+            _ => "nothing written".into(),
+        }
+    }
+}
+
+impl Lower<'_> {
+    /// The refusal of any use of `u` other than the ones this module follows.
+    pub fn unset_read(&self, n: &FxNode, u: &Unset) -> LErr {
+        self.unsupported(
+            n,
+            format!(
+                "reads the empty tensor of node `{}` ({}) with {}: its values are undefined (the importer follows an empty tensor only through slice, copy and slice_scatter until every element is written)",
+                u.origin,
+                u.origin_op,
+                u.describe()
+            ),
+        )
+    }
+
+    /// `empty`, `empty_like`, `empty_permuted`: nothing written yet.
+    pub fn lower_empty(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let mut ty = self.out_ty(n)?;
+        ty.shape = match (n.base() == "empty_like", self.arg_lv(n.arg_at(0))) {
+            (true, LV::T(x)) => self.gen_like(&self.ty(x).shape, &ty.shape),
+            _ => self.gen_free(&ty.shape),
+        };
+        Ok(vec![LV::Unset(Rc::new(Unset {
+            origin: n.name.clone(),
+            origin_op: n.op.clone(),
+            ty,
+            dim: None,
+            written: Vec::new(),
+        }))])
+    }
+
+    /// `copy(dst, src)`: `src` broadcast to `dst`'s shape and cast to its dtype; `dst`
+    /// gives only its type, so it may be unset.
+    pub fn lower_copy(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let src = match self.arg_lv(n.arg_at(1)) {
+            LV::T(v) => v,
+            // Routing tags, an unset tensor, a deferred error: passed on as they are.
+            other => return Ok(vec![other]),
+        };
+        let dst = match self.arg_lv(n.arg_at(0)) {
+            LV::T(v) => self.ty(v),
+            LV::Unset(u) => u.ty.clone(),
+            LV::Err(e) => return Err(e),
+            _ => self.out_ty(n)?,
+        };
+        let st = self.ty(src);
+        let same = st.rank() == dst.rank()
+            && st
+                .shape
+                .iter()
+                .zip(&dst.shape)
+                .all(|(a, b)| self.same_size(a, b));
+        let v = if same {
+            src
+        } else {
+            let shape = self.gen_expand(&st.shape, &dst.shape);
+            self.emit(n, Op::Expand { shape }, &[src])?
+        };
+        Ok(vec![LV::T(self.cast(n, v, dst.dtype)?)])
+    }
+
+    /// `slice(u, dim, start, end, step)` of an unset tensor.
+    pub fn slice_unset(&mut self, n: &FxNode, u: &Unset) -> LR<Vec<LV>> {
+        let rank = u.ty.rank();
+        let d = self.norm_dim(n, self.int_arg(n, n.arg_at(1))?, rank)?;
+        if self.int_arg(n, n.arg_at(4))? != 1 {
+            return Err(self.unset_read(n, u));
+        }
+        let size = u.ty.shape[d].clone();
+        let start = match n.arg_at(2) {
+            Arg::None => Dim::from(0),
+            a => match self.dim_arg(n, a)? {
+                s if s.as_const().is_some_and(|c| c < 0) => size.clone() + s,
+                s => s,
+            },
+        };
+        let recorded = self.out_ty(n)?.shape[d].clone();
+        let len = if self.same_size(&recorded, &size) {
+            size.clone()
+        } else {
+            self.seq_dim(&recorded)
+        };
+        let mut out = Unset {
+            written: Vec::new(),
+            ..u.clone()
+        };
+        out.ty.shape[d] = len.clone();
+        if u.dim == Some(d) && !u.written.is_empty() {
+            let (Some(s), Some(l)) = (start.as_const(), len.as_const()) else {
+                return Err(self.unsupported(
+                    n,
+                    format!(
+                        "a symbolic slice of the written dim {d} of the empty tensor of node `{}`",
+                        u.origin
+                    ),
+                ));
+            };
+            for &(a, b, v) in &u.written {
+                let (lo, hi) = (a.max(s), b.min(s + l));
+                if lo < hi {
+                    let part = self.slice_of(n, v, d, lo - a, hi - lo)?;
+                    out.written.push((lo - s, hi - s, part));
+                }
+            }
+        } else {
+            for &(a, b, v) in &u.written {
+                let part = self.slice_dim(n, v, d, start.clone(), len.clone())?;
+                out.written.push((a, b, part));
+            }
+        }
+        if out.written.is_empty() {
+            out.dim = None;
+        }
+        self.settle(n, out)
+    }
+
+    /// `slice_scatter(x, src, dim, start, end, step)`.
+    pub fn lower_slice_scatter(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let src = self.tensor(n, n.arg_at(1))?;
+        // The tensor written into: with values, or unset.
+        let base: Result<Value, Rc<Unset>> = match self.arg_lv(n.arg_at(0)) {
+            LV::T(x) => Ok(x),
+            LV::Unset(u) => Err(u),
+            _ => {
+                return Err(match self.tensor(n, n.arg_at(0)) {
+                    Err(e) => e,
+                    Ok(_) => self.bad(n, "slice_scatter into a value that is not a tensor"),
+                })
+            }
+        };
+        let xty = match &base {
+            Ok(x) => self.ty(*x),
+            Err(u) => u.ty.clone(),
+        };
+        let rank = xty.rank();
+        let d = self.norm_dim(n, self.int_arg(n, n.arg_at(2))?, rank)?;
+        let step = self.int_arg(n, n.arg_at(5))?;
+        if step != 1 {
+            return Err(self.unsupported(n, format!("slice_scatter with step {step}")));
+        }
+        let st = self.ty(src);
+        let size = xty.shape[d].clone();
+        let start = match n.arg_at(3) {
+            Arg::None => Dim::from(0),
+            a => match self.dim_arg(n, a)? {
+                s if s.as_const().is_some_and(|c| c < 0) => size.clone() + s,
+                s => s,
+            },
+        };
+        let len = st.shape.get(d).cloned().unwrap_or_else(|| Dim::from(0));
+        let fits = st.rank() == rank
+            && (0..rank).all(|k| k == d || self.same_size(&st.shape[k], &xty.shape[k]));
+        if !fits {
+            return Err(self.bad(
+                n,
+                format!("the source {st} is no slice of dim {d} of a {xty} tensor"),
+            ));
+        }
+        // With constant bounds, the source must be exactly the range `[start, end)`.
+        let end = match n.arg_at(4) {
+            Arg::None => size.clone(),
+            a => match self.dim_arg(n, a)? {
+                e if e.as_const().is_some_and(|c| c < 0) => size.clone() + e,
+                e => e,
+            },
+        };
+        if let (Some(s), Some(e), Some(z), Some(l)) = (
+            start.as_const(),
+            end.as_const(),
+            size.as_const(),
+            len.as_const(),
+        ) {
+            if s < 0 || s > z || e.min(z) - s != l {
+                return Err(self.bad(
+                    n,
+                    format!("a source of {l} along dim {d} for the range [{s}, {e}) of {z}"),
+                ));
+            }
+        }
+        let src = self.cast(n, src, xty.dtype)?;
+        let whole = start.as_const() == Some(0) && self.same_size(&len, &size);
+        if whole {
+            return Ok(vec![LV::T(src)]);
+        }
+        match base {
+            Ok(x) => {
+                let mut parts = Vec::new();
+                if start.as_const() != Some(0) {
+                    parts.push(self.slice_dim(n, x, d, Dim::from(0), start.clone())?);
+                }
+                parts.push(src);
+                let tail = size.clone() - start.clone() - len.clone();
+                if tail.as_const() != Some(0) {
+                    parts.push(self.slice_dim(n, x, d, start + len, tail)?);
+                }
+                Ok(vec![LV::T(self.emit(
+                    n,
+                    Op::Concat { dim: d as i64 },
+                    &parts,
+                )?)])
+            }
+            Err(u) => {
+                let (Some(s), Some(l), Some(_)) =
+                    (start.as_const(), len.as_const(), size.as_const())
+                else {
+                    return Err(self.unsupported(
+                        n,
+                        format!("a write of part of the symbolic dim {d} of the empty tensor of node `{}`", u.origin),
+                    ));
+                };
+                if u.dim.is_some_and(|p| p != d) && !u.written.is_empty() {
+                    return Err(self.unsupported(
+                        n,
+                        format!(
+                            "writes dim {d} of the empty tensor of node `{}`, which is written along dim {}",
+                            u.origin,
+                            u.dim.unwrap_or(d)
+                        ),
+                    ));
+                }
+                let mut out = Unset {
+                    dim: Some(d),
+                    written: Vec::new(),
+                    ..(*u).clone()
+                };
+                for &(a, b, v) in &u.written {
+                    if a < s {
+                        let hi = b.min(s);
+                        out.written
+                            .push((a, hi, self.slice_of(n, v, d, 0, hi - a)?));
+                    }
+                    if b > s + l {
+                        let lo = a.max(s + l);
+                        out.written
+                            .push((lo, b, self.slice_of(n, v, d, lo - a, b - lo)?));
+                    }
+                }
+                out.written.push((s, s + l, src));
+                out.written.sort_by_key(|w| w.0);
+                self.settle(n, out)
+            }
+        }
+    }
+
+    /// An unset tensor whose written ranges tile its dim is their `concat`.
+    fn settle(&mut self, n: &FxNode, u: Unset) -> LR<Vec<LV>> {
+        let covered = match u.dim {
+            Some(d) => u.ty.shape[d]
+                .as_const()
+                .is_some_and(|size| u.gaps(size).is_empty()),
+            None => false,
+        };
+        if !covered {
+            return Ok(vec![LV::Unset(Rc::new(u))]);
+        }
+        let values: Vec<Value> = u.written.iter().map(|w| w.2).collect();
+        let v = match values[..] {
+            [one] => one,
+            _ => self.emit(
+                n,
+                Op::Concat {
+                    dim: u.dim.unwrap_or(0) as i64,
+                },
+                &values,
+            )?,
+        };
+        Ok(vec![LV::T(v)])
+    }
+
+    /// `x[.., start : start + len, ..]` on dim `d` (constants).
+    fn slice_of(&mut self, n: &FxNode, x: Value, d: usize, start: i64, len: i64) -> LR<Value> {
+        self.slice_dim(n, x, d, Dim::from(start), Dim::from(len))
+    }
+
+    fn slice_dim(&mut self, n: &FxNode, x: Value, d: usize, start: Dim, len: Dim) -> LR<Value> {
+        if start.as_const() == Some(0) && self.ty(x).shape[d] == len {
+            return Ok(x);
+        }
+        self.emit(
+            n,
+            Op::Slice {
+                dim: d as i64,
+                start,
+                len,
+            },
+            &[x],
+        )
+    }
+}
