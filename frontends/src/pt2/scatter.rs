@@ -360,3 +360,306 @@ impl Lower<'_> {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::fx::{FxGraph, FxNode};
+    use super::super::lower::{Lower, LV};
+    use super::super::schema::{Arg, SymInt, TensorMeta};
+    use weft_ir::{DType, Dim, Op, Role, TensorType, Value};
+
+    const END: i64 = i64::MAX;
+
+    fn t(s: &str) -> Arg {
+        Arg::Tensor(s.into())
+    }
+
+    fn node(op: &str, out: &str, args: Vec<Arg>) -> FxNode {
+        FxNode {
+            op: op.into(),
+            name: out.into(),
+            args: args
+                .into_iter()
+                .enumerate()
+                .map(|(i, a)| (format!("a{i}"), a))
+                .collect(),
+            outputs: vec![Some(out.into())],
+            scope: None,
+        }
+    }
+
+    fn slice(out: &str, x: &str, start: i64, end: i64) -> FxNode {
+        let ints = [1, start, end, 1].map(Arg::Int);
+        node(
+            "aten.slice.Tensor",
+            out,
+            [t(x)].into_iter().chain(ints).collect(),
+        )
+    }
+
+    fn scatter(out: &str, x: &str, src: &str, start: i64, end: i64, step: i64) -> FxNode {
+        let ints = [1, start, end, step].map(Arg::Int);
+        let args = [t(x), t(src)].into_iter().chain(ints).collect();
+        node("aten.slice_scatter.default", out, args)
+    }
+
+    fn copy(out: &str, dst: &str, src: &str) -> FxNode {
+        node("aten.copy.default", out, vec![t(dst), t(src)])
+    }
+
+    /// `x[:, start:end] = src` as core ATen writes it, into `x`, giving `out`.
+    fn write(x: &str, src: &str, start: i64, end: i64, out: &str) -> Vec<FxNode> {
+        let (s, c) = (format!("{out}_s"), format!("{out}_c"));
+        vec![
+            slice(&s, x, start, end),
+            copy(&c, &s, src),
+            scatter(out, x, &c, start, end, 1),
+        ]
+    }
+
+    /// Runs `nodes` over f32 `[2, cols]` inputs (name, cols); every value's recorded
+    /// type is `[2, cols]` from `cols`. Returns each named value's lowering.
+    fn lower(
+        inputs: &[(&str, i64)],
+        nodes: Vec<FxNode>,
+        cols: &[(&str, i64)],
+    ) -> (weft_ir::Graph, Vec<(String, LV)>) {
+        let mut fx = FxGraph {
+            nodes,
+            ..Default::default()
+        };
+        for (name, c) in inputs.iter().chain(cols) {
+            fx.tensor_meta.insert(
+                name.to_string(),
+                TensorMeta {
+                    dtype: 7,
+                    sizes: vec![SymInt::Int(2), SymInt::Int(*c)],
+                    strides: vec![SymInt::Int(*c), SymInt::Int(1)],
+                    storage_offset: SymInt::Int(0),
+                    requires_grad: false,
+                },
+            );
+        }
+        let mut l = Lower::for_tests(&fx, 2, 16, false);
+        for (name, c) in inputs {
+            let ty = TensorType::new(DType::F32, vec![Dim::from(2), Dim::from(*c)]);
+            let v =
+                l.g.add(
+                    Op::Input {
+                        name: name.to_string(),
+                        role: Role::Other,
+                        ty,
+                    },
+                    &[],
+                )
+                .unwrap();
+            l.env.insert(name.to_string(), LV::T(v));
+        }
+        l.run();
+        let out = cols.iter().map(|(n, _)| (n.to_string(), l.lv(n))).collect();
+        (std::mem::take(&mut l.g), out)
+    }
+
+    fn input(g: &weft_ir::Graph, name: &str) -> Value {
+        g.inputs()
+            .into_iter()
+            .find(|(n, _, _)| n == name)
+            .map(|(_, _, v)| v)
+            .unwrap()
+    }
+
+    /// `v`'s op and operands.
+    fn def(g: &weft_ir::Graph, v: Value) -> (Op, Vec<Value>) {
+        let n = g.node(g.def(v));
+        (n.op.clone(), n.operands.clone())
+    }
+
+    fn empty() -> FxNode {
+        node(
+            "aten.empty.memory_format",
+            "e",
+            vec![Arg::Ints(vec![2, 12])],
+        )
+    }
+
+    #[test]
+    fn writes_tiling_an_empty_tensor_are_its_concat() {
+        let mut nodes = vec![empty()];
+        nodes.extend(write("e", "a", 0, 8, "w0"));
+        nodes.extend(write("w0", "b", 8, END, "w1"));
+        nodes.push(node("aten.relu.default", "r", vec![t("w1")]));
+        let cols = [
+            ("e", 12),
+            ("w0_s", 8),
+            ("w0_c", 8),
+            ("w0", 12),
+            ("w1_s", 4),
+            ("w1_c", 4),
+            ("w1", 12),
+            ("r", 12),
+        ];
+        let (g, out) = lower(&[("a", 8), ("b", 4)], nodes, &cols);
+        assert!(matches!(out[0].1, LV::Unset(_)), "{:?}", out[0]);
+        let LV::T(w1) = out[6].1 else {
+            panic!("{:?}", out[6]);
+        };
+        assert_eq!(
+            def(&g, w1),
+            (Op::Concat { dim: 1 }, vec![input(&g, "a"), input(&g, "b")])
+        );
+        assert!(matches!(out[7].1, LV::T(_)));
+    }
+
+    #[test]
+    fn a_later_write_replaces_the_part_it_overlaps() {
+        let mut nodes = vec![empty()];
+        nodes.extend(write("e", "a", 0, 8, "w0"));
+        nodes.extend(write("w0", "b", 6, END, "w1"));
+        let cols = [
+            ("e", 12),
+            ("w0_s", 8),
+            ("w0_c", 8),
+            ("w0", 12),
+            ("w1_s", 6),
+            ("w1_c", 6),
+            ("w1", 12),
+        ];
+        let (g, out) = lower(&[("a", 8), ("b", 6)], nodes, &cols);
+        let LV::T(w1) = out[6].1 else {
+            panic!("{:?}", out[6]);
+        };
+        let (op, parts) = def(&g, w1);
+        assert_eq!(op, Op::Concat { dim: 1 });
+        assert_eq!(parts[1], input(&g, "b"));
+        assert_eq!(
+            def(&g, parts[0]),
+            (
+                Op::Slice {
+                    dim: 1,
+                    start: Dim::from(0),
+                    len: Dim::from(6)
+                },
+                vec![input(&g, "a")]
+            )
+        );
+    }
+
+    #[test]
+    fn reading_an_unwritten_column_is_refused_naming_the_empty_tensor() {
+        // Columns [0, 8) and [9, 12) written: column 8 never is.
+        let mut nodes = vec![empty()];
+        nodes.extend(write("e", "a", 0, 8, "w0"));
+        nodes.extend(write("w0", "b", 9, END, "w1"));
+        nodes.push(node("aten.relu.default", "r", vec![t("w1")]));
+        let cols = [
+            ("e", 12),
+            ("w0_s", 8),
+            ("w0_c", 8),
+            ("w0", 12),
+            ("w1_s", 3),
+            ("w1_c", 3),
+            ("w1", 12),
+            ("r", 12),
+        ];
+        let (_, out) = lower(&[("a", 8), ("b", 3)], nodes, &cols);
+        assert!(matches!(out[6].1, LV::Unset(_)), "{:?}", out[6]);
+        let LV::Err(e) = &out[7].1 else {
+            panic!("{:?}", out[7]);
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains("node `r`")
+                && e.contains("node `e` (aten.empty.memory_format)")
+                && e.contains("[8, 9) of dim 1 never written"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_slice_of_the_written_part_reads_only_it() {
+        // The first 8 columns are written; reading them needs nothing else.
+        let mut nodes = vec![empty()];
+        nodes.extend(write("e", "a", 0, 8, "w0"));
+        nodes.push(slice("head", "w0", 2, 6));
+        nodes.push(slice("tail", "w0", 6, END));
+        nodes.push(node("aten.relu.default", "r", vec![t("tail")]));
+        let cols = [
+            ("e", 12),
+            ("w0_s", 8),
+            ("w0_c", 8),
+            ("w0", 12),
+            ("head", 4),
+            ("tail", 6),
+            ("r", 6),
+        ];
+        let (g, out) = lower(&[("a", 8)], nodes, &cols);
+        let LV::T(head) = out[4].1 else {
+            panic!("{:?}", out[4]);
+        };
+        assert_eq!(
+            def(&g, head),
+            (
+                Op::Slice {
+                    dim: 1,
+                    start: Dim::from(2),
+                    len: Dim::from(4)
+                },
+                vec![input(&g, "a")]
+            )
+        );
+        assert!(matches!(out[5].1, LV::Unset(_)));
+        let LV::Err(e) = &out[6].1 else {
+            panic!("{:?}", out[6]);
+        };
+        assert!(
+            e.to_string().contains("[2, 6) of dim 1 never written"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_write_into_values_is_a_concat_around_the_source() {
+        let nodes = vec![
+            scatter("mid", "x", "b", 3, 7, 1),
+            scatter("head", "x", "b", -12, 4, 1),
+            scatter("strided", "x", "b", 0, END, 3),
+        ];
+        let cols = [("mid", 12), ("head", 12), ("strided", 12)];
+        let (g, out) = lower(&[("x", 12), ("b", 4)], nodes, &cols);
+        let (x, b) = (input(&g, "x"), input(&g, "b"));
+        let slice = |start: i64, len: i64| Op::Slice {
+            dim: 1,
+            start: Dim::from(start),
+            len: Dim::from(len),
+        };
+        let LV::T(mid) = out[0].1 else {
+            panic!("{:?}", out[0]);
+        };
+        let (op, parts) = def(&g, mid);
+        assert_eq!(op, Op::Concat { dim: 1 });
+        assert_eq!(parts[1], b);
+        assert_eq!(def(&g, parts[0]), (slice(0, 3), vec![x]));
+        assert_eq!(def(&g, parts[2]), (slice(7, 5), vec![x]));
+        let LV::T(head) = out[1].1 else {
+            panic!("{:?}", out[1]);
+        };
+        let (_, parts) = def(&g, head);
+        assert_eq!(parts[0], b);
+        assert_eq!(def(&g, parts[1]), (slice(4, 8), vec![x]));
+        let LV::Err(e) = &out[2].1 else {
+            panic!("{:?}", out[2]);
+        };
+        assert!(e.to_string().contains("slice_scatter with step 3"), "{e}");
+    }
+
+    #[test]
+    fn a_source_that_is_not_the_range_is_refused() {
+        // [3, 9) is 6 columns; the source has 4.
+        let nodes = vec![scatter("w", "x", "b", 3, 9, 1)];
+        let (_, out) = lower(&[("x", 12), ("b", 4)], nodes, &[("w", 12)]);
+        let LV::Err(e) = &out[0].1 else {
+            panic!("{:?}", out[0]);
+        };
+        assert!(e.to_string().contains("for the range [3, 9) of 12"), "{e}");
+    }
+}
