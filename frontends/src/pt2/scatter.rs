@@ -177,8 +177,20 @@ impl Lower<'_> {
             }
         } else {
             for &(a, b, v) in &u.written {
-                let part = self.slice_dim(n, v, d, start.clone(), len.clone())?;
+                // A whole-dim slice (the recorded size, as the slice lowering reads one)
+                // keeps the written value and its symbolic size.
+                let whole = start.as_const() == Some(0)
+                    && self.same_size(&self.ty(v).shape[d], &len)
+                    && self.same_size(&size, &len);
+                let part = if whole {
+                    v
+                } else {
+                    self.slice_dim(n, v, d, start.clone(), len.clone())?
+                };
                 out.written.push((a, b, part));
+            }
+            if let Some(&(_, _, v)) = out.written.first() {
+                out.ty.shape[d] = self.ty(v).shape[d].clone();
             }
         }
         if out.written.is_empty() {
@@ -296,6 +308,13 @@ impl Lower<'_> {
                     written: Vec::new(),
                     ..(*u).clone()
                 };
+                // The source's other dims are the tensor's (symbolic where the export
+                // recorded the example batch).
+                for (k, dim) in st.shape.iter().enumerate() {
+                    if k != d {
+                        out.ty.shape[k] = dim.clone();
+                    }
+                }
                 for &(a, b, v) in &u.written {
                     if a < s {
                         let hi = b.min(s);
@@ -417,9 +436,10 @@ mod tests {
         ]
     }
 
-    /// Runs `nodes` over f32 `[2, cols]` inputs (name, cols); every value's recorded
-    /// type is `[2, cols]` from `cols`. Returns each named value's lowering.
+    /// Runs `nodes` over f32 `[batch, cols]` inputs (name, cols); every value's recorded
+    /// type is `[2, cols]` (2 is the example batch). Returns each named value's lowering.
     fn lower(
+        batch: Dim,
         inputs: &[(&str, i64)],
         nodes: Vec<FxNode>,
         cols: &[(&str, i64)],
@@ -442,7 +462,7 @@ mod tests {
         }
         let mut l = Lower::for_tests(&fx, 2, 16, false);
         for (name, c) in inputs {
-            let ty = TensorType::new(DType::F32, vec![Dim::from(2), Dim::from(*c)]);
+            let ty = TensorType::new(DType::F32, vec![batch.clone(), Dim::from(*c)]);
             let v =
                 l.g.add(
                     Op::Input {
@@ -498,7 +518,7 @@ mod tests {
             ("w1", 12),
             ("r", 12),
         ];
-        let (g, out) = lower(&[("a", 8), ("b", 4)], nodes, &cols);
+        let (g, out) = lower(Dim::from(2), &[("a", 8), ("b", 4)], nodes, &cols);
         assert!(matches!(out[0].1, LV::Unset(_)), "{:?}", out[0]);
         let LV::T(w1) = out[6].1 else {
             panic!("{:?}", out[6]);
@@ -524,7 +544,7 @@ mod tests {
             ("w1_c", 6),
             ("w1", 12),
         ];
-        let (g, out) = lower(&[("a", 8), ("b", 6)], nodes, &cols);
+        let (g, out) = lower(Dim::from(2), &[("a", 8), ("b", 6)], nodes, &cols);
         let LV::T(w1) = out[6].1 else {
             panic!("{:?}", out[6]);
         };
@@ -561,7 +581,7 @@ mod tests {
             ("w1", 12),
             ("r", 12),
         ];
-        let (_, out) = lower(&[("a", 8), ("b", 3)], nodes, &cols);
+        let (_, out) = lower(Dim::from(2), &[("a", 8), ("b", 3)], nodes, &cols);
         assert!(matches!(out[6].1, LV::Unset(_)), "{:?}", out[6]);
         let LV::Err(e) = &out[7].1 else {
             panic!("{:?}", out[7]);
@@ -592,7 +612,7 @@ mod tests {
             ("tail", 6),
             ("r", 6),
         ];
-        let (g, out) = lower(&[("a", 8)], nodes, &cols);
+        let (g, out) = lower(Dim::from(2), &[("a", 8)], nodes, &cols);
         let LV::T(head) = out[4].1 else {
             panic!("{:?}", out[4]);
         };
@@ -625,7 +645,7 @@ mod tests {
             scatter("strided", "x", "b", 0, END, 3),
         ];
         let cols = [("mid", 12), ("head", 12), ("strided", 12)];
-        let (g, out) = lower(&[("x", 12), ("b", 4)], nodes, &cols);
+        let (g, out) = lower(Dim::from(2), &[("x", 12), ("b", 4)], nodes, &cols);
         let (x, b) = (input(&g, "x"), input(&g, "b"));
         let slice = |start: i64, len: i64| Op::Slice {
             dim: 1,
@@ -656,10 +676,48 @@ mod tests {
     fn a_source_that_is_not_the_range_is_refused() {
         // [3, 9) is 6 columns; the source has 4.
         let nodes = vec![scatter("w", "x", "b", 3, 9, 1)];
-        let (_, out) = lower(&[("x", 12), ("b", 4)], nodes, &[("w", 12)]);
+        let (_, out) = lower(Dim::from(2), &[("x", 12), ("b", 4)], nodes, &[("w", 12)]);
         let LV::Err(e) = &out[0].1 else {
             panic!("{:?}", out[0]);
         };
         assert!(e.to_string().contains("for the range [3, 9) of 12"), "{e}");
+    }
+
+    #[test]
+    fn written_values_keep_their_symbolic_batch() {
+        // The export fixed the batch at 2 in `empty`'s size; the written values are [B, ..].
+        let mut nodes = vec![empty()];
+        nodes.extend(write("e", "a", 0, 8, "w0"));
+        nodes.push(node(
+            "aten.slice.Tensor",
+            "rows",
+            vec![
+                t("w0"),
+                Arg::Int(0),
+                Arg::Int(0),
+                Arg::Int(END),
+                Arg::Int(1),
+            ],
+        ));
+        nodes.extend(write("rows", "b", 8, END, "w1"));
+        let cols = [
+            ("e", 12),
+            ("w0_s", 8),
+            ("w0_c", 8),
+            ("w0", 12),
+            ("rows", 12),
+            ("w1_s", 4),
+            ("w1_c", 4),
+            ("w1", 12),
+        ];
+        let (g, out) = lower(Dim::sym("B"), &[("a", 8), ("b", 4)], nodes, &cols);
+        let LV::T(w1) = out[7].1 else {
+            panic!("{:?}", out[7]);
+        };
+        assert_eq!(
+            def(&g, w1),
+            (Op::Concat { dim: 1 }, vec![input(&g, "a"), input(&g, "b")])
+        );
+        assert_eq!(g.ty(w1).to_string(), "f32[B, 12]");
     }
 }
