@@ -285,7 +285,7 @@ impl Lower<'_> {
                 )?)])
             }
             Err(u) => {
-                let (Some(s), Some(l), Some(_)) =
+                let (Some(s), Some(l), Some(z)) =
                     (start.as_const(), len.as_const(), size.as_const())
                 else {
                     return Err(self.unsupported(
@@ -293,6 +293,11 @@ impl Lower<'_> {
                         format!("a write of part of the symbolic dim {d} of the empty tensor of node `{}`", u.origin),
                     ));
                 };
+                if s < 0 || s + l > z {
+                    return Err(
+                        self.bad(n, format!("a write of [{s}, {}) into a dim of {z}", s + l))
+                    );
+                }
                 if u.dim.is_some_and(|p| p != d) && !u.written.is_empty() {
                     return Err(self.unsupported(
                         n,
