@@ -8,6 +8,11 @@
 //! gradient alone and on sp=2, tp=2, ep=2 and sp=2,ep=2. Edits to the program that
 //! would change the math unseen (a gap in the assembled key, a group mask scattered
 //! into a non-zero tensor, another rope stride) are refused, naming the node.
+//!
+//! The same program after `run_decompositions()` (deepseek_v3_batched_decomposed.pt2,
+//! core ATen: the key's `copy_` into slices of an `empty` tensor as `slice_scatter`s,
+//! attention as `bmm` / `_softmax` / `bmm` with q and k each scaled by `12^-1/4`, SiLU
+//! as `x * sigmoid(x)`) imports to the same blocks and matches HF on the same meshes.
 
 mod common;
 use common::*;
@@ -17,6 +22,7 @@ use weft_ir::{Op, Role};
 
 const MESHES: &[&str] = &["", "sp=2", "tp=2", "ep=2", "sp=2,ep=2"];
 const ARCHIVE: &str = "deepseek_v3_batched.pt2";
+const DECOMPOSED: &str = "deepseek_v3_batched_decomposed.pt2";
 
 fn options() -> Pt2Options {
     Pt2Options {
@@ -26,8 +32,11 @@ fn options() -> Pt2Options {
 }
 
 fn imported() -> Pt2Import {
-    import(&fixture("pt2").join(ARCHIVE), &options())
-        .unwrap_or_else(|e| panic!("deepseek_v3_batched: {e}"))
+    imported_from(ARCHIVE)
+}
+
+fn imported_from(archive: &str) -> Pt2Import {
+    import(&fixture("pt2").join(archive), &options()).unwrap_or_else(|e| panic!("{archive}: {e}"))
 }
 
 #[test]
@@ -42,6 +51,18 @@ fn training_step_matches_hf_alone_and_on_every_mesh() {
     );
 }
 
+#[test]
+fn decomposed_training_step_matches_hf_alone_and_on_every_mesh() {
+    let im = imported_from(DECOMPOSED);
+    assert_import_matches_hf_on_meshes(
+        "deepseek_v3_decomposed.pt2",
+        "deepseek_v3",
+        &im.graph,
+        &im.weights,
+        MESHES,
+    );
+}
+
 /// Every block is the op the config path builds: one causal attention per layer with
 /// MLA's value head dim (6) below the q/k head dim (12), the rope table and a `rope` on
 /// each layer's q and shared k rotary parts, rms_norm (including the q and kv latent
@@ -49,13 +70,47 @@ fn training_step_matches_hf_alone_and_on_every_mesh() {
 /// the correction biases as checkpoint buffers; nothing is left unrecognised.
 #[test]
 fn every_block_is_recognised() {
-    let im = imported();
+    assert_blocks_recognised(&imported(), 0.0);
+}
+
+/// The decomposed archive gives the same blocks and counts. Its attention scale is the
+/// product of the factors core ATen scales q and k by (`sqrt(12^-1/2)` each), which
+/// rounds to within an ulp of `12^-1/2`.
+#[test]
+fn every_block_of_the_decomposed_archive_is_recognised() {
+    let im = imported_from(DECOMPOSED);
+    assert_blocks_recognised(&im, 1e-16);
+    // MLA's key was assembled by slice_scatter into an empty tensor: a concat of the
+    // per-head pass-through part and the shared rope part expanded to every head.
+    let key_concats = im
+        .graph
+        .nodes()
+        .iter()
+        .filter(|&&n| matches!(im.graph.node(n).op, Op::Attention { .. }))
+        .filter(|&&n| {
+            let k = im.graph.node(n).operands[1];
+            let d = im.graph.node(im.graph.def(k));
+            matches!(d.op, Op::Concat { .. })
+                && matches!(
+                    im.graph.node(im.graph.def(d.operands[1])).op,
+                    Op::Expand { .. }
+                )
+        })
+        .count();
+    assert_eq!(key_concats, 3, "{}", im.graph);
+}
+
+/// The blocks `every_block_is_recognised` lists, with the attention scale within
+/// `scale_tol` of `12^-1/2`.
+fn assert_blocks_recognised(im: &Pt2Import, scale_tol: f64) {
     let g = &im.graph;
-    let attn: Vec<(bool, f64)> = ops_where(g, |op| match op {
-        Op::Attention { causal, scale, .. } => Some((*causal, scale.0)),
+    let attn: Vec<bool> = ops_where(g, |op| match op {
+        Op::Attention { causal, scale, .. } => {
+            Some(*causal && (scale.0 - 12f64.powf(-0.5)).abs() <= scale_tol)
+        }
         _ => None,
     });
-    assert_eq!(attn, [(true, 12f64.powf(-0.5)); 3], "{}", im.report);
+    assert_eq!(attn, [true; 3], "{}", im.report);
     let value_dims: Vec<String> = g
         .nodes()
         .iter()
@@ -116,28 +171,32 @@ fn layer_one_snapshot() {
     insta::assert_snapshot!("deepseek_pt2_layer1", layer1.join("\n"));
 }
 
-/// The imported graph and the graph built from config.json compute the same thing (f64):
-/// the same weights and buffers, losses, logits and gradients up to summation order.
+/// The imported graphs (before and after decomposition) and the graph built from
+/// config.json compute the same thing (f64): the same weights and buffers, losses,
+/// logits and gradients up to summation order.
 #[test]
 fn import_matches_the_config_build() {
-    let im = imported();
     let (graph, weights, inputs) = load_fixture("deepseek_v3");
-    for (p, w) in &weights {
-        assert_eq!(rel_err(&im.weights[p], w), 0.0, "weight {p}");
-    }
-    assert_eq!(im.weights.len(), weights.len());
-    let (ri, rb) = (
-        reference_run(&im.graph, &im.weights, &inputs),
-        reference_run(&graph, &weights, &inputs),
-    );
-    for out in ["loss", "logits"] {
-        let e = rel_err(&ri.outputs[out], &rb.outputs[out]);
-        assert!(e < 1e-9, "{out} differs from the config build by {e}");
-    }
-    assert_eq!(ri.grads.len(), rb.grads.len());
-    for (p, g) in &rb.grads {
-        let e = rel_err(&ri.grads[p], g);
-        assert!(e < 1e-9, "grad {p} differs by {e}");
+    let rb = reference_run(&graph, &weights, &inputs);
+    for archive in [ARCHIVE, DECOMPOSED] {
+        let im = imported_from(archive);
+        for (p, w) in &weights {
+            assert_eq!(rel_err(&im.weights[p], w), 0.0, "{archive}: weight {p}");
+        }
+        assert_eq!(im.weights.len(), weights.len());
+        let ri = reference_run(&im.graph, &im.weights, &inputs);
+        for out in ["loss", "logits"] {
+            let e = rel_err(&ri.outputs[out], &rb.outputs[out]);
+            assert!(
+                e < 1e-9,
+                "{archive}: {out} differs from the config build by {e}"
+            );
+        }
+        assert_eq!(ri.grads.len(), rb.grads.len());
+        for (p, g) in &rb.grads {
+            let e = rel_err(&ri.grads[p], g);
+            assert!(e < 1e-9, "{archive}: grad {p} differs by {e}");
+        }
     }
 }
 
@@ -146,9 +205,14 @@ fn import_matches_the_config_build() {
 /// per-rank type on tp=2 and on ep=2.
 #[test]
 fn meshes_shard_every_parameter_as_for_the_config_build() {
-    use weft_passes::training::TrainOptions;
-    let im = imported();
     let (built, _, _) = load_fixture("deepseek_v3");
+    for archive in [ARCHIVE, DECOMPOSED] {
+        shards_as_the_config_build(&imported_from(archive), &built);
+    }
+}
+
+fn shards_as_the_config_build(im: &Pt2Import, built: &weft_ir::Graph) {
+    use weft_passes::training::TrainOptions;
     let shapes = |g: &weft_ir::Graph| -> Vec<(String, String)> {
         g.params()
             .into_iter()
@@ -157,7 +221,7 @@ fn meshes_shard_every_parameter_as_for_the_config_build() {
     };
     for mesh in ["tp=2", "ep=2"] {
         let (gi, _) = training_step(&im.graph, mesh, &TrainOptions::default()).unwrap();
-        let (gb, _) = training_step(&built, mesh, &TrainOptions::default()).unwrap();
+        let (gb, _) = training_step(built, mesh, &TrainOptions::default()).unwrap();
         let (mut si, mut sb) = (shapes(&gi), shapes(&gb));
         si.sort();
         sb.sort();
@@ -197,10 +261,10 @@ fn without_the_config_the_rotary_table_is_fitted_exactly() {
     assert_eq!(rel_err(&a.outputs["logits"], &b.outputs["logits"]), 0.0);
 }
 
-/// The archive with one edit to its program JSON (`from` replaced once by `to`).
-fn tampered(from: &str, to: &str) -> Vec<u8> {
+/// `archive` with one edit to its program JSON (`from` replaced once by `to`).
+fn tampered(archive: &str, from: &str, to: &str) -> Vec<u8> {
     use std::io::{Read, Write};
-    let bytes = std::fs::read(fixture("pt2").join(ARCHIVE)).unwrap();
+    let bytes = std::fs::read(fixture("pt2").join(archive)).unwrap();
     let mut z = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
     let mut out = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
     let opts =
@@ -225,7 +289,12 @@ fn tampered(from: &str, to: &str) -> Vec<u8> {
 }
 
 fn import_tampered(from: &str, to: &str) -> String {
-    match weft_frontends::pt2::import_bytes("deepseek_tampered", tampered(from, to), &options()) {
+    import_tampered_archive(ARCHIVE, from, to)
+}
+
+fn import_tampered_archive(archive: &str, from: &str, to: &str) -> String {
+    let bytes = tampered(archive, from, to);
+    match weft_frontends::pt2::import_bytes("deepseek_tampered", bytes, &options()) {
         Ok(_) => panic!("the archive with `{from}` -> `{to}` imported"),
         Err(e) => e.to_string(),
     }
@@ -269,6 +338,25 @@ fn a_rope_slice_with_another_stride_is_refused() {
     );
     assert!(
         e.contains("node `slice_7`") && e.contains("slice with step 3"),
+        "{e}"
+    );
+}
+
+/// In the decomposed archive, layer 0's second key write (`[..., 8:]`) scattered into
+/// the fresh `empty` tensor instead of the one holding the first write: columns [0, 8)
+/// are never written, and the first read of the key (its transpose for `bmm`) is
+/// refused, naming the empty tensor and the unwritten columns.
+#[test]
+fn a_decomposed_key_with_unwritten_columns_is_refused() {
+    let e = import_tampered_archive(
+        DECOMPOSED,
+        r#"{"name": "self", "arg": {"as_tensor": {"name": "slice_scatter"}}, "kind": 1}, {"name": "src", "arg": {"as_tensor": {"name": "copy_1"}}"#,
+        r#"{"name": "self", "arg": {"as_tensor": {"name": "empty"}}, "kind": 1}, {"name": "src", "arg": {"as_tensor": {"name": "copy_1"}}"#,
+    );
+    assert!(
+        e.contains("node `permute_8`")
+            && e.contains("node `empty` (aten.empty.memory_format)")
+            && e.contains("[0, 8) of dim 3 never written"),
         "{e}"
     );
 }

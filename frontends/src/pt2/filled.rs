@@ -12,7 +12,8 @@
 //! its first read is a step-1 `slice` on one dim whose single use is a `copy_` of a
 //! source of the slice's recorded shape, the slices tile the dim without gap or
 //! overlap, and no slice or copy result is read elsewhere. Anything else is left as is,
-//! and the lowering refuses `new_empty` by its node name.
+//! and the lowering refuses `new_empty` by its node name. After `run_decompositions()`
+//! the writes are functional (`empty`, `slice_scatter`): scatter.rs lowers those.
 
 use super::fx::{FxGraph, FxNode};
 use super::schema::{Arg, SymInt};

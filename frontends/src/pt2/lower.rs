@@ -11,6 +11,7 @@ use super::error::Pt2Error;
 use super::fx::{FxGraph, FxNode};
 use super::moe::{MoePlan, MoeState};
 use super::report::ImportReport;
+use super::scatter::Unset;
 use super::schema::{Arg, ScalarType, SymArg, SymInt};
 use super::sympy;
 use std::collections::{BTreeMap, BTreeSet};
@@ -55,6 +56,8 @@ pub(crate) enum LV {
     InvPerm(usize),
     /// A bool tensor known to be all false (the EP sentinel mask of transformers' MoE).
     False,
+    /// An empty tensor not yet written everywhere (see scatter.rs).
+    Unset(Rc<Unset>),
 }
 
 pub(crate) enum Operand {
@@ -254,6 +257,7 @@ impl<'a> Lower<'a> {
                 n,
                 "uses the rows of a MoE block in a way the importer does not follow",
             )),
+            LV::Unset(u) => Err(self.unset_read(n, &u)),
             other => Err(self.bad(n, format!("expected a tensor argument, found {other:?}"))),
         }
     }
@@ -267,6 +271,7 @@ impl<'a> Lower<'a> {
                 None => Err(self.unsupported(n, format!("a tensor op on the symbolic size `{d}`"))),
             },
             LV::Err(e) => Err(e),
+            LV::Unset(u) => Err(self.unset_read(n, &u)),
             other => Err(self.bad(n, format!("expected a tensor or number, found {other:?}"))),
         }
     }
@@ -816,7 +821,11 @@ impl<'a> Lower<'a> {
             | "aten.contiguous.default"
             | "aten.detach.default"
             | "aten.lift_fresh_copy.default" => Ok(vec![self.arg_lv(n.arg_at(0))]),
-            "aten.copy.default" => Ok(vec![self.arg_lv(n.arg_at(1))]),
+            "aten.copy.default" => self.lower_copy(n),
+            "aten.slice_scatter.default" => self.lower_slice_scatter(n),
+            "aten.empty.memory_format"
+            | "aten.empty_like.default"
+            | "aten.empty_permuted.default" => self.lower_empty(n),
             "aten.dropout.default" => {
                 let p = self.float_arg(n, n.arg_at(1))?;
                 let train = matches!(n.arg_at(2), Arg::Bool(true));
@@ -897,9 +906,6 @@ impl<'a> Lower<'a> {
             | "aten.full_like.default"
             | "aten.zeros_like.default"
             | "aten.ones_like.default"
-            | "aten.empty_like.default"
-            | "aten.empty.memory_format"
-            | "aten.empty_permuted.default"
             | "aten.scalar_tensor.default" => {
                 let mut ty = self.out_ty(n)?;
                 ty.shape = match (n.base().ends_with("_like"), self.arg_lv(n.arg_at(0))) {
@@ -980,6 +986,9 @@ impl<'a> Lower<'a> {
                 one(self.emit(n, Op::Transpose { dim0: a, dim1: b }, &[x])?)
             }
             "aten.slice.Tensor" | "aten.select.int" => {
+                if let (LV::Unset(u), "slice") = (self.arg_lv(n.arg_at(0)), n.base()) {
+                    return self.slice_unset(n, &u);
+                }
                 let x = self.tensor(n, n.arg_at(0))?;
                 let xt = self.ty(x);
                 let ty = self.out_ty(n)?;

@@ -7,6 +7,7 @@
 //! sympy.rs     symbolic sizes (sympy srepr) → Weft dims
 //! fx.rs        inline HOPs, functionalize in-place ops, fill defaults (opschema.rs)
 //! filled.rs    an empty tensor filled by copy_ into slices (MLA's key) → cat
+//! scatter.rs   slice_scatter, copy, and empty tensors written by slices (decomposed MLA key)
 //! lower.rs     exported ops → Weft ops, deferred errors, type checks
 //! attention.rs SDPA, causal masks and rotary tables (evaluated by consteval.rs)
 //! moe.rs       transformers' MoE experts → moe_dispatch / grouped_matmul / moe_combine
@@ -36,6 +37,7 @@ mod moe;
 mod opschema;
 mod report;
 mod rewrite;
+mod scatter;
 mod schema;
 mod shapes;
 mod sinks;

@@ -488,7 +488,7 @@ impl Lower<'_> {
         let tagged = |lv: &LV| {
             !matches!(
                 lv,
-                LV::T(_) | LV::Sym(_) | LV::Num(..) | LV::None | LV::Err(_)
+                LV::T(_) | LV::Sym(_) | LV::Num(..) | LV::None | LV::Err(_) | LV::Unset(_)
             )
         };
         if !args.iter().chain(index_args.iter()).any(tagged) {

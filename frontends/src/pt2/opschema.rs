@@ -151,6 +151,7 @@ const SCHEMAS: &[&str] = &[
     "aten::expand_as(Tensor self, Tensor other) -> Tensor",
     "aten::slice.Tensor(Tensor self, int dim=0, SymInt? start=None, SymInt? end=None, SymInt step=1) -> Tensor",
     "aten::select.int(Tensor self, int dim, SymInt index) -> Tensor",
+    "aten::slice_scatter(Tensor self, Tensor src, int dim=0, SymInt? start=None, SymInt? end=None, SymInt step=1) -> Tensor",
     "aten::cat(Tensor[] tensors, int dim=0) -> Tensor",
     "aten::split_with_sizes(Tensor self, SymInt[] split_sizes, int dim=0) -> Tensor[]",
     "aten::split.Tensor(Tensor self, SymInt split_size, int dim=0) -> Tensor[]",

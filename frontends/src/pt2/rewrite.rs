@@ -492,7 +492,11 @@ impl Rewriter<'_> {
             _ => (k, v, false),
         };
         let (qt, kt_, vt) = (g.ty(q).clone(), g.ty(k).clone(), g.ty(v).clone());
-        if qt.rank() != 4 || kt_.rank() != 4 || vt.rank() != 4 || qt != rt {
+        if qt.rank() != 4 || kt_.rank() != 4 || vt.rank() != 4 {
+            return false;
+        }
+        // The result is [B, heads, S, Dv]: q's shape with V's head dim (MLA's differs).
+        if qt.dtype != rt.dtype || qt.shape[..3] != rt.shape[..3] || vt.shape[3] != rt.shape[3] {
             return false;
         }
         if let Some(s) = sinks {
