@@ -179,3 +179,18 @@ fn the_fp8_step_is_within_fp8_error_of_the_model_on_every_mesh() {
         assert!(e < 0.4 && e > 1e-6, "{mesh}: gradients rel err {e:e}");
     }
 }
+
+/// `weft check --fp8` compares the FP8 step with the full-precision model within FP8
+/// error (it cannot equal it), and says so.
+#[test]
+fn check_holds_an_fp8_step_to_fp8_error_and_says_so() {
+    for mesh in [None, Some("tp=2"), Some("sp=2")] {
+        let mut args = vec!["check", "llama-tiny", "--train", "--fp8"];
+        if let Some(m) = mesh {
+            args.extend(["--mesh", m]);
+        }
+        let (code, out, err) = weft(&args);
+        assert_eq!(code, 0, "{mesh:?}: {out}{err}");
+        assert!(out.contains("--fp8: within FP8 rounding"), "{out}");
+    }
+}

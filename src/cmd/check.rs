@@ -45,6 +45,10 @@ struct Report {
 pub fn run(a: Args) -> CliResult {
     let s = Session::new(&a.run)?;
     let (tol_out, tol_grad) = match s.precision {
+        // FP8 rounds every linear's operands (up to 6% forward, 12% for gradients), so
+        // the program is compared with the full-precision model within that error, not
+        // exactly (docs/fp8.md); the op itself is checked exactly by the tests.
+        _ if a.run.train.fp8 => (5e-2, 0.5),
         Precision::F64 => (1e-9, 1e-8),
         Precision::F32 => (1e-5, 1e-4),
     };
@@ -142,10 +146,15 @@ pub fn run(a: Args) -> CliResult {
             }
         }
         println!(
-            "  {} (tolerance {:.0e} outputs, {:.0e} gradients)",
+            "  {} (tolerance {:.0e} outputs, {:.0e} gradients{})",
             if ok { "ok" } else { "FAILED" },
             tol_out,
-            tol_grad
+            tol_grad,
+            if a.run.train.fp8 {
+                "; --fp8: within FP8 rounding of the full-precision model, see docs/fp8.md"
+            } else {
+                ""
+            }
         );
     }
     if ok {
