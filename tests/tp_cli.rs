@@ -151,3 +151,22 @@ fn shard_round_trip_is_byte_identical_and_reshards() {
         assert_eq!(t, &back[k], "{k}");
     }
 }
+
+/// `weft run` draws token ids over the whole vocabulary, not over one tp rank's slice of
+/// the embedding: with random weights, tp=2 trains on the tokens one rank does, so its
+/// first loss is one rank's.
+#[test]
+fn run_draws_tokens_over_the_whole_vocabulary_on_tp() {
+    let first_loss = |mesh: &[&str]| -> f64 {
+        let mut args = vec!["run", "llama-tiny", "--steps", "1", "--json"];
+        args.extend(mesh);
+        let (code, out, err) = weft(&args);
+        assert_eq!(code, 0, "{mesh:?}: {err}");
+        out.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find_map(|v| v["loss"].as_f64())
+            .unwrap_or_else(|| panic!("{mesh:?}: no loss in {out}"))
+    };
+    let (one, tp) = (first_loss(&[]), first_loss(&["--mesh", "tp=2"]));
+    assert!((one - tp).abs() <= 1e-5 * one.abs(), "one rank {one}, tp=2 {tp}");
+}

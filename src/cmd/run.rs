@@ -131,9 +131,34 @@ fn optimizer_text(t: Option<&weft_passes::training::TrainOptions>) -> String {
     format!("optimizer: {opt}; {}", t.summary())
 }
 
+/// The model's vocabulary (the range drawn token ids cover): the embedding's rows, or,
+/// where the program holds a vocab-parallel slice of them, the whole table's rows from
+/// the parameter's partition.
 fn vocab_of(g: &Graph) -> Option<i64> {
     g.nodes().iter().find_map(|&n| match g.node(n).op {
-        Op::Embedding { .. } => g.ty(g.node(n).operands[1]).shape[0].as_const(),
+        Op::Embedding { .. } => {
+            let mut w = g.node(n).operands[1];
+            let local = g.ty(w).shape[0].as_const()?;
+            // Back through what a rank does to its slice before the lookup (a cast, a
+            // ZeRO-3 gather of its rows) to the parameter itself.
+            for _ in 0..8 {
+                match g.op_of(w) {
+                    Op::Param { name, .. } => {
+                        let full = g
+                            .param_partition(name)
+                            .iter()
+                            .find(|p| p.dim == 0)
+                            .map(|p| p.full_size());
+                        return Some(full.unwrap_or(local));
+                    }
+                    _ => match g.node(g.def(w)).operands.first() {
+                        Some(&x) => w = x,
+                        None => break,
+                    },
+                }
+            }
+            Some(local)
+        }
         _ => None,
     })
 }
