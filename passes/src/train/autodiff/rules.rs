@@ -256,3 +256,144 @@ impl Ad<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Each family's rule called directly on a one-node graph, and the dispatcher's
+    //! error for an op without a rule.
+    use super::*;
+    use weft_ir::{Graph, NodeMeta};
+
+    fn param(g: &mut Graph, name: &str, shape: &[i64]) -> Value {
+        let ty = TensorType::new(DType::F32, shape.iter().map(|&d| Dim::from(d)).collect());
+        let op = Op::Param {
+            name: name.into(),
+            ty,
+        };
+        g.add(op, &[]).unwrap()
+    }
+
+    /// The node defining `y`, a seed gradient of its type, and a differentiation.
+    fn setup(g: &mut Graph, y: Value) -> (Node, NodeData, Value) {
+        let ty = g.ty(y).clone();
+        let seed = g
+            .add(
+                Op::Param {
+                    name: "dy".into(),
+                    ty,
+                },
+                &[],
+            )
+            .unwrap();
+        let n = g.def(y);
+        (n, g.node(n).clone(), seed)
+    }
+
+    fn ad(g: &mut Graph) -> Ad<'_> {
+        Ad {
+            g,
+            varying: vec![],
+            meta: NodeMeta::default(),
+            collectives: 0,
+            memo: Default::default(),
+        }
+    }
+
+    /// The name of the op defining each gradient.
+    fn ops_of(g: &Graph, out: &[Option<Value>]) -> Vec<Option<&'static str>> {
+        out.iter().map(|o| o.map(|v| g.op_of(v).name())).collect()
+    }
+
+    #[test]
+    fn elementwise_exp_is_the_gradient_times_the_result() {
+        let mut g = Graph::new("t");
+        let x = param(&mut g, "x", &[4]);
+        let y = g.add(Op::Exp {}, &[x]).unwrap();
+        let (n, d, dy) = setup(&mut g, y);
+        let out = ad(&mut g).vjp_elementwise(n, &d, dy, &[true]).unwrap();
+        assert_eq!(ops_of(&g, &out), [Some("mul")]);
+        assert_eq!(g.node(g.def(out[0].unwrap())).operands, [dy, y]);
+    }
+
+    #[test]
+    fn binary_add_sums_the_broadcast_operand() {
+        let mut g = Graph::new("t");
+        let a = param(&mut g, "a", &[4]);
+        let b = param(&mut g, "b", &[2, 4]);
+        let y = g.add(Op::Add {}, &[a, b]).unwrap();
+        let (n, d, dy) = setup(&mut g, y);
+        let out = ad(&mut g).vjp_binary(n, &d, dy, &[true, true]).unwrap();
+        assert_eq!(out[1], Some(dy));
+        assert_eq!(ops_of(&g, &out[..1]), [Some("sum")]);
+        assert_eq!(g.ty(out[0].unwrap()), g.ty(a));
+    }
+
+    #[test]
+    fn reduction_sum_expands_back() {
+        let mut g = Graph::new("t");
+        let x = param(&mut g, "x", &[2, 4]);
+        let sum = Op::Sum {
+            dims: vec![1],
+            keepdim: false,
+        };
+        let y = g.add(sum, &[x]).unwrap();
+        let (n, d, dy) = setup(&mut g, y);
+        let out = ad(&mut g).vjp_reduction(n, &d, dy).unwrap();
+        assert_eq!(ops_of(&g, &out), [Some("expand")]);
+        assert_eq!(g.ty(out[0].unwrap()), g.ty(x));
+    }
+
+    #[test]
+    fn layout_transpose_is_its_own_inverse() {
+        let mut g = Graph::new("t");
+        let x = param(&mut g, "x", &[2, 4]);
+        let y = g.add(Op::Transpose { dim0: 0, dim1: 1 }, &[x]).unwrap();
+        let (n, d, dy) = setup(&mut g, y);
+        let out = ad(&mut g).vjp_layout(n, &d, dy, &[true]).unwrap();
+        assert_eq!(ops_of(&g, &out), [Some("transpose")]);
+        assert_eq!(g.ty(out[0].unwrap()), g.ty(x));
+    }
+
+    #[test]
+    fn block_matmul_gives_both_operands_their_types() {
+        let mut g = Graph::new("t");
+        let a = param(&mut g, "a", &[2, 3]);
+        let b = param(&mut g, "b", &[3, 4]);
+        let mm = Op::Matmul {
+            transpose_a: false,
+            transpose_b: false,
+        };
+        let y = g.add(mm, &[a, b]).unwrap();
+        let (n, d, dy) = setup(&mut g, y);
+        let out = ad(&mut g).vjp_block(n, &d, dy, &[true, true]).unwrap();
+        assert_eq!(ops_of(&g, &out), [Some("matmul"), Some("matmul")]);
+        assert_eq!(g.ty(out[0].unwrap()), g.ty(a));
+        assert_eq!(g.ty(out[1].unwrap()), g.ty(b));
+    }
+
+    #[test]
+    fn a_family_rule_refuses_another_familys_op() {
+        let mut g = Graph::new("t");
+        let x = param(&mut g, "x", &[4]);
+        let y = g.add(Op::Exp {}, &[x]).unwrap();
+        let (n, d, dy) = setup(&mut g, y);
+        let e = ad(&mut g).vjp_layout(n, &d, dy, &[true]).unwrap_err();
+        assert!(e.to_string().contains("no backward rule for `exp`"), "{e}");
+    }
+
+    #[test]
+    fn the_dispatcher_has_no_rule_for_a_backward_op() {
+        let mut g = Graph::new("t");
+        let x = param(&mut g, "x", &[4]);
+        let dx = param(&mut g, "dx", &[4]);
+        let y = g.add(Op::SiluGrad {}, &[x, dx]).unwrap();
+        let (n, d, dy) = setup(&mut g, y);
+        let e = ad(&mut g)
+            .vjp(n, &d, &[Some(dy)], &[true, true])
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("no backward rule for `silu_grad`"),
+            "{e}"
+        );
+    }
+}
