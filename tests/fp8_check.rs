@@ -45,7 +45,9 @@ fn values(n: usize, seed: u64, scale: f64) -> Vec<f64> {
     let mut s = seed;
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let u = (s >> 11) as f64 / (1u64 << 53) as f64;
             ((4.0 * u - 2.0) * scale) as f32 as f64
         })
@@ -71,8 +73,14 @@ fn fp8_matmul_is_the_matmul_of_the_quantized_operands() {
         let g = weft_ir::parse(&text).unwrap();
         let (a, b) = (values(m * k, 1, scale), values(k * n, 2, 1.0));
         let w = BTreeMap::from([
-            ("a".to_string(), HostTensor::floats(DType::F32, ash.to_vec(), a.clone())),
-            ("b".to_string(), HostTensor::floats(DType::F32, bsh.to_vec(), b.clone())),
+            (
+                "a".to_string(),
+                HostTensor::floats(DType::F32, ash.to_vec(), a.clone()),
+            ),
+            (
+                "b".to_string(),
+                HostTensor::floats(DType::F32, bsh.to_vec(), b.clone()),
+            ),
         ]);
         let r = run(&g, &w, &BTreeMap::new(), &RunOptions::new(Precision::F64)).unwrap();
         let (qa, qb) = (quantized(&a, fa), quantized(&b, fb));
@@ -119,9 +127,27 @@ fn every_linear_but_the_lm_head_runs_in_fp8_forward_and_backward() {
         .count();
     let (g, report) = training_step(&graph, "", &opts()).unwrap();
     let fwd = |o: &Op| {
-        matches!(o, Op::Fp8Matmul { format_a: Fp8Format::E4m3, format_b: Fp8Format::E4m3, .. })
+        matches!(
+            o,
+            Op::Fp8Matmul {
+                format_a: Fp8Format::E4m3,
+                format_b: Fp8Format::E4m3,
+                ..
+            }
+        )
     };
-    let bwd = |o: &Op| matches!(o, Op::Fp8Matmul { format_a: Fp8Format::E5m2, .. } | Op::Fp8Matmul { format_b: Fp8Format::E5m2, .. });
+    let bwd = |o: &Op| {
+        matches!(
+            o,
+            Op::Fp8Matmul {
+                format_a: Fp8Format::E5m2,
+                ..
+            } | Op::Fp8Matmul {
+                format_b: Fp8Format::E5m2,
+                ..
+            }
+        )
+    };
     assert_eq!(count(&g, fwd), 7 * layers);
     assert_eq!(count(&g, bwd), 14 * layers);
     // The lm_head stays a linear (its gradients plain matmuls).
@@ -143,7 +169,12 @@ fn the_routers_of_a_mixture_of_experts_stay_in_their_dtype() {
         .count();
     assert!(layers > 0);
     // The lm_head and one router a layer (its aux loss is a loss).
-    assert_eq!(stats.counters["kept"], 1 + layers as u64, "{:?}", stats.counters);
+    assert_eq!(
+        stats.counters["kept"],
+        1 + layers as u64,
+        "{:?}",
+        stats.counters
+    );
     assert!(count(&g, |o| matches!(o, Op::Fp8Matmul { .. })) > 0);
 }
 

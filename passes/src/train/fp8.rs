@@ -90,10 +90,7 @@ fn feeds_loss(g: &Graph) -> HashSet<Node> {
 }
 
 fn is_loss(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::CrossEntropy { .. } | Op::LinearCrossEntropy { .. }
-    )
+    matches!(op, Op::CrossEntropy { .. } | Op::LinearCrossEntropy { .. })
 }
 
 /// Ops past which a value no longer counts as a loss's direct input.
@@ -165,7 +162,14 @@ fn rewrite(g: &mut Graph, n: Node) -> Result<(), PassError> {
         y2
     };
     if let Some(b) = bias {
-        y = insert1(g, NAME, at, Op::Add {}, &[y, b], meta(g, "the bias, in the dtype"))?;
+        y = insert1(
+            g,
+            NAME,
+            at,
+            Op::Add {},
+            &[y, b],
+            meta(g, "the bias, in the dtype"),
+        )?;
     }
     g.replace_all_uses(d.results[0], y);
     g.remove_nodes(&[n]);

@@ -75,7 +75,12 @@ fn quantize(
         return Ok((out, inv_scale));
     }
     let tiles64 = (rows / 64) * (cols / 64);
-    if t.dtype == DType::BF16 && transpose && rows % 64 == 0 && cols % 64 == 0 && tiles64 <= i32::MAX as u64 {
+    if t.dtype == DType::BF16
+        && transpose
+        && rows % 64 == 0
+        && cols % 64 == 0
+        && tiles64 <= i32::MAX as u64
+    {
         lw.run_at(
             "fp8_quantize_t64_bf16",
             (tiles64 as u32, 1, 1),
