@@ -114,6 +114,7 @@ pub(super) fn clocks(instructions: &[Instruction]) -> Vec<[i64; NS]> {
 ///   back to bf16 after the f32 master's update);
 /// - the ops of `ELEMENTWISE_IN_PLACE` over the operand of their pair, in the
 ///   arena, when that operand (and its views) die at the op and is not returned.
+///
 /// The result and its views join the group: one root, the union live range.
 /// Returns which roots hold several values.
 pub(super) fn in_place(

@@ -2,6 +2,9 @@
 //! host memory, and one [`Buffer`] per value (bytes, category, residency), checked to
 //! fit in [`MAX_PLAN_BYTES`].
 
+// `LowerError` is large, as it is for `lower` itself (its public signature).
+#![allow(clippy::result_large_err)]
+
 use super::{LowerError, PlanOptions, MAX_PLAN_BYTES};
 use crate::bindings::check_bindings;
 use std::collections::{BTreeMap, BTreeSet};

@@ -5,6 +5,9 @@
 //! root's bytes. The live bytes over time give the peak, its breakdown and the refusal
 //! of plans over `--device-memory`.
 
+// `LowerError` is large, as it is for `lower` itself (its public signature).
+#![allow(clippy::result_large_err)]
+
 use super::alias::Sharing;
 use super::schedule::Schedule;
 use super::{max3, LowerError, NS};

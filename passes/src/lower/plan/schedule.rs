@@ -5,6 +5,9 @@
 //! gathers are prefetched a bounded distance ahead ([`ZERO3_PREFETCH`]) and the compute
 //! stream waits for offloads once they are predicted done ([`OFFLOAD_WAIT_SLACK`]).
 
+// `LowerError` is large, as it is for `lower` itself (its public signature).
+#![allow(clippy::result_large_err)]
+
 use super::{cost, LowerError, HOST_STREAM, NS};
 use std::collections::BTreeMap;
 use weft_ir::plan::*;
