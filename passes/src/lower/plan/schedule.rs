@@ -1,0 +1,320 @@
+//! Scheduling: the program's compute nodes become [`Instruction`]s in program order,
+//! each on its stream ([`stream_of`]) with a duration from [`cost`]'s models, and the
+//! streams are simulated: an instruction starts once its stream is free and its
+//! operands are ready, waiting on an event for operands from another stream; ZeRO-3
+//! gathers are prefetched a bounded distance ahead ([`ZERO3_PREFETCH`]) and the compute
+//! stream waits for offloads once they are predicted done ([`OFFLOAD_WAIT_SLACK`]).
+
+// `LowerError` is large, as it is for `lower` itself (its public signature).
+#![allow(clippy::result_large_err)]
+
+use super::{cost, LowerError, HOST_STREAM, NS};
+use std::collections::BTreeMap;
+use weft_ir::plan::*;
+use weft_ir::{Bindings, Graph, Node, Op, Value};
+
+/// How many compute instructions ahead of its place a ZeRO-3 parameter gather may
+/// start (about a transformer layer's forward).
+const ZERO3_PREFETCH: usize = 48;
+
+/// The compute stream waits for an offload this many copy durations after the copy's
+/// predicted start.
+const OFFLOAD_WAIT_SLACK: f64 = 1.5;
+
+fn stream_of(op: &Op) -> u32 {
+    if op.is_collective() {
+        1
+    } else if op.name() == "offload" {
+        2
+    } else if op.name() == "reload" {
+        3
+    } else if matches!(op, Op::HostAdamW { .. }) {
+        HOST_STREAM
+    } else {
+        0
+    }
+}
+
+/// Totals the simulation gathers for the plan's [`CostSummary`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct StepCosts {
+    /// Instructions per collective op.
+    pub collectives: BTreeMap<String, u64>,
+    /// Bytes moved per `op/axis`.
+    pub comm_bytes: BTreeMap<String, f64>,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub copy_s: f64,
+    pub flops: f64,
+}
+
+/// The simulated streams: instructions with their start times, waits and signals.
+pub(super) struct Schedule {
+    pub instructions: Vec<Instruction>,
+    /// buffer -> the instruction that writes it (none for params and inputs).
+    pub producer_instr: BTreeMap<u32, u32>,
+    /// How many events the instructions signal.
+    pub events: u32,
+    pub costs: StepCosts,
+}
+
+/// The event instruction `ins` signals, allocating the next one if it has none yet.
+fn signal_event(ins: &mut Instruction, events: &mut u32) -> u32 {
+    match ins.signal {
+        Some(e) => e,
+        None => {
+            ins.signal = Some(*events);
+            *events += 1;
+            *events - 1
+        }
+    }
+}
+
+/// Instructions in program order, each on its stream; simulates the streams.
+pub(super) fn schedule(
+    g: &Graph,
+    b: &Bindings,
+    d: &DeviceProfile,
+    buffers: &[Buffer],
+    buf_of: &BTreeMap<Value, u32>,
+) -> Result<Schedule, LowerError> {
+    let compute_nodes: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| !matches!(g.node(n).op, Op::Param { .. } | Op::Input { .. }))
+        .collect();
+    let mut instructions: Vec<Instruction> = Vec::with_capacity(compute_nodes.len());
+    let mut finish_of: BTreeMap<u32, f64> = BTreeMap::new(); // buffer -> time it is ready
+    let mut producer_instr: BTreeMap<u32, u32> = BTreeMap::new(); // buffer -> instruction
+    let mut stream_free = [0.0f64; NS];
+    let mut compute_ids: Vec<u32> = Vec::new();
+    let mut offloads_in_flight: Vec<(u32, f64)> = Vec::new(); // (event, predicted end)
+    let mut events = 0u32;
+    let mut costs = StepCosts::default();
+    for &n in &compute_nodes {
+        let nd = g.node(n);
+        let id = instructions.len() as u32;
+        let stream = stream_of(&nd.op);
+        let inputs: Vec<u32> = nd.operands.iter().map(|v| buf_of[v]).collect();
+        let outputs: Vec<u32> = nd.results.iter().map(|v| buf_of[v]).collect();
+        let in_bytes: f64 = inputs
+            .iter()
+            .map(|&i| buffers[i as usize].bytes as f64)
+            .sum();
+        let out_bytes: f64 = outputs
+            .iter()
+            .map(|&i| buffers[i as usize].bytes as f64)
+            .sum();
+        let flops = {
+            let f = weft_ir::flops::node_flops(g, n);
+            max_over_ranks(&f, b, &g.mesh).map_err(|e| LowerError::Size {
+                what: format!("the FLOPs `{f}`"),
+                location: g.describe(n),
+                why: e.to_string(),
+            })?
+        };
+        let (bytes, time) = instruction_cost(
+            g, n, stream, &inputs, in_bytes, out_bytes, flops, buffers, b, d, &mut costs,
+        );
+        costs.flops += flops;
+        // Waits: operands produced on another stream.
+        let mut wait = Vec::new();
+        let mut ready = stream_free[stream as usize];
+        for &i in &inputs {
+            ready = ready.max(finish_of.get(&i).copied().unwrap_or(0.0));
+            if let Some(&p) = producer_instr.get(&i) {
+                if instructions[p as usize].stream != stream {
+                    let e = signal_event(&mut instructions[p as usize], &mut events);
+                    if !wait.contains(&e) {
+                        wait.push(e);
+                    }
+                }
+            }
+        }
+        // A ZeRO-3 parameter gather is prefetched a bounded distance ahead: it waits for
+        // the compute instruction ZERO3_PREFETCH compute instructions before it in
+        // program order, so it overlaps about a layer of compute and at most that much
+        // of gathered parameters is in flight (rather than every gather starting at
+        // the beginning of the step because its shard is ready then).
+        let zero3_gather = stream == 1
+            && nd
+                .meta
+                .provenance
+                .as_ref()
+                .is_some_and(|p| p.reason.starts_with("ZeRO-3: gather"));
+        if zero3_gather && compute_ids.len() >= ZERO3_PREFETCH {
+            let p = compute_ids[compute_ids.len() - ZERO3_PREFETCH] as usize;
+            let e = signal_event(&mut instructions[p], &mut events);
+            if !wait.contains(&e) {
+                wait.push(e);
+            }
+            ready = ready.max(instructions[p].start_s + instructions[p].time_s);
+        }
+        // The compute stream waits for an offload once the copy is predicted done, with
+        // slack (a copy running late should not stall compute): from there on the
+        // offloaded value's device bytes can be reused.
+        if stream == 0 {
+            offloads_in_flight.retain(|&(e, done)| {
+                if done <= ready {
+                    if !wait.contains(&e) {
+                        wait.push(e);
+                    }
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        let start = ready;
+        stream_free[stream as usize] = start + time;
+        let signal = (stream == 2).then(|| {
+            events += 1;
+            offloads_in_flight.push((events - 1, start + OFFLOAD_WAIT_SLACK * time));
+            events - 1
+        });
+        for &o in &outputs {
+            finish_of.insert(o, start + time);
+            producer_instr.insert(o, id);
+        }
+        if stream == 0 {
+            compute_ids.push(id);
+        }
+        instructions.push(Instruction {
+            id,
+            stream,
+            node: nd.results.first().map(|v| v.0).unwrap_or(0),
+            op: nd.op.name().to_string(),
+            inputs,
+            outputs,
+            wait,
+            signal,
+            flops,
+            bytes,
+            start_s: start,
+            time_s: time,
+            axis: nd.op.axis().map(str::to_string),
+            provenance: nd
+                .meta
+                .provenance
+                .as_ref()
+                .map(|p| format!("{}: {}", p.pass, p.reason)),
+            source: nd.meta.source.clone(),
+        });
+    }
+    Ok(Schedule {
+        instructions,
+        producer_instr,
+        events,
+        costs,
+    })
+}
+
+/// The bytes an instruction moves and its duration, by its stream: a collective's
+/// alpha-beta cost, the host update's time, a copy over the host link, or compute's
+/// roofline (grouped matmuls by their shape). Adds the time to its stream's total in
+/// `costs`.
+#[allow(clippy::too_many_arguments)]
+fn instruction_cost(
+    g: &Graph,
+    n: Node,
+    stream: u32,
+    inputs: &[u32],
+    in_bytes: f64,
+    out_bytes: f64,
+    flops: f64,
+    buffers: &[Buffer],
+    b: &Bindings,
+    d: &DeviceProfile,
+    costs: &mut StepCosts,
+) -> (f64, f64) {
+    let nd = g.node(n);
+    match stream {
+        1 => {
+            let axis = nd.op.axis().unwrap_or_default();
+            let p = g.mesh.size_or_one(axis);
+            let inter = cost::crosses_nodes(&g.mesh, axis, d.gpus_per_node);
+            let (moved, t) = cost::collective_cost(&nd.op, in_bytes, out_bytes, p, inter, d);
+            *costs
+                .collectives
+                .entry(nd.op.name().to_string())
+                .or_default() += 1;
+            *costs
+                .comm_bytes
+                .entry(format!("{}/{axis}", nd.op.name()))
+                .or_default() += moved;
+            costs.comm_s += t;
+            (moved, t)
+        }
+        HOST_STREAM => {
+            let params = g.ty(nd.operands[0]).numel().bind(b).as_const().unwrap_or(0);
+            let t = cost::host_adam_time(params as f64, d);
+            (in_bytes + out_bytes, t)
+        }
+        2 | 3 => {
+            // The copied value; later operands only order the copy.
+            let moved = inputs
+                .first()
+                .map_or(0.0, |&i| buffers[i as usize].bytes as f64);
+            let t = cost::copy_time(moved, d);
+            costs.copy_s += t;
+            (moved, t)
+        }
+        _ => {
+            let t = match grouped_shape(g, n, b) {
+                Some(s) => cost::grouped_matmul_time(&s, d),
+                None => cost::compute_time(&nd.op, flops, in_bytes + out_bytes, d),
+            };
+            costs.compute_s += t;
+            (in_bytes + out_bytes, t)
+        }
+    }
+}
+
+/// The sizes of a `grouped_matmul(_grad)` node for the cost model (the largest over
+/// ranks where they differ); `None` for other ops or sizes that do not evaluate.
+fn grouped_shape(g: &Graph, n: Node, b: &Bindings) -> Option<cost::GroupedShape> {
+    let nd = g.node(n);
+    let (transpose_w, grad, bias) = match &nd.op {
+        Op::GroupedMatmul { transpose_w } => (transpose_w.0, false, nd.operands.len() > 3),
+        Op::GroupedMatmulGrad { transpose_w, bias } => (transpose_w.0, true, bias.0),
+        _ => return None,
+    };
+    let size = |v: Value, i: usize| -> Option<f64> {
+        max_over_ranks(g.ty(v).shape.get(i)?, b, &g.mesh).ok()
+    };
+    let (x, w, counts) = (nd.operands[0], nd.operands[1], nd.operands[2]);
+    let (a, c) = (size(w, 1)?, size(w, 2)?);
+    let (n_out, k) = if transpose_w { (c, a) } else { (a, c) };
+    let groups = max_over_ranks(&g.ty(counts).numel(), b, &g.mesh).ok()?;
+    Some(cost::GroupedShape {
+        rows: size(x, 0)?,
+        groups,
+        experts: size(w, 0)?,
+        n: n_out,
+        k,
+        elem_bytes: g.ty(x).dtype.size_bytes() as f64,
+        grad,
+        bias,
+    })
+}
+
+fn max_over_ranks(
+    d: &weft_ir::Dim,
+    b: &Bindings,
+    mesh: &weft_ir::Mesh,
+) -> Result<f64, weft_ir::DimError> {
+    // Costs are reported, never used as sizes: f64 cannot wrap.
+    if d.rank_axes().is_empty() {
+        return d.eval_f64(b);
+    }
+    let mut best = 0f64;
+    for r in 0..mesh.world_size() {
+        let mut rb = b.clone();
+        for (i, (axis, _)) in mesh.axes.iter().enumerate() {
+            rb = rb.with_coord(axis, mesh.coords(r)[i] as i64);
+        }
+        best = best.max(d.eval_f64(&rb)?);
+    }
+    Ok(best)
+}
