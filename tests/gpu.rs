@@ -485,15 +485,49 @@ fn fused_op_cases() -> Vec<Case> {
     // The quantized operands are the CPU's bit for bit; the FP8 tensor cores accumulate in
     // less than f32 (about 1e-4 here), hence 1e-3 for the f32 GEMM cases.
     for (dt, a, b, c, ta, tb, fa, fb, tol) in [
-        ("f32", "64, 128", "96, 128", "64, 96", false, true, "e4m3", "e4m3", 1e-3),
-        ("f32", "128, 256", "128, 192", "256, 192", true, false, "e5m2", "e4m3", 1e-3),
-        ("bf16", "256, 512", "256, 128", "512, 128", true, false, "e5m2", "e4m3", 2e-2),
-        ("bf16", "1, 512, 960", "320, 960", "1, 512, 320", false, true, "e4m3", "e4m3", 2e-2),
-        ("bf16", "1, 512, 1024", "384, 1024", "1, 512, 384", false, true, "e4m3", "e4m3", 2e-2),
-        ("bf16", "512, 256", "256, 384", "512, 384", false, false, "e5m2", "e4m3", 2e-2),
-        ("bf16", "512, 64", "512, 96", "64, 96", true, false, "e5m2", "e4m3", 2e-2),
-        ("f32", "5, 7", "9, 7", "5, 9", false, true, "e4m3", "e4m3", 2e-5),
-        ("bf16", "2, 5, 7", "2, 7, 9", "2, 5, 9", false, false, "e5m2", "e4m3", 2e-2),
+        (
+            "f32", "64, 128", "96, 128", "64, 96", false, true, "e4m3", "e4m3", 1e-3,
+        ),
+        (
+            "f32", "128, 256", "128, 192", "256, 192", true, false, "e5m2", "e4m3", 1e-3,
+        ),
+        (
+            "bf16", "256, 512", "256, 128", "512, 128", true, false, "e5m2", "e4m3", 2e-2,
+        ),
+        (
+            "bf16",
+            "1, 512, 960",
+            "320, 960",
+            "1, 512, 320",
+            false,
+            true,
+            "e4m3",
+            "e4m3",
+            2e-2,
+        ),
+        (
+            "bf16",
+            "1, 512, 1024",
+            "384, 1024",
+            "1, 512, 384",
+            false,
+            true,
+            "e4m3",
+            "e4m3",
+            2e-2,
+        ),
+        (
+            "bf16", "512, 256", "256, 384", "512, 384", false, false, "e5m2", "e4m3", 2e-2,
+        ),
+        (
+            "bf16", "512, 64", "512, 96", "64, 96", true, false, "e5m2", "e4m3", 2e-2,
+        ),
+        (
+            "f32", "5, 7", "9, 7", "5, 9", false, true, "e4m3", "e4m3", 2e-5,
+        ),
+        (
+            "bf16", "2, 5, 7", "2, 7, 9", "2, 5, 9", false, false, "e5m2", "e4m3", 2e-2,
+        ),
     ] {
         v.push(Case::new(format!("fp8_matmul {dt}[{a}] @ [{b}] ta={ta} tb={tb} {fa}/{fb}"), format!("graph \"t\"\n%0: {dt}[{a}] = param {{name=\"a\"}}\n%1: {dt}[{b}] = param {{name=\"b\"}}\n%2: {dt}[{c}] = fp8_matmul %0, %1 {{transpose_a={ta}, transpose_b={tb}, format_a={fa}, format_b={fb}}}\nreturn y=%2\n")).tol(tol));
     }

@@ -168,5 +168,8 @@ fn run_draws_tokens_over_the_whole_vocabulary_on_tp() {
             .unwrap_or_else(|| panic!("{mesh:?}: no loss in {out}"))
     };
     let (one, tp) = (first_loss(&[]), first_loss(&["--mesh", "tp=2"]));
-    assert!((one - tp).abs() <= 1e-5 * one.abs(), "one rank {one}, tp=2 {tp}");
+    assert!(
+        (one - tp).abs() <= 1e-5 * one.abs(),
+        "one rank {one}, tp=2 {tp}"
+    );
 }

@@ -33,8 +33,8 @@ pub mod verify;
 pub use attrs::{
     yarn_attention_factor, CmpOp, Flag, Float, GateAct, ReduceOp, Reduction, Role, RopeScaling,
 };
-pub use fp8::Fp8Format;
 pub use dim::{Bindings, Dim, DimError};
+pub use fp8::Fp8Format;
 pub use graph::{
     At, BuildError, Derived, DerivedKind, Graph, Node, NodeData, NodeMeta, Provenance, Value,
 };

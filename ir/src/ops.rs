@@ -3,8 +3,8 @@
 //! one-line doc. The text printer, parser, verifier and `weft ops` all read this table.
 
 use crate::attrs::*;
-use crate::fp8::Fp8Format;
 use crate::dim::Dim;
+use crate::fp8::Fp8Format;
 use crate::shape as rule;
 use crate::types::{DType, TensorType};
 

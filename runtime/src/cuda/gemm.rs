@@ -374,8 +374,14 @@ impl Gemm {
         };
         // cuBLAS's A is our B (column-major swap), so their scales swap too.
         for (attr, ptr) in [
-            (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b),
-            (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scale_a),
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                scale_b,
+            ),
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                scale_a,
+            ),
         ] {
             // SAFETY: desc is live; the attribute is a device address.
             unsafe {

@@ -288,7 +288,15 @@ impl Lower<'_> {
 
     /// An FP8 GEMM (`shape.fp8` set) of quantized `a`, `b` with their dequantizing
     /// factors `scale_a`, `scale_b` (device f32), writing `c`.
-    pub(super) fn gemm_fp8(&mut self, shape: GemmShape, a: u64, b: u64, scale_a: u64, scale_b: u64, c: u64) {
+    pub(super) fn gemm_fp8(
+        &mut self,
+        shape: GemmShape,
+        a: u64,
+        b: u64,
+        scale_a: u64,
+        scale_b: u64,
+        c: u64,
+    ) {
         self.push(StepKind::Gemm {
             shape,
             a,
@@ -402,7 +410,14 @@ pub(super) fn lower_op(
             transpose_b,
             format_a,
             format_b,
-        } => super::fp8::fp8_matmul(lw, &ins[0], &ins[1], &outs[0], (*transpose_a, *transpose_b), (*format_a, *format_b)),
+        } => super::fp8::fp8_matmul(
+            lw,
+            &ins[0],
+            &ins[1],
+            &outs[0],
+            (*transpose_a, *transpose_b),
+            (*format_a, *format_b),
+        ),
         Op::GroupedMatmul { transpose_w } => matmul::grouped_matmul(lw, ins, outs, transpose_w),
         Op::GroupedMatmulGrad { transpose_w, bias } => {
             matmul::grouped_matmul_grad(lw, ins, outs, transpose_w, bias)
@@ -473,7 +488,13 @@ pub(super) fn lower_op(
             eps,
             weight_decay,
             warmup,
-        } => optimizer::adamw(lw, ins, outs, [lr, beta1, beta2, eps, weight_decay], *warmup),
+        } => optimizer::adamw(
+            lw,
+            ins,
+            outs,
+            [lr, beta1, beta2, eps, weight_decay],
+            *warmup,
+        ),
         Op::Sgd {
             lr,
             momentum,
