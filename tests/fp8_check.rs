@@ -225,3 +225,38 @@ fn check_holds_an_fp8_step_to_fp8_error_and_says_so() {
         assert!(out.contains("--fp8: within FP8 rounding"), "{out}");
     }
 }
+
+/// Flags that would change nothing are refused by name: `--fp8` (or any training flag) on
+/// a forward-only compile, `--warmup-steps` on a step without an optimizer.
+#[test]
+fn fp8_and_warmup_are_refused_where_they_would_do_nothing() {
+    let (code, _, err) = weft(&["compile", "llama-tiny", "--forward-only", "--fp8"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--forward-only compiles no training step"),
+        "{err}"
+    );
+    let (code, _, err) = weft(&[
+        "run",
+        "llama-tiny",
+        "--forward-only",
+        "--fp8",
+        "--steps",
+        "1",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--forward-only"), "{err}");
+    let (code, _, err) = weft(&[
+        "compile",
+        "llama-tiny",
+        "--optimizer",
+        "none",
+        "--warmup-steps",
+        "3",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--warmup-steps 3") && err.contains("no optimizer"),
+        "{err}"
+    );
+}

@@ -133,7 +133,9 @@ pub fn run(a: Args) -> CliResult {
     req.cp_kv = a.train_args.cp_kv()?;
     req.model = super::graph_in_dtype(&model, req.dtype)?;
     (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
-    if !a.forward_only {
+    if a.forward_only {
+        a.train_args.refuse_for_forward_only()?;
+    } else {
         let mut t = a.train_args.request("adamw")?;
         weft_passes::micro_batches::check_micro_batches(t.options.micro_batches, a.batch, &mesh)
             .map_err(CliError::input)?;

@@ -240,7 +240,9 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     req.cp_kv = a.train.cp_kv()?;
     req.model = super::graph_in_dtype(&model, req.dtype)?;
     (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
-    if !a.forward_only {
+    if a.forward_only {
+        a.train.refuse_for_forward_only()?;
+    } else {
         let mut t = a.train.request("adamw")?;
         weft_passes::micro_batches::check_micro_batches(
             t.options.micro_batches,

@@ -172,6 +172,14 @@ impl TrainArgs {
                     .with_help("use adamw, sgd or none"))
             }
         };
+        if optimizer.is_none() {
+            if let Some(w) = self.warmup_steps {
+                return Err(CliError::input(format!(
+                    "--warmup-steps {w} warms up the optimizer's learning rate, but this step has no optimizer"
+                ))
+                .with_help("give --optimizer adamw"));
+            }
+        }
         Ok(TrainRequest {
             options: TrainOptions {
                 micro_batches,
@@ -215,6 +223,18 @@ impl TrainArgs {
             None => Ok(CpKv::Ring),
             Some(s) => CpKv::parse(s).map_err(|m| CliError::input(format!("invalid --cp-kv: {m}"))),
         }
+    }
+
+    /// Refuses training flags on a forward-only compile, which has no step for them to
+    /// change (`--fuse` and `--cp-kv` apply to the forward too).
+    pub fn refuse_for_forward_only(&self) -> CliResult {
+        if self.any() {
+            return Err(CliError::input(
+                "--forward-only compiles no training step, so the training flags given (--checkpoint, --offload, --zero, --micro-batches, --optimizer, --fp8, --warmup-steps, ...) would change nothing",
+            )
+            .with_help("drop --forward-only, or the training flags"));
+        }
+        Ok(())
     }
 
     /// Whether the driver runs `fuse` (`--fuse`, default on).

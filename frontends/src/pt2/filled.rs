@@ -173,17 +173,7 @@ mod tests {
     use crate::pt2::schema::{Arg, SymInt, TensorMeta};
 
     fn node(op: &str, out: &str, args: Vec<Arg>) -> FxNode {
-        FxNode {
-            op: op.into(),
-            name: out.into(),
-            args: args
-                .into_iter()
-                .enumerate()
-                .map(|(i, a)| (format!("a{i}"), a))
-                .collect(),
-            outputs: vec![Some(out.into())],
-            scope: None,
-        }
+        FxNode::for_test(op, out, args)
     }
 
     fn meta(cols: i64) -> TensorMeta {

@@ -24,6 +24,25 @@ pub struct FxNode {
     pub scope: Option<String>,
 }
 
+#[cfg(test)]
+impl FxNode {
+    /// A node for unit tests: `op` with positional arguments `a0, a1, ...` and one
+    /// output named `out`.
+    pub(crate) fn for_test(op: &str, out: &str, args: Vec<super::schema::Arg>) -> FxNode {
+        FxNode {
+            op: op.into(),
+            name: out.into(),
+            args: args
+                .into_iter()
+                .enumerate()
+                .map(|(i, a)| (format!("a{i}"), a))
+                .collect(),
+            outputs: vec![Some(out.into())],
+            scope: None,
+        }
+    }
+}
+
 impl FxNode {
     pub fn arg(&self, name: &str) -> &Arg {
         self.args

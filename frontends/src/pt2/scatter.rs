@@ -399,17 +399,7 @@ mod tests {
     }
 
     fn node(op: &str, out: &str, args: Vec<Arg>) -> FxNode {
-        FxNode {
-            op: op.into(),
-            name: out.into(),
-            args: args
-                .into_iter()
-                .enumerate()
-                .map(|(i, a)| (format!("a{i}"), a))
-                .collect(),
-            outputs: vec![Some(out.into())],
-            scope: None,
-        }
+        FxNode::for_test(op, out, args)
     }
 
     fn slice(out: &str, x: &str, start: i64, end: i64) -> FxNode {
