@@ -162,9 +162,9 @@ fn run_draws_tokens_over_the_whole_vocabulary_on_tp() {
         args.extend(mesh);
         let (code, out, err) = weft(&args);
         assert_eq!(code, 0, "{mesh:?}: {err}");
-        out.lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .find_map(|v| v["loss"].as_f64())
+        let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+        doc["steps"][0]["loss"]
+            .as_f64()
             .unwrap_or_else(|| panic!("{mesh:?}: no loss in {out}"))
     };
     let (one, tp) = (first_loss(&[]), first_loss(&["--mesh", "tp=2"]));

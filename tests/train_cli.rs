@@ -123,10 +123,15 @@ fn run_lowers_the_loss_on_a_fixed_batch() {
             "--json",
         ]);
         assert_eq!(code, 0, "{mesh}: {err}");
-        // One JSON object per step.
-        let losses: Vec<f64> = out
-            .lines()
-            .map(|l| json(l)["loss"].as_f64().unwrap())
+        // One JSON document, its `steps` one object per step.
+        let doc = json(&out);
+        assert_eq!(doc["backend"], "cpu");
+        assert_eq!(doc["training"], true);
+        let losses: Vec<f64> = doc["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["loss"].as_f64().unwrap())
             .collect();
         assert_eq!(losses.len(), 5);
         assert!(losses.windows(2).all(|w| w[1] < w[0]), "{mesh}: {losses:?}");

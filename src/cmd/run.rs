@@ -72,8 +72,10 @@ pub struct Args {
     /// Write the plan that was run here.
     #[arg(long)]
     pub plan_out: Option<PathBuf>,
-    /// Print one JSON object per step (JSON lines: step, loss, step_s, tokens_per_s,
-    /// mfu) instead of the table; the header goes to stderr.
+    /// Print one JSON document instead of the table (both backends): the run (backend,
+    /// model, training, batch, seq, compile_s, mean_step_s, tokens_per_s, notes; on
+    /// cuda also the plan's predicted_step_s, memory and load) and `steps`, one object per step (step, loss, step_s,
+    /// tokens_per_s, mfu on GPUs); the header goes to stderr.
     #[arg(long)]
     pub json: bool,
     /// The update as torch.optim.AdamW does it on a bf16 model (betas 0.9/0.95, eps 1e-8,
@@ -86,7 +88,6 @@ pub struct Args {
 }
 
 /// The program and plan to run, with the weights and inputs.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // `training`, `compile_s`: GPU report
 pub struct Prepared {
     pub program: Graph,
     pub plan: ExecutionPlan,
@@ -719,14 +720,27 @@ fn run_cpu(a: &Args) -> CliResult {
             aux_loss: r.outputs.get("aux_loss").map(|t| t.to_f64()[0]),
         };
         print_step(a, &rep);
-        if a.json {
-            // One JSON object per step (JSON lines), each with its `loss`.
-            println!(
-                "{}",
-                serde_json::to_string(&rep).expect("step reports serialize")
-            );
-        }
         reports.push(rep);
+    }
+    if a.json {
+        let mean_s = reports.iter().map(|r| r.step_s).sum::<f64>() / reports.len().max(1) as f64;
+        print!(
+            "{}",
+            super::json(&serde_json::json!({
+                "backend": "cpu",
+                "model": p.plan.model,
+                "training": p.training,
+                "batch": p.batch,
+                "seq": p.seq,
+                "params": p.params,
+                "optimizer": p.optimizer,
+                "compile_s": p.compile_s,
+                "mean_step_s": mean_s,
+                "tokens_per_s": tokens / mean_s,
+                "steps": reports,
+                "notes": p.notes,
+            }))
+        );
     }
     Ok(())
 }
@@ -906,6 +920,8 @@ fn run_cuda(a: &Args) -> CliResult {
                 "training": p.training,
                 "batch": p.batch,
                 "seq": p.seq,
+                "params": p.params,
+                "optimizer": p.optimizer,
                 "device": ex.load.device,
                 "load": ex.load,
                 "cuda_graph": ex.replays_cuda_graph(),
