@@ -13,6 +13,17 @@ use weft_ir::HostTensor;
 
 /// Random weights for every parameter of `model`, keyed by parameter name.
 pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> {
+    random_weights_observed(model, seed, &mut |_| {})
+}
+
+/// [`random_weights`], calling `drawn` with the number of elements drawn so far after
+/// each parameter (for a progress display; the total is [`Model::param_count`]).
+pub fn random_weights_observed(
+    model: &Model,
+    seed: u64,
+    drawn: &mut dyn FnMut(u64),
+) -> BTreeMap<String, HostTensor> {
+    let mut done = 0u64;
     let std = model.initializer_range();
     let padding_rows = padding_rows(&model.graph);
     let mut out = BTreeMap::new();
@@ -51,6 +62,8 @@ pub fn random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> 
             }
         }
         out.insert(name, HostTensor::floats(ty.dtype, shape, data));
+        done += n as u64;
+        drawn(done);
     }
     // Checkpoint buffers start as HF initialises them: deepseek_v3's correction bias is zero.
     for (name, ty) in model.buffers() {

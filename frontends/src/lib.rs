@@ -25,7 +25,7 @@ pub mod weights;
 pub use build::{build_graph, param_count};
 pub use config::{Activation, Family, ModelConfig, MoeConfig, RopeConfig, Router};
 pub use error::{FrontendError, WeightProblem};
-pub use init::random_weights;
+pub use init::{random_weights, random_weights_observed};
 pub use model::{load, load_file, Model, Origin};
 pub use presets::{presets, Preset, PresetInfo};
 pub use weights::{

@@ -298,14 +298,10 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     });
     // Host weights of a real model take a while and many GiB: say so before.
     let host_weights = match checkpoint {
-        Some(w) => {
-            eprintln!("loading weights from {} ...", w.display());
-            Some(weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?)
-        }
+        Some(w) => Some(super::session::load_weights(&model, &w)?),
         None if (a.backend == "cpu" && a.steps > 0) || a.check > 0 => {
             super::session::check_host_memory(&model)?;
-            super::session::announce_random_weights(&model, a.seed);
-            Some(weft_frontends::random_weights(&model, a.seed))
+            Some(super::session::draw_random_weights(&model, a.seed))
         }
         None => None,
     };
@@ -505,18 +501,19 @@ pub struct StepReport {
 }
 
 /// The CPU reference run of `g` for `steps` steps, feeding each step's updated params
-/// and state back (see `fed_back_param`), with each step's wall time.
-pub fn cpu_steps_timed(
+/// and state back (see `fed_back_param`), handing each step's result and wall time to
+/// `on_step` as it finishes (so a long run reports as it goes and holds one step's
+/// outputs at a time).
+pub fn cpu_steps(
     g: &Graph,
     weights: &BTreeMap<String, HostTensor>,
     feeder: &mut Feeder,
     steps: usize,
-    b: i64,
-    s: i64,
+    (b, s): (i64, i64),
     precision: weft_runtime::cpu::Precision,
-) -> CliResult<Vec<(weft_runtime::cpu::RunResult, f64)>> {
+    on_step: &mut dyn FnMut(weft_runtime::cpu::RunResult, f64) -> CliResult,
+) -> CliResult {
     let mut w = weights.clone();
-    let mut out = Vec::new();
     // Optimizer state: zero moments, master weights copied from the params (full
     // tensors, also for states sharded over dp); anything else missing starts at zero.
     w.extend(
@@ -536,6 +533,8 @@ pub fn cpu_steps_timed(
         }
     }
     for step in 0..steps {
+        let spin =
+            crate::progress::spinner(&format!("step {}/{steps} on the CPU reference", step + 1));
         let t = std::time::Instant::now();
         let inputs = feeder.next_for(g, step)?;
         let opts = weft_runtime::cpu::RunOptions::new(precision)
@@ -548,9 +547,11 @@ pub fn cpu_steps_timed(
                 w.insert(p.to_string(), t.clone());
             }
         }
-        out.push((r, t.elapsed().as_secs_f64()));
+        let dt = t.elapsed().as_secs_f64();
+        spin.finish_and_clear();
+        on_step(r, dt)?;
     }
-    Ok(out)
+    Ok(())
 }
 
 pub fn run(a: Args) -> CliResult {
@@ -693,25 +694,15 @@ fn run_cpu(a: &Args) -> CliResult {
     })?;
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let tokens = (p.batch * p.seq) as f64;
-    let mut reports = Vec::new();
-    let runs = cpu_steps_timed(
-        &p.program,
-        &weights,
-        &mut feeder,
-        a.steps,
-        p.batch,
-        p.seq,
-        weft_runtime::cpu::Precision::F32,
-    )?;
-    for (step, (r, dt)) in runs.iter().enumerate() {
-        let dt = *dt;
+    let mut reports: Vec<StepReport> = Vec::new();
+    let mut on_step = |r: weft_runtime::cpu::RunResult, dt: f64| {
         let loss = r
             .outputs
             .get("loss")
             .map(|t| t.to_f64()[0])
             .unwrap_or(f64::NAN);
         let rep = StepReport {
-            step: step + 1,
+            step: reports.len() + 1,
             loss,
             step_s: dt,
             tokens_per_s: tokens / dt,
@@ -721,7 +712,17 @@ fn run_cpu(a: &Args) -> CliResult {
         };
         print_step(a, &rep);
         reports.push(rep);
-    }
+        Ok(())
+    };
+    cpu_steps(
+        &p.program,
+        &weights,
+        &mut feeder,
+        a.steps,
+        (p.batch, p.seq),
+        weft_runtime::cpu::Precision::F32,
+        &mut on_step,
+    )?;
     if a.json {
         let mean_s = reports.iter().map(|r| r.step_s).sum::<f64>() / reports.len().max(1) as f64;
         print!(
@@ -785,8 +786,13 @@ fn run_cuda(a: &Args) -> CliResult {
         let mut f2 = Feeder::new(a, p.batch, p.seq, p.vocab)?;
         use weft_runtime::cpu::Precision::F32;
         let steps = a.check.min(a.steps.max(1));
-        let runs = cpu_steps_timed(&p.program, w, &mut f2, steps, p.batch, p.seq, F32)?;
-        Some(runs.into_iter().map(|(r, _)| r).collect::<Vec<_>>())
+        let mut runs = Vec::new();
+        let shape = (p.batch, p.seq);
+        cpu_steps(&p.program, w, &mut f2, steps, shape, F32, &mut |r, _| {
+            runs.push(r);
+            Ok(())
+        })?;
+        Some(runs)
     } else {
         None
     };

@@ -140,20 +140,11 @@ impl Session {
                 archive_weights.take().unwrap_or_default(),
                 format!("from the archive {}", a.model),
             ),
-            Some(w) => {
-                if model.param_count() > 100_000_000 {
-                    eprintln!("loading weights from {} ...", w.display());
-                }
-                (
-                    weft_frontends::load_weights(&model, &w).map_err(super::frontend_err)?,
-                    w.display().to_string(),
-                )
-            }
+            Some(w) => (load_weights(&model, &w)?, w.display().to_string()),
             None => {
                 check_host_memory(&model)?;
-                announce_random_weights(&model, a.seed);
                 (
-                    weft_frontends::random_weights(&model, a.seed),
+                    draw_random_weights(&model, a.seed),
                     format!("random (seed {})", a.seed),
                 )
             }
@@ -314,9 +305,10 @@ pub fn read_plan(spec: &str) -> CliResult<Option<weft_ir::ExecutionPlan>> {
         .map_err(crate::fail)
 }
 
-/// Says, before drawing them, that a real model's random weights take a while and how
-/// much host memory they will hold (f64: 8 bytes a parameter); silent for small models.
-pub fn announce_random_weights(model: &Model, seed: u64) {
+/// Seeded random weights for `model`. For a real model it says first that they take a
+/// while and how much host memory they will hold (f64: 8 bytes a parameter), and shows
+/// a bar as they are drawn; silent for small models.
+pub fn draw_random_weights(model: &Model, seed: u64) -> BTreeMap<String, HostTensor> {
     let n = model.param_count();
     if n > 100_000_000 {
         eprintln!(
@@ -325,6 +317,26 @@ pub fn announce_random_weights(model: &Model, seed: u64) {
             n as f64 * 8.0 / (1u64 << 30) as f64
         );
     }
+    let bar = crate::progress::elements(n, "drawing weights");
+    let w =
+        weft_frontends::random_weights_observed(model, seed, &mut |done| bar.set_position(done));
+    bar.finish_and_clear();
+    w
+}
+
+/// Loads `model`'s weights from `path`, saying so for a real model, with a spinner while
+/// it reads.
+pub fn load_weights(model: &Model, path: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
+    let big = model.param_count() > 100_000_000;
+    if big {
+        eprintln!("loading weights from {} ...", path.display());
+    }
+    let spin = big.then(|| crate::progress::spinner(&format!("loading {}", path.display())));
+    let w = weft_frontends::load_weights(model, path).map_err(super::frontend_err);
+    if let Some(s) = spin {
+        s.finish_and_clear();
+    }
+    w
 }
 
 /// Random weights live in host memory as f64: refuse a model whose weights would not
