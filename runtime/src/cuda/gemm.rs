@@ -41,7 +41,7 @@ pub struct GemmShape {
 
 /// Whether cuBLASLt's FP8 GEMM takes these sizes (its 16-byte alignment rule).
 pub fn fp8_sizes_ok(m: u64, n: u64, k: u64) -> bool {
-    m % 16 == 0 && n % 16 == 0 && k % 16 == 0 && m > 0 && n > 0 && k > 0
+    m.is_multiple_of(16) && n.is_multiple_of(16) && k.is_multiple_of(16) && m > 0 && n > 0 && k > 0
 }
 
 fn fp8_dt(f: Fp8Format) -> sys::cudaDataType {

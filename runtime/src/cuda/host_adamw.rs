@@ -429,6 +429,7 @@ mod tests {
             beta2: b2,
             eps,
             weight_decay: wd,
+            warmup: None,
             step: PinnedScalar(Pinned {
                 ptr: std::ptr::null_mut(),
                 bytes: 0,

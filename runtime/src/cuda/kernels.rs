@@ -1,5 +1,5 @@
-//! Typed descriptors of the CUDA kernels in `kernels.cu`, `attention.cu` and
-//! `backward.cu`: one struct per kernel family whose fields are the kernel's parameters
+//! Typed descriptors of the CUDA kernels in `kernels.cu`, `attention.cu`, `backward.cu`,
+//! `fused.cu`, `linear_ce.cu` and `fp8.cu`: one struct per kernel family whose fields are the kernel's parameters
 //! in the kernel's order, with their types (a dtype code is a [`DType`], a by-value
 //! layout struct is its `#[repr(C)]` twin), and how its grid follows from a count
 //! ([`Shape`]). Lowering fills a struct by field name instead of building a positional
@@ -53,6 +53,8 @@ pub(crate) enum Param {
     Compare,
     /// An `int` holding a [`ReduceCode`].
     Reduce,
+    /// An `int` holding a [`GluAct`].
+    GluAct,
 }
 
 /// A kernel family: its parameters and launch shape.
@@ -121,6 +123,9 @@ macro_rules! param_type {
     (Reduce) => {
         ReduceCode
     };
+    (GluAct) => {
+        GluAct
+    };
 }
 
 macro_rules! param_arg {
@@ -161,6 +166,9 @@ macro_rules! param_arg {
         Arg::I32($v as i32)
     };
     (Reduce, $v:expr) => {
+        Arg::I32($v as i32)
+    };
+    (GluAct, $v:expr) => {
         Arg::I32($v as i32)
     };
 }
@@ -509,6 +517,66 @@ kernels! {
     Sgd ["sgd_##S_"] Shape::Items => {
         po: Ptr, bo: Ptr, p: Ptr, g: Ptr, buf: Ptr, n: I64, lr: F32, mu: F32, wd: F32,
     }
+
+    // ------------------------------------------------------------ fused.cu
+    /// `out = act(gate) * up` (`n`: elements, or 16-byte vectors in `glu8_bf16`).
+    Glu ["glu_##S", "glu8_bf16"] Shape::Items => {
+        out: Ptr, gate: Ptr, up: Ptr, n: I64, act: GluAct,
+    }
+    /// glu's gradients dgate and dup.
+    GluBwd ["glu_bwd_##S", "glu_bwd8_bf16"] Shape::Items => {
+        dgate: Ptr, dup: Ptr, gate: Ptr, up: Ptr, dy: Ptr, n: I64, act: GluAct,
+    }
+    /// `sum = x + y`, `normed = rms_norm(sum) * w`, one block per row.
+    AddRmsNorm ["add_rms_norm_##S"] Shape::Rows(256) => {
+        sum: Ptr, normed: Ptr, x: Ptr, y: Ptr, w: Ptr, wcode: Code, rows: I64, h: I64, eps: F32,
+    }
+    /// add_rms_norm on 16-byte bf16 vectors, rows of at most 8192.
+    AddRmsFwd8 ["add_rms_fwd8_bf16_r##RV"] Shape::Rows(256) => {
+        sum: Ptr, normed: Ptr, x: Ptr, y: Ptr, w: Ptr, wcode: Code, rows: I64, h: I32, eps: F32,
+    }
+    /// add_rms_norm_grad on 16-byte bf16 vectors: dsum, and per-block dw partials
+    /// (`rpb` rows a block) that `colsum_f32_to` sums.
+    AddRmsBwd8 ["add_rms_bwd8_bf16_r##RV"] Shape::Rows(256) => {
+        dsum: Ptr, dw_acc: Ptr, x: Ptr, w: Ptr, wcode: Code, dy: Ptr, dres: Ptr, rows: I64,
+        h: I32, eps: F32, rpb: I32,
+    }
+
+    // ------------------------------------------------------------ linear_ce.cu
+    /// Running max -inf, sum 0 and target logit 0 for `rows` tokens.
+    LceInit ["lce_init"] Shape::Items => { m: Ptr, s: Ptr, target: Ptr, rows: I64 }
+    /// Folds one [rows, len] logits chunk starting at class `c0` into the running max,
+    /// sum of exp and target logit (`err`: a label outside [0, V)).
+    LceStats ["lce_stats_##S"] Shape::Rows(256) => {
+        m: Ptr, s: Ptr, target: Ptr, z: Ptr, labels: Ptr, len: I64, c0: I64, v: I64,
+        ignore: I64, scale: F32, cap: F32, err: Ptr,
+    }
+    /// `lse = m + log(s)`.
+    LceFinish ["lce_finish"] Shape::Items => { lse: Ptr, m: Ptr, s: Ptr, rows: I64 }
+    /// The logits chunk's gradient, in place over the chunk `z`.
+    LceDz ["lce_dz_##S"] Shape::Items => {
+        z: Ptr, labels: Ptr, lse: Ptr, dlse: Ptr, dtarget: Ptr, rows: I64, len: I64, c0: I64,
+        ignore: I64, scale: F32, cap: F32,
+    }
+}
+
+/// The activation codes of `glu_act` in fused.cu.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub(crate) enum GluAct {
+    Silu = 0,
+    Gelu = 1,
+    GeluTanh = 2,
+}
+
+impl From<weft_ir::GateAct> for GluAct {
+    fn from(a: weft_ir::GateAct) -> GluAct {
+        match a {
+            weft_ir::GateAct::Silu => GluAct::Silu,
+            weft_ir::GateAct::Gelu => GluAct::Gelu,
+            weft_ir::GateAct::GeluTanh => GluAct::GeluTanh,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -584,9 +652,12 @@ mod tests {
     /// The C type an `int`-coded parameter has.
     fn c_kind(p: Param) -> Param {
         match p {
-            Param::Code | Param::Unary | Param::Binary | Param::Compare | Param::Reduce => {
-                Param::I32
-            }
+            Param::Code
+            | Param::Unary
+            | Param::Binary
+            | Param::Compare
+            | Param::Reduce
+            | Param::GluAct => Param::I32,
             p => p,
         }
     }
@@ -694,6 +765,20 @@ mod tests {
             [ReduceCode::Sum, ReduceCode::Mean, ReduceCode::Max].map(|c| c as i32),
             [0, 1, 2]
         );
+    }
+
+    #[test]
+    fn glu_act_codes_are_the_unary_codes_they_select() {
+        let line = format!(
+            "return unary_op(x, act == {} ? {} : (act == {} ? {} : {}), 0.f);",
+            GluAct::Silu as i32,
+            UnaryCode::Silu as i32,
+            GluAct::Gelu as i32,
+            UnaryCode::Gelu as i32,
+            UnaryCode::GeluTanh as i32
+        );
+        assert!(KERNEL_SOURCE.contains(&line), "{line}");
+        assert_eq!(GluAct::GeluTanh as i32, 2);
     }
 
     #[test]

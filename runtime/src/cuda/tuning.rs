@@ -99,6 +99,7 @@ mod tests {
                 fa_bwd_plain: true,
                 profile: true,
                 cuda_graph: false,
+                fp8_fast_accum: false,
             }
         );
         let t = Tuning::from_vars(vars(&[("WEFT_FA_WARPS", "5"), ("WEFT_FA_BWD_WARPS", "x")]));

@@ -21,7 +21,7 @@ fn format_code(f: Fp8Format) -> i32 {
 fn amax(lw: &mut Lower, t: &DevT) -> CudaResult<u64> {
     let slot = lw.ex.scratch(lw.stream, 4);
     lw.memset(slot, 4);
-    if t.dtype == DType::BF16 && t.numel() % 8 == 0 {
+    if t.dtype == DType::BF16 && t.numel().is_multiple_of(8) {
         lw.run(
             "fp8_amax8_bf16",
             t.numel() / 8,

@@ -5,15 +5,6 @@
 //! unfused kernels round, so a fused plan computes what the unfused one does.
 
 use super::*;
-use weft_ir::GateAct;
-
-fn act_code(a: GateAct) -> i32 {
-    match a {
-        GateAct::Silu => 0,
-        GateAct::Gelu => 1,
-        GateAct::GeluTanh => 2,
-    }
-}
 
 /// bf16 tensors of one element count (a multiple of 8), 16-byte aligned.
 fn bf16_vec8(ts: &[&DevT]) -> bool {
@@ -27,7 +18,7 @@ fn bf16_vec8(ts: &[&DevT]) -> bool {
 /// Rows and row width of a norm's input.
 fn rows_of(x: &DevT) -> (u64, u64) {
     let h = x.shape.last().copied().unwrap_or(0) as u64;
-    (if h == 0 { 0 } else { x.numel() / h }, h)
+    (x.numel().checked_div(h).unwrap_or(0), h)
 }
 
 /// The 8-wide row kernel `base_r{1,2,4}` for bf16 rows of `h` (a multiple of 8, at most
@@ -56,187 +47,130 @@ pub(super) fn lower_fused(lw: &mut Lower, op: &Op, ins: &[DevT], outs: &[DevT]) 
     match op {
         Op::Glu { act } => {
             let (gate, up, o) = (&ins[0], &ins[1], &outs[0]);
-            let (n, a) = (o.numel(), act_code(*act));
-            if bf16_vec8(&[o, gate, up]) {
-                let args = vec![
-                    Arg::P(o.ptr),
-                    Arg::P(gate.ptr),
-                    Arg::P(up.ptr),
-                    Arg::I64(n as i64 / 8),
-                    Arg::I32(a),
-                ];
-                return lw.n("glu8_bf16", n / 8, args);
-            }
-            let args = vec![
-                Arg::P(o.ptr),
-                Arg::P(gate.ptr),
-                Arg::P(up.ptr),
-                Arg::I64(n as i64),
-                Arg::I32(a),
-            ];
-            lw.n(kname("glu", o.dtype)?, n, args)
+            let n = o.numel();
+            let vec8 = bf16_vec8(&[o, gate, up]);
+            let (name, count) = if vec8 {
+                ("glu8_bf16", n / 8)
+            } else {
+                (kname("glu", o.dtype)?, n)
+            };
+            let k = kernels::Glu {
+                out: o.ptr,
+                gate: gate.ptr,
+                up: up.ptr,
+                n: count as i64,
+                act: (*act).into(),
+            };
+            lw.run(name, count, k)
         }
         Op::GluGrad { act } => {
             let (gate, up, dy) = (&ins[0], &ins[1], &ins[2]);
             let (dgate, dup) = (&outs[0], &outs[1]);
-            let (n, a) = (gate.numel(), act_code(*act));
+            let n = gate.numel();
             let vec8 = bf16_vec8(&[gate, up, dy, dgate, dup]);
-            let args = vec![
-                Arg::P(dgate.ptr),
-                Arg::P(dup.ptr),
-                Arg::P(gate.ptr),
-                Arg::P(up.ptr),
-                Arg::P(dy.ptr),
-                Arg::I64(if vec8 { n as i64 / 8 } else { n as i64 }),
-                Arg::I32(a),
-            ];
-            if vec8 {
-                return lw.n("glu_bwd8_bf16", n / 8, args);
-            }
-            lw.n(kname("glu_bwd", gate.dtype)?, n, args)
+            let (name, count) = if vec8 {
+                ("glu_bwd8_bf16", n / 8)
+            } else {
+                (kname("glu_bwd", gate.dtype)?, n)
+            };
+            let k = kernels::GluBwd {
+                dgate: dgate.ptr,
+                dup: dup.ptr,
+                gate: gate.ptr,
+                up: up.ptr,
+                dy: dy.ptr,
+                n: count as i64,
+                act: (*act).into(),
+            };
+            lw.run(name, count, k)
         }
         Op::AddRmsNorm { eps } => {
             let (x, y, w) = (&ins[0], &ins[1], &ins[2]);
             let (sum, normed) = (&outs[0], &outs[1]);
             let (rows, h) = rows_of(x);
+            let eps = eps.0 as f32;
             if let Some(name) = row8_kernel("add_rms_fwd8_bf16", &[x, y, sum, normed], w, h) {
-                let args = vec![
-                    Arg::P(sum.ptr),
-                    Arg::P(normed.ptr),
-                    Arg::P(x.ptr),
-                    Arg::P(y.ptr),
-                    Arg::P(w.ptr),
-                    Arg::I32(layout::code(w.dtype)),
-                    Arg::I64(rows as i64),
-                    Arg::I32(h as i32),
-                    Arg::F32(eps.0 as f32),
-                ];
-                return lw.rows(name, rows, 256, 0, args);
+                let k = kernels::AddRmsFwd8 {
+                    sum: sum.ptr,
+                    normed: normed.ptr,
+                    x: x.ptr,
+                    y: y.ptr,
+                    w: w.ptr,
+                    wcode: w.dtype,
+                    rows: rows as i64,
+                    h: h as i32,
+                    eps,
+                };
+                return lw.run(name, rows, k);
             }
-            let args = vec![
-                Arg::P(sum.ptr),
-                Arg::P(normed.ptr),
-                Arg::P(x.ptr),
-                Arg::P(y.ptr),
-                Arg::P(w.ptr),
-                Arg::I32(layout::code(w.dtype)),
-                Arg::I64(rows as i64),
-                Arg::I64(h as i64),
-                Arg::F32(eps.0 as f32),
-            ];
-            lw.rows(kname("add_rms_norm", x.dtype)?, rows, 256, 0, args)
+            let k = kernels::AddRmsNorm {
+                sum: sum.ptr,
+                normed: normed.ptr,
+                x: x.ptr,
+                y: y.ptr,
+                w: w.ptr,
+                wcode: w.dtype,
+                rows: rows as i64,
+                h: h as i64,
+                eps,
+            };
+            lw.run(kname("add_rms_norm", x.dtype)?, rows, k)
         }
-        Op::AddRmsNormGrad { eps } => add_rms_norm_grad(lw, eps.0 as f32, ins, outs),
+        Op::AddRmsNormGrad { eps } => add_rms_norm_grad(lw, eps, ins, outs),
         other => Err(lw.unsup(other.name(), "not a fused op")),
     }
 }
 
 /// `add_rms_norm_grad(sum, w, dnorm, dres)`: dsum and dw.
-fn add_rms_norm_grad(lw: &mut Lower, eps: f32, ins: &[DevT], outs: &[DevT]) -> CudaResult<()> {
+fn add_rms_norm_grad(lw: &mut Lower, eps: &Float, ins: &[DevT], outs: &[DevT]) -> CudaResult<()> {
     let (x, w, dy, dres) = (&ins[0], &ins[1], &ins[2], &ins[3]);
     let (dsum, dw) = (&outs[0], &outs[1]);
     let (rows, h) = rows_of(x);
-    if let Some(name) = row8_kernel("add_rms_bwd8_bf16", &[x, dy, dres, dsum], w, h) {
-        // As rms_norm_grad's row kernel: about 512 blocks, dw from per-block partials
-        // summed in a fixed order.
-        let rpb = rows.div_ceil(512).max(1);
-        let nblocks = rows.div_ceil(rpb);
-        let part = lw.ex.scratch(lw.stream, nblocks.max(1) * h * 4);
-        lw.rows(
-            name,
-            nblocks,
-            256,
-            0,
-            vec![
-                Arg::P(dsum.ptr),
-                Arg::P(part),
-                Arg::P(x.ptr),
-                Arg::P(w.ptr),
-                Arg::I32(layout::code(w.dtype)),
-                Arg::P(dy.ptr),
-                Arg::P(dres.ptr),
-                Arg::I64(rows as i64),
-                Arg::I32(h as i32),
-                Arg::F32(eps),
-                Arg::I32(rpb as i32),
-            ],
-        )?;
-        let l = lw.gpu.launch(
-            "colsum_f32_to",
-            (h.div_ceil(32) as u32, 1, 1),
-            (32, 8, 1),
-            0,
-            vec![
-                Arg::P(dw.ptr),
-                Arg::I32(layout::code(dw.dtype)),
-                Arg::P(part),
-                Arg::I64(nblocks as i64),
-                Arg::I64(h as i64),
-            ],
-        )?;
-        lw.launch(l);
-        return Ok(());
-    }
-    // Other dtypes and shapes: the unfused kernels (rms_norm_grad's dx written into dsum,
-    // then the residual gradient added in place).
-    let acc = lw.ex.scratch(lw.stream, h * 4);
-    let rstd = lw.ex.scratch(lw.stream, rows * 4);
-    lw.rows(
-        kname("rms_norm_bwd", x.dtype)?,
-        rows,
-        256,
-        0,
-        vec![
-            Arg::P(dsum.ptr),
-            Arg::P(rstd),
-            Arg::P(x.ptr),
-            Arg::P(w.ptr),
-            Arg::I32(layout::code(w.dtype)),
-            Arg::P(dy.ptr),
-            Arg::I64(rows as i64),
-            Arg::I64(h as i64),
-            Arg::F32(eps),
-        ],
-    )?;
-    lw.memset(acc, h * 4);
-    let chunk = 256u64;
-    let gy = rows.div_ceil(chunk).max(1);
-    let lp = lw.gpu.launch(
-        kname("rms_dw_partial", x.dtype)?,
-        (h.div_ceil(32) as u32, gy as u32, 1),
+    let Some(name) = row8_kernel("add_rms_bwd8_bf16", &[x, dy, dres, dsum], w, h) else {
+        // Other dtypes and shapes: rms_norm_grad's kernels (dx written into dsum), then
+        // the residual gradient added in place.
+        norm::rms_norm_grad(lw, &ins[..3], outs, eps)?;
+        let n = dsum.numel();
+        let k = kernels::BinarySame {
+            out: dsum.ptr,
+            a: dsum.ptr,
+            b: dres.ptr,
+            n: n as i64,
+            code: kernels::BinaryCode::Add,
+        };
+        return lw.run(kname("binary_c", dsum.dtype)?, n, k);
+    };
+    // As rms_norm_grad's row kernel: about 512 blocks, dw from per-block partials summed
+    // in a fixed order.
+    let rpb = rows.div_ceil(512).max(1);
+    let nblocks = rows.div_ceil(rpb);
+    let part = lw.ex.scratch(lw.stream, nblocks.max(1) * h * 4);
+    let k = kernels::AddRmsBwd8 {
+        dsum: dsum.ptr,
+        dw_acc: part,
+        x: x.ptr,
+        w: w.ptr,
+        wcode: w.dtype,
+        dy: dy.ptr,
+        dres: dres.ptr,
+        rows: rows as i64,
+        h: h as i32,
+        eps: eps.0 as f32,
+        rpb: rpb as i32,
+    };
+    lw.run(name, nblocks, k)?;
+    let k = kernels::ColsumF32To {
+        out: dw.ptr,
+        ocode: dw.dtype,
+        part,
+        nrows: nblocks as i64,
+        h: h as i64,
+    };
+    lw.run_at(
+        "colsum_f32_to",
+        (h.div_ceil(32) as u32, 1, 1),
         (32, 8, 1),
         0,
-        vec![
-            Arg::P(acc),
-            Arg::P(x.ptr),
-            Arg::P(dy.ptr),
-            Arg::P(rstd),
-            Arg::I64(rows as i64),
-            Arg::I64(h as i64),
-            Arg::I64(chunk as i64),
-        ],
-    )?;
-    lw.launch(lp);
-    lw.n(
-        "f32_to_any",
-        h,
-        vec![
-            Arg::P(dw.ptr),
-            Arg::I32(layout::code(dw.dtype)),
-            Arg::P(acc),
-            Arg::I64(h as i64),
-        ],
-    )?;
-    let n = dsum.numel();
-    lw.n(
-        kname("binary_c", dsum.dtype)?,
-        n,
-        vec![
-            Arg::P(dsum.ptr),
-            Arg::P(dsum.ptr),
-            Arg::P(dres.ptr),
-            Arg::I64(n as i64),
-            Arg::I32(0),
-        ],
+        k,
     )
 }

@@ -50,7 +50,7 @@ pub(super) fn embedding_grad(
     // one, in its own bytes when the plan writes the result over it, else to zeros.
     match ins.get(2) {
         Some(init) if init.ptr == o.ptr => {}
-        Some(init) => lw.copy(o.ptr, init.ptr, o.bytes() as u64),
+        Some(init) => lw.copy(o.ptr, init.ptr, o.bytes()),
         None => lw.memset(o.ptr, o.bytes()),
     }
     let name = kname("embedding_bwd", o.dtype)?;

@@ -109,11 +109,13 @@ pub(super) fn linear_ce_fwd(
         .scratch(lw.stream, chunk_scratch_bytes(lw, op, n, chunk, es)?);
     let m = lw.ex.scratch(lw.stream, n * 4);
     let s = lw.ex.scratch(lw.stream, n * 4);
-    lw.n(
-        "lce_init",
-        n,
-        vec![Arg::P(m), Arg::P(s), Arg::P(target.ptr), Arg::I64(n as i64)],
-    )?;
+    let k = kernels::LceInit {
+        m,
+        s,
+        target: target.ptr,
+        rows: n as i64,
+    };
+    lw.run("lce_init", n, k)?;
     let stats = kname("lce_stats", x.dtype)?;
     let err = lw.gpu.err_flag.ptr;
     let mut c0 = 0;
@@ -127,33 +129,30 @@ pub(super) fn linear_ce_fwd(
             z,
             0,
         );
-        lw.rows(
-            stats,
-            n,
-            256,
-            0,
-            vec![
-                Arg::P(m),
-                Arg::P(s),
-                Arg::P(target.ptr),
-                Arg::P(z),
-                Arg::P(labels.ptr),
-                Arg::I64(len as i64),
-                Arg::I64(c0 as i64),
-                Arg::I64(v as i64),
-                Arg::I64(a.ignore),
-                Arg::F32(a.scale),
-                Arg::F32(a.cap),
-                Arg::P(err),
-            ],
-        )?;
+        let k = kernels::LceStats {
+            m,
+            s,
+            target: target.ptr,
+            z,
+            labels: labels.ptr,
+            len: len as i64,
+            c0: c0 as i64,
+            v: v as i64,
+            ignore: a.ignore,
+            scale: a.scale,
+            cap: a.cap,
+            err,
+        };
+        lw.run(stats, n, k)?;
         c0 += len;
     }
-    lw.n(
-        "lce_finish",
-        n,
-        vec![Arg::P(lse.ptr), Arg::P(m), Arg::P(s), Arg::I64(n as i64)],
-    )
+    let k = kernels::LceFinish {
+        lse: lse.ptr,
+        m,
+        s,
+        rows: n as i64,
+    };
+    lw.run("lce_finish", n, k)
 }
 
 /// Backward: operands x, w, labels, lse, dlse, dtarget; `outs` = [dx, dw].
@@ -188,23 +187,20 @@ pub(super) fn linear_ce_bwd(
             z,
             0,
         );
-        lw.n(
-            dz,
-            n * len,
-            vec![
-                Arg::P(z),
-                Arg::P(labels.ptr),
-                Arg::P(lse.ptr),
-                Arg::P(dlse.ptr),
-                Arg::P(dtarget.ptr),
-                Arg::I64(n as i64),
-                Arg::I64(len as i64),
-                Arg::I64(c0 as i64),
-                Arg::I64(a.ignore),
-                Arg::F32(a.scale),
-                Arg::F32(a.cap),
-            ],
-        )?;
+        let k = kernels::LceDz {
+            z,
+            labels: labels.ptr,
+            lse: lse.ptr,
+            dlse: dlse.ptr,
+            dtarget: dtarget.ptr,
+            rows: n as i64,
+            len: len as i64,
+            c0: c0 as i64,
+            ignore: a.ignore,
+            scale: a.scale,
+            cap: a.cap,
+        };
+        lw.run(dz, n * len, k)?;
         // dx (+)= dz [n, len] @ w_c [len, h]
         lw.gemm(
             gemm_shape(x.dtype, n, h, len, false, false, c0 > 0),

@@ -10,7 +10,7 @@ pub(super) fn rms_norm(lw: &mut Lower, ins: &[DevT], outs: &[DevT], eps: &Float)
     let (x, w) = (&ins[0], &ins[1]);
     let h = *x.shape.last().unwrap() as u64;
     let rows = x.numel().checked_div(h).unwrap_or(0);
-    if let Some(name) = rms8_kernel(x, w, h, "rms_fwd8_bf16") {
+    if let Some(name) = rms8_kernel(&[x, o], w, h, "rms_fwd8_bf16") {
         let k = kernels::RmsFwd8 {
             out: o.ptr,
             x: x.ptr,
@@ -48,7 +48,7 @@ pub(super) fn rms_norm_grad(
     let (dx, dw) = (&outs[0], &outs[1]);
     let h = *x.shape.last().unwrap() as u64;
     let rows = x.numel().checked_div(h).unwrap_or(0);
-    if let Some(name) = rms8_kernel(x, w, h, "rms_bwd8_bf16") {
+    if let Some(name) = rms8_kernel(&[x, dy, dx], w, h, "rms_bwd8_bf16") {
         // About 512 blocks (4 rows each at 2048 rows): enough warps in flight to hide
         // the per-row reductions; dw from per-block partials, summed in a fixed order.
         let rpb = rows.div_ceil(512).max(1);
@@ -127,12 +127,14 @@ pub(super) fn rms_norm_grad(
 }
 
 /// The 16-byte-vector bf16 rms_norm kernel for rows of `h` (a multiple of 8, at most 8192)
-/// with a f32 or bf16 weight, by chunks per thread; None where the generic kernel must run.
-fn rms8_kernel(x: &DevT, w: &DevT, h: u64, base: &str) -> Option<&'static str> {
-    if x.dtype != DType::BF16
+/// with a f32 or bf16 weight, by chunks per thread, where every row tensor (`rows`) is
+/// bf16 and 16-byte aligned; None where the generic kernel must run.
+fn rms8_kernel(rows: &[&DevT], w: &DevT, h: u64, base: &str) -> Option<&'static str> {
+    if !rows
+        .iter()
+        .all(|t| t.dtype == DType::BF16 && t.ptr.is_multiple_of(16))
         || !matches!(w.dtype, DType::BF16 | DType::F32)
         || !h.is_multiple_of(8)
-        || !x.ptr.is_multiple_of(16)
         || !w.ptr.is_multiple_of(16)
     {
         return None;
