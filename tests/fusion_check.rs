@@ -212,6 +212,7 @@ fn fuse_rewrite_snapshot_and_values() {
     let (unfused, _) = training_step(&g, "", &train_opts()).unwrap();
     let (f, counters) = fused(&unfused);
     let want: BTreeMap<String, u64> = [
+        ("adamw_master", 0),
         ("add_rms_norm", 2),
         ("add_rms_norm_grad", 2),
         ("dce_removed", 0),
@@ -444,6 +445,57 @@ fn gemma2_in_bf16_fuses_its_f32_norms_between_casts() {
             1e-10,
         );
     }
+}
+
+#[test]
+fn mixed_precision_adamw_fuses_with_its_casts() {
+    // bf16 parameters with f32 master weights: the optimizer writes cast(grad) -> adamw
+    // on the master -> cast back for every parameter; each chain becomes one
+    // `adamw_master` (alone, on dp=2 with ZeRO-1 shards, and on tp=2), computing the same
+    // step. The f32 program has no such chain.
+    use weft_passes::training::Optimizer;
+    let dir = fixture("llama");
+    let model = weft_frontends::load(dir.to_str().unwrap()).unwrap();
+    let mut cfg = model.config.clone().unwrap();
+    cfg.dtype = weft_ir::DType::BF16;
+    let g = weft_frontends::Model::from_config(&model.name, cfg, model.origin.clone())
+        .unwrap()
+        .graph;
+    let (_, _, inputs) = load_fixture("llama");
+    let weights = weights_for(&g, 1.0);
+    let mut adamw = train_opts();
+    adamw.optimizer = Some(Optimizer::adamw(1e-3));
+    let mut zero = adamw.clone();
+    zero.zero1 = true;
+    for (mesh, opts) in [("", &adamw), ("dp=2", &zero), ("tp=2", &adamw)] {
+        let what = format!("llama bf16 on `{mesh}` (zero1 {})", opts.zero1);
+        let (unfused, _) = training_step(&g, mesh, opts).unwrap();
+        let (f, counters) = fused(&unfused);
+        let updates = count(&unfused, "adamw") as u64;
+        assert!(updates >= 9, "{what}: {updates} adamw");
+        assert_eq!(counters["adamw_master"], updates, "{what}: {counters:?}");
+        assert_eq!(count(&f, "adamw"), 0, "{what}");
+        assert_eq!(count(&f, "adamw_master") as u64, updates, "{what}");
+        let mut state = weights.clone();
+        state.extend(weft_passes::optimizer::initial_state(&unfused, &weights).unwrap());
+        let mut step_inputs = inputs.clone();
+        step_inputs.insert(
+            "optim.step".into(),
+            HostTensor::floats(weft_ir::DType::F32, vec![], vec![1.0]),
+        );
+        same_outputs(
+            &what,
+            &unfused,
+            &f,
+            &state,
+            &step_inputs,
+            Precision::F64,
+            1e-10,
+        );
+    }
+    let (g32, _, _) = load_fixture("llama");
+    let (unfused, _) = training_step(&g32, "", &adamw).unwrap();
+    assert_eq!(fused(&unfused).1["adamw_master"], 0, "f32 llama");
 }
 
 #[test]

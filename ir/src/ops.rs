@@ -337,6 +337,8 @@ define_ops! {
     // ---- optimizer (made by `optimizer`) ----
     /// One AdamW step (torch.optim.AdamW) of `param` with gradient `grad`, moments `m`, `v` and the 1-based step number `step` (float scalar): new param, m, v. With `warmup=w` the learning rate of step t is `lr * min(1, t / w)` (linear warmup).
     AdamW = "adamw" ("param, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float, warmup: Option<i64> } => adamw;
+    /// `cast(adamw(master, cast(grad, f32), m, v, step).master, dtype)` in one pass (made by `fuse` from that mixed-precision chain): `grad` of any float dtype widened to the f32 `master`'s; new master, m, v and the new master rounded to `dtype` (the parameter the next step computes with). Bit for bit the unfused casts and `adamw`.
+    AdamWMaster = "adamw_master" ("master, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float, dtype: DType, warmup: Option<i64> } => host_adamw;
     /// `adamw` run by the host CPU (`--offload-optimizer`): f32 `master` weights and moments `m`, `v` in pinned host memory, `grad` (any float dtype, copied to the host by `offload`) widened to the master's dtype; new master, m, v and the new master rounded to `dtype` (the parameter `reload` brings back). Bit for bit the device `cast`, `adamw`, `cast`.
     HostAdamW = "host_adamw" ("master, grad, m, v, step") [5, 5] { lr: Float, beta1: Float, beta2: Float, eps: Float, weight_decay: Float, dtype: DType, warmup: Option<i64> } => host_adamw;
     /// One SGD step (torch.optim.SGD): new param and, given a momentum buffer, the new buffer.

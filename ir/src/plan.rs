@@ -38,7 +38,7 @@ pub const PLAN_VERSION: u32 = 2;
 /// Anything else writes in place only when it does not read the value it replaces.
 pub fn in_place_pairs(op: &str) -> &'static [(usize, usize)] {
     match op {
-        "adamw" => &[(0, 0), (2, 1), (3, 2)],
+        "adamw" | "adamw_master" => &[(0, 0), (2, 1), (3, 2)],
         "sgd" => &[(0, 0), (2, 1)],
         "cross_entropy_grad" => &[(0, 0)],
         "matmul_add" => &[(2, 0)],

@@ -263,10 +263,10 @@ pub fn adamw(_: &Op, ins: &[&TensorType]) -> Out {
     Ok(vec![p.clone(), m.clone(), v.clone()])
 }
 
-/// `host_adamw(master, grad, m, v, step) {dtype}`: new master, m, v, and the master
-/// in `dtype`.
+/// `host_adamw(master, grad, m, v, step) {dtype}` and `adamw_master` (the same update on
+/// the device): new master, m, v, and the master in `dtype`.
 pub fn host_adamw(op: &Op, ins: &[&TensorType]) -> Out {
-    let Op::HostAdamW { dtype, .. } = op else {
+    let (Op::HostAdamW { dtype, .. } | Op::AdamWMaster { dtype, .. }) = op else {
         return Err(format!("internal: host_adamw rule on `{}`", op.name()));
     };
     if !dtype.is_float() {

@@ -385,6 +385,15 @@ fn check_float_attrs(op: &Op) -> Option<String> {
             weight_decay,
             warmup,
             ..
+        }
+        | Op::AdamWMaster {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            warmup,
+            ..
         } => finite("lr", lr.0)
             .or_else(|| {
                 warmup

@@ -27,6 +27,12 @@
 //!   the table gradient read only by that add and `c` of its type (a tied lm_head's
 //!   weight gradient, computed long before the embedding's): the rows are added into
 //!   `c`, in its bytes, instead of into zeros that a second pass then adds to `c`.
+//! - `adamw_master`: `cast(adamw(master, cast_f32(g), m, v, step).master, low)`, the
+//!   mixed-precision update the `optimizer` pass writes for f32 master weights of a
+//!   bf16/f16 parameter: the widened gradient read only by that `adamw`, the new master
+//!   read by that one cast (and returned, as the next step's master), the gradient and
+//!   the cast of one dtype and the moments f32. One pass reads the low-precision
+//!   gradient and writes the new master, moments and parameter.
 //! - Both norm patterns also where the norm runs in f32 on a bf16/f16 stream between a
 //!   widening cast and the cast back (Gemma's `(1 + w)` norms in bf16):
 //!   `cast(rms_norm(cast_f32(add(x, y)), w))` and
@@ -54,7 +60,7 @@ impl Pass for Fuse {
         NAME
     }
     fn summary(&self) -> &'static str {
-        "fuse SwiGLU/GeGLU (glu, glu_grad) and residual add + rms_norm (add_rms_norm, add_rms_norm_grad), forward and backward"
+        "fuse SwiGLU/GeGLU (glu, glu_grad), residual add + rms_norm (add_rms_norm, add_rms_norm_grad), GEMM accumulation (matmul_add) and the mixed-precision AdamW update with its casts (adamw_master)"
     }
     fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
@@ -67,6 +73,7 @@ impl Pass for Fuse {
         let norm = fuse_add_rms_norms(g)?;
         let matmul_add = fuse_matmul_adds(g)?;
         let embedding_grad = fuse_embedding_grad_adds(g)?;
+        let adamw = fuse_adamw_casts(g)?;
         let dead = dead + dce(g);
         res.count("glu", glu as u64)
             .count("glu_grad", glu_grad as u64)
@@ -74,8 +81,10 @@ impl Pass for Fuse {
             .count("add_rms_norm_grad", norm_grad as u64)
             .count("matmul_add", matmul_add as u64)
             .count("embedding_grad_init", embedding_grad as u64)
+            .count("adamw_master", adamw as u64)
             .count("dce_removed", dead as u64);
-        res.changed = glu + glu_grad + norm + norm_grad + matmul_add + embedding_grad > 0;
+        res.changed =
+            glu + glu_grad + norm + norm_grad + matmul_add + embedding_grad + adamw > 0;
         Ok(res)
     }
 }
@@ -583,6 +592,81 @@ fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
         )?;
         g.replace_all_uses(sum, r[0]);
         g.remove_nodes(&[add, eg]);
+        fused += 1;
+    }
+    Ok(fused)
+}
+
+/// `cast(adamw(master, cast_f32(g), m, v, step).master, low)` ->
+/// `adamw_master(master, g, m, v, step) {dtype=low}`.
+fn fuse_adamw_casts(g: &mut Graph) -> Result<usize, PassError> {
+    let mut fused = 0;
+    let candidates: Vec<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| matches!(g.node(n).op, Op::AdamW { .. }))
+        .collect();
+    for a in candidates {
+        let uses = readers(g);
+        let Op::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            warmup,
+        } = g.node(a).op.clone()
+        else {
+            continue;
+        };
+        let ops = g.node(a).operands.clone();
+        let new_master = g.node(a).results[0];
+        if g.ty(ops[0]).dtype != DType::F32 {
+            continue;
+        }
+        let Some(low_grad) = widened(g, ops[1]).filter(|_| read_only_by(g, &uses, ops[1], a))
+        else {
+            continue;
+        };
+        let [(c, _)] = uses[new_master.0 as usize].as_slice() else {
+            continue;
+        };
+        let c = *c;
+        let Op::Cast { dtype } = g.node(c).op else {
+            continue;
+        };
+        // The fused kernels read the gradient in the parameter's dtype and keep f32
+        // moments.
+        if !matches!(dtype, DType::BF16 | DType::F16)
+            || g.ty(low_grad).dtype != dtype
+            || g.ty(ops[2]).dtype != DType::F32
+            || g.ty(ops[3]).dtype != DType::F32
+        {
+            continue;
+        }
+        let operands = [ops[0], low_grad, ops[2], ops[3], ops[4]];
+        let widen = g.def(ops[1]);
+        let Some(at) = placement(g, &operands, &[widen, a, c]) else {
+            continue;
+        };
+        let op = Op::AdamWMaster {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            dtype,
+            warmup,
+        };
+        let what = "the gradient's widening `cast`, `adamw` on the f32 master and the `cast` back";
+        let r = insert_fused(g, at, op, &operands, a, what)?;
+        let old = g.node(a).results.clone();
+        for (o, n) in old.iter().zip(&r) {
+            g.replace_all_uses(*o, *n);
+        }
+        g.replace_all_uses(g.node(c).results[0], r[3]);
+        g.remove_nodes(&[c, a, widen]);
         fused += 1;
     }
     Ok(fused)

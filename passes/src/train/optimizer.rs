@@ -452,17 +452,19 @@ impl Writer<'_> {
             _ => (grad, false),
         };
         self.g.remove_output(&shard_out);
-        // Offloaded, the gradient crosses the host link in its own dtype.
-        let g = if self.g.ty(grad).dtype == fdt || offload {
+        // This rank's piece first, so only the piece is widened (and `fuse` finds the
+        // widening cast right before the update). Offloaded, the gradient crosses the
+        // host link in its own dtype.
+        let g = if chunked {
             grad
         } else {
-            self.why(format!("the gradient of `{name}` in {fdt}"));
-            self.op(Op::Cast { dtype: fdt }, &[grad])?
+            chunk_of(self, grad, "gradient")?
         };
-        let g = if chunked {
+        let g = if self.g.ty(g).dtype == fdt || offload {
             g
         } else {
-            chunk_of(self, g, "gradient")?
+            self.why(format!("the gradient of `{name}` in {fdt}"));
+            self.op(Op::Cast { dtype: fdt }, &[g])?
         };
         let mut host_param = None;
         let new32 = match *opt {

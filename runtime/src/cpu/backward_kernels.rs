@@ -113,7 +113,8 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             let (drows, dw) = moe_combine_grad(&ins[0], &ins[1], &ins[2], &ins[3])?;
             Ok(vec![drows, dw])
         }
-        // The host update (`host_adamw`) is the same AdamW on the same values (this
+        // The host update (`host_adamw`) and the fused mixed-precision one
+        // (`adamw_master`) are the same AdamW on the same values (this
         // runtime computes every float dtype in one precision, so the widening and
         // rounding casts of the device path are identities here as well); it also
         // returns the parameter in its own dtype, to reload.
@@ -126,6 +127,15 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
             warmup,
         }
         | Op::HostAdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            warmup,
+            ..
+        }
+        | Op::AdamWMaster {
             lr,
             beta1,
             beta2,
@@ -147,7 +157,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 eps.0,
                 weight_decay.0,
             )?;
-            Ok(if matches!(op, Op::HostAdamW { .. }) {
+            Ok(if matches!(op, Op::HostAdamW { .. } | Op::AdamWMaster { .. }) {
                 vec![p.clone(), m, v, p]
             } else {
                 vec![p, m, v]

@@ -619,6 +619,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         | Op::MoeCombineGrad {}
         | Op::AdamW { .. }
         | Op::HostAdamW { .. }
+        | Op::AdamWMaster { .. }
         | Op::Sgd { .. }
         | Op::Offload { .. }
         | Op::Reload { .. } => super::backward_kernels::eval(op, ins, cx),

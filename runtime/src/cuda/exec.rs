@@ -419,12 +419,9 @@ impl Executor {
         // such an update shares its target's bytes and has nothing to copy back.
         let root_of = resolve_views(plan, &mut bufs)?;
         updates.retain(|&(from, to)| root_of[from as usize] != root_of[to as usize]);
-        let mut elided = view_reshapes(plan, &root_of);
+        let elided = view_reshapes(plan, &root_of);
         let last_read = last_reads(plan, &root_of);
-        // Mixed-precision AdamW as the `optimizer` pass writes it, cast(grad) -> adamw on
-        // the f32 master -> cast back, runs as one kernel: the casts are elided.
-        let (fused, writer) =
-            fuse_mixed_precision_adamw(plan, &graph, &bufs, &root_of, &mut elided);
+        let writer = producers(plan);
         // Updates the plan did not write in place (older plans, or where it could not)
         // write in place here when nothing after the write reads the old value (an
         // elementwise optimizer kernel may read it itself): no copy back, and the
@@ -456,13 +453,11 @@ impl Executor {
                 cudnn_lse: HashSet::new(),
                 ce_lse: HashMap::new(),
                 location: String::new(),
-                fused_adamw: None,
             };
             let cx = Lowering {
                 graph: &graph,
                 value_node: &value_node,
                 bufs: &bufs,
-                fused: &fused,
                 elided: &elided,
                 bindings: &bindings,
                 world: env.world,

@@ -99,8 +99,6 @@ pub(super) struct Lower<'a> {
     /// Saved per-row log-sum-exp of cross-entropy forwards: (logits, labels) -> lse pointer.
     pub(super) ce_lse: HashMap<(u64, u64), u64>,
     pub(super) location: String,
-    /// Fused mixed-precision AdamW: (low-precision grad, low-precision param out) pointers.
-    pub(super) fused_adamw: Option<(u64, u64, DType)>,
 }
 
 impl Lower<'_> {
@@ -493,6 +491,22 @@ pub(super) fn lower_op(
             ins,
             outs,
             [lr, beta1, beta2, eps, weight_decay],
+            *warmup,
+        ),
+        Op::AdamWMaster {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            dtype,
+            warmup,
+        } => optimizer::adamw_master(
+            lw,
+            ins,
+            outs,
+            [lr, beta1, beta2, eps, weight_decay],
+            *dtype,
             *warmup,
         ),
         Op::Sgd {

@@ -1,6 +1,7 @@
-//! Lowering of the optimizer updates: AdamW (plain, 16-byte-vector bf16, or fused with
-//! the mixed-precision cast the executor found around it), SGD with momentum, and the
-//! host AdamW update (`--offload-optimizer`) as a host function on the host stream.
+//! Lowering of the optimizer updates: AdamW (plain or 16-byte-vector bf16), the
+//! mixed-precision AdamW that `fuse` made of the casts around it (`adamw_master`), SGD
+//! with momentum, and the host AdamW update (`--offload-optimizer`) as a host function
+//! on the host stream.
 
 use super::*;
 
@@ -18,43 +19,6 @@ pub(super) fn adamw(
     let n = p.numel();
     let aligned = |ps: &[u64]| n % 8 == 0 && ps.iter().all(|x| x % 16 == 0);
     let [lr, b1, b2, eps, wd] = hyper.map(|x| x.0 as f32);
-    if let Some((glow, pout, low)) = lw.fused_adamw {
-        let ptrs = [
-            pout,
-            outs[0].ptr,
-            outs[1].ptr,
-            outs[2].ptr,
-            p.ptr,
-            glow,
-            m.ptr,
-            v.ptr,
-        ];
-        let (name, items) = if low == DType::BF16 && aligned(&ptrs) {
-            ("adamw_master8_bf16", n / 8)
-        } else {
-            (kname("adamw_master", low)?, n)
-        };
-        let k = kernels::AdamWMaster {
-            pout,
-            wo: outs[0].ptr,
-            mo: outs[1].ptr,
-            vo: outs[2].ptr,
-            w: p.ptr,
-            g: glow,
-            m: m.ptr,
-            v: v.ptr,
-            step: step.ptr,
-            scode: step.dtype,
-            n: items as i64,
-            lr,
-            b1,
-            b2,
-            eps,
-            wd,
-            warmup,
-        };
-        return lw.run(name, items, k);
-    }
     if g.dtype != p.dtype || m.dtype != v.dtype {
         return Err(lw.unsup(
             "adamw",
@@ -85,6 +49,68 @@ pub(super) fn adamw(
         mo: outs[1].ptr,
         vo: outs[2].ptr,
         p: p.ptr,
+        g: g.ptr,
+        m: m.ptr,
+        v: v.ptr,
+        step: step.ptr,
+        scode: step.dtype,
+        n: items as i64,
+        lr,
+        b1,
+        b2,
+        eps,
+        wd,
+        warmup,
+    };
+    lw.run(name, items, k)
+}
+
+/// `adamw_master`: the f32 master, moments and step with a gradient in `low` (bf16 or
+/// f16); writes the new master, moments and the new master rounded to `low`.
+pub(super) fn adamw_master(
+    lw: &mut Lower,
+    ins: &[DevT],
+    outs: &[DevT],
+    hyper: [&Float; 5],
+    low: DType,
+    warmup: Option<i64>,
+) -> CudaResult<()> {
+    let warmup = warmup.filter(|&w| w > 0).map_or(0.0, |w| w as f32);
+    let (w, g, m, v, step) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
+    let pout = &outs[3];
+    if [w, m, v].iter().any(|t| t.dtype != DType::F32) || g.dtype != low || pout.dtype != low {
+        return Err(lw.unsup(
+            "adamw_master",
+            &format!(
+                "master, m and v must be f32 and the gradient and result {low}: master {}, grad {}, m {}, v {}",
+                w.dtype, g.dtype, m.dtype, v.dtype
+            ),
+        ));
+    }
+    let n = w.numel();
+    let [lr, b1, b2, eps, wd] = hyper.map(|x| x.0 as f32);
+    let ptrs = [
+        pout.ptr,
+        outs[0].ptr,
+        outs[1].ptr,
+        outs[2].ptr,
+        w.ptr,
+        g.ptr,
+        m.ptr,
+        v.ptr,
+    ];
+    let aligned = n.is_multiple_of(8) && ptrs.iter().all(|x| x.is_multiple_of(16));
+    let (name, items) = if low == DType::BF16 && aligned {
+        ("adamw_master8_bf16", n / 8)
+    } else {
+        (kname("adamw_master", low)?, n)
+    };
+    let k = kernels::AdamWMaster {
+        pout: pout.ptr,
+        wo: outs[0].ptr,
+        mo: outs[1].ptr,
+        vo: outs[2].ptr,
+        w: w.ptr,
         g: g.ptr,
         m: m.ptr,
         v: v.ptr,

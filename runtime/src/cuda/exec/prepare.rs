@@ -157,102 +157,15 @@ pub(super) fn last_reads(plan: &ExecutionPlan, root_of: &[u32]) -> Vec<u32> {
     last_read
 }
 
-/// adamw instruction -> (low-precision grad, low-precision param out) buffers.
-pub(super) type FusedAdamW = HashMap<u32, (u32, u32)>;
-
-/// The AdamW instructions fused with their casts: adamw -> (low-precision grad, low
-/// precision param out) buffers; the casts join `elided`. Also returns each buffer's
-/// writer (its producer, or the fused AdamW for the low-precision param).
-pub(super) fn fuse_mixed_precision_adamw(
-    plan: &ExecutionPlan,
-    graph: &Graph,
-    bufs: &[DevT],
-    root_of: &[u32],
-    elided: &mut HashSet<u32>,
-) -> (FusedAdamW, Vec<Option<u32>>) {
-    let nb = plan.buffers.len();
-    let mut readers: Vec<Vec<u32>> = vec![Vec::new(); nb];
-    let mut producer: Vec<Option<u32>> = vec![None; nb];
+/// Each buffer's writer: the first instruction with it among its outputs.
+pub(super) fn producers(plan: &ExecutionPlan) -> Vec<Option<u32>> {
+    let mut producer: Vec<Option<u32>> = vec![None; plan.buffers.len()];
     for ins in &plan.instructions {
-        for &b in &ins.inputs {
-            readers[b as usize].push(ins.id);
-        }
         for &b in &ins.outputs {
             producer[b as usize].get_or_insert(ins.id);
         }
     }
-    let outputs: HashSet<u32> = graph
-        .outputs()
-        .iter()
-        .filter_map(|(_, v)| plan.buffers.iter().find(|b| b.value == v.0).map(|b| b.id))
-        .collect();
-    let mut fused: HashMap<u32, (u32, u32)> = HashMap::new(); // adamw -> (low grad, low param out)
-    let mut writer: Vec<Option<u32>> = producer.clone();
-    for a_ins in plan
-        .instructions
-        .iter()
-        .filter(|i| i.op == "adamw" && i.inputs.len() == 5)
-    {
-        let gb = a_ins.inputs[1] as usize;
-        let Some(c1) = producer[gb] else { continue };
-        let c1i = &plan.instructions[c1 as usize];
-        let p32 = a_ins.outputs[0] as usize;
-        let low = |d: DType| d == DType::BF16 || d == DType::F16;
-        if c1i.op != "cast"
-            || readers[gb] != [a_ins.id]
-            || outputs.contains(&(gb as u32))
-            || !low(bufs[c1i.inputs[0] as usize].dtype)
-            || bufs[gb].dtype != DType::F32
-        {
-            continue;
-        }
-        if [a_ins.inputs[0], a_ins.inputs[2], a_ins.inputs[3]]
-            .iter()
-            .any(|&b| bufs[b as usize].dtype != DType::F32)
-        {
-            continue;
-        }
-        let [c2] = readers[p32].as_slice() else {
-            continue;
-        };
-        let c2i = &plan.instructions[*c2 as usize];
-        if c2i.op != "cast"
-            || bufs[c2i.outputs[0] as usize].dtype != bufs[c1i.inputs[0] as usize].dtype
-            || c2i.stream != a_ins.stream
-            || c1i.stream != a_ins.stream
-        {
-            continue;
-        }
-        // Fused, the low param is written at the adamw, not at the cast. When the plan
-        // writes it in place over the old param, the old value must be dead there too:
-        // nothing reads those bytes from the adamw to the cast, and nothing on the
-        // stream waits for an event in between (so every read ordered before the cast
-        // is ordered before the adamw).
-        let lo = c2i.outputs[0] as usize;
-        if root_of[lo] as usize != lo {
-            let r = root_of[lo];
-            let between = |i: &&weft_ir::plan::Instruction| i.id >= a_ins.id && i.id < *c2;
-            let read = plan
-                .instructions
-                .iter()
-                .filter(between)
-                .any(|i| i.inputs.iter().any(|&b| root_of[b as usize] == r));
-            let waits = plan
-                .instructions
-                .iter()
-                .filter(between)
-                .any(|i| i.stream == a_ins.stream && i.id > a_ins.id && !i.wait.is_empty())
-                || !c2i.wait.is_empty();
-            if read || waits {
-                continue;
-            }
-        }
-        fused.insert(a_ins.id, (c1i.inputs[0], c2i.outputs[0]));
-        elided.insert(c1);
-        elided.insert(*c2);
-        writer[c2i.outputs[0] as usize] = Some(a_ins.id);
-    }
-    (fused, writer)
+    producer
 }
 
 /// Makes the `updates` that can be written in place alias what they update (moving
@@ -290,9 +203,7 @@ pub(super) fn update_in_place(
         let ok = if reads_it {
             // elementwise in place: the optimizer reading the value it replaces
             let pairs: &[(usize, usize)] = match wi.op.as_str() {
-                "adamw" => &[(0, 0), (2, 1), (3, 2)],
-                "sgd" => &[(0, 0), (2, 1)],
-                _ => &[],
+                op => weft_ir::plan::in_place_pairs(op),
             };
             let pos_out = wi.outputs.iter().position(|&b| b == ob);
             let pos_in = wi
@@ -385,7 +296,6 @@ pub(super) struct Lowering<'a> {
     pub(super) graph: &'a Graph,
     pub(super) value_node: &'a HashMap<u32, Node>,
     pub(super) bufs: &'a [DevT],
-    pub(super) fused: &'a FusedAdamW,
     pub(super) elided: &'a HashSet<u32>,
     pub(super) bindings: &'a Bindings,
     pub(super) world: u32,
@@ -421,13 +331,6 @@ pub(super) fn lower_instruction(
         .iter()
         .map(|&b| cx.bufs[b as usize].clone())
         .collect();
-    lw.fused_adamw = cx.fused.get(&ins.id).map(|&(g, p)| {
-        (
-            cx.bufs[g as usize].ptr,
-            cx.bufs[p as usize].ptr,
-            cx.bufs[g as usize].dtype,
-        )
-    });
     if cx.elided.contains(&ins.id) {
         // a view: nothing to run
     } else if nd.op.is_collective() {
