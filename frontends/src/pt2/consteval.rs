@@ -4,12 +4,36 @@
 //! few sequence lengths and compares the result with what a Weft op computes
 //! (`attention {causal}`, `rope_table`), so recognition does not depend on how a given
 //! transformers version happens to spell the computation.
+//!
+//! This file holds the value types, the broadcasting helpers, and [`Eval`] with its
+//! argument readers and the dispatcher `Eval::node`, which tries each op family of a
+//! sibling file in turn:
+//!
+//! - `consteval/sizes.rs`: `sym_size` and the `_operator.*` integer ops;
+//! - `consteval/arith.rs`: `add`, `sub`, `mul`, `div`, `pow`, `neg`, `cos`, `sin`, ...;
+//! - `consteval/logic.rs`: comparisons, `and`/`or`/`not`, `where`, `masked_fill`;
+//! - `consteval/factories.rs`: `arange`, `full`, `zeros`, `ones`, `empty` (and `_like`);
+//! - `consteval/casts.rs`: `to`, `type_as`, and `clone`-like identities;
+//! - `consteval/layout.rs`: `view`, `unsqueeze`, `squeeze`, `expand`, `permute`, ...;
+//! - `consteval/indexing.rs`: `slice`, `select`, `cat`, `index`;
+//! - `consteval/reductions.rs`: `cumsum`, `diff`, `any`;
+//! - `consteval/linear.rs`: `matmul`, `bmm`, `mm`.
 
-use super::fx::FxGraph;
+use super::fx::{FxGraph, FxNode};
 use super::schema::{Arg, ScalarType, SymArg, SymInt};
 use super::sympy;
 use std::collections::BTreeMap;
 use weft_ir::HostTensor;
+
+mod arith;
+mod casts;
+mod factories;
+mod indexing;
+mod layout;
+mod linear;
+mod logic;
+mod reductions;
+mod sizes;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -307,731 +331,54 @@ impl<'a> Eval<'a> {
             .ok_or_else(|| format!("`{name}` has no value"))
     }
 
+    /// Evaluates node `ni`: each op family in turn, until one takes the op.
     fn node(&mut self, ni: usize) -> R<Vec<CV>> {
         let n = self.fx.nodes[ni].clone();
-        let a = |i: usize| n.arg_at(i).clone();
-        let t = |s: &mut Self, i: usize| s.tensor_arg(&n.arg_at(i).clone());
-        let one = |ct: CT| -> R<Vec<CV>> {
-            if numel(&ct.shape) > MAX_ELEMS {
-                return Err("too large".into());
+        let families: [Family<'a>; 9] = [
+            Self::eval_size_op,
+            Self::eval_arith,
+            Self::eval_logic,
+            Self::eval_factory,
+            Self::eval_cast,
+            Self::eval_layout,
+            Self::eval_indexing,
+            Self::eval_reduction,
+            Self::eval_linear,
+        ];
+        for family in families {
+            if let Some(r) = family(self, &n) {
+                return r;
             }
-            Ok(vec![CV::T(ct)])
-        };
-        let dtype_kind = |s: &Self, i: usize, dflt: Kind| -> R<Kind> {
-            let _ = s;
-            match n.arg_at(i) {
-                Arg::ScalarType(c) => kind_of_code(*c),
-                _ => Ok(dflt),
-            }
-        };
-        let named_dtype = |dflt: Kind| -> R<Kind> {
-            match n.arg("dtype") {
-                Arg::ScalarType(c) => kind_of_code(*c),
-                _ => Ok(dflt),
-            }
-        };
-        let _ = dtype_kind;
+        }
         match n.op.as_str() {
-            "aten.sym_size.int" => {
-                let Arg::Tensor(x) = a(0) else {
-                    return Err("sym_size of a non-tensor".into());
-                };
-                let d = self.int_arg(&a(1))?;
-                let meta = self.fx.tensor_meta.get(&x).ok_or("no meta")?.clone();
-                let d = norm(d, meta.sizes.len())?;
-                let v = match &meta.sizes[d] {
-                    SymInt::Int(i) => *i,
-                    SymInt::Expr { expr, .. } => self.sym_expr(expr)?,
-                };
-                Ok(vec![CV::Num(v as f64, Kind::Int)])
-            }
-            "_operator.add.default"
-            | "_operator.sub.default"
-            | "_operator.mul.default"
-            | "_operator.floordiv.default" => {
-                let (x, y) = (self.int_arg(&a(0))?, self.int_arg(&a(1))?);
-                let v = match n.base() {
-                    "add" => x + y,
-                    "sub" => x - y,
-                    "mul" => x * y,
-                    _ if y != 0 => x.div_euclid(y),
-                    _ => return Err("division by zero".into()),
-                };
-                Ok(vec![CV::Num(v as f64, Kind::Int)])
-            }
-            "_operator.neg.default" => Ok(vec![CV::Num(-(self.int_arg(&a(0))? as f64), Kind::Int)]),
-            "aten.arange.default" | "aten.arange.start" | "aten.arange.start_step" => {
-                let (s, e, st) = match n.op.as_str() {
-                    "aten.arange.default" => (
-                        CV::Num(0.0, Kind::Int),
-                        self.scalar_arg(&a(0))?,
-                        CV::Num(1.0, Kind::Int),
-                    ),
-                    "aten.arange.start" => (
-                        self.scalar_arg(&a(0))?,
-                        self.scalar_arg(&a(1))?,
-                        CV::Num(1.0, Kind::Int),
-                    ),
-                    _ => (
-                        self.scalar_arg(&a(0))?,
-                        self.scalar_arg(&a(1))?,
-                        self.scalar_arg(&a(2))?,
-                    ),
-                };
-                let num = |c: CV| match c {
-                    CV::Num(v, k) => Ok((v, k)),
-                    _ => Err("arange bound is not a number".to_string()),
-                };
-                let ((s, k1), (e, k2), (st, k3)) = (num(s)?, num(e)?, num(st)?);
-                let dflt = if [k1, k2, k3].contains(&Kind::Float) {
-                    Kind::Float
-                } else {
-                    Kind::Int
-                };
-                let k = named_dtype(dflt)?;
-                if st == 0.0 {
-                    return Err("arange step 0".into());
-                }
-                let cnt = (((e - s) / st).ceil()).max(0.0) as usize;
-                if cnt > MAX_ELEMS {
-                    return Err("too large".into());
-                }
-                one(CT {
-                    shape: vec![cnt],
-                    data: (0..cnt).map(|i| cast(s + st * i as f64, k)).collect(),
-                    kind: k,
-                })
-            }
-            "aten.add.Tensor" | "aten.add.Scalar" | "aten.sub.Tensor" | "aten.sub.Scalar"
-            | "aten.rsub.Scalar" => {
-                let (x, y) = (t(self, 0)?, t(self, 1)?);
-                let alpha = match a(2) {
-                    Arg::Int(i) => i as f64,
-                    Arg::Float(f) => f,
-                    _ => 1.0,
-                };
-                let k = promote(x.kind, y.kind);
-                let r = match n.base() {
-                    "add" => binary(&x, &y, k, |p, q| p + alpha * q)?,
-                    "sub" => binary(&x, &y, k, |p, q| p - alpha * q)?,
-                    _ => binary(&x, &y, k, |p, q| q - alpha * p)?,
-                };
-                one(r)
-            }
-            "aten.mul.Tensor" | "aten.mul.Scalar" => {
-                let (x, y) = (t(self, 0)?, t(self, 1)?);
-                one(binary(&x, &y, promote(x.kind, y.kind), |p, q| p * q)?)
-            }
-            "aten.div.Tensor" | "aten.div.Scalar" => {
-                let (x, y) = (t(self, 0)?, t(self, 1)?);
-                one(binary(&x, &y, Kind::Float, |p, q| p / q)?)
-            }
-            "aten.pow.Tensor_Scalar" => {
-                let (x, y) = (t(self, 0)?, t(self, 1)?);
-                one(binary(&x, &y, promote(x.kind, y.kind), f64::powf)?)
-            }
-            "aten.neg.default" => {
-                let x = t(self, 0)?;
-                one(x.map(x.kind, |v| -v))
-            }
-            "aten.cos.default" | "aten.sin.default" | "aten.exp.default" | "aten.rsqrt.default"
-            | "aten.sqrt.default" => {
-                let x = t(self, 0)?;
-                // f32 arithmetic, as torch computes these tables.
-                let f: fn(f64) -> f64 = match n.base() {
-                    "cos" => |v| (v as f32).cos() as f64,
-                    "sin" => |v| (v as f32).sin() as f64,
-                    "exp" => |v| (v as f32).exp() as f64,
-                    "rsqrt" => |v| 1.0 / (v as f32).sqrt() as f64,
-                    _ => |v| (v as f32).sqrt() as f64,
-                };
-                one(x.map(Kind::Float, f))
-            }
-            "aten.eq.Tensor" | "aten.eq.Scalar" | "aten.ne.Tensor" | "aten.ne.Scalar"
-            | "aten.lt.Tensor" | "aten.lt.Scalar" | "aten.le.Tensor" | "aten.le.Scalar"
-            | "aten.gt.Tensor" | "aten.gt.Scalar" | "aten.ge.Tensor" | "aten.ge.Scalar" => {
-                let (x, y) = (t(self, 0)?, t(self, 1)?);
-                let f: fn(f64, f64) -> bool = match n.base() {
-                    "eq" => |p, q| p == q,
-                    "ne" => |p, q| p != q,
-                    "lt" => |p, q| p < q,
-                    "le" => |p, q| p <= q,
-                    "gt" => |p, q| p > q,
-                    _ => |p, q| p >= q,
-                };
-                one(binary(&x, &y, Kind::Bool, |p, q| f(p, q) as i64 as f64)?)
-            }
-            "aten.__and__.Tensor" | "aten.bitwise_and.Tensor" | "aten.logical_and.default" => {
-                let (x, y) = (t(self, 0)?, t(self, 1)?);
-                one(binary(&x, &y, Kind::Bool, |p, q| {
-                    ((p != 0.0) && (q != 0.0)) as i64 as f64
-                })?)
-            }
-            "aten.__or__.Tensor" | "aten.bitwise_or.Tensor" | "aten.logical_or.default" => {
-                let (x, y) = (t(self, 0)?, t(self, 1)?);
-                one(binary(&x, &y, Kind::Bool, |p, q| {
-                    ((p != 0.0) || (q != 0.0)) as i64 as f64
-                })?)
-            }
-            "aten.logical_not.default" | "aten.bitwise_not.default" => {
-                let x = t(self, 0)?;
-                one(x.map(Kind::Bool, |v| (v == 0.0) as i64 as f64))
-            }
-            "aten.where.self" | "aten.where.ScalarOther" | "aten.where.ScalarSelf" => {
-                let (c, x, y) = (t(self, 0)?, t(self, 1)?, t(self, 2)?);
-                let k = promote(x.kind, y.kind);
-                let s = bshape(&bshape(&c.shape, &x.shape)?, &y.shape)?;
-                let mut data = Vec::new();
-                for_each_index(&s, |i| {
-                    data.push(cast(if c.get(i) != 0.0 { x.get(i) } else { y.get(i) }, k))
-                });
-                one(CT {
-                    shape: s,
-                    data,
-                    kind: k,
-                })
-            }
-            "aten.masked_fill.Scalar" | "aten.masked_fill.Tensor" => {
-                let (x, m, v) = (t(self, 0)?, t(self, 1)?, t(self, 2)?);
-                let s = bshape(&x.shape, &m.shape)?;
-                let mut data = Vec::new();
-                for_each_index(&s, |i| {
-                    data.push(cast(
-                        if m.get(i) != 0.0 { v.get(i) } else { x.get(i) },
-                        x.kind,
-                    ))
-                });
-                one(CT {
-                    shape: s,
-                    data,
-                    kind: x.kind,
-                })
-            }
-            "aten.full.default"
-            | "aten.zeros.default"
-            | "aten.ones.default"
-            | "aten.new_ones.default"
-            | "aten.new_zeros.default"
-            | "aten.empty.memory_format"
-            | "aten.empty_permuted.default" => {
-                let (size_i, fill) = match n.base() {
-                    "full" => (0, self.scalar_arg(&a(1))?),
-                    "zeros" | "empty" | "empty_permuted" => (0, CV::Num(0.0, Kind::Float)),
-                    "ones" => (0, CV::Num(1.0, Kind::Float)),
-                    "new_ones" => (1, CV::Num(1.0, Kind::Float)),
-                    _ => (1, CV::Num(0.0, Kind::Float)),
-                };
-                let shape: Vec<usize> = self
-                    .ints_arg(&a(size_i))?
-                    .into_iter()
-                    .map(|x| x.max(0) as usize)
-                    .collect();
-                let (v, fk) = match fill {
-                    CV::Num(v, k) => (v, k),
-                    _ => return Err("fill value is not a number".into()),
-                };
-                let dflt = if n.base().starts_with("new_") {
-                    t(self, 0)?.kind
-                } else if n.base() == "full" {
-                    fk
-                } else {
-                    Kind::Float
-                };
-                let k = named_dtype(dflt)?;
-                if numel(&shape) > MAX_ELEMS {
-                    return Err("too large".into());
-                }
-                one(CT {
-                    data: vec![cast(v, k); numel(&shape)],
-                    shape,
-                    kind: k,
-                })
-            }
-            "aten.full_like.default"
-            | "aten.zeros_like.default"
-            | "aten.ones_like.default"
-            | "aten.empty_like.default" => {
-                let x = t(self, 0)?;
-                let v = match n.base() {
-                    "full_like" => match self.scalar_arg(&a(1))? {
-                        CV::Num(v, _) => v,
-                        _ => return Err("fill value".into()),
-                    },
-                    "ones_like" => 1.0,
-                    _ => 0.0,
-                };
-                let k = named_dtype(x.kind)?;
-                one(CT {
-                    data: vec![cast(v, k); numel(&x.shape)],
-                    shape: x.shape,
-                    kind: k,
-                })
-            }
-            "aten.scalar_tensor.default" => {
-                let (v, fk) = match self.scalar_arg(&a(0))? {
-                    CV::Num(v, k) => (v, k),
-                    _ => return Err("scalar".into()),
-                };
-                let k = named_dtype(if fk == Kind::Bool {
-                    Kind::Bool
-                } else {
-                    Kind::Float
-                })?;
-                one(CT::scalar(cast(v, k), k))
-            }
-            "aten.to.dtype"
-            | "aten.to.dtype_layout"
-            | "aten.to.device"
-            | "aten._to_copy.default"
-            | "aten.type_as.default" => {
-                let x = t(self, 0)?;
-                let k = match n.op.as_str() {
-                    "aten.to.dtype" => match a(1) {
-                        Arg::ScalarType(c) => kind_of_code(c)?,
-                        _ => x.kind,
-                    },
-                    "aten.to.device" => match a(2) {
-                        Arg::ScalarType(c) => kind_of_code(c)?,
-                        _ => x.kind,
-                    },
-                    "aten.type_as.default" => t(self, 1)?.kind,
-                    _ => named_dtype(x.kind)?,
-                };
-                let f32 = k == Kind::Float;
-                one(x.map(k, |v| if f32 { v as f32 as f64 } else { v }))
-            }
-            "aten.clone.default"
-            | "aten.alias.default"
-            | "aten.contiguous.default"
-            | "aten.detach.default"
-            | "aten.lift_fresh_copy.default"
-            | "aten.copy.default" => {
-                let i = if n.base() == "copy" { 1 } else { 0 };
-                one(t(self, i)?)
-            }
-            "aten.view.default" | "aten.reshape.default" | "aten._unsafe_view.default" => {
-                let x = t(self, 0)?;
-                let want = self.ints_arg(&a(1))?;
-                let known: i64 = want.iter().filter(|&&d| d >= 0).product();
-                let total = numel(&x.shape) as i64;
-                let shape: Vec<usize> = want
-                    .iter()
-                    .map(|&d| {
-                        if d < 0 {
-                            (if known == 0 { 0 } else { total / known }) as usize
-                        } else {
-                            d as usize
-                        }
-                    })
-                    .collect();
-                if numel(&shape) != numel(&x.shape) {
-                    return Err(format!("view {:?} -> {shape:?}", x.shape));
-                }
-                one(CT { shape, ..x })
-            }
-            "aten.unsqueeze.default" => {
-                let mut x = t(self, 0)?;
-                let d = self.int_arg(&a(1))?;
-                let d = norm(d, x.shape.len() + 1)?;
-                x.shape.insert(d, 1);
-                one(x)
-            }
-            "aten.squeeze.dim" | "aten.squeeze.dims" | "aten.squeeze.default" => {
-                let mut x = t(self, 0)?;
-                let r = x.shape.len();
-                let dims: Vec<usize> = match n.op.as_str() {
-                    "aten.squeeze.default" => (0..r).collect(),
-                    _ => self
-                        .ints_arg(&a(1))?
-                        .into_iter()
-                        .map(|d| norm(d, r))
-                        .collect::<R<_>>()?,
-                };
-                let mut keep = Vec::new();
-                for (i, &s) in x.shape.iter().enumerate() {
-                    if !(dims.contains(&i) && s == 1) {
-                        keep.push(s);
-                    }
-                }
-                x.shape = keep;
-                one(x)
-            }
-            "aten.expand.default" => {
-                let x = t(self, 0)?;
-                let want = self.ints_arg(&a(1))?;
-                if want.len() < x.shape.len() {
-                    return Err("expand to fewer dims".into());
-                }
-                let off = want.len() - x.shape.len();
-                let mut shape = Vec::with_capacity(want.len());
-                for (i, &d) in want.iter().enumerate() {
-                    let src = if i >= off {
-                        Some(x.shape[i - off])
-                    } else {
-                        None
-                    };
-                    let v = match (d < 0, src) {
-                        (true, Some(s)) => s,
-                        (true, None) => return Err("expand with -1 in a new dim".into()),
-                        (false, _) => d as usize,
-                    };
-                    if let Some(s) = src {
-                        if s != 1 && s != v {
-                            return Err(format!("cannot expand {s} to {v}"));
-                        }
-                    }
-                    shape.push(v);
-                }
-                let mut data = Vec::new();
-                if numel(&shape) > MAX_ELEMS {
-                    return Err("too large".into());
-                }
-                for_each_index(&shape, |i| data.push(x.get(i)));
-                one(CT {
-                    shape,
-                    data,
-                    kind: x.kind,
-                })
-            }
-            "aten.slice.Tensor" => {
-                let x = t(self, 0)?;
-                let r = x.shape.len();
-                let d = norm(self.int_arg(&a(1))?, r)?;
-                let len = x.shape[d] as i64;
-                let fix = |v: i64| -> i64 {
-                    let v = if v < 0 { v + len } else { v };
-                    v.clamp(0, len)
-                };
-                let s = match a(2) {
-                    Arg::None => 0,
-                    ref o => fix(self.int_arg(o)?),
-                };
-                let e = match a(3) {
-                    Arg::None => len,
-                    ref o => fix(self.int_arg(o)?),
-                };
-                let step = self.int_arg(&a(4))?.max(1);
-                let picks: Vec<usize> = (s..e.max(s))
-                    .step_by(step as usize)
-                    .map(|v| v as usize)
-                    .collect();
-                one(take(&x, d, &picks))
-            }
-            "aten.select.int" => {
-                let x = t(self, 0)?;
-                let d = norm(self.int_arg(&a(1))?, x.shape.len())?;
-                let mut i = self.int_arg(&a(2))?;
-                if i < 0 {
-                    i += x.shape[d] as i64;
-                }
-                if i < 0 || i as usize >= x.shape[d] {
-                    return Err("select index out of range".into());
-                }
-                let mut r = take(&x, d, &[i.max(0) as usize]);
-                r.shape.remove(d);
-                one(r)
-            }
-            "aten.transpose.int" | "aten.permute.default" | "aten.t.default" => {
-                let x = t(self, 0)?;
-                let r = x.shape.len();
-                let perm: Vec<usize> = match n.base() {
-                    "permute" => self
-                        .ints_arg(&a(1))?
-                        .into_iter()
-                        .map(|d| norm(d, r))
-                        .collect::<R<_>>()?,
-                    _ => {
-                        let (d0, d1) = if n.base() == "t" {
-                            (0, 1)
-                        } else {
-                            (
-                                norm(self.int_arg(&a(1))?, r)?,
-                                norm(self.int_arg(&a(2))?, r)?,
-                            )
-                        };
-                        let mut p: Vec<usize> = (0..r).collect();
-                        p.swap(d0, d1);
-                        p
-                    }
-                };
-                let shape: Vec<usize> = perm.iter().map(|&p| x.shape[p]).collect();
-                let st = strides(&x.shape);
-                let mut data = Vec::new();
-                for_each_index(&shape, |i| {
-                    let off: usize = i.iter().zip(&perm).map(|(&k, &p)| k * st[p]).sum();
-                    data.push(x.data[off]);
-                });
-                one(CT {
-                    shape,
-                    data,
-                    kind: x.kind,
-                })
-            }
-            "aten.cat.default" => {
-                let Arg::Tensors(names) = a(0) else {
-                    return Err("cat of a non-list".into());
-                };
-                let parts: Vec<CT> = names
-                    .iter()
-                    .map(|nm| self.tensor_arg(&Arg::Tensor(nm.clone())))
-                    .collect::<R<_>>()?;
-                let parts: Vec<CT> = parts
-                    .into_iter()
-                    .filter(|p| !(p.shape.len() == 1 && p.shape[0] == 0))
-                    .collect();
-                let first = parts.first().ok_or("empty cat")?.clone();
-                let d = norm(self.int_arg(&a(1))?, first.shape.len())?;
-                check_cat(&parts, d)?;
-                let mut shape = first.shape.clone();
-                shape[d] = parts.iter().map(|p| p.shape[d]).sum();
-                let mut data = Vec::new();
-                let kind = parts.iter().fold(first.kind, |k, p| promote(k, p.kind));
-                for_each_index(&shape, |i| {
-                    let mut k = i[d];
-                    for p in &parts {
-                        if k < p.shape[d] {
-                            let mut j = i.to_vec();
-                            j[d] = k;
-                            data.push(p.get(&j));
-                            break;
-                        }
-                        k -= p.shape[d];
-                    }
-                });
-                one(CT { shape, data, kind })
-            }
-            "aten.cumsum.default" => {
-                let x = t(self, 0)?;
-                let d = norm(self.int_arg(&a(1))?, x.shape.len())?;
-                let k = named_dtype(if x.kind == Kind::Float {
-                    Kind::Float
-                } else {
-                    Kind::Int
-                })?;
-                let st = strides(&x.shape);
-                let mut data = x.data.clone();
-                for_each_index(&x.shape, |i| {
-                    if i[d] > 0 {
-                        let off: usize = i.iter().zip(&st).map(|(a, b)| a * b).sum();
-                        data[off] += data[off - st[d]];
-                    }
-                });
-                one(CT {
-                    shape: x.shape.clone(),
-                    data: data.into_iter().map(|v| cast(v, k)).collect(),
-                    kind: k,
-                })
-            }
-            "aten.diff.default" => {
-                let mut x = t(self, 0)?;
-                if self.int_arg(&a(1))? != 1 {
-                    return Err("diff with n != 1".into());
-                }
-                let d = norm(self.int_arg(&a(2))?, x.shape.len())?;
-                let pre = match a(3) {
-                    Arg::None => None,
-                    ref o => Some(self.tensor_arg(o)?),
-                };
-                let app = match a(4) {
-                    Arg::None => None,
-                    ref o => Some(self.tensor_arg(o)?),
-                };
-                if let Some(p) = pre {
-                    let parts = [p, x];
-                    check_cat(&parts, d)?;
-                    x = concat(&parts, d)?;
-                }
-                if let Some(p) = app {
-                    let parts = [x, p];
-                    check_cat(&parts, d)?;
-                    x = concat(&parts, d)?;
-                }
-                let mut shape = x.shape.clone();
-                shape[d] = shape[d].saturating_sub(1);
-                let mut data = Vec::new();
-                let k = if x.kind == Kind::Bool {
-                    Kind::Bool
-                } else {
-                    x.kind
-                };
-                for_each_index(&shape, |i| {
-                    let mut j = i.to_vec();
-                    j[d] += 1;
-                    data.push(cast(x.get(&j) - x.get(i), k));
-                });
-                one(CT {
-                    shape,
-                    data,
-                    kind: k,
-                })
-            }
-            "aten.index.Tensor" => {
-                let x = t(self, 0)?;
-                let Arg::OptionalTensors(idx) = a(1) else {
-                    if let Arg::Tensors(v) = a(1) {
-                        let idx: Vec<Option<String>> = v.into_iter().map(Some).collect();
-                        return self.index(&x, &idx);
-                    }
-                    return Err("index without indices".into());
-                };
-                self.index(&x, &idx)
-            }
-            "aten.any.dim" => {
-                let x = t(self, 0)?;
-                let d = norm(self.int_arg(&a(1))?, x.shape.len())?;
-                let keep = matches!(a(2), Arg::Bool(true));
-                let mut shape = x.shape.clone();
-                shape[d] = 1;
-                let mut data = Vec::new();
-                for_each_index(&shape, |i| {
-                    let mut any = false;
-                    for k in 0..x.shape[d] {
-                        let mut j = i.to_vec();
-                        j[d] = k;
-                        any |= x.get(&j) != 0.0;
-                    }
-                    data.push(any as i64 as f64);
-                });
-                if !keep {
-                    shape.remove(d);
-                }
-                one(CT {
-                    shape,
-                    data,
-                    kind: Kind::Bool,
-                })
-            }
-            "aten.matmul.default" | "aten.bmm.default" | "aten.mm.default" => {
-                let (x, y) = (t(self, 0)?, t(self, 1)?);
-                if x.shape.len() < 2 || y.shape.len() < 2 {
-                    return Err("matmul of vectors".into());
-                }
-                let (m, k) = (x.shape[x.shape.len() - 2], x.shape[x.shape.len() - 1]);
-                let (k2, nn) = (y.shape[y.shape.len() - 2], y.shape[y.shape.len() - 1]);
-                if k != k2 {
-                    return Err("matmul shapes".into());
-                }
-                let batch = bshape(&x.shape[..x.shape.len() - 2], &y.shape[..y.shape.len() - 2])?;
-                let mut shape = batch.clone();
-                shape.extend([m, nn]);
-                let mut data = Vec::new();
-                for_each_index(&shape, |i| {
-                    let mut acc = 0f32;
-                    for kk in 0..k {
-                        let mut xi = i.to_vec();
-                        let r = xi.len();
-                        xi[r - 1] = kk;
-                        let mut yi = i.to_vec();
-                        yi[r - 2] = kk;
-                        acc += (x.get(&xi) as f32) * (y.get(&yi) as f32);
-                    }
-                    data.push(acc as f64);
-                });
-                one(CT {
-                    shape,
-                    data,
-                    kind: promote(x.kind, y.kind),
-                })
-            }
             "_operator.getitem.default" => Err("getitem".into()),
             op => Err(format!("`{op}` is not evaluated")),
         }
     }
 
-    fn index(&mut self, x: &CT, idx: &[Option<String>]) -> R<Vec<CV>> {
-        if idx.iter().any(Option::is_none) || idx.len() > x.shape.len() {
-            return Err("index with None entries".into());
-        }
-        let its: Vec<CT> = idx
-            .iter()
-            .map(|n| self.tensor_arg(&Arg::Tensor(n.clone().unwrap())))
-            .collect::<R<_>>()?;
-        let mut b: Vec<usize> = vec![];
-        for i in &its {
-            b = bshape(&b, &i.shape)?;
-        }
-        let k = its.len();
-        let mut shape = b.clone();
-        shape.extend_from_slice(&x.shape[k..]);
-        if numel(&shape) > MAX_ELEMS {
-            return Err("too large".into());
-        }
-        let mut data = Vec::new();
-        let mut err = None;
-        for_each_index(&shape, |i| {
-            let mut j: Vec<usize> = Vec::with_capacity(x.shape.len());
-            for (d, it) in its.iter().enumerate() {
-                let mut v = it.get(&i[..b.len()]) as i64;
-                if v < 0 {
-                    v += x.shape[d] as i64;
-                }
-                if v < 0 || v as usize >= x.shape[d] {
-                    err = Some("index out of range".to_string());
-                    v = 0;
-                }
-                j.push(v as usize);
-            }
-            j.extend_from_slice(&i[b.len()..]);
-            data.push(x.get(&j));
-        });
-        if let Some(e) = err {
-            return Err(e);
-        }
-        Ok(vec![CV::T(CT {
-            shape,
-            data,
-            kind: x.kind,
-        })])
+    /// Argument `i` of `n` as a tensor (a number becomes a 0-d tensor).
+    fn tensor_at(&mut self, n: &FxNode, i: usize) -> R<CT> {
+        self.tensor_arg(n.arg_at(i))
     }
 }
 
-fn check_cat(parts: &[CT], d: usize) -> R<()> {
-    let r = parts[0].shape.len();
-    for p in parts {
-        if p.shape.len() != r || (0..r).any(|k| k != d && p.shape[k] != parts[0].shape[k]) {
-            return Err("cat of mismatched shapes".into());
-        }
+/// An op family's evaluator: `None` when the op is not of the family.
+type Family<'a> = fn(&mut Eval<'a>, &FxNode) -> Option<R<Vec<CV>>>;
+
+/// The one-tensor result of a node, refused above [`MAX_ELEMS`] elements.
+fn one(ct: CT) -> R<Vec<CV>> {
+    if numel(&ct.shape) > MAX_ELEMS {
+        return Err("too large".into());
     }
-    Ok(())
+    Ok(vec![CV::T(ct)])
 }
 
-fn take(x: &CT, d: usize, picks: &[usize]) -> CT {
-    let mut shape = x.shape.clone();
-    shape[d] = picks.len();
-    let mut data = Vec::new();
-    for_each_index(&shape, |i| {
-        let mut j = i.to_vec();
-        j[d] = picks[i[d]];
-        data.push(x.get(&j));
-    });
-    CT {
-        shape,
-        data,
-        kind: x.kind,
+/// The kind named by `n`'s `dtype` keyword argument, else `dflt`.
+fn named_dtype(n: &FxNode, dflt: Kind) -> R<Kind> {
+    match n.arg("dtype") {
+        Arg::ScalarType(c) => kind_of_code(*c),
+        _ => Ok(dflt),
     }
-}
-
-fn concat(parts: &[CT], d: usize) -> R<CT> {
-    let mut shape = parts[0].shape.clone();
-    shape[d] = parts.iter().map(|p| p.shape[d]).sum();
-    let mut data = Vec::new();
-    for_each_index(&shape, |i| {
-        let mut k = i[d];
-        for p in parts {
-            if k < p.shape[d] {
-                let mut j = i.to_vec();
-                j[d] = k;
-                data.push(p.get(&j));
-                break;
-            }
-            k -= p.shape[d];
-        }
-    });
-    Ok(CT {
-        shape,
-        data,
-        kind: parts.iter().fold(Kind::Bool, |k, p| promote(k, p.kind)),
-    })
 }
 
 #[cfg(test)]
@@ -1064,5 +411,116 @@ mod tests {
             |p, _| p
         )
         .is_err());
+    }
+
+    /// An evaluator over an empty graph whose only named value is the int64
+    /// placeholder `x` = `[[0, 1, 2], [3, 4, 5]]`.
+    fn with_x(f: impl FnOnce(&mut Eval)) {
+        let fx = FxGraph::default();
+        let consts = BTreeMap::from([(
+            "x".to_string(),
+            HostTensor::ints(weft_ir::DType::I64, vec![2, 3], (0..6).collect()),
+        )]);
+        f(&mut Eval::new(&fx, BTreeMap::new(), &consts));
+    }
+
+    fn tensor(r: Option<R<Vec<CV>>>) -> CT {
+        match r
+            .expect("the family takes the op")
+            .expect("evaluates")
+            .as_slice()
+        {
+            [CV::T(t)] => t.clone(),
+            other => panic!("not one tensor: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn each_family_refuses_ops_of_another() {
+        with_x(|ev| {
+            let add = FxNode::for_test("aten.add.Tensor", "y", vec![Arg::Int(1), Arg::Int(2)]);
+            assert!(ev.eval_size_op(&add).is_none());
+            assert!(ev.eval_logic(&add).is_none());
+            assert!(ev.eval_factory(&add).is_none());
+            assert!(ev.eval_layout(&add).is_none());
+            assert!(ev.eval_arith(&add).is_some());
+        });
+    }
+
+    #[test]
+    fn size_ops_use_python_floor_division() {
+        with_x(|ev| {
+            let div = |a, b| {
+                FxNode::for_test(
+                    "_operator.floordiv.default",
+                    "q",
+                    vec![Arg::Int(a), Arg::Int(b)],
+                )
+            };
+            assert_eq!(
+                ev.eval_size_op(&div(-7, 2)).unwrap(),
+                Ok(vec![CV::Num(-4.0, Kind::Int)])
+            );
+            assert_eq!(
+                ev.eval_size_op(&div(7, 0)).unwrap(),
+                Err("division by zero".to_string())
+            );
+        });
+    }
+
+    #[test]
+    fn arange_and_comparison_build_a_mask_row() {
+        with_x(|ev| {
+            let r = FxNode::for_test("aten.arange.start", "r", vec![Arg::Int(2), Arg::Int(5)]);
+            let r = tensor(ev.eval_factory(&r));
+            assert_eq!(
+                (r.shape, r.data, r.kind),
+                (vec![3], vec![2., 3., 4.], Kind::Int)
+            );
+            let le = FxNode::for_test(
+                "aten.le.Scalar",
+                "m",
+                vec![Arg::Tensor("x".into()), Arg::Int(3)],
+            );
+            let m = tensor(ev.eval_logic(&le));
+            assert_eq!(m.kind, Kind::Bool);
+            assert_eq!(m.data, vec![1., 1., 1., 1., 0., 0.]);
+        });
+    }
+
+    #[test]
+    fn layout_and_indexing_move_values() {
+        with_x(|ev| {
+            let t = FxNode::for_test("aten.t.default", "xt", vec![Arg::Tensor("x".into())]);
+            let xt = tensor(ev.eval_layout(&t));
+            assert_eq!(xt.shape, vec![3, 2]);
+            assert_eq!(xt.data, vec![0., 3., 1., 4., 2., 5.]);
+            let slice = FxNode::for_test(
+                "aten.slice.Tensor",
+                "s",
+                vec![
+                    Arg::Tensor("x".into()),
+                    Arg::Int(1),
+                    Arg::Int(-2),
+                    Arg::None,
+                    Arg::Int(1),
+                ],
+            );
+            let s = tensor(ev.eval_indexing(&slice));
+            assert_eq!((s.shape, s.data), (vec![2, 2], vec![1., 2., 4., 5.]));
+        });
+    }
+
+    #[test]
+    fn cumsum_scans_along_its_dim() {
+        with_x(|ev| {
+            let c = FxNode::for_test(
+                "aten.cumsum.default",
+                "c",
+                vec![Arg::Tensor("x".into()), Arg::Int(-1)],
+            );
+            let c = tensor(ev.eval_reduction(&c));
+            assert_eq!(c.data, vec![0., 1., 3., 3., 7., 12.]);
+        });
     }
 }

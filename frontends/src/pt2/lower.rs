@@ -7,7 +7,8 @@
 //! recorded for it.
 //!
 //! This file holds the lowered values, the [`Lower`] state and its helpers, the driver,
-//! and [`Lower::lower_node`], which dispatches on the op's family to a sibling file:
+//! and [`Lower::lower_node`], which tries the op families of the sibling files in turn
+//! (each answers `None` for an op not its own):
 //!
 //! - `lower/sizes.rs`: size arithmetic (`sym_size`, `sym_numel`, `_operator.*`);
 //! - `lower/linear.rs`: `embedding`, `linear`, `mm`/`bmm`/`matmul`, `addmm`;
@@ -46,6 +47,9 @@ mod linear;
 mod logic;
 mod reductions;
 mod sizes;
+
+/// An op family's lowering: `None` when the op is not of the family.
+type Family<'a> = fn(&mut Lower<'a>, &FxNode) -> Option<LR<Vec<LV>>>;
 
 /// The one-tensor result of a lowered node.
 fn one(v: Value) -> LR<Vec<LV>> {
@@ -538,134 +542,27 @@ impl<'a> Lower<'a> {
             .all(|(w, g)| self.same_size(w, g) || bcast && *g == Dim::from(1))
     }
 
+    /// Lowers node `n`: each op family in turn until one takes the op, then the ops
+    /// with a file of their own one level up.
     fn lower_node(&mut self, n: &FxNode) -> LR<Vec<LV>> {
-        if let Some(r) = self.lower_moe(n) {
-            return r;
+        let families: [Family<'a>; 10] = [
+            Self::lower_moe,
+            Self::lower_size_op,
+            Self::lower_linear,
+            Self::lower_arith,
+            Self::lower_logic,
+            Self::lower_alias,
+            Self::lower_reduction,
+            Self::lower_factory,
+            Self::lower_layout,
+            Self::lower_index,
+        ];
+        for family in families {
+            if let Some(r) = family(self, n) {
+                return r;
+            }
         }
         match n.op.as_str() {
-            "aten.sym_size.int"
-            | "aten.sym_numel.default"
-            | "_operator.add.default"
-            | "_operator.sub.default"
-            | "_operator.mul.default"
-            | "_operator.floordiv.default"
-            | "_operator.neg.default" => self.lower_size_op(n),
-            "aten.embedding.default"
-            | "aten.linear.default"
-            | "aten.mm.default"
-            | "aten.bmm.default"
-            | "aten.matmul.default"
-            | "aten.addmm.default" => self.lower_linear(n),
-            "aten.add.Tensor"
-            | "aten.add.Scalar"
-            | "aten.sub.Tensor"
-            | "aten.sub.Scalar"
-            | "aten.rsub.Scalar"
-            | "aten.mul.Tensor"
-            | "aten.mul.Scalar"
-            | "aten.div.Tensor"
-            | "aten.div.Scalar"
-            | "aten.pow.Tensor_Scalar"
-            | "aten.maximum.default"
-            | "aten.minimum.default"
-            | "aten.clamp.default"
-            | "aten.clamp_min.default"
-            | "aten.clamp_max.default"
-            | "aten.neg.default"
-            | "aten.exp.default"
-            | "aten.log.default"
-            | "aten.sqrt.default"
-            | "aten.rsqrt.default"
-            | "aten.tanh.default"
-            | "aten.sigmoid.default"
-            | "aten.silu.default"
-            | "aten.relu.default"
-            | "aten.gelu.default" => self.lower_arith(n),
-            "aten.eq.Tensor"
-            | "aten.eq.Scalar"
-            | "aten.ne.Tensor"
-            | "aten.ne.Scalar"
-            | "aten.lt.Tensor"
-            | "aten.lt.Scalar"
-            | "aten.le.Tensor"
-            | "aten.le.Scalar"
-            | "aten.gt.Tensor"
-            | "aten.gt.Scalar"
-            | "aten.ge.Tensor"
-            | "aten.ge.Scalar"
-            | "aten.__and__.Tensor"
-            | "aten.bitwise_and.Tensor"
-            | "aten.logical_and.default"
-            | "aten.__or__.Tensor"
-            | "aten.bitwise_or.Tensor"
-            | "aten.logical_or.default"
-            | "aten.logical_not.default"
-            | "aten.bitwise_not.default"
-            | "aten.where.self"
-            | "aten.where.ScalarOther"
-            | "aten.where.ScalarSelf"
-            | "aten.masked_fill.Scalar"
-            | "aten.masked_fill.Tensor" => self.lower_logic(n),
-            "aten.to.dtype"
-            | "aten.to.dtype_layout"
-            | "aten.to.device"
-            | "aten._to_copy.default"
-            | "aten.type_as.default"
-            | "aten.clone.default"
-            | "aten.alias.default"
-            | "aten.contiguous.default"
-            | "aten.detach.default"
-            | "aten.lift_fresh_copy.default"
-            | "aten.dropout.default" => self.lower_alias(n),
-            "aten.mean.dim"
-            | "aten.sum.dim_IntList"
-            | "aten.amax.default"
-            | "aten.any.dim"
-            | "aten.softmax.int"
-            | "aten._softmax.default"
-            | "aten.log_softmax.int"
-            | "aten._log_softmax.default"
-            | "aten.topk.default"
-            | "aten.max.dim" => self.lower_reduction(n),
-            "aten.full.default"
-            | "aten.zeros.default"
-            | "aten.ones.default"
-            | "aten.new_ones.default"
-            | "aten.new_zeros.default"
-            | "aten.full_like.default"
-            | "aten.zeros_like.default"
-            | "aten.ones_like.default"
-            | "aten.scalar_tensor.default"
-            | "aten.arange.default"
-            | "aten.arange.start"
-            | "aten.arange.start_step" => self.lower_factory(n),
-            "aten.view.default"
-            | "aten.reshape.default"
-            | "aten._unsafe_view.default"
-            | "aten.unsqueeze.default"
-            | "aten.squeeze.dim"
-            | "aten.squeeze.dims"
-            | "aten.squeeze.default"
-            | "aten.flatten.using_ints"
-            | "aten.expand.default"
-            | "aten.expand_as.default"
-            | "aten.permute.default"
-            | "aten.transpose.int"
-            | "aten.t.default"
-            | "aten.slice.Tensor"
-            | "aten.select.int"
-            | "aten.cat.default"
-            | "aten.split_with_sizes.default"
-            | "aten.split.Tensor"
-            | "aten.chunk.default"
-            | "aten.unbind.int"
-            | "aten.repeat_interleave.self_int" => self.lower_layout(n),
-            "aten.index.Tensor"
-            | "aten.index_select.default"
-            | "aten.gather.default"
-            | "aten.scatter_add.default"
-            | "aten.scatter.value"
-            | "aten.one_hot.default" => self.lower_index(n),
             "aten.scaled_dot_product_attention.default" => self.lower_sdpa(n),
             "aten.cos.default" | "aten.sin.default" => self.lower_rope_table(n),
             "aten.copy.default" => self.lower_copy(n),

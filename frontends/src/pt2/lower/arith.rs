@@ -8,79 +8,17 @@ use super::{one, Bin, Lower, Operand, LR, LV};
 use weft_ir::{Float, Op};
 
 impl Lower<'_> {
-    /// Lowers one op of this family; any other op is refused as by [`Lower::lower_node`].
-    pub(super) fn lower_arith(&mut self, n: &FxNode) -> LR<Vec<LV>> {
-        match n.op.as_str() {
+    /// Lowers one op of this family; `None` for any other op.
+    pub(super) fn lower_arith(&mut self, n: &FxNode) -> Option<LR<Vec<LV>>> {
+        Some(match n.op.as_str() {
             "aten.add.Tensor" | "aten.add.Scalar" | "aten.sub.Tensor" | "aten.sub.Scalar"
-            | "aten.rsub.Scalar" => {
-                let alpha = self.float_arg(n, n.arg("alpha"))?;
-                let (mut a, mut b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
-                if n.base() == "rsub" {
-                    std::mem::swap(&mut a, &mut b);
-                }
-                if alpha != 1.0 {
-                    b = match b {
-                        Operand::Num(x, k) => Operand::Num(x * alpha, k),
-                        Operand::T(v) => Operand::T(self.emit(
-                            n,
-                            Op::Scale {
-                                factor: Float(alpha),
-                            },
-                            &[v],
-                        )?),
-                    };
-                }
-                let sub = n.base() != "add";
-                self.arith(n, if sub { Bin::Sub } else { Bin::Add }, a, b)
-            }
-            "aten.mul.Tensor" | "aten.mul.Scalar" => {
-                let (a, b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
-                if let Some(table) = self.factored_table(n) {
-                    return one(table);
-                }
-                self.arith(n, Bin::Mul, a, b)
-            }
-            "aten.div.Tensor" | "aten.div.Scalar" => {
-                let (a, b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
-                self.arith(n, Bin::Div, a, b)
-            }
-            "aten.pow.Tensor_Scalar" => {
-                let x = self.tensor(n, n.arg_at(0))?;
-                let e = self.float_arg(n, n.arg_at(1))?;
-                let ty = self.out_ty(n)?;
-                let x = self.cast(n, x, ty.dtype)?;
-                one(self.emit(n, Op::PowScalar { exponent: Float(e) }, &[x])?)
-            }
-            "aten.maximum.default" | "aten.minimum.default" => {
-                let (a, b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
-                self.arith(
-                    n,
-                    if n.base() == "maximum" {
-                        Bin::Max
-                    } else {
-                        Bin::Min
-                    },
-                    a,
-                    b,
-                )
-            }
+            | "aten.rsub.Scalar" => self.lower_add_sub(n),
+            "aten.mul.Tensor" | "aten.mul.Scalar" => self.lower_mul(n),
+            "aten.div.Tensor" | "aten.div.Scalar" => self.lower_div(n),
+            "aten.pow.Tensor_Scalar" => self.lower_pow(n),
+            "aten.maximum.default" | "aten.minimum.default" => self.lower_max_min(n),
             "aten.clamp.default" | "aten.clamp_min.default" | "aten.clamp_max.default" => {
-                let x = self.tensor(n, n.arg_at(0))?;
-                let (lo, hi) = match n.base() {
-                    "clamp" => (n.arg_at(1).clone(), n.arg_at(2).clone()),
-                    "clamp_min" => (n.arg_at(1).clone(), Arg::None),
-                    _ => (Arg::None, n.arg_at(1).clone()),
-                };
-                let mut v = x;
-                if !matches!(lo, Arg::None) {
-                    let o = self.operand(n, &lo)?;
-                    v = self.arith_v(n, Bin::Max, Operand::T(v), o)?;
-                }
-                if !matches!(hi, Arg::None) {
-                    let o = self.operand(n, &hi)?;
-                    v = self.arith_v(n, Bin::Min, Operand::T(v), o)?;
-                }
-                one(v)
+                self.lower_clamp(n)
             }
             "aten.neg.default"
             | "aten.exp.default"
@@ -91,27 +29,105 @@ impl Lower<'_> {
             | "aten.sigmoid.default"
             | "aten.silu.default"
             | "aten.relu.default"
-            | "aten.gelu.default" => {
-                let x = self.tensor(n, n.arg_at(0))?;
-                let ty = self.out_ty(n)?;
-                let x = self.cast(n, x, ty.dtype)?;
-                let op = match n.base() {
-                    "neg" => Op::Neg {},
-                    "exp" => Op::Exp {},
-                    "log" => Op::Log {},
-                    "sqrt" => Op::Sqrt {},
-                    "rsqrt" => Op::Rsqrt {},
-                    "tanh" => Op::Tanh {},
-                    "sigmoid" => Op::Sigmoid {},
-                    "silu" => Op::Silu {},
-                    "relu" => Op::Relu {},
-                    _ => Op::Gelu {
-                        tanh_approx: matches!(n.arg("approximate"), Arg::Str(s) if s == "tanh"),
-                    },
-                };
-                one(self.emit(n, op, &[x])?)
-            }
-            _ => Err(self.unsupported(n, "this op has no Weft lowering")),
+            | "aten.gelu.default" => self.lower_unary(n),
+            _ => return None,
+        })
+    }
+
+    fn lower_add_sub(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let alpha = self.float_arg(n, n.arg("alpha"))?;
+        let (mut a, mut b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
+        if n.base() == "rsub" {
+            std::mem::swap(&mut a, &mut b);
         }
+        if alpha != 1.0 {
+            b = match b {
+                Operand::Num(x, k) => Operand::Num(x * alpha, k),
+                Operand::T(v) => Operand::T(self.emit(
+                    n,
+                    Op::Scale {
+                        factor: Float(alpha),
+                    },
+                    &[v],
+                )?),
+            };
+        }
+        let sub = n.base() != "add";
+        self.arith(n, if sub { Bin::Sub } else { Bin::Add }, a, b)
+    }
+
+    fn lower_mul(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let (a, b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
+        if let Some(table) = self.factored_table(n) {
+            return one(table);
+        }
+        self.arith(n, Bin::Mul, a, b)
+    }
+
+    fn lower_div(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let (a, b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
+        self.arith(n, Bin::Div, a, b)
+    }
+
+    fn lower_pow(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let x = self.tensor(n, n.arg_at(0))?;
+        let e = self.float_arg(n, n.arg_at(1))?;
+        let ty = self.out_ty(n)?;
+        let x = self.cast(n, x, ty.dtype)?;
+        one(self.emit(n, Op::PowScalar { exponent: Float(e) }, &[x])?)
+    }
+
+    fn lower_max_min(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let (a, b) = (self.operand(n, n.arg_at(0))?, self.operand(n, n.arg_at(1))?);
+        self.arith(
+            n,
+            if n.base() == "maximum" {
+                Bin::Max
+            } else {
+                Bin::Min
+            },
+            a,
+            b,
+        )
+    }
+
+    fn lower_clamp(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let x = self.tensor(n, n.arg_at(0))?;
+        let (lo, hi) = match n.base() {
+            "clamp" => (n.arg_at(1).clone(), n.arg_at(2).clone()),
+            "clamp_min" => (n.arg_at(1).clone(), Arg::None),
+            _ => (Arg::None, n.arg_at(1).clone()),
+        };
+        let mut v = x;
+        if !matches!(lo, Arg::None) {
+            let o = self.operand(n, &lo)?;
+            v = self.arith_v(n, Bin::Max, Operand::T(v), o)?;
+        }
+        if !matches!(hi, Arg::None) {
+            let o = self.operand(n, &hi)?;
+            v = self.arith_v(n, Bin::Min, Operand::T(v), o)?;
+        }
+        one(v)
+    }
+
+    fn lower_unary(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let x = self.tensor(n, n.arg_at(0))?;
+        let ty = self.out_ty(n)?;
+        let x = self.cast(n, x, ty.dtype)?;
+        let op = match n.base() {
+            "neg" => Op::Neg {},
+            "exp" => Op::Exp {},
+            "log" => Op::Log {},
+            "sqrt" => Op::Sqrt {},
+            "rsqrt" => Op::Rsqrt {},
+            "tanh" => Op::Tanh {},
+            "sigmoid" => Op::Sigmoid {},
+            "silu" => Op::Silu {},
+            "relu" => Op::Relu {},
+            _ => Op::Gelu {
+                tanh_approx: matches!(n.arg("approximate"), Arg::Str(s) if s == "tanh"),
+            },
+        };
+        one(self.emit(n, op, &[x])?)
     }
 }

@@ -6,9 +6,9 @@ use super::{one, Lower, LR, LV};
 use weft_ir::{Dim, Op};
 
 impl Lower<'_> {
-    /// Lowers one op of this family; any other op is refused as by [`Lower::lower_node`].
-    pub(super) fn lower_factory(&mut self, n: &FxNode) -> LR<Vec<LV>> {
-        match n.op.as_str() {
+    /// Lowers one op of this family; `None` for any other op.
+    pub(super) fn lower_factory(&mut self, n: &FxNode) -> Option<LR<Vec<LV>>> {
+        Some(match n.op.as_str() {
             "aten.full.default"
             | "aten.zeros.default"
             | "aten.ones.default"
@@ -17,33 +17,39 @@ impl Lower<'_> {
             | "aten.full_like.default"
             | "aten.zeros_like.default"
             | "aten.ones_like.default"
-            | "aten.scalar_tensor.default" => {
-                let mut ty = self.out_ty(n)?;
-                ty.shape = match (n.base().ends_with("_like"), self.arg_lv(n.arg_at(0))) {
-                    (true, LV::T(x)) => self.gen_like(&self.ty(x).shape, &ty.shape),
-                    _ => self.gen_free(&ty.shape),
-                };
-                let v = match n.base() {
-                    "full" | "full_like" => self.float_arg(n, n.arg_at(1))?,
-                    "scalar_tensor" => self.float_arg(n, n.arg_at(0))?,
-                    "ones" | "new_ones" | "ones_like" => 1.0,
-                    _ => 0.0,
-                };
-                one(self.full(n, v, ty)?)
-            }
+            | "aten.scalar_tensor.default" => self.lower_filled(n),
             "aten.arange.default" | "aten.arange.start" | "aten.arange.start_step" => {
-                let mut ty = self.out_ty(n)?;
-                ty.shape = self.gen_free(&ty.shape);
-                let start = match n.op.as_str() {
-                    "aten.arange.default" => Dim::from(0),
-                    _ => self.dim_arg(n, n.arg_at(0))?,
-                };
-                if n.op == "aten.arange.start_step" && self.float_arg(n, n.arg_at(2))? != 1.0 {
-                    return Err(self.unsupported(n, "arange with a step other than 1"));
-                }
-                one(self.emit(n, Op::Arange { start, ty }, &[])?)
+                self.lower_arange(n)
             }
-            _ => Err(self.unsupported(n, "this op has no Weft lowering")),
+            _ => return None,
+        })
+    }
+
+    fn lower_filled(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let mut ty = self.out_ty(n)?;
+        ty.shape = match (n.base().ends_with("_like"), self.arg_lv(n.arg_at(0))) {
+            (true, LV::T(x)) => self.gen_like(&self.ty(x).shape, &ty.shape),
+            _ => self.gen_free(&ty.shape),
+        };
+        let v = match n.base() {
+            "full" | "full_like" => self.float_arg(n, n.arg_at(1))?,
+            "scalar_tensor" => self.float_arg(n, n.arg_at(0))?,
+            "ones" | "new_ones" | "ones_like" => 1.0,
+            _ => 0.0,
+        };
+        one(self.full(n, v, ty)?)
+    }
+
+    fn lower_arange(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let mut ty = self.out_ty(n)?;
+        ty.shape = self.gen_free(&ty.shape);
+        let start = match n.op.as_str() {
+            "aten.arange.default" => Dim::from(0),
+            _ => self.dim_arg(n, n.arg_at(0))?,
+        };
+        if n.op == "aten.arange.start_step" && self.float_arg(n, n.arg_at(2))? != 1.0 {
+            return Err(self.unsupported(n, "arange with a step other than 1"));
         }
+        one(self.emit(n, Op::Arange { start, ty }, &[])?)
     }
 }

@@ -8,9 +8,9 @@ use super::{one, Lower, LR, LV};
 use weft_ir::{Dim, Op, Value};
 
 impl Lower<'_> {
-    /// Lowers one op of this family; any other op is refused as by [`Lower::lower_node`].
-    pub(super) fn lower_layout(&mut self, n: &FxNode) -> LR<Vec<LV>> {
-        match n.op.as_str() {
+    /// Lowers one op of this family; `None` for any other op.
+    pub(super) fn lower_layout(&mut self, n: &FxNode) -> Option<LR<Vec<LV>>> {
+        Some(match n.op.as_str() {
             "aten.view.default"
             | "aten.reshape.default"
             | "aten._unsafe_view.default"
@@ -18,156 +18,172 @@ impl Lower<'_> {
             | "aten.squeeze.dim"
             | "aten.squeeze.dims"
             | "aten.squeeze.default"
-            | "aten.flatten.using_ints" => {
-                let x = self.tensor(n, n.arg_at(0))?;
-                let ty = self.out_ty(n)?;
-                let shape = self.gen_reshape(&self.ty(x).shape, &ty.shape);
-                one(self.reshape(n, x, shape)?)
-            }
-            "aten.expand.default" | "aten.expand_as.default" => {
-                let x = self.tensor(n, n.arg_at(0))?;
-                if self.causal.contains_key(&x) || self.broadcast_masks.contains(&x) {
-                    // A causal mask broadcasts; expanding it over batch and heads adds nothing.
-                    return one(x);
-                }
-                let ty = self.out_ty(n)?;
-                let shape = self.gen_expand(&self.ty(x).shape, &ty.shape);
-                if self.g.ty(x).shape == shape {
-                    return one(x);
-                }
-                one(self.emit(n, Op::Expand { shape }, &[x])?)
-            }
-            "aten.permute.default" => {
-                let x = self.tensor(n, n.arg_at(0))?;
-                let perm = self.ints_arg(n, n.arg_at(1))?;
-                let r = perm.len() as i64;
-                let perm: Vec<i64> = perm
-                    .into_iter()
-                    .map(|p| if p < 0 { p + r } else { p })
-                    .collect();
-                if perm.iter().enumerate().all(|(i, &p)| i as i64 == p) {
-                    return one(x);
-                }
-                one(self.emit(n, Op::Permute { perm }, &[x])?)
-            }
-            "aten.transpose.int" | "aten.t.default" => {
-                let x = self.tensor(n, n.arg_at(0))?;
-                let r = self.g.ty(x).rank() as i64;
-                let (a, b) = if n.base() == "t" {
-                    (0, 1)
-                } else {
-                    (self.int_arg(n, n.arg_at(1))?, self.int_arg(n, n.arg_at(2))?)
-                };
-                let (a, b) = (if a < 0 { a + r } else { a }, if b < 0 { b + r } else { b });
-                if a == b {
-                    return one(x);
-                }
-                one(self.emit(n, Op::Transpose { dim0: a, dim1: b }, &[x])?)
-            }
-            "aten.slice.Tensor" | "aten.select.int" => {
-                if let (LV::Unset(u), "slice") = (self.arg_lv(n.arg_at(0)), n.base()) {
-                    return self.slice_unset(n, &u);
-                }
-                let x = self.tensor(n, n.arg_at(0))?;
-                let xt = self.ty(x);
-                let ty = self.out_ty(n)?;
-                let r = xt.rank() as i64;
-                let d = self.int_arg(n, n.arg_at(1))?;
-                let d = if d < 0 { d + r } else { d };
-                if d < 0 || d >= r {
-                    return Err(self.bad(n, format!("dim {d} out of range")));
-                }
-                let size = xt.shape[d as usize].clone();
-                let norm = |s: Dim| -> Dim {
-                    match s.as_const() {
-                        Some(c) if c < 0 => size.clone() + c,
-                        _ => s,
-                    }
-                };
-                if n.base() == "select" {
-                    let i = norm(self.dim_arg(n, n.arg_at(2))?);
-                    let s = self.emit(
-                        n,
-                        Op::Slice {
-                            dim: d,
-                            start: i,
-                            len: Dim::from(1),
-                        },
-                        &[x],
-                    )?;
-                    let shape = self.gen_reshape(&self.ty(s).shape, &ty.shape);
-                    return one(self.reshape(n, s, shape)?);
-                }
-                let step = self.int_arg(n, n.arg_at(4))?;
-                if step != 1 {
-                    return one(self.strided_slice(n, x, d, step)?);
-                }
-                let start = match n.arg_at(2) {
-                    Arg::None => Dim::from(0),
-                    a => norm(self.dim_arg(n, a)?),
-                };
-                let mut len = ty.shape[d as usize].clone();
-                if self.same_size(&len, &size) {
-                    len = size.clone();
-                } else {
-                    len = self.seq_dim(&len);
-                }
-                if start == Dim::from(0) && len == size {
-                    return one(x);
-                }
-                one(self.emit(n, Op::Slice { dim: d, start, len }, &[x])?)
-            }
-            "aten.cat.default" => {
-                let Arg::Tensors(names) = n.arg_at(0) else {
-                    return Err(self.bad(n, "cat of a non-list"));
-                };
-                let ty = self.out_ty(n)?;
-                let mut vs = Vec::new();
-                for nm in names {
-                    let v = self.tensor(n, &Arg::Tensor(nm.clone()))?;
-                    let t = self.ty(v);
-                    if t.rank() == 1 && t.shape[0] == Dim::from(0) {
-                        continue;
-                    }
-                    vs.push(self.cast(n, v, ty.dtype)?);
-                }
-                if vs.len() == 1 {
-                    return one(vs[0]);
-                }
-                let d = self.int_arg(n, n.arg_at(1))?;
-                one(self.emit(n, Op::Concat { dim: d }, &vs)?)
-            }
+            | "aten.flatten.using_ints" => self.lower_reshape(n),
+            "aten.expand.default" | "aten.expand_as.default" => self.lower_expand(n),
+            "aten.permute.default" => self.lower_permute(n),
+            "aten.transpose.int" | "aten.t.default" => self.lower_transpose(n),
+            "aten.slice.Tensor" | "aten.select.int" => self.lower_slice_select(n),
+            "aten.cat.default" => self.lower_cat(n),
             "aten.split_with_sizes.default"
             | "aten.split.Tensor"
             | "aten.chunk.default"
-            | "aten.unbind.int" => {
-                let x = self.tensor(n, n.arg_at(0))?;
-                let vs = self.split(n, x)?;
-                Ok(vs.into_iter().map(LV::T).collect())
-            }
-            "aten.repeat_interleave.self_int" => {
-                let x = self.tensor(n, n.arg_at(0))?;
-                let r = self.int_arg(n, n.arg_at(1))?;
-                let ty = self.out_ty(n)?;
-                let xt = self.ty(x);
-                let d = match n.arg_at(2) {
-                    Arg::None => return Err(self.unsupported(n, "repeat_interleave without dim")),
-                    a => self.int_arg(n, a)?,
-                };
-                let d = self.norm_dim(n, d, xt.rank())?;
-                if r <= 0 {
-                    return Err(self.bad(n, "repeat count must be positive"));
-                }
-                let mut s1 = xt.shape.clone();
-                s1.insert(d + 1, Dim::from(1));
-                let u = self.reshape(n, x, s1.clone())?;
-                s1[d + 1] = Dim::from(r);
-                let e = self.emit(n, Op::Expand { shape: s1 }, &[u])?;
-                let shape = self.gen_reshape(&self.ty(e).shape, &ty.shape);
-                one(self.reshape(n, e, shape)?)
-            }
-            _ => Err(self.unsupported(n, "this op has no Weft lowering")),
+            | "aten.unbind.int" => self.lower_split(n),
+            "aten.repeat_interleave.self_int" => self.lower_repeat_interleave(n),
+            _ => return None,
+        })
+    }
+
+    fn lower_reshape(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let x = self.tensor(n, n.arg_at(0))?;
+        let ty = self.out_ty(n)?;
+        let shape = self.gen_reshape(&self.ty(x).shape, &ty.shape);
+        one(self.reshape(n, x, shape)?)
+    }
+
+    fn lower_expand(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let x = self.tensor(n, n.arg_at(0))?;
+        if self.causal.contains_key(&x) || self.broadcast_masks.contains(&x) {
+            // A causal mask broadcasts; expanding it over batch and heads adds nothing.
+            return one(x);
         }
+        let ty = self.out_ty(n)?;
+        let shape = self.gen_expand(&self.ty(x).shape, &ty.shape);
+        if self.g.ty(x).shape == shape {
+            return one(x);
+        }
+        one(self.emit(n, Op::Expand { shape }, &[x])?)
+    }
+
+    fn lower_permute(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let x = self.tensor(n, n.arg_at(0))?;
+        let perm = self.ints_arg(n, n.arg_at(1))?;
+        let r = perm.len() as i64;
+        let perm: Vec<i64> = perm
+            .into_iter()
+            .map(|p| if p < 0 { p + r } else { p })
+            .collect();
+        if perm.iter().enumerate().all(|(i, &p)| i as i64 == p) {
+            return one(x);
+        }
+        one(self.emit(n, Op::Permute { perm }, &[x])?)
+    }
+
+    fn lower_transpose(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let x = self.tensor(n, n.arg_at(0))?;
+        let r = self.g.ty(x).rank() as i64;
+        let (a, b) = if n.base() == "t" {
+            (0, 1)
+        } else {
+            (self.int_arg(n, n.arg_at(1))?, self.int_arg(n, n.arg_at(2))?)
+        };
+        let (a, b) = (if a < 0 { a + r } else { a }, if b < 0 { b + r } else { b });
+        if a == b {
+            return one(x);
+        }
+        one(self.emit(n, Op::Transpose { dim0: a, dim1: b }, &[x])?)
+    }
+
+    fn lower_slice_select(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        if let (LV::Unset(u), "slice") = (self.arg_lv(n.arg_at(0)), n.base()) {
+            return self.slice_unset(n, &u);
+        }
+        let x = self.tensor(n, n.arg_at(0))?;
+        let xt = self.ty(x);
+        let ty = self.out_ty(n)?;
+        let r = xt.rank() as i64;
+        let d = self.int_arg(n, n.arg_at(1))?;
+        let d = if d < 0 { d + r } else { d };
+        if d < 0 || d >= r {
+            return Err(self.bad(n, format!("dim {d} out of range")));
+        }
+        let size = xt.shape[d as usize].clone();
+        let norm = |s: Dim| -> Dim {
+            match s.as_const() {
+                Some(c) if c < 0 => size.clone() + c,
+                _ => s,
+            }
+        };
+        if n.base() == "select" {
+            let i = norm(self.dim_arg(n, n.arg_at(2))?);
+            let s = self.emit(
+                n,
+                Op::Slice {
+                    dim: d,
+                    start: i,
+                    len: Dim::from(1),
+                },
+                &[x],
+            )?;
+            let shape = self.gen_reshape(&self.ty(s).shape, &ty.shape);
+            return one(self.reshape(n, s, shape)?);
+        }
+        let step = self.int_arg(n, n.arg_at(4))?;
+        if step != 1 {
+            return one(self.strided_slice(n, x, d, step)?);
+        }
+        let start = match n.arg_at(2) {
+            Arg::None => Dim::from(0),
+            a => norm(self.dim_arg(n, a)?),
+        };
+        let mut len = ty.shape[d as usize].clone();
+        if self.same_size(&len, &size) {
+            len = size.clone();
+        } else {
+            len = self.seq_dim(&len);
+        }
+        if start == Dim::from(0) && len == size {
+            return one(x);
+        }
+        one(self.emit(n, Op::Slice { dim: d, start, len }, &[x])?)
+    }
+
+    fn lower_cat(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let Arg::Tensors(names) = n.arg_at(0) else {
+            return Err(self.bad(n, "cat of a non-list"));
+        };
+        let ty = self.out_ty(n)?;
+        let mut vs = Vec::new();
+        for nm in names {
+            let v = self.tensor(n, &Arg::Tensor(nm.clone()))?;
+            let t = self.ty(v);
+            if t.rank() == 1 && t.shape[0] == Dim::from(0) {
+                continue;
+            }
+            vs.push(self.cast(n, v, ty.dtype)?);
+        }
+        if vs.len() == 1 {
+            return one(vs[0]);
+        }
+        let d = self.int_arg(n, n.arg_at(1))?;
+        one(self.emit(n, Op::Concat { dim: d }, &vs)?)
+    }
+
+    fn lower_split(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let x = self.tensor(n, n.arg_at(0))?;
+        let vs = self.split(n, x)?;
+        Ok(vs.into_iter().map(LV::T).collect())
+    }
+
+    fn lower_repeat_interleave(&mut self, n: &FxNode) -> LR<Vec<LV>> {
+        let x = self.tensor(n, n.arg_at(0))?;
+        let r = self.int_arg(n, n.arg_at(1))?;
+        let ty = self.out_ty(n)?;
+        let xt = self.ty(x);
+        let d = match n.arg_at(2) {
+            Arg::None => return Err(self.unsupported(n, "repeat_interleave without dim")),
+            a => self.int_arg(n, a)?,
+        };
+        let d = self.norm_dim(n, d, xt.rank())?;
+        if r <= 0 {
+            return Err(self.bad(n, "repeat count must be positive"));
+        }
+        let mut s1 = xt.shape.clone();
+        s1.insert(d + 1, Dim::from(1));
+        let u = self.reshape(n, x, s1.clone())?;
+        s1[d + 1] = Dim::from(r);
+        let e = self.emit(n, Op::Expand { shape: s1 }, &[u])?;
+        let shape = self.gen_reshape(&self.ty(e).shape, &ty.shape);
+        one(self.reshape(n, e, shape)?)
     }
 
     fn split(&mut self, n: &FxNode, x: Value) -> LR<Vec<Value>> {

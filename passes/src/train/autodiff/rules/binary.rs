@@ -8,13 +8,14 @@ use weft_ir::{CmpOp, Float, Node, NodeData, Op, Value};
 
 impl Ad<'_> {
     /// The gradients of the operands of a broadcasting binary (or ternary `where`) op.
+    /// `None` for an op not of this family.
     pub(super) fn vjp_binary(
         &mut self,
-        n: Node,
+        _n: Node,
         d: &NodeData,
         g: Value,
         want: &[bool],
-    ) -> Result<Vec<Option<Value>>, PassError> {
+    ) -> Result<Option<Vec<Option<Value>>>, PassError> {
         let ops = &d.operands;
         let ty = |s: &Self, i: usize| s.ty(ops[i]);
         let y = d.results[0];
@@ -118,8 +119,8 @@ impl Ad<'_> {
                     out[2] = Some(self.unbroadcast(p, &t)?);
                 }
             }
-            other => return Err(self.no_rule(n, other)),
+            _ => return Ok(None),
         }
-        Ok(out)
+        Ok(Some(out))
     }
 }

@@ -9,13 +9,14 @@ use weft_ir::{Dim, Node, NodeData, Op, Value};
 
 impl Ad<'_> {
     /// The gradients of the operands of a single-result transformer block.
+    /// `None` for an op not of this family.
     pub(super) fn vjp_block(
         &mut self,
         n: Node,
         d: &NodeData,
         g: Value,
         want: &[bool],
-    ) -> Result<Vec<Option<Value>>, PassError> {
+    ) -> Result<Option<Vec<Option<Value>>>, PassError> {
         let ops = &d.operands;
         let ty = |s: &Self, i: usize| s.ty(ops[i]);
         let gt = self.ty(g);
@@ -198,9 +199,9 @@ impl Ad<'_> {
                     &[ops[0], ops[1], g],
                 )?);
             }
-            other => return Err(self.no_rule(n, other)),
+            _ => return Ok(None),
         }
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// The gradients of `linear_cross_entropy`'s hidden states and weight from its two

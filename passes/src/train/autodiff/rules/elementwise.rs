@@ -9,13 +9,14 @@ use weft_ir::{CmpOp, Float, Node, NodeData, Op, Value};
 
 impl Ad<'_> {
     /// The gradient of the operand(s) of a unary elementwise op.
+    /// `None` for an op not of this family.
     pub(super) fn vjp_elementwise(
         &mut self,
-        n: Node,
+        _n: Node,
         d: &NodeData,
         g: Value,
         want: &[bool],
-    ) -> Result<Vec<Option<Value>>, PassError> {
+    ) -> Result<Option<Vec<Option<Value>>>, PassError> {
         let ops = &d.operands;
         let ty = |s: &Self, i: usize| s.ty(ops[i]);
         let y = d.results[0];
@@ -109,8 +110,8 @@ impl Ad<'_> {
                     });
                 }
             }
-            other => return Err(self.no_rule(n, other)),
+            _ => return Ok(None),
         }
-        Ok(out)
+        Ok(Some(out))
     }
 }

@@ -10,13 +10,14 @@ use weft_ir::{Dim, Node, NodeData, Op, Value};
 
 impl Ad<'_> {
     /// The gradients of the operands of a single-result layout or index op.
+    /// `None` for an op not of this family.
     pub(super) fn vjp_layout(
         &mut self,
         n: Node,
         d: &NodeData,
         g: Value,
         want: &[bool],
-    ) -> Result<Vec<Option<Value>>, PassError> {
+    ) -> Result<Option<Vec<Option<Value>>>, PassError> {
         let ops = &d.operands;
         let ty = |s: &Self, i: usize| s.ty(ops[i]);
         let gt = self.ty(g);
@@ -141,9 +142,9 @@ impl Ad<'_> {
                 }
             }
             Op::Offload { .. } | Op::Reload { .. } => out[0] = Some(g),
-            other => return Err(self.no_rule(n, other)),
+            _ => return Ok(None),
         }
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// The gradient of `split`'s operand: its results' gradients (zeros where one has

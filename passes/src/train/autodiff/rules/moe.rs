@@ -7,13 +7,14 @@ use weft_ir::{Float, Node, NodeData, Op, TensorType, Value};
 
 impl Ad<'_> {
     /// The gradients of the operands of `grouped_matmul` or `moe_combine`.
+    /// `None` for an op not of this family.
     pub(super) fn vjp_moe(
         &mut self,
-        n: Node,
+        _n: Node,
         d: &NodeData,
         g: Value,
         want: &[bool],
-    ) -> Result<Vec<Option<Value>>, PassError> {
+    ) -> Result<Option<Vec<Option<Value>>>, PassError> {
         let ops = &d.operands;
         let w = |i: usize| want.get(i).copied().unwrap_or(false);
         let mut out: Vec<Option<Value>> = vec![None; ops.len()];
@@ -36,9 +37,9 @@ impl Ad<'_> {
                 out[0] = w(0).then_some(r[0]);
                 out[2] = w(2).then_some(r[1]);
             }
-            other => return Err(self.no_rule(n, other)),
+            _ => return Ok(None),
         }
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// The gradient of `moe_dispatch`'s tokens from its rows' gradient.

@@ -9,12 +9,13 @@ use weft_ir::{CmpOp, Dim, Float, Node, NodeData, Op, TensorType, Value};
 
 impl Ad<'_> {
     /// The gradient of the operand of a reduction, `softmax` or `log_softmax`.
+    /// `None` for an op not of this family.
     pub(super) fn vjp_reduction(
         &mut self,
         n: Node,
         d: &NodeData,
         g: Value,
-    ) -> Result<Vec<Option<Value>>, PassError> {
+    ) -> Result<Option<Vec<Option<Value>>>, PassError> {
         let ops = &d.operands;
         let ty = |s: &Self, i: usize| s.ty(ops[i]);
         let y = d.results[0];
@@ -114,9 +115,9 @@ impl Ad<'_> {
                 let ps = self.mul(p, s)?;
                 out[0] = Some(self.op(Op::Sub {}, &[g, ps])?);
             }
-            other => return Err(self.no_rule(n, other)),
+            _ => return Ok(None),
         }
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// The gradient of `topk`'s operand from its values' gradient (the indices have none).
