@@ -193,8 +193,11 @@ fn other_families_train_the_same_with_the_fused_loss() {
             "--json",
         ]);
         assert_eq!(code, 0, "{m} {mesh} {loss}: {err}");
-        out.lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+        doc["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
             .filter_map(|v| v["loss"].as_f64())
             .collect()
     };

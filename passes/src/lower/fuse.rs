@@ -83,8 +83,7 @@ impl Pass for Fuse {
             .count("embedding_grad_init", embedding_grad as u64)
             .count("adamw_master", adamw as u64)
             .count("dce_removed", dead as u64);
-        res.changed =
-            glu + glu_grad + norm + norm_grad + matmul_add + embedding_grad + adamw > 0;
+        res.changed = glu + glu_grad + norm + norm_grad + matmul_add + embedding_grad + adamw > 0;
         Ok(res)
     }
 }

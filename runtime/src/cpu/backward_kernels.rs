@@ -157,11 +157,13 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 eps.0,
                 weight_decay.0,
             )?;
-            Ok(if matches!(op, Op::HostAdamW { .. } | Op::AdamWMaster { .. }) {
-                vec![p.clone(), m, v, p]
-            } else {
-                vec![p, m, v]
-            })
+            Ok(
+                if matches!(op, Op::HostAdamW { .. } | Op::AdamWMaster { .. }) {
+                    vec![p.clone(), m, v, p]
+                } else {
+                    vec![p, m, v]
+                },
+            )
         }
         Op::Sgd {
             lr,
