@@ -145,7 +145,7 @@ fn check_batch(fam: &str, batch: usize, cases: &[(&str, u8, u32)]) {
         );
         if zero >= 1 {
             // tp-split parameters are sharded too: every parameter with replicas is,
-            // but for sizes a group of several axes does not divide (left whole).
+            // but for a local size that differs per rank (an uneven tp shard).
             let want = weights
                 .keys()
                 .filter(|p| !weft_passes::zero::ZeroGroup::of_param(&g, p).is_empty())
@@ -556,10 +556,11 @@ fn assert_unpadded_states(g: &Graph, weights: &BTreeMap<String, HostTensor>, wha
 }
 
 /// ZeRO stages 1, 2 and 3 on groups the fixture's sizes do not divide (dp=2, dp=3,
-/// cp=2 (its 5 heads rule out sp=2); dp x cp, where uneven sizes stay unsharded; dp
-/// with tp=2, whose per-rank tp shards stay unsharded) match the one-rank step's
-/// gradients, parameters and states after `K` steps, and store no padding: a rank's
-/// state is exactly its piece, and its rows at stage 3 a per-rank width.
+/// cp=2 (its 5 heads rule out sp=2); the groups of two axes dp x cp of 4 and 6 ranks,
+/// split near-evenly over their flattened ranks; dp with tp=2, whose per-rank tp
+/// shards stay unsharded) match the one-rank step's gradients, parameters and states
+/// after `K` steps, and store no padding: a rank's state is exactly its piece, and its
+/// rows at stage 3 a per-rank width over the whole group.
 #[test]
 fn uneven_groups_every_stage() {
     let cases: &[(&str, u8, u32)] = &[
@@ -571,18 +572,23 @@ fn uneven_groups_every_stage() {
         ("dp=3", 3, 2),
         ("cp=2", 2, 1),
         ("cp=2", 3, 1),
+        ("dp=2,cp=2", 1, 2),
         ("dp=2,cp=2", 2, 1),
+        ("dp=2,cp=2", 2, 2),
         ("dp=2,cp=2", 3, 2),
+        ("dp=3,cp=2", 1, 1),
+        ("dp=3,cp=2", 2, 2),
+        ("dp=3,cp=2", 3, 2),
         ("dp=2,tp=2", 1, 1),
         ("dp=2,tp=2", 3, 1),
     ];
-    let (threes, others): (Vec<_>, Vec<_>) = cases.iter().partition(|c| c.0 == "dp=3");
+    let (threes, others): (Vec<_>, Vec<_>) = cases.iter().partition(|c| c.0.starts_with("dp=3"));
     check_batch("llama_odd", 4, &others);
     check_batch("llama_odd", 6, &threes);
     let (graph, weights, _) = load_fixture("llama_odd");
     for &(mesh, zero, micro) in cases {
         let what = format!("llama_odd {mesh} zero={zero} micro={micro}");
-        let batch = if mesh == "dp=3" { 6 } else { 4 };
+        let batch = if mesh.starts_with("dp=3") { 6 } else { 4 };
         let o = TrainOptions {
             batch: Some(batch),
             ..opts(zero, micro)
@@ -602,12 +608,12 @@ fn uneven_groups_every_stage() {
                 .and_then(|p| p.counters.get(k).copied())
                 .unwrap_or(0)
         };
-        // A group of one axis splits every size; a group of several axes leaves the
-        // uneven ones whole, as tp=2 leaves its per-rank shards (5 heads, 35 columns).
+        // Every group splits every size, of one axis or several; tp=2 leaves its
+        // per-rank shards (5 heads, 35 columns) whole.
         let uneven = stat("unsharded_uneven");
         assert_eq!(
             uneven == 0,
-            !mesh.contains(','),
+            !mesh.contains("tp"),
             "{what}: {uneven} unsharded"
         );
         assert_eq!(
@@ -615,30 +621,39 @@ fn uneven_groups_every_stage() {
             weights.len() as u64,
             "{what}: every parameter accounted for"
         );
-        if zero == 3 && !mesh.contains(',') {
-            // The embedding's 131 rows are this rank's width of a per-rank table.
+        if zero == 3 && !mesh.contains("tp") {
+            // The embedding's 131 rows are this rank's width of a per-rank table over
+            // the whole group (one axis, or several flattened row-major).
             let (_, v) = g
                 .params()
                 .into_iter()
                 .find(|(n, _)| n == "model.embed_tokens.weight")
                 .unwrap();
             let rows = &g.ty(v).shape[0];
-            let axis = &mesh[..2];
-            let n: i64 = mesh[3..].parse().unwrap();
-            let widths: Vec<i64> = (0..n)
+            let m = weft_ir::Mesh::parse(mesh).unwrap();
+            let widths: Vec<i64> = (0..m.world_size())
                 .map(|r| {
-                    let mut b = weft_ir::Bindings::new().with(axis, n);
-                    for a in ["dp", "sp", "cp"] {
-                        b = b.with_coord(a, if a == axis { r } else { 0 });
+                    let mut b = weft_ir::Bindings::new();
+                    for (i, (a, n)) in m.axes.iter().enumerate() {
+                        b = b.with(a, *n as i64).with_coord(a, m.coords(r)[i] as i64);
                     }
                     rows.eval(&b).unwrap()
                 })
                 .collect();
             assert_eq!(widths.iter().sum::<i64>(), 131, "{what}: rows {rows}");
-            assert!(
-                widths.iter().max().unwrap() - widths.iter().min().unwrap() == 1,
-                "{what}: {widths:?}"
-            );
+            let z = m.world_size() as i64;
+            let mut want = vec![131 / z; z as usize];
+            for w in want.iter_mut().take((131 % z) as usize) {
+                *w += 1;
+            }
+            assert_eq!(widths, want, "{what}: rows {rows}");
+            if mesh.contains(',') {
+                // Split over the flattened group: one partition over both axes.
+                let parts = g.param_partition("model.embed_tokens.weight");
+                assert_eq!(parts.len(), 1, "{what}: {parts:?}");
+                assert_eq!(parts[0].axes, vec!["dp".to_string(), "cp".to_string()]);
+                assert_eq!(parts[0].pieces, vec![want.clone()], "{what}");
+            }
         }
     }
 }
@@ -678,6 +693,108 @@ fn zero_uneven_collectives_snapshot() {
         ));
     }
     insta::assert_snapshot!(text);
+}
+
+/// The partitions ZeRO records on a group of two axes that the fixture's sizes do not
+/// divide (`llama_odd` on dp=2,cp=2 at stage 3): one `zero dp*cp` group partition per
+/// parameter and state, one size per group rank, in the printed IR and in the plan,
+/// and the per-rank tables over both axes that the parameters' types hold.
+#[test]
+fn zero_group_partitions_snapshot() {
+    let (graph, _, _) = load_fixture("llama_odd");
+    let (g, _) = training_step(&graph, "dp=2,cp=2", &opts(3, 1)).unwrap();
+    let mut text = String::from("== llama_odd dp=2,cp=2 zero=3: printed IR\n");
+    let printed = weft_ir::print(&g);
+    for line in printed.lines().filter(|l| l.starts_with("partition ")) {
+        if line.contains("layers.1.") {
+            continue;
+        }
+        text.push_str(line);
+        text.push('\n');
+    }
+    assert_eq!(weft_ir::parse(&printed).unwrap(), g, "the IR round-trips");
+    text.push_str("== parameter types\n");
+    for (name, v) in g.params() {
+        if !name.contains("layers.1.") && !name.starts_with("optim.") {
+            text.push_str(&format!("{name}: {}\n", g.ty(v)));
+        }
+    }
+    let plan = weft_passes::plan::lower(&g, &weft_passes::plan::PlanOptions::new(4, 16)).unwrap();
+    plan.check().unwrap();
+    text.push_str("== plan placements\n");
+    for p in &plan.params {
+        if p.name == "model.embed_tokens.weight" || p.name == "optim.m.model.norm.weight" {
+            text.push_str(&format!(
+                "{}: {}\n",
+                p.name,
+                serde_json::to_string(&p.partitions).unwrap()
+            ));
+        }
+    }
+    insta::assert_snapshot!(text);
+}
+
+/// `weft shard --zero` on groups of two axes that the sizes do not divide: each
+/// rank's pieces are those of the flattened group (131 rows over dp=2,cp=2 at stage 3
+/// are 33, 33, 33, 32), and `--unshard` gives the state back byte for byte; then
+/// dp=3,cp=2 at stage 1 from that.
+#[test]
+fn shard_round_trips_the_zero_state_of_uneven_groups() {
+    let dir = std::env::temp_dir().join(format!("weft-zero-group-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let file = universal_checkpoint(&dir, "llama_odd", |v| v * 0.5 + 0.25, |v| v * v + 0.5);
+    let ckpt = weft_frontends::read_safetensors(&file).unwrap();
+    let w = "model.embed_tokens.weight"; // [131, 35]
+    let mut from = file.clone();
+    for (i, (mesh, zero, want)) in [
+        ("dp=2,cp=2", "3", vec![33 * 35, 33 * 35, 33 * 35, 32 * 35]),
+        ("dp=3,cp=2", "1", vec![765, 764, 764, 764, 764, 764]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let shards = dir.join(format!("shards{i}"));
+        let (code, out, err) = weft(&[
+            "shard",
+            &s(&fixture("llama_odd")),
+            "--weights",
+            &s(&from),
+            "--mesh",
+            mesh,
+            "--zero",
+            zero,
+            "-o",
+            &s(&shards),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{mesh}: {err}");
+        let files: Vec<String> = json(&out)["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(files.len(), want.len(), "{mesh}: {out}");
+        let held: Vec<_> = files
+            .iter()
+            .map(|f| weft_frontends::read_safetensors(&shards.join(f)).unwrap())
+            .collect();
+        let moment: Vec<usize> = held
+            .iter()
+            .map(|r| r[&format!("optim.v.{w}")].numel())
+            .collect();
+        assert_eq!(moment, want, "{mesh}: each rank's piece of the moment");
+        if zero == "3" {
+            let rows: Vec<usize> = held.iter().map(|r| r[w].shape[0]).collect();
+            assert_eq!(rows, vec![33, 33, 33, 32], "{mesh}: each rank's rows");
+        }
+        let back = dir.join(format!("back{i}.safetensors"));
+        unshard_is_byte_exact(&shards, &back, &ckpt, mesh);
+        from = back;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `weft shard --zero` writes the uneven training state of `llama_odd` padding-free
