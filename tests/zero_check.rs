@@ -249,6 +249,22 @@ fn dense_every_group_and_stage() {
     );
 }
 
+/// A group of two axes that tp's even shards do not divide (`llama` on dp=3,cp=2,tp=2:
+/// each q_proj tp shard of 16 rows is 3,3,3,3,2,2 rows over the 6 group ranks),
+/// split over the flattened group inside the tp partition, at every stage.
+#[test]
+fn dense_uneven_group_inside_tp() {
+    check_batch(
+        "llama",
+        6,
+        &[
+            ("dp=3,cp=2,tp=2", 1, 2),
+            ("dp=3,cp=2,tp=2", 2, 1),
+            ("dp=3,cp=2,tp=2", 3, 2),
+        ],
+    );
+}
+
 #[test]
 fn moe_expert_data_parallel_group() {
     check(
@@ -557,8 +573,9 @@ fn assert_unpadded_states(g: &Graph, weights: &BTreeMap<String, HostTensor>, wha
 
 /// ZeRO stages 1, 2 and 3 on groups the fixture's sizes do not divide (dp=2, dp=3,
 /// cp=2 (its 5 heads rule out sp=2); the groups of two axes dp x cp of 4 and 6 ranks,
-/// split near-evenly over their flattened ranks; dp with tp=2, whose per-rank tp
-/// shards stay unsharded) match the one-rank step's gradients, parameters and states
+/// split near-evenly over their flattened ranks; dp and dp x cp with tp=2, whose
+/// even tp shards are split over the group inside their tp partition and whose
+/// per-rank tp shards stay unsharded) match the one-rank step's gradients, parameters and states
 /// after `K` steps, and store no padding: a rank's state is exactly its piece, and its
 /// rows at stage 3 a per-rank width over the whole group.
 #[test]
@@ -581,6 +598,8 @@ fn uneven_groups_every_stage() {
         ("dp=3,cp=2", 3, 2),
         ("dp=2,tp=2", 1, 1),
         ("dp=2,tp=2", 3, 1),
+        ("dp=3,cp=2,tp=2", 1, 2),
+        ("dp=3,cp=2,tp=2", 3, 1),
     ];
     let (threes, others): (Vec<_>, Vec<_>) = cases.iter().partition(|c| c.0.starts_with("dp=3"));
     check_batch("llama_odd", 4, &others);
@@ -794,6 +813,41 @@ fn shard_round_trips_the_zero_state_of_uneven_groups() {
         unshard_is_byte_exact(&shards, &back, &ckpt, mesh);
         from = back;
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same round trip where the uneven group split sits inside an even tp split
+/// (`llama` on dp=3,cp=2,tp=2 at stage 3: 12 files, each tp shard's rows over the
+/// flattened dp x cp group).
+#[test]
+fn shard_round_trips_an_uneven_group_inside_tp() {
+    let dir = std::env::temp_dir().join(format!("weft-zero-group-tp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let file = universal_checkpoint(&dir, "llama", |v| v * 0.5 - 0.25, |v| v * v + 0.75);
+    let ckpt = weft_frontends::read_safetensors(&file).unwrap();
+    let shards = dir.join("shards");
+    let mesh = "dp=3,cp=2,tp=2";
+    let (code, out, err) = weft(&[
+        "shard",
+        &s(&fixture("llama")),
+        "--weights",
+        &s(&file),
+        "--mesh",
+        mesh,
+        "--zero",
+        "3",
+        "-o",
+        &s(&shards),
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{mesh}: {err}");
+    let files = json(&out)["files"].as_array().unwrap().clone();
+    assert_eq!(files.len(), 12, "{mesh}: {out}");
+    let layout = std::fs::read_to_string(shards.join("layout.json")).unwrap();
+    assert!(layout.contains(r#""axis": "dp*cp""#) || layout.contains(r#""axis":"dp*cp""#));
+    unshard_is_byte_exact(&shards, &dir.join("back.safetensors"), &ckpt, mesh);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

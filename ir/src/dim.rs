@@ -797,6 +797,22 @@ mod tests {
             Some(Dim::per_rank("dp", vec![2, 1]))
         );
         assert_eq!(Dim::per_group_rank(&axes, &[1, 2]), None);
+        // Three axes: 11 over 2 x 2 x 2 ranks.
+        let axes3 = [
+            ("dp".to_string(), 2),
+            ("sp".to_string(), 2),
+            ("cp".to_string(), 2),
+        ];
+        let sizes = [2, 2, 2, 1, 1, 1, 1, 1];
+        let d = Dim::per_group_rank(&axes3, &sizes).unwrap();
+        for (g, want) in sizes.iter().enumerate() {
+            let g = g as i64;
+            let b = Bindings::new()
+                .with_coord("dp", g / 4)
+                .with_coord("sp", g / 2 % 2)
+                .with_coord("cp", g % 2);
+            assert_eq!(d.eval(&b), Ok(*want), "{d}: group rank {g}");
+        }
     }
 
     #[test]
