@@ -90,14 +90,6 @@ impl Partition {
         self.axes.join("*")
     }
 
-    /// The one axis of a partition over one axis; `None` for a group partition.
-    pub fn single_axis(&self) -> Option<&str> {
-        match self.axes.as_slice() {
-            [a] => Some(a),
-            _ => None,
-        }
-    }
-
     /// True when the partition splits over several axes at once.
     pub fn is_group(&self) -> bool {
         self.axes.len() > 1
@@ -140,14 +132,6 @@ impl Partition {
     pub fn coord_on(&self, mesh: &crate::Mesh, rank: u32) -> Result<usize, String> {
         self.coord_with(|a| Some((mesh.coord(rank, a)?, mesh.size(a)?)))
             .map_err(|e| format!("{e} (mesh `{mesh}`)"))
-    }
-
-    /// How many ranks `axes` hold on `mesh` (`None` where the mesh lacks one).
-    pub fn group_size(&self, mesh: &crate::Mesh) -> Option<usize> {
-        self.axes
-            .iter()
-            .map(|a| mesh.size(a).map(|n| n as usize))
-            .product()
     }
 
     pub fn ranks(&self) -> usize {
@@ -196,9 +180,10 @@ impl fmt::Display for Partition {
 
 impl std::str::FromStr for Partition {
     type Err = String;
-    /// Parses `column tp dim=0 [64 64] [32 32]`.
+    /// Parses `column tp dim=0 [64 64] [32 32]` or `zero dp*sp dim=0 [2 1 1 1 1 1]`.
     fn from_str(s: &str) -> Result<Partition, String> {
-        let usage = || format!("expected `<kind> <axis> dim=<d> [sizes] ...`, found `{s}`");
+        let usage =
+            || format!("expected `<kind> <axis>[*<axis>..] dim=<d> [sizes] ...`, found `{s}`");
         let (head, rest) = s
             .split_once('[')
             .map(|(h, r)| (h, format!("[{r}")))
@@ -263,7 +248,7 @@ mod tests {
     fn group_partitions_flatten_their_axes() {
         let p: Partition = "zero dp*sp dim=0 [2 1 1 1 1 1]".parse().unwrap();
         assert_eq!(p.axes, vec!["dp".to_string(), "sp".to_string()]);
-        assert!(p.is_group() && p.single_axis().is_none() && p.splits_over("sp"));
+        assert!(p.is_group() && p.splits_over("sp") && !p.splits_over("tp"));
         assert_eq!(p.to_string(), "zero dp*sp dim=0 [2 1 1 1 1 1]");
         let m = crate::Mesh::parse("dp=2,sp=3").unwrap();
         let idx: Vec<usize> = (0..6).map(|r| p.coord_on(&m, r).unwrap()).collect();
