@@ -249,15 +249,20 @@ fn dense_every_group_and_stage() {
     );
 }
 
-/// A group of two axes that tp's even shards do not divide (`llama` on dp=3,cp=2,tp=2:
-/// each q_proj tp shard of 16 rows is 3,3,3,3,2,2 rows over the 6 group ranks),
-/// split over the flattened group inside the tp partition, at every stage.
+/// Groups of two axes that the sizes do not divide: dp x sp (Ulysses) of 6 ranks
+/// (`llama`'s 128-row embedding is 22,22,21,21,21,21 rows), and dp x cp inside an even
+/// tp split (`llama` on dp=3,cp=2,tp=2: each q_proj tp shard of 16 rows is
+/// 3,3,3,3,2,2 rows over the 6 group ranks), split over the flattened group, at every
+/// stage, with micro-batches.
 #[test]
-fn dense_uneven_group_inside_tp() {
+fn dense_uneven_groups_of_two_axes() {
     check_batch(
         "llama",
         6,
         &[
+            ("dp=3,sp=2", 1, 2),
+            ("dp=3,sp=2", 2, 2),
+            ("dp=3,sp=2", 3, 2),
             ("dp=3,cp=2,tp=2", 1, 2),
             ("dp=3,cp=2,tp=2", 2, 1),
             ("dp=3,cp=2,tp=2", 3, 2),
