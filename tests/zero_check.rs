@@ -1,8 +1,10 @@
-//! ZeRO over every data-parallel group on the CPU reference: stages 1 and 2 on dp, sp,
-//! dp x sp, with tp and with ep (MoE), with micro-batches. Each sharded training step
-//! returns the unsharded model's gradients, and after `K` AdamW steps (parameters and
-//! states fed back) its parameters and optimizer states, to 1e-9 in f64. A snapshot
-//! pins the collectives ZeRO inserts.
+//! ZeRO over every data-parallel group on the CPU reference: stages 1, 2 and 3 on dp,
+//! sp, dp x sp, with tp and with ep (MoE), with micro-batches, and on groups whose size
+//! does not divide the parameters (one axis, or several split over their flattened
+//! ranks: dp x sp, dp x cp). Each sharded training step returns the unsharded model's
+//! gradients, and after `K` AdamW steps (parameters and states fed back) its parameters
+//! and optimizer states, to 1e-9 in f64. Snapshots pin the collectives ZeRO inserts
+//! and the group partitions it records; `weft shard --zero` round-trips byte for byte.
 
 mod common;
 use common::*;
