@@ -1,8 +1,10 @@
-//! ZeRO over every data-parallel group on the CPU reference: stages 1 and 2 on dp, sp,
-//! dp x sp, with tp and with ep (MoE), with micro-batches. Each sharded training step
-//! returns the unsharded model's gradients, and after `K` AdamW steps (parameters and
-//! states fed back) its parameters and optimizer states, to 1e-9 in f64. A snapshot
-//! pins the collectives ZeRO inserts.
+//! ZeRO over every data-parallel group on the CPU reference: stages 1, 2 and 3 on dp,
+//! sp, dp x sp, with tp and with ep (MoE), with micro-batches, and on groups whose size
+//! does not divide the parameters (one axis, or several split over their flattened
+//! ranks: dp x sp, dp x cp). Each sharded training step returns the unsharded model's
+//! gradients, and after `K` AdamW steps (parameters and states fed back) its parameters
+//! and optimizer states, to 1e-9 in f64. Snapshots pin the collectives ZeRO inserts
+//! and the group partitions it records; `weft shard --zero` round-trips byte for byte.
 
 mod common;
 use common::*;
@@ -145,7 +147,7 @@ fn check_batch(fam: &str, batch: usize, cases: &[(&str, u8, u32)]) {
         );
         if zero >= 1 {
             // tp-split parameters are sharded too: every parameter with replicas is,
-            // but for sizes a group of several axes does not divide (left whole).
+            // but for a local size that differs per rank (an uneven tp shard).
             let want = weights
                 .keys()
                 .filter(|p| !weft_passes::zero::ZeroGroup::of_param(&g, p).is_empty())
@@ -245,6 +247,27 @@ fn dense_every_group_and_stage() {
             ("dp=2,sp=2", 3, 2),
             ("dp=2,tp=2", 3, 1),
             ("sp=2,tp=2", 3, 2),
+        ],
+    );
+}
+
+/// Groups of two axes that the sizes do not divide: dp x sp (Ulysses) of 6 ranks
+/// (`llama`'s 128-row embedding is 22,22,21,21,21,21 rows), and dp x cp inside an even
+/// tp split (`llama` on dp=3,cp=2,tp=2: each q_proj tp shard of 16 rows is
+/// 3,3,3,3,2,2 rows over the 6 group ranks), split over the flattened group, at every
+/// stage, with micro-batches.
+#[test]
+fn dense_uneven_groups_of_two_axes() {
+    check_batch(
+        "llama",
+        6,
+        &[
+            ("dp=3,sp=2", 1, 2),
+            ("dp=3,sp=2", 2, 2),
+            ("dp=3,sp=2", 3, 2),
+            ("dp=3,cp=2,tp=2", 1, 2),
+            ("dp=3,cp=2,tp=2", 2, 1),
+            ("dp=3,cp=2,tp=2", 3, 2),
         ],
     );
 }
@@ -556,10 +579,12 @@ fn assert_unpadded_states(g: &Graph, weights: &BTreeMap<String, HostTensor>, wha
 }
 
 /// ZeRO stages 1, 2 and 3 on groups the fixture's sizes do not divide (dp=2, dp=3,
-/// cp=2 (its 5 heads rule out sp=2); dp x cp, where uneven sizes stay unsharded; dp
-/// with tp=2, whose per-rank tp shards stay unsharded) match the one-rank step's
-/// gradients, parameters and states after `K` steps, and store no padding: a rank's
-/// state is exactly its piece, and its rows at stage 3 a per-rank width.
+/// cp=2 (its 5 heads rule out sp=2); the groups of two axes dp x cp of 4 and 6 ranks,
+/// split near-evenly over their flattened ranks; dp and dp x cp with tp=2, whose
+/// even tp shards are split over the group inside their tp partition and whose
+/// per-rank tp shards stay unsharded) match the one-rank step's gradients, parameters and states
+/// after `K` steps, and store no padding: a rank's state is exactly its piece, and its
+/// rows at stage 3 a per-rank width over the whole group.
 #[test]
 fn uneven_groups_every_stage() {
     let cases: &[(&str, u8, u32)] = &[
@@ -571,18 +596,25 @@ fn uneven_groups_every_stage() {
         ("dp=3", 3, 2),
         ("cp=2", 2, 1),
         ("cp=2", 3, 1),
+        ("dp=2,cp=2", 1, 2),
         ("dp=2,cp=2", 2, 1),
+        ("dp=2,cp=2", 2, 2),
         ("dp=2,cp=2", 3, 2),
+        ("dp=3,cp=2", 1, 1),
+        ("dp=3,cp=2", 2, 2),
+        ("dp=3,cp=2", 3, 2),
         ("dp=2,tp=2", 1, 1),
         ("dp=2,tp=2", 3, 1),
+        ("dp=3,cp=2,tp=2", 1, 2),
+        ("dp=3,cp=2,tp=2", 3, 1),
     ];
-    let (threes, others): (Vec<_>, Vec<_>) = cases.iter().partition(|c| c.0 == "dp=3");
+    let (threes, others): (Vec<_>, Vec<_>) = cases.iter().partition(|c| c.0.starts_with("dp=3"));
     check_batch("llama_odd", 4, &others);
     check_batch("llama_odd", 6, &threes);
     let (graph, weights, _) = load_fixture("llama_odd");
     for &(mesh, zero, micro) in cases {
         let what = format!("llama_odd {mesh} zero={zero} micro={micro}");
-        let batch = if mesh == "dp=3" { 6 } else { 4 };
+        let batch = if mesh.starts_with("dp=3") { 6 } else { 4 };
         let o = TrainOptions {
             batch: Some(batch),
             ..opts(zero, micro)
@@ -602,12 +634,12 @@ fn uneven_groups_every_stage() {
                 .and_then(|p| p.counters.get(k).copied())
                 .unwrap_or(0)
         };
-        // A group of one axis splits every size; a group of several axes leaves the
-        // uneven ones whole, as tp=2 leaves its per-rank shards (5 heads, 35 columns).
+        // Every group splits every size, of one axis or several; tp=2 leaves its
+        // per-rank shards (5 heads, 35 columns) whole.
         let uneven = stat("unsharded_uneven");
         assert_eq!(
             uneven == 0,
-            !mesh.contains(','),
+            !mesh.contains("tp"),
             "{what}: {uneven} unsharded"
         );
         assert_eq!(
@@ -615,30 +647,39 @@ fn uneven_groups_every_stage() {
             weights.len() as u64,
             "{what}: every parameter accounted for"
         );
-        if zero == 3 && !mesh.contains(',') {
-            // The embedding's 131 rows are this rank's width of a per-rank table.
+        if zero == 3 && !mesh.contains("tp") {
+            // The embedding's 131 rows are this rank's width of a per-rank table over
+            // the whole group (one axis, or several flattened row-major).
             let (_, v) = g
                 .params()
                 .into_iter()
                 .find(|(n, _)| n == "model.embed_tokens.weight")
                 .unwrap();
             let rows = &g.ty(v).shape[0];
-            let axis = &mesh[..2];
-            let n: i64 = mesh[3..].parse().unwrap();
-            let widths: Vec<i64> = (0..n)
+            let m = weft_ir::Mesh::parse(mesh).unwrap();
+            let widths: Vec<i64> = (0..m.world_size())
                 .map(|r| {
-                    let mut b = weft_ir::Bindings::new().with(axis, n);
-                    for a in ["dp", "sp", "cp"] {
-                        b = b.with_coord(a, if a == axis { r } else { 0 });
+                    let mut b = weft_ir::Bindings::new();
+                    for (i, (a, n)) in m.axes.iter().enumerate() {
+                        b = b.with(a, *n as i64).with_coord(a, m.coords(r)[i] as i64);
                     }
                     rows.eval(&b).unwrap()
                 })
                 .collect();
             assert_eq!(widths.iter().sum::<i64>(), 131, "{what}: rows {rows}");
-            assert!(
-                widths.iter().max().unwrap() - widths.iter().min().unwrap() == 1,
-                "{what}: {widths:?}"
-            );
+            let z = m.world_size() as i64;
+            let mut want = vec![131 / z; z as usize];
+            for w in want.iter_mut().take((131 % z) as usize) {
+                *w += 1;
+            }
+            assert_eq!(widths, want, "{what}: rows {rows}");
+            if mesh.contains(',') {
+                // Split over the flattened group: one partition over both axes.
+                let parts = g.param_partition("model.embed_tokens.weight");
+                assert_eq!(parts.len(), 1, "{what}: {parts:?}");
+                assert_eq!(parts[0].axes, vec!["dp".to_string(), "cp".to_string()]);
+                assert_eq!(parts[0].pieces, vec![want.clone()], "{what}");
+            }
         }
     }
 }
@@ -678,6 +719,143 @@ fn zero_uneven_collectives_snapshot() {
         ));
     }
     insta::assert_snapshot!(text);
+}
+
+/// The partitions ZeRO records on a group of two axes that the fixture's sizes do not
+/// divide (`llama_odd` on dp=2,cp=2 at stage 3): one `zero dp*cp` group partition per
+/// parameter and state, one size per group rank, in the printed IR and in the plan,
+/// and the per-rank tables over both axes that the parameters' types hold.
+#[test]
+fn zero_group_partitions_snapshot() {
+    let (graph, _, _) = load_fixture("llama_odd");
+    let (g, _) = training_step(&graph, "dp=2,cp=2", &opts(3, 1)).unwrap();
+    let mut text = String::from("== llama_odd dp=2,cp=2 zero=3: printed IR\n");
+    let printed = weft_ir::print(&g);
+    for line in printed.lines().filter(|l| l.starts_with("partition ")) {
+        if line.contains("layers.1.") {
+            continue;
+        }
+        text.push_str(line);
+        text.push('\n');
+    }
+    assert_eq!(weft_ir::parse(&printed).unwrap(), g, "the IR round-trips");
+    text.push_str("== parameter types\n");
+    for (name, v) in g.params() {
+        if !name.contains("layers.1.") && !name.starts_with("optim.") {
+            text.push_str(&format!("{name}: {}\n", g.ty(v)));
+        }
+    }
+    let plan = weft_passes::plan::lower(&g, &weft_passes::plan::PlanOptions::new(4, 16)).unwrap();
+    plan.check().unwrap();
+    text.push_str("== plan placements\n");
+    for p in &plan.params {
+        if p.name == "model.embed_tokens.weight" || p.name == "optim.m.model.norm.weight" {
+            text.push_str(&format!(
+                "{}: {}\n",
+                p.name,
+                serde_json::to_string(&p.partitions).unwrap()
+            ));
+        }
+    }
+    insta::assert_snapshot!(text);
+}
+
+/// `weft shard --zero` on groups of two axes that the sizes do not divide: each
+/// rank's pieces are those of the flattened group (131 rows over dp=2,cp=2 at stage 3
+/// are 33, 33, 33, 32), and `--unshard` gives the state back byte for byte; then
+/// dp=3,cp=2 at stage 1 from that.
+#[test]
+fn shard_round_trips_the_zero_state_of_uneven_groups() {
+    let dir = std::env::temp_dir().join(format!("weft-zero-group-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let file = universal_checkpoint(&dir, "llama_odd", |v| v * 0.5 + 0.25, |v| v * v + 0.5);
+    let ckpt = weft_frontends::read_safetensors(&file).unwrap();
+    let w = "model.embed_tokens.weight"; // [131, 35]
+    let mut from = file.clone();
+    for (i, (mesh, zero, want)) in [
+        ("dp=2,cp=2", "3", vec![33 * 35, 33 * 35, 33 * 35, 32 * 35]),
+        ("dp=3,cp=2", "1", vec![765, 764, 764, 764, 764, 764]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let shards = dir.join(format!("shards{i}"));
+        let (code, out, err) = weft(&[
+            "shard",
+            &s(&fixture("llama_odd")),
+            "--weights",
+            &s(&from),
+            "--mesh",
+            mesh,
+            "--zero",
+            zero,
+            "-o",
+            &s(&shards),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{mesh}: {err}");
+        let files: Vec<String> = json(&out)["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(files.len(), want.len(), "{mesh}: {out}");
+        let held: Vec<_> = files
+            .iter()
+            .map(|f| weft_frontends::read_safetensors(&shards.join(f)).unwrap())
+            .collect();
+        let moment: Vec<usize> = held
+            .iter()
+            .map(|r| r[&format!("optim.v.{w}")].numel())
+            .collect();
+        assert_eq!(moment, want, "{mesh}: each rank's piece of the moment");
+        if zero == "3" {
+            let rows: Vec<usize> = held.iter().map(|r| r[w].shape[0]).collect();
+            assert_eq!(rows, vec![33, 33, 33, 32], "{mesh}: each rank's rows");
+        }
+        let back = dir.join(format!("back{i}.safetensors"));
+        unshard_is_byte_exact(&shards, &back, &ckpt, mesh);
+        from = back;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same round trip where the uneven group split sits inside an even tp split
+/// (`llama` on dp=3,cp=2,tp=2 at stage 3: 12 files, each tp shard's rows over the
+/// flattened dp x cp group).
+#[test]
+fn shard_round_trips_an_uneven_group_inside_tp() {
+    let dir = std::env::temp_dir().join(format!("weft-zero-group-tp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let file = universal_checkpoint(&dir, "llama", |v| v * 0.5 - 0.25, |v| v * v + 0.75);
+    let ckpt = weft_frontends::read_safetensors(&file).unwrap();
+    let shards = dir.join("shards");
+    let mesh = "dp=3,cp=2,tp=2";
+    let (code, out, err) = weft(&[
+        "shard",
+        &s(&fixture("llama")),
+        "--weights",
+        &s(&file),
+        "--mesh",
+        mesh,
+        "--zero",
+        "3",
+        "-o",
+        &s(&shards),
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{mesh}: {err}");
+    let files = json(&out)["files"].as_array().unwrap().clone();
+    assert_eq!(files.len(), 12, "{mesh}: {out}");
+    let layout = std::fs::read_to_string(shards.join("layout.json")).unwrap();
+    assert!(layout.contains(r#""axis": "dp*cp""#) || layout.contains(r#""axis":"dp*cp""#));
+    unshard_is_byte_exact(&shards, &dir.join("back.safetensors"), &ckpt, mesh);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `weft shard --zero` writes the uneven training state of `llama_odd` padding-free

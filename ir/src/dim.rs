@@ -157,6 +157,46 @@ impl Dim {
             sizes,
         })
     }
+    /// A size that differs per rank of a group of axes (`axes` with their sizes,
+    /// outermost first): `sizes[g]` on the rank of row-major group index `g`. One axis is
+    /// [`Dim::per_rank`]; several are spelled with one-axis tables, as a sum over the
+    /// distinct tables of the inner axes (in first-seen order) of an outer indicator
+    /// table times that inner table: `[2 1 1 1 1 1]` over `dp=2, sp=3` is
+    /// `dp?[0 1] + dp?[1 0]*sp?[2 1 1]`. A table the same on every rank is a constant,
+    /// one the same on every rank of the inner axes a table of the outer axis.
+    /// `None` where `sizes` does not list one size per group rank.
+    pub fn per_group_rank(axes: &[(String, i64)], sizes: &[i64]) -> Option<Dim> {
+        let total: i64 = axes.iter().map(|(_, n)| *n).product();
+        if axes.is_empty() || axes.iter().any(|(_, n)| *n < 1) || sizes.len() as i64 != total {
+            return None;
+        }
+        if !sizes.is_empty() && sizes.iter().all(|&s| s == sizes[0]) {
+            return Some(Dim::constant(sizes[0]));
+        }
+        let [(outer, n), rest @ ..] = axes else {
+            return None;
+        };
+        if rest.is_empty() {
+            return Some(Dim::per_rank(outer, sizes.to_vec()));
+        }
+        let inner = (total / n) as usize;
+        let rows: Vec<&[i64]> = sizes.chunks(inner).collect();
+        if rows.iter().all(|r| r.iter().all(|&s| s == r[0])) {
+            return Some(Dim::per_rank(outer, rows.iter().map(|r| r[0]).collect()));
+        }
+        let mut out = Dim::zero();
+        let mut seen: Vec<&[i64]> = Vec::new();
+        for row in &rows {
+            if seen.contains(row) {
+                continue;
+            }
+            seen.push(row);
+            let which: Vec<i64> = rows.iter().map(|r| i64::from(r == row)).collect();
+            out = out + Dim::per_rank(outer, which) * Dim::per_group_rank(rest, row)?;
+        }
+        Some(out)
+    }
+
     pub fn atom(a: Atom) -> Dim {
         Dim::from_terms(vec![(vec![(a, 1)], Some(Ratio::int(1)))])
     }
@@ -732,6 +772,47 @@ mod tests {
         assert_eq!(t.to_string(), "tp?[51 50]");
         assert_eq!(t.eval(&Bindings::new().with_coord("tp", 1)), Ok(50));
         assert_eq!(Dim::per_rank("tp", vec![4, 4]), Dim::from(4));
+    }
+
+    #[test]
+    fn tables_over_a_group_of_axes() {
+        let axes = [("dp".to_string(), 2), ("sp".to_string(), 3)];
+        let sizes = [2, 1, 1, 1, 1, 1];
+        let d = Dim::per_group_rank(&axes, &sizes).unwrap();
+        assert_eq!(d.to_string(), "dp?[0 1] + dp?[1 0]*sp?[2 1 1]");
+        for (g, want) in sizes.iter().enumerate() {
+            let b = Bindings::new()
+                .with_coord("dp", g as i64 / 3)
+                .with_coord("sp", g as i64 % 3);
+            assert_eq!(d.eval(&b), Ok(*want), "group rank {g}");
+        }
+        assert_eq!(
+            crate::parse::parse_dim(&d.to_string()).unwrap(),
+            d,
+            "round trip"
+        );
+        assert_eq!(Dim::per_group_rank(&axes, &[3; 6]), Some(Dim::from(3)));
+        assert_eq!(
+            Dim::per_group_rank(&axes, &[2, 2, 2, 1, 1, 1]),
+            Some(Dim::per_rank("dp", vec![2, 1]))
+        );
+        assert_eq!(Dim::per_group_rank(&axes, &[1, 2]), None);
+        // Three axes: 11 over 2 x 2 x 2 ranks.
+        let axes3 = [
+            ("dp".to_string(), 2),
+            ("sp".to_string(), 2),
+            ("cp".to_string(), 2),
+        ];
+        let sizes = [2, 2, 2, 1, 1, 1, 1, 1];
+        let d = Dim::per_group_rank(&axes3, &sizes).unwrap();
+        for (g, want) in sizes.iter().enumerate() {
+            let g = g as i64;
+            let b = Bindings::new()
+                .with_coord("dp", g / 4)
+                .with_coord("sp", g / 2 % 2)
+                .with_coord("cp", g % 2);
+            assert_eq!(d.eval(&b), Ok(*want), "{d}: group rank {g}");
+        }
     }
 
     #[test]

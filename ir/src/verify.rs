@@ -448,8 +448,8 @@ fn check_runtime_symbols(g: &Graph, errors: &mut Vec<VerifyError>) {
     }
 }
 
-/// Each partition names a parameter of the graph, an axis of the mesh with one size
-/// per rank, and agrees with the parameter's per-rank type along its dim.
+/// Each partition names a parameter of the graph, an axis of the mesh (or a group of
+/// axes) with one size per rank, and agrees with the parameter's per-rank type along its dim.
 fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
     let params: BTreeMap<String, crate::graph::Value> = g.params().into_iter().collect();
     for (name, parts) in g.param_partitions() {
@@ -467,19 +467,33 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
         };
         let ty = g.ty(v);
         for p in parts {
-            let Some(n) = g.mesh.size(&p.axis) else {
-                push(format!("splits over unknown mesh axis `{}`", p.axis));
+            // A group partition flattens its axes' ranks, outermost first.
+            let mut n = 1u32;
+            let mut unknown = None;
+            for a in &p.axes {
+                match g.mesh.size(a) {
+                    Some(k) => n *= k,
+                    None => unknown = Some(a),
+                }
+            }
+            if let Some(a) = unknown {
+                push(format!("splits over unknown mesh axis `{a}`"));
                 continue;
-            };
+            }
+            if p.axes.is_empty() {
+                push("splits over no axis".into());
+                continue;
+            }
             if p.pieces.iter().any(|piece| piece.len() != p.ranks()) {
                 push("lists pieces of different numbers of ranks".into());
                 continue;
             }
             if p.ranks() != n as usize {
                 push(format!(
-                    "lists {} ranks but axis `{}` has {n}",
+                    "lists {} ranks but {} `{}` has {n}",
                     p.ranks(),
-                    p.axis
+                    if p.is_group() { "group" } else { "axis" },
+                    p.axis_name()
                 ));
                 continue;
             }
@@ -498,10 +512,10 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
                 if (0..n as usize).any(|c| p.shard_size(c) != next.full_size()) {
                     push(format!(
                         "the shards of its `{}` split of dim {} ({:?}) are not what its `{}` split divides ({})",
-                        p.axis,
+                        p.axis_name(),
                         p.dim,
                         p.shard_sizes(),
-                        next.axis,
+                        next.axis_name(),
                         next.full_size()
                     ));
                 }
@@ -509,11 +523,18 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
             }
             let d = &ty.shape[p.dim];
             for coord in 0..n {
-                let b = Bindings::new().with_coord(&p.axis, coord as i64);
+                // The coordinates of group rank `coord` on each axis, row-major.
+                let mut b = Bindings::new();
+                let mut rest = coord;
+                for a in p.axes.iter().rev() {
+                    let k = g.mesh.size(a).unwrap_or(1);
+                    b = b.with_coord(a, (rest % k) as i64);
+                    rest /= k;
+                }
                 match d.bind(&b).as_const() {
                     Some(have) if have != p.shard_size(coord as usize) => push(format!(
                         "rank {coord} of `{}` holds {} along dim {} but the parameter's type {ty} says {have}",
-                        p.axis,
+                        p.axis_name(),
                         p.shard_size(coord as usize),
                         p.dim
                     )),

@@ -6,8 +6,10 @@
 //!
 //! With `--zero N` the training state is sharded as a ZeRO-N AdamW step on the mesh
 //! holds it: the parameters (by rows over their data-parallel group at stage 3) and
-//! the optimizer state (`optim.master.*`, `optim.m.*`, `optim.v.*`: flat, padded and
-//! split over the group from stage 1). The checkpoint stores each state in the layout
+//! the optimizer state (`optim.master.*`, `optim.m.*`, `optim.v.*`: flat and split
+//! near-evenly over the group from stage 1, no padding; a group of several axes that
+//! a size does not divide is one split over its flattened ranks, `dp*sp` in
+//! `layout.json`). The checkpoint stores each state in the layout
 //! of its parameter (a universal checkpoint; states it lacks start as a first step
 //! would: moments zero, master weights the parameters), and `--unshard` writes them
 //! back in that layout, so a run resumes on another mesh or stage by unsharding and

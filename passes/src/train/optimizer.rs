@@ -14,14 +14,17 @@
 //! ZeRO-1 (`zero1`): the state and master weights are sharded over the parameter's
 //! data-parallel group (`zero::ZeroGroup`: dp x sp for dense parameters, edp for
 //! experts, of `Z` ranks), also for a parameter tp or ep split first (its local shard
-//! is what is sharded). Each rank flattens the parameter and its gradient, pads them
-//! to a multiple of `Z`, updates its `1/Z` chunk (`slice` at its group index) and the
-//! chunks are `all_gather`ed back into the parameter; the state is flat, partitioned
-//! (the parameter's own split axes as blocks of the flat tensor, then `zero <axis>
-//! dim=0` per group axis) and returned per rank, split the same way. After
-//! `grad-sync`'s ZeRO-2 `reduce_scatter` the chunk of the gradient is the
-//! `grad_shard.<name>` it returns (no gather, no slice). A parameter whose local size
-//! differs per rank (an uneven tp split) keeps its state whole (`unsharded_uneven`).
+//! is what is sharded). Each rank flattens the parameter and its gradient, updates its
+//! piece (`crate::zero_split`: near-even over the group's flattened ranks, no padding
+//! in stored state) and the pieces are `all_gather`ed back into the parameter; the
+//! state is flat, partitioned (the parameter's own split axes as blocks of the flat
+//! tensor, then `zero <axis> dim=0` per group axis where the split is even, or one
+//! group partition `zero dp*sp dim=0 [..]` over all of them where it is not) and
+//! returned per rank, split the same way. After `grad-sync`'s ZeRO-2 `reduce_scatter`
+//! the piece of the gradient is the `grad_shard.<name>` it returns (no gather, no
+//! slice). A parameter with nothing to split keeps its state whole
+//! (`unsharded_uneven`): fewer elements than ranks, or a local size that differs per
+//! rank (an uneven tp split).
 //!
 //! Optimizer offload (`offload_optimizer`, ZeRO-Offload): every float parameter gets
 //! an f32 master weight, and the master weights and moments (sharded as above) live in
@@ -696,9 +699,9 @@ pub fn initial_state(
 /// coordinates on its split axes).
 fn own_shards(g: &Graph, parts: &[Partition]) -> usize {
     let mut axes: Vec<&str> = Vec::new();
-    for p in parts {
-        if !axes.contains(&p.axis.as_str()) {
-            axes.push(&p.axis);
+    for a in parts.iter().flat_map(|p| &p.axes) {
+        if !axes.contains(&a.as_str()) {
+            axes.push(a);
         }
     }
     axes.iter()
@@ -733,9 +736,9 @@ fn block_indices(
     block: usize,
 ) -> Result<Vec<Vec<usize>>, String> {
     let mut axes: Vec<(String, u32)> = Vec::new();
-    for p in parts {
-        if !axes.iter().any(|(a, _)| a == &p.axis) {
-            axes.push((p.axis.clone(), mesh.size_or_one(&p.axis)));
+    for a in parts.iter().flat_map(|p| &p.axes) {
+        if !axes.iter().any(|(x, _)| x == a) {
+            axes.push((a.clone(), mesh.size_or_one(a)));
         }
     }
     let mut strides = vec![1usize; shape.len()];
@@ -754,18 +757,21 @@ fn block_indices(
         }
         let mut maps: Vec<Vec<usize>> = shape.iter().map(|&n| (0..n).collect()).collect();
         for p in parts {
-            let i = axes.iter().position(|(a, _)| a == &p.axis).expect("listed");
+            let c = p.coord_with(|a| {
+                let i = axes.iter().position(|(x, _)| x == a)?;
+                Some((coords[i], axes[i].1))
+            })?;
             let cur = maps
                 .get(p.dim)
                 .ok_or_else(|| format!("partition `{p}` splits dim {} of {shape:?}", p.dim))?;
-            if p.full_size() as usize != cur.len() || coords[i] as usize >= p.ranks() {
+            if p.full_size() as usize != cur.len() {
                 return Err(format!(
                     "partition `{p}` does not fit dim {} of {shape:?}",
                     p.dim
                 ));
             }
             let mut next = Vec::new();
-            for (s, e) in p.ranges(coords[i] as usize) {
+            for (s, e) in p.ranges(c) {
                 next.extend_from_slice(&cur[s as usize..e as usize]);
             }
             maps[p.dim] = next;

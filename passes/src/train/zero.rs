@@ -40,7 +40,7 @@ impl ZeroGroup {
         let expert = g
             .param_partition(name)
             .iter()
-            .any(|p| p.axis == weft_ir::mesh::EP);
+            .any(|p| p.splits_over(weft_ir::mesh::EP));
         ZeroGroup::for_mesh(&g.mesh, expert)
     }
 
@@ -119,9 +119,9 @@ impl ZeroGroup {
 /// of `block` elements (the flattened local shard, exactly), in the same order.
 pub fn flat_param_partitions(mesh: &Mesh, parts: &[Partition], block: i64) -> Vec<Partition> {
     let mut axes: Vec<(String, i64)> = Vec::new();
-    for p in parts {
-        if !axes.iter().any(|(a, _)| a == &p.axis) {
-            axes.push((p.axis.clone(), mesh.size_or_one(&p.axis) as i64));
+    for a in parts.iter().flat_map(|p| &p.axes) {
+        if !axes.iter().any(|(x, _)| x == a) {
+            axes.push((a.clone(), mesh.size_or_one(a) as i64));
         }
     }
     let mut inner: i64 = axes.iter().map(|(_, n)| n).product::<i64>() * block;
@@ -338,10 +338,10 @@ impl Emitter<'_> {
 /// [`ZeroSplit::state_partitions`]).
 pub fn split_output(g: &mut Graph, name: &str, parts: &[Partition], group: &ZeroGroup) {
     let mut seen: Vec<&str> = Vec::new();
-    for p in parts {
-        if !seen.contains(&p.axis.as_str()) {
-            seen.push(&p.axis);
-            g.add_output_split(name, 0, &p.axis);
+    for a in parts.iter().flat_map(|p| &p.axes) {
+        if !seen.contains(&a.as_str()) {
+            seen.push(a);
+            g.add_output_split(name, 0, a);
         }
     }
     for (a, _) in &group.axes {

@@ -8,10 +8,17 @@
 //! Collectives still move uniform buffers: a piece is padded to the widest piece inside
 //! the buffer of a `reduce_scatter` or `all_gather` only, never in stored state.
 //!
-//! A split that is not even is made over a group of one axis. A group of several axes
-//! splits only what it divides (its nested per-axis partitions must be the same on
-//! every outer rank); other sizes are not sharded ([`param_split`] is `None`), and the
-//! optimizer counts them as `unsharded_uneven`.
+//! The group's ranks are flattened row-major, outermost axis first (see
+//! [`ZeroGroup::index`]), and the split is near-even over that flat order whatever the
+//! number of axes: 7 rows over `dp=2, sp=3` are `[2 1 1 1 1 1]`. Where the split is
+//! even it is recorded as one nested `zero` partition per axis; where it is not, a
+//! group of several axes cannot nest (the inner split would differ per outer rank:
+//! `[2 1 1]` on dp rank 0, `[1 1 1]` on dp rank 1), so it is one *group* partition over
+//! all of the group's axes (`zero dp*sp dim=0 [2 1 1 1 1 1]`), and a rank's width or
+//! offset is a per-rank table over those axes ([`Dim::per_group_rank`]). A parameter
+//! is left unsharded ([`param_split`] is `None`, counted `unsharded_uneven` by the
+//! optimizer) only where there is nothing to split: fewer units than ranks, or a local
+//! size that already differs per rank (an uneven tp shard).
 
 use crate::parallel::tp::sizes::near_even;
 use crate::zero::{local_numel, Emitter, ZeroGroup};
@@ -32,7 +39,7 @@ pub struct ZeroSplit {
 impl ZeroSplit {
     fn new(group: &ZeroGroup, unit: i64, units: i64, rows: bool) -> Option<ZeroSplit> {
         let z = group.size();
-        if group.is_empty() || units < z || (units % z != 0 && group.axes.len() != 1) {
+        if group.is_empty() || units < z {
             return None;
         }
         Some(ZeroSplit {
@@ -81,12 +88,11 @@ impl ZeroSplit {
         (self.base() + i64::from(!self.is_even())) * self.unit
     }
 
-    /// A per-rank table as a dim: a constant when every rank has the same value.
+    /// A per-rank table (one value per group rank, row-major) as a dim: a constant
+    /// when every rank has the same value, else a table over the group's axes.
     fn per_rank(&self, table: Vec<i64>) -> Dim {
-        match self.group.axes.as_slice() {
-            [(axis, _)] => Dim::per_rank(axis, table),
-            _ => Dim::from(table[0]),
-        }
+        Dim::per_group_rank(&self.group.axes, &table)
+            .expect("a ZeroSplit's tables list one value per group rank")
     }
 
     /// This rank's units (rows, for a row split).
@@ -118,7 +124,9 @@ impl ZeroSplit {
     }
 
     /// The partitions over the group of `total` (`units` times `scale`) on dim 0,
-    /// outermost axis first, appended to `before`.
+    /// appended to `before`: an even split nests one partition per axis, outermost
+    /// first; an uneven one is a single partition over the whole group (its one axis,
+    /// or all of them flattened).
     fn group_partitions(&self, mut before: Vec<Partition>, scale: i64) -> Vec<Partition> {
         if self.is_even() {
             let mut inner = self.units * scale;
@@ -127,9 +135,9 @@ impl ZeroSplit {
                 before.push(Partition::simple("zero", a, 0, vec![inner; *n as usize]));
             }
         } else {
-            let (a, _) = &self.group.axes[0];
+            let axes: Vec<String> = self.group.axes.iter().map(|(a, _)| a.clone()).collect();
             let sizes = self.unit_widths().iter().map(|w| w * scale).collect();
-            before.push(Partition::simple("zero", a, 0, sizes));
+            before.push(Partition::group("zero", &axes, 0, sizes));
         }
         before
     }
@@ -148,7 +156,7 @@ impl ZeroSplit {
 }
 
 /// ZeRO stage 3's split of a parameter of local type `ty`: the rows of its dim 0 over
-/// `group`, uneven rows allowed on a group of one axis. `None` where the parameter
+/// `group`, near-evenly (uneven rows allowed on any group). `None` where the parameter
 /// stays whole on every rank (its state may still be sharded by [`param_split`]).
 pub fn stage3_split(mesh: &Mesh, ty: &TensorType, group: &ZeroGroup) -> Option<ZeroSplit> {
     if group.is_empty() || ty.rank() == 0 || !ty.dtype.is_float() {
@@ -169,8 +177,7 @@ pub fn stage3_split(mesh: &Mesh, ty: &TensorType, group: &ZeroGroup) -> Option<Z
 /// The split of a parameter of local type `ty` over `group`, computed once and used by
 /// grad-sync and the optimizer alike: its rows when `stage3` asks and
 /// [`stage3_split`] allows, else its flattened elements. `None`: not sharded (no
-/// group, a per-rank size, fewer elements than ranks, or an uneven size on a group of
-/// several axes).
+/// group, a per-rank size, fewer elements than ranks).
 pub fn param_split(
     mesh: &Mesh,
     ty: &TensorType,
@@ -455,10 +462,46 @@ mod tests {
             vec![0, 1529, 3057]
         );
         assert_eq!(at(&flat.width(), 2), 1528);
-        // Several axes split only what they divide; fewer elements than ranks, nothing.
+        // Several axes split near-evenly over their flattened ranks; fewer elements than
+        // ranks, nothing.
+        let m = Mesh::parse("dp=2,sp=3").unwrap();
+        let g = ZeroGroup::for_mesh(&m, false);
+        let seven = TensorType::new(weft_ir::DType::F32, vec![Dim::from(7), Dim::from(5)]);
+        let rows = param_split(&m, &seven, &g, true).unwrap();
+        assert_eq!(rows.unit_widths(), vec![2, 1, 1, 1, 1, 1]);
+        assert_eq!(
+            rows.row_partitions(),
+            vec![Partition::group(
+                "zero",
+                &["dp".into(), "sp".into()],
+                0,
+                vec![2, 1, 1, 1, 1, 1]
+            )]
+        );
+        let at3 = |d: &Dim, dp, sp| {
+            d.eval(
+                &weft_ir::Bindings::new()
+                    .with_coord("dp", dp)
+                    .with_coord("sp", sp),
+            )
+            .unwrap()
+        };
+        let flat = param_split(&m, &seven, &g, false).unwrap();
+        assert_eq!(flat.widths(), vec![6, 6, 6, 6, 6, 5]);
+        let (widths, offsets): (Vec<i64>, Vec<i64>) = (0..6)
+            .map(|r| {
+                (
+                    at3(&flat.width(), r / 3, r % 3),
+                    at3(&flat.offset(), r / 3, r % 3),
+                )
+            })
+            .unzip();
+        assert_eq!(widths, vec![6, 6, 6, 6, 6, 5]);
+        assert_eq!(offsets, vec![0, 6, 12, 18, 24, 30]);
+        assert_eq!(at3(&rows.unit_width(), 0, 0), 2);
+        assert_eq!(at3(&rows.unit_width(), 1, 0), 1);
         let m = Mesh::parse("dp=2,sp=2").unwrap();
         let g = ZeroGroup::for_mesh(&m, false);
-        assert!(param_split(&m, &ty, &g, false).is_none());
         let even = TensorType::new(weft_ir::DType::F32, vec![Dim::from(8), Dim::from(35)]);
         assert_eq!(
             param_split(&m, &even, &g, true).unwrap().unit_widths(),

@@ -49,7 +49,10 @@ fn assemble(
     let shape = full.dims().to_vec();
     let parts = sh.graph.param_partition(param);
     let mesh = sh.mesh;
-    let split_axes: Vec<&str> = parts.iter().map(|p| p.axis.as_str()).collect();
+    let split_axes: Vec<&str> = parts
+        .iter()
+        .flat_map(|p| p.axes.iter().map(String::as_str))
+        .collect();
     let mut acc = vec![0.0f64; full.elem_count()];
     let tol = match sh.precision {
         Precision::F32 => 1e-4,

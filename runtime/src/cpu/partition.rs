@@ -1,7 +1,8 @@
 //! Parameters split by the graph's partition metadata (`Graph::param_partitions`):
 //! each rank's shard is cut from the full weight (fused sub-parameters concatenated
-//! in order, nested partitions applied outermost first), and a shard's gradient is put
-//! back in place (added, so replicas on axes the parameter is not split over sum).
+//! in order, nested partitions applied outermost first, a group partition by the rank's
+//! row-major index over its axes), and a shard's gradient is put back in place (added,
+//! so replicas on axes the parameter is not split over sum).
 
 use candle_core::Tensor;
 use weft_ir::{Mesh, Partition};
@@ -15,12 +16,8 @@ pub(crate) fn index_maps(
 ) -> Result<Vec<Vec<usize>>, String> {
     let mut maps: Vec<Vec<usize>> = shape.iter().map(|&n| (0..n).collect()).collect();
     for p in parts {
-        let c = mesh.coord(rank, &p.axis).ok_or_else(|| {
-            format!(
-                "split over axis `{}`, which the mesh `{mesh}` lacks",
-                p.axis
-            )
-        })? as usize;
+        // One axis's coordinate, or the rank's row-major index in a group of axes.
+        let c = p.coord_on(mesh, rank)?;
         let cur = maps
             .get(p.dim)
             .ok_or_else(|| format!("split dim {} is out of range for {shape:?}", p.dim))?;

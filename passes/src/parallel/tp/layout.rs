@@ -14,12 +14,14 @@ use weft_ir::{Bindings, Graph, HostData, HostTensor, Mesh, Partition};
 pub struct PartitionLayout {
     /// `column`, `row`, `vocab`, `expert`, ...
     pub kind: String,
+    /// The mesh axis, or a group of axes joined by `*` (`dp*sp`: their ranks
+    /// flattened row-major, outermost first, one width per group rank).
     pub axis: String,
     /// The dim of the full tensor that is split.
     pub dim: usize,
     /// Full size of each sub-parameter along `dim` (one entry unless fused).
     pub sub_params: Vec<i64>,
-    /// Each rank's shard size along `dim`, in coordinate order.
+    /// Each rank's shard size along `dim`, in coordinate order (group rank order).
     pub rank_sizes: Vec<i64>,
     /// For each sub-parameter, its width on every rank (the partition's pieces).
     pub sub_shard_widths: Vec<Vec<i64>>,
@@ -43,14 +45,15 @@ pub struct ParamLayout {
 }
 
 impl ParamLayout {
-    fn partition(&self, i: usize) -> Partition {
+    fn partition(&self, i: usize) -> Result<Partition, String> {
         let p = &self.partitions[i];
-        Partition {
+        Ok(Partition {
             kind: p.kind.clone(),
-            axis: p.axis.clone(),
+            axes: weft_ir::partition::parse_axes(&p.axis)
+                .map_err(|e| format!("param `{}`: {e}", self.name))?,
             dim: p.dim,
             pieces: p.sub_shard_widths.clone(),
-        }
+        })
     }
 }
 
@@ -86,7 +89,7 @@ pub fn param_layouts(g: &Graph, tied: &[(String, String)]) -> Result<Vec<ParamLa
                 .iter()
                 .map(|p| PartitionLayout {
                     kind: p.kind.clone(),
-                    axis: p.axis.clone(),
+                    axis: p.axis_name(),
                     dim: p.dim,
                     sub_params: p.pieces.iter().map(|x| x.iter().sum()).collect(),
                     rank_sizes: p.shard_sizes(),
@@ -109,9 +112,11 @@ pub fn shard_axes(layouts: &[ParamLayout], mesh: &Mesh) -> Vec<(String, u32)> {
     mesh.axes
         .iter()
         .filter(|(a, _)| {
-            layouts
-                .iter()
-                .any(|l| l.partitions.iter().any(|p| &p.axis == a))
+            layouts.iter().any(|l| {
+                l.partitions
+                    .iter()
+                    .any(|p| p.axis.split('*').any(|x| x == a))
+            })
         })
         .cloned()
         .collect()
@@ -138,25 +143,22 @@ fn strides(shape: &[usize]) -> Vec<usize> {
 }
 
 /// For each dim, the full-tensor index of each shard index, after applying the
-/// parameter's partitions at the given coordinates.
-fn index_maps(l: &ParamLayout, coords: &BTreeMap<String, u32>) -> Result<Vec<Vec<usize>>, String> {
+/// parameter's partitions at the given coordinates of the shard `axes` (a group
+/// partition at the row-major index of those coordinates over its axes).
+fn index_maps(
+    l: &ParamLayout,
+    coords: &BTreeMap<String, u32>,
+    axes: &[(String, u32)],
+) -> Result<Vec<Vec<usize>>, String> {
     let mut maps: Vec<Vec<usize>> = l.logical_shape.iter().map(|&n| (0..n).collect()).collect();
     for i in 0..l.partitions.len() {
-        let p = l.partition(i);
-        let c = *coords.get(&p.axis).ok_or_else(|| {
-            format!(
-                "param `{}` is split over `{}`, which has no coordinate here",
-                l.name, p.axis
-            )
-        })? as usize;
-        if c >= p.ranks() {
-            return Err(format!(
-                "param `{}`: coordinate {c} out of range for {} ranks of `{}`",
-                l.name,
-                p.ranks(),
-                p.axis
-            ));
-        }
+        let p = l.partition(i)?;
+        let c = p
+            .coord_with(|a| {
+                let n = axes.iter().find(|(x, _)| x == a)?.1;
+                Some((*coords.get(a)?, n))
+            })
+            .map_err(|e| format!("param `{}`: {e}", l.name))?;
         let cur = &maps[p.dim];
         if p.full_size() as usize != cur.len() {
             return Err(format!(
@@ -279,7 +281,7 @@ pub fn shard_checkpoint(
                     l.name, t.shape, l.logical_shape
                 ));
             }
-            let maps = index_maps(l, &coords)?;
+            let maps = index_maps(l, &coords, axes)?;
             shard.insert(
                 l.name.clone(),
                 if l.replicated {
@@ -345,12 +347,20 @@ pub fn validate_layouts(layouts: &[ParamLayout], axes: &[(String, u32)]) -> Resu
         let mut current: Vec<Option<i64>> =
             l.logical_shape.iter().map(|&n| Some(n as i64)).collect();
         for p in &l.partitions {
-            let Some((_, n)) = axes.iter().find(|(a, _)| *a == p.axis) else {
-                return Err(format!(
-                    "param `{}` is split over `{}`, which is not a shard axis",
-                    l.name, p.axis
-                ));
-            };
+            // A group of axes (`dp*sp`) holds the product of their sizes in ranks.
+            let group = weft_ir::partition::parse_axes(&p.axis)
+                .map_err(|e| format!("param `{}`: {e}", l.name))?;
+            let mut n = 1u32;
+            for a in &group {
+                let Some((_, k)) = axes.iter().find(|(x, _)| x == a) else {
+                    return Err(format!(
+                        "param `{}` is split over `{a}`, which is not a shard axis",
+                        l.name
+                    ));
+                };
+                n = n.saturating_mul(*k);
+            }
+            let n = &n;
             if p.dim >= l.logical_shape.len() {
                 return Err(format!(
                     "param `{}`: split dim {} is out of range for shape {:?}",
@@ -448,7 +458,7 @@ pub fn unshard_checkpoint(
                 .map(|(a, _)| a.clone())
                 .zip(cs.iter().copied())
                 .collect();
-            let maps = index_maps(l, &coords)?;
+            let maps = index_maps(l, &coords, axes)?;
             let t = shard
                 .get(&l.name)
                 .ok_or_else(|| format!("a shard has no `{}`", l.name))?;

@@ -74,7 +74,7 @@ impl Pass for TensorParallel {
         // Applying twice must not split twice.
         if g.param_partitions()
             .iter()
-            .any(|(_, ps)| ps.iter().any(|x| x.axis == TP))
+            .any(|(_, ps)| ps.iter().any(|x| x.splits_over(TP)))
             || g.nodes().iter().any(|&n| made_by(g, n, NAME))
         {
             return Ok(res);
@@ -1173,7 +1173,7 @@ impl Tp {
                         "{why}: dim {dim} per rank {}",
                         Partition {
                             kind: kind.into(),
-                            axis: TP.into(),
+                            axes: vec![TP.into()],
                             dim,
                             pieces: pieces.clone()
                         }
@@ -1193,7 +1193,7 @@ impl Tp {
                         &name,
                         Partition {
                             kind: kind.into(),
-                            axis: TP.into(),
+                            axes: vec![TP.into()],
                             dim,
                             pieces,
                         },

@@ -196,7 +196,7 @@ pub fn varying(g: &Graph) -> Vec<Axes> {
             Op::Param { name, .. } => g
                 .param_partition(name)
                 .iter()
-                .fold(0, |m, p| m | bit(mesh, &p.axis)),
+                .fold(0, |m, p| p.axes.iter().fold(m, |m, a| m | bit(mesh, a))),
             Op::Input { .. } => 0,
             Op::AllReduce { axis, .. }
             | Op::AllGather { axis, .. }
