@@ -55,8 +55,8 @@ pub struct ExecOptions {
     /// everything else (and everything when cuDNN is absent) runs Weft's kernels. Needs
     /// `fast_attention` too. On by default: measured on an H200 (cuDNN 9.14) at 2.0-2.6x
     /// Weft's kernels fwd+bwd (S=4096..16384, d 64/128). libcudnn must be on the library
-    /// path: on the GPU machine
-    /// `LD_LIBRARY_PATH=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cudnn/lib)`.
+    /// path (for a pip install, the `nvidia/cudnn/lib` directory of the
+    /// `nvidia-cudnn-cu13` package; docs/GPU.md).
     pub cudnn_attention: bool,
     /// f32 GEMMs may use TF32.
     pub allow_tf32: bool,
