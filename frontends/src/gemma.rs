@@ -216,9 +216,9 @@ pub(crate) fn parse_gemma3_ropes(
             Some(e) => {
                 let e = p.nested(layer_type, e);
                 let theta = e.opt_f64("rope_theta")?.unwrap_or(default_theta);
-                crate::config::rope_from(f, Some(e), theta, head_dim)
+                crate::config::rope_from(f, Some(e), theta, head_dim, false)
             }
-            None => crate::config::rope_from(f, None, default_theta, head_dim),
+            None => crate::config::rope_from(f, None, default_theta, head_dim, false),
         };
         let theta = f.opt_f64("rope_theta")?.unwrap_or(1_000_000.0);
         let local = f.opt_f64("rope_local_base_freq")?.unwrap_or(10_000.0);
@@ -233,12 +233,14 @@ pub(crate) fn parse_gemma3_ropes(
             .map(|rs| f.nested("rope_scaling", rs)),
         f.f64("rope_theta")?,
         head_dim,
+        false,
     )?;
     let local = crate::config::rope_from(
         f,
         None,
         f.opt_f64("rope_local_base_freq")?.unwrap_or(10_000.0),
         head_dim,
+        false,
     )?;
     Ok((global, local))
 }
