@@ -926,10 +926,19 @@ fn rope_source<'a>(f: &Fields<'a>) -> Result<(Option<Fields<'a>>, f64), Frontend
             (Some(p), theta)
         }
         None => {
-            let theta = f.f64("rope_theta")?;
             let scaling = f
                 .opt_object("rope_scaling")?
                 .map(|rs| f.nested("rope_scaling", rs));
+            // HF takes the rope_scaling dict as rope_parameters: a `rope_theta` inside it
+            // wins over the top-level one (`setdefault`).
+            let theta = match scaling
+                .as_ref()
+                .map(|s| s.opt_f64("rope_theta"))
+                .transpose()?
+            {
+                Some(Some(t)) => t,
+                _ => f.f64("rope_theta")?,
+            };
             (scaling, theta)
         }
     };

@@ -227,14 +227,19 @@ pub(crate) fn parse_gemma3_ropes(
             entry("sliding_attention", local)?,
         ));
     }
-    let global = crate::config::rope_from(
-        f,
-        f.opt_object("rope_scaling")?
-            .map(|rs| f.nested("rope_scaling", rs)),
-        f.f64("rope_theta")?,
-        head_dim,
-        false,
-    )?;
+    let scaling = f
+        .opt_object("rope_scaling")?
+        .map(|rs| f.nested("rope_scaling", rs));
+    // A `rope_theta` inside rope_scaling wins over the top-level one, as in HF.
+    let theta = match scaling
+        .as_ref()
+        .map(|s| s.opt_f64("rope_theta"))
+        .transpose()?
+    {
+        Some(Some(t)) => t,
+        _ => f.f64("rope_theta")?,
+    };
+    let global = crate::config::rope_from(f, scaling, theta, head_dim, false)?;
     let local = crate::config::rope_from(
         f,
         None,

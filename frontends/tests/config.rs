@@ -897,3 +897,37 @@ fn qwen3_head_dim_defaults_to_128() {
     let c = ModelConfig::from_json(&v, "test/config.json").unwrap();
     assert_eq!(c.head_dim, c.hidden_size / c.num_attention_heads);
 }
+
+/// HF takes a transformers-4 `rope_scaling` dict as `rope_parameters`, so a `rope_theta`
+/// inside it wins over the top-level one (and stands in for it when that is absent).
+#[test]
+fn rope_theta_inside_rope_scaling_wins_as_in_hf() {
+    for top in [Some(500000.0), None] {
+        let c = base_with(|o| {
+            match top {
+                Some(t) => o.insert("rope_theta".into(), t.into()),
+                None => o.remove("rope_theta"),
+            };
+            o.insert(
+                "rope_scaling".into(),
+                serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0}),
+            );
+        })
+        .unwrap();
+        assert_eq!(c.rope.theta, 100.0, "top-level {top:?}");
+        assert_eq!(c.rope.scaling, RopeScaling::Linear { factor: Float(2.0) });
+    }
+    // gemma3's legacy global rope too (its local rope keeps rope_local_base_freq).
+    let json = load_preset_json("gemma3-tiny");
+    let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let o = v.as_object_mut().unwrap();
+    o.remove("rope_parameters");
+    o.insert("rope_theta".into(), 1e6.into());
+    o.insert(
+        "rope_scaling".into(),
+        serde_json::json!({"rope_type": "linear", "factor": 8.0, "rope_theta": 300.0}),
+    );
+    let c = ModelConfig::from_json(&v, "test/config.json").unwrap();
+    assert_eq!(c.rope.theta, 300.0);
+    assert_eq!(c.local_rope.unwrap().theta, 10000.0);
+}
