@@ -456,6 +456,133 @@ fn inputs_fix_batch_and_seq() {
     );
 }
 
+/// An inputs file holding an `attention_mask` with zeros or `position_ids` other than
+/// `0..seq` (what a tokenizer's batch or a packed dataset gives) changes HF's logits and
+/// loss; Weft used to run without them and print a number. Refused by name for eval,
+/// check and run; an all-ones mask and plain positions are neutral and pass.
+#[test]
+fn inputs_weft_would_ignore_are_refused() {
+    use std::collections::BTreeMap;
+    use weft_ir::{DType, HostTensor};
+    let dir = scratch("extra-inputs");
+    let base =
+        weft_frontends::read_safetensors(&fixture("llama").join("inputs.safetensors")).unwrap();
+    let (b, sq) = (base["input_ids"].shape[0], base["input_ids"].shape[1]);
+    let with = |file: &str, name: &str, t: HostTensor| {
+        let mut m: BTreeMap<String, HostTensor> = base.clone();
+        m.insert(name.to_string(), t);
+        let p = dir.join(format!("{file}.safetensors"));
+        weft_frontends::save_safetensors(&p, &m).unwrap();
+        p
+    };
+    let ones = vec![1i64; b * sq];
+    let mut padded = ones.clone();
+    padded[..3].fill(0);
+    let plain: Vec<i64> = (0..b * sq).map(|i| (i % sq) as i64).collect();
+    let shifted: Vec<i64> = plain.iter().map(|x| x + 3).collect();
+    let ty = vec![b, sq];
+    let mask_ok = with(
+        "mask_ok",
+        "attention_mask",
+        HostTensor::ints(DType::I64, ty.clone(), ones),
+    );
+    let mask_pad = with(
+        "mask_pad",
+        "attention_mask",
+        HostTensor::ints(DType::I64, ty.clone(), padded),
+    );
+    let pos_ok = with(
+        "pos_ok",
+        "position_ids",
+        HostTensor::ints(DType::I64, ty.clone(), plain),
+    );
+    let pos_shift = with(
+        "pos_shift",
+        "position_ids",
+        HostTensor::ints(DType::I64, ty, shifted),
+    );
+    let other = with(
+        "other",
+        "token_type_ids",
+        HostTensor::ints(DType::I64, vec![b, sq], vec![0; b * sq]),
+    );
+    let out = dir.join("out.safetensors");
+    for (inputs, needles) in [
+        (
+            &mask_pad,
+            &["hold `attention_mask`", "only an all-ones mask"][..],
+        ),
+        (
+            &pos_shift,
+            &["hold `position_ids`", "0..seq on every row"][..],
+        ),
+        (
+            &other,
+            &["hold `token_type_ids`", "Weft would run without it"][..],
+        ),
+    ] {
+        refused(
+            &[
+                "eval",
+                "tests/fixtures/llama",
+                "--inputs",
+                s(inputs),
+                "-o",
+                s(&out),
+            ],
+            needles,
+        );
+        refused(
+            &[
+                "check",
+                "tests/fixtures/llama",
+                "--inputs",
+                s(inputs),
+                "--mesh",
+                "sp=2",
+            ],
+            needles,
+        );
+        refused(
+            &[
+                "run",
+                "tests/fixtures/llama",
+                "--inputs",
+                s(inputs),
+                "--steps",
+                "1",
+            ],
+            needles,
+        );
+    }
+    let plain_loss = {
+        let (code, out, err) = weft(&[
+            "eval",
+            "tests/fixtures/llama",
+            "--inputs",
+            s(&fixture("llama").join("inputs.safetensors")),
+            "-o",
+            s(&dir.join("plain.safetensors")),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        json(&out)["loss"].as_f64().unwrap()
+    };
+    for inputs in [&mask_ok, &pos_ok] {
+        let (code, out, err) = weft(&[
+            "eval",
+            "tests/fixtures/llama",
+            "--inputs",
+            s(inputs),
+            "-o",
+            s(&dir.join("neutral.safetensors")),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(json(&out)["loss"].as_f64().unwrap(), plain_loss);
+    }
+}
+
 // ---- tampered plans ----
 
 fn compile_plan(dir: &Path) -> (PathBuf, serde_json::Value) {

@@ -355,8 +355,9 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         _ if mla.is_some() => crate::deepseek::rope_head_dim(f)?,
         Some(0) => return Err(f.err("head_dim", "must be positive, got 0")),
         Some(d) => d,
-        // GptOssConfig's class default; only an explicit null derives it.
+        // GptOssConfig's and Qwen3Config's class defaults; only an explicit null derives it.
         None if family == Family::GptOss && !f.obj.contains_key("head_dim") => 64,
+        None if family == Family::Qwen3 && !f.obj.contains_key("head_dim") => 128,
         None => {
             if hidden_size % num_attention_heads != 0 {
                 return Err(f.err(
@@ -368,6 +369,17 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         }
     };
     let rms_norm_eps = f.positive_f64("rms_norm_eps")?;
+    if !crate::gemma::is_gemma(family) {
+        // (gemma's own check says the same with its merge rules)
+        check_one_rope_source(f)?;
+    }
+    if !matches!(family, Family::Phi3 | Family::DeepseekV3) {
+        // (deepseek_v3 refuses it in `check_rope_type`, naming qk_rope_head_dim)
+        check_full_rotary(f, family)?;
+    }
+    if family == Family::Phi3 {
+        check_phi3_rope_type(f)?;
+    }
     let rope = match family {
         Family::Gemma3Text => crate::gemma::parse_gemma3_ropes(f, head_dim)?.0,
         Family::GptOss => parse_gpt_oss_rope(f, head_dim)?,
@@ -791,7 +803,113 @@ fn parse_dtype(f: &Fields) -> Result<DType, FrontendError> {
 /// Rope from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4).
 fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> {
     let (params, theta) = rope_source(f)?;
-    rope_from(f, params, theta, head_dim)
+    rope_from(f, params, theta, head_dim, true)
+}
+
+/// HF 5.17 reads `rope_scaling` in place of `rope_parameters` when both are given
+/// (`rope_scaling or rope_parameters`); a config with both holds a leftover whose
+/// meaning depends on that rule. Refused, naming `rope_scaling` (an empty object or null
+/// is no rope at all and passes).
+fn check_one_rope_source(f: &Fields) -> Result<(), FrontendError> {
+    let non_empty = |key: &str| -> Result<bool, FrontendError> {
+        Ok(f.opt_object(key)?.is_some_and(|o| !o.is_empty()))
+    };
+    if non_empty("rope_scaling")? && non_empty("rope_parameters")? {
+        return Err(f.err(
+            "rope_scaling",
+            "is given beside rope_parameters; HF then uses rope_scaling and drops rope_parameters (transformers 5 writes rope_parameters only): keep the one you mean",
+        ));
+    }
+    Ok(())
+}
+
+/// Every `partial_rotary_factor` a config may carry: at the top level, in
+/// `rope_parameters` / `rope_scaling`, and in a per-layer-type entry of `rope_parameters`.
+fn partial_rotary_fields(f: &Fields) -> Result<Vec<(String, f64)>, FrontendError> {
+    const KEY: &str = "partial_rotary_factor";
+    let mut out = Vec::new();
+    if let Some(x) = f.opt_f64(KEY)? {
+        out.push((f.name(KEY), x));
+    }
+    for outer in ["rope_parameters", "rope_scaling"] {
+        let Some(o) = f.opt_object(outer)? else {
+            continue;
+        };
+        let p = f.nested(outer, o);
+        if let Some(x) = p.opt_f64(KEY)? {
+            out.push((p.name(KEY), x));
+        }
+        for (k, v) in o {
+            if let Some(inner) = v.as_object() {
+                let q = p.nested(k, inner);
+                if let Some(x) = q.opt_f64(KEY)? {
+                    out.push((q.name(KEY), x));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `partial_rotary_factor` other than 1 on a family whose HF attention rotates every
+/// head_dim feature. transformers 5.17 moves the field into `rope_parameters`; the default
+/// rope of these families ignores it (full rotation), while the scaled ones (linear,
+/// llama3, yarn) size their tables with it and the attention then fails on the shapes.
+/// Only phi3 rotates the first `head_dim * partial_rotary_factor` features. Refused by
+/// name rather than computed either way.
+fn check_full_rotary(f: &Fields, family: Family) -> Result<(), FrontendError> {
+    if let Some((field, x)) = partial_rotary_fields(f)?
+        .into_iter()
+        .find(|(_, x)| *x != 1.0)
+    {
+        return Err(FrontendError::config(
+            f.file,
+            &field,
+            format!("is {x}, but HF's {family} attention rotates all head_dim features: its default rope ignores partial_rotary_factor and its scaled ropes fail on it (only phi3 applies it); set it to 1 or remove it"),
+        ));
+    }
+    Ok(())
+}
+
+/// HF's `Phi3Config` renames the rope types `su` and `yarn` to `longrope` (which Weft does
+/// not implement) and refuses every type but `default` and `longrope`.
+fn check_phi3_rope_type(f: &Fields) -> Result<(), FrontendError> {
+    let (Some(p), _) = rope_source(f)? else {
+        return Ok(());
+    };
+    let (type_key, t) = match p.opt_str("rope_type")? {
+        Some(t) => ("rope_type", t),
+        None => ("type", p.opt_str("type")?.unwrap_or("default")),
+    };
+    match t {
+        "default" => Ok(()),
+        "su" | "yarn" => Err(p.err(
+            type_key,
+            format!("is `{t}`, which HF's Phi3Config reads as `longrope` (short_factor / long_factor rescaling); Weft does not implement longrope"),
+        )),
+        "longrope" => Err(FrontendError::UnsupportedRope {
+            file: f.file.to_string(),
+            field: p.name(type_key),
+            rope_type: t.to_string(),
+        }),
+        _ => Err(p.err(
+            type_key,
+            format!("is `{t}`, but HF's Phi3Config accepts only `default` and `longrope` rope"),
+        )),
+    }
+}
+
+/// The top-level `original_max_position_embeddings`, which HF 5.17's
+/// `standardize_rope_params` copies over the rope dict's own for llama3, yarn and
+/// longrope rope (a config with one global rope dict; not gemma3's per-layer ones).
+fn top_level_original(f: &Fields) -> Result<Option<usize>, FrontendError> {
+    match f.opt_usize("original_max_position_embeddings")? {
+        Some(0) => Err(f.err(
+            "original_max_position_embeddings",
+            "must be positive, got 0",
+        )),
+        n => Ok(n),
+    }
 }
 
 /// Where a config keeps its rope: the parameters object (if any) and theta.
@@ -808,10 +926,19 @@ fn rope_source<'a>(f: &Fields<'a>) -> Result<(Option<Fields<'a>>, f64), Frontend
             (Some(p), theta)
         }
         None => {
-            let theta = f.f64("rope_theta")?;
             let scaling = f
                 .opt_object("rope_scaling")?
                 .map(|rs| f.nested("rope_scaling", rs));
+            // HF takes the rope_scaling dict as rope_parameters: a `rope_theta` inside it
+            // wins over the top-level one (`setdefault`).
+            let theta = match scaling
+                .as_ref()
+                .map(|s| s.opt_f64("rope_theta"))
+                .transpose()?
+            {
+                Some(Some(t)) => t,
+                _ => f.f64("rope_theta")?,
+            };
             (scaling, theta)
         }
     };
@@ -820,12 +947,21 @@ fn rope_source<'a>(f: &Fields<'a>) -> Result<(Option<Fields<'a>>, f64), Frontend
 
 /// The rope of `params` (a `rope_parameters` or `rope_scaling` object) with base `theta`;
 /// `f` is the config's top level (`partial_rotary_factor`, `max_position_embeddings`).
+///
+/// `top_level_original`: the top-level `original_max_position_embeddings` overrides the
+/// rope dict's (HF does so for a config's one global rope dict, see [`top_level_original`]).
 pub(crate) fn rope_from(
     f: &Fields,
     params: Option<Fields>,
     theta: f64,
     head_dim: usize,
+    top_level_original: bool,
 ) -> Result<RopeConfig, FrontendError> {
+    let top_original = if top_level_original {
+        self::top_level_original(f)?
+    } else {
+        None
+    };
     if !(theta.is_finite() && theta > 0.0) {
         let field = if f.has("rope_theta") {
             "rope_theta".to_string()
@@ -885,12 +1021,13 @@ pub(crate) fn rope_from(
                     factor: Float(p.positive_f64("factor")?),
                 },
                 "llama3" => {
-                    let orig = match p.opt_usize("original_max_position_embeddings")? {
-                        Some(n) => n,
-                        None => f.opt_usize("max_position_embeddings")?.ok_or_else(|| {
-                            p.err("original_max_position_embeddings", "is missing")
-                        })?,
-                    };
+                    let orig =
+                        match top_original.or(p.opt_usize("original_max_position_embeddings")?) {
+                            Some(n) => n,
+                            None => f.opt_usize("max_position_embeddings")?.ok_or_else(|| {
+                                p.err("original_max_position_embeddings", "is missing")
+                            })?,
+                        };
                     let (lo, hi) = (
                         p.positive_f64("low_freq_factor")?,
                         p.positive_f64("high_freq_factor")?,
@@ -908,7 +1045,7 @@ pub(crate) fn rope_from(
                         original_max_position_embeddings: orig as i64,
                     }
                 }
-                "yarn" => parse_yarn(f, p)?,
+                "yarn" => parse_yarn(f, p, top_original)?,
                 other => {
                     return Err(FrontendError::UnsupportedRope {
                         file: f.file.to_string(),
@@ -970,8 +1107,12 @@ fn parse_gpt_oss_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, Fronten
 /// `beta_slow` 1 (absent, null or 0 all take the default, as HF's `or`),
 /// `original_max_position_embeddings` (default `max_position_embeddings`), `truncate`
 /// true, and `attention_factor` from `mscale` / `mscale_all_dim` when absent.
-fn parse_yarn(f: &Fields, p: &Fields) -> Result<RopeScaling, FrontendError> {
-    let orig = match p.opt_usize("original_max_position_embeddings")? {
+fn parse_yarn(
+    f: &Fields,
+    p: &Fields,
+    top_original: Option<usize>,
+) -> Result<RopeScaling, FrontendError> {
+    let orig = match top_original.or(p.opt_usize("original_max_position_embeddings")?) {
         Some(0) => {
             return Err(p.err(
                 "original_max_position_embeddings",

@@ -216,9 +216,9 @@ pub(crate) fn parse_gemma3_ropes(
             Some(e) => {
                 let e = p.nested(layer_type, e);
                 let theta = e.opt_f64("rope_theta")?.unwrap_or(default_theta);
-                crate::config::rope_from(f, Some(e), theta, head_dim)
+                crate::config::rope_from(f, Some(e), theta, head_dim, false)
             }
-            None => crate::config::rope_from(f, None, default_theta, head_dim),
+            None => crate::config::rope_from(f, None, default_theta, head_dim, false),
         };
         let theta = f.opt_f64("rope_theta")?.unwrap_or(1_000_000.0);
         let local = f.opt_f64("rope_local_base_freq")?.unwrap_or(10_000.0);
@@ -227,18 +227,25 @@ pub(crate) fn parse_gemma3_ropes(
             entry("sliding_attention", local)?,
         ));
     }
-    let global = crate::config::rope_from(
-        f,
-        f.opt_object("rope_scaling")?
-            .map(|rs| f.nested("rope_scaling", rs)),
-        f.f64("rope_theta")?,
-        head_dim,
-    )?;
+    let scaling = f
+        .opt_object("rope_scaling")?
+        .map(|rs| f.nested("rope_scaling", rs));
+    // A `rope_theta` inside rope_scaling wins over the top-level one, as in HF.
+    let theta = match scaling
+        .as_ref()
+        .map(|s| s.opt_f64("rope_theta"))
+        .transpose()?
+    {
+        Some(Some(t)) => t,
+        _ => f.f64("rope_theta")?,
+    };
+    let global = crate::config::rope_from(f, scaling, theta, head_dim, false)?;
     let local = crate::config::rope_from(
         f,
         None,
         f.opt_f64("rope_local_base_freq")?.unwrap_or(10_000.0),
         head_dim,
+        false,
     )?;
     Ok((global, local))
 }

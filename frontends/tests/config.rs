@@ -669,3 +669,265 @@ fn window_fields_weft_cannot_honour_are_refused_by_name() {
     );
     assert!(e.contains("layer_types") && e.contains("ignores"), "{e}");
 }
+
+/// transformers 5.17 moves `partial_rotary_factor` into `rope_parameters`, but only
+/// phi3's attention rotates part of each head: the other families' default rope ignores
+/// it (full rotation) and their scaled ropes fail on it. Weft refuses it by name there
+/// rather than rotating a part HF does not.
+#[test]
+fn partial_rotary_factor_is_refused_where_hf_rotates_every_feature() {
+    for preset in [
+        "llama-tiny",
+        "mistral-tiny",
+        "qwen2-tiny",
+        "qwen3-tiny",
+        "mixtral-tiny",
+        "qwen3-moe-tiny",
+        "olmo2-tiny",
+        "granite-tiny",
+        "gemma2-tiny",
+        "gpt-oss-tiny",
+    ] {
+        let json = load_preset_json(preset);
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        v["partial_rotary_factor"] = 0.5.into();
+        let e = ModelConfig::from_json(&v, "test/config.json").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("field `partial_rotary_factor` is 0.5, but HF's"),
+            "{preset}: {e}"
+        );
+        // 1 is neutral.
+        v["partial_rotary_factor"] = 1.0.into();
+        ModelConfig::from_json(&v, "test/config.json").unwrap_or_else(|e| panic!("{preset}: {e}"));
+    }
+    // In the transformers-5 rope dict, and in gemma3's per-layer-type dicts.
+    let e = base_with(|o| {
+        o.remove("rope_theta");
+        o.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+        );
+    })
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("field `rope_parameters.partial_rotary_factor` is 0.25"),
+        "{e}"
+    );
+    let json = load_preset_json("gemma3-tiny");
+    let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let o = v.as_object_mut().unwrap();
+    o.remove("rope_theta");
+    o.remove("rope_scaling");
+    o.remove("rope_local_base_freq");
+    o.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"full_attention": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    );
+    let e = ModelConfig::from_json(&v, "test/config.json").unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("field `rope_parameters.full_attention.partial_rotary_factor` is 0.5"),
+        "{e}"
+    );
+}
+
+/// HF's `standardize_rope_params` copies a top-level `original_max_position_embeddings`
+/// over the rope dict's own for llama3 and yarn rope (one global rope dict); gemma3's
+/// per-layer-type dicts keep theirs.
+#[test]
+fn top_level_original_max_position_embeddings_wins_as_in_hf() {
+    let c = base_with(|o| {
+        o.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        );
+        o.insert("original_max_position_embeddings".into(), 4.into());
+    })
+    .unwrap();
+    assert!(
+        matches!(
+            c.rope.scaling,
+            RopeScaling::Llama3 {
+                original_max_position_embeddings: 4,
+                ..
+            }
+        ),
+        "{:?}",
+        c.rope.scaling
+    );
+    let c = base_with(|o| {
+        o.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+        );
+        o.insert("original_max_position_embeddings".into(), 8.into());
+    })
+    .unwrap();
+    assert!(
+        matches!(
+            c.rope.scaling,
+            RopeScaling::Yarn {
+                original_max_position_embeddings: 8,
+                ..
+            }
+        ),
+        "{:?}",
+        c.rope.scaling
+    );
+    // Without a rope dict field the top-level one also stands in for max_position_embeddings.
+    let c = base_with(|o| {
+        o.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+        );
+        o.insert("max_position_embeddings".into(), 64.into());
+        o.insert("original_max_position_embeddings".into(), 8.into());
+    })
+    .unwrap();
+    assert!(matches!(
+        c.rope.scaling,
+        RopeScaling::Yarn {
+            original_max_position_embeddings: 8,
+            ..
+        }
+    ));
+    // gemma3: the per-layer-type dict keeps its own.
+    let json = load_preset_json("gemma3-tiny");
+    let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let o = v.as_object_mut().unwrap();
+    o.remove("rope_parameters");
+    o.insert("rope_theta".into(), 1e6.into());
+    o.insert(
+        "rope_scaling".into(),
+        serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    );
+    o.insert("original_max_position_embeddings".into(), 8.into());
+    let c = ModelConfig::from_json(&v, "test/config.json").unwrap();
+    assert!(
+        matches!(
+            c.rope.scaling,
+            RopeScaling::Yarn {
+                original_max_position_embeddings: 32,
+                ..
+            }
+        ),
+        "{:?}",
+        c.rope.scaling
+    );
+}
+
+/// HF reads `rope_scaling` in place of `rope_parameters` when both are set; Weft refuses
+/// the pair by name (an empty `rope_scaling` is no rope dict and passes).
+#[test]
+fn rope_scaling_beside_rope_parameters_is_refused() {
+    let with = |scaling: serde_json::Value| {
+        base_with(|o| {
+            o.remove("rope_theta");
+            o.insert(
+                "rope_parameters".into(),
+                serde_json::json!({"rope_type": "default", "rope_theta": 1e4}),
+            );
+            o.insert("rope_scaling".into(), scaling);
+        })
+    };
+    let e = with(serde_json::json!({"rope_type": "linear", "factor": 4.0})).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("field `rope_scaling` is given beside rope_parameters"),
+        "{e}"
+    );
+    for neutral in [serde_json::json!({}), serde_json::Value::Null] {
+        assert_eq!(with(neutral).unwrap().rope.scaling, RopeScaling::None);
+    }
+}
+
+/// HF's Phi3Config renames `su` and `yarn` rope to `longrope` and refuses the other
+/// types: Weft must not compute YaRN (or linear, llama3) for a phi3 config.
+#[test]
+fn phi3_rope_types_follow_phi3config() {
+    for (t, want) in [
+        (
+            "yarn",
+            "is `yarn`, which HF's Phi3Config reads as `longrope`",
+        ),
+        ("su", "is `su`, which HF's Phi3Config reads as `longrope`"),
+        ("linear", "is `linear`, but HF's Phi3Config accepts only"),
+        ("llama3", "is `llama3`, but HF's Phi3Config accepts only"),
+    ] {
+        let json = load_preset_json("phi3-tiny");
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let o = v.as_object_mut().unwrap();
+        let theta = o["rope_parameters"]["rope_theta"].clone();
+        o.remove("rope_parameters");
+        o.insert("rope_theta".into(), theta);
+        o.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"type": t, "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}),
+        );
+        let e = ModelConfig::from_json(&v, "test/config.json").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("field `rope_scaling.type` {want}")),
+            "{t}: {e}"
+        );
+    }
+    // longrope keeps its unsupported-rope error (and help).
+    let json = load_preset_json("phi3-tiny");
+    let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    v["rope_parameters"]["rope_type"] = "longrope".into();
+    let e = ModelConfig::from_json(&v, "test/config.json").unwrap_err();
+    assert!(matches!(e, FrontendError::UnsupportedRope { .. }), "{e}");
+}
+
+/// Qwen3Config's `head_dim` defaults to 128, not hidden_size / num_attention_heads (an
+/// explicit null still derives it).
+#[test]
+fn qwen3_head_dim_defaults_to_128() {
+    let json = load_preset_json("qwen3-tiny");
+    let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    v.as_object_mut().unwrap().remove("head_dim");
+    let c = ModelConfig::from_json(&v, "test/config.json").unwrap();
+    assert_eq!(c.head_dim, 128);
+    v["head_dim"] = serde_json::Value::Null;
+    let c = ModelConfig::from_json(&v, "test/config.json").unwrap();
+    assert_eq!(c.head_dim, c.hidden_size / c.num_attention_heads);
+}
+
+/// HF takes a transformers-4 `rope_scaling` dict as `rope_parameters`, so a `rope_theta`
+/// inside it wins over the top-level one (and stands in for it when that is absent).
+#[test]
+fn rope_theta_inside_rope_scaling_wins_as_in_hf() {
+    for top in [Some(500000.0), None] {
+        let c = base_with(|o| {
+            match top {
+                Some(t) => o.insert("rope_theta".into(), t.into()),
+                None => o.remove("rope_theta"),
+            };
+            o.insert(
+                "rope_scaling".into(),
+                serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0}),
+            );
+        })
+        .unwrap();
+        assert_eq!(c.rope.theta, 100.0, "top-level {top:?}");
+        assert_eq!(c.rope.scaling, RopeScaling::Linear { factor: Float(2.0) });
+    }
+    // gemma3's legacy global rope too (its local rope keeps rope_local_base_freq).
+    let json = load_preset_json("gemma3-tiny");
+    let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let o = v.as_object_mut().unwrap();
+    o.remove("rope_parameters");
+    o.insert("rope_theta".into(), 1e6.into());
+    o.insert(
+        "rope_scaling".into(),
+        serde_json::json!({"rope_type": "linear", "factor": 8.0, "rope_theta": 300.0}),
+    );
+    let c = ModelConfig::from_json(&v, "test/config.json").unwrap();
+    assert_eq!(c.rope.theta, 300.0);
+    assert_eq!(c.local_rope.unwrap().theta, 10000.0);
+}

@@ -167,6 +167,21 @@ fn tied_models_may_include_or_omit_lm_head() {
     save_in(&dir, "model.safetensors", &w);
     let got = load_weights(&m, &dir).unwrap();
     assert!(!got.contains_key("lm_head.weight"));
+    // A head that differs from the embedding: HF 5 does not tie the two (it keeps both),
+    // so the tied model Weft builds would compute something else; refused by name.
+    let other = random_weights(&m, 2);
+    let mut w2 = w.clone();
+    w2.insert(
+        "lm_head.weight".into(),
+        other["model.embed_tokens.weight"].clone(),
+    );
+    save_in(&dir, "model.safetensors", &w2);
+    let e = load_weights(&m, &dir).unwrap_err().to_string();
+    assert!(
+        e.contains("`lm_head.weight` differs from `model.embed_tokens.weight`, but the config ties them (tie_word_embeddings)")
+            && e.contains("set `tie_word_embeddings` to false"),
+        "{e}"
+    );
     // Only the head present: it is the embedding.
     let embed = w.remove("model.embed_tokens.weight").unwrap();
     save_in(&dir, "model.safetensors", &w);

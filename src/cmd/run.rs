@@ -394,7 +394,9 @@ impl Feeder {
     /// The inputs of step `step` that `g` takes, refused where every label is ignored.
     pub fn next_for(&mut self, g: &Graph, step: usize) -> CliResult<BTreeMap<String, HostTensor>> {
         let all = self.next(step);
-        super::session::check_labels(g, &all, &format!("{}, step {step}", self.source))?;
+        let source = format!("{}, step {step}", self.source);
+        super::session::check_extra_inputs(g, &all, &source, &[weft_ir::role::STEP_NAME, "step"])?;
+        super::session::check_labels(g, &all, &source)?;
         Ok(inputs_for(g, &all))
     }
 

@@ -191,6 +191,7 @@ impl Session {
                 )
             }
         };
+        check_extra_inputs(&model.graph, &inputs, &inputs_from, &[])?;
         check_labels(&model.graph, &inputs, &inputs_from)?;
         Ok(Session {
             model,
@@ -393,6 +394,65 @@ fn read_inputs(p: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
         )));
     }
     Ok(t)
+}
+
+/// Refuses a tensor of the inputs that the model does not take, rather than running
+/// without it: HF's forward reads an `attention_mask` (padding, or several sequences
+/// packed in a row) and `position_ids` (the positions rope rotates by), and either
+/// changes the logits and the loss. An all-ones `attention_mask` and `position_ids` of
+/// `0..seq` on every row are what Weft computes, and pass. `source` names where the
+/// inputs came from; `added` names the tensors the caller put there itself (`weft run`'s
+/// step counters), which are not checked.
+pub fn check_extra_inputs(
+    g: &Graph,
+    inputs: &BTreeMap<String, HostTensor>,
+    source: &str,
+    added: &[&str],
+) -> CliResult<()> {
+    let mut taken: Vec<String> = g.inputs().into_iter().map(|(n, _, _)| n).collect();
+    taken.extend(added.iter().map(|s| s.to_string()));
+    let seq = inputs
+        .get("input_ids")
+        .and_then(|t| t.shape.last().copied());
+    for (name, t) in inputs {
+        if taken.contains(name) {
+            continue;
+        }
+        let ints = (t.dtype.is_int() || t.dtype == DType::Bool).then(|| t.to_i64());
+        let (neutral, why) = match name.as_str() {
+            "attention_mask" => (
+                ints.as_ref().is_some_and(|v| v.iter().all(|&x| x == 1)),
+                "HF's forward masks the keys where it is 0 (padding, packed sequences); Weft attends causally to every token of a row, so only an all-ones mask is accepted",
+            ),
+            "position_ids" => (
+                seq.is_some_and(|s| {
+                    s > 0
+                        && t.shape.last() == Some(&s)
+                        && ints
+                            .as_ref()
+                            .is_some_and(|v| v.iter().enumerate().all(|(i, &x)| x == (i % s) as i64))
+                }),
+                "HF's rope rotates each token by its position id; Weft uses 0..seq on every row, so only those are accepted",
+            ),
+            _ => (false, "Weft would run without it"),
+        };
+        if !neutral {
+            return Err(CliError::input(format!(
+                "the inputs from {source} hold `{name}` {:?}, which {} does not take: {why}",
+                t.shape, g.name
+            ))
+            .with_help(format!(
+                "give only the model's inputs ({}); mark positions to skip with label -100",
+                g.inputs()
+                    .into_iter()
+                    .filter(|(_, role, _)| *role != weft_ir::Role::Buffer)
+                    .map(|(n, _, _)| n)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Refuses inputs whose every label is ignored: the loss is a mean over the valid labels,

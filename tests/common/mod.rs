@@ -12,6 +12,7 @@ use weft_runtime::cpu::{run, Precision, RunOptions, RunResult};
 pub const FIXTURE_FAMILIES: &[&str] = &[
     "llama",
     "llama_rope3",
+    "llama_legacy_rope",
     "llama_kv1",
     "mistral",
     "qwen2",

@@ -176,9 +176,29 @@ pub fn load_weights(
         // The alias is the target under a second name: use it only if the target is absent.
         if let Some(t) = ck.tensors.remove(alias) {
             let f = ck.files.remove(alias).unwrap_or_default();
-            if !ck.tensors.contains_key(target) {
-                ck.tensors.insert(target.clone(), t);
-                ck.files.insert(target.clone(), format!("{f} (as {alias})"));
+            match ck.tensors.get(target) {
+                None => {
+                    ck.tensors.insert(target.clone(), t);
+                    ck.files.insert(target.clone(), format!("{f} (as {alias})"));
+                }
+                // HF 5 (`tie_weights` in from_pretrained) does not tie two tensors the
+                // checkpoint holds with different values: it warns and keeps both, an
+                // untied model. Weft would build the tied one: refused.
+                Some(kept) if !same_values(kept, &t) => {
+                    return Err(FrontendError::Safetensors {
+                        file: if ck.source.is_dir() {
+                            ck.source.join(&f)
+                        } else {
+                            ck.source.clone()
+                        }
+                        .display()
+                        .to_string(),
+                        message: format!(
+                            "`{alias}` differs from `{target}`, but the config ties them (tie_word_embeddings): HF then unties them and uses both, while Weft would use `{target}` for both; set `tie_word_embeddings` to false in config.json (an untied model), or drop `{alias}` from the checkpoint"
+                        ),
+                    });
+                }
+                Some(_) => {}
             }
         }
     }
@@ -191,6 +211,18 @@ pub fn load_weights(
         });
     }
     Ok(ck.tensors)
+}
+
+/// True when two tensors hold the same dtype, shape and values (HF's `torch.equal`).
+fn same_values(a: &HostTensor, b: &HostTensor) -> bool {
+    if a.dtype != b.dtype || a.shape != b.shape {
+        return false;
+    }
+    match (&a.data, &b.data) {
+        (HostData::Raw(x), HostData::Raw(y)) => x.bytes() == y.bytes(),
+        _ if a.dtype.is_float() => a.to_f64() == b.to_f64(),
+        _ => a.to_i64() == b.to_i64(),
+    }
 }
 
 /// The checkpoint names of deepseek_v3's multi-token-prediction layers: the
