@@ -1177,11 +1177,12 @@ fn parse_moe(
     family: Family,
     layers: usize,
 ) -> Result<Option<MoeConfig>, FrontendError> {
+    // Qwen3MoeConfig's field is `num_experts`; some exports spell it as Mixtral does.
     let experts_key = |f: &Fields| {
-        if f.has("num_experts") {
-            "num_experts"
-        } else {
+        if f.has("num_local_experts") && !f.has("num_experts") {
             "num_local_experts"
+        } else {
+            "num_experts"
         }
     };
     let check_k = |e: usize, k: usize| {

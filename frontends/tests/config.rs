@@ -389,6 +389,17 @@ fn moe_fields() {
         o.insert("num_experts".into(), n);
     });
     assert_eq!(q.moe.as_ref().unwrap().num_experts, 4);
+    // Neither present: the error names Qwen3MoeConfig's own field.
+    let mut v: serde_json::Value =
+        serde_json::from_str(&load_preset_json("qwen3-moe-tiny")).unwrap();
+    v.as_object_mut().unwrap().remove("num_local_experts");
+    let e = ModelConfig::from_json(&v, "x.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`num_experts`") && !e.contains("num_local_experts"),
+        "{e}"
+    );
     let e = ModelConfig::from_json_str(
         &load_preset_json("qwen3-moe-tiny")
             .replace("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 5"),

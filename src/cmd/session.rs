@@ -445,7 +445,11 @@ pub fn check_extra_inputs(
                 "give only the model's inputs ({}); mark positions to skip with label -100",
                 g.inputs()
                     .into_iter()
-                    .filter(|(_, role, _)| *role != weft_ir::Role::Buffer)
+                    .filter(|(n, role, _)| {
+                        *role != weft_ir::Role::Buffer
+                            && n != weft_ir::role::STEP_NAME
+                            && weft_ir::ValueRole::of(n).is_none()
+                    })
                     .map(|(n, _, _)| n)
                     .collect::<Vec<_>>()
                     .join(", ")
