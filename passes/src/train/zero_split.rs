@@ -328,10 +328,13 @@ pub fn param_split(
     ZeroSplit::per_outer(group, 1, outer, units, false)
 }
 
+/// The outer axes with their sizes, and the element count on each of their ranks.
+type OuterNumels = (Vec<(String, i64)>, Vec<i64>);
+
 /// The axes (mesh order, with their sizes) a per-rank local type's element count
 /// differs over, none of them in the ZeRO group, and the count on each of their ranks
 /// (row-major); `None` where it cannot be evaluated so.
-fn outer_numels(mesh: &Mesh, ty: &TensorType) -> Option<(Vec<(String, i64)>, Vec<i64>)> {
+fn outer_numels(mesh: &Mesh, ty: &TensorType) -> Option<OuterNumels> {
     let mut b = weft_ir::Bindings::new();
     for (a, n) in &mesh.axes {
         b = b.with(a, *n as i64);
@@ -843,7 +846,7 @@ mod tests {
         assert_eq!(at(&s.numel_dim(), 1, 1), 490);
         let tp = Partition::simple("column", "tp", 0, vec![21, 14]);
         assert_eq!(
-            s.state_partitions(&m, &[tp.clone()]),
+            s.state_partitions(&m, std::slice::from_ref(&tp)),
             vec![Partition::group(
                 "zero",
                 &["tp".into(), "dp".into()],
