@@ -583,8 +583,9 @@ fn assert_unpadded_states(g: &Graph, weights: &BTreeMap<String, HostTensor>, wha
 /// cp=2 (its 5 heads rule out sp=2); the groups of two axes dp x cp of 4 and 6 ranks,
 /// split near-evenly over their flattened ranks; dp and dp x cp with tp=2, whose
 /// even tp shards are split over the group inside their tp partition and whose
-/// per-rank tp shards (5 heads over tp=2) each split their own size over the group,
-/// at stage 3 too, where they shard their state only) match the one-rank step's gradients, parameters and states
+/// per-rank tp shards (5 heads over tp=2) each split their own size over the group;
+/// at stage 3 those split by tp on dim 0 shard their state only, those split on their
+/// columns (o_proj, down_proj) their rows) match the one-rank step's gradients, parameters and states
 /// after `K` steps, and store no padding: a rank's state is exactly its piece, and its
 /// rows at stage 3 a per-rank width over the whole group.
 #[test]
@@ -612,6 +613,7 @@ fn uneven_groups_every_stage() {
         ("dp=2,tp=2", 3, 2),
         ("dp=3,tp=2", 1, 2),
         ("dp=3,tp=2", 2, 2),
+        ("dp=3,tp=2", 3, 2),
         ("dp=3,cp=2,tp=2", 1, 2),
         ("dp=3,cp=2,tp=2", 2, 2),
         ("dp=3,cp=2,tp=2", 3, 1),
@@ -651,6 +653,25 @@ fn uneven_groups_every_stage() {
             weights.len() as u64,
             "{what}: every parameter accounted for"
         );
+        if zero == 3 && mesh.contains("tp") {
+            // o_proj's tp shards (35 rows of 24 or 16 columns) are rows over the group;
+            // q_proj's (24 or 16 rows) keep their rows and shard their state only.
+            let m = weft_ir::Mesh::parse(mesh).unwrap();
+            let z = (m.world_size() / 2) as i64;
+            let mut want = vec![35 / z; z as usize];
+            for w in want.iter_mut().take((35 % z) as usize) {
+                *w += 1;
+            }
+            let o = g.param_partition("model.layers.0.self_attn.o_proj.weight");
+            assert!(
+                o.iter()
+                    .any(|p| p.kind == "zero" && p.dim == 0 && p.pieces == vec![want.clone()]),
+                "{what}: o_proj {o:?}"
+            );
+            let q = g.param_partition("model.layers.0.self_attn.q_proj.weight");
+            assert!(!q.iter().any(|p| p.kind == "zero"), "{what}: q_proj {q:?}");
+            assert!(stat("stage3_whole") > 0, "{what}");
+        }
         if zero == 3 && !mesh.contains("tp") {
             // The embedding's 131 rows are this rank's width of a per-rank table over
             // the whole group (one axis, or several flattened row-major).
@@ -944,7 +965,8 @@ fn shard_round_trips_the_uneven_zero_training_state() {
 /// heads of `q_proj`, 24 and 16 rows of 35): each tp rank's flattened shard split
 /// over dp by its own size (840 elements as 420 + 420, 560 as 280 + 280), and
 /// `--unshard` gives the state back byte for byte; then dp=3,tp=2 from that at stage 2
-/// (560 as 187 + 187 + 186).
+/// (560 as 187 + 187 + 186), then dp=2,tp=2 at stage 3 (o_proj, split by tp on its
+/// columns, 35 rows of 24 or 16, is rows over dp: 18 + 17).
 #[test]
 fn shard_round_trips_the_zero_state_of_uneven_tp_shards() {
     let dir = std::env::temp_dir().join(format!("weft-zero-tp-odd-{}", std::process::id()));
@@ -959,6 +981,7 @@ fn shard_round_trips_the_zero_state_of_uneven_tp_shards() {
     for (i, (mesh, zero, want)) in [
         ("dp=2,tp=2", "1", vec![420, 280, 420, 280]),
         ("dp=3,tp=2", "2", vec![280, 187, 280, 187, 280, 186]),
+        ("dp=2,tp=2", "3", vec![420, 280, 420, 280]),
     ]
     .into_iter()
     .enumerate()
@@ -994,6 +1017,16 @@ fn shard_round_trips_the_zero_state_of_uneven_tp_shards() {
             .map(|r| r[&format!("optim.m.{w}")].numel())
             .collect();
         assert_eq!(moment, want, "{mesh}: each rank's piece of the moment");
+        if zero == "3" {
+            // o_proj's tp shards, 35 rows of 24 or 16 columns, are rows over dp.
+            let o = "model.layers.0.self_attn.o_proj.weight";
+            let shapes: Vec<Vec<usize>> = held.iter().map(|r| r[o].shape.clone()).collect();
+            assert_eq!(
+                shapes,
+                vec![vec![18, 24], vec![18, 16], vec![17, 24], vec![17, 16]],
+                "{mesh}: each rank's rows of o_proj"
+            );
+        }
         let back = dir.join(format!("back{i}.safetensors"));
         unshard_is_byte_exact(&shards, &back, &ckpt, mesh);
         from = back;

@@ -24,7 +24,8 @@
 //! the piece of the gradient is the `grad_shard.<name>` it returns (no gather, no
 //! slice). A parameter whose local size differs per tp rank (an uneven tp split) is
 //! sharded too, each tp rank its own size over the group (its flat state one group
-//! partition over tp and the group, `crate::zero_split`). A parameter with fewer
+//! partition over tp and the group, `crate::zero_split`; at stage 3 its rows where
+//! tp split another dim). A parameter with fewer
 //! elements than ranks keeps its state whole (`unsharded_uneven`).
 //!
 //! Optimizer offload (`offload_optimizer`, ZeRO-Offload): every float parameter gets
@@ -433,13 +434,17 @@ impl Writer<'_> {
                     meta: self.meta.clone(),
                     g: &mut *self.g,
                 };
-                let v = em.op(
-                    Op::Reshape {
-                        shape: vec![split.width()],
-                    },
-                    &[p],
-                    &format!("ZeRO-3: `{name}`'s rows, flat"),
-                )?;
+                let v = if split.is_per_outer() {
+                    em.flat_const(p, split.width(), &format!("ZeRO-3: `{name}`'s rows"))?
+                } else {
+                    em.op(
+                        Op::Reshape {
+                            shape: vec![split.width()],
+                        },
+                        &[p],
+                        &format!("ZeRO-3: `{name}`'s rows, flat"),
+                    )?
+                };
                 if self.g.ty(v).dtype == fdt {
                     v
                 } else {

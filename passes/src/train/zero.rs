@@ -454,21 +454,33 @@ pub fn shard_param(
             let what = format!(
                 "ZeRO-3: gather `{name}` for its {phase}{mbt}; freed after its last use there"
             );
-            let flat = em.op(
-                Op::Reshape {
-                    shape: vec![rows.clone() * Dim::from(split.unit)],
-                },
-                &[shard],
-                &format!("ZeRO-3: `{name}`'s rows, flat"),
-            )?;
+            let flat = if split.is_per_outer() {
+                em.flat_const(shard, split.width(), &format!("ZeRO-3: `{name}`'s rows"))?
+            } else {
+                em.op(
+                    Op::Reshape {
+                        shape: vec![rows.clone() * Dim::from(split.unit)],
+                    },
+                    &[shard],
+                    &format!("ZeRO-3: `{name}`'s rows, flat"),
+                )?
+            };
             let whole = em.gather_pieces(split, flat, &what)?;
-            em.op(
-                Op::Reshape {
-                    shape: ty.shape.clone(),
-                },
-                &[whole],
-                &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
-            )?
+            if split.is_per_outer() {
+                em.unflat(
+                    whole,
+                    &ty.shape,
+                    &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
+                )?
+            } else {
+                em.op(
+                    Op::Reshape {
+                        shape: ty.shape.clone(),
+                    },
+                    &[whole],
+                    &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
+                )?
+            }
         };
         for (n, i) in us {
             g.node_mut(n).operands[i] = v;

@@ -24,8 +24,10 @@
 //! shard in tp order, each split over the group: one group partition over the outer
 //! axes then the group's (`zero tp*dp dim=0 [368 367 245 245]` for 735 and 490
 //! elements over `dp=2`). The collectives'
-//! buffers are padded to the widest piece of any rank; stage 3 shards such a
-//! parameter's state only (its rows differ per tp rank). A parameter is left unsharded
+//! buffers are padded to the widest piece of any rank. At stage 3 such a parameter is
+//! rows over the group where tp split another dim (the same rows on every tp rank,
+//! rows of different sizes: `o_proj`'s 35 rows of 24 or 16 columns), and shards its
+//! state only where tp split dim 0 (its rows differ per tp rank). A parameter is left unsharded
 //! ([`param_split`] is `None`, counted `unsharded_uneven` by the optimizer) only where
 //! there is nothing to split: fewer units than ranks.
 
@@ -55,19 +57,23 @@ pub struct ZeroSplit {
     pub outer: Vec<(String, i64)>,
     /// The units of each outer rank, row-major (`[units]` where `outer` is empty).
     pub outer_units: Vec<i64>,
+    /// The elements per unit of each outer rank, row-major (`[unit]` where `outer` is
+    /// empty): 1 for an element split, the row's size for a row split (a row of a tp
+    /// shard split on another dim differs per tp rank).
+    pub outer_unit: Vec<i64>,
 }
 
 impl ZeroSplit {
     fn new(group: &ZeroGroup, unit: i64, units: i64, rows: bool) -> Option<ZeroSplit> {
-        ZeroSplit::per_outer(group, unit, Vec::new(), vec![units], rows)
+        ZeroSplit::per_outer(group, Vec::new(), vec![units], vec![unit], rows)
     }
 
     /// A split whose units differ per rank of `outer` (`outer_units`, row-major).
     fn per_outer(
         group: &ZeroGroup,
-        unit: i64,
         outer: Vec<(String, i64)>,
         outer_units: Vec<i64>,
+        outer_unit: Vec<i64>,
         rows: bool,
     ) -> Option<ZeroSplit> {
         let z = group.size();
@@ -77,11 +83,12 @@ impl ZeroSplit {
         }
         Some(ZeroSplit {
             group: group.clone(),
-            unit,
+            unit: *outer_unit.iter().max()?,
             units: *outer_units.iter().max()?,
             rows,
             outer,
             outer_units,
+            outer_unit,
         })
     }
 
@@ -110,8 +117,13 @@ impl ZeroSplit {
         if !self.is_per_outer() {
             return Dim::from(self.numel());
         }
-        Dim::per_group_rank(&self.outer, &self.outer_units).expect("one size per outer rank")
-            * Dim::from(self.unit)
+        let numels: Vec<i64> = self
+            .outer_units
+            .iter()
+            .zip(&self.outer_unit)
+            .map(|(n, u)| n * u)
+            .collect();
+        Dim::per_group_rank(&self.outer, &numels).expect("one size per outer rank")
     }
 
     pub fn ranks(&self) -> i64 {
@@ -145,12 +157,17 @@ impl ZeroSplit {
     /// Every rank's elements, in group order (over the outer axes too, row-major,
     /// where the local size differs per outer rank).
     pub fn widths(&self) -> Vec<i64> {
-        self.unit_table().iter().map(|w| w * self.unit).collect()
+        let z = self.ranks() as usize;
+        self.unit_table()
+            .chunks(z)
+            .zip(&self.outer_unit)
+            .flat_map(|(row, u)| row.iter().map(move |w| w * u))
+            .collect()
     }
 
     /// The widest piece's elements: the row of a collective's buffer.
     pub fn chunk(&self) -> i64 {
-        self.unit_table().into_iter().max().unwrap_or(0) * self.unit
+        self.widths().into_iter().max().unwrap_or(0)
     }
 
     /// A per-rank table (one value per rank of [`ZeroSplit::table_axes`], row-major)
@@ -194,6 +211,9 @@ impl ZeroSplit {
     /// This rank's elements (its units times the unit, so that a row split's flat
     /// width and its rows' element count are the same dim).
     pub fn width(&self) -> Dim {
+        if self.is_per_outer() {
+            return self.per_rank(self.widths());
+        }
         self.unit_width() * Dim::from(self.unit)
     }
 
@@ -259,7 +279,7 @@ impl ZeroSplit {
             })
             .cloned()
             .collect();
-        let total = self.outer_units.iter().sum::<i64>() * self.unit;
+        let total: i64 = self.widths().iter().sum();
         let mut parts = crate::zero::flat_param_partitions(mesh, &rest, total);
         let axes: Vec<String> = self.table_axes().into_iter().map(|(a, _)| a).collect();
         parts.push(Partition::group("zero", &axes, 0, self.widths()));
@@ -287,13 +307,13 @@ impl ZeroSplit {
 }
 
 /// ZeRO stage 3's split of a parameter of local type `ty`: the rows of its dim 0 over
-/// `group`, near-evenly (uneven rows allowed on any group). `None` where the parameter
+/// `group`, near-evenly (uneven rows allowed on any group; rows whose size differs per
+/// tp rank too, where dim 0 is not the dim tp split unevenly). `None` where the parameter
 /// stays whole on every rank (its state may still be sharded by [`param_split`]).
 pub fn stage3_split(mesh: &Mesh, ty: &TensorType, group: &ZeroGroup) -> Option<ZeroSplit> {
     if group.is_empty() || ty.rank() == 0 || !ty.dtype.is_float() {
         return None;
     }
-    let total = local_numel(mesh, ty)?;
     let mut b = weft_ir::Bindings::new();
     for (a, n) in &mesh.axes {
         b = b.with(a, *n as i64);
@@ -302,7 +322,15 @@ pub fn stage3_split(mesh: &Mesh, ty: &TensorType, group: &ZeroGroup) -> Option<Z
     if rows == 0 {
         return None;
     }
-    ZeroSplit::new(group, total / rows, rows, true)
+    if let Some(total) = local_numel(mesh, ty) {
+        return ZeroSplit::new(group, total / rows, rows, true);
+    }
+    // A tp shard split on another dim: the same rows on every tp rank, rows of
+    // different sizes.
+    let (outer, numels) = outer_numels(mesh, ty)?;
+    let units = vec![rows; numels.len()];
+    let unit = numels.iter().map(|n| n / rows).collect();
+    ZeroSplit::per_outer(group, outer, units, unit, true)
 }
 
 /// The split of a parameter of local type `ty` over `group`, computed once and used by
@@ -325,7 +353,8 @@ pub fn param_split(
         return ZeroSplit::new(group, 1, n, false);
     }
     let (outer, units) = outer_numels(mesh, ty)?;
-    ZeroSplit::per_outer(group, 1, outer, units, false)
+    let unit = vec![1; units.len()];
+    ZeroSplit::per_outer(group, outer, units, unit, false)
 }
 
 /// The outer axes with their sizes, and the element count on each of their ranks.
@@ -858,6 +887,22 @@ mod tests {
             s.output_axes(&[tp]),
             vec!["tp".to_string(), "dp".to_string()]
         );
+        // Split by tp on its columns: the same 35 rows on every tp rank, rows of 24 or
+        // 16 elements, are rows over the group at stage 3.
+        let cols = TensorType::new(
+            weft_ir::DType::F32,
+            vec![Dim::from(35), Dim::per_rank("tp", vec![24, 16])],
+        );
+        let r = stage3_split(&m, &cols, &g).unwrap();
+        assert!(r.rows && r.is_per_outer());
+        assert_eq!(r.unit_widths(), vec![18, 17]);
+        assert_eq!(r.widths(), vec![18 * 24, 17 * 24, 18 * 16, 17 * 16]);
+        assert_eq!(
+            r.row_partitions(),
+            vec![Partition::group("zero", &["dp".into()], 0, vec![18, 17])]
+        );
+        assert_eq!(at(&r.unit_width(), 1, 1), 17);
+        assert_eq!(at(&r.width(), 1, 1), 17 * 16);
         // Fewer elements than ranks on any tp rank: nothing to split.
         let m = Mesh::parse("dp=4,tp=2").unwrap();
         let g = ZeroGroup::for_mesh(&m, false);
