@@ -352,10 +352,20 @@ fn optimizer_offload_matches_the_device_update_bit_for_bit() {
     );
 }
 
-/// The same on uneven shards: the host update of each rank's piece (per-rank widths).
+/// The same on uneven shards: the host update of each rank's piece (per-rank widths),
+/// also of tp shards whose size differs per tp rank (their master weights start from
+/// each tp rank's flattened shard, split over dp).
 #[test]
 fn optimizer_offload_on_uneven_shards_matches_the_device_update() {
-    offload_matches_the_device_update("llama_odd", &[("dp=2", 1, 1), ("dp=2", 3, 2)]);
+    offload_matches_the_device_update(
+        "llama_odd",
+        &[
+            ("dp=2", 1, 1),
+            ("dp=2", 3, 2),
+            ("dp=2,tp=2", 2, 2),
+            ("dp=2,tp=2", 3, 1),
+        ],
+    );
 }
 
 fn offload_matches_the_device_update(fam: &str, cases: &[(&str, u8, u32)]) {

@@ -731,6 +731,18 @@ fn block_indices(
             axes.push((a.clone(), mesh.size_or_one(a)));
         }
     }
+    // The axes whose shards differ in size come last, in mesh order: ZeRO splits each
+    // of their shards on its own, inside the blocks of the others
+    // (`ZeroSplit::state_partitions`).
+    let uneven = |a: &str| {
+        parts
+            .iter()
+            .any(|p| p.splits_over(a) && p.shard_sizes().iter().any(|&n| n != p.shard_size(0)))
+    };
+    let (mut even, mut odd): (Vec<_>, Vec<_>) = axes.into_iter().partition(|(a, _)| !uneven(a));
+    odd.sort_by_key(|(a, _)| mesh.axes.iter().position(|(x, _)| x == a));
+    even.extend(odd);
+    let axes = even;
     let mut strides = vec![1usize; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
         strides[i] = strides[i + 1] * shape[i + 1];
