@@ -642,10 +642,28 @@ fn uneven_groups_every_stage() {
         let (g, report) = training_step(&graph, mesh, &o).unwrap();
         assert_unpadded_states(&g, &weights, &what);
         // The per-rank widths lower to a plan that validates.
-        weft_passes::plan::lower(&g, &weft_passes::plan::PlanOptions::new(batch, 16))
-            .unwrap_or_else(|e| panic!("{what}: plan: {e}"))
-            .check()
+        let plan = weft_passes::plan::lower(&g, &weft_passes::plan::PlanOptions::new(batch, 16))
+            .unwrap_or_else(|e| panic!("{what}: plan: {e}"));
+        plan.check()
             .unwrap_or_else(|e| panic!("{what}: plan check: {e}"));
+        if mesh == "dp=2,tp=2" && zero < 3 {
+            // q_proj's moment: 840 and 560 elements on tp ranks 0 and 1, each over dp,
+            // in the plan's per-rank bytes (rank = dp * 2 + tp).
+            let p = plan
+                .params
+                .iter()
+                .find(|p| p.name == "optim.m.model.layers.0.self_attn.q_proj.weight")
+                .unwrap();
+            let b = plan.buffers.iter().find(|b| b.id == p.buffer).unwrap();
+            let per: Vec<u64> = b
+                .per_rank_bytes
+                .clone()
+                .unwrap_or_else(|| panic!("{what}: {b:?}"))
+                .iter()
+                .map(|x| x / p.dtype.size_bytes())
+                .collect();
+            assert_eq!(per, vec![420, 280, 420, 280], "{what}: per-rank elements");
+        }
         let stat = |k: &str| {
             report
                 .passes
