@@ -1,7 +1,8 @@
 //! ZeRO over every data-parallel group on the CPU reference: stages 1, 2 and 3 on dp,
 //! sp, dp x sp, with tp and with ep (MoE), with micro-batches, and on groups whose size
 //! does not divide the parameters (one axis, or several split over their flattened
-//! ranks: dp x sp, dp x cp). Each sharded training step returns the unsharded model's
+//! ranks: dp x sp, dp x cp), and on tp shards whose size differs per tp rank (each
+//! split over the group by its own size). Each sharded training step returns the unsharded model's
 //! gradients, and after `K` AdamW steps (parameters and states fed back) its parameters
 //! and optimizer states, to 1e-9 in f64. Snapshots pin the collectives ZeRO inserts
 //! and the group partitions it records; `weft shard --zero` round-trips byte for byte.
@@ -351,10 +352,20 @@ fn optimizer_offload_matches_the_device_update_bit_for_bit() {
     );
 }
 
-/// The same on uneven shards: the host update of each rank's piece (per-rank widths).
+/// The same on uneven shards: the host update of each rank's piece (per-rank widths),
+/// also of tp shards whose size differs per tp rank (their master weights start from
+/// each tp rank's flattened shard, split over dp).
 #[test]
 fn optimizer_offload_on_uneven_shards_matches_the_device_update() {
-    offload_matches_the_device_update("llama_odd", &[("dp=2", 1, 1), ("dp=2", 3, 2)]);
+    offload_matches_the_device_update(
+        "llama_odd",
+        &[
+            ("dp=2", 1, 1),
+            ("dp=2", 3, 2),
+            ("dp=2,tp=2", 2, 2),
+            ("dp=2,tp=2", 3, 1),
+        ],
+    );
 }
 
 fn offload_matches_the_device_update(fam: &str, cases: &[(&str, u8, u32)]) {
@@ -582,7 +593,9 @@ fn assert_unpadded_states(g: &Graph, weights: &BTreeMap<String, HostTensor>, wha
 /// cp=2 (its 5 heads rule out sp=2); the groups of two axes dp x cp of 4 and 6 ranks,
 /// split near-evenly over their flattened ranks; dp and dp x cp with tp=2, whose
 /// even tp shards are split over the group inside their tp partition and whose
-/// per-rank tp shards stay unsharded) match the one-rank step's gradients, parameters and states
+/// per-rank tp shards (5 heads over tp=2) each split their own size over the group;
+/// at stage 3 those split by tp on dim 0 shard their state only, those split on their
+/// columns (o_proj, down_proj) their rows) match the one-rank step's gradients, parameters and states
 /// after `K` steps, and store no padding: a rank's state is exactly its piece, and its
 /// rows at stage 3 a per-rank width over the whole group.
 #[test]
@@ -604,8 +617,15 @@ fn uneven_groups_every_stage() {
         ("dp=3,cp=2", 2, 2),
         ("dp=3,cp=2", 3, 2),
         ("dp=2,tp=2", 1, 1),
+        ("dp=2,tp=2", 1, 2),
+        ("dp=2,tp=2", 2, 2),
         ("dp=2,tp=2", 3, 1),
+        ("dp=2,tp=2", 3, 2),
+        ("dp=3,tp=2", 1, 2),
+        ("dp=3,tp=2", 2, 2),
+        ("dp=3,tp=2", 3, 2),
         ("dp=3,cp=2,tp=2", 1, 2),
+        ("dp=3,cp=2,tp=2", 2, 2),
         ("dp=3,cp=2,tp=2", 3, 1),
     ];
     let (threes, others): (Vec<_>, Vec<_>) = cases.iter().partition(|c| c.0.starts_with("dp=3"));
@@ -622,10 +642,28 @@ fn uneven_groups_every_stage() {
         let (g, report) = training_step(&graph, mesh, &o).unwrap();
         assert_unpadded_states(&g, &weights, &what);
         // The per-rank widths lower to a plan that validates.
-        weft_passes::plan::lower(&g, &weft_passes::plan::PlanOptions::new(batch, 16))
-            .unwrap_or_else(|e| panic!("{what}: plan: {e}"))
-            .check()
+        let plan = weft_passes::plan::lower(&g, &weft_passes::plan::PlanOptions::new(batch, 16))
+            .unwrap_or_else(|e| panic!("{what}: plan: {e}"));
+        plan.check()
             .unwrap_or_else(|e| panic!("{what}: plan check: {e}"));
+        if mesh == "dp=2,tp=2" && zero < 3 {
+            // q_proj's moment: 840 and 560 elements on tp ranks 0 and 1, each over dp,
+            // in the plan's per-rank bytes (rank = dp * 2 + tp).
+            let p = plan
+                .params
+                .iter()
+                .find(|p| p.name == "optim.m.model.layers.0.self_attn.q_proj.weight")
+                .unwrap();
+            let b = plan.buffers.iter().find(|b| b.id == p.buffer).unwrap();
+            let per: Vec<u64> = b
+                .per_rank_bytes
+                .clone()
+                .unwrap_or_else(|| panic!("{what}: {b:?}"))
+                .iter()
+                .map(|x| x / p.dtype.size_bytes())
+                .collect();
+            assert_eq!(per, vec![420, 280, 420, 280], "{what}: per-rank elements");
+        }
         let stat = |k: &str| {
             report
                 .passes
@@ -634,19 +672,34 @@ fn uneven_groups_every_stage() {
                 .and_then(|p| p.counters.get(k).copied())
                 .unwrap_or(0)
         };
-        // Every group splits every size, of one axis or several; tp=2 leaves its
-        // per-rank shards (5 heads, 35 columns) whole.
+        // Every group splits every size, of one axis or several, and so do tp=2's
+        // per-rank shards (5 heads, 35 columns): each tp rank its own size.
         let uneven = stat("unsharded_uneven");
-        assert_eq!(
-            uneven == 0,
-            !mesh.contains("tp"),
-            "{what}: {uneven} unsharded"
-        );
+        assert_eq!(uneven, 0, "{what}: {uneven} unsharded");
         assert_eq!(
             stat("sharded") + uneven,
             weights.len() as u64,
             "{what}: every parameter accounted for"
         );
+        if zero == 3 && mesh.contains("tp") {
+            // o_proj's tp shards (35 rows of 24 or 16 columns) are rows over the group;
+            // q_proj's (24 or 16 rows) keep their rows and shard their state only.
+            let m = weft_ir::Mesh::parse(mesh).unwrap();
+            let z = (m.world_size() / 2) as i64;
+            let mut want = vec![35 / z; z as usize];
+            for w in want.iter_mut().take((35 % z) as usize) {
+                *w += 1;
+            }
+            let o = g.param_partition("model.layers.0.self_attn.o_proj.weight");
+            assert!(
+                o.iter()
+                    .any(|p| p.kind == "zero" && p.dim == 0 && p.pieces == vec![want.clone()]),
+                "{what}: o_proj {o:?}"
+            );
+            let q = g.param_partition("model.layers.0.self_attn.q_proj.weight");
+            assert!(!q.iter().any(|p| p.kind == "zero"), "{what}: q_proj {q:?}");
+            assert!(stat("stage3_whole") > 0, "{what}");
+        }
         if zero == 3 && !mesh.contains("tp") {
             // The embedding's 131 rows are this rank's width of a per-rank table over
             // the whole group (one axis, or several flattened row-major).
@@ -724,7 +777,9 @@ fn zero_uneven_collectives_snapshot() {
 /// The partitions ZeRO records on a group of two axes that the fixture's sizes do not
 /// divide (`llama_odd` on dp=2,cp=2 at stage 3): one `zero dp*cp` group partition per
 /// parameter and state, one size per group rank, in the printed IR and in the plan,
-/// and the per-rank tables over both axes that the parameters' types hold.
+/// and the per-rank tables over both axes that the parameters' types hold; and the
+/// `zero tp*dp` group partition of the flat state of a tp shard whose size differs per
+/// tp rank (`llama_odd` on dp=2,tp=2 at stage 2).
 #[test]
 fn zero_group_partitions_snapshot() {
     let (graph, _, _) = load_fixture("llama_odd");
@@ -757,6 +812,19 @@ fn zero_group_partitions_snapshot() {
             ));
         }
     }
+    // A tp shard whose size differs per tp rank (q_proj: 24 and 16 rows of 35 over
+    // tp=2): its flat state is one group partition over tp and dp.
+    let (g, _) = training_step(&graph, "dp=2,tp=2", &opts(2, 1)).unwrap();
+    text.push_str("== llama_odd dp=2,tp=2 zero=2: q_proj and its moment\n");
+    let printed = weft_ir::print(&g);
+    for line in printed
+        .lines()
+        .filter(|l| l.starts_with("partition ") && l.contains("layers.0.self_attn.q_proj."))
+    {
+        text.push_str(line);
+        text.push('\n');
+    }
+    assert_eq!(weft_ir::parse(&printed).unwrap(), g, "the IR round-trips");
     insta::assert_snapshot!(text);
 }
 
@@ -913,6 +981,79 @@ fn shard_round_trips_the_uneven_zero_training_state() {
         if zero == "3" {
             let rows: Vec<usize> = held.iter().map(|r| r[w].shape[0]).collect();
             assert_eq!(rows, vec![18, 17], "{mesh}: each rank's rows");
+        }
+        let back = dir.join(format!("back{i}.safetensors"));
+        unshard_is_byte_exact(&shards, &back, &ckpt, mesh);
+        from = back;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `weft shard --zero` of `llama_odd` on dp=2,tp=2 (5 heads, so tp ranks hold 3 and 2
+/// heads of `q_proj`, 24 and 16 rows of 35): each tp rank's flattened shard split
+/// over dp by its own size (840 elements as 420 + 420, 560 as 280 + 280), and
+/// `--unshard` gives the state back byte for byte; then dp=3,tp=2 from that at stage 2
+/// (560 as 187 + 187 + 186), then dp=2,tp=2 at stage 3 (o_proj, split by tp on its
+/// columns, 35 rows of 24 or 16, is rows over dp: 18 + 17).
+#[test]
+fn shard_round_trips_the_zero_state_of_uneven_tp_shards() {
+    let dir = std::env::temp_dir().join(format!("weft-zero-tp-odd-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let file = universal_checkpoint(&dir, "llama_odd", |v| v * 0.5 + 0.125, |v| v * v + 0.25);
+    let ckpt = weft_frontends::read_safetensors(&file).unwrap();
+    let w = "model.layers.0.self_attn.q_proj.weight"; // [40, 35], 24 + 16 rows over tp
+    let mut from = file.clone();
+    // Files in rank order: rank = dp * 2 + tp.
+    for (i, (mesh, zero, want)) in [
+        ("dp=2,tp=2", "1", vec![420, 280, 420, 280]),
+        ("dp=3,tp=2", "2", vec![280, 187, 280, 187, 280, 186]),
+        ("dp=2,tp=2", "3", vec![420, 280, 420, 280]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let shards = dir.join(format!("shards{i}"));
+        let (code, out, err) = weft(&[
+            "shard",
+            &s(&fixture("llama_odd")),
+            "--weights",
+            &s(&from),
+            "--mesh",
+            mesh,
+            "--zero",
+            zero,
+            "-o",
+            &s(&shards),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{mesh}: {err}");
+        let files: Vec<String> = json(&out)["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(files.len(), want.len(), "{mesh}: {out}");
+        let held: Vec<_> = files
+            .iter()
+            .map(|f| weft_frontends::read_safetensors(&shards.join(f)).unwrap())
+            .collect();
+        let moment: Vec<usize> = held
+            .iter()
+            .map(|r| r[&format!("optim.m.{w}")].numel())
+            .collect();
+        assert_eq!(moment, want, "{mesh}: each rank's piece of the moment");
+        if zero == "3" {
+            // o_proj's tp shards, 35 rows of 24 or 16 columns, are rows over dp.
+            let o = "model.layers.0.self_attn.o_proj.weight";
+            let shapes: Vec<Vec<usize>> = held.iter().map(|r| r[o].shape.clone()).collect();
+            assert_eq!(
+                shapes,
+                vec![vec![18, 24], vec![18, 16], vec![17, 24], vec![17, 16]],
+                "{mesh}: each rank's rows of o_proj"
+            );
         }
         let back = dir.join(format!("back{i}.safetensors"));
         unshard_is_byte_exact(&shards, &back, &ckpt, mesh);

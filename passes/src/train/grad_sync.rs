@@ -464,7 +464,7 @@ fn emit_scatter_bucket(
                     &format!("{what}{tag}: this micro-batch's gradient of {}", s.param()),
                 )?;
             }
-            v = em.flat_const(v, split.numel(), &format!("{what}{tag}"))?;
+            v = em.flat_const(v, split.numel_dim(), &format!("{what}{tag}"))?;
             rows.push(em.split_rows(split, v, &format!("{what}{tag}"))?);
         }
         let flat = if rows.len() == 1 {
@@ -527,7 +527,7 @@ fn emit_scatter_bucket(
             let out = weft_ir::role::grad_shard_name(param);
             em.g.set_output(&out, p);
             let pparts = em.g.param_partition(param).to_vec();
-            crate::zero::split_output(em.g, &out, &pparts, &b.group);
+            crate::zero::split_output(em.g, &out, &split.output_axes(&pparts));
         }
     }
     // ZeRO-3 parameters (rows of dim 0 per rank) return their gradient as those rows,

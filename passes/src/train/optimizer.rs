@@ -22,9 +22,11 @@
 //! group partition `zero dp*sp dim=0 [..]` over all of them where it is not) and
 //! returned per rank, split the same way. After `grad-sync`'s ZeRO-2 `reduce_scatter`
 //! the piece of the gradient is the `grad_shard.<name>` it returns (no gather, no
-//! slice). A parameter with nothing to split keeps its state whole
-//! (`unsharded_uneven`): fewer elements than ranks, or a local size that differs per
-//! rank (an uneven tp split).
+//! slice). A parameter whose local size differs per tp rank (an uneven tp split) is
+//! sharded too, each tp rank its own size over the group (its flat state one group
+//! partition over tp and the group, `crate::zero_split`; at stage 3 its rows where
+//! tp split another dim). A parameter with fewer
+//! elements than ranks keeps its state whole (`unsharded_uneven`).
 //!
 //! Optimizer offload (`offload_optimizer`, ZeRO-Offload): every float parameter gets
 //! an f32 master weight, and the master weights and moments (sharded as above) live in
@@ -333,8 +335,7 @@ impl Writer<'_> {
         )?;
         let own = own_partitions(self.g, name);
         if let Some(split) = shard {
-            let flat = crate::zero::flat_param_partitions(&self.g.mesh, &own, split.numel());
-            for p in split.state_partitions(flat) {
+            for p in split.state_partitions(&self.g.mesh, &own) {
                 self.g.add_param_partition(&sname, p);
             }
         } else {
@@ -351,7 +352,7 @@ impl Writer<'_> {
         self.g.set_output(&out, v);
         if let Some(split) = shard {
             let own = own_partitions(self.g, name);
-            crate::zero::split_output(self.g, &out, &own, &split.group);
+            crate::zero::split_output(self.g, &out, &split.output_axes(&own));
         }
     }
 
@@ -405,7 +406,8 @@ impl Writer<'_> {
                 meta: w.meta.clone(),
                 g: &mut *w.g,
             };
-            let flat = em.flat_const(v, split.numel(), &format!("ZeRO-1: `{name}`'s {what}"))?;
+            let flat =
+                em.flat_const(v, split.numel_dim(), &format!("ZeRO-1: `{name}`'s {what}"))?;
             em.piece_of(split, flat, &reason)
         };
         let sh = split;
@@ -432,13 +434,17 @@ impl Writer<'_> {
                     meta: self.meta.clone(),
                     g: &mut *self.g,
                 };
-                let v = em.op(
-                    Op::Reshape {
-                        shape: vec![split.width()],
-                    },
-                    &[p],
-                    &format!("ZeRO-3: `{name}`'s rows, flat"),
-                )?;
+                let v = if split.is_per_outer() {
+                    em.flat_const(p, split.width(), &format!("ZeRO-3: `{name}`'s rows"))?
+                } else {
+                    em.op(
+                        Op::Reshape {
+                            shape: vec![split.width()],
+                        },
+                        &[p],
+                        &format!("ZeRO-3: `{name}`'s rows, flat"),
+                    )?
+                };
                 if self.g.ty(v).dtype == fdt {
                     v
                 } else {
@@ -675,8 +681,7 @@ pub fn initial_state(
                 let own = own_v.as_slice();
                 let d = if flat_sharded && !own.is_empty() {
                     // One block per shard of the parameter, in its split order.
-                    let blocks = n / own_shards(g, own);
-                    flat_blocks(w, own, &g.mesh, blocks)?
+                    flat_blocks(w, own, &g.mesh)?
                 } else {
                     w.to_f64()
                 };
@@ -695,32 +700,18 @@ pub fn initial_state(
     Ok(out)
 }
 
-/// The number of shards a parameter's partitions cut it into (one per combination of
-/// coordinates on its split axes).
-fn own_shards(g: &Graph, parts: &[Partition]) -> usize {
-    let mut axes: Vec<&str> = Vec::new();
-    for a in parts.iter().flat_map(|p| &p.axes) {
-        if !axes.contains(&a.as_str()) {
-            axes.push(a);
-        }
-    }
-    axes.iter()
-        .map(|a| g.mesh.size_or_one(a) as usize)
-        .product()
-}
-
 /// The flat state layout of a split parameter: for every combination of coordinates on
 /// its split axes (row-major, in the partitions' order), that shard of `w` flattened
-/// (`block` elements each: ZeRO stores no padding).
+/// (each exactly its shard's elements, which differ per rank for an uneven tp split:
+/// ZeRO stores no padding).
 fn flat_blocks(
     w: &weft_ir::HostTensor,
     parts: &[Partition],
     mesh: &weft_ir::Mesh,
-    block: usize,
 ) -> Result<Vec<f64>, String> {
     let data = w.to_f64();
     let mut out = Vec::new();
-    for idx in block_indices(&w.shape, parts, mesh, block)? {
+    for idx in block_indices(&w.shape, parts, mesh)? {
         out.extend(idx.iter().map(|&i| data[i]));
     }
     Ok(out)
@@ -728,12 +719,11 @@ fn flat_blocks(
 
 /// For each block of the flat state layout of a parameter of `shape` split by `parts`
 /// (see [`flat_blocks`]), the flat index in the whole parameter of each of its
-/// `block` elements (a shard of another size is an error: ZeRO stores no padding).
+/// elements (its shard's, no padding).
 fn block_indices(
     shape: &[usize],
     parts: &[Partition],
     mesh: &weft_ir::Mesh,
-    block: usize,
 ) -> Result<Vec<Vec<usize>>, String> {
     let mut axes: Vec<(String, u32)> = Vec::new();
     for a in parts.iter().flat_map(|p| &p.axes) {
@@ -741,6 +731,18 @@ fn block_indices(
             axes.push((a.clone(), mesh.size_or_one(a)));
         }
     }
+    // The axes whose shards differ in size come last, in mesh order: ZeRO splits each
+    // of their shards on its own, inside the blocks of the others
+    // (`ZeroSplit::state_partitions`).
+    let uneven = |a: &str| {
+        parts
+            .iter()
+            .any(|p| p.splits_over(a) && p.shard_sizes().iter().any(|&n| n != p.shard_size(0)))
+    };
+    let (mut even, mut odd): (Vec<_>, Vec<_>) = axes.into_iter().partition(|(a, _)| !uneven(a));
+    odd.sort_by_key(|(a, _)| mesh.axes.iter().position(|(x, _)| x == a));
+    even.extend(odd);
+    let axes = even;
     let mut strides = vec![1usize; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
         strides[i] = strides[i + 1] * shape[i + 1];
@@ -777,12 +779,7 @@ fn block_indices(
             maps[p.dim] = next;
         }
         let local: usize = maps.iter().map(Vec::len).product();
-        if local != block {
-            return Err(format!(
-                "a shard of {local} elements is not its state block of {block}"
-            ));
-        }
-        let mut one = Vec::with_capacity(block);
+        let mut one = Vec::with_capacity(local);
         let mut idx = vec![0usize; shape.len()];
         for _ in 0..local {
             one.push(
@@ -836,13 +833,11 @@ pub fn state_as_param(
     if own.is_empty() {
         out.copy_from_slice(&data);
     } else {
-        let blocks = data.len() / own_shards(g, own);
-        for (k, idx) in block_indices(shape, own, &g.mesh, blocks)?
-            .iter()
-            .enumerate()
-        {
-            for (j, i) in idx.iter().enumerate() {
-                out[*i] = data[k * blocks + j];
+        let mut at = 0;
+        for idx in block_indices(shape, own, &g.mesh)? {
+            for i in idx {
+                out[i] = data[at];
+                at += 1;
             }
         }
     }
@@ -894,7 +889,7 @@ pub fn state_from_param(
     let d = if own.is_empty() {
         t.to_f64()
     } else {
-        flat_blocks(t, own, &g.mesh, n / own_shards(g, own))?
+        flat_blocks(t, own, &g.mesh)?
     };
     if d.len() != n {
         return Err(format!(

@@ -176,9 +176,10 @@ impl Emitter<'_> {
         Ok(v)
     }
 
-    /// `x` flattened to `[n]`, `n` its element count as a constant (a slice of the
-    /// flat view gives the size as a constant where the type spells it with mesh sizes).
-    pub fn flat_const(&mut self, x: Value, n: i64, what: &str) -> Result<Value, crate::PassError> {
+    /// `x` flattened to `[n]`, `n` its element count as a constant, or as a table where
+    /// it differs per rank (a slice of the flat view gives the size so where the type
+    /// spells it with mesh sizes).
+    pub fn flat_const(&mut self, x: Value, n: Dim, what: &str) -> Result<Value, crate::PassError> {
         let t = self.g.ty(x).clone();
         let sym = t.numel();
         let mut v = x;
@@ -196,7 +197,7 @@ impl Emitter<'_> {
                 Op::Slice {
                     dim: 0,
                     start: Dim::zero(),
-                    len: Dim::from(n),
+                    len: n.clone(),
                 },
                 &[v],
                 &format!("{what}: its {n} elements"),
@@ -333,18 +334,11 @@ impl Emitter<'_> {
     }
 }
 
-/// Declares output `name` split on dim 0 over the param partition axes of `parts` and
-/// then the group, outermost first (the layout of [`flat_param_partitions`] and
+/// Declares output `name` split on dim 0 over `axes`, outermost first (a flat state
+/// or gradient shard: [`ZeroSplit::output_axes`], the layout of
 /// [`ZeroSplit::state_partitions`]).
-pub fn split_output(g: &mut Graph, name: &str, parts: &[Partition], group: &ZeroGroup) {
-    let mut seen: Vec<&str> = Vec::new();
-    for a in parts.iter().flat_map(|p| &p.axes) {
-        if !seen.contains(&a.as_str()) {
-            seen.push(a);
-            g.add_output_split(name, 0, a);
-        }
-    }
-    for (a, _) in &group.axes {
+pub fn split_output(g: &mut Graph, name: &str, axes: &[String]) {
+    for a in axes {
         g.add_output_split(name, 0, a);
     }
 }
@@ -460,21 +454,33 @@ pub fn shard_param(
             let what = format!(
                 "ZeRO-3: gather `{name}` for its {phase}{mbt}; freed after its last use there"
             );
-            let flat = em.op(
-                Op::Reshape {
-                    shape: vec![rows.clone() * Dim::from(split.unit)],
-                },
-                &[shard],
-                &format!("ZeRO-3: `{name}`'s rows, flat"),
-            )?;
+            let flat = if split.is_per_outer() {
+                em.flat_const(shard, split.width(), &format!("ZeRO-3: `{name}`'s rows"))?
+            } else {
+                em.op(
+                    Op::Reshape {
+                        shape: vec![rows.clone() * Dim::from(split.unit)],
+                    },
+                    &[shard],
+                    &format!("ZeRO-3: `{name}`'s rows, flat"),
+                )?
+            };
             let whole = em.gather_pieces(split, flat, &what)?;
-            em.op(
-                Op::Reshape {
-                    shape: ty.shape.clone(),
-                },
-                &[whole],
-                &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
-            )?
+            if split.is_per_outer() {
+                em.unflat(
+                    whole,
+                    &ty.shape,
+                    &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
+                )?
+            } else {
+                em.op(
+                    Op::Reshape {
+                        shape: ty.shape.clone(),
+                    },
+                    &[whole],
+                    &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
+                )?
+            }
         };
         for (n, i) in us {
             g.node_mut(n).operands[i] = v;

@@ -15,39 +15,115 @@
 //! group of several axes cannot nest (the inner split would differ per outer rank:
 //! `[2 1 1]` on dp rank 0, `[1 1 1]` on dp rank 1), so it is one *group* partition over
 //! all of the group's axes (`zero dp*sp dim=0 [2 1 1 1 1 1]`), and a rank's width or
-//! offset is a per-rank table over those axes ([`Dim::per_group_rank`]). A parameter
-//! is left unsharded ([`param_split`] is `None`, counted `unsharded_uneven` by the
-//! optimizer) only where there is nothing to split: fewer units than ranks, or a local
-//! size that already differs per rank (an uneven tp shard).
+//! offset is a per-rank table over those axes ([`Dim::per_group_rank`]).
+//!
+//! A local size that already differs per rank of axes outside the group (an uneven tp
+//! shard: 5 heads over `tp=2` are 3 and 2) is split by each of those ranks on its own:
+//! rank `(t, d)` holds `near_even(numel(t), Z)[d]` elements, its width and offset tables
+//! over the outer axes and the group's. Its flat state is every tp rank's flattened
+//! shard in tp order, each split over the group: one group partition over the outer
+//! axes then the group's (`zero tp*dp dim=0 [368 367 245 245]` for 735 and 490
+//! elements over `dp=2`). The collectives'
+//! buffers are padded to the widest piece of any rank. At stage 3 such a parameter is
+//! rows over the group where tp split another dim (the same rows on every tp rank,
+//! rows of different sizes: `o_proj`'s 35 rows of 24 or 16 columns), and shards its
+//! state only where tp split dim 0 (its rows differ per tp rank). A parameter is left unsharded
+//! ([`param_split`] is `None`, counted `unsharded_uneven` by the optimizer) only where
+//! there is nothing to split: fewer units than ranks.
 
 use crate::parallel::tp::sizes::near_even;
 use crate::zero::{local_numel, Emitter, ZeroGroup};
 use weft_ir::{Dim, Mesh, Op, Partition, TensorType, Value};
 
 /// One parameter's split over its ZeRO group: `units` units of `unit` elements each.
+///
+/// Where the local size itself differs per rank of other axes (`outer`: an uneven tp
+/// shard, 5 heads over `tp=2`), each of those ranks splits its own size over the
+/// group: the rank at `(t, d)` holds `near_even(outer_units[t], Z)[d]` units, and the
+/// widths and offsets are tables over the outer axes and the group's, flattened
+/// row-major (outer axes first).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ZeroSplit {
     pub group: ZeroGroup,
     /// Elements per unit: 1 for an element split, the row's size for a row split.
     pub unit: i64,
-    /// The units split over the group (elements, or rows of dim 0).
+    /// The units split over the group (elements, or rows of dim 0); the most of any
+    /// outer rank where `outer` is not empty.
     pub units: i64,
     /// Whether the units are rows of dim 0 (ZeRO-3 shards the parameter itself).
     pub rows: bool,
+    /// The axes (outermost first, with their sizes) over which the local size differs;
+    /// empty where it is the same on every rank.
+    pub outer: Vec<(String, i64)>,
+    /// The units of each outer rank, row-major (`[units]` where `outer` is empty).
+    pub outer_units: Vec<i64>,
+    /// The elements per unit of each outer rank, row-major (`[unit]` where `outer` is
+    /// empty): 1 for an element split, the row's size for a row split (a row of a tp
+    /// shard split on another dim differs per tp rank).
+    pub outer_unit: Vec<i64>,
 }
 
 impl ZeroSplit {
     fn new(group: &ZeroGroup, unit: i64, units: i64, rows: bool) -> Option<ZeroSplit> {
+        ZeroSplit::per_outer(group, Vec::new(), vec![units], vec![unit], rows)
+    }
+
+    /// A split whose units differ per rank of `outer` (`outer_units`, row-major).
+    fn per_outer(
+        group: &ZeroGroup,
+        outer: Vec<(String, i64)>,
+        outer_units: Vec<i64>,
+        outer_unit: Vec<i64>,
+        rows: bool,
+    ) -> Option<ZeroSplit> {
         let z = group.size();
-        if group.is_empty() || units < z {
+        let fewest = *outer_units.iter().min()?;
+        if group.is_empty() || fewest < z {
             return None;
         }
         Some(ZeroSplit {
             group: group.clone(),
-            unit,
-            units,
+            unit: *outer_unit.iter().max()?,
+            units: *outer_units.iter().max()?,
             rows,
+            outer,
+            outer_units,
+            outer_unit,
         })
+    }
+
+    /// Whether the local size differs per rank of other axes (see [`ZeroSplit::outer`]).
+    pub fn is_per_outer(&self) -> bool {
+        !self.outer.is_empty()
+    }
+
+    /// The axes of the width and offset tables: the outer axes, then the group's.
+    pub fn table_axes(&self) -> Vec<(String, i64)> {
+        let mut axes = self.outer.clone();
+        axes.extend(self.group.axes.iter().cloned());
+        axes
+    }
+
+    /// Every (outer, group) rank's units, row-major over [`ZeroSplit::table_axes`].
+    pub fn unit_table(&self) -> Vec<i64> {
+        self.outer_units
+            .iter()
+            .flat_map(|u| near_even(*u, self.ranks()))
+            .collect()
+    }
+
+    /// This rank's local element count (before the split), as a dim.
+    pub fn numel_dim(&self) -> Dim {
+        if !self.is_per_outer() {
+            return Dim::from(self.numel());
+        }
+        let numels: Vec<i64> = self
+            .outer_units
+            .iter()
+            .zip(&self.outer_unit)
+            .map(|(n, u)| n * u)
+            .collect();
+        Dim::per_group_rank(&self.outer, &numels).expect("one size per outer rank")
     }
 
     pub fn ranks(&self) -> i64 {
@@ -70,7 +146,7 @@ impl ZeroSplit {
     }
 
     pub fn is_even(&self) -> bool {
-        self.wide_ranks() == 0
+        !self.is_per_outer() && self.wide_ranks() == 0
     }
 
     /// Every rank's units, in group order.
@@ -78,31 +154,66 @@ impl ZeroSplit {
         near_even(self.units, self.ranks())
     }
 
-    /// Every rank's elements, in group order.
+    /// Every rank's elements, in group order (over the outer axes too, row-major,
+    /// where the local size differs per outer rank).
     pub fn widths(&self) -> Vec<i64> {
-        self.unit_widths().iter().map(|w| w * self.unit).collect()
+        let z = self.ranks() as usize;
+        self.unit_table()
+            .chunks(z)
+            .zip(&self.outer_unit)
+            .flat_map(|(row, u)| row.iter().map(move |w| w * u))
+            .collect()
     }
 
     /// The widest piece's elements: the row of a collective's buffer.
     pub fn chunk(&self) -> i64 {
-        (self.base() + i64::from(!self.is_even())) * self.unit
+        self.widths().into_iter().max().unwrap_or(0)
     }
 
-    /// A per-rank table (one value per group rank, row-major) as a dim: a constant
-    /// when every rank has the same value, else a table over the group's axes.
+    /// A per-rank table (one value per rank of [`ZeroSplit::table_axes`], row-major)
+    /// as a dim: a constant when every rank has the same value, else a table.
     fn per_rank(&self, table: Vec<i64>) -> Dim {
-        Dim::per_group_rank(&self.group.axes, &table)
-            .expect("a ZeroSplit's tables list one value per group rank")
+        Dim::per_group_rank(&self.table_axes(), &table)
+            .expect("a ZeroSplit's tables list one value per rank")
     }
 
     /// This rank's units (rows, for a row split).
     pub fn unit_width(&self) -> Dim {
-        self.per_rank(self.unit_widths())
+        self.per_rank(self.unit_table())
+    }
+
+    /// Group rank `d`'s width, as a dim over the outer axes (a constant without them).
+    fn width_of(&self, d: usize) -> Dim {
+        let z = self.ranks() as usize;
+        let t: Vec<i64> = self.widths().chunks(z).map(|row| row[d]).collect();
+        self.outer_dim(t)
+    }
+
+    /// Group rank `d`'s offset in the flat local value, as a dim over the outer axes.
+    fn offset_of(&self, d: usize) -> Dim {
+        let z = self.ranks() as usize;
+        let t: Vec<i64> = self
+            .widths()
+            .chunks(z)
+            .map(|row| row[..d].iter().sum())
+            .collect();
+        self.outer_dim(t)
+    }
+
+    /// One value per outer rank as a dim.
+    fn outer_dim(&self, t: Vec<i64>) -> Dim {
+        if self.outer.is_empty() {
+            return Dim::from(t[0]);
+        }
+        Dim::per_group_rank(&self.outer, &t).expect("one value per outer rank")
     }
 
     /// This rank's elements (its units times the unit, so that a row split's flat
     /// width and its rows' element count are the same dim).
     pub fn width(&self) -> Dim {
+        if self.is_per_outer() {
+            return self.per_rank(self.widths());
+        }
         self.unit_width() * Dim::from(self.unit)
     }
 
@@ -111,13 +222,18 @@ impl ZeroSplit {
         if self.is_even() {
             return self.group.index() * Dim::from(self.chunk());
         }
+        let z = self.ranks() as usize;
         let offsets: Vec<i64> = self
             .widths()
-            .iter()
-            .scan(0, |at, w| {
-                let o = *at;
-                *at += w;
-                Some(o)
+            .chunks(z)
+            .flat_map(|row| {
+                row.iter()
+                    .scan(0, |at, w| {
+                        let o = *at;
+                        *at += w;
+                        Some(o)
+                    })
+                    .collect::<Vec<_>>()
             })
             .collect();
         self.per_rank(offsets)
@@ -142,11 +258,46 @@ impl ZeroSplit {
         before
     }
 
-    /// The partitions of a flat state tensor whose dim 0 is first split by `before`
-    /// (the parameter's own partitions, in blocks of [`ZeroSplit::numel`]), then over
-    /// the group: each rank's part is exactly its piece.
-    pub fn state_partitions(&self, before: Vec<Partition>) -> Vec<Partition> {
-        self.group_partitions(before, self.unit)
+    /// The partitions of a flat state tensor of a parameter split by `own`: its dim 0
+    /// is first split by the parameter's own split axes (in blocks of its flattened
+    /// local shard, [`crate::zero::flat_param_partitions`]), then over the group: each
+    /// rank's part is exactly its piece. Where the local size differs per outer rank,
+    /// the outer axes and the group are one group partition (outer axes first), whose
+    /// sizes are every rank's piece: the full state is every outer rank's flattened
+    /// shard, in order, each split over the group.
+    pub fn state_partitions(&self, mesh: &Mesh, own: &[Partition]) -> Vec<Partition> {
+        if !self.is_per_outer() {
+            let flat = crate::zero::flat_param_partitions(mesh, own, self.numel());
+            return self.group_partitions(flat, self.unit);
+        }
+        let rest: Vec<Partition> = own
+            .iter()
+            .filter(|p| {
+                !p.axes
+                    .iter()
+                    .any(|a| self.outer.iter().any(|(o, _)| o == a))
+            })
+            .cloned()
+            .collect();
+        let total: i64 = self.widths().iter().sum();
+        let mut parts = crate::zero::flat_param_partitions(mesh, &rest, total);
+        let axes: Vec<String> = self.table_axes().into_iter().map(|(a, _)| a).collect();
+        parts.push(Partition::group("zero", &axes, 0, self.widths()));
+        parts
+    }
+
+    /// The axes a flat state or gradient-shard output is split over on dim 0, outermost
+    /// first, as [`ZeroSplit::state_partitions`] lays it out: the parameter's own split
+    /// axes (`own`; the outer ones last), then the group's.
+    pub fn output_axes(&self, own: &[Partition]) -> Vec<String> {
+        let mut seen: Vec<String> = Vec::new();
+        for a in own.iter().flat_map(|p| &p.axes) {
+            if !seen.contains(a) && !self.outer.iter().any(|(o, _)| o == a) {
+                seen.push(a.clone());
+            }
+        }
+        seen.extend(self.table_axes().into_iter().map(|(a, _)| a));
+        seen
     }
 
     /// The partitions a row split adds to the parameter's dim 0.
@@ -156,13 +307,13 @@ impl ZeroSplit {
 }
 
 /// ZeRO stage 3's split of a parameter of local type `ty`: the rows of its dim 0 over
-/// `group`, near-evenly (uneven rows allowed on any group). `None` where the parameter
+/// `group`, near-evenly (uneven rows allowed on any group; rows whose size differs per
+/// tp rank too, where dim 0 is not the dim tp split unevenly). `None` where the parameter
 /// stays whole on every rank (its state may still be sharded by [`param_split`]).
 pub fn stage3_split(mesh: &Mesh, ty: &TensorType, group: &ZeroGroup) -> Option<ZeroSplit> {
     if group.is_empty() || ty.rank() == 0 || !ty.dtype.is_float() {
         return None;
     }
-    let total = local_numel(mesh, ty)?;
     let mut b = weft_ir::Bindings::new();
     for (a, n) in &mesh.axes {
         b = b.with(a, *n as i64);
@@ -171,13 +322,22 @@ pub fn stage3_split(mesh: &Mesh, ty: &TensorType, group: &ZeroGroup) -> Option<Z
     if rows == 0 {
         return None;
     }
-    ZeroSplit::new(group, total / rows, rows, true)
+    if let Some(total) = local_numel(mesh, ty) {
+        return ZeroSplit::new(group, total / rows, rows, true);
+    }
+    // A tp shard split on another dim: the same rows on every tp rank, rows of
+    // different sizes.
+    let (outer, numels) = outer_numels(mesh, ty)?;
+    let units = vec![rows; numels.len()];
+    let unit = numels.iter().map(|n| n / rows).collect();
+    ZeroSplit::per_outer(group, outer, units, unit, true)
 }
 
 /// The split of a parameter of local type `ty` over `group`, computed once and used by
 /// grad-sync and the optimizer alike: its rows when `stage3` asks and
-/// [`stage3_split`] allows, else its flattened elements. `None`: not sharded (no
-/// group, a per-rank size, fewer elements than ranks).
+/// [`stage3_split`] allows, else its flattened elements (where the local size differs
+/// per rank of other axes, an uneven tp shard, each of those ranks' own size). `None`:
+/// not sharded (no group, fewer elements than ranks).
 pub fn param_split(
     mesh: &Mesh,
     ty: &TensorType,
@@ -189,7 +349,48 @@ pub fn param_split(
             return Some(s);
         }
     }
-    ZeroSplit::new(group, 1, local_numel(mesh, ty)?, false)
+    if let Some(n) = local_numel(mesh, ty) {
+        return ZeroSplit::new(group, 1, n, false);
+    }
+    let (outer, units) = outer_numels(mesh, ty)?;
+    let unit = vec![1; units.len()];
+    ZeroSplit::per_outer(group, outer, units, unit, false)
+}
+
+/// The outer axes with their sizes, and the element count on each of their ranks.
+type OuterNumels = (Vec<(String, i64)>, Vec<i64>);
+
+/// The axes (mesh order, with their sizes) a per-rank local type's element count
+/// differs over, none of them in the ZeRO group, and the count on each of their ranks
+/// (row-major); `None` where it cannot be evaluated so.
+fn outer_numels(mesh: &Mesh, ty: &TensorType) -> Option<OuterNumels> {
+    let mut b = weft_ir::Bindings::new();
+    for (a, n) in &mesh.axes {
+        b = b.with(a, *n as i64);
+    }
+    let numel = ty.numel().bind(&b);
+    let tables = numel.per_rank_tables();
+    let outer: Vec<(String, i64)> = mesh
+        .axes
+        .iter()
+        .filter(|(a, _)| tables.iter().any(|(x, _)| x == a))
+        .map(|(a, n)| (a.clone(), *n as i64))
+        .collect();
+    if outer.is_empty() {
+        return None;
+    }
+    let total: i64 = outer.iter().map(|(_, n)| n).product();
+    let mut units = Vec::with_capacity(total as usize);
+    for i in 0..total {
+        let mut at = b.clone();
+        let mut rest = i;
+        for (a, n) in outer.iter().rev() {
+            at = at.with_coord(a, rest % n);
+            rest /= n;
+        }
+        units.push(numel.eval(&at).ok()?);
+    }
+    Some((outer, units))
 }
 
 impl Emitter<'_> {
@@ -214,6 +415,9 @@ impl Emitter<'_> {
                     split.group.name()
                 ),
             );
+        }
+        if split.is_per_outer() {
+            return self.split_rows_per_outer(split, flat, what);
         }
         let (wide, narrow) = (split.wide_ranks(), z - split.wide_ranks());
         let nw = split.base() * split.unit;
@@ -306,6 +510,9 @@ impl Emitter<'_> {
                 &format!("{what} without padding"),
             );
         }
+        if split.is_per_outer() {
+            return self.join_rows_per_outer(split, rows, what);
+        }
         let (wide, narrow) = (split.wide_ranks(), z - split.wide_ranks());
         let nw = split.base() * split.unit;
         let head = self.op(
@@ -353,6 +560,130 @@ impl Emitter<'_> {
             Op::Concat { dim: 0 },
             &[head, tail],
             &format!("{what}: every rank's piece, in order"),
+        )
+    }
+
+    /// [`Emitter::split_rows`] where the widths differ per outer rank: each group
+    /// rank's piece sliced at its offset (tables over the outer axes), padded to the
+    /// buffer's `chunk` with zeros (in the buffer only), one row each.
+    fn split_rows_per_outer(
+        &mut self,
+        split: &ZeroSplit,
+        flat: Value,
+        what: &str,
+    ) -> Result<Value, crate::PassError> {
+        let chunk = split.chunk();
+        let dtype = self.g.ty(flat).dtype;
+        let zeros = self.op(
+            Op::Full {
+                value: weft_ir::Float(0.0),
+                ty: TensorType::new(dtype, vec![Dim::from(chunk)]),
+            },
+            &[],
+            &format!(
+                "{what}: the collective's buffer padding (split {:?} over {} x {})",
+                split.widths(),
+                split
+                    .outer
+                    .iter()
+                    .map(|(a, _)| a.as_str())
+                    .collect::<Vec<_>>()
+                    .join("x"),
+                split.group.name()
+            ),
+        )?;
+        let mut rows = Vec::new();
+        for d in 0..split.ranks() as usize {
+            let piece = self.op(
+                Op::Slice {
+                    dim: 0,
+                    start: split.offset_of(d),
+                    len: split.width_of(d),
+                },
+                &[flat],
+                &format!("{what}: group rank {d}'s piece"),
+            )?;
+            let v = self.op(
+                Op::Concat { dim: 0 },
+                &[piece, zeros],
+                &format!("{what}: group rank {d}'s piece, padded"),
+            )?;
+            let v = self.op(
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::zero(),
+                    len: Dim::from(chunk),
+                },
+                &[v],
+                &format!("{what}: group rank {d}'s buffer row of {chunk}"),
+            )?;
+            rows.push(self.op(
+                Op::Reshape {
+                    shape: vec![Dim::from(1), Dim::from(chunk)],
+                },
+                &[v],
+                &format!("{what}: group rank {d}'s row"),
+            )?);
+        }
+        self.op(
+            Op::Concat { dim: 0 },
+            &rows,
+            &format!(
+                "{what}: one row per rank of the {} group",
+                split.group.name()
+            ),
+        )
+    }
+
+    /// [`Emitter::join_rows`] where the widths differ per outer rank.
+    fn join_rows_per_outer(
+        &mut self,
+        split: &ZeroSplit,
+        rows: Value,
+        what: &str,
+    ) -> Result<Value, crate::PassError> {
+        let chunk = split.chunk();
+        let mut pieces = Vec::new();
+        for d in 0..split.ranks() as usize {
+            let v = self.op(
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::from(d as i64),
+                    len: Dim::from(1),
+                },
+                &[rows],
+                &format!("{what}: group rank {d}'s row"),
+            )?;
+            let v = self.op(
+                Op::Reshape {
+                    shape: vec![Dim::from(chunk)],
+                },
+                &[v],
+                &format!("{what}: group rank {d}'s buffer row"),
+            )?;
+            pieces.push(self.op(
+                Op::Slice {
+                    dim: 0,
+                    start: Dim::zero(),
+                    len: split.width_of(d),
+                },
+                &[v],
+                &format!("{what}: group rank {d}'s piece without the buffer's padding"),
+            )?);
+        }
+        let v = self.op(
+            Op::Concat { dim: 0 },
+            &pieces,
+            &format!("{what}: every rank's piece, in order"),
+        )?;
+        self.op(
+            Op::Slice {
+                dim: 0,
+                start: Dim::zero(),
+                len: split.numel_dim(),
+            },
+            &[v],
+            &format!("{what}: as this rank's local size"),
         )
     }
 
@@ -509,5 +840,73 @@ mod tests {
         );
         let tiny = TensorType::new(weft_ir::DType::F32, vec![Dim::from(3)]);
         assert!(param_split(&m, &tiny, &g, false).is_none());
+    }
+
+    #[test]
+    fn a_local_size_that_differs_per_tp_rank_splits_on_each_tp_rank() {
+        // 5 heads of 7 rows over tp=2: 21 and 14 rows of 35.
+        let m = Mesh::parse("dp=2,tp=2").unwrap();
+        let g = ZeroGroup::for_mesh(&m, false);
+        let ty = TensorType::new(
+            weft_ir::DType::F32,
+            vec![Dim::per_rank("tp", vec![21, 14]), Dim::from(35)],
+        );
+        assert!(stage3_split(&m, &ty, &g).is_none());
+        let s = param_split(&m, &ty, &g, true).unwrap();
+        assert!(!s.rows && s.is_per_outer() && !s.is_even());
+        assert_eq!(s.outer, vec![("tp".to_string(), 2)]);
+        assert_eq!(s.outer_units, vec![735, 490]);
+        assert_eq!(s.widths(), vec![368, 367, 245, 245]);
+        assert_eq!(s.chunk(), 368);
+        let at = |d: &Dim, dp, tp| {
+            d.eval(
+                &weft_ir::Bindings::new()
+                    .with("dp", 2)
+                    .with("tp", 2)
+                    .with_coord("dp", dp)
+                    .with_coord("tp", tp),
+            )
+            .unwrap()
+        };
+        let cells = [(0, 0), (1, 0), (0, 1), (1, 1)];
+        let w: Vec<i64> = cells.iter().map(|&(d, t)| at(&s.width(), d, t)).collect();
+        let o: Vec<i64> = cells.iter().map(|&(d, t)| at(&s.offset(), d, t)).collect();
+        assert_eq!((w, o), (vec![368, 367, 245, 245], vec![0, 368, 0, 245]));
+        assert_eq!(at(&s.numel_dim(), 1, 1), 490);
+        let tp = Partition::simple("column", "tp", 0, vec![21, 14]);
+        assert_eq!(
+            s.state_partitions(&m, std::slice::from_ref(&tp)),
+            vec![Partition::group(
+                "zero",
+                &["tp".into(), "dp".into()],
+                0,
+                vec![368, 367, 245, 245]
+            )]
+        );
+        assert_eq!(
+            s.output_axes(&[tp]),
+            vec!["tp".to_string(), "dp".to_string()]
+        );
+        // Split by tp on its columns: the same 35 rows on every tp rank, rows of 24 or
+        // 16 elements, are rows over the group at stage 3.
+        let cols = TensorType::new(
+            weft_ir::DType::F32,
+            vec![Dim::from(35), Dim::per_rank("tp", vec![24, 16])],
+        );
+        let r = stage3_split(&m, &cols, &g).unwrap();
+        assert!(r.rows && r.is_per_outer());
+        assert_eq!(r.unit_widths(), vec![18, 17]);
+        assert_eq!(r.widths(), vec![18 * 24, 17 * 24, 18 * 16, 17 * 16]);
+        assert_eq!(
+            r.row_partitions(),
+            vec![Partition::group("zero", &["dp".into()], 0, vec![18, 17])]
+        );
+        assert_eq!(at(&r.unit_width(), 1, 1), 17);
+        assert_eq!(at(&r.width(), 1, 1), 17 * 16);
+        // Fewer elements than ranks on any tp rank: nothing to split.
+        let m = Mesh::parse("dp=4,tp=2").unwrap();
+        let g = ZeroGroup::for_mesh(&m, false);
+        let small = TensorType::new(weft_ir::DType::F32, vec![Dim::per_rank("tp", vec![5, 3])]);
+        assert!(param_split(&m, &small, &g, false).is_none());
     }
 }
