@@ -128,9 +128,33 @@ fn other_operand(g: &Graph, n: Node, v: Value) -> Option<Value> {
     }
 }
 
-/// Readers of every value, indexed by value id (outputs not included).
-fn readers(g: &Graph) -> Vec<Vec<(Node, usize)>> {
-    g.uses()
+/// Readers of every value, indexed by value id (outputs not included), recomputed only
+/// after the graph changed: the patterns scan thousands of candidates (every `add` of a
+/// 70B step), and recomputing per candidate made the pass quadratic (90 s on a 31k-node
+/// step).
+struct Readers {
+    uses: Vec<Vec<(Node, usize)>>,
+    stale: bool,
+}
+
+impl Readers {
+    fn new() -> Readers {
+        Readers {
+            uses: Vec::new(),
+            stale: true,
+        }
+    }
+    fn of(&mut self, g: &Graph) -> &[Vec<(Node, usize)>] {
+        if self.stale {
+            self.uses = g.uses();
+            self.stale = false;
+        }
+        &self.uses
+    }
+    /// The graph changed: the next [`Readers::of`] recomputes.
+    fn changed(&mut self) {
+        self.stale = true;
+    }
 }
 
 /// True when value `v` is read only by node `n` (once) and is no output.
@@ -196,6 +220,7 @@ fn insert_fused(
 /// `act_grad(g, mul(dy, u))` with `mul(dy, act(g'))`, `g'` a copy of `g` -> `glu_grad`.
 fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
+    let mut rd = Readers::new();
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -203,7 +228,7 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| grad_act(&g.node(n).op).is_some())
         .collect();
     for ag in candidates {
-        let uses = readers(g);
+        let uses = rd.of(g);
         let d = g.node(ag);
         let act = grad_act(&d.op).expect("a candidate");
         let (gate, dact) = (d.operands[0], d.operands[1]);
@@ -261,6 +286,7 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
         g.replace_all_uses(dup, r[1]);
         g.remove_nodes(&[ag, m1, m2]);
         fused += 1;
+        rd.changed();
     }
     Ok(fused)
 }
@@ -268,6 +294,7 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
 /// `mul(act(g), u)` with `act(g)` read only there -> `glu(g, u)`.
 fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
+    let mut rd = Readers::new();
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -275,7 +302,7 @@ fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| matches!(g.node(n).op, Op::Mul {}))
         .collect();
     for m in candidates {
-        let uses = readers(g);
+        let uses = rd.of(g);
         let ops = g.node(m).operands.clone();
         let ty = g.ty(g.node(m).results[0]).clone();
         let mut found = None;
@@ -308,6 +335,7 @@ fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
         g.replace_all_uses(y, r[0]);
         g.remove_nodes(&[m, an]);
         fused += 1;
+        rd.changed();
     }
     Ok(fused)
 }
@@ -339,6 +367,7 @@ fn narrowed(g: &Graph, uses: &[Vec<(Node, usize)>], v: Value, dtype: DType) -> O
 /// `add(cast(rms_norm_grad(cast_f32(s), w, cast_f32(dn)).dx), other)`.
 fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
+    let mut rd = Readers::new();
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -346,7 +375,7 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| matches!(g.node(n).op, Op::RmsNormGrad { .. }))
         .collect();
     for rg in candidates {
-        let uses = readers(g);
+        let uses = rd.of(g);
         let d = g.node(rg);
         let Op::RmsNormGrad { eps } = d.op else {
             unreachable!("a candidate")
@@ -394,6 +423,7 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
         g.replace_all_uses(dw, r[1]);
         g.remove_nodes(&replaced);
         fused += 1;
+        rd.changed();
     }
     Ok(fused)
 }
@@ -403,6 +433,7 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
 /// `cast(rms_norm(cast_f32(add(x, y)), w))`, the cast back to the stream's dtype.
 fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
+    let mut rd = Readers::new();
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -414,7 +445,7 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
         if g.try_node(rn).is_none() {
             continue;
         }
-        let uses = readers(g);
+        let uses = rd.of(g);
         let d = g.node(rn);
         let Op::RmsNorm { eps } = d.op else {
             unreachable!("a candidate")
@@ -459,6 +490,7 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
         // (with a cast, the f32 norm's result was read only by that cast)
         g.remove_nodes(&replaced);
         fused += 1;
+        rd.changed();
     }
     Ok(fused)
 }
@@ -473,6 +505,7 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
 /// then q: one plain GEMM and two accumulating ones).
 fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
+    let mut rd = Readers::new();
     let mut work: std::collections::VecDeque<Node> = g
         .nodes()
         .iter()
@@ -483,7 +516,7 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
         if g.position(add).is_none() {
             continue;
         }
-        let uses = readers(g);
+        let uses = rd.of(g);
         let pos = |g: &Graph, v: Value| g.position(g.def(v)).unwrap_or(0);
         let ops = g.node(add).operands.clone();
         let [x, y] = ops[..] else { continue };
@@ -522,6 +555,7 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
             g.replace_all_uses(sum, r[0]);
             g.remove_nodes(&[add, mm]);
             fused += 1;
+            rd.changed();
             continue;
         }
         // add(matmul_add(.., c0), p) with p computed first: p joins c0 inside.
@@ -546,6 +580,7 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
         g.node_mut(m).operands[2] = inner;
         g.replace_all_uses(sum, acc);
         g.remove_nodes(&[add]);
+        rd.changed();
         work.push_front(g.def(inner));
     }
     Ok(fused)
@@ -555,6 +590,7 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
 /// own gradient was (`c`, a tied lm_head's weight gradient, is ready long before).
 fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
+    let mut rd = Readers::new();
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -562,7 +598,7 @@ fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| matches!(g.node(n).op, Op::Add {}))
         .collect();
     for add in candidates {
-        let uses = readers(g);
+        let uses = rd.of(g);
         let ops = g.node(add).operands.clone();
         let [x, y] = ops[..] else { continue };
         let sum = g.node(add).results[0];
@@ -592,6 +628,7 @@ fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
         g.replace_all_uses(sum, r[0]);
         g.remove_nodes(&[add, eg]);
         fused += 1;
+        rd.changed();
     }
     Ok(fused)
 }
@@ -600,6 +637,7 @@ fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
 /// `adamw_master(master, g, m, v, step) {dtype=low}`.
 fn fuse_adamw_casts(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
+    let mut rd = Readers::new();
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -607,7 +645,7 @@ fn fuse_adamw_casts(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| matches!(g.node(n).op, Op::AdamW { .. }))
         .collect();
     for a in candidates {
-        let uses = readers(g);
+        let uses = rd.of(g);
         let Op::AdamW {
             lr,
             beta1,
@@ -667,6 +705,7 @@ fn fuse_adamw_casts(g: &mut Graph) -> Result<usize, PassError> {
         g.replace_all_uses(g.node(c).results[0], r[3]);
         g.remove_nodes(&[c, a, widen]);
         fused += 1;
+        rd.changed();
     }
     Ok(fused)
 }
