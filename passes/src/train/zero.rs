@@ -398,23 +398,23 @@ pub fn shard_param(
             meta.clone(),
         )
         .map_err(|e| build_error(pass, e))?[0];
-    let pos: std::collections::HashMap<weft_ir::Node, usize> =
-        g.nodes().iter().enumerate().map(|(i, n)| (*n, i)).collect();
-    let uses = g.uses();
+    // The readers of the old param values, in program order (one scan: this runs once
+    // per parameter, and a whole-graph readers table per parameter made ZeRO-3
+    // quadratic in the step's size).
+    let old_values: std::collections::HashSet<Value> = olds.iter().map(|(_, v)| *v).collect();
     let mut regions: std::collections::BTreeMap<(bool, u32), Vec<(weft_ir::Node, usize)>> =
         Default::default();
-    for (_, v) in &olds {
-        for &(n, i) in &uses[v.0 as usize] {
-            regions.entry(use_region(g, n)).or_default().push((n, i));
+    for &n in g.nodes() {
+        for (i, v) in g.node(n).operands.iter().enumerate() {
+            if old_values.contains(v) {
+                regions.entry(use_region(g, n)).or_default().push((n, i));
+            }
         }
     }
     let full_rows = ty.shape[0].clone();
     for ((backward, mb), us) in regions {
-        let at = us
-            .iter()
-            .map(|(n, _)| *n)
-            .min_by_key(|n| pos[n])
-            .expect("a use");
+        // `us` is in program order: its first node is the region's first reader.
+        let at = us.first().map(|(n, _)| *n).expect("a use");
         let phase = if backward { "backward" } else { "forward" };
         let mbt = if mb == u32::MAX {
             String::new()
