@@ -124,6 +124,99 @@ pub fn nccl_type(d: weft_ir::DType) -> CudaResult<ns::ncclDataType_t> {
     })
 }
 
+/// A point-to-point exchange within one axis communicator.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Exchange {
+    /// Member `j`'s `count / size` elements go to member `j`; member `i`'s arrive at
+    /// offset `i`.
+    AllToAll,
+    /// Everything to the member `shift` places after this one, from the one `shift`
+    /// places before it (ring attention's step).
+    Shift(i64),
+}
+
+/// One send or receive of an exchange: the peer, and the element range of the buffer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Transfer {
+    pub peer: usize,
+    pub offset: usize,
+    pub count: usize,
+}
+
+/// The sends and receives of member `me` of `size` for `count` elements.
+pub fn transfers(
+    x: Exchange,
+    me: usize,
+    size: usize,
+    count: usize,
+) -> (Vec<Transfer>, Vec<Transfer>) {
+    match x {
+        Exchange::AllToAll => {
+            let chunk = count / size.max(1);
+            let each: Vec<Transfer> = (0..size)
+                .map(|j| Transfer {
+                    peer: j,
+                    offset: j * chunk,
+                    count: chunk,
+                })
+                .collect();
+            (each.clone(), each)
+        }
+        Exchange::Shift(shift) => {
+            let n = size.max(1) as i64;
+            let to = (me as i64 + shift).rem_euclid(n) as usize;
+            let from = (me as i64 - shift).rem_euclid(n) as usize;
+            let all = |peer| Transfer {
+                peer,
+                offset: 0,
+                count,
+            };
+            (vec![all(to)], vec![all(from)])
+        }
+    }
+}
+
+/// Runs `x` on `stream` as one NCCL group of sends and receives (a transfer to this
+/// member itself is a device copy inside the group, which NCCL allows).
+pub fn send_recv(
+    comm: ns::ncclComm_t,
+    x: Exchange,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: weft_ir::DType,
+    stream: ns::cudaStream_t,
+) -> Result<nr::NcclStatus, nr::NcclError> {
+    let (mut size, mut me) = (0i32, 0i32);
+    // SAFETY: out-parameters of a live communicator.
+    unsafe {
+        ns::ncclCommCount(comm, &mut size).result()?;
+        ns::ncclCommUserRank(comm, &mut me).result()?;
+    }
+    let ty = nccl_type(dtype).map_err(|_| nr::NcclError(ns::ncclResult_t::ncclInvalidArgument))?;
+    let esz = dtype.size_bytes() as usize;
+    let (sends, recvs) = transfers(x, me as usize, size as usize, count);
+    // SAFETY: the buffers hold `count` elements (sized by the plan); group calls pair up.
+    unsafe {
+        ns::ncclGroupStart().result()?;
+        for t in &sends {
+            let p = (send as usize + t.offset * esz) as *const std::ffi::c_void;
+            if let Err(e) = ns::ncclSend(p, t.count, ty, t.peer as i32, comm, stream).result() {
+                let _ = ns::ncclGroupEnd();
+                return Err(e);
+            }
+        }
+        for t in &recvs {
+            let p = (recv as usize + t.offset * esz) as *mut std::ffi::c_void;
+            if let Err(e) = ns::ncclRecv(p, t.count, ty, t.peer as i32, comm, stream).result() {
+                let _ = ns::ncclGroupEnd();
+                return Err(e);
+            }
+        }
+        ns::ncclGroupEnd().result()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,5 +226,41 @@ mod tests {
         let g = vec![vec![0, 2], vec![1, 3]];
         assert_eq!(group_of(&g, 3), Some((1, 1)));
         assert_eq!(group_of(&g, 4), None);
+    }
+
+    /// Every send of every member meets the receive its peer posts, with the same count
+    /// and the data the CPU reference moves (`ring_shift`: member r's block reaches
+    /// r + shift; `all_to_all`: member i's chunk j reaches member j's slot i).
+    #[test]
+    fn sends_and_receives_pair_up() {
+        for size in 1..=5 {
+            for x in [
+                Exchange::AllToAll,
+                Exchange::Shift(1),
+                Exchange::Shift(-1),
+                Exchange::Shift(3),
+            ] {
+                let count = 12 * size;
+                let all: Vec<_> = (0..size).map(|r| transfers(x, r, size, count)).collect();
+                for (r, (sends, _)) in all.iter().enumerate() {
+                    for s in sends {
+                        let matching: Vec<_> =
+                            all[s.peer].1.iter().filter(|t| t.peer == r).collect();
+                        assert_eq!(matching.len(), 1, "{x:?} size {size} member {r}");
+                        assert_eq!(matching[0].count, s.count);
+                        match x {
+                            Exchange::AllToAll => {
+                                assert_eq!(s.offset, s.peer * count / size);
+                                assert_eq!(matching[0].offset, r * count / size);
+                            }
+                            Exchange::Shift(k) => {
+                                assert_eq!(s.peer, (r as i64 + k).rem_euclid(size as i64) as usize);
+                                assert_eq!((s.offset, s.count), (0, count));
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -139,10 +139,32 @@ enum CopyKind {
 
 #[derive(Clone, Debug)]
 enum Coll {
-    AllReduce { op: ReduceOp },
+    AllReduce {
+        op: ReduceOp,
+    },
     AllGather,
-    ReduceScatter { op: ReduceOp },
-    Broadcast { root: i32 },
+    ReduceScatter {
+        op: ReduceOp,
+    },
+    Broadcast {
+        root: i32,
+    },
+    /// `count / size` elements to each member of the axis and as many from each, in
+    /// member order (one grouped send/recv per peer).
+    AllToAll,
+    /// All `count` elements to the member `shift` places after this one, and as many
+    /// from the one `shift` places before it.
+    Shift {
+        shift: i64,
+    },
+}
+
+/// The point-to-point pattern of an exchanging collective.
+fn coll_exchange(c: &Coll) -> comm::Exchange {
+    match c {
+        Coll::Shift { shift } => comm::Exchange::Shift(*shift),
+        _ => comm::Exchange::AllToAll,
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -986,19 +1008,25 @@ impl Executor {
                     match coll {
                         Coll::AllReduce { op } => {
                             cudarc::nccl::sys::ncclAllReduce(sp, rp, n, ty, red(op), comm, cs)
+                                .result()
                         }
                         Coll::AllGather => {
-                            cudarc::nccl::sys::ncclAllGather(sp, rp, n, ty, comm, cs)
+                            cudarc::nccl::sys::ncclAllGather(sp, rp, n, ty, comm, cs).result()
                         }
                         Coll::ReduceScatter { op } => {
                             cudarc::nccl::sys::ncclReduceScatter(sp, rp, n, ty, red(op), comm, cs)
+                                .result()
                         }
                         Coll::Broadcast { root } => {
                             cudarc::nccl::sys::ncclBroadcast(sp, rp, n, ty, *root, comm, cs)
+                                .result()
+                        }
+                        Coll::AllToAll | Coll::Shift { .. } => {
+                            comm::send_recv(comm, coll_exchange(coll), *send, *recv, n, *dtype, cs)
                         }
                     }
                 };
-                r.result().map(|_| ()).map_err(|e| {
+                r.map(|_| ()).map_err(|e| {
                     CudaError::nccl(
                         &format!("{coll:?} over `{axis}` at instruction {}", st.ins),
                         e,

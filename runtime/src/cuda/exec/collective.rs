@@ -1,6 +1,8 @@
-//! Lowering of collectives to NCCL steps on the op's mesh axis (all-reduce, all-gather
-//! and reduce-scatter along dim 0, broadcast); on one rank an op NCCL has no call for is a
-//! copy.
+//! Lowering of collectives to NCCL steps on the op's mesh axis: all-reduce, all-gather
+//! and reduce-scatter along dim 0, broadcast, and the point-to-point exchanges
+//! (`all_to_all` as grouped sends and receives between a packing and an unpacking
+//! strided copy, `ring_shift` as one send and one receive). On one rank an op NCCL has
+//! no call for is a copy.
 
 use super::*;
 
@@ -11,6 +13,7 @@ pub(super) fn lower_collective(
     ins: &[DevT],
     outs: &[DevT],
     world: u32,
+    axis_size: usize,
 ) -> CudaResult<()> {
     let axis = op.axis().unwrap_or_default().to_string();
     let (x, o) = (&ins[0], &outs[0]);
@@ -40,6 +43,56 @@ pub(super) fn lower_collective(
             Coll::ReduceScatter { op: *op }
         }
         Op::Broadcast { root, .. } => Coll::Broadcast { root: *root as i32 },
+        Op::RingShift { shift, .. } => Coll::Shift { shift: *shift },
+        Op::AllToAll {
+            scatter_dim,
+            gather_dim,
+            ..
+        } if axis_size > 1 => {
+            let (sd, gd) = (norm(*scatter_dim, x.rank())?, norm(*gather_dim, x.rank())?);
+            let plan = all_to_all_layout(&x.shape, sd, gd, axis_size)
+                .map_err(|m| lw.unsup("all_to_all", &m))?;
+            let es = esz(dtype);
+            let staged = match &plan.pack {
+                Some(c) => {
+                    let stage = lw.ex.scratch(lw.stream, x.bytes());
+                    lw.strided(
+                        stage,
+                        x.ptr,
+                        es,
+                        &c.shape,
+                        &c.src,
+                        &layout::strides(&c.shape),
+                    )?;
+                    stage
+                }
+                None => x.ptr,
+            };
+            let landing = if plan.unpack.is_some() {
+                lw.ex.scratch(lw.stream, o.bytes())
+            } else {
+                o.ptr
+            };
+            lw.push(StepKind::Collective {
+                coll: Coll::AllToAll,
+                axis,
+                send: staged,
+                recv: landing,
+                count: x.numel(),
+                dtype,
+            });
+            if let Some(c) = &plan.unpack {
+                lw.strided(
+                    o.ptr,
+                    landing,
+                    es,
+                    &c.shape,
+                    &c.src,
+                    &layout::strides(&c.shape),
+                )?;
+            }
+            return Ok(());
+        }
         other => {
             if world == 1 && x.bytes() == o.bytes() {
                 lw.copy(o.ptr, x.ptr, o.bytes());
@@ -61,4 +114,146 @@ pub(super) fn lower_collective(
         dtype,
     });
     Ok(())
+}
+
+/// A strided copy into a contiguous buffer: the destination's `shape` and, per dim,
+/// the source's element stride.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Gather4 {
+    pub(super) shape: Vec<usize>,
+    pub(super) src: Vec<i64>,
+}
+
+/// How an `all_to_all` of `shape` over `p` members moves through NCCL, which sends
+/// contiguous runs: `pack` lays chunk `j` (of the scatter dim) out as the `j`-th
+/// contiguous block (none where the dims before the scatter dim are all 1), and
+/// `unpack` lays the received blocks, one per member in member order, out along the
+/// gather dim (none where the dims before it are all 1: the blocks land in place).
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct AllToAllLayout {
+    pub(super) pack: Option<Gather4>,
+    pub(super) unpack: Option<Gather4>,
+}
+
+pub(super) fn all_to_all_layout(
+    shape: &[usize],
+    sd: usize,
+    gd: usize,
+    p: usize,
+) -> Result<AllToAllLayout, String> {
+    if sd >= shape.len() || gd >= shape.len() {
+        return Err(format!("dims {sd}/{gd} out of range for shape {shape:?}"));
+    }
+    if p == 0 || shape[sd] % p != 0 {
+        return Err(format!(
+            "scatter dim {sd} of {shape:?} does not divide over {p} ranks"
+        ));
+    }
+    let prod = |d: &[usize]| d.iter().product::<usize>();
+    // [pre, p, c, post] -> [p, pre, c, post]
+    let swap_outer = |pre: usize, c: usize, post: usize| Gather4 {
+        shape: vec![p, pre, c, post],
+        src: vec![(c * post) as i64, (p * c * post) as i64, post as i64, 1],
+    };
+    let c = shape[sd] / p;
+    let (pre, post) = (prod(&shape[..sd]), prod(&shape[sd + 1..]));
+    let pack = (pre > 1).then(|| swap_outer(pre, c, post));
+    let mut chunk = shape.to_vec();
+    chunk[sd] = c;
+    let (pre2, g, post2) = (prod(&chunk[..gd]), chunk[gd], prod(&chunk[gd + 1..]));
+    // Received [p, pre2, g, post2] -> out [pre2, p, g, post2].
+    let unpack = (pre2 > 1).then(|| Gather4 {
+        shape: vec![pre2, p, g, post2],
+        src: vec![
+            (g * post2) as i64,
+            (pre2 * g * post2) as i64,
+            post2 as i64,
+            1,
+        ],
+    });
+    Ok(AllToAllLayout { pack, unpack })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::comm::{transfers, Exchange};
+
+    fn gather(src: &[f32], g: &Gather4) -> Vec<f32> {
+        let n: usize = g.shape.iter().product();
+        (0..n)
+            .map(|flat| {
+                let (mut rest, mut at) = (flat, 0i64);
+                for d in (0..4).rev() {
+                    at += (rest % g.shape[d]) as i64 * g.src[d];
+                    rest /= g.shape[d];
+                }
+                src[at as usize]
+            })
+            .collect()
+    }
+
+    fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+        let mut idx = vec![0; shape.len()];
+        for d in (0..shape.len()).rev() {
+            idx[d] = flat % shape[d];
+            flat /= shape[d];
+        }
+        idx
+    }
+
+    fn ravel(idx: &[usize], shape: &[usize]) -> usize {
+        idx.iter().zip(shape).fold(0, |a, (&i, &n)| a * n + i)
+    }
+
+    /// Packing, NCCL's sends and receives, and unpacking give every member what the CPU
+    /// reference's all_to_all gives (member i's chunk j of the scatter dim becomes block
+    /// i of member j's gather dim), for every pair of dims, including equal ones.
+    #[test]
+    fn all_to_all_through_contiguous_sends_is_the_reference() {
+        let shape = [2usize, 6, 3, 4];
+        let n: usize = shape.iter().product();
+        for p in [1usize, 2, 3] {
+            for sd in 0..4 {
+                if shape[sd] % p != 0 {
+                    continue;
+                }
+                for gd in 0..4 {
+                    let lay = all_to_all_layout(&shape, sd, gd, p).unwrap();
+                    let xs: Vec<Vec<f32>> = (0..p)
+                        .map(|m| (0..n).map(|i| (m * n + i) as f32).collect())
+                        .collect();
+                    let staged: Vec<Vec<f32>> = xs
+                        .iter()
+                        .map(|x| lay.pack.as_ref().map_or(x.clone(), |g| gather(x, g)))
+                        .collect();
+                    let mut landed = vec![vec![0f32; n]; p];
+                    for (me, st) in staged.iter().enumerate() {
+                        for s in transfers(Exchange::AllToAll, me, p, n).0 {
+                            let (_, recvs) = transfers(Exchange::AllToAll, s.peer, p, n);
+                            let r = recvs.iter().find(|t| t.peer == me).unwrap();
+                            landed[s.peer][r.offset..r.offset + r.count]
+                                .copy_from_slice(&st[s.offset..s.offset + s.count]);
+                        }
+                    }
+                    let c = shape[sd] / p;
+                    let mut chunk = shape.to_vec();
+                    chunk[sd] = c;
+                    let mut oshape = chunk.clone();
+                    oshape[gd] *= p;
+                    for (j, l) in landed.iter().enumerate() {
+                        let out = lay.unpack.as_ref().map_or(l.clone(), |g| gather(l, g));
+                        for (flat, &got) in out.iter().enumerate() {
+                            let mut idx = unravel(flat, &oshape);
+                            let i = idx[gd] / chunk[gd];
+                            idx[gd] %= chunk[gd];
+                            idx[sd] += j * c;
+                            let want = xs[i][ravel(&idx, &shape)];
+                            assert_eq!(got, want, "p {p} sd {sd} gd {gd} member {j} at {flat}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -334,7 +334,11 @@ pub(super) fn lower_instruction(
     if cx.elided.contains(&ins.id) {
         // a view: nothing to run
     } else if nd.op.is_collective() {
-        lower_collective(lw, &nd.op, &ti, &to, cx.world)?;
+        let axis_size = nd
+            .op
+            .axis()
+            .map_or(1, |a| cx.graph.mesh.size_or_one(a) as usize);
+        lower_collective(lw, &nd.op, &ti, &to, cx.world, axis_size)?;
     } else if let Op::HostAdamW { .. } = &nd.op {
         optimizer::host_adamw(lw, &nd.op, &ti, &to)?;
     } else if matches!(nd.op.name(), "offload" | "reload") {
