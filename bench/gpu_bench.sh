@@ -20,7 +20,7 @@ SEQ=${SEQ:-4096}; STEPS=${STEPS:-8}
 PY=${PY:-python3}
 export WEFT_CACHE_DIR=${WEFT_CACHE_DIR:-/tmp/weft-kernels}
 W=${WEFT:-./.gpu/weft}
-GPU_TESTS=${GPU_TESTS:-"$GPU_TESTS"}
+GPU_TESTS=${GPU_TESTS:-./.gpu/tests/gpu}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 die() { echo "error: $1" >&2; echo "help: $2" >&2; exit 2; }
 [ -x "$W" ] || die "no weft binary at $W" "build it with \`cargo build --release --features cuda\` and copy target/release/weft there, or set WEFT="

@@ -183,6 +183,59 @@ pub fn evaluate(
     })
 }
 
+/// Compiles `batch` on up to as many threads as the machine has, results in order. A
+/// candidate the passes refuse comes back with the refusal as its error.
+fn compile_finalists(
+    model: &weft_frontends::Model,
+    batch: &[&Scored],
+    spec: &SearchSpec,
+) -> Vec<Compiled> {
+    let one = |s: &Scored| {
+        evaluate(model, &s.candidate, spec).unwrap_or_else(|e| Compiled {
+            peak: 0,
+            step_s: f64::INFINITY,
+            plan: None,
+            error: Some(format!(
+                "refused: {}",
+                e.to_string().lines().next().unwrap_or("")
+            )),
+            compile_s: 0.0,
+        })
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut out: Vec<Compiled> = Vec::with_capacity(batch.len());
+    for chunk in batch.chunks(threads.max(1)) {
+        std::thread::scope(|sc| {
+            // The main thread's stack size: the passes recurse over the graph.
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|s| {
+                    std::thread::Builder::new()
+                        .stack_size(64 << 20)
+                        .spawn_scoped(sc, || one(s))
+                })
+                .collect();
+            for (h, s) in handles.into_iter().zip(chunk) {
+                out.push(
+                    h.ok()
+                        .and_then(|h| h.join().ok())
+                        .unwrap_or_else(|| Compiled {
+                            peak: 0,
+                            step_s: f64::INFINITY,
+                            plan: None,
+                            error: Some(format!(
+                                "refused: internal error compiling --mesh {}",
+                                s.candidate.mesh()
+                            )),
+                            compile_s: 0.0,
+                        }),
+                );
+            }
+        });
+    }
+    out
+}
+
 fn gib(b: u64) -> String {
     format!("{:.1}", b as f64 / (1u64 << 30) as f64)
 }
@@ -366,45 +419,48 @@ pub fn run(a: Args) -> CliResult {
     // Meshes the passes refused (the other options do not change that).
     let mut refused: std::collections::BTreeSet<String> = Default::default();
     let want = a.finalists.max(1);
-    for s in all.iter().filter(|s| s.fits) {
+    // Finalists are compiled `want` at a time, on as many threads as the machine has:
+    // which candidates are compiled depends only on the batch size, not on the cores.
+    let mut pending = all.iter().filter(|s| s.fits).peekable();
+    while pending.peek().is_some() {
         let ok = compiled.iter().filter(|(_, c)| c.plan.is_some()).count();
         if ok >= want || compiled.len() >= want * 4 {
             break;
         }
-        let k = scale.get(&s.candidate.mesh()).copied().unwrap_or(1.0);
-        if s.memory.total as f64 * k > limit || refused.contains(&s.candidate.mesh()) {
-            continue;
+        let room = (want - ok).min(want * 4 - compiled.len());
+        let mut batch: Vec<&Scored> = Vec::new();
+        for s in pending.by_ref() {
+            let k = scale.get(&s.candidate.mesh()).copied().unwrap_or(1.0);
+            if s.memory.total as f64 * k > limit || refused.contains(&s.candidate.mesh()) {
+                continue;
+            }
+            batch.push(s);
+            if batch.len() == room {
+                break;
+            }
         }
-        // A candidate the passes refuse is reported and skipped.
-        let c = evaluate(&model, &s.candidate, &spec).unwrap_or_else(|e| Compiled {
-            peak: 0,
-            step_s: f64::INFINITY,
-            plan: None,
-            error: Some(format!(
-                "refused: {}",
-                e.to_string().lines().next().unwrap_or("")
-            )),
-            compile_s: 0.0,
-        });
-        if c.error.as_deref().is_some_and(|e| e.starts_with("refused")) {
-            refused.insert(s.candidate.mesh());
+        let results = compile_finalists(&model, &batch, &spec);
+        for (s, c) in batch.into_iter().zip(results) {
+            if c.error.as_deref().is_some_and(|e| e.starts_with("refused")) {
+                refused.insert(s.candidate.mesh());
+            }
+            if c.peak > 0 && s.memory.total > 0 {
+                let r = c.peak as f64 / s.memory.total as f64;
+                let e = scale.entry(s.candidate.mesh()).or_insert(r);
+                *e = e.max(r);
+            }
+            eprintln!(
+                "  compiled --mesh {} {}: {} in {:.1} s",
+                s.candidate.mesh(),
+                s.candidate.flags(),
+                match &c.error {
+                    None => format!("peak {} GiB, step {:.3} s", gib(c.peak), c.step_s),
+                    Some(e) => format!("{e} (peak {} GiB)", gib(c.peak)),
+                },
+                c.compile_s,
+            );
+            compiled.push((s, c));
         }
-        if c.peak > 0 && s.memory.total > 0 {
-            let r = c.peak as f64 / s.memory.total as f64;
-            let e = scale.entry(s.candidate.mesh()).or_insert(r);
-            *e = e.max(r);
-        }
-        eprintln!(
-            "  compiled --mesh {} {}: {} in {:.1} s",
-            s.candidate.mesh(),
-            s.candidate.flags(),
-            match &c.error {
-                None => format!("peak {} GiB, step {:.3} s", gib(c.peak), c.step_s),
-                Some(e) => format!("{e} (peak {} GiB)", gib(c.peak)),
-            },
-            c.compile_s,
-        );
-        compiled.push((s, c));
     }
     let mut fit: Vec<&(&Scored, Compiled)> =
         compiled.iter().filter(|(_, c)| c.plan.is_some()).collect();

@@ -49,10 +49,12 @@ pub struct Args {
     /// Run the forward pass only (loss, no backward or optimizer update).
     #[arg(long)]
     pub forward_only: bool,
-    /// Device profile the plan is scheduled and sized for: h200, h100, a100 or a JSON file.
-    #[arg(long, default_value = "h200")]
-    pub device: String,
-    /// Per-rank device memory the plan must fit, in GiB (default: the device profile's).
+    /// Device profile the plan is scheduled and sized for: h200, h100, a100 or a JSON
+    /// file (default: with `--backend cuda`, the profile of the GPU found, else h200).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Per-rank device memory the plan must fit, in GiB (default: the device profile's,
+    /// at most the memory of the GPU found with `--backend cuda`).
     #[arg(long, value_name = "GIB")]
     pub device_memory: Option<f64>,
     /// Compare each step's loss (and the first step's gradients) with the CPU reference
@@ -240,7 +242,8 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     req.fuse = a.train.fuse();
     req.cp_kv = a.train.cp_kv()?;
     req.model = super::graph_in_dtype(&model, req.dtype)?;
-    (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
+    let (profile, memory) = device_to_plan_for(&a);
+    (req.device, req.device_memory) = super::device(&profile, memory)?;
     if a.forward_only {
         a.train.refuse_for_forward_only()?;
     } else {
@@ -993,4 +996,61 @@ fn run_cuda(a: &Args) -> CliResult {
         );
     }
     Ok(())
+}
+
+/// The device profile and memory a run plans for: what the user named, else (for
+/// `--backend cuda`) the GPU this process will run on, so that a run on an H100 is not
+/// planned against an H200's 139 GiB; h200 where nothing is named or found.
+fn device_to_plan_for(a: &Args) -> (String, Option<f64>) {
+    if let Some(d) = &a.device {
+        return (d.clone(), a.device_memory);
+    }
+    #[cfg(feature = "cuda")]
+    if a.backend == "cuda" {
+        let ordinal = std::env::var("LOCAL_RANK")
+            .ok()
+            .and_then(|r| r.parse::<usize>().ok())
+            .unwrap_or(0);
+        if let Ok(info) = weft_runtime::cuda::probe::probe(ordinal) {
+            let profile = profile_of_gpu(&info.name).unwrap_or("h200");
+            let found = info.total_memory as f64 / (1u64 << 30) as f64;
+            let memory = a.device_memory.or_else(|| {
+                weft_passes::plan::profile::load(profile)
+                    .ok()
+                    .map(|p| p.memory_gib.min(found))
+            });
+            eprintln!(
+                "planning for {profile} ({}, {found:.1} GiB found; --device names another profile)",
+                info.name
+            );
+            return (profile.to_string(), memory);
+        }
+    }
+    ("h200".to_string(), a.device_memory)
+}
+
+/// The built-in profile of a GPU by its name, where there is one.
+fn profile_of_gpu(name: &str) -> Option<&'static str> {
+    let n = name.to_ascii_uppercase();
+    ["H200", "H100", "A100"]
+        .into_iter()
+        .find(|g| n.contains(g))
+        .map(|g| match g {
+            "H200" => "h200",
+            "H100" => "h100",
+            _ => "a100",
+        })
+}
+
+#[cfg(test)]
+mod device_tests {
+    use super::profile_of_gpu;
+
+    #[test]
+    fn gpus_map_to_their_profiles() {
+        assert_eq!(profile_of_gpu("NVIDIA H100 80GB HBM3"), Some("h100"));
+        assert_eq!(profile_of_gpu("NVIDIA H200"), Some("h200"));
+        assert_eq!(profile_of_gpu("NVIDIA A100-SXM4-80GB"), Some("a100"));
+        assert_eq!(profile_of_gpu("NVIDIA L40S"), None);
+    }
 }

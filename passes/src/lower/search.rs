@@ -11,7 +11,9 @@
 //!   2/3 plus two buckets in flight), optimizer state (f32 master + AdamW moments,
 //!   sharded from stage 1), saved activations per token and layer by checkpoint policy
 //!   (Korthikanti et al.'s accounting for SwiGLU attention blocks with flash attention:
-//!   no S^2 term), the logits and their gradient in f32, one layer's working set;
+//!   no S^2 term; with `--offload`, one layer's on the device, but selective +
+//!   offload keeps the residual stream of every layer there), the logits and their
+//!   gradient in f32, one layer's working set;
 //! - time: matmul and attention FLOPs at the profile's rates (recompute adds the
 //!   forward again for `full`), tp and sp (Ulysses) and ep collectives on the critical
 //!   path, gradient reduction and ZeRO gathers overlapped with the backward (only
@@ -455,6 +457,15 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     } else {
         layers
     };
+    // Selective + offload sends to the host only what selective would recompute
+    // (`checkpoint::host::offload_instead`: the compute-bound matmul outputs); what
+    // selective keeps, the residual stream and the norms' inputs (2 x hidden per token
+    // and layer), stays on the device in every layer.
+    let resident_saved = if c.offload && c.checkpoint == "selective" {
+        2.0 * 2.0 * h * (layers - kept_layers)
+    } else {
+        0.0
+    };
     // Ulysses past the kv heads repeats them. Ring attention saves only q, k, v and
     // out (counted per token above) and its f32 log-sum-exp; its backward re-sends k/v
     // (docs/ring.md), so what the ring adds is in flight during one layer: two k/v
@@ -479,7 +490,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         (true, CpKv::Ring) => 4.0 * ring_kv,
         (true, CpKv::AllGather) => 2.0 * cp * ring_kv,
     };
-    let activations = tokens * (saved_per_layer * kept_layers + full_layer)
+    let activations = tokens * (saved_per_layer * kept_layers + full_layer + resident_saved)
         + ring_saved * kept_layers
         + ring_in_flight;
     // The f32 logits and their gradient, or with the fused loss one vocabulary chunk's
@@ -884,5 +895,39 @@ mod tests {
         let r2 = search(&m, &spec);
         assert!(r1[0].fits);
         assert_eq!(r1[0].candidate, r2[0].candidate);
+    }
+
+    /// `--offload` under full or no checkpointing sends every layer's saved values but
+    /// the last to the host; under selective it sends only what selective would
+    /// recompute, so the residual stream (2 x hidden a token, bf16) of every layer stays
+    /// on the device (what the compiled llama3-70b plans hold: 166 GiB of it at 65536
+    /// tokens a rank, where the model once said 32 GiB in all).
+    #[test]
+    fn selective_offload_keeps_every_layers_residual_stream_on_the_device() {
+        let spec = h100_spec(8, 32768, 8);
+        let m = llama8b();
+        let c = |checkpoint, offload| Candidate {
+            cp: 1,
+            dp: 8,
+            sp: 1,
+            tp: 1,
+            ep: 1,
+            zero: 3,
+            checkpoint,
+            offload,
+            offload_optimizer: false,
+            fused_loss: true,
+            micro_batches: 1,
+            cp_kv: CpKv::Ring,
+        };
+        let act = |ck, off| score(&m, &spec, &c(ck, off)).memory.activations as f64;
+        let tokens = 32768.0;
+        let residuals = tokens * 2.0 * 2.0 * m.hidden as f64 * (m.layers - 1) as f64;
+        let (sel_off, full_off) = (act("selective", true), act("full", true));
+        assert!(
+            sel_off - full_off >= residuals,
+            "{sel_off} {full_off} {residuals}"
+        );
+        assert!(sel_off < act("selective", false));
     }
 }
