@@ -412,7 +412,8 @@ pub fn run(a: Args) -> CliResult {
     );
     // Finalists: the best analytic candidates, compiled. Each compilation calibrates
     // the analytic memory of its mesh (the largest compiled/analytic peak ratio seen
-    // on it), and candidates that cannot fit under that calibration are skipped.
+    // on it) and, for meshes not compiled yet, sets a floor (the smallest ratio seen on
+    // any mesh); candidates that cannot fit under that calibration are skipped.
     let limit = spec.device_memory as f64;
     let mut scale: std::collections::BTreeMap<String, f64> = Default::default();
     let mut compiled: Vec<(&Scored, Compiled)> = Vec::new();
@@ -430,7 +431,17 @@ pub fn run(a: Args) -> CliResult {
         let room = (want - ok).min(want * 4 - compiled.len());
         let mut batch: Vec<&Scored> = Vec::new();
         for s in pending.by_ref() {
-            let k = scale.get(&s.candidate.mesh()).copied().unwrap_or(1.0);
+            // A mesh not compiled yet is calibrated by the smallest ratio any mesh showed:
+            // no mesh has come out further under the analytic model than that.
+            let prior = scale.values().copied().fold(f64::INFINITY, f64::min);
+            let k = scale
+                .get(&s.candidate.mesh())
+                .copied()
+                .unwrap_or(if prior.is_finite() {
+                    prior.max(1.0)
+                } else {
+                    1.0
+                });
             if s.memory.total as f64 * k > limit || refused.contains(&s.candidate.mesh()) {
                 continue;
             }
