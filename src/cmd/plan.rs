@@ -103,6 +103,20 @@ pub struct Compiled {
     pub compile_s: f64,
 }
 
+impl Compiled {
+    /// A finalist that produced no plan, with why (`refused: ...` when the passes
+    /// refused its mesh, which the other options do not change).
+    fn failed(error: String) -> Compiled {
+        Compiled {
+            peak: 0,
+            step_s: f64::INFINITY,
+            plan: None,
+            error: Some(error),
+            compile_s: 0.0,
+        }
+    }
+}
+
 /// Compiles one candidate through the compile driver (`driver::evaluate`: forward
 /// pipeline, training passes, plan lowering). Finalists with micro-batches are compiled for one micro-batch (the
 /// peak of a step with accumulation is that of one micro-batch's step; the step time
@@ -165,17 +179,7 @@ pub fn evaluate(
             error: Some("does not fit".into()),
             compile_s: 0.0,
         },
-        // The passes refuse the mesh (the other options do not change that).
-        Err(e) => Compiled {
-            peak: 0,
-            step_s: f64::INFINITY,
-            plan: None,
-            error: Some(format!(
-                "refused: {}",
-                e.to_string().lines().next().unwrap_or("")
-            )),
-            compile_s: 0.0,
-        },
+        Err(e) => Compiled::failed(refusal(&e.to_string())),
     };
     Ok(Compiled {
         compile_s: start.elapsed().as_secs_f64(),
@@ -191,22 +195,14 @@ fn compile_finalists(
     spec: &SearchSpec,
 ) -> Vec<Compiled> {
     let one = |s: &Scored| {
-        evaluate(model, &s.candidate, spec).unwrap_or_else(|e| Compiled {
-            peak: 0,
-            step_s: f64::INFINITY,
-            plan: None,
-            error: Some(format!(
-                "refused: {}",
-                e.to_string().lines().next().unwrap_or("")
-            )),
-            compile_s: 0.0,
-        })
+        evaluate(model, &s.candidate, spec)
+            .unwrap_or_else(|e| Compiled::failed(refusal(&e.to_string())))
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut out: Vec<Compiled> = Vec::with_capacity(batch.len());
     for chunk in batch.chunks(threads.max(1)) {
         std::thread::scope(|sc| {
-            // The main thread's stack size: the passes recurse over the graph.
+            // A large stack, as the main thread's: the passes recurse over the graph.
             let handles: Vec<_> = chunk
                 .iter()
                 .map(|s| {
@@ -216,24 +212,22 @@ fn compile_finalists(
                 })
                 .collect();
             for (h, s) in handles.into_iter().zip(chunk) {
-                out.push(
-                    h.ok()
-                        .and_then(|h| h.join().ok())
-                        .unwrap_or_else(|| Compiled {
-                            peak: 0,
-                            step_s: f64::INFINITY,
-                            plan: None,
-                            error: Some(format!(
-                                "refused: internal error compiling --mesh {}",
-                                s.candidate.mesh()
-                            )),
-                            compile_s: 0.0,
-                        }),
-                );
+                out.push(h.ok().and_then(|h| h.join().ok()).unwrap_or_else(|| {
+                    Compiled::failed(format!(
+                        "internal error: compiling --mesh {} {} stopped",
+                        s.candidate.mesh(),
+                        s.candidate.flags()
+                    ))
+                }));
             }
         });
     }
     out
+}
+
+/// The first line of a driver error, as a finalist's refusal.
+fn refusal(e: &str) -> String {
+    format!("refused: {}", e.lines().next().unwrap_or(""))
 }
 
 fn gib(b: u64) -> String {
@@ -429,19 +423,17 @@ pub fn run(a: Args) -> CliResult {
             break;
         }
         let room = (want - ok).min(want * 4 - compiled.len());
+        // A mesh not compiled yet is calibrated by the smallest ratio any mesh showed
+        // (no mesh has come out further over the analytic model than that), at least 1.
+        let prior = scale
+            .values()
+            .copied()
+            .reduce(f64::min)
+            .unwrap_or(1.0)
+            .max(1.0);
         let mut batch: Vec<&Scored> = Vec::new();
         for s in pending.by_ref() {
-            // A mesh not compiled yet is calibrated by the smallest ratio any mesh showed:
-            // no mesh has come out further under the analytic model than that.
-            let prior = scale.values().copied().fold(f64::INFINITY, f64::min);
-            let k = scale
-                .get(&s.candidate.mesh())
-                .copied()
-                .unwrap_or(if prior.is_finite() {
-                    prior.max(1.0)
-                } else {
-                    1.0
-                });
+            let k = scale.get(&s.candidate.mesh()).copied().unwrap_or(prior);
             if s.memory.total as f64 * k > limit || refused.contains(&s.candidate.mesh()) {
                 continue;
             }

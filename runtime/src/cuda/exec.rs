@@ -149,22 +149,8 @@ enum Coll {
     Broadcast {
         root: i32,
     },
-    /// `count / size` elements to each member of the axis and as many from each, in
-    /// member order (one grouped send/recv per peer).
-    AllToAll,
-    /// All `count` elements to the member `shift` places after this one, and as many
-    /// from the one `shift` places before it.
-    Shift {
-        shift: i64,
-    },
-}
-
-/// The point-to-point pattern of an exchanging collective.
-fn coll_exchange(c: &Coll) -> comm::Exchange {
-    match c {
-        Coll::Shift { shift } => comm::Exchange::Shift(*shift),
-        _ => comm::Exchange::AllToAll,
-    }
+    /// Point-to-point sends and receives of `count` elements (all_to_all, ring_shift).
+    Exchange(comm::Exchange),
 }
 
 #[derive(Clone, Debug)]
@@ -1021,9 +1007,7 @@ impl Executor {
                             cudarc::nccl::sys::ncclBroadcast(sp, rp, n, ty, *root, comm, cs)
                                 .result()
                         }
-                        Coll::AllToAll | Coll::Shift { .. } => {
-                            comm::send_recv(comm, coll_exchange(coll), *send, *recv, n, *dtype, cs)
-                        }
+                        Coll::Exchange(x) => comm::send_recv(comm, *x, *send, *recv, n, *dtype, cs),
                     }
                 };
                 r.map(|_| ()).map_err(|e| {

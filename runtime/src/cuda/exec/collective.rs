@@ -43,7 +43,7 @@ pub(super) fn lower_collective(
             Coll::ReduceScatter { op: *op }
         }
         Op::Broadcast { root, .. } => Coll::Broadcast { root: *root as i32 },
-        Op::RingShift { shift, .. } => Coll::Shift { shift: *shift },
+        Op::RingShift { shift, .. } => Coll::Exchange(comm::Exchange::Shift(*shift)),
         Op::AllToAll {
             scatter_dim,
             gather_dim,
@@ -74,7 +74,7 @@ pub(super) fn lower_collective(
                 o.ptr
             };
             lw.push(StepKind::Collective {
-                coll: Coll::AllToAll,
+                coll: Coll::Exchange(comm::Exchange::AllToAll),
                 axis,
                 send: staged,
                 recv: landing,
