@@ -522,6 +522,15 @@ impl Graph {
         }
     }
 
+    /// Outputs that name `old` name `new` instead (the operands are left alone).
+    pub fn replace_output_uses(&mut self, old: Value, new: Value) {
+        for o in &mut self.outputs {
+            if o.1 == old {
+                o.1 = new;
+            }
+        }
+    }
+
     /// Like `replace_all_uses`, but leaves the uses by `except` alone.
     pub fn replace_uses_except(&mut self, old: Value, new: Value, except: Node) {
         for &n in &self.order {

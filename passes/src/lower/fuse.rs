@@ -49,6 +49,7 @@
 
 use crate::canonicalize::dce;
 use crate::pass::{Pass, PassContext, PassError, PassResult};
+use crate::readers::Readers;
 use weft_ir::{At, DType, GateAct, Graph, Node, NodeMeta, Op, Provenance, Value};
 
 pub struct Fuse;
@@ -128,52 +129,16 @@ fn other_operand(g: &Graph, n: Node, v: Value) -> Option<Value> {
     }
 }
 
-/// Readers of every value, indexed by value id (outputs not included), recomputed only
-/// after the graph changed: the patterns scan thousands of candidates (every `add` of a
-/// 70B step), and recomputing per candidate made the pass quadratic (90 s on a 31k-node
-/// step).
-struct Readers {
-    uses: Vec<Vec<(Node, usize)>>,
-    stale: bool,
-}
-
-impl Readers {
-    fn new() -> Readers {
-        Readers {
-            uses: Vec::new(),
-            stale: true,
-        }
-    }
-    fn of(&mut self, g: &Graph) -> &[Vec<(Node, usize)>] {
-        if self.stale {
-            self.uses = g.uses();
-            self.stale = false;
-        }
-        &self.uses
-    }
-    /// The graph changed: the next [`Readers::of`] recomputes.
-    fn changed(&mut self) {
-        self.stale = true;
-    }
-}
-
-/// True when value `v` is read only by node `n` (once) and is no output.
-fn read_only_by(g: &Graph, uses: &[Vec<(Node, usize)>], v: Value, n: Node) -> bool {
-    let u = &uses[v.0 as usize];
-    u.len() == 1 && u[0].0 == n && !g.outputs().iter().any(|(_, o)| *o == v)
-}
-
 /// Where a node with `operands` that replaces `replaced` (whose results it takes over)
 /// can go: before the first replaced node when every operand is computed by then, else
 /// just after the last operand's node when that is before every reader of the replaced
 /// nodes' results (outside the replaced nodes). `None`: nowhere that keeps the order.
-fn placement(g: &Graph, operands: &[Value], replaced: &[Node]) -> Option<At> {
+fn placement(g: &Graph, rd: &Readers, operands: &[Value], replaced: &[Node]) -> Option<At> {
     let order = g.nodes();
-    let pos = |n: Node| order.iter().position(|x| *x == n);
-    let first = replaced.iter().filter_map(|&n| pos(n)).min()?;
+    let first = replaced.iter().filter_map(|&n| g.position(n)).min()?;
     let last_operand = operands
         .iter()
-        .filter_map(|&v| pos(g.def(v)))
+        .filter_map(|&v| g.position(g.def(v)))
         .max()
         .unwrap_or(0);
     if operands.is_empty() || last_operand < first {
@@ -183,12 +148,7 @@ fn placement(g: &Graph, operands: &[Value], replaced: &[Node]) -> Option<At> {
         .iter()
         .flat_map(|&n| g.node(n).results.clone())
         .collect();
-    let first_reader = order
-        .iter()
-        .position(|n| {
-            !replaced.contains(n) && g.node(*n).operands.iter().any(|v| results.contains(v))
-        })
-        .unwrap_or(usize::MAX);
+    let first_reader = rd.first_reader(g, &results, replaced).unwrap_or(usize::MAX);
     (last_operand < first_reader).then(|| At::After(order[last_operand]))
 }
 
@@ -196,6 +156,7 @@ fn placement(g: &Graph, operands: &[Value], replaced: &[Node]) -> Option<At> {
 /// and a provenance naming what it replaced.
 fn insert_fused(
     g: &mut Graph,
+    rd: &mut Readers,
     at: At,
     op: Op,
     operands: &[Value],
@@ -213,14 +174,14 @@ fn insert_fused(
         }),
     };
     let location = g.describe(template);
-    g.insert_with(at, op, operands, meta)
+    rd.insert(g, at, op, operands, meta)
         .map_err(|e| PassError::rewrite(NAME, "cannot insert a fused op", location, e.to_string()))
 }
 
 /// `act_grad(g, mul(dy, u))` with `mul(dy, act(g'))`, `g'` a copy of `g` -> `glu_grad`.
 fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
-    let mut rd = Readers::new();
+    let mut rd = Readers::of(g);
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -228,12 +189,11 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| grad_act(&g.node(n).op).is_some())
         .collect();
     for ag in candidates {
-        let uses = rd.of(g);
         let d = g.node(ag);
         let act = grad_act(&d.op).expect("a candidate");
         let (gate, dact) = (d.operands[0], d.operands[1]);
         let m1 = g.def(dact);
-        if !matches!(g.node(m1).op, Op::Mul {}) || !read_only_by(g, &uses, dact, ag) {
+        if !matches!(g.node(m1).op, Op::Mul {}) || !rd.read_only_by(g, dact, ag) {
             continue;
         }
         let ty = g.ty(gate).clone();
@@ -245,19 +205,27 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
             if g.ty(dy) != &ty || g.ty(up) != &ty || g.ty(dact) != &ty {
                 continue;
             }
-            let pairs = uses[dy.0 as usize].iter().map(|&(n, _)| n).filter(|&n| {
-                n != m1
-                    && matches!(g.node(n).op, Op::Mul {})
-                    && other_operand(g, n, dy).is_some_and(|a| {
-                        let an = g.node(g.def(origin(g, a)));
-                        gate_act(&an.op) == Some(act)
-                            && origin(g, an.operands[0]) == origin(g, gate)
-                            && g.ty(a) == &ty
-                    })
-                    && g.ty(g.node(n).results[0]) == &ty
-            });
+            let mut pairs: Vec<Node> = rd
+                .of_value(dy)
+                .iter()
+                .map(|&(n, _)| n)
+                .filter(|&n| {
+                    n != m1
+                        && matches!(g.node(n).op, Op::Mul {})
+                        && other_operand(g, n, dy).is_some_and(|a| {
+                            let an = g.node(g.def(origin(g, a)));
+                            gate_act(&an.op) == Some(act)
+                                && origin(g, an.operands[0]) == origin(g, gate)
+                                && g.ty(a) == &ty
+                        })
+                        && g.ty(g.node(n).results[0]) == &ty
+                })
+                .collect();
+            // Program order, as the first fitting pair is taken.
+            pairs.sort_by_key(|&n| g.position(n));
+            pairs.dedup();
             for m2 in pairs {
-                if let Some(at) = placement(g, &[gate, up, dy], &[ag, m2]) {
+                if let Some(at) = placement(g, &rd, &[gate, up, dy], &[ag, m2]) {
                     found = Some((dy, up, m2, at));
                     break;
                 }
@@ -272,6 +240,7 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
         let operands = [gate, up, dy];
         let r = insert_fused(
             g,
+            &mut rd,
             at,
             Op::GluGrad { act },
             &operands,
@@ -282,11 +251,10 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
             ),
         )?;
         let (dgate, dup) = (g.node(ag).results[0], g.node(m2).results[0]);
-        g.replace_all_uses(dgate, r[0]);
-        g.replace_all_uses(dup, r[1]);
-        g.remove_nodes(&[ag, m1, m2]);
+        rd.replace_all_uses(g, dgate, r[0]);
+        rd.replace_all_uses(g, dup, r[1]);
+        rd.remove_nodes(g, &[ag, m1, m2]);
         fused += 1;
-        rd.changed();
     }
     Ok(fused)
 }
@@ -294,7 +262,7 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
 /// `mul(act(g), u)` with `act(g)` read only there -> `glu(g, u)`.
 fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
-    let mut rd = Readers::new();
+    let mut rd = Readers::of(g);
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -302,7 +270,6 @@ fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| matches!(g.node(n).op, Op::Mul {}))
         .collect();
     for m in candidates {
-        let uses = rd.of(g);
         let ops = g.node(m).operands.clone();
         let ty = g.ty(g.node(m).results[0]).clone();
         let mut found = None;
@@ -313,7 +280,7 @@ fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
             };
             let gate = g.node(an).operands[0];
             if a != up
-                && read_only_by(g, &uses, a, m)
+                && rd.read_only_by(g, a, m)
                 && g.ty(gate) == &ty
                 && g.ty(up) == &ty
                 && g.ty(a) == &ty
@@ -326,16 +293,15 @@ fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
             continue;
         };
         let operands = [gate, up];
-        let Some(at) = placement(g, &operands, &[an, m]) else {
+        let Some(at) = placement(g, &rd, &operands, &[an, m]) else {
             continue;
         };
         let what = format!("`{}` and `mul` of a gated unit", g.node(an).op.name());
-        let r = insert_fused(g, at, Op::Glu { act }, &operands, m, &what)?;
+        let r = insert_fused(g, &mut rd, at, Op::Glu { act }, &operands, m, &what)?;
         let y = g.node(m).results[0];
-        g.replace_all_uses(y, r[0]);
-        g.remove_nodes(&[m, an]);
+        rd.replace_all_uses(g, y, r[0]);
+        rd.remove_nodes(g, &[m, an]);
         fused += 1;
-        rd.changed();
     }
     Ok(fused)
 }
@@ -354,11 +320,11 @@ fn widened(g: &Graph, v: Value) -> Option<Value> {
 }
 
 /// The node rounding `v` back to `dtype` when that cast is `v`'s only reader.
-fn narrowed(g: &Graph, uses: &[Vec<(Node, usize)>], v: Value, dtype: DType) -> Option<Node> {
-    let [(c, _)] = uses[v.0 as usize].as_slice() else {
+fn narrowed(g: &Graph, rd: &Readers, v: Value, dtype: DType) -> Option<Node> {
+    let [(c, _)] = rd.of_value(v) else {
         return None;
     };
-    (matches!(g.node(*c).op, Op::Cast { dtype: d } if d == dtype) && read_only_by(g, uses, v, *c))
+    (matches!(g.node(*c).op, Op::Cast { dtype: d } if d == dtype) && rd.read_only_by(g, v, *c))
         .then_some(*c)
 }
 
@@ -367,7 +333,7 @@ fn narrowed(g: &Graph, uses: &[Vec<(Node, usize)>], v: Value, dtype: DType) -> O
 /// `add(cast(rms_norm_grad(cast_f32(s), w, cast_f32(dn)).dx), other)`.
 fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
-    let mut rd = Readers::new();
+    let mut rd = Readers::of(g);
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -375,7 +341,6 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| matches!(g.node(n).op, Op::RmsNormGrad { .. }))
         .collect();
     for rg in candidates {
-        let uses = rd.of(g);
         let d = g.node(rg);
         let Op::RmsNormGrad { eps } = d.op else {
             unreachable!("a candidate")
@@ -385,7 +350,7 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
         // (s, dn, the stream's gradient from the norm, the cast that rounds it)
         let (s, dn, dx, round) = match (widened(g, x), widened(g, dy)) {
             (Some(s), Some(dn)) if g.ty(s) == g.ty(dn) => {
-                match narrowed(g, &uses, dx, g.ty(s).dtype) {
+                match narrowed(g, &rd, dx, g.ty(s).dtype) {
                     Some(c) => (s, dn, g.node(c).results[0], Some(c)),
                     None => continue,
                 }
@@ -393,11 +358,11 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
             _ => (x, dy, dx, None),
         };
         let ty = g.ty(s).clone();
-        let [(add, _)] = uses[dx.0 as usize].as_slice() else {
+        let [(add, _)] = rd.of_value(dx) else {
             continue;
         };
         let add = *add;
-        if !matches!(g.node(add).op, Op::Add {}) || !read_only_by(g, &uses, dx, add) {
+        if !matches!(g.node(add).op, Op::Add {}) || !rd.read_only_by(g, dx, add) {
             continue;
         }
         let Some(other) = other_operand(g, add, dx) else {
@@ -410,7 +375,7 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
         let operands = [s, w, dn, other];
         let mut replaced = vec![rg, add];
         replaced.extend(round);
-        let Some(at) = placement(g, &operands, &replaced) else {
+        let Some(at) = placement(g, &rd, &operands, &replaced) else {
             continue;
         };
         let what = if round.is_some() {
@@ -418,12 +383,19 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
         } else {
             "`rms_norm_grad` and the `add` of the residual stream's gradient"
         };
-        let r = insert_fused(g, at, Op::AddRmsNormGrad { eps }, &operands, rg, what)?;
-        g.replace_all_uses(sum, r[0]);
-        g.replace_all_uses(dw, r[1]);
-        g.remove_nodes(&replaced);
+        let r = insert_fused(
+            g,
+            &mut rd,
+            at,
+            Op::AddRmsNormGrad { eps },
+            &operands,
+            rg,
+            what,
+        )?;
+        rd.replace_all_uses(g, sum, r[0]);
+        rd.replace_all_uses(g, dw, r[1]);
+        rd.remove_nodes(g, &replaced);
         fused += 1;
-        rd.changed();
     }
     Ok(fused)
 }
@@ -433,7 +405,7 @@ fn fuse_add_rms_norm_grads(g: &mut Graph) -> Result<usize, PassError> {
 /// `cast(rms_norm(cast_f32(add(x, y)), w))`, the cast back to the stream's dtype.
 fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
-    let mut rd = Readers::new();
+    let mut rd = Readers::of(g);
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -445,7 +417,6 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
         if g.try_node(rn).is_none() {
             continue;
         }
-        let uses = rd.of(g);
         let d = g.node(rn);
         let Op::RmsNorm { eps } = d.op else {
             unreachable!("a candidate")
@@ -454,7 +425,7 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
         let normed = d.results[0];
         // (the sum, the normed value in the stream's dtype, the cast that rounds it)
         let (s, normed, round) = match widened(g, x) {
-            Some(s) => match narrowed(g, &uses, normed, g.ty(s).dtype) {
+            Some(s) => match narrowed(g, &rd, normed, g.ty(s).dtype) {
                 Some(c) => (s, g.node(c).results[0], Some(c)),
                 None => continue,
             },
@@ -472,11 +443,11 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
         let operands = [a, b, w];
         let mut replaced = vec![add, rn];
         replaced.extend(round);
-        if round.is_some() && read_only_by(g, &uses, x, rn) {
+        if round.is_some() && rd.read_only_by(g, x, rn) {
             // the widening cast goes too (the backward, fused first, no longer reads it)
             replaced.push(g.def(x));
         }
-        let Some(at) = placement(g, &operands, &replaced) else {
+        let Some(at) = placement(g, &rd, &operands, &replaced) else {
             continue;
         };
         let what = if round.is_some() {
@@ -484,13 +455,12 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
         } else {
             "the residual `add` and the `rms_norm` of its sum"
         };
-        let r = insert_fused(g, at, Op::AddRmsNorm { eps }, &operands, rn, what)?;
-        g.replace_all_uses(s, r[0]);
-        g.replace_all_uses(normed, r[1]);
+        let r = insert_fused(g, &mut rd, at, Op::AddRmsNorm { eps }, &operands, rn, what)?;
+        rd.replace_all_uses(g, s, r[0]);
+        rd.replace_all_uses(g, normed, r[1]);
         // (with a cast, the f32 norm's result was read only by that cast)
-        g.remove_nodes(&replaced);
+        rd.remove_nodes(g, &replaced);
         fused += 1;
-        rd.changed();
     }
     Ok(fused)
 }
@@ -505,7 +475,7 @@ fn fuse_add_rms_norms(g: &mut Graph) -> Result<usize, PassError> {
 /// then q: one plain GEMM and two accumulating ones).
 fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
-    let mut rd = Readers::new();
+    let mut rd = Readers::of(g);
     let mut work: std::collections::VecDeque<Node> = g
         .nodes()
         .iter()
@@ -516,14 +486,13 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
         if g.position(add).is_none() {
             continue;
         }
-        let uses = rd.of(g);
         let pos = |g: &Graph, v: Value| g.position(g.def(v)).unwrap_or(0);
         let ops = g.node(add).operands.clone();
         let [x, y] = ops[..] else { continue };
         let sum = g.node(add).results[0];
         let is_product = |v: Value| {
             matches!(g.op_of(v), Op::Matmul { .. })
-                && read_only_by(g, &uses, v, add)
+                && rd.read_only_by(g, v, add)
                 && g.ty(v) == g.ty(sum)
         };
         let mut pairs: Vec<(Value, Value)> = [(x, y), (y, x)]
@@ -543,6 +512,7 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
             let operands = [g.node(mm).operands[0], g.node(mm).operands[1], c];
             let r = insert_fused(
                 g,
+                &mut rd,
                 At::Before(mm),
                 Op::MatmulAdd {
                     transpose_a,
@@ -552,10 +522,9 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
                 mm,
                 "a `matmul` and the `add` of its product (one GEMM accumulating into the addend)",
             )?;
-            g.replace_all_uses(sum, r[0]);
-            g.remove_nodes(&[add, mm]);
+            rd.replace_all_uses(g, sum, r[0]);
+            rd.remove_nodes(g, &[add, mm]);
             fused += 1;
-            rd.changed();
             continue;
         }
         // add(matmul_add(.., c0), p) with p computed first: p joins c0 inside.
@@ -563,7 +532,7 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
             continue;
         };
         let m = g.def(acc);
-        if !matches!(g.node(m).op, Op::MatmulAdd { .. }) || !read_only_by(g, &uses, acc, add) {
+        if !matches!(g.node(m).op, Op::MatmulAdd { .. }) || !rd.read_only_by(g, acc, add) {
             continue;
         }
         let c0 = g.node(m).operands[2];
@@ -572,15 +541,14 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
         }
         let meta = g.node(add).meta.clone();
         let location = g.describe(add);
-        let inner = g
-            .insert_with(At::Before(m), Op::Add {}, &[c0, product], meta)
+        let inner = rd
+            .insert(g, At::Before(m), Op::Add {}, &[c0, product], meta)
             .map_err(|e| {
                 PassError::rewrite(NAME, "cannot reassociate a sum", location, e.to_string())
             })?[0];
-        g.node_mut(m).operands[2] = inner;
-        g.replace_all_uses(sum, acc);
-        g.remove_nodes(&[add]);
-        rd.changed();
+        rd.set_operand(g, m, 2, inner);
+        rd.replace_all_uses(g, sum, acc);
+        rd.remove_nodes(g, &[add]);
         work.push_front(g.def(inner));
     }
     Ok(fused)
@@ -590,7 +558,7 @@ fn fuse_matmul_adds(g: &mut Graph) -> Result<usize, PassError> {
 /// own gradient was (`c`, a tied lm_head's weight gradient, is ready long before).
 fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
-    let mut rd = Readers::new();
+    let mut rd = Readers::of(g);
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -598,7 +566,6 @@ fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| matches!(g.node(n).op, Op::Add {}))
         .collect();
     for add in candidates {
-        let uses = rd.of(g);
         let ops = g.node(add).operands.clone();
         let [x, y] = ops[..] else { continue };
         let sum = g.node(add).results[0];
@@ -606,7 +573,7 @@ fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
             e != c
                 && matches!(g.op_of(e), Op::EmbeddingGrad { .. })
                 && g.node(g.def(e)).operands.len() == 2
-                && read_only_by(g, &uses, e, add)
+                && rd.read_only_by(g, e, add)
                 && g.ty(c) == g.ty(e)
                 && g.ty(sum) == g.ty(e)
         });
@@ -614,21 +581,21 @@ fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
         let eg = g.def(rows);
         let op = g.node(eg).op.clone();
         let operands = [g.node(eg).operands[0], g.node(eg).operands[1], c];
-        let Some(at) = placement(g, &operands, &[eg, add]) else {
+        let Some(at) = placement(g, &rd, &operands, &[eg, add]) else {
             continue;
         };
         let r = insert_fused(
             g,
+            &mut rd,
             at,
             op,
             &operands,
             eg,
             "an `embedding_grad` and the `add` of its table gradient (the rows are added into the addend)",
         )?;
-        g.replace_all_uses(sum, r[0]);
-        g.remove_nodes(&[add, eg]);
+        rd.replace_all_uses(g, sum, r[0]);
+        rd.remove_nodes(g, &[add, eg]);
         fused += 1;
-        rd.changed();
     }
     Ok(fused)
 }
@@ -637,7 +604,7 @@ fn fuse_embedding_grad_adds(g: &mut Graph) -> Result<usize, PassError> {
 /// `adamw_master(master, g, m, v, step) {dtype=low}`.
 fn fuse_adamw_casts(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
-    let mut rd = Readers::new();
+    let mut rd = Readers::of(g);
     let candidates: Vec<Node> = g
         .nodes()
         .iter()
@@ -645,7 +612,6 @@ fn fuse_adamw_casts(g: &mut Graph) -> Result<usize, PassError> {
         .filter(|&n| matches!(g.node(n).op, Op::AdamW { .. }))
         .collect();
     for a in candidates {
-        let uses = rd.of(g);
         let Op::AdamW {
             lr,
             beta1,
@@ -662,11 +628,10 @@ fn fuse_adamw_casts(g: &mut Graph) -> Result<usize, PassError> {
         if g.ty(ops[0]).dtype != DType::F32 {
             continue;
         }
-        let Some(low_grad) = widened(g, ops[1]).filter(|_| read_only_by(g, &uses, ops[1], a))
-        else {
+        let Some(low_grad) = widened(g, ops[1]).filter(|_| rd.read_only_by(g, ops[1], a)) else {
             continue;
         };
-        let [(c, _)] = uses[new_master.0 as usize].as_slice() else {
+        let [(c, _)] = rd.of_value(new_master) else {
             continue;
         };
         let c = *c;
@@ -684,7 +649,7 @@ fn fuse_adamw_casts(g: &mut Graph) -> Result<usize, PassError> {
         }
         let operands = [ops[0], low_grad, ops[2], ops[3], ops[4]];
         let widen = g.def(ops[1]);
-        let Some(at) = placement(g, &operands, &[widen, a, c]) else {
+        let Some(at) = placement(g, &rd, &operands, &[widen, a, c]) else {
             continue;
         };
         let op = Op::AdamWMaster {
@@ -697,15 +662,15 @@ fn fuse_adamw_casts(g: &mut Graph) -> Result<usize, PassError> {
             warmup,
         };
         let what = "the gradient's widening `cast`, `adamw` on the f32 master and the `cast` back";
-        let r = insert_fused(g, at, op, &operands, a, what)?;
+        let r = insert_fused(g, &mut rd, at, op, &operands, a, what)?;
         let old = g.node(a).results.clone();
         for (o, n) in old.iter().zip(&r) {
-            g.replace_all_uses(*o, *n);
+            rd.replace_all_uses(g, *o, *n);
         }
-        g.replace_all_uses(g.node(c).results[0], r[3]);
-        g.remove_nodes(&[c, a, widen]);
+        let low = g.node(c).results[0];
+        rd.replace_all_uses(g, low, r[3]);
+        rd.remove_nodes(g, &[c, a, widen]);
         fused += 1;
-        rd.changed();
     }
     Ok(fused)
 }

@@ -73,6 +73,13 @@ impl Pass for GradSync {
         );
         let buckets = plan_buckets(g, syncs, opts.bucket_bytes, opts.reduce_scatter);
         let shards_out = opts.reduce_scatter && opts.zero1 && opts.optimizer.is_some();
+        // Each bucket reads and rewrites only its own members' gradients, which exist
+        // before the first bucket is written: one readers table and one order serve
+        // every bucket (a scan per bucket made the pass quadratic in the step's size).
+        let before = Before {
+            uses: g.uses(),
+            pos: g.nodes().iter().enumerate().map(|(i, n)| (*n, i)).collect(),
+        };
         let mut dead = Vec::new();
         for (i, b) in buckets.iter().enumerate() {
             res.count("bucket_bytes_max", 0);
@@ -84,12 +91,12 @@ impl Pass for GradSync {
                     .iter()
                     .all(|s| member_split(g, s, &b.group, zero3).is_some());
             let n = if scatter {
-                let (n, adds) = emit_scatter_bucket(g, i, b, shards_out, zero3)?;
+                let (n, adds) = emit_scatter_bucket(g, &before, i, b, shards_out, zero3)?;
                 dead.extend(adds);
                 res.count("reduce_scatter_buckets", 1);
                 n
             } else {
-                emit_bucket(g, i, b, &cx.mesh)?
+                emit_bucket(g, &before, i, b, &cx.mesh)?
             };
             res.count("collectives", n);
             for s in &b.members {
@@ -233,11 +240,12 @@ fn numel(t: &TensorType) -> Dim {
 /// collectives.
 fn emit_bucket(
     g: &mut Graph,
+    before: &Before,
     i: usize,
     b: &Bucket,
     mesh: &weft_ir::Mesh,
 ) -> Result<u64, PassError> {
-    let last = last_node(g, b.members.iter().map(|s| s.local));
+    let last = before.last_node(g, b.members.iter().map(|s| s.local));
     let what = bucket_name(i, b);
     let mut em = Emitter {
         pass: NAME,
@@ -303,13 +311,19 @@ fn emit_bucket(
     Ok(collectives)
 }
 
-/// The node of the last of `vs` in program order.
-fn last_node(g: &Graph, vs: impl Iterator<Item = Value>) -> Node {
-    let pos: std::collections::HashMap<Node, usize> =
-        g.nodes().iter().enumerate().map(|(i, n)| (*n, i)).collect();
-    vs.map(|v| g.def(v))
-        .max_by_key(|n| pos[n])
-        .expect("buckets are not empty")
+/// The program as it was before the first bucket was written.
+struct Before {
+    uses: Vec<Vec<(Node, usize)>>,
+    pos: std::collections::HashMap<Node, usize>,
+}
+
+impl Before {
+    /// The node of the last of `vs` (values that existed then) in program order.
+    fn last_node(&self, g: &Graph, vs: impl Iterator<Item = Value>) -> Node {
+        vs.map(|v| g.def(v))
+            .max_by_key(|n| self.pos[n])
+            .expect("buckets are not empty")
+    }
 }
 
 fn bucket_name(i: usize, b: &Bucket) -> String {
@@ -399,6 +413,7 @@ fn micro_batch_parts(
 /// collectives and the nodes of the replaced accumulation.
 fn emit_scatter_bucket(
     g: &mut Graph,
+    before: &Before,
     i: usize,
     b: &Bucket,
     shards_out: bool,
@@ -412,11 +427,10 @@ fn emit_scatter_bucket(
         .collect();
     let chunks: Vec<i64> = splits.iter().map(ZeroSplit::chunk).collect();
     // The rounds: one per micro-batch when every member splits the same way.
-    let uses = g.uses();
     let split: Vec<_> = b
         .members
         .iter()
-        .map(|s| micro_batch_parts(g, s.local, &uses))
+        .map(|s| micro_batch_parts(g, s.local, &before.uses))
         .collect();
     let same_rounds = split.iter().all(|p| {
         p.as_ref().map(|(m, _)| m.keys().collect::<Vec<_>>())
@@ -447,7 +461,7 @@ fn emit_scatter_bucket(
         let tag = mb
             .map(|m| format!(" [micro-batch {m}]"))
             .unwrap_or_default();
-        let last = last_node(g, leaves.iter().flatten().copied());
+        let last = before.last_node(g, leaves.iter().flatten().copied());
         let mut em = Emitter {
             pass: NAME,
             at: At::After(last),

@@ -141,6 +141,11 @@ impl Pass for OptimizerPass {
         let mut done = std::collections::BTreeSet::new();
         let mut groups: Vec<(Value, Vec<Node>)> = Vec::new();
         let mut updated = Vec::new();
+        let mut param_uses = if cx.options.train.zero3 {
+            Some(crate::zero::ParamUses::of(w.g))
+        } else {
+            None
+        };
         for (name, pv) in w.g.params() {
             if !done.insert(name.clone()) {
                 continue;
@@ -170,7 +175,11 @@ impl Pass for OptimizerPass {
             if cx.options.train.zero3 {
                 match &split {
                     Some(s) if s.rows => {
-                        pv = crate::zero::shard_param(w.g, NAME, &name, s)?;
+                        let uses = param_uses
+                            .as_mut()
+                            .and_then(|u| u.take(&name))
+                            .unwrap_or_default();
+                        pv = crate::zero::shard_param(w.g, NAME, &name, s, uses)?;
                         stage3 = true;
                         res.count("stage3_params", 1);
                     }

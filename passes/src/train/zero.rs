@@ -350,6 +350,49 @@ fn use_region(g: &Graph, n: weft_ir::Node) -> (bool, u32) {
     (m.derived.is_some(), m.micro_batch.unwrap_or(u32::MAX))
 }
 
+/// Where one parameter is defined (its `param` nodes) and read (node, operand index),
+/// in program order.
+#[derive(Default)]
+pub struct ParamUse {
+    defs: Vec<(weft_ir::Node, Value)>,
+    readers: Vec<(weft_ir::Node, usize)>,
+}
+
+/// Every parameter's [`ParamUse`], from one scan of the graph: ZeRO-3 shards each
+/// parameter in turn, and a scan per parameter made it quadratic in the step's size
+/// (minutes for a 405B step). Sharding one parameter rewrites only its own readers, so
+/// the index stays valid for the others.
+pub struct ParamUses(std::collections::HashMap<String, ParamUse>);
+
+impl ParamUses {
+    pub fn of(g: &Graph) -> Self {
+        let mut by_name: std::collections::HashMap<String, ParamUse> = Default::default();
+        let mut name_of: std::collections::HashMap<Value, &str> = Default::default();
+        for &n in g.nodes() {
+            if let Op::Param { name, .. } = &g.node(n).op {
+                let v = g.node(n).results[0];
+                by_name.entry(name.clone()).or_default().defs.push((n, v));
+                name_of.insert(v, name);
+            }
+        }
+        for &n in g.nodes() {
+            for (i, v) in g.node(n).operands.iter().enumerate() {
+                if let Some(name) = name_of.get(v) {
+                    if let Some(u) = by_name.get_mut(*name) {
+                        u.readers.push((n, i));
+                    }
+                }
+            }
+        }
+        ParamUses(by_name)
+    }
+
+    /// The uses of `name`, handed to [`shard_param`] (which consumes them).
+    pub fn take(&mut self, name: &str) -> Option<ParamUse> {
+        self.0.remove(name)
+    }
+}
+
 /// ZeRO stage 3: parameter `name` becomes this rank's rows of dim 0 (the row split
 /// `split` over its group, inside its own partitions, outermost axis first; uneven
 /// rows are this rank's width of a per-rank table, never padded), and every region
@@ -361,6 +404,7 @@ pub fn shard_param(
     pass: &'static str,
     name: &str,
     split: &ZeroSplit,
+    uses: ParamUse,
 ) -> Result<Value, crate::PassError> {
     let group = &split.group;
     let rows = split.unit_width();
@@ -369,12 +413,15 @@ pub fn shard_param(
     } else {
         format!(", uneven: {:?} per rank", split.unit_widths())
     };
-    let olds: Vec<(weft_ir::Node, Value)> = g
-        .nodes()
-        .iter()
-        .filter(|&&n| matches!(&g.node(n).op, Op::Param { name: x, .. } if x == name))
-        .map(|&n| (n, g.node(n).results[0]))
-        .collect();
+    let olds = uses.defs;
+    if olds.is_empty() {
+        return Err(crate::PassError::rewrite(
+            pass,
+            format!("ZeRO-3 cannot shard `{name}`"),
+            "the training step".to_string(),
+            "the program has no `param` node of that name".to_string(),
+        ));
+    }
     let (first, v0) = olds[0];
     let ty = g.ty(v0).clone();
     let mut shard_ty = ty.clone();
@@ -398,18 +445,10 @@ pub fn shard_param(
             meta.clone(),
         )
         .map_err(|e| build_error(pass, e))?[0];
-    // The readers of the old param values, in program order (one scan: this runs once
-    // per parameter, and a whole-graph readers table per parameter made ZeRO-3
-    // quadratic in the step's size).
-    let old_values: std::collections::HashSet<Value> = olds.iter().map(|(_, v)| *v).collect();
     let mut regions: std::collections::BTreeMap<(bool, u32), Vec<(weft_ir::Node, usize)>> =
         Default::default();
-    for &n in g.nodes() {
-        for (i, v) in g.node(n).operands.iter().enumerate() {
-            if old_values.contains(v) {
-                regions.entry(use_region(g, n)).or_default().push((n, i));
-            }
-        }
+    for (n, i) in uses.readers {
+        regions.entry(use_region(g, n)).or_default().push((n, i));
     }
     let full_rows = ty.shape[0].clone();
     for ((backward, mb), us) in regions {

@@ -10,7 +10,7 @@
 
 use super::alias::Sharing;
 use super::schedule::Schedule;
-use super::{max3, LowerError, NS};
+use super::{LowerError, NS};
 use std::collections::BTreeMap;
 use weft_ir::plan::*;
 use weft_ir::{Graph, Op, Value};
@@ -138,60 +138,92 @@ pub(super) fn place_arena(
         .filter(|&i| !buffers[i].resident && root[i] == i && buffers[i].category != Category::Host)
         .collect();
     order.sort_by_key(|&i| (buffers[i].live.0, i));
-    let mut placed: Vec<usize> = Vec::new();
     let mut arena_bytes = 0u64;
-    let mut latest: [[i64; NS]; NS] = [[-1; NS]; NS];
-    let stream_of_buffer = |c: usize| {
-        producer_instr
-            .get(&(c as u32))
-            .map_or(0, |&p| instructions[p as usize].stream as usize)
+    let producer = |c: usize| match producer_instr.get(&(c as u32)) {
+        Some(&p) => (clock[p as usize], instructions[p as usize].stream as usize),
+        None => ([-1; NS], 0),
     };
-    // Buffers still to place, per producing stream: a placed buffer is forgotten once
-    // it is free under the clocks of every stream that still writes one (streams that
-    // never write again cannot conflict with it), so `placed` holds what is live, not
-    // everything placed so far (quadratic on long programs).
-    let mut remaining = [0usize; NS];
-    for &c in &order {
-        remaining[stream_of_buffer(c)] += 1;
-    }
-    for &c in &order {
+    let future = FutureClocks::new(order.iter().map(|&c| producer(c)));
+    // Placed buffers by (offset, index). A placed buffer is forgotten once no buffer
+    // still to place can take its bytes' turn from it: its live range ended before the
+    // next buffer's begins and it is free under the clock of every producer still to
+    // come (a lower bound per stream), so `placed` holds what is live, not everything
+    // placed so far (quadratic on long programs). Forgetting only saves time, so it
+    // runs when `placed` has doubled since the last time.
+    let mut placed: Vec<(u64, usize)> = Vec::new();
+    let mut kept = 0usize;
+    for (k, &c) in order.iter().enumerate() {
         let size = align(buffers[c].bytes);
-        let (clk, s) = match producer_instr.get(&(c as u32)) {
-            Some(&p) => (clock[p as usize], instructions[p as usize].stream as usize),
-            None => ([-1; NS], 0),
-        };
-        remaining[stream_of_buffer(c)] -= 1;
-        latest[s] = max3(latest[s], clk);
-        placed.retain(|&b| {
-            pinned(b)
-                || !(0..NS)
-                    .filter(|&t| remaining[t] > 0 || t == s)
-                    .all(|t| free_under(b, &latest[t]))
-                || buffers[b].live.1 >= buffers[c].live.0
-        });
-        let mut conflicts: Vec<(u64, u64)> = placed
-            .iter()
-            // (an input nothing reads is free under any clock, but holds its bytes from
-            // before the first instruction: only a buffer written later may take them)
-            .filter(|&&b| {
-                pinned(b) || !free_under(b, &clk) || buffers[b].live.1 >= buffers[c].live.0
-            })
-            .map(|&b| (buffers[b].offset, align(buffers[b].bytes)))
-            .filter(|(_, sz)| *sz > 0)
-            .collect();
-        conflicts.sort();
+        let (clk, _) = producer(c);
+        if placed.len() >= 2 * kept.max(64) {
+            let bounds = future.from(k);
+            placed.retain(|&(_, b)| {
+                pinned(b)
+                    || buffers[b].live.1 >= buffers[c].live.0
+                    || !bounds.iter().all(|lb| free_under(b, lb))
+            });
+            kept = placed.len();
+        }
+        // First fit, up from offset 0 over the buffers whose bytes c cannot take (an
+        // input nothing reads is free under any clock, but holds its bytes from before
+        // the first instruction: only a buffer written later may take them). Past the
+        // first gap that fits, no placed buffer can move c.
         let mut off = 0u64;
-        for (o, sz) in conflicts {
+        for &(o, b) in &placed {
             if off + size <= o {
                 break;
             }
-            off = off.max(o + sz);
+            let sz = align(buffers[b].bytes);
+            let conflict =
+                pinned(b) || !free_under(b, &clk) || buffers[b].live.1 >= buffers[c].live.0;
+            if conflict && sz > 0 {
+                off = off.max(o + sz);
+            }
         }
         buffers[c].offset = off;
         arena_bytes = arena_bytes.max(off + size);
-        placed.push(c);
+        let at = placed.partition_point(|&p| p < (off, c));
+        placed.insert(at, (off, c));
     }
     arena_bytes
+}
+
+/// Lower bounds of the producer clocks still to come, per stream: for position `k` of
+/// the placement order, the element-wise minimum of the clocks of the producers at
+/// `k..` on each stream that has one.
+struct FutureClocks {
+    /// Per stream: (position in the order, the minimum clock from there on).
+    suffix_min: Vec<Vec<(usize, [i64; NS])>>,
+}
+
+impl FutureClocks {
+    fn new(producers: impl Iterator<Item = ([i64; NS], usize)>) -> FutureClocks {
+        let mut suffix_min: Vec<Vec<(usize, [i64; NS])>> = vec![Vec::new(); NS];
+        for (k, (clk, s)) in producers.enumerate() {
+            suffix_min[s].push((k, clk));
+        }
+        for per_stream in &mut suffix_min {
+            for i in (0..per_stream.len().saturating_sub(1)).rev() {
+                let next = per_stream[i + 1].1;
+                let m = &mut per_stream[i].1;
+                for t in 0..NS {
+                    m[t] = m[t].min(next[t]);
+                }
+            }
+        }
+        FutureClocks { suffix_min }
+    }
+
+    /// The bounds of the streams with a producer at `k` or later.
+    fn from(&self, k: usize) -> Vec<[i64; NS]> {
+        self.suffix_min
+            .iter()
+            .filter_map(|per_stream| {
+                let i = per_stream.partition_point(|&(at, _)| at < k);
+                per_stream.get(i).map(|&(_, m)| m)
+            })
+            .collect()
+    }
 }
 
 /// Host pool: one slot per host value, in program order; an updated host state
