@@ -12,7 +12,8 @@
 #   - for the torch/link/compile phases: PY, a python3 with torch (CUDA) installed.
 #   PHASES="link checks train bench torch torchckpt compile" VARIANTS="pass torch sel torchseloff" bench/gpu_bench.sh
 #   Variants with WEFT_PROFILE=1 launch per kernel (profiling times each one); `graph` and
-#   `nograph` (--torch-adamw, no profile) measure the step replayed as one CUDA graph or not.
+#   `nograph` (--torch-adamw, no profile) measure the step replayed as one CUDA graph or not;
+#   `graphtune` is `graph` with WEFT_GEMM_TUNE=1 (GEMM algorithms timed on first use).
 set -uo pipefail
 FINAL=${OUT:-gpu-out}; OUT=$(mktemp -d /tmp/weft-gpu.XXXX); mkdir -p "$FINAL"
 PHASES=${PHASES:-"checks train bench torch"}
@@ -82,7 +83,7 @@ if has bench; then
       cudnn) envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";; torchcudnn) args="--torch-adamw"; envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";;
       torchselcudnn) args="--torch-adamw --checkpoint selective"; envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";;
       torchseloffcudnn) args="--torch-adamw --checkpoint selective --offload"; envs="WEFT_PROFILE=1 WEFT_ATTENTION=cudnn";; fa8) envs="WEFT_PROFILE=1 WEFT_FA_WARPS=8";;
-      graph) args="--torch-adamw"; envs="WEFT_CUDA_GRAPH=1";; nograph) args="--torch-adamw"; envs="WEFT_CUDA_GRAPH=0";;
+      graph) args="--torch-adamw"; envs="WEFT_CUDA_GRAPH=1";; graphtune) args="--torch-adamw"; envs="WEFT_CUDA_GRAPH=1 WEFT_GEMM_TUNE=1";; nograph) args="--torch-adamw"; envs="WEFT_CUDA_GRAPH=0";;
       graphsel) args="--torch-adamw --checkpoint selective"; envs="WEFT_CUDA_GRAPH=1";; bwd4) envs="WEFT_PROFILE=1 WEFT_FA_BWD_WARPS=4";; esac
     env $envs timeout 200 $W run llama3.2-1b --backend cuda --steps $STEPS --seq $SEQ --batch 1 --json $args > "$OUT/weft_1b_$tag.json" 2> "$OUT/weft_1b_$tag.err"
     rc=$?; step "1.24B [$variant]" $rc

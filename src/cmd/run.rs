@@ -975,6 +975,12 @@ fn run_cuda(a: &Args) -> CliResult {
             gib(mem.runtime_extra_bytes),
             ex.load.nccl
         );
+        let (tuned, changed, tune_s) = ex.load.gemm_tuned;
+        if tuned > 0 {
+            println!(
+                "gemm tuning: {tuned} shapes timed over cuBLASLt's candidates in the first step ({tune_s:.2}s), {changed} took another than the heuristic's first"
+            );
+        }
     }
     if !failures.is_empty() {
         for f in &failures {

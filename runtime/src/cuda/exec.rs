@@ -266,6 +266,9 @@ pub struct LoadReport {
     pub lower_s: f64,
     pub launches_per_step: usize,
     pub gemm_shapes: usize,
+    /// GEMM shapes timed over cuBLASLt's candidates, those where another than the
+    /// heuristic's first won, and the seconds the timing took (`WEFT_GEMM_TUNE=1`).
+    pub gemm_tuned: (usize, usize, f64),
     pub nccl: String,
     pub fast_attention: bool,
     pub device: String,
@@ -360,6 +363,7 @@ impl Executor {
         let mut gemm = Gemm::new(&gpu, opts.gemm_workspace)?;
         gemm.allow_tf32 = opts.allow_tf32;
         gemm.fp8_fast_accum = opts.tuning.fp8_fast_accum;
+        gemm.tune = opts.tuning.gemm_tune;
 
         // Allocations: the resident region and the arena, as planned.
         let oom = |e: CudaError, what: &str| {
@@ -530,6 +534,7 @@ impl Executor {
                 })
                 .count(),
             gemm_shapes: 0,
+            gemm_tuned: (0, 0, 0.0),
             nccl,
             fast_attention: opts.fast_attention,
             device: format!(
@@ -743,10 +748,13 @@ impl Executor {
         {
             let captured = {
                 let this = &mut *self;
-                super::step_graph::StepGraph::capture(s0, || {
+                this.gemm.capturing = true;
+                let g = super::step_graph::StepGraph::capture(s0, || {
                     let mut none = Vec::new();
                     this.enqueue_work(false, &mut none)
-                })
+                });
+                this.gemm.capturing = false;
+                g
             };
             match captured {
                 Ok(g) => self.step_graph = Some(g),
@@ -816,6 +824,7 @@ impl Executor {
             self.min_free = self.min_free.min(free);
         }
         self.load.gemm_shapes = self.gemm.cached_shapes();
+        self.load.gemm_tuned = self.gemm.tuned;
         Ok(StepTiming {
             device_s: ms as f64 / 1e3,
             wall_s: wall.elapsed().as_secs_f64(),

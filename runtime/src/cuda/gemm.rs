@@ -57,7 +57,18 @@ struct Cached {
     lb: sys::cublasLtMatrixLayout_t,
     lc: sys::cublasLtMatrixLayout_t,
     algo: sys::cublasLtMatmulAlgo_t,
+    /// cuBLASLt's ranked candidates still to be timed on first use (`Gemm::tune`);
+    /// empty once timed or when the shape is not tuned.
+    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
 }
+
+/// GEMMs of at least this many FLOPs are timed over cuBLASLt's top candidates on their
+/// first use when tuning is on; smaller ones take the heuristic's first choice.
+const TUNE_MIN_FLOPS: f64 = 1e9;
+/// How many of cuBLASLt's ranked algorithms are timed.
+const TUNE_CANDIDATES: usize = 8;
+/// Timed runs per candidate (after one untimed run).
+const TUNE_RUNS: usize = 3;
 
 /// Shapes whose descriptors stay cached; past it (a long MoE run meets a new row count
 /// per expert and step) they are made for the call and destroyed after it.
@@ -72,7 +83,14 @@ pub struct Gemm {
     pub allow_tf32: bool,
     /// The forward FP8 GEMMs without periodic promotion (`Tuning::fp8_fast_accum`).
     pub fp8_fast_accum: bool,
+    /// Time cuBLASLt's top candidates on a shape's first eager use and keep the
+    /// fastest (`Tuning::gemm_tune`); never while a CUDA graph is being captured.
+    pub tune: bool,
+    pub capturing: bool,
     pub plans_made: u64,
+    /// Shapes timed, shapes where a candidate beat the heuristic's first, and the
+    /// seconds spent timing.
+    pub tuned: (usize, usize, f64),
 }
 
 // SAFETY: used from one thread at a time (the executor's).
@@ -105,7 +123,10 @@ impl Gemm {
             algos: HashMap::new(),
             allow_tf32: false,
             fp8_fast_accum: false,
+            tune: false,
+            capturing: false,
             plans_made: 0,
+            tuned: (0, 0, 0.0),
         })
     }
 
@@ -215,8 +236,9 @@ impl Gemm {
         let la = layout(tx, xr, xc, s.sb)?;
         let lb = layout(ty, yr, yc, s.sa)?;
         let lc = layout(t, s.n, s.m, s.sc)?;
+        let tuned = self.tune && s.fp8.is_none() && Self::flops(s) >= TUNE_MIN_FLOPS;
         // The bucket's algorithm, where cuBLASLt accepts it for this exact shape.
-        if let Some(algo) = self.algos.get(&Self::bucket(s)).copied() {
+        if let Some(algo) = self.algos.get(&Self::bucket(s)).copied().filter(|_| !tuned) {
             // SAFETY: every descriptor is live; `result` is plain data cuBLASLt fills.
             let ok = unsafe {
                 let mut result: sys::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
@@ -231,6 +253,7 @@ impl Gemm {
                     lb,
                     lc,
                     algo,
+                    candidates: Vec::new(),
                 });
             }
         }
@@ -247,21 +270,135 @@ impl Gemm {
             )
             .ck("cublasLtMatmulPreferenceSetAttribute")?;
         }
-        // SAFETY: every descriptor is live.
-        let h = unsafe { lt::get_matmul_algo_heuristic(self.handle, desc, la, lb, lc, lc, pref) };
+        let want = if tuned { TUNE_CANDIDATES } else { 1 };
+        // SAFETY: every descriptor is live; `results` has room for `want` entries.
+        let (status, results) = unsafe {
+            let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+                vec![std::mem::zeroed(); want];
+            let mut returned: i32 = 0;
+            let status = sys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                desc,
+                la,
+                lb,
+                lc,
+                lc,
+                pref,
+                want as i32,
+                results.as_mut_ptr(),
+                &mut returned,
+            );
+            results.truncate(returned.max(0) as usize);
+            (status, results)
+        };
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        let h = h.map_err(|e| CudaError::Cublas {
-            call: format!("cublasLtMatmulAlgoGetHeuristic for {s:?}"),
-            code: format!("{:?}", e.0),
-        })?;
-        self.algos.entry(Self::bucket(s)).or_insert(h.algo);
+        let fits: Vec<sys::cublasLtMatmulAlgo_t> = results
+            .iter()
+            .filter(|r| {
+                r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && r.workspaceSize <= self.workspace.bytes
+            })
+            .map(|r| r.algo)
+            .collect();
+        let Some(&algo) = fits
+            .first()
+            .filter(|_| status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+        else {
+            return Err(CudaError::Cublas {
+                call: format!("cublasLtMatmulAlgoGetHeuristic for {s:?}"),
+                code: format!("{status:?} ({} candidates)", results.len()),
+            });
+        };
+        self.algos.entry(Self::bucket(s)).or_insert(algo);
         Ok(Cached {
             desc,
             la,
             lb,
             lc,
-            algo: h.algo,
+            algo,
+            candidates: if fits.len() > 1 { fits } else { Vec::new() },
         })
+    }
+
+    fn flops(s: &GemmShape) -> f64 {
+        2.0 * s.m as f64 * s.n as f64 * s.k as f64 * s.batch as f64
+    }
+
+    /// Times each of `s`'s candidates writing into a scratch output (the real inputs
+    /// are only read, so an accumulating GEMM's addend stays as it was) and keeps the
+    /// fastest. Where the scratch cannot be allocated the heuristic's choice stays.
+    #[allow(clippy::too_many_arguments)]
+    fn tune_shape(
+        &mut self,
+        s: &GemmShape,
+        a: u64,
+        b: u64,
+        c_in: u64,
+        bias: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> CudaResult<()> {
+        use cudarc::driver::result as dr;
+        let Some(plan) = self.cache.get_mut(s) else {
+            return Ok(());
+        };
+        let candidates = std::mem::take(&mut plan.candidates);
+        let first = plan.algo;
+        let started = std::time::Instant::now();
+        let elem = match s.dtype {
+            DType::F64 => 8,
+            DType::F32 => 4,
+            _ => 2,
+        };
+        let rows = if s.batch > 1 {
+            (s.batch - 1) * s.sc.max(0) as u64 + s.m * s.n
+        } else {
+            s.m * s.n
+        };
+        let bytes = (rows * elem) as usize;
+        // SAFETY: plain allocation, freed by the DevBuf.
+        let Ok(ptr) = (unsafe { dr::malloc_sync(bytes) }) else {
+            return Ok(());
+        };
+        let scratch = super::device::DevBuf { ptr, bytes };
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let (t0, t1) = (
+            dr::event::create(flags).ck("cuEventCreate")?,
+            dr::event::create(flags).ck("cuEventCreate")?,
+        );
+        let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
+        for algo in candidates {
+            let time = |this: &mut Self| -> CudaResult<f32> {
+                this.enqueue(s, Some(algo), a, b, c_in, scratch.ptr, bias, stream)?;
+                // SAFETY: live events and stream.
+                unsafe { dr::event::record(t0, stream) }.ck("cuEventRecord")?;
+                for _ in 0..TUNE_RUNS {
+                    this.enqueue(s, Some(algo), a, b, c_in, scratch.ptr, bias, stream)?;
+                }
+                unsafe { dr::event::record(t1, stream) }.ck("cuEventRecord")?;
+                unsafe { dr::event::synchronize(t1) }.ck("cuEventSynchronize")?;
+                unsafe { dr::event::elapsed(t0, t1) }.ck("cuEventElapsedTime")
+            };
+            // A candidate cuBLASLt ranks but cannot run here is skipped.
+            if let Ok(ms) = time(self) {
+                if best.is_none_or(|(b, _)| ms < b) {
+                    best = Some((ms, algo));
+                }
+            }
+        }
+        // SAFETY: the events are no longer used.
+        unsafe {
+            let _ = dr::event::destroy(t0);
+            let _ = dr::event::destroy(t1);
+        }
+        drop(scratch);
+        if let (Some((_, algo)), Some(plan)) = (best, self.cache.get_mut(s)) {
+            plan.algo = algo;
+            let changed = algo.data != first.data;
+            self.tuned.1 += changed as usize;
+        }
+        self.tuned.0 += 1;
+        self.tuned.2 += started.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// Enqueues `C = op(A) op(B) (+ bias)` (or `C +=` when `accumulate`) on `stream`.
@@ -293,6 +430,27 @@ impl Gemm {
         if s.m == 0 || s.n == 0 || s.batch == 0 {
             return Ok(());
         }
+        self.plan(s)?;
+        let untimed = self.cache.get(s).is_some_and(|p| !p.candidates.is_empty());
+        if untimed && !self.capturing {
+            self.tune_shape(s, a, b, c_in, bias, stream)?;
+        }
+        self.enqueue(s, None, a, b, c_in, c, bias, stream)
+    }
+
+    /// One `cublasLtMatmul` of `s` with its plan's algorithm or `algo`.
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue(
+        &mut self,
+        s: &GemmShape,
+        algo: Option<sys::cublasLtMatmulAlgo_t>,
+        a: u64,
+        b: u64,
+        c_in: u64,
+        c: u64,
+        bias: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> CudaResult<()> {
         let (ws, wsb, handle) = (self.workspace.ptr, self.workspace.bytes, self.handle);
         let owned;
         let p = match self.plan(s)? {
@@ -302,6 +460,7 @@ impl Gemm {
                 &owned.0
             }
         };
+        let algo = algo.unwrap_or(p.algo);
         if s.bias {
             // SAFETY: desc is live; the pointer attribute is a device address.
             unsafe {
@@ -337,7 +496,7 @@ impl Gemm {
                 p.lc,
                 c as *mut c_void,
                 p.lc,
-                &p.algo,
+                &algo,
                 ws as *mut c_void,
                 wsb,
                 stream as sys::cudaStream_t,

@@ -23,6 +23,9 @@ pub struct Tuning {
     /// `WEFT_FP8_FAST_ACCUM=1`: the forward FP8 GEMMs (e4m3 x e4m3) accumulate without
     /// cuBLASLt's periodic promotion to f32 (faster, less accurate; off by default).
     pub fp8_fast_accum: bool,
+    /// `WEFT_GEMM_TUNE=1`: time cuBLASLt's top candidates for each large GEMM shape on
+    /// its first (eager) use and keep the fastest, instead of the heuristic's first.
+    pub gemm_tune: bool,
 }
 
 impl Default for Tuning {
@@ -35,6 +38,7 @@ impl Default for Tuning {
             profile: false,
             cuda_graph: true,
             fp8_fast_accum: false,
+            gemm_tune: false,
         }
     }
 }
@@ -63,6 +67,7 @@ impl Tuning {
             profile: get("WEFT_PROFILE").is_some(),
             cuda_graph: get("WEFT_CUDA_GRAPH").as_deref() != Some("0"),
             fp8_fast_accum: get("WEFT_FP8_FAST_ACCUM").as_deref() == Some("1"),
+            gemm_tune: get("WEFT_GEMM_TUNE").as_deref() == Some("1"),
         }
     }
 }
@@ -89,6 +94,7 @@ mod tests {
             ("WEFT_FA_BWD", "plain"),
             ("WEFT_PROFILE", "1"),
             ("WEFT_CUDA_GRAPH", "0"),
+            ("WEFT_GEMM_TUNE", "1"),
         ]));
         assert_eq!(
             t,
@@ -100,6 +106,7 @@ mod tests {
                 profile: true,
                 cuda_graph: false,
                 fp8_fast_accum: false,
+                gemm_tune: true,
             }
         );
         let t = Tuning::from_vars(vars(&[("WEFT_FA_WARPS", "5"), ("WEFT_FA_BWD_WARPS", "x")]));
