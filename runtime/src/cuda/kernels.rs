@@ -375,15 +375,15 @@ kernels! {
         cosv: Ptr, sinv: Ptr, ocode: Code, pos: Ptr, pcode: Code, npos: I64, half: I32,
         inv: Ptr, scale: F32,
     }
-    /// rope over x [B, N, S, D], one thread per element.
+    /// rope over x [B, N, S, D] (`bshd` = 1: [B, S, N, D]), one thread per element.
     Rope ["rope_##S_"] Shape::Items => {
         out: Ptr, x: Ptr, cosv: Ptr, sinv: Ptr, ccode: Code, b: I64, n: I64, s: I64, d: I64,
-        r: I64, cbs: I64,
+        r: I64, cbs: I64, bshd: I32,
     }
     /// rope with a (S-tiles, N, B) grid of (D/2, rows) blocks; the call site picks the grid.
     Rope2 ["rope2_##S_"] Shape::Custom => {
         out: Ptr, x: Ptr, cosv: Ptr, sinv: Ptr, ccode: Code, n: I32, s: I32, d: I32, r: I32,
-        cbs: I64,
+        cbs: I64, bshd: I32,
     }
 
     // ------------------------------------------------------------ embedding and indexing
