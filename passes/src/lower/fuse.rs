@@ -44,8 +44,9 @@
 //!   q/k/v projections' [B, S, H, D] and the [B, H, S, D] of `rope` and `attention`
 //!   (forward and backward) are commuted into those ops and cancelled.
 //!
-//! The head layout is rewritten first (it only moves transposes). The backward patterns are matched first: fusing them frees the forward's activation,
-//! which lets its forward pattern fuse. A fused node takes the place of the first node it
+//! The head layout is rewritten before the other patterns (it touches none of their ops).
+//! The backward patterns are matched before the forward ones: fusing them frees the
+//! forward's activation, which lets its forward pattern fuse. A fused node takes the place of the first node it
 //! replaces when its operands are all computed by then, else the place just after its
 //! last operand when that is still before every reader of its results; otherwise the
 //! pattern stays unfused. Dead nodes left behind (the activation, its offload copies) are
