@@ -178,6 +178,20 @@ fn gemma2_softcap_window_attention_runs_in_bshd() {
 }
 
 #[test]
+fn other_families_compute_the_same() {
+    // sinks (gpt-oss), q/k norms (qwen3), MLA's partial rope (DeepSeek-V3), fused qkv
+    // (phi3): wherever the rewrite applies, the step is unchanged.
+    for fixture in ["gpt_oss", "qwen3", "deepseek_v3", "phi3", "olmo2"] {
+        let (g, weights, inputs) = load_fixture(fixture);
+        let (before, _) = training_step(&g, "", &TrainOptions::default())
+            .unwrap_or_else(|e| panic!("{fixture}: {e}"));
+        let (after, counters) = fused(&before);
+        let what = format!("{fixture} ({counters:?})");
+        same_outputs(&what, &before, &after, &weights, &inputs, Precision::F64, 1e-10);
+    }
+}
+
+#[test]
 fn llama_tiny_step_loses_its_attention_transposes() {
     let (code, on, err) = weft(&["compile", "llama-tiny"]);
     assert_eq!(code, 0, "{err}");
