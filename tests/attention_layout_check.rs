@@ -201,6 +201,13 @@ fn llama_tiny_step_loses_its_attention_transposes() {
     // per layer: q, k, v and the output forward, their mirrors backward
     assert_eq!(transposes(&off), 16, "{off}");
     assert_eq!(transposes(&on), 0, "{on}");
+    // Where attention is sharded the rewrite applies or not, but never adds a transpose
+    // (ring attention's blocks and Ulysses' all_to_alls keep [B, H, S, D]).
+    for (mesh, want) in [("tp=2", 0), ("dp=2,tp=2", 0), ("sp=2", 16), ("cp=2", 16)] {
+        let (code, on_mesh, err) = weft(&["compile", "llama-tiny", "--mesh", mesh]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(transposes(&on_mesh), want, "{mesh}:\n{on_mesh}");
+    }
     // the lines of layer 0's attention scope (not its projections), in program order
     let block: Vec<&str> = on
         .lines()

@@ -10,7 +10,9 @@
 //!    such a value, becomes the same op with `layout=bshd` on the `x`s (each such rope
 //!    becomes a `layout=bshd` rope of its `x`, made once however many nodes read it).
 //!    Its per-head results (out; dq, dk, dv) are read through a new transpose back to
-//!    [B, H, S, D]; the log-sum-exp and dsinks keep their shapes and readers.
+//!    [B, H, S, D]; the log-sum-exp and dsinks keep their shapes and readers. Only where
+//!    this adds no work: those transposes must cancel and the old ropes die (see
+//!    `worth_rewriting`).
 //! 2. A default-layout `rope` of a swapped `x` whose readers are all swaps back (rope's
 //!    gradient between `attention_grad` and the transposes autodiff wrote) becomes a
 //!    `layout=bshd` rope of `x` read in their place.
@@ -22,7 +24,7 @@
 //! transposes and ropes are removed by `fuse`'s dead-code pass.
 
 use crate::pass::PassError;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use weft_ir::shape::norm_dim;
 use weft_ir::{At, Graph, HeadLayout, Node, NodeMeta, Op, Provenance, Value};
 
@@ -41,18 +43,9 @@ pub(crate) struct HeadLayoutCounts {
 pub(crate) fn attention_to_bshd(g: &mut Graph) -> Result<HeadLayoutCounts, PassError> {
     let mut counts = HeadLayoutCounts::default();
     let mut bshd_ropes: BTreeMap<Value, Value> = BTreeMap::new();
-    let candidates: Vec<Node> = g
-        .nodes()
-        .iter()
-        .copied()
-        .filter(|&n| per_head_operands(&g.node(n).op).is_some())
-        .collect();
-    for n in candidates {
+    for n in worth_rewriting(g) {
         let count = per_head_operands(&g.node(n).op).expect("a candidate");
         let per_head: Vec<Value> = g.node(n).operands[..count].to_vec();
-        if !per_head.iter().all(|&v| resolvable(g, &bshd_ropes, v)) {
-            continue;
-        }
         let mut operands = g.node(n).operands.clone();
         for (i, v) in per_head.into_iter().enumerate() {
             operands[i] = resolve(g, &mut bshd_ropes, v, &mut counts)?;
@@ -63,6 +56,90 @@ pub(crate) fn attention_to_bshd(g: &mut Graph) -> Result<HeadLayoutCounts, PassE
     counts.rope += sink_ropes(g)?;
     counts.cancelled += cancel_swaps(g);
     Ok(counts)
+}
+
+/// The attention nodes step 1 rewrites, in program order: those whose per-head operands
+/// all resolve to [B, S, H, D] and where the rewrite adds no work. Each per-head result
+/// must be read only by swaps (which cancel) or in a per-head slot of another rewritten
+/// node, so no transpose is added for it; each rope operand must be read only in
+/// per-head slots of rewritten nodes, so its `layout=bshd` twin replaces it rather than
+/// running beside it. (Ring attention's blocks fail this: their outputs feed the
+/// log-sum-exp merge, and their k/v ropes the ring shifts.) Dropping a node can fail its
+/// partners' checks, so the set shrinks until it holds.
+fn worth_rewriting(g: &Graph) -> Vec<Node> {
+    let mut chosen: BTreeSet<Node> = g
+        .nodes()
+        .iter()
+        .copied()
+        .filter(|&n| per_head_operands(&g.node(n).op).is_some())
+        .collect();
+    let uses = g.uses();
+    let outputs: BTreeSet<Value> = g.outputs().iter().map(|(_, v)| *v).collect();
+    // `v` is read only in per-head slots of chosen nodes (and is no output)
+    let feeds_only_chosen = |chosen: &BTreeSet<Node>, v: Value| {
+        !outputs.contains(&v)
+            && uses[v.0 as usize].iter().all(|&(m, slot)| {
+                chosen.contains(&m)
+                    && per_head_operands(&g.node(m).op).is_some_and(|count| slot < count)
+            })
+    };
+    // `m` reads `r` as the x of a default-layout rope read only by swaps: step 2 then
+    // moves the rope to [B, S, H, D] and the swaps cancel (rope's gradient)
+    let rope_between_swaps = |m: Node, slot: usize| {
+        let rope = g.node(m);
+        slot == 0
+            && matches!(
+                rope.op,
+                Op::Rope {
+                    layout: HeadLayout::Bhsd
+                }
+            )
+            && !outputs.contains(&rope.results[0])
+            && uses[rope.results[0].0 as usize].iter().all(|&(t, _)| {
+                g.node(t)
+                    .results
+                    .first()
+                    .is_some_and(|&tv| swapped_from(g, tv) == Some(rope.results[0]))
+            })
+    };
+    loop {
+        let failing: Vec<Node> = chosen
+            .iter()
+            .copied()
+            .filter(|&n| {
+                let d = g.node(n);
+                let count = per_head_operands(&d.op).expect("a candidate");
+                let per_head_results = if count == 3 { 1 } else { 3 };
+                let results_cancel = d.results[..per_head_results].iter().all(|&r| {
+                    !outputs.contains(&r)
+                        && uses[r.0 as usize].iter().all(|&(m, slot)| {
+                            let swap_of_r = g
+                                .node(m)
+                                .results
+                                .first()
+                                .is_some_and(|&t| swapped_from(g, t) == Some(r));
+                            let per_head_slot = chosen.contains(&m)
+                                && per_head_operands(&g.node(m).op).is_some_and(|c| slot < c);
+                            swap_of_r || per_head_slot || rope_between_swaps(m, slot)
+                        })
+                });
+                let ropes_replaced = d.operands[..count]
+                    .iter()
+                    .filter(|&&v| bhsd_rope(g, v).is_some())
+                    .all(|&v| feeds_only_chosen(&chosen, v));
+                let operands_resolve = d.operands[..count]
+                    .iter()
+                    .all(|&v| resolvable(g, &chosen, v));
+                !(operands_resolve && results_cancel && ropes_replaced)
+            })
+            .collect();
+        if failing.is_empty() {
+            return g.nodes().iter().copied().filter(|n| chosen.contains(n)).collect();
+        }
+        for n in failing {
+            chosen.remove(&n);
+        }
+    }
 }
 
 /// How many leading operands of `op` are per-head tensors, for an `attention` or
@@ -118,11 +195,20 @@ fn bhsd_rope(g: &Graph, v: Value) -> Option<(Value, Value, Value)> {
     }
 }
 
-/// Whether [`resolve`] finds `v` in [B, S, H, D] without a new transpose.
-fn resolvable(g: &Graph, bshd_ropes: &BTreeMap<Value, Value>, v: Value) -> bool {
-    bshd_ropes.contains_key(&v)
+/// Whether [`resolve`] will find `v` in [B, S, H, D] without a new transpose, once the
+/// `chosen` nodes are rewritten: a swap, a default-layout rope of such a value, or a
+/// per-head result of a chosen node (read through the swap the rewrite gives it).
+fn resolvable(g: &Graph, chosen: &BTreeSet<Node>, v: Value) -> bool {
+    let def = g.def(v);
+    let per_head_result = chosen.contains(&def)
+        && match per_head_operands(&g.node(def).op) {
+            Some(3) => g.value(v).index < 1,
+            Some(_) => g.value(v).index < 3,
+            None => false,
+        };
+    per_head_result
         || swapped_from(g, v).is_some()
-        || bhsd_rope(g, v).is_some_and(|(x, _, _)| resolvable(g, bshd_ropes, x))
+        || bhsd_rope(g, v).is_some_and(|(x, _, _)| resolvable(g, chosen, x))
 }
 
 /// `v` (a [B, H, S, D] value) in [B, S, H, D]: the operand of its swap, or a
@@ -139,7 +225,7 @@ fn resolve(
     if let Some(x) = swapped_from(g, v) {
         return Ok(x);
     }
-    let (x, cos, sin) = bhsd_rope(g, v).expect("checked by resolvable");
+    let (x, cos, sin) = bhsd_rope(g, v).expect("checked by worth_rewriting");
     let x = resolve(g, bshd_ropes, x, counts)?;
     let old = g.def(v);
     let r = insert_like(
