@@ -158,7 +158,15 @@ fn check_fixture(fixture: &str, layers: usize) {
             Precision::F64,
             1e-10,
         );
-        same_outputs(&what, &before, &after, &weights, &inputs, Precision::F32, 1e-4);
+        same_outputs(
+            &what,
+            &before,
+            &after,
+            &weights,
+            &inputs,
+            Precision::F32,
+            1e-4,
+        );
     }
 }
 
@@ -187,7 +195,15 @@ fn other_families_compute_the_same() {
             .unwrap_or_else(|e| panic!("{fixture}: {e}"));
         let (after, counters) = fused(&before);
         let what = format!("{fixture} ({counters:?})");
-        same_outputs(&what, &before, &after, &weights, &inputs, Precision::F64, 1e-10);
+        same_outputs(
+            &what,
+            &before,
+            &after,
+            &weights,
+            &inputs,
+            Precision::F64,
+            1e-10,
+        );
     }
 }
 
@@ -235,9 +251,16 @@ fn attention_flops_do_not_change_and_the_printed_layout_round_trips() {
             .substitute("S", &weft_ir::Dim::constant(64))
             .as_const()
     };
-    assert_eq!(bind(attention_flops(&after)), bind(attention_flops(&before)));
+    assert_eq!(
+        bind(attention_flops(&after)),
+        bind(attention_flops(&before))
+    );
     assert!(bind(attention_flops(&after)).is_some_and(|f| f > 0));
     let text = weft_ir::print(&after);
     assert!(text.contains("layout=bshd"));
-    assert_eq!(weft_ir::parse(&text).unwrap(), after, "the rewritten step round-trips");
+    assert_eq!(
+        weft_ir::parse(&text).unwrap(),
+        after,
+        "the rewritten step round-trips"
+    );
 }

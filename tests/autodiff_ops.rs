@@ -439,7 +439,12 @@ fn transformer_blocks() {
             },
             &[pos],
         );
-        let y = t.op(Op::Rope { layout: weft_ir::HeadLayout::Bhsd }, &[x, cs[0], cs[1]]);
+        let y = t.op(
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[x, cs[0], cs[1]],
+        );
         t.check(&format!("rope dim {rot}"), &[y]);
     }
     // attention: GQA, causal or not, with a mask

@@ -415,9 +415,9 @@ impl Op {
     /// ops.
     pub fn head_layout(&self) -> Option<HeadLayout> {
         match self {
-            Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } | Op::Rope { layout } => {
-                Some(*layout)
-            }
+            Op::Attention { layout, .. }
+            | Op::AttentionGrad { layout, .. }
+            | Op::Rope { layout } => Some(*layout),
             _ => None,
         }
     }

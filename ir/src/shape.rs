@@ -318,7 +318,9 @@ pub fn rope(op: &Op, ins: &[&TensorType]) -> Out {
     if x_in.rank() != 4 {
         return Err(match layout {
             HeadLayout::Bhsd => format!("rope expects x as [B, heads, S, head_dim], got {x_in}"),
-            HeadLayout::Bshd => format!("rope with layout=bshd expects x as [B, S, heads, head_dim], got {x_in}"),
+            HeadLayout::Bshd => {
+                format!("rope with layout=bshd expects x as [B, S, heads, head_dim], got {x_in}")
+            }
         });
     }
     let x = &layout.swap_to_bhsd(x_in);
@@ -449,7 +451,9 @@ pub(crate) fn attention_operands_check(op: &Op, ins: &[&TensorType]) -> Result<T
         if t.rank() != 4 {
             return Err(match layout {
                 HeadLayout::Bhsd => format!("{n} must be [B, heads, S, head_dim], got {t}"),
-                HeadLayout::Bshd => format!("{n} must be [B, S, heads, head_dim] (layout=bshd), got {t}"),
+                HeadLayout::Bshd => {
+                    format!("{n} must be [B, S, heads, head_dim] (layout=bshd), got {t}")
+                }
             });
         }
         want_float(t, n)?;

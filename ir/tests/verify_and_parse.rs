@@ -344,7 +344,10 @@ fn bshd_layout_round_trips_and_reads_heads_from_dim_2() {
     verify(&g).unwrap_or_else(|r| panic!("{r}"));
     let printed = print(&g);
     assert_eq!(parse(&printed).unwrap(), g);
-    assert!(printed.contains("rope %0, %4, %4 {layout=bshd}\n"), "{printed}");
+    assert!(
+        printed.contains("rope %0, %4, %4 {layout=bshd}\n"),
+        "{printed}"
+    );
     let default = "graph \"a\"\n%0: f32[2, 4, 9, 8] = param {name=\"q\"}\n%1: f32[2, 4, 9, 8] = attention %0, %0, %0 {causal=true, scale=0.35, layout=bhsd}\nreturn o=%1\n";
     let printed = print(&parse(default).unwrap());
     assert!(

@@ -78,8 +78,18 @@ impl Builder<'_> {
         } else {
             (q_rot, k_rot)
         };
-        let q_rot = self.op(Op::Rope { layout: weft_ir::HeadLayout::Bhsd }, &[q_rot, cos, sin])?;
-        let k_rot = self.op(Op::Rope { layout: weft_ir::HeadLayout::Bhsd }, &[k_rot, cos, sin])?;
+        let q_rot = self.op(
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[q_rot, cos, sin],
+        )?;
+        let k_rot = self.op(
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[k_rot, cos, sin],
+        )?;
         let q = self.op(Op::Concat { dim: -1 }, &[q_pass, q_rot])?;
 
         let kv = self.linear(&format!("{a}.kv_b_proj"), latent)?;

@@ -134,7 +134,12 @@ fn worth_rewriting(g: &Graph) -> Vec<Node> {
             })
             .collect();
         if failing.is_empty() {
-            return g.nodes().iter().copied().filter(|n| chosen.contains(n)).collect();
+            return g
+                .nodes()
+                .iter()
+                .copied()
+                .filter(|n| chosen.contains(n))
+                .collect();
         }
         for n in failing {
             chosen.remove(&n);
@@ -320,9 +325,9 @@ fn sink_ropes(g: &mut Graph) -> Result<usize, PassError> {
         let is_output = g.outputs().iter().any(|(_, o)| *o == r);
         if readers.is_empty()
             || is_output
-            || !readers
-                .iter()
-                .all(|&(m, _)| g.node(m).results.first().and_then(|&t| swapped_from(g, t)) == Some(r))
+            || !readers.iter().all(|&(m, _)| {
+                g.node(m).results.first().and_then(|&t| swapped_from(g, t)) == Some(r)
+            })
         {
             continue;
         }

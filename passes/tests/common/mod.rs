@@ -205,7 +205,13 @@ pub fn build(c: &Config) -> Graph {
             }
             let y = g.add(Op::Transpose { dim0: 1, dim1: 2 }, &[y]).unwrap();
             if rope {
-                g.add(Op::Rope { layout: weft_ir::HeadLayout::Bhsd }, &[y, cos, sin]).unwrap()
+                g.add(
+                    Op::Rope {
+                        layout: weft_ir::HeadLayout::Bhsd,
+                    },
+                    &[y, cos, sin],
+                )
+                .unwrap()
             } else {
                 y
             }

@@ -230,7 +230,9 @@ fn rope_rotates_the_first_features_and_passes_the_rest() {
     let cos = rng.vec(s * r, 1.0);
     let sin = rng.vec(s * r, 1.0);
     let y = one_op(
-        Op::Rope { layout: weft_ir::HeadLayout::Bhsd },
+        Op::Rope {
+            layout: weft_ir::HeadLayout::Bhsd,
+        },
         vec![
             (fty(&[1, 2, 3, 6]), hf(&[1, 2, 3, 6], x.clone())),
             (fty(&[1, 3, 4]), hf(&[1, 3, 4], cos.clone())),

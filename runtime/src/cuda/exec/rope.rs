@@ -49,10 +49,7 @@ pub(super) fn rope(
             "x must be [B, N, S, D] (or [B, S, N, D]) and cos/sin [B|1, S, r] of one dtype",
         ));
     }
-    let (nh, sq) = (
-        x.shape[layout.heads_dim()],
-        x.shape[layout.seq_dim()],
-    );
+    let (nh, sq) = (x.shape[layout.heads_dim()], x.shape[layout.seq_dim()]);
     let (b, d) = (x.shape[0], x.shape[3]);
     let bshd = (layout == HeadLayout::Bshd) as i32;
     let r = c.shape[2];
