@@ -241,7 +241,7 @@ fn resolve(
         },
         &[x, cos, sin],
         old,
-        "rotates q/k in [B, S, H, D] (layout=bshd), the layout the projections give, instead of its transpose",
+        "rotates q/k in [B, S, H, D] (layout=bshd), as the projections give them",
     )?[0];
     bshd_ropes.insert(v, r);
     counts.rope += 1;
@@ -270,7 +270,7 @@ fn rewrite_attention(g: &mut Graph, n: Node, operands: &[Value]) -> Result<(), P
         op,
         operands,
         n,
-        "reads and writes its per-head tensors in [B, S, H, D] (layout=bshd), so the transposes around it cancel",
+        "reads and writes its per-head tensors in [B, S, H, D] (layout=bshd), as the projections give them",
     )?;
     let new_node = g.def(new[0]);
     let old: Vec<Value> = g.node(n).results.clone();
@@ -339,7 +339,7 @@ fn sink_ropes(g: &mut Graph) -> Result<usize, PassError> {
             },
             &[x, cos, sin],
             n,
-            "rotates in [B, S, H, D] (layout=bshd) between a transpose and its inverse",
+            "rotates in [B, S, H, D] (layout=bshd), as attention_grad gives the gradient",
         )?[0];
         for &(m, _) in readers {
             let t = g.node(m).results[0];
