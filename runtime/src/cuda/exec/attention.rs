@@ -7,9 +7,10 @@
 //!
 //! `layout=bshd`: every per-head tensor (q, k, v, out, dout, dq, dk, dv) is handled as a
 //! [B, H, S, D]-shaped `DevT` whose memory is [B, S, H, D]. cuDNN reads and writes it in
-//! place through permuted strides; Weft's own kernels index row-major [B, H, S, D], so
-//! for them the operands are transposed into scratch and the results back (two copies
-//! per tensor, the price of not giving every kernel stride parameters).
+//! place through permuted strides, and the generic kernels take a `bshd` flag; the
+//! tensor-core kernels index row-major [B, H, S, D] (their tiles are loaded as
+//! contiguous head blocks), so for them the operands are transposed into scratch and
+//! the results back: two copies per tensor, the price of not rewriting their loads.
 
 use super::*;
 use weft_ir::HeadLayout;
@@ -316,19 +317,9 @@ pub(super) fn attention_fwd(
             }
         }
     }
-    if bshd {
-        let (qs, ks, vs) = (
-            to_bhsd_scratch(lw, q)?,
-            to_bhsd_scratch(lw, k)?,
-            to_bhsd_scratch(lw, v)?,
-        );
-        let os = bhsd_scratch(lw, o);
-        attention_fwd(
-            lw, &qs, &ks, &vs, mask, &os, lse, causal, scale, window, extras, false,
-        )?;
-        return from_bhsd_scratch(lw, o, &os);
-    }
-    attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale, window, extras)
+    attention_fwd_weft(
+        lw, q, k, v, mask, o, lse, causal, scale, window, extras, bshd,
+    )
 }
 
 /// The strides of a [B, H, S, D]-shaped tensor whose memory is [B, S, H, D].
@@ -388,7 +379,8 @@ fn from_bhsd_scratch(lw: &mut Lower, dst: &DevT, src: &DevT) -> CudaResult<()> {
 /// windows of 64 and more matched the CPU.
 const FA_MIN_WINDOW: i64 = 64;
 
-/// Weft's own attention forward kernels (tensor-core flash or generic).
+/// Weft's own attention forward kernels (tensor-core flash or generic; `bshd`: the
+/// per-head tensors lie in memory as [B, S, H, D]).
 #[allow(clippy::too_many_arguments)]
 fn attention_fwd_weft(
     lw: &mut Lower,
@@ -402,6 +394,7 @@ fn attention_fwd_weft(
     scale: f32,
     window: i64,
     extras: &AttnExtras,
+    bshd: bool,
 ) -> CudaResult<()> {
     let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
     let (nkv, sk, dv) = (k.shape[1], k.shape[2], v.shape[3]);
@@ -423,6 +416,18 @@ fn attention_fwd_weft(
         && q.dtype == DType::BF16
         && (d == 64 || d == 128)
         && (window == 0 || window >= FA_MIN_WINDOW);
+    if fast && bshd {
+        let (qs, ks, vs) = (
+            to_bhsd_scratch(lw, q)?,
+            to_bhsd_scratch(lw, k)?,
+            to_bhsd_scratch(lw, v)?,
+        );
+        let os = bhsd_scratch(lw, o);
+        attention_fwd_weft(
+            lw, &qs, &ks, &vs, mask, &os, lse, causal, scale, window, extras, false,
+        )?;
+        return from_bhsd_scratch(lw, o, &os);
+    }
     if fast {
         // WEFT_FA_WARPS=8: 128 query rows per block (8 warps) instead of 64.
         // Head dim 64: two 16-row m-tiles per warp (128 rows per block) unless WEFT_FA_FWD=m1.
@@ -484,6 +489,7 @@ fn attention_fwd_weft(
         sinks: g.sinks,
         sinks_f32: g.sinks_f32,
         lse_out: extras.lse_out,
+        bshd: bshd as i32,
     };
     lw.run_at(name, grid, (128, 1, 1), 0, kernel)
 }
@@ -569,7 +575,13 @@ pub(super) fn attention_bwd(
             }
         }
     }
-    if bshd {
+    let fast = lw.fast_attention
+        && mask.is_none()
+        && plain
+        && q.dtype == DType::BF16
+        && (d == 64 || d == 128)
+        && (window == 0 || window >= FA_MIN_WINDOW);
+    if fast && bshd {
         let mut bhsd_ins = ins.to_vec();
         for t in bhsd_ins.iter_mut().take(5) {
             *t = to_bhsd_scratch(lw, t)?;
@@ -604,7 +616,7 @@ pub(super) fn attention_bwd(
                 ..*extras
             };
             attention_fwd_weft(
-                lw, q, k, v, mask, &tmp, p, causal, scale, window, &recompute,
+                lw, q, k, v, mask, &tmp, p, causal, scale, window, &recompute, bshd,
             )?;
             p
         }
@@ -617,14 +629,11 @@ pub(super) fn attention_bwd(
         dout: dout.ptr,
         rows: rows as i64,
         d: vd as i32,
+        n: nq as i32,
+        s: sq as i64,
+        bshd: bshd as i32,
     };
     lw.run(name, rows, kernel)?;
-    let fast = lw.fast_attention
-        && mask.is_none()
-        && plain
-        && q.dtype == DType::BF16
-        && (d == 64 || d == 128)
-        && (window == 0 || window >= FA_MIN_WINDOW);
     if fast {
         let dq_acc = lw.ex.scratch(lw.stream, rows * d as u64 * 4);
         lw.memset(dq_acc, rows * d as u64 * 4);
@@ -712,6 +721,7 @@ pub(super) fn attention_bwd(
         sinks_f32: g.sinks_f32,
         dsinks_acc,
         dlse: extras.dlse,
+        bshd: bshd as i32,
     };
     let grid = (sq.div_ceil(4) as u32, nq as u32, b as u32);
     lw.run_at(name, grid, (128, 1, 1), 0, kernel)?;
