@@ -439,7 +439,12 @@ fn transformer_blocks() {
             },
             &[pos],
         );
-        let y = t.op(Op::Rope {}, &[x, cs[0], cs[1]]);
+        let y = t.op(
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[x, cs[0], cs[1]],
+        );
         t.check(&format!("rope dim {rot}"), &[y]);
     }
     // attention: GQA, causal or not, with a mask
@@ -457,6 +462,7 @@ fn transformer_blocks() {
         }
         let y = t.op(
             Op::Attention {
+                layout: weft_ir::HeadLayout::Bhsd,
                 causal,
                 scale: Float(0.6),
                 window: None,
@@ -486,6 +492,7 @@ fn transformer_blocks() {
             ops.push(t.param("sinks", &[4]));
         }
         let op = Op::Attention {
+            layout: weft_ir::HeadLayout::Bhsd,
             causal: true,
             scale: Float(0.6),
             window,

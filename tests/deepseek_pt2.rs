@@ -123,7 +123,7 @@ fn assert_blocks_recognised(im: &Pt2Import, scale_tol: f64) {
         1
     );
     assert_eq!(
-        ops_where(g, |op| matches!(op, Op::Rope {}).then_some(())).len(),
+        ops_where(g, |op| matches!(op, Op::Rope { .. }).then_some(())).len(),
         6
     );
     assert_eq!(

@@ -214,12 +214,15 @@ fn fuse_rewrite_snapshot_and_values() {
     let want: BTreeMap<String, u64> = [
         ("adamw_master", 0),
         ("add_rms_norm", 2),
+        ("attention_bshd", 0),
         ("add_rms_norm_grad", 2),
         ("dce_removed", 0),
         ("embedding_grad_init", 0),
         ("glu", 2),
         ("glu_grad", 2),
         ("matmul_add", 2),
+        ("rope_bshd", 0),
+        ("transpose_pairs_cancelled", 0),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))

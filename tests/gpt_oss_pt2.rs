@@ -62,7 +62,7 @@ fn every_block_is_recognised() {
         "{yarn:?}"
     );
     assert_eq!(
-        ops_where(g, |op| matches!(op, Op::Rope {}).then_some(())).len(),
+        ops_where(g, |op| matches!(op, Op::Rope { .. }).then_some(())).len(),
         4
     );
     assert_eq!(

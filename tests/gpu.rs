@@ -233,6 +233,7 @@ fn op_cases() -> Vec<Case> {
         v.push(Case::new(format!("rms_norm {dt}"), format!("graph \"t\"\n%0: {dt}[5, 3, 257] = param {{name=\"x\"}}\n%1: {dt}[257] = param {{name=\"w\"}}\n%2: {dt}[5, 3, 257] = rms_norm %0, %1 {{eps=1e-5}}\nreturn a=%2\n")).tol(tol));
         v.push(Case::new(format!("rope_table + rope {dt} (partial rotary, llama3 scaling)"), format!("graph \"t\"\n%0: i64[2, 11] = input {{name=\"pos\", role=other}}\n%1: f32[2, 11, 12], %2: f32[2, 11, 12] = rope_table %0 {{theta=10000.0, dim=12, scaling=llama3(8.0, 1.0, 4.0, 16)}}\n%3: {dt}[2, 3, 11, 16] = param {{name=\"x\"}}\n%4: {dt}[2, 3, 11, 16] = rope %3, %1, %2\nreturn a=%4, c=%1, s=%2\n")).ints("pos", 0, 50).tol(tol));
         v.push(Case::new(format!("rope_table + rope {dt} (11 heads: a full and a partial block of heads)"), format!("graph \"t\"\n%0: i64[1, 37] = input {{name=\"pos\", role=other}}\n%1: f32[1, 37, 64], %2: f32[1, 37, 64] = rope_table %0 {{theta=500000.0, dim=64, scaling=none}}\n%3: {dt}[1, 11, 37, 64] = param {{name=\"x\"}}\n%4: {dt}[1, 11, 37, 64] = rope %3, %1, %2\nreturn a=%4\n")).ints("pos", 0, 64).tol(tol));
+        v.push(Case::new(format!("rope_table + rope {dt} layout=bshd (partial rotary; the flat kernel past 512 pairs)"), format!("graph \"t\"\n%0: i64[2, 11] = input {{name=\"pos\", role=other}}\n%1: f32[2, 11, 12], %2: f32[2, 11, 12] = rope_table %0 {{theta=10000.0, dim=12, scaling=none}}\n%3: {dt}[2, 11, 3, 16] = param {{name=\"x\"}}\n%4: {dt}[2, 11, 3, 16] = rope %3, %1, %2 {{layout=bshd}}\n%5: f32[2, 11, 1026], %6: f32[2, 11, 1026] = rope_table %0 {{theta=10000.0, dim=1026, scaling=none}}\n%7: {dt}[2, 11, 2, 1026] = param {{name=\"y\"}}\n%8: {dt}[2, 11, 2, 1026] = rope %7, %5, %6 {{layout=bshd}}\nreturn a=%4, b=%8\n")).ints("pos", 0, 50).tol(tol));
         v.push(Case::new(format!("cross_entropy {dt} none/sum/mean + shift_labels + count_valid"), format!("graph \"t\"\n%0: {dt}[2, 9, 517] = param {{name=\"x\"}}\n%1: i64[2, 9] = input {{name=\"l\", role=labels}}\n%2: i64[2, 9] = shift_labels %1 {{ignore_index=-100}}\n%3: f32[2, 9] = cross_entropy %0, %2 {{ignore_index=-100, reduction=none}}\n%4: f32[] = cross_entropy %0, %2 {{ignore_index=-100, reduction=sum}}\n%5: f32[] = cross_entropy %0, %2 {{ignore_index=-100, reduction=mean}}\n%6: f32[] = count_valid %2 {{ignore_index=-100}}\nreturn a=%3, b=%4, c=%5, d=%6, e=%2\n")).labels("l", 0, 517).tol(tol));
         v.push(Case::new(format!("layout {dt}: transpose, permute, slice, concat, split, expand, reshape"), format!("graph \"t\"\n%0: {dt}[2, 5, 3, 8] = param {{name=\"x\"}}\n%1: {dt}[2, 3, 5, 8] = transpose %0 {{dim0=1, dim1=2}}\n%2: {dt}[8, 2, 3, 5] = permute %0 {{perm=[3, 0, 2, 1]}}\n%3: {dt}[2, 2, 3, 8] = slice %0 {{dim=1, start=2, len=2}}\n%4: {dt}[2, 7, 3, 8] = concat %0, %3 {{dim=1}}\n%5: {dt}[2, 5, 3, 3], %6: {dt}[2, 5, 3, 5] = split %0 {{dim=3, sizes=[3, 5]}}\n%7: {dt}[1, 5, 1] = param {{name=\"e\"}}\n%8: {dt}[4, 5, 6] = expand %7 {{shape=[4, 5, 6]}}\n%9: {dt}[10, 24] = reshape %0 {{shape=[10, 24]}}\nreturn a=%1, b=%2, c=%3, d=%4, e=%5, f=%6, g=%8, h=%9\n")).tol(0.0));
         v.push(Case::new(format!("compare/where/cast {dt}"), format!("graph \"t\"\n%0: {dt}[4, 33] = param {{name=\"a\"}}\n%1: {dt}[4, 33] = param {{name=\"b\"}}\n%2: bool[4, 33] = compare %0, %1 {{op=lt}}\n%3: {dt}[4, 33] = where %2, %0, %1\n%4: f32[4, 33] = cast %0 {{dtype=f32}}\n%5: i64[4, 33] = cast %2 {{dtype=i64}}\nreturn a=%3, b=%4, c=%5, d=%2\n")).tol(tol));
@@ -334,6 +335,34 @@ fn op_cases() -> Vec<Case> {
         v.push(
             Case::new(
                 format!("attention window={w} fwd+bwd {dt} d{d} q{nq}/kv{nkv} S{sq}x{sk}"),
+                text,
+            )
+            .tol(tol),
+        );
+    }
+    // layout=bshd (q, k, v, out and their gradients [B, S, H, D], as `fuse` leaves the
+    // models' attention): cuDNN through permuted strides, Weft's kernels through scratch
+    // transposes; causal or not, windows, GQA and MHA, f32 and bf16
+    for (dt, d, nq, nkv, s_, causal, w, tol) in [
+        ("f32", 8, 4, 2, 13, true, None, 1e-5),
+        ("f32", 16, 2, 2, 17, false, None, 1e-5),
+        ("f32", 8, 4, 2, 13, true, Some(4), 1e-5),
+        ("bf16", 64, 4, 2, 100, true, None, 2e-2),
+        ("bf16", 128, 4, 1, 77, true, None, 2e-2),
+        ("bf16", 64, 2, 2, 129, false, None, 2e-2),
+        ("bf16", 64, 8, 2, 300, true, Some(100), 2e-2),
+        ("bf16", 64, 2, 1, 257, true, Some(1), 2e-2),
+    ] {
+        let sc = 1.0 / (d as f64).sqrt();
+        let window = w.map(|w| format!(", window={w}")).unwrap_or_default();
+        let attrs = format!("causal={causal}, scale={sc}{window}, layout=bshd");
+        let text = format!(
+            "graph \"t\"\n%0: {dt}[2, {s_}, {nq}, {d}] = param {{name=\"q\"}}\n%1: {dt}[2, {s_}, {nkv}, {d}] = param {{name=\"k\"}}\n%2: {dt}[2, {s_}, {nkv}, {d}] = param {{name=\"v\"}}\n%3: {dt}[2, {s_}, {nq}, {d}] = attention %0, %1, %2 {{{attrs}}}\n%4: {dt}[2, {s_}, {nq}, {d}] = param {{name=\"do\"}}\n%5: {dt}[2, {s_}, {nq}, {d}], %6: {dt}[2, {s_}, {nkv}, {d}], %7: {dt}[2, {s_}, {nkv}, {d}] = attention_grad %0, %1, %2, %3, %4 {{{attrs}}}\nreturn o=%3, dq=%5, dk=%6, dv=%7\n"
+        );
+        let window = w.map(|w| format!(" window={w}")).unwrap_or_default();
+        v.push(
+            Case::new(
+                format!("attention layout=bshd fwd+bwd {dt} d{d} q{nq}/kv{nkv} S{s_}x{s_} causal={causal}{window}"),
                 text,
             )
             .tol(tol),

@@ -137,7 +137,7 @@ fn imports_recognise_every_block() {
             im.report
         );
         assert_eq!(
-            count(&|o| matches!(o, Op::Rope {})),
+            count(&|o| matches!(o, Op::Rope { .. })),
             4,
             "{name}: rope\n{}",
             im.report

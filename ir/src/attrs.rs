@@ -167,6 +167,64 @@ pub enum GateAct {
 keyword_enum!(GateAct { Silu = "silu", Gelu = "gelu", GeluTanh = "gelu_tanh" });
 keyword_enum!(CmpOp { Eq = "eq", Ne = "ne", Lt = "lt", Le = "le", Gt = "gt", Ge = "ge" });
 
+/// Where `attention`, `attention_grad` and `rope` find the heads and the sequence in
+/// their per-head operands (q, k, v, out, dout, dq, dk, dv, rope's x and result):
+/// `[B, H, S, D]` (the default, not printed) or `[B, S, H, D]` (`layout=bshd`, what the
+/// q/k/v projections produce, so no transposes are needed around attention). Masks,
+/// sinks and the log-sum-exp statistics keep their shapes in either layout.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HeadLayout {
+    #[default]
+    Bhsd,
+    Bshd,
+}
+
+impl HeadLayout {
+    pub fn keyword(self) -> &'static str {
+        match self {
+            HeadLayout::Bhsd => "bhsd",
+            HeadLayout::Bshd => "bshd",
+        }
+    }
+    /// The dim of the heads (1 or 2).
+    pub fn heads_dim(self) -> usize {
+        match self {
+            HeadLayout::Bhsd => 1,
+            HeadLayout::Bshd => 2,
+        }
+    }
+    /// The dim of the sequence (2 or 1).
+    pub fn seq_dim(self) -> usize {
+        3 - self.heads_dim()
+    }
+    /// A per-head tensor of this layout seen as `[B, H, S, D]` (its dims 1 and 2 swapped
+    /// for `bshd`); the swap is its own inverse, so this also turns a `[B, H, S, D]` type
+    /// into this layout's. Tensors of rank below 3 are returned as they are.
+    pub fn swap_to_bhsd(self, t: &TensorType) -> TensorType {
+        let mut t = t.clone();
+        if self == HeadLayout::Bshd && t.rank() >= 3 {
+            t.shape.swap(1, 2);
+        }
+        t
+    }
+}
+
+impl AttrValue for HeadLayout {
+    fn fmt_attr(&self) -> Option<String> {
+        (*self != HeadLayout::Bhsd).then(|| self.keyword().to_string())
+    }
+    fn parse_attr(s: &str) -> Result<Self, String> {
+        match s {
+            "bhsd" => Ok(HeadLayout::Bhsd),
+            "bshd" => Ok(HeadLayout::Bshd),
+            _ => Err(format!("expected bhsd or bshd, found `{s}`")),
+        }
+    }
+    fn absent() -> Option<Self> {
+        Some(HeadLayout::Bhsd)
+    }
+}
+
 /// A value that can appear as `key=value` in an op's attribute list.
 pub trait AttrValue: Sized {
     /// The text form, or `None` to omit the attribute (absent optional values).

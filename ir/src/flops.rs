@@ -135,7 +135,7 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             let logits = ins[2].numel() * ins[1].shape[0].clone();
             logits * (last(ins[0]) * 6 + 6)
         }
-        Op::Rope {} => out_numel * 3,
+        Op::Rope { .. } => out_numel * 3,
         Op::MoeCombine {} => g.ty(d.operands[0]).numel() * 2,
         op => match op.info().elementwise {
             Some(e) => out_numel * i64::from(e.flops),
@@ -161,6 +161,13 @@ fn attention_flops(
         }
         _ => (false, None),
     };
+    // q, k, v in [B, H, S, D] order whatever the op's head layout
+    let layout = op.head_layout().unwrap_or_default();
+    let (q, k, v) = (
+        &layout.swap_to_bhsd(q),
+        &layout.swap_to_bhsd(k),
+        &layout.swap_to_bhsd(v),
+    );
     let (sq, sk) = (q.shape[2].clone(), k.shape[2].clone());
     let rows = q.shape[0].clone() * q.shape[1].clone() * sq.clone();
     let per_pair = q.shape[3].clone() * per_d + v.shape[3].clone() * per_dv + per_el;

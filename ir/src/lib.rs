@@ -31,7 +31,8 @@ pub mod types;
 pub mod verify;
 
 pub use attrs::{
-    yarn_attention_factor, CmpOp, Flag, Float, GateAct, ReduceOp, Reduction, Role, RopeScaling,
+    yarn_attention_factor, CmpOp, Flag, Float, GateAct, HeadLayout, ReduceOp, Reduction, Role,
+    RopeScaling,
 };
 pub use dim::{Bindings, Dim, DimError};
 pub use fp8::Fp8Format;

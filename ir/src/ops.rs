@@ -239,13 +239,14 @@ define_ops! {
     RmsNorm = "rms_norm" ("x, w") [2, 2] { eps: Float } => rms_norm;
     /// RoPE cos/sin tables [B, S, dim] (f32) from position ids [B, S].
     RopeTable = "rope_table" ("position_ids") [1, 1] { theta: Float, dim: i64, scaling: RopeScaling } => rope_table;
-    /// Rotary embedding `x*cos + rotate_half(x)*sin` on x [B, N, S, D]; rotates the first `cos.dim` features.
-    Rope = "rope" ("x, cos, sin") [3, 3] => rope;
+    /// Rotary embedding `x*cos + rotate_half(x)*sin` on x [B, N, S, D] (`layout=bshd`: [B, S, N, D]) with cos/sin [B|1, S, r]; rotates the first `r` features.
+    Rope = "rope" ("x, cos, sin") [3, 3] { layout: HeadLayout } => rope;
     /// Scaled dot-product attention on q [B, Nq, Sq, D], k [B, Nkv, Sk, D], v [B, Nkv, Sk, Dv] (GQA: Nkv divides Nq; Dv may differ from D): out [B, Nq, Sq, Dv].
     /// Query `i` sits at position `p = i + Sk - Sq` (queries aligned with the last keys). Scores are `scale * q.k`, then `softcap * tanh(s / softcap)` when `softcap` is set; key `j` is kept when the bool keep-`mask` [B|1, Nq|1, Sq, Sk] says so, `causal` keeps `j <= p`, and `window=W` (needs causal) also keeps only `j > p - W` (HF's sliding window: W keys, the query's own included).
     /// Masked scores get the dtype's most negative value (a row with nothing kept is uniform, as HF's eager path). With `sinks=true` the last operand is a per-head logit [Nq] that joins each row's softmax and is dropped after it (gpt-oss).
     /// With `lse=true` a second result is the f32 log-sum-exp of each row's scores [B, Nq, Sq] (sink included), for combining partial attentions.
-    Attention = "attention" ("q, k, v, mask?, sinks?") [3, 5] { causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float>, sinks: Flag, lse: Flag } => attention;
+    /// With `layout=bshd` q, k, v and out are [B, S, N, D] instead (mask, sinks and lse unchanged).
+    Attention = "attention" ("q, k, v, mask?, sinks?") [3, 5] { causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float>, sinks: Flag, lse: Flag, layout: HeadLayout } => attention;
     /// Ring attention over mesh axis `axis` (context parallelism; made by `ring-attention`, expanded by `ring-lower`): each rank holds q, k, v [B, N, S/cp, D] of its two zigzag chunks of the sequence (see `zigzag`) and gets `attention`'s out and f32 log-sum-exp [B, Nq, S/cp] over the whole sequence, with the attributes of `attention` (no mask, no sinks). One op so that `autodiff` differentiates the ring as a unit (`ring_attention_grad`) and saves only q, k, v, out and lse.
     RingAttention = "ring_attention" ("q, k, v") [3, 3] { axis: String, causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float> } => ring_attention;
     /// HF causal-LM labels: `labels[:, 1:]` padded with `ignore_index` at the end (the shift of ForCausalLMLoss).
@@ -298,7 +299,8 @@ define_ops! {
     // ---- backward (made by `autodiff`; the other gradients are written with the ops above) ----
     /// Gradients of `attention` (same attributes) from its operands, output and output gradient: dq, dk, dv (GQA: dk, dv summed over the q heads of each kv head), and with `sinks=true` dsinks [Nq] (f32).
     /// Optional operands in order: the keep-mask, the sinks (`sinks=true`) and, with `lse=true`, the gradient of the log-sum-exp result `dlse` [B, Nq, Sq] (f32).
-    AttentionGrad = "attention_grad" ("q, k, v, out, dout, mask?, sinks?, dlse?") [5, 8] { causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float>, sinks: Flag, lse: Flag } => attention_grad;
+    /// With `layout=bshd` q, k, v, out, dout and dq, dk, dv are [B, S, N, D].
+    AttentionGrad = "attention_grad" ("q, k, v, out, dout, mask?, sinks?, dlse?") [5, 8] { causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float>, sinks: Flag, lse: Flag, layout: HeadLayout } => attention_grad;
     /// Gradients of `ring_attention` (same attributes) from its operands, out, lse and the output gradient: dq, dk, dv. `ring-lower` expands it into the transposed ring: k/v travel the ring again with their dk/dv accumulators.
     RingAttentionGrad = "ring_attention_grad" ("q, k, v, out, lse, dout") [6, 6] { axis: String, causal: bool, scale: Float, window: Option<i64>, softcap: Option<Float> } => ring_attention_grad;
     /// Gradients of one key block of a larger attention whose merged output is `out` and whose whole-row f32 log-sum-exp is `lse` [B, Nq, Sq]: with `P = exp(s - lse)` (the block's scores, soft-capped and masked as `attention` does), `dv = P^T dout`, `dS = P (dout v^T - rowsum(dout out))`, `dq = scale dS k`, `dk = scale dS^T q` (GQA: dk, dv summed over the q heads of each kv head). Summed over the blocks, they are `attention_grad`'s.
@@ -407,6 +409,17 @@ impl Op {
         let sinks = take(sinks);
         let dlse = take(lse);
         Some(Ok(AttentionOperands { mask, sinks, dlse }))
+    }
+
+    /// The head layout of an `attention`, `attention_grad` or `rope`; `None` for other
+    /// ops.
+    pub fn head_layout(&self) -> Option<HeadLayout> {
+        match self {
+            Op::Attention { layout, .. }
+            | Op::AttentionGrad { layout, .. }
+            | Op::Rope { layout } => Some(*layout),
+            _ => None,
+        }
     }
 
     pub fn is_collective(&self) -> bool {

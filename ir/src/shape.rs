@@ -2,7 +2,7 @@
 //! attributes. They run when a node is created and again in the verifier. Errors are
 //! plain messages; the caller locates them at the node.
 
-use crate::attrs::Reduction;
+use crate::attrs::{HeadLayout, Reduction};
 use crate::dim::Dim;
 use crate::ops::Op;
 use crate::types::{DType, TensorType};
@@ -311,14 +311,19 @@ pub fn rope_table(op: &Op, ins: &[&TensorType]) -> Out {
     Ok(vec![t.clone(), t])
 }
 
-pub fn rope(_: &Op, ins: &[&TensorType]) -> Out {
-    let (x, cos, sin) = (ins[0], ins[1], ins[2]);
-    want_float(x, "x")?;
-    if x.rank() != 4 {
-        return Err(format!(
-            "rope expects x as [B, heads, S, head_dim], got {x}"
-        ));
+pub fn rope(op: &Op, ins: &[&TensorType]) -> Out {
+    let layout = op.head_layout().expect("a rope");
+    let (x_in, cos, sin) = (ins[0], ins[1], ins[2]);
+    want_float(x_in, "x")?;
+    if x_in.rank() != 4 {
+        return Err(match layout {
+            HeadLayout::Bhsd => format!("rope expects x as [B, heads, S, head_dim], got {x_in}"),
+            HeadLayout::Bshd => {
+                format!("rope with layout=bshd expects x as [B, S, heads, head_dim], got {x_in}")
+            }
+        });
     }
+    let x = &layout.swap_to_bhsd(x_in);
     if cos != sin || cos.rank() != 3 {
         return Err(format!(
             "cos and sin must be equal-typed [B, S, dim], got {cos} and {sin}"
@@ -336,7 +341,7 @@ pub fn rope(_: &Op, ins: &[&TensorType]) -> Out {
             return Err(format!("rotary dim {r} exceeds head dim {d}"));
         }
     }
-    one(x.clone())
+    one(x_in.clone())
 }
 
 /// `attention(q, k, v, mask?, sinks?)`: out [B, Nq, Sq, Dv], and with `lse=true` the f32
@@ -349,10 +354,15 @@ pub fn attention(op: &Op, ins: &[&TensorType]) -> Out {
     let out = attention_operands_check(op, ins)?;
     let mut res = vec![out];
     if lse.0 {
-        let q = ins[0];
-        res.push(TensorType::new(DType::F32, q.shape[..3].to_vec()));
+        res.push(attention_lse_type(op, ins[0]));
     }
     Ok(res)
+}
+
+/// The f32 log-sum-exp [B, Nq, Sq] of an attention (of either head layout) with q `q`.
+pub(crate) fn attention_lse_type(op: &Op, q: &TensorType) -> TensorType {
+    let q = op.head_layout().unwrap_or_default().swap_to_bhsd(q);
+    TensorType::new(DType::F32, q.shape[..3].to_vec())
 }
 
 /// The plain `attention` a ring attention computes (its attributes, no mask or sinks;
@@ -379,6 +389,7 @@ pub(crate) fn ring_as_attention(op: &Op, lse: bool) -> Op {
             softcap: *softcap,
             sinks: false.into(),
             lse: lse.into(),
+            layout: HeadLayout::Bhsd,
         },
         _ => unreachable!("a ring attention op"),
     }
@@ -435,13 +446,24 @@ pub(crate) fn attention_operands_check(op: &Op, ins: &[&TensorType]) -> Result<T
         }
     }
     let slots = op.attention_operands(ins.len()).expect("an attention op")?;
-    let (q, k, v) = (ins[0], ins[1], ins[2]);
-    for (t, n) in [(q, "q"), (k, "k"), (v, "v")] {
+    let layout = op.head_layout().expect("an attention op");
+    for (t, n) in [(ins[0], "q"), (ins[1], "k"), (ins[2], "v")] {
         if t.rank() != 4 {
-            return Err(format!("{n} must be [B, heads, S, head_dim], got {t}"));
+            return Err(match layout {
+                HeadLayout::Bhsd => format!("{n} must be [B, heads, S, head_dim], got {t}"),
+                HeadLayout::Bshd => {
+                    format!("{n} must be [B, S, heads, head_dim] (layout=bshd), got {t}")
+                }
+            });
         }
         want_float(t, n)?;
     }
+    // The checks below read [B, H, S, D]; the output goes back to the op's layout.
+    let (q, k, v) = (
+        &layout.swap_to_bhsd(ins[0]),
+        &layout.swap_to_bhsd(ins[1]),
+        &layout.swap_to_bhsd(ins[2]),
+    );
     same_dtype(q, k, "q and k")?;
     same_dtype(q, v, "q and v")?;
     if k.shape[..3] != v.shape[..3] {
@@ -480,7 +502,7 @@ pub(crate) fn attention_operands_check(op: &Op, ins: &[&TensorType]) -> Result<T
     }
     let mut out = q.clone();
     out.shape[3] = v.shape[3].clone();
-    Ok(out)
+    Ok(layout.swap_to_bhsd(&out))
 }
 
 pub fn count_valid(_: &Op, ins: &[&TensorType]) -> Out {

@@ -50,6 +50,7 @@ pub fn attention_grad(op: &Op, ins: &[&TensorType]) -> Out {
             window,
             softcap,
             sinks,
+            layout,
             ..
         } => Op::Attention {
             causal: *causal,
@@ -58,6 +59,7 @@ pub fn attention_grad(op: &Op, ins: &[&TensorType]) -> Out {
             softcap: *softcap,
             sinks: *sinks,
             lse: Default::default(),
+            layout: *layout,
         },
         _ => unreachable!(),
     };
@@ -66,12 +68,13 @@ pub fn attention_grad(op: &Op, ins: &[&TensorType]) -> Out {
     same_type(&out_ty, out, "the attention output and out")?;
     same_type(out, dout, "out and dout")?;
     if let Some(i) = slots.dlse {
-        let want = TensorType::new(DType::F32, q.shape[..3].to_vec());
+        let want = crate::shape::attention_lse_type(&fwd_op, q);
         same_type(&want, ins[i], "the log-sum-exp and dlse")?;
     }
     let mut res = vec![q.clone(), k.clone(), v.clone()];
     if sinks.0 {
-        res.push(TensorType::new(DType::F32, vec![q.shape[1].clone()]));
+        let heads = q.shape[fwd_op.head_layout().unwrap_or_default().heads_dim()].clone();
+        res.push(TensorType::new(DType::F32, vec![heads]));
     }
     Ok(res)
 }
@@ -105,6 +108,7 @@ pub fn attention_block_grad(op: &Op, ins: &[&TensorType]) -> Out {
         softcap: *softcap,
         sinks: false.into(),
         lse: false.into(),
+        layout: Default::default(),
     };
     let mut fwd_ins: Vec<&TensorType> = vec![ins[0], ins[1], ins[2]];
     fwd_ins.extend(ins.get(6).copied());

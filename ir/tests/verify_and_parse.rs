@@ -332,3 +332,33 @@ fn attention_attributes_round_trip_and_are_checked() {
     let e = errors_of(&parse("graph \"a\"\n%0: f32[2, 4, 9, 8] = param {name=\"q\"}\n%1: f32[2, 2, 9, 8] = param {name=\"k\"}\n%2: f32[2, 4, 9, 8] = attention %0, %1, %1 {causal=true, scale=0.35, sinks=true}\nreturn o=%2\n").unwrap()).join("\n");
     assert!(e.contains("sinks"), "{e}");
 }
+
+/// `layout=bshd` on attention, attention_grad and rope prints and parses back (the
+/// default layout prints nothing); shapes are read as [B, S, H, D]: GQA heads, sinks per
+/// q head, the log-sum-exp and dlse [B, Nq, Sq]; a [B, H, S, D] tensor given to a bshd
+/// op is refused at its node.
+#[test]
+fn bshd_layout_round_trips_and_reads_heads_from_dim_2() {
+    let text = "graph \"a\"\n%0: f32[2, 9, 4, 8] = param {name=\"q\"}\n%1: f32[2, 9, 2, 8] = param {name=\"k\"}\n%2: f32[2, 9, 2, 6] = param {name=\"v\"}\n%3: f32[4] = param {name=\"sinks\"}\n%4: f32[1, 9, 8] = param {name=\"cos\"}\n%5: f32[2, 9, 4, 8] = rope %0, %4, %4 {layout=bshd}\n%6: f32[2, 9, 4, 6], %7: f32[2, 4, 9] = attention %5, %1, %2, %3 {causal=true, scale=0.35, window=4, sinks=true, lse=true, layout=bshd}\n%8: f32[2, 9, 4, 6] = param {name=\"do\"}\n%9: f32[2, 4, 9] = param {name=\"dl\"}\n%10: f32[2, 9, 4, 8], %11: f32[2, 9, 2, 8], %12: f32[2, 9, 2, 6], %13: f32[4] = attention_grad %5, %1, %2, %6, %8, %3, %9 {causal=true, scale=0.35, window=4, sinks=true, lse=true, layout=bshd}\nreturn o=%6, l=%7, dq=%10, dk=%11, dv=%12, ds=%13\n";
+    let g = parse(text).unwrap_or_else(|e| panic!("{e}"));
+    verify(&g).unwrap_or_else(|r| panic!("{r}"));
+    let printed = print(&g);
+    assert_eq!(parse(&printed).unwrap(), g);
+    assert!(
+        printed.contains("rope %0, %4, %4 {layout=bshd}\n"),
+        "{printed}"
+    );
+    let default = "graph \"a\"\n%0: f32[2, 4, 9, 8] = param {name=\"q\"}\n%1: f32[2, 4, 9, 8] = attention %0, %0, %0 {causal=true, scale=0.35, layout=bhsd}\nreturn o=%1\n";
+    let printed = print(&parse(default).unwrap());
+    assert!(
+        printed.contains("attention %0, %0, %0 {causal=true, scale=0.35}\n"),
+        "{printed}"
+    );
+    // [B, H, S, D] q (4 heads at dim 1) against [B, S, H, D] k: batch/head_dim agree but
+    // the heads do not divide
+    let bad = "graph \"a\"\n%0: f32[2, 3, 9, 8] = param {name=\"q\"}\n%1: f32[2, 9, 2, 8] = param {name=\"k\"}\n%2: f32[2, 3, 9, 8] = attention %0, %1, %1 {causal=true, scale=0.35, layout=bshd}\nreturn o=%2\n";
+    let e = errors_of(&parse(bad).unwrap()).join("\n");
+    assert!(e.contains("multiple of kv heads"), "{e}");
+    let e = parse_err("graph \"a\"\n%0: f32[2, 4, 9, 8] = param {name=\"q\"}\n%1: f32[2, 4, 9, 8] = attention %0, %0, %0 {causal=true, scale=0.35, layout=sbhd}\nreturn o=%1\n");
+    assert!(e.contains("bhsd or bshd"), "{e}");
+}

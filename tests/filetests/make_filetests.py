@@ -53,6 +53,14 @@ ATTN = HEAD + '''%3: f32[8] = param {name="model.layers.0.input_layernorm.weight
 %30: f32[B, S, 8] = add %9, %29  # model.layers.0
 ''' + loss(30, 8, 31)
 
+# ATTN with k moved to [B, H, S, D] by a permute and v's transposed value also returned:
+# `fuse` moves rope and attention to [B, S, H, D] and cancels the swaps around them, but
+# keeps the transpose of v that the output still reads.
+ATTN_BSHD = ATTN.replace(
+    "%22: f32[B, 2, S, 4] = transpose %19 {dim0=1, dim1=2}",
+    "%22: f32[B, 2, S, 4] = permute %19 {perm=[0, 2, 1, 3]}",
+).replace("return loss=%35, logits=%31", "return loss=%35, logits=%31, v_heads=%23")
+
 MLP = HEAD + '''%3: f32[8] = param {name="model.layers.0.post_attention_layernorm.weight"}  # model.layers.0.post_attention_layernorm
 %4: f32[16, 8] = param {name="model.layers.0.mlp.gate_proj.weight"}  # model.layers.0.mlp.gate_proj
 %5: f32[16, 8] = param {name="model.layers.0.mlp.up_proj.weight"}  # model.layers.0.mlp.up_proj
@@ -123,6 +131,7 @@ FILES = [
     ("tp_attention", "tensor parallel on tp=2: q/k/v column-parallel by heads, o_proj row-parallel with an all_reduce, the vocabulary-parallel loss", "tp=2", "tensor-parallel, canonicalize", None, "B=2 S=4", "attn", ATTN),
     ("tp_mlp", "tensor parallel SwiGLU: gate/up column-parallel, down row-parallel, one all_reduce", "tp=2", "tensor-parallel, canonicalize", None, "B=2 S=4", "mlp", MLP),
     ("ep_moe", "expert parallel on ep=2 (folded over dp=2): each rank its batch block and two of four experts, rows exchanged with all_to_all_v before and after the experts", "ep=2", "shard-inputs, shard-seq, sp-loss, expert-parallel, canonicalize", None, "B=4 S=4", "moe", MOE),
+    ("fuse_attention_bshd", "fuse on an attention block's training step: rope, attention and attention_grad read and write [B, S, H, D] (layout=bshd), the transposes and the permute around them cancel, forward and backward; the transpose of v that an output reads stays", "", "autodiff, fuse", None, "B=2 S=4", "attn", ATTN_BSHD),
     ("autodiff_mlp", "autodiff of a SwiGLU block: a backward node per forward op, grad.<param> outputs", "", "autodiff", None, "B=2 S=4", "mlp", MLP),
     ("checkpoint_full", "full checkpointing: the layer's inside is recomputed before its backward, only its input is kept", "", "autodiff, checkpoint", "checkpoint=full", "B=2 S=4", "mlp", MLP),
     ("checkpoint_budget", "a checkpoint budget (min-cut): keep the step's live values within 4500 bytes (between recomputing nothing and the least, 4356): the min-cut recomputes the cheapest value; SGD frees each gradient at its update", "", "canonicalize, autodiff, checkpoint, grad-sync, optimizer", "checkpoint=budget=4500, optimizer=sgd:0.1, no_grad_outputs", "B=2 S=4", "mlp", MLP),

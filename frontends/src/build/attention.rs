@@ -58,8 +58,18 @@ impl Builder<'_> {
         let q = self.transpose(q, 1, 2)?;
         let k = self.transpose(k, 1, 2)?;
         let v = self.transpose(v, 1, 2)?;
-        let q = self.op(Op::Rope {}, &[q, cos, sin])?;
-        let k = self.op(Op::Rope {}, &[k, cos, sin])?;
+        let q = self.op(
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[q, cos, sin],
+        )?;
+        let k = self.op(
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[k, cos, sin],
+        )?;
         let scale = Float(
             c.multipliers
                 .attention_scale
@@ -72,6 +82,7 @@ impl Builder<'_> {
         }
         let o = self.op(
             Op::Attention {
+                layout: weft_ir::HeadLayout::Bhsd,
                 causal: true,
                 scale,
                 window: c

@@ -78,8 +78,18 @@ impl Builder<'_> {
         } else {
             (q_rot, k_rot)
         };
-        let q_rot = self.op(Op::Rope {}, &[q_rot, cos, sin])?;
-        let k_rot = self.op(Op::Rope {}, &[k_rot, cos, sin])?;
+        let q_rot = self.op(
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[q_rot, cos, sin],
+        )?;
+        let k_rot = self.op(
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[k_rot, cos, sin],
+        )?;
         let q = self.op(Op::Concat { dim: -1 }, &[q_pass, q_rot])?;
 
         let kv = self.linear(&format!("{a}.kv_b_proj"), latent)?;
@@ -104,6 +114,7 @@ impl Builder<'_> {
 
         let o = self.op(
             Op::Attention {
+                layout: weft_ir::HeadLayout::Bhsd,
                 causal: true,
                 scale: Float(mla.softmax_scale),
                 window: None,

@@ -383,6 +383,7 @@ impl Lower<'_> {
         let out = self.emit(
             n,
             Op::Attention {
+                layout: weft_ir::HeadLayout::Bhsd,
                 causal,
                 scale: Float(scale),
                 window,

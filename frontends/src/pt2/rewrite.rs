@@ -326,7 +326,16 @@ impl Rewriter<'_> {
                 continue;
             }
             let scope = scope_of(g, root);
-            if replace(g, root, Op::Rope {}, &[x, tc, ts]).is_some() {
+            if replace(
+                g,
+                root,
+                Op::Rope {
+                    layout: weft_ir::HeadLayout::Bhsd,
+                },
+                &[x, tc, ts],
+            )
+            .is_some()
+            {
                 self.report
                     .recognise("rope", scope.as_deref(), "x*cos + rotate_half(x)*sin");
                 return true;
@@ -382,7 +391,16 @@ impl Rewriter<'_> {
         } else {
             "cat(x1*cos - x2*sin, x2*cos + x1*sin) of chunk(x, 2) (half-width tables)"
         };
-        if replace(g, root, Op::Rope {}, &[x, tc, ts]).is_some() {
+        if replace(
+            g,
+            root,
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[x, tc, ts],
+        )
+        .is_some()
+        {
             self.report.recognise("rope", scope.as_deref(), what);
             return true;
         }
@@ -510,6 +528,7 @@ impl Rewriter<'_> {
             g,
             root,
             Op::Attention {
+                layout: weft_ir::HeadLayout::Bhsd,
                 causal,
                 scale: Float(scale),
                 window,

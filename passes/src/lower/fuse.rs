@@ -40,8 +40,13 @@
 //!   kernels compute in f32 from the same values and round once where the casts round;
 //!   only the order of the f32 sum of squares may differ from the f32 kernel's.
 //!
-//! The backward patterns are matched first: fusing them frees the forward's activation,
-//! which lets its forward pattern fuse. A fused node takes the place of the first node it
+//! - `layout=bshd` attention (see [`super::head_layout`]): the transposes between the
+//!   q/k/v projections' [B, S, H, D] and the [B, H, S, D] of `rope` and `attention`
+//!   (forward and backward) are commuted into those ops and cancelled.
+//!
+//! The head layout is rewritten before the other patterns (it touches none of their ops).
+//! The backward patterns are matched before the forward ones: fusing them frees the
+//! forward's activation, which lets its forward pattern fuse. A fused node takes the place of the first node it
 //! replaces when its operands are all computed by then, else the place just after its
 //! last operand when that is still before every reader of its results; otherwise the
 //! pattern stays unfused. Dead nodes left behind (the activation, its offload copies) are
@@ -61,10 +66,11 @@ impl Pass for Fuse {
         NAME
     }
     fn summary(&self) -> &'static str {
-        "fuse SwiGLU/GeGLU (glu, glu_grad), residual add + rms_norm (add_rms_norm, add_rms_norm_grad), GEMM accumulation (matmul_add) and the mixed-precision AdamW update with its casts (adamw_master)"
+        "fuse SwiGLU/GeGLU (glu, glu_grad), residual add + rms_norm (add_rms_norm, add_rms_norm_grad), GEMM accumulation (matmul_add), the mixed-precision AdamW update with its casts (adamw_master), and attention/rope in [B, S, H, D] (layout=bshd) without the transposes around them"
     }
     fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
+        let layout = super::head_layout::attention_to_bshd(g)?;
         let glu_grad = fuse_glu_grads(g)?;
         let norm_grad = fuse_add_rms_norm_grads(g)?;
         // The activations the fused backward no longer reads (and their offload
@@ -83,8 +89,21 @@ impl Pass for Fuse {
             .count("matmul_add", matmul_add as u64)
             .count("embedding_grad_init", embedding_grad as u64)
             .count("adamw_master", adamw as u64)
+            .count("attention_bshd", layout.attention as u64)
+            .count("rope_bshd", layout.rope as u64)
+            .count("transpose_pairs_cancelled", layout.cancelled as u64)
             .count("dce_removed", dead as u64);
-        res.changed = glu + glu_grad + norm + norm_grad + matmul_add + embedding_grad + adamw > 0;
+        res.changed = glu
+            + glu_grad
+            + norm
+            + norm_grad
+            + matmul_add
+            + embedding_grad
+            + adamw
+            + layout.attention
+            + layout.rope
+            + layout.cancelled
+            > 0;
         Ok(res)
     }
 }

@@ -7,6 +7,7 @@
 pub mod bindings;
 pub mod convert_dtype;
 pub mod fuse;
+mod head_layout;
 pub mod memory;
 pub mod plan;
 pub mod search;

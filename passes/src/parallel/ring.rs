@@ -277,6 +277,7 @@ fn rewrite(
         // A one-rank ring is the attention itself: no ring op, no log-sum-exp.
         b.op(
             Op::Attention {
+                layout: weft_ir::HeadLayout::Bhsd,
                 causal,
                 scale,
                 window,

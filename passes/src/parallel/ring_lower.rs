@@ -381,6 +381,7 @@ impl Builder<'_> {
         self.res.count("block_attentions", 1);
         let v = self.ops(
             Op::Attention {
+                layout: weft_ir::HeadLayout::Bhsd,
                 causal,
                 scale: r.scale,
                 window: None,

@@ -205,7 +205,13 @@ pub fn build(c: &Config) -> Graph {
             }
             let y = g.add(Op::Transpose { dim0: 1, dim1: 2 }, &[y]).unwrap();
             if rope {
-                g.add(Op::Rope {}, &[y, cos, sin]).unwrap()
+                g.add(
+                    Op::Rope {
+                        layout: weft_ir::HeadLayout::Bhsd,
+                    },
+                    &[y, cos, sin],
+                )
+                .unwrap()
             } else {
                 y
             }
@@ -218,6 +224,7 @@ pub fn build(c: &Config) -> Graph {
         let a = g
             .add(
                 Op::Attention {
+                    layout: weft_ir::HeadLayout::Bhsd,
                     causal: true,
                     scale: Float(1.0 / (c.head_dim as f64).sqrt()),
                     window: None,

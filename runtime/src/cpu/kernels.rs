@@ -11,7 +11,7 @@ use super::host::{kind, kind_of, values_f64, values_i64, Kind};
 use candle_core::{DType as C, Device, Tensor, D};
 use weft_ir::attrs::{rope_inv_freq, CmpOp, Reduction};
 use weft_ir::shape::norm_dim;
-use weft_ir::{Bindings, DType, Dim, Op};
+use weft_ir::{Bindings, DType, Dim, HeadLayout, Op};
 
 /// Why an op failed, as a message; the caller names the node and rank.
 #[derive(Debug)]
@@ -189,6 +189,9 @@ fn cast(x: &Tensor, to: DType, float: C) -> KResult<Tensor> {
 
 /// Evaluates one non-collective, non-source op.
 pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
+    if op.head_layout() == Some(HeadLayout::Bshd) {
+        return super::head_layout::eval_bshd(op, ins, cx);
+    }
     let one = |t: Tensor| Ok(vec![t]);
     let x = || ins[0].clone();
     match op {
@@ -382,7 +385,7 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 a => Ok(vec![cos.affine(a, 0.0)?, sin.affine(a, 0.0)?]),
             }
         }
-        Op::Rope {} => {
+        Op::Rope { .. } => {
             let (x, cos, sin) = (&ins[0], &ins[1], &ins[2]);
             let (hd, r) = (x.dims()[3], cos.dims()[2]);
             if r > hd || r % 2 != 0 {

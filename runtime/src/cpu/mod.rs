@@ -52,6 +52,7 @@ mod fp8;
 mod fused;
 mod fusions;
 mod grad_outputs;
+mod head_layout;
 mod host;
 pub(crate) mod kernels;
 mod linear_ce;

@@ -17,17 +17,23 @@
 
 // ---------------------------------------------------------------- generic forward
 
+// Element offset of row (b, h, i) of a per-head tensor: [B, N, S, Dx], or [B, S, N, Dx] when bshd
+// (`layout=bshd`). The generic kernels read and write either layout; the statistics (lse, delta,
+// dlse) are indexed by the [B, N, S] row in both.
+__device__ __forceinline__ i64 head_row(int bshd, i64 b, i64 h, i64 i, i64 N, i64 S, i64 Dx) {
+    return (bshd ? (b * S + i) * N + h : (b * N + h) * S + i) * Dx;
+}
+
 #define DEF_ATTN_GENERIC(S_, T)                                                                           \
     extern "C" __global__ void attn_fwd_generic_##S_(T* out, float* lse, const T* q, const T* k, const T* v, \
             const u8* mask, int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal, \
-            i64 lstride, i64 window, int Dv, float softcap, const void* sinks, int sinks_f32, float* lse_out) { \
+            i64 lstride, i64 window, int Dv, float softcap, const void* sinks, int sinks_f32, float* lse_out, \
+            int bshd) {                                                                                   \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
         i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
         if (i >= Sq) return;                                                                              \
         int h = blockIdx.y, b = blockIdx.z, hk = h / (Nq / Nkv);                                          \
-        const T* qr = q + (((i64)b * Nq + h) * Sq + i) * D;                                               \
-        const T* kb = k + ((i64)b * Nkv + hk) * Sk * D;                                                   \
-        const T* vb = v + ((i64)b * Nkv + hk) * Sk * Dv;                                                  \
+        const T* qr = q + head_row(bshd, b, h, i, Nq, Sq, D);                                             \
         float qv[8], acc[8];                                                                              \
         _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
             int d = lane + 32 * t;                                                                        \
@@ -40,7 +46,7 @@
         i64 jbeg = (causal && window > 0 && !mask && i + off - window + 1 > 0) ? i + off - window + 1 : 0; \
         const u8* mrow = mask ? mask + (((i64)(mb > 1 ? b : 0) * mh + (mh > 1 ? h : 0)) * Sq + i) * Sk : 0; \
         for (i64 j = jbeg; j < jend; ++j) {                                                               \
-            const T* kr = kb + j * D;                                                                     \
+            const T* kr = k + head_row(bshd, b, hk, j, Nkv, Sk, D);                                       \
             float dot = 0.f;                                                                              \
             _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
                 int d = lane + 32 * t;                                                                    \
@@ -56,7 +62,7 @@
             float corr = __expf(m - mn);                                                                  \
             float p = __expf(s - mn);                                                                     \
             l = l * corr + p;                                                                             \
-            const T* vr = vb + j * Dv;                                                                    \
+            const T* vr = v + head_row(bshd, b, hk, j, Nkv, Sk, Dv);                                      \
             _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
                 int d = lane + 32 * t;                                                                    \
                 if (d < Dv) acc[t] = acc[t] * corr + p * tof(vr[d]);                                      \
@@ -72,7 +78,7 @@
             _Pragma("unroll") for (int t = 0; t < 8; ++t) acc[t] *= corr;                                 \
             m = mn;                                                                                       \
         }                                                                                                 \
-        T* orow = out + (((i64)b * Nq + h) * Sq + i) * Dv;                                                \
+        T* orow = out + head_row(bshd, b, h, i, Nq, Sq, Dv);                                              \
         float inv = l > 0.f ? 1.f / l : 0.f;                                                              \
         _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
             int d = lane + 32 * t;                                                                        \
@@ -85,14 +91,17 @@
 FOR_FLOATS(DEF_ATTN_GENERIC)
 
 // ---------------------------------------------------------------- generic backward
-// delta[row] = sum_d dO[row, d] * O[row, d] (f32), one warp per row.
+// delta[row] = sum_d dO[row, d] * O[row, d] (f32), one warp per [B, N, S] row (o and dout [B, N, S, D],
+// or [B, S, N, D] when bshd).
 #define DEF_ATTN_DELTA(S_, T)                                                                             \
-    extern "C" __global__ void attn_delta_##S_(float* delta, const T* o, const T* dout, i64 rows, int D) {  \
+    extern "C" __global__ void attn_delta_##S_(float* delta, const T* o, const T* dout, i64 rows, int D,   \
+                                               int N, i64 S, int bshd) {                                  \
         i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;                                        \
         int lane = threadIdx.x & 31;                                                                      \
         if (r >= rows) return;                                                                            \
+        i64 at = bshd ? head_row(1, r / ((i64)N * S), (r / S) % N, r % S, N, S, D) : r * D;               \
         float acc = 0.f;                                                                                  \
-        for (int d = lane; d < D; d += 32) acc += tof(o[r * D + d]) * tof(dout[r * D + d]);               \
+        for (int d = lane; d < D; d += 32) acc += tof(o[at + d]) * tof(dout[at + d]);                     \
         acc = warp_sum(acc);                                                                              \
         if (lane == 0) delta[r] = acc;                                                                    \
     }
@@ -104,15 +113,14 @@ FOR_FLOATS(DEF_ATTN_DELTA)
             const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* mask,   \
             int mb, int mh, int Nq, int Nkv, i64 Sq, i64 Sk, int D, float scale, int causal, i64 lstride,  \
             i64 window, int Dv, float softcap, const void* sinks, int sinks_f32, float* dsinks_acc,          \
-            const float* dlse) {                                                                          \
+            const float* dlse, int bshd) {                                                                \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                             \
         i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;                                               \
         if (i >= Sq) return;                                                                              \
         int h = blockIdx.y, b = blockIdx.z, hk = h / (Nq / Nkv);                                          \
         i64 qrow = ((i64)b * Nq + h) * Sq + i;                                                            \
-        const T* qr = q + qrow * D;                                                                       \
-        const T* dor = dout + qrow * Dv;                                                                  \
-        i64 kvbase = ((i64)b * Nkv + hk) * Sk;                                                            \
+        const T* qr = q + head_row(bshd, b, h, i, Nq, Sq, D);                                             \
+        const T* dor = dout + head_row(bshd, b, h, i, Nq, Sq, Dv);                                        \
         float qv[8], dov[8], dqa[8];                                                                      \
         _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
             int d = lane + 32 * t;                                                                        \
@@ -127,8 +135,9 @@ FOR_FLOATS(DEF_ATTN_DELTA)
         i64 jbeg = (causal && window > 0 && !mask && i + off - window + 1 > 0) ? i + off - window + 1 : 0; \
         const u8* mrow = mask ? mask + (((i64)(mb > 1 ? b : 0) * mh + (mh > 1 ? h : 0)) * Sq + i) * Sk : 0; \
         for (i64 j = jbeg; j < jend; ++j) {                                                               \
-            const T* kr = k + (kvbase + j) * D;                                                           \
-            const T* vr = v + (kvbase + j) * Dv;                                                          \
+            const i64 kj = head_row(bshd, b, hk, j, Nkv, Sk, D), vj = head_row(bshd, b, hk, j, Nkv, Sk, Dv); \
+            const T* kr = k + kj;                                                                         \
+            const T* vr = v + vj;                                                                         \
             float dot = 0.f, dpv = 0.f;                                                                   \
             _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                               \
                 int d = lane + 32 * t;                                                                    \
@@ -150,14 +159,14 @@ FOR_FLOATS(DEF_ATTN_DELTA)
                 int d = lane + 32 * t;                                                                    \
                 if (d < D) {                                                                              \
                     dqa[t] += ds * tof(kr[d]);                                                            \
-                    atomicAdd(dk_acc + (kvbase + j) * D + d, ds * qv[t] * scale);                         \
+                    atomicAdd(dk_acc + kj + d, ds * qv[t] * scale);                                       \
                 }                                                                                         \
-                if (d < Dv) atomicAdd(dv_acc + (kvbase + j) * Dv + d, p * dov[t]);                        \
+                if (d < Dv) atomicAdd(dv_acc + vj + d, p * dov[t]);                                       \
             }                                                                                             \
         }                                                                                                 \
         _Pragma("unroll") for (int t = 0; t < 8; ++t) {                                                   \
             int d = lane + 32 * t;                                                                        \
-            if (d < D) dq[qrow * D + d] = fromf<T>(dqa[t] * scale);                                       \
+            if (d < D) dq[head_row(bshd, b, h, i, Nq, Sq, D) + d] = fromf<T>(dqa[t] * scale);             \
         }                                                                                                 \
         /* the sink's logit: dsink_h = -sum_i P_sink(i) D(i) */                                           \
         if (sinks && lane == 0) {                                                                         \

@@ -407,15 +407,16 @@ extern "C" __global__ void ce_bwd_lse8_bf16(uint4* dx, const uint4* logits, cons
 
 // Rotary embedding without per-element index arithmetic: grid (ceil(S / blockDim.y), N, B),
 // thread x = j < D / 2. j < r/2 rotates the pair (j, j + r/2); the rest copy two of the D - r
-// unrotated features each. cos/sin are f32 or bf16 [Bc, S, r] (cbs = 0 when Bc = 1).
+// unrotated features each. cos/sin are f32 or bf16 [Bc, S, r] (cbs = 0 when Bc = 1). x and out are
+// [B, N, S, D], or [B, S, N, D] when bshd = 1.
 #define DEF_ROPE2(S_, T)                                                                                   \
     extern "C" __global__ void rope2_##S_(T* out, const T* x, const void* cosv, const void* sinv, int ccode,  \
-                                            int N, int S, int D, int r, i64 cbs) {                            \
+                                            int N, int S, int D, int r, i64 cbs, int bshd) {                  \
         const int j = threadIdx.x;                                                                           \
         const int s = blockIdx.x * blockDim.y + threadIdx.y;                                                 \
         if (s >= S || j >= D / 2) return;                                                                    \
         const int n = blockIdx.y, b = blockIdx.z;                                                            \
-        const i64 base = (((i64)b * N + n) * S + s) * D;                                                     \
+        const i64 base = bshd ? (((i64)b * S + s) * N + n) * D : (((i64)b * N + n) * S + s) * D;             \
         const int h = r / 2;                                                                                 \
         if (j < h) {                                                                                         \
             const i64 ci = (i64)b * cbs + (i64)s * r + j;                                                    \

@@ -196,6 +196,9 @@ pub struct Shape {
     pub window: usize,
     pub scale_bits: u32,
     pub backward: bool,
+    /// Q, K, V, O and their gradients lie in memory as [B, S, H, D] (`layout=bshd`):
+    /// the graph keeps the [B, H, S, D] dims and permutes the strides.
+    pub bshd: bool,
 }
 
 impl Shape {
@@ -823,23 +826,33 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
     // V, O, dO and dV have the value head dim.
     let vd = [b, hk, s, dvh];
     let od = [b, hq, s, dvh];
+    // The strides of the per-head inputs and outputs: row-major BHSD, or BSHD memory
+    // under the same [B, H, S, D] dims.
+    let io = |dims: [i64; 4]| {
+        if sh.bshd {
+            [dims[1] * dims[2] * dims[3], dims[3], dims[1] * dims[3], 1]
+        } else {
+            contig(dims)
+        }
+    };
+    // Kᵀ and Vᵀ: [B,Hkv,D,S] over K's and V's memory (their last two strides swapped).
+    let swap_last = |st: [i64; 4]| [st[0], st[1], st[3], st[2]];
     let vtd = [b, hk, dvh, s];
-    let vts = [hk * s * dvh, s * dvh, 1, dvh];
-    // Kᵀ and Vᵀ: [B,Hkv,D,S] over the BHSD memory.
+    let vts = swap_last(io(vd));
     let ktd = [b, hk, d, s];
-    let kts = [hk * s * d, s * d, 1, d];
+    let kts = swap_last(io(kd));
     let sd = [b, hq, s, s];
     let ss = contig(sd);
     let rd = [b, hq, s, 1];
     let rs = [hq * s, s, 1, 1];
-    let q = g.io(Q, qd, contig(qd), bf, "Q")?;
+    let q = g.io(Q, qd, io(qd), bf, "Q")?;
     let kt = g.io(K, ktd, kts, bf, "K^T")?;
-    let o = g.io(O, od, contig(od), bf, "O")?;
+    let o = g.io(O, od, io(od), bf, "O")?;
     let stats = g.io(STATS, rd, rs, f32t, "Stats")?;
     let scale = g.scalar(SCALE, sh.scale(), "attn scale")?;
     let add = c::cudnnReduceTensorOp_t::CUDNN_REDUCE_TENSOR_ADD;
     if !sh.backward {
-        let v = g.io(V, vd, contig(vd), bf, "V")?;
+        let v = g.io(V, vd, io(vd), bf, "V")?;
         let s1 = g.virt(sd, ss, f32t, "Q K^T")?;
         g.matmul(q, kt, s1, "bmm1")?;
         let mut sc = g.pw_new(
@@ -875,10 +888,10 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
         g.matmul(p, v, o, "bmm2")?;
     } else {
         let vt = g.io(V, vtd, vts, bf, "V^T")?;
-        let d_o = g.io(DO, od, contig(od), bf, "dO")?;
-        let dq = g.io(DQ, qd, contig(qd), bf, "dQ")?;
-        let dk = g.io(DK, kd, contig(kd), bf, "dK")?;
-        let dv = g.io(DV, vd, contig(vd), bf, "dV")?;
+        let d_o = g.io(DO, od, io(od), bf, "dO")?;
+        let dq = g.io(DQ, qd, io(qd), bf, "dQ")?;
+        let dk = g.io(DK, kd, io(kd), bf, "dK")?;
+        let dv = g.io(DV, vd, io(vd), bf, "dV")?;
         let one = g.scalar(ONE, 1.0, "one")?;
         // Dsum = rowsum(dO * O)
         let t = g.virt(od, [hq * s * dvh, s * dvh, hq * dvh, 1], f32t, "dO*O")?;

@@ -526,15 +526,16 @@ extern "C" __global__ void rope_table(void* cosv, void* sinv, int ocode, const v
     }
 }
 
-// Rotary embedding on x [B, N, S, D]; cos/sin [Bc, S, r] (Bc = 1 or B), rotating the first r
-// features (r even).
+// Rotary embedding on x [B, N, S, D] ([B, S, N, D] when bshd = 1); cos/sin [Bc, S, r] (Bc = 1 or B),
+// rotating the first r features (r even).
 #define DEF_ROPE(S_, T)                                                                                  \
     extern "C" __global__ void rope_##S_(T* out, const T* x, const void* cosv, const void* sinv,         \
-                                           int ccode, i64 B, i64 N, i64 S, i64 D, i64 r, i64 cbs) {      \
+                                           int ccode, i64 B, i64 N, i64 S, i64 D, i64 r, i64 cbs,        \
+                                           int bshd) {                                                   \
         i64 n = B * N * S * D;                                                                           \
         GRID_STRIDE(i, n) {                                                                              \
             i64 d = i % D;                                                                               \
-            i64 s = (i / D) % S;                                                                         \
+            i64 s = bshd ? (i / (D * N)) % S : (i / D) % S;                                              \
             i64 b = i / (D * S * N);                                                                     \
             float xv = tof(x[i]);                                                                        \
             if (d >= r) { out[i] = x[i]; continue; }                                                     \

@@ -375,15 +375,15 @@ kernels! {
         cosv: Ptr, sinv: Ptr, ocode: Code, pos: Ptr, pcode: Code, npos: I64, half: I32,
         inv: Ptr, scale: F32,
     }
-    /// rope over x [B, N, S, D], one thread per element.
+    /// rope over x [B, N, S, D] (`bshd` = 1: [B, S, N, D]), one thread per element.
     Rope ["rope_##S_"] Shape::Items => {
         out: Ptr, x: Ptr, cosv: Ptr, sinv: Ptr, ccode: Code, b: I64, n: I64, s: I64, d: I64,
-        r: I64, cbs: I64,
+        r: I64, cbs: I64, bshd: I32,
     }
     /// rope with a (S-tiles, N, B) grid of (D/2, rows) blocks; the call site picks the grid.
     Rope2 ["rope2_##S_"] Shape::Custom => {
         out: Ptr, x: Ptr, cosv: Ptr, sinv: Ptr, ccode: Code, n: I32, s: I32, d: I32, r: I32,
-        cbs: I64,
+        cbs: I64, bshd: I32,
     }
 
     // ------------------------------------------------------------ embedding and indexing
@@ -473,17 +473,19 @@ kernels! {
     AttnFwdGeneric ["attn_fwd_generic_##S_"] Shape::Custom => {
         out: Ptr, lse: Ptr, q: Ptr, k: Ptr, v: Ptr, mask: Ptr, mb: I32, mh: I32, nq: I32,
         nkv: I32, sq: I64, sk: I64, d: I32, scale: F32, causal: I32, lstride: I64, window: I64,
-        dv: I32, softcap: F32, sinks: Ptr, sinks_f32: I32, lse_out: Ptr,
+        dv: I32, softcap: F32, sinks: Ptr, sinks_f32: I32, lse_out: Ptr, bshd: I32,
     }
     /// The generic attention backward: dq, and dk, dv (and d sinks) as f32 accumulators.
     AttnBwdGeneric ["attn_bwd_generic_##S_"] Shape::Custom => {
         dq: Ptr, dk_acc: Ptr, dv_acc: Ptr, q: Ptr, k: Ptr, v: Ptr, dout: Ptr, lse: Ptr,
         delta: Ptr, mask: Ptr, mb: I32, mh: I32, nq: I32, nkv: I32, sq: I64, sk: I64, d: I32,
         scale: F32, causal: I32, lstride: I64, window: I64, dv: I32, softcap: F32, sinks: Ptr,
-        sinks_f32: I32, dsinks_acc: Ptr, dlse: Ptr,
+        sinks_f32: I32, dsinks_acc: Ptr, dlse: Ptr, bshd: I32,
     }
-    /// `rowsum(o * dout)` per query row, one warp per row.
-    AttnDelta ["attn_delta_##S_"] Shape::Warps => { delta: Ptr, o: Ptr, dout: Ptr, rows: I64, d: I32 }
+    /// `rowsum(o * dout)` per query row, one warp per row (`bshd` = 1: o, dout [B, S, N, D]).
+    AttnDelta ["attn_delta_##S_"] Shape::Warps => {
+        delta: Ptr, o: Ptr, dout: Ptr, rows: I64, d: I32, n: I32, s: I64, bshd: I32,
+    }
     /// `scale` times `n` f32 converted to the kernel's dtype.
     F32ToScaled ["f32_to_##S_"] Shape::Items => { out: Ptr, input: Ptr, n: I64, scale: F32 }
     /// The tensor-core flash attention forward (bf16, head dim 64 or 128); the call site

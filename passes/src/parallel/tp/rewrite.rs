@@ -1417,7 +1417,7 @@ impl Tp {
                 dims.iter().map(|&k| (0, k)).collect()
             }
             Op::Attention { .. } => vec![(0, 3), (1, 3), (2, 3), (0, 2), (1, 2)],
-            Op::Rope {} => vec![(0, 3)],
+            Op::Rope { .. } => vec![(0, 3)],
             Op::Matmul {
                 transpose_a,
                 transpose_b,
@@ -2321,7 +2321,7 @@ fn trace_back(g: &Graph, v: Value) -> Option<(Node, Option<(Node, usize)>)> {
                 split = Some((n, i));
                 cur = d.operands[0];
             }
-            Op::Rope {}
+            Op::Rope { .. }
             | Op::Transpose { .. }
             | Op::Permute { .. }
             | Op::RmsNorm { .. }

@@ -442,6 +442,7 @@ fn attention_loss_graph(sq: i64, sk: i64, causal: bool, with_mask: bool) -> Grap
     let o = g
         .add(
             Op::Attention {
+                layout: weft_ir::HeadLayout::Bhsd,
                 causal,
                 scale: Float(0.7),
                 window: None,
@@ -513,7 +514,14 @@ fn partial_rope_and_rms_norm_grads_match_finite_differences() {
     let xt = g.add(Op::Transpose { dim0: 1, dim1: 2 }, &[x]).unwrap();
     let cos = input(&mut g, "cos", fty(&[2, 2, 4]));
     let sin = input(&mut g, "sin", fty(&[2, 2, 4]));
-    let y = g.add(Op::Rope {}, &[xt, cos, sin]).unwrap();
+    let y = g
+        .add(
+            Op::Rope {
+                layout: weft_ir::HeadLayout::Bhsd,
+            },
+            &[xt, cos, sin],
+        )
+        .unwrap();
     let w = param(&mut g, "w", fty(&[6]));
     let y = g.add(Op::RmsNorm { eps: Float(1e-5) }, &[y, w]).unwrap();
     let r = input(&mut g, "r", fty(&[2, 3, 2, 6]));
@@ -619,6 +627,7 @@ fn attention_window_softcap_sinks_and_lse_grads_match_finite_differences() {
         let res = g
             .add_multi(
                 Op::Attention {
+                    layout: weft_ir::HeadLayout::Bhsd,
                     causal: true,
                     scale: Float(0.7),
                     window,

@@ -271,8 +271,22 @@ pub(super) fn build(cfg: &Cfg) -> Graph {
         let q = heads(&mut g, q, cfg.heads);
         let k = heads(&mut g, k, cfg.kv_heads);
         let mut v = heads(&mut g, v, cfg.kv_heads);
-        let mut q = g.add(Op::Rope {}, &[q, cos, sin]).unwrap();
-        let mut k = g.add(Op::Rope {}, &[k, cos, sin]).unwrap();
+        let mut q = g
+            .add(
+                Op::Rope {
+                    layout: weft_ir::HeadLayout::Bhsd,
+                },
+                &[q, cos, sin],
+            )
+            .unwrap();
+        let mut k = g
+            .add(
+                Op::Rope {
+                    layout: weft_ir::HeadLayout::Bhsd,
+                },
+                &[k, cos, sin],
+            )
+            .unwrap();
         if cfg.sp > 1 {
             // Ulysses: trade the sequence split for a head split.
             for t in [&mut q, &mut k, &mut v] {
@@ -292,6 +306,7 @@ pub(super) fn build(cfg: &Cfg) -> Graph {
         let mut a = g
             .add(
                 Op::Attention {
+                    layout: weft_ir::HeadLayout::Bhsd,
                     causal: true,
                     scale: Float(scale),
                     window: None,

@@ -230,7 +230,9 @@ fn rope_rotates_the_first_features_and_passes_the_rest() {
     let cos = rng.vec(s * r, 1.0);
     let sin = rng.vec(s * r, 1.0);
     let y = one_op(
-        Op::Rope {},
+        Op::Rope {
+            layout: weft_ir::HeadLayout::Bhsd,
+        },
         vec![
             (fty(&[1, 2, 3, 6]), hf(&[1, 2, 3, 6], x.clone())),
             (fty(&[1, 3, 4]), hf(&[1, 3, 4], cos.clone())),
@@ -323,6 +325,7 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
     for causal in [true, false] {
         let y = one_op(
             Op::Attention {
+                layout: weft_ir::HeadLayout::Bhsd,
                 causal,
                 scale: Float(scale),
                 window: None,
@@ -352,6 +355,7 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
     ));
     let y = one_op(
         Op::Attention {
+            layout: weft_ir::HeadLayout::Bhsd,
             causal: true,
             scale: Float(scale),
             window: None,
@@ -375,6 +379,7 @@ fn attention_causal_gqa_and_mask_match_a_naive_loop() {
     let v = rng.vec(b * nkv * sk * d, 1.0);
     let y = one_op(
         Op::Attention {
+            layout: weft_ir::HeadLayout::Bhsd,
             causal: true,
             scale: Float(0.5),
             window: None,
@@ -1083,6 +1088,7 @@ fn attention_window_softcap_value_dim_and_sinks_match_a_naive_loop() {
         (None, None, true),
     ] {
         let op = |lse: bool| Op::Attention {
+            layout: weft_ir::HeadLayout::Bhsd,
             causal: true,
             scale: Float(0.6),
             window: window.map(|w| w as i64),

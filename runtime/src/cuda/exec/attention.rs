@@ -4,8 +4,16 @@
 //! 128, nothing extra), else the generic kernels, which implement every attribute of the
 //! op (docs/attention.md). The forward keeps its per-row statistics in a side buffer the
 //! backward finds by the output's pointer.
+//!
+//! `layout=bshd`: every per-head tensor (q, k, v, out, dout, dq, dk, dv) is handled as a
+//! [B, H, S, D]-shaped `DevT` whose memory is [B, S, H, D]. cuDNN reads and writes it in
+//! place through permuted strides, and the generic kernels take a `bshd` flag; the
+//! tensor-core kernels index row-major [B, H, S, D] (their tiles are loaded as
+//! contiguous head blocks), so for them the operands are transposed into scratch and
+//! the results back: two copies per tensor, the price of not rewriting their loads.
 
 use super::*;
+use weft_ir::HeadLayout;
 
 /// What an `attention` / `attention_grad` adds to plain attention (docs/attention.md):
 /// soft-capping, sinks, a value head dim different from the query/key one, and the
@@ -173,7 +181,8 @@ fn generic_shape(
 }
 
 /// The cuDNN graph for this attention, when cuDNN is selected and can take it: bf16
-/// BHSD q/k/v, no mask, Sq == Sk, head dim a multiple of 8 up to 256, GQA or MHA.
+/// q/k/v (BHSD, or BSHD memory when `bshd`), no mask, Sq == Sk, head dim a multiple of 8
+/// up to 256, GQA or MHA.
 #[allow(clippy::too_many_arguments)]
 fn cudnn_shape(
     lw: &Lower,
@@ -185,6 +194,7 @@ fn cudnn_shape(
     window: i64,
     scale: f32,
     backward: bool,
+    bshd: bool,
 ) -> Option<cudnn_sdpa::Shape> {
     lw.cudnn?;
     // cuDNN's band is the left edge of a causal mask; a window without causal runs on
@@ -223,6 +233,7 @@ fn cudnn_shape(
         window: window.max(0) as usize,
         scale_bits: scale.to_bits(),
         backward,
+        bshd,
     })
 }
 
@@ -275,7 +286,8 @@ fn cudnn_fwd(
     Ok(true)
 }
 
-/// Attention forward: cuDNN's fused kernel where selected and possible, else Weft's.
+/// Attention forward: cuDNN's fused kernel where selected and possible, else Weft's
+/// (`bshd`: q, k, v and o lie in memory as [B, S, H, D], see the module doc).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_fwd(
     lw: &mut Lower,
@@ -289,6 +301,7 @@ pub(super) fn attention_fwd(
     scale: f32,
     window: i64,
     extras: &AttnExtras,
+    bshd: bool,
 ) -> CudaResult<()> {
     // A window as long as the keys is no band (and may be too large to count with).
     let window = if window as u64 >= k.shape[2] as u64 {
@@ -297,14 +310,67 @@ pub(super) fn attention_fwd(
         window
     };
     if extras.none() {
-        if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, window, scale, false) {
+        if let Some(sh) = cudnn_shape(lw, q, k, v, mask, causal, window, scale, false, bshd) {
             if cudnn_fwd(lw, q, k, v, o, lse, sh)? {
                 lw.cudnn_lse.insert(lse);
                 return Ok(());
             }
         }
     }
-    attention_fwd_weft(lw, q, k, v, mask, o, lse, causal, scale, window, extras)
+    attention_fwd_weft(
+        lw, q, k, v, mask, o, lse, causal, scale, window, extras, bshd,
+    )
+}
+
+/// The strides of a [B, H, S, D]-shaped tensor whose memory is [B, S, H, D].
+fn bshd_strides(shape: &[usize]) -> Vec<i64> {
+    let (h, s, d) = (shape[1] as i64, shape[2] as i64, shape[3] as i64);
+    vec![s * h * d, d, h * d, 1]
+}
+
+/// `t` as its [B, H, S, D] view: the same memory, dims 1 and 2 swapped (for a tensor of
+/// a `layout=bshd` op, whose shape is [B, S, H, D]).
+fn bhsd_view(t: &DevT) -> DevT {
+    let mut v = t.clone();
+    if v.rank() == 4 {
+        v.shape.swap(1, 2);
+    }
+    v
+}
+
+/// Scratch for a row-major [B, H, S, D] tensor of `t`'s shape and dtype.
+fn bhsd_scratch(lw: &mut Lower, t: &DevT) -> DevT {
+    DevT {
+        ptr: lw.ex.scratch(lw.stream, t.bytes()),
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+    }
+}
+
+/// A row-major [B, H, S, D] scratch copy of `t` ([B, S, H, D] memory).
+fn to_bhsd_scratch(lw: &mut Lower, t: &DevT) -> CudaResult<DevT> {
+    let out = bhsd_scratch(lw, t);
+    lw.strided(
+        out.ptr,
+        t.ptr,
+        esz(t.dtype),
+        &t.shape,
+        &bshd_strides(&t.shape),
+        &layout::strides(&t.shape),
+    )?;
+    Ok(out)
+}
+
+/// Copies the row-major [B, H, S, D] `src` into `dst` ([B, S, H, D] memory).
+fn from_bhsd_scratch(lw: &mut Lower, dst: &DevT, src: &DevT) -> CudaResult<()> {
+    lw.strided(
+        dst.ptr,
+        src.ptr,
+        esz(dst.dtype),
+        &dst.shape,
+        &layout::strides(&dst.shape),
+        &bshd_strides(&dst.shape),
+    )
 }
 
 /// The narrowest window the tensor-core kernels and cuDNN take: below it (a band narrower
@@ -313,7 +379,8 @@ pub(super) fn attention_fwd(
 /// windows of 64 and more matched the CPU.
 const FA_MIN_WINDOW: i64 = 64;
 
-/// Weft's own attention forward kernels (tensor-core flash or generic).
+/// Weft's own attention forward kernels (tensor-core flash or generic; `bshd`: the
+/// per-head tensors lie in memory as [B, S, H, D]).
 #[allow(clippy::too_many_arguments)]
 fn attention_fwd_weft(
     lw: &mut Lower,
@@ -327,6 +394,7 @@ fn attention_fwd_weft(
     scale: f32,
     window: i64,
     extras: &AttnExtras,
+    bshd: bool,
 ) -> CudaResult<()> {
     let (b, nq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
     let (nkv, sk, dv) = (k.shape[1], k.shape[2], v.shape[3]);
@@ -348,6 +416,18 @@ fn attention_fwd_weft(
         && q.dtype == DType::BF16
         && (d == 64 || d == 128)
         && (window == 0 || window >= FA_MIN_WINDOW);
+    if fast && bshd {
+        let (qs, ks, vs) = (
+            to_bhsd_scratch(lw, q)?,
+            to_bhsd_scratch(lw, k)?,
+            to_bhsd_scratch(lw, v)?,
+        );
+        let os = bhsd_scratch(lw, o);
+        attention_fwd_weft(
+            lw, &qs, &ks, &vs, mask, &os, lse, causal, scale, window, extras, false,
+        )?;
+        return from_bhsd_scratch(lw, o, &os);
+    }
     if fast {
         // WEFT_FA_WARPS=8: 128 query rows per block (8 warps) instead of 64.
         // Head dim 64: two 16-row m-tiles per warp (128 rows per block) unless WEFT_FA_FWD=m1.
@@ -409,20 +489,26 @@ fn attention_fwd_weft(
         sinks: g.sinks,
         sinks_f32: g.sinks_f32,
         lse_out: extras.lse_out,
+        bshd: bshd as i32,
     };
     lw.run_at(name, grid, (128, 1, 1), 0, kernel)
 }
 
+/// Attention backward: dq, dk, dv (and the extras' gradients) from q, k, v, out, dout
+/// (`ins`) and `saved`, the statistics the forward kept for `out` (`bshd`: the per-head
+/// tensors lie in memory as [B, S, H, D], see the module doc).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_bwd(
     lw: &mut Lower,
     ins: &[DevT],
     mask: Option<&DevT>,
     outs: &[DevT],
+    saved: Option<u64>,
     causal: bool,
     scale: f32,
     window: i64,
     extras: &AttnExtras,
+    bshd: bool,
 ) -> CudaResult<()> {
     let (q, k, v, out, dout) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
     let (dq, dk, dv) = (&outs[0], &outs[1], &outs[2]);
@@ -430,7 +516,6 @@ pub(super) fn attention_bwd(
     let (nkv, sk, vd) = (k.shape[1], k.shape[2], v.shape[3]);
     let plain = extras.plain(d, vd);
     let rows = (b * nq * sq) as u64;
-    let saved = lw.attn_lse.get(&out.ptr).copied();
     // cuDNN's backward, from cuDNN's saved statistics (or a cuDNN forward recomputed to
     // scratch when the forward's were not kept): never mixed with Weft's log2 statistics.
     let window = if window as u64 >= k.shape[2] as u64 {
@@ -439,7 +524,7 @@ pub(super) fn attention_bwd(
         window
     };
     let cudnn = if extras.none() {
-        cudnn_shape(lw, q, k, v, mask, causal, window, scale, true)
+        cudnn_shape(lw, q, k, v, mask, causal, window, scale, true, bshd)
     } else {
         None
     };
@@ -490,6 +575,29 @@ pub(super) fn attention_bwd(
             }
         }
     }
+    let fast = lw.fast_attention
+        && mask.is_none()
+        && plain
+        && q.dtype == DType::BF16
+        && (d == 64 || d == 128)
+        && (window == 0 || window >= FA_MIN_WINDOW);
+    if fast && bshd {
+        let mut bhsd_ins = ins.to_vec();
+        for t in bhsd_ins.iter_mut().take(5) {
+            *t = to_bhsd_scratch(lw, t)?;
+        }
+        let mut bhsd_outs = outs.to_vec();
+        for t in bhsd_outs.iter_mut().take(3) {
+            *t = bhsd_scratch(lw, t);
+        }
+        attention_bwd(
+            lw, &bhsd_ins, mask, &bhsd_outs, saved, causal, scale, window, extras, false,
+        )?;
+        for (dst, src) in outs.iter().zip(&bhsd_outs).take(3) {
+            from_bhsd_scratch(lw, dst, src)?;
+        }
+        return Ok(());
+    }
     // Weft's kernels: the forward's log-sum-exp, or recompute it (the output goes to
     // scratch), also when the saved one is cuDNN's.
     let lse = match saved {
@@ -508,7 +616,7 @@ pub(super) fn attention_bwd(
                 ..*extras
             };
             attention_fwd_weft(
-                lw, q, k, v, mask, &tmp, p, causal, scale, window, &recompute,
+                lw, q, k, v, mask, &tmp, p, causal, scale, window, &recompute, bshd,
             )?;
             p
         }
@@ -521,14 +629,11 @@ pub(super) fn attention_bwd(
         dout: dout.ptr,
         rows: rows as i64,
         d: vd as i32,
+        n: nq as i32,
+        s: sq as i64,
+        bshd: bshd as i32,
     };
     lw.run(name, rows, kernel)?;
-    let fast = lw.fast_attention
-        && mask.is_none()
-        && plain
-        && q.dtype == DType::BF16
-        && (d == 64 || d == 128)
-        && (window == 0 || window >= FA_MIN_WINDOW);
     if fast {
         let dq_acc = lw.ex.scratch(lw.stream, rows * d as u64 * 4);
         lw.memset(dq_acc, rows * d as u64 * 4);
@@ -616,6 +721,7 @@ pub(super) fn attention_bwd(
         sinks_f32: g.sinks_f32,
         dsinks_acc,
         dlse: extras.dlse,
+        bshd: bshd as i32,
     };
     let grid = (sq.div_ceil(4) as u32, nq as u32, b as u32);
     lw.run_at(name, grid, (128, 1, 1), 0, kernel)?;
@@ -649,30 +755,33 @@ pub(super) fn attention(
     scale: &Float,
     window: &Option<i64>,
 ) -> CudaResult<()> {
-    let o = &outs[0];
     let (mask, extras) = attention_parts(op, ins, outs).map_err(|why| {
         lw.unsup(
             "this attention",
             &format!("its kernels do not implement {why}\nhelp: run with `--backend cpu`"),
         )
     })?;
+    let bshd = op.head_layout() == Some(HeadLayout::Bshd);
+    let view = |t: &DevT| if bshd { bhsd_view(t) } else { t.clone() };
+    let (q, k, v, o) = (view(&ins[0]), view(&ins[1]), view(&ins[2]), view(&outs[0]));
     // Per query row: the log-sum-exp (tensor-core path) or the max and the sum (generic).
     let lse = lw
         .ex
-        .side(8 * ins[0].shape[0] as u64 * ins[0].shape[1] as u64 * ins[0].shape[2] as u64);
+        .side(8 * q.shape[0] as u64 * q.shape[1] as u64 * q.shape[2] as u64);
     lw.attn_lse.insert(o.ptr, lse);
     attention_fwd(
         lw,
-        &ins[0],
-        &ins[1],
-        &ins[2],
+        &q,
+        &k,
+        &v,
         mask,
-        o,
+        &o,
         lse,
         *causal,
         scale.0 as f32,
         window.unwrap_or(0),
         &extras,
+        bshd,
     )
 }
 
@@ -692,14 +801,25 @@ pub(super) fn attention_grad(
             &format!("its kernels do not implement {why}\nhelp: run with `--backend cpu`"),
         )
     })?;
+    let bshd = op.head_layout() == Some(HeadLayout::Bshd);
+    let (mut ins, mut outs) = (ins.to_vec(), outs.to_vec());
+    if bshd {
+        // q, k, v, out, dout and dq, dk, dv as [B, H, S, D] views of their memory
+        for t in ins.iter_mut().take(5).chain(outs.iter_mut().take(3)) {
+            *t = bhsd_view(t);
+        }
+    }
+    let saved = lw.attn_lse.get(&ins[3].ptr).copied();
     attention_bwd(
         lw,
-        ins,
+        &ins,
         mask,
-        outs,
+        &outs,
+        saved,
         *causal,
         scale.0 as f32,
         window.unwrap_or(0),
         &extras,
+        bshd,
     )
 }

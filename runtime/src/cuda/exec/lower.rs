@@ -430,7 +430,7 @@ pub(super) fn lower_op(
             dim,
             scaling,
         } => rope::rope_table(lw, ins, outs, theta, dim, scaling),
-        Op::Rope {} => rope::rope(lw, ins, outs),
+        Op::Rope { layout } => rope::rope(lw, ins, outs, *layout),
         Op::Attention {
             causal,
             scale,

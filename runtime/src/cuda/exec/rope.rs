@@ -3,6 +3,7 @@
 //! head dim fits one block, else a flat one).
 
 use super::*;
+use weft_ir::HeadLayout;
 
 /// `rope_table`: (cos, sin) for each position.
 pub(super) fn rope_table(
@@ -33,17 +34,24 @@ pub(super) fn rope_table(
     lw.run("rope_table", o.numel(), k)
 }
 
-/// `rope`: rotates x [B, N, S, D] by cos/sin [B|1, S, r].
-pub(super) fn rope(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<()> {
+/// `rope`: rotates x [B, N, S, D] (`layout=bshd`: [B, S, N, D]) by cos/sin [B|1, S, r].
+pub(super) fn rope(
+    lw: &mut Lower,
+    ins: &[DevT],
+    outs: &[DevT],
+    layout: HeadLayout,
+) -> CudaResult<()> {
     let o = &outs[0];
     let (x, c, s) = (&ins[0], &ins[1], &ins[2]);
     if x.rank() != 4 || c.rank() != 3 || c.dtype != s.dtype {
         return Err(lw.unsup(
             "rope",
-            "x must be [B, N, S, D] and cos/sin [B|1, S, r] of one dtype",
+            "x must be [B, N, S, D] (or [B, S, N, D]) and cos/sin [B|1, S, r] of one dtype",
         ));
     }
-    let (b, nh, sq, d) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+    let (nh, sq) = (x.shape[layout.heads_dim()], x.shape[layout.seq_dim()]);
+    let (b, d) = (x.shape[0], x.shape[3]);
+    let bshd = (layout == HeadLayout::Bshd) as i32;
     let r = c.shape[2];
     let cbs = if c.shape[0] == 1 {
         0
@@ -72,6 +80,7 @@ pub(super) fn rope(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<()
             d: d as i32,
             r: r as i32,
             cbs,
+            bshd,
         };
         let grid = (sq.div_ceil(ty as usize) as u32, nh as u32, b as u32);
         return lw.run_at(name, grid, (tx, ty, 1), 0, k);
@@ -89,6 +98,7 @@ pub(super) fn rope(lw: &mut Lower, ins: &[DevT], outs: &[DevT]) -> CudaResult<()
         d: d as i64,
         r: r as i64,
         cbs,
+        bshd,
     };
     lw.run(name, x.numel(), k)
 }

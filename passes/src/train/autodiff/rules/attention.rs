@@ -22,6 +22,7 @@ impl Ad<'_> {
             softcap,
             sinks,
             lse,
+            layout,
         } = &d.op
         else {
             return Err(self.no_rule(n, &d.op));
@@ -63,6 +64,7 @@ impl Ad<'_> {
                 softcap: *softcap,
                 sinks: *sinks,
                 lse: dlse.is_some().into(),
+                layout: *layout,
             },
             &operands,
         )?;

@@ -176,7 +176,7 @@ impl Ad<'_> {
                 out[0] = w(0).then_some(r[0]);
                 out[1] = w(1).then_some(r[1]);
             }
-            Op::Rope {} => {
+            Op::Rope { layout } => {
                 if w(1) || w(2) {
                     return Err(err(
                         "`autodiff` cannot differentiate `rope` wrt its tables",
@@ -185,7 +185,7 @@ impl Ad<'_> {
                     ));
                 }
                 let ns = self.op(Op::Neg {}, &[ops[2]])?;
-                out[0] = Some(self.op(Op::Rope {}, &[g, ops[1], ns])?);
+                out[0] = Some(self.op(Op::Rope { layout: *layout }, &[g, ops[1], ns])?);
             }
             Op::CrossEntropy {
                 ignore_index,
