@@ -120,7 +120,8 @@ impl Compiled {
 /// Compiles one candidate through the compile driver (`driver::evaluate`: forward
 /// pipeline, training passes, plan lowering). Finalists with micro-batches are compiled for one micro-batch (the
 /// peak of a step with accumulation is that of one micro-batch's step; the step time
-/// is scaled by the count), which keeps compile time bounded.
+/// is that step plus the others' forward and backward,
+/// `plan::accumulation::micro_batched_step_time`), which keeps compile time bounded.
 pub fn evaluate(
     model: &weft_frontends::Model,
     c: &Candidate,
@@ -167,7 +168,13 @@ pub fn evaluate(
     let out = match weft_passes::driver::evaluate(&req, &opts) {
         Ok(e) if e.fits => Compiled {
             peak: e.peak_bytes,
-            step_s: e.step_time_s * c.micro_batches as f64,
+            // The gradient reduction and the update run once a step, not per micro-batch.
+            step_s: e.compiled.plan.as_ref().map_or(
+                e.step_time_s * c.micro_batches as f64,
+                |p| {
+                    weft_passes::plan::accumulation::micro_batched_step_time(p, c.micro_batches)
+                },
+            ),
             plan: e.compiled.plan,
             error: None,
             compile_s: 0.0,
@@ -497,14 +504,32 @@ pub fn run(a: Args) -> CliResult {
         best.time.mfu * best.time.step / plan.step_s * 100.0,
         best.time.exposed_comm,
     ));
-    // Why: against the next compiled finalist, else the best analytic other mesh.
+    // Why: against the next compiled finalist, else the best analytic other mesh that
+    // fits (compiled and fitting, or not compiled and fitting as calibrated).
+    let prior = scale.values().copied().reduce(f64::min).unwrap_or(1.0);
+    let fits = |s: &Scored| match compiled.iter().find(|(c, _)| c.candidate == s.candidate) {
+        Some((_, c)) => c.plan.is_some(),
+        None => {
+            !refused.contains(&s.candidate.mesh())
+                && search::fits_calibrated(
+                    s,
+                    scale.get(&s.candidate.mesh()).copied().unwrap_or(prior),
+                    spec.device_memory,
+                )
+        }
+    };
     let other = fit.get(1).map(|x| (x.0, x.1.step_s)).or_else(|| {
-        all.iter()
-            .find(|s| s.fits && s.candidate.mesh() != best.candidate.mesh())
+        search::rival(&all, &best.candidate, fits)
             .map(|s| (s, s.time.step * plan.step_s / best.time.step))
     });
-    if let Some((o, o_step)) = other {
-        say(format!("why: {}", why(best, plan.step_s, o, o_step)));
+    match other {
+        Some((o, o_step)) => say(format!("why: {}", why(best, plan.step_s, o, o_step))),
+        None => say(format!(
+            "why: --mesh {} {} is the only mesh that fits {} GiB per GPU (compiled, or analytic with the compiled peaks' calibration)",
+            best.candidate.mesh(),
+            best.candidate.flags(),
+            gib(spec.device_memory)
+        )),
     }
     if let (Some(path), Some(p)) = (&a.output, &plan.plan) {
         super::write_out(Some(path), &p.to_json())?;

@@ -12,9 +12,12 @@ use weft_ir::plan::*;
 use weft_ir::{Bindings, Graph, Op, TensorType, Value, ValueRole};
 
 /// The bindings of a step: `sized` gives data-dependent sizes their bound (what the
-/// plan allocates), `exact` leaves them unbound (what the plan records).
+/// plan allocates), `expected` their value under balanced routing (what the step
+/// computes on average, which the cost model prices), `exact` leaves them unbound
+/// (what the plan records).
 pub(super) struct StepBindings {
     pub sized: Bindings,
+    pub expected: Bindings,
     pub exact: Bindings,
 }
 
@@ -29,12 +32,32 @@ pub(super) fn step_bindings(g: &Graph, opts: &PlanOptions) -> Result<StepBinding
     // Data-dependent sizes (the rows an expert-parallel all_to_all_v receives) are
     // sized at their bound; the plan's bindings and shapes leave them unbound.
     let exact = b.clone();
+    let mut expected = b.clone();
     for (s, n) in g.runtime_symbols() {
         if let Some(v) = g.runtime_symbol_bound(n).and_then(|d| d.eval(&exact).ok()) {
             b = b.with(&s, v);
         }
+        if let Some(v) = balanced_rows(g, n).and_then(|d| d.eval(&exact).ok()) {
+            expected = expected.with(&s, v);
+        }
     }
-    Ok(StepBindings { sized: b, exact })
+    Ok(StepBindings {
+        sized: b,
+        expected,
+        exact,
+    })
+}
+
+/// The rows node `n`'s data-dependent size takes on average: an expert-parallel
+/// `all_to_all_v` receives as many rows as it sends when the router spreads tokens
+/// evenly over the experts (the bound, every rank's rows, is `ep` times that). The CUDA
+/// runtime's grouped GEMMs run over the rows received, so this is what they compute.
+fn balanced_rows(g: &Graph, n: weft_ir::Node) -> Option<weft_ir::Dim> {
+    let nd = g.node(n);
+    match &nd.op {
+        Op::AllToAllV { .. } => Some(g.ty(*nd.operands.first()?).shape.first()?.clone()),
+        _ => None,
+    }
 }
 
 /// The names each returned value is returned under.

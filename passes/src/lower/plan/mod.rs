@@ -28,6 +28,7 @@
 //! - Costs: [`cost`]'s roofline and alpha-beta models give each instruction a duration;
 //!   simulating the streams gives start times, step time and exposed communication.
 
+pub mod accumulation;
 pub mod cost;
 pub mod profile;
 
@@ -127,14 +128,18 @@ pub fn lower_with_views(
     opts: &PlanOptions,
     views: bool,
 ) -> Result<ExecutionPlan, LowerError> {
-    let StepBindings { sized, exact } = buffers::step_bindings(g, opts)?;
+    let StepBindings {
+        sized,
+        expected,
+        exact,
+    } = buffers::step_bindings(g, opts)?;
     let output_names = buffers::output_names(g);
     let host = buffers::host_values(g)?;
     let BufferTable {
         mut buffers,
         buf_of,
     } = buffers::buffer_table(g, &sized, &output_names, &host)?;
-    let sched = schedule::schedule(g, &sized, &opts.device, &buffers, &buf_of)?;
+    let sched = schedule::schedule(g, &expected, &opts.device, &buffers, &buf_of)?;
     let sharing = alias::share(g, &mut buffers, &buf_of, &output_names, &sched, views);
     let memory = memory::plan_memory(
         g,

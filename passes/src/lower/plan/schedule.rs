@@ -70,7 +70,9 @@ fn signal_event(ins: &mut Instruction, events: &mut u32) -> u32 {
     }
 }
 
-/// Instructions in program order, each on its stream; simulates the streams.
+/// Instructions in program order, each on its stream; simulates the streams. `b` prices
+/// data-dependent sizes at their expected value (`StepBindings::expected`); the bytes
+/// of `buffers` stay at their bound.
 pub(super) fn schedule(
     g: &Graph,
     b: &Bindings,

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::{default_pipeline, run_pipeline, PassContext};
-use weft_ir::{DType, Mesh};
+use weft_ir::{DType, Mesh, Op};
 
 fn compiled(preset: &str, mesh: &str) -> Graph {
     let mut g = weft_frontends::load(preset).unwrap().graph;
@@ -32,7 +32,7 @@ fn scheduled(
     let table = buffers::buffer_table(g, &bindings.sized, &output_names, &host).unwrap();
     let sched = schedule::schedule(
         g,
-        &bindings.sized,
+        &bindings.expected,
         &opts.device,
         &table.buffers,
         &table.buf_of,
@@ -99,6 +99,35 @@ fn bindings_add_the_mesh_axes_and_buffers_cover_every_value() {
     for (_, v) in g.params() {
         assert!(table.buffers[table.buf_of[&v] as usize].resident);
     }
+}
+
+/// mixtral-tiny on dp=2,ep=2 at B=4, S=64: each rank's 2 sequences x 64 tokens x top-2
+/// = 256 rows go to the experts' ranks. The receive buffer is sized for every rank's
+/// rows (2 x 256 = 512), but balanced routing brings 256 on average, which the grouped
+/// GEMMs are priced at: half the FLOPs of the bound.
+#[test]
+fn expert_rows_are_sized_at_their_bound_and_priced_at_their_balanced_count() {
+    let g = compiled("mixtral-tiny", "dp=2,ep=2");
+    let opts = PlanOptions::new(4, 64);
+    let bindings = buffers::step_bindings(&g, &opts).unwrap();
+    let (symbol, _) = g.runtime_symbols().into_iter().next().unwrap();
+    assert_eq!(bindings.sized.symbols.get(&symbol), Some(&512));
+    assert_eq!(bindings.expected.symbols.get(&symbol), Some(&256));
+    assert_eq!(bindings.exact.symbols.get(&symbol), None);
+    let grouped = g
+        .nodes()
+        .iter()
+        .copied()
+        .find(|&n| matches!(g.node(n).op, Op::GroupedMatmul { .. }))
+        .unwrap();
+    let rows = |b: &Bindings| schedule_rows(&g, grouped, b);
+    assert_eq!(rows(&bindings.sized), 512.0);
+    assert_eq!(rows(&bindings.expected), 256.0);
+}
+
+fn schedule_rows(g: &Graph, n: weft_ir::Node, b: &Bindings) -> f64 {
+    let x = g.node(n).operands[0];
+    g.ty(x).shape[0].eval_f64(b).unwrap()
 }
 
 #[test]
