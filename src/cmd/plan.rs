@@ -169,12 +169,13 @@ pub fn evaluate(
         Ok(e) if e.fits => Compiled {
             peak: e.peak_bytes,
             // The gradient reduction and the update run once a step, not per micro-batch.
-            step_s: e.compiled.plan.as_ref().map_or(
-                e.step_time_s * c.micro_batches as f64,
-                |p| {
+            step_s: e
+                .compiled
+                .plan
+                .as_ref()
+                .map_or(e.step_time_s * c.micro_batches as f64, |p| {
                     weft_passes::plan::accumulation::micro_batched_step_time(p, c.micro_batches)
-                },
-            ),
+                }),
             plan: e.compiled.plan,
             error: None,
             compile_s: 0.0,

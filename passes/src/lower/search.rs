@@ -1011,7 +1011,10 @@ mod tests {
         let r = rival(&ranked, &best.candidate, |s| {
             fits_calibrated(s, calibration(s), limit)
         });
-        assert_eq!(r.map(|s| s.candidate.mesh()), Some("dp=16,cp=2".to_string()));
+        assert_eq!(
+            r.map(|s| s.candidate.mesh()),
+            Some("dp=16,cp=2".to_string())
+        );
         let none = rival(&ranked[..3], &best.candidate, |s| {
             fits_calibrated(s, calibration(s), limit)
         });
@@ -1045,10 +1048,16 @@ mod tests {
         let by_hand = updated / 0.25e9 + 2.0 * updated * 2.0 / 55e9;
         assert!((by_hand - 4.088).abs() < 0.01, "{by_hand}");
         for mb in [1, 4] {
-            let (on, off) = (score(&m, &spec, &c(true, mb)), score(&m, &spec, &c(false, mb)));
+            let (on, off) = (
+                score(&m, &spec, &c(true, mb)),
+                score(&m, &spec, &c(false, mb)),
+            );
             // Only the host term differs between the two.
             let added = on.time.exposed_comm - off.time.exposed_comm;
-            assert!((added - by_hand).abs() < 1e-6 * by_hand, "mb {mb}: {added} vs {by_hand}");
+            assert!(
+                (added - by_hand).abs() < 1e-6 * by_hand,
+                "mb {mb}: {added} vs {by_hand}"
+            );
         }
     }
 }

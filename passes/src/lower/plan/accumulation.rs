@@ -54,13 +54,16 @@ fn step_time_of(one: f64, instructions: &[Instruction], micro_batches: u32) -> f
     if micro_batches <= 1 {
         return one;
     }
-    let accumulate_only = simulate(instructions, |i| {
-        if once_a_step(i) {
-            0.0
-        } else {
-            i.time_s
-        }
-    });
+    let accumulate_only = simulate(
+        instructions,
+        |i| {
+            if once_a_step(i) {
+                0.0
+            } else {
+                i.time_s
+            }
+        },
+    );
     one + (micro_batches - 1) as f64 * accumulate_only
 }
 
