@@ -171,6 +171,21 @@ fn placement(g: &Graph, rd: &Readers, operands: &[Value], replaced: &[Node]) -> 
     (last_operand < first_reader).then(|| At::After(order[last_operand]))
 }
 
+/// The metadata of a node `fuse` inserts in place of `template`: its scope, derivation
+/// and micro-batch, and a `fuse` provenance giving `reason`.
+pub(super) fn fused_meta(g: &Graph, template: Node, reason: String) -> NodeMeta {
+    let t = &g.node(template).meta;
+    NodeMeta {
+        source: t.source.clone(),
+        derived: t.derived,
+        micro_batch: t.micro_batch,
+        provenance: Some(Provenance {
+            pass: NAME.into(),
+            reason,
+        }),
+    }
+}
+
 /// Inserts the fused node at `at` with `template`'s scope, derivation and micro-batch,
 /// and a provenance naming what it replaced.
 fn insert_fused(
@@ -182,16 +197,7 @@ fn insert_fused(
     template: Node,
     replaced: &str,
 ) -> Result<Vec<Value>, PassError> {
-    let t = &g.node(template).meta;
-    let meta = NodeMeta {
-        source: t.source.clone(),
-        derived: t.derived,
-        micro_batch: t.micro_batch,
-        provenance: Some(Provenance {
-            pass: NAME.into(),
-            reason: format!("fuses {replaced}"),
-        }),
-    };
+    let meta = fused_meta(g, template, format!("fuses {replaced}"));
     let location = g.describe(template);
     rd.insert(g, at, op, operands, meta)
         .map_err(|e| PassError::rewrite(NAME, "cannot insert a fused op", location, e.to_string()))

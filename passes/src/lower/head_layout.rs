@@ -26,7 +26,7 @@
 use crate::pass::PassError;
 use std::collections::{BTreeMap, BTreeSet};
 use weft_ir::shape::norm_dim;
-use weft_ir::{At, Graph, HeadLayout, Node, NodeMeta, Op, Provenance, Value};
+use weft_ir::{At, Graph, HeadLayout, Node, Op, Value};
 
 /// What the rewrite changed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -380,16 +380,7 @@ fn insert_like(
     template: Node,
     reason: &str,
 ) -> Result<Vec<Value>, PassError> {
-    let t = &g.node(template).meta;
-    let meta = NodeMeta {
-        source: t.source.clone(),
-        derived: t.derived,
-        micro_batch: t.micro_batch,
-        provenance: Some(Provenance {
-            pass: super::fuse::NAME.into(),
-            reason: reason.into(),
-        }),
-    };
+    let meta = super::fuse::fused_meta(g, template, reason.into());
     let location = g.describe(template);
     g.insert_with(at, op, operands, meta).map_err(|e| {
         PassError::rewrite(
