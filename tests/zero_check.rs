@@ -333,6 +333,39 @@ fn zero_collectives_snapshot() {
     insta::assert_snapshot!(text);
 }
 
+/// ZeRO-3's parameter gathers over a group of three axes: outermost axis first, so
+/// the outer (slower) links move the fewest bytes and only the innermost axis moves
+/// the whole parameter; the forward and the backward each gather their own copy.
+#[test]
+fn zero3_gathers_outermost_first_snapshot() {
+    let (graph, _, _) = load_fixture("llama");
+    let mesh = "dp=2,cp=2,sp=2";
+    let (g, _) = training_step(&graph, mesh, &opts(3, 1)).unwrap();
+    let mut text = format!("== llama {mesh} zero=3: the gathers of one parameter\n");
+    let mut name = None;
+    for &n in g.nodes() {
+        let d = g.node(n);
+        let Some(p) = &d.meta.provenance else {
+            continue;
+        };
+        let Some(rest) = p.reason.strip_prefix("ZeRO-3: gather `") else {
+            continue;
+        };
+        let param = rest.split('`').next().unwrap_or_default().to_string();
+        if !param.contains("q_proj") || name.get_or_insert_with(|| param.clone()) != &param {
+            continue;
+        }
+        text.push_str(&format!(
+            "{} {} -> {}: {}\n",
+            d.op.name(),
+            g.ty(d.operands[0]),
+            g.ty(d.results[0]),
+            p.reason
+        ));
+    }
+    insta::assert_snapshot!(text);
+}
+
 /// Optimizer offload (`--offload-optimizer`): the same step with the master weights
 /// and moments on the host and the update run by `host_adamw` gives bit for bit the
 /// parameters and moments of the device update after `K` steps, at every ZeRO stage

@@ -471,15 +471,19 @@ pub fn shard_param(
             g: &mut *g,
         };
         let v = if split.is_even() {
-            let mut v = shard;
-            for (a, _) in group.axes.iter().rev() {
-                let bytes = crate::grad_sync::value_bytes(em.g, v);
-                v = em.op(
-                    Op::AllGather { axis: a.clone(), dim: 0 },
-                    &[v],
-                    &format!("ZeRO-3: gather `{name}` for its {phase}{mbt} over {a} (group {}), {bytes} bytes per rank in; freed after its last use there", group.name()),
-                )?;
-            }
+            // Outermost axis first: the slow (outer) links move the fewest bytes, the
+            // innermost axis the whole parameter.
+            let what = format!(
+                "ZeRO-3: gather `{name}` for its {phase}{mbt}; freed after its last use there"
+            );
+            let every = em.all_gather(group, shard, &what)?;
+            let mut shape = vec![group.size_dim() * rows.clone()];
+            shape.extend_from_slice(&ty.shape[1..]);
+            let v = em.op(
+                Op::Reshape { shape },
+                &[every],
+                &format!("ZeRO-3: `{name}`'s gathered rows, flat"),
+            )?;
             em.op(
                 Op::Slice {
                     dim: 0,

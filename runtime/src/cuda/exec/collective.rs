@@ -1,5 +1,6 @@
 //! Lowering of collectives to NCCL steps on the op's mesh axis: all-reduce, all-gather
-//! and reduce-scatter along dim 0, broadcast, and the point-to-point exchanges
+//! and reduce-scatter (along an inner dim through a strided unpack or pack around
+//! NCCL's member-major blocks), broadcast, and the point-to-point exchanges
 //! (`all_to_all` as grouped sends and receives between a packing and an unpacking
 //! strided copy, `ring_shift` as one send and one receive). On one rank an op NCCL has
 //! no call for is a copy.
@@ -21,24 +22,56 @@ pub(super) fn lower_collective(
     let coll = match op {
         Op::AllReduce { op, .. } => Coll::AllReduce { op: *op },
         Op::AllGather { dim, .. } => {
-            if norm(*dim, x.rank())? != 0
-                && x.shape[..norm(*dim, x.rank())?].iter().any(|&d| d != 1)
-            {
-                return Err(lw.unsup(
-                    "all_gather along an inner dim",
-                    "NCCL gathers along dim 0; not written yet",
-                ));
+            let d = norm(*dim, x.rank())?;
+            if let Some(unpack) = gather_unpack(&x.shape, d, axis_size) {
+                // NCCL lands the members' operands one after another; lay them out
+                // along `dim`.
+                let landing = lw.ex.scratch(lw.stream, o.bytes());
+                lw.push(StepKind::Collective {
+                    coll: Coll::AllGather,
+                    axis,
+                    send: x.ptr,
+                    recv: landing,
+                    count: x.numel(),
+                    dtype,
+                });
+                let es = esz(dtype);
+                return lw.strided(
+                    o.ptr,
+                    landing,
+                    es,
+                    &unpack.shape,
+                    &unpack.src,
+                    &layout::strides(&unpack.shape),
+                );
             }
             Coll::AllGather
         }
         Op::ReduceScatter { op, dim, .. } => {
-            if norm(*dim, x.rank())? != 0
-                && x.shape[..norm(*dim, x.rank())?].iter().any(|&d| d != 1)
-            {
-                return Err(lw.unsup(
-                    "reduce_scatter along an inner dim",
-                    "NCCL scatters along dim 0; not written yet",
-                ));
+            let d = norm(*dim, x.rank())?;
+            let pack =
+                scatter_pack(&x.shape, d, axis_size).map_err(|m| lw.unsup("reduce_scatter", &m))?;
+            if let Some(pack) = pack {
+                // NCCL reduces member j's chunk from the j-th contiguous block: lay the
+                // chunks of `dim` out as blocks first.
+                let stage = lw.ex.scratch(lw.stream, x.bytes());
+                lw.strided(
+                    stage,
+                    x.ptr,
+                    esz(dtype),
+                    &pack.shape,
+                    &pack.src,
+                    &layout::strides(&pack.shape),
+                )?;
+                lw.push(StepKind::Collective {
+                    coll: Coll::ReduceScatter { op: *op },
+                    axis,
+                    send: stage,
+                    recv: o.ptr,
+                    count: o.numel(),
+                    dtype,
+                });
+                return Ok(());
             }
             Coll::ReduceScatter { op: *op }
         }
@@ -174,6 +207,44 @@ pub(super) fn all_to_all_layout(
     Ok(AllToAllLayout { pack, unpack })
 }
 
+/// The unpack of an `all_gather` of `shape` along `dim` over `p` members: NCCL lands
+/// the operands member after member (`[p, pre, g, post]`), the result is
+/// `[pre, p * g, post]`. `None` where the dims before `dim` are all 1 (the blocks land
+/// in place) or there is one member.
+pub(super) fn gather_unpack(shape: &[usize], dim: usize, p: usize) -> Option<Gather4> {
+    let pre: usize = shape[..dim].iter().product();
+    let (g, post) = (shape[dim], shape[dim + 1..].iter().product::<usize>());
+    (pre > 1 && p > 1).then(|| Gather4 {
+        shape: vec![pre, p, g, post],
+        src: vec![(g * post) as i64, (pre * g * post) as i64, post as i64, 1],
+    })
+}
+
+/// The pack of a `reduce_scatter` of `shape` along `dim` over `p` members: member `j`'s
+/// chunk of `dim` becomes the `j`-th contiguous block (`[pre, p, c, post]` ->
+/// `[p, pre, c, post]`), as NCCL reduces it. `None` where the dims before `dim` are all
+/// 1 or there is one member.
+pub(super) fn scatter_pack(
+    shape: &[usize],
+    dim: usize,
+    p: usize,
+) -> Result<Option<Gather4>, String> {
+    let pre: usize = shape[..dim].iter().product();
+    if pre <= 1 || p <= 1 {
+        return Ok(None);
+    }
+    if shape[dim] % p != 0 {
+        return Err(format!(
+            "dim {dim} of {shape:?} does not divide over {p} members"
+        ));
+    }
+    let (c, post) = (shape[dim] / p, shape[dim + 1..].iter().product::<usize>());
+    Ok(Some(Gather4 {
+        shape: vec![p, pre, c, post],
+        src: vec![(c * post) as i64, (p * c * post) as i64, post as i64, 1],
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,6 +322,62 @@ mod tests {
                             let want = xs[i][ravel(&idx, &shape)];
                             assert_eq!(got, want, "p {p} sd {sd} gd {gd} member {j} at {flat}");
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// An all_gather along an inner dim (NCCL's member-major landing, then the unpack)
+    /// and a reduce_scatter along one (the pack, then NCCL's block-j-to-member-j sum)
+    /// give the CPU reference's results: members' operands concatenated along `dim`,
+    /// and member j's chunk of `dim` of the sum.
+    #[test]
+    fn inner_dim_gather_and_scatter_are_the_reference() {
+        let shape = [2usize, 3, 4, 2];
+        let n: usize = shape.iter().product();
+        for p in [1usize, 2, 3] {
+            let xs: Vec<Vec<f32>> = (0..p)
+                .map(|m| (0..n).map(|i| (m * 1000 + i) as f32).collect())
+                .collect();
+            for d in 0..4 {
+                // all_gather: landing = operands one after another.
+                let landing: Vec<f32> = xs.concat();
+                let out =
+                    gather_unpack(&shape, d, p).map_or(landing.clone(), |g| gather(&landing, &g));
+                let mut oshape = shape.to_vec();
+                oshape[d] *= p;
+                for (flat, &got) in out.iter().enumerate() {
+                    let mut idx = unravel(flat, &oshape);
+                    let m = idx[d] / shape[d];
+                    idx[d] %= shape[d];
+                    assert_eq!(
+                        got,
+                        xs[m][ravel(&idx, &shape)],
+                        "gather p {p} dim {d} at {flat}"
+                    );
+                }
+                // reduce_scatter of inputs whose `dim` is p times longer.
+                let mut ishape = shape.to_vec();
+                ishape[d] *= p;
+                let ni: usize = ishape.iter().product();
+                let ins: Vec<Vec<f32>> = (0..p)
+                    .map(|m| (0..ni).map(|i| (m * 7 + i * 3) as f32).collect())
+                    .collect();
+                let pack = scatter_pack(&ishape, d, p).unwrap();
+                let staged: Vec<Vec<f32>> = ins
+                    .iter()
+                    .map(|x| pack.as_ref().map_or(x.clone(), |g| gather(x, g)))
+                    .collect();
+                for j in 0..p {
+                    let got: Vec<f32> = (0..n)
+                        .map(|i| staged.iter().map(|s| s[j * n + i]).sum())
+                        .collect();
+                    for (flat, &g) in got.iter().enumerate() {
+                        let mut idx = unravel(flat, &shape);
+                        idx[d] += j * shape[d];
+                        let want: f32 = ins.iter().map(|x| x[ravel(&idx, &ishape)]).sum();
+                        assert_eq!(g, want, "scatter p {p} dim {d} member {j} at {flat}");
                     }
                 }
             }
