@@ -417,6 +417,12 @@ fn host_update_exposed(param_bytes: f64, d: &DeviceProfile, updated: f64) -> f64
     link + updated / d.host_adam_params_per_s
 }
 
+/// Attention FLOPs the kernels run over those the model counts: the model counts the
+/// backward as twice the forward (6x the forward matmul pair in all), the flash
+/// backward recomputes the scores and runs five matmuls (`weft_ir::flops`:
+/// `attention_grad` is 2.5x the forward), so 3.5x in all.
+const ATTENTION_HARDWARE_RATIO: f64 = 3.5 / 3.0;
+
 /// Prices one candidate.
 pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let d = &s.device;
@@ -545,6 +551,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let compute = ((matmul_model * (1.0 + recompute) + loss_recompute) / world)
         / (d.matmul_tflops * 1e12)
         + (attn_model
+            * ATTENTION_HARDWARE_RATIO
             * (1.0
                 + if c.checkpoint == "full" {
                     1.0 / 3.0

@@ -53,9 +53,19 @@ pub(super) fn share(
 /// root buffer. Returns `root`: `root[b]` is the buffer holding b's bytes.
 pub(super) fn views(buffers: &mut [Buffer], instructions: &[Instruction]) -> Vec<usize> {
     let mut root: Vec<usize> = (0..buffers.len()).collect();
+    // The stream that wrote each buffer: a reshape on another stream than the compute
+    // one is a view only after a writer on its own stream (in order there).
+    let mut writer_stream: Vec<Option<u32>> = vec![None; buffers.len()];
     for ins in instructions.iter() {
-        if ins.op != "reshape" || ins.stream != 0 || ins.inputs.len() != 1 || ins.outputs.len() != 1
-        {
+        let same_stream = |b: u32| writer_stream[b as usize] == Some(ins.stream);
+        let viewable = ins.op == "reshape"
+            && ins.inputs.len() == 1
+            && ins.outputs.len() == 1
+            && (ins.stream == 0 || same_stream(ins.inputs[0]));
+        for &o in &ins.outputs {
+            writer_stream[o as usize].get_or_insert(ins.stream);
+        }
+        if !viewable {
             continue;
         }
         let (r, o) = (root[ins.inputs[0] as usize], ins.outputs[0] as usize);

@@ -97,8 +97,25 @@ pub(super) fn schedule(
     for &n in &compute_nodes {
         let nd = g.node(n);
         let id = instructions.len() as u32;
-        let stream = stream_of(&nd.op);
+        let kind = stream_of(&nd.op);
         let inputs: Vec<u32> = nd.operands.iter().map(|v| buf_of[v]).collect();
+        // The unpacking of a reduced gradient bucket (grad-sync's reshapes, slices and
+        // splits of a collective's result) runs on the communication stream after it:
+        // on the compute stream, in program order right after the bucket's
+        // reduce_scatter, it made the backward wait for every reduction (7 s of a 405B
+        // step on dp=32,cp=8,sp=4).
+        let grad_sync_epilogue = kind == 0
+            && nd
+                .meta
+                .provenance
+                .as_ref()
+                .is_some_and(|p| p.pass == crate::grad_sync::NAME)
+            && inputs.iter().any(|i| {
+                producer_instr
+                    .get(i)
+                    .is_some_and(|&p| instructions[p as usize].stream == 1)
+            });
+        let stream = if grad_sync_epilogue { 1 } else { kind };
         let outputs: Vec<u32> = nd.results.iter().map(|v| buf_of[v]).collect();
         let in_bytes: f64 = inputs
             .iter()
@@ -117,7 +134,7 @@ pub(super) fn schedule(
             })?
         };
         let (bytes, time) = instruction_cost(
-            g, n, stream, &inputs, in_bytes, out_bytes, flops, buffers, b, d, &mut costs,
+            g, n, kind, &inputs, in_bytes, out_bytes, flops, buffers, b, d, &mut costs,
         );
         costs.flops += flops;
         // Waits: operands produced on another stream.
@@ -170,7 +187,7 @@ pub(super) fn schedule(
         }
         let start = ready;
         stream_free[stream as usize] = start + time;
-        let signal = (stream == 2).then(|| {
+        let signal = (kind == 2).then(|| {
             events += 1;
             offloads_in_flight.push((events - 1, start + OFFLOAD_WAIT_SLACK * time));
             events - 1
