@@ -366,6 +366,60 @@ fn zero3_gathers_outermost_first_snapshot() {
     insta::assert_snapshot!(text);
 }
 
+/// ZeRO-3 issues a layer's parameter gathers while the layer before it still computes
+/// (forward) and while the layer after it still computes (backward): every gather of
+/// `model.layers.1` in the forward comes before some compute of `model.layers.0`, and
+/// every gather of `model.layers.0` in the backward before some backward compute of
+/// `model.layers.1`. The values are checked by `dense_every_group_and_stage`.
+#[test]
+fn zero3_gathers_run_a_layer_ahead() {
+    let (graph, _, _) = load_fixture("llama");
+    let (g, _) = training_step(&graph, "dp=2,sp=2", &opts(3, 1)).unwrap();
+    let order = g.nodes().to_vec();
+    let last_compute = |layer: &str, backward: bool| {
+        order
+            .iter()
+            .rposition(|&n| {
+                let d = g.node(n);
+                !d.op.is_collective()
+                    && d.meta.derived.is_some() == backward
+                    && d.meta
+                        .source
+                        .as_deref()
+                        .is_some_and(|s| s.starts_with(layer))
+                    && d.meta
+                        .provenance
+                        .as_ref()
+                        .is_none_or(|p| !p.reason.starts_with("ZeRO-3"))
+            })
+            .unwrap()
+    };
+    let gathers = |layer: &str, phase: &str| -> Vec<usize> {
+        order
+            .iter()
+            .enumerate()
+            .filter(|(_, &n)| {
+                let d = g.node(n);
+                d.op.name() == "all_gather"
+                    && d.meta.provenance.as_ref().is_some_and(|p| {
+                        p.reason.starts_with(&format!("ZeRO-3: gather `{layer}"))
+                            && p.reason.contains(&format!("for its {phase}"))
+                    })
+            })
+            .map(|(i, _)| i)
+            .collect()
+    };
+    let forward = gathers("model.layers.1.", "forward");
+    let backward = gathers("model.layers.0.", "backward");
+    assert!(!forward.is_empty() && !backward.is_empty());
+    let (f0, b1) = (
+        last_compute("model.layers.0.", false),
+        last_compute("model.layers.1.", true),
+    );
+    assert!(forward.iter().all(|&i| i < f0), "{forward:?} vs {f0}");
+    assert!(backward.iter().all(|&i| i < b1), "{backward:?} vs {b1}");
+}
+
 /// Optimizer offload (`--offload-optimizer`): the same step with the master weights
 /// and moments on the host and the update run by `host_adamw` gives bit for bit the
 /// parameters and moments of the device update after `K` steps, at every ZeRO stage

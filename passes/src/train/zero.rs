@@ -686,6 +686,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn layers_are_the_path_up_to_the_first_number() {
+        assert_eq!(
+            layer_of("model.layers.51.mlp.down_proj").as_deref(),
+            Some("model.layers.51")
+        );
+        assert_eq!(
+            layer_of("model.layers.3.mlp.experts.7.w1").as_deref(),
+            Some("model.layers.3")
+        );
+        assert_eq!(layer_of("model.embed_tokens"), None);
+        assert_eq!(layer_of("lm_head"), None);
+        assert_eq!(layer_of("h.0").as_deref(), Some("h.0"));
+    }
+
+    #[test]
     fn groups_follow_the_replicas() {
         let m = Mesh::parse("dp=2,sp=2,tp=2").unwrap();
         let d = ZeroGroup::for_mesh(&m, false);
