@@ -423,6 +423,9 @@ fn host_update_exposed(param_bytes: f64, d: &DeviceProfile, updated: f64) -> f64
 /// `attention_grad` is 2.5x the forward), so 3.5x in all.
 const ATTENTION_HARDWARE_RATIO: f64 = 3.5 / 3.0;
 
+/// Kernels a ring step of one layer launches, forward and backward together.
+const RING_STEP_KERNELS: f64 = 100.0;
+
 /// Prices one candidate.
 pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let d = &s.device;
@@ -606,6 +609,16 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         let heads_local = m.heads as f64 / tp / sp;
         let step = ring_step(d, cp_inter, ring_kv, local, heads_local, m.head_dim as f64);
         let redo = if c.checkpoint == "full" { 1.0 } else { 0.0 };
+        // Each ring step of a layer runs about a hundred small kernels forward and
+        // backward (the log-sum-exp merges, the chunk selects, the dk/dv accumulation:
+        // 104 instructions a step in a compiled 405B dp=32,cp=8,sp=4 step), whose
+        // launch cost grows with the steps while the work per step shrinks.
+        compute += layers
+            * mb
+            * (cp - 1.0)
+            * (RING_STEP_KERNELS * (1.0 + redo / 2.0))
+            * d.kernel_overhead_us
+            * 1e-6;
         let t_exposed = layers
             * (cp - 1.0)
             * mb
