@@ -292,6 +292,17 @@ fn moe_expert_data_parallel_group() {
     );
 }
 
+/// One snapshot line: the op (with its micro-batch tag), operand and result types, why.
+fn op_line(g: &weft_ir::Graph, n: weft_ir::Node, tag: &str, reason: &str) -> String {
+    let d = g.node(n);
+    format!(
+        "{}{tag} {} -> {}: {reason}\n",
+        d.op.name(),
+        g.ty(d.operands[0]),
+        g.ty(d.results[0]),
+    )
+}
+
 /// The collectives of a ZeRO-2 step with micro-batches over dp x sp, and of an
 /// expert model over edp: one reduce_scatter per group axis per bucket and
 /// micro-batch, hierarchical (innermost first), and the parameter gathers.
@@ -321,13 +332,7 @@ fn zero_collectives_snapshot() {
                 .micro_batch
                 .map(|m| format!(" mb{m}"))
                 .unwrap_or_default();
-            text.push_str(&format!(
-                "{}{mb} {} -> {}: {}\n",
-                d.op.name(),
-                g.ty(d.operands[0]),
-                g.ty(d.results[0]),
-                p.reason
-            ));
+            text.push_str(&op_line(&g, n, &mb, &p.reason));
         }
     }
     insta::assert_snapshot!(text);
@@ -355,13 +360,7 @@ fn zero3_gathers_outermost_first_snapshot() {
         if !param.contains("q_proj") || name.get_or_insert_with(|| param.clone()) != &param {
             continue;
         }
-        text.push_str(&format!(
-            "{} {} -> {}: {}\n",
-            d.op.name(),
-            g.ty(d.operands[0]),
-            g.ty(d.results[0]),
-            p.reason
-        ));
+        text.push_str(&op_line(&g, n, "", &p.reason));
     }
     insta::assert_snapshot!(text);
 }
