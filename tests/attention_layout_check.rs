@@ -10,25 +10,9 @@
 mod common;
 use common::*;
 
-use std::collections::BTreeMap;
-use weft_ir::{Graph, HeadLayout, HostTensor, Op};
-use weft_passes::training::{CheckpointPolicy, OffloadOptions, TrainOptions};
-use weft_passes::{PassContext, PassManager};
-use weft_runtime::cpu::{run, Precision, RunOptions};
-
-/// `g` after `fuse`, with the pass's counters.
-fn fused(g: &Graph) -> (Graph, BTreeMap<String, u64>) {
-    let mut f = g.clone();
-    let report = PassManager::default()
-        .run(
-            &mut f,
-            &PassContext::new(g.mesh.clone()),
-            &["fuse"],
-            &mut std::io::sink(),
-        )
-        .unwrap_or_else(|e| panic!("fuse on {}: {e}", g.name));
-    (f, report.passes[0].counters.clone())
-}
+use weft_ir::{Graph, HeadLayout, Op};
+use weft_passes::training::TrainOptions;
+use weft_runtime::cpu::Precision;
 
 fn is_swap(op: &Op) -> bool {
     matches!(op, Op::Transpose { .. } | Op::Permute { .. })
@@ -69,65 +53,20 @@ fn count_layout(g: &Graph, name: &str, layout: HeadLayout) -> usize {
         .count()
 }
 
-/// Runs both programs in `precision` and compares every output.
-fn same_outputs(
-    what: &str,
-    before: &Graph,
-    after: &Graph,
-    weights: &BTreeMap<String, HostTensor>,
-    inputs: &BTreeMap<String, HostTensor>,
-    precision: Precision,
-    tol: f64,
-) {
-    let opts = RunOptions::new(precision);
-    let a = run(before, weights, inputs, &opts).unwrap_or_else(|e| panic!("{what} before: {e}"));
-    let b = run(after, weights, inputs, &opts).unwrap_or_else(|e| panic!("{what} after: {e}"));
-    assert_eq!(
-        a.outputs.keys().collect::<Vec<_>>(),
-        b.outputs.keys().collect::<Vec<_>>(),
-        "{what}: the same outputs"
-    );
-    assert!(
-        a.outputs.keys().any(|k| k.starts_with("grad.")),
-        "{what}: gradients compared"
-    );
-    for (name, want) in &a.outputs {
-        let err = rel_err(&b.outputs[name], want);
-        assert!(
-            err <= tol,
-            "{what}: `{name}` differs by {err:e} (tolerance {tol:e})"
-        );
-    }
-}
-
 /// The step of `fixture` with and without the rewrite: the same outputs on every
 /// (mesh, options) case, and where the mesh is one rank, every attention, attention
 /// gradient and rope in [B, S, H, D] with no transpose around them.
 fn check_fixture(fixture: &str, layers: usize) {
     let (g, weights, inputs) = load_fixture(fixture);
-    let mut ckpt = TrainOptions::default();
-    ckpt.checkpoint = CheckpointPolicy::Full;
-    ckpt.offload = Some(OffloadOptions {
-        min_bytes: 0,
-        keep_last: 0,
-        ..OffloadOptions::default()
-    });
-    let mut micro = TrainOptions::default();
-    micro.micro_batches = 2;
     let cases: [(&str, TrainOptions); 5] = [
         ("", TrainOptions::default()),
-        ("", ckpt.clone()),
-        ("", micro),
+        ("", checkpoint_and_offload()),
+        ("", two_micro_batches()),
         ("sp=2,tp=2", TrainOptions::default()),
-        ("sp=2,tp=2", ckpt),
+        ("sp=2,tp=2", checkpoint_and_offload()),
     ];
     for (mesh, opts) in cases {
-        let what = format!(
-            "{fixture} on `{mesh}` (checkpoint {}, offload {}, micro-batches {})",
-            opts.checkpoint,
-            opts.offload.is_some(),
-            opts.micro_batches
-        );
+        let what = case_name(fixture, mesh, &opts);
         let (before, _) = training_step(&g, mesh, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
         let (after, counters) = fused(&before);
         if mesh.is_empty() {
@@ -149,24 +88,7 @@ fn check_fixture(fixture: &str, layers: usize) {
             let left = transposes_around_attention(&after);
             assert!(left.is_empty(), "{what}: {left:#?}");
         }
-        same_outputs(
-            &what,
-            &before,
-            &after,
-            &weights,
-            &inputs,
-            Precision::F64,
-            1e-10,
-        );
-        same_outputs(
-            &what,
-            &before,
-            &after,
-            &weights,
-            &inputs,
-            Precision::F32,
-            1e-4,
-        );
+        same_outputs(&what, &before, &after, &weights, &inputs, F64_AND_F32);
     }
 }
 
@@ -201,8 +123,7 @@ fn other_families_compute_the_same() {
             &after,
             &weights,
             &inputs,
-            Precision::F64,
-            1e-10,
+            &[(Precision::F64, 1e-10)],
         );
     }
 }

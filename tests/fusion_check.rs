@@ -11,24 +11,8 @@ use common::*;
 
 use std::collections::BTreeMap;
 use weft_ir::{Graph, HostTensor, Op};
-use weft_passes::training::{CheckpointPolicy, OffloadOptions, TrainOptions};
-use weft_passes::{PassContext, PassManager};
-use weft_runtime::cpu::{run, Precision, RunOptions};
-
-/// `g` after `fuse` (verified after the pass), with the pass's counters.
-fn fused(g: &Graph) -> (Graph, BTreeMap<String, u64>) {
-    let mut f = g.clone();
-    let report = PassManager::default()
-        .run(
-            &mut f,
-            &PassContext::new(g.mesh.clone()),
-            &["fuse"],
-            &mut std::io::sink(),
-        )
-        .unwrap_or_else(|e| panic!("fuse on {}: {e}", g.name));
-    let counters = report.passes[0].counters.clone();
-    (f, counters)
-}
+use weft_passes::training::TrainOptions;
+use weft_runtime::cpu::Precision;
 
 fn count(g: &Graph, name: &str) -> usize {
     g.nodes()
@@ -41,63 +25,18 @@ fn train_opts() -> TrainOptions {
     TrainOptions::default()
 }
 
-/// Runs the unfused and fused programs in `precision` and compares every output.
-fn same_outputs(
-    what: &str,
-    unfused: &Graph,
-    fused: &Graph,
-    weights: &BTreeMap<String, HostTensor>,
-    inputs: &BTreeMap<String, HostTensor>,
-    precision: Precision,
-    tol: f64,
-) {
-    let opts = RunOptions::new(precision);
-    let a = run(unfused, weights, inputs, &opts).unwrap_or_else(|e| panic!("{what} unfused: {e}"));
-    let b = run(fused, weights, inputs, &opts).unwrap_or_else(|e| panic!("{what} fused: {e}"));
-    assert_eq!(
-        a.outputs.keys().collect::<Vec<_>>(),
-        b.outputs.keys().collect::<Vec<_>>(),
-        "{what}: the same outputs"
-    );
-    assert!(
-        a.outputs.keys().any(|k| k.starts_with("grad.")),
-        "{what}: gradients compared"
-    );
-    for (name, want) in &a.outputs {
-        let err = rel_err(&b.outputs[name], want);
-        assert!(
-            err <= tol,
-            "{what}: `{name}` differs by {err:e} (tolerance {tol:e})"
-        );
-    }
-}
-
 /// Fused equals unfused on `fixture` for each (mesh, options); each pattern the model
 /// has fuses at least `min` times per layer kind (counters).
 fn check_fixture(fixture: &str, expect: &[(&str, u64)]) {
     let (g, weights, inputs) = load_fixture(fixture);
-    let mut ckpt = train_opts();
-    ckpt.checkpoint = CheckpointPolicy::Full;
-    ckpt.offload = Some(OffloadOptions {
-        min_bytes: 0,
-        keep_last: 0,
-        ..OffloadOptions::default()
-    });
-    let mut micro = train_opts();
-    micro.micro_batches = 2;
     let cases: [(&str, TrainOptions); 4] = [
         ("", train_opts()),
         ("sp=2,tp=2", train_opts()),
-        ("sp=2,tp=2", ckpt),
-        ("", micro),
+        ("sp=2,tp=2", checkpoint_and_offload()),
+        ("", two_micro_batches()),
     ];
     for (mesh, opts) in cases {
-        let what = format!(
-            "{fixture} on `{mesh}` (checkpoint {}, offload {}, micro-batches {})",
-            opts.checkpoint,
-            opts.offload.is_some(),
-            opts.micro_batches
-        );
+        let what = case_name(fixture, mesh, &opts);
         let (unfused, _) = training_step(&g, mesh, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
         let (f, counters) = fused(&unfused);
         for (pattern, min) in expect {
@@ -113,16 +52,7 @@ fn check_fixture(fixture: &str, expect: &[(&str, u64)]) {
             );
         }
         assert!(f.node_count() < unfused.node_count(), "{what}: fewer nodes");
-        same_outputs(
-            &what,
-            &unfused,
-            &f,
-            &weights,
-            &inputs,
-            Precision::F64,
-            1e-10,
-        );
-        same_outputs(&what, &unfused, &f, &weights, &inputs, Precision::F32, 1e-4);
+        same_outputs(&what, &unfused, &f, &weights, &inputs, F64_AND_F32);
     }
 }
 
@@ -263,24 +193,7 @@ fn fuse_rewrite_snapshot_and_values() {
         ("labels".to_string(), int(ids)),
     ]);
     let weights = weights_for(&g, 1.0);
-    same_outputs(
-        "blocks",
-        &unfused,
-        &f,
-        &weights,
-        &inputs,
-        Precision::F64,
-        1e-10,
-    );
-    same_outputs(
-        "blocks",
-        &unfused,
-        &f,
-        &weights,
-        &inputs,
-        Precision::F32,
-        1e-4,
-    );
+    same_outputs("blocks", &unfused, &f, &weights, &inputs, F64_AND_F32);
 }
 
 #[test]
@@ -444,8 +357,7 @@ fn gemma2_in_bf16_fuses_its_f32_norms_between_casts() {
             &f,
             &weights,
             &inputs,
-            Precision::F64,
-            1e-10,
+            &[(Precision::F64, 1e-10)],
         );
     }
 }
@@ -492,8 +404,7 @@ fn mixed_precision_adamw_fuses_with_its_casts() {
             &f,
             &state,
             &step_inputs,
-            Precision::F64,
-            1e-10,
+            &[(Precision::F64, 1e-10)],
         );
     }
     let (g32, _, _) = load_fixture("llama");
@@ -524,8 +435,7 @@ fn a_fused_forward_differentiates_to_the_fused_backward() {
         &from_fused,
         &weights,
         &inputs,
-        Precision::F64,
-        1e-10,
+        &[(Precision::F64, 1e-10)],
     );
 }
 
@@ -555,8 +465,7 @@ fn tied_embedding_gradient_adds_into_the_lm_head_gradient() {
             &f,
             &weights,
             &inputs,
-            Precision::F64,
-            1e-10,
+            &[(Precision::F64, 1e-10)],
         );
     }
 }

@@ -20,6 +20,7 @@ pub mod lower;
 pub mod manager;
 pub mod parallel;
 pub mod pass;
+pub mod placement;
 pub mod readers;
 pub mod registry;
 pub mod train;

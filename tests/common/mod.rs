@@ -172,6 +172,9 @@ pub fn training_step(
     Ok((g, report))
 }
 
+mod fusion;
 mod reference;
+#[allow(unused_imports)] // not every test binary uses them
+pub use fusion::*;
 #[allow(unused_imports)] // not every test binary uses them
 pub use reference::*;

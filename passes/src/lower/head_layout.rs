@@ -24,6 +24,8 @@
 //! transposes and ropes are removed by `fuse`'s dead-code pass.
 
 use crate::pass::PassError;
+use crate::placement::Placement;
+use crate::readers::Readers;
 use std::collections::{BTreeMap, BTreeSet};
 use weft_ir::shape::norm_dim;
 use weft_ir::{At, Graph, HeadLayout, Node, Op, Value};
@@ -39,23 +41,43 @@ pub(crate) struct HeadLayoutCounts {
     pub cancelled: usize,
 }
 
-/// Runs the three steps over `g` (see the module doc).
+/// Runs the three steps over `g` (see the module doc). Uses move through a readers
+/// index, and each step's new nodes go to their places in the order at the end of the
+/// step (no step reads the order while it rewrites): linear in the step's size.
 pub(crate) fn attention_to_bshd(g: &mut Graph) -> Result<HeadLayoutCounts, PassError> {
     let mut counts = HeadLayoutCounts::default();
     let mut bshd_ropes: BTreeMap<Value, Value> = BTreeMap::new();
+    let mut rd = Readers::of(g);
+    let mut place = Placement::new();
+    let mut rewritten = Vec::new();
     for n in worth_rewriting(g) {
         let count = per_head_operands(&g.node(n).op).expect("a candidate");
         let per_head: Vec<Value> = g.node(n).operands[..count].to_vec();
         let mut operands = g.node(n).operands.clone();
+        let mut ed = Edit {
+            g: &mut *g,
+            rd: &mut rd,
+            place: &mut place,
+        };
         for (i, v) in per_head.into_iter().enumerate() {
-            operands[i] = resolve(g, &mut bshd_ropes, v, &mut counts)?;
+            operands[i] = resolve(&mut ed, &mut bshd_ropes, v, &mut counts)?;
         }
-        rewrite_attention(g, n, &operands)?;
+        rewrite_attention(&mut ed, n, &operands)?;
+        rewritten.push(n);
         counts.attention += 1;
     }
-    counts.rope += sink_ropes(g)?;
-    counts.cancelled += cancel_swaps(g);
+    place.finish(g);
+    rd.remove_nodes(g, &rewritten);
+    counts.rope += sink_ropes(g, &mut rd)?;
+    counts.cancelled += cancel_swaps(g, &mut rd);
     Ok(counts)
+}
+
+/// The graph being rewritten, its readers index, and where its new nodes go.
+struct Edit<'a> {
+    g: &'a mut Graph,
+    rd: &'a mut Readers,
+    place: &'a mut Placement,
 }
 
 /// The attention nodes step 1 rewrites, in program order: those whose per-head operands
@@ -219,7 +241,7 @@ fn resolvable(g: &Graph, chosen: &BTreeSet<Node>, v: Value) -> bool {
 /// `v` (a [B, H, S, D] value) in [B, S, H, D]: the operand of its swap, or a
 /// `layout=bshd` rope (made at the old rope's place, once) of the resolved rope input.
 fn resolve(
-    g: &mut Graph,
+    ed: &mut Edit,
     bshd_ropes: &mut BTreeMap<Value, Value>,
     v: Value,
     counts: &mut HeadLayoutCounts,
@@ -227,14 +249,14 @@ fn resolve(
     if let Some(&r) = bshd_ropes.get(&v) {
         return Ok(r);
     }
-    if let Some(x) = swapped_from(g, v) {
+    if let Some(x) = swapped_from(ed.g, v) {
         return Ok(x);
     }
-    let (x, cos, sin) = bhsd_rope(g, v).expect("checked by worth_rewriting");
-    let x = resolve(g, bshd_ropes, x, counts)?;
-    let old = g.def(v);
+    let (x, cos, sin) = bhsd_rope(ed.g, v).expect("checked by worth_rewriting");
+    let x = resolve(ed, bshd_ropes, x, counts)?;
+    let old = ed.g.def(v);
     let r = insert_like(
-        g,
+        ed,
         At::Before(old),
         Op::Rope {
             layout: HeadLayout::Bshd,
@@ -250,9 +272,10 @@ fn resolve(
 
 /// Replaces attention node `n` by its `layout=bshd` twin on `operands`; its per-head
 /// results are read through transposes back to [B, H, S, D] (which cancel against the
-/// transposes their readers apply, or stay for a reader that needs [B, H, S, D]).
-fn rewrite_attention(g: &mut Graph, n: Node, operands: &[Value]) -> Result<(), PassError> {
-    let mut op = g.node(n).op.clone();
+/// transposes their readers apply, or stay for a reader that needs [B, H, S, D]). The
+/// caller removes `n`.
+fn rewrite_attention(ed: &mut Edit, n: Node, operands: &[Value]) -> Result<(), PassError> {
+    let mut op = ed.g.node(n).op.clone();
     let per_head_results = match &mut op {
         Op::Attention { layout, .. } => {
             *layout = HeadLayout::Bshd;
@@ -265,40 +288,39 @@ fn rewrite_attention(g: &mut Graph, n: Node, operands: &[Value]) -> Result<(), P
         _ => unreachable!("a candidate"),
     };
     let new = insert_like(
-        g,
+        ed,
         At::Before(n),
         op,
         operands,
         n,
         "reads and writes its per-head tensors in [B, S, H, D] (layout=bshd), as the projections give them",
     )?;
-    let new_node = g.def(new[0]);
-    let old: Vec<Value> = g.node(n).results.clone();
+    let new_node = ed.g.def(new[0]);
+    let old: Vec<Value> = ed.g.node(n).results.clone();
     let mut at = new_node;
     for (i, (&o, &r)) in old.iter().zip(&new).enumerate() {
         let replacement = if i < per_head_results {
             let t = insert_like(
-                g,
+                ed,
                 At::After(at),
                 Op::Transpose { dim0: 1, dim1: 2 },
                 &[r],
                 n,
                 "the [B, H, S, D] view of a layout=bshd attention result, for readers that still need it",
             )?[0];
-            at = g.def(t);
+            at = ed.g.def(t);
             t
         } else {
             r
         };
-        g.replace_all_uses(o, replacement);
+        ed.rd.replace_all_uses(ed.g, o, replacement);
     }
-    g.remove_node(n);
     Ok(())
 }
 
 /// Step 2: `swap(rope(swap(x)))` -> `rope {layout=bshd} (x)` where every reader of the
 /// rope is a swap. Returns how many ropes moved.
-fn sink_ropes(g: &mut Graph) -> Result<usize, PassError> {
+fn sink_ropes(g: &mut Graph, rd: &mut Readers) -> Result<usize, PassError> {
     let mut moved = 0;
     let ropes: Vec<Node> = g
         .nodes()
@@ -314,6 +336,7 @@ fn sink_ropes(g: &mut Graph) -> Result<usize, PassError> {
         })
         .collect();
     let uses = g.uses();
+    let mut place = Placement::new();
     for n in ropes {
         let d = g.node(n);
         let (y, cos, sin) = (d.operands[0], d.operands[1], d.operands[2]);
@@ -331,8 +354,13 @@ fn sink_ropes(g: &mut Graph) -> Result<usize, PassError> {
         {
             continue;
         }
+        let mut ed = Edit {
+            g: &mut *g,
+            rd: &mut *rd,
+            place: &mut place,
+        };
         let new = insert_like(
-            g,
+            &mut ed,
             At::Before(n),
             Op::Rope {
                 layout: HeadLayout::Bshd,
@@ -343,16 +371,17 @@ fn sink_ropes(g: &mut Graph) -> Result<usize, PassError> {
         )?[0];
         for &(m, _) in readers {
             let t = g.node(m).results[0];
-            g.replace_all_uses(t, new);
+            rd.replace_all_uses(g, t, new);
         }
         moved += 1;
     }
+    place.finish(g);
     Ok(moved)
 }
 
 /// Step 3: every swap of a swap reads the inner swap's operand instead. Returns how many
 /// pairs were cancelled.
-fn cancel_swaps(g: &mut Graph) -> usize {
+fn cancel_swaps(g: &mut Graph, rd: &mut Readers) -> usize {
     let mut cancelled = 0;
     let order: Vec<Node> = g.nodes().to_vec();
     for n in order {
@@ -363,31 +392,33 @@ fn cancel_swaps(g: &mut Graph) -> usize {
             continue;
         };
         if let Some(x) = swapped_from(g, inner) {
-            g.replace_all_uses(r, x);
+            rd.replace_all_uses(g, r, x);
             cancelled += 1;
         }
     }
     cancelled
 }
 
-/// Inserts `op` at `at` with `template`'s scope, derivation and micro-batch and a `fuse`
-/// provenance giving `reason`.
+/// Inserts `op` (placed at `at` when the step finishes) with `template`'s scope,
+/// derivation and micro-batch and a `fuse` provenance giving `reason`.
 fn insert_like(
-    g: &mut Graph,
+    ed: &mut Edit,
     at: At,
     op: Op,
     operands: &[Value],
     template: Node,
     reason: &str,
 ) -> Result<Vec<Value>, PassError> {
-    let meta = super::fuse::fused_meta(g, template, reason.into());
-    let location = g.describe(template);
-    g.insert_with(at, op, operands, meta).map_err(|e| {
-        PassError::rewrite(
-            super::fuse::NAME,
-            "cannot write an attention in [B, S, H, D]",
-            location,
-            e.to_string(),
-        )
-    })
+    let meta = super::fuse::fused_meta(ed.g, template, reason.into());
+    let location = ed.g.describe(template);
+    ed.place
+        .insert(ed.g, ed.rd, at, op, operands, meta)
+        .map_err(|e| {
+            PassError::rewrite(
+                super::fuse::NAME,
+                "cannot write an attention in [B, S, H, D]",
+                location,
+                e.to_string(),
+            )
+        })
 }

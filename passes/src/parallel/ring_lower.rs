@@ -46,6 +46,8 @@
 //! added.
 
 use crate::pass::{Pass, PassContext, PassError, PassResult, CP};
+use crate::placement::Placement;
+use crate::readers::Readers;
 use crate::ring_allgather::{self, CpKv};
 use crate::ring_steps::{window_ring, WindowRing};
 use crate::util::remove_unused;
@@ -100,6 +102,10 @@ impl Pass for RingLower {
             })
             .collect();
         let mut dead = Vec::new();
+        // The new nodes wait at the end of the order and go before their ring op at
+        // once, and uses move through the readers index: linear in the step's size.
+        let mut rd = Readers::of(g);
+        let mut place = Placement::new();
         for n in todo {
             let d = g.node(n).clone();
             let all_gather = cx.options.train.cp_kv == CpKv::AllGather;
@@ -114,6 +120,8 @@ impl Pass for RingLower {
                 g,
                 at: n,
                 res: &mut res,
+                rd: &mut rd,
+                place: &mut place,
             };
             let new: Vec<Value> = match &d.op {
                 Op::RingAttention { .. } => {
@@ -149,11 +157,12 @@ impl Pass for RingLower {
                 }
             };
             for (old, new) in d.results.iter().zip(new) {
-                g.replace_all_uses(*old, new);
+                rd.replace_all_uses(g, *old, new);
             }
             dead.push(n);
             res.changed = true;
         }
+        place.finish(g);
         remove_unused(g, &dead);
         Ok(res)
     }
@@ -254,12 +263,15 @@ pub(crate) fn bytes(t: &TensorType) -> Dim {
     t.numel() * t.dtype.size_bytes() as i64
 }
 
-/// Builds nodes before `at` with the lowered node's metadata (its scope, whether it is
-/// backward or recompute, its micro-batch) and this pass's provenance.
+/// Builds nodes before `at` (placed there when the pass finishes) with the lowered
+/// node's metadata (its scope, whether it is backward or recompute, its micro-batch) and
+/// this pass's provenance.
 pub(crate) struct Builder<'a> {
     pub(crate) g: &'a mut Graph,
     pub(crate) at: Node,
     pub(crate) res: &'a mut PassResult,
+    rd: &'a mut Readers,
+    place: &'a mut Placement,
 }
 
 impl Builder<'_> {
@@ -278,8 +290,8 @@ impl Builder<'_> {
         why: &str,
     ) -> Result<Vec<Value>, PassError> {
         let meta = self.meta(why);
-        self.g
-            .insert_with(At::Before(self.at), op, ins, meta)
+        self.place
+            .insert(self.g, self.rd, At::Before(self.at), op, ins, meta)
             .map_err(|e| crate::util::build_error(NAME, e))
     }
     pub(crate) fn op(&mut self, op: Op, ins: &[Value], why: &str) -> Result<Value, PassError> {
