@@ -30,11 +30,12 @@
 //! block it holds at a step from its cp coordinate (the block of rank `s = r - t mod
 //! cp` holds zigzag chunks `s` and `2cp-1-s`). A block every rank sees wholly (a
 //! non-causal attention's; in the zigzag layout never a causal one's, see
-//! `ring_steps::ring_block_wholly_visible`) runs without a mask. With a sliding window and a known
-//! training sequence length (`TrainOptions::seq`) the ring stops early: only the steps
-//! whose blocks meet the band are sent and computed, the first steps of the forward
-//! ring (earlier ranks' first chunks) and of the reverse ring (`ring_shift {shift=-1}`,
-//! later ranks' second chunks); see `ring_steps.rs`. Unknown, every step is taken.
+//! `ring_steps::ring_block_wholly_visible`) runs without a mask. With a sliding
+//! window and a known training sequence length (`TrainOptions::seq`) the ring stops
+//! early: only the steps whose blocks meet the band are sent and computed, the first
+//! steps of the forward ring (earlier ranks' first chunks) and of the reverse ring
+//! (`ring_shift {shift=-1}`, later ranks' second chunks); see `ring_steps.rs`.
+//! Unknown, every step is taken.
 //! Each `ring_shift`'s reason ends with the compute it overlaps.
 //!
 //! With `TrainOptions::cp_kv` = all-gather (`--cp-kv allgather`) it writes the
@@ -723,8 +724,8 @@ fn sender_positions(
     )
 }
 
-/// The keep-masks of the masked ring: this rank's query positions, made when a step
-/// first needs a mask.
+/// The keep-masks of the masked ring, from the positions (the whole sequence's in
+/// zigzag order, this rank's queries') made when a step first needs a mask.
 struct Masks {
     local: Dim,
     /// The whole sequence's zigzag positions, this rank's and the same as a column.
