@@ -74,7 +74,11 @@ fn runnable(g: &weft_ir::Graph, cx: &PassContext) -> weft_ir::Graph {
 /// Compiles fixture `name` for `mesh` pass by pass; runs after each pass when
 /// `every_pass` (gradients after the last) against the unsharded reference.
 fn check(name: &str, mesh: &str, every_pass: bool) -> weft_ir::Graph {
-    let c = case(name);
+    check_case(name, case(name), mesh, every_pass)
+}
+
+/// [`check`] of the model `c` (named `name` in failures).
+fn check_case(name: &str, c: Case, mesh: &str, every_pass: bool) -> weft_ir::Graph {
     let reference = execute(&c.graph, &c, true);
     let cx = PassContext::new(Mesh::parse(mesh).unwrap());
     let mut g = c.graph.clone();
@@ -281,9 +285,9 @@ fn layer0_bytes_split(
 
 /// With a sliding window the ring takes only the steps whose blocks meet the band
 /// (`ring_steps`): per layer and rank, forward, `K` steps each moving a k and a v
-/// block and the block's key positions (i64); backward, the same again plus the dk/dv
-/// accumulators (one shift per step after each ring's first, and one home per ring),
-/// so `K (2 kv + pos)` forward and `K (2 kv + pos) + 2 K kv` backward.
+/// block (each rank computes the block's key positions itself); backward, the same
+/// again plus the dk/dv accumulators (one shift per step after each ring's first, and
+/// one home per ring), so `2 K kv` forward and `4 K kv` backward.
 #[test]
 fn window_ring_steps_and_bytes_are_the_analytic_figure() {
     // mistral_sw4: 2 kv heads, head dim 8, f32, a 4-key window.
@@ -305,14 +309,10 @@ fn window_ring_steps_and_bytes_are_the_analytic_figure() {
         };
         let (fwd, bwd) = layer0_bytes_split(&c, &format!("cp={cp}"), "ring_shift", b, s, &opts);
         let kv = b * nkv * (s / cp) * d * 4;
-        let pos = (s / cp) * 8;
-        assert_eq!(fwd, (3 * k as usize, k * (2 * kv + pos)), "S={s} forward");
+        assert_eq!(fwd, (2 * k as usize, 2 * k * kv), "S={s} forward");
         assert_eq!(
             bwd,
-            (
-                (3 * k + 2 * (k - rings) + 2 * rings) as usize,
-                k * (2 * kv + pos) + 2 * k * kv
-            ),
+            ((2 * k + 2 * (k - rings) + 2 * rings) as usize, 4 * k * kv),
             "S={s} backward"
         );
     }
@@ -326,14 +326,9 @@ fn window_ring_steps_and_bytes_are_the_analytic_figure() {
     };
     let k = 2;
     let kv = b * (nkv / sp) * (s / cp) * d * 4;
-    let pos = (s / cp) * 8;
     let (fwd, bwd) = layer0_bytes_split(&c, "cp=4,sp=2", "ring_shift", b, s, &opts);
-    assert_eq!(fwd, (6, k * (2 * kv + pos)), "cp=4,sp=2 forward");
-    assert_eq!(
-        bwd,
-        (10, k * (2 * kv + pos) + 2 * k * kv),
-        "cp=4,sp=2 backward"
-    );
+    assert_eq!(fwd, (4, 2 * k * kv), "cp=4,sp=2 forward");
+    assert_eq!(bwd, (8, 4 * k * kv), "cp=4,sp=2 backward");
     let (fwd, bwd) = layer0_bytes_split(&c, "cp=4,sp=2", "all_to_all", b, s, &opts);
     let local = b * (s / cp / sp) * d * 4;
     let one_way = nq * local + 2 * nkv * local + nq * local;
@@ -398,8 +393,8 @@ fn narrow_window_case() -> Case {
 }
 
 /// With a 2-key window at 16 tokens on cp=4 (chunks of 2) only the first step of each
-/// ring meets the band: the ring stops there (k, v and positions sent once each way
-/// per layer, not three times), and the logits, loss and every gradient still equal
+/// ring meets the band: the ring stops there (k and v sent once each way per layer,
+/// not three times; no positions travel), and the logits, loss and every gradient still equal
 /// the unsharded model's.
 #[test]
 fn sliding_window_ring_stops_early() {
@@ -418,13 +413,13 @@ fn sliding_window_ring_stops_early() {
         .lines()
         .filter(|l| l.contains("= ring_shift") && l.contains("model.layers.0.self_attn"))
         .collect();
-    assert_eq!(layer0_shifts.len(), 6, "{}", layer0_shifts.join("\n"));
+    assert_eq!(layer0_shifts.len(), 4, "{}", layer0_shifts.join("\n"));
     assert_eq!(
         layer0_shifts
             .iter()
             .filter(|l| l.contains("shift=-1"))
             .count(),
-        3,
+        2,
         "{}",
         layer0_shifts.join("\n")
     );
@@ -441,7 +436,98 @@ fn sliding_window_ring_stops_early() {
         .lines()
         .filter(|l| l.contains("= ring_shift") && l.contains("model.layers.0.self_attn"))
         .count();
-    assert_eq!(backward_shifts, 6 + 10);
+    assert_eq!(backward_shifts, 4 + 8);
+}
+
+/// No position travels the masked ring: every `ring_shift` of layer 0's windowed ring
+/// (mistral_sw4, every step at 16 tokens on cp=4, and the early-stopped rings at 64)
+/// carries a k, v, dk or dv block, never an i64 tensor; each step's key positions are
+/// computed on the rank (its block of the zigzag positions rolled by the step).
+#[test]
+fn the_masked_ring_computes_key_positions_locally() {
+    let c = case("mistral_sw4");
+    for seq in [None, Some(64)] {
+        let opts = TrainOptions {
+            seq,
+            ..Default::default()
+        };
+        let (g, _) = training_step(&c.graph, "cp=4", &opts).unwrap();
+        let text = g.to_string();
+        let ring: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("model.layers.0.self_attn") && l.contains("<- ring-lower:"))
+            .collect();
+        let shifts: Vec<&&str> = ring.iter().filter(|l| l.contains("= ring_shift")).collect();
+        assert!(!shifts.is_empty());
+        for l in &shifts {
+            assert!(
+                !l.contains(": i64[") && !l.contains("positions"),
+                "{seq:?}: {l}"
+            );
+        }
+        assert!(
+            ring.iter()
+                .any(|l| l.contains("= slice") && l.contains("key positions of the sender's block")),
+            "{seq:?}:\n{}",
+            ring.join("\n")
+        );
+        // The rank-dependent slices print and parse back.
+        assert_eq!(weft_ir::parse(&text).unwrap(), g, "{seq:?}: round trip");
+    }
+}
+
+/// llama with every attention made non-causal (bidirectional).
+fn non_causal_case() -> Case {
+    let mut c = case("llama");
+    for n in c.graph.nodes().to_vec() {
+        if let Op::Attention { causal, .. } = &mut c.graph.node_mut(n).op {
+            *causal = false;
+        }
+    }
+    c
+}
+
+/// A non-causal attention's ring blocks are wholly visible on every rank
+/// (`ring_steps::ring_block_wholly_visible`), so its steps attend and differentiate
+/// without a keep-mask (the fused kernels' form): no positions, masks or mask operands
+/// in the lowered ring; and the logits, loss and every gradient still equal the
+/// unsharded model's, on cp=2, cp=4 and sp=2 x cp=2.
+#[test]
+fn a_non_causal_ring_runs_unmasked() {
+    for mesh in ["cp=2", "cp=4", "cp=2,sp=2"] {
+        let g = check_case("llama (non-causal)", non_causal_case(), mesh, false);
+        let (tg, _) = training_step(&non_causal_case().graph, mesh, &TrainOptions::default())
+            .unwrap_or_else(|e| panic!("{mesh}: {e}"));
+        for (what, g) in [("forward", &g), ("training", &tg)] {
+            let mut blocks = 0;
+            for &n in g.nodes() {
+                let d = g.node(n);
+                let ring = d
+                    .meta
+                    .provenance
+                    .as_ref()
+                    .is_some_and(|p| p.pass == "ring-lower");
+                if !ring {
+                    continue;
+                }
+                match &d.op {
+                    Op::Attention { .. } => {
+                        assert_eq!(d.operands.len(), 3, "{mesh} {what}: a masked block");
+                        blocks += 1;
+                    }
+                    Op::AttentionBlockGrad { .. } => {
+                        assert_eq!(d.operands.len(), 6, "{mesh} {what}: a masked gradient");
+                        blocks += 1;
+                    }
+                    Op::Compare { .. } | Op::Arange { .. } => {
+                        panic!("{mesh} {what}: a keep-mask is built: {}", g.describe(n))
+                    }
+                    _ => {}
+                }
+            }
+            assert!(blocks > 0, "{mesh} {what}: no ring block");
+        }
+    }
 }
 
 /// Pins the text of layer 0's windowed ring (2-key window, cp=4, 16 tokens) in the
@@ -655,8 +741,8 @@ fn inspect_explain_shows_each_windowed_ring_step() {
         .lines()
         .filter(|l| l.contains("ring_shift") && l.contains("[model.layers.0.self_attn]"))
         .collect();
-    // forward: k, v, positions each way; backward: the same, and each ring's dk/dv home
-    assert_eq!(steps.len(), 6 + 10, "{out}");
+    // forward: k and v each way; backward: the same, and each ring's dk/dv home
+    assert_eq!(steps.len(), 4 + 8, "{out}");
     for l in &steps {
         assert!(
             l.contains("bytes per rank; overlaps ") && l.contains("KiB"),
@@ -667,7 +753,7 @@ fn inspect_explain_shows_each_windowed_ring_step() {
         .iter()
         .filter(|l| l.contains("reverse ring step 1/1"))
         .count();
-    assert_eq!(reverse, 6, "{out}");
+    assert_eq!(reverse, 4, "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

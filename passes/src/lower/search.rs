@@ -32,8 +32,9 @@
 //!   repeats them (`sp / gcd(kv, sp)`), which the all_to_all bytes count. The
 //!   all-gather variant (`--cp-kv allgather`, searched beside the ring on a cp mesh)
 //!   gathers k/v once forward and once backward and reduce-scatters dk/dv, all exposed,
-//!   holds the whole sequence's k/v and dk/dv, and computes the masked half of the
-//!   attention too;
+//!   holds the whole sequence's k/v and dk/dv, computes the masked half of the
+//!   attention too, and copies k/v and dk/dv to and from the sequence-first layout of
+//!   its collectives at HBM bandwidth;
 
 use crate::ring_allgather::CpKv;
 use weft_ir::plan::DeviceProfile;
@@ -602,6 +603,14 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         // The masked attention against the whole sequence computes the blocks above
         // the diagonal too: the causal half again.
         compute += (attn_model * (1.0 + redo / 3.0) / world) / (d.attention_tflops * 1e12);
+        // Its collectives run along a sequence-first copy (`ring_allgather.rs`): each of
+        // k and v is permuted there (one block) and the gathered whole back (`cp` blocks)
+        // in the forward, again for the backward's gather (and the recompute's), and dk
+        // and dv are permuted whole (`cp` blocks) before their reduce_scatter and their
+        // own block back after it: `(3 + redo) (cp + 1)` k/v blocks copied, each byte
+        // read and written once, at HBM bandwidth.
+        let copies = 2.0 * (3.0 + redo) * (cp + 1.0) * ring_kv;
+        compute += layers * mb * copies / (d.hbm_gbps * 1e9);
     } else if c.cp > 1 {
         // Ring attention: forward k/v and backward dk/dv blocks, one step each per
         // ring step, each hidden behind that step's block attention.
@@ -911,6 +920,51 @@ mod tests {
         let all = enumerate(&m, &spec);
         assert!(all.iter().any(|c| c.cp > 1 && c.cp_kv == CpKv::AllGather));
         assert!(all.iter().all(|c| c.cp > 1 || c.cp_kv == CpKv::Ring));
+    }
+
+    /// The all-gather variant's copies (k/v to and from the sequence-first layout its
+    /// collectives use, the gathered k/v and the dk/dv before the reduce_scatter) are
+    /// priced at HBM bandwidth, forward, backward and in full checkpointing's
+    /// recompute: halving the bandwidth adds exactly their time to the variant's
+    /// compute, and nothing to the ring's.
+    #[test]
+    fn the_allgather_copies_are_priced_at_hbm_bandwidth() {
+        let spec = h100_spec(8, 131072, 1);
+        let mut slow = spec.clone();
+        slow.device.hbm_gbps /= 2.0;
+        let m = llama8b();
+        for (checkpoint, redo) in [("none", 0.0), ("full", 1.0)] {
+            let c = |cp_kv| Candidate {
+                cp: 8,
+                dp: 1,
+                sp: 1,
+                tp: 1,
+                ep: 1,
+                zero: 3,
+                checkpoint,
+                offload: false,
+                offload_optimizer: false,
+                fused_loss: true,
+                micro_batches: 1,
+                cp_kv,
+            };
+            // This rank's 16384 tokens x (k, v) x bf16 x 8 kv heads x 128, over 32 layers:
+            // k/v forward, again backward (and to recompute), dk/dv, each cp + 1 blocks
+            // read and written.
+            let kv = 16384.0 * 2.0 * 2.0 * 1024.0;
+            let copies = 32.0 * 2.0 * (3.0 + redo) * (8.0 + 1.0) * kv;
+            let t = copies / (spec.device.hbm_gbps * 1e9);
+            let grow = |cp_kv| {
+                score(&m, &slow, &c(cp_kv)).time.compute - score(&m, &spec, &c(cp_kv)).time.compute
+            };
+            let (gather, ring) = (grow(CpKv::AllGather), grow(CpKv::Ring));
+            assert!(
+                (gather - t).abs() <= 1e-9 * t,
+                "{checkpoint}: {gather} vs {t}"
+            );
+            assert_eq!(ring, 0.0, "{checkpoint}");
+            assert!(t > 0.0);
+        }
     }
 
     #[test]

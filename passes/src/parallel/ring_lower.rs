@@ -26,11 +26,16 @@
 //!
 //! A sliding window or a non-causal attention uses the masked ring: every step attends
 //! all local queries to the received block under a keep-mask from the tokens' global
-//! positions, which travel the ring with k/v. With a sliding window and a known
-//! training sequence length (`TrainOptions::seq`) the ring stops early: only the steps
-//! whose blocks meet the band are sent and computed, the first steps of the forward
-//! ring (earlier ranks' first chunks) and of the reverse ring (`ring_shift {shift=-1}`,
-//! later ranks' second chunks); see `ring_steps.rs`. Unknown, every step is taken.
+//! positions. Only k/v travel the ring: each rank computes the key positions of the
+//! block it holds at a step from its cp coordinate (the block of rank `s = r - t mod
+//! cp` holds zigzag chunks `s` and `2cp-1-s`). A block every rank sees wholly (a
+//! non-causal attention's; in the zigzag layout never a causal one's, see
+//! `ring_steps::ring_block_wholly_visible`) runs without a mask. With a sliding
+//! window and a known training sequence length (`TrainOptions::seq`) the ring stops
+//! early: only the steps whose blocks meet the band are sent and computed, the first
+//! steps of the forward ring (earlier ranks' first chunks) and of the reverse ring
+//! (`ring_shift {shift=-1}`, later ranks' second chunks); see `ring_steps.rs`.
+//! Unknown, every step is taken.
 //! Each `ring_shift`'s reason ends with the compute it overlaps.
 //!
 //! With `TrainOptions::cp_kv` = all-gather (`--cp-kv allgather`) it writes the
@@ -49,7 +54,7 @@ use crate::pass::{Pass, PassContext, PassError, PassResult, CP};
 use crate::placement::Placement;
 use crate::readers::Readers;
 use crate::ring_allgather::{self, CpKv};
-use crate::ring_steps::{window_ring, WindowRing};
+use crate::ring_steps::{ring_block_wholly_visible, window_ring, WindowRing};
 use crate::util::remove_unused;
 use weft_ir::{
     At, CmpOp, DType, Dim, Float, Graph, Node, NodeMeta, Op, Provenance, TensorType, Value,
@@ -178,6 +183,8 @@ pub(crate) struct Ring {
     /// The steps a causal sliding window needs, when the sequence length is known
     /// (unknown: every step, which is right for any length).
     pub(crate) window_ring: Option<WindowRing>,
+    /// The zigzag chunk size (`S / 2cp`) when the sequence length is known.
+    pub(crate) chunk: Option<i64>,
 }
 
 impl Ring {
@@ -234,6 +241,9 @@ impl Ring {
             }
             _ => None,
         };
+        let chunk = seq
+            .filter(|&s| s > 0 && s % (2 * cp) == 0)
+            .map(|s| s / (2 * cp));
         Ok(Ring {
             cp,
             causal: *causal,
@@ -241,6 +251,7 @@ impl Ring {
             scale: *scale,
             softcap: *softcap,
             window_ring,
+            chunk,
         })
     }
     fn zigzag_causal(&self) -> bool {
@@ -695,8 +706,99 @@ fn zigzag_backward(
     Ok((dq, dk, dv))
 }
 
-/// Global positions of this rank's tokens (its block of the zigzag-ordered positions)
-/// and the same as a column, for the masked ring's keep-masks.
+/// Global positions of the keys of the block a rank holds `d` steps along the ring: the
+/// k/v of rank `s = @cp - d mod cp` (zigzag chunks `s` and `2cp-1-s`), which is block
+/// `@cp` of the whole sequence's zigzag positions `zz` rolled `d` blocks on. Computed on
+/// the rank, so no positions travel the ring with the block.
+fn sender_positions(
+    b: &mut Builder,
+    zz: Value,
+    local: &Dim,
+    d: i64,
+    what: &str,
+) -> Result<Value, PassError> {
+    let why =
+        format!("{what}: key positions of the sender's block (@cp - {d} mod cp), computed here");
+    let cut = local.clone() * (Dim::sym(CP) + (-d));
+    let tail = b.slice(zz, 0, cut.clone(), local.clone() * d, &why)?;
+    let head = b.slice(zz, 0, Dim::from(0), cut, &why)?;
+    let rolled = b.op(
+        Op::Concat { dim: 0 },
+        &[tail, head],
+        &format!("{what}: the zigzag positions rolled {d} rank block(s) on"),
+    )?;
+    b.slice(
+        rolled,
+        0,
+        Dim::coord(CP) * local.clone(),
+        local.clone(),
+        &why,
+    )
+}
+
+/// The keep-masks of the masked ring, from the positions (the whole sequence's in
+/// zigzag order, this rank's queries') made when a step first needs a mask.
+struct Masks {
+    local: Dim,
+    /// The whole sequence's zigzag positions, this rank's and the same as a column.
+    positions: Option<(Value, Value, Value)>,
+}
+
+impl Masks {
+    fn new(local: Dim) -> Masks {
+        Masks {
+            local,
+            positions: None,
+        }
+    }
+
+    /// The keep-mask of this rank's queries against the block of the rank `d` back on
+    /// the ring (`@cp - d mod cp`; 0: its own), or `None` where that block is wholly
+    /// visible on every rank (`ring_steps::ring_block_wholly_visible`), whose attention
+    /// then runs unmasked.
+    fn of(
+        &mut self,
+        b: &mut Builder,
+        r: &Ring,
+        d: i64,
+        what: &str,
+    ) -> Result<Option<Value>, PassError> {
+        if ring_block_wholly_visible(d, r.cp, r.chunk, r.causal, r.window) {
+            return Ok(None);
+        }
+        let (zz, qpos, qcol) = match self.positions {
+            Some(x) => x,
+            None => {
+                let x = zigzag_positions(b, r, &self.local)?;
+                self.positions = Some(x);
+                x
+            }
+        };
+        let kpos = if d == 0 {
+            qpos
+        } else {
+            sender_positions(b, zz, &self.local, d, what)?
+        };
+        Ok(Some(keep_mask(b, r, &self.local, qcol, kpos, what)?))
+    }
+}
+
+/// `ins` with the keep-mask, if any, appended; and the reason's note for a block run
+/// without one.
+fn masked(ins: &[Value], mask: Option<Value>) -> (Vec<Value>, &'static str) {
+    let mut v = ins.to_vec();
+    match mask {
+        Some(m) => {
+            v.push(m);
+            (v, "")
+        }
+        None => (v, " (wholly visible on every rank: no mask)"),
+    }
+}
+
+/// The whole sequence's positions in zigzag order over cp (`[local x cp]`, the order
+/// of the rank blocks), this rank's block of them and the same as a column, for the
+/// keep-masks (every rank computes them; none travel).
 ///
 /// A ring that stops early is right only for sequences of at least `min_seq` tokens
 /// (shorter ones have smaller chunks, whose band reaches further ranks), so its
@@ -704,14 +806,6 @@ fn zigzag_backward(
 /// first one's size is negative for a shorter sequence, which binding the sizes
 /// (`check_bindings`, the runtimes) refuses as `S` too small, naming the nearest
 /// lengths that work.
-fn local_positions(b: &mut Builder, r: &Ring, local: &Dim) -> Result<(Value, Value), PassError> {
-    let (_, qpos, qcol) = zigzag_positions(b, r, local)?;
-    Ok((qpos, qcol))
-}
-
-/// The whole sequence's positions in zigzag order over cp (`[local x cp]`, the order
-/// of the rank blocks), this rank's block of them and the same as a column; see
-/// [`local_positions`].
 pub(crate) fn zigzag_positions(
     b: &mut Builder,
     r: &Ring,
@@ -879,8 +973,8 @@ fn directions(r: &Ring) -> Vec<Direction> {
     all.into_iter().filter(|d| d.steps > 0).collect()
 }
 
-/// A block on the ring: k, v and the global positions of its keys.
-type Block = (Value, Value, Value);
+/// A block on the ring: k and v (each rank computes its keys' positions itself).
+type Block = (Value, Value);
 
 /// Sends `block` one step further along ring `d`, for step `t`, while `overlaps`
 /// computes.
@@ -892,17 +986,17 @@ fn send(
     again: &str,
     overlaps: &str,
 ) -> Result<Block, PassError> {
-    let (k, v, pos) = block;
+    let (k, v) = block;
     let what = |name: &str| format!("{}: {name}{again} {}", d.step(t), d.from());
     Ok((
         b.shift_by(k, d.by, &what("k block"), overlaps)?,
         b.shift_by(v, d.by, &what("v block"), overlaps)?,
-        b.shift_by(pos, d.by, &what("key positions"), overlaps)?,
     ))
 }
 
 /// The masked ring's forward: every step attends all local queries to the received
-/// block under a keep-mask from global positions (causal, and the window's band).
+/// block under a keep-mask from global positions (causal, and the window's band), the
+/// key positions computed on the rank; a block every rank sees wholly runs unmasked.
 fn masked_forward(
     b: &mut Builder,
     r: &Ring,
@@ -911,39 +1005,40 @@ fn masked_forward(
     v: Value,
 ) -> Result<(Value, Value), PassError> {
     let local = b.ty(q).shape[2].clone();
-    let (qpos, qcol) = local_positions(b, r, &local)?;
+    let mut masks = Masks::new(local);
     let dirs = directions(r);
-    let own = (k, v, qpos);
     let during = "ring step 0's attention of this rank's queries to its own block";
     let mut pending = Vec::new();
     for &d in &dirs {
-        pending.push(Some(send(b, d, own, 1, "", during)?));
+        pending.push(Some(send(b, d, (k, v), 1, "", during)?));
     }
     b.res.count("ring_steps", 1);
-    let mask = keep_mask(b, r, &local, qcol, qpos, "ring step 0")?;
+    let mask = masks.of(b, r, 0, "ring step 0")?;
+    let (ins, note) = masked(&[q, k, v], mask);
     let step0 = match r.window_ring {
         Some(w) => format!(
-            "ring step 0: this rank's queries x its own k/v block; the {}-key window's ring takes {w}",
+            "ring step 0: this rank's queries x its own k/v block{note}; the {}-key window's ring takes {w}",
             r.window.unwrap_or_default()
         ),
-        None => "ring step 0: this rank's queries x its own k/v block".to_string(),
+        None => format!("ring step 0: this rank's queries x its own k/v block{note}"),
     };
-    let mut acc = b.block_attention(r, &[q, k, v, mask], false, &step0)?;
+    let mut acc = b.block_attention(r, &ins, false, &step0)?;
     for (i, &d) in dirs.iter().enumerate() {
         for t in 1..=d.steps {
-            let (kt, vt, kpos) = pending[i].take().expect("the step's block was sent");
+            let (kt, vt) = pending[i].take().expect("the step's block was sent");
             let what = d.step(t);
             if t < d.steps {
                 let during = format!("{what}'s block attention");
-                pending[i] = Some(send(b, d, (kt, vt, kpos), t + 1, "", &during)?);
+                pending[i] = Some(send(b, d, (kt, vt), t + 1, "", &during)?);
             }
             b.res.count("ring_steps", 1);
-            let mask = keep_mask(b, r, &local, qcol, kpos, &what)?;
+            let mask = masks.of(b, r, (d.by * t).rem_euclid(r.cp), &what)?;
+            let (ins, note) = masked(&[q, kt, vt], mask);
             let part = b.block_attention(
                 r,
-                &[q, kt, vt, mask],
+                &ins,
                 false,
-                &format!("{what}: this rank's queries x the received k/v block"),
+                &format!("{what}: this rank's queries x the received k/v block{note}"),
             )?;
             acc = b.merge(acc, part, &what)?;
         }
@@ -961,33 +1056,33 @@ fn masked_backward(
 ) -> Result<(Value, Value, Value), PassError> {
     let cp = r.cp;
     let local = b.ty(x.q).shape[2].clone();
-    let (qpos, qcol) = local_positions(b, r, &local)?;
+    let mut masks = Masks::new(local);
     let dirs = directions(r);
     let again = " (again, for the backward)";
-    let own = (x.k, x.v, qpos);
     let during = "ring step 0's block gradient of this rank's own block";
     let mut pending = Vec::new();
     for &d in &dirs {
-        pending.push(Some(send(b, d, own, 1, again, during)?));
+        pending.push(Some(send(b, d, (x.k, x.v), 1, again, during)?));
     }
-    let grad = |b: &mut Builder, kt: Value, vt: Value, mask: Value, what: &str| {
+    let grad = |b: &mut Builder, kt: Value, vt: Value, mask: Option<Value>, what: &str| {
+        let (ins, note) = masked(&[x.q, kt, vt, x.out, x.dout, x.lse], mask);
         b.block_grad(
             r,
-            &[x.q, kt, vt, x.out, x.dout, x.lse, mask],
+            &ins,
             false,
-            &format!("{what}: this rank's queries x the received k/v block"),
+            &format!("{what}: this rank's queries x the received k/v block{note}"),
         )
     };
-    let mask = keep_mask(b, r, &local, qcol, qpos, "ring step 0 backward")?;
+    let mask = masks.of(b, r, 0, "ring step 0 backward")?;
     let (mut dq, mut dk, mut dv) = grad(b, x.k, x.v, mask, "ring step 0 backward")?;
     for (i, &d) in dirs.iter().enumerate() {
         let mut acc: Option<(Value, Value)> = None;
         for t in 1..=d.steps {
-            let (kt, vt, kpos) = pending[i].take().expect("the step's block was sent");
+            let (kt, vt) = pending[i].take().expect("the step's block was sent");
             let what = format!("{} backward", d.step(t));
             let during = format!("{what}'s block gradient");
             if t < d.steps {
-                pending[i] = Some(send(b, d, (kt, vt, kpos), t + 1, again, &during)?);
+                pending[i] = Some(send(b, d, (kt, vt), t + 1, again, &during)?);
             }
             // The previous step's accumulator moves on with its block while this
             // step computes.
@@ -1003,7 +1098,7 @@ fn masked_backward(
                     ))
                 }
             };
-            let mask = keep_mask(b, r, &local, qcol, kpos, &what)?;
+            let mask = masks.of(b, r, (d.by * t).rem_euclid(cp), &what)?;
             let (dqt, dkt, dvt) = grad(b, kt, vt, mask, &what)?;
             dq = b.add(dq, dqt, &what)?;
             acc = Some(match moved {
