@@ -34,7 +34,8 @@ pub struct Args {
     /// Rows of the table.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
-    /// Finalists compiled through the compile path.
+    /// Finalists compiled through the compile path (the best candidate of each mesh
+    /// family, by which of cp, sp, tp and ep it uses, first).
     #[arg(long, default_value_t = 3)]
     pub finalists: usize,
     /// Write the best plan (ExecutionPlan JSON) here.
