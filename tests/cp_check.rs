@@ -787,7 +787,11 @@ fn allgather() -> TrainOptions {
 /// and the gradients of running it) and the training step (loss and every `grad.*`)
 /// match the unsharded model; neither holds a ring step.
 fn check_allgather(name: &str, mesh: &str) {
-    let c = case(name);
+    check_allgather_case(name, case(name), mesh);
+}
+
+/// [`check_allgather`] of case `c`; returns the forward program and the training step.
+fn check_allgather_case(name: &str, c: Case, mesh: &str) -> (weft_ir::Graph, weft_ir::Graph) {
     let reference = execute(&c.graph, &c, true);
     let mut cx = PassContext::new(Mesh::parse(mesh).unwrap());
     cx.options.train = allgather();
@@ -812,9 +816,50 @@ fn check_allgather(name: &str, mesh: &str) {
         &reference,
         &got,
     );
-    let g = check_training(name, mesh, &c, &reference, allgather());
-    let text = g.to_string();
+    let tg = check_training(name, mesh, &c, &reference, allgather());
+    let text = tg.to_string();
     assert!(!text.contains("ring_shift"), "a ring step is left:\n{text}");
+    (g, tg)
+}
+
+/// Non-causal attention through the all-gather variant: every key is visible, so the
+/// attention against the gathered k/v and its gradient run without a keep-mask.
+#[test]
+fn a_non_causal_allgather_runs_unmasked() {
+    for mesh in ["cp=2", "cp=4"] {
+        let (g, tg) = check_allgather_case("llama (non-causal)", non_causal_case(), mesh);
+        for (what, g) in [("forward", &g), ("training", &tg)] {
+            let mut blocks = 0;
+            for &n in g.nodes() {
+                let d = g.node(n);
+                if d.meta
+                    .provenance
+                    .as_ref()
+                    .is_none_or(|p| p.pass != "ring-lower")
+                {
+                    continue;
+                }
+                match &d.op {
+                    Op::Attention { .. } => {
+                        assert_eq!(d.operands.len(), 3, "{mesh} {what}: a masked attention");
+                        blocks += 1;
+                    }
+                    Op::AttentionBlockGrad { .. } => {
+                        assert_eq!(d.operands.len(), 6, "{mesh} {what}: a masked gradient");
+                        blocks += 1;
+                    }
+                    Op::Compare { .. } => {
+                        panic!("{mesh} {what}: a keep-mask is built: {}", g.describe(n))
+                    }
+                    _ => {}
+                }
+            }
+            assert!(
+                blocks > 0,
+                "{mesh} {what}: no attention against the gathered k/v"
+            );
+        }
+    }
 }
 
 #[test]

@@ -6,7 +6,8 @@
 //!   the whole sequence's k/v in zigzag chunk order (rank blocks in rank order); one
 //!   `attention` of the local queries against all keys under a keep-mask from global
 //!   positions (causal, and the sliding window's band where the op has one; the
-//!   masked ring's mask), with `lse`. Its out and lse are the ring's: the same
+//!   masked ring's mask; none for a non-causal attention without a window, where
+//!   every key is visible), with `lse`. Its out and lse are the ring's: the same
 //!   attention over the same keys, in one block instead of merged ones. The key
 //!   positions are the zigzag order of the whole sequence, which every rank computes
 //!   itself, so they are not sent;
@@ -138,16 +139,20 @@ fn scatter(b: &mut Builder, r: &Ring, x: Value, what: &str) -> Result<Value, Pas
     )
 }
 
-/// The keep-mask of this rank's queries against the whole gathered sequence.
+/// The keep-mask of this rank's queries against the whole gathered sequence; none
+/// where every key is visible (non-causal attention without a window).
 fn whole_sequence_mask(
     b: &mut Builder,
     r: &Ring,
     q: Value,
     what: &str,
-) -> Result<Value, PassError> {
+) -> Result<Option<Value>, PassError> {
+    if !r.causal && r.window.is_none() {
+        return Ok(None);
+    }
     let local = b.ty(q).shape[2].clone();
     let (all, _, qcol) = zigzag_positions(b, r, &local)?;
-    keep_mask(b, r, &local, qcol, all, what)
+    keep_mask(b, r, &local, qcol, all, what).map(Some)
 }
 
 /// The forward: out and lse of this rank's queries against the gathered k/v.
@@ -161,10 +166,11 @@ pub(crate) fn forward(
     let kg = gather(b, r, k, "k")?;
     let vg = gather(b, r, v, "v")?;
     let what = "cp k/v all-gather";
-    let mask = whole_sequence_mask(b, r, q, what)?;
+    let mut ins = vec![q, kg, vg];
+    ins.extend(whole_sequence_mask(b, r, q, what)?);
     b.block_attention(
         r,
-        &[q, kg, vg, mask],
+        &ins,
         false,
         &format!("{what}: this rank's queries x the whole sequence's k/v"),
     )
@@ -180,10 +186,11 @@ pub(crate) fn backward(
     let kg = gather(b, r, x.k, "k (again, for the backward)")?;
     let vg = gather(b, r, x.v, "v (again, for the backward)")?;
     let what = "cp k/v all-gather backward";
-    let mask = whole_sequence_mask(b, r, x.q, what)?;
+    let mut ins = vec![x.q, kg, vg, x.out, x.dout, x.lse];
+    ins.extend(whole_sequence_mask(b, r, x.q, what)?);
     let (dq, dk_all, dv_all) = b.block_grad(
         r,
-        &[x.q, kg, vg, x.out, x.dout, x.lse, mask],
+        &ins,
         false,
         &format!("{what}: this rank's queries x the whole sequence's k/v"),
     )?;
