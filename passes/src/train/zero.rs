@@ -443,16 +443,20 @@ pub fn layer_of(source: &str) -> Option<String> {
 
 /// Issues each region's ZeRO-3 gathers a layer early: in a region (forward or backward
 /// of a micro-batch), parameters are grouped by layer in order of first use (a
-/// parameter outside numbered layers is a group of its own), and the gathers of each
-/// group move to right before the first reader of the group before it. On the
-/// in-order communication stream they then run while the previous layer computes;
-/// made at each use, they queued behind that layer's other collectives (the Ulysses
-/// all_to_alls, the ring steps) and the compute waited for every gather (a 405B step on
-/// dp=32,cp=8,sp=4: 21 s of 38 s compute stalled, 16 s after this change less than
-/// that). Only the collectives move: the reshapes and slices that finish a parameter
-/// stay at its use, so the compute stream never waits for a gather before it needs
-/// it. At most two layers' gathered parameters are alive at once, as the analytic
-/// model counts. Values are unchanged: only the program order moves.
+/// parameter outside numbered layers is a group of its own), and the gathers of a
+/// group's `j`-th parameter move to right before the first reader of the previous
+/// group's `j`-th (its last, where that group is smaller): each parameter is gathered
+/// a layer before its use, in step with the layer before it. On the in-order
+/// communication stream the gathers then run while the previous layer computes, and
+/// that layer's own collectives (the Ulysses all_to_alls, the ring steps) queue only
+/// behind the gathers of the parameters used before them; made at each use, the
+/// gathers queued behind those collectives and the compute waited for every gather
+/// (a 405B step on dp=32,cp=8,sp=4: 21 s of 38 s compute stalled; with the whole layer
+/// issued at its first reader, the all_to_alls waited behind the MLP's gathers). Only
+/// the collectives move: the reshapes and slices that finish a parameter stay at its
+/// use, so the compute stream never waits for a gather before it needs it. At most
+/// about two layers' gathered parameters are alive at once, as the analytic model
+/// counts. Values are unchanged: only the program order moves.
 pub fn prefetch_gathers(g: &mut Graph, chains: &[GatherChain]) {
     if chains.is_empty() {
         return;
@@ -470,18 +474,22 @@ pub fn prefetch_gathers(g: &mut Graph, chains: &[GatherChain]) {
     let mut moved: std::collections::HashSet<weft_ir::Node> = Default::default();
     for cs in by_region.values_mut() {
         cs.sort_by_key(|c| pos[&c.reader]);
-        // The first reader of the group before the current one, and the current
-        // group's layer and first reader.
-        let mut anchor: Option<weft_ir::Node> = None;
-        let mut group: Option<(&Option<String>, weft_ir::Node)> = None;
+        // Consecutive chains of one layer form a group.
+        let mut groups: Vec<Vec<&GatherChain>> = Vec::new();
         for c in cs.iter() {
-            let same = matches!(group, Some((l, _)) if l.is_some() && *l == c.layer);
-            if !same {
-                anchor = group.map(|(_, first)| first);
-                group = Some((&c.layer, c.reader));
+            match groups.last_mut() {
+                Some(g) if c.layer.is_some() && g[0].layer == c.layer => g.push(c),
+                _ => groups.push(vec![c]),
             }
-            if let Some(a) = anchor {
-                before.entry(a).or_default().extend_from_slice(&c.gathers);
+        }
+        for k in 1..groups.len() {
+            let prev = &groups[k - 1];
+            for (j, c) in groups[k].iter().enumerate() {
+                let anchor = prev.get(j).unwrap_or(&prev[prev.len() - 1]).reader;
+                before
+                    .entry(anchor)
+                    .or_default()
+                    .extend_from_slice(&c.gathers);
                 moved.extend(c.gathers.iter().copied());
             }
         }
