@@ -466,7 +466,11 @@ pub fn prefetch_gathers(g: &mut Graph, chains: &[GatherChain]) {
         order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let mut by_region: std::collections::BTreeMap<(bool, u32), Vec<&GatherChain>> =
         Default::default();
-    for c in chains {
+    // A chain whose nodes a later rewrite removed stays where it is.
+    let live = |c: &GatherChain| {
+        pos.contains_key(&c.reader) && c.gathers.iter().all(|n| pos.contains_key(n))
+    };
+    for c in chains.iter().filter(|c| live(c)) {
         by_region.entry(c.region).or_default().push(c);
     }
     let mut before: std::collections::HashMap<weft_ir::Node, Vec<weft_ir::Node>> =
