@@ -383,11 +383,18 @@ fn window_ring_refuses_a_shorter_sequence() {
 
 /// mistral_sw4 with its window narrowed to 2 keys.
 fn narrow_window_case() -> Case {
-    let mut c = case("mistral_sw4");
-    for n in c.graph.nodes().to_vec() {
-        if let Op::Attention { window, .. } = &mut c.graph.node_mut(n).op {
+    with_attentions("mistral_sw4", |op| {
+        if let Op::Attention { window, .. } = op {
             *window = Some(2);
         }
+    })
+}
+
+/// Fixture `name` with `edit` applied to every op (meant for its attentions).
+fn with_attentions(name: &str, edit: impl Fn(&mut Op)) -> Case {
+    let mut c = case(name);
+    for n in c.graph.nodes().to_vec() {
+        edit(&mut c.graph.node_mut(n).op);
     }
     c
 }
@@ -478,13 +485,11 @@ fn the_masked_ring_computes_key_positions_locally() {
 
 /// llama with every attention made non-causal (bidirectional).
 fn non_causal_case() -> Case {
-    let mut c = case("llama");
-    for n in c.graph.nodes().to_vec() {
-        if let Op::Attention { causal, .. } = &mut c.graph.node_mut(n).op {
+    with_attentions("llama", |op| {
+        if let Op::Attention { causal, .. } = op {
             *causal = false;
         }
-    }
-    c
+    })
 }
 
 /// A non-causal attention's ring blocks are wholly visible on every rank
@@ -498,36 +503,40 @@ fn a_non_causal_ring_runs_unmasked() {
         let g = check_case("llama (non-causal)", non_causal_case(), mesh, false);
         let (tg, _) = training_step(&non_causal_case().graph, mesh, &TrainOptions::default())
             .unwrap_or_else(|e| panic!("{mesh}: {e}"));
-        for (what, g) in [("forward", &g), ("training", &tg)] {
-            let mut blocks = 0;
-            for &n in g.nodes() {
-                let d = g.node(n);
-                let ring = d
-                    .meta
-                    .provenance
-                    .as_ref()
-                    .is_some_and(|p| p.pass == "ring-lower");
-                if !ring {
-                    continue;
-                }
-                match &d.op {
-                    Op::Attention { .. } => {
-                        assert_eq!(d.operands.len(), 3, "{mesh} {what}: a masked block");
-                        blocks += 1;
-                    }
-                    Op::AttentionBlockGrad { .. } => {
-                        assert_eq!(d.operands.len(), 6, "{mesh} {what}: a masked gradient");
-                        blocks += 1;
-                    }
-                    Op::Compare { .. } | Op::Arange { .. } => {
-                        panic!("{mesh} {what}: a keep-mask is built: {}", g.describe(n))
-                    }
-                    _ => {}
-                }
+        assert_unmasked_blocks(mesh, "forward", &g);
+        assert_unmasked_blocks(mesh, "training", &tg);
+    }
+}
+
+/// The attentions and attention gradients `ring-lower` wrote into `g` take no
+/// keep-mask, none is built, and there is at least one.
+fn assert_unmasked_blocks(mesh: &str, what: &str, g: &weft_ir::Graph) {
+    let mut blocks = 0;
+    for &n in g.nodes() {
+        let d = g.node(n);
+        if d.meta
+            .provenance
+            .as_ref()
+            .is_none_or(|p| p.pass != "ring-lower")
+        {
+            continue;
+        }
+        match &d.op {
+            Op::Attention { .. } => {
+                assert_eq!(d.operands.len(), 3, "{mesh} {what}: a masked block");
+                blocks += 1;
             }
-            assert!(blocks > 0, "{mesh} {what}: no ring block");
+            Op::AttentionBlockGrad { .. } => {
+                assert_eq!(d.operands.len(), 6, "{mesh} {what}: a masked gradient");
+                blocks += 1;
+            }
+            Op::Compare { .. } | Op::Arange { .. } => {
+                panic!("{mesh} {what}: a keep-mask is built: {}", g.describe(n))
+            }
+            _ => {}
         }
     }
+    assert!(blocks > 0, "{mesh} {what}: no ring block");
 }
 
 /// Pins the text of layer 0's windowed ring (2-key window, cp=4, 16 tokens) in the
@@ -828,37 +837,8 @@ fn check_allgather_case(name: &str, c: Case, mesh: &str) -> (weft_ir::Graph, wef
 fn a_non_causal_allgather_runs_unmasked() {
     for mesh in ["cp=2", "cp=4"] {
         let (g, tg) = check_allgather_case("llama (non-causal)", non_causal_case(), mesh);
-        for (what, g) in [("forward", &g), ("training", &tg)] {
-            let mut blocks = 0;
-            for &n in g.nodes() {
-                let d = g.node(n);
-                if d.meta
-                    .provenance
-                    .as_ref()
-                    .is_none_or(|p| p.pass != "ring-lower")
-                {
-                    continue;
-                }
-                match &d.op {
-                    Op::Attention { .. } => {
-                        assert_eq!(d.operands.len(), 3, "{mesh} {what}: a masked attention");
-                        blocks += 1;
-                    }
-                    Op::AttentionBlockGrad { .. } => {
-                        assert_eq!(d.operands.len(), 6, "{mesh} {what}: a masked gradient");
-                        blocks += 1;
-                    }
-                    Op::Compare { .. } => {
-                        panic!("{mesh} {what}: a keep-mask is built: {}", g.describe(n))
-                    }
-                    _ => {}
-                }
-            }
-            assert!(
-                blocks > 0,
-                "{mesh} {what}: no attention against the gathered k/v"
-            );
-        }
+        assert_unmasked_blocks(mesh, "forward", &g);
+        assert_unmasked_blocks(mesh, "training", &tg);
     }
 }
 

@@ -874,6 +874,24 @@ mod tests {
         assert_eq!(b.memory.total, a.memory.total);
     }
 
+    /// cp=8 alone with ZeRO-3, one micro-batch, the fused loss.
+    fn cp8(cp_kv: CpKv, checkpoint: &'static str) -> Candidate {
+        Candidate {
+            cp: 8,
+            dp: 1,
+            sp: 1,
+            tp: 1,
+            ep: 1,
+            zero: 3,
+            checkpoint,
+            offload: false,
+            offload_optimizer: false,
+            fused_loss: true,
+            micro_batches: 1,
+            cp_kv,
+        }
+    }
+
     /// The all-gather variant is priced as what it is: the whole sequence's k/v and
     /// dk/dv held (`2 cp` blocks against the ring's 4), its collectives exposed, and the
     /// attention's masked half computed; both variants are searched on a cp mesh and
@@ -882,20 +900,7 @@ mod tests {
     fn the_allgather_variant_is_priced_unoverlapped_with_the_whole_kv() {
         let spec = h100_spec(8, 131072, 1);
         let m = llama8b();
-        let c = |cp_kv| Candidate {
-            cp: 8,
-            dp: 1,
-            sp: 1,
-            tp: 1,
-            ep: 1,
-            zero: 3,
-            checkpoint: "none",
-            offload: false,
-            offload_optimizer: false,
-            fused_loss: true,
-            micro_batches: 1,
-            cp_kv,
-        };
+        let c = |cp_kv| cp8(cp_kv, "none");
         let (ring, gather) = (
             score(&m, &spec, &c(CpKv::Ring)),
             score(&m, &spec, &c(CpKv::AllGather)),
@@ -934,20 +939,7 @@ mod tests {
         slow.device.hbm_gbps /= 2.0;
         let m = llama8b();
         for (checkpoint, redo) in [("none", 0.0), ("full", 1.0)] {
-            let c = |cp_kv| Candidate {
-                cp: 8,
-                dp: 1,
-                sp: 1,
-                tp: 1,
-                ep: 1,
-                zero: 3,
-                checkpoint,
-                offload: false,
-                offload_optimizer: false,
-                fused_loss: true,
-                micro_batches: 1,
-                cp_kv,
-            };
+            let c = |cp_kv| cp8(cp_kv, checkpoint);
             // This rank's 16384 tokens x (k, v) x bf16 x 8 kv heads x 128, over 32 layers:
             // k/v forward, again backward (and to recompute), dk/dv, each cp + 1 blocks
             // read and written.
