@@ -454,16 +454,8 @@ fn sliding_window_ring_stops_early() {
 fn the_masked_ring_computes_key_positions_locally() {
     let c = case("mistral_sw4");
     for seq in [None, Some(64)] {
-        let opts = TrainOptions {
-            seq,
-            ..Default::default()
-        };
-        let (g, _) = training_step(&c.graph, "cp=4", &opts).unwrap();
-        let text = g.to_string();
-        let ring: Vec<&str> = text
-            .lines()
-            .filter(|l| l.contains("model.layers.0.self_attn") && l.contains("<- ring-lower:"))
-            .collect();
+        let (g, text) = cp4_training_step(&c, seq);
+        let ring = layer0_ring_lines(&text);
         let shifts: Vec<&&str> = ring.iter().filter(|l| l.contains("= ring_shift")).collect();
         assert!(!shifts.is_empty());
         for l in &shifts {
@@ -539,22 +531,33 @@ fn assert_unmasked_blocks(mesh: &str, what: &str, g: &weft_ir::Graph) {
     assert!(blocks > 0, "{mesh} {what}: no ring block");
 }
 
+/// The training step of case `c` on cp=4 (the sequence length known or not) and its
+/// text.
+fn cp4_training_step(c: &Case, seq: Option<i64>) -> (weft_ir::Graph, String) {
+    let opts = TrainOptions {
+        seq,
+        ..Default::default()
+    };
+    let (g, _) = training_step(&c.graph, "cp=4", &opts).unwrap();
+    let text = g.to_string();
+    (g, text)
+}
+
+/// The lines of layer 0's attention that `ring-lower` wrote.
+fn layer0_ring_lines(text: &str) -> Vec<&str> {
+    text.lines()
+        .filter(|l| l.contains("model.layers.0.self_attn") && l.contains("<- ring-lower:"))
+        .collect()
+}
+
 /// Pins the text of layer 0's windowed ring (2-key window, cp=4, 16 tokens) in the
 /// training step: one step of the forward ring and one of the reverse ring, forward
 /// and backward, each `ring_shift` naming its bytes and the compute it overlaps.
 #[test]
 fn window_ring_snapshot() {
     let c = narrow_window_case();
-    let opts = TrainOptions {
-        seq: Some(16),
-        ..Default::default()
-    };
-    let (g, _) = training_step(&c.graph, "cp=4", &opts).unwrap();
-    let text = g.to_string();
-    let ring: Vec<&str> = text
-        .lines()
-        .filter(|l| l.contains("model.layers.0.self_attn") && l.contains("<- ring-lower:"))
-        .collect();
+    let (_, text) = cp4_training_step(&c, Some(16));
+    let ring = layer0_ring_lines(&text);
     for l in ring.iter().filter(|l| l.contains("= ring_shift")) {
         assert!(l.contains("; overlaps "), "{l}");
     }
