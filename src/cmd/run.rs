@@ -1036,6 +1036,7 @@ fn device_to_plan_for(a: &Args) -> (String, Option<f64>) {
 }
 
 /// The built-in profile of a GPU by its name, where there is one.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn profile_of_gpu(name: &str) -> Option<&'static str> {
     let n = name.to_ascii_uppercase();
     ["H200", "H100", "A100"]
