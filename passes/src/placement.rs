@@ -5,7 +5,8 @@
 //! thousands of ops into 100k nodes (`ring-lower` on a 405B step). A pass that does not
 //! read the order while it rewrites appends its nodes instead ([`At::End`]), records
 //! where each belongs, and calls [`Placement::finish`] once: the order it makes is the
-//! one the same inserts at `At::Before` / `At::After` would have made.
+//! one the same inserts at `At::Before` / `At::After` would have made. Nodes already in
+//! the order move the same way (`zero::prefetch_gathers`).
 
 use crate::readers::Readers;
 use weft_ir::{At, BuildError, Graph, Node, NodeMeta, Op, Value};
@@ -25,8 +26,8 @@ impl Placement {
         Placement::default()
     }
 
-    /// Records that `n`, just appended to `g`'s order, belongs at `at`. `At::End` leaves
-    /// it where it is.
+    /// Records that `n` (just appended to `g`'s order, or a node already in it that
+    /// moves) belongs at `at`. `At::End` leaves it where it is.
     pub fn record(&mut self, n: Node, at: At) {
         let (list, anchor) = match at {
             At::End => return,

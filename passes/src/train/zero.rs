@@ -302,7 +302,7 @@ impl Emitter<'_> {
         what: &str,
     ) -> Result<Value, crate::PassError> {
         let v = self.gather_source(group, x, what)?;
-        self.all_gather_from(group, v, what)
+        Ok(self.all_gather_from(group, v, what)?.0)
     }
 
     /// `x` `[rest..]` viewed `[1, .., 1, rest..]`, one dim per axis of the group: what
@@ -324,15 +324,16 @@ impl Emitter<'_> {
     }
 
     /// A [`Self::gather_source`] view all-gathered into `[Z, rest..]`, outermost axis
-    /// first.
+    /// first, and the `all_gather` nodes in order.
     pub fn all_gather_from(
         &mut self,
         group: &ZeroGroup,
         source: Value,
         what: &str,
-    ) -> Result<Value, crate::PassError> {
+    ) -> Result<(Value, Vec<weft_ir::Node>), crate::PassError> {
         let rest: Vec<Dim> = self.g.ty(source).shape[group.axes.len()..].to_vec();
         let mut v = source;
+        let mut gathers = Vec::with_capacity(group.axes.len());
         for (i, (a, _)) in group.axes.iter().enumerate() {
             let bytes = crate::grad_sync::value_bytes(self.g, v);
             v = self.op(
@@ -346,14 +347,16 @@ impl Emitter<'_> {
                     group.name()
                 ),
             )?;
+            gathers.push(self.g.def(v));
         }
         let mut shape = vec![group.size_dim()];
         shape.extend_from_slice(&rest);
-        self.op(
+        let every = self.op(
             Op::Reshape { shape },
             &[v],
             &format!("{what}: every rank's shard"),
-        )
+        )?;
+        Ok((every, gathers))
     }
 }
 
@@ -458,24 +461,15 @@ pub fn layer_of(source: &str) -> Option<String> {
 /// about two layers' gathered parameters are alive at once, as the analytic model
 /// counts. Values are unchanged: only the program order moves.
 pub fn prefetch_gathers(g: &mut Graph, chains: &[GatherChain]) {
-    if chains.is_empty() {
-        return;
-    }
-    let order = g.nodes().to_vec();
     let pos: std::collections::HashMap<weft_ir::Node, usize> =
-        order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+        g.nodes().iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let mut by_region: std::collections::BTreeMap<(bool, u32), Vec<&GatherChain>> =
         Default::default();
-    // A chain whose nodes a later rewrite removed stays where it is.
-    let live = |c: &GatherChain| {
-        pos.contains_key(&c.reader) && c.gathers.iter().all(|n| pos.contains_key(n))
-    };
-    for c in chains.iter().filter(|c| live(c)) {
+    // A chain whose reader a later rewrite removed stays where it is.
+    for c in chains.iter().filter(|c| pos.contains_key(&c.reader)) {
         by_region.entry(c.region).or_default().push(c);
     }
-    let mut before: std::collections::HashMap<weft_ir::Node, Vec<weft_ir::Node>> =
-        Default::default();
-    let mut moved: std::collections::HashSet<weft_ir::Node> = Default::default();
+    let mut place = crate::placement::Placement::new();
     for cs in by_region.values_mut() {
         cs.sort_by_key(|c| pos[&c.reader]);
         // Consecutive chains of one layer form a group.
@@ -486,29 +480,17 @@ pub fn prefetch_gathers(g: &mut Graph, chains: &[GatherChain]) {
                 _ => groups.push(vec![c]),
             }
         }
-        for k in 1..groups.len() {
-            let prev = &groups[k - 1];
-            for (j, c) in groups[k].iter().enumerate() {
+        for pair in groups.windows(2) {
+            let (prev, group) = (&pair[0], &pair[1]);
+            for (j, c) in group.iter().enumerate() {
                 let anchor = prev.get(j).unwrap_or(&prev[prev.len() - 1]).reader;
-                before
-                    .entry(anchor)
-                    .or_default()
-                    .extend_from_slice(&c.gathers);
-                moved.extend(c.gathers.iter().copied());
+                for &n in &c.gathers {
+                    place.record(n, At::Before(anchor));
+                }
             }
         }
     }
-    let mut new = Vec::with_capacity(order.len());
-    for &n in &order {
-        if let Some(early) = before.get(&n) {
-            new.extend_from_slice(early);
-        }
-        if !moved.contains(&n) {
-            new.push(n);
-        }
-    }
-    debug_assert_eq!(new.len(), order.len());
-    g.set_order(new);
+    place.finish(g);
 }
 
 /// ZeRO stage 3: parameter `name` becomes this rank's rows of dim 0 (the row split
@@ -612,21 +594,7 @@ pub fn shard_param(
             let what = format!(
                 "ZeRO-3: gather `{name}` for its {phase}{mbt}; freed after its last use there"
             );
-            let every = em.all_gather_from(group, source, &what)?;
-            let mut gathers = Vec::new();
-            let mut d = em.g.def(every);
-            while matches!(em.g.node(d).op, Op::Reshape { .. } | Op::AllGather { .. }) {
-                let op_is_gather = matches!(em.g.node(d).op, Op::AllGather { .. });
-                if op_is_gather {
-                    gathers.push(d);
-                }
-                let x = em.g.node(d).operands[0];
-                if x == source {
-                    break;
-                }
-                d = em.g.def(x);
-            }
-            gathers.reverse();
+            let (every, gathers) = em.all_gather_from(group, source, &what)?;
             chains.push(GatherChain {
                 region: (backward, mb),
                 reader: at,
