@@ -183,28 +183,32 @@ pub(super) fn all_to_all_layout(
         ));
     }
     let prod = |d: &[usize]| d.iter().product::<usize>();
-    // [pre, p, c, post] -> [p, pre, c, post]
-    let swap_outer = |pre: usize, c: usize, post: usize| Gather4 {
-        shape: vec![p, pre, c, post],
-        src: vec![(c * post) as i64, (p * c * post) as i64, post as i64, 1],
-    };
     let c = shape[sd] / p;
     let (pre, post) = (prod(&shape[..sd]), prod(&shape[sd + 1..]));
-    let pack = (pre > 1).then(|| swap_outer(pre, c, post));
+    let pack = (pre > 1).then(|| chunks_to_blocks(pre, p, c, post));
     let mut chunk = shape.to_vec();
     chunk[sd] = c;
     let (pre2, g, post2) = (prod(&chunk[..gd]), chunk[gd], prod(&chunk[gd + 1..]));
-    // Received [p, pre2, g, post2] -> out [pre2, p, g, post2].
-    let unpack = (pre2 > 1).then(|| Gather4 {
-        shape: vec![pre2, p, g, post2],
-        src: vec![
-            (g * post2) as i64,
-            (pre2 * g * post2) as i64,
-            post2 as i64,
-            1,
-        ],
-    });
+    let unpack = (pre2 > 1).then(|| blocks_to_chunks(pre2, p, g, post2));
     Ok(AllToAllLayout { pack, unpack })
+}
+
+/// `[pre, p, c, post]` -> `[p, pre, c, post]`: member `j`'s chunk of a dim becomes the
+/// `j`-th contiguous block, as NCCL sends (all_to_all) and reduces (reduce_scatter) it.
+fn chunks_to_blocks(pre: usize, p: usize, c: usize, post: usize) -> Gather4 {
+    Gather4 {
+        shape: vec![p, pre, c, post],
+        src: vec![(c * post) as i64, (p * c * post) as i64, post as i64, 1],
+    }
+}
+
+/// `[p, pre, g, post]` -> `[pre, p, g, post]`: the blocks NCCL lands member after member
+/// (all_to_all, all_gather) laid out along a dim.
+fn blocks_to_chunks(pre: usize, p: usize, g: usize, post: usize) -> Gather4 {
+    Gather4 {
+        shape: vec![pre, p, g, post],
+        src: vec![(g * post) as i64, (pre * g * post) as i64, post as i64, 1],
+    }
 }
 
 /// The unpack of an `all_gather` of `shape` along `dim` over `p` members: NCCL lands
@@ -214,10 +218,7 @@ pub(super) fn all_to_all_layout(
 pub(super) fn gather_unpack(shape: &[usize], dim: usize, p: usize) -> Option<Gather4> {
     let pre: usize = shape[..dim].iter().product();
     let (g, post) = (shape[dim], shape[dim + 1..].iter().product::<usize>());
-    (pre > 1 && p > 1).then(|| Gather4 {
-        shape: vec![pre, p, g, post],
-        src: vec![(g * post) as i64, (pre * g * post) as i64, post as i64, 1],
-    })
+    (pre > 1 && p > 1).then(|| blocks_to_chunks(pre, p, g, post))
 }
 
 /// The pack of a `reduce_scatter` of `shape` along `dim` over `p` members: member `j`'s
@@ -239,10 +240,7 @@ pub(super) fn scatter_pack(
         ));
     }
     let (c, post) = (shape[dim] / p, shape[dim + 1..].iter().product::<usize>());
-    Ok(Some(Gather4 {
-        shape: vec![p, pre, c, post],
-        src: vec![(c * post) as i64, (p * c * post) as i64, post as i64, 1],
-    }))
+    Ok(Some(chunks_to_blocks(pre, p, c, post)))
 }
 
 #[cfg(test)]
