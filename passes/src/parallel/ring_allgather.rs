@@ -147,7 +147,7 @@ fn whole_sequence_mask(
     q: Value,
     what: &str,
 ) -> Result<Option<Value>, PassError> {
-    if !r.causal && r.window.is_none() {
+    if crate::ring_steps::ring_blocks_unmasked(r.causal, r.window) {
         return Ok(None);
     }
     let local = b.ty(q).shape[2].clone();

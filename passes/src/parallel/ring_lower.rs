@@ -30,7 +30,7 @@
 //! block it holds at a step from its cp coordinate (the block of rank `s = r - t mod
 //! cp` holds zigzag chunks `s` and `2cp-1-s`). A block every rank sees wholly (a
 //! non-causal attention's; in the zigzag layout never a causal one's, see
-//! `ring_steps::ring_block_wholly_visible`) runs without a mask. With a sliding
+//! `ring_steps::ring_blocks_unmasked`) runs without a mask. With a sliding
 //! window and a known training sequence length (`TrainOptions::seq`) the ring stops
 //! early: only the steps whose blocks meet the band are sent and computed, the first
 //! steps of the forward ring (earlier ranks' first chunks) and of the reverse ring
@@ -54,7 +54,7 @@ use crate::pass::{Pass, PassContext, PassError, PassResult, CP};
 use crate::placement::Placement;
 use crate::readers::Readers;
 use crate::ring_allgather::{self, CpKv};
-use crate::ring_steps::{ring_block_wholly_visible, window_ring, WindowRing};
+use crate::ring_steps::{ring_blocks_unmasked, window_ring, WindowRing};
 use crate::util::remove_unused;
 use weft_ir::{
     At, CmpOp, DType, Dim, Float, Graph, Node, NodeMeta, Op, Provenance, TensorType, Value,
@@ -183,8 +183,6 @@ pub(crate) struct Ring {
     /// The steps a causal sliding window needs, when the sequence length is known
     /// (unknown: every step, which is right for any length).
     pub(crate) window_ring: Option<WindowRing>,
-    /// The zigzag chunk size (`S / 2cp`) when the sequence length is known.
-    pub(crate) chunk: Option<i64>,
 }
 
 impl Ring {
@@ -241,9 +239,6 @@ impl Ring {
             }
             _ => None,
         };
-        let chunk = seq
-            .filter(|&s| s > 0 && s % (2 * cp) == 0)
-            .map(|s| s / (2 * cp));
         Ok(Ring {
             cp,
             causal: *causal,
@@ -251,7 +246,6 @@ impl Ring {
             scale: *scale,
             softcap: *softcap,
             window_ring,
-            chunk,
         })
     }
     fn zigzag_causal(&self) -> bool {
@@ -754,7 +748,7 @@ impl Masks {
 
     /// The keep-mask of this rank's queries against the block of the rank `d` back on
     /// the ring (`@cp - d mod cp`; 0: its own), or `None` where that block is wholly
-    /// visible on every rank (`ring_steps::ring_block_wholly_visible`), whose attention
+    /// visible on every rank (`ring_steps::ring_blocks_unmasked`), whose attention
     /// then runs unmasked.
     fn of(
         &mut self,
@@ -763,7 +757,7 @@ impl Masks {
         d: i64,
         what: &str,
     ) -> Result<Option<Value>, PassError> {
-        if ring_block_wholly_visible(d, r.cp, r.chunk, r.causal, r.window) {
+        if ring_blocks_unmasked(r.causal, r.window) {
             return Ok(None);
         }
         let (zz, qpos, qcol) = match self.positions {

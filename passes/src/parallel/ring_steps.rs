@@ -52,55 +52,16 @@ pub fn blocks_meet_band(a: i64, b: i64, c: i64, window: i64) -> bool {
     a == b || (a > b && (a - b - 1) * c + 1 < window)
 }
 
-/// Whether every query of chunk `a` sees every key of chunk `b` (`c` tokens each), so
-/// the pair needs no mask. Causal: every key precedes every query (`a > b`) and, with a
-/// window of `W` keys, the farthest pair is closer than `W`: `(a - b + 1) c - 1 < W`
-/// (`c` unknown: only without a window). Not causal (no window): always.
-pub fn chunks_wholly_visible(
-    a: i64,
-    b: i64,
-    c: Option<i64>,
-    causal: bool,
-    window: Option<i64>,
-) -> bool {
-    if !causal {
-        return window.is_none();
-    }
-    a > b
-        && match (window, c) {
-            (None, _) => true,
-            (Some(w), Some(c)) => (a - b + 1) * c - 1 < w,
-            (Some(_), None) => false,
-        }
-}
-
-/// Whether the block a rank attends at ring distance `d` (the k/v of rank
-/// `s = r - d mod cp`, zigzag chunks `s` and `2cp-1-s`, against its queries of chunks
-/// `r` and `2cp-1-r`) is wholly visible on every rank, so that step's attention and
-/// gradient can run without a keep-mask (and with the fused kernels). `c` is the chunk
-/// size when the sequence length is known.
-///
-/// In the zigzag layout a causal block never is, whatever the window, chunk size or
-/// step: the rank's first query chunk `r < cp` precedes the sender's second key chunk
-/// `2cp-1-s >= cp`, so part of every block lies above the diagonal (the causal ring
-/// splits its blocks into chunk pairs for that reason). Only a non-causal attention's
-/// blocks are wholly visible, at every step and any length; so a `true` never depends
-/// on the sequence length, and no longer sequence can break it.
-pub fn ring_block_wholly_visible(
-    d: i64,
-    cp: i64,
-    c: Option<i64>,
-    causal: bool,
-    window: Option<i64>,
-) -> bool {
-    (0..cp).all(|r| {
-        let s = (r - d).rem_euclid(cp);
-        [r, 2 * cp - 1 - r].into_iter().all(|a| {
-            [s, 2 * cp - 1 - s]
-                .into_iter()
-                .all(|b| chunks_wholly_visible(a, b, c, causal, window))
-        })
-    })
+/// Whether every block of the ring is wholly visible on every rank, so its attention
+/// and gradient run without a keep-mask (and with the fused kernels): only for a
+/// non-causal attention without a window. In the zigzag layout a causal block never is,
+/// whatever the window, chunk size or step: a rank's first query chunk `r < cp`
+/// precedes the sender's second key chunk `2cp-1-s >= cp`, so part of every block lies
+/// above the diagonal (the causal ring splits its blocks into chunk pairs for that
+/// reason); a window requires a causal attention (`docs/attention.md`). The test below
+/// checks this against the token-level mask.
+pub fn ring_blocks_unmasked(causal: bool, window: Option<i64>) -> bool {
+    !causal && window.is_none()
 }
 
 /// Whether any rank's blocks at ring distance `d` (its sender is `r - d mod cp`) meet
@@ -201,41 +162,36 @@ mod tests {
     }
 
     /// The decision to drop a ring block's mask agrees with the mask itself, token by
-    /// token: a block is unmasked iff every rank's queries see every key of it. Causal
-    /// blocks never are in the zigzag layout; non-causal ones always are.
+    /// token: the blocks are unmasked iff every rank's queries see every key of the
+    /// block it holds at every ring distance. Causal blocks never are in the zigzag
+    /// layout (a window requires causal: `docs/attention.md`); non-causal ones always
+    /// are.
     #[test]
-    fn a_ring_block_is_unmasked_iff_every_pair_is_visible() {
+    fn ring_blocks_are_unmasked_iff_every_pair_is_visible() {
         for cp in 1..=5i64 {
             for c in 1..=4i64 {
                 let chunk_rank = |x: i64| if x < cp { x } else { 2 * cp - 1 - x };
                 let mut cases = vec![(false, None), (true, None)];
                 cases.extend((1..=2 * cp * c + 1).map(|w| (true, Some(w))));
                 for (causal, window) in cases {
-                    for d in 0..cp {
-                        let brute = (0..2 * cp * c).all(|i| {
-                            let r = chunk_rank(i / c);
-                            let s = (r - d).rem_euclid(cp);
+                    let visible =
+                        |i: i64, j: i64| (!causal || j <= i) && window.is_none_or(|w| i - j < w);
+                    let brute = (0..cp).all(|d| {
+                        (0..2 * cp * c).all(|i| {
+                            let s = (chunk_rank(i / c) - d).rem_euclid(cp);
                             (0..2 * cp * c)
                                 .filter(|j| chunk_rank(j / c) == s)
-                                .all(|j| !causal || (j <= i && window.is_none_or(|w| i - j < w)))
-                        });
-                        let got = ring_block_wholly_visible(d, cp, Some(c), causal, window);
-                        assert_eq!(
-                            got, brute,
-                            "cp={cp} c={c} d={d} causal={causal} window={window:?}"
-                        );
-                        assert_eq!(got, !causal, "cp={cp} c={c} d={d} window={window:?}");
-                        // Without the chunk size the answer is the same.
-                        assert_eq!(ring_block_wholly_visible(d, cp, None, causal, window), got);
-                    }
+                                .all(|j| visible(i, j))
+                        })
+                    });
+                    assert_eq!(
+                        ring_blocks_unmasked(causal, window),
+                        brute,
+                        "cp={cp} c={c} causal={causal} window={window:?}"
+                    );
                 }
             }
         }
-        // A chunk pair well inside the band is wholly visible; the diagonal pair is not.
-        assert!(chunks_wholly_visible(3, 1, Some(4), true, Some(12)));
-        assert!(!chunks_wholly_visible(3, 1, Some(4), true, Some(11)));
-        assert!(!chunks_wholly_visible(2, 2, Some(4), true, None));
-        assert!(!chunks_wholly_visible(3, 1, None, true, Some(12)));
     }
 
     /// Every (query, key) pair in the band lies in a block some taken step covers.
