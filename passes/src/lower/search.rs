@@ -602,7 +602,8 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         comm += t;
         // The masked attention against the whole sequence computes the blocks above
         // the diagonal too: the causal half again.
-        compute += (attn_model * (1.0 + redo / 3.0) / world) / (d.attention_tflops * 1e12);
+        compute += (attn_model * ATTENTION_HARDWARE_RATIO * (1.0 + redo / 3.0) / world)
+            / (d.attention_tflops * 1e12);
         // Its collectives run along a sequence-first copy (`ring_allgather.rs`): each of
         // k and v is permuted there (one block) and the gathered whole back (`cp` blocks)
         // in the forward, again for the backward's gather (and the recompute's), and dk
@@ -618,13 +619,14 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         let heads_local = m.heads as f64 / tp / sp;
         let step = ring_step(d, cp_inter, ring_kv, local, heads_local, m.head_dim as f64);
         let redo = if c.checkpoint == "full" { 1.0 } else { 0.0 };
+        // A sliding window's ring takes only the steps whose blocks meet its band.
+        let saved = window_ring_saved_steps(m, s.seq, c.cp as u64);
         // Each ring step of a layer runs about a hundred small kernels forward and
         // backward (the log-sum-exp merges, the chunk selects, the dk/dv accumulation:
         // 104 instructions a step in a compiled 405B dp=32,cp=8,sp=4 step), whose
         // launch cost grows with the steps while the work per step shrinks.
-        compute += layers
+        compute += (layers * (cp - 1.0) - saved)
             * mb
-            * (cp - 1.0)
             * (RING_STEP_KERNELS * (1.0 + redo / 2.0))
             * d.kernel_overhead_us
             * 1e-6;
@@ -635,8 +637,6 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         exposed += t_exposed;
         // Per step: k/v forward, k/v again and dk/dv backward, k/v again to recompute.
         comm += layers * (cp - 1.0) * mb * (3.0 + redo) * step.transfer;
-        // A sliding window's ring takes only the steps whose blocks meet its band.
-        let saved = window_ring_saved_steps(m, s.seq, c.cp as u64);
         if saved > 0.0 {
             exposed -= saved * mb * ((1.0 + redo) * step.exposed_forward + step.exposed_backward);
             comm -= saved * mb * (3.0 + redo) * step.transfer;
@@ -890,6 +890,29 @@ mod tests {
             micro_batches: 1,
             cp_kv,
         }
+    }
+
+    /// Every ring step of a layer pays its kernel launches: on 8 GPUs, cp=8 and
+    /// dp=2,cp=4 do the same work per rank, and cp=8's compute is longer by exactly
+    /// the launches of its 4 more steps in every layer.
+    #[test]
+    fn ring_steps_pay_their_kernel_launches() {
+        let spec = h100_spec(8, 131072, 2);
+        let m = llama8b();
+        let cp8 = cp8(CpKv::Ring, "none");
+        let cp4 = Candidate {
+            dp: 2,
+            cp: 4,
+            ..cp8.clone()
+        };
+        let (a, b) = (score(&m, &spec, &cp8), score(&m, &spec, &cp4));
+        let launches =
+            m.layers as f64 * 4.0 * RING_STEP_KERNELS * spec.device.kernel_overhead_us * 1e-6;
+        let extra = a.time.compute - b.time.compute;
+        assert!(
+            (extra - launches).abs() < 1e-9 * launches.max(1.0),
+            "{extra} vs {launches}"
+        );
     }
 
     /// The all-gather variant is priced as what it is: the whole sequence's k/v and
