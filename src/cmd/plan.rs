@@ -2,8 +2,8 @@
 //! sp, tp, ep), ZeRO stage, checkpoint policy, activation and optimizer offload and
 //! micro-batches
 //! with the analytic model of `weft_passes::search`, compiles the finalists through
-//! the compile path and ranks them by the compiled plan's predicted step time among
-//! those whose compiled peak fits.
+//! the compile path (the best of each mesh family first) and ranks them by the
+//! compiled plan's predicted step time among those whose compiled peak fits.
 
 use crate::error::{CliError, CliResult};
 use std::path::PathBuf;
@@ -313,8 +313,13 @@ fn why(best: &Scored, b: f64, other: &Scored, o: f64) -> String {
 /// How much slower (analytic) than the best a mesh family's best candidate may be and
 /// still be compiled among the first finalists: the analytic model ranks families
 /// less surely than candidates within one (for llama3.1-405b on 1024 GPUs it put the
-/// tp=8 meshes 1.6x behind, and their compiled steps were within 10%).
+/// tp=8 meshes 1.6x behind the others while their compiled steps were about even).
 const FAMILY_SLACK: f64 = 2.0;
+
+/// A mesh's family: which of cp, sp, tp and ep it uses.
+fn mesh_family(c: &Candidate) -> (bool, bool, bool, bool) {
+    (c.cp > 1, c.sp > 1, c.tp > 1, c.ep > 1)
+}
 
 /// The fitting candidates (best analytic first) reordered so that the best of each
 /// mesh family (which of cp, sp, tp and ep it uses) within [`FAMILY_SLACK`] of the
@@ -324,11 +329,10 @@ pub fn diverse_first(fitting: Vec<&Scored>) -> Vec<&Scored> {
     let Some(best) = fitting.first().map(|s| s.time.step) else {
         return fitting;
     };
-    let family = |c: &Candidate| (c.cp > 1, c.sp > 1, c.tp > 1, c.ep > 1);
     let mut seen = std::collections::BTreeSet::new();
     let (mut first, mut rest) = (Vec::new(), Vec::new());
     for s in fitting {
-        if s.time.step <= best * FAMILY_SLACK && seen.insert(family(&s.candidate)) {
+        if s.time.step <= best * FAMILY_SLACK && seen.insert(mesh_family(&s.candidate)) {
             first.push(s);
         } else {
             rest.push(s);
@@ -594,10 +598,7 @@ mod tests {
         let fitting: Vec<&Scored> = all.iter().filter(|s| s.fits).collect();
         let ordered = diverse_first(fitting.clone());
         assert_eq!(ordered.len(), fitting.len());
-        let family = |s: &Scored| {
-            let c = &s.candidate;
-            (c.cp > 1, c.sp > 1, c.tp > 1, c.ep > 1)
-        };
+        let family = |s: &Scored| mesh_family(&s.candidate);
         let best = fitting[0].time.step;
         let mut leaders: Vec<&Scored> = Vec::new();
         for s in &fitting {
