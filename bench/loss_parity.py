@@ -2,6 +2,7 @@
 """Loss parity with PyTorch on real weights (issue 20's check), run on the GPU machine:
 
     python3 bench/loss_parity.py --weft ./.gpu/weft [--seq 4096] [--steps 4] [--lr 1e-4]
+        [--weft-args "--fused-loss"]
 
 1. Builds the 1.24B Llama-3-style model (the `llama3.2-1b` preset's config) with
    transformers from seed 0 and writes it with `save_pretrained` (config.json +
@@ -34,6 +35,7 @@ p.add_argument("--steps", type=int, default=4)
 p.add_argument("--lr", type=float, default=1e-4)
 p.add_argument("--tol", type=float, default=5e-3)
 p.add_argument("--json", default=None)
+p.add_argument("--weft-args", default="", help="more flags for weft run, e.g. '--fused-loss'")
 a = p.parse_args()
 
 cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -66,7 +68,7 @@ del model, opt
 torch.cuda.empty_cache()
 
 cmd = [a.weft, "run", ckpt, "--backend", "cuda", "--dtype", "bf16", "--torch-adamw", "--lr", str(a.lr),
-       "--inputs", inputs, "--steps", str(a.steps), "--json"]
+       "--inputs", inputs, "--steps", str(a.steps), "--json"] + a.weft_args.split()
 r = subprocess.run(cmd, capture_output=True, text=True)
 if r.returncode != 0:
     print(r.stderr[-3000:], file=sys.stderr)

@@ -150,6 +150,7 @@ fn fuse_rewrite_snapshot_and_values() {
         ("embedding_grad_init", 0),
         ("glu", 2),
         ("glu_grad", 2),
+        ("linear_cross_entropy_with_grad", 0),
         ("matmul_add", 2),
         ("rope_bshd", 0),
         ("transpose_pairs_cancelled", 0),

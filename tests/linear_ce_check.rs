@@ -166,12 +166,71 @@ fn logits_that_are_an_output_stay() {
         .any(|&n| matches!(g.node(n).op, Op::LinearCrossEntropy { .. })));
 }
 
-/// `weft compile --train` fuses by default; `--unfused-loss` keeps the logits.
+/// After `fuse`, the fused loss and its gradient are one `linear_cross_entropy_with_grad`
+/// wherever the gradient's inputs do not depend on the statistics (one rank, sp, dp: the
+/// logits are computed once), and stay two ops where tp splits the vocabulary (each
+/// shard's gradient needs the global log-sum-exp). Either way the step's loss and every
+/// gradient equal the unsharded model's on the CPU reference (f64).
+#[test]
+fn the_fused_loss_computes_its_gradient_with_the_forward() {
+    for fam in ["llama", "gemma2"] {
+        let (graph, weights, inputs) = load(fam);
+        let reference = reference_run(&graph, &weights, &inputs);
+        for mesh in MESHES {
+            let (g, counters) = fused(&step(&graph, mesh, true));
+            let count = |name: &str| {
+                g.nodes()
+                    .iter()
+                    .filter(|&&n| g.node(n).op.name() == name)
+                    .count()
+            };
+            let split = mesh.contains("tp=");
+            assert_eq!(
+                counters["linear_cross_entropy_with_grad"],
+                u64::from(!split),
+                "{fam} {mesh}: {counters:?}"
+            );
+            assert_eq!(count("linear_cross_entropy_with_grad"), usize::from(!split));
+            assert_eq!(count("linear_cross_entropy_grad"), usize::from(split));
+            assert_eq!(count("linear_cross_entropy"), usize::from(split));
+            let r = run(&g, &weights, &inputs, &RunOptions::new(Precision::F64))
+                .unwrap_or_else(|e| panic!("{fam} {mesh}: {e}"));
+            let e = rel_err(&r.outputs["loss"], &reference.outputs["loss"]);
+            assert!(e < 1e-10, "{fam} {mesh}: loss rel err {e:e}");
+            let got = grads(&r);
+            for (p, want) in &reference.grads {
+                let have = got.get(p).unwrap_or_else(|| {
+                    panic!("{fam} {mesh}: no gradient of {p}: {:?}", got.keys())
+                });
+                let have = HostTensor::floats(want.dtype, want.shape.clone(), have.to_f64());
+                let e = rel_err(&have, want);
+                assert!(e < 1e-9, "{fam} {mesh}: grad {p} rel err {e:e}");
+            }
+        }
+    }
+}
+
+/// `weft compile --train` chooses the fused loss where it is predicted faster: the 1.24B
+/// model's step on one rank, whose gradient `fuse` computes with the forward (on
+/// llama-tiny the loss's few elementwise launches make the unfused step faster);
+/// `--fused-loss` fuses over tp too, recomputing chunks; `--unfused-loss` keeps the
+/// logits.
 #[test]
 fn cli_fuses_unless_told_not_to() {
-    let (code, out, err) = weft(&["compile", "llama-tiny", "--seq", "16"]);
+    let (code, out, err) = weft(&["compile", "llama3.2-1b", "--seq", "4096", "--dtype", "bf16"]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("linear_cross_entropy_grad"), "{out}");
+    assert!(out.contains("= linear_cross_entropy_with_grad "), "{err}");
+    let (code, out, err) = weft(&[
+        "compile",
+        "llama-tiny",
+        "--seq",
+        "16",
+        "--mesh",
+        "tp=2",
+        "--fused-loss",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("= linear_cross_entropy_grad "), "{out}");
     let (code, out, err) = weft(&["compile", "llama-tiny", "--seq", "16", "--unfused-loss"]);
     assert_eq!(code, 0, "{err}");
     assert!(

@@ -135,6 +135,11 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
             let logits = ins[2].numel() * ins[1].shape[0].clone();
             logits * (last(ins[0]) * 6 + 6)
         }
+        Op::LinearCrossEntropyWithGrad { .. } => {
+            // the logits once, dx and dw (2 H per logit each), the statistics and dz
+            let logits = ins[2].numel() * ins[1].shape[0].clone();
+            logits * (last(ins[0]) * 6 + 11)
+        }
         Op::Rope { .. } => out_numel * 3,
         Op::MoeCombine {} => g.ty(d.operands[0]).numel() * 2,
         op => match op.info().elementwise {

@@ -333,6 +333,8 @@ define_ops! {
     AddRmsNorm = "add_rms_norm" ("x, y, w") [3, 3] { eps: Float } => add_rms_norm;
     /// `rms_norm_grad` of the residual stream `sum` plus the gradient `dsum` the stream gets from its other readers, in one pass: the gradient of `sum` (the dx and dy of its add) and dw.
     AddRmsNormGrad = "add_rms_norm_grad" ("sum, w, dnorm, dsum") [4, 4] { eps: Float } => add_rms_norm_grad;
+    /// `linear_cross_entropy` and its `linear_cross_entropy_grad` in one pass (made by `fuse` where the gradients `dlse`, `dtarget` of the statistics do not depend on them, as the loss's do): chunked over the tokens, `rows` at a time, each chunk's logits over the whole vocabulary are computed once into scratch, give the chunk's lse and target logit, and are turned in place into `dz` for `dx_c = dz w` and `dw += dz^T x_c`. Results: lse, target (as `linear_cross_entropy`), dx, dw (as its gradient). Nothing is recomputed; `dw` is summed over the chunks in its dtype (one rounding per chunk, as the unfused pair's accumulating GEMMs round).
+    LinearCrossEntropyWithGrad = "linear_cross_entropy_with_grad" ("x, w, labels, dlse, dtarget") [5, 5] { ignore_index: i64, rows: i64, scale: Option<Float>, softcap: Option<Float> } => linear_cross_entropy_with_grad;
     /// `matmul(a, b) + c` as one GEMM that accumulates into `c` (cuBLASLt's beta = 1): `c` has the product's type exactly. The sum is rounded once, from the f32 accumulator (the unfused pair rounds the product first, then the sum).
     MatmulAdd = "matmul_add" ("a, b, c") [3, 3] { transpose_a: bool, transpose_b: bool } => matmul_add;
 

@@ -543,16 +543,27 @@ pub(crate) fn linear_ce_operands(op: &Op, ins: &[&TensorType]) -> Result<TensorT
         scale,
         softcap,
         ..
+    }
+    | Op::LinearCrossEntropyWithGrad {
+        rows: chunk,
+        scale,
+        softcap,
+        ..
     }) = op
     else {
         unreachable!()
+    };
+    let chunk_name = if matches!(op, Op::LinearCrossEntropyWithGrad { .. }) {
+        "rows"
+    } else {
+        "chunk"
     };
     let (x, w, labels) = (ins[0], ins[1], ins[2]);
     want_float(x, "x")?;
     want_int(labels, "labels")?;
     same_dtype(x, w, "x and w")?;
     if *chunk < 1 {
-        return Err(format!("chunk must be at least 1, got {chunk}"));
+        return Err(format!("{chunk_name} must be at least 1, got {chunk}"));
     }
     if let Some(s) = scale {
         if !s.0.is_finite() {

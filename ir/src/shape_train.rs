@@ -173,6 +173,18 @@ pub fn linear_cross_entropy_grad(op: &Op, ins: &[&TensorType]) -> Out {
     Ok(vec![ins[0].clone(), ins[1].clone()])
 }
 
+/// `linear_cross_entropy_with_grad(x, w, labels, dlse, dtarget)`: lse and target (one
+/// f32 per token), dx like x, dw like w.
+pub fn linear_cross_entropy_with_grad(op: &Op, ins: &[&TensorType]) -> Out {
+    let tok = crate::shape::linear_ce_operands(op, ins)?;
+    for (t, what) in [(ins[3], "dlse"), (ins[4], "dtarget")] {
+        if *t != tok {
+            return Err(format!("{what} must be {tok} (one f32 per token), got {t}"));
+        }
+    }
+    Ok(vec![tok.clone(), tok, ins[0].clone(), ins[1].clone()])
+}
+
 /// `embedding_grad(ids, dy) {num_embeddings}`: the table gradient [num_embeddings, H].
 pub fn embedding_grad(op: &Op, ins: &[&TensorType]) -> Out {
     let Op::EmbeddingGrad {

@@ -64,9 +64,20 @@ fn plan_peak_drops_by_the_logits() {
         let n = g
             .nodes()
             .iter()
-            .find(|&&n| matches!(g.node(n).op, Op::LinearCrossEntropy { .. }))
+            .find(|&&n| {
+                matches!(
+                    g.node(n).op,
+                    Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyWithGrad { .. }
+                )
+            })
             .copied()
             .expect("the loss is fused");
+        // One rank: with its gradient (the logits computed once); tp: over vocabulary
+        // chunks.
+        assert_eq!(
+            matches!(g.node(n).op, Op::LinearCrossEntropyWithGrad { .. }),
+            !tp
+        );
         let x = g.ty(g.node(n).operands[0]);
         let vocab = g.ty(g.node(n).operands[1]).shape[0].as_const().unwrap() as u64;
         assert_eq!(vocab, if tp { 64128 } else { 128256 });
@@ -101,4 +112,34 @@ fn plan_peak_drops_by_the_logits() {
             logits as f64 / (1u64 << 30) as f64
         );
     }
+}
+
+/// `fuse` on llama-tiny's training step (fused loss, AdamW): the forward op and its
+/// gradient become one `linear_cross_entropy_with_grad` where the forward op was, the
+/// loss's seed and token mask (the gradient's inputs) moved before it. The snapshot holds
+/// the program's `loss` lines.
+#[test]
+fn loss_with_grad_snapshot() {
+    let model = weft_frontends::load("llama-tiny").unwrap().graph;
+    let mut req = Request::new(model, Mesh::parse("").unwrap());
+    req.batch = Some(2);
+    req.seq = Some(16);
+    req.train = Some(TrainRequest {
+        options: TrainOptions {
+            fused_loss: true,
+            optimizer: Some(Optimizer::adamw(1e-3)),
+            grad_outputs: false,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let c = compile(&req, &mut std::io::sink()).unwrap();
+    let text: String = weft_ir::print(&c.program)
+        .lines()
+        .filter(|l| l.contains("  # loss"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(text.contains("= linear_cross_entropy_with_grad "), "{text}");
+    assert!(!text.contains("= linear_cross_entropy_grad "), "{text}");
+    snapshot("fuse__llama-tiny__loss-with-grad", &text);
 }

@@ -40,6 +40,9 @@
 //!   kernels compute in f32 from the same values and round once where the casts round;
 //!   only the order of the f32 sum of squares may differ from the f32 kernel's.
 //!
+//! - `linear_cross_entropy_with_grad`: the fused loss's forward op and its gradient op,
+//!   where the gradient's inputs do not depend on the forward's statistics (see
+//!   [`super::loss_with_grad`]): the logits are computed once, not again in the backward.
 //! - `layout=bshd` attention (see [`super::head_layout`]): the transposes between the
 //!   q/k/v projections' [B, S, H, D] and the [B, H, S, D] of `rope` and `attention`
 //!   (forward and backward) are commuted into those ops and cancelled.
@@ -66,11 +69,12 @@ impl Pass for Fuse {
         NAME
     }
     fn summary(&self) -> &'static str {
-        "fuse SwiGLU/GeGLU (glu, glu_grad), residual add + rms_norm (add_rms_norm, add_rms_norm_grad), GEMM accumulation (matmul_add), the mixed-precision AdamW update with its casts (adamw_master), and attention/rope in [B, S, H, D] (layout=bshd) without the transposes around them"
+        "fuse the lm_head + cross-entropy with its gradient (linear_cross_entropy_with_grad), SwiGLU/GeGLU (glu, glu_grad), residual add + rms_norm (add_rms_norm, add_rms_norm_grad), GEMM accumulation (matmul_add), the mixed-precision AdamW update with its casts (adamw_master), and attention/rope in [B, S, H, D] (layout=bshd) without the transposes around them"
     }
     fn run(&self, g: &mut Graph, _cx: &PassContext) -> Result<PassResult, PassError> {
         let mut res = PassResult::unchanged();
         let layout = super::head_layout::attention_to_bshd(g)?;
+        let loss_with_grad = super::loss_with_grad::fuse_loss_with_grad(g)?;
         let glu_grad = fuse_glu_grads(g)?;
         let norm_grad = fuse_add_rms_norm_grads(g)?;
         // The activations the fused backward no longer reads (and their offload
@@ -83,6 +87,7 @@ impl Pass for Fuse {
         let adamw = fuse_adamw_casts(g)?;
         let dead = dead + dce(g);
         res.count("glu", glu as u64)
+            .count("linear_cross_entropy_with_grad", loss_with_grad as u64)
             .count("glu_grad", glu_grad as u64)
             .count("add_rms_norm", norm as u64)
             .count("add_rms_norm_grad", norm_grad as u64)
@@ -94,6 +99,7 @@ impl Pass for Fuse {
             .count("transpose_pairs_cancelled", layout.cancelled as u64)
             .count("dce_removed", dead as u64);
         res.changed = glu
+            + loss_with_grad
             + glu_grad
             + norm
             + norm_grad
@@ -130,7 +136,7 @@ fn grad_act(op: &Op) -> Option<GateAct> {
 
 /// The value `v` is a copy of: through `reload(offload(x))` (host copies keep every
 /// bit), else `v` itself.
-fn origin(g: &Graph, mut v: Value) -> Value {
+pub(super) fn origin(g: &Graph, mut v: Value) -> Value {
     loop {
         match g.op_of(v) {
             Op::Reload { .. } | Op::Offload { .. } => v = g.node(g.def(v)).operands[0],

@@ -8,6 +8,7 @@ pub mod bindings;
 pub mod convert_dtype;
 pub mod fuse;
 mod head_layout;
+pub mod loss_with_grad;
 pub mod memory;
 pub mod plan;
 pub mod search;

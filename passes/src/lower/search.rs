@@ -163,8 +163,9 @@ pub struct Candidate {
     pub offload: bool,
     /// Optimizer state and its update on the host (`--offload-optimizer`).
     pub offload_optimizer: bool,
-    /// lm_head + cross-entropy over vocabulary chunks (no logits tensor; the backward
-    /// recomputes each chunk's GEMM).
+    /// lm_head + cross-entropy without a logits tensor: with its gradient in one op over
+    /// token chunks, or where the vocabulary is split over tp, over vocabulary chunks whose
+    /// GEMM the backward recomputes.
     pub fused_loss: bool,
     pub micro_batches: u32,
     /// How cp moves k/v (`--cp-kv`): ring steps overlapped with attention, or one
@@ -516,10 +517,12 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let activations = tokens * (saved_per_layer * kept_layers + full_layer + resident_saved)
         + ring_saved * kept_layers
         + ring_in_flight;
-    // The f32 logits and their gradient, or with the fused loss one vocabulary chunk's
-    // scratch (the pass bounds it to 256 MiB).
+    // The f32 logits and their gradient, or with the fused loss one chunk's scratch
+    // (vocabulary chunks bounded to 256 MiB; token chunks, fused with the gradient, to
+    // 512 MiB).
     let logits = if c.fused_loss {
-        (tokens * m.vocab as f64 / tp * 4.0).min(256.0 * 1024.0 * 1024.0)
+        let bound = if c.tp > 1 { 256.0 } else { 512.0 };
+        (tokens * m.vocab as f64 / tp * 4.0).min(bound * 1024.0 * 1024.0)
     } else {
         tokens * m.vocab as f64 / tp * 4.0 * 2.0
     };
@@ -546,8 +549,10 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         "selective" => 0.05,
         _ => 0.0,
     };
-    // The fused loss's backward recomputes the lm_head GEMM chunk by chunk.
-    let loss_recompute = if c.fused_loss {
+    // The fused loss's backward recomputes the lm_head GEMM chunk by chunk where the
+    // vocabulary is split over tp (each shard's gradient needs the global log-sum-exp);
+    // otherwise `fuse` computes the gradient with the forward, from the same logits.
+    let loss_recompute = if c.fused_loss && c.tp > 1 {
         2.0 * all_tokens * m.vocab as f64 * h
     } else {
         0.0

@@ -471,6 +471,9 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         Op::LinearCrossEntropyGrad { .. } => {
             super::linear_ce::backward(ins, super::linear_ce::LinearCe::of(op)?, cx.float)
         }
+        Op::LinearCrossEntropyWithGrad { .. } => {
+            super::linear_ce::with_grad(ins, super::linear_ce::LinearCe::of(op)?, cx.float)
+        }
 
         Op::Reshape { .. } => one(x().reshape(cx.out_shape(0))?),
         Op::Permute { perm } => {

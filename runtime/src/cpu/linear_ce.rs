@@ -17,7 +17,7 @@ macro_rules! bail {
 
 const DEV: &Device = &Device::Cpu;
 
-/// The attributes both ops share.
+/// The attributes the three ops share.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct LinearCe {
     ignore: i64,
@@ -49,6 +49,24 @@ impl LinearCe {
                 scale: scale.map(|s| s.0),
                 softcap: softcap.map(|c| c.0),
             }),
+            // Chunked over the tokens on the GPU; here over the vocabulary, as the
+            // unfused pair is (the math does not depend on the chunking).
+            Op::LinearCrossEntropyWithGrad {
+                ignore_index,
+                rows,
+                scale,
+                softcap,
+            } => {
+                if *rows < 1 {
+                    bail!("rows {rows} must be positive");
+                }
+                Ok(LinearCe {
+                    ignore: *ignore_index,
+                    chunk: 8192,
+                    scale: scale.map(|s| s.0),
+                    softcap: softcap.map(|c| c.0),
+                })
+            }
             other => bail!("internal: {} is not a linear_cross_entropy", other.name()),
         }
     }
@@ -195,4 +213,24 @@ pub(crate) fn backward(ins: &[Tensor], a: LinearCe, float: C) -> KResult<Vec<Ten
         Tensor::cat(&dws, 0)?
     };
     Ok(vec![dx.reshape(x.dims())?, dw])
+}
+
+/// `linear_cross_entropy_with_grad`: the forward's statistics, then its gradient from
+/// them: operands x, w, labels, dlse, dtarget; results lse, target, dx, dw.
+pub(crate) fn with_grad(ins: &[Tensor], a: LinearCe, float: C) -> KResult<Vec<Tensor>> {
+    let mut stats = forward(&ins[0], &ins[1], &ins[2], a, float)?;
+    let grads = backward(
+        &[
+            ins[0].clone(),
+            ins[1].clone(),
+            ins[2].clone(),
+            stats[0].clone(),
+            ins[3].clone(),
+            ins[4].clone(),
+        ],
+        a,
+        float,
+    )?;
+    stats.extend(grads);
+    Ok(stats)
 }

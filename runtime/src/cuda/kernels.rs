@@ -560,6 +560,12 @@ kernels! {
         z: Ptr, labels: Ptr, lse: Ptr, dlse: Ptr, dtarget: Ptr, rows: I64, len: I64, c0: I64,
         ignore: I64, scale: F32, cap: F32,
     }
+    /// `linear_cross_entropy_with_grad`'s chunk of whole-vocabulary rows: each row's lse
+    /// and target logit, then its gradient in place.
+    LceRowGrad ["lce_row_grad_##S"] Shape::Rows(256) => {
+        z: Ptr, labels: Ptr, lse: Ptr, target: Ptr, dlse: Ptr, dtarget: Ptr, v: I64,
+        ignore: I64, scale: F32, cap: F32, err: Ptr,
+    }
 }
 
 /// The activation codes of `glu_act` in fused.cu.

@@ -69,3 +69,51 @@ extern "C" __global__ void lce_finish(float* lse, const float* m, const float* s
         }                                                                                                \
     }
 FOR_FLOATS(DEF_LCE_DZ)
+
+// linear_cross_entropy_with_grad: one block per token row of a [rows, V] chunk holding the
+// raw logits over the whole vocabulary. The row's max and sum of exp (one exp per logit: the
+// running sum is rescaled only when the max grows) give its lse; the target logit is read
+// before any thread overwrites the row, then the row becomes dz in place, as lce_dz forms it.
+// A label out of range (and not ignore) sets err = 2 and counts as ignored.
+#define DEF_LCE_ROW_GRAD(S, T)                                                                           \
+    extern "C" __global__ void lce_row_grad_##S(T* z, const i64* labels, float* lse, float* target,    \
+                                                const float* dlse, const float* dtarget, i64 V,         \
+                                                i64 ignore, float scale, float cap, int* err) {          \
+        __shared__ float sh[64];                                                                         \
+        i64 row = blockIdx.x;                                                                            \
+        T* zr = z + row * V;                                                                             \
+        float mm = -INFINITY, ss = 0.f;                                                                  \
+        for (i64 j = threadIdx.x; j < V; j += blockDim.x) {                                              \
+            float l = lce_logit(tof(zr[j]), scale, cap);                                                 \
+            if (l > mm) {                                                                                \
+                ss = ss * __expf(mm - l) + 1.f;                                                          \
+                mm = l;                                                                                  \
+            } else if (mm != -INFINITY) {                                                                \
+                ss += __expf(l - mm);                                                                    \
+            }                                                                                            \
+        }                                                                                                \
+        block_ms(mm, ss, sh);                                                                            \
+        float l = mm + __logf(ss);                                                                       \
+        i64 lab = labels[row];                                                                           \
+        bool counted = lab != ignore;                                                                    \
+        if (counted && (lab < 0 || lab >= V)) {                                                          \
+            counted = false;                                                                             \
+            if (threadIdx.x == 0) atomicExch(err, 2);                                                    \
+        }                                                                                                \
+        if (threadIdx.x == 0) {                                                                          \
+            lse[row] = l;                                                                                \
+            target[row] = counted ? lce_logit(tof(zr[lab]), scale, cap) : 0.f;                           \
+        }                                                                                                \
+        __syncthreads();                                                                                 \
+        float dl = dlse[row], dt = dtarget[row];                                                         \
+        for (i64 j = threadIdx.x; j < V; j += blockDim.x) {                                              \
+            float y = tof(zr[j]) * scale;                                                                \
+            float t = cap > 0.f ? tanhf(y / cap) : 0.f;                                                  \
+            float logit = cap > 0.f ? cap * t : y;                                                       \
+            float g = dl * __expf(logit - l);                                                            \
+            if (counted && lab == j) g += dt;                                                            \
+            if (cap > 0.f) g *= 1.f - t * t;                                                             \
+            zr[j] = fromf<T>(g * scale);                                                                 \
+        }                                                                                                \
+    }
+FOR_FLOATS(DEF_LCE_ROW_GRAD)

@@ -20,6 +20,7 @@ pub fn is_matmul_class(op: &Op) -> bool {
             | Op::Attention { .. }
             | Op::LinearCrossEntropy { .. }
             | Op::LinearCrossEntropyGrad { .. }
+            | Op::LinearCrossEntropyWithGrad { .. }
     ) || op.name().ends_with("matmul_grad")
         || is_attention_class(op)
 }

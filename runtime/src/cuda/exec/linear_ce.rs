@@ -3,6 +3,11 @@
 //! dtype, then `lce_stats` (running max / sum of exp and the target logit, in f32) or, in
 //! the backward, `lce_dz` (the logits' gradient, in place) and two GEMMs:
 //! `dx += dz w_c` and `dw_c = dz^T x`. No [tokens, vocab] tensor exists.
+//!
+//! `linear_cross_entropy_with_grad` chunks over the tokens instead: per chunk of `rows`
+//! tokens one GEMM writes their logits over the whole vocabulary, `lce_row_grad` takes
+//! each row's statistics and turns it into dz in place, and two GEMMs give the chunk's
+//! `dx_c = dz w` and add `dz^T x_c` into dw. The logits are computed once.
 
 use super::*;
 
@@ -25,6 +30,12 @@ impl LceAttrs {
         | Op::LinearCrossEntropyGrad {
             ignore_index,
             chunk,
+            scale,
+            softcap,
+        }
+        | Op::LinearCrossEntropyWithGrad {
+            ignore_index,
+            rows: chunk,
             scale,
             softcap,
         }) = op
@@ -219,6 +230,81 @@ pub(super) fn linear_ce_bwd(
             0,
         );
         c0 += len;
+    }
+    Ok(())
+}
+
+/// Forward and backward in one: operands x, w, labels, dlse, dtarget; `outs` = [lse,
+/// target, dx, dw].
+pub(super) fn linear_ce_with_grad(
+    lw: &mut Lower,
+    op: &Op,
+    ins: &[DevT],
+    outs: &[DevT],
+) -> CudaResult<()> {
+    let a = LceAttrs::of(lw, op)?;
+    let (x, w, labels, dlse, dtarget) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
+    let (lse, target, dx, dw) = (&outs[0], &outs[1], &outs[2], &outs[3]);
+    let (n, h, v) = sizes(lw, op, x, w)?;
+    if n == 0 {
+        return lw.fill(dw, 0.0);
+    }
+    if v == 0 {
+        return Err(lw.unsup(
+            op.name(),
+            "an empty vocabulary (a cross-entropy needs a class)",
+        ));
+    }
+    let rows = a.chunk.min(n);
+    let es = esz(x.dtype) as u64;
+    let z = lw
+        .ex
+        .scratch(lw.stream, chunk_scratch_bytes(lw, op, rows, v, es)?);
+    let row_grad = kname("lce_row_grad", x.dtype)?;
+    let err = lw.gpu.err_flag.ptr;
+    let mut r0 = 0;
+    while r0 < n {
+        let len = rows.min(n - r0);
+        let xc = x.ptr + r0 * h * es;
+        // z [len, V] = x_c w^T
+        lw.gemm(
+            gemm_shape(x.dtype, len, v, h, false, true, false),
+            xc,
+            w.ptr,
+            z,
+            0,
+        );
+        let k = kernels::LceRowGrad {
+            z,
+            labels: labels.ptr + r0 * 8,
+            lse: lse.ptr + r0 * 4,
+            target: target.ptr + r0 * 4,
+            dlse: dlse.ptr + r0 * 4,
+            dtarget: dtarget.ptr + r0 * 4,
+            v: v as i64,
+            ignore: a.ignore,
+            scale: a.scale,
+            cap: a.cap,
+            err,
+        };
+        lw.run(row_grad, len, k)?;
+        // dx_c = dz [len, V] @ w [V, h]
+        lw.gemm(
+            gemm_shape(x.dtype, len, h, v, false, false, false),
+            z,
+            w.ptr,
+            dx.ptr + r0 * h * es,
+            0,
+        );
+        // dw (+)= dz^T [V, len] @ x_c [len, h]
+        lw.gemm(
+            gemm_shape(x.dtype, v, h, len, true, false, r0 > 0),
+            z,
+            xc,
+            dw.ptr,
+            0,
+        );
+        r0 += len;
     }
     Ok(())
 }

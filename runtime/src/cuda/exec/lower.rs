@@ -474,6 +474,7 @@ pub(super) fn lower_op(
         Op::ScatterAdd { dim } => index::scatter_add(lw, ins, outs, dim),
         Op::LinearCrossEntropy { .. } => linear_ce::linear_ce_fwd(lw, op, ins, outs),
         Op::LinearCrossEntropyGrad { .. } => linear_ce::linear_ce_bwd(lw, op, ins, outs),
+        Op::LinearCrossEntropyWithGrad { .. } => linear_ce::linear_ce_with_grad(lw, op, ins, outs),
         Op::Topk { k, dim } => index::topk(lw, ins, outs, k, dim),
         Op::OneHot { num_classes, .. } => index::one_hot(lw, ins, outs, num_classes),
         Op::MoeDispatch { num_experts } => moe::moe_dispatch(lw, ins, outs, num_experts),
