@@ -281,3 +281,35 @@ fn other_families_train_the_same_with_the_fused_loss() {
         }
     }
 }
+
+/// ZeRO-3 gathers the lm_head weight again for the backward, micro-batches repeat the
+/// pair and checkpointing recomputes x: the pair still fuses (once per micro-batch), and
+/// `weft check` matches the unsharded model.
+#[test]
+fn zero3_micro_batches_and_checkpointing_fuse_the_loss_with_its_gradient() {
+    for (flags, want) in [
+        (&["--zero", "3", "--mesh", "dp=2,sp=2"][..], 1),
+        (
+            &["--zero", "3", "--mesh", "dp=2", "--micro-batches", "2"][..],
+            2,
+        ),
+        (&["--checkpoint", "full", "--offload"][..], 1),
+    ] {
+        let base = ["llama-tiny", "--fused-loss", "--batch", "4", "--seq", "16"];
+        let mut args = vec!["compile"];
+        args.extend(base);
+        args.extend(flags);
+        let (code, out, err) = weft(&args);
+        assert_eq!(code, 0, "{flags:?}: {err}");
+        assert_eq!(
+            out.matches("= linear_cross_entropy_with_grad ").count(),
+            want,
+            "{flags:?}"
+        );
+        let mut args = vec!["check", "--train"];
+        args.extend(base);
+        args.extend(flags);
+        let (code, out, err) = weft(&args);
+        assert_eq!(code, 0, "{flags:?}: {out}{err}");
+    }
+}

@@ -12,8 +12,8 @@
 //! the global log-sum-exp is `exp(lse_shard - lse)`), the pair stays as it is.
 //!
 //! The forward and gradient ops must agree on their attributes and read the same x, w
-//! and labels (x possibly through host copies or a checkpoint recompute of it; the
-//! recompute is then dead). The fused op chunks over the tokens: as many rows as keep
+//! and labels (x possibly through host copies or a checkpoint recompute of it, w gathered
+//! again by ZeRO-3; the copies are then dead). The fused op chunks over the tokens: as many rows as keep
 //! one chunk's [rows, vocab] logits under [`ROW_SCRATCH_BYTES`].
 
 use super::fuse::{fused_meta, origin};
@@ -153,15 +153,37 @@ fn forward_of(g: &Graph, grad: Node) -> Option<Node> {
     (same_attrs && same_reads).then_some(fwd)
 }
 
-/// `b` holds `a`'s elements: the same value, a host copy of it, or a recompute of it.
+/// `b` holds `a`'s elements: the same value, a host copy of it, a recompute of it, or the
+/// same result of the same op on values that hold the same elements (ZeRO-3's backward
+/// gathers a parameter again), looking at most [`SAME_DEPTH`] ops back.
 fn same_value(g: &Graph, a: Value, b: Value) -> bool {
+    same_within(g, a, b, SAME_DEPTH)
+}
+
+const SAME_DEPTH: usize = 8;
+
+fn same_within(g: &Graph, a: Value, b: Value, depth: usize) -> bool {
     let (a, b) = (origin(g, a), origin(g, b));
     if a == b {
         return true;
     }
-    let bn = g.node(g.def(b));
-    matches!(bn.meta.derived, Some(d) if d.kind == DerivedKind::Recompute && d.of == a)
+    let (an, bn) = (g.node(g.def(a)), g.node(g.def(b)));
+    if matches!(bn.meta.derived, Some(d) if d.kind == DerivedKind::Recompute && d.of == a)
         && bn.results.len() == 1
+    {
+        return true;
+    }
+    let index = |n: &weft_ir::NodeData, v: Value| n.results.iter().position(|&r| r == v);
+    depth > 0
+        && an.op == bn.op
+        && !an.operands.is_empty()
+        && an.operands.len() == bn.operands.len()
+        && index(an, a) == index(bn, b)
+        && an
+            .operands
+            .iter()
+            .zip(&bn.operands)
+            .all(|(&x, &y)| same_within(g, x, y, depth - 1))
 }
 
 /// The nodes after `fwd` in the program order that `values` are computed from (in no
