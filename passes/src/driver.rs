@@ -434,11 +434,7 @@ pub fn rank(req: &Request, train: &TrainRequest, bindings: &Bindings) -> Vec<Ran
         .symbols
         .get("B")
         .map(|b| b / req.mesh.size_or_one(crate::pass::DP) as i64);
-    // The fused loss computes its gradient with the forward (`fuse`) unless tp splits
-    // the vocabulary: then its backward recomputes the logits, and the unfused loss is
-    // faster where they fit.
-    let fused_first = req.fuse && req.mesh.size_or_one(crate::pass::TP) == 1;
-    let mut out: Vec<Ranked> = candidates(train, per_rank, fused_first)
+    let mut out: Vec<Ranked> = candidates(train, per_rank)
         .into_iter()
         .map(|options| Ranked {
             analytic: analytic(req, bindings, &options),
@@ -619,14 +615,9 @@ const MAX_OPEN_MICRO_BATCHES: i64 = 8;
 /// Every combination of the open options (given options stay as given), in a fixed
 /// order of cost, cheapest first: ZeRO stage innermost (sharding state costs the least
 /// time), then micro-batch counts, then checkpoint none, selective, full, then the
-/// same with activation offload, then all of it with the optimizer on the host, the
-/// unfused loss before the fused one unless `fused_loss_first`. `per_rank_batch` bounds
-/// the micro-batch counts (`None`: 1 only).
-pub fn candidates(
-    train: &TrainRequest,
-    per_rank_batch: Option<i64>,
-    fused_loss_first: bool,
-) -> Vec<TrainOptions> {
+/// same with activation offload, then all of it with the optimizer on the host. `per_rank_batch` bounds the micro-batch
+/// counts (`None`: 1 only).
+pub fn candidates(train: &TrainRequest, per_rank_batch: Option<i64>) -> Vec<TrainOptions> {
     let policies = if train.open.checkpoint {
         vec![
             CheckpointPolicy::None,
@@ -662,10 +653,12 @@ pub fn candidates(
     } else {
         vec![train.options.offload_optimizer]
     };
+    // The unfused loss first: it is faster where its logits fit (the fused loss's row
+    // kernel or, over tp, its recomputed chunks cost more than the logits' round trips).
     // A step that returns its gradients keeps the logits anyway (the pass does not fuse
     // it).
     let fused_losses = if train.open.fused_loss && !train.options.grad_outputs {
-        vec![fused_loss_first, !fused_loss_first]
+        vec![false, true]
     } else {
         vec![train.options.fused_loss]
     };
@@ -939,8 +932,8 @@ mod tests {
         assert_eq!(c.train.unwrap().checkpoint, CheckpointPolicy::None);
         // A limit between the peaks of `none` and `full` picks a checkpointing policy.
         let mut r = request("sp=2", Some(open_training()));
-        let none = evaluate(&r, &candidates(r.train.as_ref().unwrap(), None, false)[0]).unwrap();
-        let full = evaluate(&r, &candidates(r.train.as_ref().unwrap(), None, false)[2]).unwrap();
+        let none = evaluate(&r, &candidates(r.train.as_ref().unwrap(), None)[0]).unwrap();
+        let full = evaluate(&r, &candidates(r.train.as_ref().unwrap(), None)[2]).unwrap();
         assert!(full.peak_bytes < none.peak_bytes);
         r.device_memory = Some(full.peak_bytes);
         let c = compile(&r, &mut std::io::sink()).unwrap();
@@ -957,64 +950,36 @@ mod tests {
     }
 
     #[test]
-    fn an_open_loss_fuses_with_its_gradient_and_over_tp_only_where_its_logits_do_not_fit() {
+    fn an_open_loss_stays_unfused_where_its_logits_fit_and_fuses_where_they_do_not() {
         let mut train = open_training();
         train.open = Open {
             fused_loss: true,
             ..Open::default()
         };
-        let cands = candidates(&train, None, false);
+        let cands = candidates(&train, None);
         assert_eq!(
             cands.iter().map(|o| o.fused_loss).collect::<Vec<_>>(),
-            [false, true]
+            [false, true],
+            "the unfused (faster) loss is tried first"
         );
-        let first = candidates(&train, None, true);
-        assert_eq!(
-            first.iter().map(|o| o.fused_loss).collect::<Vec<_>>(),
-            [true, false]
-        );
-        let has = |c: &Compiled, want: fn(&weft_ir::Op) -> bool| {
-            c.program
-                .nodes()
-                .iter()
-                .any(|&n| want(&c.program.node(n).op))
-        };
-        // One rank: the fused loss computes its gradient with the forward (no logits
-        // tensor, nothing recomputed), so at a real size it is chosen with memory to
-        // spare. (On llama-tiny the loss's few extra elementwise launches outweigh it.)
         let mut r = request("", Some(train.clone()));
-        r.model = weft_frontends::load("llama3.2-1b").unwrap().graph;
-        r.seq = Some(4096);
-        r.batch = Some(1);
-        let unfused = evaluate(&r, &cands[0]).unwrap();
-        let fused = evaluate(&r, &cands[1]).unwrap();
-        assert!(fused.peak_bytes < unfused.peak_bytes);
-        assert!(fused.step_time_s <= unfused.step_time_s);
-        let c = compile(&r, &mut std::io::sink()).unwrap();
-        assert!(c.train.as_ref().unwrap().fused_loss, "{:?}", c.choice);
-        assert!(has(&c, |op| matches!(
-            op,
-            weft_ir::Op::LinearCrossEntropyWithGrad { .. }
-        )));
-        // A vocabulary split over tp: each shard's gradient needs the global
-        // log-sum-exp, so the backward recomputes the logits; unfused where they fit.
-        let mut r = request("tp=2", Some(train.clone()));
-        let cands = candidates(r.train.as_ref().unwrap(), None, false);
         let unfused = evaluate(&r, &cands[0]).unwrap();
         let fused = evaluate(&r, &cands[1]).unwrap();
         assert!(fused.peak_bytes < unfused.peak_bytes);
         let c = compile(&r, &mut std::io::sink()).unwrap();
-        assert!(!c.train.as_ref().unwrap().fused_loss, "{:?}", c.choice);
+        assert!(!c.train.unwrap().fused_loss, "{:?}", c.choice);
+        // Memory for the fused step only: the compiler fuses, and says so.
         r.device_memory = Some(fused.peak_bytes);
         let c = compile(&r, &mut std::io::sink()).unwrap();
-        assert!(c.train.as_ref().unwrap().fused_loss, "{:?}", c.choice);
-        assert!(has(&c, |op| matches!(
-            op,
-            weft_ir::Op::LinearCrossEntropyGrad { .. }
+        assert!(c.train.unwrap().fused_loss, "{:?}", c.choice);
+        // On one rank `fuse` computes the fused loss's gradient with its forward.
+        assert!(c.program.nodes().iter().any(|&n| matches!(
+            c.program.node(n).op,
+            weft_ir::Op::LinearCrossEntropyWithGrad { .. }
         )));
         // A step that returns its gradients keeps the logits: nothing to choose.
         train.options.grad_outputs = true;
-        assert_eq!(candidates(&train, None, true).len(), 1);
+        assert_eq!(candidates(&train, None).len(), 1);
     }
 
     #[test]
@@ -1028,7 +993,7 @@ mod tests {
         };
         let mut r = request("dp=2,sp=2", Some(t));
         r.batch = Some(4);
-        let cands = candidates(r.train.as_ref().unwrap(), Some(2), false);
+        let cands = candidates(r.train.as_ref().unwrap(), Some(2));
         assert_eq!(
             cands.len(),
             4 * 2 * 3 * 2 * 2,

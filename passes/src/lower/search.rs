@@ -557,6 +557,12 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     } else {
         0.0
     };
+    // With its gradient (off tp): the row kernel's passes over the logits (bf16).
+    let loss_rows = if c.fused_loss && c.tp == 1 {
+        crate::plan::cost::lce_row_pass_time(all_tokens / world * m.vocab as f64 * 2.0, d)
+    } else {
+        0.0
+    };
     let compute = ((matmul_model * (1.0 + recompute) + loss_recompute) / world)
         / (d.matmul_tflops * 1e12)
         + (attn_model
@@ -569,6 +575,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
                 })
             / world)
             / (d.attention_tflops * 1e12)
+        + loss_rows
         + layers * 40.0 * c.micro_batches as f64 * d.kernel_overhead_us * 1e-6
         + expert_issue_floor(m, c, all_tokens / world, recompute, d);
     // Critical-path collectives, per micro-batch then times the count.
@@ -967,7 +974,11 @@ mod tests {
         slow.device.hbm_gbps /= 2.0;
         let m = llama8b();
         for (checkpoint, redo) in [("none", 0.0), ("full", 1.0)] {
-            let c = |cp_kv| cp8(cp_kv, checkpoint);
+            // (The unfused loss: the fused one's row kernel is priced at HBM bandwidth too.)
+            let c = |cp_kv| Candidate {
+                fused_loss: false,
+                ..cp8(cp_kv, checkpoint)
+            };
             // This rank's 16384 tokens x (k, v) x bf16 x 8 kv heads x 128, over 32 layers:
             // k/v forward, again backward (and to recompute), dk/dv, each cp + 1 blocks
             // read and written.

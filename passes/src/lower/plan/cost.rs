@@ -71,6 +71,21 @@ pub fn compute_time(op: &Op, flops: f64, bytes: f64, d: &DeviceProfile) -> f64 {
     t + d.kernel_overhead_us * 1e-6
 }
 
+/// Passes over the logits' bytes that `linear_cross_entropy_with_grad`'s row kernel
+/// (`lce_row_grad`: one block per whole-vocabulary row, 2-byte loads) costs beyond its
+/// three GEMMs, at the profile's HBM rate. Calibrated on the kernel as shipped (session
+/// 15, H100, 1.24B model, bf16): the fused step measured 1.37 ms slower than the unfused
+/// one at 4096 tokens and 6.09 ms at 16384 (the op 45.1 ms against the unfused loss's
+/// 38.4 ms of GEMMs and row kernels); with 6 passes the predictions keep the unfused
+/// steps' measured/predicted ratios (0.97 and 0.96).
+pub const LCE_ROW_PASSES: f64 = 6.0;
+
+/// Seconds of `linear_cross_entropy_with_grad`'s row kernel over `logit_bytes` (tokens x
+/// vocabulary x element size), added to its GEMMs' time.
+pub fn lce_row_pass_time(logit_bytes: f64, d: &DeviceProfile) -> f64 {
+    logit_bytes * LCE_ROW_PASSES / (d.hbm_gbps * 1e9)
+}
+
 /// The sizes of a `grouped_matmul` or `grouped_matmul_grad`: `rows` [rows, k] split
 /// over `groups` row groups (counts [E] or [G, E]) of weights [E, n, k].
 #[derive(Clone, Copy, Debug, PartialEq)]

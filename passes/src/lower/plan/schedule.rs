@@ -282,7 +282,10 @@ fn instruction_cost(
         _ => {
             let t = match grouped_shape(g, n, b) {
                 Some(s) => cost::grouped_matmul_time(&s, d),
-                None => cost::compute_time(&nd.op, flops, in_bytes + out_bytes, d),
+                None => {
+                    cost::compute_time(&nd.op, flops, in_bytes + out_bytes, d)
+                        + lce_row_bytes(g, n, b).map_or(0.0, |by| cost::lce_row_pass_time(by, d))
+                }
             };
             costs.compute_s += t;
             (in_bytes + out_bytes, t)
@@ -292,6 +295,23 @@ fn instruction_cost(
 
 /// The sizes of a `grouped_matmul(_grad)` node for the cost model (the largest over
 /// ranks where they differ); `None` for other ops or sizes that do not evaluate.
+/// The logits' bytes (tokens x vocabulary x element size) of a
+/// `linear_cross_entropy_with_grad`, whose row kernel the cost model adds to its GEMMs.
+fn lce_row_bytes(g: &Graph, n: Node, b: &Bindings) -> Option<f64> {
+    let nd = g.node(n);
+    if !matches!(nd.op, Op::LinearCrossEntropyWithGrad { .. }) {
+        return None;
+    }
+    let (x, w, labels) = (
+        g.ty(nd.operands[0]),
+        g.ty(nd.operands[1]),
+        g.ty(nd.operands[2]),
+    );
+    let tokens = labels.numel().bind(b).as_const()? as f64;
+    let vocab = w.shape[0].bind(b).as_const()? as f64;
+    Some(tokens * vocab * x.dtype.size_bytes() as f64)
+}
+
 fn grouped_shape(g: &Graph, n: Node, b: &Bindings) -> Option<cost::GroupedShape> {
     let nd = g.node(n);
     let (transpose_w, grad, bias) = match &nd.op {
