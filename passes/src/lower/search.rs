@@ -163,9 +163,8 @@ pub struct Candidate {
     pub offload: bool,
     /// Optimizer state and its update on the host (`--offload-optimizer`).
     pub offload_optimizer: bool,
-    /// lm_head + cross-entropy without a logits tensor: with its gradient in one op over
-    /// token chunks, or where the vocabulary is split over tp, over vocabulary chunks whose
-    /// GEMM the backward recomputes.
+    /// lm_head + cross-entropy without a logits tensor (with its gradient in one op over
+    /// token chunks, or over tp in vocabulary chunks whose GEMM the backward recomputes).
     pub fused_loss: bool,
     pub micro_batches: u32,
     /// How cp moves k/v (`--cp-kv`): ring steps overlapped with attention, or one
@@ -517,12 +516,10 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let activations = tokens * (saved_per_layer * kept_layers + full_layer + resident_saved)
         + ring_saved * kept_layers
         + ring_in_flight;
-    // The f32 logits and their gradient, or with the fused loss one chunk's scratch
-    // (vocabulary chunks bounded to 256 MiB; token chunks, fused with the gradient, to
-    // 512 MiB).
+    // The f32 logits and their gradient, or with the fused loss one vocabulary chunk's
+    // scratch (the pass bounds it to 256 MiB).
     let logits = if c.fused_loss {
-        let bound = if c.tp > 1 { 256.0 } else { 512.0 };
-        (tokens * m.vocab as f64 / tp * 4.0).min(bound * 1024.0 * 1024.0)
+        (tokens * m.vocab as f64 / tp * 4.0).min(256.0 * 1024.0 * 1024.0)
     } else {
         tokens * m.vocab as f64 / tp * 4.0 * 2.0
     };
@@ -549,17 +546,12 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         "selective" => 0.05,
         _ => 0.0,
     };
-    // The fused loss's backward recomputes the lm_head GEMM chunk by chunk where the
-    // vocabulary is split over tp (each shard's gradient needs the global log-sum-exp);
-    // otherwise `fuse` computes the gradient with the forward, from the same logits.
-    let loss_recompute = if c.fused_loss && c.tp > 1 {
+    // The fused loss costs about one more lm_head GEMM: over tp its backward recomputes
+    // the logits chunk by chunk; on one rank, with its gradient in one op, its row kernel
+    // (measured on an H100: +6 ms at 16384 tokens on the 1.24B step, where the GEMM takes
+    // 11 ms). The plan's cost model prices the kernel itself (`cost::LCE_ROW_PASSES`).
+    let loss_recompute = if c.fused_loss {
         2.0 * all_tokens * m.vocab as f64 * h
-    } else {
-        0.0
-    };
-    // With its gradient (off tp): the row kernel's passes over the logits (bf16).
-    let loss_rows = if c.fused_loss && c.tp == 1 {
-        crate::plan::cost::lce_row_pass_time(all_tokens / world * m.vocab as f64 * 2.0, d)
     } else {
         0.0
     };
@@ -575,7 +567,6 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
                 })
             / world)
             / (d.attention_tflops * 1e12)
-        + loss_rows
         + layers * 40.0 * c.micro_batches as f64 * d.kernel_overhead_us * 1e-6
         + expert_issue_floor(m, c, all_tokens / world, recompute, d);
     // Critical-path collectives, per micro-batch then times the count.
@@ -974,11 +965,7 @@ mod tests {
         slow.device.hbm_gbps /= 2.0;
         let m = llama8b();
         for (checkpoint, redo) in [("none", 0.0), ("full", 1.0)] {
-            // (The unfused loss: the fused one's row kernel is priced at HBM bandwidth too.)
-            let c = |cp_kv| Candidate {
-                fused_loss: false,
-                ..cp8(cp_kv, checkpoint)
-            };
+            let c = |cp_kv| cp8(cp_kv, checkpoint);
             // This rank's 16384 tokens x (k, v) x bf16 x 8 kv heads x 128, over 32 layers:
             // k/v forward, again backward (and to recompute), dk/dv, each cp + 1 blocks
             // read and written.
