@@ -54,12 +54,25 @@ impl LceAttrs {
     }
 }
 
-/// (tokens, hidden, vocab) of x [.., H] and w [V, H], refusing mixed dtypes.
-fn sizes(lw: &Lower, op: &Op, x: &DevT, w: &DevT) -> CudaResult<(u64, u64, u64)> {
+/// (tokens, hidden, vocab) of x [.., H] and w [V, H], refusing mixed dtypes and labels
+/// other than i64.
+fn sizes(
+    lw: &Lower,
+    op: &Op,
+    x: &DevT,
+    w: &DevT,
+    labels_dtype: DType,
+) -> CudaResult<(u64, u64, u64)> {
     if x.dtype != w.dtype {
         return Err(lw.unsup(
             op.name(),
             &format!("x and w must share a dtype: x {}, w {}", x.dtype, w.dtype),
+        ));
+    }
+    if !matches!(labels_dtype, DType::I64) {
+        return Err(lw.unsup(
+            op.name(),
+            &format!("labels must be i64 (the kernels read 8-byte labels), got {labels_dtype}"),
         ));
     }
     let h = *x.shape.last().unwrap_or(&0) as u64;
@@ -103,16 +116,11 @@ pub(super) fn linear_ce_fwd(
     let a = LceAttrs::of(lw, op)?;
     let (x, w, labels) = (&ins[0], &ins[1], &ins[2]);
     let (lse, target) = (&outs[0], &outs[1]);
-    let (n, h, v) = sizes(lw, op, x, w)?;
+    let (n, h, v) = sizes(lw, op, x, w, labels.dtype)?;
     if n == 0 {
         return Ok(());
     }
-    if v == 0 {
-        return Err(lw.unsup(
-            op.name(),
-            "an empty vocabulary (a cross-entropy needs a class)",
-        ));
-    }
+    needs_classes(lw, op, v)?;
     let chunk = a.chunk.min(v);
     let es = esz(x.dtype) as u64;
     let z = lw
@@ -176,7 +184,7 @@ pub(super) fn linear_ce_bwd(
     let a = LceAttrs::of(lw, op)?;
     let (x, w, labels, lse, dlse, dtarget) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4], &ins[5]);
     let (dx, dw) = (&outs[0], &outs[1]);
-    let (n, h, v) = sizes(lw, op, x, w)?;
+    let (n, h, v) = sizes(lw, op, x, w, labels.dtype)?;
     if n == 0 || v == 0 || h == 0 {
         lw.fill(dx, 0.0)?;
         return lw.fill(dw, 0.0);
@@ -245,16 +253,11 @@ pub(super) fn linear_ce_with_grad(
     let a = LceAttrs::of(lw, op)?;
     let (x, w, labels, dlse, dtarget) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
     let (lse, target, dx, dw) = (&outs[0], &outs[1], &outs[2], &outs[3]);
-    let (n, h, v) = sizes(lw, op, x, w)?;
+    let (n, h, v) = sizes(lw, op, x, w, labels.dtype)?;
     if n == 0 {
         return lw.fill(dw, 0.0);
     }
-    if v == 0 {
-        return Err(lw.unsup(
-            op.name(),
-            "an empty vocabulary (a cross-entropy needs a class)",
-        ));
-    }
+    needs_classes(lw, op, v)?;
     let rows = a.chunk.min(n);
     let es = esz(x.dtype) as u64;
     let z = lw
@@ -276,7 +279,7 @@ pub(super) fn linear_ce_with_grad(
         );
         let k = kernels::LceRowGrad {
             z,
-            labels: labels.ptr + r0 * 8,
+            labels: labels.ptr + r0 * esz(labels.dtype) as u64,
             lse: lse.ptr + r0 * 4,
             target: target.ptr + r0 * 4,
             dlse: dlse.ptr + r0 * 4,
@@ -305,6 +308,17 @@ pub(super) fn linear_ce_with_grad(
             0,
         );
         r0 += len;
+    }
+    Ok(())
+}
+
+/// A cross-entropy needs a class: an empty vocabulary is refused by name.
+fn needs_classes(lw: &Lower, op: &Op, v: u64) -> CudaResult<()> {
+    if v == 0 {
+        return Err(lw.unsup(
+            op.name(),
+            "an empty vocabulary (a cross-entropy needs a class)",
+        ));
     }
     Ok(())
 }
