@@ -31,9 +31,10 @@ if has bench; then for SEQ in 4096 16384; do
 done; fi
 roof() { # roof SEQ NAME args...: a profiled step, its plan's trace and bench/roofline.py's table
   local D=$OUT/$2; mkdir -p $D
-  WEFT_PROFILE=1 timeout 90 $W run llama3.2-1b --backend cuda --dtype bf16 --steps 3 --seq $1 --batch 1 --torch-adamw "${@:3}" --plan-out $D/plan.json > $D/run.txt 2> $D/profile.txt
+  WEFT_PROFILE=1 timeout 90 $W run llama3.2-1b --backend cuda --dtype bf16 --steps 3 --seq $1 --batch 1 --torch-adamw "${@:3}" --plan-out $D/plan.json --profile-out $D/prof.tsv > $D/run.txt 2> $D/profile.txt
   $W inspect $D/plan.json --trace $D/trace.json > /dev/null && $PY bench/roofline.py $D/trace.json $D/profile.txt --tokens $1 2>&1 | tail -14
   grep -iE "linear_cross_entropy" $D/profile.txt | head -3
+  $PY bench/gap.py $D/prof.tsv --top 16
   tar -czf $D.tgz -C $OUT $2 && rm -rf $D
 }
 has prof16 && roof 16384 r16 --fused-loss

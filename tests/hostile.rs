@@ -402,6 +402,10 @@ fn run_flags_are_checked() {
         &["run", "tests/fixtures/llama", "--check", "--backend", "cpu"],
         &["--check"],
     );
+    refused(
+        &["run", "tests/fixtures/llama", "--profile-out", "/tmp/weft-never-written.tsv"],
+        &["--profile-out", "--backend cuda"],
+    );
     let dir = scratch("data");
     let odd = write(&dir, "odd.bin", "abc");
     refused(

@@ -74,6 +74,11 @@ pub struct Args {
     /// Write the plan that was run here.
     #[arg(long)]
     pub plan_out: Option<PathBuf>,
+    /// cuda: profile the last step (as `WEFT_PROFILE` does) and write one tab-separated row
+    /// per compute-stream instruction to FILE: index, op, source, the plan's predicted
+    /// milliseconds and the measured device milliseconds (bench/gap.py ranks them).
+    #[arg(long, value_name = "FILE")]
+    pub profile_out: Option<PathBuf>,
     /// Print one JSON document instead of the table (both backends): the run (backend,
     /// model, training, batch, seq, compile_s, mean_step_s, tokens_per_s, notes; on
     /// cuda also the plan's predicted_step_s, memory and load) and `steps`, one object per step (step, loss, step_s,
@@ -572,6 +577,12 @@ pub fn run(a: Args) -> CliResult {
         )
         .with_help("use --backend cuda with --check, or drop --check"));
     }
+    if a.profile_out.is_some() && (a.backend != "cuda" || a.steps == 0) {
+        return Err(CliError::input(
+            "--profile-out times the GPU's instructions, but this run executes none on a GPU",
+        )
+        .with_help("use it with --backend cuda and --steps 1 or more"));
+    }
     if a.steps == 0 && a.check == 0 {
         return plan_only(&a);
     }
@@ -759,6 +770,30 @@ fn run_cuda(_: &Args) -> CliResult {
     )
 }
 
+/// One row per profiled instruction: what the plan predicted for it beside what it took.
+#[cfg(feature = "cuda")]
+fn write_instruction_profile(
+    path: &std::path::Path,
+    plan: &ExecutionPlan,
+    rows: &[(u32, f64)],
+) -> CliResult {
+    let mut out = String::from("index\top\tsource\tpredicted_ms\tmeasured_ms\n");
+    for &(i, ms) in rows {
+        let ins = &plan.instructions[i as usize];
+        let source = ins
+            .source
+            .as_deref()
+            .unwrap_or("-")
+            .replace(['\t', '\n'], " ");
+        out.push_str(&format!(
+            "{i}\t{}\t{source}\t{:.4}\t{ms:.4}\n",
+            ins.op,
+            ins.time_s * 1e3
+        ));
+    }
+    super::write_out(Some(path), &out)
+}
+
 #[cfg(feature = "cuda")]
 fn run_cuda(a: &Args) -> CliResult {
     use weft_runtime::cuda::{ExecOptions, Executor};
@@ -772,6 +807,9 @@ fn run_cuda(a: &Args) -> CliResult {
     print_header(a, &p);
     write_plan(a, &p)?;
     let mut opts = ExecOptions::from_env();
+    if a.profile_out.is_some() {
+        opts.tuning.profile = true;
+    }
     if a.generic_attention {
         opts.fast_attention = false;
     }
@@ -904,6 +942,9 @@ fn run_cuda(a: &Args) -> CliResult {
                 100.0 * ms / total.max(1e-9)
             );
         }
+    }
+    if let Some(path) = &a.profile_out {
+        write_instruction_profile(path, &p.plan, &ex.profile_instructions)?;
     }
     let mem = ex.memory();
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;

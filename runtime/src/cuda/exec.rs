@@ -306,6 +306,9 @@ pub struct Executor {
     /// Per op (and GEMM shape): launches and device milliseconds of the last step run
     /// with `WEFT_PROFILE` set.
     pub profile: Option<BTreeMap<String, (usize, f64)>>,
+    /// The same last step per stream-0 instruction, in launch order: (instruction index,
+    /// device milliseconds until the next instruction's mark).
+    pub profile_instructions: Vec<(u32, f64)>,
     /// Last: dropped after every allocation, handle and communicator above.
     pub gpu: Gpu,
 }
@@ -572,6 +575,7 @@ impl Executor {
             load,
             min_free: free,
             profile: None,
+            profile_instructions: Vec::new(),
             gpu,
         })
     }
@@ -795,6 +799,7 @@ impl Executor {
         }
         if let Some(end) = upd_mark {
             let mut by_op: BTreeMap<String, (usize, f64)> = BTreeMap::new();
+            self.profile_instructions.clear();
             for k in 0..marks.len() {
                 let next = if k + 1 < marks.len() {
                     &marks[k + 1].1
@@ -802,6 +807,7 @@ impl Executor {
                     &end
                 };
                 let ms = unsafe { dr::event::elapsed(marks[k].1 .0, next.0) }.unwrap_or(0.0) as f64;
+                self.profile_instructions.push((marks[k].0, ms));
                 let ins = &self.plan.instructions[marks[k].0 as usize];
                 let key = format!(
                     "{}{}",
