@@ -25,7 +25,7 @@ for SEQ in 4096 16384; do
   done; fi
   has torch && echo "== seq $SEQ torch eager: $(timeout 120 $PY bench/torch_llama_step.py --seq $SEQ --steps $ST 2>&1 | tail -1)"
 done
-has parity && timeout 150 $PY bench/loss_parity.py --weft $W --weft-args "--fused-loss" --json $OUT/parity.json 2>&1 | tail -6
+has parity && timeout 150 $PY bench/loss_parity.py --weft $W --weft-args=--fused-loss --json $OUT/parity.json 2>&1 | tail -6
 if has frontier; then for f in "--checkpoint budget=8G --offload" "--checkpoint budget=10G --offload"; do
   echo "== 16384 $f: $(timeout 60 $W run llama3.2-1b --backend cuda --steps 4 --seq 16384 --batch 1 --torch-adamw --fused-loss $f 2>&1 | grep -E '^mean|error' | cut -c1-260)"
 done; fi

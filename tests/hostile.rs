@@ -403,7 +403,12 @@ fn run_flags_are_checked() {
         &["--check"],
     );
     refused(
-        &["run", "tests/fixtures/llama", "--profile-out", "/tmp/weft-never-written.tsv"],
+        &[
+            "run",
+            "tests/fixtures/llama",
+            "--profile-out",
+            "/tmp/weft-never-written.tsv",
+        ],
         &["--profile-out", "--backend cuda"],
     );
     let dir = scratch("data");

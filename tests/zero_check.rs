@@ -586,6 +586,143 @@ fn optimizer_offload_plan_and_snapshot() {
     insta::assert_snapshot!(text);
 }
 
+/// Streamed optimizer state (`--stream-optimizer-state`): the state params live on the
+/// host and every update reads them through a `reload` and writes them back through an
+/// `offload`; the step gives bit for bit the losses, parameters and states of the
+/// device-resident update, at every ZeRO stage, with micro-batches, with master
+/// weights (streamed too) and without.
+#[test]
+fn streamed_optimizer_state_matches_the_device_update_bit_for_bit() {
+    let (graph, weights, inputs) = load_fixture_batch4("llama", |i, _| i % 7 == 3);
+    for &(mesh, zero, micro, master) in &[
+        ("", 0, 1, true),
+        ("", 0, 1, false),
+        ("dp=2", 1, 2, true),
+        ("dp=2,sp=2", 3, 1, true),
+        ("dp=2,tp=2", 2, 2, false),
+    ] {
+        let what = format!("{mesh} zero={zero} micro={micro} master={master}");
+        let mut device = opts(zero, micro);
+        device.master_weights = master;
+        let mut streamed = device.clone();
+        streamed.stream_optimizer_state = true;
+        let (gd, _) =
+            training_step(&graph, mesh, &device).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (gs, report) =
+            training_step(&graph, mesh, &streamed).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let counter = |k: &str| {
+            report
+                .passes
+                .iter()
+                .find(|p| p.pass == "optimizer")
+                .and_then(|p| p.counters.get(k).copied())
+                .unwrap_or(0)
+        };
+        let states = counter("state_tensors");
+        assert!(states > 0, "{what}");
+        assert_eq!(counter("streamed_state_tensors"), states, "{what}");
+        let kept = counter("states_kept_on_device");
+        assert_eq!(counter("prefetched_states") + kept, states, "{what}");
+        let reloads = gs
+            .nodes()
+            .iter()
+            .filter(|&&n| matches!(gs.node(n).op, weft_ir::Op::Reload { .. }))
+            .count() as u64;
+        assert_eq!(
+            reloads,
+            states - kept,
+            "{what}: one reload per streamed state"
+        );
+        let a = steps(&gd, &weights, &inputs);
+        let b = steps(&gs, &weights, &inputs);
+        assert_eq!(a.losses, b.losses, "{what}: losses");
+        for (p, v) in &a.params {
+            assert_eq!(v.to_f64(), b.params[p].to_f64(), "{what}: param.{p}");
+        }
+        assert_eq!(a.states.len(), b.states.len(), "{what}");
+        for (s, v) in &a.states {
+            assert_eq!(v.to_f64(), b.states[s].to_f64(), "{what}: {s}");
+        }
+    }
+}
+
+/// The plan of streamed optimizer state: the streamed states are host bytes, their
+/// copies run on the copy streams, the device's optimizer-state bytes and peak drop, the
+/// plan validates, each state's reload waits for a compute node ahead of its update,
+/// and a snapshot pins one parameter's streamed update. With `--offload-optimizer` it is
+/// refused by name.
+#[test]
+fn streamed_optimizer_state_plan_and_snapshot() {
+    let (graph, _, _) = load_fixture("llama");
+    let mut o = opts(1, 1);
+    o.grad_outputs = false;
+    let (gd, _) = training_step(&graph, "dp=2", &o).unwrap();
+    o.stream_optimizer_state = true;
+    let (gs, _) = training_step(&graph, "dp=2", &o).unwrap();
+    let lower = |g: &Graph| {
+        let p = weft_passes::plan::lower(g, &weft_passes::plan::PlanOptions::new(4, 16)).unwrap();
+        p.check().unwrap();
+        p
+    };
+    let (pd, ps) = (lower(&gd), lower(&gs));
+    let state = |p: &weft_ir::plan::ExecutionPlan| {
+        p.memory
+            .breakdown
+            .get("optimizer_state")
+            .copied()
+            .unwrap_or(0)
+    };
+    assert!(state(&ps) < state(&pd), "{:?}", ps.memory.breakdown);
+    assert!(ps.memory.host_bytes > 0 && ps.memory.peak_bytes < pd.memory.peak_bytes);
+    for i in &ps.instructions {
+        if i.op == "reload" || i.op == "offload" {
+            assert_ne!(i.stream, 0, "{i:?}");
+        }
+    }
+    for &n in gs.nodes() {
+        if matches!(gs.node(n).op, weft_ir::Op::Reload { .. }) {
+            assert_eq!(
+                gs.node(n).operands.len(),
+                2,
+                "a prefetch waits for one node"
+            );
+        }
+    }
+    let param = "model.layers.0.mlp.down_proj.weight";
+    let mut text = String::new();
+    for &n in gs.nodes() {
+        let d = gs.node(n);
+        let Some(p) = &d.meta.provenance else {
+            continue;
+        };
+        if p.pass != "optimizer" || !p.reason.contains(param) {
+            continue;
+        }
+        text.push_str(&format!(
+            "{} ({}) -> {}: {}\n",
+            d.op.name(),
+            d.operands
+                .iter()
+                .map(|v| gs.ty(*v).to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            d.results
+                .iter()
+                .map(|v| gs.ty(*v).to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            p.reason
+        ));
+    }
+    insta::assert_snapshot!(text);
+    o.offload_optimizer = true;
+    let err = training_step(&graph, "dp=2", &o).unwrap_err().to_string();
+    assert!(
+        err.contains("--stream-optimizer-state") && err.contains("--offload-optimizer"),
+        "{err}"
+    );
+}
+
 /// `weft shard --zero` writes the ZeRO-partitioned training state (parameters and
 /// AdamW moments) and `--unshard` reads it back byte for byte in the universal layout
 /// (each state shaped as its parameter), so a run resumes on another mesh and stage:

@@ -34,8 +34,8 @@ pub use parallel::{
     ep, ring, ring_allgather, ring_lower, ring_steps, shard_inputs, shard_seq, sp_loss, tp, ulysses,
 };
 pub use train::{
-    autodiff, checkpoint, fp8, grad_sync, linear_ce, micro_batches, offload, optimizer, training,
-    zero, zero_split,
+    autodiff, checkpoint, fp8, grad_sync, linear_ce, micro_batches, offload, optimizer,
+    stream_state, training, zero, zero_split,
 };
 
 pub use bindings::{check_bindings, BindingError};

@@ -61,6 +61,13 @@ pub struct TrainArgs {
     /// the CUDA executor refuses it.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub offload_optimizer: Option<bool>,
+    /// Keep the optimizer state (AdamW moments, master weights, SGD momentum) in pinned
+    /// host memory and update on the GPU: each parameter's state is prefetched to the
+    /// device ahead of its update in the backward and written back after it, so the
+    /// device holds only the updates in flight. Costs host-link time (the state crosses
+    /// twice per step), which long sequences hide under the backward.
+    #[arg(long)]
+    pub stream_optimizer_state: bool,
     /// Optimizer update in the step: adamw, sgd or none.
     #[arg(long, value_name = "NAME")]
     pub optimizer: Option<String>,
@@ -191,6 +198,7 @@ impl TrainArgs {
                 zero1: zero >= 1,
                 zero3: zero >= 3,
                 offload_optimizer: self.offload_optimizer == Some(true),
+                stream_optimizer_state: self.stream_optimizer_state,
                 master_weights: !self.no_master_weights,
                 // check and eval compare the gradients; `compile` drops them from a plan.
                 grad_outputs: true,
@@ -209,6 +217,7 @@ impl TrainArgs {
                 micro_batches: self.micro_batches.is_none(),
                 // The host update needs AdamW on f32 master weights.
                 offload_optimizer: self.offload_optimizer.is_none()
+                    && !self.stream_optimizer_state
                     && matches!(optimizer, Some(Optimizer::AdamW { .. }))
                     && !self.no_master_weights,
                 fused_loss: !self.unfused_loss && !self.fused_loss,
@@ -251,6 +260,7 @@ impl TrainArgs {
             || self.micro_batches.is_some()
             || self.zero.is_some()
             || self.offload_optimizer.is_some()
+            || self.stream_optimizer_state
             || self.optimizer.is_some()
             || self.no_master_weights
             || self.unfused_loss

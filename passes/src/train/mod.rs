@@ -15,6 +15,7 @@ pub mod linear_ce;
 pub mod micro_batches;
 pub mod offload;
 pub mod optimizer;
+pub mod stream_state;
 pub mod training;
 pub mod zero;
 pub mod zero_split;

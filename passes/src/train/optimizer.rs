@@ -120,10 +120,21 @@ impl Pass for OptimizerPass {
                 "the learning-rate warmup is implemented for AdamW; SGD has none".to_string(),
             ));
         }
+        let stream = cx.options.train.stream_optimizer_state;
+        if stream && offload {
+            return Err(PassError::rewrite(
+                NAME,
+                "`--stream-optimizer-state` cannot be applied".to_string(),
+                "the training options".to_string(),
+                "`--offload-optimizer` already keeps the state in host memory (and updates it there); give one of the two".to_string(),
+            ));
+        }
         let mut w = Writer {
             g: &mut *g,
             meta: NodeMeta::default(),
             warmup,
+            stream,
+            state_reloads: Vec::new(),
         };
         w.meta.provenance = Some(Provenance {
             pass: NAME.into(),
@@ -217,6 +228,7 @@ impl Pass for OptimizerPass {
             updated.push(name);
             res.count("params", 1);
         }
+        let state_reloads = std::mem::take(&mut w.state_reloads);
         if !cx.options.train.grad_outputs {
             for name in &updated {
                 g.remove_output(&role::grad_name(name));
@@ -226,6 +238,19 @@ impl Pass for OptimizerPass {
         }
         crate::zero::prefetch_gathers(g, &gather_chains);
         place_in_backward(g, step_node, &groups, cx.options.train.reduce_scatter);
+        if !state_reloads.is_empty() {
+            let b = crate::memory::bindings(g, &cx.options.train);
+            let device = cx
+                .options
+                .train
+                .offload
+                .as_ref()
+                .map(|o| o.device.clone())
+                .unwrap_or_default();
+            let s = crate::stream_state::schedule(g, &state_reloads, &b, &device.0);
+            res.count("prefetched_states", s.prefetched as u64);
+            res.count("states_kept_on_device", s.kept_on_device as u64);
+        }
         res.changed = true;
         Ok(res)
     }
@@ -332,6 +357,10 @@ struct Writer<'g> {
     meta: NodeMeta,
     /// AdamW's linear learning-rate warmup, in steps.
     warmup: Option<i64>,
+    /// `stream_optimizer_state`: states live in host memory, reloaded for the update.
+    stream: bool,
+    /// The `reload` of every streamed state, for [`prefetch_states`].
+    state_reloads: Vec<Node>,
 }
 
 impl Writer<'_> {
@@ -379,16 +408,52 @@ impl Writer<'_> {
             }
         }
         res.count("state_tensors", 1);
-        Ok(v)
+        if !self.stream {
+            return Ok(v);
+        }
+        res.count("streamed_state_tensors", 1);
+        self.why(format!(
+            "streamed optimizer state: `{sname}` from host memory for the update (prefetched)"
+        ));
+        let r = self.op(
+            Op::Reload {
+                stream: "h2d".into(),
+            },
+            &[v],
+        )?;
+        self.state_reloads.push(self.g.def(r));
+        Ok(r)
     }
 
-    fn state_out(&mut self, kind: &str, name: &str, v: Value, shard: Option<&ZeroSplit>) {
+    /// The updated state `v` as the step's output `optim.<kind>.<name>`; streamed, its
+    /// copy back into the state's host memory.
+    fn state_out(
+        &mut self,
+        kind: &str,
+        name: &str,
+        v: Value,
+        shard: Option<&ZeroSplit>,
+    ) -> Result<(), PassError> {
         let out = role::optimizer_state_name(kind, name);
+        let v = if self.stream {
+            self.why(format!(
+                "streamed optimizer state: `{out}` back to host memory after the update"
+            ));
+            self.op(
+                Op::Offload {
+                    stream: "d2h".into(),
+                },
+                &[v],
+            )?
+        } else {
+            v
+        };
         self.g.set_output(&out, v);
         if let Some(split) = shard {
             let own = own_partitions(self.g, name);
             crate::zero::split_output(self.g, &out, &split.output_axes(&own));
         }
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -549,8 +614,8 @@ impl Writer<'_> {
                     },
                     &[w32, g_host, m, v, step],
                 )?;
-                self.state_out("m", name, r[1], sh);
-                self.state_out("v", name, r[2], sh);
+                self.state_out("m", name, r[1], sh)?;
+                self.state_out("v", name, r[2], sh)?;
                 host_param = Some(r[3]);
                 r[0]
             }
@@ -580,8 +645,8 @@ impl Writer<'_> {
                     },
                     &[w32, g, m, v, step],
                 )?;
-                self.state_out("m", name, r[1], sh);
-                self.state_out("v", name, r[2], sh);
+                self.state_out("m", name, r[1], sh)?;
+                self.state_out("v", name, r[2], sh)?;
                 r[0]
             }
             Optimizer::Sgd {
@@ -603,7 +668,7 @@ impl Writer<'_> {
                         },
                         &[w32, g, b],
                     )?;
-                    self.state_out("buf", name, r[1], sh);
+                    self.state_out("buf", name, r[1], sh)?;
                     r[0]
                 } else {
                     self.op(
@@ -618,7 +683,7 @@ impl Writer<'_> {
             }
         };
         if master.is_some() {
-            self.state_out("master", name, new32, sh);
+            self.state_out("master", name, new32, sh)?;
         }
         // Back to the whole parameter in its dtype (cast first: the gather moves the
         // parameter's dtype, bf16 under mixed precision, not the f32 master).

@@ -228,6 +228,13 @@ pub struct TrainOptions {
     /// (`host_adamw`) and the parameter in its dtype comes back (`reload`). Needs AdamW
     /// and master weights.
     pub offload_optimizer: bool,
+    /// `optimizer`: the optimizer state (moments, master weights, SGD momentum; ZeRO-sharded
+    /// as the stage says) lives in pinned host memory, and the device runs the update:
+    /// each parameter's state is brought in (`reload`, prefetched ahead of its update
+    /// during the backward) and its new state goes back (`offload`). The device holds
+    /// only the state of the few updates in flight; the host link carries the state
+    /// twice per step, in the backward, beside the activations' reloads.
+    pub stream_optimizer_state: bool,
     /// `optimizer`: low-precision (bf16, f16) parameters get f32 master weights and f32
     /// states (mixed precision). Off, the update runs on the parameter itself with states
     /// in its dtype, as `torch.optim.AdamW` does on a bf16 model.
@@ -272,6 +279,7 @@ impl Default for TrainOptions {
             zero1: false,
             zero3: false,
             offload_optimizer: false,
+            stream_optimizer_state: false,
             master_weights: true,
             grad_outputs: true,
             batch: None,
@@ -324,6 +332,9 @@ impl TrainOptions {
         ));
         if self.offload_optimizer {
             s.push_str(" --offload-optimizer");
+        }
+        if self.stream_optimizer_state {
+            s.push_str(" --stream-optimizer-state");
         }
         if !self.fused_loss {
             s.push_str(" --unfused-loss");

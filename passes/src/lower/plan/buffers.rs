@@ -199,9 +199,21 @@ fn category(
 }
 
 /// The values in host memory besides `offload`'s copies: what a host update reads
-/// (master weights and moments; its gradient is an `offload` copy) and writes.
+/// (master weights and moments; its gradient is an `offload` copy) and writes, and
+/// the params only `reload` reads (streamed optimizer state).
 pub(super) fn host_values(g: &Graph) -> Result<BTreeSet<Value>, LowerError> {
     let mut out = BTreeSet::new();
+    let uses = g.uses();
+    for (_, v) in g.params() {
+        let readers = &uses[v.0 as usize];
+        if !readers.is_empty()
+            && readers
+                .iter()
+                .all(|&(n, i)| i == 0 && matches!(g.node(n).op, Op::Reload { .. }))
+        {
+            out.insert(v);
+        }
+    }
     for &n in g.nodes() {
         let nd = g.node(n);
         if !matches!(nd.op, Op::HostAdamW { .. }) {

@@ -72,13 +72,13 @@ pub fn compute_time(op: &Op, flops: f64, bytes: f64, d: &DeviceProfile) -> f64 {
 }
 
 /// Passes over the logits' bytes that `linear_cross_entropy_with_grad`'s row kernel
-/// (`lce_row_grad`: one block per whole-vocabulary row, 2-byte loads) costs beyond its
-/// three GEMMs, at the profile's HBM rate. Calibrated on the kernel as shipped (session
-/// 15, H100, 1.24B model, bf16): the fused step measured 1.37 ms slower than the unfused
-/// one at 4096 tokens and 6.09 ms at 16384 (the op 45.1 ms against the unfused loss's
-/// 38.4 ms of GEMMs and row kernels); with 6 passes the predictions keep the unfused
-/// steps' measured/predicted ratios (0.97 and 0.96).
-pub const LCE_ROW_PASSES: f64 = 6.0;
+/// (`lce_row_grad`: one block per whole-vocabulary row, reading it twice and writing it
+/// once, 16 bytes at a time) costs beyond its three GEMMs, at the profile's HBM rate.
+/// Measured (session 16, H100, 1.24B model, bf16, seq 16384): the op took 37.74 ms, its
+/// three GEMMs about 33.9 ms, so the row kernel ~3.8 ms = 2.7 passes of the 4.2 GB of
+/// logits at the h100 profile's 3000 GB/s. (Session 15's kernel, 2-byte loads, took
+/// about 6 passes.)
+pub const LCE_ROW_PASSES: f64 = 3.0;
 
 /// Seconds of `linear_cross_entropy_with_grad`'s row kernel over `logit_bytes` (tokens x
 /// vocabulary x element size), added to its GEMMs' time.
