@@ -34,7 +34,7 @@ if has stream; then
     echo "check $m: $(timeout 45 $W run $m --backend cuda --steps 20 --check 20 --seq 32 --batch 2 2>&1 | grep -E '^check|error' | head -2)"
   done
   echo "== 16384 --unfused-loss (baseline): $(step 75 --steps 4 --seq 16384 --unfused-loss)"
-  for f in "--checkpoint none --stream-optimizer-state" "--checkpoint budget=12G --offload --stream-optimizer-state" "--checkpoint budget=11G --offload --stream-optimizer-state"; do
+  for f in "--checkpoint none --stream-optimizer-state" "--checkpoint budget=12G --offload --stream-optimizer-state" "--checkpoint budget=11G --offload --stream-optimizer-state" "--checkpoint budget=8G --offload"; do
     echo "== 16384 --fused-loss $f: $(step 75 --steps 4 --seq 16384 --fused-loss $f)"
   done
 fi

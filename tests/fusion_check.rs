@@ -470,3 +470,91 @@ fn tied_embedding_gradient_adds_into_the_lm_head_gradient() {
         );
     }
 }
+
+/// Offloading every saved activation puts the q/k rope outputs and the attention output
+/// on the host (`reload(offload(.))`, as the budget planner does on real models) and
+/// makes the host copies wait for the activation and attention results (their `after`
+/// operands): the attention still
+/// moves to [B, S, H, D] (its host copies with it, the waits on the new results) and a
+/// gated unit whose activation only a copy waits on still fuses (the copy then waits for
+/// the `glu`), with the same outputs as unfused, on one rank and on sp=2.
+#[test]
+fn host_copies_keep_the_head_layout_and_glu_fusions() {
+    let (g, weights, inputs) = load_fixture("llama");
+    let mut opts = TrainOptions::default();
+    opts.offload = Some(weft_passes::training::OffloadOptions {
+        min_bytes: 0,
+        keep_last: 0,
+        ..Default::default()
+    });
+    for mesh in ["", "sp=2"] {
+        let what = case_name("llama", mesh, &opts);
+        let (unfused, _) = training_step(&g, mesh, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let waits_on = |g: &Graph, op: &str| {
+            g.nodes().iter().any(|&n| {
+                let d = g.node(n);
+                matches!(d.op, Op::Offload { .. })
+                    && d.operands[1..].iter().any(|&v| g.op_of(v).name() == op)
+            })
+        };
+        assert!(
+            waits_on(&unfused, "attention"),
+            "{what}: a host copy waits on attention"
+        );
+        assert!(
+            waits_on(&unfused, "silu"),
+            "{what}: a host copy waits on silu"
+        );
+        let copied = |g: &Graph| {
+            g.nodes()
+                .iter()
+                .filter(|&&n| matches!(g.node(n).op, Op::Offload { .. }))
+                .count()
+        };
+        let (f, counters) = fused(&unfused);
+        // As many attentions move to [B, S, H, D] as without the copies (on one rank all;
+        // under Ulysses sp none: the all_to_all gives their layout).
+        let (plain, _) = training_step(&g, mesh, &TrainOptions::default()).unwrap();
+        let (_, plain_counters) = fused(&plain);
+        assert_eq!(
+            counters["attention_bshd"], plain_counters["attention_bshd"],
+            "{what}: {counters:?}"
+        );
+        if mesh.is_empty() {
+            let attentions = count(&unfused, "attention") + count(&unfused, "attention_grad");
+            assert_eq!(counters["attention_bshd"], attentions as u64, "{what}");
+        }
+        // A gated unit whose activation is itself saved on the host stays unfused (its
+        // backward reads the copy, not a recompute from the gate).
+        assert!(counters["glu"] >= 1, "{what}: {counters:?}");
+        // No copy is added (one whose reload only the unfused backward read dies).
+        assert!(copied(&f) <= copied(&unfused), "{what}: host copies");
+        assert!(waits_on(&f, "glu") && waits_on(&f, "attention"), "{what}");
+        if mesh.is_empty() {
+            // Layer 0's attention, gated unit and their host copies after the rewrite.
+            let mut text = String::new();
+            for &n in f.nodes() {
+                let d = f.node(n);
+                let keep = matches!(
+                    d.op.name(),
+                    "offload" | "reload" | "attention" | "attention_grad" | "glu" | "glu_grad"
+                );
+                if keep
+                    && d.meta
+                        .source
+                        .as_deref()
+                        .is_some_and(|s| s.starts_with("model.layers.0."))
+                {
+                    let ops: Vec<String> = d
+                        .operands
+                        .iter()
+                        .map(|&v| format!("{} {}", f.op_of(v).name(), f.ty(v)))
+                        .collect();
+                    text.push_str(&format!("{} ({})\n", d.op.name(), ops.join(", ")));
+                }
+            }
+            insta::assert_snapshot!(text);
+        }
+        same_outputs(&what, &unfused, &f, &weights, &inputs, F64_AND_F32);
+    }
+}

@@ -290,7 +290,14 @@ fn fuse_glu_grads(g: &mut Graph) -> Result<usize, PassError> {
     Ok(fused)
 }
 
-/// `mul(act(g), u)` with `act(g)` read only there -> `glu(g, u)`.
+/// Whether `m` reads operand `slot` only to wait for it: the `after` operands of a host
+/// copy (`offload`, `reload`), which read no elements, in any layout.
+pub(crate) fn ordering_only(g: &Graph, m: Node, slot: usize) -> bool {
+    slot > 0 && matches!(g.node(m).op, Op::Offload { .. } | Op::Reload { .. })
+}
+
+/// `mul(act(g), u)` with `act(g)` read only there (and by host copies that wait for it,
+/// which then wait for the fused op) -> `glu(g, u)`.
 fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
     let mut fused = 0;
     let mut rd = Readers::of(g);
@@ -310,8 +317,12 @@ fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
                 continue;
             };
             let gate = g.node(an).operands[0];
+            let readers = rd.of_value(a);
             if a != up
-                && rd.read_only_by(g, a, m)
+                && readers.iter().any(|&(r, _)| r == m)
+                && readers
+                    .iter()
+                    .all(|&(r, slot)| r == m || ordering_only(g, r, slot))
                 && g.ty(gate) == &ty
                 && g.ty(up) == &ty
                 && g.ty(a) == &ty
@@ -328,9 +339,33 @@ fn fuse_glus(g: &mut Graph) -> Result<usize, PassError> {
             continue;
         };
         let what = format!("`{}` and `mul` of a gated unit", g.node(an).op.name());
+        let waits: Vec<(Node, usize)> = rd
+            .of_value(g.node(an).results[0])
+            .iter()
+            .copied()
+            .filter(|&(r, _)| r != m)
+            .collect();
         let r = insert_fused(g, &mut rd, at, Op::Glu { act }, &operands, m, &what)?;
         let y = g.node(m).results[0];
         rd.replace_all_uses(g, y, r[0]);
+        if !waits.is_empty() {
+            let glu = g.def(r[0]);
+            for &(w, slot) in &waits {
+                rd.set_operand(g, w, slot, r[0]);
+            }
+            let moved: Vec<Node> = waits.iter().map(|&(w, _)| w).collect();
+            let mut order: Vec<Node> = Vec::with_capacity(g.nodes().len());
+            for &n in g.nodes() {
+                if moved.contains(&n) {
+                    continue;
+                }
+                order.push(n);
+                if n == glu {
+                    order.extend(&moved);
+                }
+            }
+            g.set_order(order);
+        }
         rd.remove_nodes(g, &[m, an]);
         fused += 1;
     }

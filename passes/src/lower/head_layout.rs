@@ -7,8 +7,10 @@
 //! 1. An `attention` / `attention_grad` of the default layout whose every per-head
 //!    operand (q, k, v; and out, dout for the gradient) is a swap of dims 1 and 2 of some
 //!    `x` (a `transpose`, or a `permute [0, 2, 1, 3]`), or a default-layout `rope` of
-//!    such a value, becomes the same op with `layout=bshd` on the `x`s (each such rope
-//!    becomes a `layout=bshd` rope of its `x`, made once however many nodes read it).
+//!    such a value, or a host copy (`reload(offload(.))`, activation offload) of either,
+//!    becomes the same op with `layout=bshd` on the `x`s (each such rope becomes a
+//!    `layout=bshd` rope of its `x`, made once however many nodes read it; each host
+//!    copy the same copies of the [B, S, H, D] value).
 //!    Its per-head results (out; dq, dk, dv) are read through a new transpose back to
 //!    [B, H, S, D]; the log-sum-exp and dsinks keep their shapes and readers. Only where
 //!    this adds no work: those transposes must cancel and the old ropes die (see
@@ -23,6 +25,7 @@
 //! a transpose. `ring_attention` and `attention_block_grad` are left alone. The dead
 //! transposes and ropes are removed by `fuse`'s dead-code pass.
 
+use super::fuse::ordering_only;
 use crate::pass::PassError;
 use crate::placement::Placement;
 use crate::readers::Readers;
@@ -98,11 +101,31 @@ fn worth_rewriting(g: &Graph) -> Vec<Node> {
     let uses = g.uses();
     let outputs: BTreeSet<Value> = g.outputs().iter().map(|(_, v)| *v).collect();
     // `v` is read only in per-head slots of chosen nodes (and is no output)
+    let per_head_slot = |chosen: &BTreeSet<Node>, m: Node, slot: usize| {
+        (chosen.contains(&m) && per_head_operands(&g.node(m).op).is_some_and(|count| slot < count))
+            || ordering_only(g, m, slot)
+    };
+    // `m` reads `v` as the value of an `offload` whose every reload is read only in
+    // per-head slots of chosen nodes: the copy moves to [B, S, H, D] with them.
+    let copied_to_chosen = |chosen: &BTreeSet<Node>, m: Node, slot: usize| {
+        let off = g.node(m);
+        slot == 0
+            && matches!(off.op, Op::Offload { .. })
+            && !outputs.contains(&off.results[0])
+            && uses[off.results[0].0 as usize].iter().all(|&(rl, rslot)| {
+                let rd = g.node(rl);
+                rslot == 0
+                    && matches!(rd.op, Op::Reload { .. })
+                    && !outputs.contains(&rd.results[0])
+                    && uses[rd.results[0].0 as usize]
+                        .iter()
+                        .all(|&(a, aslot)| per_head_slot(chosen, a, aslot))
+            })
+    };
     let feeds_only_chosen = |chosen: &BTreeSet<Node>, v: Value| {
         !outputs.contains(&v)
             && uses[v.0 as usize].iter().all(|&(m, slot)| {
-                chosen.contains(&m)
-                    && per_head_operands(&g.node(m).op).is_some_and(|count| slot < count)
+                per_head_slot(chosen, m, slot) || copied_to_chosen(chosen, m, slot)
             })
     };
     // `m` reads `r` as the x of a default-layout rope read only by swaps: step 2 then
@@ -140,9 +163,11 @@ fn worth_rewriting(g: &Graph) -> Vec<Node> {
                                 .results
                                 .first()
                                 .is_some_and(|&t| swapped_from(g, t) == Some(r));
-                            let per_head_slot = chosen.contains(&m)
-                                && per_head_operands(&g.node(m).op).is_some_and(|c| slot < c);
-                            swap_of_r || per_head_slot || rope_between_swaps(m, slot)
+                            swap_of_r
+                                || ordering_only(g, m, slot)
+                                || per_head_slot(&chosen, m, slot)
+                                || copied_to_chosen(&chosen, m, slot)
+                                || rope_between_swaps(m, slot)
                         })
                 });
                 let ropes_replaced = d.operands[..count]
@@ -236,6 +261,21 @@ fn resolvable(g: &Graph, chosen: &BTreeSet<Node>, v: Value) -> bool {
     per_head_result
         || swapped_from(g, v).is_some()
         || bhsd_rope(g, v).is_some_and(|(x, _, _)| resolvable(g, chosen, x))
+        || host_copy_of(g, v).is_some_and(|(x, _, _)| resolvable(g, chosen, x))
+}
+
+/// `(x, offload, reload)` when `v` is `reload(offload(x))`: a value saved on the host
+/// between its forward and backward readers (the same elements in the same layout).
+fn host_copy_of(g: &Graph, v: Value) -> Option<(Value, Node, Node)> {
+    let reload = g.def(v);
+    if !matches!(g.node(reload).op, Op::Reload { .. }) {
+        return None;
+    }
+    let off = g.def(*g.node(reload).operands.first()?);
+    if !matches!(g.node(off).op, Op::Offload { .. }) {
+        return None;
+    }
+    Some((*g.node(off).operands.first()?, off, reload))
 }
 
 /// `v` (a [B, H, S, D] value) in [B, S, H, D]: the operand of its swap, or a
@@ -251,6 +291,34 @@ fn resolve(
     }
     if let Some(x) = swapped_from(ed.g, v) {
         return Ok(x);
+    }
+    if let Some((x, off, reload)) = host_copy_of(ed.g, v) {
+        // The same copies, of the [B, S, H, D] value, issued where the old ones were.
+        let x = resolve(ed, bshd_ropes, x, counts)?;
+        let mut off_ops = ed.g.node(off).operands.clone();
+        off_ops[0] = x;
+        let off_op = ed.g.node(off).op.clone();
+        let host = insert_like(
+            ed,
+            At::Before(off),
+            off_op,
+            &off_ops,
+            off,
+            "copies to the host in [B, S, H, D], as the layout=bshd attention reads it",
+        )?[0];
+        let mut back_ops = ed.g.node(reload).operands.clone();
+        back_ops[0] = host;
+        let back_op = ed.g.node(reload).op.clone();
+        let r = insert_like(
+            ed,
+            At::Before(reload),
+            back_op,
+            &back_ops,
+            reload,
+            "brings back the [B, S, H, D] copy for the layout=bshd attention_grad",
+        )?[0];
+        bshd_ropes.insert(v, r);
+        return Ok(r);
     }
     let (x, cos, sin) = bhsd_rope(ed.g, v).expect("checked by worth_rewriting");
     let x = resolve(ed, bshd_ropes, x, counts)?;
@@ -314,6 +382,20 @@ fn rewrite_attention(ed: &mut Edit, n: Node, operands: &[Value]) -> Result<(), P
             r
         };
         ed.rd.replace_all_uses(ed.g, o, replacement);
+        if replacement != r {
+            // A host copy waiting for the old result waits for the new one itself, so
+            // the transpose back is not kept alive for it.
+            let waits: Vec<(Node, usize)> = ed
+                .rd
+                .of_value(replacement)
+                .iter()
+                .copied()
+                .filter(|&(m, slot)| ordering_only(ed.g, m, slot))
+                .collect();
+            for (m, slot) in waits {
+                ed.rd.set_operand(ed.g, m, slot, r);
+            }
+        }
     }
     Ok(())
 }
