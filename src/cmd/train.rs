@@ -186,6 +186,12 @@ impl TrainArgs {
                 ))
                 .with_help("give --optimizer adamw"));
             }
+            if self.stream_optimizer_state {
+                return Err(CliError::input(
+                    "--stream-optimizer-state streams the optimizer's state, but this step has no optimizer",
+                )
+                .with_help("give --optimizer adamw or sgd"));
+            }
         }
         Ok(TrainRequest {
             options: TrainOptions {
