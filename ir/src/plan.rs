@@ -142,11 +142,20 @@ impl DeviceProfile {
             ("inter_node_latency_us", self.inter_node_latency_us),
             ("grouped_gemm_issue_us", self.grouped_gemm_issue_us),
             ("host_sync_us", self.host_sync_us),
+            ("host_duplex_gbps", self.host_duplex_gbps),
         ];
         for (name, v) in delays {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("`{name}` is {v}: must be a non-negative number"));
             }
+        }
+        if !(self.host_copy_compute_slowdown.is_finite()
+            && (0.0..1.0).contains(&self.host_copy_compute_slowdown))
+        {
+            return Err(format!(
+                "`host_copy_compute_slowdown` is {}: must be at least 0 and below 1",
+                self.host_copy_compute_slowdown
+            ));
         }
         if self.gpus_per_node == 0 {
             return Err("`gpus_per_node` is 0: must be at least 1".into());
@@ -390,8 +399,16 @@ pub struct DeviceProfile {
     /// Per-GPU bandwidth and latency across nodes (network).
     pub inter_node_gbps: f64,
     pub inter_node_latency_us: f64,
-    /// Host link (PCIe) for offload copies.
+    /// Host link (PCIe) for offload copies, one direction alone.
     pub host_gbps: f64,
+    /// Both directions of the host link at once, together (0: each direction keeps
+    /// `host_gbps`). Copies out and in that overlap share it.
+    #[serde(default)]
+    pub host_duplex_gbps: f64,
+    /// Fraction by which compute slows while a host copy runs (the copies' memory
+    /// traffic): 0.07 is a GEMM at 93% of its rate beside them.
+    #[serde(default)]
+    pub host_copy_compute_slowdown: f64,
     /// Parameters a second the host CPU updates with AdamW for one GPU
     /// (`--offload-optimizer`: the node's cores shared by its GPUs).
     #[serde(default = "default_host_adam_params_per_s")]

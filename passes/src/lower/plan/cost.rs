@@ -183,6 +183,21 @@ pub fn copy_time(bytes: f64, d: &DeviceProfile) -> f64 {
     bytes / (d.host_gbps * 1e9) + d.kernel_overhead_us * 1e-6
 }
 
+/// Seconds of a host copy of `bytes` that starts while the other direction stays busy
+/// for `overlap_s` more seconds: that long it moves at its share of the duplex rate
+/// (`host_duplex_gbps` / 2, where the profile gives one below twice `host_gbps`), the
+/// rest at `host_gbps`.
+pub fn copy_time_beside(bytes: f64, overlap_s: f64, d: &DeviceProfile) -> f64 {
+    let alone = d.host_gbps * 1e9;
+    let shared = if d.host_duplex_gbps > 0.0 {
+        (d.host_duplex_gbps * 1e9 / 2.0).min(alone)
+    } else {
+        alone
+    };
+    let during = bytes.min(overlap_s.max(0.0) * shared);
+    during / shared + (bytes - during) / alone + d.kernel_overhead_us * 1e-6
+}
+
 /// Seconds for the host CPU's AdamW update of `params` parameters
 /// (`host_adamw`, run on the host stream).
 pub fn host_adam_time(params: f64, d: &DeviceProfile) -> f64 {

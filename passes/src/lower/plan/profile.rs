@@ -8,24 +8,29 @@ use weft_ir::plan::DeviceProfile;
 pub const PROFILES: &[&str] = &["h200", "h100", "a100"];
 
 pub fn preset(name: &str) -> Option<DeviceProfile> {
-    let p = |name: &str, matmul, attention, vector, hbm, mem, nvlink, net, host| DeviceProfile {
-        name: name.to_string(),
-        matmul_tflops: matmul,
-        attention_tflops: attention,
-        vector_tflops: vector,
-        hbm_gbps: hbm,
-        kernel_overhead_us: 4.0,
-        memory_gib: mem,
-        gpus_per_node: 8,
-        intra_node_gbps: nvlink,
-        intra_node_latency_us: 8.0,
-        inter_node_gbps: net,
-        inter_node_latency_us: 25.0,
-        host_gbps: host,
-        host_adam_params_per_s: weft_ir::plan::default_host_adam_params_per_s(),
-        grouped_gemm_issue_us: weft_ir::plan::default_grouped_gemm_issue_us(),
-        host_sync_us: weft_ir::plan::default_host_sync_us(),
-    };
+    let p =
+        |name: &str, matmul, attention, vector, hbm, mem, nvlink, net, (host, duplex, slowdown)| {
+            DeviceProfile {
+                name: name.to_string(),
+                matmul_tflops: matmul,
+                attention_tflops: attention,
+                vector_tflops: vector,
+                hbm_gbps: hbm,
+                kernel_overhead_us: 4.0,
+                memory_gib: mem,
+                gpus_per_node: 8,
+                intra_node_gbps: nvlink,
+                intra_node_latency_us: 8.0,
+                inter_node_gbps: net,
+                inter_node_latency_us: 25.0,
+                host_gbps: host,
+                host_duplex_gbps: duplex,
+                host_copy_compute_slowdown: slowdown,
+                host_adam_params_per_s: weft_ir::plan::default_host_adam_params_per_s(),
+                grouped_gemm_issue_us: weft_ir::plan::default_grouped_gemm_issue_us(),
+                host_sync_us: weft_ir::plan::default_host_sync_us(),
+            }
+        };
     match name.to_ascii_lowercase().as_str() {
         // H200: cuBLASLt bf16 8192^3 reached ~790 TFLOP/s there; device copies ~4.3 TB/s.
         // Attention is priced at what the runtime's attention reaches there: cuDNN's fused
@@ -36,17 +41,43 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         // that rate the plan predicted 527.7 ms for the step at S=16384 that measured
         // 533.4 ms (run D).
         // H100: the same SMs and clocks, so the same kernel rate.
-        // Host link: pinned copies measured on the H200 there (PCIe Gen5 x16, bench/host_link.py):
-        // 55 GB/s each way, both directions at once (~101 GB/s together), unchanged under a
-        // concurrent GEMM load; H100 SXM has the same link. A100: PCIe Gen4, about half.
+        // Host link: pinned copies measured with bench/host_link.py (PCIe Gen5 x16). On the
+        // H200 there: 55 GB/s each way, both directions at once ~101 GB/s together, a GEMM
+        // unchanged beside them. On the H100 there (session 16): 43-54 GB/s each way (50
+        // at 64 MiB), both at once 62-78 together, and a bf16 GEMM at 743 TFLOP/s beside
+        // them against 799 alone (7% slower). A100: PCIe Gen4, about half, not measured.
         "h200" => Some(p(
-            "h200", 790.0, 380.0, 60.0, 4300.0, 139.0, 370.0, 45.0, 55.0,
+            "h200",
+            790.0,
+            380.0,
+            60.0,
+            4300.0,
+            139.0,
+            370.0,
+            45.0,
+            (55.0, 101.0, 0.0),
         )),
         "h100" => Some(p(
-            "h100", 700.0, 380.0, 50.0, 3000.0, 80.0, 370.0, 45.0, 55.0,
+            "h100",
+            700.0,
+            380.0,
+            50.0,
+            3000.0,
+            80.0,
+            370.0,
+            45.0,
+            (50.0, 72.0, 0.07),
         )),
         "a100" => Some(p(
-            "a100", 280.0, 190.0, 19.5, 1700.0, 80.0, 240.0, 22.0, 20.0,
+            "a100",
+            280.0,
+            190.0,
+            19.5,
+            1700.0,
+            80.0,
+            240.0,
+            22.0,
+            (20.0, 0.0, 0.0),
         )),
         _ => None,
     }

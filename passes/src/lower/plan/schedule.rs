@@ -186,6 +186,27 @@ pub(super) fn schedule(
             });
         }
         let start = ready;
+        let time = match stream {
+            // A copy beside one the other way shares the link's duplex rate.
+            2 | 3 => {
+                let other = stream_free[(5 - stream) as usize] - start;
+                if other > 0.0 {
+                    let t = cost::copy_time_beside(bytes, other, d);
+                    costs.copy_s += t - time;
+                    t
+                } else {
+                    time
+                }
+            }
+            // Compute beside a host copy runs slower by the profile's fraction.
+            0 if d.host_copy_compute_slowdown > 0.0 => {
+                let copying = stream_free[2].max(stream_free[3]) - start;
+                let extra = d.host_copy_compute_slowdown * time.min(copying.max(0.0));
+                costs.compute_s += extra;
+                time + extra
+            }
+            _ => time,
+        };
         stream_free[stream as usize] = start + time;
         let signal = (kind == 2).then(|| {
             events += 1;
