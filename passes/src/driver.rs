@@ -807,6 +807,7 @@ fn compile_with(
             t.seq = Some(*s);
         }
         t.cp_kv = req.cp_kv;
+        t.device = crate::training::Device(req.device.clone());
         if let Some(o) = &mut t.offload {
             o.device = crate::training::Device(req.device.clone());
             o.link_bytes_per_s = o.device.link_bytes_per_s();

@@ -205,6 +205,8 @@ impl TrainArgs {
                 zero3: zero >= 3,
                 offload_optimizer: self.offload_optimizer == Some(true),
                 stream_optimizer_state: self.stream_optimizer_state,
+                // The driver sets the request's device profile.
+                device: Default::default(),
                 master_weights: !self.no_master_weights,
                 // check and eval compare the gradients; `compile` drops them from a plan.
                 grad_outputs: true,

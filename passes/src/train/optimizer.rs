@@ -240,14 +240,8 @@ impl Pass for OptimizerPass {
         place_in_backward(g, step_node, &groups, cx.options.train.reduce_scatter);
         if !state_reloads.is_empty() {
             let b = crate::memory::bindings(g, &cx.options.train);
-            let device = cx
-                .options
-                .train
-                .offload
-                .as_ref()
-                .map(|o| o.device.clone())
-                .unwrap_or_default();
-            let s = crate::stream_state::schedule(g, &state_reloads, &b, &device.0);
+            let s =
+                crate::stream_state::schedule(g, &state_reloads, &b, &cx.options.train.device.0);
             res.count("prefetched_states", s.prefetched as u64);
             res.count("states_kept_on_device", s.kept_on_device as u64);
         }

@@ -235,6 +235,9 @@ pub struct TrainOptions {
     /// only the state of the few updates in flight; the host link carries the state
     /// twice per step, in the backward, beside the activations' reloads.
     pub stream_optimizer_state: bool,
+    /// The device whose compute the streamed state's copies hide under, timed by the
+    /// plan's cost model (default the `h200` profile; the driver sets the request's).
+    pub device: Device,
     /// `optimizer`: low-precision (bf16, f16) parameters get f32 master weights and f32
     /// states (mixed precision). Off, the update runs on the parameter itself with states
     /// in its dtype, as `torch.optim.AdamW` does on a bf16 model.
@@ -280,6 +283,7 @@ impl Default for TrainOptions {
             zero3: false,
             offload_optimizer: false,
             stream_optimizer_state: false,
+            device: Device::default(),
             master_weights: true,
             grad_outputs: true,
             batch: None,
