@@ -674,6 +674,20 @@ fn streamed_optimizer_state_plan_and_snapshot() {
     };
     assert!(state(&ps) < state(&pd), "{:?}", ps.memory.breakdown);
     assert!(ps.memory.host_bytes > 0 && ps.memory.peak_bytes < pd.memory.peak_bytes);
+    // The memory estimate (`compile --stats`) counts the streamed state on the host, and
+    // its copies back are not offloaded activations.
+    let b = weft_passes::memory::bindings(&gs, &o);
+    let (ed, es) = (
+        weft_passes::memory::estimate(&gd, &b),
+        weft_passes::memory::estimate(&gs, &b),
+    );
+    assert!(es.host_optimizer > 0 && ed.host_optimizer == 0, "{es:?}");
+    assert_eq!(
+        es.optimizer + es.host_optimizer,
+        ed.optimizer,
+        "{es:?} {ed:?}"
+    );
+    assert_eq!(es.offloaded, 0, "{es:?}");
     for i in &ps.instructions {
         if i.op == "reload" || i.op == "offload" {
             assert_ne!(i.stream, 0, "{i:?}");

@@ -341,7 +341,11 @@ pub fn memory_table(req: &Request, compiled: &TrainOptions) -> CliResult<String>
             gib(e.offloaded),
             gib(e.params),
             gib(e.grads),
-            gib(e.optimizer),
+            if e.host_optimizer > 0 {
+                format!("{} (+{} host)", gib(e.optimizer), gib(e.host_optimizer))
+            } else {
+                gib(e.optimizer)
+            },
             gib(e.peak_live),
             gib(e.total),
         ]);

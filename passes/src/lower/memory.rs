@@ -123,8 +123,11 @@ pub struct MemoryEstimate {
     /// `grad.*` or a `param.*` update of, at its per-rank size). How many are live at
     /// once is in `peak_live`.
     pub grads: u64,
-    /// Optimizer state: moments, buffers and f32 master weights (`optim.*`).
+    /// Optimizer state on the device: moments, buffers and f32 master weights (`optim.*`).
     pub optimizer: u64,
+    /// Optimizer state in host memory that the step streams in for its updates
+    /// (`--stream-optimizer-state`: state params only `reload` reads).
+    pub host_optimizer: u64,
     /// Activations the forward keeps for the backward, on the device.
     pub saved_activations: u64,
     /// Activations moved to host memory by `offload`.
@@ -143,6 +146,7 @@ pub struct MemoryEstimate {
 /// Estimates the per-rank memory of a step at the bindings.
 pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
     let mut e = MemoryEstimate::default();
+    let uses = g.uses();
     let mut seen = HashSet::new();
     for (name, v) in g.params() {
         if !seen.insert(name.clone()) {
@@ -150,7 +154,16 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
         }
         let by = bytes(g, v, b);
         if ValueRole::of(&name).is_some_and(ValueRole::is_optimizer_state) {
-            e.optimizer += by;
+            let readers = &uses[v.0 as usize];
+            let streamed = !readers.is_empty()
+                && readers
+                    .iter()
+                    .all(|&(n, i)| i == 0 && matches!(g.node(n).op, Op::Reload { .. }));
+            if streamed {
+                e.host_optimizer += by;
+            } else {
+                e.optimizer += by;
+            }
         } else {
             e.params += by;
         }
@@ -174,9 +187,14 @@ pub fn estimate(g: &Graph, b: &Bindings) -> MemoryEstimate {
     }
     let joint = Joint::of(g);
     e.saved_activations = joint.saved.iter().map(|v| bytes(g, *v, b)).sum();
+    // Activations copied out (a streamed state's copy back is an output, not one).
+    let out_values: HashSet<Value> = g.outputs().iter().map(|(_, v)| *v).collect();
     for &n in g.nodes() {
         if let Op::Offload { .. } = g.node(n).op {
-            e.offloaded += bytes(g, g.node(n).results[0], b);
+            let r = g.node(n).results[0];
+            if !out_values.contains(&r) {
+                e.offloaded += bytes(g, r, b);
+            }
         }
     }
     // Liveness in program order: a value lives from its node to its last use, step
