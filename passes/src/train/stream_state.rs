@@ -16,7 +16,7 @@
 
 use crate::memory::bytes;
 use crate::offload::compute_seconds;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use weft_ir::plan::DeviceProfile;
 use weft_ir::{Bindings, Graph, Node, Op, Value};
 
@@ -35,6 +35,9 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
     if reloads.is_empty() {
         return out;
     }
+    // At one direction's rate: the plan's simulation then slows what overlaps the other
+    // direction (placing every copy at the shared rate moved prefetches into the
+    // forward, where they raised the peak for no time gained).
     let link = d.host_gbps * 1e9;
     let order = g.nodes().to_vec();
     let pos: HashMap<Node, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
@@ -64,7 +67,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
 
     // Device to host: new states leave as their updates end, one copy at a time; the
     // last updates whose copies would end after the compute keep their state.
-    let mut keep: HashSet<usize> = HashSet::new();
+    let mut keep: BTreeSet<usize> = BTreeSet::new();
     loop {
         let mut free = 0.0f64;
         for (&u, rs) in &by_update {
@@ -95,23 +98,32 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
     // the latest compute node from which the stream, with every copy queued before,
     // still brings them in by the update.
     let streamed: HashSet<Node> = by_update.values().flatten().copied().collect();
-    // Queued copies: (position, seconds); a copy at position k is issued at start[k].
-    let mut queue: Vec<(f64, f64)> = Vec::new();
+    // Queued copies: (program position, issue time, seconds). A copy at position k is
+    // issued when the node before it ends (start[k]); a state copy anchored after the
+    // node at k (position k + 0.5) when that node ends (start[k + 1]).
+    let mut queue: Vec<(f64, f64, f64)> = Vec::new();
     for (k, &n) in order.iter().enumerate() {
         let Some(nd) = g.try_node(n) else { continue };
         if matches!(nd.op, Op::Reload { .. }) && !streamed.contains(&n) {
-            queue.push((k as f64, bytes(g, nd.results[0], b) as f64 / link));
+            queue.push((k as f64, start[k], bytes(g, nd.results[0], b) as f64 / link));
         }
     }
+    // Never before the backward: a state brought in during the forward would sit on the
+    // device over the step's peak (its start), which is what streaming saves.
+    let forward = crate::memory::Joint::of(g).forward;
     let anchor_ok = |g: &Graph, n: Node| {
-        g.try_node(n).is_some_and(|nd| {
-            !nd.results.is_empty()
-                && !nd.op.is_collective()
-                && !matches!(
-                    nd.op,
-                    Op::Offload { .. } | Op::Reload { .. } | Op::Param { .. } | Op::Input { .. }
-                )
-        })
+        !forward.contains(&n)
+            && g.try_node(n).is_some_and(|nd| {
+                !nd.results.is_empty()
+                    && !nd.op.is_collective()
+                    && !matches!(
+                        nd.op,
+                        Op::Offload { .. }
+                            | Op::Reload { .. }
+                            | Op::Param { .. }
+                            | Op::Input { .. }
+                    )
+            })
     };
     let mut after: HashMap<Node, Vec<Node>> = HashMap::new();
     let mut moved: HashSet<Node> = HashSet::new();
@@ -125,8 +137,8 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
         queue.sort_by(|a, b| a.0.total_cmp(&b.0));
         // free[i]: when the stream is free after the first i queued copies.
         let mut free = vec![0.0f64; queue.len() + 1];
-        for (i, &(p, d)) in queue.iter().enumerate() {
-            free[i + 1] = free[i].max(start[p as usize]) + d;
+        for (i, &(_, issued, secs)) in queue.iter().enumerate() {
+            free[i + 1] = free[i].max(issued) + secs;
         }
         let mut chosen = None;
         let mut fallback = None;
@@ -135,7 +147,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
                 continue;
             }
             fallback.get_or_insert(k);
-            let before = queue.partition_point(|&(p, _)| p < k as f64 + 0.5);
+            let before = queue.partition_point(|&(p, _, _)| p < k as f64 + 0.5);
             if free[before].max(start[k + 1]) + dur <= start[u] {
                 chosen = Some(k);
                 break;
@@ -144,7 +156,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
         let Some(k) = chosen.or(fallback) else {
             continue;
         };
-        queue.push((k as f64 + 0.5, dur));
+        queue.push((k as f64 + 0.5, start[k + 1], dur));
         let a = order[k];
         let dep = g.node(a).results[0];
         let list = after.entry(a).or_default();
