@@ -335,6 +335,18 @@ fn resolve(
     )?[0];
     bshd_ropes.insert(v, r);
     counts.rope += 1;
+    // A host copy that only waits for the old rope waits for the new one, so the old
+    // rope dies with its other readers.
+    let waits: Vec<(Node, usize)> = ed
+        .rd
+        .of_value(v)
+        .iter()
+        .copied()
+        .filter(|&(m, slot)| ordering_only(ed.g, m, slot))
+        .collect();
+    for (m, slot) in waits {
+        ed.rd.set_operand(ed.g, m, slot, r);
+    }
     Ok(r)
 }
 
