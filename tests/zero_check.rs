@@ -702,6 +702,24 @@ fn streamed_optimizer_state_plan_and_snapshot() {
             );
         }
     }
+    // On a link whose directions share a duplex rate and whose copies slow compute (the
+    // h100 profile, as measured), the streamed step predicts longer than on one without.
+    let on = |duplex: f64, slowdown: f64| {
+        let mut po = weft_passes::plan::PlanOptions::new(4, 16);
+        po.device = weft_passes::plan::profile::preset("h100").unwrap();
+        po.device.host_duplex_gbps = duplex;
+        po.device.host_copy_compute_slowdown = slowdown;
+        weft_passes::plan::lower(&gs, &po).unwrap().cost
+    };
+    let (plain, measured) = (on(0.0, 0.0), on(72.0, 0.07));
+    assert!(
+        measured.step_time_s > plain.step_time_s,
+        "{measured:?} vs {plain:?}"
+    );
+    assert!(
+        measured.compute_s > plain.compute_s,
+        "{measured:?} vs {plain:?}"
+    );
     let param = "model.layers.0.mlp.down_proj.weight";
     let mut text = String::new();
     for &n in gs.nodes() {

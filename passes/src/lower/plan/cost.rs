@@ -221,6 +221,31 @@ mod tests {
         }
     }
 
+    /// A copy beside one the other way moves at half the duplex rate while that one
+    /// runs, then at the one-direction rate; without a duplex rate it never slows.
+    #[test]
+    fn a_copy_beside_the_other_direction_shares_the_duplex_rate() {
+        let d = crate::plan::profile::preset("h100").unwrap();
+        assert_eq!((d.host_gbps, d.host_duplex_gbps), (50.0, 72.0));
+        let overhead = d.kernel_overhead_us * 1e-6;
+        let gb = 1e9;
+        let alone = copy_time(gb, &d);
+        assert!((alone - (0.02 + overhead)).abs() < 1e-12, "{alone}");
+        assert_eq!(copy_time_beside(gb, 0.0, &d), alone);
+        // Beside a copy the whole way: 1 GB at 36 GB/s.
+        let shared = copy_time_beside(gb, 1.0, &d);
+        assert!((shared - (1.0 / 36.0 + overhead)).abs() < 1e-12, "{shared}");
+        // Beside one for 10 ms: 0.36 GB shared, 0.64 GB alone.
+        let part = copy_time_beside(gb, 0.01, &d);
+        assert!(
+            (part - (0.01 + 0.64 / 50.0 + overhead)).abs() < 1e-12,
+            "{part}"
+        );
+        let mut none = d.clone();
+        none.host_duplex_gbps = 0.0;
+        assert_eq!(copy_time_beside(gb, 1.0, &none), alone);
+    }
+
     #[test]
     fn grouped_gemms_cost_at_least_their_host_issue_and_at_most_a_dense_gemm_beyond_it() {
         let d = crate::plan::profile::preset("h200").unwrap();
