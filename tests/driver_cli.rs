@@ -116,6 +116,7 @@ fn open_options_are_chosen_to_fit_and_given_ones_that_do_not_fit_say_what_would(
                 "none",
                 "--offload=false",
                 "--fused-loss",
+                "--stream-optimizer-state=false",
                 "-o",
                 p,
             ],

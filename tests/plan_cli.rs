@@ -178,6 +178,7 @@ fn given_options_that_cannot_fit_are_refused_with_what_fits() {
         "none",
         "--offload=false",
         "--offload-optimizer=false",
+        "--stream-optimizer-state=false",
         "--fused-loss",
         "--micro-batches",
         "1",

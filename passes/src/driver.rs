@@ -136,6 +136,8 @@ pub struct Open {
     /// lm_head + cross-entropy fused over vocabulary chunks (`linear_cross_entropy`):
     /// no logits tensor, one more lm_head GEMM (the backward recomputes each chunk).
     pub fused_loss: bool,
+    /// The optimizer state streamed from host memory (`--stream-optimizer-state`).
+    pub stream_optimizer_state: bool,
 }
 
 impl Open {
@@ -148,6 +150,7 @@ impl Open {
             micro_batches: true,
             offload_optimizer: true,
             fused_loss: true,
+            stream_optimizer_state: true,
         }
     }
     pub fn any(&self) -> bool {
@@ -157,6 +160,7 @@ impl Open {
             || self.micro_batches
             || self.offload_optimizer
             || self.fused_loss
+            || self.stream_optimizer_state
     }
 }
 
@@ -509,7 +513,39 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
         micro_batches: opts.micro_batches,
         cp_kv: opts.cp_kv,
     };
-    Some(crate::search::score(shape, &spec, &c))
+    let mut s = crate::search::score(shape, &spec, &c);
+    if opts.stream_optimizer_state {
+        stream_state_estimate(&mut s, shape, &req.device, req.memory_limit());
+    }
+    Some(s)
+}
+
+/// The analytic model of `--stream-optimizer-state` (which the search does not
+/// enumerate): the state leaves the device but for what the last updates keep (the
+/// embedding's and the lm_head's rows, whose gradients are final last) and a layer's
+/// in flight; each direction of the host link carries the rest once during the
+/// backward (about two thirds of the compute), at its share of the duplex rate, and
+/// compute beside the copies slows by the profile's fraction.
+fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile, limit: u64) {
+    let state = s.memory.optimizer as f64;
+    let params = shape.params().max(1) as f64;
+    let vocab_rows = (shape.vocab * shape.hidden * if shape.tied { 1 } else { 2 }) as f64;
+    let kept = (vocab_rows / params + 2.0 / shape.layers.max(1) as f64).min(1.0);
+    let on_device = (state * kept) as u64;
+    let moved = state - on_device as f64;
+    let rate = if d.host_duplex_gbps > 0.0 {
+        d.host_gbps.min(d.host_duplex_gbps / 2.0)
+    } else {
+        d.host_gbps
+    } * 1e9;
+    let copy = moved / rate;
+    let backward = s.time.compute * 2.0 / 3.0;
+    let added = (copy - backward).max(0.0) + d.host_copy_compute_slowdown * copy.min(backward);
+    s.memory.total -= s.memory.optimizer - on_device;
+    s.memory.optimizer = on_device;
+    s.time.step += added;
+    s.time.compute += added;
+    s.fits = s.memory.total <= limit;
 }
 
 /// The best analytic mesh for the request's model on as many GPUs, as flags, when
@@ -546,6 +582,7 @@ fn open_names(o: &Open) -> String {
         (o.micro_batches, "--micro-batches"),
         (o.offload_optimizer, "--offload-optimizer"),
         (o.fused_loss, "--fused-loss / --unfused-loss"),
+        (o.stream_optimizer_state, "--stream-optimizer-state"),
     ] {
         if on {
             v.push(name);
@@ -662,21 +699,34 @@ pub fn candidates(train: &TrainRequest, per_rank_batch: Option<i64>) -> Vec<Trai
     } else {
         vec![train.options.fused_loss]
     };
+    // Streamed state after the same options with the state on the device: it costs
+    // host-link time (and compute beside the copies) for the state's device bytes.
+    let streams = if train.open.stream_optimizer_state && train.options.optimizer.is_some() {
+        vec![false, true]
+    } else {
+        vec![train.options.stream_optimizer_state]
+    };
     let mut out = Vec::new();
     for &host in &host_optimizer {
-        for off in &offloads {
-            for p in &policies {
-                for &mb in &mbs {
-                    for &z in &zeros {
-                        for &fused in &fused_losses {
-                            let mut o = train.options.clone();
-                            o.checkpoint = p.clone();
-                            o.offload = off.clone();
-                            o.micro_batches = mb;
-                            o.set_zero_stage(z);
-                            o.offload_optimizer = host;
-                            o.fused_loss = fused;
-                            out.push(o);
+        for &stream in &streams {
+            if host && stream {
+                continue;
+            }
+            for off in &offloads {
+                for p in &policies {
+                    for &mb in &mbs {
+                        for &z in &zeros {
+                            for &fused in &fused_losses {
+                                let mut o = train.options.clone();
+                                o.checkpoint = p.clone();
+                                o.offload = off.clone();
+                                o.micro_batches = mb;
+                                o.set_zero_stage(z);
+                                o.offload_optimizer = host;
+                                o.fused_loss = fused;
+                                o.stream_optimizer_state = stream;
+                                out.push(o);
+                            }
                         }
                     }
                 }
@@ -984,6 +1034,40 @@ mod tests {
     }
 
     #[test]
+    fn open_streamed_state_is_taken_where_only_it_fits() {
+        let mut train = open_training();
+        train.open = Open {
+            stream_optimizer_state: true,
+            ..Open::default()
+        };
+        let cands = candidates(&train, None);
+        assert_eq!(
+            cands
+                .iter()
+                .map(|o| o.stream_optimizer_state)
+                .collect::<Vec<_>>(),
+            [false, true],
+            "the state on the device first"
+        );
+        let mut r = request("", Some(train.clone()));
+        let resident = evaluate(&r, &cands[0]).unwrap();
+        let streamed = evaluate(&r, &cands[1]).unwrap();
+        assert!(streamed.peak_bytes < resident.peak_bytes);
+        // Memory for the streamed step only: the compiler streams the state, and says so.
+        r.device_memory = Some(streamed.peak_bytes);
+        let c = compile(&r, &mut std::io::sink()).unwrap();
+        assert!(c.train.unwrap().stream_optimizer_state, "{:?}", c.choice);
+        assert!(c
+            .choice
+            .unwrap()
+            .chosen
+            .contains("--stream-optimizer-state"));
+        // Without an optimizer there is no state to stream: nothing to choose.
+        train.options.optimizer = None;
+        assert_eq!(candidates(&train, None).len(), 1);
+    }
+
+    #[test]
     fn an_open_zero_stage_shards_state_before_recomputing() {
         // dp=2 x sp=2: ZeRO shards over four ranks. A limit below the unsharded
         // step's peak but above ZeRO-1's takes a ZeRO stage, not recomputation.
@@ -997,10 +1081,18 @@ mod tests {
         let cands = candidates(r.train.as_ref().unwrap(), Some(2));
         assert_eq!(
             cands.len(),
-            4 * 2 * 3 * 2 * 2,
-            "zero x micro-batches x checkpoint x offload x optimizer offload"
+            4 * 2 * 3 * 2 * 3,
+            "zero x micro-batches x checkpoint x offload x (state on the device, streamed, host optimizer)"
         );
-        assert!(cands[..48].iter().all(|o| !o.offload_optimizer));
+        assert!(cands[..48]
+            .iter()
+            .all(|o| !o.offload_optimizer && !o.stream_optimizer_state));
+        assert!(cands[48..96]
+            .iter()
+            .all(|o| !o.offload_optimizer && o.stream_optimizer_state));
+        assert!(cands[96..]
+            .iter()
+            .all(|o| o.offload_optimizer && !o.stream_optimizer_state));
         assert_eq!(
             cands
                 .iter()

@@ -66,8 +66,10 @@ pub struct TrainArgs {
     /// device ahead of its update in the backward and written back after it, so the
     /// device holds only the updates in flight. Costs host-link time (the state crosses
     /// twice per step), which long sequences hide under the backward.
-    #[arg(long)]
-    pub stream_optimizer_state: bool,
+    /// `--stream-optimizer-state=false` forbids it; not given, a plan turns it on when it
+    /// is part of the fastest option set that fits.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub stream_optimizer_state: Option<bool>,
     /// Optimizer update in the step: adamw, sgd or none.
     #[arg(long, value_name = "NAME")]
     pub optimizer: Option<String>,
@@ -186,7 +188,7 @@ impl TrainArgs {
                 ))
                 .with_help("give --optimizer adamw"));
             }
-            if self.stream_optimizer_state {
+            if self.stream_optimizer_state == Some(true) {
                 return Err(CliError::input(
                     "--stream-optimizer-state streams the optimizer's state, but this step has no optimizer",
                 )
@@ -204,7 +206,7 @@ impl TrainArgs {
                 zero1: zero >= 1,
                 zero3: zero >= 3,
                 offload_optimizer: self.offload_optimizer == Some(true),
-                stream_optimizer_state: self.stream_optimizer_state,
+                stream_optimizer_state: self.stream_optimizer_state == Some(true),
                 // The driver sets the request's device profile.
                 device: Default::default(),
                 master_weights: !self.no_master_weights,
@@ -225,10 +227,13 @@ impl TrainArgs {
                 micro_batches: self.micro_batches.is_none(),
                 // The host update needs AdamW on f32 master weights.
                 offload_optimizer: self.offload_optimizer.is_none()
-                    && !self.stream_optimizer_state
+                    && self.stream_optimizer_state != Some(true)
                     && matches!(optimizer, Some(Optimizer::AdamW { .. }))
                     && !self.no_master_weights,
                 fused_loss: !self.unfused_loss && !self.fused_loss,
+                stream_optimizer_state: self.stream_optimizer_state.is_none()
+                    && optimizer.is_some()
+                    && self.offload_optimizer != Some(true),
             },
             offload_template: template,
         })
@@ -268,7 +273,7 @@ impl TrainArgs {
             || self.micro_batches.is_some()
             || self.zero.is_some()
             || self.offload_optimizer.is_some()
-            || self.stream_optimizer_state
+            || self.stream_optimizer_state.is_some()
             || self.optimizer.is_some()
             || self.no_master_weights
             || self.unfused_loss
