@@ -514,6 +514,14 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
         cp_kv: opts.cp_kv,
     };
     let mut s = crate::search::score(shape, &spec, &c);
+    // The search prices mixed precision's f32 master weights and moments (12 bytes a
+    // parameter); without master weights the moments are in the parameters' dtype.
+    if !opts.master_weights && !opts.offload_optimizer && shape.param_bytes < 4 {
+        let own = (s.memory.optimizer as f64 * 2.0 * shape.param_bytes as f64 / 12.0) as u64;
+        s.memory.total -= s.memory.optimizer - own;
+        s.memory.optimizer = own;
+        s.fits = s.memory.total <= req.memory_limit();
+    }
     if opts.stream_optimizer_state {
         stream_state_estimate(&mut s, shape, &req.device, req.memory_limit());
     }
@@ -1031,6 +1039,55 @@ mod tests {
         // A step that returns its gradients keeps the logits: nothing to choose.
         train.options.grad_outputs = true;
         assert_eq!(candidates(&train, None).len(), 1);
+    }
+
+    /// The analytic ranking prices a bf16 model's state without master weights in bf16:
+    /// two moments of 2 bytes against mixed precision's 12 bytes a parameter; streamed,
+    /// most of it leaves the device.
+    #[test]
+    fn the_ranking_prices_the_state_as_the_options_hold_it() {
+        let mut r = request("", Some(open_training()));
+        // A llama of 16 small layers in bf16 (the ranking reads only these sizes).
+        r.shape = Some(ModelShape {
+            name: "llama-16x64".into(),
+            layers: 16,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            ffn: 128,
+            vocab: 256,
+            moe_layers: 0,
+            experts: 0,
+            top_k: 0,
+            expert_ffn: 0,
+            tied: false,
+            param_bytes: 2,
+            layer_windows: Vec::new(),
+        });
+        let b = Bindings::new().with("B", 2).with("S", 64);
+        let mut o = open_training().options;
+        let Some(mixed) = analytic(&r, &b, &o) else {
+            panic!("llama-tiny has an analytic shape")
+        };
+        o.master_weights = false;
+        let own = analytic(&r, &b, &o).unwrap();
+        assert_eq!(
+            own.memory.optimizer * 3,
+            mixed.memory.optimizer,
+            "{own:?} {mixed:?}"
+        );
+        assert_eq!(
+            mixed.memory.total - own.memory.total,
+            mixed.memory.optimizer - own.memory.optimizer
+        );
+        o.stream_optimizer_state = true;
+        let streamed = analytic(&r, &b, &o).unwrap();
+        assert!(
+            streamed.memory.optimizer < own.memory.optimizer,
+            "{streamed:?}"
+        );
+        assert!(streamed.time.step >= own.time.step);
     }
 
     #[test]
