@@ -438,8 +438,14 @@ pub fn rank(req: &Request, train: &TrainRequest, bindings: &Bindings) -> Vec<Ran
         .symbols
         .get("B")
         .map(|b| b / req.mesh.size_or_one(crate::pass::DP) as i64);
+    // Without a data-parallel group (dp, sp, cp and edp all 1) every ZeRO stage is the
+    // same plan as stage 0: rank it once.
+    let no_zero_group = [crate::pass::DP, crate::pass::SP, "cp", weft_ir::mesh::EDP]
+        .iter()
+        .all(|a| req.mesh.size_or_one(a) == 1);
     let mut out: Vec<Ranked> = candidates(train, per_rank)
         .into_iter()
+        .filter(|o| !(no_zero_group && train.open.zero && o.zero_stage() > 0))
         .map(|options| Ranked {
             analytic: analytic(req, bindings, &options),
             options,
@@ -1088,6 +1094,30 @@ mod tests {
             "{streamed:?}"
         );
         assert!(streamed.time.step >= own.time.step);
+    }
+
+    /// One rank has no group to shard state over: ZeRO stages past 0 are the same plan
+    /// and are ranked (and compiled) once; on dp=2 all four are.
+    #[test]
+    fn zero_stages_are_ranked_only_where_a_group_shards_them() {
+        let mut t = open_training();
+        t.open = Open {
+            zero: true,
+            ..Open::default()
+        };
+        let stages = |mesh: &str| {
+            let r = request(mesh, Some(t.clone()));
+            let b = Bindings::new().with("B", 2).with("S", 64);
+            let mut z: Vec<u8> = rank(&r, &t, &b)
+                .iter()
+                .map(|x| x.options.zero_stage())
+                .collect();
+            z.sort();
+            z
+        };
+        assert_eq!(stages(""), [0]);
+        assert_eq!(stages("tp=2"), [0]);
+        assert_eq!(stages("dp=2"), [0, 1, 2, 3]);
     }
 
     #[test]
