@@ -469,6 +469,34 @@ fn optimizer_offload_on_uneven_shards_matches_the_device_update() {
     );
 }
 
+/// The `optimizer` pass's nodes whose provenance names `needle`, one line each: op,
+/// operand and result types, and why.
+fn optimizer_lines(g: &Graph, needle: &str) -> String {
+    let tys = |vs: &[weft_ir::Value]| {
+        vs.iter()
+            .map(|v| g.ty(*v).to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut text = String::new();
+    for &n in g.nodes() {
+        let d = g.node(n);
+        match &d.meta.provenance {
+            Some(p) if p.pass == "optimizer" && p.reason.contains(needle) => {
+                text.push_str(&format!(
+                    "{} ({}) -> {}: {}\n",
+                    d.op.name(),
+                    tys(&d.operands),
+                    tys(&d.results),
+                    p.reason
+                ));
+            }
+            _ => {}
+        }
+    }
+    text
+}
+
 fn offload_matches_the_device_update(fam: &str, cases: &[(&str, u8, u32)]) {
     let (graph, weights, inputs) = load_fixture_batch4(fam, |i, _| i % 7 == 3);
     for &(mesh, zero, micro) in cases {
@@ -558,31 +586,7 @@ fn optimizer_offload_plan_and_snapshot() {
     );
     assert!(ph.memory.host_bytes > 0 && ph.memory.peak_bytes < pd.memory.peak_bytes);
     let param = "model.layers.0.mlp.down_proj.weight";
-    let mut text = String::new();
-    for &n in gh.nodes() {
-        let d = gh.node(n);
-        let Some(p) = &d.meta.provenance else {
-            continue;
-        };
-        if p.pass != "optimizer" || !p.reason.contains(&format!("`{param}`")) {
-            continue;
-        }
-        text.push_str(&format!(
-            "{} ({}) -> {}: {}\n",
-            d.op.name(),
-            d.operands
-                .iter()
-                .map(|v| gh.ty(*v).to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-            d.results
-                .iter()
-                .map(|v| gh.ty(*v).to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-            p.reason
-        ));
-    }
+    let text = optimizer_lines(&gh, &format!("`{param}`"));
     insta::assert_snapshot!(text);
 }
 
@@ -721,31 +725,7 @@ fn streamed_optimizer_state_plan_and_snapshot() {
         "{measured:?} vs {plain:?}"
     );
     let param = "model.layers.0.mlp.down_proj.weight";
-    let mut text = String::new();
-    for &n in gs.nodes() {
-        let d = gs.node(n);
-        let Some(p) = &d.meta.provenance else {
-            continue;
-        };
-        if p.pass != "optimizer" || !p.reason.contains(param) {
-            continue;
-        }
-        text.push_str(&format!(
-            "{} ({}) -> {}: {}\n",
-            d.op.name(),
-            d.operands
-                .iter()
-                .map(|v| gs.ty(*v).to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-            d.results
-                .iter()
-                .map(|v| gs.ty(*v).to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-            p.reason
-        ));
-    }
+    let text = optimizer_lines(&gs, param);
     insta::assert_snapshot!(text);
     o.offload_optimizer = true;
     let err = training_step(&graph, "dp=2", &o).unwrap_err().to_string();

@@ -337,16 +337,7 @@ fn resolve(
     counts.rope += 1;
     // A host copy that only waits for the old rope waits for the new one, so the old
     // rope dies with its other readers.
-    let waits: Vec<(Node, usize)> = ed
-        .rd
-        .of_value(v)
-        .iter()
-        .copied()
-        .filter(|&(m, slot)| ordering_only(ed.g, m, slot))
-        .collect();
-    for (m, slot) in waits {
-        ed.rd.set_operand(ed.g, m, slot, r);
-    }
+    move_waits(ed, v, r);
     Ok(r)
 }
 
@@ -397,19 +388,24 @@ fn rewrite_attention(ed: &mut Edit, n: Node, operands: &[Value]) -> Result<(), P
         if replacement != r {
             // A host copy waiting for the old result waits for the new one itself, so
             // the transpose back is not kept alive for it.
-            let waits: Vec<(Node, usize)> = ed
-                .rd
-                .of_value(replacement)
-                .iter()
-                .copied()
-                .filter(|&(m, slot)| ordering_only(ed.g, m, slot))
-                .collect();
-            for (m, slot) in waits {
-                ed.rd.set_operand(ed.g, m, slot, r);
-            }
+            move_waits(ed, replacement, r);
         }
     }
     Ok(())
+}
+
+/// Makes every host copy that only waits for `from` (an `after` operand) wait for `to`.
+fn move_waits(ed: &mut Edit, from: Value, to: Value) {
+    let waits: Vec<(Node, usize)> = ed
+        .rd
+        .of_value(from)
+        .iter()
+        .copied()
+        .filter(|&(m, slot)| ordering_only(ed.g, m, slot))
+        .collect();
+    for (m, slot) in waits {
+        ed.rd.set_operand(ed.g, m, slot, to);
+    }
 }
 
 /// Step 2: `swap(rope(swap(x)))` -> `rope {layout=bshd} (x)` where every reader of the

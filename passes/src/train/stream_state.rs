@@ -59,20 +59,23 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
             by_update.entry(u).or_default().push(r);
         }
     }
-    let group_bytes = |g: &Graph, rs: &[Node]| -> f64 {
-        rs.iter()
-            .map(|&r| bytes(g, g.node(r).results[0], b))
-            .sum::<u64>() as f64
-    };
+    // Each update's transfer time, once.
+    let secs: BTreeMap<usize, f64> = by_update
+        .iter()
+        .map(|(&u, rs)| {
+            let by: u64 = rs.iter().map(|&r| bytes(g, g.node(r).results[0], b)).sum();
+            (u, by as f64 / link)
+        })
+        .collect();
 
     // Device to host: new states leave as their updates end, one copy at a time; the
     // last updates whose copies would end after the compute keep their state.
     let mut keep: BTreeSet<usize> = BTreeSet::new();
     loop {
         let mut free = 0.0f64;
-        for (&u, rs) in &by_update {
+        for (&u, &t) in &secs {
             if !keep.contains(&u) {
-                free = free.max(start[u + 1]) + group_bytes(g, rs) / link;
+                free = free.max(start[u + 1]) + t;
             }
         }
         if free <= end {
@@ -133,7 +136,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
             .map(|r| pos[r])
             .min()
             .expect("a group has a reload");
-        let dur = group_bytes(g, rs) / link;
+        let dur = secs[&u];
         queue.sort_by(|a, b| a.0.total_cmp(&b.0));
         // free[i]: when the stream is free after the first i queued copies.
         let mut free = vec![0.0f64; queue.len() + 1];
