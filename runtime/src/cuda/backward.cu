@@ -405,18 +405,21 @@ extern "C" __global__ void ce_bwd_lse8_bf16(uint4* dx, const uint4* logits, cons
     }
 }
 
-// Rotary embedding without per-element index arithmetic: grid (ceil(S / blockDim.y), N, B),
-// thread x = j < D / 2. j < r/2 rotates the pair (j, j + r/2); the rest copy two of the D - r
-// unrotated features each. cos/sin are f32 or bf16 [Bc, S, r] (cbs = 0 when Bc = 1). x and out are
-// [B, N, S, D], or [B, S, N, D] when bshd = 1.
+// Rotary embedding without per-element index arithmetic: grid (ceil(S / blockDim.y), ceil(N / hp), B),
+// thread x = j < D / 2, each thread over `hp` heads of its position with its cos/sin in registers
+// (the table is read once per position, not once per head). j < r/2 rotates the pair (j, j + r/2);
+// the rest copy two of the D - r unrotated features each. cos/sin are f32 or bf16 [Bc, S, r]
+// (cbs = 0 when Bc = 1). x and out are [B, N, S, D], or [B, S, N, D] when bshd = 1.
 #define DEF_ROPE2(S_, T)                                                                                   \
     extern "C" __global__ void rope2_##S_(T* out, const T* x, const void* cosv, const void* sinv, int ccode,  \
-                                            int N, int S, int D, int r, i64 cbs, int bshd) {                  \
+                                            int N, int S, int D, int r, i64 cbs, int bshd, int hp) {          \
         const int j = threadIdx.x;                                                                           \
         const int s = blockIdx.x * blockDim.y + threadIdx.y;                                                 \
         if (s >= S || j >= D / 2) return;                                                                    \
-        const int n = blockIdx.y, b = blockIdx.z;                                                            \
-        const i64 base = bshd ? (((i64)b * S + s) * N + n) * D : (((i64)b * N + n) * S + s) * D;             \
+        const int b = blockIdx.z;                                                                            \
+        const int n0 = blockIdx.y * hp, n1 = min(N, n0 + hp);                                                \
+        const i64 hstride = bshd ? (i64)D : (i64)S * D;                                                      \
+        const i64 base0 = bshd ? (((i64)b * S + s) * N + n0) * D : (((i64)b * N + n0) * S + s) * D;          \
         const int h = r / 2;                                                                                 \
         if (j < h) {                                                                                         \
             const i64 ci = (i64)b * cbs + (i64)s * r + j;                                                    \
@@ -428,13 +431,19 @@ extern "C" __global__ void ce_bwd_lse8_bf16(uint4* dx, const uint4* logits, cons
                 c0 = (float)ld_any(cosv, ccode, ci); c1 = (float)ld_any(cosv, ccode, ci + h);                \
                 s0 = (float)ld_any(sinv, ccode, ci); s1 = (float)ld_any(sinv, ccode, ci + h);                \
             }                                                                                                \
-            float a = tof(x[base + j]), bb = tof(x[base + j + h]);                                           \
-            out[base + j] = fromf<T>(a * c0 - bb * s0);                                                      \
-            out[base + j + h] = fromf<T>(bb * c1 + a * s1);                                                  \
+            _Pragma("unroll 4") for (int n = n0; n < n1; ++n) {                                              \
+                const i64 base = base0 + (n - n0) * hstride;                                                 \
+                float a = tof(x[base + j]), bb = tof(x[base + j + h]);                                       \
+                out[base + j] = fromf<T>(a * c0 - bb * s0);                                                  \
+                out[base + j + h] = fromf<T>(bb * c1 + a * s1);                                              \
+            }                                                                                                \
         } else {                                                                                             \
             const int d0 = r + 2 * (j - h);                                                                  \
-            out[base + d0] = x[base + d0];                                                                   \
-            if (d0 + 1 < D) out[base + d0 + 1] = x[base + d0 + 1];                                           \
+            for (int n = n0; n < n1; ++n) {                                                                  \
+                const i64 base = base0 + (n - n0) * hstride;                                                 \
+                out[base + d0] = x[base + d0];                                                               \
+                if (d0 + 1 < D) out[base + d0 + 1] = x[base + d0 + 1];                                       \
+            }                                                                                                \
         }                                                                                                    \
     }
 FOR_FLOATS(DEF_ROPE2)
@@ -493,19 +502,22 @@ extern "C" __global__ void adamw_master8_bf16(uint4* pout, float* wo, float* mo,
 }
 
 // Column sums of f32 partials [nrows, H] to `out` (dtype code): the deterministic second
-// half of rms_bwd8's dw. Block (32, 8): 32 columns, 8 row phases summed in a fixed order.
+// half of rms_bwd8's dw. Block (32, blockDim.y <= 32): 32 columns, blockDim.y row phases
+// summed in a fixed order (enough threads that each sums a few rows: the partials are
+// hundreds of rows and 64 blocks cover 2048 columns).
 extern "C" __global__ void colsum_f32_to(void* out, int ocode, const float* part, i64 nrows, i64 H) {
-    __shared__ float sh[8][33];
+    __shared__ float sh[32][33];
     const i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
     float s = 0.f;
-    if (j < H)
-        for (i64 r = threadIdx.y; r < nrows; r += 8) s += part[r * H + j];
+    if (j < H) {
+#pragma unroll 4
+        for (i64 r = threadIdx.y; r < nrows; r += blockDim.y) s += part[r * H + j];
+    }
     sh[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && j < H) {
         float t = 0.f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) t += sh[k][threadIdx.x];
+        for (int k = 0; k < (int)blockDim.y; ++k) t += sh[k][threadIdx.x];
         st_any(out, ocode, j, t);
     }
 }

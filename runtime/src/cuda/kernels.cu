@@ -429,6 +429,28 @@ struct Red {
     }
 FOR_FLOATS(DEF_REDUCE)
 
+// One block per output element, for few outputs of long reductions (a loss summed over every
+// token): the same offsets as reduce_*, the block's threads striding over `nred`.
+#define DEF_REDUCE_BLOCK(S, T)                                                                           \
+    extern "C" __global__ void reduce_block_##S(T* out, const T* in, i64 nout, i64 nred, int code, Red rd) { \
+        __shared__ float sh[32];                                                                         \
+        i64 w = blockIdx.x;                                                                              \
+        if (w >= nout) return;                                                                           \
+        i64 r = w, base = 0;                                                                             \
+        for (int k = rd.ro - 1; k >= 0; --k) { i64 c = r % rd.oshape[k]; r /= rd.oshape[k]; base += c * rd.ostride[k]; } \
+        float acc = code == 2 ? NEG_BIG : 0.f;                                                           \
+        for (i64 j = threadIdx.x; j < nred; j += blockDim.x) {                                           \
+            i64 q = j, off = base;                                                                       \
+            for (int k = rd.rr - 1; k >= 0; --k) { i64 c = q % rd.rshape[k]; q /= rd.rshape[k]; off += c * rd.rstride[k]; } \
+            float v = tof(in[off]);                                                                      \
+            acc = code == 2 ? fmaxf(acc, v) : acc + v;                                                   \
+        }                                                                                                \
+        acc = code == 2 ? block_max(acc, sh) : block_sum(acc, sh);                                       \
+        if (code == 1) acc /= (float)nred;                                                               \
+        if (threadIdx.x == 0) out[w] = fromf<T>(acc);                                                    \
+    }
+FOR_FLOATS(DEF_REDUCE_BLOCK)
+
 // Sum of integer tensors (i64 out).
 extern "C" __global__ void reduce_i64(i64* out, const i64* in, i64 nout, i64 nred, int code, Red rd) {
     i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;

@@ -335,6 +335,10 @@ kernels! {
     Reduce ["reduce_##S", "reduce_i64"] Shape::Warps => {
         out: Ptr, input: Ptr, nout: I64, nred: I64, code: Reduce, rd: Red,
     }
+    /// The same with one block per output (few outputs, long reductions).
+    ReduceBlock ["reduce_block_##S"] Shape::Rows(1024) => {
+        out: Ptr, input: Ptr, nout: I64, nred: I64, code: Reduce, rd: Red,
+    }
     /// softmax / log-softmax of rows of `n`.
     Softmax ["softmax_##S"] Shape::Rows(256) => { out: Ptr, input: Ptr, rows: I64, n: I64, logsm: I32 }
     /// softmax backward of rows of `n`.
@@ -380,10 +384,11 @@ kernels! {
         out: Ptr, x: Ptr, cosv: Ptr, sinv: Ptr, ccode: Code, b: I64, n: I64, s: I64, d: I64,
         r: I64, cbs: I64, bshd: I32,
     }
-    /// rope with a (S-tiles, N, B) grid of (D/2, rows) blocks; the call site picks the grid.
+    /// rope with a (S-tiles, head groups, B) grid of (D/2, rows) blocks, `hp` heads per
+    /// block; the call site picks the grid.
     Rope2 ["rope2_##S_"] Shape::Custom => {
         out: Ptr, x: Ptr, cosv: Ptr, sinv: Ptr, ccode: Code, n: I32, s: I32, d: I32, r: I32,
-        cbs: I64, bshd: I32,
+        cbs: I64, bshd: I32, hp: I32,
     }
 
     // ------------------------------------------------------------ embedding and indexing

@@ -1,9 +1,13 @@
 //! Lowering of rotary position embeddings: `rope_table` (cos/sin from positions, with
 //! the inverse frequencies as a device constant) and `rope` (a 3-D grid kernel where the
-//! head dim fits one block, else a flat one).
+//! head dim fits one block, each block over several heads of its positions, else a flat
+//! one).
 
 use super::*;
 use weft_ir::HeadLayout;
+
+/// About how many blocks a `rope2` launch is cut into (a few per SM of an H100/H200).
+const ROPE_BLOCKS: usize = 1024;
 
 /// `rope_table`: (cos, sin) for each position.
 pub(super) fn rope_table(
@@ -68,6 +72,13 @@ pub(super) fn rope(
     if fits && d >= 2 {
         let tx = (d / 2) as u32;
         let ty = (256 / tx).max(1);
+        // Each block covers `hp` heads of its positions (reading cos/sin once for them),
+        // with enough blocks to fill the device: about ROPE_BLOCKS in all.
+        let position_blocks = sq.div_ceil(ty as usize) * b;
+        let groups = ROPE_BLOCKS
+            .div_ceil(position_blocks.max(1))
+            .clamp(1, nh.max(1));
+        let hp = nh.div_ceil(groups).max(1);
         let name = kname("rope2", x.dtype)?;
         let k = kernels::Rope2 {
             out: o.ptr,
@@ -81,8 +92,13 @@ pub(super) fn rope(
             r: r as i32,
             cbs,
             bshd,
+            hp: hp as i32,
         };
-        let grid = (sq.div_ceil(ty as usize) as u32, nh as u32, b as u32);
+        let grid = (
+            sq.div_ceil(ty as usize) as u32,
+            nh.div_ceil(hp) as u32,
+            b as u32,
+        );
         return lw.run_at(name, grid, (tx, ty, 1), 0, k);
     }
     let name = kname("rope", x.dtype)?;
