@@ -673,6 +673,7 @@ fn peaks(mesh: &str) -> (f64, f64) {
         device: req.device.clone(),
         device_memory: req.memory_limit(),
         peak_flops: 989e12,
+        grad_outputs: false,
     };
     let c = weft_passes::search::Candidate {
         dp: 1,

@@ -499,6 +499,7 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
         device: req.device.clone(),
         device_memory: req.memory_limit(),
         peak_flops: crate::search::peak_flops(&req.device),
+        grad_outputs: opts.grad_outputs,
     };
     let c = Candidate {
         dp: axis("dp"),
@@ -575,6 +576,7 @@ fn suggest_mesh(req: &Request, b: &Bindings) -> Option<String> {
         device: req.device.clone(),
         device_memory: req.memory_limit(),
         peak_flops: crate::search::peak_flops(&req.device),
+        grad_outputs: req.train.as_ref().is_some_and(|t| t.options.grad_outputs),
     };
     let best = crate::search::search(shape, &spec).into_iter().next()?;
     best.fits.then(|| {

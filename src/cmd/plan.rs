@@ -369,6 +369,7 @@ pub fn run(a: Args) -> CliResult {
         device_memory: (mem_gib * (1u64 << 30) as f64) as u64,
         device,
         peak_flops,
+        grad_outputs: false,
     };
     let mut all = search::search(&shape, &spec);
     if a.no_cp {
@@ -593,6 +594,7 @@ mod tests {
             device_memory: 80 << 30,
             peak_flops: search::peak_flops(&device),
             device,
+            grad_outputs: false,
         };
         let all = search::search(&shape, &spec);
         let fitting: Vec<&Scored> = all.iter().filter(|s| s.fits).collect();

@@ -7,13 +7,17 @@
 //!
 //! The analytic model, per rank:
 //! - memory: parameters (sharded by tp/ep, and by the ZeRO group at stage 3, plus two
-//!   layers of gathered parameters in flight), gradients (whole, or sharded at stage
-//!   2/3 plus two buckets in flight), optimizer state (f32 master + AdamW moments,
+//!   layers of gathered parameters in flight), gradients at the activations' peak (the
+//!   backward's start): whole (sharded at stage 2/3) where the step returns them or
+//!   accumulates them over micro-batches, else only a tied vocabulary's (each other
+//!   gradient dies at its update in the backward), plus two buckets in flight where a
+//!   data-parallel group reduces them; optimizer state (f32 master + AdamW moments,
 //!   sharded from stage 1), saved activations per token and layer by checkpoint policy
 //!   (Korthikanti et al.'s accounting for SwiGLU attention blocks with flash attention:
 //!   no S^2 term; with `--offload`, one layer's on the device, but selective +
-//!   offload keeps the residual stream of every layer there), the logits and their
-//!   gradient in f32, one layer's working set;
+//!   offload keeps the residual stream of every layer there), the logits (in the
+//!   parameters' dtype with their gradient written over them; f32 and a gradient
+//!   beside them for the vocabulary-parallel loss over tp), one layer's working set;
 //! - time: matmul and attention FLOPs at the profile's rates (recompute adds the
 //!   forward again for `full`), tp and sp (Ulysses) and ep collectives on the critical
 //!   path, gradient reduction and ZeRO gathers overlapped with the backward (only
@@ -146,6 +150,9 @@ pub struct SearchSpec {
     pub device_memory: u64,
     /// Datasheet dense bf16 peak per GPU for MFU, FLOP/s.
     pub peak_flops: f64,
+    /// The step returns its parameter gradients (`--keep-grads`, `weft check`): they
+    /// live to its end instead of dying at their updates.
+    pub grad_outputs: bool,
 }
 
 /// One point of the search space.
@@ -455,7 +462,18 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let per_layer_params = local / layers;
     let params = pb * (z3(dense, zd) + z3(expert, ze));
     let bucket = 500e6_f64.min(local * pb);
-    let grads = pb * (z2(dense, zd) + z2(expert, ze));
+    // A tied vocabulary's gradient takes the lm_head's part at the backward's start and
+    // the embedding's at its end, so it lives through the backward; every other one dies
+    // at its update (the `optimizer` pass places each right after its gradient is final)
+    // unless the step returns it or micro-batches accumulate it.
+    let whole_grads = pb * (z2(dense, zd) + z2(expert, ze));
+    let grads = if s.grad_outputs || c.micro_batches > 1 {
+        whole_grads
+    } else if m.tied {
+        pb * (m.vocab * m.hidden) as f64 / tp
+    } else {
+        0.0
+    };
     let opt_per_param = if m.param_bytes < 4 { 12.0 } else { 8.0 };
     // Optimizer offload keeps the master weights and moments in host memory.
     let optimizer = if c.offload_optimizer {
@@ -520,6 +538,9 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // scratch (the pass bounds it to 256 MiB).
     let logits = if c.fused_loss {
         (tokens * m.vocab as f64 / tp * 4.0).min(256.0 * 1024.0 * 1024.0)
+    } else if c.tp == 1 {
+        // `cross_entropy_grad` writes the gradient over the logits (ELEMENTWISE_IN_PLACE).
+        tokens * m.vocab as f64 * pb
     } else {
         tokens * m.vocab as f64 / tp * 4.0 * 2.0
     };
@@ -528,7 +549,13 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     } else {
         0.0
     };
-    let transient = logits + 2.0 * bucket.min(grads.max(pb * local / zd)) + gathered;
+    // Gradient buckets are reduced (two in flight) only over a data-parallel group.
+    let buckets = if zd * ze > 1.0 {
+        2.0 * bucket.min(whole_grads.max(pb * local / zd))
+    } else {
+        0.0
+    };
+    let transient = logits + buckets + gathered;
     let memory = MemoryBreakdown {
         params: params as u64,
         grads: grads as u64,
@@ -815,6 +842,7 @@ mod tests {
             device: crate::plan::profile::preset("h100").unwrap(),
             device_memory: 80 << 30,
             peak_flops: 989e12,
+            grad_outputs: false,
         }
     }
 
@@ -836,6 +864,56 @@ mod tests {
             param_bytes: 2,
             layer_windows: Vec::new(),
         }
+    }
+
+    /// Gradients at the activations' peak: a tied vocabulary's only where each other one
+    /// dies at its update; whole where the step returns them or micro-batches accumulate
+    /// them. Gradient buckets are in flight only over a data-parallel group, and the
+    /// unfused loss on one tp rank holds one bf16 logits tensor (its gradient in place).
+    #[test]
+    fn gradients_and_logits_are_priced_as_the_step_holds_them() {
+        let mut tied = llama8b();
+        tied.tied = true;
+        let one = h100_spec(1, 4096, 1);
+        let c = Candidate {
+            dp: 1,
+            cp: 1,
+            sp: 1,
+            tp: 1,
+            ep: 1,
+            zero: 0,
+            checkpoint: "none",
+            offload: false,
+            offload_optimizer: false,
+            fused_loss: false,
+            micro_batches: 1,
+            cp_kv: CpKv::Ring,
+        };
+        let vocab_rows = (tied.vocab * tied.hidden * 2) as u64;
+        let logits = 4096 * tied.vocab * 2;
+        let s = score(&tied, &one, &c);
+        assert_eq!(s.memory.grads, vocab_rows);
+        assert_eq!(s.memory.transient, logits, "{s:?}");
+        assert_eq!(score(&llama8b(), &one, &c).memory.grads, 0);
+        let whole = (tied.params() * 2) as u64;
+        let returned = SearchSpec {
+            grad_outputs: true,
+            ..one.clone()
+        };
+        assert_eq!(score(&tied, &returned, &c).memory.grads, whole);
+        let accumulated = Candidate {
+            micro_batches: 2,
+            ..c.clone()
+        };
+        assert_eq!(score(&tied, &one, &accumulated).memory.grads, whole);
+        // Over dp=2 two buckets are in flight besides the logits (half the tokens).
+        let dp2 = Candidate { dp: 2, ..c.clone() };
+        let s2 = score(&tied, &h100_spec(2, 4096, 2), &dp2);
+        assert_eq!(s2.memory.transient, logits + 2 * 500_000_000);
+        // Over tp the vocabulary-parallel loss keeps f32 logits and their gradient.
+        let tp2 = Candidate { tp: 2, ..c };
+        let s3 = score(&tied, &h100_spec(2, 4096, 1), &tp2);
+        assert!(s3.memory.transient >= 4096 * tied.vocab / 2 * 8, "{s3:?}");
     }
 
     #[test]
