@@ -342,6 +342,27 @@ pub fn diverse_first(fitting: Vec<&Scored>) -> Vec<&Scored> {
     first
 }
 
+/// After a finalist compiled over the memory limit: the next candidate of its mesh that
+/// fits under the mesh's calibration (`scale`, compiled over analytic peak) goes to the
+/// front of `pending`, so the mesh is still represented when the analytic model was
+/// short on the failed option set (qwen3-30b-a3b on 32 GPUs: dp=32 with selective
+/// checkpointing and offload was priced at 79 GiB and compiled at 110, while dp=32 with
+/// full checkpointing, 51 GiB priced, was the fastest plan that fits). Returns the
+/// promoted candidate.
+fn promote_on_mesh(
+    pending: &mut std::collections::VecDeque<&Scored>,
+    mesh: &str,
+    scale: f64,
+    limit: f64,
+) -> Option<Candidate> {
+    let i = pending
+        .iter()
+        .position(|s| s.candidate.mesh() == mesh && s.memory.total as f64 * scale <= limit)?;
+    let s = pending.remove(i)?;
+    pending.push_front(s);
+    Some(s.candidate.clone())
+}
+
 pub fn run(a: Args) -> CliResult {
     let start = std::time::Instant::now();
     let model = super::load_model(&a.model)?;
@@ -458,15 +479,25 @@ pub fn run(a: Args) -> CliResult {
     let want = a.finalists.max(1);
     // Finalists are compiled `want` at a time, on as many threads as the machine has:
     // which candidates are compiled depends only on the batch size, not on the cores.
-    let mut pending = diverse_first(all.iter().filter(|s| s.fits).collect())
-        .into_iter()
-        .peekable();
-    while pending.peek().is_some() {
-        let ok = compiled.iter().filter(|(_, c)| c.plan.is_some()).count();
-        if ok >= want || compiled.len() >= want * 4 {
+    // Meshes whose failed finalist had a successor promoted (once per mesh), and the
+    // promoted candidates.
+    let mut promoted_meshes: std::collections::BTreeSet<String> = Default::default();
+    let mut promoted: std::collections::BTreeSet<Candidate> = Default::default();
+    let mut pending: std::collections::VecDeque<&Scored> =
+        diverse_first(all.iter().filter(|s| s.fits).collect()).into();
+    while !pending.is_empty() {
+        // Candidates promoted after their mesh's failure count toward neither bound.
+        let ranked = |(s, _): &&(&Scored, Compiled)| !promoted.contains(&s.candidate);
+        let ok = compiled
+            .iter()
+            .filter(ranked)
+            .filter(|(_, c)| c.plan.is_some())
+            .count();
+        let tried = compiled.iter().filter(ranked).count();
+        if ok >= want || tried >= want * 4 {
             break;
         }
-        let room = (want - ok).min(want * 4 - compiled.len());
+        let room = (want - ok).min(want * 4 - tried);
         // A mesh not compiled yet is calibrated by the smallest ratio any mesh showed
         // (no mesh has come out further over the analytic model than that), at least 1.
         let prior = scale
@@ -476,7 +507,7 @@ pub fn run(a: Args) -> CliResult {
             .unwrap_or(1.0)
             .max(1.0);
         let mut batch: Vec<&Scored> = Vec::new();
-        for s in pending.by_ref() {
+        while let Some(s) = pending.pop_front() {
             let k = scale.get(&s.candidate.mesh()).copied().unwrap_or(prior);
             if s.memory.total as f64 * k > limit || refused.contains(&s.candidate.mesh()) {
                 continue;
@@ -495,6 +526,11 @@ pub fn run(a: Args) -> CliResult {
                 let r = c.peak as f64 / s.memory.total as f64;
                 let e = scale.entry(s.candidate.mesh()).or_insert(r);
                 *e = e.max(r);
+                if c.plan.is_none() && promoted_meshes.insert(s.candidate.mesh()) {
+                    if let Some(p) = promote_on_mesh(&mut pending, &s.candidate.mesh(), *e, limit) {
+                        promoted.insert(p);
+                    }
+                }
             }
             eprintln!(
                 "  compiled --mesh {} {}: {} in {:.1} s",
