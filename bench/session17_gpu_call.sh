@@ -42,7 +42,7 @@ if has bench; then for SEQ in 4096 16384; do
   for f in --unfused-loss --fused-loss; do echo "== seq $SEQ $f: $(step 75 --steps $ST --seq $SEQ $f)"; done
 done; fi
 if has checks; then
-  WEFT_GPU_ONLY="rope,sum/mean/max,add_rms_norm" timeout 150 .gpu/tests/gpu --nocapture --test-threads=1 > $OUT/cases.txt 2>&1; echo "rope/reduce cases rc $?"; grep -E "^[0-9]+ cases|FAIL|fail" $OUT/cases.txt | head -8
+  WEFT_GPU_ONLY="rope,sum/mean/max,rms_norm" timeout 150 .gpu/tests/gpu --nocapture --test-threads=1 > $OUT/cases.txt 2>&1; echo "rope/reduce cases rc $?"; grep -E "^[0-9]+ cases|FAIL|fail" $OUT/cases.txt | head -8
   for m in "llama-tiny" "gemma2-tiny --fused-loss" "llama-tiny --dtype bf16 --torch-adamw --micro-batches 2" "llama-tiny --stream-optimizer-state --dtype bf16 --torch-adamw --checkpoint selective --offload" "llama-tiny --optimizer sgd" "mixtral-tiny --dtype bf16 --torch-adamw"; do
     echo "check $m: $(timeout 45 $W run $m --backend cuda --steps 20 --check 20 --seq 32 --batch 2 2>&1 | grep -E '^check|error' | head -2)"
   done
@@ -51,7 +51,7 @@ if has ab; then
   for SEQ in 4096 16384; do for B in weftA weft; do
     D=$OUT/p$SEQ$B; mkdir -p $D
     WEFT_PROFILE=1 timeout 90 ./.gpu/$B run llama3.2-1b --backend cuda --dtype bf16 --steps 3 --seq $SEQ --batch 1 --torch-adamw --fused-loss --profile-out $D/prof.tsv > $D/run.txt 2> $D/profile.txt
-    echo "== profile $SEQ $B"; $PY bench/gap.py $D/prof.tsv --top 300 | grep -E "rope|add_rms_norm|sum|step"
+    echo "== profile $SEQ $B"; $PY bench/gap.py $D/prof.tsv --top 300 | grep -E "rope|rms_norm|sum|step"
   done; done
   for B in weftA weft weftA weft; do echo "== seq 4096 $B: $(W=./.gpu/$B; timeout 60 $W run llama3.2-1b --backend cuda --batch 1 --torch-adamw --steps 10 --seq 4096 --unfused-loss 2>&1 | grep -E '^mean|error' | cut -c1-120)"; done
 fi
