@@ -566,7 +566,10 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     };
     // Compute.
     let all_tokens = (s.batch * s.seq) as f64;
-    let matmul_model = 6.0 * m.active_params() as f64 * all_tokens;
+    // The lm_head's GEMM runs whether or not it shares the embedding's weight (which
+    // `active_params` leaves out when tied).
+    let head = if m.tied { m.vocab * m.hidden } else { 0 };
+    let matmul_model = 6.0 * (m.active_params() + head) as f64 * all_tokens;
     let attn_model = 6.0 * 2.0 * layers * q * s.seq as f64 * all_tokens / 2.0;
     let recompute = match c.checkpoint {
         "full" => 1.0 / 3.0,
@@ -914,6 +917,34 @@ mod tests {
         let tp2 = Candidate { tp: 2, ..c };
         let s3 = score(&tied, &h100_spec(2, 4096, 1), &tp2);
         assert!(s3.memory.transient >= 4096 * tied.vocab / 2 * 8, "{s3:?}");
+    }
+
+    /// The lm_head's GEMM is priced whether or not it shares the embedding's weight.
+    #[test]
+    fn a_tied_head_costs_its_gemm() {
+        let mut tied = llama8b();
+        tied.tied = true;
+        let spec = h100_spec(1, 4096, 1);
+        let c = Candidate {
+            dp: 1,
+            cp: 1,
+            sp: 1,
+            tp: 1,
+            ep: 1,
+            zero: 0,
+            checkpoint: "none",
+            offload: false,
+            offload_optimizer: false,
+            fused_loss: false,
+            micro_batches: 1,
+            cp_kv: CpKv::Ring,
+        };
+        let (a, b) = (score(&tied, &spec, &c), score(&llama8b(), &spec, &c));
+        assert!(
+            (a.time.compute - b.time.compute).abs() < 1e-12,
+            "{a:?} {b:?}"
+        );
+        assert!(a.memory.params < b.memory.params);
     }
 
     #[test]
