@@ -502,22 +502,19 @@ extern "C" __global__ void adamw_master8_bf16(uint4* pout, float* wo, float* mo,
 }
 
 // Column sums of f32 partials [nrows, H] to `out` (dtype code): the deterministic second
-// half of rms_bwd8's dw. Block (32, blockDim.y <= 32): 32 columns, blockDim.y row phases
-// summed in a fixed order (enough threads that each sums a few rows: the partials are
-// hundreds of rows and 64 blocks cover 2048 columns).
+// half of rms_bwd8's dw. Block (32, 8): 32 columns, 8 row phases summed in a fixed order.
 extern "C" __global__ void colsum_f32_to(void* out, int ocode, const float* part, i64 nrows, i64 H) {
-    __shared__ float sh[32][33];
+    __shared__ float sh[8][33];
     const i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
     float s = 0.f;
-    if (j < H) {
-#pragma unroll 4
-        for (i64 r = threadIdx.y; r < nrows; r += blockDim.y) s += part[r * H + j];
-    }
+    if (j < H)
+        for (i64 r = threadIdx.y; r < nrows; r += 8) s += part[r * H + j];
     sh[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && j < H) {
         float t = 0.f;
-        for (int k = 0; k < (int)blockDim.y; ++k) t += sh[k][threadIdx.x];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) t += sh[k][threadIdx.x];
         st_any(out, ocode, j, t);
     }
 }

@@ -169,7 +169,7 @@ fn add_rms_norm_grad(lw: &mut Lower, eps: &Float, ins: &[DevT], outs: &[DevT]) -
     lw.run_at(
         "colsum_f32_to",
         (h.div_ceil(32) as u32, 1, 1),
-        (32, 32, 1),
+        (32, 8, 1),
         0,
         k,
     )

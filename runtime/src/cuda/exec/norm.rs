@@ -77,7 +77,7 @@ pub(super) fn rms_norm_grad(
         return lw.run_at(
             "colsum_f32_to",
             (h.div_ceil(32) as u32, 1, 1),
-            (32, 32, 1),
+            (32, 8, 1),
             0,
             k,
         );
