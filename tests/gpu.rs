@@ -504,7 +504,7 @@ fn fused_op_cases() -> Vec<Case> {
         ("bf16", 7, 2048, "bf16", 4e-2),
         ("bf16", 3, 4104, "f32", 4e-2),
         ("bf16", 2, 8192, "bf16", 4e-2),
-        // Several rows per block (the next row's loads in flight), the last block short.
+        // Several rows per block (dw from per-block partials), the last block short.
         ("bf16", 1100, 2048, "bf16", 4e-2),
         ("bf16", 1030, 4104, "f32", 4e-2),
     ] {
