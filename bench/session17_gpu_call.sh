@@ -10,8 +10,11 @@
 #   roof16   the same at 16384 with the fused loss
 #   torch    PyTorch eager (cuDNN SDPA, fused AdamW) at both lengths, same machine
 #   checks   the rope, reduction and add_rms_norm GPU op cases, --check 20 on tiny models
-#   ab       per-kernel profiles at 4096 and 16384 of .gpu/weftA (main before this
-#            session's kernels) and .gpu/weft, then the 4096 step alternating the two
+#   ab       per-kernel profiles at 4096 and 16384 of .gpu/weftA (a baseline binary:
+#            gpu-pack at the base commit, .gpu/weft copied to .gpu/weftA before packing
+#            the change) and .gpu/weft, then the 4096 step alternating the two. The tree
+#            plus .gpu must stay under the 64 MiB a call carries: xz the binaries here
+#            and `xz -d` them first on the device
 #   parity   4-step loss parity on real weights (bench/loss_parity.py)
 #   OUT=$OUT PHASES="frontier bench roof4 roof16 torch" bash bench/session17_gpu_call.sh
 #   OUT=$OUT PHASES="checks ab parity" bash bench/session17_gpu_call.sh
