@@ -342,9 +342,50 @@ pub fn diverse_first(fitting: Vec<&Scored>) -> Vec<&Scored> {
     first
 }
 
+/// Compiled over analytic peak, learned from the compiled finalists. The analytic
+/// model's memory error follows the memory policy (checkpointing, activation and
+/// optimizer offload) more than the mesh: `none` with `--offload` is priced as if every
+/// layer's activations left the device (70B on 64 GPUs: 52 GiB priced, 433 compiled),
+/// selective as keeping its kept values. A candidate is calibrated by its own mesh and
+/// policy when one compiled, else by the largest ratio its policy showed on any mesh,
+/// else not at all.
+#[derive(Default)]
+struct Calibration {
+    exact: std::collections::BTreeMap<(String, String), f64>,
+    by_policy: std::collections::BTreeMap<String, f64>,
+}
+
+impl Calibration {
+    fn policy(c: &Candidate) -> String {
+        format!(
+            "{} offload={} offload_optimizer={}",
+            c.checkpoint, c.offload, c.offload_optimizer
+        )
+    }
+    fn record(&mut self, c: &Candidate, ratio: f64) {
+        let e = self
+            .exact
+            .entry((c.mesh(), Self::policy(c)))
+            .or_insert(ratio);
+        *e = e.max(ratio);
+        let p = self.by_policy.entry(Self::policy(c)).or_insert(ratio);
+        *p = p.max(ratio);
+    }
+    fn factor(&self, c: &Candidate) -> f64 {
+        let policy = Self::policy(c);
+        self.exact
+            .get(&(c.mesh(), policy.clone()))
+            .or_else(|| self.by_policy.get(&policy))
+            .copied()
+            .unwrap_or(1.0)
+    }
+    fn fits(&self, s: &Scored, limit: f64) -> bool {
+        s.memory.total as f64 * self.factor(&s.candidate) <= limit
+    }
+}
+
 /// After a finalist compiled over the memory limit: the next candidate of its mesh that
-/// fits under the mesh's calibration (`scale`, compiled over analytic peak) goes to the
-/// front of `pending`, so the mesh is still represented when the analytic model was
+/// fits under its calibration goes to the front of `pending`, so the mesh is still represented when the analytic model was
 /// short on the failed option set (qwen3-30b-a3b on 32 GPUs: dp=32 with selective
 /// checkpointing and offload was priced at 79 GiB and compiled at 110, while dp=32 with
 /// full checkpointing, 51 GiB priced, was the fastest plan that fits). Returns the
@@ -352,12 +393,12 @@ pub fn diverse_first(fitting: Vec<&Scored>) -> Vec<&Scored> {
 fn promote_on_mesh(
     pending: &mut std::collections::VecDeque<&Scored>,
     mesh: &str,
-    scale: f64,
+    calibration: &Calibration,
     limit: f64,
 ) -> Option<Candidate> {
     let i = pending
         .iter()
-        .position(|s| s.candidate.mesh() == mesh && s.memory.total as f64 * scale <= limit)?;
+        .position(|s| s.candidate.mesh() == mesh && calibration.fits(s, limit))?;
     let s = pending.remove(i)?;
     pending.push_front(s);
     Some(s.candidate.clone())
@@ -468,11 +509,10 @@ pub fn run(a: Args) -> CliResult {
         super::table(rows)
     );
     // Finalists: the best analytic candidates, compiled. Each compilation calibrates
-    // the analytic memory of its mesh (the largest compiled/analytic peak ratio seen
-    // on it) and, for meshes not compiled yet, sets a floor (the smallest ratio seen on
-    // any mesh); candidates that cannot fit under that calibration are skipped.
+    // the analytic memory of its mesh and memory policy ([`Calibration`]); candidates
+    // that cannot fit under that calibration are skipped.
     let limit = spec.device_memory as f64;
-    let mut scale: std::collections::BTreeMap<String, f64> = Default::default();
+    let mut calibration = Calibration::default();
     let mut compiled: Vec<(&Scored, Compiled)> = Vec::new();
     // Meshes the passes refused (the other options do not change that).
     let mut refused: std::collections::BTreeSet<String> = Default::default();
@@ -498,18 +538,9 @@ pub fn run(a: Args) -> CliResult {
             break;
         }
         let room = (want - ok).min(want * 4 - tried);
-        // A mesh not compiled yet is calibrated by the smallest ratio any mesh showed
-        // (no mesh has come out further over the analytic model than that), at least 1.
-        let prior = scale
-            .values()
-            .copied()
-            .reduce(f64::min)
-            .unwrap_or(1.0)
-            .max(1.0);
         let mut batch: Vec<&Scored> = Vec::new();
         while let Some(s) = pending.pop_front() {
-            let k = scale.get(&s.candidate.mesh()).copied().unwrap_or(prior);
-            if s.memory.total as f64 * k > limit || refused.contains(&s.candidate.mesh()) {
+            if !calibration.fits(s, limit) || refused.contains(&s.candidate.mesh()) {
                 continue;
             }
             batch.push(s);
@@ -523,11 +554,11 @@ pub fn run(a: Args) -> CliResult {
                 refused.insert(s.candidate.mesh());
             }
             if c.peak > 0 && s.memory.total > 0 {
-                let r = c.peak as f64 / s.memory.total as f64;
-                let e = scale.entry(s.candidate.mesh()).or_insert(r);
-                *e = e.max(r);
+                calibration.record(&s.candidate, c.peak as f64 / s.memory.total as f64);
                 if c.plan.is_none() && promoted_meshes.insert(s.candidate.mesh()) {
-                    if let Some(p) = promote_on_mesh(&mut pending, &s.candidate.mesh(), *e, limit) {
+                    if let Some(p) =
+                        promote_on_mesh(&mut pending, &s.candidate.mesh(), &calibration, limit)
+                    {
                         promoted.insert(p);
                     }
                 }
@@ -579,16 +610,11 @@ pub fn run(a: Args) -> CliResult {
     ));
     // Why: against the next compiled finalist, else the best analytic other mesh that
     // fits (compiled and fitting, or not compiled and fitting as calibrated).
-    let prior = scale.values().copied().reduce(f64::min).unwrap_or(1.0);
     let fits = |s: &Scored| match compiled.iter().find(|(c, _)| c.candidate == s.candidate) {
         Some((_, c)) => c.plan.is_some(),
         None => {
             !refused.contains(&s.candidate.mesh())
-                && search::fits_calibrated(
-                    s,
-                    scale.get(&s.candidate.mesh()).copied().unwrap_or(prior),
-                    spec.device_memory,
-                )
+                && search::fits_calibrated(s, calibration.factor(&s.candidate), spec.device_memory)
         }
     };
     let other = fit.get(1).map(|x| (x.0, x.1.step_s)).or_else(|| {
@@ -614,6 +640,35 @@ pub fn run(a: Args) -> CliResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A compiled finalist's memory ratio calibrates its own mesh and policy, and its
+    /// policy on other meshes (the largest ratio seen for it); other policies stay
+    /// uncalibrated.
+    #[test]
+    fn calibration_follows_the_memory_policy() {
+        let c = |dp: u32, sp: u32, checkpoint: &'static str, offload: bool| Candidate {
+            dp,
+            cp: 1,
+            sp,
+            tp: 1,
+            ep: 1,
+            zero: 3,
+            checkpoint,
+            offload,
+            offload_optimizer: false,
+            fused_loss: true,
+            micro_batches: 1,
+            cp_kv: Default::default(),
+        };
+        let mut cal = Calibration::default();
+        cal.record(&c(64, 1, "none", true), 8.0);
+        cal.record(&c(32, 2, "none", true), 6.0);
+        assert_eq!(cal.factor(&c(64, 1, "none", true)), 8.0);
+        assert_eq!(cal.factor(&c(32, 2, "none", true)), 6.0);
+        assert_eq!(cal.factor(&c(16, 4, "none", true)), 8.0);
+        assert_eq!(cal.factor(&c(64, 1, "none", false)), 1.0);
+        assert_eq!(cal.factor(&c(64, 1, "selective", true)), 1.0);
+    }
 
     /// The first finalists are the best candidate of each mesh family within the
     /// slack, in analytic order; every candidate is still there once.
