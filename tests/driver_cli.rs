@@ -263,4 +263,18 @@ fn a_step_that_fits_without_recompute_is_chosen_without_it() {
         chose.starts_with("chose --checkpoint none --zero 0"),
         "{err}"
     );
+    // The analytic peaks track the compiled ones (dense layers as `fuse` leaves them).
+    let gib_after = |line: &str, key: &str| -> f64 {
+        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{line}")) + key.len()..];
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let tried: Vec<&str> = err.lines().filter(|l| l.starts_with("  tried ")).collect();
+    assert!(!tried.is_empty(), "{err}");
+    for line in tried {
+        let (planned, analytic) = (gib_after(line, "peak "), gib_after(line, "(analytic: "));
+        assert!(
+            (analytic / planned - 1.0).abs() < 0.1,
+            "analytic {analytic} GiB against planned {planned}: {line}"
+        );
+    }
 }
