@@ -278,3 +278,42 @@ fn a_step_that_fits_without_recompute_is_chosen_without_it() {
         );
     }
 }
+
+/// At 16384 tokens under 24 GiB the step without checkpointing fits with the fused loss
+/// and streamed optimizer state (23.0 GiB planned, 379 ms), where selective checkpointing
+/// with offload takes 409 ms: an option set priced just over the limit (24.25 GiB) is
+/// still ranked among those that fit, and selective's recompute is priced.
+#[test]
+fn a_near_limit_option_set_is_compiled_before_recompute() {
+    let plan = tmp("1b16k.json");
+    let (code, _, err) = weft(&[
+        "compile",
+        "llama3.2-1b",
+        "--seq",
+        "16384",
+        "--batch",
+        "1",
+        "--dtype",
+        "bf16",
+        "--optimizer",
+        "adamw",
+        "--no-master-weights",
+        "--device",
+        "h100",
+        "--device-memory",
+        "24",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let chose = err
+        .lines()
+        .find(|l| l.starts_with("chose --checkpoint "))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        chose.starts_with(
+            "chose --checkpoint none --zero 0 --micro-batches 1 --stream-optimizer-state"
+        ),
+        "{err}"
+    );
+}

@@ -590,15 +590,25 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // Recompute as a share of the matmul FLOPs: `full` the whole forward again;
     // `selective` every layer's projections and MLP (a third of their FLOPs; the lm_head
     // is not recomputed: +16% on the 1.24B's plan at 4096). With `--offload` the host
-    // takes instead what the link carries in time; that is priced at a twentieth, an
-    // estimate the plans do not bear out (the 1.24B at 16384 on an H100: 409.5 ms planned
-    // against 411.3 without offload) but which pricing like selective made `weft plan`
-    // pick slower plans for llama3-70b (bench/PLAN_SEARCH.md).
+    // takes instead what the link carries during the layer's forward (`checkpoint`'s
+    // `host.rs` plans it on the same clock); the rest is recomputed.
     let layer_share = 1.0 - (m.vocab * m.hidden) as f64 / (m.active_params() + head) as f64;
     let recompute = match (c.checkpoint, c.offload) {
         ("full", _) => 1.0 / 3.0,
         ("selective", false) => layer_share / 3.0,
-        ("selective", true) => 0.05,
+        ("selective", true) => {
+            let forward_layer = (matmul_model / world / (d.matmul_tflops * 1e12)
+                + attn_model * ATTENTION_HARDWARE_RATIO / world / (d.attention_tflops * 1e12))
+                / 3.0
+                / layers;
+            let recomputed_bytes = tokens * (full_layer - saved_per_layer);
+            let carried = if recomputed_bytes > 0.0 {
+                (d.host_gbps * 1e9 * forward_layer / recomputed_bytes).min(1.0)
+            } else {
+                1.0
+            };
+            layer_share / 3.0 * (1.0 - carried)
+        }
         _ => 0.0,
     };
     // The fused loss costs about one more lm_head GEMM: over tp its backward recomputes
