@@ -16,6 +16,8 @@
 #            plus .gpu must stay under the 64 MiB a call carries: xz the binaries here
 #            and `xz -d` them first on the device
 #   parity   4-step loss parity on real weights (bench/loss_parity.py)
+#   final    --check 20 on two tiny models, then the 1.24B step and PyTorch eager at 4096
+#            and 16384, alternating, in one call
 #   OUT=$OUT PHASES="frontier bench roof4 roof16 torch" bash bench/session17_gpu_call.sh
 #   OUT=$OUT PHASES="checks ab parity" bash bench/session17_gpu_call.sh
 set -u
@@ -57,6 +59,16 @@ if has ab; then
     echo "== profile $SEQ $B"; $PY bench/gap.py $D/prof.tsv --top 300 | grep -E "rope|rms_norm|sum|step"
   done; done
   for B in weftA weft weftA weft; do echo "== seq 4096 $B: $(W=./.gpu/$B; timeout 60 $W run llama3.2-1b --backend cuda --batch 1 --torch-adamw --steps 10 --seq 4096 --unfused-loss 2>&1 | grep -E '^mean|error' | cut -c1-120)"; done
+fi
+if has final; then
+  for m in "llama-tiny --dtype bf16 --torch-adamw --micro-batches 2" "gemma2-tiny --fused-loss"; do
+    echo "check $m: $(timeout 45 $W run $m --backend cuda --steps 20 --check 20 --seq 32 --batch 2 2>&1 | grep -E '^check|error' | head -2)"
+  done
+  for SEQ in 4096 16384; do
+    ST=$([ $SEQ = 4096 ] && echo 10 || echo 4)
+    echo "== seq $SEQ weft: $(step 75 --steps $ST --seq $SEQ --unfused-loss)"
+    echo "== seq $SEQ torch eager: $(timeout 120 $PY bench/torch_llama_step.py --seq $SEQ --steps $ST 2>&1 | tail -1)"
+  done
 fi
 has parity && timeout 170 $PY bench/loss_parity.py --weft $W --json $OUT/parity.json 2>&1 | tail -6
 has roof4 && roof 4096 r4
