@@ -599,8 +599,8 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         ("selective", true) => {
             // A layer's forward over the whole step, against one micro-batch's bytes:
             // with micro-batches this overstates what the link carries, but dividing by
-            // their count moved llama3-70b's winner to a slower plan (PLAN_SEARCH.md),
-            // whose `none` + offload candidates the time model underprices.
+            // their count (with `none` + offload priced as the link carries it) moved
+            // llama3-70b's winner to a slower plan (PLAN_SEARCH.md).
             let forward_layer = (matmul_model / world / (d.matmul_tflops * 1e12)
                 + attn_model * ATTENTION_HARDWARE_RATIO / world / (d.attention_tflops * 1e12))
                 / 3.0
