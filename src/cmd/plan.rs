@@ -2,8 +2,10 @@
 //! sp, tp, ep), ZeRO stage, checkpoint policy, activation and optimizer offload and
 //! micro-batches
 //! with the analytic model of `weft_passes::search`, compiles the finalists through
-//! the compile path (the best of each mesh family first) and ranks them by the
-//! compiled plan's predicted step time among those whose compiled peak fits.
+//! the compile path (the best of each mesh family first; each compile calibrates the
+//! analytic memory of its policy, and one over the limit gives its mesh's next fitting
+//! candidate a turn) and ranks them by the compiled plan's predicted step time among
+//! those whose compiled peak fits.
 
 use crate::error::{CliError, CliResult};
 use std::path::PathBuf;
@@ -345,8 +347,8 @@ pub fn diverse_first(fitting: Vec<&Scored>) -> Vec<&Scored> {
 /// Compiled over analytic peak, learned from the compiled finalists. The analytic
 /// model's memory error follows the memory policy (checkpointing, activation and
 /// optimizer offload) more than the mesh: `none` with `--offload` is priced as if every
-/// layer's activations left the device (70B on 64 GPUs: 52 GiB priced, 433 compiled),
-/// selective as keeping its kept values. A candidate is calibrated by its own mesh and
+/// layer's activations left the device (70B on 64 GPUs: 52 GiB priced, 433 compiled).
+/// A candidate is calibrated by its own mesh and
 /// policy when one compiled, else by the largest ratio its policy showed on any mesh,
 /// else not at all.
 #[derive(Default)]
@@ -385,8 +387,9 @@ impl Calibration {
 }
 
 /// After a finalist compiled over the memory limit: the next candidate of its mesh that
-/// fits under its calibration goes to the front of `pending`, so the mesh is still represented when the analytic model was
-/// short on the failed option set (qwen3-30b-a3b on 32 GPUs: dp=32 with selective
+/// fits under its calibration goes to the front of `pending`, so the mesh is still
+/// represented when the analytic model was short on the failed option set
+/// (qwen3-30b-a3b on 32 GPUs: dp=32 with selective
 /// checkpointing and offload was priced at 79 GiB and compiled at 110, while dp=32 with
 /// full checkpointing, 51 GiB priced, was the fastest plan that fits). Returns the
 /// promoted candidate.
