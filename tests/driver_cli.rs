@@ -228,18 +228,16 @@ fn run_says_what_it_trains_on() {
     assert!(out.contains("random tokens"), "{out}");
 }
 
-/// The 1.24B step at 4096 tokens fits 16 GiB without checkpointing (13.1 GiB planned):
-/// the ranking must not price it out. It did when it held every gradient to the step's
-/// end (each dies at its update) and f32 logits beside their gradient (bf16, written in
-/// place), and compiled selective checkpointing instead (16% slower).
-#[test]
-fn a_step_that_fits_without_recompute_is_chosen_without_it() {
-    let plan = tmp("1b.json");
+/// The driver's choice for the 1.24B's bf16 training step (torch.optim.AdamW's state, as
+/// `--torch-adamw` runs it) at `seq` tokens under `gib` on the h100 profile: its
+/// `chose` line and the `tried` lines.
+fn choice_1b(seq: &str, gib: &str) -> (String, Vec<String>) {
+    let plan = tmp(&format!("1b-{seq}-{gib}.json"));
     let (code, _, err) = weft(&[
         "compile",
         "llama3.2-1b",
         "--seq",
-        "4096",
+        seq,
         "--batch",
         "1",
         "--dtype",
@@ -250,7 +248,7 @@ fn a_step_that_fits_without_recompute_is_chosen_without_it() {
         "--device",
         "h100",
         "--device-memory",
-        "16",
+        gib,
         "-o",
         plan.to_str().unwrap(),
     ]);
@@ -258,19 +256,34 @@ fn a_step_that_fits_without_recompute_is_chosen_without_it() {
     let chose = err
         .lines()
         .find(|l| l.starts_with("chose --checkpoint "))
-        .unwrap_or_else(|| panic!("{err}"));
+        .unwrap_or_else(|| panic!("{err}"))
+        .to_string();
+    let tried = err
+        .lines()
+        .filter(|l| l.starts_with("  tried "))
+        .map(str::to_string)
+        .collect();
+    (chose, tried)
+}
+
+/// The 1.24B step at 4096 tokens fits 16 GiB without checkpointing (13.1 GiB planned):
+/// the ranking must not price it out. It did when it held every gradient to the step's
+/// end (each dies at its update) and f32 logits beside their gradient (bf16, written in
+/// place), and compiled selective checkpointing instead (16% slower).
+#[test]
+fn a_step_that_fits_without_recompute_is_chosen_without_it() {
+    let (chose, tried) = choice_1b("4096", "16");
     assert!(
         chose.starts_with("chose --checkpoint none --zero 0"),
-        "{err}"
+        "{chose}"
     );
     // The analytic peaks track the compiled ones (dense layers as `fuse` leaves them).
     let gib_after = |line: &str, key: &str| -> f64 {
         let rest = &line[line.find(key).unwrap_or_else(|| panic!("{line}")) + key.len()..];
         rest.split_whitespace().next().unwrap().parse().unwrap()
     };
-    let tried: Vec<&str> = err.lines().filter(|l| l.starts_with("  tried ")).collect();
-    assert!(!tried.is_empty(), "{err}");
-    for line in tried {
+    assert!(!tried.is_empty(), "{chose}");
+    for line in &tried {
         let (planned, analytic) = (gib_after(line, "peak "), gib_after(line, "(analytic: "));
         assert!(
             (analytic / planned - 1.0).abs() < 0.1,
@@ -285,35 +298,11 @@ fn a_step_that_fits_without_recompute_is_chosen_without_it() {
 /// still ranked among those that fit, and selective's recompute is priced.
 #[test]
 fn a_near_limit_option_set_is_compiled_before_recompute() {
-    let plan = tmp("1b16k.json");
-    let (code, _, err) = weft(&[
-        "compile",
-        "llama3.2-1b",
-        "--seq",
-        "16384",
-        "--batch",
-        "1",
-        "--dtype",
-        "bf16",
-        "--optimizer",
-        "adamw",
-        "--no-master-weights",
-        "--device",
-        "h100",
-        "--device-memory",
-        "24",
-        "-o",
-        plan.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{err}");
-    let chose = err
-        .lines()
-        .find(|l| l.starts_with("chose --checkpoint "))
-        .unwrap_or_else(|| panic!("{err}"));
+    let (chose, tried) = choice_1b("16384", "24");
     assert!(
         chose.starts_with(
             "chose --checkpoint none --zero 0 --micro-batches 1 --stream-optimizer-state"
         ),
-        "{err}"
+        "{chose}\n{tried:?}"
     );
 }

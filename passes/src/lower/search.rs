@@ -888,6 +888,24 @@ mod tests {
         }
     }
 
+    /// One rank, no ZeRO, one micro-batch: `checkpoint` and `offload` as given.
+    fn one_rank(checkpoint: &'static str, offload: bool, fused_loss: bool) -> Candidate {
+        Candidate {
+            dp: 1,
+            cp: 1,
+            sp: 1,
+            tp: 1,
+            ep: 1,
+            zero: 0,
+            checkpoint,
+            offload,
+            offload_optimizer: false,
+            fused_loss,
+            micro_batches: 1,
+            cp_kv: CpKv::Ring,
+        }
+    }
+
     fn llama8b() -> ModelShape {
         ModelShape {
             name: "llama3-8b".into(),
@@ -917,20 +935,7 @@ mod tests {
         let mut tied = llama8b();
         tied.tied = true;
         let one = h100_spec(1, 4096, 1);
-        let c = Candidate {
-            dp: 1,
-            cp: 1,
-            sp: 1,
-            tp: 1,
-            ep: 1,
-            zero: 0,
-            checkpoint: "none",
-            offload: false,
-            offload_optimizer: false,
-            fused_loss: false,
-            micro_batches: 1,
-            cp_kv: CpKv::Ring,
-        };
+        let c = one_rank("none", false, false);
         let vocab_rows = (tied.vocab * tied.hidden * 2) as u64;
         let logits = 4096 * tied.vocab * 2;
         let s = score(&tied, &one, &c);
@@ -964,20 +969,7 @@ mod tests {
     fn selective_recompute_is_priced_as_the_layers_forward() {
         let m = llama8b();
         let spec = h100_spec(1, 4096, 1);
-        let c = |checkpoint, offload| Candidate {
-            dp: 1,
-            cp: 1,
-            sp: 1,
-            tp: 1,
-            ep: 1,
-            zero: 0,
-            checkpoint,
-            offload,
-            offload_optimizer: false,
-            fused_loss: true,
-            micro_batches: 1,
-            cp_kv: CpKv::Ring,
-        };
+        let c = |checkpoint, offload| one_rank(checkpoint, offload, true);
         let none = score(&m, &spec, &c("none", false));
         let sel = score(&m, &spec, &c("selective", false));
         let tokens = 4096.0;
@@ -994,20 +986,7 @@ mod tests {
         let mut tied = llama8b();
         tied.tied = true;
         let spec = h100_spec(1, 4096, 1);
-        let c = Candidate {
-            dp: 1,
-            cp: 1,
-            sp: 1,
-            tp: 1,
-            ep: 1,
-            zero: 0,
-            checkpoint: "none",
-            offload: false,
-            offload_optimizer: false,
-            fused_loss: false,
-            micro_batches: 1,
-            cp_kv: CpKv::Ring,
-        };
+        let c = one_rank("none", false, false);
         let (a, b) = (score(&tied, &spec, &c), score(&llama8b(), &spec, &c));
         assert!(
             (a.time.compute - b.time.compute).abs() < 1e-12,
