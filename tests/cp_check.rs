@@ -643,6 +643,8 @@ fn shape_of(model: &weft_frontends::Model) -> weft_passes::search::ModelShape {
         tied: c.tie_word_embeddings,
         param_bytes: model.param_dtype.size_bytes(),
         layer_windows: Vec::new(),
+        single_norms: c.norm_placement != weft_frontends::config::NormPlacement::Sandwich,
+        logit_softcap: c.final_softcap.is_some(),
     }
 }
 

@@ -527,10 +527,9 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
         let own = (s.memory.optimizer as f64 * 2.0 * shape.param_bytes as f64 / 12.0) as u64;
         s.memory.total -= s.memory.optimizer - own;
         s.memory.optimizer = own;
-        s.fits = s.memory.total <= req.memory_limit();
     }
     if opts.stream_optimizer_state {
-        stream_state_estimate(&mut s, shape, &req.device, req.memory_limit());
+        stream_state_estimate(&mut s, shape, &req.device);
     }
     // The compiled plan decides what fits: an option set the model prices just over the
     // limit is ranked among those that fit (the 1.24B at 16384 without checkpointing,
@@ -549,7 +548,7 @@ const ANALYTIC_FIT_MARGIN: f64 = 1.1;
 /// in flight; each direction of the host link carries the rest once during the
 /// backward (about two thirds of the compute), at its share of the duplex rate, and
 /// compute beside the copies slows by the profile's fraction.
-fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile, limit: u64) {
+fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile) {
     let state = s.memory.optimizer as f64;
     let params = shape.params().max(1) as f64;
     let vocab_rows = (shape.vocab * shape.hidden * if shape.tied { 1 } else { 2 }) as f64;
@@ -568,7 +567,6 @@ fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile, 
     s.memory.optimizer = on_device;
     s.time.step += added;
     s.time.compute += added;
-    s.fits = s.memory.total <= limit;
 }
 
 /// The best analytic mesh for the request's model on as many GPUs, as flags, when
@@ -1080,6 +1078,8 @@ mod tests {
             tied: false,
             param_bytes: 2,
             layer_windows: Vec::new(),
+            single_norms: true,
+            logit_softcap: false,
         });
         let b = Bindings::new().with("B", 2).with("S", 64);
         let mut o = open_training().options;

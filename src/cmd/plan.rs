@@ -94,6 +94,8 @@ pub fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
         } else {
             Vec::new()
         },
+        single_norms: c.norm_placement != weft_frontends::config::NormPlacement::Sandwich,
+        logit_softcap: c.final_softcap.is_some(),
     })
 }
 
@@ -353,36 +355,37 @@ pub fn diverse_first(fitting: Vec<&Scored>) -> Vec<&Scored> {
 /// else not at all.
 #[derive(Default)]
 struct Calibration {
-    exact: std::collections::BTreeMap<(String, String), f64>,
-    by_policy: std::collections::BTreeMap<String, f64>,
+    exact: std::collections::BTreeMap<(String, Policy), f64>,
+    by_policy: std::collections::BTreeMap<Policy, f64>,
 }
 
+/// A candidate's memory policy: checkpointing, activation offload, optimizer offload.
+type Policy = (&'static str, bool, bool);
+
 impl Calibration {
-    fn policy(c: &Candidate) -> String {
-        format!(
-            "{} offload={} offload_optimizer={}",
-            c.checkpoint, c.offload, c.offload_optimizer
-        )
+    fn policy(c: &Candidate) -> Policy {
+        (c.checkpoint, c.offload, c.offload_optimizer)
     }
     fn record(&mut self, c: &Candidate, ratio: f64) {
-        let e = self
-            .exact
-            .entry((c.mesh(), Self::policy(c)))
-            .or_insert(ratio);
-        *e = e.max(ratio);
-        let p = self.by_policy.entry(Self::policy(c)).or_insert(ratio);
-        *p = p.max(ratio);
+        for e in [
+            self.exact
+                .entry((c.mesh(), Self::policy(c)))
+                .or_insert(ratio),
+            self.by_policy.entry(Self::policy(c)).or_insert(ratio),
+        ] {
+            *e = e.max(ratio);
+        }
     }
     fn factor(&self, c: &Candidate) -> f64 {
         let policy = Self::policy(c);
         self.exact
-            .get(&(c.mesh(), policy.clone()))
+            .get(&(c.mesh(), policy))
             .or_else(|| self.by_policy.get(&policy))
             .copied()
             .unwrap_or(1.0)
     }
-    fn fits(&self, s: &Scored, limit: f64) -> bool {
-        s.memory.total as f64 * self.factor(&s.candidate) <= limit
+    fn fits(&self, s: &Scored, limit: u64) -> bool {
+        search::fits_calibrated(s, self.factor(&s.candidate), limit)
     }
 }
 
@@ -397,7 +400,7 @@ fn promote_on_mesh(
     pending: &mut std::collections::VecDeque<&Scored>,
     mesh: &str,
     calibration: &Calibration,
-    limit: f64,
+    limit: u64,
 ) -> Option<Candidate> {
     let i = pending
         .iter()
@@ -514,7 +517,7 @@ pub fn run(a: Args) -> CliResult {
     // Finalists: the best analytic candidates, compiled. Each compilation calibrates
     // the analytic memory of its mesh and memory policy ([`Calibration`]); candidates
     // that cannot fit under that calibration are skipped.
-    let limit = spec.device_memory as f64;
+    let limit = spec.device_memory;
     let mut calibration = Calibration::default();
     let mut compiled: Vec<(&Scored, Compiled)> = Vec::new();
     // Meshes the passes refused (the other options do not change that).
@@ -615,10 +618,7 @@ pub fn run(a: Args) -> CliResult {
     // fits (compiled and fitting, or not compiled and fitting as calibrated).
     let fits = |s: &Scored| match compiled.iter().find(|(c, _)| c.candidate == s.candidate) {
         Some((_, c)) => c.plan.is_some(),
-        None => {
-            !refused.contains(&s.candidate.mesh())
-                && search::fits_calibrated(s, calibration.factor(&s.candidate), spec.device_memory)
-        }
+        None => !refused.contains(&s.candidate.mesh()) && calibration.fits(s, spec.device_memory),
     };
     let other = fit.get(1).map(|x| (x.0, x.1.step_s)).or_else(|| {
         search::rival(&all, &best.candidate, fits)

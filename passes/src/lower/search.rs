@@ -15,9 +15,10 @@
 //!   sharded from stage 1), saved activations per token and layer by checkpoint policy
 //!   (Korthikanti et al.'s accounting for SwiGLU attention blocks with flash attention:
 //!   no S^2 term; with `--offload`, one layer's on the device, but selective +
-//!   offload keeps the residual stream of every layer there), the logits (in the
-//!   parameters' dtype with their gradient written over them; f32 and a gradient
-//!   beside them for the vocabulary-parallel loss over tp), one layer's working set;
+//!   offload keeps the residual stream of every layer there; dense single-norm layers
+//!   as `fuse` leaves them), the logits (in the parameters' dtype with their gradient
+//!   written over them; f32 and a gradient beside them for the vocabulary-parallel loss
+//!   over tp and for soft-capped logits), one layer's working set;
 //! - time: matmul and attention FLOPs at the profile's rates (recompute adds the
 //!   forward again for `full`), tp and sp (Ulysses) and ep collectives on the critical
 //!   path, gradient reduction and ZeRO gathers overlapped with the backward (only
@@ -66,6 +67,12 @@ pub struct ModelShape {
     /// Each layer's causal attention window (none: full attention); empty when no
     /// layer has one. A windowed layer's ring stops early ([`window_ring_steps`]).
     pub layer_windows: Vec<Option<u64>>,
+    /// Norms before (or after) the attention and the MLP, not both (gemma2/3's sandwich
+    /// norms save more than [`score`]'s `fuse`-based count).
+    pub single_norms: bool,
+    /// The logits are soft-capped (`c * tanh(logits / c)`): the unfused loss holds the
+    /// capped chain beside the logits.
+    pub logit_softcap: bool,
 }
 
 impl ModelShape {
@@ -491,9 +498,10 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // and v after rope, the attention's output, and the MLP's gate, up and product
     // (`glu` keeps nothing of its own); under selective, the layer's input and the
     // attention's output (the 1.24B's plans: 76 and 8 KB a token and layer). A model
-    // with MoE layers keeps Korthikanti et al.'s accounting, which holds more (selective
-    // keeps collective results, and the routed tokens' buffers are not priced here).
-    let (full_layer, selective) = if m.moe_layers == 0 {
+    // with MoE layers or sandwich norms keeps Korthikanti et al.'s accounting, which holds
+    // more (selective keeps collective results, and the routed tokens' buffers are not
+    // priced here; gemma2-9b's selective plan keeps 145 KB a token and layer).
+    let (full_layer, selective) = if m.moe_layers == 0 && m.single_norms {
         (
             2.0 * ((2.0 * h + 2.0 * q + 2.0 * kv) / tp + 3.0 * ffn / tp + 2.0 * h),
             2.0 * (q / tp + h),
@@ -554,7 +562,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // scratch (the pass bounds it to 256 MiB).
     let logits = if c.fused_loss {
         (tokens * m.vocab as f64 / tp * 4.0).min(256.0 * 1024.0 * 1024.0)
-    } else if c.tp == 1 {
+    } else if c.tp == 1 && !m.logit_softcap {
         // `cross_entropy_grad` writes the gradient over the logits (ELEMENTWISE_IN_PLACE).
         tokens * m.vocab as f64 * pb
     } else {
@@ -923,6 +931,8 @@ mod tests {
             tied: false,
             param_bytes: 2,
             layer_windows: Vec::new(),
+            single_norms: true,
+            logit_softcap: false,
         }
     }
 

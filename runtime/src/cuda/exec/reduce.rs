@@ -42,7 +42,7 @@ pub(super) fn reduce(
     }
     // A warp per output leaves the device idle when there are few outputs (a loss summed
     // over 16k tokens took 0.28 ms on one warp); then a block per output.
-    if x.dtype != DType::I64 && nred >= BLOCK_REDUCE_MIN && nout < BLOCK_REDUCE_MAX_OUTPUTS {
+    if x.dtype.is_float() && nred >= BLOCK_REDUCE_MIN && nout < BLOCK_REDUCE_MAX_OUTPUTS {
         let k = kernels::ReduceBlock {
             out: o.ptr,
             input: x.ptr,
