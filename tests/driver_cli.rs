@@ -336,6 +336,47 @@ fn analytic_peaks_track_other_models_plans() {
     }
 }
 
+/// `none` and `full` with `--offload` on the 1.24B at 4096: what the host link has not
+/// carried waits on the device, and the analytic peak says so (`none` was priced at 8.95
+/// GiB where the plan holds 12.76, as if every layer's values left at once).
+#[test]
+fn offload_without_recompute_is_priced_with_its_backlog() {
+    for checkpoint in ["none", "full"] {
+        let (code, _, err) = weft(&[
+            "compile",
+            "llama3.2-1b",
+            "--seq",
+            "4096",
+            "--batch",
+            "1",
+            "--dtype",
+            "bf16",
+            "--optimizer",
+            "adamw",
+            "--no-master-weights",
+            "--device",
+            "h100",
+            "--checkpoint",
+            checkpoint,
+            "--offload",
+            "--unfused-loss",
+            "--micro-batches",
+            "1",
+            "--stream-optimizer-state=false",
+            "-o",
+            tmp(&format!("1b-offload-{checkpoint}.json"))
+                .to_str()
+                .unwrap(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("  tried "))
+            .unwrap_or_else(|| panic!("{err}"));
+        assert_analytic_peak_tracks_the_plan(line);
+    }
+}
+
 /// At 16384 tokens under 24 GiB the step without checkpointing fits with the fused loss
 /// and streamed optimizer state (23.0 GiB planned, 379 ms), where selective checkpointing
 /// with offload takes 409 ms: an option set priced just over the limit (24.25 GiB) is

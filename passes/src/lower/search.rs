@@ -419,6 +419,29 @@ fn window_ring_saved_steps(m: &ModelShape, seq: u64, cp: u64) -> f64 {
         .sum()
 }
 
+/// The step's model FLOPs on all ranks: matmuls (6 per active parameter and token; the
+/// lm_head's GEMM runs whether or not it shares the embedding's weight, which
+/// `active_params` leaves out when tied) and causal attention.
+fn model_flops(m: &ModelShape, s: &SearchSpec) -> (f64, f64) {
+    let all_tokens = (s.batch * s.seq) as f64;
+    let head = if m.tied { m.vocab * m.hidden } else { 0 };
+    let matmul = 6.0 * (m.active_params() + head) as f64 * all_tokens;
+    let q = (m.heads * m.head_dim) as f64;
+    let attention = 6.0 * 2.0 * m.layers as f64 * q * s.seq as f64 * all_tokens / 2.0;
+    (matmul, attention)
+}
+
+/// Seconds one layer's forward takes on one rank over the whole step (every
+/// micro-batch): a third of its matmul and attention time.
+fn forward_layer_s(m: &ModelShape, s: &SearchSpec, d: &DeviceProfile) -> f64 {
+    let (matmul, attention) = model_flops(m, s);
+    let world = s.gpus as f64;
+    (matmul / world / (d.matmul_tflops * 1e12)
+        + attention * ATTENTION_HARDWARE_RATIO / world / (d.attention_tflops * 1e12))
+        / 3.0
+        / m.layers as f64
+}
+
 /// Seconds `--offload-optimizer` adds to a step updating `updated` parameters on this
 /// rank: each bucket's gradient chunk goes to the host, the host AdamW updates it and
 /// the parameters come back, once a step (after the last micro-batch's backward has
@@ -512,9 +535,20 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
             2.0 * ((2.0 * h + q + 2.0 * kv) / tp + ffn / tp + 2.0 * h),
         )
     };
+    // Under Ulysses, selective keeps what attention's backward reads in the head-sharded
+    // layout, the all_to_all results q, k and v and the attention's output before its
+    // all_to_all back (collective results are neither recomputed nor offloaded): on
+    // top of the output in the sequence layout, in every layer (llama3-70b at dp=32,sp=2,
+    // 16384 tokens a rank: 0.5 GiB a layer, 114 GiB compiled where cp=2 takes 71).
+    let kv_rep = kv_repeat(m.kv_heads / c.tp as u64, c.sp as u64) as f64;
+    let ulysses_kept = if c.sp > 1 && c.checkpoint == "selective" {
+        2.0 * (2.0 * q + 2.0 * kv * kv_rep) / tp
+    } else {
+        0.0
+    };
     let saved_per_layer = match c.checkpoint {
         "none" => full_layer,
-        "selective" => selective,
+        "selective" => selective + ulysses_kept,
         _ => 2.0 * h,
     };
     let kept_layers = if c.offload {
@@ -527,7 +561,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // selective keeps, the residual stream and the norms' inputs (2 x hidden per token
     // and layer), stays on the device in every layer.
     let resident_saved = if c.offload && c.checkpoint == "selective" {
-        2.0 * 2.0 * h * (layers - kept_layers)
+        (2.0 * 2.0 * h + ulysses_kept) * (layers - kept_layers)
     } else {
         0.0
     };
@@ -536,7 +570,6 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // (docs/ring.md), so what the ring adds is in flight during one layer: two k/v
     // blocks forward (double buffering), two k/v blocks and two dk/dv accumulators
     // backward.
-    let kv_rep = kv_repeat(m.kv_heads / c.tp as u64, c.sp as u64) as f64;
     let ring_kv = tokens * sp * 2.0 * 2.0 * kv * kv_rep / tp / sp;
     let ring_lse = if c.cp > 1 {
         tokens * 4.0 * m.heads as f64 / tp
@@ -555,7 +588,20 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         (true, CpKv::Ring) => 4.0 * ring_kv,
         (true, CpKv::AllGather) => 2.0 * cp * ring_kv,
     };
+    // `none` and `full` with `--offload` send every layer's saved values to the host as
+    // soon as the forward is done with them; what the link has not carried by the time
+    // the next layer's are made waits on the device (`offload`'s plan holds each buffer
+    // until its copy is done), so the backlog grows by the excess every layer (the
+    // 1.24B at 16384 on an H100: 1.2 GB a layer made in 5 ms, 0.3 GB carried). Selective
+    // + offload sends only what the link carries in time (`checkpoint::host`).
+    let backlog = if c.offload && c.checkpoint != "selective" {
+        let carried = d.host_gbps * 1e9 * forward_layer_s(m, s, d) / c.micro_batches as f64;
+        (tokens * saved_per_layer - carried).max(0.0) * (layers - kept_layers)
+    } else {
+        0.0
+    };
     let activations = tokens * (saved_per_layer * kept_layers + full_layer + resident_saved)
+        + backlog
         + ring_saved * kept_layers
         + ring_in_flight;
     // The f32 logits and their gradient, or with the fused loss one vocabulary chunk's
@@ -590,17 +636,13 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     };
     // Compute.
     let all_tokens = (s.batch * s.seq) as f64;
-    // The lm_head's GEMM runs whether or not it shares the embedding's weight (which
-    // `active_params` leaves out when tied).
-    let head = if m.tied { m.vocab * m.hidden } else { 0 };
-    let matmul_model = 6.0 * (m.active_params() + head) as f64 * all_tokens;
-    let attn_model = 6.0 * 2.0 * layers * q * s.seq as f64 * all_tokens / 2.0;
+    let (matmul_model, attn_model) = model_flops(m, s);
     // Recompute as a share of the matmul FLOPs: `full` the whole forward again;
     // `selective` every layer's projections and MLP (a third of their FLOPs; the lm_head
     // is not recomputed: +16% on the 1.24B's plan at 4096). With `--offload` the host
     // takes instead what the link carries during the layer's forward (`checkpoint`'s
     // `host.rs` plans it on the same clock); the rest is recomputed.
-    let layer_share = 1.0 - (m.vocab * m.hidden) as f64 / (m.active_params() + head) as f64;
+    let layer_share = 1.0 - 6.0 * (m.vocab * m.hidden) as f64 * all_tokens / matmul_model;
     let recompute = match (c.checkpoint, c.offload) {
         ("full", _) => 1.0 / 3.0,
         ("selective", false) => layer_share / 3.0,
@@ -609,10 +651,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
             // with micro-batches this overstates what the link carries, but dividing by
             // their count (with `none` + offload priced as the link carries it) moved
             // llama3-70b's winner to a slower plan (PLAN_SEARCH.md).
-            let forward_layer = (matmul_model / world / (d.matmul_tflops * 1e12)
-                + attn_model * ATTENTION_HARDWARE_RATIO / world / (d.attention_tflops * 1e12))
-                / 3.0
-                / layers;
+            let forward_layer = forward_layer_s(m, s, d);
             let recomputed_bytes = tokens * (full_layer - saved_per_layer);
             let carried = if recomputed_bytes > 0.0 {
                 (d.host_gbps * 1e9 * forward_layer / recomputed_bytes).min(1.0)
@@ -1220,6 +1259,101 @@ mod tests {
         // recompute, not device memory (the 1.24B's plans at 16384: 14.16 GiB with
         // offload, 13.58 without).
         assert!(sel_off >= act("selective", false));
+    }
+
+    /// The 1.24B Llama-3-style model (`llama3.2-1b`).
+    fn llama1b() -> ModelShape {
+        ModelShape {
+            name: "llama3.2-1b".into(),
+            layers: 16,
+            hidden: 2048,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 64,
+            ffn: 8192,
+            tied: true,
+            ..llama8b()
+        }
+    }
+
+    /// `none` with `--offload` sends every layer's saved values to the host, and what the
+    /// link has not carried by the time the next layer's are made waits on the device:
+    /// the backlog grows by the excess every layer, and vanishes on a link fast enough.
+    #[test]
+    fn offload_without_recompute_holds_what_the_link_has_not_carried() {
+        let m = llama1b();
+        let spec = h100_spec(1, 16384, 1);
+        let act = |spec: &SearchSpec, ck| {
+            score(&m, spec, &one_rank(ck, true, true))
+                .memory
+                .activations as f64
+        };
+        let fast = SearchSpec {
+            device: DeviceProfile {
+                host_gbps: 1e6,
+                ..spec.device.clone()
+            },
+            ..spec.clone()
+        };
+        let per_layer = score(&m, &spec, &one_rank("none", false, true))
+            .memory
+            .activations as f64
+            / (m.layers + 1) as f64;
+        let carried = spec.device.host_gbps * 1e9 * forward_layer_s(&m, &spec, &spec.device);
+        assert!(
+            carried > 0.0 && carried < per_layer,
+            "{carried} {per_layer}"
+        );
+        let backlog = (per_layer - carried) * (m.layers - 1) as f64;
+        let (slow, quick) = (act(&spec, "none"), act(&fast, "none"));
+        assert!(
+            ((slow - quick) / backlog - 1.0).abs() < 1e-9,
+            "{slow} {quick} {backlog}"
+        );
+        assert!(
+            (quick / per_layer - 2.0).abs() < 1e-9,
+            "{quick} {per_layer}"
+        );
+        // Selective + offload sends only what the link carries in time: no backlog.
+        assert_eq!(act(&spec, "selective"), act(&fast, "selective"));
+    }
+
+    /// Under Ulysses selective checkpointing also keeps what attention's backward reads
+    /// in the head-sharded layout (q, k and v after their all_to_all, the output before
+    /// its all_to_all back), in every layer, with or without `--offload`: on top of what
+    /// a data-parallel rank with as many tokens keeps.
+    #[test]
+    fn ulysses_selective_keeps_the_head_sharded_attention_operands() {
+        let m = llama8b();
+        let spec = h100_spec(8, 32768, 4);
+        let c = |dp, sp, offload| Candidate {
+            dp,
+            cp: 1,
+            sp,
+            tp: 1,
+            ep: 1,
+            zero: 3,
+            checkpoint: "selective",
+            offload,
+            offload_optimizer: false,
+            fused_loss: true,
+            micro_batches: 1,
+            cp_kv: CpKv::Ring,
+        };
+        let act = |dp, sp, offload| score(&m, &spec, &c(dp, sp, offload)).memory.activations as f64;
+        let tokens = 4.0 * 32768.0 / 8.0;
+        let (q, kv) = (
+            (m.heads * m.head_dim) as f64,
+            (m.kv_heads * m.head_dim) as f64,
+        );
+        let kept = tokens * 2.0 * (2.0 * q + 2.0 * kv) * m.layers as f64;
+        for offload in [false, true] {
+            let extra = act(2, 4, offload) - act(8, 1, offload);
+            assert!(
+                (extra / kept - 1.0).abs() < 1e-9,
+                "offload {offload}: {extra} against {kept}"
+            );
+        }
     }
 
     fn scored(dp: u32, cp: u32, total: u64, fits: bool, step: f64) -> Scored {
