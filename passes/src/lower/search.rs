@@ -490,7 +490,16 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let z2 = |n: f64, z: f64| if c.zero >= 2 { n / z } else { n };
     let z1 = |n: f64, z: f64| if c.zero >= 1 { n / z } else { n };
     let per_layer_params = local / layers;
-    let params = pb * (z3(dense, zd) + z3(expert, ze));
+    // ZeRO-3 splits a parameter by the rows of its dim 0, which for the stacked expert
+    // weights is the local experts: fewer of them than ranks in the group and each rank
+    // keeps them whole (their state is still sharded, flat).
+    let local_experts = m.experts as f64 / if c.ep > 1 { ep } else { 1.0 };
+    let expert_z3 = if local_experts >= ze {
+        z3(expert, ze)
+    } else {
+        expert
+    };
+    let params = pb * (z3(dense, zd) + expert_z3);
     let bucket = 500e6_f64.min(local * pb);
     // A tied vocabulary's gradient takes the lm_head's part at the backward's start and
     // the embedding's at its end, so it lives through the backward; every other one dies
@@ -513,27 +522,48 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     };
     // Activations: tokens per rank per micro-batch.
     let tokens = (s.batch * s.seq) as f64 / (dp * cp * sp) / c.micro_batches as f64;
+    // Expert parallelism's buffers are sized for the most rows a rank can receive, every
+    // rank's routed rows (`ep` times what balanced routing brings), as the plan allocates
+    // its data-dependent sizes: the experts' gate, up and product and the received and
+    // returned rows of each MoE layer (mixtral-8x7b at dp=16,sp=2,ep=8, 4096 tokens a
+    // rank: three [65536, 14336] buffers a layer, 228 GiB compiled where balanced rows
+    // priced 69). Selective keeps the rows the exchanges brought (collective results,
+    // as many as the bound going, as balanced routing sends coming back), not the
+    // experts' intermediates.
+    let ep_bound = if c.ep > 1 { ep } else { 1.0 };
+    let moe_share = m.moe_layers as f64 / layers;
+    let routed_ffn = moe_share * (m.top_k * m.expert_ffn) as f64;
     let ffn = m.ffn_per_token();
+    let dense_ffn = ffn - routed_ffn;
+    let routed_rows = moe_share * m.top_k as f64 * h;
     let kv = (m.kv_heads * m.head_dim) as f64;
     let q = (m.heads * m.head_dim) as f64;
     // Bytes saved per token and layer (bf16), tp shards everything but the norms' inputs.
     // A dense layer as `fuse` leaves it keeps the two norms' inputs and outputs, q, k
     // and v after rope, the attention's output, and the MLP's gate, up and product
     // (`glu` keeps nothing of its own); under selective, the layer's input and the
-    // attention's output (the 1.24B's plans: 76 and 8 KB a token and layer). A model
-    // with MoE layers or sandwich norms keeps Korthikanti et al.'s accounting, which holds
-    // more (selective keeps collective results, and the routed tokens' buffers are not
-    // priced here; gemma2-9b's selective plan keeps 145 KB a token and layer).
-    let (full_layer, selective) = if m.moe_layers == 0 && m.single_norms {
-        (
-            2.0 * ((2.0 * h + 2.0 * q + 2.0 * kv) / tp + 3.0 * ffn / tp + 2.0 * h),
-            2.0 * (q / tp + h),
-        )
+    // attention's output (the 1.24B's plans: 76 and 8 KB a token and layer), and in a
+    // MoE layer over ep the rows the exchanges brought. Without checkpointing a MoE layer
+    // and any layer with sandwich norms keep Korthikanti et al.'s accounting, with the
+    // experts' buffers as above; under selective sandwich norms keep more (gemma2-9b's
+    // plan: 145 KB a token and layer).
+    let routed_kept = if c.ep > 1 {
+        routed_rows * (ep_bound + 1.0)
     } else {
-        (
-            2.0 * ((4.0 * h + 2.0 * q + 2.0 * kv) / tp + 4.0 * ffn / tp + 2.0 * h),
-            2.0 * ((2.0 * h + q + 2.0 * kv) / tp + ffn / tp + 2.0 * h),
-        )
+        0.0
+    };
+    let selective = if m.single_norms {
+        2.0 * (q / tp + h + routed_kept)
+    } else {
+        2.0 * ((2.0 * h + q + 2.0 * kv) / tp + dense_ffn / tp + 2.0 * h + routed_kept)
+    };
+    let full_layer = if m.moe_layers == 0 && m.single_norms {
+        2.0 * ((2.0 * h + 2.0 * q + 2.0 * kv) / tp + 3.0 * ffn / tp + 2.0 * h)
+    } else {
+        2.0 * ((4.0 * h + 2.0 * q + 2.0 * kv) / tp
+            + (4.0 * dense_ffn + 3.0 * routed_ffn * ep_bound) / tp
+            + 2.0 * h
+            + routed_rows * (ep_bound + 1.0))
     };
     // Under Ulysses, selective keeps what attention's backward reads in the head-sharded
     // layout, the all_to_all results q, k and v and the attention's output before its
@@ -1354,6 +1384,78 @@ mod tests {
                 "offload {offload}: {extra} against {kept}"
             );
         }
+    }
+
+    fn mixtral() -> ModelShape {
+        ModelShape {
+            name: "mixtral-8x7b".into(),
+            vocab: 32000,
+            moe_layers: 32,
+            experts: 8,
+            top_k: 2,
+            expert_ffn: 14336,
+            ..llama8b()
+        }
+    }
+
+    /// Mixtral over dp (ep as given), no checkpointing, ZeRO `zero`.
+    fn moe_rank(dp: u32, ep: u32, zero: u8) -> Candidate {
+        Candidate {
+            dp,
+            cp: 1,
+            sp: 1,
+            tp: 1,
+            ep,
+            zero,
+            checkpoint: "none",
+            offload: false,
+            offload_optimizer: false,
+            fused_loss: true,
+            micro_batches: 1,
+            cp_kv: CpKv::Ring,
+        }
+    }
+
+    /// ZeRO-3 splits the stacked expert weights by their rows, the local experts: with
+    /// fewer of those than ranks in the group they stay whole on every rank (mixtral on
+    /// 32 GPUs without ep: 84 GiB of experts a rank in the compiled plan).
+    #[test]
+    fn stacked_experts_stay_whole_under_zero3_past_one_expert_a_rank() {
+        let m = mixtral();
+        let spec = h100_spec(32, 4096, 32);
+        let params = |dp, ep| score(&m, &spec, &moe_rank(dp, ep, 3)).memory.params as f64;
+        let (dense, expert) = (m.dense_params() as f64, m.expert_params() as f64);
+        let whole = 2.0 * (dense / 32.0 + expert);
+        assert!(
+            (params(32, 1) / whole - 1.0).abs() < 1e-9,
+            "{}",
+            params(32, 1)
+        );
+        // ep=4: two experts a rank, an expert-data-parallel group of 8.
+        let whole = 2.0 * (dense / 32.0 + expert / 4.0);
+        assert!((params(32, 4) / whole - 1.0).abs() < 1e-9);
+        // On 4 ranks each takes two of the eight.
+        let spec4 = h100_spec(4, 4096, 4);
+        let p4 = score(&m, &spec4, &moe_rank(4, 1, 3)).memory.params as f64;
+        assert!(
+            (p4 / (2.0 * (dense + expert) / 4.0) - 1.0).abs() < 1e-9,
+            "{p4}"
+        );
+    }
+
+    /// Expert parallelism's received rows are sized at their bound, every rank's routed
+    /// rows: the experts' gate, up and product and the received rows grow with `ep` in
+    /// every layer a step without checkpointing keeps, and in the one it works on.
+    #[test]
+    fn expert_parallel_buffers_are_sized_for_every_ranks_rows() {
+        let m = mixtral();
+        let spec = h100_spec(32, 4096, 32);
+        let act = |ep| score(&m, &spec, &moe_rank(32, ep, 1)).memory.activations as f64;
+        let tokens = 4096.0;
+        let k = m.top_k as f64;
+        let per_ep = 2.0 * (3.0 * k * m.expert_ffn as f64 + k * m.hidden as f64);
+        let want = tokens * (m.layers + 1) as f64 * per_ep * (8.0 - 2.0);
+        assert!(((act(8) - act(2)) / want - 1.0).abs() < 1e-9);
     }
 
     fn scored(dp: u32, cp: u32, total: u64, fits: bool, step: f64) -> Scored {
