@@ -815,17 +815,11 @@ mod tests {
     fn calibration_follows_the_memory_policy() {
         let c = |dp: u32, sp: u32, checkpoint: &'static str, offload: bool| Candidate {
             dp,
-            cp: 1,
             sp,
-            tp: 1,
-            ep: 1,
             zero: 3,
             checkpoint,
             offload,
-            offload_optimizer: false,
-            fused_loss: true,
-            micro_batches: 1,
-            cp_kv: Default::default(),
+            ..Default::default()
         };
         let mut cal = Calibration::default();
         cal.record(&c(64, 1, "none", true), 8.0);
@@ -843,17 +837,11 @@ mod tests {
     fn step_calibration_combines_the_policy_and_the_layout() {
         let c = |dp: u32, sp: u32, checkpoint: &'static str| Candidate {
             dp,
-            cp: 1,
             sp,
-            tp: 1,
-            ep: 1,
             zero: 3,
             checkpoint,
             offload: true,
-            offload_optimizer: false,
-            fused_loss: true,
-            micro_batches: 1,
-            cp_kv: Default::default(),
+            ..Default::default()
         };
         let scored = |c: Candidate| Scored {
             candidate: c,

@@ -186,6 +186,26 @@ pub struct Candidate {
     pub cp_kv: CpKv,
 }
 
+/// One rank, no ZeRO, no checkpointing or offload, the fused loss, one micro-batch.
+impl Default for Candidate {
+    fn default() -> Candidate {
+        Candidate {
+            dp: 1,
+            cp: 1,
+            sp: 1,
+            tp: 1,
+            ep: 1,
+            zero: 0,
+            checkpoint: "none",
+            offload: false,
+            offload_optimizer: false,
+            fused_loss: true,
+            micro_batches: 1,
+            cp_kv: CpKv::Ring,
+        }
+    }
+}
+
 impl Candidate {
     /// The mesh text (`dp=8,sp=8,tp=8`, `ep` last), axes of size 1 left out.
     pub fn mesh(&self) -> String {
@@ -385,13 +405,7 @@ fn mesh_text(dp: u64, cp: u64, sp: u64, tp: u64, ep: u64) -> String {
         sp: sp as u32,
         tp: tp as u32,
         ep: ep as u32,
-        zero: 0,
-        checkpoint: "none",
-        offload: false,
-        offload_optimizer: false,
-        fused_loss: true,
-        micro_batches: 1,
-        cp_kv: CpKv::Ring,
+        ..Default::default()
     }
     .mesh()
 }
@@ -968,18 +982,10 @@ mod tests {
     /// One rank, no ZeRO, one micro-batch: `checkpoint` and `offload` as given.
     fn one_rank(checkpoint: &'static str, offload: bool, fused_loss: bool) -> Candidate {
         Candidate {
-            dp: 1,
-            cp: 1,
-            sp: 1,
-            tp: 1,
-            ep: 1,
-            zero: 0,
             checkpoint,
             offload,
-            offload_optimizer: false,
             fused_loss,
-            micro_batches: 1,
-            cp_kv: CpKv::Ring,
+            ..Default::default()
         }
     }
 
@@ -1358,17 +1364,11 @@ mod tests {
         let spec = h100_spec(8, 32768, 4);
         let c = |dp, sp, offload| Candidate {
             dp,
-            cp: 1,
             sp,
-            tp: 1,
-            ep: 1,
             zero: 3,
             checkpoint: "selective",
             offload,
-            offload_optimizer: false,
-            fused_loss: true,
-            micro_batches: 1,
-            cp_kv: CpKv::Ring,
+            ..Default::default()
         };
         let act = |dp, sp, offload| score(&m, &spec, &c(dp, sp, offload)).memory.activations as f64;
         let tokens = 4.0 * 32768.0 / 8.0;
@@ -1402,17 +1402,9 @@ mod tests {
     fn moe_rank(dp: u32, ep: u32, zero: u8) -> Candidate {
         Candidate {
             dp,
-            cp: 1,
-            sp: 1,
-            tp: 1,
             ep,
             zero,
-            checkpoint: "none",
-            offload: false,
-            offload_optimizer: false,
-            fused_loss: true,
-            micro_batches: 1,
-            cp_kv: CpKv::Ring,
+            ..Default::default()
         }
     }
 
