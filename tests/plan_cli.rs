@@ -85,6 +85,48 @@ fn plan_refuses_a_program_without_a_config_and_a_cluster_too_small() {
     assert!(stderr.contains("no plan fits"), "{stderr}");
 }
 
+/// Sizes `weft plan` cannot search are refused naming the flag, at once: a GPU count
+/// no mesh splits the model over (it had panicked on an empty candidate list), one past
+/// the limit (it had spent 26 s enumerating divisors), and a batch or sequence whose
+/// token count would wrap (it had hung).
+#[test]
+fn plan_refuses_sizes_it_cannot_search() {
+    for (args, says) in [
+        (&["--gpus", "7", "--seq", "4096"][..], "no mesh of 7 GPUs"),
+        (
+            &["--gpus", "4294967295", "--seq", "4096"],
+            "invalid --gpus 4294967295",
+        ),
+        (&["--gpus", "8", "--seq", "0"], "invalid --seq 0"),
+        (
+            &[
+                "--gpus",
+                "8",
+                "--seq",
+                "4096",
+                "--batch",
+                "18446744073709551615",
+            ],
+            "invalid --batch 18446744073709551615",
+        ),
+    ] {
+        let mut argv = vec!["plan", "llama3-8b"];
+        argv.extend_from_slice(args);
+        let (code, _, stderr) = weft(&argv);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!stderr.contains("internal error"), "{stderr}");
+    }
+}
+
+/// On one GPU the mesh is named as `--mesh` takes it (it was empty: `--mesh  --zero`).
+#[test]
+fn plan_on_one_gpu_names_a_mesh() {
+    let (code, stdout, stderr) = weft(&["plan", "qwen2.5-0.5b", "--gpus", "1", "--seq", "512"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("best: --mesh dp=1 --zero 0 "), "{stdout}");
+}
+
 /// Counts `all_to_all` per layer in the forward and the backward of a plan file.
 fn all_to_all_per_layer(plan: &serde_json::Value) -> (usize, usize) {
     let mut fwd = std::collections::BTreeMap::<String, usize>::new();

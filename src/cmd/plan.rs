@@ -463,6 +463,9 @@ fn promote_on_mesh(
     Some(s.candidate.clone())
 }
 
+/// The most GPUs `weft plan` searches over.
+const MAX_GPUS: u32 = 1 << 16;
+
 /// How close to the best compiled step a candidate's calibrated analytic time must come
 /// for it to be compiled as a challenger: the analytic model ranks meshes of one policy
 /// only to a few percent (llama3-70b on 64 GPUs: dp=16,sp=4 priced 1.1% slower than
@@ -567,12 +570,22 @@ pub fn run(a: Args) -> CliResult {
     let model = super::load_model(&a.model)?;
     let shape = shape_of(&model)?;
     let device = weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?;
-    if a.gpus == 0 || a.seq == 0 {
-        return Err(CliError::input("invalid --gpus/--seq: must be positive"));
+    if a.gpus == 0 || a.gpus > MAX_GPUS {
+        return Err(CliError::input(format!(
+            "invalid --gpus {}: must be between 1 and {MAX_GPUS}",
+            a.gpus
+        )));
     }
-    let batch = a.batch.unwrap_or_else(|| ((1u64 << 22) / a.seq).max(1));
-    if batch == 0 {
-        return Err(CliError::input("invalid --batch 0: must be positive"));
+    let batch = a
+        .batch
+        .unwrap_or_else(|| ((1u64 << 22) / a.seq.max(1)).max(1));
+    use weft_passes::bindings::{MAX_BATCH, MAX_SEQ};
+    for (flag, v, max) in [("--batch", batch, MAX_BATCH), ("--seq", a.seq, MAX_SEQ)] {
+        if v == 0 || v > max as u64 {
+            return Err(CliError::input(format!(
+                "invalid {flag} {v}: must be between 1 and {max}"
+            )));
+        }
     }
     let mem_gib = a.device_memory.unwrap_or(device.memory_gib);
     if !(mem_gib > 0.0) {
@@ -594,6 +607,19 @@ pub fn run(a: Args) -> CliResult {
     let mut all = search::search(&shape, &spec);
     if a.no_cp {
         all.retain(|s| s.candidate.cp <= 1);
+    }
+    if all.is_empty() {
+        return Err(CliError::input(format!(
+            "no mesh of {} GPUs splits {} at seq {} and batch {batch}: tp must divide the heads ({}), the kv heads ({}, or be a multiple of them) and the vocabulary ({}) within a node ({} GPUs), sp the heads left, sp (2 x cp x sp with cp) the sequence, and dp the batch",
+            a.gpus,
+            shape.name,
+            a.seq,
+            shape.heads,
+            shape.kv_heads,
+            shape.vocab,
+            spec.gpus_per_node
+        ))
+        .with_help("use a GPU count with more divisors (a power of two), or a --batch that the data-parallel degree divides"));
     }
     let fitting = all.iter().filter(|s| s.fits).count();
     let searched = start.elapsed().as_secs_f64();

@@ -207,7 +207,8 @@ impl Default for Candidate {
 }
 
 impl Candidate {
-    /// The mesh text (`dp=8,sp=8,tp=8`, `ep` last), axes of size 1 left out.
+    /// The mesh text (`dp=8,sp=8,tp=8`, `ep` last), axes of size 1 left out (`dp=1` for
+    /// one rank).
     pub fn mesh(&self) -> String {
         let mut parts = Vec::new();
         for (a, n) in [
@@ -225,6 +226,10 @@ impl Candidate {
                 parts.push(format!("dp={}", self.dp));
             }
             parts.push(format!("ep={}", self.ep));
+        }
+        if parts.is_empty() {
+            // One rank: still a mesh `--mesh` takes.
+            parts.push("dp=1".into());
         }
         parts.join(",")
     }
@@ -290,8 +295,21 @@ pub fn peak_flops(d: &DeviceProfile) -> f64 {
     }
 }
 
+/// The divisors of `n`, ascending (trial division up to its square root).
 fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
+    let (mut low, mut high) = (Vec::new(), Vec::new());
+    let mut d = 1u64;
+    while d.saturating_mul(d) <= n {
+        if n.is_multiple_of(d) {
+            low.push(d);
+            if d != n / d {
+                high.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    low.extend(high.into_iter().rev());
+    low
 }
 
 /// Whether ranks `stride` apart, `size` of them, span more than one node.
@@ -350,7 +368,15 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
             };
             let per_rank = s.batch / dp;
             for ep in eps {
-                for zero in 0..=3u8 {
+                // Without a group to shard over (dense dp x cp x sp, experts' edp) every
+                // ZeRO stage is stage 0's plan.
+                let expert_group = world / ep / if ep > 1 { 1 } else { tp };
+                let zero_max = if dp * cp * sp > 1 || (m.experts > 0 && expert_group > 1) {
+                    3
+                } else {
+                    0
+                };
+                for zero in 0..=zero_max {
                     for checkpoint in ["none", "selective", "full"] {
                         for (offload, offload_optimizer) in
                             [(false, false), (true, false), (false, true), (true, true)]
