@@ -616,8 +616,16 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     } else {
         0.0
     };
+    // Without checkpointing the all_to_all results q, k and v are kept besides what
+    // `full_layer` counts in the sequence layout (llama3-70b at dp=32,sp=2: 0.31 GiB a
+    // layer more than at dp=64 with as many tokens a rank).
+    let ulysses_none = if c.sp > 1 {
+        2.0 * (q + 2.0 * kv * kv_rep) / tp
+    } else {
+        0.0
+    };
     let saved_per_layer = match c.checkpoint {
-        "none" => full_layer,
+        "none" => full_layer + ulysses_none,
         "selective" => selective + ulysses_kept,
         _ => 2.0 * h,
     };
@@ -1382,32 +1390,39 @@ mod tests {
 
     /// Under Ulysses selective checkpointing also keeps what attention's backward reads
     /// in the head-sharded layout (q, k and v after their all_to_all, the output before
-    /// its all_to_all back), in every layer, with or without `--offload`: on top of what
-    /// a data-parallel rank with as many tokens keeps.
+    /// its all_to_all back), in every layer, with or without `--offload`; without
+    /// checkpointing, q, k and v after their all_to_all. Both on top of what a
+    /// data-parallel rank with as many tokens keeps.
     #[test]
-    fn ulysses_selective_keeps_the_head_sharded_attention_operands() {
+    fn ulysses_keeps_the_head_sharded_attention_operands() {
         let m = llama8b();
         let spec = h100_spec(8, 32768, 4);
-        let c = |dp, sp, offload| Candidate {
+        let c = |dp, sp, checkpoint, offload| Candidate {
             dp,
             sp,
             zero: 3,
-            checkpoint: "selective",
+            checkpoint,
             offload,
             ..Default::default()
         };
-        let act = |dp, sp, offload| score(&m, &spec, &c(dp, sp, offload)).memory.activations as f64;
+        let act = |dp, sp, ck, offload| {
+            score(&m, &spec, &c(dp, sp, ck, offload)).memory.activations as f64
+        };
         let tokens = 4.0 * 32768.0 / 8.0;
         let (q, kv) = (
             (m.heads * m.head_dim) as f64,
             (m.kv_heads * m.head_dim) as f64,
         );
-        let kept = tokens * 2.0 * (2.0 * q + 2.0 * kv) * m.layers as f64;
-        for offload in [false, true] {
-            let extra = act(2, 4, offload) - act(8, 1, offload);
+        for (checkpoint, offload, per_token) in [
+            ("selective", false, 2.0 * q + 2.0 * kv),
+            ("selective", true, 2.0 * q + 2.0 * kv),
+            ("none", false, q + 2.0 * kv),
+        ] {
+            let kept = tokens * 2.0 * per_token * m.layers as f64;
+            let extra = act(2, 4, checkpoint, offload) - act(8, 1, checkpoint, offload);
             assert!(
                 (extra / kept - 1.0).abs() < 1e-9,
-                "offload {offload}: {extra} against {kept}"
+                "{checkpoint} offload {offload}: {extra} against {kept}"
             );
         }
     }
