@@ -677,20 +677,11 @@ fn peaks(mesh: &str) -> (f64, f64) {
         peak_flops: 989e12,
         grad_outputs: false,
     };
+    // As compiled: no checkpointing, the fused loss (TrainOptions' default).
     let c = weft_passes::search::Candidate {
-        dp: 1,
         cp: m.size_or_one("cp"),
         sp: m.size_or_one("sp"),
-        tp: 1,
-        ep: 1,
-        zero: 0,
-        checkpoint: "none",
-        offload: false,
-        offload_optimizer: false,
-        // as compiled: the step's loss is fused (TrainOptions' default)
-        fused_loss: true,
-        micro_batches: 1,
-        cp_kv: CpKv::Ring,
+        ..Default::default()
     };
     let a = weft_passes::search::score(&shape_of(&model), &spec, &c);
     (e.peak_bytes as f64, a.memory.total as f64)
