@@ -87,8 +87,9 @@ fn plan_refuses_a_program_without_a_config_and_a_cluster_too_small() {
 
 /// Sizes `weft plan` cannot search are refused naming the flag, at once: a GPU count
 /// no mesh splits the model over (it had panicked on an empty candidate list), one past
-/// the limit (it had spent 26 s enumerating divisors), and a batch or sequence whose
-/// token count would wrap (it had hung).
+/// the limit (it had spent 26 s enumerating divisors), a batch or sequence whose
+/// token count would wrap (it had hung), a finalist count whose cap would wrap, and
+/// nodes of no GPUs (taken as one).
 #[test]
 fn plan_refuses_sizes_it_cannot_search() {
     for (args, says) in [
@@ -98,6 +99,21 @@ fn plan_refuses_sizes_it_cannot_search() {
             "invalid --gpus 4294967295",
         ),
         (&["--gpus", "8", "--seq", "0"], "invalid --seq 0"),
+        (
+            &[
+                "--gpus",
+                "8",
+                "--seq",
+                "4096",
+                "--finalists",
+                "18446744073709551615",
+            ],
+            "invalid --finalists 18446744073709551615",
+        ),
+        (
+            &["--gpus", "8", "--seq", "4096", "--gpus-per-node", "0"],
+            "invalid --gpus-per-node 0",
+        ),
         (
             &[
                 "--gpus",

@@ -466,6 +466,10 @@ fn promote_on_mesh(
 /// The most GPUs `weft plan` searches over.
 const MAX_GPUS: u32 = 1 << 16;
 
+/// The most finalists `weft plan` compiles before challengers (each compile takes up to
+/// tens of seconds on the largest meshes; challengers add up to three times as many).
+const MAX_FINALISTS: usize = 64;
+
 /// How close to the best compiled step a candidate's calibrated analytic time must come
 /// for it to be compiled as a challenger: the analytic model ranks meshes of one policy
 /// only to a few percent (llama3-70b on 64 GPUs: dp=16,sp=4 priced 1.1% slower than
@@ -570,6 +574,17 @@ pub fn run(a: Args) -> CliResult {
     let model = super::load_model(&a.model)?;
     let shape = shape_of(&model)?;
     let device = weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?;
+    if !(1..=MAX_FINALISTS).contains(&a.finalists) {
+        return Err(CliError::input(format!(
+            "invalid --finalists {}: must be between 1 and {MAX_FINALISTS}",
+            a.finalists
+        )));
+    }
+    if a.gpus_per_node == Some(0) {
+        return Err(CliError::input(
+            "invalid --gpus-per-node 0: must be at least 1",
+        ));
+    }
     if a.gpus == 0 || a.gpus > MAX_GPUS {
         return Err(CliError::input(format!(
             "invalid --gpus {}: must be between 1 and {MAX_GPUS}",
@@ -696,7 +711,7 @@ pub fn run(a: Args) -> CliResult {
     // the analytic memory and step time of its mesh and memory policy
     // ([`Calibration`]); candidates that cannot fit under that calibration are skipped.
     let limit = spec.device_memory;
-    let want = a.finalists.max(1);
+    let want = a.finalists;
     let mut f = Finalists {
         calibration: Calibration::default(),
         compiled: Vec::new(),
