@@ -645,6 +645,7 @@ fn shape_of(model: &weft_frontends::Model) -> weft_passes::search::ModelShape {
         layer_windows: Vec::new(),
         single_norms: c.norm_placement != weft_frontends::config::NormPlacement::Sandwich,
         logit_softcap: c.final_softcap.is_some(),
+        expert_saved: 3,
     }
 }
 

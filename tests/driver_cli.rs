@@ -233,18 +233,8 @@ fn run_says_what_it_trains_on() {
 /// `chose` line and the `tried` lines.
 fn choice_1b(seq: &str, gib: &str) -> (String, Vec<String>) {
     let plan = tmp(&format!("1b-{seq}-{gib}.json"));
-    let (code, _, err) = weft(&[
-        "compile",
-        "llama3.2-1b",
-        "--seq",
-        seq,
-        "--batch",
-        "1",
-        "--dtype",
-        "bf16",
-        "--optimizer",
-        "adamw",
-        "--no-master-weights",
+    let mut args = bf16_adamw_step("llama3.2-1b", seq);
+    args.extend([
         "--device",
         "h100",
         "--device-memory",
@@ -252,6 +242,7 @@ fn choice_1b(seq: &str, gib: &str) -> (String, Vec<String>) {
         "-o",
         plan.to_str().unwrap(),
     ]);
+    let (code, _, err) = weft(&args);
     assert_eq!(code, 0, "{err}");
     let chose = err
         .lines()
@@ -310,6 +301,16 @@ fn analytic_peaks_track_other_models_plans() {
     }
 }
 
+/// A model whose config keeps its parameters in f32 (gpt-oss-20b's preset), trained in
+/// bf16: the ranking prices the bf16 parameters and moments the step holds, and the
+/// MoE layers' experts as gpt-oss's clamped SwiGLU keeps them (it was priced at 238 GiB
+/// against 121 planned).
+#[test]
+fn a_model_converted_to_bf16_is_priced_in_bf16() {
+    let line = tried_line("gpt-oss-20b", "selective", &["--offload=false"]);
+    assert_analytic_peak_tracks_the_plan(&line);
+}
+
 /// `none` and `full` with `--offload` on the 1.24B at 4096: what the host link has not
 /// carried waits on the device, and the analytic peak says so (`none` was priced at 8.95
 /// GiB where the plan holds 12.76, as if every layer's values left at once).
@@ -325,16 +326,14 @@ fn offload_without_recompute_is_priced_with_its_backlog() {
     }
 }
 
-/// The `tried` line of `model`'s bf16 training step at 4096 tokens (AdamW without master
-/// weights, the unfused loss, one micro-batch, the state on the device) under
-/// `checkpoint` and `extra`, with ZeRO left open so the driver prints it.
-fn tried_line(model: &str, checkpoint: &str, extra: &[&str]) -> String {
-    let out = tmp(&format!("{model}-{checkpoint}-{}.json", extra.join("")));
-    let mut args = vec![
+/// `weft compile`'s arguments for `model`'s bf16 training step at `seq` tokens, batch 1,
+/// with torch.optim.AdamW's state (no master weights).
+fn bf16_adamw_step<'a>(model: &'a str, seq: &'a str) -> Vec<&'a str> {
+    vec![
         "compile",
         model,
         "--seq",
-        "4096",
+        seq,
         "--batch",
         "1",
         "--dtype",
@@ -342,6 +341,16 @@ fn tried_line(model: &str, checkpoint: &str, extra: &[&str]) -> String {
         "--optimizer",
         "adamw",
         "--no-master-weights",
+    ]
+}
+
+/// The `tried` line of `model`'s bf16 training step at 4096 tokens (AdamW without master
+/// weights, the unfused loss, one micro-batch, the state on the device) under
+/// `checkpoint` and `extra`, with ZeRO left open so the driver prints it.
+fn tried_line(model: &str, checkpoint: &str, extra: &[&str]) -> String {
+    let out = tmp(&format!("{model}-{checkpoint}-{}.json", extra.join("")));
+    let mut args = bf16_adamw_step(model, "4096");
+    args.extend([
         "--checkpoint",
         checkpoint,
         "--unfused-loss",
@@ -350,7 +359,7 @@ fn tried_line(model: &str, checkpoint: &str, extra: &[&str]) -> String {
         "--stream-optimizer-state=false",
         "-o",
         out.to_str().unwrap(),
-    ];
+    ]);
     args.extend_from_slice(extra);
     let (code, _, err) = weft(&args);
     assert_eq!(code, 0, "{err}");

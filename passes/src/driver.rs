@@ -99,6 +99,17 @@ impl Request {
         }
     }
 
+    /// The model's shape as the step runs it: its parameters in `dtype` when the request
+    /// converts them (a checkpoint stored in f32 trained in bf16 holds bf16 parameters
+    /// and moments; gpt-oss-20b on one rank was priced at 238 GiB against 121 planned).
+    pub fn step_shape(&self) -> Option<ModelShape> {
+        let mut shape = self.shape.clone()?;
+        if let Some(d) = self.dtype {
+            shape.param_bytes = d.size_bytes() as u64;
+        }
+        Some(shape)
+    }
+
     /// The memory limit per rank: the request's, else the device profile's.
     pub fn memory_limit(&self) -> u64 {
         self.device_memory
@@ -472,7 +483,7 @@ pub fn rank(req: &Request, train: &TrainRequest, bindings: &Bindings) -> Vec<Ran
 /// The analytic search's view of the request and one option set: `None` without a
 /// model shape, sizes, or on a mesh with axes the search does not model.
 fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> {
-    let shape = req.shape.as_ref()?;
+    let shape = &req.step_shape()?;
     let (batch, seq) = (*b.symbols.get("B")?, *b.symbols.get("S")?);
     let known = [
         "dp",
@@ -572,7 +583,7 @@ fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile) 
 /// The best analytic mesh for the request's model on as many GPUs, as flags, when
 /// the request's mesh cannot fit (`None` without a shape or when nothing fits).
 fn suggest_mesh(req: &Request, b: &Bindings) -> Option<String> {
-    let shape = req.shape.as_ref()?;
+    let shape = &req.step_shape()?;
     let (batch, seq) = (*b.symbols.get("B")?, *b.symbols.get("S")?);
     let spec = SearchSpec {
         gpus: req.mesh.world_size(),
@@ -1080,6 +1091,7 @@ mod tests {
             layer_windows: Vec::new(),
             single_norms: true,
             logit_softcap: false,
+            expert_saved: 3,
         });
         let b = Bindings::new().with("B", 2).with("S", 64);
         let mut o = open_training().options;

@@ -62,6 +62,11 @@ pub fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
         ))
         .with_help("give a preset or a config.json: the search reads layer sizes from it")
     })?;
+    use weft_frontends::config::MoeKind;
+    let expert_saved = match c.moe.as_ref().map(|m| m.kind) {
+        Some(MoeKind::GptOss) => 8,
+        Some(MoeKind::Softmax) | None => 3,
+    };
     let (moe_layers, experts, top_k, expert_ffn) = match &c.moe {
         Some(m) => (
             (0..c.num_hidden_layers)
@@ -98,6 +103,7 @@ pub fn shape_of(model: &weft_frontends::Model) -> CliResult<ModelShape> {
         },
         single_norms: c.norm_placement != weft_frontends::config::NormPlacement::Sandwich,
         logit_softcap: c.final_softcap.is_some(),
+        expert_saved,
     })
 }
 
@@ -352,12 +358,9 @@ pub fn diverse_first(fitting: Vec<&Scored>) -> Vec<&Scored> {
 /// model's memory error follows the memory policy (checkpointing, activation and
 /// optimizer offload) more than the mesh: `none` with `--offload` is priced as if every
 /// layer's activations left the device (70B on 64 GPUs: 52 GiB priced, 433 compiled).
-/// A candidate is calibrated by its own mesh and
-/// policy when one compiled, else by the largest ratio its policy showed on any mesh,
-/// else not at all.
-///
-///
-/// The step time is calibrated too (compiled over analytic step, [`Calibration::step`]).
+/// A candidate is calibrated by its own mesh and policy when one compiled, else by the
+/// largest ratio its policy showed on any mesh, else not at all. The step time is
+/// calibrated too (compiled over analytic step, [`Calibration::step`]).
 #[derive(Default)]
 struct Calibration {
     exact: std::collections::BTreeMap<(String, Policy), f64>,
@@ -414,25 +417,19 @@ impl Calibration {
         if let Some((_, r)) = self.times.iter().find(|(t, _)| t == c) {
             return s.time.step * r;
         }
-        let mean = |it: &mut dyn Iterator<Item = f64>| {
-            let (sum, n) = it.fold((0.0, 0u32), |(s, n), r| (s + r, n + 1));
-            (n > 0).then(|| sum / n as f64)
-        };
         let policy_mean = |p: Policy| {
             mean(
-                &mut self
-                    .times
+                self.times
                     .iter()
                     .filter(|(t, _)| Self::policy(t) == p)
                     .map(|x| x.1),
             )
-            .or_else(|| mean(&mut self.times.iter().map(|x| x.1)))
+            .or_else(|| mean(self.times.iter().map(|x| x.1)))
             .unwrap_or(1.0)
         };
         let layout = |t: &Candidate| (t.cp, t.sp, t.tp, t.ep, t.cp_kv);
         let layout_factor = mean(
-            &mut self
-                .times
+            self.times
                 .iter()
                 .filter(|(t, _)| layout(t) == layout(c))
                 .map(|(t, r)| r / policy_mean(Self::policy(t))),
@@ -440,6 +437,12 @@ impl Calibration {
         .unwrap_or(1.0);
         s.time.step * policy_mean(Self::policy(c)) * layout_factor
     }
+}
+
+/// The mean of `values`, `None` when there are none.
+fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (sum, n) = values.fold((0.0, 0u32), |(s, n), v| (s + v, n + 1));
+    (n > 0).then(|| sum / n as f64)
 }
 
 /// After a finalist compiled over the memory limit: the next candidate of its mesh that
@@ -513,27 +516,17 @@ impl<'a> Finalists<'a> {
     }
     /// Whether a pending candidate may still fit and its mesh was not refused.
     fn eligible(&self, s: &Scored) -> bool {
-        self.calibration.fits(s, self.limit) && !self.refused.contains(&s.candidate.mesh())
+        !self.refused.contains(&s.candidate.mesh()) && self.calibration.fits(s, self.limit)
     }
+    /// Compiles `batch` (each candidate with the note its line ends with), learns from
+    /// each result and says what compiled.
     fn compile(
         &mut self,
         model: &weft_frontends::Model,
-        batch: Vec<&'a Scored>,
+        batch: Vec<(&'a Scored, String)>,
         spec: &SearchSpec,
-        note: &str,
     ) {
-        let notes = vec![note.to_string(); batch.len()];
-        self.compile_noted(model, batch, spec, &notes)
-    }
-    /// Compiles `batch`, learns from each result and says what compiled (each line
-    /// ending with its note).
-    fn compile_noted(
-        &mut self,
-        model: &weft_frontends::Model,
-        batch: Vec<&'a Scored>,
-        spec: &SearchSpec,
-        notes: &[String],
-    ) {
+        let (batch, notes): (Vec<&Scored>, Vec<String>) = batch.into_iter().unzip();
         let results = compile_finalists(model, &batch, spec);
         for ((s, c), note) in batch.into_iter().zip(results).zip(notes) {
             let mesh = s.candidate.mesh();
@@ -729,17 +722,17 @@ pub fn run(a: Args) -> CliResult {
             break;
         }
         let room = (want - ok).min(want * 4 - tried);
-        let mut batch: Vec<&Scored> = Vec::new();
+        let mut batch: Vec<(&Scored, String)> = Vec::new();
         while let Some(s) = f.pending.pop_front() {
             if !f.eligible(s) {
                 continue;
             }
-            batch.push(s);
+            batch.push((s, String::new()));
             if batch.len() == room {
                 break;
             }
         }
-        f.compile(&model, batch, &spec, "");
+        f.compile(&model, batch, &spec);
     }
     // Challengers: while candidates not compiled yet would come within
     // [`CHALLENGER_SLACK`] of the best compiled step once their analytic time is
@@ -764,22 +757,21 @@ pub fn run(a: Args) -> CliResult {
         if challengers.is_empty() {
             break;
         }
-        let mut picked: Vec<usize> = challengers.iter().map(|c| c.0).collect();
-        picked.sort_unstable_by(|x, y| y.cmp(x));
-        let mut batch: Vec<(f64, &Scored)> = picked
-            .into_iter()
-            .filter_map(|i| f.pending.remove(i))
-            .map(|s| (f.calibration.step(s), s))
+        let batch = challengers
+            .iter()
+            .map(|&(i, t)| {
+                (
+                    f.pending[i],
+                    format!(" (challenger: {t:.3} s as calibrated)"),
+                )
+            })
             .collect();
-        batch.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.candidate.cmp(&y.1.candidate)));
-        let note = |t: f64| format!(" (challenger: {t:.3} s as calibrated)");
-        let notes: Vec<String> = batch.iter().map(|(t, _)| note(*t)).collect();
-        f.compile_noted(
-            &model,
-            batch.into_iter().map(|x| x.1).collect(),
-            &spec,
-            &notes,
-        );
+        let mut taken: Vec<usize> = challengers.iter().map(|c| c.0).collect();
+        taken.sort_unstable_by(|x, y| y.cmp(x));
+        for i in taken {
+            f.pending.remove(i);
+        }
+        f.compile(&model, batch, &spec);
     }
     let Finalists {
         calibration,

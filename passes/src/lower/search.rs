@@ -73,6 +73,11 @@ pub struct ModelShape {
     /// The logits are soft-capped (`c * tanh(logits / c)`): the unfused loss holds the
     /// capped chain beside the logits.
     pub logit_softcap: bool,
+    /// Expert-wide ([rows, expert_ffn]) tensors a MoE layer's experts keep per routed
+    /// row without checkpointing: 3 for SwiGLU (gate, up and their product, `glu`
+    /// fused); gpt-oss's clamped SwiGLU on interleaved gate/up keeps 8 (its compiled
+    /// plans).
+    pub expert_saved: u64,
 }
 
 impl ModelShape {
@@ -207,6 +212,14 @@ impl Default for Candidate {
 }
 
 impl Candidate {
+    /// The ZeRO groups on `world` ranks: the dense parameters' (dp x cp x sp) and the
+    /// experts' (`edp`: the ranks holding the same experts, split over tp too when there
+    /// is no ep).
+    pub fn zero_groups(&self, world: u64) -> (u64, u64) {
+        let dense = (self.dp * self.cp.max(1) * self.sp) as u64;
+        let expert = world / self.ep as u64 / if self.ep > 1 { 1 } else { self.tp as u64 };
+        (dense, expert)
+    }
     /// The mesh text (`dp=8,sp=8,tp=8`, `ep` last), axes of size 1 left out (`dp=1` for
     /// one rank).
     pub fn mesh(&self) -> String {
@@ -368,10 +381,17 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
             };
             let per_rank = s.batch / dp;
             for ep in eps {
-                // Without a group to shard over (dense dp x cp x sp, experts' edp) every
-                // ZeRO stage is stage 0's plan.
-                let expert_group = world / ep / if ep > 1 { 1 } else { tp };
-                let zero_max = if dp * cp * sp > 1 || (m.experts > 0 && expert_group > 1) {
+                // Without a group to shard over every ZeRO stage is stage 0's plan.
+                let (dense_group, expert_group) = Candidate {
+                    dp: dp as u32,
+                    cp: cp as u32,
+                    sp: sp as u32,
+                    tp: tp as u32,
+                    ep: ep as u32,
+                    ..Default::default()
+                }
+                .zero_groups(world);
+                let zero_max = if dense_group > 1 || (m.experts > 0 && expert_group > 1) {
                     3
                 } else {
                     0
@@ -463,7 +483,7 @@ fn window_ring_saved_steps(m: &ModelShape, seq: u64, cp: u64) -> f64 {
 /// lm_head's GEMM runs whether or not it shares the embedding's weight, which
 /// `active_params` leaves out when tied) and causal attention.
 fn model_flops(m: &ModelShape, s: &SearchSpec) -> (f64, f64) {
-    let all_tokens = (s.batch * s.seq) as f64;
+    let all_tokens = s.batch as f64 * s.seq as f64;
     let head = if m.tied { m.vocab * m.hidden } else { 0 };
     let matmul = 6.0 * (m.active_params() + head) as f64 * all_tokens;
     let q = (m.heads * m.head_dim) as f64;
@@ -521,8 +541,8 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let dp_inter = crosses((c.tp * c.sp * c.cp.max(1)) as u64, c.dp as u64, gpn);
     let ep_inter = c.ep as u64 > gpn;
     // ZeRO groups: dense dp x cp x sp, experts edp (world / ep, split over tp too when no ep).
-    let zd = dp * cp * sp;
-    let ze = world / ep / if c.ep > 1 { 1.0 } else { tp };
+    let (zd, ze) = c.zero_groups(s.gpus as u64);
+    let (zd, ze) = (zd as f64, ze as f64);
     let dense = m.dense_params() as f64 / tp;
     let expert = m.expert_params() as f64 / ep / if c.ep > 1 { 1.0 } else { tp };
     let local = dense + expert;
@@ -530,6 +550,8 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let z2 = |n: f64, z: f64| if c.zero >= 2 { n / z } else { n };
     let z1 = |n: f64, z: f64| if c.zero >= 1 { n / z } else { n };
     let per_layer_params = local / layers;
+    let (matmul_model, attn_model) = model_flops(m, s);
+    let forward_layer = forward_layer_s(m, s, d);
     // ZeRO-3 splits a parameter by the rows of its dim 0, which for the stacked expert
     // weights is the local experts: fewer of them than ranks in the group and each rank
     // keeps them whole (their state is still sharded, flat).
@@ -561,7 +583,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         opt_per_param * (z1(dense, zd) + z1(expert, ze))
     };
     // Activations: tokens per rank per micro-batch.
-    let tokens = (s.batch * s.seq) as f64 / (dp * cp * sp) / c.micro_batches as f64;
+    let tokens = s.batch as f64 * s.seq as f64 / (dp * cp * sp) / c.micro_batches as f64;
     // Expert parallelism's buffers are sized for the most rows a rank can receive, every
     // rank's routed rows (`ep` times what balanced routing brings), as the plan allocates
     // its data-dependent sizes: the experts' gate, up and product and the received and
@@ -587,11 +609,8 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // and any layer with sandwich norms keep Korthikanti et al.'s accounting, with the
     // experts' buffers as above; under selective sandwich norms keep more (gemma2-9b's
     // plan: 145 KB a token and layer).
-    let routed_kept = if c.ep > 1 {
-        routed_rows * (ep_bound + 1.0)
-    } else {
-        0.0
-    };
+    let exchanged_rows = routed_rows * (ep_bound + 1.0);
+    let routed_kept = if c.ep > 1 { exchanged_rows } else { 0.0 };
     let selective = if m.single_norms {
         2.0 * (q / tp + h + routed_kept)
     } else {
@@ -601,26 +620,24 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         2.0 * ((2.0 * h + 2.0 * q + 2.0 * kv) / tp + 3.0 * ffn / tp + 2.0 * h)
     } else {
         2.0 * ((4.0 * h + 2.0 * q + 2.0 * kv) / tp
-            + (4.0 * dense_ffn + 3.0 * routed_ffn * ep_bound) / tp
+            + (4.0 * dense_ffn + m.expert_saved as f64 * routed_ffn * ep_bound) / tp
             + 2.0 * h
-            + routed_rows * (ep_bound + 1.0))
+            + exchanged_rows)
     };
-    // Under Ulysses, selective keeps what attention's backward reads in the head-sharded
-    // layout, the all_to_all results q, k and v and the attention's output before its
-    // all_to_all back (collective results are neither recomputed nor offloaded): on
-    // top of the output in the sequence layout, in every layer (llama3-70b at dp=32,sp=2,
-    // 16384 tokens a rank: 0.5 GiB a layer, 114 GiB compiled where cp=2 takes 71).
+    // Under Ulysses the all_to_all results q, k and v are kept besides what the counts
+    // above hold in the sequence layout (collective results are neither recomputed nor
+    // offloaded), and under selective also the attention's output before its all_to_all
+    // back, in every layer (llama3-70b at dp=32,sp=2, 16384 tokens a rank: selective 0.5
+    // GiB a layer, 114 GiB compiled where cp=2 takes 71; none 0.31 GiB a layer more
+    // than dp=64 with as many tokens a rank).
     let kv_rep = kv_repeat(m.kv_heads / c.tp as u64, c.sp as u64) as f64;
-    let ulysses_kept = if c.sp > 1 && c.checkpoint == "selective" {
-        2.0 * (2.0 * q + 2.0 * kv * kv_rep) / tp
+    let ulysses_none = if c.sp > 1 {
+        2.0 * (q + 2.0 * kv * kv_rep) / tp
     } else {
         0.0
     };
-    // Without checkpointing the all_to_all results q, k and v are kept besides what
-    // `full_layer` counts in the sequence layout (llama3-70b at dp=32,sp=2: 0.31 GiB a
-    // layer more than at dp=64 with as many tokens a rank).
-    let ulysses_none = if c.sp > 1 {
-        2.0 * (q + 2.0 * kv * kv_rep) / tp
+    let ulysses_kept = if c.sp > 1 && c.checkpoint == "selective" {
+        ulysses_none + 2.0 * q / tp
     } else {
         0.0
     };
@@ -673,7 +690,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // 1.24B at 16384 on an H100: 1.2 GB a layer made in 5 ms, 0.3 GB carried). Selective
     // + offload sends only what the link carries in time (`checkpoint::host`).
     let backlog = if c.offload && c.checkpoint != "selective" {
-        let carried = d.host_gbps * 1e9 * forward_layer_s(m, s, d) / c.micro_batches as f64;
+        let carried = d.host_gbps * 1e9 * forward_layer / c.micro_batches as f64;
         (tokens * saved_per_layer - carried).max(0.0) * (layers - kept_layers)
     } else {
         0.0
@@ -713,8 +730,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         total: (params + grads + optimizer + activations + transient) as u64,
     };
     // Compute.
-    let all_tokens = (s.batch * s.seq) as f64;
-    let (matmul_model, attn_model) = model_flops(m, s);
+    let all_tokens = s.batch as f64 * s.seq as f64;
     // Recompute as a share of the matmul FLOPs: `full` the whole forward again;
     // `selective` every layer's projections and MLP (a third of their FLOPs; the lm_head
     // is not recomputed: +16% on the 1.24B's plan at 4096). With `--offload` the host
@@ -729,7 +745,6 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
             // with micro-batches this overstates what the link carries, but dividing by
             // their count (with `none` + offload priced as the link carries it) moved
             // llama3-70b's winner to a slower plan (PLAN_SEARCH.md).
-            let forward_layer = forward_layer_s(m, s, d);
             let recomputed_bytes = tokens * (full_layer - saved_per_layer);
             let carried = if recomputed_bytes > 0.0 {
                 (d.host_gbps * 1e9 * forward_layer / recomputed_bytes).min(1.0)
@@ -1042,6 +1057,7 @@ mod tests {
             layer_windows: Vec::new(),
             single_norms: true,
             logit_softcap: false,
+            expert_saved: 3,
         }
     }
 
