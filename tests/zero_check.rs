@@ -307,6 +307,43 @@ fn moe_expert_data_parallel_group() {
     );
 }
 
+/// ZeRO-3 of stacked experts with fewer local experts than ranks in their group: each
+/// rank holds its rows of dim 1 of every local expert (no parameter stays whole), evenly
+/// (`dp=8` over 4 experts, `dp=8,ep=2`'s group of 4 over 2, with micro-batches) and
+/// unevenly (128 and 32 rows over `dp=6,ep=2`'s group of 3), and the steps match the
+/// one-rank model.
+#[test]
+fn zero3_splits_dim1_of_fewer_experts_than_ranks() {
+    let (graph, _, _) = load_fixture_batch4("mixtral", |i, _| i % 7 == 3);
+    for (mesh, batch, micro) in [("dp=8", 8, 1), ("dp=8,ep=2", 16, 2), ("dp=6,ep=2", 6, 1)] {
+        let o = TrainOptions {
+            batch: Some(batch),
+            ..opts(3, micro)
+        };
+        let (g, report) = training_step(&graph, mesh, &o).unwrap();
+        let whole = report
+            .passes
+            .iter()
+            .find(|p| p.pass == "optimizer")
+            .and_then(|p| p.counters.get("stage3_whole").copied())
+            .unwrap_or(0);
+        assert_eq!(whole, 0, "{mesh}: parameters left whole");
+        let name = "model.layers.0.mlp.experts.gate_up_proj";
+        let zero: Vec<_> = g
+            .param_partition(name)
+            .iter()
+            .filter(|p| p.kind == "zero")
+            .collect();
+        assert!(
+            !zero.is_empty() && zero.iter().all(|p| p.dim == 1),
+            "{mesh}: {name} split {zero:?}"
+        );
+    }
+    check_batch("mixtral", 8, &[("dp=8", 3, 1), ("dp=8,ep=2", 3, 1)]);
+    check_batch("mixtral", 16, &[("dp=8,ep=2", 3, 2)]);
+    check_batch("mixtral", 6, &[("dp=6,ep=2", 3, 1)]);
+}
+
 /// One snapshot line: the op (with its micro-batch tag), operand and result types, why.
 fn op_line(g: &weft_ir::Graph, n: weft_ir::Node, tag: &str, reason: &str) -> String {
     let d = g.node(n);

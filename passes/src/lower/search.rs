@@ -552,16 +552,10 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     let per_layer_params = local / layers;
     let (matmul_model, attn_model) = model_flops(m, s);
     let forward_layer = forward_layer_s(m, s, d);
-    // ZeRO-3 splits a parameter by the rows of its dim 0, which for the stacked expert
-    // weights is the local experts: fewer of them than ranks in the group and each rank
-    // keeps them whole (their state is still sharded, flat).
-    let local_experts = m.experts as f64 / if c.ep > 1 { ep } else { 1.0 };
-    let expert_z3 = if local_experts >= ze {
-        z3(expert, ze)
-    } else {
-        expert
-    };
-    let params = pb * (z3(dense, zd) + expert_z3);
+    // ZeRO-3 splits a parameter by the rows of its dim 0, or of dim 1 where dim 0 has
+    // fewer rows than ranks (the stacked expert weights of fewer local experts than
+    // ranks in the group): every parameter is sharded.
+    let params = pb * (z3(dense, zd) + z3(expert, ze));
     let bucket = 500e6_f64.min(local * pb);
     // A tied vocabulary's gradient takes the lm_head's part at the backward's start and
     // the embedding's at its end, so it lives through the backward; every other one dies
@@ -1465,24 +1459,24 @@ mod tests {
         }
     }
 
-    /// ZeRO-3 splits the stacked expert weights by their rows, the local experts: with
-    /// fewer of those than ranks in the group they stay whole on every rank (mixtral on
-    /// 32 GPUs without ep: 84 GiB of experts a rank in the compiled plan).
+    /// ZeRO-3 shards the stacked expert weights over their group whatever the number of
+    /// local experts: by the experts where there are as many as ranks, else by the rows
+    /// of dim 1 (mixtral on 32 GPUs without ep kept 84 GiB of experts a rank before).
     #[test]
-    fn stacked_experts_stay_whole_under_zero3_past_one_expert_a_rank() {
+    fn stacked_experts_are_sharded_under_zero3_past_one_expert_a_rank() {
         let m = mixtral();
         let spec = h100_spec(32, 4096, 32);
         let params = |dp, ep| score(&m, &spec, &moe_rank(dp, ep, 3)).memory.params as f64;
         let (dense, expert) = (m.dense_params() as f64, m.expert_params() as f64);
-        let whole = 2.0 * (dense / 32.0 + expert);
+        let sharded = 2.0 * (dense + expert) / 32.0;
         assert!(
-            (params(32, 1) / whole - 1.0).abs() < 1e-9,
+            (params(32, 1) / sharded - 1.0).abs() < 1e-9,
             "{}",
             params(32, 1)
         );
-        // ep=4: two experts a rank, an expert-data-parallel group of 8.
-        let whole = 2.0 * (dense / 32.0 + expert / 4.0);
-        assert!((params(32, 4) / whole - 1.0).abs() < 1e-9);
+        // ep=4: two experts a rank, over an expert-data-parallel group of 8.
+        let sharded = 2.0 * (dense / 32.0 + expert / 4.0 / 8.0);
+        assert!((params(32, 4) / sharded - 1.0).abs() < 1e-9);
         // On 4 ranks each takes two of the eight.
         let spec4 = h100_spec(4, 4096, 4);
         let p4 = score(&m, &spec4, &moe_rank(4, 1, 3)).memory.params as f64;

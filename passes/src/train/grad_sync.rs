@@ -478,6 +478,7 @@ fn emit_scatter_bucket(
                     &format!("{what}{tag}: this micro-batch's gradient of {}", s.param()),
                 )?;
             }
+            v = em.rows_layout(split, v, &format!("{what}{tag}: {}", s.param()))?;
             v = em.flat_const(v, split.numel_dim(), &format!("{what}{tag}"))?;
             rows.push(em.split_rows(split, v, &format!("{what}{tag}"))?);
         }
@@ -544,7 +545,7 @@ fn emit_scatter_bucket(
             crate::zero::split_output(em.g, &out, &split.output_axes(&pparts));
         }
     }
-    // ZeRO-3 parameters (rows of dim 0 per rank) return their gradient as those rows,
+    // ZeRO-3 parameters (rows of dim 0, or 1, per rank) return their gradient as those rows,
     // partitioned like the parameter; the others the whole gradient.
     let stage3: Vec<bool> = splits.iter().map(|s| s.rows).collect();
     if stage3.iter().any(|x| *x) {
@@ -567,11 +568,12 @@ fn emit_scatter_bucket(
             .zip(&splits)
             .filter(|(_, x)| x.rows)
         {
-            let mut shape = em.g.ty(s.local).shape.clone();
+            let mut shape = split.rows_view(&em.g.ty(s.local).shape);
             shape[0] = split.unit_width();
             let rows_what = format!("{what}: ZeRO-3 rows of {}", s.param());
             let p = em.own_piece(split, p, &rows_what)?;
             let v = em.unflat(p, &shape, &rows_what)?;
+            let v = em.rows_layout(split, v, &rows_what)?;
             em.g.set_output(&s.output, v);
         }
         if stage3.iter().all(|x| *x) {

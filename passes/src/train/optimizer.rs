@@ -531,13 +531,8 @@ impl Writer<'_> {
                 let v = if split.is_per_outer() {
                     em.flat_const(p, split.width(), &format!("ZeRO-3: `{name}`'s rows"))?
                 } else {
-                    em.op(
-                        Op::Reshape {
-                            shape: vec![split.width()],
-                        },
-                        &[p],
-                        &format!("ZeRO-3: `{name}`'s rows, flat"),
-                    )?
+                    let rows = em.rows_layout(split, p, &format!("ZeRO-3: `{name}`'s rows"))?;
+                    em.flat_const(rows, split.width(), &format!("ZeRO-3: `{name}`'s rows"))?
                 };
                 if self.g.ty(v).dtype == fdt {
                     v
@@ -700,18 +695,17 @@ impl Writer<'_> {
         if stage3 {
             // ZeRO-3: the updated rows are the new parameter (no gather).
             res.count("sharded", 1);
-            let shard_shape = self.g.ty(p).shape.clone();
+            let split = split.expect("stage 3 shards");
+            let shard_shape = split.rows_view(&self.g.ty(p).shape);
             let mut em = crate::zero::Emitter {
                 pass: NAME,
                 at: At::End,
                 meta: self.meta.clone(),
                 g: &mut *self.g,
             };
-            return em.unflat(
-                whole,
-                &shard_shape,
-                &format!("ZeRO-3: `{name}`'s updated rows"),
-            );
+            let what = format!("ZeRO-3: `{name}`'s updated rows");
+            let rows = em.unflat(whole, &shard_shape, &what)?;
+            return em.rows_layout(split, rows, &what);
         }
         if let Some(split) = split {
             res.count("sharded", 1);
@@ -773,9 +767,10 @@ pub fn initial_state(
                 let flat_sharded = g.param_partition(&sname).iter().any(|p| p.kind == "zero");
                 let own_v = own_partitions(g, param);
                 let own = own_v.as_slice();
-                let d = if flat_sharded && !own.is_empty() {
+                let swap = rows_of_dim1(g, param);
+                let d = if flat_sharded && (!own.is_empty() || swap) {
                     // One block per shard of the parameter, in its split order.
-                    flat_blocks(w, own, &g.mesh)?
+                    flat_blocks(w, own, &g.mesh, swap)?
                 } else {
                     w.to_f64()
                 };
@@ -802,10 +797,11 @@ fn flat_blocks(
     w: &weft_ir::HostTensor,
     parts: &[Partition],
     mesh: &weft_ir::Mesh,
+    swap_leading: bool,
 ) -> Result<Vec<f64>, String> {
     let data = w.to_f64();
     let mut out = Vec::new();
-    for idx in block_indices(&w.shape, parts, mesh)? {
+    for idx in block_indices(&w.shape, parts, mesh, swap_leading)? {
         out.extend(idx.iter().map(|&i| data[i]));
     }
     Ok(out)
@@ -818,6 +814,7 @@ fn block_indices(
     shape: &[usize],
     parts: &[Partition],
     mesh: &weft_ir::Mesh,
+    swap_leading: bool,
 ) -> Result<Vec<Vec<usize>>, String> {
     let mut axes: Vec<(String, u32)> = Vec::new();
     for a in parts.iter().flat_map(|p| &p.axes) {
@@ -875,6 +872,12 @@ fn block_indices(
         let local: usize = maps.iter().map(Vec::len).product();
         let mut one = Vec::with_capacity(local);
         let mut idx = vec![0usize; shape.len()];
+        // The block's elements in its flat order: row-major, dims 0 and 1 swapped where
+        // ZeRO-3 splits dim 1 (the rows of dim 1 outermost).
+        let mut order: Vec<usize> = (0..shape.len()).collect();
+        if swap_leading && shape.len() > 1 {
+            order.swap(0, 1);
+        }
         for _ in 0..local {
             one.push(
                 idx.iter()
@@ -882,7 +885,7 @@ fn block_indices(
                     .map(|(d, &c)| maps[d][c] * strides[d])
                     .sum(),
             );
-            for d in (0..shape.len()).rev() {
+            for &d in order.iter().rev() {
                 idx[d] += 1;
                 if idx[d] < maps[d].len() {
                     break;
@@ -915,6 +918,7 @@ pub fn state_as_param(
     }
     let own_v = own_partitions(g, param);
     let own = own_v.as_slice();
+    let swap = rows_of_dim1(g, param);
     let data = t.to_f64();
     let n: usize = shape.iter().product();
     let mut out = vec![0.0; n];
@@ -924,11 +928,11 @@ pub fn state_as_param(
             data.len()
         ));
     }
-    if own.is_empty() {
+    if own.is_empty() && !swap {
         out.copy_from_slice(&data);
     } else {
         let mut at = 0;
-        for idx in block_indices(shape, own, &g.mesh)? {
+        for idx in block_indices(shape, own, &g.mesh, swap)? {
             for i in idx {
                 out[i] = data[at];
                 at += 1;
@@ -980,10 +984,11 @@ pub fn state_from_param(
     };
     let own_v = own_partitions(g, param);
     let own = own_v.as_slice();
-    let d = if own.is_empty() {
+    let swap = rows_of_dim1(g, param);
+    let d = if own.is_empty() && !swap {
         t.to_f64()
     } else {
-        flat_blocks(t, own, &g.mesh)?
+        flat_blocks(t, own, &g.mesh, swap)?
     };
     if d.len() != n {
         return Err(format!(
@@ -992,6 +997,14 @@ pub fn state_from_param(
         ));
     }
     Ok(weft_ir::HostTensor::floats(ty.dtype, shape, d))
+}
+
+/// Whether ZeRO-3 splits parameter `name` by the rows of its dim 1 (fewer rows of dim 0
+/// than ranks): its flat states then hold each shard with dims 0 and 1 swapped.
+fn rows_of_dim1(g: &Graph, name: &str) -> bool {
+    g.param_partition(name)
+        .iter()
+        .any(|p| p.kind == "zero" && p.dim == 1)
 }
 
 /// A parameter's own partitions (tensor, expert), without the ZeRO-3 split of its rows.

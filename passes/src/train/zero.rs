@@ -301,45 +301,52 @@ impl Emitter<'_> {
         x: Value,
         what: &str,
     ) -> Result<Value, crate::PassError> {
-        let v = self.gather_source(group, x, what)?;
-        Ok(self.all_gather_from(group, v, what)?.0)
+        let v = self.gather_source(group, x, 0, what)?;
+        Ok(self.all_gather_from(group, v, 0, what)?.0)
     }
 
-    /// `x` `[rest..]` viewed `[1, .., 1, rest..]`, one dim per axis of the group: what
+    /// `x` `[lead.., rest..]` (`at` leading dims) viewed `[lead.., 1, .., 1, rest..]`,
+    /// one dim per axis of the group after the leading dims: what
     /// [`Self::all_gather_from`] gathers.
     pub fn gather_source(
         &mut self,
         group: &ZeroGroup,
         x: Value,
+        at: usize,
         what: &str,
     ) -> Result<Value, crate::PassError> {
-        let ones: Vec<Dim> = group.axes.iter().map(|_| Dim::from(1)).collect();
-        let mut shape = ones;
-        shape.extend_from_slice(&self.g.ty(x).shape);
+        let shape = &self.g.ty(x).shape;
+        let mut view = shape[..at].to_vec();
+        view.extend(group.axes.iter().map(|_| Dim::from(1)));
+        view.extend_from_slice(&shape[at..]);
         self.op(
-            Op::Reshape { shape },
+            Op::Reshape { shape: view },
             &[x],
             &format!("{what}: one dim per axis of the {} group", group.name()),
         )
     }
 
-    /// A [`Self::gather_source`] view all-gathered into `[Z, rest..]`, outermost axis
-    /// first, and the `all_gather` nodes in order.
+    /// A [`Self::gather_source`] view (group dims after `at` leading dims) all-gathered
+    /// into `[lead.., Z, rest..]`, outermost axis first, and the `all_gather` nodes in
+    /// order. With leading dims the gathers are along inner dims (the runtime lays NCCL's
+    /// rank-major blocks out along them).
     pub fn all_gather_from(
         &mut self,
         group: &ZeroGroup,
         source: Value,
+        at: usize,
         what: &str,
     ) -> Result<(Value, Vec<weft_ir::Node>), crate::PassError> {
-        let rest: Vec<Dim> = self.g.ty(source).shape[group.axes.len()..].to_vec();
+        let shape = self.g.ty(source).shape.clone();
+        let k = group.axes.len();
         let mut v = source;
-        let mut gathers = Vec::with_capacity(group.axes.len());
+        let mut gathers = Vec::with_capacity(k);
         for (i, (a, _)) in group.axes.iter().enumerate() {
             let bytes = crate::grad_sync::value_bytes(self.g, v);
             v = self.op(
                 Op::AllGather {
                     axis: a.clone(),
-                    dim: i as i64,
+                    dim: (at + i) as i64,
                 },
                 &[v],
                 &format!(
@@ -349,10 +356,11 @@ impl Emitter<'_> {
             )?;
             gathers.push(self.g.def(v));
         }
-        let mut shape = vec![group.size_dim()];
-        shape.extend_from_slice(&rest);
+        let mut every = shape[..at].to_vec();
+        every.push(group.size_dim());
+        every.extend_from_slice(&shape[at + k..]);
         let every = self.op(
-            Op::Reshape { shape },
+            Op::Reshape { shape: every },
             &[v],
             &format!("{what}: every rank's shard"),
         )?;
@@ -493,9 +501,10 @@ pub fn prefetch_gathers(g: &mut Graph, chains: &[GatherChain]) {
     place.finish(g);
 }
 
-/// ZeRO stage 3: parameter `name` becomes this rank's rows of dim 0 (the row split
-/// `split` over its group, inside its own partitions, outermost axis first; uneven
-/// rows are this rank's width of a per-rank table, never padded), and every region
+/// ZeRO stage 3: parameter `name` becomes this rank's rows of dim 0, or of dim 1 where
+/// dim 0 has fewer rows than ranks ([`ZeroSplit::dim`]) (the row split `split` over
+/// its group, inside its own partitions, outermost axis first; uneven rows are this
+/// rank's width of a per-rank table, never padded), and every region
 /// that reads it (each micro-batch's forward, each backward) reads its own
 /// `all_gather` of the rows, made right before the region's first use: the whole
 /// parameter lives only while that region runs. Returns the new parameter value.
@@ -525,13 +534,14 @@ pub fn shard_param(
     }
     let (first, v0) = olds[0];
     let ty = g.ty(v0).clone();
+    let d = split.dim;
     let mut shard_ty = ty.clone();
-    shard_ty.shape[0] = rows.clone();
+    shard_ty.shape[d] = rows.clone();
     let mut meta = g.node(first).meta.clone();
     meta.provenance = Some(Provenance {
         pass: pass.into(),
         reason: format!(
-            "ZeRO-3: this rank's {rows} rows of `{name}` (dim 0 split over {}{widths})",
+            "ZeRO-3: this rank's {rows} rows of `{name}` (dim {d} split over {}{widths})",
             group.name()
         ),
     });
@@ -551,7 +561,7 @@ pub fn shard_param(
     for (n, i) in uses.readers {
         regions.entry(use_region(g, n)).or_default().push((n, i));
     }
-    let full_rows = ty.shape[0].clone();
+    let full_rows = ty.shape[d].clone();
     // The gathers' source view is made once, next to the shard: a view at each
     // region's first use would order the gather after the compute before that use, and
     // no prefetch could start it earlier.
@@ -565,7 +575,7 @@ pub fn shard_param(
             },
             g: &mut *g,
         };
-        Some(em.gather_source(group, shard, &format!("ZeRO-3: `{name}`'s shard"))?)
+        Some(em.gather_source(group, shard, d, &format!("ZeRO-3: `{name}`'s shard"))?)
     } else {
         None
     };
@@ -594,15 +604,15 @@ pub fn shard_param(
             let what = format!(
                 "ZeRO-3: gather `{name}` for its {phase}{mbt}; freed after its last use there"
             );
-            let (every, gathers) = em.all_gather_from(group, source, &what)?;
+            let (every, gathers) = em.all_gather_from(group, source, d, &what)?;
             chains.push(GatherChain {
                 region: (backward, mb),
                 reader: at,
                 gathers,
                 layer: meta.source.as_deref().and_then(layer_of),
             });
-            let mut shape = vec![group.size_dim() * rows.clone()];
-            shape.extend_from_slice(&ty.shape[1..]);
+            let mut shape = ty.shape.clone();
+            shape[d] = group.size_dim() * rows.clone();
             let v = em.op(
                 Op::Reshape { shape },
                 &[every],
@@ -610,7 +620,7 @@ pub fn shard_param(
             )?;
             em.op(
                 Op::Slice {
-                    dim: 0,
+                    dim: d as i64,
                     start: Dim::zero(),
                     len: full_rows.clone(),
                 },
@@ -624,12 +634,12 @@ pub fn shard_param(
             let flat = if split.is_per_outer() {
                 em.flat_const(shard, split.width(), &format!("ZeRO-3: `{name}`'s rows"))?
             } else {
-                em.op(
-                    Op::Reshape {
-                        shape: vec![rows.clone() * Dim::from(split.unit)],
-                    },
-                    &[shard],
-                    &format!("ZeRO-3: `{name}`'s rows, flat"),
+                let rows_first =
+                    em.rows_layout(split, shard, &format!("ZeRO-3: `{name}`'s rows"))?;
+                em.flat_const(
+                    rows_first,
+                    split.width(),
+                    &format!("ZeRO-3: `{name}`'s rows"),
                 )?
             };
             let whole = em.gather_pieces(split, flat, &what)?;
@@ -640,13 +650,12 @@ pub fn shard_param(
                     &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
                 )?
             } else {
-                em.op(
-                    Op::Reshape {
-                        shape: ty.shape.clone(),
-                    },
-                    &[whole],
+                let whole = em.unflat(
+                    whole,
+                    &split.rows_view(&ty.shape),
                     &format!("ZeRO-3: `{name}` whole for its {phase}{mbt}"),
-                )?
+                )?;
+                em.rows_layout(split, whole, &format!("ZeRO-3: `{name}` whole"))?
             }
         };
         for (n, i) in us {

@@ -1,8 +1,12 @@
 //! How ZeRO splits one parameter over its data-parallel group, padding-free.
 //!
 //! A [`ZeroSplit`] cuts a parameter's flattened local elements (stages 1 and 2), or the
-//! rows of its dim 0 (stage 3), near-evenly over the ranks of its group, by tensor
-//! parallelism's rule ([`near_even`]): the first `units % Z` ranks take one unit more.
+//! rows of its dim 0 (stage 3; of dim 1 where dim 0 has fewer rows than the group has
+//! ranks, as a stack of a few experts `[E, R, C]`: each rank then holds `[E, its rows
+//! of R, C]`, whose flat layout is the `[R, E, C]` view so that every rank's piece is
+//! contiguous in the collectives' buffers and the flat optimizer state) near-evenly
+//! over the ranks of its group, by tensor parallelism's rule ([`near_even`]): the first
+//! `units % Z` ranks take one unit more.
 //! The widths are recorded per rank (a per-rank size table where ranks differ), so each
 //! rank stores exactly its piece of the parameter, the gradient and the optimizer state.
 //! Collectives still move uniform buffers: a piece is padded to the widest piece inside
@@ -50,8 +54,13 @@ pub struct ZeroSplit {
     /// The units split over the group (elements, or rows of dim 0); the most of any
     /// outer rank where `outer` is not empty.
     pub units: i64,
-    /// Whether the units are rows of dim 0 (ZeRO-3 shards the parameter itself).
+    /// Whether the units are rows (ZeRO-3 shards the parameter itself).
     pub rows: bool,
+    /// The dim whose rows a row split cuts: 0, or 1 for a parameter with fewer rows of
+    /// dim 0 than ranks (a stack of a few experts, `[E, R, C]`), each rank then holding
+    /// `[E, its rows of R, C]`. Its flat layout is the `[R, E, C]` view (dims 0 and 1
+    /// swapped, [`ZeroSplit::rows_view`]), so every rank's piece is contiguous there.
+    pub dim: usize,
     /// The axes (outermost first, with their sizes) over which the local size differs;
     /// empty where it is the same on every rank.
     pub outer: Vec<(String, i64)>,
@@ -86,10 +95,27 @@ impl ZeroSplit {
             unit: *outer_unit.iter().max()?,
             units: *outer_units.iter().max()?,
             rows,
+            dim: 0,
             outer,
             outer_units,
             outer_unit,
         })
+    }
+
+    /// Whether a row split cuts dim 1 (see [`ZeroSplit::dim`]): its flat layout is the
+    /// parameter with dims 0 and 1 swapped.
+    pub fn swaps_leading_dims(&self) -> bool {
+        self.rows && self.dim == 1
+    }
+
+    /// `shape` (the parameter's, or a shard's) as the flat layout orders it: dims 0 and
+    /// 1 swapped where the split cuts dim 1, unchanged otherwise.
+    pub fn rows_view(&self, shape: &[Dim]) -> Vec<Dim> {
+        let mut s = shape.to_vec();
+        if self.swaps_leading_dims() {
+            s.swap(0, 1);
+        }
+        s
     }
 
     /// Whether the local size differs per rank of other axes (see [`ZeroSplit::outer`]).
@@ -243,17 +269,22 @@ impl ZeroSplit {
     /// appended to `before`: an even split nests one partition per axis, outermost
     /// first; an uneven one is a single partition over the whole group (its one axis,
     /// or all of them flattened).
-    fn group_partitions(&self, mut before: Vec<Partition>, scale: i64) -> Vec<Partition> {
+    fn group_partitions(
+        &self,
+        mut before: Vec<Partition>,
+        scale: i64,
+        dim: usize,
+    ) -> Vec<Partition> {
         if self.is_even() {
             let mut inner = self.units * scale;
             for (a, n) in &self.group.axes {
                 inner /= n;
-                before.push(Partition::simple("zero", a, 0, vec![inner; *n as usize]));
+                before.push(Partition::simple("zero", a, dim, vec![inner; *n as usize]));
             }
         } else {
             let axes: Vec<String> = self.group.axes.iter().map(|(a, _)| a.clone()).collect();
             let sizes = self.unit_widths().iter().map(|w| w * scale).collect();
-            before.push(Partition::group("zero", &axes, 0, sizes));
+            before.push(Partition::group("zero", &axes, dim, sizes));
         }
         before
     }
@@ -268,7 +299,7 @@ impl ZeroSplit {
     pub fn state_partitions(&self, mesh: &Mesh, own: &[Partition]) -> Vec<Partition> {
         if !self.is_per_outer() {
             let flat = crate::zero::flat_param_partitions(mesh, own, self.numel());
-            return self.group_partitions(flat, self.unit);
+            return self.group_partitions(flat, self.unit, 0);
         }
         let rest: Vec<Partition> = own
             .iter()
@@ -300,16 +331,19 @@ impl ZeroSplit {
         seen
     }
 
-    /// The partitions a row split adds to the parameter's dim 0.
+    /// The partitions a row split adds to the parameter's split dim.
     pub fn row_partitions(&self) -> Vec<Partition> {
-        self.group_partitions(Vec::new(), 1)
+        self.group_partitions(Vec::new(), 1, self.dim)
     }
 }
 
 /// ZeRO stage 3's split of a parameter of local type `ty`: the rows of its dim 0 over
 /// `group`, near-evenly (uneven rows allowed on any group; rows whose size differs per
-/// tp rank too, where dim 0 is not the dim tp split unevenly). `None` where the parameter
-/// stays whole on every rank (its state may still be sharded by [`param_split`]).
+/// tp rank too, where dim 0 is not the dim tp split unevenly). Where dim 0 has fewer
+/// rows than the group has ranks (a stack of fewer local experts than ranks), the rows
+/// of dim 1 ([`ZeroSplit::dim`]); a stack whose leading dims are too small for either
+/// stays whole. `None` where the parameter stays whole on every rank (its state may
+/// still be sharded by [`param_split`]).
 pub fn stage3_split(mesh: &Mesh, ty: &TensorType, group: &ZeroGroup) -> Option<ZeroSplit> {
     if group.is_empty() || ty.rank() == 0 || !ty.dtype.is_float() {
         return None;
@@ -323,7 +357,16 @@ pub fn stage3_split(mesh: &Mesh, ty: &TensorType, group: &ZeroGroup) -> Option<Z
         return None;
     }
     if let Some(total) = local_numel(mesh, ty) {
-        return ZeroSplit::new(group, total / rows, rows, true);
+        if let Some(s) = ZeroSplit::new(group, total / rows, rows, true) {
+            return Some(s);
+        }
+        let rows1 = ty.shape.get(1)?.bind(&b).as_const()?;
+        if rows1 == 0 {
+            return None;
+        }
+        let mut s = ZeroSplit::new(group, total / rows1, rows1, true)?;
+        s.dim = 1;
+        return Some(s);
     }
     // A tp shard split on another dim: the same rows on every tp rank, rows of
     // different sizes.
@@ -394,6 +437,29 @@ fn outer_numels(mesh: &Mesh, ty: &TensorType) -> Option<OuterNumels> {
 }
 
 impl Emitter<'_> {
+    /// `x` (a parameter, its shard or its gradient, in the parameter's layout) in the
+    /// layout a row split flattens: dims 0 and 1 swapped where the split cuts dim 1
+    /// ([`ZeroSplit::rows_view`]); `x` itself otherwise. Swapping is its own inverse, so
+    /// this also takes the flat layout's view back to the parameter's.
+    pub fn rows_layout(
+        &mut self,
+        split: &ZeroSplit,
+        x: Value,
+        what: &str,
+    ) -> Result<Value, crate::PassError> {
+        if !split.swaps_leading_dims() {
+            return Ok(x);
+        }
+        self.op(
+            Op::Transpose { dim0: 0, dim1: 1 },
+            &[x],
+            &format!(
+                "{what}: dims 0 and 1 swapped (ZeRO-3 splits the rows of dim 1: dim 0 has fewer rows than the {} group has ranks)",
+                split.group.name()
+            ),
+        )
+    }
+
     /// `[numel]`, a whole local value flattened, as the `[Z, chunk]` buffer a
     /// `reduce_scatter` over the group takes: rank `r`'s piece in row `r`, each narrow
     /// piece followed by zeros (padding in the buffer only).
