@@ -390,6 +390,38 @@ fn zero_collectives_snapshot() {
     insta::assert_snapshot!(text);
 }
 
+/// ZeRO-3 of a stack of fewer local experts than ranks (`dp=8,ep=2`: 2 experts over an
+/// expert group of 4): every node ZeRO makes for one stacked weight, from its shard of
+/// dim 1 and its gathers along the inner dim to the gradient's reduce_scatter and the
+/// update in the `[R, E, C]` view.
+#[test]
+fn zero3_dim1_split_snapshot() {
+    let (graph, _, _) = load_fixture("mixtral");
+    let mut o = opts(3, 1);
+    o.batch = Some(8);
+    o.grad_outputs = false;
+    let (g, _) = training_step(&graph, "dp=8,ep=2", &o).unwrap();
+    let name = "model.layers.0.mlp.experts.gate_up_proj";
+    let mut text = format!("== mixtral dp=8,ep=2 zero=3: {name}\n");
+    for &n in g.nodes() {
+        let d = g.node(n);
+        let Some(p) = &d.meta.provenance else {
+            continue;
+        };
+        if (p.pass == "grad-sync" || p.pass == "optimizer") && p.reason.contains(name) {
+            let ins: Vec<String> = d.operands.iter().map(|v| g.ty(*v).to_string()).collect();
+            text.push_str(&format!(
+                "{} ({}) -> {}: {}\n",
+                d.op.name(),
+                ins.join(", "),
+                g.ty(d.results[0]),
+                p.reason
+            ));
+        }
+    }
+    insta::assert_snapshot!(text);
+}
+
 /// ZeRO-3's parameter gathers over a group of three axes: outermost axis first, so
 /// the outer (slower) links move the fewest bytes and only the innermost axis moves
 /// the whole parameter; the forward and the backward each gather their own copy.
