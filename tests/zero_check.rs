@@ -307,6 +307,26 @@ fn moe_expert_data_parallel_group() {
     );
 }
 
+/// The updates (and the pieces of the reduced gradients they read) that would stall
+/// the compute stream waiting for their reduction run later in the backward
+/// (`update_timing`): the programs so reordered still give the one-rank step's
+/// gradients, parameters and states, all-reduced, reduce-scattered and at stage 3.
+#[test]
+fn updates_that_wait_for_their_reduction_move_and_match() {
+    let (graph, _, _) = load_fixture("llama");
+    for zero in [0, 2] {
+        let (_, report) = training_step(&graph, "dp=4", &opts(zero, 1)).unwrap();
+        let moved = report
+            .passes
+            .iter()
+            .find(|p| p.pass == "optimizer")
+            .and_then(|p| p.counters.get("updates_deferred").copied())
+            .unwrap_or(0);
+        assert!(moved > 0, "zero {zero}: nothing moved");
+    }
+    check("llama", &[("dp=4", 0, 1), ("dp=4", 2, 1), ("dp=4", 3, 1)]);
+}
+
 /// ZeRO-3 of stacked experts with fewer local experts than ranks in their group: each
 /// rank holds its rows of dim 1 of every local expert (no parameter stays whole), evenly
 /// (`dp=8` over 4 experts, `dp=8,ep=2`'s group of 4 over 2, with micro-batches) and

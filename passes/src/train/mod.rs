@@ -4,7 +4,8 @@
 //! linear layers' GEMMs in FP8), [`micro_batches`] (gradient accumulation), [`autodiff`] (the backward),
 //! [`checkpoint`] (recompute policies and the memory budget), [`offload`] (activations
 //! to the host), [`grad_sync`] (coalesced gradient reduction), [`optimizer`] (updates
-//! inside the backward), [`zero`] and [`zero_split`] (ZeRO's groups, collectives and
+//! inside the backward; [`update_timing`] moves those that would wait for their
+//! reduction), [`zero`] and [`zero_split`] (ZeRO's groups, collectives and
 //! padding-free splits) and [`training`] (the training options and pass list).
 
 pub mod autodiff;
@@ -17,5 +18,6 @@ pub mod offload;
 pub mod optimizer;
 pub mod stream_state;
 pub mod training;
+pub mod update_timing;
 pub mod zero;
 pub mod zero_split;

@@ -80,6 +80,7 @@ impl Pass for OptimizerPass {
             "stage3_params",
             "stage3_whole",
             "dead_nodes",
+            "updates_deferred",
         ] {
             res.count(k, 0);
         }
@@ -238,6 +239,15 @@ impl Pass for OptimizerPass {
         }
         crate::zero::prefetch_gathers(g, &gather_chains);
         place_in_backward(g, step_node, &groups, cx.options.train.reduce_scatter);
+        if g.mesh.world_size() > 1 {
+            let b = crate::memory::bindings(g, &cx.options.train);
+            let moved = crate::train::update_timing::defer_waiting_updates(
+                g,
+                &b,
+                &cx.options.train.device.0,
+            );
+            res.count("updates_deferred", moved as u64);
+        }
         if !state_reloads.is_empty() {
             let b = crate::memory::bindings(g, &cx.options.train);
             let s =
