@@ -32,13 +32,15 @@ fn collective_seconds(g: &Graph, n: Node, b: &Bindings, d: &DeviceProfile) -> f6
     crate::plan::cost::collective_cost(&nd.op, sum(&nd.operands), sum(&nd.results), p, inter, d).1
 }
 
-/// The two streams' clocks and when each value is ready.
+/// The two streams' clocks, each node's seconds (computed once) and when each value
+/// is ready.
 struct Clock<'a> {
     g: &'a Graph,
     b: &'a Bindings,
     d: &'a DeviceProfile,
     compute: f64,
     comm: f64,
+    secs: HashMap<Node, f64>,
     ready: HashMap<Value, f64>,
 }
 
@@ -49,20 +51,30 @@ impl Clock<'_> {
             .fold(0.0, f64::max)
     }
 
+    /// Seconds `n` takes on its stream (a collective on the link, else the compute).
+    fn seconds(&mut self, n: Node) -> f64 {
+        let (g, b, d) = (self.g, self.b, self.d);
+        *self.secs.entry(n).or_insert_with(|| {
+            if g.node(n).op.is_collective() {
+                collective_seconds(g, n, b, d)
+            } else {
+                compute_seconds(g, n, b, d)
+            }
+        })
+    }
+
     fn run(&mut self, n: Node) {
+        let secs = self.seconds(n);
         let nd = self.g.node(n);
         let inputs = self.ready_of(&nd.operands);
         let end = if nd.op.is_collective() {
-            self.comm = self.comm.max(inputs) + collective_seconds(self.g, n, self.b, self.d);
+            self.comm = self.comm.max(inputs) + secs;
             self.comm
+        } else if secs > 0.0 {
+            self.compute = self.compute.max(inputs) + secs;
+            self.compute
         } else {
-            let secs = compute_seconds(self.g, n, self.b, self.d);
-            if secs > 0.0 {
-                self.compute = self.compute.max(inputs) + secs;
-                self.compute
-            } else {
-                inputs
-            }
+            inputs
         };
         for r in &nd.results {
             self.ready.insert(*r, end);
@@ -77,6 +89,15 @@ fn made_by_sync(g: &Graph, n: Node) -> bool {
         .provenance
         .as_ref()
         .is_some_and(|p| p.pass == crate::grad_sync::NAME || p.pass == crate::optimizer::NAME)
+}
+
+/// The nodes held back, in program order, and the values they make.
+#[derive(Default)]
+struct Waiting {
+    nodes: Vec<Node>,
+    makes: HashSet<Value>,
+    /// No held node can run before the compute clock reaches this.
+    not_before: f64,
 }
 
 /// Moves the nodes downstream of the gradient reductions (what grad-sync and the
@@ -111,78 +132,97 @@ pub fn defer_waiting_updates(g: &mut Graph, b: &Bindings, d: &DeviceProfile) -> 
         d,
         compute: 0.0,
         comm: 0.0,
+        secs: HashMap::new(),
         ready: HashMap::new(),
     };
-    let mut emitted: HashSet<Value> = HashSet::new();
     let mut new = Vec::with_capacity(order.len());
-    let mut waiting: Vec<Node> = Vec::new();
+    let mut held = Waiting::default();
     let mut moved: HashSet<Node> = HashSet::new();
-    let emit = |n: Node, clock: &mut Clock, new: &mut Vec<Node>, emitted: &mut HashSet<Value>| {
-        clock.run(n);
-        new.push(n);
-        emitted.extend(clock.g.node(n).results.iter().copied());
-    };
-    // Whether a waiting node can run now without stalling the compute stream.
-    let runs_now = |n: Node, clock: &Clock, emitted: &HashSet<Value>| {
-        let nd = clock.g.node(n);
-        let inputs_made = nd.operands.iter().all(|v| {
-            emitted.contains(v)
-                || !clock
-                    .g
-                    .try_value(*v)
-                    .is_some_and(|x| downstream.contains(&x.def))
-        });
-        inputs_made
-            && (nd.op.is_collective()
-                || compute_seconds(clock.g, n, clock.b, clock.d) == 0.0
-                || clock.ready_of(&nd.operands) <= clock.compute)
-    };
     for &n in &order {
         if downstream.contains(&n) {
-            if waiting.is_empty() && runs_now(n, &clock, &emitted) {
-                emit(n, &mut clock, &mut new, &mut emitted);
+            let nd = clock.g.node(n);
+            let after_held = nd.operands.iter().any(|v| held.makes.contains(v));
+            let stalls = clock.seconds(n) > 0.0
+                && !nd.op.is_collective()
+                && clock.ready_of(&nd.operands) > clock.compute;
+            if held.nodes.is_empty() && !after_held && !stalls {
+                clock.run(n);
+                new.push(n);
             } else {
-                waiting.push(n);
+                held.makes.extend(nd.results.iter().copied());
+                held.nodes.push(n);
+                held.not_before = 0.0;
             }
             continue;
         }
-        // What this node reads of the waiting nodes runs first, in order (with what
-        // those read).
-        let mut need: HashSet<Value> = clock.g.node(n).operands.iter().copied().collect();
-        let mut flush = vec![false; waiting.len()];
-        for (k, &w) in waiting.iter().enumerate().rev() {
-            let nd = clock.g.node(w);
-            if nd.results.iter().any(|r| need.contains(r)) {
-                flush[k] = true;
-                need.extend(nd.operands.iter().copied());
+        // What this node reads of the held nodes runs first, in order (with what those
+        // read).
+        let nd = clock.g.node(n);
+        if nd.operands.iter().any(|v| held.makes.contains(v)) {
+            let mut need: HashSet<Value> = nd.operands.iter().copied().collect();
+            let mut flush = vec![false; held.nodes.len()];
+            for (k, &w) in held.nodes.iter().enumerate().rev() {
+                let wd = clock.g.node(w);
+                if wd.results.iter().any(|r| need.contains(r)) {
+                    flush[k] = true;
+                    need.extend(wd.operands.iter().copied());
+                }
             }
-        }
-        let mut rest = Vec::with_capacity(waiting.len());
-        for (k, w) in waiting.drain(..).enumerate() {
-            if flush[k] {
-                emit(w, &mut clock, &mut new, &mut emitted);
-            } else {
-                rest.push(w);
+            let mut rest = Vec::with_capacity(held.nodes.len());
+            for (k, w) in std::mem::take(&mut held.nodes).into_iter().enumerate() {
+                if flush[k] {
+                    moved.insert(w);
+                    clock.run(w);
+                    new.push(w);
+                    for r in &clock.g.node(w).results {
+                        held.makes.remove(r);
+                    }
+                } else {
+                    rest.push(w);
+                }
             }
+            held.nodes = rest;
+            held.not_before = 0.0;
         }
-        waiting = rest;
-        emit(n, &mut clock, &mut new, &mut emitted);
-        // The waiting nodes that can run now, in order; one that cannot holds back
-        // what comes after it in its chain only.
-        let mut rest = Vec::with_capacity(waiting.len());
-        for w in waiting.drain(..) {
-            if runs_now(w, &clock, &emitted) {
-                emit(w, &mut clock, &mut new, &mut emitted);
+        clock.run(n);
+        new.push(n);
+        if held.nodes.is_empty() || clock.compute < held.not_before {
+            continue;
+        }
+        // The held nodes that can run now without stalling the compute stream, in
+        // order; one that cannot holds back only what reads it.
+        let mut rest = Vec::with_capacity(held.nodes.len());
+        let mut not_before = f64::INFINITY;
+        for w in std::mem::take(&mut held.nodes) {
+            let wd = clock.g.node(w);
+            let inputs_held = wd.operands.iter().any(|v| held.makes.contains(v));
+            let ready = clock.ready_of(&wd.operands);
+            let secs = clock.seconds(w);
+            if !inputs_held && (wd.op.is_collective() || secs == 0.0 || ready <= clock.compute) {
+                clock.run(w);
+                new.push(w);
+                for r in &clock.g.node(w).results {
+                    held.makes.remove(r);
+                }
             } else {
+                if !inputs_held {
+                    not_before = not_before.min(ready);
+                }
                 moved.insert(w);
                 rest.push(w);
             }
         }
-        waiting = rest;
+        held.nodes = rest;
+        held.not_before = if not_before.is_finite() {
+            not_before
+        } else {
+            0.0
+        };
     }
-    for w in waiting {
+    for w in held.nodes {
         moved.insert(w);
-        emit(w, &mut clock, &mut new, &mut emitted);
+        clock.run(w);
+        new.push(w);
     }
     let moved = moved.len();
     if moved > 0 {
