@@ -310,7 +310,7 @@ __device__ __forceinline__ void rms_fwd8(uint4* out, const uint4* x, const void*
 template <int RV_MAX>
 __device__ __forceinline__ void rms_bwd8(uint4* dx, float* dw_acc, const uint4* x, const void* w, int wcode,
                                          const uint4* dy, i64 rows, int H, float eps, int rpb) {
-    __shared__ float sh[64];
+    __shared__ float sh[72];
     const int chunks = H >> 3;
     float wv[RV_MAX][8], acc[RV_MAX][8];
 #pragma unroll
@@ -338,8 +338,7 @@ __device__ __forceinline__ void rms_bwd8(uint4* dx, float* dw_acc, const uint4* 
                 }
             }
         }
-        ss = block_sum(ss, sh);
-        gx = block_sum(gx, sh);
+        block_sum2(ss, gx, sh);
         float r = rsqrtf(ss / (float)H + eps);
         float mean = gx * r / (float)H;
 #pragma unroll

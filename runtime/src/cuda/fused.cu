@@ -146,13 +146,14 @@ __device__ __forceinline__ void add_rms_fwd8(uint4* sum, uint4* normed, const ui
 }
 
 // add_rms_norm_grad: rms_bwd8 on the sum, its dx rounded as the unfused kernel stores it,
-// plus the residual gradient dres (rounded once more, as the unfused add). dw as rms_bwd8:
-// per-block f32 partials, summed by colsum_f32_to.
+// plus the residual gradient dres (rounded once more, as the unfused add), which is loaded
+// with the row's x and dy so its latency overlaps theirs. dw as rms_bwd8: per-block f32
+// partials, summed by colsum_f32_to.
 template <int RV_MAX>
 __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const uint4* x, const void* w, int wcode,
                                              const uint4* dy, const uint4* dres, i64 rows, int H, float eps,
                                              int rpb) {
-    __shared__ float sh[64];
+    __shared__ float sh[72];
     const int chunks = H >> 3;
     float wv[RV_MAX][8], acc[RV_MAX][8];
 #pragma unroll
@@ -166,6 +167,7 @@ __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const u
     const i64 r1 = r0 + rpb < rows ? r0 + rpb : rows;
     for (i64 row = r0; row < r1; ++row) {
         float xv[RV_MAX][8], gv[RV_MAX][8];
+        uint4 res[RV_MAX];
         float ss = 0.f, gx = 0.f;
 #pragma unroll
         for (int k = 0; k < RV_MAX; ++k) {
@@ -173,6 +175,7 @@ __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const u
             if (c < chunks) {
                 unpack8(x[row * chunks + c], xv[k]);
                 unpack8(dy[row * chunks + c], gv[k]);
+                res[k] = dres[row * chunks + c];
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     ss += xv[k][e] * xv[k][e];
@@ -180,8 +183,7 @@ __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const u
                 }
             }
         }
-        ss = block_sum(ss, sh);
-        gx = block_sum(gx, sh);
+        block_sum2(ss, gx, sh);
         float r = rsqrtf(ss / (float)H + eps);
         float mean = gx * r / (float)H;
 #pragma unroll
@@ -196,7 +198,7 @@ __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const u
                     acc[k][e] += gv[k][e] * xh;
                 }
                 unpack8(pack8(d), d);
-                unpack8(dres[row * chunks + c], rv);
+                unpack8(res[k], rv);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) d[e] = rv[e] + d[e];
                 dsum[row * chunks + c] = pack8(d);

@@ -103,6 +103,34 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
     __syncthreads();
     return r;
 }
+// Two block sums at once, each reduced in block_sum's order (the same bits), with two
+// barriers where two block_sum calls take eight: the warps' partials (sh[0..64)) and the
+// totals (sh[64], sh[65]) have slots of their own, so a loop calling it once per row
+// needs no barrier to guard the previous call's reads. sh holds at least 66 floats and
+// is used by nothing else in between.
+__device__ __forceinline__ void block_sum2(float& a, float& b, float* sh) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (lane == 0) {
+        sh[wid] = a;
+        sh[32 + wid] = b;
+    }
+    __syncthreads();
+    if (wid == 0) {
+        float ra = lane < nw ? sh[lane] : 0.f;
+        float rb = lane < nw ? sh[32 + lane] : 0.f;
+        ra = warp_sum(ra);
+        rb = warp_sum(rb);
+        if (lane == 0) {
+            sh[64] = ra;
+            sh[65] = rb;
+        }
+    }
+    __syncthreads();
+    a = sh[64];
+    b = sh[65];
+}
 __device__ __forceinline__ float block_max(float v, float* sh) {
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
     v = warp_max(v);
