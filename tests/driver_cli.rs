@@ -383,3 +383,79 @@ fn a_near_limit_option_set_is_compiled_before_recompute() {
         "{chose}\n{tried:?}"
     );
 }
+
+/// The `tried` line of llama3-8b's step on dp=16 over two nodes (the h100 profile) at
+/// seq 4096, ZeRO-0, full checkpointing, under `memory` GiB a rank.
+fn dp16_tried_line(memory: &str) -> String {
+    let out = tmp(&format!("dp16-{memory}.json"));
+    let (code, _, err) = weft(&[
+        "compile",
+        "llama3-8b",
+        "--mesh",
+        "dp=16",
+        "--seq",
+        "4096",
+        "--batch",
+        "16",
+        "--dtype",
+        "bf16",
+        "--optimizer",
+        "adamw",
+        "--zero",
+        "0",
+        "--checkpoint",
+        "full",
+        "--offload=false",
+        "--micro-batches",
+        "1",
+        "--unfused-loss",
+        "--stream-optimizer-state=false",
+        "--device",
+        "h100",
+        "--device-memory",
+        memory,
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    err.lines()
+        .find(|l| l.starts_with("  tried "))
+        .unwrap_or_else(|| panic!("{err}"))
+        .to_string()
+}
+
+/// The step's peak (GiB) and predicted time (ms) from a `tried` line.
+fn peak_and_step(line: &str) -> (f64, f64) {
+    let num = |after: &str| -> f64 {
+        let at = line.find(after).unwrap_or_else(|| panic!("{line}")) + after.len();
+        line[at..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap_or_else(|e| panic!("{line}: {e}"))
+    };
+    (num("peak "), num("step "))
+}
+
+/// The all-reduce over two nodes outlasts the backward: with the updates moved to
+/// where their reductions are predicted done the step is about a fifth shorter, and
+/// holds the reduced gradients longer; where that no longer fits the device, the
+/// driver keeps each update right after its reduction, and says so.
+#[test]
+fn updates_move_past_their_reductions_unless_that_breaks_the_fit() {
+    let roomy = dp16_tried_line("900");
+    let tight = dp16_tried_line("112");
+    let ((roomy_peak, roomy_step), (tight_peak, tight_step)) =
+        (peak_and_step(&roomy), peak_and_step(&tight));
+    assert!(!roomy.contains("right after its reduction"), "{roomy}");
+    assert!(
+        tight.contains("each update right after its reduction, to fit"),
+        "{tight}"
+    );
+    assert!(
+        tight_peak <= 112.0 && roomy_peak > 112.0,
+        "{roomy}\n{tight}"
+    );
+    assert!(roomy_step < 0.9 * tight_step, "{roomy}\n{tight}");
+}

@@ -669,9 +669,27 @@ fn evaluate_verified(
         help: Some("give --seq (and --batch)".into()),
     })?;
     let (peak, time) = (p.memory.peak_bytes, p.cost.step_time_s);
+    let fits = peak <= req.memory_limit();
+    let moved = c
+        .report
+        .passes
+        .iter()
+        .any(|s| s.counters.get("updates_deferred").is_some_and(|n| *n > 0));
+    if !fits && moved {
+        // Updates moved past their reductions hold the reduced gradients longer: the
+        // same options with each update right after its reduction may fit.
+        let kept = TrainOptions {
+            defer_updates: false,
+            ..opts.clone()
+        };
+        let e = evaluate_verified(req, &kept, verify_each)?;
+        if e.fits {
+            return Ok(e);
+        }
+    }
     Ok(Evaluated {
         options: opts.clone(),
-        fits: peak <= req.memory_limit(),
+        fits,
         compiled: c,
         peak_bytes: peak,
         step_time_s: time,
@@ -782,10 +800,12 @@ fn candidate_line(e: &Evaluated, limit: u64, analytic: Option<&Scored>) -> Strin
                 s.time.step * 1e3
             ))
             .unwrap_or_default(),
-        if e.fits {
-            String::new()
-        } else {
+        if !e.fits {
             format!(" (over {})", plan::gib(limit))
+        } else if !e.options.defer_updates {
+            " (each update right after its reduction, to fit)".to_string()
+        } else {
+            String::new()
         }
     )
 }

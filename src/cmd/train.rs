@@ -219,6 +219,7 @@ impl TrainArgs {
                 fp8: self.fp8,
                 warmup_steps: self.warmup_steps,
                 cp_kv: self.cp_kv()?,
+                defer_updates: true,
             },
             open: Open {
                 checkpoint: self.checkpoint.is_none(),

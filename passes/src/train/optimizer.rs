@@ -239,7 +239,7 @@ impl Pass for OptimizerPass {
         }
         crate::zero::prefetch_gathers(g, &gather_chains);
         place_in_backward(g, step_node, &groups, cx.options.train.reduce_scatter);
-        if g.mesh.world_size() > 1 {
+        if g.mesh.world_size() > 1 && cx.options.train.defer_updates {
             let b = crate::memory::bindings(g, &cx.options.train);
             let moved = crate::train::update_timing::defer_waiting_updates(
                 g,

@@ -9,7 +9,8 @@
 //! first compute node by whose end its reduction is predicted done (at the latest to
 //! the step's end), so the backward runs on while the collectives drain. Values are
 //! unchanged; only the program order moves, and a reduced gradient lives that much
-//! longer.
+//! longer: where that plan no longer fits the device, the driver compiles the same
+//! options with `TrainOptions::defer_updates` off and takes that one if it fits.
 //!
 //! The clock: compute nodes at [`crate::offload::compute_seconds`] on the options'
 //! device profile, in program order; collectives one at a time in program order on
