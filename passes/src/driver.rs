@@ -675,7 +675,13 @@ fn evaluate_verified(
         .passes
         .iter()
         .any(|s| s.counters.get("updates_deferred").is_some_and(|n| *n > 0));
-    if !fits && moved {
+    // What holding reduced gradients longer can add at the peak: their buffers, and
+    // the transients beside them.
+    let releasable: u64 = ["comm_buffers", "grads", "workspace"]
+        .iter()
+        .filter_map(|k| p.memory.breakdown.get(*k))
+        .sum();
+    if !fits && moved && peak - req.memory_limit() <= releasable {
         // Updates moved past their reductions hold the reduced gradients longer: the
         // same options with each update right after its reduction may fit.
         let kept = TrainOptions {
