@@ -362,6 +362,11 @@ fn zero3_splits_dim1_of_fewer_experts_than_ranks() {
     check_batch("mixtral", 8, &[("dp=8", 3, 1), ("dp=8,ep=2", 3, 1)]);
     check_batch("mixtral", 16, &[("dp=8,ep=2", 3, 2)]);
     check_batch("mixtral", 6, &[("dp=6,ep=2", 3, 1)]);
+    // Expert kinds the split was not written against: gpt-oss's transposed experts
+    // with biases (4 experts over 8 ranks), DeepSeek-V3's routed experts beside
+    // shared ones (4 local over an expert group of 8).
+    check_batch("gpt_oss", 8, &[("dp=8", 3, 1)]);
+    check_batch("deepseek_v3", 16, &[("dp=16,ep=2", 3, 1)]);
 }
 
 /// One snapshot line: the op (with its micro-batch tag), operand and result types, why.

@@ -190,8 +190,17 @@ fn plan_buckets(g: &Graph, syncs: Vec<Sync>, limit: u64, scatter: bool) -> Vec<B
     for s in syncs {
         let dtype = g.ty(s.local).dtype;
         let bytes = value_bytes(g, s.local);
+        // A parameter too small to split over its group (fewer elements than ranks:
+        // gpt-oss's attention sinks over 8 ranks) is all-reduced in a bucket of its own
+        // kind: in a ZeRO bucket it made the whole bucket an all-reduce, and the stage-3
+        // parameters in it lost their sharded gradients.
         let group = if scatter {
-            ZeroGroup::of_param(g, s.param()).within(&s.axes)
+            let group = ZeroGroup::of_param(g, s.param()).within(&s.axes);
+            if crate::zero::param_split(&g.mesh, g.ty(s.local), &group, false).is_some() {
+                group
+            } else {
+                ZeroGroup::default()
+            }
         } else {
             ZeroGroup::default()
         };

@@ -510,6 +510,8 @@ impl Writer<'_> {
                 meta: w.meta.clone(),
                 g: &mut *w.g,
             };
+            // In the split's flat layout (dims 0 and 1 swapped where ZeRO-3 cuts dim 1).
+            let v = em.rows_layout(split, v, &format!("ZeRO-1: `{name}`'s {what}"))?;
             let flat =
                 em.flat_const(v, split.numel_dim(), &format!("ZeRO-1: `{name}`'s {what}"))?;
             em.piece_of(split, flat, &reason)
