@@ -12,14 +12,8 @@
 #   OUT=$OUT PHASES="checks ab h200" bash bench/session18_gpu_call.sh
 #   (QUICK=1: one --check model, 4096 only, one A/B pair, no PyTorch: for a short
 #   device budget)
-set -u
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; PHASES=${PHASES:-"checks ab h200"}
-has() { [[ " $PHASES " == *" $1 "* ]]; }
-for f in .gpu/weft.xz .gpu/weftA.xz .gpu/tests/gpu.xz; do [ -f $f ] && xz -d -f $f; done
-chmod +x .gpu/weft .gpu/weftA .gpu/tests/* 2>/dev/null
-export PY=/opt/torch/.venv/bin/python3
-CUDNN_LIB=$($PY -c 'import nvidia.cudnn; print(nvidia.cudnn.__path__[0] + "/lib")' 2>/dev/null); export LD_LIBRARY_PATH="$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$GPU"
+PHASES=${PHASES:-"checks ab h200"}
+source bench/gpu_env.sh
 W=./.gpu/weft
 step() { timeout "$1" $W run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-260; }
 if has checks; then

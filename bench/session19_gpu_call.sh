@@ -10,14 +10,8 @@
 #             the two (twice each) and the 16384 step of each
 #   torch     PyTorch eager (cuDNN SDPA, fused AdamW) at 4096 and 16384
 #   OUT=$OUT PHASES="checks frontier ab torch" bash bench/session19_gpu_call.sh
-set -u
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; PHASES=${PHASES:-"checks frontier ab torch"}
-has() { [[ " $PHASES " == *" $1 "* ]]; }
-for f in .gpu/weft.xz .gpu/weftA.xz .gpu/tests/gpu.xz; do [ -f $f ] && xz -d -f $f; done
-chmod +x .gpu/weft .gpu/weftA .gpu/tests/* 2>/dev/null
-export PY=/opt/torch/.venv/bin/python3
-CUDNN_LIB=$($PY -c 'import nvidia.cudnn; print(nvidia.cudnn.__path__[0] + "/lib")' 2>/dev/null); export LD_LIBRARY_PATH="$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$GPU"
+PHASES=${PHASES:-"checks frontier ab torch"}
+source bench/gpu_env.sh
 step() { timeout "$2" ./.gpu/$1 run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:3}" 2>&1 | grep -E '^mean|error' | cut -c1-260; }
 if has checks; then
   WEFT_GPU_ONLY="rms_norm" timeout 150 .gpu/tests/gpu --nocapture --test-threads=1 > $OUT/cases.txt 2>&1; echo "rms_norm cases rc $?"; grep -E "^[0-9]+ cases|FAIL|fail" $OUT/cases.txt | head -8

@@ -373,7 +373,7 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
                     .into_iter()
                     .filter(|e| {
                         world.is_multiple_of(*e)
-                            && weft_ir::Mesh::parse(&mesh_text(dp, cp, sp, tp, *e)).is_ok()
+                            && weft_ir::Mesh::parse(&layout(dp, cp, sp, tp, *e).mesh()).is_ok()
                     })
                     .collect()
             } else {
@@ -381,16 +381,9 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
             };
             let per_rank = s.batch / dp;
             for ep in eps {
+                let layout = layout(dp, cp, sp, tp, ep);
                 // Without a group to shard over every ZeRO stage is stage 0's plan.
-                let (dense_group, expert_group) = Candidate {
-                    dp: dp as u32,
-                    cp: cp as u32,
-                    sp: sp as u32,
-                    tp: tp as u32,
-                    ep: ep as u32,
-                    ..Default::default()
-                }
-                .zero_groups(world);
+                let (dense_group, expert_group) = layout.zero_groups(world);
                 let zero_max = if dense_group > 1 || (m.experts > 0 && expert_group > 1) {
                     3
                 } else {
@@ -403,25 +396,20 @@ pub fn enumerate(m: &ModelShape, s: &SearchSpec) -> Vec<Candidate> {
                         {
                             let mut mb = 1;
                             while mb <= per_rank {
-                                for &cp_kv in kv_exchanges(cp) {
-                                    if !per_rank.is_multiple_of(mb) {
-                                        continue;
+                                if per_rank.is_multiple_of(mb) {
+                                    for &cp_kv in kv_exchanges(cp) {
+                                        out.push(Candidate {
+                                            zero,
+                                            checkpoint,
+                                            offload,
+                                            offload_optimizer,
+                                            // what `weft plan` compiles (the default)
+                                            fused_loss: true,
+                                            micro_batches: mb as u32,
+                                            cp_kv,
+                                            ..layout.clone()
+                                        });
                                     }
-                                    out.push(Candidate {
-                                        dp: dp as u32,
-                                        cp: cp as u32,
-                                        sp: sp as u32,
-                                        tp: tp as u32,
-                                        ep: ep as u32,
-                                        zero,
-                                        checkpoint,
-                                        offload,
-                                        offload_optimizer,
-                                        // what `weft plan` compiles (the default)
-                                        fused_loss: true,
-                                        micro_batches: mb as u32,
-                                        cp_kv,
-                                    });
                                 }
                                 mb *= 2;
                             }
@@ -444,7 +432,8 @@ fn kv_exchanges(cp: u64) -> &'static [CpKv] {
     }
 }
 
-fn mesh_text(dp: u64, cp: u64, sp: u64, tp: u64, ep: u64) -> String {
+/// The candidate of one parallel layout, its other options at their defaults.
+fn layout(dp: u64, cp: u64, sp: u64, tp: u64, ep: u64) -> Candidate {
     Candidate {
         dp: dp as u32,
         cp: cp as u32,
@@ -453,7 +442,6 @@ fn mesh_text(dp: u64, cp: u64, sp: u64, tp: u64, ep: u64) -> String {
         ep: ep as u32,
         ..Default::default()
     }
-    .mesh()
 }
 
 /// The ring steps a windowed layer takes over `cp` ranks at `seq` tokens (the

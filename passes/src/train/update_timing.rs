@@ -14,7 +14,7 @@
 //!
 //! The clock: compute nodes at [`crate::offload::compute_seconds`] on the options'
 //! device profile, in program order; collectives one at a time in program order on
-//! the plan cost model's link rates ([`crate::plan::cost::collective_cost`]), each
+//! the plan cost model's link rates ([`crate::plan::cost::node_collective_cost`]), each
 //! starting when its operands are ready; host copies free.
 
 use crate::memory::bytes;
@@ -26,11 +26,8 @@ use weft_ir::{Bindings, Graph, Node, Value};
 /// Seconds one collective takes on the plan cost model.
 fn collective_seconds(g: &Graph, n: Node, b: &Bindings, d: &DeviceProfile) -> f64 {
     let nd = g.node(n);
-    let axis = nd.op.axis().unwrap_or_default();
-    let p = g.mesh.size_or_one(axis);
-    let inter = crate::plan::cost::crosses_nodes(&g.mesh, axis, d.gpus_per_node);
     let sum = |vs: &[Value]| vs.iter().map(|v| bytes(g, *v, b) as f64).sum::<f64>();
-    crate::plan::cost::collective_cost(&nd.op, sum(&nd.operands), sum(&nd.results), p, inter, d).1
+    crate::plan::cost::node_collective_cost(g, n, sum(&nd.operands), sum(&nd.results), d).1
 }
 
 /// The two streams' clocks, each node's seconds (computed once) and when each value

@@ -145,6 +145,23 @@ pub fn crosses_nodes(mesh: &Mesh, axis: &str, gpus_per_node: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// [`collective_cost`] of collective node `n` of `g` on its own axis (its group size
+/// and whether that group spans nodes from the mesh), with the rank's operand and
+/// result bytes.
+pub fn node_collective_cost(
+    g: &weft_ir::Graph,
+    n: weft_ir::Node,
+    in_bytes: f64,
+    out_bytes: f64,
+    d: &DeviceProfile,
+) -> (f64, f64) {
+    let op = &g.node(n).op;
+    let axis = op.axis().unwrap_or_default();
+    let p = g.mesh.size_or_one(axis);
+    let inter = crosses_nodes(&g.mesh, axis, d.gpus_per_node);
+    collective_cost(op, in_bytes, out_bytes, p, inter, d)
+}
+
 /// Bytes a rank sends for a collective and the predicted seconds.
 /// `in_bytes`/`out_bytes` are the rank's operand and result sizes.
 pub fn collective_cost(

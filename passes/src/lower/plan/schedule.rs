@@ -272,9 +272,7 @@ fn instruction_cost(
     match stream {
         1 => {
             let axis = nd.op.axis().unwrap_or_default();
-            let p = g.mesh.size_or_one(axis);
-            let inter = cost::crosses_nodes(&g.mesh, axis, d.gpus_per_node);
-            let (moved, t) = cost::collective_cost(&nd.op, in_bytes, out_bytes, p, inter, d);
+            let (moved, t) = cost::node_collective_cost(g, n, in_bytes, out_bytes, d);
             *costs
                 .collectives
                 .entry(nd.op.name().to_string())
