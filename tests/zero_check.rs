@@ -13,6 +13,7 @@ use common::*;
 use std::collections::BTreeMap;
 use weft_ir::{DType, Graph, HostTensor, Op};
 use weft_passes::training::{Optimizer, TrainOptions};
+use weft_passes::update_timing::DeferUpdates;
 use weft_runtime::cpu::{run, Precision, RunOptions};
 
 const K: usize = 3;
@@ -115,13 +116,24 @@ fn batch_of(batch: usize, inputs: &BTreeMap<String, HostTensor>) -> BTreeMap<Str
 
 /// [`check`] with `batch` rows (6 for groups of 3).
 fn check_batch(fam: &str, batch: usize, cases: &[(&str, u8, u32)]) {
+    check_batch_with(fam, batch, cases, |o| o)
+}
+
+/// [`check_batch`] with the sharded steps' options changed by `tweak`.
+fn check_batch_with(
+    fam: &str,
+    batch: usize,
+    cases: &[(&str, u8, u32)],
+    tweak: impl Fn(TrainOptions) -> TrainOptions,
+) {
     let (graph, weights, inputs) = load_fixture_batch4(fam, |i, _| i % 7 == 3);
     let inputs = batch_of(batch, &inputs);
-    let opts = |zero, micro| TrainOptions {
+    let one_rank = |zero, micro| TrainOptions {
         batch: Some(batch as i64),
         ..opts(zero, micro)
     };
-    let (one, _) = training_step(&graph, "", &opts(0, 1)).unwrap();
+    let opts = |zero, micro| tweak(one_rank(zero, micro));
+    let (one, _) = training_step(&graph, "", &one_rank(0, 1)).unwrap();
     let want = steps(&one, &weights, &inputs);
     for &(mesh, zero, micro) in cases {
         let what = format!("{fam} {mesh} zero={zero} micro={micro}");
@@ -325,6 +337,45 @@ fn updates_that_wait_for_their_reduction_move_and_match() {
         assert!(moved > 0, "zero {zero}: nothing moved");
     }
     check("llama", &[("dp=4", 0, 1), ("dp=4", 2, 1), ("dp=4", 3, 1)]);
+}
+
+/// Held within a bound on the reduced gradients they keep alive
+/// (`DeferUpdates::Within`, what the driver uses where moving every update does not fit
+/// the device), fewer updates move, the bound holds, and the steps still match.
+#[test]
+fn updates_held_within_a_bound_move_and_match() {
+    let (graph, _, _) = load_fixture("llama");
+    for zero in [0, 2] {
+        let deferred = |defer_updates| {
+            let o = TrainOptions {
+                defer_updates,
+                ..opts(zero, 1)
+            };
+            let (_, report) = training_step(&graph, "dp=4", &o).unwrap();
+            let stat = |k: &str| {
+                report
+                    .passes
+                    .iter()
+                    .find(|p| p.pass == "optimizer")
+                    .and_then(|p| p.counters.get(k).copied())
+                    .unwrap_or(0)
+            };
+            (stat("updates_deferred"), stat("deferred_held_bytes"))
+        };
+        let (moved_all, held_all) = deferred(DeferUpdates::All);
+        assert!(moved_all > 0 && held_all > 0, "zero {zero}: nothing held");
+        let cap = held_all / 2;
+        let (moved, held) = deferred(DeferUpdates::Within(cap));
+        assert!(
+            moved > 0 && held <= cap,
+            "zero {zero}: {moved} moved holding {held} B within {cap} (all: {moved_all}, {held_all} B)"
+        );
+        assert_eq!(deferred(DeferUpdates::Off), (0, 0), "zero {zero}");
+        check_batch_with("llama", 4, &[("dp=4", zero, 1)], |o| TrainOptions {
+            defer_updates: DeferUpdates::Within(cap),
+            ..o
+        });
+    }
 }
 
 /// ZeRO-3 of stacked experts with fewer local experts than ranks in their group: each

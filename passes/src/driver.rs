@@ -31,6 +31,7 @@ use crate::registry::{default_pipeline_explained, Pipeline, Step};
 use crate::search::{Candidate, ModelShape, Scored, SearchSpec};
 use crate::tp::TpOptions;
 use crate::training::{training_steps, CheckpointPolicy, OffloadOptions, TrainOptions};
+use crate::update_timing::DeferUpdates;
 use std::io::Write;
 use weft_ir::plan::{DeviceProfile, ExecutionPlan, StepKind};
 use weft_ir::{Bindings, DType, Graph, Mesh};
@@ -670,27 +671,59 @@ fn evaluate_verified(
     })?;
     let (peak, time) = (p.memory.peak_bytes, p.cost.step_time_s);
     let fits = peak <= req.memory_limit();
-    let moved = c
-        .report
-        .passes
-        .iter()
-        .any(|s| s.counters.get("updates_deferred").is_some_and(|n| *n > 0));
+    let counter = |k: &str| {
+        c.report
+            .passes
+            .iter()
+            .find_map(|s| s.counters.get(k).copied())
+            .unwrap_or(0)
+    };
+    let (moved, held) = (counter("updates_deferred"), counter("deferred_held_bytes"));
     // What holding reduced gradients longer can add at the peak: their buffers, and
     // the transients beside them.
     let releasable: u64 = ["comm_buffers", "grads", "workspace"]
         .iter()
         .filter_map(|k| p.memory.breakdown.get(*k))
         .sum();
-    if !fits && moved && peak - req.memory_limit() <= releasable {
-        // Updates moved past their reductions hold the reduced gradients longer: the
-        // same options with each update right after its reduction may fit.
-        let kept = TrainOptions {
-            defer_updates: false,
-            ..opts.clone()
+    let over = peak.saturating_sub(req.memory_limit());
+    if !fits && moved > 0 && over <= releasable && opts.defer_updates == DeferUpdates::All {
+        // Updates moved past their reductions hold the reduced gradients longer: with
+        // each update right after its reduction the same options may fit, and then
+        // the most that can be held and still fit is searched (a bisection of the
+        // held bytes, starting at the peak's held bytes less the overshoot).
+        let with = |defer_updates| {
+            evaluate_verified(
+                req,
+                &TrainOptions {
+                    defer_updates,
+                    ..opts.clone()
+                },
+                verify_each,
+            )
         };
-        let e = evaluate_verified(req, &kept, verify_each)?;
-        if e.fits {
-            return Ok(e);
+        let mut best = with(DeferUpdates::Off)?;
+        if best.fits {
+            let (mut fits_at, mut over_at) = (0u64, held);
+            let mut cap = held.saturating_sub(over);
+            for _ in 0..DEFERRAL_TRIES {
+                if cap <= fits_at || cap >= over_at {
+                    cap = fits_at + (over_at - fits_at) / 2;
+                }
+                if over_at - fits_at < MIN_DEFERRAL_STEP {
+                    break;
+                }
+                let e = with(DeferUpdates::Within(cap))?;
+                if e.fits {
+                    fits_at = cap;
+                    if e.step_time_s < best.step_time_s {
+                        best = e;
+                    }
+                } else {
+                    over_at = cap;
+                }
+                cap = fits_at + (over_at - fits_at) / 2;
+            }
+            return Ok(best);
         }
     }
     Ok(Evaluated {
@@ -701,6 +734,12 @@ fn evaluate_verified(
         step_time_s: time,
     })
 }
+
+/// How many bounds on the reduced gradients held past their reductions the driver
+/// tries for a plan that fits only with its updates kept in place, and the smallest
+/// gap between a bound that fits and one that does not worth another try.
+const DEFERRAL_TRIES: usize = 4;
+const MIN_DEFERRAL_STEP: u64 = 64 << 20;
 
 /// Micro-batch counts the driver tries when `--micro-batches` is open: powers of two
 /// that divide a rank's batch, at most this many.
@@ -808,8 +847,13 @@ fn candidate_line(e: &Evaluated, limit: u64, analytic: Option<&Scored>) -> Strin
             .unwrap_or_default(),
         if !e.fits {
             format!(" (over {})", plan::gib(limit))
-        } else if !e.options.defer_updates {
+        } else if e.options.defer_updates == DeferUpdates::Off {
             " (each update right after its reduction, to fit)".to_string()
+        } else if let DeferUpdates::Within(b) = e.options.defer_updates {
+            format!(
+                " (updates moved past their reductions holding at most {} of reduced gradients, to fit)",
+                plan::gib(b)
+            )
         } else {
             String::new()
         }

@@ -35,7 +35,7 @@ pub use parallel::{
 };
 pub use train::{
     autodiff, checkpoint, fp8, grad_sync, linear_ce, micro_batches, offload, optimizer,
-    stream_state, training, zero, zero_split,
+    stream_state, training, update_timing, zero, zero_split,
 };
 
 pub use bindings::{check_bindings, BindingError};

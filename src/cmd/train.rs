@@ -219,7 +219,7 @@ impl TrainArgs {
                 fp8: self.fp8,
                 warmup_steps: self.warmup_steps,
                 cp_kv: self.cp_kv()?,
-                defer_updates: true,
+                defer_updates: weft_passes::train::update_timing::DeferUpdates::All,
             },
             open: Open {
                 checkpoint: self.checkpoint.is_none(),

@@ -81,6 +81,7 @@ impl Pass for OptimizerPass {
             "stage3_whole",
             "dead_nodes",
             "updates_deferred",
+            "deferred_held_bytes",
         ] {
             res.count(k, 0);
         }
@@ -239,14 +240,16 @@ impl Pass for OptimizerPass {
         }
         crate::zero::prefetch_gathers(g, &gather_chains);
         place_in_backward(g, step_node, &groups, cx.options.train.reduce_scatter);
-        if g.mesh.world_size() > 1 && cx.options.train.defer_updates {
+        if g.mesh.world_size() > 1 {
             let b = crate::memory::bindings(g, &cx.options.train);
-            let moved = crate::train::update_timing::defer_waiting_updates(
+            let d = crate::train::update_timing::defer_waiting_updates(
                 g,
                 &b,
                 &cx.options.train.device.0,
+                cx.options.train.defer_updates,
             );
-            res.count("updates_deferred", moved as u64);
+            res.count("updates_deferred", d.moved as u64);
+            res.count("deferred_held_bytes", d.held_peak_bytes);
         }
         if !state_reloads.is_empty() {
             let b = crate::memory::bindings(g, &cx.options.train);

@@ -268,12 +268,12 @@ pub struct TrainOptions {
     /// steps (default) or one all-gather (`--cp-kv`). Also read by a forward-only
     /// program's ring lowering (the driver sets it from the request).
     pub cp_kv: crate::ring_allgather::CpKv,
-    /// `optimizer`: move the updates that would stall the compute stream waiting for
-    /// their gradient's reduction to where it is predicted done
-    /// ([`crate::train::update_timing`]); off keeps each right after its reduction,
-    /// holding the reduced gradients least long (the driver retries so a plan that
+    /// `optimizer`: how far the updates that would stall the compute stream waiting for
+    /// their gradient's reduction move towards where it is predicted done
+    /// ([`crate::train::update_timing`]); `Off` keeps each right after its reduction,
+    /// holding the reduced gradients least long (the driver holds less where a plan
     /// does not fit otherwise).
-    pub defer_updates: bool,
+    pub defer_updates: crate::train::update_timing::DeferUpdates,
 }
 
 impl Default for TrainOptions {
@@ -299,7 +299,7 @@ impl Default for TrainOptions {
             fp8: false,
             warmup_steps: None,
             cp_kv: Default::default(),
-            defer_updates: true,
+            defer_updates: crate::train::update_timing::DeferUpdates::All,
         }
     }
 }

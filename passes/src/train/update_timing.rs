@@ -9,8 +9,10 @@
 //! first compute node by whose end its reduction is predicted done (at the latest to
 //! the step's end), so the backward runs on while the collectives drain. Values are
 //! unchanged; only the program order moves, and a reduced gradient lives that much
-//! longer: where that plan no longer fits the device, the driver compiles the same
-//! options with `TrainOptions::defer_updates` off and takes that one if it fits.
+//! longer. [`DeferUpdates::Within`] bounds the reduced gradients' bytes so held: past
+//! it the oldest held updates run where they are, stalling. Where a plan no longer
+//! fits the device, the driver compiles the same options again holding less (the
+//! overshoot off the held bytes' peak), then with the updates kept in place.
 //!
 //! The clock: compute nodes at [`crate::offload::compute_seconds`] on the options'
 //! device profile, in program order; collectives one at a time in program order on
@@ -20,6 +22,27 @@
 use crate::memory::bytes;
 use crate::offload::compute_seconds;
 use std::collections::{HashMap, HashSet};
+
+/// How far the `optimizer` pass may move the updates past their reductions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeferUpdates {
+    /// Each update right after its reduction: reduced gradients live least long.
+    Off,
+    /// Every update that would stall moves to where its inputs are ready.
+    All,
+    /// As `All` while the reduced gradients the held updates keep alive stay within
+    /// this many bytes; past it the oldest held updates run where they are.
+    Within(u64),
+}
+
+/// What [`defer_waiting_updates`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Deferred {
+    /// Nodes moved.
+    pub moved: usize,
+    /// The most bytes of reduced gradients held past their place at once.
+    pub held_peak_bytes: u64,
+}
 use weft_ir::plan::DeviceProfile;
 use weft_ir::{Bindings, Graph, Node, Value};
 
@@ -89,20 +112,120 @@ fn made_by_sync(g: &Graph, n: Node) -> bool {
         .is_some_and(|p| p.pass == crate::grad_sync::NAME || p.pass == crate::optimizer::NAME)
 }
 
-/// The nodes held back, in program order, and the values they make.
+/// The nodes held back, in program order, the values they make, and the reduced
+/// gradients (made, not by a held node) they keep alive.
 #[derive(Default)]
 struct Waiting {
     nodes: Vec<Node>,
     makes: HashSet<Value>,
     /// No held node can run before the compute clock reaches this.
     not_before: f64,
+    /// Per held node, the kept-alive values it reads (once per operand).
+    keeps: HashMap<Node, Vec<Value>>,
+    /// Per kept-alive value, how many held operands read it.
+    readers: HashMap<Value, u32>,
+    bytes: u64,
+    peak_bytes: u64,
+}
+
+impl Waiting {
+    /// Holds `n` (after the held nodes).
+    fn hold(&mut self, g: &Graph, b: &Bindings, n: Node, reduced: &HashSet<Value>) {
+        let nd = g.node(n);
+        for v in &nd.operands {
+            if reduced.contains(v) && !self.makes.contains(v) {
+                self.keep(g, b, n, *v);
+            }
+        }
+        self.makes.extend(nd.results.iter().copied());
+        self.nodes.push(n);
+        self.not_before = 0.0;
+    }
+
+    fn keep(&mut self, g: &Graph, b: &Bindings, reader: Node, v: Value) {
+        let r = self.readers.entry(v).or_insert(0);
+        if *r == 0 {
+            self.bytes += bytes(g, v, b);
+        }
+        *r += 1;
+        self.keeps.entry(reader).or_default().push(v);
+    }
+
+    /// Accounts for held node `w` (already out of `nodes`) having run: what it kept
+    /// alive has one reader less, and what it made is alive for the held nodes that
+    /// read it.
+    fn ran(&mut self, g: &Graph, b: &Bindings, w: Node, reduced: &HashSet<Value>) {
+        for v in self.keeps.remove(&w).unwrap_or_default() {
+            let r = self.readers.get_mut(&v).expect("a kept value has readers");
+            *r -= 1;
+            if *r == 0 {
+                self.readers.remove(&v);
+                self.bytes -= bytes(g, v, b);
+            }
+        }
+        let wd = g.node(w);
+        for r in &wd.results {
+            self.makes.remove(r);
+        }
+        let made: Vec<Value> = wd
+            .results
+            .iter()
+            .copied()
+            .filter(|r| reduced.contains(r))
+            .collect();
+        if made.is_empty() {
+            return;
+        }
+        for n in self.nodes.clone() {
+            for v in &g.node(n).operands {
+                if made.contains(v) {
+                    self.keep(g, b, n, *v);
+                }
+            }
+        }
+    }
+}
+
+/// Runs the oldest held nodes (a prefix of the held ones has all its inputs) while the
+/// reduced gradients they keep alive exceed `cap`, then notes the held bytes' peak.
+/// `current`: the node being placed (run where it is if flushed, not moved).
+fn within_cap(
+    held: &mut Waiting,
+    clock: &mut Clock<'_>,
+    new: &mut Vec<Node>,
+    moved: &mut HashSet<Node>,
+    cap: u64,
+    reduced: &HashSet<Value>,
+    current: Node,
+) {
+    while held.bytes > cap && !held.nodes.is_empty() {
+        let w = held.nodes.remove(0);
+        if w != current {
+            moved.insert(w);
+        }
+        clock.run(w);
+        new.push(w);
+        held.ran(clock.g, clock.b, w, reduced);
+    }
+    held.peak_bytes = held.peak_bytes.max(held.bytes);
 }
 
 /// Moves the nodes downstream of the gradient reductions (what grad-sync and the
 /// optimizer make from a reduced gradient: its pieces, the updates) that would wait for
 /// a collective to right after the first node by whose end their inputs are predicted
-/// ready, keeping their order (see the module header). Returns how many moved.
-pub fn defer_waiting_updates(g: &mut Graph, b: &Bindings, d: &DeviceProfile) -> usize {
+/// ready, keeping their order, holding at most `how`'s bytes of reduced gradients (see
+/// the module header).
+pub fn defer_waiting_updates(
+    g: &mut Graph,
+    b: &Bindings,
+    d: &DeviceProfile,
+    how: DeferUpdates,
+) -> Deferred {
+    let cap = match how {
+        DeferUpdates::Off => return Deferred::default(),
+        DeferUpdates::All => u64::MAX,
+        DeferUpdates::Within(bytes) => bytes,
+    };
     let order = g.nodes().to_vec();
     // Downstream of a reduction: made by grad-sync or the optimizer, and reading a
     // collective of theirs or another such node.
@@ -122,7 +245,7 @@ pub fn defer_waiting_updates(g: &mut Graph, b: &Bindings, d: &DeviceProfile) -> 
         }
     }
     if downstream.is_empty() {
-        return 0;
+        return Deferred::default();
     }
     let mut clock = Clock {
         g,
@@ -146,11 +269,18 @@ pub fn defer_waiting_updates(g: &mut Graph, b: &Bindings, d: &DeviceProfile) -> 
             if held.nodes.is_empty() && !after_held && !stalls {
                 clock.run(n);
                 new.push(n);
-            } else {
-                held.makes.extend(nd.results.iter().copied());
-                held.nodes.push(n);
-                held.not_before = 0.0;
+                continue;
             }
+            held.hold(clock.g, b, n, &from_reduction);
+            within_cap(
+                &mut held,
+                &mut clock,
+                &mut new,
+                &mut moved,
+                cap,
+                &from_reduction,
+                n,
+            );
             continue;
         }
         // What this node reads of the held nodes runs first, in order (with what those
@@ -166,21 +296,30 @@ pub fn defer_waiting_updates(g: &mut Graph, b: &Bindings, d: &DeviceProfile) -> 
                     need.extend(wd.operands.iter().copied());
                 }
             }
-            let mut rest = Vec::with_capacity(held.nodes.len());
+            let mut ran = Vec::new();
             for (k, w) in std::mem::take(&mut held.nodes).into_iter().enumerate() {
                 if flush[k] {
                     moved.insert(w);
                     clock.run(w);
                     new.push(w);
-                    for r in &clock.g.node(w).results {
-                        held.makes.remove(r);
-                    }
+                    ran.push(w);
                 } else {
-                    rest.push(w);
+                    held.nodes.push(w);
                 }
             }
-            held.nodes = rest;
+            for w in ran {
+                held.ran(clock.g, b, w, &from_reduction);
+            }
             held.not_before = 0.0;
+            within_cap(
+                &mut held,
+                &mut clock,
+                &mut new,
+                &mut moved,
+                cap,
+                &from_reduction,
+                n,
+            );
         }
         clock.run(n);
         new.push(n);
@@ -190,6 +329,7 @@ pub fn defer_waiting_updates(g: &mut Graph, b: &Bindings, d: &DeviceProfile) -> 
         // The held nodes that can run now without stalling the compute stream, in
         // order; one that cannot holds back only what reads it.
         let mut rest = Vec::with_capacity(held.nodes.len());
+        let mut ran = Vec::new();
         let mut not_before = f64::INFINITY;
         for w in std::mem::take(&mut held.nodes) {
             let wd = clock.g.node(w);
@@ -199,9 +339,10 @@ pub fn defer_waiting_updates(g: &mut Graph, b: &Bindings, d: &DeviceProfile) -> 
             if !inputs_held && (wd.op.is_collective() || secs == 0.0 || ready <= clock.compute) {
                 clock.run(w);
                 new.push(w);
-                for r in &clock.g.node(w).results {
+                for r in &wd.results {
                     held.makes.remove(r);
                 }
+                ran.push(w);
             } else {
                 if !inputs_held {
                     not_before = not_before.min(ready);
@@ -211,13 +352,25 @@ pub fn defer_waiting_updates(g: &mut Graph, b: &Bindings, d: &DeviceProfile) -> 
             }
         }
         held.nodes = rest;
+        for w in ran {
+            held.ran(clock.g, b, w, &from_reduction);
+        }
+        within_cap(
+            &mut held,
+            &mut clock,
+            &mut new,
+            &mut moved,
+            cap,
+            &from_reduction,
+            n,
+        );
         held.not_before = if not_before.is_finite() {
             not_before
         } else {
             0.0
         };
     }
-    for w in held.nodes {
+    for w in std::mem::take(&mut held.nodes) {
         moved.insert(w);
         clock.run(w);
         new.push(w);
@@ -226,5 +379,8 @@ pub fn defer_waiting_updates(g: &mut Graph, b: &Bindings, d: &DeviceProfile) -> 
     if moved > 0 {
         g.set_order(new);
     }
-    moved
+    Deferred {
+        moved,
+        held_peak_bytes: if moved > 0 { held.peak_bytes } else { 0 },
+    }
 }
