@@ -205,8 +205,10 @@ pub enum MoeKind {
     GptOss,
 }
 
-/// gpt-oss's SwiGLU clamp and sigmoid slope, hard-coded in HF's `GptOssExperts`
-/// (`self.limit`, `self.alpha`), which ignores the config's `swiglu_limit`.
+/// gpt-oss's SwiGLU clamp and sigmoid slope (`self.limit`, `self.alpha` of HF's
+/// `GptOssExperts`): hard-coded up to transformers 5.17, read from the config's
+/// `swiglu_limit` / `swiglu_alpha` (defaults 7.0 / 1.702) by later versions. Weft
+/// implements these values only and refuses others by name.
 pub const GPT_OSS_SWIGLU_LIMIT: f64 = 7.0;
 pub const GPT_OSS_SWIGLU_ALPHA: f64 = 1.702;
 
@@ -1223,12 +1225,19 @@ fn parse_moe(
                 return Err(f.err("num_experts_per_tok", "must be positive, got 0"));
             }
             check_k(e, k)?;
-            if let Some(limit) = f.opt_f64("swiglu_limit")? {
-                if limit != GPT_OSS_SWIGLU_LIMIT {
-                    return Err(f.err(
-                        "swiglu_limit",
-                        format!("is {limit}, but HF's GptOssExperts ignores it and clamps at {GPT_OSS_SWIGLU_LIMIT}; Weft computes what HF computes, so only {GPT_OSS_SWIGLU_LIMIT} is accepted"),
-                    ));
+            // transformers 5.17 hard-codes both (and ignores the fields); later versions
+            // read them. Only the values every version computes are accepted.
+            for (key, value) in [
+                ("swiglu_limit", GPT_OSS_SWIGLU_LIMIT),
+                ("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA),
+            ] {
+                if let Some(x) = f.opt_f64(key)? {
+                    if x != value {
+                        return Err(f.err(
+                            key,
+                            format!("is {x}, but Weft implements gpt-oss's clamped SwiGLU with {key} {value} only (transformers up to 5.17 hard-codes {value} and ignores the field; later versions apply it): set it to {value}"),
+                        ));
+                    }
                 }
             }
             Ok(Some(MoeConfig {

@@ -268,6 +268,8 @@ fn gpt_oss_defaults() {
 fn gpt_oss_refusals_name_the_field() {
     for (key, value, field) in [
         ("swiglu_limit", serde_json::json!(5.0), "swiglu_limit"),
+        // transformers > 5.17 reads it (GptOssExperts.alpha); Weft implements 1.702 only
+        ("swiglu_alpha", serde_json::json!(1.5), "swiglu_alpha"),
         ("sliding_window", serde_json::Value::Null, "layer_types"),
         (
             "num_experts_per_tok",
@@ -291,6 +293,7 @@ fn gpt_oss_refusals_name_the_field() {
     }
     assert!(gpt_oss_with(|o| {
         o.insert("swiglu_limit".into(), 7.0.into());
+        o.insert("swiglu_alpha".into(), 1.702.into());
     })
     .is_ok());
 }
