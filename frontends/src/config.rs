@@ -332,13 +332,26 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         ));
     }
     let num_attention_heads = f.positive("num_attention_heads")?;
-    let num_key_value_heads = f
-        .opt_usize("num_key_value_heads")?
-        .unwrap_or(num_attention_heads);
+    // An absent key takes the config class's default (a fixed count for most classes,
+    // see [`kv_heads_class_default`]); an explicit null is `num_attention_heads`.
+    let kv_absent = !f.obj.contains_key("num_key_value_heads");
+    let num_key_value_heads = match kv_heads_class_default(family) {
+        Some(n) if kv_absent => n,
+        _ => f
+            .opt_usize("num_key_value_heads")?
+            .unwrap_or(num_attention_heads),
+    };
     if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
         return Err(f.err(
             "num_key_value_heads",
-            format!("must divide num_attention_heads ({num_attention_heads}), got {num_key_value_heads}"),
+            format!(
+                "must divide num_attention_heads ({num_attention_heads}), got {num_key_value_heads}{}",
+                if kv_absent {
+                    format!(" (HF's {family} config class default, the key being absent; give it)")
+                } else {
+                    String::new()
+                }
+            ),
         ));
     }
     let mla = match family {
@@ -510,6 +523,23 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         mla,
         padding_idx: parse_padding_idx(f, family, vocab_size)?,
     })
+}
+
+/// `num_key_value_heads` of each HF config class when the key is absent from
+/// config.json (transformers 5: `MistralConfig` 8, `Qwen2Config` / `Qwen3Config` 32,
+/// `MixtralConfig` 8, `Qwen3MoeConfig` 4, `GptOssConfig` 8, `DeepseekV3Config` 128;
+/// Gemma's 4 is filled in by [`crate::gemma::with_defaults`]). `None`: the class
+/// default is None, which HF turns into `num_attention_heads` (llama, phi3, olmo2,
+/// granite).
+fn kv_heads_class_default(family: Family) -> Option<usize> {
+    match family {
+        Family::Mistral | Family::Mixtral | Family::GptOss => Some(8),
+        Family::Qwen2 | Family::Qwen3 => Some(32),
+        Family::Qwen3Moe => Some(4),
+        Family::DeepseekV3 => Some(128),
+        Family::Gemma2 | Family::Gemma3Text => Some(4),
+        Family::Llama | Family::Phi3 | Family::Olmo2 | Family::Granite | Family::WeftIr => None,
+    }
 }
 
 /// `pad_token_id` as the row `nn.Embedding` takes for `padding_idx`: the config class's

@@ -945,3 +945,57 @@ fn rope_theta_inside_rope_scaling_wins_as_in_hf() {
     assert_eq!(c.rope.theta, 300.0);
     assert_eq!(c.local_rope.unwrap().theta, 10000.0);
 }
+
+/// An absent `num_key_value_heads` takes the HF config class's default, which for most
+/// classes is a fixed count (not `num_attention_heads`); an explicit null is
+/// `num_attention_heads` in every class.
+#[test]
+fn num_key_value_heads_absent_takes_the_class_default() {
+    use serde_json::{json, Value};
+    let kv = |t: &str, heads: usize, value: Option<Value>| {
+        family_with(t, |o| {
+            o.insert("num_attention_heads".into(), json!(heads));
+            o.insert("hidden_size".into(), json!(heads * 8));
+            o.insert("pad_token_id".into(), Value::Null);
+            o.insert("num_experts".into(), json!(4));
+            o.insert("num_local_experts".into(), json!(4));
+            o.insert("num_experts_per_tok".into(), json!(2));
+            o.insert("moe_intermediate_size".into(), json!(16));
+            match value {
+                None => {
+                    o.remove("num_key_value_heads");
+                }
+                Some(v) => {
+                    o.insert("num_key_value_heads".into(), v);
+                }
+            }
+        })
+        .map(|c| c.num_key_value_heads)
+        .map_err(|e| e.to_string())
+    };
+    for (t, default) in [
+        ("mistral", Some(8)),
+        ("mixtral", Some(8)),
+        ("qwen2", Some(32)),
+        ("qwen3", Some(32)),
+        ("qwen3_moe", Some(4)),
+        ("gpt_oss", Some(8)),
+        ("llama", None),
+        ("phi3", None),
+        ("olmo2", None),
+        ("granite", None),
+    ] {
+        // 64 query heads: every class default divides it
+        assert_eq!(kv(t, 64, None), Ok(default.unwrap_or(64)), "{t}");
+        // null: num_attention_heads, as every class's __post_init__
+        assert_eq!(kv(t, 64, Some(Value::Null)), Ok(64), "{t}");
+        assert_eq!(kv(t, 64, Some(json!(2))), Ok(2), "{t}");
+    }
+    // a class default that does not divide the heads is refused by name
+    let e = kv("qwen2", 16, None).unwrap_err();
+    assert!(
+        e.contains("`num_key_value_heads`") && e.contains("class default"),
+        "{e}"
+    );
+    assert_eq!(kv("llama", 16, None), Ok(16));
+}
