@@ -432,6 +432,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         }
     };
     crate::neutral::check_math_fields(f)?;
+    check_causal(f)?;
     let dtype = parse_dtype(f)?;
     let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
     let attention_bias = f
@@ -523,6 +524,20 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         mla,
         padding_idx: parse_padding_idx(f, family, vocab_size)?,
     })
+}
+
+/// `is_causal`: HF's `masking_utils.create_causal_mask` (and its sliding-window twin)
+/// builds a bidirectional mask when `not getattr(config, "is_causal", True)`, so any
+/// value but true (false, null, 0) asks for non-causal attention, which Weft does not
+/// implement. Absent or true is causal.
+fn check_causal(f: &Fields) -> Result<(), FrontendError> {
+    match f.obj.get("is_causal") {
+        None | Some(serde_json::Value::Bool(true)) => Ok(()),
+        Some(v) => Err(f.err(
+            "is_causal",
+            format!("is {v}: HF's masks then let every token attend to every other (bidirectional attention, `not config.is_causal`); Weft implements causal attention only (remove it or set it to true)"),
+        )),
+    }
 }
 
 /// `num_key_value_heads` of each HF config class when the key is absent from

@@ -999,3 +999,24 @@ fn num_key_value_heads_absent_takes_the_class_default() {
     );
     assert_eq!(kv("llama", 16, None), Ok(16));
 }
+
+/// `is_causal` other than true makes HF's masking_utils build a bidirectional mask.
+#[test]
+fn is_causal_other_than_true_is_refused() {
+    use serde_json::{json, Value};
+    for v in [json!(false), Value::Null, json!(0)] {
+        let e = base_with(|o| {
+            o.insert("is_causal".into(), v.clone());
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`is_causal`") && e.contains("bidirectional"),
+            "{v}: {e}"
+        );
+    }
+    base_with(|o| {
+        o.insert("is_causal".into(), json!(true));
+    })
+    .unwrap();
+}
