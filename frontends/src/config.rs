@@ -1242,6 +1242,7 @@ fn parse_moe(
             Ok(())
         }
     };
+    check_expert_count_aliases(f, family)?;
     let aux_loss_coef = match family {
         Family::Mixtral | Family::Qwen3Moe | Family::GptOss => parse_router_loss(f, family)?,
         _ => None,
@@ -1334,6 +1335,27 @@ fn parse_moe(
         Family::DeepseekV3 => crate::deepseek::parse_moe(f, layers),
         _ => Ok(None),
     }
+}
+
+/// HF's config classes alias the expert count (`attribute_map`: mixtral, qwen3_moe and
+/// gpt_oss `num_experts` -> `num_local_experts`, deepseek_v3 `num_local_experts` ->
+/// `n_routed_experts`); a config giving both names with different values has whichever
+/// HF happens to set last. Refused, naming the alias.
+fn check_expert_count_aliases(f: &Fields, family: Family) -> Result<(), FrontendError> {
+    let (a, b) = match family {
+        Family::Mixtral | Family::Qwen3Moe | Family::GptOss => ("num_local_experts", "num_experts"),
+        Family::DeepseekV3 => ("n_routed_experts", "num_local_experts"),
+        _ => return Ok(()),
+    };
+    if let (Some(x), Some(y)) = (f.opt_usize(a)?, f.opt_usize(b)?) {
+        if x != y {
+            return Err(f.err(
+                b,
+                format!("is {y}, but {a} is {x}: HF's {family} config treats the two names as one field, so the expert count is ambiguous; keep one"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The router fields that change HF's loss: `output_router_logits` (then

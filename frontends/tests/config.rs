@@ -1020,3 +1020,48 @@ fn is_causal_other_than_true_is_refused() {
     })
     .unwrap();
 }
+
+/// HF aliases the expert count (`attribute_map`); two names with different values are
+/// ambiguous and refused, the same value under both names is accepted.
+#[test]
+fn expert_count_aliases_must_agree() {
+    use serde_json::json;
+    let moe = |t: &str, extra: serde_json::Value| {
+        family_with(t, |o| {
+            o.insert("pad_token_id".into(), serde_json::Value::Null);
+            o.insert("num_experts_per_tok".into(), json!(2));
+            o.insert("moe_intermediate_size".into(), json!(16));
+            for (k, v) in extra.as_object().unwrap() {
+                o.insert(k.clone(), v.clone());
+            }
+        })
+    };
+    for t in ["mixtral", "qwen3_moe", "gpt_oss"] {
+        let e = moe(t, json!({"num_local_experts": 4, "num_experts": 8}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`num_experts`") && e.contains("ambiguous"),
+            "{t}: {e}"
+        );
+        let c = moe(t, json!({"num_local_experts": 4, "num_experts": 4})).unwrap();
+        assert_eq!(c.moe.unwrap().num_experts, 4, "{t}");
+    }
+    let ds = |edit: serde_json::Value| {
+        let mut v: serde_json::Value =
+            serde_json::from_str(&load_preset_json("deepseek-v3-tiny")).unwrap();
+        for (k, x) in edit.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        ModelConfig::from_json(&v, "test/config.json")
+    };
+    let n = ds(json!({})).unwrap().moe.unwrap().num_experts;
+    let e = ds(json!({"num_local_experts": n * 2}))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`num_local_experts`") && e.contains("ambiguous"),
+        "{e}"
+    );
+    ds(json!({"num_local_experts": n})).unwrap();
+}
