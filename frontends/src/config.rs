@@ -388,6 +388,9 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         // (gemma's own check says the same with its merge rules)
         check_one_rope_source(f)?;
     }
+    if family != Family::Gemma3Text {
+        check_flat_rope(f, family)?;
+    }
     if !matches!(family, Family::Phi3 | Family::DeepseekV3) {
         // (deepseek_v3 refuses it in `check_rope_type`, naming qk_rope_head_dim)
         check_full_rotary(f, family)?;
@@ -866,6 +869,25 @@ fn check_one_rope_source(f: &Fields) -> Result<(), FrontendError> {
             "rope_scaling",
             "is given beside rope_parameters; HF then uses rope_scaling and drops rope_parameters (transformers 5 writes rope_parameters only): keep the one you mean",
         ));
+    }
+    Ok(())
+}
+
+/// A rope dict nested by layer type (`{"full_attention": {...}, "sliding_attention":
+/// {...}}`) on a family whose HF rotary embedding reads one flat dict
+/// (`config.rope_parameters["rope_type"]`): only Gemma 3 builds one rope per layer type.
+/// Refused, naming the nested entry (read as a flat dict it would give the default rope).
+fn check_flat_rope(f: &Fields, family: Family) -> Result<(), FrontendError> {
+    for outer in ["rope_parameters", "rope_scaling"] {
+        let Some(o) = f.opt_object(outer)? else {
+            continue;
+        };
+        if let Some((k, _)) = o.iter().find(|(_, v)| v.is_object()) {
+            return Err(f.nested(outer, o).err(
+                k,
+                format!("is a nested rope dict, but HF's {family} builds one rope for every layer from a flat {outer} (only gemma3_text keys its rope by layer type); give the rope fields directly in {outer}"),
+            ));
+        }
     }
     Ok(())
 }

@@ -1065,3 +1065,23 @@ fn expert_count_aliases_must_agree() {
     );
     ds(json!({"num_local_experts": n})).unwrap();
 }
+
+/// A rope dict nested by layer type is Gemma 3's form only; elsewhere HF reads one flat
+/// dict (and fails on a nested one), so Weft refuses it by name instead of reading the
+/// default rope out of it.
+#[test]
+fn nested_rope_dicts_are_refused_outside_gemma3() {
+    use serde_json::json;
+    for t in ["llama", "qwen2", "mistral"] {
+        let e = family_with(t, |o| {
+            o.insert(
+                "rope_parameters".into(),
+                json!({"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+            );
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("`rope_parameters.full_attention`"), "{t}: {e}");
+    }
+}
