@@ -438,9 +438,8 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     check_causal(f)?;
     let dtype = parse_dtype(f)?;
     let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
-    let attention_bias = f
-        .opt_bool("attention_bias")?
-        .unwrap_or(family == Family::GptOss);
+    // (null: no biases, as HF's `nn.Linear(bias=None)`, even where the class default is true)
+    let attention_bias = f.flag("attention_bias", family == Family::GptOss)?;
 
     let (qkv_bias, o_bias) = match family {
         Family::Llama
@@ -1237,7 +1236,8 @@ fn parse_yarn(
         beta_slow: Float(beta_slow),
         original_max_position_embeddings: orig as i64,
         attention_factor: Float(attention_factor),
-        truncate: p.opt_bool("truncate")?.unwrap_or(true),
+        // HF: `rope_parameters.get("truncate", True)`, so null does not truncate
+        truncate: p.flag("truncate", true)?,
     })
 }
 

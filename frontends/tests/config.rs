@@ -1085,3 +1085,48 @@ fn nested_rope_dicts_are_refused_outside_gemma3() {
         assert!(e.contains("`rope_parameters.full_attention`"), "{t}: {e}");
     }
 }
+
+/// A flag given as null is falsy in HF's `if config.flag:` even where the class default
+/// is true: DeepSeek's `rope_interleave` and `norm_topk_prob`, gpt-oss's
+/// `attention_bias`, YaRN's `truncate`.
+#[test]
+fn null_flags_are_false_as_in_hf() {
+    use serde_json::{json, Value};
+    let ds = |edit: Value| {
+        let mut v: Value = serde_json::from_str(&load_preset_json("deepseek-v3-tiny")).unwrap();
+        for (k, x) in edit.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        ModelConfig::from_json(&v, "test/config.json").unwrap()
+    };
+    let c = ds(json!({}));
+    assert!(c.mla.as_ref().unwrap().rope_interleave);
+    assert!(c.moe.as_ref().unwrap().norm_topk_prob);
+    let c = ds(json!({"rope_interleave": null, "norm_topk_prob": null}));
+    assert!(!c.mla.as_ref().unwrap().rope_interleave);
+    assert!(!c.moe.as_ref().unwrap().norm_topk_prob);
+    let c = gpt_oss_with(|o| {
+        o.insert("attention_bias".into(), Value::Null);
+    })
+    .unwrap();
+    assert!(!c.qkv_bias && !c.o_bias);
+    let truncate = |t: Value| {
+        let c = base_with(|o| {
+            o.insert("max_position_embeddings".into(), json!(4096));
+            let mut rs = json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024});
+            if !t.is_string() {
+                rs["truncate"] = t;
+            }
+            o.insert("rope_scaling".into(), rs);
+        })
+        .unwrap();
+        match c.rope.scaling {
+            RopeScaling::Yarn { truncate, .. } => truncate,
+            s => panic!("{s:?}"),
+        }
+    };
+    assert!(truncate(json!("absent")));
+    assert!(truncate(json!(true)));
+    assert!(!truncate(json!(false)));
+    assert!(!truncate(Value::Null));
+}
