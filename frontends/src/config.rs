@@ -438,7 +438,8 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     check_causal(f)?;
     let dtype = parse_dtype(f)?;
     let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
-    // (null: no biases, as HF's `nn.Linear(bias=None)`, even where the class default is true)
+    // null: no biases, as transformers 4's `nn.Linear(bias=None)`, even where the class
+    // default is true (transformers 5's strict config classes refuse a null here)
     let attention_bias = f.flag("attention_bias", family == Family::GptOss)?;
 
     let (qkv_bias, o_bias) = match family {
