@@ -153,6 +153,7 @@ fn config_with(extra: &str, model_type: &str) -> Result<weft_frontends::ModelCon
     let text = format!(
         r#"{{"model_type": "{model_type}", "vocab_size": 100, "hidden_size": 16,
             "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2,
             "rms_norm_eps": 1e-6, "rope_theta": 10000.0{extra}}}"#
     );
     weft_frontends::ModelConfig::from_json_str(&text, "config.json").map_err(|e| e.to_string())

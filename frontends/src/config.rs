@@ -205,8 +205,10 @@ pub enum MoeKind {
     GptOss,
 }
 
-/// gpt-oss's SwiGLU clamp and sigmoid slope, hard-coded in HF's `GptOssExperts`
-/// (`self.limit`, `self.alpha`), which ignores the config's `swiglu_limit`.
+/// gpt-oss's SwiGLU clamp and sigmoid slope (`self.limit`, `self.alpha` of HF's
+/// `GptOssExperts`): hard-coded up to transformers 5.17, read from the config's
+/// `swiglu_limit` / `swiglu_alpha` (defaults 7.0 / 1.702) by later versions. Weft
+/// implements these values only and refuses others by name.
 pub const GPT_OSS_SWIGLU_LIMIT: f64 = 7.0;
 pub const GPT_OSS_SWIGLU_ALPHA: f64 = 1.702;
 
@@ -330,13 +332,26 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         ));
     }
     let num_attention_heads = f.positive("num_attention_heads")?;
-    let num_key_value_heads = f
-        .opt_usize("num_key_value_heads")?
-        .unwrap_or(num_attention_heads);
+    // An absent key takes the config class's default (a fixed count for most classes,
+    // see [`kv_heads_class_default`]); an explicit null is `num_attention_heads`.
+    let kv_absent = !f.obj.contains_key("num_key_value_heads");
+    let num_key_value_heads = match kv_heads_class_default(family) {
+        Some(n) if kv_absent => n,
+        _ => f
+            .opt_usize("num_key_value_heads")?
+            .unwrap_or(num_attention_heads),
+    };
     if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
         return Err(f.err(
             "num_key_value_heads",
-            format!("must divide num_attention_heads ({num_attention_heads}), got {num_key_value_heads}"),
+            format!(
+                "must divide num_attention_heads ({num_attention_heads}), got {num_key_value_heads}{}",
+                if kv_absent {
+                    format!(" (HF's {family} config class default, the key being absent; give it)")
+                } else {
+                    String::new()
+                }
+            ),
         ));
     }
     let mla = match family {
@@ -372,6 +387,9 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     if !crate::gemma::is_gemma(family) {
         // (gemma's own check says the same with its merge rules)
         check_one_rope_source(f)?;
+    }
+    if family != Family::Gemma3Text {
+        check_flat_rope(f, family)?;
     }
     if !matches!(family, Family::Phi3 | Family::DeepseekV3) {
         // (deepseek_v3 refuses it in `check_rope_type`, naming qk_rope_head_dim)
@@ -417,11 +435,12 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         }
     };
     crate::neutral::check_math_fields(f)?;
+    check_causal(f)?;
     let dtype = parse_dtype(f)?;
     let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
-    let attention_bias = f
-        .opt_bool("attention_bias")?
-        .unwrap_or(family == Family::GptOss);
+    // null: no biases, as transformers 4's `nn.Linear(bias=None)`, even where the class
+    // default is true (transformers 5's strict config classes refuse a null here)
+    let attention_bias = f.flag("attention_bias", family == Family::GptOss)?;
 
     let (qkv_bias, o_bias) = match family {
         Family::Llama
@@ -508,6 +527,37 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
         mla,
         padding_idx: parse_padding_idx(f, family, vocab_size)?,
     })
+}
+
+/// `is_causal`: HF's `masking_utils.create_causal_mask` (and its sliding-window twin)
+/// builds a bidirectional mask when `not getattr(config, "is_causal", True)`, so any
+/// value but true (false, null, 0) asks for non-causal attention, which Weft does not
+/// implement. Absent or true is causal.
+fn check_causal(f: &Fields) -> Result<(), FrontendError> {
+    match f.obj.get("is_causal") {
+        None | Some(serde_json::Value::Bool(true)) => Ok(()),
+        Some(v) => Err(f.err(
+            "is_causal",
+            format!("is {v}: HF's masks then let every token attend to every other (bidirectional attention, `not config.is_causal`); Weft implements causal attention only (remove it or set it to true)"),
+        )),
+    }
+}
+
+/// `num_key_value_heads` of each HF config class when the key is absent from
+/// config.json (transformers 5: `MistralConfig` 8, `Qwen2Config` / `Qwen3Config` 32,
+/// `MixtralConfig` 8, `Qwen3MoeConfig` 4, `GptOssConfig` 8, `DeepseekV3Config` 128;
+/// Gemma's 4 is filled in by [`crate::gemma::with_defaults`]). `None`: the class
+/// default is None, which HF turns into `num_attention_heads` (llama, phi3, olmo2,
+/// granite).
+fn kv_heads_class_default(family: Family) -> Option<usize> {
+    match family {
+        Family::Mistral | Family::Mixtral | Family::GptOss => Some(8),
+        Family::Qwen2 | Family::Qwen3 => Some(32),
+        Family::Qwen3Moe => Some(4),
+        Family::DeepseekV3 => Some(128),
+        Family::Gemma2 | Family::Gemma3Text => Some(4),
+        Family::Llama | Family::Phi3 | Family::Olmo2 | Family::Granite | Family::WeftIr => None,
+    }
 }
 
 /// `pad_token_id` as the row `nn.Embedding` takes for `padding_idx`: the config class's
@@ -819,6 +869,25 @@ fn check_one_rope_source(f: &Fields) -> Result<(), FrontendError> {
             "rope_scaling",
             "is given beside rope_parameters; HF then uses rope_scaling and drops rope_parameters (transformers 5 writes rope_parameters only): keep the one you mean",
         ));
+    }
+    Ok(())
+}
+
+/// A rope dict nested by layer type (`{"full_attention": {...}, "sliding_attention":
+/// {...}}`) on a family whose HF rotary embedding reads one flat dict
+/// (`config.rope_parameters["rope_type"]`): only Gemma 3 builds one rope per layer type.
+/// Refused, naming the nested entry (read as a flat dict it would give the default rope).
+fn check_flat_rope(f: &Fields, family: Family) -> Result<(), FrontendError> {
+    for outer in ["rope_parameters", "rope_scaling"] {
+        let Some(o) = f.opt_object(outer)? else {
+            continue;
+        };
+        if let Some((k, _)) = o.iter().find(|(_, v)| v.is_object()) {
+            return Err(f.nested(outer, o).err(
+                k,
+                format!("is a nested rope dict, but HF's {family} builds one rope for every layer from a flat {outer} (only gemma3_text keys its rope by layer type); give the rope fields directly in {outer}"),
+            ));
+        }
     }
     Ok(())
 }
@@ -1168,7 +1237,8 @@ fn parse_yarn(
         beta_slow: Float(beta_slow),
         original_max_position_embeddings: orig as i64,
         attention_factor: Float(attention_factor),
-        truncate: p.opt_bool("truncate")?.unwrap_or(true),
+        // HF: `rope_parameters.get("truncate", True)`, so null does not truncate
+        truncate: p.flag("truncate", true)?,
     })
 }
 
@@ -1195,6 +1265,7 @@ fn parse_moe(
             Ok(())
         }
     };
+    check_expert_count_aliases(f, family)?;
     let aux_loss_coef = match family {
         Family::Mixtral | Family::Qwen3Moe | Family::GptOss => parse_router_loss(f, family)?,
         _ => None,
@@ -1223,12 +1294,19 @@ fn parse_moe(
                 return Err(f.err("num_experts_per_tok", "must be positive, got 0"));
             }
             check_k(e, k)?;
-            if let Some(limit) = f.opt_f64("swiglu_limit")? {
-                if limit != GPT_OSS_SWIGLU_LIMIT {
-                    return Err(f.err(
-                        "swiglu_limit",
-                        format!("is {limit}, but HF's GptOssExperts ignores it and clamps at {GPT_OSS_SWIGLU_LIMIT}; Weft computes what HF computes, so only {GPT_OSS_SWIGLU_LIMIT} is accepted"),
-                    ));
+            // transformers 5.17 hard-codes both (and ignores the fields); later versions
+            // read them. Only the values every version computes are accepted.
+            for (key, value) in [
+                ("swiglu_limit", GPT_OSS_SWIGLU_LIMIT),
+                ("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA),
+            ] {
+                if let Some(x) = f.opt_f64(key)? {
+                    if x != value {
+                        return Err(f.err(
+                            key,
+                            format!("is {x}, but Weft implements gpt-oss's clamped SwiGLU with {key} {value} only (transformers up to 5.17 hard-codes {value} and ignores the field; later versions apply it): set it to {value}"),
+                        ));
+                    }
                 }
             }
             Ok(Some(MoeConfig {
@@ -1280,6 +1358,27 @@ fn parse_moe(
         Family::DeepseekV3 => crate::deepseek::parse_moe(f, layers),
         _ => Ok(None),
     }
+}
+
+/// HF's config classes alias the expert count (`attribute_map`: mixtral, qwen3_moe and
+/// gpt_oss `num_experts` -> `num_local_experts`, deepseek_v3 `num_local_experts` ->
+/// `n_routed_experts`); a config giving both names with different values has whichever
+/// HF happens to set last. Refused, naming the alias.
+fn check_expert_count_aliases(f: &Fields, family: Family) -> Result<(), FrontendError> {
+    let (a, b) = match family {
+        Family::Mixtral | Family::Qwen3Moe | Family::GptOss => ("num_local_experts", "num_experts"),
+        Family::DeepseekV3 => ("n_routed_experts", "num_local_experts"),
+        _ => return Ok(()),
+    };
+    if let (Some(x), Some(y)) = (f.opt_usize(a)?, f.opt_usize(b)?) {
+        if x != y {
+            return Err(f.err(
+                b,
+                format!("is {y}, but {a} is {x}: HF's {family} config treats the two names as one field, so the expert count is ambiguous; keep one"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The router fields that change HF's loss: `output_router_logits` (then

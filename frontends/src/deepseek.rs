@@ -207,7 +207,8 @@ pub(crate) fn parse_mla(
     let qk_nope_head_dim = positive_or(f, "qk_nope_head_dim", Defaults::QK_NOPE_HEAD_DIM)?;
     let v_head_dim = positive_or(f, "v_head_dim", Defaults::V_HEAD_DIM)?;
     let kv_lora_rank = positive_or(f, "kv_lora_rank", Defaults::KV_LORA_RANK)?;
-    let rope_interleave = f.opt_bool("rope_interleave")?.unwrap_or(true);
+    // HF: `if self.config.rope_interleave:` (class default true; null is falsy)
+    let rope_interleave = f.flag("rope_interleave", true)?;
     let qk = qk_nope_head_dim + qk_rope_head_dim;
     Ok(MlaConfig {
         q_lora_rank,
@@ -305,7 +306,8 @@ pub(crate) fn parse_moe(f: &Fields, layers: usize) -> Result<Option<MoeConfig>, 
         num_experts: e,
         top_k: k,
         expert_intermediate_size: inter,
-        norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(true),
+        // HF's router: `if self.norm_topk_prob:` (class default true; null is falsy)
+        norm_topk_prob: f.flag("norm_topk_prob", true)?,
         sparse_layers,
         // HF's DeepseekV3ForCausalLM adds no load-balancing loss (its bias term balances).
         aux_loss_coef: None,

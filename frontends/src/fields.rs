@@ -176,6 +176,17 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// A flag as HF's modeling code tests it (`if config.key:`): `absent` (the config
+    /// class's default) when the key is absent, false when it is null (an explicit
+    /// None stays None in HF's config and is falsy), else the boolean.
+    pub fn flag(&self, key: &str, absent: bool) -> Result<bool, FrontendError> {
+        match self.obj.get(key) {
+            None => Ok(absent),
+            Some(Value::Null) => Ok(false),
+            Some(_) => Ok(self.opt_bool(key)?.unwrap_or(absent)),
+        }
+    }
+
     pub fn opt_str(&self, key: &str) -> Result<Option<&'a str>, FrontendError> {
         match self.get(key) {
             None => Ok(None),

@@ -215,6 +215,7 @@ pub(crate) fn parse_gemma3_ropes(
         let entry = |layer_type: &str, default_theta: f64| match p.opt_object(layer_type)? {
             Some(e) => {
                 let e = p.nested(layer_type, e);
+                check_yarn_truncate(&e)?;
                 let theta = e.opt_f64("rope_theta")?.unwrap_or(default_theta);
                 crate::config::rope_from(f, Some(e), theta, head_dim, false)
             }
@@ -230,6 +231,9 @@ pub(crate) fn parse_gemma3_ropes(
     let scaling = f
         .opt_object("rope_scaling")?
         .map(|rs| f.nested("rope_scaling", rs));
+    if let Some(s) = &scaling {
+        check_yarn_truncate(s)?;
+    }
     // A `rope_theta` inside rope_scaling wins over the top-level one, as in HF.
     let theta = match scaling
         .as_ref()
@@ -248,6 +252,20 @@ pub(crate) fn parse_gemma3_ropes(
         false,
     )?;
     Ok((global, local))
+}
+
+/// HF's `_compute_yarn_parameters` reads `truncate` from `config.rope_parameters`, which
+/// for Gemma 3 is the dict keyed by layer type: a `truncate` inside a layer type's entry
+/// (or in the legacy `rope_scaling`, which HF moves into `full_attention`) is never
+/// seen, and HF truncates. `false` there is refused rather than computed either way.
+fn check_yarn_truncate(p: &Fields) -> Result<(), FrontendError> {
+    if p.opt_bool("truncate")? == Some(false) {
+        return Err(p.err(
+            "truncate",
+            "is false, but HF's Gemma 3 rope never reads a per-layer-type `truncate` (its YaRN looks for it beside the layer types and truncates); remove it or set it to true",
+        ));
+    }
+    Ok(())
 }
 
 fn parse_activation(f: &Fields) -> Result<Activation, FrontendError> {
@@ -439,6 +457,14 @@ mod tests {
             (r#", "sliding_window": null"#, "layer_types"),
             (r#", "attention_dropout": 0.1"#, "attention_dropout"),
             (r#", "head_dim": null"#, "head_dim"),
+            (
+                r#", "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 8.0, "truncate": false}}"#,
+                "rope_parameters.full_attention.truncate",
+            ),
+            (
+                r#", "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "truncate": false}"#,
+                "rope_scaling.truncate",
+            ),
             (
                 r#", "rope_parameters": {"full_attention": {"rope_type": "default"}}, "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
                 "rope_scaling",

@@ -268,6 +268,8 @@ fn gpt_oss_defaults() {
 fn gpt_oss_refusals_name_the_field() {
     for (key, value, field) in [
         ("swiglu_limit", serde_json::json!(5.0), "swiglu_limit"),
+        // transformers > 5.17 reads it (GptOssExperts.alpha); Weft implements 1.702 only
+        ("swiglu_alpha", serde_json::json!(1.5), "swiglu_alpha"),
         ("sliding_window", serde_json::Value::Null, "layer_types"),
         (
             "num_experts_per_tok",
@@ -291,6 +293,7 @@ fn gpt_oss_refusals_name_the_field() {
     }
     assert!(gpt_oss_with(|o| {
         o.insert("swiglu_limit".into(), 7.0.into());
+        o.insert("swiglu_alpha".into(), 1.702.into());
     })
     .is_ok());
 }
@@ -941,4 +944,189 @@ fn rope_theta_inside_rope_scaling_wins_as_in_hf() {
     let c = ModelConfig::from_json(&v, "test/config.json").unwrap();
     assert_eq!(c.rope.theta, 300.0);
     assert_eq!(c.local_rope.unwrap().theta, 10000.0);
+}
+
+/// An absent `num_key_value_heads` takes the HF config class's default, which for most
+/// classes is a fixed count (not `num_attention_heads`); an explicit null is
+/// `num_attention_heads` in every class.
+#[test]
+fn num_key_value_heads_absent_takes_the_class_default() {
+    use serde_json::{json, Value};
+    let kv = |t: &str, heads: usize, value: Option<Value>| {
+        family_with(t, |o| {
+            o.insert("num_attention_heads".into(), json!(heads));
+            o.insert("hidden_size".into(), json!(heads * 8));
+            o.insert("pad_token_id".into(), Value::Null);
+            o.insert("num_experts".into(), json!(4));
+            o.insert("num_local_experts".into(), json!(4));
+            o.insert("num_experts_per_tok".into(), json!(2));
+            o.insert("moe_intermediate_size".into(), json!(16));
+            match value {
+                None => {
+                    o.remove("num_key_value_heads");
+                }
+                Some(v) => {
+                    o.insert("num_key_value_heads".into(), v);
+                }
+            }
+        })
+        .map(|c| c.num_key_value_heads)
+        .map_err(|e| e.to_string())
+    };
+    for (t, default) in [
+        ("mistral", Some(8)),
+        ("mixtral", Some(8)),
+        ("qwen2", Some(32)),
+        ("qwen3", Some(32)),
+        ("qwen3_moe", Some(4)),
+        ("gpt_oss", Some(8)),
+        ("llama", None),
+        ("phi3", None),
+        ("olmo2", None),
+        ("granite", None),
+    ] {
+        // 64 query heads: every class default divides it
+        assert_eq!(kv(t, 64, None), Ok(default.unwrap_or(64)), "{t}");
+        // null: num_attention_heads, as every class's __post_init__
+        assert_eq!(kv(t, 64, Some(Value::Null)), Ok(64), "{t}");
+        assert_eq!(kv(t, 64, Some(json!(2))), Ok(2), "{t}");
+    }
+    // a class default that does not divide the heads is refused by name
+    let e = kv("qwen2", 16, None).unwrap_err();
+    assert!(
+        e.contains("`num_key_value_heads`") && e.contains("class default"),
+        "{e}"
+    );
+    assert_eq!(kv("llama", 16, None), Ok(16));
+}
+
+/// `is_causal` other than true makes HF's masking_utils build a bidirectional mask.
+#[test]
+fn is_causal_other_than_true_is_refused() {
+    use serde_json::{json, Value};
+    for v in [json!(false), Value::Null, json!(0)] {
+        let e = base_with(|o| {
+            o.insert("is_causal".into(), v.clone());
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`is_causal`") && e.contains("bidirectional"),
+            "{v}: {e}"
+        );
+    }
+    base_with(|o| {
+        o.insert("is_causal".into(), json!(true));
+    })
+    .unwrap();
+}
+
+/// HF aliases the expert count (`attribute_map`); two names with different values are
+/// ambiguous and refused, the same value under both names is accepted.
+#[test]
+fn expert_count_aliases_must_agree() {
+    use serde_json::json;
+    let moe = |t: &str, extra: serde_json::Value| {
+        family_with(t, |o| {
+            o.insert("pad_token_id".into(), serde_json::Value::Null);
+            o.insert("num_experts_per_tok".into(), json!(2));
+            o.insert("moe_intermediate_size".into(), json!(16));
+            for (k, v) in extra.as_object().unwrap() {
+                o.insert(k.clone(), v.clone());
+            }
+        })
+    };
+    for t in ["mixtral", "qwen3_moe", "gpt_oss"] {
+        let e = moe(t, json!({"num_local_experts": 4, "num_experts": 8}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`num_experts`") && e.contains("ambiguous"),
+            "{t}: {e}"
+        );
+        let c = moe(t, json!({"num_local_experts": 4, "num_experts": 4})).unwrap();
+        assert_eq!(c.moe.unwrap().num_experts, 4, "{t}");
+    }
+    let ds = |edit: serde_json::Value| {
+        let mut v: serde_json::Value =
+            serde_json::from_str(&load_preset_json("deepseek-v3-tiny")).unwrap();
+        for (k, x) in edit.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        ModelConfig::from_json(&v, "test/config.json")
+    };
+    let n = ds(json!({})).unwrap().moe.unwrap().num_experts;
+    let e = ds(json!({"num_local_experts": n * 2}))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`num_local_experts`") && e.contains("ambiguous"),
+        "{e}"
+    );
+    ds(json!({"num_local_experts": n})).unwrap();
+}
+
+/// A rope dict nested by layer type is Gemma 3's form only; elsewhere HF reads one flat
+/// dict (and fails on a nested one), so Weft refuses it by name instead of reading the
+/// default rope out of it.
+#[test]
+fn nested_rope_dicts_are_refused_outside_gemma3() {
+    use serde_json::json;
+    for t in ["llama", "qwen2", "mistral"] {
+        let e = family_with(t, |o| {
+            o.insert(
+                "rope_parameters".into(),
+                json!({"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+            );
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("`rope_parameters.full_attention`"), "{t}: {e}");
+    }
+}
+
+/// A flag given as null is falsy in HF's `if config.flag:` even where the class default
+/// is true: DeepSeek's `rope_interleave` and `norm_topk_prob`, gpt-oss's
+/// `attention_bias`, YaRN's `truncate`.
+#[test]
+fn null_flags_are_false_as_in_hf() {
+    use serde_json::{json, Value};
+    let ds = |edit: Value| {
+        let mut v: Value = serde_json::from_str(&load_preset_json("deepseek-v3-tiny")).unwrap();
+        for (k, x) in edit.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        ModelConfig::from_json(&v, "test/config.json").unwrap()
+    };
+    let c = ds(json!({}));
+    assert!(c.mla.as_ref().unwrap().rope_interleave);
+    assert!(c.moe.as_ref().unwrap().norm_topk_prob);
+    let c = ds(json!({"rope_interleave": null, "norm_topk_prob": null}));
+    assert!(!c.mla.as_ref().unwrap().rope_interleave);
+    assert!(!c.moe.as_ref().unwrap().norm_topk_prob);
+    let c = gpt_oss_with(|o| {
+        o.insert("attention_bias".into(), Value::Null);
+    })
+    .unwrap();
+    assert!(!c.qkv_bias && !c.o_bias);
+    let truncate = |t: Value| {
+        let c = base_with(|o| {
+            o.insert("max_position_embeddings".into(), json!(4096));
+            let mut rs = json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024});
+            if !t.is_string() {
+                rs["truncate"] = t;
+            }
+            o.insert("rope_scaling".into(), rs);
+        })
+        .unwrap();
+        match c.rope.scaling {
+            RopeScaling::Yarn { truncate, .. } => truncate,
+            s => panic!("{s:?}"),
+        }
+    };
+    assert!(truncate(json!("absent")));
+    assert!(truncate(json!(true)));
+    assert!(!truncate(json!(false)));
+    assert!(!truncate(Value::Null));
 }
