@@ -37,12 +37,14 @@
 //! d=128 544 (206); the 1.24B Llama step 83.0 -> 72.0 ms at S=4096, 528.9 -> 356.8 ms
 //! at S=16384.
 //!
-//! libcudnn is loaded at run time (cudarc `dynamic-loading`, `libcudnn.so.9`). On the GPU
-//! machine PyTorch's pip package (nvidia-cudnn-cu13) has it; where the loader does not
-//! find it, put the package's `lib` directory on `LD_LIBRARY_PATH` (see [`CUDNN_HELP`]).
+//! libcudnn is loaded at run time ([`crate::cuda::cudnn_lib`]: `WEFT_CUDNN`, then
+//! `libcudnn.so.9` through `LD_LIBRARY_PATH`). On the GPU machine PyTorch's pip package
+//! (nvidia-cudnn-cu13) has a newer one than the system's: put the package's `lib`
+//! directory on `LD_LIBRARY_PATH` (see [`CUDNN_HELP`]).
 //! Absence, an old version, or a graph no engine supports is an `Err(String)` that the
 //! executor turns into one line on stderr and a fallback to Weft's own kernels.
 
+use crate::cuda::cudnn_lib::{api, lib};
 use c::cudnnBackendAttributeName_t as A;
 use c::cudnnBackendAttributeType_t as Ty;
 use c::cudnnBackendDescriptorType_t as D;
@@ -59,27 +61,13 @@ type R<T> = Result<T, String>;
 /// Where libcudnn usually is on the GPU machine, for error messages.
 pub const CUDNN_HELP: &str = "libcudnn.so.9 (cuDNN 9) was not found: put its directory on LD_LIBRARY_PATH, e.g. with PyTorch's pip package (nvidia-cudnn-cu13) in the python3 on PATH: `export LD_LIBRARY_PATH=$(python3 -c 'import nvidia.cudnn; print(nvidia.cudnn.__path__[0] + \"/lib\")')`";
 
-/// Is libcudnn loadable, and which version is it (`cudnnGetVersion`, e.g. 91300)?
-/// Never panics: cudarc's dynamic loading panics on a missing library or symbol, so the
-/// presence check comes first and the first calls run under `catch_unwind`.
+/// Is libcudnn loadable with every symbol this module calls, and which version is it
+/// (`cudnnGetVersion`, e.g. 91300)?
 pub fn available() -> R<usize> {
     static V: std::sync::OnceLock<R<usize>> = std::sync::OnceLock::new();
     V.get_or_init(|| {
-        let present =
-            std::panic::catch_unwind(|| unsafe { c::is_culib_present() }).unwrap_or(false);
-        if !present {
-            return Err(CUDNN_HELP.to_string());
-        }
-        let v = std::panic::catch_unwind(|| unsafe {
-            // Touch every symbol this module calls so a missing one fails here, not later.
-            let _ = c::culib();
-            let v = c::cudnnGetVersion();
-            let _ = c::cudnnGetErrorString(c::cudnnStatus_t::CUDNN_STATUS_SUCCESS);
-            v
-        })
-        .map_err(|_| {
-            "libcudnn loaded but a cuDNN symbol is missing (cuDNN 9 is needed)".to_string()
-        })?;
+        let lib = lib().map_err(|e| format!("{CUDNN_HELP} ({e})"))?;
+        let v = unsafe { (lib.get_version)() };
         if v < 90000 {
             return Err(format!(
                 "cuDNN {} is too old: the backend graph API of cuDNN 9 is needed",
@@ -98,7 +86,7 @@ pub fn version_text(v: usize) -> String {
 
 fn status_text(s: c::cudnnStatus_t) -> String {
     let name = unsafe {
-        let p = c::cudnnGetErrorString(s);
+        let p = (api().get_error_string)(s);
         if p.is_null() {
             String::new()
         } else {
@@ -107,7 +95,7 @@ fn status_text(s: c::cudnnStatus_t) -> String {
     };
     let mut buf = vec![0 as std::ffi::c_char; 2048];
     let last = std::panic::catch_unwind(move || unsafe {
-        c::cudnnGetLastErrorString(buf.as_mut_ptr(), buf.len());
+        (api().get_last_error_string)(buf.as_mut_ptr(), buf.len());
         CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned()
     })
     .unwrap_or_default();
@@ -134,7 +122,7 @@ struct Desc(Raw);
 impl Drop for Desc {
     fn drop(&mut self) {
         if !self.0.is_null() {
-            unsafe { c::cudnnBackendDestroyDescriptor(self.0) };
+            unsafe { (api().backend_destroy_descriptor)(self.0) };
         }
     }
 }
@@ -145,7 +133,7 @@ unsafe impl Sync for Desc {}
 fn create(t: D, what: &str) -> R<Desc> {
     let mut d: Raw = std::ptr::null_mut();
     ck(
-        unsafe { c::cudnnBackendCreateDescriptor(t, &mut d) },
+        unsafe { (api().backend_create_descriptor)(t, &mut d) },
         || format!("cudnnBackendCreateDescriptor({t:?}) for {what}"),
     )?;
     Ok(Desc(d))
@@ -154,7 +142,13 @@ fn create(t: D, what: &str) -> R<Desc> {
 fn set<T>(d: Raw, a: A, ty: Ty, vals: &[T], what: &str) -> R<()> {
     ck(
         unsafe {
-            c::cudnnBackendSetAttribute(d, a, ty, vals.len() as i64, vals.as_ptr() as *const c_void)
+            (api().backend_set_attribute)(
+                d,
+                a,
+                ty,
+                vals.len() as i64,
+                vals.as_ptr() as *const c_void,
+            )
         },
         || format!("cudnnBackendSetAttribute({a:?}) on {what}"),
     )
@@ -166,7 +160,7 @@ fn set_desc(d: Raw, a: A, descs: &[Raw], what: &str) -> R<()> {
 }
 
 fn finalize(d: Raw, what: &str) -> R<()> {
-    ck(unsafe { c::cudnnBackendFinalize(d) }, || {
+    ck(unsafe { (api().backend_finalize)(d) }, || {
         format!("cudnnBackendFinalize({what})")
     })
 }
@@ -175,7 +169,7 @@ fn finalize(d: Raw, what: &str) -> R<()> {
 struct Handle(c::cudnnHandle_t);
 impl Drop for Handle {
     fn drop(&mut self) {
-        unsafe { c::cudnnDestroy(self.0) };
+        unsafe { (api().destroy)(self.0) };
     }
 }
 unsafe impl Send for Handle {}
@@ -333,7 +327,7 @@ impl Exec {
     /// Enqueues the fused kernel(s) on the stream the plan's handle is bound to.
     pub fn run(&self) -> R<()> {
         ck(
-            unsafe { c::cudnnBackendExecute(self.plan.handle.0, self.plan.plan.0, self.pack.0) },
+            unsafe { (api().backend_execute)(self.plan.handle.0, self.plan.plan.0, self.pack.0) },
             || format!("cudnnBackendExecute (sdpa {:?})", self.plan.shape),
         )
     }
@@ -367,13 +361,13 @@ impl Sdpa {
         }
         let mut h: c::cudnnHandle_t = std::ptr::null_mut();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
-            c::cudnnCreate(&mut h)
+            (api().create)(&mut h)
         }))
         .map_err(|_| "cudnnCreate panicked (a cuDNN symbol is missing)".to_string())?;
         ck(r, || "cudnnCreate".to_string())?;
         let h = Arc::new(Handle(h));
         ck(
-            unsafe { c::cudnnSetStream(h.0, self.streams[stream]) },
+            unsafe { (api().set_stream)(h.0, self.streams[stream]) },
             || format!("cudnnSetStream (stream {stream})"),
         )?;
         self.handles[stream] = Some(h.clone());
@@ -976,7 +970,10 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
             g.reduce(add, dkf, dk, "red_dK_head")?;
         }
         // dQ = dS K (accumulated in f32)
-        let kr = g.virt(kd, contig(kd), f32t, "K (from K^T)")?;
+        // K's own memory strides, as cudnn-frontend gives this reshape: with row-major
+        // strides here (which are not K's in the [B, S, H, D] layout) the heuristics of
+        // cuDNN 9.19 rank an older, ~15% slower backward engine first on Hopper.
+        let kr = g.virt(kd, io(kd), f32t, "K (from K^T)")?;
         g.reshape(kt, kr, "reshape_k")?;
         let dqa = g.io(DQ_ACC, qd, contig(qd), f32t, "dQ accumulator")?;
         g.matmul(ds, kr, dqa, "matmul_dS_K")?;
@@ -1004,7 +1001,20 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
     finalize(og.0, &what)?;
 
     // Engine configs from the heuristics (mode A, then the fallback list), the first
-    // that finalizes into an execution plan wins.
+    // that finalizes into an execution plan wins. `WEFT_CUDNN_ENGINE_FWD` / `_BWD` = n
+    // take the n-th that finalizes instead, and `WEFT_CUDNN_ENGINE_LIST=1` lists them
+    // (diagnostics for measuring cuDNN's engines against each other).
+    let pick_var = if sh.backward {
+        "WEFT_CUDNN_ENGINE_BWD"
+    } else {
+        "WEFT_CUDNN_ENGINE_FWD"
+    };
+    let pick: usize = std::env::var(pick_var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let list = std::env::var_os("WEFT_CUDNN_ENGINE_LIST").is_some();
+    let mut finalized = 0usize;
     let mut tried = Vec::new();
     for mode in [
         c::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
@@ -1031,7 +1041,7 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
         };
         let mut count = 0i64;
         let r = unsafe {
-            c::cudnnBackendGetAttribute(
+            (api().backend_get_attribute)(
                 heur.0,
                 A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
                 Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR,
@@ -1058,7 +1068,7 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
         let mut raws: Vec<Raw> = cfgs.iter().map(|x| x.0).collect();
         let mut got = 0i64;
         let r = unsafe {
-            c::cudnnBackendGetAttribute(
+            (api().backend_get_attribute)(
                 heur.0,
                 A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
                 Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR,
@@ -1099,7 +1109,7 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
             let mut n = 0i64;
             ck(
                 unsafe {
-                    c::cudnnBackendGetAttribute(
+                    (api().backend_get_attribute)(
                         plan.0,
                         A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
                         Ty::CUDNN_TYPE_INT64,
@@ -1110,6 +1120,18 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
                 },
                 || format!("{pw}: workspace size"),
             )?;
+            let this = finalized;
+            finalized += 1;
+            if list {
+                eprintln!(
+                    "weft: cuDNN sdpa {} {hw} config {i}: plan {this}, workspace {ws} B{}",
+                    if sh.backward { "backward" } else { "forward" },
+                    if this == pick { " (taken)" } else { "" }
+                );
+            }
+            if this < pick {
+                continue;
+            }
             let mut keep = g.keep;
             keep.push(og);
             keep.push(cfg);
@@ -1124,6 +1146,11 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
                 engine: i,
             });
         }
+    }
+    if finalized > 0 {
+        return Err(format!(
+            "{pick_var}={pick} but only {finalized} cuDNN plans finalize for sdpa {sh:?}"
+        ));
     }
     let n = tried.len();
     let mut distinct: Vec<String> = Vec::new();

@@ -35,6 +35,7 @@
 //! ```
 
 pub mod comm;
+pub mod cudnn_lib;
 pub mod cudnn_sdpa;
 pub mod device;
 pub mod error;

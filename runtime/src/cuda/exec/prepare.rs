@@ -271,8 +271,9 @@ pub(super) fn cudnn_attention(
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| {
                     eprintln!(
-                        "weft: attention: cuDNN {} fused flash attention (WEFT_ATTENTION=weft for Weft's kernels)",
-                        cudnn_sdpa::version_text(c.version)
+                        "weft: attention: cuDNN {} fused flash attention, from {} (WEFT_CUDNN=FILE for another, WEFT_ATTENTION=weft for Weft's kernels)",
+                        cudnn_sdpa::version_text(c.version),
+                        crate::cuda::cudnn_lib::api().source
                     )
                 });
                 Some(RefCell::new(c))
