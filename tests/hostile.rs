@@ -142,6 +142,39 @@ fn huge_vocabulary_is_refused_not_counted_wrong() {
 // ---- work and memory that grow without bound ----
 
 #[test]
+fn text_ir_dims_are_bounded() {
+    // Each used to overflow the stack (nesting) or expand without bound (a product of
+    // sums): a few hundred bytes of text.
+    let dir = scratch("dims");
+    let sums = vec!["(a+b+c+d+e+f+g+h)"; 30].join("*");
+    for (name, dim, needle) in [
+        (
+            "parens.weft",
+            format!("{}1{}", "(".repeat(200_000), ")".repeat(200_000)),
+            "nests more than 64 levels",
+        ),
+        (
+            "minus.weft",
+            format!("{}1", "-".repeat(200_000)),
+            "nests more than 64 levels",
+        ),
+        (
+            "floors.weft",
+            format!("S{}", "//3".repeat(100_000)),
+            "floor divisions",
+        ),
+        ("sums.weft", sums, "more than 4096 terms"),
+    ] {
+        let p = write(
+            &dir,
+            name,
+            &format!("graph \"x\"\n%0: f32[{dim}] = param {{name=\"w\"}}\nreturn out=%0\n"),
+        );
+        refused(&["stats", s(&p)], &[needle, "line 2"]);
+    }
+}
+
+#[test]
 fn sparse_value_ids_do_not_allocate_by_id() {
     let dir = scratch("ids");
     let text = fixture_text(&dir)

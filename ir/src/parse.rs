@@ -41,6 +41,15 @@ fn err(col: usize, message: impl Into<String>) -> ParseError {
 
 // ---- dims ----
 
+/// `s`, or its first characters and `...` when it is long (messages quote what they
+/// refuse, not a whole line of a hostile file).
+fn short(s: &str) -> String {
+    match s.char_indices().nth(80) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 enum Tok {
     Int(i64),
@@ -155,6 +164,32 @@ struct DimParser<'a> {
     toks: Vec<(usize, Tok)>,
     pos: usize,
     text: &'a str,
+    /// Parentheses and unary minuses open around the current factor.
+    depth: usize,
+}
+
+/// The deepest nesting of parentheses (and unary minuses) a dim may have: the parser
+/// recurses once per level, so a hostile `((((...` must not exhaust the stack.
+const MAX_DIM_DEPTH: usize = 64;
+
+/// Refuses a product or sum whose expansion would hold more terms than a dim may
+/// (`(a+b+c+d)*(a+b+c+d)*...` doubles its terms at every factor).
+fn check_terms(c: usize, a: &Dim, b: &Dim, sum: bool) -> Result<(), ParseError> {
+    let n = if sum {
+        a.term_count().saturating_add(b.term_count())
+    } else {
+        a.term_count().saturating_mul(b.term_count())
+    };
+    if n > crate::dim::MAX_TERMS {
+        return Err(err(
+            c,
+            format!(
+                "the dim expands to more than {} terms",
+                crate::dim::MAX_TERMS
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl DimParser<'_> {
@@ -173,11 +208,17 @@ impl DimParser<'_> {
             match self.peek() {
                 Some(Tok::Plus) => {
                     self.pos += 1;
-                    d = d + self.term()?;
+                    let c = self.col();
+                    let t = self.term()?;
+                    check_terms(c, &d, &t, true)?;
+                    d = d + t;
                 }
                 Some(Tok::Minus) => {
                     self.pos += 1;
-                    d = d - self.term()?;
+                    let c = self.col();
+                    let t = self.term()?;
+                    check_terms(c, &d, &t, true)?;
+                    d = d - t;
                 }
                 _ => return Ok(d),
             }
@@ -189,7 +230,10 @@ impl DimParser<'_> {
             match self.peek() {
                 Some(Tok::Star) => {
                     self.pos += 1;
-                    d = d * self.factor()?;
+                    let c = self.col();
+                    let f = self.factor()?;
+                    check_terms(c, &d, &f, false)?;
+                    d = d * f;
                 }
                 Some(Tok::Slash) => {
                     self.pos += 1;
@@ -198,7 +242,14 @@ impl DimParser<'_> {
                     if f.as_const() == Some(0) {
                         return Err(err(c, "division by zero"));
                     }
+                    check_terms(c, &d, &f, false)?;
                     d = d.exact_div(&f);
+                    if d.nesting() > MAX_DIM_DEPTH {
+                        return Err(err(
+                            c,
+                            format!("the dim nests more than {MAX_DIM_DEPTH} divisions"),
+                        ));
+                    }
                 }
                 Some(Tok::SlashSlash) => {
                     self.pos += 1;
@@ -208,6 +259,12 @@ impl DimParser<'_> {
                         return Err(err(c, "division by zero"));
                     }
                     d = d.floor_div(&f);
+                    if d.nesting() > MAX_DIM_DEPTH {
+                        return Err(err(
+                            c,
+                            format!("the dim nests more than {MAX_DIM_DEPTH} floor divisions"),
+                        ));
+                    }
                 }
                 _ => return Ok(d),
             }
@@ -217,23 +274,38 @@ impl DimParser<'_> {
         let c = self.col();
         let t = self.toks.get(self.pos).map(|(_, t)| t.clone());
         self.pos += 1;
+        if matches!(t, Some(Tok::Minus | Tok::LParen)) {
+            if self.depth >= MAX_DIM_DEPTH {
+                return Err(err(
+                    c,
+                    format!("the dim nests more than {MAX_DIM_DEPTH} levels deep"),
+                ));
+            }
+            self.depth += 1;
+            let d = self.nested(t);
+            self.depth -= 1;
+            return d;
+        }
         match t {
             Some(Tok::Int(n)) => Ok(Dim::from(n)),
             Some(Tok::Ident(s)) => Ok(Dim::sym(&s)),
             Some(Tok::Coord(s)) => Ok(Dim::coord(&s)),
             Some(Tok::Table(a, sizes)) => Ok(Dim::per_rank(&a, sizes)),
-            Some(Tok::Minus) => Ok(Dim::from(0) - self.factor()?),
-            Some(Tok::LParen) => {
-                let d = self.expr()?;
-                if self.peek() != Some(&Tok::RParen) {
-                    return Err(err(self.col(), "expected `)`"));
-                }
-                self.pos += 1;
-                Ok(d)
-            }
             Some(t) => Err(err(c, format!("expected a size, found {t:?}"))),
             None => Err(err(c, "expected a size, found the end")),
         }
+    }
+    /// A negated factor or a parenthesised expression (`t` is `-` or `(`).
+    fn nested(&mut self, t: Option<Tok>) -> Result<Dim, ParseError> {
+        if t == Some(Tok::Minus) {
+            return Ok(Dim::from(0) - self.factor()?);
+        }
+        let d = self.expr()?;
+        if self.peek() != Some(&Tok::RParen) {
+            return Err(err(self.col(), "expected `)`"));
+        }
+        self.pos += 1;
+        Ok(d)
     }
 }
 
@@ -243,6 +315,7 @@ pub fn parse_dim(s: &str) -> Result<Dim, ParseError> {
         toks: lex_dim(s)?,
         pos: 0,
         text: s,
+        depth: 0,
     };
     if p.toks.is_empty() {
         return Err(err(0, "empty dim"));
@@ -250,6 +323,15 @@ pub fn parse_dim(s: &str) -> Result<Dim, ParseError> {
     let d = p.expr()?;
     if p.pos < p.toks.len() {
         return Err(err(p.col(), format!("unexpected text after dim in `{s}`")));
+    }
+    if d.is_overflow() {
+        return Err(err(
+            0,
+            format!(
+                "`{}` overflows: the size is larger than Weft can count",
+                short(s)
+            ),
+        ));
     }
     Ok(d)
 }
@@ -662,6 +744,35 @@ mod tests {
             .unwrap_err()
             .message
             .contains("division by zero"));
+    }
+
+    #[test]
+    fn hostile_dims_are_bounded() {
+        // Nesting that would exhaust the stack.
+        let deep = format!("{}S{}", "(".repeat(100_000), ")".repeat(100_000));
+        assert!(parse_dim(&deep)
+            .unwrap_err()
+            .message
+            .contains("nests more than 64"));
+        let neg = format!("{}S", "-".repeat(100_000));
+        assert!(parse_dim(&neg)
+            .unwrap_err()
+            .message
+            .contains("nests more than 64"));
+        let floors = format!("S{}", "//3".repeat(10_000));
+        assert!(parse_dim(&floors)
+            .unwrap_err()
+            .message
+            .contains("more than 64 floor divisions"));
+        // A product of sums whose expansion would hold 8^30 terms.
+        let sums = vec!["(a+b+c+d+e+f+g+h)"; 30].join("*");
+        let e = parse_dim(&sums).unwrap_err();
+        assert!(e.message.contains("more than 4096 terms"), "{e:?}");
+        // Coefficients past 128 bits: named, not printed as `<overflow>`.
+        let e = parse_dim("9223372036854775807*9223372036854775807*4").unwrap_err();
+        assert!(e.message.contains("overflows"), "{e:?}");
+        // What real programs write still parses.
+        assert!(parse_dim("((S + 1)//2)*(B + 1)*(B - 1)").is_ok());
     }
 
     #[test]
