@@ -255,9 +255,11 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
     }
     check_runtime_symbols(g, &mut errors);
     check_partitions(g, &mut errors);
+    let outputs: std::collections::HashMap<&str, crate::graph::Value> =
+        g.outputs().iter().map(|(n, v)| (n.as_str(), *v)).collect();
     for (name, splits) in g.output_splits() {
         let location = format!("output `{name}`");
-        let Some(v) = g.output(name) else {
+        let Some(&v) = outputs.get(name.as_str()) else {
             errors.push(VerifyError {
                 node: None,
                 location,
