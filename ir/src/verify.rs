@@ -503,8 +503,9 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
                 push(format!("dim {} is out of range for {ty}", p.dim));
                 continue;
             }
-            if p.pieces.iter().flatten().any(|&x| x < 0) {
-                push("has a negative size".into());
+            if let Err(m) = p.check_sizes() {
+                push(m);
+                continue;
             }
             // Nested splits of one dim (a ZeRO split inside a tp one): each shard of
             // this partition is what the next one on the dim splits; the last one
