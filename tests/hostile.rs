@@ -250,6 +250,68 @@ fn micro_batches_are_checked_before_unrolling() {
 }
 
 #[test]
+fn huge_batch_times_seq_is_refused_before_allocating() {
+    // B*S = 2^56 tokens: the checkpoint pass's sum of saved bytes overflowed (a panic),
+    // and eval/check/run drew 2^56 token ids before anything was checked (an abort).
+    let dir = scratch("bs");
+    let (b, s_) = ("16777216", "4294967296");
+    let o = dir.join("p.json");
+    for args in [
+        &[
+            "compile",
+            "tests/fixtures/llama",
+            "--batch",
+            b,
+            "--seq",
+            s_,
+            "-o",
+            s(&o),
+        ][..],
+        &["run", "tests/fixtures/llama", "--batch", b, "--seq", s_],
+    ] {
+        refused(
+            args,
+            &["B=16777216 S=4294967296", "more than Weft plans for"],
+        );
+    }
+    // 16 x 2^32 tokens on the CPU reference: its logits alone are 32 TiB of host memory.
+    let o = dir.join("o.safetensors");
+    for args in [
+        &[
+            "eval",
+            "tests/fixtures/llama",
+            "--batch",
+            "16",
+            "--seq",
+            s_,
+            "-o",
+            s(&o),
+        ][..],
+        &[
+            "check",
+            "tests/fixtures/llama",
+            "--batch",
+            "16",
+            "--seq",
+            s_,
+        ],
+        &[
+            "run",
+            "tests/fixtures/llama",
+            "--batch",
+            "16",
+            "--seq",
+            s_,
+            "--device-memory",
+            "1000000000",
+        ],
+    ] {
+        refused(args, &["host memory", "f32[B, S, 128]", "--batch or --seq"]);
+    }
+    assert!(!o.exists());
+}
+
+#[test]
 fn random_weights_are_checked_against_host_memory() {
     // 8B parameters in f64 need 60 GiB: more than this machine, refused before drawing.
     let (code, _, err) = weft(&["eval", "llama3.1-405b", "-o", "/dev/null"]);

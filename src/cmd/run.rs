@@ -708,6 +708,7 @@ fn run_cpu(a: &Args) -> CliResult {
         ))
         .with_help("give --weights FILE (a plan records its model, not its weights)")
     })?;
+    super::session::check_run_memory(&p.program, p.batch, p.seq, true)?;
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let tokens = (p.batch * p.seq) as f64;
     let mut reports: Vec<StepReport> = Vec::new();
