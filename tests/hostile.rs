@@ -844,6 +844,52 @@ fn outputs_never_overwrite_inputs() {
 }
 
 #[test]
+fn every_output_flag_refuses_its_inputs() {
+    // `plan -o`, `run --plan-out` and `compile -o` onto a --tp-spec used to write over
+    // the model's config.json, the checkpoint, the token file or the spec.
+    let dir = scratch("outflags");
+    let model = dir.join("m");
+    std::fs::create_dir_all(&model).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama").join(f), model.join(f)).unwrap();
+    }
+    let config = model.join("config.json");
+    let weights = model.join("model.safetensors");
+    let data = write(&dir, "tokens.bin", "abcdabcdabcdabcdabcdabcdabcdabcd");
+    let spec = write(&dir, "spec.json", "{}");
+    let before: Vec<Vec<u8>> = [&config, &weights, &data, &spec]
+        .iter()
+        .map(|p| std::fs::read(p).unwrap())
+        .collect();
+    let m = s(&model);
+    for args in [
+        &["plan", m, "--gpus", "2", "--seq", "8", "-o", s(&config)][..],
+        &["run", m, "--steps", "0", "--plan-out", s(&config)],
+        &["run", m, "--steps", "1", "--plan-out", s(&weights)],
+        &[
+            "run",
+            m,
+            "--data",
+            s(&data),
+            "--seq",
+            "4",
+            "--batch",
+            "1",
+            "--plan-out",
+            s(&data),
+        ],
+        &["compile", m, "--tp-spec", s(&spec), "-o", s(&spec)],
+    ] {
+        refused(args, &["would destroy the input"]);
+    }
+    let after: Vec<Vec<u8>> = [&config, &weights, &data, &spec]
+        .iter()
+        .map(|p| std::fs::read(p).unwrap())
+        .collect();
+    assert!(before == after, "an input was changed");
+}
+
+#[test]
 fn unshard_checks_digests_and_replicas() {
     let dir = scratch("unshard");
     let shards = dir.join("shards");

@@ -200,6 +200,12 @@ pub fn refuse_overwrite(out: &std::path::Path, inputs: &[(&str, &std::path::Path
     weft_ir::output::refuse_overwriting_input(out, &refs).map_err(CliError::input)
 }
 
+/// A `--device` given as a profile file (not a preset name): an input to protect.
+pub fn device_file(device: &str) -> Option<&std::path::Path> {
+    let p = std::path::Path::new(device);
+    p.is_file().then_some(p)
+}
+
 /// Writes `text` to `path` (through a temporary renamed into place), or stdout when no
 /// path is given.
 pub fn write_out(path: Option<&std::path::Path>, text: &str) -> CliResult {

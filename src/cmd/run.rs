@@ -7,7 +7,7 @@
 use super::session::draw_inputs;
 use crate::error::{CliError, CliResult};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use weft_ir::{DType, ExecutionPlan, Graph, HostTensor, Op};
 
 #[derive(clap::Args, Clone)]
@@ -582,6 +582,24 @@ pub fn run(a: Args) -> CliResult {
             "--profile-out times the GPU's instructions, but this run executes none on a GPU",
         )
         .with_help("use it with --backend cuda and --steps 1 or more"));
+    }
+    for out in [&a.plan_out, &a.profile_out].into_iter().flatten() {
+        let mut inputs = vec![("MODEL", Path::new(&a.model))];
+        let named = [
+            ("--weights", &a.weights),
+            ("--inputs", &a.inputs),
+            ("--data", &a.data),
+        ];
+        for (what, p) in named {
+            inputs.extend(p.as_deref().map(|p| (what, p)));
+        }
+        inputs.extend(
+            a.device
+                .as_deref()
+                .and_then(super::device_file)
+                .map(|p| ("--device", p)),
+        );
+        super::refuse_overwrite(out, &inputs)?;
     }
     if a.steps == 0 && a.check == 0 {
         return plan_only(&a);
