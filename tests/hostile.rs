@@ -1004,6 +1004,82 @@ fn special_and_binary_files_are_named() {
     refused(&["stats", s(&p)], &["byte 10 (line 2) is not UTF-8"]);
 }
 
+#[test]
+fn inputs_are_regular_files_in_their_places() {
+    // `/dev/zero` was read whole (unbounded memory) as --device, --data, --tp-spec or a
+    // plan; a FIFO as --weights or a shard blocked the open forever.
+    let dir = scratch("special");
+    let m = "tests/fixtures/llama";
+    let o = dir.join("o.safetensors");
+    let p = dir.join("p.json");
+    for args in [
+        &[
+            "compile",
+            m,
+            "--seq",
+            "8",
+            "--device",
+            "/dev/zero",
+            "-o",
+            s(&p),
+        ][..],
+        &["run", m, "--data", "/dev/zero", "--steps", "1"],
+        &["compile", m, "--mesh", "tp=2", "--tp-spec", "/dev/zero"],
+        &["inspect", "/dev/zero"],
+        &["eval", m, "--weights", "/dev/zero", "-o", s(&o)],
+    ] {
+        refused(args, &["/dev/zero", "special file"]);
+    }
+    let fifo = dir.join("w.safetensors");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if made.is_ok_and(|st| st.success()) {
+        refused(
+            &["eval", m, "--weights", s(&fifo), "-o", s(&o)],
+            &["special file"],
+        );
+    }
+    // An index whose shards lie outside its directory.
+    let model = dir.join("m");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        fixture("llama").join("config.json"),
+        model.join("config.json"),
+    )
+    .unwrap();
+    std::fs::copy(
+        fixture("llama").join("model.safetensors"),
+        dir.join("outside.safetensors"),
+    )
+    .unwrap();
+    let ck = weft_frontends::read_safetensors(&dir.join("outside.safetensors")).unwrap();
+    for shard in ["../outside.safetensors", "/dev/zero"] {
+        let map: serde_json::Map<String, serde_json::Value> =
+            ck.keys().map(|k| (k.clone(), shard.into())).collect();
+        write(
+            &model,
+            "model.safetensors.index.json",
+            &serde_json::json!({ "weight_map": map }).to_string(),
+        );
+        refused(
+            &["eval", s(&model), "-o", s(&o)],
+            &[shard, "not a file in the index's directory"],
+        );
+    }
+    // `--config` beside a MODEL that is its own config was ignored: another model ran.
+    refused(
+        &[
+            "eval",
+            m,
+            "--config",
+            "tests/fixtures/qwen3/config.json",
+            "-o",
+            s(&o),
+        ],
+        &["--config", "is for a torch.export .pt2 MODEL"],
+    );
+    assert!(!o.exists());
+}
+
 // ---- plan building scales with the program ----
 
 /// A chain of `n` elementwise ops on one parameter, as text IR.

@@ -87,6 +87,15 @@ pub fn load_model_and_weights(
             ));
         }
     }
+    if let Some(c) = config {
+        // Only a .pt2 takes a config beside it; any other MODEL is its own config, and
+        // running it while a `--config` the user gave is ignored would run another model.
+        return Err(CliError::input(format!(
+            "--config {} is for a torch.export .pt2 MODEL, but `{spec}` is not one",
+            c.display()
+        ))
+        .with_help("give the config.json (or its directory) as MODEL instead"));
+    }
     Ok((weft_frontends::load(spec).map_err(frontend_err)?, None))
 }
 

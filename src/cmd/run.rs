@@ -353,7 +353,7 @@ impl Feeder {
         };
         let data = match &a.data {
             Some(p) => {
-                let b = std::fs::read(p).map_err(|e| {
+                let b = weft_ir::files::read(p).map_err(|e| {
                     CliError::input(format!("cannot read --data {}: {e}", p.display()))
                 })?;
                 if b.len() % 2 != 0 {

@@ -76,7 +76,7 @@ pub fn read_checkpoint(path: &Path) -> Result<Checkpoint, FrontendError> {
 /// The shard files an index lists, sorted and without repeats.
 fn shard_files(index: &Path) -> Result<Vec<String>, FrontendError> {
     let file = index.display().to_string();
-    let text = std::fs::read_to_string(index).map_err(|e| FrontendError::io(index, e))?;
+    let text = weft_ir::files::read_to_string(index).map_err(|e| FrontendError::io(index, e))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| FrontendError::Json {
         file: file.clone(),
         message: e.to_string(),
@@ -94,6 +94,23 @@ fn shard_files(index: &Path) -> Result<Vec<String>, FrontendError> {
             file: file.clone(),
             message: format!("weight_map entry `{name}` is not a file name"),
         })?;
+        // Shards lie in the index's directory (HF writes plain names): a path that
+        // leaves it (`../x`, `/dev/zero`) would read files that are not the checkpoint.
+        let inside = !f.is_empty()
+            && Path::new(f).components().all(|c| {
+                matches!(
+                    c,
+                    std::path::Component::Normal(_) | std::path::Component::CurDir
+                )
+            });
+        if !inside {
+            return Err(FrontendError::Json {
+                file: file.clone(),
+                message: format!(
+                    "weight_map entry `{name}` names `{f}`, which is not a file in the index's directory"
+                ),
+            });
+        }
         files.push(f.to_string());
     }
     files.sort();
