@@ -1080,6 +1080,37 @@ fn inputs_are_regular_files_in_their_places() {
     assert!(!o.exists());
 }
 
+#[test]
+fn a_tensor_named_twice_in_a_safetensors_header_is_refused() {
+    // The header was read into a map: the first `lm_head.weight` vanished, exit 0.
+    let dir = scratch("dupst");
+    let bytes = std::fs::read(fixture("llama").join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+    let v: serde_json::Value = serde_json::from_str(header).unwrap();
+    let other = v["model.embed_tokens.weight"].to_string();
+    let mut dup = format!("{{\"lm_head.weight\":{other},{}", &header[1..]).into_bytes();
+    while dup.len() % 8 != 0 {
+        dup.push(b' ');
+    }
+    let mut file = (dup.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&dup);
+    file.extend_from_slice(&bytes[8 + n..]);
+    let p = dir.join("dup.safetensors");
+    std::fs::write(&p, file).unwrap();
+    refused(
+        &[
+            "eval",
+            "tests/fixtures/llama",
+            "--weights",
+            s(&p),
+            "-o",
+            s(&dir.join("o.safetensors")),
+        ],
+        &["dup.safetensors", "key `lm_head.weight` appears twice"],
+    );
+}
+
 // ---- plan building scales with the program ----
 
 /// A chain of `n` elementwise ops on one parameter, as text IR.

@@ -130,6 +130,14 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>, Fro
         file: file.clone(),
         message: e.to_string(),
     })?;
+    // The header is a JSON object read into a map: a tensor named twice would keep the
+    // last entry silently (and the other's bytes would go unread). Refused, as in configs.
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("a valid file has its length"));
+    let header = std::str::from_utf8(&bytes[8..8 + n as usize]).unwrap_or("{}");
+    crate::fields::parse_json_no_duplicates(header).map_err(|e| FrontendError::Safetensors {
+        file: file.clone(),
+        message: format!("header: {e}"),
+    })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
         let t = to_host(&view, bytes, &shared).map_err(|message| FrontendError::Safetensors {
