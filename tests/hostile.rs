@@ -439,6 +439,50 @@ fn text_ir_float_attributes_are_checked() {
 }
 
 #[test]
+fn text_ir_rope_scaling_and_arange_are_checked() {
+    // A llama3 factor of 0 or NaN made the loss NaN (exit 0); a start near i64::MAX
+    // overflowed in the CPU runtime's arange (a rank's panic).
+    let dir = scratch("rope");
+    let text = fixture_text(&dir);
+    for (to, needle) in [
+        ("llama3(0.0, 1.0, 4.0, 16)", "factor is 0"),
+        ("llama3(NaN, 1.0, 4.0, 16)", "factor is NaN"),
+        ("llama3(8.0, 4.0, 4.0, 16)", "must exceed low_freq_factor"),
+        (
+            "llama3(8.0, 1.0, 4.0, -16)",
+            "original_max_position_embeddings is -16",
+        ),
+        ("linear(-2.0)", "factor is -2"),
+    ] {
+        let p = write(
+            &dir,
+            "rope.weft",
+            &text.replace("llama3(8.0, 1.0, 4.0, 16)", to),
+        );
+        refused(&["import", s(&p)], &["attribute `scaling`", needle]);
+    }
+    let p = write(
+        &dir,
+        "arange.weft",
+        &text.replace("arange {start=0}", "arange {start=9223372036854775807}"),
+    );
+    let err = refused(
+        &[
+            "eval",
+            s(&p),
+            "--weights",
+            s(&fixture("llama").join("model.safetensors")),
+            "--seq",
+            "8",
+            "-o",
+            s(&dir.join("o.safetensors")),
+        ],
+        &["`arange` failed", "past the largest i64"],
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn device_profiles_with_bad_numbers_are_refused() {
     let dir = scratch("profile");
     for (field, value) in [
