@@ -142,6 +142,39 @@ fn huge_vocabulary_is_refused_not_counted_wrong() {
 // ---- work and memory that grow without bound ----
 
 #[test]
+fn text_ir_dims_are_bounded() {
+    // Each used to overflow the stack (nesting) or expand without bound (a product of
+    // sums): a few hundred bytes of text.
+    let dir = scratch("dims");
+    let sums = vec!["(a+b+c+d+e+f+g+h)"; 30].join("*");
+    for (name, dim, needle) in [
+        (
+            "parens.weft",
+            format!("{}1{}", "(".repeat(200_000), ")".repeat(200_000)),
+            "nests more than 64 levels",
+        ),
+        (
+            "minus.weft",
+            format!("{}1", "-".repeat(200_000)),
+            "nests more than 64 levels",
+        ),
+        (
+            "floors.weft",
+            format!("S{}", "//3".repeat(100_000)),
+            "floor divisions",
+        ),
+        ("sums.weft", sums, "more than 4096 terms"),
+    ] {
+        let p = write(
+            &dir,
+            name,
+            &format!("graph \"x\"\n%0: f32[{dim}] = param {{name=\"w\"}}\nreturn out=%0\n"),
+        );
+        refused(&["stats", s(&p)], &[needle, "line 2"]);
+    }
+}
+
+#[test]
 fn sparse_value_ids_do_not_allocate_by_id() {
     let dir = scratch("ids");
     let text = fixture_text(&dir)
@@ -214,6 +247,68 @@ fn micro_batches_are_checked_before_unrolling() {
         ],
         &["2 micro-batches do not divide"],
     );
+}
+
+#[test]
+fn huge_batch_times_seq_is_refused_before_allocating() {
+    // B*S = 2^56 tokens: the checkpoint pass's sum of saved bytes overflowed (a panic),
+    // and eval/check/run drew 2^56 token ids before anything was checked (an abort).
+    let dir = scratch("bs");
+    let (b, s_) = ("16777216", "4294967296");
+    let o = dir.join("p.json");
+    for args in [
+        &[
+            "compile",
+            "tests/fixtures/llama",
+            "--batch",
+            b,
+            "--seq",
+            s_,
+            "-o",
+            s(&o),
+        ][..],
+        &["run", "tests/fixtures/llama", "--batch", b, "--seq", s_],
+    ] {
+        refused(
+            args,
+            &["B=16777216 S=4294967296", "more than Weft plans for"],
+        );
+    }
+    // 16 x 2^32 tokens on the CPU reference: its logits alone are 32 TiB of host memory.
+    let o = dir.join("o.safetensors");
+    for args in [
+        &[
+            "eval",
+            "tests/fixtures/llama",
+            "--batch",
+            "16",
+            "--seq",
+            s_,
+            "-o",
+            s(&o),
+        ][..],
+        &[
+            "check",
+            "tests/fixtures/llama",
+            "--batch",
+            "16",
+            "--seq",
+            s_,
+        ],
+        &[
+            "run",
+            "tests/fixtures/llama",
+            "--batch",
+            "16",
+            "--seq",
+            s_,
+            "--device-memory",
+            "1000000000",
+        ],
+    ] {
+        refused(args, &["host memory", "f32[B, S, 128]", "--batch or --seq"]);
+    }
+    assert!(!o.exists());
 }
 
 #[test]
@@ -341,6 +436,50 @@ fn text_ir_float_attributes_are_checked() {
         &text.replacen("scale=0.3535533905932738", "scale=NaN", 1),
     );
     refused(&["import", s(&nan)], &["attribute `scale` is NaN"]);
+}
+
+#[test]
+fn text_ir_rope_scaling_and_arange_are_checked() {
+    // A llama3 factor of 0 or NaN made the loss NaN (exit 0); a start near i64::MAX
+    // overflowed in the CPU runtime's arange (a rank's panic).
+    let dir = scratch("rope");
+    let text = fixture_text(&dir);
+    for (to, needle) in [
+        ("llama3(0.0, 1.0, 4.0, 16)", "factor is 0"),
+        ("llama3(NaN, 1.0, 4.0, 16)", "factor is NaN"),
+        ("llama3(8.0, 4.0, 4.0, 16)", "must exceed low_freq_factor"),
+        (
+            "llama3(8.0, 1.0, 4.0, -16)",
+            "original_max_position_embeddings is -16",
+        ),
+        ("linear(-2.0)", "factor is -2"),
+    ] {
+        let p = write(
+            &dir,
+            "rope.weft",
+            &text.replace("llama3(8.0, 1.0, 4.0, 16)", to),
+        );
+        refused(&["import", s(&p)], &["attribute `scaling`", needle]);
+    }
+    let p = write(
+        &dir,
+        "arange.weft",
+        &text.replace("arange {start=0}", "arange {start=9223372036854775807}"),
+    );
+    let err = refused(
+        &[
+            "eval",
+            s(&p),
+            "--weights",
+            s(&fixture("llama").join("model.safetensors")),
+            "--seq",
+            "8",
+            "-o",
+            s(&dir.join("o.safetensors")),
+        ],
+        &["`arange` failed", "past the largest i64"],
+    );
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]
@@ -749,6 +888,52 @@ fn outputs_never_overwrite_inputs() {
 }
 
 #[test]
+fn every_output_flag_refuses_its_inputs() {
+    // `plan -o`, `run --plan-out` and `compile -o` onto a --tp-spec used to write over
+    // the model's config.json, the checkpoint, the token file or the spec.
+    let dir = scratch("outflags");
+    let model = dir.join("m");
+    std::fs::create_dir_all(&model).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama").join(f), model.join(f)).unwrap();
+    }
+    let config = model.join("config.json");
+    let weights = model.join("model.safetensors");
+    let data = write(&dir, "tokens.bin", "abcdabcdabcdabcdabcdabcdabcdabcd");
+    let spec = write(&dir, "spec.json", "{}");
+    let before: Vec<Vec<u8>> = [&config, &weights, &data, &spec]
+        .iter()
+        .map(|p| std::fs::read(p).unwrap())
+        .collect();
+    let m = s(&model);
+    for args in [
+        &["plan", m, "--gpus", "2", "--seq", "8", "-o", s(&config)][..],
+        &["run", m, "--steps", "0", "--plan-out", s(&config)],
+        &["run", m, "--steps", "1", "--plan-out", s(&weights)],
+        &[
+            "run",
+            m,
+            "--data",
+            s(&data),
+            "--seq",
+            "4",
+            "--batch",
+            "1",
+            "--plan-out",
+            s(&data),
+        ],
+        &["compile", m, "--tp-spec", s(&spec), "-o", s(&spec)],
+    ] {
+        refused(args, &["would destroy the input"]);
+    }
+    let after: Vec<Vec<u8>> = [&config, &weights, &data, &spec]
+        .iter()
+        .map(|p| std::fs::read(p).unwrap())
+        .collect();
+    assert!(before == after, "an input was changed");
+}
+
+#[test]
 fn unshard_checks_digests_and_replicas() {
     let dir = scratch("unshard");
     let shards = dir.join("shards");
@@ -861,6 +1046,113 @@ fn special_and_binary_files_are_named() {
     let p = dir.join("bin.weft");
     std::fs::write(&p, b"graph \"x\"\n\xff\n").unwrap();
     refused(&["stats", s(&p)], &["byte 10 (line 2) is not UTF-8"]);
+}
+
+#[test]
+fn inputs_are_regular_files_in_their_places() {
+    // `/dev/zero` was read whole (unbounded memory) as --device, --data, --tp-spec or a
+    // plan; a FIFO as --weights or a shard blocked the open forever.
+    let dir = scratch("special");
+    let m = "tests/fixtures/llama";
+    let o = dir.join("o.safetensors");
+    let p = dir.join("p.json");
+    for args in [
+        &[
+            "compile",
+            m,
+            "--seq",
+            "8",
+            "--device",
+            "/dev/zero",
+            "-o",
+            s(&p),
+        ][..],
+        &["run", m, "--data", "/dev/zero", "--steps", "1"],
+        &["compile", m, "--mesh", "tp=2", "--tp-spec", "/dev/zero"],
+        &["inspect", "/dev/zero"],
+        &["eval", m, "--weights", "/dev/zero", "-o", s(&o)],
+    ] {
+        refused(args, &["/dev/zero", "special file"]);
+    }
+    let fifo = dir.join("w.safetensors");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if made.is_ok_and(|st| st.success()) {
+        refused(
+            &["eval", m, "--weights", s(&fifo), "-o", s(&o)],
+            &["special file"],
+        );
+    }
+    // An index whose shards lie outside its directory.
+    let model = dir.join("m");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        fixture("llama").join("config.json"),
+        model.join("config.json"),
+    )
+    .unwrap();
+    std::fs::copy(
+        fixture("llama").join("model.safetensors"),
+        dir.join("outside.safetensors"),
+    )
+    .unwrap();
+    let ck = weft_frontends::read_safetensors(&dir.join("outside.safetensors")).unwrap();
+    for shard in ["../outside.safetensors", "/dev/zero"] {
+        let map: serde_json::Map<String, serde_json::Value> =
+            ck.keys().map(|k| (k.clone(), shard.into())).collect();
+        write(
+            &model,
+            "model.safetensors.index.json",
+            &serde_json::json!({ "weight_map": map }).to_string(),
+        );
+        refused(
+            &["eval", s(&model), "-o", s(&o)],
+            &[shard, "not a file in the index's directory"],
+        );
+    }
+    // `--config` beside a MODEL that is its own config was ignored: another model ran.
+    refused(
+        &[
+            "eval",
+            m,
+            "--config",
+            "tests/fixtures/qwen3/config.json",
+            "-o",
+            s(&o),
+        ],
+        &["--config", "is for a torch.export .pt2 MODEL"],
+    );
+    assert!(!o.exists());
+}
+
+#[test]
+fn a_tensor_named_twice_in_a_safetensors_header_is_refused() {
+    // The header was read into a map: the first `lm_head.weight` vanished, exit 0.
+    let dir = scratch("dupst");
+    let bytes = std::fs::read(fixture("llama").join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+    let v: serde_json::Value = serde_json::from_str(header).unwrap();
+    let other = v["model.embed_tokens.weight"].to_string();
+    let mut dup = format!("{{\"lm_head.weight\":{other},{}", &header[1..]).into_bytes();
+    while dup.len() % 8 != 0 {
+        dup.push(b' ');
+    }
+    let mut file = (dup.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&dup);
+    file.extend_from_slice(&bytes[8 + n..]);
+    let p = dir.join("dup.safetensors");
+    std::fs::write(&p, file).unwrap();
+    refused(
+        &[
+            "eval",
+            "tests/fixtures/llama",
+            "--weights",
+            s(&p),
+            "-o",
+            s(&dir.join("o.safetensors")),
+        ],
+        &["dup.safetensors", "key `lm_head.weight` appears twice"],
+    );
 }
 
 // ---- plan building scales with the program ----

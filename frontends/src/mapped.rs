@@ -34,6 +34,7 @@ pub type Shared = Arc<dyn AsRef<[u8]> + Send + Sync>;
 
 /// Maps `path` read-only.
 pub fn map_file(path: &Path) -> std::io::Result<Arc<FileBytes>> {
+    weft_ir::files::check_regular(path)?;
     let file = std::fs::File::open(path)?;
     if file.metadata()?.len() == 0 {
         return Ok(Arc::new(FileBytes::Owned(Vec::new())));

@@ -291,6 +291,7 @@ const MAX_TEXT_MODEL_BYTES: u64 = 64 << 20;
 /// first bytes (enough to tell a zip), so a checkpoint given as MODEL is not read whole.
 fn read_small(path: &Path) -> std::io::Result<(Vec<u8>, bool)> {
     use std::io::Read;
+    weft_ir::files::check_regular(path)?;
     let f = std::fs::File::open(path)?;
     let whole = f.metadata()?.len() <= MAX_TEXT_MODEL_BYTES;
     let mut bytes = Vec::new();

@@ -103,6 +103,11 @@ impl Ratio {
     }
 }
 
+/// The most terms a dim may hold. Sizes have a handful; products of sums multiply
+/// their terms (`(a+b+c+d)^k` has thousands at small `k`), so a product or sum that
+/// would hold more is [`Dim::overflow`] instead of unbounded work and memory.
+pub const MAX_TERMS: usize = 4096;
+
 /// A symbolic size in canonical form. Construct with `Dim::from(n)`, `Dim::sym("S")`
 /// and the arithmetic operators; compare with `==`.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -206,6 +211,24 @@ impl Dim {
         Dim {
             terms: vec![(vec![(Atom::Overflow, 1)], (1, 1))],
         }
+    }
+
+    /// How many terms the dim's canonical sum holds (at most [`MAX_TERMS`]).
+    pub fn term_count(&self) -> usize {
+        self.terms.len()
+    }
+
+    /// How deeply floor divisions nest in the dim (`S//3//3` is 2; a plain sum is 0).
+    pub fn nesting(&self) -> usize {
+        self.terms
+            .iter()
+            .flat_map(|(m, _)| m.iter())
+            .map(|(a, _)| match a {
+                Atom::FloorDiv(n, d) => 1 + n.nesting().max(d.nesting()),
+                _ => 0,
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// True when this dim's arithmetic overflowed somewhere.
@@ -545,6 +568,9 @@ impl From<i32> for Dim {
 impl std::ops::Add for Dim {
     type Output = Dim;
     fn add(self, o: Dim) -> Dim {
+        if self.terms.len().saturating_add(o.terms.len()) > MAX_TERMS {
+            return Dim::overflow();
+        }
         let mut t: Vec<(Monomial, Option<Ratio>)> = self
             .ratio_terms()
             .map(|(m, c)| (m.clone(), Some(c)))
@@ -562,6 +588,9 @@ impl std::ops::Sub for Dim {
 impl std::ops::Mul for Dim {
     type Output = Dim;
     fn mul(self, o: Dim) -> Dim {
+        if self.terms.len().saturating_mul(o.terms.len()) > MAX_TERMS {
+            return Dim::overflow();
+        }
         let mut out = Vec::new();
         for (m1, c1) in self.ratio_terms() {
             for (m2, c2) in o.ratio_terms() {

@@ -115,13 +115,13 @@ pub struct Graph {
     nodes: Vec<Option<NodeData>>,
     values: Vec<Option<ValueData>>,
     order: Vec<Node>,
-    outputs: Vec<(String, Value)>,
+    pub(crate) outputs: Vec<(String, Value)>,
     /// How outputs are split across ranks: `(output, [(dim, axis), ...])`. An output
     /// not listed is replicated (every rank holds all of it).
-    output_splits: Vec<(String, Vec<(usize, String)>)>,
+    pub(crate) output_splits: Vec<(String, Vec<(usize, String)>)>,
     /// How sharded parameters are cut from their full tensors, nested outermost first.
     /// A parameter not listed is replicated on every rank.
-    param_partitions: Vec<(String, Vec<crate::partition::Partition>)>,
+    pub(crate) param_partitions: Vec<(String, Vec<crate::partition::Partition>)>,
     /// Source name given to nodes created while it is set (builders set it per layer).
     scope: Option<String>,
     /// Provenance given to nodes created while it is set (passes set it).

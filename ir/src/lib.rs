@@ -8,12 +8,14 @@
 //! - [`plan`]: the ExecutionPlan runtimes execute (streams, events, arena buffers).
 //! - [`partition`]: how sharded parameters map to their full tensors.
 //! - [`tensor`]: host tensors exchanged between crates.
+//! - [`files`]: input files, regular files only (never a FIFO or a device).
 //! - [`output`]: output files written through a temporary and renamed into place.
 //! - [`fp8`]: FP8 formats, scaling and rounding of `fp8_matmul`.
 //! - [`role`]: value roles (gradient, updated parameter, optimizer state) and their names.
 
 pub mod attrs;
 pub mod dim;
+pub mod files;
 pub mod flops;
 pub mod fp8;
 pub mod graph;

@@ -41,6 +41,15 @@ fn err(col: usize, message: impl Into<String>) -> ParseError {
 
 // ---- dims ----
 
+/// `s`, or its first characters and `...` when it is long (messages quote what they
+/// refuse, not a whole line of a hostile file).
+fn short(s: &str) -> String {
+    match s.char_indices().nth(80) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 enum Tok {
     Int(i64),
@@ -155,6 +164,32 @@ struct DimParser<'a> {
     toks: Vec<(usize, Tok)>,
     pos: usize,
     text: &'a str,
+    /// Parentheses and unary minuses open around the current factor.
+    depth: usize,
+}
+
+/// The deepest nesting of parentheses (and unary minuses) a dim may have: the parser
+/// recurses once per level, so a hostile `((((...` must not exhaust the stack.
+const MAX_DIM_DEPTH: usize = 64;
+
+/// Refuses a product or sum whose expansion would hold more terms than a dim may
+/// (`(a+b+c+d)*(a+b+c+d)*...` doubles its terms at every factor).
+fn check_terms(c: usize, a: &Dim, b: &Dim, sum: bool) -> Result<(), ParseError> {
+    let n = if sum {
+        a.term_count().saturating_add(b.term_count())
+    } else {
+        a.term_count().saturating_mul(b.term_count())
+    };
+    if n > crate::dim::MAX_TERMS {
+        return Err(err(
+            c,
+            format!(
+                "the dim expands to more than {} terms",
+                crate::dim::MAX_TERMS
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl DimParser<'_> {
@@ -173,11 +208,17 @@ impl DimParser<'_> {
             match self.peek() {
                 Some(Tok::Plus) => {
                     self.pos += 1;
-                    d = d + self.term()?;
+                    let c = self.col();
+                    let t = self.term()?;
+                    check_terms(c, &d, &t, true)?;
+                    d = d + t;
                 }
                 Some(Tok::Minus) => {
                     self.pos += 1;
-                    d = d - self.term()?;
+                    let c = self.col();
+                    let t = self.term()?;
+                    check_terms(c, &d, &t, true)?;
+                    d = d - t;
                 }
                 _ => return Ok(d),
             }
@@ -189,7 +230,10 @@ impl DimParser<'_> {
             match self.peek() {
                 Some(Tok::Star) => {
                     self.pos += 1;
-                    d = d * self.factor()?;
+                    let c = self.col();
+                    let f = self.factor()?;
+                    check_terms(c, &d, &f, false)?;
+                    d = d * f;
                 }
                 Some(Tok::Slash) => {
                     self.pos += 1;
@@ -198,7 +242,14 @@ impl DimParser<'_> {
                     if f.as_const() == Some(0) {
                         return Err(err(c, "division by zero"));
                     }
+                    check_terms(c, &d, &f, false)?;
                     d = d.exact_div(&f);
+                    if d.nesting() > MAX_DIM_DEPTH {
+                        return Err(err(
+                            c,
+                            format!("the dim nests more than {MAX_DIM_DEPTH} divisions"),
+                        ));
+                    }
                 }
                 Some(Tok::SlashSlash) => {
                     self.pos += 1;
@@ -208,6 +259,12 @@ impl DimParser<'_> {
                         return Err(err(c, "division by zero"));
                     }
                     d = d.floor_div(&f);
+                    if d.nesting() > MAX_DIM_DEPTH {
+                        return Err(err(
+                            c,
+                            format!("the dim nests more than {MAX_DIM_DEPTH} floor divisions"),
+                        ));
+                    }
                 }
                 _ => return Ok(d),
             }
@@ -217,23 +274,38 @@ impl DimParser<'_> {
         let c = self.col();
         let t = self.toks.get(self.pos).map(|(_, t)| t.clone());
         self.pos += 1;
+        if matches!(t, Some(Tok::Minus | Tok::LParen)) {
+            if self.depth >= MAX_DIM_DEPTH {
+                return Err(err(
+                    c,
+                    format!("the dim nests more than {MAX_DIM_DEPTH} levels deep"),
+                ));
+            }
+            self.depth += 1;
+            let d = self.nested(t);
+            self.depth -= 1;
+            return d;
+        }
         match t {
             Some(Tok::Int(n)) => Ok(Dim::from(n)),
             Some(Tok::Ident(s)) => Ok(Dim::sym(&s)),
             Some(Tok::Coord(s)) => Ok(Dim::coord(&s)),
             Some(Tok::Table(a, sizes)) => Ok(Dim::per_rank(&a, sizes)),
-            Some(Tok::Minus) => Ok(Dim::from(0) - self.factor()?),
-            Some(Tok::LParen) => {
-                let d = self.expr()?;
-                if self.peek() != Some(&Tok::RParen) {
-                    return Err(err(self.col(), "expected `)`"));
-                }
-                self.pos += 1;
-                Ok(d)
-            }
             Some(t) => Err(err(c, format!("expected a size, found {t:?}"))),
             None => Err(err(c, "expected a size, found the end")),
         }
+    }
+    /// A negated factor or a parenthesised expression (`t` is `-` or `(`).
+    fn nested(&mut self, t: Option<Tok>) -> Result<Dim, ParseError> {
+        if t == Some(Tok::Minus) {
+            return Ok(Dim::from(0) - self.factor()?);
+        }
+        let d = self.expr()?;
+        if self.peek() != Some(&Tok::RParen) {
+            return Err(err(self.col(), "expected `)`"));
+        }
+        self.pos += 1;
+        Ok(d)
     }
 }
 
@@ -243,6 +315,7 @@ pub fn parse_dim(s: &str) -> Result<Dim, ParseError> {
         toks: lex_dim(s)?,
         pos: 0,
         text: s,
+        depth: 0,
     };
     if p.toks.is_empty() {
         return Err(err(0, "empty dim"));
@@ -250,6 +323,15 @@ pub fn parse_dim(s: &str) -> Result<Dim, ParseError> {
     let d = p.expr()?;
     if p.pos < p.toks.len() {
         return Err(err(p.col(), format!("unexpected text after dim in `{s}`")));
+    }
+    if d.is_overflow() {
+        return Err(err(
+            0,
+            format!(
+                "`{}` overflows: the size is larger than Weft can count",
+                short(s)
+            ),
+        ));
     }
     Ok(d)
 }
@@ -303,6 +385,16 @@ fn comment_start(line: &str) -> Option<usize> {
         }
     }
     None
+}
+
+/// The byte offset of `part` in `whole`, where `part` is a slice of `whole` (as the
+/// pieces `split_top_level` and `split_whitespace` return): found in constant time, not
+/// by searching (a search per piece is quadratic in a line of many pieces).
+fn offset_in(whole: &str, part: &str) -> usize {
+    (part.as_ptr() as usize)
+        .checked_sub(whole.as_ptr() as usize)
+        .filter(|&o| o <= whole.len())
+        .unwrap_or(0)
 }
 
 fn parse_value(s: &str, col: usize) -> Result<Value, ParseError> {
@@ -371,6 +463,10 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
     let mut g = Graph::new("");
     let mut ids = Ids::for_text(text);
     let mut outputs_seen = std::collections::BTreeSet::new();
+    // Where each output's splits and each parameter's partitions are in the graph's
+    // lists: a file of many `split`/`partition` lines is read in linear time.
+    let mut split_index: std::collections::HashMap<String, usize> = Default::default();
+    let mut partition_index: std::collections::HashMap<String, usize> = Default::default();
     let mut seen_header = false;
     let mut returned = false;
     for (ln, raw) in text.lines().enumerate() {
@@ -419,7 +515,13 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
                 .trim()
                 .parse()
                 .map_err(|m: String| locate(err(indent + 10 + close, m)))?;
-            g.add_param_partition(&name, p);
+            match partition_index.get(&name) {
+                Some(&i) => g.param_partitions[i].1.push(p),
+                None => {
+                    partition_index.insert(name.clone(), g.param_partitions.len());
+                    g.param_partitions.push((name, vec![p]));
+                }
+            }
             continue;
         }
         if let Some(rest) = trimmed.strip_prefix("split ") {
@@ -428,14 +530,18 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
                 .next()
                 .ok_or_else(|| locate(err(indent, "expected `split <output> <dim>:<axis> ...`")))?;
             for w in words {
-                let col = raw.find(w).unwrap_or(indent);
+                let col = offset_in(raw, w);
                 let (d, a) = w
                     .split_once(':')
                     .and_then(|(d, a)| d.parse::<usize>().ok().map(|d| (d, a)))
                     .ok_or_else(|| {
                         locate(err(col, format!("expected `<dim>:<axis>`, found `{w}`")))
                     })?;
-                g.add_output_split(name, d, a);
+                let i = *split_index.entry(name.to_string()).or_insert_with(|| {
+                    g.output_splits.push((name.to_string(), Vec::new()));
+                    g.output_splits.len() - 1
+                });
+                g.output_splits[i].1.push((d, a.to_string()));
             }
             continue;
         }
@@ -444,7 +550,7 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
                 if part.is_empty() {
                     continue;
                 }
-                let col = raw.find(part).unwrap_or(indent);
+                let col = offset_in(raw, part);
                 let (name, v) = part.split_once('=').ok_or_else(|| {
                     locate(err(col, format!("expected `name=%v`, found `{part}`")))
                 })?;
@@ -461,7 +567,8 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
                         format!("output `{}` is returned twice", name.trim()),
                     )));
                 }
-                g.set_output(name.trim(), v);
+                // Each name once (checked above): appended, not searched for.
+                g.outputs.push((name.trim().to_string(), v));
             }
             returned = true;
             continue;
@@ -498,6 +605,7 @@ fn parse_node_line(g: &mut Graph, ids: &mut Ids, raw: &str) -> Result<(), ParseE
     let rhs = &body[eq + 1..];
     // results
     let mut results = Vec::new();
+    let mut result_set = std::collections::HashSet::new();
     let mut tys = Vec::new();
     let mut off = 0;
     for part in split_top_level(lhs, ',').map_err(|m| err(0, m))? {
@@ -508,7 +616,7 @@ fn parse_node_line(g: &mut Graph, ids: &mut Ids, raw: &str) -> Result<(), ParseE
             .ok_or_else(|| err(col, format!("expected `%v: type`, found `{part}`")))?;
         let written = parse_value(v.trim(), col)?;
         if ids.used(written).is_some_and(|v| g.try_value(v).is_some())
-            || results.contains(&ids.define(written))
+            || result_set.contains(&ids.define(written))
         {
             return Err(err(col, format!("value {written} is defined twice")));
         }
@@ -516,6 +624,7 @@ fn parse_node_line(g: &mut Graph, ids: &mut Ids, raw: &str) -> Result<(), ParseE
         let tcol = col + part.find(':').unwrap() + 1 + (t.len() - t.trim_start().len());
         let ty = parse_type(t.trim()).map_err(|e| err(tcol + e.col, e.message))?;
         results.push(v);
+        result_set.insert(v);
         tys.push(ty);
     }
     // op name
@@ -536,7 +645,7 @@ fn parse_node_line(g: &mut Graph, ids: &mut Ids, raw: &str) -> Result<(), ParseE
     let ops_col = rhs_start + name_end;
     let mut operands = Vec::new();
     for part in ops_text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let col = ops_col + ops_text.find(part).unwrap_or(0);
+        let col = ops_col + offset_in(ops_text, part);
         let written = parse_value(part, col)?;
         let Some(v) = ids.used(written).filter(|v| g.try_value(*v).is_some()) else {
             return Err(err(col, format!("{written} is used before it is defined")));
@@ -556,7 +665,7 @@ fn parse_node_line(g: &mut Graph, ids: &mut Ids, raw: &str) -> Result<(), ParseE
             if kv.is_empty() {
                 continue;
             }
-            let kcol = acol + a.find(kv).unwrap_or(0);
+            let kcol = acol + offset_in(a, kv);
             let (k, v) = kv
                 .split_once('=')
                 .ok_or_else(|| err(kcol, format!("expected `key=value`, found `{kv}`")))?;
@@ -662,6 +771,81 @@ mod tests {
             .unwrap_err()
             .message
             .contains("division by zero"));
+    }
+
+    #[test]
+    fn hostile_dims_are_bounded() {
+        // Nesting that would exhaust the stack.
+        let deep = format!("{}S{}", "(".repeat(100_000), ")".repeat(100_000));
+        assert!(parse_dim(&deep)
+            .unwrap_err()
+            .message
+            .contains("nests more than 64"));
+        let neg = format!("{}S", "-".repeat(100_000));
+        assert!(parse_dim(&neg)
+            .unwrap_err()
+            .message
+            .contains("nests more than 64"));
+        let floors = format!("S{}", "//3".repeat(10_000));
+        assert!(parse_dim(&floors)
+            .unwrap_err()
+            .message
+            .contains("more than 64 floor divisions"));
+        // A product of sums whose expansion would hold 8^30 terms.
+        let sums = vec!["(a+b+c+d+e+f+g+h)"; 30].join("*");
+        let e = parse_dim(&sums).unwrap_err();
+        assert!(e.message.contains("more than 4096 terms"), "{e:?}");
+        // Coefficients past 128 bits: named, not printed as `<overflow>`.
+        let e = parse_dim("9223372036854775807*9223372036854775807*4").unwrap_err();
+        assert!(e.message.contains("overflows"), "{e:?}");
+        // What real programs write still parses.
+        assert!(parse_dim("((S + 1)//2)*(B + 1)*(B - 1)").is_ok());
+    }
+
+    /// Lines of many pieces (outputs, attributes, results, operands, splits) are read in
+    /// linear time: each piece used to be located by searching the line from its start,
+    /// and each output by searching those before it (a 3 MB `return` line took minutes).
+    #[test]
+    fn long_lines_parse_in_linear_time() {
+        let n = 200_000;
+        let head = "graph \"x\"\n%0: f32[2, 2] = param {name=\"w\"}\n";
+        let names = |f: &dyn Fn(usize) -> String| (0..n).map(f).collect::<Vec<_>>();
+        let cases = [
+            format!(
+                "{head}return {}\n",
+                names(&|i| format!("o{i}=%0")).join(", ")
+            ),
+            format!(
+                "{head}%1: f32[2, 2] = neg %0 {{{}}}\nreturn o=%1\n",
+                names(&|i| format!("k{i}=1")).join(", ")
+            ),
+            format!(
+                "{head}{} = neg %0\nreturn o=%0\n",
+                names(&|i| format!("%{}: f32[2]", i + 1)).join(", ")
+            ),
+            format!(
+                "{head}{}return o=%0\n",
+                names(&|i| format!("split o{i} 0:dp\n")).concat()
+            ),
+        ];
+        let t = std::time::Instant::now();
+        for text in &cases {
+            // Parsed or refused (errors are fine), in well under the time a quadratic
+            // reader took.
+            let _ = parse(text);
+        }
+        let dt = t.elapsed().as_secs_f64();
+        assert!(
+            dt < 30.0,
+            "{dt:.1} s to read {} lines of {n} pieces",
+            cases.len()
+        );
+        let g = parse(&cases[0]).unwrap();
+        assert_eq!(g.outputs().len(), n);
+        assert!(parse(&cases[1])
+            .unwrap_err()
+            .message
+            .contains("no attribute `k0`"));
     }
 
     #[test]

@@ -55,8 +55,9 @@ pub fn parse_axes(text: &str) -> Result<Vec<String>, String> {
             "`{text}` is not an axis or a `*`-joined group of axes"
         ));
     }
-    for (i, a) in axes.iter().enumerate() {
-        if axes[..i].contains(a) {
+    let mut seen = std::collections::HashSet::new();
+    for a in &axes {
+        if !seen.insert(a.as_str()) {
             return Err(format!("`{text}` names axis `{a}` twice"));
         }
     }
@@ -212,12 +213,35 @@ impl std::str::FromStr for Partition {
             ));
         }
         let axes = parse_axes(axis).map_err(|e| format!("partition `{s}`: {e}"))?;
-        Ok(Partition {
+        let p = Partition {
             kind: kind.to_string(),
             axes,
             dim,
             pieces,
-        })
+        };
+        p.check_sizes()
+            .map_err(|e| format!("partition `{s}`: {e}"))?;
+        Ok(p)
+    }
+}
+
+impl Partition {
+    /// Every size non-negative and their total (the full dim, the sum every shard size
+    /// and range is taken from) within `i64`.
+    pub fn check_sizes(&self) -> Result<(), String> {
+        if let Some(x) = self.pieces.iter().flatten().find(|&&x| x < 0) {
+            return Err(format!("has a negative size ({x})"));
+        }
+        if self
+            .pieces
+            .iter()
+            .flatten()
+            .try_fold(0i64, |a, &x| a.checked_add(x))
+            .is_none()
+        {
+            return Err("its sizes add up to more than Weft can count".into());
+        }
+        Ok(())
     }
 }
 

@@ -2,6 +2,7 @@
 //! graph's structure. It collects all errors, each located at its node, and renders the
 //! graph with every error printed under the line it concerns.
 
+use crate::attrs::RopeScaling;
 use crate::dim::{Bindings, Dim};
 use crate::graph::{Graph, Node};
 use crate::ops::Op;
@@ -255,9 +256,11 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
     }
     check_runtime_symbols(g, &mut errors);
     check_partitions(g, &mut errors);
+    let outputs: std::collections::HashMap<&str, crate::graph::Value> =
+        g.outputs().iter().map(|(n, v)| (n.as_str(), *v)).collect();
     for (name, splits) in g.output_splits() {
         let location = format!("output `{name}`");
-        let Some(v) = g.output(name) else {
+        let Some(&v) = outputs.get(name.as_str()) else {
             errors.push(VerifyError {
                 node: None,
                 location,
@@ -367,7 +370,9 @@ fn check_float_attrs(op: &Op) -> Option<String> {
         | Op::RmsNormGrad { eps }
         | Op::AddRmsNorm { eps }
         | Op::AddRmsNormGrad { eps } => positive("eps", eps.0),
-        Op::RopeTable { theta, .. } => positive("theta", theta.0),
+        Op::RopeTable { theta, scaling, .. } => {
+            positive("theta", theta.0).or_else(|| check_rope_scaling(scaling))
+        }
         Op::Attention { scale, .. } | Op::AttentionGrad { scale, .. } => finite("scale", scale.0),
         Op::AdamW {
             lr,
@@ -412,6 +417,82 @@ fn check_float_attrs(op: &Op) -> Option<String> {
             .or_else(|| finite("momentum", momentum.0))
             .or_else(|| finite("weight_decay", weight_decay.0)),
         _ => None,
+    }
+}
+
+/// RoPE scaling parameters as the config reader takes them: factors positive and
+/// finite, llama3's `high_freq_factor` above its `low_freq_factor`, original context
+/// lengths not negative (positive for YaRN). A factor of 0 or NaN made every
+/// frequency NaN and the loss NaN, exit 0.
+fn check_rope_scaling(s: &RopeScaling) -> Option<String> {
+    let bad = |name: &str, v: String, why: &str| {
+        Some(format!("attribute `scaling`: {name} is {v}: {why}"))
+    };
+    let positive = |name: &str, v: f64| {
+        (!(v.is_finite() && v > 0.0))
+            .then(|| bad(name, v.to_string(), "must be positive and finite"))
+            .flatten()
+    };
+    let finite = |name: &str, v: f64| {
+        (!v.is_finite())
+            .then(|| bad(name, v.to_string(), "must be finite"))
+            .flatten()
+    };
+    match *s {
+        RopeScaling::None => None,
+        RopeScaling::Linear { factor } => positive("factor", factor.0),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: lo,
+            high_freq_factor: hi,
+            original_max_position_embeddings: orig,
+        } => positive("factor", factor.0)
+            .or_else(|| positive("low_freq_factor", lo.0))
+            .or_else(|| positive("high_freq_factor", hi.0))
+            .or_else(|| {
+                (hi.0 <= lo.0)
+                    .then(|| {
+                        bad(
+                            "high_freq_factor",
+                            hi.0.to_string(),
+                            &format!("must exceed low_freq_factor ({})", lo.0),
+                        )
+                    })
+                    .flatten()
+            })
+            .or_else(|| {
+                (orig < 0)
+                    .then(|| {
+                        bad(
+                            "original_max_position_embeddings",
+                            orig.to_string(),
+                            "must not be negative",
+                        )
+                    })
+                    .flatten()
+            }),
+        RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            original_max_position_embeddings: orig,
+            attention_factor,
+            ..
+        } => positive("factor", factor.0)
+            .or_else(|| finite("beta_fast", beta_fast.0))
+            .or_else(|| finite("beta_slow", beta_slow.0))
+            .or_else(|| positive("attention_factor", attention_factor.0))
+            .or_else(|| {
+                (orig <= 0)
+                    .then(|| {
+                        bad(
+                            "original_max_position_embeddings",
+                            orig.to_string(),
+                            "must be positive",
+                        )
+                    })
+                    .flatten()
+            }),
     }
 }
 
@@ -501,8 +582,9 @@ fn check_partitions(g: &Graph, errors: &mut Vec<VerifyError>) {
                 push(format!("dim {} is out of range for {ty}", p.dim));
                 continue;
             }
-            if p.pieces.iter().flatten().any(|&x| x < 0) {
-                push("has a negative size".into());
+            if let Err(m) = p.check_sizes() {
+                push(m);
+                continue;
             }
             // Nested splits of one dim (a ZeRO split inside a tp one): each shard of
             // this partition is what the next one on the dim splits; the last one

@@ -362,3 +362,30 @@ fn bshd_layout_round_trips_and_reads_heads_from_dim_2() {
     let e = parse_err("graph \"a\"\n%0: f32[2, 4, 9, 8] = param {name=\"q\"}\n%1: f32[2, 4, 9, 8] = attention %0, %0, %0 {causal=true, scale=0.35, layout=sbhd}\nreturn o=%1\n");
     assert!(e.contains("bhsd or bshd"), "{e}");
 }
+
+#[test]
+fn partition_sizes_that_overflow_or_go_negative_are_refused() {
+    // Used to panic (`attempt to add with overflow`) summing the shard sizes.
+    let text = |sizes: &str| {
+        format!(
+            "graph \"x\"\nmesh tp=1\n%0: f32[4, 2] = param {{name=\"w\"}}\npartition \"w\" column tp dim=0 {sizes}\nreturn out=%0\n"
+        )
+    };
+    let e = parse_err(&text("[9223372036854775807] [9223372036854775807] [2]"));
+    assert!(
+        e.contains("line 4") && e.contains("more than Weft can count"),
+        "{e}"
+    );
+    let e = parse_err(&text("[-4]"));
+    assert!(e.contains("negative size (-4)"), "{e}");
+    // A group of many axes is read in linear time (each axis was compared with every
+    // one before it) and refused by name.
+    let axes: Vec<String> = (0..100_000).map(|i| format!("a{i}")).collect();
+    let g = parse(&text("[4]").replace(" tp dim", &format!(" {} dim", axes.join("*")))).unwrap();
+    let errs = errors_of(&g);
+    assert!(
+        errs.iter().any(|e| e.contains("unknown mesh axis `a")),
+        "{errs:?}"
+    );
+    assert!(parse(&text("[4]")).is_ok());
+}

@@ -976,6 +976,9 @@ fn compile_with(
         cx.options.train.seq = Some(*s);
     }
     cx.options.train.cp_kv = req.cp_kv;
+    if !bindings.symbols.is_empty() {
+        crate::bindings::check_total_bytes(&g, &bindings)?;
+    }
     let pipeline = pipeline(req, train.as_ref());
     let names = pipeline.names();
     let report = PassManager::new(req.instrumentation.clone()).run(&mut g, &cx, &names, sink)?;

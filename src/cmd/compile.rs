@@ -119,7 +119,10 @@ struct Report<'a> {
 
 pub fn run(a: Args) -> CliResult {
     if let Some(out) = &a.output {
-        super::refuse_overwrite(out, &[("MODEL", std::path::Path::new(&a.model))])?;
+        let mut inputs = vec![("MODEL", std::path::Path::new(&a.model))];
+        inputs.extend(a.tp_spec.as_deref().map(|p| ("--tp-spec", p)));
+        inputs.extend(super::device_file(&a.device).map(|p| ("--device", p)));
+        super::refuse_overwrite(out, &inputs)?;
     }
     let mesh = super::parse_mesh(&a.mesh)?;
     let (model, _) = super::load_model_and_weights(&a.model, None)?;

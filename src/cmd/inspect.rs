@@ -78,7 +78,7 @@ fn in_place(p: &ExecutionPlan) -> Vec<bool> {
 }
 
 pub fn load_plan(path: &std::path::Path) -> CliResult<ExecutionPlan> {
-    let text = std::fs::read_to_string(path)
+    let text = weft_ir::files::read_to_string(path)
         .map_err(|e| CliError::input(format!("cannot read {}: {e}", path.display())))?;
     ExecutionPlan::from_json(&text, &path.display().to_string()).map_err(crate::fail)
 }

@@ -87,6 +87,15 @@ pub fn load_model_and_weights(
             ));
         }
     }
+    if let Some(c) = config {
+        // Only a .pt2 takes a config beside it; any other MODEL is its own config, and
+        // running it while a `--config` the user gave is ignored would run another model.
+        return Err(CliError::input(format!(
+            "--config {} is for a torch.export .pt2 MODEL, but `{spec}` is not one",
+            c.display()
+        ))
+        .with_help("give the config.json (or its directory) as MODEL instead"));
+    }
     Ok((weft_frontends::load(spec).map_err(frontend_err)?, None))
 }
 
@@ -198,6 +207,12 @@ pub fn refuse_overwrite(out: &std::path::Path, inputs: &[(&str, &std::path::Path
     let refs: Vec<(&str, &std::path::Path)> =
         files.iter().map(|(w, p)| (*w, p.as_path())).collect();
     weft_ir::output::refuse_overwriting_input(out, &refs).map_err(CliError::input)
+}
+
+/// A `--device` given as a profile file (not a preset name): an input to protect.
+pub fn device_file(device: &str) -> Option<&std::path::Path> {
+    let p = std::path::Path::new(device);
+    p.is_file().then_some(p)
 }
 
 /// Writes `text` to `path` (through a temporary renamed into place), or stdout when no

@@ -564,6 +564,11 @@ impl<'a> Finalists<'a> {
 
 pub fn run(a: Args) -> CliResult {
     let start = std::time::Instant::now();
+    if let Some(out) = &a.output {
+        let mut inputs = vec![("MODEL", std::path::Path::new(&a.model))];
+        inputs.extend(super::device_file(&a.device).map(|p| ("--device", p)));
+        super::refuse_overwrite(out, &inputs)?;
+    }
     let model = super::load_model(&a.model)?;
     let shape = shape_of(&model)?;
     let device = weft_passes::plan::profile::load(&a.device).map_err(CliError::input)?;

@@ -7,7 +7,7 @@
 use super::session::draw_inputs;
 use crate::error::{CliError, CliResult};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use weft_ir::{DType, ExecutionPlan, Graph, HostTensor, Op};
 
 #[derive(clap::Args, Clone)]
@@ -353,7 +353,7 @@ impl Feeder {
         };
         let data = match &a.data {
             Some(p) => {
-                let b = std::fs::read(p).map_err(|e| {
+                let b = weft_ir::files::read(p).map_err(|e| {
                     CliError::input(format!("cannot read --data {}: {e}", p.display()))
                 })?;
                 if b.len() % 2 != 0 {
@@ -583,6 +583,24 @@ pub fn run(a: Args) -> CliResult {
         )
         .with_help("use it with --backend cuda and --steps 1 or more"));
     }
+    for out in [&a.plan_out, &a.profile_out].into_iter().flatten() {
+        let mut inputs = vec![("MODEL", Path::new(&a.model))];
+        let named = [
+            ("--weights", &a.weights),
+            ("--inputs", &a.inputs),
+            ("--data", &a.data),
+        ];
+        for (what, p) in named {
+            inputs.extend(p.as_deref().map(|p| (what, p)));
+        }
+        inputs.extend(
+            a.device
+                .as_deref()
+                .and_then(super::device_file)
+                .map(|p| ("--device", p)),
+        );
+        super::refuse_overwrite(out, &inputs)?;
+    }
     if a.steps == 0 && a.check == 0 {
         return plan_only(&a);
     }
@@ -708,6 +726,7 @@ fn run_cpu(a: &Args) -> CliResult {
         ))
         .with_help("give --weights FILE (a plan records its model, not its weights)")
     })?;
+    super::session::check_run_memory(&p.program, p.batch, p.seq, true)?;
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let tokens = (p.batch * p.seq) as f64;
     let mut reports: Vec<StepReport> = Vec::new();

@@ -183,6 +183,7 @@ impl Session {
                         "invalid --batch {batch} / --seq {seq}: must be positive"
                     )));
                 }
+                check_run_memory(&model.graph, batch, seq, true)?;
                 draw_inputs(
                     vocab_size(&model.graph)?,
                     batch as usize,
@@ -344,13 +345,7 @@ pub fn load_weights(model: &Model, path: &Path) -> CliResult<BTreeMap<String, Ho
 /// fit in the memory available now (`MemAvailable`), before allocating any of them.
 pub fn check_host_memory(model: &Model) -> CliResult {
     let bytes = model.param_count() as u128 * 8;
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines()
-            .find_map(|l| l.strip_prefix("MemAvailable:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u128>().ok())
-            .map(|kb| kb * 1024)
-    });
-    match available {
+    match mem_available() {
         Some(avail) if bytes > avail => Err(CliError::input(format!(
             "random weights for {} need {:.1} GiB of host memory (f64), more than the {:.1} GiB available",
             model.name,
@@ -360,6 +355,80 @@ pub fn check_host_memory(model: &Model) -> CliResult {
         .with_help("the CPU reference runs small models; give a smaller config")),
         _ => Ok(()),
     }
+}
+
+/// The host memory available now (`MemAvailable`), where the system says.
+fn mem_available() -> Option<u128> {
+    std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u128>().ok())
+            .map(|kb| kb * 1024)
+    })
+}
+
+/// Refuses a CPU reference run of `g` at `batch` x `seq` that cannot fit in the host
+/// memory available now, before anything of that size is allocated: the run holds at
+/// least its largest value (at the bindings, in its own dtype; the runtime computes in
+/// f32 or f64) and, where `drawn`, the token ids and labels it draws (i64 [B, S] each).
+/// A lower bound, so a run it passes may still need more; one it refuses cannot fit.
+pub fn check_run_memory(g: &Graph, batch: i64, seq: i64, drawn: bool) -> CliResult {
+    let Some(available) = mem_available() else {
+        return Ok(());
+    };
+    let mut b = weft_ir::Bindings::new().with("B", batch).with("S", seq);
+    for (a, n) in &g.mesh.axes {
+        b = b.with(a, *n as i64).with_coord(a, 0);
+    }
+    let mut largest: Option<(u128, weft_ir::Value)> = None;
+    for &n in g.nodes() {
+        for &v in &g.node(n).results {
+            let bytes = match g.ty(v).size_bytes(&b) {
+                Ok(x) => x as u128,
+                Err(weft_ir::DimError::Overflow(_)) => u128::MAX / 4,
+                Err(_) => continue,
+            };
+            if largest.is_none_or(|(l, _)| bytes > l) {
+                largest = Some((bytes, v));
+            }
+        }
+    }
+    let tokens = if drawn {
+        2 * 8 * batch.max(0) as u128 * seq.max(0) as u128
+    } else {
+        0
+    };
+    let value = largest.map_or(0, |(x, _)| x);
+    let need = tokens.saturating_add(value);
+    if need <= available {
+        return Ok(());
+    }
+    let gib = |x: u128| {
+        if x > u64::MAX as u128 {
+            "more than 2^64 bytes".to_string()
+        } else {
+            format!("{:.1} GiB", x as f64 / (1u64 << 30) as f64)
+        }
+    };
+    let what = match largest {
+        Some((x, v)) => format!("its largest value, {v}: {}, holds {}", g.ty(v), gib(x)),
+        None => "its values".into(),
+    };
+    Err(CliError::input(format!(
+        "the CPU reference run of {} at B={batch} S={seq} needs {} of host memory ({what}{}), more than the {} available",
+        g.name,
+        match gib(need) {
+            n if n.starts_with("more") => n,
+            n => format!("at least {n}"),
+        },
+        if drawn {
+            format!("; the token ids and labels {}", gib(tokens))
+        } else {
+            String::new()
+        },
+        gib(available)
+    ))
+    .with_help("give a smaller --batch or --seq"))
 }
 
 fn find_checkpoint(dir: &Path) -> Option<PathBuf> {

@@ -123,7 +123,7 @@ fn state_param(state: &str) -> Option<&str> {
 pub fn tp_options(model: &Model, tp_spec: Option<&Path>) -> CliResult<TpOptions> {
     let mut o = TpOptions::default();
     if let Some(p) = tp_spec {
-        let text = std::fs::read_to_string(p)
+        let text = weft_ir::files::read_to_string(p)
             .map_err(|e| CliError::input(format!("cannot read --tp-spec {}: {e}", p.display())))?;
         let spec =
             TpSpec::from_deepspeed_json(&text, &p.display().to_string()).map_err(crate::fail)?;
@@ -275,7 +275,7 @@ pub fn run(a: Args) -> CliResult {
 
 /// SHA-256 of a file's bytes.
 fn file_digest(path: &Path) -> CliResult<String> {
-    let bytes = std::fs::read(path)
+    let bytes = weft_ir::files::read(path)
         .map_err(|e| CliError::input(format!("cannot read {}: {e}", path.display())))?;
     Ok(weft_ir::plan::digest(&bytes))
 }
@@ -284,7 +284,7 @@ fn unshard(a: &Args) -> CliResult {
     let dir = a.weights.clone().ok_or_else(|| {
         CliError::input("--unshard needs --weights DIR (a directory `weft shard` wrote)")
     })?;
-    let text = std::fs::read_to_string(dir.join("layout.json")).map_err(|e| {
+    let text = weft_ir::files::read_to_string(&dir.join("layout.json")).map_err(|e| {
         CliError::input(format!(
             "cannot read {}: {e}",
             dir.join("layout.json").display()

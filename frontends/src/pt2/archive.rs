@@ -36,6 +36,10 @@ pub struct Archive {
 /// Caps that keep a hostile archive from exhausting memory (a fuzzing finding class).
 const MAX_ENTRIES: usize = 1 << 20;
 
+/// The most bytes a view that repeats its storage's elements (a stride of 0) may be
+/// copied into.
+const MAX_EXPANDED_BYTES: u64 = 1 << 30;
+
 /// Folders of tensor payloads: their CRC is not checked (it would read every byte of a
 /// multi-GB archive at load); each is checked against its tensor's size instead.
 const PAYLOAD_FOLDERS: [&str; 2] = ["data/weights/", "data/constants/"];
@@ -429,6 +433,16 @@ fn decode_view(
     if numel > (1 << 34) {
         return Err(terr(format!("{numel} elements is too many to load")));
     }
+    // A view that reads elements more than once (a stride of 0: an expanded tensor) is
+    // copied out whole: its bytes are bounded by its sizes, not by the archive, so a
+    // few bytes of storage must not become gigabytes.
+    if numel > storage_len && numel * elem as u64 > MAX_EXPANDED_BYTES {
+        return Err(terr(format!(
+            "shape {sizes:?} with strides {strides:?} repeats the storage's {storage_len} elements as {numel} ({} bytes once copied, more than the {} GiB Weft copies out of an expanded view)",
+            numel * elem as u64,
+            MAX_EXPANDED_BYTES >> 30
+        )));
+    }
     let raw = |b: weft_ir::RawBytes| HostTensor::raw(dtype, shape.clone(), b).map_err(terr);
     let contiguous = {
         let mut acc = 1u64;
@@ -531,6 +545,25 @@ mod tests {
         assert!(decode_tensor("e", "w", &meta(7, &[2], &[1], 0), &[])
             .unwrap()
             .is_none());
+    }
+
+    #[test]
+    fn expanded_views_are_bounded() {
+        // Four bytes of storage viewed as 2^34 elements (a stride of 0): refused, not
+        // copied out as 64 GiB.
+        let bytes = f32_bytes(&[1.0]);
+        let e = decode_tensor("e", "w", &meta(7, &[1 << 32, 4], &[0, 0], 0), &bytes)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("repeats the storage's 1 elements") && e.contains("`w`"),
+            "{e}"
+        );
+        // A small expanded view is copied.
+        let t = decode_tensor("e", "w", &meta(7, &[3, 2], &[0, 0], 0), &bytes)
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.to_f64(), vec![1.0; 6]);
     }
 
     #[test]

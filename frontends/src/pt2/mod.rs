@@ -301,7 +301,7 @@ fn first_report(prog: &schema::Program, fx: &fx::FxGraph) -> ImportReport {
 
 /// `--config`'s file (as messages name it) and its model config.
 fn read_config(path: &Path) -> Result<(String, crate::config::ModelConfig), Pt2Error> {
-    let text = std::fs::read_to_string(path).map_err(|source| Pt2Error::Io {
+    let text = weft_ir::files::read_to_string(path).map_err(|source| Pt2Error::Io {
         path: path.to_path_buf(),
         source,
     })?;

@@ -76,7 +76,7 @@ pub fn read_checkpoint(path: &Path) -> Result<Checkpoint, FrontendError> {
 /// The shard files an index lists, sorted and without repeats.
 fn shard_files(index: &Path) -> Result<Vec<String>, FrontendError> {
     let file = index.display().to_string();
-    let text = std::fs::read_to_string(index).map_err(|e| FrontendError::io(index, e))?;
+    let text = weft_ir::files::read_to_string(index).map_err(|e| FrontendError::io(index, e))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| FrontendError::Json {
         file: file.clone(),
         message: e.to_string(),
@@ -94,6 +94,23 @@ fn shard_files(index: &Path) -> Result<Vec<String>, FrontendError> {
             file: file.clone(),
             message: format!("weight_map entry `{name}` is not a file name"),
         })?;
+        // Shards lie in the index's directory (HF writes plain names): a path that
+        // leaves it (`../x`, `/dev/zero`) would read files that are not the checkpoint.
+        let inside = !f.is_empty()
+            && Path::new(f).components().all(|c| {
+                matches!(
+                    c,
+                    std::path::Component::Normal(_) | std::path::Component::CurDir
+                )
+            });
+        if !inside {
+            return Err(FrontendError::Json {
+                file: file.clone(),
+                message: format!(
+                    "weight_map entry `{name}` names `{f}`, which is not a file in the index's directory"
+                ),
+            });
+        }
         files.push(f.to_string());
     }
     files.sort();
@@ -112,6 +129,14 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>, Fro
     let st = SafeTensors::deserialize(bytes).map_err(|e| FrontendError::Safetensors {
         file: file.clone(),
         message: e.to_string(),
+    })?;
+    // The header is a JSON object read into a map: a tensor named twice would keep the
+    // last entry silently (and the other's bytes would go unread). Refused, as in configs.
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("a valid file has its length"));
+    let header = std::str::from_utf8(&bytes[8..8 + n as usize]).unwrap_or("{}");
+    crate::fields::parse_json_no_duplicates(header).map_err(|e| FrontendError::Safetensors {
+        file: file.clone(),
+        message: format!("header: {e}"),
     })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {

@@ -147,6 +147,64 @@ fn with_mesh(g: &Graph, b: &Bindings) -> Bindings {
     full
 }
 
+/// Refuses sizes at which the program's values, counted whole (before any split over
+/// ranks), hold more than [`crate::lower::plan::MAX_PLAN_BYTES`] in all, or one of them
+/// more than `u64` counts: the passes that size a step (checkpoint, offload) add
+/// values' bytes, and no device or host holds a step near this. Checked before any
+/// pass runs; the error names the bindings and the largest value.
+#[allow(clippy::result_large_err)] // a cold error path; the fields are what callers print
+pub fn check_total_bytes(g: &Graph, b: &Bindings) -> Result<(), BindingError> {
+    let limit = crate::lower::plan::MAX_PLAN_BYTES as u128;
+    let mut full = with_mesh(g, b);
+    for (a, _) in &g.mesh.axes {
+        full.coords.entry(a.clone()).or_insert(0);
+    }
+    let mut total: u128 = 0;
+    let mut largest: Option<(u128, Node, weft_ir::Value)> = None;
+    for &n in g.nodes() {
+        for &v in &g.node(n).results {
+            let bytes = match g.ty(v).size_bytes(&full) {
+                Ok(x) => x as u128,
+                Err(DimError::Overflow(_)) => u128::from(u64::MAX) + 1,
+                // Sizes that do not evaluate are `check_bindings`'s to name.
+                Err(_) => continue,
+            };
+            total = total.saturating_add(bytes);
+            if largest.is_none_or(|(l, _, _)| bytes > l) {
+                largest = Some((bytes, n, v));
+            }
+        }
+    }
+    if total <= limit {
+        return Ok(());
+    }
+    let sizes: Vec<String> = b.symbols.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let (bytes, node, v) = largest.expect("a value when the total is positive");
+    let count = |x: u128| {
+        if x > u64::MAX as u128 {
+            "more than 2^64".to_string()
+        } else {
+            x.to_string()
+        }
+    };
+    Err(BindingError {
+        what: format!(
+            "{}: the program's values hold {} bytes in all",
+            sizes.join(" "),
+            count(total)
+        ),
+        location: g.describe(node),
+        why: format!(
+            "more than Weft plans for ({limit} bytes); the largest, {v}: {}, holds {} bytes",
+            g.ty(v),
+            count(bytes)
+        ),
+        help: Some("give a smaller --batch or --seq".into()),
+        symbol: None,
+        suggestions: vec![],
+    })
+}
+
 /// What a symbol is, for messages: `sequence length S`, `batch size B`, `symbol X`.
 fn describe_symbol(g: &Graph, s: &str) -> String {
     for (_, role, v) in g.inputs() {

@@ -209,7 +209,10 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
         Op::Arange { start, .. } => {
             let s = cx.eval(start, "start")?;
             let n = cx.out_shape(0)[0] as i64;
-            let t = Tensor::arange(s, s + n, DEV)?;
+            let Some(end) = s.checked_add(n) else {
+                bail!("start {s} + {n} positions is past the largest i64")
+            };
+            let t = Tensor::arange(s, end, DEV)?;
             one(match cx.out_storage(0) {
                 C::I64 => t,
                 dt => t.to_dtype(dt)?,

@@ -88,7 +88,7 @@ pub fn load(spec: &str) -> Result<DeviceProfile, String> {
     if let Some(p) = preset(spec) {
         return Ok(p);
     }
-    let text = std::fs::read_to_string(spec).map_err(|e| {
+    let text = weft_ir::files::read_to_string(std::path::Path::new(spec)).map_err(|e| {
         format!(
             "`{spec}` is neither a device profile ({}) nor a readable file: {e}",
             PROFILES.join(", ")
