@@ -21,8 +21,9 @@
 //!   over tp and for soft-capped logits), one layer's working set;
 //! - time: matmul and attention FLOPs at the profile's rates (recompute adds the
 //!   forward again for `full`), tp and sp (Ulysses) and ep collectives on the critical
-//!   path, gradient reduction and ZeRO gathers overlapped with the backward (only
-//!   what exceeds it is exposed), offload copies over the host link hidden under
+//!   path, gradient reduction and ZeRO-3 gathers overlapped with the backward (only
+//!   what exceeds it is exposed; ZeRO-1/2's gather of the updated chunks, after the
+//!   last update, exposed whole), offload copies over the host link hidden under
 //!   compute; optimizer offload's gradient and parameter copies and host AdamW
 //!   (the profile's `host_adam_params_per_s`) hidden under the backward but the last
 //!   layer's share. Each collective is priced on NVLink or on the network by where its
@@ -876,20 +877,25 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         group_time(bytes * (1.0 - share)) + experts
     };
     let g = local * pb;
-    let dp_comm = if zd * ze <= 1.0 {
-        0.0
+    // What overlaps compute (the reductions in the backward; at stage 3 the gathers
+    // too) and what cannot: ZeRO-1/2's gather of the updated chunks runs after the last
+    // update, with nothing left of the step to hide it.
+    let (overlapped, after_updates) = if zd * ze <= 1.0 {
+        (0.0, 0.0)
     } else {
         match c.zero {
-            0 | 1 => 2.0 * sync_time(g) + if c.zero == 1 { sync_time(g) } else { 0.0 },
-            2 => sync_time(g) * mb + sync_time(g),
-            _ => sync_time(g) * mb * 3.0,
+            0 => (2.0 * sync_time(g), 0.0),
+            1 => (2.0 * sync_time(g), sync_time(g)),
+            2 => (sync_time(g) * mb, sync_time(g)),
+            _ => (sync_time(g) * mb * 3.0, 0.0),
         }
     };
-    comm += dp_comm;
+    comm += overlapped + after_updates;
     let backward = compute * 2.0 / 3.0;
     let hide = if c.zero >= 3 { compute } else { backward };
-    exposed +=
-        (dp_comm - 0.9 * hide).max(0.0) + group_time(bucket.min(g)) * (zd > 1.0) as u8 as f64;
+    exposed += (overlapped - 0.9 * hide).max(0.0)
+        + after_updates
+        + group_time(bucket.min(g)) * (zd > 1.0) as u8 as f64;
     if c.offload {
         let moved = tokens * saved_per_layer * (layers - 1.0) * 2.0 * mb;
         let t = moved / (d.host_gbps * 1e9);
@@ -1514,6 +1520,34 @@ mod tests {
         let floor = 2.0 * experts / (d.inter_node_gbps * 1e9);
         assert!(t.comm >= floor, "{} < {floor}", t.comm);
         assert!(t.exposed_comm >= floor - 0.9 * t.compute * 2.0 / 3.0);
+    }
+
+    /// ZeRO-1's gather of the updated chunks runs after the last update: where the
+    /// backward hides the all-reduce, none of the gather hides (on one node, a batch
+    /// large enough that the link keeps up).
+    #[test]
+    fn the_gather_after_the_updates_is_exposed() {
+        let m = llama8b();
+        let spec = h100_spec(8, 4096, 64);
+        let time = |zero| {
+            let c = Candidate {
+                dp: 8,
+                zero,
+                checkpoint: "full",
+                ..Default::default()
+            };
+            score(&m, &spec, &c).time
+        };
+        let (t0, t1) = (time(0), time(1));
+        let gather = t1.comm - t0.comm;
+        assert!(
+            gather > 0.0 && t0.exposed_comm < 0.5 * gather,
+            "{t0:?} {t1:?}"
+        );
+        assert!(
+            (t1.exposed_comm - t0.exposed_comm - gather).abs() < 1e-9,
+            "{t0:?} {t1:?}"
+        );
     }
 
     /// Expert parallelism's received rows are sized at their bound, every rank's routed
