@@ -126,14 +126,18 @@ struct Waiting {
     readers: HashMap<Value, u32>,
     bytes: u64,
     peak_bytes: u64,
+    /// The most `bytes` may be once a node is placed.
+    cap: u64,
+    /// The values made from a reduced gradient (what holding keeps alive).
+    reduced: HashSet<Value>,
 }
 
 impl Waiting {
     /// Holds `n` (after the held nodes).
-    fn hold(&mut self, g: &Graph, b: &Bindings, n: Node, reduced: &HashSet<Value>) {
+    fn hold(&mut self, g: &Graph, b: &Bindings, n: Node) {
         let nd = g.node(n);
         for v in &nd.operands {
-            if reduced.contains(v) && !self.makes.contains(v) {
+            if self.reduced.contains(v) && !self.makes.contains(v) {
                 self.keep(g, b, n, *v);
             }
         }
@@ -151,10 +155,33 @@ impl Waiting {
         self.keeps.entry(reader).or_default().push(v);
     }
 
+    /// Runs the oldest held nodes (a prefix of the held ones has all its inputs) while
+    /// the reduced gradients they keep alive exceed the cap, then notes the held
+    /// bytes' peak. `current`: the node being placed (run where it is if flushed, not
+    /// moved).
+    fn within_cap(
+        &mut self,
+        clock: &mut Clock<'_>,
+        new: &mut Vec<Node>,
+        moved: &mut HashSet<Node>,
+        current: Node,
+    ) {
+        while self.bytes > self.cap && !self.nodes.is_empty() {
+            let w = self.nodes.remove(0);
+            if w != current {
+                moved.insert(w);
+            }
+            clock.run(w);
+            new.push(w);
+            self.ran(clock.g, clock.b, w);
+        }
+        self.peak_bytes = self.peak_bytes.max(self.bytes);
+    }
+
     /// Accounts for held node `w` (already out of `nodes`) having run: what it kept
     /// alive has one reader less, and what it made is alive for the held nodes that
     /// read it.
-    fn ran(&mut self, g: &Graph, b: &Bindings, w: Node, reduced: &HashSet<Value>) {
+    fn ran(&mut self, g: &Graph, b: &Bindings, w: Node) {
         for v in self.keeps.remove(&w).unwrap_or_default() {
             let r = self.readers.get_mut(&v).expect("a kept value has readers");
             *r -= 1;
@@ -171,7 +198,7 @@ impl Waiting {
             .results
             .iter()
             .copied()
-            .filter(|r| reduced.contains(r))
+            .filter(|r| self.reduced.contains(r))
             .collect();
         if made.is_empty() {
             return;
@@ -184,30 +211,6 @@ impl Waiting {
             }
         }
     }
-}
-
-/// Runs the oldest held nodes (a prefix of the held ones has all its inputs) while the
-/// reduced gradients they keep alive exceed `cap`, then notes the held bytes' peak.
-/// `current`: the node being placed (run where it is if flushed, not moved).
-fn within_cap(
-    held: &mut Waiting,
-    clock: &mut Clock<'_>,
-    new: &mut Vec<Node>,
-    moved: &mut HashSet<Node>,
-    cap: u64,
-    reduced: &HashSet<Value>,
-    current: Node,
-) {
-    while held.bytes > cap && !held.nodes.is_empty() {
-        let w = held.nodes.remove(0);
-        if w != current {
-            moved.insert(w);
-        }
-        clock.run(w);
-        new.push(w);
-        held.ran(clock.g, clock.b, w, reduced);
-    }
-    held.peak_bytes = held.peak_bytes.max(held.bytes);
 }
 
 /// Moves the nodes downstream of the gradient reductions (what grad-sync and the
@@ -257,7 +260,11 @@ pub fn defer_waiting_updates(
         ready: HashMap::new(),
     };
     let mut new = Vec::with_capacity(order.len());
-    let mut held = Waiting::default();
+    let mut held = Waiting {
+        cap,
+        reduced: from_reduction,
+        ..Waiting::default()
+    };
     let mut moved: HashSet<Node> = HashSet::new();
     for &n in &order {
         if downstream.contains(&n) {
@@ -271,16 +278,8 @@ pub fn defer_waiting_updates(
                 new.push(n);
                 continue;
             }
-            held.hold(clock.g, b, n, &from_reduction);
-            within_cap(
-                &mut held,
-                &mut clock,
-                &mut new,
-                &mut moved,
-                cap,
-                &from_reduction,
-                n,
-            );
+            held.hold(clock.g, b, n);
+            held.within_cap(&mut clock, &mut new, &mut moved, n);
             continue;
         }
         // What this node reads of the held nodes runs first, in order (with what those
@@ -308,18 +307,10 @@ pub fn defer_waiting_updates(
                 }
             }
             for w in ran {
-                held.ran(clock.g, b, w, &from_reduction);
+                held.ran(clock.g, b, w);
             }
             held.not_before = 0.0;
-            within_cap(
-                &mut held,
-                &mut clock,
-                &mut new,
-                &mut moved,
-                cap,
-                &from_reduction,
-                n,
-            );
+            held.within_cap(&mut clock, &mut new, &mut moved, n);
         }
         clock.run(n);
         new.push(n);
@@ -353,17 +344,9 @@ pub fn defer_waiting_updates(
         }
         held.nodes = rest;
         for w in ran {
-            held.ran(clock.g, b, w, &from_reduction);
+            held.ran(clock.g, b, w);
         }
-        within_cap(
-            &mut held,
-            &mut clock,
-            &mut new,
-            &mut moved,
-            cap,
-            &from_reduction,
-            n,
-        );
+        held.within_cap(&mut clock, &mut new, &mut moved, n);
         held.not_before = if not_before.is_finite() {
             not_before
         } else {
