@@ -407,6 +407,44 @@ impl Sdpa {
     }
 }
 
+/// The global index of an engine config's engine (what cuDNN's API log calls
+/// `engineId`), for listing the plans.
+fn engine_index(cfg: Raw) -> Option<i64> {
+    let engine = create(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR, "engine").ok()?;
+    let mut n = 0i64;
+    let mut raw = engine.0;
+    ck(
+        unsafe {
+            (api().backend_get_attribute)(
+                cfg,
+                A::CUDNN_ATTR_ENGINECFG_ENGINE,
+                Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                1,
+                &mut n,
+                &mut raw as *mut Raw as *mut c_void,
+            )
+        },
+        String::new,
+    )
+    .ok()?;
+    let mut index = 0i64;
+    ck(
+        unsafe {
+            (api().backend_get_attribute)(
+                engine.0,
+                A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX,
+                Ty::CUDNN_TYPE_INT64,
+                1,
+                &mut n,
+                &mut index as *mut i64 as *mut c_void,
+            )
+        },
+        String::new,
+    )
+    .ok()?;
+    Some(index)
+}
+
 // ---------------------------------------------------------------- graph building
 
 #[derive(Clone, Copy)]
@@ -1124,8 +1162,9 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
             finalized += 1;
             if list {
                 eprintln!(
-                    "weft: cuDNN sdpa {} {hw} config {i}: plan {this}, workspace {ws} B{}",
+                    "weft: cuDNN sdpa {} {hw} config {i}: plan {this}, engine {}, workspace {ws} B{}",
                     if sh.backward { "backward" } else { "forward" },
+                    engine_index(cfg.0).map_or("?".to_string(), |e| e.to_string()),
                     if this == pick { " (taken)" } else { "" }
                 );
             }
