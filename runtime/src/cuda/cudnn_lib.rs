@@ -1,8 +1,7 @@
 //! libcudnn, loaded here rather than through cudarc's loader. cudarc tries the
 //! unversioned `libcudnn.so` first, which on a typical machine only the system's cuDNN
 //! provides: where PyTorch's pip cuDNN (newer) is on `LD_LIBRARY_PATH`, the system's
-//! older one won anyway (9.14 over 9.19 on the GPU machine, whose Hopper attention
-//! backward engines are ~15% slower). Order: `WEFT_CUDNN` (a file), the soname
+//! older one won anyway (9.14 over 9.19 on the GPU machine). Order: `WEFT_CUDNN` (a file), the soname
 //! `libcudnn.so.9` (`LD_LIBRARY_PATH` first, then the loader's cache), `libcudnn.so`.
 //! cudarc's `cudnn::sys` still gives the types.
 

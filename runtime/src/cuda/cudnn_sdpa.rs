@@ -333,9 +333,19 @@ impl Exec {
     }
 }
 
+/// Which finalized plan each direction takes (0: the heuristics' first), and whether to
+/// list them (`Tuning::cudnn_engine_*`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EnginePicks {
+    pub fwd: usize,
+    pub bwd: usize,
+    pub list: bool,
+}
+
 /// Per executor: the handles (one per stream) and the plans (one per shape and stream).
 pub struct Sdpa {
     pub version: usize,
+    picks: EnginePicks,
     streams: Vec<c::cudaStream_t>,
     handles: Vec<Option<Arc<Handle>>>,
     plans: HashMap<(Shape, usize), R<Arc<Plan>>>,
@@ -344,11 +354,12 @@ pub struct Sdpa {
 impl Sdpa {
     /// `streams`: the executor's CUDA streams (raw `CUstream`), indexed as the plan's.
     /// The GPU's context must be current on this thread.
-    pub fn new(streams: Vec<*mut c_void>) -> R<Sdpa> {
+    pub fn new(streams: Vec<*mut c_void>, picks: EnginePicks) -> R<Sdpa> {
         let version = available()?;
         let n = streams.len();
         Ok(Sdpa {
             version,
+            picks,
             streams: streams.into_iter().map(|s| s as c::cudaStream_t).collect(),
             handles: vec![None; n],
             plans: HashMap::new(),
@@ -400,7 +411,7 @@ impl Sdpa {
         }
         let r = self
             .handle(stream)
-            .and_then(|h| build(h, shape, self.version));
+            .and_then(|h| build(h, shape, self.version, self.picks));
         let r = r.map(Arc::new);
         self.plans.insert((shape, stream), r.clone());
         r
@@ -830,7 +841,7 @@ impl G {
     }
 }
 
-fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
+fn build(handle: Arc<Handle>, sh: Shape, version: usize, picks: EnginePicks) -> R<Plan> {
     let (b, hq, hk, s, d) = (
         sh.b as i64,
         sh.hq as i64,
@@ -1008,9 +1019,10 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
             g.reduce(add, dkf, dk, "red_dK_head")?;
         }
         // dQ = dS K (accumulated in f32)
-        // K's own memory strides, as cudnn-frontend gives this reshape: with row-major
-        // strides here (which are not K's in the [B, S, H, D] layout) the heuristics of
-        // cuDNN 9.19 rank an older, ~15% slower backward engine first on Hopper.
+        // K's own memory strides, as cudnn-frontend gives this reshape (row-major
+        // strides here are not K's in the [B, S, H, D] layout). This was the one
+        // difference from PyTorch's graph, whose backward cuDNN 9.19 runs on engines 6/7
+        // ~15% faster than Weft's ran (engine 2); see bench/GPU_NOTES.md, session 20.
         let kr = g.virt(kd, io(kd), f32t, "K (from K^T)")?;
         g.reshape(kt, kr, "reshape_k")?;
         let dqa = g.io(DQ_ACC, qd, contig(qd), f32t, "dQ accumulator")?;
@@ -1039,19 +1051,10 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
     finalize(og.0, &what)?;
 
     // Engine configs from the heuristics (mode A, then the fallback list), the first
-    // that finalizes into an execution plan wins. `WEFT_CUDNN_ENGINE_FWD` / `_BWD` = n
-    // take the n-th that finalizes instead, and `WEFT_CUDNN_ENGINE_LIST=1` lists them
-    // (diagnostics for measuring cuDNN's engines against each other).
-    let pick_var = if sh.backward {
-        "WEFT_CUDNN_ENGINE_BWD"
-    } else {
-        "WEFT_CUDNN_ENGINE_FWD"
-    };
-    let pick: usize = std::env::var(pick_var)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let list = std::env::var_os("WEFT_CUDNN_ENGINE_LIST").is_some();
+    // that finalizes into an execution plan wins, or the `pick`-th (`Tuning`'s
+    // `cudnn_engine_*`).
+    let pick = if sh.backward { picks.bwd } else { picks.fwd };
+    let list = picks.list;
     let mut finalized = 0usize;
     let mut tried = Vec::new();
     for mode in [
@@ -1188,7 +1191,8 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize) -> R<Plan> {
     }
     if finalized > 0 {
         return Err(format!(
-            "{pick_var}={pick} but only {finalized} cuDNN plans finalize for sdpa {sh:?}"
+            "plan {pick} of cuDNN's was asked for (WEFT_CUDNN_ENGINE_{}) but only {finalized} finalize for sdpa {sh:?}",
+            if sh.backward { "BWD" } else { "FWD" }
         ));
     }
     let n = tried.len();

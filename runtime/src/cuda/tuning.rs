@@ -26,6 +26,13 @@ pub struct Tuning {
     /// `WEFT_GEMM_TUNE=1`: time cuBLASLt's top candidates for each large GEMM shape on
     /// its first (eager) use and keep the fastest, instead of the heuristic's first.
     pub gemm_tune: bool,
+    /// `WEFT_CUDNN_ENGINE_FWD=n` / `WEFT_CUDNN_ENGINE_BWD=n`: cuDNN attention takes the
+    /// n-th execution plan that finalizes (heuristics order) instead of the first, and
+    /// `WEFT_CUDNN_ENGINE_LIST=1` lists them with their engines (measuring cuDNN's
+    /// engines against each other).
+    pub cudnn_engine_fwd: usize,
+    pub cudnn_engine_bwd: usize,
+    pub cudnn_engine_list: bool,
 }
 
 impl Default for Tuning {
@@ -39,13 +46,17 @@ impl Default for Tuning {
             cuda_graph: true,
             fp8_fast_accum: false,
             gemm_tune: false,
+            cudnn_engine_fwd: 0,
+            cudnn_engine_bwd: 0,
+            cudnn_engine_list: false,
         }
     }
 }
 
 impl Tuning {
     /// The knobs from `WEFT_FA_WARPS`, `WEFT_FA_FWD`, `WEFT_FA_BWD_WARPS`, `WEFT_FA_BWD`,
-    /// `WEFT_PROFILE` and `WEFT_CUDA_GRAPH`; unknown values keep the default.
+    /// `WEFT_PROFILE`, `WEFT_CUDA_GRAPH`, `WEFT_FP8_FAST_ACCUM`, `WEFT_GEMM_TUNE` and
+    /// `WEFT_CUDNN_ENGINE_*`; unknown values keep the default.
     pub fn from_env() -> Tuning {
         Tuning::from_vars(|k| std::env::var(k).ok())
     }
@@ -68,6 +79,13 @@ impl Tuning {
             cuda_graph: get("WEFT_CUDA_GRAPH").as_deref() != Some("0"),
             fp8_fast_accum: get("WEFT_FP8_FAST_ACCUM").as_deref() == Some("1"),
             gemm_tune: get("WEFT_GEMM_TUNE").as_deref() == Some("1"),
+            cudnn_engine_fwd: get("WEFT_CUDNN_ENGINE_FWD")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d.cudnn_engine_fwd),
+            cudnn_engine_bwd: get("WEFT_CUDNN_ENGINE_BWD")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d.cudnn_engine_bwd),
+            cudnn_engine_list: get("WEFT_CUDNN_ENGINE_LIST").is_some(),
         }
     }
 }
@@ -95,6 +113,8 @@ mod tests {
             ("WEFT_PROFILE", "1"),
             ("WEFT_CUDA_GRAPH", "0"),
             ("WEFT_GEMM_TUNE", "1"),
+            ("WEFT_CUDNN_ENGINE_BWD", "2"),
+            ("WEFT_CUDNN_ENGINE_LIST", "1"),
         ]));
         assert_eq!(
             t,
@@ -107,10 +127,18 @@ mod tests {
                 cuda_graph: false,
                 fp8_fast_accum: false,
                 gemm_tune: true,
+                cudnn_engine_fwd: 0,
+                cudnn_engine_bwd: 2,
+                cudnn_engine_list: true,
             }
         );
-        let t = Tuning::from_vars(vars(&[("WEFT_FA_WARPS", "5"), ("WEFT_FA_BWD_WARPS", "x")]));
+        let t = Tuning::from_vars(vars(&[
+            ("WEFT_FA_WARPS", "5"),
+            ("WEFT_FA_BWD_WARPS", "x"),
+            ("WEFT_CUDNN_ENGINE_FWD", "-1"),
+        ]));
         assert_eq!(t.fa_fwd_warps, 4);
+        assert_eq!(t.cudnn_engine_fwd, 0);
         assert_eq!(t.fa_bwd_warps, None);
     }
 }

@@ -261,11 +261,17 @@ pub(super) fn cudnn_attention(
     streams: &[Stream],
 ) -> Option<RefCell<cudnn_sdpa::Sdpa>> {
     if opts.cudnn_attention && opts.fast_attention {
+        let t = &opts.tuning;
         match cudnn_sdpa::Sdpa::new(
             streams
                 .iter()
                 .map(|s| s.0 as *mut std::ffi::c_void)
                 .collect(),
+            cudnn_sdpa::EnginePicks {
+                fwd: t.cudnn_engine_fwd,
+                bwd: t.cudnn_engine_bwd,
+                list: t.cudnn_engine_list,
+            },
         ) {
             Ok(c) => {
                 static SAID: std::sync::Once = std::sync::Once::new();
