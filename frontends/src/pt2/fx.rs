@@ -43,6 +43,41 @@ impl FxNode {
     }
 }
 
+#[cfg(test)]
+impl FxNode {
+    /// A node as [`build`] makes it from an export: `args` (named, or positional
+    /// where the name is empty) matched to the op's schema with defaults filled in;
+    /// one output per name in `outs`.
+    pub(crate) fn exported(
+        op: &str,
+        outs: &[&str],
+        args: Vec<(&str, super::schema::Arg)>,
+    ) -> Result<FxNode, Pt2Error> {
+        let n = Node {
+            target: format!("torch.ops.{op}"),
+            inputs: args
+                .into_iter()
+                .map(|(name, arg)| super::schema::NamedArg {
+                    name: name.into(),
+                    arg,
+                    kind: Some(if name.is_empty() { 1 } else { 2 }),
+                })
+                .collect(),
+            outputs: vec![],
+            metadata: Default::default(),
+            name: Some(outs[0].into()),
+        };
+        let key = op_key(&n.target);
+        Ok(FxNode {
+            args: normalize("test.pt2", &n, &key, outs[0], "test", None)?,
+            op: key,
+            name: outs[0].into(),
+            outputs: outs.iter().map(|o| Some(o.to_string())).collect(),
+            scope: None,
+        })
+    }
+}
+
 impl FxNode {
     pub fn arg(&self, name: &str) -> &Arg {
         self.args

@@ -47,6 +47,8 @@ mod linear;
 mod logic;
 mod reductions;
 mod sizes;
+#[cfg(test)]
+mod tests;
 
 /// An op family's lowering: `None` when the op is not of the family.
 type Family<'a> = fn(&mut Lower<'a>, &FxNode) -> Option<LR<Vec<LV>>>;
