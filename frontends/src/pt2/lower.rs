@@ -609,7 +609,8 @@ impl<'a> Lower<'a> {
 
     fn arith(&mut self, n: &FxNode, op: Bin, a: Operand, b: Operand) -> LR<Vec<LV>> {
         if let (Operand::Num(x, k1), Operand::Num(y, k2)) = (&a, &b) {
-            let k = if *k1 == Kind::Float || *k2 == Kind::Float {
+            // Python true division of two numbers is a float, ints included.
+            let k = if *k1 == Kind::Float || *k2 == Kind::Float || op == Bin::Div {
                 Kind::Float
             } else {
                 Kind::Int

@@ -209,3 +209,105 @@ fn sdpa_reads_scale_and_refuses_dropout() {
         &["dropout"],
     );
 }
+
+// ---------------------------------------------------------------- reductions
+
+#[test]
+fn any_dim_tests_for_nonzero_not_for_positive() {
+    // any([-1, 0]) is true: the max of the values (0) is not.
+    let l = Lowered::new(
+        &[("x", DType::F32, &[2, 3])],
+        vec![node(
+            "aten.any.dim",
+            &["a"],
+            vec![p(t("x")), p(Arg::Int(1))],
+        )],
+        &[("a", DType::Bool, &[2])],
+    );
+    let ops = l.ops();
+    assert!(
+        ops.iter().any(|op| matches!(
+            op,
+            Op::Compare {
+                op: weft_ir::CmpOp::Ne
+            }
+        )),
+        "{ops:?}"
+    );
+    let (op, args) = l.def(l.value("a"));
+    assert_eq!(
+        op,
+        Op::Compare {
+            op: weft_ir::CmpOp::Gt
+        }
+    );
+    assert!(matches!(l.def(args[0]).0, Op::Max { .. }));
+}
+
+// ---------------------------------------------------------------- factories
+
+#[test]
+fn arange_refuses_a_fractional_start_and_a_step() {
+    let l = Lowered::new(
+        &[],
+        vec![
+            node(
+                "aten.arange.start",
+                &["r"],
+                vec![p(Arg::Float(0.5)), p(Arg::Int(4))],
+            ),
+            node(
+                "aten.arange.start",
+                &["r2"],
+                vec![p(Arg::Float(1.0)), p(Arg::Int(4))],
+            ),
+            node(
+                "aten.arange.start_step",
+                &["r3"],
+                vec![p(Arg::Int(0)), p(Arg::Int(8)), p(Arg::Int(2))],
+            ),
+        ],
+        &[
+            ("r", DType::F32, &[4]),
+            ("r2", DType::F32, &[3]),
+            ("r3", DType::I64, &[4]),
+        ],
+    );
+    assert_refused(
+        &l.refusal("r"),
+        "aten.arange.start",
+        "r",
+        &["fractional start 0.5"],
+    );
+    match l.def(l.value("r2")).0 {
+        Op::Arange { start, .. } => assert_eq!(start, Dim::from(1)),
+        op => panic!("{op:?}"),
+    }
+    assert_refused(
+        &l.refusal("r3"),
+        "aten.arange.start_step",
+        "r3",
+        &["step 2"],
+    );
+}
+
+// ---------------------------------------------------------------- arithmetic
+
+#[test]
+fn true_division_of_two_ints_is_a_float() {
+    let fx = FxGraph {
+        nodes: vec![node(
+            "aten.div.Tensor",
+            &["q"],
+            vec![p(Arg::Int(7)), p(Arg::Int(2))],
+        )],
+        ..Default::default()
+    };
+    let mut lw = Lower::for_tests(&fx, 1, 4, false);
+    lw.run();
+    assert!(
+        matches!(lw.lv("q"), LV::Num(x, super::Kind::Float) if x == 3.5),
+        "{:?}",
+        lw.lv("q")
+    );
+}
