@@ -572,6 +572,10 @@ impl<'a> Lower<'a> {
             "aten.empty.memory_format"
             | "aten.empty_like.default"
             | "aten.empty_permuted.default" => self.lower_empty(n),
+            "transformers.grouped_mm_fallback.default" => Err(self.unsupported(
+                n,
+                "a grouped matmul outside a recognised MoE block: its offsets must be cumsum(histc(sort(flat expert ids))), the ids sorted ascending and counted one histc bin per expert (bins=E, min=0, max=E-1)",
+            )),
             "_operator.getitem.default" => {
                 Err(self.unsupported(n, "getitem on a value the importer does not split"))
             }
