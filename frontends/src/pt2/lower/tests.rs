@@ -311,3 +311,59 @@ fn true_division_of_two_ints_is_a_float() {
         lw.lv("q")
     );
 }
+
+// ---------------------------------------------------------------- sizes
+
+#[test]
+fn size_floor_division_rounds_toward_minus_infinity() {
+    let fx = FxGraph {
+        nodes: vec![
+            node(
+                "_operator.floordiv.default",
+                &["q"],
+                vec![p(Arg::Int(7)), p(Arg::Int(-2))],
+            ),
+            node(
+                "_operator.floordiv.default",
+                &["r"],
+                vec![p(Arg::Int(-7)), p(Arg::Int(2))],
+            ),
+        ],
+        ..Default::default()
+    };
+    let mut lw = Lower::for_tests(&fx, 1, 4, false);
+    lw.run();
+    for (name, want) in [("q", -4), ("r", -4)] {
+        match lw.lv(name) {
+            LV::Sym(d) => assert_eq!(d.as_const(), Some(want), "{name}"),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- schema
+
+#[test]
+fn scatter_value_is_matched_to_its_schema() {
+    // Passed by name, `value` lands in its slot (a node off the schema would keep
+    // the export's order, and the lowering reads by position).
+    let n = node(
+        "aten.scatter.value",
+        &["s"],
+        vec![
+            p(t("x")),
+            ("value", Arg::Float(1.0)),
+            ("index", t("i")),
+            ("dim", Arg::Int(-1)),
+        ],
+    );
+    let names: Vec<&str> = n.args.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(names, ["self", "dim", "index", "value"]);
+    assert_eq!(n.arg_at(3), &Arg::Float(1.0));
+    assert!(FxNode::exported(
+        "aten.scatter.value",
+        &["s"],
+        vec![p(t("x")), ("reduce", Arg::Str("add".into()))]
+    )
+    .is_err());
+}
