@@ -71,12 +71,14 @@ impl Lower<'_> {
                 (Some(x), Some(y)) if y < 0 => {
                     Dim::from(x.div_euclid(y) - (x.rem_euclid(y) != 0) as i64)
                 }
-                (_, Some(y)) if y < 0 => return Err(self.unsupported(
-                    n,
-                    format!(
+                (_, Some(y)) if y < 0 => {
+                    return Err(self.unsupported(
+                        n,
+                        format!(
                         "`({a}) // {y}`: floor division of a symbolic size by a negative number"
                     ),
-                )),
+                    ))
+                }
                 _ => a.floor_div(&b),
             },
         };
