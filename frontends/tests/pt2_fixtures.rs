@@ -398,3 +398,52 @@ fn adhoc_archive_from_env() {
         Err(e) => panic!("{e}"),
     }
 }
+
+/// The import of a broken copy of a fixture of `family`, which must fail.
+fn err_in(family: &str, bytes: Vec<u8>) -> Pt2Error {
+    let opts = Pt2Options {
+        config: Some(config(family)),
+        ..Default::default()
+    };
+    match import_bytes("broken.pt2", bytes, &opts) {
+        Ok(_) => panic!("a broken archive imported"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn moe_offsets_need_ascending_ids_and_one_histc_bin_per_expert() {
+    // The grouped-matmul offsets are `cumsum(histc(sort(ids)))`: with ids sorted
+    // descending, or bins that are not one per expert, they are not the per-expert
+    // row counts Weft's MoE uses.
+    let e = err_in(
+        "mixtral",
+        replace_in(
+            "mixtral",
+            "models/model.json",
+            r#"aten.sort.default", "inputs": [{"name": "self", "arg": {"as_tensor": {"name": "reshape_5"}}, "kind": 1}]"#,
+            r#"aten.sort.default", "inputs": [{"name": "self", "arg": {"as_tensor": {"name": "reshape_5"}}, "kind": 1}, {"name": "descending", "arg": {"as_bool": true}, "kind": 2}]"#,
+        ),
+    );
+    assert!(
+        matches!(e, Pt2Error::UnsupportedOp { ref op, .. } if op == "transformers.grouped_mm_fallback.default")
+            && e.to_string()
+                .contains("ids sorted ascending and counted one histc bin per expert"),
+        "{e}"
+    );
+    let e = err_in(
+        "mixtral",
+        replace_in(
+            "mixtral",
+            "models/model.json",
+            r#"{"name": "max", "arg": {"as_int": 3}, "kind": 1}"#,
+            r#"{"name": "max", "arg": {"as_int": 0}, "kind": 1}"#,
+        ),
+    );
+    assert!(
+        matches!(e, Pt2Error::UnsupportedOp { ref op, .. } if op == "transformers.grouped_mm_fallback.default")
+            && e.to_string()
+                .contains("ids sorted ascending and counted one histc bin per expert"),
+        "{e}"
+    );
+}

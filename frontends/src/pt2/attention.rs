@@ -330,6 +330,23 @@ impl Lower<'_> {
         let mut window = None;
         let (causal, mask) = match n.arg("attn_mask") {
             Arg::None => {
+                if is_causal {
+                    // torch's `is_causal` keeps key `j` for query `i` when `j <= i` (the
+                    // mask aligned top-left); Weft's aligns the last query with the last
+                    // key. They agree only when there are as many queries as keys.
+                    let seq = |t: TensorType| t.rank().checked_sub(2).map(|i| t.shape[i].clone());
+                    let (sq, sk) = (seq(self.ty(q)), seq(self.ty(k)));
+                    if sq.is_none() || sq != sk {
+                        let show = |d: Option<Dim>| d.map_or("?".to_string(), |d| d.to_string());
+                        let (sq, sk) = (show(sq), show(sk));
+                        return Err(self.unsupported(
+                            n,
+                            format!(
+                                "is_causal=True with {sq} queries and {sk} keys: torch aligns the causal mask top-left (query i sees keys 0..=i), Weft's attention aligns the last query with the last key; they agree only for as many queries as keys"
+                            ),
+                        ));
+                    }
+                }
                 detail.push(if is_causal { "is_causal" } else { "no mask" });
                 (is_causal, None)
             }

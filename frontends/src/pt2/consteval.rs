@@ -461,6 +461,15 @@ mod tests {
                 ev.eval_size_op(&div(-7, 2)).unwrap(),
                 Ok(vec![CV::Num(-4.0, Kind::Int)])
             );
+            // Python rounds toward -inf for a negative divisor too.
+            assert_eq!(
+                ev.eval_size_op(&div(7, -2)).unwrap(),
+                Ok(vec![CV::Num(-4.0, Kind::Int)])
+            );
+            assert_eq!(
+                ev.eval_size_op(&div(-8, -2)).unwrap(),
+                Ok(vec![CV::Num(4.0, Kind::Int)])
+            );
             assert_eq!(
                 ev.eval_size_op(&div(7, 0)).unwrap(),
                 Err("division by zero".to_string())

@@ -43,6 +43,41 @@ impl FxNode {
     }
 }
 
+#[cfg(test)]
+impl FxNode {
+    /// A node as [`build`] makes it from an export: `args` (named, or positional
+    /// where the name is empty) matched to the op's schema with defaults filled in;
+    /// one output per name in `outs`.
+    pub(crate) fn exported(
+        op: &str,
+        outs: &[&str],
+        args: Vec<(&str, super::schema::Arg)>,
+    ) -> Result<FxNode, Pt2Error> {
+        let n = Node {
+            target: format!("torch.ops.{op}"),
+            inputs: args
+                .into_iter()
+                .map(|(name, arg)| super::schema::NamedArg {
+                    name: name.into(),
+                    arg,
+                    kind: Some(if name.is_empty() { 1 } else { 2 }),
+                })
+                .collect(),
+            outputs: vec![],
+            metadata: Default::default(),
+            name: Some(outs[0].into()),
+        };
+        let key = op_key(&n.target);
+        Ok(FxNode {
+            args: normalize("test.pt2", &n, &key, outs[0], "test", None)?,
+            op: key,
+            name: outs[0].into(),
+            outputs: outs.iter().map(|o| Some(o.to_string())).collect(),
+            scope: None,
+        })
+    }
+}
+
 impl FxNode {
     pub fn arg(&self, name: &str) -> &Arg {
         self.args
@@ -157,7 +192,125 @@ pub fn build(entry: &str, g: &Graph) -> Result<FxGraph, Pt2Error> {
             fx.producer.insert(o.clone(), i);
         }
     }
+    check_inplace_aliases(&fx)?;
     Ok(fx)
+}
+
+/// Ops whose outputs may share their first input's storage (views), by base name.
+const VIEW_OPS: &[&str] = &[
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "flatten",
+    "slice",
+    "select",
+    "narrow",
+    "transpose",
+    "swapaxes",
+    "movedim",
+    "permute",
+    "t",
+    "expand",
+    "expand_as",
+    "view_as",
+    "unsqueeze",
+    "squeeze",
+    "alias",
+    "detach",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "as_strided",
+    "diagonal",
+    "unfold",
+];
+
+/// An in-place op is read as its functional form, its later uses redirected to the
+/// result. That loses the write wherever the mutated tensor shares storage with
+/// another value (a view of it, or the tensor it is a view of) that is read after the
+/// write: such a read sees the write in torch. Refused, naming both.
+fn check_inplace_aliases(fx: &FxGraph) -> Result<(), Pt2Error> {
+    if fx.functionalized.is_empty() {
+        return Ok(());
+    }
+    // Storage groups: each view output joined to its input.
+    let mut parent: BTreeMap<&str, &str> = BTreeMap::new();
+    fn root<'a>(parent: &BTreeMap<&'a str, &'a str>, mut x: &'a str) -> &'a str {
+        while let Some(&p) = parent.get(x) {
+            if p == x {
+                break;
+            }
+            x = p;
+        }
+        x
+    }
+    for n in &fx.nodes {
+        if !VIEW_OPS.contains(&n.base()) {
+            continue;
+        }
+        let Some((_, Arg::Tensor(src))) = n.args.first() else {
+            continue;
+        };
+        let r = root(&parent, src);
+        for o in n.outputs.iter().flatten() {
+            let ro = root(&parent, o);
+            if ro != r {
+                parent.insert(ro, r);
+            }
+        }
+    }
+    let inplace: std::collections::BTreeSet<&str> =
+        fx.functionalized.iter().map(String::as_str).collect();
+    let before = |v: &str, i: usize| fx.producer.get(v).is_none_or(|&p| p < i);
+    for (i, n) in fx.nodes.iter().enumerate() {
+        // `detach_` writes no values.
+        if !inplace.contains(n.name.as_str()) || n.base() == "detach" {
+            continue;
+        }
+        let Some((_, Arg::Tensor(target))) = n.args.first() else {
+            continue;
+        };
+        let r = root(&parent, target);
+        // Writes into an unfolded `new_empty` (filled.rs folds the ones that tile
+        // it): it has no lowering, so every read of it is refused by its node name.
+        if fx
+            .node_of(r)
+            .is_some_and(|m| m.op == "aten.new_empty.default")
+        {
+            continue;
+        }
+        let stale = |v: &str| v != target.as_str() && before(v, i) && root(&parent, v) == r;
+        let later = fx.nodes[i + 1..]
+            .iter()
+            .find_map(|m| {
+                m.tensor_args()
+                    .into_iter()
+                    .find(|v| stale(v))
+                    .map(|v| (v.to_string(), format!("node `{}`", m.name)))
+            })
+            .or_else(|| {
+                fx.outputs.iter().find_map(|o| match o {
+                    Arg::Tensor(v) if stale(v) => Some((v.clone(), "the program's output".into())),
+                    _ => None,
+                })
+            });
+        if let Some((alias, reader)) = later {
+            let inplace_op = match n.op.split('.').collect::<Vec<_>>()[..] {
+                [ns, name, ov] => format!("{ns}.{name}_.{ov}"),
+                _ => n.op.clone(),
+            };
+            return Err(Pt2Error::UnsupportedOp {
+                op: inplace_op,
+                node: n.name.clone(),
+                layer: n.scope.clone(),
+                message: format!(
+                    "writes `{target}` in place, which shares storage with `{alias}` (through view ops); {reader} reads `{alias}` after the write and would see it in torch, but the importer reads in-place ops functionally (export with run_decompositions(), or write the op out of place)"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn rename_arg(a: &mut Arg, renames: &BTreeMap<String, String>) {
@@ -452,6 +605,59 @@ mod tests {
         assert_eq!(module_path(s).as_deref(), Some("model.layers.0.self_attn"));
         assert_eq!(module_path("_empty_nn_module_stack_from_metadata_hook,_empty_nn_module_stack_from_metadata_hook,x"), None);
         assert_eq!(module_path("L__self__,,X"), None);
+    }
+
+    fn exported(target: &str, out: &str, inputs: Vec<Arg>) -> Node {
+        Node {
+            target: format!("torch.ops.{target}"),
+            inputs: inputs
+                .into_iter()
+                .map(|arg| super::super::schema::NamedArg {
+                    name: String::new(),
+                    arg,
+                    kind: Some(1),
+                })
+                .collect(),
+            outputs: vec![Arg::Tensor(out.into())],
+            metadata: Default::default(),
+            name: Some(out.into()),
+        }
+    }
+
+    /// `v = squeeze(x); v.add_(y); relu(<read>)`.
+    fn write_through_view(read: &str) -> Graph {
+        let t = |s: &str| Arg::Tensor(s.into());
+        Graph {
+            inputs: vec![t("x"), t("y")],
+            outputs: vec![t("r")],
+            nodes: vec![
+                exported("aten.squeeze.dim", "v", vec![t("x"), Arg::Int(0)]),
+                exported("aten.add_.Tensor", "w", vec![t("v"), t("y")]),
+                exported("aten.relu.default", "r", vec![t(read)]),
+            ],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_in_place_write_seen_through_a_view_is_refused() {
+        // Reading the view written: its later uses are the write's result.
+        let fx = build("m", &write_through_view("v")).unwrap();
+        assert_eq!(fx.nodes[2].args[0].1, Arg::Tensor("w".into()));
+        // Reading the tensor it is a view of: torch sees the write there too.
+        let e = build("m", &write_through_view("x")).unwrap_err();
+        match &e {
+            Pt2Error::UnsupportedOp { op, node, .. } => {
+                assert_eq!((op.as_str(), node.as_str()), ("aten.add_.Tensor", "w"))
+            }
+            _ => panic!("{e}"),
+        }
+        let s = e.to_string();
+        assert!(
+            s.contains("writes `v` in place, which shares storage with `x`")
+                && s.contains("node `r` reads `x` after the write"),
+            "{s}"
+        );
     }
 
     #[test]

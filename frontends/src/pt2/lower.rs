@@ -47,6 +47,8 @@ mod linear;
 mod logic;
 mod reductions;
 mod sizes;
+#[cfg(test)]
+mod tests;
 
 /// An op family's lowering: `None` when the op is not of the family.
 type Family<'a> = fn(&mut Lower<'a>, &FxNode) -> Option<LR<Vec<LV>>>;
@@ -570,6 +572,10 @@ impl<'a> Lower<'a> {
             "aten.empty.memory_format"
             | "aten.empty_like.default"
             | "aten.empty_permuted.default" => self.lower_empty(n),
+            "transformers.grouped_mm_fallback.default" => Err(self.unsupported(
+                n,
+                "a grouped matmul outside a recognised MoE block: its offsets must be cumsum(histc(sort(flat expert ids))), the ids sorted ascending and counted one histc bin per expert (bins=E, min=0, max=E-1)",
+            )),
             "_operator.getitem.default" => {
                 Err(self.unsupported(n, "getitem on a value the importer does not split"))
             }
@@ -607,7 +613,8 @@ impl<'a> Lower<'a> {
 
     fn arith(&mut self, n: &FxNode, op: Bin, a: Operand, b: Operand) -> LR<Vec<LV>> {
         if let (Operand::Num(x, k1), Operand::Num(y, k2)) = (&a, &b) {
-            let k = if *k1 == Kind::Float || *k2 == Kind::Float {
+            // Python true division of two numbers is a float, ints included.
+            let k = if *k1 == Kind::Float || *k2 == Kind::Float || op == Bin::Div {
                 Kind::Float
             } else {
                 Kind::Int

@@ -153,6 +153,21 @@ fn clamp_keeps_ids(fx: &FxGraph, ids: &str, experts: i64) -> bool {
     lo.is_none_or(|l| l <= 0.0) && hi.is_none_or(|h| h >= (experts - 1) as f64)
 }
 
+/// `histc(ids, bins, min, max)` counts each of `experts` ids in a bin of its own.
+fn one_bin_per_expert(histc: &FxNode, experts: Option<i64>) -> bool {
+    let num = |a: &Arg| match a {
+        Arg::Int(v) => Some(*v as f64),
+        Arg::Float(v) => Some(*v),
+        _ => None,
+    };
+    let Some(e) = experts else { return false };
+    (
+        num(histc.arg("bins")),
+        num(histc.arg("min")),
+        num(histc.arg("max")),
+    ) == (Some(e as f64), Some(0.0), Some((e - 1) as f64))
+}
+
 fn int_of(a: &Arg) -> Option<i64> {
     match a {
         Arg::Int(i) => Some(*i),
@@ -240,8 +255,10 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
                     continue;
                 };
                 let Some(s) = prod(fx, sorted) else { continue };
+                // Expert ids sorted ascending (the offsets count up from expert 0).
                 if s.base() != "sort"
                     || s.outputs.first().and_then(|o| o.as_deref()) != Some(sorted)
+                    || matches!(s.arg("descending"), Arg::Bool(true))
                 {
                     continue;
                 }
@@ -267,6 +284,12 @@ pub(crate) fn plan(fx: &FxGraph) -> MoePlan {
                     }
                     _ => (wt.to_string(), Layout::EknTransposed),
                 };
+                // The offsets count the rows of each expert only with one histc bin
+                // per expert id: bins = E over [0, E-1] (min = max = 0 would take the
+                // data's own range). Otherwise the block is not this one.
+                if !one_bin_per_expert(h, const_size(fx, &w, 0)) {
+                    continue;
+                }
                 found.push((
                     out.to_string(),
                     idx,
@@ -393,9 +416,11 @@ fn entry_x(fx: &FxGraph, n: &FxNode, info: &MoeInfo) -> Option<String> {
             }
             let perm = targ(d, 0)?;
             let s = prod(fx, perm)?;
-            (s.base() == "sort" && s.outputs.get(1).and_then(|o| o.as_deref()) == Some(perm))
-                .then(|| targ(n, 0).map(str::to_string))
-                .flatten()
+            (s.base() == "sort"
+                && s.outputs.get(1).and_then(|o| o.as_deref()) == Some(perm)
+                && !matches!(s.arg("descending"), Arg::Bool(true)))
+            .then(|| targ(n, 0).map(str::to_string))
+            .flatten()
         }
         _ => None,
     }

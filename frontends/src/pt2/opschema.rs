@@ -162,6 +162,7 @@ const SCHEMAS: &[&str] = &[
     "aten::index_put(Tensor self, Tensor?[] indices, Tensor values, bool accumulate=False) -> Tensor",
     "aten::gather(Tensor self, int dim, Tensor index, *, bool sparse_grad=False) -> Tensor",
     "aten::scatter_add(Tensor self, int dim, Tensor index, Tensor src) -> Tensor",
+    "aten::scatter.value(Tensor self, int dim, Tensor index, Scalar value) -> Tensor",
     "aten::one_hot(Tensor self, int num_classes=-1) -> Tensor",
     "aten::repeat_interleave.self_int(Tensor self, SymInt repeats, int? dim=None, *, SymInt? output_size=None) -> Tensor",
 ];

@@ -42,7 +42,8 @@ impl Eval<'_> {
             "add" => x + y,
             "sub" => x - y,
             "mul" => x * y,
-            _ if y != 0 => x.div_euclid(y),
+            // Python's `//` rounds toward -inf (`7 // -2 == -4`; div_euclid gives -3).
+            _ if y != 0 => x.div_euclid(y) - (y < 0 && x.rem_euclid(y) != 0) as i64,
             _ => return Err("division by zero".into()),
         };
         Ok(vec![CV::Num(v as f64, Kind::Int)])

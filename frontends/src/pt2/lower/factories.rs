@@ -45,10 +45,28 @@ impl Lower<'_> {
         ty.shape = self.gen_free(&ty.shape);
         let start = match n.op.as_str() {
             "aten.arange.default" => Dim::from(0),
-            _ => self.dim_arg(n, n.arg_at(0))?,
+            _ => {
+                // `Arange` counts from an integer start: a fractional one (`arange(0.5,
+                // 4)` = 0.5, 1.5, ...) would be truncated.
+                if let LV::Num(x, _) = self.arg_lv(n.arg_at(0)) {
+                    if x.fract() != 0.0 {
+                        return Err(self.unsupported(
+                            n,
+                            format!("arange with the fractional start {x} (Weft's arange counts from an integer)"),
+                        ));
+                    }
+                }
+                self.dim_arg(n, n.arg_at(0))?
+            }
         };
         if n.op == "aten.arange.start_step" && self.float_arg(n, n.arg_at(2))? != 1.0 {
-            return Err(self.unsupported(n, "arange with a step other than 1"));
+            return Err(self.unsupported(
+                n,
+                format!(
+                    "arange with step {} (only step 1 is lowered)",
+                    self.float_arg(n, n.arg_at(2))?
+                ),
+            ));
         }
         one(self.emit(n, Op::Arange { start, ty }, &[])?)
     }

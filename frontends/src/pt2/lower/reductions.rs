@@ -55,6 +55,15 @@ impl Lower<'_> {
         let x = self.tensor(n, n.arg_at(0))?;
         let d = self.int_arg(n, n.arg_at(1))?;
         let keepdim = matches!(n.arg_at(2), Arg::Bool(true));
+        // `any` tests for nonzero (negative values and NaN included): the max of the
+        // truth values, not of the values.
+        let xt = self.ty(x);
+        let x = if xt.dtype == DType::Bool {
+            x
+        } else {
+            let z = self.full(n, 0.0, TensorType::scalar(xt.dtype))?;
+            self.emit(n, Op::Compare { op: CmpOp::Ne }, &[x, z])?
+        };
         let f = self.cast(n, x, DType::F32)?;
         let m = self.emit(
             n,

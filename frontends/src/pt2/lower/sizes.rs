@@ -65,7 +65,22 @@ impl Lower<'_> {
             "add" => a + b,
             "sub" => a - b,
             "mul" => a * b,
-            _ => a.floor_div(&b),
+            // Weft's `//` is Euclidean, Python's for a positive divisor (a symbolic
+            // divisor is a size): a negative constant one rounds the other way.
+            _ => match (a.as_const(), b.as_const()) {
+                (Some(x), Some(y)) if y < 0 => {
+                    Dim::from(x.div_euclid(y) - (x.rem_euclid(y) != 0) as i64)
+                }
+                (_, Some(y)) if y < 0 => {
+                    return Err(self.unsupported(
+                        n,
+                        format!(
+                        "`({a}) // {y}`: floor division of a symbolic size by a negative number"
+                    ),
+                    ))
+                }
+                _ => a.floor_div(&b),
+            },
         };
         Ok(vec![LV::Sym(r)])
     }
