@@ -420,8 +420,8 @@ impl Dim {
     /// division is exact term by term with integer coefficients.
     pub fn floor_div(&self, by: &Dim) -> Dim {
         if let (Some(a), Some(b)) = (self.as_const(), by.as_const()) {
-            if b != 0 {
-                return Dim::constant(a.div_euclid(b));
+            if let Some(q) = floor_div_int(a, b) {
+                return Dim::constant(q);
             }
         }
         if let Some(b) = by.as_const() {
@@ -527,8 +527,7 @@ fn eval_atom(a: &Atom, b: &Bindings) -> Result<i64, DimError> {
             if dv == 0 {
                 return Err(DimError::DivByZero(format!("{n}//0")));
             }
-            n.checked_div_euclid(dv)
-                .ok_or_else(|| DimError::Overflow(format!("{n}//{dv}")))
+            floor_div_int(n, dv).ok_or_else(|| DimError::Overflow(format!("{n}//{dv}")))
         }
         Atom::Overflow => Err(DimError::Overflow("a size".into())),
         Atom::PerRank { axis, sizes } => {
@@ -629,6 +628,18 @@ impl std::ops::Div for Dim {
     fn div(self, o: Dim) -> Dim {
         self.exact_div(&o)
     }
+}
+
+/// Python's `//`: the quotient rounded toward negative infinity for either sign of the
+/// divisor (`div_euclid` is that only for a positive one: `7 // -2` is -4, not -3);
+/// `None` for a zero divisor or an overflow.
+fn floor_div_int(a: i64, b: i64) -> Option<i64> {
+    let q = a.checked_div(b)?;
+    Some(if a % b != 0 && (a < 0) != (b < 0) {
+        q - 1
+    } else {
+        q
+    })
 }
 
 fn fmt_atom(a: &Atom, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -752,6 +763,34 @@ mod tests {
 
     fn s() -> Dim {
         Dim::sym("S")
+    }
+
+    /// Floor division rounds toward negative infinity whatever the divisor's sign,
+    /// folded and evaluated alike.
+    #[test]
+    fn floor_division_is_pythons() {
+        for (a, b, q) in [
+            (7, 2, 3),
+            (-7, 2, -4),
+            (7, -2, -4),
+            (-7, -2, 3),
+            (6, -3, -2),
+        ] {
+            assert_eq!(
+                Dim::constant(a).floor_div(&Dim::constant(b)),
+                Dim::constant(q)
+            );
+            let d = s().floor_div(&Dim::constant(b));
+            assert_eq!(
+                d.eval(&Bindings::new().with("S", a)).unwrap(),
+                q,
+                "{a}//{b}"
+            );
+        }
+        assert!(s()
+            .floor_div(&Dim::constant(-1))
+            .eval(&Bindings::new().with("S", i64::MIN))
+            .is_err());
     }
 
     #[test]
