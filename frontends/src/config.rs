@@ -417,10 +417,11 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     // The attention's q/k head dim (what the cost model and tp size heads by).
     let head_dim = mla.as_ref().map_or(head_dim, |m| m.qk_head_dim());
     if let (None, Some(act)) = (&gemma, f.opt_str("hidden_act")?) {
-        if act != "silu" {
+        // HF's ACT2FN maps `swish` to the same SiLU.
+        if act != "silu" && act != "swish" {
             return Err(f.err(
                 "hidden_act",
-                format!("is `{act}`, but only `silu` is supported"),
+                format!("is `{act}`, but only `silu` (or its alias `swish`) is supported"),
             ));
         }
     }

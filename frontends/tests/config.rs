@@ -358,6 +358,12 @@ fn missing_and_invalid_fields_are_named() {
         e.to_string().contains("field `hidden_act` is `gelu`"),
         "{e}"
     );
+    // `swish` is HF's alias of SiLU: the same model.
+    let swish = base_with(|o| {
+        o.insert("hidden_act".into(), "swish".into());
+    })
+    .unwrap();
+    assert_eq!(swish, base_with(|_| {}).unwrap());
     let e = base_with(|o| {
         o.insert("rope_scaling".into(), serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}));
     })
