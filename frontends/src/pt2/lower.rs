@@ -586,7 +586,17 @@ impl<'a> Lower<'a> {
     pub fn common_dtype(&self, a: &Operand, b: &Operand) -> DType {
         match (a, b) {
             (Operand::T(x), Operand::T(y)) => {
-                let (dx, dy) = (self.g.ty(*x).dtype, self.g.ty(*y).dtype);
+                let (tx, ty) = (self.g.ty(*x), self.g.ty(*y));
+                let (dx, dy) = (tx.dtype, ty.dtype);
+                // torch's promotion: a 0-dim tensor beside a dimensioned one of the same
+                // category (bool, integer, float) takes the dimensioned one's dtype
+                // (`x_bf16 < torch.tensor(0.1)` compares in bf16).
+                let category = |d: DType| (d != DType::Bool) as u8 + d.is_float() as u8;
+                match (tx.shape.is_empty(), ty.shape.is_empty()) {
+                    (true, false) if category(dx) <= category(dy) => return dy,
+                    (false, true) if category(dy) <= category(dx) => return dx,
+                    _ => {}
+                }
                 if rank_of(dx) >= rank_of(dy) {
                     dx
                 } else {

@@ -367,3 +367,37 @@ fn scatter_value_is_matched_to_its_schema() {
     )
     .is_err());
 }
+
+// ---------------------------------------------------------------- type promotion
+
+/// A 0-dim tensor beside a dimensioned one of the same category takes its dtype, as
+/// torch promotes: a bf16 tensor compared with (or scaled by) a 0-dim f32 tensor stays
+/// bf16, where the wider dtype would compare other values (0.1 is not a bf16 number).
+#[test]
+fn a_zero_dim_tensor_takes_the_dimensioned_ones_dtype() {
+    let l = Lowered::new(
+        &[("x", DType::BF16, &[4]), ("c", DType::F32, &[])],
+        vec![
+            node("aten.lt.Tensor", &["m"], vec![p(t("x")), p(t("c"))]),
+            node("aten.mul.Tensor", &["y"], vec![p(t("c")), p(t("x"))]),
+        ],
+        &[("m", DType::Bool, &[4]), ("y", DType::BF16, &[4])],
+    );
+    let (op, operands) = l.def(l.value("m"));
+    assert!(matches!(op, Op::Compare { .. }), "{op:?}");
+    for v in operands {
+        assert_eq!(l.g.ty(v).dtype, DType::BF16);
+    }
+    assert_eq!(l.g.ty(l.value("y")).dtype, DType::BF16);
+    // A 0-dim tensor of a higher category still promotes: int < 0-dim float is a float
+    // comparison.
+    let l = Lowered::new(
+        &[("i", DType::I64, &[4]), ("c", DType::F32, &[])],
+        vec![node("aten.lt.Tensor", &["m"], vec![p(t("i")), p(t("c"))])],
+        &[("m", DType::Bool, &[4])],
+    );
+    let (_, operands) = l.def(l.value("m"));
+    for v in operands {
+        assert_eq!(l.g.ty(v).dtype, DType::F32);
+    }
+}
