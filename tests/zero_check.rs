@@ -328,12 +328,7 @@ fn updates_that_wait_for_their_reduction_move_and_match() {
     let (graph, _, _) = load_fixture("llama");
     for zero in [0, 2] {
         let (_, report) = training_step(&graph, "dp=4", &opts(zero, 1)).unwrap();
-        let moved = report
-            .passes
-            .iter()
-            .find(|p| p.pass == "optimizer")
-            .and_then(|p| p.counters.get("updates_deferred").copied())
-            .unwrap_or(0);
+        let moved = report.counter("updates_deferred");
         assert!(moved > 0, "zero {zero}: nothing moved");
     }
     check("llama", &[("dp=4", 0, 1), ("dp=4", 2, 1), ("dp=4", 3, 1)]);
@@ -352,15 +347,10 @@ fn updates_held_within_a_bound_move_and_match() {
                 ..opts(zero, 1)
             };
             let (_, report) = training_step(&graph, "dp=4", &o).unwrap();
-            let stat = |k: &str| {
-                report
-                    .passes
-                    .iter()
-                    .find(|p| p.pass == "optimizer")
-                    .and_then(|p| p.counters.get(k).copied())
-                    .unwrap_or(0)
-            };
-            (stat("updates_deferred"), stat("deferred_held_bytes"))
+            (
+                report.counter("updates_deferred"),
+                report.counter("deferred_held_bytes"),
+            )
         };
         let (moved_all, held_all) = deferred(DeferUpdates::All);
         assert!(moved_all > 0 && held_all > 0, "zero {zero}: nothing held");

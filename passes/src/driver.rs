@@ -671,14 +671,10 @@ fn evaluate_verified(
     })?;
     let (peak, time) = (p.memory.peak_bytes, p.cost.step_time_s);
     let fits = peak <= req.memory_limit();
-    let counter = |k: &str| {
-        c.report
-            .passes
-            .iter()
-            .find_map(|s| s.counters.get(k).copied())
-            .unwrap_or(0)
-    };
-    let (moved, held) = (counter("updates_deferred"), counter("deferred_held_bytes"));
+    let (moved, held) = (
+        c.report.counter("updates_deferred"),
+        c.report.counter("deferred_held_bytes"),
+    );
     // What holding reduced gradients longer can add at the peak: their buffers, and
     // the transients beside them.
     let releasable: u64 = ["comm_buffers", "grads", "workspace"]

@@ -240,6 +240,23 @@ impl<'a> Lower<'a> {
         }
     }
 
+    /// A graph input named as the export names it (unit tests of single lowerings).
+    #[cfg(test)]
+    pub fn test_input(&mut self, name: &str, ty: TensorType) {
+        let v = self
+            .g
+            .add(
+                Op::Input {
+                    name: name.to_string(),
+                    role: weft_ir::Role::Other,
+                    ty,
+                },
+                &[],
+            )
+            .unwrap();
+        self.env.insert(name.to_string(), LV::T(v));
+    }
+
     // ---------------------------------------------------------------- errors
 
     pub fn unsupported(&self, n: &FxNode, msg: impl Into<String>) -> LErr {

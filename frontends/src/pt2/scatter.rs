@@ -390,7 +390,7 @@ mod tests {
     use super::super::fx::{FxGraph, FxNode};
     use super::super::lower::{Lower, LV};
     use super::super::schema::{Arg, SymInt, TensorMeta};
-    use weft_ir::{DType, Dim, Op, Role, TensorType, Value};
+    use weft_ir::{DType, Dim, Op, TensorType, Value};
 
     const END: i64 = i64::MAX;
 
@@ -457,18 +457,10 @@ mod tests {
         }
         let mut l = Lower::for_tests(&fx, 2, 16, false);
         for (name, c) in inputs {
-            let ty = TensorType::new(DType::F32, vec![batch.clone(), Dim::from(*c)]);
-            let v =
-                l.g.add(
-                    Op::Input {
-                        name: name.to_string(),
-                        role: Role::Other,
-                        ty,
-                    },
-                    &[],
-                )
-                .unwrap();
-            l.env.insert(name.to_string(), LV::T(v));
+            l.test_input(
+                name,
+                TensorType::new(DType::F32, vec![batch.clone(), Dim::from(*c)]),
+            );
         }
         l.run();
         let out = cols.iter().map(|(n, _)| (n.to_string(), l.lv(n))).collect();

@@ -6,7 +6,7 @@ use super::super::error::Pt2Error;
 use super::super::fx::{FxGraph, FxNode};
 use super::super::schema::{Arg, SymInt, TensorMeta};
 use super::{unwrap_err, Lower, LV};
-use weft_ir::{DType, Dim, Graph, Op, Role, TensorType, Value};
+use weft_ir::{DType, Dim, Graph, Op, TensorType, Value};
 
 /// The export's ScalarType code of a dtype.
 fn code(d: DType) -> i64 {
@@ -72,18 +72,10 @@ impl Lowered {
         }
         let mut l = Lower::for_tests(&fx, 1, 4, false);
         for (name, dt, shape) in inputs {
-            let ty = TensorType::new(*dt, shape.iter().map(|&s| Dim::from(s)).collect());
-            let v =
-                l.g.add(
-                    Op::Input {
-                        name: name.to_string(),
-                        role: Role::Other,
-                        ty,
-                    },
-                    &[],
-                )
-                .unwrap();
-            l.env.insert(name.to_string(), LV::T(v));
+            l.test_input(
+                name,
+                TensorType::new(*dt, shape.iter().map(|&s| Dim::from(s)).collect()),
+            );
         }
         l.run();
         let vals = types
