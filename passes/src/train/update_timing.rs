@@ -149,7 +149,7 @@ impl Waiting {
     fn keep(&mut self, g: &Graph, b: &Bindings, reader: Node, v: Value) {
         let r = self.readers.entry(v).or_insert(0);
         if *r == 0 {
-            self.bytes += bytes(g, v, b);
+            self.bytes = self.bytes.saturating_add(bytes(g, v, b));
         }
         *r += 1;
         self.keeps.entry(reader).or_default().push(v);
@@ -187,7 +187,7 @@ impl Waiting {
             *r -= 1;
             if *r == 0 {
                 self.readers.remove(&v);
-                self.bytes -= bytes(g, v, b);
+                self.bytes = self.bytes.saturating_sub(bytes(g, v, b));
             }
         }
         let wd = g.node(w);
