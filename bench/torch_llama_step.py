@@ -24,6 +24,7 @@ p.add_argument("--attn", default="sdpa")
 p.add_argument("--json", default=None)
 p.add_argument("--window", type=int, default=None, help="sliding window (MistralForCausalLM, same sizes)")
 p.add_argument("--fp8", action="store_true", help="torchao float8 training (tensorwise dynamic scaling) on every nn.Linear but the lm_head; use with --compile")
+p.add_argument("--kernels", action="store_true", help="after timing, one more step under torch.profiler: the top CUDA kernels by device time (PyTorch's in-step attention kernels against Weft's --profile-out)")
 p.add_argument("--config", default=None, help="any HF config.json (or its directory) instead of the 1.24B model: the same step on AutoModelForCausalLM.from_config")
 a = p.parse_args()
 
@@ -86,6 +87,19 @@ tok = a.batch * a.seq / med
 peak = torch.cuda.max_memory_allocated() / 2**30
 res = {"impl": ("torch.compile" if a.compile else "torch eager") + (" + torchao float8" if a.fp8 else "") + (" + checkpointing" if a.ckpt else "") + (" + save_on_cpu" if a.save_on_cpu else "") + (f" window {a.window} ({a.attn})" if a.window else ""), "seq": a.seq, "batch": a.batch, "median_step_s": med,
        "tokens_per_s": tok, "first_step_s": first, "peak_gib": peak, "loss": float(loss), "torch": torch.__version__}
+if a.kernels:
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(); torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            n, c = per.get(ev.name, (0.0, 0))
+            per[ev.name] = (n + ev.device_time_total / 1e3, c + 1)
+    total = sum(t for t, _ in per.values())
+    print(f"kernels of one profiled step: {total:.2f} ms of device time")
+    for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:12]:
+        print(f"  {ms:9.3f} ms {n:5d}x  {name[:110]}")
 print(json.dumps(res))
 if a.json:
     json.dump(res, open(a.json, "w"))
