@@ -410,6 +410,25 @@ impl Lower<'_> {
             },
             &args,
         )?;
+        // torch's SDPA gives 0 for a query row whose keep-mask is all false (its safe
+        // softmax); Weft's attention gives that row the mean of v, as HF's eager path
+        // does. A mask from the data can have such rows: zero them.
+        let out = match mask {
+            Some(mv) => {
+                let dt = self.g.ty(out).dtype;
+                let m = self.cast(n, mv, dt)?;
+                let kept = self.emit(
+                    n,
+                    Op::Max {
+                        dims: vec![-1],
+                        keepdim: true,
+                    },
+                    &[m],
+                )?;
+                self.emit(n, Op::Mul {}, &[out, kept])?
+            }
+            None => out,
+        };
         self.report.recognise(
             "attention",
             n.scope.as_deref(),

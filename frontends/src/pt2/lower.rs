@@ -703,6 +703,23 @@ impl<'a> Lower<'a> {
             }
         }
         let (x, y) = (self.as_tensor(n, a, want)?, self.as_tensor(n, b, want)?);
+        if want == DType::Bool {
+            // torch's bool arithmetic is logic: `a + b` and `max` are `or`, `a * b` and
+            // `min` are `and` (`True + True` is True, not 2).
+            let is_or = match op {
+                Bin::Add | Bin::Max => true,
+                Bin::Mul | Bin::Min => false,
+                Bin::Sub | Bin::Div => {
+                    return Err(self.unsupported(n, "subtraction or division of bool tensors"))
+                }
+            };
+            let c = self.full(n, is_or as i64 as f64, TensorType::scalar(DType::Bool))?;
+            return if is_or {
+                self.emit(n, Op::Where {}, &[x, c, y])
+            } else {
+                self.emit(n, Op::Where {}, &[x, y, c])
+            };
+        }
         let op = match op {
             Bin::Add => Op::Add {},
             Bin::Sub => Op::Sub {},

@@ -74,6 +74,26 @@ impl Lower<'_> {
         let e = self.float_arg(n, n.arg_at(1))?;
         let ty = self.out_ty(n)?;
         let x = self.cast(n, x, ty.dtype)?;
+        if !ty.dtype.is_float() {
+            // The runtime's `pow_scalar` is a float op; an integer tensor to a small
+            // natural power is exact as repeated products (`i ** 2`).
+            if e.fract() != 0.0 || !(0.0..=8.0).contains(&e) {
+                return Err(self.unsupported(
+                    n,
+                    format!("pow of a {} tensor with the exponent {e}", ty.dtype),
+                ));
+            }
+            let mut acc = self.full(n, 1.0, weft_ir::TensorType::scalar(ty.dtype))?;
+            for _ in 0..e as i64 {
+                acc = self.emit(n, Op::Mul {}, &[acc, x])?;
+            }
+            if e == 0.0 {
+                // `x ** 0` keeps x's shape.
+                let zero = self.emit(n, Op::Sub {}, &[x, x])?;
+                acc = self.emit(n, Op::Add {}, &[zero, acc])?;
+            }
+            return one(acc);
+        }
         one(self.emit(n, Op::PowScalar { exponent: Float(e) }, &[x])?)
     }
 
@@ -114,6 +134,16 @@ impl Lower<'_> {
         let x = self.tensor(n, n.arg_at(0))?;
         let ty = self.out_ty(n)?;
         let x = self.cast(n, x, ty.dtype)?;
+        if !ty.dtype.is_float() {
+            // The runtime's unary ops are float ops: an integer `neg` is `0 - x`, an
+            // integer `relu` is `max(x, 0)`; the others have float results in torch.
+            let zero = self.full(n, 0.0, weft_ir::TensorType::scalar(ty.dtype))?;
+            return match n.base() {
+                "neg" => one(self.emit(n, Op::Sub {}, &[zero, x])?),
+                "relu" => one(self.emit(n, Op::Maximum {}, &[x, zero])?),
+                b => Err(self.unsupported(n, format!("{b} of a {} tensor", ty.dtype))),
+            };
+        }
         let op = match n.base() {
             "neg" => Op::Neg {},
             "exp" => Op::Exp {},

@@ -126,9 +126,14 @@ impl Lower<'_> {
             a => norm(self.dim_arg(n, a)?),
         };
         let mut len = ty.shape[d as usize].clone();
+        // A static export's sequence length is `S` in a slice of a dim that follows
+        // from input_ids, or of a table (a size-only value: `cos_cached[:S]`); a slice
+        // of a model dim (`x[..., :6]` of a hidden size 16) keeps its constant length,
+        // whatever the sequence length was.
+        let of_table = matches!(n.arg_at(0), Arg::Tensor(t) if self.static_vals.contains(t));
         if self.same_size(&len, &size) {
             len = size.clone();
-        } else {
+        } else if size.as_const().is_none() || of_table {
             len = self.seq_dim(&len);
         }
         if start == Dim::from(0) && len == size {
