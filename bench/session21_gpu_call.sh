@@ -23,7 +23,7 @@ prof() { # seq, tag, then extra flags
 }
 if has attn; then WEFT_CUDNN_ENGINE_LIST=1 WEFT_PROFILE=1 prof 4096 base; fi
 if has attn16; then WEFT_CUDNN_ENGINE_LIST=1 WEFT_PROFILE=1 prof 16384 base; fi
-if has torchk; then for SEQ in 4096 16384; do echo "== seq $SEQ torch eager kernels"; timeout 150 $PY bench/torch_llama_step.py --seq $SEQ --steps 4 --kernels 2>&1 | grep -vE '^\{' | tail -13 | cut -c1-160; done; fi
+if has torchk; then for SEQ in ${TORCHK_SEQS:-4096 16384}; do echo "== seq $SEQ torch eager kernels"; timeout 150 $PY bench/torch_llama_step.py --seq $SEQ --steps 4 --kernels 2>&1 | grep -vE '^\{' | tail -13 | cut -c1-160; done; fi
 if has checks; then
   WEFT_GPU_ONLY="attention" timeout 150 .gpu/tests/gpu --nocapture --test-threads=1 > $OUT/cases.txt 2>&1; echo "attention cases rc $?"; grep -E "cases|FAIL|fail" $OUT/cases.txt | tail -3
   for m in "llama-tiny --dtype bf16 --torch-adamw --micro-batches 2" "gemma2-tiny --dtype bf16 --fused-loss" "mixtral-tiny --dtype bf16 --torch-adamw"; do

@@ -489,6 +489,8 @@ fn device_profiles_with_bad_numbers_are_refused() {
         ("hbm_gbps", "0"),
         ("matmul_tflops", "-5"),
         ("memory_gib", "1e999"),
+        ("attention_bwd_tflops", "-3"),
+        ("attention_row_keys", "-1"),
     ] {
         let text = format!(
             r#"{{"name":"bad","matmul_tflops":100,"attention_tflops":100,"vector_tflops":10,"hbm_gbps":1000,"kernel_overhead_us":4,"memory_gib":80,"gpus_per_node":8,"intra_node_gbps":100,"intra_node_latency_us":8,"inter_node_gbps":10,"inter_node_latency_us":25,"host_gbps":20,"{field}":{value}}}"#

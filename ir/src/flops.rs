@@ -150,9 +150,7 @@ pub fn node_flops(g: &Graph, n: Node) -> Dim {
 }
 
 /// FLOPs of an attention (or its gradient) at `(per D, per Dv, per element)` for each
-/// (query, key) pair a kernel that skips masked tiles visits: all of them, half for
-/// causal, the band for a window (exact when the sequence lengths are known; for symbolic
-/// ones the band of a sequence at least `window` long, `S W - W (W - 1) / 2` per head).
+/// (query, key) pair a kernel that skips masked tiles visits ([`attention_work`]).
 fn attention_flops(
     op: &Op,
     q: &crate::types::TensorType,
@@ -160,29 +158,69 @@ fn attention_flops(
     v: &crate::types::TensorType,
     (per_d, per_dv, per_el): (i64, i64, i64),
 ) -> Dim {
+    let (work, unmasked) = attention_work(op, q, k, v);
+    let layout = op.head_layout().unwrap_or_default();
+    let (q, v) = (&layout.swap_to_bhsd(q), &layout.swap_to_bhsd(v));
+    let per_pair = q.shape[3].clone() * per_d + v.shape[3].clone() * per_dv + per_el;
+    match unmasked {
+        // halved after the multiplication, so an odd count keeps its half FLOP
+        Some(full) => full * per_pair / 2,
+        None => work.pairs * per_pair,
+    }
+}
+
+/// What an attention kernel walks: its query rows (B x Hq x Sq) and the (query, key)
+/// pairs it visits when it skips masked tiles.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionWork {
+    pub rows: Dim,
+    pub pairs: Dim,
+}
+
+/// The rows and visited pairs of an `attention` or `attention_grad` node (operands q, k,
+/// v): all pairs, half for causal, the band for a window (exact when the sequence
+/// lengths are known; for symbolic ones the band of a sequence at least `window` long,
+/// `S W - W (W - 1) / 2` per head). `None` for other ops.
+pub fn node_attention_work(g: &Graph, n: Node) -> Option<AttentionWork> {
+    let d = g.node(n);
+    if !matches!(d.op, Op::Attention { .. } | Op::AttentionGrad { .. }) || d.operands.len() < 3 {
+        return None;
+    }
+    let ty = |i: usize| g.ty(d.operands[i]);
+    Some(attention_work(&d.op, ty(0), ty(1), ty(2)).0)
+}
+
+/// The work, and for a causal attention without a window the unmasked pair count it
+/// halves.
+fn attention_work(
+    op: &Op,
+    q: &crate::types::TensorType,
+    k: &crate::types::TensorType,
+    _v: &crate::types::TensorType,
+) -> (AttentionWork, Option<Dim>) {
     let (causal, window) = match op {
         Op::Attention { causal, window, .. } | Op::AttentionGrad { causal, window, .. } => {
             (*causal, *window)
         }
         _ => (false, None),
     };
-    // q, k, v in [B, H, S, D] order whatever the op's head layout
+    // q, k in [B, H, S, D] order whatever the op's head layout
     let layout = op.head_layout().unwrap_or_default();
-    let (q, k, v) = (
-        &layout.swap_to_bhsd(q),
-        &layout.swap_to_bhsd(k),
-        &layout.swap_to_bhsd(v),
-    );
+    let (q, k) = (&layout.swap_to_bhsd(q), &layout.swap_to_bhsd(k));
     let (sq, sk) = (q.shape[2].clone(), k.shape[2].clone());
     let rows = q.shape[0].clone() * q.shape[1].clone() * sq.clone();
-    let per_pair = q.shape[3].clone() * per_d + v.shape[3].clone() * per_dv + per_el;
     // (a window too large to count with is no narrower than the causal triangle)
     let Some(w) = window.filter(|&w| causal && w.checked_mul(w).is_some()) else {
-        let full = rows * sk * per_pair;
-        return if causal { full / 2 } else { full };
+        let full = rows.clone() * sk;
+        return if causal {
+            let pairs = full.clone() / 2;
+            (AttentionWork { rows, pairs }, Some(full))
+        } else {
+            (AttentionWork { rows, pairs: full }, None)
+        };
     };
     let heads = q.shape[0].clone() * q.shape[1].clone();
-    let band = match (sq.as_const(), sk.as_const()) {
+    let pairs = match (sq.as_const(), sk.as_const()) {
         (Some(a), Some(b)) => {
             // query i sits at p = i + b - a and keeps keys max(0, p - w + 1) ..= min(p, b - 1)
             let per_head: i64 = (0..a)
@@ -195,7 +233,7 @@ fn attention_flops(
         }
         _ => heads * (sq * w - Dim::from(w * (w - 1) / 2)),
     };
-    band * per_pair
+    (AttentionWork { rows, pairs }, None)
 }
 
 /// Total forward FLOPs of the graph.

@@ -143,6 +143,8 @@ impl DeviceProfile {
             ("grouped_gemm_issue_us", self.grouped_gemm_issue_us),
             ("host_sync_us", self.host_sync_us),
             ("host_duplex_gbps", self.host_duplex_gbps),
+            ("attention_bwd_tflops", self.attention_bwd_tflops),
+            ("attention_row_keys", self.attention_row_keys),
         ];
         for (name, v) in delays {
             if !(v.is_finite() && v >= 0.0) {
@@ -385,8 +387,17 @@ pub struct DeviceProfile {
     pub name: String,
     /// Dense bf16 matmul rate reached in practice (not the datasheet peak).
     pub matmul_tflops: f64,
-    /// Causal attention (flash-style fused kernel) forward+backward rate.
+    /// Fused (flash-style) attention's rate on long rows: the forward's, and the
+    /// backward's where `attention_bwd_tflops` is 0.
     pub attention_tflops: f64,
+    /// The fused attention backward's rate on long rows (0: `attention_tflops`).
+    #[serde(default)]
+    pub attention_bwd_tflops: f64,
+    /// Each query row's fixed work in a fused attention kernel (loading its query,
+    /// the softmax statistics, writing its output), as a number of keys' worth of
+    /// work: short rows run below the long-row rate (0: none).
+    #[serde(default)]
+    pub attention_row_keys: f64,
     /// Rate of non-matmul float work.
     pub vector_tflops: f64,
     pub hbm_gbps: f64,

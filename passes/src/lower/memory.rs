@@ -101,6 +101,15 @@ pub fn flops(g: &Graph, n: Node, b: &Bindings) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The rows and visited (query, key) pairs of an `attention` or `attention_grad` at the
+/// bindings, for the cost model's per-row term (`None` for other ops or unknown sizes).
+pub fn attention_work(g: &Graph, n: Node, b: &Bindings) -> Option<(f64, f64)> {
+    let w = weft_ir::flops::node_attention_work(g, n)?;
+    let rows = w.rows.eval_f64(b).ok()?;
+    let pairs = w.pairs.eval_f64(b).ok()?;
+    Some((rows, pairs))
+}
+
 /// The model layer a scope belongs to: `model.layers.3` for `model.layers.3.mlp`.
 pub fn layer_of(source: Option<&str>) -> Option<String> {
     let s = source?;

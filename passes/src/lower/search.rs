@@ -486,7 +486,7 @@ fn forward_layer_s(m: &ModelShape, s: &SearchSpec, d: &DeviceProfile) -> f64 {
     let (matmul, attention) = model_flops(m, s);
     let world = s.gpus as f64;
     (matmul / world / (d.matmul_tflops * 1e12)
-        + attention * ATTENTION_HARDWARE_RATIO / world / (d.attention_tflops * 1e12))
+        + attention * ATTENTION_HARDWARE_RATIO / world / (attention_tflops(s, 1, d) * 1e12))
         / 3.0
         / m.layers as f64
 }
@@ -509,6 +509,12 @@ fn host_update_exposed(param_bytes: f64, d: &DeviceProfile, updated: f64) -> f64
 /// backward recomputes the scores and runs five matmuls (`weft_ir::flops`:
 /// `attention_grad` is 2.5x the forward), so 3.5x in all.
 const ATTENTION_HARDWARE_RATIO: f64 = 3.5 / 3.0;
+
+/// The fused attention's forward + backward rate (TFLOP/s) for causal rows of the
+/// sequence, visited in `cp` blocks (each block visit pays the rows' fixed work).
+fn attention_tflops(s: &SearchSpec, cp: u32, d: &DeviceProfile) -> f64 {
+    super::plan::cost::attention_step_tflops(d, s.seq as f64 / 2.0 / cp.max(1) as f64)
+}
 
 /// Kernels a ring step of one layer launches, forward and backward together.
 const RING_STEP_KERNELS: f64 = 100.0;
@@ -758,7 +764,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
                     0.0
                 })
             / world)
-            / (d.attention_tflops * 1e12)
+            / (attention_tflops(s, c.cp, d) * 1e12)
         + layers * 40.0 * c.micro_batches as f64 * d.kernel_overhead_us * 1e-6
         + expert_issue_floor(m, c, all_tokens / world, recompute, d);
     // Critical-path collectives, per micro-batch then times the count.
@@ -798,7 +804,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         // The masked attention against the whole sequence computes the blocks above
         // the diagonal too: the causal half again.
         compute += (attn_model * ATTENTION_HARDWARE_RATIO * (1.0 + redo / 3.0) / world)
-            / (d.attention_tflops * 1e12);
+            / (attention_tflops(s, c.cp, d) * 1e12);
         // Its collectives run along a sequence-first copy (`ring_allgather.rs`): each of
         // k and v is permuted there (one block) and the gathered whole back (`cp` blocks)
         // in the forward, again for the backward's gather (and the recompute's), and dk
@@ -966,7 +972,7 @@ pub fn ring_step(
 ) -> RingStep {
     let transfer = link_time(d, inter, kv_bytes, 1.0);
     let flops = 4.0 * local * local * head_dim * heads / 2.0;
-    let block_forward = flops / (d.attention_tflops * 1e12);
+    let block_forward = flops / (super::plan::cost::attention_step_tflops(d, local / 2.0) * 1e12);
     RingStep {
         transfer,
         block_forward,
@@ -1193,10 +1199,14 @@ mod tests {
 
     /// Every ring step of a layer pays its kernel launches: on 8 GPUs, cp=8 and
     /// dp=2,cp=4 do the same work per rank, and cp=8's compute is longer by exactly
-    /// the launches of its 4 more steps in every layer.
+    /// the launches of its 4 more steps in every layer (with the attention rows' fixed
+    /// work, which cp=8's shorter blocks pay more often, priced at 0; with it, cp=8
+    /// pays more again).
     #[test]
     fn ring_steps_pay_their_kernel_launches() {
-        let spec = h100_spec(8, 131072, 2);
+        let mut spec = h100_spec(8, 131072, 2);
+        let with_rows = spec.clone();
+        spec.device.attention_row_keys = 0.0;
         let m = llama8b();
         let cp8 = cp8(CpKv::Ring, "none");
         let cp4 = Candidate {
@@ -1211,6 +1221,12 @@ mod tests {
         assert!(
             (extra - launches).abs() < 1e-9 * launches.max(1.0),
             "{extra} vs {launches}"
+        );
+        let (a, b) = (score(&m, &with_rows, &cp8), score(&m, &with_rows, &cp4));
+        assert!(
+            a.time.compute - b.time.compute > launches * 1.01,
+            "{} vs {launches}",
+            a.time.compute - b.time.compute
         );
     }
 

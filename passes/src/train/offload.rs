@@ -36,8 +36,8 @@ pub const NAME: &str = "offload";
 
 /// Predicted seconds of node `n` on the compute stream (0 for collectives and host
 /// copies, which run on their own streams). The fused backward ops with matmuls inside
-/// (`attention_grad`, `grouped_matmul_grad`), which the FLOP count prices as
-/// elementwise, are priced at 2.5x and 2x their forward op, as the plan's kernels do.
+/// (`attention_grad`, `grouped_matmul_grad`) are priced at no less than 2.5x and 2x
+/// their forward op.
 pub fn compute_seconds(
     g: &Graph,
     n: Node,
@@ -70,7 +70,8 @@ pub fn compute_seconds(
         .chain(&nd.results)
         .map(|v| bytes(g, *v, b))
         .sum();
-    crate::plan::cost::compute_time(&nd.op, fl, by as f64, d)
+    let work = crate::memory::attention_work(g, n, b);
+    crate::plan::cost::compute_time(&nd.op, fl, by as f64, work, d)
 }
 
 impl Pass for Offload {

@@ -49,8 +49,16 @@ pub const FP8_GEMM_SPEEDUP: f64 = 1.6;
 /// quantizing read and the 1-byte write (half an operand) for each operand.
 const FP8_QUANTIZE_PASSES: f64 = 2.5;
 
-/// Seconds for a compute instruction.
-pub fn compute_time(op: &Op, flops: f64, bytes: f64, d: &DeviceProfile) -> f64 {
+/// Seconds for a compute instruction; `attention`: the rows and visited (query, key)
+/// pairs of an `attention` or `attention_grad` (`weft_ir::flops::node_attention_work`),
+/// whose per-row fixed work the profile's `attention_row_keys` prices.
+pub fn compute_time(
+    op: &Op,
+    flops: f64,
+    bytes: f64,
+    attention: Option<(f64, f64)>,
+    d: &DeviceProfile,
+) -> f64 {
     if is_view(op) {
         return 0.0;
     }
@@ -61,14 +69,50 @@ pub fn compute_time(op: &Op, flops: f64, bytes: f64, d: &DeviceProfile) -> f64 {
         return gemm + quantize + 5.0 * d.kernel_overhead_us * 1e-6;
     }
     let rate = if is_attention_class(op) {
-        d.attention_tflops
+        attention_rate(op, d)
     } else if is_matmul_class(op) {
         d.matmul_tflops
     } else {
         d.vector_tflops
     } * 1e12;
-    let t = (flops / rate).max(bytes / (d.hbm_gbps * 1e9));
+    let row_work = match attention {
+        Some((rows, pairs)) if pairs > 0.0 => 1.0 + d.attention_row_keys * rows / pairs,
+        _ => 1.0,
+    };
+    let t = (flops * row_work / rate).max(bytes / (d.hbm_gbps * 1e9));
     t + d.kernel_overhead_us * 1e-6
+}
+
+/// TFLOP/s of a fused attention's forward and backward together (the backward 2.5x the
+/// forward's FLOPs, `weft_ir::flops`) over rows that visit `keys_per_row` keys each
+/// (each row's fixed work at `attention_row_keys`): the rate `weft plan`'s analytic
+/// model prices a step's attention at.
+pub fn attention_step_tflops(d: &DeviceProfile, keys_per_row: f64) -> f64 {
+    let bwd = if d.attention_bwd_tflops > 0.0 {
+        d.attention_bwd_tflops
+    } else {
+        d.attention_tflops
+    };
+    let row = if keys_per_row > 0.0 {
+        1.0 + d.attention_row_keys / keys_per_row
+    } else {
+        1.0
+    };
+    3.5 / (row * (1.0 / d.attention_tflops + 2.5 / bwd))
+}
+
+/// TFLOP/s of an attention-class op: the backward ones at `attention_bwd_tflops` where
+/// the profile gives it.
+fn attention_rate(op: &Op, d: &DeviceProfile) -> f64 {
+    let backward = matches!(
+        op,
+        Op::AttentionGrad { .. } | Op::AttentionBlockGrad { .. } | Op::RingAttentionGrad { .. }
+    );
+    if backward && d.attention_bwd_tflops > 0.0 {
+        d.attention_bwd_tflops
+    } else {
+        d.attention_tflops
+    }
 }
 
 /// Passes over the logits' bytes that `linear_cross_entropy_with_grad`'s row kernel
@@ -224,6 +268,85 @@ pub fn host_adam_time(params: f64, d: &DeviceProfile) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn attention(grad: bool) -> Op {
+        let causal = true;
+        let scale = weft_ir::Float(0.125);
+        if grad {
+            Op::AttentionGrad {
+                layout: Default::default(),
+                causal,
+                scale,
+                window: None,
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
+            }
+        } else {
+            Op::Attention {
+                layout: Default::default(),
+                causal,
+                scale,
+                window: None,
+                softcap: None,
+                sinks: Default::default(),
+                lse: Default::default(),
+            }
+        }
+    }
+
+    /// A fused attention's time is its FLOPs at the direction's long-row rate, plus
+    /// each query row's fixed work (`attention_row_keys` keys' worth): a causal
+    /// S = 4096 row (2048 keys on average) costs 1 + 770 / 2048 of its FLOPs' time, a
+    /// 16384 one 1 + 770 / 8192; a profile without the fields prices as before.
+    #[test]
+    fn attention_rows_price_their_fixed_work() {
+        let d = crate::plan::profile::preset("h100").unwrap();
+        let time = |grad: bool, s: f64, d: &DeviceProfile| {
+            let rows = 32.0 * s;
+            let pairs = rows * s / 2.0;
+            let flops = pairs * if grad { 646.0 } else { 261.0 };
+            let t = compute_time(&attention(grad), flops, 0.0, Some((rows, pairs)), d)
+                - d.kernel_overhead_us * 1e-6;
+            (t, flops)
+        };
+        for (grad, rate) in [(false, d.attention_tflops), (true, d.attention_bwd_tflops)] {
+            for s in [4096.0, 16384.0] {
+                let (t, flops) = time(grad, s, &d);
+                let want = flops / (rate * 1e12) * (1.0 + d.attention_row_keys / (s / 2.0));
+                assert!((t - want).abs() < 1e-9 * want, "{grad} {s}: {t} vs {want}");
+            }
+        }
+        // the 1.24B step's 16 layers at 4096 on the H100: 3.24 ms forward and 9.22 ms
+        // backward measured (session 21); the preset within 5%
+        let (fwd, _) = time(false, 4096.0, &d);
+        let (bwd, _) = time(true, 4096.0, &d);
+        assert!((fwd * 16.0 / 3.24e-3 - 1.0).abs() < 0.05, "{}", fwd * 16.0);
+        assert!((bwd * 16.0 / 9.22e-3 - 1.0).abs() < 0.05, "{}", bwd * 16.0);
+        let mut plain = d.clone();
+        plain.attention_bwd_tflops = 0.0;
+        plain.attention_row_keys = 0.0;
+        let (t, flops) = time(true, 4096.0, &plain);
+        let want = flops / (plain.attention_tflops * 1e12);
+        assert!((t - want).abs() < 1e-9 * want);
+        // the analytic model's rate for the step: the two directions at their share
+        let step = attention_step_tflops(&plain, 2048.0);
+        assert!((step - plain.attention_tflops).abs() < 1e-9);
+        assert!(attention_step_tflops(&d, 2048.0) < attention_step_tflops(&d, 8192.0));
+    }
+
+    /// Plans and profiles written before the attention fields existed load with them at
+    /// 0: one rate both ways, no per-row work.
+    #[test]
+    fn profiles_without_the_attention_fields_load() {
+        let mut v = serde_json::to_value(crate::plan::profile::preset("h200").unwrap()).unwrap();
+        let o = v.as_object_mut().unwrap();
+        o.remove("attention_bwd_tflops");
+        o.remove("attention_row_keys");
+        let p: DeviceProfile = serde_json::from_value(v).unwrap();
+        assert_eq!((p.attention_bwd_tflops, p.attention_row_keys), (0.0, 0.0));
+        p.validate().unwrap();
+    }
 
     fn shape(rows: f64, groups: f64, grad: bool) -> GroupedShape {
         GroupedShape {

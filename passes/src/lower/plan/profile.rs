@@ -8,29 +8,38 @@ use weft_ir::plan::DeviceProfile;
 pub const PROFILES: &[&str] = &["h200", "h100", "a100"];
 
 pub fn preset(name: &str) -> Option<DeviceProfile> {
-    let p =
-        |name: &str, matmul, attention, vector, hbm, mem, nvlink, net, (host, duplex, slowdown)| {
-            DeviceProfile {
-                name: name.to_string(),
-                matmul_tflops: matmul,
-                attention_tflops: attention,
-                vector_tflops: vector,
-                hbm_gbps: hbm,
-                kernel_overhead_us: 4.0,
-                memory_gib: mem,
-                gpus_per_node: 8,
-                intra_node_gbps: nvlink,
-                intra_node_latency_us: 8.0,
-                inter_node_gbps: net,
-                inter_node_latency_us: 25.0,
-                host_gbps: host,
-                host_duplex_gbps: duplex,
-                host_copy_compute_slowdown: slowdown,
-                host_adam_params_per_s: weft_ir::plan::default_host_adam_params_per_s(),
-                grouped_gemm_issue_us: weft_ir::plan::default_grouped_gemm_issue_us(),
-                host_sync_us: weft_ir::plan::default_host_sync_us(),
-            }
-        };
+    let p = |name: &str,
+             matmul,
+             (attention, attention_bwd, row_keys),
+             vector,
+             hbm,
+             mem,
+             nvlink,
+             net,
+             (host, duplex, slowdown)| {
+        DeviceProfile {
+            name: name.to_string(),
+            matmul_tflops: matmul,
+            attention_tflops: attention,
+            attention_bwd_tflops: attention_bwd,
+            attention_row_keys: row_keys,
+            vector_tflops: vector,
+            hbm_gbps: hbm,
+            kernel_overhead_us: 4.0,
+            memory_gib: mem,
+            gpus_per_node: 8,
+            intra_node_gbps: nvlink,
+            intra_node_latency_us: 8.0,
+            inter_node_gbps: net,
+            inter_node_latency_us: 25.0,
+            host_gbps: host,
+            host_duplex_gbps: duplex,
+            host_copy_compute_slowdown: slowdown,
+            host_adam_params_per_s: weft_ir::plan::default_host_adam_params_per_s(),
+            grouped_gemm_issue_us: weft_ir::plan::default_grouped_gemm_issue_us(),
+            host_sync_us: weft_ir::plan::default_host_sync_us(),
+        }
+    };
     match name.to_ascii_lowercase().as_str() {
         // H200: cuBLASLt bf16 8192^3 reached ~790 TFLOP/s there; device copies ~4.3 TB/s.
         // Attention is priced at what the runtime's attention reaches there: cuDNN's fused
@@ -40,7 +49,15 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         // bench/GPU_NOTES.md). Weft's own kernels (WEFT_ATTENTION=weft) reach ~190; with
         // that rate the plan predicted 527.7 ms for the step at S=16384 that measured
         // 533.4 ms (run D).
-        // H100: the same SMs and clocks, so the same kernel rate.
+        // Fitted since (session 21) to cuDNN 9.19's kernels profiled in the 1.24B step on
+        // an H100 (16 layers, causal, head dim 64): forward 3.24 ms at S=4096 and ~40 at
+        // 16384, backward 9.22 and ~121: long rows reach ~475 TFLOP/s forward and ~413
+        // backward, and each query row costs ~770 keys' worth of fixed work more (so
+        // 4096 runs at ~350/~300 TFLOP/s). The H200's 37.2 / 123.6 ms at 16384 fit the
+        // same rates within 11% and 5%.
+        // H100: the same SMs and clocks, so the same attention rates. Its GEMMs in the
+        // step ran at 0.92-0.95 of a 700 TFLOP/s price (session 17: 41.21 ms against
+        // 44.76 at S=4096, 169.60 against 179.16 at 16384; 798 at 8192^3 alone): 750.
         // Host link: pinned copies measured with bench/host_link.py (PCIe Gen5 x16). On the
         // H200 there: 55 GB/s each way, both directions at once ~101 GB/s together, a GEMM
         // unchanged beside them. On the H100 there (session 16): 43-54 GB/s each way (50
@@ -49,7 +66,7 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         "h200" => Some(p(
             "h200",
             790.0,
-            380.0,
+            (475.0, 413.0, 770.0),
             60.0,
             4300.0,
             139.0,
@@ -59,8 +76,8 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         )),
         "h100" => Some(p(
             "h100",
-            700.0,
-            380.0,
+            750.0,
+            (475.0, 413.0, 770.0),
             50.0,
             3000.0,
             80.0,
@@ -71,7 +88,7 @@ pub fn preset(name: &str) -> Option<DeviceProfile> {
         "a100" => Some(p(
             "a100",
             280.0,
-            190.0,
+            (190.0, 0.0, 0.0),
             19.5,
             1700.0,
             80.0,

@@ -302,7 +302,8 @@ fn instruction_cost(
             let t = match grouped_shape(g, n, b) {
                 Some(s) => cost::grouped_matmul_time(&s, d),
                 None => {
-                    cost::compute_time(&nd.op, flops, in_bytes + out_bytes, d)
+                    let work = crate::memory::attention_work(g, n, b);
+                    cost::compute_time(&nd.op, flops, in_bytes + out_bytes, work, d)
                         + lce_row_bytes(g, n, b).map_or(0.0, |by| cost::lce_row_pass_time(by, d))
                 }
             };
