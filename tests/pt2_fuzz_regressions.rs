@@ -77,3 +77,18 @@ fn static_export_ambiguous_constant_is_refused() {
         "{e}"
     );
 }
+
+/// `w[arange(3) - 1]`: torch's advanced indexing counts -1 from the end; the runtime's
+/// range check refused it (exit 2 on a program torch runs).
+#[test]
+fn a_negative_index_counts_from_the_end() {
+    assert_reproduces("negative_index");
+}
+
+/// `gather` with an index smaller than x in a dim it does not gather along (an
+/// expand-and-slice view): the CPU runtime narrowed x to the index's extent and
+/// candle's gather refused the strided view.
+#[test]
+fn a_gather_index_smaller_than_its_input_reads_the_narrowed_input() {
+    assert_reproduces("gather_smaller_index");
+}

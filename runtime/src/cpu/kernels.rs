@@ -573,7 +573,8 @@ pub(crate) fn eval(op: &Op, ins: &[Tensor], cx: &Cx) -> KResult<Vec<Tensor>> {
                 "gather index",
                 &format!("dim {d}"),
             )?;
-            one(xs.gather(&idx.contiguous()?, d)?)
+            // (narrowing leaves x a strided view, which candle's gather refuses)
+            one(xs.contiguous()?.gather(&idx.contiguous()?, d)?)
         }
         Op::IndexSelect { dim } => {
             let (x, idx) = (&ins[0], &ins[1]);

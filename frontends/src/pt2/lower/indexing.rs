@@ -35,6 +35,19 @@ impl Lower<'_> {
                         self.unsupported(n, "advanced indexing with a multi-dimensional index")
                     );
                 }
+                // torch's advanced indexing counts a negative index from the end
+                // (`w[arange(3) - 1]`); a dim of unknown size keeps the runtime's range check.
+                let i = match self.g.ty(x).shape.first().and_then(|d| d.as_const()) {
+                    Some(size) => {
+                        let it = TensorType::scalar(self.g.ty(i).dtype);
+                        let zero = self.full(n, 0.0, it.clone())?;
+                        let size = self.full(n, size as f64, it)?;
+                        let negative = self.emit(n, Op::Compare { op: CmpOp::Lt }, &[i, zero])?;
+                        let wrapped = self.emit(n, Op::Add {}, &[i, size])?;
+                        self.emit(n, Op::Where {}, &[negative, wrapped, i])?
+                    }
+                    None => i,
+                };
                 one(self.emit(n, Op::IndexSelect { dim: 0 }, &[x, i])?)
             }
             _ => Err(self.unsupported(n, "advanced indexing with several index tensors")),
