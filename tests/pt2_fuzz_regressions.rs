@@ -92,3 +92,23 @@ fn a_negative_index_counts_from_the_end() {
 fn a_gather_index_smaller_than_its_input_reads_the_narrowed_input() {
     assert_reproduces("gather_smaller_index");
 }
+
+/// A rotary table from float32 frequencies is recognised (theta 10000, fitted) and
+/// reproduces torch at another length ...
+#[test]
+fn a_rotary_table_from_f32_frequencies_is_recognised() {
+    assert_reproduces("rope_f32_freqs");
+}
+
+/// ... but from bf16 ones (a model `.to(torch.bfloat16)`'d with its `inv_freq`) it is
+/// refused, naming the buffer: a theta fitted through the probed positions (9961 here)
+/// drifts from the rounded frequencies over a long sequence.
+#[test]
+fn a_rotary_table_from_bf16_frequencies_is_refused() {
+    let p = fixture("pt2/fuzz").join("rope_bf16_freqs.pt2");
+    let e = import(&p, &Pt2Options::default()).unwrap_err().to_string();
+    assert!(
+        e.contains("node `cos`") && e.contains("(bf16)") && e.contains("rounded to 16 bits"),
+        "{e}"
+    );
+}

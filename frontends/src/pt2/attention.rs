@@ -113,6 +113,31 @@ impl Lower<'_> {
         out.into_iter().collect()
     }
 
+    /// The 16-bit float constants (buffers) `name` is computed from: a rotary table made
+    /// from a bf16 `inv_freq` has frequencies rounded to bf16, which no theta gives.
+    fn half_precision_sources(&self, name: &str) -> Vec<String> {
+        let mut seen = BTreeSet::new();
+        let mut stack = vec![name.to_string()];
+        let mut out = Vec::new();
+        while let Some(v) = stack.pop() {
+            if !seen.insert(v.clone()) {
+                continue;
+            }
+            if let Some(c) = self.consts.get(&v) {
+                if matches!(c.dtype, DType::BF16 | DType::F16)
+                    && c.shape.iter().product::<usize>() > 1
+                {
+                    out.push(format!("`{v}` ({})", c.dtype));
+                }
+            }
+            if let Some(n) = self.fx.node_of(&v) {
+                stack.extend(n.tensor_args().into_iter().map(str::to_string));
+            }
+        }
+        out.sort();
+        out
+    }
+
     /// What the size-only value `name` keeps: `Ok(None)` when it is not size-only or
     /// cannot be evaluated (it is then lowered as data), `Err` when it is a mask Weft
     /// cannot prove causal or banded at every probe length.
@@ -561,11 +586,13 @@ impl Lower<'_> {
         // rotates the halves of `chunk(x, 2)`: a config rotary dim of twice the width.
         let mut half = false;
         let mut chosen = None;
+        let mut misses = Vec::new();
         for (theta, rdim, scaling, how) in cands {
             if rdim != dim && !(how != "fitted" && rdim == 2 * dim) {
                 continue;
             }
             let freqs = rope_inv_freq(theta, rdim as usize, &scaling, false);
+            misses.push(format!("{how} theta {theta}: off by {:.2e}", worst(&freqs)));
             if fits(&freqs) {
                 half = rdim != dim;
                 chosen = Some((theta, scaling, how));
@@ -573,10 +600,34 @@ impl Lower<'_> {
             }
         }
         let rdim = if half { 2 * dim } else { dim };
+        // Frequencies stored in 16 bits are a theta's only to a few digits: a fit through
+        // the probed positions drifts from them over a long sequence.
+        let rounded = self.half_precision_sources(&out);
+        if !rounded.is_empty() {
+            return Err(self.unsupported(
+                n,
+                format!(
+                    "the rotary table is computed from {}: frequencies rounded to 16 bits, which no rope theta and scaling give at every position (Weft computes them in f32{}). Export the model with its rotary buffers in float32: load it with `dtype=torch.bfloat16` (from_pretrained / from_config keep `inv_freq` in float32) rather than calling `.to(torch.bfloat16)` on it",
+                    rounded.join(", "),
+                    if misses.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; {}", misses.join("; "))
+                    }
+                ),
+            ));
+        }
         let Some((theta, scaling, how)) = chosen else {
             return Err(self.unsupported(
                 n,
-                "rotary frequencies not recognised (llama3/yarn scaling cannot be fitted from the table alone); pass the model's config.json with --config",
+                format!(
+                    "rotary frequencies not recognised{} (llama3/yarn scaling cannot be fitted from the table alone); pass the model's config.json with --config",
+                    if misses.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", misses.join("; "))
+                    }
+                ),
             ));
         };
         let key = format!("{theta}/{rdim}/{scaling:?}");
