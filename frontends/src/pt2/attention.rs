@@ -82,33 +82,44 @@ impl Lower<'_> {
         }
     }
 
-    /// The integer constants of the arithmetic on `name`'s size-only ancestry (sorted):
-    /// a window, if the mask has one, is among them.
-    fn mask_constants(&self, name: &str) -> Vec<i64> {
+    /// `name` and every value it is computed from (the FX graph's tensor arguments,
+    /// followed back to placeholders and constants).
+    fn ancestry(&self, name: &str) -> BTreeSet<String> {
         let mut seen = BTreeSet::new();
         let mut stack = vec![name.to_string()];
-        let mut out = BTreeSet::new();
         while let Some(v) = stack.pop() {
             if !seen.insert(v.clone()) {
                 continue;
             }
+            if let Some(n) = self.fx.node_of(&v) {
+                stack.extend(n.tensor_args().into_iter().map(str::to_string));
+            }
+        }
+        seen
+    }
+
+    /// The integer constants of the arithmetic on `name`'s size-only ancestry (sorted):
+    /// a window, if the mask has one, is among them.
+    fn mask_constants(&self, name: &str) -> Vec<i64> {
+        let mut out = BTreeSet::new();
+        for v in self.ancestry(name) {
             let Some(n) = self.fx.node_of(&v) else {
                 continue;
             };
-            if ARITH.contains(&n.base()) {
-                for (_, a) in &n.args {
-                    match a {
-                        Arg::Int(c) => {
-                            out.insert(*c);
-                        }
-                        Arg::Float(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => {
-                            out.insert(*f as i64);
-                        }
-                        _ => {}
+            if !ARITH.contains(&n.base()) {
+                continue;
+            }
+            for (_, a) in &n.args {
+                match a {
+                    Arg::Int(c) => {
+                        out.insert(*c);
                     }
+                    Arg::Float(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => {
+                        out.insert(*f as i64);
+                    }
+                    _ => {}
                 }
             }
-            stack.extend(n.tensor_args().into_iter().map(str::to_string));
         }
         out.into_iter().collect()
     }
@@ -116,26 +127,15 @@ impl Lower<'_> {
     /// The 16-bit float constants (buffers) `name` is computed from: a rotary table made
     /// from a bf16 `inv_freq` has frequencies rounded to bf16, which no theta gives.
     fn half_precision_sources(&self, name: &str) -> Vec<String> {
-        let mut seen = BTreeSet::new();
-        let mut stack = vec![name.to_string()];
-        let mut out = Vec::new();
-        while let Some(v) = stack.pop() {
-            if !seen.insert(v.clone()) {
-                continue;
-            }
-            if let Some(c) = self.consts.get(&v) {
-                if matches!(c.dtype, DType::BF16 | DType::F16)
-                    && c.shape.iter().product::<usize>() > 1
-                {
-                    out.push(format!("`{v}` ({})", c.dtype));
-                }
-            }
-            if let Some(n) = self.fx.node_of(&v) {
-                stack.extend(n.tensor_args().into_iter().map(str::to_string));
-            }
-        }
-        out.sort();
-        out
+        self.ancestry(name)
+            .into_iter()
+            .filter_map(|v| {
+                let c = self.consts.get(&v)?;
+                (matches!(c.dtype, DType::BF16 | DType::F16)
+                    && c.shape.iter().product::<usize>() > 1)
+                    .then(|| format!("`{v}` ({})", c.dtype))
+            })
+            .collect()
     }
 
     /// What the size-only value `name` keeps: `Ok(None)` when it is not size-only or
