@@ -424,7 +424,10 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     };
     // The attention's q/k head dim (what the cost model and tp size heads by).
     let head_dim = mla.as_ref().map_or(head_dim, |m| m.qk_head_dim());
-    if let (None, Some(act)) = (&gemma, f.opt_str("hidden_act")?) {
+    // HF's gpt_oss never reads `hidden_act` (`GptOssExperts` hard-codes its clamped
+    // SwiGLU, see `MoeKind::GptOss`): any value computes the same, so none is refused.
+    let reads_hidden_act = gemma.is_none() && family != Family::GptOss;
+    if let (true, Some(act)) = (reads_hidden_act, f.opt_str("hidden_act")?) {
         // HF's ACT2FN maps `swish` to the same SiLU.
         if act != "silu" && act != "swish" {
             return Err(f.err(

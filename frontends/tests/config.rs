@@ -1354,3 +1354,15 @@ fn expert_counts_absent_take_the_class_default() {
     );
     assert_eq!(moe("gpt-oss-tiny", &["num_local_experts"]).0, 128);
 }
+
+/// HF's gpt_oss never reads `hidden_act` (its experts hard-code the clamped SwiGLU).
+#[test]
+fn gpt_oss_ignores_hidden_act_as_hf_does() {
+    for act in ["gelu", "relu", "silu"] {
+        let c = gpt_oss_with(|o| {
+            o.insert("hidden_act".into(), act.into());
+        })
+        .unwrap();
+        assert_eq!(c.moe.unwrap().kind, weft_frontends::config::MoeKind::GptOss);
+    }
+}
