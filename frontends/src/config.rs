@@ -6,6 +6,7 @@
 use crate::error::FrontendError;
 use crate::fields::Fields;
 pub use crate::gemma::Activation;
+use serde_json::{Map, Value};
 use weft_ir::{DType, Float, RopeScaling};
 
 /// The architecture family, from `model_type`.
@@ -294,9 +295,9 @@ impl ModelConfig {
             file: file.to_string(),
             message: "expected a JSON object at the top level".into(),
         })?;
-        // Gemma's classes fill absent keys with their own defaults (tied embeddings,
-        // the sliding/full pattern, soft-caps).
-        let with_defaults = crate::gemma::with_defaults(obj);
+        // HF's config classes fill absent keys with their own defaults (Gemma's: tied
+        // embeddings, the sliding/full pattern, soft-caps; every class: eps, positions).
+        let with_defaults = crate::gemma::with_defaults(obj).or_else(|| with_class_defaults(obj));
         parse(&Fields::new(with_defaults.as_ref().unwrap_or(obj), file))
     }
 
@@ -383,6 +384,13 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
             hidden_size / num_attention_heads
         }
     };
+    if f.obj.get("rms_norm_eps").is_some_and(|v| v.is_null()) {
+        // (an absent key took the class default in `with_class_defaults`)
+        return Err(f.err(
+            "rms_norm_eps",
+            format!("is null, which HF's {family} config class refuses (`rms_norm_eps: float`); give a number, or remove the key for the class default {}", class_defaults(family).rms_norm_eps),
+        ));
+    }
     let rms_norm_eps = f.positive_f64("rms_norm_eps")?;
     if !crate::gemma::is_gemma(family) {
         // (gemma's own check says the same with its merge rules)
@@ -401,7 +409,7 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     let rope = match family {
         Family::Gemma3Text => crate::gemma::parse_gemma3_ropes(f, head_dim)?.0,
         Family::GptOss => parse_gpt_oss_rope(f, head_dim)?,
-        _ => parse_rope(f, head_dim)?,
+        _ => parse_rope(f, head_dim, class_defaults(family).rope_theta)?,
     };
     let gemma = if crate::gemma::is_gemma(family) {
         Some(crate::gemma::parse(
@@ -416,7 +424,10 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     };
     // The attention's q/k head dim (what the cost model and tp size heads by).
     let head_dim = mla.as_ref().map_or(head_dim, |m| m.qk_head_dim());
-    if let (None, Some(act)) = (&gemma, f.opt_str("hidden_act")?) {
+    // HF's gpt_oss never reads `hidden_act` (`GptOssExperts` hard-codes its clamped
+    // SwiGLU, see `MoeKind::GptOss`): any value computes the same, so none is refused.
+    let reads_hidden_act = gemma.is_none() && family != Family::GptOss;
+    if let (true, Some(act)) = (reads_hidden_act, f.opt_str("hidden_act")?) {
         // HF's ACT2FN maps `swish` to the same SiLU.
         if act != "silu" && act != "swish" {
             return Err(f.err(
@@ -559,6 +570,89 @@ fn kv_heads_class_default(family: Family) -> Option<usize> {
         Family::Gemma2 | Family::Gemma3Text => Some(4),
         Family::Llama | Family::Phi3 | Family::Olmo2 | Family::Granite | Family::WeftIr => None,
     }
+}
+
+/// What an HF config class takes for a key absent from config.json (transformers 5.17,
+/// `models/<family>/configuration_<family>.py`: the dataclass field defaults, and the
+/// class attribute `default_theta`, `RotaryEmbeddingConfigMixin.default_theta` = 10000
+/// unless the class overrides it: mixtral 1e6, gpt_oss 150000; gemma3's global / local
+/// bases live in [`crate::gemma`]).
+pub(crate) struct ClassDefaults {
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+}
+
+pub(crate) fn class_defaults(family: Family) -> ClassDefaults {
+    let (rms_norm_eps, rope_theta, max_position_embeddings) = match family {
+        Family::Llama | Family::Granite => (1e-6, 10_000.0, 2048),
+        Family::Mistral => (1e-6, 10_000.0, 4096 * 32),
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => (1e-6, 10_000.0, 32768),
+        Family::Phi3 => (1e-5, 10_000.0, 4096),
+        Family::Mixtral => (1e-5, 1_000_000.0, 4096 * 32),
+        Family::Olmo2 => (1e-5, 10_000.0, 2048),
+        Family::Gemma2 => (1e-6, 10_000.0, 8192),
+        Family::Gemma3Text => (1e-6, 1_000_000.0, 131_072),
+        Family::GptOss => (1e-5, 150_000.0, 131_072),
+        Family::DeepseekV3 => (1e-6, 10_000.0, 4096),
+        Family::WeftIr => (1e-6, 10_000.0, 2048),
+    };
+    ClassDefaults {
+        rms_norm_eps,
+        rope_theta,
+        max_position_embeddings,
+    }
+}
+
+/// `obj` with the HF config class's defaults filled in for absent keys that change the
+/// math (a key given as `null` stays null: HF's strict config classes refuse a null
+/// float or int there), or `None` for Gemma (see [`crate::gemma::with_defaults`]) and
+/// unknown model types. `rope_theta` is not filled in here: where HF takes its default
+/// depends on the rope dict (see [`rope_source`]).
+///
+/// - `rms_norm_eps`, `max_position_embeddings` (the default
+///   `original_max_position_embeddings` of llama3 and YaRN rope): [`class_defaults`];
+/// - the expert counts: mixtral `num_local_experts` 8 and `num_experts_per_tok` 2,
+///   qwen3_moe `num_experts` 128, `num_experts_per_tok` 8 and `moe_intermediate_size`
+///   768, gpt_oss `num_local_experts` 128 (its `num_experts_per_tok` 4 is read in
+///   [`parse_moe`]); the expert count only when neither of its two names is given.
+fn with_class_defaults(obj: &Map<String, Value>) -> Option<Map<String, Value>> {
+    let family = obj
+        .get("model_type")
+        .and_then(Value::as_str)
+        .and_then(Family::from_model_type)?;
+    if crate::gemma::is_gemma(family) || family == Family::WeftIr {
+        return None;
+    }
+    let d = class_defaults(family);
+    let mut fill: Vec<(&str, Value)> = vec![
+        ("rms_norm_eps", d.rms_norm_eps.into()),
+        ("max_position_embeddings", d.max_position_embeddings.into()),
+    ];
+    let no_expert_count =
+        !obj.contains_key("num_local_experts") && !obj.contains_key("num_experts");
+    match family {
+        Family::Mixtral => {
+            if no_expert_count {
+                fill.push(("num_local_experts", 8.into()));
+            }
+            fill.push(("num_experts_per_tok", 2.into()));
+        }
+        Family::Qwen3Moe => {
+            if no_expert_count {
+                fill.push(("num_experts", 128.into()));
+            }
+            fill.push(("num_experts_per_tok", 8.into()));
+            fill.push(("moe_intermediate_size", 768.into()));
+        }
+        Family::GptOss if no_expert_count => fill.push(("num_local_experts", 128.into())),
+        _ => {}
+    }
+    let mut out = obj.clone();
+    for (k, v) in fill {
+        out.entry(k.to_string()).or_insert(v);
+    }
+    Some(out)
 }
 
 /// `pad_token_id` as the row `nn.Embedding` takes for `padding_idx`: the config class's
@@ -852,8 +946,14 @@ fn parse_dtype(f: &Fields) -> Result<DType, FrontendError> {
 }
 
 /// Rope from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4).
-fn parse_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> {
-    let (params, theta) = rope_source(f)?;
+/// `default_theta`: the config class's `default_theta`, HF's base when no `rope_theta` is
+/// given anywhere (see [`rope_source`]).
+fn parse_rope(
+    f: &Fields,
+    head_dim: usize,
+    default_theta: f64,
+) -> Result<RopeConfig, FrontendError> {
+    let (params, theta) = rope_source(f, default_theta)?;
     rope_from(f, params, theta, head_dim, true)
 }
 
@@ -944,7 +1044,7 @@ fn check_full_rotary(f: &Fields, family: Family) -> Result<(), FrontendError> {
 /// HF's `Phi3Config` renames the rope types `su` and `yarn` to `longrope` (which Weft does
 /// not implement) and refuses every type but `default` and `longrope`.
 fn check_phi3_rope_type(f: &Fields) -> Result<(), FrontendError> {
-    let (Some(p), _) = rope_source(f)? else {
+    let (Some(p), _) = rope_source(f, class_defaults(Family::Phi3).rope_theta)? else {
         return Ok(());
     };
     let (type_key, t) = match p.opt_str("rope_type")? {
@@ -982,36 +1082,43 @@ fn top_level_original(f: &Fields) -> Result<Option<usize>, FrontendError> {
     }
 }
 
-/// Where a config keeps its rope: the parameters object (if any) and theta.
-fn rope_source<'a>(f: &Fields<'a>) -> Result<(Option<Fields<'a>>, f64), FrontendError> {
-    let (params, theta) = match f.opt_object("rope_parameters")? {
-        Some(rp) => {
-            let p = f.nested("rope_parameters", rp);
-            let theta = match p.opt_f64("rope_theta")? {
-                Some(t) => t,
-                None => f
-                    .opt_f64("rope_theta")?
-                    .ok_or_else(|| p.err("rope_theta", "is missing"))?,
-            };
-            (Some(p), theta)
-        }
-        None => {
-            let scaling = f
-                .opt_object("rope_scaling")?
-                .map(|rs| f.nested("rope_scaling", rs));
-            // HF takes the rope_scaling dict as rope_parameters: a `rope_theta` inside it
-            // wins over the top-level one (`setdefault`).
-            let theta = match scaling
-                .as_ref()
-                .map(|s| s.opt_f64("rope_theta"))
-                .transpose()?
-            {
-                Some(Some(t)) => t,
-                _ => f.f64("rope_theta")?,
-            };
-            (scaling, theta)
-        }
+/// Where a config keeps its rope: the parameters object (if any) and theta, as HF
+/// 5.17's `convert_rope_params_to_dict` resolves them. The rope dict is `rope_scaling or
+/// rope_parameters` (so an empty `rope_parameters` gives way to `rope_scaling`; both
+/// non-empty is refused by [`check_one_rope_source`]), and its base is the dict's own
+/// `rope_theta`, else the top-level `rope_theta`, else the config class's `default_theta`
+/// (`setdefault`). A null `rope_theta` where HF reads it stays None in HF's rope dict and
+/// its rotary embedding fails: refused by name.
+fn rope_source<'a>(
+    f: &Fields<'a>,
+    default_theta: f64,
+) -> Result<(Option<Fields<'a>>, f64), FrontendError> {
+    let params = match f.opt_object("rope_parameters")? {
+        Some(rp) if !rp.is_empty() => Some(f.nested("rope_parameters", rp)),
+        _ => match f.opt_object("rope_scaling")? {
+            Some(rs) => Some(f.nested("rope_scaling", rs)),
+            None => f
+                .opt_object("rope_parameters")?
+                .map(|rp| f.nested("rope_parameters", rp)),
+        },
     };
+    let null_theta = |g: &Fields| -> Result<(), FrontendError> {
+        if g.obj.get("rope_theta").is_some_and(|v| v.is_null()) {
+            return Err(g.err(
+                "rope_theta",
+                "is null: HF keeps the None as the rope base and its rotary embedding fails; give a number, or remove the key for the config class's default",
+            ));
+        }
+        Ok(())
+    };
+    if let Some(p) = &params {
+        null_theta(p)?;
+        if let Some(t) = p.opt_f64("rope_theta")? {
+            return Ok((params, t));
+        }
+    }
+    null_theta(f)?;
+    let theta = f.opt_f64("rope_theta")?.unwrap_or(default_theta);
     Ok((params, theta))
 }
 
@@ -1137,11 +1244,14 @@ pub(crate) fn rope_from(
 /// `rope_parameters` / `rope_scaling`, uses YaRN (factor 32, beta_fast 32, beta_slow 1,
 /// original_max_position_embeddings 4096, truncate false).
 fn parse_gpt_oss_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, FrontendError> {
-    const DEFAULT_THETA: f64 = 150000.0;
-    let has_params =
-        f.opt_object("rope_parameters")?.is_some() || f.opt_object("rope_scaling")?.is_some();
+    let default_theta = class_defaults(Family::GptOss).rope_theta;
+    // HF replaces only a None `rope_parameters` by the YaRN dict (an empty one stays
+    // empty: the default rope), and then takes a non-empty `rope_scaling` over either.
+    let has_params = f.opt_object("rope_parameters")?.is_some()
+        || f.opt_object("rope_scaling")?
+            .is_some_and(|rs| !rs.is_empty());
     if !has_params {
-        let theta = f.opt_f64("rope_theta")?.unwrap_or(DEFAULT_THETA);
+        let (_, theta) = rope_source(f, default_theta)?;
         if !(theta.is_finite() && theta > 0.0) {
             return Err(f.err(
                 "rope_theta",
@@ -1161,15 +1271,7 @@ fn parse_gpt_oss_rope(f: &Fields, head_dim: usize) -> Result<RopeConfig, Fronten
             rotary_dim: head_dim,
         });
     }
-    let has_theta = f.opt_f64("rope_theta")?.is_some()
-        || f.opt_object("rope_parameters")?
-            .is_some_and(|rp| rp.get("rope_theta").is_some_and(|v| !v.is_null()));
-    if has_theta {
-        return parse_rope(f, head_dim);
-    }
-    let mut obj = f.obj.clone();
-    obj.insert("rope_theta".into(), DEFAULT_THETA.into());
-    parse_rope(&Fields::new(&obj, f.file), head_dim)
+    parse_rope(f, head_dim, default_theta)
 }
 
 /// YaRN with HF's defaults (`_compute_yarn_parameters`): `factor` (null: the ratio of

@@ -322,9 +322,7 @@ fn missing_and_invalid_fields_are_named() {
         "vocab_size",
         "num_hidden_layers",
         "num_attention_heads",
-        "rms_norm_eps",
         "intermediate_size",
-        "rope_theta",
     ] {
         let e = base_with(|o| {
             o.remove(field);
@@ -398,10 +396,16 @@ fn moe_fields() {
         o.insert("num_experts".into(), n);
     });
     assert_eq!(q.moe.as_ref().unwrap().num_experts, 4);
-    // Neither present: the error names Qwen3MoeConfig's own field.
+    // Neither present: Qwen3MoeConfig's default, 128.
+    let q = preset_with("qwen3-moe-tiny", |o| {
+        o.remove("num_local_experts");
+    });
+    assert_eq!(q.moe.as_ref().unwrap().num_experts, 128);
+    // null: the error names Qwen3MoeConfig's own field.
     let mut v: serde_json::Value =
         serde_json::from_str(&load_preset_json("qwen3-moe-tiny")).unwrap();
     v.as_object_mut().unwrap().remove("num_local_experts");
+    v["num_experts"] = serde_json::Value::Null;
     let e = ModelConfig::from_json(&v, "x.json")
         .unwrap_err()
         .to_string();
@@ -1135,4 +1139,230 @@ fn null_flags_are_false_as_in_hf() {
     assert!(truncate(json!(true)));
     assert!(!truncate(json!(false)));
     assert!(!truncate(Value::Null));
+}
+
+/// Each family's tiny preset and the values its transformers 5.17 config class takes
+/// when the key is absent: `rms_norm_eps`, `default_theta` (the global base for
+/// gemma3_text), `max_position_embeddings`.
+const CLASS_DEFAULTS: [(&str, f64, f64, usize); 13] = [
+    ("llama-tiny", 1e-6, 1e4, 2048),
+    ("mistral-tiny", 1e-6, 1e4, 131072),
+    ("qwen2-tiny", 1e-6, 1e4, 32768),
+    ("qwen3-tiny", 1e-6, 1e4, 32768),
+    ("phi3-tiny", 1e-5, 1e4, 4096),
+    ("mixtral-tiny", 1e-5, 1e6, 131072),
+    ("qwen3-moe-tiny", 1e-6, 1e4, 32768),
+    ("olmo2-tiny", 1e-5, 1e4, 2048),
+    ("granite-tiny", 1e-6, 1e4, 2048),
+    ("gemma2-tiny", 1e-6, 1e4, 8192),
+    ("gemma3-tiny", 1e-6, 1e6, 131072),
+    ("gpt-oss-tiny", 1e-5, 150000.0, 131072),
+    ("deepseek-v3-tiny", 1e-6, 1e4, 4096),
+];
+
+/// An absent `rms_norm_eps` is the config class's default; a null one is refused by
+/// name (HF's strict classes refuse a None float).
+#[test]
+fn rms_norm_eps_absent_takes_the_class_default() {
+    for (preset, eps, _, _) in CLASS_DEFAULTS {
+        let c = preset_try(preset, |o| {
+            o.remove("rms_norm_eps");
+        })
+        .unwrap();
+        assert_eq!(c.rms_norm_eps, eps, "{preset}");
+        let e = preset_try(preset, |o| {
+            o.insert("rms_norm_eps".into(), serde_json::Value::Null);
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`rms_norm_eps` is null") && e.contains(&format!("default {eps}")),
+            "{preset}: {e}"
+        );
+    }
+}
+
+/// No `rope_theta` anywhere (not in the rope dict, not at the top level): HF's
+/// `setdefault` takes the class's `default_theta`, with the rope dict in either form
+/// (`rope_parameters`, the legacy `rope_scaling`) or no rope dict at all. A null one is
+/// refused by name (HF keeps the None and its rotary embedding fails).
+#[test]
+fn rope_theta_absent_takes_the_class_default() {
+    use serde_json::{json, Value};
+    for (preset, _, theta, _) in CLASS_DEFAULTS {
+        if preset == "gemma3-tiny" {
+            continue; // keyed by layer type: below
+        }
+        // rope_parameters without rope_theta (gpt-oss-tiny's is YaRN, the others' default)
+        let c = preset_try(preset, |o| {
+            o["rope_parameters"]
+                .as_object_mut()
+                .unwrap()
+                .remove("rope_theta");
+        })
+        .unwrap();
+        assert_eq!(c.rope.theta, theta, "{preset} rope_parameters");
+        // no rope dict (gpt_oss: its YaRN default rope) and no rope_theta
+        let c = preset_try(preset, |o| {
+            o.remove("rope_parameters");
+        })
+        .unwrap();
+        assert_eq!(c.rope.theta, theta, "{preset} no rope dict");
+        // the transformers-4 rope_scaling without rope_theta
+        if preset != "phi3-tiny" && preset != "deepseek-v3-tiny" {
+            let c = preset_try(preset, |o| {
+                o.remove("rope_parameters");
+                o.insert(
+                    "rope_scaling".into(),
+                    json!({"rope_type": "linear", "factor": 2.0}),
+                );
+            })
+            .unwrap();
+            assert_eq!(c.rope.theta, theta, "{preset} rope_scaling");
+        }
+        // null: refused, naming where HF reads it
+        let e = preset_try(preset, |o| {
+            o["rope_parameters"]["rope_theta"] = Value::Null;
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`rope_parameters.rope_theta` is null"),
+            "{preset}: {e}"
+        );
+        let e = preset_try(preset, |o| {
+            o.remove("rope_parameters");
+            o.insert("rope_theta".into(), Value::Null);
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("`rope_theta` is null"), "{preset}: {e}");
+    }
+    // gemma3_text: the global base 1e6 and the local 1e4 (`rope_local_base_freq`)
+    let c = preset_try("gemma3-tiny", |o| {
+        for t in ["full_attention", "sliding_attention"] {
+            o["rope_parameters"][t]
+                .as_object_mut()
+                .unwrap()
+                .remove("rope_theta");
+        }
+    })
+    .unwrap();
+    assert_eq!(c.rope.theta, 1e6);
+    assert_eq!(c.local_rope.unwrap().theta, 1e4);
+    let c = preset_try("gemma3-tiny", |o| {
+        o.remove("rope_parameters");
+    })
+    .unwrap();
+    assert_eq!(c.rope.theta, 1e6);
+    assert_eq!(c.local_rope.unwrap().theta, 1e4);
+}
+
+/// HF's rope dict is `rope_scaling or rope_parameters`: an empty `rope_parameters`
+/// gives way to a non-empty `rope_scaling`.
+#[test]
+fn empty_rope_parameters_gives_way_to_rope_scaling() {
+    let c = base_with(|o| {
+        o.insert("rope_parameters".into(), serde_json::json!({}));
+        o.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"rope_type": "linear", "factor": 2.0}),
+        );
+    })
+    .unwrap();
+    assert_eq!(c.rope.scaling, RopeScaling::Linear { factor: Float(2.0) });
+    // gpt_oss: an empty rope_parameters is the default rope (only None becomes YaRN),
+    // an empty rope_scaling is no rope dict (YaRN)
+    let c = gpt_oss_with(|o| {
+        o.insert("rope_parameters".into(), serde_json::json!({}));
+    })
+    .unwrap();
+    assert_eq!(c.rope.scaling, RopeScaling::None);
+    let c = gpt_oss_with(|o| {
+        o.insert("rope_scaling".into(), serde_json::json!({}));
+    })
+    .unwrap();
+    assert!(matches!(c.rope.scaling, RopeScaling::Yarn { .. }));
+}
+
+/// An absent `max_position_embeddings` is the class default, which YaRN and llama3 rope
+/// take as their `original_max_position_embeddings` when the rope dict has none.
+#[test]
+fn max_position_embeddings_absent_takes_the_class_default() {
+    use serde_json::json;
+    for (preset, _, _, max_pos) in CLASS_DEFAULTS {
+        let c = preset_try(preset, |o| {
+            o.remove("max_position_embeddings");
+        })
+        .unwrap();
+        assert_eq!(c.max_position_embeddings, Some(max_pos), "{preset}");
+        if matches!(preset, "phi3-tiny" | "gemma3-tiny") {
+            continue; // phi3 refuses YaRN; gemma3 keys its rope dict by layer type
+        }
+        let c = preset_try(preset, |o| {
+            o.remove("max_position_embeddings");
+            o.insert(
+                "rope_parameters".into(),
+                json!({"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
+            );
+        })
+        .unwrap();
+        let RopeScaling::Yarn {
+            original_max_position_embeddings,
+            ..
+        } = c.rope.scaling
+        else {
+            panic!("{preset}: {:?}", c.rope.scaling)
+        };
+        assert_eq!(original_max_position_embeddings, max_pos as i64, "{preset}");
+    }
+}
+
+/// The MoE counts absent: mixtral 8 experts, top 2; qwen3_moe 128 experts, top 8, 768
+/// wide; gpt_oss 128 experts (top 4: `gpt_oss_defaults`).
+#[test]
+fn expert_counts_absent_take_the_class_default() {
+    let moe = |preset: &str, keys: &[&str]| {
+        let c = preset_try(preset, |o| {
+            for k in keys {
+                o.remove(*k);
+            }
+        })
+        .unwrap();
+        let m = c.moe.unwrap();
+        (m.num_experts, m.top_k, m.expert_intermediate_size)
+    };
+    assert_eq!(moe("mixtral-tiny", &["num_experts_per_tok"]).1, 2);
+    assert_eq!(
+        moe(
+            "mixtral-tiny",
+            &["num_local_experts", "num_experts_per_tok"]
+        )
+        .0,
+        8
+    );
+    assert_eq!(
+        moe(
+            "qwen3-moe-tiny",
+            &[
+                "num_local_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size"
+            ]
+        ),
+        (128, 8, 768)
+    );
+    assert_eq!(moe("gpt-oss-tiny", &["num_local_experts"]).0, 128);
+}
+
+/// HF's gpt_oss never reads `hidden_act` (its experts hard-code the clamped SwiGLU).
+#[test]
+fn gpt_oss_ignores_hidden_act_as_hf_does() {
+    for act in ["gelu", "relu", "silu"] {
+        let c = gpt_oss_with(|o| {
+            o.insert("hidden_act".into(), act.into());
+        })
+        .unwrap();
+        assert_eq!(c.moe.unwrap().kind, weft_frontends::config::MoeKind::GptOss);
+    }
 }
