@@ -427,15 +427,17 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
     // HF's gpt_oss never reads `hidden_act` (`GptOssExperts` hard-codes its clamped
     // SwiGLU, see `MoeKind::GptOss`): any value computes the same, so none is refused.
     let reads_hidden_act = gemma.is_none() && family != Family::GptOss;
-    if let (true, Some(act)) = (reads_hidden_act, f.opt_str("hidden_act")?) {
-        // HF's ACT2FN maps `swish` to the same SiLU.
-        if act != "silu" && act != "swish" {
-            return Err(f.err(
+    // The other families' MLPs (and MoE experts) apply `ACT2FN[config.hidden_act]`;
+    // absent, every one of their config classes defaults to silu.
+    let hidden_act = match (reads_hidden_act, f.opt_str("hidden_act")?) {
+        (true, Some(act)) => Some(crate::gemma::activation_named(act).ok_or_else(|| {
+            f.err(
                 "hidden_act",
-                format!("is `{act}`, but only `silu` (or its alias `swish`) is supported"),
-            ));
-        }
-    }
+                format!("is `{act}`; Weft implements {}", crate::gemma::ACTIVATIONS),
+            )
+        })?),
+        _ => None,
+    };
     let initializer_range = match f.opt_f64("initializer_range")? {
         None => 0.02,
         Some(x) if x.is_finite() && x >= 0.0 => x,
@@ -525,7 +527,11 @@ fn parse(f: &Fields) -> Result<ModelConfig, FrontendError> {
             _ => NormPlacement::Pre,
         },
         multipliers,
-        activation: gemma.as_ref().map_or(Activation::Silu, |g| g.activation),
+        activation: gemma
+            .as_ref()
+            .map(|g| g.activation)
+            .or(hidden_act)
+            .unwrap_or(Activation::Silu),
         norm_unit_offset: gemma.is_some(),
         attn_softcap: gemma.as_ref().and_then(|g| g.attn_softcap),
         final_softcap: gemma.as_ref().and_then(|g| g.final_softcap),

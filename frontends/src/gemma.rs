@@ -278,7 +278,7 @@ fn parse_activation(f: &Fields) -> Result<Activation, FrontendError> {
     let act = activation_named(name).ok_or_else(|| {
         f.err(
             "hidden_activation",
-            format!("is `{name}`; Weft implements gelu_pytorch_tanh, gelu_new, gelu_fast (tanh GELU) and gelu (exact)"),
+            format!("is `{name}`; Weft implements {ACTIVATIONS}"),
         )
     })?;
     // HF's Gemma classes read only `hidden_activation` (`ACT2FN[config.hidden_activation]`):
@@ -286,7 +286,7 @@ fn parse_activation(f: &Fields) -> Result<Activation, FrontendError> {
     Ok(act)
 }
 
-fn activation_named(name: &str) -> Option<Activation> {
+pub(crate) fn activation_named(name: &str) -> Option<Activation> {
     Some(match name {
         "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Activation::GeluTanh,
         "gelu" => Activation::Gelu,
@@ -294,6 +294,10 @@ fn activation_named(name: &str) -> Option<Activation> {
         _ => return None,
     })
 }
+
+/// The activations Weft implements, as a refusal names them.
+pub(crate) const ACTIVATIONS: &str =
+    "silu (swish), gelu_pytorch_tanh, gelu_new, gelu_fast (tanh GELU) and gelu (exact)";
 
 /// `x` (an f32) rounded to `dtype` as torch's `.to(dtype)` rounds (nearest even).
 pub(crate) fn round_to(dtype: DType, x: f32) -> f64 {

@@ -3,7 +3,7 @@
 mod common;
 
 use common::preset_with;
-use weft_frontends::{load, FrontendError, ModelConfig};
+use weft_frontends::{load, Activation, FrontendError, ModelConfig};
 use weft_ir::{DType, Float, RopeScaling};
 
 fn parse(json: &str) -> Result<ModelConfig, FrontendError> {
@@ -349,13 +349,26 @@ fn missing_and_invalid_fields_are_named() {
         "{e}"
     );
     let e = base_with(|o| {
-        o.insert("hidden_act".into(), "gelu".into());
+        o.insert("hidden_act".into(), "relu".into());
     })
     .unwrap_err();
     assert!(
-        e.to_string().contains("field `hidden_act` is `gelu`"),
+        e.to_string().contains("field `hidden_act` is `relu`"),
         "{e}"
     );
+    // HF's ACT2FN GELUs: exact, and the tanh approximation under its three names.
+    for (act, want) in [
+        ("gelu", Activation::Gelu),
+        ("gelu_pytorch_tanh", Activation::GeluTanh),
+        ("gelu_new", Activation::GeluTanh),
+        ("gelu_fast", Activation::GeluTanh),
+    ] {
+        let c = base_with(|o| {
+            o.insert("hidden_act".into(), act.into());
+        })
+        .unwrap();
+        assert_eq!(c.activation, want, "{act}");
+    }
     // `swish` is HF's alias of SiLU: the same model.
     let swish = base_with(|o| {
         o.insert("hidden_act".into(), "swish".into());

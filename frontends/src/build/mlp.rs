@@ -1,9 +1,10 @@
-//! MLPs. Dense: `down(act(gate(x)) * up(x))` with SiLU (Gemma: GELU, `hidden_activation`)
+//! MLPs. Dense: `down(act(gate(x)) * up(x))` with the config's activation (`hidden_act`:
+//! SiLU or GELU; Gemma's `hidden_activation`)
 //! (phi3: one `gate_up_proj`, split gate first). Sparse (mixtral, qwen3_moe), as transformers 5's router and fused experts:
 //! tokens flattened to [B*S, H]; router `linear` → f32 `softmax` → `topk` →
 //! renormalise (mixtral always, qwen3_moe with `norm_topk_prob`) → model dtype;
 //! `moe_dispatch` → `grouped_matmul` with `gate_up_proj` [E, 2I, H] → split (gate
-//! first, as `chunk(2)`) → `silu(gate) * up` → `grouped_matmul` with `down_proj`
+//! first, as `chunk(2)`) → `act(gate) * up` → `grouped_matmul` with `down_proj`
 //! [E, H, I] → `moe_combine` with the routing weights → [B, S, H].
 //! Each router's probabilities and top-k indices are kept for the load-balancing loss
 //! (see [`super::aux_loss`]).
@@ -54,14 +55,19 @@ impl Builder<'_> {
             (gate, up)
         };
         self.scope(&m);
-        let act = match self.cfg.activation {
+        let act = self.op(self.activation(), &[gate])?;
+        let y = self.op(Op::Mul {}, &[act, up])?;
+        self.linear(&format!("{m}.down_proj"), y)
+    }
+
+    /// The gate's activation (`hidden_act`, Gemma's `hidden_activation`), in the dense
+    /// MLP and the experts alike.
+    fn activation(&self) -> Op {
+        match self.cfg.activation {
             Activation::Silu => Op::Silu {},
             Activation::GeluTanh => Op::Gelu { tanh_approx: true },
             Activation::Gelu => Op::Gelu { tanh_approx: false },
-        };
-        let act = self.op(act, &[gate])?;
-        let y = self.op(Op::Mul {}, &[act, up])?;
-        self.linear(&format!("{m}.down_proj"), y)
+        }
     }
 
     fn moe(&mut self, m: &str, h: Value, moe: &MoeConfig) -> Result<Value, FrontendError> {
@@ -145,7 +151,7 @@ impl Builder<'_> {
             },
             &[gu],
         )?;
-        let act = self.op(Op::Silu {}, &[parts[0]])?;
+        let act = self.op(self.activation(), &[parts[0]])?;
         let y = self.op(Op::Mul {}, &[act, parts[1]])?;
         let y = self.op(
             Op::GroupedMatmul {
@@ -265,7 +271,7 @@ impl Builder<'_> {
         let gate = self.linear(&format!("{module}.gate_proj"), h)?;
         let up = self.linear(&format!("{module}.up_proj"), h)?;
         self.scope(module);
-        let act = self.op(Op::Silu {}, &[gate])?;
+        let act = self.op(self.activation(), &[gate])?;
         let y = self.op(Op::Mul {}, &[act, up])?;
         self.linear(&format!("{module}.down_proj"), y)
     }
