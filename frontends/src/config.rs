@@ -1375,13 +1375,22 @@ fn parse_moe(
         }
     };
     check_expert_count_aliases(f, family)?;
+    // MixtralConfig and GptOssConfig map `num_experts` to `num_local_experts`
+    // (`attribute_map`): either name gives the count.
+    let local_experts_key = |f: &Fields| {
+        if !f.has("num_local_experts") && f.has("num_experts") {
+            "num_experts"
+        } else {
+            "num_local_experts"
+        }
+    };
     let aux_loss_coef = match family {
         Family::Mixtral | Family::Qwen3Moe | Family::GptOss => parse_router_loss(f, family)?,
         _ => None,
     };
     match family {
         Family::Mixtral => {
-            let e = f.positive("num_local_experts")?;
+            let e = f.positive(local_experts_key(f))?;
             let k = f.positive("num_experts_per_tok")?;
             check_k(e, k)?;
             Ok(Some(MoeConfig {
@@ -1397,7 +1406,7 @@ fn parse_moe(
             }))
         }
         Family::GptOss => {
-            let e = f.positive("num_local_experts")?;
+            let e = f.positive(local_experts_key(f))?;
             let k = f.opt_usize("num_experts_per_tok")?.unwrap_or(4);
             if k == 0 {
                 return Err(f.err("num_experts_per_tok", "must be positive, got 0"));

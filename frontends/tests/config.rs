@@ -1368,6 +1368,24 @@ fn expert_counts_absent_take_the_class_default() {
     assert_eq!(moe("gpt-oss-tiny", &["num_local_experts"]).0, 128);
 }
 
+/// MixtralConfig and GptOssConfig map `num_experts` to `num_local_experts`
+/// (`attribute_map`): the count under the other name alone is the same count.
+#[test]
+fn the_expert_count_under_its_alias_alone_is_read() {
+    for preset in ["mixtral-tiny", "gpt-oss-tiny"] {
+        let local = preset_try(preset, |_| {}).unwrap().moe.unwrap().num_experts;
+        let aliased = preset_try(preset, |o| {
+            let n = o.remove("num_local_experts").unwrap();
+            o.insert("num_experts".into(), n);
+        })
+        .unwrap()
+        .moe
+        .unwrap()
+        .num_experts;
+        assert_eq!(aliased, local, "{preset}");
+    }
+}
+
 /// HF's gpt_oss never reads `hidden_act` (its experts hard-code the clamped SwiGLU).
 #[test]
 fn gpt_oss_ignores_hidden_act_as_hf_does() {
