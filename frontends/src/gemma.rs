@@ -31,6 +31,8 @@ pub enum Activation {
     GeluTanh,
     /// Exact (erf) GELU (`gelu`).
     Gelu,
+    /// `relu`.
+    Relu,
 }
 
 /// Gemma's fields that the shared parser has no place for.
@@ -291,13 +293,14 @@ pub(crate) fn activation_named(name: &str) -> Option<Activation> {
         "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Activation::GeluTanh,
         "gelu" => Activation::Gelu,
         "silu" | "swish" => Activation::Silu,
+        "relu" => Activation::Relu,
         _ => return None,
     })
 }
 
 /// The activations Weft implements, as a refusal names them.
 pub(crate) const ACTIVATIONS: &str =
-    "silu (swish), gelu_pytorch_tanh, gelu_new, gelu_fast (tanh GELU) and gelu (exact)";
+    "silu (swish), gelu_pytorch_tanh, gelu_new, gelu_fast (tanh GELU), gelu (exact) and relu";
 
 /// `x` (an f32) rounded to `dtype` as torch's `.to(dtype)` rounds (nearest even).
 pub(crate) fn round_to(dtype: DType, x: f32) -> f64 {
@@ -451,7 +454,10 @@ mod tests {
                 r#", "final_logit_softcapping": 0"#,
                 "final_logit_softcapping",
             ),
-            (r#", "hidden_activation": "relu""#, "hidden_activation"),
+            (
+                r#", "hidden_activation": "quick_gelu""#,
+                "hidden_activation",
+            ),
             (r#", "query_pre_attn_scalar": 0"#, "query_pre_attn_scalar"),
             (r#", "sliding_window_pattern": 0"#, "sliding_window_pattern"),
             (

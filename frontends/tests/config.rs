@@ -349,11 +349,11 @@ fn missing_and_invalid_fields_are_named() {
         "{e}"
     );
     let e = base_with(|o| {
-        o.insert("hidden_act".into(), "relu".into());
+        o.insert("hidden_act".into(), "quick_gelu".into());
     })
     .unwrap_err();
     assert!(
-        e.to_string().contains("field `hidden_act` is `relu`"),
+        e.to_string().contains("field `hidden_act` is `quick_gelu`"),
         "{e}"
     );
     // HF's ACT2FN GELUs: exact, and the tanh approximation under its three names.
@@ -362,6 +362,7 @@ fn missing_and_invalid_fields_are_named() {
         ("gelu_pytorch_tanh", Activation::GeluTanh),
         ("gelu_new", Activation::GeluTanh),
         ("gelu_fast", Activation::GeluTanh),
+        ("relu", Activation::Relu),
     ] {
         let c = base_with(|o| {
             o.insert("hidden_act".into(), act.into());

@@ -1,5 +1,5 @@
 //! MLPs. Dense: `down(act(gate(x)) * up(x))` with the config's activation (`hidden_act`:
-//! SiLU or GELU; Gemma's `hidden_activation`)
+//! SiLU, GELU or ReLU; Gemma's `hidden_activation`)
 //! (phi3: one `gate_up_proj`, split gate first). Sparse (mixtral, qwen3_moe), as transformers 5's router and fused experts:
 //! tokens flattened to [B*S, H]; router `linear` → f32 `softmax` → `topk` →
 //! renormalise (mixtral always, qwen3_moe with `norm_topk_prob`) → model dtype;
@@ -67,6 +67,7 @@ impl Builder<'_> {
             Activation::Silu => Op::Silu {},
             Activation::GeluTanh => Op::Gelu { tanh_approx: true },
             Activation::Gelu => Op::Gelu { tanh_approx: false },
+            Activation::Relu => Op::Relu {},
         }
     }
 
