@@ -8,6 +8,28 @@ use crate::dim::Dim;
 use crate::graph::{Graph, Node};
 use crate::ops::Op;
 
+/// The (query, key) pairs one head of a causal attention with a window of `w` keeps,
+/// for `a` queries aligned with the last of `b` keys: query `i` sits at `p = i + b - a`
+/// and keeps the `min(p + 1, w)` keys `max(0, p - w + 1) ..= p` (none when `p < 0`), so
+/// the count is `sum min(q, w)` over `q = max(b - a + 1, 1) ..= b`. `None` when it does
+/// not fit an i64.
+pub fn band_pairs(a: i64, b: i64, w: i64) -> Option<i64> {
+    let (a, b, w) = (a as i128, b as i128, w.max(0) as i128);
+    // sum of min(q, w) for q in 1..=n
+    let upto = |n: i128| {
+        if n <= 0 {
+            0
+        } else if n <= w {
+            n * (n + 1) / 2
+        } else {
+            w * (w + 1) / 2 + (n - w) * w
+        }
+    };
+    let (lo, hi) = ((b - a + 1).max(1), b);
+    let count = if hi < lo { 0 } else { upto(hi) - upto(lo - 1) };
+    i64::try_from(count).ok()
+}
+
 /// FLOPs of one node (forward).
 pub fn node_flops(g: &Graph, n: Node) -> Dim {
     let d = g.node(n);
@@ -220,18 +242,13 @@ fn attention_work(
         };
     };
     let heads = q.shape[0].clone() * q.shape[1].clone();
-    let pairs = match (sq.as_const(), sk.as_const()) {
-        (Some(a), Some(b)) => {
-            // query i sits at p = i + b - a and keeps keys max(0, p - w + 1) ..= min(p, b - 1)
-            let per_head: i64 = (0..a)
-                .map(|i| {
-                    let p = i + b - a;
-                    (p.min(b - 1) - (p - w + 1).max(0) + 1).max(0)
-                })
-                .sum();
-            heads * per_head
-        }
-        _ => heads * (sq * w - Dim::from(w * (w - 1) / 2)),
+    let band = match (sq.as_const(), sk.as_const()) {
+        (Some(a), Some(b)) => band_pairs(a, b, w),
+        _ => None,
+    };
+    let pairs = match band {
+        Some(per_head) => heads * per_head,
+        None => heads * (sq * w - Dim::from(w * (w - 1) / 2)),
     };
     (AttentionWork { rows, pairs }, None)
 }
@@ -241,4 +258,34 @@ pub fn graph_flops(g: &Graph) -> Dim {
     g.nodes()
         .iter()
         .fold(Dim::zero(), |acc, &n| acc + node_flops(g, n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::band_pairs;
+
+    /// The closed form counts what walking the queries one by one counts, for queries
+    /// fewer than, as many as and more than the keys, windows narrower and wider.
+    #[test]
+    fn band_pairs_count_each_querys_kept_keys() {
+        for a in 0..24i64 {
+            for b in 0..24i64 {
+                for w in 0..30i64 {
+                    let walked: i64 = (0..a)
+                        .map(|i| {
+                            let p = i + b - a;
+                            (p.min(b - 1) - (p - w + 1).max(0) + 1).max(0)
+                        })
+                        .sum();
+                    assert_eq!(band_pairs(a, b, w), Some(walked), "a={a} b={b} w={w}");
+                }
+            }
+        }
+        // a 2^32-token sequence with a 2^32 window: 2^63 + 2^31 pairs, past an i64
+        assert_eq!(band_pairs(1 << 32, 1 << 32, 1 << 32), None);
+        assert_eq!(
+            band_pairs(1 << 20, 1 << 20, 4096),
+            Some(4096 * 4097 / 2 + ((1 << 20) - 4096) * 4096)
+        );
+    }
 }
