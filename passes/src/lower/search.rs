@@ -961,7 +961,8 @@ pub struct RingStep {
 
 /// Prices one ring step: `kv_bytes` per rank per step (k and v of this rank's cp
 /// portion), `local` query tokens and `heads` heads of `head_dim` per rank. The
-/// backward's block costs 2.5x the forward's (flash attention's backward).
+/// backward's block costs 2.5x the forward's FLOPs (flash attention's backward), at the
+/// backward's rate.
 pub fn ring_step(
     d: &DeviceProfile,
     inter: bool,
@@ -972,13 +973,17 @@ pub fn ring_step(
 ) -> RingStep {
     let transfer = link_time(d, inter, kv_bytes, 1.0);
     let flops = 4.0 * local * local * head_dim * heads / 2.0;
-    let block_forward = flops / (super::plan::cost::attention_step_tflops(d, local / 2.0) * 1e12);
+    // each of the local rows visits half the block's keys, paying its fixed work per block
+    let rate =
+        |backward| super::plan::cost::attention_tflops(d, backward, Some(local / 2.0)) * 1e12;
+    let block_forward = flops / rate(false);
+    let block_backward = 2.5 * flops / rate(true);
     RingStep {
         transfer,
         block_forward,
         exposed_forward: (transfer - block_forward).max(0.0),
-        // the backward sends k/v and dk/dv: two transfers under 2.5 blocks of work
-        exposed_backward: (2.0 * transfer - 2.5 * block_forward).max(0.0),
+        // the backward sends k/v and dk/dv: two transfers under the block's backward
+        exposed_backward: (2.0 * transfer - block_backward).max(0.0),
     }
 }
 

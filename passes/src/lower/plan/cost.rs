@@ -69,50 +69,45 @@ pub fn compute_time(
         return gemm + quantize + 5.0 * d.kernel_overhead_us * 1e-6;
     }
     let rate = if is_attention_class(op) {
-        attention_rate(op, d)
+        let keys_per_row = attention.and_then(|(rows, pairs)| (rows > 0.0).then(|| pairs / rows));
+        attention_tflops(d, is_backward_attention(op), keys_per_row)
     } else if is_matmul_class(op) {
         d.matmul_tflops
     } else {
         d.vector_tflops
     } * 1e12;
-    let row_work = match attention {
-        Some((rows, pairs)) if pairs > 0.0 => 1.0 + d.attention_row_keys * rows / pairs,
-        _ => 1.0,
-    };
-    let t = (flops * row_work / rate).max(bytes / (d.hbm_gbps * 1e9));
+    let t = (flops / rate).max(bytes / (d.hbm_gbps * 1e9));
     t + d.kernel_overhead_us * 1e-6
 }
 
-/// TFLOP/s of a fused attention's forward and backward together (the backward 2.5x the
-/// forward's FLOPs, `weft_ir::flops`) over rows that visit `keys_per_row` keys each
-/// (each row's fixed work at `attention_row_keys`): the rate `weft plan`'s analytic
-/// model prices a step's attention at.
-pub fn attention_step_tflops(d: &DeviceProfile, keys_per_row: f64) -> f64 {
-    let bwd = if d.attention_bwd_tflops > 0.0 {
+/// TFLOP/s of a fused attention in one direction over rows that visit `keys_per_row`
+/// keys each: the long-row rate (`attention_bwd_tflops` for the backward, where the
+/// profile gives it) slowed by each row's fixed work (`attention_row_keys`).
+pub fn attention_tflops(d: &DeviceProfile, backward: bool, keys_per_row: Option<f64>) -> f64 {
+    let rate = if backward && d.attention_bwd_tflops > 0.0 {
         d.attention_bwd_tflops
     } else {
         d.attention_tflops
     };
-    let row = if keys_per_row > 0.0 {
-        1.0 + d.attention_row_keys / keys_per_row
-    } else {
-        1.0
-    };
-    3.5 / (row * (1.0 / d.attention_tflops + 2.5 / bwd))
+    match keys_per_row {
+        Some(k) if k > 0.0 => rate / (1.0 + d.attention_row_keys / k),
+        _ => rate,
+    }
 }
 
-/// TFLOP/s of an attention-class op: the backward ones at `attention_bwd_tflops` where
-/// the profile gives it.
-fn attention_rate(op: &Op, d: &DeviceProfile) -> f64 {
-    let backward = matches!(
+/// TFLOP/s of a fused attention's forward and backward together (the backward 2.5x the
+/// forward's FLOPs, `weft_ir::flops`) over rows that visit `keys_per_row` keys each:
+/// the rate `weft plan`'s analytic model prices a step's attention at.
+pub fn attention_step_tflops(d: &DeviceProfile, keys_per_row: f64) -> f64 {
+    let k = Some(keys_per_row);
+    3.5 / (1.0 / attention_tflops(d, false, k) + 2.5 / attention_tflops(d, true, k))
+}
+
+fn is_backward_attention(op: &Op) -> bool {
+    matches!(
         op,
         Op::AttentionGrad { .. } | Op::AttentionBlockGrad { .. } | Op::RingAttentionGrad { .. }
-    );
-    if backward && d.attention_bwd_tflops > 0.0 {
-        d.attention_bwd_tflops
-    } else {
-        d.attention_tflops
-    }
+    )
 }
 
 /// Passes over the logits' bytes that `linear_cross_entropy_with_grad`'s row kernel
