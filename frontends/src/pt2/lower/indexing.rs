@@ -4,7 +4,7 @@
 use super::super::fx::FxNode;
 use super::super::schema::Arg;
 use super::{one, Lower, Operand, LR, LV};
-use weft_ir::{CmpOp, Dim, Op, TensorType};
+use weft_ir::{CmpOp, DType, Dim, Op, TensorType};
 
 impl Lower<'_> {
     /// Lowers one op of this family; `None` for any other op.
@@ -34,6 +34,14 @@ impl Lower<'_> {
                     return Err(
                         self.unsupported(n, "advanced indexing with a multi-dimensional index")
                     );
+                }
+                let idt = self.g.ty(i).dtype;
+                if !matches!(idt, DType::I64 | DType::I32) {
+                    // a bool (or uint8) index is a mask, whose result's length is data
+                    return Err(self.unsupported(
+                        n,
+                        format!("indexing with a {idt} tensor (a mask: a data-dependent shape)"),
+                    ));
                 }
                 // torch's advanced indexing counts a negative index from the end
                 // (`w[arange(3) - 1]`); a dim of unknown size keeps the runtime's range check.
