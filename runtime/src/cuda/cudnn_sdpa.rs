@@ -418,38 +418,36 @@ impl Sdpa {
     }
 }
 
+/// Reads one value of attribute `a` (of type `ty`) from descriptor `d` into `out`.
+fn get_one<T>(d: Raw, a: A, ty: Ty, out: &mut T, what: impl FnOnce() -> String) -> R<()> {
+    let mut n = 0i64;
+    ck(
+        unsafe { (api().backend_get_attribute)(d, a, ty, 1, &mut n, out as *mut T as *mut c_void) },
+        what,
+    )
+}
+
 /// The global index of an engine config's engine (what cuDNN's API log calls
 /// `engineId`), for listing the plans.
 fn engine_index(cfg: Raw) -> Option<i64> {
     let engine = create(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR, "engine").ok()?;
-    let mut n = 0i64;
     let mut raw = engine.0;
-    ck(
-        unsafe {
-            (api().backend_get_attribute)(
-                cfg,
-                A::CUDNN_ATTR_ENGINECFG_ENGINE,
-                Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                1,
-                &mut n,
-                &mut raw as *mut Raw as *mut c_void,
-            )
-        },
+    let desc = Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR;
+    get_one(
+        cfg,
+        A::CUDNN_ATTR_ENGINECFG_ENGINE,
+        desc,
+        &mut raw,
         String::new,
     )
     .ok()?;
     let mut index = 0i64;
-    ck(
-        unsafe {
-            (api().backend_get_attribute)(
-                engine.0,
-                A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX,
-                Ty::CUDNN_TYPE_INT64,
-                1,
-                &mut n,
-                &mut index as *mut i64 as *mut c_void,
-            )
-        },
+    let int = Ty::CUDNN_TYPE_INT64;
+    get_one(
+        engine.0,
+        A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX,
+        int,
+        &mut index,
         String::new,
     )
     .ok()?;
@@ -1147,18 +1145,11 @@ fn build(handle: Arc<Handle>, sh: Shape, version: usize, picks: EnginePicks) -> 
                 continue;
             }
             let mut ws = 0i64;
-            let mut n = 0i64;
-            ck(
-                unsafe {
-                    (api().backend_get_attribute)(
-                        plan.0,
-                        A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                        Ty::CUDNN_TYPE_INT64,
-                        1,
-                        &mut n,
-                        &mut ws as *mut i64 as *mut c_void,
-                    )
-                },
+            get_one(
+                plan.0,
+                A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                Ty::CUDNN_TYPE_INT64,
+                &mut ws,
                 || format!("{pw}: workspace size"),
             )?;
             let this = finalized;
