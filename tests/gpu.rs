@@ -480,14 +480,18 @@ fn op_cases() -> Vec<Case> {
 }
 
 /// The ops `fuse` makes (`glu`, `glu_grad`, `add_rms_norm`, `add_rms_norm_grad`): generic
-/// kernels (f32, bf16 with odd sizes) and the 8-wide bf16 ones (rows of 1, 3 and 4 chunks
-/// per thread, f32 and bf16 norm weights), each beside the unfused ops it replaces.
+/// kernels (f32, bf16 with odd sizes) and the 8-wide bf16 ones (glu's over several grid
+/// strides; norm rows of 1, 3 and 4 chunks per thread, several rows a block, f32 and bf16
+/// norm weights), each beside the unfused ops it replaces.
 fn fused_op_cases() -> Vec<Case> {
     let mut v = Vec::new();
     for (dt, shape, tol) in [
         ("f32", "7, 65", 1e-5),
         ("bf16", "7, 65", 3e-2),
         ("bf16", "64, 2048", 3e-2),
+        // More 8-wide vectors than two grid strides (132 SMs), and not a multiple of one:
+        // the kernels' two-vectors-an-iteration loop and its one-vector tail.
+        ("bf16", "4100, 2200", 3e-2),
     ] {
         for act in ["silu", "gelu", "gelu_tanh"] {
             let unfused = match act {

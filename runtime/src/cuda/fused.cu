@@ -55,29 +55,50 @@ __device__ __forceinline__ void glu_bwd1(float gate, float up, float g, int act,
     }
 FOR_FLOATS(DEF_GLU)
 
-// 8-wide bf16 versions (16-byte loads and stores); n8 = n / 8.
-extern "C" __global__ void glu8_bf16(uint4* out, const uint4* gate, const uint4* up, i64 n8, int act) {
-    GRID_STRIDE(i, n8) {
-        float g[8], u[8];
-        unpack8(gate[i], g);
-        unpack8(up[i], u);
+// 8-wide bf16 versions (16-byte loads and stores); n8 = n / 8. Each thread takes two
+// vectors a grid stride apart per iteration, both loaded before either is computed, so
+// twice the loads are in flight (bandwidth-bound kernels; elementwise, so the values are
+// those of one vector an iteration).
+__device__ __forceinline__ uint4 glu8_one(uint4 gate, uint4 up, int act) {
+    float g[8], u[8];
+    unpack8(gate, g);
+    unpack8(up, u);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) g[k] = tof(fromf<__nv_bfloat16>(glu_act(g[k], act))) * u[k];
-        out[i] = pack8(g);
-    }
+    for (int k = 0; k < 8; ++k) g[k] = tof(fromf<__nv_bfloat16>(glu_act(g[k], act))) * u[k];
+    return pack8(g);
 }
-extern "C" __global__ void glu_bwd8_bf16(uint4* dgate, uint4* dup, const uint4* gate, const uint4* up,
-                                         const uint4* dy, i64 n8, int act) {
-    GRID_STRIDE(i, n8) {
-        float g[8], u[8], d[8];
-        unpack8(gate[i], g);
-        unpack8(up[i], u);
-        unpack8(dy[i], d);
+__device__ __forceinline__ void glu_bwd8_one(uint4 gate, uint4 up, uint4 dy, int act, uint4& dgate, uint4& dup) {
+    float g[8], u[8], d[8];
+    unpack8(gate, g);
+    unpack8(up, u);
+    unpack8(dy, d);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) glu_bwd1<__nv_bfloat16>(g[k], u[k], d[k], act, g[k], u[k]);
-        dgate[i] = pack8(g);
-        dup[i] = pack8(u);
+    for (int k = 0; k < 8; ++k) glu_bwd1<__nv_bfloat16>(g[k], u[k], d[k], act, g[k], u[k]);
+    dgate = pack8(g);
+    dup = pack8(u);
+}
+extern "C" __global__ void glu8_bf16(uint4* out, const uint4* gate,
+                                     const uint4* up, i64 n8, int act) {
+    const i64 stride = (i64)blockDim.x * gridDim.x;
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + stride < n8; i += 2 * stride) {
+        uint4 g0 = gate[i], u0 = up[i], g1 = gate[i + stride], u1 = up[i + stride];
+        out[i] = glu8_one(g0, u0, act);
+        out[i + stride] = glu8_one(g1, u1, act);
     }
+    if (i < n8) out[i] = glu8_one(gate[i], up[i], act);
+}
+extern "C" __global__ void glu_bwd8_bf16(uint4* dgate, uint4* dup,
+                                         const uint4* gate, const uint4* up,
+                                         const uint4* dy, i64 n8, int act) {
+    const i64 stride = (i64)blockDim.x * gridDim.x;
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + stride < n8; i += 2 * stride) {
+        uint4 g0 = gate[i], u0 = up[i], d0 = dy[i], g1 = gate[i + stride], u1 = up[i + stride], d1 = dy[i + stride];
+        glu_bwd8_one(g0, u0, d0, act, dgate[i], dup[i]);
+        glu_bwd8_one(g1, u1, d1, act, dgate[i + stride], dup[i + stride]);
+    }
+    if (i < n8) glu_bwd8_one(gate[i], up[i], dy[i], act, dgate[i], dup[i]);
 }
 
 // ---------------------------------------------------------------- add_rms_norm
@@ -146,13 +167,16 @@ __device__ __forceinline__ void add_rms_fwd8(uint4* sum, uint4* normed, const ui
 }
 
 // add_rms_norm_grad: rms_bwd8 on the sum, its dx rounded as the unfused kernel stores it,
-// plus the residual gradient dres (rounded once more, as the unfused add), which is loaded
-// with the row's x and dy so its latency overlaps theirs. dw as rms_bwd8: per-block f32
-// partials, summed by colsum_f32_to.
+// plus the residual gradient dres (rounded once more, as the unfused add). dw as rms_bwd8:
+// per-block f32 partials, summed by colsum_f32_to. Each block walks its `rpb` rows with the
+// next row's x, dy and dres loaded before this row's reduction, so the loads' latency
+// overlaps the block's reduction and stores instead of following them (the kernel is
+// bandwidth-bound, and one row in flight a block left HBM idle between rows).
 template <int RV_MAX>
-__device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const uint4* x, const void* w, int wcode,
-                                             const uint4* dy, const uint4* dres, i64 rows, int H, float eps,
-                                             int rpb) {
+__device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc,
+                                             const uint4* x, const void* w, int wcode,
+                                             const uint4* dy, const uint4* dres,
+                                             i64 rows, int H, float eps, int rpb) {
     __shared__ float sh[72];
     const int chunks = H >> 3;
     float wv[RV_MAX][8], acc[RV_MAX][8];
@@ -165,21 +189,40 @@ __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const u
     }
     const i64 r0 = (i64)blockIdx.x * rpb;
     const i64 r1 = r0 + rpb < rows ? r0 + rpb : rows;
+    uint4 nx[RV_MAX], ng[RV_MAX], nr[RV_MAX];
+#pragma unroll
+    for (int k = 0; k < RV_MAX; ++k) {
+        int c = threadIdx.x + k * blockDim.x;
+        if (c < chunks && r0 < r1) {
+            nx[k] = x[r0 * chunks + c];
+            ng[k] = dy[r0 * chunks + c];
+            nr[k] = dres[r0 * chunks + c];
+        }
+    }
     for (i64 row = r0; row < r1; ++row) {
-        float xv[RV_MAX][8], gv[RV_MAX][8];
-        uint4 res[RV_MAX];
+        // This row stays packed (bf16) through the reduction and is unpacked again after
+        // it, which keeps the registers at four blocks an SM with the next row in flight.
+        uint4 cx[RV_MAX], cg[RV_MAX], cr[RV_MAX];
         float ss = 0.f, gx = 0.f;
 #pragma unroll
         for (int k = 0; k < RV_MAX; ++k) {
             int c = threadIdx.x + k * blockDim.x;
             if (c < chunks) {
-                unpack8(x[row * chunks + c], xv[k]);
-                unpack8(dy[row * chunks + c], gv[k]);
-                res[k] = dres[row * chunks + c];
+                cx[k] = nx[k];
+                cg[k] = ng[k];
+                cr[k] = nr[k];
+                if (row + 1 < r1) {
+                    nx[k] = x[(row + 1) * chunks + c];
+                    ng[k] = dy[(row + 1) * chunks + c];
+                    nr[k] = dres[(row + 1) * chunks + c];
+                }
+                float xv[8], gv[8];
+                unpack8(cx[k], xv);
+                unpack8(cg[k], gv);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
-                    ss += xv[k][e] * xv[k][e];
-                    gx += gv[k][e] * wv[k][e] * xv[k][e];
+                    ss += xv[e] * xv[e];
+                    gx += gv[e] * wv[k][e] * xv[e];
                 }
             }
         }
@@ -190,15 +233,17 @@ __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const u
         for (int k = 0; k < RV_MAX; ++k) {
             int c = threadIdx.x + k * blockDim.x;
             if (c < chunks) {
-                float d[8], rv[8];
+                float xv[8], gv[8], d[8], rv[8];
+                unpack8(cx[k], xv);
+                unpack8(cg[k], gv);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
-                    float xh = xv[k][e] * r;
-                    d[e] = r * (gv[k][e] * wv[k][e] - xh * mean);
-                    acc[k][e] += gv[k][e] * xh;
+                    float xh = xv[e] * r;
+                    d[e] = r * (gv[e] * wv[k][e] - xh * mean);
+                    acc[k][e] += gv[e] * xh;
                 }
                 unpack8(pack8(d), d);
-                unpack8(res[k], rv);
+                unpack8(cr[k], rv);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) d[e] = rv[e] + d[e];
                 dsum[row * chunks + c] = pack8(d);
@@ -217,7 +262,8 @@ __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc, const u
             const uint4* x, const uint4* y, const void* w, int wcode, i64 rows, int H, float eps) {         \
         add_rms_fwd8<RV>(sum, normed, x, y, w, wcode, H, eps);                                              \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) add_rms_bwd8_bf16_r##RV(uint4* dsum, float* dw_acc,   \
+    extern "C" __global__ void __launch_bounds__(256, 4 / RV) add_rms_bwd8_bf16_r##RV(uint4* dsum,         \
+            float* dw_acc,                                                                                  \
             const uint4* x, const void* w, int wcode, const uint4* dy, const uint4* dres, i64 rows, int H,  \
             float eps, int rpb) {                                                                           \
         add_rms_bwd8<RV>(dsum, dw_acc, x, w, wcode, dy, dres, rows, H, eps, rpb);                           \
