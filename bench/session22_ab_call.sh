@@ -8,10 +8,12 @@
 #   checks  --check 20 on three tiny models (bf16)
 #   ab      the 1.24B step at 4096, A B A B (10 steps each), then 16384 fused A B
 #   trace   the new step at 4096 under bench/kernel_trace.c: the changed kernels' us/call
+#   graph0  the new step at 4096 traced with and without the CUDA graph: attention us/call
+#           by step (is the in-step slowdown the clock or the graph?)
 #   torch   PyTorch eager at 4096 and 16384 (the ratio's denominator)
 #   parity  bench/loss_parity.py on the new binary
-#   OUT=$OUT PHASES="cases checks ab trace torch parity" bash bench/session22_ab_call.sh
-PHASES=${PHASES:-"cases checks ab trace torch parity"}
+#   OUT=$OUT PHASES="cases checks ab trace graph0 torch parity" bash bench/session22_ab_call.sh
+PHASES=${PHASES:-"cases checks ab trace graph0 torch parity"}
 source bench/gpu_env.sh
 Q_FULL="utilization.gpu,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 Q_BASE="utilization.gpu,clocks.sm,power.draw,temperature.gpu"
@@ -56,6 +58,26 @@ if has trace; then
     for b in weftA weft; do
       echo "== traced $b 4096: $(CUDA_INJECTION64_PATH=$TRACE_SO KERNEL_TRACE_OUT=$OUT/k$b.tsv step ./.gpu/$b 60 --steps 3 --seq 4096 --unfused-loss)"
       $PY bench/kernel_trace.py $OUT/k$b.tsv --last-ms 64 --match 'glu|add_rms|adamw|rope|colsum' --width 60
+    done
+  fi
+fi
+# Per step (16 layers each): the attention kernels' mean us/call, graph replay against
+# eager launches (WEFT_CUDA_GRAPH=0), to tell the clock from the graph.
+attn_by_step() { $PY - $1 <<'PYEOF'
+import sys
+rows = sorted((int(r[0]), int(r[1]), r[7]) for r in (l.rstrip("\n").split("\t", 7) for l in list(open(sys.argv[1]))[1:]))
+for key in ("bprop", "fprop"):
+    d = [x for s, x, n in rows if key in n]
+    print(f"  {key} us/call by step:", " ".join(f"{sum(d[i:i+16])/len(d[i:i+16])/1e3:.0f}" for i in range(0, len(d), 16)))
+PYEOF
+}
+if has graph0; then
+  export TRACE_SO=/tmp/kernel_trace.so
+  if bash bench/kernel_trace.sh >/dev/null; then
+    for g in 1 0; do
+      clocks_on graph$g
+      echo "== WEFT_CUDA_GRAPH=$g 4096: $(WEFT_CUDA_GRAPH=$g CUDA_INJECTION64_PATH=$TRACE_SO KERNEL_TRACE_OUT=$OUT/kg$g.tsv step ./.gpu/weft 60 --steps 6 --seq 4096 --unfused-loss)"
+      clocks_off graph$g; attn_by_step $OUT/kg$g.tsv
     done
   fi
 fi
