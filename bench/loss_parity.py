@@ -41,6 +41,8 @@ p.add_argument("--json", default=None)
 p.add_argument("--weft-args", default="", help="more flags for weft run, e.g. '--fused-loss'")
 p.add_argument("--torch-runs", type=int, default=2, help="PyTorch runs from the same weights (their spread is printed as the noise floor)")
 a = p.parse_args()
+if a.torch_runs < 1 or a.steps < 1:
+    p.error("--torch-runs and --steps must be at least 1")
 
 cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,

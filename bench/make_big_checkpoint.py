@@ -13,8 +13,6 @@ import os
 import shutil
 import sys
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRESET = os.path.join(HERE, "..", "frontends", "presets", "llama3.2-1b.json")
 
@@ -43,6 +41,8 @@ def shapes(cfg):
 
 
 def main():
+    import numpy as np  # here, so shapes() imports without numpy (bench/tiny_llama3_ckpt.py)
+
     out_dir = sys.argv[1]
     cfg = json.load(open(PRESET))
     if "--layers" in sys.argv:

@@ -15,25 +15,6 @@
 #   OUT=$OUT PHASES="cases checks ab trace graph0 torch parity" bash bench/session22_ab_call.sh
 PHASES=${PHASES:-"cases checks ab trace graph0 torch parity"}
 source bench/gpu_env.sh
-Q_FULL="utilization.gpu,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
-Q_BASE="utilization.gpu,clocks.sm,power.draw,temperature.gpu"
-Q=$Q_FULL; nvidia-smi --query-gpu=$Q --format=csv,noheader >/dev/null 2>&1 || Q=$Q_BASE
-clocks_on() { nvidia-smi --query-gpu=$Q --format=csv,noheader,nounits -lms 100 > $OUT/clk_$1.csv 2>/dev/null & CLK=$!; }
-# Busy samples: mean SM clock and power, and how many had the SW power cap (0x4) or a
-# thermal / HW slowdown (0x8, 0x20, 0x40, 0x80) among the active clock event reasons.
-clocks_off() { kill $CLK 2>/dev/null; wait $CLK 2>/dev/null; $PY - $1 $OUT/clk_$1.csv <<'PYEOF'
-import sys
-rows = [l.strip().split(", ") for l in open(sys.argv[2]) if l.strip()]
-busy = [r for r in rows if r[0].isdigit() and int(r[0]) >= 90]
-if busy:
-    n = len(busy); num = lambda i: [float(r[i]) for r in busy if r[i].replace(".", "").isdigit()]
-    reasons = [int(r[4], 16) for r in busy if len(r) > 4 and r[4].startswith("0x")]
-    cap = sum(1 for x in reasons if x & 0x4); slow = sum(1 for x in reasons if x & 0xE8)
-    c, p, t = num(1), num(2), num(3)
-    print(f"clocks {sys.argv[1]}: {n} busy samples, SM {sum(c)/max(len(c),1):.0f} MHz (min {min(c or [0]):.0f}), "
-          f"{sum(p)/max(len(p),1):.0f} W, max {max(t or [0]):.0f} C, power cap in {cap}, thermal/HW slowdown in {slow} of {len(reasons)}")
-PYEOF
-}
 step() { local bin=$1; shift; timeout "$1" $bin run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-200; }
 if has cases; then
   WEFT_GPU_ONLY="glu,add_rms_norm,attention" timeout 200 .gpu/tests/gpu --nocapture --test-threads=1 > $OUT/cases.txt 2>&1
@@ -61,16 +42,9 @@ if has trace; then
     done
   fi
 fi
-# Per step (16 layers each): the attention kernels' mean us/call, graph replay against
-# eager launches (WEFT_CUDA_GRAPH=0), to tell the clock from the graph.
-attn_by_step() { $PY - $1 <<'PYEOF'
-import sys
-rows = sorted((int(r[0]), int(r[1]), r[7]) for r in (l.rstrip("\n").split("\t", 7) for l in list(open(sys.argv[1]))[1:]))
-for key in ("bprop", "fprop"):
-    d = [x for s, x, n in rows if key in n]
-    print(f"  {key} us/call by step:", " ".join(f"{sum(d[i:i+16])/len(d[i:i+16])/1e3:.0f}" for i in range(0, len(d), 16)))
-PYEOF
-}
+# Per step: the attention kernels' mean us/call, graph replay against eager launches
+# (WEFT_CUDA_GRAPH=0), to tell the clock from the graph.
+attn_by_step() { $PY bench/kernel_trace.py $1 --by-step '^embedding_bf16$' --match 'sdpa.*(bprop|fprop)' --width 90; }
 if has graph0; then
   export TRACE_SO=/tmp/kernel_trace.so
   if bash bench/kernel_trace.sh >/dev/null; then

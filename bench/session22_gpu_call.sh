@@ -12,9 +12,6 @@
 PHASES=${PHASES:-"trace checks bench parity"}
 source bench/gpu_env.sh
 step() { timeout "$1" ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-220; }
-clocks_on() { nvidia-smi --query-gpu=utilization.gpu,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 100 > $OUT/clk_$1.csv 2>/dev/null & CLK=$!; }
-clocks_off() { kill $CLK 2>/dev/null; wait $CLK 2>/dev/null
-  awk -F', ' -v t=$1 '$1>=90 {n++; c+=$2; p+=$3; if ($4>m) m=$4} END {if (n) printf "clocks %s: %d busy samples, SM %.0f MHz, %.0f W, max %d C\n", t, n, c/n, p/n, m}' $OUT/clk_$1.csv; }
 if has trace; then
   export TRACE_SO=/tmp/kernel_trace.so
   if bash bench/kernel_trace.sh; then

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""A tiny Llama-3-style HF checkpoint with the 1.24B parity model's config keys (llama3
-rope scaling, theta 500000, tied embeddings, GQA, eps 1e-5) and a fixed batch, written
-with the standard library alone (no torch, no numpy): for comparing what two Weft builds
-compute on the CPU reference from the same HF directory, e.g. whether a loss-parity change
-on the GPU comes from the import and the passes or from the GPU kernels.
+"""A tiny HF checkpoint of the llama3.2-1b preset (its config.json with the sizes cut to
+64 hidden, 2 layers, 4/2 heads of 16, vocab 512: llama3 rope scaling, theta 500000, tied
+embeddings, eps 1e-5 kept) and a fixed batch, written with the standard library alone (no
+torch, no numpy): for comparing what two Weft builds compute on the CPU reference from the
+same HF directory, e.g. whether a loss-parity change on the GPU comes from the import and
+the passes or from the GPU kernels. The tensor list is make_big_checkpoint.shapes().
 
     python3 bench/tiny_llama3_ckpt.py DIR     # DIR/config.json, DIR/model.safetensors,
                                               # DIR/inputs.safetensors (1 x 64 tokens)
-    weft run DIR --backend cpu --dtype bf16 --torch-adamw --lr 1e-4 --steps 4 \
+    weft run DIR --backend cpu --dtype bf16 --torch-adamw --lr 1e-4 --steps 4 \\
         --inputs DIR/inputs.safetensors --json
 """
 import json
@@ -16,19 +17,15 @@ import random
 import struct
 import sys
 
+from make_big_checkpoint import PRESET, shapes
+
+SEQ = 64
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
-H, I, L, V, HQ, HK, D, S = 64, 256, 2, 512, 4, 2, 16, 64
-config = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": H,
-    "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": HQ, "num_key_value_heads": HK,
-    "head_dim": D, "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
-    "rms_norm_eps": 1e-05, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "use_cache": False, "torch_dtype": "bfloat16",
-}
-json.dump(config, open(os.path.join(out, "config.json"), "w"), indent=1)
+cfg = json.load(open(PRESET))
+cfg.update(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2, use_cache=False)
+json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=1)
 rng = random.Random(0)
 
 
@@ -41,46 +38,28 @@ def bf16(vals):
     return bytes(b)
 
 
-tensors = {}
-
-
-def add(name, shape, norm=False):
-    n = 1
-    for s in shape:
-        n *= s
-    vals = [1.0 + rng.gauss(0, 0.05) if norm else rng.gauss(0, 0.02) for _ in range(n)]
-    tensors[name] = ("BF16", shape, bf16(vals))
-
-
-add("model.embed_tokens.weight", [V, H])
-for l in range(L):
-    p = f"model.layers.{l}."
-    add(p + "self_attn.q_proj.weight", [HQ * D, H])
-    add(p + "self_attn.k_proj.weight", [HK * D, H])
-    add(p + "self_attn.v_proj.weight", [HK * D, H])
-    add(p + "self_attn.o_proj.weight", [H, HQ * D])
-    add(p + "mlp.gate_proj.weight", [I, H])
-    add(p + "mlp.up_proj.weight", [I, H])
-    add(p + "mlp.down_proj.weight", [H, I])
-    add(p + "input_layernorm.weight", [H], norm=True)
-    add(p + "post_attention_layernorm.weight", [H], norm=True)
-add("model.norm.weight", [H], norm=True)
-
-
-def write(path, ts):
+def write(path, tensors):
+    """safetensors: {name: (dtype, shape, bytes)}, names sorted."""
     header, offset, blobs = {}, 0, []
-    for k in sorted(ts):
-        dt, shape, data = ts[k]
+    for k in sorted(tensors):
+        dt, shape, data = tensors[k]
         header[k] = {"dtype": dt, "shape": shape, "data_offsets": [offset, offset + len(data)]}
         offset += len(data)
         blobs.append(data)
     h = json.dumps(header).encode()
-    h += b" " * ((8 - len(h) % 8) % 8)
+    h += b" " * (-len(h) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
-write(os.path.join(out, "model.safetensors"), tensors)
-ids = b"".join(struct.pack("<q", rng.randrange(V)) for _ in range(S))
-write(os.path.join(out, "inputs.safetensors"), {"input_ids": ("I64", [1, S], ids), "labels": ("I64", [1, S], ids)})
-print(f"{out}: config.json, model.safetensors ({len(tensors)} tensors), inputs.safetensors (1 x {S})")
+weights = {}
+for name, shape in shapes(cfg):
+    n = 1
+    for s in shape:
+        n *= s
+    norm = name.endswith("norm.weight")
+    weights[name] = ("BF16", shape, bf16(1.0 + rng.gauss(0, 0.05) if norm else rng.gauss(0, 0.02) for _ in range(n)))
+write(os.path.join(out, "model.safetensors"), weights)
+ids = b"".join(struct.pack("<q", rng.randrange(cfg["vocab_size"])) for _ in range(SEQ))
+write(os.path.join(out, "inputs.safetensors"), {"input_ids": ("I64", [1, SEQ], ids), "labels": ("I64", [1, SEQ], ids)})
+print(f"{out}: config.json, model.safetensors ({len(weights)} tensors), inputs.safetensors (1 x {SEQ})")

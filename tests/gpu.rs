@@ -489,8 +489,9 @@ fn fused_op_cases() -> Vec<Case> {
         ("f32", "7, 65", 1e-5),
         ("bf16", "7, 65", 3e-2),
         ("bf16", "64, 2048", 3e-2),
-        // More 8-wide vectors than two grid strides (132 SMs), and not a multiple of one:
-        // the kernels' two-vectors-an-iteration loop and its one-vector tail.
+        // 1,127,500 8-wide vectors: more than one grid stride (SMs x 16 blocks x 256
+        // threads, 540,672 on 132 SMs) on any current GPU, and not a multiple of one:
+        // glu_bwd8's two-vectors-an-iteration loop and its one-vector tail.
         ("bf16", "4100, 2200", 3e-2),
     ] {
         for act in ["silu", "gelu", "gelu_tanh"] {

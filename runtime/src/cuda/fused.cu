@@ -194,8 +194,9 @@ __device__ __forceinline__ void add_rms_bwd8(uint4* dsum, float* dw_acc,
         }
     }
     for (i64 row = r0; row < r1; ++row) {
-        // This row stays packed (bf16) through the reduction and is unpacked again after
-        // it, which keeps the registers at four blocks an SM with the next row in flight.
+        // This row is held packed (bf16) across the reduction and unpacked on each side
+        // of it; `__launch_bounds__(256, 4 / RV)` caps r1 at 64 registers (four blocks an
+        // SM, as before the prefetch), without spills.
         uint4 cx[RV_MAX], cg[RV_MAX], cr[RV_MAX];
         float ss = 0.f, gx = 0.f;
 #pragma unroll
