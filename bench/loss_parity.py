@@ -2,7 +2,7 @@
 """Loss parity with PyTorch on real weights (issue 20's check), run on the GPU machine:
 
     python3 bench/loss_parity.py --weft ./.gpu/weft [--seq 4096] [--steps 4] [--lr 1e-4]
-        [--weft-args "--fused-loss"]
+        [--weft-args "--fused-loss"] [--weft ./.gpu/weftA ...] [--weft-runs 2]
 
 1. Builds the 1.24B Llama-3-style model (the `llama3.2-1b` preset's config) with
    transformers from seed 0 and writes it with `save_pretrained` (config.json +
@@ -15,7 +15,9 @@
    (cuDNN's attention backward accumulates with atomics, and AdamW's first steps move
    each weight by about lr whatever its gradient's size, so the noise grows by step).
 4. Runs `weft run DIR --backend cuda --dtype bf16 --torch-adamw --lr LR --inputs ...` on
-   the same checkpoint and batch, and compares the per-step losses.
+   the same checkpoint and batch, and compares the per-step losses; with several
+   `--weft` binaries (or `--weft-runs` above 1), each binary's runs are compared in turn,
+   against PyTorch and against each other (Weft's own run-to-run noise).
 
 Passes (exit 0) when every step's loss is within --tol (relative, default 0.5%) of
 PyTorch's: bf16 noise only. Prints one line per step and writes --json if given.
@@ -32,7 +34,8 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 p = argparse.ArgumentParser()
-p.add_argument("--weft", default="./.gpu/weft")
+p.add_argument("--weft", action="append", help="a weft binary (repeat to compare builds; default ./.gpu/weft)")
+p.add_argument("--weft-runs", type=int, default=1, help="runs of each --weft binary")
 p.add_argument("--seq", type=int, default=4096)
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--lr", type=float, default=1e-4)
@@ -41,8 +44,9 @@ p.add_argument("--json", default=None)
 p.add_argument("--weft-args", default="", help="more flags for weft run, e.g. '--fused-loss'")
 p.add_argument("--torch-runs", type=int, default=2, help="PyTorch runs from the same weights (their spread is printed as the noise floor)")
 a = p.parse_args()
-if a.torch_runs < 1 or a.steps < 1:
-    p.error("--torch-runs and --steps must be at least 1")
+if a.torch_runs < 1 or a.steps < 1 or a.weft_runs < 1:
+    p.error("--torch-runs, --weft-runs and --steps must be at least 1")
+a.weft = a.weft or ["./.gpu/weft"]
 
 cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
@@ -86,24 +90,39 @@ torch_losses = runs[0]
 # PyTorch against itself: the run-to-run noise floor Weft's difference is read against.
 noise = [max(abs(r[i] - runs[0][i]) / abs(runs[0][i]) for r in runs) for i in range(a.steps)]
 
-cmd = [a.weft, "run", ckpt, "--backend", "cuda", "--dtype", "bf16", "--torch-adamw", "--lr", str(a.lr),
-       "--inputs", inputs, "--steps", str(a.steps), "--json"] + a.weft_args.split()
-r = subprocess.run(cmd, capture_output=True, text=True)
-if r.returncode != 0:
-    print(r.stderr[-3000:], file=sys.stderr)
-    sys.exit(f"weft run failed (rc {r.returncode}): {' '.join(cmd)}")
-d = json.loads(r.stdout)
-weft_losses = [s["loss"] for s in d["steps"]]
+
+def train_weft(binary):
+    """Weft's per-step losses from the same checkpoint and batch."""
+    cmd = [binary, "run", ckpt, "--backend", "cuda", "--dtype", "bf16", "--torch-adamw", "--lr", str(a.lr),
+           "--inputs", inputs, "--steps", str(a.steps), "--json"] + a.weft_args.split()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(r.stderr[-3000:], file=sys.stderr)
+        sys.exit(f"weft run failed (rc {r.returncode}): {' '.join(cmd)}")
+    return [s["loss"] for s in json.loads(r.stdout)["steps"]]
+
+
 worst = 0.0
+complete = True
 rows = []
-for i, (t, w) in enumerate(zip(torch_losses, weft_losses)):
-    rel = abs(w - t) / abs(t)
-    worst = max(worst, rel)
-    rows.append({"step": i + 1, "torch": t, "weft": w, "rel": rel, "torch_noise": noise[i]})
-    print(f"step {i + 1}: torch {t:.6f}  weft {w:.6f}  rel {rel:.2e}  (torch against itself {noise[i]:.2e})")
-ok = len(weft_losses) == a.steps and worst <= a.tol
+weft_runs = {}
+for binary in a.weft:
+    for _ in range(a.weft_runs):
+        weft_losses = train_weft(binary)
+        complete &= len(weft_losses) == a.steps
+        weft_runs.setdefault(binary, []).append(weft_losses)
+        run, first = len(weft_runs[binary]), weft_runs[binary][0]
+        for i, (t, w) in enumerate(zip(torch_losses, weft_losses)):
+            rel = abs(w - t) / abs(t)
+            own = abs(w - first[i]) / abs(first[i])
+            worst = max(worst, rel)
+            rows.append({"weft": binary, "run": run, "step": i + 1, "torch": t, "weft_loss": w, "rel": rel,
+                         "torch_noise": noise[i], "weft_vs_its_first_run": own})
+            print(f"{binary} run {run} step {i + 1}: torch {t:.6f}  weft {w:.6f}  rel {rel:.2e}  "
+                  f"(torch against itself {noise[i]:.2e}, this build against its first run {own:.2e})")
+ok = complete and worst <= a.tol
 print(f"{'ok' if ok else 'FAILED'}: worst relative difference {worst:.2e} (tolerance {a.tol:.0e}), seq {a.seq}, lr {a.lr}")
 if a.json:
     json.dump({"steps": rows, "worst": worst, "tol": a.tol, "ok": ok, "seq": a.seq, "lr": a.lr,
-               "torch_runs": runs}, open(a.json, "w"), indent=1)
+               "torch_runs": runs, "weft_runs": weft_runs}, open(a.json, "w"), indent=1)
 sys.exit(0 if ok else 1)
