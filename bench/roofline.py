@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
-"""Roofline of one training step (issue 20): per op class, the time the plan predicts at
-the device profile's measured rates (bf16 GEMM, fused attention, HBM bandwidth), the time
-the GPU measured (WEFT_PROFILE), and the gap.
+"""Roofline of one training step (issue 20): per op class, the time at fixed rates (the
+roofline), the time the plan predicts (its cost model, fitted to the kernels Weft runs),
+the time the GPU measured (WEFT_PROFILE), and the gaps.
 
-    weft compile MODEL --seq S --batch 1 --dtype bf16 -o plan.json
+    weft run MODEL --seq S --batch 1 --dtype bf16 --torch-adamw --plan-out plan.json ...
     weft inspect plan.json --trace trace.json
     WEFT_PROFILE=1 weft run MODEL --backend cuda --seq S ... 2> profile.txt
-    python3 bench/roofline.py trace.json profile.txt [--tokens B*S]
+    python3 bench/roofline.py trace.json [profile.txt] [--tokens B*S]
+        [--rates gemm=790,attention=341,hbm=4300]
 
-The predicted column is the plan's cost model (compute stream only: what the step waits
-on); the measured one is the sum of device time between instruction events on stream 0.
+The roofline column prices each instruction on the compute stream at
+max(FLOPs / rate, bytes / HBM bandwidth), with the plan's own FLOP and byte counts (the
+bytes its kernels read and write, so fusion shows); GEMMs (and the fused lm_head +
+cross-entropy) at the `gemm` rate in TFLOP/s, attention forward and backward at
+`attention` (TFLOP/s over the causal FLOPs the plan counts), everything else at `hbm`
+(GB/s). Instructions the plan prices at zero (views) are left out. Without a profile
+(no GPU) only the roofline and the prediction are printed.
 """
 import json
 import re
@@ -37,34 +43,98 @@ def op_class(op):
     return "elementwise, rope, embedding, casts"
 
 
+GEMM_OPS = ("matmul", "linear", "batched_matmul", "grouped_matmul", "linear_cross_entropy")
+
+
+def roofline_ms(name, flops, bytes_, rates):
+    """One instruction's time at the rates: the larger of its compute and memory times."""
+    base = name.split(" ")[0]
+    if base.startswith(GEMM_OPS):
+        compute = flops / (rates["gemm"] * 1e12)
+    elif base in ("attention", "attention_grad"):
+        compute = flops / (rates["attention"] * 1e12)
+    else:
+        compute = 0.0
+    return 1e3 * max(compute, bytes_ / (rates["hbm"] * 1e9))
+
+
+def parse_rates(text):
+    rates = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key not in ("gemm", "attention", "hbm") or not value:
+            sys.exit(f"--rates: expected gemm=TFLOPS,attention=TFLOPS,hbm=GBPS, got `{part}`")
+        rates[key] = float(value)
+        if rates[key] <= 0:
+            sys.exit(f"--rates: `{key}` must be positive")
+    missing = {"gemm", "attention", "hbm"} - set(rates)
+    if missing:
+        sys.exit(f"--rates: missing {', '.join(sorted(missing))}")
+    return rates
+
+
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    tokens = None
-    if "--tokens" in sys.argv:
-        tokens = float(sys.argv[sys.argv.index("--tokens") + 1])
-        args = [a for a in args if a != sys.argv[sys.argv.index("--tokens") + 1]]
-    trace, profile = args[0], args[1]
+    argv = sys.argv[1:]
+    opts = {}
+    for flag in ("--tokens", "--rates"):
+        if flag in argv:
+            i = argv.index(flag)
+            if i + 1 >= len(argv):
+                sys.exit(f"{flag} needs a value")
+            opts[flag] = argv[i + 1]
+            del argv[i:i + 2]
+    if not argv or len(argv) > 2:
+        sys.exit(__doc__)
+    tokens = float(opts["--tokens"]) if "--tokens" in opts else None
+    rates = parse_rates(opts["--rates"]) if "--rates" in opts else None
+    trace, profile = argv[0], argv[1] if len(argv) > 1 else None
     d = json.load(open(trace))
     events = d["traceEvents"] if isinstance(d, dict) else d
     pred = defaultdict(float)
+    roof = defaultdict(float)
     for e in events:
-        if e.get("ph") == "X" and e.get("tid") == 0:
-            pred[op_class(e["name"])] += e["dur"] / 1e3
+        if e.get("ph") == "X" and e.get("tid") == 0 and e["dur"] > 0:
+            c = op_class(e["name"])
+            pred[c] += e["dur"] / 1e3
+            if rates:
+                args = e.get("args", {})
+                roof[c] += roofline_ms(e["name"], args.get("flops", 0.0), args.get("bytes", 0.0), rates)
     meas = defaultdict(float)
     row = re.compile(r"^\s+([0-9.]+) ms\s+[0-9.]+%\s+(\d+)x\s+(.*)$")
-    for line in open(profile):
-        m = row.match(line)
-        if m:
-            meas[op_class(m.group(3).strip())] += float(m.group(1))
-    tp, tm = sum(pred.values()), sum(meas.values())
-    print(f"{'op class':<38}{'predicted ms':>14}{'measured ms':>13}{'gap ms':>10}{'measured/predicted':>20}")
-    for c in sorted(set(pred) | set(meas), key=lambda c: -meas.get(c, 0)):
-        p, m = pred.get(c, 0.0), meas.get(c, 0.0)
-        ratio = f"{m / p:.2f}x" if p > 0 else "-"
-        print(f"{c:<38}{p:>14.2f}{m:>13.2f}{m - p:>10.2f}{ratio:>20}")
-    print(f"{'step':<38}{tp:>14.2f}{tm:>13.2f}{tm - tp:>10.2f}{(tm / tp if tp else 0):>19.2f}x")
-    if tokens and tp > 0 and tm > 0:
-        print(f"roofline {tokens / (tp / 1e3):,.0f} tok/s (the plan's prediction); measured device time gives {tokens / (tm / 1e3):,.0f} tok/s, {100 * tp / tm:.0f}% of the roofline")
+    if profile:
+        for line in open(profile):
+            m = row.match(line)
+            if m:
+                meas[op_class(m.group(3).strip())] += float(m.group(1))
+    cols = (["roofline ms"] if rates else []) + ["predicted ms"] + (["measured ms", "measured/predicted"] if profile else [])
+    if rates and profile:
+        cols.append("measured/roofline")
+    print(f"{'op class':<38}" + "".join(f"{c:>20}" for c in cols))
+
+    def line(label, r, p, m):
+        cells = ([f"{r:.2f}"] if rates else []) + [f"{p:.2f}"]
+        if profile:
+            cells += [f"{m:.2f}", f"{m / p:.2f}x" if p > 0 else "-"]
+            if rates:
+                cells.append(f"{m / r:.2f}x" if r > 0 else "-")
+        print(f"{label:<38}" + "".join(f"{c:>20}" for c in cells))
+
+    classes = set(pred) | set(meas)
+    for c in sorted(classes, key=lambda c: (-meas.get(c, 0), -pred.get(c, 0), c)):
+        line(c, roof.get(c, 0.0), pred.get(c, 0.0), meas.get(c, 0.0))
+    tr, tp, tm = sum(roof.values()), sum(pred.values()), sum(meas.values())
+    line("step", tr, tp, tm)
+    if tokens:
+        parts = []
+        if rates and tr > 0:
+            parts.append(f"roofline {tokens / (tr / 1e3):,.0f} tok/s (at {opts['--rates']})")
+        if tp > 0:
+            parts.append(f"the plan predicts {tokens / (tp / 1e3):,.0f}")
+        if profile and tm > 0:
+            parts.append(f"measured device time gives {tokens / (tm / 1e3):,.0f}"
+                         + (f", {100 * tr / tm:.0f}% of the roofline" if rates and tr > 0 else "")
+                         + f", {100 * tp / tm:.0f}% of the prediction")
+        print("; ".join(parts))
 
 
 if __name__ == "__main__":

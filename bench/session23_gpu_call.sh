@@ -4,7 +4,7 @@
 #   parity  loss parity on real weights: PyTorch three times, each binary twice, from one
 #           checkpoint and batch — is session 22's 4.4e-3 at step 4 a change or the noise
 #           of cuDNN's atomic dQ accumulation (and AdamW's sign-like first steps)?
-#   bench   the 1.24B step at 4096 (unfused loss) and 16384 (fused loss), with the clocks
+#   bench   the 1.24B step at 4096 (unfused loss) and 16384 (fused and unfused), with the clocks
 #   torch   PyTorch eager at 4096 and 16384 in the same call (the ratio's denominator)
 #   roof    bench/roofline.sh at 4096 and 16384: the plan's per-class prediction against
 #           the profiled step
@@ -19,6 +19,7 @@ fi
 if has bench; then
   clocks_on w4096; echo "== weft 4096: $(step 60 --steps 10 --seq 4096 --unfused-loss)"; clocks_off w4096
   clocks_on w16k; echo "== weft 16384 fused: $(step 75 --steps 4 --seq 16384 --fused-loss)"; clocks_off w16k
+  clocks_on w16ku; echo "== weft 16384 unfused: $(step 75 --steps 4 --seq 16384 --unfused-loss)"; clocks_off w16ku
 fi
 if has torch; then
   for SEQ in 4096 16384; do
