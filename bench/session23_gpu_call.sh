@@ -4,6 +4,9 @@
 #   parity  loss parity on real weights: PyTorch three times, each binary twice, from one
 #           checkpoint and batch — is session 22's 4.4e-3 at step 4 a change or the noise
 #           of cuDNN's atomic dQ accumulation (and AdamW's sign-like first steps)?
+#   attnvar the same parity with Weft's attention on its own kernels (WEFT_ATTENTION=weft)
+#           and on cuDNN's second backward plan (WEFT_CUDNN_ENGINE_BWD=1): is Weft's steady
+#           ~3e-3 above PyTorch at step 4 from the attention backward?
 #   bench   the 1.24B step at 4096 (unfused loss) and 16384 (fused and unfused), with the clocks
 #   torch   PyTorch eager at 4096 and 16384 in the same call (the ratio's denominator)
 #   roof    bench/roofline.sh at 4096 and 16384: the plan's per-class prediction against
@@ -15,6 +18,12 @@ step() { timeout "$1" ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --tor
 if has parity; then
   timeout 420 $PY bench/loss_parity.py --weft ./.gpu/weft --weft ./.gpu/weftA --weft-runs 2 --torch-runs 3 \
     --json $OUT/parity.json 2>&1 | grep -E '^\./|^ok|^FAIL|rror' | sed 's#^\./\.gpu/##'
+fi
+if has attnvar; then
+  for v in WEFT_ATTENTION=weft WEFT_CUDNN_ENGINE_BWD=1; do
+    echo "== parity with $v:"
+    env $v timeout 240 $PY bench/loss_parity.py --weft ./.gpu/weft --torch-runs 2 2>&1 | grep -E '^\./|^ok|^FAIL|rror' | sed 's#^\./\.gpu/##'
+  done
 fi
 if has bench; then
   clocks_on w4096; echo "== weft 4096: $(step 60 --steps 10 --seq 4096 --unfused-loss)"; clocks_off w4096
