@@ -19,6 +19,12 @@
    `--weft` binaries (or `--weft-runs` above 1), each binary's runs are compared in turn,
    against PyTorch and against each other (Weft's own run-to-run noise).
 
+With `--grads`, it first compares the step-1 gradients, tensor by tensor, before any
+update: PyTorch's twice (its own noise) and Weft's (`weft run --grads-out`, the first
+`--weft` binary), each tensor's relative L2 difference and the fraction of its elements
+whose sign differs (AdamW's first step moves each weight by about lr times that sign), by
+kind of tensor and the worst ten.
+
 Passes (exit 0) when every step's loss is within --tol (relative, default 0.5%) of
 PyTorch's: bf16 noise only. Prints one line per step and writes --json if given.
 """
@@ -42,6 +48,7 @@ p.add_argument("--lr", type=float, default=1e-4)
 p.add_argument("--tol", type=float, default=5e-3)
 p.add_argument("--json", default=None)
 p.add_argument("--weft-args", default="", help="more flags for weft run, e.g. '--fused-loss'")
+p.add_argument("--grads", action="store_true", help="compare the step-1 gradients tensor by tensor first")
 p.add_argument("--torch-runs", type=int, default=2, help="PyTorch runs from the same weights (their spread is printed as the noise floor)")
 a = p.parse_args()
 if a.torch_runs < 1 or a.steps < 1 or a.weft_runs < 1:
@@ -85,6 +92,65 @@ def train_torch():
 
 
 del model
+
+
+def torch_grads():
+    """PyTorch's step-1 gradients (f32 on the host) from the saved weights."""
+    m = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").to("cuda").train()
+    m(input_ids=ids_gpu, labels=ids_gpu).loss.backward()
+    g = {"grad." + n: p.grad.float().cpu() for n, p in m.named_parameters()}
+    del m
+    torch.cuda.empty_cache()
+    return g
+
+
+def kind(name):
+    """The tensor's kind: its parameter name without the layer index."""
+    parts = name.split(".")
+    return ".".join(x for x in parts if not x.isdigit())
+
+
+def compare_grads():
+    from safetensors.torch import load_file
+    ref, again = torch_grads(), torch_grads()
+    out = os.path.join(work, "weft_grads.safetensors")
+    cmd = [a.weft[0], "run", ckpt, "--backend", "cuda", "--dtype", "bf16", "--torch-adamw", "--lr", str(a.lr),
+           "--inputs", inputs, "--steps", "1", "--grads-out", out] + a.weft_args.split()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(r.stderr[-3000:], file=sys.stderr)
+        sys.exit(f"weft run failed (rc {r.returncode}): {' '.join(cmd)}")
+    weft = load_file(out)
+    unmatched = sorted(set(ref) ^ set(weft))
+    if unmatched:
+        print(f"gradients only one side has (not compared): {unmatched[:8]}")
+
+    def diff(x, y):
+        rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+        nz = y != 0
+        flips = ((torch.sign(x) != torch.sign(y)) & nz).sum().item() / max(nz.sum().item(), 1)
+        return rel, flips
+
+    rows = []
+    for n in sorted(set(ref) & set(weft)):
+        w_rel, w_flip = diff(weft[n], ref[n])
+        t_rel, t_flip = diff(again[n], ref[n])
+        rows.append((n, w_rel, w_flip, t_rel, t_flip))
+    by_kind = {}
+    for n, *v in rows:
+        by_kind.setdefault(kind(n), []).append(v)
+    print("step-1 gradients, mean over layers: relative L2 difference and sign flips, Weft against PyTorch "
+          "(PyTorch against itself)")
+    for k, vs in sorted(by_kind.items()):
+        mean = [sum(v[i] for v in vs) / len(vs) for i in range(4)]
+        print(f"grad {k.removeprefix('grad.'):<52} rel {mean[0]:.2e} ({mean[2]:.2e})  flips {mean[1]:.2e} ({mean[3]:.2e})")
+    for n, w_rel, w_flip, t_rel, t_flip in sorted(rows, key=lambda r: -r[1])[:10]:
+        print(f"grad worst {n.removeprefix('grad.'):<52} rel {w_rel:.2e} ({t_rel:.2e})  flips {w_flip:.2e} ({t_flip:.2e})")
+    del ref, again, weft
+
+
+if a.grads:
+    compare_grads()
 runs = [train_torch() for _ in range(a.torch_runs)]
 torch_losses = runs[0]
 # PyTorch against itself: the run-to-run noise floor Weft's difference is read against.

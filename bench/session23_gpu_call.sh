@@ -7,6 +7,8 @@
 #   attnvar the same parity with Weft's attention on its own kernels (WEFT_ATTENTION=weft)
 #           and on cuDNN's second backward plan (WEFT_CUDNN_ENGINE_BWD=1): is Weft's steady
 #           ~3e-3 above PyTorch at step 4 from the attention backward?
+#   grads   the step-1 gradients against PyTorch's, tensor by tensor (loss_parity.py
+#           --grads), with cuDNN's attention and with Weft's own (WEFT_ATTENTION=weft)
 #   bench   the 1.24B step at 4096 (unfused loss) and 16384 (fused and unfused), with the clocks
 #   torch   PyTorch eager at 4096 and 16384 in the same call (the ratio's denominator)
 #   roof    bench/roofline.sh at 4096 and 16384: the plan's per-class prediction against
@@ -23,6 +25,12 @@ if has attnvar; then
   for v in WEFT_ATTENTION=weft WEFT_CUDNN_ENGINE_BWD=1; do
     echo "== parity with $v:"
     env $v timeout 240 $PY bench/loss_parity.py --weft ./.gpu/weft --torch-runs 2 2>&1 | grep -E '^\./|^ok|^FAIL|rror' | sed 's#^\./\.gpu/##'
+  done
+fi
+if has grads; then
+  for v in WEFT_ATTENTION=auto WEFT_ATTENTION=weft; do
+    echo "== gradients with $v:"
+    env $v timeout 280 $PY bench/loss_parity.py --weft ./.gpu/weft --grads --torch-runs 1 2>&1 | grep -E '^grad|^gradients|^\./|^ok|^FAIL|rror' | sed 's#^\./\.gpu/##'
   done
 fi
 if has bench; then

@@ -105,6 +105,85 @@ fn eval_grads_come_from_the_backward_graph() {
 }
 
 #[test]
+fn run_writes_the_first_steps_gradients() {
+    let dir = std::env::temp_dir().join(format!("weft-grads-out-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("grads.safetensors");
+    let inputs = "tests/fixtures/llama/inputs.safetensors";
+    let (code, _, err) = weft(&[
+        "run",
+        "tests/fixtures/llama",
+        "--inputs",
+        inputs,
+        "--steps",
+        "2",
+        "--grads-out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("wrote the first step's gradients of 21 parameters"),
+        "{err}"
+    );
+    // The first step's gradients (before any update) against HF autograd's.
+    let got = weft_frontends::read_safetensors(&out).unwrap();
+    let want = weft_frontends::read_safetensors(std::path::Path::new(
+        "tests/fixtures/llama/reference.safetensors",
+    ))
+    .unwrap();
+    let want: Vec<_> = want
+        .iter()
+        .filter(|(k, _)| k.starts_with("grad."))
+        .collect();
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{:?}",
+        got.keys().collect::<Vec<_>>()
+    );
+    for (k, w) in want {
+        let (a, b) = (got[k].to_f64(), w.to_f64());
+        assert_eq!(a.len(), b.len(), "{k}");
+        let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff <= 1e-4 * scale, "{k}: {diff} vs scale {scale}");
+    }
+    // What it cannot write is refused before anything runs, and an input is never its
+    // target.
+    let before = std::fs::read(inputs).unwrap();
+    let target = out.to_str().unwrap();
+    for (args, says) in [
+        (
+            &["--steps", "0", "--grads-out", target][..],
+            "--steps 0 runs none",
+        ),
+        (
+            &["--steps", "1", "--mesh", "dp=2", "--grads-out", target][..],
+            "the mesh has 2 ranks",
+        ),
+        (
+            &["--steps", "1", "--forward-only", "--grads-out", target][..],
+            "--forward-only runs no backward",
+        ),
+        (
+            &["--steps", "1", "--grads-out", inputs][..],
+            "would destroy the input",
+        ),
+    ] {
+        let mut all = vec!["run", "tests/fixtures/llama", "--inputs", inputs];
+        all.extend_from_slice(args);
+        let (code, _, err) = weft(&all);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    assert_eq!(std::fs::read(inputs).unwrap(), before);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn run_lowers_the_loss_on_a_fixed_batch() {
     for mesh in ["", "dp=2,sp=2"] {
         let (code, out, err) = weft(&[

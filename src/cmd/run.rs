@@ -79,6 +79,13 @@ pub struct Args {
     /// milliseconds and the measured device milliseconds (bench/gap.py ranks them).
     #[arg(long, value_name = "FILE")]
     pub profile_out: Option<PathBuf>,
+    /// Write the first step's gradients to FILE (safetensors, f32, `grad.<param>` for
+    /// each parameter, as `weft eval --grads` writes them: HF names for a checkpoint, MoE
+    /// experts stacked as `weft compile` lists them), to compare with another framework's
+    /// step on the same weights and batch (`bench/loss_parity.py --grads`). Training steps on a
+    /// one-rank mesh; both backends.
+    #[arg(long, value_name = "FILE")]
+    pub grads_out: Option<PathBuf>,
     /// Print one JSON document instead of the table (both backends): the run (backend,
     /// model, training, batch, seq, compile_s, mean_step_s, tokens_per_s, notes; on
     /// cuda also the plan's predicted_step_s, memory and load) and `steps`, one object per step (step, loss, step_s,
@@ -261,7 +268,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         .map_err(CliError::input)?;
         // Only --check compares gradients (and logits); a training run lets each
         // gradient die once its bucket has updated the weights.
-        t.options.grad_outputs = a.check > 0;
+        t.options.grad_outputs = a.check > 0 || a.grads_out.is_some();
         if a.backend == "cuda" {
             // The CUDA host optimizer runs when asked for (--offload-optimizer); the
             // choice stays off until its GPU step time has been measured against the
@@ -583,7 +590,24 @@ pub fn run(a: Args) -> CliResult {
         )
         .with_help("use it with --backend cuda and --steps 1 or more"));
     }
-    for out in [&a.plan_out, &a.profile_out].into_iter().flatten() {
+    if let Some(path) = &a.grads_out {
+        if a.steps == 0 {
+            return Err(CliError::input(format!(
+                "--grads-out {} writes the first step's gradients, but --steps 0 runs none",
+                path.display()
+            ))
+            .with_help("use --steps 1 or more"));
+        }
+        if a.forward_only {
+            return Err(CliError::input(
+                "--grads-out writes gradients, but --forward-only runs no backward",
+            ));
+        }
+    }
+    for out in [&a.plan_out, &a.profile_out, &a.grads_out]
+        .into_iter()
+        .flatten()
+    {
         let mut inputs = vec![("MODEL", Path::new(&a.model))];
         let named = [
             ("--weights", &a.weights),
@@ -609,6 +633,65 @@ pub fn run(a: Args) -> CliResult {
         "cuda" => run_cuda(&a),
         b => Err(CliError::input(format!("unknown --backend `{b}`")).with_help("use cpu or cuda")),
     }
+}
+
+/// The program's gradient outputs (`grad.<param>`), or why `--grads-out` cannot write
+/// them: before any step runs.
+fn grad_output_names(a: &Args, p: &Prepared) -> CliResult<Vec<String>> {
+    let Some(path) = &a.grads_out else {
+        return Ok(Vec::new());
+    };
+    let refuse = |why: String| CliError::input(format!("--grads-out {}: {why}", path.display()));
+    if !p.training {
+        return Err(refuse(
+            "this program is a forward step; it has no gradients".into(),
+        ));
+    }
+    let ranks = p.plan.mesh.world_size();
+    if ranks > 1 {
+        return Err(refuse(format!(
+            "the mesh has {ranks} ranks, whose gradients are sharded; it writes one rank's full gradients"
+        ))
+        .with_help("run it with a one-rank mesh (no --mesh)"));
+    }
+    let names: Vec<String> = p
+        .program
+        .outputs()
+        .iter()
+        .filter(|(name, _)| is_grad_output(name))
+        .map(|(name, _)| name.clone())
+        .collect();
+    if names.is_empty() {
+        return Err(refuse(format!(
+            "the program of {} returns no gradients (a plan keeps the outputs it was compiled with)",
+            a.model
+        ))
+        .with_help("give the model instead of a plan, so run compiles the step with its gradients as outputs"));
+    }
+    Ok(names)
+}
+
+/// `--grads-out`: the first step's `grad.<param>` outputs, as f32 safetensors.
+fn write_grads(a: &Args, outputs: &BTreeMap<String, HostTensor>) -> CliResult {
+    let Some(path) = &a.grads_out else {
+        return Ok(());
+    };
+    let grads: BTreeMap<String, HostTensor> = outputs
+        .iter()
+        .filter(|(name, _)| is_grad_output(name))
+        .map(|(name, t)| (name.clone(), t.clone()))
+        .collect();
+    weft_frontends::save_safetensors(path, &grads).map_err(super::frontend_err)?;
+    eprintln!(
+        "wrote the first step's gradients of {} parameters to {}",
+        grads.len(),
+        path.display()
+    );
+    Ok(())
+}
+
+fn is_grad_output(name: &str) -> bool {
+    matches!(weft_ir::ValueName::parse(name), weft_ir::ValueName::Grad(_))
 }
 
 /// `--plan-out`: the plan that runs.
@@ -727,10 +810,14 @@ fn run_cpu(a: &Args) -> CliResult {
         .with_help("give --weights FILE (a plan records its model, not its weights)")
     })?;
     super::session::check_run_memory(&p.program, p.batch, p.seq, true)?;
+    grad_output_names(a, &p)?;
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let tokens = (p.batch * p.seq) as f64;
     let mut reports: Vec<StepReport> = Vec::new();
     let mut on_step = |r: weft_runtime::cpu::RunResult, dt: f64| {
+        if reports.is_empty() {
+            write_grads(a, &r.outputs)?;
+        }
         let loss = r
             .outputs
             .get("loss")
@@ -825,6 +912,7 @@ fn run_cuda(a: &Args) -> CliResult {
     }
     print_header(a, &p);
     write_plan(a, &p)?;
+    let grad_names = grad_output_names(a, &p)?;
     let mut opts = ExecOptions::from_env();
     if a.profile_out.is_some() {
         opts.tuning.profile = true;
@@ -904,6 +992,13 @@ fn run_cuda(a: &Args) -> CliResult {
                     step + 1
                 ));
             }
+        }
+        if step == 0 && !grad_names.is_empty() {
+            let mut grads = BTreeMap::new();
+            for name in &grad_names {
+                grads.insert(name.clone(), ex.output(name).map_err(cuda_err)?);
+            }
+            write_grads(a, &grads)?;
         }
         if step == 0 {
             if let Some(r) = reference.as_ref().and_then(|r| r.first()) {
