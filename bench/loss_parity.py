@@ -23,7 +23,8 @@ With `--grads`, it first compares the step-1 gradients, tensor by tensor, before
 update: PyTorch's twice (its own noise) and Weft's (`weft run --grads-out`, the first
 `--weft` binary), each tensor's relative L2 difference and the fraction of its elements
 whose sign differs (AdamW's first step moves each weight by about lr times that sign), by
-kind of tensor and the worst ten.
+kind of tensor and the worst ten; and both bf16 runs against PyTorch's in float32 from the
+same weights (which of the two is nearer the exact gradient).
 
 Passes (exit 0) when every step's loss is within --tol (relative, default 0.5%) of
 PyTorch's: bf16 noise only. Prints one line per step and writes --json if given.
@@ -94,9 +95,10 @@ def train_torch():
 del model
 
 
-def torch_grads():
-    """PyTorch's step-1 gradients (f32 on the host) from the saved weights."""
-    m = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").to("cuda").train()
+def torch_grads(dtype=torch.bfloat16):
+    """PyTorch's step-1 gradients (f32 on the host) from the saved weights, the model run in
+    `dtype` (float32: the reference both bf16 runs are read against)."""
+    m = LlamaForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation="sdpa").to("cuda").train()
     m(input_ids=ids_gpu, labels=ids_gpu).loss.backward()
     g = {"grad." + n: p.grad.float().cpu() for n, p in m.named_parameters()}
     del m
@@ -112,7 +114,7 @@ def kind(name):
 
 def compare_grads():
     from safetensors.torch import load_file
-    ref, again = torch_grads(), torch_grads()
+    ref, again, exact = torch_grads(), torch_grads(), torch_grads(torch.float32)
     out = os.path.join(work, "weft_grads.safetensors")
     cmd = [a.weft[0], "run", ckpt, "--backend", "cuda", "--dtype", "bf16", "--torch-adamw", "--lr", str(a.lr),
            "--inputs", inputs, "--steps", "1", "--grads-out", out] + a.weft_args.split()
@@ -135,18 +137,22 @@ def compare_grads():
     for n in sorted(set(ref) & set(weft)):
         w_rel, w_flip = diff(weft[n], ref[n])
         t_rel, t_flip = diff(again[n], ref[n])
-        rows.append((n, w_rel, w_flip, t_rel, t_flip))
+        w32, _ = diff(weft[n], exact[n])
+        t32, _ = diff(ref[n], exact[n])
+        rows.append((n, w_rel, w_flip, t_rel, t_flip, w32, t32))
     by_kind = {}
     for n, *v in rows:
         by_kind.setdefault(kind(n), []).append(v)
     print("step-1 gradients, mean over layers: relative L2 difference and sign flips, Weft against PyTorch "
-          "(PyTorch against itself)")
+          "(PyTorch against itself); each against PyTorch in float32")
     for k, vs in sorted(by_kind.items()):
-        mean = [sum(v[i] for v in vs) / len(vs) for i in range(4)]
-        print(f"grad {k.removeprefix('grad.'):<52} rel {mean[0]:.2e} ({mean[2]:.2e})  flips {mean[1]:.2e} ({mean[3]:.2e})")
-    for n, w_rel, w_flip, t_rel, t_flip in sorted(rows, key=lambda r: -r[1])[:10]:
-        print(f"grad worst {n.removeprefix('grad.'):<52} rel {w_rel:.2e} ({t_rel:.2e})  flips {w_flip:.2e} ({t_flip:.2e})")
-    del ref, again, weft
+        m = [sum(v[i] for v in vs) / len(vs) for i in range(6)]
+        print(f"grad {k.removeprefix('grad.'):<52} rel {m[0]:.2e} ({m[2]:.2e})  flips {m[1]:.2e} ({m[3]:.2e})"
+              f"  to f32: Weft {m[4]:.2e}, PyTorch {m[5]:.2e}")
+    for n, w_rel, w_flip, t_rel, t_flip, w32, t32 in sorted(rows, key=lambda r: -r[1])[:10]:
+        print(f"grad worst {n.removeprefix('grad.'):<52} rel {w_rel:.2e} ({t_rel:.2e})  flips {w_flip:.2e} ({t_flip:.2e})"
+              f"  to f32: Weft {w32:.2e}, PyTorch {t32:.2e}")
+    del ref, again, exact, weft
 
 
 if a.grads:
