@@ -175,6 +175,36 @@ fn run_writes_the_first_steps_gradients() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
     assert_eq!(std::fs::read(inputs).unwrap(), before);
+    // A plan keeps the outputs it was compiled with: without gradients, nothing to write.
+    let plan = dir.join("plan.json");
+    let (code, _, err) = weft(&[
+        "run",
+        "tests/fixtures/llama",
+        "--inputs",
+        inputs,
+        "--steps",
+        "0",
+        "--plan-out",
+        plan.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = weft(&[
+        "run",
+        plan.to_str().unwrap(),
+        "--weights",
+        "tests/fixtures/llama/model.safetensors",
+        "--inputs",
+        inputs,
+        "--steps",
+        "1",
+        "--grads-out",
+        target,
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("returns no gradients") && out.is_empty(),
+        "{out}{err}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -798,6 +798,7 @@ fn print_step(a: &Args, r: &StepReport) {
 
 fn run_cpu(a: &Args) -> CliResult {
     let p = prepare(a)?;
+    grad_output_names(a, &p)?;
     for n in &p.notes {
         eprintln!("note: {n}");
     }
@@ -810,7 +811,6 @@ fn run_cpu(a: &Args) -> CliResult {
         .with_help("give --weights FILE (a plan records its model, not its weights)")
     })?;
     super::session::check_run_memory(&p.program, p.batch, p.seq, true)?;
-    grad_output_names(a, &p)?;
     let mut feeder = Feeder::new(a, p.batch, p.seq, p.vocab)?;
     let tokens = (p.batch * p.seq) as f64;
     let mut reports: Vec<StepReport> = Vec::new();
@@ -910,9 +910,9 @@ fn run_cuda(a: &Args) -> CliResult {
     for n in &p.notes {
         eprintln!("note: {n}");
     }
+    let grad_names = grad_output_names(a, &p)?;
     print_header(a, &p);
     write_plan(a, &p)?;
-    let grad_names = grad_output_names(a, &p)?;
     let mut opts = ExecOptions::from_env();
     if a.profile_out.is_some() {
         opts.tuning.profile = true;
