@@ -17,13 +17,20 @@ pub fn write_atomic_with(
     path: &Path,
     fill: impl FnOnce(&mut std::fs::File) -> io::Result<()>,
 ) -> io::Result<()> {
-    let tmp = temporary_beside(path);
-    let result = std::fs::File::create(&tmp).and_then(|mut f| {
+    write_atomic_via(path, |tmp| {
+        let mut f = std::fs::File::create(tmp)?;
         fill(&mut f)?;
-        f.flush()?;
-        f.sync_all()
-    });
-    let result = result.and_then(|_| std::fs::rename(&tmp, path));
+        f.flush()
+    })
+}
+
+/// Like [`write_atomic`], with the temporary file created and written by `fill` from its
+/// path (for writers that open their file themselves); synced, then renamed into place.
+pub fn write_atomic_via(path: &Path, fill: impl FnOnce(&Path) -> io::Result<()>) -> io::Result<()> {
+    let tmp = temporary_beside(path);
+    let result = fill(&tmp)
+        .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|_| std::fs::rename(&tmp, path));
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }

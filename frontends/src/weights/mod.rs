@@ -353,83 +353,83 @@ pub fn host_type(t: &HostTensor) -> String {
     format!("{}[{}]", t.dtype, dims.join(", "))
 }
 
-struct Owned {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-impl safetensors::View for &Owned {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.bytes)
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
-/// Writes tensors as safetensors: floats as f32, integers as i64, bools as bool.
+/// Writes tensors as safetensors: floats as f32, integers as i64, bools as bool. Each
+/// tensor is encoded when the writer reaches it and streamed to a temporary file beside
+/// `path`, renamed over it once complete: the host holds the tensors and one encoded
+/// tensor, not a second copy of the file (the target may also be a file whose mapping
+/// backs the very tensors being written).
 pub fn save_safetensors(
     path: &Path,
     tensors: &BTreeMap<String, HostTensor>,
 ) -> Result<(), FrontendError> {
-    let mut owned = Vec::with_capacity(tensors.len());
+    let write_err = |message: String| FrontendError::Write {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut views = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
-        let t = t.widened();
-        if t.numel() != data_len(&t.data) {
-            return Err(FrontendError::Write {
-                path: path.to_path_buf(),
-                message: format!(
-                    "tensor `{name}` has shape {:?} but {} values",
-                    t.shape,
-                    data_len(&t.data)
-                ),
-            });
+        if t.numel() != t.data_len() {
+            return Err(write_err(format!(
+                "tensor `{name}` has shape {:?} but {} values",
+                t.shape,
+                t.data_len()
+            )));
         }
-        let o = match (&t.data, t.dtype) {
-            (HostData::I64(v), DType::Bool) => Owned {
-                dtype: Dtype::BOOL,
-                shape: t.shape.clone(),
-                bytes: v.iter().map(|&x| (x != 0) as u8).collect(),
-            },
-            (HostData::I64(v), _) => Owned {
-                dtype: Dtype::I64,
-                shape: t.shape.clone(),
-                bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            },
-            (HostData::F64(v), _) => Owned {
-                dtype: Dtype::F32,
-                shape: t.shape.clone(),
-                bytes: v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
-            },
-            (HostData::Raw(_), _) => unreachable!("widened above"),
+        // As the values widen: floats (f64) to f32, integers (i64) to i64, bools to bool.
+        let float = match &t.data {
+            HostData::F64(_) => true,
+            HostData::I64(_) => false,
+            HostData::Raw(_) => t.dtype.is_float(),
         };
-        owned.push((name.clone(), o));
+        let dtype = match (float, t.dtype) {
+            (true, _) => Dtype::F32,
+            (false, DType::Bool) => Dtype::BOOL,
+            (false, _) => Dtype::I64,
+        };
+        views.push((name.clone(), Encoded { tensor: t, dtype }));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    // Serialized in memory, then written beside the target and renamed over it: the
-    // target may be a file whose mapping backs the very tensors being written.
-    let bytes = safetensors::serialize(owned.iter().map(|(n, o)| (n.as_str(), o)), Some(meta))
-        .map_err(|e| FrontendError::Write {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-    weft_ir::output::write_atomic(path, &bytes).map_err(|e| FrontendError::Write {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })
+    let mut failure = None;
+    let result = weft_ir::output::write_atomic_via(path, |tmp| {
+        safetensors::serialize_to_file(views.iter().map(|(n, v)| (n.as_str(), v)), Some(meta), tmp)
+            .map_err(|e| {
+                let message = e.to_string();
+                failure = Some(message.clone());
+                std::io::Error::other(message)
+            })
+    });
+    result.map_err(|e| write_err(failure.unwrap_or_else(|| e.to_string())))
 }
 
-fn data_len(d: &HostData) -> usize {
-    match d {
-        HostData::F64(v) => v.len(),
-        HostData::I64(v) => v.len(),
-        HostData::Raw(b) => b.len(),
+/// A host tensor as `save_safetensors` writes it, encoded on demand.
+struct Encoded<'a> {
+    tensor: &'a HostTensor,
+    dtype: Dtype,
+}
+
+impl safetensors::View for &Encoded<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.tensor.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let t = self.tensor.widened();
+        let bytes = match (&t.data, self.dtype) {
+            (HostData::I64(v), Dtype::BOOL) => v.iter().map(|&x| (x != 0) as u8).collect(),
+            (HostData::I64(v), _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            (HostData::F64(v), _) => v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+            (HostData::Raw(_), _) => unreachable!("widened above"),
+        };
+        std::borrow::Cow::Owned(bytes)
+    }
+    fn data_len(&self) -> usize {
+        let size = match self.dtype {
+            Dtype::BOOL => 1,
+            Dtype::F32 => 4,
+            _ => 8,
+        };
+        self.tensor.numel() * size
     }
 }
