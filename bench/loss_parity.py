@@ -95,6 +95,17 @@ def train_torch():
 del model
 
 
+def run_weft(binary, steps, *extra):
+    """`weft run` on the same checkpoint and batch as PyTorch's; its stdout."""
+    cmd = [binary, "run", ckpt, "--backend", "cuda", "--dtype", "bf16", "--torch-adamw", "--lr", str(a.lr),
+           "--inputs", inputs, "--steps", str(steps), *extra] + a.weft_args.split()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(r.stderr[-3000:], file=sys.stderr)
+        sys.exit(f"weft run failed (rc {r.returncode}): {' '.join(cmd)}")
+    return r.stdout
+
+
 def torch_grads(dtype=torch.bfloat16):
     """PyTorch's step-1 gradients (f32 on the host) from the saved weights, the model run in
     `dtype` (float32: the reference both bf16 runs are read against)."""
@@ -116,12 +127,7 @@ def compare_grads():
     from safetensors.torch import load_file
     ref, again, exact = torch_grads(), torch_grads(), torch_grads(torch.float32)
     out = os.path.join(work, "weft_grads.safetensors")
-    cmd = [a.weft[0], "run", ckpt, "--backend", "cuda", "--dtype", "bf16", "--torch-adamw", "--lr", str(a.lr),
-           "--inputs", inputs, "--steps", "1", "--grads-out", out] + a.weft_args.split()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        print(r.stderr[-3000:], file=sys.stderr)
-        sys.exit(f"weft run failed (rc {r.returncode}): {' '.join(cmd)}")
+    run_weft(a.weft[0], 1, "--grads-out", out)
     weft = load_file(out)
     unmatched = sorted(set(ref) ^ set(weft))
     if unmatched:
@@ -164,14 +170,8 @@ noise = [max(abs(r[i] - runs[0][i]) / abs(runs[0][i]) for r in runs) for i in ra
 
 
 def train_weft(binary):
-    """Weft's per-step losses from the same checkpoint and batch."""
-    cmd = [binary, "run", ckpt, "--backend", "cuda", "--dtype", "bf16", "--torch-adamw", "--lr", str(a.lr),
-           "--inputs", inputs, "--steps", str(a.steps), "--json"] + a.weft_args.split()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        print(r.stderr[-3000:], file=sys.stderr)
-        sys.exit(f"weft run failed (rc {r.returncode}): {' '.join(cmd)}")
-    return [s["loss"] for s in json.loads(r.stdout)["steps"]]
+    """Weft's per-step losses."""
+    return [s["loss"] for s in json.loads(run_weft(binary, a.steps, "--json"))["steps"]]
 
 
 worst = 0.0

@@ -23,7 +23,7 @@ import sys
 from collections import defaultdict
 
 CLASSES = [
-    ("GEMM", {"matmul", "linear", "batched_matmul"}),
+    ("GEMM", {"matmul", "linear", "batched_matmul", "grouped_matmul"}),
     ("attention", {"attention", "attention_grad"}),
     ("cross-entropy", {"cross_entropy", "cross_entropy_grad", "log_softmax", "softmax_cross_entropy"}),
     ("norms", {"rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad", "add_rms_norm", "add_rms_norm_grad"}),
@@ -43,18 +43,11 @@ def op_class(op):
     return "elementwise, rope, embedding, casts"
 
 
-GEMM_OPS = ("matmul", "linear", "batched_matmul", "grouped_matmul", "linear_cross_entropy")
-
-
 def roofline_ms(name, flops, bytes_, rates):
-    """One instruction's time at the rates: the larger of its compute and memory times."""
-    base = name.split(" ")[0]
-    if base.startswith(GEMM_OPS):
-        compute = flops / (rates["gemm"] * 1e12)
-    elif base in ("attention", "attention_grad"):
-        compute = flops / (rates["attention"] * 1e12)
-    else:
-        compute = 0.0
+    """One instruction's time at the rates: the larger of its compute and memory times
+    (GEMMs, the fused lm_head + loss among them, at the GEMM rate; attention at its own)."""
+    rate = {"GEMM": rates["gemm"], "attention": rates["attention"]}.get(op_class(name))
+    compute = flops / (rate * 1e12) if rate else 0.0
     return 1e3 * max(compute, bytes_ / (rates["hbm"] * 1e9))
 
 

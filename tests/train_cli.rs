@@ -129,16 +129,15 @@ fn run_writes_the_first_steps_gradients() {
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("grads.safetensors");
     let inputs = "tests/fixtures/llama/inputs.safetensors";
-    let (code, _, err) = weft(&[
-        "run",
-        "tests/fixtures/llama",
-        "--inputs",
-        inputs,
-        "--steps",
-        "2",
-        "--grads-out",
-        out.to_str().unwrap(),
-    ]);
+    // `weft run MODEL --inputs <the llama fixture's batch> ARGS...`
+    let run = |model: &str, args: &[&str]| {
+        let mut all = vec!["run", model, "--inputs", inputs];
+        all.extend_from_slice(args);
+        weft(&all)
+    };
+    let llama = "tests/fixtures/llama";
+    let target = out.to_str().unwrap();
+    let (code, _, err) = run(llama, &["--steps", "2", "--grads-out", target]);
     assert_eq!(code, 0, "{err}");
     assert!(
         err.contains("wrote the first step's gradients of 21 parameters"),
@@ -149,7 +148,6 @@ fn run_writes_the_first_steps_gradients() {
     // What it cannot write is refused before anything runs, and an input is never its
     // target.
     let before = std::fs::read(inputs).unwrap();
-    let target = out.to_str().unwrap();
     for (args, says) in [
         (
             &["--steps", "0", "--grads-out", target][..],
@@ -168,38 +166,21 @@ fn run_writes_the_first_steps_gradients() {
             "would destroy the input",
         ),
     ] {
-        let mut all = vec!["run", "tests/fixtures/llama", "--inputs", inputs];
-        all.extend_from_slice(args);
-        let (code, _, err) = weft(&all);
+        let (code, _, err) = run(llama, args);
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
     }
     assert_eq!(std::fs::read(inputs).unwrap(), before);
     // A plan keeps the outputs it was compiled with: without gradients, nothing to write.
     let plan = dir.join("plan.json");
-    let (code, _, err) = weft(&[
-        "run",
-        "tests/fixtures/llama",
-        "--inputs",
-        inputs,
-        "--steps",
-        "0",
-        "--plan-out",
-        plan.to_str().unwrap(),
-    ]);
+    let plan = plan.to_str().unwrap();
+    let (code, _, err) = run(llama, &["--steps", "0", "--plan-out", plan]);
     assert_eq!(code, 0, "{err}");
-    let (code, out, err) = weft(&[
-        "run",
-        plan.to_str().unwrap(),
-        "--weights",
-        "tests/fixtures/llama/model.safetensors",
-        "--inputs",
-        inputs,
-        "--steps",
-        "1",
-        "--grads-out",
-        target,
-    ]);
+    let weights = "tests/fixtures/llama/model.safetensors";
+    let (code, out, err) = run(
+        plan,
+        &["--weights", weights, "--steps", "1", "--grads-out", target],
+    );
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("returns no gradients") && out.is_empty(),

@@ -635,11 +635,10 @@ pub fn run(a: Args) -> CliResult {
     }
 }
 
-/// The program's gradient outputs (`grad.<param>`), or why `--grads-out` cannot write
-/// them: before any step runs.
-fn grad_output_names(a: &Args, p: &Prepared) -> CliResult<Vec<String>> {
+/// Why `--grads-out` cannot write the step's gradients, if it cannot: before any step runs.
+fn check_grads_out(a: &Args, p: &Prepared) -> CliResult {
     let Some(path) = &a.grads_out else {
-        return Ok(Vec::new());
+        return Ok(());
     };
     let refuse = |why: String| CliError::input(format!("--grads-out {}: {why}", path.display()));
     if !p.training {
@@ -654,21 +653,27 @@ fn grad_output_names(a: &Args, p: &Prepared) -> CliResult<Vec<String>> {
         ))
         .with_help("run it with a one-rank mesh (no --mesh)"));
     }
-    let names: Vec<String> = p
-        .program
-        .outputs()
-        .iter()
-        .filter(|(name, _)| is_grad_output(name))
-        .map(|(name, _)| name.clone())
-        .collect();
-    if names.is_empty() {
+    if grad_outputs(&p.program).is_empty() {
         return Err(refuse(format!(
             "the program of {} returns no gradients (a plan keeps the outputs it was compiled with)",
             a.model
         ))
         .with_help("give the model instead of a plan, so run compiles the step with its gradients as outputs"));
     }
-    Ok(names)
+    Ok(())
+}
+
+/// The program's gradient outputs (`grad.<param>`).
+fn grad_outputs(g: &Graph) -> Vec<String> {
+    g.outputs()
+        .iter()
+        .filter(|(name, _)| is_grad(name))
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
+fn is_grad(name: &str) -> bool {
+    weft_ir::ValueRole::of(name) == Some(weft_ir::ValueRole::Grad)
 }
 
 /// `--grads-out`: the first step's `grad.<param>` outputs, as f32 safetensors.
@@ -676,22 +681,14 @@ fn write_grads(a: &Args, outputs: &BTreeMap<String, HostTensor>) -> CliResult {
     let Some(path) = &a.grads_out else {
         return Ok(());
     };
-    let grads: BTreeMap<String, HostTensor> = outputs
-        .iter()
-        .filter(|(name, _)| is_grad_output(name))
-        .map(|(name, t)| (name.clone(), t.clone()))
-        .collect();
-    weft_frontends::save_safetensors(path, &grads).map_err(super::frontend_err)?;
+    let grads: Vec<_> = outputs.iter().filter(|(name, _)| is_grad(name)).collect();
+    let count = grads.len();
+    weft_frontends::save_safetensors(path, grads).map_err(super::frontend_err)?;
     eprintln!(
-        "wrote the first step's gradients of {} parameters to {}",
-        grads.len(),
+        "wrote the first step's gradients of {count} parameters to {}",
         path.display()
     );
     Ok(())
-}
-
-fn is_grad_output(name: &str) -> bool {
-    matches!(weft_ir::ValueName::parse(name), weft_ir::ValueName::Grad(_))
 }
 
 /// `--plan-out`: the plan that runs.
@@ -798,7 +795,7 @@ fn print_step(a: &Args, r: &StepReport) {
 
 fn run_cpu(a: &Args) -> CliResult {
     let p = prepare(a)?;
-    grad_output_names(a, &p)?;
+    check_grads_out(a, &p)?;
     for n in &p.notes {
         eprintln!("note: {n}");
     }
@@ -910,7 +907,7 @@ fn run_cuda(a: &Args) -> CliResult {
     for n in &p.notes {
         eprintln!("note: {n}");
     }
-    let grad_names = grad_output_names(a, &p)?;
+    check_grads_out(a, &p)?;
     print_header(a, &p);
     write_plan(a, &p)?;
     let mut opts = ExecOptions::from_env();
@@ -993,29 +990,23 @@ fn run_cuda(a: &Args) -> CliResult {
                 ));
             }
         }
-        if step == 0 && !grad_names.is_empty() {
-            let mut grads = BTreeMap::new();
-            for name in &grad_names {
-                grads.insert(name.clone(), ex.output(name).map_err(cuda_err)?);
+        if step == 0 && (a.grads_out.is_some() || reference.is_some()) {
+            // The first step's gradients, copied from the device once for both uses.
+            let mut got = BTreeMap::new();
+            for name in grad_outputs(&p.program) {
+                let t = ex.output(&name).map_err(cuda_err)?;
+                got.insert(name, t);
             }
-            write_grads(a, &grads)?;
-        }
-        if step == 0 {
+            write_grads(a, &got)?;
             if let Some(r) = reference.as_ref().and_then(|r| r.first()) {
                 // The gradients as one set: one that is zero in theory is held to a floor
                 // tied to the largest gradient (weft_ir::tensor::NOISE_FLOOR).
                 let want: BTreeMap<String, HostTensor> = r
                     .outputs
                     .iter()
-                    .filter(|(name, _)| {
-                        weft_ir::ValueRole::of(name) == Some(weft_ir::ValueRole::Grad)
-                    })
+                    .filter(|(name, _)| is_grad(name))
                     .map(|(n, t)| (n.clone(), t.clone()))
                     .collect();
-                let mut got = BTreeMap::new();
-                for name in want.keys() {
-                    got.insert(name.clone(), ex.output(name).map_err(cuda_err)?);
-                }
                 use weft_ir::tensor::{set_rel_errs, Measure};
                 for e in set_rel_errs(&got, &want, Measure::L2) {
                     if !(e.err <= tol) {

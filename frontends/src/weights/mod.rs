@@ -358,17 +358,18 @@ pub fn host_type(t: &HostTensor) -> String {
 /// `path`, renamed over it once complete: the host holds the tensors and one encoded
 /// tensor, not a second copy of the file (the target may also be a file whose mapping
 /// backs the very tensors being written).
-pub fn save_safetensors(
+pub fn save_safetensors<'a>(
     path: &Path,
-    tensors: &BTreeMap<String, HostTensor>,
+    tensors: impl IntoIterator<Item = (&'a String, &'a HostTensor)>,
 ) -> Result<(), FrontendError> {
     let write_err = |message: String| FrontendError::Write {
         path: path.to_path_buf(),
         message,
     };
-    let mut views = Vec::with_capacity(tensors.len());
+    let mut views = Vec::new();
     for (name, t) in tensors {
-        if t.numel() != t.data_len() {
+        let numel = t.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if numel != Some(t.data_len()) {
             return Err(write_err(format!(
                 "tensor `{name}` has shape {:?} but {} values",
                 t.shape,
@@ -389,16 +390,11 @@ pub fn save_safetensors(
         views.push((name.clone(), Encoded { tensor: t, dtype }));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    let mut failure = None;
-    let result = weft_ir::output::write_atomic_via(path, |tmp| {
+    weft_ir::output::write_atomic_via(path, |tmp| {
         safetensors::serialize_to_file(views.iter().map(|(n, v)| (n.as_str(), v)), Some(meta), tmp)
-            .map_err(|e| {
-                let message = e.to_string();
-                failure = Some(message.clone());
-                std::io::Error::other(message)
-            })
-    });
-    result.map_err(|e| write_err(failure.unwrap_or_else(|| e.to_string())))
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    })
+    .map_err(|e| write_err(e.to_string()))
 }
 
 /// A host tensor as `save_safetensors` writes it, encoded on demand.
