@@ -6,6 +6,8 @@
 # fused chunked lm_head + cross-entropy (no logits tensor). PyTorch: HF gradient
 # checkpointing, then checkpointing with torch.autograd.graph.save_on_cpu.
 #   OUT=$OUT PY=python3 bash bench/longest_context.sh
+# WEFT_SEQS, TORCH_SEQS (checkpointing) and TORCH_SAVE_SEQS (with save_on_cpu; default
+# TORCH_SEQS) pick the lengths; WEFT_TIMEOUT and TORCH_TIMEOUT bound each run.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; PY=${PY:-python3}
 W=./.gpu/weft
@@ -18,7 +20,9 @@ for S in ${WEFT_SEQS:-131072 262144}; do
   echo "weft seq $S (full + offload): rc $rc; $(grep -E 'mean step|peak|out of memory|error' "$f" | head -3 | tr '\n' ' ')"
 done
 for mode in "--ckpt" "--ckpt --save-on-cpu"; do
-  for S in ${TORCH_SEQS:-65536 131072 262144}; do
+  seqs=${TORCH_SEQS:-65536 131072 262144}
+  [ "$mode" != "--ckpt" ] && seqs=${TORCH_SAVE_SEQS:-$seqs}
+  for S in $seqs; do
     f="$OUT/torch_ctx_${S}_$(echo $mode | tr -d ' -').txt"
     timeout ${TORCH_TIMEOUT:-240} $PY bench/torch_llama_step.py --seq $S --steps 2 $mode > "$f" 2>&1
     rc=$?

@@ -95,9 +95,9 @@ def train_torch():
 del model
 
 
-def run_weft(binary, steps, *extra):
+def run_weft(binary, steps, *extra, dtype="bf16"):
     """`weft run` on the same checkpoint and batch as PyTorch's; its stdout."""
-    cmd = [binary, "run", ckpt, "--backend", "cuda", "--dtype", "bf16", "--torch-adamw", "--lr", str(a.lr),
+    cmd = [binary, "run", ckpt, "--backend", "cuda", "--dtype", dtype, "--torch-adamw", "--lr", str(a.lr),
            "--inputs", inputs, "--steps", str(steps), *extra] + a.weft_args.split()
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -129,6 +129,9 @@ def compare_grads():
     out = os.path.join(work, "weft_grads.safetensors")
     run_weft(a.weft[0], 1, "--grads-out", out)
     weft = load_file(out)
+    # Weft in float32 against PyTorch in float32: the two programs' math, without bf16's rounding.
+    run_weft(a.weft[0], 1, "--grads-out", out, dtype="f32")
+    weft32 = load_file(out)
     unmatched = sorted(set(ref) ^ set(weft))
     if unmatched:
         print(f"gradients only one side has (not compared): {unmatched[:8]}")
@@ -145,20 +148,21 @@ def compare_grads():
         t_rel, t_flip = diff(again[n], ref[n])
         w32, _ = diff(weft[n], exact[n])
         t32, _ = diff(ref[n], exact[n])
-        rows.append((n, w_rel, w_flip, t_rel, t_flip, w32, t32))
+        f32, _ = diff(weft32[n], exact[n])
+        rows.append((n, w_rel, w_flip, t_rel, t_flip, w32, t32, f32))
     by_kind = {}
     for n, *v in rows:
         by_kind.setdefault(kind(n), []).append(v)
     print("step-1 gradients, mean over layers: relative L2 difference and sign flips, Weft against PyTorch "
-          "(PyTorch against itself); each against PyTorch in float32")
+          "(PyTorch against itself); each bf16 run against PyTorch in float32; Weft in float32 against it")
     for k, vs in sorted(by_kind.items()):
-        m = [sum(v[i] for v in vs) / len(vs) for i in range(6)]
+        m = [sum(v[i] for v in vs) / len(vs) for i in range(7)]
         print(f"grad {k.removeprefix('grad.'):<52} rel {m[0]:.2e} ({m[2]:.2e})  flips {m[1]:.2e} ({m[3]:.2e})"
-              f"  to f32: Weft {m[4]:.2e}, PyTorch {m[5]:.2e}")
-    for n, w_rel, w_flip, t_rel, t_flip, w32, t32 in sorted(rows, key=lambda r: -r[1])[:10]:
+              f"  to f32: Weft {m[4]:.2e}, PyTorch {m[5]:.2e}; f32 Weft {m[6]:.2e}")
+    for n, w_rel, w_flip, t_rel, t_flip, w32, t32, f32 in sorted(rows, key=lambda r: -r[1])[:10]:
         print(f"grad worst {n.removeprefix('grad.'):<52} rel {w_rel:.2e} ({t_rel:.2e})  flips {w_flip:.2e} ({t_flip:.2e})"
-              f"  to f32: Weft {w32:.2e}, PyTorch {t32:.2e}")
-    del ref, again, exact, weft
+              f"  to f32: Weft {w32:.2e}, PyTorch {t32:.2e}; f32 Weft {f32:.2e}")
+    del ref, again, exact, weft, weft32
 
 
 if a.grads:

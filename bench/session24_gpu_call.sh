@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 24's GPU calls, from the repo root on the device machine with .gpu/weft (HEAD):
+#   ctx     the longest context: Weft at 262144 (--checkpoint full --offload), PyTorch with
+#           HF checkpointing at 32768 and 65536 and with save_on_cpu at 65536, one call
+#   grads   the step-1 gradients tensor by tensor (loss_parity.py --grads): Weft's bf16 and
+#           PyTorch's bf16 each against PyTorch in float32, and Weft in float32 against it —
+#           is Weft's 2-5% difference from PyTorch bf16 rounding on both sides, or math?
+#   bench   the 1.24B step at 16384, unfused loss (the planner's choice) and fused, clocks
+#   torch   PyTorch eager at 16384 in the same call
+#   OUT=$OUT PHASES="grads bench torch" bash bench/session24_gpu_call.sh
+PHASES=${PHASES:-"grads bench torch"}
+source bench/gpu_env.sh
+step() { timeout "$1" ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-200; }
+if has ctx; then
+  OUT=$OUT/ctx WEFT_SEQS=262144 WEFT_TIMEOUT=220 TORCH_SEQS="32768 65536" TORCH_SAVE_SEQS=65536 TORCH_TIMEOUT=270 \
+    PY=$PY bash bench/longest_context.sh
+fi
+if has grads; then
+  timeout 400 $PY bench/loss_parity.py --weft ./.gpu/weft --grads --torch-runs 1 2>&1 | grep -E '^grad|^gradients|^\./|^ok|^FAIL|rror' | sed 's#^\./\.gpu/##'
+fi
+if has bench; then
+  clocks_on w16ku; echo "== weft 16384 unfused: $(step 75 --steps 4 --seq 16384 --unfused-loss)"; clocks_off w16ku
+  clocks_on w16k; echo "== weft 16384 fused: $(step 75 --steps 4 --seq 16384 --fused-loss)"; clocks_off w16k
+fi
+if has torch; then
+  clocks_on torch16384; echo "== torch eager 16384: $(timeout 120 $PY bench/torch_llama_step.py --seq 16384 --steps 6 2>&1 | tail -1 | cut -c1-200)"; clocks_off torch16384
+fi
+cd $OUT && tar -czf s24.tgz clk_*.csv ctx 2>/dev/null && rm -rf clk_*.csv ctx
+exit 0
