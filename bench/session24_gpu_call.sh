@@ -5,6 +5,8 @@
 #   grads   the step-1 gradients tensor by tensor (loss_parity.py --grads): Weft's bf16 and
 #           PyTorch's bf16 each against PyTorch in float32, and Weft in float32 against it —
 #           is Weft's 2-5% difference from PyTorch bf16 rounding on both sides, or math?
+#   b8      Llama-3-8B (preset) at seq 8192, --torch-adamw: Weft, PyTorch eager and
+#           torch.compile in the same call (an H200: PyTorch's step needs ~108 GiB)
 #   bench   the 1.24B step at 16384, unfused loss (the planner's choice) and fused, clocks
 #   torch   PyTorch eager at 16384 in the same call
 #   OUT=$OUT PHASES="grads bench torch" bash bench/session24_gpu_call.sh
@@ -17,6 +19,12 @@ if has ctx; then
 fi
 if has grads; then
   timeout 400 $PY bench/loss_parity.py --weft ./.gpu/weft --grads --torch-runs 1 2>&1 | grep -E '^grad|^gradients|^\./|^ok|^FAIL|rror' | sed 's#^\./\.gpu/##'
+fi
+if has b8; then
+  clocks_on w8b; echo "== weft 8b 8192: $(timeout 170 ./.gpu/weft run llama3-8b --backend cuda --dtype bf16 --batch 1 --torch-adamw --seq 8192 --steps 6 2>&1 | grep -E '^mean|error' | cut -c1-240)"; clocks_off w8b
+  for c in "" --compile; do
+    clocks_on t8b$c; echo "== torch 8b 8192 $c: $(timeout 300 $PY bench/torch_llama_step.py --config frontends/presets/llama3-8b.json --seq 8192 --steps 5 $c 2>&1 | tail -1 | cut -c1-300)"; clocks_off t8b$c
+  done
 fi
 if has bench; then
   clocks_on w16ku; echo "== weft 16384 unfused: $(step 75 --steps 4 --seq 16384 --unfused-loss)"; clocks_off w16ku
