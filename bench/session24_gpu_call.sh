@@ -7,6 +7,10 @@
 #           is Weft's 2-5% difference from PyTorch bf16 rounding on both sides, or math?
 #   b8      Llama-3-8B (preset) at seq 8192, --torch-adamw: Weft, PyTorch eager and
 #           torch.compile in the same call (an H200: PyTorch's step needs ~108 GiB)
+#   hostopt the host optimizer (--offload-optimizer) now captured in the step's CUDA graph:
+#           the GPU case against the CPU reference (graph vs eager), --check on tiny models,
+#           and the 1.24B step with the device AdamW (f32 master weights), the host one
+#           replayed as a graph, and the host one launched per kernel (WEFT_CUDA_GRAPH=0)
 #   bench   the 1.24B step at 16384, unfused loss (the planner's choice) and fused, clocks
 #   torch   PyTorch eager at 16384 in the same call
 #   OUT=$OUT PHASES="grads bench torch" bash bench/session24_gpu_call.sh
@@ -24,6 +28,20 @@ if has b8; then
   clocks_on w8b; echo "== weft 8b 8192: $(timeout 170 ./.gpu/weft run llama3-8b --backend cuda --dtype bf16 --batch 1 --torch-adamw --seq 8192 --steps 6 2>&1 | grep -E '^mean|error' | cut -c1-240)"; clocks_off w8b
   for c in "" --compile; do
     clocks_on t8b$c; echo "== torch 8b 8192 $c: $(timeout 300 $PY bench/torch_llama_step.py --config frontends/presets/llama3-8b.json --seq 8192 --steps 5 $c 2>&1 | tail -1 | cut -c1-300)"; clocks_off t8b$c
+  done
+fi
+if has hostopt; then
+  WEFT_GPU_ONLY="host optimizer" timeout 120 ./.gpu/tests/gpu --nocapture --test-threads=1 > $OUT/hostopt_case.txt 2>&1
+  echo "== gpu case: rc $?; $(grep -E 'host optimizer|^[0-9]+ cases|test result' $OUT/hostopt_case.txt | cut -c1-260 | tr '\n' ' ')"
+  for m in "llama-tiny" "llama-tiny --dtype bf16" "gemma2-tiny --fused-loss"; do
+    echo "== check $m --offload-optimizer: $(timeout 120 ./.gpu/weft run $m --backend cuda --steps 8 --check 8 --offload-optimizer 2>&1 | grep -iE 'check|graph|error' | tail -2 | cut -c1-200 | tr '\n' ' ')"
+  done
+  for SEQ in 4096 16384; do
+    n=$([ $SEQ = 4096 ] && echo 8 || echo 5)
+    base="./.gpu/weft run llama3.2-1b --backend cuda --dtype bf16 --batch 1 --seq $SEQ --steps $n"
+    echo "== $SEQ device adamw_master: $(timeout 100 $base 2>&1 | grep -E '^mean|error' | cut -c1-220)"
+    clocks_on host$SEQ; echo "== $SEQ host optimizer, graph: $(timeout 150 $base --offload-optimizer 2>&1 | grep -E "^mean|graph|error" | cut -c1-300 | tr '\n' ' ')"; clocks_off host$SEQ
+    echo "== $SEQ host optimizer, per kernel: $(WEFT_CUDA_GRAPH=0 timeout 150 $base --offload-optimizer 2>&1 | grep -E '^mean|error' | cut -c1-220)"
   done
 fi
 if has bench; then

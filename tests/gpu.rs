@@ -1173,7 +1173,15 @@ fn window_gpu_steps(
     // The same steps launched kernel by kernel. The replayed graph runs the same kernels
     // on the same buffers; some kernels accumulate with atomics, so two runs may differ in
     // the last bits, and over the steps: they must agree within the same tolerance.
+    // One rank and static shapes: the step must replay a CUDA graph, the host
+    // optimizer's host function included.
     let replayed = ex.replays_cuda_graph();
+    if !replayed && o.tuning.cuda_graph && !o.tuning.profile {
+        return Err(format!(
+            "the step was not replayed as a CUDA graph: {}",
+            ex.cuda_graph_refusal().unwrap_or_default()
+        ));
+    }
     let mut graph_vs_eager = 0.0f64;
     if replayed {
         o.tuning.cuda_graph = false;

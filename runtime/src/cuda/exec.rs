@@ -714,9 +714,6 @@ impl Executor {
                 StepKind::Grouped(_) => {
                     return Capture::No("MoE grouped GEMMs read their row counts on the host")
                 }
-                StepKind::HostAdamW(_) => {
-                    return Capture::No("the host optimizer runs on CPU threads")
-                }
                 _ => {}
             }
         }

@@ -8,7 +8,9 @@
 //! and a host function (`cuLaunchHostFunc`) on the plan's host stream, ordered after the
 //! gradient's copy by the plan's events. The host function splits the update over several
 //! threads while the device keeps running the rest of the backward, so per-bucket copies
-//! overlap with the host arithmetic.
+//! overlap with the host arithmetic. In a step replayed as a CUDA graph the host function
+//! is a host node of the graph, run in the same order; it makes no CUDA calls, which both
+//! require.
 //!
 //! The arithmetic is the CPU reference's `host_adamw` in f32, operation for operation
 //! (candle's `affine` is `x * mul + add` with both constants rounded to f32, `+ 0.0`

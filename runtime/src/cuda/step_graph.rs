@@ -1,10 +1,13 @@
 //! The training step captured once as a CUDA graph and replayed: one `cuGraphLaunch`
 //! instead of a launch per kernel, copy and event. A plan is captured when its shapes
-//! are static and nothing in the step needs the host mid-way (MoE grouped GEMMs read
-//! their row counts back; the host optimizer runs on CPU threads; collectives across
-//! ranks are left to NCCL's own scheduling). Inputs, the step counter and the
-//! parameters live in fixed buffers that are rewritten between replays, so the graph
-//! stays valid for every step.
+//! are static and nothing in the step needs the host to decide what comes next (MoE
+//! grouped GEMMs read their row counts back; collectives across ranks are left to
+//! NCCL's own scheduling). Host work that only has to run in stream order is captured
+//! with the rest: the host optimizer's `cuLaunchHostFunc` becomes a host node, and the
+//! copies to and from pinned host memory (activation offload, the optimizer's gradients
+//! and parameters, streamed optimizer state) become memcpy nodes. Inputs, the step
+//! counter and the parameters live in fixed buffers that are rewritten between
+//! replays, so the graph stays valid for every step.
 
 use cudarc::driver::sys;
 
