@@ -31,7 +31,8 @@ if has b8; then
   done
 fi
 if has hostopt; then
-  WEFT_GPU_ONLY="host optimizer" timeout 120 ./.gpu/tests/gpu --nocapture --test-threads=1 > $OUT/hostopt_case.txt 2>&1
+  [ -x .gpu/host_adamw ] && { echo "== host AdamW rate on this host:"; .gpu/host_adamw 268435456; .gpu/host_adamw 268435456 8; }
+  WEFT_GPU_ONLY="model mistral_sw4" timeout 120 ./.gpu/tests/gpu --nocapture --test-threads=1 > $OUT/hostopt_case.txt 2>&1
   echo "== gpu case: rc $?; $(grep -E 'host optimizer|^[0-9]+ cases|test result' $OUT/hostopt_case.txt | cut -c1-260 | tr '\n' ' ')"
   for m in "llama-tiny" "llama-tiny --dtype bf16" "gemma2-tiny --fused-loss"; do
     echo "== check $m --offload-optimizer: $(timeout 120 ./.gpu/weft run $m --backend cuda --steps 8 --check 8 --offload-optimizer 2>&1 | grep -iE 'check|graph|error' | tail -2 | cut -c1-200 | tr '\n' ' ')"
@@ -42,6 +43,10 @@ if has hostopt; then
     echo "== $SEQ device adamw_master: $(timeout 100 $base 2>&1 | grep -E '^mean|error' | cut -c1-220)"
     clocks_on host$SEQ; echo "== $SEQ host optimizer, graph: $(timeout 150 $base --offload-optimizer 2>&1 | grep -E "^mean|graph|error" | cut -c1-300 | tr '\n' ' ')"; clocks_off host$SEQ
     echo "== $SEQ host optimizer, per kernel: $(WEFT_CUDA_GRAPH=0 timeout 150 $base --offload-optimizer 2>&1 | grep -E '^mean|error' | cut -c1-220)"
+    for g in 1 0; do
+      WEFT_CUDA_GRAPH=$g timeout 150 $base --offload-optimizer --json > $OUT/host_${SEQ}_graph$g.json 2>/dev/null
+      echo "   per step (graph $g): $($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(' '.join(f\"{s['step_s'] * 1e3:.0f}\" for s in d['steps']))" $OUT/host_${SEQ}_graph$g.json 2>&1 | tail -1)"
+    done
   done
 fi
 if has bench; then

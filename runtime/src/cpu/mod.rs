@@ -66,9 +66,9 @@ mod tests;
 
 pub use error::RuntimeError;
 
-/// The reference AdamW (`adamw` / `host_adamw`) on candle tensors, for the CUDA host
+/// The reference AdamW (`adamw` / `host_adamw`) on candle tensors, for the host
 /// optimizer's bit-for-bit test: `[lr, beta1, beta2, eps, weight_decay]`.
-#[cfg(all(test, feature = "cuda"))]
+#[cfg(test)]
 pub(crate) fn host_adamw_reference(
     p: &Tensor,
     g: &Tensor,

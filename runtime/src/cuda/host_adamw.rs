@@ -12,11 +12,8 @@
 //! is a host node of the graph, run in the same order; it makes no CUDA calls, which both
 //! require.
 //!
-//! The arithmetic is the CPU reference's `host_adamw` in f32, operation for operation
-//! (candle's `affine` is `x * mul + add` with both constants rounded to f32, `+ 0.0`
-//! included, which turns `-0.0` into `+0.0`), so master weights and moments are
-//! bit-identical to the CPU reference run at f32 precision; the parameter copy is the
-//! new master rounded to its dtype (round to nearest even).
+//! The arithmetic is `crate::host_adamw_math` (the CPU reference's update, bit for bit,
+//! in vectorized chunks).
 
 use super::device::{Gpu, Pinned};
 use super::error::{CudaError, CudaResult};
@@ -25,6 +22,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use weft_ir::DType;
 
+pub(crate) use crate::host_adamw_math::HostSpan;
+use crate::host_adamw_math::{adamw_range, AdamWConstants, AdamWSpans};
+
 /// No error; the step counter was below 1; a dtype the loop does not read.
 const OK: u32 = 0;
 const BAD_STEP: u32 = 1;
@@ -32,30 +32,13 @@ const BAD_STEP: u32 = 1;
 /// Elements per thread below which more threads do not pay for their start.
 const MIN_PER_THREAD: usize = 1 << 16;
 
-/// A host address the update reads or writes (pinned memory the plan sized).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct HostSpan {
-    pub ptr: u64,
-    pub dtype: DType,
-}
-
 /// One `host_adamw` instruction, lowered: what its host function reads and writes.
 #[derive(Debug)]
 pub(crate) struct HostAdamW {
-    pub master: HostSpan,
-    pub grad: HostSpan,
-    pub m: HostSpan,
-    pub v: HostSpan,
-    pub out_master: HostSpan,
-    pub out_m: HostSpan,
-    pub out_v: HostSpan,
-    pub out_param: HostSpan,
+    spans: AdamWSpans,
     pub n: usize,
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
+    /// `[lr, beta1, beta2, eps, weight_decay]`.
+    hyper: [f64; 5],
     /// Linear learning-rate warmup in steps (`lr * min(1, t / warmup)`).
     pub warmup: Option<i64>,
     /// The step counter, copied from the device before the update (8 pinned bytes).
@@ -150,22 +133,19 @@ impl HostAdamW {
             .map(|n| n.get())
             .unwrap_or(1)
             .clamp(1, 32);
-        let [lr, beta1, beta2, eps, weight_decay] = hyper;
         Ok(HostAdamW {
-            master,
-            grad,
-            m,
-            v,
-            out_master,
-            out_m,
-            out_v,
-            out_param,
+            spans: AdamWSpans {
+                master,
+                grad,
+                m,
+                v,
+                out_master,
+                out_m,
+                out_v,
+                out_param,
+            },
             n,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
+            hyper,
             warmup: None,
             step: PinnedScalar(gpu.alloc_pinned(8)?),
             step_dtype,
@@ -229,85 +209,22 @@ impl HostAdamW {
             self.status.store(BAD_STEP, Ordering::Release);
             return;
         }
-        let k = Constants::new(self, t);
+        let k = AdamWConstants::new(self.hyper, self.warmup, t);
         let threads = self.threads.min(self.n.div_ceil(MIN_PER_THREAD)).max(1);
         let per = self.n.div_ceil(threads);
+        // SAFETY: every span holds `n` elements of its dtype (checked against the plan's
+        // buffer sizes when lowered), in pinned host memory; the ranges are disjoint and
+        // the device touches none of these buffers until this host function returns.
         std::thread::scope(|s| {
             for i in 1..threads {
                 let (lo, hi) = (i * per, ((i + 1) * per).min(self.n));
                 if lo < hi {
                     let k = &k;
-                    s.spawn(move || self.range(k, lo, hi));
+                    s.spawn(move || unsafe { adamw_range(&self.spans, k, lo, hi) });
                 }
             }
-            self.range(&k, 0, per.min(self.n));
+            unsafe { adamw_range(&self.spans, &k, 0, per.min(self.n)) };
         });
-    }
-
-    /// Elements `lo..hi`; reads and writes through raw pointers because the new values
-    /// may be written over the old ones (the plan updates state in place), element by
-    /// element after reading it.
-    fn range(&self, k: &Constants, lo: usize, hi: usize) {
-        let f32s = |s: HostSpan| s.ptr as *mut f32;
-        let (p0, m0, v0) = (f32s(self.master), f32s(self.m), f32s(self.v));
-        let (p1, m1, v1) = (f32s(self.out_master), f32s(self.out_m), f32s(self.out_v));
-        for i in lo..hi {
-            // SAFETY: `i < n`, and every span holds `n` elements of its dtype (checked
-            // against the plan's buffer sizes when lowered); ranges are disjoint.
-            unsafe {
-                let g = read_float(self.grad, i);
-                let (p, m, v) = (*p0.add(i), *m0.add(i), *v0.add(i));
-                let (np, nm, nv) = k.update(p, g, m, v);
-                *p1.add(i) = np;
-                *m1.add(i) = nm;
-                *v1.add(i) = nv;
-                write_float(self.out_param, i, np);
-            }
-        }
-    }
-}
-
-/// The update's constants, rounded to f32 as the CPU reference rounds them.
-struct Constants {
-    decay: f32,
-    b1: f32,
-    one_minus_b1: f32,
-    b2: f32,
-    one_minus_b2: f32,
-    inv_c2: f32,
-    eps: f32,
-    lr_over_c1: f32,
-}
-
-impl Constants {
-    fn new(j: &HostAdamW, t: f64) -> Constants {
-        let (c1, c2) = (1.0 - j.beta1.powf(t), 1.0 - j.beta2.powf(t));
-        let lr = match j.warmup {
-            Some(w) if w > 0 => j.lr * (t / w as f64).min(1.0),
-            _ => j.lr,
-        };
-        Constants {
-            decay: (1.0 - lr * j.weight_decay) as f32,
-            b1: j.beta1 as f32,
-            one_minus_b1: (1.0 - j.beta1) as f32,
-            b2: j.beta2 as f32,
-            one_minus_b2: (1.0 - j.beta2) as f32,
-            inv_c2: (1.0 / c2) as f32,
-            eps: j.eps as f32,
-            lr_over_c1: (lr / c1) as f32,
-        }
-    }
-
-    /// One element: the CPU reference's `adamw` (runtime/src/cpu/backward_kernels.rs),
-    /// each candle op in turn.
-    #[inline(always)]
-    fn update(&self, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
-        let p = p * self.decay + 0.0;
-        let m = (m * self.b1 + 0.0) + (g * self.one_minus_b1 + 0.0);
-        let v = (v * self.b2 + 0.0) + ((g * g) * self.one_minus_b2 + 0.0);
-        let denom = (v * self.inv_c2 + 0.0).sqrt() * 1.0 + self.eps;
-        let upd = (m * self.lr_over_c1 + 0.0) / denom;
-        (p - upd, m, v)
     }
 }
 
@@ -328,133 +245,11 @@ fn is_host_memory(ptr: u64) -> bool {
     r.result().is_ok() && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
 }
 
-/// # Safety
-/// `s.ptr` holds at least `i + 1` elements of `s.dtype` (f32, bf16 or f16).
-#[inline(always)]
-unsafe fn read_float(s: HostSpan, i: usize) -> f32 {
-    match s.dtype {
-        DType::BF16 => half::bf16::from_bits(*(s.ptr as *const u16).add(i)).to_f32(),
-        DType::F16 => half::f16::from_bits(*(s.ptr as *const u16).add(i)).to_f32(),
-        _ => *(s.ptr as *const f32).add(i),
-    }
-}
-
-/// # Safety
-/// As [`read_float`], for writing.
-#[inline(always)]
-unsafe fn write_float(s: HostSpan, i: usize, x: f32) {
-    match s.dtype {
-        DType::BF16 => *(s.ptr as *mut u16).add(i) = half::bf16::from_f32(x).to_bits(),
-        DType::F16 => *(s.ptr as *mut u16).add(i) = half::f16::from_f32(x).to_bits(),
-        _ => *(s.ptr as *mut f32).add(i) = x,
-    }
-}
-
 /// The host function `cuLaunchHostFunc` calls: `data` is a live `HostAdamW`.
 unsafe extern "C" fn run_host_adamw(data: *mut std::ffi::c_void) {
     let job = &*(data as *const HostAdamW);
     // A panic must not unwind into the driver's thread.
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run())).is_err() {
         job.status.store(BAD_STEP, Ordering::Release);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The element update against candle's f32 ops, the CPU reference's code path.
-    #[test]
-    fn the_update_is_the_cpu_references_bit_for_bit() {
-        use candle_core::{Device, Tensor};
-        let n = 257;
-        let mk = |seed: u32, scale: f32| -> Vec<f32> {
-            (0..n)
-                .map(|i| {
-                    let x = ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32
-                        / (1u32 << 24) as f32;
-                    (x - 0.5) * scale
-                })
-                .collect()
-        };
-        let (p, g, m) = (mk(1, 2.0), mk(2, 0.1), mk(3, 0.01));
-        let v: Vec<f32> = mk(4, 0.001).iter().map(|x| x.abs()).collect();
-        let (lr, b1, b2, eps, wd, t) = (1e-3, 0.9, 0.95, 1e-8, 0.1, 3.0);
-        let dev = Device::Cpu;
-        let tt = |x: &Vec<f32>| Tensor::from_slice(x, n, &dev).unwrap();
-        let step = Tensor::new(t as f32, &dev).unwrap();
-        let (wp, wm, wv) = crate::cpu::host_adamw_reference(
-            &tt(&p),
-            &tt(&g),
-            &tt(&m),
-            &tt(&v),
-            &step,
-            [lr, b1, b2, eps, wd],
-        )
-        .unwrap();
-        let job = HostAdamW {
-            master: HostSpan {
-                ptr: 0,
-                dtype: DType::F32,
-            },
-            grad: HostSpan {
-                ptr: 0,
-                dtype: DType::F32,
-            },
-            m: HostSpan {
-                ptr: 0,
-                dtype: DType::F32,
-            },
-            v: HostSpan {
-                ptr: 0,
-                dtype: DType::F32,
-            },
-            out_master: HostSpan {
-                ptr: 0,
-                dtype: DType::F32,
-            },
-            out_m: HostSpan {
-                ptr: 0,
-                dtype: DType::F32,
-            },
-            out_v: HostSpan {
-                ptr: 0,
-                dtype: DType::F32,
-            },
-            out_param: HostSpan {
-                ptr: 0,
-                dtype: DType::F32,
-            },
-            n,
-            lr,
-            beta1: b1,
-            beta2: b2,
-            eps,
-            weight_decay: wd,
-            warmup: None,
-            step: PinnedScalar(Pinned {
-                ptr: std::ptr::null_mut(),
-                bytes: 0,
-            }),
-            step_dtype: DType::F32,
-            threads: 1,
-            status: AtomicU32::new(OK),
-            seen_step: Default::default(),
-            location: String::new(),
-        };
-        let k = Constants::new(&job, t);
-        let (wp, wm, wv) = (
-            wp.to_vec1::<f32>().unwrap(),
-            wm.to_vec1::<f32>().unwrap(),
-            wv.to_vec1::<f32>().unwrap(),
-        );
-        for i in 0..n {
-            let (np, nm, nv) = k.update(p[i], g[i], m[i], v[i]);
-            assert_eq!(
-                (np.to_bits(), nm.to_bits(), nv.to_bits()),
-                (wp[i].to_bits(), wm[i].to_bits(), wv[i].to_bits()),
-                "element {i}"
-            );
-        }
     }
 }
