@@ -274,6 +274,38 @@ fn a_step_that_fits_without_recompute_is_chosen_without_it() {
     }
 }
 
+/// Llama-3-8B's step at 8192 tokens on an 80 GiB card, AdamW with f32 master weights:
+/// every option set the analytic model ranks fastest streams the optimizer state, which
+/// the host link cannot carry in the step (the compiled plans hold 114-127 GiB), while
+/// the host optimizer fits. The search compiles on, least analytic memory first, instead
+/// of saying that nothing fits (it did, with the host optimizer closed to `--backend
+/// cuda` and the fastest eight compiled).
+#[test]
+fn when_the_fastest_ranked_do_not_fit_the_search_tries_the_leanest() {
+    let (code, out, err) = weft(&[
+        "run",
+        "llama3-8b",
+        "--seq",
+        "8192",
+        "--dtype",
+        "bf16",
+        "--device",
+        "h100",
+        "--steps",
+        "0",
+        "--backend",
+        "cuda",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let chose = err
+        .lines()
+        .find(|l| l.starts_with("note: chose "))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(chose.contains("--offload-optimizer"), "{chose}");
+    assert!(chose.contains("least analytic memory first"), "{chose}");
+    assert!(out.contains("plan (training step)"), "{out}");
+}
+
 /// A `tried` line's analytic peak within 10% of its compiled one.
 fn assert_analytic_peak_tracks_the_plan(line: &str) {
     let gib_after = |key: &str| -> f64 {

@@ -369,15 +369,23 @@ pub struct CostSummary {
     pub step_time_s: f64,
     /// Busy time of the compute stream.
     pub compute_s: f64,
-    /// Communication time not hidden under compute.
+    /// Time the step spends beyond the compute stream's busy time: communication,
+    /// host copies and host optimizer updates not hidden under compute.
     pub exposed_comm_s: f64,
     pub comm_s: f64,
     pub copy_s: f64,
+    /// Host optimizer updates (`host_adamw`, `--offload-optimizer`), on the host stream.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub host_update_s: f64,
     pub flops: f64,
     /// Model FLOPs utilisation: flops / (step time * peak matmul rate).
     pub mfu: f64,
     pub comm_bytes: BTreeMap<String, f64>,
     pub collectives: BTreeMap<String, u64>,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// Rates a cost model needs, per device and interconnect. Presets for A100, H100 and
@@ -448,11 +456,15 @@ pub fn default_host_sync_us() -> f64 {
     15.0
 }
 
-/// A host AdamW rate for profiles that do not give one: 0.25 G parameters/s per GPU,
-/// DeepSpeed's vectorised CPU Adam on a two-socket node shared by 8 GPUs (about 2 G
-/// parameters/s per node: memory-bound, ~16 bytes read and 14 written per parameter).
+/// A host AdamW rate for profiles that do not give one: 2 G parameters/s per GPU. Measured
+/// on the 16 host cores that serve one H100 (bench/GPU_NOTES.md, session 24): the update
+/// alone runs at 3.1 G parameters/s there (`cargo bench -p weft-runtime --bench
+/// host_adamw`, memory-bound at 87 GB/s, 28 bytes a parameter), and the 1.24B model's
+/// step with `--offload-optimizer` takes 0.61 s, 2.0 G parameters/s with the gradient and
+/// parameter copies and the updates that wait for the backward. A node with fewer cores
+/// or less memory bandwidth per GPU should give its own rate.
 pub fn default_host_adam_params_per_s() -> f64 {
-    0.25e9
+    2.0e9
 }
 
 /// Why a plan cannot be loaded.

@@ -346,10 +346,8 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
     let mut tried = Vec::new();
     let mut fits: Vec<(usize, Evaluated)> = Vec::new();
     let mut least: Option<(u64, LowerError)> = None;
-    for (i, r) in ranked.iter().enumerate() {
-        if !keep_going(&ranked, i, &fits, tried.len()) {
-            break;
-        }
+    let mut consider = |i: usize, fits: &mut Vec<(usize, Evaluated)>| -> Result<(), DriverError> {
+        let r = &ranked[i];
         let e = evaluate_verified(req, &r.options, verify)?;
         tried.push(candidate_line(&e, limit, r.analytic.as_ref()));
         if e.fits {
@@ -357,6 +355,26 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         } else if least.as_ref().is_none_or(|(p, _)| e.peak_bytes < *p) {
             let err = out_of_memory(&e, limit, suggest_mesh(req, &bindings));
             least = Some((e.peak_bytes, err));
+        }
+        Ok(())
+    };
+    let mut evaluated = 0;
+    while evaluated < ranked.len() && keep_going(&ranked, evaluated, &fits, evaluated) {
+        consider(evaluated, &mut fits)?;
+        evaluated += 1;
+    }
+    let fell_back = fits.is_empty() && evaluated < ranked.len();
+    if fell_back {
+        // None of the best-ranked compiled plans fit: the analytic model priced them
+        // under the limit and was wrong (streamed state the host link cannot carry in
+        // time, say). The rest, least analytic memory first, for a few more compiles.
+        let mut rest: Vec<usize> = (evaluated..ranked.len()).collect();
+        rest.sort_by_key(|&i| ranked[i].analytic.as_ref().map(|a| a.memory.total));
+        for i in rest.into_iter().take(MEMORY_FALLBACK) {
+            consider(i, &mut fits)?;
+            if !fits.is_empty() {
+                break;
+            }
         }
     }
     // The fastest compiled plan that fits (ties: the better ranked).
@@ -374,7 +392,15 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         });
     };
     let analytic = ranked.iter().any(|r| r.analytic.is_some());
-    let why = if analytic {
+    let why = if fell_back {
+        format!(
+            "the first that fits {} per rank of the option sets compiled least analytic memory first, after the {evaluated} fastest-ranked of {} combinations of the open options ({}) on mesh {} did not fit",
+            plan::gib(limit),
+            ranked.len(),
+            open_names(&train.open),
+            mesh_name(&req.mesh),
+        )
+    } else if analytic {
         format!(
             "the fastest predicted step of the {} compiled option sets that fit {} per rank; {} combinations of the open options ({}) on mesh {} were ranked by `weft plan`'s analytic model and the best compiled",
             fits.len(),
@@ -411,6 +437,9 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
 const MAX_EVALUATIONS: usize = 8;
 /// Compiled finalists that fit, among which the fastest compiled plan wins.
 const FINALISTS: usize = 2;
+/// When none of the first [`MAX_EVALUATIONS`] fits, at most this many more option sets
+/// are compiled, least analytic memory first.
+const MEMORY_FALLBACK: usize = 4;
 /// A later finalist is compiled only when its analytic step time is within this
 /// factor of the first that fit.
 const FINALIST_SLACK: f64 = 1.1;
@@ -555,26 +584,28 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
 const ANALYTIC_FIT_MARGIN: f64 = 1.1;
 
 /// The analytic model of `--stream-optimizer-state` (which the search does not
-/// enumerate): the state leaves the device but for what the last updates keep (the
-/// embedding's and the lm_head's rows, whose gradients are final last) and a layer's
-/// in flight; each direction of the host link carries the rest once during the
-/// backward (about two thirds of the compute), at its share of the duplex rate, and
-/// compute beside the copies slows by the profile's fraction.
+/// enumerate), as the `optimizer` pass and `stream_state` schedule it: a state goes back
+/// to host memory when its update ends, during the backward (about two thirds of the
+/// compute), one copy at a time at the host link's share of the duplex rate; what the
+/// link cannot carry before the compute ends stays on the device, and so do the last
+/// updates' states (the embedding's and the lm_head's rows, whose gradients are final
+/// last) and a layer's in flight. Compute beside the copies slows by the profile's
+/// fraction.
 fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile) {
     let state = s.memory.optimizer as f64;
     let params = shape.params().max(1) as f64;
     let vocab_rows = (shape.vocab * shape.hidden * if shape.tied { 1 } else { 2 }) as f64;
     let kept = (vocab_rows / params + 2.0 / shape.layers.max(1) as f64).min(1.0);
-    let on_device = (state * kept) as u64;
-    let moved = state - on_device as f64;
     let rate = if d.host_duplex_gbps > 0.0 {
         d.host_gbps.min(d.host_duplex_gbps / 2.0)
     } else {
         d.host_gbps
     } * 1e9;
-    let copy = moved / rate;
     let backward = s.time.compute * 2.0 / 3.0;
-    let added = (copy - backward).max(0.0) + d.host_copy_compute_slowdown * copy.min(backward);
+    let moved = (state * (1.0 - kept)).min(rate * backward).max(0.0);
+    let on_device = (state - moved) as u64;
+    let copy = moved / rate;
+    let added = d.host_copy_compute_slowdown * copy;
     s.memory.total -= s.memory.optimizer - on_device;
     s.memory.optimizer = on_device;
     s.time.step += added;

@@ -49,6 +49,7 @@ struct Summary<'a> {
     compute_s: f64,
     exposed_comm_s: f64,
     copy_s: f64,
+    host_update_s: f64,
     comm_bytes: &'a std::collections::BTreeMap<String, f64>,
     collectives: &'a std::collections::BTreeMap<String, u64>,
     mfu: f64,
@@ -103,6 +104,7 @@ pub fn run(a: Args) -> CliResult {
         compute_s: p.cost.compute_s,
         exposed_comm_s: p.cost.exposed_comm_s,
         copy_s: p.cost.copy_s,
+        host_update_s: p.cost.host_update_s,
         comm_bytes: &p.cost.comm_bytes,
         collectives: &p.cost.collectives,
         mfu: p.cost.mfu,
@@ -171,13 +173,18 @@ pub fn run(a: Args) -> CliResult {
         );
     }
     println!(
-        "time    {} {:.3} ms: compute {:.3} ms, exposed communication {:.3} ms (of {:.3} ms), host copies {:.3} ms; MFU {:.1}%{}",
+        "time    {} {:.3} ms: compute {:.3} ms, not hidden under compute {:.3} ms (communication {:.3} ms, host copies {:.3} ms{}); MFU {:.1}%{}",
         kind.time_name(),
         p.cost.step_time_s * 1e3,
         p.cost.compute_s * 1e3,
         p.cost.exposed_comm_s * 1e3,
         p.cost.comm_s * 1e3,
         p.cost.copy_s * 1e3,
+        if p.cost.host_update_s > 0.0 {
+            format!(", host optimizer {:.3} ms", p.cost.host_update_s * 1e3)
+        } else {
+            String::new()
+        },
         p.cost.mfu * 100.0,
         if kind == weft_ir::plan::StepKind::Forward {
             " of the forward pass alone (no backward or optimizer: not a training step)"

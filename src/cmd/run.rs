@@ -269,12 +269,6 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         // Only --check compares gradients (and logits); a training run lets each
         // gradient die once its bucket has updated the weights.
         t.options.grad_outputs = a.check > 0 || a.grads_out.is_some();
-        if a.backend == "cuda" {
-            // The CUDA host optimizer runs when asked for (--offload-optimizer); the
-            // choice stays off until its GPU step time has been measured against the
-            // cost model.
-            t.open.offload_optimizer = false;
-        }
         if a.torch_adamw {
             // torch.optim.AdamW(fused=True) on the bf16 model, as bench/torch_llama_step.py
             // runs it, placed in the backward by the `optimizer` pass: each gradient dies

@@ -1671,8 +1671,9 @@ mod tests {
             cp_kv: CpKv::Ring,
         };
         let updated = m.params() as f64 / 8.0;
-        let by_hand = updated / 0.25e9 + 2.0 * updated * 2.0 / 50e9;
-        assert!((by_hand - 4.095).abs() < 0.01, "{by_hand}");
+        let by_hand = updated / 2.0e9 + 2.0 * updated * 2.0 / 50e9;
+        assert_eq!(spec.device.host_adam_params_per_s, 2.0e9);
+        assert!((by_hand - 0.582).abs() < 0.01, "{by_hand}");
         for mb in [1, 4] {
             let (on, off) = (
                 score(&m, &spec, &c(true, mb)),

@@ -71,6 +71,7 @@ pub(super) fn cost_summary(
         compute_s,
         comm_s,
         copy_s,
+        host_update_s,
         flops: flops_total,
     } = costs;
     let step_time_s = instructions
@@ -89,6 +90,7 @@ pub(super) fn cost_summary(
         exposed_comm_s: exposed,
         comm_s,
         copy_s,
+        host_update_s,
         flops: flops_total,
         mfu,
         comm_bytes,

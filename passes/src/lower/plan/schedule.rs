@@ -45,6 +45,8 @@ pub(super) struct StepCosts {
     pub compute_s: f64,
     pub comm_s: f64,
     pub copy_s: f64,
+    /// Host optimizer updates (the host stream's `host_adamw`).
+    pub host_update_s: f64,
     pub flops: f64,
 }
 
@@ -287,6 +289,7 @@ fn instruction_cost(
         HOST_STREAM => {
             let params = g.ty(nd.operands[0]).numel().bind(b).as_const().unwrap_or(0);
             let t = cost::host_adam_time(params as f64, d);
+            costs.host_update_s += t;
             (in_bytes + out_bytes, t)
         }
         2 | 3 => {
