@@ -277,9 +277,10 @@ fn a_step_that_fits_without_recompute_is_chosen_without_it() {
 /// Llama-3-8B's step at 8192 tokens on an 80 GiB card, AdamW with f32 master weights:
 /// every option set the analytic model ranks fastest streams the optimizer state, which
 /// the host link cannot carry in the step (the compiled plans hold 114-127 GiB), while
-/// the host optimizer fits. The search compiles on, least analytic memory first, instead
-/// of saying that nothing fits (it did, with the host optimizer closed to `--backend
-/// cuda` and the fastest eight compiled).
+/// the host optimizer fits (123.5 GiB pinned: a host with 160 GiB to give). The search
+/// compiles on, least analytic memory first, instead of saying that nothing fits (it
+/// did, with the host optimizer closed to `--backend cuda` and the fastest eight
+/// compiled).
 #[test]
 fn when_the_fastest_ranked_do_not_fit_the_search_tries_the_leanest() {
     let (code, out, err) = weft(&[
@@ -295,6 +296,8 @@ fn when_the_fastest_ranked_do_not_fit_the_search_tries_the_leanest() {
         "0",
         "--backend",
         "cuda",
+        "--host-memory",
+        "160",
     ]);
     assert_eq!(code, 0, "{err}");
     let chose = err
@@ -304,6 +307,76 @@ fn when_the_fastest_ranked_do_not_fit_the_search_tries_the_leanest() {
     assert!(chose.contains("--offload-optimizer"), "{chose}");
     assert!(chose.contains("least analytic memory first"), "{chose}");
     assert!(out.contains("plan (training step)"), "{out}");
+}
+
+/// `--host-memory` bounds the pinned host memory a plan holds: a given option set over it
+/// is refused with the bytes named; an open search passes over the plans that pin more
+/// and, where every plan that fits the device does, says the host limit is why.
+#[test]
+fn host_memory_bounds_what_a_plan_pins() {
+    let given = [
+        "compile",
+        "llama3.2-1b",
+        "--seq",
+        "4096",
+        "--batch",
+        "1",
+        "--dtype",
+        "bf16",
+        "--offload-optimizer",
+        "--checkpoint",
+        "none",
+        "--zero",
+        "0",
+        "--micro-batches",
+        "1",
+        "--offload=false",
+        "--fused-loss",
+    ];
+    let plan = tmp("host-memory.json");
+    let mut args = given.to_vec();
+    args.extend(["--host-memory", "5", "-o", plan.to_str().unwrap()]);
+    let (code, _, err) = weft(&args);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("pins 18.42 GiB of host memory per rank, over --host-memory 5.00 GiB"),
+        "{err}"
+    );
+    assert!(!plan.exists(), "no plan is written");
+    let mut args = given.to_vec();
+    args.extend(["--host-memory", "20", "-o", plan.to_str().unwrap()]);
+    let (code, _, err) = weft(&args);
+    assert_eq!(code, 0, "{err}");
+    // Open options under a device limit only the host optimizer meets: with room on the
+    // host it is chosen; without, the error says the host limit refused it.
+    let open = [
+        "run",
+        "llama3.2-1b",
+        "--seq",
+        "4096",
+        "--dtype",
+        "bf16",
+        "--device",
+        "h100",
+        "--device-memory",
+        "10",
+        "--steps",
+        "0",
+    ];
+    let mut args = open.to_vec();
+    args.extend(["--host-memory", "30"]);
+    let (code, _, err) = weft(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("--offload-optimizer"), "{err}");
+    let mut args = open.to_vec();
+    args.extend(["--host-memory", "4"]);
+    let (code, _, err) = weft(&args);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("over --host-memory 4.00 GiB"), "{err}");
+    assert!(
+        err.contains("pin more host memory than --host-memory allows"),
+        "{err}"
+    );
 }
 
 /// A `tried` line's analytic peak within 10% of its compiled one.

@@ -62,6 +62,9 @@ pub struct Request {
     pub device: DeviceProfile,
     /// Per-rank memory the plan must fit (`None`: the device profile's memory).
     pub device_memory: Option<u64>,
+    /// Pinned host memory per rank the plan may hold (offloaded activations, the host
+    /// optimizer's state, streamed optimizer state); `None`: no limit.
+    pub host_memory: Option<u64>,
     /// Lower to an [`ExecutionPlan`] (needs concrete sizes).
     pub plan: bool,
     /// The MODEL argument, recorded in the plan.
@@ -92,6 +95,7 @@ impl Request {
             instrumentation: Instrumentation::default(),
             device: plan::profile::preset("h200").expect("built-in profile"),
             device_memory: None,
+            host_memory: None,
             plan: false,
             source: String::new(),
             shape: None,
@@ -224,9 +228,19 @@ pub enum DriverError {
         limit: String,
         kind: String,
         tried: Vec<String>,
-        /// The plan error of the least peak tried (its breakdown and help).
-        last: Box<LowerError>,
+        /// The plan error of the least device peak tried (its breakdown and help), or
+        /// what the host memory limit refused.
+        last: Box<NoFitReason>,
     },
+}
+
+/// Why the least demanding option set tried did not fit.
+#[derive(Debug, thiserror::Error)]
+pub enum NoFitReason {
+    #[error(transparent)]
+    Device(LowerError),
+    #[error("the plans that fit the device pin more host memory than --host-memory allows: the least, {peak} per rank, against {limit}\nhelp: give more --host-memory, or fewer offloads (--offload, --offload-optimizer, --stream-optimizer-state), or more ranks to shard the state over (dp with --zero)")]
+    Host { peak: String, limit: String },
 }
 
 impl From<PassError> for DriverError {
@@ -253,7 +267,10 @@ pub struct Evaluated {
     pub options: TrainOptions,
     pub compiled: Compiled,
     pub peak_bytes: u64,
+    /// Pinned host bytes per rank.
+    pub host_bytes: u64,
     pub step_time_s: f64,
+    /// Fits the device memory and the host memory limit.
     pub fits: bool,
 }
 
@@ -334,6 +351,19 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
             Err(DriverError::Lower(e)) if matches!(*e, LowerError::OutOfMemory { .. }) => {
                 Err(with_what_fits(req, *e, &bindings))
             }
+            Ok(c) => match (&c.plan, req.host_memory) {
+                (Some(p), Some(h)) if p.memory.host_bytes > h => Err(DriverError::Input {
+                    what: format!(
+                        "the plan pins {} of host memory per rank, over --host-memory {}",
+                        plan::gib(p.memory.host_bytes),
+                        plan::gib(h)
+                    ),
+                    help: Some(
+                        "give more --host-memory, or fewer offloads (--offload, --offload-optimizer, --stream-optimizer-state)".into(),
+                    ),
+                }),
+                _ => Ok(c),
+            },
             c => c,
         };
     }
@@ -346,15 +376,26 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
     let mut tried = Vec::new();
     let mut fits: Vec<(usize, Evaluated)> = Vec::new();
     let mut least: Option<(u64, LowerError)> = None;
+    // The least pinned host memory among the plans that fit the device but not the host.
+    let mut least_host: Option<u64> = None;
     let mut consider = |i: usize, fits: &mut Vec<(usize, Evaluated)>| -> Result<(), DriverError> {
         let r = &ranked[i];
         let e = evaluate_verified(req, &r.options, verify)?;
-        tried.push(candidate_line(&e, limit, r.analytic.as_ref()));
+        tried.push(candidate_line(
+            &e,
+            limit,
+            req.host_memory,
+            r.analytic.as_ref(),
+        ));
         if e.fits {
             fits.push((i, e));
-        } else if least.as_ref().is_none_or(|(p, _)| e.peak_bytes < *p) {
-            let err = out_of_memory(&e, limit, suggest_mesh(req, &bindings));
-            least = Some((e.peak_bytes, err));
+        } else if e.peak_bytes > limit {
+            if least.as_ref().is_none_or(|(p, _)| e.peak_bytes < *p) {
+                let err = out_of_memory(&e, limit, suggest_mesh(req, &bindings));
+                least = Some((e.peak_bytes, err));
+            }
+        } else if least_host.is_none_or(|h| e.host_bytes < h) {
+            least_host = Some(e.host_bytes);
         }
         Ok(())
     };
@@ -383,7 +424,19 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
             .total_cmp(&b.1.step_time_s)
             .then(a.0.cmp(&b.0))
     }) else {
-        let (_, last) = least.expect("at least one candidate");
+        let last = match (least_host, least) {
+            (Some(h), _) => NoFitReason::Host {
+                peak: plan::gib(h),
+                limit: plan::gib(req.host_memory.unwrap_or(0)),
+            },
+            (None, Some((_, e))) => NoFitReason::Device(e),
+            (None, None) => {
+                return Err(DriverError::Input {
+                    what: "no training option set was compiled".into(),
+                    help: None,
+                })
+            }
+        };
         return Err(DriverError::NoFit {
             limit: plan::gib(limit),
             kind: format!("{} of {}", req.step_kind().name(), req.model.name),
@@ -700,8 +753,9 @@ fn evaluate_verified(
         what: "evaluating training options needs concrete sizes".into(),
         help: Some("give --seq (and --batch)".into()),
     })?;
-    let (peak, time) = (p.memory.peak_bytes, p.cost.step_time_s);
-    let fits = peak <= req.memory_limit();
+    let (peak, time, host) = (p.memory.peak_bytes, p.cost.step_time_s, p.memory.host_bytes);
+    let host_fits = req.host_memory.is_none_or(|h| host <= h);
+    let fits = peak <= req.memory_limit() && host_fits;
     let (moved, held) = (
         c.report.counter("updates_deferred"),
         c.report.counter("deferred_held_bytes"),
@@ -713,7 +767,12 @@ fn evaluate_verified(
         .filter_map(|k| p.memory.breakdown.get(*k))
         .sum();
     let over = peak.saturating_sub(req.memory_limit());
-    if !fits && moved > 0 && over <= releasable && opts.defer_updates == DeferUpdates::All {
+    if !fits
+        && host_fits
+        && moved > 0
+        && over <= releasable
+        && opts.defer_updates == DeferUpdates::All
+    {
         // Updates moved past their reductions hold the reduced gradients longer: with
         // each update right after its reduction the same options may fit, and then
         // the most that can be held and still fit is searched (a bisection of the
@@ -758,6 +817,7 @@ fn evaluate_verified(
         fits,
         compiled: c,
         peak_bytes: peak,
+        host_bytes: host,
         step_time_s: time,
     })
 }
@@ -859,7 +919,12 @@ pub fn candidates(train: &TrainRequest, per_rank_batch: Option<i64>) -> Vec<Trai
     out
 }
 
-fn candidate_line(e: &Evaluated, limit: u64, analytic: Option<&Scored>) -> String {
+fn candidate_line(
+    e: &Evaluated,
+    limit: u64,
+    host_limit: Option<u64>,
+    analytic: Option<&Scored>,
+) -> String {
     format!(
         "{}: peak {} per rank, step {:.3} ms predicted{}{}",
         e.options.summary(),
@@ -872,8 +937,14 @@ fn candidate_line(e: &Evaluated, limit: u64, analytic: Option<&Scored>) -> Strin
                 s.time.step * 1e3
             ))
             .unwrap_or_default(),
-        if !e.fits {
+        if e.peak_bytes > limit {
             format!(" (over {})", plan::gib(limit))
+        } else if !e.fits {
+            format!(
+                " (pins {} of host memory, over --host-memory {})",
+                plan::gib(e.host_bytes),
+                plan::gib(host_limit.unwrap_or(0))
+            )
         } else if e.options.defer_updates == DeferUpdates::Off {
             " (each update right after its reduction, to fit)".to_string()
         } else if let DeferUpdates::Within(b) = e.options.defer_updates {

@@ -57,6 +57,10 @@ pub struct Args {
     /// 139 for h200, 80 for h100 and a100).
     #[arg(long, value_name = "GIB")]
     pub device_memory: Option<f64>,
+    /// Pinned host memory per rank the plan may hold, in GiB: offloaded activations, the
+    /// host optimizer's state and streamed optimizer state (default: no limit).
+    #[arg(long, value_name = "GIB")]
+    pub host_memory: Option<f64>,
     /// Float dtype to compile the model in: bf16 or f32 (default: the model's own).
     #[arg(long)]
     pub dtype: Option<String>,
@@ -136,6 +140,7 @@ pub fn run(a: Args) -> CliResult {
     req.cp_kv = a.train_args.cp_kv()?;
     req.model = super::graph_in_dtype(&model, req.dtype)?;
     (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
+    req.host_memory = super::host_memory(a.host_memory)?;
     if a.forward_only {
         a.train_args.refuse_for_forward_only()?;
     } else {

@@ -161,6 +161,17 @@ pub fn device(
     Ok((d, limit))
 }
 
+/// `--host-memory` in bytes (`None`: no limit).
+pub fn host_memory(gib: Option<f64>) -> CliResult<Option<u64>> {
+    match gib {
+        None => Ok(None),
+        Some(g) if g > 0.0 && g.is_finite() => Ok(Some((g * (1u64 << 30) as f64) as u64)),
+        Some(g) => Err(CliError::input(format!(
+            "invalid --host-memory {g}: must be positive GiB"
+        ))),
+    }
+}
+
 /// Says on stderr what the driver chose for training options left open, and why.
 pub fn print_choice(c: &weft_passes::driver::Compiled) {
     if let Some(ch) = &c.choice {

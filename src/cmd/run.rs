@@ -57,6 +57,12 @@ pub struct Args {
     /// at most the memory of the GPU found with `--backend cuda`).
     #[arg(long, value_name = "GIB")]
     pub device_memory: Option<f64>,
+    /// Pinned host memory per rank the plan may hold, in GiB: offloaded activations, the
+    /// host optimizer's state and streamed optimizer state (default with `--backend
+    /// cuda`: 90% of this machine's available memory, shared by the node's ranks
+    /// (LOCAL_WORLD_SIZE); else no limit).
+    #[arg(long, value_name = "GIB")]
+    pub host_memory: Option<f64>,
     /// Compare each step's loss (and the first step's gradients) with the CPU reference
     /// (f32) for this many steps (0: off). `--check` alone checks the first step.
     #[arg(long, num_args = 0..=1, default_missing_value = "1", default_value_t = 0)]
@@ -256,6 +262,11 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     req.model = super::graph_in_dtype(&model, req.dtype)?;
     let (profile, memory) = device_to_plan_for(&a);
     (req.device, req.device_memory) = super::device(&profile, memory)?;
+    req.host_memory = match a.host_memory {
+        Some(g) => super::host_memory(Some(g))?,
+        None if a.backend == "cuda" => pinnable_host_bytes(),
+        None => None,
+    };
     if a.forward_only {
         a.train.refuse_for_forward_only()?;
     } else {
@@ -1173,6 +1184,27 @@ fn device_to_plan_for(a: &Args) -> (String, Option<f64>) {
         }
     }
     ("h200".to_string(), a.device_memory)
+}
+
+/// What this process may pin for a CUDA run: 90% of the machine's available memory
+/// (`MemAvailable` in /proc/meminfo), shared by the node's ranks (`LOCAL_WORLD_SIZE`);
+/// `None` where it cannot be read.
+fn pinnable_host_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    let ranks = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(1);
+    Some(kib.saturating_mul(1024) / 10 * 9 / ranks)
 }
 
 /// The built-in profile of a GPU by its name, where there is one.
