@@ -11,6 +11,9 @@
 #           the GPU case against the CPU reference (graph vs eager), --check on tiny models,
 #           and the 1.24B step with the device AdamW (f32 master weights), the host one
 #           replayed as a graph, and the host one launched per kernel (WEFT_CUDA_GRAPH=0)
+#   choice  what `weft run --backend cuda` chooses on its own where only the host optimizer
+#           fits (1.24B at 4096 under --device-memory 10), trained 4 steps; Llama-3-8B at
+#           8192 with --torch-adamw on this card, and PyTorch eager beside it
 #   bench   the 1.24B step at 16384, unfused loss (the planner's choice) and fused, clocks
 #   torch   PyTorch eager at 16384 in the same call
 #   OUT=$OUT PHASES="grads bench torch" bash bench/session24_gpu_call.sh
@@ -48,6 +51,11 @@ if has hostopt; then
       echo "   per step (graph $g): $($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(' '.join(f\"{s['step_s'] * 1e3:.0f}\" for s in d['steps']))" $OUT/host_${SEQ}_graph$g.json 2>&1 | tail -1)"
     done
   done
+fi
+if has choice; then
+  echo "== 1.24B under 10 GiB, options open: $(timeout 150 ./.gpu/weft run llama3.2-1b --backend cuda --dtype bf16 --batch 1 --seq 4096 --device-memory 10 --steps 5 2>&1 | grep -E '^note: chose|^mean|error' | cut -c1-260 | tr '\n' ' ')"
+  echo "== weft 8b 8192 torch-adamw: $(timeout 170 ./.gpu/weft run llama3-8b --backend cuda --dtype bf16 --batch 1 --torch-adamw --seq 8192 --steps 5 2>&1 | grep -E '^note: chose|^mean|error' | cut -c1-260 | tr '\n' ' ')"
+  echo "== torch eager 8b 8192: $(timeout 120 $PY bench/torch_llama_step.py --config frontends/presets/llama3-8b.json --seq 8192 --steps 4 2>&1 | grep -oE 'OutOfMemoryError|\{"impl.*' | head -1 | cut -c1-300)"
 fi
 if has bench; then
   clocks_on w16ku; echo "== weft 16384 unfused: $(step 75 --steps 4 --seq 16384 --unfused-loss)"; clocks_off w16ku
