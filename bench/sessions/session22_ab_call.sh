@@ -12,7 +12,7 @@
 #           by step (is the in-step slowdown the clock or the graph?)
 #   torch   PyTorch eager at 4096 and 16384 (the ratio's denominator)
 #   parity  bench/loss_parity.py on the new binary
-#   OUT=$OUT PHASES="cases checks ab trace graph0 torch parity" bash bench/session22_ab_call.sh
+#   OUT=$OUT PHASES="cases checks ab trace graph0 torch parity" bash bench/sessions/session22_ab_call.sh
 PHASES=${PHASES:-"cases checks ab trace graph0 torch parity"}
 source bench/gpu_env.sh
 step() { local bin=$1; shift; timeout "$1" $bin run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-200; }

@@ -8,8 +8,8 @@
 #   ab      per-kernel profiles (bench/gap.py) of .gpu/weftA and .gpu/weft at 4096 and
 #           16384, then the 4096 step alternating the two, then PyTorch eager at 4096
 #   h200    only on an H200: the 1.24B step at 4096 and 16384, PyTorch eager at both,
-#           and the memory frontier at 16384 (bench/session16_h200_frontier.sh)
-#   OUT=$OUT PHASES="checks ab h200" bash bench/session18_gpu_call.sh
+#           and the memory frontier at 16384 (bench/sessions/session16_h200_frontier.sh)
+#   OUT=$OUT PHASES="checks ab h200" bash bench/sessions/session18_gpu_call.sh
 #   (QUICK=1: one --check model, 4096 only, one A/B pair, no PyTorch: for a short
 #   device budget)
 PHASES=${PHASES:-"checks ab h200"}
@@ -45,6 +45,6 @@ if has h200 && [[ "$GPU" == *H200* ]]; then
     for f in --unfused-loss --fused-loss; do echo "== seq $SEQ $f: $(step 75 --steps $ST --seq $SEQ $f)"; done
     echo "== seq $SEQ torch eager: $(timeout 120 $PY bench/torch_llama_step.py --seq $SEQ --steps $ST 2>&1 | tail -1)"
   done
-  bash bench/session16_h200_frontier.sh 2>&1 | tail -6
+  bash bench/sessions/session16_h200_frontier.sh 2>&1 | tail -6
 fi
 exit 0

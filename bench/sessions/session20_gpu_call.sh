@@ -10,8 +10,8 @@
 #   checks    --check 20 on two tiny models
 #   bench     the 1.24B step at 4096 (twice) and 16384
 #   torch     PyTorch eager (cuDNN SDPA, fused AdamW) at 4096 and 16384
-#   frontier  only on an H200: the 16384 memory frontier (bench/session16_h200_frontier.sh)
-#   OUT=$OUT PHASES="engines checks bench torch frontier" bash bench/session20_gpu_call.sh
+#   frontier  only on an H200: the 16384 memory frontier (bench/sessions/session16_h200_frontier.sh)
+#   OUT=$OUT PHASES="engines checks bench torch frontier" bash bench/sessions/session20_gpu_call.sh
 PHASES=${PHASES:-"engines checks bench torch frontier"}
 source bench/gpu_env.sh
 step() { timeout "$1" ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-260; }
@@ -49,6 +49,6 @@ if has torch; then
   done
 fi
 if has frontier && [[ "$GPU" == *H200* ]]; then
-  bash bench/session16_h200_frontier.sh 2>&1 | tail -8
+  bash bench/sessions/session16_h200_frontier.sh 2>&1 | tail -8
 fi
 exit 0

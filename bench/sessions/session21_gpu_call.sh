@@ -8,11 +8,11 @@
 #   torchk    PyTorch eager's own step profiled (top kernels) at 4096 and 16384
 #   checks    attention GPU op cases, --check 20 on three tiny models (bf16)
 #   bench     the 1.24B step at 4096 and at 16384 (fused loss), PyTorch eager at both
-#   frontier  only on an H200: bench/session16_h200_frontier.sh (16384 memory frontier)
+#   frontier  only on an H200: bench/sessions/session16_h200_frontier.sh (16384 memory frontier)
 #   plans     the 4096 profile with each other backward plan (WEFT_CUDNN_ENGINE_BWD=n)
 #   fplans    the 4096 profile with each other forward plan (WEFT_CUDNN_ENGINE_FWD=n)
 #   parity    bench/loss_parity.py (4 steps on real weights against PyTorch)
-#   OUT=$OUT PHASES="attn attn16 torchk checks bench frontier plans parity" bash bench/session21_gpu_call.sh
+#   OUT=$OUT PHASES="attn attn16 torchk checks bench frontier plans parity" bash bench/sessions/session21_gpu_call.sh
 PHASES=${PHASES:-"attn checks bench frontier plans parity"}
 source bench/gpu_env.sh
 step() { timeout "$1" ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-220; }
@@ -35,7 +35,7 @@ if has bench; then
   echo "== 16384 fused: $(step 75 --steps 4 --seq 16384 --fused-loss)"
   for SEQ in 4096 16384; do echo "== seq $SEQ torch eager: $(timeout 120 $PY bench/torch_llama_step.py --seq $SEQ --steps 6 2>&1 | tail -1 | cut -c1-200)"; done
 fi
-if has frontier && [[ "$GPU" == *H200* ]]; then bash bench/session16_h200_frontier.sh 2>&1 | tail -8; fi
+if has frontier && [[ "$GPU" == *H200* ]]; then bash bench/sessions/session16_h200_frontier.sh 2>&1 | tail -8; fi
 if has plans; then for n in 1 2 3; do echo "== backward plan $n"; WEFT_CUDNN_ENGINE_BWD=$n WEFT_PROFILE=1 prof 4096 bwd$n | grep -E "backward|error|^step"; done; fi
 if has fplans; then for n in 1 2; do echo "== forward plan $n"; WEFT_CUDNN_ENGINE_FWD=$n WEFT_PROFILE=1 prof 4096 fwd$n | grep -E "fwd +attention|error|^step"; done; fi
 if has parity; then echo "== parity: $(timeout 150 $PY bench/loss_parity.py 2>&1 | tail -3)"; fi

@@ -4,7 +4,7 @@
 # checked against the CPU reference, then the 1.24B step with the unfused and the fused
 # loss; PHASES adds PyTorch eager (torch), loss parity on real weights (parity), the
 # 16384 memory frontier (frontier) and a profiled roofline (roofline).
-#   OUT=$OUT PHASES="cases bench torch parity frontier roofline" bash bench/session15_gpu_call.sh
+#   OUT=$OUT PHASES="cases bench torch parity frontier roofline" bash bench/sessions/session15_gpu_call.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; PHASES=${PHASES:-"cases bench torch parity frontier roofline"}
 has() { [[ " $PHASES " == *" $1 "* ]]; }

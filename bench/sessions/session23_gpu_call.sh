@@ -13,7 +13,7 @@
 #   torch   PyTorch eager at 4096 and 16384 in the same call (the ratio's denominator)
 #   roof    bench/roofline.sh at 4096 and 16384: the plan's per-class prediction against
 #           the profiled step
-#   OUT=$OUT PHASES="parity bench torch roof" bash bench/session23_gpu_call.sh
+#   OUT=$OUT PHASES="parity bench torch roof" bash bench/sessions/session23_gpu_call.sh
 PHASES=${PHASES:-"parity bench torch roof"}
 source bench/gpu_env.sh
 step() { timeout "$1" ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-200; }

@@ -4,12 +4,12 @@
 # it; xz both binaries and tests/gpu here, the script unpacks them). In priority order,
 # each phase writing under $OUT as it goes, so a call cut short returns what ran:
 #   checks    rms_norm / add_rms_norm GPU op cases, --check 20 on two tiny models
-#   frontier  only on an H200: the 16384 memory frontier (bench/session16_h200_frontier.sh,
+#   frontier  only on an H200: the 16384 memory frontier (bench/sessions/session16_h200_frontier.sh,
 #             its baseline in the same call)
 #   ab        per-kernel profiles of weftA and weft at 4096, then the 4096 step alternating
 #             the two (twice each) and the 16384 step of each
 #   torch     PyTorch eager (cuDNN SDPA, fused AdamW) at 4096 and 16384
-#   OUT=$OUT PHASES="checks frontier ab torch" bash bench/session19_gpu_call.sh
+#   OUT=$OUT PHASES="checks frontier ab torch" bash bench/sessions/session19_gpu_call.sh
 PHASES=${PHASES:-"checks frontier ab torch"}
 source bench/gpu_env.sh
 step() { timeout "$2" ./.gpu/$1 run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:3}" 2>&1 | grep -E '^mean|error' | cut -c1-260; }
@@ -20,7 +20,7 @@ if has checks; then
   done
 fi
 if has frontier && [[ "$GPU" == *H200* ]]; then
-  bash bench/session16_h200_frontier.sh 2>&1 | tail -8
+  bash bench/sessions/session16_h200_frontier.sh 2>&1 | tail -8
 fi
 if has ab; then
   for B in weftA weft; do

@@ -5,7 +5,7 @@
 # ../shared/gpu-pack --test gpu (xz'd): the profiled 4096 step's attention rows and the
 # cuDNN in use, the attention GPU op cases, --check 20 on three tiny models, the 1.24B
 # step at 4096 (twice) and 16384, PyTorch eager at both, and loss parity on real weights.
-#   OUT=$OUT bash bench/session20_verify.sh
+#   OUT=$OUT bash bench/sessions/session20_verify.sh
 PHASES=""; source bench/gpu_env.sh
 step() { timeout "$1" ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-200; }
 prof() { WEFT_CUDNN_ENGINE_LIST=1 WEFT_PROFILE=1 timeout 120 ./.gpu/weft run llama3.2-1b --backend cuda --dtype bf16 --steps 3 --seq $1 --batch 1 --torch-adamw $2 --profile-out $OUT/p$1$3.tsv > /dev/null 2>$OUT/err$1$3.txt; grep -E "attention: cuDNN|cuDNN sdpa" $OUT/err$1$3.txt | head -6 | cut -c1-200; $PY bench/gap.py $OUT/p$1$3.tsv --top 300 | grep -E "attention|^step"; }

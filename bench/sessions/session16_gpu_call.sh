@@ -14,7 +14,7 @@
 #   prof8g   the same profile of the 16384 frontier step (budget=8G --offload)
 #   prof4f   the same profile of the 4096 step with the fused loss
 #   compile  PyTorch torch.compile at 4096
-#   OUT=$OUT PHASES="cases bench prof16 torch parity frontier roofline compile" bash bench/session16_gpu_call.sh
+#   OUT=$OUT PHASES="cases bench prof16 torch parity frontier roofline compile" bash bench/sessions/session16_gpu_call.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; PHASES=${PHASES:-"cases bench prof16 torch parity frontier roofline compile"}
 has() { [[ " $PHASES " == *" $1 "* ]]; }

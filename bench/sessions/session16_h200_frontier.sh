@@ -3,7 +3,7 @@
 # link first (bench/host_link.py: each direction, both at once, under a GEMM), then the
 # 1.24B step at seq 16384 without checkpointing (the baseline) and with the fused loss,
 # budget checkpointing, activation offload and streamed optimizer state.
-#   bash bench/session16_h200_frontier.sh
+#   bash bench/sessions/session16_h200_frontier.sh
 set -u
 export PY=/opt/torch/.venv/bin/python3
 CUDNN_LIB=$($PY -c 'import nvidia.cudnn; print(nvidia.cudnn.__path__[0] + "/lib")' 2>/dev/null); export LD_LIBRARY_PATH="$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

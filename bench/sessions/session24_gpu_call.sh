@@ -16,7 +16,7 @@
 #           8192 with --torch-adamw on this card, and PyTorch eager beside it
 #   bench   the 1.24B step at 16384, unfused loss (the planner's choice) and fused, clocks
 #   torch   PyTorch eager at 16384 in the same call
-#   OUT=$OUT PHASES="grads bench torch" bash bench/session24_gpu_call.sh
+#   OUT=$OUT PHASES="grads bench torch" bash bench/sessions/session24_gpu_call.sh
 PHASES=${PHASES:-"grads bench torch"}
 source bench/gpu_env.sh
 step() { timeout "$1" ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-200; }

@@ -8,7 +8,7 @@
 #   checks  attention GPU op cases, --check 20 on three tiny models (bf16)
 #   bench   the 1.24B step at 4096 and 16384 (fused loss), PyTorch eager at both
 #   parity  bench/loss_parity.py (4 steps on real weights against PyTorch)
-#   OUT=$OUT PHASES="trace checks bench parity" bash bench/session22_gpu_call.sh
+#   OUT=$OUT PHASES="trace checks bench parity" bash bench/sessions/session22_gpu_call.sh
 PHASES=${PHASES:-"trace checks bench parity"}
 source bench/gpu_env.sh
 step() { timeout "$1" ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --torch-adamw "${@:2}" 2>&1 | grep -E '^mean|error' | cut -c1-220; }

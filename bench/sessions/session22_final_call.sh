@@ -5,7 +5,7 @@
 # accumulates dQ with atomics; AdamW's first steps move each weight by about lr whatever
 # its gradient's size, so small differences in the gradients show in the loss) or a
 # change — and the step at 4096 and 16384.
-#   OUT=$OUT [PARITY_ONLY=1] bash bench/session22_final_call.sh
+#   OUT=$OUT [PARITY_ONLY=1] bash bench/sessions/session22_final_call.sh
 PHASES=x; source bench/gpu_env.sh
 if [ -z "${PARITY_ONLY:-}" ]; then
   WEFT_GPU_ONLY="glu,add_rms_norm" timeout 120 .gpu/tests/gpu --nocapture --test-threads=1 > $OUT/cases.txt 2>&1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run from the repo root on the device machine: bash bench/session13_gpu_call.sh (needs .gpu/pack.tar.xz with weft, weftA, tests/gpu).
+# Run from the repo root on the device machine: bash bench/sessions/session13_gpu_call.sh (needs .gpu/pack.tar.xz with weft, weftA, tests/gpu).
 set -u
 mkdir -p .gpu && tar -xJf .gpu/pack.tar.xz -C .gpu
 export PY=/opt/torch/.venv/bin/python3

@@ -18,8 +18,8 @@
 #   parity   4-step loss parity on real weights (bench/loss_parity.py)
 #   final    --check 20 on two tiny models, then the 1.24B step and PyTorch eager at 4096
 #            and 16384, alternating, in one call
-#   OUT=$OUT PHASES="frontier bench roof4 roof16 torch" bash bench/session17_gpu_call.sh
-#   OUT=$OUT PHASES="checks ab parity" bash bench/session17_gpu_call.sh
+#   OUT=$OUT PHASES="frontier bench roof4 roof16 torch" bash bench/sessions/session17_gpu_call.sh
+#   OUT=$OUT PHASES="checks ab parity" bash bench/sessions/session17_gpu_call.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; PHASES=${PHASES:-"frontier bench roof4 roof16 torch"}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
