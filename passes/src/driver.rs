@@ -413,9 +413,6 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         rest.sort_by_key(|&i| ranked[i].analytic.as_ref().map(|a| a.memory.total));
         for i in rest.into_iter().take(MEMORY_FALLBACK) {
             consider(i, &mut fits)?;
-            if !fits.is_empty() {
-                break;
-            }
         }
     }
     // The fastest compiled plan that fits (ties: the better ranked).
@@ -447,7 +444,8 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
     let analytic = ranked.iter().any(|r| r.analytic.is_some());
     let why = if fell_back {
         format!(
-            "the first that fits {} per rank of the option sets compiled least analytic memory first, after the {evaluated} fastest-ranked of {} combinations of the open options ({}) on mesh {} did not fit",
+            "the fastest predicted step of the {} that fit {} per rank among {MEMORY_FALLBACK} more option sets compiled least analytic memory first, after the {evaluated} fastest-ranked of {} combinations of the open options ({}) on mesh {} did not fit",
+            fits.len(),
             plan::gib(limit),
             ranked.len(),
             open_names(&train.open),
@@ -490,8 +488,8 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
 const MAX_EVALUATIONS: usize = 8;
 /// Compiled finalists that fit, among which the fastest compiled plan wins.
 const FINALISTS: usize = 2;
-/// When none of the first [`MAX_EVALUATIONS`] fits, at most this many more option sets
-/// are compiled, least analytic memory first.
+/// When none of the first [`MAX_EVALUATIONS`] fits, this many more option sets are
+/// compiled, least analytic memory first, and the fastest of those that fit wins.
 const MEMORY_FALLBACK: usize = 4;
 /// A later finalist is compiled only when its analytic step time is within this
 /// factor of the first that fit.
