@@ -379,6 +379,51 @@ fn host_memory_bounds_what_a_plan_pins() {
     );
 }
 
+/// `inspect` puts the host optimizer's time on the time line by name (it was counted as
+/// "exposed communication 592 ms (of 0.000 ms)"), and its JSON carries it.
+#[test]
+fn inspect_names_the_host_optimizers_time() {
+    let plan = tmp("host-optimizer-inspect.json");
+    let (code, _, err) = weft(&[
+        "compile",
+        "llama3.2-1b",
+        "--seq",
+        "4096",
+        "--batch",
+        "1",
+        "--dtype",
+        "bf16",
+        "--device",
+        "h100",
+        "--offload-optimizer",
+        "--checkpoint",
+        "none",
+        "--zero",
+        "0",
+        "--micro-batches",
+        "1",
+        "--offload=false",
+        "--unfused-loss",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = weft(&["inspect", plan.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let time = out
+        .lines()
+        .find(|l| l.starts_with("time "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(time.contains("not hidden under compute"), "{time}");
+    assert!(
+        time.contains("host optimizer 61"),
+        "1.24B at 2 G parameters/s: {time}"
+    );
+    let (_, out, _) = weft(&["inspect", plan.to_str().unwrap(), "--json"]);
+    let host = json(&out)["host_update_s"].as_f64().unwrap_or(0.0);
+    assert!((0.6..0.65).contains(&host), "{out}");
+}
+
 /// A `tried` line's analytic peak within 10% of its compiled one.
 fn assert_analytic_peak_tracks_the_plan(line: &str) {
     let gib_after = |key: &str| -> f64 {
