@@ -378,7 +378,7 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
     let mut least: Option<(u64, LowerError)> = None;
     // The least pinned host memory among the plans that fit the device but not the host.
     let mut least_host: Option<u64> = None;
-    let mut consider = |i: usize, fits: &mut Vec<(usize, Evaluated)>| -> Result<(), DriverError> {
+    let consider = |i: usize| -> Result<bool, DriverError> {
         let r = &ranked[i];
         let e = evaluate_verified(req, &r.options, verify)?;
         tried.push(candidate_line(
@@ -387,7 +387,8 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
             req.host_memory,
             r.analytic.as_ref(),
         ));
-        if e.fits {
+        let fit = e.fits;
+        if fit {
             fits.push((i, e));
         } else if e.peak_bytes > limit {
             if least.as_ref().is_none_or(|(p, _)| e.peak_bytes < *p) {
@@ -397,24 +398,10 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         } else if least_host.is_none_or(|h| e.host_bytes < h) {
             least_host = Some(e.host_bytes);
         }
-        Ok(())
+        Ok(fit)
     };
-    let mut evaluated = 0;
-    while evaluated < ranked.len() && keep_going(&ranked, evaluated, &fits, evaluated) {
-        consider(evaluated, &mut fits)?;
-        evaluated += 1;
-    }
-    let fell_back = fits.is_empty() && evaluated < ranked.len();
-    if fell_back {
-        // None of the best-ranked compiled plans fit: the analytic model priced them
-        // under the limit and was wrong (streamed state the host link cannot carry in
-        // time, say). The rest, least analytic memory first, for a few more compiles.
-        let mut rest: Vec<usize> = (evaluated..ranked.len()).collect();
-        rest.sort_by_key(|&i| ranked[i].analytic.as_ref().map(|a| a.memory.total));
-        for i in rest.into_iter().take(MEMORY_FALLBACK) {
-            consider(i, &mut fits)?;
-        }
-    }
+    let order = search(&ranked, consider)?;
+    let (evaluated, fell_back) = (order.in_rank_order, order.fell_back);
     // The fastest compiled plan that fits (ties: the better ranked).
     let Some((_, best)) = fits.iter().min_by(|a, b| {
         a.1.step_time_s
@@ -495,23 +482,57 @@ const MEMORY_FALLBACK: usize = 4;
 /// factor of the first that fit.
 const FINALIST_SLACK: f64 = 1.1;
 
-/// Whether the search compiles the `i`-th ranked option set, after `evaluated` compiles
-/// of which `fits` fit: until one fits (at most [`MAX_EVALUATIONS`]), then (ranked
-/// analytically) up to [`FINALISTS`] whose analytic time is close to the first fit's.
-fn keep_going(ranked: &[Ranked], i: usize, fits: &[(usize, Evaluated)], evaluated: usize) -> bool {
-    if evaluated >= MAX_EVALUATIONS {
-        return false;
+/// What [`search`] compiled.
+#[derive(Debug, PartialEq, Eq)]
+struct SearchOrder {
+    /// Option sets compiled in ranked order (the first this many).
+    in_rank_order: usize,
+    /// Whether none of those fit and [`MEMORY_FALLBACK`] more were compiled, least
+    /// analytic memory first.
+    fell_back: bool,
+}
+
+/// Compiles ranked option sets in the search's order through `compile_fits` (which
+/// compiles the `i`-th and says whether it fits): in ranked order until one fits (at
+/// most [`MAX_EVALUATIONS`]), then up to [`FINALISTS`] that fit whose analytic time is
+/// within [`FINALIST_SLACK`] of the first fit's. When none of those fits, the analytic
+/// model priced them under the limit and was wrong (streamed state the host link
+/// cannot carry in time, say): [`MEMORY_FALLBACK`] more, least analytic memory first.
+fn search(
+    ranked: &[Ranked],
+    mut compile_fits: impl FnMut(usize) -> Result<bool, DriverError>,
+) -> Result<SearchOrder, DriverError> {
+    let mut first_fit: Option<usize> = None;
+    let mut nfits = 0;
+    let mut i = 0;
+    while i < ranked.len() && i < MAX_EVALUATIONS {
+        if let Some(first) = first_fit {
+            let close = match (&ranked[first].analytic, &ranked[i].analytic) {
+                (Some(a), Some(b)) => b.fits && b.time.step <= a.time.step * FINALIST_SLACK,
+                _ => false,
+            };
+            if nfits >= FINALISTS || !close {
+                break;
+            }
+        }
+        if compile_fits(i)? {
+            first_fit.get_or_insert(i);
+            nfits += 1;
+        }
+        i += 1;
     }
-    let Some((first, _)) = fits.first() else {
-        return true;
-    };
-    if fits.len() >= FINALISTS {
-        return false;
+    let fell_back = nfits == 0 && i < ranked.len();
+    if fell_back {
+        let mut rest: Vec<usize> = (i..ranked.len()).collect();
+        rest.sort_by_key(|&j| ranked[j].analytic.as_ref().map(|a| a.memory.total));
+        for j in rest.into_iter().take(MEMORY_FALLBACK) {
+            compile_fits(j)?;
+        }
     }
-    match (&ranked[*first].analytic, &ranked[i].analytic) {
-        (Some(a), Some(b)) => b.fits && b.time.step <= a.time.step * FINALIST_SLACK,
-        _ => false,
-    }
+    Ok(SearchOrder {
+        in_rank_order: i,
+        fell_back,
+    })
 }
 
 /// One combination of training options, with its analytic estimate when the request
@@ -635,30 +656,35 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
 const ANALYTIC_FIT_MARGIN: f64 = 1.1;
 
 /// The analytic model of `--stream-optimizer-state` (which the search does not
-/// enumerate), as the `optimizer` pass and `stream_state` schedule it: a state goes back
-/// to host memory when its update ends, during the backward (about two thirds of the
-/// compute), one copy at a time at the host link's share of the duplex rate; what the
-/// link cannot carry before the compute ends stays on the device, and so do the last
-/// updates' states (the embedding's and the lm_head's rows, whose gradients are final
-/// last) and a layer's in flight. Compute beside the copies slows by the profile's
-/// fraction.
+/// enumerate), as the `optimizer` pass and `stream_state` schedule it. The state but for
+/// what the last updates keep (the embedding's and the lm_head's rows, whose gradients
+/// are final last) and a layer's in flight makes a round trip over the host link, at its
+/// share of the duplex rate, during the backward (about two thirds of the compute):
+/// what the copies take beyond it stalls the step, and compute beside them slows by the
+/// profile's fraction. It leaves the device at the peak only where the link keeps up
+/// with the updates: where the backward updates state faster than the link brings it in,
+/// the reloads fall behind from the first update and are all issued at the backward's
+/// start, over the peak (Llama-3-8B at 8192 with f32 master weights: 117.7 GiB planned
+/// streamed, 111.9 resident), and nothing is saved.
 fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile) {
     let state = s.memory.optimizer as f64;
     let params = shape.params().max(1) as f64;
     let vocab_rows = (shape.vocab * shape.hidden * if shape.tied { 1 } else { 2 }) as f64;
     let kept = (vocab_rows / params + 2.0 / shape.layers.max(1) as f64).min(1.0);
+    let streamed = state * (1.0 - kept);
     let rate = if d.host_duplex_gbps > 0.0 {
         d.host_gbps.min(d.host_duplex_gbps / 2.0)
     } else {
         d.host_gbps
     } * 1e9;
     let backward = s.time.compute * 2.0 / 3.0;
-    let moved = (state * (1.0 - kept)).min(rate * backward).max(0.0);
-    let on_device = (state - moved) as u64;
-    let copy = moved / rate;
-    let added = d.host_copy_compute_slowdown * copy;
-    s.memory.total -= s.memory.optimizer - on_device;
-    s.memory.optimizer = on_device;
+    let copy = streamed / rate;
+    let added = (copy - backward).max(0.0) + d.host_copy_compute_slowdown * copy.min(backward);
+    if copy <= backward {
+        let on_device = (state - streamed) as u64;
+        s.memory.total -= s.memory.optimizer - on_device;
+        s.memory.optimizer = on_device;
+    }
     s.time.step += added;
     s.time.compute += added;
 }
@@ -1118,6 +1144,82 @@ fn compile_with(
 mod tests {
     use super::*;
     use crate::training::Optimizer;
+
+    /// Ranked option sets with analytic (step seconds, memory bytes, fits).
+    fn ranked_of(analytic: &[(f64, u64, bool)]) -> Vec<Ranked> {
+        analytic
+            .iter()
+            .map(|&(step, total, fits)| Ranked {
+                options: TrainOptions::default(),
+                analytic: Some(Scored {
+                    candidate: Default::default(),
+                    memory: crate::search::MemoryBreakdown {
+                        total,
+                        ..Default::default()
+                    },
+                    time: crate::search::TimeBreakdown {
+                        step,
+                        ..Default::default()
+                    },
+                    fits,
+                }),
+            })
+            .collect()
+    }
+
+    /// The search's compile order against compiled outcomes (`fits[i]`): the ranked
+    /// order to the first fit and its close finalists; none of the first eight fitting,
+    /// four more by least analytic memory; a fit among those found.
+    #[test]
+    fn the_search_compiles_finalists_then_the_leanest_when_none_fit() {
+        let run = |ranked: &[Ranked], fits: &[bool]| {
+            let mut order = Vec::new();
+            let s = search(ranked, |i| {
+                order.push(i);
+                Ok(fits[i])
+            })
+            .unwrap();
+            (order, s)
+        };
+        // The second fits; the third is within 10% of its time and fits too: two
+        // finalists, the fourth not compiled.
+        let r = ranked_of(&[
+            (1.0, 9, true),
+            (1.0, 9, true),
+            (1.05, 9, true),
+            (1.06, 9, true),
+        ]);
+        let (order, s) = run(&r, &[false, true, true, true]);
+        assert_eq!(order, [0, 1, 2]);
+        assert!(!s.fell_back);
+        // A finalist more than 10% slower is not compiled.
+        let r = ranked_of(&[(1.0, 9, true), (1.2, 9, true)]);
+        assert_eq!(run(&r, &[true, true]).0, [0]);
+        // Twelve ranked, the first eight (priced to fit) do not: the other four by
+        // analytic memory, least first, all compiled (the fastest that fits wins).
+        let mut a: Vec<(f64, u64, bool)> =
+            (0..8).map(|i| (1.0 + i as f64 * 0.01, 50, true)).collect();
+        a.extend([
+            (5.0, 40, false),
+            (5.0, 10, false),
+            (5.0, 30, false),
+            (5.0, 20, false),
+        ]);
+        let r = ranked_of(&a);
+        let fits: Vec<bool> = (0..12).map(|i| i >= 8).collect();
+        let (order, s) = run(&r, &fits);
+        assert_eq!(order, [0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 10, 8]);
+        assert_eq!(
+            s,
+            SearchOrder {
+                in_rank_order: 8,
+                fell_back: true
+            }
+        );
+        // Nothing left to fall back on.
+        let r = ranked_of(&[(1.0, 9, true)]);
+        assert!(!run(&r, &[false]).1.fell_back);
+    }
 
     fn request(mesh: &str, train: Option<TrainRequest>) -> Request {
         let model = weft_frontends::load("llama-tiny").unwrap().graph;
