@@ -57,8 +57,9 @@ pub struct TrainArgs {
     /// chunks stream to the host, the host CPU runs AdamW, the updated parameters
     /// stream back (ZeRO-Offload). Combines with --zero (the host state is sharded
     /// the same way). `--offload-optimizer=false` forbids it; not given, a plan turns
-    /// it on when it is part of the fastest option set that fits. CPU reference only:
-    /// the CUDA executor refuses it.
+    /// it on when it is part of the fastest option set that fits (and pins at most
+    /// --host-memory). On CUDA the update runs on the host's cores as a host node of the
+    /// step's CUDA graph.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub offload_optimizer: Option<bool>,
     /// Keep the optimizer state (AdamW moments, master weights, SGD momentum) in pinned
