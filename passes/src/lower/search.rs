@@ -596,15 +596,12 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // attention's output (the 1.24B's plans: 76 and 8 KB a token and layer), and in a
     // MoE layer over ep the rows the exchanges brought. Without checkpointing a MoE layer
     // and any layer with sandwich norms keep Korthikanti et al.'s accounting, with the
-    // experts' buffers as above; under selective sandwich norms keep more (gemma2-9b's
-    // plan: 145 KB a token and layer).
+    // experts' buffers as above; under selective sandwich norms keep what single ones
+    // do (they kept more while a layer's recompute chained back through the previous
+    // layers', gemma2-9b's plan 145 KB a token and layer).
     let exchanged_rows = routed_rows * (ep_bound + 1.0);
     let routed_kept = if c.ep > 1 { exchanged_rows } else { 0.0 };
-    let selective = if m.single_norms {
-        2.0 * (q / tp + h + routed_kept)
-    } else {
-        2.0 * ((2.0 * h + q + 2.0 * kv) / tp + dense_ffn / tp + 2.0 * h + routed_kept)
-    };
+    let selective = 2.0 * (q / tp + h + routed_kept);
     let full_layer = if m.moe_layers == 0 && m.single_norms {
         2.0 * ((2.0 * h + 2.0 * q + 2.0 * kv) / tp + 3.0 * ffn / tp + 2.0 * h)
     } else {

@@ -316,10 +316,18 @@ const MAX_BUDGET_TRIES: usize = 12;
 /// The values `full` (and `selective`, with `also_attention`) keep: those defined
 /// outside the layers, those a later scope reads (a layer's outputs), and for
 /// `selective` attention outputs and collective results.
+///
+/// A layer's outputs are kept whether or not the backward reads them: where it reads
+/// only values computed from them (a norm that casts the residual stream to f32 before
+/// anything else, as gemma2's does in bf16, is read through the cast), a layer's
+/// recompute must still start from its input, not from the previous layer's recompute
+/// (which chained every layer's recompute back to the embedding, all placed before the
+/// last layer's backward: gemma2-9b's `full` kept the peak of `none`). Kept values the
+/// backward and the recomputes do not read die after the forward as before.
 fn layer_keep(g: &Graph, joint: &Joint, also_attention: bool) -> HashSet<Value> {
     let layer_of_node = |n: Node| layer_of(g.node(n).meta.source.as_deref());
     let crossing = crossing_values(g, joint);
-    joint
+    let mut keep: HashSet<Value> = joint
         .saved
         .iter()
         .copied()
@@ -327,12 +335,13 @@ fn layer_keep(g: &Graph, joint: &Joint, also_attention: bool) -> HashSet<Value> 
             let d = g.def(*v);
             let op = &g.node(d).op;
             layer_of_node(d).is_none()
-                || crossing.contains(v)
                 || (also_attention
                     && (matches!(op, Op::Attention { .. } | Op::RingAttention { .. })
                         || op.is_collective()))
         })
-        .collect()
+        .collect();
+    keep.extend(crossing);
+    keep
 }
 
 /// Forward values read by a forward node of another layer (or outside the layers):
