@@ -451,6 +451,40 @@ fn full_checkpointing_recomputes_layer_by_layer_through_a_cast() {
     };
     let (none, full) = (activations("none"), activations("full"));
     assert!(full < 0.6 * none, "full {full} against none {none}");
+    // The recomputed step trains as the stored one on the CPU reference: the fixtures'
+    // HF weights and batch, in bf16, the same losses with every policy.
+    for fixture in ["gemma2", "gemma3"] {
+        let dir = format!("tests/fixtures/{fixture}");
+        let inputs = format!("{dir}/inputs.safetensors");
+        let losses = |checkpoint: &str| -> Vec<f64> {
+            let (code, out, err) = weft(&[
+                "run",
+                &dir,
+                "--inputs",
+                &inputs,
+                "--dtype",
+                "bf16",
+                "--checkpoint",
+                checkpoint,
+                "--offload=false",
+                "--steps",
+                "2",
+                "--json",
+            ]);
+            assert_eq!(code, 0, "{err}");
+            json(&out)["steps"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["loss"].as_f64().unwrap())
+                .collect()
+        };
+        let stored = losses("none");
+        assert_eq!(stored.len(), 2);
+        for policy in ["full", "selective"] {
+            assert_eq!(losses(policy), stored, "{fixture} --checkpoint {policy}");
+        }
+    }
 }
 
 /// A `tried` line's analytic peak within 10% of its compiled one.

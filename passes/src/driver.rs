@@ -239,9 +239,13 @@ pub enum DriverError {
 pub enum NoFitReason {
     #[error(transparent)]
     Device(LowerError),
-    #[error("the plans that fit the device pin more host memory than --host-memory allows: the least, {peak} per rank, against {limit}\nhelp: give more --host-memory, or fewer offloads (--offload, --offload-optimizer, --stream-optimizer-state), or more ranks to shard the state over (dp with --zero)")]
+    #[error("the plans that fit the device pin more host memory than --host-memory allows: the least, {peak} per rank, against {limit}\nhelp: {HOST_MEMORY_HELP}, or more ranks to shard the state over (dp with --zero)")]
     Host { peak: String, limit: String },
 }
+
+/// What to do about a plan over `--host-memory`.
+const HOST_MEMORY_HELP: &str =
+    "give more --host-memory, or fewer offloads (--offload, --offload-optimizer, --stream-optimizer-state)";
 
 impl From<PassError> for DriverError {
     fn from(e: PassError) -> Self {
@@ -358,9 +362,7 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
                         plan::gib(p.memory.host_bytes),
                         plan::gib(h)
                     ),
-                    help: Some(
-                        "give more --host-memory, or fewer offloads (--offload, --offload-optimizer, --stream-optimizer-state)".into(),
-                    ),
+                    help: Some(HOST_MEMORY_HELP.into()),
                 }),
                 _ => Ok(c),
             },
@@ -429,31 +431,29 @@ pub fn compile(req: &Request, sink: &mut dyn Write) -> Result<Compiled, DriverEr
         });
     };
     let analytic = ranked.iter().any(|r| r.analytic.is_some());
-    let why = if fell_back {
-        format!(
-            "the fastest predicted step of the {} that fit {} per rank among {MEMORY_FALLBACK} more option sets compiled least analytic memory first, after the {evaluated} fastest-ranked of {} combinations of the open options ({}) on mesh {} did not fit",
+    let combinations = format!(
+        "{} combinations of the open options ({}) on mesh {}",
+        ranked.len(),
+        open_names(&train.open),
+        mesh_name(&req.mesh),
+    );
+    let limit_text = plan::gib(limit);
+    let why = match (fell_back, analytic) {
+        (true, true) => format!(
+            "the fastest predicted step of the {} that fit {limit_text} per rank among {MEMORY_FALLBACK} more option sets compiled least analytic memory first, after the {evaluated} best-ranked of {combinations} did not fit",
             fits.len(),
-            plan::gib(limit),
-            ranked.len(),
-            open_names(&train.open),
-            mesh_name(&req.mesh),
-        )
-    } else if analytic {
-        format!(
-            "the fastest predicted step of the {} compiled option sets that fit {} per rank; {} combinations of the open options ({}) on mesh {} were ranked by `weft plan`'s analytic model and the best compiled",
+        ),
+        (true, false) => format!(
+            "the fastest predicted step of the {} that fit {limit_text} per rank among {MEMORY_FALLBACK} more of {combinations}, tried cheapest first after the first {evaluated} did not fit (the model has no config for the analytic model)",
             fits.len(),
-            plan::gib(limit),
-            ranked.len(),
-            open_names(&train.open),
-            mesh_name(&req.mesh),
-        )
-    } else {
-        format!(
-            "the first of {} combinations of the open options ({}) that fits {} per rank, tried cheapest first (more ZeRO, then micro-batches, then recomputation, then activation offload, then optimizer offload; the model has no config for the analytic model)",
-            ranked.len(),
-            open_names(&train.open),
-            plan::gib(limit)
-        )
+        ),
+        (false, true) => format!(
+            "the fastest predicted step of the {} compiled option sets that fit {limit_text} per rank; {combinations} were ranked by `weft plan`'s analytic model and the best compiled",
+            fits.len(),
+        ),
+        (false, false) => format!(
+            "the first of {combinations} that fits {limit_text} per rank, tried cheapest first (more ZeRO, then micro-batches, then recomputation, then activation offload, then optimizer offload; the model has no config for the analytic model)",
+        ),
     };
     let options = best.options.clone();
     let mut c = if reuse {

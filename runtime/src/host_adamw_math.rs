@@ -40,6 +40,47 @@ pub struct AdamWSpans {
     pub out_param: HostSpan,
 }
 
+impl AdamWSpans {
+    /// Each span with its name, as errors say it.
+    pub fn named(&self) -> [(&'static str, HostSpan); 8] {
+        [
+            ("master", self.master),
+            ("gradient", self.grad),
+            ("m", self.m),
+            ("v", self.v),
+            ("new master", self.out_master),
+            ("new m", self.out_m),
+            ("new v", self.out_v),
+            ("parameter", self.out_param),
+        ]
+    }
+
+    /// The first span whose dtype the update does not read or write, with what it
+    /// takes there: master weights and moments f32, the gradient and the parameter f32,
+    /// bf16 or f16.
+    pub fn unsupported_dtype(&self) -> Option<(&'static str, DType, &'static str)> {
+        let state = [
+            ("master", self.master),
+            ("m", self.m),
+            ("v", self.v),
+            ("new master", self.out_master),
+            ("new m", self.out_m),
+            ("new v", self.out_v),
+        ];
+        let io = [("gradient", self.grad), ("parameter", self.out_param)];
+        let f32_state = "the host optimizer keeps master weights and moments in f32";
+        state
+            .into_iter()
+            .find(|(_, s)| s.dtype != DType::F32)
+            .map(|(what, s)| (what, s.dtype, f32_state))
+            .or_else(|| {
+                io.into_iter()
+                    .find(|(_, s)| !matches!(s.dtype, DType::F32 | DType::BF16 | DType::F16))
+                    .map(|(what, s)| (what, s.dtype, "f32, bf16 or f16"))
+            })
+    }
+}
+
 /// The update's constants at step `t`, rounded to f32 as the CPU reference rounds them.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWConstants {
@@ -91,8 +132,8 @@ impl AdamWConstants {
 /// Updates elements `lo..hi` of `s`.
 ///
 /// # Safety
-/// Every span of `s` holds at least `hi` elements of its dtype (master, moments and
-/// their outputs f32; gradient and parameter f32, bf16 or f16), is valid for reads
+/// Every span of `s` holds at least `hi` elements of its dtype, which
+/// [`AdamWSpans::unsupported_dtype`] accepts, and is valid for reads
 /// (inputs) or writes (outputs) for the call, and nothing else touches `lo..hi`
 /// meanwhile. An output may be the same memory as an input; outputs do not overlap
 /// each other, and no span overlaps another at a different offset.
@@ -157,6 +198,7 @@ unsafe fn read_float(s: HostSpan, i: usize, out: &mut [f32]) {
             .convert_to_f32_slice(out),
         DType::F16 => std::slice::from_raw_parts((s.ptr as *const half::f16).add(i), n)
             .convert_to_f32_slice(out),
+        // f32: the only other dtype `unsupported_dtype` lets through.
         _ => read_f32(s, i, out),
     }
 }
@@ -171,6 +213,7 @@ unsafe fn write_float(s: HostSpan, i: usize, x: &[f32]) {
             .convert_from_f32_slice(x),
         DType::F16 => std::slice::from_raw_parts_mut((s.ptr as *mut half::f16).add(i), n)
             .convert_from_f32_slice(x),
+        // f32, as in `read_float`.
         _ => write_f32(s, i, x),
     }
 }
@@ -187,6 +230,41 @@ mod tests {
                 (x - 0.5) * scale
             })
             .collect()
+    }
+
+    /// Dtypes the loop does not read are named, span by span; the ones it does pass.
+    #[test]
+    fn unsupported_dtypes_are_named() {
+        let span = |dtype| HostSpan { ptr: 0, dtype };
+        let s = |grad, param, v| AdamWSpans {
+            master: span(DType::F32),
+            grad: span(grad),
+            m: span(DType::F32),
+            v: span(v),
+            out_master: span(DType::F32),
+            out_m: span(DType::F32),
+            out_v: span(DType::F32),
+            out_param: span(param),
+        };
+        for d in [DType::F32, DType::BF16, DType::F16] {
+            assert_eq!(s(d, d, DType::F32).unsupported_dtype(), None);
+        }
+        assert_eq!(
+            s(DType::I64, DType::BF16, DType::F32).unsupported_dtype(),
+            Some(("gradient", DType::I64, "f32, bf16 or f16"))
+        );
+        assert_eq!(
+            s(DType::F32, DType::F64, DType::F32)
+                .unsupported_dtype()
+                .map(|x| x.0),
+            Some("parameter")
+        );
+        assert_eq!(
+            s(DType::F32, DType::F32, DType::BF16)
+                .unsupported_dtype()
+                .map(|x| (x.0, x.1)),
+            Some(("v", DType::BF16))
+        );
     }
 
     /// The element update against candle's f32 ops, the CPU reference's code path.

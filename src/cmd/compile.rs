@@ -140,7 +140,7 @@ pub fn run(a: Args) -> CliResult {
     req.cp_kv = a.train_args.cp_kv()?;
     req.model = super::graph_in_dtype(&model, req.dtype)?;
     (req.device, req.device_memory) = super::device(&a.device, a.device_memory)?;
-    req.host_memory = super::host_memory(a.host_memory)?;
+    req.host_memory = super::gib_limit("--host-memory", a.host_memory)?;
     if a.forward_only {
         a.train_args.refuse_for_forward_only()?;
     } else {

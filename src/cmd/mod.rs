@@ -149,25 +149,16 @@ pub fn device(
     memory_gib: Option<f64>,
 ) -> CliResult<(weft_ir::plan::DeviceProfile, Option<u64>)> {
     let d = weft_passes::plan::profile::load(name).map_err(CliError::input)?;
-    let limit = match memory_gib {
-        None => None,
-        Some(g) if g > 0.0 && g.is_finite() => Some((g * (1u64 << 30) as f64) as u64),
-        Some(g) => {
-            return Err(CliError::input(format!(
-                "invalid --device-memory {g}: must be positive GiB"
-            )))
-        }
-    };
-    Ok((d, limit))
+    Ok((d, gib_limit("--device-memory", memory_gib)?))
 }
 
-/// `--host-memory` in bytes (`None`: no limit).
-pub fn host_memory(gib: Option<f64>) -> CliResult<Option<u64>> {
+/// A memory limit flag given in GiB, in bytes (`None`: not given).
+pub fn gib_limit(flag: &str, gib: Option<f64>) -> CliResult<Option<u64>> {
     match gib {
         None => Ok(None),
         Some(g) if g > 0.0 && g.is_finite() => Ok(Some((g * (1u64 << 30) as f64) as u64)),
         Some(g) => Err(CliError::input(format!(
-            "invalid --host-memory {g}: must be positive GiB"
+            "invalid {flag} {g}: must be positive GiB"
         ))),
     }
 }

@@ -263,9 +263,8 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let (profile, memory) = device_to_plan_for(&a);
     (req.device, req.device_memory) = super::device(&profile, memory)?;
     req.host_memory = match a.host_memory {
-        Some(g) => super::host_memory(Some(g))?,
         None if a.backend == "cuda" => pinnable_host_bytes(),
-        None => None,
+        given => super::gib_limit("--host-memory", given)?,
     };
     if a.forward_only {
         a.train.refuse_for_forward_only()?;

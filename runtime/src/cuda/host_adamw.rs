@@ -79,43 +79,26 @@ impl HostAdamW {
         location: String,
     ) -> CudaResult<HostAdamW> {
         let [master, grad, m, v, out_master, out_m, out_v, out_param] = spans;
-        for (what, s) in [
-            ("master", master),
-            ("m", m),
-            ("v", v),
-            ("new master", out_master),
-            ("new m", out_m),
-            ("new v", out_v),
-        ] {
-            if s.dtype != DType::F32 {
-                return Err(CudaError::unsupported(
-                    format!("a host AdamW {what} in {}", s.dtype),
-                    location.clone(),
-                    "the host optimizer keeps master weights and moments in f32",
-                ));
-            }
-        }
-        for (what, s) in [("gradient", grad), ("parameter", out_param)] {
-            if !matches!(s.dtype, DType::F32 | DType::BF16 | DType::F16) {
-                return Err(CudaError::unsupported(
-                    format!("a host AdamW {what} in {}", s.dtype),
-                    location.clone(),
-                    "f32, bf16 or f16",
-                ));
-            }
+        let spans = AdamWSpans {
+            master,
+            grad,
+            m,
+            v,
+            out_master,
+            out_m,
+            out_v,
+            out_param,
+        };
+        if let Some((what, dtype, takes)) = spans.unsupported_dtype() {
+            return Err(CudaError::unsupported(
+                format!("a host AdamW {what} in {dtype}"),
+                location.clone(),
+                takes,
+            ));
         }
         // The host function dereferences every span: each must be host memory (the
         // plan's pinned `Host` buffers), never a device address.
-        for (what, s) in [
-            ("master", master),
-            ("gradient", grad),
-            ("m", m),
-            ("v", v),
-            ("new master", out_master),
-            ("new m", out_m),
-            ("new v", out_v),
-            ("parameter", out_param),
-        ] {
+        for (what, s) in spans.named() {
             if n > 0 && !is_host_memory(s.ptr) {
                 return Err(CudaError::Plan(format!(
                     "host_adamw at {location}: its {what} is not in host memory (the plan must place a host update's operands and results in its pinned host buffers)"
@@ -134,16 +117,7 @@ impl HostAdamW {
             .unwrap_or(1)
             .clamp(1, 32);
         Ok(HostAdamW {
-            spans: AdamWSpans {
-                master,
-                grad,
-                m,
-                v,
-                out_master,
-                out_m,
-                out_v,
-                out_param,
-            },
+            spans,
             n,
             hyper,
             warmup: None,
