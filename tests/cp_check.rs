@@ -675,6 +675,7 @@ fn peaks(mesh: &str) -> (f64, f64) {
         batch: batch as u64,
         device: req.device.clone(),
         device_memory: req.memory_limit(),
+        host_memory: req.host_memory,
         peak_flops: 989e12,
         grad_outputs: false,
     };

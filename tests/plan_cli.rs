@@ -392,3 +392,88 @@ fn moe_stack_prediction_is_within_ten_percent_of_the_h200_measurement() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--host-memory` bounds the pinned host memory of every candidate the search keeps and
+/// of the plan it compiles: the 1.24B at 16384 tokens under 12 GiB fits only with the
+/// host optimizer, whose state the analytic model prices as the compiled plan pins it;
+/// a host too small for any of them is an input error that names the limit.
+#[test]
+fn host_memory_bounds_what_the_plan_pins() {
+    let dir = tempdir("host-memory");
+    let out = dir.join("best.json");
+    let gib = |v: &serde_json::Value| v.as_u64().unwrap() as f64 / (1u64 << 30) as f64;
+    let base = [
+        "plan",
+        "llama3.2-1b",
+        "--gpus",
+        "1",
+        "--seq",
+        "16384",
+        "--batch",
+        "1",
+        "--device-memory",
+        "12",
+        "--finalists",
+        "1",
+        "--json",
+    ];
+    let (code, text, stderr) = weft(&[&base[..], &["-o", out.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{stderr}");
+    let all = json(&text);
+    let fitting: Vec<_> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["fits"] == true)
+        .collect();
+    assert!(!fitting.is_empty() && fitting.iter().all(|c| c["offload_optimizer"] == true));
+    let unbounded = fitting
+        .iter()
+        .map(|c| gib(&c["memory"]["host"]))
+        .fold(0.0, f64::max);
+    assert!(unbounded > 20.0, "{unbounded}");
+    let plan = json(&std::fs::read_to_string(&out).unwrap());
+    let pinned = gib(&plan["memory"]["host_bytes"]);
+    // The candidate that won: its flags are on the `best:` line.
+    let best = stderr.lines().find(|l| l.starts_with("best: ")).unwrap();
+    let won = fitting
+        .iter()
+        .find(|c| {
+            best.contains(&format!(
+                "--checkpoint {} ",
+                c["checkpoint"].as_str().unwrap()
+            )) && best.contains("--offload --") == (c["offload"] == true)
+        })
+        .unwrap();
+    let priced = gib(&won["memory"]["host"]);
+    assert!((priced / pinned - 1.0).abs() < 0.1, "{priced} vs {pinned}");
+
+    let (code, text, stderr) = weft(
+        &[
+            &base[..],
+            &["--host-memory", "20", "-o", out.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains("20.0 GiB of host memory per GPU"),
+        "{stderr}"
+    );
+    let bounded = json(&text);
+    for c in bounded
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["fits"] == true)
+    {
+        assert!(gib(&c["memory"]["host"]) <= 20.0, "{c}");
+    }
+    let plan = json(&std::fs::read_to_string(&out).unwrap());
+    assert!(gib(&plan["memory"]["host_bytes"]) <= 20.0);
+
+    let (code, _, stderr) = weft(&[&base[..], &["--host-memory", "10"]].concat());
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("within --host-memory 10.0 GiB"), "{stderr}");
+    assert!(stderr.contains("give more --host-memory"), "{stderr}");
+}

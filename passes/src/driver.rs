@@ -611,6 +611,7 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
         batch: batch as u64,
         device: req.device.clone(),
         device_memory: req.memory_limit(),
+        host_memory: req.host_memory,
         peak_flops: crate::search::peak_flops(&req.device),
         grad_outputs: opts.grad_outputs,
     };
@@ -647,7 +648,10 @@ fn analytic(req: &Request, b: &Bindings, opts: &TrainOptions) -> Option<Scored> 
     // The compiled plan decides what fits: an option set the model prices just over the
     // limit is ranked among those that fit (the 1.24B at 16384 without checkpointing,
     // fused loss and streamed state: 24.25 GiB priced, 23.03 planned, under 24 GiB).
-    s.fits = s.memory.total as f64 <= req.memory_limit() as f64 * ANALYTIC_FIT_MARGIN;
+    s.fits = s.memory.total as f64 <= req.memory_limit() as f64 * ANALYTIC_FIT_MARGIN
+        && req
+            .host_memory
+            .is_none_or(|h| s.memory.host as f64 <= h as f64 * ANALYTIC_FIT_MARGIN);
     Some(s)
 }
 
@@ -680,6 +684,9 @@ fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile) 
     let backward = s.time.compute * 2.0 / 3.0;
     let copy = streamed / rate;
     let added = (copy - backward).max(0.0) + d.host_copy_compute_slowdown * copy.min(backward);
+    // The streamed state lives in pinned host memory whether or not it leaves the device
+    // at the peak.
+    s.memory.host += streamed as u64;
     if copy <= backward {
         let on_device = (state - streamed) as u64;
         s.memory.total -= s.memory.optimizer - on_device;
@@ -701,6 +708,7 @@ fn suggest_mesh(req: &Request, b: &Bindings) -> Option<String> {
         batch: batch as u64,
         device: req.device.clone(),
         device_memory: req.memory_limit(),
+        host_memory: req.host_memory,
         peak_flops: crate::search::peak_flops(&req.device),
         grad_outputs: req.train.as_ref().is_some_and(|t| t.options.grad_outputs),
     };

@@ -34,6 +34,11 @@ pub struct Args {
     /// Per-rank device memory the plan must fit, GiB (default the profile's).
     #[arg(long)]
     pub device_memory: Option<f64>,
+    /// Pinned host memory per rank the plan may hold, in GiB: offloaded activations and
+    /// the host optimizer's state (default: no limit). A node's usable RAM divided by
+    /// its GPUs.
+    #[arg(long, value_name = "GIB")]
+    pub host_memory: Option<f64>,
     /// Rows of the table.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
@@ -170,6 +175,7 @@ pub fn evaluate(
     req.seq = Some(spec.seq as i64);
     req.device = spec.device.clone();
     req.device_memory = Some(spec.device_memory);
+    req.host_memory = spec.host_memory;
     req.plan = true;
     req.source = model.name.clone();
     req.cp_kv = c.cp_kv;
@@ -197,7 +203,13 @@ pub fn evaluate(
             peak: e.peak_bytes,
             step_s: f64::INFINITY,
             plan: None,
-            error: Some("does not fit".into()),
+            error: Some(match spec.host_memory {
+                Some(h) if e.peak_bytes <= spec.device_memory && e.host_bytes > h => format!(
+                    "pins {} GiB of host memory, over --host-memory",
+                    gib(e.host_bytes)
+                ),
+                _ => "does not fit".into(),
+            }),
             compile_s: 0.0,
         },
         Err(e) => Compiled::failed(refusal(&e.to_string())),
@@ -274,6 +286,7 @@ fn row(s: &Scored) -> Vec<String> {
         },
         c.micro_batches.to_string(),
         gib(m.total),
+        gib(m.host),
         format!(
             "{}/{}/{}/{}/{}",
             gib(m.params),
@@ -613,6 +626,7 @@ pub fn run(a: Args) -> CliResult {
         seq: a.seq,
         batch,
         device_memory: (mem_gib * (1u64 << 30) as f64) as u64,
+        host_memory: super::gib_limit("--host-memory", a.host_memory)?,
         device,
         peak_flops,
         grad_outputs: false,
@@ -657,7 +671,7 @@ pub fn run(a: Args) -> CliResult {
         print!("{}", super::json(&v));
     }
     eprintln!(
-        "weft plan: {} ({:.2}B params, {:.2}B active) on {} x {} ({} per node), seq {}, batch {} ({} tokens), {:.0} GiB per GPU",
+        "weft plan: {} ({:.2}B params, {:.2}B active) on {} x {} ({} per node), seq {}, batch {} ({} tokens), {:.0} GiB per GPU{}",
         shape.name,
         shape.params() as f64 / 1e9,
         shape.active_params() as f64 / 1e9,
@@ -667,7 +681,10 @@ pub fn run(a: Args) -> CliResult {
         a.seq,
         batch,
         batch * a.seq,
-        mem_gib
+        mem_gib,
+        spec.host_memory
+            .map(|h| format!(", {} GiB of host memory per GPU", gib(h)))
+            .unwrap_or_default()
     );
     eprintln!(
         "searched {} candidates analytically in {:.1} ms: {} fit",
@@ -676,6 +693,21 @@ pub fn run(a: Args) -> CliResult {
         fitting
     );
     if fitting == 0 {
+        // Over the host limit only: the least host memory among those that fit the device.
+        let device_fits = all
+            .iter()
+            .filter(|s| s.memory.total <= spec.device_memory)
+            .min_by_key(|s| s.memory.host);
+        if let (Some(least), Some(h)) = (device_fits, spec.host_memory) {
+            return Err(CliError::input(format!(
+                "no plan fits {mem_gib:.0} GiB per GPU within --host-memory {} GiB: the plans that fit the device pin at least {} GiB of host memory per GPU ({} {})",
+                gib(h),
+                gib(least.memory.host),
+                least.candidate.mesh(),
+                least.candidate.flags(),
+            ))
+            .with_help("give more --host-memory, use more GPUs, a shorter --seq or a smaller --batch"));
+        }
         let least = &all[0];
         return Err(CliError::input(format!(
             "no plan fits {mem_gib:.0} GiB per GPU: the smallest, {} {}, needs {} GiB",
@@ -692,6 +724,7 @@ pub fn run(a: Args) -> CliResult {
         "offload",
         "micro",
         "peak GiB",
+        "host GiB",
         "params/grads/optim/act/tmp",
         "step s",
         "tok/s/GPU",
@@ -919,6 +952,7 @@ mod tests {
             seq: 32768,
             batch: 16,
             device_memory: 80 << 30,
+            host_memory: None,
             peak_flops: search::peak_flops(&device),
             device,
             grad_outputs: false,

@@ -161,6 +161,9 @@ pub struct SearchSpec {
     pub device: DeviceProfile,
     /// Per-rank memory the plan must fit, bytes.
     pub device_memory: u64,
+    /// Per-rank pinned host memory the plan may hold (`--host-memory`), bytes; `None`
+    /// leaves the host unbounded.
+    pub host_memory: Option<u64>,
     /// Datasheet dense bf16 peak per GPU for MFU, FLOP/s.
     pub peak_flops: f64,
     /// The step returns its parameter gradients (`--keep-grads`, `weft check`): they
@@ -274,7 +277,11 @@ pub struct MemoryBreakdown {
     pub optimizer: u64,
     pub activations: u64,
     pub transient: u64,
+    /// Device bytes: the sum of the above.
     pub total: u64,
+    /// Pinned host bytes (not in `total`): offloaded activations, and with optimizer
+    /// offload the master weights, moments and the gradient and parameter chunks.
+    pub host: u64,
 }
 
 /// Predicted step of a candidate, seconds.
@@ -707,6 +714,26 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         0.0
     };
     let transient = logits + buckets + gathered;
+    // Pinned host memory. Optimizer offload: master weights and moments, and a chunk of
+    // each gradient and parameter in their dtype (the 1.24B in bf16: 16 bytes a
+    // parameter, 18.4 GiB planned). Activation offload: what leaves the device, one
+    // micro-batch's worth (the host buffers are reused): every layer's saved values but
+    // the last's under `none` and `full`, under selective what the link carries of what
+    // it would recompute.
+    let host_optimizer = if c.offload_optimizer {
+        (opt_per_param + 2.0 * pb) * (z1(dense, zd) + z1(expert, ze))
+    } else {
+        0.0
+    };
+    let host_activations = match (c.offload, c.checkpoint) {
+        (false, _) => 0.0,
+        (true, "selective") => {
+            let recomputed = tokens * (full_layer - saved_per_layer).max(0.0);
+            let carried = d.host_gbps * 1e9 * forward_layer / c.micro_batches as f64;
+            recomputed.min(carried) * (layers - kept_layers)
+        }
+        _ => tokens * saved_per_layer * (layers - kept_layers),
+    };
     let memory = MemoryBreakdown {
         params: params as u64,
         grads: grads as u64,
@@ -714,6 +741,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         activations: activations as u64,
         transient: transient as u64,
         total: (params + grads + optimizer + activations + transient) as u64,
+        host: (host_optimizer + host_activations) as u64,
     };
     // Compute.
     let all_tokens = s.batch as f64 * s.seq as f64;
@@ -920,7 +948,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         mfu: model_flops / (step * world * s.peak_flops),
     };
     Scored {
-        fits: memory.total <= s.device_memory,
+        fits: memory.total <= s.device_memory && s.host_memory.is_none_or(|h| memory.host <= h),
         candidate: c.clone(),
         memory,
         time,
@@ -1035,6 +1063,7 @@ mod tests {
             batch,
             device: crate::plan::profile::preset("h100").unwrap(),
             device_memory: 80 << 30,
+            host_memory: None,
             peak_flops: 989e12,
             grad_outputs: false,
         }
