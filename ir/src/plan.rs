@@ -117,6 +117,17 @@ pub const MAX_BATCH: i64 = 1 << 24;
 pub const MAX_STREAMS: usize = 64;
 
 impl DeviceProfile {
+    /// Bytes a second one direction of the host link moves while the other is busy: its
+    /// share of `host_duplex_gbps`, at most `host_gbps` (all of it where the profile
+    /// gives no duplex rate).
+    pub fn host_bytes_per_s_beside_other_direction(&self) -> f64 {
+        let alone = self.host_gbps * 1e9;
+        if self.host_duplex_gbps > 0.0 {
+            (self.host_duplex_gbps * 1e9 / 2.0).min(alone)
+        } else {
+            alone
+        }
+    }
     /// Every rate and size positive and finite, latencies and overheads non-negative
     /// and finite, at least one GPU per node: a cost model divides by these.
     pub fn validate(&self) -> Result<(), String> {

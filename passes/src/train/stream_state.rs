@@ -3,16 +3,21 @@
 //! the new state back with an `offload`, both placed with the parameter's update deep
 //! in the backward. Left there, each update would wait for the host link. Here, on the
 //! plan's cost model (compute time per node on the options' device profile, the host
-//! link at the profile's rate, one copy at a time per direction):
-//! - the host-to-device copies (the activations' reloads and the states') are laid out
-//!   as late as their readers allow, latest deadline first, on the one in-order stream;
-//!   each update's state reloads then move to after the last compute node that ends
-//!   before their slot, which becomes their `after` operand (so the device holds a state
-//!   only from its prefetch to its update);
-//! - the device-to-host copies of new states run as soon as their updates end; the
-//!   states whose copies would still be running when the compute ends (the last
-//!   updates: a tied embedding's, whose gradient is final last) stay on the device
-//!   instead, as unstreamed state.
+//! link at the profile's one-direction rate plus a launch per copy, one copy at a time
+//! per direction):
+//! - device to host: the new states leave as their updates end; the last updates whose
+//!   copies would still be running when the compute ends (a tied embedding's, whose
+//!   gradient is final last) keep their state on the device;
+//! - host to device: the state copies are packed latest update first, each ending by
+//!   its update and by the next one's start; those that would have to start before the
+//!   backward (where they would sit over the peak) keep their state on the device, and
+//!   leave their link time to earlier updates. Then, earliest update first, each
+//!   update's reloads go after the latest compute node from which the stream, with the
+//!   copies queued before (the activations' reloads stay where they are), brings them
+//!   in by the update without making a copy queued behind them late; an update for
+//!   which there is none keeps its state on the device. So where the link cannot carry
+//!   the whole state inside the backward, it carries what it can and no update waits.
+//! - The host params go first in the program (they hold no device memory).
 
 use crate::memory::bytes;
 use crate::offload::compute_seconds;
@@ -36,9 +41,12 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
         return out;
     }
     // At one direction's rate: the plan's simulation then slows what overlaps the other
-    // direction (placing every copy at the shared rate moved prefetches into the
-    // forward, where they raised the peak for no time gained).
+    // direction. Planning at the shared rate streamed less for little time: Llama-3-8B
+    // at 8192 with bf16 state, 65.5 GiB and 710 ms against 61.9 GiB and 743 ms; the
+    // 1.24B at 16384 on the h100 profile, 24.1 GiB against 23.0 at the same step.
     let link = d.host_gbps * 1e9;
+    // Each copy's launch, as the plan's cost model prices it.
+    let per_copy = d.kernel_overhead_us * 1e-6;
     let order = g.nodes().to_vec();
     let pos: HashMap<Node, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     // Compute-stream start time of each position, and when the compute ends.
@@ -64,7 +72,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
         .iter()
         .map(|(&u, rs)| {
             let by: u64 = rs.iter().map(|&r| bytes(g, g.node(r).results[0], b)).sum();
-            (u, by as f64 / link)
+            (u, by as f64 / link + rs.len() as f64 * per_copy)
         })
         .collect();
 
@@ -101,14 +109,18 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
     // the latest compute node from which the stream, with every copy queued before,
     // still brings them in by the update.
     let streamed: HashSet<Node> = by_update.values().flatten().copied().collect();
-    // Queued copies: (program position, issue time, seconds). A copy at position k is
-    // issued when the node before it ends (start[k]); a state copy anchored after the
-    // node at k (position k + 0.5) when that node ends (start[k + 1]).
-    let mut queue: Vec<(f64, f64, f64)> = Vec::new();
+    // Queued copies: (program position, issue time, seconds, deadline). A copy at
+    // position k is issued when the node before it ends (start[k]); a state copy anchored
+    // after the node at k (position k + 0.5) when that node ends (start[k + 1]). Its
+    // deadline is when its first reader starts.
+    let mut queue: Vec<(f64, f64, f64, f64)> = Vec::new();
     for (k, &n) in order.iter().enumerate() {
         let Some(nd) = g.try_node(n) else { continue };
         if matches!(nd.op, Op::Reload { .. }) && !streamed.contains(&n) {
-            queue.push((k as f64, start[k], bytes(g, nd.results[0], b) as f64 / link));
+            let v = nd.results[0];
+            let deadline = first_use(v).map_or(end, |p| start[p]);
+            let secs = bytes(g, v, b) as f64 / link + per_copy;
+            queue.push((k as f64, start[k], secs, deadline));
         }
     }
     // Never before the backward: a state brought in during the forward would sit on the
@@ -128,45 +140,103 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
                     )
             })
     };
+    // Latest deadline first, the state copies packed as late as their updates allow on
+    // one link: each ends by its update and by the start of the next one's. What would
+    // have to start before the backward's first node stays on the device (the updates
+    // nearest the backward's start, over the peak anyway); dropping it leaves its slot
+    // to earlier updates. Issuing each copy just in time instead, earliest update first,
+    // left the link idle while small states waited for their slot and then had no room
+    // for the large ones (the 1.24B's f32 state at 16384: 3 of 14 GiB streamed).
+    let backward_start = (0..order.len())
+        .find(|&k| anchor_ok(g, order[k]))
+        .map_or(end, |k| start[k + 1]);
+    let mut latest_issue: HashMap<usize, f64> = HashMap::new();
+    let mut next_start = end;
+    for (&u, _) in by_update.iter().rev() {
+        let issue = start[u].min(next_start) - secs[&u];
+        if issue >= backward_start {
+            latest_issue.insert(u, issue);
+            next_start = issue;
+        }
+    }
     let mut after: HashMap<Node, Vec<Node>> = HashMap::new();
     let mut moved: HashSet<Node> = HashSet::new();
+    let mut last_anchor = 0;
+    let mut host_params: Vec<Node> = Vec::new();
     for (&u, rs) in &by_update {
+        let Some(&issue_by) = latest_issue.get(&u) else {
+            for &r in rs {
+                unstream(g, r);
+                out.kept_on_device += 1;
+            }
+            continue;
+        };
         let first = rs
             .iter()
             .map(|r| pos[r])
             .min()
             .expect("a group has a reload");
+        // Not before what the reloads read or wait for, but a param (which moves with
+        // them).
+        let floor = rs
+            .iter()
+            .flat_map(|&r| g.node(r).operands.iter())
+            .map(|&v| g.def(v))
+            .filter(|&d| !matches!(g.node(d).op, Op::Param { .. }))
+            .map(|d| pos[&d] + 1)
+            .max()
+            .unwrap_or(0)
+            .max(last_anchor);
         let dur = secs[&u];
         queue.sort_by(|a, b| a.0.total_cmp(&b.0));
         // free[i]: when the stream is free after the first i queued copies.
         let mut free = vec![0.0f64; queue.len() + 1];
-        for (i, &(_, issued, secs)) in queue.iter().enumerate() {
+        for (i, &(_, issued, secs, _)) in queue.iter().enumerate() {
             free[i + 1] = free[i].max(issued) + secs;
         }
         let mut chosen = None;
-        let mut fallback = None;
-        for k in (0..first).rev() {
-            if !anchor_ok(g, order[k]) {
+        for k in (floor..first).rev() {
+            if start[k + 1] > issue_by || !anchor_ok(g, order[k]) {
                 continue;
             }
-            fallback.get_or_insert(k);
-            let before = queue.partition_point(|&(p, _, _)| p < k as f64 + 0.5);
+            let before = queue.partition_point(|&(p, ..)| p <= k as f64 + 0.5);
             if free[before].max(start[k + 1]) + dur <= start[u] {
-                chosen = Some(k);
+                chosen = Some((k, before));
                 break;
             }
         }
-        let Some(k) = chosen.or(fallback) else {
+        // Nor may it make a copy queued behind it late that was not (an activation's
+        // reload above all: its reader would wait).
+        if let Some((k, before)) = chosen {
+            let mut t = free[before].max(start[k + 1]) + dur;
+            for (i, &(_, issued, secs, deadline)) in queue.iter().enumerate().skip(before) {
+                t = t.max(issued) + secs;
+                if t > deadline.max(free[i + 1]) + 1e-9 {
+                    chosen = None;
+                    break;
+                }
+            }
+        }
+        // A state the link cannot bring in by its update, from any point of the backward,
+        // stays on the device: brought in late it would stall the update, and the later
+        // updates' states would queue behind it until every copy was issued at the
+        // backward's start, over the peak.
+        let Some((k, _)) = chosen else {
+            for &r in rs {
+                unstream(g, r);
+                out.kept_on_device += 1;
+            }
             continue;
         };
-        queue.push((k as f64 + 0.5, start[k + 1], dur));
+        last_anchor = k;
+        queue.push((k as f64 + 0.5, start[k + 1], dur, start[u]));
         let a = order[k];
         let dep = g.node(a).results[0];
         let list = after.entry(a).or_default();
         for &r in rs {
             let param = g.def(g.node(r).operands[0]);
             if matches!(g.node(param).op, Op::Param { .. }) && moved.insert(param) {
-                list.push(param);
+                host_params.push(param);
             }
             g.node_mut(r).operands.push(dep);
             list.push(r);
@@ -174,7 +244,10 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
             out.prefetched += 1;
         }
     }
-    let mut new = Vec::with_capacity(order.len());
+    // The host state params go first (they hold no device memory), so that a later pass
+    // moving a reload with its anchor (`fuse` replacing the anchor) keeps it after them.
+    let mut new = host_params;
+    new.reserve(order.len());
     for &n in &order {
         if moved.contains(&n) {
             continue;

@@ -245,11 +245,7 @@ pub fn copy_time(bytes: f64, d: &DeviceProfile) -> f64 {
 /// rest at `host_gbps`.
 pub fn copy_time_beside(bytes: f64, overlap_s: f64, d: &DeviceProfile) -> f64 {
     let alone = d.host_gbps * 1e9;
-    let shared = if d.host_duplex_gbps > 0.0 {
-        (d.host_duplex_gbps * 1e9 / 2.0).min(alone)
-    } else {
-        alone
-    };
+    let shared = d.host_bytes_per_s_beside_other_direction();
     let during = bytes.min(overlap_s.max(0.0) * shared);
     during / shared + (bytes - during) / alone + d.kernel_overhead_us * 1e-6
 }
