@@ -125,9 +125,15 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
     }
     // Never before the backward: a state brought in during the forward would sit on the
     // device over the step's peak (its start), which is what streaming saves.
+    // With micro-batches, not before the last one's forward either: a state brought in
+    // during an earlier micro-batch's backward would sit over the last forward.
     let forward = crate::memory::Joint::of(g).forward;
+    let last_forward = order
+        .iter()
+        .rposition(|n| forward.contains(n))
+        .map_or(0, |k| k + 1);
     let anchor_ok = |g: &Graph, n: Node| {
-        !forward.contains(&n)
+        pos[&n] >= last_forward
             && g.try_node(n).is_some_and(|nd| {
                 !nd.results.is_empty()
                     && !nd.op.is_collective()
@@ -147,7 +153,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
     // to earlier updates. Issuing each copy just in time instead, earliest update first,
     // left the link idle while small states waited for their slot and then had no room
     // for the large ones (the 1.24B's f32 state at 16384: 3 of 14 GiB streamed).
-    let backward_start = (0..order.len())
+    let backward_start = (last_forward..order.len())
         .find(|&k| anchor_ok(g, order[k]))
         .map_or(end, |k| start[k + 1]);
     let mut latest_issue: HashMap<usize, f64> = HashMap::new();
