@@ -334,6 +334,53 @@ fn updates_that_wait_for_their_reduction_move_and_match() {
     check("llama", &[("dp=4", 0, 1), ("dp=4", 2, 1), ("dp=4", 3, 1)]);
 }
 
+/// With micro-batches each gradient is the sum of the micro-batches' contributions;
+/// `autodiff` places each sum right after its last contribution, so the gradient
+/// reductions overlap the last micro-batch's backward and the updates run inside it
+/// (they all came after it), and the steps still match the one-rank step.
+#[test]
+fn micro_batched_gradients_reduce_and_update_inside_the_last_backward() {
+    let (graph, _, _) = load_fixture("llama");
+    for zero in [0, 1, 2] {
+        let (g, _) = training_step(&graph, "dp=2", &opts(zero, 2)).unwrap();
+        let order = g.nodes();
+        let last_backward = order
+            .iter()
+            .rposition(|&n| g.node(n).meta.micro_batch == Some(1))
+            .unwrap();
+        let made_by = |n: weft_ir::Node, pass: &str| {
+            g.node(n)
+                .meta
+                .provenance
+                .as_ref()
+                .is_some_and(|p| p.pass == pass)
+        };
+        let inside = |pass: &str, collective: bool| {
+            order[..last_backward]
+                .iter()
+                .filter(|&&n| made_by(n, pass) && g.node(n).op.is_collective() == collective)
+                .count()
+        };
+        assert!(
+            inside("grad-sync", true) > 0,
+            "zero {zero}: no reduction inside"
+        );
+        let updates = order
+            .iter()
+            .filter(|&&n| matches!(g.node(n).op, weft_ir::Op::AdamW { .. }))
+            .count();
+        let updates_inside = order[..last_backward]
+            .iter()
+            .filter(|&&n| matches!(g.node(n).op, weft_ir::Op::AdamW { .. }))
+            .count();
+        assert!(
+            updates_inside * 2 > updates,
+            "zero {zero}: {updates_inside} of {updates} updates inside"
+        );
+    }
+    check("llama", &[("dp=2", 0, 2), ("dp=2", 1, 2), ("dp=2", 2, 2)]);
+}
+
 /// Held within a bound on the reduced gradients they keep alive
 /// (`DeferUpdates::Within`, what the driver uses where moving every update does not fit
 /// the device), fewer updates move, the bound holds, and the steps still match.
