@@ -14,6 +14,8 @@
 #           16384 with f32 master weights, Llama-3-8B at 8192 with --torch-adamw under
 #           selective checkpointing, each with and without streaming, and Llama-3-8B with
 #           f32 master weights at B=2 as the planner chooses it on an 80 GiB card
+#   mb      --check on tiny models with micro-batches (the gradient sums now inside the
+#           last backward)
 #   OUT=$OUT bash bench/sessions/session25_gpu_call.sh
 PHASES=${PHASES:-"b8 bench torch choice prof8 b8c"}
 source bench/gpu_env.sh
@@ -47,6 +49,11 @@ if has stream; then
     echo "== 8b 8192 torch-adamw selective stream=$st: $(timeout 130 ./.gpu/weft run llama3-8b --backend cuda --dtype bf16 --batch 1 --seq 8192 --steps 4 --torch-adamw --checkpoint selective $fixed --stream-optimizer-state=$st 2>&1 | grep -E '^plan|^mean|error' | cut -c1-200 | tr '\n' ' ')"
   done
   echo "== 8b 8192 B=2 master, chosen: $(timeout 170 ./.gpu/weft run llama3-8b --backend cuda --dtype bf16 --batch 2 --seq 8192 --steps 3 2>&1 | grep -E '^note: chose|^plan|^mean|error' | cut -c1-220 | tr '\n' ' ')"
+fi
+if has mb; then
+  for m in "llama-tiny --batch 2" "llama-tiny --dtype bf16 --batch 2" "mixtral-tiny --batch 2"; do
+    echo "== check $m --micro-batches 2: $(timeout 120 ./.gpu/weft run $m --backend cuda --steps 8 --check 8 --micro-batches 2 2>&1 | grep -iE 'check|error' | tail -2 | cut -c1-200 | tr '\n' ' ')"
+  done
 fi
 if has b8c; then
   clocks_on t8bc; echo "== torch compile 8b 8192: $(timeout ${COMPILE_TIMEOUT:-260} $PY bench/torch_llama_step.py --config frontends/presets/llama3-8b.json --seq 8192 --steps 5 --compile 2>&1 | tail -1 | cut -c1-300)"; clocks_off t8bc
