@@ -851,14 +851,7 @@ fn link_bound_streamed_state_keeps_the_rest_on_the_device() {
     streamed.stream_optimizer_state = true;
     let (gd, _) = training_step(&graph, "", &device).unwrap();
     let (gs, report) = training_step(&graph, "", &streamed).unwrap();
-    let counter = |k: &str| {
-        report
-            .passes
-            .iter()
-            .find(|p| p.pass == "optimizer")
-            .and_then(|p| p.counters.get(k).copied())
-            .unwrap_or(0)
-    };
+    let counter = |k: &str| report.counter(k);
     let (states, kept) = (counter("state_tensors"), counter("states_kept_on_device"));
     assert!(kept > 0 && kept < states, "{kept} of {states} kept");
     assert_eq!(counter("prefetched_states") + kept, states);
