@@ -97,10 +97,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
         }
     }
     for u in &keep {
-        for &r in &by_update[u] {
-            unstream(g, r);
-            out.kept_on_device += 1;
-        }
+        keep_on_device(g, &by_update[u], &mut out);
     }
     by_update.retain(|u, _| !keep.contains(u));
 
@@ -171,10 +168,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
     let mut host_params: Vec<Node> = Vec::new();
     for (&u, rs) in &by_update {
         let Some(&issue_by) = latest_issue.get(&u) else {
-            for &r in rs {
-                unstream(g, r);
-                out.kept_on_device += 1;
-            }
+            keep_on_device(g, rs, &mut out);
             continue;
         };
         let first = rs
@@ -201,8 +195,10 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
             free[i + 1] = free[i].max(issued) + secs;
         }
         let mut chosen = None;
-        for k in (floor..first).rev() {
-            if start[k + 1] > issue_by || !anchor_ok(g, order[k]) {
+        // The latest anchors whose end is by `issue_by` (`start` does not decrease).
+        let upto = first.min(start.partition_point(|&t| t <= issue_by).saturating_sub(1));
+        for k in (floor..upto).rev() {
+            if !anchor_ok(g, order[k]) {
                 continue;
             }
             let before = queue.partition_point(|&(p, ..)| p <= k as f64 + 0.5);
@@ -228,10 +224,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
         // updates' states would queue behind it until every copy was issued at the
         // backward's start, over the peak.
         let Some((k, _)) = chosen else {
-            for &r in rs {
-                unstream(g, r);
-                out.kept_on_device += 1;
-            }
+            keep_on_device(g, rs, &mut out);
             continue;
         };
         last_anchor = k;
@@ -267,6 +260,14 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
     new.retain(|n| g.try_node(*n).is_some());
     g.set_order(new);
     out
+}
+
+/// Keeps the states of one update (its `reloads`) on the device.
+fn keep_on_device(g: &mut Graph, reloads: &[Node], out: &mut Scheduled) {
+    for &r in reloads {
+        unstream(g, r);
+        out.kept_on_device += 1;
+    }
 }
 
 /// Keeps the state `reload` reads on the device: its readers read the param, and the
