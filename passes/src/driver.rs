@@ -663,8 +663,8 @@ const ANALYTIC_FIT_MARGIN: f64 = 1.1;
 /// enumerate), as the `optimizer` pass and `stream_state` schedule it. The state but for
 /// what the last updates keep (the embedding's and the lm_head's rows, whose gradients
 /// are final last) and a layer's in flight may make a round trip over the host link,
-/// each direction at its share of the duplex rate, during the backward (about two
-/// thirds of the compute); compute beside the copies slows by the profile's fraction.
+/// each direction at its share of the duplex rate, during the last micro-batch's
+/// backward (about two thirds of its compute); compute beside the copies slows by the profile's fraction.
 /// Where the link keeps up, all of it leaves the device. Where it does not, the schedule
 /// streams only the states it can bring in by their updates and keeps the rest on the
 /// device, so nothing stalls and part is saved: [`LINK_BOUND_SHARE`] of what the link
@@ -676,7 +676,8 @@ fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile) 
     let kept = (vocab_rows / params + 2.0 / shape.layers.max(1) as f64).min(1.0);
     let streamed = state * (1.0 - kept);
     let rate = d.host_bytes_per_s_beside_other_direction();
-    let backward = s.time.compute * 2.0 / 3.0;
+    // The updates run in the last micro-batch's backward.
+    let backward = s.time.compute * 2.0 / 3.0 / s.candidate.micro_batches.max(1) as f64;
     let carried = if streamed <= rate * backward {
         streamed
     } else {
