@@ -345,12 +345,12 @@ fn differentiate(g: &mut Graph, res: &mut PassResult) -> Result<Vec<Node>, PassE
 /// Moves the nodes that finish the parameters' gradients (`finishing`, made at the
 /// program's end: the sums of a parameter's contributions; their reductions over its
 /// replicas, and what reads those, stay) to right after their operands, in the order
-/// they were made. With micro-batches each gradient
-/// is the sum of every micro-batch's contribution; left at the end, every gradient
-/// looked final only after the last backward, so `grad-sync` reduced them all after
-/// it (none overlapped) and `optimizer` placed every update after it (Llama-3-8B on
-/// dp=8 with 2 micro-batches: 27 buckets after the backward, 120 ms of communication
-/// not hidden against 62 ms with one). Zeros for unused parameters stay at the end.
+/// they were made. With micro-batches each gradient is the sum of every micro-batch's
+/// contribution; left at the end, every gradient looked final only after the last
+/// backward, so `grad-sync` reduced them all after it (none overlapped) and `optimizer`
+/// placed every update after it (Llama-3-8B on dp=8 with 2 micro-batches: 27 buckets
+/// after the backward, 120 ms of communication not hidden against 62 ms with one).
+/// Zeros for unused parameters stay at the end.
 fn hoist_param_gradients(g: &mut Graph, finishing: &[Node]) {
     if finishing.is_empty() {
         return;
