@@ -923,7 +923,14 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     };
     comm += overlapped + after_updates;
     let backward = compute * 2.0 / 3.0;
-    let hide = if c.zero >= 3 { compute } else { backward };
+    // What hides the reductions: at stage 3 the whole step (gathers and reductions run
+    // beside every layer); at stage 2 each micro-batch's backward (its reduce_scatter);
+    // below it the last micro-batch's backward, where the gradients are final.
+    let hide = match c.zero {
+        3.. => compute,
+        2 => backward,
+        _ => backward / mb,
+    };
     exposed += (overlapped - 0.9 * hide).max(0.0)
         + after_updates
         + group_time(bucket.min(g)) * (zd > 1.0) as u8 as f64;
@@ -1399,6 +1406,33 @@ mod tests {
     }
 
     /// The 1.24B Llama-3-style model (`llama3.2-1b`).
+    /// Below ZeRO-3 the gradients are final, and their reductions run, only in the last
+    /// micro-batch's backward: with more micro-batches less of the backward hides them
+    /// (at stage 2 each micro-batch reduce-scatters in its own backward).
+    #[test]
+    fn reductions_hide_under_the_last_micro_batch_only() {
+        let m = llama8b();
+        // 64 GPUs over 8 nodes, short sequences: the gradient traffic rivals the backward.
+        let spec = h100_spec(64, 1024, 256);
+        let exposed = |zero: u8, micro: u32| {
+            let c = Candidate {
+                dp: 64,
+                zero,
+                micro_batches: micro,
+                ..Default::default()
+            };
+            let s = score(&m, &spec, &c);
+            s.time.exposed_comm
+        };
+        assert!(
+            exposed(0, 4) > exposed(0, 1),
+            "{} vs {}",
+            exposed(0, 4),
+            exposed(0, 1)
+        );
+        assert!(exposed(1, 4) > exposed(1, 1));
+    }
+
     fn llama1b() -> ModelShape {
         ModelShape {
             name: "llama3.2-1b".into(),
