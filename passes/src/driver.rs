@@ -664,8 +664,8 @@ const ANALYTIC_FIT_MARGIN: f64 = 1.1;
 /// what the last updates keep (the embedding's and the lm_head's rows, whose gradients
 /// are final last) and a layer's in flight may make a round trip over the host link,
 /// each direction at its share of the duplex rate, during the last micro-batch's
-/// backward (about two thirds of its compute); compute beside the copies slows by the profile's fraction.
-/// Where the link keeps up, all of it leaves the device. Where it does not, the schedule
+/// backward (about two thirds of its compute); compute beside the copies slows by the
+/// profile's fraction. Where the link keeps up, all of it leaves the device. Where it does not, the schedule
 /// streams only the states it can bring in by their updates and keeps the rest on the
 /// device, so nothing stalls and part is saved: [`LINK_BOUND_SHARE`] of what the link
 /// carries in the backward.
@@ -685,7 +685,7 @@ fn stream_state_estimate(s: &mut Scored, shape: &ModelShape, d: &DeviceProfile) 
     };
     let added = d.host_copy_compute_slowdown * carried / rate;
     s.memory.host += carried as u64;
-    let on_device = (state - carried) as u64;
+    let on_device = ((state - carried) as u64).min(s.memory.optimizer);
     s.memory.total -= s.memory.optimizer - on_device;
     s.memory.optimizer = on_device;
     s.time.step += added;

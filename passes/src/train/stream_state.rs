@@ -44,9 +44,10 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
     // direction. Planning at the shared rate streamed less for little time: Llama-3-8B
     // at 8192 with bf16 state, 65.5 GiB and 710 ms against 61.9 GiB and 743 ms; the
     // 1.24B at 16384 on the h100 profile, 24.1 GiB against 23.0 at the same step.
-    let link = d.host_gbps * 1e9;
-    // Each copy's launch, as the plan's cost model prices it.
-    let per_copy = d.kernel_overhead_us * 1e-6;
+    // A copy's time as the plan's cost model prices one alone on the link (its launch
+    // included).
+    let copy_secs =
+        |g: &Graph, v: Value| crate::plan::cost::copy_time_beside(bytes(g, v, b) as f64, 0.0, d);
     let order = g.nodes().to_vec();
     let pos: HashMap<Node, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     // Compute-stream start time of each position, and when the compute ends.
@@ -71,8 +72,10 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
     let secs: BTreeMap<usize, f64> = by_update
         .iter()
         .map(|(&u, rs)| {
-            let by: u64 = rs.iter().map(|&r| bytes(g, g.node(r).results[0], b)).sum();
-            (u, by as f64 / link + rs.len() as f64 * per_copy)
+            (
+                u,
+                rs.iter().map(|&r| copy_secs(g, g.node(r).results[0])).sum(),
+            )
         })
         .collect();
 
@@ -116,8 +119,7 @@ pub fn schedule(g: &mut Graph, reloads: &[Node], b: &Bindings, d: &DeviceProfile
         if matches!(nd.op, Op::Reload { .. }) && !streamed.contains(&n) {
             let v = nd.results[0];
             let deadline = first_use(v).map_or(end, |p| start[p]);
-            let secs = bytes(g, v, b) as f64 / link + per_copy;
-            queue.push((k as f64, start[k], secs, deadline));
+            queue.push((k as f64, start[k], copy_secs(g, v), deadline));
         }
     }
     // Never before the backward: a state brought in during the forward would sit on the
