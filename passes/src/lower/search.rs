@@ -682,9 +682,10 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
     // until its copy is done), so the backlog grows by the excess every layer (the
     // 1.24B at 16384 on an H100: 1.2 GB a layer made in 5 ms, 0.3 GB carried). Selective
     // + offload sends only what the link carries in time (`checkpoint::host`).
+    // What the host link carries during one layer's forward, per micro-batch.
+    let carried_per_layer = d.host_gbps * 1e9 * forward_layer / c.micro_batches as f64;
     let backlog = if c.offload && c.checkpoint != "selective" {
-        let carried = d.host_gbps * 1e9 * forward_layer / c.micro_batches as f64;
-        (tokens * saved_per_layer - carried).max(0.0) * (layers - kept_layers)
+        (tokens * saved_per_layer - carried_per_layer).max(0.0) * (layers - kept_layers)
     } else {
         0.0
     };
@@ -729,8 +730,7 @@ pub fn score(m: &ModelShape, s: &SearchSpec, c: &Candidate) -> Scored {
         (false, _) => 0.0,
         (true, "selective") => {
             let recomputed = tokens * (full_layer - saved_per_layer).max(0.0);
-            let carried = d.host_gbps * 1e9 * forward_layer / c.micro_batches as f64;
-            recomputed.min(carried) * (layers - kept_layers)
+            recomputed.min(carried_per_layer) * (layers - kept_layers)
         }
         _ => tokens * saved_per_layer * (layers - kept_layers),
     };
