@@ -477,3 +477,106 @@ fn host_memory_bounds_what_the_plan_pins() {
     assert!(stderr.contains("within --host-memory 10.0 GiB"), "{stderr}");
     assert!(stderr.contains("give more --host-memory"), "{stderr}");
 }
+
+/// `weft compile llama-tiny` on `mesh` with ZeRO stage `zero` and the given extra
+/// flags: the plan.
+fn tiny_plan(name: &str, mesh: &str, zero: &str, extra: &[&str]) -> serde_json::Value {
+    let out = tempdir(name).join("plan.json");
+    let mut args = vec![
+        "compile",
+        "llama-tiny",
+        "--mesh",
+        mesh,
+        "--seq",
+        "64",
+        "--zero",
+        zero,
+        "--checkpoint",
+        "none",
+        "--micro-batches",
+        "1",
+        "--offload=false",
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let (code, _, stderr) = weft(&args);
+    assert_eq!(code, 0, "{stderr}");
+    json(&std::fs::read_to_string(&out).unwrap())
+}
+
+#[test]
+fn update_stream_runs_each_update_beside_the_compute_after_it() {
+    let base = tiny_plan("updates-inline", "dp=2", "1", &[]);
+    let side = tiny_plan("updates-side", "dp=2", "1", &["--update-stream"]);
+    let streams = side["streams"].as_array().unwrap();
+    assert_eq!(streams.last().unwrap()["kind"], "update");
+    assert_eq!(base["streams"].as_array().unwrap().len(), 4);
+    let ins = side["instructions"].as_array().unwrap();
+    let is_update = |i: &serde_json::Value| {
+        ["adamw", "adamw_master", "sgd"].contains(&i["op"].as_str().unwrap())
+    };
+    let updates: Vec<&serde_json::Value> = ins.iter().filter(|i| is_update(i)).collect();
+    assert!(!updates.is_empty());
+    for i in ins {
+        assert_eq!(i["stream"] == 4, is_update(i), "{}", i["op"]);
+    }
+    // Each update waits for the compute instruction right before it in the program, so
+    // every earlier read of the parameter it overwrites in place is done.
+    for u in &updates {
+        let id = u["id"].as_u64().unwrap() as usize;
+        let prev = ins[..id].iter().rev().find(|i| i["stream"] == 0).unwrap();
+        let e = prev["signal"]
+            .as_u64()
+            .expect("the compute instruction signals");
+        let waits: Vec<u64> = u["wait"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w.as_u64().unwrap())
+            .collect();
+        assert!(waits.contains(&e), "{} waits {waits:?}, not {e}", u["op"]);
+        assert!(
+            u["start_s"].as_f64().unwrap()
+                >= prev["start_s"].as_f64().unwrap() + prev["time_s"].as_f64().unwrap() - 1e-12
+        );
+    }
+    // The same program and memory: the updates still write in place.
+    assert_eq!(side["program_digest"], base["program_digest"]);
+    assert_eq!(side["memory"]["peak_bytes"], base["memory"]["peak_bytes"]);
+    let aliases = |p: &serde_json::Value| {
+        p["buffers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| !b["alias_of"].is_null())
+            .count()
+    };
+    assert_eq!(aliases(&side), aliases(&base));
+    let step = |p: &serde_json::Value| p["cost"]["step_time_s"].as_f64().unwrap();
+    assert!(step(&side) <= step(&base));
+    // On one rank the compute stream bounds the step: what the updates leave it is saved.
+    let one = tiny_plan("updates-one-inline", "dp=1", "0", &[]);
+    let one_side = tiny_plan("updates-one-side", "dp=1", "0", &["--update-stream"]);
+    assert!(
+        step(&one_side) < step(&one),
+        "{} {}",
+        step(&one_side),
+        step(&one)
+    );
+    assert_eq!(
+        one_side["memory"]["peak_bytes"],
+        one["memory"]["peak_bytes"]
+    );
+    // The host runs the update under --offload-optimizer: no update stream.
+    let host = tiny_plan(
+        "updates-host",
+        "dp=2",
+        "1",
+        &["--update-stream", "--offload-optimizer"],
+    );
+    assert_eq!(
+        host["streams"].as_array().unwrap().last().unwrap()["kind"],
+        "host"
+    );
+}

@@ -225,6 +225,9 @@ pub enum StreamKind {
     Copy,
     /// The host CPU (the optimizer update of `--offload-optimizer`).
     Host,
+    /// The device's optimizer updates beside the compute stream, at a lower priority
+    /// (`--update-stream`).
+    Update,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -1131,6 +1131,7 @@ fn compile_with(
             device_memory: limit,
             bindings: bindings.clone(),
             source: req.source.clone(),
+            update_stream: train.as_ref().is_some_and(|t| t.update_stream),
         };
         Some(plan::lower(&g, &opts)?)
     } else {

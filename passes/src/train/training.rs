@@ -274,6 +274,9 @@ pub struct TrainOptions {
     /// holding the reduced gradients least long (the driver holds less where a plan
     /// does not fit otherwise).
     pub defer_updates: crate::train::update_timing::DeferUpdates,
+    /// The plan runs the device's optimizer updates on a stream of their own beside the
+    /// compute stream (`--update-stream`, [`crate::plan::PlanOptions::update_stream`]).
+    pub update_stream: bool,
 }
 
 impl Default for TrainOptions {
@@ -300,6 +303,7 @@ impl Default for TrainOptions {
             warmup_steps: None,
             cp_kv: Default::default(),
             defer_updates: crate::train::update_timing::DeferUpdates::All,
+            update_stream: false,
         }
     }
 }

@@ -339,6 +339,29 @@ impl Gpu {
         ))
     }
 
+    /// A non-blocking stream at the context's highest priority (`high`) or its lowest:
+    /// where both run, the block scheduler issues a pending high-priority kernel's
+    /// blocks first as SMs free up.
+    pub fn stream_with_priority(&self, high: bool) -> CudaResult<Stream> {
+        let (mut least, mut greatest) = (0i32, 0i32);
+        // SAFETY: plain queries and creation in the current context; the out-pointers
+        // are live locals.
+        unsafe {
+            sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
+                .result()
+                .ck("cuCtxGetStreamPriorityRange")?;
+            let mut st: sys::CUstream = std::ptr::null_mut();
+            sys::cuStreamCreateWithPriority(
+                &mut st,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                if high { greatest } else { least },
+            )
+            .result()
+            .ck("cuStreamCreateWithPriority")?;
+            Ok(Stream(st))
+        }
+    }
+
     pub fn event(&self, timing: bool) -> CudaResult<Event> {
         let flags = if timing {
             sys::CUevent_flags::CU_EVENT_DEFAULT

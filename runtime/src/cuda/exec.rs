@@ -19,7 +19,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use weft_ir::attrs::{CmpOp, Flag, Float, ReduceOp, Reduction, RopeScaling};
-use weft_ir::plan::{Category, ExecutionPlan};
+use weft_ir::plan::{Category, ExecutionPlan, StreamKind};
 use weft_ir::role::{ValueName, ValueRole};
 use weft_ir::{Bindings, DType, Dim, Graph, HostTensor, Node, Op};
 
@@ -281,6 +281,8 @@ pub struct Executor {
     pub graph: Graph,
     pub env: LaunchEnv,
     streams: Vec<Stream>,
+    /// The streams have priorities (the plan has an update stream).
+    prioritised: bool,
     events: Vec<Event>,
     t_start: Event,
     t_ends: Vec<Event>,
@@ -411,10 +413,20 @@ impl Executor {
         // Buffers: pointers and evaluated shapes.
         let mut bufs = place_buffers(plan, &graph, &bindings, &resident, &arena, host.as_ref())?;
 
+        // With an update stream, the updates run at the lowest priority and every other
+        // stream at the highest, so the updates take only the SMs the rest leaves idle.
+        let prioritised = plan.streams.iter().any(|s| s.kind == StreamKind::Update);
+        // (the graph replays keep these priorities: see `StepGraph::capture`)
         let streams: Vec<Stream> = plan
             .streams
             .iter()
-            .map(|_| gpu.stream())
+            .map(|s| {
+                if prioritised {
+                    gpu.stream_with_priority(s.kind != StreamKind::Update)
+                } else {
+                    gpu.stream()
+                }
+            })
             .collect::<CudaResult<_>>()?;
         let events: Vec<Event> = (0..plan.events)
             .map(|_| gpu.event(false))
@@ -556,6 +568,7 @@ impl Executor {
             graph,
             env,
             streams,
+            prioritised,
             events,
             t_start,
             t_ends,
@@ -750,7 +763,8 @@ impl Executor {
             let captured = {
                 let this = &mut *self;
                 this.gemm.capturing = true;
-                let g = super::step_graph::StepGraph::capture(s0, || {
+                let node_priority = this.prioritised;
+                let g = super::step_graph::StepGraph::capture(s0, node_priority, || {
                     let mut none = Vec::new();
                     this.enqueue_work(false, &mut none)
                 });

@@ -32,8 +32,11 @@ impl StepGraph {
     /// events) and instantiates it. The work is recorded, not run: the caller launches
     /// the graph afterwards. An error from `enqueue` or from the capture ends the
     /// capture cleanly and is returned.
+    /// With `node_priority`, each kernel keeps the priority of the stream it was
+    /// captured from (else the whole graph runs at the launch stream's).
     pub fn capture(
         stream: sys::CUstream,
+        node_priority: bool,
         enqueue: impl FnOnce() -> CudaResult<()>,
     ) -> CudaResult<StepGraph> {
         // SAFETY: a live stream; the capture is ended below on every path.
@@ -64,8 +67,13 @@ impl StepGraph {
             return Err(CudaError::driver("cuStreamEndCapture", e));
         }
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        let flags = if node_priority {
+            sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0 as u64
+        } else {
+            0
+        };
         // SAFETY: `graph` is a complete captured graph; the exec keeps its own copy.
-        let made = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result();
+        let made = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, flags) }.result();
         destroy(graph);
         made.map_err(|e| CudaError::driver("cuGraphInstantiate", e))?;
         Ok(StepGraph { exec })

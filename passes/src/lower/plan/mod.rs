@@ -56,6 +56,12 @@ pub struct PlanOptions {
     pub bindings: Bindings,
     /// The MODEL argument the program was compiled from, recorded in the plan.
     pub source: String,
+    /// Run the device's optimizer updates (`adamw`, `adamw_master`, `sgd`) on a stream
+    /// of their own at low priority, each once the compute stream reaches its place in
+    /// the program: the bandwidth-bound updates then fill the SMs that the backward's
+    /// kernels leave idle instead of taking the compute stream's time. Ignored where
+    /// the host runs the update.
+    pub update_stream: bool,
 }
 
 impl PlanOptions {
@@ -65,6 +71,7 @@ impl PlanOptions {
             device_memory: 80 << 30,
             bindings: Bindings::new().with("B", batch).with("S", seq),
             source: String::new(),
+            update_stream: false,
         }
     }
 }
@@ -112,10 +119,13 @@ pub const ELEMENTWISE_IN_PLACE: &[&str] = &["cross_entropy_grad", "matmul_add", 
 
 /// The plan's streams: compute, communication, device-to-host and host-to-device copies
 /// (a PCIe link is full duplex: offloads and prefetches move at the same time), and
-/// the host CPU.
+/// a fifth for the host CPU or for the device's optimizer updates.
 const NS: usize = 5;
 /// The host CPU's stream.
 const HOST_STREAM: u32 = 4;
+/// The device optimizer updates' own stream ([`PlanOptions::update_stream`]). It takes
+/// the host stream's slot: a plan with a host update has no device update to move.
+const UPDATE_STREAM: u32 = 4;
 /// Lowers `g` (a verified program) to a plan.
 pub fn lower(g: &Graph, opts: &PlanOptions) -> Result<ExecutionPlan, LowerError> {
     lower_with_views(g, opts, true)
@@ -139,7 +149,8 @@ pub fn lower_with_views(
         mut buffers,
         buf_of,
     } = buffers::buffer_table(g, &sized, &output_names, &host)?;
-    let sched = schedule::schedule(g, &expected, &opts.device, &buffers, &buf_of)?;
+    let update_stream = opts.update_stream && !has_host_update(g);
+    let sched = schedule::schedule(g, &expected, &opts.device, &buffers, &buf_of, update_stream)?;
     let sharing = alias::share(g, &mut buffers, &buf_of, &output_names, &sched, views);
     let memory = memory::plan_memory(
         g,
@@ -153,6 +164,13 @@ pub fn lower_with_views(
     Ok(report::assemble(
         g, opts, &exact, buffers, &buf_of, sched, memory,
     ))
+}
+
+/// Whether the host CPU runs the optimizer update (`--offload-optimizer`).
+fn has_host_update(g: &Graph) -> bool {
+    g.nodes()
+        .iter()
+        .any(|&n| matches!(g.node(n).op, weft_ir::Op::HostAdamW { .. }))
 }
 
 fn max3(a: [i64; NS], b: [i64; NS]) -> [i64; NS] {

@@ -5,7 +5,7 @@ use super::schedule::{Schedule, StepCosts};
 use super::{PlanOptions, HOST_STREAM};
 use std::collections::BTreeMap;
 use weft_ir::plan::*;
-use weft_ir::{Bindings, Graph, Op, Value};
+use weft_ir::{Bindings, Graph, Value};
 
 /// The plan of `g` from its buffers, schedule and memory report.
 pub(super) fn assemble(
@@ -18,10 +18,17 @@ pub(super) fn assemble(
     memory: MemoryReport,
 ) -> ExecutionPlan {
     let d = &opts.device;
-    let host_update = g
-        .nodes()
+    let side = if super::has_host_update(g) {
+        Some(StreamKind::Host)
+    } else if sched
+        .instructions
         .iter()
-        .any(|&n| matches!(g.node(n).op, Op::HostAdamW { .. }));
+        .any(|i| i.stream == super::UPDATE_STREAM)
+    {
+        Some(StreamKind::Update)
+    } else {
+        None
+    };
     let Schedule {
         instructions,
         events,
@@ -46,7 +53,7 @@ pub(super) fn assemble(
         groups,
         bindings: exact.symbols.clone(),
         device: d.clone(),
-        streams: streams(host_update),
+        streams: streams(side),
         buffers,
         instructions,
         events,
@@ -135,9 +142,9 @@ pub(super) fn param_placements(
         .collect()
 }
 
-/// The plan's streams: compute, communication, the two copy directions, and the host
-/// CPU when the step updates on the host.
-pub(super) fn streams(host_update: bool) -> Vec<Stream> {
+/// The plan's streams: compute, communication, the two copy directions, and `side`:
+/// the host CPU when the step updates on the host, or the device updates' own stream.
+pub(super) fn streams(side: Option<StreamKind>) -> Vec<Stream> {
     vec![
         Stream {
             id: 0,
@@ -161,10 +168,16 @@ pub(super) fn streams(host_update: bool) -> Vec<Stream> {
         },
     ]
     .into_iter()
-    .chain(host_update.then(|| Stream {
-        id: HOST_STREAM,
-        kind: StreamKind::Host,
-        name: "host".into(),
+    .chain(side.map(|kind| {
+        Stream {
+            id: HOST_STREAM,
+            kind,
+            name: match kind {
+                StreamKind::Update => "update",
+                _ => "host",
+            }
+            .into(),
+        }
     }))
     .collect()
 }

@@ -4,11 +4,14 @@
 //! operands are ready, waiting on an event for operands from another stream; ZeRO-3
 //! gathers are prefetched a bounded distance ahead ([`ZERO3_PREFETCH`]) and the compute
 //! stream waits for offloads once they are predicted done ([`OFFLOAD_WAIT_SLACK`]).
+//! With an update stream, each device optimizer update starts once the compute stream
+//! has issued what comes before it in the program, and the compute it overlaps is
+//! priced slower ([`UPDATE_OVERLAP_SLOWDOWN`]).
 
 // `LowerError` is large, as it is for `lower` itself (its public signature).
 #![allow(clippy::result_large_err)]
 
-use super::{cost, LowerError, HOST_STREAM, NS};
+use super::{cost, LowerError, HOST_STREAM, NS, UPDATE_STREAM};
 use std::collections::BTreeMap;
 use weft_ir::plan::*;
 use weft_ir::{Bindings, Graph, Node, Op, Value};
@@ -21,8 +24,21 @@ const ZERO3_PREFETCH: usize = 48;
 /// predicted start.
 const OFFLOAD_WAIT_SLACK: f64 = 1.5;
 
-fn stream_of(op: &Op) -> u32 {
-    if op.is_collective() {
+/// The fraction of a side-stream update's overlap with compute that the compute stream
+/// still loses: the update is bandwidth-bound and runs in the SMs and gaps the compute
+/// kernels leave, but it shares HBM and the power budget with them. An estimate, to be
+/// replaced by a measured figure.
+const UPDATE_OVERLAP_SLOWDOWN: f64 = 0.5;
+
+fn stream_of(op: &Op, update_stream: bool) -> u32 {
+    if update_stream
+        && matches!(
+            op,
+            Op::AdamW { .. } | Op::AdamWMaster { .. } | Op::Sgd { .. }
+        )
+    {
+        UPDATE_STREAM
+    } else if op.is_collective() {
         1
     } else if op.name() == "offload" {
         2
@@ -81,6 +97,7 @@ pub(super) fn schedule(
     d: &DeviceProfile,
     buffers: &[Buffer],
     buf_of: &BTreeMap<Value, u32>,
+    update_stream: bool,
 ) -> Result<Schedule, LowerError> {
     let compute_nodes: Vec<Node> = g
         .nodes()
@@ -99,7 +116,7 @@ pub(super) fn schedule(
     for &n in &compute_nodes {
         let nd = g.node(n);
         let id = instructions.len() as u32;
-        let kind = stream_of(&nd.op);
+        let kind = stream_of(&nd.op, update_stream);
         let inputs: Vec<u32> = nd.operands.iter().map(|v| buf_of[v]).collect();
         // The unpacking of a reduced gradient bucket (grad-sync's reshapes, slices and
         // splits of a collective's result) runs on the communication stream after it:
@@ -172,6 +189,19 @@ pub(super) fn schedule(
             }
             ready = ready.max(instructions[p].start_s + instructions[p].time_s);
         }
+        // A side-stream update starts once the compute stream has run everything before
+        // it in the program: every earlier read of the parameter it overwrites in place
+        // (a layer's input gradient may read the weight after its weight gradient).
+        if update_stream && stream == UPDATE_STREAM {
+            if let Some(&p) = compute_ids.last() {
+                let p = p as usize;
+                let e = signal_event(&mut instructions[p], &mut events);
+                if !wait.contains(&e) {
+                    wait.push(e);
+                }
+                ready = ready.max(instructions[p].start_s + instructions[p].time_s);
+            }
+        }
         // The compute stream waits for an offload once the copy is predicted done, with
         // slack (a copy running late should not stall compute): from there on the
         // offloaded value's device bytes can be reused.
@@ -200,10 +230,15 @@ pub(super) fn schedule(
                     time
                 }
             }
-            // Compute beside a host copy runs slower by the profile's fraction.
-            0 if d.host_copy_compute_slowdown > 0.0 => {
+            // Compute beside a host copy runs slower by the profile's fraction, and
+            // beside a side-stream update by UPDATE_OVERLAP_SLOWDOWN.
+            0 => {
                 let copying = stream_free[2].max(stream_free[3]) - start;
-                let extra = d.host_copy_compute_slowdown * time.min(copying.max(0.0));
+                let mut extra = d.host_copy_compute_slowdown * time.min(copying.max(0.0));
+                if update_stream {
+                    let updating = stream_free[UPDATE_STREAM as usize] - start;
+                    extra += UPDATE_OVERLAP_SLOWDOWN * time.min(updating.max(0.0));
+                }
                 costs.compute_s += extra;
                 time + extra
             }
@@ -286,7 +321,7 @@ fn instruction_cost(
             costs.comm_s += t;
             (moved, t)
         }
-        HOST_STREAM => {
+        HOST_STREAM if matches!(nd.op, Op::HostAdamW { .. }) => {
             let params = g.ty(nd.operands[0]).numel().bind(b).as_const().unwrap_or(0);
             let t = cost::host_adam_time(params as f64, d);
             costs.host_update_s += t;

@@ -36,6 +36,7 @@ fn scheduled(
         &opts.device,
         &table.buffers,
         &table.buf_of,
+        opts.update_stream,
     )
     .unwrap();
     (bindings, table, output_names, sched)
@@ -222,8 +223,14 @@ fn resident_roots_get_aligned_slots_and_views_their_roots_bytes() {
 }
 
 #[test]
-fn the_host_stream_is_listed_only_for_a_host_update() {
-    let ids = |s: Vec<Stream>| s.iter().map(|s| s.id).collect::<Vec<_>>();
-    assert_eq!(ids(report::streams(false)), [0, 1, 2, 3]);
-    assert_eq!(ids(report::streams(true)), [0, 1, 2, 3, HOST_STREAM]);
+fn the_fifth_stream_is_listed_only_for_a_host_or_side_update() {
+    let kinds = |s: Vec<Stream>| s.iter().map(|s| (s.id, s.kind)).collect::<Vec<_>>();
+    let four = kinds(report::streams(None));
+    assert_eq!(four.iter().map(|s| s.0).collect::<Vec<_>>(), [0, 1, 2, 3]);
+    for side in [StreamKind::Host, StreamKind::Update] {
+        let five = kinds(report::streams(Some(side)));
+        assert_eq!(five[..4], four[..]);
+        assert_eq!(five[4], (HOST_STREAM, side));
+    }
+    assert_eq!(HOST_STREAM, UPDATE_STREAM);
 }
