@@ -589,6 +589,50 @@ fn run_flags_are_checked() {
 }
 
 #[test]
+fn data_tokens_are_checked_before_the_first_step() {
+    // A token past the vocabulary used to fail only at the step that read it (after the
+    // steps before it had trained), named by its place in that step's batch.
+    let dir = scratch("datavocab");
+    let mut tokens: Vec<u8> = (0..31u16).flat_map(|t| (t % 100).to_le_bytes()).collect();
+    tokens.extend(65535u16.to_le_bytes());
+    let data = dir.join("tokens.bin");
+    std::fs::write(&data, tokens).unwrap();
+    refused(
+        &[
+            "run",
+            "tests/fixtures/llama",
+            "--data",
+            s(&data),
+            "--seq",
+            "8",
+            "--batch",
+            "2",
+            "--steps",
+            "1",
+        ],
+        &[
+            "token 31 (byte 62) is 65535",
+            "vocabulary size 128",
+            "tokens.bin",
+        ],
+    );
+    // --inputs and --data both name the tokens: one would be ignored.
+    refused(
+        &[
+            "run",
+            "tests/fixtures/llama",
+            "--data",
+            s(&data),
+            "--inputs",
+            s(&fixture("llama").join("inputs.safetensors")),
+            "--steps",
+            "0",
+        ],
+        &["'--data <DATA>' cannot be used with '--inputs <INPUTS>'"],
+    );
+}
+
+#[test]
 fn inputs_fix_batch_and_seq() {
     let inputs = fixture("llama").join("inputs.safetensors");
     refused(

@@ -32,7 +32,7 @@ pub struct Args {
     #[arg(long)]
     pub inputs: Option<PathBuf>,
     /// Token file (flat little-endian uint16, nanoGPT style): each step reads the next B*S tokens.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "inputs")]
     pub data: Option<PathBuf>,
     /// Float dtype of params and activations: keep (the model's), bf16 or f32.
     #[arg(long, default_value = "keep")]
@@ -115,7 +115,8 @@ pub struct Prepared {
     pub host_weights: Option<BTreeMap<String, HostTensor>>,
     pub batch: i64,
     pub seq: i64,
-    pub vocab: i64,
+    /// The embedding's rows, where the program has an embedding: token ids must be below.
+    pub vocab: Option<i64>,
     pub compile_s: f64,
     pub notes: Vec<String>,
     /// The model's parameter count, where the model is known.
@@ -196,7 +197,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             plan.bindings.get("B").copied().unwrap_or(1),
             plan.bindings.get("S").copied().unwrap_or(1),
         );
-        let vocab = vocab_of(&program).unwrap_or(2);
+        let vocab = vocab_of(&program);
         let host_weights = match &a.weights {
             Some(w) if !plan.source.is_empty() => {
                 let model = super::load_model(&plan.source)?;
@@ -324,7 +325,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         }
         None => None,
     };
-    let vocab = vocab_of(&g).unwrap_or(2);
+    let vocab = vocab_of(&g);
     Ok(Prepared {
         program: g,
         plan,
@@ -357,7 +358,7 @@ pub struct Feeder {
 }
 
 impl Feeder {
-    pub fn new(a: &Args, batch: i64, seq: i64, vocab: i64) -> CliResult<Feeder> {
+    pub fn new(a: &Args, batch: i64, seq: i64, vocab: Option<i64>) -> CliResult<Feeder> {
         let fixed = match &a.inputs {
             Some(p) => Some(weft_frontends::read_safetensors(p).map_err(super::frontend_err)?),
             None => None,
@@ -379,6 +380,19 @@ impl Feeder {
                     .chunks_exact(2)
                     .map(|c| u16::from_le_bytes([c[0], c[1]]))
                     .collect();
+                // Checked here, once, rather than by the step that first reads a bad
+                // token (perhaps hours into a run).
+                if let Some(v) = vocab {
+                    if let Some((i, &t)) = toks.iter().enumerate().find(|(_, &t)| i64::from(t) >= v)
+                    {
+                        return Err(CliError::input(format!(
+                            "--data {}: token {i} (byte {}) is {t}, not below the model's vocabulary size {v}",
+                            p.display(),
+                            2 * i
+                        ))
+                        .with_help("the token file must come from this model's tokenizer"));
+                    }
+                }
                 if toks.len() < (batch * seq) as usize {
                     return Err(CliError::input(format!(
                         "--data {} holds {} tokens, fewer than one batch ({})",
@@ -405,7 +419,7 @@ impl Feeder {
             at: 0,
             batch: batch as usize,
             seq: seq as usize,
-            vocab,
+            vocab: vocab.unwrap_or(2),
             seed: a.seed,
         })
     }
