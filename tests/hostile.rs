@@ -934,6 +934,112 @@ fn outputs_never_overwrite_inputs() {
 }
 
 #[test]
+fn the_checkpoint_beside_a_config_file_is_an_input() {
+    // MODEL as config.json (or .weft) reads the model.safetensors beside it: eval read the
+    // weights from it and then wrote its outputs over it; compile, plan, import and
+    // run --grads-out replaced it too.
+    let dir = scratch("beside");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama").join(f), dir.join(f)).unwrap();
+    }
+    let (config, weights) = (dir.join("config.json"), dir.join("model.safetensors"));
+    let before = std::fs::read(&weights).unwrap();
+    let text = dir.join("model.weft");
+    let (code, _, err) = weft(&["import", s(&config), "-o", s(&text)]);
+    assert_eq!(code, 0, "{err}");
+    let (c, w, t) = (s(&config), s(&weights), s(&text));
+    for args in [
+        &["eval", c, "-o", w][..],
+        &["eval", t, "-o", w],
+        &["import", c, "-o", w],
+        &["compile", c, "--seq", "8", "-o", w],
+        &["plan", c, "--gpus", "2", "--seq", "8", "-o", w],
+        &["run", c, "--steps", "1", "--grads-out", w],
+    ] {
+        refused(
+            args,
+            &["checkpoint beside the MODEL", "would destroy the input"],
+        );
+    }
+    assert_eq!(std::fs::read(&weights).unwrap(), before);
+    // A new file beside them destroys nothing.
+    let (code, _, err) = weft(&["eval", c, "-o", s(&dir.join("out.safetensors"))]);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn a_sharded_checkpoint_in_a_model_directory_is_read_by_every_command() {
+    // `run DIR` and `shard DIR` looked only for model.safetensors: with HF's sharded
+    // layout (an index and its shards) run trained random weights, and said nothing.
+    use std::collections::BTreeMap;
+    let dir = scratch("sharded");
+    std::fs::copy(
+        fixture("llama").join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let full =
+        weft_frontends::read_safetensors(&fixture("llama").join("model.safetensors")).unwrap();
+    let names: Vec<&String> = full.keys().collect();
+    let mut weight_map = serde_json::Map::new();
+    for (i, part) in names.chunks(names.len().div_ceil(2)).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let m: BTreeMap<String, weft_ir::HostTensor> = part
+            .iter()
+            .map(|n| ((*n).clone(), full[*n].clone()))
+            .collect();
+        weft_frontends::save_safetensors(&dir.join(&file), &m).unwrap();
+        for n in part {
+            weight_map.insert((*n).clone(), file.clone().into());
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    write(&dir, "model.safetensors.index.json", &index.to_string());
+    let inputs = fixture("llama").join("inputs.safetensors");
+    let loss = |model: &Path| {
+        let (code, out, err) = weft(&[
+            "run",
+            s(model),
+            "--steps",
+            "1",
+            "--inputs",
+            s(&inputs),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        json(&out)["steps"][0]["loss"].as_f64().unwrap()
+    };
+    assert_eq!(loss(&dir), loss(&fixture("llama")));
+    let (code, _, err) = weft(&[
+        "shard",
+        s(&dir),
+        "--mesh",
+        "tp=2",
+        "-o",
+        s(&dir.join("shards")),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    // Each shard the index lists is an input of the commands that read it.
+    let shard = dir.join("model-00002-of-00002.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    refused(
+        &["eval", s(&dir.join("config.json")), "-o", s(&shard)],
+        &["would destroy the input"],
+    );
+    refused(
+        &[
+            "eval",
+            "tests/fixtures/llama/config.json",
+            "--weights",
+            s(&index),
+            "-o",
+            s(&shard),
+        ],
+        &["--weights", "would destroy the input"],
+    );
+}
+
+#[test]
 fn every_output_flag_refuses_its_inputs() {
     // `plan -o`, `run --plan-out` and `compile -o` onto a --tp-spec used to write over
     // the model's config.json, the checkpoint, the token file or the spec.

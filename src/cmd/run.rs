@@ -310,12 +310,10 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let optimizer = optimizer_text(c.train.as_ref());
     let g = c.program;
     let training = c.kind == weft_ir::plan::StepKind::Training;
-    let checkpoint = a.weights.clone().or_else(|| {
-        model
-            .dir()
-            .map(|d| d.join("model.safetensors"))
-            .filter(|p| p.exists())
-    });
+    let checkpoint = a
+        .weights
+        .clone()
+        .or_else(|| model.dir().and_then(super::session::find_checkpoint));
     // Host weights of a real model take a while and many GiB: say so before.
     let host_weights = match checkpoint {
         Some(w) => Some(super::session::load_weights(&model, &w)?),

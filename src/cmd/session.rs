@@ -431,7 +431,10 @@ pub fn check_run_memory(g: &Graph, batch: i64, seq: i64, drawn: bool) -> CliResu
     .with_help("give a smaller --batch or --seq"))
 }
 
-fn find_checkpoint(dir: &Path) -> Option<PathBuf> {
+/// The checkpoint in a model directory: `model.safetensors`, else the index of a sharded
+/// one (`model.safetensors.index.json`), as HF saves them. Every command that defaults
+/// to the model directory's weights finds them here.
+pub fn find_checkpoint(dir: &Path) -> Option<PathBuf> {
     ["model.safetensors", "model.safetensors.index.json"]
         .iter()
         .map(|f| dir.join(f))
