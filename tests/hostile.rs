@@ -439,6 +439,35 @@ fn text_ir_float_attributes_are_checked() {
 }
 
 #[test]
+fn text_ir_duplicate_attributes_and_inputs_are_refused() {
+    // `{eps=1e-6, eps=1e-5}` kept the first value and dropped the second without a word;
+    // two inputs of one name were both bound to the same tensor.
+    let dir = scratch("dupattr");
+    let text = fixture_text(&dir);
+    let attr = write(
+        &dir,
+        "attr.weft",
+        &text.replacen("{eps=1e-6}", "{eps=1e-6, eps=1e-5}", 1),
+    );
+    refused(
+        &["import", s(&attr)],
+        &["attribute `eps` of `rms_norm` is given twice", "attr.weft"],
+    );
+    let input = write(
+        &dir,
+        "input.weft",
+        &text.replace(
+            "name=\"labels\", role=labels",
+            "name=\"input_ids\", role=labels",
+        ),
+    );
+    refused(
+        &["import", s(&input)],
+        &["input `input_ids` is already defined by node %0"],
+    );
+}
+
+#[test]
 fn text_ir_rope_scaling_and_arange_are_checked() {
     // A llama3 factor of 0 or NaN made the loss NaN (exit 0); a start near i64::MAX
     // overflowed in the CPU runtime's arange (a rank's panic).

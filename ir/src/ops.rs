@@ -117,6 +117,12 @@ macro_rules! define_ops {
                         None => T::absent().ok_or_else(|| format!("`{op}` needs attribute `{key}`")),
                     }
                 }
+                // A repeated key would leave one of its values unread.
+                for (i, (k, _)) in attrs.iter().enumerate() {
+                    if attrs[..i].iter().any(|(prev, _)| prev == k) {
+                        return Err(format!("attribute `{k}` of `{name}` is given twice"));
+                    }
+                }
                 match name {
                     $( $name => {
                         let known: &[&str] = &[$($(stringify!($field)),*)?];
