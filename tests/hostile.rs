@@ -572,6 +572,19 @@ fn run_flags_are_checked() {
         &["run", "tests/fixtures/llama", "--check", "--backend", "cpu"],
         &["--check"],
     );
+    // A NaN (or negative) tolerance failed every --check comparison on a GPU.
+    for t in ["NaN", "-1e-3", "inf"] {
+        refused(
+            &[
+                "run",
+                "tests/fixtures/llama",
+                "--steps",
+                "0",
+                &format!("--tolerance={t}"),
+            ],
+            &["invalid --tolerance", "non-negative relative tolerance"],
+        );
+    }
     refused(
         &[
             "run",

@@ -594,6 +594,15 @@ pub fn run(a: Args) -> CliResult {
             a.peak_tflops
         )));
     }
+    if let Some(t) = a.tolerance {
+        // NaN would fail every comparison (`rel 1e-6 > NaN`), as would a negative one;
+        // an infinite one would pass every comparison.
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(CliError::input(format!(
+                "invalid --tolerance {t}: must be a non-negative relative tolerance (e.g. 1e-3)"
+            )));
+        }
+    }
     if a.check > 0 && a.backend == "cpu" {
         return Err(CliError::input(
             "--check compares a GPU run with the CPU reference, but --backend is cpu (nothing to compare)",
