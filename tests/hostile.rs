@@ -1003,6 +1003,11 @@ fn the_checkpoint_beside_a_config_file_is_an_input() {
             &["checkpoint beside the MODEL", "would destroy the input"],
         );
     }
+    // A plan as MODEL reads the model it was compiled from, and the weights beside it.
+    let plan = scratch("beside-plan").join("plan.json");
+    let (code, _, err) = weft(&["compile", c, "--seq", "8", "--batch", "2", "-o", s(&plan)]);
+    assert_eq!(code, 0, "{err}");
+    refused(&["eval", s(&plan), "-o", w], &["would destroy the input"]);
     assert_eq!(std::fs::read(&weights).unwrap(), before);
     // A new file beside them destroys nothing.
     let (code, _, err) = weft(&["eval", c, "-o", s(&dir.join("out.safetensors"))]);

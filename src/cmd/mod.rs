@@ -199,7 +199,7 @@ pub fn refuse_overwrite(out: &std::path::Path, inputs: &[(&str, &std::path::Path
     let mut files: Vec<(&str, std::path::PathBuf)> = Vec::new();
     for (what, p) in inputs {
         match std::fs::read_dir(p) {
-            Ok(entries) if *what == "MODEL" => {
+            Ok(entries) if what.starts_with("MODEL") => {
                 if out == *p || out.canonicalize().ok() == p.canonicalize().ok() {
                     files.push((what, p.to_path_buf()));
                 }
@@ -207,7 +207,7 @@ pub fn refuse_overwrite(out: &std::path::Path, inputs: &[(&str, &std::path::Path
             }
             _ => {
                 files.push((what, p.to_path_buf()));
-                if *what == "MODEL" {
+                if what.starts_with("MODEL") {
                     // `config.json`'s parent is the empty path: the current directory.
                     let dir = p.parent().map(|d| {
                         if d.as_os_str().is_empty() {
