@@ -690,6 +690,51 @@ fn inputs_fix_batch_and_seq() {
         ],
         &["--seq 999 differs from --inputs"],
     );
+    // `run` read --inputs without the checks eval and check apply: bool token ids ran
+    // (as 0/1), an empty batch was blamed on a `--batch 0` never given, and a --seq
+    // other than the inputs' failed only in the runtime's bindings.
+    use std::collections::BTreeMap;
+    use weft_ir::{DType, HostTensor};
+    let dir = scratch("run-inputs");
+    let save = |name: &str, ids: HostTensor, labels: HostTensor| {
+        let p = dir.join(name);
+        let m = BTreeMap::from([
+            ("input_ids".to_string(), ids),
+            ("labels".to_string(), labels),
+        ]);
+        weft_frontends::save_safetensors(&p, &m).unwrap();
+        p
+    };
+    let bools = save(
+        "bool.safetensors",
+        HostTensor::ints(DType::Bool, vec![2, 8], vec![1; 16]),
+        HostTensor::ints(DType::I64, vec![2, 8], vec![1; 16]),
+    );
+    let empty = save(
+        "empty.safetensors",
+        HostTensor::ints(DType::I64, vec![0, 8], vec![]),
+        HostTensor::ints(DType::I64, vec![0, 8], vec![]),
+    );
+    let run = |p: &Path, extra: &[&str], needles: &[&str]| {
+        let mut args = vec![
+            "run",
+            "tests/fixtures/llama",
+            "--inputs",
+            s(p),
+            "--steps",
+            "1",
+        ];
+        args.extend(extra);
+        let err = refused(&args, needles);
+        assert!(!err.contains("--batch 0"), "{err}");
+    };
+    run(
+        &bools,
+        &[],
+        &["`input_ids` in", "must be an integer [batch, seq] tensor"],
+    );
+    run(&empty, &[], &["has shape [0, 8]: no tokens to run"]);
+    run(&inputs, &["--seq", "8"], &["--seq 8 differs from --inputs"]);
 }
 
 /// An inputs file holding an `attention_mask` with zeros or `position_ids` other than

@@ -236,16 +236,21 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     // --inputs fixes the batch and sequence length.
     let given: Option<(i64, i64)> = match &a.inputs {
         Some(p) => {
-            let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
-            match t.get("input_ids").map(|x| x.shape.as_slice()) {
-                Some([b, s]) => Some((*b as i64, *s as i64)),
-                _ => {
+            let t = super::session::read_inputs(p)?;
+            let shape = &t["input_ids"].shape;
+            for (flag, given, have) in [("--batch", a.batch, shape[0]), ("--seq", a.seq, shape[1])]
+            {
+                if let Some(g) = given.filter(|&g| g != have as i64) {
                     return Err(CliError::input(format!(
-                        "--inputs {}: needs `input_ids` as i64 [batch, seq]",
+                        "{flag} {g} differs from --inputs {}, whose input_ids are {shape:?}",
                         p.display()
-                    )))
+                    ))
+                    .with_help(format!(
+                        "drop {flag} (the inputs fix it) or give inputs of that size"
+                    )));
                 }
             }
+            Some((shape[0] as i64, shape[1] as i64))
         }
         None => None,
     };
@@ -358,7 +363,7 @@ pub struct Feeder {
 impl Feeder {
     pub fn new(a: &Args, batch: i64, seq: i64, vocab: Option<i64>) -> CliResult<Feeder> {
         let fixed = match &a.inputs {
-            Some(p) => Some(weft_frontends::read_safetensors(p).map_err(super::frontend_err)?),
+            Some(p) => Some(super::session::read_inputs(p)?),
             None => None,
         };
         let data = match &a.data {

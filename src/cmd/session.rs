@@ -441,7 +441,9 @@ pub fn find_checkpoint(dir: &Path) -> Option<PathBuf> {
         .find(|p| p.exists())
 }
 
-fn read_inputs(p: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
+/// Reads `--inputs`: `input_ids` and `labels`, integer `[batch, seq]` tensors of one
+/// shape with at least one token. Every command that takes `--inputs` reads them here.
+pub fn read_inputs(p: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
     let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
     for name in ["input_ids", "labels"] {
         let x = t.get(name).ok_or_else(|| {
@@ -464,6 +466,14 @@ fn read_inputs(p: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
             t["labels"].shape,
             p.display()
         )));
+    }
+    if t["input_ids"].shape.contains(&0) {
+        return Err(CliError::input(format!(
+            "`input_ids` in {} has shape {:?}: no tokens to run",
+            p.display(),
+            t["input_ids"].shape
+        ))
+        .with_help("give at least one row (batch) of at least one token (seq)"));
     }
     Ok(t)
 }
