@@ -118,8 +118,9 @@ macro_rules! define_ops {
                     }
                 }
                 // A repeated key would leave one of its values unread.
-                for (i, (k, _)) in attrs.iter().enumerate() {
-                    if attrs[..i].iter().any(|(prev, _)| prev == k) {
+                let mut seen = std::collections::HashSet::with_capacity(attrs.len());
+                for (k, _) in attrs {
+                    if !seen.insert(k.as_str()) {
                         return Err(format!("attribute `{k}` of `{name}` is given twice"));
                     }
                 }
