@@ -358,6 +358,8 @@ fn host_optimizer_1b() -> Vec<&'static str> {
 fn host_memory_bounds_what_a_plan_pins() {
     let given = host_optimizer_1b();
     let plan = tmp("host-memory.json");
+    // The directory is named by the process id, which an earlier run may have had.
+    let _ = std::fs::remove_file(&plan);
     let mut args = given.to_vec();
     args.extend(["--host-memory", "5", "-o", plan.to_str().unwrap()]);
     let (code, _, err) = weft(&args);

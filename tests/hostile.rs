@@ -439,6 +439,35 @@ fn text_ir_float_attributes_are_checked() {
 }
 
 #[test]
+fn text_ir_duplicate_attributes_and_inputs_are_refused() {
+    // `{eps=1e-6, eps=1e-5}` kept the first value and dropped the second without a word;
+    // two inputs of one name were both bound to the same tensor.
+    let dir = scratch("dupattr");
+    let text = fixture_text(&dir);
+    let attr = write(
+        &dir,
+        "attr.weft",
+        &text.replacen("{eps=1e-6}", "{eps=1e-6, eps=1e-5}", 1),
+    );
+    refused(
+        &["import", s(&attr)],
+        &["attribute `eps` of `rms_norm` is given twice", "attr.weft"],
+    );
+    let input = write(
+        &dir,
+        "input.weft",
+        &text.replace(
+            "name=\"labels\", role=labels",
+            "name=\"input_ids\", role=labels",
+        ),
+    );
+    refused(
+        &["import", s(&input)],
+        &["input `input_ids` is already defined by node %0"],
+    );
+}
+
+#[test]
 fn text_ir_rope_scaling_and_arange_are_checked() {
     // A llama3 factor of 0 or NaN made the loss NaN (exit 0); a start near i64::MAX
     // overflowed in the CPU runtime's arange (a rank's panic).
@@ -543,6 +572,19 @@ fn run_flags_are_checked() {
         &["run", "tests/fixtures/llama", "--check", "--backend", "cpu"],
         &["--check"],
     );
+    // A NaN (or negative) tolerance failed every --check comparison on a GPU.
+    for t in ["NaN", "-1e-3", "inf"] {
+        refused(
+            &[
+                "run",
+                "tests/fixtures/llama",
+                "--steps",
+                "0",
+                &format!("--tolerance={t}"),
+            ],
+            &["invalid --tolerance", "non-negative relative tolerance"],
+        );
+    }
     refused(
         &[
             "run",
@@ -589,6 +631,50 @@ fn run_flags_are_checked() {
 }
 
 #[test]
+fn data_tokens_are_checked_before_the_first_step() {
+    // A token past the vocabulary used to fail only at the step that read it (after the
+    // steps before it had trained), named by its place in that step's batch.
+    let dir = scratch("datavocab");
+    let mut tokens: Vec<u8> = (0..31u16).flat_map(|t| (t % 100).to_le_bytes()).collect();
+    tokens.extend(65535u16.to_le_bytes());
+    let data = dir.join("tokens.bin");
+    std::fs::write(&data, tokens).unwrap();
+    refused(
+        &[
+            "run",
+            "tests/fixtures/llama",
+            "--data",
+            s(&data),
+            "--seq",
+            "8",
+            "--batch",
+            "2",
+            "--steps",
+            "1",
+        ],
+        &[
+            "token 31 (byte 62) is 65535",
+            "vocabulary size 128",
+            "tokens.bin",
+        ],
+    );
+    // --inputs and --data both name the tokens: one would be ignored.
+    refused(
+        &[
+            "run",
+            "tests/fixtures/llama",
+            "--data",
+            s(&data),
+            "--inputs",
+            s(&fixture("llama").join("inputs.safetensors")),
+            "--steps",
+            "0",
+        ],
+        &["'--data <DATA>' cannot be used with '--inputs <INPUTS>'"],
+    );
+}
+
+#[test]
 fn inputs_fix_batch_and_seq() {
     let inputs = fixture("llama").join("inputs.safetensors");
     refused(
@@ -604,6 +690,51 @@ fn inputs_fix_batch_and_seq() {
         ],
         &["--seq 999 differs from --inputs"],
     );
+    // `run` read --inputs without the checks eval and check apply: bool token ids ran
+    // (as 0/1), an empty batch was blamed on a `--batch 0` never given, and a --seq
+    // other than the inputs' failed only in the runtime's bindings.
+    use std::collections::BTreeMap;
+    use weft_ir::{DType, HostTensor};
+    let dir = scratch("run-inputs");
+    let save = |name: &str, ids: HostTensor, labels: HostTensor| {
+        let p = dir.join(name);
+        let m = BTreeMap::from([
+            ("input_ids".to_string(), ids),
+            ("labels".to_string(), labels),
+        ]);
+        weft_frontends::save_safetensors(&p, &m).unwrap();
+        p
+    };
+    let bools = save(
+        "bool.safetensors",
+        HostTensor::ints(DType::Bool, vec![2, 8], vec![1; 16]),
+        HostTensor::ints(DType::I64, vec![2, 8], vec![1; 16]),
+    );
+    let empty = save(
+        "empty.safetensors",
+        HostTensor::ints(DType::I64, vec![0, 8], vec![]),
+        HostTensor::ints(DType::I64, vec![0, 8], vec![]),
+    );
+    let run = |p: &Path, extra: &[&str], needles: &[&str]| {
+        let mut args = vec![
+            "run",
+            "tests/fixtures/llama",
+            "--inputs",
+            s(p),
+            "--steps",
+            "1",
+        ];
+        args.extend(extra);
+        let err = refused(&args, needles);
+        assert!(!err.contains("--batch 0"), "{err}");
+    };
+    run(
+        &bools,
+        &[],
+        &["`input_ids` in", "must be an integer [batch, seq] tensor"],
+    );
+    run(&empty, &[], &["has shape [0, 8]: no tokens to run"]);
+    run(&inputs, &["--seq", "8"], &["--seq 8 differs from --inputs"]);
 }
 
 /// An inputs file holding an `attention_mask` with zeros or `position_ids` other than
@@ -887,6 +1018,117 @@ fn outputs_never_overwrite_inputs() {
         .filter(|e| e.file_name().to_string_lossy().contains("weft-tmp"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn the_checkpoint_beside_a_config_file_is_an_input() {
+    // MODEL as config.json (or .weft) reads the model.safetensors beside it: eval read the
+    // weights from it and then wrote its outputs over it; compile, plan, import and
+    // run --grads-out replaced it too.
+    let dir = scratch("beside");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama").join(f), dir.join(f)).unwrap();
+    }
+    let (config, weights) = (dir.join("config.json"), dir.join("model.safetensors"));
+    let before = std::fs::read(&weights).unwrap();
+    let text = dir.join("model.weft");
+    let (code, _, err) = weft(&["import", s(&config), "-o", s(&text)]);
+    assert_eq!(code, 0, "{err}");
+    let (c, w, t) = (s(&config), s(&weights), s(&text));
+    for args in [
+        &["eval", c, "-o", w][..],
+        &["eval", t, "-o", w],
+        &["import", c, "-o", w],
+        &["compile", c, "--seq", "8", "-o", w],
+        &["plan", c, "--gpus", "2", "--seq", "8", "-o", w],
+        &["run", c, "--steps", "1", "--grads-out", w],
+    ] {
+        refused(
+            args,
+            &["checkpoint beside the MODEL", "would destroy the input"],
+        );
+    }
+    // A plan as MODEL reads the model it was compiled from, and the weights beside it.
+    let plan = scratch("beside-plan").join("plan.json");
+    let (code, _, err) = weft(&["compile", c, "--seq", "8", "--batch", "2", "-o", s(&plan)]);
+    assert_eq!(code, 0, "{err}");
+    refused(&["eval", s(&plan), "-o", w], &["would destroy the input"]);
+    assert_eq!(std::fs::read(&weights).unwrap(), before);
+    // A new file beside them destroys nothing.
+    let (code, _, err) = weft(&["eval", c, "-o", s(&dir.join("out.safetensors"))]);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn a_sharded_checkpoint_in_a_model_directory_is_read_by_every_command() {
+    // `run DIR` and `shard DIR` looked only for model.safetensors: with HF's sharded
+    // layout (an index and its shards) run trained random weights, and said nothing.
+    use std::collections::BTreeMap;
+    let dir = scratch("sharded");
+    std::fs::copy(
+        fixture("llama").join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let full =
+        weft_frontends::read_safetensors(&fixture("llama").join("model.safetensors")).unwrap();
+    let names: Vec<&String> = full.keys().collect();
+    let mut weight_map = serde_json::Map::new();
+    for (i, part) in names.chunks(names.len().div_ceil(2)).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let m: BTreeMap<String, weft_ir::HostTensor> = part
+            .iter()
+            .map(|n| ((*n).clone(), full[*n].clone()))
+            .collect();
+        weft_frontends::save_safetensors(&dir.join(&file), &m).unwrap();
+        for n in part {
+            weight_map.insert((*n).clone(), file.clone().into());
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    write(&dir, "model.safetensors.index.json", &index.to_string());
+    let inputs = fixture("llama").join("inputs.safetensors");
+    let loss = |model: &Path| {
+        let (code, out, err) = weft(&[
+            "run",
+            s(model),
+            "--steps",
+            "1",
+            "--inputs",
+            s(&inputs),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        json(&out)["steps"][0]["loss"].as_f64().unwrap()
+    };
+    assert_eq!(loss(&dir), loss(&fixture("llama")));
+    let (code, _, err) = weft(&[
+        "shard",
+        s(&dir),
+        "--mesh",
+        "tp=2",
+        "-o",
+        s(&dir.join("shards")),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    // Each shard the index lists is an input of the commands that read it.
+    let shard = dir.join("model-00002-of-00002.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    refused(
+        &["eval", s(&dir.join("config.json")), "-o", s(&shard)],
+        &["would destroy the input"],
+    );
+    refused(
+        &[
+            "eval",
+            "tests/fixtures/llama/config.json",
+            "--weights",
+            s(&index),
+            "-o",
+            s(&shard),
+        ],
+        &["--weights", "would destroy the input"],
+    );
 }
 
 #[test]

@@ -29,5 +29,6 @@ pub use init::{random_weights, random_weights_observed};
 pub use model::{load, load_file, Model, Origin};
 pub use presets::{presets, Preset, PresetInfo};
 pub use weights::{
-    check_weights, load_weights, read_checkpoint, read_safetensors, save_safetensors, Checkpoint,
+    check_weights, checkpoint_files, load_weights, read_checkpoint, read_safetensors,
+    save_safetensors, Checkpoint,
 };

@@ -422,6 +422,20 @@ impl Graph {
         uses
     }
 
+    /// Uses of one value, as `(node, operand index)`, in program order: one scan of the
+    /// operands, without the table of every value's uses that [`Graph::uses`] builds.
+    pub fn uses_of(&self, v: Value) -> Vec<(Node, usize)> {
+        let mut out = Vec::new();
+        for &n in &self.order {
+            for (i, x) in self.node(n).operands.iter().enumerate() {
+                if *x == v {
+                    out.push((n, i));
+                }
+            }
+        }
+        out
+    }
+
     /// Parameters as `(name, value)` in program order.
     pub fn params(&self) -> Vec<(String, Value)> {
         self.order

@@ -117,6 +117,13 @@ macro_rules! define_ops {
                         None => T::absent().ok_or_else(|| format!("`{op}` needs attribute `{key}`")),
                     }
                 }
+                // A repeated key would leave one of its values unread.
+                let mut seen = std::collections::HashSet::with_capacity(attrs.len());
+                for (k, _) in attrs {
+                    if !seen.insert(k.as_str()) {
+                        return Err(format!("attribute `{k}` of `{name}` is given twice"));
+                    }
+                }
                 match name {
                     $( $name => {
                         let known: &[&str] = &[$($(stringify!($field)),*)?];

@@ -162,6 +162,7 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
         b
     };
     let mut param_names: BTreeMap<String, Node> = BTreeMap::new();
+    let mut input_names: BTreeMap<String, Node> = BTreeMap::new();
     for &n in g.nodes() {
         let d = g.node(n);
         let mut push = |msg: String| {
@@ -228,6 +229,15 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
             if let Some(prev) = param_names.insert(name.clone(), n) {
                 push(format!(
                     "parameter `{name}` is already defined by {}",
+                    g.describe(prev)
+                ));
+            }
+        }
+        // Inputs are bound by name: two of one name would both take the same tensor.
+        if let Op::Input { name, .. } = &d.op {
+            if let Some(prev) = input_names.insert(name.clone(), n) {
+                push(format!(
+                    "input `{name}` is already defined by {}",
                     g.describe(prev)
                 ));
             }

@@ -389,3 +389,17 @@ fn partition_sizes_that_overflow_or_go_negative_are_refused() {
     );
     assert!(parse(&text("[4]")).is_ok());
 }
+
+#[test]
+fn uses_of_one_value_match_the_table_of_all_uses() {
+    let g = weft_ir::parse(
+        "graph \"u\"\n%0: f32[4] = param {name=\"w\"}\n%1: f32[4] = mul %0, %0\n%2: f32[4] = add %1, %0\nreturn out=%2\n",
+    )
+    .unwrap();
+    let all = g.uses();
+    for id in 0..g.value_capacity() {
+        let v = weft_ir::Value(id as u32);
+        assert_eq!(g.uses_of(v), all[id], "{v}");
+    }
+    assert_eq!(g.uses_of(weft_ir::Value(0)).len(), 3);
+}

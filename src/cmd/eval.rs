@@ -34,7 +34,21 @@ struct Report {
 }
 
 pub fn run(a: Args) -> CliResult {
-    super::refuse_overwrite(&a.output, &a.run.input_paths())?;
+    // A plan given as MODEL reads the model (and the weights beside it) it was compiled
+    // from: those are inputs too.
+    let source = super::session::read_plan(&a.run.model)
+        .ok()
+        .flatten()
+        .map(|p| p.source)
+        .filter(|s| !s.is_empty());
+    let mut inputs = a.run.input_paths();
+    if let Some(src) = &source {
+        inputs.push((
+            "MODEL the plan was compiled from",
+            std::path::Path::new(src),
+        ));
+    }
+    super::refuse_overwrite(&a.output, &inputs)?;
     let s = Session::new(&a.run)?;
     // Gradients come from the step's backward graph (`grad.*` outputs of autodiff).
     let training = a.grads || a.run.train.any();

@@ -193,17 +193,44 @@ pub fn parse_mesh(text: &str) -> CliResult<Mesh> {
 /// Refuses an output path that is one of the command's inputs (or inside one).
 /// A MODEL directory counts as the files in it (config.json, weights, index): a new
 /// file written beside them destroys nothing, so only an existing file is refused.
+/// A MODEL file (config.json, .weft) counts with the checkpoint beside it, which is its
+/// default weights; a `--weights` index with the shards it lists.
 pub fn refuse_overwrite(out: &std::path::Path, inputs: &[(&str, &std::path::Path)]) -> CliResult {
     let mut files: Vec<(&str, std::path::PathBuf)> = Vec::new();
     for (what, p) in inputs {
         match std::fs::read_dir(p) {
-            Ok(entries) if *what == "MODEL" => {
+            Ok(entries) if what.starts_with("MODEL") => {
                 if out == *p || out.canonicalize().ok() == p.canonicalize().ok() {
                     files.push((what, p.to_path_buf()));
                 }
                 files.extend(entries.flatten().map(|e| (*what, e.path())));
             }
-            _ => files.push((what, p.to_path_buf())),
+            _ => {
+                files.push((what, p.to_path_buf()));
+                if what.starts_with("MODEL") {
+                    // `config.json`'s parent is the empty path: the current directory.
+                    let dir = p.parent().map(|d| {
+                        if d.as_os_str().is_empty() {
+                            std::path::Path::new(".")
+                        } else {
+                            d
+                        }
+                    });
+                    if let Some(dir) = dir.filter(|_| p.is_file()) {
+                        files.extend(
+                            weft_frontends::checkpoint_files(dir)
+                                .into_iter()
+                                .map(|f| ("checkpoint beside the MODEL", f)),
+                        );
+                    }
+                } else if matches!(*what, "--weights" | "checkpoint") {
+                    files.extend(
+                        weft_frontends::checkpoint_files(p)
+                            .into_iter()
+                            .map(|f| (*what, f)),
+                    );
+                }
+            }
         }
     }
     let refs: Vec<(&str, &std::path::Path)> =

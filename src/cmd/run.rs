@@ -32,7 +32,7 @@ pub struct Args {
     #[arg(long)]
     pub inputs: Option<PathBuf>,
     /// Token file (flat little-endian uint16, nanoGPT style): each step reads the next B*S tokens.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "inputs")]
     pub data: Option<PathBuf>,
     /// Float dtype of params and activations: keep (the model's), bf16 or f32.
     #[arg(long, default_value = "keep")]
@@ -115,7 +115,8 @@ pub struct Prepared {
     pub host_weights: Option<BTreeMap<String, HostTensor>>,
     pub batch: i64,
     pub seq: i64,
-    pub vocab: i64,
+    /// The embedding's rows, where the program has an embedding: token ids must be below.
+    pub vocab: Option<i64>,
     pub compile_s: f64,
     pub notes: Vec<String>,
     /// The model's parameter count, where the model is known.
@@ -196,7 +197,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
             plan.bindings.get("B").copied().unwrap_or(1),
             plan.bindings.get("S").copied().unwrap_or(1),
         );
-        let vocab = vocab_of(&program).unwrap_or(2);
+        let vocab = vocab_of(&program);
         let host_weights = match &a.weights {
             Some(w) if !plan.source.is_empty() => {
                 let model = super::load_model(&plan.source)?;
@@ -235,16 +236,21 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     // --inputs fixes the batch and sequence length.
     let given: Option<(i64, i64)> = match &a.inputs {
         Some(p) => {
-            let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
-            match t.get("input_ids").map(|x| x.shape.as_slice()) {
-                Some([b, s]) => Some((*b as i64, *s as i64)),
-                _ => {
+            let t = super::session::read_inputs(p)?;
+            let shape = &t["input_ids"].shape;
+            for (flag, given, have) in [("--batch", a.batch, shape[0]), ("--seq", a.seq, shape[1])]
+            {
+                if let Some(g) = given.filter(|&g| g != have as i64) {
                     return Err(CliError::input(format!(
-                        "--inputs {}: needs `input_ids` as i64 [batch, seq]",
+                        "{flag} {g} differs from --inputs {}, whose input_ids are {shape:?}",
                         p.display()
-                    )))
+                    ))
+                    .with_help(format!(
+                        "drop {flag} (the inputs fix it) or give inputs of that size"
+                    )));
                 }
             }
+            Some((shape[0] as i64, shape[1] as i64))
         }
         None => None,
     };
@@ -309,12 +315,10 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
     let optimizer = optimizer_text(c.train.as_ref());
     let g = c.program;
     let training = c.kind == weft_ir::plan::StepKind::Training;
-    let checkpoint = a.weights.clone().or_else(|| {
-        model
-            .dir()
-            .map(|d| d.join("model.safetensors"))
-            .filter(|p| p.exists())
-    });
+    let checkpoint = a
+        .weights
+        .clone()
+        .or_else(|| model.dir().and_then(super::session::find_checkpoint));
     // Host weights of a real model take a while and many GiB: say so before.
     let host_weights = match checkpoint {
         Some(w) => Some(super::session::load_weights(&model, &w)?),
@@ -324,7 +328,7 @@ pub fn prepare(a: &Args) -> CliResult<Prepared> {
         }
         None => None,
     };
-    let vocab = vocab_of(&g).unwrap_or(2);
+    let vocab = vocab_of(&g);
     Ok(Prepared {
         program: g,
         plan,
@@ -357,9 +361,9 @@ pub struct Feeder {
 }
 
 impl Feeder {
-    pub fn new(a: &Args, batch: i64, seq: i64, vocab: i64) -> CliResult<Feeder> {
+    pub fn new(a: &Args, batch: i64, seq: i64, vocab: Option<i64>) -> CliResult<Feeder> {
         let fixed = match &a.inputs {
-            Some(p) => Some(weft_frontends::read_safetensors(p).map_err(super::frontend_err)?),
+            Some(p) => Some(super::session::read_inputs(p)?),
             None => None,
         };
         let data = match &a.data {
@@ -379,6 +383,19 @@ impl Feeder {
                     .chunks_exact(2)
                     .map(|c| u16::from_le_bytes([c[0], c[1]]))
                     .collect();
+                // Checked here, once, rather than by the step that first reads a bad
+                // token (perhaps hours into a run).
+                if let Some(v) = vocab {
+                    if let Some((i, &t)) = toks.iter().enumerate().find(|(_, &t)| i64::from(t) >= v)
+                    {
+                        return Err(CliError::input(format!(
+                            "--data {}: token {i} (byte {}) is {t}, not below the model's vocabulary size {v}",
+                            p.display(),
+                            2 * i
+                        ))
+                        .with_help("the token file must come from this model's tokenizer"));
+                    }
+                }
                 if toks.len() < (batch * seq) as usize {
                     return Err(CliError::input(format!(
                         "--data {} holds {} tokens, fewer than one batch ({})",
@@ -405,7 +422,7 @@ impl Feeder {
             at: 0,
             batch: batch as usize,
             seq: seq as usize,
-            vocab,
+            vocab: vocab.unwrap_or(2),
             seed: a.seed,
         })
     }
@@ -581,6 +598,15 @@ pub fn run(a: Args) -> CliResult {
             "invalid --peak-tflops {}: must be a positive number (the device's peak, for MFU)",
             a.peak_tflops
         )));
+    }
+    if let Some(t) = a.tolerance {
+        // NaN would fail every comparison (`rel 1e-6 > NaN`), as would a negative one;
+        // an infinite one would pass every comparison.
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(CliError::input(format!(
+                "invalid --tolerance {t}: must be a non-negative relative tolerance (e.g. 1e-3)"
+            )));
+        }
     }
     if a.check > 0 && a.backend == "cpu" {
         return Err(CliError::input(

@@ -431,14 +431,19 @@ pub fn check_run_memory(g: &Graph, batch: i64, seq: i64, drawn: bool) -> CliResu
     .with_help("give a smaller --batch or --seq"))
 }
 
-fn find_checkpoint(dir: &Path) -> Option<PathBuf> {
+/// The checkpoint in a model directory: `model.safetensors`, else the index of a sharded
+/// one (`model.safetensors.index.json`), as HF saves them. Every command that defaults
+/// to the model directory's weights finds them here.
+pub fn find_checkpoint(dir: &Path) -> Option<PathBuf> {
     ["model.safetensors", "model.safetensors.index.json"]
         .iter()
         .map(|f| dir.join(f))
         .find(|p| p.exists())
 }
 
-fn read_inputs(p: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
+/// Reads `--inputs`: `input_ids` and `labels`, integer `[batch, seq]` tensors of one
+/// shape with at least one token. Every command that takes `--inputs` reads them here.
+pub fn read_inputs(p: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
     let t = weft_frontends::read_safetensors(p).map_err(super::frontend_err)?;
     for name in ["input_ids", "labels"] {
         let x = t.get(name).ok_or_else(|| {
@@ -461,6 +466,14 @@ fn read_inputs(p: &Path) -> CliResult<BTreeMap<String, HostTensor>> {
             t["labels"].shape,
             p.display()
         )));
+    }
+    if t["input_ids"].shape.contains(&0) {
+        return Err(CliError::input(format!(
+            "`input_ids` in {} has shape {:?}: no tokens to run",
+            p.display(),
+            t["input_ids"].shape
+        ))
+        .with_help("give at least one row (batch) of at least one token (seq)"));
     }
     Ok(t)
 }

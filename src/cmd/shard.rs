@@ -29,7 +29,8 @@ pub struct Args {
     /// the shard directory's layout.json says everything).
     #[arg(required_unless_present = "unshard")]
     pub model: Option<String>,
-    /// The full checkpoint to cut (default: the model directory's model.safetensors);
+    /// The full checkpoint to cut (default: the model directory's model.safetensors, or
+    /// its model.safetensors.index.json);
     /// with `--unshard`, the shard directory to read.
     #[arg(long)]
     pub weights: Option<PathBuf>,
@@ -165,17 +166,14 @@ pub fn run(a: Args) -> CliResult {
     let checkpoint = a
         .weights
         .clone()
-        .or_else(|| {
-            model
-                .dir()
-                .map(|d| d.join("model.safetensors"))
-                .filter(|p| p.exists())
-        })
+        .or_else(|| model.dir().and_then(super::session::find_checkpoint))
         .ok_or_else(|| {
             CliError::input("no checkpoint to shard").with_help("give --weights FILE")
         })?;
     super::refuse_overwrite(&a.output, &[("checkpoint", &checkpoint)])?;
-    let mut full = weft_frontends::read_safetensors(&checkpoint).map_err(super::frontend_err)?;
+    let mut full = weft_frontends::read_checkpoint(&checkpoint)
+        .map_err(super::frontend_err)?
+        .tensors;
     // Optimizer state: in its parameter's layout in the checkpoint (or as a first step
     // starts it), in the step's layout in the shards.
     let mut universal: BTreeMap<String, HostTensor> = BTreeMap::new();

@@ -118,6 +118,32 @@ fn shard_files(index: &Path) -> Result<Vec<String>, FrontendError> {
     Ok(files)
 }
 
+/// The files reading the checkpoint at `path` opens: a `.safetensors` file itself; an
+/// index json with the shards it lists; for a directory, those of its index or its
+/// `model.safetensors`. The outputs of a command must not be any of them. Best effort: an
+/// index that cannot be read lists only itself (reading the checkpoint reports why).
+pub fn checkpoint_files(path: &Path) -> Vec<PathBuf> {
+    let index = if path.is_dir() {
+        if path.join(INDEX).is_file() {
+            path.join(INDEX)
+        } else if path.join(SINGLE).is_file() {
+            return vec![path.join(SINGLE)];
+        } else {
+            return Vec::new();
+        }
+    } else if path.extension().is_some_and(|e| e == "json") {
+        path.to_path_buf()
+    } else {
+        return vec![path.to_path_buf()];
+    };
+    let dir = index.parent().map(Path::to_path_buf).unwrap_or_default();
+    let mut files = vec![index.clone()];
+    if let Ok(shards) = shard_files(&index) {
+        files.extend(shards.iter().map(|f| dir.join(f)));
+    }
+    files
+}
+
 /// Reads one safetensors file, memory-mapped: each tensor is a view of the mapping in
 /// the file's dtype (f64/f32/bf16/f16/i64/i32/bool), so reading copies nothing and a
 /// tensor's pages are read from disk when it is first used.

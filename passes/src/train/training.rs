@@ -69,6 +69,12 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     .iter()
     .find_map(|(s, m)| t.strip_suffix(s).map(|n| (n, *m)))
     .unwrap_or((t, 1));
+    // Whole numbers exactly (a u64 is more precise than an f64), fractions in floating point.
+    if let Ok(n) = num.trim().parse::<u64>() {
+        return n
+            .checked_mul(mult)
+            .ok_or_else(|| format!("`{text}` is more bytes than Weft counts (at most 2^64 - 1)"));
+    }
     let v: f64 = num
         .trim()
         .parse()
@@ -76,7 +82,36 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     if v < 0.0 || !v.is_finite() {
         return Err(format!("`{text}` is not a byte count"));
     }
-    Ok((v * mult as f64).round() as u64)
+    let bytes = (v * mult as f64).round();
+    // 2^64 and above would saturate to u64::MAX: another number than the one given.
+    if bytes >= 18_446_744_073_709_551_616.0 {
+        return Err(format!(
+            "`{text}` is more bytes than Weft counts (at most 2^64 - 1)"
+        ));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod parse_bytes_tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn byte_counts_past_u64_are_refused_not_saturated() {
+        assert_eq!(parse_bytes("1.5Ki"), Ok(1536));
+        assert_eq!(parse_bytes("18446744073709551615"), Ok(u64::MAX));
+        assert_eq!(parse_bytes("16Gi"), Ok(16 << 30));
+        for t in [
+            "99999999999999999999999",
+            "20000000T",
+            "1e300",
+            "18446744073709551616",
+            "17179869184Gi",
+        ] {
+            let e = parse_bytes(t).unwrap_err();
+            assert!(e.contains("more bytes than Weft counts"), "{t}: {e}");
+        }
+    }
 }
 
 /// The optimizer the `optimizer` pass writes.

@@ -1335,7 +1335,6 @@ impl Tp {
         let Ok(cat) = weft_ir::shape::norm_dim(dim, rank) else {
             return Ok(());
         };
-        let uses = g.uses();
         for k in (0..rank).filter(|&k| k != cat) {
             let Some(size) = operands
                 .iter()
@@ -1356,8 +1355,7 @@ impl Tp {
                 let xt = g.ty(x).clone();
                 let off = shape.len() - xt.rank();
                 let broadcast = k < off || xt.shape[k - off] == Dim::from(1);
-                let only_here = uses.get(v.0 as usize).is_some_and(|u| u.len() == 1);
-                if !broadcast || !only_here {
+                if !broadcast || g.uses_of(v).len() != 1 {
                     continue;
                 }
                 let mut shape = shape;
@@ -1589,7 +1587,7 @@ impl Tp {
                     self.pieces.insert(out, lp.sizes.clone());
                 }
                 if gather {
-                    let users = g.uses()[out.0 as usize].clone();
+                    let users = g.uses_of(out);
                     let whole = gather_uneven(
                         g,
                         n,
@@ -2363,8 +2361,7 @@ fn trace_forward(g: &Graph, v: Value, uses: &[Vec<(Node, usize)>]) -> Option<Nod
 /// linear `n`'s output.
 fn following_split(g: &Graph, n: Node, dim: usize) -> Option<Vec<i64>> {
     let out = g.node(n).results[0];
-    let uses = g.uses();
-    let us = uses.get(out.0 as usize)?;
+    let us = g.uses_of(out);
     let [(u, 0)] = us.as_slice() else { return None };
     match &g.node(*u).op {
         Op::Split { dim: d, sizes }
