@@ -1440,3 +1440,36 @@ fn plan_building_time() {
         last = Some((n, dt));
     }
 }
+
+#[test]
+fn print_flags_naming_a_pass_the_pipeline_does_not_run_are_refused() {
+    // One rank runs no tensor-parallel pass: asking to print around it printed nothing.
+    let (code, _, stderr) = weft(&["compile", "llama-tiny", "--print-before", "tensor-parallel"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--print-before names `tensor-parallel`") && stderr.contains("autodiff"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = weft(&[
+        "compile",
+        "llama-tiny",
+        "--print-after",
+        "fuse,tensor-parallel",
+    ]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--print-after names `tensor-parallel`"),
+        "{stderr}"
+    );
+    // Where it runs, it prints.
+    let (code, _, stderr) = weft(&[
+        "compile",
+        "llama-tiny",
+        "--mesh",
+        "tp=2",
+        "--print-before",
+        "tensor-parallel",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("IR before tensor-parallel"), "{stderr}");
+}

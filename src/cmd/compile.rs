@@ -174,6 +174,7 @@ pub fn run(a: Args) -> CliResult {
     let c =
         weft_passes::driver::compile(&req, &mut std::io::stderr()).map_err(super::driver_err)?;
     let elapsed = start.elapsed();
+    refuse_unrun_print_passes(&a, &c.pipeline.names())?;
     super::print_choice(&c);
     let g = &c.program;
     let text = weft_ir::print(g);
@@ -264,6 +265,26 @@ pub fn run(a: Args) -> CliResult {
     );
     if let Some(w) = wrote {
         eprintln!("wrote {w}");
+    }
+    Ok(())
+}
+
+/// A pass named by --print-before / --print-after that this compile's pipeline does not
+/// run printed nothing: refuse it (as --stop-after is) rather than exit 0 silently.
+fn refuse_unrun_print_passes(a: &Args, pipeline: &[&str]) -> CliResult {
+    for (flag, names) in [
+        ("--print-before", &a.print_before),
+        ("--print-after", &a.print_after),
+    ] {
+        let Some(text) = names else { continue };
+        if let PassFilter::Only(names) = PassFilter::parse(text).map_err(crate::fail)? {
+            if let Some(n) = names.iter().find(|n| !pipeline.contains(&n.as_str())) {
+                return Err(CliError::input(format!(
+                    "{flag} names `{n}`, which this compile's pipeline does not run, so nothing was printed"
+                ))
+                .with_help(format!("its passes: {}", pipeline.join(", "))));
+            }
+        }
     }
     Ok(())
 }
