@@ -18,15 +18,17 @@ declare -A BUDGET=([upd]=240 [b8]=200 [b8c]=260 [prof8]=200 [bench]=120 [torch]=
 DEADLINE=${DEADLINE:-540}
 upd() {
   ( PHASES=upd; source bench/gpu_env.sh > /dev/null
-  for m in "llama-tiny" "llama-tiny --dtype bf16 --batch 2 --micro-batches 2" "llama-tiny --stream-optimizer-state --optimizer adamw" "mixtral-tiny --batch 2" "llama-tiny --dtype bf16 --no-master-weights"; do
+  chk() { for m in "$@"; do
     echo "== check $m --update-stream: $(timeout 60 ./.gpu/weft run $m --backend cuda --steps 8 --check 8 --update-stream 2>&1 | grep -iE 'check|error|panic' | tail -2 | cut -c1-200 | tr '\n' ' ')"
-  done
+  done; }
   one() { timeout 60 ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --steps 5 "$@" 2>&1 | grep -E '^mean|error' | cut -c1-160; }
+  chk "llama-tiny" "llama-tiny --dtype bf16 --batch 2 --micro-batches 2"
   for r in 1 2; do
     for u in "" --update-stream; do
       echo "== 4096 torch-adamw ${u:-inline}: $(one --seq 4096 --torch-adamw --unfused-loss $u)"
     done
   done
+  chk "llama-tiny --stream-optimizer-state --optimizer adamw" "mixtral-tiny --batch 2" "llama-tiny --dtype bf16 --no-master-weights"
   for u in "" --update-stream; do
     echo "== 4096 master ${u:-inline}: $(one --seq 4096 --unfused-loss --checkpoint none --offload=false --zero 0 --micro-batches 1 --stream-optimizer-state=false $u)"
   done
