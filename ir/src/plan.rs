@@ -511,6 +511,17 @@ impl ExecutionPlan {
         })
     }
 
+    /// Whether every instruction in `reads` but `w` itself has finished when instruction
+    /// `w` starts, by the vector `clock` ([`Self::clocks`]): its stream's order and the
+    /// events it waits for. Program order is not enough: a read on another stream that
+    /// `w` does not wait for may still be running.
+    pub fn reads_done_before(&self, clock: &[Vec<i64>], reads: &[u32], w: u32) -> bool {
+        let c = &clock[w as usize];
+        reads
+            .iter()
+            .all(|&i| i == w || c[self.instructions[i as usize].stream as usize] >= i as i64)
+    }
+
     /// Vector clocks: `clock[j][t]` is the last instruction of stream `t` known to have
     /// finished when instruction `j` starts (in-order streams plus the events it waits
     /// for, transitively); -1: none.

@@ -115,8 +115,9 @@ pub struct TrainArgs {
     /// Run the optimizer updates on a CUDA stream of their own at low priority, beside
     /// the backward: each update starts when the compute stream reaches it and fills
     /// the SMs the backward's kernels leave idle, instead of taking compute-stream time.
-    /// Off by default (not yet measured to pay on every card). No effect with
-    /// --offload-optimizer (the host runs the update) or without an optimizer.
+    /// Off by default (not yet measured to pay on every card). Refused with
+    /// --offload-optimizer (the host runs the update) or without an optimizer; a plan
+    /// then leaves the host update out of its choices.
     #[arg(long)]
     pub update_stream: bool,
 }
@@ -202,6 +203,18 @@ impl TrainArgs {
                 )
                 .with_help("give --optimizer adamw or sgd"));
             }
+            if self.update_stream {
+                return Err(CliError::input(
+                    "--update-stream moves the optimizer's updates to a stream of their own, but this step has no optimizer",
+                )
+                .with_help("give --optimizer adamw or sgd, or drop --update-stream"));
+            }
+        }
+        if self.update_stream && self.offload_optimizer == Some(true) {
+            return Err(CliError::input(
+                "--update-stream moves the device's optimizer updates, but with --offload-optimizer the host CPU runs them",
+            )
+            .with_help("drop one of the two"));
         }
         Ok(TrainRequest {
             options: TrainOptions {
@@ -238,6 +251,7 @@ impl TrainArgs {
                 // The host update needs AdamW on f32 master weights.
                 offload_optimizer: self.offload_optimizer.is_none()
                     && self.stream_optimizer_state != Some(true)
+                    && !self.update_stream
                     && matches!(optimizer, Some(Optimizer::AdamW { .. }))
                     && !self.no_master_weights,
                 fused_loss: !self.unfused_loss && !self.fused_loss,

@@ -1405,7 +1405,6 @@ mod tests {
         assert!(sel_off >= act("selective", false));
     }
 
-    /// The 1.24B Llama-3-style model (`llama3.2-1b`).
     /// Below ZeRO-3 the gradients are final, and their reductions run, only in the last
     /// micro-batch's backward: with more micro-batches less of the backward hides them
     /// (at stage 2 each micro-batch reduce-scatters in its own backward).
@@ -1433,6 +1432,7 @@ mod tests {
         assert!(exposed(1, 4) > exposed(1, 1));
     }
 
+    /// The 1.24B Llama-3-style model (`llama3.2-1b`).
     fn llama1b() -> ModelShape {
         ModelShape {
             name: "llama3.2-1b".into(),

@@ -447,14 +447,14 @@ impl Executor {
         let root_of = resolve_views(plan, &mut bufs)?;
         updates.retain(|&(from, to)| root_of[from as usize] != root_of[to as usize]);
         let elided = view_reshapes(plan, &root_of);
-        let last_read = last_reads(plan, &root_of);
+        let readers = readers(plan, &root_of);
         let writer = producers(plan);
         // Updates the plan did not write in place (older plans, or where it could not)
         // write in place here when nothing after the write reads the old value (an
         // elementwise optimizer kernel may read it itself): no copy back, and the
         // `param.*` / `optim.*` outputs alias what they update. Updates the plan wrote
         // in place were dropped above; the groups left here hold one value each.
-        update_in_place(plan, &mut bufs, &root_of, &last_read, &writer, &mut updates);
+        update_in_place(plan, &mut bufs, &root_of, &readers, &writer, &mut updates);
 
         // cuDNN attention, when asked for: absence falls back to Weft's kernels (one line).
         let cudnn = cudnn_attention(opts, &streams);

@@ -18,17 +18,15 @@ pub(super) fn assemble(
     memory: MemoryReport,
 ) -> ExecutionPlan {
     let d = &opts.device;
-    let side = if super::has_host_update(g) {
-        Some(StreamKind::Host)
-    } else if sched
+    // The fifth stream carries the host update or the device updates, never both.
+    let side = sched
         .instructions
         .iter()
-        .any(|i| i.stream == super::UPDATE_STREAM)
-    {
-        Some(StreamKind::Update)
-    } else {
-        None
-    };
+        .find(|i| i.stream == HOST_STREAM)
+        .map(|i| match i.op.as_str() {
+            "host_adamw" => StreamKind::Host,
+            _ => StreamKind::Update,
+        });
     let Schedule {
         instructions,
         events,

@@ -144,17 +144,18 @@ pub(super) fn view_reshapes(plan: &ExecutionPlan, root_of: &[u32]) -> HashSet<u3
     elided
 }
 
-/// The last instruction reading each root buffer (0 where none does).
-pub(super) fn last_reads(plan: &ExecutionPlan, root_of: &[u32]) -> Vec<u32> {
-    let nb = plan.buffers.len();
-    let mut last_read = vec![0u32; nb];
+/// The instructions reading each root buffer, in program order.
+pub(super) fn readers(plan: &ExecutionPlan, root_of: &[u32]) -> Vec<Vec<u32>> {
+    let mut readers = vec![Vec::new(); plan.buffers.len()];
     for ins in &plan.instructions {
         for &b in &ins.inputs {
-            let r = root_of[b as usize] as usize;
-            last_read[r] = last_read[r].max(ins.id);
+            let r = &mut readers[root_of[b as usize] as usize];
+            if r.last() != Some(&ins.id) {
+                r.push(ins.id);
+            }
         }
     }
-    last_read
+    readers
 }
 
 /// Each buffer's writer: the first instruction with it among its outputs.
@@ -174,11 +175,15 @@ pub(super) fn update_in_place(
     plan: &ExecutionPlan,
     bufs: &mut [DevT],
     root_of: &[u32],
-    last_read: &[u32],
+    readers: &[Vec<u32>],
     writer: &[Option<u32>],
     updates: &mut Vec<(u32, u32)>,
 ) {
     let nb = plan.buffers.len();
+    // A checked plan always has its clocks; without them nothing is written in place.
+    let Ok(clock) = plan.clocks() else {
+        return;
+    };
     let mut aliased: Vec<u32> = Vec::new();
     for &(ob, to) in updates.iter() {
         let Some(w) = writer[ob as usize] else {
@@ -213,9 +218,9 @@ pub(super) fn update_in_place(
             pairs
                 .iter()
                 .any(|&(i, o)| Some(i) == pos_in && Some(o) == pos_out)
-                && last_read[tr] <= w
+                && plan.reads_done_before(&clock, &readers[tr], w)
         } else {
-            last_read[tr] < w
+            plan.reads_done_before(&clock, &readers[tr], w)
         };
         if ok {
             // the update's views move with it
