@@ -128,6 +128,7 @@ fn bad_arguments_are_refused() {
             "true",
         ],
         vec!["launch", "--master-port", "65535", "--", "true"],
+        vec!["launch", "--master-port", "0", "--", "true"],
         vec!["launch", "--grace", "nan", "--", "true"],
         vec!["launch", "--", "/nonexistent/program"],
     ] {

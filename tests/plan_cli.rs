@@ -568,6 +568,12 @@ fn update_stream_runs_each_update_beside_the_compute_after_it() {
         one_side["memory"]["peak_bytes"],
         one["memory"]["peak_bytes"]
     );
+    // The updates' time is the update stream's, not the compute stream's busy time.
+    let cost = |p: &serde_json::Value, k: &str| p["cost"][k].as_f64().unwrap_or(0.0);
+    assert_eq!(cost(&one, "update_s"), 0.0);
+    assert!(cost(&one_side, "update_s") > 0.0);
+    assert!(cost(&one_side, "compute_s") < cost(&one, "compute_s"));
+    assert!(cost(&one_side, "compute_s") <= step(&one_side));
     // The host runs the update under --offload-optimizer: nothing for the flag to move.
     let (code, _, stderr) = weft(&[
         "compile",

@@ -1,6 +1,7 @@
 //! `weft` end to end with tensor parallelism: `check --train` over tp meshes (alone,
 //! with sp and dp, uneven, with a DeepSpeed spec file), bad specs, and `weft shard`:
-//! a full checkpoint to per-rank shards and back, byte for byte, and tp=2 -> tp=3.
+//! a full checkpoint to per-rank shards and back, byte for byte, tp=2 -> tp=3, and a
+//! directory sharded again for another mesh.
 
 mod common;
 use common::*;
@@ -150,6 +151,33 @@ fn shard_round_trip_is_byte_identical_and_reshards() {
     for (k, t) in &orig {
         assert_eq!(t, &back[k], "{k}");
     }
+    // Sharding the tp=3 layout into the tp=2 directory replaces its layout: the new
+    // files, none of the old layout's others, and files no layout listed left alone.
+    std::fs::write(s3.join("notes.txt"), "mine").unwrap();
+    run(&[
+        "shard",
+        "tests/fixtures/qwen3",
+        "--mesh",
+        "tp=2",
+        "--weights",
+        full_a.to_str().unwrap(),
+        "-o",
+        s3.to_str().unwrap(),
+    ]);
+    let mut names: Vec<String> = std::fs::read_dir(&s3)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "layout.json",
+            "notes.txt",
+            "rank-tp0.safetensors",
+            "rank-tp1.safetensors"
+        ]
+    );
 }
 
 /// `weft run` draws token ids over the whole vocabulary, not over one tp rank's slice of

@@ -349,6 +349,19 @@ fn schema_versions_and_old_archives() {
         "\"use_pickle\": true",
     ));
     assert!(matches!(e, Pt2Error::OldArchive { .. }), "{e}");
+    // A newer archive spec than torch 2.9-2.11 writes.
+    let e = err(rebuild("qwen2", |n, d| {
+        Some(if n.ends_with("/archive_version") {
+            b"1".to_vec()
+        } else {
+            d
+        })
+    }));
+    assert!(matches!(e, Pt2Error::Zip { .. }), "{e}");
+    assert!(
+        e.to_string().contains("archive_version") && e.to_string().contains("`1`"),
+        "{e}"
+    );
 }
 
 #[test]

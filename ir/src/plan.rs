@@ -384,13 +384,17 @@ pub struct CostSummary {
     /// Busy time of the compute stream.
     pub compute_s: f64,
     /// Time the step spends beyond the compute stream's busy time: communication,
-    /// host copies and host optimizer updates not hidden under compute.
+    /// host copies and optimizer updates off the compute stream not hidden under it.
     pub exposed_comm_s: f64,
     pub comm_s: f64,
     pub copy_s: f64,
     /// Host optimizer updates (`host_adamw`, `--offload-optimizer`), on the host stream.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub host_update_s: f64,
+    /// Device optimizer updates on the update stream (`--update-stream`), beside the
+    /// compute stream and not part of its busy time.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub update_s: f64,
     pub flops: f64,
     /// Model FLOPs utilisation: flops / (step time * peak matmul rate).
     pub mfu: f64,

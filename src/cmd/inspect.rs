@@ -50,6 +50,7 @@ struct Summary<'a> {
     exposed_comm_s: f64,
     copy_s: f64,
     host_update_s: f64,
+    update_stream_s: f64,
     comm_bytes: &'a std::collections::BTreeMap<String, f64>,
     collectives: &'a std::collections::BTreeMap<String, u64>,
     mfu: f64,
@@ -105,6 +106,7 @@ pub fn run(a: Args) -> CliResult {
         exposed_comm_s: p.cost.exposed_comm_s,
         copy_s: p.cost.copy_s,
         host_update_s: p.cost.host_update_s,
+        update_stream_s: p.cost.update_s,
         comm_bytes: &p.cost.comm_bytes,
         collectives: &p.cost.collectives,
         mfu: p.cost.mfu,
@@ -182,6 +184,8 @@ pub fn run(a: Args) -> CliResult {
         p.cost.copy_s * 1e3,
         if p.cost.host_update_s > 0.0 {
             format!(", host optimizer {:.3} ms", p.cost.host_update_s * 1e3)
+        } else if p.cost.update_s > 0.0 {
+            format!(", update stream {:.3} ms", p.cost.update_s * 1e3)
         } else {
             String::new()
         },

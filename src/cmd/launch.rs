@@ -81,6 +81,11 @@ fn validate(a: &Args) -> CliResult {
             a.nnodes, a.nproc_per_node
         )));
     }
+    if a.master_port == 0 {
+        return Err(CliError::input(
+            "--master-port 0 names no port: every rank must connect to the same one, so give it (torchrun's default is 29500)",
+        ));
+    }
     if a.master_port == u16::MAX {
         return Err(CliError::input(
             "--master-port 65535 leaves no port for the NCCL id (it goes on MASTER_PORT + 1)",

@@ -216,6 +216,7 @@ pub fn run(a: Args) -> CliResult {
         .map_err(|e| CliError::input(format!("sharding {}: {e}", checkpoint.display())))?;
     std::fs::create_dir_all(&a.output)
         .map_err(|e| CliError::input(format!("cannot create {}: {e}", a.output.display())))?;
+    let earlier_files = retire_earlier_layout(&a.output)?;
     let coords = tp::layout::shard_coords(&axes);
     let mut files = Vec::new();
     let mut file_digests = Vec::new();
@@ -247,6 +248,7 @@ pub fn run(a: Args) -> CliResult {
         zero: a.zero,
     };
     super::write_out(Some(&a.output.join("layout.json")), &super::json(&lf))?;
+    remove_stale_shards(&a.output, &earlier_files, &lf.files)?;
     let split = lf.params.iter().filter(|l| !l.replicated).count();
     if a.json {
         print!(
@@ -268,6 +270,46 @@ pub fn run(a: Args) -> CliResult {
         lf.params.len(),
         a.output.display()
     );
+    Ok(())
+}
+
+/// The shard files an earlier `weft shard` into `dir` listed, with its layout.json
+/// removed first: while the new shards are written, no layout describes files that no
+/// longer match it. Files the directory holds that no layout names are never touched.
+fn retire_earlier_layout(dir: &Path) -> CliResult<Vec<String>> {
+    let path = dir.join("layout.json");
+    let Ok(text) = weft_ir::files::read_to_string(&path) else {
+        return Ok(Vec::new());
+    };
+    let files = serde_json::from_str::<LayoutFile>(&text)
+        .map(|lf| lf.files)
+        .unwrap_or_default();
+    std::fs::remove_file(&path)
+        .map_err(|e| CliError::input(format!("cannot replace {}: {e}", path.display())))?;
+    Ok(files)
+}
+
+/// Removes the shards of an earlier layout that the new one does not write (a tp=4
+/// directory sharded again for tp=2 would otherwise keep rank-tp2 and rank-tp3 beside
+/// the new files). Only plain `.safetensors` names the earlier layout listed.
+fn remove_stale_shards(dir: &Path, earlier: &[String], current: &[String]) -> CliResult {
+    for f in earlier {
+        let plain = Path::new(f).components().count() == 1 && f.ends_with(".safetensors");
+        if !plain || current.contains(f) {
+            continue;
+        }
+        let path = dir.join(f);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(CliError::input(format!(
+                    "cannot remove the earlier shard {}: {e}",
+                    path.display()
+                )))
+            }
+        }
+    }
     Ok(())
 }
 

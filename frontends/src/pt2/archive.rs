@@ -44,6 +44,9 @@ const MAX_EXPANDED_BYTES: u64 = 1 << 30;
 /// multi-GB archive at load); each is checked against its tensor's size instead.
 const PAYLOAD_FOLDERS: [&str; 2] = ["data/weights/", "data/constants/"];
 
+/// The PT2 archive spec version Weft reads (`archive_version`; torch's `ARCHIVE_VERSION_VALUE`).
+const PT2_ARCHIVE_VERSION: &str = "0";
+
 /// True when the central directory of the zip in `bytes` names the entries of a
 /// torch.export archive (`models/<name>.json`, or an older layout's files, which the
 /// importer then names). Reads only the directory, wherever it is: torch writes the
@@ -196,7 +199,7 @@ impl Archive {
         self.entries.keys().map(String::as_str)
     }
 
-    /// Checks the layout and returns the model name (`model` for `models/model.json`).
+    /// Checks the layout (format, archive version, byte order) and returns the model name (`model` for `models/model.json`).
     pub fn check_layout(&self) -> Result<String, Pt2Error> {
         let old = |writer: &str, message: &str| Pt2Error::OldArchive {
             archive: self.name.clone(),
@@ -236,6 +239,18 @@ impl Archive {
                     message: format!(
                         "`{}` says `{f}`, expected `pt2`",
                         self.entry_name("archive_format")
+                    ),
+                });
+            }
+        }
+        if let Some(v) = self.get("archive_version") {
+            let v = String::from_utf8_lossy(v).trim().to_string();
+            if v != PT2_ARCHIVE_VERSION {
+                return Err(Pt2Error::Zip {
+                    archive: self.name.clone(),
+                    message: format!(
+                        "`{}` says `{v}`; Weft reads PT2 archive version {PT2_ARCHIVE_VERSION} (torch.export.save of torch 2.9-2.11), and torch refuses a version it does not know for the same reason",
+                        self.entry_name("archive_version")
                     ),
                 });
             }

@@ -77,6 +77,7 @@ pub(super) fn cost_summary(
         comm_s,
         copy_s,
         host_update_s,
+        update_s,
         flops: flops_total,
     } = costs;
     let step_time_s = instructions
@@ -96,6 +97,7 @@ pub(super) fn cost_summary(
         comm_s,
         copy_s,
         host_update_s,
+        update_s,
         flops: flops_total,
         mfu,
         comm_bytes,

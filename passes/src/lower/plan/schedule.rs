@@ -63,6 +63,8 @@ pub(super) struct StepCosts {
     pub copy_s: f64,
     /// Host optimizer updates (the host stream's `host_adamw`).
     pub host_update_s: f64,
+    /// Device optimizer updates on their own stream (`--update-stream`).
+    pub update_s: f64,
     pub flops: f64,
 }
 
@@ -345,7 +347,11 @@ fn instruction_cost(
                         + lce_row_bytes(g, n, b).map_or(0.0, |by| cost::lce_row_pass_time(by, d))
                 }
             };
-            costs.compute_s += t;
+            if stream == UPDATE_STREAM {
+                costs.update_s += t;
+            } else {
+                costs.compute_s += t;
+            }
             (in_bytes + out_bytes, t)
         }
     }
