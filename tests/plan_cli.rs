@@ -361,6 +361,8 @@ fn moe_stack_prediction_is_within_ten_percent_of_the_h200_measurement() {
         "--batch",
         "1",
         "--no-master-weights",
+        // Measured with the updates on the compute stream.
+        "--update-stream=false",
         "--device",
         "h200",
         "-o",
@@ -507,8 +509,11 @@ fn tiny_plan(name: &str, mesh: &str, zero: &str, extra: &[&str]) -> serde_json::
 
 #[test]
 fn update_stream_runs_each_update_beside_the_compute_after_it() {
-    let base = tiny_plan("updates-inline", "dp=2", "1", &[]);
+    let base = tiny_plan("updates-inline", "dp=2", "1", &["--update-stream=false"]);
     let side = tiny_plan("updates-side", "dp=2", "1", &["--update-stream"]);
+    // Not given, the device's updates run beside the compute as well.
+    let default = tiny_plan("updates-default", "dp=2", "1", &[]);
+    assert_eq!(default["instructions"], side["instructions"]);
     let streams = side["streams"].as_array().unwrap();
     assert_eq!(streams.last().unwrap()["kind"], "update");
     assert_eq!(base["streams"].as_array().unwrap().len(), 4);
@@ -556,7 +561,12 @@ fn update_stream_runs_each_update_beside_the_compute_after_it() {
     let step = |p: &serde_json::Value| p["cost"]["step_time_s"].as_f64().unwrap();
     assert!(step(&side) <= step(&base));
     // On one rank the compute stream bounds the step: what the updates leave it is saved.
-    let one = tiny_plan("updates-one-inline", "dp=1", "0", &[]);
+    let one = tiny_plan(
+        "updates-one-inline",
+        "dp=1",
+        "0",
+        &["--update-stream=false"],
+    );
     let one_side = tiny_plan("updates-one-side", "dp=1", "0", &["--update-stream"]);
     assert!(
         step(&one_side) < step(&one),

@@ -30,7 +30,9 @@ use crate::pass::{PassContext, PassError};
 use crate::registry::{default_pipeline_explained, Pipeline, Step};
 use crate::search::{Candidate, ModelShape, Scored, SearchSpec};
 use crate::tp::TpOptions;
-use crate::training::{training_steps, CheckpointPolicy, OffloadOptions, TrainOptions};
+use crate::training::{
+    training_steps, CheckpointPolicy, OffloadOptions, TrainOptions, UpdateStream,
+};
 use crate::update_timing::DeferUpdates;
 use std::io::Write;
 use weft_ir::plan::{DeviceProfile, ExecutionPlan, StepKind};
@@ -803,6 +805,19 @@ fn evaluate_verified(
         .filter_map(|k| p.memory.breakdown.get(*k))
         .sum();
     let over = peak.saturating_sub(req.memory_limit());
+    if peak > req.memory_limit() && opts.update_stream == UpdateStream::WhereItFits {
+        let inline = evaluate_verified(
+            req,
+            &TrainOptions {
+                update_stream: UpdateStream::Off,
+                ..opts.clone()
+            },
+            verify_each,
+        )?;
+        if inline.fits {
+            return Ok(inline);
+        }
+    }
     if !fits
         && host_fits
         && moved > 0
@@ -1131,7 +1146,9 @@ fn compile_with(
             device_memory: limit,
             bindings: bindings.clone(),
             source: req.source.clone(),
-            update_stream: train.as_ref().is_some_and(|t| t.update_stream),
+            update_stream: train
+                .as_ref()
+                .is_some_and(|t| t.update_stream != UpdateStream::Off),
         };
         Some(plan::lower(&g, &opts)?)
     } else {

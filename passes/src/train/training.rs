@@ -309,9 +309,25 @@ pub struct TrainOptions {
     /// holding the reduced gradients least long (the driver holds less where a plan
     /// does not fit otherwise).
     pub defer_updates: crate::train::update_timing::DeferUpdates,
-    /// The plan runs the device's optimizer updates on a stream of their own beside the
-    /// compute stream (`--update-stream`, [`crate::plan::PlanOptions::update_stream`]).
-    pub update_stream: bool,
+    /// Whether the plan runs the device's optimizer updates on a stream of their own
+    /// beside the compute stream (`--update-stream`,
+    /// [`crate::plan::PlanOptions::update_stream`]).
+    pub update_stream: UpdateStream,
+}
+
+/// Where the device's optimizer updates run ([`TrainOptions::update_stream`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UpdateStream {
+    /// On the compute stream, between the backward's kernels.
+    #[default]
+    Off,
+    /// On a stream of their own.
+    On,
+    /// On a stream of their own unless the plan then no longer fits the device memory:
+    /// a compute stream that no longer waits for the updates can run ahead of them, and
+    /// of reductions that outlast the backward, holding more gradients at once. The
+    /// driver then plans them on the compute stream.
+    WhereItFits,
 }
 
 impl Default for TrainOptions {
@@ -338,7 +354,7 @@ impl Default for TrainOptions {
             warmup_steps: None,
             cp_kv: Default::default(),
             defer_updates: crate::train::update_timing::DeferUpdates::All,
-            update_stream: false,
+            update_stream: UpdateStream::Off,
         }
     }
 }
@@ -394,6 +410,12 @@ impl TrainOptions {
         }
         if let Some(w) = self.warmup_steps {
             s.push_str(&format!(" --warmup-steps {w}"));
+        }
+        if self.update_stream == UpdateStream::Off
+            && self.optimizer.is_some()
+            && !self.offload_optimizer
+        {
+            s.push_str(" --update-stream=false");
         }
         if self.cp_kv != crate::ring_allgather::CpKv::Ring {
             // It holds the whole sequence's k/v per layer where the ring holds two blocks.
