@@ -14,11 +14,13 @@ set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "${MEM%%.*}" -gt 100000 ]; then ORDER=${H200_PHASES:-"ab bench torch b8 b8c"}; else ORDER=${H100_PHASES:-"ab bench torch"}; fi
-declare -A BUDGET=([ab]=90 [b8]=200 [b8c]=260 [bench]=120 [torch]=90)
+declare -A BUDGET=([ab]=110 [b8]=200 [b8c]=260 [bench]=120 [torch]=90)
 DEADLINE=${DEADLINE:-560}
 ab() {
   ( PHASES=ab; source bench/gpu_env.sh > /dev/null
-  for m in "llama-tiny" "mixtral-tiny --batch 2" "llama-tiny --dtype bf16 --batch 2 --micro-batches 2"; do
+  for m in "llama-tiny" "mixtral-tiny --batch 2" "llama-tiny --dtype bf16 --batch 2 --micro-batches 2" \
+      "llama-tiny --stream-optimizer-state --optimizer adamw" "llama-tiny --dtype bf16 --no-master-weights" \
+      "llama-tiny --optimizer sgd"; do
     echo "== check $m (default): $(timeout 60 ./.gpu/weft run $m --backend cuda --steps 8 --check 8 2>&1 | grep -iE 'check|error|panic' | tail -1 | cut -c1-160)"
   done
   one() { timeout 70 ./.gpu/weft run llama3.2-1b --backend cuda --batch 1 --steps 5 "$@" 2>&1 | grep -E '^mean|error' | cut -c1-120; }
