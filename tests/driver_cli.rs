@@ -669,7 +669,8 @@ fn peak_and_step(line: &str) -> (f64, f64) {
 }
 
 /// The all-reduce over two nodes outlasts the backward: with the updates moved to
-/// where their reductions are predicted done the step is about a fifth shorter, and
+/// where their reductions are predicted done (or on their own stream, by default) the
+/// step is about a fifth shorter, and
 /// holds the reduced gradients longer. Where that no longer fits the device the driver
 /// holds as much as still fits (the step between the two), and where only the updates
 /// kept in place fit, takes that; the tried line says which.
@@ -682,6 +683,14 @@ fn updates_move_past_their_reductions_unless_that_breaks_the_fit() {
         [&roomy, &some, &tight].map(|l| peak_and_step(l));
     let lines = format!("{roomy}\n{some}\n{tight}");
     assert!(!roomy.contains("to fit"), "{lines}");
+    // The updates run beside the compute where that fits; not stalled by them, the
+    // compute runs ahead of the reductions and holds more gradients, so the tighter
+    // limits plan them on the compute stream (and say so).
+    assert!(!roomy.contains("--update-stream=false"), "{lines}");
+    assert!(
+        some.contains("--update-stream=false") && tight.contains("--update-stream=false"),
+        "{lines}"
+    );
     assert!(
         some.contains("updates moved past their reductions holding at most"),
         "{lines}"
