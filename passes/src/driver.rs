@@ -806,17 +806,17 @@ fn evaluate_verified(
         .sum();
     let over = peak.saturating_sub(req.memory_limit());
     if peak > req.memory_limit() && opts.update_stream == UpdateStream::WhereItFits {
-        let inline = evaluate_verified(
+        // Inline, each update holds the compute stream until its gradient is reduced:
+        // never more gradients at once than beside it, so the inline plan (with its own
+        // search of how long to hold them) is the one to fit or to report.
+        return evaluate_verified(
             req,
             &TrainOptions {
                 update_stream: UpdateStream::Off,
                 ..opts.clone()
             },
             verify_each,
-        )?;
-        if inline.fits {
-            return Ok(inline);
-        }
+        );
     }
     if !fits
         && host_fits
