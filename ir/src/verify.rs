@@ -163,6 +163,9 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
     };
     let mut param_names: BTreeMap<String, Node> = BTreeMap::new();
     let mut input_names: BTreeMap<String, Node> = BTreeMap::new();
+    // A type's dims and size check the same wherever it occurs (they depend on the mesh
+    // alone), and deep programs repeat a few types thousands of times.
+    let mut clean_types: std::collections::HashSet<&TensorType> = Default::default();
     for &n in g.nodes() {
         let d = g.node(n);
         let mut push = |msg: String| {
@@ -246,13 +249,22 @@ fn collect_errors(g: &Graph) -> Vec<VerifyError> {
             push(m);
         }
         for v in &d.results {
-            for (i, dim) in g.ty(*v).shape.iter().enumerate() {
-                check_dim(dim, &mesh_sizes, g, &mut |m| {
-                    push(format!("dim {i} of {v}: {m}"))
-                });
-            }
-            if let Some(m) = check_value_size(g.ty(*v), &mesh_sizes) {
-                push(format!("{v}: {m}"));
+            let ty = g.ty(*v);
+            if !clean_types.contains(ty) {
+                let mut clean = true;
+                for (i, dim) in ty.shape.iter().enumerate() {
+                    check_dim(dim, &mesh_sizes, g, &mut |m| {
+                        clean = false;
+                        push(format!("dim {i} of {v}: {m}"))
+                    });
+                }
+                if let Some(m) = check_value_size(ty, &mesh_sizes) {
+                    clean = false;
+                    push(format!("{v}: {m}"));
+                }
+                if clean {
+                    clean_types.insert(ty);
+                }
             }
             if let Some(slot) = defined.get_mut(v.0 as usize) {
                 *slot = true;
