@@ -556,24 +556,6 @@ fn offload_without_recompute_is_priced_with_its_backlog() {
     }
 }
 
-/// `weft compile`'s arguments for `model`'s bf16 training step at `seq` tokens, batch 1,
-/// with torch.optim.AdamW's state (no master weights).
-fn bf16_adamw_step<'a>(model: &'a str, seq: &'a str) -> Vec<&'a str> {
-    vec![
-        "compile",
-        model,
-        "--seq",
-        seq,
-        "--batch",
-        "1",
-        "--dtype",
-        "bf16",
-        "--optimizer",
-        "adamw",
-        "--no-master-weights",
-    ]
-}
-
 /// The `tried` line of `model`'s bf16 training step at 4096 tokens (AdamW without master
 /// weights, the unfused loss, one micro-batch, the state on the device) under
 /// `checkpoint` and `extra`, with ZeRO left open so the driver prints it.

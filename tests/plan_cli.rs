@@ -608,18 +608,8 @@ fn update_stream_runs_each_update_beside_the_compute_after_it() {
 fn the_update_stream_keeps_the_inline_peak() {
     let plan = |name: &str, update_stream: &str| {
         let out = tempdir(name).join("plan.json");
-        let (code, _, stderr) = weft(&[
-            "compile",
-            "gpt-oss-20b",
-            "--seq",
-            "4096",
-            "--batch",
-            "1",
-            "--dtype",
-            "bf16",
-            "--optimizer",
-            "adamw",
-            "--no-master-weights",
+        let mut args = bf16_adamw_step("gpt-oss-20b", "4096");
+        args.extend([
             "--checkpoint",
             "selective",
             "--unfused-loss",
@@ -633,6 +623,7 @@ fn the_update_stream_keeps_the_inline_peak() {
             "-o",
             out.to_str().unwrap(),
         ]);
+        let (code, _, stderr) = weft(&args);
         assert_eq!(code, 0, "{stderr}");
         json(&std::fs::read_to_string(&out).unwrap())
     };

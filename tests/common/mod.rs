@@ -172,6 +172,24 @@ pub fn training_step(
     Ok((g, report))
 }
 
+/// `weft compile`'s arguments for `model`'s bf16 training step at `seq` tokens, batch 1,
+/// with torch.optim.AdamW's state (no master weights).
+pub fn bf16_adamw_step<'a>(model: &'a str, seq: &'a str) -> Vec<&'a str> {
+    vec![
+        "compile",
+        model,
+        "--seq",
+        seq,
+        "--batch",
+        "1",
+        "--dtype",
+        "bf16",
+        "--optimizer",
+        "adamw",
+        "--no-master-weights",
+    ]
+}
+
 mod fusion;
 mod reference;
 #[allow(unused_imports)] // not every test binary uses them
