@@ -154,6 +154,16 @@ fn shard_round_trip_is_byte_identical_and_reshards() {
     // Sharding the tp=3 layout into the tp=2 directory replaces its layout: the new
     // files, none of the old layout's others, and files no layout listed left alone.
     std::fs::write(s3.join("notes.txt"), "mine").unwrap();
+    // A layout that lists a file `weft shard` never writes does not remove it.
+    std::fs::write(s3.join("model.safetensors"), "mine").unwrap();
+    let layout = s3.join("layout.json");
+    let mut lf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&layout).unwrap()).unwrap();
+    lf["files"]
+        .as_array_mut()
+        .unwrap()
+        .push("model.safetensors".into());
+    std::fs::write(&layout, lf.to_string()).unwrap();
     run(&[
         "shard",
         "tests/fixtures/qwen3",
@@ -173,6 +183,7 @@ fn shard_round_trip_is_byte_identical_and_reshards() {
         names,
         [
             "layout.json",
+            "model.safetensors",
             "notes.txt",
             "rank-tp0.safetensors",
             "rank-tp1.safetensors"

@@ -291,10 +291,13 @@ fn retire_earlier_layout(dir: &Path) -> CliResult<Vec<String>> {
 
 /// Removes the shards of an earlier layout that the new one does not write (a tp=4
 /// directory sharded again for tp=2 would otherwise keep rank-tp2 and rank-tp3 beside
-/// the new files). Only plain `.safetensors` names the earlier layout listed.
+/// the new files). Only plain names of the form [`shard_name`] writes that the earlier
+/// layout listed: a layout naming any other file never removes it.
 fn remove_stale_shards(dir: &Path, earlier: &[String], current: &[String]) -> CliResult {
     for f in earlier {
-        let plain = Path::new(f).components().count() == 1 && f.ends_with(".safetensors");
+        let plain = Path::new(f).components().count() == 1
+            && f.starts_with("rank")
+            && f.ends_with(".safetensors");
         if !plain || current.contains(f) {
             continue;
         }

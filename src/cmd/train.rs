@@ -248,10 +248,7 @@ impl TrainArgs {
                 update_stream: match self.update_stream {
                     Some(true) => UpdateStream::On,
                     Some(false) => UpdateStream::Off,
-                    None if optimizer.is_some() && self.offload_optimizer != Some(true) => {
-                        UpdateStream::WhereItFits
-                    }
-                    None => UpdateStream::Off,
+                    None => UpdateStream::default(),
                 },
             },
             open: Open {

@@ -315,18 +315,20 @@ pub struct TrainOptions {
     pub update_stream: UpdateStream,
 }
 
-/// Where the device's optimizer updates run ([`TrainOptions::update_stream`]).
+/// Where the device's optimizer updates run ([`TrainOptions::update_stream`]). Inert
+/// without device updates (no optimizer, or the host's update).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum UpdateStream {
     /// On the compute stream, between the backward's kernels.
-    #[default]
     Off,
     /// On a stream of their own.
     On,
     /// On a stream of their own unless the plan then no longer fits the device memory:
     /// a compute stream that no longer waits for the updates can run ahead of them, and
     /// of reductions that outlast the backward, holding more gradients at once. The
-    /// driver then plans them on the compute stream.
+    /// driver then plans them on the compute stream. The default (measured faster on
+    /// an H100: bench/GPU_NOTES.md, session 27).
+    #[default]
     WhereItFits,
 }
 
@@ -354,7 +356,7 @@ impl Default for TrainOptions {
             warmup_steps: None,
             cp_kv: Default::default(),
             defer_updates: crate::train::update_timing::DeferUpdates::All,
-            update_stream: UpdateStream::Off,
+            update_stream: UpdateStream::default(),
         }
     }
 }
